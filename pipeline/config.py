@@ -1,0 +1,232 @@
+"""Typed views of a DiffusionGemma checkpoint's config.json and of the sampler settings.
+
+The runtime never touches transformers' config classes: it reads the same JSON into pydantic models so
+that a malformed field fails with the field's name, and so that `--help` stays fast (no torch import).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.errors import CheckpointError, SamplerError
+
+LayerType = Literal["sliding_attention", "full_attention"]
+
+
+class RopeParams(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    rope_type: Literal["default", "proportional"] = "default"
+    rope_theta: float = 10_000.0
+    partial_rotary_factor: float = 1.0
+
+
+class LayerShape(BaseModel):
+    """Head geometry of one layer: global layers have wider heads and fewer KV heads than sliding ones."""
+
+    layer_type: LayerType
+    head_dim: int
+    num_kv_heads: int
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.layer_type == "sliding_attention"
+
+    @property
+    def shares_kv(self) -> bool:
+        """Global layers have no v_proj: V is the k_proj output (normed without scale, no RoPE)."""
+        return not self.is_sliding
+
+
+class TextConfig(BaseModel):
+    """The text backbone. Field names follow transformers' `DiffusionGemmaTextConfig` so JSON maps 1:1."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    vocab_size: int = 262_144
+    hidden_size: int = 2816
+    intermediate_size: int = 2112
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 256
+    global_head_dim: int = 512
+    num_global_key_value_heads: int | None = 2
+    hidden_activation: Literal["gelu_pytorch_tanh"] = "gelu_pytorch_tanh"
+    max_position_embeddings: int = 131_072
+    rms_norm_eps: float = 1e-6
+    pad_token_id: int = 0
+    eos_token_id: int | list[int] = 1
+    bos_token_id: int = 2
+    tie_word_embeddings: bool = True
+    rope_parameters: dict[str, RopeParams] = Field(
+        default_factory=lambda: {
+            "sliding_attention": RopeParams(rope_type="default", rope_theta=10_000.0),
+            "full_attention": RopeParams(rope_type="proportional", rope_theta=1e6, partial_rotary_factor=0.25),
+        }
+    )
+    attention_bias: bool = False
+    sliding_window: int = 1024
+    layer_types: list[LayerType] | None = None
+    final_logit_softcapping: float = 30.0
+    use_bidirectional_attention: Literal["vision"] | None = None
+    num_experts: int = 128
+    top_k_experts: int = 8
+    moe_intermediate_size: int = 704
+    per_layer_config: dict[str, dict[str, int]] | None = None
+
+    @model_validator(mode="after")
+    def _fill_layer_types(self) -> TextConfig:
+        if self.layer_types is None:
+            self.layer_types = [
+                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}"
+            )
+        self.layer_types[-1] = "full_attention"  # transformers forces this too
+        if self.top_k_experts > self.num_experts:
+            raise ValueError(f"top_k_experts ({self.top_k_experts}) > num_experts ({self.num_experts})")
+        if self.hidden_size % 1 or self.num_attention_heads < 1:
+            raise ValueError("num_attention_heads must be >= 1")
+        return self
+
+    def layer_shape(self, idx: int) -> LayerShape:
+        assert self.layer_types is not None
+        kind = self.layer_types[idx]
+        if kind == "sliding_attention":
+            return LayerShape(layer_type=kind, head_dim=self.head_dim, num_kv_heads=self.num_key_value_heads)
+        override = (self.per_layer_config or {}).get(str(idx), {})
+        return LayerShape(
+            layer_type=kind,
+            head_dim=override.get("head_dim", self.global_head_dim),
+            num_kv_heads=override.get(
+                "num_key_value_heads", self.num_global_key_value_heads or self.num_key_value_heads
+            ),
+        )
+
+    @property
+    def end_token_ids(self) -> list[int]:
+        return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+
+
+class ModelConfig(BaseModel):
+    """Top-level `DiffusionGemmaConfig`; the vision config is kept as raw JSON and never instantiated."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model_type: str
+    text_config: TextConfig
+    vision_config: dict[str, Any] | None = None
+    canvas_length: int = 256
+    tie_word_embeddings: bool = True
+
+    @field_validator("model_type")
+    @classmethod
+    def _known_type(cls, v: str) -> str:
+        if v != "diffusion_gemma":
+            raise ValueError(f"model_type is {v!r}, expected 'diffusion_gemma'")
+        return v
+
+    @classmethod
+    def from_json_file(cls, path: Path) -> ModelConfig:
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError as e:
+            raise CheckpointError(f"{path}: missing", "a checkpoint directory needs config.json") from e
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from e
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ModelConfig:
+        raw = dict(raw)
+        text = dict(raw.get("text_config") or {})
+        # transformers serialises the global-layer geometry only inside per_layer_config
+        raw["text_config"] = text
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(p) for p in err["loc"])
+            raise CheckpointError(f"{source}: field '{field}': {err['msg']}") from e
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json transformers writes for this model (round-trips through DiffusionGemmaConfig)."""
+        text = self.text_config.model_dump(exclude={"global_head_dim", "num_global_key_value_heads"})
+        text["model_type"] = "diffusion_gemma_text"
+        text["rope_parameters"] = {
+            k: {kk: vv for kk, vv in v.model_dump().items() if not (kk == "partial_rotary_factor" and vv == 1.0)}
+            for k, v in self.text_config.rope_parameters.items()
+        }
+        text["per_layer_config"] = {
+            str(i): {"head_dim": s.head_dim, "num_key_value_heads": s.num_kv_heads}
+            for i in range(self.text_config.num_hidden_layers)
+            if not (s := self.text_config.layer_shape(i)).is_sliding
+        }
+        out: dict[str, Any] = {
+            "architectures": ["DiffusionGemmaForBlockDiffusion"],
+            "model_type": "diffusion_gemma",
+            "canvas_length": self.canvas_length,
+            "tie_word_embeddings": True,
+            "text_config": text,
+        }
+        if self.vision_config is not None:
+            out["vision_config"] = self.vision_config
+        return out
+
+
+class SamplerConfig(BaseModel):
+    """Entropy-bound sampler settings (REFERENCE §2). Defaults are the published generation defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_denoising_steps: int = Field(48, description="denoise passes per canvas at most")
+    entropy_bound: float = Field(0.1, description="EB-sampler budget: sum of accepted entropies minus the max")
+    t_min: float = Field(0.4, description="temperature at the last step")
+    t_max: float = Field(0.8, description="temperature at the first step")
+    stability_threshold: int = Field(1, description="steps the argmax canvas must stay unchanged to stop early")
+    confidence_threshold: float = Field(0.005, description="mean entropy below which a stable canvas stops; 0 = fixed steps")
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplerConfig:
+        if self.max_denoising_steps < 1:
+            raise SamplerError(f"max_denoising_steps must be >= 1 (got {self.max_denoising_steps})")
+        if not self.entropy_bound > 0:
+            raise SamplerError(f"entropy_bound must be > 0 (got {self.entropy_bound})")
+        if self.t_min <= 0 or self.t_max <= 0:
+            raise SamplerError(f"temperatures must be > 0 (got t_min={self.t_min}, t_max={self.t_max})")
+        if self.t_min > self.t_max:
+            raise SamplerError(f"t_min ({self.t_min}) must be <= t_max ({self.t_max})")
+        if self.stability_threshold < 0:
+            raise SamplerError(f"stability_threshold must be >= 0 (got {self.stability_threshold})")
+        if self.confidence_threshold < 0:
+            raise SamplerError(f"confidence_threshold must be >= 0 (got {self.confidence_threshold})")
+        return self
+
+    def temperature(self, step: int) -> float:
+        """Linear schedule from t_max at step 0 to t_min + (t_max-t_min)/N at the last step (as transformers)."""
+        n = self.max_denoising_steps
+        return self.t_min + (self.t_max - self.t_min) * (n - step) / n
+
+    @classmethod
+    def from_generation_config(cls, raw: dict[str, Any], **overrides: Any) -> SamplerConfig:
+        """Read generation_config.json; `sampler_config.entropy_bound` nests the bound there."""
+        vals: dict[str, Any] = {}
+        for key in ("max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold"):
+            if raw.get(key) is not None:
+                vals[key] = raw[key]
+        sc = raw.get("sampler_config") or {}
+        if isinstance(sc, dict) and sc.get("entropy_bound") is not None:
+            vals["entropy_bound"] = sc["entropy_bound"]
+        vals.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**vals)
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise SamplerError(f"sampler setting '{err['loc'][0]}': {err['msg']}") from e

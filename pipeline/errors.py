@@ -1,0 +1,27 @@
+"""One exception type for everything a user can fix, so the CLI prints one line instead of a traceback."""
+
+from __future__ import annotations
+
+
+class DgpipeError(Exception):
+    """A problem the user can fix: the message names what is wrong, `hint` says how to fix it."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        return f"{base} ({self.hint})" if self.hint else base
+
+
+class CheckpointError(DgpipeError):
+    """The checkpoint directory is missing, incomplete or inconsistent with its config."""
+
+
+class SamplerError(DgpipeError):
+    """A sampler setting is outside the range the algorithm is defined for."""
+
+
+class InputError(DgpipeError):
+    """A prompt, template or request field is unusable (too long, empty, wrong tokens)."""
