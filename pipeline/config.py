@@ -101,7 +101,8 @@ class TextConfig(BaseModel):
         kind = self.layer_types[idx]
         if kind == "sliding_attention":
             return LayerShape(layer_type=kind, head_dim=self.head_dim, num_kv_heads=self.num_key_value_heads)
-        override = (self.per_layer_config or {}).get(str(idx), {})
+        # transformers zero-pads the keys to the width of the largest index ("05" in a 30-layer model)
+        override = {int(k): v for k, v in (self.per_layer_config or {}).items()}.get(idx, {})
         return LayerShape(
             layer_type=kind,
             head_dim=override.get("head_dim", self.global_head_dim),
@@ -164,8 +165,9 @@ class ModelConfig(BaseModel):
             k: {kk: vv for kk, vv in v.model_dump().items() if not (kk == "partial_rotary_factor" and vv == 1.0)}
             for k, v in self.text_config.rope_parameters.items()
         }
+        width = len(str(self.text_config.num_hidden_layers - 1))
         text["per_layer_config"] = {
-            str(i): {"head_dim": s.head_dim, "num_key_value_heads": s.num_kv_heads}
+            f"{i:0{width}d}": {"head_dim": s.head_dim, "num_key_value_heads": s.num_kv_heads}
             for i in range(self.text_config.num_hidden_layers)
             if not (s := self.text_config.layer_shape(i)).is_sliding
         }

@@ -54,7 +54,7 @@ class CounterDraws:
 class StepOutput:
     canvas: torch.Tensor  # [B, L] next input canvas (kept samples + fresh noise + pinned template)
     argmax: torch.Tensor  # [B, L] argmax canvas: the draft, and what gets committed
-    probs: torch.Tensor  # [B, L, V] softmax(z): next step's self-conditioning input
+    probs: torch.Tensor  # [B, L, V] fp32 softmax(z): next step's self-conditioning input
     entropy: torch.Tensor  # [B, L] per-position entropy (0 at pinned positions)
     kept: torch.Tensor  # [B, L] bool
 
@@ -83,8 +83,7 @@ def sample_step(
     """One denoise step's sampling for B rows. `template` [B, L] holds pinned tokens, -1 where free."""
     z = logits / temperature[:, None, None]
     logp = torch.log_softmax(z, dim=-1)
-    probs = logp.exp()
-    entropy = -(probs * logp).sum(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
     cand = draws.categorical(keys, z)
     amax = torch.argmax(z, dim=-1)
     if template is not None:
@@ -96,4 +95,6 @@ def sample_step(
     if template is not None:
         canvas = torch.where(pinned, template, canvas)
         amax = torch.where(pinned, template, amax)
+    # self-conditioning reads fp32 probabilities whatever the model dtype (as transformers does)
+    probs = torch.softmax(z, dim=-1, dtype=torch.float32)
     return StepOutput(canvas=canvas, argmax=amax, probs=probs, entropy=entropy, kept=kept)
