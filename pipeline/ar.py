@@ -56,7 +56,9 @@ def ar_generate(
         positions = cache.lengths[:, None].clone()
         past, meta = cache.read(slots)
         one = torch.ones_like(positions, dtype=torch.bool)
-        h, kv = model.encode(nxt[:, None], positions, attention_masks(positions, one, meta, True, cache.window), past)
+        h, kv = model.encode(
+            nxt[:, None], positions, attention_masks(positions, one, meta, True, cache.window), past
+        )
         cache.write(slots, kv, positions, one)
         last = h[:, 0]
         passes += 1

@@ -24,7 +24,11 @@ from pipeline.model import DiffusionGemma
 
 DECODER = "model.decoder."
 ENCODER_SCALAR = re.compile(r"model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
-SKIPPED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "model.encoder.language_model.")
+SKIPPED_PREFIXES = (
+    "model.encoder.vision_tower.",
+    "model.encoder.embed_vision.",
+    "model.encoder.language_model.",
+)
 PER_EXPERT = re.compile(r"(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -55,7 +59,9 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     """Read config.json, generation_config.json and dgpipe.json; does not touch the weights."""
     p = Path(path)
     if not p.is_dir():
-        raise CheckpointError(f"{p}: no such checkpoint directory", "pass --model DIR with config.json and *.safetensors")
+        raise CheckpointError(
+            f"{p}: no such checkpoint directory", "pass --model DIR with config.json and *.safetensors"
+        )
     config = ModelConfig.from_json_file(p / "config.json")
     gen = _read_json(p / "generation_config.json") if (p / "generation_config.json").is_file() else {}
     extra = _read_json(p / "dgpipe.json") if (p / "dgpipe.json").is_file() else {}
@@ -91,7 +97,9 @@ def weight_files(ckpt: Path) -> dict[str, Path]:
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{single}: not a readable safetensors file ({e})") from e
     if list(ckpt.glob("*.bin")) or list(ckpt.glob("*.pt")):
-        raise CheckpointError(f"{ckpt}: only pickle weights found", "dgpipe loads safetensors only; convert the checkpoint")
+        raise CheckpointError(
+            f"{ckpt}: only pickle weights found", "dgpipe loads safetensors only; convert the checkpoint"
+        )
     raise CheckpointError(f"{ckpt}: no model.safetensors or model.safetensors.index.json")
 
 
@@ -134,7 +142,9 @@ def load_model(
                 per_expert.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
                 continue
             if target not in expected:
-                raise CheckpointError(f"{f}: unexpected tensor '{name}'", "is this a DiffusionGemma checkpoint?")
+                raise CheckpointError(
+                    f"{f}: unexpected tensor '{name}'", "is this a DiffusionGemma checkpoint?"
+                )
             state[target] = t
     except SafetensorError as e:
         raise CheckpointError(f"{ckpt.path}: corrupt safetensors ({e})") from e

@@ -65,7 +65,9 @@ class TextConfig(BaseModel):
     rope_parameters: dict[str, RopeParams] = Field(
         default_factory=lambda: {
             "sliding_attention": RopeParams(rope_type="default", rope_theta=10_000.0),
-            "full_attention": RopeParams(rope_type="proportional", rope_theta=1e6, partial_rotary_factor=0.25),
+            "full_attention": RopeParams(
+                rope_type="proportional", rope_theta=1e6, partial_rotary_factor=0.25
+            ),
         }
     )
     attention_bias: bool = False
@@ -162,7 +164,11 @@ class ModelConfig(BaseModel):
         text = self.text_config.model_dump(exclude={"global_head_dim", "num_global_key_value_heads"})
         text["model_type"] = "diffusion_gemma_text"
         text["rope_parameters"] = {
-            k: {kk: vv for kk, vv in v.model_dump().items() if not (kk == "partial_rotary_factor" and vv == 1.0)}
+            k: {
+                kk: vv
+                for kk, vv in v.model_dump().items()
+                if not (kk == "partial_rotary_factor" and vv == 1.0)
+            }
             for k, v in self.text_config.rope_parameters.items()
         }
         width = len(str(self.text_config.num_hidden_layers - 1))
@@ -189,11 +195,17 @@ class SamplerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_denoising_steps: int = Field(48, description="denoise passes per canvas at most")
-    entropy_bound: float = Field(0.1, description="EB-sampler budget: sum of accepted entropies minus the max")
+    entropy_bound: float = Field(
+        0.1, description="EB-sampler budget: sum of accepted entropies minus the max"
+    )
     t_min: float = Field(0.4, description="temperature at the last step")
     t_max: float = Field(0.8, description="temperature at the first step")
-    stability_threshold: int = Field(1, description="steps the argmax canvas must stay unchanged to stop early")
-    confidence_threshold: float = Field(0.005, description="mean entropy below which a stable canvas stops; 0 = fixed steps")
+    stability_threshold: int = Field(
+        1, description="steps the argmax canvas must stay unchanged to stop early"
+    )
+    confidence_threshold: float = Field(
+        0.005, description="mean entropy below which a stable canvas stops; 0 = fixed steps"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SamplerConfig:

@@ -37,7 +37,7 @@ def p90(values: list[float]) -> float:
     if not values:
         return 0.0
     s = sorted(values)
-    return float(s[min(len(s) - 1, int(round(0.9 * (len(s) - 1))))])
+    return float(s[min(len(s) - 1, round(0.9 * (len(s) - 1)))])
 
 
 @torch.no_grad()
@@ -67,7 +67,9 @@ def eval_sudoku(
             outs, passes = ar_generate(model, prompts, stok.TARGET_LEN, templates)
             steps.extend([float(passes)] * len(chunk))
         else:
-            rt = BlockDiffusionRuntime(model, max_batch=len(chunk), max_len=stok.PROMPT_LEN + 2 * model.config.canvas_length)
+            rt = BlockDiffusionRuntime(
+                model, max_batch=len(chunk), max_len=stok.PROMPT_LEN + 2 * model.config.canvas_length
+            )
             reqs = [
                 Request(
                     prompt_ids=pr,
@@ -82,7 +84,7 @@ def eval_sudoku(
             results = rt.generate(reqs)
             outs = [r.tokens for r in results]
             steps.extend(float(r.steps_per_canvas[0]) for r in results)
-        for (puzzle, solution), out in zip(chunk, outs):
+        for (_puzzle, solution), out in zip(chunk, outs):
             tokens += len(out)
             cand = stok.decode_solution(out)
             solved += cand == solution

@@ -25,7 +25,12 @@ class KeyMeta:
 
 class KVCache:
     def __init__(
-        self, cfg: TextConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+        self,
+        cfg: TextConfig,
+        slots: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.window = cfg.sliding_window
         self.ring = max(cfg.sliding_window - 1, 1)
@@ -36,7 +41,9 @@ class KVCache:
         for i, kind in enumerate(self.layer_types):
             shape = cfg.layer_shape(i)
             length = self.ring if kind == "sliding_attention" else max_len
-            self.k.append(torch.zeros(slots, shape.num_kv_heads, length, shape.head_dim, dtype=dtype, device=device))
+            self.k.append(
+                torch.zeros(slots, shape.num_kv_heads, length, shape.head_dim, dtype=dtype, device=device)
+            )
             self.v.append(torch.zeros_like(self.k[-1]))
         self.ring_pos = torch.full((slots, self.ring), -1, dtype=torch.long, device=device)
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)

@@ -91,7 +91,11 @@ class Attention(nn.Module):
         d = cfg.hidden_size
         self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias) if self.is_sliding else None
+        self.v_proj = (
+            nn.Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
+            if self.is_sliding
+            else None
+        )
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -105,7 +109,11 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim))
         q = (q * cos + rotate_half(q) * sin).transpose(1, 2)
         k_raw = self.k_proj(x).view(b, q_len, self.num_kv_heads, self.head_dim)
-        v_raw = self.v_proj(x).view(b, q_len, self.num_kv_heads, self.head_dim) if self.v_proj is not None else k_raw
+        v_raw = (
+            self.v_proj(x).view(b, q_len, self.num_kv_heads, self.head_dim)
+            if self.v_proj is not None
+            else k_raw
+        )
         k = self.k_norm(k_raw)
         k = (k * cos + rotate_half(k) * sin).transpose(1, 2)
         v = self.v_norm(v_raw).transpose(1, 2)
@@ -251,7 +259,9 @@ class DiffusionGemma(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(tokens) * self.embed_scale
 
-    def rope(self, kind: str, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(
+        self, kind: str, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * getattr(self, f"inv_freq_{kind}")
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -277,7 +287,8 @@ class DiffusionGemma(nn.Module):
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """All layers plus the final norm; returns the hidden states and each layer's new (K, V)."""
         inputs = {
-            kind: LayerInputs(*self.rope(kind, positions, h.dtype), mask=masks[kind]) for kind in set(self.layer_types)
+            kind: LayerInputs(*self.rope(kind, positions, h.dtype), mask=masks[kind])
+            for kind in set(self.layer_types)
         }
         new_kv = []
         for i, layer in enumerate(self.layers):
@@ -325,4 +336,3 @@ class DiffusionGemma(nn.Module):
 def canvas_positions(start: torch.Tensor, length: int) -> torch.Tensor:
     """[B, L] absolute positions of a block starting at each row's committed length."""
     return start[:, None] + torch.arange(length, device=start.device)[None, :]
-

@@ -35,7 +35,9 @@ def combine(h: torch.Tensor, word: torch.Tensor | int) -> torch.Tensor:
     return fmix32(h ^ ((word + GOLDEN + ((h << 6) & MASK32) + (h >> 2)) & MASK32))
 
 
-def key_hash(seed: torch.Tensor, request: torch.Tensor, canvas: torch.Tensor, step: torch.Tensor, stream: int) -> torch.Tensor:
+def key_hash(
+    seed: torch.Tensor, request: torch.Tensor, canvas: torch.Tensor, step: torch.Tensor, stream: int
+) -> torch.Tensor:
     """Per-row key [B] (int64 holding uint32) for one (canvas, step, stream)."""
     h = fmix32(seed.to(torch.int64) & MASK32)
     for w in (request, canvas, step):

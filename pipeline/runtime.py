@@ -23,7 +23,15 @@ from pipeline.config import SamplerConfig
 from pipeline.errors import InputError
 from pipeline.kv_cache import KVCache, attention_masks
 from pipeline.model import DiffusionGemma, canvas_positions
-from pipeline.sampler import CounterDraws, DrawSource, RowKeys, sample_step, temperatures
+from pipeline.sampler import (
+    CounterDraws,
+    DrawSource,
+    RowKeys,
+    sample_step,
+    should_stop,
+    temperatures,
+    update_stability,
+)
 
 
 @dataclass
@@ -33,7 +41,9 @@ class Request:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     seed: int = 0
     request_id: int = 0
-    template: list[int] | None = None  # infill: token per canvas position, -1 = free (applies to every canvas)
+    template: list[int] | None = (
+        None  # infill: token per canvas position, -1 = free (applies to every canvas)
+    )
     on_canvas: Callable[[Request, list[int]], None] | None = None
     on_draft: Callable[[Request, list[int], int], None] | None = None
 
@@ -110,7 +120,9 @@ class BlockDiffusionRuntime:
             raise InputError(f"prompt holds token ids outside the vocabulary [0, {self.vocab})")
         if req.template is not None:
             if len(req.template) > self.canvas_length:
-                raise InputError(f"infill template has {len(req.template)} positions > canvas {self.canvas_length}")
+                raise InputError(
+                    f"infill template has {len(req.template)} positions > canvas {self.canvas_length}"
+                )
             if any(t >= self.vocab or t < -1 for t in req.template):
                 raise InputError("infill template holds token ids outside the vocabulary")
 
@@ -173,7 +185,11 @@ class BlockDiffusionRuntime:
         s = req.sampler
         self.seed[slot], self.req_id[slot] = req.seed, req.request_id
         self.n_steps[slot], self.t_min[slot], self.t_max[slot] = s.max_denoising_steps, s.t_min, s.t_max
-        self.bound[slot], self.conf[slot], self.stab_k[slot] = s.entropy_bound, s.confidence_threshold, s.stability_threshold
+        self.bound[slot], self.conf[slot], self.stab_k[slot] = (
+            s.entropy_bound,
+            s.confidence_threshold,
+            s.stability_threshold,
+        )
         self.template[slot] = -1
         if req.template is not None:
             self.template[slot, : len(req.template)] = torch.tensor(req.template, device=self.device)
@@ -221,7 +237,9 @@ class BlockDiffusionRuntime:
         length = self.canvas_length
         past, meta = self.cache.read(slots)
         positions = canvas_positions(self.cache.lengths[slots], length)
-        masks = attention_masks(positions, torch.ones_like(positions, dtype=torch.bool), meta, False, self.cache.window)
+        masks = attention_masks(
+            positions, torch.ones_like(positions, dtype=torch.bool), meta, False, self.cache.window
+        )
         sc = None
         if bool(self.has_sc[slots].any()):
             assert self.sc is not None
@@ -230,15 +248,20 @@ class BlockDiffusionRuntime:
         self.passes["denoise"] += 1
         temp = temperatures(self.step_idx[slots], self.n_steps[slots], self.t_min[slots], self.t_max[slots])
         tpl = self.template[slots]
-        out = sample_step(logits, temp, self.bound[slots], self._keys(slots), self.draws, tpl if bool((tpl >= 0).any()) else None)
+        out = sample_step(
+            logits,
+            temp,
+            self.bound[slots],
+            self._keys(slots),
+            self.draws,
+            tpl if bool((tpl >= 0).any()) else None,
+        )
         if self.sc is None:
             self.sc = torch.zeros(self.max_batch, length, self.vocab, dtype=self.dtype, device=self.device)
         self.sc[slots] = out.probs.to(self.dtype)
         self.has_sc[slots] = True
-        same = (out.argmax == self.amax[slots]).all(dim=-1)
-        self.stable[slots] = torch.where(same, self.stable[slots] + 1, torch.zeros_like(self.stable[slots]))
-        confident = out.entropy.mean(dim=-1) < self.conf[slots]
-        stop = (self.stable[slots] >= self.stab_k[slots]) & confident
+        self.stable[slots] = update_stability(self.stable[slots], self.amax[slots], out.argmax)
+        stop = should_stop(self.stable[slots], self.stab_k[slots], out.entropy, self.conf[slots])
         self.x[slots], self.amax[slots] = out.canvas, out.argmax
         self.step_idx[slots] += 1
         finished = stop | (self.step_idx[slots] >= self.n_steps[slots])

@@ -59,7 +59,9 @@ class StepOutput:
     kept: torch.Tensor  # [B, L] bool
 
 
-def temperatures(step: torch.Tensor, n_steps: torch.Tensor, t_min: torch.Tensor, t_max: torch.Tensor) -> torch.Tensor:
+def temperatures(
+    step: torch.Tensor, n_steps: torch.Tensor, t_min: torch.Tensor, t_max: torch.Tensor
+) -> torch.Tensor:
     """Linear schedule per row: t_max at step 0 down to t_min + (t_max - t_min)/N at step N-1."""
     return t_min + (t_max - t_min) * (n_steps - step).to(t_min.dtype) / n_steps.to(t_min.dtype)
 
@@ -98,3 +100,20 @@ def sample_step(
     # self-conditioning reads fp32 probabilities whatever the model dtype (as transformers does)
     probs = torch.softmax(z, dim=-1, dtype=torch.float32)
     return StepOutput(canvas=canvas, argmax=amax, probs=probs, entropy=entropy, kept=kept)
+
+
+def update_stability(count: torch.Tensor, prev_argmax: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """Consecutive steps whose argmax canvas equalled the previous one (reset on any change)."""
+    same = (argmax == prev_argmax).all(dim=-1)
+    return torch.where(same, count + 1, torch.zeros_like(count))
+
+
+def should_stop(
+    stable_count: torch.Tensor,
+    stability_threshold: torch.Tensor,
+    entropy: torch.Tensor,
+    confidence_threshold: torch.Tensor,
+) -> torch.Tensor:
+    """Stable-and-confident adaptive stop: the argmax canvas held for `stability_threshold` steps and the
+    mean entropy is below `confidence_threshold` (0 never triggers: fixed steps)."""
+    return (stable_count >= stability_threshold) & (entropy.mean(dim=-1) < confidence_threshold)

@@ -97,8 +97,10 @@ class PuzzlePool:
             return
         self.lo = lo
         hi = max(self.cfg.max_givens, lo)
-        pairs = [sudoku.generate_puzzle(self.rng, self.rng.randint(lo, hi)) for _ in range(self.cfg.pool_size)]
-        to_int = lambda s: [0 if c == "." else int(c) for c in s]  # noqa: E731
+        pairs = [
+            sudoku.generate_puzzle(self.rng, self.rng.randint(lo, hi)) for _ in range(self.cfg.pool_size)
+        ]
+        to_int = lambda s: [0 if c == "." else int(c) for c in s]
         self.puzzles = np.array([to_int(p) for p, _ in pairs], dtype=np.int8)
         self.solutions = np.array([to_int(s) for _, s in pairs], dtype=np.int8)
 
@@ -128,7 +130,10 @@ def diffusion_loss(
         ppos = pos[:1, :p_len].expand(b - n_ar, -1)
         pones = torch.ones_like(ppos, dtype=torch.bool)
         _, kv_rest = model.encode(prompt[n_ar:], ppos, attention_masks(ppos, pones, None, True, window))
-        kv = [(torch.cat([ka[:, :, :p_len], kr]), torch.cat([va[:, :, :p_len], vr])) for (ka, va), (kr, vr) in zip(kv_ar, kv_rest)]
+        kv = [
+            (torch.cat([ka[:, :, :p_len], kr]), torch.cat([va[:, :, :p_len], vr]))
+            for (ka, va), (kr, vr) in zip(kv_ar, kv_rest)
+        ]
     pos = torch.arange(p_len + target.shape[1])[None, :].expand(b, -1)
     ones = torch.ones_like(pos, dtype=torch.bool)
 
@@ -163,7 +168,7 @@ def lr_at(step: int, frac: float, cfg: TrainConfig) -> float:
 def curriculum_lo(frac: float, cfg: TrainConfig) -> int:
     """Lowest givens in play: from curriculum_start down to givens[0] in integer stages."""
     x = min(frac / cfg.curriculum_fraction, 1.0) if cfg.curriculum_fraction > 0 else 1.0
-    return int(round(cfg.curriculum_start + (cfg.givens[0] - cfg.curriculum_start) * x))
+    return round(cfg.curriculum_start + (cfg.givens[0] - cfg.curriculum_start) * x)
 
 
 def train(
@@ -232,8 +237,16 @@ def train(
         for k, v in (("diff_loss", diff.item()), ("ar_loss", ar.item())):
             ema[k] = v if k not in ema else 0.98 * ema[k] + 0.02 * v
         if step % 100 == 0:
-            log({"step": step, "minutes": round(elapsed / 60, 2), "ex_per_s": round(examples / elapsed, 1),
-                 "lr": round(lr_at(step, frac, cfg), 6), "curriculum_lo": pool.lo, **{k: round(v, 4) for k, v in ema.items()}})
+            log(
+                {
+                    "step": step,
+                    "minutes": round(elapsed / 60, 2),
+                    "ex_per_s": round(examples / elapsed, 1),
+                    "lr": round(lr_at(step, frac, cfg), 6),
+                    "curriculum_lo": pool.lo,
+                    **{k: round(v, 4) for k, v in ema.items()},
+                }
+            )
 
 
 def save_trained(model: DiffusionGemma, out: Path, cfg: TrainConfig, metrics: dict) -> None:

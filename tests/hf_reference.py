@@ -89,7 +89,7 @@ class _SharedDrawTorch(types.ModuleType):
         return getattr(torch, name)
 
     def _keys(self) -> RowKeys:
-        t = lambda v: torch.tensor([v])  # noqa: E731
+        t = lambda v: torch.tensor([v])
         return RowKeys(t(self.seed), t(self.request), t(self.canvas), t(self.step))
 
     def randint(self, low, high, size, device=None, **kw):

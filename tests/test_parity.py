@@ -10,15 +10,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="the parity oracle is transformers' DiffusionGemma (pip install transformers>=5.23)")
+pytest.importorskip(
+    "transformers",
+    reason="the parity oracle is transformers' DiffusionGemma (pip install transformers>=5.23)",
+)
 
-from hf_reference import count_passes, make_hf_checkpoint, shared_draws  # noqa: E402
+from hf_reference import count_passes, make_hf_checkpoint, shared_draws
 
-from pipeline.checkpoint import load_model  # noqa: E402
-from pipeline.config import SamplerConfig  # noqa: E402
-from pipeline.kv_cache import KVCache, attention_masks  # noqa: E402
-from pipeline.model import canvas_positions  # noqa: E402
-from pipeline.runtime import BlockDiffusionRuntime, Request  # noqa: E402
+from pipeline.checkpoint import load_model
+from pipeline.config import SamplerConfig
+from pipeline.kv_cache import KVCache, attention_masks
+from pipeline.model import canvas_positions
+from pipeline.runtime import BlockDiffusionRuntime, Request
 
 CONFIGS = {
     # sliding window (8) far shorter than the context; one global layer; top-2 of 4 experts
@@ -26,7 +29,13 @@ CONFIGS = {
     # several global layers, wider global heads, top-1 of 8 experts, more KV heads
     "multi-global": {
         "num_hidden_layers": 5,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention", "full_attention"],
+        "layer_types": [
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "full_attention",
+            "full_attention",
+        ],
         "num_experts": 8,
         "top_k_experts": 1,
         "num_key_value_heads": 4,
@@ -86,7 +95,9 @@ def test_pass_logits_match(pair):
     # transformers' encoder output is normed hidden states; the LM head + softcap are the same as decoding
     with torch.no_grad():
         ours = causal(prompt)
-        theirs = _softcapped(ref, ref.model.encoder(input_ids=prompt, past_key_values=hf_cache).last_hidden_state)
+        theirs = _softcapped(
+            ref, ref.model.encoder(input_ids=prompt, past_key_values=hf_cache).last_hidden_state
+        )
         assert rel(ours, theirs) < 1e-4, "prefill"
 
         ours = denoise(None)
@@ -94,11 +105,15 @@ def test_pass_logits_match(pair):
         assert rel(ours, theirs) < 1e-4, "denoise, first step"
 
         ours = denoise(torch.softmax(sc_logits, -1))
-        theirs = ref(decoder_input_ids=canvas, past_key_values=hf_cache, self_conditioning_logits=sc_logits).logits
+        theirs = ref(
+            decoder_input_ids=canvas, past_key_values=hf_cache, self_conditioning_logits=sc_logits
+        ).logits
         assert rel(ours, theirs) < 1e-4, "denoise, self-conditioned"
 
         ours = causal(block)
-        theirs = _softcapped(ref, ref.model.encoder(input_ids=block, past_key_values=hf_cache).last_hidden_state)
+        theirs = _softcapped(
+            ref, ref.model.encoder(input_ids=block, past_key_values=hf_cache).last_hidden_state
+        )
         assert rel(ours, theirs) < 1e-4, "commit"
 
         ours = denoise(None)  # the cache after commit (ring buffer wrapped) must still agree
@@ -118,8 +133,14 @@ def _softcapped(ref, hidden: torch.Tensor) -> torch.Tensor:
         # fixed steps: a confidence threshold no canvas reaches
         {"max_denoising_steps": 6, "entropy_bound": 0.5, "confidence_threshold": 1e-30},
         # adaptive stop: the cooling schedule makes canvases confident after a varying number of steps
-        {"max_denoising_steps": 12, "entropy_bound": 1.0, "t_min": 0.2, "t_max": 1.0,
-         "stability_threshold": 0, "confidence_threshold": 1.0},
+        {
+            "max_denoising_steps": 12,
+            "entropy_bound": 1.0,
+            "t_min": 0.2,
+            "t_max": 1.0,
+            "stability_threshold": 0,
+            "confidence_threshold": 1.0,
+        },
     ],
 )
 def test_generate_matches_reference(pair, settings):
@@ -131,7 +152,9 @@ def test_generate_matches_reference(pair, settings):
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
     path = pair[2]
-    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float64, experts_implementation="eager").eval()
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(
+        path, dtype=torch.float64, experts_implementation="eager"
+    ).eval()
     model, _ = load_model(path, dtype=torch.float64)
     cfg = model.cfg
     sampler = SamplerConfig(**settings)
@@ -143,7 +166,10 @@ def test_generate_matches_reference(pair, settings):
 
     runtime = BlockDiffusionRuntime(model, max_batch=3, max_len=256)
     ours = runtime.generate(
-        [Request(prompt_ids=p, max_tokens=max_tokens, sampler=sampler, seed=seed, request_id=i) for i, p in enumerate(prompts)]
+        [
+            Request(prompt_ids=p, max_tokens=max_tokens, sampler=sampler, seed=seed, request_id=i)
+            for i, p in enumerate(prompts)
+        ]
     )
     canvases = 0
     for i, prompt in enumerate(prompts):

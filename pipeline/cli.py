@@ -1,0 +1,267 @@
+"""The `dgpipe` command. Heavy imports (torch, transformers, modelopt, tritonclient) live inside the
+commands that need them, so `dgpipe --help` stays instant."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline import __version__
+from pipeline.errors import DgpipeError
+
+app = typer.Typer(
+    help="DiffusionGemma deployment pipeline: load -> quantize -> export -> engines -> Triton -> Kubernetes.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+eval_app = typer.Typer(help="Accuracy evaluations.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks (results as JSON, a table and PNG plots).", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
+app.add_typer(bench_app, name="bench")
+
+ModelOpt = Annotated[
+    Path | None,
+    typer.Option("--model", "-m", help="checkpoint dir (HF layout); default: the embedded Sudoku model"),
+]
+DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")]
+DtypeOpt = Annotated[str, typer.Option(help="float32, bfloat16, float16 or auto (bf16 on GPU, fp32 on CPU)")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+
+
+def _version_cb(value: bool) -> None:
+    if value:
+        typer.echo(f"dgpipe {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version_cb, is_eager=True, help="print the version")
+    ] = False,
+) -> None:
+    pass
+
+
+def _print_json(obj: object) -> None:
+    typer.echo(json.dumps(obj, indent=2, default=str))
+
+
+# ---- doctor ---------------------------------------------------------------------------------------
+@app.command()
+def doctor(as_json: JsonOpt = False) -> None:
+    """Check what this machine has for each stage, with install hints for what is missing."""
+    from pipeline.doctor import as_json as to_json
+    from pipeline.doctor import run_checks
+
+    checks = run_checks()
+    if as_json:
+        _print_json(to_json(checks))
+        return
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        status = typer.style("ok     ", fg="green") if c.ok else typer.style("missing", fg="red")
+        line = f"{status} {c.name:<{width}}  {c.detail}"
+        if not c.ok:
+            line += f"  ({c.needed_for}: {c.hint})"
+        typer.echo(line)
+
+
+# ---- generate -------------------------------------------------------------------------------------
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="prompt text (a puzzle for the embedded Sudoku model)")],
+    model: ModelOpt = None,
+    max_tokens: Annotated[int, typer.Option(help="stop after this many new tokens (no overshoot)")] = 256,
+    steps: Annotated[int | None, typer.Option("--steps", help="max denoising steps per canvas")] = None,
+    entropy_bound: Annotated[
+        float | None, typer.Option(help="EB-sampler entropy budget per step (> 0)")
+    ] = None,
+    t_min: Annotated[float | None, typer.Option(help="temperature at the last step")] = None,
+    t_max: Annotated[float | None, typer.Option(help="temperature at the first step")] = None,
+    confidence_threshold: Annotated[
+        float | None, typer.Option(help="adaptive stop below this mean entropy; 0 = fixed steps")
+    ] = None,
+    stability_threshold: Annotated[
+        int | None, typer.Option(help="steps the argmax canvas must stay unchanged to stop")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="request seed (counter-based RNG)")] = 0,
+    canvas_length: Annotated[int | None, typer.Option(help="override the checkpoint's canvas length")] = None,
+    infill: Annotated[
+        str | None, typer.Option(help="canvas template: '_' marks a free position, other text is pinned")
+    ] = None,
+    no_infill: Annotated[bool, typer.Option("--no-infill", help="do not pin a Sudoku's givens")] = False,
+    stream: Annotated[
+        bool, typer.Option("--stream", help="print each committed canvas as it completes")
+    ] = False,
+    drafts: Annotated[bool, typer.Option("--drafts", help="show the canvas refining step by step")] = False,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    as_json: JsonOpt = False,
+) -> None:
+    """Generate with block diffusion, in-process."""
+    overrides = {
+        "max_denoising_steps": steps,
+        "entropy_bound": entropy_bound,
+        "t_min": t_min,
+        "t_max": t_max,
+        "confidence_threshold": confidence_threshold,
+        "stability_threshold": stability_threshold,
+    }
+    if max_tokens < 1:
+        raise DgpipeError(f"--max-tokens must be >= 1 (got {max_tokens})")
+    from pipeline.generation import run_generate
+
+    run_generate(
+        prompt,
+        model=model,
+        max_tokens=max_tokens,
+        overrides=overrides,
+        seed=seed,
+        canvas_length=canvas_length,
+        infill=infill,
+        use_default_infill=not no_infill,
+        stream=stream,
+        drafts=drafts,
+        dtype=dtype,
+        device=device,
+        as_json=as_json,
+    )
+
+
+# ---- eval -----------------------------------------------------------------------------------------
+def parse_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split("-"))
+    except ValueError as e:
+        raise DgpipeError(f"--givens {text!r}: expected LO-HI, e.g. 45-61") from e
+    if not 17 <= lo <= hi <= 81:
+        raise DgpipeError(f"--givens {text}: need 17 <= LO <= HI <= 81")
+    return lo, hi
+
+
+@eval_app.command("sudoku")
+def eval_sudoku_cmd(
+    model: ModelOpt = None,
+    n: Annotated[int, typer.Option(help="held-out puzzles")] = 200,
+    givens: Annotated[str, typer.Option(help="givens range LO-HI")] = "",
+    decode: Annotated[
+        str, typer.Option(help="diffusion or ar (left-to-right with the KV cache)")
+    ] = "diffusion",
+    no_infill: Annotated[
+        bool, typer.Option("--no-infill", help="do not pin the givens in the canvas")
+    ] = False,
+    steps: Annotated[int | None, typer.Option(help="max denoising steps")] = None,
+    entropy_bound: Annotated[float | None, typer.Option(help="EB-sampler bound")] = None,
+    confidence_threshold: Annotated[float | None, typer.Option(help="0 = fixed steps")] = None,
+    seed: Annotated[int, typer.Option(help="puzzle-set seed")] = 20_000,
+    batch: Annotated[int, typer.Option(help="puzzles per batch")] = 50,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    as_json: JsonOpt = False,
+) -> None:
+    """Solve rate, constraint-valid rate, steps per canvas and tokens/s on held-out puzzles."""
+    from pipeline.generation import run_eval_sudoku
+
+    if decode not in ("diffusion", "ar"):
+        raise DgpipeError(f"--decode {decode!r}: choose diffusion or ar")
+    if n < 1:
+        raise DgpipeError(f"--n must be >= 1 (got {n})")
+    run_eval_sudoku(
+        model=model,
+        n=n,
+        givens=parse_range(givens) if givens else None,
+        decode=decode,
+        infill=not no_infill,
+        overrides={
+            "max_denoising_steps": steps,
+            "entropy_bound": entropy_bound,
+            "confidence_threshold": confidence_threshold,
+        },
+        seed=seed,
+        batch=batch,
+        dtype=dtype,
+        device=device,
+        as_json=as_json,
+    )
+
+
+# ---- train ----------------------------------------------------------------------------------------
+@app.command()
+def train(
+    out: Annotated[Path, typer.Option(help="output checkpoint dir (HF layout)")] = Path("runs/sudoku-tiny"),
+    minutes: Annotated[float, typer.Option(help="wall-clock training budget")] = 118.0,
+    config: Annotated[str, typer.Option(help="configs/models/<name>.yaml")] = "sudoku-tiny",
+    givens: Annotated[str, typer.Option(help="final givens range LO-HI of the curriculum")] = "45-61",
+    batch_size: Annotated[int, typer.Option(help="examples per step")] = 64,
+    lr: Annotated[float, typer.Option(help="peak learning rate")] = 2e-3,
+    seed: Annotated[int, typer.Option(help="init, data and noise seed")] = 0,
+    resume: Annotated[Path | None, typer.Option(help="continue from this checkpoint's weights")] = None,
+    eval_every: Annotated[float, typer.Option(help="minutes between held-out evaluations")] = 15.0,
+) -> None:
+    """Train the embedded Sudoku DiffusionGemma (diffusion + causal-LM objectives, curriculum, symmetries)."""
+    from pipeline.train import TrainConfig
+    from pipeline.train import train as run_train
+
+    lo, hi = parse_range(givens)
+    cfg = TrainConfig(
+        model=config,
+        minutes=minutes,
+        givens=(lo, hi),
+        eval_givens=(lo, hi),
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        eval_every_minutes=eval_every,
+    )
+    run_train(cfg, out, resume=resume, log=lambda row: typer.echo(json.dumps(row)))
+
+
+# ---- bench ----------------------------------------------------------------------------------------
+@bench_app.command("local")
+def bench_local(
+    model: ModelOpt = None,
+    runs: Annotated[int, typer.Option(help="repetitions (medians are reported)")] = 5,
+    batch: Annotated[int, typer.Option(help="prompts per run")] = 1,
+    reference: Annotated[
+        bool, typer.Option(help="also time transformers' generate on the same checkpoint")
+    ] = True,
+    out: Annotated[Path, typer.Option(help="directory for JSON and PNG results")] = Path("runs/bench-local"),
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    as_json: JsonOpt = False,
+) -> None:
+    """In-process speed: ms per denoise pass, passes per canvas, tokens/s; diffusion vs AR vs transformers."""
+    from pipeline.bench import run_bench_local
+
+    run_bench_local(
+        model=model,
+        runs=runs,
+        batch=batch,
+        reference=reference,
+        out=out,
+        dtype=dtype,
+        device=device,
+        as_json=as_json,
+    )
+
+
+def main() -> None:
+    """Console entry point: user errors become one line on stderr and exit code 2, never a traceback."""
+    try:
+        app()
+    except DgpipeError as e:
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

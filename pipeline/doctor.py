@@ -1,0 +1,165 @@
+"""`dgpipe doctor`: what this machine has for each stage, and how to get what it lacks."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    hint: str = ""
+    needed_for: str = ""
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (out.stdout + out.stderr).strip() if out.returncode == 0 else None
+
+
+def check_python() -> Check:
+    ok = sys.version_info >= (3, 10)
+    return Check(
+        "python", ok, platform.python_version(), "" if ok else "install Python >= 3.10", "everything"
+    )
+
+
+def check_torch() -> list[Check]:
+    v = _version("torch")
+    if v is None:
+        return [
+            Check(
+                "torch", False, "not installed", "pip install torch==2.13.0 (CPU) or a CUDA build", "runtime"
+            )
+        ]
+    import torch
+
+    checks = [Check("torch", True, f"{v} (CUDA build {torch.version.cuda or 'none'})", needed_for="runtime")]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            checks.append(
+                Check(
+                    f"cuda:{i}",
+                    True,
+                    f"{p.name}, sm{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB",
+                    needed_for="GPU runtime, engines",
+                )
+            )
+    else:
+        checks.append(
+            Check(
+                "cuda devices",
+                False,
+                "none visible",
+                "GPU runtime and local engine builds need an NVIDIA GPU + driver",
+                "GPU runtime, engines",
+            )
+        )
+    return checks
+
+
+def check_nvcc() -> Check:
+    path = shutil.which("nvcc")
+    out = _run([path, "--version"]) if path else None
+    if not out:
+        return Check(
+            "nvcc",
+            False,
+            "not found",
+            "install the CUDA toolkit (>= 12.8 for sm_100a/sm_120a)",
+            "CUDA kernels",
+        )
+    release = next(
+        (ln.split("release")[-1].strip() for ln in out.splitlines() if "release" in ln), out.splitlines()[-1]
+    )
+    return Check("nvcc", True, f"{path} ({release})", needed_for="CUDA kernels")
+
+
+def check_module(name: str, dist: str, hint: str, needed_for: str) -> Check:
+    v = _version(dist)
+    if v is None or importlib.util.find_spec(name) is None:
+        return Check(dist, False, "not installed", hint, needed_for)
+    return Check(dist, True, v, needed_for=needed_for)
+
+
+def tritonserver_binary() -> Path | None:
+    """The `tritonserver` of the nvidia-pytriton wheel (runs on CPU), else one on PATH."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec and spec.submodule_search_locations:
+        cand = Path(next(iter(spec.submodule_search_locations))) / "tritonserver" / "bin" / "tritonserver"
+        if cand.is_file():
+            return cand
+    found = shutil.which("tritonserver")
+    return Path(found) if found else None
+
+
+def check_tritonserver() -> Check:
+    b = tritonserver_binary()
+    if b is None:
+        return Check(
+            "tritonserver",
+            False,
+            "not found",
+            "pip install 'dgpipe[serve]' (nvidia-pytriton ships the binary)",
+            "serve",
+        )
+    return Check("tritonserver", True, str(b), needed_for="serve")
+
+
+def check_kubectl() -> Check:
+    path = shutil.which("kubectl")
+    out = _run([path, "version", "--client", "-o", "yaml"]) if path else None
+    if not out:
+        return Check(
+            "kubectl",
+            False,
+            "not found",
+            "install kubectl >= 1.27 (kustomize is built in)",
+            "manifests, deploy",
+        )
+    ver = next((ln.split(":")[-1].strip() for ln in out.splitlines() if "gitVersion" in ln), "?")
+    return Check("kubectl", True, f"{path} ({ver})", needed_for="manifests, deploy")
+
+
+def run_checks() -> list[Check]:
+    return [
+        check_python(),
+        *check_torch(),
+        check_nvcc(),
+        check_module(
+            "tensorrt",
+            "tensorrt",
+            "TensorRT >= 10.7 from NVIDIA (pip install tensorrt on a GPU host, or the NGC image)",
+            "engine build",
+        ),
+        check_module("modelopt", "nvidia-modelopt", "pip install 'dgpipe[quantize]'", "quantize"),
+        check_module("onnx", "onnx", "pip install 'dgpipe[engine]'", "ONNX export"),
+        check_module("onnxruntime", "onnxruntime", "pip install 'dgpipe[engine]'", "ONNX verification"),
+        check_module("tritonclient", "tritonclient", "pip install 'dgpipe[serve]'", "clients, bench serve"),
+        check_tritonserver(),
+        check_kubectl(),
+    ]
+
+
+def as_json(checks: list[Check]) -> list[dict]:
+    return [asdict(c) for c in checks]

@@ -1,0 +1,110 @@
+"""The `dgpipe` command as a user runs it: instant help, doctor, generate, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DGPIPE = [sys.executable, "-m", "pipeline.cli"]
+
+
+def dgpipe(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [*DGPIPE, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
+    if ok:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_cli_import_is_light():
+    code = "import sys, pipeline.cli; bad = [m for m in ('torch', 'transformers', 'modelopt', 'tritonclient') if m in sys.modules]; print(bad)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_version_and_help():
+    assert dgpipe("--version").stdout.startswith("dgpipe ")
+    assert "generate" in dgpipe("--help").stdout
+
+
+def test_doctor_json():
+    rows = json.loads(dgpipe("doctor", "--json").stdout)
+    names = {r["name"] for r in rows}
+    assert {"python", "torch", "nvcc", "tensorrt", "nvidia-modelopt", "tritonserver", "kubectl"} <= names
+    assert all(r["ok"] or r["hint"] for r in rows), "every missing requirement names how to get it"
+
+
+def test_generate_json(tiny_checkpoint: Path):
+    out = json.loads(
+        dgpipe(
+            "generate",
+            "--model",
+            str(tiny_checkpoint),
+            "12 34",
+            "--max-tokens",
+            "20",
+            "--steps",
+            "3",
+            "--json",
+        ).stdout
+    )
+    assert len(out["tokens"]) <= 20 and out["finish_reason"] in ("stop", "length")
+    assert out["steps_per_canvas"] and max(out["steps_per_canvas"]) <= 3
+    assert out["sampler"]["max_denoising_steps"] == 3  # CLI beats generation_config.json (4)
+
+
+def test_generate_stream_and_drafts(tiny_checkpoint: Path):
+    proc = dgpipe(
+        "generate",
+        "--model",
+        str(tiny_checkpoint),
+        "12",
+        "--max-tokens",
+        "16",
+        "--stream",
+        "--drafts",
+        "--steps",
+        "2",
+    )
+    assert "[step  1]" in proc.stderr and "[step  2]" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--entropy-bound", "0"], "entropy_bound must be > 0"),
+        (["--steps", "0"], "max_denoising_steps must be >= 1"),
+        (["--t-min", "0.9", "--t-max", "0.5"], "t_min (0.9) must be <= t_max (0.5)"),
+        (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["--canvas-length", "255"], "exceeds the context limit"),
+        (["--infill", "1" * 9], "longer than the 8-token canvas"),
+        (["--device", "cuda"], "no CUDA device"),
+    ],
+)
+def test_generate_bad_input_is_one_line(tiny_checkpoint: Path, args, needle):
+    proc = dgpipe("generate", "--model", str(tiny_checkpoint), "12", *args, ok=False)
+    assert proc.returncode == 2
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_prompt_longer_than_context(tiny_checkpoint: Path):
+    proc = dgpipe("generate", "--model", str(tiny_checkpoint), "12" * 200, ok=False)
+    assert proc.returncode == 2 and "exceeds the context limit of 256 tokens" in proc.stderr
+
+
+def test_broken_checkpoint_is_one_line(tiny_checkpoint: Path, tmp_path: Path):
+    proc = dgpipe("generate", "--model", str(tmp_path / "missing"), "x", ok=False)
+    assert proc.returncode == 2 and "no such checkpoint directory" in proc.stderr
+    (tiny_checkpoint / "config.json").write_text('{"model_type": "gemma3"}')
+    proc = dgpipe("generate", "--model", str(tiny_checkpoint), "x", ok=False)
+    assert proc.returncode == 2 and "model_type" in proc.stderr and "Traceback" not in proc.stderr
