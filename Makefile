@@ -6,7 +6,7 @@ PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 DGPIPE  = $(VENV)/bin/dgpipe
 TORCH  ?= torch==2.13.0
-PUZZLE ?= 5.4.9.7.36.9..25...2.5..4.979.6..85.3.....9....7.92.5..8.3...........8..6.9..74.2.
+PUZZLE ?= 14...9..56925.31.8835.1.927..1732.5.259.6.7.437694.28....6.4.935.3.914..92....816
 
 .PHONY: demo test lint venv clean
 
