@@ -1,0 +1,1 @@
+"""Quantization stage: ModelOpt recipes, calibration, quantized-checkpoint export, accuracy and memory."""

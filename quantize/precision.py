@@ -1,0 +1,91 @@
+"""Precisions and GPU targets, and the one place that decides which precision runs natively where.
+
+Both come from YAML (configs/precisions, configs/targets) so adding a GPU or a recipe is a config change.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from pydantic import BaseModel
+
+from pipeline.errors import DgpipeError
+from pipeline.resources import configs_dir, load_yaml
+
+
+class GPU(BaseModel):
+    product: str
+    memory_gib: float
+    bandwidth_tb_s: float
+
+
+class Target(BaseModel):
+    name: str
+    arch: str
+    compute_capability: str
+    gpus: list[GPU]
+    precisions: list[str]
+    default_precision: str
+
+    @property
+    def cc(self) -> tuple[int, int]:
+        major, minor = self.compute_capability.split(".")
+        return int(major), int(minor)
+
+
+class Precision(BaseModel):
+    name: str
+    modelopt_config: str | None
+    quant_algo: str | None
+    weight_bits: int
+    block_size: int
+    scale_bits: int
+    activations: str
+    min_compute_capability: str
+    native_on: list[str]
+    quantize: list[str]
+    keep_high_precision: list[str]
+
+    def weight_bytes_per_param(self) -> float:
+        """Stored bytes per quantized weight, block scales included (NVFP4: 4 + 8/16 bits = 0.5625 B)."""
+        bits = self.weight_bits + (self.scale_bits / self.block_size if self.block_size else 0)
+        return bits / 8
+
+
+def _names(kind: str) -> list[str]:
+    return sorted(p.stem for p in (configs_dir() / kind).glob("*.yaml"))
+
+
+@cache
+def precision(name: str) -> Precision:
+    if name not in _names("precisions"):
+        raise DgpipeError(f"unknown precision '{name}'", f"choose one of: {', '.join(_names('precisions'))}")
+    return Precision(**load_yaml("precisions", name))
+
+
+@cache
+def target(name: str) -> Target:
+    aliases = {"hopper": "sm90", "blackwell": "sm100", "rtx-blackwell": "sm120", "ada": "sm89"}
+    name = aliases.get(name, name)
+    if name not in _names("targets"):
+        raise DgpipeError(
+            f"unknown GPU target '{name}'",
+            f"choose one of: {', '.join(_names('targets'))} (or hopper, blackwell)",
+        )
+    return Target(**load_yaml("targets", name))
+
+
+def all_precisions() -> list[str]:
+    return _names("precisions")
+
+
+def check_precision_on_target(precision_name: str, target_name: str) -> None:
+    """Refuse a precision the target's tensor cores cannot run, and say which one to use instead."""
+    p, t = precision(precision_name), target(target_name)
+    if p.name not in t.precisions:
+        native = ", ".join(p.native_on)
+        raise DgpipeError(
+            f"--precision {p.name} does not run natively on {t.name} ({t.gpus[0].product.split('-')[0]}, sm{t.cc[0]}{t.cc[1]}): "
+            f"{p.name} needs {native}",
+            f"use --precision {t.default_precision} for {t.name}",
+        )
