@@ -57,12 +57,14 @@ def uniform_tokens(key: torch.Tensor, length: int, vocab_size: int) -> torch.Ten
 
 
 def gumbel(key: torch.Tensor, length: int, vocab_size: int, vocab_chunk: int = 1 << 16) -> torch.Tensor:
-    """[B, L, V] fp32 standard Gumbel noise; u has 24 random bits, centred so it is never 0 or 1."""
+    """[B, L, V] fp32 standard Gumbel noise. u = (r + 0.5) * 2**-23 with 23 random bits: every value is
+    exact in fp32 and strictly inside (0, 1). (24 bits would round (2**24 - 1) + 0.5 up to 2**24, u = 1,
+    g = +inf: one token in 2**24, i.e. one position in 64 at vocab 262144, sampled uniformly.)"""
     pos_key = position_bits(key, length)  # [B, L]
     out = torch.empty(*pos_key.shape, vocab_size, dtype=torch.float32, device=key.device)
     for start in range(0, vocab_size, vocab_chunk):
         v = torch.arange(start, min(start + vocab_chunk, vocab_size), dtype=torch.int64, device=key.device)
         bits = combine(pos_key[..., None], v)
-        u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+        u = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
         out[..., start : start + v.numel()] = -torch.log(-torch.log(u))
     return out

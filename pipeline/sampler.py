@@ -69,7 +69,8 @@ def temperatures(
 def entropy_bound_keep(entropy: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
     """EB-sampler acceptance (arXiv 2505.24857): keep the k lowest-entropy positions with
     sum(H_1..k) - max(H_1..k) <= bound. Sorted ascending, the max of a prefix is its last element."""
-    sorted_h, order = torch.sort(entropy, dim=-1, descending=False)
+    # stable: ties (e.g. pinned positions, all 0) keep index order on every device, as the kernel does
+    sorted_h, order = torch.sort(entropy, dim=-1, descending=False, stable=True)
     keep_sorted = torch.cumsum(sorted_h, dim=-1) - sorted_h <= bound[:, None]
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
