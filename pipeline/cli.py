@@ -196,6 +196,9 @@ def eval_sudoku_cmd(
 def train(
     out: Annotated[Path, typer.Option(help="output checkpoint dir (HF layout)")] = Path("runs/sudoku-tiny"),
     minutes: Annotated[float, typer.Option(help="wall-clock training budget")] = 118.0,
+    max_steps: Annotated[
+        Optional[int], typer.Option(help="step budget (whichever of minutes/steps ends first)")
+    ] = None,
     config: Annotated[str, typer.Option(help="configs/models/<name>.yaml")] = "sudoku-tiny",
     givens: Annotated[str, typer.Option(help="final givens range LO-HI of the curriculum")] = "45-61",
     batch_size: Annotated[int, typer.Option(help="examples per step")] = 64,

@@ -38,6 +38,7 @@ from pipeline.resources import load_yaml
 class TrainConfig(BaseModel):
     model: str = "sudoku-tiny"  # configs/models/<name>.yaml
     minutes: float = 150.0
+    max_steps: int | None = None  # optional step budget: whichever of minutes / steps comes first
     batch_size: int = 64
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
@@ -201,6 +202,8 @@ def train(
     while True:
         elapsed = time.perf_counter() - start
         frac = elapsed / budget
+        if cfg.max_steps is not None:
+            frac = max(frac, step / cfg.max_steps)
         if frac >= 1.0 or elapsed >= next_eval:
             model.eval()
             rep = eval_sudoku(model, held_out, cfg.eval_givens, SamplerConfig(), batch=64)
