@@ -197,7 +197,7 @@ def train(
     out: Annotated[Path, typer.Option(help="output checkpoint dir (HF layout)")] = Path("runs/sudoku-tiny"),
     minutes: Annotated[float, typer.Option(help="wall-clock training budget")] = 118.0,
     max_steps: Annotated[
-        Optional[int], typer.Option(help="step budget (whichever of minutes/steps ends first)")
+        int | None, typer.Option(help="step budget (whichever of minutes/steps ends first)")
     ] = None,
     config: Annotated[str, typer.Option(help="configs/models/<name>.yaml")] = "sudoku-tiny",
     givens: Annotated[str, typer.Option(help="final givens range LO-HI of the curriculum")] = "45-61",
