@@ -254,6 +254,30 @@ def bench_local(
     )
 
 
+@bench_app.command("model")
+def bench_model(
+    config: Annotated[
+        str, typer.Option(help="configs/models/<name>.yaml (random weights)")
+    ] = "diffusiongemma-26b-a4b",
+    batch: Annotated[str, typer.Option(help="comma-separated batch sizes")] = "1,4",
+    context: Annotated[int, typer.Option(help="cached prompt tokens")] = 512,
+    steps: Annotated[int, typer.Option(help="fixed denoising steps per canvas")] = 16,
+    repeats: Annotated[int, typer.Option(help="timed repetitions (medians)")] = 10,
+    out: Annotated[Path, typer.Option(help="directory for the JSON result")] = Path("runs/bench-model"),
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    as_json: JsonOpt = False,
+) -> None:
+    """Full-size configuration with random weights: ms per pass vs the bandwidth floor, diffusion vs AR."""
+    from pipeline.bench_model import run_bench_model
+
+    try:
+        batches = [int(b) for b in batch.split(",")]
+    except ValueError as e:
+        raise DgpipeError(f"--batch {batch!r}: expected comma-separated integers like 1,4") from e
+    run_bench_model(config, batches, context, steps, repeats, dtype, device, out, as_json)
+
+
 def main() -> None:
     """Console entry point: user errors become one line on stderr and exit code 2, never a traceback."""
     try:

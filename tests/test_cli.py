@@ -108,3 +108,30 @@ def test_broken_checkpoint_is_one_line(tiny_checkpoint: Path, tmp_path: Path):
     (tiny_checkpoint / "config.json").write_text('{"model_type": "gemma3"}')
     proc = dgpipe("generate", "--model", str(tiny_checkpoint), "x", ok=False)
     assert proc.returncode == 2 and "model_type" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_model_runs_a_random_weight_config(tmp_path: Path):
+    """The GPU benchmark's code path, exercised on CPU with the tiny config (the 26B needs an H200)."""
+    proc = dgpipe(
+        "bench",
+        "model",
+        "--config",
+        "sudoku-tiny",
+        "--batch",
+        "1,2",
+        "--context",
+        "20",
+        "--repeats",
+        "2",
+        "--steps",
+        "4",
+        "--out",
+        str(tmp_path),
+        "--json",
+    )
+    out = json.loads(proc.stdout)
+    assert [r["batch"] for r in out["rows"]] == [1, 2]
+    for r in out["rows"]:
+        assert r["ms_per_denoise_pass"] > 0 and r["floor_ms_per_pass"] > 0 and r["ar_tokens_per_s"] > 0
+        assert r["ms_per_canvas"] >= 4 * r["ms_per_denoise_pass"]
+    assert (tmp_path / "bench_model.json").is_file()
