@@ -66,7 +66,7 @@ def random_model(
     model = model.to_empty(device=device).to(dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.02, generator=gen)
             else:
