@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -100,11 +101,14 @@ def generate(
         bool, typer.Option("--stream", help="print each committed canvas as it completes")
     ] = False,
     drafts: Annotated[bool, typer.Option("--drafts", help="show the canvas refining step by step")] = False,
+    url: Annotated[
+        str | None, typer.Option(help="ask a Triton server instead: http://HOST:8000 or grpc://HOST:8001")
+    ] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     as_json: JsonOpt = False,
 ) -> None:
-    """Generate with block diffusion, in-process."""
+    """Generate with block diffusion, in-process or from a Triton server (--url)."""
     overrides = {
         "max_denoising_steps": steps,
         "entropy_bound": entropy_bound,
@@ -115,6 +119,11 @@ def generate(
     }
     if max_tokens < 1:
         raise DgpipeError(f"--max-tokens must be >= 1 (got {max_tokens})")
+    if url:
+        from pipeline.generation import run_generate_remote
+
+        run_generate_remote(url, prompt, max_tokens, overrides, seed, infill, stream, drafts, as_json)
+        return
     from pipeline.generation import run_generate
 
     run_generate(
@@ -132,6 +141,68 @@ def generate(
         device=device,
         as_json=as_json,
     )
+
+
+# ---- package / serve -------------------------------------------------------------------------------
+@app.command()
+def package(
+    model: ModelOpt = None,
+    output: Annotated[Path, typer.Option(help="model repository to write (replaced atomically)")] = Path(
+        "runs/model_repository"
+    ),
+    name: Annotated[str, typer.Option(help="model name in the repository")] = "dgpipe",
+    max_batch: Annotated[int, typer.Option(help="requests that share each denoise pass")] = 8,
+    max_tokens_limit: Annotated[int, typer.Option(help="largest max_tokens a request may ask for")] = 4096,
+    max_prompt_tokens: Annotated[int, typer.Option(help="longest prompt accepted, in tokens")] = 2048,
+    device: DeviceOpt = "cpu",
+) -> None:
+    """Write a Triton model repository (Python backend, decoupled) that serves the checkpoint."""
+    from pipeline.package import package as run_package
+    from pipeline.session import default_model_path
+
+    out = run_package(
+        model or default_model_path(), output, name, max_batch, max_tokens_limit, max_prompt_tokens, device
+    )
+    typer.echo(f"model repository: {out} (model '{name}')")
+
+
+@app.command()
+def serve(
+    repo: Annotated[
+        Path | None, typer.Option(help="model repository (default: package the embedded model)")
+    ] = None,
+    http_port: Annotated[int, typer.Option(help="HTTP port")] = 8000,
+    grpc_port: Annotated[int, typer.Option(help="gRPC port")] = 8001,
+    metrics_port: Annotated[int, typer.Option(help="Prometheus metrics port")] = 8002,
+    address: Annotated[str, typer.Option(help="address to bind")] = "0.0.0.0",
+    image: Annotated[
+        str | None, typer.Option(help="print the NGC container command for a GPU host instead")
+    ] = None,
+) -> None:
+    """Start a real Triton server on the repository, wait until it is ready, stop on Ctrl-C."""
+    from pipeline.serve import Ports, TritonServer, docker_command
+
+    ports = Ports(http_port, grpc_port, metrics_port, address)
+    if repo is None:
+        from pipeline.package import package as run_package
+        from pipeline.session import default_model_path
+
+        repo = run_package(default_model_path(), Path("runs/model_repository"))
+    if image:
+        typer.echo(" ".join(docker_command(repo, ports, image)))
+        return
+    server = TritonServer(repo, ports, Path("runs/serve"))
+    typer.echo(f"starting tritonserver on {repo} (log: {server.log}) ...", err=True)
+    with server:
+        typer.echo(f"ready  HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}")
+        typer.echo("Ctrl-C to stop", err=True)
+        try:
+            while server.proc is not None and server.proc.poll() is None:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            typer.echo("stopping tritonserver ...", err=True)
+    if server.proc is not None and server.proc.returncode not in (0, -2, None):
+        raise DgpipeError(f"tritonserver exited with code {server.proc.returncode}: {server.tail()}")
 
 
 # ---- eval -----------------------------------------------------------------------------------------

@@ -153,3 +153,58 @@ def run_eval_sudoku(
         f"solved {rep.solve_rate:.1%}, constraint-valid {rep.valid_rate:.1%}, "
         f"steps/canvas mean {rep.mean_steps:.1f} p90 {rep.p90_steps:.0f}, {rep.tokens_per_s:.0f} tokens/s"
     )
+
+
+def run_generate_remote(
+    url: str,
+    prompt: str,
+    max_tokens: int,
+    overrides: dict[str, Any],
+    seed: int,
+    infill: str | None,
+    stream: bool,
+    drafts: bool,
+    as_json: bool,
+) -> None:
+    """Same options and output as the in-process path, answered by Triton over HTTP or gRPC."""
+    from pipeline.client import generate
+
+    options = {k: v for k, v in overrides.items() if k != "stability_threshold"}
+    if overrides.get("stability_threshold") is not None:
+        raise DgpipeError("--stability-threshold is a server-side setting; it cannot be sent per request")
+    options.update(
+        infill_template=infill,
+        stream_drafts=drafts or None,
+        exclude_input_in_output=True,
+        return_num_input_tokens=True,
+        return_num_output_tokens=True,
+    )
+    start = time.perf_counter()
+    gen = generate(url, prompt, max_tokens=max_tokens, stream=stream or drafts, seed=seed, **options)
+    try:
+        while True:
+            piece = next(gen)
+            if stream and not as_json:
+                typer.echo(piece, nl=False)
+    except StopIteration as stop:
+        reply = stop.value
+    secs = time.perf_counter() - start
+    if as_json:
+        typer.echo(
+            json.dumps(
+                {
+                    "text": reply.text,
+                    "finish_reason": reply.finish_reason,
+                    "steps_per_canvas": reply.denoise_steps,
+                    "prompt_tokens": reply.num_input_tokens,
+                    "output_tokens": reply.num_output_tokens,
+                    "total_s": round(secs, 4),
+                    "url": url,
+                },
+                indent=2,
+            )
+        )
+    elif stream:
+        typer.echo("")
+    else:
+        typer.echo(reply.text)

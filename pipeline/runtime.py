@@ -41,11 +41,15 @@ class Request:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     seed: int = 0
     request_id: int = 0
+    draw_id: int | None = (
+        None  # RNG coordinate (default: request_id); a server sets 0 so a seed alone fixes the draws
+    )
     template: list[int] | None = (
         None  # infill: token per canvas position, -1 = free (applies to every canvas)
     )
     on_canvas: Callable[[Request, list[int]], None] | None = None
     on_draft: Callable[[Request, list[int], int], None] | None = None
+    on_finish: Callable[[Result], None] | None = None
 
 
 @dataclass
@@ -183,7 +187,8 @@ class BlockDiffusionRuntime:
 
     def _configure_slot(self, slot: int, req: Request) -> None:
         s = req.sampler
-        self.seed[slot], self.req_id[slot] = req.seed, req.request_id
+        self.seed[slot] = req.seed
+        self.req_id[slot] = req.request_id if req.draw_id is None else req.draw_id
         self.n_steps[slot], self.t_min[slot], self.t_max[slot] = s.max_denoising_steps, s.t_min, s.t_max
         self.bound[slot], self.conf[slot], self.stab_k[slot] = (
             s.entropy_bound,
@@ -315,3 +320,5 @@ class BlockDiffusionRuntime:
     def _finish(res: Result, reason: str) -> None:
         res.finish_reason = reason
         res.finished = time.perf_counter()
+        if res.request.on_finish is not None:
+            res.request.on_finish(res)

@@ -1,0 +1,295 @@
+"""Triton Python-backend model (decoupled) that serves DiffusionGemma with dgpipe's runtime.
+
+`dgpipe package` copies this file to <repo>/<model>/1/model.py. Requests are validated in `execute`
+(a bad one is answered with an INVALID_ARG error and never reaches the batch), then handed to a worker
+thread that owns the BlockDiffusionRuntime: requests in flight share denoise passes and join at canvas
+boundaries; cancellation is checked between steps. Responses stream per committed canvas (and per
+denoise step with `stream_drafts`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+SCALARS = {  # optional scalar inputs -> (numpy kind, valid check, message)
+    "max_tokens": ("i", lambda v: v >= 1, "must be >= 1"),
+    "seed": ("i", lambda v: v >= 0, "must be >= 0"),
+    "max_denoising_steps": ("i", lambda v: v >= 1, "must be >= 1"),
+    "entropy_bound": ("f", lambda v: v > 0, "must be > 0"),
+    "confidence_threshold": ("f", lambda v: v >= 0, "must be >= 0"),
+    "t_min": ("f", lambda v: v > 0, "must be > 0"),
+    "t_max": ("f", lambda v: v > 0, "must be > 0"),
+}
+FLAGS = (
+    "stream",
+    "stream_drafts",
+    "exclude_input_in_output",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+)
+KNOWN_PARAMETERS: set[str] = set()  # request parameters we accept (none yet): anything else is refused
+
+
+class BadRequest(ValueError):
+    pass
+
+
+@dataclass
+class Job:
+    sender: Any
+    request_id: int
+    prompt: str
+    prompt_ids: list[int]
+    flags: dict[str, bool]
+    stop_words: list[str]
+    text: str = ""
+    tokens: int = 0
+    canvases: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    first_canvas: float | None = None
+
+
+def _scalar(request, name: str):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return None
+    arr = t.as_numpy()
+    if arr.size != 1:
+        raise BadRequest(f"input '{name}' must hold exactly one value (got {arr.size})")
+    return arr.reshape(-1)[0]
+
+
+def _text(value, name: str) -> str:
+    if isinstance(value, bytes | np.bytes_):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BadRequest(f"input '{name}' is not valid UTF-8 ({e.reason} at byte {e.start})") from e
+    return str(value)
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        from pipeline.runtime import BlockDiffusionRuntime
+        from pipeline.session import load_session
+
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        ckpt = Path(params.get("checkpoint", "checkpoint"))
+        if not ckpt.is_absolute():
+            ckpt = Path(args["model_repository"]) / args["model_version"] / ckpt
+        self.session = load_session(ckpt, params.get("dtype", "auto"), params.get("device", "auto"))
+        self.max_tokens_limit = int(params.get("max_tokens_limit", "4096"))
+        self.max_prompt_tokens = int(params.get("max_prompt_tokens", "2048"))
+        length = self.session.model.config.canvas_length
+        self.runtime = BlockDiffusionRuntime(
+            self.session.model,
+            max_batch=int(params.get("max_batch", "8")),
+            max_len=self.max_prompt_tokens + self.max_tokens_limit + 2 * length,
+        )
+        self.ids = itertools.count(1)
+        self.inbox: queue.Queue = queue.Queue()
+        self.jobs: dict[int, Job] = {}
+        self._metrics()
+        self.running = True
+        self.worker = threading.Thread(target=self._loop, name="dgpipe-runtime", daemon=True)
+        self.worker.start()
+
+    def _metrics(self) -> None:
+        self.families = []  # a MetricFamily must outlive its metrics, so the model keeps them
+
+        def metric(name: str, description: str, kind):
+            self.families.append(pb_utils.MetricFamily(name=name, description=description, kind=kind))
+            return self.families[-1].Metric(labels={})
+
+        def counter(name: str, description: str):
+            return metric(name, description, pb_utils.MetricFamily.COUNTER)
+
+        def gauge(name: str, description: str):
+            return metric(name, description, pb_utils.MetricFamily.GAUGE)
+
+        self.m_requests = counter("dgpipe_requests_total", "Generate requests accepted")
+        self.m_rejected = counter("dgpipe_requests_rejected_total", "Requests refused as invalid")
+        self.m_canvases = counter("dgpipe_canvases_total", "Canvases committed")
+        self.m_steps = counter("dgpipe_denoise_steps_total", "Denoise steps over all canvases")
+        self.m_tokens = counter("dgpipe_generated_tokens_total", "Tokens generated")
+        self.m_ttfc = gauge(
+            "dgpipe_time_to_first_canvas_seconds", "Time to first canvas of the latest request"
+        )
+        self.m_steps_per_canvas = gauge("dgpipe_steps_per_canvas", "Denoise steps of the latest canvas")
+        self.m_active = gauge("dgpipe_active_requests", "Requests in the diffusion batch")
+
+    # ---- request intake (Triton's thread) -------------------------------------------------------
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self.inbox.put(self._parse(request, sender))
+                self.m_requests.increment(1)
+            except Exception as e:  # a bad request is answered alone; the batch keeps going
+                self.m_rejected.increment(1)
+                error = pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
+                sender.send(
+                    pb_utils.InferenceResponse(error=error),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
+        return None
+
+    def _parse(self, request, sender):
+        from pipeline.errors import DgpipeError
+        from pipeline.runtime import Request
+
+        unknown = set(json.loads(request.parameters() or "{}")) - KNOWN_PARAMETERS
+        if unknown:
+            raise BadRequest(f"unknown parameter(s): {', '.join(sorted(unknown))}")
+        text_t = pb_utils.get_input_tensor_by_name(request, "text_input")
+        if text_t is None:
+            raise BadRequest("input 'text_input' is required")
+        prompt = _text(_scalar(request, "text_input"), "text_input")
+        if not prompt.strip():
+            raise BadRequest("input 'text_input' is empty")
+        values: dict[str, Any] = {}
+        for name, (kind, ok, msg) in SCALARS.items():
+            v = _scalar(request, name)
+            if v is None:
+                continue
+            v = int(v) if kind == "i" else float(v)
+            if not ok(v):
+                raise BadRequest(f"input '{name}' {msg} (got {v})")
+            values[name] = v
+        max_tokens = values.pop("max_tokens", 256)
+        if max_tokens > self.max_tokens_limit:
+            raise BadRequest(
+                f"input 'max_tokens' is {max_tokens}, over this server's limit of {self.max_tokens_limit}"
+            )
+        flags = {f: bool(_scalar(request, f)) if _scalar(request, f) is not None else False for f in FLAGS}
+        stop_t = pb_utils.get_input_tensor_by_name(request, "stop_words")
+        stop_words = (
+            [_text(w, "stop_words") for w in stop_t.as_numpy().reshape(-1)] if stop_t is not None else []
+        )
+        seed = values.pop("seed", 0)
+        try:
+            sampler = self.session.sampler(**values)
+            prompt_ids = self.session.encode_prompt(prompt)
+            if len(prompt_ids) > self.max_prompt_tokens:
+                raise BadRequest(
+                    f"prompt has {len(prompt_ids)} tokens, over this server's limit of {self.max_prompt_tokens}"
+                )
+            tpl_t = pb_utils.get_input_tensor_by_name(request, "infill_template")
+            template = (
+                self.session.build_template(_text(_scalar(request, "infill_template"), "infill_template"))
+                if tpl_t is not None
+                else self.session.default_template(prompt)
+            )
+            job = Job(sender, next(self.ids), prompt, prompt_ids, flags, stop_words)
+            req = Request(
+                prompt_ids=prompt_ids,
+                max_tokens=max_tokens,
+                sampler=sampler,
+                seed=seed,
+                request_id=job.request_id,
+                draw_id=0,  # the seed alone decides the draws: same seed, same answer, whatever the id
+                template=template,
+                on_canvas=lambda r, toks, j=job: self._on_canvas(j, toks),
+                on_draft=(lambda r, toks, step, j=job: self._on_draft(j, toks, step))
+                if flags["stream_drafts"]
+                else None,
+                on_finish=lambda res, j=job: self._on_finish(j, res),
+            )
+            self.runtime.validate(req)
+        except DgpipeError as e:
+            raise BadRequest(str(e)) from e
+        return job, req
+
+    # ---- the runtime loop (worker thread) --------------------------------------------------------
+    def _loop(self) -> None:
+        import torch
+
+        while self.running:
+            try:
+                block = not self.runtime.busy()
+                while True:
+                    job, req = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+                    self.jobs[job.request_id] = job
+                    self.runtime.submit(req)
+                    block = False
+            except queue.Empty:
+                pass
+            for job in list(self.jobs.values()):
+                if job.sender.is_cancelled():
+                    self.runtime.cancel(job.request_id)
+            if self.runtime.busy():
+                self.m_active.set(sum(r is not None for r in self.runtime.results))
+                with torch.inference_mode():
+                    self.runtime.step()
+
+    def _respond(
+        self, job: Job, text: str, final: bool, reason: str = "", steps: list[int] | None = None
+    ) -> None:
+        outs = [pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_))]
+        if final:
+            outs.append(pb_utils.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_)))
+            if job.flags["return_num_input_tokens"]:
+                outs.append(
+                    pb_utils.Tensor("num_input_tokens", np.array([len(job.prompt_ids)], dtype=np.int32))
+                )
+            if job.flags["return_num_output_tokens"]:
+                outs.append(pb_utils.Tensor("num_output_tokens", np.array([job.tokens], dtype=np.int32)))
+        if steps is not None:
+            outs.append(pb_utils.Tensor("denoise_steps", np.array(steps, dtype=np.int32)))
+        job.sender.send(
+            pb_utils.InferenceResponse(output_tensors=outs),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0,
+        )
+
+    def _on_draft(self, job: Job, tokens: list[int], step: int) -> None:
+        self._respond(job, self.session.decode(tokens), final=False, steps=[step])
+
+    def _on_canvas(self, job: Job, tokens: list[int]) -> None:
+        piece = self.session.decode(tokens)
+        job.tokens += len(tokens)
+        job.canvases += 1
+        self.m_canvases.increment(1)
+        self.m_tokens.increment(len(tokens))
+        if job.first_canvas is None:
+            job.first_canvas = time.perf_counter() - job.started
+            self.m_ttfc.set(job.first_canvas)
+        hit = min((i for w in job.stop_words if (i := (job.text + piece).find(w)) >= 0), default=-1)
+        if hit >= 0:
+            piece = (job.text + piece)[:hit][len(job.text) :]
+            self.runtime.cancel(job.request_id)
+            job.flags["stopped_by_word"] = True
+        job.text += piece
+        if job.flags["stream"] and piece:
+            self._respond(job, piece, final=False)
+
+    def _on_finish(self, job: Job, res) -> None:
+        self.jobs.pop(job.request_id, None)
+        reason = "stop" if job.flags.get("stopped_by_word") else res.finish_reason
+        if reason == "cancelled" and job.sender.is_cancelled():
+            return  # the client went away: nothing to send
+        for steps in res.steps_per_canvas:
+            self.m_steps.increment(steps)
+        if res.steps_per_canvas:
+            self.m_steps_per_canvas.set(res.steps_per_canvas[-1])
+        if job.flags["stream"]:
+            text = ""
+        elif job.flags["exclude_input_in_output"]:
+            text = job.text
+        else:
+            text = job.prompt + job.text
+        self._respond(job, text, final=True, reason=reason, steps=res.steps_per_canvas)
+
+    def finalize(self) -> None:
+        self.running = False
+        self.worker.join(timeout=5)

@@ -1,0 +1,181 @@
+"""Clients for a dgpipe model on Triton: HTTP `generate` / `generate_stream` (SSE) and gRPC streaming.
+
+Both return the same `Reply` so `dgpipe generate --url` prints the same thing whichever protocol it uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.errors import DgpipeError
+
+
+@dataclass
+class Reply:
+    text: str = ""
+    pieces: list[str] = field(default_factory=list)
+    finish_reason: str = ""
+    denoise_steps: list[int] = field(default_factory=list)
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+
+    def add(self, chunk: dict[str, Any]) -> str:
+        piece = chunk.get("text_output", "")
+        piece = piece[0] if isinstance(piece, list) else piece
+        if chunk.get("finish_reason"):
+            fr = chunk["finish_reason"]
+            self.finish_reason = fr[0] if isinstance(fr, list) else fr
+            steps = chunk.get("denoise_steps")
+            self.denoise_steps = (
+                list(steps) if isinstance(steps, list) else ([steps] if steps is not None else [])
+            )
+        for key in ("num_input_tokens", "num_output_tokens"):
+            if chunk.get(key) is not None:
+                v = chunk[key]
+                setattr(self, key, int(v[0] if isinstance(v, list) else v))
+        if piece:
+            self.pieces.append(piece)
+            self.text += piece
+        return piece
+
+
+class TritonError(DgpipeError):
+    """The server refused the request (HTTP 4xx / gRPC INVALID_ARGUMENT); the message is the server's."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _payload(
+    prompt: str, max_tokens: int, stream: bool, seed: int, options: dict[str, Any]
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"text_input": prompt, "max_tokens": max_tokens, "seed": seed, "stream": stream}
+    body.update({k: v for k, v in options.items() if v is not None})
+    return body
+
+
+def http_generate(
+    url: str, body: dict[str, Any], model: str = "dgpipe", timeout: float = 600
+) -> Iterator[dict[str, Any]]:
+    """POST to generate_stream (SSE) and yield each event's JSON; errors become TritonError."""
+    req = urllib.request.Request(
+        f"{url.rstrip('/')}/v2/models/{model}/generate_stream",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise TritonError(event["error"], 400)
+                yield event
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace").strip().removeprefix("data:").strip()
+        with contextlib.suppress(json.JSONDecodeError, AttributeError):
+            detail = json.loads(detail).get("error", detail)
+        raise TritonError(f"HTTP {e.code}: {detail}", e.code) from e
+    except urllib.error.URLError as e:
+        raise DgpipeError(
+            f"cannot reach {url} ({e.reason})", "is the server running? see dgpipe serve"
+        ) from e
+
+
+def grpc_generate(
+    url: str, body: dict[str, Any], model: str = "dgpipe", timeout: float = 600
+) -> Iterator[dict[str, Any]]:
+    """gRPC bidirectional streaming (ModelStreamInfer), yielding the same dicts as the HTTP client."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+    dtypes = {"max_tokens": np.int32, "max_denoising_steps": np.int32, "seed": np.uint64}
+    inputs = []
+    for name, value in body.items():
+        if isinstance(value, str):
+            arr = np.array([value.encode()], dtype=np.object_)
+        elif isinstance(value, bool):
+            arr = np.array([value], dtype=np.bool_)
+        elif isinstance(value, list):
+            arr = np.array([str(v).encode() for v in value], dtype=np.object_)
+        else:
+            arr = np.array([value], dtype=dtypes.get(name, np.float32))
+        t = grpcclient.InferInput(
+            name, list(arr.shape), "BYTES" if arr.dtype == np.object_ else np_to_triton_dtype(arr.dtype)
+        )
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        while True:
+            result, error = results.get(timeout=timeout)
+            if error is not None:
+                raise TritonError(error.message() if hasattr(error, "message") else str(error), 400)
+            resp = result.get_response()
+            chunk: dict[str, Any] = {}
+            for out in resp.outputs:
+                arr = result.as_numpy(out.name)
+                chunk[out.name] = [x.decode() if isinstance(x, bytes) else x.item() for x in arr.reshape(-1)]
+            if chunk:
+                yield chunk
+            if (
+                resp.parameters.get("triton_final_response")
+                and resp.parameters["triton_final_response"].bool_param
+            ):
+                return
+    except InferenceServerException as e:
+        raise DgpipeError(
+            f"cannot reach {url} ({e.message()})", "is the server running? see dgpipe serve"
+        ) from e
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def generate(
+    url: str,
+    prompt: str,
+    max_tokens: int = 256,
+    stream: bool = False,
+    seed: int = 0,
+    model: str = "dgpipe",
+    **options: Any,
+) -> Iterator[str]:
+    """Yield text pieces as the server sends them; the final Reply is the generator's return value."""
+    body = _payload(prompt, max_tokens, stream, seed, options)
+    if url.startswith("grpc://"):
+        chunks = grpc_generate(url, body, model)
+    elif url.startswith(("http://", "https://")):
+        chunks = http_generate(url, body, model)
+    else:
+        raise DgpipeError(f"--url {url}: expected http://HOST:PORT or grpc://HOST:PORT")
+    reply = Reply()
+    for chunk in chunks:
+        piece = reply.add(chunk)
+        if piece:
+            yield piece
+    return reply
+
+
+def complete(url: str, prompt: str, **kw: Any) -> Reply:
+    """The whole reply at once (streams under the hood when stream=True)."""
+    gen = generate(url, prompt, **kw)
+    try:
+        while True:
+            next(gen)
+    except StopIteration as stop:
+        return stop.value
