@@ -230,8 +230,21 @@ class TritonPythonModel:
                     self.runtime.cancel(job.request_id)
             if self.runtime.busy():
                 self.m_active.set(sum(r is not None for r in self.runtime.results))
-                with torch.inference_mode():
-                    self.runtime.step()
+                try:
+                    with torch.inference_mode():
+                        self.runtime.step()
+                except Exception as e:  # fail the requests in flight, keep the server serving
+                    self._fail_all(f"internal error during generation: {type(e).__name__}: {e}")
+
+    def _fail_all(self, message: str) -> None:
+        pb_utils.Logger.log_error(message)
+        error = pb_utils.TritonError(message)
+        for job in list(self.jobs.values()):
+            job.sender.send(
+                pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+            )
+        self.jobs.clear()
+        self.runtime.drop_all()
 
     def _respond(
         self, job: Job, text: str, final: bool, reason: str = "", steps: list[int] | None = None

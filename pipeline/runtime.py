@@ -141,6 +141,13 @@ class BlockDiffusionRuntime:
             if res.request.request_id == request_id:
                 res.cancelled = True
 
+    def drop_all(self) -> list[Result]:
+        """Forget every request without callbacks (after a failed step the server answers them itself)."""
+        dropped = [*self.waiting, *(r for r in self.results if r is not None)]
+        self.waiting.clear()
+        self.results = [None] * self.max_batch
+        return dropped
+
     def busy(self) -> bool:
         return bool(self.waiting) or any(r is not None for r in self.results)
 
