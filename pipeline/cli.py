@@ -191,6 +191,13 @@ def serve(
     if image:
         typer.echo(" ".join(docker_command(repo, ports, image)))
         return
+    import signal
+
+    def interrupt(signum, frame):  # also when started in the background, where SIGINT is ignored by default
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     server = TritonServer(repo, ports, Path("runs/serve"))
     typer.echo(f"starting tritonserver on {repo} (log: {server.log}) ...", err=True)
     with server:
