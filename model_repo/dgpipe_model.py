@@ -120,6 +120,7 @@ class TritonPythonModel:
 
         self.m_requests = counter("dgpipe_requests_total", "Generate requests accepted")
         self.m_rejected = counter("dgpipe_requests_rejected_total", "Requests refused as invalid")
+        self.m_cancelled = counter("dgpipe_requests_cancelled_total", "Requests the client cancelled")
         self.m_canvases = counter("dgpipe_canvases_total", "Canvases committed")
         self.m_steps = counter("dgpipe_denoise_steps_total", "Denoise steps over all canvases")
         self.m_tokens = counter("dgpipe_generated_tokens_total", "Tokens generated")
@@ -290,6 +291,7 @@ class TritonPythonModel:
         self.jobs.pop(job.request_id, None)
         reason = "stop" if job.flags.get("stopped_by_word") else res.finish_reason
         if reason == "cancelled" and job.sender.is_cancelled():
+            self.m_cancelled.increment(1)
             return  # the client went away: nothing to send
         for steps in res.steps_per_canvas:
             self.m_steps.increment(steps)

@@ -172,3 +172,66 @@ def test_undecodable_bytes_and_wrong_dtype_over_grpc(server):
     assert errors and "max_tokens" in str(errors[0]) and "INT32" in str(errors[0])
     good = complete(server.grpc_url, PUZZLES[0][0], max_tokens=82, stream=True)
     assert len(good.text) == 81
+
+
+def test_cancellation_between_steps(server):
+    """A client that cancels its stream frees the request at the next step; the server keeps serving."""
+    import time
+
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, value, dtype, triton):
+        t = grpcclient.InferInput(name, [1], triton)
+        t.set_data_from_numpy(np.array([value], dtype=dtype))
+        return t
+
+    client = grpcclient.InferenceServerClient(server.grpc_url.removeprefix("grpc://"))
+    drafts: list = []
+    client.start_stream(callback=lambda result, error: drafts.append((result, error)))
+    client.async_stream_infer(
+        "dgpipe",
+        [
+            tensor("text_input", PUZZLES[4][0].encode(), np.object_, "BYTES"),
+            tensor("max_denoising_steps", 48, np.int32, "INT32"),
+            tensor("confidence_threshold", 0.0, np.float32, "FP32"),  # fixed 48 steps: long enough to cancel
+            tensor("stream_drafts", True, np.bool_, "BOOL"),
+        ],
+    )
+    deadline = time.monotonic() + 60
+    while not drafts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    assert drafts and len(drafts) < 48, "cancelled before the canvas finished"
+
+    def cancelled() -> float:
+        with urllib.request.urlopen(server.metrics_url) as r:
+            line = next(
+                ln
+                for ln in r.read().decode().splitlines()
+                if ln.startswith("dgpipe_requests_cancelled_total")
+            )
+        return float(line.split()[1])
+
+    while cancelled() < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cancelled() >= 1
+    assert len(complete(server.http_url, PUZZLES[5][0], max_tokens=82).text) > 0
+
+
+def test_serve_image_prints_the_ngc_command(tmp_path):
+    import subprocess
+    import sys
+
+    from pipeline.package import package
+    from pipeline.session import default_model_path
+
+    repo = package(default_model_path(), tmp_path / "repo")
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "serve", "--repo", str(repo), "--image", "nvcr.io/x/dgpipe:1"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.startswith("docker run") and "--gpus all" in out and "nvcr.io/x/dgpipe:1 tritonserver" in out
+    assert f"{repo.resolve()}:/models:ro" in out
