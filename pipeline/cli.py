@@ -332,6 +332,67 @@ def bench_local(
     )
 
 
+@bench_app.command("sweep")
+def bench_sweep(
+    model: ModelOpt = None,
+    bounds: Annotated[str, typer.Option(help="comma-separated entropy bounds")] = "0.03,0.1,0.3,1,3",
+    steps: Annotated[str, typer.Option(help="comma-separated max denoising steps")] = "2,4,8,16,48",
+    n: Annotated[int, typer.Option(help="puzzles per point")] = 100,
+    givens: Annotated[str, typer.Option(help="givens range LO-HI (default: the model's)")] = "",
+    out: Annotated[Path, typer.Option(help="directory for JSON and PNG")] = Path("runs/bench-sweep"),
+    as_json: JsonOpt = False,
+) -> None:
+    """Sudoku solve rate against mean steps per canvas over entropy bound x max steps (Pareto curve)."""
+    from pipeline.bench_suite import run_sweep
+
+    try:
+        b = [float(x) for x in bounds.split(",")]
+        st = [int(x) for x in steps.split(",")]
+    except ValueError as e:
+        raise DgpipeError("--bounds and --steps take comma-separated numbers") from e
+    if n < 1 or min(b) <= 0 or min(st) < 1:
+        raise DgpipeError("need --n >= 1, bounds > 0 and steps >= 1")
+    run_sweep(model, b, st, n, parse_range(givens) if givens else None, out, as_json)
+
+
+@bench_app.command("serve")
+def bench_serve(
+    url: Annotated[
+        str | None,
+        typer.Option(help="HTTP URL of a running server (default: start one on the embedded model)"),
+    ] = None,
+    grpc_url: Annotated[str | None, typer.Option(help="gRPC URL of the same server")] = None,
+    concurrency: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,2,4,8",
+    requests: Annotated[int, typer.Option(help="requests per level and protocol")] = 32,
+    out: Annotated[Path, typer.Option(help="directory for JSON and PNG")] = Path("runs/bench-serve"),
+    as_json: JsonOpt = False,
+) -> None:
+    """Triton over HTTP and gRPC at several concurrencies, with the same requests in-process alongside."""
+    from pipeline.bench_suite import run_bench_serve
+
+    try:
+        levels = [int(c) for c in concurrency.split(",")]
+    except ValueError as e:
+        raise DgpipeError(f"--concurrency {concurrency!r}: expected comma-separated integers") from e
+    if url:
+        run_bench_serve(url, grpc_url, levels, requests, out, as_json)
+        return
+    import socket
+
+    from pipeline.package import package as run_package
+    from pipeline.serve import Ports, TritonServer
+    from pipeline.session import default_model_path
+
+    def free() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    repo = run_package(default_model_path(), out / "model_repository", max_batch=max(levels))
+    with TritonServer(repo, Ports(free(), free(), free(), "127.0.0.1"), out / "server") as server:
+        run_bench_serve(server.http_url, server.grpc_url, levels, requests, out, as_json)
+
+
 @bench_app.command("model")
 def bench_model(
     config: Annotated[

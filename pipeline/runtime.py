@@ -59,7 +59,8 @@ class Result:
     finish_reason: str = ""
     steps_per_canvas: list[int] = field(default_factory=list)
     time_to_first_canvas: float = 0.0
-    started: float = 0.0
+    started: float = 0.0  # submitted
+    admitted: float = 0.0  # got a slot (prefill)
     finished: float = 0.0
     cancelled: bool = False
     error: str | None = None
@@ -185,6 +186,7 @@ class BlockDiffusionRuntime:
         while free and self.waiting:
             slot, res = free.pop(0), self.waiting.popleft()
             self.results[slot] = res
+            res.admitted = time.perf_counter()
             joining.append(slot)
             self._configure_slot(slot, res.request)
         if joining:
