@@ -135,3 +135,13 @@ def test_bench_model_runs_a_random_weight_config(tmp_path: Path):
         assert r["ms_per_denoise_pass"] > 0 and r["floor_ms_per_pass"] > 0 and r["ar_tokens_per_s"] > 0
         assert r["ms_per_canvas"] >= 4 * r["ms_per_denoise_pass"]
     assert (tmp_path / "bench_model.json").is_file()
+
+
+def test_bench_sweep_writes_json_and_png(tmp_path: Path):
+    proc = dgpipe(
+        "bench", "sweep", "--bounds", "0.1,1", "--steps", "2", "--n", "3", "--out", str(tmp_path), "--json"
+    )
+    out = json.loads(proc.stdout)
+    assert [(p["entropy_bound"], p["max_steps"]) for p in out["points"]] == [(0.1, 2), (1.0, 2)]
+    assert all(p["mean_steps"] <= 2 for p in out["points"]) and out["pareto"]
+    assert (tmp_path / "sweep.png").stat().st_size > 1000

@@ -235,3 +235,15 @@ def test_serve_image_prints_the_ngc_command(tmp_path):
     ).stdout
     assert out.startswith("docker run") and "--gpus all" in out and "nvcr.io/x/dgpipe:1 tritonserver" in out
     assert f"{repo.resolve()}:/models:ro" in out
+
+
+def test_bench_serve_against_the_server(server, tmp_path):
+    from pipeline.bench_suite import run_bench_serve
+
+    run_bench_serve(server.http_url, server.grpc_url, [1, 2], 2, tmp_path, as_json=True)
+    result = json.loads((tmp_path / "serve.json").read_text())
+    assert {(r["protocol"], r["concurrency"]) for r in result["rows"]} == {
+        (p, c) for p in ("http", "grpc", "in-process") for c in (1, 2)
+    }
+    assert all(r["p50_ms"] <= r["p99_ms"] and r["tokens_per_s"] > 0 for r in result["rows"])
+    assert (tmp_path / "serve_throughput.png").stat().st_size > 1000
