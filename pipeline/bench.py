@@ -3,7 +3,6 @@ and with autoregressive decoding of the same weights, measured in one run (media
 
 from __future__ import annotations
 
-import json
 import platform
 import statistics
 import time
@@ -15,6 +14,7 @@ import torch
 import typer
 
 from pipeline.config import SamplerConfig
+from pipeline.results import save_result
 
 SUDOKU_PROMPT = "14...9..56925.31.8835.1.927..1732.5.259.6.7.437694.28....6.4.935.3.914..92....816"  # make_dataset(2026, 1, (50, 50)): unique solution
 
@@ -117,7 +117,6 @@ def bench_transformers(
     path: Path, prompt_ids, sampler: SamplerConfig, max_tokens: int, runs: int, batch: int
 ) -> Row:
     from transformers import DiffusionGemmaForBlockDiffusion
-    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -130,17 +129,7 @@ def bench_transformers(
         torch.manual_seed(r)
         with PassTimer(ref.model.decoder, "forward") as timer, torch.inference_mode():
             t = time.perf_counter()
-            out = ref.generate(
-                ids,
-                max_new_tokens=max_tokens,
-                max_denoising_steps=sampler.max_denoising_steps,
-                sampler_config=EntropyBoundSamplerConfig(entropy_bound=sampler.entropy_bound),
-                t_min=sampler.t_min,
-                t_max=sampler.t_max,
-                stability_threshold=sampler.stability_threshold,
-                # transformers refuses 0; no canvas reaches a mean entropy of 1e-30, so this is fixed steps
-                confidence_threshold=sampler.confidence_threshold or 1e-30,
-            )
+            out = ref.generate(ids, max_new_tokens=max_tokens, **sampler.transformers_kwargs())
             total = time.perf_counter() - t
         if r == 0:
             continue
@@ -211,10 +200,7 @@ def run_bench_local(
         "machine": machine(),
         "rows": [asdict(r) for r in rows],
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_local.json").write_text(json.dumps(result, indent=2))
-    if as_json:
-        typer.echo(json.dumps(result, indent=2))
+    if save_result(out, "bench_local.json", result, as_json):
         return
     typer.echo(
         f"{result['model']}  {result['dtype']} on {result['device']}, batch {batch}, medians of {runs} runs"

@@ -9,7 +9,6 @@ weight bytes / measured device copy bandwidth.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -22,6 +21,7 @@ from pipeline.config import ModelConfig
 from pipeline.kv_cache import KVCache, attention_masks
 from pipeline.model import DiffusionGemma, canvas_positions
 from pipeline.resources import load_yaml
+from pipeline.results import save_result
 from pipeline.sampler import CounterDraws, RowKeys, sample_step
 
 
@@ -190,10 +190,7 @@ def run_bench_model(
         "step_policy": "fixed",
         "rows": [asdict(r) for r in rows],
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_model.json").write_text(json.dumps(result, indent=2))
-    if as_json:
-        typer.echo(json.dumps(result, indent=2))
+    if save_result(out, "bench_model.json", result, as_json):
         return
     typer.echo(
         f"{config} random {dt} on {result['device']}: {result['weight_gb']:.1f} GB weights, copy bandwidth "

@@ -6,7 +6,6 @@ Both write JSON plus PNG plots next to it, and print a table; every figure carri
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import statistics
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 import typer
 
 from pipeline import sudoku
+from pipeline.results import save_result
 
 
 def _plot(path: Path, draw) -> None:
@@ -27,6 +27,7 @@ def _plot(path: Path, draw) -> None:
     draw(ax)
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
 
@@ -91,8 +92,6 @@ def run_sweep(
         "points": points,
         "pareto": pareto,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps(result, indent=2))
 
     def draw(ax) -> None:
         for b in bounds:
@@ -116,8 +115,7 @@ def run_sweep(
         ax.legend(fontsize=8)
 
     _plot(out / "sweep.png", draw)
-    if as_json:
-        typer.echo(json.dumps(result, indent=2))
+    if save_result(out, "sweep.json", result, as_json):
         return
     typer.echo(f"{'bound':>7}{'max steps':>10}{'solved':>8}{'mean steps':>12}{'p90':>6}")
     for p in points:
@@ -249,8 +247,6 @@ def run_bench_serve(
         "model": str(session.checkpoint.path),
         "rows": rows,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "serve.json").write_text(json.dumps(result, indent=2))
 
     def draw_metric(key: str, label: str):
         def draw(ax) -> None:
@@ -268,8 +264,7 @@ def run_bench_serve(
 
     _plot(out / "serve_throughput.png", draw_metric("tokens_per_s", "tokens/s"))
     _plot(out / "serve_latency.png", draw_metric("p50_ms", "p50 latency (ms)"))
-    if as_json:
-        typer.echo(json.dumps(result, indent=2))
+    if save_result(out, "serve.json", result, as_json):
         return
     typer.echo(
         f"{'protocol':<11}{'conc':>5}{'req/s':>8}{'tok/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'TTFC ms':>9}{'ok':>6}"

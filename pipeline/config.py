@@ -228,6 +228,20 @@ class SamplerConfig(BaseModel):
         n = self.max_denoising_steps
         return self.t_min + (self.t_max - self.t_min) * (n - step) / n
 
+    def transformers_kwargs(self) -> dict[str, Any]:
+        """The same settings for transformers' DiffusionGemma `generate` (which refuses a confidence
+        threshold of 0: 1e-30 is never reached by a mean entropy, so it is fixed steps there too)."""
+        from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+        return {
+            "max_denoising_steps": self.max_denoising_steps,
+            "sampler_config": EntropyBoundSamplerConfig(entropy_bound=float(self.entropy_bound)),
+            "t_min": self.t_min,
+            "t_max": self.t_max,
+            "stability_threshold": self.stability_threshold,
+            "confidence_threshold": float(self.confidence_threshold) or 1e-30,
+        }
+
     @classmethod
     def from_generation_config(cls, raw: dict[str, Any], **overrides: Any) -> SamplerConfig:
         """Read generation_config.json; `sampler_config.entropy_bound` nests the bound there."""

@@ -149,7 +149,6 @@ def test_generate_matches_reference(pair, settings):
     float64 on both sides: token identity must not hinge on fp32 rounding at the entropy bound's edge
     (batching changes BLAS blocking, and 1e-7 noise can flip which position is the last one kept)."""
     from transformers import DiffusionGemmaForBlockDiffusion
-    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
     path = pair[2]
     ref = DiffusionGemmaForBlockDiffusion.from_pretrained(
@@ -178,14 +177,9 @@ def test_generate_matches_reference(pair, settings):
             out = ref.generate(
                 torch.tensor([prompt]),
                 max_new_tokens=max_tokens,
-                max_denoising_steps=sampler.max_denoising_steps,
-                sampler_config=EntropyBoundSamplerConfig(entropy_bound=sampler.entropy_bound),
-                t_min=sampler.t_min,
-                t_max=sampler.t_max,
-                stability_threshold=sampler.stability_threshold,
-                confidence_threshold=sampler.confidence_threshold,
                 eos_token_id=eos,
                 pad_token_id=0,
+                **sampler.transformers_kwargs(),
             )
         for h in hooks:
             h.remove()

@@ -1,0 +1,24 @@
+"""Where benchmark results go: one JSON file per run (written atomically), echoed whole with --json."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import typer
+
+
+def save_result(out: Path, name: str, result: dict[str, Any], as_json: bool) -> bool:
+    """Write out/name atomically; with --json also print it and return True (the caller prints nothing else)."""
+    out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result, indent=2, default=str)
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, out / name)
+    if as_json:
+        typer.echo(text)
+    return as_json
