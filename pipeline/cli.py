@@ -154,7 +154,7 @@ def package(
     max_batch: Annotated[int, typer.Option(help="requests that share each denoise pass")] = 8,
     max_tokens_limit: Annotated[int, typer.Option(help="largest max_tokens a request may ask for")] = 4096,
     max_prompt_tokens: Annotated[int, typer.Option(help="longest prompt accepted, in tokens")] = 2048,
-    device: DeviceOpt = "cpu",
+    device: DeviceOpt = "auto",
 ) -> None:
     """Write a Triton model repository (Python backend, decoupled) that serves the checkpoint."""
     from pipeline.package import package as run_package

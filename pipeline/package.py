@@ -58,9 +58,9 @@ def model_config(
         cfg.input.append(mc.ModelInput(name=n, data_type=mc.DataType.Value(t), dims=dims, optional=optional))
     for n, t, dims in OUTPUTS:
         cfg.output.append(mc.ModelOutput(name=n, data_type=mc.DataType.Value(t), dims=dims))
-    kind = mc.ModelInstanceGroup.KIND_GPU if device.startswith("cuda") else mc.ModelInstanceGroup.KIND_CPU
-    # one instance: it owns the runtime, and concurrency comes from shared denoise passes, not copies
-    cfg.instance_group.append(mc.ModelInstanceGroup(kind=kind, count=1))
+    # one instance that places its tensors itself (device "auto" = the first GPU if there is one): it owns
+    # the runtime, and concurrency comes from shared denoise passes, not from copies of the model
+    cfg.instance_group.append(mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.KIND_CPU, count=1))
     for key, value in {
         "checkpoint": "checkpoint",
         "max_batch": str(max_batch),
@@ -88,7 +88,7 @@ def package(
     max_batch: int = 8,
     max_tokens_limit: int = 4096,
     max_prompt_tokens: int = 2048,
-    device: str = "cpu",
+    device: str = "auto",
 ) -> Path:
     from google.protobuf import text_format
 
