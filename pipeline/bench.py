@@ -20,12 +20,27 @@ SUDOKU_PROMPT = "14...9..56925.31.8835.1.927..1732.5.259.6.7.437694.28....6.4.93
 
 
 @dataclass
+class Sample:
+    """One timed run: wall time, tokens out, model passes, canvases, seconds inside passes, first tokens."""
+
+    total: float
+    tokens: float
+    passes: float
+    canvases: float
+    pass_seconds: float
+    ttft: float
+
+
+@dataclass
 class Row:
     system: str
     policy: str
     tokens: float
     passes_per_canvas: float
+    tokens_per_pass: float
     ms_per_pass: float
+    ms_per_canvas: float
+    ttft_ms: float
     tokens_per_s: float
     ms_total: float
     runs: list[float] = field(default_factory=list)
@@ -41,13 +56,16 @@ class PassTimer:
     def __init__(self, obj: Any, name: str) -> None:
         self.obj, self.name, self.orig = obj, name, getattr(obj, name)
         self.seconds, self.calls = 0.0, 0
+        self.first_end: float | None = None  # perf_counter when the first call returned
 
     def __enter__(self) -> PassTimer:
         def timed(*a, **k):
             t = time.perf_counter()
             out = self.orig(*a, **k)
-            self.seconds += time.perf_counter() - t
+            now = time.perf_counter()
+            self.seconds += now - t
             self.calls += 1
+            self.first_end = self.first_end or now
             return out
 
         setattr(self.obj, self.name, timed)
@@ -85,32 +103,53 @@ def bench_dgpipe(
             total = time.perf_counter() - t
         if r == 0:
             continue
-        toks = sum(len(x.tokens) for x in res)
-        canvases = sum(len(x.steps_per_canvas) for x in res) / batch
-        samples.append((total, toks, timer.calls / canvases, timer.seconds / max(timer.calls, 1)))
+        samples.append(
+            Sample(
+                total=total,
+                tokens=sum(len(x.tokens) for x in res),
+                passes=timer.calls,
+                canvases=sum(len(x.steps_per_canvas) for x in res) / batch,
+                pass_seconds=timer.seconds,
+                ttft=statistics.median(x.time_to_first_canvas for x in res),
+            )
+        )
     return _row("dgpipe diffusion", sampler, samples)
 
 
-def _row(system: str, sampler: SamplerConfig | None, samples: list[tuple[float, float, float, float]]) -> Row:
-    policy = (
-        "-"
-        if sampler is None
-        else (
-            f"fixed {sampler.max_denoising_steps}"
-            if sampler.confidence_threshold == 0
-            else f"adaptive <= {sampler.max_denoising_steps}"
-        )
-    )
+def _row(system: str, sampler: SamplerConfig | None, samples: list[Sample]) -> Row:
+    if sampler is None:
+        policy = "-"
+    elif sampler.confidence_threshold == 0:
+        policy = f"fixed {sampler.max_denoising_steps}"
+    else:
+        policy = f"adaptive <= {sampler.max_denoising_steps}"
+    med = lambda f: _median([f(x) for x in samples])
     return Row(
         system=system,
         policy=policy,
-        tokens=_median([s[1] for s in samples]),
-        passes_per_canvas=_median([s[2] for s in samples]),
-        ms_per_pass=1000 * _median([s[3] for s in samples]),
-        tokens_per_s=_median([s[1] / s[0] for s in samples]),
-        ms_total=1000 * _median([s[0] for s in samples]),
-        runs=[round(1000 * s[0], 2) for s in samples],
+        tokens=med(lambda x: x.tokens),
+        passes_per_canvas=med(lambda x: x.passes / x.canvases),
+        tokens_per_pass=med(lambda x: x.tokens / x.passes),
+        ms_per_pass=1000 * med(lambda x: x.pass_seconds / x.passes),
+        ms_per_canvas=1000 * med(lambda x: x.total / x.canvases),
+        ttft_ms=1000 * med(lambda x: x.ttft),
+        tokens_per_s=med(lambda x: x.tokens / x.total),
+        ms_total=1000 * med(lambda x: x.total),
+        runs=[round(1000 * x.total, 2) for x in samples],
     )
+
+
+class FirstTokens:
+    """A transformers streamer that only notes when each put() arrives (put 0 is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
 
 
 def bench_transformers(
@@ -129,14 +168,17 @@ def bench_transformers(
         torch.manual_seed(r)
         with PassTimer(ref.model.decoder, "forward") as timer, torch.inference_mode():
             t = time.perf_counter()
-            out = ref.generate(ids, max_new_tokens=max_tokens, **sampler.transformers_kwargs())
+            streamer = FirstTokens()
+            out = ref.generate(
+                ids, max_new_tokens=max_tokens, streamer=streamer, **sampler.transformers_kwargs()
+            )
             total = time.perf_counter() - t
         if r == 0:
             continue
         new = out.sequences[:, len(prompt_ids) :]
-        toks = int((new != pad).sum())
         canvases = new.shape[1] / ref.config.canvas_length
-        samples.append((total, toks, timer.calls / canvases, timer.seconds / max(timer.calls, 1)))
+        first = streamer.times[1] - t if len(streamer.times) > 1 else total
+        samples.append(Sample(total, int((new != pad).sum()), timer.calls, canvases, timer.seconds, first))
     return _row("transformers generate", sampler, samples)
 
 
@@ -152,9 +194,11 @@ def bench_ar(session, prompt_ids, template, max_tokens: int, runs: int, batch: i
             )
             total = time.perf_counter() - t
         if r:
-            samples.append((total, sum(len(o) for o in outs), 1.0, timer.seconds / max(timer.calls, 1)))
+            toks = sum(len(o) for o in outs)
+            first = (timer.first_end or t) - t  # prefill: its logits give the first token
+            samples.append(Sample(total, toks, timer.calls, 1.0, timer.seconds, first))
     row = _row("dgpipe autoregressive", None, samples)
-    row.passes_per_canvas = float("nan")
+    row.passes_per_canvas = row.ms_per_canvas = float("nan")
     return row
 
 
@@ -206,10 +250,12 @@ def run_bench_local(
         f"{result['model']}  {result['dtype']} on {result['device']}, batch {batch}, medians of {runs} runs"
     )
     typer.echo(
-        f"{'system':<24}{'steps':<16}{'tokens':>7}{'passes/canvas':>15}{'ms/pass':>9}{'tokens/s':>10}{'ms total':>10}"
+        f"{'system':<24}{'steps':<16}{'tokens':>7}{'passes/canvas':>14}{'tok/pass':>9}{'ms/pass':>9}"
+        f"{'ms/canvas':>10}{'TTFT ms':>9}{'tokens/s':>10}"
     )
     for r in rows:
         typer.echo(
-            f"{r.system:<24}{r.policy:<16}{r.tokens:>7.0f}{r.passes_per_canvas:>15.1f}{r.ms_per_pass:>9.2f}{r.tokens_per_s:>10.1f}{r.ms_total:>10.1f}"
+            f"{r.system:<24}{r.policy:<16}{r.tokens:>7.0f}{r.passes_per_canvas:>14.1f}{r.tokens_per_pass:>9.2f}"
+            f"{r.ms_per_pass:>9.2f}{r.ms_per_canvas:>10.1f}{r.ttft_ms:>9.1f}{r.tokens_per_s:>10.1f}"
         )
     typer.echo(f"results: {out / 'bench_local.json'}")

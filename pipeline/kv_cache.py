@@ -107,7 +107,7 @@ def attention_masks(
     past: dict[str, KeyMeta] | None,
     causal: bool,
     window: int,
-) -> dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor | None]:
     """Boolean masks [B, 1, Q, Kpast + Q] per layer type for keys = cat(past, new).
 
     Causal passes see keys at positions <= their own (sliding layers also > pos - window). Denoise passes
@@ -130,5 +130,6 @@ def attention_masks(
                 allowed = allowed & (kpos[:, None, :] > q_pos[:, :, None] - window)
         # every query may see itself, so padded queries never produce NaN rows
         allowed = torch.cat([allowed[:, :, : kpos.shape[1] - q], allowed[:, :, -q:] | eye], dim=2)
-        masks[kind] = allowed[:, None]
+        # no mask at all when everything is visible: SDPA then takes its unmasked (faster) kernel
+        masks[kind] = None if bool(allowed.all()) else allowed[:, None]
     return masks

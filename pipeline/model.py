@@ -73,11 +73,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class LayerInputs:
     """What one layer type needs for a pass: RoPE tables for the queries/new keys and the boolean mask
-    [B, 1, Q, Kpast + Q] (True = may attend)."""
+    [B, 1, Q, Kpast + Q] (True = may attend; None = everything is visible)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
 
 
 class Attention(nn.Module):
@@ -281,7 +281,7 @@ class DiffusionGemma(nn.Module):
         self,
         h: torch.Tensor,
         positions: torch.Tensor,
-        masks: dict[str, torch.Tensor],
+        masks: dict[str, torch.Tensor | None],
         past: list[tuple[torch.Tensor, torch.Tensor]] | None,
         encoder: bool,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -301,7 +301,7 @@ class DiffusionGemma(nn.Module):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        masks: dict[str, torch.Tensor],
+        masks: dict[str, torch.Tensor | None],
         past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Causal pass (prefill, commit, AR decoding): hidden states and the K/V to write to the cache."""
@@ -312,7 +312,7 @@ class DiffusionGemma(nn.Module):
         canvas: torch.Tensor,
         sc_probs: torch.Tensor | None,
         positions: torch.Tensor,
-        masks: dict[str, torch.Tensor],
+        masks: dict[str, torch.Tensor | None],
         past: list[tuple[torch.Tensor, torch.Tensor]] | None,
     ) -> torch.Tensor:
         """Bidirectional pass over the canvas reading the context K/V; returns fp32 softcapped logits."""
