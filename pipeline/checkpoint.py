@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from pipeline.config import ModelConfig
 from pipeline.errors import CheckpointError
-from pipeline.model import DiffusionGemma
+from pipeline.model import DiffusionGemma, rope_inv_freq
 
 DECODER = "model.decoder."
 ENCODER_SCALAR = re.compile(r"model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
@@ -108,11 +108,8 @@ def runtime_name(name: str) -> str | None:
     if name.startswith(DECODER):
         return name[len(DECODER) :]
     m = ENCODER_SCALAR.match(name)
-    if m:
-        return f"layers.{m.group(1)}.encoder_layer_scalar"
-    if name == "lm_head.weight" or name.startswith(SKIPPED_PREFIXES):
-        return None
-    return None
+    # everything else is skipped unread: lm_head (tied), the vision tower, the encoder's tied copies
+    return f"layers.{m.group(1)}.encoder_layer_scalar" if m else None
 
 
 def load_model(
@@ -166,8 +163,6 @@ def load_model(
     dtype = dtype or torch.float32
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
     for kind in set(model.layer_types):  # RoPE tables are not weights: rebuild them off the meta device
-        from pipeline.model import rope_inv_freq
-
         hd = ckpt.config.text_config.layer_shape(model.layer_types.index(kind)).head_dim
         setattr(model, f"inv_freq_{kind}", rope_inv_freq(ckpt.config.text_config, kind, hd))
     return model.to(device).eval(), ckpt
