@@ -24,11 +24,6 @@ from pipeline.model import DiffusionGemma, rope_inv_freq
 
 DECODER = "model.decoder."
 ENCODER_SCALAR = re.compile(r"model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
-SKIPPED_PREFIXES = (
-    "model.encoder.vision_tower.",
-    "model.encoder.embed_vision.",
-    "model.encoder.language_model.",
-)
 PER_EXPERT = re.compile(r"(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
