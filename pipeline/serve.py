@@ -72,6 +72,11 @@ def server_env() -> dict[str, str]:
     env["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
     env["PYTHONHOME"] = sys.base_prefix
     env["PYTHONPATH"] = os.pathsep.join(paths)
+    # the stub's interpreter finds its packages like an activated virtual environment would: through
+    # VIRTUAL_ENV and this interpreter's bin/ first on PATH (PYTHONPATH alone is not enough)
+    if sys.prefix != sys.base_prefix:
+        env["VIRTUAL_ENV"] = sys.prefix
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
 
 

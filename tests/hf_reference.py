@@ -36,7 +36,9 @@ TINY_VISION = {
 }
 
 
-def make_hf_checkpoint(out: Path, canvas_length: int = 16, seed: int = 0, **text) -> Path:
+def make_hf_checkpoint(
+    out: Path, canvas_length: int = 16, seed: int = 0, embed_scale: float = 1.0, **text
+) -> Path:
     """Random DiffusionGemmaForBlockDiffusion saved with save_pretrained; norms, scales and layer scalars
     are randomised too, so a runtime that ignores one of them fails parity."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
@@ -65,9 +67,10 @@ def make_hf_checkpoint(out: Path, canvas_length: int = 16, seed: int = 0, **text
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1 and "vision" not in name:
-                p.add_(0.3 * torch.randn(p.shape, generator=gen))
-        # O(1) logits (std-0.02 embeddings give ~0.1) so low temperatures reach confident, stable canvases
-        model.model.decoder.embed_tokens.weight.mul_(25.0)
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+        # embed_scale 25 gives O(1) logits (std-0.02 embeddings give ~0.1), so that low temperatures
+        # reach confident canvases and the adaptive stop triggers
+        model.model.decoder.embed_tokens.weight.mul_(embed_scale)
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.fill_(0.5 + float(torch.rand(1, generator=gen)))
