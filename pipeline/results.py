@@ -18,6 +18,7 @@ def save_result(out: Path, name: str, result: dict[str, Any], as_json: bool) -> 
     fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.")
     with os.fdopen(fd, "w") as fh:
         fh.write(text)
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600
     os.replace(tmp, out / name)
     if as_json:
         typer.echo(text)
