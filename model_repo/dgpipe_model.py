@@ -173,7 +173,7 @@ class TritonPythonModel:
             raise BadRequest(
                 f"input 'max_tokens' is {max_tokens}, over this server's limit of {self.max_tokens_limit}"
             )
-        flags = {f: bool(_scalar(request, f)) if _scalar(request, f) is not None else False for f in FLAGS}
+        flags = {f: bool(_scalar(request, f)) for f in FLAGS}  # an absent flag is None: False
         stop_t = pb_utils.get_input_tensor_by_name(request, "stop_words")
         stop_words = (
             [_text(w, "stop_words") for w in stop_t.as_numpy().reshape(-1)] if stop_t is not None else []

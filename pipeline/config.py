@@ -94,7 +94,7 @@ class TextConfig(BaseModel):
         self.layer_types[-1] = "full_attention"  # transformers forces this too
         if self.top_k_experts > self.num_experts:
             raise ValueError(f"top_k_experts ({self.top_k_experts}) > num_experts ({self.num_experts})")
-        if self.hidden_size % 1 or self.num_attention_heads < 1:
+        if self.num_attention_heads < 1:
             raise ValueError("num_attention_heads must be >= 1")
         return self
 
