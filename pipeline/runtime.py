@@ -19,19 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.backends import ModelBackend, SamplerInputs, TorchBackend
 from pipeline.config import SamplerConfig
 from pipeline.errors import InputError
 from pipeline.kv_cache import KVCache, attention_masks
 from pipeline.model import DiffusionGemma, canvas_positions
-from pipeline.sampler import (
-    CounterDraws,
-    DrawSource,
-    RowKeys,
-    sample_step,
-    should_stop,
-    temperatures,
-    update_stability,
-)
+from pipeline.sampler import CounterDraws, DrawSource, RowKeys, temperatures
 
 
 @dataclass
@@ -67,27 +60,28 @@ class Result:
 
 
 class BlockDiffusionRuntime:
-    """Owns the model, the KV cache and the per-slot sampler state."""
+    """Owns the backend (model + sampler), the KV cache and the per-slot sampler state."""
 
     def __init__(
         self,
-        model: DiffusionGemma,
+        model: DiffusionGemma | ModelBackend,
         max_batch: int = 8,
         max_len: int | None = None,
         draws: DrawSource | None = None,
     ) -> None:
-        self.model = model
-        cfg = model.cfg
-        self.canvas_length = model.config.canvas_length
+        self.draws = draws or CounterDraws()
+        self.backend: ModelBackend = (
+            TorchBackend(model, self.draws) if isinstance(model, DiffusionGemma) else model
+        )
+        cfg = self.backend.config.text_config
+        self.canvas_length = self.backend.config.canvas_length
         self.vocab = cfg.vocab_size
         self.end_ids = set(cfg.end_token_ids)
         self.pad_id = cfg.pad_token_id
         self.max_len = max_len or min(cfg.max_position_embeddings, 8192)
         self.max_batch = max_batch
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        self.device, self.dtype = self.backend.device, self.backend.dtype
         self.cache = KVCache(cfg, max_batch, self.max_len, self.dtype, self.device)
-        self.draws = draws or CounterDraws()
         s, length = max_batch, self.canvas_length
         dev = self.device
         self.x = torch.zeros(s, length, dtype=torch.long, device=dev)
@@ -239,7 +233,7 @@ class BlockDiffusionRuntime:
         else:
             past, meta = self.cache.read(idx)
         masks = attention_masks(positions, valid, meta, causal=True, window=self.cache.window)
-        _, new_kv = self.model.encode(tokens, positions, masks, past)
+        new_kv = self.backend.causal(tokens, positions, masks, past)
         self.cache.write(idx, new_kv, positions, valid)
 
     def _prefill(self, slots: list[int]) -> None:
@@ -258,24 +252,27 @@ class BlockDiffusionRuntime:
         if bool(self.has_sc[slots].any()):
             assert self.sc is not None
             sc = self.sc[slots] * self.has_sc[slots, None, None].to(self.sc.dtype)
-        logits = self.model.denoise(self.x[slots], sc, positions, masks, past)
-        self.passes["denoise"] += 1
-        temp = temperatures(self.step_idx[slots], self.n_steps[slots], self.t_min[slots], self.t_max[slots])
         tpl = self.template[slots]
-        out = sample_step(
-            logits,
-            temp,
-            self.bound[slots],
-            self._keys(slots),
-            self.draws,
-            tpl if bool((tpl >= 0).any()) else None,
+        sampler = SamplerInputs(
+            temperature=temperatures(
+                self.step_idx[slots], self.n_steps[slots], self.t_min[slots], self.t_max[slots]
+            ),
+            bound=self.bound[slots],
+            keys=self._keys(slots),
+            template=tpl if bool((tpl >= 0).any()) else None,
+            prev_argmax=self.amax[slots],
+            stable_count=self.stable[slots],
+            stability_threshold=self.stab_k[slots],
+            confidence_threshold=self.conf[slots],
         )
+        stepped = self.backend.denoise_step(self.x[slots], sc, positions, masks, past, sampler)
+        self.passes["denoise"] += 1
+        out, stop = stepped.step, stepped.stop
         if self.sc is None:
             self.sc = torch.zeros(self.max_batch, length, self.vocab, dtype=self.dtype, device=self.device)
         self.sc[slots] = out.probs.to(self.dtype)
         self.has_sc[slots] = True
-        self.stable[slots] = update_stability(self.stable[slots], self.amax[slots], out.argmax)
-        stop = should_stop(self.stable[slots], self.stab_k[slots], out.entropy, self.conf[slots])
+        self.stable[slots] = stepped.stable_count
         self.x[slots], self.amax[slots] = out.canvas, out.argmax
         self.step_idx[slots] += 1
         finished = stop | (self.step_idx[slots] >= self.n_steps[slots])
