@@ -17,8 +17,8 @@ else
   export PYTHONPATH=$PWD
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-echo "== kernel correctness against the PyTorch sampler"
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 | tee "$OUT/kernels_gpu_tests.txt"
+echo "== kernel correctness against the PyTorch sampler; CUDA-graph runtime against eager"
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_device_loop.py 2>&1 | tee "$OUT/kernels_gpu_tests.txt"
 echo "== sampler step: fused kernel vs PyTorch"
 timeout 120 python3 -m pipeline.kernels.bench_gpu --out "$OUT" 2>&1 | tee "$OUT/bench_sampler.txt"
 echo "== full 26B-A4B configuration, random bf16 weights, 16 fixed steps"

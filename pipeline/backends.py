@@ -88,6 +88,12 @@ class TorchBackend:
         can_fuse = self.device.type == "cuda" and isinstance(self.draws, CounterDraws)
         self.fused = (can_fuse and cuda_sampler_available()) if fused is None else (fused and can_fuse)
 
+    @property
+    def graph_safe(self) -> bool:
+        """A denoise step can be captured in a CUDA graph: no host syncs (fused sampler, grouped MoE)."""
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        return self.fused and all(layer.experts.use_grouped(probe) for layer in self.model.layers)
+
     def causal(self, tokens: torch.Tensor, positions: torch.Tensor, masks: Masks, past: KV | None) -> KV:
         return self.model.encode(tokens, positions, masks, past)[1]
 

@@ -60,12 +60,15 @@ class KVCache:
         """The cached K/V of some rows, trimmed to the longest of them, and where each key sits."""
         lengths = self.lengths[slots]
         kmax = int(lengths.max()) if lengths.numel() else 0
+        # rows are handed out lowest-first, so the rows in flight are usually a range: then views, no copy
+        first, n = int(slots[0]) if len(slots) else 0, len(slots)
+        rows = slice(first, first + n) if slots.tolist() == list(range(first, first + n)) else slots
         past = []
         for i, kind in enumerate(self.layer_types):
             if kind == "sliding_attention":
-                past.append((self.k[i][slots], self.v[i][slots]))
+                past.append((self.k[i][rows], self.v[i][rows]))
             else:
-                past.append((self.k[i][slots, :, :kmax], self.v[i][slots, :, :kmax]))
+                past.append((self.k[i][rows, :, :kmax], self.v[i][rows, :, :kmax]))
         gpos = torch.arange(kmax, device=lengths.device)[None, :].expand(len(slots), kmax)
         ring_pos = self.ring_pos[slots]
         meta = {

@@ -21,6 +21,7 @@ import torch
 
 from pipeline.backends import ModelBackend, SamplerInputs, TorchBackend
 from pipeline.config import SamplerConfig
+from pipeline.device_loop import DenoiseRound, DeviceLoop
 from pipeline.errors import InputError
 from pipeline.kv_cache import KVCache, attention_masks
 from pipeline.model import DiffusionGemma, canvas_positions
@@ -68,7 +69,13 @@ class BlockDiffusionRuntime:
         max_batch: int = 8,
         max_len: int | None = None,
         draws: DrawSource | None = None,
+        graphs: bool | None = None,
+        sync_every: int | None = None,
     ) -> None:
+        """`graphs`: capture each canvas round's denoise step in a CUDA graph (default: where the backend
+        allows it). `sync_every`: denoise passes between host checks for finished canvases (default 4 on
+        CUDA, 1 elsewhere); rows that finish in between are frozen on the device, so results never depend
+        on it, only the wasted passes do."""
         self.draws = draws or CounterDraws()
         self.backend: ModelBackend = (
             TorchBackend(model, self.draws) if isinstance(model, DiffusionGemma) else model
@@ -89,6 +96,7 @@ class BlockDiffusionRuntime:
         self.template = torch.full((s, length), -1, dtype=torch.long, device=dev)
         self.sc: torch.Tensor | None = None  # [S, L, V] lazily: the largest per-slot buffer
         self.has_sc = torch.zeros(s, dtype=torch.bool, device=dev)
+        self.done = torch.zeros(s, dtype=torch.bool, device=dev)  # canvas finished, awaiting the host
         self.step_idx = torch.zeros(s, dtype=torch.long, device=dev)
         self.canvas_idx = torch.zeros(s, dtype=torch.long, device=dev)
         self.stable = torch.zeros(s, dtype=torch.long, device=dev)
@@ -102,6 +110,12 @@ class BlockDiffusionRuntime:
         self.results: list[Result | None] = [None] * s
         self.waiting: deque[Result] = deque()
         self.passes = {"prefill": 0, "denoise": 0, "commit": 0}
+        self.loop = DeviceLoop(
+            self.device, getattr(self.backend, "graph_safe", False) if graphs is None else graphs
+        )
+        on_gpu = self.device.type == "cuda"
+        self.sync_every = sync_every or (4 if on_gpu else 1)
+        self._round: DenoiseRound | None = None
 
     # ---- public API -----------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -214,12 +228,14 @@ class BlockDiffusionRuntime:
         tpl = self.template[slot]
         self.x[slot] = torch.where(tpl >= 0, tpl, x[0])
         self.has_sc[slot] = False
+        self.done[slot] = False
         self.amax[slot] = -1
         self.stable[slot] = 0
 
     # ---- passes ---------------------------------------------------------------------------------
     def _causal_pass(self, slots: list[int], blocks: list[list[int]], fresh: bool) -> None:
         """Prefill (fresh rows) or commit: one right-padded causal pass that writes K/V."""
+        self._round = None  # the cache changes: positions, masks and past K/V of the round are stale
         idx = torch.tensor(slots, device=self.device)
         width = max(len(b) for b in blocks)
         tokens = torch.full((len(slots), width), self.pad_id, dtype=torch.long, device=self.device)
@@ -241,46 +257,60 @@ class BlockDiffusionRuntime:
         self.passes["prefill"] += 1
 
     def _denoise(self, slots: torch.Tensor) -> list[int]:
-        """One denoise pass for all rows in flight; returns the slots whose canvas is finished."""
-        length = self.canvas_length
+        """Denoise passes for all rows in flight until the next host check; returns the finished slots.
+
+        Positions, masks and past K/V only change when the cache or the set of rows does, so they are
+        prepared once per round and every pass in between is device work only (a CUDA graph replay)."""
+        if self._round is None or self._round.slot_list != slots.tolist():
+            self._round = self._prepare_round(slots)
+        rnd = self._round
+        drafts = [(s, r) for s in rnd.slot_list if (r := self.results[s]) and r.request.on_draft]
+        for _ in range(1 if drafts else self.sync_every):
+            self.loop.run(rnd, lambda: self._device_step(rnd))
+            self.passes["denoise"] += 1
+            for slot, res in drafts:
+                res.request.on_draft(res.request, self.amax[slot].tolist(), int(self.step_idx[slot]))  # type: ignore[misc]
+        return slots[self.done[slots]].tolist()
+
+    def _prepare_round(self, slots: torch.Tensor) -> DenoiseRound:
         past, meta = self.cache.read(slots)
-        positions = canvas_positions(self.cache.lengths[slots], length)
+        positions = canvas_positions(self.cache.lengths[slots], self.canvas_length)
         masks = attention_masks(
             positions, torch.ones_like(positions, dtype=torch.bool), meta, False, self.cache.window
         )
-        sc = None
-        if bool(self.has_sc[slots].any()):
-            assert self.sc is not None
-            sc = self.sc[slots] * self.has_sc[slots, None, None].to(self.sc.dtype)
-        tpl = self.template[slots]
+        if self.sc is None:
+            shape = (self.max_batch, self.canvas_length, self.vocab)
+            self.sc = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return DenoiseRound(slots, slots.tolist(), positions, masks, past)
+
+    def _device_step(self, rnd: DenoiseRound) -> None:
+        """One denoise pass + sampling step with no host synchronisation; finished rows stay frozen."""
+        slots = rnd.slots
+        assert self.sc is not None
+        live = ~self.done[slots]
         sampler = SamplerInputs(
             temperature=temperatures(
                 self.step_idx[slots], self.n_steps[slots], self.t_min[slots], self.t_max[slots]
             ),
             bound=self.bound[slots],
             keys=self._keys(slots),
-            template=tpl if bool((tpl >= 0).any()) else None,
+            template=self.template[slots],
             prev_argmax=self.amax[slots],
             stable_count=self.stable[slots],
             stability_threshold=self.stab_k[slots],
             confidence_threshold=self.conf[slots],
         )
-        stepped = self.backend.denoise_step(self.x[slots], sc, positions, masks, past, sampler)
-        self.passes["denoise"] += 1
-        out, stop = stepped.step, stepped.stop
-        if self.sc is None:
-            self.sc = torch.zeros(self.max_batch, length, self.vocab, dtype=self.dtype, device=self.device)
-        self.sc[slots] = out.probs.to(self.dtype)
+        # zero probabilities make the self-conditioning branch exactly zero, as "no signal yet" does
+        sc = self.sc[slots] * self.has_sc[slots, None, None].to(self.sc.dtype)
+        stepped = self.backend.denoise_step(self.x[slots], sc, rnd.positions, rnd.masks, rnd.past, sampler)
+        out, row = stepped.step, live[:, None]
+        self.sc[slots] = out.probs.to(self.dtype)  # a frozen row's is never read: its canvas is over
         self.has_sc[slots] = True
-        self.stable[slots] = stepped.stable_count
-        self.x[slots], self.amax[slots] = out.canvas, out.argmax
-        self.step_idx[slots] += 1
-        finished = stop | (self.step_idx[slots] >= self.n_steps[slots])
-        for slot, step in zip(slots.tolist(), self.step_idx[slots].tolist()):
-            res = self.results[slot]
-            if res is not None and res.request.on_draft is not None:
-                res.request.on_draft(res.request, self.amax[slot].tolist(), step)
-        return slots[finished].tolist()
+        self.stable[slots] = torch.where(live, stepped.stable_count, self.stable[slots])
+        self.x[slots] = torch.where(row, out.canvas, self.x[slots])
+        self.amax[slots] = torch.where(row, out.argmax, self.amax[slots])
+        self.step_idx[slots] += live.long()
+        self.done[slots] |= live & (stepped.stop | (self.step_idx[slots] >= self.n_steps[slots]))
 
     def _finalise(self, slots: list[int]) -> None:
         commits: list[int] = []
@@ -317,6 +347,7 @@ class BlockDiffusionRuntime:
                 self._start_canvas(slot)
 
     def _release(self, slot: int, reason: str) -> None:
+        self._round = None
         res = self.results[slot]
         self.results[slot] = None
         if res is not None:

@@ -134,6 +134,7 @@ def test_bench_model_runs_a_random_weight_config(tmp_path: Path):
     for r in out["rows"]:
         assert r["ms_per_denoise_pass"] > 0 and r["floor_ms_per_pass"] > 0 and r["ar_tokens_per_s"] > 0
         assert r["ms_per_canvas"] >= 4 * r["ms_per_denoise_pass"]
+        assert r["runtime_ms_per_canvas_eager"] > 0 and r["runtime_ms_per_canvas_graph"] > 0
     assert (tmp_path / "bench_model.json").is_file()
 
 
