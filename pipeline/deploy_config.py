@@ -79,5 +79,7 @@ def deploy_target(name: str) -> DeployTarget:
             "a replica must fit on one node (use the LeaderWorkerSet variant for multi-node groups)",
         )
     if cfg.replicas > cfg.max_replicas:
-        raise DgpipeError(f"configs/deploy/{name}.yaml: replicas {cfg.replicas} > max_replicas {cfg.max_replicas}")
+        raise DgpipeError(
+            f"configs/deploy/{name}.yaml: replicas {cfg.replicas} > max_replicas {cfg.max_replicas}"
+        )
     return cfg
