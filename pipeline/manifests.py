@@ -38,10 +38,12 @@ STORAGE_FILE, SERVING_FILE, SMOKE_FILE, LOADER_FILE = (
 )
 STORAGE_KINDS = {"Namespace", "ServiceAccount", "PersistentVolumeClaim"}
 MONITORING_KINDS = {"PodMonitor", "PrometheusRule", "HorizontalPodAutoscaler"}
-_IMAGE = re.compile(
-    r"^(?P<name>[a-z0-9]+(?:[._/-][a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*)"
-    r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$"
+# [registry[:port]/]path[:tag][@sha256:digest], the docker reference grammar without its rarer corners
+_IMAGE_PATH = re.compile(
+    r"^([a-zA-Z0-9.-]+(:[0-9]+)?/)?[a-z0-9]+([._-]+[a-z0-9]+)*(/[a-z0-9]+([._-]+[a-z0-9]+)*)*$"
 )
+_IMAGE_TAG = re.compile(r"^[\w][\w.-]{0,127}$")
+_IMAGE_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
@@ -82,21 +84,29 @@ def parse_image(ref: str | None) -> Image:
     )
     if not ref:
         raise DgpipeError("--image is required: the cluster pulls the serving image from a registry", hint)
-    m = _IMAGE.match(ref)
-    if not m:
+    rest, _, digest = ref.partition("@")
+    name, tag = rest, ""
+    if ":" in rest.rsplit("/", 1)[-1]:  # a colon after the last slash starts the tag (else it is a port)
+        name, tag = rest.rsplit(":", 1)
+    if (
+        not _IMAGE_PATH.match(name)
+        or (tag and not _IMAGE_TAG.match(tag))
+        or (digest and not _IMAGE_DIGEST.match(digest))
+        or ("@" in ref and not digest)
+    ):
         raise DgpipeError(f"--image {ref!r} is not a valid image reference", hint)
-    if not m["tag"] and not m["digest"]:
+    if not tag and not digest:
         raise DgpipeError(
             f"--image {ref!r} has no tag or digest",
             "pin it (REGISTRY/dgpipe-triton:TAG or @sha256:...): engines on the PVC are tied to the "
             "image's TensorRT, so a moving :latest would silently invalidate them",
         )
-    if m["tag"] == "latest" and not m["digest"]:
+    if tag == "latest" and not digest:
         raise DgpipeError(
             f"--image {ref!r}: ':latest' is not a pinned version",
             "use a versioned tag or a digest; engines are tied to the image's TensorRT",
         )
-    return Image(m["name"], m["tag"], m["digest"])
+    return Image(name, tag or None, digest or None)
 
 
 @dataclass
@@ -382,14 +392,29 @@ def summary(values: RenderValues, files: dict[str, list[dict[str, Any]]]) -> dic
 
 
 def write(output: Path, values: RenderValues, files: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Write all files into a temp dir next to `output` and swap it in: never a half-rendered set."""
-    from pipeline.checkpoint import atomic_dir
+    """Write all files into a temp dir next to `output` and swap it in: never a half-rendered set.
 
+    (pipeline.checkpoint.atomic_dir does the same but imports torch, seconds this command need not pay.)
+    """
     info = summary(values, files)
-    with atomic_dir(output) as tmp:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
         for name, docs in files.items():
             (tmp / name).write_text(yaml.safe_dump_all(docs, sort_keys=False))
         (tmp / RENDER_SUMMARY).write_text(json.dumps(info, indent=2) + "\n")
+        tmp.chmod(0o755)
+        if output.exists():
+            old = output.with_name(f".{output.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(output, old)
+            os.replace(tmp, output)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return info
 
 
