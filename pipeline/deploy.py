@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shlex
 import subprocess
 import tarfile
@@ -69,6 +70,7 @@ class Plan:
     steps: list[Step] = field(default_factory=list)
     upload: Path | None = None
     context: str | None = None
+    kubectl: str = "kubectl"
 
     @property
     def namespace(self) -> str:
@@ -130,10 +132,11 @@ def make_plan(
     info = read_summary(manifests_dir)
     if upload is not None:
         _check_upload(upload)
-    kc = [kubectl_binary()] + (["--context", context] if context else [])
+    # the plan names kubectl as the user would type it, so --dry-run works where kubectl is not installed
+    kc = [os.environ.get("DGPIPE_KUBECTL") or "kubectl"] + (["--context", context] if context else [])
     ns = ["--namespace", info["namespace"]]
     apply = [*kc, "apply", "--server-side", f"--field-manager={FIELD_MANAGER}"]
-    plan = Plan(summary=info, manifests_dir=manifests_dir, upload=upload, context=context)
+    plan = Plan(summary=info, manifests_dir=manifests_dir, upload=upload, context=context, kubectl=kc[0])
     # deadline of the rollout: the Deployment's own progress deadline (engine build + load) plus slack
     rollout = rollout_timeout_s or 5400 + 600
     s = plan.steps
@@ -241,7 +244,8 @@ def _diagnose(plan: Plan, kc: list[str]) -> list[str]:
 
 def execute(plan: Plan, log=print) -> dict[str, Any]:
     """Run the plan; on a failed rollout or smoke test, roll the workload back and say what failed."""
-    kc = [kubectl_binary()] + (["--context", plan.context] if plan.context else [])
+    kubectl_binary()  # a clear error when kubectl is missing, before anything runs
+    kc = [plan.kubectl] + (["--context", plan.context] if plan.context else [])
     ns = ["--namespace", plan.namespace]
     existed = (
         _run(Step("probe", [*kc, *ns, "get", plan.workload, "-o", "name"], timeout_s=60)).returncode == 0

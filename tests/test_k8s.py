@@ -518,8 +518,9 @@ def rendered(tmp_path) -> Path:
 
 
 def test_deploy_dry_run_prints_the_plan_without_a_cluster(rendered, build_dir):
+    no_cluster = {"KUBECONFIG": "/nonexistent", "PATH": "/nonexistent"}  # no cluster and no kubectl
     proc = dgpipe("deploy", "--manifests", str(rendered), "--build-dir", str(build_dir), "--upload",
-                  "--context", "dgx-prod", "--dry-run", "--json", env={"KUBECONFIG": "/nonexistent"})  # fmt: skip
+                  "--context", "dgx-prod", "--dry-run", "--json", env=no_cluster)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["namespace"] == "serving" and plan["workload"] == "deployment/dgpipe-triton"
