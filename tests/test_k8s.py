@@ -285,6 +285,7 @@ def test_engine_build_runs_on_the_node_in_the_serving_image(overlays, name):
     assert build["image"] == triton["image"]
     env = config_values(docs)
     assert expand(build["command"], env) == [
+        "flock", "/models/build/.engine-build.lock",  # one build per PVC at a time
         "dgpipe", "engine", "build",
         "--onnx", f"/models/build/{LAYOUT['onnx']}/model.onnx",
         "--target", cfg.gpu_target,
