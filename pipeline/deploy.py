@@ -272,6 +272,10 @@ def execute(plan: Plan, log=print) -> dict[str, Any]:
                 log(f"<- rollout undo {plan.workload}: {'ok' if rolled_back else _text(undo.stderr)}")
             else:
                 log(f"<- {plan.workload} is new (no previous revision to roll back to); left for inspection")
+        if "start the PVC loader pod" in done and "delete the loader pod" not in done:
+            _run(
+                Step("cleanup", [*kc, *ns, "delete", "pod", LOADER_POD, "--ignore-not-found", "--wait=false"])
+            )
         for d in details:
             log(d)
         hint = (

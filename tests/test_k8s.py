@@ -621,3 +621,16 @@ def test_k8s_commands_stay_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(ROOT), "PATH": os.environ.get("PATH", "")})  # fmt: skip
     assert out.stdout.strip() == "[]"
+
+
+def test_deploy_removes_the_loader_pod_when_the_upload_fails(rendered, build_dir, fake_kubectl, monkeypatch):
+    from pipeline import deploy as dp
+    from pipeline.errors import DgpipeError
+
+    monkeypatch.setenv("DGPIPE_KUBECTL", str(fake_kubectl.parent / "kubectl"))
+    monkeypatch.setenv("FAKE_FAIL", "exec -i")
+    with pytest.raises(DgpipeError, match="stream the build dir into /models/build on the PVC failed"):
+        dp.execute(dp.make_plan(rendered, upload=build_dir), log=lambda s: None)
+    calls = fake_kubectl.read_text().splitlines()
+    assert calls[-1].endswith("delete pod dgpipe-pvc-loader --ignore-not-found --wait=false")
+    assert not any("dgpipe.yaml" in c for c in calls)  # nothing served from a half-filled PVC
