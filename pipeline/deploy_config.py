@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from functools import cache
+from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
@@ -27,6 +28,7 @@ class DeployTarget(BaseModel):
     gpu_target: str  # configs/targets/<gpu_target>.yaml: the arch the engines are built for
     precision: str  # default precision on this node type (must run natively there)
     gpu_product: str  # value of the GFD label nvidia.com/gpu.product (preferred, not required)
+    cpu_arch: Literal["amd64", "arm64"]  # kubernetes.io/arch: GB200 trays have Grace (arm64) hosts
     gpus_per_node: int = Field(ge=1)
     gpus_per_replica: int = Field(ge=1)
     replicas: int = Field(ge=1)

@@ -116,6 +116,7 @@ def test_deploy_config_is_consistent_with_gpu_targets(name):
     assert (cfg.compute_major, cfg.precision) == expected[name]
     if name == "rtx-pro":
         assert cfg.gpus_per_node == cfg.gpus_per_replica == 1
+    assert cfg.cpu_arch == ("arm64" if name == "gb200" else "amd64")
 
 
 @needs_kubectl
@@ -138,7 +139,8 @@ def test_overlay_matches_its_deploy_config(overlays, name):
                     "key": "nvidia.com/gpu.compute.major",
                     "operator": "In",
                     "values": [str(target(cfg.gpu_target).cc[0])],
-                }
+                },
+                {"key": "kubernetes.io/arch", "operator": "In", "values": [cfg.cpu_arch]},
             ]
         }
     ]
