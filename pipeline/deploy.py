@@ -34,6 +34,24 @@ from pipeline.manifests import (
 )
 
 FIELD_MANAGER = "dgpipe"
+# Custom resources the rendered objects may use: kind -> (API group, plural, how to get it served)
+CRDS = {
+    "PodMonitor": (
+        "monitoring.coreos.com",
+        "podmonitors",
+        "install prometheus-operator, or render with --no-monitoring",
+    ),
+    "PrometheusRule": (
+        "monitoring.coreos.com",
+        "prometheusrules",
+        "install prometheus-operator, or render with --no-monitoring",
+    ),
+    "LeaderWorkerSet": (
+        "leaderworkerset.x-k8s.io",
+        "leaderworkersets",
+        "install the LeaderWorkerSet controller, or render without --lws-size",
+    ),
+}
 SMOKE_JOB = "dgpipe-smoke"
 LOADER_POD = "dgpipe-pvc-loader"
 # What the pods read from the build directory; engines are never uploaded: they are built on the node.
@@ -57,9 +75,14 @@ class Step:
     stdin_from: str | None = None  # "upload": a tar stream of the build dir
     timeout_s: float = 600.0
     show_output: bool = False
+    expect_output: str | None = None  # the step fails unless stdout contains this
+    fails_if: list[str] | None = None  # runs alongside; if it succeeds first, the step has failed
+    hint: str | None = None  # how to fix it, when the failure has one obvious cause
 
     def shell(self) -> str:
         cmd = shlex.join(self.argv)
+        if self.fails_if:
+            cmd += f"   (fails fast on: {shlex.join(self.fails_if)})"
         return f"tar -C BUILD_DIR -cf - {' '.join(UPLOAD_ITEMS)} | {cmd}" if self.stdin_from else cmd
 
 
@@ -140,6 +163,18 @@ def make_plan(
     # deadline of the rollout: the Deployment's own progress deadline (engine build + load) plus slack
     rollout = rollout_timeout_s or 5400 + 600
     s = plan.steps
+    served = {name.split("/")[0] for objs in info["files"].values() for name in objs}
+    for kind in sorted(served & CRDS.keys()):
+        group, plural, fix = CRDS[kind]
+        s.append(
+            Step(
+                f"check that the cluster serves {kind} ({group})",
+                [*kc, "api-resources", f"--api-group={group}", "-o", "name"],
+                timeout_s=60,
+                expect_output=f"{plural}.{group}",
+                hint=fix,
+            )
+        )
     s.append(
         Step(
             "create namespace, service account and model PVC",
@@ -190,6 +225,7 @@ def make_plan(
             "wait for the smoke Job",
             [*kc, *ns, "wait", "--for=condition=complete", f"job/{SMOKE_JOB}", f"--timeout={smoke_timeout_s}s"],
             timeout_s=smoke_timeout_s + 60,
+            fails_if=[*kc, *ns, "wait", "--for=condition=failed", f"job/{SMOKE_JOB}", f"--timeout={smoke_timeout_s}s"],
         ),
         Step("show the smoke answer", [*kc, *ns, "logs", f"job/{SMOKE_JOB}", "--tail=50"], show_output=True),
     ]  # fmt: skip
@@ -212,9 +248,39 @@ def _tar_build_dir(build_dir: Path) -> bytes:
     return buf.getvalue()
 
 
-def _run(step: Step, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+def _race(step: Step) -> subprocess.CompletedProcess:
+    """Wait for success and for failure at once (kubectl wait takes one condition): whichever comes first."""
+    import time
+
+    ok = subprocess.Popen(step.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    bad = subprocess.Popen(
+        step.fails_if or [], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + step.timeout_s
     try:
-        return subprocess.run(step.argv, input=stdin, capture_output=True, timeout=step.timeout_s)
+        while time.monotonic() < deadline:
+            if ok.poll() is not None:
+                out, err = ok.communicate()
+                return subprocess.CompletedProcess(step.argv, ok.returncode, out, err)
+            if bad.poll() == 0:
+                return subprocess.CompletedProcess(step.argv, 1, b"", b"the Job reached condition Failed")
+            time.sleep(0.5)
+        return subprocess.CompletedProcess(
+            step.argv, 124, b"", f"timed out after {step.timeout_s:.0f} s".encode()
+        )
+    finally:
+        for proc in (ok, bad):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _run(step: Step, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    if step.fails_if:
+        return _race(step)
+    try:
+        feed = {"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}
+        return subprocess.run(step.argv, capture_output=True, timeout=step.timeout_s, **feed)
     except subprocess.TimeoutExpired as e:
         return subprocess.CompletedProcess(
             step.argv, 124, e.stdout or b"", f"timed out after {step.timeout_s:.0f} s".encode()
@@ -255,6 +321,8 @@ def execute(plan: Plan, log=print) -> dict[str, Any]:
         log(f"-> {step.what}")
         stdin = _tar_build_dir(plan.upload) if step.stdin_from and plan.upload else None
         proc = _run(step, stdin)
+        if proc.returncode == 0 and step.expect_output and step.expect_output not in _text(proc.stdout):
+            proc = subprocess.CompletedProcess(step.argv, 1, b"", f"{step.expect_output} not found".encode())
         if proc.returncode == 0:
             done.append(step.what)
             if step.show_output:
@@ -278,12 +346,10 @@ def execute(plan: Plan, log=print) -> dict[str, Any]:
             )
         for d in details:
             log(d)
-        hint = (
-            "rolled back to the previous revision"
-            if rolled_back
-            else "nothing to roll back to"
-            if serving_applied and not existed
-            else None
-        )
+        hint = step.hint
+        if rolled_back:
+            hint = "rolled back to the previous revision"
+        elif serving_applied and not existed:
+            hint = "nothing to roll back to"
         raise DgpipeError(failure, hint)
     return {"deployed": plan.workload, "namespace": plan.namespace, "steps": done}

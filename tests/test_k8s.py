@@ -554,11 +554,16 @@ def test_deploy_bad_input(tmp_path, rendered):
     )
 
 
-FAKE_KUBECTL = """#!/bin/sh
-# records every call; fails the calls whose arguments contain $FAKE_FAIL
+FAKE_KUBECTL = r"""#!/bin/sh
+# records every call; answers discovery; fails the calls whose arguments contain $FAKE_FAIL
 echo "$*" >> "$FAKE_LOG"
 cat > /dev/null
-case "$*" in *"$FAKE_FAIL"*) [ -n "$FAKE_FAIL" ] && { echo "error: simulated failure" >&2; exit 1; } ;; esac
+case "$*" in *api-resources*)
+  [ -z "$FAKE_NO_CRDS" ] && printf 'podmonitors.monitoring.coreos.com\nprometheusrules.monitoring.coreos.com\n'
+  exit 0;; esac
+if [ -n "$FAKE_FAIL" ]; then case "$*" in *"$FAKE_FAIL"*) echo "error: simulated failure" >&2; exit 1;; esac; fi
+case "$*" in *condition=complete*) [ -n "$FAKE_JOB_FAILED" ] && { sleep 30; exit 1; };; esac
+case "$*" in *condition=failed*) [ -n "$FAKE_JOB_FAILED" ] && exit 0; sleep 30; exit 1;; esac
 exit 0
 """
 
@@ -570,7 +575,8 @@ def fake_kubectl(tmp_path, monkeypatch) -> Path:
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
     log = tmp_path / "calls.log"
     monkeypatch.setenv("FAKE_LOG", str(log))
-    monkeypatch.setenv("FAKE_FAIL", "")
+    for var in ("FAKE_FAIL", "FAKE_NO_CRDS", "FAKE_JOB_FAILED"):
+        monkeypatch.setenv(var, "")
     return log
 
 
@@ -582,6 +588,7 @@ def test_deploy_live_path_order_against_a_recording_kubectl(rendered, build_dir,
     result = dp.execute(plan, log=lambda s: None)
     calls = fake_kubectl.read_text().splitlines()
     assert calls[0].endswith("get deployment/dgpipe-triton -o name")  # does a previous revision exist?
+    assert calls[1].endswith("--context dgx api-resources --api-group=monitoring.coreos.com -o name")
     assert any("exec -i dgpipe-pvc-loader" in c for c in calls)
     assert calls[-1].endswith("logs job/dgpipe-smoke --tail=50")
     assert len(result["steps"]) == len(plan.steps) and not any("rollout undo" in c for c in calls)
@@ -636,3 +643,34 @@ def test_deploy_removes_the_loader_pod_when_the_upload_fails(rendered, build_dir
     calls = fake_kubectl.read_text().splitlines()
     assert calls[-1].endswith("delete pod dgpipe-pvc-loader --ignore-not-found --wait=false")
     assert not any("dgpipe.yaml" in c for c in calls)  # nothing served from a half-filled PVC
+
+
+def test_deploy_stops_before_applying_when_a_crd_is_missing(rendered, fake_kubectl, monkeypatch):
+    from pipeline import deploy as dp
+    from pipeline.errors import DgpipeError
+
+    monkeypatch.setenv("DGPIPE_KUBECTL", str(fake_kubectl.parent / "kubectl"))
+    monkeypatch.setenv("FAKE_NO_CRDS", "1")
+    with pytest.raises(
+        DgpipeError, match=r"serves PodMonitor .* failed: podmonitors\.monitoring\.coreos\.com not found"
+    ) as e:
+        dp.execute(dp.make_plan(rendered), log=lambda s: None)
+    assert "--no-monitoring" in str(e.value)
+    assert not any(" apply " in f" {c} " for c in fake_kubectl.read_text().splitlines())
+
+
+def test_deploy_sees_a_failed_smoke_job_without_waiting_out_the_timeout(rendered, fake_kubectl, monkeypatch):
+    import time
+
+    from pipeline import deploy as dp
+    from pipeline.errors import DgpipeError
+
+    monkeypatch.setenv("DGPIPE_KUBECTL", str(fake_kubectl.parent / "kubectl"))
+    monkeypatch.setenv("FAKE_JOB_FAILED", "1")
+    start = time.monotonic()
+    with pytest.raises(DgpipeError, match="wait for the smoke Job failed: the Job reached condition Failed"):
+        dp.execute(dp.make_plan(rendered), log=lambda s: None)
+    assert time.monotonic() - start < 20  # the stand-in's complete-wait sleeps 30 s
+    assert any(
+        c.endswith("rollout undo deployment/dgpipe-triton") for c in fake_kubectl.read_text().splitlines()
+    )
