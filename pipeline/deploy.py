@@ -16,6 +16,7 @@ import io
 import json
 import os
 import shlex
+import signal
 import subprocess
 import tarfile
 from dataclasses import dataclass, field
@@ -252,9 +253,20 @@ def _race(step: Step) -> subprocess.CompletedProcess:
     """Wait for success and for failure at once (kubectl wait takes one condition): whichever comes first."""
     import time
 
-    ok = subprocess.Popen(step.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # own process groups, so the loser is stopped with everything it started
+    ok = subprocess.Popen(
+        step.argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     bad = subprocess.Popen(
-        step.fails_if or [], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        step.fails_if or [],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     deadline = time.monotonic() + step.timeout_s
     try:
@@ -271,7 +283,7 @@ def _race(step: Step) -> subprocess.CompletedProcess:
     finally:
         for proc in (ok, bad):
             if proc.poll() is None:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
 
 
