@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import posixpath
 import shlex
 import signal
 import subprocess
@@ -57,13 +58,14 @@ SMOKE_JOB = "dgpipe-smoke"
 LOADER_POD = "dgpipe-pvc-loader"
 # What the pods read from the build directory; engines are never uploaded: they are built on the node.
 UPLOAD_ITEMS = ("build_manifest.json", "onnx", "plugins", "model_repository")
-# Unpack next to the live copy, keep engines already built for the same ONNX, then swap directories.
+# Unpack next to the live copy, carry over the plans the nodes built (`dgpipe engine build` keeps a plan
+# only while it is current for the new ONNX, precision and plugins, and rebuilds it otherwise), then swap.
 SWAP_SCRIPT = (
-    'set -eu; new={root}.upload; old={root}.old; rm -rf "$new" "$old"; mkdir -p "$new"; '
-    'tar -xf - -C "$new"; '
-    'if [ -d {root}/engines ] && cmp -s {root}/onnx/model.onnx "$new/onnx/model.onnx"; then '
-    'mv {root}/engines "$new/engines"; fi; '
-    'if [ -d {root} ]; then mv {root} "$old"; fi; mv "$new" {root}; rm -rf "$old"'
+    'set -eu; root={root}; eng={engines}; new="$root.upload"; old="$root.old"; '
+    'rm -rf "$new" "$old"; mkdir -p "$new"; tar -xf - -C "$new"; '
+    'if [ -d "$root/$eng" ] && [ ! -e "$new/$eng" ]; then '
+    'mkdir -p "$(dirname "$new/$eng")"; mv "$root/$eng" "$new/$eng"; fi; '
+    'if [ -d "$root" ]; then mv "$root" "$old"; fi; mv "$new" "$root"; rm -rf "$old"'
 )
 
 
@@ -183,6 +185,8 @@ def make_plan(
         )
     )
     if upload is not None:
+        conf = info["config"]
+        engines_rel = posixpath.relpath(conf["DGPIPE_ENGINE_OUTPUT"], conf["DGPIPE_BUILD_DIR"]) + "/engines"
         s += [
             Step("start the PVC loader pod", [*apply, "-f", str(manifests_dir / LOADER_FILE)]),
             Step(
@@ -203,7 +207,7 @@ def make_plan(
                     "--",
                     "sh",
                     "-c",
-                    SWAP_SCRIPT.format(root=PVC_BUILD_DIR),
+                    SWAP_SCRIPT.format(root=PVC_BUILD_DIR, engines=engines_rel),
                 ],
                 stdin_from="upload",
                 timeout_s=7200,

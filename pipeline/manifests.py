@@ -28,6 +28,8 @@ from pipeline.manifest import LAYOUT, MANIFEST_NAME, BuildManifest
 
 PVC_BUILD_DIR = "/models/build"  # where the build directory lives on the model PVC (k8s/base/pvc.yaml)
 WORKLOAD = "dgpipe-triton"
+MODEL_NAME = "dgpipe"  # the model in the repository (`dgpipe package --name`, default)
+ENGINE_LIMITS = {"max_batch": 8, "max_prompt": 2048, "max_context": 8192}  # `dgpipe engine build` defaults
 RENDER_SUMMARY = "render.json"
 # Output files, in the order `dgpipe deploy` applies them (smoke and loader are applied on their own).
 STORAGE_FILE, SERVING_FILE, SMOKE_FILE, LOADER_FILE = (
@@ -120,7 +122,7 @@ class RenderValues:
     replicas: int
     model_repository: str  # absolute paths inside the pod (on the PVC)
     onnx: str
-    engine_dir: str
+    engine_dir: str  # where the plan for this target lands: <model version dir>/engines/<target>
     smoke_prompt: str
     monitoring: bool = True
     lws_size: int | None = None
@@ -138,6 +140,22 @@ def _pvc_path(manifest: BuildManifest | None, build_dir: Path | None, artifact: 
     if manifest is not None and build_dir is not None:
         rel = manifest.path_of(build_dir, artifact).relative_to(build_dir).as_posix()
     return f"{PVC_BUILD_DIR}/{rel}"
+
+
+def _engine_limits(manifest: BuildManifest | None, gpu_target: str) -> dict[str, int]:
+    """Engine profile limits: those of the node command the engine stage recorded for this target, so the
+    plan built on the node matches what the build validated; else the engine command's defaults."""
+    limits = dict(ENGINE_LIMITS)
+    stage = manifest.stages.get("engine") if manifest is not None else None
+    command = (stage.details.get("engines", {}).get(gpu_target, {}) if stage else {}).get("command") or []
+    for key in limits:
+        flag = "--" + key.replace("_", "-")
+        if flag in command[:-1]:
+            try:
+                limits[key] = int(command[command.index(flag) + 1])
+            except ValueError as e:
+                raise DgpipeError(f"build manifest: engine command for {gpu_target} has a bad {flag}") from e
+    return limits
 
 
 def resolve(
@@ -185,16 +203,18 @@ def resolve(
         raise DgpipeError(f"--lws-size {lws_size}: a multi-node group has at least 2 pods")
     if not smoke_prompt.strip():
         raise DgpipeError("--smoke-prompt must not be empty")
-    engines_root = _pvc_path(manifest, build_dir, "engines")
+    repo = _pvc_path(manifest, build_dir, "model_repository")
+    version_dir = f"{repo}/{MODEL_NAME}/1"  # the Triton model looks for engines/<target> here
+    limits = _engine_limits(manifest, cfg.gpu_target)
     values = RenderValues(
         target=cfg,
         precision=precision,
         image=img,
         namespace=namespace,
         replicas=replicas or cfg.replicas,
-        model_repository=_pvc_path(manifest, build_dir, "model_repository"),
+        model_repository=repo,
         onnx=f"{_pvc_path(manifest, build_dir, 'onnx')}/model.onnx",
-        engine_dir=f"{engines_root}/{cfg.gpu_target}",
+        engine_dir=f"{version_dir}/engines/{cfg.gpu_target}",
         smoke_prompt=smoke_prompt,
         monitoring=monitoring,
         lws_size=lws_size,
@@ -204,7 +224,9 @@ def resolve(
         "DGPIPE_BUILD_DIR": PVC_BUILD_DIR,
         "DGPIPE_MODEL_REPOSITORY": values.model_repository,
         "DGPIPE_ONNX": values.onnx,
-        "DGPIPE_ENGINE_DIR": values.engine_dir,
+        "DGPIPE_PLUGINS": _pvc_path(manifest, build_dir, "plugins"),
+        "DGPIPE_ENGINE_OUTPUT": version_dir,
+        **{f"DGPIPE_{k.upper()}": str(v) for k, v in limits.items()},
         "DGPIPE_GPU_TARGET": cfg.gpu_target,
         "DGPIPE_PRECISION": precision,
     }

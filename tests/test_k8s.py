@@ -126,7 +126,8 @@ def test_overlay_matches_its_deploy_config(overlays, name):
     conf = config_values(docs)
     assert conf["DGPIPE_GPU_TARGET"] == cfg.gpu_target
     assert conf["DGPIPE_PRECISION"] == cfg.precision
-    assert conf["DGPIPE_ENGINE_DIR"] == f"/models/build/{LAYOUT['engines']}/{cfg.gpu_target}"
+    # plans go into the model's version dir, where the Triton model looks for engines/<target>
+    assert conf["DGPIPE_ENGINE_OUTPUT"] == f"/models/build/{LAYOUT['model_repository']}/dgpipe/1"
     dep = one(docs, "Deployment")
     spec = dep["spec"]["template"]["spec"]
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
@@ -292,7 +293,9 @@ def test_engine_build_runs_on_the_node_in_the_serving_image(overlays, name):
         "--onnx", f"/models/build/{LAYOUT['onnx']}/model.onnx",
         "--target", cfg.gpu_target,
         "--precision", cfg.precision,
-        "--output", f"/models/build/{LAYOUT['engines']}/{cfg.gpu_target}",
+        "--plugins", f"/models/build/{LAYOUT['plugins']}",
+        "--output", f"/models/build/{LAYOUT['model_repository']}/dgpipe/1",
+        "--max-batch", "8", "--max-prompt", "2048", "--max-context", "8192",
     ]  # fmt: skip
     assert triton["command"] == ["tritonserver"]
     args = expand(triton["args"], env)
@@ -674,3 +677,47 @@ def test_deploy_sees_a_failed_smoke_job_without_waiting_out_the_timeout(rendered
     assert any(
         c.endswith("rollout undo deployment/dgpipe-triton") for c in fake_kubectl.read_text().splitlines()
     )
+
+
+def test_engine_limits_follow_the_node_command_the_engine_stage_recorded(build_dir):
+    from pipeline import manifests as mf
+    from pipeline.manifest import load_manifest
+
+    man = load_manifest(build_dir)
+    command = ["dgpipe", "engine", "build", "--onnx", "onnx/model.onnx", "--target", "sm100", "--precision",
+               "nvfp4", "--plugins", "plugins", "--output", ".", "--max-batch", "4", "--max-prompt", "1024",
+               "--max-context", "4096"]  # fmt: skip
+    man.record(
+        "engine", {"engines": "engines"}, engines={"sm100": {"status": "deferred", "command": command}}
+    )
+    save_manifest(build_dir, man)
+    conf = mf.resolve("dgx-b200", IMAGE, build_dir=build_dir).config
+    assert (conf["DGPIPE_MAX_BATCH"], conf["DGPIPE_MAX_PROMPT"], conf["DGPIPE_MAX_CONTEXT"]) == (
+        "4",
+        "1024",
+        "4096",
+    )
+    assert conf["DGPIPE_ENGINE_OUTPUT"] == "/models/build/model_repository/dgpipe/1"
+    assert (
+        mf.resolve("rtx-pro", IMAGE, build_dir=build_dir).config["DGPIPE_MAX_BATCH"] == "8"
+    )  # no sm120 record
+
+
+def test_upload_swap_script_replaces_the_build_dir_and_keeps_node_built_plans(tmp_path, build_dir):
+    """The script the loader pod runs, run here with sh and the same tar stream `dgpipe deploy` sends."""
+    from pipeline import deploy as dp
+
+    root = tmp_path / "pvc" / "build"
+    eng = "model_repository/dgpipe/1/engines"
+    (root / eng / "sm100").mkdir(parents=True)
+    (root / eng / "sm100" / "model.plan").write_bytes(b"plan built on the node")
+    (root / "onnx").mkdir()
+    (root / "onnx" / "stale.onnx").write_bytes(b"old")
+    script = dp.SWAP_SCRIPT.format(root=root, engines=eng)
+    subprocess.run(["sh", "-c", script], input=dp._tar_build_dir(build_dir), check=True)
+    assert (root / "onnx" / "model.onnx").read_bytes() == b"onnx"
+    assert not (root / "onnx" / "stale.onnx").exists()  # the old copy is gone, not merged
+    assert (root / "model_repository" / "dgpipe" / "config.pbtxt").is_file()
+    assert (root / eng / "sm100" / "model.plan").read_bytes() == b"plan built on the node"
+    assert (root / "build_manifest.json").is_file()
+    assert sorted(p.name for p in root.parent.iterdir()) == ["build"]  # no .upload/.old left behind
