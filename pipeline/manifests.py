@@ -39,7 +39,6 @@ STORAGE_FILE, SERVING_FILE, SMOKE_FILE, LOADER_FILE = (
     "pvc-loader.yaml",
 )
 STORAGE_KINDS = {"Namespace", "ServiceAccount", "PersistentVolumeClaim"}
-MONITORING_KINDS = {"PodMonitor", "PrometheusRule", "HorizontalPodAutoscaler"}
 # [registry[:port]/]path[:tag][@sha256:digest], the docker reference grammar without its rarer corners
 _IMAGE_PATH = re.compile(
     r"^([a-zA-Z0-9.-]+(:[0-9]+)?/)?[a-z0-9]+([._-]+[a-z0-9]+)*(/[a-z0-9]+([._-]+[a-z0-9]+)*)*$"
