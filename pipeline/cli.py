@@ -243,6 +243,7 @@ def manifests(
     if output is None and build_dir is None:
         raise DgpipeError("--output is required without --build-dir")
     output = output or build_dir / "k8s"
+    mf.check_output(output)
     values = mf.resolve(
         target,
         image,

@@ -412,11 +412,23 @@ def summary(values: RenderValues, files: dict[str, list[dict[str, Any]]]) -> dic
     }
 
 
+def check_output(output: Path) -> None:
+    """The output dir is replaced as a whole: refuse one that holds anything but an earlier render."""
+    if output.exists() and (
+        not output.is_dir() or (any(output.iterdir()) and not (output / RENDER_SUMMARY).is_file())
+    ):
+        raise DgpipeError(
+            f"--output {output}: exists and is not a `dgpipe manifests` output",
+            "it would be replaced as a whole; pass a new or empty directory",
+        )
+
+
 def write(output: Path, values: RenderValues, files: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Write all files into a temp dir next to `output` and swap it in: never a half-rendered set.
 
     (pipeline.checkpoint.atomic_dir does the same but imports torch, seconds this command need not pay.)
     """
+    check_output(output)
     info = summary(values, files)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))

@@ -721,3 +721,12 @@ def test_upload_swap_script_replaces_the_build_dir_and_keeps_node_built_plans(tm
     assert (root / eng / "sm100" / "model.plan").read_bytes() == b"plan built on the node"
     assert (root / "build_manifest.json").is_file()
     assert sorted(p.name for p in root.parent.iterdir()) == ["build"]  # no .upload/.old left behind
+
+
+def test_manifests_never_replaces_a_directory_it_did_not_write(tmp_path):
+    precious = tmp_path / "project"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    proc = dgpipe("manifests", "--target", "dgx-b200", "--image", IMAGE, "--output", str(precious))
+    assert proc.returncode == 2 and "is not a `dgpipe manifests` output" in proc.stderr
+    assert (precious / "notes.txt").read_text() == "keep me"
