@@ -212,6 +212,109 @@ def serve(
         raise DgpipeError(f"tritonserver exited with code {server.proc.returncode}: {server.tail()}")
 
 
+# ---- manifests / deploy (Kubernetes) --------------------------------------------------------------
+@app.command()
+def manifests(
+    target: Annotated[str, typer.Option(help="deploy target: configs/deploy/<name>.yaml (e.g. dgx-b200)")],
+    image: Annotated[
+        str | None, typer.Option(help="serving image built from the Dockerfile, pinned: REGISTRY/NAME:TAG")
+    ] = None,
+    output: Annotated[Path | None, typer.Option(help="directory to write (default: BUILD_DIR/k8s)")] = None,
+    build_dir: Annotated[
+        Path | None, typer.Option(help="build dir whose manifest gives precision, targets and paths")
+    ] = None,
+    replicas: Annotated[int | None, typer.Option(help="replicas (default: the deploy target's)")] = None,
+    namespace: Annotated[str, typer.Option(help="Kubernetes namespace")] = "dgpipe",
+    precision: Annotated[
+        str | None, typer.Option(help="precision without --build-dir (default: the target's)")
+    ] = None,
+    lws_size: Annotated[
+        int | None, typer.Option(help="render a LeaderWorkerSet with groups of this many pods")
+    ] = None,
+    no_monitoring: Annotated[
+        bool, typer.Option("--no-monitoring", help="omit PodMonitor, PrometheusRule and the HPA")
+    ] = False,
+    smoke_prompt: Annotated[str, typer.Option(help="prompt the smoke-test Job sends")] = "Hello",
+    as_json: JsonOpt = False,
+) -> None:
+    """Render the kustomize overlay for a DGX node type with this build's values (kubectl kustomize)."""
+    from pipeline import manifests as mf
+
+    if output is None and build_dir is None:
+        raise DgpipeError("--output is required without --build-dir")
+    output = output or build_dir / "k8s"
+    mf.check_output(output)
+    values = mf.resolve(
+        target,
+        image,
+        build_dir=build_dir,
+        precision=precision,
+        replicas=replicas,
+        namespace=namespace,
+        smoke_prompt=smoke_prompt,
+        monitoring=not no_monitoring,
+        lws_size=lws_size,
+    )
+    info = mf.write(output, values, mf.render(values))
+    if build_dir is not None:
+        mf.record(build_dir, output, info)
+    if as_json:
+        _print_json({"output": str(output), **info})
+        return
+    typer.echo(
+        f"{output}: {info['target']} ({info['gpu_target']}, compute.major {info['compute_major']}, "
+        f"{info['precision']}) in namespace {info['namespace']}, image {info['image']}"
+    )
+    for name, objs in info["files"].items():
+        typer.echo(f"  {name:<16} {', '.join(objs)}")
+
+
+@app.command()
+def deploy(
+    manifests_dir: Annotated[
+        Path | None, typer.Option("--manifests", help="output of dgpipe manifests (default: BUILD_DIR/k8s)")
+    ] = None,
+    build_dir: Annotated[
+        Path | None, typer.Option(help="build dir (its k8s/ is the default --manifests)")
+    ] = None,
+    upload: Annotated[
+        bool, typer.Option("--upload", help="copy the build dir onto the model PVC first (needs --build-dir)")
+    ] = False,
+    context: Annotated[str | None, typer.Option(help="kubeconfig context")] = None,
+    timeout: Annotated[
+        int | None, typer.Option(help="seconds to wait for the rollout (default: engine build + load budget)")
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan; needs no cluster")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Apply with kubectl (server-side), wait for the rollout, run the smoke Job; roll back on failure."""
+    from pipeline import deploy as dp
+
+    if upload and build_dir is None:
+        raise DgpipeError("--upload needs --build-dir (the directory to copy onto the PVC)")
+    if manifests_dir is None and build_dir is None:
+        raise DgpipeError("--manifests or --build-dir is required", "render with dgpipe manifests first")
+    plan = dp.make_plan(
+        manifests_dir or build_dir / "k8s", context, build_dir if upload else None, rollout_timeout_s=timeout
+    )
+    if dry_run:
+        if as_json:
+            _print_json(plan.as_dict())
+            return
+        d = plan.as_dict()
+        typer.echo(f"plan: {d['target']} -> {d['workload']} in namespace {d['namespace']} ({d['image']})")
+        for name, objs in d["objects"].items():
+            typer.echo(f"  {name:<16} {', '.join(objs)}")
+        for i, step in enumerate(d["steps"], 1):
+            typer.echo(f"{i:>2}. {step['what']}\n    $ {step['command']}")
+        return
+    result = dp.execute(plan, log=lambda line: typer.echo(line, err=as_json))
+    if as_json:
+        _print_json(result)
+    else:
+        typer.echo(f"deployed {result['deployed']} in namespace {result['namespace']}: smoke test passed")
+
+
 # ---- eval -----------------------------------------------------------------------------------------
 def parse_range(text: str) -> tuple[int, int]:
     try:
