@@ -24,6 +24,10 @@ eval_app = typer.Typer(help="Accuracy evaluations.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks (results as JSON, a table and PNG plots).", no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
 app.add_typer(bench_app, name="bench")
+# TensorRT engine commands live in their own module (pipeline/engine/cli.py), which imports only typer
+from pipeline.engine.cli import engine_app  # noqa: E402
+
+app.add_typer(engine_app, name="engine")
 
 ModelOpt = Annotated[
     Path | None,
