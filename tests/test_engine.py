@@ -1,0 +1,453 @@
+"""The TensorRT half without TensorRT: plugin contract, per-target PTX, engine manifest rules, profiles,
+CLI validation and the Triton model's backend choice. GPU + TensorRT tests are at the end and skip here."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import onnx_io
+from pipeline.engine import plugin_spec as spec
+from pipeline.engine.manifest import (
+    EngineManifest,
+    PluginRecord,
+    check_compatible,
+    is_current,
+    load_engine_manifest,
+    save_engine_manifest,
+)
+from pipeline.engine.profiles import Limits, engine_profiles, eval_dim
+from pipeline.errors import DgpipeError
+from pipeline.kernels import build as kbuild
+
+needs_nvcc = pytest.mark.skipif(
+    kbuild.find_nvcc() is None, reason="nvcc not found (CUDA toolkit not installed)"
+)
+
+
+def _has_tensorrt() -> bool:
+    from pipeline.engine.build_engine import tensorrt_version
+
+    return tensorrt_version() is not None
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# ---- plugin contract -------------------------------------------------------------------------------
+ONNX_DTYPE = {"FLOAT": "float32", "INT64": "int64", "BOOL": "bool", "BFLOAT16": "bfloat16"}
+
+
+@pytest.mark.parametrize("op", [onnx_io.SAMPLE_ROWS, onnx_io.SAMPLE_ACCEPT])
+def test_plugin_ports_match_the_onnx_contract(op):
+    """The plugin's input/output order and dtypes are the ONNX node's: TensorRT passes pointers by position."""
+    inputs, outputs = spec.SPECS[op.name]
+    assert [p.name for p in inputs] == [t.name for t in op.inputs]
+    assert [p.name for p in outputs] == [t.name for t in op.outputs]
+    for port, t in [*zip(inputs, op.inputs, strict=True), *zip(outputs, op.outputs, strict=True)]:
+        allowed = port.dtype if isinstance(port.dtype, tuple) else (port.dtype,)
+        assert ONNX_DTYPE[t.dtype] in allowed, (port.name, t.dtype)
+        assert len(port.dims) == len(t.shape), port.name
+    assert set(op.attributes) == (set(spec.ACCEPT_ATTRS) if op.name == spec.ACCEPT_OP else set())
+
+
+def test_plugin_output_shapes_and_dtypes():
+    rows = spec.output_shapes(spec.ROWS_OP, 3, 256, 262144)
+    assert rows == [
+        ((3, 256), "float32"),
+        ((3, 256), "float32"),
+        ((3, 256), "int64"),
+        ((3, 256), "int64"),
+        ((3, 256, 262144), "bfloat16"),
+    ]
+    accept = spec.output_shapes(spec.ACCEPT_OP, 2, 8, None)
+    assert accept == [((2, 8), "float32"), ((2, 8), "bool"), ((2, 8), "int64"), ((2, 8), "int64"),
+                      ((2,), "int64"), ((2,), "bool")]  # fmt: skip
+
+
+def test_plugin_input_checks_name_the_bad_port():
+    good = (["float32", "float32", "int64", "int64", "int64", "int64"], [3, 1, 1, 1, 1, 1])
+    spec.check_inputs(spec.ROWS_OP, *good)
+    with pytest.raises(DgpipeError, match="input 'temperature' must be float32, got float16"):
+        spec.check_inputs(spec.ROWS_OP, ["float32", "float16", *good[0][2:]], good[1])
+    with pytest.raises(DgpipeError, match="input 'logits' must have rank 3, got 2"):
+        spec.check_inputs(spec.ROWS_OP, good[0], [2, 1, 1, 1, 1, 1])
+    with pytest.raises(DgpipeError, match="takes 13 inputs, the node has 12"):
+        spec.check_inputs(spec.ACCEPT_OP, ["float32"] * 12, [2] * 12)
+    with pytest.raises(DgpipeError, match="vocab must be in"):
+        spec.check_vocab(0)
+
+
+def test_kernel_choice_and_launch_geometry():
+    assert spec.rows_kernel("float32", 262144) == "dg_trt_rows_f32x4"
+    assert spec.rows_kernel("float32", 24 + 2) == "dg_trt_rows_f32x1"  # 26 % 4 != 0
+    assert spec.rows_kernel("float32", None) == "dg_trt_rows_f32x1"  # unknown at build time: scalar
+    assert spec.rows_kernel("bfloat16", 262144) == "dg_trt_rows_bf16x8"
+    assert spec.rows_kernel("bfloat16", 12) == "dg_trt_rows_bf16x1"
+    assert [spec.accept_block(n) for n in (1, 8, 32, 33, 256, 1000, None)] == [
+        32,
+        32,
+        32,
+        64,
+        256,
+        1024,
+        1024,
+    ]
+    with pytest.raises(DgpipeError, match="outside"):
+        spec.accept_block(1025)
+
+
+# ---- per-target PTX --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plugins(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """PTX for all three targets (~10 s on two cores)."""
+    from pipeline.engine.ptx import build_plugin_ptx
+
+    root = tmp_path_factory.mktemp("plugins")
+    for t in ("sm90", "sm100", "sm120"):
+        build_plugin_ptx(root, t)
+    return root
+
+
+@needs_nvcc
+@pytest.mark.parametrize(("target", "arch"), [("sm90", "sm_90a"), ("sm100", "sm_100a"), ("sm120", "sm_120a")])
+def test_plugin_ptx_per_target(plugins: Path, target: str, arch: str):
+    from pipeline.engine.ptx import ENTRY_POINTS, load_plugin_ptx, sha256_bytes
+
+    info, data = load_plugin_ptx(plugins / target, target)
+    text = data.decode()
+    assert info.arch == arch and kbuild.ptx_target(plugins / target / info.file) == arch
+    assert re.search(rf"^\.target {arch}\b", text, re.MULTILINE)
+    assert ENTRY_POINTS == (
+        "dg_trt_accept", "dg_trt_rows_bf16x1", "dg_trt_rows_bf16x8", "dg_trt_rows_f32x1", "dg_trt_rows_f32x4",
+    )  # fmt: skip
+    for entry in ENTRY_POINTS:
+        assert re.search(rf"\.entry\s+{entry}\(", text), entry
+    assert info.sha256 == sha256_bytes(data) and len(info.sha256) == 64
+
+
+@needs_nvcc
+def test_plugin_entry_points_take_trt_argument_order(plugins: Path):
+    """TensorRT's AOT convention: input pointers, then the int32 extras (length, vocab), then outputs."""
+    text = (plugins / "sm90" / "dg_sampler.ptx").read_text()
+
+    def params(entry: str) -> list[str]:
+        body = re.search(rf"\.entry\s+{entry}\((.*?)\)", text, re.DOTALL)
+        assert body, entry
+        return re.findall(r"\.param\s+\.(\w+)", body.group(1))
+
+    # 6 inputs (pointers: u64), length + vocab (u32 / s32), 5 outputs
+    rows = params("dg_trt_rows_f32x4")
+    assert len(rows) == 13 and rows[6] in ("u32", "s32") and rows[7] in ("u32", "s32")
+    assert all(p == "u64" for p in rows[:6] + rows[8:])
+    accept = params("dg_trt_accept")
+    assert len(accept) == 21 and all(p == "u64" for p in accept[:13] + accept[15:])
+    assert accept[13] in ("u32", "s32") and accept[14] in ("u32", "s32")
+
+
+@needs_nvcc
+def test_plugin_ptx_tamper_and_wrong_target_are_refused(plugins: Path, tmp_path: Path):
+    import shutil
+
+    from pipeline.engine.ptx import load_plugin_ptx
+
+    with pytest.raises(DgpipeError, match="is for sm90, not sm100"):
+        load_plugin_ptx(plugins / "sm90", "sm100")
+    copy = tmp_path / "sm90"
+    shutil.copytree(plugins / "sm90", copy)
+    (copy / "dg_sampler.ptx").write_text((copy / "dg_sampler.ptx").read_text() + "// edited\n")
+    with pytest.raises(DgpipeError, match="sha256 differs"):
+        load_plugin_ptx(copy)
+
+
+# ---- engine manifest -------------------------------------------------------------------------------
+def _manifest(**kw) -> EngineManifest:
+    base = dict(
+        plan_sha256="ab" * 32, tensorrt_version="10.13.2.6", target="sm90", arch="sm_90a",
+        compute_capability="9.0", gpu_name="NVIDIA H200", precision="fp8",
+        plugin=PluginRecord(arch="sm_90a", ptx_sha256="cd" * 32, entry_points=["dg_trt_accept"]),
+        onnx_sha256="ef" * 32, checkpoint_sha256="01" * 32, build_flags={"strongly_typed": True},
+    )  # fmt: skip
+    return EngineManifest(**{**base, **kw})
+
+
+def test_engine_manifest_round_trip(tmp_path: Path):
+    m = _manifest()
+    save_engine_manifest(tmp_path, m)
+    back = load_engine_manifest(tmp_path)
+    assert back == m
+    raw = json.loads((tmp_path / "engine.json").read_text())
+    assert raw["tensorrt_version"] == "10.13.2.6" and raw["compute_capability"] == "9.0"
+    assert raw["plugin"]["ptx_sha256"] == "cd" * 32 and raw["precision"] == "fp8"
+    assert [p.name for p in tmp_path.iterdir()] == ["engine.json"]  # no temp file left
+    (tmp_path / "engine.json").write_text("{")
+    with pytest.raises(DgpipeError, match="invalid engine manifest"):
+        load_engine_manifest(tmp_path)
+
+
+def test_compatible_plan_passes():
+    check_compatible(_manifest(), "10.13.2.6", "9.0", ptx_sha256="cd" * 32)
+    check_compatible(_manifest(), "10.13.2.99", "9.0")  # build number is not part of compatibility
+
+
+@pytest.mark.parametrize(
+    ("trt", "cc", "ptx", "message"),
+    [
+        ("10.14.1.48", "9.0", None, r"built with TensorRT 10\.13\.2\.6, this is TensorRT 10\.14\.1\.48"),
+        (None, "9.0", None, r"needs TensorRT 10\.13\.2\.6, and TensorRT is not installed here"),
+        ("10.13.2.6", "10.0", None, r"built for compute capability 9\.0 \(sm90\), this GPU is 10\.0"),
+        ("10.13.2.6", None, None, r"needs a GPU of compute capability 9\.0; none is visible"),
+        ("10.13.2.6", "9.0", "ff" * 32, r"embeds sampler PTX cdcdcdcdcdcd, this dgpipe's is ffffffffffff"),
+    ],
+)
+def test_mismatch_messages_name_what_differs(trt, cc, ptx, message):
+    with pytest.raises(DgpipeError, match=message) as e:
+        check_compatible(_manifest(), trt, cc, ptx_sha256=ptx)
+    if trt is not None and cc is not None:
+        assert "dgpipe engine build --target sm90 --precision fp8" in str(e.value)
+
+
+def test_is_current_decides_rebuild(tmp_path: Path):
+    from pipeline.engine.build_engine import write_engine_dir
+
+    profiles = engine_profiles(_contract_inputs(), Limits(2, 64, 256), canvas=8, ring=5)
+    d = tmp_path / "engines" / "sm90"
+    write_engine_dir(d, b"PLAN" * 100, _manifest(profiles=profiles))
+    kw = dict(tensorrt_version="10.13.2.6", gpu_cc="9.0", precision="fp8", onnx_sha256="ef" * 32,
+              ptx_sha256="cd" * 32, profiles=profiles)  # fmt: skip
+    ok, why = is_current(d, **kw)
+    assert ok, why
+    assert sorted(p.name for p in d.parent.iterdir()) == ["sm90"]  # the swap left no temp dirs
+    assert is_current(d, **{**kw, "onnx_sha256": "00" * 32}) == (
+        False,
+        "the ONNX model changed since the plan was built",
+    )
+    assert is_current(d, **{**kw, "precision": "bf16"})[1] == "the plan is fp8, bf16 was asked for"
+    assert "built with TensorRT" in is_current(d, **{**kw, "tensorrt_version": "10.14.0.1"})[1]
+    other = engine_profiles(_contract_inputs(), Limits(4, 64, 256), canvas=8, ring=5)
+    assert "profiles" in is_current(d, **{**kw, "profiles": other})[1]
+    (d / "model.plan").write_bytes(b"PLAN")
+    assert "sha256 differs" in is_current(d, **kw)[1]
+    assert is_current(tmp_path / "nothing", **kw)[0] is False
+
+
+# ---- profiles --------------------------------------------------------------------------------------
+LAYERS = ["sliding_attention", "sliding_attention", "full_attention"]
+
+
+def _contract_inputs() -> dict[str, list[int | str]]:
+    """Graph inputs as the exporter declares them (pipeline/onnx_io.py), with the tiny model's static dims."""
+    static = {"vocab": 24, "kv_heads_0": 1, "kv_heads_1": 1, "kv_heads_2": 1,
+              "head_dim_0": 16, "head_dim_1": 16, "head_dim_2": 32}  # fmt: skip
+    specs = [*onnx_io.MODEL_INPUTS, *onnx_io.kv_inputs(LAYERS), *onnx_io.SAMPLER_INPUTS]
+    return {s.name: [static.get(d, d) if isinstance(d, str) else d for d in s.shape] for s in specs}
+
+
+def test_profiles_cover_both_passes():
+    causal, denoise = engine_profiles(_contract_inputs(), Limits(4, 100, 400), canvas=8, ring=5)
+    assert (causal.name, denoise.name) == ("causal", "denoise")
+    assert causal.shapes["tokens"] == [[1, 1], [1, 100], [4, 100]]
+    assert denoise.shapes["tokens"] == [[1, 8], [4, 8], [4, 8]]
+    assert causal.shapes["attention_mask.full"] == [[1, 1, 1, 1], [1, 1, 100, 100], [4, 1, 100, 500]]
+    assert denoise.shapes["attention_mask.sliding"] == [[1, 1, 8, 8], [4, 1, 8, 13], [4, 1, 8, 13]]
+    assert causal.shapes["past.0.key"] == [[1, 1, 0, 16], [1, 1, 0, 16], [4, 1, 5, 16]]
+    assert denoise.shapes["past.2.value"] == [[1, 1, 0, 32], [4, 1, 400, 32], [4, 1, 400, 32]]
+    assert causal.shapes["sc_probs"] == [[1, 1, 24], [1, 1, 24], [4, 1, 24]]
+    assert denoise.shapes["sc_probs"] == [[1, 1, 24], [4, 8, 24], [4, 8, 24]]
+    assert causal.shapes["mode"] == [[1]] * 3
+    assert (causal.shape_values, denoise.shape_values) == ({"mode": [[0]] * 3}, {"mode": [[1]] * 3})
+
+
+def test_profile_errors_are_clear():
+    assert eval_dim("past_full + seq", {"past_full": (0, 1, 9), "seq": (1, 2, 3)}) == (1, 3, 12)
+    with pytest.raises(DgpipeError, match="unknown symbolic dim 'keys'"):
+        eval_dim("keys", {"seq": (1, 1, 1)})
+    with pytest.raises(DgpipeError, match="leaves no room"):
+        engine_profiles(_contract_inputs(), Limits(1, 300, 300), canvas=8, ring=5)
+
+
+# ---- CLI validation (no TensorRT, no GPU) ------------------------------------------------------------
+def write_contract_onnx(d: Path, vocab: int = 24) -> Path:
+    """A graph with the contract's inputs/outputs and a SampleRows/SampleAccept pair: what plan_build reads."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    d.mkdir(parents=True, exist_ok=True)
+    types = {"FLOAT": TensorProto.FLOAT, "INT64": TensorProto.INT64, "BOOL": TensorProto.BOOL,
+             "BFLOAT16": TensorProto.BFLOAT16, onnx_io.MODEL: TensorProto.FLOAT}  # fmt: skip
+    specs = [*onnx_io.MODEL_INPUTS, *onnx_io.kv_inputs(LAYERS), *onnx_io.SAMPLER_INPUTS]
+    inputs = [
+        helper.make_tensor_value_info(s.name, types[s.dtype], _contract_inputs()[s.name]) for s in specs
+    ]
+    rows = helper.make_node("SampleRows", ["logits", "temperature", "seed", "request", "canvas", "step"],
+                            ["entropy", "max_prob", "argmax", "sample", "probs"], domain="dgpipe")  # fmt: skip
+    logits = helper.make_node("Cast", ["sc_probs"], ["logits"], to=TensorProto.FLOAT)
+    outputs = [helper.make_tensor_value_info("probs", TensorProto.BFLOAT16, ["batch", "head", vocab])]
+    graph = helper.make_graph([logits, rows], "contract", inputs, outputs)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("dgpipe", 1)]
+    )
+    onnx.save(model, d / "model.onnx")
+    (d / "contract.json").write_text(
+        json.dumps({"dims": {"canvas_length": 8, "sliding_window": 6, "vocab": vocab}})
+    )
+    return d / "model.onnx"
+
+
+def dgpipe(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, cwd=cwd
+    )
+
+
+def test_cli_refuses_nvfp4_on_hopper_with_fp8_hint(tmp_path: Path):
+    onnx_path = write_contract_onnx(tmp_path / "onnx")
+    out = tmp_path / "out"
+    r = dgpipe("engine", "build", "--onnx", str(onnx_path), "--target", "sm90", "--precision", "nvfp4",
+               "--output", str(out))  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "--precision nvfp4 does not run natively on sm90" in r.stderr
+    assert "use --precision fp8 for sm90" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
+
+
+def test_cli_unknown_target_and_missing_onnx(tmp_path: Path):
+    r = dgpipe(
+        "engine", "build", "--onnx", str(tmp_path / "x.onnx"), "--target", "sm75", "--output", str(tmp_path)
+    )
+    assert r.returncode == 2 and "unknown GPU target 'sm75'" in r.stderr
+    r = dgpipe("engine", "build", "--onnx", str(tmp_path / "x.onnx"), "--target", "sm100", "--precision", "nvfp4",
+               "--output", str(tmp_path / "out"))  # fmt: skip
+    assert r.returncode == 2 and f"ONNX model not found: {tmp_path / 'x.onnx'}" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(_has_tensorrt() and _has_gpu(), reason="TensorRT and a GPU are here: the build would run")
+def test_cli_without_tensorrt_says_where_the_engine_is_built(tmp_path: Path, plugins: Path):
+    onnx_path = write_contract_onnx(tmp_path / "onnx")
+    out = tmp_path / "out"
+    r = dgpipe("engine", "build", "--onnx", str(onnx_path), "--target", "sm90", "--precision", "fp8",
+               "--output", str(out), "--plugins", str(plugins), "--max-prompt", "64", "--max-context", "256")  # fmt: skip
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = r.stderr.strip()
+    assert err.startswith("error: cannot build the sm90 engine here: ")
+    if not _has_tensorrt():
+        assert "TensorRT (the `tensorrt` Python package) is not installed" in err
+    assert "built on the target node" in err and "initContainer or Job" in err
+    assert f"dgpipe engine build --onnx {onnx_path} --target sm90 --precision fp8 --plugins {plugins}" in err
+    assert len(err.splitlines()) == 1 and not out.exists()  # nothing half-written
+
+
+@needs_nvcc
+def test_cli_dry_run_prints_the_node_build(tmp_path: Path):
+    onnx_path = write_contract_onnx(tmp_path / "onnx")
+    out = tmp_path / "out"
+    r = dgpipe("engine", "build", "--onnx", str(onnx_path), "--target", "sm120", "--output", str(out),
+               "--max-batch", "2", "--max-prompt", "64", "--max-context", "256", "--dry-run", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["precision"] == "nvfp4" and plan["engine_dir"] == str(out / "engines" / "sm120")
+    causal, denoise = plan["profiles"]
+    assert causal["shapes"]["tokens"] == [[1, 1], [1, 64], [2, 64]]
+    assert denoise["shapes"]["tokens"] == [[1, 8], [2, 8], [2, 8]]
+    assert plan["node_command"][:3] == ["dgpipe", "engine", "build"] and "--max-batch" in plan["node_command"]
+    assert not out.exists()  # a dry run compiles nothing and writes nothing
+
+
+def test_onnx_for_trt_marks_the_plugin_nodes(tmp_path: Path):
+    import onnx
+
+    from pipeline.engine.build_engine import _onnx_for_trt
+
+    src = write_contract_onnx(tmp_path / "onnx")
+    copy = _onnx_for_trt(src, src.parent)
+    assert copy.parent == src.parent  # beside the model: external data paths stay valid
+    node = next(n for n in onnx.load(str(copy)).graph.node if n.op_type == "SampleRows")
+    attrs = {a.name: a.s.decode() for a in node.attribute}
+    assert attrs == {"plugin_namespace": "dgpipe"}
+
+
+# ---- Triton: which runtime ------------------------------------------------------------------------
+def _repo_with_engines(root: Path, *ccs: tuple[str, str]) -> Path:
+    from pipeline.engine.build_engine import write_engine_dir
+
+    for target, cc in ccs:
+        write_engine_dir(root / "engines" / target, b"PLAN", _manifest(target=target, compute_capability=cc))
+    return root
+
+
+def test_backend_choice(tmp_path: Path):
+    from pipeline.engine.select import choose_backend
+
+    empty = choose_backend(tmp_path, "9.0", "10.13.2.6")
+    assert (empty.kind, empty.loud, empty.reason) == (
+        "pytorch",
+        False,
+        "the repository holds no TensorRT engine",
+    )
+    repo = _repo_with_engines(tmp_path / "1", ("sm90", "9.0"), ("sm100", "10.0"))
+    c = choose_backend(repo, "10.0", "10.13.2.6")
+    assert (c.kind, c.engine_dir, c.loud) == ("tensorrt", repo / "engines" / "sm100", False)
+    assert c.reason == "sm100 plan (TensorRT 10.13.2.6, cc 10.0, fp8)"
+    c = choose_backend(repo, "12.0", "10.13.2.6")
+    assert (c.kind, c.loud) == ("pytorch", True)
+    assert (
+        c.reason
+        == "no engine for this GPU's compute capability 12.0; the repository has sm100 (cc 10.0), sm90 (cc 9.0)"
+    )
+    c = choose_backend(repo, "9.0", "10.14.1.48")
+    assert (c.kind, c.loud) == ("pytorch", True) and "built with TensorRT 10.13.2.6" in c.reason
+    c = choose_backend(repo, "9.0", None)
+    assert c.kind == "pytorch" and c.loud and "TensorRT is not installed here" in c.reason
+    c = choose_backend(repo, None, "10.13.2.6")
+    assert (c.kind, c.reason) == ("pytorch", "TensorRT engines present but no GPU is visible")
+
+
+def test_engine_check_cli_without_tensorrt(tmp_path: Path):
+    repo = _repo_with_engines(tmp_path / "b", ("sm90", "9.0"))
+    r = dgpipe("engine", "check", "--plan", str(repo))
+    assert r.returncode == 2
+    if not _has_tensorrt():
+        assert "needs TensorRT 10.13.2.6, and TensorRT is not installed here" in r.stderr
+
+
+# ---- on a GPU with TensorRT -------------------------------------------------------------------------
+needs_trt_gpu = pytest.mark.skipif(
+    not (_has_tensorrt() and _has_gpu()), reason="needs TensorRT >= 10.8 and a CUDA GPU (engine build + run)"
+)
+
+
+@pytest.mark.gpu
+@needs_trt_gpu
+def test_engine_matches_pytorch_runtime(tmp_path: Path):
+    """Build the tiny model's engine here and generate with both runtimes: same tokens for the same seed."""
+    import torch
+    from conftest import build_tiny
+
+    from pipeline.engine.build_engine import build, gpu, plan_build
+    from pipeline.engine.trt_backend import TensorRTBackend
+    from pipeline.runtime import BlockDiffusionRuntime, Request
+
+    export = pytest.importorskip("pipeline.export_onnx")
+    model = build_tiny().to("cuda")
+    onnx_dir = tmp_path / "onnx"
+    export.export_onnx(model, onnx_dir)
+    cc = gpu()[0]
+    target = {"9.0": "sm90", "10.0": "sm100", "12.0": "sm120"}[cc]
+    plan = plan_build(onnx_dir, target, "bf16", tmp_path, limits=Limits(2, 64, 256))
+    manifest, built = build(plan)
+    assert built and manifest.compute_capability == cc
+    backend = TensorRTBackend(plan.engine_dir, model.config)
+    reqs = [Request(prompt_ids=[2, 5, 7], max_tokens=16, seed=3, request_id=1)]
+    trt_out = BlockDiffusionRuntime(backend, max_batch=2, max_len=256).generate(reqs)
+    ref_out = BlockDiffusionRuntime(model, max_batch=2, max_len=256).generate(reqs)
+    assert trt_out[0].tokens == ref_out[0].tokens
+    assert torch.cuda.is_available()
