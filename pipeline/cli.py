@@ -159,14 +159,18 @@ def package(
     max_tokens_limit: Annotated[int, typer.Option(help="largest max_tokens a request may ask for")] = 4096,
     max_prompt_tokens: Annotated[int, typer.Option(help="longest prompt accepted, in tokens")] = 2048,
     device: DeviceOpt = "auto",
+    engines: Annotated[
+        Path | None, typer.Option(help="TensorRT engines dir (<target>/model.plan + engine.json) to ship")
+    ] = None,
 ) -> None:
     """Write a Triton model repository (Python backend, decoupled) that serves the checkpoint."""
     from pipeline.package import package as run_package
     from pipeline.session import default_model_path
 
     out = run_package(
-        model or default_model_path(), output, name, max_batch, max_tokens_limit, max_prompt_tokens, device
-    )
+        model or default_model_path(), output, name, max_batch, max_tokens_limit, max_prompt_tokens, device,
+        engines=engines,
+    )  # fmt: skip
     typer.echo(f"model repository: {out} (model '{name}')")
 
 

@@ -451,3 +451,20 @@ def test_engine_matches_pytorch_runtime(tmp_path: Path):
     ref_out = BlockDiffusionRuntime(model, max_batch=2, max_len=256).generate(reqs)
     assert trt_out[0].tokens == ref_out[0].tokens
     assert torch.cuda.is_available()
+
+
+# ---- packaging engines into the Triton repository ----------------------------------------------------
+def test_package_ships_engines_per_target(tiny_checkpoint: Path, tmp_path: Path):
+    pytest.importorskip("tritonclient", reason="needs tritonclient: pip install 'dgpipe[serve]'")
+    from pipeline.engine.select import choose_backend
+    from pipeline.package import package
+
+    build = _repo_with_engines(tmp_path / "build", ("sm90", "9.0"), ("sm100", "10.0"))
+    repo = package(tiny_checkpoint, tmp_path / "repo", engines=build / "engines")
+    version = repo / "dgpipe" / "1"
+    assert sorted(p.name for p in (version / "engines").iterdir()) == ["sm100", "sm90"]
+    assert sorted(p.name for p in (version / "engines" / "sm90").iterdir()) == ["engine.json", "model.plan"]
+    assert choose_backend(version, "9.0", "10.13.2.6").engine_dir == version / "engines" / "sm90"
+    with pytest.raises(DgpipeError, match="no engines/<target>/engine.json"):
+        package(tiny_checkpoint, tmp_path / "repo2", engines=tmp_path / "nothing")
+    assert not (tmp_path / "repo2").exists()
