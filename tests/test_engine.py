@@ -465,6 +465,41 @@ def test_package_ships_engines_per_target(tiny_checkpoint: Path, tmp_path: Path)
     assert sorted(p.name for p in (version / "engines").iterdir()) == ["sm100", "sm90"]
     assert sorted(p.name for p in (version / "engines" / "sm90").iterdir()) == ["engine.json", "model.plan"]
     assert choose_backend(version, "9.0", "10.13.2.6").engine_dir == version / "engines" / "sm90"
-    with pytest.raises(DgpipeError, match="no engines/<target>/engine.json"):
+    with pytest.raises(DgpipeError, match=r"no engines/<target>/engine\.json"):
         package(tiny_checkpoint, tmp_path / "repo2", engines=tmp_path / "nothing")
     assert not (tmp_path / "repo2").exists()
+
+
+@needs_nvcc
+@pytest.mark.skipif(
+    _has_tensorrt() and _has_gpu(), reason="TensorRT and a GPU are here: the stage would build"
+)
+def test_build_stage_on_a_cpu_machine_defers_the_engine(tmp_path: Path):
+    """`dgpipe build` on CPU: PTX per target + the node step in the build manifest, and a summary saying so."""
+    from pipeline.engine.stage import engine_stage
+    from pipeline.manifest import BuildManifest, load_manifest
+
+    write_contract_onnx(tmp_path / "onnx")
+    man = BuildManifest(model="tiny", model_sha256="12" * 32, precision="fp8", targets=["sm90", "sm100"])
+    lines = engine_stage(tmp_path, man, Limits(2, 64, 256))
+    assert len(lines) == 2 and lines[0].startswith("engine sm90: not built here (")
+    assert (
+        "built on the target node" in lines[0]
+        and "dgpipe engine build --onnx onnx/model.onnx --target sm90" in lines[0]
+    )
+    rec = load_manifest(tmp_path).stages["engine"]
+    assert rec.outputs == {"plugins": "plugins", "engines": "engines"}
+    sm100 = rec.details["engines"]["sm100"]
+    assert sm100["status"] == "deferred" and sm100["ptx"] == "plugins/sm100/dg_sampler.ptx"
+    assert sm100["command"][:7] == [
+        "dgpipe",
+        "engine",
+        "build",
+        "--onnx",
+        "onnx/model.onnx",
+        "--target",
+        "sm100",
+    ]
+    assert sm100["command"][sm100["command"].index("--output") + 1] == "."
+    assert (tmp_path / "plugins" / "sm100" / "dg_sampler.ptx").read_text().count(".entry") >= 5
+    assert not (tmp_path / "engines").exists()
