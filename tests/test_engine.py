@@ -270,6 +270,13 @@ def test_profile_errors_are_clear():
     assert eval_dim("past_full + seq", {"past_full": (0, 1, 9), "seq": (1, 2, 3)}) == (1, 3, 12)
     with pytest.raises(DgpipeError, match="unknown symbolic dim 'keys'"):
         eval_dim("keys", {"seq": (1, 1, 1)})
+    inputs = {"sc_probs": ["batch", "sc_seq", "vocab"]}
+    with pytest.raises(DgpipeError, match="unknown symbolic dim 'vocab'"):
+        engine_profiles(inputs, Limits(1, 8, 64), canvas=8, ring=5)
+    causal, _ = engine_profiles(
+        inputs, Limits(1, 8, 64), canvas=8, ring=5, static={"vocab": 24, "canvas_length": 8}
+    )
+    assert causal.shapes["sc_probs"] == [[1, 1, 24]] * 3
     with pytest.raises(DgpipeError, match="leaves no room"):
         engine_profiles(_contract_inputs(), Limits(1, 300, 300), canvas=8, ring=5)
 

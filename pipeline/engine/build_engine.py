@@ -95,8 +95,8 @@ class BuildPlan:
         }
 
 
-def model_dims(onnx_path: Path) -> tuple[int, int]:
-    """(canvas length, sliding ring size) from the exporter's contract.json beside the model."""
+def model_dims(onnx_path: Path) -> tuple[int, int, dict[str, int]]:
+    """(canvas length, sliding ring size, all dims) from the exporter's contract.json beside the model."""
     contract = onnx_path.parent / "contract.json"
     if not contract.is_file():
         raise DgpipeError(
@@ -108,7 +108,7 @@ def model_dims(onnx_path: Path) -> tuple[int, int]:
     ring = dims.get("ring") or (max(int(window) - 1, 1) if window else None)
     if not canvas or not ring:
         raise DgpipeError(f"{contract}: dims lack canvas_length / sliding_window (got {sorted(dims)})")
-    return int(canvas), int(ring)
+    return int(canvas), int(ring), dims
 
 
 def plan_build(
@@ -136,8 +136,8 @@ def plan_build(
             f"ONNX model not found: {onnx}", hint="run `dgpipe export` (or `dgpipe build`) first"
         )
     limits = limits or Limits()
-    canvas, ring = model_dims(onnx)
-    profiles = engine_profiles(onnx_inputs(onnx), limits, canvas, ring)
+    canvas, ring, dims = model_dims(onnx)
+    profiles = engine_profiles(onnx_inputs(onnx), limits, canvas, ring, static=dims)
     plugins_root = Path(plugins) if plugins else Path(output) / "plugins"
     plugin_dir = plugins_root / target.name
     info: PluginPtx | None = None

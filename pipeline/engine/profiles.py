@@ -121,8 +121,16 @@ def onnx_inputs(onnx_path: Path) -> dict[str, list[int | str]]:
 
 
 def engine_profiles(
-    inputs: dict[str, list[int | str]], limits: Limits, canvas: int, ring: int
+    inputs: dict[str, list[int | str]],
+    limits: Limits,
+    canvas: int,
+    ring: int,
+    static: dict[str, int] | None = None,
 ) -> list[ProfileRecord]:
-    """Profile 0 = causal, profile 1 = denoise (the runtime relies on this order)."""
+    """Profile 0 = causal, profile 1 = denoise (the runtime relies on this order). `static`: model dims the
+    export may have left symbolic (e.g. "vocab"), fixed at their value (contract.json "dims")."""
     limits.validate(canvas)
-    return [make_profile(k, inputs, bounds(k, limits, canvas, ring)) for k in ("causal", "denoise")]
+    fixed = {
+        k: (v, v, v) for k, v in (static or {}).items() if isinstance(v, int) and not isinstance(v, bool)
+    }
+    return [make_profile(k, inputs, fixed | bounds(k, limits, canvas, ring)) for k in ("causal", "denoise")]
