@@ -435,29 +435,32 @@ needs_trt_gpu = pytest.mark.skipif(
 @pytest.mark.gpu
 @needs_trt_gpu
 def test_engine_matches_pytorch_runtime(tmp_path: Path):
-    """Build the tiny model's engine here and generate with both runtimes: same tokens for the same seed."""
-    import torch
+    """Build the tiny model's engine here and generate with both runtimes: same tokens for the same seed
+    (fp32 graph, same counter RNG, same sampler kernels)."""
     from conftest import build_tiny
 
     from pipeline.engine.build_engine import build, gpu, plan_build
     from pipeline.engine.trt_backend import TensorRTBackend
+    from pipeline.export_onnx import export_onnx
     from pipeline.runtime import BlockDiffusionRuntime, Request
 
-    export = pytest.importorskip("pipeline.export_onnx")
-    model = build_tiny().to("cuda")
-    onnx_dir = tmp_path / "onnx"
-    export.export_onnx(model, onnx_dir)
+    model = build_tiny()
+    export_onnx(model, tmp_path / "onnx")
+    model = model.to("cuda")
     cc = gpu()[0]
     target = {"9.0": "sm90", "10.0": "sm100", "12.0": "sm120"}[cc]
-    plan = plan_build(onnx_dir, target, "bf16", tmp_path, limits=Limits(2, 64, 256))
+    plan = plan_build(tmp_path / "onnx", target, "bf16", tmp_path, limits=Limits(2, 64, 256))
     manifest, built = build(plan)
-    assert built and manifest.compute_capability == cc
+    assert built and manifest.compute_capability == cc and (plan.engine_dir / "model.plan").stat().st_size > 0
+    _, again = build(plan)
+    assert again is False  # up to date: kept
     backend = TensorRTBackend(plan.engine_dir, model.config)
-    reqs = [Request(prompt_ids=[2, 5, 7], max_tokens=16, seed=3, request_id=1)]
+    reqs = [Request(prompt_ids=[2, 5, 7], max_tokens=16, seed=3, request_id=1),
+            Request(prompt_ids=[2, 9], max_tokens=12, seed=4, request_id=2)]  # fmt: skip
     trt_out = BlockDiffusionRuntime(backend, max_batch=2, max_len=256).generate(reqs)
     ref_out = BlockDiffusionRuntime(model, max_batch=2, max_len=256).generate(reqs)
-    assert trt_out[0].tokens == ref_out[0].tokens
-    assert torch.cuda.is_available()
+    assert [r.tokens for r in trt_out] == [r.tokens for r in ref_out]
+    assert [r.steps_per_canvas for r in trt_out] == [r.steps_per_canvas for r in ref_out]
 
 
 # ---- packaging engines into the Triton repository ----------------------------------------------------
@@ -510,3 +513,40 @@ def test_build_stage_on_a_cpu_machine_defers_the_engine(tmp_path: Path):
     assert sm100["command"][sm100["command"].index("--output") + 1] == "."
     assert (tmp_path / "plugins" / "sm100" / "dg_sampler.ptx").read_text().count(".entry") >= 5
     assert not (tmp_path / "engines").exists()
+
+
+def test_plan_from_a_real_export(tmp_path: Path):
+    """The exporter's tiny-model ONNX: every graph input gets a profile, the plugin nodes get marked."""
+    import onnx
+    from conftest import build_tiny
+
+    from pipeline.engine.build_engine import _onnx_for_trt, plan_build
+    from pipeline.engine.profiles import onnx_inputs
+    from pipeline.export_onnx import export_onnx
+
+    export_onnx(build_tiny(), tmp_path / "onnx")
+    model = tmp_path / "onnx" / "model.onnx"
+    if kbuild.find_nvcc() is None:
+        pytest.skip("nvcc not found: plan_build needs it when no PTX is prepared")
+    plan = plan_build(tmp_path / "onnx", "sm90", "bf16", tmp_path, limits=Limits(2, 64, 256))
+    causal, denoise = plan.profiles
+    assert set(causal.shapes) == set(onnx_inputs(model)) == set(denoise.shapes)
+    assert denoise.shapes["attention_mask.full"] == [[1, 1, 8, 8], [2, 1, 8, 264], [2, 1, 8, 264]]
+    assert causal.shapes["past.0.key"] == [
+        [1, 1, 0, 16],
+        [1, 1, 0, 16],
+        [2, 1, 5, 16],
+    ]  # ring = window - 1 = 5
+    assert plan.plugin is None and not (tmp_path / "plugins").exists()  # compiled only when the build runs
+    copy = _onnx_for_trt(model, model.parent)
+    try:
+        nodes = {
+            n.op_type: {a.name for a in n.attribute}
+            for n in onnx.load(str(copy), load_external_data=False).graph.node
+            if n.domain == "dgpipe"
+        }
+    finally:
+        copy.unlink()
+    assert nodes == {"SampleRows": {"plugin_namespace"}, "SampleAccept": {"vocab", "plugin_namespace"}}
+    with pytest.raises(DgpipeError, match="was exported at fp32, not fp8"):
+        plan_build(tmp_path / "onnx", "sm90", "fp8", tmp_path)

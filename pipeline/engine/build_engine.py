@@ -111,6 +111,23 @@ def model_dims(onnx_path: Path) -> tuple[int, int, dict[str, int]]:
     return int(canvas), int(ring), dims
 
 
+UNQUANTIZED = {"fp32", "bf16", "fp16"}
+
+
+def check_export_precision(onnx_path: Path, precision: str) -> None:
+    """A strongly typed engine runs the types in the graph, so the ONNX must have been exported at the
+    precision asked for (an unquantized export serves bf16, whose weights the graph carries as exported)."""
+    contract = json.loads((onnx_path.parent / "contract.json").read_text())
+    exported = contract.get("precision")
+    if exported is None or exported == precision or (exported in UNQUANTIZED and precision in UNQUANTIZED):
+        return
+    raise DgpipeError(
+        f"{onnx_path} was exported at {exported}, not {precision}: a strongly typed engine takes its types "
+        "from the graph",
+        hint=f"export the {precision} checkpoint (dgpipe build --precision {precision}) or pass --precision {exported}",
+    )
+
+
 def plan_build(
     onnx: Path,
     target_name: str,
@@ -137,6 +154,7 @@ def plan_build(
         )
     limits = limits or Limits()
     canvas, ring, dims = model_dims(onnx)
+    check_export_precision(onnx, precision)
     profiles = engine_profiles(onnx_inputs(onnx), limits, canvas, ring, static=dims)
     plugins_root = Path(plugins) if plugins else Path(output) / "plugins"
     plugin_dir = plugins_root / target.name
