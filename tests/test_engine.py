@@ -484,10 +484,15 @@ def test_package_ships_engines_per_target(tiny_checkpoint: Path, tmp_path: Path)
 @pytest.mark.skipif(
     _has_tensorrt() and _has_gpu(), reason="TensorRT and a GPU are here: the stage would build"
 )
-def test_build_stage_on_a_cpu_machine_defers_the_engine(tmp_path: Path):
+def test_build_stage_on_a_cpu_machine_defers_the_engine(tmp_path: Path, plugins: Path):
     """`dgpipe build` on CPU: PTX per target + the node step in the build manifest, and a summary saying so."""
+    import shutil
+
     from pipeline.engine.stage import engine_stage
     from pipeline.manifest import BuildManifest, load_manifest
+
+    shutil.copytree(plugins / "sm90", tmp_path / "plugins" / "sm90")  # compiled from these sources: reused
+    before = (tmp_path / "plugins" / "sm90" / "dg_sampler.ptx").stat().st_mtime_ns
 
     write_contract_onnx(tmp_path / "onnx")
     man = BuildManifest(model="tiny", model_sha256="12" * 32, precision="fp8", targets=["sm90", "sm100"])
@@ -512,6 +517,7 @@ def test_build_stage_on_a_cpu_machine_defers_the_engine(tmp_path: Path):
     ]
     assert sm100["command"][sm100["command"].index("--output") + 1] == "."
     assert (tmp_path / "plugins" / "sm100" / "dg_sampler.ptx").read_text().count(".entry") >= 5
+    assert (tmp_path / "plugins" / "sm90" / "dg_sampler.ptx").stat().st_mtime_ns == before  # not recompiled
     assert not (tmp_path / "engines").exists()
 
 
@@ -550,3 +556,78 @@ def test_plan_from_a_real_export(tmp_path: Path):
     assert nodes == {"SampleRows": {"plugin_namespace"}, "SampleAccept": {"vocab", "plugin_namespace"}}
     with pytest.raises(DgpipeError, match="was exported at fp32, not fp8"):
         plan_build(tmp_path / "onnx", "sm90", "fp8", tmp_path)
+
+
+# ---- the TensorRT backend's feeds, run through onnxruntime on the real export ---------------------------
+class _FeedsOnOrt:
+    """The TensorRT backend's host side (engine_feeds, full-width zero sc, output mapping) with onnxruntime
+    executing the graph instead of TensorRT (through the exporter's session runner): checks everything
+    TensorRTBackend sends, on a CPU."""
+
+    def __init__(self, onnx_dir: Path, checkpoint: Path) -> None:
+        import torch
+
+        from pipeline.onnx_backend import OnnxRuntimeBackend
+
+        self.ort = OnnxRuntimeBackend(onnx_dir, checkpoint)
+        self.config, self.device, self.dtype = self.ort.config, torch.device("cpu"), torch.float32
+        self.feeds_seen: list[dict] = []
+
+    def _run(self, feeds):
+        self.feeds_seen.append({k: tuple(v.shape) for k, v in feeds.items()})
+        return self.ort._run(feeds)
+
+    def causal(self, tokens, positions, masks, past):
+        import torch
+
+        from pipeline.engine.feeds import engine_feeds, kv_from_outputs
+
+        tc = self.config.text_config
+        sc = torch.zeros(tokens.shape[0], 1, tc.vocab_size)
+        feeds = engine_feeds("causal", tc, self.dtype, "cpu", tokens, positions, masks, past, sc, None)
+        return kv_from_outputs(self._run(feeds), len(tc.layer_types))
+
+    def denoise_step(self, canvas, sc_probs, positions, masks, past, sampler):
+        from pipeline.engine.feeds import denoise_result, denoise_sc, engine_feeds
+
+        b, q = canvas.shape
+        tc = self.config.text_config
+        sc = denoise_sc(sc_probs, b, q, tc.vocab_size, self.dtype, "cpu")
+        feeds = engine_feeds("denoise", tc, self.dtype, "cpu", canvas, positions, masks, past, sc, sampler)
+        return denoise_result(self._run(feeds))
+
+
+def test_trt_feeds_drive_the_real_graph_like_onnxruntime_backend(tmp_path: Path):
+    """Sudoku infill (templates pinned) through the exported graph fed by engine_feeds: the same tokens and
+    steps as the exporter's onnxruntime backend, and every pass had the profile's shapes."""
+    pytest.importorskip("onnxruntime")
+    from pipeline import sudoku
+    from pipeline import sudoku_tokenizer as stok
+    from pipeline.checkpoint import load_model
+    from pipeline.export_onnx import export_onnx
+    from pipeline.onnx_backend import OnnxRuntimeBackend
+    from pipeline.runtime import BlockDiffusionRuntime, Request
+    from pipeline.session import load_session
+
+    embedded = Path(__file__).resolve().parents[1] / "pipeline" / "models" / "sudoku-tiny"
+    model = load_model(embedded)[0]
+    export_onnx(model, tmp_path / "onnx")
+    sampler = load_session(embedded, "auto", "cpu").sampler()
+    puzzles = sudoku.make_dataset(7, 2, (45, 61))
+
+    def run(backend):
+        rt = BlockDiffusionRuntime(backend, max_batch=2, max_len=stok.PROMPT_LEN + 2 * 82)
+        reqs = [Request(prompt_ids=stok.sudoku_prompt_ids(p), max_tokens=stok.TARGET_LEN, sampler=sampler,
+                        request_id=i, template=stok.sudoku_infill_template(p)) for i, (p, _) in enumerate(puzzles)]  # fmt: skip
+        return [(r.tokens, r.steps_per_canvas) for r in rt.generate(reqs)]
+
+    ours = _FeedsOnOrt(tmp_path / "onnx", embedded)
+    got = run(ours)
+    assert got == run(OnnxRuntimeBackend(tmp_path / "onnx", embedded))
+    assert all(len(tokens) > 0 and steps for tokens, steps in got)
+    # every denoise pass sent full-width sc_probs [B, canvas, V]: one shape per canvas, as a CUDA graph needs
+    canvas, vocab = model.config.canvas_length, model.config.text_config.vocab_size
+    denoise = [f for f in ours.feeds_seen if f["sc_probs"][1] != 1]
+    assert denoise and all(f["sc_probs"][1:] == (canvas, vocab) for f in denoise)
+    causal = [f for f in ours.feeds_seen if f["sc_probs"][1] == 1]
+    assert causal and all(f["template"] == f["tokens"] for f in causal)

@@ -39,6 +39,7 @@ class PluginPtx(BaseModel):
     sha256: str
     entry_points: list[str]
     nvcc_flags: list[str]
+    source_sha256: str = ""  # the kernel sources it was compiled from: an unchanged source is not recompiled
 
     def path(self, plugin_dir: Path) -> Path:
         return plugin_dir / self.file
@@ -52,9 +53,28 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def build_plugin_ptx(plugins_root: Path | str, target_name: str, *, nvcc: str | None = None) -> PluginPtx:
-    """Compile the sampler to PTX for `target_name` into `plugins_root/<target>/` (replaced atomically)."""
+def source_sha256() -> str:
+    """The kernel sources and flags the PTX depends on."""
+    h = hashlib.sha256(" ".join(build.NVCC_FLAGS).encode())
+    for f in sorted(build.CSRC.glob("*.cu*")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def build_plugin_ptx(
+    plugins_root: Path | str, target_name: str, *, nvcc: str | None = None, force: bool = False
+) -> PluginPtx:
+    """Compile the sampler to PTX for `target_name` into `plugins_root/<target>/` (replaced atomically);
+    kept as is when it was compiled from the same sources (re-running a build stage is then instant)."""
     t = get_target(target_name)
+    existing = Path(plugins_root) / t.name
+    if not force and (existing / INFO_NAME).is_file():
+        try:
+            info, _ = load_plugin_ptx(existing, t.name)
+            if info.source_sha256 == source_sha256():
+                return info
+        except DgpipeError:
+            pass  # damaged or stale: recompile
     nvcc = nvcc or build.find_nvcc()
     if nvcc is None:
         raise DgpipeError(
@@ -78,6 +98,7 @@ def build_plugin_ptx(plugins_root: Path | str, target_name: str, *, nvcc: str | 
             sha256=sha256_bytes(text.encode()),
             entry_points=sorted(found),
             nvcc_flags=[*build.NVCC_FLAGS, f"-arch=compute_{t.arch[3:]}", "-ptx"],
+            source_sha256=source_sha256(),
         )
         stage = Path(tmp) / "out"
         stage.mkdir()

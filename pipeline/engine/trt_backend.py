@@ -27,10 +27,10 @@ import torch
 
 from pipeline.backends import KV, DenoiseResult, Masks, SamplerInputs
 from pipeline.config import ModelConfig
+from pipeline.engine.feeds import denoise_result, denoise_sc, engine_feeds, kv_from_outputs
 from pipeline.engine.manifest import check_compatible, load_engine_manifest
 from pipeline.errors import DgpipeError
 from pipeline.onnx_io import MODE_CAUSAL, MODE_DENOISE
-from pipeline.sampler import StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -189,76 +189,14 @@ class TensorRTBackend:
             for k, v in (("causal", MODE_CAUSAL), ("denoise", MODE_DENOISE))
         }
 
-    # ---- feeds -------------------------------------------------------------------------------------
-    def _kv_feeds(self, past: KV | None, batch: int) -> dict[str, torch.Tensor]:
-        feeds = {}
-        for i, _kind in enumerate(self.layer_types):
-            shape = self.config.text_config.layer_shape(i)
-            for j, kv in enumerate(("key", "value")):
-                if past is None:  # fresh prefill: zero cached keys
-                    t = torch.empty(
-                        batch, shape.num_kv_heads, 0, shape.head_dim, dtype=self.dtype, device=self.device
-                    )
-                else:
-                    t = past[i][j].to(self.dtype).contiguous()
-                feeds[f"past.{i}.{kv}"] = t
-        return feeds
-
-    def _mask(self, mask: torch.Tensor | None, batch: int, q: int, keys: int) -> torch.Tensor:
-        if mask is None:  # attention_masks returns None when everything is visible
-            return torch.ones(batch, 1, q, keys, dtype=torch.bool, device=self.device)
-        return mask.to(self.device, torch.bool).contiguous()
-
-    def _feeds(
-        self, kind: str, tokens, positions, masks: Masks, past: KV | None, sc, s: SamplerInputs | None
-    ):
-        b, q = tokens.shape
-        kv = self._kv_feeds(past, b)
-        full = next(i for i, k in enumerate(self.layer_types) if k == "full_attention")
-        sliding = next((i for i, k in enumerate(self.layer_types) if k == "sliding_attention"), full)
-        long = {"dtype": torch.int64, "device": self.device}
-        f32 = {"dtype": torch.float32, "device": self.device}
-        feeds = {
-            "mode": self._mode[kind],
-            "tokens": tokens.to(**long).contiguous(),
-            "positions": positions.to(**long).contiguous(),
-            "sc_probs": sc,
-            "attention_mask.full": self._mask(
-                masks.get("full_attention"), b, q, kv[f"past.{full}.key"].shape[2] + q
-            ),
-            "attention_mask.sliding": self._mask(
-                masks.get("sliding_attention"), b, q, kv[f"past.{sliding}.key"].shape[2] + q
-            ),
-            **kv,
-        }
-        if s is None:  # causal pass: the sampler runs on one position and its outputs are ignored
-            zeros = torch.zeros(b, **long)
-            feeds |= {
-                "temperature": torch.ones(b, **f32), "bound": torch.ones(b, **f32),
-                "seed": zeros, "request": zeros, "canvas": zeros, "step": zeros,
-                "template": torch.full((b, q), -1, **long), "prev_argmax": torch.full((b, q), -1, **long),
-                "stable_count": zeros, "stability_threshold": torch.ones(b, **long),
-                "confidence_threshold": torch.zeros(b, **f32),
-            }  # fmt: skip
-        else:
-            k = s.keys
-            feeds |= {
-                "temperature": s.temperature.to(**f32), "bound": s.bound.to(**f32),
-                "seed": k.seed.to(**long), "request": k.request.to(**long),
-                "canvas": k.canvas.to(**long), "step": k.step.to(**long),
-                "template": s.template.to(**long) if s.template is not None else torch.full((b, q), -1, **long),
-                "prev_argmax": s.prev_argmax.to(**long), "stable_count": s.stable_count.to(**long),
-                "stability_threshold": s.stability_threshold.to(**long),
-                "confidence_threshold": s.confidence_threshold.to(**f32),
-            }  # fmt: skip
-        return {n: t.contiguous() for n, t in feeds.items()}
-
     # ---- ModelBackend -------------------------------------------------------------------------------
     def causal(self, tokens: torch.Tensor, positions: torch.Tensor, masks: Masks, past: KV | None) -> KV:
-        b = tokens.shape[0]
-        sc = torch.zeros(b, 1, self.vocab, dtype=self.dtype, device=self.device)
-        out = self.contexts["causal"].run(self._feeds("causal", tokens, positions, masks, past, sc, None))
-        return [(out[f"present.{i}.key"], out[f"present.{i}.value"]) for i in range(len(self.layer_types))]
+        sc = torch.zeros(tokens.shape[0], 1, self.vocab, dtype=self.dtype, device=self.device)
+        feeds = engine_feeds(
+            "causal", self.config.text_config, self.dtype, self.device, tokens, positions, masks, past, sc, None,
+            mode=self._mode["causal"],
+        )  # fmt: skip
+        return kv_from_outputs(self.contexts["causal"].run(feeds), len(self.layer_types))
 
     def denoise_step(
         self,
@@ -270,17 +208,9 @@ class TensorRTBackend:
         sampler: SamplerInputs,
     ) -> DenoiseResult:
         b, q = canvas.shape
-        if sc_probs is None:  # full width even when empty: the graph's shapes stay fixed within a canvas
-            sc = torch.zeros(b, q, self.vocab, dtype=self.dtype, device=self.device)
-        else:
-            sc = sc_probs.to(self.dtype)
-        feeds = self._feeds("denoise", canvas, positions, masks, past, sc, sampler)
-        out = self.contexts["denoise"].run_graph(feeds)
-        step = StepOutput(
-            canvas=out["next_canvas"],
-            argmax=out["argmax"],
-            probs=out["probs"],
-            entropy=out["entropy"],
-            kept=out["kept"],
-        )
-        return DenoiseResult(step, out["stable_count_out"], out["stop"])
+        sc = denoise_sc(sc_probs, b, q, self.vocab, self.dtype, self.device)
+        feeds = engine_feeds(
+            "denoise", self.config.text_config, self.dtype, self.device, canvas, positions, masks, past, sc,
+            sampler, mode=self._mode["denoise"],
+        )  # fmt: skip
+        return denoise_result(self.contexts["denoise"].run_graph(feeds))
