@@ -135,6 +135,24 @@ def test_plugin_ptx_per_target(plugins: Path, target: str, arch: str):
 
 
 @needs_nvcc
+@pytest.mark.parametrize(("target", "arch"), [("sm90", "sm_90a"), ("sm100", "sm_100a"), ("sm120", "sm_120a")])
+def test_plugin_ptx_assembles_for_its_gpu(plugins: Path, tmp_path: Path, target: str, arch: str):
+    """The PTX the plan embeds is compiled for the GPU when the engine loads: ptxas must accept it for the
+    target, and the SASS must hold every plugin entry point."""
+    import shutil
+
+    from pipeline.engine.ptx import ENTRY_POINTS
+
+    ptxas = shutil.which("ptxas") or str(Path(kbuild.find_nvcc()).parent / "ptxas")
+    out = tmp_path / f"{target}.cubin"
+    r = subprocess.run([ptxas, f"-arch={arch}", str(plugins / target / "dg_sampler.ptx"), "-o", str(out)],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    info = kbuild.read_cubin(out)
+    assert info.arch == arch and set(ENTRY_POINTS) <= set(info.kernels)
+
+
+@needs_nvcc
 def test_plugin_entry_points_take_trt_argument_order(plugins: Path):
     """TensorRT's AOT convention: input pointers, then the int32 extras (length, vocab), then outputs."""
     text = (plugins / "sm90" / "dg_sampler.ptx").read_text()
