@@ -649,3 +649,131 @@ def test_trt_feeds_drive_the_real_graph_like_onnxruntime_backend(tmp_path: Path)
     assert denoise and all(f["sc_probs"][1:] == (canvas, vocab) for f in denoise)
     causal = [f for f in ours.feeds_seen if f["sc_probs"][1] == 1]
     assert causal and all(f["template"] == f["tokens"] for f in causal)
+
+
+# ---- plugin.py against tensorrt.plugin's documented schema -----------------------------------------------
+class _Expr:
+    """A symbolic dim as tensorrt.plugin hands it: constant or not, and multipliable."""
+
+    def __init__(self, value: int | None) -> None:
+        self.value, self.is_fake = value, False
+
+    @property
+    def is_constant(self) -> bool:
+        return self.value is not None
+
+    def constant_value(self) -> int:
+        assert self.value is not None
+        return self.value
+
+    def __mul__(self, other: _Expr) -> _Expr:
+        return _Expr(None if self.value is None or other.value is None else self.value * other.value)
+
+
+@pytest.fixture
+def recording_trtp(monkeypatch: pytest.MonkeyPatch):
+    """A recording stand-in for `tensorrt` / `tensorrt.plugin` (TensorRT cannot be installed here): it keeps
+    what plugin.py registers so the test can check the functions against the real module's schema rules
+    (documented in tensorrt.plugin.register / aot_impl) and run them on concrete descriptors."""
+    import types
+
+    trt = types.ModuleType("tensorrt")
+    for name in ("float32", "bfloat16", "int64", "bool", "float16"):
+        setattr(trt, name, f"DataType.{name}")
+    trtp = types.ModuleType("tensorrt.plugin")
+    registry: dict[str, dict] = {}
+
+    class TensorDesc:
+        def __init__(self, shape=(), dtype=None):
+            self.shape_expr, self.dtype = list(shape), dtype
+
+        @property
+        def ndim(self) -> int:
+            return len(self.shape_expr)
+
+    class KernelLaunchParams:
+        grid_x = grid_y = grid_z = block_x = block_y = block_z = shared_mem = None
+
+    class SymExprs(list):
+        pass
+
+    class SymIntExprs(SymExprs):
+        def __init__(self, n: int = 0):
+            super().__init__([None] * n)
+
+    def decorator(kind):
+        def wrap(plugin_id):
+            def inner(fn):
+                registry.setdefault(plugin_id, {})[kind] = fn
+                return fn
+
+            return inner
+
+        return wrap
+
+    trtp.register, trtp.aot_impl = decorator("register"), decorator("aot_impl")
+    trtp.TensorDesc, trtp.KernelLaunchParams, trtp.SymExprs, trtp.SymIntExprs = (
+        TensorDesc, KernelLaunchParams, SymExprs, SymIntExprs,
+    )  # fmt: skip
+    trtp.SymInt32 = lambda e: ("int32", e.value if isinstance(e, _Expr) else e)
+    trtp.from_shape_expr = lambda shape, dtype: TensorDesc(shape, dtype)
+    trt.plugin = trtp
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    from pipeline.engine import plugin
+
+    monkeypatch.setitem(plugin._STATE, "registered", False)
+    plugin.register(b"// ptx", "sm_90a")
+    return registry, TensorDesc
+
+
+def test_plugin_functions_follow_the_tensorrt_plugin_schema(recording_trtp):
+    import inspect
+    import typing
+
+    registry, _ = recording_trtp
+    assert set(registry) == {"dgpipe::SampleRows", "dgpipe::SampleAccept"}
+    for op_id, fns in registry.items():
+        op = op_id.split("::")[1]
+        tensors = [p.name for p in spec.SPECS[op][0]]
+        attrs = list(spec.ACCEPT_ATTRS) if op == spec.ACCEPT_OP else []
+        reg = inspect.signature(fns["register"])
+        assert list(reg.parameters) == tensors + attrs  # tensors first, then attributes, all annotated
+        assert all(p.annotation is not inspect.Parameter.empty for p in reg.parameters.values())
+        assert all(isinstance(p.annotation, type) for p in reg.parameters.values())  # objects, not strings
+        assert typing.get_origin(reg.return_annotation) is tuple
+        assert len(typing.get_args(reg.return_annotation)) == len(spec.SPECS[op][1])
+        aot = inspect.signature(fns["aot_impl"])
+        assert list(aot.parameters) == tensors + attrs + ["outputs", "tactic"]  # the aot_impl schema
+        ret = typing.get_args(aot.return_annotation)
+        assert len(ret) == 4 and ret[2].__name__ == "KernelLaunchParams"
+
+
+def test_plugin_shapes_and_launches_on_concrete_descriptors(recording_trtp):
+    registry, desc = recording_trtp
+    b, length, vocab = _Expr(2), _Expr(8), _Expr(24)
+    f32, i64 = "DataType.float32", "DataType.int64"
+    rows_in = [desc((b, length, vocab), f32), desc((b,), f32), *[desc((b,), i64) for _ in range(4)]]
+    rows = registry["dgpipe::SampleRows"]
+    outs = rows["register"](*rows_in)
+    assert [(len(o.shape_expr), o.dtype) for o in outs] == [
+        (2, f32), (2, f32), (2, i64), (2, i64), (3, "DataType.bfloat16"),
+    ]  # fmt: skip
+    name, ptx, launch, extra = rows["aot_impl"](*rows_in, outputs=outs, tactic=0)
+    assert (name, ptx) == (b"dg_trt_rows_f32x4", b"// ptx")
+    assert (launch.grid_x.value, launch.block_x, launch.shared_mem) == (16, 512, 0)
+    assert list(extra) == [("int32", 8), ("int32", 24)]
+    with pytest.raises(DgpipeError, match="input 'temperature' must be float32"):
+        rows["register"](rows_in[0], desc((b,), i64), *rows_in[2:])
+
+    acc = registry["dgpipe::SampleAccept"]
+    bl, bb = (b, length), (b,)
+    acc_in = [desc(bl, f32), desc(bl, i64), desc(bl, i64), desc(bl, i64), desc(bb, f32),
+              *[desc(bb, i64) for _ in range(4)], desc(bl, i64), desc(bb, i64), desc(bb, i64), desc(bb, f32)]  # fmt: skip
+    outs = acc["register"](*acc_in, vocab=24)
+    assert [o.dtype for o in outs] == [f32, "DataType.bool", i64, i64, i64, "DataType.bool"]
+    name, _, launch, extra = acc["aot_impl"](*acc_in, vocab=24, outputs=outs, tactic=0)
+    assert name == b"dg_trt_accept" and (launch.grid_x.value, launch.block_x) == (2, 32)
+    assert list(extra) == [("int32", 8), ("int32", 24)]
+    dynamic = [desc((b, _Expr(None)), t.dtype) if len(t.shape_expr) == 2 else t for t in acc_in]
+    assert acc["aot_impl"](*dynamic, vocab=24, outputs=outs, tactic=0)[2].block_x == 1024
