@@ -144,14 +144,14 @@ def append_head_and_sampler(m: onnx.ModelProto, vocab: int, softcap: float) -> N
     nodes.append(helper.make_node(
         onnx_io.SAMPLE_ROWS.name, ["logits", "temperature", *keys],
         ["rows/entropy", "rows/max_prob", "rows/argmax", "rows/sample", "probs"],
-        name="SampleRows", domain=onnx_io.DOMAIN,
+        name="SampleRows", domain=onnx_io.DOMAIN, **onnx_io.PLUGIN_ATTRIBUTES,
     ))  # fmt: skip
     nodes.append(helper.make_node(
         onnx_io.SAMPLE_ACCEPT.name,
         ["rows/entropy", "rows/argmax", "rows/sample", tpl, "bound", *keys, prev, "stable_count",
          "stability_threshold", "confidence_threshold"],
         ["entropy", "kept", "next_canvas", "argmax", "stable_count_out", "stop"],
-        name="SampleAccept", domain=onnx_io.DOMAIN, vocab=vocab,
+        name="SampleAccept", domain=onnx_io.DOMAIN, vocab=vocab, **onnx_io.PLUGIN_ATTRIBUTES,
     ))  # fmt: skip
     g.node.extend(nodes)
     for spec in onnx_io.SAMPLER_INPUTS:

@@ -82,6 +82,9 @@ def test_checker_opset_and_contract(exported, model):
             )
     custom = [n for n in m.graph.node if n.domain == onnx_io.DOMAIN]
     assert [n.op_type for n in custom] == ["SampleRows", "SampleAccept"]
+    for n in custom:  # what makes TensorRT pick the plugin over the local function
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        assert attrs["plugin_namespace"] == b"dgpipe" and attrs["plugin_version"] == b"1"
     assert [len(n.input) for n in custom] == [len(op.inputs) for op in onnx_io.CUSTOM_OPS]
     assert [len(n.output) for n in custom] == [len(op.outputs) for op in onnx_io.CUSTOM_OPS]
     assert {(f.domain, f.name) for f in m.functions} == {
