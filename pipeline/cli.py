@@ -147,6 +147,26 @@ def generate(
     )
 
 
+# ---- export ---------------------------------------------------------------------------------------
+@app.command()
+def export(
+    model: ModelOpt = None,
+    output: Annotated[Path | None, typer.Option(help="ONNX dir to write (replaced atomically)")] = None,
+    build_dir: Annotated[
+        Path | None, typer.Option(help="build dir: default output + manifest record")
+    ] = None,
+    precision_from_checkpoint: Annotated[
+        bool, typer.Option(help="quantized checkpoints export Q/DQ (else dequantized float weights)")
+    ] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """Export model + sampler step as ONNX (opset 21, dgpipe::SampleRows/SampleAccept; docs/onnx.md)."""
+    from pipeline.export_cli import run_export
+    from pipeline.session import default_model_path
+
+    run_export(model or default_model_path(), output, build_dir, precision_from_checkpoint, as_json)
+
+
 # ---- package / serve -------------------------------------------------------------------------------
 @app.command()
 def package(

@@ -91,16 +91,16 @@ class GraphModel(nn.Module):
         out = torch.zeros_like(flat)
         inner = layer.experts.gate_up_proj.shape[1] // 2
         for e in range(layer.experts.num_experts):
-            gu = self.expert_linear(f"{path}.experts", e, "gate_up_proj", x)
-            gate, up = gu[:, :inner], gu[:, inner:]
-            y = self.expert_linear(f"{path}.experts", e, "down_proj", gelu_tanh(gate) * up)
+            if self._linear is not None:  # per-expert gate/up/down, as ModelOpt stores quantized experts
+                gate = self._linear(f"{path}.experts.{e}.gate_proj", x)
+                up = self._linear(f"{path}.experts.{e}.up_proj", x)
+                y = self._linear(f"{path}.experts.{e}.down_proj", gelu_tanh(gate) * up)
+            else:
+                gu = F.linear(x, layer.experts.gate_up_proj[e])
+                gate, up = gu[:, :inner], gu[:, inner:]
+                y = F.linear(gelu_tanh(gate) * up, layer.experts.down_proj[e])
             out = out + (y * dense_w[:, e : e + 1]).to(out.dtype)
         return out
-
-    def expert_linear(self, path: str, e: int, which: str, x: torch.Tensor) -> torch.Tensor:
-        if self._linear is not None:
-            return self._linear(f"{path}.{e}.{which}", x)
-        return F.linear(x, getattr(self.model.get_submodule(path), which)[e])
 
     # ---- the pass ------------------------------------------------------------------------------------
     def forward(

@@ -20,6 +20,7 @@ import json
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -89,12 +90,16 @@ _SYMBOLIC = {
 }  # fmt: skip
 
 
-def trace_network(model: DiffusionGemma, path: Path, linear: LinearFn | None = None) -> onnx.ModelProto:
+def trace_network(
+    model: DiffusionGemma, path: Path, linear: LinearFn | None = None, holder: torch.nn.Module | None = None
+) -> onnx.ModelProto:
     """Step 1: the network (no head) as ONNX, contract names, opset 20 as the TorchScript exporter writes."""
     lt = list(model.layer_types)
     names = [s.name for s in (*onnx_io.MODEL_INPUTS, *onnx_io.kv_inputs(lt))]
     outputs = [s.name for s in onnx_io.kv_outputs(lt)] + ["hidden"]
     graph = GraphModel(model, linear).eval()
+    if holder is not None:  # extra tensors the linear hook reads (exported as initializers "qdq.*")
+        graph.qdq = holder
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # TracerWarnings about shapes: the dynamic axes cover them
         torch.onnx.export(
@@ -139,14 +144,14 @@ def append_head_and_sampler(m: onnx.ModelProto, vocab: int, softcap: float) -> N
     nodes.append(helper.make_node(
         onnx_io.SAMPLE_ROWS.name, ["logits", "temperature", *keys],
         ["rows/entropy", "rows/max_prob", "rows/argmax", "rows/sample", "probs"],
-        name="SampleRows", domain=onnx_io.DOMAIN,
+        name="SampleRows", domain=onnx_io.DOMAIN, **onnx_io.PLUGIN_ATTRIBUTES,
     ))  # fmt: skip
     nodes.append(helper.make_node(
         onnx_io.SAMPLE_ACCEPT.name,
         ["rows/entropy", "rows/argmax", "rows/sample", tpl, "bound", *keys, prev, "stable_count",
          "stability_threshold", "confidence_threshold"],
         ["entropy", "kept", "next_canvas", "argmax", "stable_count_out", "stop"],
-        name="SampleAccept", domain=onnx_io.DOMAIN, vocab=vocab,
+        name="SampleAccept", domain=onnx_io.DOMAIN, vocab=vocab, **onnx_io.PLUGIN_ATTRIBUTES,
     ))  # fmt: skip
     g.node.extend(nodes)
     for spec in onnx_io.SAMPLER_INPUTS:
@@ -190,8 +195,8 @@ def export_onnx(
     *,
     precision: str = "fp32",
     linear: LinearFn | None = None,
-    extra_initializers: list[onnx.TensorProto] | None = None,
-    post: object | None = None,
+    holder: torch.nn.Module | None = None,
+    post: Callable[[onnx.ModelProto], None] | None = None,
 ) -> ExportSummary:
     """Export to out_dir/model.onnx (+ model.onnx.data, contract.json); out_dir is replaced atomically."""
     from pipeline.checkpoint import atomic_dir
@@ -204,9 +209,9 @@ def export_onnx(
     cfg = model.cfg
     lt = list(model.layer_types)
     with tempfile.TemporaryDirectory() as scratch:
-        m = trace_network(model, Path(scratch) / "net.onnx", linear)
-        if post is not None:
-            post(m)  # type: ignore[operator]
+        m = trace_network(model, Path(scratch) / "net.onnx", linear, holder)
+        if post is not None:  # e.g. Q/DQ insertion, while the graph is still at the tracer's opset
+            post(m)
     m = onnx.version_converter.convert_version(m, onnx_io.OPSET)
     append_head_and_sampler(m, cfg.vocab_size, cfg.final_logit_softcapping)
     _rename_dims(m, model_dtype, cfg.vocab_size)

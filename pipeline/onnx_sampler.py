@@ -105,7 +105,8 @@ def _function(
         outputs,
         body.nodes,
         opset_imports=[helper.make_opsetid("", onnx_io.OPSET), helper.make_opsetid(onnx_io.DOMAIN, 1)],
-        attributes=attributes or [],
+        # declared (unused by the body) so nodes may carry them: TensorRT reads them to pick the plugin
+        attributes=[*(attributes or []), *onnx_io.PLUGIN_ATTRIBUTES],
     )
 
 

@@ -1,0 +1,186 @@
+"""FP8 (ModelOpt layout) checkpoints -> ONNX with standard Q/DQ, and the PyTorch fake-quant reference.
+
+A ModelOpt FP8 checkpoint stores, per quantized linear, `weight` (F8_E4M3, [out, in]), `weight_scale`
+(F32 scalar) and `input_scale` (F32 scalar); everything else (norms, router, embedding) stays float.
+The exported graph keeps the packed weights as they are:
+
+    w8 (FLOAT8E4M3FN initializer) -> DequantizeLinear(weight_scale) -> Transpose -> MatMul
+    x -> QuantizeLinear(input_scale, fp8 zero point) -> DequantizeLinear(input_scale) ----^
+
+which is the pattern TensorRT fuses into an FP8 GEMM (and what ModelOpt's own ONNX export writes). The
+tensors are read straight from safetensors (the shared loader in pipeline.checkpoint is not touched: it
+is being extended for quantized layouts on another branch); the float model used for tracing is loaded
+from a dequantized scratch copy. `fp8_reference_linear` is the plain-PyTorch fake-quant of the same
+arithmetic, the oracle for the onnxruntime parity test.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+import torch.nn.functional as F
+from onnx import TensorProto, helper
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from pipeline.checkpoint import load_model, runtime_name, weight_files
+from pipeline.errors import CheckpointError
+from pipeline.export_graph import LinearFn
+from pipeline.model import DiffusionGemma
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@dataclass
+class QuantLinear:
+    weight: torch.Tensor  # [out, in] float8_e4m3fn
+    weight_scale: torch.Tensor  # fp32 scalar
+    input_scale: torch.Tensor  # fp32 scalar
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.to(torch.float32) * self.weight_scale
+
+
+def fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What QuantizeLinear -> DequantizeLinear computes for FP8 E4M3FN (saturating, round to nearest even)."""
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.to(torch.float32) * scale).to(x.dtype)
+
+
+def read_fp8_checkpoint(ckpt_dir: Path) -> tuple[DiffusionGemma, dict[str, QuantLinear]]:
+    """The float model (weights dequantized) and the packed FP8 linears keyed by runtime module path
+    ("layers.0.self_attn.q_proj", "layers.0.experts.3.gate_proj", ...)."""
+    files = weight_files(ckpt_dir)
+    handles = {f: safe_open(f, "pt") for f in set(files.values())}
+    raw = {name: handles[f].get_tensor(name) for name, f in files.items()}
+    quant: dict[str, QuantLinear] = {}
+    plain: dict[str, torch.Tensor] = {}
+    for name, t in raw.items():
+        if name.endswith((".weight_scale", ".input_scale", ".weight_scale_2")):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            base = name.removesuffix(".weight")
+            target = runtime_name(name)
+            if base + ".weight_scale" not in raw or base + ".input_scale" not in raw or target is None:
+                raise CheckpointError(f"{ckpt_dir}: FP8 tensor '{name}' lacks weight_scale/input_scale")
+            q = QuantLinear(t, raw[base + ".weight_scale"].float(), raw[base + ".input_scale"].float())
+            quant[target.removesuffix(".weight")] = q
+            plain[name] = q.dequantized()
+        else:
+            plain[name] = t
+    if not quant:
+        raise CheckpointError(f"{ckpt_dir}: no F8_E4M3 weights", "is this a ModelOpt FP8 checkpoint?")
+    with tempfile.TemporaryDirectory() as scratch:
+        cfg = json.loads((ckpt_dir / "config.json").read_text())
+        cfg.pop("quantization_config", None)
+        (Path(scratch) / "config.json").write_text(json.dumps(cfg))
+        save_file({k: v.contiguous() for k, v in plain.items()}, str(Path(scratch) / "model.safetensors"))
+        model, _ = load_model(scratch)
+    return model, quant
+
+
+def fp8_reference_linear(model: DiffusionGemma, quant: dict[str, QuantLinear]) -> LinearFn:
+    """PyTorch fake-quant linears: the oracle for the Q/DQ graph."""
+
+    def linear(path: str, x: torch.Tensor) -> torch.Tensor:
+        q = quant.get(path)
+        if q is None:
+            return F.linear(x, _float_weight(model, path))
+        return F.linear(fake_quant(x, q.input_scale), q.dequantized().to(x.dtype))
+
+    return linear
+
+
+def _float_weight(model: DiffusionGemma, path: str) -> torch.Tensor:
+    parts = path.split(".")
+    if len(parts) > 3 and parts[2] == "experts":  # layers.N.experts.E.{gate,up,down}_proj
+        experts = model.get_submodule(".".join(parts[:3]))
+        e, which = int(parts[3]), parts[4]
+        inner = experts.gate_up_proj.shape[1] // 2
+        if which == "down_proj":
+            return experts.down_proj[e]
+        return experts.gate_up_proj[e][:inner] if which == "gate_proj" else experts.gate_up_proj[e][inner:]
+    return model.get_submodule(path).weight
+
+
+class _Holder(nn.Module):
+    """Float stand-ins for the FP8 weights while tracing, one named buffer per quantized linear."""
+
+    def __init__(self, quant: dict[str, QuantLinear]) -> None:
+        super().__init__()
+        self.paths = sorted(quant)
+        for k, path in enumerate(self.paths):
+            self.register_buffer(f"w{k}", quant[path].dequantized().t().contiguous())
+
+
+def _trace_linear(model: DiffusionGemma, holder: _Holder) -> LinearFn:
+    index = {p: k for k, p in enumerate(holder.paths)}
+
+    def linear(path: str, x: torch.Tensor) -> torch.Tensor:
+        k = index.get(path)
+        if k is None:
+            return F.linear(x, _float_weight(model, path))
+        return torch.matmul(x, getattr(holder, f"w{k}"))
+
+    return linear
+
+
+def insert_qdq(m: onnx.ModelProto, holder: _Holder, quant: dict[str, QuantLinear], prefix: str) -> None:
+    """Replace each stand-in initializer `{prefix}w{k}` by FP8 weight + DQ, and Q/DQ its MatMul's input."""
+    g = m.graph
+    inits = {t.name: t for t in g.initializer}
+    zp = "qdq.fp8_zero_point"
+    g.initializer.append(helper.make_tensor(zp, TensorProto.FLOAT8E4M3FN, [], [0.0]))
+    before: dict[int, list[onnx.NodeProto]] = {}
+    for k, path in enumerate(holder.paths):
+        stand_in = f"{prefix}w{k}"
+        if stand_in not in inits:
+            raise RuntimeError(f"traced graph lost the stand-in weight {stand_in}")
+        g.initializer.remove(inits[stand_in])
+        q = quant[path]
+        w8 = helper.make_tensor(f"{path}.weight", TensorProto.FLOAT8E4M3FN, list(q.weight.shape),
+                                q.weight.contiguous().view(torch.uint8).numpy().tobytes(), raw=True)  # fmt: skip
+        ws = onnx.numpy_helper.from_array(np.asarray(q.weight_scale, np.float32), f"{path}.weight_scale")
+        xs = onnx.numpy_helper.from_array(np.asarray(q.input_scale, np.float32), f"{path}.input_scale")
+        g.initializer.extend([w8, ws, xs])
+        for idx, node in enumerate(g.node):
+            if stand_in not in node.input:
+                continue
+            if node.op_type != "MatMul" or list(node.input).index(stand_in) != 1:
+                raise RuntimeError(f"{stand_in} feeds {node.op_type}, expected MatMul's second input")
+            x = node.input[0]
+            new = [
+                helper.make_node("DequantizeLinear", [w8.name, ws.name], [f"{path}/w_dq"], name=f"{path}/w_dq"),
+                helper.make_node("Transpose", [f"{path}/w_dq"], [f"{path}/w_t"], perm=[1, 0], name=f"{path}/w_t"),
+                helper.make_node("QuantizeLinear", [x, xs.name, zp], [f"{path}/x_q"], name=f"{path}/x_q"),
+                helper.make_node("DequantizeLinear", [f"{path}/x_q", xs.name], [f"{path}/x_dq"], name=f"{path}/x_dq"),
+            ]  # fmt: skip
+            node.input[0], node.input[1] = f"{path}/x_dq", f"{path}/w_t"
+            before.setdefault(idx, []).extend(new)
+    nodes = []
+    for idx, node in enumerate(g.node):
+        nodes.extend(before.get(idx, []))
+        nodes.append(node)
+    del g.node[:]
+    g.node.extend(nodes)
+
+
+def export_fp8(ckpt_dir: Path, out_dir: Path, qdq: bool = True):
+    """Export a ModelOpt FP8 checkpoint: Q/DQ graph (qdq) or plain dequantized float weights (not qdq)."""
+    from pipeline.export_onnx import export_onnx
+
+    model, quant = read_fp8_checkpoint(Path(ckpt_dir))
+    if not qdq:
+        return export_onnx(model, out_dir, precision="fp8-dequantized")
+    holder = _Holder(quant)
+    return export_onnx(
+        model, out_dir, precision="fp8", linear=_trace_linear(model, holder), holder=holder,
+        post=lambda m: insert_qdq(m, holder, quant, "qdq."),
+    )  # fmt: skip
