@@ -387,6 +387,10 @@ def test_cli_dry_run_prints_the_node_build(tmp_path: Path):
     assert not out.exists()  # a dry run compiles nothing and writes nothing
 
 
+def model_vocab(build: Path) -> int:
+    return json.loads((build / "onnx" / "contract.json").read_text())["dims"]["vocab"]
+
+
 def test_onnx_for_trt_marks_the_plugin_nodes(tmp_path: Path):
     import onnx
 
@@ -394,7 +398,7 @@ def test_onnx_for_trt_marks_the_plugin_nodes(tmp_path: Path):
 
     src = write_contract_onnx(tmp_path / "onnx")
     copy = _onnx_for_trt(src, src.parent)
-    assert copy.parent == src.parent  # beside the model: external data paths stay valid
+    assert copy != src and copy.parent == src.parent  # beside the model: external data paths stay valid
     node = next(n for n in onnx.load(str(copy)).graph.node if n.op_type == "SampleRows")
     attrs = {a.name: a.s.decode() for a in node.attribute}
     assert attrs == {"plugin_namespace": "dgpipe"}
@@ -562,16 +566,12 @@ def test_plan_from_a_real_export(tmp_path: Path):
         [2, 1, 5, 16],
     ]  # ring = window - 1 = 5
     assert plan.plugin is None and not (tmp_path / "plugins").exists()  # compiled only when the build runs
-    copy = _onnx_for_trt(model, model.parent)
-    try:
-        nodes = {
-            n.op_type: {a.name for a in n.attribute}
-            for n in onnx.load(str(copy), load_external_data=False).graph.node
-            if n.domain == "dgpipe"
-        }
-    finally:
-        copy.unlink()
-    assert nodes == {"SampleRows": {"plugin_namespace"}, "SampleAccept": {"vocab", "plugin_namespace"}}
+    assert _onnx_for_trt(model, model.parent) == model  # the exporter marks the nodes: parsed as is
+    m = onnx.load(str(model), load_external_data=False)
+    nodes = {n.op_type: {a.name: a for a in n.attribute} for n in m.graph.node if n.domain == "dgpipe"}
+    assert set(nodes) == {"SampleRows", "SampleAccept"}
+    assert all(a["plugin_namespace"].s == b"dgpipe" for a in nodes.values())
+    assert nodes["SampleAccept"]["vocab"].i == model_vocab(tmp_path)
     with pytest.raises(DgpipeError, match="was exported at fp32, not fp8"):
         plan_build(tmp_path / "onnx", "sm90", "fp8", tmp_path)
 

@@ -241,22 +241,23 @@ def require_local_build(plan: BuildPlan) -> tuple[str, tuple[str, str]]:
 
 # ---- the TensorRT build -----------------------------------------------------------------------------
 def _onnx_for_trt(onnx: Path, tmp_dir: Path) -> Path:
-    """A graph-only copy of the model whose sampler nodes carry plugin_namespace="dgpipe", written BESIDE the
-    original (external data paths are relative to the model file), so the parser imports them as plugins."""
+    """The model to parse: itself when every sampler node carries plugin_namespace="dgpipe" (the exporter
+    adds it), else a graph-only copy with it, written BESIDE the original (external data paths are relative
+    to the model file), so the parser imports the nodes as plugins and not as their reference functions."""
     import onnx as onnx_lib
 
     model = onnx_lib.load(str(onnx), load_external_data=False)
-    n = 0
-    for node in model.graph.node:
-        if node.domain == plugin_spec.NAMESPACE and node.op_type in plugin_spec.SPECS:
-            if not any(a.name == "plugin_namespace" for a in node.attribute):
-                node.attribute.append(
-                    onnx_lib.helper.make_attribute("plugin_namespace", plugin_spec.NAMESPACE)
-                )
-            n += 1
-    if n == 0:
+    nodes = [
+        n for n in model.graph.node if n.domain == plugin_spec.NAMESPACE and n.op_type in plugin_spec.SPECS
+    ]
+    if not nodes:
         raise DgpipeError(f"{onnx}: no dgpipe::SampleRows / SampleAccept nodes: not a dgpipe export?")
-    fd, name = tempfile.mkstemp(prefix=".trt.", suffix=".onnx", dir=onnx.parent)
+    unmarked = [n for n in nodes if not any(a.name == "plugin_namespace" for a in n.attribute)]
+    if not unmarked:
+        return onnx
+    for node in unmarked:
+        node.attribute.append(onnx_lib.helper.make_attribute("plugin_namespace", plugin_spec.NAMESPACE))
+    fd, name = tempfile.mkstemp(prefix=".trt.", suffix=".onnx", dir=tmp_dir)
     os.close(fd)
     onnx_lib.save(model, name)  # external_data entries are kept as references, weights are not rewritten
     return Path(name)
@@ -328,7 +329,8 @@ def build(plan: BuildPlan, *, force: bool = False, log_level: str = "WARNING") -
         plan_bytes = bytes(memoryview(serialized))
         timing = bytes(memoryview(config.get_timing_cache().serialize()))
     finally:
-        trt_onnx.unlink(missing_ok=True)
+        if trt_onnx != plan.onnx:
+            trt_onnx.unlink(missing_ok=True)
 
     manifest = EngineManifest(
         plan_sha256="",
