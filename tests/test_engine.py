@@ -777,3 +777,22 @@ def test_plugin_shapes_and_launches_on_concrete_descriptors(recording_trtp):
     assert list(extra) == [("int32", 8), ("int32", 24)]
     dynamic = [desc((b, _Expr(None)), t.dtype) if len(t.shape_expr) == 2 else t for t in acc_in]
     assert acc["aot_impl"](*dynamic, vocab=24, outputs=outs, tactic=0)[2].block_x == 1024
+
+
+def test_onnx_identity_hash_is_cached_by_size_and_mtime(tmp_path: Path):
+    import os
+
+    from pipeline.engine.build_engine import onnx_sha256
+
+    (tmp_path / "model.onnx").write_bytes(b"graph")
+    data = tmp_path / "model.onnx.data"
+    data.write_bytes(b"weights" * 1000)
+    first = onnx_sha256(tmp_path / "model.onnx")
+    cache = json.loads((tmp_path / "model.onnx.data.sha256.json").read_text())
+    assert cache["size"] == 7000 and len(cache["sha256"]) == 64
+    assert onnx_sha256(tmp_path / "model.onnx") == first
+    data.write_bytes(b"WEIGHTS" * 1000)  # same size, new content and mtime: re-hashed
+    os.utime(data, ns=(cache["mtime_ns"] + 10**9, cache["mtime_ns"] + 10**9))
+    assert onnx_sha256(tmp_path / "model.onnx") != first
+    (tmp_path / "model.onnx").write_bytes(b"graph2")
+    assert len({first, onnx_sha256(tmp_path / "model.onnx")}) == 2

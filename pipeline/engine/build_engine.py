@@ -18,6 +18,7 @@ TensorRT specifics, all from the vendor API:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -112,6 +113,33 @@ def model_dims(onnx_path: Path) -> tuple[int, int, dict[str, int]]:
 
 
 UNQUANTIZED = {"fp32", "bf16", "fp16"}
+HASH_CACHE_SUFFIX = ".sha256.json"
+
+
+def onnx_sha256(onnx: Path) -> str:
+    """Identity of the model: sha256 over the graph file and its external data. The data file of a 26B model
+    is ~50 GB, so its hash is cached beside it keyed by (size, mtime): a pod restart on the node checks the
+    plan without re-reading the weights from the volume."""
+    import hashlib
+
+    h = hashlib.sha256(hash_files([onnx]).encode())
+    for data in sorted(onnx.parent.glob(f"{onnx.name}.data")):
+        st = data.stat()
+        cache = data.with_name(data.name + HASH_CACHE_SUFFIX)
+        key = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        digest = None
+        if cache.is_file():
+            try:
+                cached = json.loads(cache.read_text())
+                digest = cached["sha256"] if {k: cached.get(k) for k in key} == key else None
+            except (ValueError, KeyError):
+                digest = None
+        if digest is None:
+            digest = hash_files([data])
+            with contextlib.suppress(OSError):  # read-only volume: hash again next time
+                cache.write_text(json.dumps({**key, "sha256": digest}) + "\n")
+        h.update(digest.encode())
+    return h.hexdigest()
 
 
 def check_export_precision(onnx_path: Path, precision: str) -> None:
@@ -166,12 +194,11 @@ def plan_build(
             f"no sampler plugin PTX in {plugin_dir} and no nvcc to compile it",
             hint="pass --plugins DIR holding <target>/dg_sampler.ptx (written by `dgpipe build`), or install nvcc",
         )
-    data_files = [p for p in (onnx, onnx.parent / f"{onnx.name}.data") if p.is_file()]
     return BuildPlan(
         target=target,
         precision=precision,
         onnx=onnx,
-        onnx_sha256=hash_files(data_files),
+        onnx_sha256=onnx_sha256(onnx),
         plugin=info,
         plugin_dir=plugin_dir,
         engine_dir=Path(output) / "engines" / target.name,
