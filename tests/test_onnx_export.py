@@ -427,3 +427,48 @@ def test_fp8_qdq_export_matches_fake_quant_reference(model, tmp_path):
     assert float(err.mean()) < 0.02 and float(err.max()) < 0.5, (float(err.mean()), float(err.max()))
     assert float(err_loose.mean()) > 3 * float(err.mean())  # the Q/DQ really quantizes activations
     assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.99
+
+
+# ---- bf16 and the CLI --------------------------------------------------------------------------------
+def test_bf16_export_passes_checker(tmp_path):
+    """bf16 weights, K/V, sc_probs and probs; fp32 logits. Checker-level only: onnxruntime's CPU provider
+    lacks bf16 MatMul kernels, so numerics are the TensorRT side's to verify."""
+    from pipeline.export_onnx import export_onnx
+
+    summary = export_onnx(load_model(EMBEDDED, dtype=torch.bfloat16)[0], tmp_path / "onnx", precision="bf16")
+    onnx.checker.check_model(summary.path, full_check=True)
+    m = onnx.load(summary.path, load_external_data=False)
+    types = {v.name: v.type.tensor_type.elem_type for v in [*m.graph.input, *m.graph.output]}
+    assert types["sc_probs"] == types["past.0.key"] == types["present.0.key"] == TensorProto.BFLOAT16
+    assert types["logits"] == TensorProto.FLOAT and types["probs"] == TensorProto.BFLOAT16
+
+
+def test_cli_export_writes_onnx_and_records_manifest(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    build = tmp_path / "build"
+    res = CliRunner().invoke(app, ["export", "--model", str(EMBEDDED), "--build-dir", str(build), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["opset"] == onnx_io.OPSET and "dgpipe::SampleAccept" in out["custom_ops"]
+    assert (build / "onnx" / onnx_io.MODEL_FILE).is_file() and (
+        build / "onnx" / onnx_io.WEIGHTS_FILE
+    ).is_file()
+    manifest = json.loads((build / "build_manifest.json").read_text())
+    assert manifest["stages"]["export"]["outputs"] == {"onnx": "onnx"}
+    assert manifest["precision"] == "fp32"
+    assert not [p for p in build.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
+    import subprocess
+    import sys
+
+    root = str(EMBEDDED.parents[2])
+    bad = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "export", "--model", str(tmp_path / "nope"), "--output", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=120, cwd=root, env={"PYTHONPATH": root, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "not a checkpoint" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
