@@ -472,3 +472,70 @@ def test_cli_export_writes_onnx_and_records_manifest(tmp_path):
     )  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "not a checkpoint" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+# ---- NVFP4 (checker-level) ------------------------------------------------------------------------------
+def _nvfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ModelOpt-style NVFP4 of one weight: (packed U8 [out, in/2], E4M3 block scales, fp32 weight_scale_2)."""
+    from pipeline.export_quant import E2M1_VALUES, FP8_MAX, NVFP4_BLOCK
+
+    out_f, in_f = w.shape
+    global_scale = w.abs().max() / (6.0 * FP8_MAX)
+    blocks = w.reshape(out_f, in_f // NVFP4_BLOCK, NVFP4_BLOCK)
+    block_scale = (blocks.abs().amax(-1) / 6.0 / global_scale).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    scaled = blocks / (block_scale.float()[..., None] * global_scale).clamp(min=1e-30)
+    codes = (scaled.abs()[..., None] - E2M1_VALUES).abs().argmin(-1) + 8 * (scaled < 0)
+    codes = codes.reshape(out_f, in_f).to(torch.uint8)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(), block_scale, global_scale.reshape(())
+
+
+def test_nvfp4_export_passes_checker_and_packs_weights_exactly(model, tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from pipeline.checkpoint import DECODER, hf_state_dict
+    from pipeline.export_cli import checkpoint_precision
+    from pipeline.export_quant import NVFP4Linear, _float_weight, export_nvfp4
+
+    amax = _calibrate(model)
+    state = hf_state_dict(model)
+    for prefix in {p.rsplit(".experts.", 1)[0] for p in amax if ".experts." in p}:
+        del state[f"{DECODER}{prefix}.experts.gate_up_proj"], state[f"{DECODER}{prefix}.experts.down_proj"]
+    expected = {}
+    for path, a in amax.items():
+        packed, block_scale, ws2 = _nvfp4_quantize(_float_weight(model, path).detach().float())
+        name = f"{DECODER}{path}"
+        state |= {f"{name}.weight": packed, f"{name}.weight_scale": block_scale, f"{name}.weight_scale_2": ws2,
+                  f"{name}.input_scale": torch.tensor(max(a, 1e-4) / (6.0 * 448.0))}  # fmt: skip
+        expected[path] = NVFP4Linear(packed, block_scale, ws2, state[f"{name}.input_scale"]).dequantized()
+    ckpt = tmp_path / "nvfp4"
+    ckpt.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(ckpt / "model.safetensors"))
+    cfg = json.loads((EMBEDDED / "config.json").read_text()) | {
+        "quantization_config": {"quant_algo": "NVFP4"}
+    }
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert checkpoint_precision(ckpt) == "nvfp4"
+    summary = export_nvfp4(ckpt, tmp_path / "onnx")
+    assert summary.opset == 23
+    onnx.checker.check_model(summary.path, full_check=True)
+    m = onnx.load(summary.path)
+    assert m.ir_version >= 11 and {o.domain: o.version for o in m.opset_import}["trt"] == 1
+    assert sum(n.op_type == "TRT_FP4DynamicQuantize" for n in m.graph.node) == len(amax)
+    inits = {t.name: t for t in m.graph.initializer}
+    from onnx import numpy_helper
+
+    for path in (
+        "layers.0.self_attn.q_proj",
+        "layers.7.experts.3.down_proj",
+    ):  # packing: onnx decodes == ours
+        w4 = numpy_helper.to_array(inits[f"{path}.weight"]).astype("float32")
+        bs = numpy_helper.to_array(inits[f"{path}.weight_scale"]).astype("float32")
+        ws2 = numpy_helper.to_array(inits[f"{path}.weight_scale_2"])
+        scale = torch.from_numpy(bs.copy()).repeat_interleave(16, dim=1) * torch.from_numpy(ws2.copy())
+        decoded = torch.from_numpy(w4) * scale
+        assert torch.equal(decoded, expected[path]), (path, float((decoded - expected[path]).abs().max()))
+        # and NVFP4 is a real approximation of the float weight, not garbage
+        w = _float_weight(model, path).detach().float()
+        assert float((decoded - w).norm() / w.norm()) < 0.2
