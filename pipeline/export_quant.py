@@ -1,4 +1,6 @@
-"""FP8 (ModelOpt layout) checkpoints -> ONNX with standard Q/DQ, and the PyTorch fake-quant reference.
+"""FP8 / NVFP4 (ModelOpt layout) checkpoints -> ONNX with Q/DQ, and the PyTorch fake-quant reference.
+
+NVFP4 follows ModelOpt's NVFP4QuantExporter (see `insert_nvfp4`); the rest of this docstring is FP8.
 
 A ModelOpt FP8 checkpoint stores, per quantized linear, `weight` (F8_E4M3, [out, in]), `weight_scale`
 (F32 scalar) and `input_scale` (F32 scalar); everything else (norms, router, embedding) stays float.

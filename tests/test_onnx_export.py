@@ -242,6 +242,33 @@ def test_logits_kv_and_samples_match_pytorch_along_generation(model, backend):
 
 
 @torch.no_grad()
+def test_random_tiny_model_with_distinct_layer_scalars_and_fast_ring_wrap(tmp_path):
+    """The embedded model's layer scalars are all 1, so this covers mode -> scalar selection (encoder vs
+    decoder scalars differ per layer), another layer layout (global head_dim 32) and a 5-slot sliding ring
+    that wraps on every commit."""
+    from conftest import build_tiny
+
+    from pipeline.export_onnx import export_onnx
+    from pipeline.onnx_backend import OnnxRuntimeBackend
+
+    model = build_tiny()
+    for i, layer in enumerate(model.layers):
+        layer.layer_scalar.fill_(0.5 + 0.25 * i)
+        layer.encoder_layer_scalar.fill_(1.5 - 0.25 * i)
+    export_onnx(model, tmp_path / "onnx")
+    shadow = ShadowBackend(model, OnnxRuntimeBackend(tmp_path / "onnx", model.config))
+    rt = BlockDiffusionRuntime(shadow, max_batch=3, max_len=128)
+    rt.end_ids = set()
+    fixed = SamplerConfig(max_denoising_steps=3, confidence_threshold=0.0, entropy_bound=1.0)
+    reqs = [Request(prompt_ids=list(range(2, 2 + n)), max_tokens=30, sampler=fixed, seed=5, request_id=i)
+            for i, n in enumerate((3, 9, 1))]  # fmt: skip
+    rt.generate(reqs)
+    assert {"prefill", "commit", "denoise-first-wrapped", "denoise-sc-wrapped"} <= set(shadow.errors)
+    for kind, err in shadow.errors.items():
+        assert err < ATOL, f"{kind}: max abs error {err:.2e} >= {ATOL}"
+
+
+@torch.no_grad()
 def test_zero_self_conditioning_row_equals_none(model, backend):
     """The host sends one zero sc row for 'no self-conditioning yet': exactly PyTorch's sc=None."""
     b, s, v = 2, 82, model.cfg.vocab_size
