@@ -116,7 +116,9 @@ def _find_embedding(graph: onnx.GraphProto) -> str:
     raise DgpipeError("exported graph has no embed_tokens.weight initializer", "exporter bug: report it")
 
 
-def append_head_and_sampler(m: onnx.ModelProto, vocab: int, softcap: float) -> None:
+def append_head_and_sampler(
+    m: onnx.ModelProto, vocab: int, softcap: float, opset: int = onnx_io.OPSET
+) -> None:
     """Step 2: LM head on max(1, seq * mode) rows, then the two sampler nodes, and their functions."""
     g = m.graph
     nodes: list[onnx.NodeProto] = []
@@ -161,7 +163,7 @@ def append_head_and_sampler(m: onnx.ModelProto, vocab: int, softcap: float) -> N
     g.output.extend(keep)
     for spec in onnx_io.SAMPLER_OUTPUTS:
         g.output.append(_value_info(spec, vocab, "FLOAT"))
-    m.functions.extend(sampler_functions())
+    m.functions.extend(sampler_functions(opset))
     m.opset_import.append(helper.make_opsetid(onnx_io.DOMAIN, onnx_io.DOMAIN_VERSION))
 
 
@@ -210,12 +212,13 @@ def export_onnx(
     lt = list(model.layer_types)
     with tempfile.TemporaryDirectory() as scratch:
         m = trace_network(model, Path(scratch) / "net.onnx", linear, holder)
-        if post is not None:  # e.g. Q/DQ insertion, while the graph is still at the tracer's opset
-            post(m)
     m = onnx.version_converter.convert_version(m, onnx_io.OPSET)
-    append_head_and_sampler(m, cfg.vocab_size, cfg.final_logit_softcapping)
+    if post is not None:  # Q/DQ insertion (NVFP4 raises the opset to 23)
+        post(m)
+    opset = next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))
+    append_head_and_sampler(m, cfg.vocab_size, cfg.final_logit_softcapping, opset)
     _rename_dims(m, model_dtype, cfg.vocab_size)
-    m.ir_version = onnx_io.IR_VERSION
+    m.ir_version = onnx_io.IR_VERSION if opset < 23 else 11  # FLOAT4E2M1 (opset 23) needs IR 11
     m.producer_name, m.doc_string = (
         "dgpipe",
         f"DiffusionGemma ({precision}) + dgpipe sampler; see docs/onnx.md",
@@ -224,6 +227,7 @@ def export_onnx(
     dims = {"vocab": cfg.vocab_size, "canvas_length": model.config.canvas_length,
             "sliding_window": cfg.sliding_window, "ring": max(cfg.sliding_window - 1, 1)}  # fmt: skip
     contract = onnx_io.contract_dict(lt, model_dtype, dims)
+    contract["opset"] = opset
     contract["layer_types"] = lt
     contract["precision"] = precision
     out_dir = Path(out_dir)
@@ -234,7 +238,7 @@ def export_onnx(
         (tmp / onnx_io.CONTRACT_FILE).write_text(json.dumps(contract, indent=2) + "\n")
     return ExportSummary(
         path=str(out_dir / onnx_io.MODEL_FILE),
-        opset=onnx_io.OPSET,
+        opset=opset,
         precision=precision,
         model_dtype=model_dtype,
         inputs=[i.name for i in m.graph.input],

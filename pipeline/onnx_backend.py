@@ -17,6 +17,7 @@ import torch
 from pipeline import onnx_io
 from pipeline.backends import KV, DenoiseResult, Masks, SamplerInputs
 from pipeline.checkpoint import open_checkpoint
+from pipeline.config import ModelConfig
 from pipeline.errors import DgpipeError
 from pipeline.sampler import StepOutput
 
@@ -24,9 +25,9 @@ TORCH_DTYPES = {"FLOAT": torch.float32, "BFLOAT16": torch.bfloat16, "FLOAT16": t
 
 
 class OnnxRuntimeBackend:
-    """Runs `onnx/model.onnx`; `checkpoint` supplies the model config (vocab, canvas, layer shapes)."""
+    """Runs `onnx/model.onnx`; `checkpoint` (a dir or its ModelConfig) supplies vocab, canvas, layer shapes."""
 
-    def __init__(self, onnx_dir: str | Path, checkpoint: str | Path, threads: int = 1) -> None:
+    def __init__(self, onnx_dir: str | Path, checkpoint: str | Path | ModelConfig, threads: int = 1) -> None:
         import onnxruntime as ort
 
         onnx_dir = Path(onnx_dir)
@@ -34,7 +35,9 @@ class OnnxRuntimeBackend:
         if not model_file.is_file():
             raise DgpipeError(f"{model_file}: no ONNX model", "run `dgpipe export` first")
         contract = json.loads((onnx_dir / onnx_io.CONTRACT_FILE).read_text())
-        self.config = open_checkpoint(checkpoint).config
+        self.config = (
+            checkpoint if isinstance(checkpoint, ModelConfig) else open_checkpoint(checkpoint).config
+        )
         self.layer_types: list[str] = contract["layer_types"]
         if self.layer_types != list(self.config.text_config.layer_types):
             raise DgpipeError(f"{model_file} was exported from a different model than {checkpoint}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 OPSET = 21  # FP8 DequantizeLinear needs >= 19, blocked (INT4/FP4) DequantizeLinear needs >= 21
+OPSET_NVFP4 = 23  # NVFP4 graphs: FLOAT4E2M1 initializers need opset 23 / IR 11 (as ModelOpt writes them)
 DOMAIN = "dgpipe"  # custom-op domain == TensorRT plugin namespace
 DOMAIN_VERSION = 1
 IR_VERSION = 10

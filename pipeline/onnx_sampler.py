@@ -96,7 +96,12 @@ class _Body:
 
 
 def _function(
-    name: str, inputs: list[str], outputs: list[str], body: _Body, attributes: list[str] | None = None
+    name: str,
+    inputs: list[str],
+    outputs: list[str],
+    body: _Body,
+    attributes: list[str] | None = None,
+    opset: int = onnx_io.OPSET,
 ) -> onnx.FunctionProto:
     return helper.make_function(
         onnx_io.DOMAIN,
@@ -104,13 +109,13 @@ def _function(
         inputs,
         outputs,
         body.nodes,
-        opset_imports=[helper.make_opsetid("", onnx_io.OPSET), helper.make_opsetid(onnx_io.DOMAIN, 1)],
+        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(onnx_io.DOMAIN, 1)],
         # declared (unused by the body) so nodes may carry them: TensorRT reads them to pick the plugin
         attributes=[*(attributes or []), *onnx_io.PLUGIN_ATTRIBUTES],
     )
 
 
-def sample_rows_function() -> onnx.FunctionProto:
+def sample_rows_function(opset: int = onnx_io.OPSET) -> onnx.FunctionProto:
     """Kernel A: entropy, max prob, argmax, Gumbel-max sample and bf16 softmax of z = logits / T."""
     spec = onnx_io.SAMPLE_ROWS
     b = _Body("rows")
@@ -134,10 +139,10 @@ def sample_rows_function() -> onnx.FunctionProto:
              b.const(1.0 / (1 << 23), np.float32))  # fmt: skip
     g = b.op("Neg", b.op("Log", b.op("Neg", b.op("Log", u))))
     b.op("ArgMax", b.op("Add", z, g), axis=-1, keepdims=0, select_last_index=0, out="sample")
-    return _function(spec.name, [s.name for s in spec.inputs], [s.name for s in spec.outputs], b)
+    return _function(spec.name, [s.name for s in spec.inputs], [s.name for s in spec.outputs], b, opset=opset)
 
 
-def sample_accept_function() -> onnx.FunctionProto:
+def sample_accept_function(opset: int = onnx_io.OPSET) -> onnx.FunctionProto:
     """Kernel B: entropy-bound acceptance, re-noise, template pinning, stability counter and stop flag."""
     spec = onnx_io.SAMPLE_ACCEPT
     b = _Body("accept")
@@ -177,9 +182,15 @@ def sample_accept_function() -> onnx.FunctionProto:
          out="stop")  # fmt: skip
     del keep
     return _function(
-        spec.name, [s.name for s in spec.inputs], [s.name for s in spec.outputs], b, list(spec.attributes)
+        spec.name,
+        [s.name for s in spec.inputs],
+        [s.name for s in spec.outputs],
+        b,
+        list(spec.attributes),
+        opset,
     )
 
 
-def sampler_functions() -> list[onnx.FunctionProto]:
-    return [sample_rows_function(), sample_accept_function()]
+def sampler_functions(opset: int = onnx_io.OPSET) -> list[onnx.FunctionProto]:
+    """Both functions, importing the model's default-domain opset (a function must match its model's)."""
+    return [sample_rows_function(opset), sample_accept_function(opset)]

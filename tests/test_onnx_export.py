@@ -242,6 +242,33 @@ def test_logits_kv_and_samples_match_pytorch_along_generation(model, backend):
 
 
 @torch.no_grad()
+def test_random_tiny_model_with_distinct_layer_scalars_and_fast_ring_wrap(tmp_path):
+    """The embedded model's layer scalars are all 1, so this covers mode -> scalar selection (encoder vs
+    decoder scalars differ per layer), another layer layout (global head_dim 32) and a 5-slot sliding ring
+    that wraps on every commit."""
+    from conftest import build_tiny
+
+    from pipeline.export_onnx import export_onnx
+    from pipeline.onnx_backend import OnnxRuntimeBackend
+
+    model = build_tiny()
+    for i, layer in enumerate(model.layers):
+        layer.layer_scalar.fill_(0.5 + 0.25 * i)
+        layer.encoder_layer_scalar.fill_(1.5 - 0.25 * i)
+    export_onnx(model, tmp_path / "onnx")
+    shadow = ShadowBackend(model, OnnxRuntimeBackend(tmp_path / "onnx", model.config))
+    rt = BlockDiffusionRuntime(shadow, max_batch=3, max_len=128)
+    rt.end_ids = set()
+    fixed = SamplerConfig(max_denoising_steps=3, confidence_threshold=0.0, entropy_bound=1.0)
+    reqs = [Request(prompt_ids=list(range(2, 2 + n)), max_tokens=30, sampler=fixed, seed=5, request_id=i)
+            for i, n in enumerate((3, 9, 1))]  # fmt: skip
+    rt.generate(reqs)
+    assert {"prefill", "commit", "denoise-first-wrapped", "denoise-sc-wrapped"} <= set(shadow.errors)
+    for kind, err in shadow.errors.items():
+        assert err < ATOL, f"{kind}: max abs error {err:.2e} >= {ATOL}"
+
+
+@torch.no_grad()
 def test_zero_self_conditioning_row_equals_none(model, backend):
     """The host sends one zero sc row for 'no self-conditioning yet': exactly PyTorch's sc=None."""
     b, s, v = 2, 82, model.cfg.vocab_size
@@ -427,3 +454,115 @@ def test_fp8_qdq_export_matches_fake_quant_reference(model, tmp_path):
     assert float(err.mean()) < 0.02 and float(err.max()) < 0.5, (float(err.mean()), float(err.max()))
     assert float(err_loose.mean()) > 3 * float(err.mean())  # the Q/DQ really quantizes activations
     assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.99
+
+
+# ---- bf16 and the CLI --------------------------------------------------------------------------------
+def test_bf16_export_passes_checker(tmp_path):
+    """bf16 weights, K/V, sc_probs and probs; fp32 logits. Checker-level only: onnxruntime's CPU provider
+    lacks bf16 MatMul kernels, so numerics are the TensorRT side's to verify."""
+    from pipeline.export_onnx import export_onnx
+
+    summary = export_onnx(load_model(EMBEDDED, dtype=torch.bfloat16)[0], tmp_path / "onnx", precision="bf16")
+    onnx.checker.check_model(summary.path, full_check=True)
+    m = onnx.load(summary.path, load_external_data=False)
+    types = {v.name: v.type.tensor_type.elem_type for v in [*m.graph.input, *m.graph.output]}
+    assert types["sc_probs"] == types["past.0.key"] == types["present.0.key"] == TensorProto.BFLOAT16
+    assert types["logits"] == TensorProto.FLOAT and types["probs"] == TensorProto.BFLOAT16
+
+
+def test_cli_export_writes_onnx_and_records_manifest(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    build = tmp_path / "build"
+    res = CliRunner().invoke(app, ["export", "--model", str(EMBEDDED), "--build-dir", str(build), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["opset"] == onnx_io.OPSET and "dgpipe::SampleAccept" in out["custom_ops"]
+    assert (build / "onnx" / onnx_io.MODEL_FILE).is_file() and (
+        build / "onnx" / onnx_io.WEIGHTS_FILE
+    ).is_file()
+    manifest = json.loads((build / "build_manifest.json").read_text())
+    assert manifest["stages"]["export"]["outputs"] == {"onnx": "onnx"}
+    assert manifest["precision"] == "fp32"
+    assert not [p for p in build.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
+    import subprocess
+    import sys
+
+    root = str(EMBEDDED.parents[2])
+    bad = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "export", "--model", str(tmp_path / "nope"), "--output", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=120, cwd=root, env={"PYTHONPATH": root, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "not a checkpoint" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+# ---- NVFP4 (checker-level) ------------------------------------------------------------------------------
+def _nvfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ModelOpt-style NVFP4 of one weight: (packed U8 [out, in/2], E4M3 block scales, fp32 weight_scale_2)."""
+    from pipeline.export_quant import E2M1_VALUES, FP8_MAX, NVFP4_BLOCK
+
+    out_f, in_f = w.shape
+    global_scale = w.abs().max() / (6.0 * FP8_MAX)
+    blocks = w.reshape(out_f, in_f // NVFP4_BLOCK, NVFP4_BLOCK)
+    block_scale = (blocks.abs().amax(-1) / 6.0 / global_scale).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    scaled = blocks / (block_scale.float()[..., None] * global_scale).clamp(min=1e-30)
+    codes = (scaled.abs()[..., None] - E2M1_VALUES).abs().argmin(-1) + 8 * (scaled < 0)
+    codes = codes.reshape(out_f, in_f).to(torch.uint8)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(), block_scale, global_scale.reshape(())
+
+
+def test_nvfp4_export_passes_checker_and_packs_weights_exactly(model, tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from pipeline.checkpoint import DECODER, hf_state_dict
+    from pipeline.export_cli import checkpoint_precision
+    from pipeline.export_quant import NVFP4Linear, _float_weight, export_nvfp4
+
+    amax = _calibrate(model)
+    state = hf_state_dict(model)
+    for prefix in {p.rsplit(".experts.", 1)[0] for p in amax if ".experts." in p}:
+        del state[f"{DECODER}{prefix}.experts.gate_up_proj"], state[f"{DECODER}{prefix}.experts.down_proj"]
+    expected = {}
+    for path, a in amax.items():
+        packed, block_scale, ws2 = _nvfp4_quantize(_float_weight(model, path).detach().float())
+        name = f"{DECODER}{path}"
+        state |= {f"{name}.weight": packed, f"{name}.weight_scale": block_scale, f"{name}.weight_scale_2": ws2,
+                  f"{name}.input_scale": torch.tensor(max(a, 1e-4) / (6.0 * 448.0))}  # fmt: skip
+        expected[path] = NVFP4Linear(packed, block_scale, ws2, state[f"{name}.input_scale"]).dequantized()
+    ckpt = tmp_path / "nvfp4"
+    ckpt.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(ckpt / "model.safetensors"))
+    cfg = json.loads((EMBEDDED / "config.json").read_text()) | {
+        "quantization_config": {"quant_algo": "NVFP4"}
+    }
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert checkpoint_precision(ckpt) == "nvfp4"
+    summary = export_nvfp4(ckpt, tmp_path / "onnx")
+    assert summary.opset == 23
+    onnx.checker.check_model(summary.path, full_check=True)
+    m = onnx.load(summary.path)
+    assert m.ir_version >= 11 and {o.domain: o.version for o in m.opset_import}["trt"] == 1
+    assert sum(n.op_type == "TRT_FP4DynamicQuantize" for n in m.graph.node) == len(amax)
+    inits = {t.name: t for t in m.graph.initializer}
+    from onnx import numpy_helper
+
+    for path in (
+        "layers.0.self_attn.q_proj",
+        "layers.7.experts.3.down_proj",
+    ):  # packing: onnx decodes == ours
+        w4 = numpy_helper.to_array(inits[f"{path}.weight"]).astype("float32")
+        bs = numpy_helper.to_array(inits[f"{path}.weight_scale"]).astype("float32")
+        ws2 = numpy_helper.to_array(inits[f"{path}.weight_scale_2"])
+        scale = torch.from_numpy(bs.copy()).repeat_interleave(16, dim=1) * torch.from_numpy(ws2.copy())
+        decoded = torch.from_numpy(w4) * scale
+        assert torch.equal(decoded, expected[path]), (path, float((decoded - expected[path]).abs().max()))
+        # and NVFP4 is a real approximation of the float weight, not garbage
+        w = _float_weight(model, path).detach().float()
+        assert float((decoded - w).norm() / w.norm()) < 0.2
