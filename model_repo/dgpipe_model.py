@@ -92,8 +92,9 @@ class TritonPythonModel:
         self.max_tokens_limit = int(params.get("max_tokens_limit", "4096"))
         self.max_prompt_tokens = int(params.get("max_prompt_tokens", "2048"))
         length = self.session.model.config.canvas_length
+        backend = self._backend(Path(args["model_repository"]) / args["model_version"])
         self.runtime = BlockDiffusionRuntime(
-            self.session.model,
+            backend,
             max_batch=int(params.get("max_batch", "8")),
             max_len=self.max_prompt_tokens + self.max_tokens_limit + 2 * length,
         )
@@ -104,6 +105,32 @@ class TritonPythonModel:
         self.running = True
         self.worker = threading.Thread(target=self._loop, name="dgpipe-runtime", daemon=True)
         self.worker.start()
+
+    def _backend(self, version_dir: Path):
+        """The TensorRT plan for this GPU when the repository holds a matching one, else the PyTorch model.
+        A plan that is present but unusable (other TensorRT, other GPU) is logged as an error, not hidden."""
+        from pipeline.engine.build_engine import gpu, tensorrt_version
+        from pipeline.engine.select import choose_backend
+
+        g = gpu()
+        choice = choose_backend(version_dir, g[0] if g else None, tensorrt_version())
+        if choice.kind == "tensorrt":
+            try:
+                from pipeline.engine.trt_backend import TensorRTBackend
+
+                backend = TensorRTBackend(choice.engine_dir, self.session.model.config)
+                pb_utils.Logger.log_info(f"dgpipe: TensorRT runtime, {choice.reason}")
+                self.runtime_kind = "tensorrt"
+                return backend
+            except Exception as e:  # the server must come up; the log says why
+                pb_utils.Logger.log_error(
+                    f"dgpipe: TensorRT engine failed to load ({e}); using the PyTorch runtime"
+                )
+        else:
+            log = pb_utils.Logger.log_error if choice.loud else pb_utils.Logger.log_info
+            log(f"dgpipe: PyTorch runtime ({choice.reason})")
+        self.runtime_kind = "pytorch"
+        return self.session.model
 
     def _metrics(self) -> None:
         self.families = []  # a MetricFamily must outlive its metrics, so the model keeps them

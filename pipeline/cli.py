@@ -24,6 +24,10 @@ eval_app = typer.Typer(help="Accuracy evaluations.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks (results as JSON, a table and PNG plots).", no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
 app.add_typer(bench_app, name="bench")
+# TensorRT engine commands live in their own module (pipeline/engine/cli.py), which imports only typer
+from pipeline.engine.cli import engine_app  # noqa: E402
+
+app.add_typer(engine_app, name="engine")
 
 ModelOpt = Annotated[
     Path | None,
@@ -143,6 +147,26 @@ def generate(
     )
 
 
+# ---- export ---------------------------------------------------------------------------------------
+@app.command()
+def export(
+    model: ModelOpt = None,
+    output: Annotated[Path | None, typer.Option(help="ONNX dir to write (replaced atomically)")] = None,
+    build_dir: Annotated[
+        Path | None, typer.Option(help="build dir: default output + manifest record")
+    ] = None,
+    precision_from_checkpoint: Annotated[
+        bool, typer.Option(help="quantized checkpoints export Q/DQ (else dequantized float weights)")
+    ] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """Export model + sampler step as ONNX (opset 21, dgpipe::SampleRows/SampleAccept; docs/onnx.md)."""
+    from pipeline.export_cli import run_export
+    from pipeline.session import default_model_path
+
+    run_export(model or default_model_path(), output, build_dir, precision_from_checkpoint, as_json)
+
+
 # ---- package / serve -------------------------------------------------------------------------------
 @app.command()
 def package(
@@ -155,14 +179,18 @@ def package(
     max_tokens_limit: Annotated[int, typer.Option(help="largest max_tokens a request may ask for")] = 4096,
     max_prompt_tokens: Annotated[int, typer.Option(help="longest prompt accepted, in tokens")] = 2048,
     device: DeviceOpt = "auto",
+    engines: Annotated[
+        Path | None, typer.Option(help="TensorRT engines dir (<target>/model.plan + engine.json) to ship")
+    ] = None,
 ) -> None:
     """Write a Triton model repository (Python backend, decoupled) that serves the checkpoint."""
     from pipeline.package import package as run_package
     from pipeline.session import default_model_path
 
     out = run_package(
-        model or default_model_path(), output, name, max_batch, max_tokens_limit, max_prompt_tokens, device
-    )
+        model or default_model_path(), output, name, max_batch, max_tokens_limit, max_prompt_tokens, device,
+        engines=engines,
+    )  # fmt: skip
     typer.echo(f"model repository: {out} (model '{name}')")
 
 

@@ -141,17 +141,56 @@ def check_kubectl() -> Check:
     return Check("kubectl", True, f"{path} ({ver})", needed_for="manifests, deploy")
 
 
+def check_engine_build() -> list[Check]:
+    """What a local TensorRT engine build needs: TensorRT >= 10.8 (AOT plugins), a GPU and its compute
+    capability (which target's engine it can build), nvcc for the sampler PTX. Without them the engine is
+    built on the target node (`dgpipe engine build` in the serving image), which doctor says."""
+    from pipeline.engine.build_engine import MIN_TENSORRT, gpu, missing_for_local_build, tensorrt_version
+
+    need = ".".join(map(str, MIN_TENSORRT))
+    v = tensorrt_version()
+    ok_version = v is not None and tuple(int(p) for p in v.split(".")[:2]) >= MIN_TENSORRT
+    checks = [
+        Check(
+            "tensorrt",
+            ok_version,
+            v or "not installed",
+            ""
+            if ok_version
+            else f"TensorRT >= {need} (pip install tensorrt on a GPU host, or the NGC image)",
+            "engine build",
+        )
+    ]
+    g = gpu()
+    if g is not None:
+        from quantize.precision import _names, target
+
+        targets = [t for t in (target(n) for n in _names("targets")) if t.compute_capability == g[0]]
+        label = ", ".join(t.name for t in targets) or "no dgpipe target"
+        checks.append(
+            Check("engine target", bool(targets), f"{g[1]}: cc {g[0]} -> {label}", "", "engine build")
+        )
+    missing = missing_for_local_build()
+    checks.append(
+        Check(
+            "local engine build",
+            not missing,
+            "possible" if not missing else "; ".join(missing),
+            ""
+            if not missing
+            else "engines will be built on the target node (`dgpipe engine build` in the serving image)",
+            "engine build",
+        )
+    )
+    return checks
+
+
 def run_checks() -> list[Check]:
     return [
         check_python(),
         *check_torch(),
         check_nvcc(),
-        check_module(
-            "tensorrt",
-            "tensorrt",
-            "TensorRT >= 10.7 from NVIDIA (pip install tensorrt on a GPU host, or the NGC image)",
-            "engine build",
-        ),
+        *check_engine_build(),
         check_module("modelopt", "nvidia-modelopt", "pip install 'dgpipe[quantize]'", "quantize"),
         check_module("onnx", "onnx", "pip install 'dgpipe[engine]'", "ONNX export"),
         check_module("onnxruntime", "onnxruntime", "pip install 'dgpipe[engine]'", "ONNX verification"),

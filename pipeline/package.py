@@ -89,10 +89,14 @@ def package(
     max_tokens_limit: int = 4096,
     max_prompt_tokens: int = 2048,
     device: str = "auto",
+    engines: Path | None = None,
 ) -> Path:
+    """`engines`: a directory of `<target>/{model.plan,engine.json}` (a build's `engines/`), copied into the
+    model version so the Triton model runs the plan that matches its GPU (pipeline/engine/select.py)."""
     from google.protobuf import text_format
 
     ckpt = open_checkpoint(model)  # fail early on a broken checkpoint, before writing anything
+    engine_dirs = _engine_dirs(engines) if engines is not None else []
     if max_batch < 1 or max_tokens_limit < 1 or max_prompt_tokens < 1:
         raise DgpipeError("--max-batch, --max-tokens-limit and --max-prompt-tokens must be >= 1")
     warmup = _warmup_prompt(ckpt)
@@ -103,12 +107,31 @@ def package(
         (mdir / "config.pbtxt").write_text(text_format.MessageToString(cfg))
         shutil.copy(MODEL_SOURCE, mdir / "1" / "model.py")
         shutil.copytree(ckpt.path, mdir / "1" / "checkpoint")
+        for d in engine_dirs:
+            shutil.copytree(d, mdir / "1" / "engines" / d.name, ignore=shutil.ignore_patterns(".*"))
         if warmup is not None:
             (mdir / "warmup").mkdir()
             data = warmup.encode()
             (mdir / "warmup" / "text_input").write_bytes(struct.pack("<I", len(data)) + data)
             (mdir / "warmup" / "max_tokens").write_bytes(struct.pack("<i", ckpt.config.canvas_length))
     return output
+
+
+def _engine_dirs(engines: Path) -> list[Path]:
+    """The engine dirs to ship, each with a readable manifest and its plan; refused before writing anything."""
+    from pipeline.engine.manifest import load_engine_manifest
+    from pipeline.engine.select import engine_dirs
+
+    dirs = engine_dirs(Path(engines))
+    if not dirs:
+        raise DgpipeError(
+            f"--engines {engines}: no engines/<target>/engine.json", "run `dgpipe engine build` first"
+        )
+    for d in dirs:
+        m = load_engine_manifest(d)
+        if not (d / m.plan).is_file():
+            raise DgpipeError(f"{d}: engine.json names {m.plan}, which is missing")
+    return dirs
 
 
 def _warmup_prompt(ckpt) -> str:

@@ -20,7 +20,11 @@ from pipeline.kernels import build
 needs_nvcc = pytest.mark.skipif(
     build.find_nvcc() is None, reason="nvcc not found (CUDA toolkit not installed)"
 )
-KERNELS = ("dg_rows_f32x4", "dg_rows_f32x1", "dg_rows_bf16x8", "dg_rows_bf16x1", "dg_accept")
+KERNELS = (
+    "dg_rows_f32x4", "dg_rows_f32x1", "dg_rows_bf16x8", "dg_rows_bf16x1", "dg_accept",
+    # TensorRT AOT plugin entry points (inputs, int32 extras, outputs): pipeline/engine/plugin.py
+    "dg_trt_rows_f32x4", "dg_trt_rows_f32x1", "dg_trt_rows_bf16x8", "dg_trt_rows_bf16x1", "dg_trt_accept",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="session")

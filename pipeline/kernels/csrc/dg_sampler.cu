@@ -304,9 +304,10 @@ __device__ __forceinline__ double block_inclusive_scan(double v, double* warp_su
 
 }  // namespace
 
-// Kernel B entry point (unmangled, like kernel A's).
-extern "C" __global__ void __launch_bounds__(kMaxCanvas)
-    dg_accept(int length, int vocab, const float* __restrict__ entropy_in,
+namespace {
+
+// Kernel B body: one block per row (blockDim.x = a power of two >= length).
+__device__ __forceinline__ void accept_body(int length, int vocab, const float* __restrict__ entropy_in,
                      const int64_t* __restrict__ argmax_in, const int64_t* __restrict__ sample,
                      const int64_t* __restrict__ templ, const float* __restrict__ bound,
                      const int64_t* __restrict__ seed, const int64_t* __restrict__ request,
@@ -388,6 +389,62 @@ extern "C" __global__ void __launch_bounds__(kMaxCanvas)
     stable_out[row] = count;
     stop[row] = count >= stability_threshold[row] && mean < confidence_threshold[row];
   }
+}
+
+}  // namespace
+
+#define DG_ACCEPT_ARGS                                                                                  \
+  length, vocab, entropy_in, argmax_in, sample, templ, bound, seed, request, canvas_idx, step, prev_argmax, \
+      stable_in, stability_threshold, confidence_threshold, entropy_out, kept, canvas_out, argmax_out,      \
+      stable_out, stop
+
+// Kernel B entry point (unmangled, like kernel A's).
+extern "C" __global__ void __launch_bounds__(kMaxCanvas)
+    dg_accept(int length, int vocab, const float* __restrict__ entropy_in, const int64_t* __restrict__ argmax_in,
+              const int64_t* __restrict__ sample, const int64_t* __restrict__ templ,
+              const float* __restrict__ bound, const int64_t* __restrict__ seed,
+              const int64_t* __restrict__ request, const int64_t* __restrict__ canvas_idx,
+              const int64_t* __restrict__ step, const int64_t* __restrict__ prev_argmax,
+              const int64_t* __restrict__ stable_in, const int64_t* __restrict__ stability_threshold,
+              const float* __restrict__ confidence_threshold, float* __restrict__ entropy_out,
+              uint8_t* __restrict__ kept, int64_t* __restrict__ canvas_out, int64_t* __restrict__ argmax_out,
+              int64_t* __restrict__ stable_out, uint8_t* __restrict__ stop) {
+  accept_body(DG_ACCEPT_ARGS);
+}
+
+// ---- TensorRT AOT plugin entry points ---------------------------------------------------------------------
+//
+// A TensorRT ahead-of-time Python plugin (tensorrt.plugin.aot_impl, pipeline/engine/plugin.py) launches a
+// kernel from PTX with the arguments in a fixed order: the input tensors' device pointers in node order, then
+// the extra int32 scalars it returns (here length and vocab, resolved from the shapes at run time), then the
+// output tensors' pointers. These thin wrappers take that order and run the same bodies as the kernels above,
+// so the engine samples exactly what the PyTorch runtime's fused sampler does.
+
+#define DG_TRT_ROWS(NAME, T, N)                                                                            \
+  extern "C" __global__ void __launch_bounds__(kRowThreads)                                                \
+      NAME(const T* __restrict__ logits, const float* __restrict__ temperature,                            \
+           const int64_t* __restrict__ seed, const int64_t* __restrict__ request,                          \
+           const int64_t* __restrict__ canvas, const int64_t* __restrict__ step, int length, int vocab,     \
+           float* __restrict__ entropy, float* __restrict__ max_prob, int64_t* __restrict__ argmax,        \
+           int64_t* __restrict__ sample, __nv_bfloat16* __restrict__ probs) {                              \
+    rows_body<T, N>(DG_ROWS_ARGS);                                                                         \
+  }
+DG_TRT_ROWS(dg_trt_rows_f32x4, float, 4)
+DG_TRT_ROWS(dg_trt_rows_f32x1, float, 1)
+DG_TRT_ROWS(dg_trt_rows_bf16x8, __nv_bfloat16, 8)
+DG_TRT_ROWS(dg_trt_rows_bf16x1, __nv_bfloat16, 1)
+
+extern "C" __global__ void __launch_bounds__(kMaxCanvas)
+    dg_trt_accept(const float* __restrict__ entropy_in, const int64_t* __restrict__ argmax_in,
+                  const int64_t* __restrict__ sample, const int64_t* __restrict__ templ,
+                  const float* __restrict__ bound, const int64_t* __restrict__ seed,
+                  const int64_t* __restrict__ request, const int64_t* __restrict__ canvas_idx,
+                  const int64_t* __restrict__ step, const int64_t* __restrict__ prev_argmax,
+                  const int64_t* __restrict__ stable_in, const int64_t* __restrict__ stability_threshold,
+                  const float* __restrict__ confidence_threshold, int length, int vocab,
+                  float* __restrict__ entropy_out, uint8_t* __restrict__ kept, int64_t* __restrict__ canvas_out,
+                  int64_t* __restrict__ argmax_out, int64_t* __restrict__ stable_out, uint8_t* __restrict__ stop) {
+  accept_body(DG_ACCEPT_ARGS);
 }
 
 namespace {

@@ -1,0 +1,1 @@
+"""TensorRT half of the pipeline: sampler plugin PTX, engine build + manifest, runtime wrapper (docs/engine.md)."""

@@ -1,0 +1,68 @@
+"""The engine stage of `dgpipe build`: PTX for every target, then the engine here or a step for the node.
+
+On any machine it compiles the sampler PTX per target into `plugins/<target>/` (nvcc only) and validates
+the engine build (precision on target, ONNX inputs -> profiles). Where TensorRT >= 10.8 and a GPU of a
+target are present it builds that target's engine; for every other target it records the exact
+`dgpipe engine build ...` command that the serving image runs on the target node (a Kubernetes
+initContainer or Job, rendered by the manifests stage from the build manifest), and the summary says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.engine.build_engine import NODE_STEP, build, missing_for_local_build, plan_build
+from pipeline.engine.profiles import Limits
+from pipeline.engine.ptx import build_plugin_ptx
+from pipeline.manifest import LAYOUT, BuildManifest, save_manifest
+from quantize.precision import target as get_target
+
+
+def engine_stage(build_dir: Path, manifest: BuildManifest, limits: Limits | None = None) -> list[str]:
+    """Run the stage for every target in the manifest; records it and returns one summary line per target."""
+    build_dir = Path(build_dir).resolve()
+    onnx = manifest.path_of(build_dir, "onnx")
+    plugins = build_dir / LAYOUT["plugins"]
+    engines: dict[str, dict] = {}
+    lines = []
+    for name in manifest.targets:
+        t = get_target(name)
+        info = build_plugin_ptx(plugins, t.name)
+        plan = plan_build(
+            onnx, t.name, manifest.precision, build_dir, plugins=plugins, limits=limits,
+            checkpoint_sha256=manifest.model_sha256,
+        )  # fmt: skip
+        # paths in the node command are relative to the build dir, which the node mounts as its workdir
+        command = _relative_command(plan.command(), build_dir)
+        missing = missing_for_local_build(t)
+        record = {
+            "ptx": f"{LAYOUT['plugins']}/{t.name}/{info.file}",
+            "ptx_sha256": info.sha256,
+            "command": command,
+        }
+        if missing:
+            record |= {"status": "deferred", "reason": "; ".join(missing)}
+            lines.append(
+                f"engine {t.name}: not built here ({'; '.join(missing)}); "
+                + NODE_STEP.format(command=" ".join(command))
+            )
+        else:
+            em, built = build(plan)
+            record |= {"status": "built" if built else "up to date", "tensorrt": em.tensorrt_version}
+            lines.append(
+                f"engine {t.name}: {record['status']} at {plan.engine_dir}/{em.plan} (TensorRT {em.tensorrt_version})"
+            )
+        engines[t.name] = record
+    manifest.record("engine", {"plugins": LAYOUT["plugins"], "engines": LAYOUT["engines"]}, engines=engines)
+    save_manifest(build_dir, manifest)
+    return lines
+
+
+def _relative_command(cmd: list[str], build_dir: Path) -> list[str]:
+    out = []
+    for arg in cmd:
+        p = Path(arg)
+        if p.is_absolute() and p.is_relative_to(build_dir):  # outside the build dir: kept absolute
+            arg = str(p.relative_to(build_dir))
+        out.append(arg)
+    return out
