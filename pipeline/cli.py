@@ -372,6 +372,9 @@ def eval_sudoku_cmd(
     batch: Annotated[int, typer.Option(help="puzzles per batch")] = 50,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
+    onnx: Annotated[
+        Path | None, typer.Option(help="run the exported ONNX dir in onnxruntime (CPU) instead of PyTorch")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Solve rate, constraint-valid rate, steps per canvas and tokens/s on held-out puzzles."""
@@ -397,6 +400,7 @@ def eval_sudoku_cmd(
         dtype=dtype,
         device=device,
         as_json=as_json,
+        onnx=onnx,
     )
 
 

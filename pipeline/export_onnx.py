@@ -180,12 +180,7 @@ def _rename_dims(m: onnx.ModelProto, model_dtype: str, vocab: int) -> None:
     )}  # fmt: skip
     for vi in [*m.graph.input, *m.graph.output]:
         spec = lt_specs.get(vi.name)
-        dims = vi.type.tensor_type.shape.dim
-        if spec is None:  # K/V: keep the concrete head counts/dims, rename the symbolic ones
-            kind = onnx_io.SEQ if vi.name.startswith("present") else None
-            for d in dims:
-                if d.dim_param and kind is not None and d.dim_param not in (onnx_io.BATCH,):
-                    d.dim_param = kind
+        if spec is None:  # K/V: head counts/dims are concrete; the tracer named batch/seq/past_* already
             continue
         new = _value_info(spec, vocab, model_dtype)
         vi.type.CopyFrom(new.type)

@@ -118,6 +118,7 @@ def run_eval_sudoku(
     dtype: str,
     device: str,
     as_json: bool,
+    onnx: Path | None = None,
 ) -> None:
     from rich.progress import Progress
 
@@ -126,6 +127,13 @@ def run_eval_sudoku(
     from pipeline.session import load_session
 
     session = load_session(model, dtype, device)
+    runner = session.model
+    if onnx is not None:  # same runtime and sampler state, network + sampler step in onnxruntime
+        from pipeline.onnx_backend import OnnxRuntimeBackend
+
+        if decode != "diffusion":
+            raise DgpipeError("--onnx runs diffusion decoding only", "drop --decode ar")
+        runner = OnnxRuntimeBackend(onnx, session.checkpoint.path)
     if session.task != "sudoku":
         raise DgpipeError(f"{session.checkpoint.path} is not a Sudoku model (dgpipe.json task != 'sudoku')")
     if givens is None:
@@ -135,7 +143,7 @@ def run_eval_sudoku(
     with Progress(transient=True, disable=as_json) as bar:
         task = bar.add_task(f"{decode} on {n} puzzles", total=n)
         rep = eval_sudoku(
-            session.model,
+            runner,  # type: ignore[arg-type]
             puzzles,
             givens,
             sampler,
@@ -145,6 +153,8 @@ def run_eval_sudoku(
             progress=lambda k: bar.advance(task, k),
         )
     out = rep.as_dict() | {"model": str(session.checkpoint.path), "sampler": sampler.model_dump()}
+    if onnx is not None:
+        out["onnx"] = str(onnx)
     if as_json:
         typer.echo(json.dumps(out, indent=2))
         return

@@ -566,3 +566,19 @@ def test_nvfp4_export_passes_checker_and_packs_weights_exactly(model, tmp_path):
         # and NVFP4 is a real approximation of the float weight, not garbage
         w = _float_weight(model, path).detach().float()
         assert float((decoded - w).norm() / w.norm()) < 0.2
+
+
+def test_cli_eval_sudoku_through_onnx(exported):
+    import json
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    args = ["eval", "sudoku", "--n", "6", "--batch", "6", "--json"]
+    ref = CliRunner().invoke(app, args)
+    got = CliRunner().invoke(app, [*args, "--onnx", str(exported)])
+    assert ref.exit_code == 0 and got.exit_code == 0, got.output
+    ref_rep, got_rep = json.loads(ref.output), json.loads(got.output)
+    assert got_rep["onnx"] == str(exported)
+    assert got_rep["solve_rate"] == ref_rep["solve_rate"] and got_rep["mean_steps"] == ref_rep["mean_steps"]
