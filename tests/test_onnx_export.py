@@ -207,7 +207,8 @@ class ShadowBackend:
         logits = self.model.denoise(canvas, sc_probs, positions, masks, past)
         got = self.ort.denoise_outputs(canvas, sc_probs, positions, masks, past, sampler)
         wrapped = int(positions[:, 0].min()) > self.model.cfg.sliding_window - 1  # ring slots overwritten
-        kind = "denoise-sc" if sc_probs is not None else "denoise-first"
+        first = sc_probs is None or not bool(sc_probs.any())  # the runtime sends zeros before a first step
+        kind = "denoise-first" if first else "denoise-sc"
         self._err(kind + ("-wrapped" if wrapped else ""), logits, got["logits"])
         res: DenoiseResult = self.torch.denoise_step(canvas, sc_probs, positions, masks, past, sampler)
         for name, ref in (("next_canvas", res.step.canvas), ("argmax", res.step.argmax), ("kept", res.step.kept),
