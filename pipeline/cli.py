@@ -167,6 +167,45 @@ def export(
     run_export(model or default_model_path(), output, build_dir, precision_from_checkpoint, as_json)
 
 
+# ---- build --------------------------------------------------------------------------------------------
+@app.command()
+def build(
+    model: ModelOpt = None,
+    precision: Annotated[str, typer.Option(help="nvfp4, fp8, int4_awq or bf16")] = "nvfp4",
+    target: Annotated[
+        list[str] | None,
+        typer.Option(help="GPU target (sm90, sm100, sm120; repeatable); default: all that run the precision"),
+    ] = None,
+    build_dir: Annotated[Path, typer.Option(help="where every stage writes (build_manifest.json)")] = Path(
+        "runs/build"
+    ),
+    calib_size: Annotated[int, typer.Option(help="calibration prompts")] = 64,
+    calib_data: Annotated[Path | None, typer.Option(help='JSONL calibration prompts ({"text": ...})')] = None,
+    max_batch: Annotated[int, typer.Option(help="engine profile / Triton batch")] = 8,
+    max_prompt: Annotated[int, typer.Option(help="longest prompt, tokens")] = 2048,
+    max_context: Annotated[int, typer.Option(help="prompt + generated tokens per request")] = 8192,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run every stage: quantize -> export ONNX -> sampler PTX + TensorRT engines (here, or the step for the
+    target node) -> Triton model repository, recorded in BUILD_DIR/build_manifest.json."""
+    from rich.console import Console
+
+    from pipeline.build import BuildOptions, run_build
+    from pipeline.session import default_model_path
+
+    opts = BuildOptions(
+        model=model or default_model_path(), precision=precision, build_dir=build_dir,
+        targets=[t for item in target or [] for t in item.split(",") if t],
+        calib_size=calib_size, calib_data=calib_data,
+        max_batch=max_batch, max_prompt=max_prompt, max_context=max_context,
+    )  # fmt: skip
+    console = Console(stderr=as_json)
+    with console.status("building", spinner="dots"):
+        summary = run_build(opts, say=lambda line: console.print(line, highlight=False))
+    if as_json:
+        _print_json(summary)
+
+
 # ---- package / serve -------------------------------------------------------------------------------
 @app.command()
 def package(

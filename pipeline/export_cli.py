@@ -28,8 +28,9 @@ def checkpoint_precision(ckpt_dir: Path) -> str:
 
 
 def run_export(
-    model_dir: Path, output: Path | None, build_dir: Path | None, from_checkpoint: bool, as_json: bool
+    model_dir: Path, output: Path | None, build_dir: Path | None, from_checkpoint: bool, as_json: bool | None
 ) -> dict:
+    """`as_json`: True prints JSON, False a summary, None nothing (`dgpipe build` prints its own line)."""
     from pipeline.export_onnx import export_onnx
     from pipeline.manifest import LAYOUT, MANIFEST_NAME, load_or_create, save_manifest
 
@@ -45,10 +46,10 @@ def run_export(
         from pipeline.export_quant import export_fp8
 
         summary = export_fp8(model_dir, output, qdq=from_checkpoint)
-    elif precision == "nvfp4":
-        raise DgpipeError(
-            f"{model_dir}: NVFP4 ONNX export is not implemented yet", "export the FP8 or bf16 model"
-        )
+    elif precision == "nvfp4":  # TensorRT >= 11 Q/DQ; onnxruntime cannot run TRT_FP4DynamicQuantize
+        from pipeline.export_quant import export_nvfp4
+
+        summary = export_nvfp4(model_dir, output)
     else:
         from pipeline.checkpoint import load_model
 
@@ -67,7 +68,7 @@ def run_export(
         result["manifest"] = str(save_manifest(build_dir, man))
     if as_json:
         typer.echo(json.dumps(result, indent=2))
-    else:
+    elif as_json is not None:
         typer.echo(
             f"wrote {summary.path} ({summary.precision}, {summary.model_dtype} weights, opset {summary.opset}, "
             f"{summary.nodes} nodes, {summary.seconds:.1f}s)\n"

@@ -1,0 +1,131 @@
+"""`dgpipe build`: checkpoint -> quantized checkpoint -> ONNX -> sampler PTX + engines -> Triton repository.
+
+Each stage is the same code its own command runs (`dgpipe quantize`, `export`, `engine build`, `package`),
+reading the previous stage's output from the build directory and recording itself in the build manifest,
+so a failed build resumes from the stage that failed with the same commands a user would type. Engines
+are built here only where TensorRT and a GPU of the target exist; otherwise the build records the exact
+`dgpipe engine build` command that the serving image runs on the target node (the Kubernetes
+initContainer rendered by `dgpipe manifests`) and says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.errors import DgpipeError
+from pipeline.manifest import LAYOUT, BuildManifest, checkpoint_hash, load_or_create, save_manifest
+
+DEFAULT_TARGETS = ("sm90", "sm100", "sm120")  # the architectures the engines and kernels are built for
+
+
+@dataclass
+class BuildOptions:
+    model: Path
+    precision: str
+    build_dir: Path
+    targets: list[str] = field(default_factory=list)  # empty: every default target that runs `precision`
+    calib_size: int = 64
+    calib_data: Path | None = None
+    max_batch: int = 8
+    max_prompt: int = 2048
+    max_context: int = 8192
+
+
+def resolve_targets(precision: str, requested: list[str]) -> list[str]:
+    """Requested targets are checked against the precision rules; by default, every engine architecture
+    on which the precision runs natively (nvfp4: Blackwell only)."""
+    from quantize.precision import check_precision_on_target, target
+    from quantize.precision import precision as get_precision
+
+    get_precision(precision)  # unknown precision: a clear error before anything else
+    if requested:
+        names = [target(t).name for t in requested]
+        for name in names:
+            check_precision_on_target(precision, name)
+        return list(dict.fromkeys(names))
+    return [t for t in DEFAULT_TARGETS if precision in target(t).precisions]
+
+
+def run_build(opts: BuildOptions, say: Callable[[str], None]) -> dict:
+    from pipeline.checkpoint import open_checkpoint
+
+    if opts.max_context < opts.max_prompt + 1 or min(opts.max_batch, opts.max_prompt) < 1:
+        raise DgpipeError("--max-batch and --max-prompt must be >= 1 and --max-context > --max-prompt")
+    targets = resolve_targets(opts.precision, opts.targets)
+    open_checkpoint(opts.model)  # a missing or broken checkpoint fails before any stage runs
+    build_dir = opts.build_dir.resolve()
+    man = load_or_create(
+        build_dir, model=str(opts.model), precision=opts.precision, targets=targets,
+        model_sha256=checkpoint_hash(opts.model),
+    )  # fmt: skip
+    save_manifest(build_dir, man)
+    say(f"build {build_dir}: {opts.model} -> {opts.precision} for {', '.join(targets)}")
+    summary: dict[str, object] = {
+        "build_dir": str(build_dir),
+        "precision": opts.precision,
+        "targets": targets,
+    }
+    summary["quantize"] = _quantize(opts, build_dir, man, say)
+    summary["export"] = _export(build_dir, say)
+    summary["engines"] = _engines(opts, build_dir, say)
+    summary["model_repository"] = _package(opts, build_dir, say)
+    return summary
+
+
+def _quantize(opts: BuildOptions, build_dir: Path, man: BuildManifest, say: Callable[[str], None]) -> dict:
+    from quantize.run import QuantizeOptions, quantize_checkpoint
+
+    out = build_dir / LAYOUT["checkpoint"]
+    res = quantize_checkpoint(
+        QuantizeOptions(
+            model=opts.model, precision=opts.precision, output=out,
+            calib_data=opts.calib_data, calib_size=opts.calib_size,
+        )
+    )  # fmt: skip
+    man.record("quantize", {"checkpoint": LAYOUT["checkpoint"]}, **res.as_dict())
+    save_manifest(build_dir, man)
+    say(
+        f"quantize: {out} ({res.precision}, {res.bytes / 1e6:.1f} MB, {res.calib_prompts} calibration prompts)"
+    )
+    return res.as_dict()
+
+
+def _export(build_dir: Path, say: Callable[[str], None]) -> dict:
+    from pipeline.export_cli import run_export
+
+    result = run_export(build_dir / LAYOUT["checkpoint"], None, build_dir, True, as_json=None)
+    say(f"export: {result['path']} (opset {result['opset']}, custom ops {', '.join(result['custom_ops'])})")
+    return result
+
+
+def _engines(opts: BuildOptions, build_dir: Path, say: Callable[[str], None]) -> list[str]:
+    from pipeline.engine.profiles import Limits
+    from pipeline.engine.stage import engine_stage
+    from pipeline.manifest import load_manifest
+
+    limits = Limits(opts.max_batch, opts.max_prompt, opts.max_context)
+    lines = engine_stage(build_dir, load_manifest(build_dir), limits)
+    for line in lines:
+        say(line)
+    return lines
+
+
+def _package(opts: BuildOptions, build_dir: Path, say: Callable[[str], None]) -> str:
+    from pipeline.manifest import load_manifest
+    from pipeline.package import package
+
+    engines = build_dir / LAYOUT["engines"]
+    built = engines if any(engines.glob("*/model.plan")) else None
+    repo = package(
+        build_dir / LAYOUT["checkpoint"], build_dir / LAYOUT["model_repository"],
+        max_batch=opts.max_batch, max_prompt_tokens=opts.max_prompt,
+        max_tokens_limit=opts.max_context - opts.max_prompt, engines=built,
+    )  # fmt: skip
+    man = load_manifest(build_dir)
+    man.record("package", {"model_repository": LAYOUT["model_repository"]}, engines=built is not None)
+    save_manifest(build_dir, man)
+    where = "with the engines built here" if built else "engines are added on the target node"
+    say(f"package: {repo} (Triton model 'dgpipe'; {where})")
+    return str(repo)
