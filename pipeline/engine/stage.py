@@ -9,6 +9,7 @@ initContainer or Job, rendered by the manifests stage from the build manifest), 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from pipeline.engine.build_engine import NODE_STEP, build, missing_for_local_build, plan_build
@@ -32,8 +33,12 @@ def engine_stage(build_dir: Path, manifest: BuildManifest, limits: Limits | None
             onnx, t.name, manifest.precision, build_dir, plugins=plugins, limits=limits,
             checkpoint_sha256=manifest.model_sha256,
         )  # fmt: skip
-        # paths in the node command are relative to the build dir, which the node mounts as its workdir
-        command = _relative_command(plan.command(), build_dir)
+        # on the node the plan goes straight into the served model's version dir, where the Triton model
+        # looks for engines/<target> (a local build lands in engines/ and `package` copies it there);
+        # paths are relative to the build dir, which the node mounts as its workdir
+        version_dir = build_dir / LAYOUT["model_repository"] / "dgpipe" / "1"
+        node_plan = dataclasses.replace(plan, engine_dir=version_dir / "engines" / t.name)
+        command = _relative_command(node_plan.command(), build_dir)
         missing = missing_for_local_build(t)
         record = {
             "ptx": f"{LAYOUT['plugins']}/{t.name}/{info.file}",
