@@ -88,11 +88,18 @@ class TritonPythonModel:
         ckpt = Path(params.get("checkpoint", "checkpoint"))
         if not ckpt.is_absolute():
             ckpt = Path(args["model_repository"]) / args["model_version"] / ckpt
-        self.session = load_session(ckpt, params.get("dtype", "auto"), params.get("device", "auto"))
+        version_dir = Path(args["model_repository"]) / args["model_version"]
+        dtype, device = params.get("dtype", "auto"), params.get("device", "auto")
+        choice = self._choose(version_dir)
+        # with a TensorRT plan the weights live in the engine: the session then holds config + tokenizer only
+        self.session = load_session(ckpt, dtype, device, weights=choice.kind != "tensorrt")
         self.max_tokens_limit = int(params.get("max_tokens_limit", "4096"))
         self.max_prompt_tokens = int(params.get("max_prompt_tokens", "2048"))
         length = self.session.model.config.canvas_length
-        backend = self._backend(Path(args["model_repository"]) / args["model_version"])
+        backend = self._backend(choice)
+        if backend is None:  # the plan failed to load: fall back to the PyTorch weights
+            self.session = load_session(ckpt, dtype, device)
+            backend = self.session.model
         self.runtime = BlockDiffusionRuntime(
             backend,
             max_batch=int(params.get("max_batch", "8")),
@@ -106,7 +113,7 @@ class TritonPythonModel:
         self.worker = threading.Thread(target=self._loop, name="dgpipe-runtime", daemon=True)
         self.worker.start()
 
-    def _backend(self, version_dir: Path):
+    def _choose(self, version_dir: Path):
         """The TensorRT plan for this GPU when the repository holds a matching one, else the PyTorch model.
         A plan that is present but unusable (other TensorRT, other GPU) is logged as an error, not hidden."""
         from pipeline.engine.build_engine import gpu, tensorrt_version
@@ -114,23 +121,28 @@ class TritonPythonModel:
 
         g = gpu()
         choice = choose_backend(version_dir, g[0] if g else None, tensorrt_version())
-        if choice.kind == "tensorrt":
-            try:
-                from pipeline.engine.trt_backend import TensorRTBackend
-
-                backend = TensorRTBackend(choice.engine_dir, self.session.model.config)
-                pb_utils.Logger.log_info(f"dgpipe: TensorRT runtime, {choice.reason}")
-                self.runtime_kind = "tensorrt"
-                return backend
-            except Exception as e:  # the server must come up; the log says why
-                pb_utils.Logger.log_error(
-                    f"dgpipe: TensorRT engine failed to load ({e}); using the PyTorch runtime"
-                )
-        else:
+        if choice.kind != "tensorrt":
             log = pb_utils.Logger.log_error if choice.loud else pb_utils.Logger.log_info
             log(f"dgpipe: PyTorch runtime ({choice.reason})")
+        return choice
+
+    def _backend(self, choice):
+        """The runtime's backend for the choice; None when a chosen plan fails to load (the log says why)."""
         self.runtime_kind = "pytorch"
-        return self.session.model
+        if choice.kind != "tensorrt":
+            return self.session.model
+        try:
+            from pipeline.engine.trt_backend import TensorRTBackend
+
+            backend = TensorRTBackend(choice.engine_dir, self.session.model.config)
+        except Exception as e:  # the server must come up
+            pb_utils.Logger.log_error(
+                f"dgpipe: TensorRT engine failed to load ({e}); using the PyTorch runtime"
+            )
+            return None
+        pb_utils.Logger.log_info(f"dgpipe: TensorRT runtime, {choice.reason}")
+        self.runtime_kind = "tensorrt"
+        return backend
 
     def _metrics(self) -> None:
         self.families = []  # a MetricFamily must outlive its metrics, so the model keeps them

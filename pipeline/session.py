@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pipeline.checkpoint import Checkpoint, load_model
+from pipeline.checkpoint import Checkpoint, load_model, open_checkpoint
 from pipeline.config import SamplerConfig
 from pipeline.errors import DgpipeError, InputError
 from pipeline.model import DiffusionGemma
@@ -119,10 +119,18 @@ def load_session(
     dtype: str | None = None,
     device: str | None = None,
     canvas_length: int | None = None,
+    weights: bool = True,
 ) -> Session:
+    """`weights=False`: config, tokenizer and a weightless (meta) model, for a runtime whose weights live
+    elsewhere (a TensorRT plan) — a 26B checkpoint is then never read into memory."""
     dev = resolve_device(device)
     path = Path(model) if model else default_model_path()
-    m, ckpt = load_model(path, resolve_dtype(dtype, dev), dev)
+    if weights:
+        m, ckpt = load_model(path, resolve_dtype(dtype, dev), dev)
+    else:
+        ckpt = open_checkpoint(path)
+        with torch.device("meta"):
+            m = DiffusionGemma(ckpt.config)
     if canvas_length is not None:
         if canvas_length < 1:
             raise DgpipeError(f"--canvas-length must be >= 1 (got {canvas_length})")
