@@ -44,6 +44,7 @@ class QuantizeOptions:
     adapter: Path | None = None
     target: str | None = None
     seed: int = 0
+    export_dtype: str = "bfloat16"  # unquantized tensors and 16-bit scales; float32 for exactness tests
 
 
 @dataclass
@@ -211,7 +212,7 @@ def _fused_experts_export_patch(model):
 SCALE_SUFFIXES = (".weight_scale_2", ".input_scale", ".k_scale", ".v_scale")
 
 
-def _finalize_tensors(out: Path, source_names: set[str]) -> None:
+def _finalize_tensors(out: Path, source_names: set[str], dtype: torch.dtype = torch.bfloat16) -> None:
     """Make the export hold what serving stacks read, whatever dtype calibration ran in:
 
     * transformers instantiates the vision tower even when the source checkpoint has none (a text-only
@@ -234,7 +235,7 @@ def _finalize_tensors(out: Path, source_names: set[str]) -> None:
             return t
         if name.endswith(".weight_scale") and t.dim() == 0:
             return t
-        return t.to(torch.bfloat16)
+        return t.to(dtype)
 
     index = out / "model.safetensors.index.json"
     for f in sorted(out.glob("*.safetensors")):
@@ -248,7 +249,7 @@ def _finalize_tensors(out: Path, source_names: set[str]) -> None:
         data["weight_map"] = {k: v for k, v in data["weight_map"].items() if keep(k)}
         index.write_text(json.dumps(data, indent=2) + "\n")
     cfg = json.loads((out / "config.json").read_text())
-    cfg["dtype"] = "bfloat16"
+    cfg["dtype"] = str(dtype).replace("torch.", "")
     has_pqs = False
     for f in out.glob("*.safetensors"):
         with safe_open(f, "pt") as fh:
@@ -275,8 +276,12 @@ def _source_tensor_names(path: Path) -> set[str]:
 
 
 def quantize_checkpoint(
-    opts: QuantizeOptions, progress: Callable[[int], None] | None = None
+    opts: QuantizeOptions,
+    progress: Callable[[int], None] | None = None,
+    on_quantized: Callable[[Any], None] | None = None,
 ) -> QuantizeResult:
+    """`on_quantized(model)` sees ModelOpt's in-memory model after calibration, before the export
+    rewrites it (tests compare the exported artifact against it)."""
     p = validate(opts)
     require_modelopt()
     start = time.perf_counter()
@@ -286,7 +291,7 @@ def quantize_checkpoint(
     block = None
     with atomic_dir(opts.output) as tmp:
         if p.modelopt_config is None:  # bf16: the unquantized reference
-            model.to(torch.bfloat16).save_pretrained(tmp)
+            model.to(getattr(torch, opts.export_dtype)).save_pretrained(tmp)
         else:
             import modelopt.torch.quantization as mtq
             from modelopt.torch.export import export_hf_checkpoint
@@ -309,9 +314,11 @@ def quantize_checkpoint(
             )
             with contextlib.redirect_stdout(_Quiet()):
                 mtq.quantize(model, cfg, forward_loop=loop)
-                with _fused_experts_export_patch(model):
-                    export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=tmp)
-        _finalize_tensors(tmp, _source_tensor_names(opts.model))
+            if on_quantized is not None:
+                on_quantized(model)
+            with contextlib.redirect_stdout(_Quiet()), _fused_experts_export_patch(model):
+                export_hf_checkpoint(model, dtype=getattr(torch, opts.export_dtype), export_dir=tmp)
+        _finalize_tensors(tmp, _source_tensor_names(opts.model), getattr(torch, opts.export_dtype))
         for name in SIDE_FILES:
             if (opts.model / name).is_file():
                 shutil.copy2(opts.model / name, tmp / name)
