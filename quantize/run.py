@@ -209,6 +209,7 @@ def _fused_experts_export_patch(model):
         moe_utils.copy = saved_copy
 
 
+ENCODER_TEXT = "model.encoder.language_model."
 SCALE_SUFFIXES = (".weight_scale_2", ".input_scale", ".k_scale", ".v_scale")
 
 
@@ -243,10 +244,21 @@ def _finalize_tensors(out: Path, source_names: set[str], dtype: torch.dtype = to
             names = fh.keys()
             tensors = {n: cast(n, fh.get_tensor(n)) for n in names if keep(n)}
             meta = fh.metadata()
+        # ModelOpt 0.47 dedups the tied encoder copy of k_proj/v_proj but leaves its KV-cache scales
+        # behind; fold them into the kept decoder scale (max: covers prefill and denoise) and drop them
+        for n in [n for n in tensors if n.startswith(ENCODER_TEXT) and n.endswith((".k_scale", ".v_scale"))]:
+            d = "model.decoder." + n[len(ENCODER_TEXT) :]
+            t = tensors.pop(n)
+            if d in tensors:
+                tensors[d] = torch.maximum(tensors[d], t)
         save_file(tensors, str(f), metadata=meta)
     if index.is_file():
         data = json.loads(index.read_text())
-        data["weight_map"] = {k: v for k, v in data["weight_map"].items() if keep(k)}
+        data["weight_map"] = {
+            k: v
+            for k, v in data["weight_map"].items()
+            if keep(k) and not (k.startswith(ENCODER_TEXT) and k.endswith((".k_scale", ".v_scale")))
+        }
         index.write_text(json.dumps(data, indent=2) + "\n")
     cfg = json.loads((out / "config.json").read_text())
     cfg["dtype"] = str(dtype).replace("torch.", "")
