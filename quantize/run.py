@@ -213,7 +213,9 @@ ENCODER_TEXT = "model.encoder.language_model."
 SCALE_SUFFIXES = (".weight_scale_2", ".input_scale", ".k_scale", ".v_scale")
 
 
-def _finalize_tensors(out: Path, source_names: set[str], dtype: torch.dtype = torch.bfloat16) -> None:
+def _finalize_tensors(
+    out: Path, source: Path, source_names: set[str], dtype: torch.dtype = torch.bfloat16
+) -> None:
     """Make the export hold what serving stacks read, whatever dtype calibration ran in:
 
     * transformers instantiates the vision tower even when the source checkpoint has none (a text-only
@@ -260,7 +262,13 @@ def _finalize_tensors(out: Path, source_names: set[str], dtype: torch.dtype = to
             if keep(k) and not (k.startswith(ENCODER_TEXT) and k.endswith((".k_scale", ".v_scale")))
         }
         index.write_text(json.dumps(data, indent=2) + "\n")
-    cfg = json.loads((out / "config.json").read_text())
+    exported = json.loads((out / "config.json").read_text())
+    # the source config.json verbatim (transformers re-serialises some fields, e.g. the global-layer
+    # geometry, in a form older readers parse differently) plus ModelOpt's quantization_config
+    cfg = json.loads((source / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    if "quantization_config" in exported:
+        cfg["quantization_config"] = exported["quantization_config"]
     cfg["dtype"] = str(dtype).replace("torch.", "")
     has_pqs = False
     for f in out.glob("*.safetensors"):
@@ -330,7 +338,9 @@ def quantize_checkpoint(
                 on_quantized(model)
             with contextlib.redirect_stdout(_Quiet()), _fused_experts_export_patch(model):
                 export_hf_checkpoint(model, dtype=getattr(torch, opts.export_dtype), export_dir=tmp)
-        _finalize_tensors(tmp, _source_tensor_names(opts.model), getattr(torch, opts.export_dtype))
+        _finalize_tensors(
+            tmp, opts.model, _source_tensor_names(opts.model), getattr(torch, opts.export_dtype)
+        )
         for name in SIDE_FILES:
             if (opts.model / name).is_file():
                 shutil.copy2(opts.model / name, tmp / name)

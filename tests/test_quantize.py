@@ -331,3 +331,26 @@ def test_gate_fails_with_a_clear_message():
     gate([row("bf16", 0.9, 0.0), row("fp8", 0.89, 1.0)], 2.0)
     with pytest.raises(DgpipeError, match=r"nvfp4 85.0% \(\+5.0 points below bf16\).*allowed drop is 2.0"):
         gate([row("bf16", 0.9, 0.0), row("nvfp4", 0.85, 5.0)], 2.0)
+
+
+def test_text_checkpoint_with_calib_jsonl(tiny_checkpoint, tmp_path):
+    """A non-Sudoku checkpoint calibrates on --calib-data text (its tokenizer and prompt format) and the
+    export loads and denoises in dgpipe's runtime."""
+    from pipeline.checkpoint import load_model
+    from quantize.run import QuantizeOptions, quantize_checkpoint
+
+    data = tmp_path / "calib.jsonl"
+    data.write_text(
+        "\n".join(json.dumps({"text": t}) for t in ["123456789", "987654321", "555111999"]) + "\n"
+    )
+    res = quantize_checkpoint(
+        QuantizeOptions(
+            tiny_checkpoint, "nvfp4", tmp_path / "q", calib_data=data, calib_size=2, calib_steps=2
+        )
+    )
+    assert res.calib_prompts == 2 and res.block_size == 16
+    model, _ = load_model(res.output)
+    logits = _runtime_logits(model, torch.tensor([[2, 5, 6, 7]]), torch.randint(0, 24, (1, 8)))
+    assert torch.isfinite(logits).all() and logits.shape == (1, 8, 24)
+    with pytest.raises(DgpipeError, match="no default calibration set"):
+        quantize_checkpoint(QuantizeOptions(tiny_checkpoint, "fp8", tmp_path / "q2"))
