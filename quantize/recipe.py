@@ -25,6 +25,17 @@ def quantizer_pattern(module_pattern: str) -> str:
     return module_pattern if module_pattern.endswith("*") else module_pattern + "*"
 
 
+def tied_patterns(patterns: list[str]) -> list[str]:
+    """`--exclude model.decoder.layers.0.*` must also reach the tied encoder copy of those linears
+    (`model.encoder.language_model.layers.0.*`): one weight serves both modes, so both stay unquantized."""
+    out: list[str] = []
+    for pat in patterns:
+        out.append(pat)
+        if "model.decoder." in pat:
+            out.append(pat.replace("model.decoder.", "model.encoder.language_model."))
+    return out
+
+
 def quantized_input_dims(model: nn.Module, p: Precision, exclude: list[str]) -> set[int]:
     """Input dims of every linear (and fused expert projection) the recipe quantizes."""
     keep = [*p.keep_high_precision, *exclude]
@@ -80,7 +91,7 @@ def build_mtq_config(
             bs = r["cfg"].get("block_sizes") if isinstance(r.get("cfg"), dict) else None
             if bs and -1 in bs:
                 bs[-1] = block_size or p.block_size
-    for pat in [*p.keep_high_precision, *(exclude or [])]:
+    for pat in [*p.keep_high_precision, *tied_patterns(exclude or [])]:
         rules.append({"quantizer_name": quantizer_pattern(pat), "enable": False})
     if algorithm is not None:
         cfg["algorithm"] = algorithm

@@ -354,3 +354,23 @@ def test_text_checkpoint_with_calib_jsonl(tiny_checkpoint, tmp_path):
     assert torch.isfinite(logits).all() and logits.shape == (1, 8, 24)
     with pytest.raises(DgpipeError, match="no default calibration set"):
         quantize_checkpoint(QuantizeOptions(tiny_checkpoint, "fp8", tmp_path / "q2"))
+
+
+def test_mtq_config_from_recipe_and_flags():
+    from quantize.precision import precision
+    from quantize.recipe import build_mtq_config, choose_block_size
+
+    cfg = build_mtq_config(precision("int4_awq"), ["model.decoder.layers.0.*"], "fp8", block_size=32)
+    rules = cfg["quant_cfg"]
+    off = {r["quantizer_name"] for r in rules if r.get("enable") is False}
+    assert {"*router*", "*self_conditioning*", "*embed_tokens*"} <= off  # recipe keep_high_precision
+    assert {"model.decoder.layers.0.*", "model.encoder.language_model.layers.0.*"} <= off  # tied copy too
+    assert (
+        next(r for r in rules if r["quantizer_name"] == "*weight_quantizer")["cfg"]["block_sizes"][-1] == 32
+    )
+    assert any(r["quantizer_name"] == "*[kv]_bmm_quantizer" for r in rules)
+    assert cfg["algorithm"] == "max"  # RTN: AWQ's per-tree smoothing cannot export tied weights
+    assert choose_block_size(precision("int4_awq"), {2816, 704, 2112}) == 64  # the 26B model
+    assert choose_block_size(precision("int4_awq"), {96, 192}) == 32  # the embedded model
+    with pytest.raises(DgpipeError, match="no block size"):
+        choose_block_size(precision("int4_awq"), {100})
