@@ -93,6 +93,7 @@ def build_mtq_config(
                 bs[-1] = block_size or p.block_size
     for pat in [*p.keep_high_precision, *tied_patterns(exclude or [])]:
         rules.append({"quantizer_name": quantizer_pattern(pat), "enable": False})
+    algorithm = algorithm if algorithm is not None else p.modelopt_algorithm
     if algorithm is not None:
         cfg["algorithm"] = algorithm
     if kv_cache == "fp8":
