@@ -9,6 +9,9 @@ Layouts, as `modelopt.torch.export.export_hf_checkpoint` (0.47) writes them per 
             row; weight_scale [out, in/group] (16-bit); optional pre_quant_scale [in] multiplies the input.
 Fused-expert models are exported one 2-D tensor per expert and projection (`experts.E.gate_proj`), which
 `pipeline.checkpoint` fuses back after dequantization.
+
+Not emulated: an FP8 KV cache (`--kv-cache fp8` exports `k_proj.k_scale` / `v_proj.v_scale` for vLLM and
+TensorRT-LLM); dgpipe's CPU runtime reads past them and keeps K/V in the compute dtype.
 """
 
 from __future__ import annotations
