@@ -118,17 +118,29 @@ def load_model(
     state: dict[str, torch.Tensor] = {}
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     handles: dict[Path, Any] = {}
+    quant = _quantized_loader(ckpt.path)  # ModelOpt export: dequantize on load (quantize.dequant)
+
+    def read(name: str) -> torch.Tensor:
+        f = files[name]
+        if f not in handles:
+            handles[f] = safe_open(f, "pt", device="cpu")
+        try:
+            return handles[f].get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{f}: cannot read tensor '{name}' ({e})") from e
+
+    def sibling(name: str, suffix: str) -> torch.Tensor | None:
+        other = name.rsplit(".", 1)[0] + "." + suffix
+        return read(other) if other in files else None
+
     try:
         for name, f in files.items():
             target = runtime_name(name)
-            if target is None:
+            if target is None or (quant is not None and quant.is_aux(name)):
                 continue
-            if f not in handles:
-                handles[f] = safe_open(f, "pt", device="cpu")
-            try:
-                t = handles[f].get_tensor(name)
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"{f}: cannot read tensor '{name}' ({e})") from e
+            t = read(name)
+            if quant is not None:
+                t = quant.weight(target, t, lambda suffix, n=name: sibling(n, suffix))
             m = PER_EXPERT.search(target)
             if m:  # ModelOpt / vLLM layout: one 2-D tensor per expert and projection
                 per_expert.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
@@ -160,7 +172,22 @@ def load_model(
     for kind in set(model.layer_types):  # RoPE tables are not weights: rebuild them off the meta device
         hd = ckpt.config.text_config.layer_shape(model.layer_types.index(kind)).head_dim
         setattr(model, f"inv_freq_{kind}", rope_inv_freq(ckpt.config.text_config, kind, hd))
-    return model.to(device).eval(), ckpt
+    model = model.to(device).eval()
+    if quant is not None:
+        quant.install(model)  # activation fake-quantization for FP8 / NVFP4
+    return model, ckpt
+
+
+def _quantized_loader(path: Path):
+    """A `quantize.dequant.QuantizedLoader` for a ModelOpt-quantized checkpoint, else None."""
+    if not (
+        (path / "hf_quant_config.json").is_file() or "quantization_config" in _read_json(path / "config.json")
+    ):
+        return None
+    from quantize.dequant import QuantizedLoader, quantization_info
+
+    info = quantization_info(path)
+    return QuantizedLoader(info) if info else None
 
 
 def hf_state_dict(model: DiffusionGemma) -> dict[str, torch.Tensor]:

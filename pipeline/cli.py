@@ -591,6 +591,94 @@ def bench_model(
     run_bench_model(config, batches, context, steps, repeats, dtype, device, out, as_json)
 
 
+# ---- quantize -------------------------------------------------------------------------------------
+@app.command()
+def quantize(
+    model: ModelOpt = None,
+    precision: Annotated[
+        str | None,
+        typer.Option("--precision", "-p", help="nvfp4, fp8, int4_awq or bf16 (configs/precisions)"),
+    ] = None,
+    output: Annotated[Path | None, typer.Option(help="quantized checkpoint dir (written atomically)")] = None,
+    calib_data: Annotated[
+        Path | None, typer.Option(help='JSONL of {"text": ...}; default: Sudoku puzzles for a Sudoku model')
+    ] = None,
+    calib_size: Annotated[int, typer.Option(help="calibration prompts")] = 64,
+    calib_steps: Annotated[int, typer.Option(help="denoise steps per calibration canvas")] = 8,
+    exclude: Annotated[
+        list[str] | None, typer.Option(help="keep modules matching this glob unquantized (repeatable)")
+    ] = None,
+    kv_cache: Annotated[str, typer.Option(help="none or fp8 (K/V scales for the serving engine)")] = "none",
+    adapter: Annotated[
+        Path | None, typer.Option(help="PEFT LoRA adapter dir merged before quantizing")
+    ] = None,
+    target: Annotated[
+        str | None, typer.Option(help="GPU target (sm89, sm90/hopper, sm100/blackwell, sm120)")
+    ] = None,
+    estimate: Annotated[
+        bool, typer.Option("--estimate", help="memory plan from --config only: no weights, no quantization")
+    ] = False,
+    config: Annotated[
+        str, typer.Option(help="--estimate: CONFIG.json or a configs/models name")
+    ] = "diffusiongemma-26b-a4b",
+    context: Annotated[int, typer.Option(help="--estimate: tokens of context per sequence")] = 8192,
+    concurrency: Annotated[int, typer.Option(help="--estimate: concurrent sequences")] = 1,
+    as_json: JsonOpt = False,
+) -> None:
+    """Quantize with NVIDIA ModelOpt (calibrated on the denoising path) and export in ModelOpt's HF layout."""
+    from quantize import commands
+
+    if estimate:
+        commands.run_estimate(
+            config, [precision] if precision else [], target, context, concurrency, kv_cache, as_json
+        )
+        return
+    from pipeline.session import default_model_path
+
+    if precision is None or output is None:
+        raise DgpipeError(
+            "--precision and --output are required", "e.g. --precision nvfp4 --output runs/q/nvfp4"
+        )
+    commands.run_quantize(
+        model or default_model_path(),
+        precision,
+        output,
+        calib_data,
+        calib_size,
+        calib_steps,
+        exclude or [],
+        kv_cache,
+        adapter,
+        target,
+        as_json,
+    )
+
+
+@eval_app.command("quantization")
+def eval_quantization(
+    model: ModelOpt = None,
+    precisions: Annotated[str, typer.Option(help="comma-separated; bf16 is always the reference")] = (
+        "nvfp4,fp8,int4_awq"
+    ),
+    n: Annotated[int, typer.Option(help="held-out puzzles per precision")] = 200,
+    seed: Annotated[int, typer.Option(help="puzzle-set seed")] = 20_000,
+    calib_size: Annotated[int, typer.Option(help="calibration prompts")] = 64,
+    max_drop: Annotated[
+        float, typer.Option(help="fail if a solve rate is more than this many points below bf16")
+    ] = 2.0,
+    out: Annotated[Path, typer.Option(help="where the quantized checkpoints go")] = Path("runs/quantized"),
+    as_json: JsonOpt = False,
+) -> None:
+    """Quantize to each precision and report solve rate, steps/canvas, KL vs bf16 and bytes; gate on accuracy."""
+    from pipeline.session import default_model_path
+    from quantize import commands
+
+    if n < 1:
+        raise DgpipeError(f"--n must be >= 1 (got {n})")
+    names = [p.strip() for p in precisions.split(",") if p.strip()]
+    commands.run_report(model or default_model_path(), names, out, n, seed, calib_size, max_drop, as_json)
+
+
 def main() -> None:
     """Console entry point: user errors become one line on stderr and exit code 2, never a traceback."""
     try:

@@ -45,6 +45,8 @@ class Precision(BaseModel):
     native_on: list[str]
     quantize: list[str]
     keep_high_precision: list[str]
+    modelopt_algorithm: str | None = None  # overrides the stock config's calibration algorithm
+    fallback_block_sizes: list[int] = []  # tried in order when block_size does not divide a layer's inputs
 
     def weight_bytes_per_param(self) -> float:
         """Stored bytes per quantized weight, block scales included (NVFP4: 4 + 8/16 bits = 0.5625 B)."""

@@ -1,0 +1,77 @@
+"""Plain-PyTorch fake quantization of linear inputs, matching what the quantized kernels compute.
+
+Used by dgpipe's runtime on an exported ModelOpt checkpoint, so an FP8 or NVFP4 model is evaluated on CPU
+with the activation rounding it will see on the GPU (ModelOpt's own NVFP4 forward needs CUDA):
+
+* FP8 (static per-tensor): q = e4m3(clamp(x / input_scale)) * input_scale.
+* NVFP4 (dynamic per-16 block, static global scale): input_scale = amax / (6 * 448) is the global scale;
+  each block of 16 gets an E4M3 scale s = e4m3(min(block_amax / (6 * input_scale), 448)) * input_scale
+  (1.0 where s < 1e-5), and x / s is rounded to the nearest E2M1 magnitude {0, .5, 1, 1.5, 2, 3, 4, 6},
+  ties to the even mantissa, as in ModelOpt's `fp4_fake_quant_block` kernel and TensorRT's NVFP4 dynamic
+  quantize.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+# E2M1 magnitudes and the decision points between them; at a midpoint the even-mantissa value wins
+# (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4)
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_TIE_UP = torch.tensor([False, True, False, True, False, True, False])  # midpoints that round up
+
+
+def e2m1_round(a: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 magnitude of a >= 0 (saturating at 6), ties to even."""
+    idx = torch.bucketize(a, _BOUNDS.to(a.device), right=False)  # a == bound -> lower bucket
+    at_tie_up = torch.zeros_like(a, dtype=torch.bool)
+    for b, up in zip(_BOUNDS.tolist(), _TIE_UP.tolist()):
+        if up:
+            at_tie_up |= a == b
+    idx = idx + at_tie_up.long()
+    return E2M1_VALUES.to(a.device)[idx]
+
+
+def fp8_fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    q = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+    return q.to(x.dtype)
+
+
+def nvfp4_fake_quant(x: torch.Tensor, global_scale: torch.Tensor, block: int = 16) -> torch.Tensor:
+    shape = x.shape
+    xf = x.float().reshape(*shape[:-1], shape[-1] // block, block)
+    gs = torch.where(global_scale > 0, global_scale, torch.full_like(global_scale, 1e-12)).float()
+    block_amax = xf.abs().amax(-1, keepdim=True)
+    s = (block_amax / (E2M1_MAX * gs)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float() * gs
+    s = torch.where(s >= 1e-5, s, torch.ones_like(s))
+    q = e2m1_round(xf.abs() / s) * s
+    return torch.where(xf >= 0, q, -q).reshape(shape).to(x.dtype)
+
+
+class InputQuantizer:
+    """Callable applied to a linear's input: optional AWQ pre_quant_scale, then the format's rounding."""
+
+    def __init__(
+        self, kind: str | None, scale: torch.Tensor | None, pre_quant_scale: torch.Tensor | None = None
+    ):
+        if kind not in (None, "fp8", "nvfp4"):
+            raise ValueError(f"unknown activation format {kind!r}")
+        self.kind = kind
+        self.scale = scale.float() if scale is not None else None
+        self.pre_quant_scale = pre_quant_scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pre_quant_scale is not None:
+            x = x * self.pre_quant_scale.to(x.dtype)
+        if self.kind == "fp8":
+            return fp8_fake_quant(x, self.scale)
+        if self.kind == "nvfp4":
+            return nvfp4_fake_quant(x, self.scale)
+        return x
+
+    def __repr__(self) -> str:
+        return f"InputQuantizer({self.kind}, scale={None if self.scale is None else float(self.scale.max()):.3g})"
