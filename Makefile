@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH)"
-	$(PIP) install --quiet -e ".[test,bench,serve,quantize]"
+	$(PIP) install --quiet -e ".[test,bench,serve,quantize,engine]"
 	touch $@
 
 venv: $(VENV)/.installed
