@@ -180,7 +180,9 @@ def test_dequantized_weights_equal_modelopt_fake_quant(quantized, fmt):
 @pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])
 def test_runtime_forward_matches_modelopt_forward(quantized, fmt):
     """dgpipe's runtime on the exported files vs ModelOpt's in-memory fake-quant model: far closer to each
-    other than either is to the unquantized model."""
+    other than either is to the unquantized model. Mean gaps carry the claim; the max gap is looser because
+    fp32 summation-order noise (it differs between transformers releases) can tip a single activation
+    across an FP8 rounding step."""
     from pipeline.checkpoint import load_model
 
     rec = quantized[fmt]
@@ -188,10 +190,11 @@ def test_runtime_forward_matches_modelopt_forward(quantized, fmt):
     base, _ = load_model(EMBEDDED_MODEL)
     ours = _runtime_logits(q_model, rec["prompt"], rec["canvas"])
     unquantized = _runtime_logits(base, rec["prompt"], rec["canvas"])
-    gap_to_modelopt = (ours - rec["logits"]).abs().max()
-    quant_effect = (unquantized - rec["logits"]).abs().max()
-    assert quant_effect > 1e-3
-    assert gap_to_modelopt < 0.01 * quant_effect, (float(gap_to_modelopt), float(quant_effect))
+    gap, effect = (ours - rec["logits"]).abs(), (unquantized - rec["logits"]).abs()
+    assert effect.max() > 1e-3
+    assert gap.mean() < 0.01 * effect.mean(), (float(gap.mean()), float(effect.mean()))
+    assert gap.max() < 0.05 * effect.max(), (float(gap.max()), float(effect.max()))
+    assert (ours.argmax(-1) == rec["logits"].argmax(-1)).float().mean() >= 0.99
 
 
 def test_nvfp4_checkpoint_hooks_activations_and_solves(quantized):
