@@ -7,9 +7,7 @@ so the vision tower (and the tied encoder copies) of a real checkpoint are skipp
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from pipeline.atomic import atomic_dir
 from pipeline.config import ModelConfig
 from pipeline.errors import CheckpointError
 from pipeline.model import DiffusionGemma, rope_inv_freq
@@ -200,35 +199,6 @@ def hf_state_dict(model: DiffusionGemma) -> dict[str, torch.Tensor]:
         else:
             out[DECODER + name] = t
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
-
-
-def atomic_dir(final: Path):
-    """Context manager yielding a temp dir next to `final` that replaces it only on success."""
-    import contextlib
-    import shutil
-
-    @contextlib.contextmanager
-    def _cm():
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-        try:
-            yield tmp
-            os.chmod(tmp, 0o755)
-            for f in tmp.rglob("*"):
-                os.chmod(f, 0o755 if f.is_dir() else 0o644)
-            if final.exists():
-                old = final.with_name(f".{final.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-    return _cm()
 
 
 def save_checkpoint(

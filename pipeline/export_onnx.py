@@ -196,7 +196,7 @@ def export_onnx(
     post: Callable[[onnx.ModelProto], None] | None = None,
 ) -> ExportSummary:
     """Export to out_dir/model.onnx (+ model.onnx.data, contract.json); out_dir is replaced atomically."""
-    from pipeline.checkpoint import atomic_dir
+    from pipeline.atomic import atomic_dir
 
     start = time.perf_counter()
     dtype = next(model.parameters()).dtype

@@ -176,6 +176,16 @@ def _trace_linear(model: DiffusionGemma, holder: _Holder) -> LinearFn:
     return linear
 
 
+def _splice(g: onnx.GraphProto, before: dict[int, list[onnx.NodeProto]]) -> None:
+    """Insert new nodes ahead of the node at each index, keeping the graph topologically sorted."""
+    nodes = []
+    for idx, node in enumerate(g.node):
+        nodes.extend(before.get(idx, []))
+        nodes.append(node)
+    del g.node[:]
+    g.node.extend(nodes)
+
+
 def insert_qdq(m: onnx.ModelProto, holder: _Holder, quant: dict[str, QuantLinear], prefix: str) -> None:
     """Replace each stand-in initializer `{prefix}w{k}` by FP8 weight + DQ, and Q/DQ its MatMul's input."""
     g = m.graph
@@ -208,12 +218,7 @@ def insert_qdq(m: onnx.ModelProto, holder: _Holder, quant: dict[str, QuantLinear
             ]  # fmt: skip
             node.input[0], node.input[1] = f"{path}/x_dq", f"{path}/w_t"
             before.setdefault(idx, []).extend(new)
-    nodes = []
-    for idx, node in enumerate(g.node):
-        nodes.extend(before.get(idx, []))
-        nodes.append(node)
-    del g.node[:]
-    g.node.extend(nodes)
+    _splice(g, before)
 
 
 def insert_nvfp4(m: onnx.ModelProto, holder: _Holder, quant: dict, prefix: str) -> None:
@@ -255,12 +260,7 @@ def insert_nvfp4(m: onnx.ModelProto, holder: _Holder, quant: dict, prefix: str) 
             ]  # fmt: skip
             node.input[0], node.input[1] = f"{path}/x_dq", f"{path}/w_t"
             before.setdefault(idx, []).extend(new)
-    nodes = []
-    for idx, node in enumerate(g.node):
-        nodes.extend(before.get(idx, []))
-        nodes.append(node)
-    del g.node[:]
-    g.node.extend(nodes)
+    _splice(g, before)
     for opset in m.opset_import:
         if opset.domain in ("", "ai.onnx"):
             opset.version = max(opset.version, 23)

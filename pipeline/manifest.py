@@ -11,14 +11,13 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
 from pipeline import __version__
+from pipeline.atomic import atomic_write_text
 from pipeline.errors import DgpipeError
 
 MANIFEST_NAME = "build_manifest.json"
@@ -70,7 +69,9 @@ class BuildManifest(BaseModel):
 def load_manifest(build_dir: str | Path) -> BuildManifest:
     f = Path(build_dir) / MANIFEST_NAME
     if not f.is_file():
-        raise DgpipeError(f"{f}: no build manifest", "run `dgpipe build` (or the stage that creates it) first")
+        raise DgpipeError(
+            f"{f}: no build manifest", "run `dgpipe build` (or the stage that creates it) first"
+        )
     try:
         return BuildManifest.model_validate_json(f.read_text())
     except ValidationError as e:
@@ -95,18 +96,10 @@ def load_or_create(build_dir: str | Path, **fields: Any) -> BuildManifest:
 
 
 def save_manifest(build_dir: str | Path, manifest: BuildManifest) -> Path:
-    """Write atomically: a crash never leaves a half-written manifest that later stages would trust."""
-    d = Path(build_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST_NAME}.", dir=d)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(json.dumps(manifest.model_dump(), indent=2) + "\n")
-        os.replace(tmp, d / MANIFEST_NAME)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return d / MANIFEST_NAME
+    """Atomic: later stages trust what the manifest says, so it is never half-written."""
+    return atomic_write_text(
+        Path(build_dir) / MANIFEST_NAME, json.dumps(manifest.model_dump(), indent=2) + "\n"
+    )
 
 
 def hash_files(paths: list[Path], chunk: int = 1 << 20) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from pipeline.atomic import atomic_dir
 from pipeline.deploy_config import DeployTarget, deploy_target
 from pipeline.errors import DgpipeError
 from pipeline.manifest import LAYOUT, MANIFEST_NAME, BuildManifest
@@ -424,30 +425,13 @@ def check_output(output: Path) -> None:
 
 
 def write(output: Path, values: RenderValues, files: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Write all files into a temp dir next to `output` and swap it in: never a half-rendered set.
-
-    (pipeline.checkpoint.atomic_dir does the same but imports torch, seconds this command need not pay.)
-    """
+    """Write all files into a temp dir next to `output` and swap it in: never a half-rendered set."""
     check_output(output)
     info = summary(values, files)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    try:
+    with atomic_dir(output) as tmp:
         for name, docs in files.items():
             (tmp / name).write_text(yaml.safe_dump_all(docs, sort_keys=False))
         (tmp / RENDER_SUMMARY).write_text(json.dumps(info, indent=2) + "\n")
-        tmp.chmod(0o755)
-        if output.exists():
-            old = output.with_name(f".{output.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(output, old)
-            os.replace(tmp, output)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return info
 
 

@@ -10,7 +10,8 @@ import shutil
 import struct
 from pathlib import Path
 
-from pipeline.checkpoint import atomic_dir, open_checkpoint
+from pipeline.atomic import atomic_dir
+from pipeline.checkpoint import open_checkpoint
 from pipeline.errors import DgpipeError
 
 MODEL_SOURCE = Path(__file__).resolve().parent.parent / "model_repo" / "dgpipe_model.py"

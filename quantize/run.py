@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from pipeline.checkpoint import atomic_dir, open_checkpoint
+from pipeline.atomic import atomic_dir
+from pipeline.checkpoint import open_checkpoint
 from pipeline.errors import DgpipeError
 from quantize.precision import Precision, check_precision_on_target, precision
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
 from pipeline import __version__
+from pipeline.atomic import atomic_write_text
 from pipeline.errors import DgpipeError
 
 PLAN_NAME = "model.plan"
@@ -74,17 +73,7 @@ def load_engine_manifest(engine_dir: Path | str) -> EngineManifest:
 
 def save_engine_manifest(engine_dir: Path | str, manifest: EngineManifest) -> Path:
     """Atomic write, like the build manifest: a half-written manifest must never vouch for a plan."""
-    d = Path(engine_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{ENGINE_MANIFEST}.", dir=d)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(manifest.model_dump_json(indent=2) + "\n")
-        os.replace(tmp, d / ENGINE_MANIFEST)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return d / ENGINE_MANIFEST
+    return atomic_write_text(Path(engine_dir) / ENGINE_MANIFEST, manifest.model_dump_json(indent=2) + "\n")
 
 
 def _trt_release(version: str) -> tuple[int, ...]:

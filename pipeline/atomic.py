@@ -1,0 +1,50 @@
+"""Atomic writes: every artifact appears whole or not at all (a crash or Ctrl-C leaves the old one)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    """Write to a temp file beside `path`, then rename: a crash never leaves a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_dir(final: Path):
+    """Context manager yielding a temp dir next to `final` that replaces it only on success."""
+
+    @contextlib.contextmanager
+    def _cm():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+        try:
+            yield tmp
+            os.chmod(tmp, 0o755)
+            for f in tmp.rglob("*"):
+                os.chmod(f, 0o755 if f.is_dir() else 0o644)
+            if final.exists():
+                old = final.with_name(f".{final.name}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    return _cm()
