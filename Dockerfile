@@ -1,6 +1,6 @@
 # The dgpipe serving image: NGC Triton (CUDA, TensorRT, Python backend) plus dgpipe. The same image
 # builds the TensorRT engines on the GPU node (the Deployment's initContainer) and serves them, so a
-# plan always matches the TensorRT and GPU it runs on. Keep the tag in step with pipeline/serve.py's
+# plan always matches the TensorRT and GPU it runs on. Keep the tag in step with pipeline/serving/server.py's
 # NGC_IMAGE (a test checks it).
 #   docker build -t REGISTRY/dgpipe-triton:TAG . && docker push REGISTRY/dgpipe-triton:TAG
 FROM nvcr.io/nvidia/tritonserver:25.10-py3

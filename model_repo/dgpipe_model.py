@@ -80,8 +80,8 @@ def _text(value, name: str) -> str:
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
-        from pipeline.runtime import BlockDiffusionRuntime
-        from pipeline.session import load_session
+        from pipeline.runtime.scheduler import BlockDiffusionRuntime
+        from pipeline.runtime.session import load_session
 
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
@@ -187,7 +187,7 @@ class TritonPythonModel:
 
     def _parse(self, request, sender):
         from pipeline.errors import DgpipeError
-        from pipeline.runtime import Request
+        from pipeline.runtime.scheduler import Request
 
         unknown = set(json.loads(request.parameters() or "{}")) - KNOWN_PARAMETERS
         if unknown:

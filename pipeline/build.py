@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.builddir import LAYOUT, BuildManifest, checkpoint_hash, load_or_create, save_manifest
 from pipeline.errors import DgpipeError
-from pipeline.manifest import LAYOUT, BuildManifest, checkpoint_hash, load_or_create, save_manifest
 
 DEFAULT_TARGETS = ("sm90", "sm100", "sm120")  # the architectures the engines and kernels are built for
 
@@ -36,8 +36,8 @@ class BuildOptions:
 def resolve_targets(precision: str, requested: list[str]) -> list[str]:
     """Requested targets are checked against the precision rules; by default, every engine architecture
     on which the precision runs natively (nvfp4: Blackwell only)."""
-    from quantize.precision import check_precision_on_target, target
-    from quantize.precision import precision as get_precision
+    from pipeline.targets import check_precision_on_target, target
+    from pipeline.targets import precision as get_precision
 
     get_precision(precision)  # unknown precision: a clear error before anything else
     if requested:
@@ -49,7 +49,7 @@ def resolve_targets(precision: str, requested: list[str]) -> list[str]:
 
 
 def run_build(opts: BuildOptions, say: Callable[[str], None]) -> dict:
-    from pipeline.checkpoint import open_checkpoint
+    from pipeline.model.checkpoint import open_checkpoint
 
     if opts.max_context < opts.max_prompt + 1 or min(opts.max_batch, opts.max_prompt) < 1:
         raise DgpipeError("--max-batch and --max-prompt must be >= 1 and --max-context > --max-prompt")
@@ -57,9 +57,12 @@ def run_build(opts: BuildOptions, say: Callable[[str], None]) -> dict:
     open_checkpoint(opts.model)  # a missing or broken checkpoint fails before any stage runs
     build_dir = opts.build_dir.resolve()
     man = load_or_create(
-        build_dir, model=str(opts.model), precision=opts.precision, targets=targets,
+        build_dir,
+        model=str(opts.model),
+        precision=opts.precision,
+        targets=targets,
         model_sha256=checkpoint_hash(opts.model),
-    )  # fmt: skip
+    )
     save_manifest(build_dir, man)
     say(f"build {build_dir}: {opts.model} -> {opts.precision} for {', '.join(targets)}")
     summary: dict[str, object] = {
@@ -80,10 +83,13 @@ def _quantize(opts: BuildOptions, build_dir: Path, man: BuildManifest, say: Call
     out = build_dir / LAYOUT["checkpoint"]
     res = quantize_checkpoint(
         QuantizeOptions(
-            model=opts.model, precision=opts.precision, output=out,
-            calib_data=opts.calib_data, calib_size=opts.calib_size,
+            model=opts.model,
+            precision=opts.precision,
+            output=out,
+            calib_data=opts.calib_data,
+            calib_size=opts.calib_size,
         )
-    )  # fmt: skip
+    )
     man.record("quantize", {"checkpoint": LAYOUT["checkpoint"]}, **res.as_dict())
     save_manifest(build_dir, man)
     say(
@@ -93,7 +99,7 @@ def _quantize(opts: BuildOptions, build_dir: Path, man: BuildManifest, say: Call
 
 
 def _export(build_dir: Path, say: Callable[[str], None]) -> dict:
-    from pipeline.export_cli import run_export
+    from pipeline.onnx.stage import run_export
 
     result = run_export(build_dir / LAYOUT["checkpoint"], None, build_dir, True, as_json=None)
     say(f"export: {result['path']} (opset {result['opset']}, custom ops {', '.join(result['custom_ops'])})")
@@ -101,9 +107,9 @@ def _export(build_dir: Path, say: Callable[[str], None]) -> dict:
 
 
 def _engines(opts: BuildOptions, build_dir: Path, say: Callable[[str], None]) -> list[str]:
+    from pipeline.builddir import load_manifest
     from pipeline.engine.profiles import Limits
     from pipeline.engine.stage import engine_stage
-    from pipeline.manifest import load_manifest
 
     limits = Limits(opts.max_batch, opts.max_prompt, opts.max_context)
     lines = engine_stage(build_dir, load_manifest(build_dir), limits)
@@ -113,16 +119,19 @@ def _engines(opts: BuildOptions, build_dir: Path, say: Callable[[str], None]) ->
 
 
 def _package(opts: BuildOptions, build_dir: Path, say: Callable[[str], None]) -> str:
-    from pipeline.manifest import load_manifest
-    from pipeline.package import package
+    from pipeline.builddir import load_manifest
+    from pipeline.serving.repository import package
 
     engines = build_dir / LAYOUT["engines"]
     built = engines if any(engines.glob("*/model.plan")) else None
     repo = package(
-        build_dir / LAYOUT["checkpoint"], build_dir / LAYOUT["model_repository"],
-        max_batch=opts.max_batch, max_prompt_tokens=opts.max_prompt,
-        max_tokens_limit=opts.max_context - opts.max_prompt, engines=built,
-    )  # fmt: skip
+        build_dir / LAYOUT["checkpoint"],
+        build_dir / LAYOUT["model_repository"],
+        max_batch=opts.max_batch,
+        max_prompt_tokens=opts.max_prompt,
+        max_tokens_limit=opts.max_context - opts.max_prompt,
+        engines=built,
+    )
     man = load_manifest(build_dir)
     man.record("package", {"model_repository": LAYOUT["model_repository"]}, engines=built is not None)
     save_manifest(build_dir, man)

@@ -163,7 +163,7 @@ def check_engine_build() -> list[Check]:
     ]
     g = gpu()
     if g is not None:
-        from quantize.precision import _names, target
+        from pipeline.targets import _names, target
 
         targets = [t for t in (target(n) for n in _names("targets")) if t.compute_capability == g[0]]
         label = ", ".join(t.name for t in targets) or "no dgpipe target"

@@ -13,12 +13,25 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 EMBEDDED_MODEL = PACKAGE_DIR / "models" / "sudoku-tiny"
 
 
-def configs_dir() -> Path:
-    """`configs/` of a source checkout, else the copy installed under <prefix>/share/dgpipe."""
-    for cand in (PACKAGE_DIR.parent / "configs", Path(sys.prefix) / "share" / "dgpipe" / "configs"):
-        if cand.is_dir():
+TRITON_MODEL_SOURCE = PACKAGE_DIR.parent / "model_repo" / "dgpipe_model.py"
+
+
+def _shipped_dir(name: str, marker: str) -> Path:
+    """`name/` of a source checkout, else the copy installed under <prefix>/share/dgpipe."""
+    for cand in (PACKAGE_DIR.parent / name, Path(sys.prefix) / "share" / "dgpipe" / name):
+        if (cand / marker).exists():
             return cand
-    raise DgpipeError("configs/ directory not found", "run from a dgpipe checkout or reinstall dgpipe")
+    raise DgpipeError(f"{name}/ directory not found", "run from a dgpipe checkout or reinstall dgpipe")
+
+
+def configs_dir() -> Path:
+    """YAML configs: models, precisions, targets, deploy."""
+    return _shipped_dir("configs", "")
+
+
+def k8s_dir() -> Path:
+    """The kustomize tree: base, components and one overlay per node type."""
+    return _shipped_dir("k8s", "base/kustomization.yaml")
 
 
 def load_yaml(kind: str, name: str) -> dict:

@@ -30,8 +30,8 @@ class CalibPrompt:
 
 def sudoku_prompts(n: int, givens: tuple[int, int], seed: int = CALIB_SEED) -> list[CalibPrompt]:
     """Training-distribution puzzles (givens range of the checkpoint) with their givens pinned, as served."""
-    from pipeline import sudoku
-    from pipeline import sudoku_tokenizer as stok
+    from pipeline.demo import sudoku
+    from pipeline.demo import tokenizer as stok
 
     return [
         CalibPrompt(stok.sudoku_prompt_ids(p), stok.sudoku_infill_template(p))

@@ -16,7 +16,7 @@ def _echo_json(obj: object) -> None:
 
 def load_config(config: str):
     """CONFIG.json (HF layout) or a configs/models/<name>.yaml name."""
-    from pipeline.config import ModelConfig
+    from pipeline.model.config import ModelConfig
     from pipeline.resources import load_yaml
 
     p = Path(config)
@@ -35,9 +35,9 @@ def run_estimate(
     as_json: bool,
 ) -> None:
     """Exported bytes per precision and serving memory per GPU, from the config alone (meta tensors)."""
+    from pipeline.targets import all_precisions, check_precision_on_target, precision
+    from pipeline.targets import target as get_target
     from quantize.planner import GIB, as_dict, serving_plan, weight_plan
-    from quantize.precision import all_precisions, check_precision_on_target, precision
-    from quantize.precision import target as get_target
 
     if context < 1 or concurrency < 1:
         raise DgpipeError("--context and --concurrency must be >= 1")

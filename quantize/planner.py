@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pipeline.config import ModelConfig
-from pipeline.model import DiffusionGemma
-from quantize.precision import Precision, Target
+from pipeline.model.config import ModelConfig
+from pipeline.model.network import DiffusionGemma
+from pipeline.targets import Precision, Target
 
 GIB = 2**30
 

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from pipeline.errors import DgpipeError
-from quantize.precision import Precision
+from pipeline.targets import Precision
 
 KV_CACHE_CHOICES = ("none", "fp8")
 

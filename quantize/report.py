@@ -42,7 +42,7 @@ class CanvasSet:
 
 
 def canvas_set(puzzles: list[tuple[str, str]], canvas_length: int, vocab: int, seed: int = 7) -> CanvasSet:
-    from pipeline import sudoku_tokenizer as stok
+    from pipeline.demo import tokenizer as stok
 
     gen = torch.Generator().manual_seed(seed)
     prompts, canvases = [], []
@@ -59,7 +59,7 @@ def canvas_set(puzzles: list[tuple[str, str]], canvas_length: int, vocab: int, s
 @torch.no_grad()
 def denoise_logits(model, cs: CanvasSet, sc_probs: torch.Tensor | None) -> torch.Tensor:
     """Denoise logits [N, C, V] for the fixed canvases after a causal prefill of the prompts."""
-    from pipeline.kv_cache import KeyMeta, attention_masks
+    from pipeline.runtime.kv_cache import KeyMeta, attention_masks
 
     b, p_len = cs.prompts.shape
     window = model.cfg.sliding_window
@@ -109,9 +109,9 @@ def build_report(
     progress_factory: Callable[[str, int], Callable[[int], None]] | None = None,
 ) -> list[Row]:
     """Quantize the model to each precision (bf16 always included: the reference), evaluate each export."""
-    from pipeline import sudoku
-    from pipeline.evaluate import eval_sudoku
-    from pipeline.session import load_session
+    from pipeline.demo import sudoku
+    from pipeline.demo.evaluate import eval_sudoku
+    from pipeline.runtime.session import load_session
     from quantize.run import QuantizeOptions, quantize_checkpoint
 
     order = ["bf16", *[p for p in precisions if p != "bf16"]]

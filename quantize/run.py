@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from pipeline.atomic import atomic_dir
-from pipeline.checkpoint import open_checkpoint
 from pipeline.errors import DgpipeError
-from quantize.precision import Precision, check_precision_on_target, precision
+from pipeline.model.checkpoint import open_checkpoint
+from pipeline.targets import Precision, check_precision_on_target, precision
 
 # files a serving runtime needs beside the weights, copied unchanged from the source checkpoint
 SIDE_FILES = (
@@ -114,7 +114,7 @@ def calibration_prompts(opts: QuantizeOptions) -> list:
 
     ckpt = open_checkpoint(opts.model)
     if opts.calib_data is not None:
-        from pipeline.session import Session
+        from pipeline.runtime.session import Session
 
         if not ckpt.has_tokenizer and ckpt.dgpipe.get("task") != "sudoku":
             raise DgpipeError(f"{opts.model}: --calib-data text needs tokenizer.json in the checkpoint")
@@ -291,7 +291,7 @@ def _read_json_or_none(f: Path) -> dict | None:
 
 
 def _source_tensor_names(path: Path) -> set[str]:
-    from pipeline.checkpoint import weight_files
+    from pipeline.model.checkpoint import weight_files
 
     return set(weight_files(path))
 

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.builddir import hash_files
 from pipeline.engine import plugin_spec
-from pipeline.engine.manifest import (
+from pipeline.engine.plan_record import (
     ENGINE_MANIFEST,
     PLAN_NAME,
     EngineManifest,
@@ -40,10 +41,9 @@ from pipeline.engine.manifest import (
 from pipeline.engine.profiles import Limits, engine_profiles, onnx_inputs
 from pipeline.engine.ptx import PluginPtx, build_plugin_ptx, load_plugin_ptx
 from pipeline.errors import DgpipeError
-from pipeline.kernels.build import find_nvcc
-from pipeline.manifest import hash_files
-from quantize.precision import Target, check_precision_on_target
-from quantize.precision import target as get_target
+from pipeline.sampler.kernels.build import find_nvcc
+from pipeline.targets import Target, check_precision_on_target
+from pipeline.targets import target as get_target
 
 MIN_TENSORRT = (10, 8)  # tensorrt.plugin.aot_impl (AOT Python plugins) is in TensorRT >= 10.8
 TIMING_CACHE = "timing.cache"
@@ -74,16 +74,26 @@ class BuildPlan:
     def command(self) -> list[str]:
         """The CLI line that runs this build on the target node (the k8s engineer's Job uses it verbatim)."""
         return [
-            "dgpipe", "engine", "build",
-            "--onnx", str(self.onnx),
-            "--target", self.target.name,
-            "--precision", self.precision,
-            "--plugins", str(self.plugin_dir.parent),
-            "--output", str(self.engine_dir.parent.parent),
-            "--max-batch", str(self.limits.max_batch),
-            "--max-prompt", str(self.limits.max_prompt),
-            "--max-context", str(self.limits.max_context),
-        ]  # fmt: skip
+            "dgpipe",
+            "engine",
+            "build",
+            "--onnx",
+            str(self.onnx),
+            "--target",
+            self.target.name,
+            "--precision",
+            self.precision,
+            "--plugins",
+            str(self.plugin_dir.parent),
+            "--output",
+            str(self.engine_dir.parent.parent),
+            "--max-batch",
+            str(self.limits.max_batch),
+            "--max-prompt",
+            str(self.limits.max_prompt),
+            "--max-context",
+            str(self.limits.max_context),
+        ]
 
     def build_flags(self) -> dict[str, Any]:
         return {
@@ -320,7 +330,7 @@ def build(plan: BuildPlan, *, force: bool = False, log_level: str = "WARNING") -
             profiles=plan.profiles,
         )
         if current:
-            from pipeline.engine.manifest import load_engine_manifest
+            from pipeline.engine.plan_record import load_engine_manifest
 
             return load_engine_manifest(plan.engine_dir), False
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.backends import KV, DenoiseResult, Masks, SamplerInputs
-from pipeline.config import TextConfig
-from pipeline.onnx_io import MODE_CAUSAL, MODE_DENOISE
-from pipeline.sampler import StepOutput
+from pipeline.model.config import TextConfig
+from pipeline.onnx.contract import MODE_CAUSAL, MODE_DENOISE
+from pipeline.runtime.backends import KV, DenoiseResult, Masks, SamplerInputs
+from pipeline.sampler.reference import StepOutput
 
 MODES = {"causal": MODE_CAUSAL, "denoise": MODE_DENOISE}
 
@@ -41,7 +41,7 @@ def engine_feeds(
     sampler: SamplerInputs | None,
     mode: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every graph input (pipeline/onnx_io.py) for one pass, contiguous, on `device` (`mode` may be given
+    """Every graph input (pipeline/onnx/contract.py) for one pass, contiguous, on `device` (`mode` may be given
     as a pinned host tensor: TensorRT reads shape-tensor inputs from host memory)."""
     b, q = tokens.shape
     long = {"dtype": torch.int64, "device": device}
@@ -76,22 +76,33 @@ def engine_feeds(
         zeros = torch.zeros(b, **long)
         free = torch.full((b, q), -1, **long)
         feeds |= {
-            "temperature": torch.ones(b, **f32), "bound": torch.ones(b, **f32),
-            "seed": zeros, "request": zeros, "canvas": zeros, "step": zeros,
-            "template": free, "prev_argmax": free, "stable_count": zeros,
-            "stability_threshold": torch.ones(b, **long), "confidence_threshold": torch.zeros(b, **f32),
-        }  # fmt: skip
+            "temperature": torch.ones(b, **f32),
+            "bound": torch.ones(b, **f32),
+            "seed": zeros,
+            "request": zeros,
+            "canvas": zeros,
+            "step": zeros,
+            "template": free,
+            "prev_argmax": free,
+            "stable_count": zeros,
+            "stability_threshold": torch.ones(b, **long),
+            "confidence_threshold": torch.zeros(b, **f32),
+        }
     else:
         s, k = sampler, sampler.keys
         feeds |= {
-            "temperature": s.temperature.to(**f32), "bound": s.bound.to(**f32),
-            "seed": k.seed.to(**long), "request": k.request.to(**long),
-            "canvas": k.canvas.to(**long), "step": k.step.to(**long),
+            "temperature": s.temperature.to(**f32),
+            "bound": s.bound.to(**f32),
+            "seed": k.seed.to(**long),
+            "request": k.request.to(**long),
+            "canvas": k.canvas.to(**long),
+            "step": k.step.to(**long),
             "template": s.template.to(**long) if s.template is not None else torch.full((b, q), -1, **long),
-            "prev_argmax": s.prev_argmax.to(**long), "stable_count": s.stable_count.to(**long),
+            "prev_argmax": s.prev_argmax.to(**long),
+            "stable_count": s.stable_count.to(**long),
             "stability_threshold": s.stability_threshold.to(**long),
             "confidence_threshold": s.confidence_threshold.to(**f32),
-        }  # fmt: skip
+        }
     return {n: t.contiguous() for n, t in feeds.items()}
 
 

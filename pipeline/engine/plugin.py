@@ -116,24 +116,60 @@ def _define() -> None:
 
     @trtp.register(accept_id)
     def accept_desc(
-        entropy: TD, argmax: TD, sample: TD, template: TD, bound: TD, seed: TD, request: TD, canvas: TD,
-        step: TD, prev_argmax: TD, stable_count: TD, stability_threshold: TD, confidence_threshold: TD,
+        entropy: TD,
+        argmax: TD,
+        sample: TD,
+        template: TD,
+        bound: TD,
+        seed: TD,
+        request: TD,
+        canvas: TD,
+        step: TD,
+        prev_argmax: TD,
+        stable_count: TD,
+        stability_threshold: TD,
+        confidence_threshold: TD,
         vocab: int,
-    ) -> Out6:  # fmt: skip
+    ) -> Out6:
         spec.check_vocab(vocab)
         check(
-            spec.ACCEPT_OP, entropy, argmax, sample, template, bound, seed, request, canvas, step,
-            prev_argmax, stable_count, stability_threshold, confidence_threshold,
-        )  # fmt: skip
+            spec.ACCEPT_OP,
+            entropy,
+            argmax,
+            sample,
+            template,
+            bound,
+            seed,
+            request,
+            canvas,
+            step,
+            prev_argmax,
+            stable_count,
+            stability_threshold,
+            confidence_threshold,
+        )
         s = entropy.shape_expr
         return describe(spec.ACCEPT_OP, s[0], s[1], None)
 
     @trtp.aot_impl(accept_id)
     def accept_aot(
-        entropy: TD, argmax: TD, sample: TD, template: TD, bound: TD, seed: TD, request: TD, canvas: TD,
-        step: TD, prev_argmax: TD, stable_count: TD, stability_threshold: TD, confidence_threshold: TD,
-        vocab: int, outputs, tactic: int,
-    ) -> Aot:  # fmt: skip
+        entropy: TD,
+        argmax: TD,
+        sample: TD,
+        template: TD,
+        bound: TD,
+        seed: TD,
+        request: TD,
+        canvas: TD,
+        step: TD,
+        prev_argmax: TD,
+        stable_count: TD,
+        stability_threshold: TD,
+        confidence_threshold: TD,
+        vocab: int,
+        outputs,
+        tactic: int,
+    ) -> Aot:
         s = entropy.shape_expr
         launch = trtp.KernelLaunchParams()
         launch.grid_x = s[0]  # one block per row

@@ -1,6 +1,6 @@
 """Optimization profiles for the one-graph engine, computed from the ONNX model's own input dims.
 
-The graph (pipeline/onnx_io.py) serves two kinds of pass, so the engine gets one profile per kind and the
+The graph (pipeline/onnx/contract.py) serves two kinds of pass, so the engine gets one profile per kind and the
 runtime gives each kind its own execution context:
   * `causal` (prefill and commit, mode = 0): batch 1..max_batch, seq 1..max(max_prompt, canvas),
     past_full 0..max_context, sliding past 0 (fresh prefill) or the ring (window - 1), sc_seq 1;
@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.engine.manifest import ProfileRecord
+from pipeline.engine.plan_record import ProfileRecord
 from pipeline.errors import DgpipeError
-from pipeline.onnx_io import BATCH, MODE_CAUSAL, MODE_DENOISE, PAST_FULL, PAST_SLIDING, SC_SEQ, SEQ
+from pipeline.onnx.contract import BATCH, MODE_CAUSAL, MODE_DENOISE, PAST_FULL, PAST_SLIDING, SC_SEQ, SEQ
 
 Bounds = dict[str, tuple[int, int, int]]  # dim name -> (min, opt, max)
 MODE_INPUT = "mode"
@@ -80,7 +80,7 @@ def eval_dim(dim: int | str, b: Bounds) -> tuple[int, int, int]:
         else:
             raise DgpipeError(
                 f"ONNX input dim {dim!r}: unknown symbolic dim {term!r}",
-                hint=f"the engine build knows {', '.join(sorted(b))} (pipeline/onnx_io.py)",
+                hint=f"the engine build knows {', '.join(sorted(b))} (pipeline/onnx/contract.py)",
             )
         total = [total[0] + lo, total[1] + opt, total[2] + hi]
     return total[0], total[1], total[2]

@@ -19,8 +19,8 @@ from pydantic import BaseModel
 
 from pipeline.engine.plugin_spec import ACCEPT_KERNEL, rows_kernel
 from pipeline.errors import DgpipeError
-from pipeline.kernels import build
-from quantize.precision import target as get_target
+from pipeline.sampler.kernels import build
+from pipeline.targets import target as get_target
 
 PTX_NAME = "dg_sampler.ptx"
 INFO_NAME = "plugin.json"

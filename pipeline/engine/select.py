@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pipeline.engine.manifest import ENGINE_MANIFEST, PLAN_NAME, check_compatible, load_engine_manifest
+from pipeline.engine.plan_record import ENGINE_MANIFEST, PLAN_NAME, check_compatible, load_engine_manifest
 from pipeline.errors import DgpipeError
 
 

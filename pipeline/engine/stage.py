@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from pipeline.builddir import LAYOUT, BuildManifest, save_manifest
 from pipeline.engine.build_engine import NODE_STEP, build, missing_for_local_build, plan_build
 from pipeline.engine.profiles import Limits
 from pipeline.engine.ptx import build_plugin_ptx
-from pipeline.manifest import LAYOUT, BuildManifest, save_manifest
-from quantize.precision import target as get_target
+from pipeline.targets import target as get_target
 
 
 def engine_stage(build_dir: Path, manifest: BuildManifest, limits: Limits | None = None) -> list[str]:
@@ -30,9 +30,14 @@ def engine_stage(build_dir: Path, manifest: BuildManifest, limits: Limits | None
         t = get_target(name)
         info = build_plugin_ptx(plugins, t.name)
         plan = plan_build(
-            onnx, t.name, manifest.precision, build_dir, plugins=plugins, limits=limits,
+            onnx,
+            t.name,
+            manifest.precision,
+            build_dir,
+            plugins=plugins,
+            limits=limits,
             checkpoint_sha256=manifest.model_sha256,
-        )  # fmt: skip
+        )
         # on the node the plan goes straight into the served model's version dir, where the Triton model
         # looks for engines/<target> (a local build lands in engines/ and `package` copies it there);
         # paths are relative to the build dir, which the node mounts as its workdir

@@ -1,4 +1,4 @@
-"""TensorRTBackend: the `pipeline.backends.ModelBackend` protocol over a TensorRT plan.
+"""TensorRTBackend: the `pipeline.runtime.backends.ModelBackend` protocol over a TensorRT plan.
 
 The runtime (scheduling, KV cache, canvases, callbacks) is unchanged: it calls `causal` for prefill and
 commit and `denoise_step` for each denoise pass, exactly as with the PyTorch backend. Here each call binds
@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from pipeline.backends import KV, DenoiseResult, Masks, SamplerInputs
-from pipeline.config import ModelConfig
 from pipeline.engine.feeds import denoise_result, denoise_sc, engine_feeds, kv_from_outputs
-from pipeline.engine.manifest import check_compatible, load_engine_manifest
+from pipeline.engine.plan_record import check_compatible, load_engine_manifest
 from pipeline.errors import DgpipeError
-from pipeline.onnx_io import MODE_CAUSAL, MODE_DENOISE
+from pipeline.model.config import ModelConfig
+from pipeline.onnx.contract import MODE_CAUSAL, MODE_DENOISE
+from pipeline.runtime.backends import KV, DenoiseResult, Masks, SamplerInputs
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +39,14 @@ PROFILE = {"causal": 0, "denoise": 1}
 
 def _torch_dtypes(trt: Any) -> dict[Any, torch.dtype]:
     return {
-        trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
-        trt.int64: torch.int64, trt.int32: torch.int32, trt.bool: torch.bool, trt.int8: torch.int8,
-    }  # fmt: skip
+        trt.float32: torch.float32,
+        trt.float16: torch.float16,
+        trt.bfloat16: torch.bfloat16,
+        trt.int64: torch.int64,
+        trt.int32: torch.int32,
+        trt.bool: torch.bool,
+        trt.int8: torch.int8,
+    }
 
 
 class _Context:
@@ -193,9 +198,18 @@ class TensorRTBackend:
     def causal(self, tokens: torch.Tensor, positions: torch.Tensor, masks: Masks, past: KV | None) -> KV:
         sc = torch.zeros(tokens.shape[0], 1, self.vocab, dtype=self.dtype, device=self.device)
         feeds = engine_feeds(
-            "causal", self.config.text_config, self.dtype, self.device, tokens, positions, masks, past, sc, None,
+            "causal",
+            self.config.text_config,
+            self.dtype,
+            self.device,
+            tokens,
+            positions,
+            masks,
+            past,
+            sc,
+            None,
             mode=self._mode["causal"],
-        )  # fmt: skip
+        )
         return kv_from_outputs(self.contexts["causal"].run(feeds), len(self.layer_types))
 
     def denoise_step(
@@ -210,7 +224,16 @@ class TensorRTBackend:
         b, q = canvas.shape
         sc = denoise_sc(sc_probs, b, q, self.vocab, self.dtype, self.device)
         feeds = engine_feeds(
-            "denoise", self.config.text_config, self.dtype, self.device, canvas, positions, masks, past, sc,
-            sampler, mode=self._mode["denoise"],
-        )  # fmt: skip
+            "denoise",
+            self.config.text_config,
+            self.dtype,
+            self.device,
+            canvas,
+            positions,
+            masks,
+            past,
+            sc,
+            sampler,
+            mode=self._mode["denoise"],
+        )
         return denoise_result(self.contexts["denoise"].run_graph(feeds))

@@ -1,0 +1,266 @@
+"""`dgpipe bench model`: pass times of a full-size configuration with random weights, against the
+memory-bandwidth floor, and diffusion vs autoregressive decoding of the same weights.
+
+No checkpoint is needed: weights are drawn on the device from the config (26B-A4B by default), so the
+numbers measure the runtime and the hardware, not a download. A 256-token canvas with top-8 of 128
+experts touches essentially every expert, so a batch-1 denoise pass reads ~all weights: the floor is
+weight bytes / measured device copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import typer
+
+from pipeline.bench.results import save_result
+from pipeline.model.config import ModelConfig
+from pipeline.model.network import DiffusionGemma, canvas_positions
+from pipeline.resources import load_yaml
+from pipeline.runtime.kv_cache import KVCache, attention_masks
+from pipeline.sampler.reference import CounterDraws, RowKeys, sample_step
+
+
+@dataclass
+class ModelBenchRow:
+    batch: int
+    ms_per_denoise_pass: float
+    ms_per_sampler_step: float
+    ms_per_canvas: float  # steps x (pass + sampler) + commit
+    diffusion_tokens_per_s: float
+    ms_per_ar_token: float
+    ar_tokens_per_s: float
+    diffusion_over_ar: float
+    floor_ms_per_pass: float
+    pass_over_floor: float
+    runtime_ms_per_canvas_eager: float  # BlockDiffusionRuntime: host sync after every pass, no graphs
+    runtime_ms_per_canvas_graph: float  # the same requests, device loop + CUDA graphs (eager off CUDA)
+    graph_speedup: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of fn() after one warm-up call."""
+    fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+def _graphed(fn, device: torch.device):
+    """fn captured in a CUDA graph (after a warm-up on a side stream), or fn itself off CUDA."""
+    if device.type != "cuda":
+        return fn
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def runtime_canvas_s(
+    model: DiffusionGemma, batch: int, context: int, steps: int, repeats: int, graphs: bool
+) -> float:
+    """Median seconds for `batch` requests of `context` prompt tokens to produce one canvas each through
+    the real runtime (prefill + `steps` fixed passes), minus the prefill measured alone."""
+    from pipeline.model.config import SamplerConfig
+    from pipeline.runtime.backends import TorchBackend
+    from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
+
+    dev, length = next(model.parameters()).device, model.config.canvas_length
+    backend = TorchBackend(model)
+    fixed = SamplerConfig(max_denoising_steps=steps, confidence_threshold=0.0)
+    prompt = [3 + i % (model.cfg.vocab_size - 3) for i in range(context)]
+
+    def run(max_tokens: int, n_steps: int) -> None:
+        rt = BlockDiffusionRuntime(
+            backend,
+            max_batch=batch,
+            max_len=context + 2 * length,
+            graphs=graphs,
+            sync_every=n_steps if graphs else 1,
+        )
+        sampler = fixed.model_copy(update={"max_denoising_steps": n_steps})
+        rt.generate([Request(prompt, max_tokens, sampler, seed=i, request_id=i) for i in range(batch)])
+
+    full = _time(lambda: run(length, steps), dev, repeats)
+    one = _time(lambda: run(length, 1), dev, repeats)  # prefill + 1 pass: isolates the per-pass cost
+    return (full - one) / (steps - 1) * steps if steps > 1 else full
+
+
+def random_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> DiffusionGemma:
+    """Random weights allocated straight on the device (meta init, then to_empty): no host copy of 50 GB."""
+    with torch.device("meta"):
+        model = DiffusionGemma(config)
+    model = model.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.fill_(1.0)
+        for name, b in model.named_buffers():
+            if "inv_freq" in name:
+                from pipeline.model.network import rope_inv_freq
+
+                kind = name.split("inv_freq_")[1]
+                hd = config.text_config.layer_shape(model.layer_types.index(kind)).head_dim
+                b.copy_(rope_inv_freq(config.text_config, kind, hd))
+            else:
+                b.fill_(1.0)
+    return model.eval()
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted once each)."""
+    n = int(gib * 2**30) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    secs = _time(lambda: dst.copy_(src), device, 5)
+    return 2 * n * 2 / secs
+
+
+@torch.inference_mode()
+def bench_batch(
+    model: DiffusionGemma, batch: int, context: int, steps: int, repeats: int, floor_s: float
+) -> ModelBenchRow:
+    cfg, dev = model.cfg, next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    length = model.config.canvas_length
+    cache = KVCache(cfg, batch, context + 2 * length + 8, dtype, dev)
+    slots = torch.arange(batch, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    prompt = torch.randint(3, cfg.vocab_size, (batch, context), device=dev, generator=gen)
+    pos = canvas_positions(cache.lengths[slots], context)
+    ones = torch.ones_like(pos, dtype=torch.bool)
+    _, kv = model.encode(prompt, pos, attention_masks(pos, ones, None, True, cache.window))
+    cache.write(slots, kv, pos, ones)
+
+    canvas = torch.randint(0, cfg.vocab_size, (batch, length), device=dev, generator=gen)
+    past, meta = cache.read(slots)
+    cpos = canvas_positions(cache.lengths[slots], length)
+    masks = attention_masks(cpos, torch.ones_like(cpos, dtype=torch.bool), meta, False, cache.window)
+    probs = torch.softmax(torch.randn(batch, length, cfg.vocab_size, device=dev, generator=gen), -1).to(dtype)
+    logits = model.denoise(canvas, probs, cpos, masks, past)
+    t_pass = _time(lambda: model.denoise(canvas, probs, cpos, masks, past), dev, repeats)
+
+    keys = RowKeys(*(torch.zeros(batch, dtype=torch.long, device=dev) for _ in range(4)))
+    temp = torch.full((batch,), 0.6, device=dev)
+    bound = torch.full((batch,), 0.1, device=dev)
+    t_sample = _time(lambda: sample_step(logits, temp, bound, keys, CounterDraws()), dev, repeats)
+
+    def commit() -> None:
+        p = canvas_positions(cache.lengths[slots], length)
+        pa, me = cache.read(slots)
+        model.encode(
+            canvas, p, attention_masks(p, torch.ones_like(p, dtype=torch.bool), me, True, cache.window), pa
+        )
+
+    t_commit = _time(commit, dev, repeats)
+
+    tok = canvas[:, :1]
+
+    t_ar = _time(_graphed(ar_step_static(model, cache, slots, tok), dev), dev, repeats)
+    canvas_s = steps * (t_pass + t_sample) + t_commit
+    eager = runtime_canvas_s(model, batch, context, steps, repeats, graphs=False)
+    graph = runtime_canvas_s(model, batch, context, steps, repeats, graphs=dev.type == "cuda")
+    diff_tps = batch * length / canvas_s
+    ar_tps = batch / t_ar
+    return ModelBenchRow(
+        batch=batch,
+        ms_per_denoise_pass=1000 * t_pass,
+        ms_per_sampler_step=1000 * t_sample,
+        ms_per_canvas=1000 * canvas_s,
+        diffusion_tokens_per_s=diff_tps,
+        ms_per_ar_token=1000 * t_ar,
+        ar_tokens_per_s=ar_tps,
+        diffusion_over_ar=diff_tps / ar_tps,
+        floor_ms_per_pass=1000 * floor_s,
+        pass_over_floor=t_pass / floor_s,
+        runtime_ms_per_canvas_eager=1000 * eager,
+        runtime_ms_per_canvas_graph=1000 * graph,
+        graph_speedup=eager / graph,
+    )
+
+
+def ar_step_static(model: DiffusionGemma, cache: KVCache, slots: torch.Tensor, tok: torch.Tensor):
+    """One AR decode step (encoder mode over the KV cache) with host work hoisted out, so it can be
+    captured in a CUDA graph as a serving AR decoder would be."""
+    p = cache.lengths[slots][:, None]
+    pa, me = cache.read(slots)
+    masks = attention_masks(p, torch.ones_like(p, dtype=torch.bool), me, True, cache.window)
+
+    def step() -> torch.Tensor:
+        h, _ = model.encode(tok, p, masks, pa)
+        return torch.argmax(model.logits(h[:, -1]), -1)
+
+    return step
+
+
+def run_bench_model(
+    config: str,
+    batches: list[int],
+    context: int,
+    steps: int,
+    repeats: int,
+    dtype: str,
+    device: str,
+    out: Path,
+    as_json: bool,
+) -> None:
+    from pipeline.runtime.session import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
+    model = random_model(mcfg, dt, dev)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = copy_bandwidth(dev, 2.0 if dev.type == "cuda" else 0.25)
+    floor_s = weight_bytes / bandwidth
+    rows = [bench_batch(model, b, context, steps, repeats, floor_s) for b in batches]
+    result = {
+        "config": config,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "dtype": str(dt),
+        "weight_gb": weight_bytes / 1e9,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "context": context,
+        "steps_per_canvas": steps,
+        "step_policy": "fixed",
+        "rows": [asdict(r) for r in rows],
+    }
+    if save_result(out, "bench_model.json", result, as_json):
+        return
+    typer.echo(
+        f"{config} random {dt} on {result['device']}: {result['weight_gb']:.1f} GB weights, copy bandwidth "
+        f"{result['copy_bandwidth_gb_s']:.0f} GB/s, context {context}, {steps} fixed steps"
+    )
+    typer.echo(
+        f"{'batch':>5}{'ms/pass':>10}{'floor':>8}{'x floor':>8}{'ms/canvas':>11}{'diff tok/s':>12}{'AR tok/s':>10}{'diff/AR':>8}{'rt eager':>10}{'rt graph':>10}{'graph x':>8}"
+    )
+    for r in rows:
+        typer.echo(
+            f"{r.batch:>5}{r.ms_per_denoise_pass:>10.2f}{r.floor_ms_per_pass:>8.2f}{r.pass_over_floor:>8.2f}"
+            f"{r.ms_per_canvas:>11.1f}{r.diffusion_tokens_per_s:>12.1f}{r.ar_tokens_per_s:>10.1f}{r.diffusion_over_ar:>8.2f}"
+            f"{r.runtime_ms_per_canvas_eager:>10.1f}{r.runtime_ms_per_canvas_graph:>10.1f}{r.graph_speedup:>8.2f}"
+        )

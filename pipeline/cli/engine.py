@@ -1,0 +1,150 @@
+"""`dgpipe engine build` / `dgpipe engine check`: the TensorRT engine commands.
+
+`build` is also the on-node step: the Kubernetes initContainer / Job runs exactly this command in the
+serving image, where an up-to-date plan is kept (pod restarts cost nothing) and a stale one is rebuilt.
+Heavy imports stay inside the commands so `dgpipe --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+engine_app = typer.Typer(
+    help="TensorRT engines: build on the target GPU node, check against this node.", no_args_is_help=True
+)
+
+
+@engine_app.command("build")
+def build_cmd(
+    target: Annotated[
+        str, typer.Option(help="GPU target: sm90 (H100/H200), sm100 (B200), sm120 (RTX Blackwell)")
+    ],
+    onnx: Annotated[
+        Path | None, typer.Option(help="ONNX model (file or export dir); default: <build-dir>/onnx")
+    ] = None,
+    precision: Annotated[
+        str | None, typer.Option(help="bf16, fp8, int4_awq, nvfp4; default: the target's")
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option(help="writes <output>/engines/<target>/; default: --build-dir")
+    ] = None,
+    plugins: Annotated[
+        Path | None, typer.Option(help="dir holding <target>/dg_sampler.ptx; default <output>/plugins")
+    ] = None,
+    build_dir: Annotated[
+        Path | None, typer.Option(help="a `dgpipe build` directory: defaults + manifest record")
+    ] = None,
+    max_batch: Annotated[int, typer.Option(help="largest batch (rows) a profile accepts")] = 8,
+    max_prompt: Annotated[int, typer.Option(help="longest prompt (tokens) of one prefill pass")] = 2048,
+    max_context: Annotated[int, typer.Option(help="most cached tokens a row attends to")] = 8192,
+    force: Annotated[bool, typer.Option(help="rebuild even when the plan is up to date")] = False,
+    dry_run: Annotated[
+        bool, typer.Option(help="validate and print the build (and its node command) only")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Build engines/<target>/model.plan + engine.json (needs TensorRT >= 10.8 and a GPU of the target)."""
+    from pipeline.engine.build_engine import build, plan_build
+    from pipeline.engine.profiles import Limits
+    from pipeline.errors import DgpipeError
+    from pipeline.targets import target as get_target
+
+    t = get_target(target)  # unknown target: refused before anything else
+    precision = precision or t.default_precision
+    man = None
+    if build_dir is not None:
+        from pipeline.builddir import load_manifest
+
+        man = load_manifest(build_dir)
+        onnx = onnx or man.path_of(build_dir, "onnx")
+        plugins = plugins or man.path_of(build_dir, "plugins")
+    if onnx is None:
+        raise DgpipeError("--onnx is required (or --build-dir of a `dgpipe build`)")
+    output = output or build_dir
+    if output is None:
+        raise DgpipeError("--output is required (or --build-dir)")
+    plan = plan_build(
+        onnx,
+        t.name,
+        precision,
+        output,
+        plugins=plugins,
+        limits=Limits(max_batch, max_prompt, max_context),
+        checkpoint_sha256=man.model_sha256 if man else None,
+    )
+    summary = {
+        "target": t.name,
+        "precision": precision,
+        "engine_dir": str(plan.engine_dir),
+        "profiles": [p.model_dump() for p in plan.profiles],
+        "node_command": plan.command(),
+    }
+    if dry_run:
+        typer.echo(json.dumps(summary, indent=2) if as_json else _describe(plan))
+        return
+    manifest, built = build(plan, force=force)
+    if man is not None and build_dir is not None:
+        from pipeline.builddir import save_manifest
+
+        engines = dict(man.stages.get("engine").details.get("engines", {})) if "engine" in man.stages else {}
+        engines[t.name] = {
+            "status": "built",
+            "tensorrt": manifest.tensorrt_version,
+            "cc": manifest.compute_capability,
+        }
+        man.record("engine", {"engines": "engines"}, engines=engines)
+        save_manifest(build_dir, man)
+    summary |= {
+        "built": built,
+        "tensorrt_version": manifest.tensorrt_version,
+        "plan_sha256": manifest.plan_sha256,
+    }
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+    else:
+        verb = "built" if built else "up to date, kept"
+        typer.echo(
+            f"{plan.engine_dir / manifest.plan}: {verb} (TensorRT {manifest.tensorrt_version}, "
+            f"{manifest.gpu_name}, cc {manifest.compute_capability}, {manifest.precision})"
+        )
+
+
+def _describe(plan) -> str:
+    lines = [
+        f"engine build for {plan.target.name} ({plan.target.arch}, cc {plan.target.compute_capability}), "
+        f"precision {plan.precision}: {plan.engine_dir}/model.plan"
+    ]
+    ptx = plan.plugin.sha256[:16] if plan.plugin else "compiled at build time"
+    lines.append(f"  sampler PTX: {plan.plugin_dir}/dg_sampler.ptx ({ptx})")
+    for p in plan.profiles:
+        dims = {k: v for k, v in p.shapes.items() if k in ("tokens", "sc_probs")}
+        lines.append(f"  profile {p.name}: " + ", ".join(f"{k} {v[0]}..{v[2]}" for k, v in dims.items()))
+    lines.append("  on the target node: " + " ".join(plan.command()))
+    return "\n".join(lines)
+
+
+@engine_app.command("check")
+def check_cmd(
+    plan: Annotated[Path, typer.Option(help="engines/<target> dir, or an engines/ dir (picks this GPU's)")],
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Check a plan's manifest against this node's TensorRT and GPU (exit 2 with the reason on mismatch)."""
+    from pipeline.engine.build_engine import gpu, tensorrt_version
+    from pipeline.engine.plan_record import check_compatible, load_engine_manifest
+    from pipeline.engine.select import find_engine_dir
+
+    g = gpu()
+    engine_dir = find_engine_dir(plan, g[0] if g else None)
+    manifest = load_engine_manifest(engine_dir)
+    check_compatible(manifest, tensorrt_version(), g[0] if g else None, where=str(engine_dir / manifest.plan))
+    result = {
+        "plan": str(engine_dir / manifest.plan),
+        "ok": True,
+        "tensorrt": manifest.tensorrt_version,
+        "compute_capability": manifest.compute_capability,
+    }
+    typer.echo(json.dumps(result, indent=2) if as_json else f"{result['plan']}: matches this node")

@@ -1,0 +1,1 @@
+"""The Kubernetes stage: deploy targets, rendered kustomize overlays, and the kubectl rollout."""

@@ -1,0 +1,447 @@
+"""`dgpipe manifests`: render a kustomize overlay with the values of one build.
+
+The overlay in `k8s/overlays/<target>` carries everything that depends on the node type (GPU affinity,
+limits, /dev/shm). What depends on the build (precision, GPU target, paths on the PVC), on the user
+(namespace, image, replicas) and on the cluster (monitoring CRDs, LeaderWorkerSet) is layered on top by
+a generated kustomization that uses kustomize's own features (namespace, images, replicas,
+configMapGenerator merge, patches), never string templates. Bad input fails before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.atomic import atomic_dir
+from pipeline.builddir import LAYOUT, MANIFEST_NAME, BuildManifest
+from pipeline.deploy.targets import DeployTarget, deploy_target
+from pipeline.errors import DgpipeError
+from pipeline.resources import k8s_dir
+
+PVC_BUILD_DIR = "/models/build"  # where the build directory lives on the model PVC (k8s/base/pvc.yaml)
+WORKLOAD = "dgpipe-triton"
+MODEL_NAME = "dgpipe"  # the model in the repository (`dgpipe package --name`, default)
+ENGINE_LIMITS = {"max_batch": 8, "max_prompt": 2048, "max_context": 8192}  # `dgpipe engine build` defaults
+RENDER_SUMMARY = "render.json"
+# Output files, in the order `dgpipe deploy` applies them (smoke and loader are applied on their own).
+STORAGE_FILE, SERVING_FILE, SMOKE_FILE, LOADER_FILE = (
+    "storage.yaml",
+    "dgpipe.yaml",
+    "smoke-job.yaml",
+    "pvc-loader.yaml",
+)
+STORAGE_KINDS = {"Namespace", "ServiceAccount", "PersistentVolumeClaim"}
+# [registry[:port]/]path[:tag][@sha256:digest], the docker reference grammar without its rarer corners
+_IMAGE_PATH = re.compile(
+    r"^([a-zA-Z0-9.-]+(:[0-9]+)?/)?[a-z0-9]+([._-]+[a-z0-9]+)*(/[a-z0-9]+([._-]+[a-z0-9]+)*)*$"
+)
+_IMAGE_TAG = re.compile(r"^[\w][\w.-]{0,127}$")
+_IMAGE_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def kubectl_binary() -> str:
+    """kubectl to use: $DGPIPE_KUBECTL (tests point it at a stand-in), else the one on PATH."""
+    exe = os.environ.get("DGPIPE_KUBECTL") or shutil.which("kubectl")
+    if not exe:
+        raise DgpipeError(
+            "kubectl not found", "install kubectl >= 1.27 (its built-in kustomize renders the overlays)"
+        )
+    return exe
+
+
+@dataclass(frozen=True)
+class Image:
+    name: str
+    tag: str | None
+    digest: str | None
+
+    def __str__(self) -> str:
+        return self.name + (f":{self.tag}" if self.tag else "") + (f"@{self.digest}" if self.digest else "")
+
+
+def parse_image(ref: str | None) -> Image:
+    """The serving image, pinned: a tag or digest is required so every node runs the same TensorRT."""
+    hint = (
+        "build and push the serving image first: docker build -t REGISTRY/dgpipe-triton:TAG . && "
+        "docker push REGISTRY/dgpipe-triton:TAG, then pass --image REGISTRY/dgpipe-triton:TAG"
+    )
+    if not ref:
+        raise DgpipeError("--image is required: the cluster pulls the serving image from a registry", hint)
+    rest, _, digest = ref.partition("@")
+    name, tag = rest, ""
+    if ":" in rest.rsplit("/", 1)[-1]:  # a colon after the last slash starts the tag (else it is a port)
+        name, tag = rest.rsplit(":", 1)
+    if (
+        not _IMAGE_PATH.match(name)
+        or (tag and not _IMAGE_TAG.match(tag))
+        or (digest and not _IMAGE_DIGEST.match(digest))
+        or ("@" in ref and not digest)
+    ):
+        raise DgpipeError(f"--image {ref!r} is not a valid image reference", hint)
+    if not tag and not digest:
+        raise DgpipeError(
+            f"--image {ref!r} has no tag or digest",
+            "pin it (REGISTRY/dgpipe-triton:TAG or @sha256:...): engines on the PVC are tied to the "
+            "image's TensorRT, so a moving :latest would silently invalidate them",
+        )
+    if tag == "latest" and not digest:
+        raise DgpipeError(
+            f"--image {ref!r}: ':latest' is not a pinned version",
+            "use a versioned tag or a digest; engines are tied to the image's TensorRT",
+        )
+    return Image(name, tag or None, digest or None)
+
+
+@dataclass
+class RenderValues:
+    """Everything the generated kustomization sets, resolved and checked."""
+
+    target: DeployTarget
+    precision: str
+    image: Image
+    namespace: str
+    replicas: int
+    model_repository: str  # absolute paths inside the pod (on the PVC)
+    onnx: str
+    engine_dir: str  # where the plan for this target lands: <model version dir>/engines/<target>
+    smoke_prompt: str
+    monitoring: bool = True
+    lws_size: int | None = None
+    build_dir: Path | None = None
+    config: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def workload_kind(self) -> str:
+        return "LeaderWorkerSet" if self.lws_size else "Deployment"
+
+
+def _pvc_path(manifest: BuildManifest | None, build_dir: Path | None, artifact: str) -> str:
+    """Where an artifact of the build directory is inside the pod: the same relative path under /models/build."""
+    rel = LAYOUT[artifact]
+    if manifest is not None and build_dir is not None:
+        rel = manifest.path_of(build_dir, artifact).relative_to(build_dir).as_posix()
+    return f"{PVC_BUILD_DIR}/{rel}"
+
+
+def _engine_limits(manifest: BuildManifest | None, gpu_target: str) -> dict[str, int]:
+    """Engine profile limits: those of the node command the engine stage recorded for this target, so the
+    plan built on the node matches what the build validated; else the engine command's defaults."""
+    limits = dict(ENGINE_LIMITS)
+    stage = manifest.stages.get("engine") if manifest is not None else None
+    command = (stage.details.get("engines", {}).get(gpu_target, {}) if stage else {}).get("command") or []
+    for key in limits:
+        flag = "--" + key.replace("_", "-")
+        if flag in command[:-1]:
+            try:
+                limits[key] = int(command[command.index(flag) + 1])
+            except ValueError as e:
+                raise DgpipeError(f"build manifest: engine command for {gpu_target} has a bad {flag}") from e
+    return limits
+
+
+def resolve(
+    target_name: str,
+    image: str | None,
+    *,
+    build_dir: Path | None = None,
+    precision: str | None = None,
+    replicas: int | None = None,
+    namespace: str = "dgpipe",
+    smoke_prompt: str = "Hello",
+    monitoring: bool = True,
+    lws_size: int | None = None,
+) -> RenderValues:
+    """Check every input against the deploy target, the build manifest and the precision rules."""
+    from pipeline.builddir import load_manifest
+    from pipeline.targets import check_precision_on_target
+
+    cfg = deploy_target(target_name)
+    manifest = load_manifest(build_dir) if build_dir is not None else None
+    if manifest is not None:
+        if precision is not None and precision != manifest.precision:
+            raise DgpipeError(
+                f"--precision {precision}: {build_dir / MANIFEST_NAME} was built for {manifest.precision}",
+                f"drop --precision, or build again with --precision {precision} in a new build dir",
+            )
+        precision = manifest.precision
+        if cfg.gpu_target not in manifest.targets:
+            raise DgpipeError(
+                f"deploy target {cfg.name} runs {cfg.gpu_target} GPUs, but {build_dir} was built for "
+                f"{', '.join(manifest.targets)}",
+                f"build with --target {cfg.gpu_target}, or deploy to a target with {manifest.targets[0]} GPUs",
+            )
+    precision = precision or cfg.precision
+    try:
+        check_precision_on_target(precision, cfg.gpu_target)
+    except DgpipeError as e:
+        raise DgpipeError(f"deploy target {cfg.name}: {e.args[0]}", e.hint) from e
+    img = parse_image(image)
+    if not _NAME.match(namespace):
+        raise DgpipeError(f"--namespace {namespace!r} is not a valid namespace name", "use a DNS-1123 label")
+    if replicas is not None and replicas < 1:
+        raise DgpipeError(f"--replicas {replicas}: expected >= 1")
+    if lws_size is not None and lws_size < 2:
+        raise DgpipeError(f"--lws-size {lws_size}: a multi-node group has at least 2 pods")
+    if not smoke_prompt.strip():
+        raise DgpipeError("--smoke-prompt must not be empty")
+    repo = _pvc_path(manifest, build_dir, "model_repository")
+    version_dir = f"{repo}/{MODEL_NAME}/1"  # the Triton model looks for engines/<target> here
+    limits = _engine_limits(manifest, cfg.gpu_target)
+    values = RenderValues(
+        target=cfg,
+        precision=precision,
+        image=img,
+        namespace=namespace,
+        replicas=replicas or cfg.replicas,
+        model_repository=repo,
+        onnx=f"{_pvc_path(manifest, build_dir, 'onnx')}/model.onnx",
+        engine_dir=f"{version_dir}/engines/{cfg.gpu_target}",
+        smoke_prompt=smoke_prompt,
+        monitoring=monitoring,
+        lws_size=lws_size,
+        build_dir=build_dir,
+    )
+    values.config = {
+        "DGPIPE_BUILD_DIR": PVC_BUILD_DIR,
+        "DGPIPE_MODEL_REPOSITORY": values.model_repository,
+        "DGPIPE_ONNX": values.onnx,
+        "DGPIPE_PLUGINS": _pvc_path(manifest, build_dir, "plugins"),
+        "DGPIPE_ENGINE_OUTPUT": version_dir,
+        **{f"DGPIPE_{k.upper()}": str(v) for k, v in limits.items()},
+        "DGPIPE_GPU_TARGET": cfg.gpu_target,
+        "DGPIPE_PRECISION": precision,
+    }
+    return values
+
+
+def _images(values: RenderValues) -> list[dict[str, str]]:
+    entry = {"name": "dgpipe-triton", "newName": values.image.name}
+    if values.image.tag:
+        entry["newTag"] = values.image.tag
+    if values.image.digest:
+        entry["digest"] = values.image.digest
+    return [entry]
+
+
+def _delete(kind: str, api_version: str, name: str) -> dict[str, Any]:
+    return {
+        "patch": yaml.safe_dump(
+            {"$patch": "delete", "apiVersion": api_version, "kind": kind, "metadata": {"name": name}}
+        )
+    }
+
+
+def serving_kustomization(values: RenderValues) -> dict[str, Any]:
+    """The kustomization layered on the overlay: every build-, user- and cluster-specific value."""
+    hpa_min = values.replicas
+    hpa_max = max(values.replicas, values.target.max_replicas)
+    k: dict[str, Any] = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "namespace": values.namespace,
+        "resources": [f"../k8s/overlays/{values.target.name}"],
+        "images": _images(values),
+        "replicas": [{"name": WORKLOAD, "count": values.replicas}],
+        "configMapGenerator": [
+            {
+                "name": "dgpipe-config",
+                "behavior": "merge",
+                "literals": [f"{k}={v}" for k, v in values.config.items()],
+            }
+        ],
+        "labels": [
+            {"pairs": {"dgpipe.dev/precision": values.precision}, "includeSelectors": False},
+        ],
+        "patches": [],
+    }
+    if values.monitoring:
+        k["patches"].append(
+            {
+                "target": {"kind": "HorizontalPodAutoscaler", "name": WORKLOAD},
+                "patch": yaml.safe_dump(
+                    [
+                        {"op": "replace", "path": "/spec/minReplicas", "value": hpa_min},
+                        {"op": "replace", "path": "/spec/maxReplicas", "value": hpa_max},
+                    ]
+                ),
+            }
+        )
+    else:  # clusters without prometheus-operator / prometheus-adapter: no CRDs, no custom-metrics HPA
+        k["patches"] += [
+            _delete("PodMonitor", "monitoring.coreos.com/v1", WORKLOAD),
+            _delete("PrometheusRule", "monitoring.coreos.com/v1", WORKLOAD),
+            _delete("HorizontalPodAutoscaler", "autoscaling/v2", WORKLOAD),
+        ]
+    if values.lws_size:
+        k["components"] = ["../k8s/components/leaderworkerset"]
+        k["patches"].append(_delete("Deployment", "apps/v1", WORKLOAD))
+        del k["replicas"]  # kustomize's replicas field does not know LeaderWorkerSet; patch it instead
+        k["patches"].append(
+            {
+                "target": {"kind": "LeaderWorkerSet", "name": WORKLOAD},
+                "patch": yaml.safe_dump(
+                    [
+                        {"op": "replace", "path": "/spec/replicas", "value": values.replicas},
+                        {
+                            "op": "replace",
+                            "path": "/spec/leaderWorkerTemplate/size",
+                            "value": values.lws_size,
+                        },
+                    ]
+                ),
+            }
+        )
+    return k
+
+
+def _side_kustomization(
+    values: RenderValues, directory: str, patches: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "namespace": values.namespace,
+        "resources": [f"../k8s/{directory}"],
+        "images": _images(values),
+        "patches": patches,
+    }
+
+
+def smoke_kustomization(values: RenderValues) -> dict[str, Any]:
+    patch = [
+        {
+            "op": "replace",
+            "path": "/spec/template/spec/containers/0/env/0",
+            "value": {"name": "SMOKE_PROMPT", "value": values.smoke_prompt},
+        }
+    ]
+    return _side_kustomization(
+        values, "smoke", [{"target": {"kind": "Job", "name": "dgpipe-smoke"}, "patch": yaml.safe_dump(patch)}]
+    )
+
+
+def kustomize(directory: Path) -> list[dict[str, Any]]:
+    """`kubectl kustomize DIR` as a list of objects; a kustomize error becomes one readable line."""
+    proc = subprocess.run(
+        [kubectl_binary(), "kustomize", str(directory)], capture_output=True, text=True, timeout=120
+    )
+    if proc.returncode != 0:
+        msg = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise DgpipeError(f"kubectl kustomize {directory.name} failed: {msg}")
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def namespace_object(namespace: str) -> dict[str, Any]:
+    """The namespace, enforcing the restricted Pod Security Standard that every dgpipe pod meets."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {
+            "name": namespace,
+            "labels": {
+                "app.kubernetes.io/part-of": "dgpipe",
+                "pod-security.kubernetes.io/enforce": "restricted",
+                "pod-security.kubernetes.io/enforce-version": "latest",
+            },
+        },
+    }
+
+
+def render(values: RenderValues) -> dict[str, list[dict[str, Any]]]:
+    """Render the overlay, the smoke Job and the PVC loader; returns objects per output file."""
+    with tempfile.TemporaryDirectory(prefix="dgpipe-k8s-") as tmp:
+        root = Path(tmp)
+        shutil.copytree(k8s_dir(), root / "k8s")  # kustomize refuses resources outside its root
+        parts = {
+            "serving": serving_kustomization(values),
+            "smoke": smoke_kustomization(values),
+            "loader": _side_kustomization(values, "loader", []),
+        }
+        docs = {}
+        for name, kust in parts.items():
+            (root / name).mkdir()
+            (root / name / "kustomization.yaml").write_text(yaml.safe_dump(kust, sort_keys=False))
+            docs[name] = kustomize(root / name)
+    storage = [d for d in docs["serving"] if d["kind"] in STORAGE_KINDS]
+    if values.namespace not in ("default", "kube-system"):
+        storage.insert(0, namespace_object(values.namespace))
+    return {
+        STORAGE_FILE: storage,
+        SERVING_FILE: [d for d in docs["serving"] if d["kind"] not in STORAGE_KINDS],
+        SMOKE_FILE: docs["smoke"],
+        LOADER_FILE: docs["loader"],
+    }
+
+
+def summary(values: RenderValues, files: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """What `dgpipe deploy` needs to know about the rendered output, and what `--json` prints."""
+    return {
+        "target": values.target.name,
+        "gpu_target": values.target.gpu_target,
+        "compute_major": values.target.compute_major,
+        "precision": values.precision,
+        "image": str(values.image),
+        "namespace": values.namespace,
+        "replicas": values.replicas,
+        "workload": {"kind": values.workload_kind, "name": WORKLOAD},
+        "lws_size": values.lws_size,
+        "monitoring": values.monitoring,
+        "config": values.config,
+        "build_dir": str(values.build_dir) if values.build_dir else None,
+        "files": {
+            name: [f"{d['kind']}/{d['metadata']['name']}" for d in docs] for name, docs in files.items()
+        },
+    }
+
+
+def check_output(output: Path) -> None:
+    """The output dir is replaced as a whole: refuse one that holds anything but an earlier render."""
+    if output.exists() and (
+        not output.is_dir() or (any(output.iterdir()) and not (output / RENDER_SUMMARY).is_file())
+    ):
+        raise DgpipeError(
+            f"--output {output}: exists and is not a `dgpipe manifests` output",
+            "it would be replaced as a whole; pass a new or empty directory",
+        )
+
+
+def write(output: Path, values: RenderValues, files: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Write all files into a temp dir next to `output` and swap it in: never a half-rendered set."""
+    check_output(output)
+    info = summary(values, files)
+    with atomic_dir(output) as tmp:
+        for name, docs in files.items():
+            (tmp / name).write_text(yaml.safe_dump_all(docs, sort_keys=False))
+        (tmp / RENDER_SUMMARY).write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def record(build_dir: Path, output: Path, info: dict[str, Any]) -> None:
+    """Note the stage in the build manifest, with the output path relative to the build dir when inside it."""
+    from pipeline.builddir import load_manifest, save_manifest
+
+    man = load_manifest(build_dir)
+    try:
+        rel = output.resolve().relative_to(build_dir.resolve()).as_posix()
+    except ValueError:
+        rel = str(output.resolve())
+    man.record(
+        "manifests",
+        outputs={"k8s": rel},
+        target=info["target"],
+        namespace=info["namespace"],
+        image=info["image"],
+        replicas=info["replicas"],
+        workload=info["workload"]["kind"],
+    )
+    save_manifest(build_dir, man)

@@ -1,0 +1,230 @@
+"""Load (and save) DiffusionGemma checkpoints in Hugging Face layout, from safetensors only.
+
+Never unpickles and never imports code shipped with a checkpoint. Tensors are read lazily one by one,
+so the vision tower (and the tied encoder copies) of a real checkpoint are skipped without being read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from pipeline.atomic import atomic_dir
+from pipeline.errors import CheckpointError
+from pipeline.model.config import ModelConfig
+from pipeline.model.network import DiffusionGemma, rope_inv_freq
+
+DECODER = "model.decoder."
+ENCODER_SCALAR = re.compile(r"model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
+PER_EXPERT = re.compile(r"(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: ModelConfig
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    dgpipe: dict[str, Any] = field(default_factory=dict)  # dgpipe.json: prompt format, task, provenance
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return (self.path / "tokenizer.json").is_file()
+
+    def tokenizer(self):  # -> tokenizers.Tokenizer
+        from tokenizers import Tokenizer
+
+        f = self.path / "tokenizer.json"
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing", "text prompts need tokenizer.json; or pass token ids")
+        try:
+            return Tokenizer.from_file(str(f))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+            raise CheckpointError(f"{f}: cannot be read as a tokenizers file ({e})") from e
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Read config.json, generation_config.json and dgpipe.json; does not touch the weights."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(
+            f"{p}: no such checkpoint directory", "pass --model DIR with config.json and *.safetensors"
+        )
+    config = ModelConfig.from_json_file(p / "config.json")
+    gen = _read_json(p / "generation_config.json") if (p / "generation_config.json").is_file() else {}
+    extra = _read_json(p / "dgpipe.json") if (p / "dgpipe.json").is_file() else {}
+    return Checkpoint(path=p, config=config, generation_config=gen, dgpipe=extra)
+
+
+def _read_json(f: Path) -> dict[str, Any]:
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f}: not valid JSON ({e.msg} at line {e.lineno})") from e
+
+
+def weight_files(ckpt: Path) -> dict[str, Path]:
+    """Map tensor name -> file, from model.safetensors or a sharded index."""
+    index = ckpt / "model.safetensors.index.json"
+    single = ckpt / "model.safetensors"
+    if index.is_file():
+        wmap = _read_json(index).get("weight_map")
+        if not isinstance(wmap, dict) or not wmap:
+            raise CheckpointError(f"{index}: has no 'weight_map'")
+        out = {}
+        for name, fname in wmap.items():
+            f = ckpt / fname
+            if not f.is_file():
+                raise CheckpointError(f"{f}: shard listed in {index.name} is missing")
+            out[name] = f
+        return out
+    if single.is_file():
+        try:
+            with safe_open(single, "pt") as fh:
+                return dict.fromkeys(fh.keys(), single)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{single}: not a readable safetensors file ({e})") from e
+    if list(ckpt.glob("*.bin")) or list(ckpt.glob("*.pt")):
+        raise CheckpointError(
+            f"{ckpt}: only pickle weights found", "dgpipe loads safetensors only; convert the checkpoint"
+        )
+    raise CheckpointError(f"{ckpt}: no model.safetensors or model.safetensors.index.json")
+
+
+def runtime_name(name: str) -> str | None:
+    """Checkpoint tensor name -> DiffusionGemma parameter name, or None for tensors the text runtime skips."""
+    if name.startswith(DECODER):
+        return name[len(DECODER) :]
+    m = ENCODER_SCALAR.match(name)
+    # everything else is skipped unread: lm_head (tied), the vision tower, the encoder's tied copies
+    return f"layers.{m.group(1)}.encoder_layer_scalar" if m else None
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> tuple[DiffusionGemma, Checkpoint]:
+    ckpt = open_checkpoint(path)
+    files = weight_files(ckpt.path)
+    with torch.device("meta"):
+        model = DiffusionGemma(ckpt.config)
+    expected = model.state_dict()
+    state: dict[str, torch.Tensor] = {}
+    per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    handles: dict[Path, Any] = {}
+    quant = _quantized_loader(ckpt.path)  # ModelOpt export: dequantize on load (pipeline.model.modelopt)
+
+    def read(name: str) -> torch.Tensor:
+        f = files[name]
+        if f not in handles:
+            handles[f] = safe_open(f, "pt", device="cpu")
+        try:
+            return handles[f].get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{f}: cannot read tensor '{name}' ({e})") from e
+
+    def sibling(name: str, suffix: str) -> torch.Tensor | None:
+        other = name.rsplit(".", 1)[0] + "." + suffix
+        return read(other) if other in files else None
+
+    try:
+        for name, f in files.items():
+            target = runtime_name(name)
+            if target is None or (quant is not None and quant.is_aux(name)):
+                continue
+            t = read(name)
+            if quant is not None:
+                t = quant.weight(target, t, lambda suffix, n=name: sibling(n, suffix))
+            m = PER_EXPERT.search(target)
+            if m:  # ModelOpt / vLLM layout: one 2-D tensor per expert and projection
+                per_expert.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+                continue
+            if target not in expected:
+                raise CheckpointError(
+                    f"{f}: unexpected tensor '{name}'", "is this a DiffusionGemma checkpoint?"
+                )
+            state[target] = t
+    except SafetensorError as e:
+        raise CheckpointError(f"{ckpt.path}: corrupt safetensors ({e})") from e
+    for prefix, experts in per_expert.items():
+        state[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]], 0) for e in sorted(experts)]
+        )
+        state[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in sorted(experts)])
+    for name, ref in expected.items():
+        if name.endswith("encoder_layer_scalar") and name not in state:
+            state[name] = state.get(name.replace("encoder_layer_scalar", "layer_scalar"), torch.ones(1))
+        if name not in state:
+            raise CheckpointError(f"{ckpt.path}: tensor 'model.decoder.{name}' is missing from the weights")
+        if tuple(state[name].shape) != tuple(ref.shape):
+            raise CheckpointError(
+                f"{ckpt.path}: tensor 'model.decoder.{name}' has shape {tuple(state[name].shape)}, "
+                f"config.json implies {tuple(ref.shape)}"
+            )
+    dtype = dtype or torch.float32
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    for kind in set(model.layer_types):  # RoPE tables are not weights: rebuild them off the meta device
+        hd = ckpt.config.text_config.layer_shape(model.layer_types.index(kind)).head_dim
+        setattr(model, f"inv_freq_{kind}", rope_inv_freq(ckpt.config.text_config, kind, hd))
+    model = model.to(device).eval()
+    if quant is not None:
+        quant.install(model)  # activation fake-quantization for FP8 / NVFP4
+    return model, ckpt
+
+
+def _quantized_loader(path: Path):
+    """A `pipeline.model.modelopt.QuantizedLoader` for a ModelOpt-quantized checkpoint, else None."""
+    if not (
+        (path / "hf_quant_config.json").is_file() or "quantization_config" in _read_json(path / "config.json")
+    ):
+        return None
+    from pipeline.model.modelopt import QuantizedLoader, quantization_info
+
+    info = quantization_info(path)
+    return QuantizedLoader(info) if info else None
+
+
+def hf_state_dict(model: DiffusionGemma) -> dict[str, torch.Tensor]:
+    """Tensor names transformers writes for DiffusionGemmaForBlockDiffusion (tied copies omitted)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("encoder_layer_scalar"):
+            layer = name.split(".")[1]
+            out[f"model.encoder.language_model.layers.{layer}.layer_scalar"] = t
+        else:
+            out[DECODER + name] = t
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+
+def save_checkpoint(
+    model: DiffusionGemma,
+    out: str | Path,
+    generation_config: dict[str, Any] | None = None,
+    extra_files: dict[str, str | bytes] | None = None,
+    dgpipe_meta: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write config.json, model.safetensors, generation_config.json (+ tokenizer etc. via extra_files) atomically."""
+    final = Path(out)
+    with atomic_dir(final) as tmp:
+        state = hf_state_dict(model)
+        if dtype is not None:
+            state = {k: v.to(dtype) for k, v in state.items()}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cfg = model.config.to_hf_dict()
+        cfg["dtype"] = str(dtype or next(model.parameters()).dtype).replace("torch.", "")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        if generation_config is not None:
+            (tmp / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+        if dgpipe_meta is not None:
+            (tmp / "dgpipe.json").write_text(json.dumps(dgpipe_meta, indent=2) + "\n")
+        for name, content in (extra_files or {}).items():
+            mode = "wb" if isinstance(content, bytes) else "w"
+            with open(tmp / name, mode) as fh:
+                fh.write(content)
+    return final

@@ -1,0 +1,362 @@
+"""DiffusionGemma's text backbone, shaped for inference and training with the same code.
+
+One set of weights runs in two modes (REFERENCE §1):
+  * encoder (prefill, commit, causal LM): causal attention, returns the new K/V so a cache can keep them;
+  * decoder (denoise): the canvas attends bidirectionally to itself and to the cached context, with the
+    self-conditioning signal mixed into its input; it never writes K/V.
+
+Attention takes the context K/V explicitly (`past`) instead of owning a cache, so training can feed the
+encoder's K/V straight into the decoder with gradients, and the serving runtime can keep a pre-allocated
+ring-buffer cache (`pipeline.runtime.kv_cache`). Module and parameter names match transformers'
+`model.decoder.*` so checkpoints map one-to-one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.model.config import ModelConfig, TextConfig
+
+
+class RMSNorm(nn.Module):
+    """x * (mean(x^2) + eps)^-0.5 * w in fp32; Gemma 4 style (no "+1" on the weight)."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            out = out * self.weight.float()
+        return out.type_as(x)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inv_freq(cfg: TextConfig, layer_type: str, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies, always head_dim/2 long: "proportional" RoPE rotates the first
+    partial_rotary_factor of each half and leaves the rest with frequency 0 (cos 1, sin 0)."""
+    p = cfg.rope_parameters[layer_type]
+    if p.rope_type == "proportional":
+        angles = int(p.partial_rotary_factor * head_dim // 2)
+        rotated = 1.0 / (p.rope_theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float) / head_dim))
+        return torch.cat([rotated, torch.zeros(head_dim // 2 - angles)])
+    dim = int(head_dim * p.partial_rotary_factor)
+    return 1.0 / (p.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@dataclass
+class LayerInputs:
+    """What one layer type needs for a pass: RoPE tables for the queries/new keys and the boolean mask
+    [B, 1, Q, Kpast + Q] (True = may attend; None = everything is visible)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TextConfig, idx: int) -> None:
+        super().__init__()
+        shape = cfg.layer_shape(idx)
+        self.is_sliding = shape.is_sliding
+        self.head_dim = shape.head_dim
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = shape.num_kv_heads
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
+        self.v_proj = (
+            nn.Linear(d, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
+            if self.is_sliding
+            else None
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
+
+    def forward(
+        self, x: torch.Tensor, li: LayerInputs, past: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        b, q_len, _ = x.shape
+        cos, sin = li.cos[:, :, None, :], li.sin[:, :, None, :]
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim))
+        q = (q * cos + rotate_half(q) * sin).transpose(1, 2)
+        k_raw = self.k_proj(x).view(b, q_len, self.num_kv_heads, self.head_dim)
+        v_raw = (
+            self.v_proj(x).view(b, q_len, self.num_kv_heads, self.head_dim)
+            if self.v_proj is not None
+            else k_raw
+        )
+        k = self.k_norm(k_raw)
+        k = (k * cos + rotate_half(k) * sin).transpose(1, 2)
+        v = self.v_norm(v_raw).transpose(1, 2)
+        new_kv = (k, v)
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=li.mask, scale=1.0, enable_gqa=self.num_kv_heads != self.num_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1)), new_kv
+
+
+class Router(nn.Module):
+    """Routes on the raw residual (not the normed FFN input): RMSNorm(no scale) * scale * d^-0.5."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.top_k = cfg.top_k_experts
+        self.root = d**-0.5
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, with_scale=False)
+        self.proj = nn.Linear(d, cfg.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(d))
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scores = self.proj(self.norm(x) * self.scale * self.root)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32)
+        weights, index = torch.topk(probs, k=self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights * self.per_expert_scale[index], index
+
+
+class Experts(nn.Module):
+    """Expert weights as 3-D tensors ([E, 2I, d] fused gate|up, [E, d, I] down), as transformers stores them.
+
+    Two ways to run the same maths: a loop over the experts that received tokens (any dtype and device;
+    exact in fp64 for the parity tests), and one grouped GEMM per projection over tokens sorted by expert.
+    The grouped form has static shapes and no host synchronisation, so a denoise step that uses it can be
+    captured in a CUDA graph; it is the default on CUDA in bf16/fp16 (torch's grouped_mm kernels)."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts = e
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+        self.grouped: bool | None = None  # None: grouped GEMM where it is supported and capturable
+
+    def use_grouped(self, x: torch.Tensor) -> bool:
+        if self.grouped is not None:
+            return self.grouped
+        aligned = all(n * x.element_size() % 16 == 0 for n in self.down_proj.shape[1:])
+        return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and aligned
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        flat_expert = index.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)
+        token_of = order // index.shape[1]
+        w_sorted = weights.reshape(-1)[order]
+        if self.use_grouped(x):
+            return self._grouped(x, flat_expert, token_of, w_sorted)
+        out = torch.zeros_like(x)
+        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok = token_of[start : start + n]
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(gelu_tanh(gate) * up, self.down_proj[e]) * w_sorted[start : start + n, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+            start += n
+        return out
+
+    def _grouped(
+        self, x: torch.Tensor, flat_expert: torch.Tensor, token_of: torch.Tensor, w_sorted: torch.Tensor
+    ) -> torch.Tensor:
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.index_add_(0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate, up = F.grouped_mm(x[token_of], self.gate_up_proj.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        y = F.grouped_mm(gelu_tanh(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
+        return torch.zeros_like(x).index_add_(0, token_of, (y * w_sorted[:, None]).to(x.dtype))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, idx: int) -> None:
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer_type = cfg.layer_types[idx]  # type: ignore[index]
+        self.self_attn = Attention(cfg, idx)
+        self.mlp = GatedMLP(d, cfg.intermediate_size)
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        for name in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+            "post_feedforward_layernorm_1",
+            "post_feedforward_layernorm_2",
+            "pre_feedforward_layernorm_2",
+        ):
+            setattr(self, name, RMSNorm(d, eps))
+        # fixed per-layer output scale; transformers keeps one copy per mode (the two are not tied)
+        self.register_buffer("layer_scalar", torch.ones(1))
+        self.register_buffer("encoder_layer_scalar", torch.ones(1))
+
+    def forward(
+        self, h: torch.Tensor, li: LayerInputs, past: tuple[torch.Tensor, torch.Tensor] | None, encoder: bool
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        a, new_kv = self.self_attn(self.input_layernorm(h), li, past)
+        h = h + self.post_attention_layernorm(a)
+        residual = h
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+        flat = residual.reshape(-1, residual.shape[-1])
+        _, weights, index = self.router(flat)
+        moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(residual.shape)
+        h = residual + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
+        return h * (self.encoder_layer_scalar if encoder else self.layer_scalar), new_kv
+
+
+class SelfConditioning(nn.Module):
+    """Gated MLP on the previous step's soft embedding, added to the canvas embedding, then RMS-normed."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.pre_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(d, cfg.rms_norm_eps, with_scale=False)
+        self.gate_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
+
+    def forward(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
+        if soft is None:  # first step: the MLP of a zero signal is exactly zero
+            return self.post_norm(embeds)
+        n = self.pre_norm(soft)
+        return self.post_norm(embeds + self.down_proj(gelu_tanh(self.gate_proj(n)) * self.up_proj(n)))
+
+
+class DiffusionGemma(nn.Module):
+    """The shared-weight encoder/decoder. Passes are pure functions of (tokens, positions, masks, past K/V)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        cfg = config.text_config
+        self.config = config
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(cfg)
+        self.layer_types: list[str] = list(cfg.layer_types)  # type: ignore[arg-type]
+        for kind in sorted(set(self.layer_types)):
+            hd = cfg.layer_shape(self.layer_types.index(kind)).head_dim
+            self.register_buffer(f"inv_freq_{kind}", rope_inv_freq(cfg, kind, hd), persistent=False)
+
+    # ---- building blocks -------------------------------------------------------------------------
+    @property
+    def embed_scale(self) -> torch.Tensor:
+        # sqrt(d) rounded to the weight dtype, as transformers does (55.43 becomes 55.5 in bf16)
+        return torch.tensor(self.cfg.hidden_size**0.5, dtype=self.embed_tokens.weight.dtype)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens) * self.embed_scale
+
+    def rope(
+        self, kind: str, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * getattr(self, f"inv_freq_{kind}")
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied LM head, then the final softcap in fp32 (bf16 tanh here visibly changes the sampler)."""
+        z = F.linear(hidden, self.embed_tokens.weight).float()
+        cap = self.cfg.final_logit_softcapping
+        return torch.tanh(z / cap) * cap
+
+    def soft_embedding(self, probs: torch.Tensor) -> torch.Tensor:
+        """Self-conditioning input: softmax(previous scaled logits) @ E * sqrt(d)."""
+        w = self.embed_tokens.weight
+        return torch.matmul(probs.to(w.dtype), w) * self.embed_scale.to(w.dtype)
+
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        masks: dict[str, torch.Tensor | None],
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        encoder: bool,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """All layers plus the final norm; returns the hidden states and each layer's new (K, V)."""
+        inputs = {
+            kind: LayerInputs(*self.rope(kind, positions, h.dtype), mask=masks[kind])
+            for kind in set(self.layer_types)
+        }
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            h, kv = layer(h, inputs[self.layer_types[i]], past[i] if past is not None else None, encoder)
+            new_kv.append(kv)
+        return self.norm(h), new_kv
+
+    # ---- the three passes --------------------------------------------------------------------------
+    def encode(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        masks: dict[str, torch.Tensor | None],
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Causal pass (prefill, commit, AR decoding): hidden states and the K/V to write to the cache."""
+        return self.run_layers(self.embed(tokens), positions, masks, past, encoder=True)
+
+    def denoise(
+        self,
+        canvas: torch.Tensor,
+        sc_probs: torch.Tensor | None,
+        positions: torch.Tensor,
+        masks: dict[str, torch.Tensor | None],
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    ) -> torch.Tensor:
+        """Bidirectional pass over the canvas reading the context K/V; returns fp32 softcapped logits."""
+        x = self.embed(canvas)
+        soft = self.soft_embedding(sc_probs) if sc_probs is not None else None
+        h, _ = self.run_layers(self.self_conditioning(x, soft), positions, masks, past, encoder=False)
+        return self.logits(h)
+
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """Random init for training from scratch and for tests (normal(0, std), norms at 1)."""
+        for p in self.parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, 0.0, std, generator=generator)
+            else:
+                nn.init.ones_(p)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def canvas_positions(start: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, L] absolute positions of a block starting at each row's committed length."""
+    return start[:, None] + torch.arange(length, device=start.device)[None, :]

@@ -1,0 +1,355 @@
+"""FP8 / NVFP4 (ModelOpt layout) checkpoints -> ONNX with Q/DQ, and the PyTorch fake-quant reference.
+
+NVFP4 follows ModelOpt's NVFP4QuantExporter (see `insert_nvfp4`); the rest of this docstring is FP8.
+
+A ModelOpt FP8 checkpoint stores, per quantized linear, `weight` (F8_E4M3, [out, in]), `weight_scale`
+(F32 scalar) and `input_scale` (F32 scalar); everything else (norms, router, embedding) stays float.
+The exported graph keeps the packed weights as they are:
+
+    w8 (FLOAT8E4M3FN initializer) -> DequantizeLinear(weight_scale) -> Transpose -> MatMul
+    x -> QuantizeLinear(input_scale, fp8 zero point) -> DequantizeLinear(input_scale) ----^
+
+which is the pattern TensorRT fuses into an FP8 GEMM (and what ModelOpt's own ONNX export writes). The
+tensors are read straight from safetensors (the shared loader in pipeline.model.checkpoint is not touched: it
+is being extended for quantized layouts on another branch); the float model used for tracing is loaded
+from a dequantized scratch copy. `fp8_reference_linear` is the plain-PyTorch fake-quant of the same
+arithmetic, the oracle for the onnxruntime parity test.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+import torch.nn.functional as F
+from onnx import TensorProto, helper
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from pipeline.errors import CheckpointError
+from pipeline.model.checkpoint import load_model, runtime_name, weight_files
+from pipeline.model.network import DiffusionGemma
+from pipeline.onnx.graph import LinearFn
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@dataclass
+class QuantLinear:
+    weight: torch.Tensor  # [out, in] float8_e4m3fn
+    weight_scale: torch.Tensor  # fp32 scalar
+    input_scale: torch.Tensor  # fp32 scalar
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.to(torch.float32) * self.weight_scale
+
+
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+NVFP4_BLOCK = 16
+
+
+@dataclass
+class NVFP4Linear:
+    """ModelOpt NVFP4: E2M1 weights packed two per byte (low nibble first), an E4M3 scale per 16 inputs,
+    a fp32 per-tensor `weight_scale_2`, and the activations' fp32 per-tensor `input_scale`."""
+
+    packed: torch.Tensor  # [out, in / 2] uint8
+    block_scale: torch.Tensor  # [out, in / 16] float8_e4m3fn
+    weight_scale_2: torch.Tensor  # fp32 scalar
+    input_scale: torch.Tensor  # fp32 scalar
+
+    def dequantized(self) -> torch.Tensor:
+        codes = (
+            torch.stack([self.packed & 0xF, self.packed >> 4], dim=-1)
+            .reshape(self.packed.shape[0], -1)
+            .long()
+        )
+        values = E2M1_VALUES[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+        scale = self.block_scale.to(torch.float32).repeat_interleave(NVFP4_BLOCK, dim=1) * self.weight_scale_2
+        return values * scale
+
+
+def fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What QuantizeLinear -> DequantizeLinear computes for FP8 E4M3FN (saturating, round to nearest even)."""
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.to(torch.float32) * scale).to(x.dtype)
+
+
+def read_fp8_checkpoint(ckpt_dir: Path) -> tuple[DiffusionGemma, dict[str, QuantLinear]]:
+    """The float model (weights dequantized) and the packed FP8 linears keyed by runtime module path
+    ("layers.0.self_attn.q_proj", "layers.0.experts.3.gate_proj", ...)."""
+    model, quant = read_quantized_checkpoint(ckpt_dir)
+    if not all(isinstance(q, QuantLinear) for q in quant.values()):
+        raise CheckpointError(f"{ckpt_dir}: not an FP8 checkpoint")
+    return model, quant  # type: ignore[return-value]
+
+
+def read_quantized_checkpoint(ckpt_dir: Path) -> tuple[DiffusionGemma, dict[str, QuantLinear | NVFP4Linear]]:
+    """Like read_fp8_checkpoint, for FP8 (F8_E4M3 weight) and NVFP4 (U8 weight + weight_scale_2) linears."""
+    files = weight_files(ckpt_dir)
+    handles = {f: safe_open(f, "pt") for f in set(files.values())}
+    raw = {name: handles[f].get_tensor(name) for name, f in files.items()}
+    quant: dict[str, QuantLinear | NVFP4Linear] = {}
+    plain: dict[str, torch.Tensor] = {}
+    for name, t in raw.items():
+        if name.endswith((".weight_scale", ".input_scale", ".weight_scale_2")):
+            continue
+        base = name.removesuffix(".weight")
+        if t.dtype == torch.uint8 and base + ".weight_scale_2" in raw:
+            target = runtime_name(name)
+            if base + ".weight_scale" not in raw or base + ".input_scale" not in raw or target is None:
+                raise CheckpointError(f"{ckpt_dir}: NVFP4 tensor '{name}' lacks weight_scale/input_scale")
+            q4 = NVFP4Linear(
+                t,
+                raw[base + ".weight_scale"],
+                raw[base + ".weight_scale_2"].float(),
+                raw[base + ".input_scale"].float(),
+            )
+            quant[target.removesuffix(".weight")] = q4
+            plain[name] = q4.dequantized()
+        elif t.dtype == torch.float8_e4m3fn:
+            base = name.removesuffix(".weight")
+            target = runtime_name(name)
+            if base + ".weight_scale" not in raw or base + ".input_scale" not in raw or target is None:
+                raise CheckpointError(f"{ckpt_dir}: FP8 tensor '{name}' lacks weight_scale/input_scale")
+            q = QuantLinear(t, raw[base + ".weight_scale"].float(), raw[base + ".input_scale"].float())
+            quant[target.removesuffix(".weight")] = q
+            plain[name] = q.dequantized()
+        else:
+            plain[name] = t
+    if not quant:
+        raise CheckpointError(f"{ckpt_dir}: no quantized weights", "is this a ModelOpt FP8/NVFP4 checkpoint?")
+    with tempfile.TemporaryDirectory() as scratch:
+        cfg = json.loads((ckpt_dir / "config.json").read_text())
+        cfg.pop("quantization_config", None)
+        (Path(scratch) / "config.json").write_text(json.dumps(cfg))
+        save_file({k: v.contiguous() for k, v in plain.items()}, str(Path(scratch) / "model.safetensors"))
+        model, _ = load_model(scratch)
+    return model, quant
+
+
+def fp8_reference_linear(model: DiffusionGemma, quant: dict[str, QuantLinear]) -> LinearFn:
+    """PyTorch fake-quant linears: the oracle for the Q/DQ graph."""
+
+    def linear(path: str, x: torch.Tensor) -> torch.Tensor:
+        q = quant.get(path)
+        if q is None:
+            return F.linear(x, _float_weight(model, path))
+        return F.linear(fake_quant(x, q.input_scale), q.dequantized().to(x.dtype))
+
+    return linear
+
+
+def _float_weight(model: DiffusionGemma, path: str) -> torch.Tensor:
+    parts = path.split(".")
+    if len(parts) > 3 and parts[2] == "experts":  # layers.N.experts.E.{gate,up,down}_proj
+        experts = model.get_submodule(".".join(parts[:3]))
+        e, which = int(parts[3]), parts[4]
+        inner = experts.gate_up_proj.shape[1] // 2
+        if which == "down_proj":
+            return experts.down_proj[e]
+        return experts.gate_up_proj[e][:inner] if which == "gate_proj" else experts.gate_up_proj[e][inner:]
+    return model.get_submodule(path).weight
+
+
+class _Holder(nn.Module):
+    """Float stand-ins for the FP8 weights while tracing, one named buffer per quantized linear."""
+
+    def __init__(self, quant: dict) -> None:
+        super().__init__()
+        self.paths = sorted(quant)
+        for k, path in enumerate(self.paths):
+            self.register_buffer(f"w{k}", quant[path].dequantized().t().contiguous())
+
+
+def _trace_linear(model: DiffusionGemma, holder: _Holder) -> LinearFn:
+    index = {p: k for k, p in enumerate(holder.paths)}
+
+    def linear(path: str, x: torch.Tensor) -> torch.Tensor:
+        k = index.get(path)
+        if k is None:
+            return F.linear(x, _float_weight(model, path))
+        return torch.matmul(x, getattr(holder, f"w{k}"))
+
+    return linear
+
+
+def _splice(g: onnx.GraphProto, before: dict[int, list[onnx.NodeProto]]) -> None:
+    """Insert new nodes ahead of the node at each index, keeping the graph topologically sorted."""
+    nodes = []
+    for idx, node in enumerate(g.node):
+        nodes.extend(before.get(idx, []))
+        nodes.append(node)
+    del g.node[:]
+    g.node.extend(nodes)
+
+
+def insert_qdq(m: onnx.ModelProto, holder: _Holder, quant: dict[str, QuantLinear], prefix: str) -> None:
+    """Replace each stand-in initializer `{prefix}w{k}` by FP8 weight + DQ, and Q/DQ its MatMul's input."""
+    g = m.graph
+    inits = {t.name: t for t in g.initializer}
+    zp = "qdq.fp8_zero_point"
+    g.initializer.append(helper.make_tensor(zp, TensorProto.FLOAT8E4M3FN, [], [0.0]))
+    before: dict[int, list[onnx.NodeProto]] = {}
+    for k, path in enumerate(holder.paths):
+        stand_in = f"{prefix}w{k}"
+        if stand_in not in inits:
+            raise RuntimeError(f"traced graph lost the stand-in weight {stand_in}")
+        g.initializer.remove(inits[stand_in])
+        q = quant[path]
+        w8 = helper.make_tensor(
+            f"{path}.weight",
+            TensorProto.FLOAT8E4M3FN,
+            list(q.weight.shape),
+            q.weight.contiguous().view(torch.uint8).numpy().tobytes(),
+            raw=True,
+        )
+        ws = onnx.numpy_helper.from_array(np.asarray(q.weight_scale, np.float32), f"{path}.weight_scale")
+        xs = onnx.numpy_helper.from_array(np.asarray(q.input_scale, np.float32), f"{path}.input_scale")
+        g.initializer.extend([w8, ws, xs])
+        for idx, node in enumerate(g.node):
+            if stand_in not in node.input:
+                continue
+            if node.op_type != "MatMul" or list(node.input).index(stand_in) != 1:
+                raise RuntimeError(f"{stand_in} feeds {node.op_type}, expected MatMul's second input")
+            x = node.input[0]
+            new = [
+                helper.make_node(
+                    "DequantizeLinear", [w8.name, ws.name], [f"{path}/w_dq"], name=f"{path}/w_dq"
+                ),
+                helper.make_node(
+                    "Transpose", [f"{path}/w_dq"], [f"{path}/w_t"], perm=[1, 0], name=f"{path}/w_t"
+                ),
+                helper.make_node("QuantizeLinear", [x, xs.name, zp], [f"{path}/x_q"], name=f"{path}/x_q"),
+                helper.make_node(
+                    "DequantizeLinear", [f"{path}/x_q", xs.name], [f"{path}/x_dq"], name=f"{path}/x_dq"
+                ),
+            ]
+            node.input[0], node.input[1] = f"{path}/x_dq", f"{path}/w_t"
+            before.setdefault(idx, []).extend(new)
+    _splice(g, before)
+
+
+def insert_nvfp4(m: onnx.ModelProto, holder: _Holder, quant: dict, prefix: str) -> None:
+    """NVFP4 as ModelOpt's NVFP4QuantExporter writes it (TensorRT >= 11): per weight
+    DQ(block_scale_f8, weight_scale_2) -> DQ(w_f4 FLOAT4E2M1, axis=-1, block_size=16) -> Transpose -> MatMul;
+    per activation trt::TRT_FP4DynamicQuantize(x, input_scale) -> (x_f4, scale_f8) -> DQ -> DQ(blocked).
+    FLOAT4E2M1 needs opset 23 / IR 11. onnxruntime cannot run TRT_FP4DynamicQuantize: checker-level."""
+    g = m.graph
+    inits = {t.name: t for t in g.initializer}
+    before: dict[int, list[onnx.NodeProto]] = {}
+    for k, path in enumerate(holder.paths):
+        stand_in, q = f"{prefix}w{k}", quant[path]
+        g.initializer.remove(inits[stand_in])
+        out_f, in_f = q.packed.shape[0], q.packed.shape[1] * 2
+        w4 = helper.make_tensor(
+            f"{path}.weight",
+            TensorProto.FLOAT4E2M1,
+            [out_f, in_f],
+            q.packed.contiguous().numpy().tobytes(),
+            raw=True,
+        )
+        bs = helper.make_tensor(
+            f"{path}.weight_scale",
+            TensorProto.FLOAT8E4M3FN,
+            list(q.block_scale.shape),
+            q.block_scale.contiguous().view(torch.uint8).numpy().tobytes(),
+            raw=True,
+        )
+        ws2 = onnx.numpy_helper.from_array(np.asarray(q.weight_scale_2, np.float32), f"{path}.weight_scale_2")
+        xs = onnx.numpy_helper.from_array(np.asarray(q.input_scale, np.float32), f"{path}.input_scale")
+        g.initializer.extend([w4, bs, ws2, xs])
+        blocked = {"axis": -1, "block_size": NVFP4_BLOCK}
+        for idx, node in enumerate(g.node):
+            if stand_in not in node.input:
+                continue
+            x = node.input[0]
+            new = [
+                helper.make_node(
+                    "DequantizeLinear", [bs.name, ws2.name], [f"{path}/w_scale"], name=f"{path}/w_scale"
+                ),
+                helper.make_node(
+                    "DequantizeLinear",
+                    [w4.name, f"{path}/w_scale"],
+                    [f"{path}/w_dq"],
+                    name=f"{path}/w_dq",
+                    **blocked,
+                ),
+                helper.make_node(
+                    "Transpose", [f"{path}/w_dq"], [f"{path}/w_t"], perm=[1, 0], name=f"{path}/w_t"
+                ),
+                helper.make_node(
+                    "TRT_FP4DynamicQuantize",
+                    [x, xs.name],
+                    [f"{path}/x_f4", f"{path}/x_scale_f8"],
+                    name=f"{path}/x_q",
+                    domain="trt",
+                    axis=-1,
+                    block_size=NVFP4_BLOCK,
+                    scale_type=TensorProto.FLOAT8E4M3FN,
+                ),
+                helper.make_node(
+                    "DequantizeLinear",
+                    [f"{path}/x_scale_f8", xs.name],
+                    [f"{path}/x_scale"],
+                    name=f"{path}/x_scale",
+                ),
+                helper.make_node(
+                    "DequantizeLinear",
+                    [f"{path}/x_f4", f"{path}/x_scale"],
+                    [f"{path}/x_dq"],
+                    name=f"{path}/x_dq",
+                    **blocked,
+                ),
+            ]
+            node.input[0], node.input[1] = f"{path}/x_dq", f"{path}/w_t"
+            before.setdefault(idx, []).extend(new)
+    _splice(g, before)
+    for opset in m.opset_import:
+        if opset.domain in ("", "ai.onnx"):
+            opset.version = max(opset.version, 23)
+    m.opset_import.append(helper.make_opsetid("trt", 1))
+
+
+def export_nvfp4(ckpt_dir: Path, out_dir: Path):
+    """Export a ModelOpt NVFP4 checkpoint as the TensorRT >= 11 FP4 graph (checker-level; see insert_nvfp4)."""
+    from pipeline.onnx.export import export_onnx
+
+    model, quant = read_quantized_checkpoint(Path(ckpt_dir))
+    if not all(isinstance(q, NVFP4Linear) for q in quant.values()):
+        raise CheckpointError(
+            f"{ckpt_dir}: mixes NVFP4 and FP8 linears", "export one precision per checkpoint"
+        )
+    holder = _Holder(quant)
+    return export_onnx(
+        model,
+        out_dir,
+        precision="nvfp4",
+        linear=_trace_linear(model, holder),
+        holder=holder,
+        post=lambda m: insert_nvfp4(m, holder, quant, "qdq."),
+    )
+
+
+def export_fp8(ckpt_dir: Path, out_dir: Path, qdq: bool = True):
+    """Export a ModelOpt FP8 checkpoint: Q/DQ graph (qdq) or plain dequantized float weights (not qdq)."""
+    from pipeline.onnx.export import export_onnx
+
+    model, quant = read_fp8_checkpoint(Path(ckpt_dir))
+    if not qdq:
+        return export_onnx(model, out_dir, precision="fp8-dequantized")
+    holder = _Holder(quant)
+    return export_onnx(
+        model,
+        out_dir,
+        precision="fp8",
+        linear=_trace_linear(model, holder),
+        holder=holder,
+        post=lambda m: insert_qdq(m, holder, quant, "qdq."),
+    )

@@ -1,0 +1,129 @@
+"""What the block-diffusion runtime needs from a model, and the PyTorch implementation of it.
+
+The runtime (scheduling, KV cache, canvases) is the same whatever executes the network; a backend runs
+the two kinds of pass:
+  * `causal`: prefill / commit — returns the new tokens' K/V, which the runtime writes to its cache;
+  * `denoise_step`: one bidirectional pass over the canvas AND its sampling step, because on a GPU the
+    sampler is fused into the graph (CUDA kernels here, a TensorRT plugin in an engine) so the
+    [B, L, V] logits never leave the device.
+`TorchBackend` runs `pipeline.model.network.DiffusionGemma` with the PyTorch sampler (the oracle) or, on CUDA, the
+fused kernels; the ONNX Runtime and TensorRT backends implement the same protocol over an exported graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pipeline.model.config import ModelConfig
+from pipeline.model.network import DiffusionGemma
+from pipeline.sampler.reference import (
+    CounterDraws,
+    DrawSource,
+    RowKeys,
+    StepOutput,
+    sample_step,
+    should_stop,
+    update_stability,
+)
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+Masks = dict[str, torch.Tensor | None]
+
+
+@dataclass
+class SamplerInputs:
+    """Per-row sampler state for one denoise step (all [B] or [B, L] tensors on the backend's device)."""
+
+    temperature: torch.Tensor  # [B] fp32
+    bound: torch.Tensor  # [B] fp32 entropy bound
+    keys: RowKeys  # [B] int64 each: seed, request, canvas, step
+    template: torch.Tensor | None  # [B, L] int64 pinned tokens, -1 where free; None when no row pins
+    prev_argmax: torch.Tensor  # [B, L] int64 previous argmax canvas (-1 before the first step)
+    stable_count: torch.Tensor  # [B] int64
+    stability_threshold: torch.Tensor  # [B] int64
+    confidence_threshold: torch.Tensor  # [B] fp32 (0: never stop early)
+
+
+@dataclass
+class DenoiseResult:
+    step: StepOutput  # next canvas, argmax canvas, self-conditioning probs, entropy, kept
+    stable_count: torch.Tensor  # [B] int64
+    stop: torch.Tensor  # [B] bool
+
+
+class ModelBackend(Protocol):
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype  # K/V cache and self-conditioning dtype
+
+    def causal(self, tokens: torch.Tensor, positions: torch.Tensor, masks: Masks, past: KV | None) -> KV: ...
+
+    def denoise_step(
+        self,
+        canvas: torch.Tensor,
+        sc_probs: torch.Tensor | None,
+        positions: torch.Tensor,
+        masks: Masks,
+        past: KV,
+        sampler: SamplerInputs,
+    ) -> DenoiseResult: ...
+
+
+class TorchBackend:
+    """The PyTorch model; the sampler is the PyTorch oracle, or the fused CUDA kernels on a GPU."""
+
+    def __init__(self, model: DiffusionGemma, draws: DrawSource | None = None, fused: bool | None = None):
+        from pipeline.sampler.kernels.gpu_sampler import cuda_sampler_available
+
+        self.model = model
+        self.config = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.draws = draws or CounterDraws()
+        # the kernels draw from the counter RNG only, so custom draw sources (tests sharing draws with
+        # transformers) always take the PyTorch sampler
+        can_fuse = self.device.type == "cuda" and isinstance(self.draws, CounterDraws)
+        self.fused = (can_fuse and cuda_sampler_available()) if fused is None else (fused and can_fuse)
+
+    @property
+    def graph_safe(self) -> bool:
+        """A denoise step can be captured in a CUDA graph: no host syncs (fused sampler, grouped MoE)."""
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        return self.fused and all(layer.experts.use_grouped(probe) for layer in self.model.layers)
+
+    def causal(self, tokens: torch.Tensor, positions: torch.Tensor, masks: Masks, past: KV | None) -> KV:
+        return self.model.encode(tokens, positions, masks, past)[1]
+
+    def denoise_step(
+        self,
+        canvas: torch.Tensor,
+        sc_probs: torch.Tensor | None,
+        positions: torch.Tensor,
+        masks: Masks,
+        past: KV,
+        sampler: SamplerInputs,
+    ) -> DenoiseResult:
+        logits = self.model.denoise(canvas, sc_probs, positions, masks, past)
+        s = sampler
+        if self.fused:
+            from pipeline.sampler.kernels.gpu_sampler import sample_step_cuda
+
+            out, stable, stop = sample_step_cuda(
+                logits,
+                s.temperature,
+                s.bound,
+                s.keys,
+                s.template,
+                s.prev_argmax,
+                s.stable_count,
+                s.stability_threshold,
+                s.confidence_threshold,
+            )
+            return DenoiseResult(out, stable, stop)
+        out = sample_step(logits, s.temperature, s.bound, s.keys, self.draws, s.template)
+        stable = update_stability(s.stable_count, s.prev_argmax, out.argmax)
+        stop = should_stop(stable, s.stability_threshold, out.entropy, s.confidence_threshold)
+        return DenoiseResult(out, stable, stop)

@@ -1,0 +1,55 @@
+"""Run a canvas round's denoise steps as device work only, replaying one CUDA graph per round.
+
+Between two host checks nothing in a denoise step depends on the host: the rows, their positions, masks
+and past K/V are fixed for the round (they change only when a causal pass writes the cache or a row
+leaves), and all sampler state lives in device tensors. So the first step of a round runs eagerly (on a
+side stream, which is also the warm-up CUDA graphs need), the second is captured, and every later step
+is a single `graph.replay()`: no per-kernel launch overhead and no host round-trip per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.runtime.backends import KV, Masks
+
+
+@dataclass
+class DenoiseRound:
+    slots: torch.Tensor  # [B] cache rows in flight
+    slot_list: list[int]
+    positions: torch.Tensor  # [B, L]
+    masks: Masks
+    past: KV
+    graph: torch.cuda.CUDAGraph | None = field(default=None, repr=False)
+    eager_steps: int = 0
+
+
+class DeviceLoop:
+    def __init__(self, device: torch.device, graphs: bool) -> None:
+        self.graphs = graphs and device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.captures = 0  # graphs captured (one per round): for tests and benchmarks
+
+    def run(self, rnd: DenoiseRound, step: Callable[[], None]) -> None:
+        if not self.graphs:
+            step()
+            return
+        if rnd.graph is None and rnd.eager_steps == 0:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            rnd.eager_steps += 1
+            return
+        if rnd.graph is None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                step()  # recorded, not run: the replay below runs it
+            rnd.graph = graph
+            self.captures += 1
+        rnd.graph.replay()

@@ -1,0 +1,138 @@
+"""Pre-allocated KV cache: full-length buffers for global layers, ring buffers for sliding layers.
+
+A sliding layer only ever needs the last (window - 1) committed tokens (the query itself is the window's
+last slot), so its buffer has exactly that many slots and a token lives at slot `position % (window - 1)`.
+Rows are independent "slots" so requests of different lengths share one cache and join or leave at canvas
+boundaries. The cache never sees the canvas: denoise passes read it, only prefill and commit write it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.model.config import TextConfig
+
+
+@dataclass
+class KeyMeta:
+    """Absolute position of each cached key ([B, K]) and whether it holds a token."""
+
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+
+class KVCache:
+    def __init__(
+        self,
+        cfg: TextConfig,
+        slots: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.window = cfg.sliding_window
+        self.ring = max(cfg.sliding_window - 1, 1)
+        self.max_len = max_len
+        self.layer_types = list(cfg.layer_types)  # type: ignore[arg-type]
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        for i, kind in enumerate(self.layer_types):
+            shape = cfg.layer_shape(i)
+            length = self.ring if kind == "sliding_attention" else max_len
+            self.k.append(
+                torch.zeros(slots, shape.num_kv_heads, length, shape.head_dim, dtype=dtype, device=device)
+            )
+            self.v.append(torch.zeros_like(self.k[-1]))
+        self.ring_pos = torch.full((slots, self.ring), -1, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Free rows for new requests; stale K/V stay in memory but are masked by length/ring_pos."""
+        self.lengths[slots] = 0
+        self.ring_pos[slots] = -1
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def read(self, slots: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict[str, KeyMeta]]:
+        """The cached K/V of some rows, trimmed to the longest of them, and where each key sits."""
+        lengths = self.lengths[slots]
+        kmax = int(lengths.max()) if lengths.numel() else 0
+        # rows are handed out lowest-first, so the rows in flight are usually a range: then views, no copy
+        first, n = int(slots[0]) if len(slots) else 0, len(slots)
+        rows = slice(first, first + n) if slots.tolist() == list(range(first, first + n)) else slots
+        past = []
+        for i, kind in enumerate(self.layer_types):
+            if kind == "sliding_attention":
+                past.append((self.k[i][rows], self.v[i][rows]))
+            else:
+                past.append((self.k[i][rows, :, :kmax], self.v[i][rows, :, :kmax]))
+        gpos = torch.arange(kmax, device=lengths.device)[None, :].expand(len(slots), kmax)
+        ring_pos = self.ring_pos[slots]
+        meta = {
+            "full_attention": KeyMeta(gpos, gpos < lengths[:, None]),
+            "sliding_attention": KeyMeta(ring_pos, ring_pos >= 0),
+        }
+        return past, meta
+
+    def write(
+        self,
+        slots: torch.Tensor,
+        new_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> None:
+        """Append the valid entries of a causal pass; positions [B, Q] continue each row's length."""
+        end = self.lengths[slots] + valid.sum(dim=1)
+        if int(end.max()) > self.max_len:
+            raise ValueError(f"KV cache overflow: {int(end.max())} tokens > {self.max_len} slots")
+        rows, cols = valid.nonzero(as_tuple=True)
+        in_ring = positions[rows, cols] >= end[rows] - self.ring
+        r_rows, r_cols = rows[in_ring], cols[in_ring]
+        ring_slot = positions[r_rows, r_cols] % self.ring
+        for i, kind in enumerate(self.layer_types):
+            k, v = new_kv[i]
+            if kind == "sliding_attention":
+                self.k[i][slots[r_rows], :, ring_slot] = k[r_rows, :, r_cols].to(self.k[i].dtype)
+                self.v[i][slots[r_rows], :, ring_slot] = v[r_rows, :, r_cols].to(self.v[i].dtype)
+            else:
+                self.k[i][slots[rows], :, positions[rows, cols]] = k[rows, :, cols].to(self.k[i].dtype)
+                self.v[i][slots[rows], :, positions[rows, cols]] = v[rows, :, cols].to(self.v[i].dtype)
+        self.ring_pos[slots[r_rows], ring_slot] = positions[r_rows, r_cols]
+        self.lengths[slots] = end
+
+
+def attention_masks(
+    q_pos: torch.Tensor,
+    q_valid: torch.Tensor,
+    past: dict[str, KeyMeta] | None,
+    causal: bool,
+    window: int,
+) -> dict[str, torch.Tensor | None]:
+    """Boolean masks [B, 1, Q, Kpast + Q] per layer type for keys = cat(past, new).
+
+    Causal passes see keys at positions <= their own (sliding layers also > pos - window). Denoise passes
+    see every valid cached key and the whole canvas; a sliding layer's cache holds the last window - 1
+    tokens, which is exactly what transformers' decoder attends to.
+    """
+    b, q = q_pos.shape
+    eye = torch.eye(q, dtype=torch.bool, device=q_pos.device)[None]
+    masks = {}
+    for kind in ("full_attention", "sliding_attention"):
+        if past is not None:
+            kpos = torch.cat([past[kind].positions, q_pos], dim=1)
+            kvalid = torch.cat([past[kind].valid, q_valid], dim=1)
+        else:
+            kpos, kvalid = q_pos, q_valid
+        allowed = kvalid[:, None, :].expand(b, q, kpos.shape[1])
+        if causal:
+            allowed = allowed & (kpos[:, None, :] <= q_pos[:, :, None])
+            if kind == "sliding_attention":
+                allowed = allowed & (kpos[:, None, :] > q_pos[:, :, None] - window)
+        # every query may see itself, so padded queries never produce NaN rows
+        allowed = torch.cat([allowed[:, :, : kpos.shape[1] - q], allowed[:, :, -q:] | eye], dim=2)
+        # no mask at all when everything is visible: SDPA then takes its unmasked (faster) kernel
+        masks[kind] = None if bool(allowed.all()) else allowed[:, None]
+    return masks

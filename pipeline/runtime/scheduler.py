@@ -1,0 +1,361 @@
+"""Block-autoregressive diffusion generation with canvas-level continuous batching.
+
+Each request owns a cache row ("slot"). Per scheduler step:
+  1. admit waiting requests into free slots and prefill their prompts (one causal pass, right-padded);
+  2. run ONE denoise pass over every slot that has a canvas in flight, whatever step each is at
+     (temperatures and sampler settings are per row);
+  3. finalise the canvases that stopped: emit the argmax block trimmed at the first end token and at
+     max_tokens, then commit the untrimmed block (causal pass) for rows that continue.
+A request therefore joins at a canvas boundary and shares every denoise pass with the others; its draws
+are keyed by (seed, request id, canvas, step), so its output does not depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.errors import InputError
+from pipeline.model.config import SamplerConfig
+from pipeline.model.network import DiffusionGemma, canvas_positions
+from pipeline.runtime.backends import ModelBackend, SamplerInputs, TorchBackend
+from pipeline.runtime.device_loop import DenoiseRound, DeviceLoop
+from pipeline.runtime.kv_cache import KVCache, attention_masks
+from pipeline.sampler.reference import CounterDraws, DrawSource, RowKeys, temperatures
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int = 256
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    seed: int = 0
+    request_id: int = 0
+    draw_id: int | None = (
+        None  # RNG coordinate (default: request_id); a server sets 0 so a seed alone fixes the draws
+    )
+    template: list[int] | None = (
+        None  # infill: token per canvas position, -1 = free (applies to every canvas)
+    )
+    on_canvas: Callable[[Request, list[int]], None] | None = None
+    on_draft: Callable[[Request, list[int], int], None] | None = None
+    on_finish: Callable[[Result], None] | None = None
+
+
+@dataclass
+class Result:
+    request: Request
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    steps_per_canvas: list[int] = field(default_factory=list)
+    time_to_first_canvas: float = 0.0
+    started: float = 0.0  # submitted
+    admitted: float = 0.0  # got a slot (prefill)
+    finished: float = 0.0
+    cancelled: bool = False
+    error: str | None = None
+
+
+class BlockDiffusionRuntime:
+    """Owns the backend (model + sampler), the KV cache and the per-slot sampler state."""
+
+    def __init__(
+        self,
+        model: DiffusionGemma | ModelBackend,
+        max_batch: int = 8,
+        max_len: int | None = None,
+        draws: DrawSource | None = None,
+        graphs: bool | None = None,
+        sync_every: int | None = None,
+    ) -> None:
+        """`graphs`: capture each canvas round's denoise step in a CUDA graph (default: where the backend
+        allows it). `sync_every`: denoise passes between host checks for finished canvases (default 4 on
+        CUDA, 1 elsewhere); rows that finish in between are frozen on the device, so results never depend
+        on it, only the wasted passes do."""
+        self.draws = draws or CounterDraws()
+        self.backend: ModelBackend = (
+            TorchBackend(model, self.draws) if isinstance(model, DiffusionGemma) else model
+        )
+        cfg = self.backend.config.text_config
+        self.canvas_length = self.backend.config.canvas_length
+        self.vocab = cfg.vocab_size
+        self.end_ids = set(cfg.end_token_ids)
+        self.pad_id = cfg.pad_token_id
+        self.max_len = max_len or min(cfg.max_position_embeddings, 8192)
+        self.max_batch = max_batch
+        self.device, self.dtype = self.backend.device, self.backend.dtype
+        self.cache = KVCache(cfg, max_batch, self.max_len, self.dtype, self.device)
+        s, length = max_batch, self.canvas_length
+        dev = self.device
+        self.x = torch.zeros(s, length, dtype=torch.long, device=dev)
+        self.amax = torch.full((s, length), -1, dtype=torch.long, device=dev)
+        self.template = torch.full((s, length), -1, dtype=torch.long, device=dev)
+        self.sc: torch.Tensor | None = None  # [S, L, V] lazily: the largest per-slot buffer
+        self.has_sc = torch.zeros(s, dtype=torch.bool, device=dev)
+        self.done = torch.zeros(s, dtype=torch.bool, device=dev)  # canvas finished, awaiting the host
+        self.step_idx = torch.zeros(s, dtype=torch.long, device=dev)
+        self.canvas_idx = torch.zeros(s, dtype=torch.long, device=dev)
+        self.stable = torch.zeros(s, dtype=torch.long, device=dev)
+        self.seed = torch.zeros(s, dtype=torch.long, device=dev)
+        self.req_id = torch.zeros(s, dtype=torch.long, device=dev)
+        f32 = {"dtype": torch.float32, "device": dev}
+        self.n_steps = torch.ones(s, dtype=torch.long, device=dev)
+        self.t_min, self.t_max = torch.ones(s, **f32), torch.ones(s, **f32)
+        self.bound, self.conf = torch.ones(s, **f32), torch.zeros(s, **f32)
+        self.stab_k = torch.ones(s, dtype=torch.long, device=dev)
+        self.results: list[Result | None] = [None] * s
+        self.waiting: deque[Result] = deque()
+        self.passes = {"prefill": 0, "denoise": 0, "commit": 0}
+        self.loop = DeviceLoop(
+            self.device, getattr(self.backend, "graph_safe", False) if graphs is None else graphs
+        )
+        on_gpu = self.device.type == "cuda"
+        self.sync_every = sync_every or (4 if on_gpu else 1)
+        self._round: DenoiseRound | None = None
+
+    # ---- public API -----------------------------------------------------------------------------
+    def validate(self, req: Request) -> None:
+        if not req.prompt_ids:
+            raise InputError("prompt is empty", "pass at least one token")
+        if req.max_tokens < 1:
+            raise InputError(f"max_tokens must be >= 1 (got {req.max_tokens})")
+        if len(req.prompt_ids) + self.canvas_length > self.max_len:
+            raise InputError(
+                f"prompt has {len(req.prompt_ids)} tokens; with one {self.canvas_length}-token canvas it exceeds "
+                f"the context limit of {self.max_len} tokens",
+                "shorten the prompt or raise --max-context",
+            )
+        if any(t < 0 or t >= self.vocab for t in req.prompt_ids):
+            raise InputError(f"prompt holds token ids outside the vocabulary [0, {self.vocab})")
+        if req.template is not None:
+            if len(req.template) > self.canvas_length:
+                raise InputError(
+                    f"infill template has {len(req.template)} positions > canvas {self.canvas_length}"
+                )
+            if any(t >= self.vocab or t < -1 for t in req.template):
+                raise InputError("infill template holds token ids outside the vocabulary")
+
+    def submit(self, req: Request) -> Result:
+        self.validate(req)
+        res = Result(request=req, started=time.perf_counter())
+        self.waiting.append(res)
+        return res
+
+    def cancel(self, request_id: int) -> None:
+        for res in list(self.waiting) + [r for r in self.results if r is not None]:
+            if res.request.request_id == request_id:
+                res.cancelled = True
+
+    def drop_all(self) -> list[Result]:
+        """Forget every request without callbacks (after a failed step the server answers them itself)."""
+        dropped = [*self.waiting, *(r for r in self.results if r is not None)]
+        self.waiting.clear()
+        self.results = [None] * self.max_batch
+        return dropped
+
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(r is not None for r in self.results)
+
+    @torch.no_grad()
+    def generate(self, requests: list[Request]) -> list[Result]:
+        """Run requests to completion (in-process path). Each gets its own result, in order."""
+        results = [self.submit(r) for r in requests]
+        while self.busy():
+            self.step()
+        return results
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self._drop_cancelled()
+        self._admit()
+        active = [i for i, r in enumerate(self.results) if r is not None]
+        if not active:
+            return
+        done = self._denoise(torch.tensor(active, device=self.device))
+        if done:
+            self._finalise(done)
+
+    # ---- scheduling -----------------------------------------------------------------------------
+    def _drop_cancelled(self) -> None:
+        for res in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(res)
+            self._finish(res, "cancelled")
+        for slot, res in enumerate(self.results):
+            if res is not None and res.cancelled:
+                self._release(slot, "cancelled")
+
+    def _admit(self) -> None:
+        free = [i for i, r in enumerate(self.results) if r is None]
+        joining: list[int] = []
+        while free and self.waiting:
+            slot, res = free.pop(0), self.waiting.popleft()
+            self.results[slot] = res
+            res.admitted = time.perf_counter()
+            joining.append(slot)
+            self._configure_slot(slot, res.request)
+        if joining:
+            self._prefill(joining)
+            for slot in joining:
+                self._start_canvas(slot)
+
+    def _configure_slot(self, slot: int, req: Request) -> None:
+        s = req.sampler
+        self.seed[slot] = req.seed
+        self.req_id[slot] = req.request_id if req.draw_id is None else req.draw_id
+        self.n_steps[slot], self.t_min[slot], self.t_max[slot] = s.max_denoising_steps, s.t_min, s.t_max
+        self.bound[slot], self.conf[slot], self.stab_k[slot] = (
+            s.entropy_bound,
+            s.confidence_threshold,
+            s.stability_threshold,
+        )
+        self.template[slot] = -1
+        if req.template is not None:
+            self.template[slot, : len(req.template)] = torch.tensor(req.template, device=self.device)
+        self.canvas_idx[slot] = 0
+        self.cache.reset(torch.tensor([slot], device=self.device))
+
+    def _keys(self, slots: torch.Tensor) -> RowKeys:
+        return RowKeys(self.seed[slots], self.req_id[slots], self.canvas_idx[slots], self.step_idx[slots])
+
+    def _start_canvas(self, slot: int) -> None:
+        slots = torch.tensor([slot], device=self.device)
+        self.step_idx[slot] = 0
+        x = self.draws.initial_canvas(self._keys(slots), self.canvas_length, self.vocab).to(self.device)
+        tpl = self.template[slot]
+        self.x[slot] = torch.where(tpl >= 0, tpl, x[0])
+        self.has_sc[slot] = False
+        self.done[slot] = False
+        self.amax[slot] = -1
+        self.stable[slot] = 0
+
+    # ---- passes ---------------------------------------------------------------------------------
+    def _causal_pass(self, slots: list[int], blocks: list[list[int]], fresh: bool) -> None:
+        """Prefill (fresh rows) or commit: one right-padded causal pass that writes K/V."""
+        self._round = None  # the cache changes: positions, masks and past K/V of the round are stale
+        idx = torch.tensor(slots, device=self.device)
+        width = max(len(b) for b in blocks)
+        tokens = torch.full((len(slots), width), self.pad_id, dtype=torch.long, device=self.device)
+        for r, b in enumerate(blocks):
+            tokens[r, : len(b)] = torch.tensor(b, device=self.device)
+        lens = torch.tensor([len(b) for b in blocks], device=self.device)
+        valid = torch.arange(width, device=self.device)[None, :] < lens[:, None]
+        positions = canvas_positions(self.cache.lengths[idx], width)
+        if fresh:
+            past, meta = None, None
+        else:
+            past, meta = self.cache.read(idx)
+        masks = attention_masks(positions, valid, meta, causal=True, window=self.cache.window)
+        new_kv = self.backend.causal(tokens, positions, masks, past)
+        self.cache.write(idx, new_kv, positions, valid)
+
+    def _prefill(self, slots: list[int]) -> None:
+        self._causal_pass(slots, [self.results[s].request.prompt_ids for s in slots], fresh=True)  # type: ignore[union-attr]
+        self.passes["prefill"] += 1
+
+    def _denoise(self, slots: torch.Tensor) -> list[int]:
+        """Denoise passes for all rows in flight until the next host check; returns the finished slots.
+
+        Positions, masks and past K/V only change when the cache or the set of rows does, so they are
+        prepared once per round and every pass in between is device work only (a CUDA graph replay)."""
+        if self._round is None or self._round.slot_list != slots.tolist():
+            self._round = self._prepare_round(slots)
+        rnd = self._round
+        drafts = [(s, r) for s in rnd.slot_list if (r := self.results[s]) and r.request.on_draft]
+        for _ in range(1 if drafts else self.sync_every):
+            self.loop.run(rnd, lambda: self._device_step(rnd))
+            self.passes["denoise"] += 1
+            for slot, res in drafts:
+                res.request.on_draft(res.request, self.amax[slot].tolist(), int(self.step_idx[slot]))  # type: ignore[misc]
+        return slots[self.done[slots]].tolist()
+
+    def _prepare_round(self, slots: torch.Tensor) -> DenoiseRound:
+        past, meta = self.cache.read(slots)
+        positions = canvas_positions(self.cache.lengths[slots], self.canvas_length)
+        masks = attention_masks(
+            positions, torch.ones_like(positions, dtype=torch.bool), meta, False, self.cache.window
+        )
+        if self.sc is None:
+            shape = (self.max_batch, self.canvas_length, self.vocab)
+            self.sc = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return DenoiseRound(slots, slots.tolist(), positions, masks, past)
+
+    def _device_step(self, rnd: DenoiseRound) -> None:
+        """One denoise pass + sampling step with no host synchronisation; finished rows stay frozen."""
+        slots = rnd.slots
+        assert self.sc is not None
+        live = ~self.done[slots]
+        sampler = SamplerInputs(
+            temperature=temperatures(
+                self.step_idx[slots], self.n_steps[slots], self.t_min[slots], self.t_max[slots]
+            ),
+            bound=self.bound[slots],
+            keys=self._keys(slots),
+            template=self.template[slots],
+            prev_argmax=self.amax[slots],
+            stable_count=self.stable[slots],
+            stability_threshold=self.stab_k[slots],
+            confidence_threshold=self.conf[slots],
+        )
+        # zero probabilities make the self-conditioning branch exactly zero, as "no signal yet" does
+        sc = self.sc[slots] * self.has_sc[slots, None, None].to(self.sc.dtype)
+        stepped = self.backend.denoise_step(self.x[slots], sc, rnd.positions, rnd.masks, rnd.past, sampler)
+        out, row = stepped.step, live[:, None]
+        self.sc[slots] = out.probs.to(self.dtype)  # a frozen row's is never read: its canvas is over
+        self.has_sc[slots] = True
+        self.stable[slots] = torch.where(live, stepped.stable_count, self.stable[slots])
+        self.x[slots] = torch.where(row, out.canvas, self.x[slots])
+        self.amax[slots] = torch.where(row, out.argmax, self.amax[slots])
+        self.step_idx[slots] += live.long()
+        self.done[slots] |= live & (stepped.stop | (self.step_idx[slots] >= self.n_steps[slots]))
+
+    def _finalise(self, slots: list[int]) -> None:
+        commits: list[int] = []
+        for slot in slots:
+            res = self.results[slot]
+            assert res is not None
+            block = self.amax[slot].tolist()
+            res.steps_per_canvas.append(int(self.step_idx[slot]))
+            if not res.tokens and res.time_to_first_canvas == 0.0:
+                res.time_to_first_canvas = time.perf_counter() - res.started
+            first_end = next((i for i, t in enumerate(block) if t in self.end_ids), None)
+            emitted = block if first_end is None else block[: first_end + 1]
+            room = res.request.max_tokens - len(res.tokens)
+            if len(emitted) > room:
+                emitted, reason = emitted[:room], "length"
+            elif first_end is not None:
+                reason = "stop"
+            else:
+                reason = "length" if len(emitted) == room else ""
+            res.tokens.extend(emitted)
+            if res.request.on_canvas is not None:
+                res.request.on_canvas(res.request, emitted)
+            if not reason and int(self.cache.lengths[slot]) + 2 * self.canvas_length > self.max_len:
+                reason = "length"  # no room for another canvas in the context
+            if reason:
+                self._release(slot, reason)
+            else:
+                commits.append(slot)
+        if commits:
+            self._causal_pass(commits, [self.amax[s].tolist() for s in commits], fresh=False)
+            self.passes["commit"] += 1
+            for slot in commits:
+                self.canvas_idx[slot] += 1
+                self._start_canvas(slot)
+
+    def _release(self, slot: int, reason: str) -> None:
+        self._round = None
+        res = self.results[slot]
+        self.results[slot] = None
+        if res is not None:
+            self._finish(res, reason)
+
+    @staticmethod
+    def _finish(res: Result, reason: str) -> None:
+        res.finish_reason = reason
+        res.finished = time.perf_counter()
+        if res.request.on_finish is not None:
+            res.request.on_finish(res)

@@ -1,0 +1,138 @@
+"""A loaded checkpoint ready to serve text: model + tokenizer + prompt format + sampler defaults.
+
+Shared by `dgpipe generate`, `eval`, `bench` and the Triton model so they all turn text into requests
+(and tokens back into text) the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.errors import DgpipeError, InputError
+from pipeline.model.checkpoint import Checkpoint, load_model, open_checkpoint
+from pipeline.model.config import SamplerConfig
+from pipeline.model.network import DiffusionGemma
+from pipeline.resources import EMBEDDED_MODEL
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DgpipeError(
+            f"--device {device}: no CUDA device is visible", "use --device cpu or check nvidia-smi"
+        )
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise DgpipeError(f"--dtype {dtype}: unknown", f"choose one of: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def default_model_path() -> Path:
+    if not (EMBEDDED_MODEL / "config.json").is_file():
+        raise DgpipeError(
+            f"the embedded model is missing from {EMBEDDED_MODEL}", "pass --model DIR or reinstall dgpipe"
+        )
+    return EMBEDDED_MODEL
+
+
+@dataclass
+class Session:
+    model: DiffusionGemma
+    checkpoint: Checkpoint
+    tokenizer: Any  # tokenizers.Tokenizer | None
+
+    @property
+    def task(self) -> str | None:
+        return self.checkpoint.dgpipe.get("task")
+
+    def sampler(self, **overrides: Any) -> SamplerConfig:
+        """generation_config.json defaults, overridden by whatever the caller set (CLI > file > defaults)."""
+        return SamplerConfig.from_generation_config(self.checkpoint.generation_config, **overrides)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        if not text:
+            raise InputError("prompt is empty", "pass the text to continue")
+        if self.task == "sudoku":
+            from pipeline.demo import sudoku
+            from pipeline.demo import tokenizer as stok
+
+            try:
+                return stok.sudoku_prompt_ids(sudoku.parse_puzzle(text))
+            except sudoku.PuzzleError as e:
+                raise InputError(f"puzzle: {e}") from e
+        if self.tokenizer is None:
+            raise InputError("this checkpoint has no tokenizer.json", "pass token ids instead of text")
+        template = self.checkpoint.dgpipe.get("prompt_template", "<bos>{prompt}")
+        return self.tokenizer.encode(template.format(prompt=text), add_special_tokens=False).ids
+
+    def default_template(self, text: str) -> list[int] | None:
+        """Task-specific infill: a Sudoku's givens are pinned in the canvas."""
+        if self.task == "sudoku":
+            from pipeline.demo import sudoku
+            from pipeline.demo import tokenizer as stok
+
+            return stok.sudoku_infill_template(sudoku.parse_puzzle(text))
+        return None
+
+    def build_template(self, text: str, hole: str = "_") -> list[int]:
+        """Infill template from text: each `hole` character is one free canvas position, other text is
+        tokenized and pinned. Positions past the template stay free."""
+        if self.tokenizer is None:
+            raise InputError("infill needs a tokenizer.json in the checkpoint")
+        out: list[int] = []
+        for is_hole, group in itertools.groupby(text, key=lambda c: c == hole):
+            chunk = "".join(group)
+            out.extend(
+                [-1] * len(chunk) if is_hole else self.tokenizer.encode(chunk, add_special_tokens=False).ids
+            )
+        if len(out) > self.model.config.canvas_length:
+            raise InputError(
+                f"infill template is {len(out)} tokens, longer than the {self.model.config.canvas_length}-token canvas"
+            )
+        return out
+
+    def decode(self, tokens: list[int]) -> str:
+        if self.task == "sudoku":
+            from pipeline.demo import tokenizer as stok
+
+            return stok.decode_solution(tokens)
+        if self.tokenizer is None:
+            return " ".join(map(str, tokens))
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def load_session(
+    model: str | Path | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+    canvas_length: int | None = None,
+    weights: bool = True,
+) -> Session:
+    """`weights=False`: config, tokenizer and a weightless (meta) model, for a runtime whose weights live
+    elsewhere (a TensorRT plan) — a 26B checkpoint is then never read into memory."""
+    dev = resolve_device(device)
+    path = Path(model) if model else default_model_path()
+    if weights:
+        m, ckpt = load_model(path, resolve_dtype(dtype, dev), dev)
+    else:
+        ckpt = open_checkpoint(path)
+        with torch.device("meta"):
+            m = DiffusionGemma(ckpt.config)
+    if canvas_length is not None:
+        if canvas_length < 1:
+            raise DgpipeError(f"--canvas-length must be >= 1 (got {canvas_length})")
+        m.config.canvas_length = canvas_length
+    return Session(model=m, checkpoint=ckpt, tokenizer=ckpt.tokenizer() if ckpt.has_tokenizer else None)

@@ -1,0 +1,1 @@
+"""The denoising sampler: the plain-PyTorch reference step, counter-based RNG, and the fused CUDA kernels."""

@@ -1,0 +1,1 @@
+"""The repository stage and serving: the Triton model repository, the server, and its clients."""

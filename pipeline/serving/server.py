@@ -1,0 +1,202 @@
+"""`dgpipe serve`: run a real Triton server on a model repository.
+
+On any machine it runs the `tritonserver` binary shipped in the nvidia-pytriton wheel (CPU works); the
+Python backend's stub is the one for this interpreter, and the stub imports dgpipe and torch from this
+environment. On GPU hosts `--image` gives the NGC container command instead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.doctor import tritonserver_binary
+from pipeline.errors import DgpipeError
+
+NGC_IMAGE = "nvcr.io/nvidia/tritonserver:25.10-py3"
+
+
+def _pytriton_root() -> Path:
+    binary = tritonserver_binary()
+    if binary is None:
+        raise DgpipeError(
+            "tritonserver not found", "pip install 'dgpipe[serve]' (nvidia-pytriton ships the binary)"
+        )
+    return binary.parent.parent  # .../pytriton/tritonserver
+
+
+def backend_dir(cache: Path) -> Path:
+    """A --backend-directory whose python/ holds the backend library and the stub for this Python."""
+    root = _pytriton_root()
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / ver / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise DgpipeError(
+            f"the pytriton wheel has no Python backend stub for Python {ver}", "use Python 3.8-3.13"
+        )
+    out = cache / "backends" / "python"
+    out.mkdir(parents=True, exist_ok=True)
+    for src in (
+        root / "backends" / "python" / "libtriton_python.so",
+        root / "backends" / "python" / "triton_python_backend_utils.py",
+        stub,
+    ):
+        dst = out / src.name
+        if (
+            not dst.exists() or dst.stat().st_size != src.stat().st_size
+        ):  # a running stub cannot be overwritten
+            shutil.copy2(src, dst)
+    return out.parent
+
+
+def server_env() -> dict[str, str]:
+    """The stub embeds libpython: point it at this interpreter's home and at the packages it needs."""
+    import pipeline
+
+    libs = [str(Path(sys.base_prefix) / "lib")]
+    wheel_libs = _pytriton_root().parent.parent / "nvidia_pytriton.libs"
+    if wheel_libs.is_dir():
+        libs.append(str(wheel_libs))
+    paths = [
+        str(Path(pipeline.__file__).resolve().parent.parent),
+        *[p for p in sys.path if p.endswith("site-packages")],
+    ]
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+    env["PYTHONHOME"] = sys.base_prefix
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    # the stub's interpreter finds its packages like an activated virtual environment would: through
+    # VIRTUAL_ENV and this interpreter's bin/ first on PATH (PYTHONPATH alone is not enough)
+    if sys.prefix != sys.base_prefix:
+        env["VIRTUAL_ENV"] = sys.prefix
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+@dataclass
+class Ports:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+    address: str = "0.0.0.0"
+
+    @property
+    def host(self) -> str:
+        return "127.0.0.1" if self.address in ("0.0.0.0", "") else self.address
+
+
+class TritonServer:
+    """A tritonserver child process: start, wait until ready, stop."""
+
+    def __init__(self, repo: Path, ports: Ports, workdir: Path, log: Path | None = None) -> None:
+        if not (repo.is_dir() and any(repo.glob("*/config.pbtxt"))):
+            raise DgpipeError(
+                f"{repo}: not a model repository (no */config.pbtxt)", "create one with dgpipe package"
+            )
+        self.repo, self.ports, self.workdir = repo, ports, workdir
+        self.log = log or workdir / "tritonserver.log"
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        p = self.ports
+        return [
+            str(tritonserver_binary()),
+            f"--model-repository={self.repo}",
+            f"--backend-directory={backend_dir(self.workdir)}",
+            f"--http-port={p.http}",
+            f"--grpc-port={p.grpc}",
+            f"--metrics-port={p.metrics}",
+            f"--http-address={p.address}",
+            f"--grpc-address={p.address}",
+            f"--metrics-address={p.address}",
+            "--log-verbose=0",
+        ]
+
+    def start(self, timeout: float = 180.0) -> TritonServer:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "wb") as fh:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=fh, stderr=subprocess.STDOUT, env=server_env()
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DgpipeError(f"tritonserver exited with code {self.proc.returncode}: {self.tail()}")
+            if self.ready():
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise DgpipeError(f"tritonserver not ready after {timeout:.0f} s: {self.tail()}")
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def tail(self, lines: int = 5) -> str:
+        try:
+            text = self.log.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        errors = [ln for ln in text if " E1" in ln[:6] or "error" in ln.lower()]
+        return " | ".join((errors or text)[-lines:])
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.ports.host}:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"grpc://{self.ports.host}:{self.ports.grpc}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.ports.host}:{self.ports.metrics}/metrics"
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)  # Triton unloads models and exits on SIGINT
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def docker_command(repo: Path, ports: Ports, image: str) -> list[str]:
+    """The NGC container command for a GPU host (the serving image adds dgpipe to NGC tritonserver)."""
+    return [
+        "docker",
+        "run",
+        "--rm",
+        "--gpus",
+        "all",
+        "--shm-size=2g",
+        "-p",
+        f"{ports.http}:8000",
+        "-p",
+        f"{ports.grpc}:8001",
+        "-p",
+        f"{ports.metrics}:8002",
+        "-v",
+        f"{repo.resolve()}:/models:ro",
+        image,
+        "tritonserver",
+        "--model-repository=/models",
+    ]

@@ -1,0 +1,1 @@
+"""Helpers shared by unit, end-to-end and GPU tests (tiny models, the transformers oracle)."""

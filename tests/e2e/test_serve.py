@@ -1,0 +1,249 @@
+"""The model repository served by a real tritonserver (the nvidia-pytriton wheel's binary, on CPU),
+queried with real clients over HTTP (generate, generate_stream) and gRPC streaming."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from pipeline.demo import sudoku
+from pipeline.doctor import tritonserver_binary
+from pipeline.serving.client import complete
+
+pytestmark = pytest.mark.skipif(
+    tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
+)
+
+PUZZLES = sudoku.make_dataset(4242, 8, (55, 61))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from pipeline.runtime.session import default_model_path
+    from pipeline.serving.repository import package
+    from pipeline.serving.server import Ports, TritonServer
+
+    work = tmp_path_factory.mktemp("serve")
+    repo = package(
+        default_model_path(), work / "repo", max_batch=8, max_tokens_limit=512, max_prompt_tokens=100
+    )
+    ports = Ports(free_port(), free_port(), free_port(), "127.0.0.1")
+    with TritonServer(repo, ports, work) as srv:
+        yield srv
+
+
+def post(url: str, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_config_is_decoupled_with_our_tensors(server):
+    with urllib.request.urlopen(f"{server.http_url}/v2/models/dgpipe/config") as r:
+        cfg = json.loads(r.read())
+    assert cfg["model_transaction_policy"]["decoupled"] is True
+    names = {i["name"] for i in cfg["input"]}
+    assert {
+        "text_input",
+        "max_tokens",
+        "stream",
+        "seed",
+        "stop_words",
+        "max_denoising_steps",
+        "infill_template",
+    } <= names
+    assert {o["name"] for o in cfg["output"]} >= {
+        "text_output",
+        "finish_reason",
+        "denoise_steps",
+        "num_output_tokens",
+    }
+
+
+def test_http_generate(server):
+    puzzle = PUZZLES[0][0]
+    status, body = post(
+        f"{server.http_url}/v2/models/dgpipe/generate",
+        {
+            "text_input": puzzle,
+            "max_tokens": 82,
+            "exclude_input_in_output": True,
+            "return_num_output_tokens": True,
+        },
+    )
+    assert status == 200, body
+    out = json.loads(body)
+    assert sudoku.is_valid_solution(puzzle, out["text_output"])
+    assert out["finish_reason"] == "stop" and out["num_output_tokens"] == 82
+
+
+def test_http_generate_stream_and_grpc_stream_agree(server):
+    puzzle, _ = PUZZLES[1]
+    http = complete(server.http_url, puzzle, max_tokens=82, stream=True, seed=7)
+    grpc = complete(server.grpc_url, puzzle, max_tokens=82, stream=True, seed=7)
+    assert http.text == grpc.text and sudoku.is_valid_solution(puzzle, http.text)
+    assert http.denoise_steps == grpc.denoise_steps and len(http.denoise_steps) == 1
+    assert http.finish_reason == grpc.finish_reason == "stop"
+
+
+def test_eight_concurrent_requests_are_all_solved(server):
+    def ask(pair):
+        puzzle, _ = pair
+        return puzzle, complete(server.http_url, puzzle, max_tokens=82, exclude_input_in_output=True)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(ask, PUZZLES))
+    solved = sum(sudoku.is_valid_solution(p, r.text) for p, r in results)
+    assert all(len(r.text) == 81 for _, r in results)
+    assert solved >= 7, f"{solved}/8 solved"
+
+
+def test_metrics_port_shows_our_metrics(server):
+    complete(server.http_url, PUZZLES[2][0], max_tokens=82)
+    with urllib.request.urlopen(server.metrics_url) as r:
+        text = r.read().decode()
+    values = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln.startswith("dgpipe_")}
+    assert values["dgpipe_requests_total"] >= 2 and values["dgpipe_canvases_total"] >= 1
+    assert values["dgpipe_generated_tokens_total"] >= 82 and values["dgpipe_steps_per_canvas"] >= 1
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"max_tokens": 82}, "text_input"),
+        ({"text_input": PUZZLES[0][0], "max_tokens": 0}, "max_tokens' must be >= 1"),
+        ({"text_input": PUZZLES[0][0], "max_tokens": 100_000}, "over this server's limit of 512"),
+        ({"text_input": "   "}, "empty"),
+        ({"text_input": PUZZLES[0][0], "temperature_schedule": "cosine"}, "unknown parameter"),
+        ({"text_input": PUZZLES[0][0], "entropy_bound": -1.0}, "entropy_bound"),
+        ({"text_input": "1" * 500}, "puzzle"),
+    ],
+)
+def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, needle):
+    status, text = post(f"{server.http_url}/v2/models/dgpipe/generate", body)
+    assert 400 <= status < 500, (status, text)
+    assert needle in text
+    good = complete(server.http_url, PUZZLES[3][0], max_tokens=82, exclude_input_in_output=True)
+    assert len(good.text) == 81 and good.finish_reason == "stop"
+
+
+def grpc_errors(server, inputs: list) -> list:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url.removeprefix("grpc://"))
+    errors: list = []
+    client.start_stream(callback=lambda result, error: errors.append(error))
+    client.async_stream_infer("dgpipe", inputs)
+    client.stop_stream()
+    client.close()
+    return errors
+
+
+def test_undecodable_bytes_and_wrong_dtype_over_grpc(server):
+    import tritonclient.grpc as grpcclient
+
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"\xff\xfe" + b"." * 79], dtype=np.object_))
+    errors = grpc_errors(server, [text])
+    assert errors and errors[0] is not None and "not valid UTF-8" in str(errors[0])
+    # a wrong datatype is refused by Triton itself, naming the input (HTTP's JSON parser in Triton 2.51
+    # answers a string-for-integer with a 500 that does not name the field, so this is checked over gRPC)
+    text.set_data_from_numpy(np.array([PUZZLES[0][0].encode()], dtype=np.object_))
+    mt = grpcclient.InferInput("max_tokens", [1], "FP32")
+    mt.set_data_from_numpy(np.array([82.0], dtype=np.float32))
+    errors = grpc_errors(server, [text, mt])
+    assert errors and "max_tokens" in str(errors[0]) and "INT32" in str(errors[0])
+    good = complete(server.grpc_url, PUZZLES[0][0], max_tokens=82, stream=True)
+    assert len(good.text) == 81
+
+
+def test_cancellation_between_steps(server):
+    """A client that cancels its stream frees the request at the next step; the server keeps serving."""
+    import time
+
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, value, dtype, triton):
+        t = grpcclient.InferInput(name, [1], triton)
+        t.set_data_from_numpy(np.array([value], dtype=dtype))
+        return t
+
+    client = grpcclient.InferenceServerClient(server.grpc_url.removeprefix("grpc://"))
+    drafts: list = []
+    client.start_stream(callback=lambda result, error: drafts.append((result, error)))
+    client.async_stream_infer(
+        "dgpipe",
+        [
+            tensor("text_input", PUZZLES[4][0].encode(), np.object_, "BYTES"),
+            tensor("max_denoising_steps", 48, np.int32, "INT32"),
+            tensor("confidence_threshold", 0.0, np.float32, "FP32"),  # fixed 48 steps: long enough to cancel
+            tensor("stream_drafts", True, np.bool_, "BOOL"),
+        ],
+    )
+    deadline = time.monotonic() + 60
+    while not drafts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    assert drafts and len(drafts) < 48, "cancelled before the canvas finished"
+
+    def cancelled() -> float:
+        with urllib.request.urlopen(server.metrics_url) as r:
+            line = next(
+                ln
+                for ln in r.read().decode().splitlines()
+                if ln.startswith("dgpipe_requests_cancelled_total")
+            )
+        return float(line.split()[1])
+
+    while cancelled() < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cancelled() >= 1
+    assert len(complete(server.http_url, PUZZLES[5][0], max_tokens=82).text) > 0
+
+
+def test_serve_image_prints_the_ngc_command(tmp_path):
+    import subprocess
+    import sys
+
+    from pipeline.runtime.session import default_model_path
+    from pipeline.serving.repository import package
+
+    repo = package(default_model_path(), tmp_path / "repo")
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "serve", "--repo", str(repo), "--image", "nvcr.io/x/dgpipe:1"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.startswith("docker run") and "--gpus all" in out and "nvcr.io/x/dgpipe:1 tritonserver" in out
+    assert f"{repo.resolve()}:/models:ro" in out
+
+
+def test_bench_serve_against_the_server(server, tmp_path):
+    from pipeline.bench.suite import run_bench_serve
+
+    run_bench_serve(server.http_url, server.grpc_url, [1, 2], 2, tmp_path, as_json=True)
+    result = json.loads((tmp_path / "serve.json").read_text())
+    assert {(r["protocol"], r["concurrency"]) for r in result["rows"]} == {
+        (p, c) for p in ("http", "grpc", "in-process") for c in (1, 2)
+    }
+    assert all(r["p50_ms"] <= r["p99_ms"] and r["tokens_per_s"] > 0 for r in result["rows"])
+    assert (tmp_path / "serve_throughput.png").stat().st_size > 1000

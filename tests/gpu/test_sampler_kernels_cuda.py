@@ -1,0 +1,277 @@
+"""The fused CUDA sampler against the PyTorch sampler (the oracle), on a GPU.
+
+Same inputs to both; outputs poisoned before each kernel run so nothing passes by leftover values.
+Required: identical sampled tokens, argmax, kept sets, next canvas, stability counts and stop flags;
+entropies within 1e-5 relative (plus 2e-7 absolute: the oracle's own fp32 log-softmax is only that good
+near zero entropy) of both the oracle and a float64 computation; bf16 softmax within bf16 rounding.
+
+The oracle runs on the GPU too: its Gumbel noise then goes through the same CUDA `logf` as the kernel's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from pipeline.sampler.reference import (
+    CounterDraws,
+    RowKeys,
+    StepOutput,
+    sample_step,
+    should_stop,
+    temperatures,
+    update_stability,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+    ),
+]
+
+DEVICE = "cuda"
+VOCAB, CANVAS = 262_144, 256
+ENTROPY_RTOL, ENTROPY_ATOL = 1e-5, 2e-7
+
+
+def sample_step_cuda(*args, **kwargs):  # indirection: lets the harness be dry-run against a stand-in
+    from pipeline.sampler.kernels.gpu_sampler import sample_step_cuda as impl
+
+    return impl(*args, **kwargs)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    """Build the extension once, up front, so a build failure reads as one clear error."""
+    from pipeline.sampler.kernels.build import load_torch_extension
+
+    return load_torch_extension()
+
+
+@dataclass
+class Case:
+    logits: torch.Tensor
+    temperature: torch.Tensor
+    bound: torch.Tensor
+    keys: RowKeys
+    template: torch.Tensor | None
+    stable_in: torch.Tensor
+    stab_k: torch.Tensor
+
+
+def make_case(
+    batch: int, length: int, vocab: int, dtype: torch.dtype, seed: int, infill: bool = False
+) -> Case:
+    """Softcapped random logits whose sharpness varies per position (near-uniform to near-one-hot), so the
+    entropies span a wide range and the kept sets are neither empty nor everything."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    scale = torch.logspace(-0.5, 1.7, length, device=DEVICE)
+    scale = scale[torch.randperm(length, generator=gen, device=DEVICE)]
+    logits = torch.randn(batch, length, vocab, generator=gen, device=DEVICE) * scale[None, :, None]
+    peaked = torch.rand(batch, length, generator=gen, device=DEVICE) < 0.3  # a spike on one token
+    spike = torch.randint(0, vocab, (batch, length, 1), generator=gen, device=DEVICE)
+    logits.scatter_add_(-1, spike, (peaked * 25.0)[..., None])
+    logits = (30 * torch.tanh(logits / 30)).to(dtype)
+    ids = torch.arange(batch, device=DEVICE)
+    keys = RowKeys(seed=ids * 1000 + seed, request=ids + 17, canvas=ids % 3, step=ids % 16)
+    n_steps = torch.full_like(ids, 16)
+    temp = temperatures(
+        keys.step, n_steps, torch.full((batch,), 0.4, device=DEVICE), torch.full((batch,), 0.8, device=DEVICE)
+    )
+    bound = torch.tensor([0.1, 1.0, 10.0, 1e-6], device=DEVICE).repeat(batch)[:batch]
+    template = None
+    if infill:
+        template = torch.full((batch, length), -1, dtype=torch.long, device=DEVICE)
+        pinned = torch.rand(batch, length, generator=gen, device=DEVICE) < 0.25
+        pinned[:, :8] = True  # a pinned prefix, as a prompt-in-canvas would be
+        template[pinned] = torch.randint(0, vocab, (int(pinned.sum()),), generator=gen, device=DEVICE)
+    return Case(
+        logits=logits,
+        temperature=temp,
+        bound=bound,
+        keys=keys,
+        template=template,
+        stable_in=ids % 3,
+        stab_k=ids % 3 + 1,
+    )
+
+
+def poisoned_buffers(batch: int, length: int, vocab: int):
+    from pipeline.sampler.kernels.gpu_sampler import StepBuffers
+
+    buf = StepBuffers.allocate(batch, length, vocab, DEVICE)
+    for t in (buf.entropy, buf.max_prob, buf.probs):
+        t.fill_(float("nan"))
+    for t in (buf.argmax, buf.sample, buf.canvas, buf.stable):
+        t.fill_(-1)
+    for t in (buf.kept, buf.stop):
+        t.view(torch.uint8).fill_(0xAA)  # neither True (1) nor False (0)
+    return buf
+
+
+def float64_truth(z: torch.Tensor, template: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entropy and max probability of the same fp32 z in float64, row by row (no [B, L, V] float64)."""
+    entropy = torch.empty(z.shape[:2], dtype=torch.float64, device=z.device)
+    max_prob = torch.empty_like(entropy)
+    for b in range(z.shape[0]):
+        lp = torch.log_softmax(z[b].double(), dim=-1)
+        entropy[b] = -(lp.exp() * lp).sum(-1)
+        max_prob[b] = lp.amax(-1).exp()
+    return (entropy if template is None else entropy.masked_fill(template >= 0, 0.0)), max_prob
+
+
+def stable_keep(entropy: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """`entropy_bound_keep` with ties in entropy broken by position, as the kernel does. (torch.sort
+    without stable=True is not stable on CPU past 16 elements, so the oracle's order among exactly equal
+    entropies is unspecified; it only matters when such a tie straddles the bound.)"""
+    sorted_h, order = torch.sort(entropy, dim=-1, stable=True)
+    keep_sorted = torch.cumsum(sorted_h, dim=-1) - sorted_h <= bound[:, None]
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def check_step(case: Case, conf_scale: tuple[float, float] = (0.99, 1.01), ties: bool = False) -> StepOutput:
+    """Run oracle and kernels on one case and compare everything; returns the kernel's step output.
+    `ties`: entropies tie exactly across positions, so the kept set is checked against the stable rule
+    rather than the oracle's (unspecified) order among equal entropies."""
+    batch, length, vocab = case.logits.shape
+    draws = CounterDraws()
+    ref = sample_step(case.logits, case.temperature, case.bound, case.keys, draws, case.template)
+    z = case.logits / case.temperature[:, None, None]
+    ref_sample = draws.categorical(case.keys, z)
+    # previous argmax canvas: equal to this step's on even rows, one token off on odd rows
+    prev = ref.argmax.clone()
+    prev[1::2, length // 2] = (prev[1::2, length // 2] + 1) % vocab
+    ref_count = update_stability(case.stable_in, prev, ref.argmax)
+    # confidence threshold 1% under / over the mean entropy: both stop outcomes, far from rounding
+    mean = ref.entropy.double().mean(-1)
+    conf = (mean * torch.tensor(conf_scale, device=DEVICE, dtype=torch.float64).repeat(batch)[:batch]).float()
+    ref_stop = should_stop(ref_count, case.stab_k, ref.entropy, conf)
+
+    buf = poisoned_buffers(batch, length, vocab)
+    out, count, stop = sample_step_cuda(
+        case.logits,
+        case.temperature,
+        case.bound,
+        case.keys,
+        case.template,
+        prev,
+        case.stable_in,
+        case.stab_k,
+        conf,
+        out=buf,
+    )
+
+    # every output written (no poison left)
+    assert torch.isfinite(buf.entropy).all() and torch.isfinite(buf.max_prob).all()
+    assert torch.isfinite(buf.probs).all()
+    for t in (buf.argmax, buf.sample, buf.canvas, buf.stable):
+        assert (t >= 0).all()
+    for t in (buf.kept, buf.stop):
+        assert (t.view(torch.uint8) <= 1).all()
+
+    # bit-exact parts
+    assert torch.equal(buf.sample, ref_sample), "Gumbel-max samples differ"
+    assert torch.equal(out.argmax, ref.argmax), "argmax canvas differs"
+    if not ties:
+        assert torch.equal(out.kept, ref.kept), "kept sets differ"
+        assert torch.equal(out.canvas, ref.canvas), "next canvas differs"
+    assert torch.equal(count, ref_count) and torch.equal(stop, ref_stop), "stability / stop differ"
+    # the keep rule on the kernel's own entropies, on CPU (double-accumulated cumsum, stable order)
+    assert torch.equal(out.kept.cpu(), stable_keep(out.entropy.cpu(), case.bound.cpu()))
+    noise = draws.renoise(case.keys, length, vocab)
+    expected = torch.where(out.kept, ref_sample, noise)
+    if case.template is not None:
+        expected = torch.where(case.template >= 0, case.template, expected)
+    assert torch.equal(out.canvas, expected), "next canvas is not kept ? sample : re-noise"
+
+    # entropies: close to float64 truth, and to the oracle within the oracle's own error
+    truth, truth_max_prob = float64_truth(z, case.template)
+    ours, oracle = out.entropy.double(), ref.entropy.double()
+    assert ((ours - truth).abs() <= ENTROPY_RTOL * truth + ENTROPY_ATOL).all(), "entropy vs float64"
+    allowed = ENTROPY_RTOL * oracle.abs() + ENTROPY_ATOL + (oracle - truth).abs()
+    assert ((ours - oracle).abs() <= allowed).all(), "entropy vs oracle"
+    torch.testing.assert_close(buf.max_prob.double(), truth_max_prob, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(buf.max_prob, ref.probs.amax(-1), rtol=1e-4, atol=1e-7)
+    # bf16 self-conditioning probabilities: within bf16 rounding of the oracle's fp32 ones
+    for b in range(batch):
+        torch.testing.assert_close(out.probs[b].float(), ref.probs[b], rtol=2**-8, atol=1e-37)
+    if case.template is not None:
+        pinned = case.template >= 0
+        assert torch.equal(out.canvas[pinned], case.template[pinned])
+        assert torch.equal(out.argmax[pinned], case.template[pinned])
+        assert (out.entropy[pinned] == 0).all()
+    if length > 1:
+        assert 0.0 < out.kept.float().mean().item() < 1.0, "degenerate case: every position kept or none"
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_real_vocab_matches_oracle(batch: int, dtype: torch.dtype):
+    check_step(make_case(batch, CANVAS, VOCAB, dtype, seed=batch))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_infill_template_matches_oracle(dtype: torch.dtype):
+    check_step(make_case(4, CANVAS, VOCAB, dtype, seed=11, infill=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("length", "vocab"), [(37, 1003), (1024, 4096), (1, 64)])
+def test_odd_shapes_scalar_path_and_max_canvas(length: int, vocab: int, dtype: torch.dtype):
+    """Vocabularies that are not a multiple of the vector width take the scalar kernel; a 1024 canvas
+    fills kernel B's block; non-power-of-two canvases exercise the sort's padding."""
+    check_step(make_case(3, length, vocab, dtype, seed=length, infill=length > 1))
+
+
+def test_misaligned_logits_take_the_scalar_path():
+    case = make_case(2, 64, 4096, torch.float32, seed=5)
+    storage = torch.empty(case.logits.numel() + 1, device=DEVICE)
+    case.logits = storage[1:].view_as(case.logits).copy_(case.logits)  # 4-byte, not 16-byte, aligned
+    check_step(case)
+
+
+def test_ties_go_to_the_lowest_index():
+    """Equal logits: argmax and Gumbel ties to the lowest index; equal entropies: kept by index order."""
+    batch, length, vocab = 2, 64, 4096
+    case = make_case(batch, length, vocab, torch.float32, seed=3)
+    row = case.logits[:, :1].clone()
+    row[..., 100] = row[..., 200] = row.amax(-1) + 1.0  # two equal maxima
+    case.logits = row.expand(batch, length, vocab).contiguous()  # every position identical
+    h = sample_step(case.logits, case.temperature, case.bound, case.keys, CounterDraws()).entropy[:, 0]
+    case.bound = h * 10.5  # keeps exactly 11 positions of equal entropy: which ones is the tie-break
+    out = check_step(case, ties=True)
+    assert (out.argmax == 100).all()
+    assert out.kept[:, :11].all() and not out.kept[:, 11:].any()
+
+
+def test_a_short_denoise_loop_matches_oracle():
+    """Several steps feeding the kernel's canvas, argmax and stability count back in."""
+    batch, length, vocab = 4, 128, 8192
+    from pipeline.sampler.kernels.gpu_sampler import sample_step_cuda as impl
+
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    base = 30 * torch.tanh(torch.randn(batch, length, vocab, generator=gen, device=DEVICE) * 8 / 30)
+    ids = torch.arange(batch, device=DEVICE)
+    prev_k = torch.full((batch, length), -1, dtype=torch.long, device=DEVICE)
+    prev_r = prev_k.clone()
+    count_k = torch.zeros(batch, dtype=torch.long, device=DEVICE)
+    count_r = count_k.clone()
+    stab_k = torch.ones(batch, dtype=torch.long, device=DEVICE)
+    conf = torch.full((batch,), 50.0, device=DEVICE)
+    for step in range(4):
+        logits = base if step >= 2 else base + torch.randn(base.shape, generator=gen, device=DEVICE)
+        keys = RowKeys(ids + 1, ids, torch.zeros_like(ids), torch.full_like(ids, step))
+        temp = torch.full((batch,), 0.5, device=DEVICE)
+        bound = torch.full((batch,), 0.5, device=DEVICE)
+        out, count_k, stop_k = impl(logits, temp, bound, keys, None, prev_k, count_k, stab_k, conf)
+        ref = sample_step(logits, temp, bound, keys, CounterDraws(), None)
+        count_r = update_stability(count_r, prev_r, ref.argmax)
+        stop_r = should_stop(count_r, stab_k, ref.entropy, conf)
+        assert torch.equal(out.canvas, ref.canvas) and torch.equal(out.argmax, ref.argmax), step
+        assert torch.equal(count_k, count_r) and torch.equal(stop_k, stop_r), step
+        prev_k, prev_r = out.argmax.clone(), ref.argmax
+    assert count_r.tolist() == [1] * batch and stop_r.all()  # steps 2 and 3 saw the same logits

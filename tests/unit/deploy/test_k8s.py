@@ -1,0 +1,815 @@
+"""Kubernetes rollout (issue #7): every overlay renders, validates strictly against the Kubernetes
+OpenAPI schemas, and obeys the policies a DGX cluster needs; `dgpipe manifests` and `dgpipe deploy`
+work end to end without a cluster (deploy's live path runs against a recording stand-in for kubectl)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.builddir import LAYOUT, BuildManifest, save_manifest
+from pipeline.deploy.targets import deploy_target, deploy_target_names
+from pipeline.resources import PACKAGE_DIR
+from pipeline.targets import check_precision_on_target, target
+
+ROOT = PACKAGE_DIR.parent
+K8S = ROOT / "k8s"
+KUBECTL = shutil.which("kubectl")
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl (with built-in kustomize) not installed")
+DGPIPE = [sys.executable, "-c", "from pipeline.cli import main; main()"]
+IMAGE = "registry.example.com/ml/dgpipe-triton:0.4.0"
+TARGETS = ["dgx-b200", "dgx-h100", "dgx-h200", "gb200", "rtx-pro"]
+# Kubernetes release whose OpenAPI schemas the objects must pass (kubectl here is 1.32), and the newest
+# kubernetes-validate ships: both must accept every object.
+K8S_VERSIONS = ["1.32.0", "1.35.0"]
+SERVED = {  # group/versions that current clusters (1.29+) serve for the kinds we use
+    "v1": {"Namespace", "ServiceAccount", "ConfigMap", "Service", "PersistentVolumeClaim", "Pod"},
+    "apps/v1": {"Deployment"},
+    "batch/v1": {"Job"},
+    "policy/v1": {"PodDisruptionBudget"},
+    "autoscaling/v2": {"HorizontalPodAutoscaler"},
+    "monitoring.coreos.com/v1": {"PodMonitor", "PrometheusRule"},
+    "leaderworkerset.x-k8s.io/v1": {"LeaderWorkerSet"},
+}
+CRD_KINDS = {"PodMonitor", "PrometheusRule", "LeaderWorkerSet"}
+
+
+def kustomize(path: Path) -> list[dict]:
+    out = subprocess.run([KUBECTL, "kustomize", str(path)], capture_output=True, text=True, check=True).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def pod_specs(docs: list[dict]) -> list[tuple[str, dict]]:
+    out = []
+    for d in docs:
+        if d["kind"] in ("Deployment", "Job"):
+            out.append((d["kind"], d["spec"]["template"]["spec"]))
+        elif d["kind"] == "Pod":
+            out.append(("Pod", d["spec"]))
+        elif d["kind"] == "LeaderWorkerSet":
+            lwt = d["spec"]["leaderWorkerTemplate"]
+            out += [
+                ("LWS leader", lwt["leaderTemplate"]["spec"]),
+                ("LWS worker", lwt["workerTemplate"]["spec"]),
+            ]
+    return out
+
+
+def config_values(docs: list[dict]) -> dict[str, str]:
+    return one(docs, "ConfigMap")["data"]
+
+
+def expand(args: list[str], env: dict[str, str]) -> list[str]:
+    """Kubernetes' $(VAR) expansion in command/args, as the kubelet does it."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in args]
+
+
+@pytest.fixture(scope="module")
+def overlays() -> dict[str, list[dict]]:
+    if KUBECTL is None:
+        pytest.skip("kubectl (with built-in kustomize) not installed")
+    return {name: kustomize(K8S / "overlays" / name) for name in TARGETS}
+
+
+@pytest.fixture(scope="module")
+def side_objects() -> list[dict]:
+    if KUBECTL is None:
+        pytest.skip("kubectl (with built-in kustomize) not installed")
+    return kustomize(K8S / "smoke") + kustomize(K8S / "loader")
+
+
+@pytest.fixture(scope="module")
+def lws_render(tmp_path_factory) -> dict[str, list[dict]]:
+    if KUBECTL is None:
+        pytest.skip("kubectl (with built-in kustomize) not installed")
+    from pipeline.deploy import render as mf
+
+    return mf.render(mf.resolve("gb200", IMAGE, lws_size=2, replicas=3))
+
+
+# ---- deploy configs <-> overlays <-> GPU targets ----------------------------------------------------
+def test_every_deploy_target_has_an_overlay_and_vice_versa():
+    assert deploy_target_names() == sorted(TARGETS)
+    assert sorted(p.name for p in (K8S / "overlays").iterdir()) == sorted(TARGETS)
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_deploy_config_is_consistent_with_gpu_targets(name):
+    cfg = deploy_target(name)
+    check_precision_on_target(cfg.precision, cfg.gpu_target)  # raises when the GPUs cannot run it
+    expected = {"dgx-h100": (9, "fp8"), "dgx-h200": (9, "fp8"), "dgx-b200": (10, "nvfp4")}
+    expected |= {"gb200": (10, "nvfp4"), "rtx-pro": (12, "nvfp4")}
+    assert (cfg.compute_major, cfg.precision) == expected[name]
+    if name == "rtx-pro":
+        assert cfg.gpus_per_node == cfg.gpus_per_replica == 1
+    assert cfg.cpu_arch == ("arm64" if name == "gb200" else "amd64")
+
+
+@needs_kubectl
+@pytest.mark.parametrize("name", TARGETS)
+def test_overlay_matches_its_deploy_config(overlays, name):
+    docs, cfg = overlays[name], deploy_target(name)
+    conf = config_values(docs)
+    assert conf["DGPIPE_GPU_TARGET"] == cfg.gpu_target
+    assert conf["DGPIPE_PRECISION"] == cfg.precision
+    # plans go into the model's version dir, where the Triton model looks for engines/<target>
+    assert conf["DGPIPE_ENGINE_OUTPUT"] == f"/models/build/{LAYOUT['model_repository']}/dgpipe/1"
+    dep = one(docs, "Deployment")
+    spec = dep["spec"]["template"]["spec"]
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert terms == [
+        {
+            "matchExpressions": [
+                {
+                    "key": "nvidia.com/gpu.compute.major",
+                    "operator": "In",
+                    "values": [str(target(cfg.gpu_target).cc[0])],
+                },
+                {"key": "kubernetes.io/arch", "operator": "In", "values": [cfg.cpu_arch]},
+            ]
+        }
+    ]
+    preferred = spec["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert preferred[0]["preference"]["matchExpressions"][0]["values"] == [cfg.gpu_product]
+    for c in spec["containers"] + spec["initContainers"]:
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == str(cfg.gpus_per_replica)
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == str(cfg.gpus_per_replica)
+        assert c["resources"]["limits"]["memory"] == cfg.memory
+    shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": cfg.shm_size}
+    assert dep["spec"]["replicas"] == cfg.replicas
+    assert one(docs, "PersistentVolumeClaim")["spec"]["resources"]["requests"]["storage"] == cfg.storage
+    hpa = one(docs, "HorizontalPodAutoscaler")["spec"]
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (cfg.replicas, cfg.max_replicas)
+
+
+# ---- rendering and schema validation ----------------------------------------------------------------
+@needs_kubectl
+def test_every_overlay_renders_the_full_object_set(overlays):
+    for docs in overlays.values():
+        assert sorted(d["kind"] for d in docs) == sorted(
+            [
+                *("ServiceAccount", "ConfigMap", "Service", "PersistentVolumeClaim", "Deployment"),
+                *("PodDisruptionBudget", "HorizontalPodAutoscaler", "PodMonitor", "PrometheusRule"),
+            ]
+        )
+
+
+@needs_kubectl
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_objects_validate_strictly_against_kubernetes_openapi(overlays, side_objects, lws_render, version):
+    kv = pytest.importorskip("kubernetes_validate")
+    docs = [d for ds in overlays.values() for d in ds] + side_objects
+    docs += [d for ds in lws_render.values() for d in ds]
+    checked = 0
+    for d in docs:
+        if d["kind"] in CRD_KINDS:
+            continue
+        kv.validate(d, version, strict=True)  # raises ValidationError on unknown or mistyped fields
+        checked += 1
+    # LeaderWorkerSet pod templates: validate them as core PodTemplates (same PodTemplateSpec schema)
+    for _, spec in pod_specs(one_list(lws_render, "LeaderWorkerSet")):
+        kv.validate(
+            {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": "t"},
+                "template": {"spec": spec},
+            },
+            version,
+            strict=True,
+        )
+        checked += 1
+    # 5 overlays x 7 core kinds, smoke Job + loader Pod, 9 core objects of the LWS render, 2 pod templates
+    assert checked == 5 * 7 + 2 + 9 + 2
+
+
+def one_list(files: dict[str, list[dict]], kind: str) -> list[dict]:
+    return [d for ds in files.values() for d in ds if d["kind"] == kind]
+
+
+@needs_kubectl
+def test_api_versions_are_served_by_current_clusters(overlays, side_objects, lws_render):
+    docs = (
+        [d for ds in overlays.values() for d in ds]
+        + side_objects
+        + [d for ds in lws_render.values() for d in ds]
+    )
+    for d in docs:
+        assert d["kind"] in SERVED.get(d["apiVersion"], set()), f"{d['kind']} {d['apiVersion']}"
+
+
+# ---- policies -----------------------------------------------------------------------------------------
+@needs_kubectl
+def test_probes_ports_and_startup_budget(overlays):
+    for docs in overlays.values():
+        dep = one(docs, "Deployment")
+        (triton,) = dep["spec"]["template"]["spec"]["containers"]
+        assert {p["name"]: p["containerPort"] for p in triton["ports"]} == {
+            "http": 8000,
+            "grpc": 8001,
+            "metrics": 8002,
+        }
+        assert triton["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
+        assert triton["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+        startup = triton["startupProbe"]
+        assert startup["httpGet"]["path"] == "/v2/health/ready"
+        budget = startup["periodSeconds"] * startup["failureThreshold"]
+        assert budget >= 30 * 60  # weights + warm-up of a 25B model
+        # the engine build runs in an initContainer, where probes do not run: the Deployment's progress
+        # deadline must cover a build (>= 30 min) on top of the load budget
+        assert dep["spec"]["progressDeadlineSeconds"] >= budget + 30 * 60
+        svc = one(docs, "Service")
+        assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]} == {
+            "http": (8000, "http"),
+            "grpc": (8001, "grpc"),
+            "metrics": (8002, "metrics"),
+        }
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert svc["spec"]["selector"].items() <= labels.items()
+
+
+@needs_kubectl
+def test_security_context_everywhere(overlays, side_objects, lws_render):
+    docs = (
+        [d for ds in overlays.values() for d in ds]
+        + side_objects
+        + [d for ds in lws_render.values() for d in ds]
+    )
+    specs = pod_specs(docs)
+    assert len(specs) == 5 + 2 + 4  # overlays, smoke + loader, LWS leader + worker + smoke + loader
+    for kind, spec in specs:
+        assert spec["securityContext"]["runAsNonRoot"] is True, kind
+        assert spec["securityContext"]["runAsUser"] != 0, kind
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, kind
+        assert spec["automountServiceAccountToken"] is False, kind
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, (kind, c["name"])
+            assert sc["privileged"] is False, (kind, c["name"])
+            assert sc["capabilities"] == {"drop": ["ALL"]}, (kind, c["name"])
+            assert "limits" in c["resources"] and "memory" in c["resources"]["limits"], (kind, c["name"])
+
+
+@needs_kubectl
+def test_gpu_scheduling_tolerations_and_shm(overlays):
+    for docs in overlays.values():
+        spec = one(docs, "Deployment")["spec"]["template"]["spec"]
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+        (triton,) = spec["containers"]
+        mounts = {m["mountPath"]: m for m in triton["volumeMounts"]}
+        assert mounts["/dev/shm"]["name"] == "dshm"
+        assert mounts["/models"].get("readOnly") is True  # serving never writes the repository
+
+
+@needs_kubectl
+@pytest.mark.parametrize("name", TARGETS)
+def test_engine_build_runs_on_the_node_in_the_serving_image(overlays, name):
+    docs, cfg = overlays[name], deploy_target(name)
+    spec = one(docs, "Deployment")["spec"]["template"]["spec"]
+    (build,) = spec["initContainers"]
+    (triton,) = spec["containers"]
+    assert build["image"] == triton["image"]
+    env = config_values(docs)
+    assert expand(build["command"], env) == [
+        "flock",
+        "/models/build/.engine-build.lock",  # one build per PVC at a time
+        "dgpipe",
+        "engine",
+        "build",
+        "--onnx",
+        f"/models/build/{LAYOUT['onnx']}/model.onnx",
+        "--target",
+        cfg.gpu_target,
+        "--precision",
+        cfg.precision,
+        "--plugins",
+        f"/models/build/{LAYOUT['plugins']}",
+        "--output",
+        f"/models/build/{LAYOUT['model_repository']}/dgpipe/1",
+        "--max-batch",
+        "8",
+        "--max-prompt",
+        "2048",
+        "--max-context",
+        "8192",
+    ]
+    assert triton["command"] == ["tritonserver"]
+    args = expand(triton["args"], env)
+    assert f"--model-repository=/models/build/{LAYOUT['model_repository']}" in args
+    assert {"--http-port=8000", "--grpc-port=8001", "--metrics-port=8002"} <= set(args)
+    # every $(VAR) the containers use is defined in their env (the kubelet leaves unknown ones verbatim)
+    for c in (build, triton):
+        names = {e["name"] for e in c["env"]}
+        used = set(re.findall(r"\$\((\w+)\)", " ".join(c.get("command", []) + c.get("args", []))))
+        assert used <= names, c["name"]
+
+
+@needs_kubectl
+def test_rollout_disruption_and_autoscaling_policy(overlays):
+    adapter = yaml.safe_load((K8S / "monitoring" / "prometheus-adapter-rules.yaml").read_text())
+    served_metrics = {r["name"]["as"] for r in adapter["rules"]["custom"]}
+    for docs in overlays.values():
+        dep = one(docs, "Deployment")
+        assert dep["spec"]["strategy"] == {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+        }
+        pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+        pdb = one(docs, "PodDisruptionBudget")
+        assert pdb["apiVersion"] == "policy/v1" and pdb["spec"]["maxUnavailable"] == 1
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+        hpa = one(docs, "HorizontalPodAutoscaler")
+        assert hpa["apiVersion"] == "autoscaling/v2"
+        assert hpa["spec"]["scaleTargetRef"] == {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "name": dep["metadata"]["name"],
+        }
+        names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
+        assert "triton_queue_compute_ratio" in names and names <= served_metrics
+        assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 600
+
+
+@needs_kubectl
+def test_monitoring_objects_are_well_formed(overlays):
+    """PodMonitor/PrometheusRule are CRDs kubernetes-validate has no schema for: check their structure
+    against the fields prometheus-operator's monitoring.coreos.com/v1 CRDs define."""
+    duration = re.compile(r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?)$")
+    for docs in overlays.values():
+        pod_spec = one(docs, "Deployment")["spec"]["template"]["spec"]
+        port_names = {p["name"] for c in pod_spec["containers"] for p in c["ports"]}
+        pm = one(docs, "PodMonitor")
+        assert set(pm["spec"]) == {"selector", "podMetricsEndpoints"}
+        assert (
+            pm["spec"]["selector"]["matchLabels"].items()
+            <= one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"].items()
+        )
+        for ep in pm["spec"]["podMetricsEndpoints"]:
+            assert set(ep) <= {"port", "path", "interval", "scrapeTimeout"}
+            assert ep["port"] in port_names and ep["path"] == "/metrics"
+            assert duration.match(ep["interval"]) and duration.match(ep["scrapeTimeout"])
+        rule = one(docs, "PrometheusRule")
+        records = set()
+        for group in rule["spec"]["groups"]:
+            assert set(group) == {"name", "rules"} and group["name"]
+            for r in group["rules"]:
+                assert set(r) <= {"record", "alert", "expr", "for", "labels", "annotations"}
+                assert ("record" in r) != ("alert" in r) and isinstance(r["expr"], str) and r["expr"].strip()
+                assert duration.match(r.get("for", "0"))
+                records.add(r.get("record"))
+        assert "dgpipe:triton_queue_compute_ratio:rate1m" in records
+
+
+def test_leaderworkerset_variant(lws_render):
+    docs = [d for ds in lws_render.values() for d in ds]
+    assert not [d for d in docs if d["kind"] == "Deployment"]
+    (lws,) = [d for d in docs if d["kind"] == "LeaderWorkerSet"]
+    spec = lws["spec"]
+    assert set(spec) <= {
+        "replicas",
+        "startupPolicy",
+        "rolloutStrategy",
+        "leaderWorkerTemplate",
+        "networkConfig",
+    }
+    assert spec["replicas"] == 3 and spec["leaderWorkerTemplate"]["size"] == 2
+    assert spec["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert spec["startupPolicy"] in ("LeaderCreated", "LeaderReady")
+    assert spec["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxSurge": 0, "maxUnavailable": 1}
+    cm = one(docs, "ConfigMap")["metadata"]["name"]
+    for _, pod in pod_specs([lws]):
+        terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"
+        ]
+        assert terms[0]["matchExpressions"][0]["values"] == ["10"]
+        refs = {
+            e["valueFrom"]["configMapKeyRef"]["name"]
+            for c in pod["containers"]
+            for e in c["env"]
+            if "valueFrom" in e
+        }
+        assert refs == {cm}  # the hash-suffixed name reached the LWS templates
+        assert all(c["image"] == IMAGE for c in pod["containers"] + pod["initContainers"])
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "LeaderWorkerSet"
+
+
+def test_dockerfile_builds_on_the_ngc_triton_image():
+    from pipeline.serving.server import NGC_IMAGE
+
+    text = (ROOT / "Dockerfile").read_text()
+    froms = re.findall(r"^FROM\s+(\S+)", text, re.M)
+    assert froms and froms[0] == NGC_IMAGE  # the same Triton (and TensorRT) as `dgpipe serve --image`
+    users = re.findall(r"^USER\s+(\S+)", text, re.M)
+    assert users and users[-1] not in ("root", "0")
+    assert re.search(r"^ENTRYPOINT\s", text, re.M)
+    assert ".git" in (ROOT / ".dockerignore").read_text().split()
+
+
+# ---- dgpipe manifests / deploy ------------------------------------------------------------------------
+def dgpipe(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [*DGPIPE, *args], capture_output=True, text=True, timeout=120, env=base | (env or {})
+    )
+
+
+@pytest.fixture
+def build_dir(tmp_path) -> Path:
+    d = tmp_path / "build"
+    for sub in ("onnx", "model_repository/dgpipe/1", "plugins/sm100"):
+        (d / sub).mkdir(parents=True)
+    (d / "onnx" / "model.onnx").write_bytes(b"onnx")
+    (d / "model_repository" / "dgpipe" / "config.pbtxt").write_text('name: "dgpipe"\n')
+    man = BuildManifest(
+        model="google/diffusiongemma-26B-A4B-it", precision="nvfp4", targets=["sm100", "sm120"]
+    )
+    man.record("export", outputs={"onnx": "onnx"})
+    man.record("package", outputs={"model_repository": "model_repository"})
+    save_manifest(d, man)
+    return d
+
+
+@needs_kubectl
+def test_manifests_end_to_end_with_build_manifest(build_dir):
+    proc = dgpipe(
+        "manifests",
+        "--target",
+        "dgx-b200",
+        "--build-dir",
+        str(build_dir),
+        "--image",
+        IMAGE,
+        "--namespace",
+        "llm",
+        "--replicas",
+        "3",
+        "--json",
+    )
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    out = build_dir / "k8s"
+    assert info["output"] == str(out) and info["precision"] == "nvfp4" and info["compute_major"] == 10
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["storage.yaml", "dgpipe.yaml", "smoke-job.yaml", "pvc-loader.yaml", "render.json"]
+    )
+    docs = [
+        d
+        for f in ("storage.yaml", "dgpipe.yaml", "smoke-job.yaml", "pvc-loader.yaml")
+        for d in yaml.safe_load_all((out / f).read_text())
+        if d
+    ]
+    assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {"llm"}
+    ns = one(docs, "Namespace")
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    dep = one(docs, "Deployment")
+    assert dep["spec"]["replicas"] == 3
+    assert {
+        c["image"] for _, s in pod_specs(docs) for c in s["containers"] + s.get("initContainers", [])
+    } == {IMAGE}
+    assert config_values(docs)["DGPIPE_PRECISION"] == "nvfp4"
+    assert one(docs, "HorizontalPodAutoscaler")["spec"]["minReplicas"] == 3
+    # the build manifest records the stage with a path relative to the build dir
+    man = json.loads((build_dir / "build_manifest.json").read_text())
+    assert man["stages"]["manifests"]["outputs"] == {"k8s": "k8s"}
+    assert man["stages"]["manifests"]["details"]["target"] == "dgx-b200"
+
+
+@needs_kubectl
+def test_manifests_without_monitoring_and_smoke_prompt(tmp_path):
+    out = tmp_path / "k8s"
+    proc = dgpipe(
+        "manifests",
+        "--target",
+        "rtx-pro",
+        "--image",
+        IMAGE,
+        "--output",
+        str(out),
+        "--no-monitoring",
+        "--smoke-prompt",
+        "Say hi",
+    )
+    assert proc.returncode == 0, proc.stderr
+    kinds = [d["kind"] for d in yaml.safe_load_all((out / "dgpipe.yaml").read_text()) if d]
+    assert sorted(kinds) == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
+    job = next(yaml.safe_load_all((out / "smoke-job.yaml").read_text()))
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    assert c["command"][:4] == ["dgpipe", "generate", "--url", "http://dgpipe-triton:8000"]
+    assert {"name": "SMOKE_PROMPT", "value": "Say hi"} in c["env"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--target", "dgx-a100", "--image", IMAGE], "unknown deploy target 'dgx-a100'"),
+        (
+            ["--target", "dgx-h100", "--precision", "nvfp4", "--image", IMAGE],
+            "nvfp4 does not run natively on sm90",
+        ),
+        (["--target", "dgx-b200"], "--image is required"),
+        (["--target", "dgx-b200", "--image", "registry.example.com/dgpipe-triton"], "has no tag or digest"),
+        (["--target", "dgx-b200", "--image", "dgpipe-triton:latest"], "is not a pinned version"),
+        (["--target", "dgx-b200", "--image", IMAGE, "--namespace", "Bad_NS"], "not a valid namespace"),
+    ],
+)
+def test_manifests_bad_input_fails_before_writing(tmp_path, args, message):
+    out = tmp_path / "k8s"
+    proc = dgpipe("manifests", *args, "--output", str(out))
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_manifests_refuses_a_build_for_other_gpus(tmp_path):
+    d = tmp_path / "b"
+    save_manifest(d, BuildManifest(model="m", precision="fp8", targets=["sm90"]))
+    proc = dgpipe("manifests", "--target", "dgx-b200", "--build-dir", str(d), "--image", IMAGE)
+    assert proc.returncode == 2 and "was built for sm90" in proc.stderr
+    assert not (d / "k8s").exists()
+    nvfp4 = tmp_path / "n"
+    save_manifest(nvfp4, BuildManifest(model="m", precision="nvfp4", targets=["sm90"]))
+    proc = dgpipe("manifests", "--target", "dgx-h100", "--build-dir", str(nvfp4), "--image", IMAGE)
+    assert proc.returncode == 2 and "nvfp4 does not run natively" in proc.stderr and "dgx-h100" in proc.stderr
+
+
+@pytest.fixture
+def rendered(tmp_path) -> Path:
+    if KUBECTL is None:
+        pytest.skip("kubectl (with built-in kustomize) not installed")
+    from pipeline.deploy import render as mf
+
+    values = mf.resolve("dgx-h200", IMAGE, namespace="serving")
+    mf.write(tmp_path / "k8s", values, mf.render(values))
+    return tmp_path / "k8s"
+
+
+def test_deploy_dry_run_prints_the_plan_without_a_cluster(rendered, build_dir):
+    no_cluster = {"KUBECONFIG": "/nonexistent", "PATH": "/nonexistent"}  # no cluster and no kubectl
+    proc = dgpipe(
+        "deploy",
+        "--manifests",
+        str(rendered),
+        "--build-dir",
+        str(build_dir),
+        "--upload",
+        "--context",
+        "dgx-prod",
+        "--dry-run",
+        "--json",
+        env=no_cluster,
+    )
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["namespace"] == "serving" and plan["workload"] == "deployment/dgpipe-triton"
+    assert "Deployment/dgpipe-triton" in plan["objects"]["dgpipe.yaml"]
+    cmds = [s["command"] for s in plan["steps"]]
+    assert all("--context dgx-prod" in c for c in cmds)
+    applies = [c for c in cmds if " apply " in c]
+    assert all("--server-side --field-manager=dgpipe" in c for c in applies)
+    order = [
+        next(i for i, c in enumerate(cmds) if key in c)
+        for key in (
+            "storage.yaml",
+            "pvc-loader.yaml",
+            "exec -i dgpipe-pvc-loader",
+            "dgpipe.yaml",
+            "rollout status",
+            "smoke-job.yaml",
+            "wait --for=condition=complete job/dgpipe-smoke",
+        )
+    ]
+    assert order == sorted(order)
+    text = dgpipe("deploy", "--manifests", str(rendered), "--dry-run").stdout
+    assert "plan: dgx-h200 -> deployment/dgpipe-triton in namespace serving" in text
+
+
+def test_deploy_bad_input(tmp_path, rendered):
+    proc = dgpipe("deploy", "--manifests", str(tmp_path), "--dry-run")
+    assert proc.returncode == 2 and "not a `dgpipe manifests` output" in proc.stderr
+    proc = dgpipe("deploy", "--manifests", str(rendered), "--upload", "--dry-run")
+    assert proc.returncode == 2 and "--upload needs --build-dir" in proc.stderr
+    empty = tmp_path / "empty-build"
+    empty.mkdir()
+    proc = dgpipe("deploy", "--manifests", str(rendered), "--build-dir", str(empty), "--upload", "--dry-run")
+    assert (
+        proc.returncode == 2
+        and "missing build_manifest.json, onnx/model.onnx, model_repository" in proc.stderr
+    )
+
+
+FAKE_KUBECTL = r"""#!/bin/sh
+# records every call; answers discovery; fails the calls whose arguments contain $FAKE_FAIL
+echo "$*" >> "$FAKE_LOG"
+cat > /dev/null
+case "$*" in *api-resources*)
+  [ -z "$FAKE_NO_CRDS" ] && printf 'podmonitors.monitoring.coreos.com\nprometheusrules.monitoring.coreos.com\n'
+  exit 0;; esac
+if [ -n "$FAKE_FAIL" ]; then case "$*" in *"$FAKE_FAIL"*) echo "error: simulated failure" >&2; exit 1;; esac; fi
+case "$*" in *condition=complete*) [ -n "$FAKE_JOB_FAILED" ] && { sleep 30; exit 1; };; esac
+case "$*" in *condition=failed*) [ -n "$FAKE_JOB_FAILED" ] && exit 0; sleep 30; exit 1;; esac
+exit 0
+"""
+
+
+@pytest.fixture
+def fake_kubectl(tmp_path, monkeypatch) -> Path:
+    exe = tmp_path / "kubectl"
+    exe.write_text(FAKE_KUBECTL)
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    log = tmp_path / "calls.log"
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    for var in ("FAKE_FAIL", "FAKE_NO_CRDS", "FAKE_JOB_FAILED"):
+        monkeypatch.setenv(var, "")
+    return log
+
+
+def test_deploy_live_path_order_against_a_recording_kubectl(rendered, build_dir, fake_kubectl, monkeypatch):
+    from pipeline.deploy import rollout as dp
+
+    monkeypatch.setenv("DGPIPE_KUBECTL", str(fake_kubectl.parent / "kubectl"))
+    plan = dp.make_plan(rendered, context="dgx", upload=build_dir)
+    result = dp.execute(plan, log=lambda s: None)
+    calls = fake_kubectl.read_text().splitlines()
+    assert calls[0].endswith("get deployment/dgpipe-triton -o name")  # does a previous revision exist?
+    assert calls[1].endswith("--context dgx api-resources --api-group=monitoring.coreos.com -o name")
+    assert any("exec -i dgpipe-pvc-loader" in c for c in calls)
+    assert calls[-1].endswith("logs job/dgpipe-smoke --tail=50")
+    assert len(result["steps"]) == len(plan.steps) and not any("rollout undo" in c for c in calls)
+
+
+def test_deploy_rolls_back_and_reports_a_failed_smoke_test(rendered, fake_kubectl, monkeypatch):
+    from pipeline.deploy import rollout as dp
+    from pipeline.errors import DgpipeError
+
+    monkeypatch.setenv("DGPIPE_KUBECTL", str(fake_kubectl.parent / "kubectl"))
+    monkeypatch.setenv("FAKE_FAIL", "wait --for=condition=complete")
+    logs: list[str] = []
+    with pytest.raises(DgpipeError, match="wait for the smoke Job failed: error: simulated failure") as e:
+        dp.execute(dp.make_plan(rendered), log=logs.append)
+    assert "rolled back to the previous revision" in str(e.value)
+    calls = fake_kubectl.read_text().splitlines()
+    assert any(c.endswith("rollout undo deployment/dgpipe-triton") for c in calls)
+    assert any("get pods -l app.kubernetes.io/name=dgpipe" in c for c in calls)  # diagnostics collected
+
+
+def test_deploy_does_not_roll_back_what_never_existed(rendered, fake_kubectl, monkeypatch):
+    from pipeline.deploy import rollout as dp
+    from pipeline.errors import DgpipeError
+
+    monkeypatch.setenv("DGPIPE_KUBECTL", str(fake_kubectl.parent / "kubectl"))
+    monkeypatch.setenv("FAKE_FAIL", "deployment/dgpipe-triton")  # the probe and the rollout both fail
+    with pytest.raises(DgpipeError, match=r"wait for the rollout .* failed") as e:
+        dp.execute(dp.make_plan(rendered), log=lambda s: None)
+    assert "nothing to roll back to" in str(e.value)
+    assert not any("rollout undo" in c for c in fake_kubectl.read_text().splitlines())
+
+
+def test_k8s_commands_stay_light():
+    """manifests/deploy run on a laptop or CI runner: no torch, no tritonclient on import."""
+    code = (
+        "import sys, pipeline.deploy.render, pipeline.deploy.rollout, pipeline.deploy.targets; "
+        "print([m for m in ('torch', 'tritonclient', 'transformers') if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": os.environ.get("PATH", "")},
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_deploy_removes_the_loader_pod_when_the_upload_fails(rendered, build_dir, fake_kubectl, monkeypatch):
+    from pipeline.deploy import rollout as dp
+    from pipeline.errors import DgpipeError
+
+    monkeypatch.setenv("DGPIPE_KUBECTL", str(fake_kubectl.parent / "kubectl"))
+    monkeypatch.setenv("FAKE_FAIL", "exec -i")
+    with pytest.raises(DgpipeError, match="stream the build dir into /models/build on the PVC failed"):
+        dp.execute(dp.make_plan(rendered, upload=build_dir), log=lambda s: None)
+    calls = fake_kubectl.read_text().splitlines()
+    assert calls[-1].endswith("delete pod dgpipe-pvc-loader --ignore-not-found --wait=false")
+    assert not any("dgpipe.yaml" in c for c in calls)  # nothing served from a half-filled PVC
+
+
+def test_deploy_stops_before_applying_when_a_crd_is_missing(rendered, fake_kubectl, monkeypatch):
+    from pipeline.deploy import rollout as dp
+    from pipeline.errors import DgpipeError
+
+    monkeypatch.setenv("DGPIPE_KUBECTL", str(fake_kubectl.parent / "kubectl"))
+    monkeypatch.setenv("FAKE_NO_CRDS", "1")
+    with pytest.raises(
+        DgpipeError, match=r"serves PodMonitor .* failed: podmonitors\.monitoring\.coreos\.com not found"
+    ) as e:
+        dp.execute(dp.make_plan(rendered), log=lambda s: None)
+    assert "--no-monitoring" in str(e.value)
+    assert not any(" apply " in f" {c} " for c in fake_kubectl.read_text().splitlines())
+
+
+def test_deploy_sees_a_failed_smoke_job_without_waiting_out_the_timeout(rendered, fake_kubectl, monkeypatch):
+    import time
+
+    from pipeline.deploy import rollout as dp
+    from pipeline.errors import DgpipeError
+
+    monkeypatch.setenv("DGPIPE_KUBECTL", str(fake_kubectl.parent / "kubectl"))
+    monkeypatch.setenv("FAKE_JOB_FAILED", "1")
+    start = time.monotonic()
+    with pytest.raises(DgpipeError, match="wait for the smoke Job failed: the Job reached condition Failed"):
+        dp.execute(dp.make_plan(rendered), log=lambda s: None)
+    assert time.monotonic() - start < 20  # the stand-in's complete-wait sleeps 30 s
+    assert any(
+        c.endswith("rollout undo deployment/dgpipe-triton") for c in fake_kubectl.read_text().splitlines()
+    )
+
+
+def test_engine_limits_follow_the_node_command_the_engine_stage_recorded(build_dir):
+    from pipeline.builddir import load_manifest
+    from pipeline.deploy import render as mf
+
+    man = load_manifest(build_dir)
+    command = [
+        "dgpipe",
+        "engine",
+        "build",
+        "--onnx",
+        "onnx/model.onnx",
+        "--target",
+        "sm100",
+        "--precision",
+        "nvfp4",
+        "--plugins",
+        "plugins",
+        "--output",
+        ".",
+        "--max-batch",
+        "4",
+        "--max-prompt",
+        "1024",
+        "--max-context",
+        "4096",
+    ]
+    man.record(
+        "engine", {"engines": "engines"}, engines={"sm100": {"status": "deferred", "command": command}}
+    )
+    save_manifest(build_dir, man)
+    conf = mf.resolve("dgx-b200", IMAGE, build_dir=build_dir).config
+    assert (conf["DGPIPE_MAX_BATCH"], conf["DGPIPE_MAX_PROMPT"], conf["DGPIPE_MAX_CONTEXT"]) == (
+        "4",
+        "1024",
+        "4096",
+    )
+    assert conf["DGPIPE_ENGINE_OUTPUT"] == "/models/build/model_repository/dgpipe/1"
+    assert (
+        mf.resolve("rtx-pro", IMAGE, build_dir=build_dir).config["DGPIPE_MAX_BATCH"] == "8"
+    )  # no sm120 record
+
+
+def test_upload_swap_script_replaces_the_build_dir_and_keeps_node_built_plans(tmp_path, build_dir):
+    """The script the loader pod runs, run here with sh and the same tar stream `dgpipe deploy` sends."""
+    from pipeline.deploy import rollout as dp
+
+    root = tmp_path / "pvc" / "build"
+    eng = "model_repository/dgpipe/1/engines"
+    (root / eng / "sm100").mkdir(parents=True)
+    (root / eng / "sm100" / "model.plan").write_bytes(b"plan built on the node")
+    (root / "onnx").mkdir()
+    (root / "onnx" / "stale.onnx").write_bytes(b"old")
+    script = dp.SWAP_SCRIPT.format(root=root, engines=eng)
+    subprocess.run(["sh", "-c", script], input=dp._tar_build_dir(build_dir), check=True)
+    assert (root / "onnx" / "model.onnx").read_bytes() == b"onnx"
+    assert not (root / "onnx" / "stale.onnx").exists()  # the old copy is gone, not merged
+    assert (root / "model_repository" / "dgpipe" / "config.pbtxt").is_file()
+    assert (root / eng / "sm100" / "model.plan").read_bytes() == b"plan built on the node"
+    assert (root / "build_manifest.json").is_file()
+    assert sorted(p.name for p in root.parent.iterdir()) == ["build"]  # no .upload/.old left behind
+
+
+def test_manifests_never_replaces_a_directory_it_did_not_write(tmp_path):
+    precious = tmp_path / "project"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    proc = dgpipe("manifests", "--target", "dgx-b200", "--image", IMAGE, "--output", str(precious))
+    assert proc.returncode == 2 and "is not a `dgpipe manifests` output" in proc.stderr
+    assert (precious / "notes.txt").read_text() == "keep me"

@@ -1,0 +1,873 @@
+"""The TensorRT half without TensorRT: plugin contract, per-target PTX, engine manifest rules, profiles,
+CLI validation and the Triton model's backend choice. GPU + TensorRT tests are at the end and skip here."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.engine import plugin_spec as spec
+from pipeline.engine.plan_record import (
+    EngineManifest,
+    PluginRecord,
+    check_compatible,
+    is_current,
+    load_engine_manifest,
+    save_engine_manifest,
+)
+from pipeline.engine.profiles import Limits, engine_profiles, eval_dim
+from pipeline.errors import DgpipeError
+from pipeline.onnx import contract as onnx_io
+from pipeline.resources import EMBEDDED_MODEL
+from pipeline.sampler.kernels import build as kbuild
+from tests._utils.availability import has_cuda_gpu, has_tensorrt
+
+needs_nvcc = pytest.mark.skipif(
+    kbuild.find_nvcc() is None, reason="nvcc not found (CUDA toolkit not installed)"
+)
+
+
+# ---- plugin contract -------------------------------------------------------------------------------
+ONNX_DTYPE = {"FLOAT": "float32", "INT64": "int64", "BOOL": "bool", "BFLOAT16": "bfloat16"}
+
+
+@pytest.mark.parametrize("op", [onnx_io.SAMPLE_ROWS, onnx_io.SAMPLE_ACCEPT])
+def test_plugin_ports_match_the_onnx_contract(op):
+    """The plugin's input/output order and dtypes are the ONNX node's: TensorRT passes pointers by position."""
+    inputs, outputs = spec.SPECS[op.name]
+    assert [p.name for p in inputs] == [t.name for t in op.inputs]
+    assert [p.name for p in outputs] == [t.name for t in op.outputs]
+    for port, t in [*zip(inputs, op.inputs, strict=True), *zip(outputs, op.outputs, strict=True)]:
+        allowed = port.dtype if isinstance(port.dtype, tuple) else (port.dtype,)
+        assert ONNX_DTYPE[t.dtype] in allowed, (port.name, t.dtype)
+        assert len(port.dims) == len(t.shape), port.name
+    assert set(op.attributes) == (set(spec.ACCEPT_ATTRS) if op.name == spec.ACCEPT_OP else set())
+
+
+def test_plugin_output_shapes_and_dtypes():
+    rows = spec.output_shapes(spec.ROWS_OP, 3, 256, 262144)
+    assert rows == [
+        ((3, 256), "float32"),
+        ((3, 256), "float32"),
+        ((3, 256), "int64"),
+        ((3, 256), "int64"),
+        ((3, 256, 262144), "bfloat16"),
+    ]
+    accept = spec.output_shapes(spec.ACCEPT_OP, 2, 8, None)
+    assert accept == [
+        ((2, 8), "float32"),
+        ((2, 8), "bool"),
+        ((2, 8), "int64"),
+        ((2, 8), "int64"),
+        ((2,), "int64"),
+        ((2,), "bool"),
+    ]
+
+
+def test_plugin_input_checks_name_the_bad_port():
+    good = (["float32", "float32", "int64", "int64", "int64", "int64"], [3, 1, 1, 1, 1, 1])
+    spec.check_inputs(spec.ROWS_OP, *good)
+    with pytest.raises(DgpipeError, match="input 'temperature' must be float32, got float16"):
+        spec.check_inputs(spec.ROWS_OP, ["float32", "float16", *good[0][2:]], good[1])
+    with pytest.raises(DgpipeError, match="input 'logits' must have rank 3, got 2"):
+        spec.check_inputs(spec.ROWS_OP, good[0], [2, 1, 1, 1, 1, 1])
+    with pytest.raises(DgpipeError, match="takes 13 inputs, the node has 12"):
+        spec.check_inputs(spec.ACCEPT_OP, ["float32"] * 12, [2] * 12)
+    with pytest.raises(DgpipeError, match="vocab must be in"):
+        spec.check_vocab(0)
+
+
+def test_kernel_choice_and_launch_geometry():
+    assert spec.rows_kernel("float32", 262144) == "dg_trt_rows_f32x4"
+    assert spec.rows_kernel("float32", 24 + 2) == "dg_trt_rows_f32x1"  # 26 % 4 != 0
+    assert spec.rows_kernel("float32", None) == "dg_trt_rows_f32x1"  # unknown at build time: scalar
+    assert spec.rows_kernel("bfloat16", 262144) == "dg_trt_rows_bf16x8"
+    assert spec.rows_kernel("bfloat16", 12) == "dg_trt_rows_bf16x1"
+    assert [spec.accept_block(n) for n in (1, 8, 32, 33, 256, 1000, None)] == [
+        32,
+        32,
+        32,
+        64,
+        256,
+        1024,
+        1024,
+    ]
+    with pytest.raises(DgpipeError, match="outside"):
+        spec.accept_block(1025)
+
+
+# ---- per-target PTX --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plugins(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """PTX for all three targets (~10 s on two cores)."""
+    from pipeline.engine.ptx import build_plugin_ptx
+
+    root = tmp_path_factory.mktemp("plugins")
+    for t in ("sm90", "sm100", "sm120"):
+        build_plugin_ptx(root, t)
+    return root
+
+
+@needs_nvcc
+@pytest.mark.parametrize(("target", "arch"), [("sm90", "sm_90a"), ("sm100", "sm_100a"), ("sm120", "sm_120a")])
+def test_plugin_ptx_per_target(plugins: Path, target: str, arch: str):
+    from pipeline.engine.ptx import ENTRY_POINTS, load_plugin_ptx, sha256_bytes
+
+    info, data = load_plugin_ptx(plugins / target, target)
+    text = data.decode()
+    assert info.arch == arch and kbuild.ptx_target(plugins / target / info.file) == arch
+    assert re.search(rf"^\.target {arch}\b", text, re.MULTILINE)
+    assert ENTRY_POINTS == (
+        "dg_trt_accept",
+        "dg_trt_rows_bf16x1",
+        "dg_trt_rows_bf16x8",
+        "dg_trt_rows_f32x1",
+        "dg_trt_rows_f32x4",
+    )
+    for entry in ENTRY_POINTS:
+        assert re.search(rf"\.entry\s+{entry}\(", text), entry
+    assert info.sha256 == sha256_bytes(data) and len(info.sha256) == 64
+
+
+@needs_nvcc
+@pytest.mark.parametrize(("target", "arch"), [("sm90", "sm_90a"), ("sm100", "sm_100a"), ("sm120", "sm_120a")])
+def test_plugin_ptx_assembles_for_its_gpu(plugins: Path, tmp_path: Path, target: str, arch: str):
+    """The PTX the plan embeds is compiled for the GPU when the engine loads: ptxas must accept it for the
+    target, and the SASS must hold every plugin entry point."""
+    import shutil
+
+    from pipeline.engine.ptx import ENTRY_POINTS
+
+    ptxas = shutil.which("ptxas") or str(Path(kbuild.find_nvcc()).parent / "ptxas")
+    out = tmp_path / f"{target}.cubin"
+    r = subprocess.run(
+        [ptxas, f"-arch={arch}", str(plugins / target / "dg_sampler.ptx"), "-o", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    info = kbuild.read_cubin(out)
+    assert info.arch == arch and set(ENTRY_POINTS) <= set(info.kernels)
+
+
+@needs_nvcc
+def test_plugin_entry_points_take_trt_argument_order(plugins: Path):
+    """TensorRT's AOT convention: input pointers, then the int32 extras (length, vocab), then outputs."""
+    text = (plugins / "sm90" / "dg_sampler.ptx").read_text()
+
+    def params(entry: str) -> list[str]:
+        body = re.search(rf"\.entry\s+{entry}\((.*?)\)", text, re.DOTALL)
+        assert body, entry
+        return re.findall(r"\.param\s+\.(\w+)", body.group(1))
+
+    # 6 inputs (pointers: u64), length + vocab (u32 / s32), 5 outputs
+    rows = params("dg_trt_rows_f32x4")
+    assert len(rows) == 13 and rows[6] in ("u32", "s32") and rows[7] in ("u32", "s32")
+    assert all(p == "u64" for p in rows[:6] + rows[8:])
+    accept = params("dg_trt_accept")
+    assert len(accept) == 21 and all(p == "u64" for p in accept[:13] + accept[15:])
+    assert accept[13] in ("u32", "s32") and accept[14] in ("u32", "s32")
+
+
+@needs_nvcc
+def test_plugin_ptx_tamper_and_wrong_target_are_refused(plugins: Path, tmp_path: Path):
+    import shutil
+
+    from pipeline.engine.ptx import load_plugin_ptx
+
+    with pytest.raises(DgpipeError, match="is for sm90, not sm100"):
+        load_plugin_ptx(plugins / "sm90", "sm100")
+    copy = tmp_path / "sm90"
+    shutil.copytree(plugins / "sm90", copy)
+    (copy / "dg_sampler.ptx").write_text((copy / "dg_sampler.ptx").read_text() + "// edited\n")
+    with pytest.raises(DgpipeError, match="sha256 differs"):
+        load_plugin_ptx(copy)
+
+
+# ---- engine manifest -------------------------------------------------------------------------------
+def _manifest(**kw) -> EngineManifest:
+    base = dict(
+        plan_sha256="ab" * 32,
+        tensorrt_version="10.13.2.6",
+        target="sm90",
+        arch="sm_90a",
+        compute_capability="9.0",
+        gpu_name="NVIDIA H200",
+        precision="fp8",
+        plugin=PluginRecord(arch="sm_90a", ptx_sha256="cd" * 32, entry_points=["dg_trt_accept"]),
+        onnx_sha256="ef" * 32,
+        checkpoint_sha256="01" * 32,
+        build_flags={"strongly_typed": True},
+    )
+    return EngineManifest(**{**base, **kw})
+
+
+def test_engine_manifest_round_trip(tmp_path: Path):
+    m = _manifest()
+    save_engine_manifest(tmp_path, m)
+    back = load_engine_manifest(tmp_path)
+    assert back == m
+    raw = json.loads((tmp_path / "engine.json").read_text())
+    assert raw["tensorrt_version"] == "10.13.2.6" and raw["compute_capability"] == "9.0"
+    assert raw["plugin"]["ptx_sha256"] == "cd" * 32 and raw["precision"] == "fp8"
+    assert [p.name for p in tmp_path.iterdir()] == ["engine.json"]  # no temp file left
+    (tmp_path / "engine.json").write_text("{")
+    with pytest.raises(DgpipeError, match="invalid engine manifest"):
+        load_engine_manifest(tmp_path)
+
+
+def test_compatible_plan_passes():
+    check_compatible(_manifest(), "10.13.2.6", "9.0", ptx_sha256="cd" * 32)
+    check_compatible(_manifest(), "10.13.2.99", "9.0")  # build number is not part of compatibility
+
+
+@pytest.mark.parametrize(
+    ("trt", "cc", "ptx", "message"),
+    [
+        ("10.14.1.48", "9.0", None, r"built with TensorRT 10\.13\.2\.6, this is TensorRT 10\.14\.1\.48"),
+        (None, "9.0", None, r"needs TensorRT 10\.13\.2\.6, and TensorRT is not installed here"),
+        ("10.13.2.6", "10.0", None, r"built for compute capability 9\.0 \(sm90\), this GPU is 10\.0"),
+        ("10.13.2.6", None, None, r"needs a GPU of compute capability 9\.0; none is visible"),
+        ("10.13.2.6", "9.0", "ff" * 32, r"embeds sampler PTX cdcdcdcdcdcd, this dgpipe's is ffffffffffff"),
+    ],
+)
+def test_mismatch_messages_name_what_differs(trt, cc, ptx, message):
+    with pytest.raises(DgpipeError, match=message) as e:
+        check_compatible(_manifest(), trt, cc, ptx_sha256=ptx)
+    if trt is not None and cc is not None:
+        assert "dgpipe engine build --target sm90 --precision fp8" in str(e.value)
+
+
+def test_is_current_decides_rebuild(tmp_path: Path):
+    from pipeline.engine.build_engine import write_engine_dir
+
+    profiles = engine_profiles(_contract_inputs(), Limits(2, 64, 256), canvas=8, ring=5)
+    d = tmp_path / "engines" / "sm90"
+    write_engine_dir(d, b"PLAN" * 100, _manifest(profiles=profiles))
+    kw = dict(
+        tensorrt_version="10.13.2.6",
+        gpu_cc="9.0",
+        precision="fp8",
+        onnx_sha256="ef" * 32,
+        ptx_sha256="cd" * 32,
+        profiles=profiles,
+    )
+    ok, why = is_current(d, **kw)
+    assert ok, why
+    assert sorted(p.name for p in d.parent.iterdir()) == ["sm90"]  # the swap left no temp dirs
+    assert is_current(d, **{**kw, "onnx_sha256": "00" * 32}) == (
+        False,
+        "the ONNX model changed since the plan was built",
+    )
+    assert is_current(d, **{**kw, "precision": "bf16"})[1] == "the plan is fp8, bf16 was asked for"
+    assert "built with TensorRT" in is_current(d, **{**kw, "tensorrt_version": "10.14.0.1"})[1]
+    other = engine_profiles(_contract_inputs(), Limits(4, 64, 256), canvas=8, ring=5)
+    assert "profiles" in is_current(d, **{**kw, "profiles": other})[1]
+    (d / "model.plan").write_bytes(b"PLAN")
+    assert "sha256 differs" in is_current(d, **kw)[1]
+    assert is_current(tmp_path / "nothing", **kw)[0] is False
+
+
+# ---- profiles --------------------------------------------------------------------------------------
+LAYERS = ["sliding_attention", "sliding_attention", "full_attention"]
+
+
+def _contract_inputs() -> dict[str, list[int | str]]:
+    """Graph inputs as the exporter declares them (pipeline/onnx/contract.py), with the tiny model's static dims."""
+    static = {
+        "vocab": 24,
+        "kv_heads_0": 1,
+        "kv_heads_1": 1,
+        "kv_heads_2": 1,
+        "head_dim_0": 16,
+        "head_dim_1": 16,
+        "head_dim_2": 32,
+    }
+    specs = [*onnx_io.MODEL_INPUTS, *onnx_io.kv_inputs(LAYERS), *onnx_io.SAMPLER_INPUTS]
+    return {s.name: [static.get(d, d) if isinstance(d, str) else d for d in s.shape] for s in specs}
+
+
+def test_profiles_cover_both_passes():
+    causal, denoise = engine_profiles(_contract_inputs(), Limits(4, 100, 400), canvas=8, ring=5)
+    assert (causal.name, denoise.name) == ("causal", "denoise")
+    assert causal.shapes["tokens"] == [[1, 1], [1, 100], [4, 100]]
+    assert denoise.shapes["tokens"] == [[1, 8], [4, 8], [4, 8]]
+    assert causal.shapes["attention_mask.full"] == [[1, 1, 1, 1], [1, 1, 100, 100], [4, 1, 100, 500]]
+    assert denoise.shapes["attention_mask.sliding"] == [[1, 1, 8, 8], [4, 1, 8, 13], [4, 1, 8, 13]]
+    assert causal.shapes["past.0.key"] == [[1, 1, 0, 16], [1, 1, 0, 16], [4, 1, 5, 16]]
+    assert denoise.shapes["past.2.value"] == [[1, 1, 0, 32], [4, 1, 400, 32], [4, 1, 400, 32]]
+    assert causal.shapes["sc_probs"] == [[1, 1, 24], [1, 1, 24], [4, 1, 24]]
+    assert denoise.shapes["sc_probs"] == [[1, 1, 24], [4, 8, 24], [4, 8, 24]]
+    assert causal.shapes["mode"] == [[1]] * 3
+    assert (causal.shape_values, denoise.shape_values) == ({"mode": [[0]] * 3}, {"mode": [[1]] * 3})
+
+
+def test_profile_errors_are_clear():
+    assert eval_dim("past_full + seq", {"past_full": (0, 1, 9), "seq": (1, 2, 3)}) == (1, 3, 12)
+    with pytest.raises(DgpipeError, match="unknown symbolic dim 'keys'"):
+        eval_dim("keys", {"seq": (1, 1, 1)})
+    inputs = {"sc_probs": ["batch", "sc_seq", "vocab"]}
+    with pytest.raises(DgpipeError, match="unknown symbolic dim 'vocab'"):
+        engine_profiles(inputs, Limits(1, 8, 64), canvas=8, ring=5)
+    causal, _ = engine_profiles(
+        inputs, Limits(1, 8, 64), canvas=8, ring=5, static={"vocab": 24, "canvas_length": 8}
+    )
+    assert causal.shapes["sc_probs"] == [[1, 1, 24]] * 3
+    with pytest.raises(DgpipeError, match="leaves no room"):
+        engine_profiles(_contract_inputs(), Limits(1, 300, 300), canvas=8, ring=5)
+
+
+# ---- CLI validation (no TensorRT, no GPU) ------------------------------------------------------------
+def write_contract_onnx(d: Path, vocab: int = 24) -> Path:
+    """A graph with the contract's inputs/outputs and a SampleRows/SampleAccept pair: what plan_build reads."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    d.mkdir(parents=True, exist_ok=True)
+    types = {
+        "FLOAT": TensorProto.FLOAT,
+        "INT64": TensorProto.INT64,
+        "BOOL": TensorProto.BOOL,
+        "BFLOAT16": TensorProto.BFLOAT16,
+        onnx_io.MODEL: TensorProto.FLOAT,
+    }
+    specs = [*onnx_io.MODEL_INPUTS, *onnx_io.kv_inputs(LAYERS), *onnx_io.SAMPLER_INPUTS]
+    inputs = [
+        helper.make_tensor_value_info(s.name, types[s.dtype], _contract_inputs()[s.name]) for s in specs
+    ]
+    rows = helper.make_node(
+        "SampleRows",
+        ["logits", "temperature", "seed", "request", "canvas", "step"],
+        ["entropy", "max_prob", "argmax", "sample", "probs"],
+        domain="dgpipe",
+    )
+    logits = helper.make_node("Cast", ["sc_probs"], ["logits"], to=TensorProto.FLOAT)
+    outputs = [helper.make_tensor_value_info("probs", TensorProto.BFLOAT16, ["batch", "head", vocab])]
+    graph = helper.make_graph([logits, rows], "contract", inputs, outputs)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("dgpipe", 1)]
+    )
+    onnx.save(model, d / "model.onnx")
+    (d / "contract.json").write_text(
+        json.dumps({"dims": {"canvas_length": 8, "sliding_window": 6, "vocab": vocab}})
+    )
+    return d / "model.onnx"
+
+
+def dgpipe(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, cwd=cwd
+    )
+
+
+def test_cli_refuses_nvfp4_on_hopper_with_fp8_hint(tmp_path: Path):
+    onnx_path = write_contract_onnx(tmp_path / "onnx")
+    out = tmp_path / "out"
+    r = dgpipe(
+        "engine",
+        "build",
+        "--onnx",
+        str(onnx_path),
+        "--target",
+        "sm90",
+        "--precision",
+        "nvfp4",
+        "--output",
+        str(out),
+    )
+    assert r.returncode == 2, r.stderr
+    assert "--precision nvfp4 does not run natively on sm90" in r.stderr
+    assert "use --precision fp8 for sm90" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
+
+
+def test_cli_unknown_target_and_missing_onnx(tmp_path: Path):
+    r = dgpipe(
+        "engine", "build", "--onnx", str(tmp_path / "x.onnx"), "--target", "sm75", "--output", str(tmp_path)
+    )
+    assert r.returncode == 2 and "unknown GPU target 'sm75'" in r.stderr
+    r = dgpipe(
+        "engine",
+        "build",
+        "--onnx",
+        str(tmp_path / "x.onnx"),
+        "--target",
+        "sm100",
+        "--precision",
+        "nvfp4",
+        "--output",
+        str(tmp_path / "out"),
+    )
+    assert r.returncode == 2 and f"ONNX model not found: {tmp_path / 'x.onnx'}" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(
+    has_tensorrt() and has_cuda_gpu(), reason="TensorRT and a GPU are here: the build would run"
+)
+def test_cli_without_tensorrt_says_where_the_engine_is_built(tmp_path: Path, plugins: Path):
+    onnx_path = write_contract_onnx(tmp_path / "onnx")
+    out = tmp_path / "out"
+    r = dgpipe(
+        "engine",
+        "build",
+        "--onnx",
+        str(onnx_path),
+        "--target",
+        "sm90",
+        "--precision",
+        "fp8",
+        "--output",
+        str(out),
+        "--plugins",
+        str(plugins),
+        "--max-prompt",
+        "64",
+        "--max-context",
+        "256",
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = r.stderr.strip()
+    assert err.startswith("error: cannot build the sm90 engine here: ")
+    if not has_tensorrt():
+        assert "TensorRT (the `tensorrt` Python package) is not installed" in err
+    assert "built on the target node" in err and "initContainer or Job" in err
+    assert f"dgpipe engine build --onnx {onnx_path} --target sm90 --precision fp8 --plugins {plugins}" in err
+    assert len(err.splitlines()) == 1 and not out.exists()  # nothing half-written
+
+
+@needs_nvcc
+def test_cli_dry_run_prints_the_node_build(tmp_path: Path):
+    onnx_path = write_contract_onnx(tmp_path / "onnx")
+    out = tmp_path / "out"
+    r = dgpipe(
+        "engine",
+        "build",
+        "--onnx",
+        str(onnx_path),
+        "--target",
+        "sm120",
+        "--output",
+        str(out),
+        "--max-batch",
+        "2",
+        "--max-prompt",
+        "64",
+        "--max-context",
+        "256",
+        "--dry-run",
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["precision"] == "nvfp4" and plan["engine_dir"] == str(out / "engines" / "sm120")
+    causal, denoise = plan["profiles"]
+    assert causal["shapes"]["tokens"] == [[1, 1], [1, 64], [2, 64]]
+    assert denoise["shapes"]["tokens"] == [[1, 8], [2, 8], [2, 8]]
+    assert plan["node_command"][:3] == ["dgpipe", "engine", "build"] and "--max-batch" in plan["node_command"]
+    assert not out.exists()  # a dry run compiles nothing and writes nothing
+
+
+def model_vocab(build: Path) -> int:
+    return json.loads((build / "onnx" / "contract.json").read_text())["dims"]["vocab"]
+
+
+def test_onnx_for_trt_marks_the_plugin_nodes(tmp_path: Path):
+    import onnx
+
+    from pipeline.engine.build_engine import _onnx_for_trt
+
+    src = write_contract_onnx(tmp_path / "onnx")
+    copy = _onnx_for_trt(src, src.parent)
+    assert copy != src and copy.parent == src.parent  # beside the model: external data paths stay valid
+    node = next(n for n in onnx.load(str(copy)).graph.node if n.op_type == "SampleRows")
+    attrs = {a.name: a.s.decode() for a in node.attribute}
+    assert attrs == {"plugin_namespace": "dgpipe"}
+
+
+# ---- Triton: which runtime ------------------------------------------------------------------------
+def _repo_with_engines(root: Path, *ccs: tuple[str, str]) -> Path:
+    from pipeline.engine.build_engine import write_engine_dir
+
+    for target, cc in ccs:
+        write_engine_dir(root / "engines" / target, b"PLAN", _manifest(target=target, compute_capability=cc))
+    return root
+
+
+def test_backend_choice(tmp_path: Path):
+    from pipeline.engine.select import choose_backend
+
+    empty = choose_backend(tmp_path, "9.0", "10.13.2.6")
+    assert (empty.kind, empty.loud, empty.reason) == (
+        "pytorch",
+        False,
+        "the repository holds no TensorRT engine",
+    )
+    repo = _repo_with_engines(tmp_path / "1", ("sm90", "9.0"), ("sm100", "10.0"))
+    c = choose_backend(repo, "10.0", "10.13.2.6")
+    assert (c.kind, c.engine_dir, c.loud) == ("tensorrt", repo / "engines" / "sm100", False)
+    assert c.reason == "sm100 plan (TensorRT 10.13.2.6, cc 10.0, fp8)"
+    c = choose_backend(repo, "12.0", "10.13.2.6")
+    assert (c.kind, c.loud) == ("pytorch", True)
+    assert (
+        c.reason
+        == "no engine for this GPU's compute capability 12.0; the repository has sm100 (cc 10.0), sm90 (cc 9.0)"
+    )
+    c = choose_backend(repo, "9.0", "10.14.1.48")
+    assert (c.kind, c.loud) == ("pytorch", True) and "built with TensorRT 10.13.2.6" in c.reason
+    c = choose_backend(repo, "9.0", None)
+    assert c.kind == "pytorch" and c.loud and "TensorRT is not installed here" in c.reason
+    c = choose_backend(repo, None, "10.13.2.6")
+    assert (c.kind, c.reason) == ("pytorch", "TensorRT engines present but no GPU is visible")
+
+
+def test_engine_check_cli_without_tensorrt(tmp_path: Path):
+    repo = _repo_with_engines(tmp_path / "b", ("sm90", "9.0"))
+    r = dgpipe("engine", "check", "--plan", str(repo))
+    assert r.returncode == 2
+    if not has_tensorrt():
+        assert "needs TensorRT 10.13.2.6, and TensorRT is not installed here" in r.stderr
+
+
+# ---- on a GPU with TensorRT -------------------------------------------------------------------------
+# ---- packaging engines into the Triton repository ----------------------------------------------------
+def test_package_ships_engines_per_target(tiny_checkpoint: Path, tmp_path: Path):
+    pytest.importorskip("tritonclient", reason="needs tritonclient: pip install 'dgpipe[serve]'")
+    from pipeline.engine.select import choose_backend
+    from pipeline.serving.repository import package
+
+    build = _repo_with_engines(tmp_path / "build", ("sm90", "9.0"), ("sm100", "10.0"))
+    repo = package(tiny_checkpoint, tmp_path / "repo", engines=build / "engines")
+    version = repo / "dgpipe" / "1"
+    assert sorted(p.name for p in (version / "engines").iterdir()) == ["sm100", "sm90"]
+    assert sorted(p.name for p in (version / "engines" / "sm90").iterdir()) == ["engine.json", "model.plan"]
+    assert choose_backend(version, "9.0", "10.13.2.6").engine_dir == version / "engines" / "sm90"
+    with pytest.raises(DgpipeError, match=r"no engines/<target>/engine\.json"):
+        package(tiny_checkpoint, tmp_path / "repo2", engines=tmp_path / "nothing")
+    assert not (tmp_path / "repo2").exists()
+
+
+@needs_nvcc
+@pytest.mark.skipif(
+    has_tensorrt() and has_cuda_gpu(), reason="TensorRT and a GPU are here: the stage would build"
+)
+def test_build_stage_on_a_cpu_machine_defers_the_engine(tmp_path: Path, plugins: Path):
+    """`dgpipe build` on CPU: PTX per target + the node step in the build manifest, and a summary saying so."""
+    import shutil
+
+    from pipeline.builddir import BuildManifest, load_manifest
+    from pipeline.engine.stage import engine_stage
+
+    shutil.copytree(plugins / "sm90", tmp_path / "plugins" / "sm90")  # compiled from these sources: reused
+    before = (tmp_path / "plugins" / "sm90" / "dg_sampler.ptx").stat().st_mtime_ns
+
+    write_contract_onnx(tmp_path / "onnx")
+    man = BuildManifest(model="tiny", model_sha256="12" * 32, precision="fp8", targets=["sm90", "sm100"])
+    lines = engine_stage(tmp_path, man, Limits(2, 64, 256))
+    assert len(lines) == 2 and lines[0].startswith("engine sm90: not built here (")
+    assert (
+        "built on the target node" in lines[0]
+        and "dgpipe engine build --onnx onnx/model.onnx --target sm90" in lines[0]
+    )
+    rec = load_manifest(tmp_path).stages["engine"]
+    assert rec.outputs == {"plugins": "plugins", "engines": "engines"}
+    sm100 = rec.details["engines"]["sm100"]
+    assert sm100["status"] == "deferred" and sm100["ptx"] == "plugins/sm100/dg_sampler.ptx"
+    assert sm100["command"][:7] == [
+        "dgpipe",
+        "engine",
+        "build",
+        "--onnx",
+        "onnx/model.onnx",
+        "--target",
+        "sm100",
+    ]
+    assert sm100["command"][sm100["command"].index("--output") + 1] == "model_repository/dgpipe/1"
+    assert (tmp_path / "plugins" / "sm100" / "dg_sampler.ptx").read_text().count(".entry") >= 5
+    assert (tmp_path / "plugins" / "sm90" / "dg_sampler.ptx").stat().st_mtime_ns == before  # not recompiled
+    assert not (tmp_path / "engines").exists()
+
+
+def test_plan_from_a_real_export(tmp_path: Path):
+    """The exporter's tiny-model ONNX: every graph input gets a profile, the plugin nodes get marked."""
+    import onnx
+
+    from pipeline.engine.build_engine import _onnx_for_trt, plan_build
+    from pipeline.engine.profiles import onnx_inputs
+    from pipeline.onnx.export import export_onnx
+    from tests._utils.tiny import build_tiny
+
+    export_onnx(build_tiny(), tmp_path / "onnx")
+    model = tmp_path / "onnx" / "model.onnx"
+    if kbuild.find_nvcc() is None:
+        pytest.skip("nvcc not found: plan_build needs it when no PTX is prepared")
+    plan = plan_build(tmp_path / "onnx", "sm90", "bf16", tmp_path, limits=Limits(2, 64, 256))
+    causal, denoise = plan.profiles
+    assert set(causal.shapes) == set(onnx_inputs(model)) == set(denoise.shapes)
+    assert denoise.shapes["attention_mask.full"] == [[1, 1, 8, 8], [2, 1, 8, 264], [2, 1, 8, 264]]
+    assert causal.shapes["past.0.key"] == [
+        [1, 1, 0, 16],
+        [1, 1, 0, 16],
+        [2, 1, 5, 16],
+    ]  # ring = window - 1 = 5
+    assert plan.plugin is None and not (tmp_path / "plugins").exists()  # compiled only when the build runs
+    assert _onnx_for_trt(model, model.parent) == model  # the exporter marks the nodes: parsed as is
+    m = onnx.load(str(model), load_external_data=False)
+    nodes = {n.op_type: {a.name: a for a in n.attribute} for n in m.graph.node if n.domain == "dgpipe"}
+    assert set(nodes) == {"SampleRows", "SampleAccept"}
+    assert all(a["plugin_namespace"].s == b"dgpipe" for a in nodes.values())
+    assert nodes["SampleAccept"]["vocab"].i == model_vocab(tmp_path)
+    with pytest.raises(DgpipeError, match="was exported at fp32, not fp8"):
+        plan_build(tmp_path / "onnx", "sm90", "fp8", tmp_path)
+
+
+# ---- the TensorRT backend's feeds, run through onnxruntime on the real export ---------------------------
+class _FeedsOnOrt:
+    """The TensorRT backend's host side (engine_feeds, full-width zero sc, output mapping) with onnxruntime
+    executing the graph instead of TensorRT (through the exporter's session runner): checks everything
+    TensorRTBackend sends, on a CPU."""
+
+    def __init__(self, onnx_dir: Path, checkpoint: Path) -> None:
+        import torch
+
+        from pipeline.onnx.backend import OnnxRuntimeBackend
+
+        self.ort = OnnxRuntimeBackend(onnx_dir, checkpoint)
+        self.config, self.device, self.dtype = self.ort.config, torch.device("cpu"), torch.float32
+        self.feeds_seen: list[dict] = []
+
+    def _run(self, feeds):
+        self.feeds_seen.append({k: tuple(v.shape) for k, v in feeds.items()})
+        return self.ort._run(feeds)
+
+    def causal(self, tokens, positions, masks, past):
+        import torch
+
+        from pipeline.engine.feeds import engine_feeds, kv_from_outputs
+
+        tc = self.config.text_config
+        sc = torch.zeros(tokens.shape[0], 1, tc.vocab_size)
+        feeds = engine_feeds("causal", tc, self.dtype, "cpu", tokens, positions, masks, past, sc, None)
+        return kv_from_outputs(self._run(feeds), len(tc.layer_types))
+
+    def denoise_step(self, canvas, sc_probs, positions, masks, past, sampler):
+        from pipeline.engine.feeds import denoise_result, denoise_sc, engine_feeds
+
+        b, q = canvas.shape
+        tc = self.config.text_config
+        sc = denoise_sc(sc_probs, b, q, tc.vocab_size, self.dtype, "cpu")
+        feeds = engine_feeds("denoise", tc, self.dtype, "cpu", canvas, positions, masks, past, sc, sampler)
+        return denoise_result(self._run(feeds))
+
+
+def test_trt_feeds_drive_the_real_graph_like_onnxruntime_backend(tmp_path: Path):
+    """Sudoku infill (templates pinned) through the exported graph fed by engine_feeds: the same tokens and
+    steps as the exporter's onnxruntime backend, and every pass had the profile's shapes."""
+    pytest.importorskip("onnxruntime")
+    from pipeline.demo import sudoku
+    from pipeline.demo import tokenizer as stok
+    from pipeline.model.checkpoint import load_model
+    from pipeline.onnx.backend import OnnxRuntimeBackend
+    from pipeline.onnx.export import export_onnx
+    from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
+    from pipeline.runtime.session import load_session
+
+    embedded = EMBEDDED_MODEL
+    model = load_model(embedded)[0]
+    export_onnx(model, tmp_path / "onnx")
+    sampler = load_session(embedded, "auto", "cpu").sampler()
+    puzzles = sudoku.make_dataset(7, 2, (45, 61))
+
+    def run(backend):
+        rt = BlockDiffusionRuntime(backend, max_batch=2, max_len=stok.PROMPT_LEN + 2 * 82)
+        reqs = [
+            Request(
+                prompt_ids=stok.sudoku_prompt_ids(p),
+                max_tokens=stok.TARGET_LEN,
+                sampler=sampler,
+                request_id=i,
+                template=stok.sudoku_infill_template(p),
+            )
+            for i, (p, _) in enumerate(puzzles)
+        ]
+        return [(r.tokens, r.steps_per_canvas) for r in rt.generate(reqs)]
+
+    ours = _FeedsOnOrt(tmp_path / "onnx", embedded)
+    got = run(ours)
+    assert got == run(OnnxRuntimeBackend(tmp_path / "onnx", embedded))
+    assert all(len(tokens) > 0 and steps for tokens, steps in got)
+    # every denoise pass sent full-width sc_probs [B, canvas, V]: one shape per canvas, as a CUDA graph needs
+    canvas, vocab = model.config.canvas_length, model.config.text_config.vocab_size
+    denoise = [f for f in ours.feeds_seen if f["sc_probs"][1] != 1]
+    assert denoise and all(f["sc_probs"][1:] == (canvas, vocab) for f in denoise)
+    causal = [f for f in ours.feeds_seen if f["sc_probs"][1] == 1]
+    assert causal and all(f["template"] == f["tokens"] for f in causal)
+
+
+# ---- plugin.py against tensorrt.plugin's documented schema -----------------------------------------------
+class _Expr:
+    """A symbolic dim as tensorrt.plugin hands it: constant or not, and multipliable."""
+
+    def __init__(self, value: int | None) -> None:
+        self.value, self.is_fake = value, False
+
+    @property
+    def is_constant(self) -> bool:
+        return self.value is not None
+
+    def constant_value(self) -> int:
+        assert self.value is not None
+        return self.value
+
+    def __mul__(self, other: _Expr) -> _Expr:
+        return _Expr(None if self.value is None or other.value is None else self.value * other.value)
+
+
+@pytest.fixture
+def recording_trtp(monkeypatch: pytest.MonkeyPatch):
+    """A recording stand-in for `tensorrt` / `tensorrt.plugin` (TensorRT cannot be installed here): it keeps
+    what plugin.py registers so the test can check the functions against the real module's schema rules
+    (documented in tensorrt.plugin.register / aot_impl) and run them on concrete descriptors."""
+    import types
+
+    trt = types.ModuleType("tensorrt")
+    for name in ("float32", "bfloat16", "int64", "bool", "float16"):
+        setattr(trt, name, f"DataType.{name}")
+    trtp = types.ModuleType("tensorrt.plugin")
+    registry: dict[str, dict] = {}
+
+    class TensorDesc:
+        def __init__(self, shape=(), dtype=None):
+            self.shape_expr, self.dtype = list(shape), dtype
+
+        @property
+        def ndim(self) -> int:
+            return len(self.shape_expr)
+
+    class KernelLaunchParams:
+        grid_x = grid_y = grid_z = block_x = block_y = block_z = shared_mem = None
+
+    class SymExprs(list):
+        pass
+
+    class SymIntExprs(SymExprs):
+        def __init__(self, n: int = 0):
+            super().__init__([None] * n)
+
+    def decorator(kind):
+        def wrap(plugin_id):
+            def inner(fn):
+                registry.setdefault(plugin_id, {})[kind] = fn
+                return fn
+
+            return inner
+
+        return wrap
+
+    trtp.register, trtp.aot_impl = decorator("register"), decorator("aot_impl")
+    trtp.TensorDesc, trtp.KernelLaunchParams, trtp.SymExprs, trtp.SymIntExprs = (
+        TensorDesc,
+        KernelLaunchParams,
+        SymExprs,
+        SymIntExprs,
+    )
+    trtp.SymInt32 = lambda e: ("int32", e.value if isinstance(e, _Expr) else e)
+    trtp.from_shape_expr = lambda shape, dtype: TensorDesc(shape, dtype)
+    trt.plugin = trtp
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    from pipeline.engine import plugin
+
+    monkeypatch.setitem(plugin._STATE, "registered", False)
+    plugin.register(b"// ptx", "sm_90a")
+    return registry, TensorDesc
+
+
+def test_plugin_functions_follow_the_tensorrt_plugin_schema(recording_trtp):
+    import inspect
+    import typing
+
+    registry, _ = recording_trtp
+    assert set(registry) == {"dgpipe::SampleRows", "dgpipe::SampleAccept"}
+    for op_id, fns in registry.items():
+        op = op_id.split("::")[1]
+        tensors = [p.name for p in spec.SPECS[op][0]]
+        attrs = list(spec.ACCEPT_ATTRS) if op == spec.ACCEPT_OP else []
+        reg = inspect.signature(fns["register"])
+        assert list(reg.parameters) == tensors + attrs  # tensors first, then attributes, all annotated
+        assert all(p.annotation is not inspect.Parameter.empty for p in reg.parameters.values())
+        assert all(isinstance(p.annotation, type) for p in reg.parameters.values())  # objects, not strings
+        assert typing.get_origin(reg.return_annotation) is tuple
+        assert len(typing.get_args(reg.return_annotation)) == len(spec.SPECS[op][1])
+        aot = inspect.signature(fns["aot_impl"])
+        assert list(aot.parameters) == tensors + attrs + ["outputs", "tactic"]  # the aot_impl schema
+        ret = typing.get_args(aot.return_annotation)
+        assert len(ret) == 4 and ret[2].__name__ == "KernelLaunchParams"
+
+
+def test_plugin_shapes_and_launches_on_concrete_descriptors(recording_trtp):
+    registry, desc = recording_trtp
+    b, length, vocab = _Expr(2), _Expr(8), _Expr(24)
+    f32, i64 = "DataType.float32", "DataType.int64"
+    rows_in = [desc((b, length, vocab), f32), desc((b,), f32), *[desc((b,), i64) for _ in range(4)]]
+    rows = registry["dgpipe::SampleRows"]
+    outs = rows["register"](*rows_in)
+    assert [(len(o.shape_expr), o.dtype) for o in outs] == [
+        (2, f32),
+        (2, f32),
+        (2, i64),
+        (2, i64),
+        (3, "DataType.bfloat16"),
+    ]
+    name, ptx, launch, extra = rows["aot_impl"](*rows_in, outputs=outs, tactic=0)
+    assert (name, ptx) == (b"dg_trt_rows_f32x4", b"// ptx")
+    assert (launch.grid_x.value, launch.block_x, launch.shared_mem) == (16, 512, 0)
+    assert list(extra) == [("int32", 8), ("int32", 24)]
+    with pytest.raises(DgpipeError, match="input 'temperature' must be float32"):
+        rows["register"](rows_in[0], desc((b,), i64), *rows_in[2:])
+
+    acc = registry["dgpipe::SampleAccept"]
+    bl, bb = (b, length), (b,)
+    acc_in = [
+        desc(bl, f32),
+        desc(bl, i64),
+        desc(bl, i64),
+        desc(bl, i64),
+        desc(bb, f32),
+        *[desc(bb, i64) for _ in range(4)],
+        desc(bl, i64),
+        desc(bb, i64),
+        desc(bb, i64),
+        desc(bb, f32),
+    ]
+    outs = acc["register"](*acc_in, vocab=24)
+    assert [o.dtype for o in outs] == [f32, "DataType.bool", i64, i64, i64, "DataType.bool"]
+    name, _, launch, extra = acc["aot_impl"](*acc_in, vocab=24, outputs=outs, tactic=0)
+    assert name == b"dg_trt_accept" and (launch.grid_x.value, launch.block_x) == (2, 32)
+    assert list(extra) == [("int32", 8), ("int32", 24)]
+    dynamic = [desc((b, _Expr(None)), t.dtype) if len(t.shape_expr) == 2 else t for t in acc_in]
+    assert acc["aot_impl"](*dynamic, vocab=24, outputs=outs, tactic=0)[2].block_x == 1024
+
+
+def test_onnx_identity_hash_is_cached_by_size_and_mtime(tmp_path: Path):
+    import os
+
+    from pipeline.engine.build_engine import onnx_sha256
+
+    (tmp_path / "model.onnx").write_bytes(b"graph")
+    data = tmp_path / "model.onnx.data"
+    data.write_bytes(b"weights" * 1000)
+    first = onnx_sha256(tmp_path / "model.onnx")
+    cache = json.loads((tmp_path / "model.onnx.data.sha256.json").read_text())
+    assert cache["size"] == 7000 and len(cache["sha256"]) == 64
+    assert onnx_sha256(tmp_path / "model.onnx") == first
+    data.write_bytes(b"WEIGHTS" * 1000)  # same size, new content and mtime: re-hashed
+    os.utime(data, ns=(cache["mtime_ns"] + 10**9, cache["mtime_ns"] + 10**9))
+    assert onnx_sha256(tmp_path / "model.onnx") != first
+    (tmp_path / "model.onnx").write_bytes(b"graph2")
+    assert len({first, onnx_sha256(tmp_path / "model.onnx")}) == 2

@@ -1,0 +1,135 @@
+"""Checkpoint loading: HF layout, shards, skipped vision tower, and clear errors for broken directories."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.errors import CheckpointError
+from pipeline.model import checkpoint as ck
+from tests._utils.tiny import build_tiny
+
+
+def test_roundtrip_and_sharded(tiny_checkpoint: Path, tmp_path: Path):
+    model, _ = ck.load_model(tiny_checkpoint)
+    ref = build_tiny()
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name
+    # split into two shards with an index, as large checkpoints are published
+    shard_dir = tmp_path / "sharded"
+    shutil.copytree(tiny_checkpoint, shard_dir)
+    tensors = load_file(shard_dir / "model.safetensors")
+    (shard_dir / "model.safetensors").unlink()
+    names = sorted(tensors)
+    wmap = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        fname = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, shard_dir / fname)
+        wmap.update(dict.fromkeys(part, fname))
+    (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wmap}))
+    sharded, _ = ck.load_model(shard_dir)
+    for (name, a), b in zip(sharded.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_vision_tower_is_never_read(tiny_checkpoint: Path, monkeypatch):
+    tensors = load_file(tiny_checkpoint / "model.safetensors")
+    tensors["model.encoder.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight"] = torch.randn(64, 32)
+    tensors["model.encoder.embed_vision.embedding_projection.weight"] = torch.randn(32, 32)
+    save_file(tensors, tiny_checkpoint / "model.safetensors")
+    read: list[str] = []
+    real_open = ck.safe_open
+
+    class Spy:
+        def __init__(self, *a, **k):
+            self.inner = real_open(*a, **k)
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.inner.get_tensor(name)
+
+        def __getattr__(self, item):
+            return getattr(self.inner, item)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(ck, "safe_open", Spy)
+    ck.load_model(tiny_checkpoint)
+    assert read and not [n for n in read if "vision" in n]
+
+
+def test_per_expert_layout_is_fused(tiny_checkpoint: Path):
+    """ModelOpt / vLLM write one tensor per expert and projection; the runtime fuses them back."""
+    tensors = load_file(tiny_checkpoint / "model.safetensors")
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("experts.gate_up_proj"):
+            inner = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = t[e, :inner].contiguous()
+                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = t[e, inner:].contiguous()
+        elif name.endswith("experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[name.replace("down_proj", f"{e}.down_proj.weight")] = t[e].contiguous()
+        else:
+            out[name] = t
+    save_file(out, tiny_checkpoint / "model.safetensors")
+    model, _ = ck.load_model(tiny_checkpoint)
+    assert torch.equal(model.layers[1].experts.gate_up_proj, build_tiny().layers[1].experts.gate_up_proj)
+
+
+def _expect(path: Path, pattern: str) -> None:
+    with pytest.raises(CheckpointError, match=pattern):
+        ck.load_model(path)
+
+
+def test_missing_directory_and_files(tiny_checkpoint: Path, tmp_path: Path):
+    _expect(tmp_path / "nope", "no such checkpoint directory")
+    (tiny_checkpoint / "config.json").rename(tmp_path / "c.json")
+    _expect(tiny_checkpoint, "config.json: missing")
+    (tmp_path / "c.json").rename(tiny_checkpoint / "config.json")
+    (tiny_checkpoint / "model.safetensors").unlink()
+    _expect(tiny_checkpoint, "no model.safetensors")
+    (tiny_checkpoint / "pytorch_model.bin").write_bytes(b"pickle")
+    _expect(tiny_checkpoint, "safetensors only")
+
+
+def test_corrupt_and_inconsistent(tiny_checkpoint: Path):
+    cfg_path = tiny_checkpoint / "config.json"
+    good = cfg_path.read_text()
+    cfg_path.write_text(good[:-20])
+    _expect(tiny_checkpoint, "not valid JSON")
+    cfg = json.loads(good)
+    cfg_path.write_text(json.dumps({**cfg, "model_type": "llama"}))
+    _expect(tiny_checkpoint, "model_type.*expected 'diffusion_gemma'")
+    cfg_path.write_text(json.dumps({**cfg, "text_config": {**cfg["text_config"], "hidden_size": 48}}))
+    _expect(tiny_checkpoint, r"has shape .* config.json implies")
+    cfg_path.write_text(good)
+    tensors = load_file(tiny_checkpoint / "model.safetensors")
+    del tensors["model.decoder.layers.1.router.proj.weight"]
+    save_file(tensors, tiny_checkpoint / "model.safetensors")
+    _expect(tiny_checkpoint, "layers.1.router.proj.weight' is missing")
+    (tiny_checkpoint / "model.safetensors").write_bytes(b"\x00" * 64)
+    _expect(tiny_checkpoint, "not a readable safetensors file")
+
+
+def test_failed_save_leaves_previous_checkpoint(tiny_checkpoint: Path):
+    before = (tiny_checkpoint / "model.safetensors").read_bytes()
+
+    class Boom(RuntimeError):
+        pass
+
+    with pytest.raises(Boom), ck.atomic_dir(tiny_checkpoint) as tmp:
+        (tmp / "model.safetensors").write_bytes(b"half")
+        raise Boom
+    assert (tiny_checkpoint / "model.safetensors").read_bytes() == before
+    assert not [p for p in tiny_checkpoint.parent.iterdir() if p.name.startswith(".tiny")]

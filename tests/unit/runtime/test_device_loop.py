@@ -1,0 +1,64 @@
+"""The device-resident denoise loop: host checks every k passes, grouped-GEMM MoE, CUDA-graph replay.
+
+On any machine: checking for finished canvases only every k passes must not change a single token or
+step count (finished rows are frozen on the device), and the capturable grouped-GEMM MoE must equal the
+per-expert loop. (The CUDA-graph replay test is tests/gpu/test_device_loop_cuda.py.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests._utils.generation import FIXED, generate, requests
+from tests._utils.tiny import build_tiny
+
+
+def same_results(a_list, b_list) -> None:
+    for a, b in zip(a_list, b_list, strict=True):
+        assert (a.tokens, a.steps_per_canvas, a.finish_reason) == (
+            b.tokens,
+            b.steps_per_canvas,
+            b.finish_reason,
+        )
+
+
+def test_checking_every_k_passes_changes_nothing_fixed_steps():
+    """4 requests on 3 slots (one joins later), mixed prompt lengths, several canvases each."""
+    model = build_tiny(torch.float64)
+    rt1, every = generate(model, requests(FIXED), sync_every=1)
+    rt4, every4 = generate(model, requests(FIXED), sync_every=4)
+    same_results(every, every4)
+    assert rt4.passes["denoise"] > rt1.passes["denoise"]  # frozen rows rode along until the next check
+
+
+def test_checking_every_k_passes_changes_nothing_adaptive():
+    """The embedded model stops canvases at different steps; the result must not depend on k."""
+    from pipeline.demo import sudoku
+    from pipeline.demo import tokenizer as stok
+    from pipeline.runtime.session import load_session
+
+    session = load_session()
+    prompts = [stok.sudoku_prompt_ids(p) for p, _ in sudoku.make_dataset(5, 6, (45, 61))]
+    kw = {"max_batch": 4, "max_len": 512}
+    _, every = generate(session.model, requests(session.sampler(), prompts), sync_every=1, **kw)
+    _, every3 = generate(session.model, requests(session.sampler(), prompts), sync_every=3, **kw)
+    same_results(every, every3)
+    steps = {s for r in every for s in r.steps_per_canvas}
+    assert len(steps) > 1, steps  # canvases really stopped at different steps
+
+
+def test_grouped_gemm_moe_equals_the_expert_loop():
+    model = build_tiny(torch.float32, text_config={"hidden_size": 64, "moe_intermediate_size": 32})
+    experts = model.layers[0].experts
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 64, generator=gen)
+    scores = torch.randn(37, experts.num_experts, generator=gen).softmax(-1)
+    weights, index = torch.topk(scores, k=2, dim=-1)
+    index[:5] = torch.tensor([0, 1])  # an expert that some tokens share, and (below) one left empty
+    index[index == 3] = 2
+    experts.grouped = False
+    loop = experts(x, index, weights)
+    experts.grouped = True
+    grouped = experts(x, index, weights)
+    assert loop.abs().max() > 0.1
+    torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,116 @@
+"""Block-diffusion runtime behaviour: trimming, infill, batching independence, cancellation, limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.errors import InputError
+from pipeline.model.config import SamplerConfig
+from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
+from tests._utils.tiny import build_tiny
+
+FIXED = SamplerConfig(max_denoising_steps=3, confidence_threshold=0.0)
+
+
+def run(model, reqs, **kw):
+    return BlockDiffusionRuntime(
+        model, max_batch=kw.pop("max_batch", len(reqs)), max_len=kw.pop("max_len", 128)
+    ).generate(reqs)
+
+
+def no_end(model) -> None:
+    model.cfg.eos_token_id = [999]  # unreachable: every canvas continues
+
+
+@pytest.mark.parametrize("max_tokens", [1, 5, 8, 13, 24])
+def test_max_tokens_without_overshoot(max_tokens):
+    model = build_tiny()
+    no_end(model)
+    res = run(model, [Request(prompt_ids=[2, 5, 6], max_tokens=max_tokens, sampler=FIXED)])[0]
+    assert len(res.tokens) == max_tokens
+    assert res.finish_reason == "length"
+    assert len(res.steps_per_canvas) == -(-max_tokens // 8) == res.steps_per_canvas.count(3)
+
+
+def test_end_token_trims_and_stops():
+    model = build_tiny()
+    res = run(model, [Request(prompt_ids=[2, 5], max_tokens=200, sampler=FIXED, seed=s) for s in range(16)])
+    stopped = [r for r in res if r.finish_reason == "stop"]
+    assert stopped, "with 2 end tokens in a 24-token vocabulary some request must stop"
+    for r in stopped:
+        assert r.tokens[-1] in (1, 4) and not set(r.tokens[:-1]) & {1, 4}
+
+
+def test_batch_independence_and_mixed_prompt_lengths():
+    """A request's tokens do not depend on its neighbours (counter-based draws, per-row masks).
+    float64 so that BLAS blocking differences between batch sizes cannot flip a near-tie."""
+    model = build_tiny(torch.float64)
+    no_end(model)
+    reqs = [
+        Request(prompt_ids=list(range(2, 2 + n)), max_tokens=20, sampler=FIXED, seed=3, request_id=i)
+        for i, n in enumerate((1, 9, 4, 15))
+    ]
+    together = run(model, reqs)
+    for i, r in enumerate(reqs):
+        alone = run(model, [r])[0]
+        assert alone.tokens == together[i].tokens
+
+
+def test_continuous_batching_joins_at_canvas_boundary():
+    """A request submitted while another is mid-canvas gets the same result as when run alone."""
+    model = build_tiny(torch.float64)
+    no_end(model)
+    a = Request(prompt_ids=[2, 3, 4], max_tokens=24, sampler=FIXED, seed=1, request_id=1)
+    b = Request(prompt_ids=[2, 9], max_tokens=16, sampler=FIXED, seed=2, request_id=2)
+    rt = BlockDiffusionRuntime(model, max_batch=2, max_len=128)
+    ra = rt.submit(a)
+    with torch.no_grad():
+        rt.step()
+        rt.step()  # a is at step 2 of its first canvas
+        rb = rt.submit(b)
+        while rt.busy():
+            rt.step()
+    assert ra.tokens == run(model, [a])[0].tokens
+    assert rb.tokens == run(model, [b])[0].tokens
+    assert rt.passes["denoise"] < 3 * (3 + 2)  # passes were shared
+
+
+def test_infill_template_is_respected():
+    model = build_tiny()
+    no_end(model)
+    template = [7, -1, 7, -1, -1, 9, -1, 10]
+    res = run(model, [Request(prompt_ids=[2], max_tokens=16, sampler=FIXED, template=template)])[0]
+    for canvas in (res.tokens[:8], res.tokens[8:]):
+        assert [t for t, p in zip(canvas, template) if p >= 0] == [7, 7, 9, 10]
+
+
+def test_cancellation_between_steps():
+    model = build_tiny()
+    no_end(model)
+    rt = BlockDiffusionRuntime(model, max_batch=2, max_len=128)
+    keep = rt.submit(Request(prompt_ids=[2], max_tokens=16, sampler=FIXED, request_id=1))
+    gone = rt.submit(Request(prompt_ids=[2], max_tokens=16, sampler=FIXED, request_id=2))
+    with torch.no_grad():
+        rt.step()
+        rt.cancel(2)
+        while rt.busy():
+            rt.step()
+    assert gone.finish_reason == "cancelled" and len(gone.tokens) == 0
+    assert keep.finish_reason == "length" and len(keep.tokens) == 16
+
+
+@pytest.mark.parametrize(
+    "req, message",
+    [
+        (Request(prompt_ids=[]), "prompt is empty"),
+        (Request(prompt_ids=[2], max_tokens=0), "max_tokens must be >= 1"),
+        (Request(prompt_ids=[2] * 200), "exceeds the context limit"),
+        (Request(prompt_ids=[2, 99]), "outside the vocabulary"),
+        (Request(prompt_ids=[2], template=[1] * 9), "infill template"),
+    ],
+)
+def test_bad_requests_are_refused(req, message):
+    rt = BlockDiffusionRuntime(build_tiny(), max_batch=1, max_len=128)
+    with pytest.raises(InputError, match=message):
+        rt.submit(req)

@@ -1,0 +1,135 @@
+"""The PyTorch sampler (the oracle for the CUDA kernels) against transformers' sampler pieces and by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.errors import SamplerError
+from pipeline.model.config import SamplerConfig
+from pipeline.sampler import rng
+from pipeline.sampler.reference import (
+    CounterDraws,
+    RowKeys,
+    entropy_bound_keep,
+    sample_step,
+    should_stop,
+    temperatures,
+    update_stability,
+)
+
+
+def keys(b: int, seed: int = 7, request: int = 0, canvas: int = 0, step: int = 0) -> RowKeys:
+    t = lambda v: torch.full((b,), v, dtype=torch.long)
+    return RowKeys(t(seed), torch.arange(request, request + b), t(canvas), t(step))
+
+
+def test_entropy_bound_by_hand():
+    h = torch.tensor([[0.30, 0.01, 0.05, 0.90, 0.02]])
+    # sorted: .01 .02 .05 .30 .90 -> cumsum - h: 0 .01 .03 .08 .38 -> keep the first four for bound .1
+    assert entropy_bound_keep(h, torch.tensor([0.1])).tolist() == [[True, True, True, False, True]]
+    # a tiny bound still keeps the lowest-entropy position
+    assert entropy_bound_keep(h, torch.tensor([1e-9])).tolist() == [[False, True, False, False, False]]
+
+
+def test_entropy_bound_matches_transformers():
+    gen = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+    g = torch.Generator().manual_seed(0)
+    logits = 4 * torch.randn(4, 64, 50, generator=g)
+    sampler = gen.EntropyBoundSampler(gen.EntropyBoundSamplerConfig(entropy_bound=0.7), 64, 50, 10)
+    current = torch.randint(0, 50, (4, 64), generator=g)
+    proposal = torch.randint(0, 50, (4, 64), generator=g)
+    accepted = sampler.accept_canvas(current, proposal, logits, 3)
+    ent = -(torch.log_softmax(logits, -1).exp() * torch.log_softmax(logits, -1)).sum(-1)
+    ours = entropy_bound_keep(ent, torch.full((4,), 0.7))
+    assert torch.equal(ours, sampler.accepted_token_mask)
+    assert torch.equal(torch.where(ours, proposal, current), accepted)
+
+
+def test_stability_matches_transformers():
+    gen = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+    g = torch.Generator().manual_seed(1)
+    for k in (0, 1, 2):
+        ref = gen.StableAndConfidentStoppingCriteria(stability_threshold=k, confidence_threshold=2.0)
+        count = torch.zeros(3, dtype=torch.long)
+        prev = torch.full((3, 8), -1)
+        base = torch.randint(0, 9, (3, 8), generator=g)
+        for step in range(6):
+            amax = base.clone()
+            amax[0, 0] = step  # row 0 keeps changing, rows 1-2 are constant
+            logits = torch.randn(3, 8, 9, generator=g) * (1 + step)
+            ent = torch.distributions.Categorical(logits=logits).entropy()
+            count = update_stability(count, prev, amax)
+            prev = amax
+            ours = should_stop(count, torch.full((3,), k), ent, torch.full((3,), 2.0))
+            assert torch.equal(ours, ref(amax, logits)), (k, step)
+
+
+def test_temperature_schedule_matches_transformers():
+    gen = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+    proc = gen.LinearTemperatureScheduleLogitsProcessor(t_min=0.4, t_max=0.8, max_denoising_steps=48)
+    ones = torch.ones(1, 1)
+    for step in range(48):
+        ref_t = 1 / proc(None, ones, cur_step=48 - step).item()
+        ours = temperatures(
+            torch.tensor([step]), torch.tensor([48]), torch.tensor([0.4]), torch.tensor([0.8])
+        )
+        assert ours.item() == pytest.approx(ref_t, rel=1e-6)
+        assert SamplerConfig().temperature(step) == pytest.approx(ref_t, rel=1e-6)
+
+
+def test_counter_rng_is_stateless_and_keyed():
+    d = CounterDraws()
+    a = d.initial_canvas(keys(3), 256, 262_144)
+    assert torch.equal(a, d.initial_canvas(keys(3), 256, 262_144))
+    # row r of a batch equals the same request alone: draws do not depend on the batch
+    assert torch.equal(a[1:2], d.initial_canvas(keys(1, request=1), 256, 262_144))
+    assert not torch.equal(a, d.initial_canvas(keys(3, step=1), 256, 262_144))
+    assert not torch.equal(a, d.renoise(keys(3), 256, 262_144))
+    assert a.min() >= 0 and a.max() < 262_144
+    # roughly uniform: every decile of the vocabulary gets 10% +- 2%
+    counts = torch.bincount((d.initial_canvas(keys(64), 256, 1000) // 100).flatten(), minlength=10)
+    assert (counts.float() / counts.sum() - 0.1).abs().max() < 0.02
+
+
+def test_gumbel_max_samples_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    z = probs.log().expand(1, 4000, 4)
+    tok = CounterDraws().categorical(keys(1), z)
+    freq = torch.bincount(tok.flatten(), minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.025)
+
+
+def test_known_hash_values():
+    """Pinned values: the CUDA kernel implements the same function and is checked against these."""
+    k = rng.key_hash(
+        torch.tensor([1]), torch.tensor([2]), torch.tensor([3]), torch.tensor([4]), rng.STREAM_SAMPLE
+    )
+    assert int(rng.fmix32(torch.tensor([0x12345678]))) == 0xE37CD1BC  # murmur3 fmix32 reference value
+    assert int(k) == 501821951
+    assert rng.uniform_tokens(k, 4, 262_144).tolist() == [[16715, 119477, 58320, 55430]]
+
+
+def test_template_positions_are_pinned_and_free():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 10, 30, generator=g)
+    tpl = torch.full((2, 10), -1)
+    tpl[:, ::3] = 7
+    out = sample_step(logits, torch.ones(2), torch.full((2,), 0.5), keys(2), CounterDraws(), tpl)
+    assert (out.canvas[:, ::3] == 7).all() and (out.argmax[:, ::3] == 7).all()
+    assert (out.entropy[:, ::3] == 0).all() and out.kept[:, ::3].all()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"entropy_bound": 0.0},
+        {"max_denoising_steps": 0},
+        {"t_min": 0.9, "t_max": 0.5},
+        {"confidence_threshold": -1.0},
+    ],
+)
+def test_invalid_sampler_values(bad):
+    with pytest.raises(SamplerError) as e:
+        SamplerConfig(**bad)
+    assert next(iter(bad)) in str(e.value)

@@ -1,0 +1,40 @@
+"""`dgpipe package` output, checked without a server: the config parses with Triton's own schema."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tritonclient", reason="needs tritonclient: pip install 'dgpipe[serve]'")
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from pipeline.errors import DgpipeError
+from pipeline.serving.repository import package
+
+
+def test_repository_layout_and_config(tiny_checkpoint: Path, tmp_path: Path):
+    repo = package(tiny_checkpoint, tmp_path / "repo", max_batch=4, max_tokens_limit=300)
+    cfg = text_format.Parse((repo / "dgpipe" / "config.pbtxt").read_text(), mc.ModelConfig())
+    assert cfg.backend == "python" and cfg.model_transaction_policy.decoupled
+    inputs = {i.name: i for i in cfg.input}
+    assert not inputs["text_input"].optional and inputs["max_tokens"].data_type == mc.TYPE_INT32
+    assert all(i.optional for n, i in inputs.items() if n != "text_input")
+    assert cfg.parameters["max_batch"].string_value == "4"
+    assert cfg.parameters["max_tokens_limit"].string_value == "300"
+    assert "${" not in (repo / "dgpipe" / "config.pbtxt").read_text()
+    assert (repo / "dgpipe" / "1" / "model.py").read_text().startswith('"""Triton Python-backend model')
+    assert (repo / "dgpipe" / "1" / "checkpoint" / "model.safetensors").is_file()
+    warm = cfg.model_warmup[0]
+    data = (repo / "dgpipe" / "warmup" / warm.inputs["text_input"].input_data_file).read_bytes()
+    (n,) = struct.unpack("<I", data[:4])
+    assert n == len(data) - 4 and data[4:] == b"Hello"
+
+
+def test_broken_checkpoint_writes_nothing(tmp_path: Path):
+    with pytest.raises(DgpipeError, match="no such checkpoint directory"):
+        package(tmp_path / "missing", tmp_path / "repo")
+    assert not (tmp_path / "repo").exists()
