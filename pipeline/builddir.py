@@ -32,10 +32,9 @@ SCHEMA_VERSION = 1
 
 # ---- layout -----------------------------------------------------------------------------------------
 ENGINES_DIR = "engines"  # <root>/engines/<target>/{model.plan, engine.json}: a build dir and a model version
-ONNX_FILE = "model.onnx"  # the graph inside the export dir (+ external data, contract.json)
 MODEL_NAME = "dgpipe"  # the served model in the Triton repository (`dgpipe package --name` default)
 MODEL_VERSION = "1"  # its one version dir: model.py, checkpoint/, engines/<target>/
-MODEL_FILE = "model.py"  # the Triton Python-backend model inside the version dir
+TRITON_MODEL_FILE = "model.py"  # the Triton Python-backend model inside the version dir
 MODEL_CHECKPOINT = "checkpoint"  # the checkpoint inside the version dir (config parameter `checkpoint`)
 
 # Where each artifact lives inside a build directory (the layout `dgpipe build` writes).

@@ -25,7 +25,6 @@ from pipeline.atomic import atomic_dir
 from pipeline.builddir import (
     LAYOUT,
     MANIFEST_NAME,
-    ONNX_FILE,
     BuildManifest,
     EngineLimits,
     model_version_dir,
@@ -35,6 +34,7 @@ from pipeline.builddir import (
 from pipeline.deploy.kubectl import kubectl_binary
 from pipeline.deploy.targets import DeployTarget, deploy_target
 from pipeline.errors import DgpipeError
+from pipeline.onnx.contract import MODEL_FILE as ONNX_FILE
 from pipeline.resources import k8s_dir
 
 PVC_BUILD_DIR = "/models/build"  # where the build directory lives on the model PVC (k8s/base/pvc.yaml)

@@ -25,7 +25,7 @@ from enum import Enum, auto
 from pathlib import Path
 from typing import Any
 
-from pipeline.builddir import ENGINES_DIR, LAYOUT, MANIFEST_NAME, ONNX_FILE
+from pipeline.builddir import ENGINES_DIR, LAYOUT, MANIFEST_NAME
 from pipeline.deploy.kubectl import kubectl_binary, kubectl_name
 from pipeline.deploy.render import (
     LOADER_FILE,
@@ -37,6 +37,7 @@ from pipeline.deploy.render import (
     WorkloadKind,
 )
 from pipeline.errors import DgpipeError
+from pipeline.onnx.contract import MODEL_FILE as ONNX_FILE
 
 FIELD_MANAGER = "dgpipe"
 # Custom resources the rendered objects may use: kind -> (API group, plural, how to get it served)

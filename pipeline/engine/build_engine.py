@@ -42,6 +42,7 @@ from pipeline.engine.probe import gpu, tensorrt_version
 from pipeline.engine.profiles import engine_profiles, onnx_inputs
 from pipeline.engine.ptx import PluginPtx, build_plugin_ptx, load_plugin_ptx
 from pipeline.errors import DgpipeError
+from pipeline.onnx.contract import MODEL_FILE as ONNX_FILE
 from pipeline.sampler.kernels.build import find_nvcc
 from pipeline.targets import Target, check_precision_on_target
 from pipeline.targets import target as get_target
@@ -181,7 +182,7 @@ def plan_build(
     check_precision_on_target(precision, target.name)
     onnx = Path(onnx)
     if onnx.is_dir():
-        onnx = onnx / "model.onnx"
+        onnx = onnx / ONNX_FILE
     if not onnx.is_file():
         raise DgpipeError(
             f"ONNX model not found: {onnx}", hint="run `dgpipe export` (or `dgpipe build`) first"

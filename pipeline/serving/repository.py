@@ -14,8 +14,8 @@ from pipeline.atomic import atomic_dir
 from pipeline.builddir import (
     LAYOUT,
     MODEL_CHECKPOINT,
-    MODEL_FILE,
     MODEL_NAME,
+    TRITON_MODEL_FILE,
     EngineLimits,
     model_version_dir,
     record_stage,
@@ -116,7 +116,7 @@ def package(
         version = model_version_dir(tmp, name)
         version.mkdir(parents=True)
         (mdir / "config.pbtxt").write_text(text_format.MessageToString(cfg))
-        shutil.copy(TRITON_MODEL_SOURCE, version / MODEL_FILE)
+        shutil.copy(TRITON_MODEL_SOURCE, version / TRITON_MODEL_FILE)
         shutil.copytree(ckpt.path, version / MODEL_CHECKPOINT)
         for d in engine_dirs:
             shutil.copytree(d, target_engine_dir(version, d.name), ignore=shutil.ignore_patterns(".*"))
