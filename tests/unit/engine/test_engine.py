@@ -220,6 +220,10 @@ def test_engine_manifest_round_trip(tmp_path: Path):
     (tmp_path / "engine.json").write_text("{")
     with pytest.raises(DgpipeError, match="invalid engine manifest"):
         load_engine_manifest(tmp_path)
+    del raw["precision"]
+    (tmp_path / "engine.json").write_text(json.dumps(raw))
+    with pytest.raises(DgpipeError, match=r"invalid engine manifest \(precision: Field required\)"):
+        load_engine_manifest(tmp_path)
 
 
 def test_compatible_plan_passes():
@@ -592,6 +596,28 @@ def test_build_stage_on_a_cpu_machine_defers_the_engine(tmp_path: Path, plugins:
     assert (tmp_path / "plugins" / "sm100" / "dg_sampler.ptx").read_text().count(".entry") >= 5
     assert (tmp_path / "plugins" / "sm90" / "dg_sampler.ptx").stat().st_mtime_ns == before  # not recompiled
     assert not (tmp_path / "engines").exists()
+
+
+def test_engine_built_on_its_own_joins_the_stage_record(tmp_path: Path):
+    """`dgpipe engine build --build-dir` adds its target to the engine stage's record, the same way the
+    stage recorded itself, keeping the other targets' node commands."""
+    from pipeline.builddir import BuildManifest, load_manifest, record_stage, save_manifest
+    from pipeline.engine.stage import record_built_engine
+
+    save_manifest(tmp_path, BuildManifest(model="m", precision="fp8", targets=["sm90", "sm100"]))
+    deferred = {"status": "deferred", "command": ["dgpipe", "engine", "build"]}
+    record_stage(
+        tmp_path,
+        "engine",
+        {"plugins": "plugins", "engines": "engines"},
+        inputs={"onnx": "onnx"},
+        details={"engines": {"sm90": deferred, "sm100": deferred}},
+    )
+    record_built_engine(tmp_path, _manifest(target="sm90"), tmp_path)
+    rec = load_manifest(tmp_path).stages["engine"]
+    assert rec.outputs == {"plugins": "plugins", "engines": "engines"} and rec.inputs == {"onnx": "onnx"}
+    assert rec.details["engines"]["sm100"] == deferred
+    assert rec.details["engines"]["sm90"] == {"status": "built", "tensorrt": "10.13.2.6", "cc": "9.0"}
 
 
 def test_plan_from_a_real_export(tmp_path: Path):
