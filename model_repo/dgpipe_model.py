@@ -80,12 +80,14 @@ def _text(value, name: str) -> str:
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
+        from pipeline.builddir import MODEL_CHECKPOINT, EngineLimits
         from pipeline.runtime.scheduler import BlockDiffusionRuntime
         from pipeline.runtime.session import load_session
 
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        ckpt = Path(params.get("checkpoint", "checkpoint"))
+        limits = EngineLimits()  # what `dgpipe package` writes when a parameter is missing
+        ckpt = Path(params.get("checkpoint", MODEL_CHECKPOINT))
         if not ckpt.is_absolute():
             ckpt = Path(args["model_repository"]) / args["model_version"] / ckpt
         version_dir = Path(args["model_repository"]) / args["model_version"]
@@ -93,8 +95,8 @@ class TritonPythonModel:
         choice = self._choose(version_dir)
         # with a TensorRT plan the weights live in the engine: the session then holds config + tokenizer only
         self.session = load_session(ckpt, dtype, device, weights=choice.kind != "tensorrt")
-        self.max_tokens_limit = int(params.get("max_tokens_limit", "4096"))
-        self.max_prompt_tokens = int(params.get("max_prompt_tokens", "2048"))
+        self.max_tokens_limit = int(params.get("max_tokens_limit", limits.max_tokens))
+        self.max_prompt_tokens = int(params.get("max_prompt_tokens", limits.max_prompt))
         length = self.session.model.config.canvas_length
         backend = self._backend(choice)
         if backend is None:  # the plan failed to load: fall back to the PyTorch weights
@@ -102,7 +104,7 @@ class TritonPythonModel:
             backend = self.session.model
         self.runtime = BlockDiffusionRuntime(
             backend,
-            max_batch=int(params.get("max_batch", "8")),
+            max_batch=int(params.get("max_batch", limits.max_batch)),
             max_len=self.max_prompt_tokens + self.max_tokens_limit + 2 * length,
         )
         self.ids = itertools.count(1)
@@ -116,7 +118,7 @@ class TritonPythonModel:
     def _choose(self, version_dir: Path):
         """The TensorRT plan for this GPU when the repository holds a matching one, else the PyTorch model.
         A plan that is present but unusable (other TensorRT, other GPU) is logged as an error, not hidden."""
-        from pipeline.engine.build_engine import gpu, tensorrt_version
+        from pipeline.engine.probe import gpu, tensorrt_version
         from pipeline.engine.select import choose_backend
 
         g = gpu()

@@ -14,7 +14,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.builddir import LAYOUT, BuildManifest, checkpoint_hash, load_or_create, save_manifest
+from pipeline.builddir import (
+    LAYOUT,
+    MODEL_NAME,
+    EngineLimits,
+    checkpoint_hash,
+    load_or_create,
+    record_stage,
+    save_manifest,
+)
 from pipeline.errors import DgpipeError
 
 DEFAULT_TARGETS = ("sm90", "sm100", "sm120")  # the architectures the engines and kernels are built for
@@ -28,9 +36,19 @@ class BuildOptions:
     targets: list[str] = field(default_factory=list)  # empty: every default target that runs `precision`
     calib_size: int = 64
     calib_data: Path | None = None
-    max_batch: int = 8
-    max_prompt: int = 2048
-    max_context: int = 8192
+    max_batch: int = EngineLimits.max_batch
+    max_prompt: int = EngineLimits.max_prompt
+    max_context: int = EngineLimits.max_context
+
+    @property
+    def limits(self) -> EngineLimits:
+        """The engine is built for these; the repository admits prompts and max_tokens that fit them."""
+        return EngineLimits(
+            self.max_batch,
+            self.max_prompt,
+            self.max_context,
+            max_tokens=self.max_context - self.max_prompt,
+        )
 
 
 def resolve_targets(precision: str, requested: list[str]) -> list[str]:
@@ -70,14 +88,14 @@ def run_build(opts: BuildOptions, say: Callable[[str], None]) -> dict:
         "precision": opts.precision,
         "targets": targets,
     }
-    summary["quantize"] = _quantize(opts, build_dir, man, say)
+    summary["quantize"] = _quantize(opts, build_dir, say)
     summary["export"] = _export(build_dir, say)
     summary["engines"] = _engines(opts, build_dir, say)
     summary["model_repository"] = _package(opts, build_dir, say)
     return summary
 
 
-def _quantize(opts: BuildOptions, build_dir: Path, man: BuildManifest, say: Callable[[str], None]) -> dict:
+def _quantize(opts: BuildOptions, build_dir: Path, say: Callable[[str], None]) -> dict:
     from quantize.run import QuantizeOptions, quantize_checkpoint
 
     out = build_dir / LAYOUT["checkpoint"]
@@ -90,8 +108,13 @@ def _quantize(opts: BuildOptions, build_dir: Path, man: BuildManifest, say: Call
             calib_size=opts.calib_size,
         )
     )
-    man.record("quantize", {"checkpoint": LAYOUT["checkpoint"]}, **res.as_dict())
-    save_manifest(build_dir, man)
+    record_stage(
+        build_dir,
+        "quantize",
+        {"checkpoint": out},
+        inputs={"model": Path(opts.model).resolve()},
+        details=res.as_dict(),
+    )
     say(
         f"quantize: {out} ({res.precision}, {res.bytes / 1e6:.1f} MB, {res.calib_prompts} calibration prompts)"
     )
@@ -108,33 +131,18 @@ def _export(build_dir: Path, say: Callable[[str], None]) -> dict:
 
 def _engines(opts: BuildOptions, build_dir: Path, say: Callable[[str], None]) -> list[str]:
     from pipeline.builddir import load_manifest
-    from pipeline.engine.profiles import Limits
     from pipeline.engine.stage import engine_stage
 
-    limits = Limits(opts.max_batch, opts.max_prompt, opts.max_context)
-    lines = engine_stage(build_dir, load_manifest(build_dir), limits)
+    lines = engine_stage(build_dir, load_manifest(build_dir), opts.limits)
     for line in lines:
         say(line)
     return lines
 
 
 def _package(opts: BuildOptions, build_dir: Path, say: Callable[[str], None]) -> str:
-    from pipeline.builddir import load_manifest
-    from pipeline.serving.repository import package
+    from pipeline.serving.repository import package_stage
 
-    engines = build_dir / LAYOUT["engines"]
-    built = engines if any(engines.glob("*/model.plan")) else None
-    repo = package(
-        build_dir / LAYOUT["checkpoint"],
-        build_dir / LAYOUT["model_repository"],
-        max_batch=opts.max_batch,
-        max_prompt_tokens=opts.max_prompt,
-        max_tokens_limit=opts.max_context - opts.max_prompt,
-        engines=built,
-    )
-    man = load_manifest(build_dir)
-    man.record("package", {"model_repository": LAYOUT["model_repository"]}, engines=built is not None)
-    save_manifest(build_dir, man)
+    repo, built = package_stage(build_dir, opts.limits)
     where = "with the engines built here" if built else "engines are added on the target node"
-    say(f"package: {repo} (Triton model 'dgpipe'; {where})")
+    say(f"package: {repo} (Triton model '{MODEL_NAME}'; {where})")
     return str(repo)

@@ -1,9 +1,15 @@
-"""The build manifest: one JSON file in a build directory that records what each stage did.
+"""The build directory: its layout, the engine limits every stage shares, and the build manifest.
 
-Every stage (quantize, export, engine, package, manifests) reads its inputs from disk and records its
-outputs here, so a stage can run alone (`dgpipe export`, `dgpipe manifests`, ...) or inside `dgpipe build`,
-and a later stage learns the precision, GPU targets and artifact paths without being told again.
-Paths are stored relative to the build directory, so a build directory can be moved or copied to a PVC.
+* Layout: where each artifact lives in a build directory, and inside the Triton model repository (model
+  name, version dir, `engines/<target>`), written once here and used by every stage, the Triton model
+  and the Kubernetes rendering.
+* `EngineLimits`: max batch, prompt and context. The only defaults: the engine profiles, `dgpipe build`,
+  `dgpipe package`, the Triton model and the CLI options read them from here.
+* The build manifest: one JSON file that records what each stage did. Every stage (quantize, export,
+  engine, package, manifests) reads its inputs from disk and records itself through `record_stage`, so a
+  stage can run alone (`dgpipe export`, `dgpipe manifests`, ...) or inside `dgpipe build`, and a later
+  stage learns the precision, GPU targets and artifact paths without being told again. Paths are stored
+  relative to the build directory, so a build directory can be moved or copied to a PVC.
 """
 
 from __future__ import annotations
@@ -11,34 +17,111 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from pipeline import __version__
 from pipeline.atomic import atomic_write_text
-from pipeline.errors import DgpipeError
+from pipeline.errors import DgpipeError, validation_error
 
 MANIFEST_NAME = "build_manifest.json"
 SCHEMA_VERSION = 1
+
+# ---- layout -----------------------------------------------------------------------------------------
+ENGINES_DIR = "engines"  # <root>/engines/<target>/{model.plan, engine.json}: a build dir and a model version
+MODEL_NAME = "dgpipe"  # the served model in the Triton repository (`dgpipe package --name` default)
+MODEL_VERSION = "1"  # its one version dir: model.py, checkpoint/, engines/<target>/
+TRITON_MODEL_FILE = "model.py"  # the Triton Python-backend model inside the version dir
+MODEL_CHECKPOINT = "checkpoint"  # the checkpoint inside the version dir (config parameter `checkpoint`)
 
 # Where each artifact lives inside a build directory (the layout `dgpipe build` writes).
 LAYOUT = {
     "checkpoint": "checkpoint",  # HF-layout checkpoint, quantized when precision != bf16
     "onnx": "onnx",  # onnx/model.onnx (+ external data)
     "plugins": "plugins",  # plugins/<arch>/dg_sampler.ptx for the TensorRT plugin
-    "engines": "engines",  # engines/<arch>/model.plan + engine.json (built on the target node)
+    "engines": ENGINES_DIR,  # engines/<arch>/model.plan + engine.json (built on the target node)
     "model_repository": "model_repository",  # Triton model repository
     "k8s": "k8s",  # rendered Kubernetes manifests
 }
 
+P = TypeVar("P", bound=PurePath)  # a local Path, or a PurePosixPath inside a pod
 
+
+def model_version_dir(repository: P, name: str = MODEL_NAME) -> P:
+    """The served model's version dir in a Triton repository, where the Triton model looks for its engines."""
+    return repository / name / MODEL_VERSION
+
+
+def target_engine_dir(root: P, target: str) -> P:
+    """Where the plan of one GPU target lives under `root` (a build dir, an output dir or a version dir)."""
+    return root / ENGINES_DIR / target
+
+
+def target_plugin_dir(plugins: P, target: str) -> P:
+    """The sampler PTX of one GPU target under a plugins dir."""
+    return plugins / target
+
+
+# ---- engine limits ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineLimits:
+    """What an engine's profiles accept and what the Triton model admits. The only place these defaults live."""
+
+    max_batch: int = 8  # rows of one pass (requests sharing a denoise pass)
+    max_prompt: int = 2048  # longest prompt (tokens) of one prefill pass
+    max_context: int = 8192  # cached tokens a row may attend to (prompt + committed canvases)
+    max_tokens: int = 4096  # largest max_tokens a request may ask for (`dgpipe package` default)
+
+    ENGINE_FIELDS = ("max_batch", "max_prompt", "max_context")  # what a plan is built for
+
+    def engine_values(self) -> dict[str, int]:
+        """The limits an engine is built for, by field name (max_tokens is a serving-side limit)."""
+        return {k: getattr(self, k) for k in self.ENGINE_FIELDS}
+
+    def flags(self) -> list[str]:
+        """The `dgpipe engine build` options that build a plan for these limits."""
+        return [a for k, v in self.engine_values().items() for a in (flag(k), str(v))]
+
+    @classmethod
+    def from_flags(cls, command: list[str], where: str = "engine command") -> EngineLimits:
+        """The limits of a recorded `dgpipe engine build` command; the defaults for those it does not name."""
+        values = {}
+        for key in cls.ENGINE_FIELDS:
+            f = flag(key)
+            if f in command[:-1]:
+                try:
+                    values[key] = int(command[command.index(f) + 1])
+                except ValueError as e:
+                    raise DgpipeError(f"{where} has a bad {f}") from e
+        return cls(**values)
+
+    def validate(self, canvas: int) -> None:
+        if min(self.max_batch, self.max_prompt, self.max_context) < 1:
+            raise DgpipeError("--max-batch, --max-prompt and --max-context must be >= 1")
+        if self.max_context < self.max_prompt + canvas:
+            raise DgpipeError(
+                f"--max-context {self.max_context} leaves no room for a {canvas}-token canvas after a "
+                f"{self.max_prompt}-token prompt",
+                hint=f"use --max-context >= {self.max_prompt + canvas}",
+            )
+
+
+def flag(field_name: str) -> str:
+    """max_batch -> --max-batch: the CLI option of a limit."""
+    return "--" + field_name.replace("_", "-")
+
+
+# ---- build manifest ---------------------------------------------------------------------------------
 class StageRecord(BaseModel):
-    """What one stage produced: artifact paths (relative to the build dir) and stage-specific details."""
+    """What one stage did: artifact paths it read and wrote (relative to the build dir when inside it) and
+    stage-specific details (its parameters and results)."""
 
     finished_at: str
     outputs: dict[str, str] = Field(default_factory=dict)
+    inputs: dict[str, str] = Field(default_factory=dict)
     details: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -59,11 +142,49 @@ class BuildManifest(BaseModel):
         return build_dir / LAYOUT[artifact]
 
     def record(self, stage: str, outputs: dict[str, str] | None = None, **details: Any) -> None:
-        self.stages[stage] = StageRecord(
-            finished_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            outputs=outputs or {},
-            details=details,
-        )
+        """Replace the stage's record in memory, paths as given (stages call `record_stage`, which also
+        makes paths relative, records inputs and saves)."""
+        self.stages[stage] = StageRecord(finished_at=_now(), outputs=outputs or {}, details=details)
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def relative_to_build(build_dir: Path, path: str | PurePath) -> str:
+    """How a manifest stores a path: relative to the build dir when inside it (a relative path is taken as
+    relative to the build dir already), else absolute."""
+    root = Path(build_dir).resolve()
+    p = Path(path)
+    p = (p if p.is_absolute() else root / p).resolve()
+    return p.relative_to(root).as_posix() if p.is_relative_to(root) else str(p)
+
+
+def record_stage(
+    build_dir: str | Path,
+    stage: str,
+    outputs: dict[str, str | PurePath],
+    *,
+    inputs: dict[str, str | PurePath] | None = None,
+    details: dict[str, Any] | None = None,
+    manifest: BuildManifest | None = None,
+    create: dict[str, Any] | None = None,
+) -> BuildManifest:
+    """How every stage records itself: the artifacts it wrote (`outputs`) and read (`inputs`), relative to
+    the build dir when inside it; its parameters and results (`details`); the time it finished. Saved
+    atomically. The manifest is `manifest` when the caller holds it, else the one on disk, created from
+    `create` (model, precision, targets) when the stage is the first to run in a new build dir."""
+    build_dir = Path(build_dir)
+    if manifest is None:
+        manifest = load_or_create(build_dir, **create) if create is not None else load_manifest(build_dir)
+    manifest.stages[stage] = StageRecord(
+        finished_at=_now(),
+        outputs={k: relative_to_build(build_dir, v) for k, v in outputs.items()},
+        inputs={k: relative_to_build(build_dir, v) for k, v in (inputs or {}).items()},
+        details=details or {},
+    )
+    save_manifest(build_dir, manifest)
+    return manifest
 
 
 def load_manifest(build_dir: str | Path) -> BuildManifest:
@@ -72,12 +193,8 @@ def load_manifest(build_dir: str | Path) -> BuildManifest:
         raise DgpipeError(
             f"{f}: no build manifest", "run `dgpipe build` (or the stage that creates it) first"
         )
-    try:
+    with validation_error(lambda where, msg: f"{f}: invalid build manifest ({where}: {msg})"):
         return BuildManifest.model_validate_json(f.read_text())
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise DgpipeError(f"{f}: invalid build manifest ({where}: {first['msg']})") from e
 
 
 def load_or_create(build_dir: str | Path, **fields: Any) -> BuildManifest:

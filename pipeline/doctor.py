@@ -127,7 +127,9 @@ def check_tritonserver() -> Check:
 
 
 def check_kubectl() -> Check:
-    path = shutil.which("kubectl")
+    from pipeline.deploy.kubectl import find_kubectl
+
+    path = find_kubectl()
     out = _run([path, "version", "--client", "-o", "yaml"]) if path else None
     if not out:
         return Check(
@@ -145,7 +147,8 @@ def check_engine_build() -> list[Check]:
     """What a local TensorRT engine build needs: TensorRT >= 10.8 (AOT plugins), a GPU and its compute
     capability (which target's engine it can build), nvcc for the sampler PTX. Without them the engine is
     built on the target node (`dgpipe engine build` in the serving image), which doctor says."""
-    from pipeline.engine.build_engine import MIN_TENSORRT, gpu, missing_for_local_build, tensorrt_version
+    from pipeline.engine.build_engine import MIN_TENSORRT, missing_for_local_build
+    from pipeline.engine.probe import gpu, tensorrt_version
 
     need = ".".join(map(str, MIN_TENSORRT))
     v = tensorrt_version()
@@ -163,9 +166,10 @@ def check_engine_build() -> list[Check]:
     ]
     g = gpu()
     if g is not None:
-        from pipeline.targets import _names, target
+        from pipeline.resources import config_names
+        from pipeline.targets import target
 
-        targets = [t for t in (target(n) for n in _names("targets")) if t.compute_capability == g[0]]
+        targets = [t for t in (target(n) for n in config_names("targets")) if t.compute_capability == g[0]]
         label = ", ".join(t.name for t in targets) or "no dgpipe target"
         checks.append(
             Check("engine target", bool(targets), f"{g[1]}: cc {g[0]} -> {label}", "", "engine build")

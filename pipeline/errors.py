@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 
 class DgpipeError(Exception):
     """A problem the user can fix: the message names what is wrong, `hint` says how to fix it."""
@@ -25,3 +28,21 @@ class SamplerError(DgpipeError):
 
 class InputError(DgpipeError):
     """A prompt, template or request field is unusable (too long, empty, wrong tokens)."""
+
+
+@contextmanager
+def validation_error(
+    message: Callable[[str, str], str], error: type[DgpipeError] = DgpipeError, hint: str | None = None
+) -> Iterator[None]:
+    """Turn a pydantic ValidationError raised inside the block into one user error line:
+    `message(where, msg)` of the first error, `where` being its dotted field path ("text_config.hidden_size")."""
+    try:
+        yield
+    except Exception as e:
+        from pydantic import ValidationError  # here, so importing this module stays instant
+
+        if not isinstance(e, ValidationError):
+            raise
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise error(message(where, first["msg"]), hint) from e

@@ -34,13 +34,18 @@ def k8s_dir() -> Path:
     return _shipped_dir("k8s", "base/kustomization.yaml")
 
 
+def config_names(kind: str) -> list[str]:
+    """The configs of one kind, sorted: configs/<kind>/*.yaml without the suffix (models, precisions, ...)."""
+    return sorted(p.stem for p in (configs_dir() / kind).glob("*.yaml"))
+
+
 def load_yaml(kind: str, name: str) -> dict:
     """configs/<kind>/<name>.yaml, or `name` itself when it is a path to a YAML file."""
     path = Path(name)
     if not path.is_file():
         path = configs_dir() / kind / f"{name}.yaml"
     if not path.is_file():
-        known = sorted(p.stem for p in (configs_dir() / kind).glob("*.yaml"))
-        raise DgpipeError(f"unknown {kind[:-1]} '{name}'", f"choose one of: {', '.join(known)}")
+        known = ", ".join(config_names(kind))
+        raise DgpipeError(f"unknown {kind[:-1]} '{name}'", f"choose one of: {known}")
     with open(path) as fh:
         return yaml.safe_load(fh)

@@ -10,7 +10,7 @@ from functools import cache
 from pydantic import BaseModel
 
 from pipeline.errors import DgpipeError
-from pipeline.resources import configs_dir, load_yaml
+from pipeline.resources import config_names, load_yaml
 
 
 class GPU(BaseModel):
@@ -54,14 +54,12 @@ class Precision(BaseModel):
         return bits / 8
 
 
-def _names(kind: str) -> list[str]:
-    return sorted(p.stem for p in (configs_dir() / kind).glob("*.yaml"))
-
-
 @cache
 def precision(name: str) -> Precision:
-    if name not in _names("precisions"):
-        raise DgpipeError(f"unknown precision '{name}'", f"choose one of: {', '.join(_names('precisions'))}")
+    if name not in config_names("precisions"):
+        raise DgpipeError(
+            f"unknown precision '{name}'", f"choose one of: {', '.join(config_names('precisions'))}"
+        )
     return Precision(**load_yaml("precisions", name))
 
 
@@ -69,16 +67,16 @@ def precision(name: str) -> Precision:
 def target(name: str) -> Target:
     aliases = {"hopper": "sm90", "blackwell": "sm100", "rtx-blackwell": "sm120", "ada": "sm89"}
     name = aliases.get(name, name)
-    if name not in _names("targets"):
+    if name not in config_names("targets"):
         raise DgpipeError(
             f"unknown GPU target '{name}'",
-            f"choose one of: {', '.join(_names('targets'))} (or hopper, blackwell)",
+            f"choose one of: {', '.join(config_names('targets'))} (or hopper, blackwell)",
         )
     return Target(**load_yaml("targets", name))
 
 
 def all_precisions() -> list[str]:
-    return _names("precisions")
+    return config_names("precisions")
 
 
 def check_precision_on_target(precision_name: str, target_name: str) -> None:

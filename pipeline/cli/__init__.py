@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from pipeline import __version__
+from pipeline.builddir import MODEL_NAME, EngineLimits
 from pipeline.errors import DgpipeError
 
 app = typer.Typer(
@@ -181,9 +182,11 @@ def build(
     ),
     calib_size: Annotated[int, typer.Option(help="calibration prompts")] = 64,
     calib_data: Annotated[Path | None, typer.Option(help='JSONL calibration prompts ({"text": ...})')] = None,
-    max_batch: Annotated[int, typer.Option(help="engine profile / Triton batch")] = 8,
-    max_prompt: Annotated[int, typer.Option(help="longest prompt, tokens")] = 2048,
-    max_context: Annotated[int, typer.Option(help="prompt + generated tokens per request")] = 8192,
+    max_batch: Annotated[int, typer.Option(help="engine profile / Triton batch")] = EngineLimits.max_batch,
+    max_prompt: Annotated[int, typer.Option(help="longest prompt, tokens")] = EngineLimits.max_prompt,
+    max_context: Annotated[
+        int, typer.Option(help="prompt + generated tokens per request")
+    ] = EngineLimits.max_context,
     as_json: JsonOpt = False,
 ) -> None:
     """Run every stage: quantize -> export ONNX -> sampler PTX + TensorRT engines (here, or the step for the
@@ -218,10 +221,16 @@ def package(
     output: Annotated[Path, typer.Option(help="model repository to write (replaced atomically)")] = Path(
         "runs/model_repository"
     ),
-    name: Annotated[str, typer.Option(help="model name in the repository")] = "dgpipe",
-    max_batch: Annotated[int, typer.Option(help="requests that share each denoise pass")] = 8,
-    max_tokens_limit: Annotated[int, typer.Option(help="largest max_tokens a request may ask for")] = 4096,
-    max_prompt_tokens: Annotated[int, typer.Option(help="longest prompt accepted, in tokens")] = 2048,
+    name: Annotated[str, typer.Option(help="model name in the repository")] = MODEL_NAME,
+    max_batch: Annotated[
+        int, typer.Option(help="requests that share each denoise pass")
+    ] = EngineLimits.max_batch,
+    max_tokens_limit: Annotated[
+        int, typer.Option(help="largest max_tokens a request may ask for")
+    ] = EngineLimits.max_tokens,
+    max_prompt_tokens: Annotated[
+        int, typer.Option(help="longest prompt accepted, in tokens")
+    ] = EngineLimits.max_prompt,
     device: DeviceOpt = "auto",
     engines: Annotated[
         Path | None, typer.Option(help="TensorRT engines dir (<target>/model.plan + engine.json) to ship")
@@ -632,7 +641,9 @@ def quantize(
     config: Annotated[
         str, typer.Option(help="--estimate: CONFIG.json or a configs/models name")
     ] = "diffusiongemma-26b-a4b",
-    context: Annotated[int, typer.Option(help="--estimate: tokens of context per sequence")] = 8192,
+    context: Annotated[
+        int, typer.Option(help="--estimate: tokens of context per sequence")
+    ] = EngineLimits.max_context,
     concurrency: Annotated[int, typer.Option(help="--estimate: concurrent sequences")] = 1,
     as_json: JsonOpt = False,
 ) -> None:

@@ -13,6 +13,8 @@ from typing import Annotated
 
 import typer
 
+from pipeline.builddir import EngineLimits
+
 engine_app = typer.Typer(
     help="TensorRT engines: build on the target GPU node, check against this node.", no_args_is_help=True
 )
@@ -38,9 +40,15 @@ def build_cmd(
     build_dir: Annotated[
         Path | None, typer.Option(help="a `dgpipe build` directory: defaults + manifest record")
     ] = None,
-    max_batch: Annotated[int, typer.Option(help="largest batch (rows) a profile accepts")] = 8,
-    max_prompt: Annotated[int, typer.Option(help="longest prompt (tokens) of one prefill pass")] = 2048,
-    max_context: Annotated[int, typer.Option(help="most cached tokens a row attends to")] = 8192,
+    max_batch: Annotated[
+        int, typer.Option(help="largest batch (rows) a profile accepts")
+    ] = EngineLimits.max_batch,
+    max_prompt: Annotated[
+        int, typer.Option(help="longest prompt (tokens) of one prefill pass")
+    ] = EngineLimits.max_prompt,
+    max_context: Annotated[
+        int, typer.Option(help="most cached tokens a row attends to")
+    ] = EngineLimits.max_context,
     force: Annotated[bool, typer.Option(help="rebuild even when the plan is up to date")] = False,
     dry_run: Annotated[
         bool, typer.Option(help="validate and print the build (and its node command) only")
@@ -49,7 +57,6 @@ def build_cmd(
 ) -> None:
     """Build engines/<target>/model.plan + engine.json (needs TensorRT >= 10.8 and a GPU of the target)."""
     from pipeline.engine.build_engine import build, plan_build
-    from pipeline.engine.profiles import Limits
     from pipeline.errors import DgpipeError
     from pipeline.targets import target as get_target
 
@@ -73,7 +80,7 @@ def build_cmd(
         precision,
         output,
         plugins=plugins,
-        limits=Limits(max_batch, max_prompt, max_context),
+        limits=EngineLimits(max_batch, max_prompt, max_context),
         checkpoint_sha256=man.model_sha256 if man else None,
     )
     summary = {
@@ -88,16 +95,9 @@ def build_cmd(
         return
     manifest, built = build(plan, force=force)
     if man is not None and build_dir is not None:
-        from pipeline.builddir import save_manifest
+        from pipeline.engine.stage import record_built_engine
 
-        engines = dict(man.stages.get("engine").details.get("engines", {})) if "engine" in man.stages else {}
-        engines[t.name] = {
-            "status": "built",
-            "tensorrt": manifest.tensorrt_version,
-            "cc": manifest.compute_capability,
-        }
-        man.record("engine", {"engines": "engines"}, engines=engines)
-        save_manifest(build_dir, man)
+        record_built_engine(build_dir, manifest, output)
     summary |= {
         "built": built,
         "tensorrt_version": manifest.tensorrt_version,
@@ -133,8 +133,8 @@ def check_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Check a plan's manifest against this node's TensorRT and GPU (exit 2 with the reason on mismatch)."""
-    from pipeline.engine.build_engine import gpu, tensorrt_version
     from pipeline.engine.plan_record import check_compatible, load_engine_manifest
+    from pipeline.engine.probe import gpu, tensorrt_version
     from pipeline.engine.select import find_engine_dir
 
     g = gpu()

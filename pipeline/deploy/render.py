@@ -10,27 +10,35 @@ configMapGenerator merge, patches), never string templates. Bad input fails befo
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
+from enum import Enum
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
 
 from pipeline.atomic import atomic_dir
-from pipeline.builddir import LAYOUT, MANIFEST_NAME, BuildManifest
+from pipeline.builddir import (
+    LAYOUT,
+    MANIFEST_NAME,
+    BuildManifest,
+    EngineLimits,
+    model_version_dir,
+    record_stage,
+    target_engine_dir,
+)
+from pipeline.deploy.kubectl import kubectl_binary
 from pipeline.deploy.targets import DeployTarget, deploy_target
 from pipeline.errors import DgpipeError
+from pipeline.onnx.contract import MODEL_FILE as ONNX_FILE
 from pipeline.resources import k8s_dir
 
 PVC_BUILD_DIR = "/models/build"  # where the build directory lives on the model PVC (k8s/base/pvc.yaml)
 WORKLOAD = "dgpipe-triton"
-MODEL_NAME = "dgpipe"  # the model in the repository (`dgpipe package --name`, default)
-ENGINE_LIMITS = {"max_batch": 8, "max_prompt": 2048, "max_context": 8192}  # `dgpipe engine build` defaults
 RENDER_SUMMARY = "render.json"
 # Output files, in the order `dgpipe deploy` applies them (smoke and loader are applied on their own).
 STORAGE_FILE, SERVING_FILE, SMOKE_FILE, LOADER_FILE = (
@@ -49,14 +57,21 @@ _IMAGE_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
-def kubectl_binary() -> str:
-    """kubectl to use: $DGPIPE_KUBECTL (tests point it at a stand-in), else the one on PATH."""
-    exe = os.environ.get("DGPIPE_KUBECTL") or shutil.which("kubectl")
-    if not exe:
-        raise DgpipeError(
-            "kubectl not found", "install kubectl >= 1.27 (its built-in kustomize renders the overlays)"
-        )
-    return exe
+class WorkloadKind(str, Enum):
+    """The object that runs the Triton pods: a Deployment, or a LeaderWorkerSet for multi-node groups."""
+
+    DEPLOYMENT = "Deployment"
+    LEADER_WORKER_SET = "LeaderWorkerSet"
+
+    @property
+    def resource(self) -> str:
+        """kubectl's resource name (`deployment/NAME`)."""
+        return self.value.lower()
+
+    @property
+    def has_rollout_history(self) -> bool:
+        """`kubectl rollout status/undo` know it (they do not know LeaderWorkerSets)."""
+        return self is WorkloadKind.DEPLOYMENT
 
 
 @dataclass(frozen=True)
@@ -121,32 +136,44 @@ class RenderValues:
     config: dict[str, str] = field(default_factory=dict)
 
     @property
-    def workload_kind(self) -> str:
-        return "LeaderWorkerSet" if self.lws_size else "Deployment"
+    def workload_kind(self) -> WorkloadKind:
+        return WorkloadKind.LEADER_WORKER_SET if self.lws_size else WorkloadKind.DEPLOYMENT
 
 
-def _pvc_path(manifest: BuildManifest | None, build_dir: Path | None, artifact: str) -> str:
+def _pvc_path(manifest: BuildManifest | None, build_dir: Path | None, artifact: str) -> PurePosixPath:
     """Where an artifact of the build directory is inside the pod: the same relative path under /models/build."""
     rel = LAYOUT[artifact]
     if manifest is not None and build_dir is not None:
         rel = manifest.path_of(build_dir, artifact).relative_to(build_dir).as_posix()
-    return f"{PVC_BUILD_DIR}/{rel}"
+    return PurePosixPath(PVC_BUILD_DIR) / rel
 
 
-def _engine_limits(manifest: BuildManifest | None, gpu_target: str) -> dict[str, int]:
+def _engine_limits(manifest: BuildManifest | None, gpu_target: str) -> EngineLimits:
     """Engine profile limits: those of the node command the engine stage recorded for this target, so the
-    plan built on the node matches what the build validated; else the engine command's defaults."""
-    limits = dict(ENGINE_LIMITS)
+    plan built on the node matches what the build validated; else the EngineLimits defaults."""
     stage = manifest.stages.get("engine") if manifest is not None else None
     command = (stage.details.get("engines", {}).get(gpu_target, {}) if stage else {}).get("command") or []
-    for key in limits:
-        flag = "--" + key.replace("_", "-")
-        if flag in command[:-1]:
-            try:
-                limits[key] = int(command[command.index(flag) + 1])
-            except ValueError as e:
-                raise DgpipeError(f"build manifest: engine command for {gpu_target} has a bad {flag}") from e
-    return limits
+    return EngineLimits.from_flags(command, where=f"build manifest: engine command for {gpu_target}")
+
+
+def pod_config(
+    manifest: BuildManifest | None, build_dir: Path | None, gpu_target: str, precision: str
+) -> dict[str, str]:
+    """The dgpipe-config values the pods read: paths on the PVC, engine limits, GPU target and precision.
+    The k8s base carries these values for the defaults (a test holds it to this function)."""
+    version_dir = model_version_dir(_pvc_path(manifest, build_dir, "model_repository"))
+    limits = _engine_limits(manifest, gpu_target)
+    return {
+        "DGPIPE_BUILD_DIR": PVC_BUILD_DIR,
+        "DGPIPE_MODEL_REPOSITORY": str(_pvc_path(manifest, build_dir, "model_repository")),
+        "DGPIPE_ONNX": str(_pvc_path(manifest, build_dir, "onnx") / ONNX_FILE),
+        "DGPIPE_PLUGINS": str(_pvc_path(manifest, build_dir, "plugins")),
+        # the Triton model looks for engines/<target> in its version dir: the node builds the plan there
+        "DGPIPE_ENGINE_OUTPUT": str(version_dir),
+        **{f"DGPIPE_{k.upper()}": str(v) for k, v in limits.engine_values().items()},
+        "DGPIPE_GPU_TARGET": gpu_target,
+        "DGPIPE_PRECISION": precision,
+    }
 
 
 def resolve(
@@ -194,34 +221,22 @@ def resolve(
         raise DgpipeError(f"--lws-size {lws_size}: a multi-node group has at least 2 pods")
     if not smoke_prompt.strip():
         raise DgpipeError("--smoke-prompt must not be empty")
-    repo = _pvc_path(manifest, build_dir, "model_repository")
-    version_dir = f"{repo}/{MODEL_NAME}/1"  # the Triton model looks for engines/<target> here
-    limits = _engine_limits(manifest, cfg.gpu_target)
-    values = RenderValues(
+    config = pod_config(manifest, build_dir, cfg.gpu_target, precision)
+    return RenderValues(
         target=cfg,
         precision=precision,
         image=img,
         namespace=namespace,
         replicas=replicas or cfg.replicas,
-        model_repository=repo,
-        onnx=f"{_pvc_path(manifest, build_dir, 'onnx')}/model.onnx",
-        engine_dir=f"{version_dir}/engines/{cfg.gpu_target}",
+        model_repository=config["DGPIPE_MODEL_REPOSITORY"],
+        onnx=config["DGPIPE_ONNX"],
+        engine_dir=str(target_engine_dir(PurePosixPath(config["DGPIPE_ENGINE_OUTPUT"]), cfg.gpu_target)),
         smoke_prompt=smoke_prompt,
         monitoring=monitoring,
         lws_size=lws_size,
         build_dir=build_dir,
+        config=config,
     )
-    values.config = {
-        "DGPIPE_BUILD_DIR": PVC_BUILD_DIR,
-        "DGPIPE_MODEL_REPOSITORY": values.model_repository,
-        "DGPIPE_ONNX": values.onnx,
-        "DGPIPE_PLUGINS": _pvc_path(manifest, build_dir, "plugins"),
-        "DGPIPE_ENGINE_OUTPUT": version_dir,
-        **{f"DGPIPE_{k.upper()}": str(v) for k, v in limits.items()},
-        "DGPIPE_GPU_TARGET": cfg.gpu_target,
-        "DGPIPE_PRECISION": precision,
-    }
-    return values
 
 
 def _images(values: RenderValues) -> list[dict[str, str]]:
@@ -393,7 +408,7 @@ def summary(values: RenderValues, files: dict[str, list[dict[str, Any]]]) -> dic
         "image": str(values.image),
         "namespace": values.namespace,
         "replicas": values.replicas,
-        "workload": {"kind": values.workload_kind, "name": WORKLOAD},
+        "workload": {"kind": values.workload_kind.value, "name": WORKLOAD},
         "lws_size": values.lws_size,
         "monitoring": values.monitoring,
         "config": values.config,
@@ -427,21 +442,16 @@ def write(output: Path, values: RenderValues, files: dict[str, list[dict[str, An
 
 
 def record(build_dir: Path, output: Path, info: dict[str, Any]) -> None:
-    """Note the stage in the build manifest, with the output path relative to the build dir when inside it."""
-    from pipeline.builddir import load_manifest, save_manifest
-
-    man = load_manifest(build_dir)
-    try:
-        rel = output.resolve().relative_to(build_dir.resolve()).as_posix()
-    except ValueError:
-        rel = str(output.resolve())
-    man.record(
+    """Note the stage in the build manifest (output relative to the build dir when inside it)."""
+    record_stage(
+        build_dir,
         "manifests",
-        outputs={"k8s": rel},
-        target=info["target"],
-        namespace=info["namespace"],
-        image=info["image"],
-        replicas=info["replicas"],
-        workload=info["workload"]["kind"],
+        {"k8s": output.resolve()},
+        details={
+            "target": info["target"],
+            "namespace": info["namespace"],
+            "image": info["image"],
+            "replicas": info["replicas"],
+            "workload": info["workload"]["kind"],
+        },
     )
-    save_manifest(build_dir, man)

@@ -21,9 +21,12 @@ import signal
 import subprocess
 import tarfile
 from dataclasses import dataclass, field
+from enum import Enum, auto
 from pathlib import Path
 from typing import Any
 
+from pipeline.builddir import ENGINES_DIR, LAYOUT, MANIFEST_NAME
+from pipeline.deploy.kubectl import kubectl_binary, kubectl_name
 from pipeline.deploy.render import (
     LOADER_FILE,
     PVC_BUILD_DIR,
@@ -31,9 +34,10 @@ from pipeline.deploy.render import (
     SERVING_FILE,
     SMOKE_FILE,
     STORAGE_FILE,
-    kubectl_binary,
+    WorkloadKind,
 )
 from pipeline.errors import DgpipeError
+from pipeline.onnx.contract import MODEL_FILE as ONNX_FILE
 
 FIELD_MANAGER = "dgpipe"
 # Custom resources the rendered objects may use: kind -> (API group, plural, how to get it served)
@@ -57,7 +61,7 @@ CRDS = {
 SMOKE_JOB = "dgpipe-smoke"
 LOADER_POD = "dgpipe-pvc-loader"
 # What the pods read from the build directory; engines are never uploaded: they are built on the node.
-UPLOAD_ITEMS = ("build_manifest.json", "onnx", "plugins", "model_repository")
+UPLOAD_ITEMS = (MANIFEST_NAME, LAYOUT["onnx"], LAYOUT["plugins"], LAYOUT["model_repository"])
 # Unpack next to the live copy, carry over the plans the nodes built (`dgpipe engine build` keeps a plan
 # only while it is current for the new ONNX, precision and plugins, and rebuilds it otherwise), then swap.
 SWAP_SCRIPT = (
@@ -69,13 +73,31 @@ SWAP_SCRIPT = (
 )
 
 
+class StepKind(Enum):
+    """What a step of the plan does: execution decides on these, never on the step's display text."""
+
+    CHECK_CRD = auto()
+    STORAGE = auto()
+    LOADER_START = auto()
+    LOADER_WAIT = auto()
+    UPLOAD = auto()
+    LOADER_DELETE = auto()
+    SERVING = auto()
+    ROLLOUT_WAIT = auto()
+    SMOKE_CLEAN = auto()
+    SMOKE_START = auto()
+    SMOKE_WAIT = auto()
+    SMOKE_LOGS = auto()
+
+
 @dataclass
 class Step:
     """One kubectl invocation of the plan and what it is for."""
 
     what: str
     argv: list[str]
-    stdin_from: str | None = None  # "upload": a tar stream of the build dir
+    kind: StepKind | None = None  # None: not a plan step (probes, diagnosis, rollback, cleanup)
+    sends_upload: bool = False  # stdin is a tar stream of the build dir
     timeout_s: float = 600.0
     show_output: bool = False
     expect_output: str | None = None  # the step fails unless stdout contains this
@@ -86,7 +108,7 @@ class Step:
         cmd = shlex.join(self.argv)
         if self.fails_if:
             cmd += f"   (fails fast on: {shlex.join(self.fails_if)})"
-        return f"tar -C BUILD_DIR -cf - {' '.join(UPLOAD_ITEMS)} | {cmd}" if self.stdin_from else cmd
+        return f"tar -C BUILD_DIR -cf - {' '.join(UPLOAD_ITEMS)} | {cmd}" if self.sends_upload else cmd
 
 
 @dataclass
@@ -103,9 +125,12 @@ class Plan:
         return self.summary["namespace"]
 
     @property
+    def workload_kind(self) -> WorkloadKind:
+        return WorkloadKind(self.summary["workload"]["kind"])
+
+    @property
     def workload(self) -> str:
-        w = self.summary["workload"]
-        return f"{w['kind'].lower()}/{w['name']}"
+        return f"{self.workload_kind.resource}/{self.summary['workload']['name']}"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -137,7 +162,7 @@ def read_summary(manifests_dir: Path) -> dict[str, Any]:
 def _check_upload(build_dir: Path) -> None:
     missing = [
         p
-        for p in ("build_manifest.json", "onnx/model.onnx", "model_repository")
+        for p in (MANIFEST_NAME, f"{LAYOUT['onnx']}/{ONNX_FILE}", LAYOUT["model_repository"])
         if not (build_dir / p).exists()
     ]
     if missing:
@@ -159,7 +184,7 @@ def make_plan(
     if upload is not None:
         _check_upload(upload)
     # the plan names kubectl as the user would type it, so --dry-run works where kubectl is not installed
-    kc = [os.environ.get("DGPIPE_KUBECTL") or "kubectl"] + (["--context", context] if context else [])
+    kc = [kubectl_name()] + (["--context", context] if context else [])
     ns = ["--namespace", info["namespace"]]
     apply = [*kc, "apply", "--server-side", f"--field-manager={FIELD_MANAGER}"]
     plan = Plan(summary=info, manifests_dir=manifests_dir, upload=upload, context=context, kubectl=kc[0])
@@ -173,6 +198,7 @@ def make_plan(
             Step(
                 f"check that the cluster serves {kind} ({group})",
                 [*kc, "api-resources", f"--api-group={group}", "-o", "name"],
+                StepKind.CHECK_CRD,
                 timeout_s=60,
                 expect_output=f"{plural}.{group}",
                 hint=fix,
@@ -182,16 +208,24 @@ def make_plan(
         Step(
             "create namespace, service account and model PVC",
             [*apply, "-f", str(manifests_dir / STORAGE_FILE)],
+            StepKind.STORAGE,
         )
     )
     if upload is not None:
         conf = info["config"]
-        engines_rel = posixpath.relpath(conf["DGPIPE_ENGINE_OUTPUT"], conf["DGPIPE_BUILD_DIR"]) + "/engines"
+        engines_rel = posixpath.join(
+            posixpath.relpath(conf["DGPIPE_ENGINE_OUTPUT"], conf["DGPIPE_BUILD_DIR"]), ENGINES_DIR
+        )
         s += [
-            Step("start the PVC loader pod", [*apply, "-f", str(manifests_dir / LOADER_FILE)]),
+            Step(
+                "start the PVC loader pod",
+                [*apply, "-f", str(manifests_dir / LOADER_FILE)],
+                StepKind.LOADER_START,
+            ),
             Step(
                 "wait for the loader pod",
                 [*kc, *ns, "wait", "--for=condition=Ready", f"pod/{LOADER_POD}", "--timeout=600s"],
+                StepKind.LOADER_WAIT,
                 timeout_s=660,
             ),
             Step(
@@ -209,27 +243,35 @@ def make_plan(
                     "-c",
                     SWAP_SCRIPT.format(root=PVC_BUILD_DIR, engines=engines_rel),
                 ],
-                stdin_from="upload",
+                StepKind.UPLOAD,
+                sends_upload=True,
                 timeout_s=7200,
             ),
             Step(
                 "delete the loader pod",
                 [*kc, *ns, "delete", "pod", LOADER_POD, "--ignore-not-found", "--wait=false"],
+                StepKind.LOADER_DELETE,
             ),
         ]
     s += [
-        Step("apply the serving objects", [*apply, "-f", str(manifests_dir / SERVING_FILE)]),
+        Step(
+            "apply the serving objects", [*apply, "-f", str(manifests_dir / SERVING_FILE)], StepKind.SERVING
+        ),
         Step(
             "wait for the rollout (engine build on the node + model load)",
-            _wait_rollout(kc, ns, plan.workload, rollout),
+            _wait_rollout(kc, ns, plan, rollout),
+            StepKind.ROLLOUT_WAIT,
             timeout_s=rollout + 60,
         ),
         Step(
             "remove the previous smoke Job",
             [*kc, *ns, "delete", "job", SMOKE_JOB, "--ignore-not-found", "--wait=true"],
+            StepKind.SMOKE_CLEAN,
         ),
         Step(
-            "start the smoke Job (one real generate request)", [*apply, "-f", str(manifests_dir / SMOKE_FILE)]
+            "start the smoke Job (one real generate request)",
+            [*apply, "-f", str(manifests_dir / SMOKE_FILE)],
+            StepKind.SMOKE_START,
         ),
         Step(
             "wait for the smoke Job",
@@ -241,6 +283,7 @@ def make_plan(
                 f"job/{SMOKE_JOB}",
                 f"--timeout={smoke_timeout_s}s",
             ],
+            StepKind.SMOKE_WAIT,
             timeout_s=smoke_timeout_s + 60,
             fails_if=[
                 *kc,
@@ -251,16 +294,21 @@ def make_plan(
                 f"--timeout={smoke_timeout_s}s",
             ],
         ),
-        Step("show the smoke answer", [*kc, *ns, "logs", f"job/{SMOKE_JOB}", "--tail=50"], show_output=True),
+        Step(
+            "show the smoke answer",
+            [*kc, *ns, "logs", f"job/{SMOKE_JOB}", "--tail=50"],
+            StepKind.SMOKE_LOGS,
+            show_output=True,
+        ),
     ]
     return plan
 
 
-def _wait_rollout(kc: list[str], ns: list[str], workload: str, timeout: int) -> list[str]:
-    if workload.startswith("deployment/"):
-        return [*kc, *ns, "rollout", "status", workload, f"--timeout={timeout}s"]
+def _wait_rollout(kc: list[str], ns: list[str], plan: Plan, timeout: int) -> list[str]:
+    if plan.workload_kind.has_rollout_history:
+        return [*kc, *ns, "rollout", "status", plan.workload, f"--timeout={timeout}s"]
     # kubectl rollout does not know LeaderWorkerSets; their Available condition means all groups ready
-    return [*kc, *ns, "wait", "--for=condition=Available", workload, f"--timeout={timeout}s"]
+    return [*kc, *ns, "wait", "--for=condition=Available", plan.workload, f"--timeout={timeout}s"]
 
 
 def _tar_build_dir(build_dir: Path) -> bytes:
@@ -351,31 +399,32 @@ def execute(plan: Plan, log=print) -> dict[str, Any]:
     existed = (
         _run(Step("probe", [*kc, *ns, "get", plan.workload, "-o", "name"], timeout_s=60)).returncode == 0
     )
-    done: list[str] = []
+    done: list[Step] = []
     for step in plan.steps:
         log(f"-> {step.what}")
-        stdin = _tar_build_dir(plan.upload) if step.stdin_from and plan.upload else None
+        stdin = _tar_build_dir(plan.upload) if step.sends_upload and plan.upload else None
         proc = _run(step, stdin)
         if proc.returncode == 0 and step.expect_output and step.expect_output not in _text(proc.stdout):
             proc = subprocess.CompletedProcess(step.argv, 1, b"", f"{step.expect_output} not found".encode())
         if proc.returncode == 0:
-            done.append(step.what)
+            done.append(step)
             if step.show_output:
                 log(_text(proc.stdout))
             continue
         reason = _text(proc.stderr).splitlines()[-1:] or [f"exit code {proc.returncode}"]
         failure = f"{step.what} failed: {reason[0]}"
-        serving_applied = any(d == "apply the serving objects" for d in done)
+        kinds_done = {d.kind for d in done}
+        serving_applied = StepKind.SERVING in kinds_done
         details = _diagnose(plan, kc) if serving_applied else []
         rolled_back = None
-        if serving_applied and plan.workload.startswith("deployment/"):
+        if serving_applied and plan.workload_kind.has_rollout_history:
             if existed:
                 undo = _run(Step("rollback", [*kc, *ns, "rollout", "undo", plan.workload], timeout_s=120))
                 rolled_back = undo.returncode == 0
                 log(f"<- rollout undo {plan.workload}: {'ok' if rolled_back else _text(undo.stderr)}")
             else:
                 log(f"<- {plan.workload} is new (no previous revision to roll back to); left for inspection")
-        if "start the PVC loader pod" in done and "delete the loader pod" not in done:
+        if StepKind.LOADER_START in kinds_done and StepKind.LOADER_DELETE not in kinds_done:
             _run(
                 Step("cleanup", [*kc, *ns, "delete", "pod", LOADER_POD, "--ignore-not-found", "--wait=false"])
             )
@@ -387,4 +436,4 @@ def execute(plan: Plan, log=print) -> dict[str, Any]:
         elif serving_applied and not existed:
             hint = "nothing to roll back to"
         raise DgpipeError(failure, hint)
-    return {"deployed": plan.workload, "namespace": plan.namespace, "steps": done}
+    return {"deployed": plan.workload, "namespace": plan.namespace, "steps": [d.what for d in done]}

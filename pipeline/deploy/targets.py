@@ -12,10 +12,10 @@ import re
 from functools import cache
 from typing import Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, field_validator
 
-from pipeline.errors import DgpipeError
-from pipeline.resources import configs_dir, load_yaml
+from pipeline.errors import DgpipeError, validation_error
+from pipeline.resources import config_names, load_yaml
 
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T|m)?$")
 
@@ -54,7 +54,7 @@ class DeployTarget(BaseModel):
 
 
 def deploy_target_names() -> list[str]:
-    return sorted(p.stem for p in (configs_dir() / "deploy").glob("*.yaml"))
+    return config_names("deploy")
 
 
 @cache
@@ -65,13 +65,8 @@ def deploy_target(name: str) -> DeployTarget:
     names = deploy_target_names()
     if name not in names:
         raise DgpipeError(f"unknown deploy target '{name}'", f"choose one of: {', '.join(names)}")
-    try:
+    with validation_error(lambda where, msg: f"configs/deploy/{name}.yaml: {where}: {msg}"):
         cfg = DeployTarget(**load_yaml("deploy", name))
-    except ValidationError as e:
-        first = e.errors()[0]
-        raise DgpipeError(
-            f"configs/deploy/{name}.yaml: {'.'.join(map(str, first['loc']))}: {first['msg']}"
-        ) from e
     target(cfg.gpu_target)  # unknown GPU target -> DgpipeError naming the known ones
     check_precision_on_target(cfg.precision, cfg.gpu_target)
     if cfg.gpus_per_replica > cfg.gpus_per_node:

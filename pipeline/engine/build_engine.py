@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.builddir import hash_files
+from pipeline.builddir import LAYOUT, EngineLimits, hash_files, target_engine_dir, target_plugin_dir
 from pipeline.engine import plugin_spec
 from pipeline.engine.plan_record import (
     ENGINE_MANIFEST,
@@ -38,9 +38,11 @@ from pipeline.engine.plan_record import (
     is_current,
     save_engine_manifest,
 )
-from pipeline.engine.profiles import Limits, engine_profiles, onnx_inputs
+from pipeline.engine.probe import gpu, tensorrt_version
+from pipeline.engine.profiles import engine_profiles, onnx_inputs
 from pipeline.engine.ptx import PluginPtx, build_plugin_ptx, load_plugin_ptx
 from pipeline.errors import DgpipeError
+from pipeline.onnx.contract import MODEL_FILE as ONNX_FILE
 from pipeline.sampler.kernels.build import find_nvcc
 from pipeline.targets import Target, check_precision_on_target
 from pipeline.targets import target as get_target
@@ -65,7 +67,7 @@ class BuildPlan:
     plugin_dir: Path
     engine_dir: Path
     profiles: list[ProfileRecord]
-    limits: Limits
+    limits: EngineLimits
     checkpoint_sha256: str | None = None
     workspace_gib: float = 16.0
     builder_optimization_level: int = 3
@@ -87,12 +89,7 @@ class BuildPlan:
             str(self.plugin_dir.parent),
             "--output",
             str(self.engine_dir.parent.parent),
-            "--max-batch",
-            str(self.limits.max_batch),
-            "--max-prompt",
-            str(self.limits.max_prompt),
-            "--max-context",
-            str(self.limits.max_context),
+            *self.limits.flags(),
         ]
 
     def build_flags(self) -> dict[str, Any]:
@@ -173,7 +170,7 @@ def plan_build(
     output: Path,
     *,
     plugins: Path | None = None,
-    limits: Limits | None = None,
+    limits: EngineLimits | None = None,
     checkpoint_sha256: str | None = None,
 ) -> BuildPlan:
     """Validate a build without TensorRT: every user mistake is reported here, before any TensorRT import.
@@ -185,23 +182,23 @@ def plan_build(
     check_precision_on_target(precision, target.name)
     onnx = Path(onnx)
     if onnx.is_dir():
-        onnx = onnx / "model.onnx"
+        onnx = onnx / ONNX_FILE
     if not onnx.is_file():
         raise DgpipeError(
             f"ONNX model not found: {onnx}", hint="run `dgpipe export` (or `dgpipe build`) first"
         )
-    limits = limits or Limits()
+    limits = limits or EngineLimits()
     canvas, ring, dims = model_dims(onnx)
     check_export_precision(onnx, precision)
     profiles = engine_profiles(onnx_inputs(onnx), limits, canvas, ring, static=dims)
-    plugins_root = Path(plugins) if plugins else Path(output) / "plugins"
-    plugin_dir = plugins_root / target.name
+    plugins_root = Path(plugins) if plugins else Path(output) / LAYOUT["plugins"]
+    plugins_dir = target_plugin_dir(plugins_root, target.name)
     info: PluginPtx | None = None
-    if (plugin_dir / "plugin.json").is_file():
-        info, _ = load_plugin_ptx(plugin_dir, target.name)
+    if (plugins_dir / "plugin.json").is_file():
+        info, _ = load_plugin_ptx(plugins_dir, target.name)
     elif find_nvcc() is None:
         raise DgpipeError(
-            f"no sampler plugin PTX in {plugin_dir} and no nvcc to compile it",
+            f"no sampler plugin PTX in {plugins_dir} and no nvcc to compile it",
             hint="pass --plugins DIR holding <target>/dg_sampler.ptx (written by `dgpipe build`), or install nvcc",
         )
     return BuildPlan(
@@ -210,36 +207,15 @@ def plan_build(
         onnx=onnx,
         onnx_sha256=onnx_sha256(onnx),
         plugin=info,
-        plugin_dir=plugin_dir,
-        engine_dir=Path(output) / "engines" / target.name,
+        plugin_dir=plugins_dir,
+        engine_dir=target_engine_dir(Path(output), target.name),
         profiles=profiles,
         limits=limits,
         checkpoint_sha256=checkpoint_sha256,
     )
 
 
-# ---- what this machine has --------------------------------------------------------------------------
-def tensorrt_version() -> str | None:
-    """The installed TensorRT's version, or None (the pip placeholder that cannot import counts as none)."""
-    try:
-        import tensorrt as trt
-    except Exception:  # ImportError, or the placeholder wheel failing at import
-        return None
-    return getattr(trt, "__version__", None)
-
-
-def gpu() -> tuple[str, str] | None:
-    """(compute capability "9.0", name) of GPU 0, or None."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    p = torch.cuda.get_device_properties(0)
-    return f"{p.major}.{p.minor}", p.name
-
-
+# ---- what this machine has (pipeline.engine.probe) -----------------------------------------------------
 def missing_for_local_build(target: Target | None = None) -> list[str]:
     """What this machine lacks to build an engine (empty: it can). Shared by the CLI and `dgpipe doctor`."""
     missing = []

@@ -14,11 +14,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from pipeline import __version__
 from pipeline.atomic import atomic_write_text
-from pipeline.errors import DgpipeError
+from pipeline.errors import DgpipeError, validation_error
 
 PLAN_NAME = "model.plan"
 ENGINE_MANIFEST = "engine.json"
@@ -66,9 +66,11 @@ def load_engine_manifest(engine_dir: Path | str) -> EngineManifest:
     if not f.is_file():
         raise DgpipeError(f"{f}: no engine manifest", hint="build the engine with `dgpipe engine build`")
     try:
-        return EngineManifest.model_validate(json.loads(f.read_text()))
-    except (ValidationError, json.JSONDecodeError) as e:
+        raw = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
         raise DgpipeError(f"{f}: invalid engine manifest ({str(e).splitlines()[0]})") from e
+    with validation_error(lambda where, msg: f"{f}: invalid engine manifest ({where}: {msg})"):
+        return EngineManifest.model_validate(raw)
 
 
 def save_engine_manifest(engine_dir: Path | str, manifest: EngineManifest) -> Path:

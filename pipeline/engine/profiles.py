@@ -11,9 +11,9 @@ added input fails here with its name instead of inside the TensorRT builder. No 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.builddir import EngineLimits
 from pipeline.engine.plan_record import ProfileRecord
 from pipeline.errors import DgpipeError
 from pipeline.onnx.contract import BATCH, MODE_CAUSAL, MODE_DENOISE, PAST_FULL, PAST_SLIDING, SC_SEQ, SEQ
@@ -22,24 +22,7 @@ Bounds = dict[str, tuple[int, int, int]]  # dim name -> (min, opt, max)
 MODE_INPUT = "mode"
 
 
-@dataclass(frozen=True)
-class Limits:
-    max_batch: int = 8
-    max_prompt: int = 2048
-    max_context: int = 8192  # cached tokens a row may attend to (prompt + committed canvases)
-
-    def validate(self, canvas: int) -> None:
-        if min(self.max_batch, self.max_prompt, self.max_context) < 1:
-            raise DgpipeError("--max-batch, --max-prompt and --max-context must be >= 1")
-        if self.max_context < self.max_prompt + canvas:
-            raise DgpipeError(
-                f"--max-context {self.max_context} leaves no room for a {canvas}-token canvas after a "
-                f"{self.max_prompt}-token prompt",
-                hint=f"use --max-context >= {self.max_prompt + canvas}",
-            )
-
-
-def bounds(kind: str, limits: Limits, canvas: int, ring: int) -> Bounds:
+def bounds(kind: str, limits: EngineLimits, canvas: int, ring: int) -> Bounds:
     """Per-dim (min, opt, max) for one kind of pass. opt is the shape TensorRT tunes kernels for: one row
     for prefill (latency of a new request) and the full batch for denoise (throughput)."""
     b = limits.max_batch
@@ -122,7 +105,7 @@ def onnx_inputs(onnx_path: Path) -> dict[str, list[int | str]]:
 
 def engine_profiles(
     inputs: dict[str, list[int | str]],
-    limits: Limits,
+    limits: EngineLimits,
     canvas: int,
     ring: int,
     static: dict[str, int] | None = None,

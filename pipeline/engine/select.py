@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pipeline.builddir import ENGINES_DIR
 from pipeline.engine.plan_record import ENGINE_MANIFEST, PLAN_NAME, check_compatible, load_engine_manifest
 from pipeline.errors import DgpipeError
 
@@ -30,7 +31,7 @@ def engine_dirs(root: Path) -> list[Path]:
     """Directories under `root` (or `root/engines`) holding an engine manifest, sorted by name."""
     if (root / ENGINE_MANIFEST).is_file():
         return [root]
-    base = root / "engines" if (root / "engines").is_dir() else root
+    base = root / ENGINES_DIR if (root / ENGINES_DIR).is_dir() else root
     if not base.is_dir():
         return []
     return sorted(d for d in base.iterdir() if d.is_dir() and (d / ENGINE_MANIFEST).is_file())

@@ -12,18 +12,31 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from pipeline.builddir import LAYOUT, BuildManifest, save_manifest
+from pipeline.builddir import (
+    LAYOUT,
+    BuildManifest,
+    EngineLimits,
+    load_manifest,
+    model_version_dir,
+    record_stage,
+    relative_to_build,
+    target_engine_dir,
+    target_plugin_dir,
+)
 from pipeline.engine.build_engine import NODE_STEP, build, missing_for_local_build, plan_build
-from pipeline.engine.profiles import Limits
+from pipeline.engine.plan_record import EngineManifest
 from pipeline.engine.ptx import build_plugin_ptx
 from pipeline.targets import target as get_target
 
+STAGE = "engine"
 
-def engine_stage(build_dir: Path, manifest: BuildManifest, limits: Limits | None = None) -> list[str]:
+
+def engine_stage(build_dir: Path, manifest: BuildManifest, limits: EngineLimits | None = None) -> list[str]:
     """Run the stage for every target in the manifest; records it and returns one summary line per target."""
     build_dir = Path(build_dir).resolve()
     onnx = manifest.path_of(build_dir, "onnx")
     plugins = build_dir / LAYOUT["plugins"]
+    limits = limits or EngineLimits()
     engines: dict[str, dict] = {}
     lines = []
     for name in manifest.targets:
@@ -41,12 +54,12 @@ def engine_stage(build_dir: Path, manifest: BuildManifest, limits: Limits | None
         # on the node the plan goes straight into the served model's version dir, where the Triton model
         # looks for engines/<target> (a local build lands in engines/ and `package` copies it there);
         # paths are relative to the build dir, which the node mounts as its workdir
-        version_dir = build_dir / LAYOUT["model_repository"] / "dgpipe" / "1"
-        node_plan = dataclasses.replace(plan, engine_dir=version_dir / "engines" / t.name)
+        version_dir = model_version_dir(build_dir / LAYOUT["model_repository"])
+        node_plan = dataclasses.replace(plan, engine_dir=target_engine_dir(version_dir, t.name))
         command = _relative_command(node_plan.command(), build_dir)
         missing = missing_for_local_build(t)
         record = {
-            "ptx": f"{LAYOUT['plugins']}/{t.name}/{info.file}",
+            "ptx": relative_to_build(build_dir, target_plugin_dir(plugins, t.name) / info.file),
             "ptx_sha256": info.sha256,
             "command": command,
         }
@@ -63,9 +76,37 @@ def engine_stage(build_dir: Path, manifest: BuildManifest, limits: Limits | None
                 f"engine {t.name}: {record['status']} at {plan.engine_dir}/{em.plan} (TensorRT {em.tensorrt_version})"
             )
         engines[t.name] = record
-    manifest.record("engine", {"plugins": LAYOUT["plugins"], "engines": LAYOUT["engines"]}, engines=engines)
-    save_manifest(build_dir, manifest)
+    record_stage(
+        build_dir,
+        STAGE,
+        {"plugins": plugins, "engines": LAYOUT["engines"]},
+        inputs={"onnx": onnx},
+        details={"engines": engines},
+        manifest=manifest,
+    )
     return lines
+
+
+def record_built_engine(build_dir: Path, engine: EngineManifest, output: Path) -> None:
+    """`dgpipe engine build --build-dir`: add one target's plan (built under `output`) to the engine stage's
+    record, keeping what the stage recorded for the other targets."""
+    man = load_manifest(build_dir)
+    previous = man.stages.get(STAGE)
+    engines = dict(previous.details.get("engines", {})) if previous else {}
+    engines[engine.target] = {
+        "status": "built",
+        "tensorrt": engine.tensorrt_version,
+        "cc": engine.compute_capability,
+    }
+    outputs = dict(previous.outputs) if previous else {}
+    record_stage(
+        build_dir,
+        STAGE,
+        {**outputs, "engines": Path(output).resolve() / LAYOUT["engines"]},
+        inputs=dict(previous.inputs) if previous else {},
+        details={**(previous.details if previous else {}), "engines": engines},
+        manifest=man,
+    )
 
 
 def _relative_command(cmd: list[str], build_dir: Path) -> list[str]:

@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipeline.errors import CheckpointError, SamplerError
+from pipeline.errors import CheckpointError, SamplerError, validation_error
 
 LayerType = Literal["sliding_attention", "full_attention"]
 
@@ -152,12 +152,8 @@ class ModelConfig(BaseModel):
         text = dict(raw.get("text_config") or {})
         # transformers serialises the global-layer geometry only inside per_layer_config
         raw["text_config"] = text
-        try:
+        with validation_error(lambda where, msg: f"{source}: field '{where}': {msg}", CheckpointError):
             return cls.model_validate(raw)
-        except ValidationError as e:
-            err = e.errors()[0]
-            field = ".".join(str(p) for p in err["loc"])
-            raise CheckpointError(f"{source}: field '{field}': {err['msg']}") from e
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json transformers writes for this model (round-trips through DiffusionGemmaConfig)."""
@@ -253,8 +249,5 @@ class SamplerConfig(BaseModel):
         if isinstance(sc, dict) and sc.get("entropy_bound") is not None:
             vals["entropy_bound"] = sc["entropy_bound"]
         vals.update({k: v for k, v in overrides.items() if v is not None})
-        try:
+        with validation_error(lambda where, msg: f"sampler setting '{where}': {msg}", SamplerError):
             return cls(**vals)
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise SamplerError(f"sampler setting '{err['loc'][0]}': {err['msg']}") from e

@@ -31,7 +31,7 @@ def run_export(
     model_dir: Path, output: Path | None, build_dir: Path | None, from_checkpoint: bool, as_json: bool | None
 ) -> dict:
     """`as_json`: True prints JSON, False a summary, None nothing (`dgpipe build` prints its own line)."""
-    from pipeline.builddir import LAYOUT, MANIFEST_NAME, load_or_create, save_manifest
+    from pipeline.builddir import LAYOUT, MANIFEST_NAME, record_stage
     from pipeline.onnx.export import export_onnx
 
     if output is None and build_dir is None:
@@ -60,22 +60,21 @@ def run_export(
         fields = {"precision": precision}
         if not (build_dir / MANIFEST_NAME).is_file():
             fields |= {"model": str(model_dir), "targets": []}
-        man = load_or_create(build_dir, **fields)
-        rel = (
-            Path(output).resolve().relative_to(Path(build_dir).resolve())
-            if Path(output).resolve().is_relative_to(Path(build_dir).resolve())
-            else Path(output).resolve()
-        )
-        man.record(
+        record_stage(
+            build_dir,
             "export",
-            outputs={"onnx": str(rel)},
-            opset=summary.opset,
-            model_dtype=summary.model_dtype,
-            custom_ops=summary.custom_ops,
-            inputs=len(summary.inputs),
-            outputs_count=len(summary.outputs),
+            {"onnx": Path(output).resolve()},
+            inputs={"checkpoint": Path(model_dir).resolve()},
+            create=fields,
+            details={
+                "opset": summary.opset,
+                "model_dtype": summary.model_dtype,
+                "custom_ops": summary.custom_ops,
+                "inputs": len(summary.inputs),
+                "outputs_count": len(summary.outputs),
+            },
         )
-        result["manifest"] = str(save_manifest(build_dir, man))
+        result["manifest"] = str(Path(build_dir) / MANIFEST_NAME)
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     elif as_json is not None:

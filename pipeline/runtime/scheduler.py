@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.builddir import EngineLimits
 from pipeline.errors import InputError
 from pipeline.model.config import SamplerConfig
 from pipeline.model.network import DiffusionGemma, canvas_positions
@@ -85,7 +86,7 @@ class BlockDiffusionRuntime:
         self.vocab = cfg.vocab_size
         self.end_ids = set(cfg.end_token_ids)
         self.pad_id = cfg.pad_token_id
-        self.max_len = max_len or min(cfg.max_position_embeddings, 8192)
+        self.max_len = max_len or min(cfg.max_position_embeddings, EngineLimits.max_context)
         self.max_batch = max_batch
         self.device, self.dtype = self.backend.device, self.backend.dtype
         self.cache = KVCache(cfg, max_batch, self.max_len, self.dtype, self.device)

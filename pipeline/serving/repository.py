@@ -11,6 +11,16 @@ import struct
 from pathlib import Path
 
 from pipeline.atomic import atomic_dir
+from pipeline.builddir import (
+    LAYOUT,
+    MODEL_CHECKPOINT,
+    MODEL_NAME,
+    TRITON_MODEL_FILE,
+    EngineLimits,
+    model_version_dir,
+    record_stage,
+    target_engine_dir,
+)
 from pipeline.errors import DgpipeError
 from pipeline.model.checkpoint import open_checkpoint
 from pipeline.resources import TRITON_MODEL_SOURCE
@@ -62,7 +72,7 @@ def model_config(
     # the runtime, and concurrency comes from shared denoise passes, not from copies of the model
     cfg.instance_group.append(mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.KIND_CPU, count=1))
     for key, value in {
-        "checkpoint": "checkpoint",
+        "checkpoint": MODEL_CHECKPOINT,
         "max_batch": str(max_batch),
         "max_tokens_limit": str(max_tokens_limit),
         "max_prompt_tokens": str(max_prompt_tokens),
@@ -84,10 +94,10 @@ def model_config(
 def package(
     model: Path,
     output: Path,
-    name: str = "dgpipe",
-    max_batch: int = 8,
-    max_tokens_limit: int = 4096,
-    max_prompt_tokens: int = 2048,
+    name: str = MODEL_NAME,
+    max_batch: int = EngineLimits.max_batch,
+    max_tokens_limit: int = EngineLimits.max_tokens,
+    max_prompt_tokens: int = EngineLimits.max_prompt,
     device: str = "auto",
     engines: Path | None = None,
 ) -> Path:
@@ -103,18 +113,43 @@ def package(
     cfg = model_config(name, max_batch, max_tokens_limit, max_prompt_tokens, device, warmup)
     with atomic_dir(output) as tmp:
         mdir = tmp / name
-        (mdir / "1").mkdir(parents=True)
+        version = model_version_dir(tmp, name)
+        version.mkdir(parents=True)
         (mdir / "config.pbtxt").write_text(text_format.MessageToString(cfg))
-        shutil.copy(TRITON_MODEL_SOURCE, mdir / "1" / "model.py")
-        shutil.copytree(ckpt.path, mdir / "1" / "checkpoint")
+        shutil.copy(TRITON_MODEL_SOURCE, version / TRITON_MODEL_FILE)
+        shutil.copytree(ckpt.path, version / MODEL_CHECKPOINT)
         for d in engine_dirs:
-            shutil.copytree(d, mdir / "1" / "engines" / d.name, ignore=shutil.ignore_patterns(".*"))
+            shutil.copytree(d, target_engine_dir(version, d.name), ignore=shutil.ignore_patterns(".*"))
         if warmup is not None:
             (mdir / "warmup").mkdir()
             data = warmup.encode()
             (mdir / "warmup" / "text_input").write_bytes(struct.pack("<I", len(data)) + data)
             (mdir / "warmup" / "max_tokens").write_bytes(struct.pack("<i", ckpt.config.canvas_length))
     return output
+
+
+def package_stage(build_dir: Path, limits: EngineLimits) -> tuple[Path, bool]:
+    """The package stage of `dgpipe build`: the build's checkpoint (and the engines built here, if any) into
+    its model repository, recorded in the build manifest. Returns (repository, engines shipped)."""
+    checkpoint = build_dir / LAYOUT["checkpoint"]
+    engines = build_dir / LAYOUT["engines"]
+    built = engines if any(engines.glob("*/model.plan")) else None
+    repo = package(
+        checkpoint,
+        build_dir / LAYOUT["model_repository"],
+        max_batch=limits.max_batch,
+        max_prompt_tokens=limits.max_prompt,
+        max_tokens_limit=limits.max_tokens,
+        engines=built,
+    )
+    record_stage(
+        build_dir,
+        "package",
+        {"model_repository": repo},
+        inputs={"checkpoint": checkpoint, **({"engines": built} if built else {})},
+        details={"engines": built is not None},
+    )
+    return repo, built is not None
 
 
 def _engine_dirs(engines: Path) -> list[Path]:

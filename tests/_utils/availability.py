@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def has_tensorrt() -> bool:
-    from pipeline.engine.build_engine import tensorrt_version
+    from pipeline.engine.probe import tensorrt_version
 
     return tensorrt_version() is not None
 

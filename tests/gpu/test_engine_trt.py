@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.engine.profiles import Limits
+from pipeline.builddir import EngineLimits
 from tests._utils.availability import has_cuda_gpu, has_tensorrt
 
 needs_trt_gpu = pytest.mark.skipif(
@@ -20,7 +20,8 @@ needs_trt_gpu = pytest.mark.skipif(
 def test_engine_matches_pytorch_runtime(tmp_path: Path):
     """Build the tiny model's engine here and generate with both runtimes: same tokens for the same seed
     (fp32 graph, same counter RNG, same sampler kernels)."""
-    from pipeline.engine.build_engine import build, gpu, plan_build
+    from pipeline.engine.build_engine import build, plan_build
+    from pipeline.engine.probe import gpu
     from pipeline.engine.trt_backend import TensorRTBackend
     from pipeline.onnx.export import export_onnx
     from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
@@ -31,7 +32,7 @@ def test_engine_matches_pytorch_runtime(tmp_path: Path):
     model = model.to("cuda")
     cc = gpu()[0]
     target = {"9.0": "sm90", "10.0": "sm100", "12.0": "sm120"}[cc]
-    plan = plan_build(tmp_path / "onnx", target, "bf16", tmp_path, limits=Limits(2, 64, 256))
+    plan = plan_build(tmp_path / "onnx", target, "bf16", tmp_path, limits=EngineLimits(2, 64, 256))
     manifest, built = build(plan)
     assert built and manifest.compute_capability == cc and (plan.engine_dir / "model.plan").stat().st_size > 0
     _, again = build(plan)

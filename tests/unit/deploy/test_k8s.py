@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.builddir import LAYOUT, BuildManifest, save_manifest
+from pipeline.builddir import LAYOUT, BuildManifest, EngineLimits, model_version_dir, save_manifest
 from pipeline.deploy.targets import deploy_target, deploy_target_names
 from pipeline.resources import PACKAGE_DIR
 from pipeline.targets import check_precision_on_target, target
@@ -102,6 +102,42 @@ def lws_render(tmp_path_factory) -> dict[str, list[dict]]:
     return mf.render(mf.resolve("gb200", IMAGE, lws_size=2, replicas=3))
 
 
+# ---- one source for each fact ----------------------------------------------------------------------
+def test_k8s_base_config_is_what_render_computes_for_the_defaults():
+    """The base's dgpipe-config literals (engine limits, PVC paths, the version dir the node builds into)
+    are EngineLimits and the build layout, exactly as `dgpipe manifests` renders them without a build dir."""
+    from pipeline.deploy import render as mf
+
+    base = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    (gen,) = (g for g in base["configMapGenerator"] if g["name"] == "dgpipe-config")
+    literals = dict(lit.split("=", 1) for lit in gen["literals"])
+    assert literals == mf.pod_config(None, None, gpu_target="unset", precision="unset")
+    assert literals["DGPIPE_MAX_CONTEXT"] == str(EngineLimits().max_context)
+    assert literals["DGPIPE_ENGINE_OUTPUT"] == str(
+        model_version_dir(Path(mf.PVC_BUILD_DIR) / LAYOUT["model_repository"])
+    )
+
+
+def test_kubectl_is_looked_up_in_one_place(tmp_path, monkeypatch):
+    """doctor, manifests and deploy agree on which kubectl runs: $DGPIPE_KUBECTL first, else PATH."""
+    from pipeline.deploy.kubectl import kubectl_binary, kubectl_name
+    from pipeline.doctor import check_kubectl
+    from pipeline.errors import DgpipeError
+
+    exe = tmp_path / "kubectl-stand-in"
+    exe.write_text('#!/bin/sh\necho "  gitVersion: v9.99.0"\n')
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("DGPIPE_KUBECTL", str(exe))
+    assert kubectl_binary() == kubectl_name() == str(exe)
+    check = check_kubectl()
+    assert check.ok and check.detail == f"{exe} (v9.99.0)"
+    monkeypatch.setenv("DGPIPE_KUBECTL", "")
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    with pytest.raises(DgpipeError, match="kubectl not found"):
+        kubectl_binary()
+    assert not check_kubectl().ok and kubectl_name() == "kubectl"
+
+
 # ---- deploy configs <-> overlays <-> GPU targets ----------------------------------------------------
 def test_every_deploy_target_has_an_overlay_and_vice_versa():
     assert deploy_target_names() == sorted(TARGETS)
@@ -129,6 +165,12 @@ def test_overlay_matches_its_deploy_config(overlays, name):
     assert conf["DGPIPE_PRECISION"] == cfg.precision
     # plans go into the model's version dir, where the Triton model looks for engines/<target>
     assert conf["DGPIPE_ENGINE_OUTPUT"] == f"/models/build/{LAYOUT['model_repository']}/dgpipe/1"
+    limits = EngineLimits()
+    assert (conf["DGPIPE_MAX_BATCH"], conf["DGPIPE_MAX_PROMPT"], conf["DGPIPE_MAX_CONTEXT"]) == (
+        str(limits.max_batch),
+        str(limits.max_prompt),
+        str(limits.max_context),
+    )
     dep = one(docs, "Deployment")
     spec = dep["spec"]["template"]["spec"]
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
@@ -304,12 +346,7 @@ def test_engine_build_runs_on_the_node_in_the_serving_image(overlays, name):
         f"/models/build/{LAYOUT['plugins']}",
         "--output",
         f"/models/build/{LAYOUT['model_repository']}/dgpipe/1",
-        "--max-batch",
-        "8",
-        "--max-prompt",
-        "2048",
-        "--max-context",
-        "8192",
+        *EngineLimits().flags(),
     ]
     assert triton["command"] == ["tritonserver"]
     args = expand(triton["args"], env)
@@ -670,6 +707,52 @@ def test_deploy_rolls_back_and_reports_a_failed_smoke_test(rendered, fake_kubect
     calls = fake_kubectl.read_text().splitlines()
     assert any(c.endswith("rollout undo deployment/dgpipe-triton") for c in calls)
     assert any("get pods -l app.kubernetes.io/name=dgpipe" in c for c in calls)  # diagnostics collected
+
+
+def test_deploy_decides_on_step_kinds_not_on_step_text(rendered, build_dir, fake_kubectl, monkeypatch):
+    """Rollback and loader cleanup follow what the steps are, whatever they are called on screen."""
+    from pipeline.deploy import rollout as dp
+    from pipeline.errors import DgpipeError
+
+    monkeypatch.setenv("DGPIPE_KUBECTL", str(fake_kubectl.parent / "kubectl"))
+    monkeypatch.setenv("FAKE_FAIL", "wait --for=condition=complete")
+    plan = dp.make_plan(rendered, upload=build_dir)
+    for i, step in enumerate(plan.steps):
+        step.what = f"step {i}"  # reworded for display: nothing else may change
+    with pytest.raises(DgpipeError, match="rolled back to the previous revision"):
+        dp.execute(plan, log=lambda s: None)
+    assert any(
+        c.endswith("rollout undo deployment/dgpipe-triton") for c in fake_kubectl.read_text().splitlines()
+    )
+    # the upload failing leaves the loader pod running: it is removed, found by kind
+    fake_kubectl.write_text("")
+    monkeypatch.setenv("FAKE_FAIL", "exec -i")
+    plan = dp.make_plan(rendered, upload=build_dir)
+    for step in plan.steps:
+        step.what = "renamed"
+    with pytest.raises(DgpipeError):
+        dp.execute(plan, log=lambda s: None)
+    assert (
+        fake_kubectl.read_text()
+        .splitlines()[-1]
+        .endswith("delete pod dgpipe-pvc-loader --ignore-not-found --wait=false")
+    )
+
+
+def test_lws_workload_waits_on_its_condition(tmp_path):
+    from pipeline.deploy import render as mf
+    from pipeline.deploy import rollout as dp
+
+    if KUBECTL is None:
+        pytest.skip("kubectl (with built-in kustomize) not installed")
+    values = mf.resolve("gb200", IMAGE, lws_size=2)
+    assert values.workload_kind is mf.WorkloadKind.LEADER_WORKER_SET
+    mf.write(tmp_path / "k8s", values, mf.render(values))
+    plan = dp.make_plan(tmp_path / "k8s")
+    assert plan.workload_kind is mf.WorkloadKind.LEADER_WORKER_SET
+    assert plan.workload == "leaderworkerset/dgpipe-triton"
+    (wait,) = (s for s in plan.steps if s.kind is dp.StepKind.ROLLOUT_WAIT)
+    assert "--for=condition=Available" in wait.argv and "rollout" not in wait.argv
 
 
 def test_deploy_does_not_roll_back_what_never_existed(rendered, fake_kubectl, monkeypatch):

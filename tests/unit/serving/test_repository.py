@@ -38,3 +38,39 @@ def test_broken_checkpoint_writes_nothing(tmp_path: Path):
     with pytest.raises(DgpipeError, match="no such checkpoint directory"):
         package(tmp_path / "missing", tmp_path / "repo")
     assert not (tmp_path / "repo").exists()
+
+
+def test_dgpipe_package_defaults_are_the_engine_limits(tiny_checkpoint: Path, tmp_path: Path):
+    """`dgpipe package` without limits writes EngineLimits into config.pbtxt (the Triton model reads them
+    there), and the model lands in the layout's version dir."""
+    import subprocess
+    import sys
+
+    from pipeline.builddir import MODEL_NAME, TRITON_MODEL_FILE, EngineLimits, model_version_dir
+
+    out = tmp_path / "repo"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "package",
+            "--model",
+            str(tiny_checkpoint),
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    cfg = text_format.Parse((out / MODEL_NAME / "config.pbtxt").read_text(), mc.ModelConfig())
+    limits = EngineLimits()
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    assert (params["max_batch"], params["max_prompt_tokens"], params["max_tokens_limit"]) == (
+        str(limits.max_batch),
+        str(limits.max_prompt),
+        str(limits.max_tokens),
+    )
+    assert (model_version_dir(out) / TRITON_MODEL_FILE).is_file()
