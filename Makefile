@@ -11,7 +11,7 @@ GRPC_PORT ?= 18001
 METRICS_PORT ?= 18002
 PUZZLE ?= 14...9..56925.31.8835.1.927..1732.5.259.6.7.437694.28....6.4.935.3.914..92....816
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test test-fast lint venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ demo: venv
 test: venv
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+# The unit tests minus those marked slow (ModelOpt calibration, nvcc builds, training): a few minutes.
+test-fast: venv
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q tests/unit -m "not slow"
 
 lint: venv
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
