@@ -79,6 +79,28 @@ def all_precisions() -> list[str]:
     return config_names("precisions")
 
 
+# quant_algo spellings other producers write for a dgpipe precision (older ModelOpt / TensorRT-LLM exports)
+_QUANT_ALGO_ALIASES = {"INT4_AWQ": "W4A16_AWQ"}
+
+
+def precision_for_quant_algo(algo: str) -> Precision | None:
+    """The precision whose recipe exports `quant_algo` (ModelOpt's `hf_quant_config.json`), or None for an
+    algorithm no dgpipe precision produces. The one mapping from a quantized checkpoint to its precision."""
+    algo = algo.upper()
+    algo = _QUANT_ALGO_ALIASES.get(algo, algo)
+    for name in all_precisions():
+        p = precision(name)
+        if p.quant_algo is not None and p.quant_algo.upper() == algo:
+            return p
+    return None
+
+
+def supported_quant_algos() -> list[str]:
+    """Every quant_algo `precision_for_quant_algo` maps, aliases included."""
+    algos = [p.quant_algo for p in map(precision, all_precisions()) if p.quant_algo]
+    return algos + [a for a, canonical in _QUANT_ALGO_ALIASES.items() if canonical in algos]
+
+
 def check_precision_on_target(precision_name: str, target_name: str) -> None:
     """Refuse a precision the target's tensor cores cannot run, and say which one to use instead."""
     p, t = precision(precision_name), target(target_name)

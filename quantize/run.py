@@ -114,14 +114,12 @@ def calibration_prompts(opts: QuantizeOptions) -> list:
 
     ckpt = open_checkpoint(opts.model)
     if opts.calib_data is not None:
-        from pipeline.runtime.session import Session
+        from pipeline.runtime.prompt_format import prompt_format_for
 
-        if not ckpt.has_tokenizer and ckpt.dgpipe.get("task") != "sudoku":
+        fmt = prompt_format_for(ckpt, ckpt.tokenizer() if ckpt.has_tokenizer else None)
+        if fmt.needs_tokenizer and not ckpt.has_tokenizer:
             raise DgpipeError(f"{opts.model}: --calib-data text needs tokenizer.json in the checkpoint")
-        session = Session(
-            model=None, checkpoint=ckpt, tokenizer=ckpt.tokenizer() if ckpt.has_tokenizer else None
-        )  # type: ignore[arg-type]
-        return calibrate.jsonl_prompts(opts.calib_data, opts.calib_size, session.encode_prompt)
+        return calibrate.jsonl_prompts(opts.calib_data, opts.calib_size, fmt.encode_prompt)
     if ckpt.dgpipe.get("task") == "sudoku":
         givens = tuple(ckpt.dgpipe.get("givens_range", (45, 61)))
         return calibrate.sudoku_prompts(opts.calib_size, givens)  # type: ignore[arg-type]

@@ -265,6 +265,7 @@ def save_trained(model: DiffusionGemma, out: Path, cfg: TrainConfig, metrics: di
         extra_files=extra,
         dgpipe_meta={
             "task": "sudoku",
+            "prompt_format": "sudoku",  # pipeline.demo.prompt_format, looked up by pipeline.runtime
             "prompt_template": "<bos><|turn>{prompt}<turn|>",
             "trained_with": cfg.model_dump(mode="json"),
             "metrics": metrics,

@@ -107,8 +107,14 @@ def runtime_name(name: str) -> str | None:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    fake_quant_inputs: bool = True,
 ) -> tuple[DiffusionGemma, Checkpoint]:
+    """The runtime model. A ModelOpt-quantized checkpoint is dequantized on load and, with
+    `fake_quant_inputs`, its linears' inputs are fake-quantized as the quantized kernels round them (off for
+    a float stand-in whose quantization is applied elsewhere, e.g. the ONNX Q/DQ graph)."""
     ckpt = open_checkpoint(path)
     files = weight_files(ckpt.path)
     with torch.device("meta"):
@@ -172,18 +178,14 @@ def load_model(
         hd = ckpt.config.text_config.layer_shape(model.layer_types.index(kind)).head_dim
         setattr(model, f"inv_freq_{kind}", rope_inv_freq(ckpt.config.text_config, kind, hd))
     model = model.to(device).eval()
-    if quant is not None:
+    if quant is not None and fake_quant_inputs:
         quant.install(model)  # activation fake-quantization for FP8 / NVFP4
     return model, ckpt
 
 
 def _quantized_loader(path: Path):
     """A `pipeline.model.modelopt.QuantizedLoader` for a ModelOpt-quantized checkpoint, else None."""
-    if not (
-        (path / "hf_quant_config.json").is_file() or "quantization_config" in _read_json(path / "config.json")
-    ):
-        return None
-    from pipeline.model.modelopt import QuantizedLoader, quantization_info
+    from pipeline.model.modelopt import QuantizedLoader, quantization_info  # it reads tensors through here
 
     info = quantization_info(path)
     return QuantizedLoader(info) if info else None

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import torch
 
-E4M3_MAX = 448.0
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 E2M1_MAX = 6.0
+NVFP4_BLOCK = 16  # NVFP4: one E4M3 scale per 16 consecutive values along the input dim
+ACTIVATION_FORMATS = ("fp8", "nvfp4")  # what InputQuantizer emulates; other precisions keep 16-bit inputs
 # E2M1 magnitudes and the decision points between them; at a midpoint the even-mantissa value wins
 # (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4)
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -36,12 +38,13 @@ def e2m1_round(a: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What QuantizeLinear -> DequantizeLinear computes for FP8 E4M3FN (saturating, round to nearest even)."""
     xf = x.float()
     q = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
     return q.to(x.dtype)
 
 
-def nvfp4_fake_quant(x: torch.Tensor, global_scale: torch.Tensor, block: int = 16) -> torch.Tensor:
+def nvfp4_fake_quant(x: torch.Tensor, global_scale: torch.Tensor, block: int = NVFP4_BLOCK) -> torch.Tensor:
     shape = x.shape
     xf = x.float().reshape(*shape[:-1], shape[-1] // block, block)
     gs = torch.where(global_scale > 0, global_scale, torch.full_like(global_scale, 1e-12)).float()
@@ -58,7 +61,7 @@ class InputQuantizer:
     def __init__(
         self, kind: str | None, scale: torch.Tensor | None, pre_quant_scale: torch.Tensor | None = None
     ):
-        if kind not in (None, "fp8", "nvfp4"):
+        if kind is not None and kind not in ACTIVATION_FORMATS:
             raise ValueError(f"unknown activation format {kind!r}")
         self.kind = kind
         self.scale = scale.float() if scale is not None else None

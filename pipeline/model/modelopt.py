@@ -1,5 +1,7 @@
-"""Read a ModelOpt-exported checkpoint into dgpipe's runtime: dequantize weights on load, and hook faithful
-activation fake-quantization onto the linears of activation-quantized formats.
+"""The one reader of ModelOpt-exported checkpoints: quantization info (`quant_algo`), the packed weights and
+scales of each quantized linear, their dequantization, and, for dgpipe's runtime, faithful activation
+fake-quantization hooked onto the linears of activation-quantized formats. `pipeline.model.checkpoint`
+(dequantize on load) and `pipeline.onnx` (Q/DQ export of the packed tensors) both read through it.
 
 Layouts, as `modelopt.torch.export.export_hf_checkpoint` (0.47) writes them per quantized linear:
 * FP8:      weight float8_e4m3fn [out, in]; weight_scale fp32 (per tensor); input_scale fp32.
@@ -20,6 +22,8 @@ import json
 import re
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -27,26 +31,60 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.errors import CheckpointError
-from pipeline.model.fake_quant import E2M1_VALUES, InputQuantizer
+from pipeline.model.fake_quant import ACTIVATION_FORMATS, E2M1_VALUES, InputQuantizer
+from pipeline.targets import Precision, precision_for_quant_algo, supported_quant_algos
 
-AUX_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "k_scale", "v_scale")
-ACT_FORMAT = {"FP8": "fp8", "NVFP4": "nvfp4"}  # quant_algo -> activation fake-quant (None = weight-only)
-SUPPORTED = ("FP8", "NVFP4", "W4A16_AWQ", "INT4_AWQ")
+LINEAR_AUX = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")  # beside `<linear>.weight`
+AUX_SUFFIXES = (*LINEAR_AUX, "k_scale", "v_scale")
 EXPERT = re.compile(r"^(layers\.\d+\.experts)\.\d+\.(gate_proj|up_proj|down_proj)$")
 
 
 def quantization_info(path: Path) -> dict[str, Any] | None:
-    """hf_quant_config.json's `quantization` block, else config.json's `quantization_config`; None when
-    the checkpoint is not quantized."""
+    """hf_quant_config.json's `quantization` block, else config.json's `quantization_config` when ModelOpt
+    wrote it (`quant_method: modelopt`, or no quant_method but a `quant_algo`); None when the checkpoint is
+    not ModelOpt-quantized."""
     hq = path / "hf_quant_config.json"
     if hq.is_file():
-        return json.loads(hq.read_text()).get("quantization")
+        return _read_json(hq).get("quantization")
     cfg = path / "config.json"
     if cfg.is_file():
-        q = json.loads(cfg.read_text()).get("quantization_config")
-        if isinstance(q, dict) and q.get("quant_method") == "modelopt":
+        q = _read_json(cfg).get("quantization_config")
+        if not isinstance(q, dict):
+            return None
+        method = q.get("quant_method")
+        if method == "modelopt" or (method is None and "quant_algo" in q):
             return q
     return None
+
+
+def quant_algo(path: Path) -> str | None:
+    """The checkpoint's ModelOpt `quant_algo` ("FP8", "NVFP4", "W4A16_AWQ", ...), None when unquantized."""
+    info = quantization_info(path)
+    algo = info.get("quant_algo") if info else None
+    return str(algo) if algo else None
+
+
+def _precision(algo: str) -> Precision:
+    p = precision_for_quant_algo(algo)
+    if p is None:
+        raise CheckpointError(
+            f"quant_algo {algo!r} is not supported by dgpipe's runtime",
+            f"supported: {', '.join(supported_quant_algos())}",
+        )
+    return p
+
+
+@cache
+def _packed_format(algo: str) -> str:
+    """How a uint8 weight of this quant_algo is packed: the precision's name ('nvfp4', 'int4_awq')."""
+    return _precision(algo).name
+
+
+def _read_json(f: Path) -> dict[str, Any]:
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f}: not valid JSON ({e.msg} at line {e.lineno})") from e
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -63,29 +101,104 @@ def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
     return torch.where(q >= 8, q - 16, q)
 
 
+def is_packed(t: torch.Tensor) -> bool:
+    """A quantized weight as ModelOpt stores it (FP8 E4M3, or two 4-bit codes per byte)."""
+    return t.dtype in (torch.float8_e4m3fn, torch.uint8)
+
+
 def dequantize_weight(algo: str, w: torch.Tensor, get: Callable[[str], torch.Tensor | None]) -> torch.Tensor:
-    """One exported weight -> fp32 [out, in]; `get(suffix)` fetches a sibling tensor (or None)."""
+    """One exported weight -> fp32 [out, in]; `get(suffix)` fetches a sibling tensor (or None). Scales are
+    combined in ModelOpt's order (NVFP4: block scale x global scale first), which is also what the ONNX
+    DequantizeLinear chain computes."""
     if w.dtype == torch.float8_e4m3fn:
         scale = get("weight_scale")
         s = scale.float() if scale is not None else torch.tensor(1.0)
         return w.float() * (s.reshape(-1, 1) if s.dim() >= 1 and s.numel() == w.shape[0] else s)
-    if w.dtype == torch.uint8 and algo == "NVFP4":
+    if w.dtype != torch.uint8:
+        return w
+    fmt = _packed_format(algo)
+    if fmt == "nvfp4":
         block_scale, global_scale = get("weight_scale"), get("weight_scale_2")
         if block_scale is None or global_scale is None:
             raise CheckpointError("NVFP4 weight without weight_scale / weight_scale_2")
         vals = unpack_e2m1(w)
         block = vals.shape[-1] // block_scale.shape[-1]
-        return vals * block_scale.float().repeat_interleave(block, -1) * global_scale.float()
-    if w.dtype == torch.uint8 and algo in ("W4A16_AWQ", "INT4_AWQ"):
+        return vals * (block_scale.float() * global_scale.float()).repeat_interleave(block, -1)
+    if fmt == "int4_awq":
         scale = get("weight_scale")
         if scale is None:
             raise CheckpointError("INT4 weight without weight_scale")
         q = unpack_int4_rows(w).float()
         group = q.shape[-1] // scale.shape[-1]
         return q * scale.float().repeat_interleave(group, -1)
-    if w.dtype == torch.uint8:
-        raise CheckpointError(f"packed uint8 weight for unsupported quant_algo {algo!r}")
-    return w
+    raise CheckpointError(f"packed uint8 weight for unsupported quant_algo {algo!r}")
+
+
+@dataclass
+class PackedLinear:
+    """One quantized linear as the checkpoint stores it (layouts in the module docstring). Per-tensor
+    scales are fp32; `weight_scale` keeps its stored dtype (E4M3 block scales for NVFP4)."""
+
+    algo: str
+    weight: torch.Tensor
+    weight_scale: torch.Tensor | None = None
+    weight_scale_2: torch.Tensor | None = None
+    input_scale: torch.Tensor | None = None
+    pre_quant_scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("weight_scale_2", "input_scale"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).float())
+        if self.weight.dtype == torch.float8_e4m3fn and self.weight_scale is not None:
+            self.weight_scale = self.weight_scale.float()
+
+    @property
+    def format(self) -> str:
+        """'fp8', 'nvfp4' or 'int4_awq' (the precision this tensor is stored in)."""
+        return "fp8" if self.weight.dtype == torch.float8_e4m3fn else _packed_format(self.algo)
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_weight(self.algo, self.weight, lambda suffix: getattr(self, suffix))
+
+
+def read_packed_linears(path: Path) -> dict[str, PackedLinear]:
+    """Every quantized linear of a ModelOpt checkpoint, packed as stored, keyed by runtime module path
+    ("layers.0.self_attn.q_proj", "layers.0.experts.3.gate_proj", ...). Tensors the runtime does not read
+    (the vision tower, the encoder's tied copies) are skipped, as `load_model` skips them."""
+    from safetensors import safe_open
+
+    from pipeline.model.checkpoint import runtime_name, weight_files
+
+    info = quantization_info(path)
+    if info is None:
+        raise CheckpointError(
+            f"{path}: not a ModelOpt-quantized checkpoint",
+            "expected hf_quant_config.json or a quantization_config in config.json",
+        )
+    algo = str(info.get("quant_algo"))
+    _precision(algo)
+    files = weight_files(path)
+    handles: dict[Path, Any] = {}
+
+    def read(name: str) -> torch.Tensor:
+        f = files[name]
+        if f not in handles:
+            handles[f] = safe_open(f, "pt")
+        return handles[f].get_tensor(name)
+
+    out: dict[str, PackedLinear] = {}
+    for name in files:
+        target = runtime_name(name)
+        if target is None or not name.endswith(".weight"):
+            continue
+        w = read(name)
+        if not is_packed(w):
+            continue
+        base = name.removesuffix("weight")
+        aux = {s: read(base + s) for s in LINEAR_AUX if base + s in files}
+        out[target.removesuffix(".weight")] = PackedLinear(algo, w, **aux)
+    return out
 
 
 class QuantizedLoader:
@@ -93,12 +206,8 @@ class QuantizedLoader:
 
     def __init__(self, info: dict[str, Any]):
         self.algo = str(info.get("quant_algo"))
-        if self.algo not in SUPPORTED:
-            raise CheckpointError(
-                f"quant_algo {self.algo!r} is not supported by dgpipe's runtime",
-                f"supported: {', '.join(SUPPORTED)}",
-            )
-        self.act = ACT_FORMAT.get(self.algo)
+        p = _precision(self.algo)
+        self.act = p.activations if p.activations in ACTIVATION_FORMATS else None  # None: weight-only
         self.input_scales: dict[str, torch.Tensor] = {}  # runtime module name -> input scale
         self.pre_quant_scales: dict[str, torch.Tensor] = {}
 
@@ -113,12 +222,12 @@ class QuantizedLoader:
         if not runtime_name.endswith(".weight"):
             return t
         module = runtime_name[: -len(".weight")]
-        get = lambda suffix: fetch(suffix)
-        for suffix, store in (("input_scale", self.input_scales), ("pre_quant_scale", self.pre_quant_scales)):
-            s = get(suffix)
-            if s is not None:
-                store[module] = s.float()
-        return dequantize_weight(self.algo, t, get)
+        q = PackedLinear(self.algo, t, **{suffix: fetch(suffix) for suffix in LINEAR_AUX})
+        if q.input_scale is not None:
+            self.input_scales[module] = q.input_scale
+        if q.pre_quant_scale is not None:
+            self.pre_quant_scales[module] = q.pre_quant_scale.float()
+        return q.dequantized()
 
     def install(self, model: torch.nn.Module) -> int:
         """Hook activation quantization onto the runtime model; returns how many projections got one."""

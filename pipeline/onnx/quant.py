@@ -10,17 +10,14 @@ The exported graph keeps the packed weights as they are:
     x -> QuantizeLinear(input_scale, fp8 zero point) -> DequantizeLinear(input_scale) ----^
 
 which is the pattern TensorRT fuses into an FP8 GEMM (and what ModelOpt's own ONNX export writes). The
-tensors are read straight from safetensors (the shared loader in pipeline.model.checkpoint is not touched: it
-is being extended for quantized layouts on another branch); the float model used for tracing is loaded
-from a dequantized scratch copy. `fp8_reference_linear` is the plain-PyTorch fake-quant of the same
-arithmetic, the oracle for the onnxruntime parity test.
+packed tensors come from `pipeline.model.modelopt` (the one ModelOpt-format reader); the float model used
+for tracing is `load_model` without activation fake-quant (the graph carries its own Q/DQ).
+`fp8_reference_linear` is the plain-PyTorch fake-quant of the same arithmetic, the oracle for the
+onnxruntime parity test.
 """
 
 from __future__ import annotations
 
-import json
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,120 +25,57 @@ import onnx
 import torch
 import torch.nn.functional as F
 from onnx import TensorProto, helper
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from pipeline.errors import CheckpointError
-from pipeline.model.checkpoint import load_model, runtime_name, weight_files
+from pipeline.model.checkpoint import load_model
+from pipeline.model.fake_quant import NVFP4_BLOCK, fp8_fake_quant
+from pipeline.model.modelopt import PackedLinear, read_packed_linears
 from pipeline.model.network import DiffusionGemma
 from pipeline.onnx.graph import LinearFn
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# the stored tensors each exportable format needs per linear (the activation scale feeds the Q/DQ pair)
+EXPORT_NEEDS = {
+    "fp8": ("weight_scale", "input_scale"),
+    "nvfp4": ("weight_scale", "weight_scale_2", "input_scale"),
+}
 
 
-@dataclass
-class QuantLinear:
-    weight: torch.Tensor  # [out, in] float8_e4m3fn
-    weight_scale: torch.Tensor  # fp32 scalar
-    input_scale: torch.Tensor  # fp32 scalar
-
-    def dequantized(self) -> torch.Tensor:
-        return self.weight.to(torch.float32) * self.weight_scale
-
-
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-NVFP4_BLOCK = 16
-
-
-@dataclass
-class NVFP4Linear:
-    """ModelOpt NVFP4: E2M1 weights packed two per byte (low nibble first), an E4M3 scale per 16 inputs,
-    a fp32 per-tensor `weight_scale_2`, and the activations' fp32 per-tensor `input_scale`."""
-
-    packed: torch.Tensor  # [out, in / 2] uint8
-    block_scale: torch.Tensor  # [out, in / 16] float8_e4m3fn
-    weight_scale_2: torch.Tensor  # fp32 scalar
-    input_scale: torch.Tensor  # fp32 scalar
-
-    def dequantized(self) -> torch.Tensor:
-        codes = (
-            torch.stack([self.packed & 0xF, self.packed >> 4], dim=-1)
-            .reshape(self.packed.shape[0], -1)
-            .long()
-        )
-        values = E2M1_VALUES[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
-        scale = self.block_scale.to(torch.float32).repeat_interleave(NVFP4_BLOCK, dim=1) * self.weight_scale_2
-        return values * scale
-
-
-def fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What QuantizeLinear -> DequantizeLinear computes for FP8 E4M3FN (saturating, round to nearest even)."""
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return (q.to(torch.float32) * scale).to(x.dtype)
-
-
-def read_fp8_checkpoint(ckpt_dir: Path) -> tuple[DiffusionGemma, dict[str, QuantLinear]]:
+def read_fp8_checkpoint(ckpt_dir: Path) -> tuple[DiffusionGemma, dict[str, PackedLinear]]:
     """The float model (weights dequantized) and the packed FP8 linears keyed by runtime module path
     ("layers.0.self_attn.q_proj", "layers.0.experts.3.gate_proj", ...)."""
     model, quant = read_quantized_checkpoint(ckpt_dir)
-    if not all(isinstance(q, QuantLinear) for q in quant.values()):
+    if any(q.format != "fp8" for q in quant.values()):
         raise CheckpointError(f"{ckpt_dir}: not an FP8 checkpoint")
-    return model, quant  # type: ignore[return-value]
-
-
-def read_quantized_checkpoint(ckpt_dir: Path) -> tuple[DiffusionGemma, dict[str, QuantLinear | NVFP4Linear]]:
-    """Like read_fp8_checkpoint, for FP8 (F8_E4M3 weight) and NVFP4 (U8 weight + weight_scale_2) linears."""
-    files = weight_files(ckpt_dir)
-    handles = {f: safe_open(f, "pt") for f in set(files.values())}
-    raw = {name: handles[f].get_tensor(name) for name, f in files.items()}
-    quant: dict[str, QuantLinear | NVFP4Linear] = {}
-    plain: dict[str, torch.Tensor] = {}
-    for name, t in raw.items():
-        if name.endswith((".weight_scale", ".input_scale", ".weight_scale_2")):
-            continue
-        base = name.removesuffix(".weight")
-        if t.dtype == torch.uint8 and base + ".weight_scale_2" in raw:
-            target = runtime_name(name)
-            if base + ".weight_scale" not in raw or base + ".input_scale" not in raw or target is None:
-                raise CheckpointError(f"{ckpt_dir}: NVFP4 tensor '{name}' lacks weight_scale/input_scale")
-            q4 = NVFP4Linear(
-                t,
-                raw[base + ".weight_scale"],
-                raw[base + ".weight_scale_2"].float(),
-                raw[base + ".input_scale"].float(),
-            )
-            quant[target.removesuffix(".weight")] = q4
-            plain[name] = q4.dequantized()
-        elif t.dtype == torch.float8_e4m3fn:
-            base = name.removesuffix(".weight")
-            target = runtime_name(name)
-            if base + ".weight_scale" not in raw or base + ".input_scale" not in raw or target is None:
-                raise CheckpointError(f"{ckpt_dir}: FP8 tensor '{name}' lacks weight_scale/input_scale")
-            q = QuantLinear(t, raw[base + ".weight_scale"].float(), raw[base + ".input_scale"].float())
-            quant[target.removesuffix(".weight")] = q
-            plain[name] = q.dequantized()
-        else:
-            plain[name] = t
-    if not quant:
-        raise CheckpointError(f"{ckpt_dir}: no quantized weights", "is this a ModelOpt FP8/NVFP4 checkpoint?")
-    with tempfile.TemporaryDirectory() as scratch:
-        cfg = json.loads((ckpt_dir / "config.json").read_text())
-        cfg.pop("quantization_config", None)
-        (Path(scratch) / "config.json").write_text(json.dumps(cfg))
-        save_file({k: v.contiguous() for k, v in plain.items()}, str(Path(scratch) / "model.safetensors"))
-        model, _ = load_model(scratch)
     return model, quant
 
 
-def fp8_reference_linear(model: DiffusionGemma, quant: dict[str, QuantLinear]) -> LinearFn:
+def read_quantized_checkpoint(ckpt_dir: Path) -> tuple[DiffusionGemma, dict[str, PackedLinear]]:
+    """Like read_fp8_checkpoint, for FP8 and NVFP4 linears."""
+    quant = read_packed_linears(Path(ckpt_dir))
+    if not quant:
+        raise CheckpointError(f"{ckpt_dir}: no quantized weights", "is this a ModelOpt FP8/NVFP4 checkpoint?")
+    for path, q in quant.items():
+        needs = EXPORT_NEEDS.get(q.format)
+        if needs is None:
+            raise CheckpointError(
+                f"{ckpt_dir}: {q.format} linear '{path}' has no ONNX export", "use FP8 or NVFP4"
+            )
+        missing = [s for s in needs if getattr(q, s) is None]
+        if missing:
+            raise CheckpointError(f"{ckpt_dir}: {q.format.upper()} linear '{path}' lacks {'/'.join(missing)}")
+    model, _ = load_model(ckpt_dir, fake_quant_inputs=False)
+    return model, quant
+
+
+def fp8_reference_linear(model: DiffusionGemma, quant: dict[str, PackedLinear]) -> LinearFn:
     """PyTorch fake-quant linears: the oracle for the Q/DQ graph."""
 
     def linear(path: str, x: torch.Tensor) -> torch.Tensor:
         q = quant.get(path)
         if q is None:
             return F.linear(x, _float_weight(model, path))
-        return F.linear(fake_quant(x, q.input_scale), q.dequantized().to(x.dtype))
+        return F.linear(fp8_fake_quant(x, q.input_scale), q.dequantized().to(x.dtype))
 
     return linear
 
@@ -190,7 +124,7 @@ def _splice(g: onnx.GraphProto, before: dict[int, list[onnx.NodeProto]]) -> None
     g.node.extend(nodes)
 
 
-def insert_qdq(m: onnx.ModelProto, holder: _Holder, quant: dict[str, QuantLinear], prefix: str) -> None:
+def insert_qdq(m: onnx.ModelProto, holder: _Holder, quant: dict[str, PackedLinear], prefix: str) -> None:
     """Replace each stand-in initializer `{prefix}w{k}` by FP8 weight + DQ, and Q/DQ its MatMul's input."""
     g = m.graph
     inits = {t.name: t for t in g.initializer}
@@ -236,7 +170,7 @@ def insert_qdq(m: onnx.ModelProto, holder: _Holder, quant: dict[str, QuantLinear
     _splice(g, before)
 
 
-def insert_nvfp4(m: onnx.ModelProto, holder: _Holder, quant: dict, prefix: str) -> None:
+def insert_nvfp4(m: onnx.ModelProto, holder: _Holder, quant: dict[str, PackedLinear], prefix: str) -> None:
     """NVFP4 as ModelOpt's NVFP4QuantExporter writes it (TensorRT >= 11): per weight
     DQ(block_scale_f8, weight_scale_2) -> DQ(w_f4 FLOAT4E2M1, axis=-1, block_size=16) -> Transpose -> MatMul;
     per activation trt::TRT_FP4DynamicQuantize(x, input_scale) -> (x_f4, scale_f8) -> DQ -> DQ(blocked).
@@ -247,19 +181,19 @@ def insert_nvfp4(m: onnx.ModelProto, holder: _Holder, quant: dict, prefix: str) 
     for k, path in enumerate(holder.paths):
         stand_in, q = f"{prefix}w{k}", quant[path]
         g.initializer.remove(inits[stand_in])
-        out_f, in_f = q.packed.shape[0], q.packed.shape[1] * 2
+        out_f, in_f = q.weight.shape[0], q.weight.shape[1] * 2
         w4 = helper.make_tensor(
             f"{path}.weight",
             TensorProto.FLOAT4E2M1,
             [out_f, in_f],
-            q.packed.contiguous().numpy().tobytes(),
+            q.weight.contiguous().numpy().tobytes(),
             raw=True,
         )
         bs = helper.make_tensor(
             f"{path}.weight_scale",
             TensorProto.FLOAT8E4M3FN,
-            list(q.block_scale.shape),
-            q.block_scale.contiguous().view(torch.uint8).numpy().tobytes(),
+            list(q.weight_scale.shape),
+            q.weight_scale.contiguous().view(torch.uint8).numpy().tobytes(),
             raw=True,
         )
         ws2 = onnx.numpy_helper.from_array(np.asarray(q.weight_scale_2, np.float32), f"{path}.weight_scale_2")
@@ -322,7 +256,7 @@ def export_nvfp4(ckpt_dir: Path, out_dir: Path):
     from pipeline.onnx.export import export_onnx
 
     model, quant = read_quantized_checkpoint(Path(ckpt_dir))
-    if not all(isinstance(q, NVFP4Linear) for q in quant.values()):
+    if any(q.format != "nvfp4" for q in quant.values()):
         raise CheckpointError(
             f"{ckpt_dir}: mixes NVFP4 and FP8 linears", "export one precision per checkpoint"
         )

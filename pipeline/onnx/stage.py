@@ -10,20 +10,21 @@ import typer
 
 from pipeline.errors import DgpipeError
 
+ONNX_QUANTIZED = ("fp8", "nvfp4")  # precisions whose packed weights pipeline.onnx.quant exports as Q/DQ
+
 
 def checkpoint_precision(ckpt_dir: Path) -> str:
     """'fp8' / 'nvfp4' for a ModelOpt-quantized checkpoint, else the float dtype it stores ('fp32', 'bf16')."""
-    algo = None
-    hf_quant = ckpt_dir / "hf_quant_config.json"
-    if hf_quant.is_file():
-        algo = json.loads(hf_quant.read_text()).get("quantization", {}).get("quant_algo")
-    cfg = json.loads((ckpt_dir / "config.json").read_text()) if (ckpt_dir / "config.json").is_file() else {}
-    algo = algo or (cfg.get("quantization_config") or {}).get("quant_algo")
+    from pipeline.model.modelopt import quant_algo
+    from pipeline.targets import precision_for_quant_algo
+
+    algo = quant_algo(ckpt_dir)
     if algo:
-        known = {"FP8": "fp8", "NVFP4": "nvfp4"}
-        if algo.upper() not in known:
+        p = precision_for_quant_algo(algo)
+        if p is None or p.name not in ONNX_QUANTIZED:
             raise DgpipeError(f"{ckpt_dir}: quantization {algo!r} has no ONNX export", "use FP8 or NVFP4")
-        return known[algo.upper()]
+        return p.name
+    cfg = json.loads((ckpt_dir / "config.json").read_text()) if (ckpt_dir / "config.json").is_file() else {}
     return {"bfloat16": "bf16", "float16": "fp16"}.get(str(cfg.get("dtype", "float32")), "fp32")
 
 

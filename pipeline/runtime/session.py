@@ -1,5 +1,8 @@
 """A loaded checkpoint ready to serve text: model + tokenizer + prompt format + sampler defaults.
 
+The prompt format (text <-> tokens, infill template) is the one the checkpoint names, looked up in
+`pipeline.runtime.prompt_format`; the session never branches on the task.
+
 Shared by `dgpipe generate`, `eval`, `bench` and the Triton model so they all turn text into requests
 (and tokens back into text) the same way.
 """
@@ -7,7 +10,7 @@ Shared by `dgpipe generate`, `eval`, `bench` and the Triton model so they all tu
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ from pipeline.model.checkpoint import Checkpoint, load_model, open_checkpoint
 from pipeline.model.config import SamplerConfig
 from pipeline.model.network import DiffusionGemma
 from pipeline.resources import EMBEDDED_MODEL
+from pipeline.runtime.prompt_format import PromptFormat, prompt_format_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,6 +57,10 @@ class Session:
     model: DiffusionGemma
     checkpoint: Checkpoint
     tokenizer: Any  # tokenizers.Tokenizer | None
+    prompt_format: PromptFormat = field(init=False)  # the one the checkpoint names
+
+    def __post_init__(self) -> None:
+        self.prompt_format = prompt_format_for(self.checkpoint, self.tokenizer)
 
     @property
     def task(self) -> str | None:
@@ -65,27 +73,11 @@ class Session:
     def encode_prompt(self, text: str) -> list[int]:
         if not text:
             raise InputError("prompt is empty", "pass the text to continue")
-        if self.task == "sudoku":
-            from pipeline.demo import sudoku
-            from pipeline.demo import tokenizer as stok
-
-            try:
-                return stok.sudoku_prompt_ids(sudoku.parse_puzzle(text))
-            except sudoku.PuzzleError as e:
-                raise InputError(f"puzzle: {e}") from e
-        if self.tokenizer is None:
-            raise InputError("this checkpoint has no tokenizer.json", "pass token ids instead of text")
-        template = self.checkpoint.dgpipe.get("prompt_template", "<bos>{prompt}")
-        return self.tokenizer.encode(template.format(prompt=text), add_special_tokens=False).ids
+        return self.prompt_format.encode_prompt(text)
 
     def default_template(self, text: str) -> list[int] | None:
-        """Task-specific infill: a Sudoku's givens are pinned in the canvas."""
-        if self.task == "sudoku":
-            from pipeline.demo import sudoku
-            from pipeline.demo import tokenizer as stok
-
-            return stok.sudoku_infill_template(sudoku.parse_puzzle(text))
-        return None
+        """The prompt format's infill for this prompt (a Sudoku's givens are pinned in the canvas), or None."""
+        return self.prompt_format.infill_template(text)
 
     def build_template(self, text: str, hole: str = "_") -> list[int]:
         """Infill template from text: each `hole` character is one free canvas position, other text is
@@ -105,13 +97,7 @@ class Session:
         return out
 
     def decode(self, tokens: list[int]) -> str:
-        if self.task == "sudoku":
-            from pipeline.demo import tokenizer as stok
-
-            return stok.decode_solution(tokens)
-        if self.tokenizer is None:
-            return " ".join(map(str, tokens))
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return self.prompt_format.decode(tokens)
 
 
 def load_session(

@@ -412,7 +412,8 @@ def build_fp8_checkpoint(model, out: Path) -> Path:
     from safetensors.torch import save_file
 
     from pipeline.model.checkpoint import DECODER, hf_state_dict
-    from pipeline.onnx.quant import FP8_MAX, _float_weight
+    from pipeline.model.fake_quant import E4M3_MAX as FP8_MAX
+    from pipeline.onnx.quant import _float_weight
 
     amax = _calibrate(model)
     state = hf_state_dict(model)
@@ -585,7 +586,8 @@ def test_cli_export_writes_onnx_and_records_manifest(tmp_path):
 # ---- NVFP4 (checker-level) ------------------------------------------------------------------------------
 def _nvfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ModelOpt-style NVFP4 of one weight: (packed U8 [out, in/2], E4M3 block scales, fp32 weight_scale_2)."""
-    from pipeline.onnx.quant import E2M1_VALUES, FP8_MAX, NVFP4_BLOCK
+    from pipeline.model.fake_quant import E2M1_VALUES, NVFP4_BLOCK
+    from pipeline.model.fake_quant import E4M3_MAX as FP8_MAX
 
     out_f, in_f = w.shape
     global_scale = w.abs().max() / (6.0 * FP8_MAX)
@@ -603,7 +605,8 @@ def test_nvfp4_export_passes_checker_and_packs_weights_exactly(model, tmp_path):
     from safetensors.torch import save_file
 
     from pipeline.model.checkpoint import DECODER, hf_state_dict
-    from pipeline.onnx.quant import NVFP4Linear, _float_weight, export_nvfp4
+    from pipeline.model.modelopt import PackedLinear
+    from pipeline.onnx.quant import _float_weight, export_nvfp4
     from pipeline.onnx.stage import checkpoint_precision
 
     amax = _calibrate(model)
@@ -620,7 +623,9 @@ def test_nvfp4_export_passes_checker_and_packs_weights_exactly(model, tmp_path):
             f"{name}.weight_scale_2": ws2,
             f"{name}.input_scale": torch.tensor(max(a, 1e-4) / (6.0 * 448.0)),
         }
-        expected[path] = NVFP4Linear(packed, block_scale, ws2, state[f"{name}.input_scale"]).dequantized()
+        expected[path] = PackedLinear(
+            "NVFP4", packed, block_scale, ws2, state[f"{name}.input_scale"]
+        ).dequantized()
     ckpt = tmp_path / "nvfp4"
     ckpt.mkdir()
     save_file({k: v.contiguous() for k, v in state.items()}, str(ckpt / "model.safetensors"))

@@ -1,0 +1,35 @@
+"""The Sudoku prompt format: a puzzle as text -> the demo model's prompt, its givens pinned in the canvas,
+and the canvas read back as 81 digits. Checkpoints with `"task": "sudoku"` (or `"prompt_format": "sudoku"`)
+in dgpipe.json get it through `pipeline.runtime.prompt_format`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pipeline.demo import sudoku
+from pipeline.demo import tokenizer as stok
+from pipeline.errors import InputError
+
+
+def _puzzle(text: str) -> str:
+    try:
+        return sudoku.parse_puzzle(text)
+    except sudoku.PuzzleError as e:
+        raise InputError(f"puzzle: {e}") from e
+
+
+class SudokuFormat:
+    needs_tokenizer = False  # the demo vocabulary is fixed: puzzles are encoded without tokenizer.json
+
+    def __init__(self, checkpoint: Any = None, tokenizer: Any = None) -> None:
+        pass
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return stok.sudoku_prompt_ids(_puzzle(text))
+
+    def infill_template(self, text: str) -> list[int] | None:
+        return stok.sudoku_infill_template(_puzzle(text))
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return stok.decode_solution(tokens)

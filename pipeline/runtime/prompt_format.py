@@ -1,0 +1,122 @@
+"""Prompt formats: how a checkpoint's text becomes prompt tokens and a canvas template, and how generated
+tokens become text again.
+
+A checkpoint names its format in dgpipe.json (`prompt_format`; older checkpoints only have a `task`, which
+is taken as the format's name when a format of that name exists). The runtime looks the name up here and
+never branches on it. Three sources, first match wins:
+
+1. `register_prompt_format(name, factory)`: formats registered in-process (tests, embedding applications);
+2. `SHIPPED`: formats that ship with dgpipe outside the runtime, as the "module:attr" of their factory.
+   The module is imported only when a checkpoint names the format, so the runtime does not depend on (or
+   pay for importing) the Sudoku demo for any other checkpoint, and the demo stays the demo's business;
+3. the `dgpipe.prompt_formats` entry-point group: formats from other installed packages
+   (`[project.entry-points."dgpipe.prompt_formats"] myformat = "mypkg.fmt:MyFormat"`).
+
+A checkpoint only ever supplies a *name*: the code behind it is dgpipe's or an installed package's, never
+something read from the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
+from typing import Any, Protocol
+
+from pipeline.errors import CheckpointError, InputError
+from pipeline.model.checkpoint import Checkpoint
+
+ENTRY_POINT_GROUP = "dgpipe.prompt_formats"
+DEFAULT = "text"
+
+
+class PromptFormat(Protocol):
+    needs_tokenizer: bool  # whether text prompts need the checkpoint's tokenizer.json
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Prompt text (non-empty) -> prompt token ids; bad text raises InputError."""
+        ...
+
+    def infill_template(self, text: str) -> list[int] | None:
+        """The canvas template this prompt implies (pinned token ids, -1 = free), or None for none."""
+        ...
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """Generated canvas tokens -> text."""
+        ...
+
+
+# (checkpoint, tokenizers.Tokenizer or None) -> PromptFormat
+PromptFormatFactory = Callable[[Checkpoint, Any], PromptFormat]
+
+
+class TextFormat:
+    """The default: dgpipe.json's `prompt_template` ("<bos>{prompt}" when absent) through tokenizer.json."""
+
+    needs_tokenizer = True
+
+    def __init__(self, checkpoint: Checkpoint, tokenizer: Any) -> None:
+        self.template = checkpoint.dgpipe.get("prompt_template", "<bos>{prompt}")
+        self.tokenizer = tokenizer
+
+    def encode_prompt(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InputError("this checkpoint has no tokenizer.json", "pass token ids instead of text")
+        return self.tokenizer.encode(self.template.format(prompt=text), add_special_tokens=False).ids
+
+    def infill_template(self, text: str) -> list[int] | None:
+        return None
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, tokens))
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+
+_REGISTRY: dict[str, PromptFormatFactory] = {DEFAULT: TextFormat}
+SHIPPED = {"sudoku": "pipeline.demo.prompt_format:SudokuFormat"}
+
+
+def register_prompt_format(name: str, factory: PromptFormatFactory) -> None:
+    """Make `name` (a checkpoint's dgpipe.json `prompt_format`) build its format with `factory`."""
+    _REGISTRY[name] = factory
+
+
+def _load(target: str) -> PromptFormatFactory:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def prompt_format_factory(name: str) -> PromptFormatFactory | None:
+    """The factory registered, shipped or installed under `name`; None when there is none."""
+    if name not in _REGISTRY:
+        if name in SHIPPED:
+            _REGISTRY[name] = _load(SHIPPED[name])
+        else:
+            found = list(entry_points(group=ENTRY_POINT_GROUP, name=name))
+            if not found:
+                return None
+            _REGISTRY[name] = found[0].load()
+    return _REGISTRY[name]
+
+
+def known_prompt_formats() -> list[str]:
+    return sorted({*_REGISTRY, *SHIPPED, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
+
+
+def prompt_format_for(checkpoint: Checkpoint, tokenizer: Any) -> PromptFormat:
+    """The format the checkpoint names (dgpipe.json `prompt_format`, else a format named like its `task`,
+    else plain text)."""
+    name = checkpoint.dgpipe.get("prompt_format")
+    if name is not None:
+        factory = prompt_format_factory(str(name))
+        if factory is None:
+            raise CheckpointError(
+                f"{checkpoint.path / 'dgpipe.json'}: unknown prompt_format {name!r}",
+                f"known: {', '.join(known_prompt_formats())} (installed packages add formats under the "
+                f"'{ENTRY_POINT_GROUP}' entry-point group)",
+            )
+    else:
+        task = checkpoint.dgpipe.get("task")
+        factory = (prompt_format_factory(str(task)) if task else None) or _REGISTRY[DEFAULT]
+    return factory(checkpoint, tokenizer)
