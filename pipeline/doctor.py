@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 
 @dataclass
@@ -102,18 +101,9 @@ def check_module(name: str, dist: str, hint: str, needed_for: str) -> Check:
     return Check(dist, True, v, needed_for=needed_for)
 
 
-def tritonserver_binary() -> Path | None:
-    """The `tritonserver` of the nvidia-pytriton wheel (runs on CPU), else one on PATH."""
-    spec = importlib.util.find_spec("pytriton")
-    if spec and spec.submodule_search_locations:
-        cand = Path(next(iter(spec.submodule_search_locations))) / "tritonserver" / "bin" / "tritonserver"
-        if cand.is_file():
-            return cand
-    found = shutil.which("tritonserver")
-    return Path(found) if found else None
-
-
 def check_tritonserver() -> Check:
+    from pipeline.serving.server import tritonserver_binary
+
     b = tritonserver_binary()
     if b is None:
         return Check(

@@ -21,6 +21,7 @@ def _puzzle(text: str) -> str:
 
 class SudokuFormat:
     needs_tokenizer = False  # the demo vocabulary is fixed: puzzles are encoded without tokenizer.json
+    example_prompt = sudoku.EXAMPLE_PUZZLE
 
     def __init__(self, checkpoint: Any = None, tokenizer: Any = None) -> None:
         pass

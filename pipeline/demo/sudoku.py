@@ -43,6 +43,9 @@ _UNITS = (
     ("box", [[i for i in range(81) if _BOX[i] == b] for b in range(9)]),
 )
 
+# make_dataset(2026, 1, (50, 50)): 50 givens, unique solution; the README, demo and benchmark puzzle
+EXAMPLE_PUZZLE = "14...9..56925.31.8835.1.927..1732.5.259.6.7.437694.28....6.4.935.3.914..92....816"
+
 
 class PuzzleError(ValueError):
     """Raised for malformed puzzle text; the message is one line meant to be shown to a user."""

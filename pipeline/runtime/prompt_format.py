@@ -32,6 +32,7 @@ DEFAULT = "text"
 
 class PromptFormat(Protocol):
     needs_tokenizer: bool  # whether text prompts need the checkpoint's tokenizer.json
+    example_prompt: str  # a typical prompt: the Triton warm-up request and the benchmark prompt
 
     def encode_prompt(self, text: str) -> list[int]:
         """Prompt text (non-empty) -> prompt token ids; bad text raises InputError."""
@@ -54,6 +55,7 @@ class TextFormat:
     """The default: dgpipe.json's `prompt_template` ("<bos>{prompt}" when absent) through tokenizer.json."""
 
     needs_tokenizer = True
+    example_prompt = "Hello"
 
     def __init__(self, checkpoint: Checkpoint, tokenizer: Any) -> None:
         self.template = checkpoint.dgpipe.get("prompt_template", "<bos>{prompt}")

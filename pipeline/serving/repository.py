@@ -170,8 +170,6 @@ def _engine_dirs(engines: Path) -> list[Path]:
 
 
 def _warmup_prompt(ckpt) -> str:
-    if ckpt.dgpipe.get("task") == "sudoku":
-        from pipeline.bench.local import SUDOKU_PROMPT
+    from pipeline.runtime.prompt_format import prompt_format_for
 
-        return SUDOKU_PROMPT
-    return "Hello"
+    return prompt_format_for(ckpt, tokenizer=None).example_prompt

@@ -7,6 +7,7 @@ environment. On GPU hosts `--image` gives the NGC container command instead.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -17,10 +18,20 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.doctor import tritonserver_binary
 from pipeline.errors import DgpipeError
 
 NGC_IMAGE = "nvcr.io/nvidia/tritonserver:25.10-py3"
+
+
+def tritonserver_binary() -> Path | None:
+    """The `tritonserver` of the nvidia-pytriton wheel (runs on CPU), else one on PATH."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec and spec.submodule_search_locations:
+        cand = Path(next(iter(spec.submodule_search_locations))) / "tritonserver" / "bin" / "tritonserver"
+        if cand.is_file():
+            return cand
+    found = shutil.which("tritonserver")
+    return Path(found) if found else None
 
 
 def _pytriton_root() -> Path:

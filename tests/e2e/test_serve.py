@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from pipeline.demo import sudoku
-from pipeline.doctor import tritonserver_binary
 from pipeline.serving.client import complete
+from pipeline.serving.server import tritonserver_binary
 
 pytestmark = pytest.mark.skipif(
     tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
