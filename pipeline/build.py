@@ -124,7 +124,7 @@ def _quantize(opts: BuildOptions, build_dir: Path, say: Callable[[str], None]) -
 def _export(build_dir: Path, say: Callable[[str], None]) -> dict:
     from pipeline.onnx.stage import run_export
 
-    result = run_export(build_dir / LAYOUT["checkpoint"], None, build_dir, True, as_json=None)
+    result = run_export(build_dir / LAYOUT["checkpoint"], None, build_dir, True)
     say(f"export: {result['path']} (opset {result['opset']}, custom ops {', '.join(result['custom_ops'])})")
     return result
 

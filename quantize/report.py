@@ -111,6 +111,7 @@ def build_report(
     """Quantize the model to each precision (bf16 always included: the reference), evaluate each export."""
     from pipeline.demo import sudoku
     from pipeline.demo.evaluate import eval_sudoku
+    from pipeline.demo.prompt_format import SudokuFormat
     from pipeline.runtime.session import load_session
     from quantize.run import QuantizeOptions, quantize_checkpoint
 
@@ -123,8 +124,10 @@ def build_report(
         )
         paths[p] = Path(res.output)
     ref = load_session(paths["bf16"], "float32", "cpu")
-    if ref.task != "sudoku":
-        raise DgpipeError(f"{model}: the accuracy report needs a Sudoku model (dgpipe.json task 'sudoku')")
+    if not isinstance(ref.prompt_format, SudokuFormat):
+        raise DgpipeError(
+            f"{model}: the accuracy report needs a Sudoku model (dgpipe.json prompt format 'sudoku')"
+        )
     givens = tuple(ref.checkpoint.dgpipe.get("givens_range", (45, 61)))
     puzzles = sudoku.make_dataset(seed, n, givens)  # type: ignore[arg-type]
     cs = canvas_set(puzzles[:kl_puzzles], ref.model.config.canvas_length, ref.model.cfg.vocab_size)

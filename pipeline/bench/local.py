@@ -11,12 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import typer
 
 from pipeline.bench.results import save_result
 from pipeline.model.config import SamplerConfig
-
-SUDOKU_PROMPT = "14...9..56925.31.8835.1.927..1732.5.259.6.7.437694.28....6.4.935.3.914..92....816"  # make_dataset(2026, 1, (50, 50)): unique solution
 
 
 @dataclass
@@ -213,17 +210,21 @@ def machine() -> dict[str, Any]:
     return info
 
 
+RESULT_FILE = "bench_local.json"
+
+
 def run_bench_local(
-    model, runs: int, batch: int, reference: bool, out: Path, dtype: str, device: str, as_json: bool
-) -> None:
+    model, runs: int, batch: int, reference: bool, out: Path, dtype: str, device: str
+) -> dict[str, Any]:
+    """Time each system, write out/bench_local.json and return the result (`dgpipe bench local` prints it)."""
     from pipeline.runtime.session import load_session
 
     session = load_session(model, dtype, device)
-    sudoku = session.task == "sudoku"
-    prompt = SUDOKU_PROMPT if sudoku else "The quick brown fox"
+    prompt = session.prompt_format.example_prompt
     prompt_ids = session.encode_prompt(prompt)
-    template = session.default_template(prompt) if sudoku else None
-    max_tokens = session.model.config.canvas_length if sudoku else 2 * session.model.config.canvas_length
+    template = session.default_template(prompt)
+    # a pinned template fills one canvas; free text gets two
+    max_tokens = session.model.config.canvas_length * (1 if template is not None else 2)
     policies = [session.sampler(confidence_threshold=0.0, max_denoising_steps=16), session.sampler()]
     rows: list[Row] = []
     for sampler in policies:
@@ -244,18 +245,5 @@ def run_bench_local(
         "machine": machine(),
         "rows": [asdict(r) for r in rows],
     }
-    if save_result(out, "bench_local.json", result, as_json):
-        return
-    typer.echo(
-        f"{result['model']}  {result['dtype']} on {result['device']}, batch {batch}, medians of {runs} runs"
-    )
-    typer.echo(
-        f"{'system':<24}{'steps':<16}{'tokens':>7}{'passes/canvas':>14}{'tok/pass':>9}{'ms/pass':>9}"
-        f"{'ms/canvas':>10}{'TTFT ms':>9}{'tokens/s':>10}"
-    )
-    for r in rows:
-        typer.echo(
-            f"{r.system:<24}{r.policy:<16}{r.tokens:>7.0f}{r.passes_per_canvas:>14.1f}{r.tokens_per_pass:>9.2f}"
-            f"{r.ms_per_pass:>9.2f}{r.ms_per_canvas:>10.1f}{r.ttft_ms:>9.1f}{r.tokens_per_s:>10.1f}"
-        )
-    typer.echo(f"results: {out / 'bench_local.json'}")
+    save_result(out, RESULT_FILE, result)
+    return result

@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import typer
 
 from pipeline.bench.results import save_result
 from pipeline.model.config import ModelConfig
@@ -23,6 +22,8 @@ from pipeline.model.network import DiffusionGemma, canvas_positions
 from pipeline.resources import load_yaml
 from pipeline.runtime.kv_cache import KVCache, attention_masks
 from pipeline.sampler.reference import CounterDraws, RowKeys, sample_step
+
+RESULT_FILE = "bench_model.json"
 
 
 @dataclass
@@ -226,8 +227,8 @@ def run_bench_model(
     dtype: str,
     device: str,
     out: Path,
-    as_json: bool,
-) -> None:
+) -> dict:
+    """Time each batch, write out/bench_model.json and return the result (`dgpipe bench model` prints it)."""
     from pipeline.runtime.session import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
@@ -249,18 +250,5 @@ def run_bench_model(
         "step_policy": "fixed",
         "rows": [asdict(r) for r in rows],
     }
-    if save_result(out, "bench_model.json", result, as_json):
-        return
-    typer.echo(
-        f"{config} random {dt} on {result['device']}: {result['weight_gb']:.1f} GB weights, copy bandwidth "
-        f"{result['copy_bandwidth_gb_s']:.0f} GB/s, context {context}, {steps} fixed steps"
-    )
-    typer.echo(
-        f"{'batch':>5}{'ms/pass':>10}{'floor':>8}{'x floor':>8}{'ms/canvas':>11}{'diff tok/s':>12}{'AR tok/s':>10}{'diff/AR':>8}{'rt eager':>10}{'rt graph':>10}{'graph x':>8}"
-    )
-    for r in rows:
-        typer.echo(
-            f"{r.batch:>5}{r.ms_per_denoise_pass:>10.2f}{r.floor_ms_per_pass:>8.2f}{r.pass_over_floor:>8.2f}"
-            f"{r.ms_per_canvas:>11.1f}{r.diffusion_tokens_per_s:>12.1f}{r.ar_tokens_per_s:>10.1f}{r.diffusion_over_ar:>8.2f}"
-            f"{r.runtime_ms_per_canvas_eager:>10.1f}{r.runtime_ms_per_canvas_graph:>10.1f}{r.graph_speedup:>8.2f}"
-        )
+    save_result(out, RESULT_FILE, result)
+    return result

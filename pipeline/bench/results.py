@@ -1,4 +1,4 @@
-"""Where benchmark results go: one JSON file per run (written atomically), echoed whole with --json."""
+"""Where benchmark results go: one JSON file per run, written atomically."""
 
 from __future__ import annotations
 
@@ -8,11 +8,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import typer
 
-
-def save_result(out: Path, name: str, result: dict[str, Any], as_json: bool) -> bool:
-    """Write out/name atomically; with --json also print it and return True (the caller prints nothing else)."""
+def save_result(out: Path, name: str, result: dict[str, Any]) -> Path:
+    """Write out/name atomically; return its path."""
     out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(result, indent=2, default=str)
     fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.")
@@ -20,6 +18,4 @@ def save_result(out: Path, name: str, result: dict[str, Any], as_json: bool) -> 
         fh.write(text)
     os.chmod(tmp, 0o644)  # mkstemp creates 0600
     os.replace(tmp, out / name)
-    if as_json:
-        typer.echo(text)
-    return as_json
+    return out / name

@@ -1,6 +1,6 @@
 """`dgpipe bench sweep` (accuracy against steps) and `dgpipe bench serve` (Triton throughput and latency).
 
-Both write JSON plus PNG plots next to it, and print a table; every figure carries the step policy.
+Both write JSON plus PNG plots next to it and return the result; every figure carries the step policy.
 """
 
 from __future__ import annotations
@@ -8,13 +8,15 @@ from __future__ import annotations
 import concurrent.futures
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import typer
-
 from pipeline.bench.results import save_result
 from pipeline.demo import sudoku
+
+SWEEP_JSON, SWEEP_PLOT = "sweep.json", "sweep.png"
+SERVE_JSON, SERVE_PLOTS = "serve.json", ("serve_throughput.png", "serve_latency.png")
 
 
 def _plot(path: Path, draw) -> None:
@@ -49,10 +51,10 @@ def run_sweep(
     n: int,
     givens: tuple[int, int] | None,
     out: Path,
-    as_json: bool,
-) -> None:
-    from rich.progress import Progress
-
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Solve rate per (bound, max steps) on n puzzles; writes out/sweep.json + sweep.png, returns the result.
+    `progress(k)` is told of every k puzzles done (len(bounds) * len(steps) * n in all)."""
     from pipeline.demo.evaluate import eval_sudoku
     from pipeline.runtime.session import load_session
 
@@ -60,29 +62,20 @@ def run_sweep(
     givens = givens or tuple(session.checkpoint.dgpipe.get("givens_range", (45, 61)))  # type: ignore[assignment]
     puzzles = sudoku.make_dataset(30_000, n, givens)
     points: list[dict[str, Any]] = []
-    with Progress(transient=True, disable=as_json) as bar:
-        task = bar.add_task("sweep", total=len(bounds) * len(steps) * n)
-        for b in bounds:
-            for s in steps:
-                sampler = session.sampler(entropy_bound=b, max_denoising_steps=s)
-                rep = eval_sudoku(
-                    session.model,
-                    puzzles,
-                    givens,
-                    sampler,
-                    batch=100,
-                    progress=lambda k: bar.advance(task, k),
-                )
-                points.append(
-                    {
-                        "entropy_bound": b,
-                        "max_steps": s,
-                        "solve_rate": rep.solve_rate,
-                        "mean_steps": rep.mean_steps,
-                        "p90_steps": rep.p90_steps,
-                        "tokens_per_s": rep.tokens_per_s,
-                    }
-                )
+    for b in bounds:
+        for s in steps:
+            sampler = session.sampler(entropy_bound=b, max_denoising_steps=s)
+            rep = eval_sudoku(session.model, puzzles, givens, sampler, batch=100, progress=progress)
+            points.append(
+                {
+                    "entropy_bound": b,
+                    "max_steps": s,
+                    "solve_rate": rep.solve_rate,
+                    "mean_steps": rep.mean_steps,
+                    "p90_steps": rep.p90_steps,
+                    "tokens_per_s": rep.tokens_per_s,
+                }
+            )
     pareto = pareto_front(points)
     result = {
         "model": str(session.checkpoint.path),
@@ -114,16 +107,9 @@ def run_sweep(
         ax.set_title("Entropy bound x max steps (adaptive stop)")
         ax.legend(fontsize=8)
 
-    _plot(out / "sweep.png", draw)
-    if save_result(out, "sweep.json", result, as_json):
-        return
-    typer.echo(f"{'bound':>7}{'max steps':>10}{'solved':>8}{'mean steps':>12}{'p90':>6}")
-    for p in points:
-        mark = " *" if p in pareto else ""
-        typer.echo(
-            f"{p['entropy_bound']:>7g}{p['max_steps']:>10}{100 * p['solve_rate']:>7.1f}%{p['mean_steps']:>12.1f}{p['p90_steps']:>6.0f}{mark}"
-        )
-    typer.echo(f"* Pareto front; plot: {out / 'sweep.png'}")
+    _plot(out / SWEEP_PLOT, draw)
+    save_result(out, SWEEP_JSON, result)
+    return result
 
 
 def pareto_front(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -212,8 +198,9 @@ def run_bench_serve(
     concurrency: list[int],
     requests: int,
     out: Path,
-    as_json: bool,
-) -> None:
+) -> dict[str, Any]:
+    """Closed-loop clients at each concurrency over HTTP and gRPC, and the same requests in-process;
+    writes out/serve.json + two plots, returns the result."""
     from pipeline.runtime.session import load_session
 
     session = load_session()
@@ -262,16 +249,7 @@ def run_bench_serve(
 
         return draw
 
-    _plot(out / "serve_throughput.png", draw_metric("tokens_per_s", "tokens/s"))
-    _plot(out / "serve_latency.png", draw_metric("p50_ms", "p50 latency (ms)"))
-    if save_result(out, "serve.json", result, as_json):
-        return
-    typer.echo(
-        f"{'protocol':<11}{'conc':>5}{'req/s':>8}{'tok/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'TTFC ms':>9}{'ok':>6}"
-    )
-    for r in rows:
-        typer.echo(
-            f"{r['protocol']:<11}{r['concurrency']:>5}{r['requests_per_s']:>8.2f}{r['tokens_per_s']:>9.1f}{r['p50_ms']:>9.1f}"
-            f"{r['p90_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['ttfc_p50_ms']:>9.1f}{100 * r['ok_rate']:>5.0f}%"
-        )
-    typer.echo(f"plots: {out / 'serve_throughput.png'}, {out / 'serve_latency.png'}")
+    _plot(out / SERVE_PLOTS[0], draw_metric("tokens_per_s", "tokens/s"))
+    _plot(out / SERVE_PLOTS[1], draw_metric("p50_ms", "p50 latency (ms)"))
+    save_result(out, SERVE_JSON, result)
+    return result

@@ -2,25 +2,26 @@
 
 `build` is also the on-node step: the Kubernetes initContainer / Job runs exactly this command in the
 serving image, where an up-to-date plan is kept (pod restarts cost nothing) and a stale one is rebuilt.
-Heavy imports stay inside the commands so `dgpipe --help` stays instant.
+Heavy imports stay inside the commands so `dgpipe engine --help` stays instant.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from pipeline.builddir import EngineLimits
+from pipeline.cli import options as opt
+from pipeline.cli import output as out
 
-engine_app = typer.Typer(
+app = opt.typer_app(
     help="TensorRT engines: build on the target GPU node, check against this node.", no_args_is_help=True
 )
 
 
-@engine_app.command("build")
+@app.command("build")
 def build_cmd(
     target: Annotated[
         str, typer.Option(help="GPU target: sm90 (H100/H200), sm100 (B200), sm120 (RTX Blackwell)")
@@ -32,13 +33,13 @@ def build_cmd(
         str | None, typer.Option(help="bf16, fp8, int4_awq, nvfp4; default: the target's")
     ] = None,
     output: Annotated[
-        Path | None, typer.Option(help="writes <output>/engines/<target>/; default: --build-dir")
+        Path | None, opt.output("writes <output>/engines/<target>/; default: --build-dir")
     ] = None,
     plugins: Annotated[
         Path | None, typer.Option(help="dir holding <target>/dg_sampler.ptx; default <output>/plugins")
     ] = None,
     build_dir: Annotated[
-        Path | None, typer.Option(help="a `dgpipe build` directory: defaults + manifest record")
+        Path | None, opt.build_dir("a `dgpipe build` directory: defaults + manifest record")
     ] = None,
     max_batch: Annotated[
         int, typer.Option(help="largest batch (rows) a profile accepts")
@@ -53,7 +54,7 @@ def build_cmd(
     dry_run: Annotated[
         bool, typer.Option(help="validate and print the build (and its node command) only")
     ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+    as_json: opt.Json = False,
 ) -> None:
     """Build engines/<target>/model.plan + engine.json (needs TensorRT >= 10.8 and a GPU of the target)."""
     from pipeline.engine.build_engine import build, plan_build
@@ -91,7 +92,7 @@ def build_cmd(
         "node_command": plan.command(),
     }
     if dry_run:
-        typer.echo(json.dumps(summary, indent=2) if as_json else _describe(plan))
+        out.show(summary, as_json, lambda _: _describe(plan))
         return
     manifest, built = build(plan, force=force)
     if man is not None and build_dir is not None:
@@ -103,14 +104,15 @@ def build_cmd(
         "tensorrt_version": manifest.tensorrt_version,
         "plan_sha256": manifest.plan_sha256,
     }
-    if as_json:
-        typer.echo(json.dumps(summary, indent=2))
-    else:
-        verb = "built" if built else "up to date, kept"
-        typer.echo(
+    verb = "built" if built else "up to date, kept"
+    out.show(
+        summary,
+        as_json,
+        lambda _: (
             f"{plan.engine_dir / manifest.plan}: {verb} (TensorRT {manifest.tensorrt_version}, "
             f"{manifest.gpu_name}, cc {manifest.compute_capability}, {manifest.precision})"
-        )
+        ),
+    )
 
 
 def _describe(plan) -> str:
@@ -127,10 +129,10 @@ def _describe(plan) -> str:
     return "\n".join(lines)
 
 
-@engine_app.command("check")
+@app.command("check")
 def check_cmd(
     plan: Annotated[Path, typer.Option(help="engines/<target> dir, or an engines/ dir (picks this GPU's)")],
-    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+    as_json: opt.Json = False,
 ) -> None:
     """Check a plan's manifest against this node's TensorRT and GPU (exit 2 with the reason on mismatch)."""
     from pipeline.engine.plan_record import check_compatible, load_engine_manifest
@@ -147,4 +149,4 @@ def check_cmd(
         "tensorrt": manifest.tensorrt_version,
         "compute_capability": manifest.compute_capability,
     }
-    typer.echo(json.dumps(result, indent=2) if as_json else f"{result['plan']}: matches this node")
+    out.show(result, as_json, lambda r: f"{r['plan']}: matches this node")

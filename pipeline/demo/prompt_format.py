@@ -34,3 +34,7 @@ class SudokuFormat:
 
     def decode(self, tokens: Sequence[int]) -> str:
         return stok.decode_solution(tokens)
+
+    def present(self, prompt: str, text: str) -> tuple[str, str | None]:
+        solved = sudoku.is_valid_solution(_puzzle(prompt), text)
+        return sudoku.format_grid(text), "solved" if solved else "NOT a valid solution"

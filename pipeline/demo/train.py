@@ -176,7 +176,7 @@ def train(
     cfg: TrainConfig,
     out: Path,
     resume: Path | None = None,
-    log: Callable[[dict], None] = print,
+    log: Callable[[dict], None] = lambda row: None,
 ) -> Path:
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)

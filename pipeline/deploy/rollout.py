@@ -20,6 +20,7 @@ import shlex
 import signal
 import subprocess
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from pathlib import Path
@@ -391,7 +392,7 @@ def _diagnose(plan: Plan, kc: list[str]) -> list[str]:
     return out
 
 
-def execute(plan: Plan, log=print) -> dict[str, Any]:
+def execute(plan: Plan, log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Run the plan; on a failed rollout or smoke test, roll the workload back and say what failed."""
     kubectl_binary()  # a clear error when kubectl is missing, before anything runs
     kc = [plan.kubectl] + (["--context", plan.context] if plan.context else [])

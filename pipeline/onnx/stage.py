@@ -1,12 +1,10 @@
 """`dgpipe export`: checkpoint -> onnx/ (model.onnx + external weights + contract.json), recorded in the
-build manifest when a build directory is given. Kept out of cli.py so the command there stays a few lines."""
+build manifest when a build directory is given. Returns the export summary; `dgpipe export` prints it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import typer
 
 from pipeline.errors import DgpipeError
 
@@ -28,10 +26,8 @@ def checkpoint_precision(ckpt_dir: Path) -> str:
     return {"bfloat16": "bf16", "float16": "fp16"}.get(str(cfg.get("dtype", "float32")), "fp32")
 
 
-def run_export(
-    model_dir: Path, output: Path | None, build_dir: Path | None, from_checkpoint: bool, as_json: bool | None
-) -> dict:
-    """`as_json`: True prints JSON, False a summary, None nothing (`dgpipe build` prints its own line)."""
+def run_export(model_dir: Path, output: Path | None, build_dir: Path | None, from_checkpoint: bool) -> dict:
+    """Write the ONNX dir (`output`, default BUILD_DIR/onnx) and record it in the build manifest."""
     from pipeline.builddir import LAYOUT, MANIFEST_NAME, record_stage
     from pipeline.onnx.export import export_onnx
 
@@ -76,28 +72,4 @@ def run_export(
             },
         )
         result["manifest"] = str(Path(build_dir) / MANIFEST_NAME)
-    if as_json:
-        typer.echo(json.dumps(result, indent=2))
-    elif as_json is not None:
-        typer.echo(
-            f"wrote {summary.path} ({summary.precision}, {summary.model_dtype} weights, opset {summary.opset}, "
-            f"{summary.nodes} nodes, {summary.seconds:.1f}s)\n"
-            f"  inputs  ({len(summary.inputs)}): {', '.join(_compact(summary.inputs))}\n"
-            f"  outputs ({len(summary.outputs)}): {', '.join(_compact(summary.outputs))}\n"
-            f"  custom ops: {', '.join(summary.custom_ops)} (reference functions embedded for onnxruntime)"
-        )
     return result
-
-
-def _compact(names: list[str]) -> list[str]:
-    """past.0.key ... past.7.value -> past.{0..7}.{key,value}."""
-    out, kv = [], {}
-    for n in names:
-        parts = n.split(".")
-        if len(parts) == 3 and parts[1].isdigit():
-            kv.setdefault(parts[0], []).append(int(parts[1]))
-            if len(kv[parts[0]]) == 1:
-                out.append(parts[0])
-        else:
-            out.append(n)
-    return [f"{n}.{{0..{max(kv[n])}}}.{{key,value}}" if n in kv else n for n in out]

@@ -46,6 +46,10 @@ class PromptFormat(Protocol):
         """Generated canvas tokens -> text."""
         ...
 
+    def present(self, prompt: str, text: str) -> tuple[str, str | None]:
+        """How a person reads the answer to `prompt`: the text to show, and a verdict line (or None)."""
+        ...
+
 
 # (checkpoint, tokenizers.Tokenizer or None) -> PromptFormat
 PromptFormatFactory = Callable[[Checkpoint, Any], PromptFormat]
@@ -73,6 +77,9 @@ class TextFormat:
         if self.tokenizer is None:
             return " ".join(map(str, tokens))
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def present(self, prompt: str, text: str) -> tuple[str, str | None]:
+        return text, None
 
 
 _REGISTRY: dict[str, PromptFormatFactory] = {DEFAULT: TextFormat}

@@ -62,10 +62,6 @@ class Session:
     def __post_init__(self) -> None:
         self.prompt_format = prompt_format_for(self.checkpoint, self.tokenizer)
 
-    @property
-    def task(self) -> str | None:
-        return self.checkpoint.dgpipe.get("task")
-
     def sampler(self, **overrides: Any) -> SamplerConfig:
         """generation_config.json defaults, overridden by whatever the caller set (CLI > file > defaults)."""
         return SamplerConfig.from_generation_config(self.checkpoint.generation_config, **overrides)

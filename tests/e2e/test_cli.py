@@ -36,6 +36,54 @@ def test_version_and_help():
     assert "generate" in dgpipe("--help").stdout
 
 
+def test_help_lists_every_command_without_importing_them():
+    from pipeline.cli import COMMANDS
+
+    code = (
+        "import sys; from pipeline.cli import main; sys.argv = ['dgpipe', '--help']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print([m for m in sys.modules if m.startswith('pipeline.cli.') and m not in"
+        " ('pipeline.cli.errors', 'pipeline.cli.output')] + [m for m in ('torch', 'rich.progress') if m in sys.modules])"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    *help_lines, imported = proc.stdout.strip().splitlines()
+    assert imported == "[]"
+    listed = {line.split()[1] for line in help_lines if line.startswith("│ ") and not line.startswith("│  ")}
+    assert listed >= set(COMMANDS) and len(COMMANDS) == 13
+
+
+def test_registry_help_is_each_commands_own():
+    import inspect
+
+    from pipeline.cli import COMMANDS, load
+
+    for name, (_, summary) in COMMANDS.items():
+        cmd = load(name)
+        assert cmd.name == name and inspect.cleandoc(cmd.help) == inspect.cleandoc(summary), name
+
+
+def test_cache_dir_precedence(monkeypatch, tmp_path: Path):
+    from pipeline.cli.options import cache_dir
+
+    monkeypatch.delenv("DGPIPE_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert cache_dir() == Path.home() / ".cache" / "dgpipe"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "dgpipe"
+    monkeypatch.setenv("DGPIPE_CACHE", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+def test_debug_variable_shows_the_traceback(tmp_path: Path):
+    args = [*DGPIPE, "generate", "--model", str(tmp_path / "missing"), "x"]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    plain = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    debug = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env | {"DGPIPE_DEBUG": "1"})
+    assert plain.returncode == debug.returncode == 2
+    assert "Traceback" not in plain.stderr and "Traceback" in debug.stderr
+    assert debug.stderr.strip().splitlines()[-1] == plain.stderr.strip()
+
+
 def test_doctor_json():
     rows = json.loads(dgpipe("doctor", "--json").stdout)
     names = {r["name"] for r in rows}

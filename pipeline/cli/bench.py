@@ -1,0 +1,186 @@
+"""`dgpipe bench local|sweep|serve|model`: run a benchmark from pipeline/bench/, print its table, say where
+the JSON and PNG went."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.cli import options as opt
+from pipeline.cli import output as out
+from pipeline.errors import DgpipeError
+
+app = opt.typer_app(help="Benchmarks (results as JSON, a table and PNG plots).", no_args_is_help=True)
+
+
+def _out(name: str, what: str = "directory for JSON and PNG"):
+    return opt.out(f"{what}; {opt.in_cache(name)}")
+
+
+@app.command("local")
+def bench_local(
+    model: opt.Model = None,
+    runs: Annotated[int, typer.Option(help="repetitions (medians are reported)")] = 5,
+    batch: Annotated[int, typer.Option(help="prompts per run")] = 1,
+    reference: Annotated[
+        bool, typer.Option(help="also time transformers' generate on the same checkpoint")
+    ] = True,
+    out_dir: Annotated[Path | None, _out("bench-local", "directory for JSON and PNG results")] = None,
+    dtype: opt.Dtype = "auto",
+    device: opt.Device = "auto",
+    as_json: opt.Json = False,
+) -> None:
+    """In-process speed: ms per denoise pass, passes per canvas, tokens/s; diffusion vs AR vs transformers."""
+    from pipeline.bench.local import RESULT_FILE, run_bench_local
+
+    out_dir = out_dir or opt.cache_dir() / "bench-local"
+    result = run_bench_local(model, runs, batch, reference, out_dir, dtype, device)
+    out.show(result, as_json, _render_local)
+    out.saved([out_dir / RESULT_FILE], as_json)
+
+
+def _render_local(result: dict) -> list[str]:
+    header = (
+        f"{result['model']}  {result['dtype']} on {result['device']}, batch {result['batch']}, "
+        f"medians of {result['runs']} runs\n"
+        f"{'system':<24}{'steps':<16}{'tokens':>7}{'passes/canvas':>14}{'tok/pass':>9}{'ms/pass':>9}"
+        f"{'ms/canvas':>10}{'TTFT ms':>9}{'tokens/s':>10}"
+    )
+    return [header] + [
+        f"{r['system']:<24}{r['policy']:<16}{r['tokens']:>7.0f}{r['passes_per_canvas']:>14.1f}"
+        f"{r['tokens_per_pass']:>9.2f}{r['ms_per_pass']:>9.2f}{r['ms_per_canvas']:>10.1f}{r['ttft_ms']:>9.1f}"
+        f"{r['tokens_per_s']:>10.1f}"
+        for r in result["rows"]
+    ]
+
+
+@app.command("sweep")
+def bench_sweep(
+    model: opt.Model = None,
+    bounds: Annotated[str, typer.Option(help="comma-separated entropy bounds")] = "0.03,0.1,0.3,1,3",
+    steps: Annotated[str, typer.Option(help="comma-separated max denoising steps")] = "2,4,8,16,48",
+    n: Annotated[int, typer.Option(help="puzzles per point")] = 100,
+    givens: Annotated[str, typer.Option(help="givens range LO-HI (default: the model's)")] = "",
+    out_dir: Annotated[Path | None, _out("bench-sweep")] = None,
+    as_json: opt.Json = False,
+) -> None:
+    """Sudoku solve rate against mean steps per canvas over entropy bound x max steps (Pareto curve)."""
+    try:
+        b = [float(x) for x in bounds.split(",")]
+        st = [int(x) for x in steps.split(",")]
+    except ValueError as e:
+        raise DgpipeError("--bounds and --steps take comma-separated numbers") from e
+    if n < 1 or min(b) <= 0 or min(st) < 1:
+        raise DgpipeError("need --n >= 1, bounds > 0 and steps >= 1")
+    lohi = opt.givens_range(givens) if givens else None
+    out_dir = out_dir or opt.cache_dir() / "bench-sweep"
+    from pipeline.bench.suite import SWEEP_JSON, SWEEP_PLOT, run_sweep
+
+    with out.progress("sweep", total=len(b) * len(st) * n, disable=as_json) as advance:
+        result = run_sweep(model, b, st, n, lohi, out_dir, progress=advance)
+    if as_json:
+        out.json_out(result)
+        out.saved([out_dir / SWEEP_JSON, out_dir / SWEEP_PLOT], as_json)
+        return
+    rows = [
+        f"{p['entropy_bound']:>7g}{p['max_steps']:>10}{100 * p['solve_rate']:>7.1f}%{p['mean_steps']:>12.1f}"
+        f"{p['p90_steps']:>6.0f}{' *' if p in result['pareto'] else ''}"
+        for p in result["points"]
+    ]
+    out.table(f"{'bound':>7}{'max steps':>10}{'solved':>8}{'mean steps':>12}{'p90':>6}", rows)
+    out.line(f"* Pareto front; plot: {out_dir / SWEEP_PLOT}")
+    out.saved([out_dir / SWEEP_JSON], as_json)
+
+
+@app.command("serve")
+def bench_serve(
+    url: Annotated[
+        str | None,
+        typer.Option(help="HTTP URL of a running server (default: start one on the embedded model)"),
+    ] = None,
+    grpc_url: Annotated[str | None, typer.Option(help="gRPC URL of the same server")] = None,
+    concurrency: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,2,4,8",
+    requests: Annotated[int, typer.Option(help="requests per level and protocol")] = 32,
+    out_dir: Annotated[Path | None, _out("bench-serve")] = None,
+    as_json: opt.Json = False,
+) -> None:
+    """Triton over HTTP and gRPC at several concurrencies, with the same requests in-process alongside."""
+    levels = opt.int_list(concurrency, "--concurrency")
+    out_dir = out_dir or opt.cache_dir() / "bench-serve"
+    from pipeline.bench.suite import SERVE_JSON, SERVE_PLOTS, run_bench_serve
+
+    if url:
+        result = run_bench_serve(url, grpc_url, levels, requests, out_dir)
+    else:
+        import socket
+
+        from pipeline.runtime.session import default_model_path
+        from pipeline.serving.repository import package as run_package
+        from pipeline.serving.server import Ports, TritonServer
+
+        def free() -> int:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                return s.getsockname()[1]
+
+        repo = run_package(default_model_path(), out_dir / "model_repository", max_batch=max(levels))
+        with TritonServer(repo, Ports(free(), free(), free(), "127.0.0.1"), out_dir / "server") as server:
+            result = run_bench_serve(server.http_url, server.grpc_url, levels, requests, out_dir)
+    if as_json:
+        out.json_out(result)
+        out.saved([out_dir / SERVE_JSON, *(out_dir / p for p in SERVE_PLOTS)], as_json)
+        return
+    rows = [
+        f"{r['protocol']:<11}{r['concurrency']:>5}{r['requests_per_s']:>8.2f}{r['tokens_per_s']:>9.1f}"
+        f"{r['p50_ms']:>9.1f}{r['p90_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['ttfc_p50_ms']:>9.1f}{100 * r['ok_rate']:>5.0f}%"
+        for r in result["rows"]
+    ]
+    out.table(
+        f"{'protocol':<11}{'conc':>5}{'req/s':>8}{'tok/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}"
+        f"{'TTFC ms':>9}{'ok':>6}",
+        rows,
+    )
+    out.line(f"plots: {', '.join(str(out_dir / p) for p in SERVE_PLOTS)}")
+    out.saved([out_dir / SERVE_JSON], as_json)
+
+
+@app.command("model")
+def bench_model(
+    config: Annotated[
+        str, typer.Option(help="configs/models/<name>.yaml (random weights)")
+    ] = "diffusiongemma-26b-a4b",
+    batch: Annotated[str, typer.Option(help="comma-separated batch sizes")] = "1,4",
+    context: Annotated[int, typer.Option(help="cached prompt tokens")] = 512,
+    steps: Annotated[int, typer.Option(help="fixed denoising steps per canvas")] = 16,
+    repeats: Annotated[int, typer.Option(help="timed repetitions (medians)")] = 10,
+    out_dir: Annotated[Path | None, _out("bench-model", "directory for the JSON result")] = None,
+    dtype: opt.Dtype = "auto",
+    device: opt.Device = "auto",
+    as_json: opt.Json = False,
+) -> None:
+    """Full-size configuration with random weights: ms per pass vs the bandwidth floor, diffusion vs AR."""
+    batches = opt.int_list(batch, "--batch", " like 1,4")
+    out_dir = out_dir or opt.cache_dir() / "bench-model"
+    from pipeline.bench.model import RESULT_FILE, run_bench_model
+
+    result = run_bench_model(config, batches, context, steps, repeats, dtype, device, out_dir)
+    out.show(result, as_json, _render_model)
+    out.saved([out_dir / RESULT_FILE], as_json)
+
+
+def _render_model(r: dict) -> list[str]:
+    head = (
+        f"{r['config']} random {r['dtype']} on {r['device']}: {r['weight_gb']:.1f} GB weights, copy bandwidth "
+        f"{r['copy_bandwidth_gb_s']:.0f} GB/s, context {r['context']}, {r['steps_per_canvas']} fixed steps\n"
+        f"{'batch':>5}{'ms/pass':>10}{'floor':>8}{'x floor':>8}{'ms/canvas':>11}{'diff tok/s':>12}{'AR tok/s':>10}"
+        f"{'diff/AR':>8}{'rt eager':>10}{'rt graph':>10}{'graph x':>8}"
+    )
+    return [head] + [
+        f"{x['batch']:>5}{x['ms_per_denoise_pass']:>10.2f}{x['floor_ms_per_pass']:>8.2f}{x['pass_over_floor']:>8.2f}"
+        f"{x['ms_per_canvas']:>11.1f}{x['diffusion_tokens_per_s']:>12.1f}{x['ar_tokens_per_s']:>10.1f}"
+        f"{x['diffusion_over_ar']:>8.2f}{x['runtime_ms_per_canvas_eager']:>10.1f}"
+        f"{x['runtime_ms_per_canvas_graph']:>10.1f}{x['graph_speedup']:>8.2f}"
+        for x in r["rows"]
+    ]

@@ -1,0 +1,57 @@
+"""`dgpipe build`: every stage into one build dir, recorded in BUILD_DIR/build_manifest.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.builddir import EngineLimits
+from pipeline.cli import options as opt
+from pipeline.cli import output as out
+
+app = opt.typer_app()
+
+
+@app.command()
+def build(
+    model: opt.Model = None,
+    precision: Annotated[str, typer.Option(help="nvfp4, fp8, int4_awq or bf16")] = "nvfp4",
+    target: Annotated[
+        list[str] | None,
+        typer.Option(help="GPU target (sm90, sm100, sm120; repeatable); default: all that run the precision"),
+    ] = None,
+    build_dir: Annotated[
+        Path | None,
+        opt.build_dir("where every stage writes (build_manifest.json); " + opt.in_cache("build")),
+    ] = None,
+    calib_size: Annotated[int, typer.Option(help="calibration prompts")] = 64,
+    calib_data: Annotated[Path | None, typer.Option(help='JSONL calibration prompts ({"text": ...})')] = None,
+    max_batch: Annotated[int, typer.Option(help="engine profile / Triton batch")] = EngineLimits.max_batch,
+    max_prompt: Annotated[int, typer.Option(help="longest prompt, tokens")] = EngineLimits.max_prompt,
+    max_context: Annotated[
+        int, typer.Option(help="prompt + generated tokens per request")
+    ] = EngineLimits.max_context,
+    as_json: opt.Json = False,
+) -> None:
+    """Run every stage: quantize -> export ONNX -> sampler PTX + TensorRT engines (here, or the step for the
+    target node) -> Triton model repository, recorded in BUILD_DIR/build_manifest.json."""
+    from pipeline.build import BuildOptions, run_build
+    from pipeline.runtime.session import default_model_path
+
+    opts = BuildOptions(
+        model=model or default_model_path(),
+        precision=precision,
+        build_dir=build_dir or opt.cache_dir() / "build",
+        targets=[t for item in target or [] for t in item.split(",") if t],
+        calib_size=calib_size,
+        calib_data=calib_data,
+        max_batch=max_batch,
+        max_prompt=max_prompt,
+        max_context=max_context,
+    )
+    with out.spinner("building", err=as_json) as say:
+        summary = run_build(opts, say=say)
+    if as_json:
+        out.json_out(summary)

@@ -1,0 +1,34 @@
+"""The one error map: exception type -> exit code and one line on stderr; `main()` applies it once.
+
+User errors (DgpipeError and its kinds) exit 2 with `error: ...`; DGPIPE_DEBUG=1 also shows the traceback.
+Anything not in the map is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+from pipeline.cli import output
+from pipeline.errors import DgpipeError
+
+ERRORS: dict[type[BaseException], tuple[int, Callable[[BaseException], str]]] = {
+    DgpipeError: (2, lambda e: f"error: {e}"),
+    KeyboardInterrupt: (130, lambda e: "interrupted"),
+}
+
+
+def handled() -> tuple[type[BaseException], ...]:
+    return tuple(ERRORS)
+
+
+def report(exc: BaseException) -> int:
+    """Print the mapped line for `exc` (after its traceback with DGPIPE_DEBUG=1); return the exit code."""
+    kind = next(k for k in type(exc).__mro__ if k in ERRORS)
+    code, message = ERRORS[kind]
+    if os.environ.get("DGPIPE_DEBUG", "") not in ("", "0"):
+        traceback.print_exception(exc, file=sys.stderr)
+    output.line(message(exc), err=True)
+    return code

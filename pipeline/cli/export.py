@@ -1,0 +1,55 @@
+"""`dgpipe export`: checkpoint -> ONNX dir (model.onnx + external weights + contract.json)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.cli import options as opt
+from pipeline.cli import output as out
+
+app = opt.typer_app()
+
+
+@app.command()
+def export(
+    model: opt.Model = None,
+    output: Annotated[Path | None, opt.output("ONNX dir to write (replaced atomically)")] = None,
+    build_dir: Annotated[Path | None, opt.build_dir("build dir: default output + manifest record")] = None,
+    precision_from_checkpoint: Annotated[
+        bool, typer.Option(help="quantized checkpoints export Q/DQ (else dequantized float weights)")
+    ] = True,
+    as_json: opt.Json = False,
+) -> None:
+    """Export model + sampler step as ONNX (opset 21, dgpipe::SampleRows/SampleAccept; docs/onnx.md)."""
+    from pipeline.onnx.stage import run_export
+    from pipeline.runtime.session import default_model_path
+
+    result = run_export(model or default_model_path(), output, build_dir, precision_from_checkpoint)
+    out.show(result, as_json, _render)
+
+
+def _render(r: dict) -> str:
+    return (
+        f"wrote {r['path']} ({r['precision']}, {r['model_dtype']} weights, opset {r['opset']}, "
+        f"{r['nodes']} nodes, {r['seconds']:.1f}s)\n"
+        f"  inputs  ({len(r['inputs'])}): {', '.join(_compact(r['inputs']))}\n"
+        f"  outputs ({len(r['outputs'])}): {', '.join(_compact(r['outputs']))}\n"
+        f"  custom ops: {', '.join(r['custom_ops'])} (reference functions embedded for onnxruntime)"
+    )
+
+
+def _compact(names: list[str]) -> list[str]:
+    """past.0.key ... past.7.value -> past.{0..7}.{key,value}."""
+    found, kv = [], {}
+    for n in names:
+        parts = n.split(".")
+        if len(parts) == 3 and parts[1].isdigit():
+            kv.setdefault(parts[0], []).append(int(parts[1]))
+            if len(kv[parts[0]]) == 1:
+                found.append(parts[0])
+        else:
+            found.append(n)
+    return [f"{n}.{{0..{max(kv[n])}}}.{{key,value}}" if n in kv else n for n in found]

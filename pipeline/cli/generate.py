@@ -1,0 +1,217 @@
+"""`dgpipe generate`: block diffusion in-process, or answered by a Triton server (--url); text, stream or JSON."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from pipeline.cli import options as opt
+from pipeline.cli import output as out
+from pipeline.errors import DgpipeError
+
+app = opt.typer_app()
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="prompt text (a puzzle for the embedded Sudoku model)")],
+    model: opt.Model = None,
+    max_tokens: Annotated[int, typer.Option(help="stop after this many new tokens (no overshoot)")] = 256,
+    steps: Annotated[int | None, typer.Option("--steps", help="max denoising steps per canvas")] = None,
+    entropy_bound: Annotated[
+        float | None, typer.Option(help="EB-sampler entropy budget per step (> 0)")
+    ] = None,
+    t_min: Annotated[float | None, typer.Option(help="temperature at the last step")] = None,
+    t_max: Annotated[float | None, typer.Option(help="temperature at the first step")] = None,
+    confidence_threshold: Annotated[
+        float | None, typer.Option(help="adaptive stop below this mean entropy; 0 = fixed steps")
+    ] = None,
+    stability_threshold: Annotated[
+        int | None, typer.Option(help="steps the argmax canvas must stay unchanged to stop")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="request seed (counter-based RNG)")] = 0,
+    canvas_length: Annotated[int | None, typer.Option(help="override the checkpoint's canvas length")] = None,
+    infill: Annotated[
+        str | None, typer.Option(help="canvas template: '_' marks a free position, other text is pinned")
+    ] = None,
+    no_infill: Annotated[bool, typer.Option("--no-infill", help="do not pin a Sudoku's givens")] = False,
+    stream: Annotated[
+        bool, typer.Option("--stream", help="print each committed canvas as it completes")
+    ] = False,
+    drafts: Annotated[bool, typer.Option("--drafts", help="show the canvas refining step by step")] = False,
+    url: Annotated[
+        str | None, typer.Option(help="ask a Triton server instead: http://HOST:8000 or grpc://HOST:8001")
+    ] = None,
+    dtype: opt.Dtype = "auto",
+    device: opt.Device = "auto",
+    as_json: opt.Json = False,
+) -> None:
+    """Generate with block diffusion, in-process or from a Triton server (--url)."""
+    overrides = {
+        "max_denoising_steps": steps,
+        "entropy_bound": entropy_bound,
+        "t_min": t_min,
+        "t_max": t_max,
+        "confidence_threshold": confidence_threshold,
+        "stability_threshold": stability_threshold,
+    }
+    if max_tokens < 1:
+        raise DgpipeError(f"--max-tokens must be >= 1 (got {max_tokens})")
+    if url:
+        _remote(url, prompt, max_tokens, overrides, seed, infill, stream, drafts, as_json)
+    else:
+        _local(
+            prompt,
+            model=model,
+            max_tokens=max_tokens,
+            overrides=overrides,
+            seed=seed,
+            canvas_length=canvas_length,
+            infill=infill,
+            use_default_infill=not no_infill,
+            stream=stream,
+            drafts=drafts,
+            dtype=dtype,
+            device=device,
+            as_json=as_json,
+        )
+
+
+def _local(
+    prompt: str,
+    model: Path | None,
+    max_tokens: int,
+    overrides: dict[str, Any],
+    seed: int,
+    canvas_length: int | None,
+    infill: str | None,
+    use_default_infill: bool,
+    stream: bool,
+    drafts: bool,
+    dtype: str,
+    device: str,
+    as_json: bool,
+) -> None:
+    import torch
+
+    from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
+    from pipeline.runtime.session import load_session
+
+    session = load_session(model, dtype, device, canvas_length)
+    sampler = session.sampler(**overrides)
+    prompt_ids = session.encode_prompt(prompt)
+    if infill is not None:
+        template = session.build_template(infill)
+    else:
+        template = session.default_template(prompt) if use_default_infill else None
+
+    def on_canvas(req: Request, tokens: list[int]) -> None:
+        if stream and not as_json:
+            out.line(session.decode(tokens), nl=False)
+
+    def on_draft(req: Request, tokens: list[int], step: int) -> None:
+        if not as_json:
+            out.line(f"[step {step:>2}] {session.decode(tokens)!r}", err=True)
+
+    req = Request(
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        seed=seed,
+        template=template,
+        on_canvas=on_canvas,
+        on_draft=on_draft if drafts else None,
+    )
+    runtime = BlockDiffusionRuntime(
+        session.model, max_batch=1, max_len=_context(session, len(prompt_ids), max_tokens)
+    )
+    start = time.perf_counter()
+    with torch.inference_mode():
+        res = runtime.generate([req])[0]
+    secs = time.perf_counter() - start
+    text = session.decode(res.tokens)
+    if as_json:
+        out.json_out(
+            {
+                "text": text,
+                "tokens": res.tokens,
+                "prompt_tokens": len(prompt_ids),
+                "finish_reason": res.finish_reason,
+                "steps_per_canvas": res.steps_per_canvas,
+                "time_to_first_canvas_s": round(res.time_to_first_canvas, 4),
+                "total_s": round(secs, 4),
+                "tokens_per_s": round(len(res.tokens) / secs, 2) if secs > 0 else None,
+                "sampler": sampler.model_dump(),
+                "seed": seed,
+            }
+        )
+        return
+    if stream:
+        out.line("")
+    else:
+        shown, verdict = session.prompt_format.present(prompt, text)
+        out.line(shown)
+        if verdict is not None:
+            out.line(f"{verdict}; steps per canvas {res.steps_per_canvas}", err=True)
+
+
+def _context(session, prompt_len: int, max_tokens: int) -> int:
+    length = session.model.config.canvas_length
+    canvases = -(-max_tokens // length)
+    need = prompt_len + (canvases + 1) * length
+    return min(max(need, prompt_len + length), session.model.cfg.max_position_embeddings)
+
+
+def _remote(
+    url: str,
+    prompt: str,
+    max_tokens: int,
+    overrides: dict[str, Any],
+    seed: int,
+    infill: str | None,
+    stream: bool,
+    drafts: bool,
+    as_json: bool,
+) -> None:
+    """Same options and output as the in-process path, answered by Triton over HTTP or gRPC."""
+    from pipeline.serving.client import generate
+
+    options = {k: v for k, v in overrides.items() if k != "stability_threshold"}
+    if overrides.get("stability_threshold") is not None:
+        raise DgpipeError("--stability-threshold is a server-side setting; it cannot be sent per request")
+    options.update(
+        infill_template=infill,
+        stream_drafts=drafts or None,
+        exclude_input_in_output=True,
+        return_num_input_tokens=True,
+        return_num_output_tokens=True,
+    )
+    start = time.perf_counter()
+    gen = generate(url, prompt, max_tokens=max_tokens, stream=stream or drafts, seed=seed, **options)
+    try:
+        while True:
+            piece = next(gen)
+            if stream and not as_json:
+                out.line(piece, nl=False)
+    except StopIteration as stop:
+        reply = stop.value
+    secs = time.perf_counter() - start
+    if as_json:
+        out.json_out(
+            {
+                "text": reply.text,
+                "finish_reason": reply.finish_reason,
+                "steps_per_canvas": reply.denoise_steps,
+                "prompt_tokens": reply.num_input_tokens,
+                "output_tokens": reply.num_output_tokens,
+                "total_s": round(secs, 4),
+                "url": url,
+            }
+        )
+    elif stream:
+        out.line("")
+    else:
+        out.line(reply.text)

@@ -1,0 +1,74 @@
+"""Options shared by several commands, spelled once, and the user cache dir that replaces `./runs` defaults."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+Model = Annotated[
+    Path | None,
+    typer.Option("--model", "-m", help="checkpoint dir (HF layout); default: the embedded Sudoku model"),
+]
+Device = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")]
+Dtype = Annotated[str, typer.Option(help="float32, bfloat16, float16 or auto (bf16 on GPU, fp32 on CPU)")]
+Json = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+
+
+def output(help: str):
+    """`--output DIR`: what one command writes."""
+    return typer.Option("--output", help=help)
+
+
+def out(help: str):
+    """`--out DIR`: where a benchmark, evaluation or training run puts its results."""
+    return typer.Option("--out", help=help)
+
+
+def build_dir(help: str):
+    """`--build-dir DIR`: a `dgpipe build` directory (build_manifest.json)."""
+    return typer.Option("--build-dir", help=help)
+
+
+def cache_dir() -> Path:
+    """Where commands write when not told: $DGPIPE_CACHE, else $XDG_CACHE_HOME/dgpipe, else ~/.cache/dgpipe."""
+    if os.environ.get("DGPIPE_CACHE"):
+        return Path(os.environ["DGPIPE_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "dgpipe"
+    return Path.home() / ".cache" / "dgpipe"
+
+
+def in_cache(sub: str) -> str:
+    """The help text for a default under the cache dir."""
+    return f"default: ~/.cache/dgpipe/{sub} ($DGPIPE_CACHE or $XDG_CACHE_HOME move it)"
+
+
+def givens_range(text: str) -> tuple[int, int]:
+    """`--givens LO-HI` (eval sudoku, train, bench sweep)."""
+    from pipeline.errors import DgpipeError
+
+    try:
+        lo, hi = (int(x) for x in text.split("-"))
+    except ValueError as e:
+        raise DgpipeError(f"--givens {text!r}: expected LO-HI, e.g. 45-61") from e
+    if not 17 <= lo <= hi <= 81:
+        raise DgpipeError(f"--givens {text}: need 17 <= LO <= HI <= 81")
+    return lo, hi
+
+
+def int_list(text: str, flag: str, example: str = "") -> list[int]:
+    """`--flag 1,2,4`: comma-separated integers."""
+    from pipeline.errors import DgpipeError
+
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError as e:
+        raise DgpipeError(f"{flag} {text!r}: expected comma-separated integers{example}") from e
+
+
+def typer_app(**kwargs) -> typer.Typer:
+    """The `app` every command module defines: completion options live nowhere (as on the root)."""
+    return typer.Typer(add_completion=False, **kwargs)

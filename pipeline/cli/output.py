@@ -1,0 +1,80 @@
+"""The one place dgpipe talks to the terminal: lines, JSON, tables, colored words, spinners, progress bars.
+
+Libraries return data or call a `say`/`progress` callable; the commands hand them the ones made here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import typer
+
+
+def line(text: str = "", err: bool = False, nl: bool = True) -> None:
+    """One line (or a partial one with nl=False) on stdout, or on stderr with err=True."""
+    typer.echo(text, err=err, nl=nl)
+
+
+def lines(texts: Iterable[str], err: bool = False) -> None:
+    for text in texts:
+        typer.echo(text, err=err)
+
+
+def json_out(obj: object) -> None:
+    """`--json`: the whole result on stdout, nothing else there."""
+    typer.echo(json.dumps(obj, indent=2, default=str))
+
+
+def show(data: Any, as_json: bool, render: Callable[[Any], str | Iterable[str]]) -> None:
+    """JSON with --json, else the text `render` makes of the same data."""
+    if as_json:
+        json_out(data)
+        return
+    text = render(data)
+    lines([text] if isinstance(text, str) else text)
+
+
+def table(header: str, rows: Iterable[str]) -> None:
+    """A fixed-width table: the header line, then one preformatted line per row."""
+    lines([header, *rows])
+
+
+def flag(text: str, ok: bool) -> str:
+    """A word in green (ok) or red (not ok)."""
+    return typer.style(text, fg="green" if ok else "red")
+
+
+def saved(paths: Sequence[Path | str], as_json: bool, label: str = "results") -> None:
+    """Say where results went: on stdout after a text report, on stderr when stdout carries JSON."""
+    typer.echo(f"{label}: {', '.join(str(p) for p in paths)}", err=as_json)
+
+
+@contextmanager
+def progress(label: str, total: int | None, disable: bool = False) -> Iterator[Callable[[int], None]]:
+    """A transient progress bar; yields `advance(k)` for the library's `progress` callback."""
+    with progress_bars(disable) as bars:
+        task = bars.add_task(label, total=total)
+        yield lambda k=1: bars.advance(task, k)
+
+
+@contextmanager
+def progress_bars(disable: bool = False):
+    """Several transient bars (rich Progress) for a library that takes a progress factory."""
+    from rich.progress import Progress
+
+    with Progress(transient=True, disable=disable) as bars:
+        yield bars
+
+
+@contextmanager
+def spinner(text: str, err: bool = False) -> Iterator[Callable[[str], None]]:
+    """A spinner while a long call runs; yields `say(line)` that prints above it."""
+    from rich.console import Console
+
+    console = Console(stderr=err)
+    with console.status(text, spinner="dots"):
+        yield lambda msg: console.print(msg, highlight=False)

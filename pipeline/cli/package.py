@@ -1,0 +1,53 @@
+"""`dgpipe package`: a Triton model repository (Python backend, decoupled) for a checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.builddir import MODEL_NAME, EngineLimits
+from pipeline.cli import options as opt
+from pipeline.cli import output as out
+
+app = opt.typer_app()
+
+
+@app.command()
+def package(
+    model: opt.Model = None,
+    output: Annotated[
+        Path | None,
+        opt.output("model repository to write (replaced atomically); " + opt.in_cache("model_repository")),
+    ] = None,
+    name: Annotated[str, typer.Option(help="model name in the repository")] = MODEL_NAME,
+    max_batch: Annotated[
+        int, typer.Option(help="requests that share each denoise pass")
+    ] = EngineLimits.max_batch,
+    max_tokens_limit: Annotated[
+        int, typer.Option(help="largest max_tokens a request may ask for")
+    ] = EngineLimits.max_tokens,
+    max_prompt_tokens: Annotated[
+        int, typer.Option(help="longest prompt accepted, in tokens")
+    ] = EngineLimits.max_prompt,
+    device: opt.Device = "auto",
+    engines: Annotated[
+        Path | None, typer.Option(help="TensorRT engines dir (<target>/model.plan + engine.json) to ship")
+    ] = None,
+) -> None:
+    """Write a Triton model repository (Python backend, decoupled) that serves the checkpoint."""
+    from pipeline.runtime.session import default_model_path
+    from pipeline.serving.repository import package as run_package
+
+    repo = run_package(
+        model or default_model_path(),
+        output or opt.cache_dir() / "model_repository",
+        name,
+        max_batch,
+        max_tokens_limit,
+        max_prompt_tokens,
+        device,
+        engines=engines,
+    )
+    out.line(f"model repository: {repo} (model '{name}')")

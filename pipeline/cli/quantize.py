@@ -1,0 +1,114 @@
+"""`dgpipe quantize`: a ModelOpt-quantized checkpoint (calibrated on the denoising path), or --estimate a plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.builddir import EngineLimits
+from pipeline.cli import options as opt
+from pipeline.cli import output as out
+from pipeline.errors import DgpipeError
+
+app = opt.typer_app()
+
+
+@app.command()
+def quantize(
+    model: opt.Model = None,
+    precision: Annotated[
+        str | None,
+        typer.Option("--precision", "-p", help="nvfp4, fp8, int4_awq or bf16 (configs/precisions)"),
+    ] = None,
+    output: Annotated[Path | None, opt.output("quantized checkpoint dir (written atomically)")] = None,
+    calib_data: Annotated[
+        Path | None, typer.Option(help='JSONL of {"text": ...}; default: Sudoku puzzles for a Sudoku model')
+    ] = None,
+    calib_size: Annotated[int, typer.Option(help="calibration prompts")] = 64,
+    calib_steps: Annotated[int, typer.Option(help="denoise steps per calibration canvas")] = 8,
+    exclude: Annotated[
+        list[str] | None, typer.Option(help="keep modules matching this glob unquantized (repeatable)")
+    ] = None,
+    kv_cache: Annotated[str, typer.Option(help="none or fp8 (K/V scales for the serving engine)")] = "none",
+    adapter: Annotated[
+        Path | None, typer.Option(help="PEFT LoRA adapter dir merged before quantizing")
+    ] = None,
+    target: Annotated[
+        str | None, typer.Option(help="GPU target (sm89, sm90/hopper, sm100/blackwell, sm120)")
+    ] = None,
+    estimate: Annotated[
+        bool, typer.Option("--estimate", help="memory plan from --config only: no weights, no quantization")
+    ] = False,
+    config: Annotated[
+        str, typer.Option(help="--estimate: CONFIG.json or a configs/models name")
+    ] = "diffusiongemma-26b-a4b",
+    context: Annotated[
+        int, typer.Option(help="--estimate: tokens of context per sequence")
+    ] = EngineLimits.max_context,
+    concurrency: Annotated[int, typer.Option(help="--estimate: concurrent sequences")] = 1,
+    as_json: opt.Json = False,
+) -> None:
+    """Quantize with NVIDIA ModelOpt (calibrated on the denoising path) and export in ModelOpt's HF layout."""
+    if estimate:
+        from quantize.estimate import estimate as plan
+
+        result = plan(config, [precision] if precision else [], target, context, concurrency, kv_cache)
+        out.show(result, as_json, lambda r: _render_estimate(r, target, context, concurrency, kv_cache))
+        return
+    if precision is None or output is None:
+        raise DgpipeError(
+            "--precision and --output are required", "e.g. --precision nvfp4 --output ckpt-nvfp4"
+        )
+    from pipeline.runtime.session import default_model_path
+    from quantize.run import QuantizeOptions, quantize_checkpoint
+
+    opts = QuantizeOptions(
+        model=model or default_model_path(),
+        precision=precision,
+        output=output,
+        calib_data=calib_data,
+        calib_size=calib_size,
+        calib_steps=calib_steps,
+        exclude=exclude or [],
+        kv_cache=kv_cache,
+        adapter=adapter,
+        target=target,
+    )
+    label = f"calibrate {precision} (prefill + {calib_steps} denoise steps)"
+    with out.progress(label, total=None, disable=as_json) as advance:
+        res = quantize_checkpoint(opts, progress=advance)
+    out.show(res.as_dict(), as_json, lambda _: _render_result(res))
+
+
+def _render_result(res) -> str:
+    block = f", block {res.block_size}" if res.block_size else ""
+    calib = (
+        f", calibrated on {res.calib_prompts} prompts x {res.calib_steps} denoise steps"
+        if res.calib_prompts
+        else ""
+    )
+    return f"{res.precision}{block}: {res.output} ({res.bytes:,} bytes{calib}, {res.seconds:.0f}s)"
+
+
+def _render_estimate(r: dict, target: str | None, context: int, concurrency: int, kv_cache: str) -> list[str]:
+    from quantize.planner import GIB as gib
+
+    rows = [f"exported weights ({r['config']}):"]
+    for w in r["weights"]:
+        rows.append(
+            f"  {w['precision']:<9} {w['bytes'] / gib:7.2f} GiB  ({w['bytes'] / 1e9:.2f} GB; "
+            f"{w['quantized_params'] / 1e9:.2f}B quantized + {w['high_precision_params'] / 1e9:.2f}B bf16 params)"
+        )
+    if r["serving"]:
+        rows.append(
+            f"serving on {target} (context {context}, concurrency {concurrency}, KV cache {kv_cache}):"
+        )
+        for s in r["serving"]:
+            fits = out.flag("fits", True) if s["fits"] else out.flag("does not fit", False)
+            rows.append(
+                f"  {s['precision']:<9} {s['gpu']:<18} weights {s['weights_gib']:.2f} + KV {s['kv_cache_gib']:.2f} + "
+                f"workspace {s['workspace_gib']:.2f} = {s['total_gib']:.2f} GiB of {s['gpu_memory_gib']:.0f} GiB: {fits}"
+            )
+    return rows

@@ -1,0 +1,64 @@
+"""`dgpipe serve`: a real tritonserver on a model repository, until Ctrl-C."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.cli import options as opt
+from pipeline.cli import output as out
+from pipeline.errors import DgpipeError
+
+app = opt.typer_app()
+
+
+@app.command()
+def serve(
+    repo: Annotated[
+        Path | None,
+        typer.Option(
+            help="model repository (default: package the embedded model into ~/.cache/dgpipe/model_repository)"
+        ),
+    ] = None,
+    http_port: Annotated[int, typer.Option(help="HTTP port")] = 8000,
+    grpc_port: Annotated[int, typer.Option(help="gRPC port")] = 8001,
+    metrics_port: Annotated[int, typer.Option(help="Prometheus metrics port")] = 8002,
+    address: Annotated[str, typer.Option(help="address to bind")] = "0.0.0.0",
+    image: Annotated[
+        str | None, typer.Option(help="print the NGC container command for a GPU host instead")
+    ] = None,
+) -> None:
+    """Start a real Triton server on the repository, wait until it is ready, stop on Ctrl-C."""
+    from pipeline.serving.server import Ports, TritonServer, docker_command
+
+    ports = Ports(http_port, grpc_port, metrics_port, address)
+    if repo is None:
+        from pipeline.runtime.session import default_model_path
+        from pipeline.serving.repository import package as run_package
+
+        repo = run_package(default_model_path(), opt.cache_dir() / "model_repository")
+    if image:
+        out.line(" ".join(docker_command(repo, ports, image)))
+        return
+    import signal
+
+    def interrupt(signum, frame):  # also when started in the background, where SIGINT is ignored by default
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+    server = TritonServer(repo, ports, opt.cache_dir() / "serve")
+    out.line(f"starting tritonserver on {repo} (log: {server.log}) ...", err=True)
+    with server:
+        out.line(f"ready  HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}")
+        out.line("Ctrl-C to stop", err=True)
+        try:
+            while server.proc is not None and server.proc.poll() is None:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            out.line("stopping tritonserver ...", err=True)
+    if server.proc is not None and server.proc.returncode not in (0, -2, None):
+        raise DgpipeError(f"tritonserver exited with code {server.proc.returncode}: {server.tail()}")
