@@ -1,7 +1,7 @@
 """Triton Python-backend model (decoupled) that serves DiffusionGemma with dgpipe's runtime.
 
-`dgpipe package` copies this file to <repo>/<model>/1/model.py. Requests are validated in `execute`
-(a bad one is answered with an INVALID_ARG error and never reaches the batch), then handed to a worker
+`dgpipe package` copies this file to <repo>/<model>/1/model.py. Requests are validated in `execute` against
+pipeline/serving/schema.py (a bad one is answered with an INVALID_ARG error and never reaches the batch), then handed to a worker
 thread that owns the BlockDiffusionRuntime: requests in flight share denoise passes and join at canvas
 boundaries; cancellation is checked between steps. Responses stream per committed canvas (and per
 denoise step with `stream_drafts`).
@@ -21,27 +21,8 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-SCALARS = {  # optional scalar inputs -> (numpy kind, valid check, message)
-    "max_tokens": ("i", lambda v: v >= 1, "must be >= 1"),
-    "seed": ("i", lambda v: v >= 0, "must be >= 0"),
-    "max_denoising_steps": ("i", lambda v: v >= 1, "must be >= 1"),
-    "entropy_bound": ("f", lambda v: v > 0, "must be > 0"),
-    "confidence_threshold": ("f", lambda v: v >= 0, "must be >= 0"),
-    "t_min": ("f", lambda v: v > 0, "must be > 0"),
-    "t_max": ("f", lambda v: v > 0, "must be > 0"),
-}
-FLAGS = (
-    "stream",
-    "stream_drafts",
-    "exclude_input_in_output",
-    "return_num_input_tokens",
-    "return_num_output_tokens",
-)
-KNOWN_PARAMETERS: set[str] = set()  # request parameters we accept (none yet): anything else is refused
-
-
-class BadRequest(ValueError):
-    pass
+from pipeline.serving import schema
+from pipeline.serving.schema import BadRequest  # answered with INVALID_ARG; never reaches the batch
 
 
 @dataclass
@@ -59,23 +40,9 @@ class Job:
     first_canvas: float | None = None
 
 
-def _scalar(request, name: str):
+def _input(request, name: str) -> np.ndarray | None:
     t = pb_utils.get_input_tensor_by_name(request, name)
-    if t is None:
-        return None
-    arr = t.as_numpy()
-    if arr.size != 1:
-        raise BadRequest(f"input '{name}' must hold exactly one value (got {arr.size})")
-    return arr.reshape(-1)[0]
-
-
-def _text(value, name: str) -> str:
-    if isinstance(value, bytes | np.bytes_):
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise BadRequest(f"input '{name}' is not valid UTF-8 ({e.reason} at byte {e.start})") from e
-    return str(value)
+    return None if t is None else t.as_numpy()
 
 
 class TritonPythonModel:
@@ -191,60 +158,35 @@ class TritonPythonModel:
         from pipeline.errors import DgpipeError
         from pipeline.runtime.scheduler import Request
 
-        unknown = set(json.loads(request.parameters() or "{}")) - KNOWN_PARAMETERS
-        if unknown:
-            raise BadRequest(f"unknown parameter(s): {', '.join(sorted(unknown))}")
-        text_t = pb_utils.get_input_tensor_by_name(request, "text_input")
-        if text_t is None:
-            raise BadRequest("input 'text_input' is required")
-        prompt = _text(_scalar(request, "text_input"), "text_input")
-        if not prompt.strip():
-            raise BadRequest("input 'text_input' is empty")
-        values: dict[str, Any] = {}
-        for name, (kind, ok, msg) in SCALARS.items():
-            v = _scalar(request, name)
-            if v is None:
-                continue
-            v = int(v) if kind == "i" else float(v)
-            if not ok(v):
-                raise BadRequest(f"input '{name}' {msg} (got {v})")
-            values[name] = v
-        max_tokens = values.pop("max_tokens", 256)
-        if max_tokens > self.max_tokens_limit:
-            raise BadRequest(
-                f"input 'max_tokens' is {max_tokens}, over this server's limit of {self.max_tokens_limit}"
-            )
-        flags = {f: bool(_scalar(request, f)) for f in FLAGS}  # an absent flag is None: False
-        stop_t = pb_utils.get_input_tensor_by_name(request, "stop_words")
-        stop_words = (
-            [_text(w, "stop_words") for w in stop_t.as_numpy().reshape(-1)] if stop_t is not None else []
+        parsed = schema.parse_request(
+            lambda name: _input(request, name),
+            json.loads(request.parameters() or "{}"),
+            self.max_tokens_limit,
         )
-        seed = values.pop("seed", 0)
         try:
-            sampler = self.session.sampler(**values)
-            prompt_ids = self.session.encode_prompt(prompt)
+            sampler = self.session.sampler(**parsed.sampler)
+            prompt_ids = self.session.encode_prompt(parsed.prompt)
             if len(prompt_ids) > self.max_prompt_tokens:
                 raise BadRequest(
                     f"prompt has {len(prompt_ids)} tokens, over this server's limit of {self.max_prompt_tokens}"
                 )
-            tpl_t = pb_utils.get_input_tensor_by_name(request, "infill_template")
             template = (
-                self.session.build_template(_text(_scalar(request, "infill_template"), "infill_template"))
-                if tpl_t is not None
-                else self.session.default_template(prompt)
+                self.session.build_template(parsed.infill_template)
+                if parsed.infill_template is not None
+                else self.session.default_template(parsed.prompt)
             )
-            job = Job(sender, next(self.ids), prompt, prompt_ids, flags, stop_words)
+            job = Job(sender, next(self.ids), parsed.prompt, prompt_ids, parsed.flags, parsed.stop_words)
             req = Request(
                 prompt_ids=prompt_ids,
-                max_tokens=max_tokens,
+                max_tokens=parsed.max_tokens,
                 sampler=sampler,
-                seed=seed,
+                seed=parsed.seed,
                 request_id=job.request_id,
                 draw_id=0,  # the seed alone decides the draws: same seed, same answer, whatever the id
                 template=template,
                 on_canvas=lambda r, toks, j=job: self._on_canvas(j, toks),
                 on_draft=(lambda r, toks, step, j=job: self._on_draft(j, toks, step))
-                if flags["stream_drafts"]
+                if parsed.flags["stream_drafts"]
                 else None,
                 on_finish=lambda res, j=job: self._on_finish(j, res),
             )
@@ -291,17 +233,20 @@ class TritonPythonModel:
     def _respond(
         self, job: Job, text: str, final: bool, reason: str = "", steps: list[int] | None = None
     ) -> None:
-        outs = [pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_))]
+        outs: list = []
+
+        def out(name: str, values: list) -> None:
+            outs.append(pb_utils.Tensor(name, schema.output_array(name, values)))
+
+        out("text_output", [text])
         if final:
-            outs.append(pb_utils.Tensor("finish_reason", np.array([reason.encode()], dtype=np.object_)))
+            out("finish_reason", [reason])
             if job.flags["return_num_input_tokens"]:
-                outs.append(
-                    pb_utils.Tensor("num_input_tokens", np.array([len(job.prompt_ids)], dtype=np.int32))
-                )
+                out("num_input_tokens", [len(job.prompt_ids)])
             if job.flags["return_num_output_tokens"]:
-                outs.append(pb_utils.Tensor("num_output_tokens", np.array([job.tokens], dtype=np.int32)))
+                out("num_output_tokens", [job.tokens])
         if steps is not None:
-            outs.append(pb_utils.Tensor("denoise_steps", np.array(steps, dtype=np.int32)))
+            out("denoise_steps", steps)
         job.sender.send(
             pb_utils.InferenceResponse(output_tensors=outs),
             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0,

@@ -1,1 +1,1 @@
-"""The repository stage and serving: the Triton model repository, the server, and its clients."""
+"""The repository stage and serving: the request schema, the Triton model repository, the server, its clients."""

@@ -1,6 +1,7 @@
 """Clients for a dgpipe model on Triton: HTTP `generate` / `generate_stream` (SSE) and gRPC streaming.
 
 Both return the same `Reply` so `dgpipe generate --url` prints the same thing whichever protocol it uses.
+Tensor names and types come from pipeline/serving/schema.py, as the server's own config.pbtxt does.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.errors import DgpipeError
+from pipeline.serving import schema
 
 
 @dataclass
@@ -52,14 +54,6 @@ class TritonError(DgpipeError):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
-
-
-def _payload(
-    prompt: str, max_tokens: int, stream: bool, seed: int, options: dict[str, Any]
-) -> dict[str, Any]:
-    body: dict[str, Any] = {"text_input": prompt, "max_tokens": max_tokens, "seed": seed, "stream": stream}
-    body.update({k: v for k, v in options.items() if v is not None})
-    return body
 
 
 def http_generate(
@@ -100,17 +94,10 @@ def grpc_generate(
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-    dtypes = {"max_tokens": np.int32, "max_denoising_steps": np.int32, "seed": np.uint64}
     inputs = []
     for name, value in body.items():
-        if isinstance(value, str):
-            arr = np.array([value.encode()], dtype=np.object_)
-        elif isinstance(value, bool):
-            arr = np.array([value], dtype=np.bool_)
-        elif isinstance(value, list):
-            arr = np.array([str(v).encode() for v in value], dtype=np.object_)
-        else:
-            arr = np.array([value], dtype=dtypes.get(name, np.float32))
+        # a name outside the schema is sent as it is, typed by its value, for the server to refuse
+        arr = schema.input_array(name, value) if name in schema.INPUT else _untyped_array(value)
         t = grpcclient.InferInput(
             name, list(arr.shape), "BYTES" if arr.dtype == np.object_ else np_to_triton_dtype(arr.dtype)
         )
@@ -146,17 +133,29 @@ def grpc_generate(
         client.close()
 
 
+def _untyped_array(value: Any):
+    import numpy as np
+
+    if isinstance(value, str):
+        return np.array([value.encode()], dtype=np.object_)
+    if isinstance(value, bool):
+        return np.array([value], dtype=np.bool_)
+    if isinstance(value, list):
+        return np.array([str(v).encode() for v in value], dtype=np.object_)
+    return np.array([value], dtype=np.float32)
+
+
 def generate(
     url: str,
     prompt: str,
-    max_tokens: int = 256,
+    max_tokens: int = schema.INPUT["max_tokens"].default,
     stream: bool = False,
-    seed: int = 0,
+    seed: int = schema.INPUT["seed"].default,
     model: str = "dgpipe",
     **options: Any,
 ) -> Iterator[str]:
     """Yield text pieces as the server sends them; the final Reply is the generator's return value."""
-    body = _payload(prompt, max_tokens, stream, seed, options)
+    body = schema.request_body(prompt, max_tokens, stream, seed, options)
     if url.startswith("grpc://"):
         chunks = grpc_generate(url, body, model)
     elif url.startswith(("http://", "https://")):

@@ -2,13 +2,14 @@
 
 config.pbtxt is built from Triton's own protobuf schema (`model_config_pb2`) and printed with
 `text_format`, so every field is type-checked and there are no template placeholders to leave unfilled.
+Its tensors come from pipeline/serving/schema.py, which the Triton model and the clients read too.
 """
 
 from __future__ import annotations
 
 import shutil
-import struct
 from pathlib import Path
+from typing import Any
 
 from pipeline.atomic import atomic_dir
 from pipeline.builddir import (
@@ -24,31 +25,7 @@ from pipeline.builddir import (
 from pipeline.errors import DgpipeError
 from pipeline.model.checkpoint import open_checkpoint
 from pipeline.resources import TRITON_MODEL_SOURCE
-
-INPUTS = [  # name, type, dims, optional
-    ("text_input", "TYPE_STRING", [1], False),
-    ("max_tokens", "TYPE_INT32", [1], True),
-    ("stream", "TYPE_BOOL", [1], True),
-    ("seed", "TYPE_UINT64", [1], True),
-    ("stop_words", "TYPE_STRING", [-1], True),
-    ("exclude_input_in_output", "TYPE_BOOL", [1], True),
-    ("return_num_input_tokens", "TYPE_BOOL", [1], True),
-    ("return_num_output_tokens", "TYPE_BOOL", [1], True),
-    ("max_denoising_steps", "TYPE_INT32", [1], True),
-    ("entropy_bound", "TYPE_FP32", [1], True),
-    ("confidence_threshold", "TYPE_FP32", [1], True),
-    ("t_min", "TYPE_FP32", [1], True),
-    ("t_max", "TYPE_FP32", [1], True),
-    ("stream_drafts", "TYPE_BOOL", [1], True),
-    ("infill_template", "TYPE_STRING", [1], True),
-]
-OUTPUTS = [
-    ("text_output", "TYPE_STRING", [-1]),
-    ("num_input_tokens", "TYPE_INT32", [1]),
-    ("num_output_tokens", "TYPE_INT32", [1]),
-    ("finish_reason", "TYPE_STRING", [1]),
-    ("denoise_steps", "TYPE_INT32", [-1]),
-]
+from pipeline.serving import schema
 
 
 def model_config(
@@ -57,17 +34,24 @@ def model_config(
     max_tokens_limit: int,
     max_prompt_tokens: int,
     device: str,
-    warmup_prompt: str | None,
+    warmup: dict[str, Any] | None,
 ):
-    """The ModelConfig protobuf: decoupled Python backend, our tensors, parameters and a warm-up request."""
+    """The ModelConfig protobuf: decoupled Python backend, the schema's tensors, parameters and a warm-up
+    request (`warmup`: input name -> value, written by `package` under warmup/)."""
     from tritonclient.grpc import model_config_pb2 as mc
 
     cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=0)
     cfg.model_transaction_policy.decoupled = True
-    for n, t, dims, optional in INPUTS:
-        cfg.input.append(mc.ModelInput(name=n, data_type=mc.DataType.Value(t), dims=dims, optional=optional))
-    for n, t, dims in OUTPUTS:
-        cfg.output.append(mc.ModelOutput(name=n, data_type=mc.DataType.Value(t), dims=dims))
+    for t in schema.INPUTS:
+        cfg.input.append(
+            mc.ModelInput(
+                name=t.name, data_type=mc.DataType.Value(t.config_type), dims=t.dims, optional=t.optional
+            )
+        )
+    for t in schema.OUTPUTS:
+        cfg.output.append(
+            mc.ModelOutput(name=t.name, data_type=mc.DataType.Value(t.config_type), dims=t.dims)
+        )
     # one instance that places its tensors itself (device "auto" = the first GPU if there is one): it owns
     # the runtime, and concurrency comes from shared denoise passes, not from copies of the model
     cfg.instance_group.append(mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.KIND_CPU, count=1))
@@ -79,14 +63,13 @@ def model_config(
         "device": device,
     }.items():
         cfg.parameters[key].string_value = value
-    if warmup_prompt is not None:
+    if warmup is not None:
         warm = mc.ModelWarmup(name="first_canvas", batch_size=1)
-        warm.inputs["text_input"].CopyFrom(
-            mc.ModelWarmup.Input(data_type=mc.TYPE_STRING, dims=[1], input_data_file="text_input")
-        )
-        warm.inputs["max_tokens"].CopyFrom(
-            mc.ModelWarmup.Input(data_type=mc.TYPE_INT32, dims=[1], input_data_file="max_tokens")
-        )
+        for n in warmup:
+            t = schema.INPUT[n]
+            warm.inputs[n].CopyFrom(
+                mc.ModelWarmup.Input(data_type=mc.DataType.Value(t.config_type), dims=[1], input_data_file=n)
+            )
         cfg.model_warmup.append(warm)
     return cfg
 
@@ -109,7 +92,7 @@ def package(
     engine_dirs = _engine_dirs(engines) if engines is not None else []
     if max_batch < 1 or max_tokens_limit < 1 or max_prompt_tokens < 1:
         raise DgpipeError("--max-batch, --max-tokens-limit and --max-prompt-tokens must be >= 1")
-    warmup = _warmup_prompt(ckpt)
+    warmup = _warmup_request(ckpt)
     cfg = model_config(name, max_batch, max_tokens_limit, max_prompt_tokens, device, warmup)
     with atomic_dir(output) as tmp:
         mdir = tmp / name
@@ -122,9 +105,8 @@ def package(
             shutil.copytree(d, target_engine_dir(version, d.name), ignore=shutil.ignore_patterns(".*"))
         if warmup is not None:
             (mdir / "warmup").mkdir()
-            data = warmup.encode()
-            (mdir / "warmup" / "text_input").write_bytes(struct.pack("<I", len(data)) + data)
-            (mdir / "warmup" / "max_tokens").write_bytes(struct.pack("<i", ckpt.config.canvas_length))
+            for n, value in warmup.items():
+                (mdir / "warmup" / n).write_bytes(schema.raw_bytes(n, value))
     return output
 
 
@@ -169,7 +151,9 @@ def _engine_dirs(engines: Path) -> list[Path]:
     return dirs
 
 
-def _warmup_prompt(ckpt) -> str:
+def _warmup_request(ckpt) -> dict[str, Any]:
+    """The warm-up request's inputs: the checkpoint's example prompt and one canvas of tokens."""
     from pipeline.runtime.prompt_format import prompt_format_for
 
-    return prompt_format_for(ckpt, tokenizer=None).example_prompt
+    prompt = prompt_format_for(ckpt, tokenizer=None).example_prompt
+    return {"text_input": prompt, "max_tokens": ckpt.config.canvas_length}

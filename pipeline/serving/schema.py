@@ -1,0 +1,228 @@
+"""The request/response contract of the dgpipe Triton model, written once: every tensor with its Triton and
+numpy types, dims, default and validation rule. The repository builds config.pbtxt from it, the Triton model
+parses and validates requests with it, and the clients build their HTTP JSON bodies and gRPC inputs with it.
+
+Light on purpose (stdlib + numpy): the Triton model imports it inside tritonserver's Python stub.
+Names follow Triton's LLM conventions, so `/generate`, `/generate_stream` and the OpenAI frontend work.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+NUMPY_DTYPES: dict[str, Any] = {  # Triton datatype (wire name) -> numpy dtype
+    "BYTES": np.object_,
+    "BOOL": np.bool_,
+    "INT32": np.int32,
+    "UINT64": np.uint64,
+    "FP32": np.float32,
+}
+KNOWN_PARAMETERS: frozenset[str] = frozenset()  # request parameters we accept (none yet): others are refused
+
+
+class BadRequest(ValueError):
+    """A request the model refuses; the message goes back to the client as Triton's INVALID_ARG."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a valid value is, and the message that completes "input '<name>' ..." when it is not."""
+
+    check: Callable[[Any], bool]
+    message: str
+    show_value: bool = True  # append " (got <value>)"
+
+    def error(self, name: str, value: Any) -> str:
+        return f"input '{name}' {self.message}" + (f" (got {value})" if self.show_value else "")
+
+
+AT_LEAST_ONE = Rule(lambda v: v >= 1, "must be >= 1")
+NON_NEGATIVE = Rule(lambda v: v >= 0, "must be >= 0")
+POSITIVE = Rule(lambda v: v > 0, "must be > 0")
+NOT_BLANK = Rule(lambda s: bool(s.strip()), "is empty", show_value=False)
+
+
+@dataclass(frozen=True)
+class TritonTensor:
+    name: str
+    datatype: str  # Triton's wire datatype: a key of NUMPY_DTYPES
+    dims: tuple[int, ...]  # (1,) one value, (-1,) any number
+    doc: str
+    optional: bool = True
+    default: Any = None  # what an absent optional input means (None: the checkpoint's own setting)
+    rule: Rule | None = None
+    sampler: bool = False  # a diffusion knob, handed to the sampler (session.sampler(**knobs))
+
+    @property
+    def config_type(self) -> str:
+        """The DataType name in config.pbtxt (model_config_pb2): BYTES is TYPE_STRING there."""
+        return "TYPE_STRING" if self.datatype == "BYTES" else f"TYPE_{self.datatype}"
+
+    @property
+    def numpy_dtype(self) -> Any:
+        return NUMPY_DTYPES[self.datatype]
+
+    @property
+    def is_list(self) -> bool:
+        return self.dims == (-1,)
+
+
+def _in(name: str, datatype: str, doc: str, dims: tuple[int, ...] = (1,), **kw: Any) -> TritonTensor:
+    return TritonTensor(name, datatype, dims, doc, **kw)
+
+
+# config.pbtxt lists them in this order
+INPUTS: tuple[TritonTensor, ...] = (
+    _in("text_input", "BYTES", "the prompt (UTF-8)", optional=False, rule=NOT_BLANK),
+    _in("max_tokens", "INT32", "tokens to generate at most", default=256, rule=AT_LEAST_ONE),
+    _in("stream", "BOOL", "send each committed canvas as it completes", default=False),
+    _in("seed", "UINT64", "sampling seed: same seed, same answer", default=0, rule=NON_NEGATIVE),
+    _in("stop_words", "BYTES", "stop at the first of these strings", dims=(-1,), default=()),
+    _in("exclude_input_in_output", "BOOL", "return the generated text only", default=False),
+    _in("return_num_input_tokens", "BOOL", "add num_input_tokens to the final response", default=False),
+    _in("return_num_output_tokens", "BOOL", "add num_output_tokens to the final response", default=False),
+    _in("max_denoising_steps", "INT32", "denoise passes per canvas at most", rule=AT_LEAST_ONE, sampler=True),
+    _in("entropy_bound", "FP32", "adaptive stop: commit below this entropy", rule=POSITIVE, sampler=True),
+    _in(
+        "confidence_threshold", "FP32", "adaptive stop: confidence to commit", rule=NON_NEGATIVE, sampler=True
+    ),
+    _in("t_min", "FP32", "temperature schedule: last step", rule=POSITIVE, sampler=True),
+    _in("t_max", "FP32", "temperature schedule: first step", rule=POSITIVE, sampler=True),
+    _in("stream_drafts", "BOOL", "also send the canvas after every denoise step", default=False),
+    _in("infill_template", "BYTES", "canvas template: '_' is free, other text is pinned"),
+)
+OUTPUTS: tuple[TritonTensor, ...] = (
+    _in("text_output", "BYTES", "generated text (a piece per response when streaming)", dims=(-1,)),
+    _in("num_input_tokens", "INT32", "prompt tokens (with return_num_input_tokens)"),
+    _in("num_output_tokens", "INT32", "generated tokens (with return_num_output_tokens)"),
+    _in("finish_reason", "BYTES", "why generation ended: stop, length, cancelled"),
+    _in("denoise_steps", "INT32", "denoise steps per canvas (the step, for a draft)", dims=(-1,)),
+)
+INPUT: dict[str, TritonTensor] = {t.name: t for t in INPUTS}
+OUTPUT: dict[str, TritonTensor] = {t.name: t for t in OUTPUTS}
+FLAGS = tuple(t.name for t in INPUTS if t.datatype == "BOOL")
+
+
+# ---- the Triton model's side: parse and validate a request -------------------------------------------
+@dataclass
+class ParsedRequest:
+    prompt: str
+    max_tokens: int
+    seed: int
+    sampler: dict[str, int | float]  # the knobs the request sets, for session.sampler(**sampler)
+    flags: dict[str, bool]  # every flag in FLAGS, absent = False
+    stop_words: list[str] = field(default_factory=list)
+    infill_template: str | None = None
+
+
+def _scalar(arr: np.ndarray, name: str) -> Any:
+    if arr.size != 1:
+        raise BadRequest(f"input '{name}' must hold exactly one value (got {arr.size})")
+    return arr.reshape(-1)[0]
+
+
+def _text(value: Any, name: str) -> str:
+    if isinstance(value, bytes | np.bytes_):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BadRequest(f"input '{name}' is not valid UTF-8 ({e.reason} at byte {e.start})") from e
+    return str(value)
+
+
+def _value(spec: TritonTensor, arr: np.ndarray) -> Any:
+    """One input's array as a Python value, checked against the spec's rule."""
+    if spec.is_list:
+        return [_text(w, spec.name) for w in arr.reshape(-1)]
+    v = _scalar(arr, spec.name)
+    if spec.datatype == "BYTES":
+        v = _text(v, spec.name)
+    elif spec.datatype == "BOOL":
+        v = bool(v)
+    else:
+        v = float(v) if spec.datatype.startswith("FP") else int(v)
+    if spec.rule is not None and not spec.rule.check(v):
+        raise BadRequest(spec.rule.error(spec.name, v))
+    return v
+
+
+def parse_request(
+    get: Callable[[str], np.ndarray | None], parameters: Mapping[str, Any], max_tokens_limit: int
+) -> ParsedRequest:
+    """The request's inputs (`get(name)`: the tensor's array, None when absent) as Python values, every
+    one checked; the first problem raises BadRequest with the message the client sees."""
+    unknown = set(parameters) - KNOWN_PARAMETERS
+    if unknown:
+        raise BadRequest(f"unknown parameter(s): {', '.join(sorted(unknown))}")
+    for spec in INPUTS:
+        if not spec.optional and get(spec.name) is None:
+            raise BadRequest(f"input '{spec.name}' is required")
+
+    def read(kind: Callable[[TritonTensor], bool]) -> dict[str, Any]:
+        out = {}
+        for spec in INPUTS:
+            if kind(spec):
+                arr = get(spec.name)
+                out[spec.name] = _value(spec, arr) if arr is not None else spec.default
+        return out
+
+    # the order of the checks decides which message a request with several problems gets: text, numbers,
+    # the server's limit, flags, lists, then the other texts
+    values = read(lambda s: not s.optional)
+    values |= read(lambda s: s.datatype not in ("BYTES", "BOOL"))
+    max_tokens = values["max_tokens"]
+    if max_tokens > max_tokens_limit:
+        raise BadRequest(
+            f"input 'max_tokens' is {max_tokens}, over this server's limit of {max_tokens_limit}"
+        )
+    flags = read(lambda s: s.datatype == "BOOL")
+    values |= read(lambda s: s.optional and s.datatype == "BYTES")
+    return ParsedRequest(
+        prompt=values["text_input"],
+        max_tokens=max_tokens,
+        seed=values["seed"],
+        sampler={t.name: values[t.name] for t in INPUTS if t.sampler and values[t.name] is not None},
+        flags=flags,
+        stop_words=list(values["stop_words"]),
+        infill_template=values["infill_template"],
+    )
+
+
+def output_array(name: str, values: list[Any]) -> np.ndarray:
+    """An output tensor's array with the schema's dtype (text is UTF-8 encoded)."""
+    spec = OUTPUT[name]
+    if spec.datatype == "BYTES":
+        return np.array([v.encode() for v in values], dtype=np.object_)
+    return np.array(values, dtype=spec.numpy_dtype)
+
+
+# ---- the clients' side ----------------------------------------------------------------------------------
+def request_body(prompt: str, max_tokens: int, stream: bool, seed: int, options: Mapping[str, Any]) -> dict:
+    """The JSON body of `generate`/`generate_stream` (Triton converts each field to the input's datatype);
+    options set to None are left out, so the server applies its default."""
+    body: dict[str, Any] = {"text_input": prompt, "max_tokens": max_tokens, "seed": seed, "stream": stream}
+    body.update({k: v for k, v in options.items() if v is not None})
+    return body
+
+
+def input_array(name: str, value: Any) -> np.ndarray:
+    """A gRPC input's array, typed by the schema: one value, or one per element of a list input."""
+    spec = INPUT[name]
+    if spec.datatype == "BYTES":
+        items = [value] if isinstance(value, str | bytes) or not spec.is_list else list(value)
+        return np.array([v if isinstance(v, bytes) else str(v).encode() for v in items], dtype=np.object_)
+    return np.array([value], dtype=spec.numpy_dtype)
+
+
+def raw_bytes(name: str, value: Any) -> bytes:
+    """One value as Triton reads an input_data_file (model warm-up): little-endian, BYTES length-prefixed."""
+    spec = INPUT[name]
+    if spec.datatype == "BYTES":
+        data = value if isinstance(value, bytes) else str(value).encode()
+        return struct.pack("<I", len(data)) + data
+    return np.array([value], dtype=np.dtype(spec.numpy_dtype).newbyteorder("<")).tobytes()

@@ -1,0 +1,418 @@
+"""pipeline/serving/schema.py is the one request/response contract: config.pbtxt, the Triton model's parser and
+responses, and the clients (HTTP JSON, gRPC inputs, as the CLI and the serve benchmark call them) all agree
+with it. The Triton model runs here with a stand-in for `triton_python_backend_utils`; no server needed."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import queue
+import sys
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pipeline.resources import TRITON_MODEL_SOURCE
+from pipeline.serving import schema
+
+PROMPT = "14...9..56925.31.8835.1.927..1732.5.259.6.7.437694.28....6.4.935.3.914..92....816"
+
+
+# ---- a stand-in for tritonserver's Python stub ----------------------------------------------------
+class FakeTensor:
+    def __init__(self, name: str, arr: np.ndarray) -> None:
+        self.name, self.arr = name, arr
+
+    def as_numpy(self) -> np.ndarray:
+        return self.arr
+
+
+class FakeRequest:
+    def __init__(self, inputs: dict[str, np.ndarray], parameters: dict | None = None) -> None:
+        self.inputs, self.params, self.sender = inputs, parameters or {}, FakeSender()
+
+    def parameters(self) -> str:
+        return json.dumps(self.params)
+
+    def get_response_sender(self):
+        return self.sender
+
+
+class FakeSender:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, response, flags: int = 0) -> None:
+        self.sent.append((response, flags))
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+class FakeResponse:
+    def __init__(self, output_tensors=None, error=None) -> None:
+        self.output_tensors, self.error = output_tensors, error
+
+
+class FakeError:
+    INVALID_ARG = 3
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        self.message, self.code = message, code
+
+
+class FakeCounter:
+    def increment(self, n: float) -> None:
+        pass
+
+
+def _pb_utils() -> types.ModuleType:
+    pb = types.ModuleType("triton_python_backend_utils")
+    pb.get_input_tensor_by_name = lambda req, name: (
+        FakeTensor(name, req.inputs[name]) if name in req.inputs else None
+    )
+    pb.Tensor = FakeTensor
+    pb.InferenceResponse = FakeResponse
+    pb.TritonError = FakeError
+    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    return pb
+
+
+class FakeSession:
+    """What `_parse` asks of the session, recording the sampler knobs it is handed."""
+
+    def __init__(self) -> None:
+        self.knobs: dict[str, Any] = {}
+
+    def sampler(self, **knobs):
+        self.knobs = knobs
+        from pipeline.model.config import SamplerConfig
+
+        return SamplerConfig(**knobs)  # the real config: every knob the schema hands over must be a field
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return [ord(c) for c in prompt]
+
+    def build_template(self, template: str) -> str:
+        return f"template:{template}"
+
+    def default_template(self, prompt: str) -> str:
+        return "default"
+
+
+@pytest.fixture
+def model(monkeypatch):
+    """The Triton model as tritonserver loads it, set up without a checkpoint: limit 512 tokens."""
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _pb_utils())
+    spec = importlib.util.spec_from_file_location("dgpipe_triton_model", TRITON_MODEL_SOURCE)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)
+    spec.loader.exec_module(mod)
+    m = mod.TritonPythonModel.__new__(mod.TritonPythonModel)
+    m.max_tokens_limit, m.max_prompt_tokens = 512, 100
+    m.session, m.runtime = FakeSession(), types.SimpleNamespace(validate=lambda req: None)
+    m.ids, m.inbox = iter(range(1, 1000)), queue.Queue()
+    m.m_requests = m.m_rejected = FakeCounter()
+    return m
+
+
+def refusal(model, inputs: dict[str, np.ndarray], parameters: dict | None = None) -> str:
+    """The error message the model answers the request with (it must answer with one)."""
+    req = FakeRequest(inputs, parameters)
+    model.execute([req])
+    assert model.inbox.empty(), "the request was accepted"
+    ((response, flags),) = req.sender.sent
+    assert flags == 1 and response.error.code == FakeError.INVALID_ARG
+    return response.error.message
+
+
+def arr(name: str, *values) -> np.ndarray:
+    spec = schema.INPUT[name]
+    if spec.datatype == "BYTES":
+        return np.array([v if isinstance(v, bytes) else v.encode() for v in values], dtype=np.object_)
+    return np.array(values, dtype=spec.numpy_dtype)
+
+
+# ---- config.pbtxt ------------------------------------------------------------------------------------
+def test_config_pbtxt_tensors_are_the_schema():
+    pytest.importorskip("tritonclient", reason="needs tritonclient: pip install 'dgpipe[serve]'")
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from pipeline.serving.repository import model_config
+
+    cfg = model_config("dgpipe", 8, 512, 100, "auto", {"text_input": "Hello", "max_tokens": 82})
+    cfg = text_format.Parse(text_format.MessageToString(cfg), mc.ModelConfig())
+    assert [(i.name, mc.DataType.Name(i.data_type), tuple(i.dims), i.optional) for i in cfg.input] == [
+        (t.name, t.config_type, t.dims, t.optional) for t in schema.INPUTS
+    ]
+    assert [(o.name, mc.DataType.Name(o.data_type), tuple(o.dims)) for o in cfg.output] == [
+        (t.name, t.config_type, t.dims) for t in schema.OUTPUTS
+    ]
+    for t in (*schema.INPUTS, *schema.OUTPUTS):  # the config type and the wire type are Triton's pair
+        assert mc.DataType.Name(mc.DataType.Value(t.config_type)) == t.config_type
+        assert np.dtype(t.numpy_dtype) == np.dtype(schema.NUMPY_DTYPES[t.datatype])
+    warm = cfg.model_warmup[0].inputs
+    assert {n: mc.DataType.Name(w.data_type) for n, w in warm.items()} == {
+        "text_input": "TYPE_STRING",
+        "max_tokens": "TYPE_INT32",
+    }
+
+
+def test_warmup_files_are_what_triton_reads():
+    assert schema.raw_bytes("text_input", "Hé") == b"\x03\x00\x00\x00H\xc3\xa9"
+    assert schema.raw_bytes("max_tokens", 82) == b"\x52\x00\x00\x00"
+
+
+# ---- the Triton model's parser -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "inputs, parameters, message",
+    [
+        ({"max_tokens": arr("max_tokens", 82)}, None, "input 'text_input' is required"),
+        ({"text_input": arr("text_input", "   ")}, None, "input 'text_input' is empty"),
+        (
+            {"text_input": arr("text_input", b"\xff\xfe")},
+            None,
+            "input 'text_input' is not valid UTF-8 (invalid start byte at byte 0)",
+        ),
+        (
+            {"text_input": arr("text_input", "a", "b")},
+            None,
+            "input 'text_input' must hold exactly one value (got 2)",
+        ),
+        (
+            {"text_input": arr("text_input", PROMPT), "max_tokens": arr("max_tokens", 0)},
+            None,
+            "input 'max_tokens' must be >= 1 (got 0)",
+        ),
+        (
+            {"text_input": arr("text_input", PROMPT), "max_tokens": arr("max_tokens", 100_000)},
+            None,
+            "input 'max_tokens' is 100000, over this server's limit of 512",
+        ),
+        (
+            {"text_input": arr("text_input", PROMPT), "entropy_bound": arr("entropy_bound", -1.0)},
+            None,
+            "input 'entropy_bound' must be > 0 (got -1.0)",
+        ),
+        (
+            {
+                "text_input": arr("text_input", PROMPT),
+                "confidence_threshold": arr("confidence_threshold", -0.5),
+            },
+            None,
+            "input 'confidence_threshold' must be >= 0 (got -0.5)",
+        ),
+        (
+            {"text_input": arr("text_input", PROMPT), "stream": arr("stream", True, False)},
+            None,
+            "input 'stream' must hold exactly one value (got 2)",
+        ),
+        (
+            {"text_input": arr("text_input", PROMPT), "stop_words": arr("stop_words", "ok", b"\xc3")},
+            None,
+            "input 'stop_words' is not valid UTF-8 (unexpected end of data at byte 0)",
+        ),
+        (
+            {"text_input": arr("text_input", PROMPT)},
+            {"temperature_schedule": "cosine", "beam": 2},
+            "unknown parameter(s): beam, temperature_schedule",
+        ),
+    ],
+)
+def test_model_refuses_bad_requests_with_todays_messages(model, inputs, parameters, message):
+    assert refusal(model, inputs, parameters) == message
+
+
+@pytest.mark.parametrize("spec", [t for t in schema.INPUTS if t.rule is not None], ids=lambda t: t.name)
+def test_model_refuses_each_rule_breach_with_the_schemas_message(model, spec):
+    bad = next(v for v in ("   ", 0, -1, 0.0, -1.0) if _fits(spec, v) and not spec.rule.check(v))
+    dtype = np.int64 if spec.datatype == "UINT64" else spec.numpy_dtype  # a uint64 is never negative
+    value = arr(spec.name, bad) if spec.datatype == "BYTES" else np.array([bad], dtype=dtype)
+    inputs = {"text_input": arr("text_input", PROMPT), spec.name: value}
+    assert refusal(model, inputs) == spec.rule.error(spec.name, bad)
+
+
+def _fits(spec: schema.TritonTensor, v: Any) -> bool:
+    if spec.datatype == "BYTES" or isinstance(v, str):
+        return spec.datatype == "BYTES" and isinstance(v, str)
+    return isinstance(v, float) == spec.datatype.startswith("FP")
+
+
+def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
+    req = FakeRequest({"text_input": arr("text_input", PROMPT)})
+    model.execute([req])
+    job, request = model.inbox.get_nowait()
+    assert request.max_tokens == schema.INPUT["max_tokens"].default and request.seed == 0
+    assert job.flags == dict.fromkeys(schema.FLAGS, False) and job.stop_words == []
+    assert model.session.knobs == {} and request.template == "default"
+
+    values = {
+        "max_tokens": 82,
+        "stream": True,
+        "seed": 7,
+        "stop_words": ["9", "x"],
+        "exclude_input_in_output": True,
+        "return_num_input_tokens": True,
+        "return_num_output_tokens": True,
+        "max_denoising_steps": 5,
+        "entropy_bound": 0.5,
+        "confidence_threshold": 0.25,
+        "t_min": 0.5,
+        "t_max": 1.0,
+        "stream_drafts": True,
+        "infill_template": "_" * 81,
+    }
+    assert set(values) | {"text_input"} == set(schema.INPUT)  # every input is exercised
+    inputs = {"text_input": arr("text_input", PROMPT)}
+    inputs |= {n: schema.input_array(n, v) for n, v in values.items()}
+    req = FakeRequest(inputs)
+    model.execute([req])
+    assert not req.sender.sent
+    job, request = model.inbox.get_nowait()
+    assert (request.max_tokens, request.seed, job.stop_words) == (82, 7, ["9", "x"])
+    assert job.flags == {f: True for f in schema.FLAGS} and request.on_draft is not None
+    knobs = {t.name for t in schema.INPUTS if t.sampler}
+    assert model.session.knobs == {k: values[k] for k in knobs}
+    assert request.template == "template:" + "_" * 81
+
+
+def test_model_responses_are_schema_outputs(model):
+    flags = ("return_num_input_tokens", "return_num_output_tokens")
+    req = FakeRequest({"text_input": arr("text_input", PROMPT), **{f: arr(f, True) for f in flags}})
+    model.execute([req])
+    job, _ = model.inbox.get_nowait()
+    model._respond(job, "done", final=True, reason="stop", steps=[3, 4])
+    ((response, flag),) = req.sender.sent
+    outs = {t.name: t.arr for t in response.output_tensors}
+    assert flag == 1 and set(outs) == set(schema.OUTPUT)  # a final response with the counts: all of them
+    for name, a in outs.items():
+        assert a.dtype == np.dtype(schema.OUTPUT[name].numpy_dtype), name
+        assert a.shape == (1,) or schema.OUTPUT[name].is_list, name
+    assert outs["text_output"].tolist() == [b"done"] and outs["denoise_steps"].tolist() == [3, 4]
+
+
+# ---- the clients --------------------------------------------------------------------------------------
+def _check_json_field(name: str, value: Any) -> None:
+    spec = schema.INPUT[name]  # KeyError: the client sends a field the model does not have
+    items = value if spec.is_list else [value]
+    assert isinstance(items, list), name
+    for v in items:
+        if spec.datatype == "BYTES":
+            assert isinstance(v, str), name
+        elif spec.datatype == "BOOL":
+            assert isinstance(v, bool), name
+        elif spec.datatype.startswith("FP"):
+            assert isinstance(v, int | float) and not isinstance(v, bool), name
+        else:
+            assert isinstance(v, int) and not isinstance(v, bool), name
+
+
+def _final_outputs() -> dict[str, np.ndarray]:
+    """One final response carrying every output the schema declares."""
+    values = {
+        "text_output": ["81 digits"],
+        "num_input_tokens": [81],
+        "num_output_tokens": [82],
+        "finish_reason": ["stop"],
+        "denoise_steps": [3, 4],
+    }
+    assert set(values) == set(schema.OUTPUT)
+    return {n: schema.output_array(n, v) for n, v in values.items()}
+
+
+@pytest.fixture
+def transports(monkeypatch):
+    """Fake HTTP and gRPC transports: record what the client sends, answer with every schema output."""
+    import urllib.request
+
+    sent: dict[str, Any] = {}
+
+    def urlopen(req, timeout=None):
+        sent["http"] = json.loads(req.data)
+        event = {
+            n: a.tolist() if a.dtype != object else [x.decode() for x in a]
+            for n, a in _final_outputs().items()
+        }
+        return io.BytesIO(f"data: {json.dumps(event)}\n\n".encode())
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+
+    tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
+
+    class Result:
+        def __init__(self, outputs: dict[str, np.ndarray]) -> None:
+            self.outputs = outputs
+
+        def get_response(self):
+            final = types.SimpleNamespace(bool_param=True)
+            outs = [types.SimpleNamespace(name=n) for n in self.outputs]
+            return types.SimpleNamespace(outputs=outs, parameters={"triton_final_response": final})
+
+        def as_numpy(self, name: str) -> np.ndarray:
+            return self.outputs[name]
+
+    class Client:
+        def __init__(self, url: str) -> None:
+            pass
+
+        def start_stream(self, callback) -> None:
+            self.callback = callback
+
+        def async_stream_infer(self, model, inputs, enable_empty_final_response=False) -> None:
+            sent["grpc"] = inputs
+            self.callback(Result(_final_outputs()), None)
+
+        def stop_stream(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(tritonclient_grpc, "InferenceServerClient", Client)
+    return sent
+
+
+def _check_grpc_inputs(inputs) -> None:
+    for t in inputs:
+        spec = schema.INPUT[t.name()]
+        assert t.datatype() == spec.datatype, t.name()
+        assert t.shape() == [1] or spec.is_list, (t.name(), t.shape())
+
+
+@pytest.mark.parametrize("url", ["http://h:8000", "grpc://h:8001"])
+def test_cli_remote_generate_sends_schema_fields_and_reads_every_output(transports, url, capsys):
+    from pipeline.cli.generate import _remote as run_generate_remote
+
+    knobs = {t.name: 0.5 for t in schema.INPUTS if t.sampler and t.datatype == "FP32"}
+    overrides = {**knobs, "max_denoising_steps": 5, "stability_threshold": None}
+    run_generate_remote(url, PROMPT, 82, overrides, 7, "_" * 81, stream=True, drafts=True, as_json=True)
+    out = json.loads(capsys.readouterr().out)
+    assert (out["text"], out["finish_reason"], out["steps_per_canvas"]) == ("81 digits", "stop", [3, 4])
+    assert (out["prompt_tokens"], out["output_tokens"]) == (81, 82)
+    if url.startswith("http"):
+        body = transports["http"]
+        for name, value in body.items():
+            _check_json_field(name, value)
+        assert set(body) == set(schema.INPUT) - {"stop_words"}  # everything but stop words: none given
+    else:
+        _check_grpc_inputs(transports["grpc"])
+        assert {t.name() for t in transports["grpc"]} == set(schema.INPUT) - {"stop_words"}
+
+
+@pytest.mark.parametrize("url", ["http://h:8000", "grpc://h:8001"])
+def test_client_sends_stop_words_as_a_list_and_bench_serve_uses_schema_fields(transports, url):
+    from pipeline.bench.suite import _timed_request
+    from pipeline.serving.client import complete
+
+    reply = complete(url, PROMPT, stop_words=["9", "x"], stream=True)
+    assert reply.text == "81 digits"
+    _timed_request(url, PROMPT, 3)
+    if url.startswith("http"):
+        for name, value in transports["http"].items():
+            _check_json_field(name, value)
+    else:
+        _check_grpc_inputs(transports["grpc"])
