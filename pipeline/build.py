@@ -20,7 +20,6 @@ from pipeline.builddir import (
     EngineLimits,
     checkpoint_hash,
     load_or_create,
-    record_stage,
     save_manifest,
 )
 from pipeline.errors import DgpipeError
@@ -96,27 +95,21 @@ def run_build(opts: BuildOptions, say: Callable[[str], None]) -> dict:
 
 
 def _quantize(opts: BuildOptions, build_dir: Path, say: Callable[[str], None]) -> dict:
-    from quantize.run import QuantizeOptions, quantize_checkpoint
+    from quantize.run import QuantizeOptions
+    from quantize.stage import quantize_stage
 
-    out = build_dir / LAYOUT["checkpoint"]
-    res = quantize_checkpoint(
+    res = quantize_stage(
         QuantizeOptions(
             model=opts.model,
             precision=opts.precision,
-            output=out,
+            output=build_dir / LAYOUT["checkpoint"],
             calib_data=opts.calib_data,
             calib_size=opts.calib_size,
-        )
-    )
-    record_stage(
+        ),
         build_dir,
-        "quantize",
-        {"checkpoint": out},
-        inputs={"model": Path(opts.model).resolve()},
-        details=res.as_dict(),
     )
     say(
-        f"quantize: {out} ({res.precision}, {res.bytes / 1e6:.1f} MB, {res.calib_prompts} calibration prompts)"
+        f"quantize: {res.output} ({res.precision}, {res.bytes / 1e6:.1f} MB, {res.calib_prompts} calibration prompts)"
     )
     return res.as_dict()
 

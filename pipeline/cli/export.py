@@ -27,8 +27,20 @@ def export(
     from pipeline.onnx.stage import run_export
     from pipeline.runtime.session import default_model_path
 
+    if model is None and build_dir is not None:
+        model = _build_checkpoint(build_dir)
     result = run_export(model or default_model_path(), output, build_dir, precision_from_checkpoint)
     out.show(result, as_json, _render)
+
+
+def _build_checkpoint(build_dir: Path) -> Path | None:
+    """The checkpoint the build dir's quantize stage wrote, when it ran: what export reads by default."""
+    from pipeline.builddir import MANIFEST_NAME, load_manifest
+
+    if not (build_dir / MANIFEST_NAME).is_file():
+        return None
+    manifest = load_manifest(build_dir)
+    return manifest.path_of(build_dir, "checkpoint") if "quantize" in manifest.stages else None
 
 
 def _render(r: dict) -> str:

@@ -10,6 +10,7 @@ import typer
 from pipeline.builddir import MODEL_NAME, EngineLimits
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
+from pipeline.errors import DgpipeError
 
 app = opt.typer_app()
 
@@ -35,10 +36,28 @@ def package(
     engines: Annotated[
         Path | None, typer.Option(help="TensorRT engines dir (<target>/model.plan + engine.json) to ship")
     ] = None,
+    build_dir: Annotated[
+        Path | None,
+        opt.build_dir(
+            "package BUILD_DIR/checkpoint (+ its engines) into BUILD_DIR/model_repository and record it"
+        ),
+    ] = None,
 ) -> None:
     """Write a Triton model repository (Python backend, decoupled) that serves the checkpoint."""
     from pipeline.runtime.session import default_model_path
     from pipeline.serving.repository import package as run_package
+    from pipeline.serving.repository import package_stage
+
+    if build_dir is not None:
+        if model is not None or output is not None or engines is not None or name != MODEL_NAME:
+            raise DgpipeError(
+                "--build-dir packages the build's own checkpoint and engines under its layout",
+                "drop --model/--output/--engines/--name, or drop --build-dir",
+            )
+        limits = EngineLimits(max_batch=max_batch, max_prompt=max_prompt_tokens, max_tokens=max_tokens_limit)
+        repo, shipped = package_stage(build_dir, limits)
+        out.line(f"model repository: {repo} (model '{name}'{', with engines' if shipped else ''})")
+        return
 
     repo = run_package(
         model or default_model_path(),

@@ -23,6 +23,9 @@ def quantize(
         typer.Option("--precision", "-p", help="nvfp4, fp8, int4_awq or bf16 (configs/precisions)"),
     ] = None,
     output: Annotated[Path | None, opt.output("quantized checkpoint dir (written atomically)")] = None,
+    build_dir: Annotated[
+        Path | None, opt.build_dir("write BUILD_DIR/checkpoint and record the stage (instead of --output)")
+    ] = None,
     calib_data: Annotated[
         Path | None, typer.Option(help='JSONL of {"text": ...}; default: Sudoku puzzles for a Sudoku model')
     ] = None,
@@ -57,17 +60,19 @@ def quantize(
         result = plan(config, [precision] if precision else [], target, context, concurrency, kv_cache)
         out.show(result, as_json, lambda r: _render_estimate(r, target, context, concurrency, kv_cache))
         return
-    if precision is None or output is None:
+    if precision is None or (output is None) == (build_dir is None):
         raise DgpipeError(
-            "--precision and --output are required", "e.g. --precision nvfp4 --output ckpt-nvfp4"
+            "--precision and one of --output / --build-dir are required",
+            "e.g. --precision nvfp4 --output ckpt-nvfp4",
         )
     from pipeline.runtime.session import default_model_path
     from quantize.run import QuantizeOptions, quantize_checkpoint
+    from quantize.stage import quantize_stage
 
     opts = QuantizeOptions(
         model=model or default_model_path(),
         precision=precision,
-        output=output,
+        output=output or build_dir,
         calib_data=calib_data,
         calib_size=calib_size,
         calib_steps=calib_steps,
@@ -78,7 +83,10 @@ def quantize(
     )
     label = f"calibrate {precision} (prefill + {calib_steps} denoise steps)"
     with out.progress(label, total=None, disable=as_json) as advance:
-        res = quantize_checkpoint(opts, progress=advance)
+        if build_dir is not None:
+            res = quantize_stage(opts, build_dir, progress=advance)
+        else:
+            res = quantize_checkpoint(opts, progress=advance)
     out.show(res.as_dict(), as_json, lambda _: _render_result(res))
 
 

@@ -1,0 +1,46 @@
+"""The quantize stage of a build directory: BUILD_DIR/checkpoint from the source model, recorded in the
+build manifest like every other stage, so `dgpipe quantize --build-dir` and `dgpipe build` are one code path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from pipeline.builddir import (
+    LAYOUT,
+    MANIFEST_NAME,
+    BuildManifest,
+    checkpoint_hash,
+    load_or_create,
+    record_stage,
+)
+from quantize.run import QuantizeOptions, QuantizeResult, quantize_checkpoint
+
+
+def quantize_stage(
+    opts: QuantizeOptions, build_dir: Path, progress: Callable[[int], None] | None = None
+) -> QuantizeResult:
+    """Quantize `opts.model` into the build dir's checkpoint (opts.output is ignored) and record the stage.
+    A build dir that already holds another precision is refused before any work."""
+    build_dir = Path(build_dir).resolve()
+    if (build_dir / MANIFEST_NAME).is_file():
+        manifest = load_or_create(build_dir, precision=opts.precision)  # another precision: refused
+    else:
+        manifest = BuildManifest(
+            model=str(opts.model),
+            precision=opts.precision,
+            targets=[opts.target] if opts.target else [],
+            model_sha256=checkpoint_hash(opts.model),
+        )
+    out = build_dir / LAYOUT["checkpoint"]
+    res = quantize_checkpoint(replace(opts, output=out), progress=progress)
+    record_stage(
+        build_dir,
+        "quantize",
+        {"checkpoint": out},
+        inputs={"model": Path(opts.model).resolve()},
+        details=res.as_dict(),
+        manifest=manifest,
+    )
+    return res
