@@ -16,6 +16,7 @@ def atomic_write_text(path: Path, text: str) -> Path:
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; an artifact is as readable as a plain write makes it
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

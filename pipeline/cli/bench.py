@@ -76,7 +76,7 @@ def bench_sweep(
         raise DgpipeError("need --n >= 1, bounds > 0 and steps >= 1")
     lohi = opt.givens_range(givens) if givens else None
     out_dir = out_dir or opt.cache_dir() / "bench-sweep"
-    from pipeline.bench.suite import SWEEP_JSON, SWEEP_PLOT, run_sweep
+    from pipeline.bench.sweep import SWEEP_JSON, SWEEP_PLOT, run_sweep
 
     with out.progress("sweep", total=len(b) * len(st) * n, disable=as_json) as advance:
         result = run_sweep(model, b, st, n, lohi, out_dir, progress=advance)
@@ -109,7 +109,7 @@ def bench_serve(
     """Triton over HTTP and gRPC at several concurrencies, with the same requests in-process alongside."""
     levels = opt.int_list(concurrency, "--concurrency")
     out_dir = out_dir or opt.cache_dir() / "bench-serve"
-    from pipeline.bench.suite import SERVE_JSON, SERVE_PLOTS, run_bench_serve
+    from pipeline.bench.serve import SERVE_JSON, SERVE_PLOTS, run_bench_serve
 
     if url:
         result = run_bench_serve(url, grpc_url, levels, requests, out_dir)

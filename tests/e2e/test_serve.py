@@ -238,7 +238,7 @@ def test_serve_image_prints_the_ngc_command(tmp_path):
 
 
 def test_bench_serve_against_the_server(server, tmp_path):
-    from pipeline.bench.suite import run_bench_serve
+    from pipeline.bench.serve import run_bench_serve
 
     run_bench_serve(server.http_url, server.grpc_url, [1, 2], 2, tmp_path)
     result = json.loads((tmp_path / "serve.json").read_text())

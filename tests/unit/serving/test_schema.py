@@ -405,7 +405,7 @@ def test_cli_remote_generate_sends_schema_fields_and_reads_every_output(transpor
 
 @pytest.mark.parametrize("url", ["http://h:8000", "grpc://h:8001"])
 def test_client_sends_stop_words_as_a_list_and_bench_serve_uses_schema_fields(transports, url):
-    from pipeline.bench.suite import _timed_request
+    from pipeline.bench.serve import _timed_request
     from pipeline.serving.client import complete
 
     reply = complete(url, PROMPT, stop_words=["9", "x"], stream=True)
