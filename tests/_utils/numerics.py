@@ -22,11 +22,12 @@ FLOOR = 1e-6  # ~8 fp32 ulps at 1.0
 
 def error(x: torch.Tensor, oracle: torch.Tensor, metric: str = "rel") -> float:
     """Dimensionless error of `x` against `oracle`, computed in float64."""
-    d = x.double() - oracle.double()
+    x, oracle = x.detach().double(), oracle.detach().double()
+    d = x - oracle
     if metric == "rel":
-        return float(d.norm() / oracle.double().norm().clamp_min(1e-300))
+        return float(d.norm() / oracle.norm().clamp_min(1e-300))
     if metric == "max":
-        return float(d.abs().max() / oracle.double().abs().max().clamp_min(1e-300))
+        return float(d.abs().max() / oracle.abs().max().clamp_min(1e-300))
     raise ValueError(f"metric must be 'rel' or 'max', not {metric!r}")
 
 
