@@ -169,7 +169,8 @@ def test_prompt_target_helpers():
     assert len(target) == 82 and target[-1] == st.EOS_ID and st.decode_solution(target) == WIKI_SOL
     tmpl = st.sudoku_infill_template(WIKI)
     assert len(tmpl) == 82 and tmpl[:4] == [14, 12, -1, -1] and tmpl[-1] == -1
-    assert all((t == -1) == (ch == ".") for t, ch in zip(tmpl, WIKI, strict=False))
+    # 81 cells (free exactly where the puzzle has '.'), then the end-token slot, left free
+    assert all((t == -1) == (ch == ".") for t, ch in zip(tmpl[:81], WIKI, strict=True))
     assert (
         st.decode_solution([0, 5, 18, *target[3:]]) == "..9" + WIKI_SOL[3:]
         and st.decode_solution([]) == "." * 81

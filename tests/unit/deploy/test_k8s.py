@@ -662,7 +662,7 @@ case "$*" in *api-resources*)
   [ -z "$FAKE_NO_CRDS" ] && printf 'podmonitors.monitoring.coreos.com\nprometheusrules.monitoring.coreos.com\n'
   exit 0;; esac
 if [ -n "$FAKE_FAIL" ]; then case "$*" in *"$FAKE_FAIL"*) echo "error: simulated failure" >&2; exit 1;; esac; fi
-case "$*" in *condition=complete*) [ -n "$FAKE_JOB_FAILED" ] && { sleep 30; exit 1; };; esac
+case "$*" in *condition=complete*) [ -n "$FAKE_JOB_FAILED" ] && { sleep 30; echo "complete-wait ran out" >> "$FAKE_LOG"; exit 1; };; esac
 case "$*" in *condition=failed*) [ -n "$FAKE_JOB_FAILED" ] && exit 0; sleep 30; exit 1;; esac
 exit 0
 """
@@ -811,20 +811,20 @@ def test_deploy_stops_before_applying_when_a_crd_is_missing(rendered, fake_kubec
 
 
 def test_deploy_sees_a_failed_smoke_job_without_waiting_out_the_timeout(rendered, fake_kubectl, monkeypatch):
-    import time
-
     from pipeline.deploy import rollout as dp
     from pipeline.errors import DgpipeError
 
     monkeypatch.setenv("DGPIPE_KUBECTL", str(fake_kubectl.parent / "kubectl"))
     monkeypatch.setenv("FAKE_JOB_FAILED", "1")
-    start = time.monotonic()
     with pytest.raises(DgpipeError, match="wait for the smoke Job failed: the Job reached condition Failed"):
         dp.execute(dp.make_plan(rendered), log=lambda s: None)
-    assert time.monotonic() - start < 20  # the stand-in's complete-wait sleeps 30 s
-    assert any(
-        c.endswith("rollout undo deployment/dgpipe-triton") for c in fake_kubectl.read_text().splitlines()
-    )
+    calls = fake_kubectl.read_text().splitlines()
+    # both conditions were awaited at once, and the success wait (the stand-in's sleeps 30 s, then logs)
+    # was stopped when the failure condition came, not waited out
+    assert any("wait --for=condition=complete job/dgpipe-smoke" in c for c in calls)
+    assert any("wait --for=condition=failed job/dgpipe-smoke" in c for c in calls)
+    assert "complete-wait ran out" not in calls
+    assert any(c.endswith("rollout undo deployment/dgpipe-triton") for c in calls)
 
 
 def test_engine_limits_follow_the_node_command_the_engine_stage_recorded(build_dir):

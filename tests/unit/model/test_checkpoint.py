@@ -15,11 +15,18 @@ from pipeline.model import checkpoint as ck
 from tests._utils.tiny import build_tiny
 
 
+def _assert_same_state(model, ref) -> None:
+    """Same tensor names (none missing, none extra) and bit-equal values."""
+    got, want = model.state_dict(), ref.state_dict()
+    assert list(got) == list(want)
+    for (name, a), b in zip(got.items(), want.values(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 def test_roundtrip_and_sharded(tiny_checkpoint: Path, tmp_path: Path):
     model, _ = ck.load_model(tiny_checkpoint)
     ref = build_tiny()
-    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
-        assert torch.equal(a, b), name
+    _assert_same_state(model, ref)
     # split into two shards with an index, as large checkpoints are published
     shard_dir = tmp_path / "sharded"
     shutil.copytree(tiny_checkpoint, shard_dir)
@@ -33,8 +40,7 @@ def test_roundtrip_and_sharded(tiny_checkpoint: Path, tmp_path: Path):
         wmap.update(dict.fromkeys(part, fname))
     (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wmap}))
     sharded, _ = ck.load_model(shard_dir)
-    for (name, a), b in zip(sharded.state_dict().items(), ref.state_dict().values()):
-        assert torch.equal(a, b), name
+    _assert_same_state(sharded, ref)
 
 
 def test_vision_tower_is_never_read(tiny_checkpoint: Path, monkeypatch):

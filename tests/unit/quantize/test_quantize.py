@@ -33,6 +33,22 @@ def _cli(*args: str):
     return CliRunner().invoke(app, list(args))
 
 
+def _user_error(monkeypatch, capsys, *args: str) -> str:
+    """Run the console entry point (where errors are mapped); assert exit code 2 and one `error:` line on
+    stderr (not a traceback: CliRunner would report an uncaught exception as a non-zero exit too)."""
+    import sys
+
+    from pipeline.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["dgpipe", *args])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2, (e.value.code, err)
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    return err
+
+
 # ---- pure math against ModelOpt -----------------------------------------------------------------------
 def test_nvfp4_weight_dequant_matches_modelopt_qtensor():
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
@@ -279,7 +295,7 @@ def test_adapter_merge_matches_peft_and_refuses_foreign_or_untied(tmp_path):
 
 
 # ---- bad input, atomic output, planner CLI, gate ----------------------------------------------------------
-def test_bad_input_is_one_clear_error(tmp_path):
+def test_bad_input_is_one_clear_error(tmp_path, monkeypatch, capsys):
     from quantize.run import QuantizeOptions, quantize_checkpoint
 
     out = tmp_path / "q"
@@ -297,8 +313,11 @@ def test_bad_input_is_one_clear_error(tmp_path):
     with pytest.raises(DgpipeError, match="line 2 is not a JSON object with a 'text' field"):
         quantize_checkpoint(QuantizeOptions(EMBEDDED_MODEL, "fp8", out, calib_data=bad))
     assert not out.exists() and not list(tmp_path.glob(".q.*"))  # nothing half-written
-    r = _cli("quantize", "--precision", "nvfp4", "--target", "hopper", "--output", str(out))
-    assert r.exit_code != 0
+    err = _user_error(
+        monkeypatch, capsys, "quantize", "--precision", "nvfp4", "--target", "hopper", "--output", str(out)
+    )
+    assert "nvfp4 does not run natively on sm90" in err and "use --precision fp8" in err
+    assert not out.exists()
 
 
 def test_failed_export_leaves_no_output(tmp_path, monkeypatch):
@@ -317,15 +336,17 @@ def test_failed_export_leaves_no_output(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_estimate_cli_26b_figures():
+def test_estimate_cli_26b_figures(monkeypatch, capsys):
     r = _cli("quantize", "--estimate", "--config", "diffusiongemma-26b-a4b", "--target", "sm120", "--json")
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
     w = {x["precision"]: x["bytes"] for x in data["weights"]}
     assert w["nvfp4"] < 18e9 and 25e9 < w["fp8"] < 27e9 and w["bf16"] > 50e9
     assert any(s["gpu"] == "RTX-5090" and s["precision"] == "nvfp4" and s["fits"] for s in data["serving"])
-    r = _cli("quantize", "--estimate", "--precision", "nvfp4", "--target", "hopper")
-    assert r.exit_code != 0
+    err = _user_error(
+        monkeypatch, capsys, "quantize", "--estimate", "--precision", "nvfp4", "--target", "hopper"
+    )
+    assert "nvfp4 does not run natively on sm90" in err and "use --precision fp8" in err
 
 
 def test_gate_fails_with_a_clear_message():

@@ -82,7 +82,7 @@ def test_infill_template_is_respected():
     template = [7, -1, 7, -1, -1, 9, -1, 10]
     res = run(model, [Request(prompt_ids=[2], max_tokens=16, sampler=FIXED, template=template)])[0]
     for canvas in (res.tokens[:8], res.tokens[8:]):
-        assert [t for t, p in zip(canvas, template) if p >= 0] == [7, 7, 9, 10]
+        assert [t for t, p in zip(canvas, template, strict=True) if p >= 0] == [7, 7, 9, 10]
 
 
 def test_cancellation_between_steps():

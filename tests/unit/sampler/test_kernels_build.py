@@ -228,7 +228,7 @@ def test_host_rng_equals_pipeline_rng(rng_host: Path):
     for stream in streams:
         queries += [
             f"K {int(a)} {int(b)} {int(c)} {int(d)} {stream}"
-            for a, b, c, d in zip(seed, request, canvas, step)
+            for a, b, c, d in zip(seed, request, canvas, step, strict=True)
         ]
     got = [int(x) for x in ask(rng_host, queries)]
     assert got[:n] == rng.fmix32(xs).tolist()

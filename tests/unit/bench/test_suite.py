@@ -1,0 +1,20 @@
+"""The benchmark suite's statistics against hand-computed values (the serve benchmark's p50/p90/p99)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pipeline.bench.suite import percentile
+
+
+def test_percentile_interpolates_between_order_statistics():
+    lat = [40.0, 10.0, 30.0, 20.0]  # unsorted on purpose
+    # rank (n - 1) * q over the sorted values, linear between neighbours
+    assert percentile(lat, 0.5) == pytest.approx(25.0)  # rank 1.5
+    assert percentile(lat, 0.9) == pytest.approx(37.0)  # rank 2.7
+    assert percentile(lat, 0.99) == pytest.approx(39.7)  # rank 2.97
+    assert percentile(lat, 0.0) == 10.0 and percentile(lat, 1.0) == 40.0
+    assert percentile([7.0], 0.99) == 7.0
+    assert math.isnan(percentile([], 0.5))
