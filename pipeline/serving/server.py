@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -103,6 +104,14 @@ class Ports:
         return "127.0.0.1" if self.address in ("0.0.0.0", "") else self.address
 
 
+_GLOG_ERROR = re.compile(r"^\s*[EF]\d{4} ")  # glog severity + MMDD: E1203 12:00:00.000 ...
+
+
+def log_errors(lines: list[str]) -> list[str]:
+    """tritonserver's error and fatal lines (glog `E`/`F` prefix), plus any that say "error"."""
+    return [ln for ln in lines if _GLOG_ERROR.match(ln) or "error" in ln.lower()]
+
+
 class TritonServer:
     """A tritonserver child process: start, wait until ready, stop."""
 
@@ -158,8 +167,7 @@ class TritonServer:
             text = self.log.read_text(errors="replace").strip().splitlines()
         except OSError:
             return ""
-        errors = [ln for ln in text if " E1" in ln[:6] or "error" in ln.lower()]
-        return " | ".join((errors or text)[-lines:])
+        return " | ".join((log_errors(text) or text)[-lines:])
 
     @property
     def http_url(self) -> str:

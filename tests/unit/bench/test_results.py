@@ -1,4 +1,4 @@
-"""The benchmark suite's statistics against hand-computed values (the serve benchmark's p50/p90/p99)."""
+"""The benchmark statistics against hand-computed values (the serve benchmark's p50/p90/p99)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pipeline.bench.suite import percentile
+from pipeline.bench.results import percentile
 
 
 def test_percentile_interpolates_between_order_statistics():
