@@ -1,7 +1,7 @@
 """Engine inputs from the runtime's tensors, and the runtime's results from engine outputs.
 
 Kept apart from `trt_backend` (which only binds and executes) so the exact feeds TensorRT receives can be
-run through onnxruntime on the same exported graph on a CPU machine (tests/test_engine.py): the names,
+run through onnxruntime on the same exported graph on a CPU machine (tests/unit/engine/test_engine.py): the names,
 dtypes, mask widths, dummy sampler rows of causal passes and the full-width zero self-conditioning of a
 canvas's first step are all checked against the PyTorch runtime without TensorRT.
 """

@@ -208,7 +208,7 @@ def ask(exe: Path, queries: list[str]) -> list[str]:
 
 
 def test_host_rng_pinned_values(rng_host: Path):
-    """The values tests/test_sampler.py pins for pipeline.sampler.rng."""
+    """The values tests/unit/sampler/test_reference.py pins for pipeline.sampler.rng."""
     key = 501821951
     got = ask(rng_host, ["F 305419896", "K 1 2 3 4 1", *[f"T {key} {p} 262144" for p in range(4)]])
     assert int(got[0]) == 0xE37CD1BC

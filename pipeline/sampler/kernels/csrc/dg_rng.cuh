@@ -3,7 +3,7 @@
 // This is the same function as pipeline/sampler/rng.py (murmur3 fmix32 chained with a boost-style combine).
 // rng.py emulates uint32 arithmetic with int64 & 0xFFFFFFFF; here it is native uint32 arithmetic, which
 // wraps modulo 2**32 exactly as the masked int64 does. Everything is __host__ __device__ so a tiny host
-// program (tests/test_kernels_build.py) can prove the GPU hash equals the CPU one without a GPU.
+// program (tests/unit/sampler/test_kernels_build.py) can prove the GPU hash equals the CPU one without a GPU.
 #pragma once
 
 #include <stdint.h>
