@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from pipeline.demo import sudoku
@@ -12,6 +13,7 @@ from pipeline.demo.train import PuzzlePool, TrainConfig, build_model, curriculum
 from pipeline.model.checkpoint import load_model
 
 
+@pytest.mark.slow  # a few hundred optimizer steps
 def test_objective_learns_a_fixed_batch():
     cfg = TrainConfig(pool_size=8, batch_size=8, sc_prob=0.5)
     torch.manual_seed(0)

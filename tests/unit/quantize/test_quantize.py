@@ -16,11 +16,12 @@ pytest.importorskip(
     "modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[quantize]')"
 )
 pytest.importorskip("transformers", reason="transformers not installed")
-
 from pipeline.errors import DgpipeError
 from pipeline.model import fake_quant
 from pipeline.model import modelopt as dequant
 from pipeline.resources import EMBEDDED_MODEL
+
+pytestmark = pytest.mark.slow  # ModelOpt calibrates every precision once per module: minutes on 2 cores
 
 PROBES = ("model.decoder.layers.0.self_attn.q_proj", "model.decoder.layers.5.mlp.down_proj")
 

@@ -17,6 +17,8 @@ from pipeline.errors import DgpipeError
 from pipeline.sampler import rng
 from pipeline.sampler.kernels import build
 
+pytestmark = pytest.mark.slow  # nvcc builds for three architectures
+
 needs_nvcc = pytest.mark.skipif(
     build.find_nvcc() is None, reason="nvcc not found (CUDA toolkit not installed)"
 )
