@@ -51,6 +51,7 @@ def test_generate_cli_solves_the_readme_puzzle():
     assert sudoku.is_valid_solution(puzzle, out["text"])
 
 
+@pytest.mark.slow  # one CLI process per malformed puzzle
 def test_malformed_puzzles_are_refused():
     for bad, needle in [
         ("123", "wrong length"),

@@ -42,6 +42,7 @@ def test_curriculum_moves_from_easy_to_target():
     )
 
 
+@pytest.mark.slow  # trains, then re-evaluates the checkpoint
 def test_train_writes_a_checkpoint(tmp_path):
     cfg = TrainConfig(minutes=10, max_steps=3, batch_size=4, pool_size=8, eval_n=4, eval_every_minutes=100)
     rows = []
