@@ -1,10 +1,11 @@
 """Triton Python-backend model (decoupled) that serves DiffusionGemma with dgpipe's runtime.
 
 `dgpipe package` copies this file to <repo>/<model>/1/model.py. Requests are validated in `execute` against
-pipeline/serving/schema.py (a bad one is answered with an INVALID_ARG error and never reaches the batch), then handed to a worker
-thread that owns the BlockDiffusionRuntime: requests in flight share denoise passes and join at canvas
+pipeline/serving/schema.py and the repository's caps (a bad one is answered with an INVALID_ARG error and
+never reaches the batch), then handed to a worker thread that owns the BlockDiffusionRuntime: requests in flight share denoise passes and join at canvas
 boundaries; cancellation is checked between steps. Responses stream per committed canvas (and per
-denoise step with `stream_drafts`).
+denoise step with `stream_drafts`). A failure that belongs to one request (its submission, its callbacks)
+is answered to that request alone; only a failed shared pass fails the requests in flight.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Job:
     canvases: int = 0
     started: float = field(default_factory=time.perf_counter)
     first_canvas: float | None = None
+    failed: bool = False  # answered with an error: nothing more is sent
 
 
 def _input(request, name: str) -> np.ndarray | None:
@@ -62,9 +64,15 @@ class TritonPythonModel:
         choice = self._choose(version_dir)
         # with a TensorRT plan the weights live in the engine: the session then holds config + tokenizer only
         self.session = load_session(ckpt, dtype, device, weights=choice.kind != "tensorrt")
-        self.max_tokens_limit = int(params.get("max_tokens_limit", limits.max_tokens))
-        self.max_prompt_tokens = int(params.get("max_prompt_tokens", limits.max_prompt))
         length = self.session.model.config.canvas_length
+        positions = self.session.model.config.text_config.max_position_embeddings
+        self.limits = schema.ServerLimits(
+            max_tokens=int(params.get("max_tokens_limit", limits.max_tokens)),
+            max_steps=int(params.get("max_denoising_steps_limit", limits.max_steps)),
+            max_prompt=schema.prompt_limit(
+                int(params.get("max_prompt_tokens", limits.max_prompt)), positions, length
+            ),
+        )
         backend = self._backend(choice)
         if backend is None:  # the plan failed to load: fall back to the PyTorch weights
             self.session = load_session(ckpt, dtype, device)
@@ -72,7 +80,8 @@ class TritonPythonModel:
         self.runtime = BlockDiffusionRuntime(
             backend,
             max_batch=int(params.get("max_batch", limits.max_batch)),
-            max_len=self.max_prompt_tokens + self.max_tokens_limit + 2 * length,
+            # never past the model's positions: generation ends ("length") when the next canvas would not fit
+            max_len=min(self.limits.max_prompt + self.limits.max_tokens + 2 * length, positions),
         )
         self.ids = itertools.count(1)
         self.inbox: queue.Queue = queue.Queue()
@@ -161,14 +170,14 @@ class TritonPythonModel:
         parsed = schema.parse_request(
             lambda name: _input(request, name),
             json.loads(request.parameters() or "{}"),
-            self.max_tokens_limit,
+            self.limits,
         )
         try:
             sampler = self.session.sampler(**parsed.sampler)
             prompt_ids = self.session.encode_prompt(parsed.prompt)
-            if len(prompt_ids) > self.max_prompt_tokens:
+            if len(prompt_ids) > self.limits.max_prompt:
                 raise BadRequest(
-                    f"prompt has {len(prompt_ids)} tokens, over this server's limit of {self.max_prompt_tokens}"
+                    f"prompt has {len(prompt_ids)} tokens, over this server's limit of {self.limits.max_prompt}"
                 )
             template = (
                 self.session.build_template(parsed.infill_template)
@@ -184,11 +193,11 @@ class TritonPythonModel:
                 request_id=job.request_id,
                 draw_id=0,  # the seed alone decides the draws: same seed, same answer, whatever the id
                 template=template,
-                on_canvas=lambda r, toks, j=job: self._on_canvas(j, toks),
-                on_draft=(lambda r, toks, step, j=job: self._on_draft(j, toks, step))
+                on_canvas=lambda r, toks, j=job: self._guarded(j, self._on_canvas, toks),
+                on_draft=(lambda r, toks, step, j=job: self._guarded(j, self._on_draft, toks, step))
                 if parsed.flags["stream_drafts"]
                 else None,
-                on_finish=lambda res, j=job: self._on_finish(j, res),
+                on_finish=lambda res, j=job: self._guarded(j, self._on_finish, res),
             )
             self.runtime.validate(req)
         except DgpipeError as e:
@@ -204,9 +213,13 @@ class TritonPythonModel:
                 block = not self.runtime.busy()
                 while True:
                     job, req = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
-                    self.jobs[job.request_id] = job
-                    self.runtime.submit(req)
                     block = False
+                    try:
+                        self.runtime.submit(req)
+                    except Exception as e:  # this request alone is refused; the batch never saw it
+                        self._fail(job, str(e), pb_utils.TritonError.INVALID_ARG)
+                        continue
+                    self.jobs[job.request_id] = job
             except queue.Empty:
                 pass
             for job in list(self.jobs.values()):
@@ -219,6 +232,26 @@ class TritonPythonModel:
                         self.runtime.step()
                 except Exception as e:  # fail the requests in flight, keep the server serving
                     self._fail_all(f"internal error during generation: {type(e).__name__}: {e}")
+
+    def _guarded(self, job: Job, callback, *args) -> None:
+        """A request's callback; if it fails, that request is answered with the error and cancelled, and
+        the pass goes on for the others."""
+        if job.failed:
+            return
+        try:
+            callback(job, *args)
+        except Exception as e:
+            self.runtime.cancel(job.request_id)
+            self._fail(job, f"internal error in this request: {type(e).__name__}: {e}")
+
+    def _fail(self, job: Job, message: str, code=None) -> None:
+        pb_utils.Logger.log_error(f"dgpipe: request {job.request_id}: {message}")
+        job.failed = True
+        self.jobs.pop(job.request_id, None)
+        error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+        job.sender.send(
+            pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        )
 
     def _fail_all(self, message: str) -> None:
         pb_utils.Logger.log_error(message)

@@ -74,6 +74,7 @@ class EngineLimits:
     max_prompt: int = 2048  # longest prompt (tokens) of one prefill pass
     max_context: int = 8192  # cached tokens a row may attend to (prompt + committed canvases)
     max_tokens: int = 4096  # largest max_tokens a request may ask for (`dgpipe package` default)
+    max_steps: int = 256  # largest max_denoising_steps (passes per canvas) a request may ask for
 
     ENGINE_FIELDS = ("max_batch", "max_prompt", "max_context")  # what a plan is built for
 

@@ -185,6 +185,17 @@ class ModelConfig(BaseModel):
         return out
 
 
+# the documented range (inclusive) of each float sampler knob: outside it the sampler's arithmetic is not
+# meaningful (a temperature of 1e-45 divides logits to inf, 1e39 is inf in fp32; both turn probabilities to
+# NaN). SamplerConfig checks them, and the server's request schema refuses a request before it is queued.
+SAMPLER_RANGES: dict[str, tuple[float, float]] = {
+    "t_min": (0.001, 100.0),
+    "t_max": (0.001, 100.0),
+    "entropy_bound": (0.001, 1e6),  # below 0.001 it keeps one token per step, as 0.001 does
+    "confidence_threshold": (0.0, 100.0),  # a mean entropy in nats (ln of any vocabulary is < 100)
+}
+
+
 class SamplerConfig(BaseModel):
     """Entropy-bound sampler settings (REFERENCE §2). Defaults are the published generation defaults."""
 
@@ -207,16 +218,14 @@ class SamplerConfig(BaseModel):
     def _check(self) -> SamplerConfig:
         if self.max_denoising_steps < 1:
             raise SamplerError(f"max_denoising_steps must be >= 1 (got {self.max_denoising_steps})")
-        if not self.entropy_bound > 0:
-            raise SamplerError(f"entropy_bound must be > 0 (got {self.entropy_bound})")
-        if self.t_min <= 0 or self.t_max <= 0:
-            raise SamplerError(f"temperatures must be > 0 (got t_min={self.t_min}, t_max={self.t_max})")
+        for name, (lo, hi) in SAMPLER_RANGES.items():
+            value = getattr(self, name)
+            if not lo <= value <= hi:  # NaN fails it too
+                raise SamplerError(f"{name} must be in [{lo:g}, {hi:g}] (got {value})")
         if self.t_min > self.t_max:
             raise SamplerError(f"t_min ({self.t_min}) must be <= t_max ({self.t_max})")
         if self.stability_threshold < 0:
             raise SamplerError(f"stability_threshold must be >= 0 (got {self.stability_threshold})")
-        if self.confidence_threshold < 0:
-            raise SamplerError(f"confidence_threshold must be >= 0 (got {self.confidence_threshold})")
         return self
 
     def temperature(self, step: int) -> float:

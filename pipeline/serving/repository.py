@@ -35,9 +35,11 @@ def model_config(
     max_prompt_tokens: int,
     device: str,
     warmup: dict[str, Any] | None,
+    max_steps_limit: int = EngineLimits.max_steps,
 ):
-    """The ModelConfig protobuf: decoupled Python backend, the schema's tensors, parameters and a warm-up
-    request (`warmup`: input name -> value, written by `package` under warmup/)."""
+    """The ModelConfig protobuf: decoupled Python backend, the schema's tensors, parameters (the caps a
+    request may ask for, read by the Triton model into schema.ServerLimits) and a warm-up request (`warmup`:
+    input name -> value, written by `package` under warmup/)."""
     from tritonclient.grpc import model_config_pb2 as mc
 
     cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=0)
@@ -60,6 +62,7 @@ def model_config(
         "max_batch": str(max_batch),
         "max_tokens_limit": str(max_tokens_limit),
         "max_prompt_tokens": str(max_prompt_tokens),
+        "max_denoising_steps_limit": str(max_steps_limit),
         "device": device,
     }.items():
         cfg.parameters[key].string_value = value
@@ -83,17 +86,30 @@ def package(
     max_prompt_tokens: int = EngineLimits.max_prompt,
     device: str = "auto",
     engines: Path | None = None,
+    max_steps_limit: int = EngineLimits.max_steps,
 ) -> Path:
     """`engines`: a directory of `<target>/{model.plan,engine.json}` (a build's `engines/`), copied into the
-    model version so the Triton model runs the plan that matches its GPU (pipeline/engine/select.py)."""
+    model version so the Triton model runs the plan that matches its GPU (pipeline/engine/select.py).
+    The prompt limit written is at most what the model's positions hold with one canvas after the prompt."""
     from google.protobuf import text_format
 
     ckpt = open_checkpoint(model)  # fail early on a broken checkpoint, before writing anything
     engine_dirs = _engine_dirs(engines) if engines is not None else []
-    if max_batch < 1 or max_tokens_limit < 1 or max_prompt_tokens < 1:
+    if min(max_batch, max_tokens_limit, max_prompt_tokens, max_steps_limit) < 1:
         raise DgpipeError("--max-batch, --max-tokens-limit and --max-prompt-tokens must be >= 1")
+    if max(max_tokens_limit, max_prompt_tokens, max_steps_limit) > schema.INT32_MAX:
+        raise DgpipeError(f"--max-tokens-limit and --max-prompt-tokens must be <= {schema.INT32_MAX}")
+    text = ckpt.config.text_config
+    prompt_cap = schema.prompt_limit(
+        max_prompt_tokens, text.max_position_embeddings, ckpt.config.canvas_length
+    )
+    if prompt_cap < 1:
+        raise DgpipeError(
+            f"the model's {text.max_position_embeddings} positions leave no room for a prompt and one "
+            f"{ckpt.config.canvas_length}-token canvas"
+        )
     warmup = _warmup_request(ckpt)
-    cfg = model_config(name, max_batch, max_tokens_limit, max_prompt_tokens, device, warmup)
+    cfg = model_config(name, max_batch, max_tokens_limit, prompt_cap, device, warmup, max_steps_limit)
     with atomic_dir(output) as tmp:
         mdir = tmp / name
         version = model_version_dir(tmp, name)
@@ -123,6 +139,7 @@ def package_stage(build_dir: Path, limits: EngineLimits) -> tuple[Path, bool]:
         max_prompt_tokens=limits.max_prompt,
         max_tokens_limit=limits.max_tokens,
         engines=built,
+        max_steps_limit=limits.max_steps,
     )
     record_stage(
         build_dir,

@@ -2,8 +2,15 @@
 numpy types, dims, default and validation rule. The repository builds config.pbtxt from it, the Triton model
 parses and validates requests with it, and the clients build their HTTP JSON bodies and gRPC inputs with it.
 
-Light on purpose (stdlib + numpy): the Triton model imports it inside tritonserver's Python stub.
-Names follow Triton's LLM conventions, so `/generate`, `/generate_stream` and the OpenAI frontend work.
+Light on purpose (stdlib + numpy + the sampler's config, no torch): the Triton model imports it inside
+tritonserver's Python stub. Names follow Triton's LLM conventions, so `/generate`, `/generate_stream` and the
+OpenAI frontend work.
+
+Every value is checked against its real range here, before the request is queued: nothing out of range
+reaches the runtime's shared batch state. What this model cannot see: Triton's HTTP JSON parser converts a
+value to the input's datatype before the model gets it, so an integer above INT32 arrives wrapped
+(2**32 + 5 as 5) and JSON it cannot convert (a string for a number, 2**64) is answered by Triton itself with
+a 500 "Unable to parse 'data'". gRPC carries typed tensors (a wrong datatype is refused naming the input).
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from pipeline.model.config import SAMPLER_RANGES
 
 NUMPY_DTYPES: dict[str, Any] = {  # Triton datatype (wire name) -> numpy dtype
     "BYTES": np.object_,
@@ -45,6 +54,20 @@ AT_LEAST_ONE = Rule(lambda v: v >= 1, "must be >= 1")
 NON_NEGATIVE = Rule(lambda v: v >= 0, "must be >= 0")
 POSITIVE = Rule(lambda v: v > 0, "must be > 0")
 NOT_BLANK = Rule(lambda s: bool(s.strip()), "is empty", show_value=False)
+INT32_MAX = 2**31 - 1
+SEED_MAX = 2**63 - 1  # the sampler keeps seeds in int64 slots (pipeline/sampler/rng.py hashes their low bits)
+
+
+def between(lo: float, hi: float, what: str = "") -> Rule:
+    """lo <= value <= hi, inclusive; NaN and inf fail it."""
+    return Rule(lambda v: lo <= v <= hi, f"must be in [{lo:g}, {hi:g}]{what}")
+
+
+def _sampler_range(name: str) -> Rule:
+    return between(*SAMPLER_RANGES[name])
+
+
+SEED_RANGE = Rule(lambda v: 0 <= v <= SEED_MAX, f"must be in [0, {SEED_MAX}] (the sampler's seed range)")
 
 
 @dataclass(frozen=True)
@@ -79,20 +102,36 @@ def _in(name: str, datatype: str, doc: str, dims: tuple[int, ...] = (1,), **kw: 
 # config.pbtxt lists them in this order
 INPUTS: tuple[TritonTensor, ...] = (
     _in("text_input", "BYTES", "the prompt (UTF-8)", optional=False, rule=NOT_BLANK),
-    _in("max_tokens", "INT32", "tokens to generate at most", default=256, rule=AT_LEAST_ONE),
+    _in("max_tokens", "INT32", "tokens to generate at most", default=256, rule=between(1, INT32_MAX)),
     _in("stream", "BOOL", "send each committed canvas as it completes", default=False),
-    _in("seed", "UINT64", "sampling seed: same seed, same answer", default=0, rule=NON_NEGATIVE),
+    _in("seed", "UINT64", "sampling seed: same seed, same answer", default=0, rule=SEED_RANGE),
     _in("stop_words", "BYTES", "stop at the first of these strings", dims=(-1,), default=()),
     _in("exclude_input_in_output", "BOOL", "return the generated text only", default=False),
     _in("return_num_input_tokens", "BOOL", "add num_input_tokens to the final response", default=False),
     _in("return_num_output_tokens", "BOOL", "add num_output_tokens to the final response", default=False),
-    _in("max_denoising_steps", "INT32", "denoise passes per canvas at most", rule=AT_LEAST_ONE, sampler=True),
-    _in("entropy_bound", "FP32", "adaptive stop: commit below this entropy", rule=POSITIVE, sampler=True),
     _in(
-        "confidence_threshold", "FP32", "adaptive stop: confidence to commit", rule=NON_NEGATIVE, sampler=True
+        "max_denoising_steps",
+        "INT32",
+        "denoise passes per canvas at most",
+        rule=between(1, INT32_MAX),
+        sampler=True,
     ),
-    _in("t_min", "FP32", "temperature schedule: last step", rule=POSITIVE, sampler=True),
-    _in("t_max", "FP32", "temperature schedule: first step", rule=POSITIVE, sampler=True),
+    _in(
+        "entropy_bound",
+        "FP32",
+        "adaptive stop: commit below this entropy",
+        rule=_sampler_range("entropy_bound"),
+        sampler=True,
+    ),
+    _in(
+        "confidence_threshold",
+        "FP32",
+        "adaptive stop: confidence to commit",
+        rule=_sampler_range("confidence_threshold"),
+        sampler=True,
+    ),
+    _in("t_min", "FP32", "temperature schedule: last step", rule=_sampler_range("t_min"), sampler=True),
+    _in("t_max", "FP32", "temperature schedule: first step", rule=_sampler_range("t_max"), sampler=True),
     _in("stream_drafts", "BOOL", "also send the canvas after every denoise step", default=False),
     _in("infill_template", "BYTES", "canvas template: '_' is free, other text is pinned"),
 )
@@ -109,6 +148,22 @@ FLAGS = tuple(t.name for t in INPUTS if t.datatype == "BOOL")
 
 
 # ---- the Triton model's side: parse and validate a request -------------------------------------------
+@dataclass(frozen=True)
+class ServerLimits:
+    """The caps one request may ask for, from the repository's config.pbtxt parameters (EngineLimits'
+    defaults when a parameter is missing)."""
+
+    max_tokens: int  # max_tokens per request
+    max_steps: int  # max_denoising_steps: denoise passes per canvas
+    max_prompt: int  # prompt tokens (already within what the model's positions hold with one canvas)
+
+
+def prompt_limit(cap: int, max_positions: int, canvas_length: int) -> int:
+    """The longest prompt a server admits: its cap, and at most what the model's positions hold with one
+    canvas after it. One rule for `dgpipe package` (what it writes) and the Triton model (what it admits)."""
+    return max(0, min(cap, max_positions - canvas_length))
+
+
 @dataclass
 class ParsedRequest:
     prompt: str
@@ -152,7 +207,7 @@ def _value(spec: TritonTensor, arr: np.ndarray) -> Any:
 
 
 def parse_request(
-    get: Callable[[str], np.ndarray | None], parameters: Mapping[str, Any], max_tokens_limit: int
+    get: Callable[[str], np.ndarray | None], parameters: Mapping[str, Any], limits: ServerLimits
 ) -> ParsedRequest:
     """The request's inputs (`get(name)`: the tensor's array, None when absent) as Python values, every
     one checked; the first problem raises BadRequest with the message the client sees."""
@@ -172,14 +227,15 @@ def parse_request(
         return out
 
     # the order of the checks decides which message a request with several problems gets: text, numbers,
-    # the server's limit, flags, lists, then the other texts
+    # the server's limits, flags, lists, then the other texts
     values = read(lambda s: not s.optional)
     values |= read(lambda s: s.datatype not in ("BYTES", "BOOL"))
+    for name, limit in (("max_tokens", limits.max_tokens), ("max_denoising_steps", limits.max_steps)):
+        if values[name] is not None and values[name] > limit:
+            raise BadRequest(f"input '{name}' is {values[name]}, over this server's limit of {limit}")
+    if values["t_min"] is not None and values["t_max"] is not None and values["t_min"] > values["t_max"]:
+        raise BadRequest(f"input 't_min' ({values['t_min']}) must be <= input 't_max' ({values['t_max']})")
     max_tokens = values["max_tokens"]
-    if max_tokens > max_tokens_limit:
-        raise BadRequest(
-            f"input 'max_tokens' is {max_tokens}, over this server's limit of {max_tokens_limit}"
-        )
     flags = read(lambda s: s.datatype == "BOOL")
     values |= read(lambda s: s.optional and s.datatype == "BYTES")
     return ParsedRequest(

@@ -129,7 +129,7 @@ def test_generate_stream_and_drafts(tiny_checkpoint: Path):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--entropy-bound", "0"], "entropy_bound must be > 0"),
+        (["--entropy-bound", "0"], "entropy_bound must be in [0.001, 1e+06]"),
         (["--steps", "0"], "max_denoising_steps must be >= 1"),
         (["--t-min", "0.9", "--t-max", "0.5"], "t_min (0.9) must be <= t_max (0.5)"),
         (["--max-tokens", "0"], "--max-tokens must be >= 1"),
