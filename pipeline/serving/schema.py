@@ -51,16 +51,14 @@ class Rule:
 
 
 AT_LEAST_ONE = Rule(lambda v: v >= 1, "must be >= 1")
-NON_NEGATIVE = Rule(lambda v: v >= 0, "must be >= 0")
-POSITIVE = Rule(lambda v: v > 0, "must be > 0")
 NOT_BLANK = Rule(lambda s: bool(s.strip()), "is empty", show_value=False)
-INT32_MAX = 2**31 - 1
+INT32_MAX = 2**31 - 1  # what an INT32 input holds: the caps a repository writes stay within it
 SEED_MAX = 2**63 - 1  # the sampler keeps seeds in int64 slots (pipeline/sampler/rng.py hashes their low bits)
 
 
-def between(lo: float, hi: float, what: str = "") -> Rule:
+def between(lo: float, hi: float) -> Rule:
     """lo <= value <= hi, inclusive; NaN and inf fail it."""
-    return Rule(lambda v: lo <= v <= hi, f"must be in [{lo:g}, {hi:g}]{what}")
+    return Rule(lambda v: lo <= v <= hi, f"must be in [{lo:g}, {hi:g}]")
 
 
 def _sampler_range(name: str) -> Rule:
@@ -102,7 +100,7 @@ def _in(name: str, datatype: str, doc: str, dims: tuple[int, ...] = (1,), **kw: 
 # config.pbtxt lists them in this order
 INPUTS: tuple[TritonTensor, ...] = (
     _in("text_input", "BYTES", "the prompt (UTF-8)", optional=False, rule=NOT_BLANK),
-    _in("max_tokens", "INT32", "tokens to generate at most", default=256, rule=between(1, INT32_MAX)),
+    _in("max_tokens", "INT32", "tokens to generate at most", default=256, rule=AT_LEAST_ONE),
     _in("stream", "BOOL", "send each committed canvas as it completes", default=False),
     _in("seed", "UINT64", "sampling seed: same seed, same answer", default=0, rule=SEED_RANGE),
     _in("stop_words", "BYTES", "stop at the first of these strings", dims=(-1,), default=()),
@@ -113,7 +111,7 @@ INPUTS: tuple[TritonTensor, ...] = (
         "max_denoising_steps",
         "INT32",
         "denoise passes per canvas at most",
-        rule=between(1, INT32_MAX),
+        rule=AT_LEAST_ONE,
         sampler=True,
     ),
     _in(

@@ -42,11 +42,13 @@ def test_broken_checkpoint_writes_nothing(tmp_path: Path):
 
 def test_dgpipe_package_defaults_are_the_engine_limits(tiny_checkpoint: Path, tmp_path: Path):
     """`dgpipe package` without limits writes EngineLimits into config.pbtxt (the Triton model reads them
-    there), and the model lands in the layout's version dir."""
+    there; the prompt limit within the model's positions), and the model lands in the layout's version dir."""
     import subprocess
     import sys
 
     from pipeline.builddir import MODEL_NAME, TRITON_MODEL_FILE, EngineLimits, model_version_dir
+    from pipeline.model.checkpoint import open_checkpoint
+    from pipeline.serving.schema import prompt_limit
 
     out = tmp_path / "repo"
     proc = subprocess.run(
@@ -68,9 +70,32 @@ def test_dgpipe_package_defaults_are_the_engine_limits(tiny_checkpoint: Path, tm
     cfg = text_format.Parse((out / MODEL_NAME / "config.pbtxt").read_text(), mc.ModelConfig())
     limits = EngineLimits()
     params = {k: v.string_value for k, v in cfg.parameters.items()}
-    assert (params["max_batch"], params["max_prompt_tokens"], params["max_tokens_limit"]) == (
-        str(limits.max_batch),
-        str(limits.max_prompt),
-        str(limits.max_tokens),
+    config = open_checkpoint(tiny_checkpoint).config
+    positions = config.text_config.max_position_embeddings
+    assert positions - config.canvas_length < limits.max_prompt  # the tiny model holds less than the cap
+    assert {k: params[k] for k in ("max_batch", "max_tokens_limit", "max_denoising_steps_limit")} == {
+        "max_batch": str(limits.max_batch),
+        "max_tokens_limit": str(limits.max_tokens),
+        "max_denoising_steps_limit": str(limits.max_steps),
+    }
+    assert params["max_prompt_tokens"] == str(
+        prompt_limit(limits.max_prompt, positions, config.canvas_length)
+    )
+    assert (
+        prompt_limit(limits.max_prompt, positions, config.canvas_length) == positions - config.canvas_length
     )
     assert (model_version_dir(out) / TRITON_MODEL_FILE).is_file()
+
+
+def test_prompt_limit_is_the_cap_within_the_models_positions():
+    from pipeline.serving.schema import prompt_limit
+
+    assert prompt_limit(2048, 131_072, 256) == 2048  # the cap
+    assert prompt_limit(2048, 512, 82) == 430  # a 512-position model holds 430 prompt tokens + one canvas
+    assert prompt_limit(2048, 64, 82) == 0  # nothing fits: `package` refuses it
+
+
+def test_package_refuses_limits_outside_int32(tiny_checkpoint: Path, tmp_path: Path):
+    with pytest.raises(DgpipeError, match="must be <= 2147483647"):
+        package(tiny_checkpoint, tmp_path / "repo", max_tokens_limit=2**31)
+    assert not (tmp_path / "repo").exists()

@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import queue
+import re
 import sys
 import types
 from typing import Any
@@ -105,14 +106,15 @@ class FakeSession:
 
 @pytest.fixture
 def model(monkeypatch):
-    """The Triton model as tritonserver loads it, set up without a checkpoint: limit 512 tokens."""
+    """The Triton model as tritonserver loads it, set up without a checkpoint: limits 512 tokens, 64 steps
+    per canvas, 100 prompt tokens."""
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _pb_utils())
     spec = importlib.util.spec_from_file_location("dgpipe_triton_model", TRITON_MODEL_SOURCE)
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, mod)
     spec.loader.exec_module(mod)
     m = mod.TritonPythonModel.__new__(mod.TritonPythonModel)
-    m.max_tokens_limit, m.max_prompt_tokens = 512, 100
+    m.limits = schema.ServerLimits(max_tokens=512, max_steps=64, max_prompt=100)
     m.session, m.runtime = FakeSession(), types.SimpleNamespace(validate=lambda req: None)
     m.ids, m.inbox = iter(range(1, 1000)), queue.Queue()
     m.m_requests = m.m_rejected = FakeCounter()
@@ -133,7 +135,8 @@ def arr(name: str, *values) -> np.ndarray:
     spec = schema.INPUT[name]
     if spec.datatype == "BYTES":
         return np.array([v if isinstance(v, bytes) else v.encode() for v in values], dtype=np.object_)
-    return np.array(values, dtype=spec.numpy_dtype)
+    with np.errstate(over="ignore"):  # 1e39 as FP32 is inf, as Triton hands it over
+        return np.array(values, dtype=spec.numpy_dtype)
 
 
 # ---- config.pbtxt ------------------------------------------------------------------------------------
@@ -196,7 +199,7 @@ def test_warmup_files_are_what_triton_reads():
         (
             {"text_input": arr("text_input", PROMPT), "entropy_bound": arr("entropy_bound", -1.0)},
             None,
-            "input 'entropy_bound' must be > 0 (got -1.0)",
+            "input 'entropy_bound' must be in [0.001, 1e+06] (got -1.0)",
         ),
         (
             {
@@ -204,7 +207,7 @@ def test_warmup_files_are_what_triton_reads():
                 "confidence_threshold": arr("confidence_threshold", -0.5),
             },
             None,
-            "input 'confidence_threshold' must be >= 0 (got -0.5)",
+            "input 'confidence_threshold' must be in [0, 100] (got -0.5)",
         ),
         (
             {"text_input": arr("text_input", PROMPT), "stream": arr("stream", True, False)},
@@ -225,6 +228,132 @@ def test_warmup_files_are_what_triton_reads():
 )
 def test_model_refuses_bad_requests_with_todays_messages(model, inputs, parameters, message):
     assert refusal(model, inputs, parameters) == message
+
+
+def with_prompt(**values) -> dict[str, np.ndarray]:
+    """The prompt plus each value as its input's wire array (UINT64, FP32, ... as Triton hands them over)."""
+    return {"text_input": arr("text_input", PROMPT), **{n: arr(n, v) for n, v in values.items()}}
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [  # the values that reached the runtime before: each poisoned its batch slot or failed the batch
+        (
+            {"t_min": 1e-45, "t_max": 1e-45},
+            "input 't_min' must be in [0.001, 100] (got 1.401298464324817e-45)",
+        ),
+        ({"t_min": 0.5, "t_max": 1e39}, "input 't_max' must be in [0.001, 100] (got inf)"),
+        ({"t_max": float("nan")}, "input 't_max' must be in [0.001, 100] (got nan)"),
+        ({"t_min": 0.0}, "input 't_min' must be in [0.001, 100] (got 0.0)"),
+        ({"t_min": 0.75, "t_max": 0.5}, "input 't_min' (0.75) must be <= input 't_max' (0.5)"),
+        ({"entropy_bound": float("inf")}, "input 'entropy_bound' must be in [0.001, 1e+06] (got inf)"),
+        (
+            {"confidence_threshold": 1e30},
+            "input 'confidence_threshold' must be in [0, 100] (got 1.0000000150474662e+30)",
+        ),
+        (
+            {"seed": 2**63},
+            "input 'seed' must be in [0, 9223372036854775807] (the sampler's seed range) (got 9223372036854775808)",
+        ),
+        ({"seed": 2**64 - 1}, "input 'seed' must be in [0, 9223372036854775807] (the sampler's seed range)"),
+        (
+            {"max_denoising_steps": 10**6},
+            "input 'max_denoising_steps' is 1000000, over this server's limit of 64",
+        ),
+        ({"max_tokens": 2**31 - 1}, "input 'max_tokens' is 2147483647, over this server's limit of 512"),
+    ],
+)
+def test_model_refuses_values_outside_their_real_range(model, values, message):
+    assert refusal(model, with_prompt(**values)).startswith(message)
+
+
+def test_model_accepts_the_edges_of_each_range(model):
+    edges = {"t_min": 0.001, "t_max": 100.0, "confidence_threshold": 0.0, "entropy_bound": 1e6}
+    edges |= {"seed": 2**63 - 1, "max_denoising_steps": 64, "max_tokens": 512}
+    model.execute([FakeRequest(with_prompt(**edges))])
+    _, request = model.inbox.get_nowait()
+    assert request.seed == 2**63 - 1 and request.max_tokens == 512
+    assert request.sampler.max_denoising_steps == 64 and request.sampler.t_max == 100.0
+
+
+def test_prompt_over_the_servers_limit_is_refused(model):
+    inputs = {"text_input": arr("text_input", "1" * 101)}
+    assert refusal(model, inputs) == "prompt has 101 tokens, over this server's limit of 100"
+
+
+def test_sampler_config_checks_the_same_ranges():
+    """The in-process path (`dgpipe generate`) refuses what the server refuses: one table of ranges."""
+    from pipeline.errors import SamplerError
+    from pipeline.model.config import SAMPLER_RANGES, SamplerConfig
+
+    for name, (lo, hi) in SAMPLER_RANGES.items():
+        for bad in (lo / 2 if lo else -1.0, hi * 2, float("nan"), float("inf")):
+            knobs = {"t_min": 0.001, "t_max": 100.0, name: bad}
+            with pytest.raises(SamplerError, match=re.escape(f"{name} must be in [{lo:g}, {hi:g}]")):
+                SamplerConfig(**knobs)
+
+
+class FailingRuntime:
+    """A runtime whose submit refuses seed 13 (as the runtime's own check would); the rest go through."""
+
+    def __init__(self) -> None:
+        self.submitted: list = []
+        self.cancelled: list = []
+
+    def validate(self, req) -> None:
+        pass
+
+    def submit(self, req) -> None:
+        if req.seed == 13:
+            raise ValueError("Overflow when unpacking long long")
+        self.submitted.append(req)
+
+    def busy(self) -> bool:
+        return False
+
+    def cancel(self, request_id: int) -> None:
+        self.cancelled.append(request_id)
+
+
+def test_a_request_that_fails_in_the_worker_is_answered_alone(model, monkeypatch):
+    """A failure that belongs to one request (its submission, its callbacks) answers that request with the
+    error; the requests around it are submitted and their callbacks keep running."""
+    import threading
+    import time
+
+    model.runtime = FailingRuntime()
+    model.jobs = {}
+    logged: list[str] = []
+    monkeypatch.setattr(
+        sys.modules["triton_python_backend_utils"],
+        "Logger",
+        types.SimpleNamespace(log_error=logged.append),
+        raising=False,
+    )
+    reqs = [FakeRequest(with_prompt(seed=s)) for s in (1, 13, 2)]
+    model.execute(reqs)
+    model.running = True
+    worker = threading.Thread(target=model._loop, daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 120  # the worker imports torch first
+    while len(model.runtime.submitted) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    model.running = False
+    worker.join(5)
+    assert [r.seed for r in model.runtime.submitted] == [1, 2] and set(model.jobs) == {1, 3}
+    assert not reqs[0].sender.sent and not reqs[2].sender.sent
+    ((response, flags),) = reqs[1].sender.sent
+    assert flags == 1 and "Overflow when unpacking long long" in response.error.message
+
+    # a callback that fails (here: decoding) fails its own request and cancels it in the runtime
+    model.session.decode = lambda tokens: (_ for _ in ()).throw(UnicodeDecodeError("utf-8", b"", 0, 1, "bad"))
+    first = model.runtime.submitted[0]
+    first.on_canvas(first, [1, 2])
+    assert model.runtime.cancelled == [1] and 1 not in model.jobs
+    ((response, flags),) = reqs[0].sender.sent
+    assert flags == 1 and "internal error in this request: UnicodeDecodeError" in response.error.message
+    first.on_finish(types.SimpleNamespace(finish_reason="cancelled"))  # the runtime's cancel: nothing more
+    assert len(reqs[0].sender.sent) == 1 and not reqs[2].sender.sent and 3 in model.jobs
 
 
 @pytest.mark.parametrize("spec", [t for t in schema.INPUTS if t.rule is not None], ids=lambda t: t.name)
