@@ -189,6 +189,50 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, needle)
     assert len(good.text) == 81 and good.finish_reason == "stop"
 
 
+BAD_IN_A_BUSY_BATCH = [  # each reached the shared batch before: poisoned its slot, or failed every request
+    ({"t_min": 1e-45, "t_max": 1e-45}, "input 't_min' must be in [0.001, 100]"),
+    ({"t_min": 1e39, "t_max": 1e39}, "input 't_min' must be in [0.001, 100] (got inf)"),
+    ({"seed": 2**63}, "input 'seed' must be in [0, 9223372036854775807]"),
+    ({"max_denoising_steps": 10**6, "confidence_threshold": 0}, "over this server's limit of 256"),
+]
+
+
+def test_bad_values_in_a_busy_batch_get_400_and_never_touch_the_valid_requests(server):
+    """The poisoning and big-seed requests sent among concurrent valid ones: each bad one gets a 400 naming
+    its range, every valid one gets the answer it gets alone, and so do the requests after them in every
+    batch slot (8 slots, 16 later requests)."""
+    url = f"{server.http_url}/v2/models/dgpipe/generate"
+    puzzles = [p for p, _ in PUZZLES]
+
+    def ask(i: int) -> str:
+        body = {
+            "text_input": puzzles[i % 8],
+            "max_tokens": 82,
+            "seed": i % 8,
+            "exclude_input_in_output": True,
+        }
+        status, text = post(url, body)
+        assert status == 200, text
+        return json.loads(text)["text_output"]
+
+    alone = [ask(i) for i in range(6)]
+    assert sum(sudoku.is_valid_solution(puzzles[i], t) for i, t in enumerate(alone)) >= 5
+
+    def bad(case):
+        values, _ = case
+        return post(url, {"text_input": puzzles[0], "max_tokens": 82, **values})
+
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        valid = [pool.submit(ask, i) for i in range(6)]
+        refused = [pool.submit(bad, case) for case in BAD_IN_A_BUSY_BATCH]
+        assert [f.result() for f in valid] == alone
+        for (values, needle), f in zip(BAD_IN_A_BUSY_BATCH, refused, strict=True):
+            status, text = f.result()
+            assert status == 400 and needle in text, (values, status, text)
+        later = list(pool.map(ask, range(16)))
+    assert later[:6] == alone and later[8:14] == alone  # same seed, same answer, whichever slot it got
+
+
 def grpc_errors(server, inputs: list) -> list:
     import tritonclient.grpc as grpcclient
 
