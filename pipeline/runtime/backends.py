@@ -6,8 +6,8 @@ the two kinds of pass:
   * `denoise_step`: one bidirectional pass over the canvas AND its sampling step, because on a GPU the
     sampler is fused into the graph (CUDA kernels here, a TensorRT plugin in an engine) so the
     [B, L, V] logits never leave the device.
-`TorchBackend` runs `pipeline.model.network.DiffusionGemma` with the PyTorch sampler (the oracle) or, on CUDA, the
-fused kernels; the ONNX Runtime and TensorRT backends implement the same protocol over an exported graph.
+`TorchBackend` runs `pipeline.model.network.DiffusionGemma` with the PyTorch sampler (the oracle's
+cache-blocked twin, `pipeline.sampler.fused`, for the counter draws) or, on CUDA, the fused kernels; the ONNX Runtime and TensorRT backends implement the same protocol over an exported graph.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from pipeline.model.config import ModelConfig
 from pipeline.model.network import DiffusionGemma
+from pipeline.sampler.fused import sample_step_fused
 from pipeline.sampler.reference import (
     CounterDraws,
     DrawSource,
@@ -87,6 +88,8 @@ class TorchBackend:
         # transformers) always take the PyTorch sampler
         can_fuse = self.device.type == "cuda" and isinstance(self.draws, CounterDraws)
         self.fused = (can_fuse and cuda_sampler_available()) if fused is None else (fused and can_fuse)
+        # elsewhere the counter draws take the cache-blocked PyTorch step (bit-identical to the reference)
+        self.cpu_fused = not self.fused and type(self.draws) is CounterDraws
 
     @property
     def graph_safe(self) -> bool:
@@ -123,7 +126,10 @@ class TorchBackend:
                 s.confidence_threshold,
             )
             return DenoiseResult(out, stable, stop)
-        out = sample_step(logits, s.temperature, s.bound, s.keys, self.draws, s.template)
+        if self.cpu_fused and logits.dtype == torch.float32:
+            out = sample_step_fused(logits, s.temperature, s.bound, s.keys, s.template)
+        else:
+            out = sample_step(logits, s.temperature, s.bound, s.keys, self.draws, s.template)
         stable = update_stability(s.stable_count, s.prev_argmax, out.argmax)
         stop = should_stop(stable, s.stability_threshold, out.entropy, s.confidence_threshold)
         return DenoiseResult(out, stable, stop)

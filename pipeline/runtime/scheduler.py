@@ -96,7 +96,9 @@ class BlockDiffusionRuntime:
         self.amax = torch.full((s, length), -1, dtype=torch.long, device=dev)
         self.template = torch.full((s, length), -1, dtype=torch.long, device=dev)
         self.sc: torch.Tensor | None = None  # [S, L, V] lazily: the largest per-slot buffer
-        self.has_sc = torch.zeros(s, dtype=torch.bool, device=dev)
+        # whether a slot's canvas has had a step (its self-conditioning signal exists): host-side, so the
+        # first step of a batch of fresh canvases can pass "no signal" and skip the probs @ E matmul
+        self.has_sc: list[bool] = [False] * s
         self.done = torch.zeros(s, dtype=torch.bool, device=dev)  # canvas finished, awaiting the host
         self.step_idx = torch.zeros(s, dtype=torch.long, device=dev)
         self.canvas_idx = torch.zeros(s, dtype=torch.long, device=dev)
@@ -301,17 +303,32 @@ class BlockDiffusionRuntime:
             stability_threshold=self.stab_k[slots],
             confidence_threshold=self.conf[slots],
         )
-        # zero probabilities make the self-conditioning branch exactly zero, as "no signal yet" does
-        sc = self.sc[slots] * self.has_sc[slots, None, None].to(self.sc.dtype)
-        stepped = self.backend.denoise_step(self.x[slots], sc, rnd.positions, rnd.masks, rnd.past, sampler)
+        stepped = self.backend.denoise_step(
+            self.x[slots], self._sc_input(rnd), rnd.positions, rnd.masks, rnd.past, sampler
+        )
         out, row = stepped.step, live[:, None]
         self.sc[slots] = out.probs.to(self.dtype)  # a frozen row's is never read: its canvas is over
-        self.has_sc[slots] = True
+        for slot in rnd.slot_list:
+            self.has_sc[slot] = True
         self.stable[slots] = torch.where(live, stepped.stable_count, self.stable[slots])
         self.x[slots] = torch.where(row, out.canvas, self.x[slots])
         self.amax[slots] = torch.where(row, out.argmax, self.amax[slots])
         self.step_idx[slots] += live.long()
         self.done[slots] |= live & (stepped.stop | (self.step_idx[slots] >= self.n_steps[slots]))
+
+    def _sc_input(self, rnd: DenoiseRound) -> torch.Tensor | None:
+        """The rows' self-conditioning probabilities: None (no signal: the network skips the matmul, as
+        transformers does) when every row starts a canvas; rows without a previous step are zeroed, which
+        is exactly "no signal" too. Only a round's first step can be None or mixed: every later step (the
+        one a CUDA graph captures) has a signal for every row."""
+        assert self.sc is not None
+        ready = [self.has_sc[s] for s in rnd.slot_list]
+        if not any(ready):
+            return None
+        if all(ready):
+            return self.sc[rnd.slots]
+        mask = torch.tensor(ready, dtype=self.sc.dtype, device=self.device)
+        return self.sc[rnd.slots] * mask[:, None, None]
 
     def _finalise(self, slots: list[int]) -> None:
         commits: list[int] = []

@@ -89,17 +89,31 @@ def sample_step(
     entropy = -(logp.exp() * logp).sum(-1)
     cand = draws.categorical(keys, z)
     amax = torch.argmax(z, dim=-1)
+    # self-conditioning reads fp32 probabilities whatever the model dtype (as transformers does)
+    probs = torch.softmax(z, dim=-1, dtype=torch.float32)
+    return accept(cand, amax, probs, entropy, bound, keys, draws, template)
+
+
+def accept(
+    cand: torch.Tensor,
+    amax: torch.Tensor,
+    probs: torch.Tensor,
+    entropy: torch.Tensor,
+    bound: torch.Tensor,
+    keys: RowKeys,
+    draws: DrawSource,
+    template: torch.Tensor | None,
+) -> StepOutput:
+    """The [B, L] half of a step: pin the template, keep by entropy bound, re-noise the rest."""
     if template is not None:
         pinned = template >= 0
         entropy = entropy.masked_fill(pinned, 0.0)  # pinned cells cost nothing from the budget
     kept = entropy_bound_keep(entropy, bound)
-    noise = draws.renoise(keys, z.shape[1], z.shape[2]).to(cand.device)
+    noise = draws.renoise(keys, probs.shape[1], probs.shape[2]).to(cand.device)
     canvas = torch.where(kept, cand, noise)
     if template is not None:
         canvas = torch.where(pinned, template, canvas)
         amax = torch.where(pinned, template, amax)
-    # self-conditioning reads fp32 probabilities whatever the model dtype (as transformers does)
-    probs = torch.softmax(z, dim=-1, dtype=torch.float32)
     return StepOutput(canvas=canvas, argmax=amax, probs=probs, entropy=entropy, kept=kept)
 
 

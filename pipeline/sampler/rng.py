@@ -4,9 +4,12 @@ Why not torch.Generator: a request's draws must not depend on which other reques
 how many steps its neighbours took, or on the device. A pure hash of the coordinates gives that, and the
 CUDA sampler kernel computes the very same function (see `csrc/`), so CPU and GPU sample identically.
 
-The hash is murmur3's 32-bit finalizer chained over the key words. Arithmetic is done in int64 with
-explicit masking so that it is exact on every torch backend (int64 multiply wraps modulo 2**64, and we
-keep only the low 32 bits, which is what uint32 arithmetic in C does).
+The hash is murmur3's 32-bit finalizer chained over the key words. Arithmetic is done in int32, whose
+add, multiply and left shift wrap modulo 2**32 exactly as uint32 arithmetic in C does (torch has no
+uint32 shifts on CPU); only the right shift differs (int32's is arithmetic), so `_shr` masks off the
+copied sign bits. int32 keeps 8 lanes per AVX2 register and has a native multiply, where int64-and-mask
+had 4 lanes and an emulated one. The public functions take and return int64 tensors holding uint32
+values, as the CUDA header and the ONNX functions state them.
 """
 
 from __future__ import annotations
@@ -21,34 +24,79 @@ STREAM_SAMPLE = 1  # Gumbel noise for sampling the denoiser distribution
 STREAM_RENOISE = 2  # replacement tokens for positions that were not kept
 
 
+def _i32(c: int) -> int:
+    """A uint32 constant as the int32 with the same bits."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+_M1, _M2, _GOLDEN = _i32(0x85EBCA6B), _i32(0xC2B2AE35), _i32(GOLDEN)
+
+
+def to_i32(x: torch.Tensor | int) -> torch.Tensor:
+    """Low 32 bits of an integer tensor (any sign, any width) as int32."""
+    v = torch.as_tensor(x).to(torch.int64) & MASK32
+    return (v - ((v >> 31) << 32)).to(torch.int32)  # in int32 range before the cast: no overflow
+
+
+def to_u32(x: torch.Tensor) -> torch.Tensor:
+    """int32 bits back to their uint32 value, held in int64."""
+    return x.to(torch.int64) & MASK32
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int32 bits (uint32 `x >> k`)."""
+    return (x >> k) & ((1 << (32 - k)) - 1)
+
+
+def fmix32_(x: torch.Tensor) -> torch.Tensor:
+    """murmur3 fmix32 in place on an int32 tensor."""
+    x ^= _shr(x, 16)
+    x *= _M1
+    x ^= _shr(x, 13)
+    x *= _M2
+    x ^= _shr(x, 16)
+    return x
+
+
+def combine_salt(h: torch.Tensor) -> torch.Tensor:
+    """The part of `combine(h, word)` that does not depend on the word: GOLDEN + (h << 6) + (h >> 2)."""
+    return (h << 6) + _shr(h, 2) + _GOLDEN
+
+
+def combine_i32(h: torch.Tensor, word: torch.Tensor | int) -> torch.Tensor:
+    """combine() on int32 bits (broadcasting); returns a new tensor."""
+    return fmix32_(h ^ (combine_salt(h) + word))
+
+
 def fmix32(x: torch.Tensor) -> torch.Tensor:
-    x = x & MASK32
-    x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & MASK32
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & MASK32
-    return x ^ (x >> 16)
+    return to_u32(fmix32_(to_i32(x)))
 
 
 def combine(h: torch.Tensor, word: torch.Tensor | int) -> torch.Tensor:
     """h' = fmix32(h ^ (word + GOLDEN + (h << 6) + (h >> 2))): boost-style combine, order-sensitive."""
-    return fmix32(h ^ ((word + GOLDEN + ((h << 6) & MASK32) + (h >> 2)) & MASK32))
+    w = to_i32(word) if isinstance(word, torch.Tensor) else _i32(word & MASK32)
+    return to_u32(combine_i32(to_i32(h), w))
 
 
 def key_hash(
     seed: torch.Tensor, request: torch.Tensor, canvas: torch.Tensor, step: torch.Tensor, stream: int
 ) -> torch.Tensor:
     """Per-row key [B] (int64 holding uint32) for one (canvas, step, stream)."""
-    h = fmix32(seed.to(torch.int64) & MASK32)
+    h = fmix32_(to_i32(seed))
     for w in (request, canvas, step):
-        h = combine(h, w.to(torch.int64) & MASK32)
-    return combine(h, stream)
+        h = combine_i32(h, to_i32(w))
+    return to_u32(combine_i32(h, stream))
+
+
+def position_bits_i32(key: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, L] 32-bit draws, one per canvas position, as int32 bits."""
+    pos = torch.arange(length, dtype=torch.int32, device=key.device)
+    return combine_i32(to_i32(key)[:, None], pos[None, :])
 
 
 def position_bits(key: torch.Tensor, length: int) -> torch.Tensor:
     """[B, L] 32-bit draws, one per canvas position."""
-    pos = torch.arange(length, dtype=torch.int64, device=key.device)
-    return combine(key[:, None], pos[None, :])
+    return to_u32(position_bits_i32(key, length))
 
 
 def uniform_tokens(key: torch.Tensor, length: int, vocab_size: int) -> torch.Tensor:
@@ -56,15 +104,29 @@ def uniform_tokens(key: torch.Tensor, length: int, vocab_size: int) -> torch.Ten
     return (position_bits(key, length) * vocab_size) >> 32
 
 
+def gumbel_rows_(
+    pos_key: torch.Tensor, vocab_ids: torch.Tensor, out: torch.Tensor, bits: torch.Tensor
+) -> None:
+    """log(-log(u)) = -g for rows of positions: pos_key [R] int32, vocab_ids [V] int32 -> out [R, V] fp32.
+    `bits` [R, V] int32 is scratch. The same fp32 operations as `gumbel`, in place (so bit-identical)."""
+    torch.add(vocab_ids[None, :], combine_salt(pos_key)[:, None], out=bits)
+    bits ^= pos_key[:, None]
+    fmix32_(bits)
+    bits >>= 9
+    bits &= (1 << 23) - 1
+    out.copy_(bits)
+    out.add_(0.5).mul_(1.0 / (1 << 23)).log_().neg_().log_()
+
+
 def gumbel(key: torch.Tensor, length: int, vocab_size: int, vocab_chunk: int = 1 << 16) -> torch.Tensor:
     """[B, L, V] fp32 standard Gumbel noise. u = (r + 0.5) * 2**-23 with 23 random bits: every value is
     exact in fp32 and strictly inside (0, 1). (24 bits would round (2**24 - 1) + 0.5 up to 2**24, u = 1,
     g = +inf: one token in 2**24, i.e. one position in 64 at vocab 262144, sampled uniformly.)"""
-    pos_key = position_bits(key, length)  # [B, L]
+    pos_key = position_bits_i32(key, length)  # [B, L]
     out = torch.empty(*pos_key.shape, vocab_size, dtype=torch.float32, device=key.device)
     for start in range(0, vocab_size, vocab_chunk):
-        v = torch.arange(start, min(start + vocab_chunk, vocab_size), dtype=torch.int64, device=key.device)
-        bits = combine(pos_key[..., None], v)
-        u = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+        v = torch.arange(start, min(start + vocab_chunk, vocab_size), dtype=torch.int32, device=key.device)
+        bits = _shr(combine_i32(pos_key[..., None], v), 9)
+        u = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
         out[..., start : start + v.numel()] = -torch.log(-torch.log(u))
     return out

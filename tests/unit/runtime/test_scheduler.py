@@ -7,6 +7,7 @@ import torch
 
 from pipeline.errors import InputError
 from pipeline.model.config import SamplerConfig
+from pipeline.runtime.backends import TorchBackend
 from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
 from tests._utils.tiny import build_tiny
 
@@ -114,3 +115,35 @@ def test_bad_requests_are_refused(req, message):
     rt = BlockDiffusionRuntime(build_tiny(), max_batch=1, max_len=128)
     with pytest.raises(InputError, match=message):
         rt.submit(req)
+
+
+class RecordingBackend(TorchBackend):
+    """Records which rows got a self-conditioning signal; `zeros` restores the old all-zero first step."""
+
+    def __init__(self, model, zeros: bool = False) -> None:
+        super().__init__(model)
+        self.zeros, self.calls = zeros, []
+
+    def denoise_step(self, canvas, sc_probs, positions, masks, past, sampler):
+        self.calls.append(None if sc_probs is None else bool(sc_probs.abs().sum(dim=(1, 2)).gt(0).all()))
+        if sc_probs is None and self.zeros:
+            sc_probs = torch.zeros(*canvas.shape, self.config.text_config.vocab_size, dtype=self.dtype)
+        return super().denoise_step(canvas, sc_probs, positions, masks, past, sampler)
+
+
+def test_first_step_passes_no_self_conditioning_signal():
+    """A batch of fresh canvases passes None (the network skips probs @ E); a batch mixing fresh and running
+    canvases zeroes the fresh rows; both give exactly the tokens of an all-zero signal."""
+    model = build_tiny()
+    no_end(model)
+    short = SamplerConfig(max_denoising_steps=2, confidence_threshold=0.0)
+    reqs = [  # the second finishes a step before the first: the third joins it mid-canvas
+        Request(prompt_ids=[2, 5, 6], max_tokens=t, sampler=c, seed=1, request_id=i)
+        for i, (t, c) in enumerate(((16, FIXED), (8, short), (16, FIXED)))
+    ]
+    skip, zeros = RecordingBackend(model), RecordingBackend(model, zeros=True)
+    a = BlockDiffusionRuntime(skip, max_batch=2, max_len=128).generate(reqs)
+    b = BlockDiffusionRuntime(zeros, max_batch=2, max_len=128).generate(reqs)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    assert skip.calls[:2] == [None, True]  # the first canvases' first and second steps
+    assert False in skip.calls  # the third request's first step, beside the first one's third

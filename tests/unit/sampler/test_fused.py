@@ -1,0 +1,101 @@
+"""The int32 counter RNG and the cache-blocked sampler step against their straightforward statements."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.sampler import rng
+from pipeline.sampler.fused import sample_step_fused
+from pipeline.sampler.reference import CounterDraws, RowKeys, sample_step
+
+M = 0xFFFFFFFF
+
+
+# ---- the hash as it was first written: uint32 emulated in int64 with explicit masks -----------------
+def fmix32_i64(x):
+    x = x & M
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & M
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & M
+    return x ^ (x >> 16)
+
+
+def combine_i64(h, w):
+    return fmix32_i64(h ^ ((w + rng.GOLDEN + ((h << 6) & M) + (h >> 2)) & M))
+
+
+def key_hash_i64(seed, request, canvas, step, stream):
+    h = fmix32_i64(seed & M)
+    for w in (request, canvas, step):
+        h = combine_i64(h, w & M)
+    return combine_i64(h, stream)
+
+
+def gumbel_i64(key, length, vocab):
+    pos = combine_i64(key[:, None], torch.arange(length))
+    bits = combine_i64(pos[..., None], torch.arange(vocab))
+    return -torch.log(-torch.log(((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))))
+
+
+def big_ints(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-(2**62), 2**62, (n,), generator=g)
+    x[:8] = torch.tensor([0, -1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, -(2**31), -(2**31) - 1])
+    return x
+
+
+def test_int32_hash_equals_int64_statement():
+    x, y = big_ints(20_000, 0), big_ints(20_000, 1)
+    assert torch.equal(rng.fmix32(x), fmix32_i64(x))
+    assert torch.equal(rng.combine(x, y), combine_i64(x & M, y & M))
+    assert torch.equal(rng.combine(x, 5), combine_i64(x & M, 5))
+    a, b, c, d = x[:64], y[:64], x[64:128], y[64:128]
+    for stream in (rng.STREAM_INIT, rng.STREAM_SAMPLE, rng.STREAM_RENOISE):
+        assert torch.equal(rng.key_hash(a, b, c, d, stream), key_hash_i64(a, b, c, d, stream))
+    keys = rng.key_hash(a, b, c, d, rng.STREAM_RENOISE)
+    pos = combine_i64(keys[:, None], torch.arange(300))
+    assert torch.equal(rng.position_bits(keys, 300), pos)
+    for vocab in (262_144, 1000, 7, 2**31 - 1):
+        assert torch.equal(rng.uniform_tokens(keys, 300, vocab), (pos * vocab) >> 32)
+
+
+def test_int32_gumbel_is_bit_identical():
+    keys = torch.tensor([501821951, 0, M, 123456789, 2**31])
+    ours, ref = rng.gumbel(keys, 9, 3000, vocab_chunk=1024), gumbel_i64(keys, 9, 3000)
+    assert torch.equal(ours.view(torch.int32), ref.view(torch.int32))
+
+
+def row_keys(b: int, step: int = 0) -> RowKeys:
+    t = lambda v: torch.full((b,), v, dtype=torch.long)
+    return RowKeys(t(7), torch.arange(b) * 1000 + 3, t(2), t(step))
+
+
+def assert_same_step(a, b):
+    for f in ("canvas", "argmax", "kept"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    for f in ("probs", "entropy"):  # fp32, bit for bit
+        assert torch.equal(getattr(a, f).view(torch.int32), getattr(b, f).view(torch.int32)), f
+
+
+@pytest.mark.parametrize(
+    ("b", "length", "vocab", "block"),
+    [(1, 8, 24, 1 << 18), (3, 17, 1000, 4000), (2, 32, 5003, 5003 * 5), (2, 16, 40_000, 1)],
+)
+def test_fused_step_is_bit_identical_to_the_reference(b, length, vocab, block):
+    g = torch.Generator().manual_seed(vocab)
+    scale = torch.linspace(0.5, 8.0, length)[None, :, None]  # flat to peaked rows
+    logits = 30 * torch.tanh(torch.randn(b, length, vocab, generator=g) * scale / 30)
+    logits[0, 0, :5] = logits[0, 0].max()  # a tie: the first index wins in both
+    temp = torch.linspace(0.4, 0.8, b)
+    bound = torch.linspace(0.05, 20.0, b)
+    tpl = torch.full((b, length), -1)
+    tpl[:, 1::4] = 3
+    for template in (None, tpl):
+        for step in (0, 5):
+            keys = row_keys(b, step)
+            ref = sample_step(logits, temp, bound, keys, CounterDraws(), template)
+            assert_same_step(
+                sample_step_fused(logits, temp, bound, keys, template, block_elements=block), ref
+            )
