@@ -327,8 +327,9 @@ class BlockDiffusionRuntime:
             return None
         if all(ready):
             return self.sc[rnd.slots]
-        mask = torch.tensor(ready, dtype=self.sc.dtype, device=self.device)
-        return self.sc[rnd.slots] * mask[:, None, None]
+        # where, not a multiply: a slot's last occupant may have left non-finite values (NaN * 0 is NaN)
+        mask = torch.tensor(ready, dtype=torch.bool, device=self.device)
+        return torch.where(mask[:, None, None], self.sc[rnd.slots], 0.0)
 
     def _finalise(self, slots: list[int]) -> None:
         commits: list[int] = []

@@ -147,3 +147,16 @@ def test_first_step_passes_no_self_conditioning_signal():
     assert [r.tokens for r in a] == [r.tokens for r in b]
     assert skip.calls[:2] == [None, True]  # the first canvases' first and second steps
     assert False in skip.calls  # the third request's first step, beside the first one's third
+
+
+def test_a_slots_previous_occupant_cannot_leak_non_finite_signal():
+    """A fresh row beside a running one gets exactly no signal, even when the slot's last occupant left
+    NaN/inf behind (a multiply by a 0/1 mask would keep the NaN: every later request in the slot failed)."""
+    from types import SimpleNamespace
+
+    rt = BlockDiffusionRuntime(build_tiny(), max_batch=2, max_len=64)
+    rt.sc = torch.full((2, 3, 4), float("nan"))
+    rt.sc[1] = 0.25
+    rt.has_sc = [False, True]  # slot 0 starts a canvas, slot 1 is mid-canvas
+    rows = rt._sc_input(SimpleNamespace(slot_list=[0, 1], slots=torch.tensor([0, 1])))
+    assert torch.equal(rows[0], torch.zeros(3, 4)) and torch.equal(rows[1], torch.full((3, 4), 0.25))
