@@ -10,6 +10,7 @@ from typing import Any
 from pipeline.demo import sudoku
 from pipeline.demo import tokenizer as stok
 from pipeline.errors import InputError
+from pipeline.runtime.chat_template import Message, last_user_text
 
 
 def _puzzle(text: str) -> str:
@@ -28,6 +29,10 @@ class SudokuFormat:
 
     def encode_prompt(self, text: str) -> list[int]:
         return stok.sudoku_prompt_ids(_puzzle(text))
+
+    def encode_messages(self, messages: list[Message]) -> list[int]:
+        """The demo model has no chat template: the last user message is the puzzle."""
+        return self.encode_prompt(last_user_text(messages))
 
     def infill_template(self, text: str) -> list[int] | None:
         return stok.sudoku_infill_template(_puzzle(text))

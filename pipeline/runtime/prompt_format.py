@@ -13,7 +13,11 @@ never branches on it. Three sources, first match wins:
    (`[project.entry-points."dgpipe.prompt_formats"] myformat = "mypkg.fmt:MyFormat"`).
 
 A checkpoint only ever supplies a *name*: the code behind it is dgpipe's or an installed package's, never
-something read from the checkpoint directory.
+something read from the checkpoint directory (its chat template is data, rendered in jinja2's sandbox).
+
+Chat: a format answers OpenAI-style messages with `encode_messages`. The default format renders them with the
+checkpoint's chat template (`pipeline.runtime.chat_template`) when it has one; a task format reads what it
+needs from them (the Sudoku format: the last user message is the puzzle).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any, Protocol
 
 from pipeline.errors import CheckpointError, InputError
 from pipeline.model.checkpoint import Checkpoint
+from pipeline.runtime.chat_template import Message, load_chat_template
 
 ENTRY_POINT_GROUP = "dgpipe.prompt_formats"
 DEFAULT = "text"
@@ -36,6 +41,11 @@ class PromptFormat(Protocol):
 
     def encode_prompt(self, text: str) -> list[int]:
         """Prompt text (non-empty) -> prompt token ids; bad text raises InputError."""
+        ...
+
+    def encode_messages(self, messages: list[Message]) -> list[int]:
+        """Checked messages (chat_template.parse_messages) -> prompt token ids; a format that cannot take
+        them raises InputError."""
         ...
 
     def infill_template(self, text: str) -> list[int] | None:
@@ -56,7 +66,8 @@ PromptFormatFactory = Callable[[Checkpoint, Any], PromptFormat]
 
 
 class TextFormat:
-    """The default: dgpipe.json's `prompt_template` ("<bos>{prompt}" when absent) through tokenizer.json."""
+    """The default: a plain prompt through dgpipe.json's `prompt_template` ("<bos>{prompt}" when absent),
+    messages through the checkpoint's chat template; both tokenized by tokenizer.json."""
 
     needs_tokenizer = True
     example_prompt = "Hello"
@@ -64,11 +75,24 @@ class TextFormat:
     def __init__(self, checkpoint: Checkpoint, tokenizer: Any) -> None:
         self.template = checkpoint.dgpipe.get("prompt_template", "<bos>{prompt}")
         self.tokenizer = tokenizer
+        self.chat_template = load_chat_template(checkpoint.path)  # None: plain prompts only
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise InputError("this checkpoint has no tokenizer.json", "pass token ids instead of text")
-        return self.tokenizer.encode(self.template.format(prompt=text), add_special_tokens=False).ids
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self._encode(self.template.format(prompt=text))
+
+    def encode_messages(self, messages: list[Message]) -> list[int]:
+        if self.chat_template is None:
+            raise InputError(
+                "this checkpoint has no chat template (chat_template.jinja or tokenizer_config.json)",
+                "send a plain prompt (without --chat / messages)",
+            )
+        # the rendered text holds the template's special tokens already: none are added again
+        return self._encode(self.chat_template.render(messages, add_generation_prompt=True))
 
     def infill_template(self, text: str) -> list[int] | None:
         return None
