@@ -50,13 +50,13 @@ GEMMA_TEMPLATE = """{{ bos_token }}
 
 # a ChatML-style template that uses the rest of transformers' environment: namespace, tojson, loop
 # controls, the generation tag, trim_blocks/lstrip_blocks (no "-" in the tags)
-CHATML_TEMPLATE = """{% set ns = namespace(system="") %}
+CHATML_TEMPLATE = """{{ bos_token }}{% set ns = namespace(system="") %}
 {% for message in messages %}
     {% if message.role == 'system' %}
         {% set ns.system = message.content %}
         {% continue %}
     {% endif %}
-{{ bos_token if loop.first else '' }}<start_of_turn>{{ message.role }}
+<start_of_turn>{{ message.role }}
 {% if message.meta is defined %}{{ message.meta | tojson }}
 {% endif %}
 {% if ns.system and message.role == 'user' %}[{{ ns.system }}] {% endif %}
@@ -80,7 +80,9 @@ def build_tokenizer():
     return tok
 
 
-def write_chat_checkpoint(out: Path, template: str = GEMMA_TEMPLATE, in_tokenizer_config: bool = False) -> Path:
+def write_chat_checkpoint(
+    out: Path, template: str = GEMMA_TEMPLATE, in_tokenizer_config: bool = False
+) -> Path:
     """A transformers-written tiny checkpoint whose tokenizer files (and chat template) transformers saved:
     `chat_template.jinja`, or the template inside tokenizer_config.json with `in_tokenizer_config`. The model
     config ends on <eos> only; generation_config.json adds <end_of_turn>, as Gemma's does."""
