@@ -165,7 +165,11 @@ class TritonPythonModel:
         )
         try:
             sampler = self.session.sampler(**parsed.sampler)
-            prompt_ids = self.session.encode_prompt(parsed.prompt)
+            prompt_ids = (
+                self.session.encode_prompt(parsed.prompt)
+                if parsed.messages is None
+                else self.session.encode_messages(parsed.messages)  # through the checkpoint's chat template
+            )
             if len(prompt_ids) > self.max_prompt_tokens:
                 raise BadRequest(
                     f"prompt has {len(prompt_ids)} tokens, over this server's limit of {self.max_prompt_tokens}"

@@ -102,6 +102,9 @@ class FakeSession:
     def default_template(self, prompt: str) -> str:
         return "default"
 
+    def encode_messages(self, messages) -> list[int]:
+        return [len(m["content"]) for m in messages]
+
 
 @pytest.fixture
 def model(monkeypatch):
@@ -171,7 +174,7 @@ def test_warmup_files_are_what_triton_reads():
 @pytest.mark.parametrize(
     "inputs, parameters, message",
     [
-        ({"max_tokens": arr("max_tokens", 82)}, None, "input 'text_input' is required"),
+        ({"max_tokens": arr("max_tokens", 82)}, None, "input 'text_input' or 'messages' is required"),
         ({"text_input": arr("text_input", "   ")}, None, "input 'text_input' is empty"),
         (
             {"text_input": arr("text_input", b"\xff\xfe")},
@@ -266,7 +269,7 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
         "stream_drafts": True,
         "infill_template": "_" * 81,
     }
-    assert set(values) | {"text_input"} == set(schema.INPUT)  # every input is exercised
+    assert set(values) | {"text_input", "messages"} == set(schema.INPUT)  # every input is exercised
     inputs = {"text_input": arr("text_input", PROMPT)}
     inputs |= {n: schema.input_array(n, v) for n, v in values.items()}
     req = FakeRequest(inputs)
@@ -278,6 +281,44 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
     knobs = {t.name for t in schema.INPUTS if t.sampler}
     assert model.session.knobs == {k: values[k] for k in knobs}
     assert request.template == "template:" + "_" * 81
+
+
+def test_model_takes_messages_instead_of_text_input(model):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]
+    req = FakeRequest({"messages": arr("messages", json.dumps(messages))})
+    model.execute([req])
+    assert not req.sender.sent
+    job, request = model.inbox.get_nowait()
+    assert request.prompt_ids == [8, len(PROMPT)] and job.prompt == PROMPT  # the last user message
+    assert schema.request_body(None, 8, False, 0, {"messages": "[]"}).keys() == {
+        "messages",
+        "max_tokens",
+        "seed",
+        "stream",
+    }
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        (
+            {"text_input": arr("text_input", PROMPT), "messages": arr("messages", "[]")},
+            "inputs 'text_input' and 'messages' exclude each other: send one",
+        ),
+        ({"messages": arr("messages", "[{")}, "input 'messages' is not valid: messages: not valid JSON"),
+        ({"messages": arr("messages", "[]")}, "input 'messages' is not valid: messages: the list is empty"),
+        (
+            {"messages": arr("messages", '[{"role": "bot", "content": "x"}]')},
+            "input 'messages' is not valid: messages[0]: unknown role 'bot'",
+        ),
+        (
+            {"messages": arr("messages", '[{"role": "system", "content": "x"}]')},
+            "input 'messages' is not valid: messages: there is no user message",
+        ),
+    ],
+)
+def test_model_refuses_bad_messages_naming_the_problem(model, inputs, message):
+    assert refusal(model, inputs).startswith(message)
 
 
 def test_model_responses_are_schema_outputs(model):
@@ -397,10 +438,13 @@ def test_cli_remote_generate_sends_schema_fields_and_reads_every_output(transpor
         body = transports["http"]
         for name, value in body.items():
             _check_json_field(name, value)
-        assert set(body) == set(schema.INPUT) - {"stop_words"}  # everything but stop words: none given
+        assert set(body) == set(schema.INPUT) - {
+            "stop_words",
+            "messages",
+        }  # all but stop words, messages (none given)
     else:
         _check_grpc_inputs(transports["grpc"])
-        assert {t.name() for t in transports["grpc"]} == set(schema.INPUT) - {"stop_words"}
+        assert {t.name() for t in transports["grpc"]} == set(schema.INPUT) - {"stop_words", "messages"}
 
 
 @pytest.mark.parametrize("url", ["http://h:8000", "grpc://h:8001"])
