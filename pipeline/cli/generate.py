@@ -17,7 +17,18 @@ app = opt.typer_app()
 
 @app.command()
 def generate(
-    prompt: Annotated[str, typer.Argument(help="prompt text (a puzzle for the embedded Sudoku model)")],
+    prompt: Annotated[
+        str | None,
+        typer.Argument(help="prompt text (a puzzle for the embedded Sudoku model); '-' reads stdin"),
+    ] = None,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="send the prompt as a user message through the chat template")
+    ] = False,
+    system: Annotated[str | None, typer.Option(help="system message (implies --chat)")] = None,
+    file: Annotated[
+        Path | None,
+        typer.Option("--file", help='JSONL batch: a {"prompt": ...} or {"messages": [...]} per line'),
+    ] = None,
     model: opt.Model = None,
     max_tokens: Annotated[int, typer.Option(help="stop after this many new tokens (no overshoot)")] = 256,
     steps: Annotated[int | None, typer.Option("--steps", help="max denoising steps per canvas")] = None,
@@ -60,11 +71,83 @@ def generate(
     }
     if max_tokens < 1:
         raise DgpipeError(f"--max-tokens must be >= 1 (got {max_tokens})")
+    for item in _inputs(prompt, chat or system is not None, system, file):
+        _one(
+            item,
+            url,
+            max_tokens,
+            overrides,
+            seed,
+            canvas_length,
+            infill,
+            no_infill,
+            stream,
+            drafts,
+            dtype,
+            device,
+            model,
+            as_json,
+        )
+
+
+def _inputs(
+    prompt: str | None, chat: bool, system: str | None, file: Path | None
+) -> list[tuple[str, list | None]]:
+    """(prompt text, chat messages or None) per input: the argument (stdin for '-') or each line of --file."""
+    import json
+    import sys
+
+    from pipeline.runtime.chat_template import chat_messages, last_user_text, parse_messages
+
+    if (prompt is None) == (file is None):
+        raise DgpipeError("give a prompt or --file PROMPTS.jsonl (one of them)")
+    if file is None:
+        text = sys.stdin.read() if prompt == "-" else prompt
+        return [(text, chat_messages(text, system) if chat else None)]
+    if not file.is_file():
+        raise DgpipeError(f"--file {file}: no such file")
+    items = []
+    for n, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DgpipeError(f"{file}:{n}: not valid JSON ({e.msg})") from e
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            text = row["prompt"]
+            items.append((text, chat_messages(text, system) if chat else None))
+        elif isinstance(row, dict) and "messages" in row:
+            messages = parse_messages(row["messages"])
+            items.append((last_user_text(messages), messages))
+        else:
+            raise DgpipeError(f'{file}:{n}: expected {{"prompt": "..."}} or {{"messages": [...]}}')
+    return items
+
+
+def _one(
+    item,
+    url,
+    max_tokens,
+    overrides,
+    seed,
+    canvas_length,
+    infill,
+    no_infill,
+    stream,
+    drafts,
+    dtype,
+    device,
+    model,
+    as_json,
+) -> None:
+    prompt, messages = item
     if url:
-        _remote(url, prompt, max_tokens, overrides, seed, infill, stream, drafts, as_json)
+        _remote(url, prompt, messages, max_tokens, overrides, seed, infill, stream, drafts, as_json)
     else:
         _local(
             prompt,
+            messages,
             model=model,
             max_tokens=max_tokens,
             overrides=overrides,
@@ -82,6 +165,7 @@ def generate(
 
 def _local(
     prompt: str,
+    messages: list | None,
     model: Path | None,
     max_tokens: int,
     overrides: dict[str, Any],
@@ -102,7 +186,7 @@ def _local(
 
     session = load_session(model, dtype, device, canvas_length)
     sampler = session.sampler(**overrides)
-    prompt_ids = session.encode_prompt(prompt)
+    prompt_ids = session.encode_prompt(prompt) if messages is None else session.encode_messages(messages)
     if infill is not None:
         template = session.build_template(infill)
     else:
@@ -168,6 +252,7 @@ def _context(session, prompt_len: int, max_tokens: int) -> int:
 def _remote(
     url: str,
     prompt: str,
+    messages: list | None,
     max_tokens: int,
     overrides: dict[str, Any],
     seed: int,
@@ -190,7 +275,15 @@ def _remote(
         return_num_output_tokens=True,
     )
     start = time.perf_counter()
-    gen = generate(url, prompt, max_tokens=max_tokens, stream=stream or drafts, seed=seed, **options)
+    gen = generate(
+        url,
+        prompt if messages is None else None,
+        max_tokens=max_tokens,
+        stream=stream or drafts,
+        seed=seed,
+        messages=messages,
+        **options,
+    )
     try:
         while True:
             piece = next(gen)
