@@ -40,6 +40,10 @@ class SudokuFormat:
     def decode(self, tokens: Sequence[int]) -> str:
         return stok.decode_solution(tokens)
 
+    def decode_prompt(self, prompt_ids: Sequence[int]) -> str:
+        """The puzzle the prompt holds (its 81 cells between the turn tokens), '.' for a blank."""
+        return stok.decode_solution(list(prompt_ids)[2:-1])
+
     def present(self, prompt: str, text: str) -> tuple[str, str | None]:
         solved = sudoku.is_valid_solution(_puzzle(prompt), text)
         return sudoku.format_grid(text), "solved" if solved else "NOT a valid solution"

@@ -56,6 +56,11 @@ class PromptFormat(Protocol):
         """Generated canvas tokens -> text."""
         ...
 
+    def decode_prompt(self, prompt_ids: Sequence[int]) -> str:
+        """Prompt token ids (from encode_prompt or encode_messages) -> the text the model was prompted with:
+        what a server echoes before the answer. Optional: formats without it use `decode`."""
+        ...
+
     def present(self, prompt: str, text: str) -> tuple[str, str | None]:
         """How a person reads the answer to `prompt`: the text to show, and a verdict line (or None)."""
         ...
@@ -101,6 +106,10 @@ class TextFormat:
         if self.tokenizer is None:
             return " ".join(map(str, tokens))
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def decode_prompt(self, prompt_ids: Sequence[int]) -> str:
+        # a plain prompt reads back as given; a chat as its rendered template without special tokens
+        return self.decode(prompt_ids)
 
     def present(self, prompt: str, text: str) -> tuple[str, str | None]:
         return text, None

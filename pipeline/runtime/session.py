@@ -118,6 +118,11 @@ class Session:
     def decode(self, tokens: list[int]) -> str:
         return self.prompt_format.decode(tokens)
 
+    def decode_prompt(self, prompt_ids: list[int]) -> str:
+        """The text the prompt ids stand for, whether they came from a prompt or from chat messages."""
+        decode = getattr(self.prompt_format, "decode_prompt", None) or self.prompt_format.decode
+        return decode(prompt_ids)
+
 
 def load_session(
     model: str | Path | None = None,

@@ -52,6 +52,10 @@ def test_render_and_tokens_match_transformers(chat_ckpt, messages):
     assert template.render(checked) == want_text
     assert session.encode_messages(checked) == want_ids
     assert want_ids[0] == 2 and want_ids.count(2) == 1  # <bos> once: rendered, never added again
+    # what a server echoes before the answer: the rendered prompt as transformers decodes its ids
+    assert session.decode_prompt(want_ids) == hf.decode(want_ids, skip_special_tokens=True)
+    plain = session.encode_prompt("Why?")
+    assert session.decode_prompt(plain) == "Why?"  # a plain prompt reads back as given
 
 
 def test_gemma_folds_the_system_message_and_refuses_bad_turns(tmp_path):
@@ -102,6 +106,7 @@ def test_a_checkpoint_without_a_template_refuses_messages_and_sudoku_reads_the_p
         json.dumps([{"role": "system", "content": "solve"}, {"role": "user", "content": puzzle}])
     )
     assert session.encode_messages(messages) == stok.sudoku_prompt_ids(puzzle)
+    assert session.decode_prompt(session.encode_messages(messages)) == puzzle  # the echo: the puzzle read
     assert session.end_token_ids == [1, 4]
 
     import dataclasses

@@ -68,6 +68,9 @@ class FakeCounter:
     def increment(self, n: float) -> None:
         pass
 
+    def set(self, v: float) -> None:
+        pass
+
 
 def _pb_utils() -> types.ModuleType:
     pb = types.ModuleType("triton_python_backend_utils")
@@ -103,7 +106,15 @@ class FakeSession:
         return "default"
 
     def encode_messages(self, messages) -> list[int]:
-        return [len(m["content"]) for m in messages]
+        return self.encode_prompt(self.render(messages))
+
+    @staticmethod
+    def render(messages) -> str:
+        """A stand-in chat template: each turn as <role>content, then the assistant's turn opened."""
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def decode_prompt(self, prompt_ids: list[int]) -> str:
+        return "".join(map(chr, prompt_ids))
 
 
 @pytest.fixture
@@ -285,11 +296,12 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
 
 def test_model_takes_messages_instead_of_text_input(model):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]
+    model.max_prompt_tokens = 200  # the rendered conversation is longer than the puzzle
     req = FakeRequest({"messages": arr("messages", json.dumps(messages))})
     model.execute([req])
     assert not req.sender.sent
     job, request = model.inbox.get_nowait()
-    assert request.prompt_ids == [8, len(PROMPT)] and job.prompt == PROMPT  # the last user message
+    assert job.prompt_ids == request.prompt_ids == model.session.encode_prompt(model.session.render(messages))
     assert schema.request_body(None, 8, False, 0, {"messages": "[]"}).keys() == {
         "messages",
         "max_tokens",
@@ -319,6 +331,30 @@ def test_model_takes_messages_instead_of_text_input(model):
 )
 def test_model_refuses_bad_messages_naming_the_problem(model, inputs, message):
     assert refusal(model, inputs).startswith(message)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_model_echoes_the_prompt_it_read_for_text_and_messages(model, chat):
+    """With exclude_input_in_output off the final text is the prompt as the model read it (for messages: the
+    rendered template), then the answer; with it on, the answer alone."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]
+    prompt_in = (
+        {"messages": arr("messages", json.dumps(messages))}
+        if chat
+        else {"text_input": arr("text_input", PROMPT)}
+    )
+    echoed = FakeSession.render(messages) if chat else PROMPT
+    model.jobs, model.m_steps, model.m_steps_per_canvas = {}, FakeCounter(), FakeCounter()
+    model.max_prompt_tokens = 200
+    for exclude, want in ((False, echoed + "ANSWER"), (True, "ANSWER")):
+        req = FakeRequest({**prompt_in, "exclude_input_in_output": arr("exclude_input_in_output", exclude)})
+        model.execute([req])
+        job, _ = model.inbox.get_nowait()
+        job.text = "ANSWER"  # what the canvases committed
+        model._on_finish(job, types.SimpleNamespace(finish_reason="stop", steps_per_canvas=[2]))
+        ((response, flag),) = req.sender.sent
+        outs = {t.name: t.arr for t in response.output_tensors}
+        assert flag == 1 and outs["text_output"].tolist() == [want.encode()]
 
 
 def test_model_responses_are_schema_outputs(model):
@@ -426,11 +462,13 @@ def _check_grpc_inputs(inputs) -> None:
 
 @pytest.mark.parametrize("url", ["http://h:8000", "grpc://h:8001"])
 def test_cli_remote_generate_sends_schema_fields_and_reads_every_output(transports, url, capsys):
+    from pipeline.cli.generate import Item
     from pipeline.cli.generate import _remote as run_generate_remote
 
     knobs = {t.name: 0.5 for t in schema.INPUTS if t.sampler and t.datatype == "FP32"}
     overrides = {**knobs, "max_denoising_steps": 5, "stability_threshold": None}
-    run_generate_remote(url, PROMPT, 82, overrides, 7, "_" * 81, stream=True, drafts=True, as_json=True)
+    item = Item(PROMPT, None, None)
+    run_generate_remote(url, item, 82, overrides, 7, "_" * 81, True, True, as_json=True, compact=False)
     out = json.loads(capsys.readouterr().out)
     assert (out["text"], out["finish_reason"], out["steps_per_canvas"]) == ("81 digits", "stop", [3, 4])
     assert (out["prompt_tokens"], out["output_tokens"]) == (81, 82)
