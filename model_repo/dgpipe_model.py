@@ -30,7 +30,6 @@ from pipeline.serving.schema import BadRequest  # answered with INVALID_ARG; nev
 class Job:
     sender: Any
     request_id: int
-    prompt: str
     prompt_ids: list[int]
     flags: dict[str, bool]
     stop_words: list[str]
@@ -174,7 +173,11 @@ class TritonPythonModel:
         )
         try:
             sampler = self.session.sampler(**parsed.sampler)
-            prompt_ids = self.session.encode_prompt(parsed.prompt)
+            prompt_ids = (
+                self.session.encode_prompt(parsed.prompt)
+                if parsed.messages is None
+                else self.session.encode_messages(parsed.messages)  # through the checkpoint's chat template
+            )
             if len(prompt_ids) > self.limits.max_prompt:
                 raise BadRequest(
                     f"prompt has {len(prompt_ids)} tokens, over this server's limit of {self.limits.max_prompt}"
@@ -184,7 +187,7 @@ class TritonPythonModel:
                 if parsed.infill_template is not None
                 else self.session.default_template(parsed.prompt)
             )
-            job = Job(sender, next(self.ids), parsed.prompt, prompt_ids, parsed.flags, parsed.stop_words)
+            job = Job(sender, next(self.ids), prompt_ids, parsed.flags, parsed.stop_words)
             req = Request(
                 prompt_ids=prompt_ids,
                 max_tokens=parsed.max_tokens,
@@ -320,8 +323,8 @@ class TritonPythonModel:
             text = ""
         elif job.flags["exclude_input_in_output"]:
             text = job.text
-        else:
-            text = job.prompt + job.text
+        else:  # the prompt as the model read it (a chat: its rendered template), for text and messages alike
+            text = self.session.decode_prompt(job.prompt_ids) + job.text
         self._respond(job, text, final=True, reason=reason, steps=res.steps_per_canvas)
 
     def finalize(self) -> None:

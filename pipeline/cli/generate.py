@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import typer
 
@@ -17,7 +19,18 @@ app = opt.typer_app()
 
 @app.command()
 def generate(
-    prompt: Annotated[str, typer.Argument(help="prompt text (a puzzle for the embedded Sudoku model)")],
+    prompt: Annotated[
+        str | None,
+        typer.Argument(help="prompt text (a puzzle for the embedded Sudoku model); '-' reads stdin"),
+    ] = None,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="send the prompt as a user message through the chat template")
+    ] = False,
+    system: Annotated[str | None, typer.Option(help="system message (implies --chat)")] = None,
+    file: Annotated[
+        Path | None,
+        typer.Option("--file", help='JSONL batch: a {"prompt": ...} or {"messages": [...]} per line'),
+    ] = None,
     model: opt.Model = None,
     max_tokens: Annotated[int, typer.Option(help="stop after this many new tokens (no overshoot)")] = 256,
     steps: Annotated[int | None, typer.Option("--steps", help="max denoising steps per canvas")] = None,
@@ -60,28 +73,86 @@ def generate(
     }
     if max_tokens < 1:
         raise DgpipeError(f"--max-tokens must be >= 1 (got {max_tokens})")
+    items = _inputs(prompt, chat or system is not None, system, file)  # every line checked before any work
+    batch = file is not None  # --json then prints JSON Lines: one compact object per input, in order
     if url:
-        _remote(url, prompt, max_tokens, overrides, seed, infill, stream, drafts, as_json)
-    else:
-        _local(
-            prompt,
-            model=model,
-            max_tokens=max_tokens,
-            overrides=overrides,
-            seed=seed,
-            canvas_length=canvas_length,
-            infill=infill,
-            use_default_infill=not no_infill,
-            stream=stream,
-            drafts=drafts,
-            dtype=dtype,
-            device=device,
-            as_json=as_json,
-        )
+        for item in items:
+            _remote(url, item, max_tokens, overrides, seed, infill, stream, drafts, as_json, batch)
+        return
+    _local(
+        items,
+        model=model,
+        max_tokens=max_tokens,
+        overrides=overrides,
+        seed=seed,
+        canvas_length=canvas_length,
+        infill=infill,
+        use_default_infill=not no_infill,
+        stream=stream,
+        drafts=drafts,
+        dtype=dtype,
+        device=device,
+        as_json=as_json,
+        compact=batch,
+    )
+
+
+class Item(NamedTuple):
+    prompt: str  # the text (a chat's last user message): what a task format reads, what `present` shows
+    messages: list | None  # chat messages, or None for a plain prompt
+    where: str | None  # "FILE:LINE" for a --file line: errors about this input name it
+
+
+def _inputs(prompt: str | None, chat: bool, system: str | None, file: Path | None) -> list[Item]:
+    """One item per input: the argument (stdin for '-') or each non-blank line of --file."""
+    import json
+    import sys
+
+    from pipeline.runtime.chat_template import chat_messages, last_user_text, parse_messages
+
+    if (prompt is None) == (file is None):
+        raise DgpipeError("give a prompt or --file PROMPTS.jsonl (one of them)")
+    if file is None:
+        text = sys.stdin.read() if prompt == "-" else prompt
+        return [Item(text, chat_messages(text, system) if chat else None, None)]
+    if not file.is_file():
+        raise DgpipeError(f"--file {file}: no such file")
+    items = []
+    for n, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{file}:{n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DgpipeError(f"{where}: not valid JSON ({e.msg})") from e
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            text = row["prompt"]
+            items.append(Item(text, chat_messages(text, system) if chat else None, where))
+        elif isinstance(row, dict) and "messages" in row:
+            with _naming(where):
+                messages = parse_messages(row["messages"])
+                items.append(Item(last_user_text(messages), messages, where))
+        else:
+            raise DgpipeError(f'{where}: expected {{"prompt": "..."}} or {{"messages": [...]}}')
+    if not items:
+        raise DgpipeError(f"--file {file}: no prompts in it")
+    return items
+
+
+@contextmanager
+def _naming(where: str | None) -> Iterator[None]:
+    """A user error raised inside the block, prefixed with the input it is about ("FILE:LINE: ...")."""
+    try:
+        yield
+    except DgpipeError as e:
+        if where is None:
+            raise
+        raise type(e)(f"{where}: {e}") from e
 
 
 def _local(
-    prompt: str,
+    items: list[Item],
     model: Path | None,
     max_tokens: int,
     overrides: dict[str, Any],
@@ -94,19 +165,18 @@ def _local(
     dtype: str,
     device: str,
     as_json: bool,
+    compact: bool,
 ) -> None:
+    """Every input through one loaded session and one runtime: the requests are submitted together and
+    share denoise passes (one at a time with --stream/--drafts, so the printed canvases stay in order)."""
     import torch
 
+    from pipeline.builddir import EngineLimits
     from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
     from pipeline.runtime.session import load_session
 
     session = load_session(model, dtype, device, canvas_length)
     sampler = session.sampler(**overrides)
-    prompt_ids = session.encode_prompt(prompt)
-    if infill is not None:
-        template = session.build_template(infill)
-    else:
-        template = session.default_template(prompt) if use_default_infill else None
 
     def on_canvas(req: Request, tokens: list[int]) -> None:
         if stream and not as_json:
@@ -116,46 +186,69 @@ def _local(
         if not as_json:
             out.line(f"[step {step:>2}] {session.decode(tokens)!r}", err=True)
 
-    req = Request(
-        prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
-        sampler=sampler,
-        seed=seed,
-        template=template,
-        on_canvas=on_canvas,
-        on_draft=on_draft if drafts else None,
-    )
+    def on_finish(res) -> None:
+        if stream and not as_json:
+            out.line("")  # ends the streamed answer
+
+    requests = []
+    for item in items:
+        with _naming(item.where):
+            prompt_ids = (
+                session.encode_prompt(item.prompt)
+                if item.messages is None
+                else session.encode_messages(item.messages)
+            )
+            if infill is not None:
+                template = session.build_template(infill)
+            else:
+                template = session.default_template(item.prompt) if use_default_infill else None
+            requests.append(
+                Request(
+                    prompt_ids=prompt_ids,
+                    max_tokens=max_tokens,
+                    sampler=sampler,
+                    seed=seed,
+                    template=template,
+                    on_canvas=on_canvas,
+                    on_draft=on_draft if drafts else None,
+                    on_finish=on_finish,
+                )
+            )
+    one_at_a_time = stream or drafts
     runtime = BlockDiffusionRuntime(
-        session.model, max_batch=1, max_len=_context(session, len(prompt_ids), max_tokens)
+        session.model,
+        max_batch=1 if one_at_a_time else min(len(requests), EngineLimits.max_batch),
+        max_len=max(_context(session, len(r.prompt_ids), max_tokens) for r in requests),
     )
-    start = time.perf_counter()
+    for item, req in zip(items, requests, strict=True):
+        with _naming(item.where):
+            runtime.validate(req)  # every input checked before any generation
     with torch.inference_mode():
-        res = runtime.generate([req])[0]
-    secs = time.perf_counter() - start
-    text = session.decode(res.tokens)
-    if as_json:
-        out.json_out(
-            {
-                "text": text,
-                "tokens": res.tokens,
-                "prompt_tokens": len(prompt_ids),
-                "finish_reason": res.finish_reason,
-                "steps_per_canvas": res.steps_per_canvas,
-                "time_to_first_canvas_s": round(res.time_to_first_canvas, 4),
-                "total_s": round(secs, 4),
-                "tokens_per_s": round(len(res.tokens) / secs, 2) if secs > 0 else None,
-                "sampler": sampler.model_dump(),
-                "seed": seed,
-            }
-        )
-        return
-    if stream:
-        out.line("")
-    else:
-        shown, verdict = session.prompt_format.present(prompt, text)
-        out.line(shown)
-        if verdict is not None:
-            out.line(f"{verdict}; steps per canvas {res.steps_per_canvas}", err=True)
+        results = runtime.generate(requests)
+    for item, res in zip(items, results, strict=True):
+        text = session.decode(res.tokens)
+        if as_json:
+            secs = res.finished - res.started
+            out.json_out(
+                {
+                    "text": text,
+                    "tokens": res.tokens,
+                    "prompt_tokens": len(res.request.prompt_ids),
+                    "finish_reason": res.finish_reason,
+                    "steps_per_canvas": res.steps_per_canvas,
+                    "time_to_first_canvas_s": round(res.time_to_first_canvas, 4),
+                    "total_s": round(secs, 4),
+                    "tokens_per_s": round(len(res.tokens) / secs, 2) if secs > 0 else None,
+                    "sampler": sampler.model_dump(),
+                    "seed": seed,
+                },
+                compact=compact,
+            )
+        elif not stream:
+            shown, verdict = session.prompt_format.present(item.prompt, text)
+            out.line(shown)
+            if verdict is not None:
+                out.line(f"{verdict}; steps per canvas {res.steps_per_canvas}", err=True)
 
 
 def _context(session, prompt_len: int, max_tokens: int) -> int:
@@ -167,7 +260,7 @@ def _context(session, prompt_len: int, max_tokens: int) -> int:
 
 def _remote(
     url: str,
-    prompt: str,
+    item: Item,
     max_tokens: int,
     overrides: dict[str, Any],
     seed: int,
@@ -175,6 +268,7 @@ def _remote(
     stream: bool,
     drafts: bool,
     as_json: bool,
+    compact: bool,
 ) -> None:
     """Same options and output as the in-process path, answered by Triton over HTTP or gRPC."""
     from pipeline.serving.client import generate
@@ -190,7 +284,15 @@ def _remote(
         return_num_output_tokens=True,
     )
     start = time.perf_counter()
-    gen = generate(url, prompt, max_tokens=max_tokens, stream=stream or drafts, seed=seed, **options)
+    gen = generate(
+        url,
+        item.prompt if item.messages is None else None,
+        max_tokens=max_tokens,
+        stream=stream or drafts,
+        seed=seed,
+        messages=item.messages,
+        **options,
+    )
     try:
         while True:
             piece = next(gen)
@@ -209,7 +311,8 @@ def _remote(
                 "output_tokens": reply.num_output_tokens,
                 "total_s": round(secs, 4),
                 "url": url,
-            }
+            },
+            compact=compact,
         )
     elif stream:
         out.line("")

@@ -24,9 +24,13 @@ def lines(texts: Iterable[str], err: bool = False) -> None:
         typer.echo(text, err=err)
 
 
-def json_out(obj: object) -> None:
-    """`--json`: the whole result on stdout, nothing else there."""
-    typer.echo(json.dumps(obj, indent=2, default=str))
+def json_out(obj: object, compact: bool = False) -> None:
+    """`--json`: the whole result on stdout, nothing else there. `compact`: one line with no spaces, so a
+    command answering several inputs prints JSON Lines (one object per input, in order)."""
+    if compact:
+        typer.echo(json.dumps(obj, separators=(",", ":"), default=str))
+    else:
+        typer.echo(json.dumps(obj, indent=2, default=str))
 
 
 def show(data: Any, as_json: bool, render: Callable[[Any], str | Iterable[str]]) -> None:

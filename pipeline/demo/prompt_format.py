@@ -10,6 +10,7 @@ from typing import Any
 from pipeline.demo import sudoku
 from pipeline.demo import tokenizer as stok
 from pipeline.errors import InputError
+from pipeline.runtime.chat_template import Message, last_user_text
 
 
 def _puzzle(text: str) -> str:
@@ -29,11 +30,19 @@ class SudokuFormat:
     def encode_prompt(self, text: str) -> list[int]:
         return stok.sudoku_prompt_ids(_puzzle(text))
 
+    def encode_messages(self, messages: list[Message]) -> list[int]:
+        """The demo model has no chat template: the last user message is the puzzle."""
+        return self.encode_prompt(last_user_text(messages))
+
     def infill_template(self, text: str) -> list[int] | None:
         return stok.sudoku_infill_template(_puzzle(text))
 
     def decode(self, tokens: Sequence[int]) -> str:
         return stok.decode_solution(tokens)
+
+    def decode_prompt(self, prompt_ids: Sequence[int]) -> str:
+        """The puzzle the prompt holds (its 81 cells between the turn tokens), '.' for a blank."""
+        return stok.decode_solution(list(prompt_ids)[2:-1])
 
     def present(self, prompt: str, text: str) -> tuple[str, str | None]:
         solved = sudoku.is_valid_solution(_puzzle(prompt), text)

@@ -13,7 +13,11 @@ never branches on it. Three sources, first match wins:
    (`[project.entry-points."dgpipe.prompt_formats"] myformat = "mypkg.fmt:MyFormat"`).
 
 A checkpoint only ever supplies a *name*: the code behind it is dgpipe's or an installed package's, never
-something read from the checkpoint directory.
+something read from the checkpoint directory (its chat template is data, rendered in jinja2's sandbox).
+
+Chat: a format answers OpenAI-style messages with `encode_messages`. The default format renders them with the
+checkpoint's chat template (`pipeline.runtime.chat_template`) when it has one; a task format reads what it
+needs from them (the Sudoku format: the last user message is the puzzle).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any, Protocol
 
 from pipeline.errors import CheckpointError, InputError
 from pipeline.model.checkpoint import Checkpoint
+from pipeline.runtime.chat_template import Message, load_chat_template
 
 ENTRY_POINT_GROUP = "dgpipe.prompt_formats"
 DEFAULT = "text"
@@ -38,12 +43,22 @@ class PromptFormat(Protocol):
         """Prompt text (non-empty) -> prompt token ids; bad text raises InputError."""
         ...
 
+    def encode_messages(self, messages: list[Message]) -> list[int]:
+        """Checked messages (chat_template.parse_messages) -> prompt token ids; a format that cannot take
+        them raises InputError."""
+        ...
+
     def infill_template(self, text: str) -> list[int] | None:
         """The canvas template this prompt implies (pinned token ids, -1 = free), or None for none."""
         ...
 
     def decode(self, tokens: Sequence[int]) -> str:
         """Generated canvas tokens -> text."""
+        ...
+
+    def decode_prompt(self, prompt_ids: Sequence[int]) -> str:
+        """Prompt token ids (from encode_prompt or encode_messages) -> the text the model was prompted with:
+        what a server echoes before the answer. Optional: formats without it use `decode`."""
         ...
 
     def present(self, prompt: str, text: str) -> tuple[str, str | None]:
@@ -56,7 +71,8 @@ PromptFormatFactory = Callable[[Checkpoint, Any], PromptFormat]
 
 
 class TextFormat:
-    """The default: dgpipe.json's `prompt_template` ("<bos>{prompt}" when absent) through tokenizer.json."""
+    """The default: a plain prompt through dgpipe.json's `prompt_template` ("<bos>{prompt}" when absent),
+    messages through the checkpoint's chat template; both tokenized by tokenizer.json."""
 
     needs_tokenizer = True
     example_prompt = "Hello"
@@ -64,11 +80,24 @@ class TextFormat:
     def __init__(self, checkpoint: Checkpoint, tokenizer: Any) -> None:
         self.template = checkpoint.dgpipe.get("prompt_template", "<bos>{prompt}")
         self.tokenizer = tokenizer
+        self.chat_template = load_chat_template(checkpoint.path)  # None: plain prompts only
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise InputError("this checkpoint has no tokenizer.json", "pass token ids instead of text")
-        return self.tokenizer.encode(self.template.format(prompt=text), add_special_tokens=False).ids
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self._encode(self.template.format(prompt=text))
+
+    def encode_messages(self, messages: list[Message]) -> list[int]:
+        if self.chat_template is None:
+            raise InputError(
+                "this checkpoint has no chat template (chat_template.jinja or tokenizer_config.json)",
+                "send a plain prompt (without --chat / messages)",
+            )
+        # the rendered text holds the template's special tokens already: none are added again
+        return self._encode(self.chat_template.render(messages, add_generation_prompt=True))
 
     def infill_template(self, text: str) -> list[int] | None:
         return None
@@ -77,6 +106,10 @@ class TextFormat:
         if self.tokenizer is None:
             return " ".join(map(str, tokens))
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def decode_prompt(self, prompt_ids: Sequence[int]) -> str:
+        # a plain prompt reads back as given; a chat as its rendered template without special tokens
+        return self.decode(prompt_ids)
 
     def present(self, prompt: str, text: str) -> tuple[str, str | None]:
         return text, None

@@ -1,7 +1,9 @@
 """A loaded checkpoint ready to serve text: model + tokenizer + prompt format + sampler defaults.
 
-The prompt format (text <-> tokens, infill template) is the one the checkpoint names, looked up in
-`pipeline.runtime.prompt_format`; the session never branches on the task.
+The prompt format (text or chat messages <-> tokens, infill template) is the one the checkpoint names, looked
+up in `pipeline.runtime.prompt_format`; the session never branches on the task. Generation stops on the
+checkpoint's end tokens: config.json's, generation_config.json's `eos_token_id` (a chat model's end-of-turn
+token) and the tokenizer's `eos_token`, all set on the model config the runtime reads them from.
 
 Shared by `dgpipe generate`, `eval`, `bench` and the Triton model so they all turn text into requests
 (and tokens back into text) the same way.
@@ -21,6 +23,7 @@ from pipeline.model.checkpoint import Checkpoint, load_model, open_checkpoint
 from pipeline.model.config import SamplerConfig
 from pipeline.model.network import DiffusionGemma
 from pipeline.resources import EMBEDDED_MODEL
+from pipeline.runtime.chat_template import Message, end_token_ids
 from pipeline.runtime.prompt_format import PromptFormat, prompt_format_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,6 +64,19 @@ class Session:
 
     def __post_init__(self) -> None:
         self.prompt_format = prompt_format_for(self.checkpoint, self.tokenizer)
+        configs = [self.checkpoint.config, *([self.model.config] if self.model is not None else [])]
+        ends = end_token_ids(
+            self.checkpoint.path,
+            self.checkpoint.config.text_config.end_token_ids,
+            self.checkpoint.generation_config,
+            self.tokenizer,
+        )
+        for config in configs:  # the runtime stops on text_config.end_token_ids
+            config.text_config.eos_token_id = ends
+
+    @property
+    def end_token_ids(self) -> list[int]:
+        return self.checkpoint.config.text_config.end_token_ids
 
     def sampler(self, **overrides: Any) -> SamplerConfig:
         """generation_config.json defaults, overridden by whatever the caller set (CLI > file > defaults)."""
@@ -70,6 +86,13 @@ class Session:
         if not text:
             raise InputError("prompt is empty", "pass the text to continue")
         return self.prompt_format.encode_prompt(text)
+
+    def encode_messages(self, messages: list[Message]) -> list[int]:
+        """Checked chat messages (chat_template.parse_messages) -> prompt ids, through the checkpoint's format."""
+        encode = getattr(self.prompt_format, "encode_messages", None)
+        if encode is None:  # a format written before chat messages existed
+            raise InputError(f"the prompt format {type(self.prompt_format).__name__} takes no chat messages")
+        return encode(messages)
 
     def default_template(self, text: str) -> list[int] | None:
         """The prompt format's infill for this prompt (a Sudoku's givens are pinned in the canvas), or None."""
@@ -94,6 +117,11 @@ class Session:
 
     def decode(self, tokens: list[int]) -> str:
         return self.prompt_format.decode(tokens)
+
+    def decode_prompt(self, prompt_ids: list[int]) -> str:
+        """The text the prompt ids stand for, whether they came from a prompt or from chat messages."""
+        decode = getattr(self.prompt_format, "decode_prompt", None) or self.prompt_format.decode
+        return decode(prompt_ids)
 
 
 def load_session(

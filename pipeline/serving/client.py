@@ -147,14 +147,18 @@ def _untyped_array(value: Any):
 
 def generate(
     url: str,
-    prompt: str,
+    prompt: str | None,
     max_tokens: int = schema.INPUT["max_tokens"].default,
     stream: bool = False,
     seed: int = schema.INPUT["seed"].default,
     model: str = "dgpipe",
+    messages: list[dict[str, Any]] | None = None,
     **options: Any,
 ) -> Iterator[str]:
-    """Yield text pieces as the server sends them; the final Reply is the generator's return value."""
+    """Yield text pieces as the server sends them; the final Reply is the generator's return value.
+    With `messages` (OpenAI-style chat messages) and prompt None, the server renders its chat template."""
+    if messages is not None:
+        options = {**options, "messages": json.dumps(messages)}
     body = schema.request_body(prompt, max_tokens, stream, seed, options)
     if url.startswith("grpc://"):
         chunks = grpc_generate(url, body, model)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.model.config import SAMPLER_RANGES
+from pipeline.runtime.chat_template import MessagesError, last_user_text, parse_messages  # stdlib only
 
 NUMPY_DTYPES: dict[str, Any] = {  # Triton datatype (wire name) -> numpy dtype
     "BYTES": np.object_,
@@ -99,7 +100,8 @@ def _in(name: str, datatype: str, doc: str, dims: tuple[int, ...] = (1,), **kw: 
 
 # config.pbtxt lists them in this order
 INPUTS: tuple[TritonTensor, ...] = (
-    _in("text_input", "BYTES", "the prompt (UTF-8)", optional=False, rule=NOT_BLANK),
+    # one of text_input and messages (parse_request checks that exactly one is sent)
+    _in("text_input", "BYTES", "the prompt (UTF-8)", rule=NOT_BLANK),
     _in("max_tokens", "INT32", "tokens to generate at most", default=256, rule=AT_LEAST_ONE),
     _in("stream", "BOOL", "send each committed canvas as it completes", default=False),
     _in("seed", "UINT64", "sampling seed: same seed, same answer", default=0, rule=SEED_RANGE),
@@ -132,6 +134,11 @@ INPUTS: tuple[TritonTensor, ...] = (
     _in("t_max", "FP32", "temperature schedule: first step", rule=_sampler_range("t_max"), sampler=True),
     _in("stream_drafts", "BOOL", "also send the canvas after every denoise step", default=False),
     _in("infill_template", "BYTES", "canvas template: '_' is free, other text is pinned"),
+    _in(
+        "messages",
+        "BYTES",
+        "instead of text_input: OpenAI-style chat messages as JSON, through the chat template",
+    ),
 )
 OUTPUTS: tuple[TritonTensor, ...] = (
     _in("text_output", "BYTES", "generated text (a piece per response when streaming)", dims=(-1,)),
@@ -143,6 +150,7 @@ OUTPUTS: tuple[TritonTensor, ...] = (
 INPUT: dict[str, TritonTensor] = {t.name: t for t in INPUTS}
 OUTPUT: dict[str, TritonTensor] = {t.name: t for t in OUTPUTS}
 FLAGS = tuple(t.name for t in INPUTS if t.datatype == "BOOL")
+PROMPT_INPUTS = ("text_input", "messages")  # exactly one per request
 
 
 # ---- the Triton model's side: parse and validate a request -------------------------------------------
@@ -171,6 +179,7 @@ class ParsedRequest:
     flags: dict[str, bool]  # every flag in FLAGS, absent = False
     stop_words: list[str] = field(default_factory=list)
     infill_template: str | None = None
+    messages: list[dict[str, Any]] | None = None  # checked chat messages, when sent instead of text_input
 
 
 def _scalar(arr: np.ndarray, name: str) -> Any:
@@ -215,6 +224,13 @@ def parse_request(
     for spec in INPUTS:
         if not spec.optional and get(spec.name) is None:
             raise BadRequest(f"input '{spec.name}' is required")
+    sent = [name for name in PROMPT_INPUTS if get(name) is not None]
+    if len(sent) != 1:
+        raise BadRequest(
+            "input 'text_input' or 'messages' is required"
+            if not sent
+            else "inputs 'text_input' and 'messages' exclude each other: send one"
+        )
 
     def read(kind: Callable[[TritonTensor], bool]) -> dict[str, Any]:
         out = {}
@@ -236,15 +252,28 @@ def parse_request(
     max_tokens = values["max_tokens"]
     flags = read(lambda s: s.datatype == "BOOL")
     values |= read(lambda s: s.optional and s.datatype == "BYTES")
+    messages, prompt = (None, values["text_input"])
+    if values["messages"] is not None:
+        messages, prompt = _messages(values["messages"])
     return ParsedRequest(
-        prompt=values["text_input"],
+        prompt=prompt,
         max_tokens=max_tokens,
         seed=values["seed"],
         sampler={t.name: values[t.name] for t in INPUTS if t.sampler and values[t.name] is not None},
         flags=flags,
         stop_words=list(values["stop_words"]),
         infill_template=values["infill_template"],
+        messages=messages,
     )
+
+
+def _messages(raw: str) -> tuple[list[dict[str, Any]], str]:
+    """The checked messages and the last user message's text (what `prompt` means for a chat request)."""
+    try:
+        messages = parse_messages(raw)
+        return messages, last_user_text(messages)
+    except MessagesError as e:
+        raise BadRequest(f"input 'messages' is not valid: {e}") from e
 
 
 def output_array(name: str, values: list[Any]) -> np.ndarray:
@@ -256,10 +285,15 @@ def output_array(name: str, values: list[Any]) -> np.ndarray:
 
 
 # ---- the clients' side ----------------------------------------------------------------------------------
-def request_body(prompt: str, max_tokens: int, stream: bool, seed: int, options: Mapping[str, Any]) -> dict:
+def request_body(
+    prompt: str | None, max_tokens: int, stream: bool, seed: int, options: Mapping[str, Any]
+) -> dict:
     """The JSON body of `generate`/`generate_stream` (Triton converts each field to the input's datatype);
-    options set to None are left out, so the server applies its default."""
-    body: dict[str, Any] = {"text_input": prompt, "max_tokens": max_tokens, "seed": seed, "stream": stream}
+    options set to None are left out, so the server applies its default. `prompt` None: the options carry
+    `messages` instead."""
+    body: dict[str, Any] = {"max_tokens": max_tokens, "seed": seed, "stream": stream}
+    if prompt is not None:
+        body = {"text_input": prompt, **body}
     body.update({k: v for k, v in options.items() if v is not None})
     return body
 

@@ -4,6 +4,7 @@ with it. The Triton model runs here with a stand-in for `triton_python_backend_u
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import io
 import json
@@ -69,6 +70,9 @@ class FakeCounter:
     def increment(self, n: float) -> None:
         pass
 
+    def set(self, v: float) -> None:
+        pass
+
 
 def _pb_utils() -> types.ModuleType:
     pb = types.ModuleType("triton_python_backend_utils")
@@ -102,6 +106,17 @@ class FakeSession:
 
     def default_template(self, prompt: str) -> str:
         return "default"
+
+    def encode_messages(self, messages) -> list[int]:
+        return self.encode_prompt(self.render(messages))
+
+    @staticmethod
+    def render(messages) -> str:
+        """A stand-in chat template: each turn as <role>content, then the assistant's turn opened."""
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def decode_prompt(self, prompt_ids: list[int]) -> str:
+        return "".join(map(chr, prompt_ids))
 
 
 @pytest.fixture
@@ -174,7 +189,7 @@ def test_warmup_files_are_what_triton_reads():
 @pytest.mark.parametrize(
     "inputs, parameters, message",
     [
-        ({"max_tokens": arr("max_tokens", 82)}, None, "input 'text_input' is required"),
+        ({"max_tokens": arr("max_tokens", 82)}, None, "input 'text_input' or 'messages' is required"),
         ({"text_input": arr("text_input", "   ")}, None, "input 'text_input' is empty"),
         (
             {"text_input": arr("text_input", b"\xff\xfe")},
@@ -395,7 +410,7 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
         "stream_drafts": True,
         "infill_template": "_" * 81,
     }
-    assert set(values) | {"text_input"} == set(schema.INPUT)  # every input is exercised
+    assert set(values) | {"text_input", "messages"} == set(schema.INPUT)  # every input is exercised
     inputs = {"text_input": arr("text_input", PROMPT)}
     inputs |= {n: schema.input_array(n, v) for n, v in values.items()}
     req = FakeRequest(inputs)
@@ -407,6 +422,71 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
     knobs = {t.name for t in schema.INPUTS if t.sampler}
     assert model.session.knobs == {k: values[k] for k in knobs}
     assert request.template == "template:" + "_" * 81
+
+
+def test_model_takes_messages_instead_of_text_input(model):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]
+    model.limits = dataclasses.replace(
+        model.limits, max_prompt=200
+    )  # the conversation is longer than a puzzle
+    req = FakeRequest({"messages": arr("messages", json.dumps(messages))})
+    model.execute([req])
+    assert not req.sender.sent
+    job, request = model.inbox.get_nowait()
+    assert job.prompt_ids == request.prompt_ids == model.session.encode_prompt(model.session.render(messages))
+    assert schema.request_body(None, 8, False, 0, {"messages": "[]"}).keys() == {
+        "messages",
+        "max_tokens",
+        "seed",
+        "stream",
+    }
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        (
+            {"text_input": arr("text_input", PROMPT), "messages": arr("messages", "[]")},
+            "inputs 'text_input' and 'messages' exclude each other: send one",
+        ),
+        ({"messages": arr("messages", "[{")}, "input 'messages' is not valid: messages: not valid JSON"),
+        ({"messages": arr("messages", "[]")}, "input 'messages' is not valid: messages: the list is empty"),
+        (
+            {"messages": arr("messages", '[{"role": "bot", "content": "x"}]')},
+            "input 'messages' is not valid: messages[0]: unknown role 'bot'",
+        ),
+        (
+            {"messages": arr("messages", '[{"role": "system", "content": "x"}]')},
+            "input 'messages' is not valid: messages: there is no user message",
+        ),
+    ],
+)
+def test_model_refuses_bad_messages_naming_the_problem(model, inputs, message):
+    assert refusal(model, inputs).startswith(message)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_model_echoes_the_prompt_it_read_for_text_and_messages(model, chat):
+    """With exclude_input_in_output off the final text is the prompt as the model read it (for messages: the
+    rendered template), then the answer; with it on, the answer alone."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]
+    prompt_in = (
+        {"messages": arr("messages", json.dumps(messages))}
+        if chat
+        else {"text_input": arr("text_input", PROMPT)}
+    )
+    echoed = FakeSession.render(messages) if chat else PROMPT
+    model.jobs, model.m_steps, model.m_steps_per_canvas = {}, FakeCounter(), FakeCounter()
+    model.limits = dataclasses.replace(model.limits, max_prompt=200)
+    for exclude, want in ((False, echoed + "ANSWER"), (True, "ANSWER")):
+        req = FakeRequest({**prompt_in, "exclude_input_in_output": arr("exclude_input_in_output", exclude)})
+        model.execute([req])
+        job, _ = model.inbox.get_nowait()
+        job.text = "ANSWER"  # what the canvases committed
+        model._on_finish(job, types.SimpleNamespace(finish_reason="stop", steps_per_canvas=[2]))
+        ((response, flag),) = req.sender.sent
+        outs = {t.name: t.arr for t in response.output_tensors}
+        assert flag == 1 and outs["text_output"].tolist() == [want.encode()]
 
 
 def test_model_responses_are_schema_outputs(model):
@@ -514,11 +594,13 @@ def _check_grpc_inputs(inputs) -> None:
 
 @pytest.mark.parametrize("url", ["http://h:8000", "grpc://h:8001"])
 def test_cli_remote_generate_sends_schema_fields_and_reads_every_output(transports, url, capsys):
+    from pipeline.cli.generate import Item
     from pipeline.cli.generate import _remote as run_generate_remote
 
     knobs = {t.name: 0.5 for t in schema.INPUTS if t.sampler and t.datatype == "FP32"}
     overrides = {**knobs, "max_denoising_steps": 5, "stability_threshold": None}
-    run_generate_remote(url, PROMPT, 82, overrides, 7, "_" * 81, stream=True, drafts=True, as_json=True)
+    item = Item(PROMPT, None, None)
+    run_generate_remote(url, item, 82, overrides, 7, "_" * 81, True, True, as_json=True, compact=False)
     out = json.loads(capsys.readouterr().out)
     assert (out["text"], out["finish_reason"], out["steps_per_canvas"]) == ("81 digits", "stop", [3, 4])
     assert (out["prompt_tokens"], out["output_tokens"]) == (81, 82)
@@ -526,10 +608,13 @@ def test_cli_remote_generate_sends_schema_fields_and_reads_every_output(transpor
         body = transports["http"]
         for name, value in body.items():
             _check_json_field(name, value)
-        assert set(body) == set(schema.INPUT) - {"stop_words"}  # everything but stop words: none given
+        assert set(body) == set(schema.INPUT) - {
+            "stop_words",
+            "messages",
+        }  # all but stop words, messages (none given)
     else:
         _check_grpc_inputs(transports["grpc"])
-        assert {t.name() for t in transports["grpc"]} == set(schema.INPUT) - {"stop_words"}
+        assert {t.name() for t in transports["grpc"]} == set(schema.INPUT) - {"stop_words", "messages"}
 
 
 @pytest.mark.parametrize("url", ["http://h:8000", "grpc://h:8001"])
