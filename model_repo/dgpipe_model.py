@@ -51,8 +51,14 @@ class TritonPythonModel:
         from pipeline.builddir import MODEL_CHECKPOINT, EngineLimits
         from pipeline.runtime.scheduler import BlockDiffusionRuntime
         from pipeline.runtime.session import load_session
+        from pipeline.threads import apply_thread_policy
 
         config = json.loads(args["model_config"])
+        # each instance is its own stub process: the thread budget is split among them (README: Threads)
+        groups = config.get("instance_group", [])
+        instances = sum(int(g.get("count", 1)) * max(1, len(g.get("gpus", []))) for g in groups) or 1
+        threads = apply_thread_policy(instances)
+        pb_utils.Logger.log_info(f"dgpipe: {threads} compute threads per instance ({instances} instances)")
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         limits = EngineLimits()  # what `dgpipe package` writes when a parameter is missing
         ckpt = Path(params.get("checkpoint", MODEL_CHECKPOINT))

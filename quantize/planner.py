@@ -75,15 +75,52 @@ def kv_cache_bytes(config: ModelConfig, context: int, concurrency: int, bytes_pe
     return total * concurrency
 
 
-def workspace_bytes(config: ModelConfig, concurrency: int) -> int:
-    """Per denoise pass: the bf16 self-conditioning probabilities [C, canvas, vocab] (the fused sampler
-    never materialises fp32 logits), bf16 logits, and activations of one canvas batch."""
+@dataclass
+class Workspace:
+    """Bytes a denoise pass of `concurrency` canvases holds at its peak on the GPU serving path (PyTorch
+    runtime with the fused sampler), as the runtime allocates them:
+      * `sc_state`: the scheduler's self-conditioning store [C, canvas, vocab] in the model dtype (bf16),
+        kept between steps (`BlockDiffusionRuntime._prepare_round`);
+      * `sc_input`: the copy of it gathered and masked for the pass (`_device_step`), alive through it;
+      * `logits`: the softcapped logits, fp32 on every path (`DiffusionGemma.logits`);
+      * `softcap_temporaries`: two more fp32 [C, canvas, vocab] tensors while the softcap runs
+        (`tanh(z / cap) * cap` holds z, z / cap and the tanh at once);
+      * `sampler_probs`: the fused sampler's bf16 probabilities (the next step's self-conditioning input),
+        allocated once the softcap temporaries are gone, so it does not add to the peak;
+      * `activations`: one canvas batch's hidden states and the widest MoE intermediate, bf16.
+    The peak is at the softcap: sc_state + sc_input + 3 fp32 logits + activations."""
+
+    sc_state: int
+    sc_input: int
+    logits: int
+    softcap_temporaries: int
+    sampler_probs: int
+    activations: int
+
+    @property
+    def peak(self) -> int:
+        at_softcap = self.logits + self.softcap_temporaries
+        at_sampler = self.logits + self.sampler_probs
+        return self.sc_state + self.sc_input + max(at_softcap, at_sampler) + self.activations
+
+
+def workspace(config: ModelConfig, concurrency: int, dtype_bytes: int = 2) -> Workspace:
     t = config.text_config
-    canvas = config.canvas_length
-    sc_probs = concurrency * canvas * t.vocab_size * 2
-    logits = concurrency * canvas * t.vocab_size * 2
-    activations = concurrency * canvas * max(t.hidden_size * 8, t.num_experts * t.moe_intermediate_size) * 2
-    return sc_probs + logits + activations
+    cells = concurrency * config.canvas_length * t.vocab_size  # one [C, canvas, vocab] tensor
+    widest = max(t.hidden_size * 8, t.num_experts * t.moe_intermediate_size)
+    return Workspace(
+        sc_state=cells * dtype_bytes,
+        sc_input=cells * dtype_bytes,
+        logits=cells * 4,
+        softcap_temporaries=2 * cells * 4,
+        sampler_probs=cells * 2,
+        activations=concurrency * config.canvas_length * widest * dtype_bytes,
+    )
+
+
+def workspace_bytes(config: ModelConfig, concurrency: int) -> int:
+    """Peak denoise-pass workspace (see `Workspace`)."""
+    return workspace(config, concurrency).peak
 
 
 def serving_plan(

@@ -18,7 +18,7 @@ import torch
 
 from pipeline.bench.results import save_result
 from pipeline.model.config import ModelConfig
-from pipeline.model.network import DiffusionGemma, canvas_positions
+from pipeline.model.network import DiffusionGemma, canvas_positions, rope_inv_freq
 from pipeline.resources import load_yaml
 from pipeline.runtime.kv_cache import KVCache, attention_masks
 from pipeline.sampler.reference import CounterDraws, RowKeys, sample_step
@@ -109,10 +109,12 @@ def runtime_canvas_s(
 def random_model(
     config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
 ) -> DiffusionGemma:
-    """Random weights allocated straight on the device (meta init, then to_empty): no host copy of 50 GB."""
+    """Random weights allocated straight on the device and in `dtype`: the model is cast on the meta
+    device (free) before `to_empty` allocates it, so peak memory is the weights in `dtype`, never an fp32
+    copy first (the 26B in fp32 is 101 GB). The RoPE tables stay fp32, as `load_model` keeps them."""
     with torch.device("meta"):
         model = DiffusionGemma(config)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -121,14 +123,11 @@ def random_model(
             else:
                 p.fill_(1.0)
         for name, b in model.named_buffers():
-            if "inv_freq" in name:
-                from pipeline.model.network import rope_inv_freq
-
-                kind = name.split("inv_freq_")[1]
-                hd = config.text_config.layer_shape(model.layer_types.index(kind)).head_dim
-                b.copy_(rope_inv_freq(config.text_config, kind, hd))
-            else:
+            if "inv_freq" not in name:
                 b.fill_(1.0)
+    for kind in set(model.layer_types):
+        hd = config.text_config.layer_shape(model.layer_types.index(kind)).head_dim
+        setattr(model, f"inv_freq_{kind}", rope_inv_freq(config.text_config, kind, hd).to(device))
     return model.eval()
 
 

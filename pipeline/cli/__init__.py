@@ -117,7 +117,9 @@ def main_options(
         bool, typer.Option("--version", callback=_version_cb, is_eager=True, help="print the version")
     ] = False,
 ) -> None:
-    pass
+    from pipeline.threads import apply_thread_policy
+
+    apply_thread_policy()  # once, before any command imports torch (README: Threads)
 
 
 def main() -> None:

@@ -38,6 +38,20 @@ class RMSNorm(nn.Module):
         return out.type_as(x)
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """`nn.Embedding(num, dim)` that stays cheap on the meta device.
+
+    nn.Embedding's own init runs `normal_`, whose meta-tensor kernel is a `torch._refs` decomposition
+    that imports `torch._dynamo` (~2.5 s of a cold start). The weight is allocated here instead (under a
+    `torch.device(...)` context like any factory call) and drawn only when it has storage: a CPU/CUDA
+    model gets the same normal(0, 1) draws as nn.Embedding, a meta model none.
+    """
+    weight = torch.empty(num, dim)
+    if not weight.is_meta:
+        nn.init.normal_(weight)
+    return nn.Embedding(num, dim, _weight=weight)
+
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
@@ -55,14 +69,18 @@ class GatedMLP(nn.Module):
 
 def rope_inv_freq(cfg: TextConfig, layer_type: str, head_dim: int) -> torch.Tensor:
     """Inverse frequencies, always head_dim/2 long: "proportional" RoPE rotates the first
-    partial_rotary_factor of each half and leaves the rest with frequency 0 (cos 1, sin 0)."""
+    partial_rotary_factor of each half and leaves the rest with frequency 0 (cos 1, sin 0).
+
+    Always computed on the CPU (a float `arange` on the meta device imports `torch._dynamo`)."""
     p = cfg.rope_parameters[layer_type]
+    cpu = torch.device("cpu")
     if p.rope_type == "proportional":
         angles = int(p.partial_rotary_factor * head_dim // 2)
-        rotated = 1.0 / (p.rope_theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float) / head_dim))
-        return torch.cat([rotated, torch.zeros(head_dim // 2 - angles)])
+        steps = torch.arange(0, 2 * angles, 2, dtype=torch.float, device=cpu)
+        rotated = 1.0 / (p.rope_theta ** (steps / head_dim))
+        return torch.cat([rotated, torch.zeros(head_dim // 2 - angles, device=cpu)])
     dim = int(head_dim * p.partial_rotary_factor)
-    return 1.0 / (p.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    return 1.0 / (p.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=cpu) / dim))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -265,14 +283,16 @@ class DiffusionGemma(nn.Module):
         cfg = config.text_config
         self.config = config
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_conditioning = SelfConditioning(cfg)
         self.layer_types: list[str] = list(cfg.layer_types)  # type: ignore[arg-type]
         for kind in sorted(set(self.layer_types)):
             hd = cfg.layer_shape(self.layer_types.index(kind)).head_dim
-            self.register_buffer(f"inv_freq_{kind}", rope_inv_freq(cfg, kind, hd), persistent=False)
+            # computed on the CPU, then placed where a `with torch.device(...)` block puts everything else
+            inv_freq = rope_inv_freq(cfg, kind, hd).to(torch.get_default_device())
+            self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
 
     # ---- building blocks -------------------------------------------------------------------------
     @property

@@ -20,6 +20,7 @@ from pipeline.model.config import ModelConfig
 from pipeline.onnx import contract as onnx_io
 from pipeline.runtime.backends import KV, DenoiseResult, Masks, SamplerInputs
 from pipeline.sampler.reference import StepOutput
+from pipeline.threads import thread_count
 
 TORCH_DTYPES = {"FLOAT": torch.float32, "BFLOAT16": torch.bfloat16, "FLOAT16": torch.float16}
 
@@ -27,7 +28,10 @@ TORCH_DTYPES = {"FLOAT": torch.float32, "BFLOAT16": torch.bfloat16, "FLOAT16": t
 class OnnxRuntimeBackend:
     """Runs `onnx/model.onnx`; `checkpoint` (a dir or its ModelConfig) supplies vocab, canvas, layer shapes."""
 
-    def __init__(self, onnx_dir: str | Path, checkpoint: str | Path | ModelConfig, threads: int = 1) -> None:
+    def __init__(
+        self, onnx_dir: str | Path, checkpoint: str | Path | ModelConfig, threads: int | None = None
+    ) -> None:
+        """`threads`: intra-op threads; default `pipeline.threads.thread_count()`, the policy torch uses."""
         import onnxruntime as ort
 
         onnx_dir = Path(onnx_dir)
@@ -45,7 +49,7 @@ class OnnxRuntimeBackend:
         self.dtype = TORCH_DTYPES[model_dtype]
         self.device = torch.device("cpu")
         opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
+        opts.intra_op_num_threads = threads if threads is not None else thread_count()
         opts.inter_op_num_threads = 1
         self.session = ort.InferenceSession(str(model_file), opts, providers=["CPUExecutionProvider"])
         self.output_names = [o.name for o in self.session.get_outputs()]

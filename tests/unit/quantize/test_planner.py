@@ -8,7 +8,7 @@ from pipeline.errors import DgpipeError
 from pipeline.model.config import ModelConfig
 from pipeline.resources import load_yaml
 from pipeline.targets import check_precision_on_target, precision, target
-from quantize.planner import kv_cache_bytes, serving_plan, weight_plan
+from quantize.planner import kv_cache_bytes, serving_plan, weight_plan, workspace, workspace_bytes
 
 CFG = ModelConfig.from_dict(load_yaml("models", "diffusiongemma-26b-a4b"))
 
@@ -99,3 +99,19 @@ def test_precision_rules():
         precision("fp4")
     with pytest.raises(DgpipeError, match="unknown GPU target"):
         target("sm75")
+
+
+def test_workspace_counts_the_fp32_logits_the_runtime_allocates():
+    """26B at 8 concurrent canvases of 256: the logits are fp32 (2.1 GB, not the 1.07 GB of bf16), the
+    softcap holds two more fp32 copies, and the bf16 self-conditioning store and its gathered copy sit
+    beside them; the fused sampler's bf16 probabilities come after the softcap temporaries are freed."""
+    cells = 8 * 256 * V
+    ws = workspace(CFG, 8)
+    assert ws.logits == 2_147_483_648 == 2 * cells * 2
+    assert (ws.sc_state, ws.sc_input, ws.sampler_probs) == (cells * 2, cells * 2, cells * 2)
+    assert ws.softcap_temporaries == cells * 8
+    activations = 8 * 256 * (128 * 704) * 2  # the 128 x 704 MoE intermediate is wider than 8 x hidden
+    assert ws.activations == activations
+    assert workspace_bytes(CFG, 8) == cells * (2 + 2 + 4 * 3) + activations  # 8.97 GB
+    plan = serving_plan(CFG, precision("nvfp4"), target("sm100"), context=8192, concurrency=8)[0]
+    assert plan.workspace_gib == round((cells * 16 + activations) / 2**30, 2)
