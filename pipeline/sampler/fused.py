@@ -42,13 +42,18 @@ def sample_step_fused(
     neg_entropy = torch.empty(n, dtype=torch.float32, device=dev)
     cand = torch.empty(n, dtype=torch.long, device=dev)
     amax = torch.empty(n, dtype=torch.long, device=dev)
-    rows = max(1, min(n, block_elements // vocab))
-    z_buf = torch.empty(rows, vocab, dtype=torch.float32, device=dev)
+    # At least 2 rows per block: torch splits a reduction with a single output across threads (a different
+    # summation order from the reference's per-row sums); with 2+ outputs it parallelises over rows.
+    rows = max(min(n, 2), min(n, block_elements // vocab))
+    starts = list(range(0, n, rows))
+    if len(starts) > 1 and n - starts[-1] == 1:
+        starts.pop()  # no 1-row tail: the last block takes it
+    z_buf = torch.empty(rows + 1, vocab, dtype=torch.float32, device=dev)
     logp_buf = torch.empty_like(z_buf)
     work_buf = torch.empty_like(z_buf)
-    bits_buf = torch.empty(rows, vocab, dtype=torch.int32, device=dev)
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
+    bits_buf = torch.empty(rows + 1, vocab, dtype=torch.int32, device=dev)
+    for i, r0 in enumerate(starts):
+        r1 = starts[i + 1] if i + 1 < len(starts) else n
         k = r1 - r0
         z, logp, work = z_buf[:k], logp_buf[:k], work_buf[:k]
         torch.div(flat[r0:r1], t_rows[r0:r1], out=z)

@@ -79,11 +79,26 @@ def assert_same_step(a, b):
         assert torch.equal(getattr(a, f).view(torch.int32), getattr(b, f).view(torch.int32)), f
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """torch splits a single-output reduction across threads: the bit-identity must hold at any count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(
     ("b", "length", "vocab", "block"),
-    [(1, 8, 24, 1 << 18), (3, 17, 1000, 4000), (2, 32, 5003, 5003 * 5), (2, 16, 40_000, 1)],
+    [
+        (1, 8, 24, 1 << 18),
+        (3, 17, 1000, 4000),
+        (2, 32, 5003, 5003 * 5),
+        (2, 16, 40_000, 1),  # one row per block asked for: blocks still hold 2
+        (1, 7, 40_000, 3 * 40_000),  # 3-row blocks with a 1-row tail folded into the last block
+    ],
 )
-def test_fused_step_is_bit_identical_to_the_reference(b, length, vocab, block):
+def test_fused_step_is_bit_identical_to_the_reference(b, length, vocab, block, threads):
     g = torch.Generator().manual_seed(vocab)
     scale = torch.linspace(0.5, 8.0, length)[None, :, None]  # flat to peaked rows
     logits = 30 * torch.tanh(torch.randn(b, length, vocab, generator=g) * scale / 30)
