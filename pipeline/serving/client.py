@@ -111,7 +111,14 @@ def grpc_generate(
         while True:
             result, error = results.get(timeout=timeout)
             if error is not None:
-                raise TritonError(error.message() if hasattr(error, "message") else str(error), 400)
+                message = error.message() if hasattr(error, "message") else str(error)
+                if "UNAVAILABLE" in str(
+                    getattr(error, "status", lambda: "")()
+                ):  # the stream's channel failed
+                    raise DgpipeError(
+                        f"cannot reach {url} ({message})", "is the server running? see dgpipe serve"
+                    )
+                raise TritonError(message, 500 if message.startswith("internal error") else 400)
             resp = result.get_response()
             chunk: dict[str, Any] = {}
             for out in resp.outputs:
