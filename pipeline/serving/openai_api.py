@@ -70,13 +70,16 @@ def _next(chunks: Iterator[dict[str, Any]]) -> Any:
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    """The first problem as (message, param): the param is the top-level field (the full path is in the
+    message; a union's path also names the member type pydantic tried)."""
     err = e.errors()[0]
-    param = ".".join(str(p) for p in err["loc"]) or None
+    param = str(err["loc"][0]) if err["loc"] else None
+    where = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
-        return f"unknown field '{param}' (this server does not support it)", param
+        return f"unknown field '{where}' (this server does not support it)", param
     if err["type"] == "missing":
-        return f"'{param}' is required", param
-    return f"'{param}': {err['msg']}", param
+        return f"'{where}' is required", param
+    return f"'{where}': {err['msg']}", param
 
 
 def _usage(reply: Reply) -> dict[str, int]:
