@@ -43,7 +43,7 @@ def serve(
         str | None, typer.Option(help="print the NGC container command for a GPU host instead")
     ] = None,
 ) -> None:
-    """Start a real Triton server on the repository, wait until it is ready, stop on Ctrl-C."""
+    """Start a real Triton server and the OpenAI-compatible API beside it, wait until ready, stop on Ctrl-C."""
     from pipeline.serving.server import OpenAIFrontend, Ports, TritonServer, docker_command
 
     if not 0 <= openai_port <= 65535:
