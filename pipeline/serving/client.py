@@ -1,6 +1,7 @@
-"""Clients for a dgpipe model on Triton: HTTP `generate` / `generate_stream` (SSE) and gRPC streaming.
+"""Clients for a dgpipe model on Triton: HTTP `generate` / `generate_stream` (SSE), gRPC streaming, and the
+OpenAI-compatible frontend of `dgpipe serve` (`http://HOST:9000/v1`, SSE, Bearer API key).
 
-Both return the same `Reply` so `dgpipe generate --url` prints the same thing whichever protocol it uses.
+All return the same `Reply` so `dgpipe generate --url` prints the same thing whichever protocol it uses.
 Tensor names and types come from pipeline/serving/schema.py, as the server's own config.pbtxt does.
 """
 
@@ -140,6 +141,82 @@ def grpc_generate(
         client.close()
 
 
+OPENAI_FIELDS = (
+    "max_tokens",
+    "seed",
+    "max_denoising_steps",
+    "entropy_bound",
+    "confidence_threshold",
+    "t_min",
+    "t_max",
+)
+OPENAI_IMPLIED = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens")
+
+
+def openai_body(body: dict[str, Any], model: str = "dgpipe") -> tuple[str, dict[str, Any]]:
+    """A Triton request body as (path, OpenAI request) for the frontend: `messages` to chat completions,
+    `text_input` to completions; always streamed with usage. Inputs the frontend has no field for are refused."""
+    unsupported = sorted(
+        set(body) - {"text_input", "messages", "stop_words", *OPENAI_FIELDS, *OPENAI_IMPLIED}
+    )
+    if unsupported:
+        raise DgpipeError(
+            f"{', '.join(unsupported)}: not available through the OpenAI API",
+            "use the Triton ports (http://HOST:8000 or grpc://HOST:8001)",
+        )
+    req: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
+    req.update({k: body[k] for k in OPENAI_FIELDS if body.get(k) is not None})
+    if body.get("stop_words"):
+        req["stop"] = list(body["stop_words"])
+    if "messages" in body:
+        return "/chat/completions", {**req, "messages": json.loads(body["messages"])}
+    return "/completions", {**req, "prompt": body["text_input"]}
+
+
+def openai_generate(
+    url: str, body: dict[str, Any], model: str = "dgpipe", api_key: str | None = None, timeout: float = 600
+) -> Iterator[dict[str, Any]]:
+    """Stream from the OpenAI-compatible frontend, yielding the same dicts as the Triton clients."""
+    path, req_body = openai_body(body, model)
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(req_body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise TritonError(event["error"].get("message", str(event["error"])), 400)
+                for choice in event.get("choices") or []:
+                    piece = choice.get("text") or (choice.get("delta") or {}).get("content")
+                    if piece:
+                        yield {"text_output": piece}
+                    if choice.get("finish_reason"):
+                        yield {"finish_reason": choice["finish_reason"]}
+                if event.get("usage"):
+                    usage = event["usage"]
+                    yield {
+                        "num_input_tokens": usage["prompt_tokens"],
+                        "num_output_tokens": usage["completion_tokens"],
+                    }
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace").strip()
+        with contextlib.suppress(json.JSONDecodeError, AttributeError, TypeError):
+            detail = json.loads(detail)["error"]["message"]
+        hint = "pass --api-key or set DGPIPE_API_KEY" if e.code == 401 else None
+        if hint:
+            raise DgpipeError(f"HTTP 401: {detail}", hint) from e
+        raise TritonError(f"HTTP {e.code}: {detail}", e.code) from e
+    except urllib.error.URLError as e:
+        raise DgpipeError(
+            f"cannot reach {url} ({e.reason})", "is the server running? see dgpipe serve"
+        ) from e
+
+
 def _untyped_array(value: Any):
     import numpy as np
 
@@ -160,19 +237,23 @@ def generate(
     seed: int = schema.INPUT["seed"].default,
     model: str = "dgpipe",
     messages: list[dict[str, Any]] | None = None,
+    api_key: str | None = None,
     **options: Any,
 ) -> Iterator[str]:
     """Yield text pieces as the server sends them; the final Reply is the generator's return value.
-    With `messages` (OpenAI-style chat messages) and prompt None, the server renders its chat template."""
+    With `messages` (OpenAI-style chat messages) and prompt None, the server renders its chat template.
+    A URL ending in /v1 is the OpenAI-compatible frontend (`api_key`: its Bearer key)."""
     if messages is not None:
         options = {**options, "messages": json.dumps(messages)}
     body = schema.request_body(prompt, max_tokens, stream, seed, options)
     if url.startswith("grpc://"):
         chunks = grpc_generate(url, body, model)
+    elif url.startswith(("http://", "https://")) and url.rstrip("/").endswith("/v1"):
+        chunks = openai_generate(url, body, model, api_key)
     elif url.startswith(("http://", "https://")):
         chunks = http_generate(url, body, model)
     else:
-        raise DgpipeError(f"--url {url}: expected http://HOST:PORT or grpc://HOST:PORT")
+        raise DgpipeError(f"--url {url}: expected http://HOST:PORT, grpc://HOST:PORT or http://HOST:PORT/v1")
     reply = Reply()
     for chunk in chunks:
         piece = reply.add(chunk)

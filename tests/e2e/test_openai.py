@@ -5,6 +5,7 @@ with usage, the API key, and refusals in OpenAI's error schema."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -176,6 +177,23 @@ def test_refusals_are_400s_in_openais_schema_and_the_server_keeps_serving(client
         urllib.request.urlopen(req, timeout=10)
     assert http.value.code == 400 and b'"invalid_request_error"' in http.value.read()
     test_text_completion_and_models(client)  # still serving
+
+
+def test_dgpipe_generate_against_the_openai_port_uses_the_api_key(served):
+    def run(*args: str, key: str | None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "DGPIPE_API_KEY"}
+        env.update({"OMP_NUM_THREADS": "1"} | ({"DGPIPE_API_KEY": key} if key else {}))
+        cmd = [sys.executable, "-m", "pipeline.cli", "generate", "--url", served.url, *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+
+    ok = run(PUZZLE, "--max-tokens", "82", "--json", key=KEY)
+    assert ok.returncode == 0, ok.stderr
+    out = json.loads(ok.stdout)
+    assert sudoku.is_valid_solution(PUZZLE, out["text"]) and out["output_tokens"] > 0
+    chat = run("--chat", PUZZLE, "--stream", "--max-tokens", "82", key=KEY)
+    assert chat.returncode == 0 and sudoku.is_valid_solution(PUZZLE, chat.stdout.strip()), chat.stderr
+    denied = run(PUZZLE, key=None)
+    assert denied.returncode == 2 and "401" in denied.stderr and "DGPIPE_API_KEY" in denied.stderr
 
 
 def test_serve_prints_the_openai_url_and_ctrl_c_stops_both(served):

@@ -248,3 +248,29 @@ def test_api_key_guards_v1_but_not_health():
     assert c.get("/v1/models", headers=ok).status_code == 200
     # an unknown route answers in the same schema
     assert_error(c.get("/v2/nothing"), 404, code="not_found")
+
+
+# ---- the client side (dgpipe generate --url http://HOST:9000/v1) ---------------------------------------
+def test_openai_body_maps_triton_inputs_back_and_refuses_what_has_no_field():
+    from pipeline.serving.client import openai_body
+    from pipeline.serving.schema import request_body
+
+    body = request_body(
+        "1..2", 82, False, 7, {"stop_words": ["x"], "t_max": 0.5, "exclude_input_in_output": True}
+    )
+    path, req = openai_body(body)
+    assert path == "/completions"
+    assert req == {
+        "model": "dgpipe",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 82,
+        "seed": 7,
+        "t_max": 0.5,
+        "stop": ["x"],
+        "prompt": "1..2",
+    }
+    path, req = openai_body(request_body(None, 8, True, 0, {"messages": json.dumps(CHAT["messages"])}))
+    assert path == "/chat/completions" and req["messages"] == CHAT["messages"]
+    with pytest.raises(DgpipeError, match="infill_template"):
+        openai_body(request_body("x", 8, False, 0, {"infill_template": "__"}))
