@@ -42,12 +42,22 @@ def serve(
     image: Annotated[
         str | None, typer.Option(help="print the NGC container command for a GPU host instead")
     ] = None,
+    triton_url: Annotated[
+        str | None,
+        typer.Option(
+            help="serve only the OpenAI API, in front of a Triton already running at grpc://HOST:PORT "
+            "(the Kubernetes pod's sidecar)"
+        ),
+    ] = None,
 ) -> None:
     """Start a real Triton server and the OpenAI-compatible API beside it, wait until ready, stop on Ctrl-C."""
     from pipeline.serving.server import OpenAIFrontend, Ports, TritonServer, docker_command
 
     if not 0 <= openai_port <= 65535:
         raise DgpipeError(f"--openai-port {openai_port}: not a port (0-65535; 0 disables the frontend)")
+    if triton_url is not None:
+        _frontend_only(triton_url, openai_port, address, api_key)
+        return
 
     ports = Ports(http_port, grpc_port, metrics_port, address)
     if repo is None:
@@ -58,13 +68,7 @@ def serve(
     if image:
         out.line(" ".join(docker_command(repo, ports, image)))
         return
-    import signal
-
-    def interrupt(signum, frame):  # also when started in the background, where SIGINT is ignored by default
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
+    _stop_on_signals()
     server = TritonServer(repo, ports, opt.cache_dir() / "serve")
     out.line(f"starting tritonserver on {repo} (log: {server.log}) ...", err=True)
     with server:
@@ -87,3 +91,34 @@ def serve(
                 frontend.stop()
     if server.proc is not None and server.proc.returncode not in (0, -2, None):
         raise DgpipeError(f"tritonserver exited with code {server.proc.returncode}: {server.tail()}")
+
+
+def _stop_on_signals() -> None:
+    import signal
+
+    def interrupt(signum, frame):  # also when started in the background, where SIGINT is ignored by default
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def _frontend_only(triton_url: str, openai_port: int, address: str, api_key: str | None) -> None:
+    """The OpenAI frontend alone, until Ctrl-C/SIGTERM; /health follows Triton's readiness."""
+    from pipeline.serving.server import OpenAIFrontend, grpc_ready
+
+    if not triton_url.startswith("grpc://") or not openai_port:
+        raise DgpipeError(
+            f"--triton-url {triton_url} with --openai-port {openai_port}: expected grpc://HOST:PORT and a port"
+        )
+    _stop_on_signals()
+    with OpenAIFrontend(
+        triton_url, openai_port, address, api_key=api_key, ready=lambda: grpc_ready(triton_url)
+    ) as frontend:
+        auth = "  (API key required)" if api_key else ""
+        out.line(f"ready  OpenAI {frontend.url}{auth}  ->  Triton {triton_url}")
+        try:
+            while frontend.running():
+                time.sleep(1)
+        except KeyboardInterrupt:
+            out.line("stopping the OpenAI frontend ...", err=True)

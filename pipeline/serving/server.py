@@ -221,6 +221,21 @@ def docker_command(repo: Path, ports: Ports, image: str) -> list[str]:
     ]
 
 
+def grpc_ready(url: str, timeout: float = 2.0) -> bool:
+    """Whether the Triton at grpc://HOST:PORT answers ready (False when unreachable)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
+        try:
+            return bool(client.is_server_ready(client_timeout=timeout))
+        finally:
+            client.close()
+    except InferenceServerException:
+        return False
+
+
 class OpenAIFrontend:
     """The OpenAI-compatible frontend (pipeline/serving/openai_api.py) under uvicorn, in a thread of this
     process, talking to tritonserver over gRPC.
@@ -289,6 +304,9 @@ class OpenAIFrontend:
                 raise DgpipeError(f"OpenAI frontend did not start on {self.url}")
             time.sleep(0.05)
         return self
+
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def url(self) -> str:

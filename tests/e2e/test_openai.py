@@ -196,6 +196,67 @@ def test_dgpipe_generate_against_the_openai_port_uses_the_api_key(served):
     assert denied.returncode == 2 and "401" in denied.stderr and "DGPIPE_API_KEY" in denied.stderr
 
 
+def frontend_only(triton_url: str, work: Path) -> tuple[subprocess.Popen, str]:
+    """`dgpipe serve --triton-url` (the Kubernetes sidecar): the OpenAI API alone, in front of a Triton."""
+    out = work / f"frontend{free_port()}.out"
+    args = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "serve",
+        "--triton-url",
+        triton_url,
+        "--address",
+        "127.0.0.1",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "DGPIPE_API_KEY"} | {"OMP_NUM_THREADS": "1"}
+    with open(out, "wb") as o:
+        proc = subprocess.Popen(
+            [*args, f"--openai-port={free_port()}"], stdout=o, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+        )
+    for _ in range(120):
+        lines = [ln for ln in out.read_text().splitlines() if ln.startswith("ready  OpenAI ")]
+        if lines:
+            return proc, lines[0].split()[2]
+        assert proc.poll() is None, out.read_text()
+        time.sleep(0.25)
+    proc.kill()
+    raise AssertionError("frontend not ready")
+
+
+def get_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_frontend_only_in_front_of_a_running_triton_and_an_unreachable_one(served, tmp_path):
+    grpc = next(w for w in served.stdout.read_text().split() if w.startswith("grpc://"))
+    proc, url = frontend_only(grpc, tmp_path)
+    try:
+        assert get_status(url.removesuffix("/v1") + "/health") == 200
+        c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        resp = c.chat.completions.create(
+            model="dgpipe", messages=[{"role": "user", "content": PUZZLE}], max_tokens=82
+        )
+        assert sudoku.is_valid_solution(PUZZLE, resp.choices[0].message.content)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    proc, url = frontend_only(f"grpc://127.0.0.1:{free_port()}", tmp_path)  # nothing listens there
+    try:
+        assert get_status(url.removesuffix("/v1") + "/health") == 503
+        c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model="dgpipe", prompt=PUZZLE)
+        assert e.value.status_code == 503 and e.value.code == "service_unavailable"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
 def test_serve_prints_the_openai_url_and_ctrl_c_stops_both(served):
     """Last in the file: it stops the module's server."""
     assert served.url.startswith("http://127.0.0.1:") and served.url.endswith("/v1")
