@@ -30,7 +30,7 @@ COPY k8s ./k8s
 # wheel carries a second tritonserver this image already has.
 # configs/ and k8s/ go where pipeline.resources looks for them outside a checkout (<prefix>/share/dgpipe).
 RUN set -eux; \
-    python3 -m pip install ".[engine]" "tritonclient[all]>=2.50" "fastapi>=0.115" "uvicorn>=0.30"; \
+    python3 -m pip install ".[engine]" "tritonclient[all]>=2.50" "fastapi>=0.115" "uvicorn>=0.30" "anyio>=4.1"; \
     prefix="$(python3 -c 'import sys; print(sys.prefix)')"; \
     mkdir -p "$prefix/share/dgpipe"; \
     cp -r configs k8s "$prefix/share/dgpipe/"; \

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -88,9 +90,15 @@ def http_generate(
 
 
 def grpc_generate(
-    url: str, body: dict[str, Any], model: str = "dgpipe", timeout: float = 600
+    url: str,
+    body: dict[str, Any],
+    model: str = "dgpipe",
+    timeout: float = 600,
+    cancel: threading.Event | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """gRPC bidirectional streaming (ModelStreamInfer), yielding the same dicts as the HTTP client."""
+    """gRPC bidirectional streaming (ModelStreamInfer), yielding the same dicts as the HTTP client.
+    Setting `cancel` (from any thread), closing the generator early or a failure cancels the request in
+    Triton (the model drops it at its next step) instead of waiting for it to finish."""
     import numpy as np
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException, np_to_triton_dtype
@@ -106,11 +114,20 @@ def grpc_generate(
         inputs.append(t)
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
+    finished = False
     try:
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        deadline = time.monotonic() + timeout
         while True:
-            result, error = results.get(timeout=timeout)
+            try:  # short waits, so a cancel from another thread is seen within 0.1 s
+                result, error = results.get(timeout=0.1)
+            except queue.Empty:
+                if cancel is not None and cancel.is_set():
+                    return
+                if time.monotonic() > deadline:
+                    raise
+                continue
             if error is not None:
                 message = error.message() if hasattr(error, "message") else str(error)
                 if "UNAVAILABLE" in str(
@@ -131,13 +148,14 @@ def grpc_generate(
                 resp.parameters.get("triton_final_response")
                 and resp.parameters["triton_final_response"].bool_param
             ):
+                finished = True
                 return
     except InferenceServerException as e:
         raise DgpipeError(
             f"cannot reach {url} ({e.message()})", "is the server running? see dgpipe serve"
         ) from e
     finally:
-        client.stop_stream()
+        client.stop_stream(cancel_requests=not finished)
         client.close()
 
 

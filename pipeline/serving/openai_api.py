@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import hmac
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -32,14 +34,15 @@ from pipeline.runtime.chat_template import MessagesError, parse_messages
 from pipeline.serving.client import Reply, TritonError, grpc_generate
 from pipeline.serving.openai_schema import ChatCompletionRequest, CompletionRequest, RequestError
 
-# Triton inputs (schema names) -> the model's response chunks (client.grpc_generate's dicts)
-TritonStream = Callable[[dict[str, Any]], Iterator[dict[str, Any]]]
+# (Triton inputs (schema names), cancel) -> the model's response chunks (client.grpc_generate's dicts);
+# setting `cancel` from another thread ends the iterator soon and cancels the request in Triton
+TritonStream = Callable[[dict[str, Any], threading.Event], Iterator[dict[str, Any]]]
 _END = object()
 
 
 def triton_stream(grpc_url: str, model: str = "dgpipe") -> TritonStream:
     """The production backend: gRPC bidirectional streaming to tritonserver."""
-    return lambda inputs: grpc_generate(grpc_url, inputs, model)
+    return lambda inputs, cancel: grpc_generate(grpc_url, inputs, model, cancel=cancel)
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param=None, code=None) -> dict:
@@ -67,6 +70,12 @@ def _next(chunks: Iterator[dict[str, Any]]) -> Any:
         return _END
     except (TritonError, DgpipeError) as e:
         raise _from_triton(e) from e
+
+
+async def _pull(chunks: Iterator[dict[str, Any]]) -> Any:
+    """The next chunk from a worker thread. A cancelled caller (the client went away) stops waiting at once
+    instead of when the thread returns; its `cancel` event then ends the thread within grpc_generate's poll."""
+    return await anyio.to_thread.run_sync(_next, chunks, abandon_on_cancel=True)
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
@@ -181,8 +190,13 @@ def create_app(
         return await respond(req, req.triton_inputs(), chat=False)
 
     async def respond(req, inputs: dict[str, Any], chat: bool):
-        chunks = stream(inputs)
-        first = await run_in_threadpool(_next, chunks)  # Triton refuses a bad value before any output
+        cancel = threading.Event()
+        chunks = stream(inputs, cancel)
+        try:
+            first = await _pull(chunks)  # Triton refuses a bad value before any output
+        except BaseException:
+            cancel.set()
+            raise
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {
             "id": ident,
@@ -194,9 +208,12 @@ def create_app(
         reply = Reply()
         if not req.stream:
             item = first
-            while item is not _END:
-                reply.add(item)
-                item = await run_in_threadpool(_next, chunks)
+            try:
+                while item is not _END:
+                    reply.add(item)
+                    item = await _pull(chunks)
+            finally:
+                cancel.set()  # a no-op once Triton has finished; otherwise the request is dropped
             choice: dict[str, Any] = {"index": 0, "finish_reason": reply.finish_reason, "logprobs": None}
             if chat:
                 choice["message"] = {"role": "assistant", "content": reply.text}
@@ -204,10 +221,27 @@ def create_app(
                 choice["text"] = reply.text
             return {**head, "choices": [choice], "usage": _usage(reply)}
         return StreamingResponse(
-            _events(head, first, chunks, reply, chat, req.include_usage), media_type="text/event-stream"
+            _events(head, first, chunks, cancel, reply, chat, req.include_usage),
+            media_type="text/event-stream",
         )
 
     async def _events(
+        head: dict,
+        first: Any,
+        chunks: Iterator,
+        cancel: threading.Event,
+        reply: Reply,
+        chat: bool,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        """The SSE events; a client that goes away mid-stream cancels its request in Triton."""
+        try:
+            async for ev in _sse(head, first, chunks, reply, chat, include_usage):
+                yield ev
+        finally:
+            cancel.set()
+
+    async def _sse(
         head: dict, first: Any, chunks: Iterator, reply: Reply, chat: bool, include_usage: bool
     ) -> AsyncIterator[str]:
         extra = {"usage": None} if include_usage else {}
@@ -241,7 +275,7 @@ def create_app(
                     yield chunk(piece, None)
                 if item.get("finish_reason"):
                     yield chunk(None, reply.finish_reason)
-                item = await run_in_threadpool(_next, chunks)
+                item = await _pull(chunks)
         except RequestError as e:  # after a 200: the error travels as an event, as OpenAI's servers do
             yield event(error_body(e.message, "server_error" if e.status >= 500 else "invalid_request_error"))
             yield "data: [DONE]\n\n"

@@ -4,6 +4,8 @@ SSE shapes, and OpenAI's error schema for every refusal."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 
@@ -31,8 +33,9 @@ class FakeTriton:
         self.error, self.error_after = error, error_after
         self.calls: list[dict] = []
 
-    def __call__(self, inputs):
+    def __call__(self, inputs, cancel):
         self.calls.append(inputs)
+        self.cancel = cancel
         for i, chunk in enumerate(self.chunks):
             if self.error is not None and i == self.error_after:
                 raise self.error
@@ -274,3 +277,60 @@ def test_openai_body_maps_triton_inputs_back_and_refuses_what_has_no_field():
     assert path == "/chat/completions" and req["messages"] == CHAT["messages"]
     with pytest.raises(DgpipeError, match="infill_template"):
         openai_body(request_body("x", 8, False, 0, {"infill_template": "__"}))
+
+
+def test_a_client_that_goes_away_mid_stream_cancels_its_triton_request():
+    """Driven at the ASGI level: the client disconnects after the first event; the Triton stream is told
+    to cancel (grpc_generate then cancels the request in Triton) instead of running to the end."""
+    import anyio
+
+    seen = threading.Event()
+
+    def slow(inputs, cancel):
+        yield {"text_output": ["12"]}
+        seen.set()
+        assert cancel.wait(10), "never cancelled"
+        slow.cancelled = True
+
+    slow.cancelled = False
+    app = create_app(slow)
+    body = json.dumps({**TEXT, "stream": True}).encode()
+    sent: list[dict] = []
+
+    async def run() -> None:
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop(0)
+            while not seen.is_set():  # disconnect once the first canvas went out
+                await anyio.sleep(0.01)
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "path": "/v1/completions",
+            "raw_path": b"/v1/completions",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2),
+            "scheme": "http",
+            "root_path": "",
+        }
+        with anyio.fail_after(20):
+            await app(scope, receive, send)
+
+    anyio.run(run)
+    for _ in range(100):  # the worker thread notices the cancel within its poll
+        if slow.cancelled:
+            break
+        time.sleep(0.05)
+    assert slow.cancelled
+    assert sent[0]["status"] == 200 and b"[DONE]" not in b"".join(m.get("body", b"") for m in sent)
