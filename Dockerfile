@@ -25,11 +25,12 @@ COPY quantize ./quantize
 COPY model_repo ./model_repo
 COPY configs ./configs
 COPY k8s ./k8s
-# dgpipe with the engine-build extra and the Triton client (the smoke Job's `dgpipe generate --url`);
-# not the [serve] extra: its pytriton wheel carries a second tritonserver this image already has.
+# dgpipe with the engine-build extra, the Triton client and the OpenAI frontend's FastAPI + uvicorn (the
+# pod's `openai` container, the smoke Job's `dgpipe generate --url`); not the [serve] extra: its pytriton
+# wheel carries a second tritonserver this image already has.
 # configs/ and k8s/ go where pipeline.resources looks for them outside a checkout (<prefix>/share/dgpipe).
 RUN set -eux; \
-    python3 -m pip install ".[engine]" "tritonclient[all]>=2.50"; \
+    python3 -m pip install ".[engine]" "tritonclient[all]>=2.50" "fastapi>=0.115" "uvicorn>=0.30" "anyio>=4.1"; \
     prefix="$(python3 -c 'import sys; print(sys.prefix)')"; \
     mkdir -p "$prefix/share/dgpipe"; \
     cp -r configs k8s "$prefix/share/dgpipe/"; \

@@ -9,6 +9,7 @@ TORCH  ?= torch==2.13.0
 HTTP_PORT ?= 18000
 GRPC_PORT ?= 18001
 METRICS_PORT ?= 18002
+OPENAI_PORT ?= 18003
 OUT    ?= $(HOME)/.cache/dgpipe/demo
 PUZZLE ?= 14...9..56925.31.8835.1.927..1732.5.259.6.7.437694.28....6.4.935.3.914..92....816
 
@@ -32,14 +33,19 @@ demo: venv
 	@echo "== held-out accuracy: diffusion vs left-to-right decoding of the same weights"
 	$(DGPIPE) eval sudoku --n 100
 	$(DGPIPE) eval sudoku --n 100 --decode ar
-	@echo "== package a Triton model repository, serve it with a real tritonserver, query HTTP and gRPC"
+	@echo "== package a Triton model repository, serve it with a real tritonserver, query HTTP, gRPC and the OpenAI API"
 	$(DGPIPE) package --output "$(OUT)/model_repository"
 	@set -e; $(DGPIPE) serve --repo "$(OUT)/model_repository" --address 127.0.0.1 \
-	    --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) > "$(OUT)/serve.out" & pid=$$!; \
+	    --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+	    --openai-port $(OPENAI_PORT) > "$(OUT)/serve.out" & pid=$$!; \
 	  trap 'kill -INT $$pid 2>/dev/null; wait $$pid 2>/dev/null || true' EXIT; \
-	  for i in $$(seq 1 120); do grep -q "^ready" "$(OUT)/serve.out" 2>/dev/null && break; sleep 1; done; cat "$(OUT)/serve.out"; \
+	  for i in $$(seq 1 120); do grep -q "^ready  OpenAI" "$(OUT)/serve.out" 2>/dev/null && break; sleep 1; done; cat "$(OUT)/serve.out"; \
 	  echo "-- HTTP generate_stream"; $(DGPIPE) generate --url http://127.0.0.1:$(HTTP_PORT) "$(PUZZLE)"; \
-	  echo "-- gRPC streaming"; $(DGPIPE) generate --url grpc://127.0.0.1:$(GRPC_PORT) "$(PUZZLE)" --stream --json
+	  echo "-- gRPC streaming"; $(DGPIPE) generate --url grpc://127.0.0.1:$(GRPC_PORT) "$(PUZZLE)" --stream --json; \
+	  echo "-- OpenAI API (the openai client)"; $(PY) -c 'import sys, openai; \
+	    c = openai.OpenAI(base_url=sys.argv[1], api_key="none").chat.completions.create(model="dgpipe", \
+	    messages=[{"role": "user", "content": sys.argv[2]}], max_tokens=82); \
+	    print(c.choices[0].message.content, c.usage)' http://127.0.0.1:$(OPENAI_PORT)/v1 "$(PUZZLE)"
 
 test: venv
 	$(VENV)/bin/ruff check .

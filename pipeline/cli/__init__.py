@@ -39,7 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "serve": (
         "serve",
-        "Start a real Triton server on the repository, wait until it is ready, stop on Ctrl-C.",
+        "Start a real Triton server and the OpenAI-compatible API on the repository; stop on Ctrl-C.",
     ),
     "manifests": (
         "manifests",

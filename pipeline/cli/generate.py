@@ -56,7 +56,16 @@ def generate(
     ] = False,
     drafts: Annotated[bool, typer.Option("--drafts", help="show the canvas refining step by step")] = False,
     url: Annotated[
-        str | None, typer.Option(help="ask a Triton server instead: http://HOST:8000 or grpc://HOST:8001")
+        str | None,
+        typer.Option(
+            help="ask a server instead: Triton http://HOST:8000 or grpc://HOST:8001, or the OpenAI API http://HOST:9000/v1"
+        ),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="DGPIPE_API_KEY", show_envvar=True, help="Bearer key of the OpenAI API (--url .../v1)"
+        ),
     ] = None,
     dtype: opt.Dtype = "auto",
     device: opt.Device = "auto",
@@ -77,7 +86,7 @@ def generate(
     batch = file is not None  # --json then prints JSON Lines: one compact object per input, in order
     if url:
         for item in items:
-            _remote(url, item, max_tokens, overrides, seed, infill, stream, drafts, as_json, batch)
+            _remote(url, item, max_tokens, overrides, seed, infill, stream, drafts, as_json, batch, api_key)
         return
     _local(
         items,
@@ -269,8 +278,10 @@ def _remote(
     drafts: bool,
     as_json: bool,
     compact: bool,
+    api_key: str | None = None,
 ) -> None:
-    """Same options and output as the in-process path, answered by Triton over HTTP or gRPC."""
+    """Same options and output as the in-process path, answered by Triton over HTTP or gRPC, or by the
+    OpenAI-compatible frontend."""
     from pipeline.serving.client import generate
 
     options = {k: v for k, v in overrides.items() if k != "stability_threshold"}
@@ -291,6 +302,7 @@ def _remote(
         stream=stream or drafts,
         seed=seed,
         messages=item.messages,
+        api_key=api_key,
         **options,
     )
     try:

@@ -1,4 +1,5 @@
-"""`dgpipe serve`: a real tritonserver on a model repository, until Ctrl-C."""
+"""`dgpipe serve`: a real tritonserver on a model repository, and the OpenAI-compatible frontend beside it,
+until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -27,12 +28,36 @@ def serve(
     grpc_port: Annotated[int, typer.Option(help="gRPC port")] = 8001,
     metrics_port: Annotated[int, typer.Option(help="Prometheus metrics port")] = 8002,
     address: Annotated[str, typer.Option(help="address to bind")] = "0.0.0.0",
+    openai_port: Annotated[
+        int, typer.Option(help="port of the OpenAI-compatible API (/v1/chat/completions, ...); 0 disables it")
+    ] = 9000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="DGPIPE_API_KEY",
+            show_envvar=True,
+            help="require 'Authorization: Bearer KEY' on the OpenAI port (/health stays open)",
+        ),
+    ] = None,
     image: Annotated[
         str | None, typer.Option(help="print the NGC container command for a GPU host instead")
     ] = None,
+    triton_url: Annotated[
+        str | None,
+        typer.Option(
+            help="serve only the OpenAI API, in front of a Triton already running at grpc://HOST:PORT "
+            "(the Kubernetes pod's sidecar)"
+        ),
+    ] = None,
 ) -> None:
-    """Start a real Triton server on the repository, wait until it is ready, stop on Ctrl-C."""
-    from pipeline.serving.server import Ports, TritonServer, docker_command
+    """Start a real Triton server and the OpenAI-compatible API beside it, wait until ready, stop on Ctrl-C."""
+    from pipeline.serving.server import OpenAIFrontend, Ports, TritonServer, docker_command
+
+    if not 0 <= openai_port <= 65535:
+        raise DgpipeError(f"--openai-port {openai_port}: not a port (0-65535; 0 disables the frontend)")
+    if triton_url is not None:
+        _frontend_only(triton_url, openai_port, address, api_key)
+        return
 
     ports = Ports(http_port, grpc_port, metrics_port, address)
     if repo is None:
@@ -43,6 +68,32 @@ def serve(
     if image:
         out.line(" ".join(docker_command(repo, ports, image)))
         return
+    _stop_on_signals()
+    server = TritonServer(repo, ports, opt.cache_dir() / "serve")
+    out.line(f"starting tritonserver on {repo} (log: {server.log}) ...", err=True)
+    with server:
+        out.line(f"ready  HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}")
+        frontend = None
+        if openai_port:
+            frontend = OpenAIFrontend(
+                server.grpc_url, openai_port, address, api_key=api_key, ready=server.ready
+            ).start()
+            auth = "  (API key required)" if api_key else ""
+            out.line(f"ready  OpenAI {frontend.url}{auth}")
+        out.line("Ctrl-C to stop", err=True)
+        try:
+            while server.proc is not None and server.proc.poll() is None:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            out.line("stopping tritonserver ...", err=True)
+        finally:
+            if frontend is not None:
+                frontend.stop()
+    if server.proc is not None and server.proc.returncode not in (0, -2, None):
+        raise DgpipeError(f"tritonserver exited with code {server.proc.returncode}: {server.tail()}")
+
+
+def _stop_on_signals() -> None:
     import signal
 
     def interrupt(signum, frame):  # also when started in the background, where SIGINT is ignored by default
@@ -50,15 +101,24 @@ def serve(
 
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
-    server = TritonServer(repo, ports, opt.cache_dir() / "serve")
-    out.line(f"starting tritonserver on {repo} (log: {server.log}) ...", err=True)
-    with server:
-        out.line(f"ready  HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}")
-        out.line("Ctrl-C to stop", err=True)
+
+
+def _frontend_only(triton_url: str, openai_port: int, address: str, api_key: str | None) -> None:
+    """The OpenAI frontend alone, until Ctrl-C/SIGTERM; /health follows Triton's readiness."""
+    from pipeline.serving.server import OpenAIFrontend, grpc_ready
+
+    if not triton_url.startswith("grpc://") or not openai_port:
+        raise DgpipeError(
+            f"--triton-url {triton_url} with --openai-port {openai_port}: expected grpc://HOST:PORT and a port"
+        )
+    _stop_on_signals()
+    with OpenAIFrontend(
+        triton_url, openai_port, address, api_key=api_key, ready=lambda: grpc_ready(triton_url)
+    ) as frontend:
+        auth = "  (API key required)" if api_key else ""
+        out.line(f"ready  OpenAI {frontend.url}{auth}  ->  Triton {triton_url}")
         try:
-            while server.proc is not None and server.proc.poll() is None:
+            while frontend.running():
                 time.sleep(1)
         except KeyboardInterrupt:
-            out.line("stopping tritonserver ...", err=True)
-    if server.proc is not None and server.proc.returncode not in (0, -2, None):
-        raise DgpipeError(f"tritonserver exited with code {server.proc.returncode}: {server.tail()}")
+            out.line("stopping the OpenAI frontend ...", err=True)

@@ -1,6 +1,7 @@
-"""Clients for a dgpipe model on Triton: HTTP `generate` / `generate_stream` (SSE) and gRPC streaming.
+"""Clients for a dgpipe model on Triton: HTTP `generate` / `generate_stream` (SSE), gRPC streaming, and the
+OpenAI-compatible frontend of `dgpipe serve` (`http://HOST:9000/v1`, SSE, Bearer API key).
 
-Both return the same `Reply` so `dgpipe generate --url` prints the same thing whichever protocol it uses.
+All return the same `Reply` so `dgpipe generate --url` prints the same thing whichever protocol it uses.
 Tensor names and types come from pipeline/serving/schema.py, as the server's own config.pbtxt does.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -87,9 +90,15 @@ def http_generate(
 
 
 def grpc_generate(
-    url: str, body: dict[str, Any], model: str = "dgpipe", timeout: float = 600
+    url: str,
+    body: dict[str, Any],
+    model: str = "dgpipe",
+    timeout: float = 600,
+    cancel: threading.Event | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """gRPC bidirectional streaming (ModelStreamInfer), yielding the same dicts as the HTTP client."""
+    """gRPC bidirectional streaming (ModelStreamInfer), yielding the same dicts as the HTTP client.
+    Setting `cancel` (from any thread), closing the generator early or a failure cancels the request in
+    Triton (the model drops it at its next step) instead of waiting for it to finish."""
     import numpy as np
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException, np_to_triton_dtype
@@ -105,13 +114,29 @@ def grpc_generate(
         inputs.append(t)
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
+    finished = False
     try:
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        deadline = time.monotonic() + timeout
         while True:
-            result, error = results.get(timeout=timeout)
+            try:  # short waits, so a cancel from another thread is seen within 0.1 s
+                result, error = results.get(timeout=0.1)
+            except queue.Empty:
+                if cancel is not None and cancel.is_set():
+                    return
+                if time.monotonic() > deadline:
+                    raise
+                continue
             if error is not None:
-                raise TritonError(error.message() if hasattr(error, "message") else str(error), 400)
+                message = error.message() if hasattr(error, "message") else str(error)
+                if "UNAVAILABLE" in str(
+                    getattr(error, "status", lambda: "")()
+                ):  # the stream's channel failed
+                    raise DgpipeError(
+                        f"cannot reach {url} ({message})", "is the server running? see dgpipe serve"
+                    )
+                raise TritonError(message, 500 if message.startswith("internal error") else 400)
             resp = result.get_response()
             chunk: dict[str, Any] = {}
             for out in resp.outputs:
@@ -123,14 +148,91 @@ def grpc_generate(
                 resp.parameters.get("triton_final_response")
                 and resp.parameters["triton_final_response"].bool_param
             ):
+                finished = True
                 return
     except InferenceServerException as e:
         raise DgpipeError(
             f"cannot reach {url} ({e.message()})", "is the server running? see dgpipe serve"
         ) from e
     finally:
-        client.stop_stream()
+        client.stop_stream(cancel_requests=not finished)
         client.close()
+
+
+OPENAI_FIELDS = (
+    "max_tokens",
+    "seed",
+    "max_denoising_steps",
+    "entropy_bound",
+    "confidence_threshold",
+    "t_min",
+    "t_max",
+)
+OPENAI_IMPLIED = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens")
+
+
+def openai_body(body: dict[str, Any], model: str = "dgpipe") -> tuple[str, dict[str, Any]]:
+    """A Triton request body as (path, OpenAI request) for the frontend: `messages` to chat completions,
+    `text_input` to completions; always streamed with usage. Inputs the frontend has no field for are refused."""
+    unsupported = sorted(
+        set(body) - {"text_input", "messages", "stop_words", *OPENAI_FIELDS, *OPENAI_IMPLIED}
+    )
+    if unsupported:
+        raise DgpipeError(
+            f"{', '.join(unsupported)}: not available through the OpenAI API",
+            "use the Triton ports (http://HOST:8000 or grpc://HOST:8001)",
+        )
+    req: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
+    req.update({k: body[k] for k in OPENAI_FIELDS if body.get(k) is not None})
+    if body.get("stop_words"):
+        req["stop"] = list(body["stop_words"])
+    if "messages" in body:
+        return "/chat/completions", {**req, "messages": json.loads(body["messages"])}
+    return "/completions", {**req, "prompt": body["text_input"]}
+
+
+def openai_generate(
+    url: str, body: dict[str, Any], model: str = "dgpipe", api_key: str | None = None, timeout: float = 600
+) -> Iterator[dict[str, Any]]:
+    """Stream from the OpenAI-compatible frontend, yielding the same dicts as the Triton clients."""
+    path, req_body = openai_body(body, model)
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(req_body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise TritonError(event["error"].get("message", str(event["error"])), 400)
+                for choice in event.get("choices") or []:
+                    piece = choice.get("text") or (choice.get("delta") or {}).get("content")
+                    if piece:
+                        yield {"text_output": piece}
+                    if choice.get("finish_reason"):
+                        yield {"finish_reason": choice["finish_reason"]}
+                if event.get("usage"):
+                    usage = event["usage"]
+                    yield {
+                        "num_input_tokens": usage["prompt_tokens"],
+                        "num_output_tokens": usage["completion_tokens"],
+                    }
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace").strip()
+        with contextlib.suppress(json.JSONDecodeError, AttributeError, TypeError):
+            detail = json.loads(detail)["error"]["message"]
+        hint = "pass --api-key or set DGPIPE_API_KEY" if e.code == 401 else None
+        if hint:
+            raise DgpipeError(f"HTTP 401: {detail}", hint) from e
+        raise TritonError(f"HTTP {e.code}: {detail}", e.code) from e
+    except urllib.error.URLError as e:
+        raise DgpipeError(
+            f"cannot reach {url} ({e.reason})", "is the server running? see dgpipe serve"
+        ) from e
 
 
 def _untyped_array(value: Any):
@@ -153,19 +255,23 @@ def generate(
     seed: int = schema.INPUT["seed"].default,
     model: str = "dgpipe",
     messages: list[dict[str, Any]] | None = None,
+    api_key: str | None = None,
     **options: Any,
 ) -> Iterator[str]:
     """Yield text pieces as the server sends them; the final Reply is the generator's return value.
-    With `messages` (OpenAI-style chat messages) and prompt None, the server renders its chat template."""
+    With `messages` (OpenAI-style chat messages) and prompt None, the server renders its chat template.
+    A URL ending in /v1 is the OpenAI-compatible frontend (`api_key`: its Bearer key)."""
     if messages is not None:
         options = {**options, "messages": json.dumps(messages)}
     body = schema.request_body(prompt, max_tokens, stream, seed, options)
     if url.startswith("grpc://"):
         chunks = grpc_generate(url, body, model)
+    elif url.startswith(("http://", "https://")) and url.rstrip("/").endswith("/v1"):
+        chunks = openai_generate(url, body, model, api_key)
     elif url.startswith(("http://", "https://")):
         chunks = http_generate(url, body, model)
     else:
-        raise DgpipeError(f"--url {url}: expected http://HOST:PORT or grpc://HOST:PORT")
+        raise DgpipeError(f"--url {url}: expected http://HOST:PORT, grpc://HOST:PORT or http://HOST:PORT/v1")
     reply = Reply()
     for chunk in chunks:
         piece = reply.add(chunk)

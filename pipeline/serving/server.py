@@ -219,3 +219,108 @@ def docker_command(repo: Path, ports: Ports, image: str) -> list[str]:
         "tritonserver",
         "--model-repository=/models",
     ]
+
+
+def grpc_ready(url: str, timeout: float = 2.0) -> bool:
+    """Whether the Triton at grpc://HOST:PORT answers ready (False when unreachable)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
+        try:
+            return bool(client.is_server_ready(client_timeout=timeout))
+        finally:
+            client.close()
+    except InferenceServerException:
+        return False
+
+
+class OpenAIFrontend:
+    """The OpenAI-compatible frontend (pipeline/serving/openai_api.py) under uvicorn, in a thread of this
+    process, talking to tritonserver over gRPC.
+
+    A thread, not a subprocess: the frontend only waits on sockets (requests and Triton's gRPC stream), so it
+    needs no CPU of its own, and sharing the `dgpipe serve` process means it cannot outlive it (Ctrl-C,
+    SIGTERM or a crash stop both) and starts without a second interpreter. The socket is bound here, before
+    the thread starts, so a taken port fails at once in the caller, and port 0 picks a free one (`port`
+    then reads back the one bound)."""
+
+    def __init__(
+        self,
+        grpc_url: str,
+        port: int = 9000,
+        address: str = "0.0.0.0",
+        api_key: str | None = None,
+        model: str = "dgpipe",
+        ready=None,
+    ) -> None:
+        self.grpc_url, self.address, self.api_key, self.model, self.ready = (
+            grpc_url,
+            address,
+            api_key,
+            model,
+            ready,
+        )
+        self.port = port
+        self._server = None
+        self._thread = None
+
+    def start(self, timeout: float = 30.0) -> OpenAIFrontend:
+        import socket
+        import threading
+
+        try:
+            import uvicorn
+
+            from pipeline.serving.openai_api import create_app, triton_stream
+        except ImportError as e:
+            raise DgpipeError(
+                f"the OpenAI frontend needs {e.name}", "pip install 'dgpipe[serve]' (or --openai-port 0)"
+            ) from e
+        app = create_app(triton_stream(self.grpc_url, self.model), self.model, self.api_key, self.ready)
+        sock = socket.socket(socket.AF_INET6 if ":" in self.address else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.address, self.port))
+        except OSError as e:
+            sock.close()
+            raise DgpipeError(
+                f"OpenAI frontend: cannot bind {self.address}:{self.port} ({e.strerror})",
+                "pick another --openai-port (0 disables the frontend)",
+            ) from e
+        sock.listen(2048)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, name="openai-frontend", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise DgpipeError(f"OpenAI frontend did not start on {self.url}")
+            time.sleep(0.05)
+        return self
+
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.address in ("0.0.0.0", "") else self.address
+        return f"http://{host}:{self.port}/v1"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> OpenAIFrontend:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

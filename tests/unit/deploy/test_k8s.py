@@ -43,6 +43,14 @@ SERVED = {  # group/versions that current clusters (1.29+) serve for the kinds w
 CRD_KINDS = {"PodMonitor", "PrometheusRule", "LeaderWorkerSet"}
 
 
+SECRET_REF = {"name": "dgpipe-api-key", "key": "api-key"}  # the OpenAI port's key: referenced, never inlined
+
+
+def container(pod_spec: dict, name: str) -> dict:
+    (c,) = [c for c in pod_spec["containers"] if c["name"] == name]
+    return c
+
+
 def kustomize(path: Path) -> list[dict]:
     out = subprocess.run([KUBECTL, "kustomize", str(path)], capture_output=True, text=True, check=True).stdout
     return [d for d in yaml.safe_load_all(out) if d]
@@ -190,7 +198,7 @@ def test_overlay_matches_its_deploy_config(overlays, name):
     ]
     preferred = spec["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert preferred[0]["preference"]["matchExpressions"][0]["values"] == [cfg.gpu_product]
-    for c in spec["containers"] + spec["initContainers"]:
+    for c in [container(spec, "triton"), *spec["initContainers"]]:  # the openai sidecar needs no GPU
         assert c["resources"]["limits"]["nvidia.com/gpu"] == str(cfg.gpus_per_replica)
         assert c["resources"]["requests"]["nvidia.com/gpu"] == str(cfg.gpus_per_replica)
         assert c["resources"]["limits"]["memory"] == cfg.memory
@@ -263,7 +271,9 @@ def test_api_versions_are_served_by_current_clusters(overlays, side_objects, lws
 def test_probes_ports_and_startup_budget(overlays):
     for docs in overlays.values():
         dep = one(docs, "Deployment")
-        (triton,) = dep["spec"]["template"]["spec"]["containers"]
+        spec = dep["spec"]["template"]["spec"]
+        assert [c["name"] for c in spec["containers"]] == ["triton", "openai"]
+        triton = container(spec, "triton")
         assert {p["name"]: p["containerPort"] for p in triton["ports"]} == {
             "http": 8000,
             "grpc": 8001,
@@ -283,7 +293,18 @@ def test_probes_ports_and_startup_budget(overlays):
             "http": (8000, "http"),
             "grpc": (8001, "grpc"),
             "metrics": (8002, "metrics"),
+            "openai": (9000, "openai"),
         }
+        # the OpenAI frontend: its own port and probes, Triton over gRPC in the pod, the key from a Secret
+        api = container(spec, "openai")
+        assert api["image"] == triton["image"] and "nvidia.com/gpu" not in api["resources"]["limits"]
+        assert api["command"][:3] == ["dgpipe", "serve", "--triton-url=grpc://127.0.0.1:8001"]
+        assert "--openai-port=9000" in api["command"]
+        assert {p["name"]: p["containerPort"] for p in api["ports"]} == {"openai": 9000}
+        assert api["readinessProbe"]["httpGet"] == {"path": "/health", "port": "openai"}
+        assert api["livenessProbe"]["tcpSocket"] == {"port": "openai"}
+        (key,) = [e for e in api["env"] if e["name"] == "DGPIPE_API_KEY"]
+        assert key == {"name": "DGPIPE_API_KEY", "valueFrom": {"secretKeyRef": SECRET_REF}}  # never inlined
         labels = dep["spec"]["template"]["metadata"]["labels"]
         assert svc["spec"]["selector"].items() <= labels.items()
 
@@ -315,7 +336,7 @@ def test_gpu_scheduling_tolerations_and_shm(overlays):
     for docs in overlays.values():
         spec = one(docs, "Deployment")["spec"]["template"]["spec"]
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
-        (triton,) = spec["containers"]
+        triton = container(spec, "triton")
         mounts = {m["mountPath"]: m for m in triton["volumeMounts"]}
         assert mounts["/dev/shm"]["name"] == "dshm"
         assert mounts["/models"].get("readOnly") is True  # serving never writes the repository
@@ -327,7 +348,7 @@ def test_engine_build_runs_on_the_node_in_the_serving_image(overlays, name):
     docs, cfg = overlays[name], deploy_target(name)
     spec = one(docs, "Deployment")["spec"]["template"]["spec"]
     (build,) = spec["initContainers"]
-    (triton,) = spec["containers"]
+    triton = container(spec, "triton")
     assert build["image"] == triton["image"]
     env = config_values(docs)
     assert expand(build["command"], env) == [
@@ -441,7 +462,7 @@ def test_leaderworkerset_variant(lws_render):
             e["valueFrom"]["configMapKeyRef"]["name"]
             for c in pod["containers"]
             for e in c["env"]
-            if "valueFrom" in e
+            if "configMapKeyRef" in e.get("valueFrom", {})
         }
         assert refs == {cm}  # the hash-suffixed name reached the LWS templates
         assert all(c["image"] == IMAGE for c in pod["containers"] + pod["initContainers"])
@@ -550,8 +571,10 @@ def test_manifests_without_monitoring_and_smoke_prompt(tmp_path):
     assert sorted(kinds) == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
     job = next(yaml.safe_load_all((out / "smoke-job.yaml").read_text()))
     (c,) = job["spec"]["template"]["spec"]["containers"]
-    assert c["command"][:4] == ["dgpipe", "generate", "--url", "http://dgpipe-triton:8000"]
+    # the smoke request goes through the Service's OpenAI port with the key from the Secret
+    assert c["command"][:4] == ["dgpipe", "generate", "--url", "http://dgpipe-triton:9000/v1"]
     assert {"name": "SMOKE_PROMPT", "value": "Say hi"} in c["env"]
+    assert {"name": "DGPIPE_API_KEY", "valueFrom": {"secretKeyRef": SECRET_REF}} in c["env"]
 
 
 @pytest.mark.parametrize(

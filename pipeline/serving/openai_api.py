@@ -1,0 +1,288 @@
+"""The OpenAI-compatible HTTP frontend (FastAPI) in front of the dgpipe Triton model.
+
+`/v1/chat/completions`, `/v1/completions`, `/v1/models` and `/health`, built like Triton's own OpenAI
+frontend but talking to a running tritonserver over gRPC streaming (pipeline/serving/client.py) with our
+tensor names: chat `messages` go to the `messages` input as JSON (the model renders its chat template), a
+`prompt` to `text_input`. What each OpenAI field means here is in pipeline/serving/openai_schema.py.
+
+Every error is OpenAI's schema, `{"error": {"message", "type", "param", "code"}}`: a refused field or
+malformed JSON is a 400 (never FastAPI's 422), a value the Triton model refuses is a 400 with its message,
+a missing or wrong API key a 401, an unknown model a 404, Triton unreachable a 503. `stream: true` answers
+server-sent events, one chunk per committed canvas, then `data: [DONE]`. Library code: nothing is printed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pipeline.errors import DgpipeError
+from pipeline.runtime.chat_template import MessagesError, parse_messages
+from pipeline.serving.client import Reply, TritonError, grpc_generate
+from pipeline.serving.openai_schema import ChatCompletionRequest, CompletionRequest, RequestError
+
+# (Triton inputs (schema names), cancel) -> the model's response chunks (client.grpc_generate's dicts);
+# setting `cancel` from another thread ends the iterator soon and cancels the request in Triton
+TritonStream = Callable[[dict[str, Any], threading.Event], Iterator[dict[str, Any]]]
+_END = object()
+
+
+def triton_stream(grpc_url: str, model: str = "dgpipe") -> TritonStream:
+    """The production backend: gRPC bidirectional streaming to tritonserver."""
+    return lambda inputs, cancel: grpc_generate(grpc_url, inputs, model, cancel=cancel)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _error_response(status: int, message: str, param=None, code=None) -> JSONResponse:
+    type_ = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+def _from_triton(e: Exception) -> RequestError:
+    """A failure talking to Triton as the frontend's error: its 400 stays a 400, unreachable is a 503."""
+    if isinstance(e, TritonError):
+        status = e.status if e.status in (400, 500) else 500
+        return RequestError(str(e), None, status, None if status == 400 else "triton_error")
+    return RequestError(f"the model server is unavailable: {e}", None, 503, "service_unavailable")
+
+
+def _next(chunks: Iterator[dict[str, Any]]) -> Any:
+    """One chunk, _END at the end; Triton failures as RequestError (runs in a worker thread)."""
+    try:
+        return next(chunks)
+    except StopIteration:
+        return _END
+    except (TritonError, DgpipeError) as e:
+        raise _from_triton(e) from e
+
+
+async def _pull(chunks: Iterator[dict[str, Any]]) -> Any:
+    """The next chunk from a worker thread. A cancelled caller (the client went away) stops waiting at once
+    instead of when the thread returns; its `cancel` event then ends the thread within grpc_generate's poll."""
+    return await anyio.to_thread.run_sync(_next, chunks, abandon_on_cancel=True)
+
+
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    """The first problem as (message, param): the param is the top-level field (the full path is in the
+    message; a union's path also names the member type pydantic tried)."""
+    err = e.errors()[0]
+    param = str(err["loc"][0]) if err["loc"] else None
+    where = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return f"unknown field '{where}' (this server does not support it)", param
+    if err["type"] == "missing":
+        return f"'{where}' is required", param
+    return f"'{where}': {err['msg']}", param
+
+
+def _usage(reply: Reply) -> dict[str, int]:
+    prompt, completion = reply.num_input_tokens or 0, reply.num_output_tokens or 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def create_app(
+    stream: TritonStream,
+    model: str = "dgpipe",
+    api_key: str | None = None,
+    ready: Callable[[], bool] | None = None,
+) -> FastAPI:
+    """The frontend for one served model. `stream` sends Triton inputs and yields response chunks (tests
+    pass a fake); `api_key` (None: open) guards /v1; `ready` (None: always) decides /health."""
+    created = int(time.time())
+    app = FastAPI(title="dgpipe OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, e: RequestError) -> JSONResponse:
+        return _error_response(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return _error_response(400, f"invalid request: {e.errors()[0].get('msg', e)}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error_response(
+            e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None
+        )
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise RequestError(
+                "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                None,
+                401,
+                "invalid_api_key",
+            )
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = True if ready is None else await run_in_threadpool(ready)
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model, "object": "model", "created": created, "owned_by": "dgpipe"}
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/models/{name}")
+    async def one_model(name: str) -> dict[str, Any]:
+        if name != model:
+            raise RequestError(f"the model '{name}' does not exist", "model", 404, "model_not_found")
+        return model_card()
+
+    async def parse(request: Request, cls: type[ChatCompletionRequest] | type[CompletionRequest]):
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"the request body is not valid JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise RequestError(f"the request body must be a JSON object (got {type(body).__name__})")
+        try:
+            req = cls.model_validate(body)
+        except ValidationError as e:
+            message, param = _validation_message(e)
+            raise RequestError(message, param) from e
+        req.check()
+        if req.model != model:
+            raise RequestError(
+                f"the model '{req.model}' does not exist (this server serves '{model}')",
+                "model",
+                404,
+                "model_not_found",
+            )
+        return req
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        req = await parse(request, ChatCompletionRequest)
+        try:
+            parse_messages(req.messages)
+        except MessagesError as e:
+            raise RequestError(str(e), "messages") from e
+        return await respond(req, req.triton_inputs(), chat=True)
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        req = await parse(request, CompletionRequest)
+        return await respond(req, req.triton_inputs(), chat=False)
+
+    async def respond(req, inputs: dict[str, Any], chat: bool):
+        cancel = threading.Event()
+        chunks = stream(inputs, cancel)
+        try:
+            first = await _pull(chunks)  # Triton refuses a bad value before any output
+        except BaseException:
+            cancel.set()
+            raise
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        head = {
+            "id": ident,
+            "object": ("chat.completion" if chat else "text_completion")
+            + (".chunk" if req.stream and chat else ""),
+            "created": int(time.time()),
+            "model": model,
+        }
+        reply = Reply()
+        if not req.stream:
+            item = first
+            try:
+                while item is not _END:
+                    reply.add(item)
+                    item = await _pull(chunks)
+            finally:
+                cancel.set()  # a no-op once Triton has finished; otherwise the request is dropped
+            choice: dict[str, Any] = {"index": 0, "finish_reason": reply.finish_reason, "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": reply.text}
+            else:
+                choice["text"] = reply.text
+            return {**head, "choices": [choice], "usage": _usage(reply)}
+        return StreamingResponse(
+            _events(head, first, chunks, cancel, reply, chat, req.include_usage),
+            media_type="text/event-stream",
+        )
+
+    async def _events(
+        head: dict,
+        first: Any,
+        chunks: Iterator,
+        cancel: threading.Event,
+        reply: Reply,
+        chat: bool,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        """The SSE events; a client that goes away mid-stream cancels its request in Triton."""
+        try:
+            async for ev in _sse(head, first, chunks, reply, chat, include_usage):
+                yield ev
+        finally:
+            cancel.set()
+
+    async def _sse(
+        head: dict, first: Any, chunks: Iterator, reply: Reply, chat: bool, include_usage: bool
+    ) -> AsyncIterator[str]:
+        extra = {"usage": None} if include_usage else {}
+
+        def event(payload: dict[str, Any]) -> str:
+            return f"data: {json.dumps(payload)}\n\n"
+
+        def chunk(piece: str | None, finish: str | None) -> str:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+            if chat:
+                choice["delta"] = {} if piece is None else {"content": piece}
+            else:
+                choice["text"] = piece or ""
+            return event({**head, "choices": [choice], **extra})
+
+        if chat:
+            yield event(
+                {
+                    **head,
+                    "choices": [
+                        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                    ],
+                    **extra,
+                }
+            )
+        item = first
+        try:
+            while item is not _END:
+                piece = reply.add(item)
+                if piece:
+                    yield chunk(piece, None)
+                if item.get("finish_reason"):
+                    yield chunk(None, reply.finish_reason)
+                item = await _pull(chunks)
+        except RequestError as e:  # after a 200: the error travels as an event, as OpenAI's servers do
+            yield event(error_body(e.message, "server_error" if e.status >= 500 else "invalid_request_error"))
+            yield "data: [DONE]\n\n"
+            return
+        if include_usage:
+            yield event({**head, "choices": [], "usage": _usage(reply)})
+        yield "data: [DONE]\n\n"
+
+    app.include_router(v1)
+    return app

@@ -1,0 +1,182 @@
+"""The OpenAI request bodies dgpipe's frontend accepts, and how each maps onto the Triton model's inputs.
+
+Every field OpenAI defines is either mapped, accepted only at its no-op value (`n=1`, `top_p=1`,
+`logprobs=false`, ...), or refused with a 400 naming it: nothing is silently ignored. Unknown fields are
+refused too, except the diffusion knobs, which ride as extra body fields (the `openai` client's
+`extra_body`) under the Triton input names of pipeline/serving/schema.py.
+
+Temperature: a diffusion request samples every step at a temperature that falls linearly from `t_max` to
+`t_min`. OpenAI's `temperature` T sets `t_max = T` and `t_min = T / 2` (the published defaults 0.8 -> 0.4
+are T = 0.8), each clamped to the sampler's valid range (so T = 0 is the near-greedy 0.001). An explicit
+`t_min` / `t_max` extra field wins over the mapping.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.model.config import SAMPLER_RANGES
+from pipeline.serving.schema import SEED_MAX
+
+# field -> the only value we accept (its OpenAI default, a no-op here)
+NO_OP_ONLY: dict[str, Any] = {
+    "n": 1,
+    "best_of": 1,
+    "top_p": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logprobs": False,
+    "echo": False,
+    "parallel_tool_calls": True,
+}
+# fields we refuse whatever their value (null aside)
+UNSUPPORTED = (
+    "top_logprobs",
+    "logit_bias",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "suffix",
+    "audio",
+    "modalities",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+)
+DIFFUSION_KNOBS = ("max_denoising_steps", "entropy_bound", "confidence_threshold", "t_min", "t_max")
+
+
+class RequestError(ValueError):
+    """A request the frontend refuses: OpenAI's invalid_request_error, with the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+def temperature_range(temperature: float) -> tuple[float, float]:
+    """OpenAI temperature -> (t_min, t_max) of the diffusion schedule, clamped to the sampler's range."""
+    lo, hi = SAMPLER_RANGES["t_max"]
+    t_max = min(max(temperature, lo), hi)
+    lo, hi = SAMPLER_RANGES["t_min"]
+    return min(max(temperature / 2, lo), hi), t_max
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by chat and text completions; unknown fields are refused (extra="forbid")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the caller's own bookkeeping: accepted, not used
+    # the diffusion knobs (extra body fields); their ranges are checked by the Triton model
+    max_denoising_steps: int | None = None
+    entropy_bound: float | None = None
+    confidence_threshold: float | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    # OpenAI fields accepted only at their no-op value, or refused: checked in _refuse
+    n: int | None = None
+    best_of: int | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: bool | int | None = None
+    echo: bool | None = None
+    parallel_tool_calls: bool | None = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    suffix: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+    def check(self) -> None:
+        """Refuse what we cannot honour (RequestError naming the field); pydantic has checked the types."""
+        for name, ok in NO_OP_ONLY.items():
+            value = getattr(self, name)
+            if value is not None and value != ok:
+                raise RequestError(f"'{name}' = {value!r} is not supported (only {ok!r})", name)
+        for name in UNSUPPORTED:
+            if getattr(self, name) is not None:
+                raise RequestError(f"'{name}' is not supported by this server", name)
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("'stream_options' is only allowed when 'stream' is true", "stream_options")
+
+    def stop_words(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def inputs(self, max_tokens: int | None) -> dict[str, Any]:
+        """The Triton inputs (schema names) this request sets, besides the prompt; None = the model's default."""
+        knobs: dict[str, Any] = {k: getattr(self, k) for k in DIFFUSION_KNOBS}
+        if self.temperature is not None:
+            t_min, t_max = temperature_range(self.temperature)
+            knobs["t_min"] = t_min if knobs["t_min"] is None else knobs["t_min"]
+            knobs["t_max"] = t_max if knobs["t_max"] is None else knobs["t_max"]
+        out: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "seed": self.seed,
+            "stream": self.stream,
+            "stop_words": self.stop_words() or None,
+            "exclude_input_in_output": True,
+            "return_num_input_tokens": True,
+            "return_num_output_tokens": True,
+            **knobs,
+        }
+        return {k: v for k, v in out.items() if v is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def check(self) -> None:
+        super().check()
+        both = None not in (self.max_tokens, self.max_completion_tokens)
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise RequestError(
+                "'max_tokens' and 'max_completion_tokens' disagree: send one", "max_completion_tokens"
+            )
+
+    def triton_inputs(self) -> dict[str, Any]:
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return {"messages": json.dumps(self.messages), **self.inputs(limit)}
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+
+    def triton_inputs(self) -> dict[str, Any]:
+        prompt = self.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise RequestError("'prompt' as a list must hold exactly one string (batches: n/a)", "prompt")
+            prompt = prompt[0]
+        return {"text_input": prompt, **self.inputs(self.max_tokens)}

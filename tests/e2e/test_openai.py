@@ -1,0 +1,267 @@
+"""`dgpipe serve` with its OpenAI-compatible frontend, run as a user runs it (the CLI, a real tritonserver on
+the embedded Sudoku model), queried with the official `openai` client: chat and text completions, streaming
+with usage, the API key, and refusals in OpenAI's error schema."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pipeline.demo import sudoku
+from pipeline.resources import PACKAGE_DIR
+from pipeline.serving.server import tritonserver_binary
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytestmark = pytest.mark.skipif(
+    tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
+)
+
+ROOT = PACKAGE_DIR.parent
+PUZZLE = "14...9..56925.31.8835.1.927..1732.5.259.6.7.437694.28....6.4.935.3.914..92....816"  # README's
+KEY = "test-key-0123"
+START_ATTEMPTS = 5
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    def __init__(self, proc: subprocess.Popen, url: str, stdout: Path) -> None:
+        self.proc, self.url, self.stdout = proc, url, stdout
+
+
+def start_serve(repo: Path, work: Path, attempt: int) -> Served | None:
+    """One `dgpipe serve` on picked ports; None when a port was taken before it bound (then retry)."""
+    cache = work / f"cache{attempt}"
+    ports = [free_port() for _ in range(4)]
+    out, err = work / f"serve{attempt}.out", work / f"serve{attempt}.err"
+    args = [sys.executable, "-m", "pipeline.cli", "serve", "--repo", str(repo), "--address", "127.0.0.1"]
+    args += [f"--{n}-port={p}" for n, p in zip(("http", "grpc", "metrics", "openai"), ports)]
+    env = {**os.environ, "DGPIPE_CACHE": str(cache), "DGPIPE_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
+    with open(out, "wb") as o, open(err, "wb") as e:
+        proc = subprocess.Popen(args, stdout=o, stderr=e, env=env, cwd=ROOT, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        text = out.read_text(errors="replace")
+        for line in text.splitlines():
+            if line.startswith("ready  OpenAI "):
+                return Served(proc, line.split()[2], out)
+        if proc.poll() is not None:
+            logs = err.read_text(errors="replace") + "".join(
+                p.read_text(errors="replace") for p in cache.glob("serve/*.log")
+            )
+            if "already in use" in logs:
+                return None
+            raise AssertionError(f"dgpipe serve exited {proc.returncode}: {logs[-2000:]}")
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError("dgpipe serve not ready after 240 s")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from pipeline.runtime.session import default_model_path
+    from pipeline.serving.repository import package
+
+    work = tmp_path_factory.mktemp("openai")
+    repo = package(
+        default_model_path(), work / "repo", max_batch=8, max_tokens_limit=512, max_prompt_tokens=100
+    )
+    for attempt in range(START_ATTEMPTS):
+        srv = start_serve(repo, work, attempt)
+        if srv is not None:
+            break
+    else:
+        raise AssertionError("no free ports after retries")
+    try:
+        yield srv
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.send_signal(signal.SIGINT)
+            try:
+                srv.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                srv.proc.kill()
+                srv.proc.wait()
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0, timeout=120)
+
+
+def test_chat_completion_solves_the_readme_puzzle_with_usage(client):
+    resp = client.chat.completions.create(
+        model="dgpipe", messages=[{"role": "user", "content": PUZZLE}], max_tokens=82, seed=0
+    )
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert sudoku.is_valid_solution(PUZZLE, choice.message.content), choice.message.content
+    assert resp.usage.prompt_tokens > 0 and resp.usage.completion_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_text_completion_and_models(client):
+    resp = client.completions.create(model="dgpipe", prompt=PUZZLE, max_tokens=82, temperature=0.8)
+    assert sudoku.is_valid_solution(PUZZLE, resp.choices[0].text)
+    assert resp.usage.completion_tokens > 0
+    assert [m.id for m in client.models.list()] == ["dgpipe"]
+
+
+def test_streaming_yields_chunks_and_a_final_usage(client):
+    stream = client.chat.completions.create(
+        model="dgpipe",
+        messages=[{"role": "user", "content": PUZZLE}],
+        max_tokens=82,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"max_denoising_steps": 24},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert sudoku.is_valid_solution(PUZZLE, text)
+    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_async_streaming_completion(served):
+    async def run() -> str:
+        aclient = openai.AsyncOpenAI(base_url=served.url, api_key=KEY, max_retries=0, timeout=120)
+        stream = await aclient.completions.create(model="dgpipe", prompt=PUZZLE, max_tokens=82, stream=True)
+        pieces = [c.choices[0].text async for c in stream]
+        await aclient.close()
+        return "".join(pieces)
+
+    assert sudoku.is_valid_solution(PUZZLE, asyncio.run(run()))
+
+
+def test_bad_api_key_is_a_401_and_health_stays_open(served):
+    bad = openai.OpenAI(base_url=served.url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.chat.completions.create(model="dgpipe", messages=[{"role": "user", "content": PUZZLE}])
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    with urllib.request.urlopen(served.url.removesuffix("/v1") + "/health", timeout=10) as r:
+        assert r.status == 200
+
+
+def test_refusals_are_400s_in_openais_schema_and_the_server_keeps_serving(client, served):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="dgpipe", messages=[{"role": "user", "content": PUZZLE}], n=2)
+    assert e.value.param == "n" and e.value.body["type"] == "invalid_request_error"
+    # a value only the Triton model can judge: its message comes back as a 400
+    with pytest.raises(openai.BadRequestError, match="over this server's limit"):
+        client.completions.create(model="dgpipe", prompt=PUZZLE, max_tokens=100000)
+    req = urllib.request.Request(
+        served.url + "/chat/completions",
+        data=b'{"model": "dgpipe", "messages": [',
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as http:
+        urllib.request.urlopen(req, timeout=10)
+    assert http.value.code == 400 and b'"invalid_request_error"' in http.value.read()
+    test_text_completion_and_models(client)  # still serving
+
+
+def test_dgpipe_generate_against_the_openai_port_uses_the_api_key(served):
+    def run(*args: str, key: str | None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "DGPIPE_API_KEY"}
+        env.update({"OMP_NUM_THREADS": "1"} | ({"DGPIPE_API_KEY": key} if key else {}))
+        cmd = [sys.executable, "-m", "pipeline.cli", "generate", "--url", served.url, *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+
+    ok = run(PUZZLE, "--max-tokens", "82", "--json", key=KEY)
+    assert ok.returncode == 0, ok.stderr
+    out = json.loads(ok.stdout)
+    assert sudoku.is_valid_solution(PUZZLE, out["text"]) and out["output_tokens"] > 0
+    chat = run("--chat", PUZZLE, "--stream", "--max-tokens", "82", key=KEY)
+    assert chat.returncode == 0 and sudoku.is_valid_solution(PUZZLE, chat.stdout.strip()), chat.stderr
+    denied = run(PUZZLE, key=None)
+    assert denied.returncode == 2 and "401" in denied.stderr and "DGPIPE_API_KEY" in denied.stderr
+
+
+def frontend_only(triton_url: str, work: Path) -> tuple[subprocess.Popen, str]:
+    """`dgpipe serve --triton-url` (the Kubernetes sidecar): the OpenAI API alone, in front of a Triton."""
+    out = work / f"frontend{free_port()}.out"
+    args = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "serve",
+        "--triton-url",
+        triton_url,
+        "--address",
+        "127.0.0.1",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "DGPIPE_API_KEY"} | {"OMP_NUM_THREADS": "1"}
+    with open(out, "wb") as o:
+        proc = subprocess.Popen(
+            [*args, f"--openai-port={free_port()}"], stdout=o, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+        )
+    for _ in range(120):
+        lines = [ln for ln in out.read_text().splitlines() if ln.startswith("ready  OpenAI ")]
+        if lines:
+            return proc, lines[0].split()[2]
+        assert proc.poll() is None, out.read_text()
+        time.sleep(0.25)
+    proc.kill()
+    raise AssertionError("frontend not ready")
+
+
+def get_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_frontend_only_in_front_of_a_running_triton_and_an_unreachable_one(served, tmp_path):
+    grpc = next(w for w in served.stdout.read_text().split() if w.startswith("grpc://"))
+    proc, url = frontend_only(grpc, tmp_path)
+    try:
+        assert get_status(url.removesuffix("/v1") + "/health") == 200
+        c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        resp = c.chat.completions.create(
+            model="dgpipe", messages=[{"role": "user", "content": PUZZLE}], max_tokens=82
+        )
+        assert sudoku.is_valid_solution(PUZZLE, resp.choices[0].message.content)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    proc, url = frontend_only(f"grpc://127.0.0.1:{free_port()}", tmp_path)  # nothing listens there
+    try:
+        assert get_status(url.removesuffix("/v1") + "/health") == 503
+        c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model="dgpipe", prompt=PUZZLE)
+        assert e.value.status_code == 503 and e.value.code == "service_unavailable"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def test_serve_prints_the_openai_url_and_ctrl_c_stops_both(served):
+    """Last in the file: it stops the module's server."""
+    assert served.url.startswith("http://127.0.0.1:") and served.url.endswith("/v1")
+    assert "(API key required)" in served.stdout.read_text()
+    served.proc.send_signal(signal.SIGINT)
+    assert served.proc.wait(60) == 0
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(served.url.removesuffix("/v1") + "/health", timeout=5)

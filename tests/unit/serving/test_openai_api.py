@@ -1,0 +1,336 @@
+"""The OpenAI frontend against a fake Triton stream: how requests map onto Triton inputs, the response and
+SSE shapes, and OpenAI's error schema for every refusal."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient
+
+from pipeline.errors import DgpipeError
+from pipeline.model.config import SAMPLER_RANGES
+from pipeline.serving.client import TritonError
+from pipeline.serving.openai_api import create_app
+from pipeline.serving.openai_schema import temperature_range
+
+CHAT = {"model": "dgpipe", "messages": [{"role": "user", "content": "hi"}]}
+TEXT = {"model": "dgpipe", "prompt": "hi"}
+FINAL = {"text_output": [""], "finish_reason": ["stop"], "num_input_tokens": [5], "num_output_tokens": [4]}
+
+
+class FakeTriton:
+    """Records the inputs of each request and answers with canned chunks (or raises)."""
+
+    def __init__(self, chunks=None, error: Exception | None = None, error_after: int = 0):
+        self.chunks = (
+            chunks if chunks is not None else [{"text_output": ["12"]}, {"text_output": ["34"]}, FINAL]
+        )
+        self.error, self.error_after = error, error_after
+        self.calls: list[dict] = []
+
+    def __call__(self, inputs, cancel):
+        self.calls.append(inputs)
+        self.cancel = cancel
+        for i, chunk in enumerate(self.chunks):
+            if self.error is not None and i == self.error_after:
+                raise self.error
+            yield chunk
+
+
+def client(fake=None, **kw) -> tuple[TestClient, FakeTriton]:
+    fake = fake or FakeTriton()
+    return TestClient(create_app(fake, **kw)), fake
+
+
+def assert_error(r, status: int, param=None, code=None, contains: str = "") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    assert err["param"] == param and err["code"] == code and contains in err["message"]
+    return err
+
+
+def sse(r) -> list:
+    events = [ln[len("data: ") :] for ln in r.text.split("\n\n") if ln]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+# ---- request mapping -------------------------------------------------------------------------------------
+def test_chat_maps_messages_and_fields_onto_triton_inputs():
+    c, fake = client()
+    body = {
+        **CHAT,
+        "max_completion_tokens": 82,
+        "stop": "\n",
+        "seed": 7,
+        "temperature": 0.6,
+        "max_denoising_steps": 12,
+        "entropy_bound": 0.2,
+        "confidence_threshold": 0.01,
+        "user": "someone",
+    }
+    assert c.post("/v1/chat/completions", json=body).status_code == 200
+    (inputs,) = fake.calls
+    assert json.loads(inputs.pop("messages")) == CHAT["messages"]
+    assert inputs == {
+        "max_tokens": 82,
+        "seed": 7,
+        "stream": False,
+        "stop_words": ["\n"],
+        "exclude_input_in_output": True,
+        "return_num_input_tokens": True,
+        "return_num_output_tokens": True,
+        "max_denoising_steps": 12,
+        "entropy_bound": 0.2,
+        "confidence_threshold": 0.01,
+        "t_min": 0.3,
+        "t_max": 0.6,
+    }
+
+
+def test_completion_sends_the_prompt_as_text_input_and_leaves_defaults_to_the_model():
+    c, fake = client()
+    assert c.post("/v1/completions", json={**TEXT, "prompt": ["hi"], "max_tokens": 9}).status_code == 200
+    assert fake.calls == [
+        {
+            "text_input": "hi",
+            "max_tokens": 9,
+            "stream": False,
+            "exclude_input_in_output": True,
+            "return_num_input_tokens": True,
+            "return_num_output_tokens": True,
+        }
+    ]
+
+
+def test_temperature_maps_onto_the_schedule_clamped_and_explicit_knobs_win():
+    lo = SAMPLER_RANGES["t_min"][0]
+    assert temperature_range(0.8) == (0.4, 0.8)  # the published defaults
+    assert temperature_range(0.0) == (lo, SAMPLER_RANGES["t_max"][0])
+    c, fake = client()
+    c.post("/v1/completions", json={**TEXT, "temperature": 1.0, "t_min": 0.9})
+    assert (fake.calls[0]["t_min"], fake.calls[0]["t_max"]) == (0.9, 1.0)
+
+
+# ---- responses -----------------------------------------------------------------------------------------
+def test_chat_response_has_the_text_finish_reason_and_usage():
+    c, _ = client()
+    out = c.post("/v1/chat/completions", json=CHAT).json()
+    assert (
+        out["object"] == "chat.completion" and out["model"] == "dgpipe" and out["id"].startswith("chatcmpl-")
+    )
+    assert out["choices"] == [
+        {
+            "index": 0,
+            "finish_reason": "stop",
+            "logprobs": None,
+            "message": {"role": "assistant", "content": "1234"},
+        }
+    ]
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+
+
+def test_chat_stream_is_sse_one_chunk_per_canvas_then_usage_and_done():
+    c, fake = client()
+    r = c.post(
+        "/v1/chat/completions", json={**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert fake.calls[0]["stream"] is True
+    events = sse(r)
+    assert {e["object"] for e in events} == {"chat.completion.chunk"} and len({e["id"] for e in events}) == 1
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [e["choices"][0]["delta"].get("content") for e in events[1:3]] == ["12", "34"]
+    assert events[3]["choices"][0]["finish_reason"] == "stop" and events[3]["usage"] is None
+    assert events[4]["choices"] == [] and events[4]["usage"]["total_tokens"] == 9
+
+
+def test_text_stream_without_include_usage_has_no_usage():
+    c, _ = client()
+    events = sse(c.post("/v1/completions", json={**TEXT, "stream": True}))
+    assert [e["choices"][0]["text"] for e in events] == ["12", "34", ""]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all("usage" not in e for e in events)
+
+
+def test_models_and_health():
+    c, _ = client()
+    assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["dgpipe"]
+    assert c.get("/v1/models/dgpipe").json()["object"] == "model"
+    assert_error(c.get("/v1/models/other"), 404, "model", "model_not_found")
+    assert c.get("/health").status_code == 200
+    down, _ = client(ready=lambda: False)
+    assert down.get("/health").status_code == 503
+
+
+# ---- refusals ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/chat/completions", {"n": 2}, "n"),
+        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"top_p": 0.5}, "top_p"),
+        ("/v1/chat/completions", {"frequency_penalty": 1.0}, "frequency_penalty"),
+        ("/v1/chat/completions", {"logit_bias": {"1": 2}}, "logit_bias"),
+        ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/chat/completions", {"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ("/v1/chat/completions", {"frobnicate": 1}, "frobnicate"),
+        ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {"seed": -1}, "seed"),
+        ("/v1/chat/completions", {"temperature": 3}, "temperature"),
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"suffix": "x"}, "suffix"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("/v1/completions", {"prompt": None}, "prompt"),
+    ],
+)
+def test_unsupported_or_bad_fields_are_a_400_naming_the_field(path, extra, param):
+    c, fake = client()
+    base = CHAT if "chat" in path else TEXT
+    assert_error(c.post(path, json={**base, **extra}), 400, param)
+    assert fake.calls == []  # refused before Triton is asked
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"\xff\xfe"])
+def test_malformed_json_is_a_400_not_a_422(raw):
+    c, fake = client()
+    assert_error(c.post("/v1/chat/completions", content=raw), 400, contains="JSON")
+    assert fake.calls == []
+
+
+def test_missing_model_and_unknown_model():
+    c, _ = client()
+    assert_error(c.post("/v1/completions", json={"prompt": "x"}), 400, "model", contains="required")
+    assert_error(c.post("/v1/completions", json={**TEXT, "model": "gpt-4"}), 404, "model", "model_not_found")
+
+
+def test_triton_refusal_is_a_400_with_its_message_unreachable_a_503_internal_a_500():
+    bad = FakeTriton(error=TritonError("input 'max_tokens' is 9999, over this server's limit of 512", 400))
+    c, _ = client(bad)
+    assert_error(c.post("/v1/completions", json=TEXT), 400, contains="over this server's limit")
+    assert_error(c.post("/v1/completions", json={**TEXT, "stream": True}), 400, contains="limit")
+    c, _ = client(FakeTriton(error=DgpipeError("cannot reach grpc://127.0.0.1:1")))
+    assert_error(c.post("/v1/chat/completions", json=CHAT), 503, code="service_unavailable")
+    c, _ = client(FakeTriton(error=TritonError("internal error during generation: boom", 500)))
+    assert_error(c.post("/v1/chat/completions", json=CHAT), 500, code="triton_error")
+
+
+def test_an_error_after_the_stream_started_is_an_error_event_then_done():
+    c, _ = client(FakeTriton(error=TritonError("internal error in this request: x", 500), error_after=1))
+    events = sse(c.post("/v1/completions", json={**TEXT, "stream": True}))
+    assert events[0]["choices"][0]["text"] == "12"
+    assert (
+        events[-1]["error"]["type"] == "server_error" and "internal error" in events[-1]["error"]["message"]
+    )
+
+
+# ---- API key -------------------------------------------------------------------------------------------
+def test_api_key_guards_v1_but_not_health():
+    c, fake = client(api_key="s3cret")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        assert_error(c.post("/v1/chat/completions", json=CHAT, headers=headers), 401, code="invalid_api_key")
+        assert_error(c.get("/v1/models", headers=headers), 401, code="invalid_api_key")
+    assert fake.calls == []
+    assert c.get("/health").status_code == 200
+    ok = {"Authorization": "Bearer s3cret"}
+    assert c.post("/v1/chat/completions", json=CHAT, headers=ok).status_code == 200
+    assert c.get("/v1/models", headers=ok).status_code == 200
+    # an unknown route answers in the same schema
+    assert_error(c.get("/v2/nothing"), 404, code="not_found")
+
+
+# ---- the client side (dgpipe generate --url http://HOST:9000/v1) ---------------------------------------
+def test_openai_body_maps_triton_inputs_back_and_refuses_what_has_no_field():
+    from pipeline.serving.client import openai_body
+    from pipeline.serving.schema import request_body
+
+    body = request_body(
+        "1..2", 82, False, 7, {"stop_words": ["x"], "t_max": 0.5, "exclude_input_in_output": True}
+    )
+    path, req = openai_body(body)
+    assert path == "/completions"
+    assert req == {
+        "model": "dgpipe",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 82,
+        "seed": 7,
+        "t_max": 0.5,
+        "stop": ["x"],
+        "prompt": "1..2",
+    }
+    path, req = openai_body(request_body(None, 8, True, 0, {"messages": json.dumps(CHAT["messages"])}))
+    assert path == "/chat/completions" and req["messages"] == CHAT["messages"]
+    with pytest.raises(DgpipeError, match="infill_template"):
+        openai_body(request_body("x", 8, False, 0, {"infill_template": "__"}))
+
+
+def test_a_client_that_goes_away_mid_stream_cancels_its_triton_request():
+    """Driven at the ASGI level: the client disconnects after the first event; the Triton stream is told
+    to cancel (grpc_generate then cancels the request in Triton) instead of running to the end."""
+    import anyio
+
+    seen = threading.Event()
+
+    def slow(inputs, cancel):
+        yield {"text_output": ["12"]}
+        seen.set()
+        assert cancel.wait(10), "never cancelled"
+        slow.cancelled = True
+
+    slow.cancelled = False
+    app = create_app(slow)
+    body = json.dumps({**TEXT, "stream": True}).encode()
+    sent: list[dict] = []
+
+    async def run() -> None:
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop(0)
+            while not seen.is_set():  # disconnect once the first canvas went out
+                await anyio.sleep(0.01)
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "path": "/v1/completions",
+            "raw_path": b"/v1/completions",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2),
+            "scheme": "http",
+            "root_path": "",
+        }
+        with anyio.fail_after(20):
+            await app(scope, receive, send)
+
+    anyio.run(run)
+    for _ in range(100):  # the worker thread notices the cancel within its poll
+        if slow.cancelled:
+            break
+        time.sleep(0.05)
+    assert slow.cancelled
+    assert sent[0]["status"] == 200 and b"[DONE]" not in b"".join(m.get("body", b"") for m in sent)
