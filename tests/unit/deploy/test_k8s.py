@@ -381,7 +381,7 @@ def test_rollout_disruption_and_autoscaling_policy(overlays):
             "name": dep["metadata"]["name"],
         }
         names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
-        assert "triton_queue_compute_ratio" in names and names <= served_metrics
+        assert names == {"dgpipe_active_requests"} and names <= served_metrics
         assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 600
 
 
@@ -412,7 +412,19 @@ def test_monitoring_objects_are_well_formed(overlays):
                 assert ("record" in r) != ("alert" in r) and isinstance(r["expr"], str) and r["expr"].strip()
                 assert duration.match(r.get("for", "0"))
                 records.add(r.get("record"))
-        assert "dgpipe:triton_queue_compute_ratio:rate1m" in records
+        assert "dgpipe:request_latency_seconds:p95_5m" in records
+        # recording rules read dgpipe's histograms as Prometheus exposes them (name_bucket with le)
+        p95 = next(
+            r["expr"]
+            for g in rule["spec"]["groups"]
+            for r in g["rules"]
+            if r.get("record") == "dgpipe:request_latency_seconds:p95_5m"
+        )
+        assert (
+            "histogram_quantile(0.95" in p95
+            and "dgpipe_request_latency_seconds_bucket" in p95
+            and "le" in p95
+        )
 
 
 def test_leaderworkerset_variant(lws_render):
@@ -896,3 +908,22 @@ def test_manifests_never_replaces_a_directory_it_did_not_write(tmp_path):
     proc = dgpipe("manifests", "--target", "dgx-b200", "--image", IMAGE, "--output", str(precious))
     assert proc.returncode == 2 and "is not a `dgpipe manifests` output" in proc.stderr
     assert (precious / "notes.txt").read_text() == "keep me"
+
+
+def test_monitoring_reads_only_metrics_the_triton_model_exports():
+    """Every dgpipe_ series the HPA, the adapter rules and the PrometheusRule read is one the model
+    registers (a histogram through its _bucket/_sum/_count series), so a renamed metric fails here."""
+    from pipeline.resources import TRITON_MODEL_SOURCE
+
+    source = TRITON_MODEL_SOURCE.read_text()
+    kinds = {name: kind for kind, name in re.findall(r'(counter|gauge|histogram)\(\s*"(dgpipe_\w+)"', source)}
+    assert kinds["dgpipe_active_requests"] == kinds["dgpipe_queued_requests"] == "gauge"
+    assert kinds["dgpipe_request_latency_seconds"] == "histogram"
+    files = [K8S / "base" / "hpa.yaml", K8S / "base" / "prometheusrule.yaml"]
+    files.append(K8S / "monitoring" / "prometheus-adapter-rules.yaml")
+    code = [ln for f in files for ln in f.read_text().splitlines() if not ln.lstrip().startswith("#")]
+    used = {n for ln in code for n in re.findall(r"\bdgpipe_\w+", ln)}
+    assert used
+    for name in used:
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert name in kinds or kinds.get(base) == "histogram", name
