@@ -396,3 +396,32 @@ def test_bench_serve_against_the_server(server, tmp_path):
             assert 0 < r["tokens_per_s"] <= 82 * r["requests_per_s"] * (1 + 1e-9), r
         assert r["p50_ms"] > 0 and r["p99_ms"] < 120_000, r  # within the client timeout
     assert (tmp_path / "serve_throughput.png").stat().st_size > 1000
+
+
+def test_deploy_smoke_check_against_the_server(server):
+    """What the smoke Job runs (pipeline.deploy.smoke), with the Sudoku build's test: passes; the old
+    "Hello" smoke prompt is refused by the Sudoku model and fails the check instead of raising."""
+    import subprocess
+    import sys
+
+    from pipeline.deploy.smoke import smoke_test_for
+    from pipeline.model.checkpoint import open_checkpoint
+    from pipeline.runtime.session import default_model_path
+
+    smoke = smoke_test_for(open_checkpoint(default_model_path()))
+
+    def run(test) -> tuple[int, dict]:
+        args = [a.replace("$$", "$") for a in test.args(server.http_url)]  # as the kubelet hands them over
+        proc = subprocess.run(
+            [sys.executable, "-m", "pipeline.deploy.smoke", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        return proc.returncode, json.loads(proc.stdout)
+
+    rc, result = run(smoke)
+    assert rc == 0 and result["ok"] and result["problem"] is None, result
+    assert sudoku.is_valid_solution(smoke.prompt, result["answer"])
+    rc, result = run(smoke.with_prompt("Hello"))
+    assert rc == 1 and not result["ok"] and "puzzle" in result["problem"], result
