@@ -179,10 +179,19 @@ def pod_config(
 
 
 def _smoke_test(manifest: BuildManifest | None, build_dir: Path | None) -> SmokeTest:
-    """The smoke test the build recorded (from the checkpoint's prompt format); the plain-text one without."""
-    if manifest is None or manifest.smoke is None:
+    """The smoke test `dgpipe build` recorded (from the checkpoint's prompt format); for a build dir filled
+    stage by stage, the one of the checkpoint it holds; the plain-text one without either."""
+    if manifest is None or build_dir is None:
         return DEFAULT_SMOKE
-    return SmokeTest.from_dict(manifest.smoke, f"{build_dir / MANIFEST_NAME}: smoke")
+    if manifest.smoke is not None:
+        return SmokeTest.from_dict(manifest.smoke, f"{build_dir / MANIFEST_NAME}: smoke")
+    ckpt = manifest.path_of(build_dir, "checkpoint")
+    if not (ckpt / "config.json").is_file():
+        return DEFAULT_SMOKE
+    from pipeline.deploy.smoke import smoke_test_for
+    from pipeline.model.checkpoint import open_checkpoint
+
+    return smoke_test_for(open_checkpoint(ckpt))
 
 
 def resolve(

@@ -1084,3 +1084,14 @@ def test_smoke_check_per_prompt_format(fmt, prompt, answer, ok):
     prompt = sudoku.EXAMPLE_PUZZLE if prompt == "SOLVED" else prompt
     answer = solution if answer == "SOLVED" else answer
     assert (check_answer(fmt, prompt, answer) is None) == ok
+
+
+def test_a_build_dir_without_a_recorded_smoke_test_uses_its_checkpoint(build_dir):
+    """A build dir filled stage by stage (no `dgpipe build`): the checkpoint it holds decides the test."""
+    from pipeline.deploy import render as mf
+    from pipeline.runtime.session import default_model_path
+
+    assert mf.resolve("dgx-b200", IMAGE, build_dir=build_dir).smoke.prompt_format == "text"  # no checkpoint
+    shutil.copytree(default_model_path(), build_dir / "checkpoint")
+    smoke = mf.resolve("dgx-b200", IMAGE, build_dir=build_dir).smoke
+    assert smoke.as_dict() == sudoku_smoke()
