@@ -25,6 +25,11 @@ import triton_python_backend_utils as pb_utils
 from pipeline.serving import schema
 from pipeline.serving.schema import BadRequest  # answered with INVALID_ARG; never reaches the batch
 
+# Histogram buckets (upper bounds; Prometheus adds +Inf): seconds for latencies, steps for steps per canvas.
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+STEP_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+
 
 @dataclass
 class Job:
@@ -38,6 +43,7 @@ class Job:
     canvases: int = 0
     started: float = field(default_factory=time.perf_counter)
     first_canvas: float | None = None
+    last_canvas: float | None = None  # when the previous canvas was committed (None: none yet)
     failed: bool = False  # answered with an error: nothing more is sent
 
 
@@ -128,11 +134,13 @@ class TritonPythonModel:
         return backend
 
     def _metrics(self) -> None:
+        """Counters, load gauges (set on every change: 0 when idle) and Prometheus histograms (Triton's
+        Python backend has MetricFamily.HISTOGRAM since 24.08; the bundled tritonserver 2.51 is 24.10)."""
         self.families = []  # a MetricFamily must outlive its metrics, so the model keeps them
 
-        def metric(name: str, description: str, kind):
+        def metric(name: str, description: str, kind, **kwargs):
             self.families.append(pb_utils.MetricFamily(name=name, description=description, kind=kind))
-            return self.families[-1].Metric(labels={})
+            return self.families[-1].Metric(labels={}, **kwargs)
 
         def counter(name: str, description: str):
             return metric(name, description, pb_utils.MetricFamily.COUNTER)
@@ -140,17 +148,53 @@ class TritonPythonModel:
         def gauge(name: str, description: str):
             return metric(name, description, pb_utils.MetricFamily.GAUGE)
 
+        def histogram(name: str, description: str, buckets: tuple[float, ...]):
+            return metric(
+                name, description, pb_utils.MetricFamily.HISTOGRAM, buckets=[float(b) for b in buckets]
+            )
+
         self.m_requests = counter("dgpipe_requests_total", "Generate requests accepted")
         self.m_rejected = counter("dgpipe_requests_rejected_total", "Requests refused as invalid")
         self.m_cancelled = counter("dgpipe_requests_cancelled_total", "Requests the client cancelled")
         self.m_canvases = counter("dgpipe_canvases_total", "Canvases committed")
         self.m_steps = counter("dgpipe_denoise_steps_total", "Denoise steps over all canvases")
         self.m_tokens = counter("dgpipe_generated_tokens_total", "Tokens generated")
-        self.m_ttfc = gauge(
-            "dgpipe_time_to_first_canvas_seconds", "Time to first canvas of the latest request"
+        self.m_active = gauge(
+            "dgpipe_active_requests", "Requests accepted and not yet answered (in the batch or queued)"
         )
-        self.m_steps_per_canvas = gauge("dgpipe_steps_per_canvas", "Denoise steps of the latest canvas")
-        self.m_active = gauge("dgpipe_active_requests", "Requests in the diffusion batch")
+        self.m_queued = gauge("dgpipe_queued_requests", "Accepted requests waiting for a batch slot")
+        self.m_ttfc = histogram(
+            "dgpipe_time_to_first_canvas_seconds",
+            "From acceptance to a request's first committed canvas",
+            LATENCY_BUCKETS,
+        )
+        self.m_canvas_latency = histogram(
+            "dgpipe_canvas_latency_seconds",
+            "Time per committed canvas (the first one from acceptance, the others from the previous canvas)",
+            LATENCY_BUCKETS,
+        )
+        self.m_steps_per_canvas = histogram(
+            "dgpipe_steps_per_canvas", "Denoise steps per committed canvas", STEP_BUCKETS
+        )
+        self.m_request_latency = histogram(
+            "dgpipe_request_latency_seconds",
+            "From acceptance to the final response of a request answered with a result",
+            REQUEST_BUCKETS,
+        )
+        self.load_lock = threading.Lock()
+        self.load = (0, 0)
+        self.m_active.set(0)
+        self.m_queued.set(0)
+
+    def _update_load(self) -> None:
+        """Set the load gauges from the current state; called on every change of it (by either thread)."""
+        with self.load_lock:
+            inbox = self.inbox.qsize()
+            load = (inbox + len(self.jobs), inbox + len(self.runtime.waiting))
+            if load != self.load:
+                self.load = load
+                self.m_active.set(load[0])
+                self.m_queued.set(load[1])
 
     # ---- request intake (Triton's thread) -------------------------------------------------------
     def execute(self, requests):
@@ -159,6 +203,7 @@ class TritonPythonModel:
             try:
                 self.inbox.put(self._parse(request, sender))
                 self.m_requests.increment(1)
+                self._update_load()
             except Exception as e:  # a bad request is answered alone; the batch keeps going
                 self.m_rejected.increment(1)
                 error = pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
@@ -231,16 +276,17 @@ class TritonPythonModel:
                     self.jobs[job.request_id] = job
             except queue.Empty:
                 pass
+            self._update_load()
             for job in list(self.jobs.values()):
                 if job.sender.is_cancelled():
                     self.runtime.cancel(job.request_id)
             if self.runtime.busy():
-                self.m_active.set(sum(r is not None for r in self.runtime.results))
                 try:
                     with torch.inference_mode():
                         self.runtime.step()
                 except Exception as e:  # fail the requests in flight, keep the server serving
                     self._fail_all(f"internal error during generation: {type(e).__name__}: {e}")
+                self._update_load()  # requests admitted to batch slots leave the queue
 
     def _guarded(self, job: Job, callback, *args) -> None:
         """A request's callback; if it fails, that request is answered with the error and cancelled, and
@@ -257,6 +303,7 @@ class TritonPythonModel:
         pb_utils.Logger.log_error(f"dgpipe: request {job.request_id}: {message}")
         job.failed = True
         self.jobs.pop(job.request_id, None)
+        self._update_load()
         error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
         job.sender.send(
             pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -271,6 +318,7 @@ class TritonPythonModel:
             )
         self.jobs.clear()
         self.runtime.drop_all()
+        self._update_load()
 
     def _respond(
         self, job: Job, text: str, final: bool, reason: str = "", steps: list[int] | None = None
@@ -303,9 +351,12 @@ class TritonPythonModel:
         job.canvases += 1
         self.m_canvases.increment(1)
         self.m_tokens.increment(len(tokens))
+        now = time.perf_counter()
+        self.m_canvas_latency.observe(now - (job.started if job.last_canvas is None else job.last_canvas))
+        job.last_canvas = now
         if job.first_canvas is None:
-            job.first_canvas = time.perf_counter() - job.started
-            self.m_ttfc.set(job.first_canvas)
+            job.first_canvas = now - job.started
+            self.m_ttfc.observe(job.first_canvas)
         hit = min((i for w in job.stop_words if (i := (job.text + piece).find(w)) >= 0), default=-1)
         if hit >= 0:
             piece = (job.text + piece)[:hit][len(job.text) :]
@@ -316,15 +367,17 @@ class TritonPythonModel:
             self._respond(job, piece, final=False)
 
     def _on_finish(self, job: Job, res) -> None:
+        # metrics first: a client that reads them after its final response sees its request counted
         self.jobs.pop(job.request_id, None)
+        self._update_load()
         reason = "stop" if job.flags.get("stopped_by_word") else res.finish_reason
         if reason == "cancelled" and job.sender.is_cancelled():
             self.m_cancelled.increment(1)
             return  # the client went away: nothing to send
         for steps in res.steps_per_canvas:
             self.m_steps.increment(steps)
-        if res.steps_per_canvas:
-            self.m_steps_per_canvas.set(res.steps_per_canvas[-1])
+            self.m_steps_per_canvas.observe(steps)
+        self.m_request_latency.observe(time.perf_counter() - job.started)
         if job.flags["stream"]:
             text = ""
         elif job.flags["exclude_input_in_output"]:

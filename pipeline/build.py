@@ -66,12 +66,13 @@ def resolve_targets(precision: str, requested: list[str]) -> list[str]:
 
 
 def run_build(opts: BuildOptions, say: Callable[[str], None]) -> dict:
+    from pipeline.deploy.smoke import smoke_test_for
     from pipeline.model.checkpoint import open_checkpoint
 
     if opts.max_context < opts.max_prompt + 1 or min(opts.max_batch, opts.max_prompt) < 1:
         raise DgpipeError("--max-batch and --max-prompt must be >= 1 and --max-context > --max-prompt")
     targets = resolve_targets(opts.precision, opts.targets)
-    open_checkpoint(opts.model)  # a missing or broken checkpoint fails before any stage runs
+    ckpt = open_checkpoint(opts.model)  # a missing or broken checkpoint fails before any stage runs
     build_dir = opts.build_dir.resolve()
     man = load_or_create(
         build_dir,
@@ -80,6 +81,7 @@ def run_build(opts: BuildOptions, say: Callable[[str], None]) -> dict:
         targets=targets,
         model_sha256=checkpoint_hash(opts.model),
     )
+    man.smoke = smoke_test_for(ckpt).as_dict()  # what `dgpipe manifests` renders into the smoke Job
     save_manifest(build_dir, man)
     say(f"build {build_dir}: {opts.model} -> {opts.precision} for {', '.join(targets)}")
     summary: dict[str, object] = {

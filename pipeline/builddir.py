@@ -134,6 +134,8 @@ class BuildManifest(BaseModel):
     precision: str
     targets: list[str]  # GPU targets, e.g. ["sm90"] or ["sm100", "sm120"] (configs/targets)
     stages: dict[str, StageRecord] = Field(default_factory=dict)
+    # the deploy smoke test for this model (pipeline.deploy.smoke.SmokeTest as a dict): set by `dgpipe build`
+    smoke: dict[str, Any] | None = None
 
     def path_of(self, build_dir: Path, artifact: str) -> Path:
         """Absolute path of an artifact: what a stage recorded, else the default layout."""

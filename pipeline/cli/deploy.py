@@ -56,5 +56,8 @@ def deploy(
 def _render_plan(d: dict) -> list[str]:
     rows = [f"plan: {d['target']} -> {d['workload']} in namespace {d['namespace']} ({d['image']})"]
     rows += [f"  {name:<16} {', '.join(objs)}" for name, objs in d["objects"].items()]
+    if d.get("smoke"):
+        s = d["smoke"]
+        rows.append(f"smoke test: {s['prompt']!r} ({s['prompt_format']} format), expects {s['check']}")
     rows += [f"{i:>2}. {step['what']}\n    $ {step['command']}" for i, step in enumerate(d["steps"], 1)]
     return rows

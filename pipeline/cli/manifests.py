@@ -35,7 +35,12 @@ def manifests(
     no_monitoring: Annotated[
         bool, typer.Option("--no-monitoring", help="omit PodMonitor, PrometheusRule and the HPA")
     ] = False,
-    smoke_prompt: Annotated[str, typer.Option(help="prompt the smoke-test Job sends")] = "Hello",
+    smoke_prompt: Annotated[
+        str | None,
+        typer.Option(
+            help="prompt the smoke-test Job sends (default: the one the build recorded for its model)"
+        ),
+    ] = None,
     as_json: opt.Json = False,
 ) -> None:
     """Render the kustomize overlay for a DGX node type with this build's values (kubectl kustomize)."""
@@ -67,4 +72,9 @@ def _render(output: Path, info: dict) -> list[str]:
         f"{output}: {info['target']} ({info['gpu_target']}, compute.major {info['compute_major']}, "
         f"{info['precision']}) in namespace {info['namespace']}, image {info['image']}"
     )
-    return [head, *(f"  {name:<16} {', '.join(objs)}" for name, objs in info["files"].items())]
+    rows = [head, *(f"  {name:<16} {', '.join(objs)}" for name, objs in info["files"].items())]
+    return [*rows, _smoke_line(info["smoke"])]
+
+
+def _smoke_line(smoke: dict) -> str:
+    return f"  smoke test: {smoke['prompt']!r} ({smoke['prompt_format']} format, {smoke['max_tokens']} tokens), expects {smoke['check']}"

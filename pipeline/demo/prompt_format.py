@@ -23,6 +23,8 @@ def _puzzle(text: str) -> str:
 class SudokuFormat:
     needs_tokenizer = False  # the demo vocabulary is fixed: puzzles are encoded without tokenizer.json
     example_prompt = sudoku.EXAMPLE_PUZZLE
+    smoke_prompt = sudoku.EXAMPLE_PUZZLE
+    smoke_check = "a valid Sudoku solution of the puzzle (81 digits that keep its givens)"
 
     def __init__(self, checkpoint: Any = None, tokenizer: Any = None) -> None:
         pass
@@ -47,3 +49,9 @@ class SudokuFormat:
     def present(self, prompt: str, text: str) -> tuple[str, str | None]:
         solved = sudoku.is_valid_solution(_puzzle(prompt), text)
         return sudoku.format_grid(text), "solved" if solved else "NOT a valid solution"
+
+    @staticmethod
+    def check_answer(prompt: str, text: str) -> str | None:
+        if sudoku.is_valid_solution(_puzzle(prompt), text.strip()):
+            return None
+        return f"not a valid solution of the puzzle: {text.strip()[:100]!r}"

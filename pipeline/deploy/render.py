@@ -32,6 +32,8 @@ from pipeline.builddir import (
     target_engine_dir,
 )
 from pipeline.deploy.kubectl import kubectl_binary
+from pipeline.deploy.smoke import COMMAND as SMOKE_COMMAND
+from pipeline.deploy.smoke import DEFAULT_SMOKE, SmokeTest
 from pipeline.deploy.targets import DeployTarget, deploy_target
 from pipeline.errors import DgpipeError
 from pipeline.onnx.contract import MODEL_FILE as ONNX_FILE
@@ -129,7 +131,7 @@ class RenderValues:
     model_repository: str  # absolute paths inside the pod (on the PVC)
     onnx: str
     engine_dir: str  # where the plan for this target lands: <model version dir>/engines/<target>
-    smoke_prompt: str
+    smoke: SmokeTest
     monitoring: bool = True
     lws_size: int | None = None
     build_dir: Path | None = None
@@ -176,6 +178,22 @@ def pod_config(
     }
 
 
+def _smoke_test(manifest: BuildManifest | None, build_dir: Path | None) -> SmokeTest:
+    """The smoke test `dgpipe build` recorded (from the checkpoint's prompt format); for a build dir filled
+    stage by stage, the one of the checkpoint it holds; the plain-text one without either."""
+    if manifest is None or build_dir is None:
+        return DEFAULT_SMOKE
+    if manifest.smoke is not None:
+        return SmokeTest.from_dict(manifest.smoke, f"{build_dir / MANIFEST_NAME}: smoke")
+    ckpt = manifest.path_of(build_dir, "checkpoint")
+    if not (ckpt / "config.json").is_file():
+        return DEFAULT_SMOKE
+    from pipeline.deploy.smoke import smoke_test_for
+    from pipeline.model.checkpoint import open_checkpoint
+
+    return smoke_test_for(open_checkpoint(ckpt))
+
+
 def resolve(
     target_name: str,
     image: str | None,
@@ -184,7 +202,7 @@ def resolve(
     precision: str | None = None,
     replicas: int | None = None,
     namespace: str = "dgpipe",
-    smoke_prompt: str = "Hello",
+    smoke_prompt: str | None = None,
     monitoring: bool = True,
     lws_size: int | None = None,
 ) -> RenderValues:
@@ -219,8 +237,12 @@ def resolve(
         raise DgpipeError(f"--replicas {replicas}: expected >= 1")
     if lws_size is not None and lws_size < 2:
         raise DgpipeError(f"--lws-size {lws_size}: a multi-node group has at least 2 pods")
-    if not smoke_prompt.strip():
-        raise DgpipeError("--smoke-prompt must not be empty")
+    smoke = _smoke_test(manifest, build_dir)
+    if smoke_prompt is not None:  # the user's prompt, judged by the build's check
+        try:
+            smoke = smoke.with_prompt(smoke_prompt)
+        except DgpipeError as e:
+            raise DgpipeError(f"--smoke-prompt: {e.args[0]}", e.hint) from e
     config = pod_config(manifest, build_dir, cfg.gpu_target, precision)
     return RenderValues(
         target=cfg,
@@ -231,7 +253,7 @@ def resolve(
         model_repository=config["DGPIPE_MODEL_REPOSITORY"],
         onnx=config["DGPIPE_ONNX"],
         engine_dir=str(target_engine_dir(PurePosixPath(config["DGPIPE_ENGINE_OUTPUT"]), cfg.gpu_target)),
-        smoke_prompt=smoke_prompt,
+        smoke=smoke,
         monitoring=monitoring,
         lws_size=lws_size,
         build_dir=build_dir,
@@ -333,12 +355,12 @@ def _side_kustomization(
 
 
 def smoke_kustomization(values: RenderValues) -> dict[str, Any]:
+    """The smoke Job with the build's test: the prompt is one argv item (no shell), $ doubled for the
+    kubelet's $(VAR) expansion; the patch is YAML from yaml.safe_dump, never text with the prompt in it."""
+    container = "/spec/template/spec/containers/0"
     patch = [
-        {
-            "op": "replace",
-            "path": "/spec/template/spec/containers/0/env/0",
-            "value": {"name": "SMOKE_PROMPT", "value": values.smoke_prompt},
-        }
+        {"op": "replace", "path": f"{container}/command", "value": SMOKE_COMMAND},
+        {"op": "replace", "path": f"{container}/args", "value": values.smoke.args()},
     ]
     return _side_kustomization(
         values, "smoke", [{"target": {"kind": "Job", "name": "dgpipe-smoke"}, "patch": yaml.safe_dump(patch)}]
@@ -412,6 +434,7 @@ def summary(values: RenderValues, files: dict[str, list[dict[str, Any]]]) -> dic
         "lws_size": values.lws_size,
         "monitoring": values.monitoring,
         "config": values.config,
+        "smoke": values.smoke.as_dict(),
         "build_dir": str(values.build_dir) if values.build_dir else None,
         "files": {
             name: [f"{d['kind']}/{d['metadata']['name']}" for d in docs] for name, docs in files.items()

@@ -141,6 +141,7 @@ class Plan:
             "image": self.summary["image"],
             "workload": self.workload,
             "objects": self.summary["files"],
+            "smoke": self.summary.get("smoke"),  # None for manifests rendered before it was recorded
             "upload": str(self.upload) if self.upload else None,
             "steps": [{"what": s.what, "command": s.shell()} for s in self.steps],
         }

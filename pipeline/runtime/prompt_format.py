@@ -38,6 +38,15 @@ DEFAULT = "text"
 class PromptFormat(Protocol):
     needs_tokenizer: bool  # whether text prompts need the checkpoint's tokenizer.json
     example_prompt: str  # a typical prompt: the Triton warm-up request and the benchmark prompt
+    smoke_prompt: str  # what the deploy smoke test sends (pipeline.deploy.smoke); optional: example_prompt
+    smoke_check: str  # what `check_answer` accepts, in words (deploy --dry-run prints it)
+
+    @staticmethod
+    def check_answer(prompt: str, text: str) -> str | None:
+        """The smoke test's verdict on the server's answer `text` to `prompt`: None when it is right, else
+        what is wrong. A static method: the smoke Job runs it with the format's name alone, without the
+        checkpoint. Optional: formats without it accept any non-empty answer."""
+        ...
 
     def encode_prompt(self, text: str) -> list[int]:
         """Prompt text (non-empty) -> prompt token ids; bad text raises InputError."""
@@ -76,6 +85,8 @@ class TextFormat:
 
     needs_tokenizer = True
     example_prompt = "Hello"
+    smoke_prompt = "Why is the sky blue?"
+    smoke_check = "a non-empty answer"
 
     def __init__(self, checkpoint: Checkpoint, tokenizer: Any) -> None:
         self.template = checkpoint.dgpipe.get("prompt_template", "<bos>{prompt}")
@@ -114,6 +125,10 @@ class TextFormat:
     def present(self, prompt: str, text: str) -> tuple[str, str | None]:
         return text, None
 
+    @staticmethod
+    def check_answer(prompt: str, text: str) -> str | None:
+        return None if text.strip() else "the answer is empty"
+
 
 _REGISTRY: dict[str, PromptFormatFactory] = {DEFAULT: TextFormat}
 SHIPPED = {"sudoku": "pipeline.demo.prompt_format:SudokuFormat"}
@@ -146,19 +161,24 @@ def known_prompt_formats() -> list[str]:
     return sorted({*_REGISTRY, *SHIPPED, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
 
 
-def prompt_format_for(checkpoint: Checkpoint, tokenizer: Any) -> PromptFormat:
-    """The format the checkpoint names (dgpipe.json `prompt_format`, else a format named like its `task`,
-    else plain text)."""
+def prompt_format_name(checkpoint: Checkpoint) -> str:
+    """The name of the format the checkpoint names (dgpipe.json `prompt_format`, else a format named like
+    its `task`, else plain text)."""
     name = checkpoint.dgpipe.get("prompt_format")
     if name is not None:
-        factory = prompt_format_factory(str(name))
-        if factory is None:
+        if prompt_format_factory(str(name)) is None:
             raise CheckpointError(
                 f"{checkpoint.path / 'dgpipe.json'}: unknown prompt_format {name!r}",
                 f"known: {', '.join(known_prompt_formats())} (installed packages add formats under the "
                 f"'{ENTRY_POINT_GROUP}' entry-point group)",
             )
-    else:
-        task = checkpoint.dgpipe.get("task")
-        factory = (prompt_format_factory(str(task)) if task else None) or _REGISTRY[DEFAULT]
+        return str(name)
+    task = checkpoint.dgpipe.get("task")
+    return str(task) if task and prompt_format_factory(str(task)) is not None else DEFAULT
+
+
+def prompt_format_for(checkpoint: Checkpoint, tokenizer: Any) -> PromptFormat:
+    """The format the checkpoint names (`prompt_format_name`)."""
+    factory = prompt_format_factory(prompt_format_name(checkpoint))
+    assert factory is not None  # prompt_format_name only answers names that resolve
     return factory(checkpoint, tokenizer)

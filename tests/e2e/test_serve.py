@@ -160,13 +160,65 @@ def test_eight_concurrent_requests_are_all_solved(server):
     assert solved >= 7, f"{solved}/8 solved"
 
 
-def test_metrics_port_shows_our_metrics(server):
-    complete(server.http_url, PUZZLES[2][0], max_tokens=82)
+def metrics(server) -> dict[str, float]:
+    """The dgpipe_ samples on the metrics port, by name with labels (`x_bucket{le="1"}`)."""
     with urllib.request.urlopen(server.metrics_url) as r:
         text = r.read().decode()
-    values = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln.startswith("dgpipe_")}
+    return {
+        ln.rsplit(maxsplit=1)[0]: float(ln.rsplit(maxsplit=1)[1])
+        for ln in text.splitlines()
+        if ln.startswith("dgpipe_")
+    }
+
+
+HISTOGRAMS = (
+    "dgpipe_time_to_first_canvas_seconds",
+    "dgpipe_canvas_latency_seconds",
+    "dgpipe_steps_per_canvas",
+    "dgpipe_request_latency_seconds",
+)
+
+
+def test_metrics_port_shows_our_metrics(server):
+    complete(server.http_url, PUZZLES[2][0], max_tokens=82)
+    values = metrics(server)
     assert values["dgpipe_requests_total"] >= 2 and values["dgpipe_canvases_total"] >= 1
-    assert values["dgpipe_generated_tokens_total"] >= 82 and values["dgpipe_steps_per_canvas"] >= 1
+    assert values["dgpipe_generated_tokens_total"] >= 82
+    for name in HISTOGRAMS:  # real Prometheus histograms: buckets up to +Inf, _sum and _count
+        assert values[f'{name}_bucket{{le="+Inf"}}'] == values[f"{name}_count"] >= 1
+        assert values[f"{name}_sum"] > 0
+
+
+def test_load_gauges_return_to_zero_and_histograms_count_every_request(server):
+    """Concurrent requests (more than the 8 batch slots, so some queue): once all are answered the
+    active and queued gauges read 0, and each histogram counted every request or canvas exactly once."""
+    prompts = [p for p, _ in PUZZLES + PUZZLES[:4]]  # 12 requests, 8 batch slots
+    before = metrics(server)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda p: complete(server.http_url, p, max_tokens=82), prompts))
+    after = metrics(server)
+    n = len(results)
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert after["dgpipe_active_requests"] == 0 and after["dgpipe_queued_requests"] == 0
+    canvases = delta("dgpipe_canvases_total")
+    assert delta("dgpipe_requests_total") == n and canvases >= n
+    assert delta("dgpipe_request_latency_seconds_count") == n
+    assert delta("dgpipe_time_to_first_canvas_seconds_count") == n
+    assert delta("dgpipe_canvas_latency_seconds_count") == canvases
+    assert delta("dgpipe_steps_per_canvas_count") == canvases
+    assert delta("dgpipe_steps_per_canvas_sum") == delta("dgpipe_denoise_steps_total")
+    # cumulative buckets: never decreasing with le, the +Inf one equal to the count
+    for name in HISTOGRAMS:
+        buckets = sorted(
+            (float(k.split('le="')[1].rstrip('"}')), v)
+            for k, v in after.items()
+            if k.startswith(f"{name}_bucket")
+        )
+        counts = [v for _, v in buckets]
+        assert counts == sorted(counts) and buckets[-1] == (float("inf"), after[f"{name}_count"])
 
 
 @pytest.mark.parametrize(
@@ -344,3 +396,32 @@ def test_bench_serve_against_the_server(server, tmp_path):
             assert 0 < r["tokens_per_s"] <= 82 * r["requests_per_s"] * (1 + 1e-9), r
         assert r["p50_ms"] > 0 and r["p99_ms"] < 120_000, r  # within the client timeout
     assert (tmp_path / "serve_throughput.png").stat().st_size > 1000
+
+
+def test_deploy_smoke_check_against_the_server(server):
+    """What the smoke Job runs (pipeline.deploy.smoke), with the Sudoku build's test: passes; the old
+    "Hello" smoke prompt is refused by the Sudoku model and fails the check instead of raising."""
+    import subprocess
+    import sys
+
+    from pipeline.deploy.smoke import smoke_test_for
+    from pipeline.model.checkpoint import open_checkpoint
+    from pipeline.runtime.session import default_model_path
+
+    smoke = smoke_test_for(open_checkpoint(default_model_path()))
+
+    def run(test) -> tuple[int, dict]:
+        args = [a.replace("$$", "$") for a in test.args(server.http_url)]  # as the kubelet hands them over
+        proc = subprocess.run(
+            [sys.executable, "-m", "pipeline.deploy.smoke", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        return proc.returncode, json.loads(proc.stdout)
+
+    rc, result = run(smoke)
+    assert rc == 0 and result["ok"] and result["problem"] is None, result
+    assert sudoku.is_valid_solution(smoke.prompt, result["answer"])
+    rc, result = run(smoke.with_prompt("Hello"))
+    assert rc == 1 and not result["ok"] and "puzzle" in result["problem"], result

@@ -402,7 +402,7 @@ def test_rollout_disruption_and_autoscaling_policy(overlays):
             "name": dep["metadata"]["name"],
         }
         names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
-        assert "triton_queue_compute_ratio" in names and names <= served_metrics
+        assert names == {"dgpipe_active_requests"} and names <= served_metrics
         assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 600
 
 
@@ -433,7 +433,19 @@ def test_monitoring_objects_are_well_formed(overlays):
                 assert ("record" in r) != ("alert" in r) and isinstance(r["expr"], str) and r["expr"].strip()
                 assert duration.match(r.get("for", "0"))
                 records.add(r.get("record"))
-        assert "dgpipe:triton_queue_compute_ratio:rate1m" in records
+        assert "dgpipe:request_latency_seconds:p95_5m" in records
+        # recording rules read dgpipe's histograms as Prometheus exposes them (name_bucket with le)
+        p95 = next(
+            r["expr"]
+            for g in rule["spec"]["groups"]
+            for r in g["rules"]
+            if r.get("record") == "dgpipe:request_latency_seconds:p95_5m"
+        )
+        assert (
+            "histogram_quantile(0.95" in p95
+            and "dgpipe_request_latency_seconds_bucket" in p95
+            and "le" in p95
+        )
 
 
 def test_leaderworkerset_variant(lws_render):
@@ -506,6 +518,25 @@ def build_dir(tmp_path) -> Path:
     return d
 
 
+def sudoku_smoke() -> dict:
+    """What `dgpipe build` records for the embedded Sudoku model."""
+    from pipeline.deploy.smoke import smoke_test_for
+    from pipeline.model.checkpoint import open_checkpoint
+    from pipeline.runtime.session import default_model_path
+
+    return smoke_test_for(open_checkpoint(default_model_path())).as_dict()
+
+
+@pytest.fixture
+def sudoku_build_dir(build_dir) -> Path:
+    from pipeline.builddir import load_manifest
+
+    man = load_manifest(build_dir)
+    man.smoke = sudoku_smoke()
+    save_manifest(build_dir, man)
+    return build_dir
+
+
 @needs_kubectl
 def test_manifests_end_to_end_with_build_manifest(build_dir):
     proc = dgpipe(
@@ -571,9 +602,19 @@ def test_manifests_without_monitoring_and_smoke_prompt(tmp_path):
     assert sorted(kinds) == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
     job = next(yaml.safe_load_all((out / "smoke-job.yaml").read_text()))
     (c,) = job["spec"]["template"]["spec"]["containers"]
-    # the smoke request goes through the Service's OpenAI port with the key from the Secret
-    assert c["command"][:4] == ["dgpipe", "generate", "--url", "http://dgpipe-triton:9000/v1"]
-    assert {"name": "SMOKE_PROMPT", "value": "Say hi"} in c["env"]
+    assert c["command"] == ["python3", "-m", "pipeline.deploy.smoke"]
+    # without a build: the plain-text format's check (a non-empty answer) on the user's prompt, sent through
+    # the Service's OpenAI port with the key from the Secret
+    assert c["args"] == [
+        "--url",
+        "http://dgpipe-triton:9000/v1",
+        "--format",
+        "text",
+        "--max-tokens",
+        "64",
+        "--",
+        "Say hi",
+    ]
     assert {"name": "DGPIPE_API_KEY", "valueFrom": {"secretKeyRef": SECRET_REF}} in c["env"]
 
 
@@ -919,3 +960,161 @@ def test_manifests_never_replaces_a_directory_it_did_not_write(tmp_path):
     proc = dgpipe("manifests", "--target", "dgx-b200", "--image", IMAGE, "--output", str(precious))
     assert proc.returncode == 2 and "is not a `dgpipe manifests` output" in proc.stderr
     assert (precious / "notes.txt").read_text() == "keep me"
+
+
+def test_monitoring_reads_only_metrics_the_triton_model_exports():
+    """Every dgpipe_ series the HPA, the adapter rules and the PrometheusRule read is one the model
+    registers (a histogram through its _bucket/_sum/_count series), so a renamed metric fails here."""
+    from pipeline.resources import TRITON_MODEL_SOURCE
+
+    source = TRITON_MODEL_SOURCE.read_text()
+    kinds = {name: kind for kind, name in re.findall(r'(counter|gauge|histogram)\(\s*"(dgpipe_\w+)"', source)}
+    assert kinds["dgpipe_active_requests"] == kinds["dgpipe_queued_requests"] == "gauge"
+    assert kinds["dgpipe_request_latency_seconds"] == "histogram"
+    files = [K8S / "base" / "hpa.yaml", K8S / "base" / "prometheusrule.yaml"]
+    files.append(K8S / "monitoring" / "prometheus-adapter-rules.yaml")
+    code = [ln for f in files for ln in f.read_text().splitlines() if not ln.lstrip().startswith("#")]
+    used = {n for ln in code for n in re.findall(r"\bdgpipe_\w+", ln)}
+    assert used
+    for name in used:
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert name in kinds or kinds.get(base) == "histogram", name
+
+
+# ---- the smoke test that fits the model -----------------------------------------------------------------
+def test_build_records_the_sudoku_smoke_test():
+    from pipeline.demo import sudoku
+
+    smoke = sudoku_smoke()
+    assert smoke["prompt_format"] == "sudoku" and smoke["prompt"] == sudoku.EXAMPLE_PUZZLE
+    assert smoke["max_tokens"] == 82 and "valid Sudoku solution" in smoke["check"]
+
+
+def test_build_writes_the_smoke_test_into_the_manifest():
+    """run_build records it before any stage runs (the stages themselves are tested in tests/e2e)."""
+    import inspect
+
+    from pipeline import build
+
+    src = inspect.getsource(build.run_build)
+    assert src.index("man.smoke = smoke_test_for(ckpt)") < src.index("save_manifest(build_dir, man)")
+
+
+@needs_kubectl
+def test_manifests_render_the_build_smoke_test(sudoku_build_dir):
+    from pipeline.demo import sudoku
+
+    proc = dgpipe("manifests", "--target", "dgx-b200", "--build-dir", str(sudoku_build_dir), "--image", IMAGE)
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "smoke test: " + repr(sudoku.EXAMPLE_PUZZLE) in proc.stdout and "valid Sudoku solution" in proc.stdout
+    )
+    out = sudoku_build_dir / "k8s"
+    job = next(yaml.safe_load_all((out / "smoke-job.yaml").read_text()))
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["python3", "-m", "pipeline.deploy.smoke"]
+    assert c["args"] == [
+        *("--url", "http://dgpipe-triton:9000/v1", "--format", "sudoku", "--max-tokens", "82", "--"),
+        sudoku.EXAMPLE_PUZZLE,
+    ]
+    assert "SMOKE_PROMPT" not in {e["name"] for e in c["env"]}
+    assert json.loads((out / "render.json").read_text())["smoke"]["prompt"] == sudoku.EXAMPLE_PUZZLE
+    # deploy --dry-run says what the smoke Job sends and what it expects
+    proc = dgpipe("deploy", "--build-dir", str(sudoku_build_dir), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        f"smoke test: {sudoku.EXAMPLE_PUZZLE!r} (sudoku format), expects a valid Sudoku solution"
+        in proc.stdout
+    )
+    plan = json.loads(dgpipe("deploy", "--build-dir", str(sudoku_build_dir), "--dry-run", "--json").stdout)
+    assert plan["smoke"] == sudoku_smoke()
+
+
+HOSTILE = [
+    "$(DGPIPE_BUILD_DIR) `id` $HOME; rm -rf / #",
+    "'; kubectl delete ns prod; echo '",
+    'x": y --- kind: Pod {a: [b]} *alias &anchor !!python/object:os.system "q" # c',
+    "- --url http://evil:8000",
+]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("prompt", HOSTILE)
+def test_smoke_prompt_is_one_literal_argv_item(tmp_path, prompt, monkeypatch):
+    """YAML/shell metacharacters reach the smoke process verbatim as one argument: no shell runs, the
+    YAML is written by yaml.safe_dump, and $ is doubled for the kubelet's $(VAR) expansion."""
+    from pipeline.deploy import render as mf
+    from pipeline.deploy.smoke import main
+
+    values = mf.resolve("rtx-pro", IMAGE, smoke_prompt=prompt)
+    mf.write(tmp_path / "k8s", values, mf.render(values))
+    docs = list(yaml.safe_load_all((tmp_path / "k8s" / "smoke-job.yaml").read_text()))
+    assert [d["kind"] for d in docs] == ["Job"]
+    (c,) = docs[0]["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["python3", "-m", "pipeline.deploy.smoke"] and c["args"][-2] == "--"
+    assert c["args"][-1] == prompt.replace("$", "$$")
+    # what the kubelet hands the process: $$ -> $ (no variable of that name is expanded)
+    assert re.sub(r"\$\$", "$", c["args"][-1]) == prompt
+    seen = {}
+
+    def fake_run(url, fmt, p, n):
+        seen.update(url=url, fmt=fmt, prompt=p)
+        return {"ok": True}
+
+    import pipeline.deploy.smoke as smoke
+
+    monkeypatch.setattr(smoke, "run_smoke", fake_run)
+    assert main([*c["args"][:-1], prompt]) == 0  # the argv the container starts with
+    assert seen == {"url": "http://dgpipe-triton:9000/v1", "fmt": "text", "prompt": prompt}
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ("line one\nline two", "control"),
+        ("tab\there", "control"),
+        ("nul\x00", "control"),
+        ("esc\x1b[31m", "control"),
+        ("bidi \u202e override", "control"),
+        ("   ", "must not be empty"),
+        ("x" * 5000, "over 4096"),
+    ],
+)
+def test_unsafe_smoke_prompts_are_refused(tmp_path, prompt, message):
+    from pipeline.deploy import render as mf
+    from pipeline.errors import DgpipeError
+
+    with pytest.raises(DgpipeError, match=message):
+        mf.resolve("rtx-pro", IMAGE, smoke_prompt=prompt)
+    assert not (tmp_path / "k8s").exists()
+
+
+@pytest.mark.parametrize(
+    "fmt, prompt, answer, ok",
+    [
+        ("sudoku", "SOLVED", "SOLVED", True),
+        ("sudoku", "SOLVED", "1" * 81, False),
+        ("sudoku", "SOLVED", "", False),
+        ("text", "Why?", "Rayleigh scattering.", True),
+        ("text", "Why?", "  ", False),
+    ],
+)
+def test_smoke_check_per_prompt_format(fmt, prompt, answer, ok):
+    from pipeline.demo import sudoku
+    from pipeline.deploy.smoke import check_answer
+
+    solution = sudoku.solve(sudoku.EXAMPLE_PUZZLE)
+    prompt = sudoku.EXAMPLE_PUZZLE if prompt == "SOLVED" else prompt
+    answer = solution if answer == "SOLVED" else answer
+    assert (check_answer(fmt, prompt, answer) is None) == ok
+
+
+def test_a_build_dir_without_a_recorded_smoke_test_uses_its_checkpoint(build_dir):
+    """A build dir filled stage by stage (no `dgpipe build`): the checkpoint it holds decides the test."""
+    from pipeline.deploy import render as mf
+    from pipeline.runtime.session import default_model_path
+
+    assert mf.resolve("dgx-b200", IMAGE, build_dir=build_dir).smoke.prompt_format == "text"  # no checkpoint
+    shutil.copytree(default_model_path(), build_dir / "checkpoint")
+    smoke = mf.resolve("dgx-b200", IMAGE, build_dir=build_dir).smoke
+    assert smoke.as_dict() == sudoku_smoke()

@@ -67,11 +67,30 @@ class FakeError:
 
 
 class FakeCounter:
+    """Any pb_utils metric: what was set last, and what was observed."""
+
+    def __init__(self, **kwargs) -> None:
+        self.value, self.observed, self.buckets = 0.0, [], kwargs.get("buckets")
+
     def increment(self, n: float) -> None:
-        pass
+        self.value += n
 
     def set(self, v: float) -> None:
-        pass
+        self.value = v
+
+    def observe(self, v: float) -> None:
+        self.observed.append(v)
+
+
+class FakeMetricFamily:
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        self.name, self.kind = name, kind
+
+    def Metric(self, labels: dict, **kwargs) -> FakeCounter:  # pb_utils' spelling
+        assert (self.kind == self.HISTOGRAM) == ("buckets" in kwargs), self.name  # histograms need buckets
+        return FakeCounter(**kwargs)
 
 
 def _pb_utils() -> types.ModuleType:
@@ -83,6 +102,7 @@ def _pb_utils() -> types.ModuleType:
     pb.InferenceResponse = FakeResponse
     pb.TritonError = FakeError
     pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    pb.MetricFamily = FakeMetricFamily
     return pb
 
 
@@ -130,9 +150,9 @@ def model(monkeypatch):
     spec.loader.exec_module(mod)
     m = mod.TritonPythonModel.__new__(mod.TritonPythonModel)
     m.limits = schema.ServerLimits(max_tokens=512, max_steps=64, max_prompt=100)
-    m.session, m.runtime = FakeSession(), types.SimpleNamespace(validate=lambda req: None)
-    m.ids, m.inbox = iter(range(1, 1000)), queue.Queue()
-    m.m_requests = m.m_rejected = FakeCounter()
+    m.session, m.runtime = FakeSession(), types.SimpleNamespace(validate=lambda req: None, waiting=())
+    m.ids, m.inbox, m.jobs = iter(range(1, 1000)), queue.Queue(), {}
+    m._metrics()
     return m
 
 
@@ -314,6 +334,7 @@ class FailingRuntime:
     def __init__(self) -> None:
         self.submitted: list = []
         self.cancelled: list = []
+        self.waiting: tuple = ()
 
     def validate(self, req) -> None:
         pass
@@ -575,7 +596,7 @@ def transports(monkeypatch):
             sent["grpc"] = inputs
             self.callback(Result(_final_outputs()), None)
 
-        def stop_stream(self) -> None:
+        def stop_stream(self, cancel_requests: bool = False) -> None:
             pass
 
         def close(self) -> None:
@@ -630,3 +651,29 @@ def test_client_sends_stop_words_as_a_list_and_bench_serve_uses_schema_fields(tr
             _check_json_field(name, value)
     else:
         _check_grpc_inputs(transports["grpc"])
+
+
+def test_load_gauges_follow_every_change_and_histograms_count_each_event(model):
+    """Active/queued are set when a request is accepted and again when it is answered (0 when idle, not
+    left at the last busy value); each canvas and request is observed once, before the final response."""
+    reqs = [FakeRequest({"text_input": arr("text_input", PROMPT)}) for _ in range(2)]
+    model.execute(reqs)
+    assert (model.m_active.value, model.m_queued.value) == (2, 2)  # both wait in the inbox
+    jobs = [model.inbox.get_nowait()[0] for _ in reqs]
+    model.jobs = {j.request_id: j for j in jobs}  # what the worker does after submitting them
+    model._update_load()
+    assert (model.m_active.value, model.m_queued.value) == (2, 0)
+    model.session.decode = lambda tokens: "x" * len(tokens)
+    for job in jobs:
+        model._on_canvas(job, [1, 2])
+        model._on_canvas(job, [3])
+    finish = types.SimpleNamespace(finish_reason="length", steps_per_canvas=[5, 7])
+    for i, job in enumerate(jobs):
+        sent = []
+        job.sender.send = lambda resp, flags=0, sent=sent: sent.append(model.m_active.value)
+        model._on_finish(job, finish)
+        assert sent == [1 - i]  # the gauge moved before the final response went out
+    assert (model.m_active.value, model.m_queued.value) == (0, 0)
+    assert len(model.m_ttfc.observed) == len(model.m_request_latency.observed) == 2
+    assert len(model.m_canvas_latency.observed) == 4 and model.m_steps_per_canvas.observed == [5, 7, 5, 7]
+    assert all(v >= 0 for v in model.m_canvas_latency.observed + model.m_request_latency.observed)
