@@ -39,7 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "serve": (
         "serve",
-        "Start a real Triton server and the OpenAI-compatible API on the repository; stop on Ctrl-C.",
+        "Start a real Triton server and the OpenAI-compatible API beside it, wait until ready, stop on Ctrl-C.",
     ),
     "manifests": (
         "manifests",
