@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.builddir import EngineLimits
+from pipeline.builddir import LAYOUT, EngineLimits
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
 from pipeline.errors import DgpipeError
@@ -72,7 +72,7 @@ def quantize(
     opts = QuantizeOptions(
         model=model or default_model_path(),
         precision=precision,
-        output=output or build_dir,
+        output=output or build_dir / LAYOUT["checkpoint"],  # with --build-dir: where the stage writes
         calib_data=calib_data,
         calib_size=calib_size,
         calib_steps=calib_steps,

@@ -132,9 +132,10 @@ def run_smoke(url: str, prompt_format: str, prompt: str, max_tokens: int) -> dic
 
     from pipeline.serving.client import complete
 
-    # the OpenAI frontend answers with the completion alone; Triton's own endpoints are told to
-    via = {"api_key": os.environ.get("DGPIPE_API_KEY")} if url.rstrip("/").endswith("/v1") else {}
-    via = via or {"exclude_input_in_output": True}
+    if url.rstrip("/").endswith("/v1"):  # the OpenAI frontend: Bearer key, answers with the completion alone
+        via: dict[str, Any] = {"api_key": os.environ.get("DGPIPE_API_KEY")}
+    else:  # Triton's own endpoints echo the prompt unless told not to
+        via = {"exclude_input_in_output": True}
     try:
         answer = complete(url, prompt, max_tokens=max_tokens, **via).text
     except DgpipeError as e:
