@@ -25,6 +25,7 @@ from pipeline.sampler.reference import (
     DrawSource,
     RowKeys,
     StepOutput,
+    mask_logits,
     sample_step,
     should_stop,
     update_stability,
@@ -46,6 +47,9 @@ class SamplerInputs:
     stable_count: torch.Tensor  # [B] int64
     stability_threshold: torch.Tensor  # [B] int64
     confidence_threshold: torch.Tensor  # [B] fp32 (0: never stop early)
+    # constrained decoding: (table [M, V] bool, index [B, L] int64, -1 = free), see reference.mask_logits;
+    # None when no row is constrained
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -111,6 +115,8 @@ class TorchBackend:
     ) -> DenoiseResult:
         logits = self.model.denoise(canvas, sc_probs, positions, masks, past)
         s = sampler
+        if s.allowed is not None:  # before sampling and before the entropy rule, on every sampler path
+            logits = mask_logits(logits, *s.allowed)
         if self.fused:
             from pipeline.sampler.kernels.gpu_sampler import sample_step_cuda
 
