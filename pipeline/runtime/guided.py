@@ -6,7 +6,8 @@ Per row, the host keeps the DFA state reached by the canvas prefix accepted so f
     left; positions beyond it any token of the language (the state there is not known yet); accepted
     positions are pinned through the infill template, which the sampler already honours;
   * after a pass: walk the argmax canvas from the frontier and accept each position that the entropy rule
-    kept (or that is pinned) while its token is allowed; pin what was accepted. An accepted end token pins
+    kept with the same argmax as the pass before (or that is pinned) while its token is allowed; pin what
+    was accepted. An accepted end token pins
     the rest of the canvas to PAD: the canvas is then fully determined and stops denoising;
   * when the canvas stops: decode the positions still beyond the frontier left to right from the last
     pass's (masked) distribution, each position's argmax over the tokens its exact DFA state allows.
@@ -71,13 +72,16 @@ def mask_rows(
 
 
 def advance(
-    g: GuideState, argmax: list[int], kept: list[bool], pinned: list[bool], pad_id: int
+    g: GuideState, argmax: list[int], prev: list[int], kept: list[bool], pinned: list[bool], pad_id: int
 ) -> dict[int, int]:
-    """Accept positions from the frontier while they are kept (or pinned) and allowed; returns the new pins
-    {position: token}. An accepted end token pins every later position to PAD."""
+    """Accept positions from the frontier while they are settled and allowed; returns the new pins
+    {position: token}. Settled: pinned by the request, or kept by the entropy rule with the same argmax as
+    the pass before (`prev`): accepting on the first keep freezes tokens the sampler would still revise,
+    which cost the Sudoku model 6 points of solve rate (0.81 vs 0.875 on 48 puzzles); one pass of
+    agreement restores it. An accepted end token pins every later position to PAD."""
     a, pins = g.automaton, {}
     i, length = g.frontier, len(argmax)
-    while i < length and not g.ended and (kept[i] or pinned[i]):
+    while i < length and not g.ended and (pinned[i] or (kept[i] and prev[i] == argmax[i])):
         tok, rem = argmax[i], g.remaining(i)
         if tok in a.end_ids:
             if not (a.final[g.state] and rem >= 1):

@@ -298,8 +298,9 @@ class BlockDiffusionRuntime:
         for _ in range(1 if drafts or guided else self.sync_every):
             if guided:  # the masks come from the host every pass: eager, then the host walks the canvas
                 was_done = self.done[rnd.slots].tolist()
+                prev = self.amax[rnd.slots].clone()
                 kept = self._device_step(rnd)
-                self._advance_guides(rnd, was_done, kept)
+                self._advance_guides(rnd, was_done, kept, prev)
             else:
                 self.loop.run(rnd, lambda: self._device_step(rnd))
             self.passes["denoise"] += 1
@@ -307,7 +308,9 @@ class BlockDiffusionRuntime:
                 res.request.on_draft(res.request, self.amax[slot].tolist(), int(self.step_idx[slot]))  # type: ignore[misc]
         return slots[self.done[slots]].tolist()
 
-    def _advance_guides(self, rnd: DenoiseRound, was_done: list[bool], kept: torch.Tensor) -> None:
+    def _advance_guides(
+        self, rnd: DenoiseRound, was_done: list[bool], kept: torch.Tensor, prev: torch.Tensor
+    ) -> None:
         """After a pass: accept what keeps each constrained canvas completable and pin it (guided.advance)."""
         for r, slot in enumerate(rnd.slot_list):
             g, res = self.guides[slot], self.results[slot]
@@ -315,7 +318,8 @@ class BlockDiffusionRuntime:
                 continue
             base = res.request.template or []
             pinned = [i < len(base) and base[i] >= 0 for i in range(self.canvas_length)]
-            pins = advance(g, self.amax[slot].tolist(), kept[r].tolist(), pinned, self.pad_id)
+            amax = self.amax[slot].tolist()
+            pins = advance(g, amax, prev[r].tolist(), kept[r].tolist(), pinned, self.pad_id)
             if pins:
                 pos = torch.tensor(list(pins), device=self.device)
                 tok = torch.tensor(list(pins.values()), device=self.device)
