@@ -129,9 +129,7 @@ def sample_logits(
     counter draws (`cpu_fused`) or the reference. Backends whose sampler is fused into their graph (ONNX
     Runtime, TensorRT) call it for constrained batches on the graph's `logits` output."""
     draws = draws or CounterDraws()
-    if s.allowed is not None:
-        logits = mask_logits(logits, *s.allowed)
-    if cuda:
+    if cuda:  # the kernels read the compact masks themselves: no masked copy of the logits
         from pipeline.sampler.kernels.gpu_sampler import sample_step_cuda
 
         out, stable, stop = sample_step_cuda(
@@ -144,8 +142,11 @@ def sample_logits(
             s.stable_count,
             s.stability_threshold,
             s.confidence_threshold,
+            allowed=s.allowed,
         )
         return DenoiseResult(out, stable, stop)
+    if s.allowed is not None:
+        logits = mask_logits(logits, *s.allowed)
     if cpu_fused and type(draws) is CounterDraws and logits.dtype == torch.float32:
         out = sample_step_fused(logits, s.temperature, s.bound, s.keys, s.template)
     else:
