@@ -117,6 +117,8 @@ def finish_canvas(g: GuideState, block: list[int], probs: torch.Tensor, pad_id: 
         if tok in a.end_ids:
             g.ended = True
         else:
-            g.state = a.transitions[g.state][tok]
+            nxt = a.next_state(g.state, tok)
+            assert nxt is not None  # `allowed` only holds tokens with a transition
+            g.state = nxt
     g.frontier = len(block)
     return out

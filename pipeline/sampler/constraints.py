@@ -212,11 +212,13 @@ class TokenAutomaton:
     spec: GuideSpec
     vocab_size: int
     end_ids: tuple[int, ...]
-    transitions: list[dict[int, int]]  # state -> {token: next state}
+    # per state, sorted token ids and their next states: arrays, not dicts (a 24-character string field
+    # over a 65k vocabulary is 1.3M edges: ~20 MB as arrays, ~10x that as Python dicts)
+    tokens: list[np.ndarray]  # [S] of int64 [E_s], sorted
+    nexts: list[np.ndarray]  # [S] of int32 [E_s]
     final: np.ndarray  # [S] bool
     distance: np.ndarray  # [S] int64: fewest tokens to an accepting state (large when unreachable)
     loose: np.ndarray  # token ids that occur on any transition, plus the end tokens (sorted)
-    _tokens: list[np.ndarray] = field(default_factory=list, repr=False)
     _next_dist: list[np.ndarray] = field(default_factory=list, repr=False)
     _cache: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
 
@@ -224,12 +226,11 @@ class TokenAutomaton:
         finite = self.distance[self.distance < UNREACHABLE]
         # beyond this many remaining tokens the budget rules nothing out: one cache entry per state
         self._cap = int(finite.max(initial=0)) + 2
-        for edges in self.transitions:
-            toks = np.fromiter(edges.keys(), dtype=np.int64, count=len(edges))
-            nxt = np.fromiter(edges.values(), dtype=np.int64, count=len(edges))
-            order = np.argsort(toks)
-            self._tokens.append(toks[order])
-            self._next_dist.append(self.distance[nxt[order]] if len(nxt) else nxt)
+        self._next_dist = [self.distance[n] for n in self.nexts]
+
+    @property
+    def n_states(self) -> int:
+        return len(self.tokens)
 
     @property
     def min_tokens(self) -> int:
@@ -237,14 +238,16 @@ class TokenAutomaton:
         return int(self.distance[0]) + 1
 
     def next_state(self, state: int, token: int) -> int | None:
-        return self.transitions[state].get(token)
+        toks = self.tokens[state]
+        i = int(np.searchsorted(toks, token))
+        return int(self.nexts[state][i]) if i < len(toks) and toks[i] == token else None
 
     def allowed(self, state: int, remaining: int) -> np.ndarray:
         """Sorted token ids a position may hold in `state` with `remaining` tokens left (this one included)."""
         key = (state, min(remaining, self._cap))
         hit = self._cache.get(key)
         if hit is None:
-            toks = self._tokens[state][self._next_dist[state] <= remaining - 2]
+            toks = self.tokens[state][self._next_dist[state] <= remaining - 2]
             if self.final[state] and remaining >= 1:
                 toks = np.union1d(toks, np.asarray(self.end_ids, dtype=np.int64))
             hit = self._cache[key] = toks
@@ -289,16 +292,22 @@ def compile_automaton(
     finals = set(index.get_final_states())
     order += sorted(s for s in finals if s not in raw)
     ids = {s: n for n, s in enumerate(order)}
-    ends = set(end_ids)
-    transitions = [
-        {t: ids[nxt] for t, nxt in raw.get(s, {}).items() if t not in ends and nxt in ids} for s in order
-    ]
+    ends = np.asarray(sorted(set(end_ids)), dtype=np.int64)
+    tokens, nexts = [], []
+    for s in order:
+        edges = raw.pop(s, {})  # freed as it goes: the dicts are the compile's peak memory
+        toks = np.fromiter(edges.keys(), dtype=np.int64, count=len(edges))
+        nxt = np.fromiter((ids.get(n, -1) for n in edges.values()), dtype=np.int32, count=len(edges))
+        keep = (nxt >= 0) & ~np.isin(toks, ends)
+        order_s = np.argsort(toks[keep], kind="stable")
+        tokens.append(toks[keep][order_s])
+        nexts.append(nxt[keep][order_s])
     final = np.array([s in finals for s in order], dtype=bool)
     # fewest tokens to acceptance: BFS from the accepting states over reversed edges
     incoming: list[set[int]] = [set() for _ in order]
-    for s, edges in enumerate(transitions):
-        for nxt in edges.values():
-            incoming[nxt].add(s)
+    for s, nxt in enumerate(nexts):
+        for n in np.unique(nxt).tolist():
+            incoming[n].add(s)
     distance = np.full(len(order), UNREACHABLE, dtype=np.int64)
     queue = deque(np.flatnonzero(final).tolist())
     distance[final] = 0
@@ -310,15 +319,14 @@ def compile_automaton(
                 queue.append(prev)
     if distance[0] == UNREACHABLE:
         raise InputError(f"{spec.kind} guide: no output over this tokenizer's vocabulary can satisfy it")
-    used = {t for edges in transitions for t in edges}
-    loose = np.array(sorted(used | ends), dtype=np.int64)
-    return TokenAutomaton(spec, vocab_size, tuple(end_ids), transitions, final, distance, loose)
+    loose = np.unique(np.concatenate([*tokens, ends]))
+    return TokenAutomaton(spec, vocab_size, tuple(end_ids), tokens, nexts, final, distance, loose)
 
 
 class GuideCompiler:
     """Compiles guides for one tokenizer, keeping recent automata (a server sees the same schema often)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, end_ids: Sequence[int], cache_size: int = 64):
+    def __init__(self, tokenizer: Any, vocab_size: int, end_ids: Sequence[int], cache_size: int = 32):
         if tokenizer is None:
             raise InputError("constrained decoding needs a tokenizer.json in the checkpoint")
         self.vocab = token_bytes(tokenizer, vocab_size)
