@@ -96,16 +96,66 @@ def _usage(reply: Reply) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+class Admission:
+    """The /v1 requests in flight (a stream until its last event) and whether the frontend drains: then
+    new ones are answered 503 while those in flight finish (`dgpipe serve` drains on SIGTERM with it)."""
+
+    def __init__(self) -> None:
+        self.inflight = 0
+        self.draining = False
+
+    def drain(self) -> None:
+        self.draining = True
+
+
+class _Admit:
+    """ASGI middleware applying an Admission (pure ASGI, so a stream counts until its last byte)."""
+
+    def __init__(self, app, admission: Admission) -> None:
+        self.app, self.admission = app, admission
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if self.admission.draining:
+            body = json.dumps(
+                error_body(
+                    "this server is draining (shutting down): retry on another replica",
+                    "server_error",
+                    code="service_unavailable",
+                )
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        self.admission.inflight += 1  # one event loop: no lock needed
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.admission.inflight -= 1
+
+
 def create_app(
     stream: TritonStream,
     model: str = "dgpipe",
     api_key: str | None = None,
     ready: Callable[[], bool] | None = None,
+    admission: Admission | None = None,
 ) -> FastAPI:
     """The frontend for one served model. `stream` sends Triton inputs and yields response chunks (tests
-    pass a fake); `api_key` (None: open) guards /v1; `ready` (None: always) decides /health."""
+    pass a fake); `api_key` (None: open) guards /v1; `ready` (None: always) decides /health, which also
+    answers 503 while `admission` (the caller's, or app.state.admission) drains."""
     created = int(time.time())
     app = FastAPI(title="dgpipe OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.admission = admission = admission or Admission()
+    app.add_middleware(_Admit, admission=admission)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, e: RequestError) -> JSONResponse:
@@ -135,7 +185,7 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = True if ready is None else await run_in_threadpool(ready)
+        ok = not admission.draining and (True if ready is None else await run_in_threadpool(ready))
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
