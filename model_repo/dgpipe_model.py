@@ -8,8 +8,8 @@ denoise step with `stream_drafts`). A failure that belongs to one request (its s
 is answered to that request alone; only a failed shared pass fails the requests in flight.
 
 Lifecycle (pipeline/serving/lifecycle.py is the other side): every request has a deadline (the repository's
-`max_request_seconds`, or less with its `timeout_s` input) after which it ends with an error and frees its
-slot, so work a client abandoned is bounded even where Triton does not pass the disconnect on (HTTP).
+`max_request_seconds`, or less with its `timeout_s` input), counted from when it gets a batch slot, after
+which it ends with an error and frees the slot, so work a client abandoned is bounded even where Triton does not pass the disconnect on (HTTP).
 A request with the `health_check` parameter is a ping answered by the worker thread between steps: it
 proves the stub, its intake and its runtime loop are alive (Triton's own readiness stays 200 when the stub
 is gone). Once the drain file (env DGPIPE_DRAIN_FILE) is touched after this model loaded, new requests and
@@ -54,11 +54,15 @@ class Job:
     first_canvas: float | None = None
     last_canvas: float | None = None  # when the previous canvas was committed (None: none yet)
     failed: bool = False  # answered with an error: nothing more is sent
-    timeout_s: float = float("inf")  # its deadline, from `started`
+    timeout_s: float = float("inf")  # its deadline, from when it got a batch slot
     expired: bool = False  # cancelled by its deadline: answered with an error, not a result
+    result: Any = None  # the runtime's Result once submitted (its `admitted` time: when it got a slot)
 
     def overdue(self, now: float) -> bool:
-        return now - self.started > self.timeout_s
+        """Running longer than its deadline. Time queued does not count: the queue moves because every
+        running request is bounded, and a full batch must not expire the requests waiting behind it."""
+        admitted = self.result.admitted if self.result is not None else 0.0
+        return admitted > 0 and now - admitted > self.timeout_s
 
 
 @dataclass
@@ -339,7 +343,7 @@ class TritonPythonModel:
                         )
                         continue
                     try:
-                        self.runtime.submit(req)
+                        job.result = self.runtime.submit(req)
                     except Exception as e:  # this request alone is refused; the batch never saw it
                         self._fail(job, str(e), pb_utils.TritonError.INVALID_ARG)
                         continue

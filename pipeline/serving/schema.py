@@ -148,7 +148,7 @@ INPUTS: tuple[TritonTensor, ...] = (
     _in(
         "timeout_s",
         "FP32",
-        "seconds this request may run at most (the server's limit when absent); then it ends with an error",
+        "seconds this request may run once in the batch (the server's limit when absent), then ends with an error",
         rule=POSITIVE_SECONDS,
     ),
 )
@@ -174,7 +174,7 @@ class ServerLimits:
     max_tokens: int  # max_tokens per request
     max_steps: int  # max_denoising_steps: denoise passes per canvas
     max_prompt: int  # prompt tokens (already within what the model's positions hold with one canvas)
-    max_seconds: float = float("inf")  # how long a request may run (queue + generation): its deadline
+    max_seconds: float = float("inf")  # how long a request may run once it has a batch slot: its deadline
 
 
 def prompt_limit(cap: int, max_positions: int, canvas_length: int) -> int:
@@ -193,7 +193,7 @@ class ParsedRequest:
     stop_words: list[str] = field(default_factory=list)
     infill_template: str | None = None
     messages: list[dict[str, Any]] | None = None  # checked chat messages, when sent instead of text_input
-    timeout_s: float = float("inf")  # the request's deadline, from acceptance: its own or the server's limit
+    timeout_s: float = float("inf")  # the request's deadline (from its batch slot): its own or the server's
 
 
 def _scalar(arr: np.ndarray, name: str) -> Any:
