@@ -21,12 +21,9 @@ import typer
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
 from pipeline.errors import DgpipeError
+from pipeline.serving.lifecycle import DRAIN_TIMEOUT_S  # stdlib only: --help stays light
 
 app = opt.typer_app()
-
-# the pod's terminationGracePeriodSeconds minus a margin for tritonserver's exit (pipeline/serving/lifecycle.py
-# holds the numbers; spelled here too so `dgpipe serve --help` does not import it; a unit test checks they agree)
-DRAIN_TIMEOUT_S = 105
 
 
 @app.command()

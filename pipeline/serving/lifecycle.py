@@ -11,7 +11,8 @@ tritonserver) is touched; in-flight requests finish; `dgpipe_active_requests` on
 them down to 0. `dgpipe serve` does this on SIGTERM/SIGINT, a pod's preStop hook with `dgpipe drain`.
 
 The drain timeout and the pod's terminationGracePeriodSeconds come from the constants below (k8s/base is
-checked against them by tests/unit/test_lifecycle.py).
+checked against them by tests/unit/serving/test_lifecycle.py). Light on purpose (stdlib at import): the CLI
+reads the defaults from here, and the pod's probes run `dgpipe health` every few seconds.
 """
 
 from __future__ import annotations
@@ -25,9 +26,6 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from pipeline.builddir import MODEL_NAME
-from pipeline.serving import schema
 
 TERMINATION_GRACE_S = 120  # the pod's terminationGracePeriodSeconds (k8s/base/deployment.yaml)
 DRAIN_MARGIN_S = 15  # for tritonserver's own exit (model unload) after the drain
@@ -58,14 +56,16 @@ def _classify(message: str) -> Health:
     return Health("draining" if "draining" in message else "down", message)
 
 
-def ping(url: str, model: str = MODEL_NAME, timeout: float = PING_TIMEOUT_S) -> Health:
+def ping(url: str, model: str = "dgpipe", timeout: float = PING_TIMEOUT_S) -> Health:
     """One health round trip through the model at http://HOST:PORT (Triton's generate endpoint) or
     grpc://HOST:PORT (streaming, as the OpenAI frontend talks to Triton)."""
+    from pipeline.serving.schema import HEALTH_PARAMETER
+
     if url.startswith("grpc://"):
         return _ping_grpc(url, model, timeout)
     req = urllib.request.Request(
         f"{url.rstrip('/')}/v2/models/{model}/generate",
-        data=json.dumps({schema.HEALTH_PARAMETER: True}).encode(),
+        data=json.dumps({HEALTH_PARAMETER: True}).encode(),
         headers={"Content-Type": "application/json"},
     )
     try:
@@ -87,6 +87,8 @@ def _ping_grpc(url: str, model: str, timeout: float) -> Health:
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
+    from pipeline.serving.schema import HEALTH_PARAMETER
+
     results: queue.Queue = queue.Queue()
     try:
         client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
@@ -94,7 +96,7 @@ def _ping_grpc(url: str, model: str, timeout: float) -> Health:
         return Health("down", f"{url}: {e.message()}")
     try:
         client.start_stream(callback=lambda result, error: results.put(error))
-        client.async_stream_infer(model, [], parameters={schema.HEALTH_PARAMETER: True})
+        client.async_stream_infer(model, [], parameters={HEALTH_PARAMETER: True})
         error = results.get(timeout=timeout)
     except queue.Empty:
         return Health("down", f"{url}: no answer within {timeout:g} s (the model's runtime loop is wedged)")
