@@ -251,7 +251,7 @@ class TritonPythonModel:
             try:
                 if draining:
                     error = pb_utils.TritonError(
-                        "this server is draining (shutting down): retry on another replica",
+                        schema.DRAINING,
                         pb_utils.TritonError.UNAVAILABLE,
                     )
                     sender.send(
@@ -456,7 +456,7 @@ class TritonPythonModel:
             self.m_expired.increment(1)
             self._fail(
                 job,
-                f"request ran past its deadline of {job.timeout_s:g} s and was stopped after "
+                f"{schema.PAST_DEADLINE} of {job.timeout_s:g} s and was stopped after "
                 f"{job.canvases} canvas(es); ask for fewer max_tokens or max_denoising_steps, or a longer "
                 f"timeout_s (this server allows up to {self.limits.max_seconds:g} s)",
                 pb_utils.TritonError.UNAVAILABLE,

@@ -33,6 +33,7 @@ from pipeline.errors import DgpipeError
 from pipeline.runtime.chat_template import MessagesError, parse_messages
 from pipeline.serving.client import Reply, TritonError, grpc_generate
 from pipeline.serving.openai_schema import ChatCompletionRequest, CompletionRequest, RequestError
+from pipeline.serving.schema import DRAINING
 
 # (Triton inputs (schema names), cancel) -> the model's response chunks (client.grpc_generate's dicts);
 # setting `cancel` from another thread ends the iterator soon and cancels the request in Triton
@@ -55,10 +56,12 @@ def _error_response(status: int, message: str, param=None, code=None) -> JSONRes
 
 
 def _from_triton(e: Exception) -> RequestError:
-    """A failure talking to Triton as the frontend's error: its 400 stays a 400, unreachable is a 503."""
+    """A failure talking to Triton as the frontend's error: its 400 stays a 400, a draining model or
+    unreachable Triton is a 503, a request past its deadline a 504."""
     if isinstance(e, TritonError):
-        status = e.status if e.status in (400, 500) else 500
-        return RequestError(str(e), None, status, None if status == 400 else "triton_error")
+        status = e.status if e.status in (400, 500, 503, 504) else 500
+        code = {400: None, 503: "service_unavailable", 504: "timeout"}.get(status, "triton_error")
+        return RequestError(str(e), None, status, code)
     return RequestError(f"the model server is unavailable: {e}", None, 503, "service_unavailable")
 
 
@@ -121,7 +124,7 @@ class _Admit:
         if self.admission.draining:
             body = json.dumps(
                 error_body(
-                    "this server is draining (shutting down): retry on another replica",
+                    DRAINING,
                     "server_error",
                     code="service_unavailable",
                 )

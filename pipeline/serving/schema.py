@@ -38,6 +38,9 @@ HEALTH_PARAMETER = "health_check"
 # the file whose touch (after the model loaded) makes the model refuse new requests: `dgpipe serve` and
 # the pod's preStop hook drain through it (pipeline/serving/lifecycle.py)
 DRAIN_FILE_ENV = "DGPIPE_DRAIN_FILE"
+# how the model's lifecycle refusals begin: the clients map them to 503 / 504 instead of a 400
+DRAINING = "this server is draining (shutting down): retry on another replica"
+PAST_DEADLINE = "request ran past its deadline"
 
 
 class BadRequest(ValueError):

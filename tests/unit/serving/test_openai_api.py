@@ -366,3 +366,24 @@ def test_draining_refuses_new_requests_with_503_and_health_503_while_a_stream_in
     stream.join(10)
     assert admission.inflight == 0  # sse() checked the stream ended with [DONE]
     assert [e["choices"][0]["finish_reason"] for e in events] == [None, "stop"]
+
+
+def test_a_draining_model_is_a_503_and_a_request_past_its_deadline_a_504():
+    """The model's lifecycle refusals over gRPC (client._status reads them by their text, written once in
+    schema.py) reach an OpenAI client as 503 / 504, not as a 400 for a bad request."""
+    from pipeline.serving import schema
+    from pipeline.serving.client import _status
+
+    deadline = f"{schema.PAST_DEADLINE} of 2 s and was stopped after 1 canvas(es)"
+    assert [_status(m) for m in (schema.DRAINING, deadline, "internal error: x", "input 'seed' ...")] == [
+        503,
+        504,
+        500,
+        400,
+    ]
+    http, _ = client(FakeTriton(error=TritonError(schema.DRAINING, 503)))
+    assert_error(
+        http.post("/v1/completions", json=TEXT), 503, code="service_unavailable", contains="draining"
+    )
+    http, _ = client(FakeTriton(error=TritonError(deadline, 504)))
+    assert_error(http.post("/v1/completions", json=TEXT), 504, code="timeout", contains="deadline")
