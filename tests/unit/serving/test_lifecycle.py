@@ -157,3 +157,33 @@ def test_a_request_past_its_deadline_is_answered_with_an_error_naming_it(model):
     assert flags == 1 and response.error.code == FakeError.UNAVAILABLE
     assert "past its deadline of 2 s" in response.error.message and "60 s" in response.error.message
     assert model.m_expired.value == 1 and not model.jobs and "past its deadline" in logged[0]
+
+
+def test_health_cli_probe_exit_codes_and_drain_touches_the_file_and_waits(tmp_path, monkeypatch):
+    """What the pod runs: `dgpipe health probe [--live]` (readiness/liveness) and `dgpipe health drain`
+    (preStop), against a stand-in Triton that is draining with one request still in flight."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli.health import app
+
+    active = iter([1, 1, 0])
+
+    def answer(path, body):
+        if path == "/metrics":
+            return 200, f"dgpipe_active_requests {next(active, 0)}\n"
+        return 400, {"error": schema.DRAINING}
+
+    runner = CliRunner()
+    drain = tmp_path / "draining"
+    monkeypatch.setenv(schema.DRAIN_FILE_ENV, str(drain))
+    with fake_triton(answer) as url:
+        ready = runner.invoke(app, ["probe", "--url", url])
+        live = runner.invoke(app, ["probe", "--live", "--url", url, "--json"])
+        drained = runner.invoke(app, ["drain", "--metrics-url", url + "/metrics", "--timeout", "30"])
+    assert ready.exit_code == 1 and ready.stdout.startswith("draining")
+    assert live.exit_code == 0 and json.loads(live.stdout) == {
+        "state": "draining",
+        "detail": f"HTTP 400: {schema.DRAINING}",
+        "ok": True,
+    }
+    assert drained.exit_code == 0 and "drained: nothing in flight" in drained.stdout and drain.is_file()
