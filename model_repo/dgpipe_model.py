@@ -9,8 +9,8 @@ is answered to that request alone; only a failed shared pass fails the requests 
 
 Lifecycle (pipeline/serving/lifecycle.py is the other side): every request has a deadline (the repository's
 `max_request_seconds`, or less with its `timeout_s` input), counted from when it gets a batch slot, after
-which it ends with an error and frees the slot, so work a client abandoned is bounded even where Triton does not pass the disconnect on (HTTP).
-A request with the `health_check` parameter is a ping answered by the worker thread between steps: it
+which it ends with an error and frees the slot, so work a client abandoned is bounded even where Triton
+does not pass the disconnect on (HTTP). A request with the `health_check` parameter is a ping answered by the worker thread between steps: it
 proves the stub, its intake and its runtime loop are alive (Triton's own readiness stays 200 when the stub
 is gone). Once the drain file (env DGPIPE_DRAIN_FILE) is touched after this model loaded, new requests and
 pings are refused as UNAVAILABLE while those in flight finish.
@@ -63,13 +63,6 @@ class Job:
         running request is bounded, and a full batch must not expire the requests waiting behind it."""
         admitted = self.result.admitted if self.result is not None else 0.0
         return admitted > 0 and now - admitted > self.timeout_s
-
-
-@dataclass
-class Ping:
-    """A health check: answered by the worker thread, so a wedged runtime loop fails it."""
-
-    sender: Any
 
 
 def _input(request, name: str) -> np.ndarray | None:
@@ -127,6 +120,9 @@ class TritonPythonModel:
         )
         self.ids = itertools.count(1)
         self.inbox: queue.Queue = queue.Queue()
+        # health pings' response senders: answered by the worker thread, so a wedged runtime loop fails
+        # them (apart from the inbox, so they never show in the load gauges)
+        self.pings: queue.Queue = queue.Queue()
         self.jobs: dict[int, Job] = {}
         self._metrics()
         self.running = True
@@ -260,7 +256,7 @@ class TritonPythonModel:
                     )
                     continue
                 if schema.HEALTH_PARAMETER in json.loads(request.parameters() or "{}"):
-                    self.inbox.put((Ping(sender), None))
+                    self.pings.put(sender)
                     continue
                 self.inbox.put(self._parse(request, sender))
                 self.m_requests.increment(1)
@@ -336,12 +332,6 @@ class TritonPythonModel:
                 while True:
                     job, req = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
                     block = False
-                    if isinstance(job, Ping):  # alive: this loop runs and reaches its inbox
-                        job.sender.send(
-                            pb_utils.InferenceResponse(output_tensors=[]),
-                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-                        )
-                        continue
                     try:
                         job.result = self.runtime.submit(req)
                     except Exception as e:  # this request alone is refused; the batch never saw it
@@ -350,6 +340,11 @@ class TritonPythonModel:
                     self.jobs[job.request_id] = job
             except queue.Empty:
                 pass
+            while not self.pings.empty():  # alive: this loop runs and reaches its queues
+                self.pings.get_nowait().send(
+                    pb_utils.InferenceResponse(output_tensors=[]),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
             self._update_load()
             now = time.perf_counter()
             for job in list(self.jobs.values()):

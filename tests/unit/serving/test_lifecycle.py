@@ -116,9 +116,8 @@ def test_model_answers_a_ping_from_its_runtime_loop_and_counts_no_request(model)
     req = FakeRequest({}, {schema.HEALTH_PARAMETER: True})
     model.execute([req])
     assert not req.sender.sent  # not answered by Triton's thread: by the loop
-    job, request = model.inbox.get_nowait()
-    assert type(job).__name__ == "Ping" and job.sender is req.sender and request is None
-    assert model.m_requests.value == 0
+    assert model.pings.get_nowait() is req.sender
+    assert model.inbox.empty() and model.m_requests.value == 0  # not a request, not in the load gauges
 
 
 def test_model_refuses_new_requests_once_the_drain_file_is_touched(model, tmp_path):  # noqa: F811
