@@ -41,22 +41,31 @@ class LayerShape(BaseModel):
         return not self.is_sliding
 
 
+def _size(default: int, upper: int) -> Any:
+    """A size the model allocates from: at least 1 and at most `upper`, far above any real DiffusionGemma,
+    so a corrupt or hostile config.json is refused before anything is allocated (not after minutes of it)."""
+    return Field(default, ge=1, le=upper)
+
+
+MAX_PARAMETERS = 2 * 10**12  # what the sizes together may describe: beyond it, no machine loads it
+
+
 class TextConfig(BaseModel):
     """The text backbone. Field names follow transformers' `DiffusionGemmaTextConfig` so JSON maps 1:1."""
 
     model_config = ConfigDict(extra="ignore")
 
-    vocab_size: int = 262_144
-    hidden_size: int = 2816
-    intermediate_size: int = 2112
-    num_hidden_layers: int = 30
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 8
-    head_dim: int = 256
-    global_head_dim: int = 512
-    num_global_key_value_heads: int | None = 2
+    vocab_size: int = _size(262_144, 2**22)
+    hidden_size: int = _size(2816, 2**16)
+    intermediate_size: int = _size(2112, 2**18)
+    num_hidden_layers: int = _size(30, 1024)
+    num_attention_heads: int = _size(16, 1024)
+    num_key_value_heads: int = _size(8, 1024)
+    head_dim: int = _size(256, 4096)
+    global_head_dim: int = _size(512, 4096)
+    num_global_key_value_heads: int | None = Field(default=2, ge=1, le=1024)
     hidden_activation: Literal["gelu_pytorch_tanh"] = "gelu_pytorch_tanh"
-    max_position_embeddings: int = 131_072
+    max_position_embeddings: int = _size(131_072, 2**24)
     rms_norm_eps: float = 1e-6
     pad_token_id: int = 0
     eos_token_id: int | list[int] = 1
@@ -71,13 +80,13 @@ class TextConfig(BaseModel):
         }
     )
     attention_bias: bool = False
-    sliding_window: int = 1024
+    sliding_window: int = _size(1024, 2**24)
     layer_types: list[LayerType] | None = None
     final_logit_softcapping: float = 30.0
     use_bidirectional_attention: Literal["vision"] | None = None
-    num_experts: int = 128
-    top_k_experts: int = 8
-    moe_intermediate_size: int = 704
+    num_experts: int = _size(128, 4096)
+    top_k_experts: int = _size(8, 4096)
+    moe_intermediate_size: int = _size(704, 2**18)
     per_layer_config: dict[str, dict[str, int]] | None = None
 
     @model_validator(mode="after")
@@ -96,7 +105,19 @@ class TextConfig(BaseModel):
             raise ValueError(f"top_k_experts ({self.top_k_experts}) > num_experts ({self.num_experts})")
         if self.num_attention_heads < 1:
             raise ValueError("num_attention_heads must be >= 1")
+        if self.parameter_estimate() > MAX_PARAMETERS:
+            raise ValueError(
+                f"these sizes describe ~{self.parameter_estimate():.3g} parameters, over the sanity limit of "
+                f"{MAX_PARAMETERS:.0e}: config.json is corrupt or not a DiffusionGemma config"
+            )
         return self
+
+    def parameter_estimate(self) -> int:
+        """About how many weights these sizes describe (an upper estimate: the wider head everywhere)."""
+        h, dim = self.hidden_size, max(self.head_dim, self.global_head_dim)
+        attention = 2 * h * self.num_attention_heads * dim + 2 * h * self.num_key_value_heads * dim
+        mlp = 3 * h * self.intermediate_size + self.num_experts * 3 * h * self.moe_intermediate_size
+        return self.vocab_size * h + self.num_hidden_layers * (attention + mlp)
 
     def layer_shape(self, idx: int) -> LayerShape:
         assert self.layer_types is not None
@@ -126,7 +147,7 @@ class ModelConfig(BaseModel):
     model_type: str
     text_config: TextConfig
     vision_config: dict[str, Any] | None = None
-    canvas_length: int = 256
+    canvas_length: int = _size(256, 8192)
     tie_word_embeddings: bool = True
 
     @field_validator("model_type")

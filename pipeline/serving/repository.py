@@ -36,6 +36,7 @@ def model_config(
     device: str,
     warmup: dict[str, Any] | None,
     max_steps_limit: int = EngineLimits.max_steps,
+    request_seconds_limit: int = EngineLimits.max_request_seconds,
 ):
     """The ModelConfig protobuf: decoupled Python backend, the schema's tensors, parameters (the caps a
     request may ask for, read by the Triton model into schema.ServerLimits) and a warm-up request (`warmup`:
@@ -63,6 +64,7 @@ def model_config(
         "max_tokens_limit": str(max_tokens_limit),
         "max_prompt_tokens": str(max_prompt_tokens),
         "max_denoising_steps_limit": str(max_steps_limit),
+        "max_request_seconds": str(request_seconds_limit),
         "device": device,
     }.items():
         cfg.parameters[key].string_value = value
@@ -87,6 +89,7 @@ def package(
     device: str = "auto",
     engines: Path | None = None,
     max_steps_limit: int = EngineLimits.max_steps,
+    request_seconds_limit: int = EngineLimits.max_request_seconds,
 ) -> Path:
     """`engines`: a directory of `<target>/{model.plan,engine.json}` (a build's `engines/`), copied into the
     model version so the Triton model runs the plan that matches its GPU (pipeline/engine/select.py).
@@ -95,9 +98,11 @@ def package(
 
     ckpt = open_checkpoint(model)  # fail early on a broken checkpoint, before writing anything
     engine_dirs = _engine_dirs(engines) if engines is not None else []
-    if min(max_batch, max_tokens_limit, max_prompt_tokens, max_steps_limit) < 1:
-        raise DgpipeError("--max-batch, --max-tokens-limit and --max-prompt-tokens must be >= 1")
-    if max(max_tokens_limit, max_prompt_tokens, max_steps_limit) > schema.INT32_MAX:
+    if min(max_batch, max_tokens_limit, max_prompt_tokens, max_steps_limit, request_seconds_limit) < 1:
+        raise DgpipeError(
+            "--max-batch, --max-tokens-limit, --max-prompt-tokens and --request-timeout must be >= 1"
+        )
+    if max(max_tokens_limit, max_prompt_tokens, max_steps_limit, request_seconds_limit) > schema.INT32_MAX:
         raise DgpipeError(f"--max-tokens-limit and --max-prompt-tokens must be <= {schema.INT32_MAX}")
     text = ckpt.config.text_config
     prompt_cap = schema.prompt_limit(
@@ -109,7 +114,9 @@ def package(
             f"{ckpt.config.canvas_length}-token canvas"
         )
     warmup = _warmup_request(ckpt)
-    cfg = model_config(name, max_batch, max_tokens_limit, prompt_cap, device, warmup, max_steps_limit)
+    cfg = model_config(
+        name, max_batch, max_tokens_limit, prompt_cap, device, warmup, max_steps_limit, request_seconds_limit
+    )
     with atomic_dir(output) as tmp:
         mdir = tmp / name
         version = model_version_dir(tmp, name)
@@ -140,6 +147,7 @@ def package_stage(build_dir: Path, limits: EngineLimits) -> tuple[Path, bool]:
         max_tokens_limit=limits.max_tokens,
         engines=built,
         max_steps_limit=limits.max_steps,
+        request_seconds_limit=limits.max_request_seconds,
     )
     record_stage(
         build_dir,

@@ -19,6 +19,7 @@ import yaml
 from pipeline.builddir import LAYOUT, BuildManifest, EngineLimits, model_version_dir, save_manifest
 from pipeline.deploy.targets import deploy_target, deploy_target_names
 from pipeline.resources import PACKAGE_DIR
+from pipeline.serving import lifecycle
 from pipeline.targets import check_precision_on_target, target
 
 ROOT = PACKAGE_DIR.parent
@@ -279,8 +280,17 @@ def test_probes_ports_and_startup_budget(overlays):
             "grpc": 8001,
             "metrics": 8002,
         }
-        assert triton["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
-        assert triton["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+        # Triton's /v2/health/* say 200 with the backend stub gone: both probes ping the model instead
+        url = ["--url", "http://127.0.0.1:8000"]
+        assert triton["livenessProbe"]["exec"]["command"] == ["dgpipe", "health", "probe", "--live", *url]
+        assert triton["readinessProbe"]["exec"]["command"] == ["dgpipe", "health", "probe", *url]
+        # graceful drain: preStop refuses new requests and waits (DRAIN_TIMEOUT_S) for those in flight,
+        # tritonserver then exits within its exit timeout, all inside the grace period
+        assert triton["lifecycle"]["preStop"]["exec"]["command"] == ["dgpipe", "health", "drain"]
+        assert {"name": "DGPIPE_DRAIN_FILE", "value": "/tmp/dgpipe-draining"} in triton["env"]
+        assert f"--exit-timeout-secs={lifecycle.EXIT_TIMEOUT_S}" in triton["args"]
+        assert spec["terminationGracePeriodSeconds"] == lifecycle.TERMINATION_GRACE_S
+        assert lifecycle.DRAIN_TIMEOUT_S + lifecycle.EXIT_TIMEOUT_S < lifecycle.TERMINATION_GRACE_S
         startup = triton["startupProbe"]
         assert startup["httpGet"]["path"] == "/v2/health/ready"
         budget = startup["periodSeconds"] * startup["failureThreshold"]
@@ -302,6 +312,9 @@ def test_probes_ports_and_startup_budget(overlays):
         assert "--openai-port=9000" in api["command"]
         assert {p["name"]: p["containerPort"] for p in api["ports"]} == {"openai": 9000}
         assert api["readinessProbe"]["httpGet"] == {"path": "/health", "port": "openai"}
+        assert not any(
+            a.startswith("--drain-timeout") for a in api["command"]
+        )  # the CLI's default: one source
         assert api["livenessProbe"]["tcpSocket"] == {"port": "openai"}
         (key,) = [e for e in api["env"] if e["name"] == "DGPIPE_API_KEY"]
         assert key == {"name": "DGPIPE_API_KEY", "valueFrom": {"secretKeyRef": SECRET_REF}}  # never inlined
