@@ -113,3 +113,82 @@ def test_deploy_refuses_a_render_without_digests(rendered):
     (rendered / RENDER_SUMMARY).write_text(json.dumps(info))
     with pytest.raises(DgpipeError, match="no digests recorded"):
         dp.make_plan(rendered)
+
+
+# ---- lock-down: Triton's control APIs need the admin key; ingress limited by a NetworkPolicy ----------
+@needs_kubectl
+def test_triton_args_restrict_control_apis_with_the_admin_secret():
+    from pipeline.deploy import render as mf
+    from pipeline.serving.server import restricted_api_args
+    from tests.unit.deploy.test_k8s import K8S, container, kustomize, pod_specs
+
+    lws = mf.render(mf.resolve("gb200", IMAGE, lws_size=2))
+    docs = [*kustomize(K8S / "overlays" / "dgx-b200"), *(d for ds in lws.values() for d in ds)]
+    specs = pod_specs([d for d in docs if d["kind"] in ("Deployment", "LeaderWorkerSet")])
+    assert len(specs) == 3
+    for _, spec in specs:
+        triton = container(spec, "triton")
+        args = triton["args"]
+        assert [a for a in args if "restricted" in a] == restricted_api_args("$(DGPIPE_ADMIN_KEY)")
+        (env,) = [e for e in triton["env"] if e["name"] == "DGPIPE_ADMIN_KEY"]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": "dgpipe-admin-key", "key": "admin-key"}
+
+
+@needs_kubectl
+def test_network_policy_admits_namespace_gateway_and_prometheus_only():
+    from pipeline.deploy import render as mf
+    from tests.unit.deploy.test_k8s import K8S, kustomize, one, pod_specs
+
+    lws = [d for ds in mf.render(mf.resolve("gb200", IMAGE, lws_size=2)).values() for d in ds]
+    for docs in (kustomize(K8S / "overlays" / "dgx-h200"), lws):
+        pol = one(docs, "NetworkPolicy")
+        spec = pol["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        # it selects every serving pod (Deployment or LWS leader/workers)
+        templates = []
+        for d in docs:
+            if d["kind"] == "Deployment":
+                templates.append(d["spec"]["template"]["metadata"]["labels"])
+            elif d["kind"] == "LeaderWorkerSet":
+                lwt = d["spec"]["leaderWorkerTemplate"]
+                templates += [
+                    lwt["leaderTemplate"]["metadata"]["labels"],
+                    lwt["workerTemplate"]["metadata"]["labels"],
+                ]
+        assert templates
+        for labels in templates:
+            assert spec["podSelector"]["matchLabels"].items() <= labels.items()
+        same_ns, gateway, prometheus = spec["ingress"]
+        assert same_ns == {"from": [{"podSelector": {}}]}
+        assert gateway["from"] == [{"namespaceSelector": {"matchLabels": {"dgpipe.dev/gateway": "allowed"}}}]
+        assert [p["port"] for p in gateway["ports"]] == ["http", "grpc", "openai"]
+        assert prometheus["from"] == [
+            {
+                "namespaceSelector": {},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+            }
+        ]
+        assert [p["port"] for p in prometheus["ports"]] == ["metrics"]
+        # the named ports exist on the serving container(s)
+        names = {
+            p["name"]
+            for _, pod in pod_specs([d for d in docs if d["kind"] in ("Deployment", "LeaderWorkerSet")])
+            for c in pod["containers"]
+            for p in c.get("ports", [])
+        }
+        assert {"http", "grpc", "openai", "metrics"} <= names
+
+
+def test_local_serve_binds_loopback_and_closes_control_apis(tmp_path):
+    from pipeline.serving.server import Ports, TritonServer, docker_command, restricted_api_args
+
+    assert Ports().address == "127.0.0.1"
+    repo = tmp_path / "repo"
+    (repo / "m").mkdir(parents=True)
+    (repo / "m" / "config.pbtxt").write_text('name: "m"\n')
+    a, b = TritonServer(repo, Ports(), tmp_path), TritonServer(repo, Ports(), tmp_path)
+    assert a.admin_key != b.admin_key and len(a.admin_key) >= 32  # made up per start: nobody knows it
+    cmd = TritonServer(repo, Ports(), tmp_path, admin_key="k").command()
+    assert "--http-address=127.0.0.1" in cmd and restricted_api_args("k") == cmd[-2:]
+    docker = docker_command(repo, Ports(), "img:1")
+    assert "127.0.0.1:8000:8000" in docker and "${DGPIPE_ADMIN_KEY:?" in docker[-1]
