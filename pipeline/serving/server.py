@@ -95,10 +95,11 @@ def server_env() -> dict[str, str]:
 
 # Triton's control endpoints (HTTP API / gRPC protocol names): change logging or tracing, load and unload
 # models, register shared memory, read per-model statistics. Inference, health, metadata and model config
-# stay open; these need the header ADMIN_HEADER with the admin key (`dgpipe serve --admin-key`, the
+# stay open; these need the header ADMIN_HEADER (gRPC: GRPC_ADMIN_HEADER) with the admin key (`dgpipe serve --admin-key`, the
 # Secret dgpipe-admin-key in Kubernetes). Without a key `dgpipe serve` makes up one nobody knows.
 RESTRICTED_APIS = ("logging", "trace", "model-repository", "shared-memory", "statistics")
 ADMIN_HEADER = "triton-admin-key"
+GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # the metadata key Triton checks over gRPC
 
 
 def restricted_api_args(key: str) -> list[str]:

@@ -372,7 +372,7 @@ def test_engine_build_runs_on_the_node_in_the_serving_image(overlays, name):
         *EngineLimits().flags(),
     ]
     assert triton["command"] == ["tritonserver"]
-    args = expand(triton["args"], env)
+    args = expand(triton["args"], {**env, "DGPIPE_ADMIN_KEY": "key"})  # the Secret's value
     assert f"--model-repository=/models/build/{LAYOUT['model_repository']}" in args
     assert {"--http-port=8000", "--grpc-port=8001", "--metrics-port=8002"} <= set(args)
     # every $(VAR) the containers use is defined in their env (the kubelet leaves unknown ones verbatim)
