@@ -37,7 +37,9 @@ def serve(
     http_port: Annotated[int, typer.Option(help="HTTP port")] = 8000,
     grpc_port: Annotated[int, typer.Option(help="gRPC port")] = 8001,
     metrics_port: Annotated[int, typer.Option(help="Prometheus metrics port")] = 8002,
-    address: Annotated[str, typer.Option(help="address to bind")] = "0.0.0.0",
+    address: Annotated[
+        str, typer.Option(help="address to bind (0.0.0.0: every interface; mind --admin-key)")
+    ] = "127.0.0.1",
     openai_port: Annotated[
         int, typer.Option(help="port of the OpenAI-compatible API (/v1/chat/completions, ...); 0 disables it")
     ] = 9000,
@@ -47,6 +49,15 @@ def serve(
             envvar="DGPIPE_API_KEY",
             show_envvar=True,
             help="require 'Authorization: Bearer KEY' on the OpenAI port (/health stays open)",
+        ),
+    ] = None,
+    admin_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="DGPIPE_ADMIN_KEY",
+            show_envvar=True,
+            help="header 'triton-admin-key' that Triton's logging/trace/repository/shared-memory/statistics "
+            "APIs require (default: a random key, i.e. closed)",
         ),
     ] = None,
     image: Annotated[
@@ -100,6 +111,7 @@ def serve(
         workdir,
         env={DRAIN_FILE_ENV: str(drain_file)},
         exit_timeout=lifecycle.EXIT_TIMEOUT_S,
+        admin_key=admin_key,
     )
     out.line(f"starting tritonserver on {repo} (log: {server.log}) ...", err=True)
     failure = None

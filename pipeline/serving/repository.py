@@ -23,7 +23,7 @@ from pipeline.builddir import (
     target_engine_dir,
 )
 from pipeline.errors import DgpipeError
-from pipeline.model.checkpoint import open_checkpoint
+from pipeline.model.validate import checkpoint_files, validate_checkpoint
 from pipeline.resources import TRITON_MODEL_SOURCE
 from pipeline.serving import schema
 
@@ -96,7 +96,7 @@ def package(
     The prompt limit written is at most what the model's positions hold with one canvas after the prompt."""
     from google.protobuf import text_format
 
-    ckpt = open_checkpoint(model)  # fail early on a broken checkpoint, before writing anything
+    ckpt = validate_checkpoint(model, weights=True)  # refuse a broken checkpoint before writing anything
     engine_dirs = _engine_dirs(engines) if engines is not None else []
     if min(max_batch, max_tokens_limit, max_prompt_tokens, max_steps_limit, request_seconds_limit) < 1:
         raise DgpipeError(
@@ -123,7 +123,7 @@ def package(
         version.mkdir(parents=True)
         (mdir / "config.pbtxt").write_text(text_format.MessageToString(cfg))
         shutil.copy(TRITON_MODEL_SOURCE, version / TRITON_MODEL_FILE)
-        shutil.copytree(ckpt.path, version / MODEL_CHECKPOINT)
+        copy_checkpoint(ckpt.path, version / MODEL_CHECKPOINT)
         for d in engine_dirs:
             shutil.copytree(d, target_engine_dir(version, d.name), ignore=shutil.ignore_patterns(".*"))
         if warmup is not None:
@@ -131,6 +131,14 @@ def package(
             for n, value in warmup.items():
                 (mdir / "warmup" / n).write_bytes(schema.raw_bytes(n, value))
     return output
+
+
+def copy_checkpoint(src: Path, dst: Path) -> None:
+    """Copy the checkpoint's regular files only, each from inside the checkpoint (checkpoint_files has
+    refused symlinks out, devices, FIFOs and pickle files); contents are copied, never links."""
+    for rel in checkpoint_files(src):
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / rel, dst / rel)
 
 
 def package_stage(build_dir: Path, limits: EngineLimits) -> tuple[Path, bool]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -92,12 +93,27 @@ def server_env() -> dict[str, str]:
     return env
 
 
+# Triton's control endpoints (HTTP API / gRPC protocol names): change logging or tracing, load and unload
+# models, register shared memory, read per-model statistics. Inference, health, metadata and model config
+# stay open; these need the header ADMIN_HEADER (gRPC: GRPC_ADMIN_HEADER) with the admin key (`dgpipe serve --admin-key`, the
+# Secret dgpipe-admin-key in Kubernetes). Without a key `dgpipe serve` makes up one nobody knows.
+RESTRICTED_APIS = ("logging", "trace", "model-repository", "shared-memory", "statistics")
+ADMIN_HEADER = "triton-admin-key"
+GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # the metadata key Triton checks over gRPC
+
+
+def restricted_api_args(key: str) -> list[str]:
+    """tritonserver flags (`--http-restricted-api=<apis>:<header>=<value>`, the gRPC one alike)."""
+    setting = f"{','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={key}"
+    return [f"--http-restricted-api={setting}", f"--grpc-restricted-protocol={setting}"]
+
+
 @dataclass
 class Ports:
     http: int = 8000
     grpc: int = 8001
     metrics: int = 8002
-    address: str = "0.0.0.0"
+    address: str = "127.0.0.1"  # this machine only; `dgpipe serve --address 0.0.0.0` opens it up
 
     @property
     def host(self) -> str:
@@ -123,12 +139,14 @@ class TritonServer:
         log: Path | None = None,
         env: dict[str, str] | None = None,
         exit_timeout: int | None = None,
+        admin_key: str | None = None,
     ) -> None:
         if not (repo.is_dir() and any(repo.glob("*/config.pbtxt"))):
             raise DgpipeError(
                 f"{repo}: not a model repository (no */config.pbtxt)", "create one with dgpipe package"
             )
         self.repo, self.ports, self.workdir = repo, ports, workdir
+        self.admin_key = admin_key or secrets.token_urlsafe(32)  # no key given: control APIs closed
         self.log = log or workdir / "tritonserver.log"
         self.env = env or {}  # added to server_env(): e.g. the model's drain file
         self.exit_timeout = exit_timeout  # --exit-timeout-secs (None: Triton's default, 30 s)
@@ -148,6 +166,7 @@ class TritonServer:
             f"--metrics-address={p.address}",
             "--log-verbose=0",
             *([f"--exit-timeout-secs={self.exit_timeout}"] if self.exit_timeout is not None else []),
+            *restricted_api_args(self.admin_key),
         ]
 
     def start(self, timeout: float = 180.0) -> TritonServer:
@@ -215,6 +234,7 @@ class TritonServer:
 
 def docker_command(repo: Path, ports: Ports, image: str) -> list[str]:
     """The NGC container command for a GPU host (the serving image adds dgpipe to NGC tritonserver)."""
+    bind = "" if ports.address in ("0.0.0.0", "") else f"{ports.address}:"
     return [
         "docker",
         "run",
@@ -223,16 +243,18 @@ def docker_command(repo: Path, ports: Ports, image: str) -> list[str]:
         "all",
         "--shm-size=2g",
         "-p",
-        f"{ports.http}:8000",
+        f"{bind}{ports.http}:8000",
         "-p",
-        f"{ports.grpc}:8001",
+        f"{bind}{ports.grpc}:8001",
         "-p",
-        f"{ports.metrics}:8002",
+        f"{bind}{ports.metrics}:8002",
         "-v",
         f"{repo.resolve()}:/models:ro",
         image,
         "tritonserver",
         "--model-repository=/models",
+        # the shell expands the key when the line is run (and stops if it is unset): never printed here
+        *restricted_api_args("${DGPIPE_ADMIN_KEY:?set DGPIPE_ADMIN_KEY}"),
     ]
 
 

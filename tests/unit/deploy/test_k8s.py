@@ -37,6 +37,7 @@ SERVED = {  # group/versions that current clusters (1.29+) serve for the kinds w
     "apps/v1": {"Deployment"},
     "batch/v1": {"Job"},
     "policy/v1": {"PodDisruptionBudget"},
+    "networking.k8s.io/v1": {"NetworkPolicy"},
     "autoscaling/v2": {"HorizontalPodAutoscaler"},
     "monitoring.coreos.com/v1": {"PodMonitor", "PrometheusRule"},
     "leaderworkerset.x-k8s.io/v1": {"LeaderWorkerSet"},
@@ -219,6 +220,7 @@ def test_every_overlay_renders_the_full_object_set(overlays):
             [
                 *("ServiceAccount", "ConfigMap", "Service", "PersistentVolumeClaim", "Deployment"),
                 *("PodDisruptionBudget", "HorizontalPodAutoscaler", "PodMonitor", "PrometheusRule"),
+                "NetworkPolicy",
             ]
         )
 
@@ -248,8 +250,8 @@ def test_objects_validate_strictly_against_kubernetes_openapi(overlays, side_obj
             strict=True,
         )
         checked += 1
-    # 5 overlays x 7 core kinds, smoke Job + loader Pod, 9 core objects of the LWS render, 2 pod templates
-    assert checked == 5 * 7 + 2 + 9 + 2
+    # 5 overlays x 8 core kinds, smoke Job + loader Pod, 10 core objects of the LWS render, 2 pod templates
+    assert checked == 5 * 8 + 2 + 10 + 2
 
 
 def one_list(files: dict[str, list[dict]], kind: str) -> list[dict]:
@@ -383,7 +385,7 @@ def test_engine_build_runs_on_the_node_in_the_serving_image(overlays, name):
         *EngineLimits().flags(),
     ]
     assert triton["command"] == ["tritonserver"]
-    args = expand(triton["args"], env)
+    args = expand(triton["args"], {**env, "DGPIPE_ADMIN_KEY": "key"})  # the Secret's value
     assert f"--model-repository=/models/build/{LAYOUT['model_repository']}" in args
     assert {"--http-port=8000", "--grpc-port=8001", "--metrics-port=8002"} <= set(args)
     # every $(VAR) the containers use is defined in their env (the kubelet leaves unknown ones verbatim)
@@ -612,7 +614,7 @@ def test_manifests_without_monitoring_and_smoke_prompt(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all((out / "dgpipe.yaml").read_text()) if d]
-    assert sorted(kinds) == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
+    assert sorted(kinds) == ["ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service"]
     job = next(yaml.safe_load_all((out / "smoke-job.yaml").read_text()))
     (c,) = job["spec"]["template"]["spec"]["containers"]
     assert c["command"] == ["python3", "-m", "pipeline.deploy.smoke"]
