@@ -819,6 +819,13 @@ def test_sampler_plugins_at_build_time(real_trtp):
         build_time_call(trt, "dgpipe::SampleAccept", static, {"vocab": 0})
 
 
+def test_target_for_a_gpu_is_its_exact_compute_capability():
+    from pipeline.targets import target_for_compute_capability as for_cc
+
+    assert [for_cc(cc).name for cc in ("8.9", "9.0", "10.0", "12.0")] == ["sm89", "sm90", "sm100", "sm120"]
+    assert for_cc("10.3") is None and for_cc("8.0") is None  # no nearest: sm_100a PTX does not load on 10.3
+
+
 def test_onnx_identity_hash_is_cached_by_size_and_mtime(tmp_path: Path):
     import os
 
