@@ -117,6 +117,7 @@ def plugins(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @needs_nvcc
 @pytest.mark.parametrize(("target", "arch"), [("sm90", "sm_90a"), ("sm100", "sm_100a"), ("sm120", "sm_120a")])
 def test_plugin_ptx_per_target(plugins: Path, target: str, arch: str):
+    from pipeline.engine import moe_spec
     from pipeline.engine.ptx import ENTRY_POINTS, load_plugin_ptx, sha256_bytes
 
     info, data = load_plugin_ptx(plugins / target, target)
@@ -131,7 +132,8 @@ def test_plugin_ptx_per_target(plugins: Path, target: str, arch: str):
         for dtype in ("float32", "bfloat16")
         for vocab in (262144, 24, 13, None)
     } | {spec.ACCEPT_KERNEL}
-    assert len(chosen) == 5, chosen
+    chosen |= {moe_spec.kernel(op, dt) for op, dt in moe_spec.KERNELS}
+    assert len(chosen) == 9, chosen
     assert chosen <= set(re.findall(r"^\.(?:visible\s+)?\.entry\s+(\w+)\(", text, re.MULTILINE))
     assert set(ENTRY_POINTS) == chosen
     assert info.sha256 == sha256_bytes(data) and len(info.sha256) == 64
@@ -155,7 +157,10 @@ def test_plugin_ptx_assembles_for_its_gpu(plugins: Path, tmp_path: Path, target:
     )
     assert r.returncode == 0, r.stderr
     info = kbuild.read_cubin(out)
-    assert info.arch == arch and set(ENTRY_POINTS) <= set(info.kernels)
+    assert info.arch == arch and set(ENTRY_POINTS) <= set(info.kernels)  # sampler and MoE entry points
+    tool = kbuild.find_cuobjdump()
+    if tool is not None:  # NVIDIA's own reader agrees on the SASS architecture
+        assert kbuild.cuobjdump_archs(out, cuobjdump=tool) == {arch}
 
 
 @needs_nvcc
@@ -175,6 +180,13 @@ def test_plugin_entry_points_take_trt_argument_order(plugins: Path):
     accept = params("dg_trt_accept")
     assert len(accept) == 21 and all(p == "u64" for p in accept[:13] + accept[15:])
     assert accept[13] in ("u32", "s32") and accept[14] in ("u32", "s32")
+    # MoE: inputs, six int32 extras (T, K, d, I, E, tile), one output
+    from pipeline.engine import moe_spec
+
+    for (op, _), entry in moe_spec.KERNELS.items():
+        p, n_in = params(entry), len(moe_spec.SPECS[op])
+        assert len(p) == n_in + 6 + 1, entry
+        assert all(t == "u64" for t in p[:n_in] + p[-1:]) and all(t in ("u32", "s32") for t in p[n_in:-1])
 
 
 @needs_nvcc

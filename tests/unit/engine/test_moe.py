@@ -111,3 +111,78 @@ def test_weight_shapes_are_checked():
         moe_spec.check_inputs(
             "MoEExperts", ["float32", "int32", "float32", "float32", "float32"], [2, 2, 2, 3, 3]
         )
+
+
+# ---- plugin.py's MoE plugins through TensorRT's own tensorrt.plugin (tests/_utils/trt_native.py) --------
+@pytest.fixture
+def real_trtp(monkeypatch: pytest.MonkeyPatch):
+    from pipeline.engine import plugin
+    from tests._utils.trt_native import real_plugin_package
+
+    with real_plugin_package() as (trt, trtp):
+        monkeypatch.setitem(plugin._STATE, "registered", False)
+        plugin.register(b"// ptx", "sm_90a")
+        yield trt, trtp
+
+
+def test_moe_plugins_pass_tensorrt_registration(real_trtp):
+    trt, trtp = real_trtp
+    for op, ports in moe_spec.SPECS.items():
+        d = trtp._lib.QDP_REGISTRY[f"dgpipe::{op}"]  # parsed and validated by TensorRT's _validate.py
+        assert d.input_tensor_names == [p.name for p in ports] and d.num_outputs == 1 and not d.input_attrs
+        assert d.aot_impl_func is not None
+        assert trt.get_plugin_registry().get_creator(op, "1", "dgpipe") is not None
+
+
+@pytest.mark.parametrize(
+    ("op", "x", "w", "kernel"),
+    [
+        ("MoEExperts", "bfloat16", "bfloat16", b"dg_trt_moe_bf16"),
+        ("MoEExperts", "float32", "float32", b"dg_trt_moe_f32"),
+        ("MoEExpertsW8", "bfloat16", "fp8", b"dg_trt_moe_bf16_w8"),
+        ("MoEExpertsW8A8", "bfloat16", "fp8", b"dg_trt_moe_bf16_w8a8"),
+    ],
+)
+def test_moe_plugin_at_build_time(real_trtp, op: str, x: str, w: str, kernel: bytes):
+    """TensorRT's build-time calls on the wheel's AOT plugin class, 26B-A4B dims (d 2816, E 128, I 704,
+    K 8), tokens dynamic: output [T, K, d] fp32, grid (E, splits of T), 5-token tiles in 42 KiB."""
+    from tests._utils.trt_native import build_time_call
+
+    trt, _ = real_trtp
+    xt, wt, f32, i64 = getattr(trt, x), getattr(trt, w), trt.float32, trt.int64
+    ins = [((None, 2816), xt), ((None, 8), i64), ((None, 8), f32), ((128, 1408, 2816), wt)]
+    if op == "MoEExperts":
+        ins += [((128, 2816, 704), wt)]
+    else:
+        ins += [((128, 2, 2816), f32), ((128, 2816, 704), wt), ((128,), f32)]
+    if op == "MoEExpertsW8A8":
+        ins += [((3, 128), f32)]
+    r = build_time_call(trt, f"dgpipe::{op}", ins)
+    assert r["output_types"] == [f32] and r["output_dims"] == [(None, 8, 2816)]
+    tile = 5 if x == "bfloat16" else 3
+    assert r["kernel"] == kernel and r["ptx"] == b"// ptx"
+    assert r["launch"]["grid_x"] == 128 and r["launch"]["grid_y"] is None  # splits follow T at run time
+    assert r["launch"]["block_x"] == 256 and r["launch"]["shared_mem"] == tile * (
+        704 * 4 + 2816 * (2 if x == "bfloat16" else 4)
+    )
+    assert r["extras"] == [None, 8, 2816, 704, 128, tile]
+    static = [((600, *d[1:]) if d[0] is None else d, t) for d, t in ins]
+    r = build_time_call(trt, f"dgpipe::{op}", static)
+    assert r["launch"]["grid_y"] == 3 and r["extras"][0] == 600  # ceil(600 / 256) splits
+    big = [((10**5, *d[1:]) if d[0] is None else d, t) for d, t in ins]
+    assert build_time_call(trt, f"dgpipe::{op}", big)["launch"]["grid_y"] == moe_spec.MAX_SPLITS
+
+
+def test_moe_plugin_refuses_mismatched_weights(real_trtp):
+    from tests._utils.trt_native import build_time_call
+
+    trt, _ = real_trtp
+    bf, i64, f32 = trt.bfloat16, trt.int64, trt.float32
+    ok = [((None, 32), bf), ((None, 2), i64), ((None, 2), f32), ((4, 32, 32), bf), ((4, 32, 16), bf)]
+    assert build_time_call(trt, "dgpipe::MoEExperts", ok)["extras"][1:] == [2, 32, 16, 4, 16]
+    with pytest.raises(DgpipeError, match="do not fit"):
+        build_time_call(trt, "dgpipe::MoEExperts", [*ok[:4], ((4, 32, 8), bf)])
+    with pytest.raises(DgpipeError, match="must share one dtype"):
+        build_time_call(trt, "dgpipe::MoEExperts", [*ok[:3], ((4, 32, 32), f32), ((4, 32, 16), f32)])
+    with pytest.raises(DgpipeError, match="build-time constants"):
+        build_time_call(trt, "dgpipe::MoEExperts", [((None, None), bf), *ok[1:]])
