@@ -21,7 +21,8 @@ def layer():
 def routed(layer, tokens: int = 37, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, layer.experts.gate_up_proj.shape[-1], generator=g, dtype=torch.float64)
-    _, weights, index = layer.router(x)
+    with torch.no_grad():
+        _, weights, index = layer.router(x)
     return x, index, weights.float()  # the node's expert_weight is fp32
 
 
@@ -186,3 +187,189 @@ def test_moe_plugin_refuses_mismatched_weights(real_trtp):
         build_time_call(trt, "dgpipe::MoEExperts", [*ok[:3], ((4, 32, 32), f32), ((4, 32, 16), f32)])
     with pytest.raises(DgpipeError, match="build-time constants"):
         build_time_call(trt, "dgpipe::MoEExperts", [((None, None), bf), *ok[1:]])
+
+
+# ---- the engine build's lowering of dgpipe::MoE (pipeline/engine/moe_graph.py) ---------------------------
+def _moe_graph(layer, x, index, weights, *, fp8: bool = False, act_quant: bool = False):
+    """A graph with one dgpipe::MoE node as the routed exporter writes it (pipeline/onnx/contract.py MOE):
+    model-dtype weights, or FP8 initializers behind DequantizeLinear (gate_up blocked per gate/up half)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    gu, dn = layer.experts.gate_up_proj.detach(), layer.experts.down_proj.detach()
+    e, two_i, d = gu.shape
+    inter = two_i // 2
+    nodes, inits = [], []
+    if fp8:
+        gs = torch.stack([gu[:, :inter].abs().amax((1, 2)), gu[:, inter:].abs().amax((1, 2))], 1) / 448
+        gs = gs[:, :, None].expand(e, 2, d).float().contiguous()
+        ds = (dn.abs().amax((1, 2)) / 448).float()
+        full = torch.cat([gs[:, :1].expand(-1, inter, -1), gs[:, 1:].expand(-1, inter, -1)], 1)
+        gu8 = (gu.float() / full).to(torch.float8_e4m3fn)
+        dn8 = (dn.float() / ds[:, None, None]).to(torch.float8_e4m3fn)
+        for name, t in (("gu8", gu8), ("dn8", dn8)):
+            inits.append(
+                helper.make_tensor(
+                    name,
+                    TensorProto.FLOAT8E4M3FN,
+                    list(t.shape),
+                    t.view(torch.uint8).numpy().tobytes(),
+                    raw=True,
+                )
+            )
+        inits += [numpy_helper.from_array(gs.numpy(), "gu_s"), numpy_helper.from_array(ds.numpy(), "dn_s")]
+        nodes += [
+            helper.make_node("DequantizeLinear", ["gu8", "gu_s"], ["gate_up"], axis=1, block_size=inter),
+            helper.make_node("DequantizeLinear", ["dn8", "dn_s"], ["down"], axis=0),
+        ]
+        weights_ref = {"gate_up": gu8, "down": dn8, "gate_up_scale": gs, "down_scale": ds}
+    else:
+        inits += [
+            numpy_helper.from_array(gu.float().numpy(), "gate_up"),
+            numpy_helper.from_array(dn.float().numpy(), "down"),
+        ]
+        weights_ref = {"gate_up": gu.float(), "down": dn.float()}
+    moe_inputs = ["hidden32", "expert_index", "expert_weight", "gate_up", "down"]
+    if act_quant:
+        scales = torch.tensor([[0.01] * e, [0.02] * e, [0.004] * e])
+        inits.append(numpy_helper.from_array(scales.numpy(), "input_scale"))
+        moe_inputs.append("input_scale")
+        weights_ref["input_scale"] = scales
+    nodes.insert(0, helper.make_node("Cast", ["hidden"], ["hidden32"], to=TensorProto.FLOAT))
+    nodes.append(
+        helper.make_node(
+            "MoE", moe_inputs, ["out"], name="layers.0.moe", domain="dgpipe", num_experts=e, top_k=2,
+            expert_hidden=inter, activation="gelu_tanh", act_quant="fp8" if act_quant else "none",
+            plugin_namespace="dgpipe", plugin_version="1",
+        )
+    )  # fmt: skip
+    graph = helper.make_graph(
+        nodes,
+        "moe",
+        [
+            helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["T", d]),
+            helper.make_tensor_value_info("expert_index", TensorProto.INT64, ["T", 2]),
+            helper.make_tensor_value_info("expert_weight", TensorProto.FLOAT, ["T", 2]),
+        ],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["T", d])],
+        inits,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("dgpipe", 1)]
+    )
+    model.ir_version = 10
+    feeds = {"hidden": x.float().numpy(), "expert_index": index.numpy(), "expert_weight": weights.numpy()}
+    return onnx, model, feeds, weights_ref
+
+
+def _run_lowered(model, feeds):
+    """Run the lowered graph with onnx's reference evaluator: the standard ops (DequantizeLinear, ReduceSum,
+    CastLike) are onnx's own; the plugin nodes run the PyTorch reference (the GPU kernel's oracle)."""
+    import numpy as np
+    from onnx.reference import ReferenceEvaluator
+    from onnx.reference.op_run import OpRun
+
+    def rows(*ins, **scales):
+        t = [torch.from_numpy(np.array(a)) for a in ins]
+        return (moe_experts_reference(*t[:3], t[3], t[4], dtype=torch.float32, **scales).numpy(),)
+
+    class MoEExperts(OpRun):
+        op_domain = "dgpipe"
+
+        def _run(self, hidden, index, weight, gate_up, down, plugin_namespace=None, plugin_version=None):
+            return rows(hidden, index, weight, gate_up, down)
+
+    def fp8(a):
+        return torch.from_numpy(np.asarray(a).view(np.uint8)).view(torch.float8_e4m3fn)
+
+    class MoEExpertsW8(OpRun):
+        op_domain = "dgpipe"
+
+        def _run(self, hidden, index, weight, gu, gu_s, dn, dn_s, plugin_namespace=None, plugin_version=None):
+            t = [torch.from_numpy(np.array(a)) for a in (hidden, index, weight)]
+            out = moe_experts_reference(*t, fp8(gu), fp8(dn), gate_up_scale=torch.from_numpy(gu_s),
+                                        down_scale=torch.from_numpy(dn_s), dtype=torch.float32)  # fmt: skip
+            return (out.numpy(),)
+
+    class MoEExpertsW8A8(OpRun):
+        op_domain = "dgpipe"
+
+        def _run(
+            self, hidden, index, weight, gu, gu_s, dn, dn_s, in_s, plugin_namespace=None, plugin_version=None
+        ):
+            t = [torch.from_numpy(np.array(a)) for a in (hidden, index, weight)]
+            out = moe_experts_reference(*t, fp8(gu), fp8(dn), gate_up_scale=torch.from_numpy(gu_s),
+                                        down_scale=torch.from_numpy(dn_s), input_scale=torch.from_numpy(in_s),
+                                        dtype=torch.float32)  # fmt: skip
+            return (out.numpy(),)
+
+    return ReferenceEvaluator(model, new_ops=[MoEExperts, MoEExpertsW8, MoEExpertsW8A8]).run(None, feeds)[0]
+
+
+@pytest.mark.parametrize(
+    ("fp8", "act_quant", "op"),
+    [(False, False, "MoEExperts"), (True, False, "MoEExpertsW8"), (True, True, "MoEExpertsW8A8")],
+)
+def test_lowering_keeps_the_node_semantics(layer, fp8: bool, act_quant: bool, op: str):
+    from pipeline.engine.moe_graph import lower_moe
+
+    x, index, weights = routed(layer, tokens=11, seed=4)
+    onnx, model, feeds, w = _moe_graph(layer, x, index, weights, fp8=fp8, act_quant=act_quant)
+    assert lower_moe(model) == 1
+    onnx.checker.check_model(model)
+    ops = [(n.domain, n.op_type) for n in model.graph.node]
+    assert ("dgpipe", "MoE") not in ops and ("dgpipe", op) in ops
+    assert ops[-2:] == [("", "ReduceSum"), ("", "CastLike")]
+    assert ("", "DequantizeLinear") not in ops  # FP8: the plugin reads the packed weights themselves
+    plugin = next(n for n in model.graph.node if n.op_type == op)
+    assert {a.name: a.s for a in plugin.attribute} == {"plugin_namespace": b"dgpipe", "plugin_version": b"1"}
+    got = _run_lowered(model, feeds)
+    scales = {k: v for k, v in w.items() if k.endswith("scale")}
+    want = moe_reference(x.float(), index, weights, w["gate_up"], w["down"], dtype=torch.float64, **scales)
+    assert got.shape == (11, 32) and got.dtype.name == "float32"
+    assert torch.allclose(torch.from_numpy(got), want, rtol=1e-5, atol=1e-5)  # fp32 evaluation of fp64 oracle
+
+
+def test_lowering_refuses_what_no_kernel_runs(layer):
+    from onnx import helper
+
+    from pipeline.engine.moe_graph import lower_moe
+
+    x, index, weights = routed(layer, tokens=3)
+    _, model, _, _ = _moe_graph(layer, x, index, weights)
+    node = next(n for n in model.graph.node if n.op_type == "MoE")
+    node.attribute.append(helper.make_attribute("act_quant", "fp8"))
+    del node.attribute[[a.name for a in node.attribute].index("act_quant")]
+    with pytest.raises(DgpipeError, match="act_quant=fp8 needs FP8 expert weights"):
+        lower_moe(model)
+    _, model, _, _ = _moe_graph(layer, x, index, weights)
+    node = next(n for n in model.graph.node if n.op_type == "MoE")
+    del node.attribute[[a.name for a in node.attribute].index("activation")]
+    node.attribute.append(helper.make_attribute("activation", "silu"))
+    with pytest.raises(DgpipeError, match="gelu_tanh only"):
+        lower_moe(model)
+    _, model, _, _ = _moe_graph(layer, x, index, weights, fp8=True)
+    next(i for i in model.graph.initializer if i.name == "gu8").data_type = 23  # FLOAT4E2M1: NVFP4
+    with pytest.raises(DgpipeError, match="NVFP4 expert weights: not yet"):
+        lower_moe(model)
+
+
+def test_engine_build_parses_the_lowered_copy(layer, tmp_path):
+    """_onnx_for_trt: the export stays as written; TensorRT parses a graph-only copy beside it with the MoE
+    lowered and the sampler nodes marked."""
+    from onnx import helper
+
+    from pipeline.engine.build_engine import _onnx_for_trt
+
+    x, index, weights = routed(layer, tokens=3)
+    onnx, model, _, _ = _moe_graph(layer, x, index, weights)
+    model.graph.node.append(helper.make_node("SampleRows", ["out"], ["rows"], domain="dgpipe"))  # parse-only
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    parsed = _onnx_for_trt(path, tmp_path)
+    assert parsed != path and parsed.parent == tmp_path
+    ops = [n.op_type for n in onnx.load(str(parsed)).graph.node]
+    assert "MoE" not in ops and "MoEExperts" in ops
+    rows = next(n for n in onnx.load(str(parsed)).graph.node if n.op_type == "SampleRows")
+    assert any(a.name == "plugin_namespace" for a in rows.attribute)
+    assert "MoE" in [n.op_type for n in onnx.load(str(path)).graph.node]  # the export is untouched
