@@ -280,7 +280,7 @@ def _run_lowered(model, feeds):
             return rows(hidden, index, weight, gate_up, down)
 
     def fp8(a):
-        return torch.from_numpy(np.asarray(a).view(np.uint8)).view(torch.float8_e4m3fn)
+        return torch.from_numpy(np.array(a).view(np.uint8)).view(torch.float8_e4m3fn)
 
     class MoEExpertsW8(OpRun):
         op_domain = "dgpipe"
