@@ -287,8 +287,8 @@ def _run_lowered(model, feeds):
 
         def _run(self, hidden, index, weight, gu, gu_s, dn, dn_s, plugin_namespace=None, plugin_version=None):
             t = [torch.from_numpy(np.array(a)) for a in (hidden, index, weight)]
-            out = moe_experts_reference(*t, fp8(gu), fp8(dn), gate_up_scale=torch.from_numpy(gu_s),
-                                        down_scale=torch.from_numpy(dn_s), dtype=torch.float32)  # fmt: skip
+            out = moe_experts_reference(*t, fp8(gu), fp8(dn), gate_up_scale=torch.from_numpy(np.array(gu_s)),
+                                        down_scale=torch.from_numpy(np.array(dn_s)), dtype=torch.float32)  # fmt: skip
             return (out.numpy(),)
 
     class MoEExpertsW8A8(OpRun):
@@ -298,8 +298,8 @@ def _run_lowered(model, feeds):
             self, hidden, index, weight, gu, gu_s, dn, dn_s, in_s, plugin_namespace=None, plugin_version=None
         ):
             t = [torch.from_numpy(np.array(a)) for a in (hidden, index, weight)]
-            out = moe_experts_reference(*t, fp8(gu), fp8(dn), gate_up_scale=torch.from_numpy(gu_s),
-                                        down_scale=torch.from_numpy(dn_s), input_scale=torch.from_numpy(in_s),
+            out = moe_experts_reference(*t, fp8(gu), fp8(dn), gate_up_scale=torch.from_numpy(np.array(gu_s)),
+                                        down_scale=torch.from_numpy(np.array(dn_s)), input_scale=torch.from_numpy(np.array(in_s)),
                                         dtype=torch.float32)  # fmt: skip
             return (out.numpy(),)
 
