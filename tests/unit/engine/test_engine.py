@@ -842,6 +842,16 @@ def test_target_for_a_gpu_is_its_exact_compute_capability():
     assert for_cc("10.3") is None and for_cc("8.0") is None  # no nearest: sm_100a PTX does not load on 10.3
 
 
+@pytest.mark.parametrize(("cc", "ok", "label"), [("9.0", True, "sm90"), ("10.3", False, "no dgpipe target")])
+def test_doctor_names_the_gpus_target(monkeypatch: pytest.MonkeyPatch, cc: str, ok: bool, label: str):
+    from pipeline import doctor
+    from pipeline.engine import probe
+
+    monkeypatch.setattr(probe, "gpu", lambda: (cc, "Some GPU"))
+    check = next(c for c in doctor.check_engine_build() if c.name == "engine target")
+    assert check.ok is ok and check.detail == f"Some GPU: cc {cc} -> {label}"
+
+
 def test_onnx_identity_hash_is_cached_by_size_and_mtime(tmp_path: Path):
     import os
 
