@@ -97,6 +97,15 @@ def check_dims(op: str, d: int, experts: int, gate_up: tuple[int, ...], down: tu
     return inter
 
 
+def check_scales(op: str, d: int, experts: int, shapes: list[tuple[int, ...]]) -> None:
+    """FP8 scale inputs as the kernel indexes them: gate_up_scale [E, 2, d] (the blocked DequantizeLinear
+    scale of gate_up), down_scale [E] (per-axis, axis 0), input_scale [3, E]."""
+    want = [(experts, 2, d), (experts,), (3, experts)][: len(shapes)]
+    for port, got, expect in zip(("gate_up_scale", "down_scale", "input_scale"), shapes, want):
+        if tuple(got) != expect:
+            raise DgpipeError(f"{NAMESPACE}::{op}: {port} must be {list(expect)}, got {list(got)}")
+
+
 def tile(d: int, inter: int, hidden_dtype: str) -> int:
     """Tokens per tile: as many as the shared-memory budget holds (a tile's rows of x in the model dtype
     plus its fp32 GELU products), at most MAX_TILE."""

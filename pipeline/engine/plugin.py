@@ -227,6 +227,9 @@ def _define_moe() -> None:
             dims[label] = values
         d, experts = dims["d"][0], dims["gate_up"][0]
         inter = moe.check_dims(op, d, experts, dims["gate_up"], dims["down"])
+        if op != moe.EXPERTS_OP:  # scales: gate_up_scale, down_scale[, input_scale]
+            scales = [inputs[4], inputs[6], *inputs[7:]]
+            moe.check_scales(op, d, experts, [tuple(_const(e) for e in t.shape_expr) for t in scales])
         x_dtype = names[hidden.dtype]
         kernel = moe.kernel(op, x_dtype)
         n = moe.tile(d, inter, x_dtype)

@@ -187,6 +187,13 @@ def test_moe_plugin_refuses_mismatched_weights(real_trtp):
         build_time_call(trt, "dgpipe::MoEExperts", [*ok[:3], ((4, 32, 32), f32), ((4, 32, 16), f32)])
     with pytest.raises(DgpipeError, match="build-time constants"):
         build_time_call(trt, "dgpipe::MoEExperts", [((None, None), bf), *ok[1:]])
+    fp8 = trt.fp8
+    w8 = [*ok[:3], ((4, 32, 32), fp8), ((4, 2, 32), f32), ((4, 32, 16), fp8), ((4,), f32)]
+    assert build_time_call(trt, "dgpipe::MoEExpertsW8", w8)["kernel"] == b"dg_trt_moe_bf16_w8"
+    with pytest.raises(DgpipeError, match=r"gate_up_scale must be \[4, 2, 32\], got \[4, 2, 1\]"):
+        build_time_call(trt, "dgpipe::MoEExpertsW8", [*w8[:4], ((4, 2, 1), f32), *w8[5:]])
+    with pytest.raises(DgpipeError, match=r"input_scale must be \[3, 4\]"):
+        build_time_call(trt, "dgpipe::MoEExpertsW8A8", [*w8, ((4, 3), f32)])
 
 
 # ---- the engine build's lowering of dgpipe::MoE (pipeline/engine/moe_graph.py) ---------------------------
