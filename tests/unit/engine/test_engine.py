@@ -755,20 +755,6 @@ def test_trt_feeds_drive_the_real_graph_like_onnxruntime_backend(tmp_path: Path)
 
 
 # ---- plugin.py through TensorRT's own tensorrt.plugin code (tests/_utils/trt_native.py) ----------------
-@pytest.fixture
-def real_trtp(monkeypatch: pytest.MonkeyPatch):
-    """plugin.py registered through the `tensorrt-cu13-bindings` wheel's real `tensorrt.plugin` package
-    (validation in its _validate.py, IPluginV3 behaviour in its _plugin_class.py); only the native module is
-    a stand-in. Yields (tensorrt stand-in, tensorrt.plugin)."""
-    from pipeline.engine import plugin
-    from tests._utils.trt_native import real_plugin_package
-
-    with real_plugin_package() as (trt, trtp):
-        monkeypatch.setitem(plugin._STATE, "registered", False)
-        plugin.register(b"// ptx", "sm_90a")
-        yield trt, trtp
-
-
 def test_plugins_pass_tensorrt_registration_and_validation(real_trtp):
     trt, trtp = real_trtp
     lib = trtp._lib

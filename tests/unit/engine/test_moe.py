@@ -115,17 +115,6 @@ def test_weight_shapes_are_checked():
 
 
 # ---- plugin.py's MoE plugins through TensorRT's own tensorrt.plugin (tests/_utils/trt_native.py) --------
-@pytest.fixture
-def real_trtp(monkeypatch: pytest.MonkeyPatch):
-    from pipeline.engine import plugin
-    from tests._utils.trt_native import real_plugin_package
-
-    with real_plugin_package() as (trt, trtp):
-        monkeypatch.setitem(plugin._STATE, "registered", False)
-        plugin.register(b"// ptx", "sm_90a")
-        yield trt, trtp
-
-
 def test_moe_plugins_pass_tensorrt_registration(real_trtp):
     trt, trtp = real_trtp
     for op, ports in moe_spec.SPECS.items():
