@@ -5,7 +5,7 @@ code TensorRT itself runs to register Python plugins and to validate the decorat
 (`_validate.py`: argument kinds, annotations, attribute types, the aot_impl return schema ...) and to drive
 them as IPluginV3 objects (`_plugin_class.py`: output types, symbolic output shapes, AOT launch
 parameters, kernel lookup). Only its package `__init__` needs the C extension (`tensorrt.so`, which
-loads libnvinfer: absent here). `load()` therefore imports the real `plugin` package as `tensorrt.plugin`
+loads libnvinfer: absent here). `real_plugin_package()` therefore imports the real `plugin` package as `tensorrt.plugin`
 under a `tensorrt` module that holds only the native objects that package touches, listed below and
 nothing else: an attribute it does not define raises AttributeError, so a new use of the native API shows
 up as a failing test instead of a silently faked behaviour.
