@@ -6,12 +6,21 @@ never reaches the batch), then handed to a worker thread that owns the BlockDiff
 boundaries; cancellation is checked between steps. Responses stream per committed canvas (and per
 denoise step with `stream_drafts`). A failure that belongs to one request (its submission, its callbacks)
 is answered to that request alone; only a failed shared pass fails the requests in flight.
+
+Lifecycle (pipeline/serving/lifecycle.py is the other side): every request has a deadline (the repository's
+`max_request_seconds`, or less with its `timeout_s` input), counted from when it gets a batch slot, after
+which it ends with an error and frees the slot, so work a client abandoned is bounded even where Triton
+does not pass the disconnect on (HTTP). A request with the `health_check` parameter is a ping answered by the worker thread between steps: it
+proves the stub, its intake and its runtime loop are alive (Triton's own readiness stays 200 when the stub
+is gone). Once the drain file (env DGPIPE_DRAIN_FILE) is touched after this model loaded, new requests and
+pings are refused as UNAVAILABLE while those in flight finish.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import queue
 import threading
 import time
@@ -45,6 +54,15 @@ class Job:
     first_canvas: float | None = None
     last_canvas: float | None = None  # when the previous canvas was committed (None: none yet)
     failed: bool = False  # answered with an error: nothing more is sent
+    timeout_s: float = float("inf")  # its deadline, from when it got a batch slot
+    expired: bool = False  # cancelled by its deadline: answered with an error, not a result
+    result: Any = None  # the runtime's Result once submitted (its `admitted` time: when it got a slot)
+
+    def overdue(self, now: float) -> bool:
+        """Running longer than its deadline. Time queued does not count: the queue moves because every
+        running request is bounded, and a full batch must not expire the requests waiting behind it."""
+        admitted = self.result.admitted if self.result is not None else 0.0
+        return admitted > 0 and now - admitted > self.timeout_s
 
 
 def _input(request, name: str) -> np.ndarray | None:
@@ -53,6 +71,9 @@ def _input(request, name: str) -> np.ndarray | None:
 
 
 class TritonPythonModel:
+    drain_file: str | None = None  # set by initialize from DGPIPE_DRAIN_FILE
+    loaded_at = 0.0  # time.time() at load: an older drain file is a previous server's
+
     def initialize(self, args: dict[str, str]) -> None:
         from pipeline.builddir import MODEL_CHECKPOINT, EngineLimits
         from pipeline.runtime.scheduler import BlockDiffusionRuntime
@@ -83,7 +104,10 @@ class TritonPythonModel:
             max_prompt=schema.prompt_limit(
                 int(params.get("max_prompt_tokens", limits.max_prompt)), positions, length
             ),
+            max_seconds=float(params.get("max_request_seconds", limits.max_request_seconds)),
         )
+        self.drain_file = os.environ.get(schema.DRAIN_FILE_ENV)
+        self.loaded_at = time.time()  # a drain file older than this is a previous container's: ignored
         backend = self._backend(choice)
         if backend is None:  # the plan failed to load: fall back to the PyTorch weights
             self.session = load_session(ckpt, dtype, device)
@@ -96,6 +120,9 @@ class TritonPythonModel:
         )
         self.ids = itertools.count(1)
         self.inbox: queue.Queue = queue.Queue()
+        # health pings' response senders: answered by the worker thread, so a wedged runtime loop fails
+        # them (apart from the inbox, so they never show in the load gauges)
+        self.pings: queue.Queue = queue.Queue()
         self.jobs: dict[int, Job] = {}
         self._metrics()
         self.running = True
@@ -156,6 +183,11 @@ class TritonPythonModel:
         self.m_requests = counter("dgpipe_requests_total", "Generate requests accepted")
         self.m_rejected = counter("dgpipe_requests_rejected_total", "Requests refused as invalid")
         self.m_cancelled = counter("dgpipe_requests_cancelled_total", "Requests the client cancelled")
+        self.m_expired = counter(
+            "dgpipe_requests_expired_total",
+            "Requests ended by their deadline (max_request_seconds/timeout_s)",
+        )
+        self.m_draining = gauge("dgpipe_draining", "1 once the server drains: new requests are refused")
         self.m_canvases = counter("dgpipe_canvases_total", "Canvases committed")
         self.m_steps = counter("dgpipe_denoise_steps_total", "Denoise steps over all canvases")
         self.m_tokens = counter("dgpipe_generated_tokens_total", "Tokens generated")
@@ -197,10 +229,35 @@ class TritonPythonModel:
                 self.m_queued.set(load[1])
 
     # ---- request intake (Triton's thread) -------------------------------------------------------
+    def draining(self) -> bool:
+        """Whether `dgpipe serve` or the pod's preStop hook asked this server to drain (a stat per call)."""
+        if not self.drain_file:
+            return False
+        try:
+            return os.stat(self.drain_file).st_mtime >= self.loaded_at
+        except OSError:
+            return False
+
     def execute(self, requests):
+        draining = self.draining()
+        if draining:
+            self.m_draining.set(1)
         for request in requests:
             sender = request.get_response_sender()
             try:
+                if draining:
+                    error = pb_utils.TritonError(
+                        schema.DRAINING,
+                        pb_utils.TritonError.UNAVAILABLE,
+                    )
+                    sender.send(
+                        pb_utils.InferenceResponse(error=error),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                    )
+                    continue
+                if schema.HEALTH_PARAMETER in json.loads(request.parameters() or "{}"):
+                    self.pings.put(sender)
+                    continue
                 self.inbox.put(self._parse(request, sender))
                 self.m_requests.increment(1)
                 self._update_load()
@@ -239,7 +296,14 @@ class TritonPythonModel:
                 else self.session.default_template(parsed.prompt)
             )
             guide = None if parsed.guide is None else self.session.compile_guide(*parsed.guide)
-            job = Job(sender, next(self.ids), prompt_ids, parsed.flags, parsed.stop_words)
+            job = Job(
+                sender,
+                next(self.ids),
+                prompt_ids,
+                parsed.flags,
+                parsed.stop_words,
+                timeout_s=parsed.timeout_s,
+            )
             req = Request(
                 prompt_ids=prompt_ids,
                 max_tokens=parsed.max_tokens,
@@ -271,16 +335,25 @@ class TritonPythonModel:
                     job, req = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
                     block = False
                     try:
-                        self.runtime.submit(req)
+                        job.result = self.runtime.submit(req)
                     except Exception as e:  # this request alone is refused; the batch never saw it
                         self._fail(job, str(e), pb_utils.TritonError.INVALID_ARG)
                         continue
                     self.jobs[job.request_id] = job
             except queue.Empty:
                 pass
+            while not self.pings.empty():  # alive: this loop runs and reaches its queues
+                self.pings.get_nowait().send(
+                    pb_utils.InferenceResponse(output_tensors=[]),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
             self._update_load()
+            now = time.perf_counter()
             for job in list(self.jobs.values()):
                 if job.sender.is_cancelled():
+                    self.runtime.cancel(job.request_id)
+                elif not job.expired and job.overdue(now):
+                    job.expired = True  # answered with an error when the runtime lets it go (_on_finish)
                     self.runtime.cancel(job.request_id)
             if self.runtime.busy():
                 try:
@@ -376,6 +449,16 @@ class TritonPythonModel:
         if reason == "cancelled" and job.sender.is_cancelled():
             self.m_cancelled.increment(1)
             return  # the client went away: nothing to send
+        if reason == "cancelled" and job.expired:
+            self.m_expired.increment(1)
+            self._fail(
+                job,
+                f"{schema.PAST_DEADLINE} of {job.timeout_s:g} s and was stopped after "
+                f"{job.canvases} canvas(es); ask for fewer max_tokens or max_denoising_steps, or a longer "
+                f"timeout_s (this server allows up to {self.limits.max_seconds:g} s)",
+                pb_utils.TritonError.UNAVAILABLE,
+            )
+            return
         for steps in res.steps_per_canvas:
             self.m_steps.increment(steps)
             self.m_steps_per_canvas.observe(steps)

@@ -67,12 +67,13 @@ def resolve_targets(precision: str, requested: list[str]) -> list[str]:
 
 def run_build(opts: BuildOptions, say: Callable[[str], None]) -> dict:
     from pipeline.deploy.smoke import smoke_test_for
-    from pipeline.model.checkpoint import open_checkpoint
+    from pipeline.model.validate import validate_checkpoint
 
     if opts.max_context < opts.max_prompt + 1 or min(opts.max_batch, opts.max_prompt) < 1:
         raise DgpipeError("--max-batch and --max-prompt must be >= 1 and --max-context > --max-prompt")
     targets = resolve_targets(opts.precision, opts.targets)
-    ckpt = open_checkpoint(opts.model)  # a missing or broken checkpoint fails before any stage runs
+    # a missing, broken or hostile checkpoint fails before any stage runs or anything is written
+    ckpt = validate_checkpoint(opts.model, weights=True)
     build_dir = opts.build_dir.resolve()
     man = load_or_create(
         build_dir,

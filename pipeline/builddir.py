@@ -75,6 +75,10 @@ class EngineLimits:
     max_context: int = 8192  # cached tokens a row may attend to (prompt + committed canvases)
     max_tokens: int = 4096  # largest max_tokens a request may ask for (`dgpipe package` default)
     max_steps: int = 256  # largest max_denoising_steps (passes per canvas) a request may ask for
+    # seconds a request may run once it has a batch slot before the server ends it and frees the slot; a
+    # request may ask for less (its timeout_s input). Bounds what an abandoned HTTP request can cost:
+    # Triton's HTTP endpoint does not pass a client's disconnect on to the model (gRPC does)
+    max_request_seconds: int = 600
 
     ENGINE_FIELDS = ("max_batch", "max_prompt", "max_context")  # what a plan is built for
 

@@ -156,13 +156,12 @@ def check_engine_build() -> list[Check]:
     ]
     g = gpu()
     if g is not None:
-        from pipeline.resources import config_names
-        from pipeline.targets import target
+        from pipeline.targets import target_for_compute_capability
 
-        targets = [t for t in (target(n) for n in config_names("targets")) if t.compute_capability == g[0]]
-        label = ", ".join(t.name for t in targets) or "no dgpipe target"
+        t = target_for_compute_capability(g[0])
+        label = t.name if t is not None else "no dgpipe target"
         checks.append(
-            Check("engine target", bool(targets), f"{g[1]}: cc {g[0]} -> {label}", "", "engine build")
+            Check("engine target", t is not None, f"{g[1]}: cc {g[0]} -> {label}", "", "engine build")
         )
     missing = missing_for_local_build()
     checks.append(

@@ -75,6 +75,13 @@ def target(name: str) -> Target:
     return Target(**load_yaml("targets", name))
 
 
+def target_for_compute_capability(cc: str) -> Target | None:
+    """The target whose engines and arch-specific PTX (sm_90a, sm_100a, sm_120a) run on a GPU of compute
+    capability `cc` ("9.0"), or None. Exact match only: a TensorRT plan and `a`-suffixed PTX load on the
+    compute capability they were built for, never on a "nearest" one."""
+    return next((t for t in map(target, config_names("targets")) if t.compute_capability == cc), None)
+
+
 def all_precisions() -> list[str]:
     return config_names("precisions")
 

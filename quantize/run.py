@@ -20,6 +20,7 @@ import torch
 from pipeline.atomic import atomic_dir
 from pipeline.errors import DgpipeError
 from pipeline.model.checkpoint import open_checkpoint
+from pipeline.model.validate import validate_checkpoint
 from pipeline.targets import Precision, check_precision_on_target, precision
 
 # files a serving runtime needs beside the weights, copied unchanged from the source checkpoint
@@ -78,7 +79,8 @@ def validate(opts: QuantizeOptions) -> Precision:
     p = precision(opts.precision)
     if opts.target:
         check_precision_on_target(p.name, opts.target)
-    open_checkpoint(opts.model)  # missing dir / config.json -> CheckpointError
+    # directory, config, tensor names/shapes/dtypes, finite weights; refuses pickle files outright
+    validate_checkpoint(opts.model, weights=True)
     if opts.calib_size < 1:
         raise DgpipeError(f"--calib-size must be >= 1 (got {opts.calib_size})")
     if opts.calib_data is not None and not opts.calib_data.is_file():
@@ -101,7 +103,11 @@ def load_hf_model(path: Path, adapter: Path | None):
     from transformers import DiffusionGemmaForBlockDiffusion
 
     transformers.logging.set_verbosity_error()  # a text-only checkpoint "misses" the vision tower: expected
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32).eval()
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(
+        path,
+        dtype=torch.float32,
+        use_safetensors=True,  # never unpickle (validate refused pickle files too)
+    ).eval()
     if adapter is not None:
         from quantize.adapter import merge_adapter
 

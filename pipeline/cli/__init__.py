@@ -41,6 +41,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "serve",
         "Start a real Triton server and the OpenAI-compatible API beside it, wait until ready, stop on Ctrl-C.",
     ),
+    "health": (
+        "health",
+        "Probe a served model (readiness/liveness) or drain it before shutdown (Kubernetes probes, preStop).",
+    ),
     "manifests": (
         "manifests",
         "Render the kustomize overlay for a DGX node type with this build's values (kubectl kustomize).",

@@ -30,6 +30,10 @@ def deploy(
         int | None, typer.Option(help="seconds to wait for the rollout (default: engine build + load budget)")
     ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan; needs no cluster")] = False,
+    allow_edited: Annotated[
+        bool,
+        typer.Option("--allow-edited", help="apply manifests changed after rendering (default: refuse them)"),
+    ] = False,
     as_json: opt.Json = False,
 ) -> None:
     """Apply with kubectl (server-side), wait for the rollout, run the smoke Job; roll back on failure."""
@@ -40,8 +44,14 @@ def deploy(
     from pipeline.deploy import rollout as dp
 
     plan = dp.make_plan(
-        manifests_dir or build_dir / "k8s", context, build_dir if upload else None, rollout_timeout_s=timeout
+        manifests_dir or build_dir / "k8s",
+        context,
+        build_dir if upload else None,
+        rollout_timeout_s=timeout,
+        allow_edited=allow_edited,
     )
+    if plan.summary["edited"]:
+        out.line(f"warning: applying edited manifests: {', '.join(plan.summary['edited'])}", err=True)
     if dry_run:
         out.show(plan.as_dict(), as_json, _render_plan)
         return

@@ -32,6 +32,12 @@ def package(
     max_prompt_tokens: Annotated[
         int, typer.Option(help="longest prompt accepted, in tokens")
     ] = EngineLimits.max_prompt,
+    request_timeout: Annotated[
+        int,
+        typer.Option(
+            help="seconds a request may run before the server ends it with an error and frees its slot"
+        ),
+    ] = EngineLimits.max_request_seconds,
     device: opt.Device = "auto",
     engines: Annotated[
         Path | None, typer.Option(help="TensorRT engines dir (<target>/model.plan + engine.json) to ship")
@@ -54,7 +60,12 @@ def package(
                 "--build-dir packages the build's own checkpoint and engines under its layout",
                 "drop --model/--output/--engines/--name, or drop --build-dir",
             )
-        limits = EngineLimits(max_batch=max_batch, max_prompt=max_prompt_tokens, max_tokens=max_tokens_limit)
+        limits = EngineLimits(
+            max_batch=max_batch,
+            max_prompt=max_prompt_tokens,
+            max_tokens=max_tokens_limit,
+            max_request_seconds=request_timeout,
+        )
         repo, shipped = package_stage(build_dir, limits)
         out.line(f"model repository: {repo} (model '{name}'{', with engines' if shipped else ''})")
         return
@@ -68,5 +79,6 @@ def package(
         max_prompt_tokens,
         device,
         engines=engines,
+        request_seconds_limit=request_timeout,
     )
     out.line(f"model repository: {repo} (model '{name}')")

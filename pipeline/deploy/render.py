@@ -9,6 +9,7 @@ configMapGenerator merge, patches), never string templates. Bad input fails befo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -57,6 +58,11 @@ _IMAGE_PATH = re.compile(
 _IMAGE_TAG = re.compile(r"^[\w][\w.-]{0,127}$")
 _IMAGE_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# namespaces dgpipe never renders into: the cluster's own (kube-*), and `default`, where the Namespace
+# object carrying the restricted Pod Security labels cannot be ours and the NetworkPolicy would select
+# unrelated workloads' neighbours. A dedicated namespace is the supported layout.
+RESERVED_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
+DIGESTS = "digests"  # render.json: sha256 of every file written, checked by `dgpipe deploy`
 
 
 class WorkloadKind(str, Enum):
@@ -233,10 +239,21 @@ def resolve(
     img = parse_image(image)
     if not _NAME.match(namespace):
         raise DgpipeError(f"--namespace {namespace!r} is not a valid namespace name", "use a DNS-1123 label")
-    if replicas is not None and replicas < 1:
-        raise DgpipeError(f"--replicas {replicas}: expected >= 1")
-    if lws_size is not None and lws_size < 2:
-        raise DgpipeError(f"--lws-size {lws_size}: a multi-node group has at least 2 pods")
+    if namespace in RESERVED_NAMESPACES or namespace.startswith("kube-"):
+        raise DgpipeError(
+            f"--namespace {namespace}: a system or shared namespace",
+            "deploy into a namespace of its own (default: dgpipe); dgpipe labels it for restricted pods",
+        )
+    if replicas is not None and not 1 <= replicas <= cfg.max_replicas:
+        raise DgpipeError(
+            f"--replicas {replicas}: deploy target {cfg.name} allows 1 to {cfg.max_replicas}",
+            f"pick at most max_replicas (configs/deploy/{cfg.name}.yaml)",
+        )
+    if lws_size is not None and not 2 <= lws_size <= cfg.max_group_size:
+        raise DgpipeError(
+            f"--lws-size {lws_size}: a multi-node group on {cfg.name} has 2 to {cfg.max_group_size} pods",
+            f"pick a group size within max_group_size (configs/deploy/{cfg.name}.yaml)",
+        )
     smoke = _smoke_test(manifest, build_dir)
     if smoke_prompt is not None:  # the user's prompt, judged by the build's check
         try:
@@ -409,9 +426,8 @@ def render(values: RenderValues) -> dict[str, list[dict[str, Any]]]:
             (root / name).mkdir()
             (root / name / "kustomization.yaml").write_text(yaml.safe_dump(kust, sort_keys=False))
             docs[name] = kustomize(root / name)
-    storage = [d for d in docs["serving"] if d["kind"] in STORAGE_KINDS]
-    if values.namespace not in ("default", "kube-system"):
-        storage.insert(0, namespace_object(values.namespace))
+    storage = [namespace_object(values.namespace)]  # resolve() refused the shared namespaces
+    storage += [d for d in docs["serving"] if d["kind"] in STORAGE_KINDS]
     return {
         STORAGE_FILE: storage,
         SERVING_FILE: [d for d in docs["serving"] if d["kind"] not in STORAGE_KINDS],
@@ -457,11 +473,27 @@ def write(output: Path, values: RenderValues, files: dict[str, list[dict[str, An
     """Write all files into a temp dir next to `output` and swap it in: never a half-rendered set."""
     check_output(output)
     info = summary(values, files)
-    with atomic_dir(output) as tmp:
-        for name, docs in files.items():
-            (tmp / name).write_text(yaml.safe_dump_all(docs, sort_keys=False))
-        (tmp / RENDER_SUMMARY).write_text(json.dumps(info, indent=2) + "\n")
+    texts = {name: yaml.safe_dump_all(docs, sort_keys=False).encode() for name, docs in files.items()}
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in texts.items()}
+    with atomic_dir(output) as tmp:  # files and their digests appear together or not at all
+        for name, data in texts.items():
+            (tmp / name).write_bytes(data)
+        (tmp / RENDER_SUMMARY).write_text(json.dumps({**info, DIGESTS: digests}, indent=2) + "\n")
     return info
+
+
+def edited_files(output: Path, info: dict[str, Any]) -> list[str]:
+    """Rendered files whose bytes differ from the sha256 `write` recorded (all of them for a render
+    without digests). Guards against unreviewed edits (a `privileged: true` added by hand), not against
+    someone who also rewrites render.json."""
+    digests = info.get(DIGESTS)
+    if not isinstance(digests, dict) or not digests:
+        return ["(no digests recorded)"]
+    return [
+        name
+        for name, want in digests.items()
+        if not (output / name).is_file() or hashlib.sha256((output / name).read_bytes()).hexdigest() != want
+    ]
 
 
 def record(build_dir: Path, output: Path, info: dict[str, Any]) -> None:

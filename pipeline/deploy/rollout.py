@@ -36,6 +36,7 @@ from pipeline.deploy.render import (
     SMOKE_FILE,
     STORAGE_FILE,
     WorkloadKind,
+    edited_files,
 )
 from pipeline.errors import DgpipeError
 from pipeline.onnx.contract import MODEL_FILE as ONNX_FILE
@@ -147,7 +148,8 @@ class Plan:
         }
 
 
-def read_summary(manifests_dir: Path) -> dict[str, Any]:
+def read_summary(manifests_dir: Path, allow_edited: bool = False) -> dict[str, Any]:
+    """render.json, after checking every rendered file against the sha256 recorded at render time."""
     f = manifests_dir / RENDER_SUMMARY
     if not f.is_file():
         raise DgpipeError(
@@ -158,6 +160,14 @@ def read_summary(manifests_dir: Path) -> dict[str, Any]:
     for name in (STORAGE_FILE, SERVING_FILE, SMOKE_FILE):
         if not (manifests_dir / name).is_file():
             raise DgpipeError(f"{manifests_dir / name} is missing", "render the manifests again")
+    edited = edited_files(manifests_dir, info)
+    if edited and not allow_edited:
+        raise DgpipeError(
+            f"{manifests_dir}: {', '.join(edited)} changed after `dgpipe manifests` rendered it",
+            "render again (dgpipe manifests ...) to deploy dgpipe's objects, or pass --allow-edited to apply "
+            "the edited files as they are, after reviewing them",
+        )
+    info["edited"] = edited if allow_edited else []
     return info
 
 
@@ -180,9 +190,10 @@ def make_plan(
     upload: Path | None = None,
     rollout_timeout_s: int | None = None,
     smoke_timeout_s: int = 600,
+    allow_edited: bool = False,
 ) -> Plan:
     """The kubectl commands of a deploy, in order; nothing here touches a cluster."""
-    info = read_summary(manifests_dir)
+    info = read_summary(manifests_dir, allow_edited)
     if upload is not None:
         _check_upload(upload)
     # the plan names kubectl as the user would type it, so --dry-run works where kubectl is not installed

@@ -32,7 +32,8 @@ class DeployTarget(BaseModel):
     gpus_per_node: int = Field(ge=1)
     gpus_per_replica: int = Field(ge=1)
     replicas: int = Field(ge=1)
-    max_replicas: int = Field(ge=1)
+    max_replicas: int = Field(ge=1)  # --replicas and the HPA's maxReplicas stay within it
+    max_group_size: int = Field(ge=2)  # --lws-size: pods of one multi-node group (nodes that share a fabric)
     shm_size: str  # /dev/shm for Triton's Python backend (tensors cross processes through it)
     storage: str  # PVC size: checkpoint + ONNX + engines + model repository
     cpu: str

@@ -255,9 +255,13 @@ def require_local_build(plan: BuildPlan) -> tuple[str, tuple[str, str]]:
 # ---- the TensorRT build -----------------------------------------------------------------------------
 def _onnx_for_trt(onnx: Path, tmp_dir: Path) -> Path:
     """The model to parse: itself when every sampler node carries plugin_namespace="dgpipe" (the exporter
-    adds it), else a graph-only copy with it, written BESIDE the original (external data paths are relative
-    to the model file), so the parser imports the nodes as plugins and not as their reference functions."""
+    adds it) and there is no routed MoE node, else a graph-only copy written BESIDE the original (external
+    data paths are relative to the model file) with the sampler nodes marked, so the parser imports them
+    as plugins and not as their reference functions, and each dgpipe::MoE node lowered to the expert
+    plugin + ReduceSum + CastLike (pipeline/engine/moe_graph.py)."""
     import onnx as onnx_lib
+
+    from pipeline.engine.moe_graph import lower_moe
 
     model = onnx_lib.load(str(onnx), load_external_data=False)
     nodes = [
@@ -266,10 +270,11 @@ def _onnx_for_trt(onnx: Path, tmp_dir: Path) -> Path:
     if not nodes:
         raise DgpipeError(f"{onnx}: no dgpipe::SampleRows / SampleAccept nodes: not a dgpipe export?")
     unmarked = [n for n in nodes if not any(a.name == "plugin_namespace" for a in n.attribute)]
-    if not unmarked:
-        return onnx
     for node in unmarked:
         node.attribute.append(onnx_lib.helper.make_attribute("plugin_namespace", plugin_spec.NAMESPACE))
+    lowered = lower_moe(model)
+    if not unmarked and not lowered:
+        return onnx
     fd, name = tempfile.mkstemp(prefix=".trt.", suffix=".onnx", dir=tmp_dir)
     os.close(fd)
     onnx_lib.save(model, name)  # external_data entries are kept as references, weights are not rewritten

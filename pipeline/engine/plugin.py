@@ -1,4 +1,5 @@
-"""The sampler as TensorRT ahead-of-time Python plugins: `dgpipe::SampleRows` and `dgpipe::SampleAccept`.
+"""The engine's TensorRT ahead-of-time Python plugins: the sampler (`dgpipe::SampleRows`,
+`dgpipe::SampleAccept`) and the routed experts (`dgpipe::MoEExperts`, `...W8`, `...W8A8`; moe_spec).
 
 Why AOT Python plugins (tensorrt.plugin, TensorRT >= 10.8) and not a C++ IPluginV3 library: `@trtp.aot_impl`
 returns PTX that TensorRT embeds in the serialized engine, so the plan is self-contained: Triton's C++
@@ -27,7 +28,13 @@ _STATE: dict[str, Any] = {"ptx": None, "arch": None, "registered": False}
 
 
 def _dtype_names(trt: Any) -> dict[Any, str]:
-    return {trt.float32: "float32", trt.bfloat16: "bfloat16", trt.int64: "int64", trt.bool: "bool"}
+    return {
+        trt.float32: "float32",
+        trt.bfloat16: "bfloat16",
+        trt.int64: "int64",
+        trt.bool: "bool",
+        trt.fp8: "float8e4m3",
+    }
 
 
 def _trt_dtypes(trt: Any) -> dict[str, Any]:
@@ -49,18 +56,19 @@ def set_ptx(ptx: bytes | str, arch: str) -> None:
 
 def _ptx() -> bytes:
     if _STATE["ptx"] is None:
-        raise DgpipeError("the sampler plugin has no PTX: call pipeline.engine.plugin.set_ptx first")
+        raise DgpipeError("the engine plugins have no PTX: call pipeline.engine.plugin.set_ptx first")
     return _STATE["ptx"]
 
 
 def register(ptx: bytes | str | Path, arch: str) -> None:
-    """Register both plugins with TensorRT's plugin registry (idempotent) and set the PTX to embed."""
+    """Register every plugin with TensorRT's plugin registry (idempotent) and set the PTX to embed."""
     if isinstance(ptx, Path):
         ptx = ptx.read_bytes()
     set_ptx(ptx, arch)
     if _STATE["registered"]:
         return
     _define()
+    _define_moe()
     _STATE["registered"] = True
 
 
@@ -179,3 +187,133 @@ def _define() -> None:
         extra[0] = trtp.SymInt32(s[1])  # length
         extra[1] = trtp.SymInt32(vocab)  # the node's attribute: re-noise tokens are drawn from [0, vocab)
         return spec.ACCEPT_KERNEL.encode(), _ptx(), launch, extra
+
+
+def _define_moe() -> None:
+    """The routed-experts plugins (pipeline.engine.moe_spec): one fp32 row per (token, choice), out_k
+    [T, K, d]; the graph sums over K and casts (pipeline.engine.moe_graph). All dims but T are weight
+    shapes, so build-time constants: the tile and shared memory are fixed per engine."""
+    from typing import Tuple, Union  # noqa: UP035
+
+    import tensorrt as trt
+    import tensorrt.plugin as trtp
+
+    from pipeline.engine import moe_spec as moe
+
+    names = _dtype_names(trt)
+    TD = trtp.TensorDesc
+    Out = Tuple[TD]  # noqa: UP006
+    Aot = Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]  # noqa: UP006, UP007
+
+    def describe(op: str, inputs: tuple) -> tuple:
+        moe.check_inputs(op, [names.get(t.dtype, str(t.dtype)) for t in inputs], [t.ndim for t in inputs])
+        h, idx = inputs[0].shape_expr, inputs[1].shape_expr
+        return (trtp.from_shape_expr((h[0], idx[1], h[1]), dtype=trt.float32),)
+
+    def launch(op: str, inputs: tuple) -> Aot:
+        hidden, index, gate_up = inputs[0], inputs[1], inputs[3]
+        down = inputs[5] if op != moe.EXPERTS_OP else inputs[4]
+        dims = {}
+        for label, exprs in (
+            ("d", hidden.shape_expr[1:]),
+            ("gate_up", gate_up.shape_expr),
+            ("down", down.shape_expr),
+        ):
+            values = tuple(_const(e) for e in exprs)
+            if None in values:
+                raise DgpipeError(
+                    f"{spec.NAMESPACE}::{op}: the {label} dims must be build-time constants (weights, hidden size)"
+                )
+            dims[label] = values
+        d, experts = dims["d"][0], dims["gate_up"][0]
+        inter = moe.check_dims(op, d, experts, dims["gate_up"], dims["down"])
+        if op != moe.EXPERTS_OP:  # scales: gate_up_scale, down_scale[, input_scale]
+            scales = [inputs[4], inputs[6], *inputs[7:]]
+            moe.check_scales(op, d, experts, [tuple(_const(e) for e in t.shape_expr) for t in scales])
+        x_dtype = names[hidden.dtype]
+        kernel = moe.kernel(op, x_dtype)
+        n = moe.tile(d, inter, x_dtype)
+        tokens = hidden.shape_expr[0]
+        p = trtp.KernelLaunchParams()
+        p.grid_x = experts  # one block column per expert ...
+        p.grid_y = trtp.min(trtp.cdiv(tokens, moe.TOKENS_PER_SPLIT), moe.MAX_SPLITS)  # ... per token split
+        p.block_x = moe.THREADS
+        p.shared_mem = moe.shared_bytes(d, inter, x_dtype, n)
+        extra = trtp.SymIntExprs(6)
+        for i, v in enumerate((tokens, index.shape_expr[1], d, inter, experts, n)):
+            extra[i] = trtp.SymInt32(v)
+        return kernel.encode(), _ptx(), p, extra
+
+    experts_id = f"{spec.NAMESPACE}::{moe.EXPERTS_OP}"
+    w8_id = f"{spec.NAMESPACE}::{moe.W8_OP}"
+    w8a8_id = f"{spec.NAMESPACE}::{moe.W8A8_OP}"
+
+    @trtp.register(experts_id)
+    def experts_desc(hidden: TD, expert_index: TD, expert_weight: TD, gate_up: TD, down: TD) -> Out:
+        return describe(moe.EXPERTS_OP, (hidden, expert_index, expert_weight, gate_up, down))
+
+    @trtp.aot_impl(experts_id)
+    def experts_aot(
+        hidden: TD, expert_index: TD, expert_weight: TD, gate_up: TD, down: TD, outputs, tactic: int
+    ) -> Aot:
+        return launch(moe.EXPERTS_OP, (hidden, expert_index, expert_weight, gate_up, down))
+
+    @trtp.register(w8_id)
+    def w8_desc(
+        hidden: TD,
+        expert_index: TD,
+        expert_weight: TD,
+        gate_up: TD,
+        gate_up_scale: TD,
+        down: TD,
+        down_scale: TD,
+    ) -> Out:
+        return describe(
+            moe.W8_OP, (hidden, expert_index, expert_weight, gate_up, gate_up_scale, down, down_scale)
+        )
+
+    @trtp.aot_impl(w8_id)
+    def w8_aot(
+        hidden: TD,
+        expert_index: TD,
+        expert_weight: TD,
+        gate_up: TD,
+        gate_up_scale: TD,
+        down: TD,
+        down_scale: TD,
+        outputs,
+        tactic: int,
+    ) -> Aot:
+        return launch(
+            moe.W8_OP, (hidden, expert_index, expert_weight, gate_up, gate_up_scale, down, down_scale)
+        )
+
+    @trtp.register(w8a8_id)
+    def w8a8_desc(
+        hidden: TD,
+        expert_index: TD,
+        expert_weight: TD,
+        gate_up: TD,
+        gate_up_scale: TD,
+        down: TD,
+        down_scale: TD,
+        input_scale: TD,
+    ) -> Out:
+        ins = (hidden, expert_index, expert_weight, gate_up, gate_up_scale, down, down_scale, input_scale)
+        return describe(moe.W8A8_OP, ins)
+
+    @trtp.aot_impl(w8a8_id)
+    def w8a8_aot(
+        hidden: TD,
+        expert_index: TD,
+        expert_weight: TD,
+        gate_up: TD,
+        gate_up_scale: TD,
+        down: TD,
+        down_scale: TD,
+        input_scale: TD,
+        outputs,
+        tactic: int,
+    ) -> Aot:
+        ins = (hidden, expert_index, expert_weight, gate_up, gate_up_scale, down, down_scale, input_scale)
+        return launch(moe.W8A8_OP, ins)

@@ -27,7 +27,7 @@ ACCEPT_OP = "SampleAccept"
 ROW_THREADS = 512  # kRowThreads in dg_sampler.cu
 MAX_CANVAS = 1024  # kMaxCanvas: kernel B sorts one row in one block
 
-DType = Literal["float32", "bfloat16", "int64", "bool"]
+DType = Literal["float32", "bfloat16", "int64", "bool", "float8e4m3"]
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,11 @@ def check_inputs(op: str, dtypes: list[str], ranks: list[int]) -> None:
     """Refuse a node whose inputs do not match the kernel's parameters (count, dtype, rank).
 
     TensorRT would otherwise launch the kernel on mistyped pointers: a wrong answer, not an error."""
-    inputs = SPECS[op][0]
+    check_ports(op, SPECS[op][0], dtypes, ranks)
+
+
+def check_ports(op: str, inputs: tuple[Port, ...], dtypes: list[str], ranks: list[int]) -> None:
+    """`check_inputs` against an explicit port list (the MoE plugins' ports live in moe_spec)."""
     if len(dtypes) != len(inputs):
         raise DgpipeError(f"{NAMESPACE}::{op} takes {len(inputs)} inputs, the node has {len(dtypes)}")
     for port, dtype, rank in zip(inputs, dtypes, ranks, strict=True):

@@ -1,4 +1,8 @@
-"""Per-target PTX of the sampler kernels, as the TensorRT AOT plugin embeds it: `plugins/<target>/`.
+"""Per-target PTX of the plugin kernels, as the TensorRT AOT plugins embed it: `plugins/<target>/`.
+
+One translation unit (pipeline/engine/kernels/csrc/dg_plugins.cu) holds the sampler kernels and the routed
+experts' kernels, so one PTX file (still named dg_sampler.ptx, which build dirs and manifests already
+reference) and one hash identify every kernel an engine embeds.
 
 An AOT plugin hands TensorRT PTX text, which the engine stores and the runtime loads, so the PTX is part of
 the engine's identity: `plugin.json` beside it records the architecture, the entry points and the sha256
@@ -17,6 +21,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from pipeline.engine import moe_spec
+from pipeline.engine.kernels import CSRC as ENGINE_CSRC
+from pipeline.engine.kernels import PLUGINS_SOURCE
 from pipeline.engine.plugin_spec import ACCEPT_KERNEL, rows_kernel
 from pipeline.errors import DgpipeError
 from pipeline.sampler.kernels import build
@@ -25,9 +32,10 @@ from pipeline.targets import target as get_target
 PTX_NAME = "dg_sampler.ptx"
 INFO_NAME = "plugin.json"
 # every entry point an AOT plugin may pick (rows_kernel for both dtypes and vector widths, and kernel B)
-ENTRY_POINTS = tuple(
+SAMPLER_ENTRY_POINTS = tuple(
     sorted({rows_kernel(d, v) for d in ("float32", "bfloat16") for v in (None, 8)} | {ACCEPT_KERNEL})
 )
+ENTRY_POINTS = tuple(sorted((*SAMPLER_ENTRY_POINTS, *moe_spec.ENTRY_POINTS)))
 
 
 class PluginPtx(BaseModel):
@@ -56,7 +64,7 @@ def sha256_bytes(data: bytes) -> str:
 def source_sha256() -> str:
     """The kernel sources and flags the PTX depends on."""
     h = hashlib.sha256(" ".join(build.NVCC_FLAGS).encode())
-    for f in sorted(build.CSRC.glob("*.cu*")):
+    for f in sorted([*build.CSRC.glob("*.cu*"), *ENGINE_CSRC.glob("*.cu*")]):
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 
@@ -84,7 +92,7 @@ def build_plugin_ptx(
     root = Path(plugins_root)
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{t.name}.", dir=root) as tmp:
-        compiled = build.compile_arch(t.arch, tmp, "ptx", nvcc=nvcc)
+        compiled = build.compile_arch(t.arch, tmp, "ptx", source=PLUGINS_SOURCE, nvcc=nvcc)
         text = compiled.read_text()
         found = ptx_entries(text)
         missing = [e for e in ENTRY_POINTS if e not in found]

@@ -7,7 +7,6 @@ so the vision tower (and the tied encoder copies) of a real checkpoint are skipp
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,19 @@ from pipeline.atomic import atomic_dir
 from pipeline.errors import CheckpointError
 from pipeline.model.config import ModelConfig
 from pipeline.model.network import DiffusionGemma, rope_inv_freq
-
-DECODER = "model.decoder."
-ENCODER_SCALAR = re.compile(r"model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
-PER_EXPERT = re.compile(r"(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+from pipeline.model.validate import (
+    DECODER,
+    MAX_JSON_BYTES,
+    PER_EXPERT,
+    check_finite,
+    check_tensors,
+    checkpoint_files,
+    read_json,
+    read_json_object,
+    runtime_name,
+    tensor_headers,
+    weight_files,
+)
 
 
 @dataclass
@@ -43,6 +51,10 @@ class Checkpoint:
         f = self.path / "tokenizer.json"
         if not f.is_file():
             raise CheckpointError(f"{f}: missing", "text prompts need tokenizer.json; or pass token ids")
+        if f.stat().st_size > MAX_JSON_BYTES:
+            raise CheckpointError(
+                f"{f}: larger than {MAX_JSON_BYTES >> 20} MiB", "replace it with the model's tokenizer"
+            )
         try:
             return Tokenizer.from_file(str(f))
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
@@ -50,60 +62,15 @@ class Checkpoint:
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
-    """Read config.json, generation_config.json and dgpipe.json; does not touch the weights."""
+    """Check the directory (no symlink out, no pickle, regular files only) and read config.json,
+    generation_config.json and dgpipe.json with bounded reads; does not touch the weights
+    (`pipeline.model.validate.validate_checkpoint` checks those too)."""
     p = Path(path)
-    if not p.is_dir():
-        raise CheckpointError(
-            f"{p}: no such checkpoint directory", "pass --model DIR with config.json and *.safetensors"
-        )
-    config = ModelConfig.from_json_file(p / "config.json")
-    gen = _read_json(p / "generation_config.json") if (p / "generation_config.json").is_file() else {}
-    extra = _read_json(p / "dgpipe.json") if (p / "dgpipe.json").is_file() else {}
+    checkpoint_files(p)
+    config = ModelConfig.from_raw(read_json(p / "config.json"), source=str(p / "config.json"))
+    gen = read_json_object(p / "generation_config.json") if (p / "generation_config.json").is_file() else {}
+    extra = read_json_object(p / "dgpipe.json") if (p / "dgpipe.json").is_file() else {}
     return Checkpoint(path=p, config=config, generation_config=gen, dgpipe=extra)
-
-
-def _read_json(f: Path) -> dict[str, Any]:
-    try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{f}: not valid JSON ({e.msg} at line {e.lineno})") from e
-
-
-def weight_files(ckpt: Path) -> dict[str, Path]:
-    """Map tensor name -> file, from model.safetensors or a sharded index."""
-    index = ckpt / "model.safetensors.index.json"
-    single = ckpt / "model.safetensors"
-    if index.is_file():
-        wmap = _read_json(index).get("weight_map")
-        if not isinstance(wmap, dict) or not wmap:
-            raise CheckpointError(f"{index}: has no 'weight_map'")
-        out = {}
-        for name, fname in wmap.items():
-            f = ckpt / fname
-            if not f.is_file():
-                raise CheckpointError(f"{f}: shard listed in {index.name} is missing")
-            out[name] = f
-        return out
-    if single.is_file():
-        try:
-            with safe_open(single, "pt") as fh:
-                return dict.fromkeys(fh.keys(), single)
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{single}: not a readable safetensors file ({e})") from e
-    if list(ckpt.glob("*.bin")) or list(ckpt.glob("*.pt")):
-        raise CheckpointError(
-            f"{ckpt}: only pickle weights found", "dgpipe loads safetensors only; convert the checkpoint"
-        )
-    raise CheckpointError(f"{ckpt}: no model.safetensors or model.safetensors.index.json")
-
-
-def runtime_name(name: str) -> str | None:
-    """Checkpoint tensor name -> DiffusionGemma parameter name, or None for tensors the text runtime skips."""
-    if name.startswith(DECODER):
-        return name[len(DECODER) :]
-    m = ENCODER_SCALAR.match(name)
-    # everything else is skipped unread: lm_head (tied), the vision tower, the encoder's tied copies
-    return f"layers.{m.group(1)}.encoder_layer_scalar" if m else None
 
 
 def load_model(
@@ -117,22 +84,24 @@ def load_model(
     a float stand-in whose quantization is applied elsewhere, e.g. the ONNX Q/DQ graph)."""
     ckpt = open_checkpoint(path)
     files = weight_files(ckpt.path)
+    quant = _quantized_loader(ckpt.path)  # ModelOpt export: dequantize on load (pipeline.model.modelopt)
+    # names, dtypes and shapes from the headers before a byte of weights is read or allocated
+    check_tensors(ckpt.config, tensor_headers(files), quant.algo if quant else None, ckpt.path)
     with torch.device("meta"):
         model = DiffusionGemma(ckpt.config)
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     handles: dict[Path, Any] = {}
-    quant = _quantized_loader(ckpt.path)  # ModelOpt export: dequantize on load (pipeline.model.modelopt)
 
     def read(name: str) -> torch.Tensor:
         f = files[name]
         if f not in handles:
             handles[f] = safe_open(f, "pt", device="cpu")
         try:
-            return handles[f].get_tensor(name)
+            return check_finite(name, handles[f].get_tensor(name), f)
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{f}: cannot read tensor '{name}' ({e})") from e
+            raise CheckpointError(f"{f}: cannot read tensor '{name}' ({e})", "the file is corrupt") from e
 
     def sibling(name: str, suffix: str) -> torch.Tensor | None:
         other = name.rsplit(".", 1)[0] + "." + suffix

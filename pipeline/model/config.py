@@ -6,7 +6,6 @@ that a malformed field fails with the field's name, and so that `--help` stays f
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +14,28 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pipeline.errors import CheckpointError, SamplerError, validation_error
 
 LayerType = Literal["sliding_attention", "full_attention"]
+
+# sanity limits (inclusive) of config.json's sizes, checked before anything is allocated: far above any
+# real Gemma-family model (26B-A4B: vocab 262144, hidden 2816, 30 layers, 128 experts), far below what
+# would make `generate` allocate for minutes or hang (num_hidden_layers 10**6). One place for all of them.
+CONFIG_LIMITS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 1 << 21),
+    "hidden_size": (1, 1 << 16),
+    "intermediate_size": (1, 1 << 18),
+    "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (1, 4096),
+    "global_head_dim": (1, 4096),
+    "num_global_key_value_heads": (1, 1024),
+    "max_position_embeddings": (1, 1 << 24),
+    "sliding_window": (1, 1 << 24),
+    "num_experts": (1, 4096),
+    "top_k_experts": (1, 4096),
+    "moe_intermediate_size": (1, 1 << 18),
+    "canvas_length": (1, 1 << 14),  # ModelConfig's
+}
+CONFIG_HINT = "fix config.json: it must describe a DiffusionGemma model (transformers' DiffusionGemmaConfig)"
 
 
 class RopeParams(BaseModel):
@@ -41,22 +62,36 @@ class LayerShape(BaseModel):
         return not self.is_sliding
 
 
+def _size(default: int, name: str) -> Any:
+    """A size the model allocates from, bounded by CONFIG_LIMITS[name]: pydantic checks it while parsing,
+    so a corrupt or hostile config.json is refused before anything is allocated (not after minutes of it)."""
+    lo, hi = CONFIG_LIMITS[name]
+    return Field(default, ge=lo, le=hi)
+
+
+MAX_PARAMETERS = 2 * 10**12  # what the sizes together may describe: beyond it, no machine loads it
+
+
 class TextConfig(BaseModel):
     """The text backbone. Field names follow transformers' `DiffusionGemmaTextConfig` so JSON maps 1:1."""
 
     model_config = ConfigDict(extra="ignore")
 
-    vocab_size: int = 262_144
-    hidden_size: int = 2816
-    intermediate_size: int = 2112
-    num_hidden_layers: int = 30
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 8
-    head_dim: int = 256
-    global_head_dim: int = 512
-    num_global_key_value_heads: int | None = 2
+    vocab_size: int = _size(262_144, "vocab_size")
+    hidden_size: int = _size(2816, "hidden_size")
+    intermediate_size: int = _size(2112, "intermediate_size")
+    num_hidden_layers: int = _size(30, "num_hidden_layers")
+    num_attention_heads: int = _size(16, "num_attention_heads")
+    num_key_value_heads: int = _size(8, "num_key_value_heads")
+    head_dim: int = _size(256, "head_dim")
+    global_head_dim: int = _size(512, "global_head_dim")
+    num_global_key_value_heads: int | None = Field(
+        default=2,
+        ge=CONFIG_LIMITS["num_global_key_value_heads"][0],
+        le=CONFIG_LIMITS["num_global_key_value_heads"][1],
+    )
     hidden_activation: Literal["gelu_pytorch_tanh"] = "gelu_pytorch_tanh"
-    max_position_embeddings: int = 131_072
+    max_position_embeddings: int = _size(131_072, "max_position_embeddings")
     rms_norm_eps: float = 1e-6
     pad_token_id: int = 0
     eos_token_id: int | list[int] = 1
@@ -71,17 +106,29 @@ class TextConfig(BaseModel):
         }
     )
     attention_bias: bool = False
-    sliding_window: int = 1024
+    sliding_window: int = _size(1024, "sliding_window")
     layer_types: list[LayerType] | None = None
     final_logit_softcapping: float = 30.0
     use_bidirectional_attention: Literal["vision"] | None = None
-    num_experts: int = 128
-    top_k_experts: int = 8
-    moe_intermediate_size: int = 704
+    num_experts: int = _size(128, "num_experts")
+    top_k_experts: int = _size(8, "top_k_experts")
+    moe_intermediate_size: int = _size(704, "moe_intermediate_size")
     per_layer_config: dict[str, dict[str, int]] | None = None
 
     @model_validator(mode="after")
     def _fill_layer_types(self) -> TextConfig:
+        for key, override in (self.per_layer_config or {}).items():
+            if not key.isdigit() or int(key) >= self.num_hidden_layers:
+                raise ValueError(f"per_layer_config key {key!r} is not a layer index")
+            for field_name, value in override.items():
+                if not 1 <= value <= CONFIG_LIMITS["head_dim"][1]:
+                    raise ValueError(f"per_layer_config[{key!r}].{field_name} is {value}")
+        for name in ("rms_norm_eps", "final_logit_softcapping"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be finite and > 0 (got {getattr(self, name)})")
+        for token in (self.pad_token_id, self.bos_token_id, *self.end_token_ids):
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
         if self.layer_types is None:
             self.layer_types = [
                 "full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
@@ -96,7 +143,19 @@ class TextConfig(BaseModel):
             raise ValueError(f"top_k_experts ({self.top_k_experts}) > num_experts ({self.num_experts})")
         if self.num_attention_heads < 1:
             raise ValueError("num_attention_heads must be >= 1")
+        if self.parameter_estimate() > MAX_PARAMETERS:
+            raise ValueError(
+                f"these sizes describe ~{self.parameter_estimate():.3g} parameters, over the sanity limit of "
+                f"{MAX_PARAMETERS:.0e}: config.json is corrupt or not a DiffusionGemma config"
+            )
         return self
+
+    def parameter_estimate(self) -> int:
+        """About how many weights these sizes describe (an upper estimate: the wider head everywhere)."""
+        h, dim = self.hidden_size, max(self.head_dim, self.global_head_dim)
+        attention = 2 * h * self.num_attention_heads * dim + 2 * h * self.num_key_value_heads * dim
+        mlp = 3 * h * self.intermediate_size + self.num_experts * 3 * h * self.moe_intermediate_size
+        return self.vocab_size * h + self.num_hidden_layers * (attention + mlp)
 
     def layer_shape(self, idx: int) -> LayerShape:
         assert self.layer_types is not None
@@ -126,7 +185,7 @@ class ModelConfig(BaseModel):
     model_type: str
     text_config: TextConfig
     vision_config: dict[str, Any] | None = None
-    canvas_length: int = 256
+    canvas_length: int = _size(256, "canvas_length")
     tie_word_embeddings: bool = True
 
     @field_validator("model_type")
@@ -138,13 +197,18 @@ class ModelConfig(BaseModel):
 
     @classmethod
     def from_json_file(cls, path: Path) -> ModelConfig:
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError as e:
-            raise CheckpointError(f"{path}: missing", "a checkpoint directory needs config.json") from e
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from e
-        return cls.from_dict(raw, source=str(path))
+        from pipeline.model.validate import read_json  # bounded read (a link to /dev/zero must not hang)
+
+        return cls.from_raw(read_json(path), source=str(path))
+
+    @classmethod
+    def from_raw(cls, raw: Any, source: str = "config") -> ModelConfig:
+        """Parsed JSON of any shape (a list or null config.json is refused with the field's name)."""
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{source}: holds a {type(raw).__name__}, not a JSON object", CONFIG_HINT)
+        if not isinstance(raw.get("text_config", {}), dict):
+            raise CheckpointError(f"{source}: field 'text_config' is not an object", CONFIG_HINT)
+        return cls.from_dict(raw, source)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ModelConfig:
@@ -152,7 +216,12 @@ class ModelConfig(BaseModel):
         text = dict(raw.get("text_config") or {})
         # transformers serialises the global-layer geometry only inside per_layer_config
         raw["text_config"] = text
-        with validation_error(lambda where, msg: f"{source}: field '{where}': {msg}", CheckpointError):
+
+        def message(where: str, msg: str) -> str:
+            msg = msg.removeprefix("Value error, ")
+            return f"{source}: field '{where}': {msg}" if where else f"{source}: {msg}"
+
+        with validation_error(message, CheckpointError, CONFIG_HINT):
             return cls.model_validate(raw)
 
     def to_hf_dict(self) -> dict[str, Any]:

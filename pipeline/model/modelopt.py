@@ -18,7 +18,6 @@ TensorRT-LLM); dgpipe's CPU runtime reads past them and keeps K/V in the compute
 
 from __future__ import annotations
 
-import json
 import re
 import types
 from collections.abc import Callable
@@ -81,10 +80,9 @@ def _packed_format(algo: str) -> str:
 
 
 def _read_json(f: Path) -> dict[str, Any]:
-    try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{f}: not valid JSON ({e.msg} at line {e.lineno})") from e
+    from pipeline.model.validate import read_json_object  # bounded read; validate imports this module
+
+    return read_json_object(f)
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:

@@ -34,10 +34,9 @@ def run_export(model_dir: Path, output: Path | None, build_dir: Path | None, fro
     if output is None and build_dir is None:
         raise DgpipeError("nowhere to write the ONNX", "pass --output DIR or --build-dir DIR")
     output = output or build_dir / LAYOUT["onnx"]  # type: ignore[operator]
-    if not (model_dir / "config.json").is_file():
-        raise DgpipeError(
-            f"{model_dir}: not a checkpoint (no config.json)", "pass an HF-layout checkpoint dir"
-        )
+    from pipeline.model.validate import validate_checkpoint
+
+    validate_checkpoint(model_dir)  # names/shapes/dtypes from the headers; load_model checks finiteness
     precision = checkpoint_precision(model_dir)
     if precision == "fp8":
         from pipeline.onnx.quant import export_fp8

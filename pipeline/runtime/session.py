@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from pipeline.errors import DgpipeError, InputError
-from pipeline.model.checkpoint import Checkpoint, load_model, open_checkpoint
+from pipeline.model.checkpoint import Checkpoint, load_model
 from pipeline.model.config import SamplerConfig
 from pipeline.model.network import DiffusionGemma
+from pipeline.model.validate import validate_checkpoint
 from pipeline.resources import EMBEDDED_MODEL
 from pipeline.runtime.chat_template import Message, end_token_ids
 from pipeline.runtime.prompt_format import PromptFormat, prompt_format_for
@@ -149,7 +150,7 @@ def load_session(
     if weights:
         m, ckpt = load_model(path, resolve_dtype(dtype, dev), dev)
     else:
-        ckpt = open_checkpoint(path)
+        ckpt = validate_checkpoint(path)  # the headers still have to match the config
         with torch.device("meta"):
             m = DiffusionGemma(ckpt.config)
     if canvas_length is not None:

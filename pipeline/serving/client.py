@@ -136,7 +136,7 @@ def grpc_generate(
                     raise DgpipeError(
                         f"cannot reach {url} ({message})", "is the server running? see dgpipe serve"
                     )
-                raise TritonError(message, 500 if message.startswith("internal error") else 400)
+                raise TritonError(message, _status(message))
             resp = result.get_response()
             chunk: dict[str, Any] = {}
             for out in resp.outputs:
@@ -157,6 +157,15 @@ def grpc_generate(
     finally:
         client.stop_stream(cancel_requests=not finished)
         client.close()
+
+
+def _status(message: str) -> int:
+    """The HTTP status a model error over gRPC stands for (the model's lifecycle refusals by their text)."""
+    if message.startswith("internal error"):
+        return 500
+    if schema.DRAINING in message:
+        return 503
+    return 504 if schema.PAST_DEADLINE in message else 400
 
 
 OPENAI_FIELDS = (

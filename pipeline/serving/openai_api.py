@@ -33,6 +33,7 @@ from pipeline.errors import DgpipeError
 from pipeline.runtime.chat_template import MessagesError, parse_messages
 from pipeline.serving.client import Reply, TritonError, grpc_generate
 from pipeline.serving.openai_schema import ChatCompletionRequest, CompletionRequest, RequestError
+from pipeline.serving.schema import DRAINING
 
 # (Triton inputs (schema names), cancel) -> the model's response chunks (client.grpc_generate's dicts);
 # setting `cancel` from another thread ends the iterator soon and cancels the request in Triton
@@ -55,10 +56,12 @@ def _error_response(status: int, message: str, param=None, code=None) -> JSONRes
 
 
 def _from_triton(e: Exception) -> RequestError:
-    """A failure talking to Triton as the frontend's error: its 400 stays a 400, unreachable is a 503."""
+    """A failure talking to Triton as the frontend's error: its 400 stays a 400, a draining model or
+    unreachable Triton is a 503, a request past its deadline a 504."""
     if isinstance(e, TritonError):
-        status = e.status if e.status in (400, 500) else 500
-        return RequestError(str(e), None, status, None if status == 400 else "triton_error")
+        status = e.status if e.status in (400, 500, 503, 504) else 500
+        code = {400: None, 503: "service_unavailable", 504: "timeout"}.get(status, "triton_error")
+        return RequestError(str(e), None, status, code)
     return RequestError(f"the model server is unavailable: {e}", None, 503, "service_unavailable")
 
 
@@ -96,16 +99,66 @@ def _usage(reply: Reply) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+class Admission:
+    """The /v1 requests in flight (a stream until its last event) and whether the frontend drains: then
+    new ones are answered 503 while those in flight finish (`dgpipe serve` drains on SIGTERM with it)."""
+
+    def __init__(self) -> None:
+        self.inflight = 0
+        self.draining = False
+
+    def drain(self) -> None:
+        self.draining = True
+
+
+class _Admit:
+    """ASGI middleware applying an Admission (pure ASGI, so a stream counts until its last byte)."""
+
+    def __init__(self, app, admission: Admission) -> None:
+        self.app, self.admission = app, admission
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if self.admission.draining:
+            body = json.dumps(
+                error_body(
+                    DRAINING,
+                    "server_error",
+                    code="service_unavailable",
+                )
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        self.admission.inflight += 1  # one event loop: no lock needed
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.admission.inflight -= 1
+
+
 def create_app(
     stream: TritonStream,
     model: str = "dgpipe",
     api_key: str | None = None,
     ready: Callable[[], bool] | None = None,
+    admission: Admission | None = None,
 ) -> FastAPI:
     """The frontend for one served model. `stream` sends Triton inputs and yields response chunks (tests
-    pass a fake); `api_key` (None: open) guards /v1; `ready` (None: always) decides /health."""
+    pass a fake); `api_key` (None: open) guards /v1; `ready` (None: always) decides /health, which also
+    answers 503 while `admission` (the caller's, or app.state.admission) drains."""
     created = int(time.time())
     app = FastAPI(title="dgpipe OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.admission = admission = admission or Admission()
+    app.add_middleware(_Admit, admission=admission)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, e: RequestError) -> JSONResponse:
@@ -135,7 +188,7 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = True if ready is None else await run_in_threadpool(ready)
+        ok = not admission.draining and (True if ready is None else await run_in_threadpool(ready))
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])

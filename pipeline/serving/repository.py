@@ -23,7 +23,7 @@ from pipeline.builddir import (
     target_engine_dir,
 )
 from pipeline.errors import DgpipeError
-from pipeline.model.checkpoint import open_checkpoint
+from pipeline.model.validate import checkpoint_files, validate_checkpoint
 from pipeline.resources import TRITON_MODEL_SOURCE
 from pipeline.serving import schema
 
@@ -36,6 +36,7 @@ def model_config(
     device: str,
     warmup: dict[str, Any] | None,
     max_steps_limit: int = EngineLimits.max_steps,
+    request_seconds_limit: int = EngineLimits.max_request_seconds,
 ):
     """The ModelConfig protobuf: decoupled Python backend, the schema's tensors, parameters (the caps a
     request may ask for, read by the Triton model into schema.ServerLimits) and a warm-up request (`warmup`:
@@ -63,6 +64,7 @@ def model_config(
         "max_tokens_limit": str(max_tokens_limit),
         "max_prompt_tokens": str(max_prompt_tokens),
         "max_denoising_steps_limit": str(max_steps_limit),
+        "max_request_seconds": str(request_seconds_limit),
         "device": device,
     }.items():
         cfg.parameters[key].string_value = value
@@ -87,17 +89,20 @@ def package(
     device: str = "auto",
     engines: Path | None = None,
     max_steps_limit: int = EngineLimits.max_steps,
+    request_seconds_limit: int = EngineLimits.max_request_seconds,
 ) -> Path:
     """`engines`: a directory of `<target>/{model.plan,engine.json}` (a build's `engines/`), copied into the
     model version so the Triton model runs the plan that matches its GPU (pipeline/engine/select.py).
     The prompt limit written is at most what the model's positions hold with one canvas after the prompt."""
     from google.protobuf import text_format
 
-    ckpt = open_checkpoint(model)  # fail early on a broken checkpoint, before writing anything
+    ckpt = validate_checkpoint(model, weights=True)  # refuse a broken checkpoint before writing anything
     engine_dirs = _engine_dirs(engines) if engines is not None else []
-    if min(max_batch, max_tokens_limit, max_prompt_tokens, max_steps_limit) < 1:
-        raise DgpipeError("--max-batch, --max-tokens-limit and --max-prompt-tokens must be >= 1")
-    if max(max_tokens_limit, max_prompt_tokens, max_steps_limit) > schema.INT32_MAX:
+    if min(max_batch, max_tokens_limit, max_prompt_tokens, max_steps_limit, request_seconds_limit) < 1:
+        raise DgpipeError(
+            "--max-batch, --max-tokens-limit, --max-prompt-tokens and --request-timeout must be >= 1"
+        )
+    if max(max_tokens_limit, max_prompt_tokens, max_steps_limit, request_seconds_limit) > schema.INT32_MAX:
         raise DgpipeError(f"--max-tokens-limit and --max-prompt-tokens must be <= {schema.INT32_MAX}")
     text = ckpt.config.text_config
     prompt_cap = schema.prompt_limit(
@@ -109,14 +114,16 @@ def package(
             f"{ckpt.config.canvas_length}-token canvas"
         )
     warmup = _warmup_request(ckpt)
-    cfg = model_config(name, max_batch, max_tokens_limit, prompt_cap, device, warmup, max_steps_limit)
+    cfg = model_config(
+        name, max_batch, max_tokens_limit, prompt_cap, device, warmup, max_steps_limit, request_seconds_limit
+    )
     with atomic_dir(output) as tmp:
         mdir = tmp / name
         version = model_version_dir(tmp, name)
         version.mkdir(parents=True)
         (mdir / "config.pbtxt").write_text(text_format.MessageToString(cfg))
         shutil.copy(TRITON_MODEL_SOURCE, version / TRITON_MODEL_FILE)
-        shutil.copytree(ckpt.path, version / MODEL_CHECKPOINT)
+        copy_checkpoint(ckpt.path, version / MODEL_CHECKPOINT)
         for d in engine_dirs:
             shutil.copytree(d, target_engine_dir(version, d.name), ignore=shutil.ignore_patterns(".*"))
         if warmup is not None:
@@ -124,6 +131,14 @@ def package(
             for n, value in warmup.items():
                 (mdir / "warmup" / n).write_bytes(schema.raw_bytes(n, value))
     return output
+
+
+def copy_checkpoint(src: Path, dst: Path) -> None:
+    """Copy the checkpoint's regular files only, each from inside the checkpoint (checkpoint_files has
+    refused symlinks out, devices, FIFOs and pickle files); contents are copied, never links."""
+    for rel in checkpoint_files(src):
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / rel, dst / rel)
 
 
 def package_stage(build_dir: Path, limits: EngineLimits) -> tuple[Path, bool]:
@@ -140,6 +155,7 @@ def package_stage(build_dir: Path, limits: EngineLimits) -> tuple[Path, bool]:
         max_tokens_limit=limits.max_tokens,
         engines=built,
         max_steps_limit=limits.max_steps,
+        request_seconds_limit=limits.max_request_seconds,
     )
     record_stage(
         build_dir,

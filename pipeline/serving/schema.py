@@ -34,6 +34,14 @@ NUMPY_DTYPES: dict[str, Any] = {  # Triton datatype (wire name) -> numpy dtype
     "FP32": np.float32,
 }
 KNOWN_PARAMETERS: frozenset[str] = frozenset()  # request parameters we accept (none yet): others are refused
+# a request with this parameter is a health ping: answered by the model's runtime loop, no inputs needed
+HEALTH_PARAMETER = "health_check"
+# the file whose touch (after the model loaded) makes the model refuse new requests: `dgpipe serve` and
+# the pod's preStop hook drain through it (pipeline/serving/lifecycle.py)
+DRAIN_FILE_ENV = "DGPIPE_DRAIN_FILE"
+# how the model's lifecycle refusals begin: the clients map them to 503 / 504 instead of a 400
+DRAINING = "this server is draining (shutting down): retry on another replica"
+PAST_DEADLINE = "request ran past its deadline"
 
 
 class BadRequest(ValueError):
@@ -67,6 +75,7 @@ def _sampler_range(name: str) -> Rule:
     return between(*SAMPLER_RANGES[name])
 
 
+POSITIVE_SECONDS = Rule(lambda v: 0 < v < float("inf"), "must be a positive number of seconds")
 GUIDE_TYPE = Rule(
     lambda v: v in GUIDE_TYPES,
     f"must be one of {', '.join(GUIDE_TYPES)} (grammars and structural tags are not supported)",
@@ -144,6 +153,12 @@ INPUTS: tuple[TritonTensor, ...] = (
         "BYTES",
         "instead of text_input: OpenAI-style chat messages as JSON, through the chat template",
     ),
+    _in(
+        "timeout_s",
+        "FP32",
+        "seconds this request may run once in the batch (the server's limit when absent), then ends with an error",
+        rule=POSITIVE_SECONDS,
+    ),
     # constrained decoding, under TensorRT-LLM's names (docs/constrained.md)
     _in(
         "guided_decoding_guide_type",
@@ -179,6 +194,7 @@ class ServerLimits:
     max_tokens: int  # max_tokens per request
     max_steps: int  # max_denoising_steps: denoise passes per canvas
     max_prompt: int  # prompt tokens (already within what the model's positions hold with one canvas)
+    max_seconds: float = float("inf")  # how long a request may run once it has a batch slot: its deadline
 
 
 def prompt_limit(cap: int, max_positions: int, canvas_length: int) -> int:
@@ -197,6 +213,7 @@ class ParsedRequest:
     stop_words: list[str] = field(default_factory=list)
     infill_template: str | None = None
     messages: list[dict[str, Any]] | None = None  # checked chat messages, when sent instead of text_input
+    timeout_s: float = float("inf")  # the request's deadline (from its batch slot): its own or the server's
     guide: tuple[str, str] | None = None  # constrained decoding: (guide type, guide), compiled by the model
 
 
@@ -262,7 +279,11 @@ def parse_request(
     # the server's limits, flags, lists, then the other texts
     values = read(lambda s: not s.optional)
     values |= read(lambda s: s.datatype not in ("BYTES", "BOOL"))
-    for name, limit in (("max_tokens", limits.max_tokens), ("max_denoising_steps", limits.max_steps)):
+    for name, limit in (
+        ("max_tokens", limits.max_tokens),
+        ("max_denoising_steps", limits.max_steps),
+        ("timeout_s", limits.max_seconds),
+    ):
         if values[name] is not None and values[name] > limit:
             raise BadRequest(f"input '{name}' is {values[name]}, over this server's limit of {limit}")
     if values["t_min"] is not None and values["t_max"] is not None and values["t_min"] > values["t_max"]:
@@ -283,6 +304,7 @@ def parse_request(
         stop_words=list(values["stop_words"]),
         infill_template=values["infill_template"],
         messages=messages,
+        timeout_s=values["timeout_s"] if values["timeout_s"] is not None else limits.max_seconds,
         guide=guide,
     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -92,12 +93,27 @@ def server_env() -> dict[str, str]:
     return env
 
 
+# Triton's control endpoints (HTTP API / gRPC protocol names): change logging or tracing, load and unload
+# models, register shared memory, read per-model statistics. Inference, health, metadata and model config
+# stay open; these need the header ADMIN_HEADER (gRPC: GRPC_ADMIN_HEADER) with the admin key (`dgpipe serve --admin-key`, the
+# Secret dgpipe-admin-key in Kubernetes). Without a key `dgpipe serve` makes up one nobody knows.
+RESTRICTED_APIS = ("logging", "trace", "model-repository", "shared-memory", "statistics")
+ADMIN_HEADER = "triton-admin-key"
+GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # the metadata key Triton checks over gRPC
+
+
+def restricted_api_args(key: str) -> list[str]:
+    """tritonserver flags (`--http-restricted-api=<apis>:<header>=<value>`, the gRPC one alike)."""
+    setting = f"{','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={key}"
+    return [f"--http-restricted-api={setting}", f"--grpc-restricted-protocol={setting}"]
+
+
 @dataclass
 class Ports:
     http: int = 8000
     grpc: int = 8001
     metrics: int = 8002
-    address: str = "0.0.0.0"
+    address: str = "127.0.0.1"  # this machine only; `dgpipe serve --address 0.0.0.0` opens it up
 
     @property
     def host(self) -> str:
@@ -115,13 +131,25 @@ def log_errors(lines: list[str]) -> list[str]:
 class TritonServer:
     """A tritonserver child process: start, wait until ready, stop."""
 
-    def __init__(self, repo: Path, ports: Ports, workdir: Path, log: Path | None = None) -> None:
+    def __init__(
+        self,
+        repo: Path,
+        ports: Ports,
+        workdir: Path,
+        log: Path | None = None,
+        env: dict[str, str] | None = None,
+        exit_timeout: int | None = None,
+        admin_key: str | None = None,
+    ) -> None:
         if not (repo.is_dir() and any(repo.glob("*/config.pbtxt"))):
             raise DgpipeError(
                 f"{repo}: not a model repository (no */config.pbtxt)", "create one with dgpipe package"
             )
         self.repo, self.ports, self.workdir = repo, ports, workdir
+        self.admin_key = admin_key or secrets.token_urlsafe(32)  # no key given: control APIs closed
         self.log = log or workdir / "tritonserver.log"
+        self.env = env or {}  # added to server_env(): e.g. the model's drain file
+        self.exit_timeout = exit_timeout  # --exit-timeout-secs (None: Triton's default, 30 s)
         self.proc: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
@@ -137,13 +165,15 @@ class TritonServer:
             f"--grpc-address={p.address}",
             f"--metrics-address={p.address}",
             "--log-verbose=0",
+            *([f"--exit-timeout-secs={self.exit_timeout}"] if self.exit_timeout is not None else []),
+            *restricted_api_args(self.admin_key),
         ]
 
     def start(self, timeout: float = 180.0) -> TritonServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as fh:
             self.proc = subprocess.Popen(
-                self.command(), stdout=fh, stderr=subprocess.STDOUT, env=server_env()
+                self.command(), stdout=fh, stderr=subprocess.STDOUT, env={**server_env(), **self.env}
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -181,10 +211,14 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{self.ports.host}:{self.ports.metrics}/metrics"
 
-    def stop(self, timeout: float = 20.0) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """SIGINT: Triton waits up to its exit timeout for requests in flight, unloads the model and exits;
+        killed only when it has not exited `timeout` s (default: its exit timeout + 20 s) later."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.proc.send_signal(signal.SIGINT)  # Triton unloads models and exits on SIGINT
+        if timeout is None:
+            timeout = (30 if self.exit_timeout is None else self.exit_timeout) + 20.0
+        self.proc.send_signal(signal.SIGINT)
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -200,6 +234,7 @@ class TritonServer:
 
 def docker_command(repo: Path, ports: Ports, image: str) -> list[str]:
     """The NGC container command for a GPU host (the serving image adds dgpipe to NGC tritonserver)."""
+    bind = "" if ports.address in ("0.0.0.0", "") else f"{ports.address}:"
     return [
         "docker",
         "run",
@@ -208,32 +243,19 @@ def docker_command(repo: Path, ports: Ports, image: str) -> list[str]:
         "all",
         "--shm-size=2g",
         "-p",
-        f"{ports.http}:8000",
+        f"{bind}{ports.http}:8000",
         "-p",
-        f"{ports.grpc}:8001",
+        f"{bind}{ports.grpc}:8001",
         "-p",
-        f"{ports.metrics}:8002",
+        f"{bind}{ports.metrics}:8002",
         "-v",
         f"{repo.resolve()}:/models:ro",
         image,
         "tritonserver",
         "--model-repository=/models",
+        # the shell expands the key when the line is run (and stops if it is unset): never printed here
+        *restricted_api_args("${DGPIPE_ADMIN_KEY:?set DGPIPE_ADMIN_KEY}"),
     ]
-
-
-def grpc_ready(url: str, timeout: float = 2.0) -> bool:
-    """Whether the Triton at grpc://HOST:PORT answers ready (False when unreachable)."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
-
-    try:
-        client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
-        try:
-            return bool(client.is_server_ready(client_timeout=timeout))
-        finally:
-            client.close()
-    except InferenceServerException:
-        return False
 
 
 class OpenAIFrontend:
@@ -254,6 +276,7 @@ class OpenAIFrontend:
         api_key: str | None = None,
         model: str = "dgpipe",
         ready=None,
+        drain_timeout: float = 5.0,
     ) -> None:
         self.grpc_url, self.address, self.api_key, self.model, self.ready = (
             grpc_url,
@@ -263,8 +286,10 @@ class OpenAIFrontend:
             ready,
         )
         self.port = port
+        self.drain_timeout = drain_timeout  # how long stop() lets open streams finish
         self._server = None
         self._thread = None
+        self.admission = None
 
     def start(self, timeout: float = 30.0) -> OpenAIFrontend:
         import socket
@@ -273,12 +298,15 @@ class OpenAIFrontend:
         try:
             import uvicorn
 
-            from pipeline.serving.openai_api import create_app, triton_stream
+            from pipeline.serving.openai_api import Admission, create_app, triton_stream
         except ImportError as e:
             raise DgpipeError(
                 f"the OpenAI frontend needs {e.name}", "pip install 'dgpipe[serve]' (or --openai-port 0)"
             ) from e
-        app = create_app(triton_stream(self.grpc_url, self.model), self.model, self.api_key, self.ready)
+        self.admission = Admission()
+        app = create_app(
+            triton_stream(self.grpc_url, self.model), self.model, self.api_key, self.ready, self.admission
+        )
         sock = socket.socket(socket.AF_INET6 if ":" in self.address else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -291,7 +319,12 @@ class OpenAIFrontend:
             ) from e
         sock.listen(2048)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=max(1, round(self.drain_timeout)),
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [sock]}, name="openai-frontend", daemon=True
@@ -313,11 +346,20 @@ class OpenAIFrontend:
         host = "127.0.0.1" if self.address in ("0.0.0.0", "") else self.address
         return f"http://{host}:{self.port}/v1"
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def drain(self) -> None:
+        """Refuse new /v1 requests (503, /health 503); those in flight go on."""
+        if self.admission is not None:
+            self.admission.drain()
+
+    def inflight(self) -> int:
+        return 0 if self.admission is None else self.admission.inflight
+
+    def stop(self, timeout: float | None = None) -> None:
+        """uvicorn's graceful shutdown: no new connections, open responses get up to drain_timeout."""
         if self._server is not None:
             self._server.should_exit = True
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(self.drain_timeout + 5 if timeout is None else timeout)
 
     def __enter__(self) -> OpenAIFrontend:
         return self.start()

@@ -19,6 +19,7 @@ import yaml
 from pipeline.builddir import LAYOUT, BuildManifest, EngineLimits, model_version_dir, save_manifest
 from pipeline.deploy.targets import deploy_target, deploy_target_names
 from pipeline.resources import PACKAGE_DIR
+from pipeline.serving import lifecycle
 from pipeline.targets import check_precision_on_target, target
 
 ROOT = PACKAGE_DIR.parent
@@ -36,6 +37,7 @@ SERVED = {  # group/versions that current clusters (1.29+) serve for the kinds w
     "apps/v1": {"Deployment"},
     "batch/v1": {"Job"},
     "policy/v1": {"PodDisruptionBudget"},
+    "networking.k8s.io/v1": {"NetworkPolicy"},
     "autoscaling/v2": {"HorizontalPodAutoscaler"},
     "monitoring.coreos.com/v1": {"PodMonitor", "PrometheusRule"},
     "leaderworkerset.x-k8s.io/v1": {"LeaderWorkerSet"},
@@ -218,6 +220,7 @@ def test_every_overlay_renders_the_full_object_set(overlays):
             [
                 *("ServiceAccount", "ConfigMap", "Service", "PersistentVolumeClaim", "Deployment"),
                 *("PodDisruptionBudget", "HorizontalPodAutoscaler", "PodMonitor", "PrometheusRule"),
+                "NetworkPolicy",
             ]
         )
 
@@ -247,8 +250,8 @@ def test_objects_validate_strictly_against_kubernetes_openapi(overlays, side_obj
             strict=True,
         )
         checked += 1
-    # 5 overlays x 7 core kinds, smoke Job + loader Pod, 9 core objects of the LWS render, 2 pod templates
-    assert checked == 5 * 7 + 2 + 9 + 2
+    # 5 overlays x 8 core kinds, smoke Job + loader Pod, 10 core objects of the LWS render, 2 pod templates
+    assert checked == 5 * 8 + 2 + 10 + 2
 
 
 def one_list(files: dict[str, list[dict]], kind: str) -> list[dict]:
@@ -279,8 +282,17 @@ def test_probes_ports_and_startup_budget(overlays):
             "grpc": 8001,
             "metrics": 8002,
         }
-        assert triton["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
-        assert triton["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+        # Triton's /v2/health/* say 200 with the backend stub gone: both probes ping the model instead
+        url = ["--url", "http://127.0.0.1:8000"]
+        assert triton["livenessProbe"]["exec"]["command"] == ["dgpipe", "health", "probe", "--live", *url]
+        assert triton["readinessProbe"]["exec"]["command"] == ["dgpipe", "health", "probe", *url]
+        # graceful drain: preStop refuses new requests and waits (DRAIN_TIMEOUT_S) for those in flight,
+        # tritonserver then exits within its exit timeout, all inside the grace period
+        assert triton["lifecycle"]["preStop"]["exec"]["command"] == ["dgpipe", "health", "drain"]
+        assert {"name": "DGPIPE_DRAIN_FILE", "value": "/tmp/dgpipe-draining"} in triton["env"]
+        assert f"--exit-timeout-secs={lifecycle.EXIT_TIMEOUT_S}" in triton["args"]
+        assert spec["terminationGracePeriodSeconds"] == lifecycle.TERMINATION_GRACE_S
+        assert lifecycle.DRAIN_TIMEOUT_S + lifecycle.EXIT_TIMEOUT_S < lifecycle.TERMINATION_GRACE_S
         startup = triton["startupProbe"]
         assert startup["httpGet"]["path"] == "/v2/health/ready"
         budget = startup["periodSeconds"] * startup["failureThreshold"]
@@ -302,6 +314,9 @@ def test_probes_ports_and_startup_budget(overlays):
         assert "--openai-port=9000" in api["command"]
         assert {p["name"]: p["containerPort"] for p in api["ports"]} == {"openai": 9000}
         assert api["readinessProbe"]["httpGet"] == {"path": "/health", "port": "openai"}
+        assert not any(
+            a.startswith("--drain-timeout") for a in api["command"]
+        )  # the CLI's default: one source
         assert api["livenessProbe"]["tcpSocket"] == {"port": "openai"}
         (key,) = [e for e in api["env"] if e["name"] == "DGPIPE_API_KEY"]
         assert key == {"name": "DGPIPE_API_KEY", "valueFrom": {"secretKeyRef": SECRET_REF}}  # never inlined
@@ -370,7 +385,7 @@ def test_engine_build_runs_on_the_node_in_the_serving_image(overlays, name):
         *EngineLimits().flags(),
     ]
     assert triton["command"] == ["tritonserver"]
-    args = expand(triton["args"], env)
+    args = expand(triton["args"], {**env, "DGPIPE_ADMIN_KEY": "key"})  # the Secret's value
     assert f"--model-repository=/models/build/{LAYOUT['model_repository']}" in args
     assert {"--http-port=8000", "--grpc-port=8001", "--metrics-port=8002"} <= set(args)
     # every $(VAR) the containers use is defined in their env (the kubelet leaves unknown ones verbatim)
@@ -599,7 +614,7 @@ def test_manifests_without_monitoring_and_smoke_prompt(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all((out / "dgpipe.yaml").read_text()) if d]
-    assert sorted(kinds) == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
+    assert sorted(kinds) == ["ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service"]
     job = next(yaml.safe_load_all((out / "smoke-job.yaml").read_text()))
     (c,) = job["spec"]["template"]["spec"]["containers"]
     assert c["command"] == ["python3", "-m", "pipeline.deploy.smoke"]

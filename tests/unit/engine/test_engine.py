@@ -117,6 +117,7 @@ def plugins(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @needs_nvcc
 @pytest.mark.parametrize(("target", "arch"), [("sm90", "sm_90a"), ("sm100", "sm_100a"), ("sm120", "sm_120a")])
 def test_plugin_ptx_per_target(plugins: Path, target: str, arch: str):
+    from pipeline.engine import moe_spec
     from pipeline.engine.ptx import ENTRY_POINTS, load_plugin_ptx, sha256_bytes
 
     info, data = load_plugin_ptx(plugins / target, target)
@@ -131,7 +132,8 @@ def test_plugin_ptx_per_target(plugins: Path, target: str, arch: str):
         for dtype in ("float32", "bfloat16")
         for vocab in (262144, 24, 13, None)
     } | {spec.ACCEPT_KERNEL}
-    assert len(chosen) == 5, chosen
+    chosen |= {moe_spec.kernel(op, dt) for op, dt in moe_spec.KERNELS}
+    assert len(chosen) == 9, chosen
     assert chosen <= set(re.findall(r"^\.(?:visible\s+)?\.entry\s+(\w+)\(", text, re.MULTILINE))
     assert set(ENTRY_POINTS) == chosen
     assert info.sha256 == sha256_bytes(data) and len(info.sha256) == 64
@@ -155,7 +157,10 @@ def test_plugin_ptx_assembles_for_its_gpu(plugins: Path, tmp_path: Path, target:
     )
     assert r.returncode == 0, r.stderr
     info = kbuild.read_cubin(out)
-    assert info.arch == arch and set(ENTRY_POINTS) <= set(info.kernels)
+    assert info.arch == arch and set(ENTRY_POINTS) <= set(info.kernels)  # sampler and MoE entry points
+    tool = kbuild.find_cuobjdump()
+    if tool is not None:  # NVIDIA's own reader agrees on the SASS architecture
+        assert kbuild.cuobjdump_archs(out, cuobjdump=tool) == {arch}
 
 
 @needs_nvcc
@@ -175,6 +180,13 @@ def test_plugin_entry_points_take_trt_argument_order(plugins: Path):
     accept = params("dg_trt_accept")
     assert len(accept) == 21 and all(p == "u64" for p in accept[:13] + accept[15:])
     assert accept[13] in ("u32", "s32") and accept[14] in ("u32", "s32")
+    # MoE: inputs, six int32 extras (T, K, d, I, E, tile), one output
+    from pipeline.engine import moe_spec
+
+    for (op, _), entry in moe_spec.KERNELS.items():
+        p, n_in = params(entry), len(moe_spec.SPECS[op])
+        assert len(p) == n_in + 6 + 1, entry
+        assert all(t == "u64" for t in p[:n_in] + p[-1:]) and all(t in ("u32", "s32") for t in p[n_in:-1])
 
 
 @needs_nvcc
@@ -645,8 +657,12 @@ def test_plan_from_a_real_export(tmp_path: Path):
         [2, 1, 5, 16],
     ]  # ring = window - 1 = 5
     assert plan.plugin is None and not (tmp_path / "plugins").exists()  # compiled only when the build runs
-    assert _onnx_for_trt(model, model.parent) == model  # the exporter marks the nodes: parsed as is
+    parsed = _onnx_for_trt(model, model.parent)
     m = onnx.load(str(model), load_external_data=False)
+    routed = any(n.domain == "dgpipe" and n.op_type == "MoE" for n in m.graph.node)
+    assert (parsed == model) is not routed  # marked sampler nodes: parsed as is; routed MoE: a lowered copy
+    if routed:
+        parsed.unlink()
     nodes = {n.op_type: {a.name: a for a in n.attribute} for n in m.graph.node if n.domain == "dgpipe"}
     assert set(nodes) == {"SampleRows", "SampleAccept"}
     assert all(a["plugin_namespace"].s == b"dgpipe" for a in nodes.values())
@@ -738,149 +754,88 @@ def test_trt_feeds_drive_the_real_graph_like_onnxruntime_backend(tmp_path: Path)
     assert causal and all(f["template"] == f["tokens"] for f in causal)
 
 
-# ---- plugin.py against tensorrt.plugin's documented schema -----------------------------------------------
-class _Expr:
-    """A symbolic dim as tensorrt.plugin hands it: constant or not, and multipliable."""
-
-    def __init__(self, value: int | None) -> None:
-        self.value, self.is_fake = value, False
-
-    @property
-    def is_constant(self) -> bool:
-        return self.value is not None
-
-    def constant_value(self) -> int:
-        assert self.value is not None
-        return self.value
-
-    def __mul__(self, other: _Expr) -> _Expr:
-        return _Expr(None if self.value is None or other.value is None else self.value * other.value)
-
-
-@pytest.fixture
-def recording_trtp(monkeypatch: pytest.MonkeyPatch):
-    """A recording stand-in for `tensorrt` / `tensorrt.plugin` (TensorRT cannot be installed here): it keeps
-    what plugin.py registers so the test can check the functions against the real module's schema rules
-    (documented in tensorrt.plugin.register / aot_impl) and run them on concrete descriptors."""
-    import types
-
-    trt = types.ModuleType("tensorrt")
-    for name in ("float32", "bfloat16", "int64", "bool", "float16"):
-        setattr(trt, name, f"DataType.{name}")
-    trtp = types.ModuleType("tensorrt.plugin")
-    registry: dict[str, dict] = {}
-
-    class TensorDesc:
-        def __init__(self, shape=(), dtype=None):
-            self.shape_expr, self.dtype = list(shape), dtype
-
-        @property
-        def ndim(self) -> int:
-            return len(self.shape_expr)
-
-    class KernelLaunchParams:
-        grid_x = grid_y = grid_z = block_x = block_y = block_z = shared_mem = None
-
-    class SymExprs(list):
-        pass
-
-    class SymIntExprs(SymExprs):
-        def __init__(self, n: int = 0):
-            super().__init__([None] * n)
-
-    def decorator(kind):
-        def wrap(plugin_id):
-            def inner(fn):
-                registry.setdefault(plugin_id, {})[kind] = fn
-                return fn
-
-            return inner
-
-        return wrap
-
-    trtp.register, trtp.aot_impl = decorator("register"), decorator("aot_impl")
-    trtp.TensorDesc, trtp.KernelLaunchParams, trtp.SymExprs, trtp.SymIntExprs = (
-        TensorDesc,
-        KernelLaunchParams,
-        SymExprs,
-        SymIntExprs,
-    )
-    trtp.SymInt32 = lambda e: ("int32", e.value if isinstance(e, _Expr) else e)
-    trtp.from_shape_expr = lambda shape, dtype: TensorDesc(shape, dtype)
-    trt.plugin = trtp
-    monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
-    from pipeline.engine import plugin
-
-    monkeypatch.setitem(plugin._STATE, "registered", False)
-    plugin.register(b"// ptx", "sm_90a")
-    return registry, TensorDesc
-
-
-def test_plugin_functions_follow_the_tensorrt_plugin_schema(recording_trtp):
-    import inspect
-    import typing
-
-    registry, _ = recording_trtp
-    assert set(registry) == {"dgpipe::SampleRows", "dgpipe::SampleAccept"}
-    for op_id, fns in registry.items():
+# ---- plugin.py through TensorRT's own tensorrt.plugin code (tests/_utils/trt_native.py) ----------------
+def test_plugins_pass_tensorrt_registration_and_validation(real_trtp):
+    trt, trtp = real_trtp
+    lib = trtp._lib
+    assert {"dgpipe::SampleRows", "dgpipe::SampleAccept"} <= set(lib.QDP_REGISTRY)
+    for op_id in ("dgpipe::SampleRows", "dgpipe::SampleAccept"):
         op = op_id.split("::")[1]
-        tensors = [p.name for p in spec.SPECS[op][0]]
-        attrs = list(spec.ACCEPT_ATTRS) if op == spec.ACCEPT_OP else []
-        reg = inspect.signature(fns["register"])
-        assert list(reg.parameters) == tensors + attrs  # tensors first, then attributes, all annotated
-        assert all(p.annotation is not inspect.Parameter.empty for p in reg.parameters.values())
-        assert all(isinstance(p.annotation, type) for p in reg.parameters.values())  # objects, not strings
-        assert typing.get_origin(reg.return_annotation) is tuple
-        assert len(typing.get_args(reg.return_annotation)) == len(spec.SPECS[op][1])
-        aot = inspect.signature(fns["aot_impl"])
-        assert list(aot.parameters) == tensors + attrs + ["outputs", "tactic"]  # the aot_impl schema
-        ret = typing.get_args(aot.return_annotation)
-        assert len(ret) == 4 and ret[2].__name__ == "KernelLaunchParams"
+        d = lib.QDP_REGISTRY[op_id]
+        assert d.input_tensor_names == [p.name for p in spec.SPECS[op][0]]  # parsed by TensorRT's _validate
+        assert d.num_outputs == len(spec.SPECS[op][1])
+        assert d.aot_impl_func is not None and d.impl_func is None  # AOT only: the PTX lives in the plan
+        assert trt.get_plugin_registry().get_creator(op, "1", "dgpipe") is not None
+    assert lib.QDP_REGISTRY["dgpipe::SampleAccept"].input_attrs == {"vocab": int}
+    assert lib.QDP_REGISTRY["dgpipe::SampleAccept"].aot_impl_attr_names == ["vocab"]
 
 
-def test_plugin_shapes_and_launches_on_concrete_descriptors(recording_trtp):
-    registry, desc = recording_trtp
-    b, length, vocab = _Expr(2), _Expr(8), _Expr(24)
-    f32, i64 = "DataType.float32", "DataType.int64"
-    rows_in = [desc((b, length, vocab), f32), desc((b,), f32), *[desc((b,), i64) for _ in range(4)]]
-    rows = registry["dgpipe::SampleRows"]
-    outs = rows["register"](*rows_in)
-    assert [(len(o.shape_expr), o.dtype) for o in outs] == [
-        (2, f32),
-        (2, f32),
-        (2, i64),
-        (2, i64),
-        (3, "DataType.bfloat16"),
-    ]
-    name, ptx, launch, extra = rows["aot_impl"](*rows_in, outputs=outs, tactic=0)
-    assert (name, ptx) == (b"dg_trt_rows_f32x4", b"// ptx")
-    assert (launch.grid_x.value, launch.block_x, launch.shared_mem) == (16, 512, 0)
-    assert list(extra) == [("int32", 8), ("int32", 24)]
+def test_vendor_validation_is_live(real_trtp):
+    """The same decorators refuse what TensorRT refuses: proof the checks above are TensorRT's, not ours."""
+    _, trtp = real_trtp
+    with pytest.raises(ValueError, match="does not have a type annotation"):
+        trtp.register("dgpipe::Bad")(lambda x: x)
+    with pytest.raises(ValueError, match="reserved namespace"):
+
+        @trtp.register("tensorrt::Bad")
+        def _bad(x: trtp.TensorDesc) -> trtp.TensorDesc:
+            return x
+
+    with pytest.raises(ValueError, match="already has a defintion"):  # (sic) TensorRT's spelling
+
+        @trtp.register("dgpipe::SampleRows")
+        def _again(x: trtp.TensorDesc) -> trtp.TensorDesc:
+            return x
+
+
+def test_sampler_plugins_at_build_time(real_trtp):
+    """TensorRT's build-time call sequence on the wheel's own AOT plugin class: output types and symbolic
+    shapes, launch geometry and extra int32 arguments as TensorRT receives them."""
+    from tests._utils.trt_native import build_time_call
+
+    trt, _ = real_trtp
+    f32, i64, bf16, b = trt.float32, trt.int64, trt.bfloat16, trt.bool
+    rows_in = [((2, 8, 24), f32), ((2,), f32), *[((2,), i64)] * 4]
+    r = build_time_call(trt, "dgpipe::SampleRows", rows_in)
+    assert r["output_types"] == [f32, f32, i64, i64, bf16]
+    assert r["output_dims"] == [(2, 8), (2, 8), (2, 8), (2, 8), (2, 8, 24)]
+    assert (r["kernel"], r["ptx"]) == (b"dg_trt_rows_f32x4", b"// ptx")
+    assert r["launch"] == dict(grid_x=16, grid_y=1, grid_z=1, block_x=512, block_y=1, block_z=1, shared_mem=0)
+    assert r["extras"] == [8, 24]
+    r = build_time_call(trt, "dgpipe::SampleRows", [((2, 8, 30), bf16), *rows_in[1:]])
+    assert r["kernel"] == b"dg_trt_rows_bf16x1"  # 30 is no multiple of 8: scalar loads
     with pytest.raises(DgpipeError, match="input 'temperature' must be float32"):
-        rows["register"](rows_in[0], desc((b,), i64), *rows_in[2:])
+        build_time_call(trt, "dgpipe::SampleRows", [rows_in[0], ((2,), i64), *rows_in[2:]])
 
-    acc = registry["dgpipe::SampleAccept"]
-    bl, bb = (b, length), (b,)
-    acc_in = [
-        desc(bl, f32),
-        desc(bl, i64),
-        desc(bl, i64),
-        desc(bl, i64),
-        desc(bb, f32),
-        *[desc(bb, i64) for _ in range(4)],
-        desc(bl, i64),
-        desc(bb, i64),
-        desc(bb, i64),
-        desc(bb, f32),
-    ]
-    outs = acc["register"](*acc_in, vocab=24)
-    assert [o.dtype for o in outs] == [f32, "DataType.bool", i64, i64, i64, "DataType.bool"]
-    name, _, launch, extra = acc["aot_impl"](*acc_in, vocab=24, outputs=outs, tactic=0)
-    assert name == b"dg_trt_accept" and (launch.grid_x.value, launch.block_x) == (2, 32)
-    assert list(extra) == [("int32", 8), ("int32", 24)]
-    dynamic = [desc((b, _Expr(None)), t.dtype) if len(t.shape_expr) == 2 else t for t in acc_in]
-    assert acc["aot_impl"](*dynamic, vocab=24, outputs=outs, tactic=0)[2].block_x == 1024
+    bl, bb = (2, None), (2,)  # the canvas length dynamic: symbolic through the shapes, block 1024
+    acc_in = [(bl, f32), (bl, i64), (bl, i64), (bl, i64), (bb, f32), *[(bb, i64)] * 4, (bl, i64), (bb, i64),
+              (bb, i64), (bb, f32)]  # fmt: skip
+    r = build_time_call(trt, "dgpipe::SampleAccept", acc_in, {"vocab": 24})
+    assert r["output_types"] == [f32, b, i64, i64, i64, b]
+    assert r["output_dims"] == [(2, None)] * 4 + [(2,), (2,)]
+    assert r["kernel"] == b"dg_trt_accept" and r["launch"]["grid_x"] == 2 and r["launch"]["block_x"] == 1024
+    assert r["extras"] == [None, 24]  # length known at run time only; vocab the node's attribute
+    static = [((2, 8) if d == bl else d, t) for d, t in acc_in]
+    assert build_time_call(trt, "dgpipe::SampleAccept", static, {"vocab": 24})["launch"]["block_x"] == 32
+    with pytest.raises(DgpipeError, match="vocab must be in"):
+        build_time_call(trt, "dgpipe::SampleAccept", static, {"vocab": 0})
+
+
+def test_target_for_a_gpu_is_its_exact_compute_capability():
+    from pipeline.targets import target_for_compute_capability as for_cc
+
+    assert [for_cc(cc).name for cc in ("8.9", "9.0", "10.0", "12.0")] == ["sm89", "sm90", "sm100", "sm120"]
+    assert for_cc("10.3") is None and for_cc("8.0") is None  # no nearest: sm_100a PTX does not load on 10.3
+
+
+@pytest.mark.parametrize(("cc", "ok", "label"), [("9.0", True, "sm90"), ("10.3", False, "no dgpipe target")])
+def test_doctor_names_the_gpus_target(monkeypatch: pytest.MonkeyPatch, cc: str, ok: bool, label: str):
+    from pipeline import doctor
+    from pipeline.engine import probe
+
+    monkeypatch.setattr(probe, "gpu", lambda: (cc, "Some GPU"))
+    check = next(c for c in doctor.check_engine_build() if c.name == "engine target")
+    assert check.ok is ok and check.detail == f"Some GPU: cc {cc} -> {label}"
 
 
 def test_onnx_identity_hash_is_cached_by_size_and_mtime(tmp_path: Path):

@@ -601,7 +601,11 @@ def test_cli_export_writes_onnx_and_records_manifest(tmp_path):
         cwd=root,
         env={"PYTHONPATH": root, "OMP_NUM_THREADS": "1"},
     )
-    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "not a checkpoint" in bad.stderr
+    assert (
+        bad.returncode == 2
+        and bad.stderr.startswith("error: ")
+        and "no such checkpoint directory" in bad.stderr
+    )
     assert len(bad.stderr.strip().splitlines()) == 1
 
 

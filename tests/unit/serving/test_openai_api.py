@@ -334,3 +334,56 @@ def test_a_client_that_goes_away_mid_stream_cancels_its_triton_request():
         time.sleep(0.05)
     assert slow.cancelled
     assert sent[0]["status"] == 200 and b"[DONE]" not in b"".join(m.get("body", b"") for m in sent)
+
+
+def test_draining_refuses_new_requests_with_503_and_health_503_while_a_stream_in_flight_finishes():
+    """SIGTERM in `dgpipe serve` drains through the Admission: a stream already open runs to its last
+    event and counts as in flight until then; a request after drain() is a 503 in OpenAI's schema."""
+    from pipeline.serving.openai_api import Admission
+
+    release, started = threading.Event(), threading.Event()
+
+    def slow(inputs, cancel):
+        yield {"text_output": ["12"]}
+        started.set()
+        assert release.wait(10)
+        yield FINAL
+
+    admission = Admission()
+    http = TestClient(create_app(slow, admission=admission))
+    events: list = []
+    stream = threading.Thread(
+        target=lambda: events.extend(sse(http.post("/v1/completions", json={**TEXT, "stream": True})))
+    )
+    stream.start()
+    assert started.wait(10) and admission.inflight == 1
+    admission.drain()
+    assert_error(
+        http.post("/v1/completions", json=TEXT), 503, code="service_unavailable", contains="draining"
+    )
+    assert http.get("/health").status_code == 503
+    release.set()
+    stream.join(10)
+    assert admission.inflight == 0  # sse() checked the stream ended with [DONE]
+    assert [e["choices"][0]["finish_reason"] for e in events] == [None, "stop"]
+
+
+def test_a_draining_model_is_a_503_and_a_request_past_its_deadline_a_504():
+    """The model's lifecycle refusals over gRPC (client._status reads them by their text, written once in
+    schema.py) reach an OpenAI client as 503 / 504, not as a 400 for a bad request."""
+    from pipeline.serving import schema
+    from pipeline.serving.client import _status
+
+    deadline = f"{schema.PAST_DEADLINE} of 2 s and was stopped after 1 canvas(es)"
+    assert [_status(m) for m in (schema.DRAINING, deadline, "internal error: x", "input 'seed' ...")] == [
+        503,
+        504,
+        500,
+        400,
+    ]
+    http, _ = client(FakeTriton(error=TritonError(schema.DRAINING, 503)))
+    assert_error(
+        http.post("/v1/completions", json=TEXT), 503, code="service_unavailable", contains="draining"
+    )
+    http, _ = client(FakeTriton(error=TritonError(deadline, 504)))
+    assert_error(http.post("/v1/completions", json=TEXT), 504, code="timeout", contains="deadline")

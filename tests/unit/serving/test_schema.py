@@ -60,7 +60,7 @@ class FakeResponse:
 
 
 class FakeError:
-    INVALID_ARG = 3
+    INVALID_ARG, UNAVAILABLE = 3, 4
 
     def __init__(self, message: str, code: int | None = None) -> None:
         self.message, self.code = message, code
@@ -145,16 +145,16 @@ class FakeSession:
 @pytest.fixture
 def model(monkeypatch):
     """The Triton model as tritonserver loads it, set up without a checkpoint: limits 512 tokens, 64 steps
-    per canvas, 100 prompt tokens."""
+    per canvas, 100 prompt tokens, 60 s per request."""
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _pb_utils())
     spec = importlib.util.spec_from_file_location("dgpipe_triton_model", TRITON_MODEL_SOURCE)
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, mod)
     spec.loader.exec_module(mod)
     m = mod.TritonPythonModel.__new__(mod.TritonPythonModel)
-    m.limits = schema.ServerLimits(max_tokens=512, max_steps=64, max_prompt=100)
+    m.limits = schema.ServerLimits(max_tokens=512, max_steps=64, max_prompt=100, max_seconds=60.0)
     m.session, m.runtime = FakeSession(), types.SimpleNamespace(validate=lambda req: None, waiting=())
-    m.ids, m.inbox, m.jobs = iter(range(1, 1000)), queue.Queue(), {}
+    m.ids, m.inbox, m.pings, m.jobs = iter(range(1, 1000)), queue.Queue(), queue.Queue(), {}
     m._metrics()
     return m
 
@@ -299,6 +299,9 @@ def with_prompt(**values) -> dict[str, np.ndarray]:
             "input 'max_denoising_steps' is 1000000, over this server's limit of 64",
         ),
         ({"max_tokens": 2**31 - 1}, "input 'max_tokens' is 2147483647, over this server's limit of 512"),
+        ({"timeout_s": 0.0}, "input 'timeout_s' must be a positive number of seconds (got 0.0)"),
+        ({"timeout_s": float("nan")}, "input 'timeout_s' must be a positive number of seconds (got nan)"),
+        ({"timeout_s": 61.0}, "input 'timeout_s' is 61.0, over this server's limit of 60.0"),
     ],
 )
 def test_model_refuses_values_outside_their_real_range(model, values, message):
@@ -417,6 +420,7 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
     assert request.max_tokens == schema.INPUT["max_tokens"].default and request.seed == 0
     assert job.flags == dict.fromkeys(schema.FLAGS, False) and job.stop_words == []
     assert model.session.knobs == {} and request.template == "default"
+    assert job.timeout_s == 60.0  # the server's limit
 
     values = {
         "max_tokens": 82,
@@ -433,6 +437,7 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
         "t_max": 1.0,
         "stream_drafts": True,
         "infill_template": "_" * 81,
+        "timeout_s": 2.5,
         "guided_decoding_guide_type": "regex",
         "guided_decoding_guide": "[1-9]{81}",
     }
@@ -448,6 +453,7 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
     knobs = {t.name for t in schema.INPUTS if t.sampler}
     assert model.session.knobs == {k: values[k] for k in knobs}
     assert request.template == "template:" + "_" * 81
+    assert job.timeout_s == 2.5
     assert request.guide == ("regex", "[1-9]{81}")
 
 
@@ -636,13 +642,15 @@ def test_cli_remote_generate_sends_schema_fields_and_reads_every_output(transpor
         body = transports["http"]
         for name, value in body.items():
             _check_json_field(name, value)
-        assert set(body) == set(schema.INPUT) - {
-            "stop_words",
-            "messages",
-        }  # all but stop words, messages (none given)
+        # all but stop words, messages (none given) and timeout_s (the CLI leaves the deadline to the server)
+        assert set(body) == set(schema.INPUT) - {"stop_words", "messages", "timeout_s"}
     else:
         _check_grpc_inputs(transports["grpc"])
-        assert {t.name() for t in transports["grpc"]} == set(schema.INPUT) - {"stop_words", "messages"}
+        assert {t.name() for t in transports["grpc"]} == set(schema.INPUT) - {
+            "stop_words",
+            "messages",
+            "timeout_s",
+        }
 
 
 @pytest.mark.parametrize("url", ["http://h:8000", "grpc://h:8001"])

@@ -1,0 +1,205 @@
+"""The serving lifecycle against a real `dgpipe serve` (CLI, tritonserver, Python backend, OpenAI frontend):
+abandoned runaway requests end by their deadline and free their slots, a killed backend stub flips
+readiness and stops the server non-zero, SIGTERM drains streams in flight and exits 0 with no shared
+memory left behind (issue 19, items 2-4; BENCHMARKS.md "Reliability")."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pipeline.serving.lifecycle import stubs_of
+from pipeline.serving.server import tritonserver_binary
+
+pytest.importorskip("fastapi")
+pytestmark = [
+    pytest.mark.skipif(
+        tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
+    ),
+    pytest.mark.slow,
+]
+
+PUZZLE = "14...9..56925.31.8835.1.927..1732.5.259.6.7.437694.28....6.4.935.3.914..92....816"  # README's
+DEADLINE_S = 6  # the runaway server's max_request_seconds
+
+
+def metric(srv, name: str) -> float:
+    with urllib.request.urlopen(srv.metrics, timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not on {srv.metrics}")
+
+
+def wait_for(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def status(url: str, body: dict | None = None, timeout: float = 10) -> int:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def our_regions(srv) -> set[str]:
+    return {s.shm_region for s in stubs_of(srv.tritonserver_pid())}
+
+
+def repo_for(tmp: Path, **limits) -> Path:
+    from pipeline.runtime.session import default_model_path
+    from pipeline.serving.repository import package
+
+    return package(
+        default_model_path(), tmp / "repo", max_batch=8, max_tokens_limit=512, max_prompt_tokens=100, **limits
+    )
+
+
+def abandon_http(srv, n: int, body: dict) -> None:
+    """n Triton generate_stream requests whose client sends, waits until they run, and closes the socket
+    (Triton's HTTP endpoint does not pass that on to the model)."""
+    raw = json.dumps(body).encode()
+    host, port = srv.http.removeprefix("http://").split(":")
+    socks = []
+    for _ in range(n):
+        s = socket.create_connection((host, int(port)))
+        s.sendall(
+            b"POST /v2/models/dgpipe/generate_stream HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw
+        )
+        socks.append(s)
+    wait_for(lambda: metric(srv, "dgpipe_active_requests") >= n, 60, "the runaways to run")
+    for s in socks:
+        s.close()
+
+
+def test_abandoned_runaways_end_by_deadline_or_cancel_and_a_valid_request_answers_then_a_killed_stub_stops_serve(
+    tmp_path,
+):
+    """8 runaways (1e6 steps allowed, confidence 0: they never stop by themselves) fill every batch slot;
+    their clients give up. Over HTTP the deadline frees them, over gRPC the cancel does at once; a valid
+    request then answers. Last, the Python backend stub is killed: /health flips to 503 while Triton's
+    own readiness still says 200, and `dgpipe serve` stops non-zero, removing the stub's shared memory."""
+    from pipeline.demo import sudoku
+    from pipeline.serving.client import TritonError, complete, grpc_generate
+    from tests._utils.serve import start_serve
+
+    srv = start_serve(repo_for(tmp_path, max_steps_limit=10**6, request_seconds_limit=DEADLINE_S), tmp_path)
+    try:
+        runaway = {"text_input": PUZZLE, "max_tokens": 512, "max_denoising_steps": 10**6}
+        runaway["confidence_threshold"] = 0.0
+        abandon_http(srv, 8, runaway)
+        t0 = time.monotonic()
+        reply = complete(srv.http, PUZZLE, max_tokens=82, exclude_input_in_output=True)
+        waited = time.monotonic() - t0
+        assert sudoku.is_valid_solution(PUZZLE, reply.text)
+        assert waited < DEADLINE_S + 30, waited  # before: never (the slots were taken for good)
+        wait_for(lambda: metric(srv, "dgpipe_requests_expired_total") == 8, 30, "8 expired")
+
+        # gRPC: the client's cancel drops them at the model's next step, long before any deadline
+        cancels = [threading.Event() for _ in range(8)]
+        streams = [grpc_generate(srv.grpc, {**runaway, "stream": True}, cancel=c) for c in cancels]
+        pullers = [threading.Thread(target=lambda g=g: list(g)) for g in streams]
+        for p in pullers:
+            p.start()
+        wait_for(lambda: metric(srv, "dgpipe_active_requests") == 8, 60, "8 gRPC runaways")
+        t0 = time.monotonic()
+        for c in cancels:
+            c.set()
+        wait_for(lambda: metric(srv, "dgpipe_requests_cancelled_total") == 8, 30, "8 cancelled")
+        assert time.monotonic() - t0 < DEADLINE_S  # freed by the cancel, not by the deadline
+        for p in pullers:
+            p.join(30)
+        assert sudoku.is_valid_solution(
+            PUZZLE, complete(srv.grpc, PUZZLE, max_tokens=82, exclude_input_in_output=True).text
+        )
+
+        # a request's own, lower deadline: a clear error, not a hang
+        with pytest.raises(TritonError, match=r"past its deadline of 0\.5 s"):
+            complete(
+                srv.grpc,
+                PUZZLE,
+                max_tokens=512,
+                max_denoising_steps=10**6,
+                confidence_threshold=0.0,
+                timeout_s=0.5,
+            )
+
+        # the backend stub dies: readiness must say so (Triton's does not), and serve must stop
+        regions = our_regions(srv)
+        assert regions and status(srv.health) == 200
+        (stub,) = stubs_of(srv.tritonserver_pid())
+        os.kill(stub.pid, signal.SIGKILL)
+        wait_for(lambda: status(srv.health) == 503, 20, "/health 503")
+        assert status(f"{srv.http}/v2/health/ready") == 200  # Triton's own readiness lies
+        assert srv.proc.wait(90) == 2
+        assert "the model stopped answering" in srv.stderr.read_text()
+        assert not any((Path("/dev/shm") / r).exists() for r in regions)
+    finally:
+        srv.stop()
+
+
+def test_sigterm_drains_four_streams_in_flight_and_exits_0_without_shm_leftovers(tmp_path):
+    """4 streams (2 gRPC, Triton HTTP generate_stream, OpenAI SSE) of 80 fixed steps each are in flight
+    when SIGTERM arrives: new requests are refused (503 / UNAVAILABLE) and /health is 503 at once, all 4
+    get their final response, `dgpipe serve` exits 0 and its stub's shared memory is gone."""
+    from pipeline.demo import sudoku
+    from pipeline.serving.client import TritonError, complete
+    from tests._utils.serve import start_serve
+
+    srv = start_serve(repo_for(tmp_path), tmp_path)
+    try:
+        regions = our_regions(srv)
+        assert regions
+        long = {"max_tokens": 82, "max_denoising_steps": 80, "confidence_threshold": 0.0}
+        replies: dict[str, object] = {}
+
+        def run(name: str, url: str, **kw) -> None:
+            try:
+                replies[name] = complete(url, PUZZLE, stream=True, exclude_input_in_output=True, **long, **kw)
+            except Exception as e:  # recorded and asserted below
+                replies[name] = e
+
+        clients = [
+            threading.Thread(target=run, args=("grpc1", srv.grpc), kwargs={"seed": 1}),
+            threading.Thread(target=run, args=("grpc2", srv.grpc), kwargs={"seed": 2}),
+            threading.Thread(target=run, args=("http", srv.http), kwargs={"seed": 3}),
+            threading.Thread(target=run, args=("openai", srv.openai), kwargs={"seed": 4}),
+        ]
+        for c in clients:
+            c.start()
+        wait_for(lambda: metric(srv, "dgpipe_active_requests") == 4, 60, "4 streams in flight")
+        srv.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: status(srv.health) == 503, 10, "/health 503 while draining")
+        refused = status(srv.openai + "/completions", {"model": "dgpipe", "prompt": PUZZLE, "max_tokens": 82})
+        assert refused == 503
+        with pytest.raises(TritonError, match="draining"):
+            complete(srv.grpc, PUZZLE, max_tokens=82)
+        assert metric(srv, "dgpipe_active_requests") > 0, "the streams were still in flight when refused"
+        assert srv.proc.wait(120) == 0
+        for c in clients:
+            c.join(30)
+        for name in ("grpc1", "grpc2", "http", "openai"):
+            reply = replies[name]
+            assert not isinstance(reply, Exception), (name, reply)
+            assert reply.finish_reason == "stop" and sudoku.is_valid_solution(PUZZLE, reply.text), name
+        assert not any((Path("/dev/shm") / r).exists() for r in regions)
+        assert "drained: nothing in flight" in srv.stderr.read_text()
+    finally:
+        srv.stop()

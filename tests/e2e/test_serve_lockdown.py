@@ -1,0 +1,146 @@
+"""A real `dgpipe serve` (issue 19, item 7): Triton's control endpoints refuse changes without the admin
+key over HTTP and gRPC, accept them with it, inference keeps working, and the ports listen on loopback
+only by default."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from pipeline.demo import sudoku
+from pipeline.serving.server import ADMIN_HEADER, GRPC_ADMIN_HEADER, tritonserver_binary
+from tests.e2e.test_serve import PUZZLES, free_port
+
+pytestmark = pytest.mark.skipif(
+    tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
+)
+KEY = "test-admin-key-0123456789"
+
+
+def _request(url: str, body: dict | None = None, key: str | None = None) -> tuple[int, str]:
+    headers = {"Content-Type": "application/json", **({ADMIN_HEADER: key} if key else {})}
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _outside_address() -> str | None:
+    """This machine's address on its default route, when it has one (not loopback)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: it only picks the source address
+            ip = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if ip.startswith("127.") else ip
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`dgpipe serve` as a user starts it (default address), with the admin key from the environment."""
+    from pipeline.runtime.session import default_model_path
+    from pipeline.serving.repository import package
+
+    work = tmp_path_factory.mktemp("lockdown")
+    repo = package(default_model_path(), work / "repo", max_batch=2, max_tokens_limit=128)
+    for _ in range(3):  # ports are picked by bind-then-close; retry if another process took one
+        http, grpc, metrics = free_port(), free_port(), free_port()
+        env = {**os.environ, "DGPIPE_ADMIN_KEY": KEY, "DGPIPE_CACHE": str(work / "cache")}
+        cmd = [sys.executable, "-m", "pipeline.cli", "serve", "--repo", str(repo), "--openai-port", "0"]
+        cmd += ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines = []
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+            lines.append(line)
+            if line.startswith("ready  HTTP"):
+                break
+        if proc.poll() is None:
+            break
+        if "already in use" not in "".join(lines):
+            raise AssertionError("dgpipe serve failed:\n" + "".join(lines))
+    try:
+        yield {
+            "http": f"http://127.0.0.1:{http}",
+            "grpc": f"127.0.0.1:{grpc}",
+            "ports": (http, grpc, metrics),
+        }
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v2/logging", {"log_verbose_level": 1}),
+        ("/v2/trace/setting", {"trace_level": ["TIMESTAMPS"], "trace_rate": "1"}),
+        ("/v2/repository/index", {}),
+        ("/v2/repository/models/dgpipe/unload", {}),
+        ("/v2/systemsharedmemory/region/x/register", {"key": "/x", "offset": 0, "byte_size": 8}),
+        ("/v2/models/stats", None),
+    ],
+)
+def test_control_apis_refuse_without_the_key(served, path, body):
+    status, text = _request(served["http"] + path, body)
+    assert status == 403 and ADMIN_HEADER in text, (status, text)
+    status, _ = _request(served["http"] + path, body, key="wrong-key")
+    assert status == 403
+
+
+def test_control_apis_accept_the_key_and_inference_still_works(served):
+    status, text = _request(served["http"] + "/v2/logging", {"log_verbose_level": 0}, key=KEY)
+    assert status == 200 and json.loads(text)["log_verbose_level"] == 0
+    status, text = _request(served["http"] + "/v2/trace/setting", key=KEY)
+    assert status == 200 and "trace_level" in json.loads(text)
+    assert _request(served["http"] + "/v2/health/ready")[0] == 200
+    assert _request(served["http"] + "/v2/models/dgpipe/config")[0] == 200  # model config stays open
+    puzzle = PUZZLES[0][0]
+    body = {"text_input": puzzle, "max_tokens": 82, "exclude_input_in_output": True}
+    status, text = _request(served["http"] + "/v2/models/dgpipe/generate", body)
+    assert status == 200 and sudoku.is_valid_solution(puzzle, json.loads(text)["text_output"]), text
+
+
+def test_grpc_control_protocols_refuse_without_the_key(served):
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(served["grpc"])
+    with pytest.raises(InferenceServerException, match=GRPC_ADMIN_HEADER):
+        client.update_log_settings({"log_verbose_level": 1})
+    with pytest.raises(InferenceServerException, match=GRPC_ADMIN_HEADER):
+        client.get_model_repository_index()
+    with pytest.raises(InferenceServerException, match=GRPC_ADMIN_HEADER):
+        client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]})
+    assert client.update_log_settings({"log_verbose_level": 0}, headers={GRPC_ADMIN_HEADER: KEY})
+    assert client.is_model_ready("dgpipe")
+
+
+def test_default_address_is_loopback_only(served):
+    ip = _outside_address()
+    if ip is None:
+        pytest.skip("this machine has no non-loopback address to probe")
+    for port in served["ports"]:
+        with socket.socket() as s, pytest.raises(OSError):
+            s.settimeout(2)
+            s.connect((ip, port))
