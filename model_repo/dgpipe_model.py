@@ -295,6 +295,7 @@ class TritonPythonModel:
                 if parsed.infill_template is not None
                 else self.session.default_template(parsed.prompt)
             )
+            guide = None if parsed.guide is None else self.session.compile_guide(*parsed.guide)
             job = Job(
                 sender,
                 next(self.ids),
@@ -311,6 +312,7 @@ class TritonPythonModel:
                 request_id=job.request_id,
                 draw_id=0,  # the seed alone decides the draws: same seed, same answer, whatever the id
                 template=template,
+                guide=guide,
                 on_canvas=lambda r, toks, j=job: self._guarded(j, self._on_canvas, toks),
                 on_draft=(lambda r, toks, step, j=job: self._guarded(j, self._on_draft, toks, step))
                 if parsed.flags["stream_drafts"]

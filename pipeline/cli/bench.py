@@ -184,3 +184,35 @@ def _render_model(r: dict) -> list[str]:
         f"{x['runtime_ms_per_canvas_graph']:>10.1f}{x['graph_speedup']:>8.2f}"
         for x in r["rows"]
     ]
+
+
+@app.command("guided")
+def bench_guided(
+    batch: Annotated[str, typer.Option(help="comma-separated batch sizes")] = "1,8",
+    runs: Annotated[int, typer.Option(help="timed repetitions of each (medians)")] = 5,
+    fixed_steps: Annotated[int, typer.Option(help="steps per canvas of the fixed-steps policy")] = 16,
+    out_dir: Annotated[Path | None, _out("bench-guided", "directory for the JSON result")] = None,
+    as_json: opt.Json = False,
+) -> None:
+    """Constrained decoding's cost: the embedded model with and without a [1-9]{81} regex, side by side."""
+    batches = opt.int_list(batch, "--batch", " like 1,8")
+    out_dir = out_dir or opt.cache_dir() / "bench-guided"
+    from pipeline.bench.guided import RESULT_FILE, run_bench_guided
+
+    result = run_bench_guided(out_dir, batches, runs, fixed_steps)
+    out.show(result, as_json, _render_guided)
+    out.saved([out_dir / RESULT_FILE], as_json)
+
+
+def _render_guided(r: dict) -> list[str]:
+    head = (
+        f"{r['model']}, {r['hardware']}: regex {r['regex']} vs unconstrained, medians of {r['runs']} runs\n"
+        f"{'policy':<16}{'batch':>5}{'passes/canvas':>14}{'guided':>8}{'x':>6}{'ms':>9}{'guided':>9}{'x':>6}"
+        f"{'cpu x':>7}{'valid':>7}{'guided':>8}{'solved':>8}{'guided':>8}"
+    )
+    return [head] + [
+        f"{x['policy']:<16}{x['batch']:>5}{x['passes_per_canvas']:>14.2f}{x['passes_per_canvas_guided']:>8.2f}"
+        f"{x['passes_ratio']:>6.2f}{x['ms_total']:>9.1f}{x['ms_total_guided']:>9.1f}{x['time_ratio']:>6.2f}"
+        f"{x['cpu_time_ratio']:>7.2f}{x['valid']:>7.2f}{x['valid_guided']:>8.2f}{x['solved']:>8.2f}{x['solved_guided']:>8.2f}"
+        for x in r["rows"]
+    ]

@@ -51,6 +51,15 @@ def generate(
         str | None, typer.Option(help="canvas template: '_' marks a free position, other text is pinned")
     ] = None,
     no_infill: Annotated[bool, typer.Option("--no-infill", help="do not pin a Sudoku's givens")] = False,
+    json_schema: Annotated[
+        Path | None, typer.Option("--json-schema", help="constrain the output to this JSON schema (a file)")
+    ] = None,
+    regex: Annotated[
+        str | None, typer.Option("--regex", help="constrain the output to match this regular expression")
+    ] = None,
+    choice: Annotated[
+        str | None, typer.Option("--choice", help="constrain the output to one of these, comma-separated")
+    ] = None,
     stream: Annotated[
         bool, typer.Option("--stream", help="print each committed canvas as it completes")
     ] = False,
@@ -84,9 +93,12 @@ def generate(
         raise DgpipeError(f"--max-tokens must be >= 1 (got {max_tokens})")
     items = _inputs(prompt, chat or system is not None, system, file)  # every line checked before any work
     batch = file is not None  # --json then prints JSON Lines: one compact object per input, in order
+    guide = _guide(json_schema, regex, choice)
     if url:
         for item in items:
-            _remote(url, item, max_tokens, overrides, seed, infill, stream, drafts, as_json, batch, api_key)
+            _remote(
+                url, item, max_tokens, overrides, seed, infill, stream, drafts, as_json, batch, api_key, guide
+            )
         return
     _local(
         items,
@@ -103,7 +115,34 @@ def generate(
         device=device,
         as_json=as_json,
         compact=batch,
+        guide=guide,
     )
+
+
+def _guide(json_schema: Path | None, regex: str | None, choice: str | None) -> tuple[str, str] | None:
+    """--json-schema / --regex / --choice as (guide type, guide); the guide is checked (compiled to a regex)
+    before any model loads, so an unsupported construct is one error line naming it."""
+    import json
+
+    from pipeline.sampler.constraints import GuideSpec
+
+    given = [
+        name for name, v in (("--json-schema", json_schema), ("--regex", regex), ("--choice", choice)) if v
+    ]
+    if len(given) > 1:
+        raise DgpipeError(f"{' and '.join(given)} exclude each other: give one constraint")
+    if json_schema is not None:
+        if not json_schema.is_file():
+            raise DgpipeError(f"--json-schema {json_schema}: no such file")
+        guide = ("json_schema", json_schema.read_text())
+    elif regex is not None:
+        guide = ("regex", regex)
+    elif choice is not None:
+        guide = ("choice", json.dumps([c for c in choice.split(",") if c]))
+    else:
+        return None
+    GuideSpec(*guide).regex()
+    return guide
 
 
 class Item(NamedTuple):
@@ -175,6 +214,7 @@ def _local(
     device: str,
     as_json: bool,
     compact: bool,
+    guide: tuple[str, str] | None = None,
 ) -> None:
     """Every input through one loaded session and one runtime: the requests are submitted together and
     share denoise passes (one at a time with --stream/--drafts, so the printed canvases stay in order)."""
@@ -186,6 +226,7 @@ def _local(
 
     session = load_session(model, dtype, device, canvas_length)
     sampler = session.sampler(**overrides)
+    automaton = None if guide is None else session.compile_guide(*guide)
 
     def on_canvas(req: Request, tokens: list[int]) -> None:
         if stream and not as_json:
@@ -218,6 +259,7 @@ def _local(
                     sampler=sampler,
                     seed=seed,
                     template=template,
+                    guide=automaton,
                     on_canvas=on_canvas,
                     on_draft=on_draft if drafts else None,
                     on_finish=on_finish,
@@ -279,6 +321,7 @@ def _remote(
     as_json: bool,
     compact: bool,
     api_key: str | None = None,
+    guide: tuple[str, str] | None = None,
 ) -> None:
     """Same options and output as the in-process path, answered by Triton over HTTP or gRPC, or by the
     OpenAI-compatible frontend."""
@@ -294,6 +337,8 @@ def _remote(
         return_num_input_tokens=True,
         return_num_output_tokens=True,
     )
+    if guide is not None:
+        options.update(guided_decoding_guide_type=guide[0], guided_decoding_guide=guide[1])
     start = time.perf_counter()
     gen = generate(
         url,

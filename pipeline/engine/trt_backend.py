@@ -236,4 +236,19 @@ class TensorRTBackend:
             sampler,
             mode=self._mode["denoise"],
         )
-        return denoise_result(self.contexts["denoise"].run_graph(feeds))
+        out = self.contexts["denoise"].run_graph(feeds)
+        if sampler.allowed is None:
+            return denoise_result(out)
+        # constrained rows: the engine's sampler plugin has no mask input, so its fp32 logits output is
+        # masked and sampled again by the same sampler (the CUDA kernels when built, else PyTorch on the GPU)
+        if "logits" not in out:
+            raise DgpipeError(
+                "constrained decoding needs the engine's logits output, which this plan does not mark",
+                "rebuild the engine from an export that keeps it (dgpipe export; dgpipe engine)",
+            )
+        from pipeline.runtime.backends import sample_logits
+        from pipeline.sampler.kernels.gpu_sampler import cuda_sampler_available
+
+        res = sample_logits(out["logits"], sampler, cuda=cuda_sampler_available(), cpu_fused=False)
+        res.step.probs = res.step.probs.to(out["probs"].dtype)
+        return res

@@ -18,7 +18,7 @@ from pipeline.errors import DgpipeError
 from pipeline.model.checkpoint import open_checkpoint
 from pipeline.model.config import ModelConfig
 from pipeline.onnx import contract as onnx_io
-from pipeline.runtime.backends import KV, DenoiseResult, Masks, SamplerInputs
+from pipeline.runtime.backends import KV, DenoiseResult, Masks, SamplerInputs, sample_logits
 from pipeline.sampler.reference import StepOutput
 from pipeline.threads import thread_count
 
@@ -150,6 +150,12 @@ class OnnxRuntimeBackend:
         sampler: SamplerInputs,
     ) -> DenoiseResult:
         out = self.denoise_outputs(canvas, sc_probs, positions, masks, past, sampler)
+        if sampler.allowed is not None:
+            # constrained rows: the graph's sampler has no mask input, so its fp32 logits output is masked
+            # and sampled again by the same sampler in PyTorch (probs rounded to bf16 as the graph's are)
+            res = sample_logits(out["logits"], sampler)
+            res.step.probs = res.step.probs.to(torch.bfloat16)
+            return res
         step = StepOutput(
             canvas=out["next_canvas"],
             argmax=out["argmax"],

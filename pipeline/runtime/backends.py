@@ -25,6 +25,7 @@ from pipeline.sampler.reference import (
     DrawSource,
     RowKeys,
     StepOutput,
+    mask_logits,
     sample_step,
     should_stop,
     update_stability,
@@ -46,6 +47,9 @@ class SamplerInputs:
     stable_count: torch.Tensor  # [B] int64
     stability_threshold: torch.Tensor  # [B] int64
     confidence_threshold: torch.Tensor  # [B] fp32 (0: never stop early)
+    # constrained decoding: (table [M, V] bool, index [B, L] int64, -1 = free), see reference.mask_logits;
+    # None when no row is constrained
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -110,26 +114,43 @@ class TorchBackend:
         sampler: SamplerInputs,
     ) -> DenoiseResult:
         logits = self.model.denoise(canvas, sc_probs, positions, masks, past)
-        s = sampler
-        if self.fused:
-            from pipeline.sampler.kernels.gpu_sampler import sample_step_cuda
+        return sample_logits(logits, sampler, self.draws, cuda=self.fused, cpu_fused=self.cpu_fused)
 
-            out, stable, stop = sample_step_cuda(
-                logits,
-                s.temperature,
-                s.bound,
-                s.keys,
-                s.template,
-                s.prev_argmax,
-                s.stable_count,
-                s.stability_threshold,
-                s.confidence_threshold,
-            )
-            return DenoiseResult(out, stable, stop)
-        if self.cpu_fused and logits.dtype == torch.float32:
-            out = sample_step_fused(logits, s.temperature, s.bound, s.keys, s.template)
-        else:
-            out = sample_step(logits, s.temperature, s.bound, s.keys, self.draws, s.template)
-        stable = update_stability(s.stable_count, s.prev_argmax, out.argmax)
-        stop = should_stop(stable, s.stability_threshold, out.entropy, s.confidence_threshold)
+
+def sample_logits(
+    logits: torch.Tensor,
+    s: SamplerInputs,
+    draws: DrawSource | None = None,
+    cuda: bool = False,
+    cpu_fused: bool = True,
+) -> DenoiseResult:
+    """The sampling half of a denoise step, with the constraint masks applied first (before sampling and
+    before the entropy rule). `cuda`: the fused CUDA kernels; else the cache-blocked PyTorch step for the
+    counter draws (`cpu_fused`) or the reference. Backends whose sampler is fused into their graph (ONNX
+    Runtime, TensorRT) call it for constrained batches on the graph's `logits` output."""
+    draws = draws or CounterDraws()
+    if cuda:  # the kernels read the compact masks themselves: no masked copy of the logits
+        from pipeline.sampler.kernels.gpu_sampler import sample_step_cuda
+
+        out, stable, stop = sample_step_cuda(
+            logits,
+            s.temperature,
+            s.bound,
+            s.keys,
+            s.template,
+            s.prev_argmax,
+            s.stable_count,
+            s.stability_threshold,
+            s.confidence_threshold,
+            allowed=s.allowed,
+        )
         return DenoiseResult(out, stable, stop)
+    if s.allowed is not None:
+        logits = mask_logits(logits, *s.allowed)
+    if cpu_fused and type(draws) is CounterDraws and logits.dtype == torch.float32:
+        out = sample_step_fused(logits, s.temperature, s.bound, s.keys, s.template)
+    else:
+        out = sample_step(logits, s.temperature, s.bound, s.keys, draws, s.template)
+    stable = update_stability(s.stable_count, s.prev_argmax, out.argmax)
+    stop = should_stop(stable, s.stability_threshold, out.entropy, s.confidence_threshold)
+    return DenoiseResult(out, stable, stop)

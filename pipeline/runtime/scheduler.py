@@ -25,7 +25,9 @@ from pipeline.model.config import SamplerConfig
 from pipeline.model.network import DiffusionGemma, canvas_positions
 from pipeline.runtime.backends import ModelBackend, SamplerInputs, TorchBackend
 from pipeline.runtime.device_loop import DenoiseRound, DeviceLoop
+from pipeline.runtime.guided import GuideState, advance, finish_canvas, mask_rows
 from pipeline.runtime.kv_cache import KVCache, attention_masks
+from pipeline.sampler.constraints import TokenAutomaton
 from pipeline.sampler.reference import CounterDraws, DrawSource, RowKeys, temperatures
 
 
@@ -42,6 +44,7 @@ class Request:
     template: list[int] | None = (
         None  # infill: token per canvas position, -1 = free (applies to every canvas)
     )
+    guide: TokenAutomaton | None = None  # constrained decoding: the output must be in its language
     on_canvas: Callable[[Request, list[int]], None] | None = None
     on_draft: Callable[[Request, list[int], int], None] | None = None
     on_finish: Callable[[Result], None] | None = None
@@ -111,6 +114,7 @@ class BlockDiffusionRuntime:
         self.bound, self.conf = torch.ones(s, **f32), torch.zeros(s, **f32)
         self.stab_k = torch.ones(s, dtype=torch.long, device=dev)
         self.results: list[Result | None] = [None] * s
+        self.guides: list[GuideState | None] = [None] * s  # constrained rows' automaton progress
         self.waiting: deque[Result] = deque()
         self.passes = {"prefill": 0, "denoise": 0, "commit": 0}
         self.loop = DeviceLoop(
@@ -141,6 +145,19 @@ class BlockDiffusionRuntime:
                 )
             if any(t >= self.vocab or t < -1 for t in req.template):
                 raise InputError("infill template holds token ids outside the vocabulary")
+        if req.guide is not None:
+            room = self.guide_room(req)
+            if req.guide.min_tokens > room:
+                raise InputError(
+                    f"the {req.guide.spec.kind} guide needs at least {req.guide.min_tokens} tokens (end token "
+                    f"included) but the request may emit only {room}",
+                    "raise max_tokens or shorten the prompt",
+                )
+
+    def guide_room(self, req: Request) -> int:
+        """Tokens a request may emit: max_tokens, and the whole canvases its context still holds."""
+        canvases = (self.max_len - len(req.prompt_ids)) // self.canvas_length
+        return min(req.max_tokens, canvases * self.canvas_length)
 
     def submit(self, req: Request) -> Result:
         self.validate(req)
@@ -215,11 +232,15 @@ class BlockDiffusionRuntime:
             s.confidence_threshold,
             s.stability_threshold,
         )
+        self._reset_template(slot, req)
+        self.canvas_idx[slot] = 0
+        self.guides[slot] = None if req.guide is None else GuideState(req.guide, self.guide_room(req))
+        self.cache.reset(torch.tensor([slot], device=self.device))
+
+    def _reset_template(self, slot: int, req: Request) -> None:
         self.template[slot] = -1
         if req.template is not None:
             self.template[slot, : len(req.template)] = torch.tensor(req.template, device=self.device)
-        self.canvas_idx[slot] = 0
-        self.cache.reset(torch.tensor([slot], device=self.device))
 
     def _keys(self, slots: torch.Tensor) -> RowKeys:
         return RowKeys(self.seed[slots], self.req_id[slots], self.canvas_idx[slots], self.step_idx[slots])
@@ -228,6 +249,11 @@ class BlockDiffusionRuntime:
         slots = torch.tensor([slot], device=self.device)
         self.step_idx[slot] = 0
         x = self.draws.initial_canvas(self._keys(slots), self.canvas_length, self.vocab).to(self.device)
+        if (g := self.guides[slot]) is not None:
+            res = self.results[slot]
+            assert res is not None
+            g.start_canvas(len(res.tokens))
+            self._reset_template(slot, res.request)  # the previous canvas's accepted positions
         tpl = self.template[slot]
         self.x[slot] = torch.where(tpl >= 0, tpl, x[0])
         self.has_sc[slot] = False
@@ -268,12 +294,39 @@ class BlockDiffusionRuntime:
             self._round = self._prepare_round(slots)
         rnd = self._round
         drafts = [(s, r) for s in rnd.slot_list if (r := self.results[s]) and r.request.on_draft]
-        for _ in range(1 if drafts else self.sync_every):
-            self.loop.run(rnd, lambda: self._device_step(rnd))
+        guided = [s for s in rnd.slot_list if self.guides[s] is not None]
+        for _ in range(1 if drafts or guided else self.sync_every):
+            if guided:  # the masks come from the host every pass: eager, then the host walks the canvas
+                was_done = self.done[rnd.slots].tolist()
+                prev = self.amax[rnd.slots].clone()
+                kept = self._device_step(rnd)
+                self._advance_guides(rnd, was_done, kept, prev)
+            else:
+                self.loop.run(rnd, lambda: self._device_step(rnd))
             self.passes["denoise"] += 1
             for slot, res in drafts:
                 res.request.on_draft(res.request, self.amax[slot].tolist(), int(self.step_idx[slot]))  # type: ignore[misc]
         return slots[self.done[slots]].tolist()
+
+    def _advance_guides(
+        self, rnd: DenoiseRound, was_done: list[bool], kept: torch.Tensor, prev: torch.Tensor
+    ) -> None:
+        """After a pass: accept what keeps each constrained canvas completable and pin it (guided.advance)."""
+        for r, slot in enumerate(rnd.slot_list):
+            g, res = self.guides[slot], self.results[slot]
+            if g is None or was_done[r] or res is None:
+                continue
+            base = res.request.template or []
+            pinned = [i < len(base) and base[i] >= 0 for i in range(self.canvas_length)]
+            amax = self.amax[slot].tolist()
+            pins = advance(g, amax, prev[r].tolist(), kept[r].tolist(), pinned, self.pad_id)
+            if pins:
+                pos = torch.tensor(list(pins), device=self.device)
+                tok = torch.tensor(list(pins.values()), device=self.device)
+                for buf in (self.template, self.x, self.amax):
+                    buf[slot, pos] = tok
+            if g.settled(self.canvas_length):
+                self.done[slot] = True
 
     def _prepare_round(self, slots: torch.Tensor) -> DenoiseRound:
         past, meta = self.cache.read(slots)
@@ -286,8 +339,9 @@ class BlockDiffusionRuntime:
             self.sc = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return DenoiseRound(slots, slots.tolist(), positions, masks, past)
 
-    def _device_step(self, rnd: DenoiseRound) -> None:
-        """One denoise pass + sampling step with no host synchronisation; finished rows stay frozen."""
+    def _device_step(self, rnd: DenoiseRound) -> torch.Tensor:
+        """One denoise pass + sampling step with no host synchronisation; finished rows stay frozen.
+        Returns the rows' kept positions [B, L] (read by the host only for constrained rows)."""
         slots = rnd.slots
         assert self.sc is not None
         live = ~self.done[slots]
@@ -302,6 +356,7 @@ class BlockDiffusionRuntime:
             stable_count=self.stable[slots],
             stability_threshold=self.stab_k[slots],
             confidence_threshold=self.conf[slots],
+            allowed=self._guide_masks(rnd),
         )
         stepped = self.backend.denoise_step(
             self.x[slots], self._sc_input(rnd), rnd.positions, rnd.masks, rnd.past, sampler
@@ -315,6 +370,13 @@ class BlockDiffusionRuntime:
         self.amax[slots] = torch.where(row, out.argmax, self.amax[slots])
         self.step_idx[slots] += live.long()
         self.done[slots] |= live & (stepped.stop | (self.step_idx[slots] >= self.n_steps[slots]))
+        return out.kept
+
+    def _guide_masks(self, rnd: DenoiseRound) -> tuple[torch.Tensor, torch.Tensor] | None:
+        guides = [self.guides[s] for s in rnd.slot_list]
+        if all(g is None for g in guides):
+            return None
+        return mask_rows(guides, self.canvas_length, self.vocab, self.device)
 
     def _sc_input(self, rnd: DenoiseRound) -> torch.Tensor | None:
         """The rows' self-conditioning probabilities: None (no signal: the network skips the matmul, as
@@ -337,6 +399,10 @@ class BlockDiffusionRuntime:
             res = self.results[slot]
             assert res is not None
             block = self.amax[slot].tolist()
+            if (g := self.guides[slot]) is not None:
+                assert self.sc is not None
+                block = finish_canvas(g, block, self.sc[slot], self.pad_id)
+                self.amax[slot] = torch.tensor(block, device=self.device)  # what the commit writes
             res.steps_per_canvas.append(int(self.step_idx[slot]))
             if not res.tokens and res.time_to_first_canvas == 0.0:
                 res.time_to_first_canvas = time.perf_counter() - res.started
@@ -369,6 +435,7 @@ class BlockDiffusionRuntime:
         self._round = None
         res = self.results[slot]
         self.results[slot] = None
+        self.guides[slot] = None
         if res is not None:
             self._finish(res, reason)
 

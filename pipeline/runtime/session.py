@@ -26,6 +26,7 @@ from pipeline.model.validate import validate_checkpoint
 from pipeline.resources import EMBEDDED_MODEL
 from pipeline.runtime.chat_template import Message, end_token_ids
 from pipeline.runtime.prompt_format import PromptFormat, prompt_format_for
+from pipeline.sampler.constraints import GuideCompiler, GuideSpec, TokenAutomaton
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,6 +63,7 @@ class Session:
     checkpoint: Checkpoint
     tokenizer: Any  # tokenizers.Tokenizer | None
     prompt_format: PromptFormat = field(init=False)  # the one the checkpoint names
+    _guides: GuideCompiler | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_format = prompt_format_for(self.checkpoint, self.tokenizer)
@@ -78,6 +80,15 @@ class Session:
     @property
     def end_token_ids(self) -> list[int]:
         return self.checkpoint.config.text_config.end_token_ids
+
+    def compile_guide(self, kind: str, guide: str) -> TokenAutomaton:
+        """A constrained-decoding guide (constraints.GUIDE_TYPES) -> the automaton a Request carries; recent
+        ones are cached. Refusals (unsupported schema keyword, bad regex) raise InputError naming them."""
+        if self._guides is None:
+            self._guides = GuideCompiler(
+                self.tokenizer, self.checkpoint.config.text_config.vocab_size, self.end_token_ids
+            )
+        return self._guides.compile(GuideSpec(kind, guide))
 
     def sampler(self, **overrides: Any) -> SamplerConfig:
         """generation_config.json defaults, overridden by whatever the caller set (CLI > file > defaults)."""

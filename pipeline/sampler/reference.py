@@ -50,6 +50,23 @@ class CounterDraws:
         return rng.uniform_tokens(k, length, vocab)
 
 
+def masked_logit(dtype: torch.dtype) -> float:
+    """What a disallowed token's logit becomes: −inf in effect (exp underflows to exactly 0, and the Gumbel
+    argmax never picks it) but finite, so the entropy's 0·log 0 stays 0 instead of NaN. A quarter of the
+    dtype's range leaves room for the division by a temperature below 1."""
+    return -min(1e30, torch.finfo(dtype).max / 4)
+
+
+def mask_logits(logits: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Constrained decoding's per-position masks, applied before sampling and before the entropy rule.
+
+    Compact form (the [B, L, V] mask of a 262k vocabulary would be 67 MB per row): `table` [M, V] bool holds
+    the distinct allowed sets of this step, `index` [B, L] int64 names each position's row of it, -1 where
+    the position is free."""
+    allowed = table[index.clamp(min=0)] | (index < 0)[..., None]
+    return logits.masked_fill(~allowed, masked_logit(logits.dtype))
+
+
 @dataclass
 class StepOutput:
     canvas: torch.Tensor  # [B, L] next input canvas (kept samples + fresh noise + pinned template)

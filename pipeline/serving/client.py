@@ -180,11 +180,26 @@ OPENAI_FIELDS = (
 OPENAI_IMPLIED = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens")
 
 
+GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")
+
+
+def openai_guide(kind: str, guide: str) -> dict[str, Any]:
+    """A Triton guide as the OpenAI request's field: response_format for JSON, vLLM's guided_* otherwise."""
+    if kind == "json":
+        return {"response_format": {"type": "json_object"}}
+    if kind == "json_schema":
+        schema = {"name": "output", "schema": json.loads(guide)}
+        return {"response_format": {"type": "json_schema", "json_schema": schema}}
+    if kind == "choice":
+        return {"guided_choice": json.loads(guide)}
+    return {"guided_regex": guide}
+
+
 def openai_body(body: dict[str, Any], model: str = "dgpipe") -> tuple[str, dict[str, Any]]:
     """A Triton request body as (path, OpenAI request) for the frontend: `messages` to chat completions,
     `text_input` to completions; always streamed with usage. Inputs the frontend has no field for are refused."""
     unsupported = sorted(
-        set(body) - {"text_input", "messages", "stop_words", *OPENAI_FIELDS, *OPENAI_IMPLIED}
+        set(body) - {"text_input", "messages", "stop_words", *GUIDE_INPUTS, *OPENAI_FIELDS, *OPENAI_IMPLIED}
     )
     if unsupported:
         raise DgpipeError(
@@ -195,6 +210,8 @@ def openai_body(body: dict[str, Any], model: str = "dgpipe") -> tuple[str, dict[
     req.update({k: body[k] for k in OPENAI_FIELDS if body.get(k) is not None})
     if body.get("stop_words"):
         req["stop"] = list(body["stop_words"])
+    if body.get("guided_decoding_guide_type") is not None:
+        req.update(openai_guide(body["guided_decoding_guide_type"], body.get("guided_decoding_guide") or ""))
     if "messages" in body:
         return "/chat/completions", {**req, "messages": json.loads(body["messages"])}
     return "/completions", {**req, "prompt": body["text_input"]}

@@ -9,6 +9,12 @@ Temperature: a diffusion request samples every step at a temperature that falls 
 `t_min`. OpenAI's `temperature` T sets `t_max = T` and `t_min = T / 2` (the published defaults 0.8 -> 0.4
 are T = 0.8), each clamped to the sampler's valid range (so T = 0 is the near-greedy 0.001). An explicit
 `t_min` / `t_max` extra field wins over the mapping.
+
+Structured output (docs/constrained.md): `response_format` {type: json_schema | json_object | text}, or the
+extra body fields `guided_json` (a schema), `guided_regex` and `guided_choice` (vLLM's names), one at most,
+become the Triton inputs `guided_decoding_guide_type` / `guided_decoding_guide`. The guide is compiled to a
+regular expression here already, so a schema construct the compiler cannot honour is a 400 naming it before
+the request reaches Triton (the Triton model compiles the token automaton and answers a 400 as well).
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline.errors import InputError
 from pipeline.model.config import SAMPLER_RANGES
+from pipeline.sampler.constraints import GuideSpec
 from pipeline.serving.schema import SEED_MAX
 
 # field -> the only value we accept (its OpenAI default, a no-op here)
@@ -40,7 +48,6 @@ UNSUPPORTED = (
     "tool_choice",
     "functions",
     "function_call",
-    "response_format",
     "suffix",
     "audio",
     "modalities",
@@ -91,6 +98,11 @@ class _Common(BaseModel):
     confidence_threshold: float | None = None
     t_min: float | None = None
     t_max: float | None = None
+    # structured output: response_format (OpenAI) or one of vLLM's guided_* extra fields
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     # OpenAI fields accepted only at their no-op value, or refused: checked in _refuse
     n: int | None = None
     best_of: int | None = None
@@ -106,7 +118,6 @@ class _Common(BaseModel):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     suffix: Any = None
     audio: Any = None
     modalities: Any = None
@@ -125,6 +136,47 @@ class _Common(BaseModel):
                 raise RequestError(f"'{name}' is not supported by this server", name)
         if self.stream_options is not None and not self.stream:
             raise RequestError("'stream_options' is only allowed when 'stream' is true", "stream_options")
+
+    def guide(self) -> tuple[str, str] | None:
+        """(guided_decoding_guide_type, guided_decoding_guide) from whichever structured-output field is set,
+        checked by compiling it to a regex (RequestError naming the field and the construct)."""
+        found: list[tuple[str, str, str]] = []  # (param, type, guide)
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_object":
+                found.append(("response_format", "json", ""))
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise RequestError(
+                        "'response_format' of type json_schema needs json_schema.schema (an object)",
+                        "response_format",
+                    )
+                found.append(("response_format", "json_schema", json.dumps(spec["schema"])))
+            elif kind != "text":
+                raise RequestError(
+                    f"'response_format' type {kind!r} is not supported (json_schema, json_object or text)",
+                    "response_format",
+                )
+        if self.guided_json is not None:
+            schema = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+            found.append(("guided_json", "json_schema", schema))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", "regex", self.guided_regex))
+        if self.guided_choice is not None:
+            found.append(("guided_choice", "choice", json.dumps(self.guided_choice)))
+        if not found:
+            return None
+        if len(found) > 1:
+            names = " and ".join(f"'{p}'" for p, _, _ in found)
+            raise RequestError(f"{names} exclude each other: send one constraint", found[1][0])
+        param, kind, guide = found[0]
+        try:
+            GuideSpec(kind, guide).regex()
+        except InputError as e:
+            raise RequestError(str(e), param) from e
+        return kind, guide
 
     def stop_words(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -146,6 +198,8 @@ class _Common(BaseModel):
             "return_num_output_tokens": True,
             **knobs,
         }
+        if (guide := self.guide()) is not None:
+            out["guided_decoding_guide_type"], out["guided_decoding_guide"] = guide
         return {k: v for k, v in out.items() if v is not None}
 
     @property

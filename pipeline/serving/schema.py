@@ -24,6 +24,7 @@ import numpy as np
 
 from pipeline.model.config import SAMPLER_RANGES
 from pipeline.runtime.chat_template import MessagesError, last_user_text, parse_messages  # stdlib only
+from pipeline.sampler.constraints import GUIDE_TYPES  # numpy only until a guide is compiled
 
 NUMPY_DTYPES: dict[str, Any] = {  # Triton datatype (wire name) -> numpy dtype
     "BYTES": np.object_,
@@ -75,6 +76,10 @@ def _sampler_range(name: str) -> Rule:
 
 
 POSITIVE_SECONDS = Rule(lambda v: 0 < v < float("inf"), "must be a positive number of seconds")
+GUIDE_TYPE = Rule(
+    lambda v: v in GUIDE_TYPES,
+    f"must be one of {', '.join(GUIDE_TYPES)} (grammars and structural tags are not supported)",
+)
 SEED_RANGE = Rule(lambda v: 0 <= v <= SEED_MAX, f"must be in [0, {SEED_MAX}] (the sampler's seed range)")
 
 
@@ -154,6 +159,18 @@ INPUTS: tuple[TritonTensor, ...] = (
         "seconds this request may run once in the batch (the server's limit when absent), then ends with an error",
         rule=POSITIVE_SECONDS,
     ),
+    # constrained decoding, under TensorRT-LLM's names (docs/constrained.md)
+    _in(
+        "guided_decoding_guide_type",
+        "BYTES",
+        f"constrained output: {', '.join(GUIDE_TYPES)}",
+        rule=GUIDE_TYPE,
+    ),
+    _in(
+        "guided_decoding_guide",
+        "BYTES",
+        "the guide: a JSON schema, a regular expression, or a JSON list of choices",
+    ),
 )
 OUTPUTS: tuple[TritonTensor, ...] = (
     _in("text_output", "BYTES", "generated text (a piece per response when streaming)", dims=(-1,)),
@@ -197,6 +214,7 @@ class ParsedRequest:
     infill_template: str | None = None
     messages: list[dict[str, Any]] | None = None  # checked chat messages, when sent instead of text_input
     timeout_s: float = float("inf")  # the request's deadline (from its batch slot): its own or the server's
+    guide: tuple[str, str] | None = None  # constrained decoding: (guide type, guide), compiled by the model
 
 
 def _scalar(arr: np.ndarray, name: str) -> Any:
@@ -276,6 +294,7 @@ def parse_request(
     messages, prompt = (None, values["text_input"])
     if values["messages"] is not None:
         messages, prompt = _messages(values["messages"])
+    guide = _guide(values["guided_decoding_guide_type"], values["guided_decoding_guide"])
     return ParsedRequest(
         prompt=prompt,
         max_tokens=max_tokens,
@@ -286,7 +305,19 @@ def parse_request(
         infill_template=values["infill_template"],
         messages=messages,
         timeout_s=values["timeout_s"] if values["timeout_s"] is not None else limits.max_seconds,
+        guide=guide,
     )
+
+
+def _guide(kind: str | None, guide: str | None) -> tuple[str, str] | None:
+    """Both guide inputs or neither (`json`, any JSON object, needs no guide text)."""
+    if kind is None:
+        if guide is not None:
+            raise BadRequest("input 'guided_decoding_guide' needs 'guided_decoding_guide_type'")
+        return None
+    if guide is None and kind != "json":
+        raise BadRequest(f"input 'guided_decoding_guide_type' {kind!r} needs 'guided_decoding_guide'")
+    return kind, guide or ""
 
 
 def _messages(raw: str) -> tuple[list[dict[str, Any]], str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import socket
 import urllib.error
 import urllib.request
@@ -137,6 +138,21 @@ def test_http_generate(server):
     out = json.loads(body)
     assert sudoku.is_valid_solution(puzzle, out["text_output"])
     assert out["finish_reason"] == "stop" and out["num_output_tokens"] == 82
+
+
+def test_guided_generate_over_http_and_unsupported_schema_is_a_400(server):
+    """Constrained decoding through real Triton: the digits the model would not write, and a refusal."""
+    url = f"{server.http_url}/v2/models/dgpipe/generate"
+    guide = {"guided_decoding_guide_type": "regex", "guided_decoding_guide": "[1-3]{81}"}
+    status, body = post(
+        url, {"text_input": PUZZLES[2][0], "max_tokens": 82, "exclude_input_in_output": True, **guide}
+    )
+    assert status == 200, body
+    assert re.fullmatch("[1-3]{81}", json.loads(body)["text_output"])
+    schema = json.dumps({"type": "integer", "minimum": 3})
+    bad = {"guided_decoding_guide_type": "json_schema", "guided_decoding_guide": schema}
+    status, body = post(url, {"text_input": PUZZLES[2][0], "max_tokens": 82, **bad})
+    assert status == 400 and "keyword 'minimum' at # is not supported" in body, body
 
 
 def test_http_generate_stream_and_grpc_stream_agree(server):

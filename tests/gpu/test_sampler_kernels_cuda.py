@@ -275,3 +275,33 @@ def test_a_short_denoise_loop_matches_oracle():
         assert torch.equal(count_k, count_r) and torch.equal(stop_k, stop_r), step
         prev_k, prev_r = out.argmax.clone(), ref.argmax
     assert count_r.tolist() == [1] * batch and stop_r.all()  # steps 2 and 3 saw the same logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_constraint_masks_inside_the_kernel_equal_masking_the_logits(dtype: torch.dtype):
+    """Constrained decoding's compact masks (table [M, V] + index [B, L], -1 = free) read by kernel A give
+    exactly what masking the logits first gives, and that matches the oracle on the masked logits."""
+    import dataclasses
+
+    from pipeline.sampler.reference import mask_logits
+
+    batch = 4
+    case = make_case(batch, CANVAS, VOCAB, dtype, seed=21)
+    gen = torch.Generator(device=DEVICE).manual_seed(21)
+    table = torch.rand(3, VOCAB, generator=gen, device=DEVICE) < 0.01
+    table[:, 7] = True  # never an empty set
+    index = torch.randint(-1, 3, (batch, CANVAS), generator=gen, device=DEVICE)
+    masked = mask_logits(case.logits, table, index)
+    check_step(dataclasses.replace(case, logits=masked))  # kernels vs oracle on the masked logits
+    prev = torch.full((batch, CANVAS), -1, dtype=torch.long, device=DEVICE)
+    args = (case.temperature, case.bound, case.keys, None, prev, case.stable_in, case.stab_k, 0.0)
+    first, c1, s1 = sample_step_cuda(masked, *args, out=poisoned_buffers(batch, CANVAS, VOCAB))
+    second, c2, s2 = sample_step_cuda(
+        case.logits, *args, out=poisoned_buffers(batch, CANVAS, VOCAB), allowed=(table, index)
+    )
+    for name in ("canvas", "argmax", "entropy", "kept", "probs"):
+        assert torch.equal(getattr(first, name), getattr(second, name)), name
+    assert torch.equal(c1, c2) and torch.equal(s1, s2)
+    free = index < 0
+    rows_allowed = table[index.clamp(min=0)].gather(-1, second.argmax[..., None])[..., 0]
+    assert (rows_allowed | free).all()  # every constrained argmax is an allowed token

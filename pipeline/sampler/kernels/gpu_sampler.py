@@ -82,13 +82,15 @@ def sample_step_cuda(
     confidence_threshold: torch.Tensor | float,
     *,
     out: StepBuffers | None = None,
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[StepOutput, torch.Tensor, torch.Tensor]:
     """One denoise step's sampling for B rows on the GPU; returns (step output, stable count, stop).
 
     `logits` [B, L, V] fp32 or bf16 (already softcapped), `template` [B, L] (-1 where free) or None,
     `prev_argmax` [B, L] (the previous argmax canvas, -1 before the first step), `stable_count` [B].
     The step output's `probs` is bf16 (the PyTorch sampler's is fp32; the runtime stores it in the
-    model dtype either way)."""
+    model dtype either way). `allowed`: constrained decoding's compact masks (table [M, V] bool, index
+    [B, L] int64, -1 = free), applied inside kernel A exactly as `reference.mask_logits` does."""
     from pipeline.sampler.kernels.build import load_torch_extension
 
     if logits.dim() != 3 or not logits.is_cuda:
@@ -122,6 +124,8 @@ def sample_step_cuda(
         buf.argmax,
         buf.sample,
         buf.probs,
+        None if allowed is None else allowed[0].to(dev, torch.bool).contiguous(),
+        None if allowed is None else allowed[1].to(dev, torch.int64).contiguous(),
     )
     ext.accept(
         vocab,

@@ -179,7 +179,7 @@ def test_models_and_health():
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
         ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
         ("/v1/chat/completions", {"top_p": 0.5}, "top_p"),
         ("/v1/chat/completions", {"frequency_penalty": 1.0}, "frequency_penalty"),
         ("/v1/chat/completions", {"logit_bias": {"1": 2}}, "logit_bias"),

@@ -127,6 +127,9 @@ class FakeSession:
     def default_template(self, prompt: str) -> str:
         return "default"
 
+    def compile_guide(self, kind: str, guide: str) -> tuple[str, str]:
+        return kind, guide  # the real compiler: tests/unit/sampler/test_constraints.py
+
     def encode_messages(self, messages) -> list[int]:
         return self.encode_prompt(self.render(messages))
 
@@ -435,6 +438,8 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
         "stream_drafts": True,
         "infill_template": "_" * 81,
         "timeout_s": 2.5,
+        "guided_decoding_guide_type": "regex",
+        "guided_decoding_guide": "[1-9]{81}",
     }
     assert set(values) | {"text_input", "messages"} == set(schema.INPUT)  # every input is exercised
     inputs = {"text_input": arr("text_input", PROMPT)}
@@ -449,6 +454,7 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
     assert model.session.knobs == {k: values[k] for k in knobs}
     assert request.template == "template:" + "_" * 81
     assert job.timeout_s == 2.5
+    assert request.guide == ("regex", "[1-9]{81}")
 
 
 def test_model_takes_messages_instead_of_text_input(model):
@@ -627,7 +633,8 @@ def test_cli_remote_generate_sends_schema_fields_and_reads_every_output(transpor
     knobs = {t.name: 0.5 for t in schema.INPUTS if t.sampler and t.datatype == "FP32"}
     overrides = {**knobs, "max_denoising_steps": 5, "stability_threshold": None}
     item = Item(PROMPT, None, None)
-    run_generate_remote(url, item, 82, overrides, 7, "_" * 81, True, True, as_json=True, compact=False)
+    guide = ("regex", "[1-9]{81}")
+    run_generate_remote(url, item, 82, overrides, 7, "_" * 81, True, True, True, False, guide=guide)
     out = json.loads(capsys.readouterr().out)
     assert (out["text"], out["finish_reason"], out["steps_per_canvas"]) == ("81 digits", "stop", [3, 4])
     assert (out["prompt_tokens"], out["output_tokens"]) == (81, 82)
@@ -685,3 +692,31 @@ def test_load_gauges_follow_every_change_and_histograms_count_each_event(model):
     assert len(model.m_ttfc.observed) == len(model.m_request_latency.observed) == 2
     assert len(model.m_canvas_latency.observed) == 4 and model.m_steps_per_canvas.observed == [5, 7, 5, 7]
     assert all(v >= 0 for v in model.m_canvas_latency.observed + model.m_request_latency.observed)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ({"guided_decoding_guide": "[0-9]"}, "input 'guided_decoding_guide' needs 'guided_decoding_guide_type'"),
+        ({"guided_decoding_guide_type": "regex"}, "input 'guided_decoding_guide_type' 'regex' needs 'guided_decoding_guide'"),
+        ({"guided_decoding_guide_type": "ebnf_grammar", "guided_decoding_guide": "x"}, "grammars and structural tags are not supported"),
+    ],
+)  # fmt: skip
+def test_model_refuses_incomplete_guides(model, inputs, message):
+    sent = {"text_input": arr("text_input", PROMPT)} | {n: arr(n, v) for n, v in inputs.items()}
+    assert message in refusal(model, sent)
+
+
+def test_model_takes_a_json_object_guide_without_guide_text(model):
+    model.execute(
+        [
+            FakeRequest(
+                {
+                    "text_input": arr("text_input", PROMPT),
+                    **{"guided_decoding_guide_type": arr("guided_decoding_guide_type", "json")},
+                }
+            )
+        ]
+    )
+    _, request = model.inbox.get_nowait()
+    assert request.guide == ("json", "")

@@ -21,6 +21,11 @@
 //
 // No torch headers here: plain extern "C" launchers on raw pointers, so the TensorRT plugin and the torch
 // binding (torch_binding.cpp) share one implementation. Logits are assumed finite (they are softcapped).
+//
+// Constrained decoding (docs/constrained.md): kernel A optionally reads compact allowed-token masks, a table
+// [M, V] of bytes and a row index [B, L] (int64, -1 = free), and replaces a disallowed logit with
+// kMaskedLogit before everything else, exactly as pipeline/sampler/reference.py's mask_logits does
+// (masked_fill with -1e30): -inf in effect, finite so 0 * log 0 terms stay 0. Null pointers: no mask.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -36,6 +41,7 @@ namespace {
 constexpr int kRowThreads = 512;    // kernel A block size (16 warps)
 constexpr int kMaxCanvas = 1024;    // kernel B sorts one row of at most this many positions in a block
 constexpr float kGumbelBound = 17.0f;  // > the largest Gumbel value, 16.6355 (u = 1 - 2**-24)
+constexpr float kMaskedLogit = -1e30f;  // reference.masked_logit(torch.float32)
 
 // ---- vector loads and stores -------------------------------------------------------------------------
 
@@ -161,7 +167,9 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
                                           const int64_t* __restrict__ canvas,
                                           const int64_t* __restrict__ step, float* __restrict__ entropy,
                                           float* __restrict__ max_prob, int64_t* __restrict__ argmax,
-                                          int64_t* __restrict__ sample, __nv_bfloat16* __restrict__ probs) {
+                                          int64_t* __restrict__ sample, __nv_bfloat16* __restrict__ probs,
+                                          const uint8_t* __restrict__ mask_table,
+                                          const int64_t* __restrict__ mask_index) {
   const int64_t cell = blockIdx.x;  // row * length + position
   const int row = static_cast<int>(cell / length);
   const uint32_t position = static_cast<uint32_t>(cell % length);
@@ -169,12 +177,18 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
   const float temp = temperature[row];
   const uint32_t row_key = dg::key_hash(seed[row], request[row], canvas[row], step[row], dg::kStreamSample);
   const uint32_t pos_key = dg::position_bits(row_key, position);
+  const int64_t mask_row = mask_index != nullptr ? mask_index[cell] : -1;
+  const uint8_t* __restrict__ allowed = mask_row >= 0 ? mask_table + mask_row * vocab : nullptr;
 
   RowState st{-INFINITY, 0.0f, 0.0f, INT32_MAX, -INFINITY, INT32_MAX};
   // Each thread walks its chunks in increasing index order, so strict '>' keeps the lowest index on ties.
   for (int i = threadIdx.x * N; i < vocab; i += blockDim.x * N) {
     float z[N];
     load_chunk<T, N>(x_row, i, z);
+    if (allowed != nullptr) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) z[j] = allowed[i + j] ? z[j] : kMaskedLogit;
+    }
     float cm = -INFINITY;
     int ci = INT32_MAX;
 #pragma unroll
@@ -242,6 +256,10 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
   for (int i = threadIdx.x * N; i < vocab; i += blockDim.x * N) {
     float z[N];
     load_chunk<T, N>(x_row, i, z);
+    if (allowed != nullptr) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) z[j] = allowed[i + j] ? z[j] : kMaskedLogit;
+    }
 #pragma unroll
     for (int j = 0; j < N; ++j) z[j] = expf(__fdiv_rn(z[j], temp) - m) * inv;
     store_probs<N>(p_row, i, z);
@@ -257,9 +275,11 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
       const int64_t* __restrict__ seed, const int64_t* __restrict__ request,                           \
       const int64_t* __restrict__ canvas, const int64_t* __restrict__ step, float* __restrict__ entropy, \
       float* __restrict__ max_prob, int64_t* __restrict__ argmax, int64_t* __restrict__ sample,        \
-      __nv_bfloat16* __restrict__ probs
-#define DG_ROWS_ARGS \
-  logits, length, vocab, temperature, seed, request, canvas, step, entropy, max_prob, argmax, sample, probs
+      __nv_bfloat16* __restrict__ probs, const uint8_t* __restrict__ mask_table,                       \
+      const int64_t* __restrict__ mask_index
+#define DG_ROWS_ARGS                                                                                  \
+  logits, length, vocab, temperature, seed, request, canvas, step, entropy, max_prob, argmax, sample, probs, \
+      mask_table, mask_index
 
 extern "C" __global__ void __launch_bounds__(kRowThreads) dg_rows_f32x4(DG_ROWS_PARAMS(float)) {
   rows_body<float, 4>(DG_ROWS_ARGS);
@@ -427,6 +447,8 @@ extern "C" __global__ void __launch_bounds__(kMaxCanvas)
            const int64_t* __restrict__ canvas, const int64_t* __restrict__ step, int length, int vocab,     \
            float* __restrict__ entropy, float* __restrict__ max_prob, int64_t* __restrict__ argmax,        \
            int64_t* __restrict__ sample, __nv_bfloat16* __restrict__ probs) {                              \
+    const uint8_t* mask_table = nullptr; /* the engine masks in the graph's logits path, not here */      \
+    const int64_t* mask_index = nullptr;                                                                   \
     rows_body<T, N>(DG_ROWS_ARGS);                                                                         \
   }
 DG_TRT_ROWS(dg_trt_rows_f32x4, float, 4)
@@ -459,7 +481,8 @@ template <typename T>
 cudaError_t launch_rows(void (*kernel)(DG_ROWS_PARAMS(T)), const T* logits, int batch, int length, int vocab,
                         const float* temperature, const int64_t* seed, const int64_t* request,
                         const int64_t* canvas, const int64_t* step, float* entropy, float* max_prob,
-                        int64_t* argmax, int64_t* sample, __nv_bfloat16* probs, cudaStream_t stream) {
+                        int64_t* argmax, int64_t* sample, __nv_bfloat16* probs, const uint8_t* mask_table,
+                        const int64_t* mask_index, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>(static_cast<int64_t>(batch) * length);
   kernel<<<blocks, kRowThreads, 0, stream>>>(DG_ROWS_ARGS);
   return cudaGetLastError();
@@ -474,11 +497,14 @@ extern "C" {
 // Kernel A for B rows of L positions: per-position entropy, max probability, argmax and Gumbel sample of
 // z = logits / T(row); softmax(z) in bf16 into `probs` ([B, L, V]) unless it is null. `logits_bf16`
 // selects the input dtype (0: fp32, 1: bf16). Row keys (seed, request, canvas, step) are int64 arrays of
-// length B. Returns a cudaError_t.
+// length B. `mask_table` [M, V] bytes and `mask_index` [B, L] (-1 = free) restrict each position to its
+// table row's tokens (constrained decoding); both null: no mask. Returns a cudaError_t.
 int dg_sampler_rows(const void* logits, int logits_bf16, int batch, int length, int vocab,
                     const float* temperature, const int64_t* seed, const int64_t* request,
                     const int64_t* canvas, const int64_t* step, float* entropy, float* max_prob,
-                    int64_t* argmax, int64_t* sample, void* probs, cudaStream_t stream) {
+                    int64_t* argmax, int64_t* sample, void* probs, const uint8_t* mask_table,
+                    const int64_t* mask_index, cudaStream_t stream) {
+  if ((mask_table == nullptr) != (mask_index == nullptr)) return cudaErrorInvalidValue;
   if (batch < 0 || length <= 0 || vocab <= 0) return cudaErrorInvalidValue;
   if (batch == 0) return cudaSuccess;
   auto* p = static_cast<__nv_bfloat16*>(probs);
@@ -486,16 +512,16 @@ int dg_sampler_rows(const void* logits, int logits_bf16, int batch, int length, 
     const auto* x = static_cast<const __nv_bfloat16*>(logits);
     if (vocab % 8 == 0 && aligned16(x) && aligned16(p))
       return launch_rows(dg_rows_bf16x8, x, batch, length, vocab, temperature, seed, request, canvas, step,
-                                           entropy, max_prob, argmax, sample, p, stream);
+                                           entropy, max_prob, argmax, sample, p, mask_table, mask_index, stream);
     return launch_rows(dg_rows_bf16x1, x, batch, length, vocab, temperature, seed, request, canvas, step,
-                                         entropy, max_prob, argmax, sample, p, stream);
+                                         entropy, max_prob, argmax, sample, p, mask_table, mask_index, stream);
   }
   const auto* x = static_cast<const float*>(logits);
   if (vocab % 4 == 0 && aligned16(x) && (p == nullptr || (reinterpret_cast<uintptr_t>(p) & 7u) == 0))
     return launch_rows(dg_rows_f32x4, x, batch, length, vocab, temperature, seed, request, canvas, step, entropy,
-                                 max_prob, argmax, sample, p, stream);
+                                 max_prob, argmax, sample, p, mask_table, mask_index, stream);
   return launch_rows(dg_rows_f32x1, x, batch, length, vocab, temperature, seed, request, canvas, step, entropy,
-                               max_prob, argmax, sample, p, stream);
+                               max_prob, argmax, sample, p, mask_table, mask_index, stream);
 }
 
 // Kernel B for B rows: entropy-bound acceptance, next canvas, argmax canvas (pinned where template >= 0;

@@ -14,7 +14,8 @@ extern "C" {
 int dg_sampler_rows(const void* logits, int logits_bf16, int batch, int length, int vocab,
                     const float* temperature, const int64_t* seed, const int64_t* request,
                     const int64_t* canvas, const int64_t* step, float* entropy, float* max_prob,
-                    int64_t* argmax, int64_t* sample, void* probs, cudaStream_t stream);
+                    int64_t* argmax, int64_t* sample, void* probs, const uint8_t* mask_table,
+                    const int64_t* mask_index, cudaStream_t stream);
 int dg_sampler_accept(int batch, int length, int vocab, const float* entropy_in, const int64_t* argmax_in,
                       const int64_t* sample, const int64_t* templ, const float* bound, const int64_t* seed,
                       const int64_t* request, const int64_t* canvas, const int64_t* step,
@@ -39,9 +40,11 @@ void check_launch(int err, const char* what) {
 }
 
 // Kernel A: per-position entropy, max probability, argmax, Gumbel sample; softmax(z) in bf16 if given.
+// Constrained decoding: `mask_table` [M, V] bool and `mask_index` [B, L] int64 (-1 = free), both or neither.
 void rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& seed,
           const at::Tensor& request, const at::Tensor& canvas, const at::Tensor& step, at::Tensor& entropy,
-          at::Tensor& max_prob, at::Tensor& argmax, at::Tensor& sample, std::optional<at::Tensor> probs) {
+          at::Tensor& max_prob, at::Tensor& argmax, at::Tensor& sample, std::optional<at::Tensor> probs,
+          std::optional<at::Tensor> mask_table, std::optional<at::Tensor> mask_index) {
   TORCH_CHECK(logits.is_cuda() && logits.dim() == 3, "logits must be a [B, L, V] CUDA tensor");
   TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
               "logits must be float32 or bfloat16, got ", logits.scalar_type());
@@ -60,13 +63,23 @@ void rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Ten
     check(*probs, "probs", at::kBFloat16, {b, l, v}, dev);
     probs_ptr = probs->data_ptr();
   }
+  TORCH_CHECK(mask_table.has_value() == mask_index.has_value(), "mask_table and mask_index go together");
+  const uint8_t* table_ptr = nullptr;
+  const int64_t* index_ptr = nullptr;
+  if (mask_table.has_value()) {
+    TORCH_CHECK(mask_table->dim() == 2 && mask_table->size(0) >= 1, "mask_table must be [M, V], M >= 1");
+    check(*mask_table, "mask_table", at::kBool, {mask_table->size(0), v}, dev);
+    check(*mask_index, "mask_index", at::kLong, {b, l}, dev);
+    table_ptr = static_cast<const uint8_t*>(mask_table->data_ptr());
+    index_ptr = mask_index->data_ptr<int64_t>();
+  }
   const c10::cuda::CUDAGuard guard(dev);
   const int err = dg_sampler_rows(
       logits.data_ptr(), logits.scalar_type() == at::kBFloat16, static_cast<int>(b), static_cast<int>(l),
       static_cast<int>(v), temperature.data_ptr<float>(), seed.data_ptr<int64_t>(), request.data_ptr<int64_t>(),
       canvas.data_ptr<int64_t>(), step.data_ptr<int64_t>(), entropy.data_ptr<float>(),
-      max_prob.data_ptr<float>(), argmax.data_ptr<int64_t>(), sample.data_ptr<int64_t>(), probs_ptr,
-      c10::cuda::getCurrentCUDAStream().stream());
+      max_prob.data_ptr<float>(), argmax.data_ptr<int64_t>(), sample.data_ptr<int64_t>(), probs_ptr, table_ptr,
+      index_ptr, c10::cuda::getCurrentCUDAStream().stream());
   check_launch(err, "dg_sampler_rows");
 }
 

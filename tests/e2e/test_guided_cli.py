@@ -1,0 +1,69 @@
+"""`dgpipe generate --json-schema | --regex | --choice` as a user runs it, on a random chat checkpoint (valid
+output can only come from the constraint); a schema the compiler cannot honour is one error line."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from tests._utils.chat import write_chat_checkpoint
+
+DGPIPE = [sys.executable, "-m", "pipeline.cli"]
+ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "tag": {"enum": ["a", "b"]}}, "required": ["id", "tag"]}  # fmt: skip
+
+
+def dgpipe(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*DGPIPE, *args], capture_output=True, text=True, timeout=300, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return write_chat_checkpoint(tmp_path_factory.mktemp("chat") / "ckpt")
+
+
+@pytest.mark.slow  # three CLI processes: ~40 s on 2 cores
+def test_generate_with_each_constraint_gives_valid_output(ckpt: Path, tmp_path: Path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"item {i}"}) + "\n" for i in range(4)))
+    run = ["generate", "--model", str(ckpt), "--max-tokens", "64", "--json"]
+    proc = dgpipe(*run, "--file", str(prompts), "--json-schema", str(schema))
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(rows) == 4
+    for row in rows:
+        jsonschema.validate(json.loads(row["text"]), SCHEMA)
+    regex = json.loads(dgpipe(*run, "x", "--regex", r"[a-f]{3}-\d{2}").stdout)["text"]
+    assert re.fullmatch(r"[a-f]{3}-\d{2}", regex)
+    assert json.loads(dgpipe(*run, "x", "--choice", "red,green").stdout)["text"] in ("red", "green")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--regex", "(x"], "guided regex '(x' does not compile"),
+        (["--regex", "x", "--choice", "a,b"], "--regex and --choice exclude each other"),
+        (["--json-schema", "/nonexistent.json"], "no such file"),
+        (["--regex", "[0-9]{40}", "--max-tokens", "8"], "needs at least 41 tokens"),
+    ],
+)
+def test_constraints_that_cannot_be_honoured_are_one_error_line(ckpt: Path, args, needle):
+    proc = dgpipe("generate", "--model", str(ckpt), "x", *args)
+    assert proc.returncode != 0 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_unsupported_schema_keyword_is_named(ckpt: Path, tmp_path: Path):
+    schema = tmp_path / "s.json"
+    schema.write_text(
+        json.dumps({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}})
+    )
+    proc = dgpipe("generate", "--model", str(ckpt), "x", "--json-schema", str(schema))
+    assert proc.returncode != 0 and "'multipleOf' at #/properties/n" in proc.stderr, proc.stderr

@@ -1,0 +1,116 @@
+"""The constraint compiler: automata accept exactly the language, budgets are exact, refusals name the construct."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from pipeline.errors import InputError
+from pipeline.sampler.constraints import GuideCompiler, GuideSpec, token_bytes
+
+END = 1
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    from tests._utils.chat import build_tokenizer
+
+    return GuideCompiler(build_tokenizer(), 128, [END, 5])
+
+
+def encode(compiler, text: str) -> list[int]:
+    by_bytes = {b: i for i, b in compiler.vocab.items()}
+    return [by_bytes[c.encode()] for c in text]
+
+
+def test_character_vocabulary_spells_each_character(compiler):
+    assert compiler.vocab[encode(compiler, "a")[0]] == b"a"
+    assert 0 not in compiler.vocab and END not in compiler.vocab  # special tokens spell nothing
+
+
+def test_byte_level_vocabulary_is_decoded_to_bytes():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE({"<s>": 0, "Ġa": 1, "Ã©": 2, "b": 3}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.decoder = decoders.ByteLevel()
+    assert token_bytes(tok, 4) == {0: b"<s>", 1: b" a", 2: "é".encode(), 3: b"b"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "good", "bad"),
+    [
+        (GuideSpec("regex", "[1-9]{3}"), ["123", "999"], ["12", "1234", "012"]),
+        (GuideSpec("choice", json.dumps(["yes", "no", "a.b"])), ["yes", "no", "a.b"], ["ye", "axb", "yesno"]),
+        (
+            GuideSpec(
+                "json_schema",
+                json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+            ),
+            ['{"a":1}', '{ "a" : -20 }'],
+            ['{"a":1.5}', '{"b":1}', '{"a":01}'],
+        ),
+    ],
+)
+def test_automaton_accepts_exactly_the_language(compiler, spec, good, bad):
+    a = compiler.compile(spec)
+    for text in good:
+        assert a.accepts([*encode(compiler, text), END]), text
+    for text in bad:
+        assert not a.accepts([*encode(compiler, text), END]), text
+
+
+def test_distances_are_the_shortest_completion(compiler):
+    a = compiler.compile(GuideSpec("regex", "ab{2,5}c|d"))
+    assert a.min_tokens == 2  # "d" + end
+    state = a.next_state(0, encode(compiler, "a")[0])
+    assert a.distance[state] == 3  # "bbc"
+
+
+def test_allowed_respects_the_budget(compiler):
+    a = compiler.compile(GuideSpec("regex", "x{1,4}"))
+    x = encode(compiler, "x")[0]
+    assert a.allowed(0, 2).tolist() == [x]  # "x" then the end token
+    assert a.allowed(0, 1).size == 0  # one token left: cannot fit "x" and an end token
+    s = a.next_state(0, x)
+    assert a.allowed(s, 1).tolist() == [END, 5]  # only an end token fits
+    assert a.allowed(s, 5).tolist() == [END, 5, x]
+    assert set(a.loose.tolist()) == {END, 5, x}
+
+
+def test_compiles_are_cached(compiler):
+    spec = GuideSpec("regex", "[ab]+")
+    assert compiler.compile(spec) is compiler.compile(GuideSpec("regex", "[ab]+"))
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        (
+            GuideSpec("json_schema", json.dumps({"type": "object", "patternProperties": {"a": {}}})),
+            "'patternProperties' at #",
+        ),
+        (GuideSpec("json_schema", json.dumps({"properties": {"a": {"not": {}}}})), "'not' at #/properties/a"),
+        (GuideSpec("json_schema", json.dumps({"type": "integer", "minimum": 3})), "'minimum'"),
+        (GuideSpec("json_schema", json.dumps({"type": "string", "format": "hostname"})), "hostname"),
+        (GuideSpec("json_schema", "{not json"), "not valid JSON"),
+        (GuideSpec("regex", "(unclosed"), "does not compile"),
+        (GuideSpec("choice", "[]"), "non-empty list"),
+        (GuideSpec("ebnf_grammar", "root ::= x"), "EBNF grammars are not supported"),
+        (GuideSpec("xml", "x"), "unknown"),
+        (GuideSpec("regex", "é+"), "cannot be compiled over this tokenizer"),  # no é in the vocabulary
+    ],
+)
+def test_refusals_name_the_construct(compiler, spec, needle):
+    with pytest.raises(InputError, match=re.escape(needle)):
+        compiler.compile(spec)
+
+
+def test_allowed_sets_are_sorted_unique(compiler):
+    a = compiler.compile(GuideSpec("json", ""))
+    for state in range(min(20, a.n_states)):
+        toks = a.allowed(state, 100)
+        assert np.array_equal(toks, np.unique(toks))

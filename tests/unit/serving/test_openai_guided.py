@@ -1,0 +1,98 @@
+"""Structured output through the OpenAI frontend: response_format and the guided_* extra fields become the
+Triton guide inputs; what the compiler cannot honour is a 400 naming the field and the construct."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient
+
+from pipeline.serving.client import openai_body
+from pipeline.serving.openai_api import create_app
+
+CHAT = {"model": "dgpipe", "messages": [{"role": "user", "content": "hi"}]}
+FINAL = {"text_output": ['{"ok":true}'], "finish_reason": ["stop"], "num_input_tokens": [5], "num_output_tokens": [4]}  # fmt: skip
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+def post(body: dict, path: str = "/v1/chat/completions"):
+    calls: list[dict] = []
+
+    def triton(inputs, cancel):
+        calls.append(inputs)
+        yield FINAL
+
+    return TestClient(create_app(triton)).post(path, json=body), calls
+
+
+@pytest.mark.parametrize(
+    ("extra", "guide"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": SCHEMA}}}, ("json_schema", json.dumps(SCHEMA))),
+        ({"response_format": {"type": "json_object"}}, ("json", "")),
+        ({"guided_json": SCHEMA}, ("json_schema", json.dumps(SCHEMA))),
+        ({"guided_regex": "[0-9]{3}"}, ("regex", "[0-9]{3}")),
+        ({"guided_choice": ["yes", "no"]}, ("choice", '["yes", "no"]')),
+    ],
+)  # fmt: skip
+def test_structured_output_fields_become_the_triton_guide(extra, guide):
+    r, calls = post({**CHAT, **extra})
+    assert r.status_code == 200, r.text
+    assert (calls[0]["guided_decoding_guide_type"], calls[0]["guided_decoding_guide"]) == guide
+    r, calls = post({"model": "dgpipe", "prompt": "hi", **extra}, "/v1/completions")
+    assert r.status_code == 200 and calls[0]["guided_decoding_guide_type"] == guide[0]
+
+
+def test_text_response_format_sets_no_guide():
+    r, calls = post({**CHAT, "response_format": {"type": "text"}})
+    assert r.status_code == 200 and "guided_decoding_guide_type" not in calls[0]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "needle"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "integer", "minimum": 1}}}}, "response_format", "keyword 'minimum' at #"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "o"}}}, "response_format", "needs json_schema.schema"),
+        ({"response_format": {"type": "grammar"}}, "response_format", "'grammar' is not supported"),
+        ({"guided_json": {"properties": {"a": {"not": {}}}}}, "guided_json", "'not' at #/properties/a"),
+        ({"guided_regex": "(x"}, "guided_regex", "does not compile"),
+        ({"guided_choice": []}, "guided_choice", "non-empty list"),
+        ({"guided_regex": "x", "guided_choice": ["x"]}, "guided_choice", "exclude each other"),
+    ],
+)  # fmt: skip
+def test_guides_the_compiler_cannot_honour_are_400s_naming_the_construct(extra, param, needle):
+    r, calls = post({**CHAT, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"] and err["type"] == "invalid_request_error"
+    assert not calls  # refused before Triton
+
+
+@pytest.mark.parametrize(
+    ("kind", "guide", "field"),
+    [
+        ("json_schema", json.dumps(SCHEMA), {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": SCHEMA}}}),
+        ("json", "", {"response_format": {"type": "json_object"}}),
+        ("regex", "[0-9]+", {"guided_regex": "[0-9]+"}),
+        ("choice", '["a", "b"]', {"guided_choice": ["a", "b"]}),
+    ],
+)  # fmt: skip
+def test_cli_client_sends_the_guide_as_openai_fields_the_frontend_maps_back(kind, guide, field):
+    body = {
+        "text_input": "hi",
+        "max_tokens": 8,
+        "guided_decoding_guide_type": kind,
+        "guided_decoding_guide": guide,
+    }
+    path, req = openai_body(body)
+    assert path == "/completions" and {k: req[k] for k in field} == field
+    r, calls = post(
+        {k: v for k, v in req.items() if k not in ("stream", "stream_options")}, "/v1/completions"
+    )
+    assert r.status_code == 200 and (
+        calls[0]["guided_decoding_guide_type"],
+        calls[0]["guided_decoding_guide"],
+    ) == (kind, guide)
