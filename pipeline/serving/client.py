@@ -14,12 +14,24 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.errors import DgpipeError
 from pipeline.serving import schema
+
+
+def _first(value: Any) -> Any:
+    return value[0] if isinstance(value, list) else value
+
+
+def draft_of(chunk: dict[str, Any]) -> tuple[int, str] | None:
+    """(step, canvas text) when the chunk is a `stream_drafts` draft, else None: the model marks a draft
+    by `denoise_steps` on a response that is not the final one (schema.OUTPUTS)."""
+    if chunk.get("denoise_steps") is None or chunk.get("finish_reason"):
+        return None
+    return int(_first(chunk["denoise_steps"])), _first(chunk.get("text_output", ""))
 
 
 @dataclass
@@ -30,10 +42,14 @@ class Reply:
     denoise_steps: list[int] = field(default_factory=list)
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
+    drafts: int = 0  # draft responses seen (never part of the text)
 
     def add(self, chunk: dict[str, Any]) -> str:
-        piece = chunk.get("text_output", "")
-        piece = piece[0] if isinstance(piece, list) else piece
+        """Fold one response chunk in; returns the committed text it adds ("" for a draft)."""
+        if draft_of(chunk) is not None:
+            self.drafts += 1
+            return ""
+        piece = _first(chunk.get("text_output", ""))
         if chunk.get("finish_reason"):
             fr = chunk["finish_reason"]
             self.finish_reason = fr[0] if isinstance(fr, list) else fr
@@ -167,6 +183,7 @@ OPENAI_FIELDS = (
     "confidence_threshold",
     "t_min",
     "t_max",
+    "stream_drafts",
 )
 OPENAI_IMPLIED = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens")
 
@@ -209,6 +226,10 @@ def openai_generate(
                 event = json.loads(line[5:])
                 if "error" in event:
                     raise TritonError(event["error"].get("message", str(event["error"])), 400)
+                if event.get("object") == "dgpipe.draft":  # back to the model's own draft response
+                    draft = event["dgpipe"]
+                    yield {"text_output": draft["text"], "denoise_steps": [draft["step"]]}
+                    continue
                 for choice in event.get("choices") or []:
                     piece = choice.get("text") or (choice.get("delta") or {}).get("content")
                     if piece:
@@ -256,11 +277,13 @@ def generate(
     model: str = "dgpipe",
     messages: list[dict[str, Any]] | None = None,
     api_key: str | None = None,
+    on_draft: Callable[[int, str], None] | None = None,
     **options: Any,
 ) -> Iterator[str]:
     """Yield text pieces as the server sends them; the final Reply is the generator's return value.
     With `messages` (OpenAI-style chat messages) and prompt None, the server renders its chat template.
-    A URL ending in /v1 is the OpenAI-compatible frontend (`api_key`: its Bearer key)."""
+    A URL ending in /v1 is the OpenAI-compatible frontend (`api_key`: its Bearer key). `on_draft(step, text)`
+    sees each draft of a `stream_drafts` request (drafts are never part of the text)."""
     if messages is not None:
         options = {**options, "messages": json.dumps(messages)}
     body = schema.request_body(prompt, max_tokens, stream, seed, options)
@@ -274,6 +297,8 @@ def generate(
         raise DgpipeError(f"--url {url}: expected http://HOST:PORT, grpc://HOST:PORT or http://HOST:PORT/v1")
     reply = Reply()
     for chunk in chunks:
+        if on_draft is not None and (draft := draft_of(chunk)) is not None:
+            on_draft(*draft)
         piece = reply.add(chunk)
         if piece:
             yield piece

@@ -9,6 +9,13 @@ Every error is OpenAI's schema, `{"error": {"message", "type", "param", "code"}}
 malformed JSON is a 400 (never FastAPI's 422), a value the Triton model refuses is a 400 with its message,
 a missing or wrong API key a 401, an unknown model a 404, Triton unreachable a 503. `stream: true` answers
 server-sent events, one chunk per committed canvas, then `data: [DONE]`. Library code: nothing is printed.
+
+Drafts (`stream_drafts: true`, only when asked): the canvas after every denoise step travels as its own
+event, `event: dgpipe.draft` with `{"object": "dgpipe.draft", "choices": [], "dgpipe": {"canvas", "step",
+"text"}}`, beside the standard chunks, which stay exactly what they are without drafts. An SSE reader tells
+them apart by the event name; openai-python >= 2 yields them as chunks whose `object` is "dgpipe.draft"
+and whose `choices` is empty (1.x wraps named events as {"data", "event"}: read drafts with a plain SSE
+reader there).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.errors import DgpipeError
 from pipeline.runtime.chat_template import MessagesError, parse_messages
-from pipeline.serving.client import Reply, TritonError, grpc_generate
+from pipeline.serving.client import Reply, TritonError, draft_of, grpc_generate
 from pipeline.serving.openai_schema import ChatCompletionRequest, CompletionRequest, RequestError
 
 # (Triton inputs (schema names), cancel) -> the model's response chunks (client.grpc_generate's dicts);
@@ -257,6 +264,11 @@ def create_app(
                 choice["text"] = piece or ""
             return event({**head, "choices": [choice], **extra})
 
+        def draft_event(canvas: int, step: int, text: str) -> str:
+            payload = {**head, "object": "dgpipe.draft", "choices": []}
+            payload["dgpipe"] = {"canvas": canvas, "step": step, "text": text}
+            return f"event: dgpipe.draft\n{event(payload)}"
+
         if chat:
             yield event(
                 {
@@ -267,11 +279,17 @@ def create_app(
                     **extra,
                 }
             )
-        item = first
+        item, canvases = first, 0
         try:
             while item is not _END:
+                draft = draft_of(item)
+                if draft is not None:
+                    yield draft_event(canvases, *draft)
+                    item = await _pull(chunks)
+                    continue
                 piece = reply.add(item)
                 if piece:
+                    canvases += 1
                     yield chunk(piece, None)
                 if item.get("finish_reason"):
                     yield chunk(None, reply.finish_reason)

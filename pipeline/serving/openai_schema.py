@@ -9,6 +9,10 @@ Temperature: a diffusion request samples every step at a temperature that falls 
 `t_min`. OpenAI's `temperature` T sets `t_max = T` and `t_min = T / 2` (the published defaults 0.8 -> 0.4
 are T = 0.8), each clamped to the sampler's valid range (so T = 0 is the near-greedy 0.001). An explicit
 `t_min` / `t_max` extra field wins over the mapping.
+
+Drafts: `stream_drafts: true` (with `stream: true`) adds the canvas after every denoise step to the stream
+as `event: dgpipe.draft` server-sent events (pipeline/serving/openai_api.py); without it the stream is
+plain OpenAI chunks.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ class _Common(BaseModel):
     confidence_threshold: float | None = None
     t_min: float | None = None
     t_max: float | None = None
+    stream_drafts: bool = False  # dgpipe.draft events in the stream (only with stream: true)
     # OpenAI fields accepted only at their no-op value, or refused: checked in _refuse
     n: int | None = None
     best_of: int | None = None
@@ -125,6 +130,10 @@ class _Common(BaseModel):
                 raise RequestError(f"'{name}' is not supported by this server", name)
         if self.stream_options is not None and not self.stream:
             raise RequestError("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        if self.stream_drafts and not self.stream:
+            raise RequestError(
+                "'stream_drafts' needs 'stream': true (drafts are server-sent events)", "stream_drafts"
+            )
 
     def stop_words(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -140,6 +149,7 @@ class _Common(BaseModel):
             "max_tokens": max_tokens,
             "seed": self.seed,
             "stream": self.stream,
+            "stream_drafts": self.stream_drafts or None,
             "stop_words": self.stop_words() or None,
             "exclude_input_in_output": True,
             "return_num_input_tokens": True,

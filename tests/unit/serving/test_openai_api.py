@@ -160,6 +160,51 @@ def test_text_stream_without_include_usage_has_no_usage():
     assert all("usage" not in e for e in events)
 
 
+DRAFTS = [
+    {"text_output": ["1?"], "denoise_steps": [1]},
+    {"text_output": ["12"], "denoise_steps": [2]},
+    {"text_output": ["12"]},  # canvas 0 committed
+    {"text_output": ["3?"], "denoise_steps": [1]},
+    {"text_output": ["34"]},
+    FINAL,
+]
+
+
+def test_drafts_only_when_asked_as_named_dgpipe_events_beside_unchanged_chunks():
+    c, fake = client(FakeTriton(DRAFTS))
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    r = c.post("/v1/chat/completions", json={**body, "stream_drafts": True})
+    assert fake.calls[0]["stream_drafts"] is True
+    blocks = [b for b in r.text.split("\n\n") if b]
+    drafts = [json.loads(b.split("\n")[1].removeprefix("data: ")) for b in blocks if b.startswith("event: ")]
+    assert all(b.startswith("event: dgpipe.draft\ndata: ") for b in blocks if b.startswith("event: "))
+    assert [d["dgpipe"] for d in drafts] == [
+        {"canvas": 0, "step": 1, "text": "1?"},
+        {"canvas": 0, "step": 2, "text": "12"},
+        {"canvas": 1, "step": 1, "text": "3?"},
+    ]
+    assert all(d["object"] == "dgpipe.draft" and d["choices"] == [] for d in drafts)
+    # the standard chunks are those of the same request without drafts, and the text has no draft in it
+    plain = sse(client(FakeTriton(DRAFTS[2:3] + DRAFTS[4:]))[0].post("/v1/chat/completions", json=body))
+    chunks = [json.loads(b.removeprefix("data: ")) for b in blocks[:-1] if b.startswith("data: ")]
+    strip = lambda es: [{k: v for k, v in e.items() if k not in ("id", "created")} for e in es]
+    assert strip(chunks) == strip(plain) and chunks[-1]["usage"]["completion_tokens"] == 4
+    # not asked: not sent to Triton; asked without streaming: refused
+    c.post("/v1/chat/completions", json=body)
+    assert "stream_drafts" not in fake.calls[1]
+    assert_error(c.post("/v1/completions", json={**TEXT, "stream_drafts": True}), 400, "stream_drafts")
+
+
+def test_the_cli_client_reads_drafts_back_and_keeps_them_out_of_the_text():
+    from pipeline.serving.client import Reply, draft_of
+
+    reply = Reply()
+    for chunk in DRAFTS:
+        reply.add(chunk)
+    assert reply.text == "1234" and reply.drafts == 3
+    assert draft_of(DRAFTS[0]) == (1, "1?") and draft_of(FINAL) is None
+
+
 def test_models_and_health():
     c, _ = client()
     assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["dgpipe"]
