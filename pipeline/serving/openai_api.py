@@ -161,6 +161,15 @@ def create_app(
         return model_card()
 
     async def parse(request: Request, cls: type[ChatCompletionRequest] | type[CompletionRequest]):
+        ctype = request.headers.get("content-type")  # absent: read as JSON, as curl users expect
+        media = (ctype or "application/json").split(";")[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise RequestError(
+                f"Content-Type '{ctype}' is not supported: send 'Content-Type: application/json'",
+                None,
+                415,
+                "unsupported_media_type",
+            )
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

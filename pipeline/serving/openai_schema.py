@@ -71,15 +71,21 @@ def temperature_range(temperature: float) -> tuple[float, float]:
     return min(max(temperature / 2, lo), hi), t_max
 
 
+# unknown fields refused; JSON types taken as sent ("10" is not a number, "yes" not a boolean); NaN and
+# infinities refused (Python's json reads the non-standard NaN / Infinity literals)
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+STOP_MAX = 4  # stop sequences per request, OpenAI's documented limit
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    """Fields shared by chat and text completions; unknown fields are refused (extra="forbid")."""
+    """Fields shared by chat and text completions, read strictly (STRICT)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -130,6 +136,10 @@ class _Common(BaseModel):
                 raise RequestError(f"'{name}' is not supported by this server", name)
         if self.stream_options is not None and not self.stream:
             raise RequestError("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        if len(self.stop_words()) > STOP_MAX:
+            raise RequestError(
+                f"'stop' holds {len(self.stop_words())} sequences; at most {STOP_MAX} are allowed", "stop"
+            )
         if self.stream_drafts and not self.stream:
             raise RequestError(
                 "'stream_drafts' needs 'stream': true (drafts are server-sent events)", "stream_drafts"

@@ -236,6 +236,10 @@ def test_models_and_health():
         ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
         ("/v1/chat/completions", {"seed": -1}, "seed"),
         ("/v1/chat/completions", {"temperature": 3}, "temperature"),
+        ("/v1/chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("/v1/chat/completions", {"max_tokens": "10"}, "max_tokens"),  # JSON types as sent
+        ("/v1/chat/completions", {"stream": "yes"}, "stream"),
+        ("/v1/chat/completions", {"stream_drafts": True}, "stream_drafts"),  # needs stream
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"suffix": "x"}, "suffix"),
@@ -255,6 +259,20 @@ def test_malformed_json_is_a_400_not_a_422(raw):
     c, fake = client()
     assert_error(c.post("/v1/chat/completions", content=raw), 400, contains="JSON")
     assert fake.calls == []
+
+
+def test_nan_and_infinity_are_refused_naming_the_field_and_other_content_types_are_a_415():
+    c, fake = client()
+    for field, literal in (("temperature", "NaN"), ("t_min", "Infinity"), ("entropy_bound", "-Infinity")):
+        raw = f'{{"model": "dgpipe", "prompt": "x", "{field}": {literal}}}'.encode()
+        assert_error(c.post("/v1/completions", content=raw), 400, field, contains="finite")
+    json_body = json.dumps(TEXT).encode()
+    for ctype in ("text/plain", "application/x-www-form-urlencoded"):
+        r = c.post("/v1/completions", content=json_body, headers={"content-type": ctype})
+        assert_error(r, 415, code="unsupported_media_type", contains="application/json")
+    assert fake.calls == []
+    ok = {"content-type": "application/json; charset=utf-8"}
+    assert c.post("/v1/completions", content=json_body, headers=ok).status_code == 200
 
 
 def test_missing_model_and_unknown_model():
