@@ -122,6 +122,11 @@ def create_app(
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         return _error_response(400, f"invalid request: {e.errors()[0].get('msg', e)}")
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        # a bug of ours, still in OpenAI's schema (uvicorn logs the traceback); the server keeps serving
+        return _error_response(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return _error_response(

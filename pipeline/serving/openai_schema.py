@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.model.config import SAMPLER_RANGES
-from pipeline.serving.schema import SEED_MAX
+from pipeline.serving.schema import INT32_MAX, SEED_MAX
 
 # field -> the only value we accept (its OpenAI default, a no-op here)
 NO_OP_ONLY: dict[str, Any] = {
@@ -88,7 +88,8 @@ class _Common(BaseModel):
     model_config = STRICT
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    # INT32 inputs in Triton: a larger value would not fit the tensor (the server's own cap is far lower)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -96,7 +97,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own bookkeeping: accepted, not used
     # the diffusion knobs (extra body fields); their ranges are checked by the Triton model
-    max_denoising_steps: int | None = None
+    max_denoising_steps: int | None = Field(None, ge=1, le=INT32_MAX)
     entropy_bound: float | None = None
     confidence_threshold: float | None = None
     t_min: float | None = None
@@ -175,7 +176,7 @@ class _Common(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
 
     def check(self) -> None:
         super().check()

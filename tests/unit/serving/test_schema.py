@@ -677,3 +677,15 @@ def test_load_gauges_follow_every_change_and_histograms_count_each_event(model):
     assert len(model.m_ttfc.observed) == len(model.m_request_latency.observed) == 2
     assert len(model.m_canvas_latency.observed) == 4 and model.m_steps_per_canvas.observed == [5, 7, 5, 7]
     assert all(v >= 0 for v in model.m_canvas_latency.observed + model.m_request_latency.observed)
+
+
+def test_an_absent_max_tokens_is_the_default_within_the_servers_cap():
+    """A request that does not ask (an OpenAI client without max_tokens) is never refused for the default."""
+    sent = {"text_input": arr("text_input", "hi")}
+    for cap, want in ((64, 64), (4096, schema.INPUT["max_tokens"].default)):
+        limits = schema.ServerLimits(max_tokens=cap, max_steps=64, max_prompt=100)
+        assert schema.parse_request(sent.get, {}, limits).max_tokens == want
+    with pytest.raises(schema.BadRequest, match="over this server's limit of 64"):  # asked: refused
+        schema.parse_request(
+            {**sent, "max_tokens": arr("max_tokens", 65)}.get, {}, schema.ServerLimits(64, 64, 100)
+        )
