@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
-import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -105,19 +103,11 @@ def http_generate(
         ) from e
 
 
-def grpc_generate(
-    url: str,
-    body: dict[str, Any],
-    model: str = "dgpipe",
-    timeout: float = 600,
-    cancel: threading.Event | None = None,
-) -> Iterator[dict[str, Any]]:
-    """gRPC bidirectional streaming (ModelStreamInfer), yielding the same dicts as the HTTP client.
-    Setting `cancel` (from any thread), closing the generator early or a failure cancels the request in
-    Triton (the model drops it at its next step) instead of waiting for it to finish."""
+def _grpc_inputs(body: dict[str, Any]) -> list:
+    """The request's InferInputs, typed by the schema."""
     import numpy as np
     import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+    from tritonclient.utils import np_to_triton_dtype
 
     inputs = []
     for name, value in body.items():
@@ -128,42 +118,50 @@ def grpc_generate(
         )
         t.set_data_from_numpy(arr)
         inputs.append(t)
+    return inputs
+
+
+def _grpc_chunk(result) -> dict[str, Any]:
+    """One gRPC response as the dict every client yields (lists of values, text decoded)."""
+    chunk: dict[str, Any] = {}
+    for out in result.get_response().outputs:
+        arr = result.as_numpy(out.name)
+        chunk[out.name] = [x.decode() if isinstance(x, bytes) else x.item() for x in arr.reshape(-1)]
+    return chunk
+
+
+def _grpc_error(url: str, message: str, unavailable: bool) -> DgpipeError:
+    if unavailable:  # the stream's channel failed
+        return DgpipeError(f"cannot reach {url} ({message})", "is the server running? see dgpipe serve")
+    return TritonError(message, 500 if message.startswith("internal error") else 400)
+
+
+def grpc_generate(
+    url: str, body: dict[str, Any], model: str = "dgpipe", timeout: float = 600
+) -> Iterator[dict[str, Any]]:
+    """gRPC bidirectional streaming (ModelStreamInfer), yielding the same dicts as the HTTP client.
+    Closing the generator early or a failure cancels the request in Triton (the model drops it at its
+    next step) instead of waiting for it to finish."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    inputs = _grpc_inputs(body)
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
     finished = False
     try:
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         client.async_stream_infer(model, inputs, enable_empty_final_response=True)
-        deadline = time.monotonic() + timeout
         while True:
-            try:  # short waits, so a cancel from another thread is seen within 0.1 s
-                result, error = results.get(timeout=0.1)
-            except queue.Empty:
-                if cancel is not None and cancel.is_set():
-                    return
-                if time.monotonic() > deadline:
-                    raise
-                continue
+            result, error = results.get(timeout=timeout)
             if error is not None:
                 message = error.message() if hasattr(error, "message") else str(error)
-                if "UNAVAILABLE" in str(
-                    getattr(error, "status", lambda: "")()
-                ):  # the stream's channel failed
-                    raise DgpipeError(
-                        f"cannot reach {url} ({message})", "is the server running? see dgpipe serve"
-                    )
-                raise TritonError(message, 500 if message.startswith("internal error") else 400)
-            resp = result.get_response()
-            chunk: dict[str, Any] = {}
-            for out in resp.outputs:
-                arr = result.as_numpy(out.name)
-                chunk[out.name] = [x.decode() if isinstance(x, bytes) else x.item() for x in arr.reshape(-1)]
+                raise _grpc_error(url, message, "UNAVAILABLE" in str(getattr(error, "status", lambda: "")()))
+            chunk = _grpc_chunk(result)
             if chunk:
                 yield chunk
-            if (
-                resp.parameters.get("triton_final_response")
-                and resp.parameters["triton_final_response"].bool_param
-            ):
+            final = result.get_response().parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
                 finished = True
                 return
     except InferenceServerException as e:
@@ -173,6 +171,51 @@ def grpc_generate(
     finally:
         client.stop_stream(cancel_requests=not finished)
         client.close()
+
+
+class AsyncTriton:
+    """gRPC streaming on asyncio for a server that asks Triton many requests at once (the OpenAI frontend):
+    one channel for every request, each request its own ModelStreamInfer call, no threads. Use it inside
+    one event loop (the channel is created on first use, in the running loop); `aclose` at the end."""
+
+    def __init__(self, url: str, model: str = "dgpipe", timeout: float = 600) -> None:
+        self.url, self.model, self.timeout = url, model, timeout
+        self._client = None
+
+    async def stream(self, body: dict[str, Any]):
+        """Yield the response chunks of one request (grpc_generate's dicts). It ends after the response
+        with `finish_reason` (the model's last, schema.OUTPUTS); closing the generator before that, or a
+        failure, cancels the gRPC call, and Triton cancels the request (the model drops it)."""
+        import grpc
+        import tritonclient.grpc.aio as grpcaio
+
+        if self._client is None:
+            self._client = grpcaio.InferenceServerClient(self.url.removeprefix("grpc://"))
+        request = {"model_name": self.model, "inputs": _grpc_inputs(body)}
+
+        async def one():
+            yield request
+
+        call = self._client.stream_infer(one(), stream_timeout=self.timeout)
+        try:
+            async for result, error in call:
+                if error is not None:
+                    raise _grpc_error(self.url, error.message(), False)
+                chunk = _grpc_chunk(result)
+                if chunk:
+                    yield chunk
+                if chunk.get("finish_reason"):
+                    return
+        except grpc.RpcError as e:  # the call itself failed: Triton gone, or a deadline
+            unavailable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            raise _grpc_error(self.url, e.details() or str(e.code()), unavailable) from e
+        finally:
+            call.cancel()  # a no-op once Triton has finished the call
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
 
 
 OPENAI_FIELDS = (

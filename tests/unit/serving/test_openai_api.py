@@ -33,9 +33,8 @@ class FakeTriton:
         self.error, self.error_after = error, error_after
         self.calls: list[dict] = []
 
-    def __call__(self, inputs, cancel):
+    async def __call__(self, inputs):
         self.calls.append(inputs)
-        self.cancel = cancel
         for i, chunk in enumerate(self.chunks):
             if self.error is not None and i == self.error_after:
                 raise self.error
@@ -343,19 +342,22 @@ def test_openai_body_maps_triton_inputs_back_and_refuses_what_has_no_field():
 
 
 def test_a_client_that_goes_away_mid_stream_cancels_its_triton_request():
-    """Driven at the ASGI level: the client disconnects after the first event; the Triton stream is told
-    to cancel (grpc_generate then cancels the request in Triton) instead of running to the end."""
+    """Driven at the ASGI level: the client disconnects after the first event; the Triton stream is closed
+    (AsyncTriton then cancels the gRPC call, and Triton the request) instead of running to the end."""
     import anyio
 
     seen = threading.Event()
 
-    def slow(inputs, cancel):
-        yield {"text_output": ["12"]}
-        seen.set()
-        assert cancel.wait(10), "never cancelled"
-        slow.cancelled = True
+    async def slow(inputs):
+        try:
+            yield {"text_output": ["12"]}
+            seen.set()
+            await anyio.sleep(10)
+            slow.ran_to_the_end = True
+        finally:
+            slow.cancelled = True
 
-    slow.cancelled = False
+    slow.cancelled = slow.ran_to_the_end = False
     app = create_app(slow)
     body = json.dumps({**TEXT, "stream": True}).encode()
     sent: list[dict] = []
@@ -395,5 +397,5 @@ def test_a_client_that_goes_away_mid_stream_cancels_its_triton_request():
         if slow.cancelled:
             break
         time.sleep(0.05)
-    assert slow.cancelled
+    assert slow.cancelled and not slow.ran_to_the_end
     assert sent[0]["status"] == 200 and b"[DONE]" not in b"".join(m.get("body", b"") for m in sent)
