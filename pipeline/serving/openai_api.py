@@ -13,9 +13,9 @@ server-sent events, one chunk per committed canvas, then `data: [DONE]`. Library
 Drafts (`stream_drafts: true`, only when asked): the canvas after every denoise step travels as its own
 event, `event: dgpipe.draft` with `{"object": "dgpipe.draft", "choices": [], "dgpipe": {"canvas", "step",
 "text"}}`, beside the standard chunks, which stay exactly what they are without drafts. An SSE reader tells
-them apart by the event name; openai-python >= 2 yields them as chunks whose `object` is "dgpipe.draft"
-and whose `choices` is empty (1.x wraps named events as {"data", "event"}: read drafts with a plain SSE
-reader there).
+them apart by the event name; openai-python (3.57, the tests' client) yields them as chunks whose `object`
+is "dgpipe.draft" and whose `choices` is empty (1.x releases wrap named events as {"data", "event"}: read
+drafts with a plain SSE reader there).
 """
 
 from __future__ import annotations
