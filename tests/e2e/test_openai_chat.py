@@ -123,20 +123,22 @@ def test_chat_and_text_completions_read_the_checkpoints_template(chat, client):
 
 
 def test_chat_completions_give_the_tokens_of_dgpipe_generate_chat_with_the_same_seed(chat, client):
-    """The issue's done-when: the endpoint and the in-process CLI agree token for token."""
-    for seed in (0, 7):
-        local = json.loads(
-            dgpipe(
-                "generate", "--model", str(chat.ckpt), "--device", "cpu", "--chat", QUESTION,
-                "--system", "Answer briefly.", "--seed", str(seed), "--max-tokens", "32", "--json",
-            ).stdout
-        )  # fmt: skip
-        messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": QUESTION}]
-        resp = client.chat.completions.create(model="dgpipe", messages=messages, max_tokens=32, seed=seed)
-        assert resp.choices[0].message.content == local["text"]
-        assert resp.usage.completion_tokens == len(local["tokens"])
-        assert resp.usage.prompt_tokens == local["prompt_tokens"]
-        assert resp.choices[0].finish_reason == local["finish_reason"]
+    """The issue's done-when: the endpoint and the in-process CLI agree token for token; `dgpipe generate
+    --url .../v1 --drafts` gets the same answer too, with the drafts on stderr and never in the text."""
+    system, seed = "Answer briefly.", "7"
+    common = ["--chat", QUESTION, "--system", system, "--seed", seed, "--max-tokens", "32"]
+    local = json.loads(
+        dgpipe("generate", "--model", str(chat.ckpt), "--device", "cpu", *common, "--json").stdout
+    )
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}]
+    resp = client.chat.completions.create(model="dgpipe", messages=messages, max_tokens=32, seed=int(seed))
+    assert resp.choices[0].message.content == local["text"]
+    assert resp.usage.completion_tokens == len(local["tokens"])
+    assert resp.usage.prompt_tokens == local["prompt_tokens"]
+    assert resp.choices[0].finish_reason == local["finish_reason"]
+    remote = dgpipe("generate", "--url", chat.url, "--api-key", KEY, *common, "--drafts")
+    assert remote.stdout == local["text"] + "\n"
+    assert "[step  1] " in remote.stderr and "[step  4] " in remote.stderr  # 4 steps: generation_config
 
 
 def test_16_concurrent_streams_all_complete_equal_to_the_same_requests_alone(chat):
