@@ -289,3 +289,10 @@ def test_bad_inputs_are_4xx_in_openais_schema_and_the_server_keeps_serving(chat,
     status, out = post(chat, "/completions", {"model": "dgpipe", "prompt": "x" * (MAX_PROMPT + 50)})
     assert status == 400 and f"over this server's limit of {MAX_PROMPT}" in out["error"]["message"]
     assert chat.proc.poll() is None
+
+
+def test_the_server_stops_cleanly_after_everything_above(chat):
+    """Last in the file. Triton unloads the model only when every request was released, the one whose
+    client went away included; a request left holding it would make Ctrl-C wait and end in a kill."""
+    chat.proc.send_signal(signal.SIGINT)
+    assert chat.proc.wait(60) == 0
