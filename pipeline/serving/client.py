@@ -197,6 +197,7 @@ class AsyncTriton:
             yield request
 
         call = self._client.stream_infer(one(), stream_timeout=self.timeout)
+        finished = False
         try:
             async for result, error in call:
                 if error is not None:
@@ -204,13 +205,18 @@ class AsyncTriton:
                 chunk = _grpc_chunk(result)
                 if chunk:
                     yield chunk
-                if chunk.get("finish_reason"):
-                    return
+                finished = bool(chunk.get("finish_reason"))
+                if finished:
+                    break
+            if finished:  # let Triton end the call (it does once the final response is out): never cancel
+                async for _ in call:  # a finished request, which can leave it holding the request
+                    pass
         except grpc.RpcError as e:  # the call itself failed: Triton gone, or a deadline
             unavailable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
             raise _grpc_error(self.url, e.details() or str(e.code()), unavailable) from e
         finally:
-            call.cancel()  # a no-op once Triton has finished the call
+            if not finished:
+                call.cancel()
 
     async def aclose(self) -> None:
         if self._client is not None:
