@@ -448,7 +448,10 @@ class TritonPythonModel:
         reason = "stop" if job.flags.get("stopped_by_word") else res.finish_reason
         if reason == "cancelled" and job.sender.is_cancelled():
             self.m_cancelled.increment(1)
-            return  # the client went away: nothing to send
+            # the client went away: no response, but the final flag still releases the request in Triton
+            # (python_backend's rule for cancelled requests; without it the model can never unload)
+            job.sender.send(None, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
         if reason == "cancelled" and job.expired:
             self.m_expired.increment(1)
             self._fail(

@@ -101,14 +101,35 @@ def bench_serve(
         typer.Option(help="HTTP URL of a running server (default: start one on the embedded model)"),
     ] = None,
     grpc_url: Annotated[str | None, typer.Option(help="gRPC URL of the same server")] = None,
-    concurrency: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,2,4,8",
+    concurrency: Annotated[
+        str | None,
+        typer.Option(help="comma-separated concurrency levels [default: 1,2,4,8; --openai 1,4,16]"),
+    ] = None,
     requests: Annotated[int, typer.Option(help="requests per level and protocol")] = 32,
+    openai: Annotated[
+        bool,
+        typer.Option(
+            "--openai",
+            help="the OpenAI frontend against direct gRPC: latency and CPU per request (starts its own server)",
+        ),
+    ] = False,
+    rounds: Annotated[int, typer.Option(help="--openai: alternating rounds per level (medians)")] = 3,
     out_dir: Annotated[Path | None, _out("bench-serve")] = None,
     as_json: opt.Json = False,
 ) -> None:
-    """Triton over HTTP and gRPC at several concurrencies, with the same requests in-process alongside."""
-    levels = opt.int_list(concurrency, "--concurrency")
+    """Triton over HTTP and gRPC at several concurrencies, with the same requests in-process alongside;
+    with --openai, the OpenAI-compatible frontend against direct gRPC instead."""
+    levels = opt.int_list(concurrency or ("1,4,16" if openai else "1,2,4,8"), "--concurrency")
     out_dir = out_dir or opt.cache_dir() / "bench-serve"
+    if requests < 1 or rounds < 1:
+        raise DgpipeError(f"--requests and --rounds must be >= 1 (got {requests}, {rounds})")
+    if openai:
+        if url or grpc_url:
+            raise DgpipeError(
+                "--openai starts its own tritonserver and frontend (it reads their CPU time): drop --url/--grpc-url"
+            )
+        _bench_openai(levels, requests, rounds, out_dir, as_json)
+        return
     from pipeline.bench.serve import SERVE_JSON, SERVE_PLOTS, run_bench_serve
 
     if url:
@@ -144,6 +165,41 @@ def bench_serve(
     )
     out.line(f"plots: {', '.join(str(out_dir / p) for p in SERVE_PLOTS)}")
     out.saved([out_dir / SERVE_JSON], as_json)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bench_openai(levels: list[int], requests: int, rounds: int, out_dir: Path, as_json: bool) -> None:
+    """tritonserver on the embedded model plus a frontend process in front of it, then the comparison."""
+    import signal
+
+    from pipeline.bench.openai_overhead import OPENAI_JSON, render, run_bench_openai, start_frontend
+    from pipeline.runtime.session import default_model_path
+    from pipeline.serving.repository import package as run_package
+    from pipeline.serving.server import Ports, TritonServer
+
+    repo = run_package(default_model_path(), out_dir / "model_repository", max_batch=max(levels))
+    ports = Ports(_free_port(), _free_port(), _free_port(), "127.0.0.1")
+    with TritonServer(repo, ports, out_dir / "server") as server:
+        proc, openai_url = start_frontend(server.grpc_url, _free_port(), out_dir / "server" / "frontend.log")
+        try:
+            result = run_bench_openai(
+                server.grpc_url, openai_url, server.proc.pid, proc.pid, levels, requests, rounds, out_dir
+            )
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except Exception:
+                proc.kill()
+    out.show(result, as_json, render)
+    out.saved([out_dir / OPENAI_JSON], as_json)
 
 
 @app.command("model")

@@ -309,6 +309,10 @@ def _context(session, prompt_len: int, max_tokens: int) -> int:
     return min(max(need, prompt_len + length), session.model.cfg.max_position_embeddings)
 
 
+def _print_draft(step: int, text: str) -> None:
+    out.line(f"[step {step:>2}] {text!r}", err=True)  # as the in-process path prints it
+
+
 def _remote(
     url: str,
     item: Item,
@@ -348,6 +352,7 @@ def _remote(
         seed=seed,
         messages=item.messages,
         api_key=api_key,
+        on_draft=None if as_json else _print_draft,
         **options,
     )
     try:

@@ -10,16 +10,26 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
-import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.errors import DgpipeError
 from pipeline.serving import schema
+
+
+def _first(value: Any) -> Any:
+    return value[0] if isinstance(value, list) else value
+
+
+def draft_of(chunk: dict[str, Any]) -> tuple[int, str] | None:
+    """(step, canvas text) when the chunk is a `stream_drafts` draft, else None: the model marks a draft
+    by `denoise_steps` on a response that is not the final one (schema.OUTPUTS)."""
+    if chunk.get("denoise_steps") is None or chunk.get("finish_reason"):
+        return None
+    return int(_first(chunk["denoise_steps"])), _first(chunk.get("text_output", ""))
 
 
 @dataclass
@@ -30,10 +40,14 @@ class Reply:
     denoise_steps: list[int] = field(default_factory=list)
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
+    drafts: int = 0  # draft responses seen (never part of the text)
 
     def add(self, chunk: dict[str, Any]) -> str:
-        piece = chunk.get("text_output", "")
-        piece = piece[0] if isinstance(piece, list) else piece
+        """Fold one response chunk in; returns the committed text it adds ("" for a draft)."""
+        if draft_of(chunk) is not None:
+            self.drafts += 1
+            return ""
+        piece = _first(chunk.get("text_output", ""))
         if chunk.get("finish_reason"):
             fr = chunk["finish_reason"]
             self.finish_reason = fr[0] if isinstance(fr, list) else fr
@@ -89,19 +103,11 @@ def http_generate(
         ) from e
 
 
-def grpc_generate(
-    url: str,
-    body: dict[str, Any],
-    model: str = "dgpipe",
-    timeout: float = 600,
-    cancel: threading.Event | None = None,
-) -> Iterator[dict[str, Any]]:
-    """gRPC bidirectional streaming (ModelStreamInfer), yielding the same dicts as the HTTP client.
-    Setting `cancel` (from any thread), closing the generator early or a failure cancels the request in
-    Triton (the model drops it at its next step) instead of waiting for it to finish."""
+def _grpc_inputs(body: dict[str, Any]) -> list:
+    """The request's InferInputs, typed by the schema."""
     import numpy as np
     import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+    from tritonclient.utils import np_to_triton_dtype
 
     inputs = []
     for name, value in body.items():
@@ -112,42 +118,50 @@ def grpc_generate(
         )
         t.set_data_from_numpy(arr)
         inputs.append(t)
+    return inputs
+
+
+def _grpc_chunk(result) -> dict[str, Any]:
+    """One gRPC response as the dict every client yields (lists of values, text decoded)."""
+    chunk: dict[str, Any] = {}
+    for out in result.get_response().outputs:
+        arr = result.as_numpy(out.name)
+        chunk[out.name] = [x.decode() if isinstance(x, bytes) else x.item() for x in arr.reshape(-1)]
+    return chunk
+
+
+def _grpc_error(url: str, message: str, unavailable: bool) -> DgpipeError:
+    if unavailable:  # the stream's channel failed
+        return DgpipeError(f"cannot reach {url} ({message})", "is the server running? see dgpipe serve")
+    return TritonError(message, _status(message))
+
+
+def grpc_generate(
+    url: str, body: dict[str, Any], model: str = "dgpipe", timeout: float = 600
+) -> Iterator[dict[str, Any]]:
+    """gRPC bidirectional streaming (ModelStreamInfer), yielding the same dicts as the HTTP client.
+    Closing the generator early or a failure cancels the request in Triton (the model drops it at its
+    next step) instead of waiting for it to finish."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    inputs = _grpc_inputs(body)
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
     finished = False
     try:
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         client.async_stream_infer(model, inputs, enable_empty_final_response=True)
-        deadline = time.monotonic() + timeout
         while True:
-            try:  # short waits, so a cancel from another thread is seen within 0.1 s
-                result, error = results.get(timeout=0.1)
-            except queue.Empty:
-                if cancel is not None and cancel.is_set():
-                    return
-                if time.monotonic() > deadline:
-                    raise
-                continue
+            result, error = results.get(timeout=timeout)
             if error is not None:
                 message = error.message() if hasattr(error, "message") else str(error)
-                if "UNAVAILABLE" in str(
-                    getattr(error, "status", lambda: "")()
-                ):  # the stream's channel failed
-                    raise DgpipeError(
-                        f"cannot reach {url} ({message})", "is the server running? see dgpipe serve"
-                    )
-                raise TritonError(message, _status(message))
-            resp = result.get_response()
-            chunk: dict[str, Any] = {}
-            for out in resp.outputs:
-                arr = result.as_numpy(out.name)
-                chunk[out.name] = [x.decode() if isinstance(x, bytes) else x.item() for x in arr.reshape(-1)]
+                raise _grpc_error(url, message, "UNAVAILABLE" in str(getattr(error, "status", lambda: "")()))
+            chunk = _grpc_chunk(result)
             if chunk:
                 yield chunk
-            if (
-                resp.parameters.get("triton_final_response")
-                and resp.parameters["triton_final_response"].bool_param
-            ):
+            final = result.get_response().parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
                 finished = True
                 return
     except InferenceServerException as e:
@@ -168,6 +182,57 @@ def _status(message: str) -> int:
     return 504 if schema.PAST_DEADLINE in message else 400
 
 
+class AsyncTriton:
+    """gRPC streaming on asyncio for a server that asks Triton many requests at once (the OpenAI frontend):
+    one channel for every request, each request its own ModelStreamInfer call, no threads. Use it inside
+    one event loop (the channel is created on first use, in the running loop); `aclose` at the end."""
+
+    def __init__(self, url: str, model: str = "dgpipe", timeout: float = 600) -> None:
+        self.url, self.model, self.timeout = url, model, timeout
+        self._client = None
+
+    async def stream(self, body: dict[str, Any]):
+        """Yield the response chunks of one request (grpc_generate's dicts). It ends after the response
+        with `finish_reason` (the model's last, schema.OUTPUTS); closing the generator before that, or a
+        failure, cancels the gRPC call, and Triton cancels the request (the model drops it)."""
+        import grpc
+        import tritonclient.grpc.aio as grpcaio
+
+        if self._client is None:
+            self._client = grpcaio.InferenceServerClient(self.url.removeprefix("grpc://"))
+        request = {"model_name": self.model, "inputs": _grpc_inputs(body)}
+
+        async def one():
+            yield request
+
+        call = self._client.stream_infer(one(), stream_timeout=self.timeout)
+        finished = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    raise _grpc_error(self.url, error.message(), False)
+                chunk = _grpc_chunk(result)
+                if chunk:
+                    yield chunk
+                finished = bool(chunk.get("finish_reason"))
+                if finished:
+                    break
+            if finished:  # let Triton end the call (it does once the final response is out): never cancel
+                async for _ in call:  # a finished request, which can leave it holding the request
+                    pass
+        except grpc.RpcError as e:  # the call itself failed: Triton gone, or a deadline
+            unavailable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            raise _grpc_error(self.url, e.details() or str(e.code()), unavailable) from e
+        finally:
+            if not finished:
+                call.cancel()
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+
 OPENAI_FIELDS = (
     "max_tokens",
     "seed",
@@ -176,6 +241,7 @@ OPENAI_FIELDS = (
     "confidence_threshold",
     "t_min",
     "t_max",
+    "stream_drafts",
 )
 OPENAI_IMPLIED = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens")
 
@@ -235,6 +301,10 @@ def openai_generate(
                 event = json.loads(line[5:])
                 if "error" in event:
                     raise TritonError(event["error"].get("message", str(event["error"])), 400)
+                if event.get("object") == "dgpipe.draft":  # back to the model's own draft response
+                    draft = event["dgpipe"]
+                    yield {"text_output": draft["text"], "denoise_steps": [draft["step"]]}
+                    continue
                 for choice in event.get("choices") or []:
                     piece = choice.get("text") or (choice.get("delta") or {}).get("content")
                     if piece:
@@ -282,11 +352,13 @@ def generate(
     model: str = "dgpipe",
     messages: list[dict[str, Any]] | None = None,
     api_key: str | None = None,
+    on_draft: Callable[[int, str], None] | None = None,
     **options: Any,
 ) -> Iterator[str]:
     """Yield text pieces as the server sends them; the final Reply is the generator's return value.
     With `messages` (OpenAI-style chat messages) and prompt None, the server renders its chat template.
-    A URL ending in /v1 is the OpenAI-compatible frontend (`api_key`: its Bearer key)."""
+    A URL ending in /v1 is the OpenAI-compatible frontend (`api_key`: its Bearer key). `on_draft(step, text)`
+    sees each draft of a `stream_drafts` request (drafts are never part of the text)."""
     if messages is not None:
         options = {**options, "messages": json.dumps(messages)}
     body = schema.request_body(prompt, max_tokens, stream, seed, options)
@@ -300,6 +372,8 @@ def generate(
         raise DgpipeError(f"--url {url}: expected http://HOST:PORT, grpc://HOST:PORT or http://HOST:PORT/v1")
     reply = Reply()
     for chunk in chunks:
+        if on_draft is not None and (draft := draft_of(chunk)) is not None:
+            on_draft(*draft)
         piece = reply.add(chunk)
         if piece:
             yield piece

@@ -9,16 +9,23 @@ Every error is OpenAI's schema, `{"error": {"message", "type", "param", "code"}}
 malformed JSON is a 400 (never FastAPI's 422), a value the Triton model refuses is a 400 with its message,
 a missing or wrong API key a 401, an unknown model a 404, Triton unreachable a 503. `stream: true` answers
 server-sent events, one chunk per committed canvas, then `data: [DONE]`. Library code: nothing is printed.
+
+Drafts (`stream_drafts: true`, only when asked): the canvas after every denoise step travels as its own
+event, `event: dgpipe.draft` with `{"object": "dgpipe.draft", "choices": [], "dgpipe": {"canvas", "step",
+"text"}}`, beside the standard chunks, which stay exactly what they are without drafts. An SSE reader tells
+them apart by the event name; openai-python (3.57, the tests' client) yields them as chunks whose `object`
+is "dgpipe.draft" and whose `choices` is empty (1.x releases wrap named events as {"data", "event"}: read
+drafts with a plain SSE reader there).
 """
 
 from __future__ import annotations
 
 import hmac
 import json
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -31,19 +38,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.errors import DgpipeError
 from pipeline.runtime.chat_template import MessagesError, parse_messages
-from pipeline.serving.client import Reply, TritonError, grpc_generate
+from pipeline.serving.client import AsyncTriton, Reply, TritonError, draft_of
 from pipeline.serving.openai_schema import ChatCompletionRequest, CompletionRequest, RequestError
 from pipeline.serving.schema import DRAINING
 
-# (Triton inputs (schema names), cancel) -> the model's response chunks (client.grpc_generate's dicts);
-# setting `cancel` from another thread ends the iterator soon and cancels the request in Triton
-TritonStream = Callable[[dict[str, Any], threading.Event], Iterator[dict[str, Any]]]
+# Triton inputs (schema names) -> the model's response chunks (client.grpc_generate's dicts); closing the
+# generator before its end cancels the request in Triton
+TritonStream = Callable[[dict[str, Any]], AsyncGenerator[dict[str, Any], None]]
 _END = object()
 
 
 def triton_stream(grpc_url: str, model: str = "dgpipe") -> TritonStream:
-    """The production backend: gRPC bidirectional streaming to tritonserver."""
-    return lambda inputs, cancel: grpc_generate(grpc_url, inputs, model, cancel=cancel)
+    """The production backend: gRPC streaming on the event loop (client.AsyncTriton: one channel, no
+    threads). Its `aclose` runs at the app's shutdown."""
+    return AsyncTriton(grpc_url, model).stream
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param=None, code=None) -> dict:
@@ -65,20 +73,21 @@ def _from_triton(e: Exception) -> RequestError:
     return RequestError(f"the model server is unavailable: {e}", None, 503, "service_unavailable")
 
 
-def _next(chunks: Iterator[dict[str, Any]]) -> Any:
-    """One chunk, _END at the end; Triton failures as RequestError (runs in a worker thread)."""
+async def _pull(chunks: AsyncGenerator[dict[str, Any], None]) -> Any:
+    """The next chunk, _END at the end; Triton failures as RequestError."""
     try:
-        return next(chunks)
-    except StopIteration:
+        return await chunks.__anext__()
+    except StopAsyncIteration:
         return _END
     except (TritonError, DgpipeError) as e:
         raise _from_triton(e) from e
 
 
-async def _pull(chunks: Iterator[dict[str, Any]]) -> Any:
-    """The next chunk from a worker thread. A cancelled caller (the client went away) stops waiting at once
-    instead of when the thread returns; its `cancel` event then ends the thread within grpc_generate's poll."""
-    return await anyio.to_thread.run_sync(_next, chunks, abandon_on_cancel=True)
+async def _close(chunks: AsyncGenerator[dict[str, Any], None]) -> None:
+    """End the Triton stream (cancelling the request if it is still running), even from a cancelled task
+    (the client went away): shielded, so the cleanup itself is not cancelled."""
+    with anyio.CancelScope(shield=True):
+        await chunks.aclose()
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
@@ -156,7 +165,21 @@ def create_app(
     pass a fake); `api_key` (None: open) guards /v1; `ready` (None: always) decides /health, which also
     answers 503 while `admission` (the caller's, or app.state.admission) drains."""
     created = int(time.time())
-    app = FastAPI(title="dgpipe OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    backend = getattr(stream, "__self__", None)  # AsyncTriton when `stream` is its bound method
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if isinstance(backend, AsyncTriton):
+            await backend.aclose()
+
+    app = FastAPI(
+        title="dgpipe OpenAI-compatible API",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        lifespan=lifespan,
+    )
     app.state.admission = admission = admission or Admission()
     app.add_middleware(_Admit, admission=admission)
 
@@ -167,6 +190,11 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         return _error_response(400, f"invalid request: {e.errors()[0].get('msg', e)}")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        # a bug of ours, still in OpenAI's schema (uvicorn logs the traceback); the server keeps serving
+        return _error_response(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -207,6 +235,15 @@ def create_app(
         return model_card()
 
     async def parse(request: Request, cls: type[ChatCompletionRequest] | type[CompletionRequest]):
+        ctype = request.headers.get("content-type")  # absent: read as JSON, as curl users expect
+        media = (ctype or "application/json").split(";")[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise RequestError(
+                f"Content-Type '{ctype}' is not supported: send 'Content-Type: application/json'",
+                None,
+                415,
+                "unsupported_media_type",
+            )
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -243,12 +280,11 @@ def create_app(
         return await respond(req, req.triton_inputs(), chat=False)
 
     async def respond(req, inputs: dict[str, Any], chat: bool):
-        cancel = threading.Event()
-        chunks = stream(inputs, cancel)
+        chunks = stream(inputs)
         try:
             first = await _pull(chunks)  # Triton refuses a bad value before any output
         except BaseException:
-            cancel.set()
+            await _close(chunks)
             raise
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {
@@ -266,7 +302,7 @@ def create_app(
                     reply.add(item)
                     item = await _pull(chunks)
             finally:
-                cancel.set()  # a no-op once Triton has finished; otherwise the request is dropped
+                await _close(chunks)  # a no-op once Triton has finished; otherwise the request is dropped
             choice: dict[str, Any] = {"index": 0, "finish_reason": reply.finish_reason, "logprobs": None}
             if chat:
                 choice["message"] = {"role": "assistant", "content": reply.text}
@@ -274,15 +310,14 @@ def create_app(
                 choice["text"] = reply.text
             return {**head, "choices": [choice], "usage": _usage(reply)}
         return StreamingResponse(
-            _events(head, first, chunks, cancel, reply, chat, req.include_usage),
+            _events(head, first, chunks, reply, chat, req.include_usage),
             media_type="text/event-stream",
         )
 
     async def _events(
         head: dict,
         first: Any,
-        chunks: Iterator,
-        cancel: threading.Event,
+        chunks: AsyncGenerator,
         reply: Reply,
         chat: bool,
         include_usage: bool,
@@ -292,10 +327,10 @@ def create_app(
             async for ev in _sse(head, first, chunks, reply, chat, include_usage):
                 yield ev
         finally:
-            cancel.set()
+            await _close(chunks)
 
     async def _sse(
-        head: dict, first: Any, chunks: Iterator, reply: Reply, chat: bool, include_usage: bool
+        head: dict, first: Any, chunks: AsyncGenerator, reply: Reply, chat: bool, include_usage: bool
     ) -> AsyncIterator[str]:
         extra = {"usage": None} if include_usage else {}
 
@@ -310,6 +345,11 @@ def create_app(
                 choice["text"] = piece or ""
             return event({**head, "choices": [choice], **extra})
 
+        def draft_event(canvas: int, step: int, text: str) -> str:
+            payload = {**head, "object": "dgpipe.draft", "choices": []}
+            payload["dgpipe"] = {"canvas": canvas, "step": step, "text": text}
+            return f"event: dgpipe.draft\n{event(payload)}"
+
         if chat:
             yield event(
                 {
@@ -320,11 +360,17 @@ def create_app(
                     **extra,
                 }
             )
-        item = first
+        item, canvases = first, 0
         try:
             while item is not _END:
+                draft = draft_of(item)
+                if draft is not None:
+                    yield draft_event(canvases, *draft)
+                    item = await _pull(chunks)
+                    continue
                 piece = reply.add(item)
                 if piece:
+                    canvases += 1
                     yield chunk(piece, None)
                 if item.get("finish_reason"):
                     yield chunk(None, reply.finish_reason)

@@ -15,6 +15,10 @@ extra body fields `guided_json` (a schema), `guided_regex` and `guided_choice` (
 become the Triton inputs `guided_decoding_guide_type` / `guided_decoding_guide`. The guide is compiled to a
 regular expression here already, so a schema construct the compiler cannot honour is a 400 naming it before
 the request reaches Triton (the Triton model compiles the token automaton and answers a 400 as well).
+
+Drafts: `stream_drafts: true` (with `stream: true`) adds the canvas after every denoise step to the stream
+as `event: dgpipe.draft` server-sent events (pipeline/serving/openai_api.py); without it the stream is
+plain OpenAI chunks.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipeline.errors import InputError
 from pipeline.model.config import SAMPLER_RANGES
 from pipeline.sampler.constraints import GuideSpec
-from pipeline.serving.schema import SEED_MAX
+from pipeline.serving.schema import INT32_MAX, SEED_MAX
 
 # field -> the only value we accept (its OpenAI default, a no-op here)
 NO_OP_ONLY: dict[str, Any] = {
@@ -74,18 +78,25 @@ def temperature_range(temperature: float) -> tuple[float, float]:
     return min(max(temperature / 2, lo), hi), t_max
 
 
+# unknown fields refused; JSON types taken as sent ("10" is not a number, "yes" not a boolean); NaN and
+# infinities refused (Python's json reads the non-standard NaN / Infinity literals)
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+STOP_MAX = 4  # stop sequences per request, OpenAI's documented limit
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    """Fields shared by chat and text completions; unknown fields are refused (extra="forbid")."""
+    """Fields shared by chat and text completions, read strictly (STRICT)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    # INT32 inputs in Triton: a larger value would not fit the tensor (the server's own cap is far lower)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -93,7 +104,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the caller's own bookkeeping: accepted, not used
     # the diffusion knobs (extra body fields); their ranges are checked by the Triton model
-    max_denoising_steps: int | None = None
+    max_denoising_steps: int | None = Field(None, ge=1, le=INT32_MAX)
     entropy_bound: float | None = None
     confidence_threshold: float | None = None
     t_min: float | None = None
@@ -103,6 +114,7 @@ class _Common(BaseModel):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    stream_drafts: bool = False  # dgpipe.draft events in the stream (only with stream: true)
     # OpenAI fields accepted only at their no-op value, or refused: checked in _refuse
     n: int | None = None
     best_of: int | None = None
@@ -136,6 +148,14 @@ class _Common(BaseModel):
                 raise RequestError(f"'{name}' is not supported by this server", name)
         if self.stream_options is not None and not self.stream:
             raise RequestError("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        if len(self.stop_words()) > STOP_MAX:
+            raise RequestError(
+                f"'stop' holds {len(self.stop_words())} sequences; at most {STOP_MAX} are allowed", "stop"
+            )
+        if self.stream_drafts and not self.stream:
+            raise RequestError(
+                "'stream_drafts' needs 'stream': true (drafts are server-sent events)", "stream_drafts"
+            )
 
     def guide(self) -> tuple[str, str] | None:
         """(guided_decoding_guide_type, guided_decoding_guide) from whichever structured-output field is set,
@@ -192,6 +212,7 @@ class _Common(BaseModel):
             "max_tokens": max_tokens,
             "seed": self.seed,
             "stream": self.stream,
+            "stream_drafts": self.stream_drafts or None,
             "stop_words": self.stop_words() or None,
             "exclude_input_in_output": True,
             "return_num_input_tokens": True,
@@ -209,7 +230,7 @@ class _Common(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
 
     def check(self) -> None:
         super().check()

@@ -279,6 +279,8 @@ def parse_request(
     # the server's limits, flags, lists, then the other texts
     values = read(lambda s: not s.optional)
     values |= read(lambda s: s.datatype not in ("BYTES", "BOOL"))
+    if get("max_tokens") is None:  # not asked: the default, within this server's cap (never a refusal)
+        values["max_tokens"] = min(values["max_tokens"], limits.max_tokens)
     for name, limit in (
         ("max_tokens", limits.max_tokens),
         ("max_denoising_steps", limits.max_steps),

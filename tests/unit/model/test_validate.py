@@ -280,7 +280,10 @@ def test_valid_checkpoint_passes(tiny_checkpoint: Path, tmp_path: Path):
 def test_config_limit_errors_name_the_field(tiny_checkpoint: Path):
     good = (tiny_checkpoint / "config.json").read_text()
     for change, words in (
-        (_config(text_num_hidden_layers=10**6), "num_hidden_layers': Input should be less than or equal to 1024"),
+        (
+            _config(text_num_hidden_layers=10**6),
+            "num_hidden_layers': Input should be less than or equal to 1024",
+        ),
         (_config(canvas_length=0), "canvas_length': Input should be greater than or equal to 1"),
         (_config(text_vocab_size=-1), "vocab_size': Input should be greater than or equal to 1"),
         (_write("config.json", "null"), "holds a NoneType, not a JSON object"),

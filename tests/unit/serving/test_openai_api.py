@@ -7,6 +7,7 @@ import json
 import threading
 import time
 
+import anyio
 import pytest
 
 pytest.importorskip("fastapi")
@@ -33,9 +34,8 @@ class FakeTriton:
         self.error, self.error_after = error, error_after
         self.calls: list[dict] = []
 
-    def __call__(self, inputs, cancel):
+    async def __call__(self, inputs):
         self.calls.append(inputs)
-        self.cancel = cancel
         for i, chunk in enumerate(self.chunks):
             if self.error is not None and i == self.error_after:
                 raise self.error
@@ -160,6 +160,51 @@ def test_text_stream_without_include_usage_has_no_usage():
     assert all("usage" not in e for e in events)
 
 
+DRAFTS = [
+    {"text_output": ["1?"], "denoise_steps": [1]},
+    {"text_output": ["12"], "denoise_steps": [2]},
+    {"text_output": ["12"]},  # canvas 0 committed
+    {"text_output": ["3?"], "denoise_steps": [1]},
+    {"text_output": ["34"]},
+    FINAL,
+]
+
+
+def test_drafts_only_when_asked_as_named_dgpipe_events_beside_unchanged_chunks():
+    c, fake = client(FakeTriton(DRAFTS))
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    r = c.post("/v1/chat/completions", json={**body, "stream_drafts": True})
+    assert fake.calls[0]["stream_drafts"] is True
+    blocks = [b for b in r.text.split("\n\n") if b]
+    drafts = [json.loads(b.split("\n")[1].removeprefix("data: ")) for b in blocks if b.startswith("event: ")]
+    assert all(b.startswith("event: dgpipe.draft\ndata: ") for b in blocks if b.startswith("event: "))
+    assert [d["dgpipe"] for d in drafts] == [
+        {"canvas": 0, "step": 1, "text": "1?"},
+        {"canvas": 0, "step": 2, "text": "12"},
+        {"canvas": 1, "step": 1, "text": "3?"},
+    ]
+    assert all(d["object"] == "dgpipe.draft" and d["choices"] == [] for d in drafts)
+    # the standard chunks are those of the same request without drafts, and the text has no draft in it
+    plain = sse(client(FakeTriton(DRAFTS[2:3] + DRAFTS[4:]))[0].post("/v1/chat/completions", json=body))
+    chunks = [json.loads(b.removeprefix("data: ")) for b in blocks[:-1] if b.startswith("data: ")]
+    strip = lambda es: [{k: v for k, v in e.items() if k not in ("id", "created")} for e in es]
+    assert strip(chunks) == strip(plain) and chunks[-1]["usage"]["completion_tokens"] == 4
+    # not asked: not sent to Triton; asked without streaming: refused
+    c.post("/v1/chat/completions", json=body)
+    assert "stream_drafts" not in fake.calls[1]
+    assert_error(c.post("/v1/completions", json={**TEXT, "stream_drafts": True}), 400, "stream_drafts")
+
+
+def test_the_cli_client_reads_drafts_back_and_keeps_them_out_of_the_text():
+    from pipeline.serving.client import Reply, draft_of
+
+    reply = Reply()
+    for chunk in DRAFTS:
+        reply.add(chunk)
+    assert reply.text == "1234" and reply.drafts == 3
+    assert draft_of(DRAFTS[0]) == (1, "1?") and draft_of(FINAL) is None
+
+
 def test_models_and_health():
     c, _ = client()
     assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["dgpipe"]
@@ -191,6 +236,10 @@ def test_models_and_health():
         ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
         ("/v1/chat/completions", {"seed": -1}, "seed"),
         ("/v1/chat/completions", {"temperature": 3}, "temperature"),
+        ("/v1/chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("/v1/chat/completions", {"max_tokens": "10"}, "max_tokens"),  # JSON types as sent
+        ("/v1/chat/completions", {"stream": "yes"}, "stream"),
+        ("/v1/chat/completions", {"stream_drafts": True}, "stream_drafts"),  # needs stream
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"suffix": "x"}, "suffix"),
@@ -210,6 +259,20 @@ def test_malformed_json_is_a_400_not_a_422(raw):
     c, fake = client()
     assert_error(c.post("/v1/chat/completions", content=raw), 400, contains="JSON")
     assert fake.calls == []
+
+
+def test_nan_and_infinity_are_refused_naming_the_field_and_other_content_types_are_a_415():
+    c, fake = client()
+    for field, literal in (("temperature", "NaN"), ("t_min", "Infinity"), ("entropy_bound", "-Infinity")):
+        raw = f'{{"model": "dgpipe", "prompt": "x", "{field}": {literal}}}'.encode()
+        assert_error(c.post("/v1/completions", content=raw), 400, field, contains="finite")
+    json_body = json.dumps(TEXT).encode()
+    for ctype in ("text/plain", "application/x-www-form-urlencoded"):
+        r = c.post("/v1/completions", content=json_body, headers={"content-type": ctype})
+        assert_error(r, 415, code="unsupported_media_type", contains="application/json")
+    assert fake.calls == []
+    ok = {"content-type": "application/json; charset=utf-8"}
+    assert c.post("/v1/completions", content=json_body, headers=ok).status_code == 200
 
 
 def test_missing_model_and_unknown_model():
@@ -280,19 +343,22 @@ def test_openai_body_maps_triton_inputs_back_and_refuses_what_has_no_field():
 
 
 def test_a_client_that_goes_away_mid_stream_cancels_its_triton_request():
-    """Driven at the ASGI level: the client disconnects after the first event; the Triton stream is told
-    to cancel (grpc_generate then cancels the request in Triton) instead of running to the end."""
+    """Driven at the ASGI level: the client disconnects after the first event; the Triton stream is closed
+    (AsyncTriton then cancels the gRPC call, and Triton the request) instead of running to the end."""
     import anyio
 
     seen = threading.Event()
 
-    def slow(inputs, cancel):
-        yield {"text_output": ["12"]}
-        seen.set()
-        assert cancel.wait(10), "never cancelled"
-        slow.cancelled = True
+    async def slow(inputs):
+        try:
+            yield {"text_output": ["12"]}
+            seen.set()
+            await anyio.sleep(10)
+            slow.ran_to_the_end = True
+        finally:
+            slow.cancelled = True
 
-    slow.cancelled = False
+    slow.cancelled = slow.ran_to_the_end = False
     app = create_app(slow)
     body = json.dumps({**TEXT, "stream": True}).encode()
     sent: list[dict] = []
@@ -332,7 +398,7 @@ def test_a_client_that_goes_away_mid_stream_cancels_its_triton_request():
         if slow.cancelled:
             break
         time.sleep(0.05)
-    assert slow.cancelled
+    assert slow.cancelled and not slow.ran_to_the_end
     assert sent[0]["status"] == 200 and b"[DONE]" not in b"".join(m.get("body", b"") for m in sent)
 
 
@@ -343,10 +409,10 @@ def test_draining_refuses_new_requests_with_503_and_health_503_while_a_stream_in
 
     release, started = threading.Event(), threading.Event()
 
-    def slow(inputs, cancel):
+    async def slow(inputs):
         yield {"text_output": ["12"]}
         started.set()
-        assert release.wait(10)
+        assert await anyio.to_thread.run_sync(release.wait, 10)  # off the event loop: drain requests go on
         yield FINAL
 
     admission = Admission()

@@ -21,7 +21,7 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 def post(body: dict, path: str = "/v1/chat/completions"):
     calls: list[dict] = []
 
-    def triton(inputs, cancel):
+    async def triton(inputs):
         calls.append(inputs)
         yield FINAL
 

@@ -720,3 +720,26 @@ def test_model_takes_a_json_object_guide_without_guide_text(model):
     )
     _, request = model.inbox.get_nowait()
     assert request.guide == ("json", "")
+
+
+def test_an_absent_max_tokens_is_the_default_within_the_servers_cap():
+    """A request that does not ask (an OpenAI client without max_tokens) is never refused for the default."""
+    sent = {"text_input": arr("text_input", "hi")}
+    for cap, want in ((64, 64), (4096, schema.INPUT["max_tokens"].default)):
+        limits = schema.ServerLimits(max_tokens=cap, max_steps=64, max_prompt=100)
+        assert schema.parse_request(sent.get, {}, limits).max_tokens == want
+    with pytest.raises(schema.BadRequest, match="over this server's limit of 64"):  # asked: refused
+        schema.parse_request(
+            {**sent, "max_tokens": arr("max_tokens", 65)}.get, {}, schema.ServerLimits(64, 64, 100)
+        )
+
+
+def test_a_request_the_client_cancelled_is_released_with_the_final_flag_and_no_response(model):
+    """Triton keeps a cancelled request (and the model loaded) until the model sends the final flag."""
+    req = FakeRequest(with_prompt())
+    req.sender.is_cancelled = lambda: True
+    model.execute([req])
+    job, request = model.inbox.get_nowait()
+    model.jobs[job.request_id] = job
+    request.on_finish(types.SimpleNamespace(finish_reason="cancelled", steps_per_canvas=[]))
+    assert req.sender.sent == [(None, 1)] and job.request_id not in model.jobs
