@@ -43,7 +43,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "health": (
         "health",
-        "Probe a served model (readiness/liveness) or drain it before shutdown (Kubernetes probes, preStop).",
+        "Probe a served model (readiness/liveness) or drain it before shutdown.",
     ),
     "manifests": (
         "manifests",

@@ -49,7 +49,7 @@ def test_help_lists_every_command_without_importing_them():
     *help_lines, imported = proc.stdout.strip().splitlines()
     assert imported == "[]"
     listed = {line.split()[1] for line in help_lines if line.startswith("│ ") and not line.startswith("│  ")}
-    assert listed >= set(COMMANDS) and len(COMMANDS) == 13
+    assert listed >= set(COMMANDS) and len(COMMANDS) == 14
 
 
 def test_registry_help_is_each_commands_own():

@@ -113,19 +113,19 @@ def test_abandoned_runaways_end_by_deadline_or_cancel_and_a_valid_request_answer
         wait_for(lambda: metric(srv, "dgpipe_requests_expired_total") == 8, 30, "8 expired")
 
         # gRPC: the client's cancel drops them at the model's next step, long before any deadline
-        cancels = [threading.Event() for _ in range(8)]
-        streams = [grpc_generate(srv.grpc, {**runaway, "stream": True}, cancel=c) for c in cancels]
-        pullers = [threading.Thread(target=lambda g=g: list(g)) for g in streams]
-        for p in pullers:
-            p.start()
+        # (closing a grpc_generate stream before its final response cancels the request in Triton)
+        # drafts make each stream answer at once, so its first chunk shows it under way
+        streams = [
+            grpc_generate(srv.grpc, {**runaway, "stream": True, "stream_drafts": True}) for _ in range(8)
+        ]
+        for g in streams:
+            next(g)
         wait_for(lambda: metric(srv, "dgpipe_active_requests") == 8, 60, "8 gRPC runaways")
         t0 = time.monotonic()
-        for c in cancels:
-            c.set()
+        for g in streams:
+            g.close()
         wait_for(lambda: metric(srv, "dgpipe_requests_cancelled_total") == 8, 30, "8 cancelled")
         assert time.monotonic() - t0 < DEADLINE_S  # freed by the cancel, not by the deadline
-        for p in pullers:
-            p.join(30)
         assert sudoku.is_valid_solution(
             PUZZLE, complete(srv.grpc, PUZZLE, max_tokens=82, exclude_input_in_output=True).text
         )
