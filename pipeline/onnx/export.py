@@ -33,6 +33,7 @@ from pipeline.errors import DgpipeError
 from pipeline.model.network import DiffusionGemma
 from pipeline.onnx import contract as onnx_io
 from pipeline.onnx.graph import GraphModel, LinearFn
+from pipeline.onnx.moe import moe_function
 from pipeline.onnx.sampler_functions import sampler_functions
 
 MODEL_DTYPES = {torch.float32: "FLOAT", torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16"}
@@ -47,6 +48,7 @@ class ExportSummary:
     inputs: list[str]
     outputs: list[str]
     custom_ops: list[str]
+    moe: str
     nodes: int
     seconds: float
 
@@ -96,13 +98,17 @@ _SYMBOLIC = {
 
 
 def trace_network(
-    model: DiffusionGemma, path: Path, linear: LinearFn | None = None, holder: torch.nn.Module | None = None
+    model: DiffusionGemma,
+    path: Path,
+    linear: LinearFn | None = None,
+    holder: torch.nn.Module | None = None,
+    moe: str = "dense",
 ) -> onnx.ModelProto:
     """Step 1: the network (no head) as ONNX, contract names, opset 20 as the TorchScript exporter writes."""
     lt = list(model.layer_types)
     names = [s.name for s in (*onnx_io.MODEL_INPUTS, *onnx_io.kv_inputs(lt))]
     outputs = [s.name for s in onnx_io.kv_outputs(lt)] + ["hidden"]
-    graph = GraphModel(model, linear).eval()
+    graph = GraphModel(model, linear, moe).eval()
     if holder is not None:  # extra tensors the linear hook reads (exported as initializers "qdq.*")
         graph.qdq = holder
     with warnings.catch_warnings(), torch.no_grad():
@@ -117,6 +123,7 @@ def trace_network(
             output_names=outputs,
             dynamic_axes=_dynamic_axes(lt),
             do_constant_folding=True,
+            custom_opsets={onnx_io.DOMAIN: onnx_io.DOMAIN_VERSION},
         )
     return onnx.load(str(path))
 
@@ -196,7 +203,10 @@ def append_head_and_sampler(
     for spec in onnx_io.SAMPLER_OUTPUTS:
         g.output.append(_value_info(spec, vocab, "FLOAT"))
     m.functions.extend(sampler_functions(opset))
-    m.opset_import.append(helper.make_opsetid(onnx_io.DOMAIN, onnx_io.DOMAIN_VERSION))
+    if any(n.domain == onnx_io.DOMAIN and n.op_type == onnx_io.MOE.name for n in g.node):
+        m.functions.append(moe_function(opset))
+    if not any(o.domain == onnx_io.DOMAIN for o in m.opset_import):
+        m.opset_import.append(helper.make_opsetid(onnx_io.DOMAIN, onnx_io.DOMAIN_VERSION))
 
 
 def _value_info(spec: onnx_io.TensorSpec, vocab: int, model_dtype: str) -> onnx.ValueInfoProto:
@@ -231,19 +241,28 @@ def export_onnx(
     linear: LinearFn | None = None,
     holder: torch.nn.Module | None = None,
     post: Callable[[onnx.ModelProto], None] | None = None,
+    moe: str = onnx_io.DEFAULT_MOE,
 ) -> ExportSummary:
-    """Export to out_dir/model.onnx (+ model.onnx.data, contract.json); out_dir is replaced atomically."""
+    """Export to out_dir/model.onnx (+ model.onnx.data, contract.json); out_dir is replaced atomically.
+
+    `moe` is the MoE form (contract.MOE_FORMS). Quantized exports (`linear` set) are written dense: the
+    routed node's reference function takes float stacked experts (contract.MOE documents the Q/DQ inputs
+    a quantized routed export will use)."""
     from pipeline.atomic import atomic_dir
 
     start = time.perf_counter()
     dtype = next(model.parameters()).dtype
     if dtype not in MODEL_DTYPES:
         raise DgpipeError(f"cannot export a {dtype} model", "load it as float32 or bfloat16")
+    if moe not in onnx_io.MOE_FORMS:
+        raise DgpipeError(f"unknown MoE form '{moe}'", f"choose one of: {', '.join(onnx_io.MOE_FORMS)}")
+    if linear is not None:
+        moe = "dense"
     model_dtype = MODEL_DTYPES[dtype]
     cfg = model.cfg
     lt = list(model.layer_types)
     with tempfile.TemporaryDirectory() as scratch:
-        m = trace_network(model, Path(scratch) / "net.onnx", linear, holder)
+        m = trace_network(model, Path(scratch) / "net.onnx", linear, holder, moe)
     m = onnx.version_converter.convert_version(m, onnx_io.OPSET)
     if post is not None:  # Q/DQ insertion (NVFP4 raises the opset to 23)
         post(m)
@@ -262,7 +281,7 @@ def export_onnx(
         "sliding_window": cfg.sliding_window,
         "ring": max(cfg.sliding_window - 1, 1),
     }
-    contract = onnx_io.contract_dict(lt, model_dtype, dims)
+    contract = onnx_io.contract_dict(lt, model_dtype, dims, moe)
     contract["opset"] = opset
     contract["layer_types"] = lt
     contract["precision"] = precision
@@ -285,7 +304,8 @@ def export_onnx(
         model_dtype=model_dtype,
         inputs=[i.name for i in m.graph.input],
         outputs=[o.name for o in m.graph.output],
-        custom_ops=[f"{onnx_io.DOMAIN}::{op.name}" for op in onnx_io.CUSTOM_OPS],
+        custom_ops=[f"{onnx_io.DOMAIN}::{op.name}" for op in onnx_io.custom_ops(moe)],
+        moe=moe,
         nodes=len(m.graph.node),
         seconds=time.perf_counter() - start,
     )

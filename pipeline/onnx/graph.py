@@ -9,10 +9,12 @@ control flow:
   * the self-conditioning MLP runs on sc_probs' own rows and is gathered to the canvas rows
     (`min(arange(seq), sc_seq - 1)`), so a [B, 1, V] zero row costs one row, not [B, S, V];
   * attention is written out (QK^T with scale 1, boolean mask, softmax, V) with GQA by expansion;
-  * the MoE computes every expert on every token, unrolled per expert, weighted by the router's
-    renormalised top-k weights scattered into a dense [T, E] matrix (zero for unselected experts). That
-    is exact (unselected experts contribute 0 * y) and static; it costs E/top_k times the routed compute,
-    which TensorRT 11's TRT_MoE op would remove for the 26B model.
+  * the MoE, `moe="routed"` (default): the router in plain ops (softmax, TopK, renormalise) then ONE
+    `dgpipe::MoE` node per layer (`pipeline.onnx.moe`: routed FLOPs; a TensorRT plugin in the engine, a
+    reference function in onnxruntime). `moe="dense"` (debugging, and quantized exports until the MoE node
+    takes packed experts): every expert on every token, unrolled per expert, weighted by the router's
+    renormalised top-k weights scattered into a dense [T, E] matrix (zero for unselected experts) - exact
+    and static, but E/top_k times the routed expert compute.
 It returns the final-normed hidden states; the LM head and the sampler ops are appended in ONNX
 (`pipeline.onnx.export`) because their row count depends on `mode`.
 """
@@ -26,17 +28,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model.network import Attention, DecoderLayer, DiffusionGemma, gelu_tanh, rotate_half
+from pipeline.onnx.moe import RoutedMoE
 
 # (module path, input) -> output: lets the FP8 exporter swap plain linears for Q/DQ ones
 LinearFn = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 class GraphModel(nn.Module):
-    def __init__(self, model: DiffusionGemma, linear: LinearFn | None = None) -> None:
+    def __init__(self, model: DiffusionGemma, linear: LinearFn | None = None, moe: str = "dense") -> None:
         super().__init__()
+        if moe == "routed" and linear is not None:
+            raise ValueError(
+                "the routed MoE node takes stacked float experts; quantized linears export dense"
+            )
         self.model = model
         self.layer_types = list(model.layer_types)
         self._linear = linear
+        self.routed = moe == "routed"
 
     def linear(self, path: str, x: torch.Tensor) -> torch.Tensor:
         if self._linear is not None:
@@ -83,6 +91,11 @@ class GraphModel(nn.Module):
 
     def moe(self, path: str, layer: DecoderLayer, flat: torch.Tensor) -> torch.Tensor:
         _, weights, index = layer.router(flat)
+        if self.routed:
+            x = layer.pre_feedforward_layernorm_2(flat)
+            return RoutedMoE.apply(
+                x, index, weights, layer.experts.gate_up_proj, layer.experts.down_proj, layer.router.top_k
+            )
         dense_w = torch.zeros(
             flat.shape[0], layer.experts.num_experts, dtype=weights.dtype, device=flat.device
         )

@@ -26,8 +26,13 @@ def checkpoint_precision(ckpt_dir: Path) -> str:
     return {"bfloat16": "bf16", "float16": "fp16"}.get(str(cfg.get("dtype", "float32")), "fp32")
 
 
-def run_export(model_dir: Path, output: Path | None, build_dir: Path | None, from_checkpoint: bool) -> dict:
-    """Write the ONNX dir (`output`, default BUILD_DIR/onnx) and record it in the build manifest."""
+def run_export(
+    model_dir: Path, output: Path | None, build_dir: Path | None, from_checkpoint: bool, moe: str = "routed"
+) -> dict:
+    """Write the ONNX dir (`output`, default BUILD_DIR/onnx) and record it in the build manifest.
+
+    `moe`: routed (one dgpipe::MoE node per layer) or dense (debugging); quantized checkpoints export
+    dense for now (pipeline.onnx.export.export_onnx); the form written is recorded either way."""
     from pipeline.builddir import LAYOUT, MANIFEST_NAME, record_stage
     from pipeline.onnx.export import export_onnx
 
@@ -51,7 +56,7 @@ def run_export(model_dir: Path, output: Path | None, build_dir: Path | None, fro
         from pipeline.model.checkpoint import load_model
 
         model, _ = load_model(model_dir)  # fp32 on CPU whatever the stored dtype: the reference graph
-        summary = export_onnx(model, output, precision=precision)
+        summary = export_onnx(model, output, precision=precision, moe=moe)
     result = summary.as_dict()
     if build_dir is not None:
         fields = {"precision": precision}
@@ -67,6 +72,7 @@ def run_export(model_dir: Path, output: Path | None, build_dir: Path | None, fro
                 "opset": summary.opset,
                 "model_dtype": summary.model_dtype,
                 "custom_ops": summary.custom_ops,
+                "moe": summary.moe,
                 "inputs": len(summary.inputs),
                 "outputs_count": len(summary.outputs),
             },

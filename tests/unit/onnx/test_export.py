@@ -10,6 +10,7 @@ except fp32-subnormal probabilities, which onnxruntime flushes to 0).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -90,16 +91,40 @@ def test_checker_opset_and_contract(exported, model):
                 onnx_io.SEQ if vi.name.startswith("present") else past
             )
     custom = [n for n in m.graph.node if n.domain == onnx_io.DOMAIN]
-    assert [n.op_type for n in custom] == ["SampleRows", "SampleAccept"]
+    moe = [n for n in custom if n.op_type == onnx_io.MOE.name]
+    sampler = [n for n in custom if n.op_type != onnx_io.MOE.name]
+    assert [n.op_type for n in sampler] == ["SampleRows", "SampleAccept"]
+    assert len(moe) == model.cfg.num_hidden_layers  # default export: one routed MoE node per layer
     for n in custom:  # what makes TensorRT pick the plugin over the local function
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
         assert attrs["plugin_namespace"] == b"dgpipe" and attrs["plugin_version"] == b"1"
-    assert [len(n.input) for n in custom] == [len(op.inputs) for op in onnx_io.CUSTOM_OPS]
-    assert [len(n.output) for n in custom] == [len(op.outputs) for op in onnx_io.CUSTOM_OPS]
+    for i, n in enumerate(moe):  # the contract's inputs and attributes, weights bound by checkpoint name
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        assert set(attrs) == {*onnx_io.MOE.attributes, *onnx_io.PLUGIN_ATTRIBUTES}
+        assert (attrs["num_experts"], attrs["top_k"], attrs["expert_hidden"]) == (
+            model.cfg.num_experts,
+            model.cfg.top_k_experts,
+            model.cfg.moe_intermediate_size,
+        )
+        assert attrs["activation"] == b"gelu_tanh" and attrs["act_quant"] == b"none"
+        assert list(n.input[3:]) == [
+            f"model.layers.{i}.experts.gate_up_proj",
+            f"model.layers.{i}.experts.down_proj",
+        ]
+        assert len(n.input) == len(onnx_io.MOE.inputs) - 1 and len(n.output) == 1  # no input_scale
+    assert [len(n.input) for n in sampler] == [len(op.inputs) for op in onnx_io.CUSTOM_OPS]
+    assert [len(n.output) for n in sampler] == [len(op.outputs) for op in onnx_io.CUSTOM_OPS]
     assert {(f.domain, f.name) for f in m.functions} == {
         (onnx_io.DOMAIN, "SampleRows"),
         (onnx_io.DOMAIN, "SampleAccept"),
+        (onnx_io.DOMAIN, "MoE"),
     }
+    contract = json.loads((exported / onnx_io.CONTRACT_FILE).read_text())
+    assert contract["moe"] == "routed" and [op["name"] for op in contract["custom_ops"]] == [
+        "SampleRows",
+        "SampleAccept",
+        "MoE",
+    ]
     assert all(t.data_location == TensorProto.EXTERNAL for t in m.graph.initializer)
     assert (exported / onnx_io.CONTRACT_FILE).is_file()
 
