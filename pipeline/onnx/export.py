@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import onnx
@@ -67,14 +68,19 @@ def _example_inputs(model: DiffusionGemma) -> tuple:
         shape = cfg.layer_shape(i)
         n = ps if kind == "sliding_attention" else pf
         past += [torch.randn(b, shape.num_kv_heads, n, shape.head_dim, generator=gen).to(dtype) for _ in "kv"]
-    return (
-        torch.tensor([onnx_io.MODE_DENOISE]),
-        torch.randint(0, cfg.vocab_size, (b, s), generator=gen),
-        torch.arange(pf, pf + s)[None].expand(b, s).contiguous(),
-        torch.softmax(torch.randn(b, sc, cfg.vocab_size, generator=gen), -1).to(dtype),
-        torch.ones(b, 1, s, pf + s, dtype=torch.bool),
-        torch.ones(b, 1, s, ps + s, dtype=torch.bool),
-        past,
+    device = next(model.parameters()).device  # meta when tracing without weights
+
+    return tuple(
+        [t.to(device) for t in x] if isinstance(x, list) else x.to(device)
+        for x in (
+            torch.tensor([onnx_io.MODE_DENOISE]),
+            torch.randint(0, cfg.vocab_size, (b, s), generator=gen),
+            torch.arange(pf, pf + s)[None].expand(b, s).contiguous(),
+            torch.softmax(torch.randn(b, sc, cfg.vocab_size, generator=gen), -1).to(dtype),
+            torch.ones(b, 1, s, pf + s, dtype=torch.bool),
+            torch.ones(b, 1, s, ps + s, dtype=torch.bool),
+            past,
+        )
     )
 
 
@@ -104,14 +110,26 @@ def trace_network(
     holder: torch.nn.Module | None = None,
     moe: str = "dense",
 ) -> onnx.ModelProto:
-    """Step 1: the network (no head) as ONNX, contract names, opset 20 as the TorchScript exporter writes."""
+    """Step 1: the network (no head) as ONNX, contract names, opset 20 as the TorchScript exporter writes.
+
+    A model on the meta device (`pipeline.onnx.stream`) is traced WITHOUT its weights: they become graph
+    inputs named by parameter ("model.layers.0.mlp.up_proj.weight"), for the caller to bind; no constant
+    folding (it would need values) and no initializer de-duplication (it compares values)."""
+    meta = next(model.parameters()).is_meta
     lt = list(model.layer_types)
     names = [s.name for s in (*onnx_io.MODEL_INPUTS, *onnx_io.kv_inputs(lt))]
     outputs = [s.name for s in onnx_io.kv_outputs(lt)] + ["hidden"]
     graph = GraphModel(model, linear, moe).eval()
     if holder is not None:  # extra tensors the linear hook reads (exported as initializers "qdq.*")
         graph.qdq = holder
-    with warnings.catch_warnings(), torch.no_grad():
+    dedup = torch._C._jit_pass_onnx_deduplicate_initializers
+    with (
+        warnings.catch_warnings(),
+        torch.no_grad(),
+        mock.patch.object(
+            torch._C, "_jit_pass_onnx_deduplicate_initializers", (lambda g, p, t: p) if meta else dedup
+        ),
+    ):
         warnings.simplefilter("ignore")  # TracerWarnings about shapes: the dynamic axes cover them
         torch.onnx.export(
             graph,
@@ -122,7 +140,8 @@ def trace_network(
             input_names=names,
             output_names=outputs,
             dynamic_axes=_dynamic_axes(lt),
-            do_constant_folding=True,
+            do_constant_folding=not meta,
+            export_params=not meta,
             custom_opsets={onnx_io.DOMAIN: onnx_io.DOMAIN_VERSION},
         )
     return onnx.load(str(path))
@@ -259,32 +278,12 @@ def export_onnx(
     if linear is not None:
         moe = "dense"
     model_dtype = MODEL_DTYPES[dtype]
-    cfg = model.cfg
-    lt = list(model.layer_types)
     with tempfile.TemporaryDirectory() as scratch:
         m = trace_network(model, Path(scratch) / "net.onnx", linear, holder, moe)
     m = onnx.version_converter.convert_version(m, onnx_io.OPSET)
     if post is not None:  # Q/DQ insertion (NVFP4 raises the opset to 23)
         post(m)
-    opset = next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))
-    append_head_and_sampler(m, cfg.vocab_size, cfg.final_logit_softcapping, opset)
-    _rename_dims(m, model_dtype, cfg.vocab_size)
-    m.ir_version = onnx_io.IR_VERSION if opset < 23 else 11  # FLOAT4E2M1 (opset 23) needs IR 11
-    m.producer_name, m.doc_string = (
-        "dgpipe",
-        f"DiffusionGemma ({precision}) + dgpipe sampler; see docs/onnx.md",
-    )
-    onnx.checker.check_model(m)
-    dims = {
-        "vocab": cfg.vocab_size,
-        "canvas_length": model.config.canvas_length,
-        "sliding_window": cfg.sliding_window,
-        "ring": max(cfg.sliding_window - 1, 1),
-    }
-    contract = onnx_io.contract_dict(lt, model_dtype, dims, moe)
-    contract["opset"] = opset
-    contract["layer_types"] = lt
-    contract["precision"] = precision
+    contract = finish_graph(m, model, model_dtype, precision, moe)
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         onnx.save_model(
@@ -297,11 +296,46 @@ def export_onnx(
         )
         onnx.checker.check_model(str(tmp / onnx_io.MODEL_FILE))  # by path: the external data is read too
         (tmp / onnx_io.CONTRACT_FILE).write_text(json.dumps(contract, indent=2) + "\n")
+    return summarize(m, out_dir, contract, start)
+
+
+def finish_graph(
+    m: onnx.ModelProto, model: DiffusionGemma, model_dtype: str, precision: str, moe: str, check: bool = True
+) -> dict:
+    """Step 2 on a traced (opset-converted) network: head + sampler, contract shapes, checker; the contract.
+    `check=False` when the initializers already point at an external file (checked by path once saved)."""
+    cfg = model.cfg
+    lt = list(model.layer_types)
+    opset = next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))
+    append_head_and_sampler(m, cfg.vocab_size, cfg.final_logit_softcapping, opset)
+    _rename_dims(m, model_dtype, cfg.vocab_size)
+    m.ir_version = onnx_io.IR_VERSION if opset < 23 else 11  # FLOAT4E2M1 (opset 23) needs IR 11
+    m.producer_name, m.doc_string = (
+        "dgpipe",
+        f"DiffusionGemma ({precision}) + dgpipe sampler; see docs/onnx.md",
+    )
+    if check:
+        onnx.checker.check_model(m)
+    dims = {
+        "vocab": cfg.vocab_size,
+        "canvas_length": model.config.canvas_length,
+        "sliding_window": cfg.sliding_window,
+        "ring": max(cfg.sliding_window - 1, 1),
+    }
+    contract = onnx_io.contract_dict(lt, model_dtype, dims, moe)
+    contract["opset"] = opset
+    contract["layer_types"] = lt
+    contract["precision"] = precision
+    return contract
+
+
+def summarize(m: onnx.ModelProto, out_dir: Path, contract: dict, start: float) -> ExportSummary:
+    opset, moe = contract["opset"], contract["moe"]
     return ExportSummary(
-        path=str(out_dir / onnx_io.MODEL_FILE),
+        path=str(Path(out_dir) / onnx_io.MODEL_FILE),
         opset=opset,
-        precision=precision,
-        model_dtype=model_dtype,
+        precision=contract["precision"],
+        model_dtype=next(i["dtype"] for i in contract["inputs"] if i["name"] == "sc_probs"),
         inputs=[i.name for i in m.graph.input],
         outputs=[o.name for o in m.graph.output],
         custom_ops=[f"{onnx_io.DOMAIN}::{op.name}" for op in onnx_io.custom_ops(moe)],
