@@ -88,6 +88,7 @@ class ExternalDataWriter:
     def __init__(self, path: Path, append: bool = False) -> None:
         self.f = open(path, "ab" if append else "wb")  # noqa: SIM115 - closed by close()
         self.offset = self.f.tell()
+        self.buf: bytearray | None = None
 
     def _begin(self) -> int:
         pad = -self.offset % ALIGN
@@ -117,7 +118,11 @@ class ExternalDataWriter:
         start = self._begin()
         item = torch.empty((), dtype=src).element_size()
         step = CHUNK - CHUNK % item
-        buf = bytearray(step)
+        if self.buf is None:
+            self.buf = bytearray(
+                CHUNK
+            )  # one buffer for the whole export: allocating per tensor costs a memset
+        buf = self.buf
         with open(shard, "rb") as f:
             f.seek(offset)
             left = length
