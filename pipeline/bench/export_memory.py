@@ -33,10 +33,13 @@ from pipeline.resources import load_yaml
 RESULT_FILE = "bench_export_memory.json"
 
 
-def model_config(name: str, layers: int | None) -> ModelConfig:
+def model_config(name: str, layers: int | None, **text: int) -> ModelConfig:
+    """A configs/models config at `layers` depth (layer_types refilled: 5 sliding : 1 global, the last
+    global), other text_config fields overridden by `text` (the CI test scales vocab and experts)."""
     raw = load_yaml("models", name)
-    if layers is not None:  # layer_types refill: 5 sliding : 1 global, the last layer global
-        raw["text_config"] = {**raw["text_config"], "num_hidden_layers": layers}
+    if layers is not None:
+        text = {**text, "num_hidden_layers": layers}
+    raw["text_config"] = {**raw["text_config"], **text}
     return ModelConfig.from_dict(raw, source=name)
 
 
@@ -97,15 +100,8 @@ t = time.perf_counter()
 if mode == "stream":
     stream.export_streaming(Path(src), Path(out), moe=moe)
 else:  # the weightless part at this depth: meta trace + opset conversion
-    from pipeline.onnx.export import trace_network
     from pipeline.bench.export_memory import model_config
-    import onnx, tempfile
-    with torch.device("meta"):
-        from pipeline.model.network import DiffusionGemma
-        model = DiffusionGemma(model_config(src, None if out == "full" else int(out))).to(torch.bfloat16)
-    with tempfile.TemporaryDirectory() as d:
-        m = trace_network(model, Path(d) / "net.onnx", moe=moe)
-    m = onnx.version_converter.convert_version(m, 21)
+    m = stream.structure_graph(model_config(src, None if out == "full" else int(out)), moe)
 print(json.dumps({"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
                   "rss_after_imports_gb": base, "seconds": time.perf_counter() - t}))
 """

@@ -113,7 +113,7 @@ def graph_cost(
             onnx.external_data_helper.load_external_data_for_tensor(t, base_dir)
             t.data_location = TensorProto.DEFAULT
             del t.external_data[:]
-        elif not small:
+        elif not small or t.data_location == TensorProto.EXTERNAL:
             m.graph.initializer.remove(t)
             weights.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
     m.graph.input.extend(weights)

@@ -37,6 +37,7 @@ from onnx import TensorProto
 
 from pipeline.errors import CheckpointError, DgpipeError
 from pipeline.model.checkpoint import DECODER, open_checkpoint, runtime_name, weight_files
+from pipeline.model.config import ModelConfig
 from pipeline.model.network import DiffusionGemma, rope_inv_freq
 from pipeline.onnx import contract as onnx_io
 from pipeline.onnx.export import MODEL_DTYPES, ExportSummary, finish_graph, summarize, trace_network
@@ -161,11 +162,10 @@ class ExternalDataWriter:
         self.f.close()
 
 
-def meta_model(ckpt_dir: Path, dtype: torch.dtype) -> DiffusionGemma:
+def meta_model(config: ModelConfig, dtype: torch.dtype) -> DiffusionGemma:
     """The network's structure on the meta device, RoPE tables as (persistent) buffers so they trace as inputs."""
-    ckpt = open_checkpoint(ckpt_dir)
     with torch.device("meta"):
-        model = DiffusionGemma(ckpt.config).to(dtype)
+        model = DiffusionGemma(config).to(dtype)
     for kind in sorted(set(model.layer_types)):
         name = f"inv_freq_{kind}"
         model.register_buffer(name, getattr(model, name).float(), persistent=True)
@@ -202,12 +202,9 @@ def export_streaming(
     if dtype not in MODEL_DTYPES:
         raise DgpipeError(f"cannot export a {dtype} graph", "use float32, bfloat16 or float16")
     precision = precision or {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    model = meta_model(ckpt_dir, dtype)
-    with tempfile.TemporaryDirectory() as scratch:
-        m = trace_network(model, Path(scratch) / "net.onnx", moe=moe)
-    m = onnx.version_converter.convert_version(m, onnx_io.OPSET)
-    graph_inputs = {s.name for s in (*onnx_io.MODEL_INPUTS, *onnx_io.kv_inputs(list(model.layer_types)))}
-    weights = [i for i in m.graph.input if i.name not in graph_inputs]
+    model = meta_model(open_checkpoint(ckpt_dir).config, dtype)
+    m, weights = _trace(model, moe)
+    graph_inputs = {i.name for i in m.graph.input} - {w.name for w in weights}
     shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     total = sum(stored[_param(i.name)][5] for i in weights if _param(i.name) in stored)
     out_dir = Path(out_dir)
@@ -259,6 +256,37 @@ def export_streaming(
         onnx.checker.check_model(str(tmp / onnx_io.MODEL_FILE))  # by path: resolves the external data
         (tmp / onnx_io.CONTRACT_FILE).write_text(json.dumps(contract, indent=2) + "\n")
     return summarize(m, out_dir, contract, start)
+
+
+def _trace(model: DiffusionGemma, moe: str) -> tuple[onnx.ModelProto, list[onnx.ValueInfoProto]]:
+    """Meta trace at the contract opset; the weight inputs (to bind) separately."""
+    with tempfile.TemporaryDirectory() as scratch:
+        m = trace_network(model, Path(scratch) / "net.onnx", moe=moe)
+    m = onnx.version_converter.convert_version(m, onnx_io.OPSET)
+    graph_inputs = {s.name for s in (*onnx_io.MODEL_INPUTS, *onnx_io.kv_inputs(list(model.layer_types)))}
+    return m, [i for i in m.graph.input if i.name not in graph_inputs]
+
+
+def structure_graph(config: ModelConfig, moe: str, dtype: torch.dtype = torch.bfloat16) -> onnx.ModelProto:
+    """The full exported graph of `config` WITHOUT weights (initializers carry dims and an external location
+    that is never written): what `pipeline.onnx.flops` counts for a model too large to export here."""
+    model = meta_model(config, dtype)
+    m, weights = _trace(model, moe)
+    names = {w.name for w in weights}
+    inits = []
+    for w in weights:
+        t = TensorProto(name=w.name, data_type=w.type.tensor_type.elem_type)
+        t.dims.extend(d.dim_value for d in w.type.tensor_type.shape.dim)
+        t.data_location = TensorProto.EXTERNAL
+        entry = t.external_data.add()
+        entry.key, entry.value = "location", onnx_io.WEIGHTS_FILE
+        inits.append(t)
+    keep = [i for i in m.graph.input if i.name not in names]
+    del m.graph.input[:]
+    m.graph.input.extend(keep)
+    m.graph.initializer.extend(inits)
+    finish_graph(m, model, MODEL_DTYPES[dtype], "structure", moe, check=False)
+    return m
 
 
 def _param(graph_name: str) -> str:
