@@ -24,6 +24,9 @@ def export(
     moe: Annotated[
         str, typer.Option(help="MoE form: routed (dgpipe::MoE node, routed FLOPs) or dense (debugging)")
     ] = "routed",
+    stream: Annotated[
+        bool, typer.Option(help="float checkpoints: stream weights into the ONNX without loading the model")
+    ] = False,
     as_json: opt.Json = False,
 ) -> None:
     """Export model + sampler step as ONNX (opset 21, dgpipe::SampleRows/SampleAccept; docs/onnx.md)."""
@@ -32,7 +35,9 @@ def export(
 
     if model is None and build_dir is not None:
         model = _build_checkpoint(build_dir)
-    result = run_export(model or default_model_path(), output, build_dir, precision_from_checkpoint, moe)
+    result = run_export(
+        model or default_model_path(), output, build_dir, precision_from_checkpoint, moe, stream
+    )
     out.show(result, as_json, _render)
 
 

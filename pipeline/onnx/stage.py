@@ -27,12 +27,19 @@ def checkpoint_precision(ckpt_dir: Path) -> str:
 
 
 def run_export(
-    model_dir: Path, output: Path | None, build_dir: Path | None, from_checkpoint: bool, moe: str = "routed"
+    model_dir: Path,
+    output: Path | None,
+    build_dir: Path | None,
+    from_checkpoint: bool,
+    moe: str = "routed",
+    stream: bool = False,
 ) -> dict:
     """Write the ONNX dir (`output`, default BUILD_DIR/onnx) and record it in the build manifest.
 
     `moe`: routed (one dgpipe::MoE node per layer) or dense (debugging); quantized checkpoints export
-    dense for now (pipeline.onnx.export.export_onnx); the form written is recorded either way."""
+    dense for now (pipeline.onnx.export.export_onnx); the form written is recorded either way.
+    `stream`: float checkpoints are exported without loading them (pipeline.onnx.stream), in their stored
+    dtype; quantized ones refuse it."""
     from pipeline.builddir import LAYOUT, MANIFEST_NAME, record_stage
     from pipeline.onnx.export import export_onnx
 
@@ -44,6 +51,10 @@ def run_export(
             f"{model_dir}: not a checkpoint (no config.json)", "pass an HF-layout checkpoint dir"
         )
     precision = checkpoint_precision(model_dir)
+    if stream and precision in ONNX_QUANTIZED:
+        raise DgpipeError(
+            f"{model_dir}: --stream exports float checkpoints; this one is {precision}", "drop --stream"
+        )
     if precision == "fp8":
         from pipeline.onnx.quant import export_fp8
 
@@ -52,6 +63,11 @@ def run_export(
         from pipeline.onnx.quant import export_nvfp4
 
         summary = export_nvfp4(model_dir, output)
+    elif stream:
+        from pipeline.onnx.stream import export_streaming
+
+        summary = export_streaming(model_dir, output, moe=moe)
+        precision = summary.precision
     else:
         from pipeline.model.checkpoint import load_model
 

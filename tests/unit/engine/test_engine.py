@@ -648,7 +648,7 @@ def test_plan_from_a_real_export(tmp_path: Path):
     assert _onnx_for_trt(model, model.parent) == model  # the exporter marks the nodes: parsed as is
     m = onnx.load(str(model), load_external_data=False)
     nodes = {n.op_type: {a.name: a for a in n.attribute} for n in m.graph.node if n.domain == "dgpipe"}
-    assert set(nodes) == {"SampleRows", "SampleAccept"}
+    assert set(nodes) == {"SampleRows", "SampleAccept", "MoE"}  # MoE: the routed experts (contract.MOE)
     assert all(a["plugin_namespace"].s == b"dgpipe" for a in nodes.values())
     assert nodes["SampleAccept"]["vocab"].i == model_vocab(tmp_path)
     with pytest.raises(DgpipeError, match="was exported at fp32, not fp8"):

@@ -29,11 +29,16 @@ from pipeline.resources import EMBEDDED_MODEL  # noqa: E402
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
     from pipeline.onnx.export import export_onnx
-    from pipeline.onnx.stream import export_streaming
 
     root = tmp_path_factory.mktemp("stream")
-    export_streaming(EMBEDDED_MODEL, root / "stream")
+    args = ["export", "--model", str(EMBEDDED_MODEL), "--output", str(root / "stream"), "--stream", "--json"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["moe"] == "routed"
     export_onnx(load_model(EMBEDDED_MODEL)[0], root / "memory")
     return root
 
