@@ -56,7 +56,7 @@ class RoutedMoE(torch.autograd.Function):
     @staticmethod
     def symbolic(g, x, index, weight, gate_up, down, top_k: int):
         shape = gate_up.type().sizes()  # an initializer: its shape is static
-        return g.op(
+        out = g.op(
             f"{onnx_io.DOMAIN}::{onnx_io.MOE.name}",
             x,
             index,
@@ -70,6 +70,8 @@ class RoutedMoE(torch.autograd.Function):
             act_quant_s="none",
             **{f"{k}_s": v for k, v in onnx_io.PLUGIN_ATTRIBUTES.items()},
         )
+        out.setType(x.type())  # same shape and dtype as the hidden states (the exporter's shape inference)
+        return out
 
 
 def moe_function(opset: int = onnx_io.OPSET, act_quant: str = "none") -> onnx.FunctionProto:
