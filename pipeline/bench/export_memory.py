@@ -2,7 +2,7 @@
 
 The checkpoint is written shard by shard (one decoder layer per shard, random bf16 weights, the model
 config's real per-layer shapes at a chosen depth), then exported by `pipeline.onnx.stream.export_streaming`
-in a fresh process whose peak RSS (`ru_maxrss`) is the figure. The full 30-layer 26B checkpoint is ~50 GB
+in a fresh process whose peak RSS (VmHWM, the high-water mark of its own address space) is the figure. The full 30-layer 26B checkpoint is ~50 GB
 at bf16 and the export writes as much again, so on a small disk the bench measures a reduced depth at the
 real shapes, and separately the weightless trace at full depth (the only part of the export whose memory
 grows with depth), and reports the extrapolation
@@ -86,14 +86,14 @@ def write_random_checkpoint(
 
 
 _CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 from pathlib import Path
 import torch
 from pipeline.onnx import stream
-def rss_gb():
+def rss_gb(field="VmRSS"):
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1e6
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024 / 1e9
 mode, src, out, moe = sys.argv[1:5]
 base = rss_gb()
 t = time.perf_counter()
@@ -102,7 +102,8 @@ if mode == "stream":
 else:  # the weightless part at this depth: meta trace + opset conversion
     from pipeline.bench.export_memory import model_config
     m = stream.structure_graph(model_config(src, None if out == "full" else int(out)), moe)
-print(json.dumps({"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+# VmHWM, not ru_maxrss: getrusage's maximum survives fork + exec, so it would report the parent's peak
+print(json.dumps({"peak_rss_gb": rss_gb("VmHWM"),
                   "rss_after_imports_gb": base, "seconds": time.perf_counter() - t}))
 """
 
