@@ -221,9 +221,9 @@ CUSTOM_OPS = (SAMPLE_ROWS, SAMPLE_ACCEPT)  # in every exported graph
 #
 # Weights are graph initializers (external data) in the checkpoint's own layout: `gate_up` [E, 2I, d] is the
 # fused gate|up tensor (`layers.N.experts.gate_up_proj`), `down` [E, d, I] (`layers.N.experts.down_proj`).
-# Quantized exports (FP8 / NVFP4 as `pipeline.onnx.quant` writes linears) feed the SAME inputs from
-# DequantizeLinear chains on the packed initializers, so a TensorRT plugin can read the packed weights and
-# scales off the DQ producers:
+# Quantized exports feed the SAME inputs from DequantizeLinear chains on the packed initializers, so a TensorRT
+# plugin can read the packed weights and scales off the DQ producers. FP8 (`pipeline.onnx.quant.export_fp8`,
+# `insert_routed_fp8`) is written this way; NVFP4 exports still write the MoE dense:
 #   * FP8: FLOAT8E4M3FN [E, 2I, d] -> DequantizeLinear(axis=1, block_size=I, scale [E, 2, d]) keeps gate's and
 #     up's per-expert weight_scale apart; down: DequantizeLinear(axis=0, scale [E]).
 #   * activations: with act_quant = "fp8" the node also takes `input_scale` [3, E] fp32 (rows: gate, up,

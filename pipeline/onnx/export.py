@@ -33,7 +33,7 @@ from onnx import TensorProto, helper
 from pipeline.errors import DgpipeError
 from pipeline.model.network import DiffusionGemma
 from pipeline.onnx import contract as onnx_io
-from pipeline.onnx.graph import GraphModel, LinearFn
+from pipeline.onnx.graph import ExpertsFn, GraphModel, LinearFn
 from pipeline.onnx.moe import moe_function
 from pipeline.onnx.sampler_functions import sampler_functions
 
@@ -109,6 +109,7 @@ def trace_network(
     linear: LinearFn | None = None,
     holder: torch.nn.Module | None = None,
     moe: str = "dense",
+    experts: ExpertsFn | None = None,
 ) -> onnx.ModelProto:
     """Step 1: the network (no head) as ONNX, contract names, opset 20 as the TorchScript exporter writes.
 
@@ -119,7 +120,7 @@ def trace_network(
     lt = list(model.layer_types)
     names = [s.name for s in (*onnx_io.MODEL_INPUTS, *onnx_io.kv_inputs(lt))]
     outputs = [s.name for s in onnx_io.kv_outputs(lt)] + ["hidden"]
-    graph = GraphModel(model, linear, moe).eval()
+    graph = GraphModel(model, linear, moe, experts).eval()
     if holder is not None:  # extra tensors the linear hook reads (exported as initializers "qdq.*")
         graph.qdq = holder
     dedup = torch._C._jit_pass_onnx_deduplicate_initializers
@@ -222,8 +223,10 @@ def append_head_and_sampler(
     for spec in onnx_io.SAMPLER_OUTPUTS:
         g.output.append(_value_info(spec, vocab, "FLOAT"))
     m.functions.extend(sampler_functions(opset))
-    if any(n.domain == onnx_io.DOMAIN and n.op_type == onnx_io.MOE.name for n in g.node):
-        m.functions.append(moe_function(opset))
+    moe = [n for n in g.node if n.domain == onnx_io.DOMAIN and n.op_type == onnx_io.MOE.name]
+    if moe:  # one reference body per file: every MoE node of an export has the same act_quant
+        act_quant = next(helper.get_attribute_value(a) for a in moe[0].attribute if a.name == "act_quant")
+        m.functions.append(moe_function(opset, act_quant.decode()))
     if not any(o.domain == onnx_io.DOMAIN for o in m.opset_import):
         m.opset_import.append(helper.make_opsetid(onnx_io.DOMAIN, onnx_io.DOMAIN_VERSION))
 
@@ -261,12 +264,12 @@ def export_onnx(
     holder: torch.nn.Module | None = None,
     post: Callable[[onnx.ModelProto], None] | None = None,
     moe: str = onnx_io.DEFAULT_MOE,
+    experts: ExpertsFn | None = None,
 ) -> ExportSummary:
     """Export to out_dir/model.onnx (+ model.onnx.data, contract.json); out_dir is replaced atomically.
 
-    `moe` is the MoE form (contract.MOE_FORMS). Quantized exports (`linear` set) are written dense: the
-    routed node's reference function takes float stacked experts (contract.MOE documents the Q/DQ inputs
-    a quantized routed export will use)."""
+    `moe` is the MoE form (contract.MOE_FORMS). Quantized exports (`linear` set) are routed only when they
+    pass `experts` (the stacked stand-ins their `post` pass replaces by DequantizeLinear: FP8), else dense."""
     from pipeline.atomic import atomic_dir
 
     start = time.perf_counter()
@@ -275,11 +278,11 @@ def export_onnx(
         raise DgpipeError(f"cannot export a {dtype} model", "load it as float32 or bfloat16")
     if moe not in onnx_io.MOE_FORMS:
         raise DgpipeError(f"unknown MoE form '{moe}'", f"choose one of: {', '.join(onnx_io.MOE_FORMS)}")
-    if linear is not None:
+    if linear is not None and experts is None:
         moe = "dense"
     model_dtype = MODEL_DTYPES[dtype]
     with tempfile.TemporaryDirectory() as scratch:
-        m = trace_network(model, Path(scratch) / "net.onnx", linear, holder, moe)
+        m = trace_network(model, Path(scratch) / "net.onnx", linear, holder, moe, experts)
     m = onnx.version_converter.convert_version(m, onnx_io.OPSET)
     if post is not None:  # Q/DQ insertion (NVFP4 raises the opset to 23)
         post(m)

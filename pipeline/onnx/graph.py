@@ -32,18 +32,26 @@ from pipeline.onnx.moe import RoutedMoE
 
 # (module path, input) -> output: lets the FP8 exporter swap plain linears for Q/DQ ones
 LinearFn = Callable[[str, torch.Tensor], torch.Tensor]
+# layer index -> (gate_up [E, 2I, d], down [E, d, I], input_scale [3, E] or None): the routed node's expert
+# inputs when they are not the float parameters (the FP8 exporter's stand-ins, replaced by DQ afterwards)
+ExpertsFn = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 
 class GraphModel(nn.Module):
-    def __init__(self, model: DiffusionGemma, linear: LinearFn | None = None, moe: str = "dense") -> None:
+    def __init__(
+        self,
+        model: DiffusionGemma,
+        linear: LinearFn | None = None,
+        moe: str = "dense",
+        experts: ExpertsFn | None = None,
+    ) -> None:
         super().__init__()
-        if moe == "routed" and linear is not None:
-            raise ValueError(
-                "the routed MoE node takes stacked float experts; quantized linears export dense"
-            )
+        if moe == "routed" and linear is not None and experts is None:
+            raise ValueError("a routed MoE with quantized linears needs the stacked expert inputs (experts=)")
         self.model = model
         self.layer_types = list(model.layer_types)
         self._linear = linear
+        self._experts = experts
         self.routed = moe == "routed"
 
     def linear(self, path: str, x: torch.Tensor) -> torch.Tensor:
@@ -93,9 +101,11 @@ class GraphModel(nn.Module):
         _, weights, index = layer.router(flat)
         if self.routed:
             x = layer.pre_feedforward_layernorm_2(flat)
-            return RoutedMoE.apply(
-                x, index, weights, layer.experts.gate_up_proj, layer.experts.down_proj, layer.router.top_k
-            )
+            if self._experts is None:
+                gate_up, down, scale = layer.experts.gate_up_proj, layer.experts.down_proj, None
+            else:
+                gate_up, down, scale = self._experts(int(path.split(".")[1]))
+            return RoutedMoE.apply(x, index, weights, gate_up, down, layer.router.top_k, scale)
         dense_w = torch.zeros(
             flat.shape[0], layer.experts.num_experts, dtype=weights.dtype, device=flat.device
         )

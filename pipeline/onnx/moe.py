@@ -20,7 +20,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from pipeline.model.fake_quant import E4M3_MAX
+from pipeline.model.fake_quant import E4M3_MAX, fp8_fake_quant
 from pipeline.model.network import gelu_tanh
 from pipeline.onnx import contract as onnx_io
 
@@ -28,9 +28,15 @@ MOE_INPUTS = [s.name for s in onnx_io.MOE.inputs]
 
 
 def routed_reference(
-    x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[t] = sum_k weight[t, k] * down[e] @ (gelu_tanh(gate[e] @ x_t) * up[e] @ x_t), e = index[t, k].
+    """out[t] = sum_k weight[t, k] * down[e] @ (gelu_tanh(gate[e] @ x_t) * up[e] @ x_t), e = index[t, k];
+    with `input_scale` ([3, E]) the expert inputs are FP8 fake-quantized per expert (act_quant = fp8).
 
     Loops over the experts that received tokens, like `Experts.forward` (no [T, K, 2I, d] gather)."""
     if x.is_meta:
@@ -38,10 +44,16 @@ def routed_reference(
     inner = gate_up.shape[1] // 2
     acc = torch.promote_types(x.dtype, torch.float32)  # fp32 sum over k (float64 stays float64: the oracle)
     out = torch.zeros(x.shape, dtype=acc)
+    lin = torch.nn.functional.linear
     for e in index.unique().tolist():
         rows, slot = (index == e).nonzero(as_tuple=True)
-        gate, up = torch.nn.functional.linear(x[rows], gate_up[e]).split(inner, dim=-1)
-        y = torch.nn.functional.linear(gelu_tanh(gate) * up, down[e])
+        if input_scale is None:
+            gate, up = lin(x[rows], gate_up[e]).split(inner, dim=-1)
+            y = lin(gelu_tanh(gate) * up, down[e])
+        else:
+            gate = lin(fp8_fake_quant(x[rows], input_scale[0, e]), gate_up[e, :inner])
+            up = lin(fp8_fake_quant(x[rows], input_scale[1, e]), gate_up[e, inner:])
+            y = lin(fp8_fake_quant(gelu_tanh(gate) * up, input_scale[2, e]), down[e])
         out.index_add_(0, rows, y.to(acc) * weight[rows, slot, None].to(acc))
     return out.to(x.dtype)
 
@@ -50,12 +62,13 @@ class RoutedMoE(torch.autograd.Function):
     """Traces as one `dgpipe::MoE` node (TorchScript exporter: `symbolic`)."""
 
     @staticmethod
-    def forward(ctx, x, index, weight, gate_up, down, top_k: int):
-        return routed_reference(x, index, weight, gate_up, down)
+    def forward(ctx, x, index, weight, gate_up, down, top_k: int, input_scale=None):
+        return routed_reference(x, index, weight, gate_up, down, input_scale)
 
     @staticmethod
-    def symbolic(g, x, index, weight, gate_up, down, top_k: int):
+    def symbolic(g, x, index, weight, gate_up, down, top_k: int, input_scale=None):
         shape = gate_up.type().sizes()  # an initializer: its shape is static
+        quant = input_scale is not None and not input_scale.node().mustBeNone()
         out = g.op(
             f"{onnx_io.DOMAIN}::{onnx_io.MOE.name}",
             x,
@@ -63,11 +76,12 @@ class RoutedMoE(torch.autograd.Function):
             weight,
             gate_up,
             down,
+            *([input_scale] if quant else []),
             num_experts_i=shape[0],
             top_k_i=top_k,
             expert_hidden_i=shape[1] // 2,
             activation_s="gelu_tanh",
-            act_quant_s="none",
+            act_quant_s="fp8" if quant else "none",
             **{f"{k}_s": v for k, v in onnx_io.PLUGIN_ATTRIBUTES.items()},
         )
         out.setType(x.type())  # same shape and dtype as the hidden states (the exporter's shape inference)

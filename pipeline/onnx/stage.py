@@ -58,7 +58,7 @@ def run_export(
     if precision == "fp8":
         from pipeline.onnx.quant import export_fp8
 
-        summary = export_fp8(model_dir, output, qdq=from_checkpoint)
+        summary = export_fp8(model_dir, output, qdq=from_checkpoint, moe=moe)
     elif precision == "nvfp4":  # TensorRT >= 11 Q/DQ; onnxruntime cannot run TRT_FP4DynamicQuantize
         from pipeline.onnx.quant import export_nvfp4
 

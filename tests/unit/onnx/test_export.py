@@ -482,7 +482,8 @@ def build_fp8_checkpoint(model, out: Path) -> Path:
 
 
 @torch.no_grad()
-def test_fp8_qdq_export_matches_fake_quant_reference(model, tmp_path):
+@pytest.mark.parametrize("moe", ["routed", "dense"])
+def test_fp8_qdq_export_matches_fake_quant_reference(model, tmp_path, moe):
     """Q/DQ on identical inputs is bit-exact (checked op by op during development); through 8 layers the
     graph's different fp32 summation order moves a few activations across an FP8 rounding boundary (one
     E4M3 step is 6-12%), so logits agree to ~1e-2 mean / <0.5 max (softcap 30) instead of 1e-4. The
@@ -495,11 +496,24 @@ def test_fp8_qdq_export_matches_fake_quant_reference(model, tmp_path):
 
     ckpt = build_fp8_checkpoint(model, tmp_path / "fp8")
     assert checkpoint_precision(ckpt) == "fp8"
-    summary = export_fp8(ckpt, tmp_path / "onnx")
+    summary = export_fp8(ckpt, tmp_path / "onnx", moe=moe)
     m = onnx.load(summary.path, load_external_data=False)
     fp8_weights = [t for t in m.graph.initializer if t.data_type == TensorProto.FLOAT8E4M3FN and t.dims]
     qnodes = [n for n in m.graph.node if n.op_type == "QuantizeLinear"]
-    assert len(fp8_weights) == len(qnodes) > 100
+    routed = [n for n in m.graph.node if n.op_type == "MoE"]
+    if moe == "dense":
+        assert len(fp8_weights) == len(qnodes) > 100 and not routed
+    else:  # stacked FP8 experts (gate_up, down) per layer through DQ; the node fake-quantizes their inputs
+        assert len(routed) == model.cfg.num_hidden_layers and summary.moe == "routed"
+        assert all(
+            helper.get_attribute_value(a) == b"fp8"
+            for n in routed
+            for a in n.attribute
+            if a.name == "act_quant"
+        )
+        assert len(fp8_weights) == len(qnodes) + 2 * len(routed) and len(qnodes) > 50
+        dq = {n.output[0]: n for n in m.graph.node if n.op_type == "DequantizeLinear"}
+        assert all(dq[n.input[3]].input[0].endswith("experts.gate_up_proj.weight") for n in routed)
     onnx.checker.check_model(summary.path, full_check=True)
 
     qmodel, quant = read_fp8_checkpoint(ckpt)
