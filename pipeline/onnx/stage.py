@@ -50,6 +50,10 @@ def run_export(
         raise DgpipeError(
             f"{model_dir}: not a checkpoint (no config.json)", "pass an HF-layout checkpoint dir"
         )
+    from pipeline.onnx.contract import MOE_FORMS
+
+    if moe not in MOE_FORMS:
+        raise DgpipeError(f"unknown --moe '{moe}'", f"choose one of: {', '.join(MOE_FORMS)}")
     precision = checkpoint_precision(model_dir)
     if stream and precision in ONNX_QUANTIZED:
         raise DgpipeError(
