@@ -70,8 +70,8 @@ def write_random_checkpoint(
             scale = 1.0 if len(shape) == 1 else shape[-1] ** -0.5  # norms ~1, matrices ~1/sqrt(fan_in)
             numel = math.prod(shape)
             start = int(torch.randint(0, block.numel(), (), generator=gen))
-            tiled = block.roll(-start).repeat(-(-numel // block.numel()))[:numel]
-            state[name] = (tiled * scale).to(dtype).reshape(shape)
+            tiled = (block * scale).to(dtype).roll(-start).repeat(-(-numel // block.numel()))[:numel]
+            state[name] = tiled.reshape(shape)
             weight_map[name] = fname
             total += state[name].numel() * state[name].element_size()
         save_file(state, str(out / fname), metadata={"format": "pt"})

@@ -3,7 +3,7 @@
 * The streamed graph of the embedded model runs bit-identically to the in-memory export in onnxruntime (same ops;
   only constant folding of weight transposes differs), and every bound initializer holds its checkpoint tensor.
 * On a 2-layer checkpoint with the 26B's real hidden / expert / head shapes (vocab and expert count scaled so it
-  writes ~1.1 GB), the export's peak RSS above the imported baseline stays well under the checkpoint size: it is
+  writes ~0.73 GB), the export's peak RSS above the imported baseline stays well under the checkpoint size: it is
   not materialised. The full-size measurement is `dgpipe bench export-memory` (BENCHMARKS.md).
 * FLOPs counted from the graph equal the analytic count exactly, routed and dense.
 """
@@ -104,13 +104,13 @@ def test_streaming_refuses_a_checkpoint_without_weights(tmp_path):
 def test_streaming_export_of_26b_shaped_layers_does_not_materialise(tmp_path):
     from pipeline.bench.export_memory import model_config, stream_peak_rss, write_random_checkpoint
 
-    cfg = model_config("diffusiongemma-26b-a4b", 2, vocab_size=8192, num_experts=32)
+    cfg = model_config("diffusiongemma-26b-a4b", 2, vocab_size=8192, num_experts=16)
     assert cfg.text_config.hidden_size == 2816 and cfg.text_config.moe_intermediate_size == 704
     size = write_random_checkpoint(tmp_path / "ckpt", cfg)
-    assert size > 1.0e9
+    assert size > 0.7e9
     r = stream_peak_rss(tmp_path / "ckpt", tmp_path / "onnx")
-    grew = r["peak_rss_gb"] - r["rss_after_imports_gb"]
-    assert grew < 0.4 * size / 1e9, r  # materialising would hold >= the whole checkpoint
+    grew = r["peak_rss_gb"] - r["rss_after_imports_gb"]  # measured ~0.18 GB: the trace + one 64 MiB chunk
+    assert grew < 0.45 * size / 1e9, r  # materialising would hold >= the whole checkpoint
     data = tmp_path / "onnx" / onnx_io.WEIGHTS_FILE
     assert data.stat().st_size >= size  # every weight was written (+ RoPE tables, head constants, padding)
 
