@@ -56,7 +56,8 @@ def run(
     out_dir: Path | None = None,
 ) -> dict:
     """Rows for moe in (dense, routed) x batches. `onnx_dirs` ({"routed": dir, "dense": dir}) counts those
-    exports instead of tracing `config` (then the config is read from their contract's model)."""
+    exports instead of tracing `config` (which must be the config they were exported from: the analytic
+    count is written from it)."""
     from pipeline.onnx.stream import structure_graph
 
     mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
