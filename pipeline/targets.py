@@ -17,6 +17,9 @@ class GPU(BaseModel):
     product: str
     memory_gib: float
     bandwidth_tb_s: float
+    # dense (no 2:4 sparsity) tensor-core TFLOPS per precision, from NVIDIA's datasheets; the compute floor
+    # of `dgpipe bench flops`. Empty where not recorded.
+    dense_tflops: dict[str, float] = {}
 
 
 class Target(BaseModel):

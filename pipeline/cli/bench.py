@@ -1,5 +1,5 @@
-"""`dgpipe bench local|sweep|serve|model`: run a benchmark from pipeline/bench/, print its table, say where
-the JSON and PNG went."""
+"""`dgpipe bench local|sweep|serve|model|flops|export-memory`: run a benchmark from pipeline/bench/, print its
+table, say where the JSON and PNG went."""
 
 from __future__ import annotations
 
@@ -272,3 +272,68 @@ def _render_guided(r: dict) -> list[str]:
         f"{x['cpu_time_ratio']:>7.2f}{x['valid']:>7.2f}{x['valid_guided']:>8.2f}{x['solved']:>8.2f}{x['solved_guided']:>8.2f}"
         for x in r["rows"]
     ]
+
+
+@app.command("flops")
+def bench_flops(
+    config: Annotated[str, typer.Option(help="configs/models/<name>.yaml, traced without weights")] = (
+        "diffusiongemma-26b-a4b"
+    ),
+    batch: Annotated[str, typer.Option(help="comma-separated canvases per pass")] = "1,4,8",
+    context: Annotated[int, typer.Option(help="cached tokens the pass attends to")] = 4096,
+    routed_onnx: Annotated[
+        Path | None, typer.Option(help="count this routed export instead of tracing")
+    ] = None,
+    dense_onnx: Annotated[
+        Path | None, typer.Option(help="count this dense export instead of tracing")
+    ] = None,
+    out_dir: Annotated[Path | None, _out("bench-flops", "directory for the JSON result")] = None,
+    as_json: opt.Json = False,
+) -> None:
+    """FLOPs and bytes per denoise pass from the exported graph, dense vs routed MoE, vs H100/H200/B200 floors."""
+    from pipeline.bench.flops import RESULT_FILE, render, run
+
+    batches = tuple(opt.int_list(batch, "--batch", " like 1,4,8"))
+    dirs = {k: v for k, v in (("routed", routed_onnx), ("dense", dense_onnx)) if v is not None}
+    out_dir = out_dir or opt.cache_dir() / "bench-flops"
+    result = run(config, batches, context, dirs or None, out_dir)
+    out.show(result, as_json, render)
+    out.saved([out_dir / RESULT_FILE], as_json)
+
+
+@app.command("export-memory")
+def bench_export_memory(
+    config: Annotated[str, typer.Option(help="configs/models/<name>.yaml (random bf16 weights)")] = (
+        "diffusiongemma-26b-a4b"
+    ),
+    layers: Annotated[
+        int, typer.Option(help="decoder layers written at full shapes (disk: ~1.6 GB each)")
+    ] = 6,
+    work_dir: Annotated[
+        Path, typer.Option(help="scratch for the checkpoint and the export (deleted)")
+    ] = Path("/tmp/dgpipe-export-memory"),
+    moe: Annotated[str, typer.Option(help="routed or dense")] = "routed",
+    out_dir: Annotated[Path | None, _out("bench-export-memory", "directory for the JSON result")] = None,
+    as_json: opt.Json = False,
+) -> None:
+    """Peak host RSS of the streaming ONNX export on a random checkpoint with the model's real shapes."""
+    from pipeline.bench.export_memory import RESULT_FILE, as_dict, run
+    from pipeline.bench.results import save_result
+
+    out_dir = out_dir or opt.cache_dir() / "bench-export-memory"
+    result = as_dict(run(config, layers, work_dir, moe))
+    save_result(out_dir, RESULT_FILE, result)
+    out.show(result, as_json, _render_export_memory)
+    out.saved([out_dir / RESULT_FILE], as_json)
+
+
+def _render_export_memory(r: dict) -> str:
+    return (
+        f"{r['config']}: {r['layers_measured']} of {r['layers_full']} layers at full shapes, "
+        f"{r['checkpoint_gb']:.1f} GB random {r['dtype']} checkpoint, MoE {r['moe']}\n"
+        f"  streaming export peak RSS {r['stream_peak_rss_gb']:.2f} GB ({r['stream_seconds']:.0f} s; "
+        f"{r['rss_after_imports_gb']:.2f} GB after imports)\n"
+        f"  weightless trace peak RSS {r['trace_peak_rss_gb_measured_depth']:.2f} GB at {r['layers_measured']} "
+        f"layers, {r['trace_peak_rss_gb_full_depth']:.2f} GB at {r['layers_full']}\n"
+        f"  extrapolated full-depth export peak RSS {r['extrapolated_full_peak_rss_gb']:.2f} GB"
+    )

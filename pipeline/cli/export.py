@@ -21,6 +21,12 @@ def export(
     precision_from_checkpoint: Annotated[
         bool, typer.Option(help="quantized checkpoints export Q/DQ (else dequantized float weights)")
     ] = True,
+    moe: Annotated[
+        str, typer.Option(help="MoE form: routed (dgpipe::MoE node, routed FLOPs) or dense (debugging)")
+    ] = "routed",
+    stream: Annotated[
+        bool, typer.Option(help="float checkpoints: stream weights into the ONNX without loading the model")
+    ] = False,
     as_json: opt.Json = False,
 ) -> None:
     """Export model + sampler step as ONNX (opset 21, dgpipe::SampleRows/SampleAccept; docs/onnx.md)."""
@@ -29,7 +35,9 @@ def export(
 
     if model is None and build_dir is not None:
         model = _build_checkpoint(build_dir)
-    result = run_export(model or default_model_path(), output, build_dir, precision_from_checkpoint)
+    result = run_export(
+        model or default_model_path(), output, build_dir, precision_from_checkpoint, moe, stream
+    )
     out.show(result, as_json, _render)
 
 
@@ -49,7 +57,8 @@ def _render(r: dict) -> str:
         f"{r['nodes']} nodes, {r['seconds']:.1f}s)\n"
         f"  inputs  ({len(r['inputs'])}): {', '.join(_compact(r['inputs']))}\n"
         f"  outputs ({len(r['outputs'])}): {', '.join(_compact(r['outputs']))}\n"
-        f"  custom ops: {', '.join(r['custom_ops'])} (reference functions embedded for onnxruntime)"
+        f"  custom ops: {', '.join(r['custom_ops'])} (reference functions embedded for onnxruntime)\n"
+        f"  MoE: {r['moe']}"
     )
 
 

@@ -60,7 +60,7 @@ class OpSpec:
     name: str  # node op_type == plugin name
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
-    attributes: dict[str, str]  # name -> meaning (all INT)
+    attributes: dict[str, str]  # name -> meaning (INT unless the meaning says STRING)
     kernel: str  # the CUDA entry point in pipeline/sampler/kernels/csrc/dg_sampler.cu
     doc: str = ""
 
@@ -205,7 +205,90 @@ SAMPLE_ACCEPT = OpSpec(
     kernel="dg_accept (dg_sampler_accept)",
     doc="kernel B: entropy-bound acceptance (stable sort by (H, index)), re-noise, pinning, stop",
 )
-CUSTOM_OPS = (SAMPLE_ROWS, SAMPLE_ACCEPT)
+CUSTOM_OPS = (SAMPLE_ROWS, SAMPLE_ACCEPT)  # in every exported graph
+
+# ---- the routed mixture-of-experts node (one per decoder layer; `--moe routed`, the default) -------------
+# T = tokens of the pass (batch * seq, flattened), d = hidden, E = experts, I = expert hidden, K = top_k.
+# The router (RMSNorm-no-scale x scale x d^-0.5 -> Linear(E) -> softmax -> TopK -> renormalise
+# -> x per_expert_scale) stays in standard ONNX ops in front of the node; the node computes ONLY the
+# selected experts:
+#     out[t] = sum_k  expert_weight[t, k] * down[e] @ (gelu_tanh(gate[e] @ x_t) * (up[e] @ x_t)),
+#     e = expert_index[t, k],  gate[e] = gate_up[e, :I],  up[e] = gate_up[e, I:]      (W @ x = F.linear)
+# i.e. `pipeline.model.network.Experts.forward` (the PyTorch oracle). Products in the model dtype, each
+# expert's output scaled by its fp32 weight and summed over k in fp32, cast to the model dtype once.
+# Duplicate experts in one row are not produced by TopK; the op does not need to handle them specially
+# (it would simply add both terms). Expert order within a row does not matter.
+#
+# Weights are graph initializers (external data) in the checkpoint's own layout: `gate_up` [E, 2I, d] is the
+# fused gate|up tensor (`layers.N.experts.gate_up_proj`), `down` [E, d, I] (`layers.N.experts.down_proj`).
+# Quantized exports feed the SAME inputs from DequantizeLinear chains on the packed initializers, so a TensorRT
+# plugin can read the packed weights and scales off the DQ producers. FP8 (`pipeline.onnx.quant.export_fp8`,
+# `insert_routed_fp8`) is written this way; NVFP4 exports still write the MoE dense:
+#   * FP8: FLOAT8E4M3FN [E, 2I, d] -> DequantizeLinear(axis=1, block_size=I, scale [E, 2, d]) keeps gate's and
+#     up's per-expert weight_scale apart; down: DequantizeLinear(axis=0, scale [E]).
+#   * activations: with act_quant = "fp8" the node also takes `input_scale` [3, E] fp32 (rows: gate, up,
+#     down input scales per expert, ModelOpt's `experts.E.{gate,up,down}_proj.input_scale`) and fake-quantizes
+#     each routed copy of x_t (gate/up) and of the GELU product (down) to E4M3 with its expert's scale:
+#     q(v, s) = float(e4m3_saturate(v / s)) * s, as `pipeline.model.fake_quant.fp8_fake_quant`.
+# The model file carries a reference FunctionProto `dgpipe::MoE` (pipeline/onnx/moe.py) built from
+# standard ops - Gather of the selected experts' weights per (token, k), then batched MatMul - so
+# onnxruntime runs the routed FLOPs exactly; TensorRT maps the node to the grouped-GEMM plugin of the same
+# name/namespace (PLUGIN_ATTRIBUTES) instead.
+MOE = OpSpec(
+    name="MoE",
+    inputs=(
+        _t(
+            "hidden",
+            MODEL,
+            "tokens",
+            "d",
+            doc="FFN input: pre_feedforward_layernorm_2(residual), rows flattened",
+        ),
+        _t("expert_index", "INT64", "tokens", "top_k", doc="selected experts (router TopK indices)"),
+        _t(
+            "expert_weight",
+            "FLOAT",
+            "tokens",
+            "top_k",
+            doc="routing weights: renormalised top-k softmax x per_expert_scale[index], fp32",
+        ),
+        _t(
+            "gate_up",
+            MODEL,
+            "experts",
+            "2*expert_hidden",
+            "d",
+            doc="fused gate|up, rows [0, I) gate, [I, 2I) up",
+        ),
+        _t("down", MODEL, "experts", "d", "expert_hidden", doc="down projection"),
+        _t(
+            "input_scale",
+            "FLOAT",
+            3,
+            "experts",
+            doc="OPTIONAL, only when act_quant = fp8: per-expert activation scales (gate, up, down)",
+        ),
+    ),
+    outputs=(_t("out", MODEL, "tokens", "d", doc="sum over the row's top_k experts, weighted"),),
+    attributes={
+        "num_experts": "E (experts stacked in gate_up / down)",
+        "top_k": "K (columns of expert_index / expert_weight)",
+        "expert_hidden": "I (gate_up has 2I rows per expert)",
+        "activation": 'STRING, "gelu_tanh" (GELU with the tanh approximation; the only value)',
+        "act_quant": 'STRING, "none" or "fp8" (E4M3 fake quant of the expert inputs with input_scale)',
+    },
+    kernel="grouped-GEMM MoE plugin (branch trtplugin): tokens sorted by expert, one launch per layer",
+    doc="routed experts of one decoder layer (router outside the node)",
+)
+MOE_ACTIVATIONS = ("gelu_tanh",)
+MOE_ACT_QUANT = ("none", "fp8")
+
+# How the exporter writes the MoE (`dgpipe export --moe`), recorded in contract.json as "moe":
+#   routed: one dgpipe::MoE node per layer (above) - routed FLOPs (top_k / E of dense);
+#   dense:  every expert on every token in standard ops, weighted by a dense [T, E] routing matrix (zeros
+#           for unselected experts) - exact, E / top_k times the expert FLOPs; for debugging.
+MOE_FORMS = ("routed", "dense")
+DEFAULT_MOE = "routed"
 
 # String attributes on both sampler nodes. TensorRT's ONNX parser (onnx-tensorrt, TRT 10.x main) imports a
 # node that has a model-local function AS THAT FUNCTION unless the node carries `plugin_namespace` (or the
@@ -220,7 +303,16 @@ WEIGHTS_FILE = "model.onnx.data"  # external data (all initializers)
 CONTRACT_FILE = "contract.json"  # this module's tables + the model's dims, written beside the model
 
 
-def contract_dict(layer_types: list[str], model_dtype: str, dims: dict[str, int]) -> dict:
+def custom_ops(moe: str = DEFAULT_MOE) -> tuple[OpSpec, ...]:
+    """The custom ops an export with this MoE form contains (the sampler ops always; MoE when routed)."""
+    if moe not in MOE_FORMS:
+        raise ValueError(f"unknown MoE form {moe!r}; one of {MOE_FORMS}")
+    return (*CUSTOM_OPS, MOE) if moe == "routed" else CUSTOM_OPS
+
+
+def contract_dict(
+    layer_types: list[str], model_dtype: str, dims: dict[str, int], moe: str = DEFAULT_MOE
+) -> dict:
     """The contract as JSON-able data (written to contract.json beside the model)."""
 
     def spec(s: TensorSpec) -> dict:
@@ -231,6 +323,7 @@ def contract_dict(layer_types: list[str], model_dtype: str, dims: dict[str, int]
         "opset": OPSET,
         "domain": {"name": DOMAIN, "version": DOMAIN_VERSION},
         "modes": {"causal": MODE_CAUSAL, "denoise": MODE_DENOISE},
+        "moe": moe,
         "dims": dims,
         "inputs": [spec(s) for s in (*MODEL_INPUTS, *kv_inputs(layer_types), *SAMPLER_INPUTS)],
         "outputs": [spec(s) for s in (*kv_outputs(layer_types), *SAMPLER_OUTPUTS)],
@@ -243,6 +336,6 @@ def contract_dict(layer_types: list[str], model_dtype: str, dims: dict[str, int]
                 "inputs": [spec(s) for s in op.inputs],
                 "outputs": [spec(s) for s in op.outputs],
             }
-            for op in CUSTOM_OPS
+            for op in custom_ops(moe)
         ],
     }

@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import onnx
@@ -32,7 +33,8 @@ from onnx import TensorProto, helper
 from pipeline.errors import DgpipeError
 from pipeline.model.network import DiffusionGemma
 from pipeline.onnx import contract as onnx_io
-from pipeline.onnx.graph import GraphModel, LinearFn
+from pipeline.onnx.graph import ExpertsFn, GraphModel, LinearFn
+from pipeline.onnx.moe import moe_function
 from pipeline.onnx.sampler_functions import sampler_functions
 
 MODEL_DTYPES = {torch.float32: "FLOAT", torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16"}
@@ -47,6 +49,7 @@ class ExportSummary:
     inputs: list[str]
     outputs: list[str]
     custom_ops: list[str]
+    moe: str
     nodes: int
     seconds: float
 
@@ -65,14 +68,19 @@ def _example_inputs(model: DiffusionGemma) -> tuple:
         shape = cfg.layer_shape(i)
         n = ps if kind == "sliding_attention" else pf
         past += [torch.randn(b, shape.num_kv_heads, n, shape.head_dim, generator=gen).to(dtype) for _ in "kv"]
-    return (
-        torch.tensor([onnx_io.MODE_DENOISE]),
-        torch.randint(0, cfg.vocab_size, (b, s), generator=gen),
-        torch.arange(pf, pf + s)[None].expand(b, s).contiguous(),
-        torch.softmax(torch.randn(b, sc, cfg.vocab_size, generator=gen), -1).to(dtype),
-        torch.ones(b, 1, s, pf + s, dtype=torch.bool),
-        torch.ones(b, 1, s, ps + s, dtype=torch.bool),
-        past,
+    device = next(model.parameters()).device  # meta when tracing without weights
+
+    return tuple(
+        [t.to(device) for t in x] if isinstance(x, list) else x.to(device)
+        for x in (
+            torch.tensor([onnx_io.MODE_DENOISE]),
+            torch.randint(0, cfg.vocab_size, (b, s), generator=gen),
+            torch.arange(pf, pf + s)[None].expand(b, s).contiguous(),
+            torch.softmax(torch.randn(b, sc, cfg.vocab_size, generator=gen), -1).to(dtype),
+            torch.ones(b, 1, s, pf + s, dtype=torch.bool),
+            torch.ones(b, 1, s, ps + s, dtype=torch.bool),
+            past,
+        )
     )
 
 
@@ -96,16 +104,33 @@ _SYMBOLIC = {
 
 
 def trace_network(
-    model: DiffusionGemma, path: Path, linear: LinearFn | None = None, holder: torch.nn.Module | None = None
+    model: DiffusionGemma,
+    path: Path,
+    linear: LinearFn | None = None,
+    holder: torch.nn.Module | None = None,
+    moe: str = "dense",
+    experts: ExpertsFn | None = None,
 ) -> onnx.ModelProto:
-    """Step 1: the network (no head) as ONNX, contract names, opset 20 as the TorchScript exporter writes."""
+    """Step 1: the network (no head) as ONNX, contract names, opset 20 as the TorchScript exporter writes.
+
+    A model on the meta device (`pipeline.onnx.stream`) is traced WITHOUT its weights: they become graph
+    inputs named by parameter ("model.layers.0.mlp.up_proj.weight"), for the caller to bind; no constant
+    folding (it would need values) and no initializer de-duplication (it compares values)."""
+    meta = next(model.parameters()).is_meta
     lt = list(model.layer_types)
     names = [s.name for s in (*onnx_io.MODEL_INPUTS, *onnx_io.kv_inputs(lt))]
     outputs = [s.name for s in onnx_io.kv_outputs(lt)] + ["hidden"]
-    graph = GraphModel(model, linear).eval()
+    graph = GraphModel(model, linear, moe, experts).eval()
     if holder is not None:  # extra tensors the linear hook reads (exported as initializers "qdq.*")
         graph.qdq = holder
-    with warnings.catch_warnings(), torch.no_grad():
+    dedup = torch._C._jit_pass_onnx_deduplicate_initializers
+    with (
+        warnings.catch_warnings(),
+        torch.no_grad(),
+        mock.patch.object(
+            torch._C, "_jit_pass_onnx_deduplicate_initializers", (lambda g, p, t: p) if meta else dedup
+        ),
+    ):
         warnings.simplefilter("ignore")  # TracerWarnings about shapes: the dynamic axes cover them
         torch.onnx.export(
             graph,
@@ -116,7 +141,9 @@ def trace_network(
             input_names=names,
             output_names=outputs,
             dynamic_axes=_dynamic_axes(lt),
-            do_constant_folding=True,
+            do_constant_folding=not meta,
+            export_params=not meta,
+            custom_opsets={onnx_io.DOMAIN: onnx_io.DOMAIN_VERSION},
         )
     return onnx.load(str(path))
 
@@ -196,7 +223,12 @@ def append_head_and_sampler(
     for spec in onnx_io.SAMPLER_OUTPUTS:
         g.output.append(_value_info(spec, vocab, "FLOAT"))
     m.functions.extend(sampler_functions(opset))
-    m.opset_import.append(helper.make_opsetid(onnx_io.DOMAIN, onnx_io.DOMAIN_VERSION))
+    moe = [n for n in g.node if n.domain == onnx_io.DOMAIN and n.op_type == onnx_io.MOE.name]
+    if moe:  # one reference body per file: every MoE node of an export has the same act_quant
+        act_quant = next(helper.get_attribute_value(a) for a in moe[0].attribute if a.name == "act_quant")
+        m.functions.append(moe_function(opset, act_quant.decode()))
+    if not any(o.domain == onnx_io.DOMAIN for o in m.opset_import):
+        m.opset_import.append(helper.make_opsetid(onnx_io.DOMAIN, onnx_io.DOMAIN_VERSION))
 
 
 def _value_info(spec: onnx_io.TensorSpec, vocab: int, model_dtype: str) -> onnx.ValueInfoProto:
@@ -231,41 +263,30 @@ def export_onnx(
     linear: LinearFn | None = None,
     holder: torch.nn.Module | None = None,
     post: Callable[[onnx.ModelProto], None] | None = None,
+    moe: str = onnx_io.DEFAULT_MOE,
+    experts: ExpertsFn | None = None,
 ) -> ExportSummary:
-    """Export to out_dir/model.onnx (+ model.onnx.data, contract.json); out_dir is replaced atomically."""
+    """Export to out_dir/model.onnx (+ model.onnx.data, contract.json); out_dir is replaced atomically.
+
+    `moe` is the MoE form (contract.MOE_FORMS). Quantized exports (`linear` set) are routed only when they
+    pass `experts` (the stacked stand-ins their `post` pass replaces by DequantizeLinear: FP8), else dense."""
     from pipeline.atomic import atomic_dir
 
     start = time.perf_counter()
     dtype = next(model.parameters()).dtype
     if dtype not in MODEL_DTYPES:
         raise DgpipeError(f"cannot export a {dtype} model", "load it as float32 or bfloat16")
+    if moe not in onnx_io.MOE_FORMS:
+        raise DgpipeError(f"unknown MoE form '{moe}'", f"choose one of: {', '.join(onnx_io.MOE_FORMS)}")
+    if linear is not None and experts is None:
+        moe = "dense"
     model_dtype = MODEL_DTYPES[dtype]
-    cfg = model.cfg
-    lt = list(model.layer_types)
     with tempfile.TemporaryDirectory() as scratch:
-        m = trace_network(model, Path(scratch) / "net.onnx", linear, holder)
+        m = trace_network(model, Path(scratch) / "net.onnx", linear, holder, moe, experts)
     m = onnx.version_converter.convert_version(m, onnx_io.OPSET)
     if post is not None:  # Q/DQ insertion (NVFP4 raises the opset to 23)
         post(m)
-    opset = next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))
-    append_head_and_sampler(m, cfg.vocab_size, cfg.final_logit_softcapping, opset)
-    _rename_dims(m, model_dtype, cfg.vocab_size)
-    m.ir_version = onnx_io.IR_VERSION if opset < 23 else 11  # FLOAT4E2M1 (opset 23) needs IR 11
-    m.producer_name, m.doc_string = (
-        "dgpipe",
-        f"DiffusionGemma ({precision}) + dgpipe sampler; see docs/onnx.md",
-    )
-    onnx.checker.check_model(m)
-    dims = {
-        "vocab": cfg.vocab_size,
-        "canvas_length": model.config.canvas_length,
-        "sliding_window": cfg.sliding_window,
-        "ring": max(cfg.sliding_window - 1, 1),
-    }
-    contract = onnx_io.contract_dict(lt, model_dtype, dims)
-    contract["opset"] = opset
-    contract["layer_types"] = lt
-    contract["precision"] = precision
+    contract = finish_graph(m, model, model_dtype, precision, moe)
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         onnx.save_model(
@@ -278,14 +299,50 @@ def export_onnx(
         )
         onnx.checker.check_model(str(tmp / onnx_io.MODEL_FILE))  # by path: the external data is read too
         (tmp / onnx_io.CONTRACT_FILE).write_text(json.dumps(contract, indent=2) + "\n")
+    return summarize(m, out_dir, contract, start)
+
+
+def finish_graph(
+    m: onnx.ModelProto, model: DiffusionGemma, model_dtype: str, precision: str, moe: str, check: bool = True
+) -> dict:
+    """Step 2 on a traced (opset-converted) network: head + sampler, contract shapes, checker; the contract.
+    `check=False` when the initializers already point at an external file (checked by path once saved)."""
+    cfg = model.cfg
+    lt = list(model.layer_types)
+    opset = next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))
+    append_head_and_sampler(m, cfg.vocab_size, cfg.final_logit_softcapping, opset)
+    _rename_dims(m, model_dtype, cfg.vocab_size)
+    m.ir_version = onnx_io.IR_VERSION if opset < 23 else 11  # FLOAT4E2M1 (opset 23) needs IR 11
+    m.producer_name, m.doc_string = (
+        "dgpipe",
+        f"DiffusionGemma ({precision}) + dgpipe sampler; see docs/onnx.md",
+    )
+    if check:
+        onnx.checker.check_model(m)
+    dims = {
+        "vocab": cfg.vocab_size,
+        "canvas_length": model.config.canvas_length,
+        "sliding_window": cfg.sliding_window,
+        "ring": max(cfg.sliding_window - 1, 1),
+    }
+    contract = onnx_io.contract_dict(lt, model_dtype, dims, moe)
+    contract["opset"] = opset
+    contract["layer_types"] = lt
+    contract["precision"] = precision
+    return contract
+
+
+def summarize(m: onnx.ModelProto, out_dir: Path, contract: dict, start: float) -> ExportSummary:
+    opset, moe = contract["opset"], contract["moe"]
     return ExportSummary(
-        path=str(out_dir / onnx_io.MODEL_FILE),
+        path=str(Path(out_dir) / onnx_io.MODEL_FILE),
         opset=opset,
-        precision=precision,
-        model_dtype=model_dtype,
+        precision=contract["precision"],
+        model_dtype=next(i["dtype"] for i in contract["inputs"] if i["name"] == "sc_probs"),
         inputs=[i.name for i in m.graph.input],
         outputs=[o.name for o in m.graph.output],
-        custom_ops=[f"{onnx_io.DOMAIN}::{op.name}" for op in onnx_io.CUSTOM_OPS],
+        custom_ops=[f"{onnx_io.DOMAIN}::{op.name}" for op in onnx_io.custom_ops(moe)],
+        moe=moe,
         nodes=len(m.graph.node),
         seconds=time.perf_counter() - start,
     )

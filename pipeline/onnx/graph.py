@@ -9,10 +9,12 @@ control flow:
   * the self-conditioning MLP runs on sc_probs' own rows and is gathered to the canvas rows
     (`min(arange(seq), sc_seq - 1)`), so a [B, 1, V] zero row costs one row, not [B, S, V];
   * attention is written out (QK^T with scale 1, boolean mask, softmax, V) with GQA by expansion;
-  * the MoE computes every expert on every token, unrolled per expert, weighted by the router's
-    renormalised top-k weights scattered into a dense [T, E] matrix (zero for unselected experts). That
-    is exact (unselected experts contribute 0 * y) and static; it costs E/top_k times the routed compute,
-    which TensorRT 11's TRT_MoE op would remove for the 26B model.
+  * the MoE, `moe="routed"` (default): the router in plain ops (softmax, TopK, renormalise) then ONE
+    `dgpipe::MoE` node per layer (`pipeline.onnx.moe`: routed FLOPs; a TensorRT plugin in the engine, a
+    reference function in onnxruntime). `moe="dense"` (debugging, and quantized exports until the MoE node
+    takes packed experts): every expert on every token, unrolled per expert, weighted by the router's
+    renormalised top-k weights scattered into a dense [T, E] matrix (zero for unselected experts) - exact
+    and static, but E/top_k times the routed expert compute.
 It returns the final-normed hidden states; the LM head and the sampler ops are appended in ONNX
 (`pipeline.onnx.export`) because their row count depends on `mode`.
 """
@@ -26,17 +28,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model.network import Attention, DecoderLayer, DiffusionGemma, gelu_tanh, rotate_half
+from pipeline.onnx.moe import RoutedMoE
 
 # (module path, input) -> output: lets the FP8 exporter swap plain linears for Q/DQ ones
 LinearFn = Callable[[str, torch.Tensor], torch.Tensor]
+# layer index -> (gate_up [E, 2I, d], down [E, d, I], input_scale [3, E] or None): the routed node's expert
+# inputs when they are not the float parameters (the FP8 exporter's stand-ins, replaced by DQ afterwards)
+ExpertsFn = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 
 class GraphModel(nn.Module):
-    def __init__(self, model: DiffusionGemma, linear: LinearFn | None = None) -> None:
+    def __init__(
+        self,
+        model: DiffusionGemma,
+        linear: LinearFn | None = None,
+        moe: str = "dense",
+        experts: ExpertsFn | None = None,
+    ) -> None:
         super().__init__()
+        if moe == "routed" and linear is not None and experts is None:
+            raise ValueError("a routed MoE with quantized linears needs the stacked expert inputs (experts=)")
         self.model = model
         self.layer_types = list(model.layer_types)
         self._linear = linear
+        self._experts = experts
+        self.routed = moe == "routed"
 
     def linear(self, path: str, x: torch.Tensor) -> torch.Tensor:
         if self._linear is not None:
@@ -83,6 +99,13 @@ class GraphModel(nn.Module):
 
     def moe(self, path: str, layer: DecoderLayer, flat: torch.Tensor) -> torch.Tensor:
         _, weights, index = layer.router(flat)
+        if self.routed:
+            x = layer.pre_feedforward_layernorm_2(flat)
+            if self._experts is None:
+                gate_up, down, scale = layer.experts.gate_up_proj, layer.experts.down_proj, None
+            else:
+                gate_up, down, scale = self._experts(int(path.split(".")[1]))
+            return RoutedMoE.apply(x, index, weights, gate_up, down, layer.router.top_k, scale)
         dense_w = torch.zeros(
             flat.shape[0], layer.experts.num_experts, dtype=weights.dtype, device=flat.device
         )

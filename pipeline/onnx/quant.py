@@ -32,6 +32,7 @@ from pipeline.model.checkpoint import load_model
 from pipeline.model.fake_quant import NVFP4_BLOCK, fp8_fake_quant
 from pipeline.model.modelopt import PackedLinear, read_packed_linears
 from pipeline.model.network import DiffusionGemma
+from pipeline.onnx import contract as onnx_io
 from pipeline.onnx.graph import LinearFn
 
 # the stored tensors each exportable format needs per linear (the activation scale feeds the Q/DQ pair)
@@ -271,19 +272,128 @@ def export_nvfp4(ckpt_dir: Path, out_dir: Path):
     )
 
 
-def export_fp8(ckpt_dir: Path, out_dir: Path, qdq: bool = True):
-    """Export a ModelOpt FP8 checkpoint: Q/DQ graph (qdq) or plain dequantized float weights (not qdq)."""
+def export_fp8(ckpt_dir: Path, out_dir: Path, qdq: bool = True, moe: str = "routed"):
+    """Export a ModelOpt FP8 checkpoint: Q/DQ graph (qdq) or plain dequantized float weights (not qdq).
+    `moe="routed"`: the experts go to one dgpipe::MoE node per layer (FP8 stacked weights through
+    DequantizeLinear, act_quant="fp8"; see insert_routed_fp8), when every expert linear is FP8."""
     from pipeline.onnx.export import export_onnx
 
     model, quant = read_fp8_checkpoint(Path(ckpt_dir))
     if not qdq:
-        return export_onnx(model, out_dir, precision="fp8-dequantized")
-    holder = _Holder(quant)
+        return export_onnx(model, out_dir, precision="fp8-dequantized", moe=moe)
+    routed = moe == "routed" and _all_experts_quantized(model, quant)
+    linears = {p: q for p, q in quant.items() if not (routed and _is_expert(p))}
+    holder = _Holder(linears)
+    experts = None
+    if routed:
+        holder.routed = _RoutedExperts(model, quant)
+        experts = holder.routed.inputs
+
+    def post(m: onnx.ModelProto) -> None:
+        insert_qdq(m, holder, linears, "qdq.")
+        if routed:
+            insert_routed_fp8(m, model, quant)
+
     return export_onnx(
         model,
         out_dir,
         precision="fp8",
         linear=_trace_linear(model, holder),
         holder=holder,
-        post=lambda m: insert_qdq(m, holder, quant, "qdq."),
+        post=post,
+        moe=moe,
+        experts=experts,
     )
+
+
+def _is_expert(path: str) -> bool:
+    return ".experts." in path
+
+
+def _expert_linears(i: int, e: int, quant: dict[str, PackedLinear]) -> list[PackedLinear | None]:
+    return [quant.get(f"layers.{i}.experts.{e}.{p}") for p in ("gate_proj", "up_proj", "down_proj")]
+
+
+def _all_experts_quantized(model: DiffusionGemma, quant: dict[str, PackedLinear]) -> bool:
+    return all(
+        q is not None and q.format == "fp8"
+        for i, layer in enumerate(model.layers)
+        for e in range(layer.experts.num_experts)
+        for q in _expert_linears(i, e, quant)
+    )
+
+
+class _RoutedExperts(nn.Module):
+    """Per layer: float stand-ins for the stacked FP8 experts (gate_up [E, 2I, d], down [E, d, I]) and the
+    experts' activation scales [3, E] (gate, up, down). Traced as the MoE node's inputs; insert_routed_fp8
+    then replaces the stand-ins by FP8 initializers + DequantizeLinear."""
+
+    def __init__(self, model: DiffusionGemma, quant: dict[str, PackedLinear]) -> None:
+        super().__init__()
+        for i, layer in enumerate(model.layers):
+            rows = [_expert_linears(i, e, quant) for e in range(layer.experts.num_experts)]
+            gate_up = torch.stack([torch.cat([g.dequantized(), u.dequantized()]) for g, u, _ in rows])
+            self.register_buffer(f"gate_up{i}", gate_up.float())
+            self.register_buffer(f"down{i}", torch.stack([d.dequantized() for _, _, d in rows]).float())
+            scale = torch.tensor([[float(q.input_scale) for q in row] for row in rows]).T.contiguous()
+            self.register_buffer(f"input_scale{i}", scale)
+
+    def inputs(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return getattr(self, f"gate_up{i}"), getattr(self, f"down{i}"), getattr(self, f"input_scale{i}")
+
+
+def insert_routed_fp8(m: onnx.ModelProto, model: DiffusionGemma, quant: dict[str, PackedLinear]) -> None:
+    """The MoE nodes' float stand-ins -> FP8 initializers through DequantizeLinear (contract.MOE): gate_up
+    blocked along axis 1 with block_size = I (scale [E, 2, d], so gate and up keep their own per-expert
+    weight_scale), down per expert along axis 0 (scale [E])."""
+    g = m.graph
+    inits = {t.name: t for t in g.initializer}
+    nodes = [n for n in g.node if n.op_type == onnx_io.MOE.name]
+    if len(nodes) != len(model.layers):
+        raise RuntimeError(f"traced graph has {len(nodes)} MoE nodes for {len(model.layers)} layers")
+    dq = []
+    for i, node in enumerate(nodes):
+        e_count = model.layers[i].experts.num_experts
+        rows = [_expert_linears(i, e, quant) for e in range(e_count)]
+        inner, d = rows[0][0].weight.shape
+        for name in node.input[3:5]:
+            g.initializer.remove(inits[name])
+        w_gu = torch.stack([torch.cat([gq.weight, uq.weight]) for gq, uq, _ in rows])
+        w_down = torch.stack([dq_.weight for _, _, dq_ in rows])
+        s_gu = torch.tensor([[float(gq.weight_scale), float(uq.weight_scale)] for gq, uq, _ in rows])
+        s_gu = s_gu[:, :, None].expand(e_count, 2, d).contiguous()
+        s_down = torch.tensor([float(dq_.weight_scale) for _, _, dq_ in rows])
+        prefix = f"layers.{i}.experts"
+        for name, w, s in (("gate_up_proj", w_gu, s_gu), ("down_proj", w_down, s_down)):
+            g.initializer.append(
+                helper.make_tensor(
+                    f"{prefix}.{name}.weight",
+                    TensorProto.FLOAT8E4M3FN,
+                    list(w.shape),
+                    w.contiguous().view(torch.uint8).numpy().tobytes(),
+                    raw=True,
+                )
+            )
+            g.initializer.append(
+                onnx.numpy_helper.from_array(s.numpy().astype(np.float32), f"{prefix}.{name}.weight_scale")
+            )
+        dq.append(
+            helper.make_node(
+                "DequantizeLinear",
+                [f"{prefix}.gate_up_proj.weight", f"{prefix}.gate_up_proj.weight_scale"],
+                [node.input[3]],
+                name=f"{prefix}/gate_up_dq",
+                axis=1,
+                block_size=inner,
+            )
+        )
+        dq.append(
+            helper.make_node(
+                "DequantizeLinear",
+                [f"{prefix}.down_proj.weight", f"{prefix}.down_proj.weight_scale"],
+                [node.input[4]],
+                name=f"{prefix}/down_dq",
+                axis=0,
+            )
+        )
+    _splice(g, {0: dq})

@@ -26,8 +26,20 @@ def checkpoint_precision(ckpt_dir: Path) -> str:
     return {"bfloat16": "bf16", "float16": "fp16"}.get(str(cfg.get("dtype", "float32")), "fp32")
 
 
-def run_export(model_dir: Path, output: Path | None, build_dir: Path | None, from_checkpoint: bool) -> dict:
-    """Write the ONNX dir (`output`, default BUILD_DIR/onnx) and record it in the build manifest."""
+def run_export(
+    model_dir: Path,
+    output: Path | None,
+    build_dir: Path | None,
+    from_checkpoint: bool,
+    moe: str = "routed",
+    stream: bool = False,
+) -> dict:
+    """Write the ONNX dir (`output`, default BUILD_DIR/onnx) and record it in the build manifest.
+
+    `moe`: routed (one dgpipe::MoE node per layer) or dense (debugging); quantized checkpoints export
+    dense for now (pipeline.onnx.export.export_onnx); the form written is recorded either way.
+    `stream`: float checkpoints are exported without loading them (pipeline.onnx.stream), in their stored
+    dtype; quantized ones refuse it."""
     from pipeline.builddir import LAYOUT, MANIFEST_NAME, record_stage
     from pipeline.onnx.export import export_onnx
 
@@ -37,20 +49,33 @@ def run_export(model_dir: Path, output: Path | None, build_dir: Path | None, fro
     from pipeline.model.validate import validate_checkpoint
 
     validate_checkpoint(model_dir)  # names/shapes/dtypes from the headers; load_model checks finiteness
+    from pipeline.onnx.contract import MOE_FORMS
+
+    if moe not in MOE_FORMS:
+        raise DgpipeError(f"unknown --moe '{moe}'", f"choose one of: {', '.join(MOE_FORMS)}")
     precision = checkpoint_precision(model_dir)
+    if stream and precision in ONNX_QUANTIZED:
+        raise DgpipeError(
+            f"{model_dir}: --stream exports float checkpoints; this one is {precision}", "drop --stream"
+        )
     if precision == "fp8":
         from pipeline.onnx.quant import export_fp8
 
-        summary = export_fp8(model_dir, output, qdq=from_checkpoint)
+        summary = export_fp8(model_dir, output, qdq=from_checkpoint, moe=moe)
     elif precision == "nvfp4":  # TensorRT >= 11 Q/DQ; onnxruntime cannot run TRT_FP4DynamicQuantize
         from pipeline.onnx.quant import export_nvfp4
 
         summary = export_nvfp4(model_dir, output)
+    elif stream:
+        from pipeline.onnx.stream import export_streaming
+
+        summary = export_streaming(model_dir, output, moe=moe)
+        precision = summary.precision
     else:
         from pipeline.model.checkpoint import load_model
 
         model, _ = load_model(model_dir)  # fp32 on CPU whatever the stored dtype: the reference graph
-        summary = export_onnx(model, output, precision=precision)
+        summary = export_onnx(model, output, precision=precision, moe=moe)
     result = summary.as_dict()
     if build_dir is not None:
         fields = {"precision": precision}
@@ -66,6 +91,7 @@ def run_export(model_dir: Path, output: Path | None, build_dir: Path | None, fro
                 "opset": summary.opset,
                 "model_dtype": summary.model_dtype,
                 "custom_ops": summary.custom_ops,
+                "moe": summary.moe,
                 "inputs": len(summary.inputs),
                 "outputs_count": len(summary.outputs),
             },

@@ -49,7 +49,11 @@ def test_fp8_build_writes_every_stage_and_defers_the_engine(tmp_path: Path):
         == "FP8"
     )
     assert (build / "onnx" / "model.onnx").is_file()
-    assert man["stages"]["export"]["details"]["custom_ops"] == ["dgpipe::SampleRows", "dgpipe::SampleAccept"]
+    assert man["stages"]["export"]["details"]["custom_ops"] == [
+        "dgpipe::SampleRows",
+        "dgpipe::SampleAccept",
+        "dgpipe::MoE",  # FP8 experts routed (pipeline.onnx.quant.insert_routed_fp8)
+    ]
     for t in ("sm90", "sm100"):
         ptx = (build / "plugins" / t / "dg_sampler.ptx").read_text()
         assert f".target sm_{t[2:]}a" in ptx

@@ -664,7 +664,7 @@ def test_plan_from_a_real_export(tmp_path: Path):
     if routed:
         parsed.unlink()
     nodes = {n.op_type: {a.name: a for a in n.attribute} for n in m.graph.node if n.domain == "dgpipe"}
-    assert set(nodes) == {"SampleRows", "SampleAccept"}
+    assert set(nodes) == {"SampleRows", "SampleAccept", "MoE"}  # MoE: the routed experts (contract.MOE)
     assert all(a["plugin_namespace"].s == b"dgpipe" for a in nodes.values())
     assert nodes["SampleAccept"]["vocab"].i == model_vocab(tmp_path)
     with pytest.raises(DgpipeError, match="was exported at fp32, not fp8"):

@@ -10,6 +10,7 @@ except fp32-subnormal probabilities, which onnxruntime flushes to 0).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -90,16 +91,40 @@ def test_checker_opset_and_contract(exported, model):
                 onnx_io.SEQ if vi.name.startswith("present") else past
             )
     custom = [n for n in m.graph.node if n.domain == onnx_io.DOMAIN]
-    assert [n.op_type for n in custom] == ["SampleRows", "SampleAccept"]
+    moe = [n for n in custom if n.op_type == onnx_io.MOE.name]
+    sampler = [n for n in custom if n.op_type != onnx_io.MOE.name]
+    assert [n.op_type for n in sampler] == ["SampleRows", "SampleAccept"]
+    assert len(moe) == model.cfg.num_hidden_layers  # default export: one routed MoE node per layer
     for n in custom:  # what makes TensorRT pick the plugin over the local function
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
         assert attrs["plugin_namespace"] == b"dgpipe" and attrs["plugin_version"] == b"1"
-    assert [len(n.input) for n in custom] == [len(op.inputs) for op in onnx_io.CUSTOM_OPS]
-    assert [len(n.output) for n in custom] == [len(op.outputs) for op in onnx_io.CUSTOM_OPS]
+    for i, n in enumerate(moe):  # the contract's inputs and attributes, weights bound by checkpoint name
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        assert set(attrs) == {*onnx_io.MOE.attributes, *onnx_io.PLUGIN_ATTRIBUTES}
+        assert (attrs["num_experts"], attrs["top_k"], attrs["expert_hidden"]) == (
+            model.cfg.num_experts,
+            model.cfg.top_k_experts,
+            model.cfg.moe_intermediate_size,
+        )
+        assert attrs["activation"] == b"gelu_tanh" and attrs["act_quant"] == b"none"
+        assert list(n.input[3:]) == [
+            f"model.layers.{i}.experts.gate_up_proj",
+            f"model.layers.{i}.experts.down_proj",
+        ]
+        assert len(n.input) == len(onnx_io.MOE.inputs) - 1 and len(n.output) == 1  # no input_scale
+    assert [len(n.input) for n in sampler] == [len(op.inputs) for op in onnx_io.CUSTOM_OPS]
+    assert [len(n.output) for n in sampler] == [len(op.outputs) for op in onnx_io.CUSTOM_OPS]
     assert {(f.domain, f.name) for f in m.functions} == {
         (onnx_io.DOMAIN, "SampleRows"),
         (onnx_io.DOMAIN, "SampleAccept"),
+        (onnx_io.DOMAIN, "MoE"),
     }
+    contract = json.loads((exported / onnx_io.CONTRACT_FILE).read_text())
+    assert contract["moe"] == "routed" and [op["name"] for op in contract["custom_ops"]] == [
+        "SampleRows",
+        "SampleAccept",
+        "MoE",
+    ]
     assert all(t.data_location == TensorProto.EXTERNAL for t in m.graph.initializer)
     assert (exported / onnx_io.CONTRACT_FILE).is_file()
 
@@ -457,7 +482,8 @@ def build_fp8_checkpoint(model, out: Path) -> Path:
 
 
 @torch.no_grad()
-def test_fp8_qdq_export_matches_fake_quant_reference(model, tmp_path):
+@pytest.mark.parametrize("moe", ["routed", "dense"])
+def test_fp8_qdq_export_matches_fake_quant_reference(model, tmp_path, moe):
     """Q/DQ on identical inputs is bit-exact (checked op by op during development); through 8 layers the
     graph's different fp32 summation order moves a few activations across an FP8 rounding boundary (one
     E4M3 step is 6-12%), so logits agree to ~1e-2 mean / <0.5 max (softcap 30) instead of 1e-4. The
@@ -470,11 +496,24 @@ def test_fp8_qdq_export_matches_fake_quant_reference(model, tmp_path):
 
     ckpt = build_fp8_checkpoint(model, tmp_path / "fp8")
     assert checkpoint_precision(ckpt) == "fp8"
-    summary = export_fp8(ckpt, tmp_path / "onnx")
+    summary = export_fp8(ckpt, tmp_path / "onnx", moe=moe)
     m = onnx.load(summary.path, load_external_data=False)
     fp8_weights = [t for t in m.graph.initializer if t.data_type == TensorProto.FLOAT8E4M3FN and t.dims]
     qnodes = [n for n in m.graph.node if n.op_type == "QuantizeLinear"]
-    assert len(fp8_weights) == len(qnodes) > 100
+    routed = [n for n in m.graph.node if n.op_type == "MoE"]
+    if moe == "dense":
+        assert len(fp8_weights) == len(qnodes) > 100 and not routed
+    else:  # stacked FP8 experts (gate_up, down) per layer through DQ; the node fake-quantizes their inputs
+        assert len(routed) == model.cfg.num_hidden_layers and summary.moe == "routed"
+        assert all(
+            helper.get_attribute_value(a) == b"fp8"
+            for n in routed
+            for a in n.attribute
+            if a.name == "act_quant"
+        )
+        assert len(fp8_weights) == len(qnodes) + 2 * len(routed) and len(qnodes) > 50
+        dq = {n.output[0]: n for n in m.graph.node if n.op_type == "DequantizeLinear"}
+        assert all(dq[n.input[3]].input[0].endswith("experts.gate_up_proj.weight") for n in routed)
     onnx.checker.check_model(summary.path, full_check=True)
 
     qmodel, quant = read_fp8_checkpoint(ckpt)
