@@ -124,11 +124,11 @@ class RecordingBackend(TorchBackend):
         super().__init__(model)
         self.zeros, self.calls = zeros, []
 
-    def denoise_step(self, canvas, sc_probs, positions, masks, past, sampler):
-        self.calls.append(None if sc_probs is None else bool(sc_probs.abs().sum(dim=(1, 2)).gt(0).all()))
-        if sc_probs is None and self.zeros:
-            sc_probs = torch.zeros(*canvas.shape, self.config.text_config.vocab_size, dtype=self.dtype)
-        return super().denoise_step(canvas, sc_probs, positions, masks, past, sampler)
+    def denoise_step(self, canvas, sc_soft, positions, masks, past, sampler):
+        self.calls.append(None if sc_soft is None else bool(sc_soft.abs().sum(dim=(1, 2)).gt(0).all()))
+        if sc_soft is None and self.zeros:
+            sc_soft = torch.zeros(*canvas.shape, self.config.text_config.hidden_size, dtype=self.dtype)
+        return super().denoise_step(canvas, sc_soft, positions, masks, past, sampler)
 
 
 def test_first_step_passes_no_self_conditioning_signal():
