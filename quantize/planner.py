@@ -84,14 +84,14 @@ class Workspace:
         (`BlockDiffusionRuntime.sc`; `sc_state_bytes_per_sequence`);
       * `sc_input`: the copy of it gathered and masked for the pass (`_device_step`), alive through it;
       * `logits`: the softcapped logits, fp32 on every path (`DiffusionGemma.logits`);
-      * `softcap_temporaries`: two more fp32 [C, canvas, vocab] tensors while the softcap runs
-        (`tanh(z / cap) * cap` holds z, z / cap and the tanh at once);
+      * `softcap_temporaries`: 0: without autograd the softcap runs in place on the logits
+        (`DiffusionGemma.logits`; with autograd, in training, it holds two more fp32 copies);
       * `sampler_probs`: the fused sampler's bf16 probabilities, allocated once the softcap temporaries
         are gone, so it does not add to the peak; they live only until the soft embedding of the next
         step is taken from them right after sampling (`DenoiseResult.soft`, [C, canvas, hidden]);
       * `activations`: one canvas batch's hidden states and the widest MoE intermediate, bf16.
-    The peak is at the softcap: sc_state + sc_input + 3 fp32 logits + activations (the fresh soft embedding,
-    [C, canvas, hidden], is the size of sc_state and comes after the softcap temporaries are freed)."""
+    The peak is at the sampler: sc_state + sc_input + fp32 logits + bf16 probs + activations (the fresh soft
+    embedding, [C, canvas, hidden], is the size of sc_state)."""
 
     sc_state: int
     sc_input: int
@@ -122,7 +122,7 @@ def workspace(config: ModelConfig, concurrency: int, dtype_bytes: int = 2) -> Wo
         sc_state=sc,
         sc_input=sc,
         logits=cells * 4,
-        softcap_temporaries=2 * cells * 4,
+        softcap_temporaries=0,
         sampler_probs=cells * 2,
         activations=concurrency * config.canvas_length * widest * dtype_bytes,
     )

@@ -18,7 +18,8 @@ machine hits them alike, and every figure is a median over rounds and steps.
   * onnxruntime: the exported graph (dense MoE, sampler as reference functions) driven by the same
     runtime through `OnnxRuntimeBackend`, timed per step like dgpipe (one graph run per step).
 For a checkpoint with a prompt format (the embedded model), `generate` adds `dgpipe bench local`'s adaptive
-rows: tokens/s of dgpipe's runtime and of transformers' generate on the model's own prompt.
+rows: tokens/s of dgpipe's runtime and of transformers' generate on the model's own prompt, one run of each
+per round, interleaved.
 """
 
 from __future__ import annotations
@@ -62,13 +63,13 @@ def step_flops(config: ModelConfig, batch: int, context: int) -> int:
 
 def matmul_rate(dtype: torch.dtype, device: torch.device, shapes: list[tuple[int, int, int]]) -> float:
     """FLOP/s of this device's GEMM in `dtype`: the best median over `shapes` (m, k, n) (a square one and the
-    step's largest GEMM, the LM head), 5 timed calls each after a warm-up."""
+    step's largest GEMM, the LM head), 3 timed calls each after a warm-up."""
     best = 0.0
     gen = torch.Generator(device=device).manual_seed(0)
     for m, k, n in shapes:
         a = torch.randn(m, k, generator=gen, device=device).to(dtype)
         b = torch.randn(k, n, generator=gen, device=device).to(dtype)
-        secs = _median_time(lambda a=a, b=b: torch.mm(a, b), device, 5)
+        secs = _median_time(lambda a=a, b=b: torch.mm(a, b), device, 3)
         best = max(best, 2 * m * k * n / secs)
     return best
 
@@ -103,7 +104,9 @@ class Arm:
     def row(self) -> dict[str, Any]:
         med = lambda xs: 1000 * statistics.median(xs) if xs else None
         step, parts = med(self.step), [med(x) for x in (self.network, self.soft, self.sampler)]
-        host = step - sum(parts) if step is not None and all(p is not None for p in parts) else None
+        split = self.soft and self.sampler
+        # per step, then the median: medians of the parts need not add up to the median step
+        host = med([s - n - e - p for s, n, e, p in zip(*self._parts(), strict=True)]) if split else None
         return {
             "system": self.name,
             "step_ms": step,
@@ -113,6 +116,9 @@ class Arm:
             "host_ms": host,
             "samples": len(self.step),
         }
+
+    def _parts(self) -> tuple[list[float], ...]:
+        return self.step, self.network, self.soft, self.sampler
 
 
 def _fixed(steps: int) -> SamplerConfig:
@@ -263,14 +269,17 @@ def run_bench_pass(
             ort = OnnxRuntimeBackend(Path(scratch) / "onnx", cfg)
             arms["onnxruntime"] = Arm("onnxruntime (exported graph)")
             runners["onnxruntime"] = lambda a: time_runtime_steps(ort, prompt, batch, steps, a, False)
-        for _ in range(rounds):
+        tokens = batch * length
+        shapes = [(1024, 1024, 1024), (tokens, cfg.text_config.hidden_size, vocab)]
+        rates = []
+        for _ in range(rounds):  # the matmul rate is measured in every round too, beside the systems
             for name, run in runners.items():
                 run(arms[name])
                 if progress is not None:
                     progress()
+            rates.append(matmul_rate(dt, dev, shapes))
         flops = step_flops(cfg, batch, context)
-        tokens = batch * length
-        rate = matmul_rate(dt, dev, [(1024, 1024, 1024), (tokens, cfg.text_config.hidden_size, vocab)])
+        rate = statistics.median(rates)
         gen_rows = []
         if generate and config is None and ckpt.has_tokenizer:
             gen_rows = _generate_rows(path, dt, dev, reference, rounds)
@@ -304,6 +313,7 @@ def run_bench_pass(
         "rounds": rounds,
         "flops_per_step": flops,
         "matmul_gflop_s": rate / 1e9,
+        "matmul_gflop_s_per_round": [x / 1e9 for x in rates],
         "floor_ms": floor_ms,
         "rows": list(rows.values()),
         "generate": gen_rows,
@@ -313,9 +323,12 @@ def run_bench_pass(
     return result
 
 
-def _generate_rows(path: Path, dt: torch.dtype, dev: torch.device, reference: bool, runs: int) -> list[dict]:
-    """`dgpipe bench local`'s adaptive rows on the checkpoint's own prompt: dgpipe, then transformers."""
-    from pipeline.bench.local import bench_dgpipe, bench_transformers
+def _generate_rows(
+    path: Path, dt: torch.dtype, dev: torch.device, reference: bool, rounds: int
+) -> list[dict]:
+    """`dgpipe bench local`'s adaptive rows on the checkpoint's own prompt, dgpipe then transformers, one
+    measured run of each per round (interleaved), medians over the rounds."""
+    from pipeline.bench.local import Row, bench_dgpipe, bench_transformers
     from pipeline.runtime.session import load_session
 
     session = load_session(path, str(dt).removeprefix("torch."), str(dev))
@@ -324,7 +337,17 @@ def _generate_rows(path: Path, dt: torch.dtype, dev: torch.device, reference: bo
     template = session.default_template(prompt)
     max_tokens = session.model.config.canvas_length * (1 if template is not None else 2)
     sampler = session.sampler()
-    rows = [asdict(bench_dgpipe(session, ids, template, sampler, max_tokens, runs, 1))]
-    if reference:
-        rows.append(asdict(bench_transformers(path, ids, sampler, max_tokens, runs, 1)))
+    runs: dict[str, list[Row]] = {"dgpipe": [], "transformers": []}
+    for _ in range(rounds):
+        runs["dgpipe"].append(bench_dgpipe(session, ids, template, sampler, max_tokens, 1, 1))
+        if reference:
+            runs["transformers"].append(bench_transformers(path, ids, sampler, max_tokens, 1, 1))
+    rows = []
+    for measured in (r for r in runs.values() if r):
+        row = asdict(measured[0])
+        for key, value in row.items():
+            if isinstance(value, float):
+                row[key] = statistics.median(getattr(r, key) for r in measured)
+        row["runs"] = [r.runs[0] for r in measured]
+        rows.append(row)
     return rows

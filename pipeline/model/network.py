@@ -52,6 +52,9 @@ def embedding(num: int, dim: int) -> nn.Embedding:
     return nn.Embedding(num, dim, _weight=weight)
 
 
+SOFTCAP_BLOCK_BYTES = 256 * 1024  # rows of logits softcapped together on the CPU: about half an L2
+
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
@@ -313,10 +316,22 @@ class DiffusionGemma(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied LM head, then the final softcap in fp32 (bf16 tanh here visibly changes the sampler)."""
+        """Tied LM head, then the final softcap in fp32 (bf16 tanh here visibly changes the sampler).
+
+        Without autograd the softcap runs in place (no [B, L, V] temporaries), on the CPU a few rows at a
+        time so a block's divide, tanh and multiply passes stay in cache: the same element-wise kernels,
+        so bit-identical values."""
         z = F.linear(hidden, self.embed_tokens.weight).float()
         cap = self.cfg.final_logit_softcapping
-        return torch.tanh(z / cap) * cap
+        if torch.is_grad_enabled() and z.requires_grad:
+            return torch.tanh(z / cap) * cap
+        if not z.is_cpu:
+            return z.div_(cap).tanh_().mul_(cap)
+        rows = z.view(-1, z.shape[-1])
+        block = max(1, SOFTCAP_BLOCK_BYTES // (rows.shape[1] * rows.element_size()))
+        for r0 in range(0, rows.shape[0], block):
+            rows[r0 : r0 + block].div_(cap).tanh_().mul_(cap)
+        return z
 
     def soft_embedding(self, probs: torch.Tensor) -> torch.Tensor:
         """Self-conditioning input: softmax(previous scaled logits) @ E * sqrt(d), in the weight dtype.

@@ -77,7 +77,7 @@ def test_bench_pass_cli_on_a_tiny_checkpoint(tmp_path):
     assert r["rows"][1]["samples"] == 2  # transformers: step 2 (forward 2 to forward 3), two rounds
     assert 0 < r["rows"][1]["network_ms"] < r["rows"][1]["step_ms"]
     parts = ours["network_ms"] + ours["soft_embedding_ms"] + ours["sampler_ms"]
-    assert 0 < parts < ours["step_ms"] and ours["host_ms"] == pytest.approx(ours["step_ms"] - parts)
+    assert 0 < parts < 1.5 * ours["step_ms"] and 0 < ours["host_ms"] < ours["step_ms"]
     assert r["floor_ms"] == pytest.approx(1000 * r["flops_per_step"] / (r["matmul_gflop_s"] * 1e9))
     assert r["ratios"]["step_over_floor"] == pytest.approx(ours["step_ms"] / r["floor_ms"])
     assert set(r["ratios"]) >= {"dgpipe_over_transformers_step", "pytorch_over_onnxruntime_step"}

@@ -109,21 +109,20 @@ def test_precision_rules():
 
 
 def test_workspace_counts_the_fp32_logits_the_runtime_allocates():
-    """26B at 8 concurrent canvases of 256: the logits are fp32 (2.1 GB, not the 1.07 GB of bf16), the
-    softcap holds two more fp32 copies, and the bf16 self-conditioning store (soft embeddings, hidden wide)
-    and its gathered copy sit beside them; the fused sampler's bf16 probabilities come after the softcap
-    temporaries are freed."""
+    """26B at 8 concurrent canvases of 256: the logits are fp32 (2.1 GB, not the 1.07 GB of bf16), softcapped
+    in place, and the bf16 self-conditioning store (soft embeddings, hidden wide) and its gathered copy sit
+    beside them with the fused sampler's bf16 probabilities."""
     cells = 8 * 256 * V
     sc = 8 * 256 * D * 2  # [C, canvas, hidden] bf16
     ws = workspace(CFG, 8)
     assert ws.logits == 2_147_483_648 == 2 * cells * 2
     assert (ws.sc_state, ws.sc_input, ws.sampler_probs) == (sc, sc, cells * 2)
-    assert ws.softcap_temporaries == cells * 8
+    assert ws.softcap_temporaries == 0
     activations = 8 * 256 * (128 * 704) * 2  # the 128 x 704 MoE intermediate is wider than 8 x hidden
     assert ws.activations == activations
-    assert workspace_bytes(CFG, 8) == 2 * sc + cells * 4 * 3 + activations  # 6.8 GB
+    assert workspace_bytes(CFG, 8) == 2 * sc + cells * (4 + 2) + activations  # 3.6 GB
     plan = serving_plan(CFG, precision("nvfp4"), target("sm100"), context=8192, concurrency=8)[0]
-    assert plan.workspace_gib == round((2 * sc + cells * 12 + activations) / 2**30, 2)
+    assert plan.workspace_gib == round((2 * sc + cells * 6 + activations) / 2**30, 2)
 
 
 def test_self_conditioning_state_per_sequence_is_hidden_wide():
