@@ -79,16 +79,19 @@ def kv_cache_bytes(config: ModelConfig, context: int, concurrency: int, bytes_pe
 class Workspace:
     """Bytes a denoise pass of `concurrency` canvases holds at its peak on the GPU serving path (PyTorch
     runtime with the fused sampler), as the runtime allocates them:
-      * `sc_state`: the scheduler's self-conditioning store [C, canvas, vocab] in the model dtype (bf16),
-        kept between steps (`BlockDiffusionRuntime._prepare_round`);
+      * `sc_state`: the scheduler's self-conditioning store, the previous step's soft embedding
+        softmax(z) @ E * sqrt(d) [C, canvas, hidden] in the model dtype (bf16), kept between steps
+        (`BlockDiffusionRuntime.sc`; `sc_state_bytes_per_sequence`);
       * `sc_input`: the copy of it gathered and masked for the pass (`_device_step`), alive through it;
       * `logits`: the softcapped logits, fp32 on every path (`DiffusionGemma.logits`);
-      * `softcap_temporaries`: two more fp32 [C, canvas, vocab] tensors while the softcap runs
-        (`tanh(z / cap) * cap` holds z, z / cap and the tanh at once);
-      * `sampler_probs`: the fused sampler's bf16 probabilities (the next step's self-conditioning input),
-        allocated once the softcap temporaries are gone, so it does not add to the peak;
+      * `softcap_temporaries`: 0: without autograd the softcap runs in place on the logits
+        (`DiffusionGemma.logits`; with autograd, in training, it holds two more fp32 copies);
+      * `sampler_probs`: the fused sampler's bf16 probabilities, allocated once the softcap temporaries
+        are gone, so it does not add to the peak; they live only until the soft embedding of the next
+        step is taken from them right after sampling (`DenoiseResult.soft`, [C, canvas, hidden]);
       * `activations`: one canvas batch's hidden states and the widest MoE intermediate, bf16.
-    The peak is at the softcap: sc_state + sc_input + 3 fp32 logits + activations."""
+    The peak is at the sampler: sc_state + sc_input + fp32 logits + bf16 probs + activations (the fresh soft
+    embedding, [C, canvas, hidden], is the size of sc_state)."""
 
     sc_state: int
     sc_input: int
@@ -104,15 +107,22 @@ class Workspace:
         return self.sc_state + self.sc_input + max(at_softcap, at_sampler) + self.activations
 
 
+def sc_state_bytes_per_sequence(config: ModelConfig, dtype_bytes: int = 2) -> int:
+    """Self-conditioning state one sequence keeps between denoise steps: [canvas, hidden] in the model dtype
+    (26B-A4B, bf16: 256 x 2816 x 2 = 1.44 MB; [canvas, vocab] probabilities would be 134 MB in bf16)."""
+    return config.canvas_length * config.text_config.hidden_size * dtype_bytes
+
+
 def workspace(config: ModelConfig, concurrency: int, dtype_bytes: int = 2) -> Workspace:
     t = config.text_config
     cells = concurrency * config.canvas_length * t.vocab_size  # one [C, canvas, vocab] tensor
     widest = max(t.hidden_size * 8, t.num_experts * t.moe_intermediate_size)
+    sc = concurrency * sc_state_bytes_per_sequence(config, dtype_bytes)
     return Workspace(
-        sc_state=cells * dtype_bytes,
-        sc_input=cells * dtype_bytes,
+        sc_state=sc,
+        sc_input=sc,
         logits=cells * 4,
-        softcap_temporaries=2 * cells * 4,
+        softcap_temporaries=0,
         sampler_probs=cells * 2,
         activations=concurrency * config.canvas_length * widest * dtype_bytes,
     )

@@ -1,5 +1,5 @@
-"""`dgpipe bench local|sweep|serve|model|flops|export-memory`: run a benchmark from pipeline/bench/, print its
-table, say where the JSON and PNG went."""
+"""`dgpipe bench local|sweep|serve|model|pass|guided|flops|export-memory`: run a benchmark from
+pipeline/bench/, print its table, say where the JSON and PNG went."""
 
 from __future__ import annotations
 
@@ -337,3 +337,78 @@ def _render_export_memory(r: dict) -> str:
         f"layers, {r['trace_peak_rss_gb_full_depth']:.2f} GB at {r['layers_full']}\n"
         f"  extrapolated full-depth export peak RSS {r['extrapolated_full_peak_rss_gb']:.2f} GB"
     )
+
+
+@app.command("pass")
+def bench_pass(
+    config: Annotated[
+        str | None,
+        typer.Option(
+            help="configs/models/<name>.yaml with random weights (e.g. bench-medium); default: --model"
+        ),
+    ] = None,
+    model: opt.Model = None,
+    batch: Annotated[int, typer.Option(help="canvases per denoise pass")] = 1,
+    context: Annotated[int, typer.Option(help="cached prompt tokens")] = 32,
+    steps: Annotated[int, typer.Option(help="fixed denoising steps per canvas (steps 2..N are timed)")] = 4,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds over the systems (medians)")] = 3,
+    reference: Annotated[bool, typer.Option(help="time transformers on the same weights")] = True,
+    onnx: Annotated[bool, typer.Option(help="export the model and time the ONNX Runtime backend")] = True,
+    generate: Annotated[
+        bool,
+        typer.Option(help="a checkpoint with a prompt format: adaptive generate tokens/s vs transformers"),
+    ] = True,
+    out_dir: Annotated[Path | None, _out("bench-pass", "directory for the JSON result")] = None,
+    dtype: opt.Dtype = "auto",
+    device: opt.Device = "auto",
+    as_json: opt.Json = False,
+) -> None:
+    """One denoise step split into network / sampler / host against the matmul floor (FLOPs / measured GEMM
+    rate), with transformers and ONNX Runtime on the same weights, interleaved."""
+    if batch < 1 or context < 1 or steps < 3 or rounds < 1:
+        raise DgpipeError("need --batch >= 1, --context >= 1, --steps >= 3 and --rounds >= 1")
+    if config is not None and model is not None:
+        raise DgpipeError("pass --config (random weights) or --model (a checkpoint), not both")
+    out_dir = out_dir or opt.cache_dir() / "bench-pass"
+    from pipeline.bench.step import RESULT_FILE, run_bench_pass
+
+    arms = 1 + reference + onnx
+    with out.progress("bench pass", total=rounds * arms, disable=as_json) as advance:
+        result = run_bench_pass(
+            config,
+            model,
+            batch,
+            context,
+            steps,
+            rounds,
+            reference,
+            onnx,
+            generate,
+            dtype,
+            device,
+            out_dir,
+            progress=advance,
+        )
+    out.show(result, as_json, _render_pass)
+    out.saved([out_dir / RESULT_FILE], as_json)
+
+
+def _render_pass(r: dict) -> list[str]:
+    ms = lambda v: f"{v:>10.1f}" if v is not None else f"{'-':>10}"
+    lines = [
+        f"{r['model']} ({r['parameters'] / 1e6:.0f}M params), {r['dtype']} on {r['device']}, "
+        f"{r['machine']['threads']} thread(s), batch {r['batch']}, context {r['context']}, "
+        f"{r['steps_per_canvas']} fixed steps, medians of {r['rounds']} interleaved rounds\n"
+        f"floor: {r['flops_per_step'] / 1e9:.1f} GFLOP per step / {r['matmul_gflop_s']:.1f} GFLOP/s matmul "
+        f"= {r['floor_ms']:.1f} ms\n"
+        f"{'system':<30}{'step ms':>10}{'network':>10}{'soft emb':>10}{'sampler':>10}{'host':>10}{'x floor':>9}"
+    ]
+    for x in r["rows"]:
+        lines.append(
+            f"{x['system']:<30}{ms(x['step_ms'])}{ms(x['network_ms'])}{ms(x['soft_embedding_ms'])}"
+            f"{ms(x['sampler_ms'])}{ms(x['host_ms'])}{x['step_ms'] / r['floor_ms']:>9.2f}"
+        )
+    for g in r["generate"]:
+        lines.append(f"generate {g['system']:<24} {g['policy']:<16} {g['tokens_per_s']:>8.1f} tokens/s")
+    lines += [f"{k}: {v:.3f}" for k, v in r["ratios"].items() if v is not None]
+    return lines

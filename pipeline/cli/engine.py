@@ -123,7 +123,7 @@ def _describe(plan) -> str:
     ptx = plan.plugin.sha256[:16] if plan.plugin else "compiled at build time"
     lines.append(f"  sampler PTX: {plan.plugin_dir}/dg_sampler.ptx ({ptx})")
     for p in plan.profiles:
-        dims = {k: v for k, v in p.shapes.items() if k in ("tokens", "sc_probs")}
+        dims = {k: v for k, v in p.shapes.items() if k in ("tokens", "sc_embed")}
         lines.append(f"  profile {p.name}: " + ", ".join(f"{k} {v[0]}..{v[2]}" for k, v in dims.items()))
     lines.append("  on the target node: " + " ".join(plan.command()))
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 
 Kept apart from `trt_backend` (which only binds and executes) so the exact feeds TensorRT receives can be
 run through onnxruntime on the same exported graph on a CPU machine (tests/unit/engine/test_engine.py): the names,
-dtypes, mask widths, dummy sampler rows of causal passes and the full-width zero self-conditioning of a
+dtypes, mask widths, dummy sampler rows of causal passes and the full-width zero self-conditioning embedding of a
 canvas's first step are all checked against the PyTorch runtime without TensorRT.
 """
 
@@ -19,13 +19,14 @@ MODES = {"causal": MODE_CAUSAL, "denoise": MODE_DENOISE}
 
 
 def denoise_sc(
-    sc_probs: torch.Tensor | None, b: int, q: int, vocab: int, dtype: torch.dtype, device
+    sc_soft: torch.Tensor | None, b: int, q: int, hidden: int, dtype: torch.dtype, device
 ) -> torch.Tensor:
-    """Self-conditioning input, always [B, L, V]: zeros (= no self-conditioning, exactly) when no row has a
-    previous step, so the denoise shapes, and a captured CUDA graph, stay the same for a whole canvas."""
-    if sc_probs is None:
-        return torch.zeros(b, q, vocab, dtype=dtype, device=device)
-    return sc_probs.to(device=device, dtype=dtype)
+    """Self-conditioning input `sc_embed`, always [B, L, hidden]: zeros (= no self-conditioning, exactly)
+    when no row has a previous step, so the denoise shapes, and a captured CUDA graph, stay the same for a
+    whole canvas."""
+    if sc_soft is None:
+        return torch.zeros(b, q, hidden, dtype=dtype, device=device)
+    return sc_soft.to(device=device, dtype=dtype)
 
 
 def engine_feeds(
@@ -50,7 +51,7 @@ def engine_feeds(
         "mode": mode if mode is not None else torch.tensor([MODES[kind]], dtype=torch.int64),
         "tokens": tokens.to(**long),
         "positions": positions.to(**long),
-        "sc_probs": sc,
+        "sc_embed": sc,
     }
     past_len: dict[str, int] = {}
     for i, layer_kind in enumerate(cfg.layer_types):  # type: ignore[union-attr]
@@ -114,8 +115,8 @@ def denoise_result(out: dict[str, torch.Tensor]) -> DenoiseResult:
     step = StepOutput(
         canvas=out["next_canvas"],
         argmax=out["argmax"],
-        probs=out["probs"],
+        probs=None,  # stays in the engine: next_sc_embed is what the next step reads
         entropy=out["entropy"],
         kept=out["kept"],
     )
-    return DenoiseResult(step, out["stable_count_out"], out["stop"])
+    return DenoiseResult(step, out["stable_count_out"], out["stop"], out["next_sc_embed"])

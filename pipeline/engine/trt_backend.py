@@ -12,7 +12,7 @@ plugins inside the plan) never leaves the GPU.
   pinned host memory, as TensorRT requires for shape-tensor inputs.
 * Denoise steps replay a CUDA graph: the inputs are copied into static buffers and the captured
   `execute_async_v3` is replayed. A graph is valid only while shapes stay the same, so one is kept per
-  context and recaptured when (batch, cached length) changes, i.e. about once per canvas; sc_probs is
+  context and recaptured when (batch, cached length) changes, i.e. about once per canvas; sc_embed is
   always sent full-width (zeros on a canvas's first step) so the first step does not change the shape.
   If capture fails (a TensorRT build with host syncs in enqueue), the backend logs it and runs eagerly.
 """
@@ -173,7 +173,7 @@ class TensorRTBackend:
         )
         self.config = config
         self.layer_types = list(config.text_config.layer_types)  # type: ignore[arg-type]
-        self.vocab = config.text_config.vocab_size
+        self.hidden = config.text_config.hidden_size
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         # the sampler PTX is inside the plan (AOT plugins): nothing to register before deserializing
@@ -196,7 +196,7 @@ class TensorRTBackend:
 
     # ---- ModelBackend -------------------------------------------------------------------------------
     def causal(self, tokens: torch.Tensor, positions: torch.Tensor, masks: Masks, past: KV | None) -> KV:
-        sc = torch.zeros(tokens.shape[0], 1, self.vocab, dtype=self.dtype, device=self.device)
+        sc = torch.zeros(tokens.shape[0], 1, self.hidden, dtype=self.dtype, device=self.device)
         feeds = engine_feeds(
             "causal",
             self.config.text_config,
@@ -215,14 +215,14 @@ class TensorRTBackend:
     def denoise_step(
         self,
         canvas: torch.Tensor,
-        sc_probs: torch.Tensor | None,
+        sc_soft: torch.Tensor | None,
         positions: torch.Tensor,
         masks: Masks,
         past: KV,
         sampler: SamplerInputs,
     ) -> DenoiseResult:
         b, q = canvas.shape
-        sc = denoise_sc(sc_probs, b, q, self.vocab, self.dtype, self.device)
+        sc = denoise_sc(sc_soft, b, q, self.hidden, self.dtype, self.device)
         feeds = engine_feeds(
             "denoise",
             self.config.text_config,
@@ -250,5 +250,5 @@ class TensorRTBackend:
         from pipeline.sampler.kernels.gpu_sampler import cuda_sampler_available
 
         res = sample_logits(out["logits"], sampler, cuda=cuda_sampler_available(), cpu_fused=False)
-        res.step.probs = res.step.probs.to(out["probs"].dtype)
+        res.soft = out["next_sc_embed"]  # self-conditioning stays the engine's own (unmasked) signal
         return res

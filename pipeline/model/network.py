@@ -52,6 +52,9 @@ def embedding(num: int, dim: int) -> nn.Embedding:
     return nn.Embedding(num, dim, _weight=weight)
 
 
+SOFTCAP_BLOCK_BYTES = 256 * 1024  # rows of logits softcapped together on the CPU: about half an L2
+
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
@@ -169,10 +172,15 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Expert weights as 3-D tensors ([E, 2I, d] fused gate|up, [E, d, I] down), as transformers stores them.
 
-    Two ways to run the same maths: a loop over the experts that received tokens (any dtype and device;
-    exact in fp64 for the parity tests), and one grouped GEMM per projection over tokens sorted by expert.
-    The grouped form has static shapes and no host synchronisation, so a denoise step that uses it can be
-    captured in a CUDA graph; it is the default on CUDA in bf16/fp16 (torch's grouped_mm kernels)."""
+    Neither form below synchronises with the host (no `.tolist()`, no data-dependent shapes), so a denoise
+    step can be captured in a CUDA graph and the CPU never waits on routing:
+      * grouped (the default wherever torch has a `grouped_mm` kernel: CPU fp32/bf16/fp16, CUDA bf16/fp16,
+        sizes 16-byte aligned): tokens sorted by expert, one grouped GEMM per projection, the results
+        added back per token in expert order;
+      * dense (everything else: float64 for the parity tests, CUDA fp32, unaligned sizes): every expert on
+        every token, weighted by the router weight scattered into [T, E] (0 where not selected). Exact
+        (an unselected expert adds 0) but E/top_k times the routed compute.
+    Both add a token's experts in increasing expert order, as transformers' expert loop does."""
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
@@ -180,43 +188,40 @@ class Experts(nn.Module):
         self.num_experts = e
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
-        self.grouped: bool | None = None  # None: grouped GEMM where it is supported and capturable
+        self.grouped: bool | None = None  # None: grouped GEMM where torch has a kernel for it
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         if self.grouped is not None:
             return self.grouped
         aligned = all(n * x.element_size() % 16 == 0 for n in self.down_proj.shape[1:])
-        return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and aligned
+        kinds = (
+            (torch.bfloat16, torch.float16) if x.is_cuda else (torch.float32, torch.bfloat16, torch.float16)
+        )
+        return x.device.type in ("cpu", "cuda") and x.dtype in kinds and aligned
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if not self.use_grouped(x):
+            return self._dense(x, index, weights)
         flat_expert = index.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
         token_of = order // index.shape[1]
         w_sorted = weights.reshape(-1)[order]
-        if self.use_grouped(x):
-            return self._grouped(x, flat_expert, token_of, w_sorted)
-        out = torch.zeros_like(x)
-        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok = token_of[start : start + n]
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(gelu_tanh(gate) * up, self.down_proj[e]) * w_sorted[start : start + n, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-            start += n
-        return out
-
-    def _grouped(
-        self, x: torch.Tensor, flat_expert: torch.Tensor, token_of: torch.Tensor, w_sorted: torch.Tensor
-    ) -> torch.Tensor:
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
         counts.index_add_(0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32))
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         gate, up = F.grouped_mm(x[token_of], self.gate_up_proj.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
         y = F.grouped_mm(gelu_tanh(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
         return torch.zeros_like(x).index_add_(0, token_of, (y * w_sorted[:, None]).to(x.dtype))
+
+    def _dense(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        dense_w = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
+        dense_w = dense_w.scatter_add(1, index, weights)  # add: an index naming an expert twice counts twice
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(gelu_tanh(gate) * up, self.down_proj[e]) * dense_w[:, e, None]
+            out += y.to(out.dtype)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -311,13 +316,28 @@ class DiffusionGemma(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied LM head, then the final softcap in fp32 (bf16 tanh here visibly changes the sampler)."""
+        """Tied LM head, then the final softcap in fp32 (bf16 tanh here visibly changes the sampler).
+
+        Without autograd the softcap runs in place (no [B, L, V] temporaries), on the CPU a few rows at a
+        time so a block's divide, tanh and multiply passes stay in cache: the same element-wise kernels,
+        so bit-identical values."""
         z = F.linear(hidden, self.embed_tokens.weight).float()
         cap = self.cfg.final_logit_softcapping
-        return torch.tanh(z / cap) * cap
+        if torch.is_grad_enabled() and z.requires_grad:
+            return torch.tanh(z / cap) * cap
+        if not z.is_cpu:
+            return z.div_(cap).tanh_().mul_(cap)
+        rows = z.view(-1, z.shape[-1])
+        block = max(1, SOFTCAP_BLOCK_BYTES // (rows.shape[1] * rows.element_size()))
+        for r0 in range(0, rows.shape[0], block):
+            rows[r0 : r0 + block].div_(cap).tanh_().mul_(cap)
+        return z
 
     def soft_embedding(self, probs: torch.Tensor) -> torch.Tensor:
-        """Self-conditioning input: softmax(previous scaled logits) @ E * sqrt(d)."""
+        """Self-conditioning input: softmax(previous scaled logits) @ E * sqrt(d), in the weight dtype.
+
+        The op transformers runs inside its forward; the serving runtime runs it right after sampling
+        instead and keeps only this [B, L, hidden] result between steps, not the [B, L, vocab] probs."""
         w = self.embed_tokens.weight
         return torch.matmul(probs.to(w.dtype), w) * self.embed_scale.to(w.dtype)
 
@@ -359,9 +379,22 @@ class DiffusionGemma(nn.Module):
         masks: dict[str, torch.Tensor | None],
         past: list[tuple[torch.Tensor, torch.Tensor]] | None,
     ) -> torch.Tensor:
-        """Bidirectional pass over the canvas reading the context K/V; returns fp32 softcapped logits."""
-        x = self.embed(canvas)
+        """Bidirectional pass over the canvas reading the context K/V; returns fp32 softcapped logits.
+        `sc_probs`: the previous step's probabilities, as transformers takes them (None: no signal)."""
         soft = self.soft_embedding(sc_probs) if sc_probs is not None else None
+        return self.denoise_soft(canvas, soft, positions, masks, past)
+
+    def denoise_soft(
+        self,
+        canvas: torch.Tensor,
+        soft: torch.Tensor | None,
+        positions: torch.Tensor,
+        masks: dict[str, torch.Tensor | None],
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    ) -> torch.Tensor:
+        """`denoise` from the soft embedding itself ([B, L, hidden], `soft_embedding` of the probs): the
+        runtime's compact self-conditioning state."""
+        x = self.embed(canvas)
         h, _ = self.run_layers(self.self_conditioning(x, soft), positions, masks, past, encoder=False)
         return self.logits(h)
 

@@ -3,8 +3,8 @@
 The host keeps everything stateful (KV ring buffers, masks, canvases, sampler state); each call feeds the
 contract's inputs (`pipeline.onnx.contract`) and maps the outputs back. What the host fills in for the mode it
 does not use: a causal pass sends one zero self-conditioning row and dummy sampler rows (the graph runs
-the head on one position and its sampler outputs are ignored); a denoise pass sends `sc_probs` [B, 1, V]
-zeros when no row has a previous step yet. Outputs come back through DLPack (numpy has no bfloat16).
+the head on one position and its sampler outputs are ignored); a denoise pass sends `sc_embed` [B, 1, hidden]
+zeros when no row has a previous step yet, and otherwise the previous step's `next_sc_embed`. Outputs come back through DLPack (numpy has no bfloat16).
 """
 
 from __future__ import annotations
@@ -45,7 +45,14 @@ class OnnxRuntimeBackend:
         self.layer_types: list[str] = contract["layer_types"]
         if self.layer_types != list(self.config.text_config.layer_types):
             raise DgpipeError(f"{model_file} was exported from a different model than {checkpoint}")
-        model_dtype = next(s["dtype"] for s in contract["inputs"] if s["name"] == "sc_probs")
+        inputs = {s["name"]: s for s in contract["inputs"]}
+        if "sc_embed" not in inputs:
+            raise DgpipeError(
+                f"{model_file} takes self-conditioning probabilities (an export from before the compact "
+                "self-conditioning state)",
+                "re-run `dgpipe export`",
+            )
+        model_dtype = inputs["sc_embed"]["dtype"]
         self.dtype = TORCH_DTYPES[model_dtype]
         self.device = torch.device("cpu")
         opts = ort.SessionOptions()
@@ -77,9 +84,9 @@ class OnnxRuntimeBackend:
             "mode": torch.tensor([mode], dtype=torch.int64),
             "tokens": tokens.to(torch.int64),
             "positions": positions.to(torch.int64),
-            "sc_probs": sc.to(self.dtype)
+            "sc_embed": sc.to(self.dtype)
             if sc is not None
-            else torch.zeros(b, 1, cfg.vocab_size, dtype=self.dtype),
+            else torch.zeros(b, 1, cfg.hidden_size, dtype=self.dtype),
         }
         past_len = {}
         for i, kind in enumerate(self.layer_types):
@@ -143,39 +150,39 @@ class OnnxRuntimeBackend:
     def denoise_step(
         self,
         canvas: torch.Tensor,
-        sc_probs: torch.Tensor | None,
+        sc_soft: torch.Tensor | None,
         positions: torch.Tensor,
         masks: Masks,
         past: KV,
         sampler: SamplerInputs,
     ) -> DenoiseResult:
-        out = self.denoise_outputs(canvas, sc_probs, positions, masks, past, sampler)
+        out = self.denoise_outputs(canvas, sc_soft, positions, masks, past, sampler)
         if sampler.allowed is not None:
             # constrained rows: the graph's sampler has no mask input, so its fp32 logits output is masked
-            # and sampled again by the same sampler in PyTorch (probs rounded to bf16 as the graph's are)
+            # and sampled again by the same sampler in PyTorch; self-conditioning stays the graph's own
             res = sample_logits(out["logits"], sampler)
-            res.step.probs = res.step.probs.to(torch.bfloat16)
+            res.soft = out["next_sc_embed"]
             return res
         step = StepOutput(
             canvas=out["next_canvas"],
             argmax=out["argmax"],
-            probs=out["probs"],
+            probs=None,  # stays inside the graph: next_sc_embed is what the next step reads
             entropy=out["entropy"],
             kept=out["kept"],
         )
-        return DenoiseResult(step, out["stable_count_out"], out["stop"])
+        return DenoiseResult(step, out["stable_count_out"], out["stop"], out["next_sc_embed"])
 
     def denoise_outputs(
         self,
         canvas: torch.Tensor,
-        sc_probs: torch.Tensor | None,
+        sc_soft: torch.Tensor | None,
         positions: torch.Tensor,
         masks: Masks,
         past: KV | None,
         sampler: SamplerInputs,
     ) -> dict[str, torch.Tensor]:
         """Every graph output of a denoise pass (logits included), for parity tests and debugging."""
-        feeds = self._model_feeds(onnx_io.MODE_DENOISE, canvas, positions, sc_probs, masks, past)
+        feeds = self._model_feeds(onnx_io.MODE_DENOISE, canvas, positions, sc_soft, masks, past)
         feeds.update(self._sampler_feeds(sampler, *canvas.shape))
         return self._run(feeds)
 

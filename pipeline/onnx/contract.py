@@ -13,8 +13,12 @@ Design (docs/onnx.md has the reasoning):
     how many positions reach the LM head + sampler: `head = max(1, seq * mode)`. A causal pass
     (prefill of thousands of tokens) therefore pays for the head/sampler on ONE position per row, and
     its sampler outputs are garbage to be ignored.
-  * `sc_probs` may be [batch, 1, vocab] (broadcast to every position): a causal pass or a first
-    denoise step sends one all-zero row. Zero probabilities give exactly the "no self-conditioning"
+  * Self-conditioning crosses the graph boundary as the soft embedding softmax(z) @ E * sqrt(d)
+    ([.., hidden]), not as probabilities ([.., vocab]): the graph computes `next_sc_embed` from the
+    sampler's probabilities right after sampling and takes it back as `sc_embed` on the next step, so
+    the [B, L, vocab] probabilities never leave the device and the host keeps hidden values per position.
+  * `sc_embed` may be [batch, 1, hidden] (broadcast to every position): a causal pass or a first
+    denoise step sends one all-zero row. A zero embedding gives exactly the "no self-conditioning"
     result (the SC MLP of 0 is exactly 0), so no per-row flag is needed: the host zeroes rows without
     a previous step.
   * `present.*` hold the NEW tokens' K/V only ([.., seq, ..]); the host writes them into its cache.
@@ -38,7 +42,8 @@ IR_VERSION = 10
 MODE_CAUSAL = 0
 MODE_DENOISE = 1
 
-# Symbolic dims. `head` is seq in denoise mode and 1 in causal mode; `sc_seq` is seq or 1.
+# Symbolic dims. `head` is seq in denoise mode and 1 in causal mode; `sc_seq` is seq or 1. "vocab" and
+# "hidden" are fixed at the model's sizes in the exported file (contract.json "dims").
 BATCH, SEQ, PAST_FULL, PAST_SLIDING = "batch", "seq", "past_full", "past_sliding"
 KEYS_FULL, KEYS_SLIDING = "past_full + seq", "past_sliding + seq"
 HEAD, SC_SEQ = "head", "sc_seq"
@@ -80,12 +85,12 @@ MODEL_INPUTS: tuple[TensorSpec, ...] = (
     _t("tokens", "INT64", BATCH, SEQ, doc="input ids (causal) or the current canvas (denoise)"),
     _t("positions", "INT64", BATCH, SEQ, doc="absolute positions (RoPE)"),
     _t(
-        "sc_probs",
+        "sc_embed",
         MODEL,
         BATCH,
         SC_SEQ,
-        "vocab",
-        doc="previous step's softmax(z) per position; one zero row ([B, 1, V]) = no self-conditioning",
+        "hidden",
+        doc="previous step's next_sc_embed; one zero row ([B, 1, hidden]) = no self-conditioning",
     ),
     _t(
         "attention_mask.full",
@@ -122,7 +127,14 @@ SAMPLER_OUTPUTS: tuple[TensorSpec, ...] = (
     _t("logits", "FLOAT", BATCH, HEAD, "vocab", doc="fp32 softcapped logits (parity/debug; may be unmarked)"),
     _t("next_canvas", "INT64", BATCH, HEAD, doc="kept samples, re-noised tokens, pinned template"),
     _t("argmax", "INT64", BATCH, HEAD, doc="argmax canvas (template where pinned): the draft"),
-    _t("probs", "BFLOAT16", BATCH, HEAD, "vocab", doc="softmax(z): next step's sc_probs"),
+    _t(
+        "next_sc_embed",
+        MODEL,
+        BATCH,
+        HEAD,
+        "hidden",
+        doc="softmax(z) (bf16, as SampleRows writes it) @ E * sqrt(d): next step's sc_embed",
+    ),
     _t("entropy", "FLOAT", BATCH, HEAD, doc="per-position entropy, 0 where pinned"),
     _t("kept", "BOOL", BATCH, HEAD),
     _t("stable_count_out", "INT64", BATCH),

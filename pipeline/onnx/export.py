@@ -10,7 +10,9 @@ Three steps:
      (opset 21 only widened types of the ops involved).
   2. Append in ONNX what depends on `mode`: the LM head on `head = max(1, seq * mode)` rows (tied
      embedding, fp32 softcap), then `dgpipe::SampleRows` -> `dgpipe::SampleAccept`, plus their reference
-     FunctionProtos (`pipeline.onnx.sampler_functions`) so onnxruntime can run the file.
+     FunctionProtos (`pipeline.onnx.sampler_functions`) so onnxruntime can run the file, and the next
+     step's self-conditioning input from SampleRows' probabilities: Cast(probs) @ E * sqrt(d), the op
+     `DiffusionGemma.soft_embedding` runs (so the [B, L, vocab] probabilities stay inside the graph).
   3. Save with all weights as external data, next to contract.json, atomically.
 """
 
@@ -76,7 +78,7 @@ def _example_inputs(model: DiffusionGemma) -> tuple:
             torch.tensor([onnx_io.MODE_DENOISE]),
             torch.randint(0, cfg.vocab_size, (b, s), generator=gen),
             torch.arange(pf, pf + s)[None].expand(b, s).contiguous(),
-            torch.softmax(torch.randn(b, sc, cfg.vocab_size, generator=gen), -1).to(dtype),
+            torch.randn(b, sc, cfg.hidden_size, generator=gen).to(dtype),
             torch.ones(b, 1, s, pf + s, dtype=torch.bool),
             torch.ones(b, 1, s, ps + s, dtype=torch.bool),
             past,
@@ -156,9 +158,11 @@ def _find_embedding(graph: onnx.GraphProto) -> str:
 
 
 def append_head_and_sampler(
-    m: onnx.ModelProto, vocab: int, softcap: float, opset: int = onnx_io.OPSET
+    m: onnx.ModelProto, dims: dict[str, int], softcap: float, embed_scale: float, model_dtype: str, opset: int
 ) -> None:
-    """Step 2: LM head on max(1, seq * mode) rows, then the two sampler nodes, and their functions."""
+    """Step 2: LM head on max(1, seq * mode) rows, the two sampler nodes and their functions, and the
+    next step's soft embedding. `embed_scale`: sqrt(hidden) as the model rounds it to its dtype."""
+    vocab = dims["vocab"]
     g = m.graph
     nodes: list[onnx.NodeProto] = []
 
@@ -175,7 +179,8 @@ def append_head_and_sampler(
     seq = node("Shape", ["hidden"], "head/seq", start=1, end=2)
     n = node("Max", [node("Mul", [seq, "mode"], "head/seq_x_mode"), one], "head/n")
     h = node("Slice", ["hidden", zero, n, one], "head/hidden")
-    wt = node("Transpose", [_find_embedding(g)], "head/embed_t", perm=[1, 0])
+    embed = _find_embedding(g)
+    wt = node("Transpose", [embed], "head/embed_t", perm=[1, 0])
     z = node("Cast", [node("MatMul", [h, wt], "head/z")], "head/z32", to=TensorProto.FLOAT)
     cap = const("head/softcap", np.array(softcap, np.float32))
     node("Mul", [node("Tanh", [node("Div", [z, cap], "head/z_cap")], "head/tanh"), cap], "logits")
@@ -186,7 +191,7 @@ def append_head_and_sampler(
         helper.make_node(
             onnx_io.SAMPLE_ROWS.name,
             ["logits", "temperature", *keys],
-            ["rows/entropy", "rows/max_prob", "rows/argmax", "rows/sample", "probs"],
+            ["rows/entropy", "rows/max_prob", "rows/argmax", "rows/sample", "rows/probs"],
             name="SampleRows",
             domain=onnx_io.DOMAIN,
             **onnx_io.PLUGIN_ATTRIBUTES,
@@ -214,14 +219,19 @@ def append_head_and_sampler(
             **onnx_io.PLUGIN_ATTRIBUTES,
         )
     )
+    # next step's self-conditioning input, as DiffusionGemma.soft_embedding: matmul(probs.to(E.dtype), E) * scale
+    ty = getattr(TensorProto, model_dtype)
+    probs = node("Cast", ["rows/probs"], "soft/probs", to=ty)
+    scale = node("Cast", [const("soft/scale32", np.array(embed_scale, np.float32))], "soft/scale", to=ty)
+    node("Mul", [node("MatMul", [probs, embed], "soft/matmul"), scale], "next_sc_embed")
     g.node.extend(nodes)
     for spec in onnx_io.SAMPLER_INPUTS:
-        g.input.append(_value_info(spec, vocab, "FLOAT"))
+        g.input.append(_value_info(spec, dims, model_dtype))
     keep = [o for o in g.output if o.name != "hidden"]
     del g.output[:]
     g.output.extend(keep)
     for spec in onnx_io.SAMPLER_OUTPUTS:
-        g.output.append(_value_info(spec, vocab, "FLOAT"))
+        g.output.append(_value_info(spec, dims, model_dtype))
     m.functions.extend(sampler_functions(opset))
     moe = [n for n in g.node if n.domain == onnx_io.DOMAIN and n.op_type == onnx_io.MOE.name]
     if moe:  # one reference body per file: every MoE node of an export has the same act_quant
@@ -231,13 +241,14 @@ def append_head_and_sampler(
         m.opset_import.append(helper.make_opsetid(onnx_io.DOMAIN, onnx_io.DOMAIN_VERSION))
 
 
-def _value_info(spec: onnx_io.TensorSpec, vocab: int, model_dtype: str) -> onnx.ValueInfoProto:
+def _value_info(spec: onnx_io.TensorSpec, dims: dict[str, int], model_dtype: str) -> onnx.ValueInfoProto:
+    """`dims`: the model sizes ("vocab", "hidden") written as numbers, not symbols."""
     dtype = model_dtype if spec.dtype == onnx_io.MODEL else spec.dtype
-    shape = [vocab if d == "vocab" else d for d in spec.shape]
+    shape = [dims.get(d, d) if isinstance(d, str) else d for d in spec.shape]
     return helper.make_tensor_value_info(spec.name, getattr(TensorProto, dtype), shape)
 
 
-def _rename_dims(m: onnx.ModelProto, model_dtype: str, vocab: int) -> None:
+def _rename_dims(m: onnx.ModelProto, model_dtype: str, dims: dict[str, int]) -> None:
     """Give every graph input/output exactly the contract's shape (names of symbolic dims included)."""
     lt_specs = {
         s.name: s
@@ -251,7 +262,7 @@ def _rename_dims(m: onnx.ModelProto, model_dtype: str, vocab: int) -> None:
         spec = lt_specs.get(vi.name)
         if spec is None:  # K/V: head counts/dims are concrete; the tracer named batch/seq/past_* already
             continue
-        new = _value_info(spec, vocab, model_dtype)
+        new = _value_info(spec, dims, model_dtype)
         vi.type.CopyFrom(new.type)
 
 
@@ -310,8 +321,10 @@ def finish_graph(
     cfg = model.cfg
     lt = list(model.layer_types)
     opset = next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))
-    append_head_and_sampler(m, cfg.vocab_size, cfg.final_logit_softcapping, opset)
-    _rename_dims(m, model_dtype, cfg.vocab_size)
+    sizes = {"vocab": cfg.vocab_size, "hidden": cfg.hidden_size}
+    scale = float(model.embed_scale)  # sqrt(d) rounded to the weight dtype, as the model applies it
+    append_head_and_sampler(m, sizes, cfg.final_logit_softcapping, scale, model_dtype, opset)
+    _rename_dims(m, model_dtype, sizes)
     m.ir_version = onnx_io.IR_VERSION if opset < 23 else 11  # FLOAT4E2M1 (opset 23) needs IR 11
     m.producer_name, m.doc_string = (
         "dgpipe",
@@ -320,7 +333,7 @@ def finish_graph(
     if check:
         onnx.checker.check_model(m)
     dims = {
-        "vocab": cfg.vocab_size,
+        **sizes,
         "canvas_length": model.config.canvas_length,
         "sliding_window": cfg.sliding_window,
         "ring": max(cfg.sliding_window - 1, 1),
@@ -338,7 +351,7 @@ def summarize(m: onnx.ModelProto, out_dir: Path, contract: dict, start: float) -
         path=str(Path(out_dir) / onnx_io.MODEL_FILE),
         opset=opset,
         precision=contract["precision"],
-        model_dtype=next(i["dtype"] for i in contract["inputs"] if i["name"] == "sc_probs"),
+        model_dtype=next(i["dtype"] for i in contract["inputs"] if i["name"] == "sc_embed"),
         inputs=[i.name for i in m.graph.input],
         outputs=[o.name for o in m.graph.output],
         custom_ops=[f"{onnx_io.DOMAIN}::{op.name}" for op in onnx_io.custom_ops(moe)],

@@ -1,13 +1,14 @@
-"""The network as one exportable function of (mode, tokens, positions, sc_probs, masks, past K/V).
+"""The network as one exportable function of (mode, tokens, positions, sc_embed, masks, past K/V).
 
 `pipeline.model.network.DiffusionGemma` is written for eager PyTorch: `encode`/`denoise` are separate methods, SDPA
-takes an optional mask, and the MoE groups tokens by expert with data-dependent sizes (`bincount().tolist()`),
+takes an optional mask, and the MoE sorts tokens by expert for a grouped GEMM (`F.grouped_mm`, no ONNX equivalent),
 none of which a static graph can express. `GraphModel` runs the SAME modules and weights with graph-friendly
 control flow:
   * `mode` (0 causal, 1 denoise) selects the input path and the layer scalars with `Where`, so one graph
     serves both passes (pipeline.onnx.contract explains why);
-  * the self-conditioning MLP runs on sc_probs' own rows and is gathered to the canvas rows
-    (`min(arange(seq), sc_seq - 1)`), so a [B, 1, V] zero row costs one row, not [B, S, V];
+  * the self-conditioning MLP runs on sc_embed's own rows (the soft embedding softmax(z) @ E * sqrt(d),
+    computed after the previous step's sampler: pipeline.onnx.export) and is gathered to the canvas rows
+    (`min(arange(seq), sc_seq - 1)`), so a [B, 1, hidden] zero row costs one row, not [B, S, hidden];
   * attention is written out (QK^T with scale 1, boolean mask, softmax, V) with GQA by expansion;
   * the MoE, `moe="routed"` (default): the router in plain ops (softmax, TopK, renormalise) then ONE
     `dgpipe::MoE` node per layer (`pipeline.onnx.moe`: routed FLOPs; a TensorRT plugin in the engine, a
@@ -131,7 +132,7 @@ class GraphModel(nn.Module):
         mode: torch.Tensor,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        sc_probs: torch.Tensor,
+        sc_embed: torch.Tensor,
         mask_full: torch.Tensor,
         mask_sliding: torch.Tensor,
         past: list[torch.Tensor],
@@ -141,11 +142,11 @@ class GraphModel(nn.Module):
         w = m.embed_tokens.weight
         scale = m.embed_scale.to(w.dtype)
         e = F.embedding(tokens, w) * scale
-        # self-conditioning on sc_probs' own rows (1 or seq), then gathered to every canvas row
+        # self-conditioning on sc_embed's own rows (1 or seq), then gathered to every canvas row
         sc = m.self_conditioning
-        n = sc.pre_norm(torch.matmul(sc_probs.to(w.dtype), w) * scale)
+        n = sc.pre_norm(sc_embed.to(w.dtype))
         signal = self.mlp("self_conditioning", n)
-        last = torch.arange(sc_probs.shape[1], device=tokens.device)[-1]
+        last = torch.arange(sc_embed.shape[1], device=tokens.device)[-1]
         rows = torch.minimum(torch.arange(tokens.shape[1], device=tokens.device), last)
         x_denoise = sc.post_norm(e + signal.index_select(1, rows))
         h = torch.where(denoise, x_denoise, e)

@@ -54,9 +54,13 @@ class SamplerInputs:
 
 @dataclass
 class DenoiseResult:
-    step: StepOutput  # next canvas, argmax canvas, self-conditioning probs, entropy, kept
+    step: StepOutput  # next canvas, argmax canvas, entropy, kept (probs: None where they stay on device)
     stable_count: torch.Tensor  # [B] int64
     stop: torch.Tensor  # [B] bool
+    # [B, L, hidden] in the backend dtype: softmax(z) @ E * sqrt(d), the next step's self-conditioning
+    # input. Computed right after sampling so the runtime keeps hidden, not vocab, values per position
+    # (at the 26B's sizes 256 x 2816 bf16 = 1.4 MB per sequence instead of 256 x 262144 = 134 MB).
+    soft: torch.Tensor | None = None  # None only inside sample_logits, before its caller fills it
 
 
 class ModelBackend(Protocol):
@@ -69,7 +73,7 @@ class ModelBackend(Protocol):
     def denoise_step(
         self,
         canvas: torch.Tensor,
-        sc_probs: torch.Tensor | None,
+        sc_soft: torch.Tensor | None,  # [B, L, hidden] previous DenoiseResult.soft; None: no signal
         positions: torch.Tensor,
         masks: Masks,
         past: KV,
@@ -107,14 +111,25 @@ class TorchBackend:
     def denoise_step(
         self,
         canvas: torch.Tensor,
-        sc_probs: torch.Tensor | None,
+        sc_soft: torch.Tensor | None,
         positions: torch.Tensor,
         masks: Masks,
         past: KV,
         sampler: SamplerInputs,
     ) -> DenoiseResult:
-        logits = self.model.denoise(canvas, sc_probs, positions, masks, past)
-        return sample_logits(logits, sampler, self.draws, cuda=self.fused, cpu_fused=self.cpu_fused)
+        logits = self.model.denoise_soft(canvas, sc_soft, positions, masks, past)
+        res = sample_logits(logits, sampler, self.draws, cuda=self.fused, cpu_fused=self.cpu_fused)
+        res.soft = self.model.soft_embedding(conditioning_probs(logits, sampler, res.step))
+        return res
+
+
+def conditioning_probs(logits: torch.Tensor, s: SamplerInputs, step: StepOutput) -> torch.Tensor:
+    """What the next step's self-conditioning reads: the model's own softmax(z / T), unmasked even under a
+    constraint. The graph backends compute it inside the graph, before any mask (their sampler has no
+    mask input), so every backend feeds the same signal; the constraint acts on sampling and acceptance."""
+    if s.allowed is None:
+        return step.probs
+    return torch.softmax(logits / s.temperature[:, None, None], dim=-1, dtype=torch.float32)
 
 
 def sample_logits(

@@ -98,9 +98,12 @@ class BlockDiffusionRuntime:
         self.x = torch.zeros(s, length, dtype=torch.long, device=dev)
         self.amax = torch.full((s, length), -1, dtype=torch.long, device=dev)
         self.template = torch.full((s, length), -1, dtype=torch.long, device=dev)
-        self.sc: torch.Tensor | None = None  # [S, L, V] lazily: the largest per-slot buffer
+        # self-conditioning state: the previous step's soft embedding softmax(z) @ E * sqrt(d) per position
+        # (DenoiseResult.soft), [S, L, hidden] in the model dtype; hidden, not vocab, wide: 1.4 MB per slot
+        # at the 26B's sizes in bf16 (quantize.planner.Workspace.sc_state)
+        self.sc = torch.zeros(s, length, cfg.hidden_size, dtype=self.dtype, device=dev)
         # whether a slot's canvas has had a step (its self-conditioning signal exists): host-side, so the
-        # first step of a batch of fresh canvases can pass "no signal" and skip the probs @ E matmul
+        # first step of a batch of fresh canvases can pass "no signal" and skip the self-conditioning MLP
         self.has_sc: list[bool] = [False] * s
         self.done = torch.zeros(s, dtype=torch.bool, device=dev)  # canvas finished, awaiting the host
         self.step_idx = torch.zeros(s, dtype=torch.long, device=dev)
@@ -334,16 +337,12 @@ class BlockDiffusionRuntime:
         masks = attention_masks(
             positions, torch.ones_like(positions, dtype=torch.bool), meta, False, self.cache.window
         )
-        if self.sc is None:
-            shape = (self.max_batch, self.canvas_length, self.vocab)
-            self.sc = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return DenoiseRound(slots, slots.tolist(), positions, masks, past)
 
     def _device_step(self, rnd: DenoiseRound) -> torch.Tensor:
         """One denoise pass + sampling step with no host synchronisation; finished rows stay frozen.
         Returns the rows' kept positions [B, L] (read by the host only for constrained rows)."""
         slots = rnd.slots
-        assert self.sc is not None
         live = ~self.done[slots]
         sampler = SamplerInputs(
             temperature=temperatures(
@@ -362,7 +361,7 @@ class BlockDiffusionRuntime:
             self.x[slots], self._sc_input(rnd), rnd.positions, rnd.masks, rnd.past, sampler
         )
         out, row = stepped.step, live[:, None]
-        self.sc[slots] = out.probs.to(self.dtype)  # a frozen row's is never read: its canvas is over
+        self.sc[slots] = stepped.soft.to(self.dtype)  # a frozen row's is never read: its canvas is over
         for slot in rnd.slot_list:
             self.has_sc[slot] = True
         self.stable[slots] = torch.where(live, stepped.stable_count, self.stable[slots])
@@ -379,11 +378,10 @@ class BlockDiffusionRuntime:
         return mask_rows(guides, self.canvas_length, self.vocab, self.device)
 
     def _sc_input(self, rnd: DenoiseRound) -> torch.Tensor | None:
-        """The rows' self-conditioning probabilities: None (no signal: the network skips the matmul, as
+        """The rows' self-conditioning soft embeddings: None (no signal: the network skips the MLP, as
         transformers does) when every row starts a canvas; rows without a previous step are zeroed, which
-        is exactly "no signal" too. Only a round's first step can be None or mixed: every later step (the
-        one a CUDA graph captures) has a signal for every row."""
-        assert self.sc is not None
+        is exactly "no signal" too (zero probs give a zero embedding). Only a round's first step can be None
+        or mixed: every later step (the one a CUDA graph captures) has a signal for every row."""
         ready = [self.has_sc[s] for s in rnd.slot_list]
         if not any(ready):
             return None

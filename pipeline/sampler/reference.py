@@ -71,7 +71,7 @@ def mask_logits(logits: torch.Tensor, table: torch.Tensor, index: torch.Tensor) 
 class StepOutput:
     canvas: torch.Tensor  # [B, L] next input canvas (kept samples + fresh noise + pinned template)
     argmax: torch.Tensor  # [B, L] argmax canvas: the draft, and what gets committed
-    probs: torch.Tensor  # [B, L, V] fp32 softmax(z): next step's self-conditioning input
+    probs: torch.Tensor | None  # [B, L, V] softmax(z) (fp32 here); None from a graph that keeps it on device
     entropy: torch.Tensor  # [B, L] per-position entropy (0 at pinned positions)
     kept: torch.Tensor  # [B, L] bool
 

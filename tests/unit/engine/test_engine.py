@@ -300,6 +300,7 @@ def _contract_inputs() -> dict[str, list[int | str]]:
     """Graph inputs as the exporter declares them (pipeline/onnx/contract.py), with the tiny model's static dims."""
     static = {
         "vocab": 24,
+        "hidden": 20,
         "kv_heads_0": 1,
         "kv_heads_1": 1,
         "kv_heads_2": 1,
@@ -320,8 +321,8 @@ def test_profiles_cover_both_passes():
     assert denoise.shapes["attention_mask.sliding"] == [[1, 1, 8, 8], [4, 1, 8, 13], [4, 1, 8, 13]]
     assert causal.shapes["past.0.key"] == [[1, 1, 0, 16], [1, 1, 0, 16], [4, 1, 5, 16]]
     assert denoise.shapes["past.2.value"] == [[1, 1, 0, 32], [4, 1, 400, 32], [4, 1, 400, 32]]
-    assert causal.shapes["sc_probs"] == [[1, 1, 24], [1, 1, 24], [4, 1, 24]]
-    assert denoise.shapes["sc_probs"] == [[1, 1, 24], [4, 8, 24], [4, 8, 24]]
+    assert causal.shapes["sc_embed"] == [[1, 1, 20], [1, 1, 20], [4, 1, 20]]
+    assert denoise.shapes["sc_embed"] == [[1, 1, 20], [4, 8, 20], [4, 8, 20]]
     assert causal.shapes["mode"] == [[1]] * 3
     assert (causal.shape_values, denoise.shape_values) == ({"mode": [[0]] * 3}, {"mode": [[1]] * 3})
 
@@ -330,13 +331,13 @@ def test_profile_errors_are_clear():
     assert eval_dim("past_full + seq", {"past_full": (0, 1, 9), "seq": (1, 2, 3)}) == (1, 3, 12)
     with pytest.raises(DgpipeError, match="unknown symbolic dim 'keys'"):
         eval_dim("keys", {"seq": (1, 1, 1)})
-    inputs = {"sc_probs": ["batch", "sc_seq", "vocab"]}
-    with pytest.raises(DgpipeError, match="unknown symbolic dim 'vocab'"):
+    inputs = {"sc_embed": ["batch", "sc_seq", "hidden"]}
+    with pytest.raises(DgpipeError, match="unknown symbolic dim 'hidden'"):
         engine_profiles(inputs, EngineLimits(1, 8, 64), canvas=8, ring=5)
     causal, _ = engine_profiles(
-        inputs, EngineLimits(1, 8, 64), canvas=8, ring=5, static={"vocab": 24, "canvas_length": 8}
+        inputs, EngineLimits(1, 8, 64), canvas=8, ring=5, static={"hidden": 20, "canvas_length": 8}
     )
-    assert causal.shapes["sc_probs"] == [[1, 1, 24]] * 3
+    assert causal.shapes["sc_embed"] == [[1, 1, 20]] * 3
     with pytest.raises(DgpipeError, match="leaves no room"):
         engine_profiles(_contract_inputs(), EngineLimits(1, 300, 300), canvas=8, ring=5)
 
@@ -365,7 +366,7 @@ def write_contract_onnx(d: Path, vocab: int = 24) -> Path:
         ["entropy", "max_prob", "argmax", "sample", "probs"],
         domain="dgpipe",
     )
-    logits = helper.make_node("Cast", ["sc_probs"], ["logits"], to=TensorProto.FLOAT)
+    logits = helper.make_node("Cast", ["sc_embed"], ["logits"], to=TensorProto.FLOAT)
     outputs = [helper.make_tensor_value_info("probs", TensorProto.BFLOAT16, ["batch", "head", vocab])]
     graph = helper.make_graph([logits, rows], "contract", inputs, outputs)
     model = helper.make_model(
@@ -373,7 +374,7 @@ def write_contract_onnx(d: Path, vocab: int = 24) -> Path:
     )
     onnx.save(model, d / "model.onnx")
     (d / "contract.json").write_text(
-        json.dumps({"dims": {"canvas_length": 8, "sliding_window": 6, "vocab": vocab}})
+        json.dumps({"dims": {"canvas_length": 8, "sliding_window": 6, "vocab": vocab, "hidden": 20}})
     )
     return d / "model.onnx"
 
@@ -696,16 +697,16 @@ class _FeedsOnOrt:
         from pipeline.engine.feeds import engine_feeds, kv_from_outputs
 
         tc = self.config.text_config
-        sc = torch.zeros(tokens.shape[0], 1, tc.vocab_size)
+        sc = torch.zeros(tokens.shape[0], 1, tc.hidden_size)
         feeds = engine_feeds("causal", tc, self.dtype, "cpu", tokens, positions, masks, past, sc, None)
         return kv_from_outputs(self._run(feeds), len(tc.layer_types))
 
-    def denoise_step(self, canvas, sc_probs, positions, masks, past, sampler):
+    def denoise_step(self, canvas, sc_soft, positions, masks, past, sampler):
         from pipeline.engine.feeds import denoise_result, denoise_sc, engine_feeds
 
         b, q = canvas.shape
         tc = self.config.text_config
-        sc = denoise_sc(sc_probs, b, q, tc.vocab_size, self.dtype, "cpu")
+        sc = denoise_sc(sc_soft, b, q, tc.hidden_size, self.dtype, "cpu")
         feeds = engine_feeds("denoise", tc, self.dtype, "cpu", canvas, positions, masks, past, sc, sampler)
         return denoise_result(self._run(feeds))
 
@@ -746,11 +747,12 @@ def test_trt_feeds_drive_the_real_graph_like_onnxruntime_backend(tmp_path: Path)
     got = run(ours)
     assert got == run(OnnxRuntimeBackend(tmp_path / "onnx", embedded))
     assert all(len(tokens) > 0 and steps for tokens, steps in got)
-    # every denoise pass sent full-width sc_probs [B, canvas, V]: one shape per canvas, as a CUDA graph needs
-    canvas, vocab = model.config.canvas_length, model.config.text_config.vocab_size
-    denoise = [f for f in ours.feeds_seen if f["sc_probs"][1] != 1]
-    assert denoise and all(f["sc_probs"][1:] == (canvas, vocab) for f in denoise)
-    causal = [f for f in ours.feeds_seen if f["sc_probs"][1] == 1]
+    # every denoise pass sent full-width sc_embed [B, canvas, hidden]: one shape per canvas, as a CUDA graph
+    # needs
+    canvas, hidden = model.config.canvas_length, model.config.text_config.hidden_size
+    denoise = [f for f in ours.feeds_seen if f["sc_embed"][1] != 1]
+    assert denoise and all(f["sc_embed"][1:] == (canvas, hidden) for f in denoise)
+    causal = [f for f in ours.feeds_seen if f["sc_embed"][1] == 1]
     assert causal and all(f["template"] == f["tokens"] for f in causal)
 
 

@@ -80,7 +80,7 @@ def test_checker_opset_and_contract(exported, model):
             s = specs[vi.name]
             dtype = "FLOAT" if s.dtype == onnx_io.MODEL else s.dtype
             assert vi.type.tensor_type.elem_type == getattr(TensorProto, dtype), vi.name
-            assert dims == [24 if d == "vocab" else d for d in s.shape], vi.name
+            assert dims == [{"vocab": 24, "hidden": 96}.get(d, d) for d in s.shape], vi.name
         else:  # K/V
             past = (
                 onnx_io.PAST_SLIDING
@@ -268,15 +268,26 @@ class ShadowBackend:
             self._check(f"{kind} layer {layer} V", v, vo, v64)
         return kv
 
-    def denoise_step(self, canvas, sc_probs, positions, masks, past, sampler):
-        logits = self.model.denoise(canvas, sc_probs, positions, masks, past)
-        got = self.ort.denoise_outputs(canvas, sc_probs, positions, masks, past, sampler)
-        logits64 = self.model64.denoise(canvas, _f64(sc_probs), positions, masks, _f64(past))
+    def denoise_step(self, canvas, sc_soft, positions, masks, past, sampler):
+        logits = self.model.denoise_soft(canvas, sc_soft, positions, masks, past)
+        got = self.ort.denoise_outputs(canvas, sc_soft, positions, masks, past, sampler)
+        logits64 = self.model64.denoise_soft(canvas, _f64(sc_soft), positions, masks, _f64(past))
         wrapped = int(positions[:, 0].min()) > self.model.cfg.sliding_window - 1  # ring slots overwritten
-        first = sc_probs is None or not bool(sc_probs.any())  # the runtime sends zeros before a first step
+        first = sc_soft is None or not bool(sc_soft.any())  # the runtime sends zeros before a first step
         kind = "denoise-first" if first else "denoise-sc"
         self._check(kind + ("-wrapped" if wrapped else ""), logits, got["logits"], logits64)
-        res: DenoiseResult = self.torch.denoise_step(canvas, sc_probs, positions, masks, past, sampler)
+        res: DenoiseResult = self.torch.denoise_step(canvas, sc_soft, positions, masks, past, sampler)
+        # the graph's next self-conditioning input, its bf16 probs @ E * sqrt(d), against float64 of our probs
+        # rounded to bf16: within 4x PyTorch's fp32 error, plus one bf16 ulp (<= p / 128) per probability,
+        # since the graph's fp32 softmax can round to the other side of a bf16 boundary (each such flip
+        # moves the embedding by at most ulp(p) |E| sqrt(d))
+        probs16 = res.step.probs.to(torch.bfloat16)
+        oracle = self.model64.soft_embedding(probs16.double())
+        ref_err = float((self.model.soft_embedding(probs16) - oracle).abs().max())
+        w64 = self.model64.embed_tokens.weight
+        flips = torch.matmul(probs16.double() / 128, w64.abs()) * float(self.model64.embed_scale)
+        err = (got["next_sc_embed"].double() - oracle).abs()
+        assert bool((err <= 4 * ref_err + flips + 1e-6).all()), (kind, float(err.max()), ref_err)
         for name, ref in (
             ("next_canvas", res.step.canvas),
             ("argmax", res.step.argmax),
@@ -382,11 +393,11 @@ def test_zero_self_conditioning_row_equals_none(model, model64, backend):
 
 
 class Bf16ProbsTorchBackend(TorchBackend):
-    """PyTorch with the self-conditioning probs rounded to bf16, as the fused kernels (and the graph) return."""
+    """PyTorch with the self-conditioning probs rounded to bf16, as the fused kernels (and the graph) use."""
 
     def denoise_step(self, *args, **kwargs) -> DenoiseResult:
         res = super().denoise_step(*args, **kwargs)
-        res.step.probs = res.step.probs.to(torch.bfloat16)
+        res.soft = self.model.soft_embedding(res.step.probs.to(torch.bfloat16))
         return res
 
 
@@ -438,8 +449,8 @@ def _calibrate(model) -> dict[str, float]:
         for i in range(len(model.layer_types))
         for _ in "kv"
     ]
-    sc = torch.softmax(
-        torch.randn(b, s, model.cfg.vocab_size, generator=torch.Generator().manual_seed(0)), -1
+    sc = model.soft_embedding(
+        torch.softmax(torch.randn(b, s, model.cfg.vocab_size, generator=torch.Generator().manual_seed(0)), -1)
     )
     with torch.no_grad():
         for mode in (0, 1):
@@ -534,7 +545,7 @@ def test_fp8_qdq_export_matches_fake_quant_reference(model, tmp_path, moe):
         torch.tensor([0]),
         toks,
         pos,
-        torch.zeros(b, 1, v),
+        torch.zeros(b, 1, qmodel.cfg.hidden_size),
         cm["full_attention"],
         cm["sliding_attention"],
         empty,
@@ -565,7 +576,10 @@ def test_fp8_qdq_export_matches_fake_quant_reference(model, tmp_path, moe):
         z + 1,
         torch.zeros(b),
     )
-    sc = torch.softmax(torch.randn(b, length, v, generator=torch.Generator().manual_seed(1)), -1)
+    with torch.no_grad():
+        sc = qmodel.soft_embedding(
+            torch.softmax(torch.randn(b, length, v, generator=torch.Generator().manual_seed(1)), -1)
+        )
     got = be.denoise_outputs(canvas, sc, cpos, dm, list(zip(past[::2], past[1::2], strict=True)), si)[
         "logits"
     ]
@@ -588,7 +602,7 @@ def test_fp8_qdq_export_matches_fake_quant_reference(model, tmp_path, moe):
 
 # ---- bf16 and the CLI --------------------------------------------------------------------------------
 def test_bf16_export_passes_checker(tmp_path):
-    """bf16 weights, K/V, sc_probs and probs; fp32 logits. Checker-level only: onnxruntime's CPU provider
+    """bf16 weights, K/V and self-conditioning embeddings; fp32 logits. Checker-level only: onnxruntime's CPU provider
     lacks bf16 MatMul kernels, so numerics are the TensorRT side's to verify."""
     from pipeline.onnx.export import export_onnx
 
@@ -596,8 +610,11 @@ def test_bf16_export_passes_checker(tmp_path):
     onnx.checker.check_model(summary.path, full_check=True)
     m = onnx.load(summary.path, load_external_data=False)
     types = {v.name: v.type.tensor_type.elem_type for v in [*m.graph.input, *m.graph.output]}
-    assert types["sc_probs"] == types["past.0.key"] == types["present.0.key"] == TensorProto.BFLOAT16
-    assert types["logits"] == TensorProto.FLOAT and types["probs"] == TensorProto.BFLOAT16
+    bf16 = TensorProto.BFLOAT16
+    assert (
+        types["sc_embed"] == types["next_sc_embed"] == types["past.0.key"] == types["present.0.key"] == bf16
+    )
+    assert types["logits"] == TensorProto.FLOAT
 
 
 def test_cli_export_writes_onnx_and_records_manifest(tmp_path):

@@ -8,7 +8,14 @@ from pipeline.errors import DgpipeError
 from pipeline.model.config import ModelConfig
 from pipeline.resources import load_yaml
 from pipeline.targets import check_precision_on_target, precision, target
-from quantize.planner import kv_cache_bytes, serving_plan, weight_plan, workspace, workspace_bytes
+from quantize.planner import (
+    kv_cache_bytes,
+    sc_state_bytes_per_sequence,
+    serving_plan,
+    weight_plan,
+    workspace,
+    workspace_bytes,
+)
 
 CFG = ModelConfig.from_dict(load_yaml("models", "diffusiongemma-26b-a4b"))
 
@@ -102,16 +109,22 @@ def test_precision_rules():
 
 
 def test_workspace_counts_the_fp32_logits_the_runtime_allocates():
-    """26B at 8 concurrent canvases of 256: the logits are fp32 (2.1 GB, not the 1.07 GB of bf16), the
-    softcap holds two more fp32 copies, and the bf16 self-conditioning store and its gathered copy sit
-    beside them; the fused sampler's bf16 probabilities come after the softcap temporaries are freed."""
+    """26B at 8 concurrent canvases of 256: the logits are fp32 (2.1 GB, not the 1.07 GB of bf16), softcapped
+    in place, and the bf16 self-conditioning store (soft embeddings, hidden wide) and its gathered copy sit
+    beside them with the fused sampler's bf16 probabilities."""
     cells = 8 * 256 * V
+    sc = 8 * 256 * D * 2  # [C, canvas, hidden] bf16
     ws = workspace(CFG, 8)
     assert ws.logits == 2_147_483_648 == 2 * cells * 2
-    assert (ws.sc_state, ws.sc_input, ws.sampler_probs) == (cells * 2, cells * 2, cells * 2)
-    assert ws.softcap_temporaries == cells * 8
+    assert (ws.sc_state, ws.sc_input, ws.sampler_probs) == (sc, sc, cells * 2)
+    assert ws.softcap_temporaries == 0
     activations = 8 * 256 * (128 * 704) * 2  # the 128 x 704 MoE intermediate is wider than 8 x hidden
     assert ws.activations == activations
-    assert workspace_bytes(CFG, 8) == cells * (2 + 2 + 4 * 3) + activations  # 8.97 GB
+    assert workspace_bytes(CFG, 8) == 2 * sc + cells * (4 + 2) + activations  # 3.6 GB
     plan = serving_plan(CFG, precision("nvfp4"), target("sm100"), context=8192, concurrency=8)[0]
-    assert plan.workspace_gib == round((cells * 16 + activations) / 2**30, 2)
+    assert plan.workspace_gib == round((2 * sc + cells * 6 + activations) / 2**30, 2)
+
+
+def test_self_conditioning_state_per_sequence_is_hidden_wide():
+    """Issue #16's bound: at most 8 MB per sequence at the 26B's sizes (it was 268 MB of fp32 probs)."""
+    assert sc_state_bytes_per_sequence(CFG) == 256 * D * 2 == 1_441_792 <= 8 * 10**6

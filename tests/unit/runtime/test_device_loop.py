@@ -49,8 +49,9 @@ def test_checking_every_k_passes_changes_nothing_adaptive():
 
 
 def test_grouped_gemm_moe_equals_the_expert_loop():
-    """Grouped GEMM (fp32 only: torch's grouped_mm has no float64 kernel) vs the per-expert loop: its error
-    against the float64 loop is within 4x the fp32 loop's own (tests/_utils/numerics.py)."""
+    """Grouped GEMM (fp32 only: torch's grouped_mm has no float64 kernel) vs the dense form (every expert on
+    every token, zero weight where unrouted): its error against float64 dense is within 4x the fp32 dense
+    form's own (tests/_utils/numerics.py); a token routed twice to one expert counts twice in both."""
     cfg = {"hidden_size": 64, "moe_intermediate_size": 32}
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(37, 64, generator=gen)

@@ -124,11 +124,11 @@ class RecordingBackend(TorchBackend):
         super().__init__(model)
         self.zeros, self.calls = zeros, []
 
-    def denoise_step(self, canvas, sc_probs, positions, masks, past, sampler):
-        self.calls.append(None if sc_probs is None else bool(sc_probs.abs().sum(dim=(1, 2)).gt(0).all()))
-        if sc_probs is None and self.zeros:
-            sc_probs = torch.zeros(*canvas.shape, self.config.text_config.vocab_size, dtype=self.dtype)
-        return super().denoise_step(canvas, sc_probs, positions, masks, past, sampler)
+    def denoise_step(self, canvas, sc_soft, positions, masks, past, sampler):
+        self.calls.append(None if sc_soft is None else bool(sc_soft.abs().sum(dim=(1, 2)).gt(0).all()))
+        if sc_soft is None and self.zeros:
+            sc_soft = torch.zeros(*canvas.shape, self.config.text_config.hidden_size, dtype=self.dtype)
+        return super().denoise_step(canvas, sc_soft, positions, masks, past, sampler)
 
 
 def test_first_step_passes_no_self_conditioning_signal():
@@ -160,3 +160,30 @@ def test_a_slots_previous_occupant_cannot_leak_non_finite_signal():
     rt.has_sc = [False, True]  # slot 0 starts a canvas, slot 1 is mid-canvas
     rows = rt._sc_input(SimpleNamespace(slot_list=[0, 1], slots=torch.tensor([0, 1])))
     assert torch.equal(rows[0], torch.zeros(3, 4)) and torch.equal(rows[1], torch.full((3, 4), 0.25))
+
+
+def test_self_conditioning_state_is_hidden_wide_in_the_model_dtype():
+    """The runtime keeps softmax(z) @ E * sqrt(d) per position ([slots, canvas, hidden]), never the
+    [slots, canvas, vocab] probabilities, and it is exactly what the network's soft_embedding gives."""
+    model = build_tiny(torch.float64)
+    no_end(model)
+    rt = BlockDiffusionRuntime(model, max_batch=2, max_len=64)
+    cfg = model.config
+    assert rt.sc.shape == (2, cfg.canvas_length, cfg.text_config.hidden_size)
+    assert rt.sc.dtype == torch.float64
+    seen = []
+    backend = rt.backend
+    step = backend.denoise_step
+
+    def record(*args, **kwargs):
+        res = step(*args, **kwargs)
+        seen.append((res.step.probs, res.soft))
+        return res
+
+    backend.denoise_step = record
+    fixed = SamplerConfig(max_denoising_steps=3, confidence_threshold=0.0)
+    rt.generate([Request(prompt_ids=[2, 5, 6], max_tokens=cfg.canvas_length, sampler=fixed)])
+    assert len(seen) == 3
+    for probs, soft in seen:
+        assert torch.equal(soft, model.soft_embedding(probs))
+    assert torch.equal(rt.sc[0], seen[-1][1][0])

@@ -1,0 +1,353 @@
+"""`dgpipe bench pass`: one denoise step split into network / self-conditioning / sampler / host, against the
+hardware floor, side by side with transformers and the ONNX Runtime backend on the same weights.
+
+The floor is the step's matmul FLOPs (`step_flops`, counted from the config: every GEMM a denoise step with a
+self-conditioning signal runs, 2 FLOPs per multiply-add) over the matmul rate measured on this device in
+the model dtype (`matmul_rate`). It ignores everything that is not a matmul (norms, softmaxes, the sampler's
+transcendental passes), so "step / floor" says how far the whole step is from a pure-GEMM ideal.
+
+Every arm runs the same checkpoint (random weights written once for a `--config`, or a checkpoint dir),
+the same prompt, batch and fixed step count; arms are interleaved round by round so load on a shared
+machine hits them alike, and every figure is a median over rounds and steps.
+  * dgpipe: `BlockDiffusionRuntime` driven one `step()` at a time; each later step (a self-conditioning
+    signal present) is timed whole, and timers around the network pass (`DiffusionGemma.denoise_soft`),
+    the soft embedding (`soft_embedding`) and the sampler (`sample_step_fused`/`sample_step`,
+    `update_stability`, `should_stop`) split it; host = step - the three (scheduler glue, copies).
+  * transformers: `generate` for one canvas of N fixed steps; a step = from one decoder forward's start to
+    the next one's (steps 2..N-1), its network share = the forward's own time.
+  * onnxruntime: the exported graph (dense MoE, sampler as reference functions) driven by the same
+    runtime through `OnnxRuntimeBackend`, timed per step like dgpipe (one graph run per step).
+For a checkpoint with a prompt format (the embedded model), `generate` adds `dgpipe bench local`'s adaptive
+rows: tokens/s of dgpipe's runtime and of transformers' generate on the model's own prompt, one run of each
+per round, interleaved.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.bench.local import PassTimer, machine
+from pipeline.bench.results import save_result
+from pipeline.model.config import ModelConfig, SamplerConfig
+
+RESULT_FILE = "bench_pass.json"
+
+
+def step_flops(config: ModelConfig, batch: int, context: int) -> int:
+    """Matmul FLOPs of one denoise step over `batch` canvases with `context` cached tokens and a
+    self-conditioning signal: the self-conditioning MLP, per layer the projections, attention (QK^T and
+    PV over cached + canvas keys), dense MLP, router and the top-k experts, the tied LM head, and the
+    soft embedding of the sampled probabilities (probs @ E) for the next step."""
+    t = config.text_config
+    d, tokens = t.hidden_size, batch * config.canvas_length
+    per_token = 2 * 3 * d * t.intermediate_size  # self-conditioning gated MLP
+    for i in range(t.num_hidden_layers):
+        s = t.layer_shape(i)
+        q, kv = t.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        keys = (min(context, t.sliding_window - 1) if s.is_sliding else context) + config.canvas_length
+        per_token += 2 * d * (2 * q + kv * (2 if s.is_sliding else 1))  # q, o; k and (sliding) v
+        per_token += 2 * 2 * q * keys  # QK^T and PV
+        per_token += 2 * 3 * d * t.intermediate_size  # dense MLP
+        per_token += 2 * d * t.num_experts  # router
+        per_token += t.top_k_experts * 2 * 3 * d * t.moe_intermediate_size  # routed experts
+    per_token += 2 * 2 * d * t.vocab_size  # LM head and the soft embedding
+    return per_token * tokens
+
+
+def matmul_rate(dtype: torch.dtype, device: torch.device, shapes: list[tuple[int, int, int]]) -> float:
+    """FLOP/s of this device's GEMM in `dtype`: the best median over `shapes` (m, k, n) (a square one and the
+    step's largest GEMM, the LM head), 3 timed calls each after a warm-up."""
+    best = 0.0
+    gen = torch.Generator(device=device).manual_seed(0)
+    for m, k, n in shapes:
+        a = torch.randn(m, k, generator=gen, device=device).to(dtype)
+        b = torch.randn(k, n, generator=gen, device=device).to(dtype)
+        secs = _median_time(lambda a=a, b=b: torch.mm(a, b), device, 3)
+        best = max(best, 2 * m * k * n / secs)
+    return best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn, device: torch.device, repeats: int) -> float:
+    fn()
+    _sync(device)
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+@dataclass
+class Arm:
+    """Per-step samples (seconds) of one system; the split is dgpipe's only."""
+
+    name: str
+    step: list[float] = field(default_factory=list)
+    network: list[float] = field(default_factory=list)
+    soft: list[float] = field(default_factory=list)
+    sampler: list[float] = field(default_factory=list)
+
+    def row(self) -> dict[str, Any]:
+        med = lambda xs: 1000 * statistics.median(xs) if xs else None
+        step, parts = med(self.step), [med(x) for x in (self.network, self.soft, self.sampler)]
+        split = self.soft and self.sampler
+        # per step, then the median: medians of the parts need not add up to the median step
+        host = med([s - n - e - p for s, n, e, p in zip(*self._parts(), strict=True)]) if split else None
+        return {
+            "system": self.name,
+            "step_ms": step,
+            "network_ms": parts[0],
+            "soft_embedding_ms": parts[1],
+            "sampler_ms": parts[2],
+            "host_ms": host,
+            "samples": len(self.step),
+        }
+
+    def _parts(self) -> tuple[list[float], ...]:
+        return self.step, self.network, self.soft, self.sampler
+
+
+def _fixed(steps: int) -> SamplerConfig:
+    return SamplerConfig(max_denoising_steps=steps, confidence_threshold=0.0)
+
+
+def time_runtime_steps(backend, prompt: list[int], batch: int, steps: int, arm: Arm, split: bool) -> None:
+    """Drive a fresh runtime one `step()` at a time through one canvas of `steps` fixed steps; append the
+    times of steps 2..N (a self-conditioning signal present) and, with `split`, their network / soft
+    embedding / sampler shares."""
+    import pipeline.runtime.backends as backends
+    from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
+
+    length = backend.config.canvas_length
+    rt = BlockDiffusionRuntime(backend, max_batch=batch, max_len=len(prompt) + 2 * length)
+    rt.end_ids = set()  # a random model's canvas must not end on an end token mid-measurement
+    for i in range(batch):
+        rt.submit(Request(prompt, length, _fixed(steps), seed=i, request_id=i))
+    timers: list[PassTimer] = []
+    if split:
+        model = backend.model
+        timers = [
+            PassTimer(model, "denoise_soft"),
+            PassTimer(model, "soft_embedding"),
+            *(PassTimer(backends, n) for n in ("sample_step_fused", "sample_step")),
+            *(PassTimer(backends, n) for n in ("update_stability", "should_stop")),
+        ]
+    with torch.inference_mode():
+        rt.step()  # admit + prefill + step 1 (no self-conditioning signal yet)
+        for _ in range(steps - 1):
+            for tm in timers:
+                tm.seconds = 0.0
+                tm.__enter__()
+            try:
+                t = time.perf_counter()
+                rt.step()
+                _sync(rt.device)
+                arm.step.append(time.perf_counter() - t)
+            finally:
+                for tm in timers:
+                    tm.__exit__()
+            if split:
+                arm.network.append(timers[0].seconds)
+                arm.soft.append(timers[1].seconds)
+                arm.sampler.append(sum(tm.seconds for tm in timers[2:]))
+    while rt.busy():  # finish the canvas (none left with fixed steps, but never leave one half-done)
+        rt.step()
+
+
+class CallLog:
+    """(start, end) perf_counter of every call of obj.name while active."""
+
+    def __init__(self, obj: Any, name: str) -> None:
+        self.obj, self.name, self.orig = obj, name, getattr(obj, name)
+        self.calls: list[tuple[float, float]] = []
+
+    def __enter__(self) -> CallLog:
+        def logged(*a, **k):
+            t = time.perf_counter()
+            out = self.orig(*a, **k)
+            self.calls.append((t, time.perf_counter()))
+            return out
+
+        setattr(self.obj, self.name, logged)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        setattr(self.obj, self.name, self.orig)
+
+
+def time_transformers_steps(ref, prompt: list[int], batch: int, steps: int, arm: Arm) -> None:
+    """One canvas of `steps` fixed steps through transformers' generate. Its denoise steps are back to back
+    (forward, then sampling, then the next forward), so a step is the time from one decoder forward's start
+    to the next one's; steps 2..N-1 are kept (a self-conditioning signal present; the last one has no
+    next forward to end it), the forward's own time being the network share."""
+    ids = torch.tensor([prompt] * batch)
+    with CallLog(ref.model.decoder, "forward") as log, torch.inference_mode():
+        ref.generate(ids, max_new_tokens=ref.config.canvas_length, **_fixed(steps).transformers_kwargs())
+    for (start, end), (following, _) in zip(log.calls[1:], log.calls[2:], strict=False):
+        arm.step.append(following - start)
+        arm.network.append(end - start)
+
+
+def _checkpoint(config: str | None, model: str | None, scratch: Path) -> tuple[Path, str]:
+    """The checkpoint every arm loads: `model` itself, or random fp32 weights for `config` written once."""
+    from pipeline.bench.model import random_model
+    from pipeline.model.checkpoint import save_checkpoint
+    from pipeline.resources import load_yaml
+    from pipeline.runtime.session import default_model_path
+
+    if config is None:
+        path = Path(model) if model else default_model_path()
+        return path, str(path)
+    mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
+    weights = random_model(mcfg, torch.float32, torch.device("cpu"))
+    return save_checkpoint(weights, scratch / "checkpoint"), f"{config} (random weights)"
+
+
+def run_bench_pass(
+    config: str | None,
+    model: str | None,
+    batch: int,
+    context: int,
+    steps: int,
+    rounds: int,
+    reference: bool,
+    onnx: bool,
+    generate: bool,
+    dtype: str,
+    device: str,
+    out: Path,
+    progress=None,
+) -> dict[str, Any]:
+    """Measure, write out/bench_pass.json and return the result (`dgpipe bench pass` prints it)."""
+    from pipeline.model.checkpoint import load_model
+    from pipeline.runtime.backends import TorchBackend
+    from pipeline.runtime.session import resolve_device, resolve_dtype
+
+    if steps < 3:
+        from pipeline.errors import DgpipeError
+
+        raise DgpipeError("--steps must be >= 3 (steps 2..N-1 are timed on every system)")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    with tempfile.TemporaryDirectory() as scratch:
+        path, label = _checkpoint(config, model, Path(scratch))
+        net, ckpt = load_model(path, dt, dev)
+        net.eval()
+        cfg = net.config
+        vocab, length = cfg.text_config.vocab_size, cfg.canvas_length
+        prompt = [3 + (7 * i) % (vocab - 3) for i in range(context)]
+        arms = {"dgpipe": Arm("dgpipe (PyTorch)")}
+        runners = {"dgpipe": lambda a: time_runtime_steps(TorchBackend(net), prompt, batch, steps, a, True)}
+        if reference:
+            from transformers import DiffusionGemmaForBlockDiffusion
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+            ref = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dt).to(dev).eval()
+            arms["transformers"] = Arm("transformers generate")
+            runners["transformers"] = lambda a: time_transformers_steps(ref, prompt, batch, steps, a)
+        if onnx:
+            from pipeline.onnx.backend import OnnxRuntimeBackend
+            from pipeline.onnx.export import export_onnx
+
+            export_onnx(net, Path(scratch) / "onnx")
+            ort = OnnxRuntimeBackend(Path(scratch) / "onnx", cfg)
+            arms["onnxruntime"] = Arm("onnxruntime (exported graph)")
+            runners["onnxruntime"] = lambda a: time_runtime_steps(ort, prompt, batch, steps, a, False)
+        tokens = batch * length
+        shapes = [(1024, 1024, 1024), (tokens, cfg.text_config.hidden_size, vocab)]
+        rates = []
+        for _ in range(rounds):  # the matmul rate is measured in every round too, beside the systems
+            for name, run in runners.items():
+                run(arms[name])
+                if progress is not None:
+                    progress()
+            rates.append(matmul_rate(dt, dev, shapes))
+        flops = step_flops(cfg, batch, context)
+        rate = statistics.median(rates)
+        gen_rows = []
+        if generate and config is None and ckpt.has_tokenizer:
+            gen_rows = _generate_rows(path, dt, dev, reference, rounds)
+    rows = {name: arm.row() for name, arm in arms.items()}
+    floor_ms = 1000 * flops / rate
+    ours = rows["dgpipe"]
+    ratios: dict[str, float | None] = {
+        "step_over_floor": ours["step_ms"] / floor_ms,
+        "network_over_floor": ours["network_ms"] / floor_ms,
+        "sampler_share_of_step": ours["sampler_ms"] / ours["step_ms"],
+    }
+    if "transformers" in rows:
+        ratios["dgpipe_over_transformers_step"] = ours["step_ms"] / rows["transformers"]["step_ms"]
+    if "onnxruntime" in rows:
+        ratios["pytorch_over_onnxruntime_step"] = ours["step_ms"] / rows["onnxruntime"]["step_ms"]
+    if len(gen_rows) == 2:
+        ratios["dgpipe_over_transformers_tokens_per_s"] = (
+            gen_rows[0]["tokens_per_s"] / gen_rows[1]["tokens_per_s"]
+        )
+    result = {
+        "model": label,
+        "parameters": net.num_parameters(),
+        "dtype": str(dt),
+        "device": str(dev),
+        "machine": machine(),
+        "batch": batch,
+        "context": context,
+        "canvas_length": length,
+        "steps_per_canvas": steps,
+        "step_policy": "fixed (steps 2..N timed: a self-conditioning signal present)",
+        "rounds": rounds,
+        "flops_per_step": flops,
+        "matmul_gflop_s": rate / 1e9,
+        "matmul_gflop_s_per_round": [x / 1e9 for x in rates],
+        "floor_ms": floor_ms,
+        "rows": list(rows.values()),
+        "generate": gen_rows,
+        "ratios": ratios,
+    }
+    save_result(out, RESULT_FILE, result)
+    return result
+
+
+def _generate_rows(
+    path: Path, dt: torch.dtype, dev: torch.device, reference: bool, rounds: int
+) -> list[dict]:
+    """`dgpipe bench local`'s adaptive rows on the checkpoint's own prompt, dgpipe then transformers, one
+    measured run of each per round (interleaved), medians over the rounds."""
+    from pipeline.bench.local import Row, bench_dgpipe, bench_transformers
+    from pipeline.runtime.session import load_session
+
+    session = load_session(path, str(dt).removeprefix("torch."), str(dev))
+    prompt = session.prompt_format.example_prompt
+    ids = session.encode_prompt(prompt)
+    template = session.default_template(prompt)
+    max_tokens = session.model.config.canvas_length * (1 if template is not None else 2)
+    sampler = session.sampler()
+    runs: dict[str, list[Row]] = {"dgpipe": [], "transformers": []}
+    for _ in range(rounds):
+        runs["dgpipe"].append(bench_dgpipe(session, ids, template, sampler, max_tokens, 1, 1))
+        if reference:
+            runs["transformers"].append(bench_transformers(path, ids, sampler, max_tokens, 1, 1))
+    rows = []
+    for measured in (r for r in runs.values() if r):
+        row = asdict(measured[0])
+        for key, value in row.items():
+            if isinstance(value, float):
+                row[key] = statistics.median(getattr(r, key) for r in measured)
+        row["runs"] = [r.runs[0] for r in measured]
+        rows.append(row)
+    return rows
