@@ -76,7 +76,16 @@ def _drop_sampler(m: onnx.ModelProto) -> None:
     funcs = [f for f in m.functions if f.name not in sampler]
     del m.functions[:]
     m.functions.extend(funcs)
-    outs = [o for o in m.graph.output if o.name == "logits" or o.name.startswith("present.")]
+    # the next step's soft embedding (probs @ E) reads SampleRows' probabilities: give them as an input of
+    # the logits' shape, so its MatMul (self-conditioning's vocab-wide half) is counted
+    logits = next(o for o in m.graph.output if o.name == "logits")
+    probs = onnx.ValueInfoProto()
+    probs.CopyFrom(logits)
+    probs.name = "rows/probs"
+    m.graph.input.append(probs)
+    outs = [
+        o for o in m.graph.output if o.name in ("logits", "next_sc_embed") or o.name.startswith("present.")
+    ]
     del m.graph.output[:]
     m.graph.output.extend(outs)
     used = {i for n in m.graph.node for i in n.input}

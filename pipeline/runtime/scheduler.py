@@ -105,6 +105,9 @@ class BlockDiffusionRuntime:
         # whether a slot's canvas has had a step (its self-conditioning signal exists): host-side, so the
         # first step of a batch of fresh canvases can pass "no signal" and skip the self-conditioning MLP
         self.has_sc: list[bool] = [False] * s
+        # constrained slots only: the last live pass's masked probabilities [L, V] (bf16), from which the
+        # canvas's unaccepted rest is decoded under the exact automaton state (runtime.guided.finish_canvas)
+        self.guide_probs: dict[int, torch.Tensor] = {}
         self.done = torch.zeros(s, dtype=torch.bool, device=dev)  # canvas finished, awaiting the host
         self.step_idx = torch.zeros(s, dtype=torch.long, device=dev)
         self.canvas_idx = torch.zeros(s, dtype=torch.long, device=dev)
@@ -362,6 +365,8 @@ class BlockDiffusionRuntime:
         )
         out, row = stepped.step, live[:, None]
         self.sc[slots] = stepped.soft.to(self.dtype)  # a frozen row's is never read: its canvas is over
+        if sampler.allowed is not None:
+            self._keep_guide_probs(rnd, out.probs, live)
         for slot in rnd.slot_list:
             self.has_sc[slot] = True
         self.stable[slots] = torch.where(live, stepped.stable_count, self.stable[slots])
@@ -370,6 +375,14 @@ class BlockDiffusionRuntime:
         self.step_idx[slots] += live.long()
         self.done[slots] |= live & (stepped.stop | (self.step_idx[slots] >= self.n_steps[slots]))
         return out.kept
+
+    def _keep_guide_probs(self, rnd: DenoiseRound, probs: torch.Tensor, live: torch.Tensor) -> None:
+        for i, slot in enumerate(rnd.slot_list):
+            if self.guides[slot] is None:
+                continue
+            new = probs[i].to(torch.bfloat16)
+            kept = self.guide_probs.get(slot)
+            self.guide_probs[slot] = new if kept is None else torch.where(live[i], new, kept)
 
     def _guide_masks(self, rnd: DenoiseRound) -> tuple[torch.Tensor, torch.Tensor] | None:
         guides = [self.guides[s] for s in rnd.slot_list]
@@ -398,8 +411,7 @@ class BlockDiffusionRuntime:
             assert res is not None
             block = self.amax[slot].tolist()
             if (g := self.guides[slot]) is not None:
-                assert self.sc is not None
-                block = finish_canvas(g, block, self.sc[slot], self.pad_id)
+                block = finish_canvas(g, block, self.guide_probs.pop(slot), self.pad_id)
                 self.amax[slot] = torch.tensor(block, device=self.device)  # what the commit writes
             res.steps_per_canvas.append(int(self.step_idx[slot]))
             if not res.tokens and res.time_to_first_canvas == 0.0:
@@ -434,6 +446,7 @@ class BlockDiffusionRuntime:
         res = self.results[slot]
         self.results[slot] = None
         self.guides[slot] = None
+        self.guide_probs.pop(slot, None)
         if res is not None:
             self._finish(res, reason)
 
