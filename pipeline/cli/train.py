@@ -38,10 +38,10 @@ def train(
     ] = "",
     hard_fraction: Annotated[
         float, typer.Option(help="share of each batch drawn in proportion to each puzzle's last loss")
-    ] = 0.5,
+    ] = 0.0,
     pin_prob: Annotated[
         float, typer.Option(help="share of examples whose givens stay clean in the canvas (infill decoding)")
-    ] = 0.5,
+    ] = 0.0,
     pool_size: Annotated[int, typer.Option(help="base puzzles generated (augmented on the fly)")] = 4096,
     warmup_steps: Annotated[int, typer.Option(help="learning-rate warm-up steps")] = 200,
     eval_n: Annotated[int, typer.Option(help="held-out puzzles per band and evaluation")] = 128,
