@@ -296,7 +296,7 @@ def train(
             log(row)
             if row["kept"]:
                 best = score
-                save_trained(model, out, cfg, row)
+                save_trained(model, out, cfg, row, resume)
             next_eval = elapsed + cfg.eval_every_minutes * 60
             if frac >= 1.0:
                 return out
@@ -330,7 +330,9 @@ def train(
             )
 
 
-def save_trained(model: DiffusionGemma, out: Path, cfg: TrainConfig, metrics: dict) -> None:
+def save_trained(
+    model: DiffusionGemma, out: Path, cfg: TrainConfig, metrics: dict, resumed_from: Path | None = None
+) -> None:
     import tempfile
 
     with tempfile.TemporaryDirectory() as td:
@@ -346,6 +348,7 @@ def save_trained(model: DiffusionGemma, out: Path, cfg: TrainConfig, metrics: di
             "prompt_format": "sudoku",  # pipeline.demo.prompt_format, looked up by pipeline.runtime
             "prompt_template": "<bos><|turn>{prompt}<turn|>",
             "trained_with": cfg.model_dump(mode="json"),
+            "resumed_from": str(resumed_from) if resumed_from else None,  # a warm start's weights
             "metrics": metrics,
             "givens_range": list(cfg.eval_givens),  # the default band of `dgpipe eval sudoku` and benches
         },
