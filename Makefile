@@ -30,9 +30,9 @@ demo: venv
 	$(DGPIPE) generate "$(PUZZLE)"
 	@echo "== the same puzzle as JSON (tokens, steps per canvas, timings)"
 	$(DGPIPE) generate "$(PUZZLE)" --json
-	@echo "== held-out accuracy: diffusion vs left-to-right decoding of the same weights"
-	$(DGPIPE) eval sudoku --n 100
-	$(DGPIPE) eval sudoku --n 100 --decode ar
+	@echo "== the embedded model is a Sudoku solver: held-out puzzles with 45-61 givens (its band), diffusion with"
+	@echo "   givens pinned / unpinned / left-to-right decoding of the same weights, on the same puzzles"
+	$(DGPIPE) eval sudoku --n 100 --givens 45-61 --arms pinned,unpinned,ar
 	@echo "== package a Triton model repository, serve it with a real tritonserver, query HTTP, gRPC and the OpenAI API"
 	$(DGPIPE) package --output "$(OUT)/model_repository"
 	@set -e; $(DGPIPE) serve --repo "$(OUT)/model_repository" --address 127.0.0.1 \

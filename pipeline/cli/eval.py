@@ -17,8 +17,21 @@ app = opt.typer_app(help="Accuracy evaluations.", no_args_is_help=True)
 @app.command("sudoku")
 def eval_sudoku_cmd(
     model: opt.Model = None,
-    n: Annotated[int, typer.Option(help="held-out puzzles")] = 200,
-    givens: Annotated[str, typer.Option(help="givens range LO-HI")] = "",
+    n: Annotated[int, typer.Option(help="held-out puzzles per band")] = 200,
+    givens: Annotated[
+        str,
+        typer.Option(
+            help="givens bands LO-HI, comma-separated (e.g. 45-61,36-44,25-35); default: the model's range"
+        ),
+    ] = "",
+    arms: Annotated[
+        str,
+        typer.Option(
+            help="compare decodings on the same puzzles and seeds, comma-separated: pinned (diffusion, "
+            "givens pinned: the default), unpinned (diffusion, the model copies the givens), ar "
+            "(left-to-right); adds Wilson intervals and paired McNemar tests. Replaces --decode/--no-infill"
+        ),
+    ] = "",
     decode: Annotated[
         str, typer.Option(help="diffusion or ar (left-to-right with the KV cache)")
     ] = "diffusion",
@@ -37,19 +50,29 @@ def eval_sudoku_cmd(
     ] = None,
     as_json: opt.Json = False,
 ) -> None:
-    """Solve rate, constraint-valid rate, steps per canvas and tokens/s on held-out puzzles."""
+    """Solve rate (95% Wilson interval), constraint-valid rate, steps per canvas and tokens/s on held-out
+    Sudoku puzzles, per givens band; with --arms, several decodings side by side with paired tests."""
     if decode not in ("diffusion", "ar"):
         raise DgpipeError(f"--decode {decode!r}: choose diffusion or ar")
     if n < 1:
         raise DgpipeError(f"--n must be >= 1 (got {n})")
-    lohi = opt.givens_range(givens) if givens else None
+    bands = [opt.givens_range(b) for b in givens.split(",")] if givens else []
+    from pipeline.demo import evaluate
+
+    if arms:
+        if decode != "diffusion" or no_infill:
+            raise DgpipeError("--arms replaces --decode and --no-infill", "drop one of them")
+        arm_list = [a.strip() for a in arms.split(",")]
+        bad = [a for a in arm_list if a not in evaluate.ARMS]
+        if bad or len(set(arm_list)) != len(arm_list):
+            raise DgpipeError(f"--arms {arms!r}: choose distinct arms from {', '.join(evaluate.ARMS)}")
+    else:
+        arm_list = [next(k for k, v in evaluate.ARMS.items() if v == (decode, not no_infill))]
     overrides = {
         "max_denoising_steps": steps,
         "entropy_bound": entropy_bound,
         "confidence_threshold": confidence_threshold,
     }
-    from pipeline.demo import sudoku
-    from pipeline.demo.evaluate import eval_sudoku
     from pipeline.demo.prompt_format import SudokuFormat
     from pipeline.runtime.session import load_session
 
@@ -58,40 +81,67 @@ def eval_sudoku_cmd(
     if onnx is not None:  # same runtime and sampler state, network + sampler step in onnxruntime
         from pipeline.onnx.backend import OnnxRuntimeBackend
 
-        if decode != "diffusion":
-            raise DgpipeError("--onnx runs diffusion decoding only", "drop --decode ar")
+        if decode != "diffusion" or "ar" in arm_list:
+            raise DgpipeError("--onnx runs diffusion decoding only", "drop --decode ar / the ar arm")
         runner = OnnxRuntimeBackend(onnx, session.checkpoint.path)
     if not isinstance(session.prompt_format, SudokuFormat):
         raise DgpipeError(
             f"{session.checkpoint.path} is not a Sudoku model (dgpipe.json prompt format is not 'sudoku')"
         )
-    if lohi is None:
-        lohi = tuple(session.checkpoint.dgpipe.get("givens_range", (45, 61)))
-    puzzles = sudoku.make_dataset(seed, n, lohi)
+    if not bands:
+        bands = [tuple(session.checkpoint.dgpipe.get("givens_range", (45, 61)))]
     sampler = session.sampler(**overrides)
-    with out.progress(f"{decode} on {n} puzzles", total=n, disable=as_json) as advance:
-        rep = eval_sudoku(
+    total = n * len(bands) * len(arm_list)
+    with out.progress(
+        f"{', '.join(arm_list)} on {n} puzzles x {len(bands)} bands", total=total, disable=as_json
+    ) as advance:
+        results = evaluate.compare_arms(
             runner,  # type: ignore[arg-type]
-            puzzles,
-            lohi,
+            bands,
+            arm_list,
+            n,
+            seed,
             sampler,
-            decode=decode,
-            infill=not no_infill,
             batch=batch,
             progress=advance,
         )
-    result = rep.as_dict() | {"model": str(session.checkpoint.path), "sampler": sampler.model_dump()}
+    first = next(iter(results[0].arms.values()))
+    result = (
+        first.as_dict()  # the first band's first arm, flat: what scripts reading one figure use
+        | {
+            "model": str(session.checkpoint.path),
+            "task": "Sudoku solver",
+            "seed": seed,
+            "sampler": sampler.model_dump(),
+            "bands": [b.as_dict() for b in results],
+        }
+    )
     if onnx is not None:
         result["onnx"] = str(onnx)
-    out.show(
-        result,
-        as_json,
-        lambda _: (
-            f"{rep.decode}{' +infill' if rep.infill else ''} on {rep.n} puzzles, givens {lohi[0]}-{lohi[1]}: "
-            f"solved {rep.solve_rate:.1%}, constraint-valid {rep.valid_rate:.1%}, "
-            f"steps/canvas mean {rep.mean_steps:.1f} p90 {rep.p90_steps:.0f}, {rep.tokens_per_s:.0f} tokens/s"
-        ),
-    )
+    out.show(result, as_json, lambda _: _sudoku_table(str(session.checkpoint.path), results, n))
+
+
+def _sudoku_table(model: str, results, n: int) -> list[str]:
+    """One row per band and arm, then the paired tests: the BENCHMARKS.md table's shape."""
+    lines = [
+        f"Sudoku solver {model}: {n} held-out puzzles per band (same puzzles and seeds for every arm)",
+        f"{'givens':<8} {'arm':<12} {'solved':>7} {'95% CI':>15} {'valid':>7} {'steps/canvas':>13} "
+        f"{'p90':>4} {'tokens/s':>9}",
+    ]
+    for band in results:
+        lo, hi = band.givens
+        for arm, r in band.arms.items():
+            ci_lo, ci_hi = r.solve_ci95
+            lines.append(
+                f"{lo}-{hi:<5} {arm:<12} {r.solve_rate:>7.1%} {f'{ci_lo:.1%}-{ci_hi:.1%}':>15} "
+                f"{r.valid_rate:>7.1%} {r.mean_steps:>13.1f} {r.p90_steps:>4.0f} {r.tokens_per_s:>9.0f}"
+            )
+        for t in band.tests:
+            lines.append(
+                f"{lo}-{hi:<5} McNemar {t.a} vs {t.b}: solved only by {t.a} {t.only_a}, only by {t.b} "
+                f"{t.only_b}, exact p = {t.p_value:.3g}"
+            )
+    return lines
 
 
 @app.command("quantization")

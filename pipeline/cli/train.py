@@ -10,6 +10,7 @@ import typer
 
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
+from pipeline.errors import DgpipeError
 
 app = opt.typer_app()
 
@@ -25,6 +26,26 @@ def train(
     ] = None,
     config: Annotated[str, typer.Option(help="configs/models/<name>.yaml")] = "sudoku-tiny",
     givens: Annotated[str, typer.Option(help="final givens range LO-HI of the curriculum")] = "45-61",
+    curriculum_start: Annotated[
+        int | None, typer.Option(help="lowest givens at the start (default 62; a warm start may begin lower)")
+    ] = None,
+    eval_givens: Annotated[
+        str,
+        typer.Option(
+            help="held-out bands, comma-separated (first = the primary band recorded as the checkpoint's "
+            "range); the checkpoint kept is the best by the sum of their solve rates. Default: --givens"
+        ),
+    ] = "",
+    hard_fraction: Annotated[
+        float, typer.Option(help="share of each batch drawn in proportion to each puzzle's last loss")
+    ] = 0.0,
+    pin_prob: Annotated[
+        float, typer.Option(help="share of examples whose givens stay clean in the canvas (infill decoding)")
+    ] = 0.0,
+    pool_size: Annotated[int, typer.Option(help="base puzzles generated (augmented on the fly)")] = 4096,
+    warmup_steps: Annotated[int, typer.Option(help="learning-rate warm-up steps")] = 200,
+    eval_n: Annotated[int, typer.Option(help="held-out puzzles per band and evaluation")] = 128,
+    threads: Annotated[int, typer.Option(help="torch CPU threads")] = 2,
     batch_size: Annotated[int, typer.Option(help="examples per step")] = 64,
     lr: Annotated[float, typer.Option(help="peak learning rate")] = 2e-3,
     seed: Annotated[int, typer.Option(help="init, data and noise seed")] = 0,
@@ -33,6 +54,10 @@ def train(
 ) -> None:
     """Train the embedded Sudoku DiffusionGemma (diffusion + causal-LM objectives, curriculum, symmetries)."""
     lo, hi = opt.givens_range(givens)
+    bands = [opt.givens_range(b) for b in eval_givens.split(",")] if eval_givens else [(lo, hi)]
+    for flag, share in (("--hard-fraction", hard_fraction), ("--pin-prob", pin_prob)):
+        if not 0.0 <= share <= 1.0:
+            raise DgpipeError(f"{flag} {share}: expected a share in 0..1")
     out_dir = out_dir or opt.cache_dir() / "sudoku-tiny"
     from pipeline.demo.train import TrainConfig
     from pipeline.demo.train import train as run_train
@@ -40,8 +65,17 @@ def train(
     cfg = TrainConfig(
         model=config,
         minutes=minutes,
+        max_steps=max_steps,
         givens=(lo, hi),
-        eval_givens=(lo, hi),
+        curriculum_start=curriculum_start if curriculum_start is not None else max(62, lo),
+        eval_givens=bands[0],
+        extra_eval_givens=bands[1:],
+        hard_fraction=hard_fraction,
+        pin_prob=pin_prob,
+        pool_size=pool_size,
+        warmup_steps=warmup_steps,
+        eval_n=eval_n,
+        threads=threads,
         batch_size=batch_size,
         lr=lr,
         seed=seed,

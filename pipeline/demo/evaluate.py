@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from pipeline.demo import sudoku
 from pipeline.demo import tokenizer as stok
+from pipeline.demo.stats import McNemar, mcnemar, wilson_interval
 from pipeline.model.config import SamplerConfig
 from pipeline.model.network import DiffusionGemma
 from pipeline.runtime.autoregressive import ar_generate
@@ -28,9 +30,16 @@ class SudokuReport:
     p90_steps: float
     tokens_per_s: float
     seconds: float
+    outcomes: list[bool] = field(default_factory=list, repr=False)  # solved, per puzzle, in order
+
+    @property
+    def solve_ci95(self) -> tuple[float, float]:
+        return wilson_interval(sum(self.outcomes), self.n)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        del d["outcomes"]  # per-puzzle detail: what the paired tests consume, not a figure to print
+        return d | {"solve_ci95": list(self.solve_ci95)}
 
 
 def p90(values: list[float]) -> float:
@@ -55,7 +64,8 @@ def eval_sudoku(
     """Solve rate = exact match with the unique solution; valid rate = any constraint-valid full grid
     (ignoring the givens), which separates "almost a Sudoku" from "a different valid grid"."""
     sampler = sampler or SamplerConfig()
-    solved = valid = 0
+    valid = 0
+    outcomes: list[bool] = []
     steps: list[float] = []
     tokens = 0
     start = time.perf_counter()
@@ -87,7 +97,7 @@ def eval_sudoku(
         for (_puzzle, solution), out in zip(chunk, outs):
             tokens += len(out)
             cand = stok.decode_solution(out)
-            solved += cand == solution
+            outcomes.append(cand == solution)
             valid += sudoku.constraint_valid(cand)
         if progress is not None:
             progress(len(chunk))
@@ -98,10 +108,78 @@ def eval_sudoku(
         givens=givens,
         decode=decode,
         infill=infill,
-        solve_rate=solved / n,
+        solve_rate=sum(outcomes) / n,
         valid_rate=valid / n,
         mean_steps=statistics.fmean(steps) if steps else 0.0,
         p90_steps=p90(steps),
         tokens_per_s=tokens / secs if secs > 0 else 0.0,
         seconds=secs,
+        outcomes=outcomes,
     )
+
+
+# a comparison arm: how the same weights decode the same puzzles
+ARMS: dict[str, tuple[str, bool]] = {
+    "pinned": ("diffusion", True),  # the default: givens pinned in the canvas (infill)
+    "unpinned": ("diffusion", False),  # the model copies the givens from the prompt itself
+    "ar": ("ar", True),  # left-to-right with the KV cache, givens forced
+    "ar-unpinned": ("ar", False),
+}
+
+
+@dataclass
+class BandComparison:
+    """Every arm on one band's puzzles (same puzzles and seeds), with each pair of arms tested."""
+
+    givens: tuple[int, int]
+    arms: dict[str, SudokuReport]
+    tests: list[McNemar]
+
+    def as_dict(self) -> dict:
+        return {
+            "givens": list(self.givens),
+            "n": next(iter(self.arms.values())).n,
+            "arms": {k: r.as_dict() for k, r in self.arms.items()},
+            "mcnemar": [t.as_dict() for t in self.tests],
+        }
+
+
+def compare_arms(
+    model: DiffusionGemma,
+    bands: Sequence[tuple[int, int]],
+    arms: Sequence[str],
+    n: int,
+    seed: int,
+    sampler: SamplerConfig | None = None,
+    batch: int = 50,
+    progress: Callable[[int], None] | None = None,
+) -> list[BandComparison]:
+    """Per band: `n` fresh puzzles (seeded, so every arm and every run sees the same ones), each arm on
+    them with the same sampler seeds, and McNemar's test for every pair of arms."""
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise ValueError(f"unknown arms {unknown}: choose from {list(ARMS)}")
+    out = []
+    for band in bands:
+        puzzles = sudoku.make_dataset(seed, n, band)
+        reps = {
+            a: eval_sudoku(
+                model,
+                puzzles,
+                band,
+                sampler,
+                decode=ARMS[a][0],
+                infill=ARMS[a][1],
+                batch=batch,
+                progress=progress,
+            )
+            for a in arms
+        }
+        names = list(reps)
+        tests = [
+            mcnemar(x, reps[x].outcomes, y, reps[y].outcomes)
+            for i, x in enumerate(names)
+            for y in names[i + 1 :]
+        ]
+        out.append(BandComparison(band, reps, tests))
+    return out

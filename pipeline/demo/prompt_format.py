@@ -12,10 +12,18 @@ from pipeline.demo import tokenizer as stok
 from pipeline.errors import InputError
 from pipeline.runtime.chat_template import Message, last_user_text
 
+PUZZLE_EXAMPLE = f"for example {sudoku.EXAMPLE_PUZZLE}"
+
 
 def _puzzle(text: str) -> str:
+    """The puzzle, or an error that says what this model is when the prompt is not a grid at all
+    (a chat prompt sent to the default model should learn it is a Sudoku solver, not a character index)."""
     try:
         return sudoku.parse_puzzle(text)
+    except sudoku.PuzzleFormatError as e:
+        raise InputError(
+            f"this model is a Sudoku solver and expects an 81-character puzzle: {e}", PUZZLE_EXAMPLE
+        ) from e
     except sudoku.PuzzleError as e:
         raise InputError(f"puzzle: {e}") from e
 

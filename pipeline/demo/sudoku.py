@@ -14,6 +14,7 @@ import numpy as np
 
 __all__ = [
     "PuzzleError",
+    "PuzzleFormatError",
     "augment",
     "augment_batch",
     "constraint_valid",
@@ -51,6 +52,11 @@ class PuzzleError(ValueError):
     """Raised for malformed puzzle text; the message is one line meant to be shown to a user."""
 
 
+class PuzzleFormatError(PuzzleError):
+    """The text is not a grid at all (wrong length or characters), as opposed to a grid whose givens
+    contradict each other: callers can then say what a puzzle looks like."""
+
+
 # ----------------------------------------------------------------------------------------------- text
 
 
@@ -60,12 +66,12 @@ def _clean(text: str) -> str:
     for pos, ch in enumerate(s):
         if ch not in ".0123456789":
             where = f" (row {pos // 9 + 1}, column {pos % 9 + 1})" if pos < 81 else ""
-            raise PuzzleError(
+            raise PuzzleFormatError(
                 f"invalid character {ch!r} at position {pos + 1}{where}; "
                 "expected digits 1-9, '.' or '0' for blanks"
             )
     if len(s) != 81:
-        raise PuzzleError(f"wrong length: found {len(s)} cells, expected 81")
+        raise PuzzleFormatError(f"wrong length: found {len(s)} cells, expected 81")
     return s.replace("0", ".")
 
 

@@ -198,3 +198,23 @@ def test_tokenizer_save_and_reload(tmp_path: Path):
     assert (auto.pad_token_id, auto.eos_token_id, auto.bos_token_id, auto.unk_token_id) == (0, 1, 2, 5)
     assert auto(text, add_special_tokens=False)["input_ids"] == prompt and len(auto) == 24
     assert auto.convert_tokens_to_ids(["<|turn>", "<turn|>"]) == [3, 4]
+
+
+def test_a_text_prompt_learns_the_model_is_a_sudoku_solver():
+    from pipeline.demo.prompt_format import SudokuFormat
+    from pipeline.demo.sudoku import EXAMPLE_PUZZLE
+    from pipeline.errors import InputError
+
+    fmt = SudokuFormat()
+    for text, detail in [("Write a poem about the sea", "invalid character 'W'"), ("123", "found 3 cells")]:
+        with pytest.raises(InputError) as e:
+            fmt.encode_prompt(text)
+        msg = str(e.value)
+        assert (
+            msg.startswith("this model is a Sudoku solver and expects an 81-character puzzle: ")
+            and detail in msg
+        )
+        assert EXAMPLE_PUZZLE in msg  # the hint shows what a prompt looks like
+    with pytest.raises(InputError, match=r"^puzzle: contradictory givens: digit 5 repeats in row 1") as e:
+        fmt.encode_prompt("55" + "." * 79)  # a grid whose givens clash is a puzzle: no "what am I" preamble
+    assert "Sudoku solver" not in str(e.value)

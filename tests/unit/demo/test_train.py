@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from pipeline.demo import sudoku
+from pipeline.demo import tokenizer as stok
 from pipeline.demo.evaluate import eval_sudoku
 from pipeline.demo.train import PuzzlePool, TrainConfig, build_model, curriculum_lo, diffusion_loss, train
 from pipeline.model.checkpoint import load_model
@@ -62,3 +64,37 @@ def test_train_writes_a_checkpoint(tmp_path):
     )
     assert json.loads((tmp_path / "ckpt.curve.jsonl").read_text().splitlines()[-1])["step"] == 3
     assert model.num_parameters() > 1_000_000
+
+
+def test_pool_gates_by_curriculum_and_weights_hard_puzzles():
+    cfg = TrainConfig(givens=(30, 40), curriculum_start=40, max_givens=45, pool_size=64, hard_fraction=1.0)
+    pool = PuzzlePool(cfg)
+    pool.refresh(40)
+    assert pool.givens.min() >= 30 and pool.givens.max() <= 45
+    assert (pool.givens[pool.draw(200)] >= 40).all()  # the curriculum gate
+    pool.refresh(30)
+    eligible = pool.eligible()
+    assert len(eligible) == 64
+    # unseen puzzles count as the hardest; once every loss is known, draws follow the losses
+    pool.record(eligible, np.full(64, 1e-9))
+    pool.record(eligible[:1], np.full(1, 1.0))  # averaged with the previous loss: 0.5
+    assert pool.loss[eligible[0]] == pytest.approx(0.5)
+    assert (pool.draw(100) == eligible[0]).mean() > 0.95
+
+
+def test_pinned_givens_stay_clean_in_the_corrupted_canvas(monkeypatch):
+    """pin_prob=1: every given cell of the canvas the graded pass sees is the clean digit (as infill
+    decoding pins it); pin_prob=0: givens are corrupted like every other cell."""
+    cfg = TrainConfig(pool_size=8, batch_size=8, sc_prob=0.0, t_eps=0.99)  # t ~ 1: almost all noise
+    model = build_model("sudoku-tiny", seed=0)
+    pool = PuzzlePool(cfg)
+    pool.refresh(55)
+    prompt, target = pool.batch(8)
+    given = prompt[:, 2:83] != stok.DOT_ID
+    seen = []
+    monkeypatch.setattr(model, "denoise", lambda noisy, *a: seen.append(noisy) or torch.zeros(8, 82, 24))
+    for pin in (1.0, 0.0):
+        diffusion_loss(model, prompt, target, cfg.model_copy(update={"pin_prob": pin}), torch.Generator())
+    pinned, free = seen
+    assert torch.equal(pinned[:, :81][given], target[:, :81][given])
+    assert (free[:, :81][given] == target[:, :81][given]).float().mean() < 0.3  # ~1/24 by chance
