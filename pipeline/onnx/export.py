@@ -347,9 +347,11 @@ def finish_graph(
 
 
 def record_pass_cost(contract: dict, model_file: Path, model: DiffusionGemma) -> None:
-    """contract["flops_per_denoise_pass"]: the routed graph's own FLOP count of one denoise pass (what
-    `dgpipe engine check` reports). Routed exports only (see pipeline.onnx.flops.denoise_pass_record)."""
-    if contract["moe"] != "routed":
+    """contract["flops_per_denoise_pass"]: the routed graph's own FLOP count of one denoise pass (the engine
+    built from it runs these MatMuls; the plugin computes the MoE body's). Routed exports only (see pipeline.onnx.flops.denoise_pass_record), not
+    NVFP4: onnxruntime's symbolic shape inference (what graph_cost runs) cannot follow TensorRT's
+    trt::TRT_FP4DynamicQuantize nor the MoE body's ReduceMax with axes as an input (opset 23)."""
+    if contract["moe"] != "routed" or contract["precision"] == "nvfp4":
         return
     from pipeline.onnx.flops import denoise_pass_record
 
