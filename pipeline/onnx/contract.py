@@ -235,13 +235,19 @@ CUSTOM_OPS = (SAMPLE_ROWS, SAMPLE_ACCEPT)  # in every exported graph
 # fused gate|up tensor (`layers.N.experts.gate_up_proj`), `down` [E, d, I] (`layers.N.experts.down_proj`).
 # Quantized exports feed the SAME inputs from DequantizeLinear chains on the packed initializers, so a TensorRT
 # plugin can read the packed weights and scales off the DQ producers. FP8 (`pipeline.onnx.quant.export_fp8`,
-# `insert_routed_fp8`) is written this way; NVFP4 exports still write the MoE dense:
+# `insert_routed_fp8`) and NVFP4 (`export_nvfp4`, `insert_routed_nvfp4`) are written this way:
 #   * FP8: FLOAT8E4M3FN [E, 2I, d] -> DequantizeLinear(axis=1, block_size=I, scale [E, 2, d]) keeps gate's and
 #     up's per-expert weight_scale apart; down: DequantizeLinear(axis=0, scale [E]).
 #   * activations: with act_quant = "fp8" the node also takes `input_scale` [3, E] fp32 (rows: gate, up,
 #     down input scales per expert, ModelOpt's `experts.E.{gate,up,down}_proj.input_scale`) and fake-quantizes
 #     each routed copy of x_t (gate/up) and of the GELU product (down) to E4M3 with its expert's scale:
 #     q(v, s) = float(e4m3_saturate(v / s)) * s, as `pipeline.model.fake_quant.fp8_fake_quant`.
+#   * NVFP4 (opset 23): FLOAT4E2M1 [E, 2I, d] -> DequantizeLinear(axis=-1, block_size=16) whose scale is itself
+#     DequantizeLinear(E4M3 block scales [E, 2I, d/16], weight_scale_2 [E, 2, d/16], axis=1, block_size=I);
+#     down: FLOAT4E2M1 [E, d, I] -> DQ(axis=-1, block_size=16) of DQ(block scales [E, d, I/16], [E], axis=0).
+#     act_quant = "nvfp4": input_scale [3, E] is each expert input's global scale (amax / (6 * 448)) and every
+#     routed copy is NVFP4 fake-quantized with dynamic per-16 E4M3 block scales, as
+#     `pipeline.model.fake_quant.nvfp4_fake_quant` (its reference body casts to FLOAT4E2M1: opset 23).
 # The model file carries a reference FunctionProto `dgpipe::MoE` (pipeline/onnx/moe.py) built from
 # standard ops - Gather of the selected experts' weights per (token, k), then batched MatMul - so
 # onnxruntime runs the routed FLOPs exactly; TensorRT maps the node to the grouped-GEMM plugin of the same
@@ -278,7 +284,7 @@ MOE = OpSpec(
             "FLOAT",
             3,
             "experts",
-            doc="OPTIONAL, only when act_quant = fp8: per-expert activation scales (gate, up, down)",
+            doc="OPTIONAL, only when act_quant != none: per-expert activation scales (gate, up, down)",
         ),
     ),
     outputs=(_t("out", MODEL, "tokens", "d", doc="sum over the row's top_k experts, weighted"),),
@@ -287,13 +293,13 @@ MOE = OpSpec(
         "top_k": "K (columns of expert_index / expert_weight)",
         "expert_hidden": "I (gate_up has 2I rows per expert)",
         "activation": 'STRING, "gelu_tanh" (GELU with the tanh approximation; the only value)',
-        "act_quant": 'STRING, "none" or "fp8" (E4M3 fake quant of the expert inputs with input_scale)',
+        "act_quant": 'STRING, "none", "fp8" (E4M3 fake quant of the expert inputs with input_scale) or "nvfp4"',
     },
     kernel="grouped-GEMM MoE plugin (branch trtplugin): tokens sorted by expert, one launch per layer",
     doc="routed experts of one decoder layer (router outside the node)",
 )
 MOE_ACTIVATIONS = ("gelu_tanh",)
-MOE_ACT_QUANT = ("none", "fp8")
+MOE_ACT_QUANT = ("none", "fp8", "nvfp4")
 
 # How the exporter writes the MoE (`dgpipe export --moe`), recorded in contract.json as "moe":
 #   routed: one dgpipe::MoE node per layer (above) - routed FLOPs (top_k / E of dense);

@@ -309,6 +309,7 @@ def export_onnx(
             size_threshold=0,
         )
         onnx.checker.check_model(str(tmp / onnx_io.MODEL_FILE))  # by path: the external data is read too
+        record_pass_cost(contract, tmp / onnx_io.MODEL_FILE, model)
         (tmp / onnx_io.CONTRACT_FILE).write_text(json.dumps(contract, indent=2) + "\n")
     return summarize(m, out_dir, contract, start)
 
@@ -343,6 +344,20 @@ def finish_graph(
     contract["layer_types"] = lt
     contract["precision"] = precision
     return contract
+
+
+def record_pass_cost(contract: dict, model_file: Path, model: DiffusionGemma) -> None:
+    """contract["flops_per_denoise_pass"]: the routed graph's own FLOP count of one denoise pass (the engine
+    built from it runs these MatMuls; the plugin computes the MoE body's). Routed exports only (see pipeline.onnx.flops.denoise_pass_record), not
+    NVFP4: onnxruntime's symbolic shape inference (what graph_cost runs) cannot follow TensorRT's
+    trt::TRT_FP4DynamicQuantize nor the MoE body's ReduceMax with axes as an input (opset 23)."""
+    if contract["moe"] != "routed" or contract["precision"] == "nvfp4":
+        return
+    from pipeline.onnx.flops import denoise_pass_record
+
+    contract["flops_per_denoise_pass"] = denoise_pass_record(
+        str(model_file), model.cfg, model.config.canvas_length
+    )
 
 
 def summarize(m: onnx.ModelProto, out_dir: Path, contract: dict, start: float) -> ExportSummary:

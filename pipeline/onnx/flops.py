@@ -14,6 +14,7 @@ under uniform routing, which for a 256-token canvas at top-8 of 128 is all of th
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -24,7 +25,13 @@ from onnx import TensorProto, helper
 from pipeline.model.config import TextConfig
 from pipeline.onnx import contract as onnx_io
 
-BYTES = {TensorProto.FLOAT: 4, TensorProto.BFLOAT16: 2, TensorProto.FLOAT16: 2, TensorProto.FLOAT8E4M3FN: 1}
+BYTES = {
+    TensorProto.FLOAT: 4,
+    TensorProto.BFLOAT16: 2,
+    TensorProto.FLOAT16: 2,
+    TensorProto.FLOAT8E4M3FN: 1,
+    TensorProto.FLOAT4E2M1: 0.5,
+}
 
 
 @dataclass
@@ -164,6 +171,24 @@ def graph_cost(
         if vi.name.startswith("past."):
             kv += float(np.prod(_shape(vi), dtype=np.float64)) * BYTES[vi.type.tensor_type.elem_type]
     return PassCost(flops, weight_bytes, kv)
+
+
+def denoise_pass_record(model_file: str, cfg: TextConfig, canvas: int) -> dict:
+    """What contract.json records as "flops_per_denoise_pass": `graph_cost` of the saved graph (loaded without
+    its external data) for one denoise pass at batch 1, seq = canvas, past = canvas (one canvas of context),
+    next to `analytic_cost` of the same pass. Written for routed exports only: their graph is a few MB and
+    counts in seconds (a dense export unrolls every expert, which makes shape inference minutes at 26B)."""
+    m = onnx.load(model_file, load_external_data=False)
+    batch, past = 1, canvas
+    c = graph_cost(m, pass_dims(batch, canvas, past, cfg.sliding_window), str(Path(model_file).parent))
+    return {
+        "batch": batch,
+        "seq": canvas,
+        "past": past,
+        "counted": "MatMul/Gemm FLOPs of the graph (network + LM head; sampler, elementwise excluded)",
+        **c.as_dict(),
+        "analytic_flops": analytic_cost(cfg, batch, canvas, past, routed=True),
+    }
 
 
 def _attr(n: onnx.NodeProto, name: str) -> int:

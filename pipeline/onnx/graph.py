@@ -29,13 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model.network import Attention, DecoderLayer, DiffusionGemma, gelu_tanh, rotate_half
+from pipeline.onnx import contract as onnx_io
 from pipeline.onnx.moe import RoutedMoE
 
 # (module path, input) -> output: lets the FP8 exporter swap plain linears for Q/DQ ones
 LinearFn = Callable[[str, torch.Tensor], torch.Tensor]
-# layer index -> (gate_up [E, 2I, d], down [E, d, I], input_scale [3, E] or None): the routed node's expert
-# inputs when they are not the float parameters (the FP8 exporter's stand-ins, replaced by DQ afterwards)
-ExpertsFn = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+# layer index -> (gate_up [E, 2I, d], down [E, d, I], input_scale [3, E] or None, act_quant): the routed
+# node's expert inputs when they are not the float parameters (the FP8 / NVFP4 exporters' stand-ins, replaced
+# by DQ afterwards) and the activation format ("fp8", "nvfp4") input_scale belongs to
+ExpertsFn = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, str]]
 
 
 class GraphModel(nn.Module):
@@ -103,10 +105,11 @@ class GraphModel(nn.Module):
         if self.routed:
             x = layer.pre_feedforward_layernorm_2(flat)
             if self._experts is None:
-                gate_up, down, scale = layer.experts.gate_up_proj, layer.experts.down_proj, None
+                gate_up, down, scale, act = layer.experts.gate_up_proj, layer.experts.down_proj, None, "none"
             else:
-                gate_up, down, scale = self._experts(int(path.split(".")[1]))
-            return RoutedMoE.apply(x, index, weights, gate_up, down, layer.router.top_k, scale)
+                gate_up, down, scale, act = self._experts(int(path.split(".")[1]))
+            act_id = onnx_io.MOE_ACT_QUANT.index(act)
+            return RoutedMoE.apply(x, index, weights, gate_up, down, layer.router.top_k, scale, act_id)
         dense_w = torch.zeros(
             flat.shape[0], layer.experts.num_experts, dtype=weights.dtype, device=flat.device
         )

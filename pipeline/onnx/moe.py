@@ -20,7 +20,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from pipeline.model.fake_quant import E4M3_MAX, fp8_fake_quant
+from pipeline.model.fake_quant import E2M1_MAX, E4M3_MAX, NVFP4_BLOCK, fp8_fake_quant, nvfp4_fake_quant
 from pipeline.model.network import gelu_tanh
 from pipeline.onnx import contract as onnx_io
 
@@ -34,9 +34,11 @@ def routed_reference(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     input_scale: torch.Tensor | None = None,
+    act_quant: str = "fp8",
 ) -> torch.Tensor:
     """out[t] = sum_k weight[t, k] * down[e] @ (gelu_tanh(gate[e] @ x_t) * up[e] @ x_t), e = index[t, k];
-    with `input_scale` ([3, E]) the expert inputs are FP8 fake-quantized per expert (act_quant = fp8).
+    with `input_scale` ([3, E]) the expert inputs are fake-quantized per expert in `act_quant` (fp8: per
+    tensor; nvfp4: input_scale is the global scale of the dynamic per-16 E4M3 block scales).
 
     Loops over the experts that received tokens, like `Experts.forward` (no [T, K, 2I, d] gather)."""
     if x.is_meta:
@@ -45,15 +47,16 @@ def routed_reference(
     acc = torch.promote_types(x.dtype, torch.float32)  # fp32 sum over k (float64 stays float64: the oracle)
     out = torch.zeros(x.shape, dtype=acc)
     lin = torch.nn.functional.linear
+    fq = {"fp8": fp8_fake_quant, "nvfp4": nvfp4_fake_quant}[act_quant] if input_scale is not None else None
     for e in index.unique().tolist():
         rows, slot = (index == e).nonzero(as_tuple=True)
         if input_scale is None:
             gate, up = lin(x[rows], gate_up[e]).split(inner, dim=-1)
             y = lin(gelu_tanh(gate) * up, down[e])
         else:
-            gate = lin(fp8_fake_quant(x[rows], input_scale[0, e]), gate_up[e, :inner])
-            up = lin(fp8_fake_quant(x[rows], input_scale[1, e]), gate_up[e, inner:])
-            y = lin(fp8_fake_quant(gelu_tanh(gate) * up, input_scale[2, e]), down[e])
+            gate = lin(fq(x[rows], input_scale[0, e]), gate_up[e, :inner])
+            up = lin(fq(x[rows], input_scale[1, e]), gate_up[e, inner:])
+            y = lin(fq(gelu_tanh(gate) * up, input_scale[2, e]), down[e])
         out.index_add_(0, rows, y.to(acc) * weight[rows, slot, None].to(acc))
     return out.to(x.dtype)
 
@@ -62,11 +65,19 @@ class RoutedMoE(torch.autograd.Function):
     """Traces as one `dgpipe::MoE` node (TorchScript exporter: `symbolic`)."""
 
     @staticmethod
-    def forward(ctx, x, index, weight, gate_up, down, top_k: int, input_scale=None):
-        return routed_reference(x, index, weight, gate_up, down, input_scale)
+    def forward(ctx, x, index, weight, gate_up, down, top_k: int, input_scale=None, act: int = 1):
+        """`act`: act_quant as its index in MOE_ACT_QUANT (a scalar argument of the traced op)."""
+        # the node is traced as one op (symbolic), so its value is computed with tracing off: traced,
+        # nvfp4_fake_quant made torch.onnx.export (TorchScript, torch 2.13) fail with "unordered_map::at"
+        state = torch._C._get_tracing_state()
+        torch._C._set_tracing_state(None)
+        try:
+            return routed_reference(x, index, weight, gate_up, down, input_scale, onnx_io.MOE_ACT_QUANT[act])
+        finally:
+            torch._C._set_tracing_state(state)
 
     @staticmethod
-    def symbolic(g, x, index, weight, gate_up, down, top_k: int, input_scale=None):
+    def symbolic(g, x, index, weight, gate_up, down, top_k: int, input_scale=None, act: int = 1):
         shape = gate_up.type().sizes()  # an initializer: its shape is static
         quant = input_scale is not None and not input_scale.node().mustBeNone()
         out = g.op(
@@ -81,7 +92,7 @@ class RoutedMoE(torch.autograd.Function):
             top_k_i=top_k,
             expert_hidden_i=shape[1] // 2,
             activation_s="gelu_tanh",
-            act_quant_s="fp8" if quant else "none",
+            act_quant_s=onnx_io.MOE_ACT_QUANT[act] if quant else "none",
             **{f"{k}_s": v for k, v in onnx_io.PLUGIN_ATTRIBUTES.items()},
         )
         out.setType(x.type())  # same shape and dtype as the hidden states (the exporter's shape inference)
@@ -92,6 +103,8 @@ def moe_function(opset: int = onnx_io.OPSET, act_quant: str = "none") -> onnx.Fu
     """The reference body of `dgpipe::MoE` (one per model file: every MoE node of an export shares act_quant)."""
     if act_quant not in onnx_io.MOE_ACT_QUANT:
         raise ValueError(f"act_quant {act_quant!r} not in {onnx_io.MOE_ACT_QUANT}")
+    if act_quant == "nvfp4" and opset < onnx_io.OPSET_NVFP4:
+        raise ValueError(f"act_quant nvfp4 casts to FLOAT4E2M1: opset >= {onnx_io.OPSET_NVFP4}, not {opset}")
     nodes: list[onnx.NodeProto] = []
     n = 0
 
@@ -122,13 +135,31 @@ def moe_function(opset: int = onnx_io.OPSET, act_quant: str = "none") -> onnx.Fu
         nodes.append(helper.make_node("Split", [gu], [gw, uw], axis=2, num_outputs=2))
 
         def fake_quant(v: str, row: int) -> str:
-            """fp8_fake_quant(v, input_scale[row, index]) with the scale broadcast over [T, K, 1, 1]."""
+            """The act_quant fake quant of v ([T, K or 1, n, 1]) with its expert's input_scale[row, index]
+            broadcast over [T, K, 1, 1]: fp8_fake_quant / nvfp4_fake_quant (pipeline.model.fake_quant)."""
             s = op("Gather", op("Gather", input_scale, const(row, np.int64), axis=0), index, axis=0)
             s = op("Unsqueeze", s, const([2, 3], np.int64))
             v32 = op("Cast", v, to=TensorProto.FLOAT)
+            if act_quant == "nvfp4":
+                return op("CastLike", nvfp4(v32, s), v)
             c = op("Clip", op("Div", v32, s), const(-E4M3_MAX, np.float32), const(E4M3_MAX, np.float32))
             q = op("Cast", op("Cast", c, to=TensorProto.FLOAT8E4M3FN, saturate=1), to=TensorProto.FLOAT)
             return op("CastLike", op("Mul", q, s), v)
+
+        def nvfp4(v32: str, gs: str) -> str:
+            """Blocks of 16 along n: s = e4m3(min(amax / (6 gs), 448)) * gs (1 where < 1e-5), then
+            e2m1(v / s) * s - the same operations, in the same order, as nvfp4_fake_quant."""
+            f32 = np.float32
+            gs = op("Where", op("Greater", gs, const(0, f32)), gs, const(1e-12, f32))
+            blocks = op("Reshape", v32, const([0, 0, -1, NVFP4_BLOCK], np.int64))  # [T, K|1, n/16, 16]
+            amax = op("ReduceMax", op("Abs", blocks), const([3], np.int64), keepdims=1)
+            bs = op("Min", op("Div", amax, op("Mul", const(E2M1_MAX, f32), gs)), const(E4M3_MAX, f32))
+            bs = op("Cast", op("Cast", bs, to=TensorProto.FLOAT8E4M3FN, saturate=1), to=TensorProto.FLOAT)
+            bs = op("Mul", bs, gs)
+            bs = op("Where", op("GreaterOrEqual", bs, const(1e-5, f32)), bs, const(1.0, f32))
+            c = op("Clip", op("Div", blocks, bs), const(-E2M1_MAX, f32), const(E2M1_MAX, f32))
+            q = op("Cast", op("Cast", c, to=TensorProto.FLOAT4E2M1), to=TensorProto.FLOAT)
+            return op("Reshape", op("Mul", q, bs), const([0, 0, -1, 1], np.int64))  # [T, K, n, 1]
 
         g = op("MatMul", gw, fake_quant(xc, 0))
         u = op("MatMul", uw, fake_quant(xc, 1))

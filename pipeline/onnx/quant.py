@@ -252,8 +252,10 @@ def insert_nvfp4(m: onnx.ModelProto, holder: _Holder, quant: dict[str, PackedLin
     m.opset_import.append(helper.make_opsetid("trt", 1))
 
 
-def export_nvfp4(ckpt_dir: Path, out_dir: Path):
-    """Export a ModelOpt NVFP4 checkpoint as the TensorRT >= 11 FP4 graph (checker-level; see insert_nvfp4)."""
+def export_nvfp4(ckpt_dir: Path, out_dir: Path, moe: str = "routed"):
+    """Export a ModelOpt NVFP4 checkpoint as the TensorRT >= 11 FP4 graph (checker-level; see insert_nvfp4).
+    `moe="routed"`: the experts go to one dgpipe::MoE node per layer (FP4 stacked weights through the
+    two-level DequantizeLinear, act_quant="nvfp4"; see insert_routed_nvfp4), when every expert is NVFP4."""
     from pipeline.onnx.export import export_onnx
 
     model, quant = read_quantized_checkpoint(Path(ckpt_dir))
@@ -261,14 +263,28 @@ def export_nvfp4(ckpt_dir: Path, out_dir: Path):
         raise CheckpointError(
             f"{ckpt_dir}: mixes NVFP4 and FP8 linears", "export one precision per checkpoint"
         )
-    holder = _Holder(quant)
+    routed = moe == "routed" and _all_experts_quantized(model, quant, "nvfp4")
+    linears = {p: q for p, q in quant.items() if not (routed and _is_expert(p))}
+    holder = _Holder(linears)
+    experts = None
+    if routed:
+        holder.routed = _RoutedExperts(model, quant, "nvfp4")
+        experts = holder.routed.inputs
+
+    def post(m: onnx.ModelProto) -> None:
+        insert_nvfp4(m, holder, linears, "qdq.")
+        if routed:
+            insert_routed_nvfp4(m, model, quant)
+
     return export_onnx(
         model,
         out_dir,
         precision="nvfp4",
         linear=_trace_linear(model, holder),
         holder=holder,
-        post=lambda m: insert_nvfp4(m, holder, quant, "qdq."),
+        post=post,
+        moe=moe,
+        experts=experts,
     )
 
 
@@ -281,12 +297,12 @@ def export_fp8(ckpt_dir: Path, out_dir: Path, qdq: bool = True, moe: str = "rout
     model, quant = read_fp8_checkpoint(Path(ckpt_dir))
     if not qdq:
         return export_onnx(model, out_dir, precision="fp8-dequantized", moe=moe)
-    routed = moe == "routed" and _all_experts_quantized(model, quant)
+    routed = moe == "routed" and _all_experts_quantized(model, quant, "fp8")
     linears = {p: q for p, q in quant.items() if not (routed and _is_expert(p))}
     holder = _Holder(linears)
     experts = None
     if routed:
-        holder.routed = _RoutedExperts(model, quant)
+        holder.routed = _RoutedExperts(model, quant, "fp8")
         experts = holder.routed.inputs
 
     def post(m: onnx.ModelProto) -> None:
@@ -314,9 +330,9 @@ def _expert_linears(i: int, e: int, quant: dict[str, PackedLinear]) -> list[Pack
     return [quant.get(f"layers.{i}.experts.{e}.{p}") for p in ("gate_proj", "up_proj", "down_proj")]
 
 
-def _all_experts_quantized(model: DiffusionGemma, quant: dict[str, PackedLinear]) -> bool:
+def _all_experts_quantized(model: DiffusionGemma, quant: dict[str, PackedLinear], fmt: str) -> bool:
     return all(
-        q is not None and q.format == "fp8"
+        q is not None and q.format == fmt
         for i, layer in enumerate(model.layers)
         for e in range(layer.experts.num_experts)
         for q in _expert_linears(i, e, quant)
@@ -324,12 +340,13 @@ def _all_experts_quantized(model: DiffusionGemma, quant: dict[str, PackedLinear]
 
 
 class _RoutedExperts(nn.Module):
-    """Per layer: float stand-ins for the stacked FP8 experts (gate_up [E, 2I, d], down [E, d, I]) and the
-    experts' activation scales [3, E] (gate, up, down). Traced as the MoE node's inputs; insert_routed_fp8
-    then replaces the stand-ins by FP8 initializers + DequantizeLinear."""
+    """Per layer: float stand-ins for the stacked FP8 / NVFP4 experts (gate_up [E, 2I, d], down [E, d, I])
+    and the experts' activation scales [3, E] (gate, up, down). Traced as the MoE node's inputs;
+    insert_routed_fp8 / insert_routed_nvfp4 then replace the stand-ins by packed initializers + DQ."""
 
-    def __init__(self, model: DiffusionGemma, quant: dict[str, PackedLinear]) -> None:
+    def __init__(self, model: DiffusionGemma, quant: dict[str, PackedLinear], act_quant: str) -> None:
         super().__init__()
+        self.act_quant = act_quant
         for i, layer in enumerate(model.layers):
             rows = [_expert_linears(i, e, quant) for e in range(layer.experts.num_experts)]
             gate_up = torch.stack([torch.cat([g.dequantized(), u.dequantized()]) for g, u, _ in rows])
@@ -338,8 +355,9 @@ class _RoutedExperts(nn.Module):
             scale = torch.tensor([[float(q.input_scale) for q in row] for row in rows]).T.contiguous()
             self.register_buffer(f"input_scale{i}", scale)
 
-    def inputs(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return getattr(self, f"gate_up{i}"), getattr(self, f"down{i}"), getattr(self, f"input_scale{i}")
+    def inputs(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+        scale = getattr(self, f"input_scale{i}")
+        return getattr(self, f"gate_up{i}"), getattr(self, f"down{i}"), scale, self.act_quant
 
 
 def insert_routed_fp8(m: onnx.ModelProto, model: DiffusionGemma, quant: dict[str, PackedLinear]) -> None:
@@ -396,4 +414,72 @@ def insert_routed_fp8(m: onnx.ModelProto, model: DiffusionGemma, quant: dict[str
                 axis=0,
             )
         )
+    _splice(g, {0: dq})
+
+
+def _stacked(name: str, data_type: int, tensors: list[torch.Tensor], shape: list[int]) -> onnx.TensorProto:
+    """One initializer of the stacked packed bytes (uint8 / float8 viewed as uint8) under `shape`."""
+    raw = torch.stack(tensors).contiguous().view(torch.uint8).numpy().tobytes()
+    return helper.make_tensor(name, data_type, shape, raw, raw=True)
+
+
+def insert_routed_nvfp4(m: onnx.ModelProto, model: DiffusionGemma, quant: dict[str, PackedLinear]) -> None:
+    """The MoE nodes' float stand-ins -> stacked NVFP4 experts as insert_nvfp4 writes one linear, per layer:
+        gate_up: DQ(block_scale F8 [E, 2I, d/16], weight_scale_2 [E, 2, d/16], axis=1, block_size=I)
+                 -> DQ(w FLOAT4E2M1 [E, 2I, d], axis=-1, block_size=16)
+        down:    DQ(block_scale F8 [E, d, I/16], weight_scale_2 [E], axis=0)
+                 -> DQ(w FLOAT4E2M1 [E, d, I], axis=-1, block_size=16)
+    (gate and up keep their own weight_scale_2 through the axis-1 block of I rows). The bytes are the
+    checkpoint's, and the DQ chain computes e2m1 x (block_scale x weight_scale_2), PackedLinear.dequantized's
+    order, so the node sees exactly the checkpoint's dequantized weights."""
+    g = m.graph
+    inits = {t.name: t for t in g.initializer}
+    nodes = [n for n in g.node if n.op_type == onnx_io.MOE.name]
+    if len(nodes) != len(model.layers):
+        raise RuntimeError(f"traced graph has {len(nodes)} MoE nodes for {len(model.layers)} layers")
+    dq = []
+    for i, node in enumerate(nodes):
+        rows = [_expert_linears(i, e, quant) for e in range(model.layers[i].experts.num_experts)]
+        e_count, inner, d = len(rows), rows[0][0].weight.shape[0], rows[0][0].weight.shape[1] * 2
+        for name in node.input[3:5]:
+            g.initializer.remove(inits[name])
+        ws2_gu = torch.tensor([[float(gq.weight_scale_2), float(uq.weight_scale_2)] for gq, uq, _ in rows])
+        ws2_gu = ws2_gu[:, :, None].expand(e_count, 2, d // NVFP4_BLOCK).contiguous()
+        ws2_down = torch.tensor([float(dq_.weight_scale_2) for _, _, dq_ in rows])
+        prefix = f"layers.{i}.experts"
+        parts = (
+            ("gate_up_proj", [torch.cat([gq.weight, uq.weight]) for gq, uq, _ in rows],
+             [torch.cat([gq.weight_scale, uq.weight_scale]) for gq, uq, _ in rows], ws2_gu, [2 * inner, d],
+             {"axis": 1, "block_size": inner}),
+            ("down_proj", [dq_.weight for _, _, dq_ in rows], [dq_.weight_scale for _, _, dq_ in rows],
+             ws2_down, [d, inner], {"axis": 0}),
+        )  # fmt: skip
+        for (name, w4, bs, ws2, shape, scale_axis), target in zip(parts, node.input[3:5], strict=True):
+            base = f"{prefix}.{name}"
+            g.initializer.extend(
+                [
+                    _stacked(f"{base}.weight", TensorProto.FLOAT4E2M1, w4, [e_count, *shape]),
+                    _stacked(
+                        f"{base}.weight_scale", TensorProto.FLOAT8E4M3FN, bs, list(torch.stack(bs).shape)
+                    ),
+                    onnx.numpy_helper.from_array(ws2.numpy().astype(np.float32), f"{base}.weight_scale_2"),
+                ]
+            )
+            dq += [
+                helper.make_node(
+                    "DequantizeLinear",
+                    [f"{base}.weight_scale", f"{base}.weight_scale_2"],
+                    [f"{base}/w_scale"],
+                    name=f"{base}/w_scale",
+                    **scale_axis,
+                ),
+                helper.make_node(
+                    "DequantizeLinear",
+                    [f"{base}.weight", f"{base}/w_scale"],
+                    [target],
+                    name=f"{base}/w_dq",
+                    axis=-1,
+                    block_size=NVFP4_BLOCK,
+                ),
+            ]
     _splice(g, {0: dq})

@@ -65,7 +65,7 @@ def run_export(
     elif precision == "nvfp4":  # TensorRT >= 11 Q/DQ; onnxruntime cannot run TRT_FP4DynamicQuantize
         from pipeline.onnx.quant import export_nvfp4
 
-        summary = export_nvfp4(model_dir, output)
+        summary = export_nvfp4(model_dir, output, moe=moe)
     elif stream:
         from pipeline.onnx.stream import export_streaming
 

@@ -40,7 +40,14 @@ from pipeline.model.checkpoint import DECODER, open_checkpoint, runtime_name, we
 from pipeline.model.config import ModelConfig
 from pipeline.model.network import DiffusionGemma, rope_inv_freq
 from pipeline.onnx import contract as onnx_io
-from pipeline.onnx.export import MODEL_DTYPES, ExportSummary, finish_graph, summarize, trace_network
+from pipeline.onnx.export import (
+    MODEL_DTYPES,
+    ExportSummary,
+    finish_graph,
+    record_pass_cost,
+    summarize,
+    trace_network,
+)
 
 CHUNK = 64 << 20  # bytes copied per read: the streaming buffer
 ALIGN = 64  # each tensor starts on a 64-byte boundary in model.onnx.data
@@ -254,6 +261,7 @@ def export_streaming(
             writer.close()
         onnx.save_model(m, str(tmp / onnx_io.MODEL_FILE))  # graph only: every tensor is external already
         onnx.checker.check_model(str(tmp / onnx_io.MODEL_FILE))  # by path: resolves the external data
+        record_pass_cost(contract, tmp / onnx_io.MODEL_FILE, model)
         (tmp / onnx_io.CONTRACT_FILE).write_text(json.dumps(contract, indent=2) + "\n")
     return summarize(m, out_dir, contract, start)
 

@@ -149,6 +149,90 @@ def test_moe_function_fp8_activations_match_fake_quant_reference():
     assert np.abs(unquant - want.numpy()).max() > 1e-3 * scale  # the fake quant is really applied
 
 
+def _moe_model_nvfp4(top_k: int, e: int, inner: int, d: int) -> onnx.ModelProto:
+    """One dgpipe::MoE node, act_quant nvfp4, opset 23 (its function casts to FLOAT4E2M1)."""
+    names = [s.name for s in onnx_io.MOE.inputs]
+    node = helper.make_node(
+        "MoE",
+        names,
+        ["out"],
+        domain=onnx_io.DOMAIN,
+        num_experts=e,
+        top_k=top_k,
+        expert_hidden=inner,
+        activation="gelu_tanh",
+        act_quant="nvfp4",
+        **onnx_io.PLUGIN_ATTRIBUTES,
+    )
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    shapes = {
+        "hidden": (f, ["tokens", d]),
+        "expert_index": (i64, ["tokens", top_k]),
+        "expert_weight": (f, ["tokens", top_k]),
+        "gate_up": (f, [e, 2 * inner, d]),
+        "down": (f, [e, d, inner]),
+        "input_scale": (f, [3, e]),
+    }
+    graph = helper.make_graph(
+        [node],
+        "moe",
+        [helper.make_tensor_value_info(n, *shapes[n]) for n in names],
+        [helper.make_tensor_value_info("out", f, ["tokens", d])],
+    )
+    m = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", onnx_io.OPSET_NVFP4), helper.make_opsetid(onnx_io.DOMAIN, 1)],
+        functions=[moe_function(onnx_io.OPSET_NVFP4, "nvfp4")],
+        ir_version=11,
+    )
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def test_moe_function_nvfp4_activations_match_fake_quant_reference():
+    """act_quant nvfp4: every routed copy of x (gate/up) and of the GELU product (down) is NVFP4 fake-quantized
+    (dynamic E4M3 scale per 16, the expert's global input_scale). onnxruntime 1.32 (CPU) has no FLOAT4E2M1
+    Cast kernel, so onnx's reference evaluator runs the function; it must match nvfp4_fake_quant per expert
+    to fp32 noise, and differ visibly from the unquantized node."""
+    import onnx.inliner
+    from onnx.reference import ReferenceEvaluator
+
+    from pipeline.model.fake_quant import nvfp4_fake_quant
+
+    t, d, inner, e, k = 13, 32, 16, 8, 2
+    x, index, weight, gate_up, down = (
+        v.float() if v.is_floating_point() else v for v in _case(t, d, inner, e, k, 4)
+    )
+    # global scales amax / (6 * 448) of the calibrated inputs, some smaller so blocks saturate at 448
+    input_scale = (torch.rand(3, e, generator=torch.Generator().manual_seed(5)) + 0.1).float() * 4 / 2688
+    want = torch.zeros(t, d)
+    for row in range(t):
+        for slot in range(k):
+            j = int(index[row, slot])
+            xg = nvfp4_fake_quant(x[row], input_scale[0, j])
+            xu = nvfp4_fake_quant(x[row], input_scale[1, j])
+            a = gelu_tanh(gate_up[j, :inner] @ xg) * (gate_up[j, inner:] @ xu)
+            want[row] += weight[row, slot] * (down[j] @ nvfp4_fake_quant(a, input_scale[2, j]))
+    mine = routed_reference(x, index, weight, gate_up, down, input_scale, "nvfp4")
+    feeds = {
+        "hidden": x.numpy(),
+        "expert_index": index.numpy(),
+        "expert_weight": weight.numpy(),
+        "gate_up": gate_up.numpy(),
+        "down": down.numpy(),
+        "input_scale": input_scale.numpy(),
+    }
+    flat = onnx.inliner.inline_local_functions(_moe_model_nvfp4(k, e, inner, d))  # typed: Gelu expands
+    got = ReferenceEvaluator(flat).run(None, feeds)[0]
+    unquant = routed_reference(x, index, weight, gate_up, down).numpy()
+    scale = float(want.abs().max())
+    assert np.abs(mine.numpy() - want.numpy()).max() <= 1e-5 * scale
+    assert np.abs(got - want.numpy()).max() <= 1e-5 * scale, np.abs(got - want.numpy()).max() / scale
+    assert np.abs(unquant - want.numpy()).max() > 1e-2 * scale  # NVFP4 (E2M1: 8 magnitudes) really rounds
+    with pytest.raises(ValueError, match="opset >= 23"):
+        moe_function(onnx_io.OPSET, "nvfp4")
+
+
 @pytest.mark.slow
 def test_routed_and_dense_exports_agree_and_cli_records_form(tmp_path):
     """Same model, same inputs: the routed graph (dgpipe::MoE) and the dense one give the same logits to

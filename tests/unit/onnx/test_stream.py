@@ -86,6 +86,10 @@ def test_streamed_export_runs_bit_identically_to_in_memory_export(exports):
     assert all(t.data_location == TensorProto.EXTERNAL for t in graph_only.graph.initializer)
     contract = json.loads((exports / "stream" / onnx_io.CONTRACT_FILE).read_text())
     assert contract["moe"] == "routed" and contract["precision"] == "fp32"
+    memory = json.loads((exports / "memory" / onnx_io.CONTRACT_FILE).read_text())
+    got, want = contract["flops_per_denoise_pass"], memory["flops_per_denoise_pass"]
+    assert got["matmul_flops"] == want["matmul_flops"] and got["kv_bytes"] == want["kv_bytes"]  # same graph
+    assert abs(got["weight_bytes"] / want["weight_bytes"] - 1) < 1e-4  # + a few shape constants
 
 
 def test_streaming_refuses_a_checkpoint_without_weights(tmp_path):
