@@ -49,7 +49,7 @@ demo: venv
 
 test: venv
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 # The unit tests minus those marked slow (ModelOpt calibration, nvcc builds, training): a few minutes.
 test-fast: venv
