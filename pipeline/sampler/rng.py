@@ -111,7 +111,15 @@ def gumbel_rows_(
     `bits` [R, V] int32 is scratch. The same fp32 operations as `gumbel`, in place (so bit-identical)."""
     torch.add(vocab_ids[None, :], combine_salt(pos_key)[:, None], out=bits)
     bits ^= pos_key[:, None]
-    fmix32_(bits)
+    # fmix32_ with `out`'s storage as the shift scratch: no [R, V] temporaries (at 1 MiB a block, each
+    # would be a fresh mmap and page faults on every step)
+    tmp = out.view(torch.int32)
+    for shift, mult in ((16, _M1), (13, _M2), (16, None)):
+        torch.bitwise_right_shift(bits, shift, out=tmp)
+        tmp &= (1 << (32 - shift)) - 1
+        bits ^= tmp
+        if mult is not None:
+            bits *= mult
     bits >>= 9
     bits &= (1 << 23) - 1
     out.copy_(bits)
