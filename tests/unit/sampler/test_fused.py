@@ -125,3 +125,18 @@ def test_fused_step_is_bit_identical_to_the_reference(b, length, vocab, block, t
             assert_same_step(
                 sample_step_fused(logits, temp, bound, keys, template, block_elements=block), ref
             )
+
+
+def test_reused_probs_buffer_gives_the_same_step():
+    """A caller's probs buffer (the runtime's, reused step to step) changes no value and is what is returned."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(2, 40, 300, generator=g) * 4
+    temperature, bound = torch.tensor([1.0, 0.7]), torch.tensor([0.5, 2.0])
+    buf = torch.full((80, 300), float("nan"))
+    for step in range(2):
+        keys = row_keys(2, step)
+        fresh = sample_step_fused(logits, temperature, bound, keys)
+        reused = sample_step_fused(logits, temperature, bound, keys, probs_out=buf)
+        assert reused.probs.data_ptr() == buf.data_ptr()
+        for field in ("canvas", "argmax", "entropy", "probs", "kept"):
+            assert torch.equal(getattr(fresh, field), getattr(reused, field)), field
