@@ -54,7 +54,9 @@ class SamplerInputs:
 
 @dataclass
 class DenoiseResult:
-    step: StepOutput  # next canvas, argmax canvas, entropy, kept (probs: None where they stay on device)
+    # next canvas, argmax canvas, entropy, kept; probs: None where they stay on device, and valid only until
+    # the backend's next step (the CPU and CUDA samplers reuse one buffer)
+    step: StepOutput
     stable_count: torch.Tensor  # [B] int64
     stop: torch.Tensor  # [B] bool
     # [B, L, hidden] in the backend dtype: softmax(z) @ E * sqrt(d), the next step's self-conditioning
@@ -98,6 +100,9 @@ class TorchBackend:
         self.fused = (can_fuse and cuda_sampler_available()) if fused is None else (fused and can_fuse)
         # elsewhere the counter draws take the cache-blocked PyTorch step (bit-identical to the reference)
         self.cpu_fused = not self.fused and type(self.draws) is CounterDraws
+        # the CPU sampler's probs, reused step to step: every reader (the soft embedding below, the
+        # guided rows' bf16 copy in the scheduler) is done with them before the next step
+        self._probs: torch.Tensor | None = None
 
     @property
     def graph_safe(self) -> bool:
@@ -118,7 +123,12 @@ class TorchBackend:
         sampler: SamplerInputs,
     ) -> DenoiseResult:
         logits = self.model.denoise_soft(canvas, sc_soft, positions, masks, past)
-        res = sample_logits(logits, sampler, self.draws, cuda=self.fused, cpu_fused=self.cpu_fused)
+        rows, vocab = logits.shape[0] * logits.shape[1], logits.shape[2]
+        if self.cpu_fused and (self._probs is None or self._probs.shape != (rows, vocab)):
+            self._probs = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
+        res = sample_logits(
+            logits, sampler, self.draws, cuda=self.fused, cpu_fused=self.cpu_fused, probs_out=self._probs
+        )
         res.soft = self.model.soft_embedding(conditioning_probs(logits, sampler, res.step))
         return res
 
@@ -138,10 +148,11 @@ def sample_logits(
     draws: DrawSource | None = None,
     cuda: bool = False,
     cpu_fused: bool = True,
+    probs_out: torch.Tensor | None = None,
 ) -> DenoiseResult:
     """The sampling half of a denoise step, with the constraint masks applied first (before sampling and
     before the entropy rule). `cuda`: the fused CUDA kernels; else the cache-blocked PyTorch step for the
-    counter draws (`cpu_fused`) or the reference. Backends whose sampler is fused into their graph (ONNX
+    counter draws (`cpu_fused`; `probs_out`: its reusable probs buffer) or the reference. Backends whose sampler is fused into their graph (ONNX
     Runtime, TensorRT) call it for constrained batches on the graph's `logits` output."""
     draws = draws or CounterDraws()
     if cuda:  # the kernels read the compact masks themselves: no masked copy of the logits
@@ -163,7 +174,7 @@ def sample_logits(
     if s.allowed is not None:
         logits = mask_logits(logits, *s.allowed)
     if cpu_fused and type(draws) is CounterDraws and logits.dtype == torch.float32:
-        out = sample_step_fused(logits, s.temperature, s.bound, s.keys, s.template)
+        out = sample_step_fused(logits, s.temperature, s.bound, s.keys, s.template, probs_out=probs_out)
     else:
         out = sample_step(logits, s.temperature, s.bound, s.keys, draws, s.template)
     stable = update_stability(s.stable_count, s.prev_argmax, out.argmax)

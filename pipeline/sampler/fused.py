@@ -26,9 +26,14 @@ def sample_step_fused(
     keys: RowKeys,
     template: torch.Tensor | None = None,
     block_elements: int = BLOCK_ELEMENTS,
+    probs_out: torch.Tensor | None = None,
 ) -> StepOutput:
     """`reference.sample_step(logits, temperature, bound, keys, CounterDraws(), template)`, bit for bit,
-    for fp32 logits (the network's softcapped output)."""
+    for fp32 logits (the network's softcapped output).
+
+    `probs_out`: a [B*L, V] fp32 buffer for the returned probabilities, reused across steps by a caller
+    that reads them before the next step (as the CUDA sampler's buffers are). A fresh [B*L, V] tensor is
+    tens of MB at a real vocabulary: mmap'd and page-faulted on first touch every step."""
     b, length, vocab = logits.shape
     n = b * length
     dev = logits.device
@@ -38,7 +43,8 @@ def sample_step_fused(
     pos_key = rng.position_bits_i32(sample_key, length).reshape(n)  # [N] int32
     vocab_ids = torch.arange(vocab, dtype=torch.int32, device=dev)
 
-    probs = torch.empty(n, vocab, dtype=torch.float32, device=dev)
+    fits = probs_out is not None and probs_out.shape == (n, vocab) and probs_out.dtype == torch.float32
+    probs = probs_out if fits else torch.empty(n, vocab, dtype=torch.float32, device=dev)
     neg_entropy = torch.empty(n, dtype=torch.float32, device=dev)
     cand = torch.empty(n, dtype=torch.long, device=dev)
     amax = torch.empty(n, dtype=torch.long, device=dev)

@@ -78,10 +78,48 @@ def combine(h: torch.Tensor, word: torch.Tensor | int) -> torch.Tensor:
     return to_u32(combine_i32(to_i32(h), w))
 
 
+HOST_KEY_ROWS = 64  # up to this many CPU rows, key_hash runs on Python ints (see key_hash)
+
+
+def _fmix32_int(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & MASK32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & MASK32
+    return x ^ (x >> 16)
+
+
+def _combine_int(h: int, word: int) -> int:
+    return _fmix32_int(h ^ ((word + GOLDEN + (h << 6) + (h >> 2)) & MASK32))
+
+
+def _key_hash_host(words: list[list[int]], stream: int) -> list[int]:
+    """key_hash on Python ints, one row at a time: the same uint32 function."""
+    out = []
+    for seed, *rest in zip(*words, strict=True):
+        h = _fmix32_int(seed & MASK32)
+        for w in rest:
+            h = _combine_int(h, w & MASK32)
+        out.append(_combine_int(h, stream & MASK32))
+    return out
+
+
 def key_hash(
     seed: torch.Tensor, request: torch.Tensor, canvas: torch.Tensor, step: torch.Tensor, stream: int
 ) -> torch.Tensor:
-    """Per-row key [B] (int64 holding uint32) for one (canvas, step, stream)."""
+    """Per-row key [B] (int64 holding uint32) for one (canvas, step, stream).
+
+    A few CPU rows hash on Python ints: the tensor form is ~50 dispatches on [B] tensors (about 0.5 ms,
+    twice per denoise step), which is most of the sampler's time on a small model. Never while tracing
+    or compiling, where the values would be baked into the graph."""
+    words = (seed, request, canvas, step)
+    if (
+        all(w.device.type == "cpu" and w.dim() == 1 for w in words)
+        and seed.numel() <= HOST_KEY_ROWS
+        and not torch.jit.is_tracing()
+        and not torch.compiler.is_compiling()
+    ):
+        return torch.tensor(_key_hash_host([w.tolist() for w in words], stream), dtype=torch.int64)
     h = fmix32_(to_i32(seed))
     for w in (request, canvas, step):
         h = combine_i32(h, to_i32(w))
@@ -111,7 +149,15 @@ def gumbel_rows_(
     `bits` [R, V] int32 is scratch. The same fp32 operations as `gumbel`, in place (so bit-identical)."""
     torch.add(vocab_ids[None, :], combine_salt(pos_key)[:, None], out=bits)
     bits ^= pos_key[:, None]
-    fmix32_(bits)
+    # fmix32_ with `out`'s storage as the shift scratch: no [R, V] temporaries (at 1 MiB a block, each
+    # would be a fresh mmap and page faults on every step)
+    tmp = out.view(torch.int32)
+    for shift, mult in ((16, _M1), (13, _M2), (16, None)):
+        torch.bitwise_right_shift(bits, shift, out=tmp)
+        tmp &= (1 << (32 - shift)) - 1
+        bits ^= tmp
+        if mult is not None:
+            bits *= mult
     bits >>= 9
     bits &= (1 << 23) - 1
     out.copy_(bits)

@@ -177,7 +177,7 @@ def test_self_conditioning_state_is_hidden_wide_in_the_model_dtype():
 
     def record(*args, **kwargs):
         res = step(*args, **kwargs)
-        seen.append((res.step.probs, res.soft))
+        seen.append((res.step.probs.clone(), res.soft))  # probs live until the next step (a reused buffer)
         return res
 
     backend.denoise_step = record

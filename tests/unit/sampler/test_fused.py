@@ -61,6 +61,17 @@ def test_int32_hash_equals_int64_statement():
         assert torch.equal(rng.uniform_tokens(keys, 300, vocab), (pos * vocab) >> 32)
 
 
+def test_key_hash_host_and_tensor_forms_agree():
+    """key_hash takes Python ints up to HOST_KEY_ROWS CPU rows, tensors above: both are the statement."""
+    x, y = big_ints(2 * 200, 2), big_ints(2 * 200, 3)
+    for rows in (1, rng.HOST_KEY_ROWS, rng.HOST_KEY_ROWS + 1, 200):
+        a, b, c, d = x[:rows], y[:rows], x[200 : 200 + rows], y[200 : 200 + rows]
+        for stream in (rng.STREAM_INIT, rng.STREAM_SAMPLE, rng.STREAM_RENOISE):
+            got = rng.key_hash(a, b, c, d, stream)
+            assert got.dtype == torch.int64 and got.shape == (rows,)
+            assert torch.equal(got, key_hash_i64(a, b, c, d, stream))
+
+
 def test_int32_gumbel_is_bit_identical():
     keys = torch.tensor([501821951, 0, M, 123456789, 2**31])
     ours, ref = rng.gumbel(keys, 9, 3000, vocab_chunk=1024), gumbel_i64(keys, 9, 3000)
@@ -114,3 +125,18 @@ def test_fused_step_is_bit_identical_to_the_reference(b, length, vocab, block, t
             assert_same_step(
                 sample_step_fused(logits, temp, bound, keys, template, block_elements=block), ref
             )
+
+
+def test_reused_probs_buffer_gives_the_same_step():
+    """A caller's probs buffer (the runtime's, reused step to step) changes no value and is what is returned."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(2, 40, 300, generator=g) * 4
+    temperature, bound = torch.tensor([1.0, 0.7]), torch.tensor([0.5, 2.0])
+    buf = torch.full((80, 300), float("nan"))
+    for step in range(2):
+        keys = row_keys(2, step)
+        fresh = sample_step_fused(logits, temperature, bound, keys)
+        reused = sample_step_fused(logits, temperature, bound, keys, probs_out=buf)
+        assert reused.probs.data_ptr() == buf.data_ptr()
+        for field in ("canvas", "argmax", "entropy", "probs", "kept"):
+            assert torch.equal(getattr(fresh, field), getattr(reused, field)), field
