@@ -17,7 +17,8 @@ import onnx
 
 from pipeline.bench.results import save_result
 from pipeline.model.config import ModelConfig
-from pipeline.onnx.flops import analytic_cost, graph_cost, pass_dims
+from pipeline.model.cost import denoise_pass_flops
+from pipeline.onnx.flops import graph_cost, pass_dims
 from pipeline.resources import load_yaml
 from pipeline.targets import target
 
@@ -72,7 +73,7 @@ def run(
             m, base = structure_graph(mcfg, moe), None
         for b in batches:
             c = graph_cost(m, pass_dims(b, seq, past, cfg.sliding_window), base)
-            a = analytic_cost(cfg, b, seq, past, routed=moe == "routed")
+            a = denoise_pass_flops(cfg, b, seq, past, routed=moe == "routed")
             gb = (c.weight_bytes + c.kv_bytes) / 1e9
             rows.append(
                 FlopsRow(

@@ -9,14 +9,13 @@ weight bytes / measured device copy bandwidth.
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from pipeline.bench.results import save_result
+from pipeline.bench.timing import median_seconds
 from pipeline.model.config import ModelConfig
 from pipeline.model.network import DiffusionGemma, canvas_positions, rope_inv_freq
 from pipeline.resources import load_yaml
@@ -41,24 +40,6 @@ class ModelBenchRow:
     runtime_ms_per_canvas_eager: float  # BlockDiffusionRuntime: host sync after every pass, no graphs
     runtime_ms_per_canvas_graph: float  # the same requests, device loop + CUDA graphs (eager off CUDA)
     graph_speedup: float
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of fn() after one warm-up call."""
-    fn()
-    _sync(device)
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
 
 
 def _graphed(fn, device: torch.device):
@@ -101,8 +82,8 @@ def runtime_canvas_s(
         sampler = fixed.model_copy(update={"max_denoising_steps": n_steps})
         rt.generate([Request(prompt, max_tokens, sampler, seed=i, request_id=i) for i in range(batch)])
 
-    full = _time(lambda: run(length, steps), dev, repeats)
-    one = _time(lambda: run(length, 1), dev, repeats)  # prefill + 1 pass: isolates the per-pass cost
+    full = median_seconds(lambda: run(length, steps), dev, repeats)
+    one = median_seconds(lambda: run(length, 1), dev, repeats)  # prefill + 1 pass: isolates the per-pass cost
     return (full - one) / (steps - 1) * steps if steps > 1 else full
 
 
@@ -136,7 +117,7 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
     n = int(gib * 2**30) // 2
     src = torch.empty(n, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    secs = _time(lambda: dst.copy_(src), device, 5)
+    secs = median_seconds(lambda: dst.copy_(src), device, 5)
     return 2 * n * 2 / secs
 
 
@@ -162,12 +143,12 @@ def bench_batch(
     masks = attention_masks(cpos, torch.ones_like(cpos, dtype=torch.bool), meta, False, cache.window)
     probs = torch.softmax(torch.randn(batch, length, cfg.vocab_size, device=dev, generator=gen), -1).to(dtype)
     logits = model.denoise(canvas, probs, cpos, masks, past)
-    t_pass = _time(lambda: model.denoise(canvas, probs, cpos, masks, past), dev, repeats)
+    t_pass = median_seconds(lambda: model.denoise(canvas, probs, cpos, masks, past), dev, repeats)
 
     keys = RowKeys(*(torch.zeros(batch, dtype=torch.long, device=dev) for _ in range(4)))
     temp = torch.full((batch,), 0.6, device=dev)
     bound = torch.full((batch,), 0.1, device=dev)
-    t_sample = _time(lambda: sample_step(logits, temp, bound, keys, CounterDraws()), dev, repeats)
+    t_sample = median_seconds(lambda: sample_step(logits, temp, bound, keys, CounterDraws()), dev, repeats)
 
     def commit() -> None:
         p = canvas_positions(cache.lengths[slots], length)
@@ -176,11 +157,11 @@ def bench_batch(
             canvas, p, attention_masks(p, torch.ones_like(p, dtype=torch.bool), me, True, cache.window), pa
         )
 
-    t_commit = _time(commit, dev, repeats)
+    t_commit = median_seconds(commit, dev, repeats)
 
     tok = canvas[:, :1]
 
-    t_ar = _time(_graphed(ar_step_static(model, cache, slots, tok), dev), dev, repeats)
+    t_ar = median_seconds(_graphed(ar_step_static(model, cache, slots, tok), dev), dev, repeats)
     canvas_s = steps * (t_pass + t_sample) + t_commit
     eager = runtime_canvas_s(model, batch, context, steps, repeats, graphs=False)
     graph = runtime_canvas_s(model, batch, context, steps, repeats, graphs=dev.type == "cuda")

@@ -1,7 +1,7 @@
 """`dgpipe bench pass`: one denoise step split into network / self-conditioning / sampler / host, against the
 hardware floor, side by side with transformers and the ONNX Runtime backend on the same weights.
 
-The floor is the step's matmul FLOPs (`step_flops`, counted from the config: every GEMM a denoise step with a
+The floor is the step's matmul FLOPs (`pipeline.model.cost.denoise_pass_flops`, counted from the config: every GEMM a denoise step with a
 self-conditioning signal runs, 2 FLOPs per multiply-add) over the matmul rate measured on this device in
 the model dtype (`matmul_rate`). It ignores everything that is not a matmul (norms, softmaxes, the sampler's
 transcendental passes), so "step / floor" says how far the whole step is from a pure-GEMM ideal.
@@ -35,30 +35,11 @@ import torch
 
 from pipeline.bench.local import PassTimer, machine
 from pipeline.bench.results import save_result
+from pipeline.bench.timing import median_seconds, sync
 from pipeline.model.config import ModelConfig, SamplerConfig
+from pipeline.model.cost import denoise_pass_flops
 
 RESULT_FILE = "bench_pass.json"
-
-
-def step_flops(config: ModelConfig, batch: int, context: int) -> int:
-    """Matmul FLOPs of one denoise step over `batch` canvases with `context` cached tokens and a
-    self-conditioning signal: the self-conditioning MLP, per layer the projections, attention (QK^T and
-    PV over cached + canvas keys), dense MLP, router and the top-k experts, the tied LM head, and the
-    soft embedding of the sampled probabilities (probs @ E) for the next step."""
-    t = config.text_config
-    d, tokens = t.hidden_size, batch * config.canvas_length
-    per_token = 2 * 3 * d * t.intermediate_size  # self-conditioning gated MLP
-    for i in range(t.num_hidden_layers):
-        s = t.layer_shape(i)
-        q, kv = t.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        keys = (min(context, t.sliding_window - 1) if s.is_sliding else context) + config.canvas_length
-        per_token += 2 * d * (2 * q + kv * (2 if s.is_sliding else 1))  # q, o; k and (sliding) v
-        per_token += 2 * 2 * q * keys  # QK^T and PV
-        per_token += 2 * 3 * d * t.intermediate_size  # dense MLP
-        per_token += 2 * d * t.num_experts  # router
-        per_token += t.top_k_experts * 2 * 3 * d * t.moe_intermediate_size  # routed experts
-    per_token += 2 * 2 * d * t.vocab_size  # LM head and the soft embedding
-    return per_token * tokens
 
 
 def matmul_rate(dtype: torch.dtype, device: torch.device, shapes: list[tuple[int, int, int]]) -> float:
@@ -69,26 +50,9 @@ def matmul_rate(dtype: torch.dtype, device: torch.device, shapes: list[tuple[int
     for m, k, n in shapes:
         a = torch.randn(m, k, generator=gen, device=device).to(dtype)
         b = torch.randn(k, n, generator=gen, device=device).to(dtype)
-        secs = _median_time(lambda a=a, b=b: torch.mm(a, b), device, 3)
+        secs = median_seconds(lambda a=a, b=b: torch.mm(a, b), device, 3)
         best = max(best, 2 * m * k * n / secs)
     return best
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_time(fn, device: torch.device, repeats: int) -> float:
-    fn()
-    _sync(device)
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
 
 
 @dataclass
@@ -155,7 +119,7 @@ def time_runtime_steps(backend, prompt: list[int], batch: int, steps: int, arm: 
             try:
                 t = time.perf_counter()
                 rt.step()
-                _sync(rt.device)
+                sync(rt.device)
                 arm.step.append(time.perf_counter() - t)
             finally:
                 for tm in timers:
@@ -278,7 +242,7 @@ def run_bench_pass(
                 if progress is not None:
                     progress()
             rates.append(matmul_rate(dt, dev, shapes))
-        flops = step_flops(cfg, batch, context)
+        flops = denoise_pass_flops(cfg.text_config, batch, cfg.canvas_length, context)
         rate = statistics.median(rates)
         gen_rows = []
         if generate and config is None and ckpt.has_tokenizer:

@@ -8,7 +8,7 @@ elementwise ops, softmax and the sampler are < 1% and are not counted). Bytes ar
 pays: each weight read once (routed: only the experts some token selected - the expected distinct count
 under uniform routing, which for a 256-token canvas at top-8 of 128 is all of them), plus the K/V cache read.
 
-`analytic_cost` is the same count written from the config (the cross-check; BENCHMARKS.md has both).
+`pipeline.model.cost.denoise_pass_flops` is the same count written from the config (the cross-check; BENCHMARKS.md has both).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import onnx.inliner
 from onnx import TensorProto, helper
 
 from pipeline.model.config import TextConfig
+from pipeline.model.cost import denoise_pass_flops
 from pipeline.onnx import contract as onnx_io
 
 BYTES = {
@@ -176,7 +177,7 @@ def graph_cost(
 def denoise_pass_record(model_file: str, cfg: TextConfig, canvas: int) -> dict:
     """What contract.json records as "flops_per_denoise_pass": `graph_cost` of the saved graph (loaded without
     its external data) for one denoise pass at batch 1, seq = canvas, past = canvas (one canvas of context),
-    next to `analytic_cost` of the same pass. Written for routed exports only: their graph is a few MB and
+    next to `denoise_pass_flops` of the same pass (pipeline.model.cost). Written for routed exports only: their graph is a few MB and
     counts in seconds (a dense export unrolls every expert, which makes shape inference minutes at 26B)."""
     m = onnx.load(model_file, load_external_data=False)
     batch, past = 1, canvas
@@ -187,30 +188,9 @@ def denoise_pass_record(model_file: str, cfg: TextConfig, canvas: int) -> dict:
         "past": past,
         "counted": "MatMul/Gemm FLOPs of the graph (network + LM head; sampler, elementwise excluded)",
         **c.as_dict(),
-        "analytic_flops": analytic_cost(cfg, batch, canvas, past, routed=True),
+        "analytic_flops": denoise_pass_flops(cfg, batch, canvas, past, routed=True),
     }
 
 
 def _attr(n: onnx.NodeProto, name: str) -> int:
     return next((helper.get_attribute_value(a) for a in n.attribute if a.name == name), 0)
-
-
-def analytic_cost(cfg: TextConfig, batch: int, seq: int, past: int, routed: bool = True) -> float:
-    """MatMul FLOPs of one denoise pass from the config (what graph_cost must reproduce)."""
-    d, hidden, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
-    t = batch * seq
-    per_token = 0.0
-    ring = min(past, max(cfg.sliding_window - 1, 1))
-    for i, kind in enumerate(cfg.layer_types or []):
-        s = cfg.layer_shape(i)
-        q, kv = heads * s.head_dim, s.num_kv_heads * s.head_dim
-        has_v = kind == "sliding_attention"
-        keys = (ring if kind == "sliding_attention" else past) + seq
-        per_token += 2 * d * (q + kv * (2 if has_v else 1)) + 2 * q * d  # q, k, (v), o projections
-        per_token += 2 * 2 * heads * s.head_dim * keys  # QK^T and PV
-        per_token += 2 * 3 * d * hidden + 2 * d * cfg.num_experts  # dense MLP, router
-        experts = cfg.top_k_experts if routed else cfg.num_experts
-        per_token += 2 * 3 * d * cfg.moe_intermediate_size * experts
-    sc = 2 * cfg.vocab_size * d + 2 * 3 * d * hidden  # self-conditioning: probs @ E, then its MLP
-    head = 2 * d * cfg.vocab_size
-    return t * (per_token + sc + head)

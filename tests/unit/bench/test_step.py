@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipeline.bench.step import step_flops
+from pipeline.model.cost import denoise_pass_flops
 from pipeline.model.network import canvas_positions
 from pipeline.runtime.kv_cache import KVCache, attention_masks
 from tests._utils.tiny import build_tiny
@@ -50,7 +50,10 @@ def test_step_flops_counts_every_matmul_the_step_runs():
         assert past[i][0].shape[2] + length == keys  # what the cache really holds
         attention += 2 * 2 * t.num_attention_heads * s.head_dim * keys * tokens
     assert counter.get_total_flops() > 0
-    assert step_flops(cfg, batch, context) == counter.get_total_flops() - unrouted + attention
+    assert (
+        denoise_pass_flops(cfg.text_config, batch, cfg.canvas_length, context)
+        == counter.get_total_flops() - unrouted + attention
+    )
 
 
 @pytest.mark.slow

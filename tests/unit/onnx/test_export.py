@@ -132,13 +132,13 @@ def test_checker_opset_and_contract(exported, model):
 def test_contract_records_the_routed_pass_flops(exported, model):
     """contract.json carries the graph's own count of one denoise pass (batch 1, seq = canvas, past = canvas),
     within 1.1x of the routed analytic count - and far from the dense count, so it is the routed graph's."""
-    from pipeline.onnx.flops import analytic_cost
+    from pipeline.model.cost import denoise_pass_flops
 
     rec = json.loads((exported / onnx_io.CONTRACT_FILE).read_text())["flops_per_denoise_pass"]
     canvas = model.config.canvas_length
     assert (rec["batch"], rec["seq"], rec["past"]) == (1, canvas, canvas)
-    routed = analytic_cost(model.cfg, 1, canvas, canvas, routed=True)
-    dense = analytic_cost(model.cfg, 1, canvas, canvas, routed=False)
+    routed = denoise_pass_flops(model.cfg, 1, canvas, canvas, routed=True)
+    dense = denoise_pass_flops(model.cfg, 1, canvas, canvas, routed=False)
     assert rec["analytic_flops"] == routed and dense > 1.2 * routed  # 1.1x below excludes dense
     assert routed / 1.1 <= rec["matmul_flops"] <= 1.1 * routed, (rec["matmul_flops"], routed)
     assert rec["weight_bytes"] > 0 and rec["kv_bytes"] > 0

@@ -1,0 +1,33 @@
+"""MatMul FLOPs of one denoise pass, counted from the config: one source for the exported graph's cross-check
+(`pipeline.onnx.flops`), the export contract and `dgpipe bench pass`'s hardware floor.
+
+Counted: every GEMM a denoise pass with a self-conditioning signal runs, 2 FLOPs per multiply-add: the
+self-conditioning MLP, per layer the q/k/(v)/o projections, attention (QK^T and PV over cached + canvas
+keys; sliding layers see at most `sliding_window - 1` cached tokens), the dense MLP, the router and the
+experts (top-k routed, or all of them for the dense export), the tied LM head, and the soft embedding
+of the sampled probabilities (probs @ E) the next pass reads. Norms, softmaxes and the sampler are not
+matmuls and are left out. Light on purpose: config only, no torch.
+"""
+
+from __future__ import annotations
+
+from pipeline.model.config import TextConfig
+
+
+def denoise_pass_flops(cfg: TextConfig, batch: int, seq: int, past: int, routed: bool = True) -> int:
+    """FLOPs of one pass over `batch` canvases of `seq` tokens with `past` cached tokens."""
+    d, hidden, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    ring = min(past, max(cfg.sliding_window - 1, 1))
+    per_token = 0
+    for i in range(cfg.num_hidden_layers):
+        s = cfg.layer_shape(i)
+        q, kv = heads * s.head_dim, s.num_kv_heads * s.head_dim
+        keys = (ring if s.is_sliding else past) + seq
+        per_token += 2 * d * (q + kv * (2 if s.is_sliding else 1)) + 2 * q * d  # q, k, (v), o projections
+        per_token += 2 * 2 * q * keys  # QK^T and PV
+        per_token += 2 * 3 * d * hidden + 2 * d * cfg.num_experts  # dense MLP, router
+        experts = cfg.top_k_experts if routed else cfg.num_experts
+        per_token += 2 * 3 * d * cfg.moe_intermediate_size * experts
+    self_conditioning = 2 * 3 * d * hidden + 2 * cfg.vocab_size * d  # its MLP; probs @ E for the next pass
+    head = 2 * d * cfg.vocab_size
+    return batch * seq * (per_token + self_conditioning + head)
