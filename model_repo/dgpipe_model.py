@@ -234,7 +234,9 @@ class TritonPythonModel:
         if not self.drain_file:
             return False
         try:
-            return os.stat(self.drain_file).st_mtime >= self.loaded_at
+            # file times come from the kernel's coarse clock, which can trail time.time() by a few ms: a
+            # file touched right after load must not read as older (a previous container's is seconds older)
+            return os.stat(self.drain_file).st_mtime >= self.loaded_at - 1.0
         except OSError:
             return False
 
