@@ -256,36 +256,13 @@ def export_nvfp4(ckpt_dir: Path, out_dir: Path, moe: str = "routed"):
     """Export a ModelOpt NVFP4 checkpoint as the TensorRT >= 11 FP4 graph (checker-level; see insert_nvfp4).
     `moe="routed"`: the experts go to one dgpipe::MoE node per layer (FP4 stacked weights through the
     two-level DequantizeLinear, act_quant="nvfp4"; see insert_routed_nvfp4), when every expert is NVFP4."""
-    from pipeline.onnx.export import export_onnx
 
     model, quant = read_quantized_checkpoint(Path(ckpt_dir))
     if any(q.format != "nvfp4" for q in quant.values()):
         raise CheckpointError(
             f"{ckpt_dir}: mixes NVFP4 and FP8 linears", "export one precision per checkpoint"
         )
-    routed = moe == "routed" and _all_experts_quantized(model, quant, "nvfp4")
-    linears = {p: q for p, q in quant.items() if not (routed and _is_expert(p))}
-    holder = _Holder(linears)
-    experts = None
-    if routed:
-        holder.routed = _RoutedExperts(model, quant, "nvfp4")
-        experts = holder.routed.inputs
-
-    def post(m: onnx.ModelProto) -> None:
-        insert_nvfp4(m, holder, linears, "qdq.")
-        if routed:
-            insert_routed_nvfp4(m, model, quant)
-
-    return export_onnx(
-        model,
-        out_dir,
-        precision="nvfp4",
-        linear=_trace_linear(model, holder),
-        holder=holder,
-        post=post,
-        moe=moe,
-        experts=experts,
-    )
+    return _export_quantized(model, quant, out_dir, "nvfp4", moe, insert_nvfp4, insert_routed_nvfp4)
 
 
 def export_fp8(ckpt_dir: Path, out_dir: Path, qdq: bool = True, moe: str = "routed"):
@@ -297,23 +274,31 @@ def export_fp8(ckpt_dir: Path, out_dir: Path, qdq: bool = True, moe: str = "rout
     model, quant = read_fp8_checkpoint(Path(ckpt_dir))
     if not qdq:
         return export_onnx(model, out_dir, precision="fp8-dequantized", moe=moe)
-    routed = moe == "routed" and _all_experts_quantized(model, quant, "fp8")
+    return _export_quantized(model, quant, out_dir, "fp8", moe, insert_qdq, insert_routed_fp8)
+
+
+def _export_quantized(model, quant: dict, out_dir: Path, fmt: str, moe: str, insert_linears, insert_routed):
+    """The Q/DQ export both formats share: the quantized linears through `insert_linears`, and (routed, when
+    every expert linear is quantized) the experts as stacked weights of one dgpipe::MoE node per layer."""
+    from pipeline.onnx.export import export_onnx
+
+    routed = moe == "routed" and _all_experts_quantized(model, quant, fmt)
     linears = {p: q for p, q in quant.items() if not (routed and _is_expert(p))}
     holder = _Holder(linears)
     experts = None
     if routed:
-        holder.routed = _RoutedExperts(model, quant, "fp8")
+        holder.routed = _RoutedExperts(model, quant, fmt)
         experts = holder.routed.inputs
 
     def post(m: onnx.ModelProto) -> None:
-        insert_qdq(m, holder, linears, "qdq.")
+        insert_linears(m, holder, linears, "qdq.")
         if routed:
-            insert_routed_fp8(m, model, quant)
+            insert_routed(m, model, quant)
 
     return export_onnx(
         model,
         out_dir,
-        precision="fp8",
+        precision=fmt,
         linear=_trace_linear(model, holder),
         holder=holder,
         post=post,
