@@ -19,6 +19,22 @@ from pipeline.sampler.reference import CounterDraws, RowKeys, StepOutput, accept
 BLOCK_ELEMENTS = 1 << 18  # fp32 elements per scratch buffer: 1 MiB, so a block's working set fits in L2
 
 
+def first_argmax_(x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor, countdown: torch.Tensor) -> None:
+    """`torch.argmax(x, -1, out=out)` for fp32 rows [R, V], the same index (the first maximum), ~3x faster.
+
+    torch's CPU argmax walks each row with a scalar (value, index) loop; here every pass is a vectorised
+    fp32 kernel: the row max, x == max as 1.0/0.0, times the countdown V, V-1, ..., 1 (exact in fp32:
+    V <= 2**21 by CONFIG_LIMITS), and a row max again, which is V - (the first index of the maximum). A row
+    with a NaN (whose max is NaN and equal to nothing) keeps argmax's own answer, the first NaN."""
+    peak = x.amax(-1, keepdim=True)
+    torch.eq(x, peak, out=scratch)
+    scratch.mul_(countdown)
+    out.copy_(scratch.amax(-1)).neg_().add_(x.shape[-1])
+    nan_rows = peak.isnan().view(-1)
+    if nan_rows.any():
+        out[nan_rows] = torch.argmax(x[nan_rows], dim=-1)
+
+
 def sample_step_fused(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -42,6 +58,7 @@ def sample_step_fused(
     sample_key = rng.key_hash(keys.seed, keys.request, keys.canvas, keys.step, rng.STREAM_SAMPLE)
     pos_key = rng.position_bits_i32(sample_key, length).reshape(n)  # [N] int32
     vocab_ids = torch.arange(vocab, dtype=torch.int32, device=dev)
+    countdown = torch.arange(vocab, 0, -1, dtype=torch.float32, device=dev)
 
     fits = probs_out is not None and probs_out.shape == (n, vocab) and probs_out.dtype == torch.float32
     probs = probs_out if fits else torch.empty(n, vocab, dtype=torch.float32, device=dev)
@@ -63,7 +80,7 @@ def sample_step_fused(
         k = r1 - r0
         z, logp, work = z_buf[:k], logp_buf[:k], work_buf[:k]
         torch.div(flat[r0:r1], t_rows[r0:r1], out=z)
-        torch.argmax(z, dim=-1, out=amax[r0:r1])
+        first_argmax_(z, amax[r0:r1], work, countdown)
         torch._softmax(z, -1, False, out=probs[r0:r1])
         # entropy: -(exp(logp) * logp).sum(-1)
         torch._log_softmax(z, -1, False, out=logp)
@@ -73,7 +90,7 @@ def sample_step_fused(
         # Gumbel-max: argmax(z + g) with g = -log(-log u), i.e. argmax(z - log(-log u))
         rng.gumbel_rows_(pos_key[r0:r1], vocab_ids, work, bits_buf[:k])
         torch.sub(z, work, out=work)
-        torch.argmax(work, dim=-1, out=cand[r0:r1])
+        first_argmax_(work, cand[r0:r1], logp, countdown)
     entropy = neg_entropy.neg_().reshape(b, length)
     shape = (b, length)
     return accept(

@@ -140,3 +140,26 @@ def test_reused_probs_buffer_gives_the_same_step():
         assert reused.probs.data_ptr() == buf.data_ptr()
         for field in ("canvas", "argmax", "entropy", "probs", "kept"):
             assert torch.equal(getattr(fresh, field), getattr(reused, field)), field
+
+
+def test_first_argmax_is_torch_argmax_on_ties_infinities_and_nan():
+    from pipeline.sampler.fused import first_argmax_
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 1000, generator=g)
+    x[0, [3, 700]] = 50.0  # tie: the first wins
+    x[1] = float("-inf")  # a fully masked row: index 0, as argmax
+    x[1, [10, 20]] = -5.0
+    x[2] = float("-inf")
+    x[3, 999] = float("inf")
+    x[4, [5, 9]] = float("nan")  # argmax answers the first NaN
+    x[5] = 0.0
+    x[5, 4] = -0.0  # +0 and -0 are equal maxima: the first
+    x[6, 0] = 1e30  # the first and the last index
+    x[7, 999] = 1e30
+    x[8] = torch.tensor(1.0).nextafter(torch.tensor(2.0))
+    x[8, 400] = 1.0 + 2 * (x[8, 0] - 1.0)  # one ulp above its neighbours
+    out, scratch = torch.empty(9, dtype=torch.long), torch.empty_like(x)
+    first_argmax_(x, out, scratch, torch.arange(1000, 0, -1, dtype=torch.float32))
+    assert torch.equal(out, torch.argmax(x, dim=-1))
+    assert out.tolist() == [3, 10, 0, 999, 5, 0, 0, 999, 400]
