@@ -95,7 +95,9 @@ class TritonPythonModel:
         dtype, device = params.get("dtype", "auto"), params.get("device", "auto")
         choice = self._choose(version_dir)
         # with a TensorRT plan the weights live in the engine: the session then holds config + tokenizer only
-        self.session = load_session(ckpt, dtype, device, weights=choice.kind != "tensorrt")
+        # compile: the PyTorch passes through torch.compile; the warm-up request compiles them during load
+        compile = params.get("compile", "false") == "true"
+        self.session = load_session(ckpt, dtype, device, weights=choice.kind != "tensorrt", compile=compile)
         length = self.session.model.config.canvas_length
         positions = self.session.model.config.text_config.max_position_embeddings
         self.limits = schema.ServerLimits(
@@ -110,7 +112,7 @@ class TritonPythonModel:
         self.loaded_at = time.time()  # a drain file older than this is a previous container's: ignored
         backend = self._backend(choice)
         if backend is None:  # the plan failed to load: fall back to the PyTorch weights
-            self.session = load_session(ckpt, dtype, device)
+            self.session = load_session(ckpt, dtype, device, compile=compile)
             backend = self.session.model
         self.runtime = BlockDiffusionRuntime(
             backend,

@@ -40,6 +40,9 @@ from pipeline.model.config import ModelConfig, SamplerConfig
 from pipeline.model.cost import denoise_pass_flops
 
 RESULT_FILE = "bench_pass.json"
+DGPIPE_GENERATE = "dgpipe diffusion"
+COMPILED_GENERATE = "dgpipe diffusion, compiled"
+TRANSFORMERS_GENERATE = "transformers generate"
 
 
 def matmul_rate(dtype: torch.dtype, device: torch.device, shapes: list[tuple[int, int, int]]) -> float:
@@ -195,8 +198,11 @@ def run_bench_pass(
     device: str,
     out: Path,
     progress=None,
+    compile: bool = False,
 ) -> dict[str, Any]:
-    """Measure, write out/bench_pass.json and return the result (`dgpipe bench pass` prints it)."""
+    """Measure, write out/bench_pass.json and return the result (`dgpipe bench pass` prints it).
+    `compile`: the generate rows gain dgpipe with its passes compiled (`pipeline.runtime.compiled`),
+    compiled before the timed rounds."""
     from pipeline.model.checkpoint import load_model
     from pipeline.runtime.backends import TorchBackend
     from pipeline.runtime.session import resolve_device, resolve_dtype
@@ -246,7 +252,7 @@ def run_bench_pass(
         rate = statistics.median(rates)
         gen_rows = []
         if generate and config is None and ckpt.has_tokenizer:
-            gen_rows = _generate_rows(path, dt, dev, reference, rounds)
+            gen_rows = _generate_rows(path, dt, dev, reference, rounds, compile)
     rows = {name: arm.row() for name, arm in arms.items()}
     floor_ms = 1000 * flops / rate
     ours = rows["dgpipe"]
@@ -259,10 +265,13 @@ def run_bench_pass(
         ratios["dgpipe_over_transformers_step"] = ours["step_ms"] / rows["transformers"]["step_ms"]
     if "onnxruntime" in rows:
         ratios["pytorch_over_onnxruntime_step"] = ours["step_ms"] / rows["onnxruntime"]["step_ms"]
-    if len(gen_rows) == 2:
-        ratios["dgpipe_over_transformers_tokens_per_s"] = (
-            gen_rows[0]["tokens_per_s"] / gen_rows[1]["tokens_per_s"]
-        )
+    by_system = {g["system"]: g["tokens_per_s"] for g in gen_rows}
+    if TRANSFORMERS_GENERATE in by_system:
+        for system, key in ((DGPIPE_GENERATE, "dgpipe"), (COMPILED_GENERATE, "dgpipe_compiled")):
+            if system in by_system:
+                ratios[f"{key}_over_transformers_tokens_per_s"] = (
+                    by_system[system] / by_system[TRANSFORMERS_GENERATE]
+                )
     result = {
         "model": label,
         "parameters": net.num_parameters(),
@@ -288,10 +297,12 @@ def run_bench_pass(
 
 
 def _generate_rows(
-    path: Path, dt: torch.dtype, dev: torch.device, reference: bool, rounds: int
+    path: Path, dt: torch.dtype, dev: torch.device, reference: bool, rounds: int, compile: bool = False
 ) -> list[dict]:
-    """`dgpipe bench local`'s adaptive rows on the checkpoint's own prompt, dgpipe then transformers, one
-    measured run of each per round (interleaved), medians over the rounds."""
+    """`dgpipe bench local`'s adaptive rows on the checkpoint's own prompt: dgpipe (eager), dgpipe with
+    compiled passes when `compile`, then transformers, one measured run of each per round (interleaved),
+    medians over the rounds. The compiled session compiles (and is checked to give the eager tokens) in
+    warm-up runs before the first round."""
     from pipeline.bench.local import Row, bench_dgpipe, bench_transformers
     from pipeline.runtime.session import load_session
 
@@ -301,17 +312,24 @@ def _generate_rows(
     template = session.default_template(prompt)
     max_tokens = session.model.config.canvas_length * (1 if template is not None else 2)
     sampler = session.sampler()
-    runs: dict[str, list[Row]] = {"dgpipe": [], "transformers": []}
+    runners = {DGPIPE_GENERATE: lambda: bench_dgpipe(session, ids, template, sampler, max_tokens, 1, 1)}
+    if compile:
+        compiled = load_session(path, str(dt).removeprefix("torch."), str(dev), compile=True)
+        runners[COMPILED_GENERATE] = lambda: bench_dgpipe(compiled, ids, template, sampler, max_tokens, 1, 1)
+        runners[COMPILED_GENERATE]()  # the compile, outside the timed rounds
+    if reference:
+        runners[TRANSFORMERS_GENERATE] = lambda: bench_transformers(path, ids, sampler, max_tokens, 1, 1)
+    runs: dict[str, list[Row]] = {name: [] for name in runners}
     for _ in range(rounds):
-        runs["dgpipe"].append(bench_dgpipe(session, ids, template, sampler, max_tokens, 1, 1))
-        if reference:
-            runs["transformers"].append(bench_transformers(path, ids, sampler, max_tokens, 1, 1))
+        for name, run in runners.items():
+            runs[name].append(run())
     rows = []
-    for measured in (r for r in runs.values() if r):
+    for name, measured in runs.items():
         row = asdict(measured[0])
         for key, value in row.items():
             if isinstance(value, float):
                 row[key] = statistics.median(getattr(r, key) for r in measured)
+        row["system"] = name
         row["runs"] = [r.runs[0] for r in measured]
         rows.append(row)
     return rows

@@ -359,6 +359,7 @@ def bench_pass(
         typer.Option(help="a checkpoint with a prompt format: adaptive generate tokens/s vs transformers"),
     ] = True,
     out_dir: Annotated[Path | None, _out("bench-pass", "directory for the JSON result")] = None,
+    compile: opt.Compile = False,
     dtype: opt.Dtype = "auto",
     device: opt.Device = "auto",
     as_json: opt.Json = False,
@@ -388,6 +389,7 @@ def bench_pass(
             device,
             out_dir,
             progress=advance,
+            compile=compile,
         )
     out.show(result, as_json, _render_pass)
     out.saved([out_dir / RESULT_FILE], as_json)

@@ -76,6 +76,7 @@ def generate(
             envvar="DGPIPE_API_KEY", show_envvar=True, help="Bearer key of the OpenAI API (--url .../v1)"
         ),
     ] = None,
+    compile: opt.Compile = False,
     dtype: opt.Dtype = "auto",
     device: opt.Device = "auto",
     as_json: opt.Json = False,
@@ -116,6 +117,7 @@ def generate(
         as_json=as_json,
         compact=batch,
         guide=guide,
+        compile=compile,
     )
 
 
@@ -215,6 +217,7 @@ def _local(
     as_json: bool,
     compact: bool,
     guide: tuple[str, str] | None = None,
+    compile: bool = False,
 ) -> None:
     """Every input through one loaded session and one runtime: the requests are submitted together and
     share denoise passes (one at a time with --stream/--drafts, so the printed canvases stay in order)."""
@@ -224,7 +227,7 @@ def _local(
     from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
     from pipeline.runtime.session import load_session
 
-    session = load_session(model, dtype, device, canvas_length)
+    session = load_session(model, dtype, device, canvas_length, compile=compile)
     sampler = session.sampler(**overrides)
     automaton = None if guide is None else session.compile_guide(*guide)
 

@@ -39,6 +39,7 @@ def package(
         ),
     ] = EngineLimits.max_request_seconds,
     device: opt.Device = "auto",
+    compile: opt.Compile = False,
     engines: Annotated[
         Path | None, typer.Option(help="TensorRT engines dir (<target>/model.plan + engine.json) to ship")
     ] = None,
@@ -80,5 +81,6 @@ def package(
         device,
         engines=engines,
         request_seconds_limit=request_timeout,
+        compile=compile,
     )
     out.line(f"model repository: {repo} (model '{name}')")

@@ -13,7 +13,9 @@ ring-buffer cache (`pipeline.runtime.kv_cache`). Module and parameter names matc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -180,6 +182,23 @@ class Router(nn.Module):
         return probs, weights * self.per_expert_scale[index], index
 
 
+def grouped_experts(
+    x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """Routed experts as grouped GEMMs: the slots (token, choice) sorted by expert, one grouped GEMM per
+    projection, the rows added back per token in expert order. `gate_up` [E, 2I, d], `down` [E, d, I]."""
+    flat_expert = index.reshape(-1)
+    order = torch.argsort(flat_expert, stable=True)
+    token_of = order // index.shape[1]
+    w_sorted = weights.reshape(-1)[order]
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
+    counts.index_add_(0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    gate, up = F.grouped_mm(x[token_of], gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    y = F.grouped_mm(gelu_tanh(gate) * up, down.transpose(-2, -1), offs=offs)
+    return torch.zeros_like(x).index_add_(0, token_of, (y * w_sorted[:, None]).to(x.dtype))
+
+
 class Experts(nn.Module):
     """Expert weights as 3-D tensors ([E, 2I, d] fused gate|up, [E, d, I] down), as transformers stores them.
 
@@ -210,19 +229,18 @@ class Experts(nn.Module):
         )
         return x.device.type in ("cpu", "cuda") and x.dtype in kinds and aligned
 
+    # set by `pipeline.runtime.compiled` to its `dgpipe::routed_experts` custom op: under torch.compile the
+    # grouped path runs as that one opaque op (torch's fake kernel for grouped_mm takes bf16 only)
+    compiled_op: ClassVar[Callable[..., torch.Tensor] | None] = None
+
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if not self.use_grouped(x):
             return self._dense(x, index, weights)
-        flat_expert = index.reshape(-1)
-        order = torch.argsort(flat_expert, stable=True)
-        token_of = order // index.shape[1]
-        w_sorted = weights.reshape(-1)[order]
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
-        counts.index_add_(0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32))
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        gate, up = F.grouped_mm(x[token_of], self.gate_up_proj.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-        y = F.grouped_mm(gelu_tanh(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
-        return torch.zeros_like(x).index_add_(0, token_of, (y * w_sorted[:, None]).to(x.dtype))
+        if torch.compiler.is_compiling():
+            if Experts.compiled_op is None:
+                return self._dense(x, index, weights)
+            return Experts.compiled_op(x, index, weights, self.gate_up_proj, self.down_proj)
+        return grouped_experts(x, index, weights, self.gate_up_proj, self.down_proj)
 
     def _dense(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         dense_w = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
@@ -334,8 +352,10 @@ class DiffusionGemma(nn.Module):
         so bit-identical values."""
         z = F.linear(hidden, self.embed_tokens.weight).float()
         cap = self.cfg.final_logit_softcapping
-        if torch.is_grad_enabled() and z.requires_grad:
-            return torch.tanh(z / cap) * cap
+        if (torch.is_grad_enabled() and z.requires_grad) or torch.compiler.is_compiling():
+            return (
+                torch.tanh(z / cap) * cap
+            )  # (compiled: inductor fuses the three into the LM head's epilogue)
         if not z.is_cpu:
             return z.div_(cap).tanh_().mul_(cap)
         rows = z.view(-1, z.shape[-1])

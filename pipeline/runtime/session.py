@@ -142,9 +142,11 @@ def load_session(
     device: str | None = None,
     canvas_length: int | None = None,
     weights: bool = True,
+    compile: bool = False,
 ) -> Session:
     """`weights=False`: config, tokenizer and a weightless (meta) model, for a runtime whose weights live
-    elsewhere (a TensorRT plan) — a 26B checkpoint is then never read into memory."""
+    elsewhere (a TensorRT plan) — a 26B checkpoint is then never read into memory. `compile`: the network
+    passes through torch.compile (`pipeline.runtime.compiled`: faster passes after a compile per shape)."""
     dev = resolve_device(device)
     path = Path(model) if model else default_model_path()
     if weights:
@@ -157,4 +159,8 @@ def load_session(
         if canvas_length < 1:
             raise DgpipeError(f"--canvas-length must be >= 1 (got {canvas_length})")
         m.config.canvas_length = canvas_length
+    if compile and weights:
+        from pipeline.runtime.compiled import compile_model
+
+        compile_model(m)
     return Session(model=m, checkpoint=ckpt, tokenizer=ckpt.tokenizer() if ckpt.has_tokenizer else None)

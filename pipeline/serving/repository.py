@@ -37,6 +37,7 @@ def model_config(
     warmup: dict[str, Any] | None,
     max_steps_limit: int = EngineLimits.max_steps,
     request_seconds_limit: int = EngineLimits.max_request_seconds,
+    compile: bool = False,
 ):
     """The ModelConfig protobuf: decoupled Python backend, the schema's tensors, parameters (the caps a
     request may ask for, read by the Triton model into schema.ServerLimits) and a warm-up request (`warmup`:
@@ -66,6 +67,9 @@ def model_config(
         "max_denoising_steps_limit": str(max_steps_limit),
         "max_request_seconds": str(request_seconds_limit),
         "device": device,
+        "compile": str(
+            compile
+        ).lower(),  # the PyTorch path's passes through torch.compile (runtime/compiled.py)
     }.items():
         cfg.parameters[key].string_value = value
     if warmup is not None:
@@ -90,6 +94,7 @@ def package(
     engines: Path | None = None,
     max_steps_limit: int = EngineLimits.max_steps,
     request_seconds_limit: int = EngineLimits.max_request_seconds,
+    compile: bool = False,
 ) -> Path:
     """`engines`: a directory of `<target>/{model.plan,engine.json}` (a build's `engines/`), copied into the
     model version so the Triton model runs the plan that matches its GPU (pipeline/engine/select.py).
@@ -115,7 +120,15 @@ def package(
         )
     warmup = _warmup_request(ckpt)
     cfg = model_config(
-        name, max_batch, max_tokens_limit, prompt_cap, device, warmup, max_steps_limit, request_seconds_limit
+        name,
+        max_batch,
+        max_tokens_limit,
+        prompt_cap,
+        device,
+        warmup,
+        max_steps_limit,
+        request_seconds_limit,
+        compile,
     )
     with atomic_dir(output) as tmp:
         mdir = tmp / name
