@@ -313,6 +313,12 @@ def bench_export_memory(
         Path, typer.Option(help="scratch for the checkpoint and the export (deleted)")
     ] = Path("/tmp/dgpipe-export-memory"),
     moe: Annotated[str, typer.Option(help="routed or dense")] = "routed",
+    sparse: Annotated[
+        bool,
+        typer.Option(
+            help="zero weights stored as file holes (~0 bytes on disk): the full 26B depth fits beside its export"
+        ),
+    ] = False,
     out_dir: Annotated[Path | None, _out("bench-export-memory", "directory for the JSON result")] = None,
     as_json: opt.Json = False,
 ) -> None:
@@ -321,7 +327,7 @@ def bench_export_memory(
     from pipeline.bench.results import save_result
 
     out_dir = out_dir or opt.cache_dir() / "bench-export-memory"
-    result = as_dict(run(config, layers, work_dir, moe))
+    result = as_dict(run(config, layers, work_dir, moe, sparse=sparse))
     save_result(out_dir, RESULT_FILE, result)
     out.show(result, as_json, _render_export_memory)
     out.saved([out_dir / RESULT_FILE], as_json)
@@ -330,12 +336,16 @@ def bench_export_memory(
 def _render_export_memory(r: dict) -> str:
     return (
         f"{r['config']}: {r['layers_measured']} of {r['layers_full']} layers at full shapes, "
-        f"{r['checkpoint_gb']:.1f} GB random {r['dtype']} checkpoint, MoE {r['moe']}\n"
+        f"{r['checkpoint_gb']:.1f} GB {r['weights']} {r['dtype']} checkpoint, MoE {r['moe']}\n"
         f"  streaming export peak RSS {r['stream_peak_rss_gb']:.2f} GB ({r['stream_seconds']:.0f} s; "
-        f"{r['rss_after_imports_gb']:.2f} GB after imports)\n"
+        f"{r['rss_after_imports_gb']:.2f} GB after imports; {r['output_gb']:.1f} GB written)\n"
         f"  weightless trace peak RSS {r['trace_peak_rss_gb_measured_depth']:.2f} GB at {r['layers_measured']} "
         f"layers, {r['trace_peak_rss_gb_full_depth']:.2f} GB at {r['layers_full']}\n"
-        f"  extrapolated full-depth export peak RSS {r['extrapolated_full_peak_rss_gb']:.2f} GB"
+        + (
+            f"  measured full-depth export peak RSS {r['stream_peak_rss_gb']:.2f} GB"
+            if r["layers_measured"] == r["layers_full"]
+            else f"  extrapolated full-depth export peak RSS {r['extrapolated_full_peak_rss_gb']:.2f} GB"
+        )
     )
 
 
