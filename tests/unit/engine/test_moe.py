@@ -10,6 +10,7 @@ from pipeline.engine import moe_spec
 from pipeline.engine.kernels.moe_reference import moe_experts_reference, moe_reference
 from pipeline.errors import DgpipeError
 from pipeline.model.fake_quant import fp8_fake_quant
+from pipeline.sampler.kernels.build import find_nvcc
 from tests._utils.tiny import build_tiny
 
 
@@ -211,6 +212,122 @@ def test_nvfp4_activation_fake_quant_per_expert(layer):
         moe_experts_reference(
             x, index, weights, w["gate_up"], w["down"], gate_up_block_scale=w["gate_up_block_scale"]
         )
+
+
+# ---- the kernel's NVFP4 helpers, compiled for the host from dg_moe.cu itself -----------------------------
+_HOST_PROGRAM = r"""
+#define DG_MOE_HELPERS_ONLY
+#include "dg_moe.cu"
+#include <stdio.h>
+static bool get(void* p, size_t size, size_t n) { return fread(p, size, n, stdin) == n; }
+int main() {  // three sections on stdin, answers on stdout: the calls the NVFP4 tile makes, in its order
+  int n;
+  if (!get(&n, 4, 1)) return 1;
+  for (int b = 0; b < n; ++b) {  // activation block: gs, 16 floats -> fake_fp4 with the block's scale
+    float gs, v[16], q[16];
+    if (!get(&gs, 4, 1) || !get(v, 4, 16)) return 1;
+    const float s = dg_moe::nvfp4_block_scale(dg_moe::block_amax(v), gs);
+    for (int j = 0; j < 16; ++j) q[j] = dg_moe::fake_fp4(v[j], s);
+    fwrite(q, 4, 16, stdout);
+  }
+  if (!get(&n, 4, 1)) return 1;
+  for (int i = 0; i < n; ++i) {  // weight word: 8 codes, scale -> dequant8
+    uint32_t word;
+    float scale, v[8];
+    if (!get(&word, 4, 1) || !get(&scale, 4, 1)) return 1;
+    dg_moe::dequant8(word, scale, v);
+    fwrite(v, 4, 8, stdout);
+  }
+  if (!get(&n, 4, 1)) return 1;
+  for (int i = 0; i < n; ++i) {  // 8 bf16 from (16-byte aligned) shared memory -> load8
+    alignas(16) __nv_bfloat16 row[8];
+    float v[8];
+    if (!get(row, 2, 8)) return 1;
+    dg_moe::load8(row, v);
+    fwrite(v, 4, 8, stdout);
+  }
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc (compiles dg_moe.cu's helpers for the host)")
+def test_kernel_nvfp4_helpers_match_pipeline_model_bit_for_bit(tmp_path):
+    """dg_moe.cu's own NVFP4 code (E2M1 decode, weight dequantization, dynamic block scales, E2M1 rounding
+    with its ties, bf16 unpacking), compiled for the host, against nvfp4_fake_quant and ModelOpt's
+    unpack_e2m1: bit for bit on random blocks over 12 decades, exact ties, zero / tiny / saturating blocks and
+    a zero global scale. (The GPU test checks the whole kernel; this runs wherever nvcc does.)"""
+    import subprocess
+
+    import numpy as np
+
+    from pipeline.engine.kernels import CSRC
+    from pipeline.model.fake_quant import nvfp4_fake_quant
+    from pipeline.model.modelopt import unpack_e2m1
+
+    src = tmp_path / "helpers.cu"
+    src.write_text(_HOST_PROGRAM)
+    exe = tmp_path / "helpers"
+    build = subprocess.run(
+        [find_nvcc(), "-O3", "-std=c++17", f"-I{CSRC}", "-o", str(exe), str(src)],
+        capture_output=True,
+        text=True,
+    )
+    assert build.returncode == 0, build.stderr[-2000:]
+    g = torch.Generator().manual_seed(0)
+    # activation blocks
+    blocks = torch.randn(600, 16, generator=g) * torch.logspace(-6, 6, 600)[:, None]
+    gs = blocks.abs().amax(1) / (6 * 448) * torch.empty(600).uniform_(0.1, 4, generator=g)  # some saturate
+    ties = torch.tensor(
+        [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -2.5, -5.0, 0.5, -0.0, 6.0, 1.0]
+    )
+    special = torch.stack([ties * 0.125, ties * 2.0, torch.zeros(16), torch.full((16,), 1e-9), ties * 1e4])
+    # amax 6 s0 and gs = s0 / 8: block scale e4m3(8) * gs = s0 exactly, so v / s lands on the ties exactly
+    special_gs = torch.tensor([0.125 / 8, 2.0 / 8, 0.01, 0.01, 0.0])
+    blocks, gs = torch.cat([blocks, special]), torch.cat([gs, special_gs])
+    # weight words: every code in every position, then random words
+    codes = torch.arange(16, dtype=torch.int64)
+    words = [int(sum(int(c) << (4 * j) for j in range(8))) for c in codes]
+    words += [int(w) for w in torch.randint(0, 2**32, (200,), generator=g, dtype=torch.int64)]
+    word_scale = torch.rand(len(words), generator=g) * 10
+    bf = (torch.randn(64, 8, generator=g) * 100).to(torch.bfloat16)
+    stdin = b"".join(
+        [
+            np.int32(len(blocks)).tobytes(),
+            torch.cat([gs[:, None], blocks], 1).float().numpy().tobytes(),
+            np.int32(len(words)).tobytes(),
+            b"".join(
+                np.uint32(w).tobytes() + np.float32(s).tobytes() for w, s in zip(words, word_scale.tolist())
+            ),
+            np.int32(len(bf)).tobytes(),
+            bf.view(torch.int16).numpy().tobytes(),
+        ]
+    )
+    run = subprocess.run([str(exe)], input=stdin, capture_output=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    out = torch.from_numpy(np.frombuffer(run.stdout, dtype=np.float32).copy())
+    n_act, n_w = blocks.numel(), len(words) * 8
+    assert out.numel() == n_act + n_w + bf.numel()
+    got_act, got_w, got_bf = (
+        out[:n_act].view(-1, 16),
+        out[n_act : n_act + n_w].view(-1, 8),
+        out[n_act + n_w :],
+    )
+    want_act = torch.stack([nvfp4_fake_quant(b, s) for b, s in zip(blocks, gs)])
+    assert torch.equal(got_act, want_act), (got_act - want_act).abs().max()
+    ties_to_even = torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0])  # 0.25 0.75 1.25 1.75 2.5 3.5 5 6
+    assert torch.equal(got_act[-5, :8], ties_to_even * 0.125) and torch.equal(
+        got_act[-4, :8], ties_to_even * 2
+    )
+    assert torch.equal(
+        got_act[-1].abs().max(), torch.tensor(6.0)
+    )  # zero global scale: block scale 1, saturated
+    assert torch.equal(got_act[-3], torch.zeros(16))  # all-zero block: scale 1, zeros
+    packed = torch.tensor(words, dtype=torch.int64).to(torch.uint32).view(torch.uint8).view(-1, 4)
+    want_w = unpack_e2m1(packed).float() * word_scale[:, None]
+    assert torch.equal(got_w, want_w)
+    assert torch.equal(got_w[:16, 0].abs(), torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6] * 2) * word_scale[:16])
+    assert torch.equal(got_bf, bf.float().flatten())
 
 
 # ---- contract and geometry ---------------------------------------------------------------------------

@@ -23,6 +23,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
+#include <string.h>
 
 namespace dg_moe {
 
@@ -30,9 +31,9 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTile = 16;
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f(__nv_fp8_e4m3 v) { return static_cast<float>(v); }
+__host__ __device__ __forceinline__ float to_f(float v) { return v; }
+__host__ __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__host__ __device__ __forceinline__ float to_f(__nv_fp8_e4m3 v) { return static_cast<float>(v); }
 
 __device__ __forceinline__ float gelu_tanh(float v) {
   const float k0 = 0.7978845608028654f;  // sqrt(2 / pi)
@@ -167,16 +168,28 @@ struct Fp4Weights {
 constexpr int kBlock = 16;  // NVFP4 block: 16 consecutive elements along the input dim share a scale
 constexpr int kChunk = 8;   // codes per 32-bit word: each lane's step
 
+// The NVFP4 helpers are __host__ __device__ so tests/unit/engine/test_moe.py compiles them into a host
+// program and checks them bit for bit against pipeline.model (fake_quant, modelopt) without a GPU.
+__host__ __device__ __forceinline__ float bits_float(uint32_t b) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(b);
+#else
+  float f;
+  memcpy(&f, &b, sizeof f);
+  return f;
+#endif
+}
+
 // E2M1 code -> float: sign bit 3, magnitude index 2..0 into {0, .5, 1, 1.5, 2, 3, 4, 6}
-__device__ __forceinline__ float e2m1_value(uint32_t code) {
+__host__ __device__ __forceinline__ float e2m1_value(uint32_t code) {
   const uint32_t m = code & 7u, ex = m >> 1, man = m & 1u;
   uint32_t bits = ex ? ((ex + 126u) << 23) | (man << 22) : (man ? 0x3F000000u : 0u);
-  return __uint_as_float(bits | ((code & 8u) << 28));
+  return bits_float(bits | ((code & 8u) << 28));
 }
 
 // nearest E2M1 magnitude of a >= 0, saturating at 6, ties to the even mantissa (pipeline.model.fake_quant
 // e2m1_round: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4)
-__device__ __forceinline__ float e2m1_round(float a) {
+__host__ __device__ __forceinline__ float e2m1_round(float a) {
   if (a <= 0.25f) return 0.f;
   if (a < 0.75f) return 0.5f;
   if (a <= 1.25f) return 1.f;
@@ -189,34 +202,42 @@ __device__ __forceinline__ float e2m1_round(float a) {
 
 // the dynamic E4M3 scale of one block of 16 activations (nvfp4_fake_quant, same operations and order):
 // s = float(e4m3(min(amax / (6 * gs), 448))) * gs, gs = input scale (1e-12 where <= 0), 1.0 where s < 1e-5
-__device__ __forceinline__ float nvfp4_block_scale(float amax, float gs) {
+__host__ __device__ __forceinline__ float nvfp4_block_scale(float amax, float gs) {
   gs = gs > 0.f ? gs : 1e-12f;
   const float s = static_cast<float>(__nv_fp8_e4m3(fminf(amax / (6.f * gs), 448.f))) * gs;
   return s >= 1e-5f ? s : 1.f;
 }
 
-__device__ __forceinline__ float fake_fp4(float v, float s) {
+template <typename T>
+__host__ __device__ __forceinline__ float block_amax(const T* v) {  // one block of 16, as float
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < kBlock; ++j) amax = fmaxf(amax, fabsf(to_f(v[j])));
+  return amax;
+}
+
+__host__ __device__ __forceinline__ float fake_fp4(float v, float s) {
   const float q = e2m1_round(fabsf(v) / s) * s;
   return v >= 0.f ? q : -q;
 }
 
 // 8 consecutive elements (16- or 32-byte aligned: d, I are multiples of 16) from shared memory
-__device__ __forceinline__ void load8(const float* p, float v[kChunk]) {
+__host__ __device__ __forceinline__ void load8(const float* p, float v[kChunk]) {
   const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float v[kChunk]) {
+__host__ __device__ __forceinline__ void load8(const __nv_bfloat16* p, float v[kChunk]) {
   const uint4 r = *reinterpret_cast<const uint4*>(p);
   const uint32_t words[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {  // a bf16 is the high half of an fp32
-    v[2 * i] = __uint_as_float(words[i] << 16);
-    v[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
+    v[2 * i] = bits_float(words[i] << 16);
+    v[2 * i + 1] = bits_float(words[i] & 0xFFFF0000u);
   }
 }
 
 // 8 dequantized weights: codes of one word times their block's scale (block_scale * global, fp32)
-__device__ __forceinline__ void dequant8(uint32_t word, float scale, float v[kChunk]) {
+__host__ __device__ __forceinline__ void dequant8(uint32_t word, float scale, float v[kChunk]) {
 #pragma unroll
   for (int j = 0; j < kChunk; ++j) v[j] = e2m1_value((word >> (4 * j)) & 0xFu) * scale;
 }
@@ -236,10 +257,7 @@ __device__ void run_tile(const Fp4Weights& w, const TX* __restrict__ x, const fl
   if (aq) {  // each staged row's dynamic block scales, for gate's and up's global scale: aux [n][d/16][2]
     const float gs_g = w.input[e], gs_u = w.input[experts + e];
     for (int i = threadIdx.x; i < n * dblocks; i += kThreads) {
-      const TX* v = xs + (i / dblocks) * d + (i % dblocks) * kBlock;
-      float amax = 0.f;
-#pragma unroll
-      for (int j = 0; j < kBlock; ++j) amax = fmaxf(amax, fabsf(to_f(v[j])));
+      const float amax = block_amax(xs + (i / dblocks) * d + (i % dblocks) * kBlock);
       aux[2 * i] = nvfp4_block_scale(amax, gs_g);
       aux[2 * i + 1] = nvfp4_block_scale(amax, gs_u);
     }
@@ -296,10 +314,7 @@ __device__ void run_tile(const Fp4Weights& w, const TX* __restrict__ x, const fl
     const float gs_d = w.input[2 * experts + e];
     for (int i = threadIdx.x; i < n * iblocks; i += kThreads) {
       float* v = hs + (i / iblocks) * inter + (i % iblocks) * kBlock;
-      float amax = 0.f;
-#pragma unroll
-      for (int j = 0; j < kBlock; ++j) amax = fmaxf(amax, fabsf(v[j]));
-      const float s = nvfp4_block_scale(amax, gs_d);
+      const float s = nvfp4_block_scale(block_amax(v), gs_d);
 #pragma unroll
       for (int j = 0; j < kBlock; ++j) v[j] = fake_fp4(v[j], s);
     }
@@ -395,6 +410,7 @@ __device__ void moe_experts(const TX* __restrict__ x, const int64_t* __restrict_
 }  // namespace dg_moe
 
 // ---- TensorRT AOT entry points: inputs, int32 extras (T, K, d, I, E, tile), outputs ----------------------
+#ifndef DG_MOE_HELPERS_ONLY  // defined by the host test program, which needs the helpers above only
 #define DG_MOE_EXTRAS int tokens, int k, int d, int inter, int experts, int tile
 #define DG_MOE_DENSE(TW, gate_up, down, s_gu, s_dn, s_in) \
   dg_moe::DenseWeights<TW> { gate_up, down, {s_gu, s_dn, s_in} }
@@ -452,3 +468,4 @@ DG_MOE_W4(float, dg_trt_moe_f32_w4, , nullptr)
 DG_MOE_W4(__nv_bfloat16, dg_trt_moe_bf16_w4, , nullptr)
 DG_MOE_W4(float, dg_trt_moe_f32_w4a4, DG_MOE_COMMA const float* input_scale, input_scale)
 DG_MOE_W4(__nv_bfloat16, dg_trt_moe_bf16_w4a4, DG_MOE_COMMA const float* input_scale, input_scale)
+#endif  // DG_MOE_HELPERS_ONLY
