@@ -83,9 +83,7 @@ KERNELS = {
     (EXPERTS_OP, "bfloat16"): "dg_trt_moe_bf16",
     (W8_OP, "bfloat16"): "dg_trt_moe_bf16_w8",
     (W8A8_OP, "bfloat16"): "dg_trt_moe_bf16_w8a8",
-    (W4_OP, "float32"): "dg_trt_moe_f32_w4",
     (W4_OP, "bfloat16"): "dg_trt_moe_bf16_w4",
-    (W4A4_OP, "float32"): "dg_trt_moe_f32_w4a4",
     (W4A4_OP, "bfloat16"): "dg_trt_moe_bf16_w4a4",
 }
 ENTRY_POINTS = tuple(sorted(KERNELS.values()))
@@ -109,7 +107,7 @@ def kernel(op: str, hidden_dtype: str) -> str:
     except KeyError:
         raise DgpipeError(
             f"{NAMESPACE}::{op} has no kernel for {hidden_dtype} hidden states",
-            hint="FP8 expert weights run with bf16 activations: export the model in bf16 (NVFP4: fp32 or bf16)",
+            hint="FP8 and NVFP4 expert weights run with bf16 activations: export the model in bf16",
         ) from None
 
 
@@ -159,16 +157,11 @@ def check_scales(op: str, d: int, experts: int, shapes: list[tuple[int, ...]], i
             raise DgpipeError(f"{NAMESPACE}::{op}: {port} must be {list(expect)}, got {list(got)}")
 
 
-def _per_token(d: int, inter: int, hidden_dtype: str, op: str) -> int:
-    """Shared memory per token of a tile: its row of x in the model dtype, its fp32 GELU products and, for
-    NVFP4 activations, its row's fp32 block scales for gate and up (2 per 16 elements)."""
-    extra = 2 * 4 * (d // NVFP4_BLOCK) if op == W4A4_OP else 0
-    return d * _BYTES[hidden_dtype] + inter * 4 + extra
-
-
-def tile(d: int, inter: int, hidden_dtype: str, op: str = EXPERTS_OP) -> int:
-    """Tokens per tile: as many as the shared-memory budget holds (`_per_token`), at most MAX_TILE."""
-    per_token = _per_token(d, inter, hidden_dtype, op)
+def tile(d: int, inter: int, hidden_dtype: str) -> int:
+    """Tokens per tile: as many as the shared-memory budget holds (a tile's rows of x in the model dtype
+    plus its fp32 GELU products), at most MAX_TILE. Every weight format needs the same: with NVFP4
+    activations the rows are staged as E2M1 codes + block scales (1.5 d bytes) in the same region."""
+    per_token = d * _BYTES[hidden_dtype] + inter * 4
     n = min(MAX_TILE, SMEM_BUDGET // per_token)
     if n < 1:
         raise DgpipeError(
@@ -178,5 +171,5 @@ def tile(d: int, inter: int, hidden_dtype: str, op: str = EXPERTS_OP) -> int:
     return n
 
 
-def shared_bytes(d: int, inter: int, hidden_dtype: str, n: int, op: str = EXPERTS_OP) -> int:
-    return n * _per_token(d, inter, hidden_dtype, op)
+def shared_bytes(d: int, inter: int, hidden_dtype: str, n: int) -> int:
+    return n * (inter * 4 + d * _BYTES[hidden_dtype])

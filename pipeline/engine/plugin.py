@@ -235,13 +235,13 @@ def _define_moe() -> None:
             moe.check_scales(op, d, experts, shapes, inter)
         x_dtype = names[hidden.dtype]
         kernel = moe.kernel(op, x_dtype)
-        n = moe.tile(d, inter, x_dtype, op)
+        n = moe.tile(d, inter, x_dtype)
         tokens = hidden.shape_expr[0]
         p = trtp.KernelLaunchParams()
         p.grid_x = experts  # one block column per expert ...
         p.grid_y = trtp.min(trtp.cdiv(tokens, moe.TOKENS_PER_SPLIT), moe.MAX_SPLITS)  # ... per token split
         p.block_x = moe.THREADS
-        p.shared_mem = moe.shared_bytes(d, inter, x_dtype, n, op)
+        p.shared_mem = moe.shared_bytes(d, inter, x_dtype, n)
         extra = trtp.SymIntExprs(6)
         for i, v in enumerate((tokens, index.shape_expr[1], d, inter, experts, n)):
             extra[i] = trtp.SymInt32(v)

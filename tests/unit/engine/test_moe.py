@@ -339,12 +339,10 @@ def test_kernel_choice_and_tile():
     assert moe_spec.tile(32, 16, "float32") == 16  # tiny: capped
     assert moe_spec.tile(2816, 704, "bfloat16") == 5  # 26B-A4B: 8448 bytes per token of 48 KiB
     assert moe_spec.shared_bytes(2816, 704, "bfloat16", 5) == 42240 <= moe_spec.SMEM_BUDGET
-    # NVFP4: the same tile for weight-only; activation fake quant adds the rows' gate and up block scales
-    assert moe_spec.kernel(moe_spec.W4_OP, "float32") == "dg_trt_moe_f32_w4"
+    assert moe_spec.kernel(moe_spec.W4_OP, "bfloat16") == "dg_trt_moe_bf16_w4"
     assert moe_spec.kernel(moe_spec.W4A4_OP, "bfloat16") == "dg_trt_moe_bf16_w4a4"
-    assert moe_spec.tile(2816, 704, "bfloat16", moe_spec.W4_OP) == 5
-    assert moe_spec.tile(2816, 704, "bfloat16", moe_spec.W4A4_OP) == 4  # 5632 + 2816 + 1408 bytes a token
-    assert moe_spec.shared_bytes(2816, 704, "bfloat16", 4, moe_spec.W4A4_OP) == 39424 <= moe_spec.SMEM_BUDGET
+    with pytest.raises(DgpipeError, match="FP8 and NVFP4 expert weights run with bf16 activations"):
+        moe_spec.kernel(moe_spec.W4A4_OP, "float32")
     with pytest.raises(DgpipeError, match="more than the kernel's"):
         moe_spec.tile(8192, 8192, "float32")
 
@@ -446,8 +444,8 @@ def _w4_inputs(trt, x, tokens=None, d=2816, inter=704, e=128, k=8, act_quant=Fal
     ("op", "x", "kernel", "tile", "per_token"),
     [
         ("MoEExpertsW4", "bfloat16", b"dg_trt_moe_bf16_w4", 5, 2816 * 2 + 704 * 4),
-        ("MoEExpertsW4", "float32", b"dg_trt_moe_f32_w4", 3, 2816 * 4 + 704 * 4),
-        ("MoEExpertsW4A4", "bfloat16", b"dg_trt_moe_bf16_w4a4", 4, 2816 * 2 + 704 * 4 + 2816 // 2),
+        # NVFP4 activations: the rows staged as codes + block scales (1.5 d bytes) in the same region
+        ("MoEExpertsW4A4", "bfloat16", b"dg_trt_moe_bf16_w4a4", 5, 2816 * 2 + 704 * 4),
     ],
 )
 def test_nvfp4_moe_plugin_at_build_time(real_trtp, op: str, x: str, kernel: bytes, tile: int, per_token: int):
@@ -489,6 +487,8 @@ def test_nvfp4_moe_plugin_refuses_mismatched_scales(real_trtp):
         build_time_call(trt, "dgpipe::MoEExpertsW4", odd)
     with pytest.raises(DgpipeError, match=r"input_scale must be \[3, 4\]"):
         build_time_call(trt, "dgpipe::MoEExpertsW4A4", [*ok, ((4, 3), f32)])
+    with pytest.raises(DgpipeError, match="run with bf16 activations: export the model in bf16"):
+        build_time_call(trt, "dgpipe::MoEExpertsW4", _w4_inputs(trt, f32, d=32, inter=16, e=4, k=2))
     assert fp4 is trt.DataType.FP4
 
 

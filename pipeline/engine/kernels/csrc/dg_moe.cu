@@ -144,7 +144,7 @@ struct DenseWeights {  // fp32 / bf16 / FP8 E4M3 weights, one element per lane p
 template <typename TX, typename TW>
 __device__ __forceinline__ void run_tile(const DenseWeights<TW>& w, const TX* x, const float* weight,
                                          const int* s_slot, int n, int e, int k, int d, int inter,
-                                         int experts, TX* xs, float* hs, float* /*aux*/, float* out) {
+                                         int experts, TX* xs, float* hs, float* out) {
   run_tile<TX, TW>(x, weight, w.gate_up, w.down, w.sc, s_slot, n, e, k, d, inter, experts, xs, hs, out);
 }
 
@@ -155,6 +155,7 @@ __device__ __forceinline__ void run_tile(const DenseWeights<TW>& w, const TX* x,
 // e2m1 * (float(block_scale) * global) in fp32: the DQ chain's operations in its order, so the kernel
 // multiplies by the very values the ONNX node sees. Read 8 codes (one 32-bit word) per lane per step: a warp
 // reads 128 contiguous bytes = 256 weights, 4.5 bits per weight from HBM with the block scales.
+template <bool kActQuant>  // NVFP4 activation fake quant: a compile-time choice (each kernel one path)
 struct Fp4Weights {
   const uint32_t* gate_up;              // [E, 2I, d/8] words of 8 codes
   const __nv_fp8_e4m3* gate_up_block;   // [E, 2I, d/16]
@@ -162,7 +163,7 @@ struct Fp4Weights {
   const uint32_t* down;                 // [E, d, I/8]
   const __nv_fp8_e4m3* down_block;      // [E, d, I/16]
   const float* down_global;             // [E]
-  const float* input;                   // [3, E] NVFP4 activation global scales (act_quant nvfp4) or nullptr
+  const float* input;                   // [3, E] NVFP4 activation global scales (kActQuant only)
 };
 
 constexpr int kBlock = 16;  // NVFP4 block: 16 consecutive elements along the input dim share a scale
@@ -187,17 +188,10 @@ __host__ __device__ __forceinline__ float e2m1_value(uint32_t code) {
   return bits_float(bits | ((code & 8u) << 28));
 }
 
-// nearest E2M1 magnitude of a >= 0, saturating at 6, ties to the even mantissa (pipeline.model.fake_quant
-// e2m1_round: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4)
-__host__ __device__ __forceinline__ float e2m1_round(float a) {
-  if (a <= 0.25f) return 0.f;
-  if (a < 0.75f) return 0.5f;
-  if (a <= 1.25f) return 1.f;
-  if (a < 1.75f) return 1.5f;
-  if (a <= 2.5f) return 2.f;
-  if (a < 3.5f) return 3.f;
-  if (a <= 5.f) return 4.f;
-  return 6.f;
+// index (0..7) of the nearest E2M1 magnitude of a >= 0, saturating at 6, ties to the even mantissa
+// (pipeline.model.fake_quant e2m1_round: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4)
+__host__ __device__ __forceinline__ uint32_t e2m1_index(float a) {
+  return (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.f);
 }
 
 // the dynamic E4M3 scale of one block of 16 activations (nvfp4_fake_quant, same operations and order):
@@ -216,10 +210,12 @@ __host__ __device__ __forceinline__ float block_amax(const T* v) {  // one block
   return amax;
 }
 
-__host__ __device__ __forceinline__ float fake_fp4(float v, float s) {
-  const float q = e2m1_round(fabsf(v) / s) * s;
-  return v >= 0.f ? q : -q;
+// the E2M1 code (sign bit 3) of v / s: nvfp4_fake_quant's value is e2m1_value(code) * s, bit for bit
+__host__ __device__ __forceinline__ uint32_t e2m1_code(float v, float s) {
+  return e2m1_index(fabsf(v) / s) | (v >= 0.f ? 0u : 8u);
 }
+
+__host__ __device__ __forceinline__ float fake_fp4(float v, float s) { return e2m1_value(e2m1_code(v, s)) * s; }
 
 // 8 consecutive elements (16- or 32-byte aligned: d, I are multiples of 16) from shared memory
 __host__ __device__ __forceinline__ void load8(const float* p, float v[kChunk]) {
@@ -242,29 +238,49 @@ __host__ __device__ __forceinline__ void dequant8(uint32_t word, float scale, fl
   for (int j = 0; j < kChunk; ++j) v[j] = e2m1_value((word >> (4 * j)) & 0xFu) * scale;
 }
 
-template <typename TX>
-__device__ void run_tile(const Fp4Weights& w, const TX* __restrict__ x, const float* __restrict__ weight,
+// One tile with NVFP4 weights. Weight-only: the tile's rows of x staged in the model dtype, as the dense
+// formats do. With NVFP4 activations the staging quantizes instead (once per tile, not once per weight row):
+// the xs region then holds each row's E2M1 codes for gate and for up (their global scales differ) and the
+// two fp32 block scales per 16 elements, 1.5 d bytes a row (xs has d * sizeof(TX) >= 2 d).
+template <typename TX, bool kActQuant>
+__device__ void run_tile(const Fp4Weights<kActQuant>& w, const TX* __restrict__ x, const float* __restrict__ weight,
                          const int* s_slot, int n, int e, int k, int d, int inter, int experts, TX* xs,
-                         float* hs, float* aux, float* __restrict__ out) {
+                         float* hs, float* __restrict__ out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int dblocks = d / kBlock, iblocks = inter / kBlock;
-  for (int t = 0; t < n; ++t) {
-    const TX* row = x + static_cast<int64_t>(s_slot[t] / k) * d;
-    for (int c = threadIdx.x; c < d; c += kThreads) xs[t * d + c] = row[c];
-  }
-  __syncthreads();
-  const bool aq = w.input != nullptr;
-  if (aq) {  // each staged row's dynamic block scales, for gate's and up's global scale: aux [n][d/16][2]
+  const int dblocks = d / kBlock, iblocks = inter / kBlock, d8 = d / kChunk;
+  constexpr bool aq = kActQuant;
+  uint32_t* xcode = reinterpret_cast<uint32_t*>(xs);  // aq: [2][n][d/8] words (gate codes, then up codes)
+  float* xscale = reinterpret_cast<float*>(xcode + 2 * n * d8);  // aq: [n][d/16][2] (gate, up)
+  if constexpr (!aq) {
+    for (int t = 0; t < n; ++t) {
+      const TX* row = x + static_cast<int64_t>(s_slot[t] / k) * d;
+      for (int c = threadIdx.x; c < d; c += kThreads) xs[t * d + c] = row[c];
+    }
+  } else {  // one thread per (row, block of 16): its amax, gate's and up's block scales, 2 x 16 codes
     const float gs_g = w.input[e], gs_u = w.input[experts + e];
     for (int i = threadIdx.x; i < n * dblocks; i += kThreads) {
-      const float amax = block_amax(xs + (i / dblocks) * d + (i % dblocks) * kBlock);
-      aux[2 * i] = nvfp4_block_scale(amax, gs_g);
-      aux[2 * i + 1] = nvfp4_block_scale(amax, gs_u);
+      const int t = i / dblocks, b = i % dblocks;
+      const TX* v = x + static_cast<int64_t>(s_slot[t] / k) * d + b * kBlock;
+      const float amax = block_amax(v);
+      const float sg = nvfp4_block_scale(amax, gs_g), su = nvfp4_block_scale(amax, gs_u);
+      xscale[2 * i] = sg;
+      xscale[2 * i + 1] = su;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint32_t cg = 0, cu = 0;
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) {
+          const float f = to_f(v[h * kChunk + j]);
+          cg |= e2m1_code(f, sg) << (4 * j);
+          cu |= e2m1_code(f, su) << (4 * j);
+        }
+        xcode[t * d8 + 2 * b + h] = cg;
+        xcode[(n + t) * d8 + 2 * b + h] = cu;
+      }
     }
-    __syncthreads();
   }
+  __syncthreads();
   // gate / up: warp per intermediate column r, lanes along d, 8 weights per lane per step
-  const int64_t d8 = d / kChunk;
   for (int r = warp; r < inter; r += kWarps) {
     const int64_t grow = static_cast<int64_t>(e) * 2 * inter + r, urow = grow + inter;
     float g[kMaxTile], u[kMaxTile];
@@ -282,21 +298,19 @@ __device__ void run_tile(const Fp4Weights& w, const TX* __restrict__ x, const fl
 #pragma unroll
       for (int t = 0; t < kMaxTile; ++t) {
         if (t < n) {
-          float v[kChunk];
-          load8(xs + t * d + c0, v);
-          if (aq) {
-            const float xg = aux[2 * (t * dblocks + b)], xu = aux[2 * (t * dblocks + b) + 1];
-#pragma unroll
-            for (int j = 0; j < kChunk; ++j) {
-              g[t] += a[j] * fake_fp4(v[j], xg);
-              u[t] += bu[j] * fake_fp4(v[j], xu);
-            }
+          float vg[kChunk], vu[kChunk];
+          if constexpr (aq) {  // the fake-quantized inputs: code value * block scale
+            dequant8(xcode[t * d8 + c0 / kChunk], xscale[2 * (t * dblocks + b)], vg);
+            dequant8(xcode[(n + t) * d8 + c0 / kChunk], xscale[2 * (t * dblocks + b) + 1], vu);
           } else {
+            load8(xs + t * d + c0, vg);
 #pragma unroll
-            for (int j = 0; j < kChunk; ++j) {
-              g[t] += a[j] * v[j];
-              u[t] += bu[j] * v[j];
-            }
+            for (int j = 0; j < kChunk; ++j) vu[j] = vg[j];
+          }
+#pragma unroll
+          for (int j = 0; j < kChunk; ++j) {
+            g[t] += a[j] * vg[j];
+            u[t] += bu[j] * vu[j];
           }
         }
       }
@@ -310,7 +324,7 @@ __device__ void run_tile(const Fp4Weights& w, const TX* __restrict__ x, const fl
     }
   }
   __syncthreads();
-  if (aq) {  // the GELU products fake-quantized in place, per block of 16 along I, down's global scale
+  if constexpr (aq) {  // the GELU products fake-quantized in place, per block of 16 along I, down's global scale
     const float gs_d = w.input[2 * experts + e];
     for (int i = threadIdx.x; i < n * iblocks; i += kThreads) {
       float* v = hs + (i / iblocks) * inter + (i % iblocks) * kBlock;
@@ -353,7 +367,7 @@ __device__ void run_tile(const Fp4Weights& w, const TX* __restrict__ x, const fl
       }
     }
   }
-  __syncthreads();  // xs / hs / aux / s_slot are reused by the next tile
+  __syncthreads();  // xs / hs / s_slot are reused by the next tile
 }
 
 template <typename TX, typename W>
@@ -363,7 +377,6 @@ __device__ void moe_experts(const TX* __restrict__ x, const int64_t* __restrict_
   extern __shared__ __align__(16) unsigned char smem[];
   float* hs = reinterpret_cast<float*>(smem);                                     // [tile][I] fp32
   TX* xs = reinterpret_cast<TX*>(smem + sizeof(float) * static_cast<size_t>(tile) * inter);  // [tile][d]
-  float* aux = reinterpret_cast<float*>(xs + static_cast<size_t>(tile) * d);  // NVFP4 act quant: [tile][d/16][2]
   __shared__ int s_slot[kThreads + kMaxTile];
   __shared__ int s_warp[kWarps];
   const int e = blockIdx.x;
@@ -394,7 +407,7 @@ __device__ void moe_experts(const TX* __restrict__ x, const int64_t* __restrict_
     pending += chunk;
     __syncthreads();
     while (pending >= tile) {
-      run_tile(wt, x, weight, s_slot, tile, e, k, d, inter, experts, xs, hs, aux, out);
+      run_tile(wt, x, weight, s_slot, tile, e, k, d, inter, experts, xs, hs, out);
       const int rest = pending - tile;  // < kThreads: one element per thread to move
       const int moved = threadIdx.x < rest ? s_slot[tile + threadIdx.x] : 0;
       __syncthreads();
@@ -404,7 +417,7 @@ __device__ void moe_experts(const TX* __restrict__ x, const int64_t* __restrict_
     }
   }
   if (pending > 0)
-    run_tile(wt, x, weight, s_slot, pending, e, k, d, inter, experts, xs, hs, aux, out);
+    run_tile(wt, x, weight, s_slot, pending, e, k, d, inter, experts, xs, hs, out);
 }
 
 }  // namespace dg_moe
@@ -450,22 +463,26 @@ dg_trt_moe_bf16_w8a8(const __nv_bfloat16* x, const int64_t* index, const float* 
                       tokens, k, d, inter, experts, tile, out);
 }
 
-// NVFP4 weights (packed E2M1 + E4M3 block scales + fp32 global scales), hidden states in the model dtype
-// (w4) or NVFP4 fake-quantised per expert input (w4a4: act_quant = nvfp4, input_scale [3, E] global scales)
-#define DG_MOE_W4(TX, NAME, INPUT_SCALE_PARAM, INPUT_SCALE)                                                  \
-  extern "C" __global__ void __launch_bounds__(dg_moe::kThreads)                                           \
-  NAME(const TX* x, const int64_t* index, const float* weight, const uint32_t* gate_up,                     \
-       const __nv_fp8_e4m3* gate_up_block_scale, const float* gate_up_scale, const uint32_t* down,          \
-       const __nv_fp8_e4m3* down_block_scale, const float* down_scale INPUT_SCALE_PARAM, DG_MOE_EXTRAS,     \
-       float* out) {                                                                                       \
-    dg_moe::moe_experts(x, index, weight,                                                                  \
-                        dg_moe::Fp4Weights{gate_up, gate_up_block_scale, gate_up_scale, down,              \
-                                           down_block_scale, down_scale, INPUT_SCALE},                     \
-                        tokens, k, d, inter, experts, tile, out);                                          \
-  }
-#define DG_MOE_COMMA ,
-DG_MOE_W4(float, dg_trt_moe_f32_w4, , nullptr)
-DG_MOE_W4(__nv_bfloat16, dg_trt_moe_bf16_w4, , nullptr)
-DG_MOE_W4(float, dg_trt_moe_f32_w4a4, DG_MOE_COMMA const float* input_scale, input_scale)
-DG_MOE_W4(__nv_bfloat16, dg_trt_moe_bf16_w4a4, DG_MOE_COMMA const float* input_scale, input_scale)
+// NVFP4 weights (ModelOpt NVFP4: packed E2M1 codes, E4M3 block scales, fp32 global scales), bf16 activations
+extern "C" __global__ void __launch_bounds__(dg_moe::kThreads)
+dg_trt_moe_bf16_w4(const __nv_bfloat16* x, const int64_t* index, const float* weight, const uint32_t* gate_up,
+                   const __nv_fp8_e4m3* gate_up_block_scale, const float* gate_up_scale, const uint32_t* down,
+                   const __nv_fp8_e4m3* down_block_scale, const float* down_scale, DG_MOE_EXTRAS, float* out) {
+  dg_moe::moe_experts(x, index, weight,
+                      dg_moe::Fp4Weights<false>{gate_up, gate_up_block_scale, gate_up_scale, down,
+                                                down_block_scale, down_scale, nullptr},
+                      tokens, k, d, inter, experts, tile, out);
+}
+
+// NVFP4 weights and NVFP4 fake-quantised expert inputs (act_quant = nvfp4, input_scale [3, E]: global scales)
+extern "C" __global__ void __launch_bounds__(dg_moe::kThreads)
+dg_trt_moe_bf16_w4a4(const __nv_bfloat16* x, const int64_t* index, const float* weight,
+                     const uint32_t* gate_up, const __nv_fp8_e4m3* gate_up_block_scale,
+                     const float* gate_up_scale, const uint32_t* down, const __nv_fp8_e4m3* down_block_scale,
+                     const float* down_scale, const float* input_scale, DG_MOE_EXTRAS, float* out) {
+  dg_moe::moe_experts(x, index, weight,
+                      dg_moe::Fp4Weights<true>{gate_up, gate_up_block_scale, gate_up_scale, down,
+                                               down_block_scale, down_scale, input_scale},
+                      tokens, k, d, inter, experts, tile, out);
+}
 #endif  // DG_MOE_HELPERS_ONLY
