@@ -90,37 +90,11 @@ def test_out_of_range_experts_give_zero_rows(layer):
 
 # ---- NVFP4 experts ----------------------------------------------------------------------------------------
 def nvfp4_experts(layer):
-    """The layer's experts as NVFP4 the way ModelOpt quantizes and the export stacks them (pipeline/onnx/
-    quant.py insert_routed_nvfp4): packed codes uint8, E4M3 block scales, fp32 global scales per expert and
-    gate|up half ([E, 2, d/16]) and per expert for down ([E])."""
-    from pipeline.model.fake_quant import E2M1_VALUES
+    """The layer's experts as NVFP4 plugin inputs (tests/_utils/nvfp4.py: ModelOpt's quantization, the
+    export's stacking)."""
+    from tests._utils.nvfp4 import quantize_experts
 
-    gu, dn = layer.experts.gate_up_proj.detach().float(), layer.experts.down_proj.detach().float()
-    e, two_i, d = gu.shape
-    inter = two_i // 2
-
-    def quantize(w: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """w [E, rows, n], global scale broadcastable to [E, rows, 1] -> (codes [E, rows, n/2], E4M3 [E, rows, n/16])."""
-        blocks = w.reshape(*w.shape[:-1], -1, 16)
-        bs = (blocks.abs().amax(-1) / 6.0 / gs).clamp(max=448).to(torch.float8_e4m3fn)
-        scaled = blocks / (bs.float()[..., None] * gs[..., None]).clamp(min=1e-30)
-        codes = (scaled.abs()[..., None] - E2M1_VALUES).abs().argmin(-1) + 8 * (scaled < 0)
-        codes = codes.reshape(w.shape).to(torch.uint8)
-        return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), bs
-
-    ws2_gu = torch.stack([gu[:, :inter].abs().amax((1, 2)), gu[:, inter:].abs().amax((1, 2))], 1) / (6 * 448)
-    full = torch.cat([ws2_gu[:, :1].expand(-1, inter), ws2_gu[:, 1:].expand(-1, inter)], 1)  # [E, 2I]
-    gu4, gu_bs = quantize(gu, full[..., None])
-    ws2_dn = dn.abs().amax((1, 2)) / (6 * 448)
-    dn4, dn_bs = quantize(dn, ws2_dn[:, None, None])
-    return {
-        "gate_up": gu4,
-        "gate_up_block_scale": gu_bs,
-        "gate_up_scale": ws2_gu[:, :, None].expand(e, 2, d // 16).contiguous(),
-        "down": dn4,
-        "down_block_scale": dn_bs,
-        "down_scale": ws2_dn,
-    }
+    return quantize_experts(layer.experts.gate_up_proj, layer.experts.down_proj)
 
 
 def nvfp4_input_scales(layer) -> torch.Tensor:
