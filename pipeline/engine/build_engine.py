@@ -253,12 +253,13 @@ def require_local_build(plan: BuildPlan) -> tuple[str, tuple[str, str]]:
 
 
 # ---- the TensorRT build -----------------------------------------------------------------------------
-def _onnx_for_trt(onnx: Path, tmp_dir: Path) -> Path:
+def _onnx_for_trt(onnx: Path, tmp_dir: Path, target: str | None = None) -> Path:
     """The model to parse: itself when every sampler node carries plugin_namespace="dgpipe" (the exporter
     adds it) and there is no routed MoE node, else a graph-only copy written BESIDE the original (external
     data paths are relative to the model file) with the sampler nodes marked, so the parser imports them
     as plugins and not as their reference functions, and each dgpipe::MoE node lowered to the expert
-    plugin + ReduceSum + CastLike (pipeline/engine/moe_graph.py)."""
+    plugin + ReduceSum + CastLike (pipeline/engine/moe_graph.py; NVFP4 experts only on a `target` that runs
+    NVFP4)."""
     import onnx as onnx_lib
 
     from pipeline.engine.moe_graph import lower_moe
@@ -272,7 +273,7 @@ def _onnx_for_trt(onnx: Path, tmp_dir: Path) -> Path:
     unmarked = [n for n in nodes if not any(a.name == "plugin_namespace" for a in n.attribute)]
     for node in unmarked:
         node.attribute.append(onnx_lib.helper.make_attribute("plugin_namespace", plugin_spec.NAMESPACE))
-    lowered = lower_moe(model)
+    lowered = lower_moe(model, target)
     if not unmarked and not lowered:
         return onnx
     fd, name = tempfile.mkstemp(prefix=".trt.", suffix=".onnx", dir=tmp_dir)
@@ -324,7 +325,7 @@ def build(plan: BuildPlan, *, force: bool = False, log_level: str = "WARNING") -
 
     logger = trt.Logger(getattr(trt.Logger, log_level))
     builder = trt.Builder(logger)
-    trt_onnx = _onnx_for_trt(plan.onnx, plan.onnx.parent)
+    trt_onnx = _onnx_for_trt(plan.onnx, plan.onnx.parent, plan.target.name)
     try:
         network, _parser = _parse(trt, builder, logger, trt_onnx)
         config = builder.create_builder_config()

@@ -12,8 +12,12 @@ fp32, cast to the model dtype once"):
 Weight formats (moe_spec): model-dtype weights feed `MoEExperts`. FP8 weights arrive as
 FLOAT8E4M3FN initializer -> DequantizeLinear (the contract's quantized form); the lowering feeds the packed
 initializer and its scale (cast to fp32) straight to `MoEExpertsW8` (`W8A8` when act_quant = fp8, with
-input_scale), so the engine keeps 1-byte expert weights and the DequantizeLinear nodes go away. Anything
-else - NVFP4 expert weights, an unknown activation - is refused with what to do instead.
+input_scale), so the engine keeps 1-byte expert weights and the DequantizeLinear nodes go away. NVFP4
+weights arrive as FLOAT4E2M1 -> DequantizeLinear(block 16) whose scale is DequantizeLinear(E4M3 block
+scales, fp32 global scale) (pipeline/onnx/quant.py insert_routed_nvfp4); the lowering feeds the three
+initializers to `MoEExpertsW4` (`W4A4` when act_quant = nvfp4), 4.5 bits per expert weight in the engine.
+NVFP4 is lowered only where pipeline.targets allows the precision (a `target` given: sm100 / sm120).
+Anything else - a mixed or unknown weight format, an unknown activation - is refused with what to do.
 """
 
 from __future__ import annotations
@@ -34,33 +38,84 @@ def _attr(node: Any, name: str, default: str) -> str:
     return default
 
 
-def _fp8_source(
-    name: str, producers: dict[str, Any], inits: dict[str, Any]
-) -> tuple[str, str, list[str]] | None:
-    """(FP8 initializer, its scale, the outputs of the chain's nodes) behind weight input `name`, or None
-    when the weight is not dequantized (model dtype). Refuses other packed formats (NVFP4, INT4)."""
-    from onnx import TensorProto
+def _int_attr(node: Any, name: str, default: int) -> int:
+    for a in node.attribute:
+        if a.name == name:
+            return a.i
+    return default
 
+
+def _dq_source(name: str, producers: dict[str, Any]) -> tuple[Any, list[str]] | None:
+    """(the DequantizeLinear behind weight input `name`, the outputs of the chain up to it), or None when
+    the weight is not dequantized (model dtype)."""
     chain, node = [], producers.get(name)
     while node is not None and node.op_type in _PASS_THROUGH:
         chain.append(node.output[0])
         node = producers.get(node.input[0])
     if node is None or node.op_type != "DequantizeLinear":
         return None
-    packed = inits.get(node.input[0])
-    kind = TensorProto.DataType.Name(packed.data_type) if packed is not None else "a computed tensor"
-    if packed is None or packed.data_type != TensorProto.FLOAT8E4M3FN:
-        raise DgpipeError(
-            f"the MoE weight {name!r} is dequantized from {kind}: the MoE plugin has FP8 E4M3 and "
-            "model-dtype kernels only (NVFP4 expert weights: not yet)",
-            hint="build with --precision fp8 or bf16, or export with --moe dense",
+    return node, [*chain, node.output[0]]
+
+
+def _weight_source(
+    name: str, role: str, producers: dict[str, Any], inits: dict[str, Any], where: str
+) -> tuple[str, list[str], list[str]] | None:
+    """(format "fp8" | "nvfp4", the plugin's inputs for this weight in port order, the outputs of the DQ
+    nodes they replace) behind weight input `name`, or None for a model-dtype weight.
+
+    fp8: [E4M3 initializer, its DQ scale]. nvfp4: [FLOAT4E2M1 initializer, E4M3 block scales, global scale]
+    from DQ(w, DQ(block_scale, global), axis=-1, block_size=16), the global scale applied as the kernel
+    reads it (`role` gate_up: per expert and gate|up half, scale DQ axis 1 in blocks of I rows; down: per
+    expert, axis 0). Other packed formats and layouts are refused."""
+    from onnx import TensorProto
+
+    found = _dq_source(name, producers)
+    if found is None:
+        return None
+    dq, dropped = found
+    packed = inits.get(dq.input[0])
+    if packed is not None and packed.data_type == TensorProto.FLOAT8E4M3FN:
+        return "fp8", [dq.input[0], dq.input[1]], dropped
+    if packed is not None and packed.data_type == TensorProto.FLOAT4E2M1:
+        scale = producers.get(dq.input[1])
+        block = (
+            inits.get(scale.input[0]) if scale is not None and scale.op_type == "DequantizeLinear" else None
         )
-    return node.input[0], node.input[1], [*chain, node.output[0]]
+        if block is None or block.data_type != TensorProto.FLOAT8E4M3FN or len(scale.input) < 2:
+            raise DgpipeError(
+                f"{where}: the NVFP4 weight {name!r} is not scaled by DequantizeLinear(E4M3 block scales, "
+                "global scale) (the layout pipeline/onnx/quant.py insert_routed_nvfp4 writes)",
+                hint="re-export the NVFP4 checkpoint with `dgpipe export`",
+            )
+        rank = len(packed.dims)
+        if _int_attr(dq, "block_size", 0) != moe_spec.NVFP4_BLOCK or _int_attr(dq, "axis", 1) not in (
+            -1,
+            rank - 1,
+        ):
+            raise DgpipeError(
+                f"{where}: the NVFP4 weight {name!r} must be dequantized in blocks of {moe_spec.NVFP4_BLOCK} "
+                "along its last axis (DequantizeLinear axis=-1, block_size=16)"
+            )
+        axis, block = (1, packed.dims[1] // 2) if role == "gate_up" else (0, 0)
+        if _int_attr(scale, "axis", 1) != axis or _int_attr(scale, "block_size", 0) != block:
+            want = f"axis={axis}, block_size={block}" if block else f"axis={axis}"
+            raise DgpipeError(
+                f"{where}: the NVFP4 {role} global scale must be applied by DequantizeLinear {want}, as "
+                "pipeline/onnx/quant.py insert_routed_nvfp4 writes it (the layout the kernel reads)"
+            )
+        return "nvfp4", [dq.input[0], scale.input[0], scale.input[1]], [*dropped, scale.output[0]]
+    kind = TensorProto.DataType.Name(packed.data_type) if packed is not None else "a computed tensor"
+    raise DgpipeError(
+        f"the MoE weight {name!r} is dequantized from {kind}: the MoE plugin has FP8 E4M3, NVFP4 and "
+        "model-dtype kernels only",
+        hint="build with --precision fp8, nvfp4 or bf16, or export with --moe dense",
+    )
 
 
-def lower_moe(model: Any) -> int:
+def lower_moe(model: Any, target: str | None = None) -> int:
     """Rewrite every dgpipe::MoE node of `model` (an onnx.ModelProto, external data not loaded) in place;
-    returns how many were lowered."""
+    returns how many were lowered. With `target`, NVFP4 experts are refused where pipeline.targets does not
+    run NVFP4 (the engine build passes its target; plan_build has refused such a build already)."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
@@ -81,29 +136,42 @@ def lower_moe(model: Any) -> int:
             raise DgpipeError(f"{where}: MoE activation {activation!r}; the plugin computes gelu_tanh only")
         act_quant = _attr(node, "act_quant", "none")
         hidden, index, weight, gate_up, down = node.input[:5]
-        gu8, dn8 = _fp8_source(gate_up, producers, inits), _fp8_source(down, producers, inits)
-        if (gu8 is None) != (dn8 is None):
-            raise DgpipeError(f"{where}: gate_up and down must both be FP8 or both the model dtype")
+        gu = _weight_source(gate_up, "gate_up", producers, inits, where)
+        dn = _weight_source(down, "down", producers, inits, where)
+        fmt = gu[0] if gu is not None else None
+        if fmt != (dn[0] if dn is not None else None):
+            raise DgpipeError(
+                f"{where}: gate_up and down must share one format (both FP8, both NVFP4 or both the model "
+                f"dtype), got {fmt or 'model dtype'} and {dn[0] if dn else 'model dtype'}"
+            )
         prefix = node.output[0]
-        if gu8 is None:
-            if act_quant != "none":
-                raise DgpipeError(f"{where}: act_quant={act_quant} needs FP8 expert weights")
+        quant_act = {None: "none", "fp8": "fp8", "nvfp4": "nvfp4"}[fmt]
+        if act_quant not in ("none", quant_act):
+            what = "FP8" if act_quant == "fp8" else "NVFP4" if act_quant == "nvfp4" else None
+            raise DgpipeError(
+                f"{where}: act_quant={act_quant} needs {what} expert weights"
+                if what
+                else f"{where}: unknown act_quant {act_quant!r} (none, fp8 or nvfp4)"
+            )
+        if gu is None:
             op, inputs = moe_spec.EXPERTS_OP, [hidden, index, weight, gate_up, down]
         else:
-            casts = []
-            for src, tag in ((gu8[1], "gate_up_scale"), (dn8[1], "down_scale")):
-                casts.append(f"{prefix}.{tag}")
-                new_nodes.append(helper.make_node("Cast", [src], [casts[-1]], to=TensorProto.FLOAT))
-            dropped.update(gu8[2] + dn8[2])
-            inputs = [hidden, index, weight, gu8[0], casts[0], dn8[0], casts[1]]
-            op = moe_spec.W8_OP
-            if act_quant == "fp8":
+            if fmt == "nvfp4" and target is not None:
+                from pipeline.targets import check_precision_on_target
+
+                check_precision_on_target("nvfp4", target)
+            inputs = [hidden, index, weight]
+            for (_, srcs, chain), tag in ((gu, "gate_up"), (dn, "down")):
+                *packed, scale = srcs  # the fp32 scale the kernel reads last: a Cast makes it fp32
+                inputs += [*packed, f"{prefix}.{tag}_scale"]
+                new_nodes.append(helper.make_node("Cast", [scale], [inputs[-1]], to=TensorProto.FLOAT))
+                dropped.update(chain)
+            op = {"fp8": moe_spec.W8_OP, "nvfp4": moe_spec.W4_OP}[fmt]
+            if act_quant != "none":
                 if len(node.input) < 6 or not node.input[5]:
-                    raise DgpipeError(f"{where}: act_quant=fp8 without its input_scale input")
-                op = moe_spec.W8A8_OP
+                    raise DgpipeError(f"{where}: act_quant={act_quant} without its input_scale input")
+                op = {"fp8": moe_spec.W8A8_OP, "nvfp4": moe_spec.W4A4_OP}[fmt]
                 inputs.append(node.input[5])
-            elif act_quant != "none":
-                raise DgpipeError(f"{where}: unknown act_quant {act_quant!r} (none or fp8)")
         per_choice, summed = f"{prefix}.out_k", f"{prefix}.sum_k"
         new_nodes += [
             helper.make_node(

@@ -6,14 +6,19 @@ input_scale [3, E]; out [T, d]). A TensorRT AOT plugin is one kernel launch, and
 compute every (token, expert) pair and sum a token's K expert outputs without atomics or a second pass;
 so the engine build (`pipeline.engine.moe_graph`) replaces each node with a plugin that writes one fp32 row
 per (token, choice) - out_k [T, K, d] - followed by ReduceSum over K and one Cast to the model dtype,
-exactly the contract's "summed over k in fp32, cast once". Three plugins, one per weight format:
+exactly the contract's "summed over k in fp32, cast once". Five plugins, one per weight format:
 
 * `MoEExperts`      hidden, expert_index, expert_weight, gate_up, down (fp32 or bf16, all the model dtype)
 * `MoEExpertsW8`    + FP8 E4M3 gate_up / down with their DequantizeLinear scales ([E, 2, d] and [E], fp32)
 * `MoEExpertsW8A8`  + input_scale [3, E] (act_quant fp8: E4M3 fake quantisation of the expert inputs)
+* `MoEExpertsW4`    NVFP4 (ModelOpt layout, as the export's two-level DequantizeLinear stores it): gate_up
+                    FLOAT4E2M1 [E, 2I, d] with E4M3 block scales [E, 2I, d/16] and fp32 global scales
+                    [E, 2, d/16]; down FLOAT4E2M1 [E, d, I], block scales [E, d, I/16], global [E]
+* `MoEExpertsW4A4`  + input_scale [3, E] (act_quant nvfp4: the global scales of dynamic per-16 E4M3 block
+                    scales, as pipeline.model.fake_quant.nvfp4_fake_quant)
 
 Kernels: `dg_trt_moe_*` in pipeline/engine/kernels/csrc/dg_moe.cu (TensorRT AOT argument order: inputs,
-int32 T, K, d, I, E, tile, outputs). NVFP4 expert weights have no kernel yet (see docs/engine.md).
+int32 T, K, d, I, E, tile, outputs).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ ONNX_OP = "MoE"  # the exported node (pipeline/onnx/contract.py MOE)
 EXPERTS_OP = "MoEExperts"
 W8_OP = "MoEExpertsW8"
 W8A8_OP = "MoEExpertsW8A8"
+W4_OP = "MoEExpertsW4"
+W4A4_OP = "MoEExpertsW4A4"
+NVFP4_BLOCK = 16  # kBlock in dg_moe.cu: one E4M3 scale per 16 elements along the input dim
 ACTIVATION = "gelu_tanh"
 
 THREADS = 256  # kThreads in dg_moe.cu
@@ -51,13 +59,32 @@ W8_INPUTS = (
     Port("down_scale", "float32", ("E",)),
 )
 W8A8_INPUTS = (*W8_INPUTS, Port("input_scale", "float32", ("3", "E")))
+W4_INPUTS = (
+    *_BASE,
+    Port("gate_up", "float4e2m1", ("E", "2I", "d")),
+    Port("gate_up_block_scale", "float8e4m3", ("E", "2I", "d/16")),
+    Port("gate_up_scale", "float32", ("E", "2", "d/16")),
+    Port("down", "float4e2m1", ("E", "d", "I")),
+    Port("down_block_scale", "float8e4m3", ("E", "d", "I/16")),
+    Port("down_scale", "float32", ("E",)),
+)
+W4A4_INPUTS = (*W4_INPUTS, Port("input_scale", "float32", ("3", "E")))
 OUTPUTS = (Port("out_k", "float32", ("T", "K", "d")),)
-SPECS = {EXPERTS_OP: EXPERTS_INPUTS, W8_OP: W8_INPUTS, W8A8_OP: W8A8_INPUTS}
+SPECS = {
+    EXPERTS_OP: EXPERTS_INPUTS,
+    W8_OP: W8_INPUTS,
+    W8A8_OP: W8A8_INPUTS,
+    W4_OP: W4_INPUTS,
+    W4A4_OP: W4A4_INPUTS,
+}
+NVFP4_OPS = (W4_OP, W4A4_OP)
 KERNELS = {
     (EXPERTS_OP, "float32"): "dg_trt_moe_f32",
     (EXPERTS_OP, "bfloat16"): "dg_trt_moe_bf16",
     (W8_OP, "bfloat16"): "dg_trt_moe_bf16_w8",
     (W8A8_OP, "bfloat16"): "dg_trt_moe_bf16_w8a8",
+    (W4_OP, "bfloat16"): "dg_trt_moe_bf16_w4",
+    (W4A4_OP, "bfloat16"): "dg_trt_moe_bf16_w4a4",
 }
 ENTRY_POINTS = tuple(sorted(KERNELS.values()))
 _BYTES = {"float32": 4, "bfloat16": 2}
@@ -80,7 +107,7 @@ def kernel(op: str, hidden_dtype: str) -> str:
     except KeyError:
         raise DgpipeError(
             f"{NAMESPACE}::{op} has no kernel for {hidden_dtype} hidden states",
-            hint="FP8 expert weights run with bf16 activations: export the model in bf16",
+            hint="FP8 and NVFP4 expert weights run with bf16 activations: export the model in bf16",
         ) from None
 
 
@@ -97,18 +124,43 @@ def check_dims(op: str, d: int, experts: int, gate_up: tuple[int, ...], down: tu
     return inter
 
 
-def check_scales(op: str, d: int, experts: int, shapes: list[tuple[int, ...]]) -> None:
+def port_index(op: str, name: str) -> int:
+    """Position of input `name` in plugin `op`'s ports (the kernel's parameter order)."""
+    return [p.name for p in SPECS[op]].index(name)
+
+
+def check_scales(op: str, d: int, experts: int, shapes: list[tuple[int, ...]], inter: int = 0) -> None:
     """FP8 scale inputs as the kernel indexes them: gate_up_scale [E, 2, d] (the blocked DequantizeLinear
-    scale of gate_up), down_scale [E] (per-axis, axis 0), input_scale [3, E]."""
-    want = [(experts, 2, d), (experts,), (3, experts)][: len(shapes)]
-    for port, got, expect in zip(("gate_up_scale", "down_scale", "input_scale"), shapes, want):
+    scale of gate_up), down_scale [E] (per-axis, axis 0), input_scale [3, E]. NVFP4 (`shapes` in port
+    order after gate_up: block and global scales, `inter` = I): d and I in whole blocks of 16, gate_up's
+    block scales [E, 2I, d/16] and global [E, 2, d/16], down's [E, d, I/16] and [E], input_scale [3, E]."""
+    if op in NVFP4_OPS:
+        if d % NVFP4_BLOCK or inter % NVFP4_BLOCK:
+            raise DgpipeError(
+                f"{NAMESPACE}::{op}: NVFP4 needs d and I in whole blocks of {NVFP4_BLOCK}, got d={d}, I={inter}"
+            )
+        names = [p.name for p in SPECS[op] if p.name.endswith("scale")]
+        want = [
+            (experts, 2 * inter, d // NVFP4_BLOCK),
+            (experts, 2, d // NVFP4_BLOCK),
+            (experts, d, inter // NVFP4_BLOCK),
+            (experts,),
+            (3, experts),
+        ]
+    else:
+        names, want = (
+            ["gate_up_scale", "down_scale", "input_scale"],
+            [(experts, 2, d), (experts,), (3, experts)],
+        )
+    for port, got, expect in zip(names, shapes, want[: len(shapes)]):
         if tuple(got) != expect:
             raise DgpipeError(f"{NAMESPACE}::{op}: {port} must be {list(expect)}, got {list(got)}")
 
 
 def tile(d: int, inter: int, hidden_dtype: str) -> int:
     """Tokens per tile: as many as the shared-memory budget holds (a tile's rows of x in the model dtype
-    plus its fp32 GELU products), at most MAX_TILE."""
+    plus its fp32 GELU products), at most MAX_TILE. Every weight format needs the same: with NVFP4
+    activations the rows are staged as E2M1 codes + block scales (1.5 d bytes) in the same region."""
     per_token = d * _BYTES[hidden_dtype] + inter * 4
     n = min(MAX_TILE, SMEM_BUDGET // per_token)
     if n < 1:

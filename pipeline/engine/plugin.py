@@ -1,5 +1,6 @@
 """The engine's TensorRT ahead-of-time Python plugins: the sampler (`dgpipe::SampleRows`,
-`dgpipe::SampleAccept`) and the routed experts (`dgpipe::MoEExperts`, `...W8`, `...W8A8`; moe_spec).
+`dgpipe::SampleAccept`) and the routed experts (`dgpipe::MoEExperts`, `...W8`, `...W8A8`, `...W4`, `...W4A4`;
+moe_spec).
 
 Why AOT Python plugins (tensorrt.plugin, TensorRT >= 10.8) and not a C++ IPluginV3 library: `@trtp.aot_impl`
 returns PTX that TensorRT embeds in the serialized engine, so the plan is self-contained: Triton's C++
@@ -34,6 +35,7 @@ def _dtype_names(trt: Any) -> dict[Any, str]:
         trt.int64: "int64",
         trt.bool: "bool",
         trt.fp8: "float8e4m3",
+        trt.fp4: "float4e2m1",  # NVFP4 expert weights: packed two per byte, dims count elements
     }
 
 
@@ -212,7 +214,7 @@ def _define_moe() -> None:
 
     def launch(op: str, inputs: tuple) -> Aot:
         hidden, index, gate_up = inputs[0], inputs[1], inputs[3]
-        down = inputs[5] if op != moe.EXPERTS_OP else inputs[4]
+        down = inputs[moe.port_index(op, "down")]
         dims = {}
         for label, exprs in (
             ("d", hidden.shape_expr[1:]),
@@ -227,9 +229,10 @@ def _define_moe() -> None:
             dims[label] = values
         d, experts = dims["d"][0], dims["gate_up"][0]
         inter = moe.check_dims(op, d, experts, dims["gate_up"], dims["down"])
-        if op != moe.EXPERTS_OP:  # scales: gate_up_scale, down_scale[, input_scale]
-            scales = [inputs[4], inputs[6], *inputs[7:]]
-            moe.check_scales(op, d, experts, [tuple(_const(e) for e in t.shape_expr) for t in scales])
+        if op != moe.EXPERTS_OP:  # the scale inputs, in port order
+            scales = [t for t, port in zip(inputs, moe.SPECS[op]) if port.name.endswith("scale")]
+            shapes = [tuple(_const(e) for e in t.shape_expr) for t in scales]
+            moe.check_scales(op, d, experts, shapes, inter)
         x_dtype = names[hidden.dtype]
         kernel = moe.kernel(op, x_dtype)
         n = moe.tile(d, inter, x_dtype)
@@ -247,6 +250,8 @@ def _define_moe() -> None:
     experts_id = f"{spec.NAMESPACE}::{moe.EXPERTS_OP}"
     w8_id = f"{spec.NAMESPACE}::{moe.W8_OP}"
     w8a8_id = f"{spec.NAMESPACE}::{moe.W8A8_OP}"
+    w4_id = f"{spec.NAMESPACE}::{moe.W4_OP}"
+    w4a4_id = f"{spec.NAMESPACE}::{moe.W4A4_OP}"
 
     @trtp.register(experts_id)
     def experts_desc(hidden: TD, expert_index: TD, expert_weight: TD, gate_up: TD, down: TD) -> Out:
@@ -317,3 +322,73 @@ def _define_moe() -> None:
     ) -> Aot:
         ins = (hidden, expert_index, expert_weight, gate_up, gate_up_scale, down, down_scale, input_scale)
         return launch(moe.W8A8_OP, ins)
+
+    @trtp.register(w4_id)
+    def w4_desc(
+        hidden: TD,
+        expert_index: TD,
+        expert_weight: TD,
+        gate_up: TD,
+        gate_up_block_scale: TD,
+        gate_up_scale: TD,
+        down: TD,
+        down_block_scale: TD,
+        down_scale: TD,
+    ) -> Out:
+        ins = (hidden, expert_index, expert_weight, gate_up, gate_up_block_scale, gate_up_scale, down,
+               down_block_scale, down_scale)  # fmt: skip
+        return describe(moe.W4_OP, ins)
+
+    @trtp.aot_impl(w4_id)
+    def w4_aot(
+        hidden: TD,
+        expert_index: TD,
+        expert_weight: TD,
+        gate_up: TD,
+        gate_up_block_scale: TD,
+        gate_up_scale: TD,
+        down: TD,
+        down_block_scale: TD,
+        down_scale: TD,
+        outputs,
+        tactic: int,
+    ) -> Aot:
+        ins = (hidden, expert_index, expert_weight, gate_up, gate_up_block_scale, gate_up_scale, down,
+               down_block_scale, down_scale)  # fmt: skip
+        return launch(moe.W4_OP, ins)
+
+    @trtp.register(w4a4_id)
+    def w4a4_desc(
+        hidden: TD,
+        expert_index: TD,
+        expert_weight: TD,
+        gate_up: TD,
+        gate_up_block_scale: TD,
+        gate_up_scale: TD,
+        down: TD,
+        down_block_scale: TD,
+        down_scale: TD,
+        input_scale: TD,
+    ) -> Out:
+        ins = (hidden, expert_index, expert_weight, gate_up, gate_up_block_scale, gate_up_scale, down,
+               down_block_scale, down_scale, input_scale)  # fmt: skip
+        return describe(moe.W4A4_OP, ins)
+
+    @trtp.aot_impl(w4a4_id)
+    def w4a4_aot(
+        hidden: TD,
+        expert_index: TD,
+        expert_weight: TD,
+        gate_up: TD,
+        gate_up_block_scale: TD,
+        gate_up_scale: TD,
+        down: TD,
+        down_block_scale: TD,
+        down_scale: TD,
+        input_scale: TD,
+        outputs,
+        tactic: int,
+    ) -> Aot:
+        ins = (hidden, expert_index, expert_weight, gate_up, gate_up_block_scale, gate_up_scale, down,
+               down_block_scale, down_scale, input_scale)  # fmt: skip
+        return launch(moe.W4A4_OP, ins)

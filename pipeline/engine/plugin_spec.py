@@ -27,7 +27,7 @@ ACCEPT_OP = "SampleAccept"
 ROW_THREADS = 512  # kRowThreads in dg_sampler.cu
 MAX_CANVAS = 1024  # kMaxCanvas: kernel B sorts one row in one block
 
-DType = Literal["float32", "bfloat16", "int64", "bool", "float8e4m3"]
+DType = Literal["float32", "bfloat16", "int64", "bool", "float8e4m3", "float4e2m1"]
 
 
 @dataclass(frozen=True)

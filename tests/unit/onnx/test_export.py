@@ -819,6 +819,34 @@ def test_nvfp4_routed_export_matches_fake_quant_reference(model, tmp_path):
     fp4 = [t for t in m.graph.initializer if t.data_type == TensorProto.FLOAT4E2M1]
     assert len(fp4) == len(dense_linears) + 2 * len(routed)
     _, quant = read_quantized_checkpoint(ckpt)
+    # the engine build's lowering: each node -> the NVFP4 expert plugin reading these very initializers
+    import copy
+
+    from onnx import numpy_helper
+
+    from pipeline.engine.kernels.moe_reference import moe_experts_reference
+    from pipeline.engine.moe_graph import lower_moe
+
+    lowered = copy.deepcopy(m)
+    assert lower_moe(lowered, "sm100") == len(routed)
+    plugins = [n for n in lowered.graph.node if n.op_type == "MoEExpertsW4A4"]
+    assert len(plugins) == len(routed) and not any(n.op_type == "MoE" for n in lowered.graph.node)
+    lowered_inits = {t.name: t for t in lowered.graph.initializer}
+    lowered_producers = {o: n for n in lowered.graph.node for o in n.output}
+
+    def plugin_input(name: str) -> torch.Tensor:
+        """A plugin input as TensorRT hands it to the kernel: FLOAT4E2M1 / E4M3 bytes as stored, fp32 scales
+        (through the lowering's Cast)."""
+        if name not in lowered_inits:
+            name = lowered_producers[name].input[0]  # Cast(global scale) -> its initializer
+        t = lowered_inits[name]
+        if t.data_type == TensorProto.FLOAT4E2M1:
+            return torch.frombuffer(bytearray(t.raw_data), dtype=torch.uint8).reshape(*t.dims[:-1], -1)
+        if t.data_type == TensorProto.FLOAT8E4M3FN:
+            raw = torch.frombuffer(bytearray(t.raw_data), dtype=torch.uint8)
+            return raw.view(torch.float8_e4m3fn).reshape(*t.dims)
+        return torch.from_numpy(numpy_helper.to_array(t).copy())
+
     gen = torch.Generator().manual_seed(0)
     for i in (0, len(routed) - 1):
         experts = model.layers[i].experts
@@ -844,14 +872,22 @@ def test_nvfp4_routed_export_matches_fake_quant_reference(model, tmp_path):
         err, ref_scale = float((torch.from_numpy(got) - want).abs().max()), float(want.abs().max())
         assert err <= 1e-5 * ref_scale, (i, err, ref_scale)
         assert float((plain - want).abs().max()) > 1e-2 * ref_scale  # the activations really are quantized
-    # the engine has no NVFP4 grouped GEMM yet: the TensorRT lowering refuses the node, naming what to do
-    from pipeline.engine.moe_graph import lower_moe
+        # the plugin's reference (the GPU kernel's oracle) on the lowered node's inputs == the node's output
+        gu4, gu_bs, gu_s, dn4, dn_bs, dn_s, in_s = map(plugin_input, plugins[i].input[3:])
+        rows = moe_experts_reference(
+            x, index, weight, gu4, dn4, gate_up_block_scale=gu_bs, gate_up_scale=gu_s,
+            down_block_scale=dn_bs, down_scale=dn_s, input_scale=in_s, dtype=torch.float32,
+        )  # fmt: skip
+        assert torch.equal(in_s, scale)
+        err = float((rows.sum(1) - torch.from_numpy(got)).abs().max())
+        assert err <= 1e-5 * ref_scale, (i, err, ref_scale)
+    # NVFP4 experts are lowered only where pipeline.targets runs NVFP4
     from pipeline.errors import DgpipeError
 
     graph_only = onnx.load(summary.path, load_external_data=False)
-    with pytest.raises(DgpipeError, match="NVFP4 expert weights: not yet") as refused:
-        lower_moe(graph_only)
-    assert "--moe dense" in str(refused.value.hint)
+    with pytest.raises(DgpipeError, match="does not run natively on sm90") as refused:
+        lower_moe(graph_only, "sm90")
+    assert "--precision fp8" in str(refused.value.hint)
 
 
 def test_cli_eval_sudoku_through_onnx(exported):
