@@ -142,6 +142,19 @@ class Attention(nn.Module):
         cos, sin = li.cos[:, :, None, :], li.sin[:, :, None, :]
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim))
         q = (q * cos + rotate_half(q) * sin).transpose(1, 2)
+        new_kv = k, v = self.project_kv(x, li)
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=li.mask, scale=1.0, enable_gqa=self.num_kv_heads != self.num_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1)), new_kv
+
+    def project_kv(self, x: torch.Tensor, li: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new tokens' K/V [B, kv_heads, Q, head_dim] (normed, K rotated): what a cache keeps."""
+        b, q_len, _ = x.shape
+        cos, sin = li.cos[:, :, None, :], li.sin[:, :, None, :]
         k_raw = self.k_proj(x).view(b, q_len, self.num_kv_heads, self.head_dim)
         v_raw = (
             self.v_proj(x).view(b, q_len, self.num_kv_heads, self.head_dim)
@@ -150,15 +163,7 @@ class Attention(nn.Module):
         )
         k = self.k_norm(k_raw)
         k = (k * cos + rotate_half(k) * sin).transpose(1, 2)
-        v = self.v_norm(v_raw).transpose(1, 2)
-        new_kv = (k, v)
-        if past is not None:
-            k = torch.cat([past[0], k], dim=2)
-            v = torch.cat([past[1], v], dim=2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=li.mask, scale=1.0, enable_gqa=self.num_kv_heads != self.num_heads
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1)), new_kv
+        return k, self.v_norm(v_raw).transpose(1, 2)
 
 
 class Router(nn.Module):
@@ -372,6 +377,14 @@ class DiffusionGemma(nn.Module):
         w = self.embed_tokens.weight
         return torch.matmul(probs.to(w.dtype), w) * self.embed_scale.to(w.dtype)
 
+    def layer_inputs(
+        self, positions: torch.Tensor, masks: dict[str, torch.Tensor | None], dtype: torch.dtype
+    ) -> dict[str, LayerInputs]:
+        return {
+            kind: LayerInputs(*self.rope(kind, positions, dtype), mask=masks[kind])
+            for kind in set(self.layer_types)
+        }
+
     def run_layers(
         self,
         h: torch.Tensor,
@@ -381,10 +394,7 @@ class DiffusionGemma(nn.Module):
         encoder: bool,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """All layers plus the final norm; returns the hidden states and each layer's new (K, V)."""
-        inputs = {
-            kind: LayerInputs(*self.rope(kind, positions, h.dtype), mask=masks[kind])
-            for kind in set(self.layer_types)
-        }
+        inputs = self.layer_inputs(positions, masks, h.dtype)
         new_kv = []
         for i, layer in enumerate(self.layers):
             h, kv = layer(h, inputs[self.layer_types[i]], past[i] if past is not None else None, encoder)
@@ -401,6 +411,25 @@ class DiffusionGemma(nn.Module):
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Causal pass (prefill, commit, AR decoding): hidden states and the K/V to write to the cache."""
         return self.run_layers(self.embed(tokens), positions, masks, past, encoder=True)
+
+    def encode_kv(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        masks: dict[str, torch.Tensor | None],
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`encode`'s K/V only (prefill, commit): the last layer's attention output, FFN and the final norm
+        feed nothing a cache keeps, so they are skipped. The same ops as `encode` for what it computes."""
+        h = self.embed(tokens)
+        inputs = self.layer_inputs(positions, masks, h.dtype)
+        new_kv = []
+        for i, layer in enumerate(self.layers[:-1]):
+            h, kv = layer(h, inputs[self.layer_types[i]], past[i] if past is not None else None, True)
+            new_kv.append(kv)
+        last = self.layers[-1]
+        new_kv.append(last.self_attn.project_kv(last.input_layernorm(h), inputs[self.layer_types[-1]]))
+        return new_kv
 
     def denoise(
         self,

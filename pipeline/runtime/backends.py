@@ -111,7 +111,7 @@ class TorchBackend:
         return self.fused and all(layer.experts.use_grouped(probe) for layer in self.model.layers)
 
     def causal(self, tokens: torch.Tensor, positions: torch.Tensor, masks: Masks, past: KV | None) -> KV:
-        return self.model.encode(tokens, positions, masks, past)[1]
+        return self.model.encode_kv(tokens, positions, masks, past)
 
     def denoise_step(
         self,

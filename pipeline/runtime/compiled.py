@@ -47,14 +47,14 @@ def _register_routed_experts_op() -> None:
 
 
 def compile_model(model: DiffusionGemma) -> DiffusionGemma:
-    """Replace `model.denoise_soft` and `model.encode` (the runtime's two passes) with compiled versions,
+    """Replace `model.denoise_soft` and `model.encode_kv` (the runtime's two passes) with compiled versions,
     in place; every runtime and backend built on `model` afterwards runs them. Idempotent. Compilation
     itself happens lazily, on each pass's first call with a new shape."""
     if getattr(model, COMPILED_ATTR, False):
         return model
     _register_routed_experts_op()
     model.denoise_soft = torch.compile(model.denoise_soft)  # type: ignore[method-assign]
-    model.encode = torch.compile(model.encode)  # type: ignore[method-assign]
+    model.encode_kv = torch.compile(model.encode_kv)  # type: ignore[method-assign]
     setattr(model, COMPILED_ATTR, True)
     return model
 
