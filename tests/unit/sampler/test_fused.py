@@ -163,3 +163,12 @@ def test_first_argmax_is_torch_argmax_on_ties_infinities_and_nan():
     first_argmax_(x, out, scratch, torch.arange(1000, 0, -1, dtype=torch.float32))
     assert torch.equal(out, torch.argmax(x, dim=-1))
     assert out.tolist() == [3, 10, 0, 999, 5, 0, 0, 999, 400]
+
+
+def test_uniform_from_23_bits_is_the_same_for_every_r():
+    """gumbel_rows_ forms u as r * 2**-23 + 2**-24 (cast folded into the multiply); the statement is
+    (r + 0.5) * 2**-23. Both are exact in fp32, so they agree for all 2**23 values of r."""
+    r = torch.arange(1 << 23, dtype=torch.int32)
+    folded = torch.mul(r, 1.0 / (1 << 23)).add_(1.0 / (1 << 24))
+    stated = (r.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    assert torch.equal(folded.view(torch.int32), stated.view(torch.int32))
