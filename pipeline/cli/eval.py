@@ -41,6 +41,13 @@ def eval_sudoku_cmd(
     steps: Annotated[int | None, typer.Option(help="max denoising steps")] = None,
     entropy_bound: Annotated[float | None, typer.Option(help="EB-sampler bound")] = None,
     confidence_threshold: Annotated[float | None, typer.Option(help="0 = fixed steps")] = None,
+    baseline: Annotated[
+        Path | None,
+        typer.Option(
+            help="another checkpoint (e.g. the previous weights) as one more arm, 'baseline': pinned "
+            "decoding with the same sampler settings and seeds, paired tests against every arm"
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option(help="puzzle-set seed")] = 20_000,
     batch: Annotated[int, typer.Option(help="puzzles per batch")] = 50,
     dtype: opt.Dtype = "auto",
@@ -91,7 +98,15 @@ def eval_sudoku_cmd(
     if not bands:
         bands = [tuple(session.checkpoint.dgpipe.get("givens_range", (45, 61)))]
     sampler = session.sampler(**overrides)
-    total = n * len(bands) * len(arm_list)
+    base_model = None
+    if baseline is not None:
+        if onnx is not None:
+            raise DgpipeError("--baseline compares PyTorch checkpoints", "drop --onnx or --baseline")
+        base = load_session(baseline, dtype, device)
+        if not isinstance(base.prompt_format, SudokuFormat):
+            raise DgpipeError(f"--baseline {baseline} is not a Sudoku model")
+        base_model = base.model
+    total = n * len(bands) * (len(arm_list) + (base_model is not None))
     with out.progress(
         f"{', '.join(arm_list)} on {n} puzzles x {len(bands)} bands", total=total, disable=as_json
     ) as advance:
@@ -104,6 +119,7 @@ def eval_sudoku_cmd(
             sampler,
             batch=batch,
             progress=advance,
+            baseline=base_model,
         )
     first = next(iter(results[0].arms.values()))
     result = (
@@ -113,6 +129,7 @@ def eval_sudoku_cmd(
             "task": "Sudoku solver",
             "seed": seed,
             "sampler": sampler.model_dump(),
+            "baseline": str(baseline) if baseline is not None else None,
             "bands": [b.as_dict() for b in results],
         }
     )
@@ -151,6 +168,13 @@ def eval_quantization(
         "nvfp4,fp8,int4_awq"
     ),
     n: Annotated[int, typer.Option(help="held-out puzzles per precision")] = 200,
+    baseline: Annotated[
+        Path | None,
+        typer.Option(
+            help="another checkpoint (e.g. the previous weights) as one more arm, 'baseline': pinned "
+            "decoding with the same sampler settings and seeds, paired tests against every arm"
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option(help="puzzle-set seed")] = 20_000,
     calib_size: Annotated[int, typer.Option(help="calibration prompts")] = 64,
     max_drop: Annotated[

@@ -153,9 +153,12 @@ def compare_arms(
     sampler: SamplerConfig | None = None,
     batch: int = 50,
     progress: Callable[[int], None] | None = None,
+    baseline: DiffusionGemma | None = None,
 ) -> list[BandComparison]:
     """Per band: `n` fresh puzzles (seeded, so every arm and every run sees the same ones), each arm on
-    them with the same sampler seeds, and McNemar's test for every pair of arms."""
+    them with the same sampler seeds, and McNemar's test for every pair of arms. `baseline`: other weights
+    (e.g. the previous checkpoint), decoded the default way (givens pinned) with the same sampler settings
+    and seeds, as one more arm named "baseline"."""
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise ValueError(f"unknown arms {unknown}: choose from {list(ARMS)}")
@@ -175,6 +178,10 @@ def compare_arms(
             )
             for a in arms
         }
+        if baseline is not None:
+            reps["baseline"] = eval_sudoku(
+                baseline, puzzles, band, sampler, "diffusion", True, batch=batch, progress=progress
+            )
         names = list(reps)
         tests = [
             mcnemar(x, reps[x].outcomes, y, reps[y].outcomes)

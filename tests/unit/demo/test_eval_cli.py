@@ -77,3 +77,40 @@ def test_bad_arms_and_bands_are_refused(monkeypatch, capsys):
             main()
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("error: ") and needle in err, err
+
+
+def test_baseline_checkpoint_is_one_more_paired_arm(tmp_path):
+    """--baseline DIR: other weights on the same puzzles and seeds, tested against the arms. Here a copy
+    with noise added to one weight, so its outcomes differ; each figure equals a direct run."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.runtime.session import default_model_path
+
+    other = tmp_path / "other"
+    shutil.copytree(default_model_path(), other)
+    state = load_file(other / "model.safetensors")
+    name = next(k for k in state if "layers.0.mlp.down_proj" in k)
+    gen = torch.Generator().manual_seed(0)
+    state[name] = state[name] + state[name].std() * torch.randn(state[name].shape, generator=gen)
+    save_file(state, str(other / "model.safetensors"), metadata={"format": "pt"})
+    args = ["eval", "sudoku", "--n", "8", "--batch", "8", "--givens", "36-44", "--arms", "pinned"]
+    r = CliRunner().invoke(app, [*args, "--baseline", str(other), "--json"])
+    assert r.exit_code == 0, r.output
+    band = json.loads(r.output)["bands"][0]
+    assert set(band["arms"]) == {"pinned", "baseline"}
+    puzzles = sudoku.make_dataset(20_000, 8, (36, 44))
+    s, b = load_session(), load_session(other)
+    with torch.inference_mode():
+        mine = eval_sudoku(s.model, puzzles, (36, 44), s.sampler(), batch=8)
+        theirs = eval_sudoku(b.model, puzzles, (36, 44), s.sampler(), batch=8)
+    assert (theirs.outcomes, theirs.mean_steps) != (mine.outcomes, mine.mean_steps)  # really other weights
+    assert band["arms"]["baseline"]["solve_rate"] == theirs.solve_rate
+    assert band["arms"]["baseline"]["mean_steps"] == theirs.mean_steps
+    assert band["arms"]["pinned"]["solve_rate"] == mine.solve_rate
+    (t,) = band["mcnemar"]
+    assert (t["a"], t["b"]) == ("pinned", "baseline")
+    assert t["only_a"] == sum(x and not y for x, y in zip(mine.outcomes, theirs.outcomes))
+    assert t["only_b"] == sum(y and not x for x, y in zip(mine.outcomes, theirs.outcomes))
