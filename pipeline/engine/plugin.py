@@ -335,8 +335,17 @@ def _define_moe() -> None:
         down_block_scale: TD,
         down_scale: TD,
     ) -> Out:
-        ins = (hidden, expert_index, expert_weight, gate_up, gate_up_block_scale, gate_up_scale, down,
-               down_block_scale, down_scale)  # fmt: skip
+        ins = (
+            hidden,
+            expert_index,
+            expert_weight,
+            gate_up,
+            gate_up_block_scale,
+            gate_up_scale,
+            down,
+            down_block_scale,
+            down_scale,
+        )
         return describe(moe.W4_OP, ins)
 
     @trtp.aot_impl(w4_id)
@@ -353,8 +362,17 @@ def _define_moe() -> None:
         outputs,
         tactic: int,
     ) -> Aot:
-        ins = (hidden, expert_index, expert_weight, gate_up, gate_up_block_scale, gate_up_scale, down,
-               down_block_scale, down_scale)  # fmt: skip
+        ins = (
+            hidden,
+            expert_index,
+            expert_weight,
+            gate_up,
+            gate_up_block_scale,
+            gate_up_scale,
+            down,
+            down_block_scale,
+            down_scale,
+        )
         return launch(moe.W4_OP, ins)
 
     @trtp.register(w4a4_id)
@@ -370,8 +388,18 @@ def _define_moe() -> None:
         down_scale: TD,
         input_scale: TD,
     ) -> Out:
-        ins = (hidden, expert_index, expert_weight, gate_up, gate_up_block_scale, gate_up_scale, down,
-               down_block_scale, down_scale, input_scale)  # fmt: skip
+        ins = (
+            hidden,
+            expert_index,
+            expert_weight,
+            gate_up,
+            gate_up_block_scale,
+            gate_up_scale,
+            down,
+            down_block_scale,
+            down_scale,
+            input_scale,
+        )
         return describe(moe.W4A4_OP, ins)
 
     @trtp.aot_impl(w4a4_id)
@@ -389,6 +417,16 @@ def _define_moe() -> None:
         outputs,
         tactic: int,
     ) -> Aot:
-        ins = (hidden, expert_index, expert_weight, gate_up, gate_up_block_scale, gate_up_scale, down,
-               down_block_scale, down_scale, input_scale)  # fmt: skip
+        ins = (
+            hidden,
+            expert_index,
+            expert_weight,
+            gate_up,
+            gate_up_block_scale,
+            gate_up_scale,
+            down,
+            down_block_scale,
+            down_scale,
+            input_scale,
+        )
         return launch(moe.W4A4_OP, ins)
