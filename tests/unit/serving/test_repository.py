@@ -25,6 +25,7 @@ def test_repository_layout_and_config(tiny_checkpoint: Path, tmp_path: Path):
     assert all(i.optional for i in inputs.values())  # text_input or messages: the model checks one is sent
     assert cfg.parameters["max_batch"].string_value == "4"
     assert cfg.parameters["max_tokens_limit"].string_value == "300"
+    assert cfg.parameters["compile"].string_value == "false"  # eager unless `package --compile`
     assert "${" not in (repo / "dgpipe" / "config.pbtxt").read_text()
     assert (repo / "dgpipe" / "1" / "model.py").read_text().startswith('"""Triton Python-backend model')
     assert (repo / "dgpipe" / "1" / "checkpoint" / "model.safetensors").is_file()
@@ -32,6 +33,15 @@ def test_repository_layout_and_config(tiny_checkpoint: Path, tmp_path: Path):
     data = (repo / "dgpipe" / "warmup" / warm.inputs["text_input"].input_data_file).read_bytes()
     (n,) = struct.unpack("<I", data[:4])
     assert n == len(data) - 4 and data[4:] == b"Hello"
+
+
+def test_compile_is_a_model_parameter(tiny_checkpoint: Path, tmp_path: Path):
+    """`package --compile` sets the parameter the Triton model reads to compile its passes at load."""
+    repo = package(tiny_checkpoint, tmp_path / "repo", compile=True)
+    cfg = text_format.Parse((repo / "dgpipe" / "config.pbtxt").read_text(), mc.ModelConfig())
+    assert cfg.parameters["compile"].string_value == "true"
+    model_py = (repo / "dgpipe" / "1" / "model.py").read_text()
+    assert 'params.get("compile", "false") == "true"' in model_py
 
 
 def test_broken_checkpoint_writes_nothing(tmp_path: Path):
