@@ -168,13 +168,6 @@ def eval_quantization(
         "nvfp4,fp8,int4_awq"
     ),
     n: Annotated[int, typer.Option(help="held-out puzzles per precision")] = 200,
-    baseline: Annotated[
-        Path | None,
-        typer.Option(
-            help="another checkpoint (e.g. the previous weights) as one more arm, 'baseline': pinned "
-            "decoding with the same sampler settings and seeds, paired tests against every arm"
-        ),
-    ] = None,
     seed: Annotated[int, typer.Option(help="puzzle-set seed")] = 20_000,
     calib_size: Annotated[int, typer.Option(help="calibration prompts")] = 64,
     max_drop: Annotated[
