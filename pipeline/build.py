@@ -13,16 +13,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.builddir import (
     LAYOUT,
     MODEL_NAME,
     EngineLimits,
-    checkpoint_hash,
     load_or_create,
     save_manifest,
 )
 from pipeline.errors import DgpipeError
+from quantize.defaults import CALIB_SIZE
+
+if TYPE_CHECKING:
+    from pipeline.model.validate import ValidatedCheckpoint
 
 DEFAULT_TARGETS = ("sm90", "sm100", "sm120")  # the architectures the engines and kernels are built for
 
@@ -33,7 +37,7 @@ class BuildOptions:
     precision: str
     build_dir: Path
     targets: list[str] = field(default_factory=list)  # empty: every default target that runs `precision`
-    calib_size: int = 64
+    calib_size: int = CALIB_SIZE
     calib_data: Path | None = None
     max_batch: int = EngineLimits.max_batch
     max_prompt: int = EngineLimits.max_prompt
@@ -72,17 +76,18 @@ def run_build(opts: BuildOptions, say: Callable[[str], None]) -> dict:
     if opts.max_context < opts.max_prompt + 1 or min(opts.max_batch, opts.max_prompt) < 1:
         raise DgpipeError("--max-batch and --max-prompt must be >= 1 and --max-context > --max-prompt")
     targets = resolve_targets(opts.precision, opts.targets)
-    # a missing, broken or hostile checkpoint fails before any stage runs or anything is written
-    ckpt = validate_checkpoint(opts.model, weights=True)
+    # a missing, broken or hostile checkpoint fails before any stage runs or anything is written; the
+    # one pass over its weights also gives the content hash, and the quantize stage takes this value
+    source = validate_checkpoint(opts.model, weights=True)
     build_dir = opts.build_dir.resolve()
     man = load_or_create(
         build_dir,
         model=str(opts.model),
         precision=opts.precision,
         targets=targets,
-        model_sha256=checkpoint_hash(opts.model),
+        model_sha256=source.sha256,
     )
-    man.smoke = smoke_test_for(ckpt).as_dict()  # what `dgpipe manifests` renders into the smoke Job
+    man.smoke = smoke_test_for(source).as_dict()  # what `dgpipe manifests` renders into the smoke Job
     save_manifest(build_dir, man)
     say(f"build {build_dir}: {opts.model} -> {opts.precision} for {', '.join(targets)}")
     summary: dict[str, object] = {
@@ -90,14 +95,16 @@ def run_build(opts: BuildOptions, say: Callable[[str], None]) -> dict:
         "precision": opts.precision,
         "targets": targets,
     }
-    summary["quantize"] = _quantize(opts, build_dir, say)
+    summary["quantize"] = _quantize(opts, source, build_dir, say)
     summary["export"] = _export(build_dir, say)
     summary["engines"] = _engines(opts, build_dir, say)
     summary["model_repository"] = _package(opts, build_dir, say)
     return summary
 
 
-def _quantize(opts: BuildOptions, build_dir: Path, say: Callable[[str], None]) -> dict:
+def _quantize(
+    opts: BuildOptions, source: ValidatedCheckpoint, build_dir: Path, say: Callable[[str], None]
+) -> dict:
     from quantize.run import QuantizeOptions
     from quantize.stage import quantize_stage
 
@@ -110,6 +117,7 @@ def _quantize(opts: BuildOptions, build_dir: Path, say: Callable[[str], None]) -
             calib_size=opts.calib_size,
         ),
         build_dir,
+        source=source,
     )
     say(
         f"quantize: {res.output} ({res.precision}, {res.bytes / 1e6:.1f} MB, {res.calib_prompts} calibration prompts)"

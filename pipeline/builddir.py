@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any, TypeVar
@@ -226,16 +227,25 @@ def save_manifest(build_dir: str | Path, manifest: BuildManifest) -> Path:
     )
 
 
-def hash_files(paths: list[Path], chunk: int = 1 << 20) -> str:
-    """sha256 over (name, content) of files in sorted order: identifies weights, plugins and plans."""
+def read_blocks(p: Path, chunk: int = 1 << 20) -> Iterator[bytes]:
+    with open(p, "rb") as fh:
+        while block := fh.read(chunk):
+            yield block
+
+
+def hash_files(paths: list[Path], blocks: Callable[[Path], Iterable[bytes | bytearray]] = read_blocks) -> str:
+    """sha256 over (name, content) of files in sorted order: identifies weights, plugins and plans.
+    `blocks(path)` yields a file's bytes (a reader that also checks what it reads, so one pass does both)."""
     h = hashlib.sha256()
     for p in sorted(paths):
         h.update(p.name.encode() + b"\0")
-        with open(p, "rb") as fh:
-            while block := fh.read(chunk):
-                h.update(block)
+        for block in blocks(p):
+            h.update(block)
     return h.hexdigest()
 
 
-def checkpoint_hash(ckpt_dir: Path) -> str:
-    return hash_files([*ckpt_dir.glob("*.safetensors"), *ckpt_dir.glob("config.json")])
+def checkpoint_hash(
+    ckpt_dir: Path, blocks: Callable[[Path], Iterable[bytes | bytearray]] = read_blocks
+) -> str:
+    """The content hash a build manifest records for its source checkpoint (weights and config.json)."""
+    return hash_files([*ckpt_dir.glob("*.safetensors"), *ckpt_dir.glob("config.json")], blocks)

@@ -12,34 +12,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pipeline.errors import InputError
-
-CALIB_SEED = 31_337  # Sudoku calibration puzzles; the eval set uses seed 20_000 (disjoint draws)
-
-
-@dataclass
-class CalibPrompt:
-    ids: list[int]
-    template: list[int] | None = None  # infill: pinned canvas tokens, -1 = free
+from pipeline.runtime.prompt_format import EncodedPrompt
 
 
-def sudoku_prompts(n: int, givens: tuple[int, int], seed: int = CALIB_SEED) -> list[CalibPrompt]:
-    """Training-distribution puzzles (givens range of the checkpoint) with their givens pinned, as served."""
-    from pipeline.demo import sudoku
-    from pipeline.demo import tokenizer as stok
-
-    return [
-        CalibPrompt(stok.sudoku_prompt_ids(p), stok.sudoku_infill_template(p))
-        for p, _ in sudoku.make_dataset(seed, n, givens)
-    ]
-
-
-def jsonl_prompts(path: Path, n: int, encode: Callable[[str], list[int]]) -> list[CalibPrompt]:
+def jsonl_prompts(path: Path, n: int, encode: Callable[[str], list[int]]) -> list[EncodedPrompt]:
     """`{"text": ...}` per line; the first n non-empty texts, encoded with the checkpoint's prompt format."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -47,7 +28,7 @@ def jsonl_prompts(path: Path, n: int, encode: Callable[[str], list[int]]) -> lis
         raise InputError(
             f"--calib-data {path}: cannot be read ({e})", 'pass a JSONL file of {"text": ...}'
         ) from e
-    out: list[CalibPrompt] = []
+    out: list[EncodedPrompt] = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -60,7 +41,7 @@ def jsonl_prompts(path: Path, n: int, encode: Callable[[str], list[int]]) -> lis
             ) from e
         if not isinstance(text, str) or not text:
             raise InputError(f"--calib-data {path}: line {i}: 'text' must be a non-empty string")
-        out.append(CalibPrompt(encode(text)))
+        out.append(EncodedPrompt(encode(text)))
         if len(out) == n:
             break
     if not out:
@@ -68,9 +49,9 @@ def jsonl_prompts(path: Path, n: int, encode: Callable[[str], list[int]]) -> lis
     return out
 
 
-def _batches(prompts: list[CalibPrompt], batch: int) -> Iterator[list[CalibPrompt]]:
+def _batches(prompts: list[EncodedPrompt], batch: int) -> Iterator[list[EncodedPrompt]]:
     """Equal-length prompts share a batch (no padding masks needed)."""
-    by_len: dict[int, list[CalibPrompt]] = {}
+    by_len: dict[int, list[EncodedPrompt]] = {}
     for p in prompts:
         by_len.setdefault(len(p.ids), []).append(p)
     for group in by_len.values():
@@ -91,7 +72,7 @@ def eb_keep(entropy: torch.Tensor, bound: float) -> torch.Tensor:
 @torch.no_grad()
 def denoise_block(
     model,
-    prompts: list[CalibPrompt],
+    prompts: list[EncodedPrompt],
     steps: int,
     t_min: float,
     t_max: float,
@@ -131,7 +112,7 @@ def denoise_block(
 
 
 def make_forward_loop(
-    prompts: list[CalibPrompt],
+    prompts: list[EncodedPrompt],
     steps: int = 8,
     t_min: float = 0.4,
     t_max: float = 0.8,

@@ -1,6 +1,7 @@
-"""Accuracy report of quantized checkpoints against the bf16 reference on the embedded Sudoku model.
+"""Accuracy report of quantized checkpoints against the bf16 reference, for a model whose prompt format
+evaluates its task (`evaluation_examples`, `answer_ids`, `evaluate`: the embedded model's Sudoku format).
 
-Per precision: Sudoku exact-solve rate and mean denoise steps per canvas on one fixed puzzle set (same
+Per precision: the format's solve rate and mean denoise steps per canvas on one fixed example set (same
 seed, same sampler, same draws), mean KL(bf16 || quantized) of denoise logits on one fixed canvas set,
 and checkpoint bytes. Every checkpoint is evaluated by dgpipe's runtime from the exported files
 (dequantized on load, activations fake-quantized), never from ModelOpt's in-memory model.
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import DgpipeError
+from pipeline.runtime.prompt_format import Example, PromptFormat
 
 KL_NOISE_LEVELS = (1.0, 0.5, 0.1)  # fraction of free canvas cells re-noised (1.0 = the first denoise step)
 
@@ -41,18 +43,21 @@ class CanvasSet:
     canvases: torch.Tensor  # [N, C]
 
 
-def canvas_set(puzzles: list[tuple[str, str]], canvas_length: int, vocab: int, seed: int = 7) -> CanvasSet:
-    from pipeline.demo import tokenizer as stok
-
+def canvas_set(
+    fmt: PromptFormat, examples: list[Example], canvas_length: int, vocab: int, seed: int = 7
+) -> CanvasSet:
+    """Each example's reference answer as a canvas, its free cells (not pinned by the prompt's template)
+    re-noised at each of KL_NOISE_LEVELS."""
     gen = torch.Generator().manual_seed(seed)
     prompts, canvases = [], []
     for level in KL_NOISE_LEVELS:
-        for puzzle, solution in puzzles:
-            target = torch.tensor(stok.sudoku_target_ids(solution)[:canvas_length])
-            free = torch.tensor([t == -1 for t in stok.sudoku_infill_template(puzzle)[:canvas_length]])
+        for ex in examples:
+            target = torch.tensor(fmt.answer_ids(ex.answer)[:canvas_length])
+            template = fmt.infill_template(ex.prompt) or [-1] * len(target)
+            free = torch.tensor([t == -1 for t in template[: len(target)]])
             noised = free & (torch.rand(target.shape, generator=gen) < level)
             canvases.append(torch.where(noised, torch.randint(0, vocab, target.shape, generator=gen), target))
-            prompts.append(torch.tensor(stok.sudoku_prompt_ids(puzzle)))
+            prompts.append(torch.tensor(fmt.encode_prompt(ex.prompt)))
     return CanvasSet(torch.stack(prompts), torch.stack(canvases))
 
 
@@ -108,10 +113,8 @@ def build_report(
     log: Callable[[str], None] = lambda s: None,
     progress_factory: Callable[[str, int], Callable[[int], None]] | None = None,
 ) -> list[Row]:
-    """Quantize the model to each precision (bf16 always included: the reference), evaluate each export."""
-    from pipeline.demo import sudoku
-    from pipeline.demo.evaluate import eval_sudoku
-    from pipeline.demo.prompt_format import SudokuFormat
+    """Quantize the model to each precision (bf16 always included: the reference), evaluate each export
+    with the prompt format's evaluation."""
     from pipeline.runtime.session import load_session
     from quantize.run import QuantizeOptions, quantize_checkpoint
 
@@ -124,18 +127,19 @@ def build_report(
         )
         paths[p] = Path(res.output)
     ref = load_session(paths["bf16"], "float32", "cpu")
-    if not isinstance(ref.prompt_format, SudokuFormat):
+    fmt = ref.prompt_format
+    if not all(hasattr(fmt, m) for m in ("evaluation_examples", "answer_ids", "evaluate")):
         raise DgpipeError(
-            f"{model}: the accuracy report needs a Sudoku model (dgpipe.json prompt format 'sudoku')"
+            f"{model}: its prompt format has no task evaluation (evaluation_examples, answer_ids, evaluate)",
+            "the accuracy report needs a task model such as the embedded one",
         )
-    givens = tuple(ref.checkpoint.dgpipe.get("givens_range", (45, 61)))
-    puzzles = sudoku.make_dataset(seed, n, givens)  # type: ignore[arg-type]
-    cs = canvas_set(puzzles[:kl_puzzles], ref.model.config.canvas_length, ref.model.cfg.vocab_size)
+    examples = fmt.evaluation_examples(n, seed)
+    cs = canvas_set(fmt, examples[:kl_puzzles], ref.model.config.canvas_length, ref.model.cfg.vocab_size)
     rows: list[Row] = []
     for p in order:
         s = ref if p == "bf16" else load_session(paths[p], "float32", "cpu")
         prog = progress_factory(f"eval {p}", n) if progress_factory else None
-        rep = eval_sudoku(s.model, puzzles, givens, s.sampler(), batch=50, seed=0, progress=prog)  # type: ignore[arg-type]
+        rep = s.prompt_format.evaluate(s.model, examples, s.sampler(), prog)
         kl = 0.0 if p == "bf16" else kl_pair(ref.model, s.model, cs)
         base = rows[0].solve_rate if rows else rep.solve_rate
         rows.append(

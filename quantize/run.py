@@ -19,9 +19,11 @@ import torch
 
 from pipeline.atomic import atomic_dir
 from pipeline.errors import DgpipeError
-from pipeline.model.checkpoint import open_checkpoint
-from pipeline.model.validate import validate_checkpoint
+from pipeline.model.validate import ValidatedCheckpoint, validate_checkpoint
+from pipeline.runtime.prompt_format import EncodedPrompt, prompt_format_for, prompt_format_name
 from pipeline.targets import Precision, check_precision_on_target, precision
+from quantize import calibrate
+from quantize.defaults import CALIB_SEED, CALIB_SIZE
 
 # files a serving runtime needs beside the weights, copied unchanged from the source checkpoint
 SIDE_FILES = (
@@ -39,7 +41,7 @@ class QuantizeOptions:
     precision: str
     output: Path
     calib_data: Path | None = None
-    calib_size: int = 64
+    calib_size: int = CALIB_SIZE
     calib_steps: int = 8
     exclude: list[str] = field(default_factory=list)
     kv_cache: str = "none"
@@ -74,13 +76,11 @@ def require_modelopt() -> None:
         ) from e
 
 
-def validate(opts: QuantizeOptions) -> Precision:
-    """Every check that needs no model load, so bad input fails in milliseconds."""
+def check_options(opts: QuantizeOptions) -> Precision:
+    """Every check of the options that reads nothing, so bad input fails in milliseconds."""
     p = precision(opts.precision)
     if opts.target:
         check_precision_on_target(p.name, opts.target)
-    # directory, config, tensor names/shapes/dtypes, finite weights; refuses pickle files outright
-    validate_checkpoint(opts.model, weights=True)
     if opts.calib_size < 1:
         raise DgpipeError(f"--calib-size must be >= 1 (got {opts.calib_size})")
     if opts.calib_data is not None and not opts.calib_data.is_file():
@@ -115,20 +115,17 @@ def load_hf_model(path: Path, adapter: Path | None):
     return model
 
 
-def calibration_prompts(opts: QuantizeOptions) -> list:
-    from quantize import calibrate
-
-    ckpt = open_checkpoint(opts.model)
+def calibration_prompts(opts: QuantizeOptions, ckpt: ValidatedCheckpoint) -> list[EncodedPrompt]:
+    """--calib-data texts through the checkpoint's prompt format, else the format's own calibration set
+    (the prompts it serves); a format without one needs --calib-data."""
+    fmt = prompt_format_for(ckpt, ckpt.tokenizer() if ckpt.has_tokenizer else None)
     if opts.calib_data is not None:
-        from pipeline.runtime.prompt_format import prompt_format_for
-
-        fmt = prompt_format_for(ckpt, ckpt.tokenizer() if ckpt.has_tokenizer else None)
         if fmt.needs_tokenizer and not ckpt.has_tokenizer:
             raise DgpipeError(f"{opts.model}: --calib-data text needs tokenizer.json in the checkpoint")
         return calibrate.jsonl_prompts(opts.calib_data, opts.calib_size, fmt.encode_prompt)
-    if ckpt.dgpipe.get("task") == "sudoku":
-        givens = tuple(ckpt.dgpipe.get("givens_range", (45, 61)))
-        return calibrate.sudoku_prompts(opts.calib_size, givens)  # type: ignore[arg-type]
+    default_set = getattr(fmt, "calibration_prompts", None)
+    if default_set is not None:
+        return default_set(opts.calib_size, CALIB_SEED)
     raise DgpipeError(
         f"{opts.model}: no default calibration set for this checkpoint",
         'pass --calib-data FILE.jsonl with {"text": ...} lines from the serving distribution',
@@ -294,25 +291,25 @@ def _read_json_or_none(f: Path) -> dict | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
-def _source_tensor_names(path: Path) -> set[str]:
-    from pipeline.model.checkpoint import weight_files
-
-    return set(weight_files(path))
-
-
 def quantize_checkpoint(
     opts: QuantizeOptions,
     progress: Callable[[int], None] | None = None,
     on_quantized: Callable[[Any], None] | None = None,
+    source: ValidatedCheckpoint | None = None,
 ) -> QuantizeResult:
-    """`on_quantized(model)` sees ModelOpt's in-memory model after calibration, before the export
-    rewrites it (tests compare the exported artifact against it)."""
-    p = validate(opts)
+    """Quantize `opts.model`. `source` is that checkpoint as the caller validated it (with its weights
+    read: `validate_checkpoint(..., weights=True)`), so the source is not read again before the model
+    load; without it the checkpoint is validated here. `on_quantized(model)` sees ModelOpt's in-memory
+    model after calibration, before the export rewrites it (tests compare the exported artifact with it)."""
+    p = check_options(opts)
+    # directory, config, tensor names/shapes/dtypes, finite weights; refuses pickle files outright
+    src = source if source is not None else validate_checkpoint(opts.model, weights=True)
+    if src.sha256 is None:
+        raise DgpipeError(f"{opts.model}: the source was validated without reading its weights")
     require_modelopt()
     start = time.perf_counter()
-    prompts = calibration_prompts(opts) if p.modelopt_config else []
+    prompts = calibration_prompts(opts, src) if p.modelopt_config else []
     model = load_hf_model(opts.model, opts.adapter)
-    src = open_checkpoint(opts.model)
     block = None
     with atomic_dir(opts.output) as tmp:
         if p.modelopt_config is None:  # bf16: the unquantized reference
@@ -343,9 +340,7 @@ def quantize_checkpoint(
                 on_quantized(model)
             with contextlib.redirect_stdout(_Quiet()), _fused_experts_export_patch(model):
                 export_hf_checkpoint(model, dtype=getattr(torch, opts.export_dtype), export_dir=tmp)
-        _finalize_tensors(
-            tmp, opts.model, _source_tensor_names(opts.model), getattr(torch, opts.export_dtype)
-        )
+        _finalize_tensors(tmp, opts.model, src.tensor_names, getattr(torch, opts.export_dtype))
         for name in SIDE_FILES:
             if (opts.model / name).is_file():
                 shutil.copy2(opts.model / name, tmp / name)
@@ -358,7 +353,9 @@ def quantize_checkpoint(
             "exclude": opts.exclude,
             "calibration": {
                 "prompts": len(prompts),
-                "source": str(opts.calib_data) if opts.calib_data else "sudoku (seed 31337)",
+                "source": str(opts.calib_data)
+                if opts.calib_data
+                else f"prompt format {prompt_format_name(src)} (seed {CALIB_SEED})",
                 "denoise_steps": opts.calib_steps,
             },
             "source": str(opts.model),

@@ -11,30 +11,37 @@ from pipeline.builddir import (
     LAYOUT,
     MANIFEST_NAME,
     BuildManifest,
-    checkpoint_hash,
     load_or_create,
     record_stage,
 )
+from pipeline.model.validate import ValidatedCheckpoint, validate_checkpoint
 from quantize.run import QuantizeOptions, QuantizeResult, quantize_checkpoint
 
 
 def quantize_stage(
-    opts: QuantizeOptions, build_dir: Path, progress: Callable[[int], None] | None = None
+    opts: QuantizeOptions,
+    build_dir: Path,
+    progress: Callable[[int], None] | None = None,
+    source: ValidatedCheckpoint | None = None,
 ) -> QuantizeResult:
     """Quantize `opts.model` into the build dir's checkpoint (opts.output is ignored) and record the stage.
-    A build dir that already holds another precision is refused before any work."""
+    A build dir that already holds another precision is refused before any work. `source` is the model as
+    the caller validated it (weights read); without it the source is validated here, once, and the same
+    pass gives the manifest its content hash."""
     build_dir = Path(build_dir).resolve()
-    if (build_dir / MANIFEST_NAME).is_file():
+    existing = (build_dir / MANIFEST_NAME).is_file()
+    if existing:
         manifest = load_or_create(build_dir, precision=opts.precision)  # another precision: refused
-    else:
+    source = source if source is not None else validate_checkpoint(opts.model, weights=True)
+    if not existing:
         manifest = BuildManifest(
             model=str(opts.model),
             precision=opts.precision,
             targets=[opts.target] if opts.target else [],
-            model_sha256=checkpoint_hash(opts.model),
+            model_sha256=source.sha256,
         )
     out = build_dir / LAYOUT["checkpoint"]
-    res = quantize_checkpoint(replace(opts, output=out), progress=progress)
+    res = quantize_checkpoint(replace(opts, output=out), progress=progress, source=source)
     record_stage(
         build_dir,
         "quantize",

@@ -10,6 +10,7 @@ import typer
 from pipeline.builddir import EngineLimits
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
+from quantize.defaults import CALIB_SIZE
 
 app = opt.typer_app()
 
@@ -26,7 +27,7 @@ def build(
         Path | None,
         opt.build_dir("where every stage writes (build_manifest.json); " + opt.in_cache("build")),
     ] = None,
-    calib_size: Annotated[int, typer.Option(help="calibration prompts")] = 64,
+    calib_size: Annotated[int, typer.Option(help="calibration prompts")] = CALIB_SIZE,
     calib_data: Annotated[Path | None, typer.Option(help='JSONL calibration prompts ({"text": ...})')] = None,
     max_batch: Annotated[int, typer.Option(help="engine profile / Triton batch")] = EngineLimits.max_batch,
     max_prompt: Annotated[int, typer.Option(help="longest prompt, tokens")] = EngineLimits.max_prompt,

@@ -11,6 +11,7 @@ from pipeline.builddir import LAYOUT, EngineLimits
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
 from pipeline.errors import DgpipeError
+from quantize.defaults import CALIB_SIZE
 
 app = opt.typer_app()
 
@@ -27,9 +28,9 @@ def quantize(
         Path | None, opt.build_dir("write BUILD_DIR/checkpoint and record the stage (instead of --output)")
     ] = None,
     calib_data: Annotated[
-        Path | None, typer.Option(help='JSONL of {"text": ...}; default: Sudoku puzzles for a Sudoku model')
+        Path | None, typer.Option(help='JSONL of {"text": ...}; default: the calibration set of the model\'s prompt format')
     ] = None,
-    calib_size: Annotated[int, typer.Option(help="calibration prompts")] = 64,
+    calib_size: Annotated[int, typer.Option(help="calibration prompts")] = CALIB_SIZE,
     calib_steps: Annotated[int, typer.Option(help="denoise steps per calibration canvas")] = 8,
     exclude: Annotated[
         list[str] | None, typer.Option(help="keep modules matching this glob unquantized (repeatable)")

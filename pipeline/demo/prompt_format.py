@@ -1,16 +1,21 @@
 """The Sudoku prompt format: a puzzle as text -> the demo model's prompt, its givens pinned in the canvas,
 and the canvas read back as 81 digits. Checkpoints with `"task": "sudoku"` (or `"prompt_format": "sudoku"`)
-in dgpipe.json get it through `pipeline.runtime.prompt_format`."""
+in dgpipe.json get it through `pipeline.runtime.prompt_format` (registered under the `dgpipe.prompt_formats`
+entry point in pyproject.toml). It also carries the task's data and judgement: the calibration puzzles of
+`dgpipe quantize`, the held-out puzzles and solve-rate evaluation of `dgpipe eval quantization`, and the
+deploy smoke test's puzzle and check, all in the checkpoint's givens band."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipeline.demo import sudoku
 from pipeline.demo import tokenizer as stok
+from pipeline.demo.evaluate import eval_sudoku
 from pipeline.errors import InputError
 from pipeline.runtime.chat_template import Message, last_user_text
+from pipeline.runtime.prompt_format import Accuracy, EncodedPrompt, Example
 
 PUZZLE_EXAMPLE = f"for example {sudoku.EXAMPLE_PUZZLE}"
 
@@ -35,7 +40,34 @@ class SudokuFormat:
     smoke_check = "a valid Sudoku solution of the puzzle (81 digits that keep its givens)"
 
     def __init__(self, checkpoint: Any = None, tokenizer: Any = None) -> None:
-        pass
+        meta = checkpoint.dgpipe if checkpoint is not None else {}
+        lo, hi = meta.get("givens_range", sudoku.DEFAULT_GIVENS)
+        self.givens = (int(lo), int(hi))  # the band the checkpoint was trained on
+
+    def calibration_prompts(self, n: int, seed: int) -> list[EncodedPrompt]:
+        """Puzzles of the checkpoint's givens band with their givens pinned, as they are served."""
+        return [
+            EncodedPrompt(stok.sudoku_prompt_ids(p), stok.sudoku_infill_template(p))
+            for p, _ in sudoku.make_dataset(seed, n, self.givens)
+        ]
+
+    def evaluation_examples(self, n: int, seed: int) -> list[Example]:
+        return [Example(p, solution) for p, solution in sudoku.make_dataset(seed, n, self.givens)]
+
+    def answer_ids(self, answer: str) -> list[int]:
+        return stok.sudoku_target_ids(answer)
+
+    def evaluate(
+        self,
+        model: Any,
+        examples: list[Example],
+        sampler: Any,
+        progress: Callable[[int], None] | None = None,
+    ) -> Accuracy:
+        """Solve rate = exact match with the unique solution (`pipeline.demo.evaluate.eval_sudoku`)."""
+        puzzles = [(e.prompt, e.answer) for e in examples]
+        rep = eval_sudoku(model, puzzles, self.givens, sampler, batch=50, seed=0, progress=progress)
+        return Accuracy(rep.solve_rate, rep.valid_rate, rep.mean_steps, rep.p90_steps)
 
     def encode_prompt(self, text: str) -> list[int]:
         return stok.sudoku_prompt_ids(_puzzle(text))

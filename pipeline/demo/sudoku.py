@@ -44,6 +44,10 @@ _UNITS = (
     ("box", [[i for i in range(81) if _BOX[i] == b] for b in range(9)]),
 )
 
+# the givens band the embedded model is trained and evaluated on (inclusive); a checkpoint's dgpipe.json
+# `givens_range` overrides it
+DEFAULT_GIVENS = (45, 61)
+
 # make_dataset(2026, 1, (50, 50)): 50 givens, unique solution; the README, demo and benchmark puzzle
 EXAMPLE_PUZZLE = "14...9..56925.31.8835.1.927..1732.5.259.6.7.437694.28....6.4.935.3.914..92....816"
 

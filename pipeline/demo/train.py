@@ -55,7 +55,7 @@ class TrainConfig(BaseModel):
     # every pinned inference step) reads to the model as "almost no noise anywhere" (issue 18)
     pin_prob: float = 0.0
     t_eps: float = 0.02
-    givens: tuple[int, int] = (45, 61)  # final training range (inclusive)
+    givens: tuple[int, int] = sudoku.DEFAULT_GIVENS  # final training range (inclusive)
     curriculum_start: int = 62  # lowest givens at the start; decreases to givens[0]
     curriculum_fraction: float = 0.5  # share of the budget spent moving the lower bound
     max_givens: int = 70
@@ -67,7 +67,7 @@ class TrainConfig(BaseModel):
     hard_fraction: float = 0.0
     eval_every_minutes: float = 10.0
     eval_n: int = 128
-    eval_givens: tuple[int, int] = (45, 61)
+    eval_givens: tuple[int, int] = sudoku.DEFAULT_GIVENS
     # further held-out bands evaluated with eval_givens; the checkpoint kept is the best by the sum of
     # all bands' solve rates, so a harder band cannot be bought with a loss on the primary one unseen
     extra_eval_givens: list[tuple[int, int]] = []

@@ -1,11 +1,11 @@
 """The deploy smoke test: one request that proves a deployed model answers, and the check of its answer.
 
 `dgpipe build` records the test from the checkpoint's prompt format (its `smoke_prompt` and static
-`check_answer`: a puzzle and a valid-grid check for the Sudoku model, a short message and "non-empty" for
-a chat model) in the build manifest; `dgpipe manifests` renders it into the smoke Job's args (no shell:
+`check_answer`: a task format's own prompt and check, a short message and "non-empty" for a chat model)
+in the build manifest; `dgpipe manifests` renders it into the smoke Job's args (no shell:
 the prompt is one argv item); the Job runs this module in the serving image:
 
-    python3 -m pipeline.deploy.smoke --url http://dgpipe-triton:9000/v1 --format sudoku --max-tokens 82 -- PROMPT
+    python3 -m pipeline.deploy.smoke --url http://dgpipe-triton:9000/v1 --format FORMAT --max-tokens 82 -- PROMPT
 (the OpenAI-compatible port, with the Bearer key from $DGPIPE_API_KEY, as clients reach the model)
 
 It prints one JSON line (ok, answer, problem) and exits 0 when the answer passes the check, 1 when not.

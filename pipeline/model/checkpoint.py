@@ -18,13 +18,11 @@ from safetensors.torch import save_file
 from pipeline.atomic import atomic_dir
 from pipeline.errors import CheckpointError
 from pipeline.model.config import ModelConfig
-from pipeline.model.network import DiffusionGemma, rope_inv_freq
-from pipeline.model.validate import (
+from pipeline.model.files import (
     DECODER,
     MAX_JSON_BYTES,
     PER_EXPERT,
     check_finite,
-    check_tensors,
     checkpoint_files,
     read_json,
     read_json_object,
@@ -32,6 +30,9 @@ from pipeline.model.validate import (
     tensor_headers,
     weight_files,
 )
+from pipeline.model.modelopt import QuantizedLoader, quantization_info
+from pipeline.model.network import DiffusionGemma, rope_inv_freq
+from pipeline.model.shapes import check_tensors
 
 
 @dataclass
@@ -154,8 +155,6 @@ def load_model(
 
 def _quantized_loader(path: Path):
     """A `pipeline.model.modelopt.QuantizedLoader` for a ModelOpt-quantized checkpoint, else None."""
-    from pipeline.model.modelopt import QuantizedLoader, quantization_info  # it reads tensors through here
-
     info = quantization_info(path)
     return QuantizedLoader(info) if info else None
 

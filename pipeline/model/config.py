@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeline.errors import CheckpointError, SamplerError, validation_error
+from pipeline.model.files import read_json  # bounded read (a link to /dev/zero must not hang)
 
 LayerType = Literal["sliding_attention", "full_attention"]
 
@@ -197,8 +198,6 @@ class ModelConfig(BaseModel):
 
     @classmethod
     def from_json_file(cls, path: Path) -> ModelConfig:
-        from pipeline.model.validate import read_json  # bounded read (a link to /dev/zero must not hang)
-
         return cls.from_raw(read_json(path), source=str(path))
 
     @classmethod

@@ -28,9 +28,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 
 from pipeline.errors import CheckpointError
 from pipeline.model.fake_quant import ACTIVATION_FORMATS, E2M1_VALUES, InputQuantizer
+from pipeline.model.files import read_json_object, runtime_name, weight_files
+from pipeline.model.network import gelu_tanh
 from pipeline.targets import Precision, precision_for_quant_algo, supported_quant_algos
 
 LINEAR_AUX = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")  # beside `<linear>.weight`
@@ -44,10 +47,10 @@ def quantization_info(path: Path) -> dict[str, Any] | None:
     not ModelOpt-quantized."""
     hq = path / "hf_quant_config.json"
     if hq.is_file():
-        return _read_json(hq).get("quantization")
+        return read_json_object(hq).get("quantization")
     cfg = path / "config.json"
     if cfg.is_file():
-        q = _read_json(cfg).get("quantization_config")
+        q = read_json_object(cfg).get("quantization_config")
         if not isinstance(q, dict):
             return None
         method = q.get("quant_method")
@@ -74,15 +77,9 @@ def _precision(algo: str) -> Precision:
 
 
 @cache
-def _packed_format(algo: str) -> str:
+def packed_format(algo: str) -> str:
     """How a uint8 weight of this quant_algo is packed: the precision's name ('nvfp4', 'int4_awq')."""
     return _precision(algo).name
-
-
-def _read_json(f: Path) -> dict[str, Any]:
-    from pipeline.model.validate import read_json_object  # bounded read; validate imports this module
-
-    return read_json_object(f)
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -114,7 +111,7 @@ def dequantize_weight(algo: str, w: torch.Tensor, get: Callable[[str], torch.Ten
         return w.float() * (s.reshape(-1, 1) if s.dim() >= 1 and s.numel() == w.shape[0] else s)
     if w.dtype != torch.uint8:
         return w
-    fmt = _packed_format(algo)
+    fmt = packed_format(algo)
     if fmt == "nvfp4":
         block_scale, global_scale = get("weight_scale"), get("weight_scale_2")
         if block_scale is None or global_scale is None:
@@ -154,7 +151,7 @@ class PackedLinear:
     @property
     def format(self) -> str:
         """'fp8', 'nvfp4' or 'int4_awq' (the precision this tensor is stored in)."""
-        return "fp8" if self.weight.dtype == torch.float8_e4m3fn else _packed_format(self.algo)
+        return "fp8" if self.weight.dtype == torch.float8_e4m3fn else packed_format(self.algo)
 
     def dequantized(self) -> torch.Tensor:
         return dequantize_weight(self.algo, self.weight, lambda suffix: getattr(self, suffix))
@@ -164,10 +161,6 @@ def read_packed_linears(path: Path) -> dict[str, PackedLinear]:
     """Every quantized linear of a ModelOpt checkpoint, packed as stored, keyed by runtime module path
     ("layers.0.self_attn.q_proj", "layers.0.experts.3.gate_proj", ...). Tensors the runtime does not read
     (the vision tower, the encoder's tied copies) are skipped, as `load_model` skips them."""
-    from safetensors import safe_open
-
-    from pipeline.model.checkpoint import runtime_name, weight_files
-
     info = quantization_info(path)
     if info is None:
         raise CheckpointError(
@@ -258,8 +251,6 @@ class QuantizedLoader:
 
 def _quantized_experts_forward(quants: dict[str, InputQuantizer]):
     """`pipeline.model.network.Experts.forward` with the gate_up and down inputs fake-quantized."""
-    from pipeline.model.network import gelu_tanh
-
     ident = lambda x: x
     q_in, q_down = quants.get("gate_up", ident), quants.get("down", ident)
 

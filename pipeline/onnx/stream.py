@@ -36,8 +36,9 @@ import torch
 from onnx import TensorProto
 
 from pipeline.errors import CheckpointError, DgpipeError
-from pipeline.model.checkpoint import DECODER, open_checkpoint, runtime_name, weight_files
+from pipeline.model.checkpoint import open_checkpoint
 from pipeline.model.config import ModelConfig
+from pipeline.model.files import DECODER, runtime_name, weight_files
 from pipeline.model.network import DiffusionGemma, rope_inv_freq
 from pipeline.onnx import contract as onnx_io
 from pipeline.onnx.export import (

@@ -3,27 +3,31 @@ tokens become text again.
 
 A checkpoint names its format in dgpipe.json (`prompt_format`; older checkpoints only have a `task`, which
 is taken as the format's name when a format of that name exists). The runtime looks the name up here and
-never branches on it. Three sources, first match wins:
+never branches on it. Two sources, first match wins:
 
 1. `register_prompt_format(name, factory)`: formats registered in-process (tests, embedding applications);
-2. `SHIPPED`: formats that ship with dgpipe outside the runtime, as the "module:attr" of their factory.
-   The module is imported only when a checkpoint names the format, so the runtime does not depend on (or
-   pay for importing) the Sudoku demo for any other checkpoint, and the demo stays the demo's business;
-3. the `dgpipe.prompt_formats` entry-point group: formats from other installed packages
-   (`[project.entry-points."dgpipe.prompt_formats"] myformat = "mypkg.fmt:MyFormat"`).
+2. the `dgpipe.prompt_formats` entry-point group: formats of installed packages, dgpipe's own demo format
+   included (`[project.entry-points."dgpipe.prompt_formats"] myformat = "mypkg.fmt:MyFormat"`). A format's
+   module is imported only when a checkpoint names it, so the runtime neither depends on nor pays for any
+   format but the one in use.
 
 A checkpoint only ever supplies a *name*: the code behind it is dgpipe's or an installed package's, never
 something read from the checkpoint directory (its chat template is data, rendered in jinja2's sandbox).
 
 Chat: a format answers OpenAI-style messages with `encode_messages`. The default format renders them with the
 checkpoint's chat template (`pipeline.runtime.chat_template`) when it has one; a task format reads what it
-needs from them (the Sudoku format: the last user message is the puzzle).
+needs from them (a task format may read the last user message as the task).
+
+Task knowledge lives in the format, so no stage branches on a task: a format may also supply the default
+calibration set of `dgpipe quantize` (`calibration_prompts`), the accuracy evaluation of `dgpipe eval
+quantization` (`evaluation_examples`, `answer_ids`, `evaluate`) and the deploy smoke test (`smoke_prompt`,
+`smoke_check`, `check_answer`).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
@@ -33,6 +37,32 @@ from pipeline.runtime.chat_template import Message, load_chat_template
 
 ENTRY_POINT_GROUP = "dgpipe.prompt_formats"
 DEFAULT = "text"
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A prompt as the model takes it: token ids, and the canvas template it implies (pinned ids, -1 free)."""
+
+    ids: list[int]
+    template: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class Example:
+    """One evaluation item of a task format: a prompt and its reference answer."""
+
+    prompt: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """A format's verdict on a model over a set of examples."""
+
+    solve_rate: float  # answers the format judges right
+    valid_rate: float  # answers well-formed for the task (right or not)
+    mean_steps: float  # denoise steps per canvas
+    p90_steps: float
 
 
 class PromptFormat(Protocol):
@@ -72,6 +102,26 @@ class PromptFormat(Protocol):
 
     def present(self, prompt: str, text: str) -> tuple[str, str | None]:
         """How a person reads the answer to `prompt`: the text to show, and a verdict line (or None)."""
+        ...
+
+    # ---- optional: a task format's data and judgement (a plain text format has none) ----
+    def calibration_prompts(self, n: int, seed: int) -> list[EncodedPrompt]:
+        """`n` prompts of the distribution the model serves, drawn with `seed`: the calibration set of
+        `dgpipe quantize` when no --calib-data is given."""
+        ...
+
+    def evaluation_examples(self, n: int, seed: int) -> list[Example]:
+        """`n` held-out examples drawn with `seed` (a seed other than the calibration one)."""
+        ...
+
+    def answer_ids(self, answer: str) -> list[int]:
+        """A reference answer as canvas tokens (the fixed canvases the quantization KL is measured on)."""
+        ...
+
+    def evaluate(
+        self, model: Any, examples: list[Example], sampler: Any, progress: Callable[[int], None] | None
+    ) -> Accuracy:
+        """Generate an answer to every example with `model` and `sampler` and judge it."""
         ...
 
 
@@ -131,7 +181,6 @@ class TextFormat:
 
 
 _REGISTRY: dict[str, PromptFormatFactory] = {DEFAULT: TextFormat}
-SHIPPED = {"sudoku": "pipeline.demo.prompt_format:SudokuFormat"}
 
 
 def register_prompt_format(name: str, factory: PromptFormatFactory) -> None:
@@ -139,26 +188,18 @@ def register_prompt_format(name: str, factory: PromptFormatFactory) -> None:
     _REGISTRY[name] = factory
 
 
-def _load(target: str) -> PromptFormatFactory:
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
 def prompt_format_factory(name: str) -> PromptFormatFactory | None:
-    """The factory registered, shipped or installed under `name`; None when there is none."""
+    """The factory registered or installed under `name`; None when there is none."""
     if name not in _REGISTRY:
-        if name in SHIPPED:
-            _REGISTRY[name] = _load(SHIPPED[name])
-        else:
-            found = list(entry_points(group=ENTRY_POINT_GROUP, name=name))
-            if not found:
-                return None
-            _REGISTRY[name] = found[0].load()
+        found = list(entry_points(group=ENTRY_POINT_GROUP, name=name))
+        if not found:
+            return None
+        _REGISTRY[name] = found[0].load()
     return _REGISTRY[name]
 
 
 def known_prompt_formats() -> list[str]:
-    return sorted({*_REGISTRY, *SHIPPED, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
+    return sorted({*_REGISTRY, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
 
 
 def prompt_format_name(checkpoint: Checkpoint) -> str:

@@ -23,7 +23,8 @@ from pipeline.builddir import (
     target_engine_dir,
 )
 from pipeline.errors import DgpipeError
-from pipeline.model.validate import checkpoint_files, validate_checkpoint
+from pipeline.model.files import checkpoint_files
+from pipeline.model.validate import validate_checkpoint
 from pipeline.resources import TRITON_MODEL_SOURCE
 from pipeline.serving import schema
 

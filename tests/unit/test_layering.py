@@ -1,13 +1,20 @@
 """No module imports a later stage of the data path: model -> sampler -> runtime -> demo -> quantize ->
 export (onnx) -> engine -> repository (serving) -> k8s (deploy). Orchestrators (`pipeline.build`, `pipeline.bench`, `pipeline.cli`, `pipeline.doctor`) may import
-any stage; the foundation modules (errors, atomic writes, resources, targets, build layout) none."""
+any stage; the foundation modules (errors, atomic writes, resources, targets, build layout) none.
+
+An import is any way code gets a module: `import`/`from` statements at any depth (lazy ones inside functions
+count), `importlib.import_module("pkg.mod")` / `__import__`, and "pkg.mod:attr" target strings. On top of the
+climbing rule: no import circle anywhere (a lazy import that dodges one is still one), and every entry
+point in pyproject.toml names a module and attribute that exist and have a place on the path."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from pipeline.resources import PACKAGE_DIR
 
@@ -42,24 +49,131 @@ def stage_of(module: str) -> int | None:
     return None
 
 
+TARGET = re.compile(r"^([A-Za-z_][\w.]*):([A-Za-z_]\w*)$")  # "pkg.mod:attr", as entry points spell it
+IMPORT_CALLS = {"import_module", "__import__"}
+
+
 def imported_modules(source: str) -> list[tuple[str, int]]:
-    """Every absolute import in a module, at any depth (lazy imports inside functions count too)."""
+    """Every absolute import in a module, at any depth (lazy imports inside functions count too), string
+    imports (`importlib.import_module("x")`, `__import__("x")`) and "module:attr" target strings."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found += [(alias.name, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.module, node.lineno))
+            # `from pkg import sub` imports pkg.sub (a module) or takes sub from pkg: the deepest module named
             found += [(f"{node.module}.{alias.name}", node.lineno) for alias in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in IMPORT_CALLS and isinstance(node.args[0].value, str):
+                found.append((node.args[0].value, node.lineno))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            m = TARGET.match(node.value)
+            if m:
+                found.append((m.group(1), node.lineno))
     return found
+
+
+def module_files(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every module the rules cover."""
+    paths = [*root.glob("pipeline/**/*.py"), *root.glob("quantize/*.py"), *root.glob("model_repo/*.py")]
+    return {
+        ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in sorted(paths)
+    }
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """module -> the modules of ours it imports (each name resolved to the deepest module it names)."""
+    modules = module_files(root)
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        edges = set()
+        for name, _ in imported_modules(path.read_text()):
+            parts = name.split(".")
+            for k in range(len(parts), 0, -1):
+                target = ".".join(parts[:k])
+                if target in modules:
+                    if target != module:
+                        edges.add(target)
+                    break
+        graph[module] = edges
+    return graph
+
+
+def import_circles(root: Path) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    graph = import_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(circles)
+
+
+def entry_point_problems(root: Path) -> list[str]:
+    """Every pyproject.toml entry point (scripts included) names a module of ours that defines the
+    attribute at top level and has a place on the data path."""
+    project = tomllib.loads((root / "pyproject.toml").read_text()).get("project", {})
+    groups = {"scripts": project.get("scripts", {}), **project.get("entry-points", {})}
+    modules = module_files(root)
+    problems = []
+    for group, entries in groups.items():
+        for name, target in entries.items():
+            m = TARGET.match(target)
+            where = f"pyproject.toml [{group}] {name} = {target!r}"
+            if not m or m.group(1) not in modules:
+                problems.append(f"{where}: no such module")
+                continue
+            tree = ast.parse(modules[m.group(1)].read_text())
+            defined = {
+                n.name
+                for n in tree.body
+                if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+            } | {
+                t.id
+                for n in tree.body
+                if isinstance(n, ast.Assign | ast.AnnAssign)
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                if isinstance(t, ast.Name)
+            }
+            if m.group(2) not in defined:
+                problems.append(f"{where}: {m.group(1)} defines no {m.group(2)!r}")
+            elif stage_of(m.group(1)) is None:
+                problems.append(f"{where}: {m.group(1)} has no place on the data path")
+    return problems
 
 
 def later_stage_imports(root: Path) -> list[str]:
     problems = []
-    for path in sorted(
-        [*root.glob("pipeline/**/*.py"), *root.glob("quantize/*.py"), *root.glob("model_repo/*.py")]
-    ):
-        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+    for module, path in module_files(root).items():
         own = stage_of(module)
         if own is None or module.startswith(tuple(ORCHESTRATORS)):
             continue
@@ -86,6 +200,14 @@ def test_no_module_imports_a_later_stage():
     assert later_stage_imports(ROOT) == []
 
 
+def test_no_import_circle():
+    assert import_circles(ROOT) == []
+
+
+def test_entry_points_name_real_placed_targets():
+    assert entry_point_problems(ROOT) == []
+
+
 @pytest.mark.parametrize(
     ("module_path", "source"),
     [
@@ -99,3 +221,54 @@ def test_the_rule_catches_a_lazy_or_module_level_climb(tmp_path: Path, module_pa
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(source)
     assert len(later_stage_imports(tmp_path)) >= 1
+
+
+@pytest.mark.parametrize(
+    ("module_path", "source"),
+    [
+        ("pipeline/runtime/x.py", "import importlib\nimportlib.import_module('pipeline.onnx.backend')\n"),
+        ("pipeline/model/x.py", "def f():\n    return __import__('pipeline.runtime.session')\n"),
+        ("pipeline/runtime/x.py", "SHIPPED = {'fmt': 'pipeline.demo.prompt_format:SudokuFormat'}\n"),
+    ],
+)
+def test_the_rule_catches_a_string_import(tmp_path: Path, module_path: str, source: str):
+    path = tmp_path / module_path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(source)
+    assert len(later_stage_imports(tmp_path)) == 1
+
+
+@pytest.mark.parametrize(
+    "sources",
+    [
+        {"a.py": "import quantize.b\n", "b.py": "from quantize.a import x\n"},  # module level
+        {"a.py": "def f():\n    from quantize.b import y\n", "b.py": "import quantize.a\n"},  # lazy
+        {
+            "a.py": "import quantize.b\n",
+            "b.py": "import importlib\nimportlib.import_module('quantize.c')\n",
+            "c.py": "X = 'quantize.a:f'\n",
+        },  # through a string import and a target string
+    ],
+)
+def test_circles_are_found_however_the_import_is_spelled(tmp_path: Path, sources: dict[str, str]):
+    (tmp_path / "quantize").mkdir()
+    for name, source in sources.items():
+        (tmp_path / "quantize" / name).write_text(source)
+    assert import_circles(tmp_path) == [sorted(f"quantize.{n[:-3]}" for n in sources)]
+
+
+@pytest.mark.parametrize(
+    ("entry", "problem"),
+    [
+        ('sudoku = "pipeline.demo.nothere:Fmt"', "no such module"),
+        ('sudoku = "pipeline.demo.fmt:Missing"', "defines no 'Missing'"),
+        ('sudoku = "pipeline.nowhere.fmt:Fmt"', "no place on the data path"),
+    ],
+)
+def test_entry_point_rule_catches_a_broken_target(tmp_path: Path, entry: str, problem: str):
+    for d in ("pipeline/demo", "pipeline/nowhere"):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "fmt.py").write_text("class Fmt:\n    pass\n")
+    (tmp_path / "pyproject.toml").write_text(f'[project.entry-points."dgpipe.prompt_formats"]\n{entry}\n')
+    problems = entry_point_problems(tmp_path)
+    assert len(problems) == 1 and problem in problems[0], problems

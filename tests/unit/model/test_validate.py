@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.errors import CheckpointError
 from pipeline.model import checkpoint as ck
-from pipeline.model.validate import checkpoint_files, validate_checkpoint
+from pipeline.model.files import checkpoint_files
+from pipeline.model.validate import validate_checkpoint
 
 EMBED = "model.decoder.embed_tokens.weight"
 NORM = "model.decoder.norm.weight"

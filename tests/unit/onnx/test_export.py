@@ -482,8 +482,9 @@ def build_fp8_checkpoint(model, out: Path) -> Path:
 
     from safetensors.torch import save_file
 
-    from pipeline.model.checkpoint import DECODER, hf_state_dict
+    from pipeline.model.checkpoint import hf_state_dict
     from pipeline.model.fake_quant import E4M3_MAX as FP8_MAX
+    from pipeline.model.files import DECODER
     from pipeline.onnx.quant import _float_weight
 
     amax = _calibrate(model)
@@ -705,7 +706,8 @@ def build_nvfp4_checkpoint(model, out: Path) -> tuple[Path, dict, dict]:
 
     from safetensors.torch import save_file
 
-    from pipeline.model.checkpoint import DECODER, hf_state_dict
+    from pipeline.model.checkpoint import hf_state_dict
+    from pipeline.model.files import DECODER
     from pipeline.model.modelopt import PackedLinear
     from pipeline.onnx.quant import _float_weight
 

@@ -239,7 +239,9 @@ def test_generate_and_eval_cli_on_quantized_dir(quantized):
 def test_calibration_loop_runs_prefill_denoise_with_self_conditioning_and_commit():
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from quantize.calibrate import make_forward_loop, sudoku_prompts
+    from pipeline.demo.prompt_format import SudokuFormat
+    from quantize.calibrate import make_forward_loop
+    from quantize.defaults import CALIB_SEED
 
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(EMBEDDED_MODEL, dtype=torch.float32).eval()
     calls: list[str] = []
@@ -252,7 +254,7 @@ def test_calibration_loop_runs_prefill_denoise_with_self_conditioning_and_commit
         )[0],
         with_kwargs=True,
     )
-    make_forward_loop(sudoku_prompts(2, (45, 61)), steps=3, batch=2)(model)
+    make_forward_loop(SudokuFormat().calibration_prompts(2, CALIB_SEED), steps=3, batch=2)(model)
     assert calls == ["enc", "dec", "dec", "dec", "enc"]  # prefill, 3 denoise steps, commit
     assert sc_seen == [False, True, True]
 

@@ -93,3 +93,39 @@ def test_runtime_does_not_import_the_demo_for_other_checkpoints():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_demo_format_registers_through_the_entry_point_group():
+    from importlib.metadata import entry_points
+
+    from pipeline.demo.prompt_format import SudokuFormat
+
+    (ep,) = entry_points(group=pf.ENTRY_POINT_GROUP, name="sudoku")
+    assert ep.load() is SudokuFormat and pf.prompt_format_factory("sudoku") is SudokuFormat
+    assert "sudoku" in pf.known_prompt_formats()
+
+
+def test_task_format_draws_calibration_and_evaluation_sets_in_the_checkpoint_band():
+    from pipeline.demo import sudoku
+    from pipeline.demo import tokenizer as stok
+
+    fmt = pf.prompt_format_for(_ckpt(prompt_format="sudoku", givens_range=[40, 42]), None)
+    calib = fmt.calibration_prompts(3, 7)
+    assert len(calib) == 3 and calib == fmt.calibration_prompts(3, 7) != fmt.calibration_prompts(3, 8)
+    examples = fmt.evaluation_examples(3, 7)
+    for p, ex in zip(calib, examples, strict=True):  # same seed, same puzzles
+        assert 40 <= 81 - ex.prompt.count(".") <= 42 and sudoku.is_valid_solution(ex.prompt, ex.answer)
+        assert p.ids == stok.sudoku_prompt_ids(ex.prompt) and p.template == fmt.infill_template(ex.prompt)
+        assert fmt.decode(fmt.answer_ids(ex.answer)) == ex.answer
+    default = pf.prompt_format_for(_ckpt(prompt_format="sudoku"), None)
+    assert default.givens == sudoku.DEFAULT_GIVENS
+    assert not hasattr(pf.TextFormat, "calibration_prompts")  # a text model calibrates on --calib-data
+
+
+def test_task_format_evaluates_the_embedded_model():
+    from pipeline.runtime.session import load_session
+
+    session = load_session(EMBEDDED_MODEL, "float32", "cpu")
+    fmt = session.prompt_format
+    acc = fmt.evaluate(session.model, fmt.evaluation_examples(4, 20_000), session.sampler(), None)
+    assert acc.solve_rate >= 0.5 and acc.valid_rate >= acc.solve_rate and acc.mean_steps >= 1
