@@ -1,5 +1,5 @@
 """Accuracy report of quantized checkpoints against the bf16 reference, for a model whose prompt format
-evaluates its task (`evaluation_examples`, `answer_ids`, `evaluate`: the embedded model's Sudoku format).
+evaluates its task (`evaluation_examples`, `answer_ids`, `evaluate`, as the embedded model's format does).
 
 Per precision: the format's solve rate and mean denoise steps per canvas on one fixed example set (same
 seed, same sampler, same draws), mean KL(bf16 || quantized) of denoise logits on one fixed canvas set,
