@@ -28,7 +28,10 @@ def quantize(
         Path | None, opt.build_dir("write BUILD_DIR/checkpoint and record the stage (instead of --output)")
     ] = None,
     calib_data: Annotated[
-        Path | None, typer.Option(help='JSONL of {"text": ...}; default: the calibration set of the model\'s prompt format')
+        Path | None,
+        typer.Option(
+            help='JSONL of {"text": ...}; default: the calibration set of the model\'s prompt format'
+        ),
     ] = None,
     calib_size: Annotated[int, typer.Option(help="calibration prompts")] = CALIB_SIZE,
     calib_steps: Annotated[int, typer.Option(help="denoise steps per calibration canvas")] = 8,
