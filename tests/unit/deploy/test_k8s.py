@@ -1012,7 +1012,7 @@ def test_build_writes_the_smoke_test_into_the_manifest():
     from pipeline import build
 
     src = inspect.getsource(build.run_build)
-    assert src.index("man.smoke = smoke_test_for(ckpt)") < src.index("save_manifest(build_dir, man)")
+    assert src.index("man.smoke = smoke_test_for(source)") < src.index("save_manifest(build_dir, man)")
 
 
 @needs_kubectl
