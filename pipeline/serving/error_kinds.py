@@ -38,6 +38,13 @@ class ErrorKind(str, Enum):
         return f"[{self.value}] {message}"
 
     @classmethod
+    def from_code(cls, code: str | None, status: int) -> ErrorKind:
+        """The kind of an OpenAI error (the frontend's `code`), by its status when the code is not one."""
+        return next((k for k in cls if k.code is not None and k.code == code), None) or cls.from_status(
+            status
+        )
+
+    @classmethod
     def from_status(cls, status: int) -> ErrorKind:
         """The kind an HTTP status stands for, for errors that carry no tag (Triton's own refusals)."""
         if status < 500:
@@ -67,3 +74,8 @@ def from_wire(message: str, untagged: ErrorKind = ErrorKind.INVALID_REQUEST) -> 
     if match is None:
         return untagged, message
     return ErrorKind(match.group(1)), message[: match.start()] + message[match.end() :]
+
+
+def internal_error(where: str, error: BaseException) -> str:
+    """The message of a failure of the server's own (a bug, a failed pass): where, and the exception."""
+    return f"internal error {where}: {type(error).__name__}: {error}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pipeline.serving.error_kinds import ErrorKind
+from pipeline.serving.error_kinds import ErrorKind, internal_error
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Channel(Protocol):
 
 def internal_failure(where: str, error: BaseException) -> Failure:
     """A failure of the server's own (a bug, a failed pass), naming where it happened and the exception."""
-    return Failure(ErrorKind.INTERNAL, f"internal error {where}: {type(error).__name__}: {error}")
+    return Failure(ErrorKind.INTERNAL, internal_error(where, error))
 
 
 def piece(text: str) -> Outputs:

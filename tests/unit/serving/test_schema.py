@@ -774,3 +774,82 @@ def test_a_request_the_client_cancelled_is_released_with_the_final_flag_and_no_r
     model.core.jobs[job.request_id] = job
     request.on_finish(types.SimpleNamespace(finish_reason="cancelled", steps_per_canvas=[]))
     assert req.sender.sent == [(None, 1)] and job.request_id not in model.core.jobs
+
+
+# ---- the Triton model's side of the lifecycle (pipeline/serving/lifecycle.py is the other side) ----------
+def test_model_answers_a_ping_from_its_runtime_loop_and_counts_no_request(model):
+    req = FakeRequest({}, {schema.HEALTH_PARAMETER: True})
+    model.execute([req])
+    assert not req.sender.sent  # not answered by Triton's thread: by the loop
+    assert model.core.pings.get_nowait().sender is req.sender
+    # not a request, not in the load gauges
+    assert model.core.inbox.empty() and model.core.metrics.requests.value == 0
+
+
+def test_model_refuses_new_requests_once_the_drain_file_is_touched(model, tmp_path):
+    import os
+    import time
+
+    from pipeline.serving import lifecycle
+    from pipeline.serving.core.drain import DrainSignal
+
+    drain = tmp_path / "draining"
+    model.core.drain = DrainSignal(str(drain), time.time())
+    drain.touch()
+    loaded_at = model.core.drain.loaded_at
+    os.utime(drain, (loaded_at - 60, loaded_at - 60))  # a previous container's file: ignored
+    model.execute([FakeRequest({"text_input": arr("text_input", PROMPT)})])
+    assert model.core.inbox.qsize() == 1
+    lifecycle.touch_drain_file(drain)
+    for req in (FakeRequest({"text_input": arr("text_input", PROMPT)}), FakeRequest({}, {"health_check": 1})):
+        model.execute([req])
+        ((response, flags),) = req.sender.sent
+        assert flags == 1 and response.error.code == FakeError.UNAVAILABLE
+        assert response.error.message == f"[unavailable] {schema.DRAINING}"
+    assert model.core.inbox.qsize() == 1 and model.core.metrics.draining.value == 1
+
+
+def test_a_request_past_its_deadline_is_answered_with_an_error_naming_it(model):
+    import time
+
+    logged: list[str] = []
+    model.core.log_error = logged.append
+    model.execute(
+        [FakeRequest({"text_input": arr("text_input", PROMPT), "timeout_s": arr("timeout_s", 2.0)})]
+    )
+    job, _ = model.core.inbox.get_nowait()
+    now = time.perf_counter()
+    assert not job.overdue(now + 100)  # queued: time in the queue does not count
+    job.result = types.SimpleNamespace(admitted=now)
+    assert not job.overdue(now + 1.9) and job.overdue(now + 2.1)
+    cancelled = []
+    model.core.runtime.cancel = cancelled.append
+    model.core.jobs[job.request_id] = job
+    job.expired = True
+    model.core.progress.on_finish(job, types.SimpleNamespace(finish_reason="cancelled", steps_per_canvas=[]))
+    ((response, flags),) = job.channel.sender.sent
+    assert flags == 1 and response.error.code == FakeError.UNAVAILABLE
+    assert response.error.message.startswith("[timeout] request ran past its deadline of 2 s")
+    assert "60 s" in response.error.message
+    assert model.core.metrics.expired.value == 1 and not model.core.jobs and "past its deadline" in logged[0]
+
+
+def test_finalize_answers_every_queued_and_in_flight_request_as_unavailable(model):
+    """Unloading the model (Triton's finalize) must not leave a client waiting: a request still queued and
+    one in the batch are both answered with the shutting-down error, and a request after it is refused."""
+    from pipeline.serving.core.shutdown import SHUTTING_DOWN
+
+    dropped: list = []
+    model.core.runtime.drop_all = lambda: dropped.append(True)
+    queued, running, late = (FakeRequest(with_prompt(seed=s)) for s in (1, 2, 3))
+    model.execute([queued, running])
+    job, _ = model.core.inbox.queue.pop()  # `running` got a batch slot
+    model.core.jobs[job.request_id] = job
+    model.finalize()
+    model.execute([late])
+    for req in (queued, running, late):
+        ((response, flags),) = req.sender.sent
+        assert flags == 1 and response.error.code == FakeError.UNAVAILABLE
+        assert response.error.message == f"[unavailable] {SHUTTING_DOWN}"
+    assert model.core.inbox.empty() and not model.core.jobs and dropped == [True]
+    assert (model.core.metrics.active.value, model.core.metrics.queued.value) == (0, 0)
