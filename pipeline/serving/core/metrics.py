@@ -31,6 +31,7 @@ class Metrics:
     """Every metric the server exports, by what it counts."""
 
     def __init__(self, make: MetricFactory) -> None:
+        self.factory = make  # kept: it may own what its metrics need alive (Triton's metric families)
         self.requests = make.counter("dgpipe_requests_total", "Generate requests accepted")
         self.rejected = make.counter("dgpipe_requests_rejected_total", "Requests refused as invalid")
         self.cancelled = make.counter("dgpipe_requests_cancelled_total", "Requests the client cancelled")
