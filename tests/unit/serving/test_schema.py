@@ -11,6 +11,7 @@ import json
 import re
 import sys
 import types
+import weakref
 from typing import Any
 
 import numpy as np
@@ -66,18 +67,26 @@ class FakeError:
 
 
 class FakeCounter:
-    """Any pb_utils metric: what was set last, and what was observed."""
+    """Any pb_utils metric: what was set last, and what was observed. Like Triton's, it fails once its
+    MetricFamily is gone (the model must keep its families)."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, family=None, **kwargs) -> None:
         self.value, self.observed, self.buckets = 0.0, [], kwargs.get("buckets")
+        self.family = (lambda: True) if family is None else weakref.ref(family)
+
+    def alive(self) -> None:
+        assert self.family() is not None, "the metric's MetricFamily has been deleted"
 
     def increment(self, n: float) -> None:
+        self.alive()
         self.value += n
 
     def set(self, v: float) -> None:
+        self.alive()
         self.value = v
 
     def observe(self, v: float) -> None:
+        self.alive()
         self.observed.append(v)
 
 
@@ -89,7 +98,7 @@ class FakeMetricFamily:
 
     def Metric(self, labels: dict, **kwargs) -> FakeCounter:  # pb_utils' spelling
         assert (self.kind == self.HISTOGRAM) == ("buckets" in kwargs), self.name  # histograms need buckets
-        return FakeCounter(**kwargs)
+        return FakeCounter(self, **kwargs)
 
 
 def _pb_utils() -> types.ModuleType:
