@@ -18,6 +18,7 @@ from typing import Any
 
 from pipeline.errors import DgpipeError
 from pipeline.serving import schema
+from pipeline.serving.error_kinds import ErrorKind, from_wire
 
 
 def _first(value: Any) -> Any:
@@ -66,11 +67,25 @@ class Reply:
 
 
 class TritonError(DgpipeError):
-    """The server refused the request (HTTP 4xx / gRPC INVALID_ARGUMENT); the message is the server's."""
+    """The server refused or failed the request; `kind` says how (its HTTP status: `status`), the message
+    is the server's, without the kind's wire tag."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, kind: ErrorKind = ErrorKind.INVALID_REQUEST) -> None:
         super().__init__(message)
-        self.status = status
+        self.kind = kind
+
+    @property
+    def status(self) -> int:
+        return self.kind.status
+
+
+def model_error(
+    message: str, untagged: ErrorKind = ErrorKind.INVALID_REQUEST, prefix: str = ""
+) -> TritonError:
+    """The model's error message (its kind tagged on the wire) as a TritonError; `untagged`: the kind of an
+    error that carries no tag (one of Triton's own)."""
+    kind, text = from_wire(message, untagged)
+    return TritonError(prefix + text, kind)
 
 
 def http_generate(
@@ -90,13 +105,13 @@ def http_generate(
                     continue
                 event = json.loads(line[5:])
                 if "error" in event:
-                    raise TritonError(event["error"], 400)
+                    raise model_error(event["error"])
                 yield event
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace").strip().removeprefix("data:").strip()
         with contextlib.suppress(json.JSONDecodeError, AttributeError):
             detail = json.loads(detail).get("error", detail)
-        raise TritonError(f"HTTP {e.code}: {detail}", e.code) from e
+        raise model_error(str(detail), ErrorKind.from_status(e.code), f"HTTP {e.code}: ") from e
     except urllib.error.URLError as e:
         raise DgpipeError(
             f"cannot reach {url} ({e.reason})", "is the server running? see dgpipe serve"
@@ -133,7 +148,7 @@ def _grpc_chunk(result) -> dict[str, Any]:
 def _grpc_error(url: str, message: str, unavailable: bool) -> DgpipeError:
     if unavailable:  # the stream's channel failed
         return DgpipeError(f"cannot reach {url} ({message})", "is the server running? see dgpipe serve")
-    return TritonError(message, _status(message))
+    return model_error(message)
 
 
 def grpc_generate(
@@ -171,15 +186,6 @@ def grpc_generate(
     finally:
         client.stop_stream(cancel_requests=not finished)
         client.close()
-
-
-def _status(message: str) -> int:
-    """The HTTP status a model error over gRPC stands for (the model's lifecycle refusals by their text)."""
-    if message.startswith("internal error"):
-        return 500
-    if schema.DRAINING in message:
-        return 503
-    return 504 if schema.PAST_DEADLINE in message else 400
 
 
 class AsyncTriton:
@@ -300,7 +306,9 @@ def openai_generate(
                     continue
                 event = json.loads(line[5:])
                 if "error" in event:
-                    raise TritonError(event["error"].get("message", str(event["error"])), 400)
+                    error = event["error"]
+                    kind = ErrorKind.from_code(error.get("code"), 400)
+                    raise TritonError(error.get("message", str(error)), kind)
                 if event.get("object") == "dgpipe.draft":  # back to the model's own draft response
                     draft = event["dgpipe"]
                     yield {"text_output": draft["text"], "denoise_steps": [draft["step"]]}
@@ -324,7 +332,7 @@ def openai_generate(
         hint = "pass --api-key or set DGPIPE_API_KEY" if e.code == 401 else None
         if hint:
             raise DgpipeError(f"HTTP 401: {detail}", hint) from e
-        raise TritonError(f"HTTP {e.code}: {detail}", e.code) from e
+        raise TritonError(f"HTTP {e.code}: {detail}", ErrorKind.from_status(e.code)) from e
     except urllib.error.URLError as e:
         raise DgpipeError(
             f"cannot reach {url} ({e.reason})", "is the server running? see dgpipe serve"

@@ -281,15 +281,7 @@ def parse_request(
     values |= read(lambda s: s.datatype not in ("BYTES", "BOOL"))
     if get("max_tokens") is None:  # not asked: the default, within this server's cap (never a refusal)
         values["max_tokens"] = min(values["max_tokens"], limits.max_tokens)
-    for name, limit in (
-        ("max_tokens", limits.max_tokens),
-        ("max_denoising_steps", limits.max_steps),
-        ("timeout_s", limits.max_seconds),
-    ):
-        if values[name] is not None and values[name] > limit:
-            raise BadRequest(f"input '{name}' is {values[name]}, over this server's limit of {limit}")
-    if values["t_min"] is not None and values["t_max"] is not None and values["t_min"] > values["t_max"]:
-        raise BadRequest(f"input 't_min' ({values['t_min']}) must be <= input 't_max' ({values['t_max']})")
+    _check_limits(values, limits)
     max_tokens = values["max_tokens"]
     flags = read(lambda s: s.datatype == "BOOL")
     values |= read(lambda s: s.optional and s.datatype == "BYTES")
@@ -309,6 +301,19 @@ def parse_request(
         timeout_s=values["timeout_s"] if values["timeout_s"] is not None else limits.max_seconds,
         guide=guide,
     )
+
+
+def _check_limits(values: Mapping[str, Any], limits: ServerLimits) -> None:
+    """The numbers against this server's caps, and the temperature schedule's order."""
+    for name, limit in (
+        ("max_tokens", limits.max_tokens),
+        ("max_denoising_steps", limits.max_steps),
+        ("timeout_s", limits.max_seconds),
+    ):
+        if values[name] is not None and values[name] > limit:
+            raise BadRequest(f"input '{name}' is {values[name]}, over this server's limit of {limit}")
+    if values["t_min"] is not None and values["t_max"] is not None and values["t_min"] > values["t_max"]:
+        raise BadRequest(f"input 't_min' ({values['t_min']}) must be <= input 't_max' ({values['t_max']})")
 
 
 def _guide(kind: str | None, guide: str | None) -> tuple[str, str] | None:

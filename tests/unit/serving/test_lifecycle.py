@@ -1,5 +1,5 @@
-"""pipeline/serving/lifecycle.py against real sockets (a stand-in Triton over http.server) and the Triton
-model's side of it (ping, drain file, deadline) with the stand-in Python stub of test_schema.py. The real
+"""pipeline/serving/lifecycle.py against real sockets (a stand-in Triton over http.server); the Triton model's
+side of it (ping, drain file, deadline) is tested in test_schema.py with its stand-in Python stub. The real
 tritonserver scenarios (stub killed, SIGTERM with streams in flight, abandoned runaways) are in
 tests/e2e/test_lifecycle.py."""
 
@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import http.server
 import json
-import os
-import sys
 import threading
 import time
-import types
 from contextlib import contextmanager
 
 from pipeline.serving import lifecycle, schema
-from tests.unit.serving.test_schema import PROMPT, FakeError, FakeRequest, arr, model  # noqa: F401
 
 
 @contextmanager
@@ -109,53 +105,6 @@ def test_drain_timeout_fits_the_grace_period_and_the_cli_uses_it():
 
     assert lifecycle.DRAIN_TIMEOUT_S + lifecycle.EXIT_TIMEOUT_S < lifecycle.TERMINATION_GRACE_S
     assert serve.DRAIN_TIMEOUT_S is health.DRAIN_TIMEOUT_S is lifecycle.DRAIN_TIMEOUT_S
-
-
-# ---- the Triton model's side ---------------------------------------------------------------------------
-def test_model_answers_a_ping_from_its_runtime_loop_and_counts_no_request(model):  # noqa: F811
-    req = FakeRequest({}, {schema.HEALTH_PARAMETER: True})
-    model.execute([req])
-    assert not req.sender.sent  # not answered by Triton's thread: by the loop
-    assert model.pings.get_nowait() is req.sender
-    assert model.inbox.empty() and model.m_requests.value == 0  # not a request, not in the load gauges
-
-
-def test_model_refuses_new_requests_once_the_drain_file_is_touched(model, tmp_path):  # noqa: F811
-    drain = tmp_path / "draining"
-    model.drain_file, model.loaded_at = str(drain), time.time()
-    drain.touch()
-    os.utime(drain, (model.loaded_at - 60, model.loaded_at - 60))  # a previous container's file: ignored
-    model.execute([FakeRequest({"text_input": arr("text_input", PROMPT)})])
-    assert model.inbox.qsize() == 1
-    lifecycle.touch_drain_file(drain)
-    for req in (FakeRequest({"text_input": arr("text_input", PROMPT)}), FakeRequest({}, {"health_check": 1})):
-        model.execute([req])
-        ((response, flags),) = req.sender.sent
-        assert flags == 1 and response.error.code == FakeError.UNAVAILABLE
-        assert "draining" in response.error.message
-    assert model.inbox.qsize() == 1 and model.m_draining.value == 1
-
-
-def test_a_request_past_its_deadline_is_answered_with_an_error_naming_it(model):  # noqa: F811
-    logged: list[str] = []
-    sys.modules["triton_python_backend_utils"].Logger = types.SimpleNamespace(log_error=logged.append)
-    model.execute(
-        [FakeRequest({"text_input": arr("text_input", PROMPT), "timeout_s": arr("timeout_s", 2.0)})]
-    )
-    job, _ = model.inbox.get_nowait()
-    now = time.perf_counter()
-    assert not job.overdue(now + 100)  # queued: time in the queue does not count
-    job.result = types.SimpleNamespace(admitted=now)
-    assert not job.overdue(now + 1.9) and job.overdue(now + 2.1)
-    cancelled = []
-    model.runtime.cancel = cancelled.append
-    model.jobs[job.request_id] = job
-    job.expired = True
-    model._on_finish(job, types.SimpleNamespace(finish_reason="cancelled", steps_per_canvas=[]))
-    ((response, flags),) = job.sender.sent
-    assert flags == 1 and response.error.code == FakeError.UNAVAILABLE
-    assert "past its deadline of 2 s" in response.error.message and "60 s" in response.error.message
-    assert model.m_expired.value == 1 and not model.jobs and "past its deadline" in logged[0]
 
 
 def test_health_cli_probe_exit_codes_and_drain_touches_the_file_and_waits(tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from pipeline.errors import DgpipeError
 from pipeline.model.config import SAMPLER_RANGES
 from pipeline.serving.client import TritonError
+from pipeline.serving.error_kinds import ErrorKind
 from pipeline.serving.openai_api import create_app
 from pipeline.serving.openai_schema import temperature_range
 
@@ -282,18 +283,20 @@ def test_missing_model_and_unknown_model():
 
 
 def test_triton_refusal_is_a_400_with_its_message_unreachable_a_503_internal_a_500():
-    bad = FakeTriton(error=TritonError("input 'max_tokens' is 9999, over this server's limit of 512", 400))
+    bad = FakeTriton(error=TritonError("input 'max_tokens' is 9999, over this server's limit of 512"))
     c, _ = client(bad)
     assert_error(c.post("/v1/completions", json=TEXT), 400, contains="over this server's limit")
     assert_error(c.post("/v1/completions", json={**TEXT, "stream": True}), 400, contains="limit")
     c, _ = client(FakeTriton(error=DgpipeError("cannot reach grpc://127.0.0.1:1")))
     assert_error(c.post("/v1/chat/completions", json=CHAT), 503, code="service_unavailable")
-    c, _ = client(FakeTriton(error=TritonError("internal error during generation: boom", 500)))
+    c, _ = client(FakeTriton(error=TritonError("internal error during generation: boom", ErrorKind.INTERNAL)))
     assert_error(c.post("/v1/chat/completions", json=CHAT), 500, code="triton_error")
 
 
 def test_an_error_after_the_stream_started_is_an_error_event_then_done():
-    c, _ = client(FakeTriton(error=TritonError("internal error in this request: x", 500), error_after=1))
+    c, _ = client(
+        FakeTriton(error=TritonError("internal error in this request: x", ErrorKind.INTERNAL), error_after=1)
+    )
     events = sse(c.post("/v1/completions", json={**TEXT, "stream": True}))
     assert events[0]["choices"][0]["text"] == "12"
     assert (
@@ -435,21 +438,24 @@ def test_draining_refuses_new_requests_with_503_and_health_503_while_a_stream_in
 
 
 def test_a_draining_model_is_a_503_and_a_request_past_its_deadline_a_504():
-    """The model's lifecycle refusals over gRPC (client._status reads them by their text, written once in
-    schema.py) reach an OpenAI client as 503 / 504, not as a 400 for a bad request."""
+    """The model's lifecycle refusals over gRPC (the client reads their kind from the tag on the wire, not
+    from their wording) reach an OpenAI client as 503 / 504, not as a 400 for a bad request."""
     from pipeline.serving import schema
-    from pipeline.serving.client import _status
+    from pipeline.serving.client import model_error
 
     deadline = f"{schema.PAST_DEADLINE} of 2 s and was stopped after 1 canvas(es)"
-    assert [_status(m) for m in (schema.DRAINING, deadline, "internal error: x", "input 'seed' ...")] == [
-        503,
-        504,
-        500,
-        400,
+    wire = [
+        ErrorKind.UNAVAILABLE.on_wire(schema.DRAINING),
+        ErrorKind.TIMEOUT.on_wire(deadline),
+        ErrorKind.INTERNAL.on_wire("during generation: x"),
+        ErrorKind.INVALID_REQUEST.on_wire("input 'seed' ..."),
+        "input 'seed' ... draining past its deadline",  # untagged (Triton's own): the text decides nothing
     ]
-    http, _ = client(FakeTriton(error=TritonError(schema.DRAINING, 503)))
+    assert [model_error(m).status for m in wire] == [503, 504, 500, 400, 400]
+    assert str(model_error(wire[0])) == schema.DRAINING  # the tag is not part of the message
+    http, _ = client(FakeTriton(error=TritonError(schema.DRAINING, ErrorKind.UNAVAILABLE)))
     assert_error(
         http.post("/v1/completions", json=TEXT), 503, code="service_unavailable", contains="draining"
     )
-    http, _ = client(FakeTriton(error=TritonError(deadline, 504)))
+    http, _ = client(FakeTriton(error=TritonError(deadline, ErrorKind.TIMEOUT)))
     assert_error(http.post("/v1/completions", json=TEXT), 504, code="timeout", contains="deadline")

@@ -41,7 +41,9 @@ def test_compile_is_a_model_parameter(tiny_checkpoint: Path, tmp_path: Path):
     cfg = text_format.Parse((repo / "dgpipe" / "config.pbtxt").read_text(), mc.ModelConfig())
     assert cfg.parameters["compile"].string_value == "true"
     model_py = (repo / "dgpipe" / "1" / "model.py").read_text()
-    assert 'params.get("compile", "false") == "true"' in model_py
+    assert "load_model(" in model_py  # the serving core's loader, which reads the parameter:
+    loader = Path(__file__).parents[3] / "pipeline" / "serving" / "core" / "loading.py"
+    assert 'params.get("compile", "false") == "true"' in loader.read_text()
 
 
 def test_broken_checkpoint_writes_nothing(tmp_path: Path):

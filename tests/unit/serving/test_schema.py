@@ -8,10 +8,10 @@ import dataclasses
 import importlib.util
 import io
 import json
-import queue
 import re
 import sys
 import types
+import weakref
 from typing import Any
 
 import numpy as np
@@ -67,18 +67,26 @@ class FakeError:
 
 
 class FakeCounter:
-    """Any pb_utils metric: what was set last, and what was observed."""
+    """Any pb_utils metric: what was set last, and what was observed. Like Triton's, it fails once its
+    MetricFamily is gone (the model must keep its families)."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, family=None, **kwargs) -> None:
         self.value, self.observed, self.buckets = 0.0, [], kwargs.get("buckets")
+        self.family = (lambda: True) if family is None else weakref.ref(family)
+
+    def alive(self) -> None:
+        assert self.family() is not None, "the metric's MetricFamily has been deleted"
 
     def increment(self, n: float) -> None:
+        self.alive()
         self.value += n
 
     def set(self, v: float) -> None:
+        self.alive()
         self.value = v
 
     def observe(self, v: float) -> None:
+        self.alive()
         self.observed.append(v)
 
 
@@ -90,7 +98,7 @@ class FakeMetricFamily:
 
     def Metric(self, labels: dict, **kwargs) -> FakeCounter:  # pb_utils' spelling
         assert (self.kind == self.HISTOGRAM) == ("buckets" in kwargs), self.name  # histograms need buckets
-        return FakeCounter(**kwargs)
+        return FakeCounter(self, **kwargs)
 
 
 def _pb_utils() -> types.ModuleType:
@@ -144,29 +152,36 @@ class FakeSession:
 
 @pytest.fixture
 def model(monkeypatch):
-    """The Triton model as tritonserver loads it, set up without a checkpoint: limits 512 tokens, 64 steps
-    per canvas, 100 prompt tokens, 60 s per request."""
+    """The Triton model as tritonserver loads it, its serving core set up without a checkpoint: limits 512
+    tokens, 64 steps per canvas, 100 prompt tokens, 60 s per request."""
+    from pipeline.serving.core.metrics import Metrics
+    from pipeline.serving.core.service import ServingCore
+
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _pb_utils())
     spec = importlib.util.spec_from_file_location("dgpipe_triton_model", TRITON_MODEL_SOURCE)
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, mod)
     spec.loader.exec_module(mod)
-    m = mod.TritonPythonModel.__new__(mod.TritonPythonModel)
-    m.limits = schema.ServerLimits(max_tokens=512, max_steps=64, max_prompt=100, max_seconds=60.0)
-    m.session, m.runtime = FakeSession(), types.SimpleNamespace(validate=lambda req: None, waiting=())
-    m.ids, m.inbox, m.pings, m.jobs = iter(range(1, 1000)), queue.Queue(), queue.Queue(), {}
-    m._metrics()
+    m = mod.TritonPythonModel()
+    limits = schema.ServerLimits(max_tokens=512, max_steps=64, max_prompt=100, max_seconds=60.0)
+    runtime = types.SimpleNamespace(validate=lambda req: None, waiting=())
+    m.core = ServingCore(FakeSession(), runtime, limits, Metrics(mod.TritonMetrics()))
     return m
 
 
 def refusal(model, inputs: dict[str, np.ndarray], parameters: dict | None = None) -> str:
-    """The error message the model answers the request with (it must answer with one)."""
+    """The error message the model answers the request with (it must answer with one, of kind
+    invalid_request)."""
+    from pipeline.serving.error_kinds import ErrorKind, from_wire
+
     req = FakeRequest(inputs, parameters)
     model.execute([req])
-    assert model.inbox.empty(), "the request was accepted"
+    assert model.core.inbox.empty(), "the request was accepted"
     ((response, flags),) = req.sender.sent
     assert flags == 1 and response.error.code == FakeError.INVALID_ARG
-    return response.error.message
+    kind, message = from_wire(response.error.message)
+    assert kind is ErrorKind.INVALID_REQUEST
+    return message
 
 
 def arr(name: str, *values) -> np.ndarray:
@@ -312,7 +327,7 @@ def test_model_accepts_the_edges_of_each_range(model):
     edges = {"t_min": 0.001, "t_max": 100.0, "confidence_threshold": 0.0, "entropy_bound": 1e6}
     edges |= {"seed": 2**63 - 1, "max_denoising_steps": 64, "max_tokens": 512}
     model.execute([FakeRequest(with_prompt(**edges))])
-    _, request = model.inbox.get_nowait()
+    _, request = model.core.inbox.get_nowait()
     assert request.seed == 2**63 - 1 and request.max_tokens == 512
     assert request.sampler.max_denoising_steps == 64 and request.sampler.t_max == 100.0
 
@@ -363,8 +378,8 @@ def test_a_request_that_fails_in_the_worker_is_answered_alone(model, monkeypatch
     import threading
     import time
 
-    model.runtime = FailingRuntime()
-    model.jobs = {}
+    model.core.runtime = FailingRuntime()
+    model.core.jobs = {}
     logged: list[str] = []
     monkeypatch.setattr(
         sys.modules["triton_python_backend_utils"],
@@ -374,28 +389,30 @@ def test_a_request_that_fails_in_the_worker_is_answered_alone(model, monkeypatch
     )
     reqs = [FakeRequest(with_prompt(seed=s)) for s in (1, 13, 2)]
     model.execute(reqs)
-    model.running = True
-    worker = threading.Thread(target=model._loop, daemon=True)
+    model.core.running = True
+    worker = threading.Thread(target=model.core.loop.run, daemon=True)
     worker.start()
     deadline = time.monotonic() + 120  # the worker imports torch first
-    while len(model.runtime.submitted) < 2 and time.monotonic() < deadline:
+    while len(model.core.runtime.submitted) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    model.running = False
+    model.core.running = False
     worker.join(5)
-    assert [r.seed for r in model.runtime.submitted] == [1, 2] and set(model.jobs) == {1, 3}
+    assert [r.seed for r in model.core.runtime.submitted] == [1, 2] and set(model.core.jobs) == {1, 3}
     assert not reqs[0].sender.sent and not reqs[2].sender.sent
     ((response, flags),) = reqs[1].sender.sent
     assert flags == 1 and "Overflow when unpacking long long" in response.error.message
 
     # a callback that fails (here: decoding) fails its own request and cancels it in the runtime
-    model.session.decode = lambda tokens: (_ for _ in ()).throw(UnicodeDecodeError("utf-8", b"", 0, 1, "bad"))
-    first = model.runtime.submitted[0]
+    model.core.session.decode = lambda tokens: (_ for _ in ()).throw(
+        UnicodeDecodeError("utf-8", b"", 0, 1, "bad")
+    )
+    first = model.core.runtime.submitted[0]
     first.on_canvas(first, [1, 2])
-    assert model.runtime.cancelled == [1] and 1 not in model.jobs
+    assert model.core.runtime.cancelled == [1] and 1 not in model.core.jobs
     ((response, flags),) = reqs[0].sender.sent
     assert flags == 1 and "internal error in this request: UnicodeDecodeError" in response.error.message
     first.on_finish(types.SimpleNamespace(finish_reason="cancelled"))  # the runtime's cancel: nothing more
-    assert len(reqs[0].sender.sent) == 1 and not reqs[2].sender.sent and 3 in model.jobs
+    assert len(reqs[0].sender.sent) == 1 and not reqs[2].sender.sent and 3 in model.core.jobs
 
 
 @pytest.mark.parametrize("spec", [t for t in schema.INPUTS if t.rule is not None], ids=lambda t: t.name)
@@ -416,10 +433,10 @@ def _fits(spec: schema.TritonTensor, v: Any) -> bool:
 def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
     req = FakeRequest({"text_input": arr("text_input", PROMPT)})
     model.execute([req])
-    job, request = model.inbox.get_nowait()
+    job, request = model.core.inbox.get_nowait()
     assert request.max_tokens == schema.INPUT["max_tokens"].default and request.seed == 0
     assert job.flags == dict.fromkeys(schema.FLAGS, False) and job.stop_words == []
-    assert model.session.knobs == {} and request.template == "default"
+    assert model.core.session.knobs == {} and request.template == "default"
     assert job.timeout_s == 60.0  # the server's limit
 
     values = {
@@ -447,11 +464,11 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
     req = FakeRequest(inputs)
     model.execute([req])
     assert not req.sender.sent
-    job, request = model.inbox.get_nowait()
+    job, request = model.core.inbox.get_nowait()
     assert (request.max_tokens, request.seed, job.stop_words) == (82, 7, ["9", "x"])
     assert job.flags == {f: True for f in schema.FLAGS} and request.on_draft is not None
     knobs = {t.name for t in schema.INPUTS if t.sampler}
-    assert model.session.knobs == {k: values[k] for k in knobs}
+    assert model.core.session.knobs == {k: values[k] for k in knobs}
     assert request.template == "template:" + "_" * 81
     assert job.timeout_s == 2.5
     assert request.guide == ("regex", "[1-9]{81}")
@@ -459,14 +476,18 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
 
 def test_model_takes_messages_instead_of_text_input(model):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]
-    model.limits = dataclasses.replace(
-        model.limits, max_prompt=200
+    model.core.limits = dataclasses.replace(
+        model.core.limits, max_prompt=200
     )  # the conversation is longer than a puzzle
     req = FakeRequest({"messages": arr("messages", json.dumps(messages))})
     model.execute([req])
     assert not req.sender.sent
-    job, request = model.inbox.get_nowait()
-    assert job.prompt_ids == request.prompt_ids == model.session.encode_prompt(model.session.render(messages))
+    job, request = model.core.inbox.get_nowait()
+    assert (
+        job.prompt_ids
+        == request.prompt_ids
+        == model.core.session.encode_prompt(model.core.session.render(messages))
+    )
     assert schema.request_body(None, 8, False, 0, {"messages": "[]"}).keys() == {
         "messages",
         "max_tokens",
@@ -509,25 +530,30 @@ def test_model_echoes_the_prompt_it_read_for_text_and_messages(model, chat):
         else {"text_input": arr("text_input", PROMPT)}
     )
     echoed = FakeSession.render(messages) if chat else PROMPT
-    model.jobs, model.m_steps, model.m_steps_per_canvas = {}, FakeCounter(), FakeCounter()
-    model.limits = dataclasses.replace(model.limits, max_prompt=200)
+    model.core.jobs, model.core.metrics.steps, model.core.metrics.steps_per_canvas = (
+        {},
+        FakeCounter(),
+        FakeCounter(),
+    )
+    model.core.limits = dataclasses.replace(model.core.limits, max_prompt=200)
     for exclude, want in ((False, echoed + "ANSWER"), (True, "ANSWER")):
         req = FakeRequest({**prompt_in, "exclude_input_in_output": arr("exclude_input_in_output", exclude)})
         model.execute([req])
-        job, _ = model.inbox.get_nowait()
+        job, _ = model.core.inbox.get_nowait()
         job.text = "ANSWER"  # what the canvases committed
-        model._on_finish(job, types.SimpleNamespace(finish_reason="stop", steps_per_canvas=[2]))
+        model.core.progress.on_finish(job, types.SimpleNamespace(finish_reason="stop", steps_per_canvas=[2]))
         ((response, flag),) = req.sender.sent
         outs = {t.name: t.arr for t in response.output_tensors}
         assert flag == 1 and outs["text_output"].tolist() == [want.encode()]
 
 
 def test_model_responses_are_schema_outputs(model):
-    flags = ("return_num_input_tokens", "return_num_output_tokens")
+    flags = ("return_num_input_tokens", "return_num_output_tokens", "exclude_input_in_output")
     req = FakeRequest({"text_input": arr("text_input", PROMPT), **{f: arr(f, True) for f in flags}})
     model.execute([req])
-    job, _ = model.inbox.get_nowait()
-    model._respond(job, "done", final=True, reason="stop", steps=[3, 4])
+    job, _ = model.core.inbox.get_nowait()
+    job.text = "done"
+    job.channel.send(model.core.progress.final(job, "stop", [3, 4]))
     ((response, flag),) = req.sender.sent
     outs = {t.name: t.arr for t in response.output_tensors}
     assert flag == 1 and set(outs) == set(schema.OUTPUT)  # a final response with the counts: all of them
@@ -673,25 +699,39 @@ def test_load_gauges_follow_every_change_and_histograms_count_each_event(model):
     left at the last busy value); each canvas and request is observed once, before the final response."""
     reqs = [FakeRequest({"text_input": arr("text_input", PROMPT)}) for _ in range(2)]
     model.execute(reqs)
-    assert (model.m_active.value, model.m_queued.value) == (2, 2)  # both wait in the inbox
-    jobs = [model.inbox.get_nowait()[0] for _ in reqs]
-    model.jobs = {j.request_id: j for j in jobs}  # what the worker does after submitting them
-    model._update_load()
-    assert (model.m_active.value, model.m_queued.value) == (2, 0)
-    model.session.decode = lambda tokens: "x" * len(tokens)
+    assert (model.core.metrics.active.value, model.core.metrics.queued.value) == (
+        2,
+        2,
+    )  # both wait in the inbox
+    jobs = [model.core.inbox.get_nowait()[0] for _ in reqs]
+    model.core.jobs = {j.request_id: j for j in jobs}  # what the worker does after submitting them
+    model.core.update_load()
+    assert (model.core.metrics.active.value, model.core.metrics.queued.value) == (2, 0)
+    model.core.session.decode = lambda tokens: "x" * len(tokens)
     for job in jobs:
-        model._on_canvas(job, [1, 2])
-        model._on_canvas(job, [3])
+        model.core.progress.on_canvas(job, [1, 2])
+        model.core.progress.on_canvas(job, [3])
     finish = types.SimpleNamespace(finish_reason="length", steps_per_canvas=[5, 7])
     for i, job in enumerate(jobs):
         sent = []
-        job.sender.send = lambda resp, flags=0, sent=sent: sent.append(model.m_active.value)
-        model._on_finish(job, finish)
+        job.channel.sender.send = lambda resp, flags=0, sent=sent: sent.append(
+            model.core.metrics.active.value
+        )
+        model.core.progress.on_finish(job, finish)
         assert sent == [1 - i]  # the gauge moved before the final response went out
-    assert (model.m_active.value, model.m_queued.value) == (0, 0)
-    assert len(model.m_ttfc.observed) == len(model.m_request_latency.observed) == 2
-    assert len(model.m_canvas_latency.observed) == 4 and model.m_steps_per_canvas.observed == [5, 7, 5, 7]
-    assert all(v >= 0 for v in model.m_canvas_latency.observed + model.m_request_latency.observed)
+    assert (model.core.metrics.active.value, model.core.metrics.queued.value) == (0, 0)
+    assert (
+        len(model.core.metrics.time_to_first_canvas.observed)
+        == len(model.core.metrics.request_latency.observed)
+        == 2
+    )
+    assert len(
+        model.core.metrics.canvas_latency.observed
+    ) == 4 and model.core.metrics.steps_per_canvas.observed == [5, 7, 5, 7]
+    assert all(
+        v >= 0
+        for v in model.core.metrics.canvas_latency.observed + model.core.metrics.request_latency.observed
+    )
 
 
 @pytest.mark.parametrize(
@@ -718,7 +758,7 @@ def test_model_takes_a_json_object_guide_without_guide_text(model):
             )
         ]
     )
-    _, request = model.inbox.get_nowait()
+    _, request = model.core.inbox.get_nowait()
     assert request.guide == ("json", "")
 
 
@@ -739,7 +779,86 @@ def test_a_request_the_client_cancelled_is_released_with_the_final_flag_and_no_r
     req = FakeRequest(with_prompt())
     req.sender.is_cancelled = lambda: True
     model.execute([req])
-    job, request = model.inbox.get_nowait()
-    model.jobs[job.request_id] = job
+    job, request = model.core.inbox.get_nowait()
+    model.core.jobs[job.request_id] = job
     request.on_finish(types.SimpleNamespace(finish_reason="cancelled", steps_per_canvas=[]))
-    assert req.sender.sent == [(None, 1)] and job.request_id not in model.jobs
+    assert req.sender.sent == [(None, 1)] and job.request_id not in model.core.jobs
+
+
+# ---- the Triton model's side of the lifecycle (pipeline/serving/lifecycle.py is the other side) ----------
+def test_model_answers_a_ping_from_its_runtime_loop_and_counts_no_request(model):
+    req = FakeRequest({}, {schema.HEALTH_PARAMETER: True})
+    model.execute([req])
+    assert not req.sender.sent  # not answered by Triton's thread: by the loop
+    assert model.core.pings.get_nowait().sender is req.sender
+    # not a request, not in the load gauges
+    assert model.core.inbox.empty() and model.core.metrics.requests.value == 0
+
+
+def test_model_refuses_new_requests_once_the_drain_file_is_touched(model, tmp_path):
+    import os
+    import time
+
+    from pipeline.serving import lifecycle
+    from pipeline.serving.core.drain import DrainSignal
+
+    drain = tmp_path / "draining"
+    model.core.drain = DrainSignal(str(drain), time.time())
+    drain.touch()
+    loaded_at = model.core.drain.loaded_at
+    os.utime(drain, (loaded_at - 60, loaded_at - 60))  # a previous container's file: ignored
+    model.execute([FakeRequest({"text_input": arr("text_input", PROMPT)})])
+    assert model.core.inbox.qsize() == 1
+    lifecycle.touch_drain_file(drain)
+    for req in (FakeRequest({"text_input": arr("text_input", PROMPT)}), FakeRequest({}, {"health_check": 1})):
+        model.execute([req])
+        ((response, flags),) = req.sender.sent
+        assert flags == 1 and response.error.code == FakeError.UNAVAILABLE
+        assert response.error.message == f"[unavailable] {schema.DRAINING}"
+    assert model.core.inbox.qsize() == 1 and model.core.metrics.draining.value == 1
+
+
+def test_a_request_past_its_deadline_is_answered_with_an_error_naming_it(model):
+    import time
+
+    logged: list[str] = []
+    model.core.log_error = logged.append
+    model.execute(
+        [FakeRequest({"text_input": arr("text_input", PROMPT), "timeout_s": arr("timeout_s", 2.0)})]
+    )
+    job, _ = model.core.inbox.get_nowait()
+    now = time.perf_counter()
+    assert not job.overdue(now + 100)  # queued: time in the queue does not count
+    job.result = types.SimpleNamespace(admitted=now)
+    assert not job.overdue(now + 1.9) and job.overdue(now + 2.1)
+    cancelled = []
+    model.core.runtime.cancel = cancelled.append
+    model.core.jobs[job.request_id] = job
+    job.expired = True
+    model.core.progress.on_finish(job, types.SimpleNamespace(finish_reason="cancelled", steps_per_canvas=[]))
+    ((response, flags),) = job.channel.sender.sent
+    assert flags == 1 and response.error.code == FakeError.UNAVAILABLE
+    assert response.error.message.startswith("[timeout] request ran past its deadline of 2 s")
+    assert "60 s" in response.error.message
+    assert model.core.metrics.expired.value == 1 and not model.core.jobs and "past its deadline" in logged[0]
+
+
+def test_finalize_answers_every_queued_and_in_flight_request_as_unavailable(model):
+    """Unloading the model (Triton's finalize) must not leave a client waiting: a request still queued and
+    one in the batch are both answered with the shutting-down error, and a request after it is refused."""
+    from pipeline.serving.core.shutdown import SHUTTING_DOWN
+
+    dropped: list = []
+    model.core.runtime.drop_all = lambda: dropped.append(True)
+    queued, running, late = (FakeRequest(with_prompt(seed=s)) for s in (1, 2, 3))
+    model.execute([queued, running])
+    job, _ = model.core.inbox.queue.pop()  # `running` got a batch slot
+    model.core.jobs[job.request_id] = job
+    model.finalize()
+    model.execute([late])
+    for req in (queued, running, late):
+        ((response, flags),) = req.sender.sent
+        assert flags == 1 and response.error.code == FakeError.UNAVAILABLE
+        assert response.error.message == f"[unavailable] {SHUTTING_DOWN}"
+    assert model.core.inbox.empty() and not model.core.jobs and dropped == [True]
+    assert (model.core.metrics.active.value, model.core.metrics.queued.value) == (0, 0)

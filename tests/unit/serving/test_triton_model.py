@@ -1,5 +1,6 @@
-"""The Triton model (model_repo/dgpipe_model.py) runs in the serving image: it may import the runtime and
-the engine's runtime side (probe, select, trt_backend), never the engine build toolchain."""
+"""The Triton model (model_repo/dgpipe_model.py and the serving core it adapts, pipeline/serving/core) runs
+in the serving image: it may import the runtime and the engine's runtime side (probe, select,
+trt_backend), never the engine build toolchain."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 
 from pipeline.resources import PACKAGE_DIR, TRITON_MODEL_SOURCE
+
+SERVING_CORE = PACKAGE_DIR / "serving" / "core"
 
 RUNTIME_SIDE = {"pipeline.engine.probe", "pipeline.engine.select", "pipeline.engine.trt_backend"}
 BUILD_TOOLCHAIN = ("pipeline.engine.build_engine", "pipeline.engine.ptx", "pipeline.sampler.kernels.build")
@@ -25,7 +28,10 @@ def _imported_modules(source: str) -> set[str]:
 
 
 def test_triton_model_imports_only_the_engine_runtime_side():
-    mods = _imported_modules(TRITON_MODEL_SOURCE.read_text())
+    mods = set().union(
+        *(_imported_modules(p.read_text()) for p in (TRITON_MODEL_SOURCE, *SERVING_CORE.glob("*.py")))
+    )
+    assert {m for m in mods if m.startswith("pipeline.serving.core")}  # the model runs on the core
     engine = {m for m in mods if m.startswith("pipeline.engine")}
     assert engine == RUNTIME_SIDE  # probe for TensorRT/GPU, select for the plan, trt_backend to run it
     assert not any(m.startswith(BUILD_TOOLCHAIN) for m in mods)

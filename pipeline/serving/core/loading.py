@@ -1,0 +1,111 @@
+"""Loading a model for serving from its repository entry: the session (checkpoint, tokenizer), the backend
+(the TensorRT plan for this GPU when the repository holds a matching one, else the PyTorch model), the
+server's limits from config.pbtxt's parameters, and the runtime. Transport-agnostic: the adapter passes
+the model config as a dict and its logger."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.serving import schema
+
+
+@dataclass(frozen=True)
+class Log:
+    info: Callable[[str], None]
+    error: Callable[[str], None]
+
+
+@dataclass
+class LoadedModel:
+    session: Any
+    runtime: Any  # BlockDiffusionRuntime
+    limits: schema.ServerLimits
+
+
+def instance_count(config: dict[str, Any]) -> int:
+    """How many stub processes serve this model (each instance is its own: the thread budget is split)."""
+    groups = config.get("instance_group", [])
+    return sum(int(g.get("count", 1)) * max(1, len(g.get("gpus", []))) for g in groups) or 1
+
+
+def server_limits(params: dict[str, str], positions: int, canvas_length: int) -> schema.ServerLimits:
+    """The caps one request may ask for, from the repository's parameters (what `dgpipe package` writes
+    when one is missing). The one place the model reads them."""
+    from pipeline.builddir import EngineLimits
+
+    limits = EngineLimits()
+    return schema.ServerLimits(
+        max_tokens=int(params.get("max_tokens_limit", limits.max_tokens)),
+        max_steps=int(params.get("max_denoising_steps_limit", limits.max_steps)),
+        max_prompt=schema.prompt_limit(
+            int(params.get("max_prompt_tokens", limits.max_prompt)), positions, canvas_length
+        ),
+        max_seconds=float(params.get("max_request_seconds", limits.max_request_seconds)),
+    )
+
+
+def load_model(config: dict[str, Any], version_dir: Path, log: Log) -> LoadedModel:
+    """Everything the core serves with, for the model config (Triton's model_config as a dict)."""
+    from pipeline.builddir import MODEL_CHECKPOINT, EngineLimits
+    from pipeline.runtime.scheduler import BlockDiffusionRuntime
+    from pipeline.runtime.session import load_session
+    from pipeline.threads import apply_thread_policy
+
+    instances = instance_count(config)
+    threads = apply_thread_policy(instances)
+    log.info(f"dgpipe: {threads} compute threads per instance ({instances} instances)")
+    params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+    ckpt = Path(params.get("checkpoint", MODEL_CHECKPOINT))
+    ckpt = ckpt if ckpt.is_absolute() else version_dir / ckpt
+    dtype, device = params.get("dtype", "auto"), params.get("device", "auto")
+    # compile: the PyTorch passes through torch.compile; the warm-up request compiles them during load
+    compile = params.get("compile", "false") == "true"
+    choice = _choose(version_dir, log)
+    # with a TensorRT plan the weights live in the engine: the session then holds config + tokenizer only
+    session = load_session(ckpt, dtype, device, weights=choice.kind != "tensorrt", compile=compile)
+    backend = _backend(choice, session, log)
+    if backend is None:  # the plan failed to load: fall back to the PyTorch weights
+        session = load_session(ckpt, dtype, device, compile=compile)
+        backend = session.model
+    length = session.model.config.canvas_length
+    positions = session.model.config.text_config.max_position_embeddings
+    limits = server_limits(params, positions, length)
+    runtime = BlockDiffusionRuntime(
+        backend,
+        max_batch=int(params.get("max_batch", EngineLimits().max_batch)),
+        # never past the model's positions: generation ends ("length") when the next canvas would not fit
+        max_len=min(limits.max_prompt + limits.max_tokens + 2 * length, positions),
+    )
+    return LoadedModel(session, runtime, limits)
+
+
+def _choose(version_dir: Path, log: Log):
+    """The TensorRT plan for this GPU when the repository holds a matching one, else the PyTorch model.
+    A plan that is present but unusable (other TensorRT, other GPU) is logged as an error, not hidden."""
+    from pipeline.engine.probe import gpu, tensorrt_version
+    from pipeline.engine.select import choose_backend
+
+    g = gpu()
+    choice = choose_backend(version_dir, g[0] if g else None, tensorrt_version())
+    if choice.kind != "tensorrt":
+        (log.error if choice.loud else log.info)(f"dgpipe: PyTorch runtime ({choice.reason})")
+    return choice
+
+
+def _backend(choice: Any, session: Any, log: Log) -> Any:
+    """The runtime's backend for the choice; None when a chosen plan fails to load (the log says why)."""
+    if choice.kind != "tensorrt":
+        return session.model
+    try:
+        from pipeline.engine.trt_backend import TensorRTBackend
+
+        backend = TensorRTBackend(choice.engine_dir, session.model.config)
+    except Exception as e:  # the server must come up
+        log.error(f"dgpipe: TensorRT engine failed to load ({e}); using the PyTorch runtime")
+        return None
+    log.info(f"dgpipe: TensorRT runtime, {choice.reason}")
+    return backend

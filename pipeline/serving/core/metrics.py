@@ -1,0 +1,82 @@
+"""The server's Prometheus metrics: counters, load gauges (set on every change: 0 when idle, never left at
+the last busy value) and histograms. The core records them through a MetricFactory the adapter provides
+(Triton's MetricFamily in the Python backend), so the names and buckets are written once, here."""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+# Histogram buckets (upper bounds; Prometheus adds +Inf): seconds for latencies, steps for steps per canvas.
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+STEP_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+
+
+class Metric(Protocol):
+    """One metric; a counter is incremented, a gauge set, a histogram observed."""
+
+    def increment(self, value: float) -> None: ...
+    def set(self, value: float) -> None: ...
+    def observe(self, value: float) -> None: ...
+
+
+class MetricFactory(Protocol):
+    def counter(self, name: str, description: str) -> Metric: ...
+    def gauge(self, name: str, description: str) -> Metric: ...
+    def histogram(self, name: str, description: str, buckets: tuple[float, ...]) -> Metric: ...
+
+
+class Metrics:
+    """Every metric the server exports, by what it counts."""
+
+    def __init__(self, make: MetricFactory) -> None:
+        self.factory = make  # kept: it may own what its metrics need alive (Triton's metric families)
+        self.requests = make.counter("dgpipe_requests_total", "Generate requests accepted")
+        self.rejected = make.counter("dgpipe_requests_rejected_total", "Requests refused as invalid")
+        self.cancelled = make.counter("dgpipe_requests_cancelled_total", "Requests the client cancelled")
+        self.expired = make.counter(
+            "dgpipe_requests_expired_total",
+            "Requests ended by their deadline (max_request_seconds/timeout_s)",
+        )
+        self.draining = make.gauge("dgpipe_draining", "1 once the server drains: new requests are refused")
+        self.canvases = make.counter("dgpipe_canvases_total", "Canvases committed")
+        self.steps = make.counter("dgpipe_denoise_steps_total", "Denoise steps over all canvases")
+        self.tokens = make.counter("dgpipe_generated_tokens_total", "Tokens generated")
+        self.active = make.gauge(
+            "dgpipe_active_requests", "Requests accepted and not yet answered (in the batch or queued)"
+        )
+        self.queued = make.gauge("dgpipe_queued_requests", "Accepted requests waiting for a batch slot")
+        self._histograms(make)
+        self._lock = threading.Lock()
+        self._load = (0, 0)
+        self.active.set(0)
+        self.queued.set(0)
+
+    def _histograms(self, make: MetricFactory) -> None:
+        self.time_to_first_canvas = make.histogram(
+            "dgpipe_time_to_first_canvas_seconds",
+            "From acceptance to a request's first committed canvas",
+            LATENCY_BUCKETS,
+        )
+        self.canvas_latency = make.histogram(
+            "dgpipe_canvas_latency_seconds",
+            "Time per committed canvas (the first one from acceptance, the others from the previous canvas)",
+            LATENCY_BUCKETS,
+        )
+        self.steps_per_canvas = make.histogram(
+            "dgpipe_steps_per_canvas", "Denoise steps per committed canvas", STEP_BUCKETS
+        )
+        self.request_latency = make.histogram(
+            "dgpipe_request_latency_seconds",
+            "From acceptance to the final response of a request answered with a result",
+            REQUEST_BUCKETS,
+        )
+
+    def set_load(self, active: int, queued: int) -> None:
+        """Set the load gauges (called by either thread on every change; only a change is written)."""
+        with self._lock:
+            if (active, queued) != self._load:
+                self._load = (active, queued)
+                self.active.set(active)
+                self.queued.set(queued)

@@ -1,0 +1,98 @@
+"""A request's progress through the runtime, called back by it on the worker thread: each committed canvas
+(counted, cut at a stop word, streamed), each draft, and the finish (answered with the result, a timeout,
+or released when the client went away). A failure that belongs to one request (its callbacks) is answered
+to that request alone and the pass goes on for the others."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pipeline.serving.core import responses
+from pipeline.serving.core.deadlines import expired_message
+from pipeline.serving.core.jobs import Job
+from pipeline.serving.core.responses import Failure
+from pipeline.serving.core.stop_words import cut_at_stop_word
+from pipeline.serving.error_kinds import ErrorKind
+
+if TYPE_CHECKING:
+    from pipeline.serving.core.service import ServingCore
+
+
+class Progress:
+    def __init__(self, core: ServingCore) -> None:
+        self.core = core
+
+    def guarded(self, job: Job, callback: Callable[..., None], *args: Any) -> None:
+        """Run a request's callback; if it fails, that request is answered with the error and cancelled."""
+        if job.failed:
+            return
+        try:
+            callback(job, *args)
+        except Exception as e:
+            self.core.runtime.cancel(job.request_id)
+            self.core.fail(job, responses.internal_failure("in this request", e))
+
+    def on_draft(self, job: Job, tokens: list[int], step: int) -> None:
+        job.channel.send(responses.draft(self.core.session.decode(tokens), step))
+
+    def on_canvas(self, job: Job, tokens: list[int]) -> None:
+        core, m = self.core, self.core.metrics
+        piece = core.session.decode(tokens)
+        job.tokens += len(tokens)
+        job.canvases += 1
+        m.canvases.increment(1)
+        m.tokens.increment(len(tokens))
+        now = time.perf_counter()
+        m.canvas_latency.observe(now - (job.started if job.last_canvas is None else job.last_canvas))
+        job.last_canvas = now
+        if job.first_canvas is None:
+            job.first_canvas = now - job.started
+            m.time_to_first_canvas.observe(job.first_canvas)
+        piece, hit = cut_at_stop_word(job.text, piece, job.stop_words)
+        if hit:
+            core.runtime.cancel(job.request_id)
+            job.stopped_by_word = True
+        job.text += piece
+        if job.flags["stream"] and piece:
+            job.channel.send(responses.piece(piece))
+
+    def on_finish(self, job: Job, res: Any) -> None:
+        core, m = self.core, self.core.metrics
+        # metrics first: a client that reads them after its final response sees its request counted
+        core.jobs.pop(job.request_id, None)
+        core.update_load()
+        reason = "stop" if job.stopped_by_word else res.finish_reason
+        if reason == "cancelled" and job.channel.is_cancelled():
+            m.cancelled.increment(1)
+            # the client went away: no response, but the final release still frees the request in the
+            # transport (Triton keeps a cancelled request, and the model loaded, until then)
+            job.channel.send(None)
+            return
+        if reason == "cancelled" and job.expired:
+            m.expired.increment(1)
+            message = expired_message(job.timeout_s, job.canvases, core.limits.max_seconds)
+            core.fail(job, Failure(ErrorKind.TIMEOUT, message))
+            return
+        for steps in res.steps_per_canvas:
+            m.steps.increment(steps)
+            m.steps_per_canvas.observe(steps)
+        m.request_latency.observe(time.perf_counter() - job.started)
+        job.channel.send(self.final(job, reason, list(res.steps_per_canvas)))
+
+    def final(self, job: Job, reason: str, steps: list[int]) -> responses.Outputs:
+        """The final response: the whole text unless streamed (then the pieces went out already)."""
+        if job.flags["stream"]:
+            text = ""
+        elif job.flags["exclude_input_in_output"]:
+            text = job.text
+        else:  # the prompt as the model read it (a chat: its rendered template), for text and messages alike
+            text = self.core.session.decode_prompt(job.prompt_ids) + job.text
+        return responses.final(
+            text,
+            reason,
+            steps,
+            input_tokens=len(job.prompt_ids) if job.flags["return_num_input_tokens"] else None,
+            output_tokens=job.tokens if job.flags["return_num_output_tokens"] else None,
+        )

@@ -1,0 +1,74 @@
+"""What the core answers a request with, independent of the transport: output values by the schema's
+output names (pipeline/serving/schema.py), or a typed failure. The adapter turns them into its own
+responses (Triton tensors and errors); `None` sent on a channel releases a request without a response."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pipeline.serving.error_kinds import ErrorKind, internal_error
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """One response: schema output name -> its values (one value, or a list for a list output)."""
+
+    values: dict[str, list[Any]]
+    final: bool
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The final answer of a request that ends in an error."""
+
+    kind: ErrorKind
+    message: str
+
+
+Reply = Outputs | Failure
+
+
+class Channel(Protocol):
+    """One request's way back to its client (the adapter's response sender)."""
+
+    def send(self, reply: Reply | None) -> None:
+        """Send a reply; a Failure, a final Outputs or None (release, nothing to say) ends the request."""
+
+    def is_cancelled(self) -> bool:
+        """Whether the client went away (the transport's cancellation)."""
+
+
+def internal_failure(where: str, error: BaseException) -> Failure:
+    """A failure of the server's own (a bug, a failed pass), naming where it happened and the exception."""
+    return Failure(ErrorKind.INTERNAL, internal_error(where, error))
+
+
+def piece(text: str) -> Outputs:
+    """A committed piece of a streamed answer."""
+    return Outputs({"text_output": [text]}, final=False)
+
+
+def draft(text: str, step: int) -> Outputs:
+    """The canvas after a denoise step (`stream_drafts`): marked by denoise_steps on a non-final response."""
+    return Outputs({"text_output": [text], "denoise_steps": [step]}, final=False)
+
+
+def final(
+    text: str,
+    reason: str,
+    steps: list[int],
+    input_tokens: int | None = None,
+    output_tokens: int | None = None,
+) -> Outputs:
+    """The last response of a request answered with a result; token counts only when the request asked."""
+    values: dict[str, list[Any]] = {"text_output": [text], "finish_reason": [reason]}
+    if input_tokens is not None:
+        values["num_input_tokens"] = [input_tokens]
+    if output_tokens is not None:
+        values["num_output_tokens"] = [output_tokens]
+    values["denoise_steps"] = steps
+    return Outputs(values, final=True)
+
+
+ALIVE = Outputs({}, final=True)  # the answer to a health ping

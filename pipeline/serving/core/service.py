@@ -1,0 +1,105 @@
+"""The serving core as one object: the adapter hands it each request (`accept`, on the transport's thread)
+and starts and stops it; the core answers through the request's channel. It holds the state its parts
+share: the session and runtime, the server's limits, the queues, the jobs in flight and the metrics."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pipeline.serving.core.drain import DrainSignal
+from pipeline.serving.core.engine_loop import EngineLoop
+from pipeline.serving.core.intake import InputGetter, Intake
+from pipeline.serving.core.jobs import Job
+from pipeline.serving.core.metrics import Metrics
+from pipeline.serving.core.progress import Progress
+from pipeline.serving.core.responses import Channel, Failure
+from pipeline.serving.core.shutdown import SHUTTING_DOWN, shut_down
+from pipeline.serving.error_kinds import ErrorKind
+from pipeline.serving.schema import DRAINING, HEALTH_PARAMETER, ServerLimits
+
+
+class ServingCore:
+    def __init__(
+        self,
+        session: Any,
+        runtime: Any,
+        limits: ServerLimits,
+        metrics: Metrics,
+        drain: DrainSignal | None = None,
+        log_error: Callable[[str], None] = lambda message: None,
+    ) -> None:
+        self.session, self.runtime, self.limits, self.metrics = session, runtime, limits, metrics
+        self.drain = drain or DrainSignal(None)
+        self.log_error = log_error
+        self.ids = itertools.count(1)
+        self.inbox: queue.Queue = queue.Queue()  # (Job, runtime Request) waiting for the runtime loop
+        # health pings' channels: answered by the runtime loop, so a wedged loop fails them (apart from
+        # the inbox, so they never show in the load gauges)
+        self.pings: queue.Queue = queue.Queue()
+        self.jobs: dict[int, Job] = {}  # submitted to the runtime, not yet answered
+        self.intake, self.progress, self.loop = Intake(self), Progress(self), EngineLoop(self)
+        self.admit_lock = threading.Lock()
+        self.running = self.stopped = False
+        self.worker: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.running = True
+        self.worker = threading.Thread(target=self.loop.run, name="dgpipe-runtime", daemon=True)
+        self.worker.start()
+
+    def stop(self) -> int:
+        """Stop and answer every request still queued or in flight; returns how many were answered."""
+        return shut_down(self)
+
+    def accept(self, get: InputGetter, parameters: Mapping[str, Any], channel: Channel) -> None:
+        """Take one request: refused (draining, shutting down, invalid), a health ping, or queued."""
+        try:
+            if self.drain.draining():
+                self.metrics.draining.set(1)
+                channel.send(Failure(ErrorKind.UNAVAILABLE, DRAINING))
+                return
+            if HEALTH_PARAMETER in parameters:
+                self._queue(self.pings, channel, channel)
+                return
+            if self._queue(self.inbox, self.intake.build(get, parameters, channel), channel):
+                self.metrics.requests.increment(1)
+                self.update_load()
+        except Exception as e:  # a bad request is answered alone; the batch keeps going
+            self.metrics.rejected.increment(1)
+            channel.send(Failure(ErrorKind.INVALID_REQUEST, str(e)))
+
+    def _queue(self, into: queue.Queue, item: Any, channel: Channel) -> bool:
+        """Queue unless the core is shut down (then the request is answered as unavailable)."""
+        with self.admit_lock:
+            if not self.stopped:
+                into.put(item)
+                return True
+        channel.send(Failure(ErrorKind.UNAVAILABLE, SHUTTING_DOWN))
+        return False
+
+    def update_load(self) -> None:
+        """Set the load gauges from the current state; called on every change of it (by either thread)."""
+        inbox = self.inbox.qsize()
+        self.metrics.set_load(inbox + len(self.jobs), inbox + len(self.runtime.waiting))
+
+    def fail(self, job: Job, failure: Failure) -> None:
+        """Answer one request with an error; nothing more is sent to it."""
+        self.log_error(f"dgpipe: request {job.request_id}: {failure.message}")
+        job.failed = True
+        self.jobs.pop(job.request_id, None)
+        self.update_load()
+        job.channel.send(failure)
+
+    def fail_all(self, failure: Failure) -> None:
+        """Answer every request in flight with the error and drop them from the runtime (a failed pass)."""
+        self.log_error(failure.message)
+        for job in list(self.jobs.values()):
+            job.failed = True
+            job.channel.send(failure)
+        self.jobs.clear()
+        self.runtime.drop_all()
+        self.update_load()

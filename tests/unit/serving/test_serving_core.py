@@ -1,0 +1,220 @@
+"""The serving core in plain Python, without Triton: error kinds on the wire, stop words, deadlines,
+response shaping, and a core that answers through a recording channel (shutdown, admission)."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from pipeline.serving import schema
+from pipeline.serving.core import responses
+from pipeline.serving.core.deadlines import overdue
+from pipeline.serving.core.metrics import Metrics
+from pipeline.serving.core.responses import Failure, Outputs
+from pipeline.serving.core.service import ServingCore
+from pipeline.serving.core.shutdown import SHUTTING_DOWN
+from pipeline.serving.core.stop_words import cut_at_stop_word
+from pipeline.serving.error_kinds import ErrorKind, from_wire
+
+
+@pytest.mark.parametrize(
+    ("kind", "status", "code"),
+    [
+        (ErrorKind.INVALID_REQUEST, 400, None),
+        (ErrorKind.TIMEOUT, 504, "timeout"),
+        (ErrorKind.UNAVAILABLE, 503, "service_unavailable"),
+        (ErrorKind.INTERNAL, 500, "internal_error"),
+    ],
+)
+def test_an_error_kind_survives_the_wire_and_names_its_status(kind, status, code):
+    wire = kind.on_wire("input 'seed' is bad")
+    assert from_wire(wire) == (kind, "input 'seed' is bad")
+    assert from_wire("HTTP 400: " + wire) == (
+        kind,
+        "HTTP 400: input 'seed' is bad",
+    )  # after a transport's prefix
+    assert (kind.status, kind.code) == (status, code)
+    assert ErrorKind.from_status(status) is kind and ErrorKind.from_code(code, 400) is kind
+
+
+def test_an_untagged_error_is_read_by_nothing_but_its_default():
+    assert from_wire(f"{schema.DRAINING} (past its deadline)") == (
+        ErrorKind.INVALID_REQUEST,
+        f"{schema.DRAINING} (past its deadline)",
+    )
+    assert from_wire("[bogus] x", ErrorKind.INTERNAL) == (ErrorKind.INTERNAL, "[bogus] x")
+
+
+def test_stop_words_cut_the_text_even_across_canvases():
+    assert cut_at_stop_word("", "hello world", ["wor"]) == ("hello ", True)
+    assert cut_at_stop_word("hello w", "orld", ["wor"]) == ("", True)  # straddles: nothing more is sent
+    assert cut_at_stop_word("ab", "cdXef", ["X", "d"]) == ("c", True)  # the earliest of them
+    assert cut_at_stop_word("ab", "cd", ["X"]) == ("cd", False)
+
+
+def test_a_deadline_counts_from_the_batch_slot_only():
+    assert not overdue(0.0, 1.0, 1e9)  # queued: never overdue
+    assert not overdue(10.0, 1.0, 10.9) and overdue(10.0, 1.0, 11.1)
+
+
+def test_final_response_carries_token_counts_only_when_asked():
+    assert responses.final("t", "stop", [2]).values == {
+        "text_output": ["t"],
+        "finish_reason": ["stop"],
+        "denoise_steps": [2],
+    }
+    full = responses.final("t", "length", [2, 3], input_tokens=5, output_tokens=7)
+    assert full.final and set(full.values) == set(schema.OUTPUT)
+    for name, values in full.values.items():  # every value fits the schema's output dtype
+        schema.output_array(name, values)
+    assert responses.draft("x", 4) == Outputs({"text_output": ["x"], "denoise_steps": [4]}, final=False)
+
+
+# ---- a core answering through a recording channel ----------------------------------------------------
+class Recorder:
+    """Metrics that remember their last value and observations."""
+
+    def __init__(self) -> None:
+        self.value, self.observed = 0.0, []
+
+    def increment(self, n: float) -> None:
+        self.value += n
+
+    def set(self, v: float) -> None:
+        self.value = v
+
+    def observe(self, v: float) -> None:
+        self.observed.append(v)
+
+
+class RecordingFactory:
+    def counter(self, name, description):
+        return Recorder()
+
+    gauge = counter
+
+    def histogram(self, name, description, buckets):
+        return Recorder()
+
+
+class Channel:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, reply) -> None:
+        self.sent.append(reply)
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+class Session:
+    def sampler(self, **knobs):
+        return knobs
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return [ord(c) for c in prompt]
+
+    def default_template(self, prompt: str) -> None:
+        return None
+
+    def decode(self, tokens: list[int]) -> str:
+        return "".join(map(chr, tokens))
+
+    def decode_prompt(self, tokens: list[int]) -> str:
+        return self.decode(tokens)
+
+
+class Runtime:
+    def __init__(self) -> None:
+        self.waiting, self.dropped, self.cancelled = [], 0, []
+
+    def validate(self, req) -> None:
+        pass
+
+    def cancel(self, request_id: int) -> None:
+        self.cancelled.append(request_id)
+
+    def drop_all(self) -> None:
+        self.dropped += 1
+
+
+def core() -> ServingCore:
+    limits = schema.ServerLimits(max_tokens=64, max_steps=8, max_prompt=50, max_seconds=30.0)
+    return ServingCore(Session(), Runtime(), limits, Metrics(RecordingFactory()))
+
+
+def inputs(prompt: str, **values) -> dict:
+    arrays = {"text_input": schema.input_array("text_input", prompt)}
+    return arrays | {n: schema.input_array(n, v) for n, v in values.items()}
+
+
+def test_stop_answers_every_queued_and_in_flight_request_and_refuses_new_ones():
+    c = core()
+    queued, running, ping, late = Channel(), Channel(), Channel(), Channel()
+    c.accept(inputs("ab").get, {}, queued)
+    c.accept(inputs("cd").get, {}, running)
+    c.accept(inputs("").get, {schema.HEALTH_PARAMETER: True}, ping)
+    job, _ = c.inbox.queue.pop()
+    c.jobs[job.request_id] = job  # in the batch
+    assert c.stop() == 2
+    c.accept(inputs("ef").get, {}, late)
+    shutting_down = Failure(ErrorKind.UNAVAILABLE, SHUTTING_DOWN)
+    assert queued.sent == running.sent == ping.sent == late.sent == [shutting_down]
+    assert c.runtime.dropped == 1 and c.inbox.empty() and not c.jobs
+    assert (c.metrics.active.value, c.metrics.queued.value) == (0, 0)
+
+
+def test_a_request_runs_from_intake_to_its_final_answer_with_stop_words_and_counts():
+    c = core()
+    channel = Channel()
+    c.accept(inputs("hi", stream=True, stop_words=["!"], return_num_output_tokens=True).get, {}, channel)
+    job, req = c.inbox.get_nowait()
+    c.jobs[job.request_id] = job
+    req.on_canvas(req, [ord(x) for x in "ab"])
+    req.on_canvas(req, [ord(x) for x in "c!d"])
+    req.on_finish(types.SimpleNamespace(finish_reason="cancelled", steps_per_canvas=[3, 2]))
+    assert c.runtime.cancelled == [job.request_id]  # the stop word ended it
+    assert channel.sent == [
+        responses.piece("ab"),
+        responses.piece("c"),
+        responses.final("", "stop", [3, 2], output_tokens=5),  # streamed: the text went out already
+    ]
+    assert c.metrics.requests.value == 1 and c.metrics.canvases.value == 2 and c.metrics.tokens.value == 5
+    assert c.metrics.steps_per_canvas.observed == [3, 2] and not c.jobs
+
+
+def test_a_bad_request_is_answered_with_its_kind_and_never_queued():
+    c = core()
+    channel = Channel()
+    c.accept(inputs("x" * 51).get, {}, channel)
+    assert channel.sent == [
+        Failure(ErrorKind.INVALID_REQUEST, "prompt has 51 tokens, over this server's limit of 50")
+    ]
+    assert c.inbox.empty() and c.metrics.rejected.value == 1
+
+
+def test_a_failed_pass_fails_the_requests_in_flight_as_internal():
+    c = core()
+    channel = Channel()
+    c.accept(inputs("hi").get, {}, channel)
+    job, _ = c.inbox.get_nowait()
+    c.jobs[job.request_id] = job
+    c.fail_all(responses.internal_failure("during generation", RuntimeError("boom")))
+    assert channel.sent == [
+        Failure(ErrorKind.INTERNAL, "internal error during generation: RuntimeError: boom")
+    ]
+    assert c.runtime.dropped == 1 and not c.jobs
+
+
+def test_input_arrays_reach_the_core_as_the_transport_hands_them():
+    """The getter is the only view the core has of a request: a plain function of the input name."""
+    c = core()
+    channel = Channel()
+    arrays = inputs("hi", max_tokens=4)
+    c.accept(lambda name: arrays.get(name), {}, channel)
+    _, req = c.inbox.get_nowait()
+    assert req.max_tokens == 4 and req.prompt_ids == [104, 105]
+    assert isinstance(arrays["max_tokens"], np.ndarray)
