@@ -75,7 +75,8 @@ class TritonPythonModel:
     loaded_at = 0.0  # time.time() at load: an older drain file is a previous server's
 
     def initialize(self, args: dict[str, str]) -> None:
-        from pipeline.builddir import MODEL_CHECKPOINT, EngineLimits
+        from pipeline.builddir import MODEL_CHECKPOINT
+        from pipeline.limits import Limits, context_length
         from pipeline.runtime.scheduler import BlockDiffusionRuntime
         from pipeline.runtime.session import load_session
         from pipeline.threads import apply_thread_policy
@@ -87,7 +88,7 @@ class TritonPythonModel:
         threads = apply_thread_policy(instances)
         pb_utils.Logger.log_info(f"dgpipe: {threads} compute threads per instance ({instances} instances)")
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        limits = EngineLimits()  # what `dgpipe package` writes when a parameter is missing
+        limits = Limits()  # what `dgpipe package` writes when a parameter is missing
         ckpt = Path(params.get("checkpoint", MODEL_CHECKPOINT))
         if not ckpt.is_absolute():
             ckpt = Path(args["model_repository"]) / args["model_version"] / ckpt
@@ -101,12 +102,12 @@ class TritonPythonModel:
         length = self.session.model.config.canvas_length
         positions = self.session.model.config.text_config.max_position_embeddings
         self.limits = schema.ServerLimits(
-            max_tokens=int(params.get("max_tokens_limit", limits.max_tokens)),
-            max_steps=int(params.get("max_denoising_steps_limit", limits.max_steps)),
+            max_tokens=int(params.get("max_tokens", limits.max_tokens)),
+            max_steps=int(params.get("max_steps", limits.max_steps)),
             max_prompt=schema.prompt_limit(
-                int(params.get("max_prompt_tokens", limits.max_prompt)), positions, length
+                int(params.get("max_prompt", limits.max_prompt)), positions, length
             ),
-            max_seconds=float(params.get("max_request_seconds", limits.max_request_seconds)),
+            max_request_seconds=float(params.get("max_request_seconds", limits.max_request_seconds)),
         )
         self.drain_file = os.environ.get(schema.DRAIN_FILE_ENV)
         self.loaded_at = time.time()  # a drain file older than this is a previous container's: ignored
@@ -118,7 +119,7 @@ class TritonPythonModel:
             backend,
             max_batch=int(params.get("max_batch", limits.max_batch)),
             # never past the model's positions: generation ends ("length") when the next canvas would not fit
-            max_len=min(self.limits.max_prompt + self.limits.max_tokens + 2 * length, positions),
+            max_len=min(context_length(self.limits.max_prompt, self.limits.max_tokens, length), positions),
         )
         self.ids = itertools.count(1)
         self.inbox: queue.Queue = queue.Queue()
@@ -462,7 +463,7 @@ class TritonPythonModel:
                 job,
                 f"{schema.PAST_DEADLINE} of {job.timeout_s:g} s and was stopped after "
                 f"{job.canvases} canvas(es); ask for fewer max_tokens or max_denoising_steps, or a longer "
-                f"timeout_s (this server allows up to {self.limits.max_seconds:g} s)",
+                f"timeout_s (this server allows up to {self.limits.max_request_seconds:g} s)",
                 pb_utils.TritonError.UNAVAILABLE,
             )
             return

@@ -19,6 +19,7 @@ import torch
 
 from pipeline.atomic import atomic_dir
 from pipeline.errors import DgpipeError
+from pipeline.limits import CALIB_SIZE
 from pipeline.model.checkpoint import open_checkpoint
 from pipeline.model.validate import validate_checkpoint
 from pipeline.targets import Precision, check_precision_on_target, precision
@@ -39,7 +40,7 @@ class QuantizeOptions:
     precision: str
     output: Path
     calib_data: Path | None = None
-    calib_size: int = 64
+    calib_size: int = CALIB_SIZE
     calib_steps: int = 8
     exclude: list[str] = field(default_factory=list)
     kv_cache: str = "none"

@@ -169,7 +169,7 @@ def eval_quantization(
     ),
     n: Annotated[int, typer.Option(help="held-out puzzles per precision")] = 200,
     seed: Annotated[int, typer.Option(help="puzzle-set seed")] = 20_000,
-    calib_size: Annotated[int, typer.Option(help="calibration prompts")] = 64,
+    calib_size: opt.CalibSize = opt.CALIB_SIZE,
     max_drop: Annotated[
         float, typer.Option(help="fail if a solve rate is more than this many points below bf16")
     ] = 2.0,

@@ -223,7 +223,7 @@ def _local(
     share denoise passes (one at a time with --stream/--drafts, so the printed canvases stay in order)."""
     import torch
 
-    from pipeline.builddir import EngineLimits
+    from pipeline.limits import Limits
     from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
     from pipeline.runtime.session import load_session
 
@@ -271,7 +271,7 @@ def _local(
     one_at_a_time = stream or drafts
     runtime = BlockDiffusionRuntime(
         session.model,
-        max_batch=1 if one_at_a_time else min(len(requests), EngineLimits.max_batch),
+        max_batch=1 if one_at_a_time else min(len(requests), Limits().max_batch),
         max_len=max(_context(session, len(r.prompt_ids), max_tokens) for r in requests),
     )
     for item, req in zip(items, requests, strict=True):

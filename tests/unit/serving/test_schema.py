@@ -152,7 +152,7 @@ def model(monkeypatch):
     monkeypatch.setitem(sys.modules, spec.name, mod)
     spec.loader.exec_module(mod)
     m = mod.TritonPythonModel.__new__(mod.TritonPythonModel)
-    m.limits = schema.ServerLimits(max_tokens=512, max_steps=64, max_prompt=100, max_seconds=60.0)
+    m.limits = schema.ServerLimits(max_tokens=512, max_steps=64, max_prompt=100, max_request_seconds=60.0)
     m.session, m.runtime = FakeSession(), types.SimpleNamespace(validate=lambda req: None, waiting=())
     m.ids, m.inbox, m.pings, m.jobs = iter(range(1, 1000)), queue.Queue(), queue.Queue(), {}
     m._metrics()
