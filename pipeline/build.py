@@ -64,6 +64,8 @@ def run_build(opts: BuildOptions, say: Callable[[str], None]) -> dict:
     targets = resolve_targets(opts.precision, opts.targets)
     # a missing, broken or hostile checkpoint fails before any stage runs or anything is written
     ckpt = validate_checkpoint(opts.model, weights=True)
+    opts.limits.validate(ckpt.config.canvas_length)  # the engines and the repository, before any stage
+    opts.limits.check_fits(ckpt.config.canvas_length)
     build_dir = opts.build_dir.resolve()
     man = load_or_create(
         build_dir,

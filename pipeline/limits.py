@@ -82,6 +82,18 @@ class Limits(BaseModel):
                 hint=f"use --max-context >= {self.max_prompt + canvas}",
             )
 
+    def check_fits(self, canvas: int) -> None:
+        """A request for `max_tokens` after the longest prompt fits the engine's context (`context_length`):
+        checked before a build runs any stage, and when a build's repository is written."""
+        need = context_length(self.max_prompt, self.max_tokens, canvas)
+        if need > self.max_context:
+            room = self.max_context - context_length(self.max_prompt, 0, canvas)
+            raise DgpipeError(
+                f"--max-tokens {self.max_tokens} after a {self.max_prompt}-token prompt needs a {need}-token "
+                f"context; the engines hold --max-context {self.max_context}",
+                f"use --max-tokens <= {room}, a shorter --max-prompt, or --max-context >= {need}",
+            )
+
 
 def flag(field_name: str) -> str:
     """max_batch -> --max-batch: the CLI option of a limit."""

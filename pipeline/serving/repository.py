@@ -22,7 +22,7 @@ from pipeline.builddir import (
     target_engine_dir,
 )
 from pipeline.errors import DgpipeError
-from pipeline.limits import Limits, context_length, flag
+from pipeline.limits import Limits, flag
 from pipeline.model.validate import checkpoint_files, validate_checkpoint
 from pipeline.resources import TRITON_MODEL_SOURCE
 from pipeline.serving import schema
@@ -187,14 +187,7 @@ def check_fits_engine(limits: Limits, engine: Limits, canvas: int) -> None:
                 f"{getattr(engine, key)}",
                 f"drop the option, or rebuild the engines with {flag(key)} {getattr(limits, key)}",
             )
-    need = context_length(limits.max_prompt, limits.max_tokens, canvas)
-    if need > limits.max_context:
-        room = limits.max_context - context_length(limits.max_prompt, 0, canvas)
-        raise DgpipeError(
-            f"--max-tokens {limits.max_tokens} after a {limits.max_prompt}-token prompt needs a {need}-token "
-            f"context; the engines hold {limits.max_context}",
-            f"use --max-tokens <= {room}, a shorter --max-prompt, or build with --max-context >= {need}",
-        )
+    limits.check_fits(canvas)
 
 
 def _engine_dirs(engines: Path) -> list[Path]:

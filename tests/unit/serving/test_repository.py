@@ -109,3 +109,98 @@ def test_package_refuses_limits_outside_int32(tiny_checkpoint: Path, tmp_path: P
     with pytest.raises(DgpipeError, match=r"--max-tokens .*less than or equal to 2147483647"):
         package(tiny_checkpoint, tmp_path / "repo", limits=Limits.of(max_tokens=2**31))
     assert not (tmp_path / "repo").exists()
+
+
+def _build_dir(tiny_checkpoint: Path, tmp_path: Path, engine: Limits) -> Path:
+    """A build dir as the stages before package leave it: its checkpoint, and the engine stage's record
+    carrying the caps the engines were built for (as data)."""
+    import shutil
+
+    from pipeline.builddir import LAYOUT, BuildManifest, record_stage, save_manifest
+
+    build = tmp_path / "build"
+    shutil.copytree(tiny_checkpoint, build / LAYOUT["checkpoint"])
+    save_manifest(build, BuildManifest(model="tiny", precision="bf16", targets=["sm90"]))
+    values = engine.engine_values()
+    record_stage(build, "engine", {}, details={"engines": {"sm90": {"limits": values}}, "limits": values})
+    return build
+
+
+def _params(repo: Path) -> dict[str, str]:
+    from pipeline.builddir import MODEL_NAME
+
+    cfg = text_format.Parse((repo / MODEL_NAME / "config.pbtxt").read_text(), mc.ModelConfig())
+    return {k: v.string_value for k, v in cfg.parameters.items()}
+
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def test_build_and_package_build_dir_write_the_same_limits(tiny_checkpoint: Path, tmp_path: Path):
+    """`dgpipe build`'s package stage and a later `dgpipe package --build-dir` read the limits the build
+    recorded as data: the same config.pbtxt limits, the engine caps those the engines were built for."""
+    from pipeline.build import BuildOptions, _package
+    from pipeline.builddir import LAYOUT, load_manifest
+
+    engine = Limits(max_batch=3, max_prompt=40, max_context=1000, max_tokens=300, max_request_seconds=30)
+    build = _build_dir(tiny_checkpoint, tmp_path, engine)
+    opts = BuildOptions(model=tiny_checkpoint, precision="bf16", build_dir=build, limits=engine)
+    _package(opts, build, lambda _: None)
+    by_build = _params(build / LAYOUT["model_repository"])
+    assert load_manifest(build).stages["package"].details["limits"] == engine.model_dump()
+
+    res = _cli("package", "--build-dir", str(build))
+    assert res.exit_code == 0, res.output
+    by_package = _params(build / LAYOUT["model_repository"])
+    names = ("max_batch", "max_prompt", "max_tokens", "max_steps", "max_request_seconds")
+    assert {k: by_package[k] for k in names} == {k: by_build[k] for k in names}
+    assert (by_package["max_batch"], by_package["max_tokens"], by_package["max_request_seconds"]) == (
+        "3",
+        "300",
+        "30",
+    )
+
+
+def test_package_build_dir_keeps_device_compile_and_given_limits(tiny_checkpoint: Path, tmp_path: Path):
+    from pipeline.builddir import LAYOUT, load_manifest
+
+    build = _build_dir(tiny_checkpoint, tmp_path, Limits(max_batch=4, max_prompt=40, max_context=400))
+    res = _cli("package", "--build-dir", str(build), "--device", "cpu", "--compile", "--max-tokens", "200")
+    assert res.exit_code == 0, res.output
+    params = _params(build / LAYOUT["model_repository"])
+    assert (params["device"], params["compile"]) == ("cpu", "true")
+    assert (params["max_tokens"], params["max_batch"]) == ("200", "4")  # the CLI's, then the record's
+    details = load_manifest(build).stages["package"].details
+    assert (details["device"], details["compile"], details["limits"]["max_tokens"]) == ("cpu", True, 200)
+
+
+def _user_error(monkeypatch, capsys, *args: str) -> str:
+    """`dgpipe ARGS` through the console entry point (where errors are mapped): exit 2, one error line."""
+    import sys
+
+    from pipeline.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["dgpipe", *args])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: "), (e.value.code, err)
+    return err
+
+
+def test_package_build_dir_refuses_limits_its_engines_cannot_run(
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch, capsys
+):
+    build = _build_dir(tiny_checkpoint, tmp_path, Limits(max_batch=4, max_prompt=40, max_context=400))
+    err = _user_error(monkeypatch, capsys, "package", "--build-dir", str(build), "--max-batch", "8")
+    assert "--max-batch 8: the build's engines were built for 4" in err
+    err = _user_error(monkeypatch, capsys, "package", "--build-dir", str(build), "--max-tokens", "400")
+    assert "--max-tokens 400 after a 40-token prompt needs a" in err
+    # the default max_tokens does not fit a 400-token context either: the hint names what does
+    assert "use --max-tokens <=" in _user_error(monkeypatch, capsys, "package", "--build-dir", str(build))
+    assert not (build / "model_repository").exists()
