@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 
 from pipeline import __version__
 from pipeline.atomic import atomic_write_text
+from pipeline.endpoints import MODEL_NAME as MODEL_NAME  # the layout's model dir
 from pipeline.errors import DgpipeError, validation_error
 
 MANIFEST_NAME = "build_manifest.json"
@@ -29,7 +30,6 @@ SCHEMA_VERSION = 1
 
 # ---- layout -----------------------------------------------------------------------------------------
 ENGINES_DIR = "engines"  # <root>/engines/<target>/{model.plan, engine.json}: a build dir and a model version
-MODEL_NAME = "dgpipe"  # the served model in the Triton repository (`dgpipe package --name` default)
 MODEL_VERSION = "1"  # its one version dir: model.py, checkpoint/, engines/<target>/
 TRITON_MODEL_FILE = "model.py"  # the Triton Python-backend model inside the version dir
 MODEL_CHECKPOINT = "checkpoint"  # the checkpoint inside the version dir (config parameter `checkpoint`)

@@ -105,3 +105,6 @@ def context_length(prompt_tokens: int, max_tokens: int, canvas_length: int) -> i
     tokens, and two canvases (the runtime stops a row once the next canvas and the one being denoised no
     longer fit, `BlockDiffusionRuntime`). The one rule for the runtime, the Triton model and the benchmarks."""
     return prompt_tokens + max_tokens + 2 * canvas_length
+
+
+DEFAULTS = Limits()  # the defaults, for signatures that take one limit as a plain value

@@ -10,6 +10,7 @@ from typing import Annotated, Any, NamedTuple
 
 import typer
 
+from pipeline import endpoints
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
 from pipeline.errors import DgpipeError
@@ -67,7 +68,8 @@ def generate(
     url: Annotated[
         str | None,
         typer.Option(
-            help="ask a server instead: Triton http://HOST:8000 or grpc://HOST:8001, or the OpenAI API http://HOST:9000/v1"
+            help=f"ask a server instead: Triton http://HOST:{endpoints.HTTP_PORT} or grpc://HOST:{endpoints.GRPC_PORT}, "
+            f"or the OpenAI API http://HOST:{endpoints.OPENAI_PORT}/v1"
         ),
     ] = None,
     api_key: Annotated[

@@ -9,11 +9,8 @@ from typing import Annotated
 import typer
 
 from pipeline.limits import CALIB_SIZE as CALIB_SIZE  # the --calib-size default, re-exported
+from pipeline.limits import DEFAULTS as LIMITS  # the defaults the limit options show (None: not given)
 from pipeline.limits import Limits
-
-LIMITS = (
-    Limits()
-)  # the defaults every limit option shows; None means "not given" (CLI > build record > default)
 
 Model = Annotated[
     Path | None,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.errors import InputError
-from pipeline.limits import Limits, context_length
+from pipeline.limits import DEFAULTS, context_length
 from pipeline.model.config import SamplerConfig
 from pipeline.model.network import DiffusionGemma, canvas_positions
 from pipeline.runtime.backends import ModelBackend, SamplerInputs, TorchBackend
@@ -70,7 +70,7 @@ class BlockDiffusionRuntime:
     def __init__(
         self,
         model: DiffusionGemma | ModelBackend,
-        max_batch: int = 8,
+        max_batch: int = DEFAULTS.max_batch,
         max_len: int | None = None,
         draws: DrawSource | None = None,
         graphs: bool | None = None,
@@ -89,7 +89,7 @@ class BlockDiffusionRuntime:
         self.vocab = cfg.vocab_size
         self.end_ids = set(cfg.end_token_ids)
         self.pad_id = cfg.pad_token_id
-        self.max_len = max_len or min(cfg.max_position_embeddings, Limits().max_context)
+        self.max_len = max_len or min(cfg.max_position_embeddings, DEFAULTS.max_context)
         self.max_batch = max_batch
         self.device, self.dtype = self.backend.device, self.backend.dtype
         self.cache = KVCache(cfg, max_batch, self.max_len, self.dtype, self.device)

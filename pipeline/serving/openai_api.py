@@ -36,6 +36,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pipeline.endpoints import MODEL_NAME
 from pipeline.errors import DgpipeError
 from pipeline.runtime.chat_template import MessagesError, parse_messages
 from pipeline.serving.client import AsyncTriton, Reply, TritonError, draft_of
@@ -48,7 +49,7 @@ TritonStream = Callable[[dict[str, Any]], AsyncGenerator[dict[str, Any], None]]
 _END = object()
 
 
-def triton_stream(grpc_url: str, model: str = "dgpipe") -> TritonStream:
+def triton_stream(grpc_url: str, model: str = MODEL_NAME) -> TritonStream:
     """The production backend: gRPC streaming on the event loop (client.AsyncTriton: one channel, no
     threads). Its `aclose` runs at the app's shutdown."""
     return AsyncTriton(grpc_url, model).stream
@@ -156,7 +157,7 @@ class _Admit:
 
 def create_app(
     stream: TritonStream,
-    model: str = "dgpipe",
+    model: str = MODEL_NAME,
     api_key: str | None = None,
     ready: Callable[[], bool] | None = None,
     admission: Admission | None = None,
