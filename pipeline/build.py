@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 from pipeline.builddir import (
     LAYOUT,
     MODEL_NAME,
-    EngineLimits,
     load_or_create,
     save_manifest,
 )
 from pipeline.errors import DgpipeError
+from pipeline.limits import Limits
 from quantize.defaults import CALIB_SIZE
 
 if TYPE_CHECKING:
@@ -39,19 +39,9 @@ class BuildOptions:
     targets: list[str] = field(default_factory=list)  # empty: every default target that runs `precision`
     calib_size: int = CALIB_SIZE
     calib_data: Path | None = None
-    max_batch: int = EngineLimits.max_batch
-    max_prompt: int = EngineLimits.max_prompt
-    max_context: int = EngineLimits.max_context
-
-    @property
-    def limits(self) -> EngineLimits:
-        """The engine is built for these; the repository admits prompts and max_tokens that fit them."""
-        return EngineLimits(
-            self.max_batch,
-            self.max_prompt,
-            self.max_context,
-            max_tokens=self.max_context - self.max_prompt,
-        )
+    # the engine is built for its engine caps; the repository admits what its serving caps allow, the
+    # same values `dgpipe package --build-dir` writes (both read them back from the build's record)
+    limits: Limits = field(default_factory=Limits)
 
 
 def resolve_targets(precision: str, requested: list[str]) -> list[str]:
@@ -73,12 +63,14 @@ def run_build(opts: BuildOptions, say: Callable[[str], None]) -> dict:
     from pipeline.deploy.smoke import smoke_test_for
     from pipeline.model.validate import validate_checkpoint
 
-    if opts.max_context < opts.max_prompt + 1 or min(opts.max_batch, opts.max_prompt) < 1:
-        raise DgpipeError("--max-batch and --max-prompt must be >= 1 and --max-context > --max-prompt")
+    if opts.limits.max_context <= opts.limits.max_prompt:
+        raise DgpipeError("--max-context must be > --max-prompt")
     targets = resolve_targets(opts.precision, opts.targets)
     # a missing, broken or hostile checkpoint fails before any stage runs or anything is written; the
     # one pass over its weights also gives the content hash, and the quantize stage takes this value
     source = validate_checkpoint(opts.model, weights=True)
+    opts.limits.validate(source.config.canvas_length)  # the engines and the repository, before any stage
+    opts.limits.check_fits(source.config.canvas_length)
     build_dir = opts.build_dir.resolve()
     man = load_or_create(
         build_dir,
@@ -146,7 +138,7 @@ def _engines(opts: BuildOptions, build_dir: Path, say: Callable[[str], None]) ->
 def _package(opts: BuildOptions, build_dir: Path, say: Callable[[str], None]) -> str:
     from pipeline.serving.repository import package_stage
 
-    repo, built = package_stage(build_dir, opts.limits)
+    repo, built = package_stage(build_dir, opts.limits.model_dump())
     where = "with the engines built here" if built else "engines are added on the target node"
     say(f"package: {repo} (Triton model '{MODEL_NAME}'; {where})")
     return str(repo)

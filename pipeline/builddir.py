@@ -1,10 +1,8 @@
-"""The build directory: its layout, the engine limits every stage shares, and the build manifest.
+"""The build directory: its layout and the build manifest (the limits every stage shares: pipeline.limits).
 
 * Layout: where each artifact lives in a build directory, and inside the Triton model repository (model
   name, version dir, `engines/<target>`), written once here and used by every stage, the Triton model
   and the Kubernetes rendering.
-* `EngineLimits`: max batch, prompt and context. The only defaults: the engine profiles, `dgpipe build`,
-  `dgpipe package`, the Triton model and the CLI options read them from here.
 * The build manifest: one JSON file that records what each stage did. Every stage (quantize, export,
   engine, package, manifests) reads its inputs from disk and records itself through `record_stage`, so a
   stage can run alone (`dgpipe export`, `dgpipe manifests`, ...) or inside `dgpipe build`, and a later
@@ -18,7 +16,6 @@ import datetime as dt
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any, TypeVar
 
@@ -26,6 +23,7 @@ from pydantic import BaseModel, Field
 
 from pipeline import __version__
 from pipeline.atomic import atomic_write_text
+from pipeline.endpoints import MODEL_NAME as MODEL_NAME  # the layout's model dir
 from pipeline.errors import DgpipeError, validation_error
 
 MANIFEST_NAME = "build_manifest.json"
@@ -33,7 +31,6 @@ SCHEMA_VERSION = 1
 
 # ---- layout -----------------------------------------------------------------------------------------
 ENGINES_DIR = "engines"  # <root>/engines/<target>/{model.plan, engine.json}: a build dir and a model version
-MODEL_NAME = "dgpipe"  # the served model in the Triton repository (`dgpipe package --name` default)
 MODEL_VERSION = "1"  # its one version dir: model.py, checkpoint/, engines/<target>/
 TRITON_MODEL_FILE = "model.py"  # the Triton Python-backend model inside the version dir
 MODEL_CHECKPOINT = "checkpoint"  # the checkpoint inside the version dir (config parameter `checkpoint`)
@@ -64,60 +61,6 @@ def target_engine_dir(root: P, target: str) -> P:
 def target_plugin_dir(plugins: P, target: str) -> P:
     """The sampler PTX of one GPU target under a plugins dir."""
     return plugins / target
-
-
-# ---- engine limits ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class EngineLimits:
-    """What an engine's profiles accept and what the Triton model admits. The only place these defaults live."""
-
-    max_batch: int = 8  # rows of one pass (requests sharing a denoise pass)
-    max_prompt: int = 2048  # longest prompt (tokens) of one prefill pass
-    max_context: int = 8192  # cached tokens a row may attend to (prompt + committed canvases)
-    max_tokens: int = 4096  # largest max_tokens a request may ask for (`dgpipe package` default)
-    max_steps: int = 256  # largest max_denoising_steps (passes per canvas) a request may ask for
-    # seconds a request may run once it has a batch slot before the server ends it and frees the slot; a
-    # request may ask for less (its timeout_s input). Bounds what an abandoned HTTP request can cost:
-    # Triton's HTTP endpoint does not pass a client's disconnect on to the model (gRPC does)
-    max_request_seconds: int = 600
-
-    ENGINE_FIELDS = ("max_batch", "max_prompt", "max_context")  # what a plan is built for
-
-    def engine_values(self) -> dict[str, int]:
-        """The limits an engine is built for, by field name (max_tokens is a serving-side limit)."""
-        return {k: getattr(self, k) for k in self.ENGINE_FIELDS}
-
-    def flags(self) -> list[str]:
-        """The `dgpipe engine build` options that build a plan for these limits."""
-        return [a for k, v in self.engine_values().items() for a in (flag(k), str(v))]
-
-    @classmethod
-    def from_flags(cls, command: list[str], where: str = "engine command") -> EngineLimits:
-        """The limits of a recorded `dgpipe engine build` command; the defaults for those it does not name."""
-        values = {}
-        for key in cls.ENGINE_FIELDS:
-            f = flag(key)
-            if f in command[:-1]:
-                try:
-                    values[key] = int(command[command.index(f) + 1])
-                except ValueError as e:
-                    raise DgpipeError(f"{where} has a bad {f}") from e
-        return cls(**values)
-
-    def validate(self, canvas: int) -> None:
-        if min(self.max_batch, self.max_prompt, self.max_context) < 1:
-            raise DgpipeError("--max-batch, --max-prompt and --max-context must be >= 1")
-        if self.max_context < self.max_prompt + canvas:
-            raise DgpipeError(
-                f"--max-context {self.max_context} leaves no room for a {canvas}-token canvas after a "
-                f"{self.max_prompt}-token prompt",
-                hint=f"use --max-context >= {self.max_prompt + canvas}",
-            )
-
-
-def flag(field_name: str) -> str:
-    """max_batch -> --max-batch: the CLI option of a limit."""
-    return "--" + field_name.replace("_", "-")
 
 
 # ---- build manifest ---------------------------------------------------------------------------------

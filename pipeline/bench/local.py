@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from pipeline.bench.results import save_result
+from pipeline.limits import context_length
 from pipeline.model.config import SamplerConfig
 
 
@@ -81,7 +82,7 @@ def bench_dgpipe(
     samples = []
     for r in range(runs + 1):  # first run is warm-up
         rt = BlockDiffusionRuntime(
-            session.model, max_batch=batch, max_len=len(prompt_ids) + max_tokens + 2 * length
+            session.model, max_batch=batch, max_len=context_length(len(prompt_ids), max_tokens, length)
         )
         reqs = [
             Request(

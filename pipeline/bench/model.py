@@ -16,6 +16,7 @@ import torch
 
 from pipeline.bench.results import save_result
 from pipeline.bench.timing import median_seconds
+from pipeline.limits import context_length
 from pipeline.model.config import ModelConfig
 from pipeline.model.network import DiffusionGemma, canvas_positions, rope_inv_freq
 from pipeline.resources import load_yaml
@@ -75,7 +76,7 @@ def runtime_canvas_s(
         rt = BlockDiffusionRuntime(
             backend,
             max_batch=batch,
-            max_len=context + 2 * length,
+            max_len=context_length(context, 0, length),
             graphs=graphs,
             sync_every=n_steps if graphs else 1,
         )

@@ -36,6 +36,7 @@ import torch
 from pipeline.bench.local import PassTimer, machine
 from pipeline.bench.results import save_result
 from pipeline.bench.timing import median_seconds, sync
+from pipeline.limits import context_length
 from pipeline.model.config import ModelConfig, SamplerConfig
 from pipeline.model.cost import denoise_pass_flops
 
@@ -100,7 +101,7 @@ def time_runtime_steps(backend, prompt: list[int], batch: int, steps: int, arm: 
     from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
 
     length = backend.config.canvas_length
-    rt = BlockDiffusionRuntime(backend, max_batch=batch, max_len=len(prompt) + 2 * length)
+    rt = BlockDiffusionRuntime(backend, max_batch=batch, max_len=context_length(len(prompt), 0, length))
     rt.end_ids = set()  # a random model's canvas must not end on an end token mid-measurement
     for i in range(batch):
         rt.submit(Request(prompt, length, _fixed(steps), seed=i, request_id=i))

@@ -146,7 +146,9 @@ def bench_serve(
                 s.bind(("127.0.0.1", 0))
                 return s.getsockname()[1]
 
-        repo = run_package(default_model_path(), out_dir / "model_repository", max_batch=max(levels))
+        repo = run_package(
+            default_model_path(), out_dir / "model_repository", limits=opt.limits(max_batch=max(levels))
+        )
         with TritonServer(repo, Ports(free(), free(), free(), "127.0.0.1"), out_dir / "server") as server:
             result = run_bench_serve(server.http_url, server.grpc_url, levels, requests, out_dir)
     if as_json:
@@ -184,7 +186,9 @@ def _bench_openai(levels: list[int], requests: int, rounds: int, out_dir: Path, 
     from pipeline.serving.repository import package as run_package
     from pipeline.serving.server import Ports, TritonServer
 
-    repo = run_package(default_model_path(), out_dir / "model_repository", max_batch=max(levels))
+    repo = run_package(
+        default_model_path(), out_dir / "model_repository", limits=opt.limits(max_batch=max(levels))
+    )
     ports = Ports(_free_port(), _free_port(), _free_port(), "127.0.0.1")
     with TritonServer(repo, ports, out_dir / "server") as server:
         proc, openai_url = start_frontend(server.grpc_url, _free_port(), out_dir / "server" / "frontend.log")

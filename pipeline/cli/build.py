@@ -7,10 +7,8 @@ from typing import Annotated
 
 import typer
 
-from pipeline.builddir import EngineLimits
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
-from quantize.defaults import CALIB_SIZE
 
 app = opt.typer_app()
 
@@ -27,13 +25,14 @@ def build(
         Path | None,
         opt.build_dir("where every stage writes (build_manifest.json); " + opt.in_cache("build")),
     ] = None,
-    calib_size: Annotated[int, typer.Option(help="calibration prompts")] = CALIB_SIZE,
+    calib_size: opt.CalibSize = opt.CALIB_SIZE,
     calib_data: Annotated[Path | None, typer.Option(help='JSONL calibration prompts ({"text": ...})')] = None,
-    max_batch: Annotated[int, typer.Option(help="engine profile / Triton batch")] = EngineLimits.max_batch,
-    max_prompt: Annotated[int, typer.Option(help="longest prompt, tokens")] = EngineLimits.max_prompt,
-    max_context: Annotated[
-        int, typer.Option(help="prompt + generated tokens per request")
-    ] = EngineLimits.max_context,
+    max_batch: opt.MaxBatch = None,
+    max_prompt: opt.MaxPrompt = None,
+    max_context: opt.MaxContext = None,
+    max_tokens: opt.MaxTokens = None,
+    max_steps: opt.MaxSteps = None,
+    max_request_seconds: opt.MaxRequestSeconds = None,
     as_json: opt.Json = False,
 ) -> None:
     """Run every stage: quantize -> export ONNX -> sampler PTX + TensorRT engines (here, or the step for the
@@ -48,9 +47,14 @@ def build(
         targets=[t for item in target or [] for t in item.split(",") if t],
         calib_size=calib_size,
         calib_data=calib_data,
-        max_batch=max_batch,
-        max_prompt=max_prompt,
-        max_context=max_context,
+        limits=opt.limits(
+            max_batch=max_batch,
+            max_prompt=max_prompt,
+            max_context=max_context,
+            max_tokens=max_tokens,
+            max_steps=max_steps,
+            max_request_seconds=max_request_seconds,
+        ),
     )
     with out.spinner("building", err=as_json) as say:
         summary = run_build(opts, say=say)

@@ -12,7 +12,6 @@ from typing import Annotated
 
 import typer
 
-from pipeline.builddir import EngineLimits
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
 
@@ -41,15 +40,9 @@ def build_cmd(
     build_dir: Annotated[
         Path | None, opt.build_dir("a `dgpipe build` directory: defaults + manifest record")
     ] = None,
-    max_batch: Annotated[
-        int, typer.Option(help="largest batch (rows) a profile accepts")
-    ] = EngineLimits.max_batch,
-    max_prompt: Annotated[
-        int, typer.Option(help="longest prompt (tokens) of one prefill pass")
-    ] = EngineLimits.max_prompt,
-    max_context: Annotated[
-        int, typer.Option(help="most cached tokens a row attends to")
-    ] = EngineLimits.max_context,
+    max_batch: opt.MaxBatch = None,
+    max_prompt: opt.MaxPrompt = None,
+    max_context: opt.MaxContext = None,
     force: Annotated[bool, typer.Option(help="rebuild even when the plan is up to date")] = False,
     dry_run: Annotated[
         bool, typer.Option(help="validate and print the build (and its node command) only")
@@ -81,7 +74,7 @@ def build_cmd(
         precision,
         output,
         plugins=plugins,
-        limits=EngineLimits(max_batch, max_prompt, max_context),
+        limits=opt.limits(max_batch=max_batch, max_prompt=max_prompt, max_context=max_context),
         checkpoint_sha256=man.model_sha256 if man else None,
     )
     summary = {

@@ -10,7 +10,6 @@ import typer
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
 from pipeline.errors import DgpipeError
-from quantize.defaults import CALIB_SIZE
 
 app = opt.typer_app(help="Accuracy evaluations.", no_args_is_help=True)
 
@@ -170,7 +169,7 @@ def eval_quantization(
     ),
     n: Annotated[int, typer.Option(help="held-out puzzles per precision")] = 200,
     seed: Annotated[int, typer.Option(help="puzzle-set seed")] = 20_000,
-    calib_size: Annotated[int, typer.Option(help="calibration prompts")] = CALIB_SIZE,
+    calib_size: opt.CalibSize = opt.CALIB_SIZE,
     max_drop: Annotated[
         float, typer.Option(help="fail if a solve rate is more than this many points below bf16")
     ] = 2.0,

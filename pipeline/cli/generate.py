@@ -10,6 +10,7 @@ from typing import Annotated, Any, NamedTuple
 
 import typer
 
+from pipeline import endpoints
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
 from pipeline.errors import DgpipeError
@@ -67,7 +68,8 @@ def generate(
     url: Annotated[
         str | None,
         typer.Option(
-            help="ask a server instead: Triton http://HOST:8000 or grpc://HOST:8001, or the OpenAI API http://HOST:9000/v1"
+            help=f"ask a server instead: Triton http://HOST:{endpoints.HTTP_PORT} or grpc://HOST:{endpoints.GRPC_PORT}, "
+            f"or the OpenAI API http://HOST:{endpoints.OPENAI_PORT}/v1"
         ),
     ] = None,
     api_key: Annotated[
@@ -223,7 +225,7 @@ def _local(
     share denoise passes (one at a time with --stream/--drafts, so the printed canvases stay in order)."""
     import torch
 
-    from pipeline.builddir import EngineLimits
+    from pipeline.limits import Limits
     from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
     from pipeline.runtime.session import load_session
 
@@ -271,7 +273,7 @@ def _local(
     one_at_a_time = stream or drafts
     runtime = BlockDiffusionRuntime(
         session.model,
-        max_batch=1 if one_at_a_time else min(len(requests), EngineLimits.max_batch),
+        max_batch=1 if one_at_a_time else min(len(requests), Limits().max_batch),
         max_len=max(_context(session, len(r.prompt_ids), max_tokens) for r in requests),
     )
     for item, req in zip(items, requests, strict=True):

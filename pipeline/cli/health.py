@@ -14,8 +14,10 @@ from typing import Annotated
 
 import typer
 
+from pipeline import endpoints
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
+from pipeline.endpoints import MODEL_NAME
 from pipeline.errors import DgpipeError
 from pipeline.serving.lifecycle import DRAIN_TIMEOUT_S  # stdlib only: --help stays light
 
@@ -26,9 +28,9 @@ app = opt.typer_app(help="Probe a served model (readiness/liveness) or drain it 
 def probe(
     url: Annotated[
         str, typer.Option(help="Triton: http://HOST:PORT or grpc://HOST:PORT")
-    ] = "http://127.0.0.1:8000",
+    ] = endpoints.LOCAL_HTTP_URL,
     live: Annotated[bool, typer.Option("--live", help="liveness: a draining server counts as alive")] = False,
-    model: Annotated[str, typer.Option(help="model name")] = "dgpipe",
+    model: Annotated[str, typer.Option(help="model name")] = MODEL_NAME,
     timeout: Annotated[float, typer.Option(help="seconds the model has to answer")] = 5.0,
     as_json: opt.Json = False,
 ) -> None:
@@ -49,7 +51,7 @@ def probe(
 def drain(
     metrics_url: Annotated[
         str, typer.Option(help="Triton's metrics endpoint (dgpipe_active_requests)")
-    ] = "http://127.0.0.1:8002/metrics",
+    ] = endpoints.LOCAL_METRICS_URL,
     drain_file: Annotated[
         Path | None,
         typer.Option(help="the model's drain file (default: $DGPIPE_DRAIN_FILE, as tritonserver got it)"),

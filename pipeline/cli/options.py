@@ -8,6 +8,10 @@ from typing import Annotated
 
 import typer
 
+from pipeline.limits import DEFAULTS as LIMITS  # the defaults the limit options show (None: not given)
+from pipeline.limits import Limits
+from quantize.defaults import CALIB_SIZE as CALIB_SIZE  # the --calib-size default, re-exported
+
 Model = Annotated[
     Path | None,
     typer.Option("--model", "-m", help="checkpoint dir (HF layout); default: the embedded Sudoku model"),
@@ -23,6 +27,35 @@ Compile = Annotated[
         "(minutes on a small CPU, cached on disk); tokens equal to eager within fp32 rounding",
     ),
 ]
+
+
+def _limit(help: str, name: str) -> typer.models.OptionInfo:
+    return typer.Option(help=f"{help} (default: {getattr(LIMITS, name)})", show_default=False)
+
+
+# One option per limit, named as the limit (pipeline.limits.Limits) and as its config.pbtxt parameter.
+MaxBatch = Annotated[int | None, _limit("rows of one pass: requests sharing a denoise pass", "max_batch")]
+MaxPrompt = Annotated[int | None, _limit("longest prompt, in tokens", "max_prompt")]
+MaxContext = Annotated[
+    int | None, _limit("most cached tokens a row attends to (prompt + generated)", "max_context")
+]
+MaxTokens = Annotated[int | None, _limit("largest max_tokens a request may ask for", "max_tokens")]
+MaxSteps = Annotated[
+    int | None, _limit("largest max_denoising_steps (passes per canvas) a request may ask for", "max_steps")
+]
+MaxRequestSeconds = Annotated[
+    int | None,
+    _limit(
+        "seconds a request may run before the server ends it with an error and frees its slot",
+        "max_request_seconds",
+    ),
+]
+CalibSize = Annotated[int, typer.Option(help="calibration prompts")]
+
+
+def limits(**values: int | None) -> Limits:
+    """The limit options as one Limits (those not given: the defaults), a bad value named by its option."""
+    return Limits.of("options", **values)
 
 
 def output(help: str):

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.builddir import MODEL_NAME, EngineLimits
+from pipeline.builddir import MODEL_NAME
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
 from pipeline.errors import DgpipeError
@@ -23,21 +23,11 @@ def package(
         opt.output("model repository to write (replaced atomically); " + opt.in_cache("model_repository")),
     ] = None,
     name: Annotated[str, typer.Option(help="model name in the repository")] = MODEL_NAME,
-    max_batch: Annotated[
-        int, typer.Option(help="requests that share each denoise pass")
-    ] = EngineLimits.max_batch,
-    max_tokens_limit: Annotated[
-        int, typer.Option(help="largest max_tokens a request may ask for")
-    ] = EngineLimits.max_tokens,
-    max_prompt_tokens: Annotated[
-        int, typer.Option(help="longest prompt accepted, in tokens")
-    ] = EngineLimits.max_prompt,
-    request_timeout: Annotated[
-        int,
-        typer.Option(
-            help="seconds a request may run before the server ends it with an error and frees its slot"
-        ),
-    ] = EngineLimits.max_request_seconds,
+    max_batch: opt.MaxBatch = None,
+    max_tokens: opt.MaxTokens = None,
+    max_prompt: opt.MaxPrompt = None,
+    max_steps: opt.MaxSteps = None,
+    max_request_seconds: opt.MaxRequestSeconds = None,
     device: opt.Device = "auto",
     compile: opt.Compile = False,
     engines: Annotated[
@@ -61,26 +51,31 @@ def package(
                 "--build-dir packages the build's own checkpoint and engines under its layout",
                 "drop --model/--output/--engines/--name, or drop --build-dir",
             )
-        limits = EngineLimits(
-            max_batch=max_batch,
-            max_prompt=max_prompt_tokens,
-            max_tokens=max_tokens_limit,
-            max_request_seconds=request_timeout,
-        )
-        repo, shipped = package_stage(build_dir, limits)
+        given = {
+            "max_batch": max_batch,
+            "max_prompt": max_prompt,
+            "max_tokens": max_tokens,
+            "max_steps": max_steps,
+            "max_request_seconds": max_request_seconds,
+        }
+        repo, shipped = package_stage(build_dir, given, device=device, compile=compile)
         out.line(f"model repository: {repo} (model '{name}'{', with engines' if shipped else ''})")
         return
 
+    limits = opt.limits(
+        max_batch=max_batch,
+        max_prompt=max_prompt,
+        max_tokens=max_tokens,
+        max_steps=max_steps,
+        max_request_seconds=max_request_seconds,
+    )
     repo = run_package(
         model or default_model_path(),
         output or opt.cache_dir() / "model_repository",
         name,
-        max_batch,
-        max_tokens_limit,
-        max_prompt_tokens,
+        limits,
         device,
         engines=engines,
-        request_seconds_limit=request_timeout,
         compile=compile,
     )
     out.line(f"model repository: {repo} (model '{name}')")

@@ -7,11 +7,10 @@ from typing import Annotated
 
 import typer
 
-from pipeline.builddir import LAYOUT, EngineLimits
+from pipeline.builddir import LAYOUT
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
 from pipeline.errors import DgpipeError
-from quantize.defaults import CALIB_SIZE
 
 app = opt.typer_app()
 
@@ -33,7 +32,7 @@ def quantize(
             help='JSONL of {"text": ...}; default: the calibration set of the model\'s prompt format'
         ),
     ] = None,
-    calib_size: Annotated[int, typer.Option(help="calibration prompts")] = CALIB_SIZE,
+    calib_size: opt.CalibSize = opt.CALIB_SIZE,
     calib_steps: Annotated[int, typer.Option(help="denoise steps per calibration canvas")] = 8,
     exclude: Annotated[
         list[str] | None, typer.Option(help="keep modules matching this glob unquantized (repeatable)")
@@ -53,7 +52,7 @@ def quantize(
     ] = "diffusiongemma-26b-a4b",
     context: Annotated[
         int, typer.Option(help="--estimate: tokens of context per sequence")
-    ] = EngineLimits.max_context,
+    ] = opt.LIMITS.max_context,
     concurrency: Annotated[int, typer.Option(help="--estimate: concurrent sequences")] = 1,
     as_json: opt.Json = False,
 ) -> None:

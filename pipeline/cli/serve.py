@@ -18,6 +18,7 @@ from typing import Annotated
 
 import typer
 
+from pipeline import endpoints
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
 from pipeline.errors import DgpipeError
@@ -34,15 +35,15 @@ def serve(
             help="model repository (default: package the embedded model into ~/.cache/dgpipe/model_repository)"
         ),
     ] = None,
-    http_port: Annotated[int, typer.Option(help="HTTP port")] = 8000,
-    grpc_port: Annotated[int, typer.Option(help="gRPC port")] = 8001,
-    metrics_port: Annotated[int, typer.Option(help="Prometheus metrics port")] = 8002,
+    http_port: Annotated[int, typer.Option(help="HTTP port")] = endpoints.HTTP_PORT,
+    grpc_port: Annotated[int, typer.Option(help="gRPC port")] = endpoints.GRPC_PORT,
+    metrics_port: Annotated[int, typer.Option(help="Prometheus metrics port")] = endpoints.METRICS_PORT,
     address: Annotated[
         str, typer.Option(help="address to bind (0.0.0.0: every interface; mind --admin-key)")
     ] = "127.0.0.1",
     openai_port: Annotated[
         int, typer.Option(help="port of the OpenAI-compatible API (/v1/chat/completions, ...); 0 disables it")
-    ] = 9000,
+    ] = endpoints.OPENAI_PORT,
     api_key: Annotated[
         str | None,
         typer.Option(

@@ -12,6 +12,7 @@ import torch
 from pipeline.demo import sudoku
 from pipeline.demo import tokenizer as stok
 from pipeline.demo.stats import McNemar, mcnemar, wilson_interval
+from pipeline.limits import context_length
 from pipeline.model.config import SamplerConfig
 from pipeline.model.network import DiffusionGemma
 from pipeline.runtime.autoregressive import ar_generate
@@ -78,7 +79,9 @@ def eval_sudoku(
             steps.extend([float(passes)] * len(chunk))
         else:
             rt = BlockDiffusionRuntime(
-                model, max_batch=len(chunk), max_len=stok.PROMPT_LEN + 2 * model.config.canvas_length
+                model,
+                max_batch=len(chunk),
+                max_len=context_length(stok.PROMPT_LEN, 0, model.config.canvas_length),
             )
             reqs = [
                 Request(

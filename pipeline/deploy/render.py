@@ -27,7 +27,6 @@ from pipeline.builddir import (
     LAYOUT,
     MANIFEST_NAME,
     BuildManifest,
-    EngineLimits,
     model_version_dir,
     record_stage,
     target_engine_dir,
@@ -37,6 +36,7 @@ from pipeline.deploy.smoke import COMMAND as SMOKE_COMMAND
 from pipeline.deploy.smoke import DEFAULT_SMOKE, SmokeTest
 from pipeline.deploy.targets import DeployTarget, deploy_target
 from pipeline.errors import DgpipeError
+from pipeline.limits import Limits
 from pipeline.onnx.contract import MODEL_FILE as ONNX_FILE
 from pipeline.resources import k8s_dir
 
@@ -156,12 +156,12 @@ def _pvc_path(manifest: BuildManifest | None, build_dir: Path | None, artifact: 
     return PurePosixPath(PVC_BUILD_DIR) / rel
 
 
-def _engine_limits(manifest: BuildManifest | None, gpu_target: str) -> EngineLimits:
-    """Engine profile limits: those of the node command the engine stage recorded for this target, so the
-    plan built on the node matches what the build validated; else the EngineLimits defaults."""
-    stage = manifest.stages.get("engine") if manifest is not None else None
-    command = (stage.details.get("engines", {}).get(gpu_target, {}) if stage else {}).get("command") or []
-    return EngineLimits.from_flags(command, where=f"build manifest: engine command for {gpu_target}")
+def _engine_limits(manifest: BuildManifest | None, gpu_target: str) -> Limits:
+    """Engine caps: those the engine stage recorded as data for this target, so the plan built on the node
+    matches what the build validated; the defaults without a build."""
+    from pipeline.engine.stage import recorded_limits
+
+    return recorded_limits(manifest, gpu_target) if manifest is not None else Limits()
 
 
 def pod_config(

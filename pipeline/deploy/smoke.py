@@ -22,11 +22,11 @@ import unicodedata
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pipeline.endpoints import OPENAI_PORT
 from pipeline.errors import DgpipeError
 
-SERVICE_URL = (
-    "http://dgpipe-triton:9000/v1"  # the Service's OpenAI port (k8s/base/service.yaml), in-namespace
-)
+# the Service's OpenAI port (k8s/base/service.yaml), in-namespace
+SERVICE_URL = f"http://dgpipe-triton:{OPENAI_PORT}/v1"
 MAX_PROMPT_CHARS = 4096
 _FORMAT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
 DEFAULT_FORMAT = "text"  # pipeline.runtime.prompt_format.DEFAULT, spelled here to stay torch-free

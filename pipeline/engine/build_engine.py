@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.builddir import LAYOUT, EngineLimits, hash_files, target_engine_dir, target_plugin_dir
+from pipeline.builddir import LAYOUT, hash_files, target_engine_dir, target_plugin_dir
 from pipeline.engine import plugin_spec
 from pipeline.engine.plan_record import (
     ENGINE_MANIFEST,
@@ -42,6 +42,7 @@ from pipeline.engine.probe import gpu, tensorrt_version
 from pipeline.engine.profiles import engine_profiles, onnx_inputs
 from pipeline.engine.ptx import PluginPtx, build_plugin_ptx, load_plugin_ptx
 from pipeline.errors import DgpipeError
+from pipeline.limits import Limits
 from pipeline.onnx.contract import MODEL_FILE as ONNX_FILE
 from pipeline.sampler.kernels.build import find_nvcc
 from pipeline.targets import Target, check_precision_on_target
@@ -67,7 +68,7 @@ class BuildPlan:
     plugin_dir: Path
     engine_dir: Path
     profiles: list[ProfileRecord]
-    limits: EngineLimits
+    limits: Limits
     checkpoint_sha256: str | None = None
     workspace_gib: float = 16.0
     builder_optimization_level: int = 3
@@ -89,7 +90,7 @@ class BuildPlan:
             str(self.plugin_dir.parent),
             "--output",
             str(self.engine_dir.parent.parent),
-            *self.limits.flags(),
+            *self.limits.engine_flags(),
         ]
 
     def build_flags(self) -> dict[str, Any]:
@@ -170,7 +171,7 @@ def plan_build(
     output: Path,
     *,
     plugins: Path | None = None,
-    limits: EngineLimits | None = None,
+    limits: Limits | None = None,
     checkpoint_sha256: str | None = None,
 ) -> BuildPlan:
     """Validate a build without TensorRT: every user mistake is reported here, before any TensorRT import.
@@ -187,7 +188,7 @@ def plan_build(
         raise DgpipeError(
             f"ONNX model not found: {onnx}", hint="run `dgpipe export` (or `dgpipe build`) first"
         )
-    limits = limits or EngineLimits()
+    limits = limits or Limits()
     canvas, ring, dims = model_dims(onnx)
     check_export_precision(onnx, precision)
     profiles = engine_profiles(onnx_inputs(onnx), limits, canvas, ring, static=dims)
@@ -365,6 +366,7 @@ def build(plan: BuildPlan, *, force: bool = False, log_level: str = "WARNING") -
         onnx_sha256=plan.onnx_sha256,
         checkpoint_sha256=plan.checkpoint_sha256,
         build_flags=plan.build_flags(),
+        limits=plan.limits.engine_values(),
         profiles=plan.profiles,
     )
     write_engine_dir(plan.engine_dir, plan_bytes, manifest)

@@ -2,7 +2,7 @@
 
 A TensorRT plan only runs on the TensorRT version that built it and on GPUs of the compute capability it
 was built on, and ours also embeds the sampler PTX: so the manifest records exactly those (plus precision,
-checkpoint/ONNX hashes, build flags and profiles), `check_compatible` refuses a plan that does not match the
+checkpoint/ONNX hashes, build flags, the engine caps as data and profiles), `check_compatible` refuses a plan that does not match the
 running TensorRT and GPU with a message naming the mismatch and the fix, and `is_current` tells the
 on-node build step whether an existing plan can be kept (same inputs, same TensorRT, same GPU).
 """
@@ -55,6 +55,7 @@ class EngineManifest(BaseModel):
     onnx_sha256: str
     checkpoint_sha256: str | None = None
     build_flags: dict[str, Any] = Field(default_factory=dict)
+    limits: dict[str, int] = Field(default_factory=dict)  # the engine caps it was built for (pipeline.limits)
     profiles: list[ProfileRecord] = Field(default_factory=list)
     built_at: str = Field(
         default_factory=lambda: dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")

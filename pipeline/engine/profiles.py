@@ -13,16 +13,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.builddir import EngineLimits
 from pipeline.engine.plan_record import ProfileRecord
 from pipeline.errors import DgpipeError
+from pipeline.limits import Limits
 from pipeline.onnx.contract import BATCH, MODE_CAUSAL, MODE_DENOISE, PAST_FULL, PAST_SLIDING, SC_SEQ, SEQ
 
 Bounds = dict[str, tuple[int, int, int]]  # dim name -> (min, opt, max)
 MODE_INPUT = "mode"
 
 
-def bounds(kind: str, limits: EngineLimits, canvas: int, ring: int) -> Bounds:
+def bounds(kind: str, limits: Limits, canvas: int, ring: int) -> Bounds:
     """Per-dim (min, opt, max) for one kind of pass. opt is the shape TensorRT tunes kernels for: one row
     for prefill (latency of a new request) and the full batch for denoise (throughput)."""
     b = limits.max_batch
@@ -105,7 +105,7 @@ def onnx_inputs(onnx_path: Path) -> dict[str, list[int | str]]:
 
 def engine_profiles(
     inputs: dict[str, list[int | str]],
-    limits: EngineLimits,
+    limits: Limits,
     canvas: int,
     ring: int,
     static: dict[str, int] | None = None,

@@ -5,6 +5,8 @@ the engine build (precision on target, ONNX inputs -> profiles). Where TensorRT 
 target are present it builds that target's engine; for every other target it records the exact
 `dgpipe engine build ...` command that the serving image runs on the target node (a Kubernetes
 initContainer or Job, rendered by the manifests stage from the build manifest), and the summary says so.
+The engine caps are recorded as data, for the run and per target (`limits`), where package and render
+read them back (`recorded_limits`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from pathlib import Path
 from pipeline.builddir import (
     LAYOUT,
     BuildManifest,
-    EngineLimits,
     load_manifest,
     model_version_dir,
     record_stage,
@@ -26,17 +27,19 @@ from pipeline.builddir import (
 from pipeline.engine.build_engine import NODE_STEP, build, missing_for_local_build, plan_build
 from pipeline.engine.plan_record import EngineManifest
 from pipeline.engine.ptx import build_plugin_ptx
+from pipeline.errors import DgpipeError
+from pipeline.limits import Limits
 from pipeline.targets import target as get_target
 
 STAGE = "engine"
 
 
-def engine_stage(build_dir: Path, manifest: BuildManifest, limits: EngineLimits | None = None) -> list[str]:
+def engine_stage(build_dir: Path, manifest: BuildManifest, limits: Limits | None = None) -> list[str]:
     """Run the stage for every target in the manifest; records it and returns one summary line per target."""
     build_dir = Path(build_dir).resolve()
     onnx = manifest.path_of(build_dir, "onnx")
     plugins = build_dir / LAYOUT["plugins"]
-    limits = limits or EngineLimits()
+    limits = limits or Limits()
     engines: dict[str, dict] = {}
     lines = []
     for name in manifest.targets:
@@ -62,6 +65,7 @@ def engine_stage(build_dir: Path, manifest: BuildManifest, limits: EngineLimits 
             "ptx": relative_to_build(build_dir, target_plugin_dir(plugins, t.name) / info.file),
             "ptx_sha256": info.sha256,
             "command": command,
+            "limits": limits.engine_values(),
         }
         if missing:
             record |= {"status": "deferred", "reason": "; ".join(missing)}
@@ -81,7 +85,7 @@ def engine_stage(build_dir: Path, manifest: BuildManifest, limits: EngineLimits 
         STAGE,
         {"plugins": plugins, "engines": LAYOUT["engines"]},
         inputs={"onnx": onnx},
-        details={"engines": engines},
+        details={"engines": engines, "limits": limits.engine_values()},
         manifest=manifest,
     )
     return lines
@@ -97,6 +101,7 @@ def record_built_engine(build_dir: Path, engine: EngineManifest, output: Path) -
         "status": "built",
         "tensorrt": engine.tensorrt_version,
         "cc": engine.compute_capability,
+        "limits": Limits.from_record(engine.limits, f"engine.json of {engine.target}").engine_values(),
     }
     outputs = dict(previous.outputs) if previous else {}
     record_stage(
@@ -107,6 +112,30 @@ def record_built_engine(build_dir: Path, engine: EngineManifest, output: Path) -
         details={**(previous.details if previous else {}), "engines": engines},
         manifest=man,
     )
+
+
+def recorded_limits(manifest: BuildManifest, target: str | None = None) -> Limits:
+    """The engine caps the build recorded as data: those of `target`'s plan, else of the engine stage's
+    run; the defaults for a build whose engine stage has not run. The package stage's serving caps too,
+    so a later `dgpipe package --build-dir` writes what `dgpipe build` wrote."""
+    stage = manifest.stages.get(STAGE)
+    details = stage.details if stage else {}
+    engine = details.get("limits")
+    if target is not None:
+        engine = details.get("engines", {}).get(target, {}).get("limits", engine)
+    package = manifest.stages.get("package")
+    serving = package.details.get("limits") if package else None
+    where = f"build manifest: {STAGE} limits" + (f" for {target}" if target else "")
+    recorded = {**_mapping(serving, where), **_mapping(engine, where)}
+    return Limits.from_record(recorded, where)
+
+
+def _mapping(value: object, where: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise DgpipeError(f"{where}: expected a mapping of limit name -> value, got {value!r}")
+    return value
 
 
 def _relative_command(cmd: list[str], build_dir: Path) -> list[str]:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.builddir import EngineLimits
 from pipeline.errors import InputError
+from pipeline.limits import DEFAULTS, context_length
 from pipeline.model.config import SamplerConfig
 from pipeline.model.network import DiffusionGemma, canvas_positions
 from pipeline.runtime.backends import ModelBackend, SamplerInputs, TorchBackend
@@ -70,7 +70,7 @@ class BlockDiffusionRuntime:
     def __init__(
         self,
         model: DiffusionGemma | ModelBackend,
-        max_batch: int = 8,
+        max_batch: int = DEFAULTS.max_batch,
         max_len: int | None = None,
         draws: DrawSource | None = None,
         graphs: bool | None = None,
@@ -89,7 +89,7 @@ class BlockDiffusionRuntime:
         self.vocab = cfg.vocab_size
         self.end_ids = set(cfg.end_token_ids)
         self.pad_id = cfg.pad_token_id
-        self.max_len = max_len or min(cfg.max_position_embeddings, EngineLimits.max_context)
+        self.max_len = max_len or min(cfg.max_position_embeddings, DEFAULTS.max_context)
         self.max_batch = max_batch
         self.device, self.dtype = self.backend.device, self.backend.dtype
         self.cache = KVCache(cfg, max_batch, self.max_len, self.dtype, self.device)
@@ -431,7 +431,10 @@ class BlockDiffusionRuntime:
             res.tokens.extend(emitted)
             if res.request.on_canvas is not None:
                 res.request.on_canvas(res.request, emitted)
-            if not reason and int(self.cache.lengths[slot]) + 2 * self.canvas_length > self.max_len:
+            if (
+                not reason
+                and context_length(int(self.cache.lengths[slot]), 0, self.canvas_length) > self.max_len
+            ):
                 reason = "length"  # no room for another canvas in the context
             if reason:
                 self._release(slot, reason)

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline import endpoints
+from pipeline.endpoints import MODEL_NAME
 from pipeline.errors import DgpipeError
 from pipeline.serving import schema
 from pipeline.serving.error_kinds import ErrorKind, from_wire
@@ -89,7 +91,7 @@ def model_error(
 
 
 def http_generate(
-    url: str, body: dict[str, Any], model: str = "dgpipe", timeout: float = 600
+    url: str, body: dict[str, Any], model: str = MODEL_NAME, timeout: float = 600
 ) -> Iterator[dict[str, Any]]:
     """POST to generate_stream (SSE) and yield each event's JSON; errors become TritonError."""
     req = urllib.request.Request(
@@ -152,7 +154,7 @@ def _grpc_error(url: str, message: str, unavailable: bool) -> DgpipeError:
 
 
 def grpc_generate(
-    url: str, body: dict[str, Any], model: str = "dgpipe", timeout: float = 600
+    url: str, body: dict[str, Any], model: str = MODEL_NAME, timeout: float = 600
 ) -> Iterator[dict[str, Any]]:
     """gRPC bidirectional streaming (ModelStreamInfer), yielding the same dicts as the HTTP client.
     Closing the generator early or a failure cancels the request in Triton (the model drops it at its
@@ -193,7 +195,7 @@ class AsyncTriton:
     one channel for every request, each request its own ModelStreamInfer call, no threads. Use it inside
     one event loop (the channel is created on first use, in the running loop); `aclose` at the end."""
 
-    def __init__(self, url: str, model: str = "dgpipe", timeout: float = 600) -> None:
+    def __init__(self, url: str, model: str = MODEL_NAME, timeout: float = 600) -> None:
         self.url, self.model, self.timeout = url, model, timeout
         self._client = None
 
@@ -267,7 +269,7 @@ def openai_guide(kind: str, guide: str) -> dict[str, Any]:
     return {"guided_regex": guide}
 
 
-def openai_body(body: dict[str, Any], model: str = "dgpipe") -> tuple[str, dict[str, Any]]:
+def openai_body(body: dict[str, Any], model: str = MODEL_NAME) -> tuple[str, dict[str, Any]]:
     """A Triton request body as (path, OpenAI request) for the frontend: `messages` to chat completions,
     `text_input` to completions; always streamed with usage. Inputs the frontend has no field for are refused."""
     unsupported = sorted(
@@ -276,7 +278,7 @@ def openai_body(body: dict[str, Any], model: str = "dgpipe") -> tuple[str, dict[
     if unsupported:
         raise DgpipeError(
             f"{', '.join(unsupported)}: not available through the OpenAI API",
-            "use the Triton ports (http://HOST:8000 or grpc://HOST:8001)",
+            f"use the Triton ports (http://HOST:{endpoints.HTTP_PORT} or grpc://HOST:{endpoints.GRPC_PORT})",
         )
     req: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
     req.update({k: body[k] for k in OPENAI_FIELDS if body.get(k) is not None})
@@ -290,7 +292,7 @@ def openai_body(body: dict[str, Any], model: str = "dgpipe") -> tuple[str, dict[
 
 
 def openai_generate(
-    url: str, body: dict[str, Any], model: str = "dgpipe", api_key: str | None = None, timeout: float = 600
+    url: str, body: dict[str, Any], model: str = MODEL_NAME, api_key: str | None = None, timeout: float = 600
 ) -> Iterator[dict[str, Any]]:
     """Stream from the OpenAI-compatible frontend, yielding the same dicts as the Triton clients."""
     path, req_body = openai_body(body, model)
@@ -357,7 +359,7 @@ def generate(
     max_tokens: int = schema.INPUT["max_tokens"].default,
     stream: bool = False,
     seed: int = schema.INPUT["seed"].default,
-    model: str = "dgpipe",
+    model: str = MODEL_NAME,
     messages: list[dict[str, Any]] | None = None,
     api_key: str | None = None,
     on_draft: Callable[[int, str], None] | None = None,

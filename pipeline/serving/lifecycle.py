@@ -27,6 +27,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.endpoints import MODEL_NAME
+
 TERMINATION_GRACE_S = 120  # the pod's terminationGracePeriodSeconds (k8s/base/deployment.yaml)
 DRAIN_MARGIN_S = 15  # for tritonserver's own exit (model unload) after the drain
 DRAIN_TIMEOUT_S = TERMINATION_GRACE_S - DRAIN_MARGIN_S  # in-flight requests get this long to finish
@@ -56,7 +58,7 @@ def _classify(message: str) -> Health:
     return Health("draining" if "draining" in message else "down", message)
 
 
-def ping(url: str, model: str = "dgpipe", timeout: float = PING_TIMEOUT_S) -> Health:
+def ping(url: str, model: str = MODEL_NAME, timeout: float = PING_TIMEOUT_S) -> Health:
     """One health round trip through the model at http://HOST:PORT (Triton's generate endpoint) or
     grpc://HOST:PORT (streaming, as the OpenAI frontend talks to Triton)."""
     from pipeline.serving.schema import HEALTH_PARAMETER

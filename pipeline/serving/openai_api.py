@@ -30,6 +30,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from pipeline.endpoints import MODEL_NAME
 from pipeline.serving.client import AsyncTriton
 from pipeline.serving.error_kinds import ErrorKind
 from pipeline.serving.openai_errors import error_body, install_error_handlers
@@ -124,7 +125,7 @@ async def completions(request: Request):
 
 def create_app(
     stream: TritonStream,
-    model: str = "dgpipe",
+    model: str = MODEL_NAME,
     api_key: str | None = None,
     ready: Callable[[], bool] | None = None,
     admission: Admission | None = None,

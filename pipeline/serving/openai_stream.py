@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 
+from pipeline.endpoints import MODEL_NAME
 from pipeline.errors import DgpipeError
 from pipeline.serving.client import AsyncTriton, TritonError
 from pipeline.serving.error_kinds import ErrorKind
@@ -21,7 +22,7 @@ Chunks = AsyncGenerator[dict[str, Any], None]
 END = object()  # what `pull` returns once the stream has ended
 
 
-def triton_stream(grpc_url: str, model: str = "dgpipe") -> TritonStream:
+def triton_stream(grpc_url: str, model: str = MODEL_NAME) -> TritonStream:
     """The production backend: gRPC streaming on the event loop (client.AsyncTriton: one channel, no
     threads). Its `aclose` runs at the app's shutdown."""
     return AsyncTriton(grpc_url, model).stream

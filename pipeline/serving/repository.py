@@ -17,12 +17,12 @@ from pipeline.builddir import (
     MODEL_CHECKPOINT,
     MODEL_NAME,
     TRITON_MODEL_FILE,
-    EngineLimits,
     model_version_dir,
     record_stage,
     target_engine_dir,
 )
 from pipeline.errors import DgpipeError
+from pipeline.limits import Limits, flag
 from pipeline.model.files import checkpoint_files
 from pipeline.model.validate import validate_checkpoint
 from pipeline.resources import TRITON_MODEL_SOURCE
@@ -31,18 +31,15 @@ from pipeline.serving import schema
 
 def model_config(
     name: str,
-    max_batch: int,
-    max_tokens_limit: int,
-    max_prompt_tokens: int,
+    limits: Limits,
     device: str,
     warmup: dict[str, Any] | None,
-    max_steps_limit: int = EngineLimits.max_steps,
-    request_seconds_limit: int = EngineLimits.max_request_seconds,
     compile: bool = False,
 ):
-    """The ModelConfig protobuf: decoupled Python backend, the schema's tensors, parameters (the caps a
-    request may ask for, read by the Triton model into schema.ServerLimits) and a warm-up request (`warmup`:
-    input name -> value, written by `package` under warmup/)."""
+    """The ModelConfig protobuf: decoupled Python backend, the schema's tensors, parameters (the limits,
+    under their own names, read by the Triton model into schema.ServerLimits; `max_prompt` already within
+    what the model's positions hold) and a warm-up request (`warmup`: input name -> value, written by
+    `package` under warmup/)."""
     from tritonclient.grpc import model_config_pb2 as mc
 
     cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=0)
@@ -62,11 +59,7 @@ def model_config(
     cfg.instance_group.append(mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.KIND_CPU, count=1))
     for key, value in {
         "checkpoint": MODEL_CHECKPOINT,
-        "max_batch": str(max_batch),
-        "max_tokens_limit": str(max_tokens_limit),
-        "max_prompt_tokens": str(max_prompt_tokens),
-        "max_denoising_steps_limit": str(max_steps_limit),
-        "max_request_seconds": str(request_seconds_limit),
+        **{k: str(v) for k, v in limits.model_dump().items() if k != "max_context"},
         "device": device,
         "compile": str(
             compile
@@ -88,31 +81,26 @@ def package(
     model: Path,
     output: Path,
     name: str = MODEL_NAME,
-    max_batch: int = EngineLimits.max_batch,
-    max_tokens_limit: int = EngineLimits.max_tokens,
-    max_prompt_tokens: int = EngineLimits.max_prompt,
+    limits: Limits | None = None,
     device: str = "auto",
     engines: Path | None = None,
-    max_steps_limit: int = EngineLimits.max_steps,
-    request_seconds_limit: int = EngineLimits.max_request_seconds,
     compile: bool = False,
+    engine_limits: Limits | None = None,
 ) -> Path:
     """`engines`: a directory of `<target>/{model.plan,engine.json}` (a build's `engines/`), copied into the
     model version so the Triton model runs the plan that matches its GPU (pipeline/engine/select.py).
+    `engine_limits`: the caps a build's engines were built for, which `limits` must fit.
     The prompt limit written is at most what the model's positions hold with one canvas after the prompt."""
     from google.protobuf import text_format
 
+    limits = limits or Limits()
     ckpt = validate_checkpoint(model, weights=True)  # refuse a broken checkpoint before writing anything
     engine_dirs = _engine_dirs(engines) if engines is not None else []
-    if min(max_batch, max_tokens_limit, max_prompt_tokens, max_steps_limit, request_seconds_limit) < 1:
-        raise DgpipeError(
-            "--max-batch, --max-tokens-limit, --max-prompt-tokens and --request-timeout must be >= 1"
-        )
-    if max(max_tokens_limit, max_prompt_tokens, max_steps_limit, request_seconds_limit) > schema.INT32_MAX:
-        raise DgpipeError(f"--max-tokens-limit and --max-prompt-tokens must be <= {schema.INT32_MAX}")
+    if engine_limits is not None:
+        check_fits_engine(limits, engine_limits, ckpt.config.canvas_length)
     text = ckpt.config.text_config
     prompt_cap = schema.prompt_limit(
-        max_prompt_tokens, text.max_position_embeddings, ckpt.config.canvas_length
+        limits.max_prompt, text.max_position_embeddings, ckpt.config.canvas_length
     )
     if prompt_cap < 1:
         raise DgpipeError(
@@ -120,17 +108,7 @@ def package(
             f"{ckpt.config.canvas_length}-token canvas"
         )
     warmup = _warmup_request(ckpt)
-    cfg = model_config(
-        name,
-        max_batch,
-        max_tokens_limit,
-        prompt_cap,
-        device,
-        warmup,
-        max_steps_limit,
-        request_seconds_limit,
-        compile,
-    )
+    cfg = model_config(name, limits.merged(max_prompt=prompt_cap), device, warmup, compile)
     with atomic_dir(output) as tmp:
         mdir = tmp / name
         version = model_version_dir(tmp, name)
@@ -155,30 +133,62 @@ def copy_checkpoint(src: Path, dst: Path) -> None:
         shutil.copyfile(src / rel, dst / rel)
 
 
-def package_stage(build_dir: Path, limits: EngineLimits) -> tuple[Path, bool]:
-    """The package stage of `dgpipe build`: the build's checkpoint (and the engines built here, if any) into
-    its model repository, recorded in the build manifest. Returns (repository, engines shipped)."""
+def package_stage(
+    build_dir: Path,
+    overrides: dict[str, int | None] | None = None,
+    *,
+    device: str = "auto",
+    compile: bool = False,
+) -> tuple[Path, bool]:
+    """The package stage of `dgpipe build` and `dgpipe package --build-dir`: the build's checkpoint (and the
+    engines built here, if any) into its model repository, recorded in the build manifest with its limits.
+    The limits are those the build recorded as data (the engine caps of its engine stage, the serving caps
+    of an earlier package stage), with `overrides` (the CLI's) on top, so both commands write the same
+    config.pbtxt for the same build dir. Returns (repository, engines shipped)."""
+    from pipeline.builddir import load_manifest
+    from pipeline.engine.stage import recorded_limits
+
+    build_dir = Path(build_dir)
+    recorded = recorded_limits(load_manifest(build_dir))
+    limits = recorded.merged(**(overrides or {}))
     checkpoint = build_dir / LAYOUT["checkpoint"]
     engines = build_dir / LAYOUT["engines"]
     built = engines if any(engines.glob("*/model.plan")) else None
     repo = package(
         checkpoint,
         build_dir / LAYOUT["model_repository"],
-        max_batch=limits.max_batch,
-        max_prompt_tokens=limits.max_prompt,
-        max_tokens_limit=limits.max_tokens,
+        limits=limits,
+        engine_limits=recorded,
         engines=built,
-        max_steps_limit=limits.max_steps,
-        request_seconds_limit=limits.max_request_seconds,
+        device=device,
+        compile=compile,
     )
     record_stage(
         build_dir,
         "package",
         {"model_repository": repo},
         inputs={"checkpoint": checkpoint, **({"engines": built} if built else {})},
-        details={"engines": built is not None},
+        details={
+            "engines": built is not None,
+            "limits": limits.model_dump(),
+            "device": device,
+            "compile": compile,
+        },
     )
     return repo, built is not None
+
+
+def check_fits_engine(limits: Limits, engine: Limits, canvas: int) -> None:
+    """A build's repository admits no request its engines cannot run: engine caps at most those the plans
+    were built for, and the longest prompt plus max_tokens within their context."""
+    for key in Limits.ENGINE_FIELDS:
+        if getattr(limits, key) > getattr(engine, key):
+            raise DgpipeError(
+                f"{flag(key)} {getattr(limits, key)}: the build's engines were built for "
+                f"{getattr(engine, key)}",
+                f"drop the option, or rebuild the engines with {flag(key)} {getattr(limits, key)}",
+            )
+    limits.check_fits(canvas)
 
 
 def _engine_dirs(engines: Path) -> list[Path]:

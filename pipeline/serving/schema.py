@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.limits import INT32_MAX as INT32_MAX  # what an INT32 input holds (re-exported)
 from pipeline.model.config import SAMPLER_RANGES
 from pipeline.runtime.chat_template import MessagesError, last_user_text, parse_messages  # stdlib only
 from pipeline.sampler.constraints import GUIDE_TYPES  # numpy only until a guide is compiled
@@ -62,7 +63,6 @@ class Rule:
 
 AT_LEAST_ONE = Rule(lambda v: v >= 1, "must be >= 1")
 NOT_BLANK = Rule(lambda s: bool(s.strip()), "is empty", show_value=False)
-INT32_MAX = 2**31 - 1  # what an INT32 input holds: the caps a repository writes stay within it
 SEED_MAX = 2**63 - 1  # the sampler keeps seeds in int64 slots (pipeline/sampler/rng.py hashes their low bits)
 
 
@@ -188,13 +188,15 @@ PROMPT_INPUTS = ("text_input", "messages")  # exactly one per request
 # ---- the Triton model's side: parse and validate a request -------------------------------------------
 @dataclass(frozen=True)
 class ServerLimits:
-    """The caps one request may ask for, from the repository's config.pbtxt parameters (EngineLimits'
+    """The caps one request may ask for, from the repository's config.pbtxt parameters (pipeline.limits'
     defaults when a parameter is missing)."""
 
     max_tokens: int  # max_tokens per request
     max_steps: int  # max_denoising_steps: denoise passes per canvas
     max_prompt: int  # prompt tokens (already within what the model's positions hold with one canvas)
-    max_seconds: float = float("inf")  # how long a request may run once it has a batch slot: its deadline
+    max_request_seconds: float = float(
+        "inf"
+    )  # how long a request may run once it has a batch slot: its deadline
 
 
 def prompt_limit(cap: int, max_positions: int, canvas_length: int) -> int:
@@ -298,7 +300,7 @@ def parse_request(
         stop_words=list(values["stop_words"]),
         infill_template=values["infill_template"],
         messages=messages,
-        timeout_s=values["timeout_s"] if values["timeout_s"] is not None else limits.max_seconds,
+        timeout_s=values["timeout_s"] if values["timeout_s"] is not None else limits.max_request_seconds,
         guide=guide,
     )
 
@@ -308,7 +310,7 @@ def _check_limits(values: Mapping[str, Any], limits: ServerLimits) -> None:
     for name, limit in (
         ("max_tokens", limits.max_tokens),
         ("max_denoising_steps", limits.max_steps),
-        ("timeout_s", limits.max_seconds),
+        ("timeout_s", limits.max_request_seconds),
     ):
         if values[name] is not None and values[name] > limit:
             raise BadRequest(f"input '{name}' is {values[name]}, over this server's limit of {limit}")

@@ -20,6 +20,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import endpoints
+from pipeline.endpoints import MODEL_NAME
 from pipeline.errors import DgpipeError
 
 NGC_IMAGE = "nvcr.io/nvidia/tritonserver:25.10-py3"
@@ -110,9 +112,9 @@ def restricted_api_args(key: str) -> list[str]:
 
 @dataclass
 class Ports:
-    http: int = 8000
-    grpc: int = 8001
-    metrics: int = 8002
+    http: int = endpoints.HTTP_PORT
+    grpc: int = endpoints.GRPC_PORT
+    metrics: int = endpoints.METRICS_PORT
     address: str = "127.0.0.1"  # this machine only; `dgpipe serve --address 0.0.0.0` opens it up
 
     @property
@@ -243,11 +245,11 @@ def docker_command(repo: Path, ports: Ports, image: str) -> list[str]:
         "all",
         "--shm-size=2g",
         "-p",
-        f"{bind}{ports.http}:8000",
+        f"{bind}{ports.http}:{endpoints.HTTP_PORT}",
         "-p",
-        f"{bind}{ports.grpc}:8001",
+        f"{bind}{ports.grpc}:{endpoints.GRPC_PORT}",
         "-p",
-        f"{bind}{ports.metrics}:8002",
+        f"{bind}{ports.metrics}:{endpoints.METRICS_PORT}",
         "-v",
         f"{repo.resolve()}:/models:ro",
         image,
@@ -271,10 +273,10 @@ class OpenAIFrontend:
     def __init__(
         self,
         grpc_url: str,
-        port: int = 9000,
+        port: int = endpoints.OPENAI_PORT,
         address: str = "0.0.0.0",
         api_key: str | None = None,
-        model: str = "dgpipe",
+        model: str = MODEL_NAME,
         ready=None,
         drain_timeout: float = 5.0,
     ) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.limits import Limits
 from pipeline.serving.lifecycle import stubs_of
 from pipeline.serving.server import tritonserver_binary
 
@@ -67,7 +68,9 @@ def repo_for(tmp: Path, **limits) -> Path:
     from pipeline.serving.repository import package
 
     return package(
-        default_model_path(), tmp / "repo", max_batch=8, max_tokens_limit=512, max_prompt_tokens=100, **limits
+        default_model_path(),
+        tmp / "repo",
+        limits=Limits(max_batch=8, max_tokens=512, max_prompt=100, **limits),
     )
 
 
@@ -100,7 +103,7 @@ def test_abandoned_runaways_end_by_deadline_or_cancel_and_a_valid_request_answer
     from pipeline.serving.client import TritonError, complete, grpc_generate
     from tests._utils.serve import start_serve
 
-    srv = start_serve(repo_for(tmp_path, max_steps_limit=10**6, request_seconds_limit=DEADLINE_S), tmp_path)
+    srv = start_serve(repo_for(tmp_path, max_steps=10**6, max_request_seconds=DEADLINE_S), tmp_path)
     try:
         runaway = {"text_input": PUZZLE, "max_tokens": 512, "max_denoising_steps": 10**6}
         runaway["confidence_threshold"] = 0.0

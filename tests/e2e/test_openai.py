@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.demo import sudoku
+from pipeline.limits import Limits
 from pipeline.resources import PACKAGE_DIR
 from pipeline.serving.server import tritonserver_binary
 
@@ -81,7 +82,7 @@ def served(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("openai")
     repo = package(
-        default_model_path(), work / "repo", max_batch=8, max_tokens_limit=512, max_prompt_tokens=100
+        default_model_path(), work / "repo", limits=Limits(max_batch=8, max_tokens=512, max_prompt=100)
     )
     for attempt in range(START_ATTEMPTS):
         srv = start_serve(repo, work, attempt)

@@ -64,7 +64,7 @@ def chat(tmp_path_factory):
     repo = work / "repo"
     dgpipe(
         "package", "--model", str(ckpt), "--output", str(repo), "--max-batch", "16", "--device", "cpu",
-        "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--max-prompt-tokens", str(MAX_PROMPT),
+        "--max-tokens", str(MAX_TOKENS_LIMIT), "--max-prompt", str(MAX_PROMPT),
     )  # fmt: skip
     for attempt in range(START_ATTEMPTS):
         srv = start_serve(repo, work, attempt)

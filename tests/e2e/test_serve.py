@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pipeline.demo import sudoku
+from pipeline.limits import Limits
 from pipeline.serving.client import complete
 from pipeline.serving.server import tritonserver_binary
 
@@ -60,7 +61,7 @@ def server(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("serve")
     repo = package(
-        default_model_path(), work / "repo", max_batch=8, max_tokens_limit=512, max_prompt_tokens=100
+        default_model_path(), work / "repo", limits=Limits(max_batch=8, max_tokens=512, max_prompt=100)
     )
     srv = start_on_free_ports(repo, work)
     try:
@@ -75,7 +76,7 @@ def test_server_start_retries_when_a_port_is_taken(tmp_path):
     from pipeline.runtime.session import default_model_path
     from pipeline.serving.repository import package
 
-    repo = package(default_model_path(), tmp_path / "repo", max_batch=2, max_tokens_limit=128)
+    repo = package(default_model_path(), tmp_path / "repo", limits=Limits(max_batch=2, max_tokens=128))
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()

@@ -17,6 +17,7 @@ import urllib.request
 import pytest
 
 from pipeline.demo import sudoku
+from pipeline.limits import Limits
 from pipeline.serving.server import ADMIN_HEADER, GRPC_ADMIN_HEADER, tritonserver_binary
 from tests.e2e.test_serve import PUZZLES, free_port
 
@@ -55,7 +56,7 @@ def served(tmp_path_factory):
     from pipeline.serving.repository import package
 
     work = tmp_path_factory.mktemp("lockdown")
-    repo = package(default_model_path(), work / "repo", max_batch=2, max_tokens_limit=128)
+    repo = package(default_model_path(), work / "repo", limits=Limits(max_batch=2, max_tokens=128))
     for _ in range(3):  # ports are picked by bind-then-close; retry if another process took one
         http, grpc, metrics = free_port(), free_port(), free_port()
         env = {**os.environ, "DGPIPE_ADMIN_KEY": KEY, "DGPIPE_CACHE": str(work / "cache")}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.builddir import EngineLimits
+from pipeline.limits import Limits
 from tests._utils.availability import has_cuda_gpu, has_tensorrt
 
 needs_trt_gpu = pytest.mark.skipif(
@@ -50,7 +50,13 @@ def test_engine_matches_pytorch_runtime(tmp_path: Path):
     model = build_tiny(torch.bfloat16)
     export_onnx(model, tmp_path / "onnx", precision="bf16")
     model = model.to("cuda")
-    plan = plan_build(tmp_path / "onnx", target, "bf16", tmp_path, limits=EngineLimits(2, 64, 256))
+    plan = plan_build(
+        tmp_path / "onnx",
+        target,
+        "bf16",
+        tmp_path,
+        limits=Limits(max_batch=2, max_prompt=64, max_context=256),
+    )
     manifest, built = build(plan)
     assert built and manifest.compute_capability == gpu()[0] and manifest.precision == "bf16"  # type: ignore[index]
     assert (plan.engine_dir / "model.plan").stat().st_size > 0

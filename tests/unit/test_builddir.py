@@ -10,7 +10,6 @@ import pytest
 from pipeline.builddir import (
     MANIFEST_NAME,
     BuildManifest,
-    EngineLimits,
     hash_files,
     load_manifest,
     load_or_create,
@@ -18,6 +17,7 @@ from pipeline.builddir import (
     save_manifest,
 )
 from pipeline.errors import DgpipeError
+from pipeline.limits import Limits
 
 
 def test_round_trip_and_artifact_paths(tmp_path: Path):
@@ -86,11 +86,28 @@ def test_every_stage_records_the_same_way(tmp_path: Path):
     assert back.path_of(build, "model_repository") == build.resolve() / "model_repository"
 
 
-def test_engine_limits_round_trip_through_the_node_command():
-    limits = EngineLimits(4, 1024, 4096)
-    assert EngineLimits.from_flags(["dgpipe", "engine", "build", *limits.flags()]) == limits
-    assert EngineLimits.from_flags(["--max-batch", "2"]) == EngineLimits(max_batch=2)  # others: defaults
-    with pytest.raises(DgpipeError, match="engine command for sm90 has a bad --max-prompt"):
-        EngineLimits.from_flags(["--max-prompt", "many", "x"], where="engine command for sm90")
+def test_limits_round_trip_as_data():
+    """A stage records its limits as a mapping and reads them back: the same object, defaults for the rest."""
+    limits = Limits(max_batch=4, max_prompt=1024, max_context=4096)
+    assert Limits.from_record(json.loads(json.dumps(limits.engine_values())), "engine.json") == limits
+    assert Limits.from_record({"max_batch": 2}, "x") == Limits(max_batch=2)  # others: defaults
+    assert Limits.from_record(None, "x") == Limits()
+    assert limits.engine_flags() == ["--max-batch", "4", "--max-prompt", "1024", "--max-context", "4096"]
+    with pytest.raises(DgpipeError, match=r"engine.json: --max-prompt Input should be a valid integer"):
+        Limits.from_record({"max_prompt": "many"}, "engine.json")
+    with pytest.raises(
+        DgpipeError, match=r"engine.json: --max-batch Input should be greater than or equal to 1"
+    ):
+        Limits.from_record({"max_batch": 0}, "engine.json")
+    with pytest.raises(DgpipeError, match=r"x: --max-tokens-limit Extra inputs are not permitted"):
+        Limits.from_record({"max_tokens_limit": 5}, "x")  # an old or misspelled name is refused, not ignored
     with pytest.raises(DgpipeError, match="leaves no room for a 256-token canvas"):
-        EngineLimits(max_prompt=8000).validate(canvas=256)
+        Limits(max_prompt=8000).validate(canvas=256)
+    assert Limits(max_batch=4).merged(max_batch=None, max_tokens=7) == Limits(max_batch=4, max_tokens=7)
+
+
+def test_context_length_is_prompt_tokens_and_two_canvases():
+    from pipeline.limits import context_length
+
+    assert context_length(100, 300, 82) == 100 + 300 + 2 * 82
+    assert context_length(7, 0, 8) == 23

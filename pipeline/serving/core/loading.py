@@ -35,22 +35,22 @@ def instance_count(config: dict[str, Any]) -> int:
 def server_limits(params: dict[str, str], positions: int, canvas_length: int) -> schema.ServerLimits:
     """The caps one request may ask for, from the repository's parameters (what `dgpipe package` writes
     when one is missing). The one place the model reads them."""
-    from pipeline.builddir import EngineLimits
+    from pipeline.limits import Limits
 
-    limits = EngineLimits()
+    fields = (*Limits.ENGINE_FIELDS, *Limits.SERVING_FIELDS)
+    limits = Limits.from_record({k: int(params[k]) for k in fields if k in params}, "config.pbtxt parameters")
     return schema.ServerLimits(
-        max_tokens=int(params.get("max_tokens_limit", limits.max_tokens)),
-        max_steps=int(params.get("max_denoising_steps_limit", limits.max_steps)),
-        max_prompt=schema.prompt_limit(
-            int(params.get("max_prompt_tokens", limits.max_prompt)), positions, canvas_length
-        ),
-        max_seconds=float(params.get("max_request_seconds", limits.max_request_seconds)),
+        max_tokens=limits.max_tokens,
+        max_steps=limits.max_steps,
+        max_prompt=schema.prompt_limit(limits.max_prompt, positions, canvas_length),
+        max_request_seconds=float(limits.max_request_seconds),
     )
 
 
 def load_model(config: dict[str, Any], version_dir: Path, log: Log) -> LoadedModel:
     """Everything the core serves with, for the model config (Triton's model_config as a dict)."""
-    from pipeline.builddir import MODEL_CHECKPOINT, EngineLimits
+    from pipeline.builddir import MODEL_CHECKPOINT
+    from pipeline.limits import context_length
     from pipeline.runtime.scheduler import BlockDiffusionRuntime
     from pipeline.runtime.session import load_session
     from pipeline.threads import apply_thread_policy
@@ -76,9 +76,8 @@ def load_model(config: dict[str, Any], version_dir: Path, log: Log) -> LoadedMod
     limits = server_limits(params, positions, length)
     runtime = BlockDiffusionRuntime(
         backend,
-        max_batch=int(params.get("max_batch", EngineLimits().max_batch)),
         # never past the model's positions: generation ends ("length") when the next canvas would not fit
-        max_len=min(limits.max_prompt + limits.max_tokens + 2 * length, positions),
+        max_len=min(context_length(limits.max_prompt, limits.max_tokens, length), positions),
     )
     return LoadedModel(session, runtime, limits)
 

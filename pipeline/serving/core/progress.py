@@ -72,7 +72,7 @@ class Progress:
             return
         if reason == "cancelled" and job.expired:
             m.expired.increment(1)
-            message = expired_message(job.timeout_s, job.canvases, core.limits.max_seconds)
+            message = expired_message(job.timeout_s, job.canvases, core.limits.max_request_seconds)
             core.fail(job, Failure(ErrorKind.TIMEOUT, message))
             return
         for steps in res.steps_per_canvas:

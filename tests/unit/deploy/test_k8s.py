@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.builddir import LAYOUT, BuildManifest, EngineLimits, model_version_dir, save_manifest
+from pipeline.builddir import LAYOUT, BuildManifest, model_version_dir, save_manifest
 from pipeline.deploy.targets import deploy_target, deploy_target_names
+from pipeline.limits import Limits
 from pipeline.resources import PACKAGE_DIR
 from pipeline.serving import lifecycle
 from pipeline.targets import check_precision_on_target, target
@@ -115,14 +116,14 @@ def lws_render(tmp_path_factory) -> dict[str, list[dict]]:
 # ---- one source for each fact ----------------------------------------------------------------------
 def test_k8s_base_config_is_what_render_computes_for_the_defaults():
     """The base's dgpipe-config literals (engine limits, PVC paths, the version dir the node builds into)
-    are EngineLimits and the build layout, exactly as `dgpipe manifests` renders them without a build dir."""
+    are the Limits defaults and the build layout, exactly as `dgpipe manifests` renders them without a build dir."""
     from pipeline.deploy import render as mf
 
     base = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
     (gen,) = (g for g in base["configMapGenerator"] if g["name"] == "dgpipe-config")
     literals = dict(lit.split("=", 1) for lit in gen["literals"])
     assert literals == mf.pod_config(None, None, gpu_target="unset", precision="unset")
-    assert literals["DGPIPE_MAX_CONTEXT"] == str(EngineLimits().max_context)
+    assert literals["DGPIPE_MAX_CONTEXT"] == str(Limits().max_context)
     assert literals["DGPIPE_ENGINE_OUTPUT"] == str(
         model_version_dir(Path(mf.PVC_BUILD_DIR) / LAYOUT["model_repository"])
     )
@@ -175,7 +176,7 @@ def test_overlay_matches_its_deploy_config(overlays, name):
     assert conf["DGPIPE_PRECISION"] == cfg.precision
     # plans go into the model's version dir, where the Triton model looks for engines/<target>
     assert conf["DGPIPE_ENGINE_OUTPUT"] == f"/models/build/{LAYOUT['model_repository']}/dgpipe/1"
-    limits = EngineLimits()
+    limits = Limits()
     assert (conf["DGPIPE_MAX_BATCH"], conf["DGPIPE_MAX_PROMPT"], conf["DGPIPE_MAX_CONTEXT"]) == (
         str(limits.max_batch),
         str(limits.max_prompt),
@@ -382,7 +383,7 @@ def test_engine_build_runs_on_the_node_in_the_serving_image(overlays, name):
         f"/models/build/{LAYOUT['plugins']}",
         "--output",
         f"/models/build/{LAYOUT['model_repository']}/dgpipe/1",
-        *EngineLimits().flags(),
+        *Limits().engine_flags(),
     ]
     assert triton["command"] == ["tritonserver"]
     args = expand(triton["args"], {**env, "DGPIPE_ADMIN_KEY": "key"})  # the Secret's value
@@ -906,34 +907,18 @@ def test_deploy_sees_a_failed_smoke_job_without_waiting_out_the_timeout(rendered
     assert any(c.endswith("rollout undo deployment/dgpipe-triton") for c in calls)
 
 
-def test_engine_limits_follow_the_node_command_the_engine_stage_recorded(build_dir):
+def test_engine_limits_follow_the_limits_the_engine_stage_recorded(build_dir):
+    """The node builds its plan for the limits the engine stage recorded as data (not re-parsed from its
+    command line): per target, else the stage's; the defaults without a record."""
     from pipeline.builddir import load_manifest
     from pipeline.deploy import render as mf
 
     man = load_manifest(build_dir)
-    command = [
-        "dgpipe",
-        "engine",
-        "build",
-        "--onnx",
-        "onnx/model.onnx",
-        "--target",
-        "sm100",
-        "--precision",
-        "nvfp4",
-        "--plugins",
-        "plugins",
-        "--output",
-        ".",
-        "--max-batch",
-        "4",
-        "--max-prompt",
-        "1024",
-        "--max-context",
-        "4096",
-    ]
+    recorded = Limits(max_batch=4, max_prompt=1024, max_context=4096).engine_values()
     man.record(
-        "engine", {"engines": "engines"}, engines={"sm100": {"status": "deferred", "command": command}}
+        "engine",
+        {"engines": "engines"},
+        engines={"sm100": {"status": "deferred", "command": ["dgpipe"], "limits": recorded}},
     )
     save_manifest(build_dir, man)
     conf = mf.resolve("dgx-b200", IMAGE, build_dir=build_dir).config
@@ -943,9 +928,25 @@ def test_engine_limits_follow_the_node_command_the_engine_stage_recorded(build_d
         "4096",
     )
     assert conf["DGPIPE_ENGINE_OUTPUT"] == "/models/build/model_repository/dgpipe/1"
-    assert (
-        mf.resolve("rtx-pro", IMAGE, build_dir=build_dir).config["DGPIPE_MAX_BATCH"] == "8"
-    )  # no sm120 record
+    no_record = mf.resolve("rtx-pro", IMAGE, build_dir=build_dir).config["DGPIPE_MAX_BATCH"]
+    assert no_record == str(Limits().max_batch)  # no sm120 record, no stage limits: the default
+    man.stages["engine"].details["limits"] = Limits(max_batch=2).engine_values()  # the stage's own
+    save_manifest(build_dir, man)
+    assert mf.resolve("rtx-pro", IMAGE, build_dir=build_dir).config["DGPIPE_MAX_BATCH"] == "2"
+    assert mf.resolve("dgx-b200", IMAGE, build_dir=build_dir).config["DGPIPE_MAX_BATCH"] == "4"
+
+
+def test_a_bad_limits_record_is_a_clear_error(build_dir):
+    from pipeline.builddir import load_manifest
+    from pipeline.deploy import render as mf
+
+    man = load_manifest(build_dir)
+    man.record("engine", {"engines": "engines"}, engines={"sm100": {"limits": {"max_batch": "lots"}}})
+    save_manifest(build_dir, man)
+    from pipeline.errors import DgpipeError
+
+    with pytest.raises(DgpipeError, match="engine limits for sm100: --max-batch"):
+        mf.resolve("dgx-b200", IMAGE, build_dir=build_dir)
 
 
 def test_upload_swap_script_replaces_the_build_dir_and_keeps_node_built_plans(tmp_path, build_dir):

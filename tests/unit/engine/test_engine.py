@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.builddir import EngineLimits
 from pipeline.engine import plugin_spec as spec
 from pipeline.engine.plan_record import (
     EngineManifest,
@@ -23,6 +22,7 @@ from pipeline.engine.plan_record import (
 )
 from pipeline.engine.profiles import engine_profiles, eval_dim
 from pipeline.errors import DgpipeError
+from pipeline.limits import Limits
 from pipeline.onnx import contract as onnx_io
 from pipeline.resources import EMBEDDED_MODEL
 from pipeline.sampler.kernels import build as kbuild
@@ -265,7 +265,9 @@ def test_mismatch_messages_name_what_differs(trt, cc, ptx, message):
 def test_is_current_decides_rebuild(tmp_path: Path):
     from pipeline.engine.build_engine import write_engine_dir
 
-    profiles = engine_profiles(_contract_inputs(), EngineLimits(2, 64, 256), canvas=8, ring=5)
+    profiles = engine_profiles(
+        _contract_inputs(), Limits(max_batch=2, max_prompt=64, max_context=256), canvas=8, ring=5
+    )
     d = tmp_path / "engines" / "sm90"
     write_engine_dir(d, b"PLAN" * 100, _manifest(profiles=profiles))
     kw = dict(
@@ -285,7 +287,9 @@ def test_is_current_decides_rebuild(tmp_path: Path):
     )
     assert is_current(d, **{**kw, "precision": "bf16"})[1] == "the plan is fp8, bf16 was asked for"
     assert "built with TensorRT" in is_current(d, **{**kw, "tensorrt_version": "10.14.0.1"})[1]
-    other = engine_profiles(_contract_inputs(), EngineLimits(4, 64, 256), canvas=8, ring=5)
+    other = engine_profiles(
+        _contract_inputs(), Limits(max_batch=4, max_prompt=64, max_context=256), canvas=8, ring=5
+    )
     assert "profiles" in is_current(d, **{**kw, "profiles": other})[1]
     (d / "model.plan").write_bytes(b"PLAN")
     assert "sha256 differs" in is_current(d, **kw)[1]
@@ -313,7 +317,9 @@ def _contract_inputs() -> dict[str, list[int | str]]:
 
 
 def test_profiles_cover_both_passes():
-    causal, denoise = engine_profiles(_contract_inputs(), EngineLimits(4, 100, 400), canvas=8, ring=5)
+    causal, denoise = engine_profiles(
+        _contract_inputs(), Limits(max_batch=4, max_prompt=100, max_context=400), canvas=8, ring=5
+    )
     assert (causal.name, denoise.name) == ("causal", "denoise")
     assert causal.shapes["tokens"] == [[1, 1], [1, 100], [4, 100]]
     assert denoise.shapes["tokens"] == [[1, 8], [4, 8], [4, 8]]
@@ -333,13 +339,19 @@ def test_profile_errors_are_clear():
         eval_dim("keys", {"seq": (1, 1, 1)})
     inputs = {"sc_embed": ["batch", "sc_seq", "hidden"]}
     with pytest.raises(DgpipeError, match="unknown symbolic dim 'hidden'"):
-        engine_profiles(inputs, EngineLimits(1, 8, 64), canvas=8, ring=5)
+        engine_profiles(inputs, Limits(max_batch=1, max_prompt=8, max_context=64), canvas=8, ring=5)
     causal, _ = engine_profiles(
-        inputs, EngineLimits(1, 8, 64), canvas=8, ring=5, static={"hidden": 20, "canvas_length": 8}
+        inputs,
+        Limits(max_batch=1, max_prompt=8, max_context=64),
+        canvas=8,
+        ring=5,
+        static={"hidden": 20, "canvas_length": 8},
     )
     assert causal.shapes["sc_embed"] == [[1, 1, 20]] * 3
     with pytest.raises(DgpipeError, match="leaves no room"):
-        engine_profiles(_contract_inputs(), EngineLimits(1, 300, 300), canvas=8, ring=5)
+        engine_profiles(
+            _contract_inputs(), Limits(max_batch=1, max_prompt=300, max_context=300), canvas=8, ring=5
+        )
 
 
 # ---- CLI validation (no TensorRT, no GPU) ------------------------------------------------------------
@@ -588,7 +600,7 @@ def test_build_stage_on_a_cpu_machine_defers_the_engine(tmp_path: Path, plugins:
 
     write_contract_onnx(tmp_path / "onnx")
     man = BuildManifest(model="tiny", model_sha256="12" * 32, precision="fp8", targets=["sm90", "sm100"])
-    lines = engine_stage(tmp_path, man, EngineLimits(2, 64, 256))
+    lines = engine_stage(tmp_path, man, Limits(max_batch=2, max_prompt=64, max_context=256))
     assert len(lines) == 2 and lines[0].startswith("engine sm90: not built here (")
     assert (
         "built on the target node" in lines[0]
@@ -611,13 +623,17 @@ def test_build_stage_on_a_cpu_machine_defers_the_engine(tmp_path: Path, plugins:
     assert (tmp_path / "plugins" / "sm100" / "dg_sampler.ptx").read_text().count(".entry") >= 5
     assert (tmp_path / "plugins" / "sm90" / "dg_sampler.ptx").stat().st_mtime_ns == before  # not recompiled
     assert not (tmp_path / "engines").exists()
+    # the caps are recorded as data, per target and for the run: what package and render read back
+    want = {"max_batch": 2, "max_prompt": 64, "max_context": 256}
+    assert sm100["limits"] == rec.details["engines"]["sm90"]["limits"] == rec.details["limits"] == want
 
 
 def test_engine_built_on_its_own_joins_the_stage_record(tmp_path: Path):
     """`dgpipe engine build --build-dir` adds its target to the engine stage's record, the same way the
-    stage recorded itself, keeping the other targets' node commands."""
+    stage recorded itself, keeping the other targets' node commands, with the limits its engine.json
+    carries as data: rendering and packaging read those back, not the defaults."""
     from pipeline.builddir import BuildManifest, load_manifest, record_stage, save_manifest
-    from pipeline.engine.stage import record_built_engine
+    from pipeline.engine.stage import record_built_engine, recorded_limits
 
     save_manifest(tmp_path, BuildManifest(model="m", precision="fp8", targets=["sm90", "sm100"]))
     deferred = {"status": "deferred", "command": ["dgpipe", "engine", "build"]}
@@ -628,11 +644,22 @@ def test_engine_built_on_its_own_joins_the_stage_record(tmp_path: Path):
         inputs={"onnx": "onnx"},
         details={"engines": {"sm90": deferred, "sm100": deferred}},
     )
-    record_built_engine(tmp_path, _manifest(target="sm90"), tmp_path)
+    built = Limits(max_batch=2, max_prompt=64, max_context=256)
+    engine_json = tmp_path / "engines" / "sm90"
+    engine_json.mkdir(parents=True)
+    save_engine_manifest(engine_json, _manifest(target="sm90", limits=built.engine_values()))
+    record_built_engine(tmp_path, load_engine_manifest(engine_json), tmp_path)
     rec = load_manifest(tmp_path).stages["engine"]
     assert rec.outputs == {"plugins": "plugins", "engines": "engines"} and rec.inputs == {"onnx": "onnx"}
     assert rec.details["engines"]["sm100"] == deferred
-    assert rec.details["engines"]["sm90"] == {"status": "built", "tensorrt": "10.13.2.6", "cc": "9.0"}
+    assert rec.details["engines"]["sm90"] == {
+        "status": "built",
+        "tensorrt": "10.13.2.6",
+        "cc": "9.0",
+        "limits": built.engine_values(),
+    }
+    assert recorded_limits(load_manifest(tmp_path), "sm90") == built
+    assert recorded_limits(load_manifest(tmp_path), "sm100") == Limits()  # recorded without limits
 
 
 def test_plan_from_a_real_export(tmp_path: Path):
@@ -648,7 +675,13 @@ def test_plan_from_a_real_export(tmp_path: Path):
     model = tmp_path / "onnx" / "model.onnx"
     if kbuild.find_nvcc() is None:
         pytest.skip("nvcc not found: plan_build needs it when no PTX is prepared")
-    plan = plan_build(tmp_path / "onnx", "sm90", "bf16", tmp_path, limits=EngineLimits(2, 64, 256))
+    plan = plan_build(
+        tmp_path / "onnx",
+        "sm90",
+        "bf16",
+        tmp_path,
+        limits=Limits(max_batch=2, max_prompt=64, max_context=256),
+    )
     causal, denoise = plan.profiles
     assert set(causal.shapes) == set(onnx_inputs(model)) == set(denoise.shapes)
     assert denoise.shapes["attention_mask.full"] == [[1, 1, 8, 8], [2, 1, 8, 264], [2, 1, 8, 264]]

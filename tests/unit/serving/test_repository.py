@@ -13,18 +13,19 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from pipeline.errors import DgpipeError
+from pipeline.limits import Limits
 from pipeline.serving.repository import package
 
 
 def test_repository_layout_and_config(tiny_checkpoint: Path, tmp_path: Path):
-    repo = package(tiny_checkpoint, tmp_path / "repo", max_batch=4, max_tokens_limit=300)
+    repo = package(tiny_checkpoint, tmp_path / "repo", limits=Limits(max_batch=4, max_tokens=300))
     cfg = text_format.Parse((repo / "dgpipe" / "config.pbtxt").read_text(), mc.ModelConfig())
     assert cfg.backend == "python" and cfg.model_transaction_policy.decoupled
     inputs = {i.name: i for i in cfg.input}
     assert inputs["max_tokens"].data_type == mc.TYPE_INT32
     assert all(i.optional for i in inputs.values())  # text_input or messages: the model checks one is sent
     assert cfg.parameters["max_batch"].string_value == "4"
-    assert cfg.parameters["max_tokens_limit"].string_value == "300"
+    assert cfg.parameters["max_tokens"].string_value == "300"
     assert cfg.parameters["compile"].string_value == "false"  # eager unless `package --compile`
     assert "${" not in (repo / "dgpipe" / "config.pbtxt").read_text()
     assert (repo / "dgpipe" / "1" / "model.py").read_text().startswith('"""Triton Python-backend model')
@@ -52,13 +53,13 @@ def test_broken_checkpoint_writes_nothing(tmp_path: Path):
     assert not (tmp_path / "repo").exists()
 
 
-def test_dgpipe_package_defaults_are_the_engine_limits(tiny_checkpoint: Path, tmp_path: Path):
-    """`dgpipe package` without limits writes EngineLimits into config.pbtxt (the Triton model reads them
+def test_dgpipe_package_defaults_are_the_limits(tiny_checkpoint: Path, tmp_path: Path):
+    """`dgpipe package` without limits writes the Limits defaults into config.pbtxt (the Triton model reads them
     there; the prompt limit within the model's positions), and the model lands in the layout's version dir."""
     import subprocess
     import sys
 
-    from pipeline.builddir import MODEL_NAME, TRITON_MODEL_FILE, EngineLimits, model_version_dir
+    from pipeline.builddir import MODEL_NAME, TRITON_MODEL_FILE, model_version_dir
     from pipeline.model.checkpoint import open_checkpoint
     from pipeline.serving.schema import prompt_limit
 
@@ -80,19 +81,18 @@ def test_dgpipe_package_defaults_are_the_engine_limits(tiny_checkpoint: Path, tm
     )
     assert proc.returncode == 0, proc.stderr
     cfg = text_format.Parse((out / MODEL_NAME / "config.pbtxt").read_text(), mc.ModelConfig())
-    limits = EngineLimits()
+    limits = Limits()
     params = {k: v.string_value for k, v in cfg.parameters.items()}
     config = open_checkpoint(tiny_checkpoint).config
     positions = config.text_config.max_position_embeddings
     assert positions - config.canvas_length < limits.max_prompt  # the tiny model holds less than the cap
-    assert {k: params[k] for k in ("max_batch", "max_tokens_limit", "max_denoising_steps_limit")} == {
+    assert {k: params[k] for k in ("max_batch", "max_tokens", "max_steps", "max_request_seconds")} == {
         "max_batch": str(limits.max_batch),
-        "max_tokens_limit": str(limits.max_tokens),
-        "max_denoising_steps_limit": str(limits.max_steps),
+        "max_tokens": str(limits.max_tokens),
+        "max_steps": str(limits.max_steps),
+        "max_request_seconds": str(limits.max_request_seconds),
     }
-    assert params["max_prompt_tokens"] == str(
-        prompt_limit(limits.max_prompt, positions, config.canvas_length)
-    )
+    assert params["max_prompt"] == str(prompt_limit(limits.max_prompt, positions, config.canvas_length))
     assert (
         prompt_limit(limits.max_prompt, positions, config.canvas_length) == positions - config.canvas_length
     )
@@ -108,6 +108,101 @@ def test_prompt_limit_is_the_cap_within_the_models_positions():
 
 
 def test_package_refuses_limits_outside_int32(tiny_checkpoint: Path, tmp_path: Path):
-    with pytest.raises(DgpipeError, match="must be <= 2147483647"):
-        package(tiny_checkpoint, tmp_path / "repo", max_tokens_limit=2**31)
+    with pytest.raises(DgpipeError, match=r"--max-tokens .*less than or equal to 2147483647"):
+        package(tiny_checkpoint, tmp_path / "repo", limits=Limits.of(max_tokens=2**31))
     assert not (tmp_path / "repo").exists()
+
+
+def _build_dir(tiny_checkpoint: Path, tmp_path: Path, engine: Limits) -> Path:
+    """A build dir as the stages before package leave it: its checkpoint, and the engine stage's record
+    carrying the caps the engines were built for (as data)."""
+    import shutil
+
+    from pipeline.builddir import LAYOUT, BuildManifest, record_stage, save_manifest
+
+    build = tmp_path / "build"
+    shutil.copytree(tiny_checkpoint, build / LAYOUT["checkpoint"])
+    save_manifest(build, BuildManifest(model="tiny", precision="bf16", targets=["sm90"]))
+    values = engine.engine_values()
+    record_stage(build, "engine", {}, details={"engines": {"sm90": {"limits": values}}, "limits": values})
+    return build
+
+
+def _params(repo: Path) -> dict[str, str]:
+    from pipeline.builddir import MODEL_NAME
+
+    cfg = text_format.Parse((repo / MODEL_NAME / "config.pbtxt").read_text(), mc.ModelConfig())
+    return {k: v.string_value for k, v in cfg.parameters.items()}
+
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def test_build_and_package_build_dir_write_the_same_limits(tiny_checkpoint: Path, tmp_path: Path):
+    """`dgpipe build`'s package stage and a later `dgpipe package --build-dir` read the limits the build
+    recorded as data: the same config.pbtxt limits, the engine caps those the engines were built for."""
+    from pipeline.build import BuildOptions, _package
+    from pipeline.builddir import LAYOUT, load_manifest
+
+    engine = Limits(max_batch=3, max_prompt=40, max_context=1000, max_tokens=300, max_request_seconds=30)
+    build = _build_dir(tiny_checkpoint, tmp_path, engine)
+    opts = BuildOptions(model=tiny_checkpoint, precision="bf16", build_dir=build, limits=engine)
+    _package(opts, build, lambda _: None)
+    by_build = _params(build / LAYOUT["model_repository"])
+    assert load_manifest(build).stages["package"].details["limits"] == engine.model_dump()
+
+    res = _cli("package", "--build-dir", str(build))
+    assert res.exit_code == 0, res.output
+    by_package = _params(build / LAYOUT["model_repository"])
+    names = ("max_batch", "max_prompt", "max_tokens", "max_steps", "max_request_seconds")
+    assert {k: by_package[k] for k in names} == {k: by_build[k] for k in names}
+    assert (by_package["max_batch"], by_package["max_tokens"], by_package["max_request_seconds"]) == (
+        "3",
+        "300",
+        "30",
+    )
+
+
+def test_package_build_dir_keeps_device_compile_and_given_limits(tiny_checkpoint: Path, tmp_path: Path):
+    from pipeline.builddir import LAYOUT, load_manifest
+
+    build = _build_dir(tiny_checkpoint, tmp_path, Limits(max_batch=4, max_prompt=40, max_context=400))
+    res = _cli("package", "--build-dir", str(build), "--device", "cpu", "--compile", "--max-tokens", "200")
+    assert res.exit_code == 0, res.output
+    params = _params(build / LAYOUT["model_repository"])
+    assert (params["device"], params["compile"]) == ("cpu", "true")
+    assert (params["max_tokens"], params["max_batch"]) == ("200", "4")  # the CLI's, then the record's
+    details = load_manifest(build).stages["package"].details
+    assert (details["device"], details["compile"], details["limits"]["max_tokens"]) == ("cpu", True, 200)
+
+
+def _user_error(monkeypatch, capsys, *args: str) -> str:
+    """`dgpipe ARGS` through the console entry point (where errors are mapped): exit 2, one error line."""
+    import sys
+
+    from pipeline.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["dgpipe", *args])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: "), (e.value.code, err)
+    return err
+
+
+def test_package_build_dir_refuses_limits_its_engines_cannot_run(
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch, capsys
+):
+    build = _build_dir(tiny_checkpoint, tmp_path, Limits(max_batch=4, max_prompt=40, max_context=400))
+    err = _user_error(monkeypatch, capsys, "package", "--build-dir", str(build), "--max-batch", "8")
+    assert "--max-batch 8: the build's engines were built for 4" in err
+    err = _user_error(monkeypatch, capsys, "package", "--build-dir", str(build), "--max-tokens", "400")
+    assert "--max-tokens 400 after a 40-token prompt needs a" in err
+    # the default max_tokens does not fit a 400-token context either: the hint names what does
+    assert "use --max-tokens <=" in _user_error(monkeypatch, capsys, "package", "--build-dir", str(build))
+    assert not (build / "model_repository").exists()

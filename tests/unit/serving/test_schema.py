@@ -163,7 +163,7 @@ def model(monkeypatch):
     monkeypatch.setitem(sys.modules, spec.name, mod)
     spec.loader.exec_module(mod)
     m = mod.TritonPythonModel()
-    limits = schema.ServerLimits(max_tokens=512, max_steps=64, max_prompt=100, max_seconds=60.0)
+    limits = schema.ServerLimits(max_tokens=512, max_steps=64, max_prompt=100, max_request_seconds=60.0)
     runtime = types.SimpleNamespace(validate=lambda req: None, waiting=())
     m.core = ServingCore(FakeSession(), runtime, limits, Metrics(mod.TritonMetrics()))
     return m
@@ -198,9 +198,11 @@ def test_config_pbtxt_tensors_are_the_schema():
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as mc
 
+    from pipeline.limits import Limits
     from pipeline.serving.repository import model_config
 
-    cfg = model_config("dgpipe", 8, 512, 100, "auto", {"text_input": "Hello", "max_tokens": 82})
+    limits = Limits(max_batch=8, max_tokens=512, max_prompt=100)
+    cfg = model_config("dgpipe", limits, "auto", {"text_input": "Hello", "max_tokens": 82})
     cfg = text_format.Parse(text_format.MessageToString(cfg), mc.ModelConfig())
     assert [(i.name, mc.DataType.Name(i.data_type), tuple(i.dims), i.optional) for i in cfg.input] == [
         (t.name, t.config_type, t.dims, t.optional) for t in schema.INPUTS

@@ -142,7 +142,7 @@ class Runtime:
 
 
 def core() -> ServingCore:
-    limits = schema.ServerLimits(max_tokens=64, max_steps=8, max_prompt=50, max_seconds=30.0)
+    limits = schema.ServerLimits(max_tokens=64, max_steps=8, max_prompt=50, max_request_seconds=30.0)
     return ServingCore(Session(), Runtime(), limits, Metrics(RecordingFactory()))
 
 

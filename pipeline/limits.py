@@ -1,0 +1,109 @@
+"""Every cap dgpipe enforces, in one typed object, and the rules derived from them.
+
+`Limits` holds the engine caps (what a TensorRT plan's profiles accept: `max_batch`, `max_prompt`,
+`max_context`) and the serving caps (what one request may ask for: `max_tokens`, `max_steps`,
+`max_request_seconds`). Each field name is the limit's one name: the CLI option (`--max-batch`), the
+config.pbtxt parameter the Triton model reads, the key in `engine.json` and the build manifest, and the
+attribute in code. Its defaults are the only defaults: every command, stage and model reads them here.
+
+The engine stage records the engine caps as data (`engine.json` `limits`, the build manifest's engine
+record); package, render and serve read them back with `Limits.from_record`, never from a command line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.errors import DgpipeError, validation_error
+
+INT32_MAX = 2**31 - 1  # the Triton tensors that carry a limit are INT32
+
+
+class Limits(BaseModel):
+    """Engine caps and serving caps. Frozen: a stage passes it on, it never changes under a later stage."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_batch: int = Field(8, ge=1, le=INT32_MAX)  # rows of one pass (requests sharing a denoise pass)
+    max_prompt: int = Field(2048, ge=1, le=INT32_MAX)  # longest prompt (tokens) of one prefill pass
+    # cached tokens a row may attend to (prompt + committed canvases): the plan's past_full profile
+    max_context: int = Field(8192, ge=1, le=INT32_MAX)
+    max_tokens: int = Field(4096, ge=1, le=INT32_MAX)  # largest max_tokens a request may ask for
+    max_steps: int = Field(256, ge=1, le=INT32_MAX)  # largest max_denoising_steps (passes per canvas)
+    # seconds a request may run once it has a batch slot before the server ends it and frees the slot; a
+    # request may ask for less (its timeout_s input). Bounds what an abandoned HTTP request can cost:
+    # Triton's HTTP endpoint does not pass a client's disconnect on to the model (gRPC does)
+    max_request_seconds: int = Field(600, ge=1, le=INT32_MAX)
+
+    ENGINE_FIELDS: ClassVar[tuple[str, ...]] = ("max_batch", "max_prompt", "max_context")
+    SERVING_FIELDS: ClassVar[tuple[str, ...]] = ("max_tokens", "max_steps", "max_request_seconds")
+
+    @classmethod
+    def of(cls, where: str = "limits", **values: int | None) -> Limits:
+        """Limits from the given values (None: the default), with a clear error naming the bad option."""
+        given = {k: v for k, v in values.items() if v is not None}
+        with validation_error(lambda field, msg: f"{where}: {flag(field)} {msg}"):
+            return cls(**given)
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any] | None, where: str) -> Limits:
+        """The limits a stage recorded as data (`engine.json`, the build manifest); defaults for the rest."""
+        if record is not None and not isinstance(record, Mapping):
+            raise DgpipeError(f"{where}: limits must be a mapping of limit name -> value")
+        return cls.of(where, **dict(record or {}))
+
+    def merged(self, **overrides: int | None) -> Limits:
+        """These limits with the values given (None: keep), checked: the CLI over the recorded ones."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return Limits.of("limits", **{**self.model_dump(), **given})
+
+    def engine_values(self) -> dict[str, int]:
+        """The caps an engine is built for, by name (the serving caps do not change a plan)."""
+        return {k: getattr(self, k) for k in self.ENGINE_FIELDS}
+
+    def serving_values(self) -> dict[str, int]:
+        """The caps one request may ask for, by name."""
+        return {k: getattr(self, k) for k in self.SERVING_FIELDS}
+
+    def engine_flags(self) -> list[str]:
+        """The `dgpipe engine build` options that build a plan for these caps (the node's command)."""
+        return [a for k, v in self.engine_values().items() for a in (flag(k), str(v))]
+
+    def validate(self, canvas: int) -> None:
+        """An engine for these caps holds a whole prompt and one canvas after it."""
+        if self.max_context < self.max_prompt + canvas:
+            raise DgpipeError(
+                f"--max-context {self.max_context} leaves no room for a {canvas}-token canvas after a "
+                f"{self.max_prompt}-token prompt",
+                hint=f"use --max-context >= {self.max_prompt + canvas}",
+            )
+
+    def check_fits(self, canvas: int) -> None:
+        """A request for `max_tokens` after the longest prompt fits the engine's context (`context_length`):
+        checked before a build runs any stage, and when a build's repository is written."""
+        need = context_length(self.max_prompt, self.max_tokens, canvas)
+        if need > self.max_context:
+            room = self.max_context - context_length(self.max_prompt, 0, canvas)
+            raise DgpipeError(
+                f"--max-tokens {self.max_tokens} after a {self.max_prompt}-token prompt needs a {need}-token "
+                f"context; the engines hold --max-context {self.max_context}",
+                f"use --max-tokens <= {room}, a shorter --max-prompt, or --max-context >= {need}",
+            )
+
+
+def flag(field_name: str) -> str:
+    """max_batch -> --max-batch: the CLI option of a limit."""
+    return "--" + field_name.replace("_", "-")
+
+
+def context_length(prompt_tokens: int, max_tokens: int, canvas_length: int) -> int:
+    """The KV-cache length a row needs to produce `max_tokens` after `prompt_tokens`: the prompt, the
+    tokens, and two canvases (the runtime stops a row once the next canvas and the one being denoised no
+    longer fit, `BlockDiffusionRuntime`). The one rule for the runtime, the Triton model and the benchmarks."""
+    return prompt_tokens + max_tokens + 2 * canvas_length
+
+
+DEFAULTS = Limits()  # the defaults, for signatures that take one limit as a plain value
