@@ -14,13 +14,13 @@ from pipeline.serving.core.responses import Failure
 from pipeline.serving.error_kinds import ErrorKind
 
 if TYPE_CHECKING:
-    from pipeline.serving.core.service import ServingCore
+    from pipeline.serving.core.state import CoreState
 
 POLL_S = 0.05  # how long an idle loop waits for a request before it looks at pings and deadlines again
 
 
 class EngineLoop:
-    def __init__(self, core: ServingCore) -> None:
+    def __init__(self, core: CoreState) -> None:
         self.core = core
 
     def run(self) -> None:

@@ -16,13 +16,13 @@ from pipeline.serving.core.responses import Channel
 from pipeline.serving.schema import BadRequest
 
 if TYPE_CHECKING:
-    from pipeline.serving.core.service import ServingCore
+    from pipeline.serving.core.state import CoreState
 
 InputGetter = Callable[[str], np.ndarray | None]  # an input's array by its schema name; None when absent
 
 
 class Intake:
-    def __init__(self, core: ServingCore) -> None:
+    def __init__(self, core: CoreState) -> None:
         self.core = core
 
     def build(self, get: InputGetter, parameters: Mapping[str, Any], channel: Channel) -> tuple[Job, Any]:

@@ -17,11 +17,11 @@ from pipeline.serving.core.stop_words import cut_at_stop_word
 from pipeline.serving.error_kinds import ErrorKind
 
 if TYPE_CHECKING:
-    from pipeline.serving.core.service import ServingCore
+    from pipeline.serving.core.state import CoreState
 
 
 class Progress:
-    def __init__(self, core: ServingCore) -> None:
+    def __init__(self, core: CoreState) -> None:
         self.core = core
 
     def guarded(self, job: Job, callback: Callable[..., None], *args: Any) -> None:

@@ -11,13 +11,13 @@ from pipeline.serving.core.responses import Failure
 from pipeline.serving.error_kinds import ErrorKind
 
 if TYPE_CHECKING:
-    from pipeline.serving.core.service import ServingCore
+    from pipeline.serving.core.state import CoreState
 
 SHUTTING_DOWN = "this server is shutting down: retry on another replica"
 WORKER_JOIN_S = 5.0  # how long shutdown waits for the runtime loop to finish its pass
 
 
-def shut_down(core: ServingCore, join_s: float = WORKER_JOIN_S) -> int:
+def shut_down(core: CoreState, join_s: float = WORKER_JOIN_S) -> int:
     """Stop the core; returns how many requests it answered with the shutdown error."""
     with core.admit_lock:  # a request accepted from now on is refused (ServingCore.accept)
         core.stopped = True
