@@ -15,14 +15,27 @@ from pipeline.errors import DgpipeError
 app = opt.typer_app()
 
 
+Output = Annotated[
+    Path | None,
+    opt.output("model repository to write (replaced atomically); " + opt.in_cache("model_repository")),
+]
+Name = Annotated[str, typer.Option(help="model name in the repository")]
+Engines = Annotated[
+    Path | None, typer.Option(help="TensorRT engines dir (<target>/model.plan + engine.json) to ship")
+]
+BuildDir = Annotated[
+    Path | None,
+    opt.build_dir(
+        "package BUILD_DIR/checkpoint (+ its engines) into BUILD_DIR/model_repository and record it"
+    ),
+]
+
+
 @app.command()
 def package(
     model: opt.Model = None,
-    output: Annotated[
-        Path | None,
-        opt.output("model repository to write (replaced atomically); " + opt.in_cache("model_repository")),
-    ] = None,
-    name: Annotated[str, typer.Option(help="model name in the repository")] = MODEL_NAME,
+    output: Output = None,
+    name: Name = MODEL_NAME,
     max_batch: Annotated[
         int, typer.Option(help="requests that share each denoise pass")
     ] = EngineLimits.max_batch,
@@ -40,15 +53,8 @@ def package(
     ] = EngineLimits.max_request_seconds,
     device: opt.Device = "auto",
     compile: opt.Compile = False,
-    engines: Annotated[
-        Path | None, typer.Option(help="TensorRT engines dir (<target>/model.plan + engine.json) to ship")
-    ] = None,
-    build_dir: Annotated[
-        Path | None,
-        opt.build_dir(
-            "package BUILD_DIR/checkpoint (+ its engines) into BUILD_DIR/model_repository and record it"
-        ),
-    ] = None,
+    engines: Engines = None,
+    build_dir: BuildDir = None,
 ) -> None:
     """Write a Triton model repository (Python backend, decoupled) that serves the checkpoint."""
     from pipeline.runtime.session import default_model_path
@@ -67,8 +73,7 @@ def package(
             max_tokens=max_tokens_limit,
             max_request_seconds=request_timeout,
         )
-        repo, shipped = package_stage(build_dir, limits)
-        out.line(f"model repository: {repo} (model '{name}'{', with engines' if shipped else ''})")
+        out.stage(package_stage(build_dir, limits), as_json=False)
         return
 
     repo = run_package(

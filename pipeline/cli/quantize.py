@@ -67,7 +67,7 @@ def quantize(
         )
     from pipeline.runtime.session import default_model_path
     from quantize.run import QuantizeOptions, quantize_checkpoint
-    from quantize.stage import quantize_stage
+    from quantize.stage import quantize_stage, stage_result
 
     opts = QuantizeOptions(
         model=model or default_model_path(),
@@ -86,18 +86,8 @@ def quantize(
         if build_dir is not None:
             res = quantize_stage(opts, build_dir, progress=advance)
         else:
-            res = quantize_checkpoint(opts, progress=advance)
-    out.show(res.as_dict(), as_json, lambda _: _render_result(res))
-
-
-def _render_result(res) -> str:
-    block = f", block {res.block_size}" if res.block_size else ""
-    calib = (
-        f", calibrated on {res.calib_prompts} prompts x {res.calib_steps} denoise steps"
-        if res.calib_prompts
-        else ""
-    )
-    return f"{res.precision}{block}: {res.output} ({res.bytes:,} bytes{calib}, {res.seconds:.0f}s)"
+            res = stage_result(quantize_checkpoint(opts, progress=advance))
+    out.stage(res, as_json)
 
 
 def _render_estimate(r: dict, target: str | None, context: int, concurrency: int, kv_cache: str) -> list[str]:

@@ -8,6 +8,7 @@ Its tensors come from pipeline/serving/schema.py, which the Triton model and the
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from pipeline.errors import DgpipeError
 from pipeline.model.validate import checkpoint_files, validate_checkpoint
 from pipeline.resources import TRITON_MODEL_SOURCE
 from pipeline.serving import schema
+from pipeline.stages import StageResult
 
 
 def model_config(
@@ -154,9 +156,10 @@ def copy_checkpoint(src: Path, dst: Path) -> None:
         shutil.copyfile(src / rel, dst / rel)
 
 
-def package_stage(build_dir: Path, limits: EngineLimits) -> tuple[Path, bool]:
+def package_stage(build_dir: Path, limits: EngineLimits) -> StageResult:
     """The package stage of `dgpipe build`: the build's checkpoint (and the engines built here, if any) into
-    its model repository, recorded in the build manifest. Returns (repository, engines shipped)."""
+    its model repository, recorded in the build manifest. Its details say whether engines were shipped."""
+    start = time.perf_counter()
     checkpoint = build_dir / LAYOUT["checkpoint"]
     engines = build_dir / LAYOUT["engines"]
     built = engines if any(engines.glob("*/model.plan")) else None
@@ -177,7 +180,10 @@ def package_stage(build_dir: Path, limits: EngineLimits) -> tuple[Path, bool]:
         inputs={"checkpoint": checkpoint, **({"engines": built} if built else {})},
         details={"engines": built is not None},
     )
-    return repo, built is not None
+    where = "with the engines built here" if built else "engines are added on the target node"
+    line = f"model repository: {repo} (model '{MODEL_NAME}'; {where})"
+    details = {"model_repository": str(repo), "engines": built is not None}
+    return StageResult("package", {"model_repository": repo}, time.perf_counter() - start, [line], details)
 
 
 def _engine_dirs(engines: Path) -> list[Path]:

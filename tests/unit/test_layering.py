@@ -18,6 +18,7 @@ STAGES = {  # package prefix -> position on the data path
     "pipeline.resources": 0,
     "pipeline.targets": 0,
     "pipeline.builddir": 0,
+    "pipeline.stages": 0,
     "pipeline.threads": 0,
     "pipeline.model": 1,
     "pipeline.sampler": 2,
