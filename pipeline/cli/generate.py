@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -96,8 +97,6 @@ def generate(
     as_json: opt.Json = False,
 ) -> None:
     """Generate with block diffusion, in-process or from a Triton server (--url)."""
-    import sys
-
     from pipeline.runtime import batch
 
     if max_tokens < 1:
