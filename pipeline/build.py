@@ -12,17 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.builddir import (
     LAYOUT,
-    MODEL_NAME,
     load_or_create,
     save_manifest,
 )
 from pipeline.errors import DgpipeError
 from pipeline.limits import Limits
+from pipeline.stages import StageResult
 from quantize.defaults import CALIB_SIZE
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ def resolve_targets(precision: str, requested: list[str]) -> list[str]:
 
 
 def run_build(opts: BuildOptions, say: Callable[[str], None]) -> dict:
+    """Every stage in order on one build dir; `say` gets each stage's summary lines as it finishes. Returns
+    the build's summary: its dir, precision, targets and each stage's result by stage name."""
     from pipeline.deploy.smoke import smoke_test_for
     from pipeline.model.validate import validate_checkpoint
 
@@ -87,20 +90,20 @@ def run_build(opts: BuildOptions, say: Callable[[str], None]) -> dict:
         "precision": opts.precision,
         "targets": targets,
     }
-    summary["quantize"] = _quantize(opts, source, build_dir, say)
-    summary["export"] = _export(build_dir, say)
-    summary["engines"] = _engines(opts, build_dir, say)
-    summary["model_repository"] = _package(opts, build_dir, say)
+    stages = (partial(_quantize, source=source), _export, _engines, _package)
+    for stage in stages:  # each reads what the one before wrote
+        result = stage(opts, build_dir)
+        for line in result.summary:
+            say(f"{result.stage}: {line}")
+        summary[result.stage] = result.as_dict()
     return summary
 
 
-def _quantize(
-    opts: BuildOptions, source: ValidatedCheckpoint, build_dir: Path, say: Callable[[str], None]
-) -> dict:
+def _quantize(opts: BuildOptions, build_dir: Path, source: ValidatedCheckpoint) -> StageResult:
     from quantize.run import QuantizeOptions
     from quantize.stage import quantize_stage
 
-    res = quantize_stage(
+    return quantize_stage(
         QuantizeOptions(
             model=opts.model,
             precision=opts.precision,
@@ -111,34 +114,22 @@ def _quantize(
         build_dir,
         source=source,
     )
-    say(
-        f"quantize: {res.output} ({res.precision}, {res.bytes / 1e6:.1f} MB, {res.calib_prompts} calibration prompts)"
-    )
-    return res.as_dict()
 
 
-def _export(build_dir: Path, say: Callable[[str], None]) -> dict:
+def _export(opts: BuildOptions, build_dir: Path) -> StageResult:
     from pipeline.onnx.stage import run_export
 
-    result = run_export(build_dir / LAYOUT["checkpoint"], None, build_dir, True)
-    say(f"export: {result['path']} (opset {result['opset']}, custom ops {', '.join(result['custom_ops'])})")
-    return result
+    return run_export(build_dir / LAYOUT["checkpoint"], None, build_dir, True)
 
 
-def _engines(opts: BuildOptions, build_dir: Path, say: Callable[[str], None]) -> list[str]:
+def _engines(opts: BuildOptions, build_dir: Path) -> StageResult:
     from pipeline.builddir import load_manifest
     from pipeline.engine.stage import engine_stage
 
-    lines = engine_stage(build_dir, load_manifest(build_dir), opts.limits)
-    for line in lines:
-        say(line)
-    return lines
+    return engine_stage(build_dir, load_manifest(build_dir), opts.limits)
 
 
-def _package(opts: BuildOptions, build_dir: Path, say: Callable[[str], None]) -> str:
+def _package(opts: BuildOptions, build_dir: Path) -> StageResult:
     from pipeline.serving.repository import package_stage
 
-    repo, built = package_stage(build_dir, opts.limits.model_dump())
-    where = "with the engines built here" if built else "engines are added on the target node"
-    say(f"package: {repo} (Triton model '{MODEL_NAME}'; {where})")
-    return str(repo)
+    return package_stage(build_dir, opts.limits.model_dump())

@@ -15,7 +15,10 @@ from pipeline.builddir import (
     record_stage,
 )
 from pipeline.model.validate import ValidatedCheckpoint, validate_checkpoint
+from pipeline.stages import StageResult
 from quantize.run import QuantizeOptions, QuantizeResult, quantize_checkpoint
+
+STAGE = "quantize"
 
 
 def quantize_stage(
@@ -23,7 +26,7 @@ def quantize_stage(
     build_dir: Path,
     progress: Callable[[int], None] | None = None,
     source: ValidatedCheckpoint | None = None,
-) -> QuantizeResult:
+) -> StageResult:
     """Quantize `opts.model` into the build dir's checkpoint (opts.output is ignored) and record the stage.
     A build dir that already holds another precision is refused before any work. `source` is the model as
     the caller validated it (weights read); without it the source is validated here, once, and the same
@@ -44,10 +47,22 @@ def quantize_stage(
     res = quantize_checkpoint(replace(opts, output=out), progress=progress, source=source)
     record_stage(
         build_dir,
-        "quantize",
+        STAGE,
         {"checkpoint": out},
         inputs={"model": Path(opts.model).resolve()},
         details=res.as_dict(),
         manifest=manifest,
     )
-    return res
+    return stage_result(res)
+
+
+def stage_result(res: QuantizeResult) -> StageResult:
+    """A quantization's result as a stage result (`dgpipe quantize --output` reports it the same way)."""
+    block = f", block {res.block_size}" if res.block_size else ""
+    calib = (
+        f", calibrated on {res.calib_prompts} prompts x {res.calib_steps} denoise steps"
+        if res.calib_prompts
+        else ""
+    )
+    line = f"{res.precision}{block}: {res.output} ({res.bytes:,} bytes{calib}, {res.seconds:.0f}s)"
+    return StageResult(STAGE, {"checkpoint": Path(res.output)}, res.seconds, [line], res.as_dict())

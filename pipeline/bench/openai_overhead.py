@@ -153,6 +153,28 @@ def run_bench_openai(
     return result
 
 
+def bench_openai(concurrency: list[int], requests: int, rounds: int, out: Path) -> dict[str, Any]:
+    """tritonserver on the embedded model and a frontend process in front of it (both measured for CPU
+    time), then `run_bench_openai`; both stopped after."""
+    import signal
+
+    from pipeline.bench.serve import embedded_server, free_port
+
+    with embedded_server(out, max(concurrency)) as server:
+        assert server.proc is not None
+        proc, openai_url = start_frontend(server.grpc_url, free_port(), out / "server" / "frontend.log")
+        try:
+            return run_bench_openai(
+                server.grpc_url, openai_url, server.proc.pid, proc.pid, concurrency, requests, rounds, out
+            )
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except Exception:
+                proc.kill()
+
+
 def render(result: dict[str, Any]) -> list[str]:
     head = (
         f"{result['model']}  policy {result['policy']}, {result['requests_per_level']} requests x "

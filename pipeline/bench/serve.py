@@ -6,11 +6,16 @@ from __future__ import annotations
 import concurrent.futures
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.bench.results import percentile, save_plot, save_result
 from pipeline.demo import sudoku
+
+if TYPE_CHECKING:
+    from pipeline.serving.server import TritonServer
 
 SERVE_JSON, SERVE_PLOTS = "serve.json", ("serve_throughput.png", "serve_latency.png")
 
@@ -146,3 +151,39 @@ def run_bench_serve(
     save_plot(out / SERVE_PLOTS[1], draw_metric("p50_ms", "p50 latency (ms)"))
     save_result(out, SERVE_JSON, result)
     return result
+
+
+def free_port() -> int:
+    """A port nothing listens on now (bind-then-close: another process may still take it first)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def embedded_server(out: Path, max_batch: int) -> Iterator[TritonServer]:
+    """tritonserver on the embedded model, packaged under out/model_repository with `max_batch`, on free
+    local ports, stopped on exit: what a benchmark measures when not pointed at a running server."""
+    from pipeline.limits import Limits
+    from pipeline.runtime.session import default_model_path
+    from pipeline.serving.repository import package
+    from pipeline.serving.server import Ports, TritonServer
+
+    repo = package(default_model_path(), out / "model_repository", limits=Limits(max_batch=max_batch))
+    with TritonServer(
+        repo, Ports(free_port(), free_port(), free_port(), "127.0.0.1"), out / "server"
+    ) as server:
+        yield server
+
+
+def bench_serve(
+    http_url: str | None, grpc_url: str | None, concurrency: list[int], requests: int, out: Path
+) -> dict[str, Any]:
+    """`run_bench_serve` against the server at `http_url` (and `grpc_url`), or against one started here
+    on the embedded model when no URL is given."""
+    if http_url:
+        return run_bench_serve(http_url, grpc_url, concurrency, requests, out)
+    with embedded_server(out, max(concurrency)) as server:
+        return run_bench_serve(server.http_url, server.grpc_url, concurrency, requests, out)

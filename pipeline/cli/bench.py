@@ -94,25 +94,29 @@ def bench_sweep(
     out.saved([out_dir / SWEEP_JSON], as_json)
 
 
+ServeUrl = Annotated[
+    str | None, typer.Option(help="HTTP URL of a running server (default: start one on the embedded model)")
+]
+GrpcUrl = Annotated[str | None, typer.Option(help="gRPC URL of the same server")]
+Concurrency = Annotated[
+    str | None, typer.Option(help="comma-separated concurrency levels [default: 1,2,4,8; --openai 1,4,16]")
+]
+OpenAI = Annotated[
+    bool,
+    typer.Option(
+        "--openai",
+        help="the OpenAI frontend against direct gRPC: latency and CPU per request (starts its own server)",
+    ),
+]
+
+
 @app.command("serve")
 def bench_serve(
-    url: Annotated[
-        str | None,
-        typer.Option(help="HTTP URL of a running server (default: start one on the embedded model)"),
-    ] = None,
-    grpc_url: Annotated[str | None, typer.Option(help="gRPC URL of the same server")] = None,
-    concurrency: Annotated[
-        str | None,
-        typer.Option(help="comma-separated concurrency levels [default: 1,2,4,8; --openai 1,4,16]"),
-    ] = None,
+    url: ServeUrl = None,
+    grpc_url: GrpcUrl = None,
+    concurrency: Concurrency = None,
     requests: Annotated[int, typer.Option(help="requests per level and protocol")] = 32,
-    openai: Annotated[
-        bool,
-        typer.Option(
-            "--openai",
-            help="the OpenAI frontend against direct gRPC: latency and CPU per request (starts its own server)",
-        ),
-    ] = False,
+    openai: OpenAI = False,
     rounds: Annotated[int, typer.Option(help="--openai: alternating rounds per level (medians)")] = 3,
     out_dir: Annotated[Path | None, _out("bench-serve")] = None,
     as_json: opt.Json = False,
@@ -128,82 +132,34 @@ def bench_serve(
             raise DgpipeError(
                 "--openai starts its own tritonserver and frontend (it reads their CPU time): drop --url/--grpc-url"
             )
-        _bench_openai(levels, requests, rounds, out_dir, as_json)
+        from pipeline.bench.openai_overhead import OPENAI_JSON, bench_openai, render
+
+        out.show(bench_openai(levels, requests, rounds, out_dir), as_json, render)
+        out.saved([out_dir / OPENAI_JSON], as_json)
         return
-    from pipeline.bench.serve import SERVE_JSON, SERVE_PLOTS, run_bench_serve
+    from pipeline.bench.serve import SERVE_JSON, SERVE_PLOTS
+    from pipeline.bench.serve import bench_serve as run
 
-    if url:
-        result = run_bench_serve(url, grpc_url, levels, requests, out_dir)
-    else:
-        import socket
-
-        from pipeline.runtime.session import default_model_path
-        from pipeline.serving.repository import package as run_package
-        from pipeline.serving.server import Ports, TritonServer
-
-        def free() -> int:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                return s.getsockname()[1]
-
-        repo = run_package(
-            default_model_path(), out_dir / "model_repository", limits=opt.limits(max_batch=max(levels))
-        )
-        with TritonServer(repo, Ports(free(), free(), free(), "127.0.0.1"), out_dir / "server") as server:
-            result = run_bench_serve(server.http_url, server.grpc_url, levels, requests, out_dir)
+    result = run(url, grpc_url, levels, requests, out_dir)
     if as_json:
         out.json_out(result)
         out.saved([out_dir / SERVE_JSON, *(out_dir / p for p in SERVE_PLOTS)], as_json)
         return
-    rows = [
-        f"{r['protocol']:<11}{r['concurrency']:>5}{r['requests_per_s']:>8.2f}{r['tokens_per_s']:>9.1f}"
-        f"{r['p50_ms']:>9.1f}{r['p90_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['ttfc_p50_ms']:>9.1f}{100 * r['ok_rate']:>5.0f}%"
-        for r in result["rows"]
-    ]
-    out.table(
-        f"{'protocol':<11}{'conc':>5}{'req/s':>8}{'tok/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}"
-        f"{'TTFC ms':>9}{'ok':>6}",
-        rows,
-    )
+    out.lines(_render_serve(result))
     out.line(f"plots: {', '.join(str(out_dir / p) for p in SERVE_PLOTS)}")
     out.saved([out_dir / SERVE_JSON], as_json)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _bench_openai(levels: list[int], requests: int, rounds: int, out_dir: Path, as_json: bool) -> None:
-    """tritonserver on the embedded model plus a frontend process in front of it, then the comparison."""
-    import signal
-
-    from pipeline.bench.openai_overhead import OPENAI_JSON, render, run_bench_openai, start_frontend
-    from pipeline.runtime.session import default_model_path
-    from pipeline.serving.repository import package as run_package
-    from pipeline.serving.server import Ports, TritonServer
-
-    repo = run_package(
-        default_model_path(), out_dir / "model_repository", limits=opt.limits(max_batch=max(levels))
+def _render_serve(result: dict) -> list[str]:
+    header = (
+        f"{'protocol':<11}{'conc':>5}{'req/s':>8}{'tok/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}"
+        f"{'TTFC ms':>9}{'ok':>6}"
     )
-    ports = Ports(_free_port(), _free_port(), _free_port(), "127.0.0.1")
-    with TritonServer(repo, ports, out_dir / "server") as server:
-        proc, openai_url = start_frontend(server.grpc_url, _free_port(), out_dir / "server" / "frontend.log")
-        try:
-            result = run_bench_openai(
-                server.grpc_url, openai_url, server.proc.pid, proc.pid, levels, requests, rounds, out_dir
-            )
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except Exception:
-                proc.kill()
-    out.show(result, as_json, render)
-    out.saved([out_dir / OPENAI_JSON], as_json)
+    return [header] + [
+        f"{r['protocol']:<11}{r['concurrency']:>5}{r['requests_per_s']:>8.2f}{r['tokens_per_s']:>9.1f}"
+        f"{r['p50_ms']:>9.1f}{r['p90_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['ttfc_p50_ms']:>9.1f}{100 * r['ok_rate']:>5.0f}%"
+        for r in result["rows"]
+    ]
 
 
 @app.command("model")

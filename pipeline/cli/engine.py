@@ -20,106 +20,50 @@ app = opt.typer_app(
 )
 
 
+Target = Annotated[
+    str, typer.Option(help="GPU target: sm90 (H100/H200), sm100 (B200), sm120 (RTX Blackwell)")
+]
+Onnx = Annotated[Path | None, typer.Option(help="ONNX model (file or export dir); default: <build-dir>/onnx")]
+Precision = Annotated[str | None, typer.Option(help="bf16, fp8, int4_awq, nvfp4; default: the target's")]
+Output = Annotated[Path | None, opt.output("writes <output>/engines/<target>/; default: --build-dir")]
+Plugins = Annotated[
+    Path | None, typer.Option(help="dir holding <target>/dg_sampler.ptx; default <output>/plugins")
+]
+BuildDir = Annotated[Path | None, opt.build_dir("a `dgpipe build` directory: defaults + manifest record")]
+Force = Annotated[bool, typer.Option(help="rebuild even when the plan is up to date")]
+DryRun = Annotated[bool, typer.Option(help="validate and print the build (and its node command) only")]
+
+
 @app.command("build")
 def build_cmd(
-    target: Annotated[
-        str, typer.Option(help="GPU target: sm90 (H100/H200), sm100 (B200), sm120 (RTX Blackwell)")
-    ],
-    onnx: Annotated[
-        Path | None, typer.Option(help="ONNX model (file or export dir); default: <build-dir>/onnx")
-    ] = None,
-    precision: Annotated[
-        str | None, typer.Option(help="bf16, fp8, int4_awq, nvfp4; default: the target's")
-    ] = None,
-    output: Annotated[
-        Path | None, opt.output("writes <output>/engines/<target>/; default: --build-dir")
-    ] = None,
-    plugins: Annotated[
-        Path | None, typer.Option(help="dir holding <target>/dg_sampler.ptx; default <output>/plugins")
-    ] = None,
-    build_dir: Annotated[
-        Path | None, opt.build_dir("a `dgpipe build` directory: defaults + manifest record")
-    ] = None,
+    target: Target,
+    onnx: Onnx = None,
+    precision: Precision = None,
+    output: Output = None,
+    plugins: Plugins = None,
+    build_dir: BuildDir = None,
     max_batch: opt.MaxBatch = None,
     max_prompt: opt.MaxPrompt = None,
     max_context: opt.MaxContext = None,
-    force: Annotated[bool, typer.Option(help="rebuild even when the plan is up to date")] = False,
-    dry_run: Annotated[
-        bool, typer.Option(help="validate and print the build (and its node command) only")
-    ] = False,
+    force: Force = False,
+    dry_run: DryRun = False,
     as_json: opt.Json = False,
 ) -> None:
     """Build engines/<target>/model.plan + engine.json (needs TensorRT >= 10.8 and a GPU of the target)."""
-    from pipeline.engine.build_engine import build, plan_build
-    from pipeline.errors import DgpipeError
-    from pipeline.targets import target as get_target
+    from pipeline.engine.stage import EngineBuild, build_one_engine
 
-    t = get_target(target)  # unknown target: refused before anything else
-    precision = precision or t.default_precision
-    man = None
-    if build_dir is not None:
-        from pipeline.builddir import load_manifest
-
-        man = load_manifest(build_dir)
-        onnx = onnx or man.path_of(build_dir, "onnx")
-        plugins = plugins or man.path_of(build_dir, "plugins")
-    if onnx is None:
-        raise DgpipeError("--onnx is required (or --build-dir of a `dgpipe build`)")
-    output = output or build_dir
-    if output is None:
-        raise DgpipeError("--output is required (or --build-dir)")
-    plan = plan_build(
-        onnx,
-        t.name,
-        precision,
-        output,
+    request = EngineBuild(
+        target=target,
+        onnx=onnx,
+        precision=precision,
+        output=output,
         plugins=plugins,
+        build_dir=build_dir,
         limits=opt.limits(max_batch=max_batch, max_prompt=max_prompt, max_context=max_context),
-        checkpoint_sha256=man.model_sha256 if man else None,
+        force=force,
+        dry_run=dry_run,
     )
-    summary = {
-        "target": t.name,
-        "precision": precision,
-        "engine_dir": str(plan.engine_dir),
-        "profiles": [p.model_dump() for p in plan.profiles],
-        "node_command": plan.command(),
-    }
-    if dry_run:
-        out.show(summary, as_json, lambda _: _describe(plan))
-        return
-    manifest, built = build(plan, force=force)
-    if man is not None and build_dir is not None:
-        from pipeline.engine.stage import record_built_engine
-
-        record_built_engine(build_dir, manifest, output)
-    summary |= {
-        "built": built,
-        "tensorrt_version": manifest.tensorrt_version,
-        "plan_sha256": manifest.plan_sha256,
-    }
-    verb = "built" if built else "up to date, kept"
-    out.show(
-        summary,
-        as_json,
-        lambda _: (
-            f"{plan.engine_dir / manifest.plan}: {verb} (TensorRT {manifest.tensorrt_version}, "
-            f"{manifest.gpu_name}, cc {manifest.compute_capability}, {manifest.precision})"
-        ),
-    )
-
-
-def _describe(plan) -> str:
-    lines = [
-        f"engine build for {plan.target.name} ({plan.target.arch}, cc {plan.target.compute_capability}), "
-        f"precision {plan.precision}: {plan.engine_dir}/model.plan"
-    ]
-    ptx = plan.plugin.sha256[:16] if plan.plugin else "compiled at build time"
-    lines.append(f"  sampler PTX: {plan.plugin_dir}/dg_sampler.ptx ({ptx})")
-    for p in plan.profiles:
-        dims = {k: v for k, v in p.shapes.items() if k in ("tokens", "sc_embed")}
-        lines.append(f"  profile {p.name}: " + ", ".join(f"{k} {v[0]}..{v[2]}" for k, v in dims.items()))
-    lines.append("  on the target node: " + " ".join(plan.command()))
-    return "\n".join(lines)
+    out.stage(build_one_engine(request), as_json)
 
 
 @app.command("check")

@@ -14,151 +14,100 @@ from pipeline.errors import DgpipeError
 app = opt.typer_app(help="Accuracy evaluations.", no_args_is_help=True)
 
 
+Givens = Annotated[
+    str,
+    typer.Option(
+        help="givens bands LO-HI, comma-separated (e.g. 45-61,36-44,25-35); default: the model's range"
+    ),
+]
+Arms = Annotated[
+    str,
+    typer.Option(
+        help="compare decodings on the same puzzles and seeds, comma-separated: pinned (diffusion, "
+        "givens pinned: the default), unpinned (diffusion, the model copies the givens), ar "
+        "(left-to-right); adds Wilson intervals and paired McNemar tests. Replaces --decode/--no-infill"
+    ),
+]
+Decode = Annotated[str, typer.Option(help="diffusion or ar (left-to-right with the KV cache)")]
+NoInfill = Annotated[bool, typer.Option("--no-infill", help="do not pin the givens in the canvas")]
+Baseline = Annotated[
+    Path | None,
+    typer.Option(
+        help="another checkpoint (e.g. the previous weights) as one more arm, 'baseline': pinned "
+        "decoding with the same sampler settings and seeds, paired tests against every arm"
+    ),
+]
+Onnx = Annotated[
+    Path | None, typer.Option(help="run the exported ONNX dir in onnxruntime (CPU) instead of PyTorch")
+]
+
+
 @app.command("sudoku")
 def eval_sudoku_cmd(
     model: opt.Model = None,
     n: Annotated[int, typer.Option(help="held-out puzzles per band")] = 200,
-    givens: Annotated[
-        str,
-        typer.Option(
-            help="givens bands LO-HI, comma-separated (e.g. 45-61,36-44,25-35); default: the model's range"
-        ),
-    ] = "",
-    arms: Annotated[
-        str,
-        typer.Option(
-            help="compare decodings on the same puzzles and seeds, comma-separated: pinned (diffusion, "
-            "givens pinned: the default), unpinned (diffusion, the model copies the givens), ar "
-            "(left-to-right); adds Wilson intervals and paired McNemar tests. Replaces --decode/--no-infill"
-        ),
-    ] = "",
-    decode: Annotated[
-        str, typer.Option(help="diffusion or ar (left-to-right with the KV cache)")
-    ] = "diffusion",
-    no_infill: Annotated[
-        bool, typer.Option("--no-infill", help="do not pin the givens in the canvas")
-    ] = False,
+    givens: Givens = "",
+    arms: Arms = "",
+    decode: Decode = "diffusion",
+    no_infill: NoInfill = False,
     steps: Annotated[int | None, typer.Option(help="max denoising steps")] = None,
     entropy_bound: Annotated[float | None, typer.Option(help="EB-sampler bound")] = None,
     confidence_threshold: Annotated[float | None, typer.Option(help="0 = fixed steps")] = None,
-    baseline: Annotated[
-        Path | None,
-        typer.Option(
-            help="another checkpoint (e.g. the previous weights) as one more arm, 'baseline': pinned "
-            "decoding with the same sampler settings and seeds, paired tests against every arm"
-        ),
-    ] = None,
+    baseline: Baseline = None,
     seed: Annotated[int, typer.Option(help="puzzle-set seed")] = 20_000,
     batch: Annotated[int, typer.Option(help="puzzles per batch")] = 50,
     dtype: opt.Dtype = "auto",
     device: opt.Device = "auto",
-    onnx: Annotated[
-        Path | None, typer.Option(help="run the exported ONNX dir in onnxruntime (CPU) instead of PyTorch")
-    ] = None,
+    onnx: Onnx = None,
     as_json: opt.Json = False,
 ) -> None:
     """Solve rate (95% Wilson interval), constraint-valid rate, steps per canvas and tokens/s on held-out
     Sudoku puzzles, per givens band; with --arms, several decodings side by side with paired tests."""
-    if decode not in ("diffusion", "ar"):
-        raise DgpipeError(f"--decode {decode!r}: choose diffusion or ar")
-    if n < 1:
-        raise DgpipeError(f"--n must be >= 1 (got {n})")
-    bands = [opt.givens_range(b) for b in givens.split(",")] if givens else []
     from pipeline.demo import evaluate
 
-    if arms:
-        if decode != "diffusion" or no_infill:
-            raise DgpipeError("--arms replaces --decode and --no-infill", "drop one of them")
-        arm_list = [a.strip() for a in arms.split(",")]
-        bad = [a for a in arm_list if a not in evaluate.ARMS]
-        if bad or len(set(arm_list)) != len(arm_list):
-            raise DgpipeError(f"--arms {arms!r}: choose distinct arms from {', '.join(evaluate.ARMS)}")
-    else:
-        arm_list = [next(k for k, v in evaluate.ARMS.items() if v == (decode, not no_infill))]
-    overrides = {
-        "max_denoising_steps": steps,
-        "entropy_bound": entropy_bound,
-        "confidence_threshold": confidence_threshold,
-    }
-    from pipeline.demo.prompt_format import SudokuFormat
-    from pipeline.runtime.session import load_session
+    spec = evaluate.SudokuEval(
+        model=model,
+        arms=evaluate.select_arms(arms, decode, no_infill),
+        n=n,
+        bands=[opt.givens_range(b) for b in givens.split(",")] if givens else [],
+        sampler={
+            "max_denoising_steps": steps,
+            "entropy_bound": entropy_bound,
+            "confidence_threshold": confidence_threshold,
+        },
+        seed=seed,
+        batch=batch,
+        baseline=baseline,
+        onnx=onnx,
+        dtype=dtype,
+        device=device,
+    )
+    with out.progress_bars(disable=as_json) as bars:
+        result = evaluate.run_sudoku_eval(spec, _onnx_runner(onnx), _progress_factory(bars))
+    out.show(result.summary, as_json, lambda _: result.table())
 
-    session = load_session(model, dtype, device)
-    runner = session.model
-    if onnx is not None:  # same runtime and sampler state, network + sampler step in onnxruntime
+
+def _onnx_runner(onnx: Path | None):
+    """--onnx: the network and sampler step in onnxruntime, for the checkpoint's tokenizer and config."""
+    if onnx is None:
+        return None
+
+    def runner(checkpoint: Path):
         from pipeline.onnx.backend import OnnxRuntimeBackend
 
-        if decode != "diffusion" or "ar" in arm_list:
-            raise DgpipeError("--onnx runs diffusion decoding only", "drop --decode ar / the ar arm")
-        runner = OnnxRuntimeBackend(onnx, session.checkpoint.path)
-    if not isinstance(session.prompt_format, SudokuFormat):
-        raise DgpipeError(
-            f"{session.checkpoint.path} is not a Sudoku model (dgpipe.json prompt format is not 'sudoku')"
-        )
-    if not bands:
-        bands = [tuple(session.checkpoint.dgpipe.get("givens_range", (45, 61)))]
-    sampler = session.sampler(**overrides)
-    base_model = None
-    if baseline is not None:
-        if onnx is not None:
-            raise DgpipeError("--baseline compares PyTorch checkpoints", "drop --onnx or --baseline")
-        base = load_session(baseline, dtype, device)
-        if not isinstance(base.prompt_format, SudokuFormat):
-            raise DgpipeError(f"--baseline {baseline} is not a Sudoku model")
-        base_model = base.model
-    total = n * len(bands) * (len(arm_list) + (base_model is not None))
-    with out.progress(
-        f"{', '.join(arm_list)} on {n} puzzles x {len(bands)} bands", total=total, disable=as_json
-    ) as advance:
-        results = evaluate.compare_arms(
-            runner,  # type: ignore[arg-type]
-            bands,
-            arm_list,
-            n,
-            seed,
-            sampler,
-            batch=batch,
-            progress=advance,
-            baseline=base_model,
-        )
-    first = next(iter(results[0].arms.values()))
-    result = (
-        first.as_dict()  # the first band's first arm, flat: what scripts reading one figure use
-        | {
-            "model": str(session.checkpoint.path),
-            "task": "Sudoku solver",
-            "seed": seed,
-            "sampler": sampler.model_dump(),
-            "baseline": str(baseline) if baseline is not None else None,
-            "bands": [b.as_dict() for b in results],
-        }
-    )
-    if onnx is not None:
-        result["onnx"] = str(onnx)
-    out.show(result, as_json, lambda _: _sudoku_table(str(session.checkpoint.path), results, n))
+        return OnnxRuntimeBackend(onnx, checkpoint)
+
+    return runner
 
 
-def _sudoku_table(model: str, results, n: int) -> list[str]:
-    """One row per band and arm, then the paired tests: the BENCHMARKS.md table's shape."""
-    lines = [
-        f"Sudoku solver {model}: {n} held-out puzzles per band (same puzzles and seeds for every arm)",
-        f"{'givens':<8} {'arm':<12} {'solved':>7} {'95% CI':>15} {'valid':>7} {'steps/canvas':>13} "
-        f"{'p90':>4} {'tokens/s':>9}",
-    ]
-    for band in results:
-        lo, hi = band.givens
-        for arm, r in band.arms.items():
-            ci_lo, ci_hi = r.solve_ci95
-            lines.append(
-                f"{lo}-{hi:<5} {arm:<12} {r.solve_rate:>7.1%} {f'{ci_lo:.1%}-{ci_hi:.1%}':>15} "
-                f"{r.valid_rate:>7.1%} {r.mean_steps:>13.1f} {r.p90_steps:>4.0f} {r.tokens_per_s:>9.0f}"
-            )
-        for t in band.tests:
-            lines.append(
-                f"{lo}-{hi:<5} McNemar {t.a} vs {t.b}: solved only by {t.a} {t.only_a}, only by {t.b} "
-                f"{t.only_b}, exact p = {t.p_value:.3g}"
-            )
-    return lines
+def _progress_factory(bars):
+    """A progress callback per (label, total), as a transient bar of `bars`."""
+
+    def factory(label: str, total: int):
+        task = bars.add_task(label, total=total)
+        return lambda k=1: bars.advance(task, k)
+
+    return factory
 
 
 @app.command("quantization")
@@ -188,11 +137,6 @@ def eval_quantization(
 
     model = model or default_model_path()
     with out.progress_bars(disable=as_json) as bars:
-
-        def factory(label: str, total: int):
-            task = bars.add_task(label, total=total)
-            return lambda k: bars.advance(task, k)
-
         rows = report.build_report(
             model,
             names,
@@ -202,7 +146,7 @@ def eval_quantization(
             calib_size,
             max_drop,
             log=(lambda s: None) if as_json else bars.console.log,
-            progress_factory=factory,
+            progress_factory=_progress_factory(bars),
         )
     if as_json:
         out.json_out(

@@ -38,7 +38,7 @@ def export(
     result = run_export(
         model or default_model_path(), output, build_dir, precision_from_checkpoint, moe, stream
     )
-    out.show(result, as_json, _render)
+    out.stage(result, as_json)
 
 
 def _build_checkpoint(build_dir: Path) -> Path | None:
@@ -49,28 +49,3 @@ def _build_checkpoint(build_dir: Path) -> Path | None:
         return None
     manifest = load_manifest(build_dir)
     return manifest.path_of(build_dir, "checkpoint") if "quantize" in manifest.stages else None
-
-
-def _render(r: dict) -> str:
-    return (
-        f"wrote {r['path']} ({r['precision']}, {r['model_dtype']} weights, opset {r['opset']}, "
-        f"{r['nodes']} nodes, {r['seconds']:.1f}s)\n"
-        f"  inputs  ({len(r['inputs'])}): {', '.join(_compact(r['inputs']))}\n"
-        f"  outputs ({len(r['outputs'])}): {', '.join(_compact(r['outputs']))}\n"
-        f"  custom ops: {', '.join(r['custom_ops'])} (reference functions embedded for onnxruntime)\n"
-        f"  MoE: {r['moe']}"
-    )
-
-
-def _compact(names: list[str]) -> list[str]:
-    """past.0.key ... past.7.value -> past.{0..7}.{key,value}."""
-    found, kv = [], {}
-    for n in names:
-        parts = n.split(".")
-        if len(parts) == 3 and parts[1].isdigit():
-            kv.setdefault(parts[0], []).append(int(parts[1]))
-            if len(kv[parts[0]]) == 1:
-                found.append(parts[0])
-        else:
-            found.append(n)
-    return [f"{n}.{{0..{max(kv[n])}}}.{{key,value}}" if n in kv else n for n in found]

@@ -13,6 +13,8 @@ from typing import Any
 
 import typer
 
+from pipeline.stages import StageResult
+
 
 def line(text: str = "", err: bool = False, nl: bool = True) -> None:
     """One line (or a partial one with nl=False) on stdout, or on stderr with err=True."""
@@ -40,6 +42,14 @@ def show(data: Any, as_json: bool, render: Callable[[Any], str | Iterable[str]])
         return
     text = render(data)
     lines([text] if isinstance(text, str) else text)
+
+
+def stage(result: StageResult, as_json: bool) -> None:
+    """A build stage's result: its figures with --json, else its summary lines."""
+    if as_json:
+        json_out(result.as_dict())
+    else:
+        lines(result.summary)
 
 
 def table(header: str, rows: Iterable[str]) -> None:

@@ -15,14 +15,27 @@ from pipeline.errors import DgpipeError
 app = opt.typer_app()
 
 
+Output = Annotated[
+    Path | None,
+    opt.output("model repository to write (replaced atomically); " + opt.in_cache("model_repository")),
+]
+Name = Annotated[str, typer.Option(help="model name in the repository")]
+Engines = Annotated[
+    Path | None, typer.Option(help="TensorRT engines dir (<target>/model.plan + engine.json) to ship")
+]
+BuildDir = Annotated[
+    Path | None,
+    opt.build_dir(
+        "package BUILD_DIR/checkpoint (+ its engines) into BUILD_DIR/model_repository and record it"
+    ),
+]
+
+
 @app.command()
 def package(
     model: opt.Model = None,
-    output: Annotated[
-        Path | None,
-        opt.output("model repository to write (replaced atomically); " + opt.in_cache("model_repository")),
-    ] = None,
-    name: Annotated[str, typer.Option(help="model name in the repository")] = MODEL_NAME,
+    output: Output = None,
+    name: Name = MODEL_NAME,
     max_batch: opt.MaxBatch = None,
     max_tokens: opt.MaxTokens = None,
     max_prompt: opt.MaxPrompt = None,
@@ -30,15 +43,8 @@ def package(
     max_request_seconds: opt.MaxRequestSeconds = None,
     device: opt.Device = "auto",
     compile: opt.Compile = False,
-    engines: Annotated[
-        Path | None, typer.Option(help="TensorRT engines dir (<target>/model.plan + engine.json) to ship")
-    ] = None,
-    build_dir: Annotated[
-        Path | None,
-        opt.build_dir(
-            "package BUILD_DIR/checkpoint (+ its engines) into BUILD_DIR/model_repository and record it"
-        ),
-    ] = None,
+    engines: Engines = None,
+    build_dir: BuildDir = None,
 ) -> None:
     """Write a Triton model repository (Python backend, decoupled) that serves the checkpoint."""
     from pipeline.runtime.session import default_model_path
@@ -58,8 +64,7 @@ def package(
             "max_steps": max_steps,
             "max_request_seconds": max_request_seconds,
         }
-        repo, shipped = package_stage(build_dir, given, device=device, compile=compile)
-        out.line(f"model repository: {repo} (model '{name}'{', with engines' if shipped else ''})")
+        out.stage(package_stage(build_dir, given, device=device, compile=compile), as_json=False)
         return
 
     limits = opt.limits(

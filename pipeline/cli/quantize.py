@@ -15,41 +15,43 @@ from pipeline.errors import DgpipeError
 app = opt.typer_app()
 
 
+Precision = Annotated[
+    str | None, typer.Option("--precision", "-p", help="nvfp4, fp8, int4_awq or bf16 (configs/precisions)")
+]
+Output = Annotated[Path | None, opt.output("quantized checkpoint dir (written atomically)")]
+BuildDir = Annotated[
+    Path | None, opt.build_dir("write BUILD_DIR/checkpoint and record the stage (instead of --output)")
+]
+CalibData = Annotated[
+    Path | None, typer.Option(help='JSONL of {"text": ...}; default: Sudoku puzzles for a Sudoku model')
+]
+Exclude = Annotated[
+    list[str] | None, typer.Option(help="keep modules matching this glob unquantized (repeatable)")
+]
+KvCache = Annotated[str, typer.Option(help="none or fp8 (K/V scales for the serving engine)")]
+Adapter = Annotated[Path | None, typer.Option(help="PEFT LoRA adapter dir merged before quantizing")]
+Target = Annotated[str | None, typer.Option(help="GPU target (sm89, sm90/hopper, sm100/blackwell, sm120)")]
+Estimate = Annotated[
+    bool, typer.Option("--estimate", help="memory plan from --config only: no weights, no quantization")
+]
+Config = Annotated[str, typer.Option(help="--estimate: CONFIG.json or a configs/models name")]
+
+
 @app.command()
 def quantize(
     model: opt.Model = None,
-    precision: Annotated[
-        str | None,
-        typer.Option("--precision", "-p", help="nvfp4, fp8, int4_awq or bf16 (configs/precisions)"),
-    ] = None,
-    output: Annotated[Path | None, opt.output("quantized checkpoint dir (written atomically)")] = None,
-    build_dir: Annotated[
-        Path | None, opt.build_dir("write BUILD_DIR/checkpoint and record the stage (instead of --output)")
-    ] = None,
-    calib_data: Annotated[
-        Path | None,
-        typer.Option(
-            help='JSONL of {"text": ...}; default: the calibration set of the model\'s prompt format'
-        ),
-    ] = None,
+    precision: Precision = None,
+    output: Output = None,
+    build_dir: BuildDir = None,
+    calib_data: CalibData = None,
     calib_size: opt.CalibSize = opt.CALIB_SIZE,
     calib_steps: Annotated[int, typer.Option(help="denoise steps per calibration canvas")] = 8,
-    exclude: Annotated[
-        list[str] | None, typer.Option(help="keep modules matching this glob unquantized (repeatable)")
-    ] = None,
-    kv_cache: Annotated[str, typer.Option(help="none or fp8 (K/V scales for the serving engine)")] = "none",
-    adapter: Annotated[
-        Path | None, typer.Option(help="PEFT LoRA adapter dir merged before quantizing")
-    ] = None,
-    target: Annotated[
-        str | None, typer.Option(help="GPU target (sm89, sm90/hopper, sm100/blackwell, sm120)")
-    ] = None,
-    estimate: Annotated[
-        bool, typer.Option("--estimate", help="memory plan from --config only: no weights, no quantization")
-    ] = False,
-    config: Annotated[
-        str, typer.Option(help="--estimate: CONFIG.json or a configs/models name")
-    ] = "diffusiongemma-26b-a4b",
+    exclude: Exclude = None,
+    kv_cache: KvCache = "none",
+    adapter: Adapter = None,
+    target: Target = None,
+    estimate: Estimate = False,
+    config: Config = "diffusiongemma-26b-a4b",
     context: Annotated[
         int, typer.Option(help="--estimate: tokens of context per sequence")
     ] = opt.LIMITS.max_context,
@@ -70,7 +72,7 @@ def quantize(
         )
     from pipeline.runtime.session import default_model_path
     from quantize.run import QuantizeOptions, quantize_checkpoint
-    from quantize.stage import quantize_stage
+    from quantize.stage import quantize_stage, stage_result
 
     opts = QuantizeOptions(
         model=model or default_model_path(),
@@ -89,18 +91,8 @@ def quantize(
         if build_dir is not None:
             res = quantize_stage(opts, build_dir, progress=advance)
         else:
-            res = quantize_checkpoint(opts, progress=advance)
-    out.show(res.as_dict(), as_json, lambda _: _render_result(res))
-
-
-def _render_result(res) -> str:
-    block = f", block {res.block_size}" if res.block_size else ""
-    calib = (
-        f", calibrated on {res.calib_prompts} prompts x {res.calib_steps} denoise steps"
-        if res.calib_prompts
-        else ""
-    )
-    return f"{res.precision}{block}: {res.output} ({res.bytes:,} bytes{calib}, {res.seconds:.0f}s)"
+            res = stage_result(quantize_checkpoint(opts, progress=advance))
+    out.stage(res, as_json)
 
 
 def _render_estimate(r: dict, target: str | None, context: int, concurrency: int, kv_cache: str) -> list[str]:

@@ -15,33 +15,37 @@ from pipeline.errors import DgpipeError
 app = opt.typer_app()
 
 
+OutDir = Annotated[Path | None, opt.out("output checkpoint dir (HF layout); " + opt.in_cache("sudoku-tiny"))]
+MaxSteps = Annotated[int | None, typer.Option(help="step budget (whichever of minutes/steps ends first)")]
+CurriculumStart = Annotated[
+    int | None, typer.Option(help="lowest givens at the start (default 62; a warm start may begin lower)")
+]
+EvalGivens = Annotated[
+    str,
+    typer.Option(
+        help="held-out bands, comma-separated (first = the primary band recorded as the checkpoint's "
+        "range); the checkpoint kept is the best by the sum of their solve rates. Default: --givens"
+    ),
+]
+HardFraction = Annotated[
+    float, typer.Option(help="share of each batch drawn in proportion to each puzzle's last loss")
+]
+PinProb = Annotated[
+    float, typer.Option(help="share of examples whose givens stay clean in the canvas (infill decoding)")
+]
+
+
 @app.command()
 def train(
-    out_dir: Annotated[
-        Path | None, opt.out("output checkpoint dir (HF layout); " + opt.in_cache("sudoku-tiny"))
-    ] = None,
+    out_dir: OutDir = None,
     minutes: Annotated[float, typer.Option(help="wall-clock training budget")] = 118.0,
-    max_steps: Annotated[
-        int | None, typer.Option(help="step budget (whichever of minutes/steps ends first)")
-    ] = None,
+    max_steps: MaxSteps = None,
     config: Annotated[str, typer.Option(help="configs/models/<name>.yaml")] = "sudoku-tiny",
     givens: Annotated[str, typer.Option(help="final givens range LO-HI of the curriculum")] = "45-61",
-    curriculum_start: Annotated[
-        int | None, typer.Option(help="lowest givens at the start (default 62; a warm start may begin lower)")
-    ] = None,
-    eval_givens: Annotated[
-        str,
-        typer.Option(
-            help="held-out bands, comma-separated (first = the primary band recorded as the checkpoint's "
-            "range); the checkpoint kept is the best by the sum of their solve rates. Default: --givens"
-        ),
-    ] = "",
-    hard_fraction: Annotated[
-        float, typer.Option(help="share of each batch drawn in proportion to each puzzle's last loss")
-    ] = 0.0,
-    pin_prob: Annotated[
-        float, typer.Option(help="share of examples whose givens stay clean in the canvas (infill decoding)")
-    ] = 0.0,
+    curriculum_start: CurriculumStart = None,
+    eval_givens: EvalGivens = "",
+    hard_fraction: HardFraction = 0.0,
+    pin_prob: PinProb = 0.0,
     pool_size: Annotated[int, typer.Option(help="base puzzles generated (augmented on the fly)")] = 4096,
     warmup_steps: Annotated[int, typer.Option(help="learning-rate warm-up steps")] = 200,
     eval_n: Annotated[int, typer.Option(help="held-out puzzles per band and evaluation")] = 128,

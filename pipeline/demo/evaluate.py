@@ -6,6 +6,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -193,3 +194,137 @@ def compare_arms(
         ]
         out.append(BandComparison(band, reps, tests))
     return out
+
+
+def select_arms(arms: str, decode: str = "diffusion", no_infill: bool = False) -> list[str]:
+    """The arms of `dgpipe eval sudoku`: --arms (comma-separated, distinct), else the one arm that
+    --decode and --no-infill name."""
+    from pipeline.errors import DgpipeError
+
+    if decode not in ("diffusion", "ar"):
+        raise DgpipeError(f"--decode {decode!r}: choose diffusion or ar")
+    if not arms:
+        return [next(k for k, v in ARMS.items() if v == (decode, not no_infill))]
+    if decode != "diffusion" or no_infill:
+        raise DgpipeError("--arms replaces --decode and --no-infill", "drop one of them")
+    chosen = [a.strip() for a in arms.split(",")]
+    if any(a not in ARMS for a in chosen) or len(set(chosen)) != len(chosen):
+        raise DgpipeError(f"--arms {arms!r}: choose distinct arms from {', '.join(ARMS)}")
+    return chosen
+
+
+@dataclass(frozen=True)
+class SudokuEval:
+    """One `dgpipe eval sudoku`: which weights, puzzles, arms and sampler settings."""
+
+    model: Path | None  # None: the embedded model
+    arms: list[str]
+    n: int = 200
+    bands: list[tuple[int, int]] = field(default_factory=list)  # empty: the model's givens range
+    sampler: dict = field(default_factory=dict)  # SamplerConfig overrides (None: the model's)
+    seed: int = 20_000
+    batch: int = 50
+    baseline: Path | None = None  # other weights as one more arm, "baseline"
+    onnx: Path | None = None  # the exported ONNX dir, run by the runner the caller gives
+    dtype: str = "auto"
+    device: str = "auto"
+
+
+@dataclass
+class SudokuEvalResult:
+    model: str
+    n: int
+    bands: list[BandComparison]
+    summary: dict  # the first band's first arm, flat (what scripts reading one figure use) + the rest
+
+    def table(self) -> list[str]:
+        """One row per band and arm, then the paired tests: the BENCHMARKS.md table's shape."""
+        lines = [
+            f"Sudoku solver {self.model}: {self.n} held-out puzzles per band (same puzzles and seeds for "
+            "every arm)",
+            f"{'givens':<8} {'arm':<12} {'solved':>7} {'95% CI':>15} {'valid':>7} {'steps/canvas':>13} "
+            f"{'p90':>4} {'tokens/s':>9}",
+        ]
+        for band in self.bands:
+            lo, hi = band.givens
+            for arm, r in band.arms.items():
+                ci_lo, ci_hi = r.solve_ci95
+                lines.append(
+                    f"{lo}-{hi:<5} {arm:<12} {r.solve_rate:>7.1%} {f'{ci_lo:.1%}-{ci_hi:.1%}':>15} "
+                    f"{r.valid_rate:>7.1%} {r.mean_steps:>13.1f} {r.p90_steps:>4.0f} {r.tokens_per_s:>9.0f}"
+                )
+            for t in band.tests:
+                lines.append(
+                    f"{lo}-{hi:<5} McNemar {t.a} vs {t.b}: solved only by {t.a} {t.only_a}, only by {t.b} "
+                    f"{t.only_b}, exact p = {t.p_value:.3g}"
+                )
+        return lines
+
+
+def run_sudoku_eval(
+    spec: SudokuEval,
+    runner_for: Callable[[Path], object] | None = None,
+    progress_for: Callable[[str, int], Callable[[int], None]] | None = None,
+) -> SudokuEvalResult:
+    """Every arm (and the baseline) on the same held-out puzzles per band. `runner_for(checkpoint dir)`
+    makes the runner for `spec.onnx` (the caller's backend); `progress_for(label, total)` a progress
+    callback once the number of puzzles is known."""
+    from pipeline.errors import DgpipeError
+
+    if spec.n < 1:
+        raise DgpipeError(f"--n must be >= 1 (got {spec.n})")
+    session = _sudoku_session(spec.model, spec.dtype, spec.device, "")
+    runner = session.model
+    if spec.onnx is not None:  # same runtime and sampler state, network + sampler step in onnxruntime
+        if "ar" in [ARMS[a][0] for a in spec.arms] or runner_for is None:
+            raise DgpipeError("--onnx runs diffusion decoding only", "drop --decode ar / the ar arm")
+        if spec.baseline is not None:
+            raise DgpipeError("--baseline compares PyTorch checkpoints", "drop --onnx or --baseline")
+        runner = runner_for(session.checkpoint.path)
+    bands = spec.bands or [tuple(session.checkpoint.dgpipe.get("givens_range", (45, 61)))]
+    sampler = session.sampler(**spec.sampler)
+    base = None
+    if spec.baseline is not None:
+        base = _sudoku_session(spec.baseline, spec.dtype, spec.device, "--baseline ").model
+    total = spec.n * len(bands) * (len(spec.arms) + (base is not None))
+    label = f"{', '.join(spec.arms)} on {spec.n} puzzles x {len(bands)} bands"
+    progress = progress_for(label, total) if progress_for is not None else None
+    results = compare_arms(
+        runner,
+        bands,
+        spec.arms,
+        spec.n,
+        spec.seed,
+        sampler,
+        spec.batch,
+        progress,
+        baseline=base,  # type: ignore[arg-type]
+    )
+    model = str(session.checkpoint.path)
+    summary = next(iter(results[0].arms.values())).as_dict() | {
+        "model": model,
+        "task": "Sudoku solver",
+        "seed": spec.seed,
+        "sampler": sampler.model_dump(),
+        "baseline": str(spec.baseline) if spec.baseline is not None else None,
+        "bands": [b.as_dict() for b in results],
+    }
+    if spec.onnx is not None:
+        summary["onnx"] = str(spec.onnx)
+    return SudokuEvalResult(model, spec.n, results, summary)
+
+
+def _sudoku_session(model: Path | None, dtype: str, device: str, flag: str):
+    """A loaded session of a Sudoku checkpoint (another task's checkpoint is refused by name)."""
+    from pipeline.demo.prompt_format import SudokuFormat
+    from pipeline.errors import DgpipeError
+    from pipeline.runtime.session import load_session
+
+    session = load_session(model, dtype, device)
+    if not isinstance(session.prompt_format, SudokuFormat):
+        if flag:
+            raise DgpipeError(f"{flag}{model} is not a Sudoku model")
+        raise DgpipeError(
+            f"{session.checkpoint.path} is not a Sudoku model (dgpipe.json prompt format is not 'sudoku')"
+        )
+    return session

@@ -12,6 +12,8 @@ read them back (`recorded_limits`).
 from __future__ import annotations
 
 import dataclasses
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.builddir import (
@@ -24,18 +26,20 @@ from pipeline.builddir import (
     target_engine_dir,
     target_plugin_dir,
 )
-from pipeline.engine.build_engine import NODE_STEP, build, missing_for_local_build, plan_build
+from pipeline.engine.build_engine import NODE_STEP, BuildPlan, build, missing_for_local_build, plan_build
 from pipeline.engine.plan_record import EngineManifest
 from pipeline.engine.ptx import build_plugin_ptx
 from pipeline.errors import DgpipeError
 from pipeline.limits import Limits
+from pipeline.stages import StageResult
 from pipeline.targets import target as get_target
 
 STAGE = "engine"
 
 
-def engine_stage(build_dir: Path, manifest: BuildManifest, limits: Limits | None = None) -> list[str]:
-    """Run the stage for every target in the manifest; records it and returns one summary line per target."""
+def engine_stage(build_dir: Path, manifest: BuildManifest, limits: Limits | None = None) -> StageResult:
+    """Run the stage for every target in the manifest; records it; its summary has one line per target."""
+    start = time.perf_counter()
     build_dir = Path(build_dir).resolve()
     onnx = manifest.path_of(build_dir, "onnx")
     plugins = build_dir / LAYOUT["plugins"]
@@ -88,6 +92,89 @@ def engine_stage(build_dir: Path, manifest: BuildManifest, limits: Limits | None
         details={"engines": engines, "limits": limits.engine_values()},
         manifest=manifest,
     )
+    paths = {"plugins": plugins, "engines": build_dir / LAYOUT["engines"]}
+    details = {"engines": engines, "limits": limits.engine_values()}
+    return StageResult(STAGE, paths, time.perf_counter() - start, lines, details)
+
+
+@dataclass(frozen=True)
+class EngineBuild:
+    """`dgpipe engine build`: one target's engine from an ONNX export, or from a build dir's."""
+
+    target: str
+    onnx: Path | None = None  # default: the build dir's
+    precision: str | None = None  # default: the target's
+    output: Path | None = None  # writes <output>/engines/<target>/; default: the build dir
+    plugins: Path | None = None  # dir holding <target>/dg_sampler.ptx; default: the build dir's
+    build_dir: Path | None = None  # a `dgpipe build` directory: defaults + manifest record
+    limits: Limits = dataclasses.field(default_factory=Limits)
+    force: bool = False  # rebuild even when the plan is up to date
+    dry_run: bool = False  # validate and describe the build (and its node command) only
+
+
+def build_one_engine(req: EngineBuild) -> StageResult:
+    """Plan the engine (refusing bad input before any work), then build it unless `dry_run`; with a build
+    dir the plan is added to its engine stage record."""
+    start = time.perf_counter()
+    t = get_target(req.target)  # unknown target: refused before anything else
+    precision = req.precision or t.default_precision
+    man = load_manifest(req.build_dir) if req.build_dir is not None else None
+    onnx, plugins = req.onnx, req.plugins
+    if man is not None:
+        onnx = onnx or man.path_of(req.build_dir, "onnx")
+        plugins = plugins or man.path_of(req.build_dir, "plugins")
+    if onnx is None:
+        raise DgpipeError("--onnx is required (or --build-dir of a `dgpipe build`)")
+    output = req.output or req.build_dir
+    if output is None:
+        raise DgpipeError("--output is required (or --build-dir)")
+    plan = plan_build(
+        onnx,
+        t.name,
+        precision,
+        output,
+        plugins=plugins,
+        limits=req.limits,
+        checkpoint_sha256=man.model_sha256 if man else None,
+    )
+    summary = {
+        "target": t.name,
+        "precision": precision,
+        "engine_dir": str(plan.engine_dir),
+        "profiles": [p.model_dump() for p in plan.profiles],
+        "node_command": plan.command(),
+    }
+    if req.dry_run:
+        return StageResult(STAGE, {}, time.perf_counter() - start, describe_plan(plan), summary)
+    manifest, built = build(plan, force=req.force)
+    if man is not None and req.build_dir is not None:
+        record_built_engine(req.build_dir, manifest, output)
+    summary |= {
+        "built": built,
+        "tensorrt_version": manifest.tensorrt_version,
+        "plan_sha256": manifest.plan_sha256,
+    }
+    verb = "built" if built else "up to date, kept"
+    line = (
+        f"{plan.engine_dir / manifest.plan}: {verb} (TensorRT {manifest.tensorrt_version}, "
+        f"{manifest.gpu_name}, cc {manifest.compute_capability}, {manifest.precision})"
+    )
+    paths = {"engine": plan.engine_dir / manifest.plan}
+    return StageResult(STAGE, paths, time.perf_counter() - start, [line], summary)
+
+
+def describe_plan(plan: BuildPlan) -> list[str]:
+    """What an engine build would do: target, precision, sampler PTX, profiles, the node's command."""
+    lines = [
+        f"engine build for {plan.target.name} ({plan.target.arch}, cc {plan.target.compute_capability}), "
+        f"precision {plan.precision}: {plan.engine_dir}/model.plan"
+    ]
+    ptx = plan.plugin.sha256[:16] if plan.plugin else "compiled at build time"
+    lines.append(f"  sampler PTX: {plan.plugin_dir}/dg_sampler.ptx ({ptx})")
+    for p in plan.profiles:
+        dims = {k: v for k, v in p.shapes.items() if k in ("tokens", "sc_embed")}
+        lines.append(f"  profile {p.name}: " + ", ".join(f"{k} {v[0]}..{v[2]}" for k, v in dims.items()))
+    lines.append("  on the target node: " + " ".join(plan.command()))
     return lines
 
 

@@ -1,5 +1,5 @@
 """`dgpipe export`: checkpoint -> onnx/ (model.onnx + external weights + contract.json), recorded in the
-build manifest when a build directory is given. Returns the export summary; `dgpipe export` prints it."""
+build manifest when a build directory is given. Returns the stage result; `dgpipe export` prints it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from pipeline.errors import DgpipeError
+from pipeline.stages import StageResult
 
 ONNX_QUANTIZED = ("fp8", "nvfp4")  # precisions whose packed weights pipeline.onnx.quant exports as Q/DQ
 
@@ -33,7 +34,7 @@ def run_export(
     from_checkpoint: bool,
     moe: str = "routed",
     stream: bool = False,
-) -> dict:
+) -> StageResult:
     """Write the ONNX dir (`output`, default BUILD_DIR/onnx) and record it in the build manifest.
 
     `moe`: routed (one dgpipe::MoE node per layer) or dense (debugging); quantized checkpoints export
@@ -97,4 +98,30 @@ def run_export(
             },
         )
         result["manifest"] = str(Path(build_dir) / MANIFEST_NAME)
-    return result
+    return StageResult("export", {"onnx": Path(output)}, result["seconds"], describe(result), result)
+
+
+def describe(r: dict) -> list[str]:
+    """The export summary for a person: the file, its graph's inputs and outputs, custom ops, MoE form."""
+    return [
+        f"wrote {r['path']} ({r['precision']}, {r['model_dtype']} weights, opset {r['opset']}, "
+        f"{r['nodes']} nodes, {r['seconds']:.1f}s)",
+        f"  inputs  ({len(r['inputs'])}): {', '.join(_compact(r['inputs']))}",
+        f"  outputs ({len(r['outputs'])}): {', '.join(_compact(r['outputs']))}",
+        f"  custom ops: {', '.join(r['custom_ops'])} (reference functions embedded for onnxruntime)",
+        f"  MoE: {r['moe']}",
+    ]
+
+
+def _compact(names: list[str]) -> list[str]:
+    """past.0.key ... past.7.value -> past.{0..7}.{key,value}."""
+    found, kv = [], {}
+    for n in names:
+        parts = n.split(".")
+        if len(parts) == 3 and parts[1].isdigit():
+            kv.setdefault(parts[0], []).append(int(parts[1]))
+            if len(kv[parts[0]]) == 1:
+                found.append(parts[0])
+        else:
+            found.append(n)
+    return [f"{n}.{{0..{max(kv[n])}}}.{{key,value}}" if n in kv else n for n in found]

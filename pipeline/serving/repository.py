@@ -8,6 +8,7 @@ Its tensors come from pipeline/serving/schema.py, which the Triton model and the
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from pipeline.model.files import checkpoint_files
 from pipeline.model.validate import validate_checkpoint
 from pipeline.resources import TRITON_MODEL_SOURCE
 from pipeline.serving import schema
+from pipeline.stages import StageResult
 
 
 def model_config(
@@ -139,12 +141,13 @@ def package_stage(
     *,
     device: str = "auto",
     compile: bool = False,
-) -> tuple[Path, bool]:
+) -> StageResult:
     """The package stage of `dgpipe build` and `dgpipe package --build-dir`: the build's checkpoint (and the
     engines built here, if any) into its model repository, recorded in the build manifest with its limits.
     The limits are those the build recorded as data (the engine caps of its engine stage, the serving caps
     of an earlier package stage), with `overrides` (the CLI's) on top, so both commands write the same
-    config.pbtxt for the same build dir. Returns (repository, engines shipped)."""
+    config.pbtxt for the same build dir. Its details say whether engines were shipped."""
+    start = time.perf_counter()
     from pipeline.builddir import load_manifest
     from pipeline.engine.stage import recorded_limits
 
@@ -175,7 +178,10 @@ def package_stage(
             "compile": compile,
         },
     )
-    return repo, built is not None
+    where = "with the engines built here" if built else "engines are added on the target node"
+    line = f"model repository: {repo} (model '{MODEL_NAME}'; {where})"
+    details = {"model_repository": str(repo), "engines": built is not None}
+    return StageResult("package", {"model_repository": repo}, time.perf_counter() - start, [line], details)
 
 
 def check_fits_engine(limits: Limits, engine: Limits, canvas: int) -> None:

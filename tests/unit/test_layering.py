@@ -27,6 +27,7 @@ STAGES = {  # package prefix -> position on the data path
     "pipeline.builddir": 0,
     "pipeline.limits": 0,
     "pipeline.endpoints": 0,
+    "pipeline.stages": 0,
     "pipeline.threads": 0,
     "pipeline.model": 1,
     "pipeline.sampler": 2,

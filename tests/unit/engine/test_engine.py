@@ -600,7 +600,9 @@ def test_build_stage_on_a_cpu_machine_defers_the_engine(tmp_path: Path, plugins:
 
     write_contract_onnx(tmp_path / "onnx")
     man = BuildManifest(model="tiny", model_sha256="12" * 32, precision="fp8", targets=["sm90", "sm100"])
-    lines = engine_stage(tmp_path, man, Limits(max_batch=2, max_prompt=64, max_context=256))
+    result = engine_stage(tmp_path, man, Limits(max_batch=2, max_prompt=64, max_context=256))
+    lines = result.summary
+    assert result.stage == "engine" and result.paths["plugins"] == tmp_path.resolve() / "plugins"
     assert len(lines) == 2 and lines[0].startswith("engine sm90: not built here (")
     assert (
         "built on the target node" in lines[0]

@@ -654,16 +654,22 @@ def _check_grpc_inputs(inputs) -> None:
 
 
 @pytest.mark.parametrize("url", ["http://h:8000", "grpc://h:8001"])
-def test_cli_remote_generate_sends_schema_fields_and_reads_every_output(transports, url, capsys):
-    from pipeline.cli.generate import Item
-    from pipeline.cli.generate import _remote as run_generate_remote
+def test_remote_generate_sends_schema_fields_and_reads_every_output(transports, url):
+    from pipeline.runtime.batch import GenerateInput, GenerateSettings
+    from pipeline.serving.remote import generate_remote
 
     knobs = {t.name: 0.5 for t in schema.INPUTS if t.sampler and t.datatype == "FP32"}
     overrides = {**knobs, "max_denoising_steps": 5, "stability_threshold": None}
-    item = Item(PROMPT, None, None)
-    guide = ("regex", "[1-9]{81}")
-    run_generate_remote(url, item, 82, overrides, 7, "_" * 81, True, True, True, False, guide=guide)
-    out = json.loads(capsys.readouterr().out)
+    settings = GenerateSettings(
+        max_tokens=82,
+        sampler=overrides,
+        seed=7,
+        infill="_" * 81,
+        guide=("regex", "[1-9]{81}"),
+        stream=True,
+        drafts=True,
+    )
+    out = generate_remote(url, GenerateInput(PROMPT), settings).as_dict()
     assert (out["text"], out["finish_reason"], out["steps_per_canvas"]) == ("81 digits", "stop", [3, 4])
     assert (out["prompt_tokens"], out["output_tokens"]) == (81, 82)
     if url.startswith("http"):

@@ -1,0 +1,206 @@
+"""The `dgpipe serve` supervisor: a real tritonserver on a model repository and the OpenAI-compatible frontend
+beside it, until SIGTERM or Ctrl-C, then a graceful drain.
+
+A watchdog (pipeline/serving/lifecycle.py) pings the model through its runtime loop; /health on the OpenAI
+port follows it, and when the Python backend is gone or wedged (Triton neither notices nor restarts it) the
+supervisor stops tritonserver and raises, so the command exits non-zero and its own supervisor (systemd,
+Kubernetes) restarts it. On SIGTERM/SIGINT it stops admitting (503, /health 503, the model refuses new
+requests as UNAVAILABLE), lets requests in flight finish up to the drain timeout, stops tritonserver,
+removes shared memory its stubs left, and returns. A second signal stops at once.
+
+Nothing here prints: `Notices.show` gets what belongs on stdout (the ready lines), `Notices.log` the
+progress that belongs on stderr.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.endpoints import OPENAI_PORT
+from pipeline.errors import DgpipeError
+from pipeline.serving import lifecycle
+from pipeline.serving.server import OpenAIFrontend, Ports, TritonServer
+
+
+@dataclass(frozen=True)
+class Notices:
+    """Where the supervisor reports: `show` for results (stdout), `log` for progress (stderr)."""
+
+    show: Callable[[str], None]
+    log: Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """One `dgpipe serve`: the repository and ports of tritonserver, the frontend's port and keys."""
+
+    repo: Path
+    ports: Ports
+    workdir: Path  # tritonserver's log, backend dir and the drain file
+    openai_port: int = OPENAI_PORT  # 0: no frontend
+    api_key: str | None = None
+    admin_key: str | None = None
+    drain_timeout: float = lifecycle.DRAIN_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        check_frontend_settings(self.openai_port, self.drain_timeout)
+
+
+def check_frontend_settings(openai_port: int, drain_timeout: float) -> None:
+    """A port the frontend can take (0 disables it) and a drain timeout within an hour."""
+    if not 0 <= openai_port <= 65535:
+        raise DgpipeError(f"--openai-port {openai_port}: not a port (0-65535; 0 disables the frontend)")
+    if not 0 <= drain_timeout <= 3600:
+        raise DgpipeError(f"--drain-timeout {drain_timeout:g}: expected 0-3600 seconds")
+
+
+def stop_on_signals() -> threading.Event:
+    """The first SIGINT/SIGTERM sets the event (drain, then stop); a second one stops at once. Installed
+    also when started in the background, where SIGINT is ignored by default."""
+    import signal
+
+    stop = threading.Event()
+
+    def interrupt(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+    return stop
+
+
+def serve(config: ServeConfig, notices: Notices) -> None:
+    """tritonserver (+ the frontend) until a signal or the model failing; raises when it ended badly."""
+    from pipeline.serving.schema import DRAIN_FILE_ENV
+
+    stop = stop_on_signals()
+    drain_file = config.workdir / f"draining.{config.ports.http}"  # one per server: several may share it
+    drain_file.unlink(missing_ok=True)
+    server = TritonServer(
+        config.repo,
+        config.ports,
+        config.workdir,
+        env={DRAIN_FILE_ENV: str(drain_file)},
+        exit_timeout=lifecycle.EXIT_TIMEOUT_S,
+        admin_key=config.admin_key,
+    )
+    notices.log(f"starting tritonserver on {config.repo} (log: {server.log}) ...")
+    with server:
+        assert server.proc is not None
+        watchdog = lifecycle.Watchdog(server.http_url, server.proc.pid).start()
+        notices.show(f"ready  HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}")
+        failure = _run_until_stopped(config, server, watchdog, stop, drain_file, notices)
+    removed = lifecycle.remove_shm_leftovers(watchdog.regions)
+    if removed:
+        notices.log(f"removed shared memory the Python backend left: {', '.join(removed)}")
+    drain_file.unlink(missing_ok=True)
+    if failure is not None:
+        raise DgpipeError(
+            f"the model stopped answering ({failure}); tritonserver was stopped so that the "
+            "supervisor restarts dgpipe serve",
+            f"see {server.log}",
+        )
+    if server.proc is not None and server.proc.returncode not in (0, -2, None):
+        raise DgpipeError(f"tritonserver exited with code {server.proc.returncode}: {server.tail()}")
+
+
+def _run_until_stopped(
+    config: ServeConfig,
+    server: TritonServer,
+    watchdog: lifecycle.Watchdog,
+    stop: threading.Event,
+    drain_file: Path,
+    notices: Notices,
+) -> str | None:
+    """The frontend (if any) until a signal, tritonserver's exit or the watchdog's verdict; a signal drains.
+    Returns the watchdog's verdict when the model stopped answering (None otherwise)."""
+    assert server.proc is not None
+    frontend, failure = None, None
+    try:
+        if config.openai_port:
+            frontend = OpenAIFrontend(
+                server.grpc_url,
+                config.openai_port,
+                config.ports.address,
+                api_key=config.api_key,
+                ready=watchdog.ready,
+                drain_timeout=config.drain_timeout,
+            ).start()
+            auth = "  (API key required)" if config.api_key else ""
+            notices.show(f"ready  OpenAI {frontend.url}{auth}")
+        notices.log("Ctrl-C or SIGTERM to drain and stop")
+        while not stop.wait(0.5) and server.proc.poll() is None and watchdog.failed is None:
+            pass
+        failure = watchdog.failed
+        if stop.is_set():
+            drain(server, frontend, drain_file, config.drain_timeout, notices)
+    except KeyboardInterrupt:  # a second signal
+        notices.log("stopping now ...")
+    finally:
+        watchdog.stop()
+        if frontend is not None:
+            frontend.stop(timeout=5)
+        notices.log("stopping tritonserver ...")
+    return failure
+
+
+def drain(
+    server: TritonServer, frontend: OpenAIFrontend | None, drain_file: Path, timeout: float, notices: Notices
+) -> None:
+    """Stop admitting (frontend 503, model UNAVAILABLE), then wait for requests in flight to finish."""
+    notices.log(f"draining: new requests are refused; waiting up to {timeout:g} s for those in flight ...")
+    if frontend is not None:
+        frontend.drain()
+    lifecycle.touch_drain_file(drain_file)
+    busy = frontend.inflight if frontend is not None else (lambda: 0)
+    if lifecycle.wait_drained(server.metrics_url, timeout, busy):
+        notices.log("drained: nothing in flight")
+    else:
+        left = lifecycle.active_requests(server.metrics_url)
+        notices.log(f"drain timeout: {left or 0:g} request(s) still in flight are cut")
+
+
+def serve_frontend(
+    triton_url: str,
+    openai_port: int,
+    address: str,
+    notices: Notices,
+    api_key: str | None = None,
+    drain_timeout: float = lifecycle.DRAIN_TIMEOUT_S,
+) -> None:
+    """The OpenAI frontend alone in front of a Triton already running at grpc://HOST:PORT (a pod's
+    sidecar), until Ctrl-C/SIGTERM (then open streams get up to `drain_timeout`); /health pings the model
+    through Triton."""
+    check_frontend_settings(openai_port, drain_timeout)
+    if not triton_url.startswith("grpc://") or not openai_port:
+        raise DgpipeError(
+            f"--triton-url {triton_url} with --openai-port {openai_port}: expected grpc://HOST:PORT and a port"
+        )
+    stop = stop_on_signals()
+    with OpenAIFrontend(
+        triton_url,
+        openai_port,
+        address,
+        api_key=api_key,
+        ready=lambda: lifecycle.ping(triton_url).ready,
+        drain_timeout=drain_timeout,
+    ) as frontend:
+        auth = "  (API key required)" if api_key else ""
+        notices.show(f"ready  OpenAI {frontend.url}{auth}  ->  Triton {triton_url}")
+        try:
+            while not stop.wait(0.5) and frontend.running():
+                pass
+            if stop.is_set():
+                notices.log("draining the OpenAI frontend ...")
+                frontend.drain()
+                deadline = time.monotonic() + drain_timeout
+                while frontend.inflight() and time.monotonic() < deadline:
+                    time.sleep(0.2)
+        except KeyboardInterrupt:
+            notices.log("stopping the OpenAI frontend ...")
