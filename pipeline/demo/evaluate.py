@@ -316,12 +316,12 @@ def run_sudoku_eval(
 
 def _sudoku_session(model: Path | None, dtype: str, device: str, flag: str):
     """A loaded session of a Sudoku checkpoint (another task's checkpoint is refused by name)."""
-    from pipeline.demo.prompt_format import SudokuFormat
     from pipeline.errors import DgpipeError
+    from pipeline.runtime.prompt_format import prompt_format_name
     from pipeline.runtime.session import load_session
 
     session = load_session(model, dtype, device)
-    if not isinstance(session.prompt_format, SudokuFormat):
+    if prompt_format_name(session.checkpoint) != "sudoku":
         if flag:
             raise DgpipeError(f"{flag}{model} is not a Sudoku model")
         raise DgpipeError(

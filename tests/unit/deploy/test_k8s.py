@@ -981,9 +981,9 @@ def test_manifests_never_replaces_a_directory_it_did_not_write(tmp_path):
 def test_monitoring_reads_only_metrics_the_triton_model_exports():
     """Every dgpipe_ series the HPA, the adapter rules and the PrometheusRule read is one the model
     registers (a histogram through its _bucket/_sum/_count series), so a renamed metric fails here."""
-    from pipeline.resources import TRITON_MODEL_SOURCE
+    from pipeline.serving.core import metrics
 
-    source = TRITON_MODEL_SOURCE.read_text()
+    source = Path(metrics.__file__).read_text()
     kinds = {name: kind for kind, name in re.findall(r'(counter|gauge|histogram)\(\s*"(dgpipe_\w+)"', source)}
     assert kinds["dgpipe_active_requests"] == kinds["dgpipe_queued_requests"] == "gauge"
     assert kinds["dgpipe_request_latency_seconds"] == "histogram"

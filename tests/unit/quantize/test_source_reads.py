@@ -84,7 +84,7 @@ def test_build_hands_its_validated_source_to_the_quantize_stage(tmp_path, weight
         QuantizeOptions(EMBEDDED_MODEL, "bf16", tmp_path / "unused"), tmp_path, source=source
     )
     assert weight_reads == after_validation == _sizes()  # the stage read nothing of the source again
-    assert res.precision == "bf16" and (tmp_path / "checkpoint" / "model.safetensors").is_file()
+    assert res.details["precision"] == "bf16" and (tmp_path / "checkpoint" / "model.safetensors").is_file()
 
 
 def test_quantize_stage_alone_reads_the_source_once(tmp_path, weight_reads):

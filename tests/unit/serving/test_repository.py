@@ -152,7 +152,7 @@ def test_build_and_package_build_dir_write_the_same_limits(tiny_checkpoint: Path
     engine = Limits(max_batch=3, max_prompt=40, max_context=1000, max_tokens=300, max_request_seconds=30)
     build = _build_dir(tiny_checkpoint, tmp_path, engine)
     opts = BuildOptions(model=tiny_checkpoint, precision="bf16", build_dir=build, limits=engine)
-    _package(opts, build, lambda _: None)
+    _package(opts, build)
     by_build = _params(build / LAYOUT["model_repository"])
     assert load_manifest(build).stages["package"].details["limits"] == engine.model_dump()
 
