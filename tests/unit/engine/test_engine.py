@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from pipeline.onnx import contract as onnx_io
 from pipeline.resources import EMBEDDED_MODEL
 from pipeline.sampler.kernels import build as kbuild
 from tests._utils.availability import has_cuda_gpu, has_tensorrt
+from tests._utils.cli import dgpipe
 
 needs_nvcc = pytest.mark.skipif(
     kbuild.find_nvcc() is None, reason="nvcc not found (CUDA toolkit not installed)"
@@ -377,12 +377,6 @@ def write_contract_onnx(d: Path, vocab: int = 24) -> Path:
         json.dumps({"dims": {"canvas_length": 8, "sliding_window": 6, "vocab": vocab, "hidden": 20}})
     )
     return d / "model.onnx"
-
-
-def dgpipe(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, cwd=cwd
-    )
 
 
 def test_cli_refuses_nvfp4_on_hopper_with_fp8_hint(tmp_path: Path):

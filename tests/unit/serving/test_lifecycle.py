@@ -1,5 +1,5 @@
 """pipeline/serving/lifecycle.py against real sockets (a stand-in Triton over http.server) and the Triton
-model's side of it (ping, drain file, deadline) with the stand-in Python stub of test_schema.py. The real
+model's side of it (ping, drain file, deadline) with the stand-in Python stub (tests/_utils/triton_stub.py). The real
 tritonserver scenarios (stub killed, SIGTERM with streams in flight, abandoned runaways) are in
 tests/e2e/test_lifecycle.py."""
 
@@ -15,7 +15,7 @@ import types
 from contextlib import contextmanager
 
 from pipeline.serving import lifecycle, schema
-from tests.unit.serving.test_schema import PROMPT, FakeError, FakeRequest, arr, model  # noqa: F401
+from tests._utils.triton_stub import PROMPT, FakeError, FakeRequest, arr
 
 
 @contextmanager
@@ -112,7 +112,7 @@ def test_drain_timeout_fits_the_grace_period_and_the_cli_uses_it():
 
 
 # ---- the Triton model's side ---------------------------------------------------------------------------
-def test_model_answers_a_ping_from_its_runtime_loop_and_counts_no_request(model):  # noqa: F811
+def test_model_answers_a_ping_from_its_runtime_loop_and_counts_no_request(model):
     req = FakeRequest({}, {schema.HEALTH_PARAMETER: True})
     model.execute([req])
     assert not req.sender.sent  # not answered by Triton's thread: by the loop
@@ -120,7 +120,7 @@ def test_model_answers_a_ping_from_its_runtime_loop_and_counts_no_request(model)
     assert model.inbox.empty() and model.m_requests.value == 0  # not a request, not in the load gauges
 
 
-def test_model_refuses_new_requests_once_the_drain_file_is_touched(model, tmp_path):  # noqa: F811
+def test_model_refuses_new_requests_once_the_drain_file_is_touched(model, tmp_path):
     drain = tmp_path / "draining"
     model.drain_file, model.loaded_at = str(drain), time.time()
     drain.touch()
@@ -136,7 +136,7 @@ def test_model_refuses_new_requests_once_the_drain_file_is_touched(model, tmp_pa
     assert model.inbox.qsize() == 1 and model.m_draining.value == 1
 
 
-def test_a_request_past_its_deadline_is_answered_with_an_error_naming_it(model):  # noqa: F811
+def test_a_request_past_its_deadline_is_answered_with_an_error_naming_it(model):
     logged: list[str] = []
     sys.modules["triton_python_backend_utils"].Logger = types.SimpleNamespace(log_error=logged.append)
     model.execute(
