@@ -1,7 +1,7 @@
 """The serving lifecycle against a real `dgpipe serve` (CLI, tritonserver, Python backend, OpenAI frontend):
 abandoned runaway requests end by their deadline and free their slots, a killed backend stub flips
 readiness and stops the server non-zero, SIGTERM drains streams in flight and exits 0 with no shared
-memory left behind (issue 19, items 2-4; BENCHMARKS.md "Reliability")."""
+memory left behind (BENCHMARKS.md, "Reliability")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A real `dgpipe serve` (issue 19, item 7): Triton's control endpoints refuse changes without the admin
+"""A real `dgpipe serve`: Triton's control endpoints refuse changes without the admin
 key over HTTP and gRPC, accept them with it, inference keeps working, and the ports listen on loopback
 only by default."""
 

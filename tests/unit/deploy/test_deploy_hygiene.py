@@ -1,4 +1,4 @@
-"""`dgpipe manifests` / `dgpipe deploy` input hygiene (issue 19, item 8): replicas and group sizes bounded
+"""`dgpipe manifests` / `dgpipe deploy` input hygiene: replicas and group sizes bounded
 by the deploy target, system namespaces refused, and manifests edited after rendering refused by deploy
 (with `--allow-edited` as the reviewed way out)."""
 

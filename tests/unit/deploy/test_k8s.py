@@ -1,4 +1,4 @@
-"""Kubernetes rollout (issue #7): every overlay renders, validates strictly against the Kubernetes
+"""Kubernetes rollout: every overlay renders, validates strictly against the Kubernetes
 OpenAPI schemas, and obeys the policies a DGX cluster needs; `dgpipe manifests` and `dgpipe deploy`
 work end to end without a cluster (deploy's live path runs against a recording stand-in for kubectl)."""
 
