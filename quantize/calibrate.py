@@ -60,7 +60,7 @@ def _batches(prompts: list[EncodedPrompt], batch: int) -> Iterator[list[EncodedP
 
 
 def eb_keep(entropy: torch.Tensor, bound: float) -> torch.Tensor:
-    """EB-sampler rule (REFERENCE §2): keep the lowest-entropy positions while the accepted entropy minus
+    """EB-sampler rule (docs/model.md, "Sampler"): keep the lowest-entropy positions while the accepted entropy minus
     the largest accepted one stays within the bound; the lowest is always kept."""
     order = torch.argsort(entropy, dim=-1)
     h = torch.gather(entropy, -1, order)

@@ -1,6 +1,6 @@
 """Train the embedded Sudoku DiffusionGemma with DiffusionGemma's objective, on the inference model code.
 
-Per batch (REFERENCE §1-2, issue 9):
+Per batch (docs/model.md, "Encoder and decoder modes", "Self-conditioning"):
   * encoder pass, causal, over prompt + clean solution: causal-LM loss on the solution tokens, and the
     prompt's K/V (what prefill would cache) for the decoder;
   * uniform-state corruption: each canvas token is replaced by a uniform random token with prob t,
@@ -52,7 +52,7 @@ class TrainConfig(BaseModel):
     sc_prob: float = 0.5
     # share of examples whose givens stay clean in the corrupted canvas, as infill decoding pins them:
     # otherwise the givens are noised like every cell, and a canvas whose givens are all intact (as at
-    # every pinned inference step) reads to the model as "almost no noise anywhere" (issue 18)
+    # every pinned inference step) reads to the model as "almost no noise anywhere" (BENCHMARKS.md, "Embedded model accuracy")
     pin_prob: float = 0.0
     t_eps: float = 0.02
     givens: tuple[int, int] = sudoku.DEFAULT_GIVENS  # final training range (inclusive)
@@ -63,7 +63,7 @@ class TrainConfig(BaseModel):
     # difficulty weighting: this share of each batch is drawn in proportion to each puzzle's last
     # per-example diffusion loss (unseen puzzles count as the pool's highest), the rest uniformly.
     # hard_fraction and pin_prob default to the shipped recipe (off): neither has been validated by a
-    # full training run yet (issue 18: no CPU time for one)
+    # full training run yet (no run has separated their effect: BENCHMARKS.md, "Embedded model accuracy")
     hard_fraction: float = 0.0
     eval_every_minutes: float = 10.0
     eval_n: int = 128

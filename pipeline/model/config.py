@@ -265,7 +265,7 @@ SAMPLER_RANGES: dict[str, tuple[float, float]] = {
 
 
 class SamplerConfig(BaseModel):
-    """Entropy-bound sampler settings (REFERENCE §2). Defaults are the published generation defaults."""
+    """Entropy-bound sampler settings (docs/model.md, "Sampler"). Defaults are the published generation defaults."""
 
     model_config = ConfigDict(extra="forbid")
 

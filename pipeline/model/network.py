@@ -1,6 +1,6 @@
 """DiffusionGemma's text backbone, shaped for inference and training with the same code.
 
-One set of weights runs in two modes (REFERENCE §1):
+One set of weights runs in two modes (docs/model.md, "Encoder and decoder modes"):
   * encoder (prefill, commit, causal LM): causal attention, returns the new K/V so a cache can keep them;
   * decoder (denoise): the canvas attends bidirectionally to itself and to the cached context, with the
     self-conditioning signal mixed into its input; it never writes K/V.

@@ -261,7 +261,7 @@ class BlockDiffusionRuntime:
             self._reset_template(slot, res.request)  # the previous canvas's accepted positions
         # the first pass sees pure noise even where a template pins tokens: the model was trained with
         # every position corrupted alike, and reads intact pinned cells amid noise as a nearly clean
-        # canvas, trusting the noise (issue 18: -2.5 points on Sudoku, the whole pinned/unpinned gap).
+        # canvas, trusting the noise (-2.5 points on Sudoku, the whole pinned/unpinned gap: BENCHMARKS.md, "Embedded model accuracy").
         # The template enters with the first step's output (sampler `accept`) and pins every argmax.
         x = self.draws.initial_canvas(self._keys(slots), self.canvas_length, self.vocab)
         self.x[slot] = x[0].to(self.device)

@@ -1,6 +1,6 @@
 """The entropy-bound sampler step in plain PyTorch: the oracle the CUDA kernels are tested against.
 
-One call turns a denoise pass's logits into the next canvas (REFERENCE §2):
+One call turns a denoise pass's logits into the next canvas (docs/model.md, "Sampler"):
   z = logits / T;  p = softmax(z);  cand ~ p (Gumbel-max);  amax = argmax z;  H = entropy(p)
   keep the lowest-entropy positions while  cumsum(H_sorted) - H_sorted <= bound  (the lowest is always kept)
   everything not kept is re-noised with uniform tokens; infill positions are pinned to their template token.

@@ -4,22 +4,16 @@ repository that serves the quantized checkpoint, and refusals before anything is
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests._utils.cli import dgpipe
 
 pytest.importorskip("modelopt", reason="nvidia-modelopt is not installed (pip install dgpipe[quantize])")
 pytest.importorskip("onnxruntime", reason="onnx/onnxruntime are not installed (pip install dgpipe[engine])")
 
 from pipeline.sampler.kernels.build import find_nvcc
-
-
-def dgpipe(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=600
-    )
 
 
 @pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found: the sampler PTX cannot be compiled")

@@ -3,24 +3,18 @@ batches as JSON Lines, and a bad line refused before any generation. transformer
 
 from __future__ import annotations
 
+import functools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests._utils.chat import write_chat_checkpoint
+from tests._utils.cli import BARE_ENV
+from tests._utils.cli import dgpipe as run_dgpipe
 
-DGPIPE = [sys.executable, "-m", "pipeline.cli"]
-ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-
-
-def dgpipe(*args: str, stdin: str | None = None, ok: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*DGPIPE, *args], input=stdin, capture_output=True, text=True, timeout=300, env=ENV)
-    if ok:
-        assert proc.returncode == 0, proc.stderr
-    return proc
+# the CLI in a fresh shell (none of this environment's DGPIPE_* settings); exit 0 unless ok=False
+dgpipe = functools.partial(run_dgpipe, ok=True, base_env=BARE_ENV, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -9,20 +10,11 @@ from pathlib import Path
 
 import pytest
 
-DGPIPE = [sys.executable, "-m", "pipeline.cli"]
+from tests._utils.cli import BARE_ENV
+from tests._utils.cli import dgpipe as run_dgpipe
 
-
-def dgpipe(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [*DGPIPE, *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
-    )
-    if ok:
-        assert proc.returncode == 0, proc.stderr
-    return proc
+# the CLI in a fresh shell (none of this environment's DGPIPE_* settings); exit 0 unless ok=False
+dgpipe = functools.partial(run_dgpipe, ok=True, base_env=BARE_ENV, timeout=300)
 
 
 def test_cli_import_is_light():
@@ -75,10 +67,9 @@ def test_cache_dir_precedence(monkeypatch, tmp_path: Path):
 
 
 def test_debug_variable_shows_the_traceback(tmp_path: Path):
-    args = [*DGPIPE, "generate", "--model", str(tmp_path / "missing"), "x"]
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    plain = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
-    debug = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env | {"DGPIPE_DEBUG": "1"})
+    args = ["generate", "--model", str(tmp_path / "missing"), "x"]
+    plain = dgpipe(*args, ok=False)
+    debug = dgpipe(*args, ok=False, env={"DGPIPE_DEBUG": "1"})
     assert plain.returncode == debug.returncode == 2
     assert "Traceback" not in plain.stderr and "Traceback" in debug.stderr
     assert debug.stderr.strip().splitlines()[-1] == plain.stderr.strip()

@@ -3,24 +3,21 @@ output can only come from the constraint); a schema the compiler cannot honour i
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
 
 from tests._utils.chat import write_chat_checkpoint
+from tests._utils.cli import BARE_ENV
+from tests._utils.cli import dgpipe as run_dgpipe
 
-DGPIPE = [sys.executable, "-m", "pipeline.cli"]
-ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+# the CLI in a fresh shell (none of this environment's DGPIPE_* settings)
+dgpipe = functools.partial(run_dgpipe, base_env=BARE_ENV, timeout=300)
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "tag": {"enum": ["a", "b"]}}, "required": ["id", "tag"]}  # fmt: skip
-
-
-def dgpipe(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*DGPIPE, *args], capture_output=True, text=True, timeout=300, env=ENV)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The serving lifecycle against a real `dgpipe serve` (CLI, tritonserver, Python backend, OpenAI frontend):
 abandoned runaway requests end by their deadline and free their slots, a killed backend stub flips
 readiness and stops the server non-zero, SIGTERM drains streams in flight and exits 0 with no shared
-memory left behind (issue 19, items 2-4; BENCHMARKS.md "Reliability")."""
+memory left behind (BENCHMARKS.md, "Reliability")."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import pytest
 from pipeline.limits import Limits
 from pipeline.serving.lifecycle import stubs_of
 from pipeline.serving.server import tritonserver_binary
+from tests._utils.serve import README_PUZZLE, metric, start_serve
 
 pytest.importorskip("fastapi")
 pytestmark = [
@@ -29,16 +30,8 @@ pytestmark = [
     pytest.mark.slow,
 ]
 
-PUZZLE = "14...9..56925.31.8835.1.927..1732.5.259.6.7.437694.28....6.4.935.3.914..92....816"  # README's
+PUZZLE = README_PUZZLE
 DEADLINE_S = 6  # the runaway server's max_request_seconds
-
-
-def metric(srv, name: str) -> float:
-    with urllib.request.urlopen(srv.metrics, timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"{name} not on {srv.metrics}")
 
 
 def wait_for(check, timeout: float, what: str) -> None:
@@ -87,7 +80,7 @@ def abandon_http(srv, n: int, body: dict) -> None:
             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw
         )
         socks.append(s)
-    wait_for(lambda: metric(srv, "dgpipe_active_requests") >= n, 60, "the runaways to run")
+    wait_for(lambda: metric(srv.metrics, "dgpipe_active_requests") >= n, 60, "the runaways to run")
     for s in socks:
         s.close()
 
@@ -101,7 +94,6 @@ def test_abandoned_runaways_end_by_deadline_or_cancel_and_a_valid_request_answer
     own readiness still says 200, and `dgpipe serve` stops non-zero, removing the stub's shared memory."""
     from pipeline.demo import sudoku
     from pipeline.serving.client import TritonError, complete, grpc_generate
-    from tests._utils.serve import start_serve
 
     srv = start_serve(repo_for(tmp_path, max_steps=10**6, max_request_seconds=DEADLINE_S), tmp_path)
     try:
@@ -113,7 +105,7 @@ def test_abandoned_runaways_end_by_deadline_or_cancel_and_a_valid_request_answer
         waited = time.monotonic() - t0
         assert sudoku.is_valid_solution(PUZZLE, reply.text)
         assert waited < DEADLINE_S + 30, waited  # before: never (the slots were taken for good)
-        wait_for(lambda: metric(srv, "dgpipe_requests_expired_total") == 8, 30, "8 expired")
+        wait_for(lambda: metric(srv.metrics, "dgpipe_requests_expired_total") == 8, 30, "8 expired")
 
         # gRPC: the client's cancel drops them at the model's next step, long before any deadline
         # (closing a grpc_generate stream before its final response cancels the request in Triton)
@@ -123,11 +115,11 @@ def test_abandoned_runaways_end_by_deadline_or_cancel_and_a_valid_request_answer
         ]
         for g in streams:
             next(g)
-        wait_for(lambda: metric(srv, "dgpipe_active_requests") == 8, 60, "8 gRPC runaways")
+        wait_for(lambda: metric(srv.metrics, "dgpipe_active_requests") == 8, 60, "8 gRPC runaways")
         t0 = time.monotonic()
         for g in streams:
             g.close()
-        wait_for(lambda: metric(srv, "dgpipe_requests_cancelled_total") == 8, 30, "8 cancelled")
+        wait_for(lambda: metric(srv.metrics, "dgpipe_requests_cancelled_total") == 8, 30, "8 cancelled")
         assert time.monotonic() - t0 < DEADLINE_S  # freed by the cancel, not by the deadline
         assert sudoku.is_valid_solution(
             PUZZLE, complete(srv.grpc, PUZZLE, max_tokens=82, exclude_input_in_output=True).text
@@ -164,7 +156,6 @@ def test_sigterm_drains_four_streams_in_flight_and_exits_0_without_shm_leftovers
     get their final response, `dgpipe serve` exits 0 and its stub's shared memory is gone."""
     from pipeline.demo import sudoku
     from pipeline.serving.client import TritonError, complete
-    from tests._utils.serve import start_serve
 
     srv = start_serve(repo_for(tmp_path), tmp_path)
     try:
@@ -187,14 +178,16 @@ def test_sigterm_drains_four_streams_in_flight_and_exits_0_without_shm_leftovers
         ]
         for c in clients:
             c.start()
-        wait_for(lambda: metric(srv, "dgpipe_active_requests") == 4, 60, "4 streams in flight")
+        wait_for(lambda: metric(srv.metrics, "dgpipe_active_requests") == 4, 60, "4 streams in flight")
         srv.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: status(srv.health) == 503, 10, "/health 503 while draining")
         refused = status(srv.openai + "/completions", {"model": "dgpipe", "prompt": PUZZLE, "max_tokens": 82})
         assert refused == 503
         with pytest.raises(TritonError, match="draining"):
             complete(srv.grpc, PUZZLE, max_tokens=82)
-        assert metric(srv, "dgpipe_active_requests") > 0, "the streams were still in flight when refused"
+        assert metric(srv.metrics, "dgpipe_active_requests") > 0, (
+            "the streams were still in flight when refused"
+        )
         assert srv.proc.wait(120) == 0
         for c in clients:
             c.join(30)

@@ -19,8 +19,9 @@ import pytest
 
 from pipeline.demo import sudoku
 from pipeline.limits import Limits
-from pipeline.resources import PACKAGE_DIR
 from pipeline.serving.server import tritonserver_binary
+from tests._utils.cli import ROOT, dgpipe
+from tests._utils.serve import README_PUZZLE, free_port, start_serve
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -28,51 +29,8 @@ pytestmark = pytest.mark.skipif(
     tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
 )
 
-ROOT = PACKAGE_DIR.parent
-PUZZLE = "14...9..56925.31.8835.1.927..1732.5.259.6.7.437694.28....6.4.935.3.914..92....816"  # README's
+PUZZLE = README_PUZZLE
 KEY = "test-key-0123"
-START_ATTEMPTS = 5
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Served:
-    def __init__(self, proc: subprocess.Popen, url: str, stdout: Path) -> None:
-        self.proc, self.url, self.stdout = proc, url, stdout
-
-
-def start_serve(repo: Path, work: Path, attempt: int) -> Served | None:
-    """One `dgpipe serve` on picked ports; None when a port was taken before it bound (then retry)."""
-    cache = work / f"cache{attempt}"
-    ports = [free_port() for _ in range(4)]
-    out, err = work / f"serve{attempt}.out", work / f"serve{attempt}.err"
-    args = [sys.executable, "-m", "pipeline.cli", "serve", "--repo", str(repo), "--address", "127.0.0.1"]
-    args += [f"--{n}-port={p}" for n, p in zip(("http", "grpc", "metrics", "openai"), ports)]
-    env = {**os.environ, "DGPIPE_CACHE": str(cache), "DGPIPE_API_KEY": KEY, "OMP_NUM_THREADS": "1"}
-    with open(out, "wb") as o, open(err, "wb") as e:
-        proc = subprocess.Popen(args, stdout=o, stderr=e, env=env, cwd=ROOT, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        text = out.read_text(errors="replace")
-        for line in text.splitlines():
-            if line.startswith("ready  OpenAI "):
-                return Served(proc, line.split()[2], out)
-        if proc.poll() is not None:
-            logs = err.read_text(errors="replace") + "".join(
-                p.read_text(errors="replace") for p in cache.glob("serve/*.log")
-            )
-            if "already in use" in logs:
-                return None
-            raise AssertionError(f"dgpipe serve exited {proc.returncode}: {logs[-2000:]}")
-        time.sleep(0.5)
-    proc.kill()
-    raise AssertionError("dgpipe serve not ready after 240 s")
 
 
 @pytest.fixture(scope="module")
@@ -84,27 +42,16 @@ def served(tmp_path_factory):
     repo = package(
         default_model_path(), work / "repo", limits=Limits(max_batch=8, max_tokens=512, max_prompt=100)
     )
-    for attempt in range(START_ATTEMPTS):
-        srv = start_serve(repo, work, attempt)
-        if srv is not None:
-            break
-    else:
-        raise AssertionError("no free ports after retries")
+    srv = start_serve(repo, work, {"DGPIPE_API_KEY": KEY})
     try:
         yield srv
     finally:
-        if srv.proc.poll() is None:
-            srv.proc.send_signal(signal.SIGINT)
-            try:
-                srv.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                srv.proc.kill()
-                srv.proc.wait()
+        srv.stop()
 
 
 @pytest.fixture
 def client(served):
-    return openai.OpenAI(base_url=served.url, api_key=KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=served.openai, api_key=KEY, max_retries=0, timeout=120)
 
 
 def test_chat_completion_solves_the_readme_puzzle_with_usage(client):
@@ -144,7 +91,7 @@ def test_streaming_yields_chunks_and_a_final_usage(client):
 
 def test_async_streaming_completion(served):
     async def run() -> str:
-        aclient = openai.AsyncOpenAI(base_url=served.url, api_key=KEY, max_retries=0, timeout=120)
+        aclient = openai.AsyncOpenAI(base_url=served.openai, api_key=KEY, max_retries=0, timeout=120)
         stream = await aclient.completions.create(model="dgpipe", prompt=PUZZLE, max_tokens=82, stream=True)
         pieces = [c.choices[0].text async for c in stream]
         await aclient.close()
@@ -154,11 +101,11 @@ def test_async_streaming_completion(served):
 
 
 def test_bad_api_key_is_a_401_and_health_stays_open(served):
-    bad = openai.OpenAI(base_url=served.url, api_key="wrong", max_retries=0)
+    bad = openai.OpenAI(base_url=served.openai, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as e:
         bad.chat.completions.create(model="dgpipe", messages=[{"role": "user", "content": PUZZLE}])
     assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
-    with urllib.request.urlopen(served.url.removesuffix("/v1") + "/health", timeout=10) as r:
+    with urllib.request.urlopen(served.openai.removesuffix("/v1") + "/health", timeout=10) as r:
         assert r.status == 200
 
 
@@ -170,7 +117,7 @@ def test_refusals_are_400s_in_openais_schema_and_the_server_keeps_serving(client
     with pytest.raises(openai.BadRequestError, match="over this server's limit"):
         client.completions.create(model="dgpipe", prompt=PUZZLE, max_tokens=100000)
     req = urllib.request.Request(
-        served.url + "/chat/completions",
+        served.openai + "/chat/completions",
         data=b'{"model": "dgpipe", "messages": [',
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
     )
@@ -182,10 +129,10 @@ def test_refusals_are_400s_in_openais_schema_and_the_server_keeps_serving(client
 
 def test_dgpipe_generate_against_the_openai_port_uses_the_api_key(served):
     def run(*args: str, key: str | None) -> subprocess.CompletedProcess:
-        env = {k: v for k, v in os.environ.items() if k != "DGPIPE_API_KEY"}
-        env.update({"OMP_NUM_THREADS": "1"} | ({"DGPIPE_API_KEY": key} if key else {}))
-        cmd = [sys.executable, "-m", "pipeline.cli", "generate", "--url", served.url, *args]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+        env = {"DGPIPE_API_KEY": key} if key else {}
+        return dgpipe(
+            "generate", "--url", served.openai, *args, base_env=without_api_key(), env=env, cwd=ROOT
+        )
 
     ok = run(PUZZLE, "--max-tokens", "82", "--json", key=KEY)
     assert ok.returncode == 0, ok.stderr
@@ -210,7 +157,7 @@ def frontend_only(triton_url: str, work: Path) -> tuple[subprocess.Popen, str]:
         "--address",
         "127.0.0.1",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "DGPIPE_API_KEY"} | {"OMP_NUM_THREADS": "1"}
+    env = without_api_key() | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with open(out, "wb") as o:
         proc = subprocess.Popen(
             [*args, f"--openai-port={free_port()}"], stdout=o, stderr=subprocess.STDOUT, env=env, cwd=ROOT
@@ -223,6 +170,11 @@ def frontend_only(triton_url: str, work: Path) -> tuple[subprocess.Popen, str]:
         time.sleep(0.25)
     proc.kill()
     raise AssertionError("frontend not ready")
+
+
+def without_api_key() -> dict[str, str]:
+    """This environment less DGPIPE_API_KEY: a client that has not been given the key."""
+    return {k: v for k, v in os.environ.items() if k != "DGPIPE_API_KEY"}
 
 
 def get_status(url: str) -> int:
@@ -260,9 +212,9 @@ def test_frontend_only_in_front_of_a_running_triton_and_an_unreachable_one(serve
 
 def test_serve_prints_the_openai_url_and_ctrl_c_stops_both(served):
     """Last in the file: it stops the module's server."""
-    assert served.url.startswith("http://127.0.0.1:") and served.url.endswith("/v1")
+    assert served.openai.startswith("http://127.0.0.1:") and served.openai.endswith("/v1")
     assert "(API key required)" in served.stdout.read_text()
     served.proc.send_signal(signal.SIGINT)
     assert served.proc.wait(60) == 0
     with pytest.raises(urllib.error.URLError):
-        urllib.request.urlopen(served.url.removesuffix("/v1") + "/health", timeout=5)
+        urllib.request.urlopen(served.openai.removesuffix("/v1") + "/health", timeout=5)

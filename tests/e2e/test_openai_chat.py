@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,42 +16,33 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.serving.server import tritonserver_binary
 from tests._utils.chat import write_chat_checkpoint
+from tests._utils.cli import ROOT, dgpipe
+from tests._utils.serve import Serve, metric, start_serve
 
 openai = pytest.importorskip("openai")
-from tests.e2e.test_openai import KEY, ROOT, START_ATTEMPTS, start_serve  # noqa: E402
-from tests.e2e.test_openai import pytestmark as needs_tritonserver  # noqa: E402
+pytest.importorskip("fastapi")
+pytestmark = [
+    pytest.mark.skipif(
+        tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
+    ),
+    pytest.mark.slow,  # ~40 s to package and start the server
+]
 
-pytestmark = [needs_tritonserver, pytest.mark.slow]  # ~40 s to package and start the server
-
+KEY = "test-key-0123"
 MAX_TOKENS_LIMIT, MAX_PROMPT = 64, 200
 QUESTION = "What is 2+2?"
 
 
-def dgpipe(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc
-
-
 class Chat:
-    def __init__(self, ckpt: Path, url: str, metrics: str, proc: subprocess.Popen) -> None:
-        self.ckpt, self.url, self.metrics, self.proc = ckpt, url, metrics, proc
+    """The module's server and the checkpoint it serves."""
+
+    def __init__(self, ckpt: Path, srv: Serve) -> None:
+        self.ckpt, self.srv, self.url, self.proc = ckpt, srv, srv.openai, srv.proc
 
     def metric(self, name: str) -> float:
-        with urllib.request.urlopen(self.metrics, timeout=10) as r:
-            lines = r.read().decode().splitlines()
-        return sum(
-            float(ln.split()[-1]) for ln in lines if ln.startswith(name + " ") or ln.startswith(name + "{")
-        )
+        return metric(self.srv.metrics, name)
 
 
 @pytest.fixture(scope="module")
@@ -64,25 +52,13 @@ def chat(tmp_path_factory):
     repo = work / "repo"
     dgpipe(
         "package", "--model", str(ckpt), "--output", str(repo), "--max-batch", "16", "--device", "cpu",
-        "--max-tokens", str(MAX_TOKENS_LIMIT), "--max-prompt", str(MAX_PROMPT),
+        "--max-tokens", str(MAX_TOKENS_LIMIT), "--max-prompt", str(MAX_PROMPT), ok=True, cwd=ROOT,
     )  # fmt: skip
-    for attempt in range(START_ATTEMPTS):
-        srv = start_serve(repo, work, attempt)
-        if srv is not None:
-            break
-    else:
-        raise AssertionError("no free ports after retries")
-    metrics = next(w for w in srv.stdout.read_text().split() if w.endswith("/metrics"))
+    srv = start_serve(repo, work, {"DGPIPE_API_KEY": KEY})
     try:
-        yield Chat(ckpt, srv.url, metrics, srv.proc)
+        yield Chat(ckpt, srv)
     finally:
-        if srv.proc.poll() is None:
-            srv.proc.send_signal(signal.SIGINT)
-            try:
-                srv.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                srv.proc.kill()
-                srv.proc.wait()
+        srv.stop()
 
 
 @pytest.fixture
@@ -128,7 +104,7 @@ def test_chat_completions_give_the_tokens_of_dgpipe_generate_chat_with_the_same_
     system, seed = "Answer briefly.", "7"
     common = ["--chat", QUESTION, "--system", system, "--seed", seed, "--max-tokens", "32"]
     local = json.loads(
-        dgpipe("generate", "--model", str(chat.ckpt), "--device", "cpu", *common, "--json").stdout
+        dgpipe("generate", "--model", str(chat.ckpt), "--device", "cpu", *common, "--json", ok=True).stdout
     )
     messages = [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}]
     resp = client.chat.completions.create(model="dgpipe", messages=messages, max_tokens=32, seed=int(seed))
@@ -136,7 +112,7 @@ def test_chat_completions_give_the_tokens_of_dgpipe_generate_chat_with_the_same_
     assert resp.usage.completion_tokens == len(local["tokens"])
     assert resp.usage.prompt_tokens == local["prompt_tokens"]
     assert resp.choices[0].finish_reason == local["finish_reason"]
-    remote = dgpipe("generate", "--url", chat.url, "--api-key", KEY, *common, "--drafts")
+    remote = dgpipe("generate", "--url", chat.url, "--api-key", KEY, *common, "--drafts", ok=True)
     assert remote.stdout == local["text"] + "\n"
     assert "[step  1] " in remote.stderr and "[step  4] " in remote.stderr  # 4 steps: generation_config
 

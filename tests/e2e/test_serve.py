@@ -17,41 +17,13 @@ from pipeline.demo import sudoku
 from pipeline.limits import Limits
 from pipeline.serving.client import complete
 from pipeline.serving.server import tritonserver_binary
+from tests._utils.serve import free_port, metric, scrape, start_tritonserver
 
 pytestmark = pytest.mark.skipif(
     tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
 )
 
 PUZZLES = sudoku.make_dataset(4242, 8, (55, 61))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-START_ATTEMPTS = 5
-
-
-def start_on_free_ports(repo, work, pick=free_port):
-    """tritonserver takes fixed ports (no port 0 with read-back), so ports are picked by bind-then-close
-    and another process can take one before tritonserver binds it. It then exits with "... already in
-    use" in its log; pick fresh ports and start again. Any other failure is raised at once."""
-    from pipeline.errors import DgpipeError
-    from pipeline.serving.server import Ports, TritonServer
-
-    for attempt in range(START_ATTEMPTS):
-        ports = Ports(pick(), pick(), pick(), "127.0.0.1")
-        log = work / f"tritonserver.{attempt}.log"
-        srv = TritonServer(repo, ports, work, log=log)
-        try:
-            return srv.start()
-        except DgpipeError:
-            # the log, not the message: the message's error lines can miss the bind failure
-            if "already in use" not in log.read_text(errors="replace") or attempt == START_ATTEMPTS - 1:
-                raise
-    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +35,7 @@ def server(tmp_path_factory):
     repo = package(
         default_model_path(), work / "repo", limits=Limits(max_batch=8, max_tokens=512, max_prompt=100)
     )
-    srv = start_on_free_ports(repo, work)
+    srv = start_tritonserver(repo, work)
     try:
         yield srv
     finally:
@@ -82,7 +54,7 @@ def test_server_start_retries_when_a_port_is_taken(tmp_path):
         held.listen()
         taken = held.getsockname()[1]
         handed = iter([taken])  # the first pick is the taken port, then free ones
-        srv = start_on_free_ports(repo, tmp_path, pick=lambda: next(handed, None) or free_port())
+        srv = start_tritonserver(repo, tmp_path, pick=lambda: next(handed, None) or free_port())
         try:
             assert srv.ports.http != taken and srv.ready()
             first_log = (tmp_path / "tritonserver.0.log").read_text(errors="replace")
@@ -178,14 +150,8 @@ def test_eight_concurrent_requests_are_all_solved(server):
 
 
 def metrics(server) -> dict[str, float]:
-    """The dgpipe_ samples on the metrics port, by name with labels (`x_bucket{le="1"}`)."""
-    with urllib.request.urlopen(server.metrics_url) as r:
-        text = r.read().decode()
-    return {
-        ln.rsplit(maxsplit=1)[0]: float(ln.rsplit(maxsplit=1)[1])
-        for ln in text.splitlines()
-        if ln.startswith("dgpipe_")
-    }
+    """The dgpipe_ samples on the metrics port, by name with labels."""
+    return {k: v for k, v in scrape(server.metrics_url).items() if k.startswith("dgpipe_")}
 
 
 HISTOGRAMS = (
@@ -363,13 +329,7 @@ def test_cancellation_between_steps(server):
     assert drafts and len(drafts) < 48, "cancelled before the canvas finished"
 
     def cancelled() -> float:
-        with urllib.request.urlopen(server.metrics_url) as r:
-            line = next(
-                ln
-                for ln in r.read().decode().splitlines()
-                if ln.startswith("dgpipe_requests_cancelled_total")
-            )
-        return float(line.split()[1])
+        return metric(server.metrics_url, "dgpipe_requests_cancelled_total")
 
     while cancelled() < 1 and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -1,16 +1,11 @@
-"""A real `dgpipe serve` (issue 19, item 7): Triton's control endpoints refuse changes without the admin
+"""A real `dgpipe serve`: Triton's control endpoints refuse changes without the admin
 key over HTTP and gRPC, accept them with it, inference keeps working, and the ports listen on loopback
 only by default."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -19,7 +14,7 @@ import pytest
 from pipeline.demo import sudoku
 from pipeline.limits import Limits
 from pipeline.serving.server import ADMIN_HEADER, GRPC_ADMIN_HEADER, tritonserver_binary
-from tests.e2e.test_serve import PUZZLES, free_port
+from tests._utils.serve import README_PUZZLE, start_serve
 
 pytestmark = pytest.mark.skipif(
     tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
@@ -57,38 +52,11 @@ def served(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("lockdown")
     repo = package(default_model_path(), work / "repo", limits=Limits(max_batch=2, max_tokens=128))
-    for _ in range(3):  # ports are picked by bind-then-close; retry if another process took one
-        http, grpc, metrics = free_port(), free_port(), free_port()
-        env = {**os.environ, "DGPIPE_ADMIN_KEY": KEY, "DGPIPE_CACHE": str(work / "cache")}
-        cmd = [sys.executable, "-m", "pipeline.cli", "serve", "--repo", str(repo), "--openai-port", "0"]
-        cmd += ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines = []
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
-            lines.append(line)
-            if line.startswith("ready  HTTP"):
-                break
-        if proc.poll() is None:
-            break
-        if "already in use" not in "".join(lines):
-            raise AssertionError("dgpipe serve failed:\n" + "".join(lines))
+    srv = start_serve(repo, work, {"DGPIPE_ADMIN_KEY": KEY}, address=None, openai=False)
     try:
-        yield {
-            "http": f"http://127.0.0.1:{http}",
-            "grpc": f"127.0.0.1:{grpc}",
-            "ports": (http, grpc, metrics),
-        }
+        yield srv
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        srv.stop()
 
 
 @pytest.mark.parametrize(
@@ -103,22 +71,22 @@ def served(tmp_path_factory):
     ],
 )
 def test_control_apis_refuse_without_the_key(served, path, body):
-    status, text = _request(served["http"] + path, body)
+    status, text = _request(served.http + path, body)
     assert status == 403 and ADMIN_HEADER in text, (status, text)
-    status, _ = _request(served["http"] + path, body, key="wrong-key")
+    status, _ = _request(served.http + path, body, key="wrong-key")
     assert status == 403
 
 
 def test_control_apis_accept_the_key_and_inference_still_works(served):
-    status, text = _request(served["http"] + "/v2/logging", {"log_verbose_level": 0}, key=KEY)
+    status, text = _request(served.http + "/v2/logging", {"log_verbose_level": 0}, key=KEY)
     assert status == 200 and json.loads(text)["log_verbose_level"] == 0
-    status, text = _request(served["http"] + "/v2/trace/setting", key=KEY)
+    status, text = _request(served.http + "/v2/trace/setting", key=KEY)
     assert status == 200 and "trace_level" in json.loads(text)
-    assert _request(served["http"] + "/v2/health/ready")[0] == 200
-    assert _request(served["http"] + "/v2/models/dgpipe/config")[0] == 200  # model config stays open
-    puzzle = PUZZLES[0][0]
+    assert _request(served.http + "/v2/health/ready")[0] == 200
+    assert _request(served.http + "/v2/models/dgpipe/config")[0] == 200  # model config stays open
+    puzzle = README_PUZZLE
     body = {"text_input": puzzle, "max_tokens": 82, "exclude_input_in_output": True}
-    status, text = _request(served["http"] + "/v2/models/dgpipe/generate", body)
+    status, text = _request(served.http + "/v2/models/dgpipe/generate", body)
     assert status == 200 and sudoku.is_valid_solution(puzzle, json.loads(text)["text_output"]), text
 
 
@@ -126,7 +94,7 @@ def test_grpc_control_protocols_refuse_without_the_key(served):
     grpcclient = pytest.importorskip("tritonclient.grpc")
     from tritonclient.utils import InferenceServerException
 
-    client = grpcclient.InferenceServerClient(served["grpc"])
+    client = grpcclient.InferenceServerClient(served.grpc.removeprefix("grpc://"))
     with pytest.raises(InferenceServerException, match=GRPC_ADMIN_HEADER):
         client.update_log_settings({"log_verbose_level": 1})
     with pytest.raises(InferenceServerException, match=GRPC_ADMIN_HEADER):
@@ -141,7 +109,7 @@ def test_default_address_is_loopback_only(served):
     ip = _outside_address()
     if ip is None:
         pytest.skip("this machine has no non-loopback address to probe")
-    for port in served["ports"]:
+    for port in served.ports:
         with socket.socket() as s, pytest.raises(OSError):
             s.settimeout(2)
             s.connect((ip, port))

@@ -4,21 +4,15 @@ does: quantize -> export -> package, one command each, then the manifest names e
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests._utils.cli import dgpipe
+
 pytest.importorskip("modelopt", reason="nvidia-modelopt is not installed (pip install dgpipe[quantize])")
 pytest.importorskip("onnxruntime", reason="onnx/onnxruntime are not installed (pip install dgpipe[engine])")
 pytest.importorskip("tritonclient", reason="tritonclient is not installed (pip install dgpipe[serve])")
-
-
-def dgpipe(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, timeout=600
-    )
 
 
 def test_quantize_export_package_one_command_each(tmp_path: Path):

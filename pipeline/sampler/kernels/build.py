@@ -3,7 +3,7 @@
 * Ahead of time, per architecture: `.cubin` (SASS) and `.ptx` for sm_90a (Hopper), sm_100a (Blackwell
   data centre) and sm_120a (RTX Blackwell), plus a generic compute_90 PTX the driver can JIT on anything
   newer. TensorRT's AOT plugins embed PTX in the engine, and engines are per compute capability
-  (REFERENCE §5), so each target gets its own. `python -m pipeline.sampler.kernels.build --out DIR` writes all.
+  (docs/model.md, "TensorRT plugins"), so each target gets its own. `python -m pipeline.sampler.kernels.build --out DIR` writes all.
 * Just in time, as a PyTorch extension (`load_torch_extension`), for the PyTorch runtime on a GPU.
 
 `cuobjdump_archs` and `read_cubin` say which SASS a binary holds, so a CPU-only machine can still prove

@@ -3,7 +3,7 @@
 Same meaning as `pipeline.sampler.reference.sample_step` followed by `update_stability` and `should_stop`, with
 `CounterDraws` as the draw source, but with no fp32 [B, L, V] temporaries: the PyTorch step makes several
 (z, log-probs, Gumbel noise, probs), which is what exhausted memory under concurrency elsewhere
-(REFERENCE §1). The only full-size output is the bf16 self-conditioning input.
+(docs/model.md, "Self-conditioning"). The only full-size output is the bf16 self-conditioning input.
 
 The denoise loop (`pipeline.runtime.scheduler`, `_denoise`) can swap its three calls for one:
 

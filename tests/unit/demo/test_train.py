@@ -15,7 +15,7 @@ from pipeline.demo.train import PuzzlePool, TrainConfig, build_model, curriculum
 from pipeline.model.checkpoint import load_model
 
 
-@pytest.mark.slow  # a few hundred optimizer steps
+@pytest.mark.slow  # 20 optimizer steps of the embedded model: ~30 s
 def test_objective_learns_a_fixed_batch():
     cfg = TrainConfig(pool_size=8, batch_size=8, sc_prob=0.5)
     torch.manual_seed(0)
@@ -44,9 +44,21 @@ def test_curriculum_moves_from_easy_to_target():
     )
 
 
-@pytest.mark.slow  # trains, then re-evaluates the checkpoint
-def test_train_writes_a_checkpoint(tmp_path):
-    cfg = TrainConfig(minutes=10, max_steps=3, batch_size=4, pool_size=8, eval_n=4, eval_every_minutes=100)
+@pytest.fixture
+def torch_threads():
+    """train() sets torch's thread count for the whole process: give the next test the count it had."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.slow  # trains, then re-evaluates the checkpoint: ~15 s
+def test_train_writes_a_checkpoint(tmp_path, torch_threads):
+    # one thread: the default two OpenMP threads on a shared 2-core machine wait on each other at every op
+    # of this small model (8 minutes for these 3 steps and 2 evaluations under load, 15 s with one)
+    cfg = TrainConfig(
+        minutes=10, max_steps=3, batch_size=4, pool_size=8, eval_n=4, eval_every_minutes=100, threads=1
+    )
     rows = []
     out = train(cfg, tmp_path / "ckpt", log=rows.append)
     model, ckpt = load_model(out)

@@ -1,4 +1,4 @@
-"""Kubernetes rollout (issue #7): every overlay renders, validates strictly against the Kubernetes
+"""Kubernetes rollout: every overlay renders, validates strictly against the Kubernetes
 OpenAPI schemas, and obeys the policies a DGX cluster needs; `dgpipe manifests` and `dgpipe deploy`
 work end to end without a cluster (deploy's live path runs against a recording stand-in for kubectl)."""
 
@@ -19,16 +19,11 @@ import yaml
 from pipeline.builddir import LAYOUT, BuildManifest, model_version_dir, save_manifest
 from pipeline.deploy.targets import deploy_target, deploy_target_names
 from pipeline.limits import Limits
-from pipeline.resources import PACKAGE_DIR
 from pipeline.serving import lifecycle
 from pipeline.targets import check_precision_on_target, target
+from tests._utils.cli import ROOT
+from tests._utils.k8s import IMAGE, K8S, KUBECTL, container, dgpipe, kustomize, needs_kubectl, one, pod_specs
 
-ROOT = PACKAGE_DIR.parent
-K8S = ROOT / "k8s"
-KUBECTL = shutil.which("kubectl")
-needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl (with built-in kustomize) not installed")
-DGPIPE = [sys.executable, "-c", "from pipeline.cli import main; main()"]
-IMAGE = "registry.example.com/ml/dgpipe-triton:0.4.0"
 TARGETS = ["dgx-b200", "dgx-h100", "dgx-h200", "gb200", "rtx-pro"]
 # Kubernetes release whose OpenAPI schemas the objects must pass (kubectl here is 1.32), and the newest
 # kubernetes-validate ships: both must accept every object.
@@ -47,38 +42,6 @@ CRD_KINDS = {"PodMonitor", "PrometheusRule", "LeaderWorkerSet"}
 
 
 SECRET_REF = {"name": "dgpipe-api-key", "key": "api-key"}  # the OpenAI port's key: referenced, never inlined
-
-
-def container(pod_spec: dict, name: str) -> dict:
-    (c,) = [c for c in pod_spec["containers"] if c["name"] == name]
-    return c
-
-
-def kustomize(path: Path) -> list[dict]:
-    out = subprocess.run([KUBECTL, "kustomize", str(path)], capture_output=True, text=True, check=True).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
-
-
-def one(docs: list[dict], kind: str) -> dict:
-    found = [d for d in docs if d["kind"] == kind]
-    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
-    return found[0]
-
-
-def pod_specs(docs: list[dict]) -> list[tuple[str, dict]]:
-    out = []
-    for d in docs:
-        if d["kind"] in ("Deployment", "Job"):
-            out.append((d["kind"], d["spec"]["template"]["spec"]))
-        elif d["kind"] == "Pod":
-            out.append(("Pod", d["spec"]))
-        elif d["kind"] == "LeaderWorkerSet":
-            lwt = d["spec"]["leaderWorkerTemplate"]
-            out += [
-                ("LWS leader", lwt["leaderTemplate"]["spec"]),
-                ("LWS worker", lwt["workerTemplate"]["spec"]),
-            ]
-    return out
 
 
 def config_values(docs: list[dict]) -> dict[str, str]:
@@ -511,13 +474,6 @@ def test_dockerfile_builds_on_the_ngc_triton_image():
 
 
 # ---- dgpipe manifests / deploy ------------------------------------------------------------------------
-def dgpipe(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [*DGPIPE, *args], capture_output=True, text=True, timeout=120, env=base | (env or {})
-    )
-
-
 @pytest.fixture
 def build_dir(tmp_path) -> Path:
     d = tmp_path / "build"

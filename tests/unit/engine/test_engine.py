@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from pipeline.onnx import contract as onnx_io
 from pipeline.resources import EMBEDDED_MODEL
 from pipeline.sampler.kernels import build as kbuild
 from tests._utils.availability import has_cuda_gpu, has_tensorrt
+from tests._utils.cli import dgpipe
 
 needs_nvcc = pytest.mark.skipif(
     kbuild.find_nvcc() is None, reason="nvcc not found (CUDA toolkit not installed)"
@@ -114,6 +114,7 @@ def plugins(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow  # compiles the plugin PTX with nvcc (the module's `plugins` fixture)
 @needs_nvcc
 @pytest.mark.parametrize(("target", "arch"), [("sm90", "sm_90a"), ("sm100", "sm_100a"), ("sm120", "sm_120a")])
 def test_plugin_ptx_per_target(plugins: Path, target: str, arch: str):
@@ -139,6 +140,7 @@ def test_plugin_ptx_per_target(plugins: Path, target: str, arch: str):
     assert info.sha256 == sha256_bytes(data) and len(info.sha256) == 64
 
 
+@pytest.mark.slow  # compiles the plugin PTX with nvcc (the module's `plugins` fixture)
 @needs_nvcc
 @pytest.mark.parametrize(("target", "arch"), [("sm90", "sm_90a"), ("sm100", "sm_100a"), ("sm120", "sm_120a")])
 def test_plugin_ptx_assembles_for_its_gpu(plugins: Path, tmp_path: Path, target: str, arch: str):
@@ -163,6 +165,7 @@ def test_plugin_ptx_assembles_for_its_gpu(plugins: Path, tmp_path: Path, target:
         assert kbuild.cuobjdump_archs(out, cuobjdump=tool) == {arch}
 
 
+@pytest.mark.slow  # compiles the plugin PTX with nvcc (the module's `plugins` fixture)
 @needs_nvcc
 def test_plugin_entry_points_take_trt_argument_order(plugins: Path):
     """TensorRT's AOT convention: input pointers, then the int32 extras (length, vocab), then outputs."""
@@ -189,6 +192,7 @@ def test_plugin_entry_points_take_trt_argument_order(plugins: Path):
         assert all(t == "u64" for t in p[:n_in] + p[-1:]) and all(t in ("u32", "s32") for t in p[n_in:-1])
 
 
+@pytest.mark.slow  # compiles the plugin PTX with nvcc (the module's `plugins` fixture)
 @needs_nvcc
 def test_plugin_ptx_tamper_and_wrong_target_are_refused(plugins: Path, tmp_path: Path):
     import shutil
@@ -391,12 +395,6 @@ def write_contract_onnx(d: Path, vocab: int = 24) -> Path:
     return d / "model.onnx"
 
 
-def dgpipe(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, cwd=cwd
-    )
-
-
 def test_cli_refuses_nvfp4_on_hopper_with_fp8_hint(tmp_path: Path):
     onnx_path = write_contract_onnx(tmp_path / "onnx")
     out = tmp_path / "out"
@@ -439,6 +437,7 @@ def test_cli_unknown_target_and_missing_onnx(tmp_path: Path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # compiles the plugin PTX with nvcc (the module's `plugins` fixture)
 @pytest.mark.skipif(
     has_tensorrt() and has_cuda_gpu(), reason="TensorRT and a GPU are here: the build would run"
 )
@@ -584,6 +583,7 @@ def test_package_ships_engines_per_target(tiny_checkpoint: Path, tmp_path: Path)
     assert not (tmp_path / "repo2").exists()
 
 
+@pytest.mark.slow  # compiles the plugin PTX with nvcc (the module's `plugins` fixture)
 @needs_nvcc
 @pytest.mark.skipif(
     has_tensorrt() and has_cuda_gpu(), reason="TensorRT and a GPU are here: the stage would build"

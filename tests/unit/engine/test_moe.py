@@ -225,6 +225,7 @@ int main() {  // three sections on stdin, answers on stdout: the calls the NVFP4
 """
 
 
+@pytest.mark.slow  # compiles dg_moe.cu's helpers with nvcc
 @pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc (compiles dg_moe.cu's helpers for the host)")
 def test_kernel_nvfp4_helpers_match_pipeline_model_bit_for_bit(tmp_path):
     """dg_moe.cu's own NVFP4 code (E2M1 decode, weight dequantization, dynamic block scales, E2M1 rounding

@@ -1,5 +1,5 @@
 """Config sanity limits: sizes a corrupt or hostile config.json claims are refused while parsing, before any
-allocation (issue 19: `num_hidden_layers: 10**6` made `dgpipe generate` hang instead of refusing)."""
+allocation (before: `num_hidden_layers: 10**6` made `dgpipe generate` hang instead of refusing)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The checkpoint validator against a corpus of corrupt and hostile checkpoints (issue 19, item 8): every
+"""The checkpoint validator against a corpus of corrupt and hostile checkpoints: every
 case is refused by the library validator and by `load_model` with a CheckpointError that names the
 problem and a fix; a representative subset goes through each command's CLI (`generate`, `package`,
 `quantize`, `export`, `build`): exit code 2, one `error:` line with a hint, no traceback, nothing written."""

@@ -19,7 +19,7 @@ from quantize.planner import (
 
 CFG = ModelConfig.from_dict(load_yaml("models", "diffusiongemma-26b-a4b"))
 
-# hand arithmetic (REFERENCE §1): hidden 2816, 30 layers (25 sliding + 5 global), vocab 262144
+# hand arithmetic (docs/model.md, "Architecture"): hidden 2816, 30 layers (25 sliding + 5 global), vocab 262144
 D, V = 2816, 262_144
 SLIDING_ATTN = D * 16 * 256 * 2 + D * 8 * 256 * 2  # q, o + k, v
 GLOBAL_ATTN = D * 16 * 512 * 2 + D * 2 * 512  # q, o + shared k (no v_proj)
@@ -70,7 +70,7 @@ def test_weight_bytes_of_a_tiny_config_match_a_hand_count(name, expected_bytes):
 
 
 def test_26b_weights_match_the_published_sizes():
-    """REFERENCE §3: "fits 18 GB quantized" (NVFP4) and "~25 GB (FP8) of weights per pass"; bf16 is the
+    """docs/model.md, "Speed anchors": "fits in 18 GB quantized" (NVFP4), ~25 GB (FP8) of weights per pass; bf16 is the
     25.2B parameters at 2 bytes."""
     nvfp4, fp8, bf16 = (weight_plan(CFG, precision(p)) for p in ("nvfp4", "fp8", "bf16"))
     assert 15e9 < nvfp4.bytes < 18e9
@@ -126,5 +126,5 @@ def test_workspace_counts_the_fp32_logits_the_runtime_allocates():
 
 
 def test_self_conditioning_state_per_sequence_is_hidden_wide():
-    """Issue #16's bound: at most 8 MB per sequence at the 26B's sizes (it was 268 MB of fp32 probs)."""
+    """The self-conditioning state's bound: at most 8 MB per sequence at the 26B's sizes (it was 268 MB of fp32 probs)."""
     assert sc_state_bytes_per_sequence(CFG) == 256 * D * 2 == 1_441_792 <= 8 * 10**6

@@ -1,4 +1,4 @@
-// Fused entropy-bound sampler step for DiffusionGemma (REFERENCE §2), one denoise step per launch pair.
+// Fused entropy-bound sampler step for DiffusionGemma (docs/model.md, "Sampler"), one denoise step per launch pair.
 //
 // The PyTorch sampler (pipeline/sampler/reference.py) is the oracle: kept sets, sampled tokens, argmax and the next
 // canvas must match it bit for bit, entropies to 1e-5 relative. What that takes:

@@ -1,4 +1,4 @@
-"""`dgpipe manifests` / `dgpipe deploy` input hygiene (issue 19, item 8): replicas and group sizes bounded
+"""`dgpipe manifests` / `dgpipe deploy` input hygiene: replicas and group sizes bounded
 by the deploy target, system namespaces refused, and manifests edited after rendering refused by deploy
 (with `--allow-edited` as the reviewed way out)."""
 
@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from pipeline.errors import DgpipeError
-from tests.unit.deploy.test_k8s import IMAGE, dgpipe, needs_kubectl
+from tests._utils.k8s import IMAGE, K8S, container, dgpipe, kustomize, needs_kubectl, one, pod_specs
 
 
 @pytest.mark.parametrize(
@@ -120,7 +120,6 @@ def test_deploy_refuses_a_render_without_digests(rendered):
 def test_triton_args_restrict_control_apis_with_the_admin_secret():
     from pipeline.deploy import render as mf
     from pipeline.serving.server import restricted_api_args
-    from tests.unit.deploy.test_k8s import K8S, container, kustomize, pod_specs
 
     lws = mf.render(mf.resolve("gb200", IMAGE, lws_size=2))
     docs = [*kustomize(K8S / "overlays" / "dgx-b200"), *(d for ds in lws.values() for d in ds)]
@@ -137,7 +136,6 @@ def test_triton_args_restrict_control_apis_with_the_admin_secret():
 @needs_kubectl
 def test_network_policy_admits_namespace_gateway_and_prometheus_only():
     from pipeline.deploy import render as mf
-    from tests.unit.deploy.test_k8s import K8S, kustomize, one, pod_specs
 
     lws = [d for ds in mf.render(mf.resolve("gb200", IMAGE, lws_size=2)).values() for d in ds]
     for docs in (kustomize(K8S / "overlays" / "dgx-h200"), lws):
