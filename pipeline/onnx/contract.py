@@ -295,7 +295,7 @@ MOE = OpSpec(
         "activation": 'STRING, "gelu_tanh" (GELU with the tanh approximation; the only value)',
         "act_quant": 'STRING, "none", "fp8" (E4M3 fake quant of the expert inputs with input_scale) or "nvfp4"',
     },
-    kernel="grouped-GEMM MoE plugin (branch trtplugin): tokens sorted by expert, one launch per layer",
+    kernel="grouped-GEMM MoE plugin (engine/kernels/csrc/dg_moe.cu): tokens sorted by expert, one launch per layer",
     doc="routed experts of one decoder layer (router outside the node)",
 )
 MOE_ACTIVATIONS = ("gelu_tanh",)
