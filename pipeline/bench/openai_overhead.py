@@ -2,7 +2,7 @@
 directly, in latency and in CPU per request, side by side in one run.
 
 One tritonserver (the model, its Python-backend stub) and one frontend process (`dgpipe serve
---triton-url`, as the Kubernetes pod runs it) serve the same requests (same puzzles, same seeds, so the
+--triton-url`, as the Kubernetes pod runs it) serve the same requests (same prompts, same seeds, so the
 model does the same work) from closed-loop clients, gRPC and OpenAI alternating at each concurrency. CPU
 comes from /proc via psutil for each process group: Triton (server + stub), the frontend, and this
 process (the clients). The figure that matters is the frontend's CPU per request over Triton's for the
@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench.results import save_result
-from pipeline.bench.serve import _summary, _timed_request
+from pipeline.bench.serve import REQUEST_SEED, _summary, _timed_request
+from pipeline.bench.workload import BenchRequest, bench_requests
 from pipeline.errors import DgpipeError
 
 OPENAI_JSON = "serve_openai.json"
@@ -70,15 +71,17 @@ def start_frontend(grpc_url: str, port: int, log: Path, timeout: float = 120) ->
     raise DgpipeError(f"the OpenAI frontend did not start: {log.read_text(errors='replace')[-1000:]}")
 
 
-def _level(url: str, puzzles: list[str], concurrency: int, meters: dict[str, CpuMeter]) -> dict[str, Any]:
+def _level(
+    url: str, requests: list[BenchRequest], concurrency: int, meters: dict[str, CpuMeter]
+) -> dict[str, Any]:
     """One closed-loop run: latency summary plus CPU ms per request of each process group."""
     before = {k: m.seconds() for k, m in meters.items()}
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        samples = list(pool.map(lambda ip: _timed_request(url, ip[1], ip[0]), enumerate(puzzles)))
+        samples = list(pool.map(lambda ir: _timed_request(url, ir[1], ir[0]), enumerate(requests)))
     wall = time.perf_counter() - start
     cpu = {
-        f"cpu_ms_per_request_{k}": 1000 * (m.seconds() - before[k]) / len(puzzles) for k, m in meters.items()
+        f"cpu_ms_per_request_{k}": 1000 * (m.seconds() - before[k]) / len(requests) for k, m in meters.items()
     }
     return {**_summary(samples, wall), **cpu}
 
@@ -100,26 +103,24 @@ def run_bench_openai(
 ) -> dict[str, Any]:
     """gRPC and OpenAI alternating `rounds` times at each concurrency (medians over rounds); writes
     out/serve_openai.json and returns the result."""
-    from pipeline.demo import sudoku
     from pipeline.runtime.session import load_session
 
     session = load_session()
-    lo, hi = session.checkpoint.dgpipe.get("givens_range", (45, 61))
-    puzzles = [p for p, _ in sudoku.make_dataset(40_000, requests, (lo, hi))]
+    reqs = bench_requests(session, requests, REQUEST_SEED, "`dgpipe bench serve --openai`")
     triton, frontend, clients = (
         CpuMeter(triton_pid),
         CpuMeter(frontend_pid),
         CpuMeter(os.getpid(), descendants=False),  # the clients' threads; the servers are our children
     )
     for url in (grpc_url, openai_url):  # connections, imports and the frontend's threads warmed
-        _timed_request(url, puzzles[0], 0)
+        _timed_request(url, reqs[0], 0)
     rows = []
     for c in concurrency:
         runs: dict[str, list[dict[str, Any]]] = {"grpc": [], "openai": []}
         for _ in range(rounds):
-            runs["grpc"].append(_level(grpc_url, puzzles, c, {"triton": triton, "client": clients}))
+            runs["grpc"].append(_level(grpc_url, reqs, c, {"triton": triton, "client": clients}))
             runs["openai"].append(
-                _level(openai_url, puzzles, c, {"triton": triton, "frontend": frontend, "client": clients})
+                _level(openai_url, reqs, c, {"triton": triton, "frontend": frontend, "client": clients})
             )
         g, o = _median_rows(runs["grpc"]), _median_rows(runs["openai"])
         rows.append({"protocol": "grpc", "concurrency": c, **g})

@@ -12,20 +12,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.bench.results import percentile, save_plot, save_result
-from pipeline.demo import sudoku
+from pipeline.bench.workload import BenchRequest, bench_requests
 
 if TYPE_CHECKING:
     from pipeline.serving.server import TritonServer
 
 SERVE_JSON, SERVE_PLOTS = "serve.json", ("serve_throughput.png", "serve_latency.png")
+REQUEST_SEED = 40_000  # the held-out examples the serving benchmarks send (apart from other evaluations')
 
 
-def _timed_request(url: str, puzzle: str, seed: int) -> dict[str, float]:
+def _timed_request(url: str, req: BenchRequest, seed: int) -> dict[str, float]:
+    """One streamed request: latency, time to the first canvas, and `ok` when the reply is a full answer
+    (as long as the reference one, right or not)."""
     from pipeline.serving.client import generate
 
     start = time.perf_counter()
     first = None
-    gen = generate(url, puzzle, max_tokens=82, stream=True, seed=seed, exclude_input_in_output=True)
+    gen = generate(
+        url, req.prompt, max_tokens=req.max_tokens, stream=True, seed=seed, exclude_input_in_output=True
+    )
     text = ""
     try:
         while True:
@@ -38,12 +43,12 @@ def _timed_request(url: str, puzzle: str, seed: int) -> dict[str, float]:
     return {
         "latency": total,
         "ttfc": first if first is not None else total,
-        "tokens": 82.0,
-        "ok": float(len(text) == 81),
+        "tokens": float(req.max_tokens),
+        "ok": float(len(text) == req.answer_chars),
     }
 
 
-def _in_process(session, puzzles: list[str], concurrency: int) -> list[dict[str, float]]:
+def _in_process(session, requests: list[BenchRequest], concurrency: int) -> list[dict[str, float]]:
     """The same requests through the runtime directly: all submitted, `concurrency` slots, each freed slot
     refilled at the next canvas boundary (as the server does). Latency counts from admission, like a
     closed-loop client that sends its next request when the previous one returns."""
@@ -54,14 +59,14 @@ def _in_process(session, puzzles: list[str], concurrency: int) -> list[dict[str,
     rt = BlockDiffusionRuntime(session.model, max_batch=concurrency, max_len=400)
     reqs = [
         Request(
-            prompt_ids=session.encode_prompt(p),
-            max_tokens=82,
+            prompt_ids=session.encode_prompt(r.prompt),
+            max_tokens=r.max_tokens,
             sampler=session.sampler(),
             seed=i,
             draw_id=0,
-            template=session.default_template(p),
+            template=session.default_template(r.prompt),
         )
-        for i, p in enumerate(puzzles)
+        for i, r in enumerate(requests)
     ]
     with torch.inference_mode():
         results = rt.generate(reqs)
@@ -102,25 +107,22 @@ def run_bench_serve(
     from pipeline.runtime.session import load_session
 
     session = load_session()
-    lo, hi = session.checkpoint.dgpipe.get("givens_range", (45, 61))
-    puzzles = [p for p, _ in sudoku.make_dataset(40_000, requests, (lo, hi))]
+    reqs = bench_requests(session, requests, REQUEST_SEED, "`dgpipe bench serve`")
     rows = []
     targets = [("http", http_url), ("grpc", grpc_url)]
     for c in concurrency:
         for proto, url in targets:
             if not url:
                 continue
-            _timed_request(url, puzzles[0], 0)  # warm the connection path
+            _timed_request(url, reqs[0], 0)  # warm the connection path
             start = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(c) as pool:
-                samples = list(
-                    pool.map(lambda ip, u=url: _timed_request(u, ip[1], ip[0]), enumerate(puzzles))
-                )
+                samples = list(pool.map(lambda ir, u=url: _timed_request(u, ir[1], ir[0]), enumerate(reqs)))
             rows.append(
                 {"protocol": proto, "concurrency": c, **_summary(samples, time.perf_counter() - start)}
             )
         start = time.perf_counter()
-        samples = _in_process(session, puzzles, c)
+        samples = _in_process(session, reqs, c)
         rows.append(
             {"protocol": "in-process", "concurrency": c, **_summary(samples, time.perf_counter() - start)}
         )
@@ -142,7 +144,7 @@ def run_bench_serve(
             ax.set_xscale("log", base=2)
             ax.set_xlabel("concurrent requests")
             ax.set_ylabel(label)
-            ax.set_title(f"Sudoku model via Triton: {label}")
+            ax.set_title(f"{session.checkpoint.path.name} via Triton: {label}")
             ax.legend()
 
         return draw

@@ -1,5 +1,9 @@
-"""`dgpipe bench sweep`: accuracy against denoising steps and entropy bound on the embedded Sudoku model,
-as JSON plus a PNG of the accuracy/steps trade-off (with its Pareto front); every point carries its step policy."""
+"""`dgpipe bench sweep`: accuracy against denoising steps and entropy bound, as JSON plus a PNG of the
+accuracy/steps trade-off (with its Pareto front); every point carries its step policy.
+
+The examples and their judgement are the model's prompt format's (`evaluation_examples`, `evaluate`: the
+embedded model's format draws Sudoku puzzles of its givens band and counts exact solutions), so the sweep
+runs on any model whose format evaluates its task and refuses others, naming what is missing."""
 
 from __future__ import annotations
 
@@ -8,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench.results import save_plot, save_result
-from pipeline.demo import sudoku
 
 SWEEP_JSON, SWEEP_PLOT = "sweep.json", "sweep.png"
+SWEEP_SEED = 30_000  # the held-out examples of every point (apart from other evaluations')
+HOOKS = ("evaluation_examples", "evaluate")
 
 
 def run_sweep(
@@ -18,23 +23,23 @@ def run_sweep(
     bounds: list[float],
     steps: list[int],
     n: int,
-    givens: tuple[int, int] | None,
     out: Path,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """Solve rate per (bound, max steps) on n puzzles; writes out/sweep.json + sweep.png, returns the result.
-    `progress(k)` is told of every k puzzles done (len(bounds) * len(steps) * n in all)."""
-    from pipeline.demo.evaluate import eval_sudoku
+    """Solve rate per (bound, max steps) on the same n held-out examples; writes out/sweep.json + sweep.png,
+    returns the result. `progress(k)` is told of every k examples done (len(bounds) * len(steps) * n in all)."""
+    from pipeline.runtime.prompt_format import prompt_format_name, require_hooks
     from pipeline.runtime.session import load_session
 
     session = load_session(model)
-    givens = givens or tuple(session.checkpoint.dgpipe.get("givens_range", (45, 61)))  # type: ignore[assignment]
-    puzzles = sudoku.make_dataset(30_000, n, givens)
+    fmt = session.prompt_format
+    require_hooks(fmt, HOOKS, "`dgpipe bench sweep`", session.checkpoint.path)
+    examples = fmt.evaluation_examples(n, SWEEP_SEED)
     points: list[dict[str, Any]] = []
     for b in bounds:
         for s in steps:
             sampler = session.sampler(entropy_bound=b, max_denoising_steps=s)
-            rep = eval_sudoku(session.model, puzzles, givens, sampler, batch=100, progress=progress)
+            rep = fmt.evaluate(session.model, examples, sampler, progress)
             points.append(
                 {
                     "entropy_bound": b,
@@ -48,8 +53,8 @@ def run_sweep(
     pareto = pareto_front(points)
     result = {
         "model": str(session.checkpoint.path),
+        "prompt_format": prompt_format_name(session.checkpoint),
         "n": n,
-        "givens": givens,
         "policy": "adaptive (confidence 0.005)",
         "points": points,
         "pareto": pareto,
@@ -72,7 +77,7 @@ def run_sweep(
             label="Pareto front",
         )
         ax.set_xlabel("mean denoising steps per canvas")
-        ax.set_ylabel(f"solve rate, % of {n} puzzles ({givens[0]}-{givens[1]} givens)")
+        ax.set_ylabel(f"solve rate, % of {n} held-out examples")
         ax.set_title("Entropy bound x max steps (adaptive stop)")
         ax.legend(fontsize=8)
 

@@ -61,12 +61,14 @@ def bench_sweep(
     model: opt.Model = None,
     bounds: Annotated[str, typer.Option(help="comma-separated entropy bounds")] = "0.03,0.1,0.3,1,3",
     steps: Annotated[str, typer.Option(help="comma-separated max denoising steps")] = "2,4,8,16,48",
-    n: Annotated[int, typer.Option(help="puzzles per point")] = 100,
-    givens: Annotated[str, typer.Option(help="givens range LO-HI (default: the model's)")] = "",
+    n: Annotated[
+        int, typer.Option(help="held-out examples per point (the model's prompt format draws them)")
+    ] = 100,
     out_dir: Annotated[Path | None, _out("bench-sweep")] = None,
     as_json: opt.Json = False,
 ) -> None:
-    """Sudoku solve rate against mean steps per canvas over entropy bound x max steps (Pareto curve)."""
+    """Solve rate (the prompt format's judgement) against mean steps per canvas over entropy bound x max
+    steps (Pareto curve)."""
     try:
         b = [float(x) for x in bounds.split(",")]
         st = [int(x) for x in steps.split(",")]
@@ -74,12 +76,11 @@ def bench_sweep(
         raise DgpipeError("--bounds and --steps take comma-separated numbers") from e
     if n < 1 or min(b) <= 0 or min(st) < 1:
         raise DgpipeError("need --n >= 1, bounds > 0 and steps >= 1")
-    lohi = opt.givens_range(givens) if givens else None
     out_dir = out_dir or opt.cache_dir() / "bench-sweep"
     from pipeline.bench.sweep import SWEEP_JSON, SWEEP_PLOT, run_sweep
 
     with out.progress("sweep", total=len(b) * len(st) * n, disable=as_json) as advance:
-        result = run_sweep(model, b, st, n, lohi, out_dir, progress=advance)
+        result = run_sweep(model, b, st, n, out_dir, progress=advance)
     if as_json:
         out.json_out(result)
         out.saved([out_dir / SWEEP_JSON, out_dir / SWEEP_PLOT], as_json)

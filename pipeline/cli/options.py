@@ -88,7 +88,7 @@ def in_cache(sub: str) -> str:
 
 
 def givens_range(text: str) -> tuple[int, int]:
-    """`--givens LO-HI` (eval sudoku, train, bench sweep)."""
+    """`--givens LO-HI` (eval sudoku, train)."""
     from pipeline.errors import DgpipeError
 
     try:

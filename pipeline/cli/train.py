@@ -10,9 +10,11 @@ import typer
 
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
+from pipeline.demo.sudoku import DEFAULT_GIVENS
 from pipeline.errors import DgpipeError
 
 app = opt.typer_app()
+DEFAULT_BAND = "-".join(map(str, DEFAULT_GIVENS))  # the demo's band, as --givens spells it
 
 
 OutDir = Annotated[Path | None, opt.out("output checkpoint dir (HF layout); " + opt.in_cache("sudoku-tiny"))]
@@ -41,7 +43,7 @@ def train(
     minutes: Annotated[float, typer.Option(help="wall-clock training budget")] = 118.0,
     max_steps: MaxSteps = None,
     config: Annotated[str, typer.Option(help="configs/models/<name>.yaml")] = "sudoku-tiny",
-    givens: Annotated[str, typer.Option(help="final givens range LO-HI of the curriculum")] = "45-61",
+    givens: Annotated[str, typer.Option(help="final givens range LO-HI of the curriculum")] = DEFAULT_BAND,
     curriculum_start: CurriculumStart = None,
     eval_givens: EvalGivens = "",
     hard_fraction: HardFraction = 0.0,

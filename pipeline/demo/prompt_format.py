@@ -67,7 +67,7 @@ class SudokuFormat:
         """Solve rate = exact match with the unique solution (`pipeline.demo.evaluate.eval_sudoku`)."""
         puzzles = [(e.prompt, e.answer) for e in examples]
         rep = eval_sudoku(model, puzzles, self.givens, sampler, batch=50, seed=0, progress=progress)
-        return Accuracy(rep.solve_rate, rep.valid_rate, rep.mean_steps, rep.p90_steps)
+        return Accuracy(rep.solve_rate, rep.valid_rate, rep.mean_steps, rep.p90_steps, rep.tokens_per_s)
 
     def encode_prompt(self, text: str) -> list[int]:
         return stok.sudoku_prompt_ids(_puzzle(text))

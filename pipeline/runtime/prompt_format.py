@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
-from pipeline.errors import CheckpointError, InputError
+from pipeline.errors import CheckpointError, DgpipeError, InputError
 from pipeline.model.checkpoint import Checkpoint
 from pipeline.runtime.chat_template import Message, load_chat_template
 
@@ -63,6 +63,7 @@ class Accuracy:
     valid_rate: float  # answers well-formed for the task (right or not)
     mean_steps: float  # denoise steps per canvas
     p90_steps: float
+    tokens_per_s: float  # generated tokens per second of the evaluation (the speed side of a trade-off)
 
 
 class PromptFormat(Protocol):
@@ -200,6 +201,18 @@ def prompt_format_factory(name: str) -> PromptFormatFactory | None:
 
 def known_prompt_formats() -> list[str]:
     return sorted({*_REGISTRY, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
+
+
+def require_hooks(fmt: PromptFormat, hooks: Sequence[str], what: str, model: object) -> None:
+    """Refuse, naming what is missing, when `what` (a command that needs the task knowledge of `model`'s
+    format) finds one of the optional `hooks` absent: a plain text model has no examples to draw or judge."""
+    missing = [h for h in hooks if not callable(getattr(fmt, h, None))]
+    if missing:
+        raise DgpipeError(
+            f"{model}: its prompt format {type(fmt).__name__} has no {', '.join(missing)}",
+            f"{what} needs a prompt format that supplies {', '.join(hooks)} (a task format, like the "
+            f"embedded model's)",
+        )
 
 
 def prompt_format_name(checkpoint: Checkpoint) -> str:

@@ -5,7 +5,10 @@ any stage; the foundation modules (errors, atomic writes, resources, targets, bu
 An import is any way code gets a module: `import`/`from` statements at any depth (lazy ones inside functions
 count), `importlib.import_module("pkg.mod")` / `__import__`, and "pkg.mod:attr" target strings. On top of the
 climbing rule: no import circle anywhere (a lazy import that dodges one is still one), and every entry
-point in pyproject.toml names a module and attribute that exist and have a place on the path."""
+point in pyproject.toml names a module and attribute that exist and have a place on the path.
+
+Task knowledge stays behind the prompt format: outside `pipeline.demo`, only the demo's own commands import
+it (the entry point in pyproject.toml is how everything else reaches the demo's format)."""
 
 from __future__ import annotations
 
@@ -189,6 +192,22 @@ def later_stage_imports(root: Path) -> list[str]:
     return problems
 
 
+# the demo's own commands (`dgpipe train`, `dgpipe eval sudoku`), and the constrained-decoding benchmark
+DEMO_IMPORTERS = {"pipeline.cli.train", "pipeline.cli.eval", "pipeline.bench.guided"}
+
+
+def demo_imports(root: Path) -> list[str]:
+    """Imports of `pipeline.demo` (spelled any way `imported_modules` finds) from outside it and DEMO_IMPORTERS."""
+    problems = []
+    for module, path in module_files(root).items():
+        if module in DEMO_IMPORTERS or stage_of(module) == STAGES["pipeline.demo"]:
+            continue
+        for name, line in imported_modules(path.read_text()):
+            if name == "pipeline.demo" or name.startswith("pipeline.demo."):
+                problems.append(f"{path.relative_to(root)}:{line} imports {name}")
+    return problems
+
+
 def test_every_module_has_a_place_on_the_data_path():
     """A new package must be placed on the path (or named an orchestrator) for the rule to cover it."""
     unplaced = []
@@ -275,3 +294,47 @@ def test_entry_point_rule_catches_a_broken_target(tmp_path: Path, entry: str, pr
     (tmp_path / "pyproject.toml").write_text(f'[project.entry-points."dgpipe.prompt_formats"]\n{entry}\n')
     problems = entry_point_problems(tmp_path)
     assert len(problems) == 1 and problem in problems[0], problems
+
+
+def test_only_the_demos_own_commands_import_the_demo():
+    assert demo_imports(ROOT) == []
+
+
+@pytest.mark.parametrize(
+    ("module_path", "source", "problem"),
+    [
+        (
+            "pipeline/bench/x.py",
+            "def f():\n    from pipeline.demo import sudoku\n",
+            "pipeline/bench/x.py:2 imports pipeline.demo.sudoku",
+        ),
+        (
+            "pipeline/cli/bench.py",
+            "import pipeline.demo.evaluate\n",
+            "pipeline/cli/bench.py:1 imports pipeline.demo.evaluate",
+        ),
+        (
+            "quantize/x.py",
+            "from pipeline.demo.sudoku import DEFAULT_GIVENS\n",
+            "quantize/x.py:1 imports pipeline.demo.sudoku.DEFAULT_GIVENS",
+        ),
+        (
+            "pipeline/runtime/x.py",
+            "FMT = 'pipeline.demo.prompt_format:SudokuFormat'\n",
+            "pipeline/runtime/x.py:1 imports pipeline.demo.prompt_format",
+        ),
+    ],
+)
+def test_the_demo_rule_catches_an_import_from_outside(
+    tmp_path: Path, module_path: str, source: str, problem: str
+):
+    """Only the offender is reported: the demo importing itself and the demo's own commands are allowed."""
+    allowed = {
+        "pipeline/cli/train.py": "from pipeline.demo.sudoku import DEFAULT_GIVENS\n",
+        "pipeline/demo/x.py": "from pipeline.demo import sudoku\n",
+        module_path: source,
+    }
+    for rel, text in allowed.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert demo_imports(tmp_path) == [problem]

@@ -129,3 +129,4 @@ def test_task_format_evaluates_the_embedded_model():
     fmt = session.prompt_format
     acc = fmt.evaluate(session.model, fmt.evaluation_examples(4, 20_000), session.sampler(), None)
     assert acc.solve_rate >= 0.5 and acc.valid_rate >= acc.solve_rate and acc.mean_steps >= 1
+    assert acc.tokens_per_s > 0
