@@ -95,9 +95,8 @@ class TritonPythonModel:
         version_dir = Path(args["model_repository"]) / args["model_version"]
         loaded = load_model(json.loads(args["model_config"]), version_dir, log)
         metrics = Metrics(TritonMetrics())
-        drain = (
-            DrainSignal.from_env()
-        )  # touched after this load: drain (an older file is a previous server's)
+        # the drain file touched after this load drains the server (an older file is a previous server's)
+        drain = DrainSignal.from_env()
         self.core = ServingCore(loaded.session, loaded.runtime, loaded.limits, metrics, drain, log.error)
         self.core.start()
 
