@@ -194,9 +194,8 @@ class ServerLimits:
     max_tokens: int  # max_tokens per request
     max_steps: int  # max_denoising_steps: denoise passes per canvas
     max_prompt: int  # prompt tokens (already within what the model's positions hold with one canvas)
-    max_request_seconds: float = float(
-        "inf"
-    )  # how long a request may run once it has a batch slot: its deadline
+    # how long a request may run once it has a batch slot: its deadline
+    max_request_seconds: float = float("inf")
 
 
 def prompt_limit(cap: int, max_positions: int, canvas_length: int) -> int:
