@@ -20,12 +20,13 @@ from pipeline.errors import CheckpointError
 from pipeline.model.config import ModelConfig
 from pipeline.model.files import (
     DECODER,
-    MAX_JSON_BYTES,
     PER_EXPERT,
     check_finite,
+    check_text_files,
     checkpoint_files,
     read_json,
     read_json_object,
+    read_text,
     runtime_name,
     tensor_headers,
     weight_files,
@@ -52,14 +53,14 @@ class Checkpoint:
         f = self.path / "tokenizer.json"
         if not f.is_file():
             raise CheckpointError(f"{f}: missing", "text prompts need tokenizer.json; or pass token ids")
-        if f.stat().st_size > MAX_JSON_BYTES:
-            raise CheckpointError(
-                f"{f}: larger than {MAX_JSON_BYTES >> 20} MiB", "replace it with the model's tokenizer"
-            )
+        text = read_text(f)  # bounded and UTF-8 (FILE_LIMITS)
         try:
-            return Tokenizer.from_file(str(f))
+            return Tokenizer.from_str(text)
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
-            raise CheckpointError(f"{f}: cannot be read as a tokenizers file ({e})") from e
+            raise CheckpointError(
+                f"{f}: cannot be read as a tokenizers file ({e})",
+                "replace it with the model's tokenizer.json",
+            ) from e
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -68,6 +69,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     (`pipeline.model.validate.validate_checkpoint` checks those too)."""
     p = Path(path)
     checkpoint_files(p)
+    check_text_files(p)  # tokenizer files, template, generation config: bounded, UTF-8, JSON objects
     config = ModelConfig.from_raw(read_json(p / "config.json"), source=str(p / "config.json"))
     gen = read_json_object(p / "generation_config.json") if (p / "generation_config.json").is_file() else {}
     extra = read_json_object(p / "dgpipe.json") if (p / "dgpipe.json").is_file() else {}

@@ -23,7 +23,34 @@ from pipeline.errors import CheckpointError
 if TYPE_CHECKING:
     import torch
 
-MAX_JSON_BYTES = 64 << 20  # a real tokenizer.json is ~33 MB; config/index files are kilobytes
+MIB = 1 << 20
+# The most bytes dgpipe reads of each checkpoint file it parses or copies into a model repository, by name:
+# each bound is a few times the largest real file of its kind, so a file past it is garbage or hostile (a
+# link to /dev/zero, a 100 MiB "template") and is refused before it is read into memory or copied.
+FILE_LIMITS: dict[str, int] = {
+    "tokenizer.json": 64 * MIB,  # Gemma's (262k-token vocabulary with merges) is ~33 MB
+    "tokenizer_config.json": 8 * MIB,  # Gemma's lists every added token: ~1.2 MB
+    "model.safetensors.index.json": 16 * MIB,  # a tensor name per line: ~1 MB for a per-expert 26B MoE
+    "config.json": 1 * MIB,  # the model's shape: a few kilobytes
+    "special_tokens_map.json": 1 * MIB,  # a handful of named tokens: under a kilobyte
+    "chat_template.jinja": 1 * MIB,  # Gemma's template is ~10 KB
+    "chat_template.json": 1 * MIB,  # the same template, JSON-quoted
+    "generation_config.json": 1 * MIB,  # sampler defaults and end tokens: under a kilobyte
+    "dgpipe.json": 1 * MIB,  # prompt format, task, provenance: under a kilobyte
+    "hf_quant_config.json": 1 * MIB,  # ModelOpt's quantization record: under a kilobyte
+}
+DEFAULT_FILE_LIMIT = 1 * MIB  # any other JSON file dgpipe reads from a checkpoint
+# the text files dgpipe reads besides config.json, each checked (bounded, UTF-8, JSON parsed) when the
+# checkpoint is opened: the tokenizer, its config, the chat template, the generation defaults, dgpipe.json
+TEXT_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "dgpipe.json",
+)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib")
 FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors names of the dtypes an unquantized weight may have
 PACKED_DTYPES = ("U8", "F8_E4M3")  # ModelOpt's packed weights (pipeline.model.modelopt)
@@ -107,26 +134,53 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return found
 
 
-def read_json(f: Path, limit: int = MAX_JSON_BYTES) -> Any:
-    """A JSON file of the checkpoint, read with a size cap (a config.json linked to /dev/zero, or a FIFO,
-    must not hang or fill memory)."""
+def file_limit(f: Path) -> int:
+    """The most bytes dgpipe reads of this checkpoint file (`FILE_LIMITS`, by name)."""
+    return FILE_LIMITS.get(f.name, DEFAULT_FILE_LIMIT)
+
+
+def read_bytes(f: Path) -> bytes:
+    """A checkpoint file's bytes, read with its size bound (a file linked to /dev/zero, or a FIFO, must not
+    hang or fill memory): the read stops one byte past the bound, whatever stat says."""
     try:
         st = f.stat()
     except FileNotFoundError as e:
         raise CheckpointError(f"{f}: missing", "a checkpoint directory needs config.json") from e
     if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{f}: not a regular file", "replace it with the JSON file itself")
+        raise CheckpointError(f"{f}: not a regular file", "replace it with the file itself")
+    limit = file_limit(f)
     with open(f, "rb") as fh:
         data = fh.read(limit + 1)
     if len(data) > limit:
         raise CheckpointError(
-            f"{f}: larger than {limit >> 20} MiB", "a JSON file of a checkpoint is far smaller; replace it"
+            f"{f}: larger than {limit / MIB:g} MiB, the bound for a {f.name}",
+            "a real one is far smaller: replace it with the model's own file",
         )
+    return data
+
+
+def read_text(f: Path) -> str:
+    """A checkpoint text file (bounded as `read_bytes`), decoded as UTF-8 (JSON and Jinja files are UTF-8;
+    anything else is a corrupt file, refused here rather than as a decode error wherever it is used)."""
+    data = read_bytes(f)
     try:
-        return json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        where = f" ({e.msg} at line {e.lineno})" if isinstance(e, json.JSONDecodeError) else ""
-        raise CheckpointError(f"{f}: not valid JSON{where}", "fix or replace the file") from e
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(
+            f"{f}: not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})",
+            "save it as UTF-8 or replace it with the model's own file",
+        ) from e
+
+
+def read_json(f: Path) -> Any:
+    """A JSON file of the checkpoint: bounded, UTF-8, parsed."""
+    text = read_text(f)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{f}: not valid JSON ({e.msg} at line {e.lineno})", "fix or replace the file"
+        ) from e
 
 
 def read_json_object(f: Path) -> dict[str, Any]:
@@ -134,6 +188,20 @@ def read_json_object(f: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{f}: holds a {type(raw).__name__}, not a JSON object", "fix or replace it")
     return raw
+
+
+def check_text_files(root: Path) -> None:
+    """Every text file of `TEXT_FILES` the checkpoint has is within its bound and valid UTF-8, and the JSON
+    ones parse to an object: checked when the checkpoint is opened, before any command reads or copies them.
+    tokenizer.json is only decoded here: the tokenizers library parses it (`Checkpoint.tokenizer`)."""
+    for name in TEXT_FILES:
+        f = root / name
+        if not f.exists() and not f.is_symlink():
+            continue
+        if name.endswith(".json") and name != "tokenizer.json":
+            read_json_object(f)
+        else:
+            read_text(f)
 
 
 def weight_files(ckpt: Path) -> dict[str, Path]:

@@ -6,8 +6,13 @@ What it checks, cheapest first:
 * the directory itself: regular files and folders only; a symlink must stay inside the checkpoint (or
   point into the Hugging Face cache's `blobs/` folder beside a `snapshots/<rev>` directory); no pickle
   files at all (dgpipe never unpickles and never copies them);
-* JSON files are read with a size cap (`MAX_JSON_BYTES`), config.json through the typed schema and its
-  sanity limits (`pipeline.model.config.CONFIG_LIMITS`) before anything is allocated;
+* every file dgpipe reads or copies besides the weights (config.json, the tokenizer and its config, the
+  chat template, generation_config.json, dgpipe.json) is read with its size bound
+  (`pipeline.model.files.FILE_LIMITS`) and decoded as UTF-8; config.json goes through the typed schema and
+  its sanity limits (`pipeline.model.config.CONFIG_LIMITS`) before anything is allocated; tokenizer.json
+  must load in the tokenizers library; generation_config.json's sampler defaults must lie in the sampler's
+  ranges (`SamplerConfig`, `SAMPLER_RANGES`) with `max_denoising_steps` within the serving cap, and its end
+  tokens inside the vocabulary;
 * every tensor's name, dtype and shape, from the safetensors headers only (no weight is read), against
   the shapes the config implies; an index may only name `.safetensors` files inside the directory;
 * with `weights=True`, every floating tensor is finite, in one sequential pass over the weight files that
@@ -22,8 +27,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
+from pipeline.errors import CheckpointError, SamplerError
+from pipeline.limits import DEFAULTS, Limits
 from pipeline.model.checkpoint import Checkpoint, open_checkpoint
+from pipeline.model.config import ModelConfig, SamplerConfig
 from pipeline.model.files import TensorHeader, tensor_headers, weight_files, weights_pass
 from pipeline.model.modelopt import quant_algo
 from pipeline.model.shapes import check_tensors
@@ -43,11 +52,63 @@ class ValidatedCheckpoint(Checkpoint):
         return set(self.headers)
 
 
-def validate_checkpoint(path: str | Path, weights: bool = False) -> ValidatedCheckpoint:
+GENERATION_FIX = "fix generation_config.json or delete it (dgpipe then uses the published sampler defaults)"
+# transformers rebuilds generation_config.json's `sampler_config` from the class its `_cls_name` names
+SAMPLER_CONFIG_CLASS = "EntropyBoundSamplerConfig"
+
+
+def check_generation_config(
+    raw: dict[str, Any], config: ModelConfig, where: Path, limits: Limits = DEFAULTS
+) -> SamplerConfig:
+    """generation_config.json's defaults, checked as a request's sampler settings are: each in the sampler's
+    range, `max_denoising_steps` within the serving cap (a default past it would be refused on every request
+    that does not override it), the sampler config in the form transformers loads, the end tokens in the
+    vocabulary. Returns the sampler defaults it describes."""
+    sc = raw.get("sampler_config")
+    if sc is not None:
+        if not isinstance(sc, dict):
+            raise CheckpointError(
+                f"{where}: 'sampler_config' must be an object (got {type(sc).__name__})", GENERATION_FIX
+            )
+        if sc.get("_cls_name") != SAMPLER_CONFIG_CLASS:
+            raise CheckpointError(
+                f"{where}: 'sampler_config._cls_name' must be {SAMPLER_CONFIG_CLASS!r} "
+                f"(got {sc.get('_cls_name')!r})",
+                GENERATION_FIX,
+            )
+    try:
+        sampler = SamplerConfig.from_generation_config(raw)
+    except SamplerError as e:
+        raise CheckpointError(f"{where}: {e}", GENERATION_FIX) from e
+    if sampler.max_denoising_steps > limits.max_steps:
+        raise CheckpointError(
+            f"{where}: max_denoising_steps {sampler.max_denoising_steps} is over the serving cap of "
+            f"{limits.max_steps} steps per canvas",
+            f"set it to at most {limits.max_steps} in generation_config.json",
+        )
+    eos = raw.get("eos_token_id")
+    ids = [eos] if not isinstance(eos, list) else eos
+    vocab = config.text_config.vocab_size
+    for i in ids:
+        if i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab):
+            raise CheckpointError(
+                f"{where}: eos_token_id {i!r} is not a token id of the {vocab}-token vocabulary",
+                GENERATION_FIX,
+            )
+    return sampler
+
+
+def validate_checkpoint(
+    path: str | Path, weights: bool = False, limits: Limits = DEFAULTS
+) -> ValidatedCheckpoint:
     """Open and check a checkpoint before any work (see the module docstring). `weights=True` also reads
     every weight file once, in order, refusing NaN/inf and computing the content hash from the same bytes
-    (for commands that do not load the weights themselves, and for builds, which record the hash)."""
-    ckpt = open_checkpoint(path)  # directory scan, bounded JSON reads, config schema and limits
+    (for commands that do not load the weights themselves, and for builds, which record the hash).
+    `limits`: the serving caps the checkpoint's generation defaults must fit."""
+    ckpt = open_checkpoint(path)  # directory scan, bounded and decoded text files, config schema and limits
+    check_generation_config(ckpt.generation_config, ckpt.config, ckpt.path / "generation_config.json", limits)
+    if ckpt.has_tokenizer:
+        ckpt.tokenizer()  # loads in the tokenizers library, or is refused naming the file
     headers = tensor_headers(weight_files(ckpt.path))
     algo = quant_algo(ckpt.path)
     check_tensors(ckpt.config, headers, algo, ckpt.path)

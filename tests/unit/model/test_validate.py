@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.errors import CheckpointError
 from pipeline.model import checkpoint as ck
-from pipeline.model.files import checkpoint_files
+from pipeline.model.files import FILE_LIMITS, checkpoint_files
 from pipeline.model.validate import validate_checkpoint
 
 EMBED = "model.decoder.embed_tokens.weight"
@@ -163,7 +163,28 @@ def _set(value: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return fn
 
 
-BIG = 65 << 20  # past MAX_JSON_BYTES
+BIG = 65 << 20  # past every bound of FILE_LIMITS
+
+
+def _oversize(name: str) -> Callable[[Path], None]:
+    """`name` one byte past its bound (a sparse file: nothing that size is written)."""
+
+    def apply(d: Path) -> None:
+        (d / name).touch()
+        os.truncate(d / name, FILE_LIMITS[name] + 1)
+
+    return apply
+
+
+def _generation(**change) -> Callable[[Path], None]:
+    def apply(d: Path) -> None:
+        f = d / "generation_config.json"
+        (f).write_text(json.dumps({**json.loads(f.read_text()), **change}))
+
+    return apply
+
+
+NOT_UTF8 = b'{"chat_template": "\xff\xfe {{ messages }}"}'  # Latin-1 bytes in a JSON string
 
 CASES: dict[str, Callable[[Path], None]] = {
     # truncated / unreadable weights
@@ -239,7 +260,39 @@ CASES: dict[str, Callable[[Path], None]] = {
     "layer-types-length": _config(text_layer_types=["full_attention"]),
     "generation-config-list": _write("generation_config.json", "[]"),
     "dgpipe-json-not-json": _write("dgpipe.json", "{"),
+    # the tokenizer, its config and the chat template: bounded and UTF-8
+    "tokenizer-huge": _oversize("tokenizer.json"),
+    "tokenizer-config-huge": _oversize("tokenizer_config.json"),
+    "special-tokens-huge": _oversize("special_tokens_map.json"),
+    "chat-template-huge": _oversize("chat_template.jinja"),
+    "chat-template-json-huge": _oversize("chat_template.json"),
+    "generation-config-huge": _oversize("generation_config.json"),
+    "dgpipe-json-huge": _oversize("dgpipe.json"),
+    "tokenizer-config-not-utf8": _write("tokenizer_config.json", NOT_UTF8),
+    "special-tokens-not-utf8": _write("special_tokens_map.json", b'{"eos_token": "\xc3"}'),
+    "chat-template-not-utf8": _write("chat_template.jinja", b"{{ messages }}\xff"),
+    "tokenizer-not-utf8": _write("tokenizer.json", b'{"version": "1.0", "x": "\xff"}'),
+    "tokenizer-config-list": _write("tokenizer_config.json", "[]"),
+    "special-tokens-not-json": _write("special_tokens_map.json", "{eos"),
 }
+# what only the validator checks (package, quantize, export and build run it; generate loads the model and
+# meets these when it builds its sampler and tokenizer, each a one-line error too)
+VALIDATOR_CASES: dict[str, Callable[[Path], None]] = {
+    "generation-steps-1e9": _generation(max_denoising_steps=1e9),
+    "generation-steps-zero": _generation(max_denoising_steps=0),
+    "generation-steps-fraction": _generation(max_denoising_steps=2.5),
+    "generation-entropy-negative": _generation(
+        sampler_config={"entropy_bound": -1, "_cls_name": "EntropyBoundSamplerConfig"}
+    ),
+    "generation-sampler-no-class": _generation(sampler_config={"entropy_bound": 0.1}),
+    "generation-sampler-list": _generation(sampler_config=[0.1]),
+    "generation-t-min-over-t-max": _generation(t_min=0.9, t_max=0.5),
+    "generation-temperature-zero": _generation(t_max=0),
+    "generation-eos-outside-vocab": _generation(eos_token_id=[1, 10**6]),
+    "generation-eos-string": _generation(eos_token_id="</s>"),
+    "tokenizer-garbage": _write("tokenizer.json", '{"model": 7}'),
+}
+CASES.update(VALIDATOR_CASES)
 
 
 def _corrupt(tiny: Path, case: str) -> Path:
@@ -253,9 +306,33 @@ def test_validator_refuses(tiny_checkpoint: Path, case: str):
     with pytest.raises(CheckpointError) as e:
         validate_checkpoint(d, weights=True)
     assert e.value.hint, f"{case}: no fix named in {e.value}"
+    assert str(d) in str(e.value), f"{case}: the file is not named in {e.value}"
+    if case in VALIDATOR_CASES:
+        return
     # load_model (generate, export) refuses it too, before allocating the model
     with pytest.raises(CheckpointError):
         ck.load_model(d)
+
+
+def test_file_errors_name_the_file_and_the_problem(tiny_checkpoint: Path):
+    for case, words in (
+        ("tokenizer-huge", "tokenizer.json: larger than 64 MiB, the bound for a tokenizer.json"),
+        ("special-tokens-huge", "special_tokens_map.json: larger than 1 MiB"),
+        ("tokenizer-config-not-utf8", "tokenizer_config.json: not valid UTF-8 (byte 0xff at offset 19)"),
+        ("chat-template-not-utf8", "chat_template.jinja: not valid UTF-8"),
+        ("generation-steps-1e9", "max_denoising_steps 1000000000 is over the serving cap of 256"),
+        ("generation-entropy-negative", "entropy_bound must be in [0.001, 1e+06] (got -1"),
+        ("generation-sampler-no-class", "'sampler_config._cls_name' must be 'EntropyBoundSamplerConfig'"),
+        ("generation-eos-outside-vocab", "eos_token_id 1000000 is not a token id"),
+        ("tokenizer-garbage", "tokenizer.json: cannot be read as a tokenizers file"),
+    ):
+        d = tiny_checkpoint.parent / case
+        shutil.copytree(tiny_checkpoint, d)
+        CASES[case](d)
+        with pytest.raises(CheckpointError) as e:
+            validate_checkpoint(d)
+        assert words in str(e.value), (case, str(e.value))
+        assert "\n" not in str(e.value), (case, str(e.value))
 
 
 def test_valid_checkpoint_passes(tiny_checkpoint: Path, tmp_path: Path):
@@ -299,6 +376,8 @@ def test_config_limit_errors_name_the_field(tiny_checkpoint: Path):
 # ---- the CLI: each command refuses, with one error line and nothing written ---------------------------
 CLI_CASES = {
     "generate": [
+        "tokenizer-config-not-utf8",
+        "chat-template-huge",
         "truncated-tail",
         "nan-weight",
         "symlink-config-dev-zero",
@@ -311,10 +390,36 @@ CLI_CASES = {
         "symlink-tokenizer-dev-zero",
         "nan-weight",
         "missing-tensor",
+        "tokenizer-huge",
+        "special-tokens-not-utf8",
+        "generation-steps-1e9",
     ],
-    "quantize": ["pickle-only", "int32-tensor", "extra-unknown-tensor", "config-list", "index-parent-dir"],
-    "export": ["shape-transposed-embed", "inf-weight", "canvas-length-zero", "index-absolute"],
-    "build": ["truncated-header", "pickle-training-args", "sliding-window-zero", "symlink-weights-outside"],
+    "quantize": [
+        "pickle-only",
+        "int32-tensor",
+        "extra-unknown-tensor",
+        "config-list",
+        "index-parent-dir",
+        "generation-steps-1e9",
+        "generation-entropy-negative",
+        "tokenizer-config-huge",
+    ],
+    "export": [
+        "generation-sampler-no-class",
+        "chat-template-not-utf8",
+        "shape-transposed-embed",
+        "inf-weight",
+        "canvas-length-zero",
+        "index-absolute",
+    ],
+    "build": [
+        "generation-entropy-negative",
+        "tokenizer-garbage",
+        "truncated-header",
+        "pickle-training-args",
+        "sliding-window-zero",
+        "symlink-weights-outside",
+    ],
 }
 
 
