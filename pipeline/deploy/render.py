@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict
 
 from pipeline.atomic import atomic_dir
 from pipeline.builddir import (
@@ -35,7 +36,7 @@ from pipeline.deploy.kubectl import kubectl_binary
 from pipeline.deploy.smoke import COMMAND as SMOKE_COMMAND
 from pipeline.deploy.smoke import DEFAULT_SMOKE, SmokeTest
 from pipeline.deploy.targets import DeployTarget, deploy_target
-from pipeline.errors import DgpipeError
+from pipeline.errors import DgpipeError, validation_error
 from pipeline.limits import Limits
 from pipeline.onnx.contract import MODEL_FILE as ONNX_FILE
 from pipeline.resources import k8s_dir
@@ -51,18 +52,30 @@ STORAGE_FILE, SERVING_FILE, SMOKE_FILE, LOADER_FILE = (
     "pvc-loader.yaml",
 )
 STORAGE_KINDS = {"Namespace", "ServiceAccount", "PersistentVolumeClaim"}
-# [registry[:port]/]path[:tag][@sha256:digest], the docker reference grammar without its rarer corners
-_IMAGE_PATH = re.compile(
-    r"^([a-zA-Z0-9.-]+(:[0-9]+)?/)?[a-z0-9]+([._-]+[a-z0-9]+)*(/[a-z0-9]+([._-]+[a-z0-9]+)*)*$"
+# The image reference grammar of the container registries' own parser, distribution/reference
+# (https://github.com/distribution/reference/blob/main/regexp.go, `ReferenceRegexp`):
+#   reference := name [ ":" tag ] [ "@" digest ];  name := [domain "/"] path-component ["/" path-component]*
+# a domain component and a path component start and end with a letter or digit ("-rm/x:1" is refused).
+_ALNUM = r"[a-z0-9]+"
+_SEPARATOR = r"(?:[._]|__|[-]+)"
+_DOMAIN_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_HOST = rf"(?:{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*|\[(?:[a-fA-F0-9:]+)\])"
+_PATH_COMPONENT = rf"{_ALNUM}(?:{_SEPARATOR}{_ALNUM})*"
+_IMAGE_NAME = rf"(?:{_HOST}(?::[0-9]+)?/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*"
+_IMAGE_TAG = r"[\w][\w.-]{0,127}"
+_IMAGE_DIGEST_ANY = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
+IMAGE_REFERENCE = re.compile(
+    rf"^(?P<name>{_IMAGE_NAME})(?::(?P<tag>{_IMAGE_TAG}))?(?:@(?P<digest>{_IMAGE_DIGEST_ANY}))?$"
 )
-_IMAGE_TAG = re.compile(r"^[\w][\w.-]{0,127}$")
-_IMAGE_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+IMAGE_NAME_MAX = 255  # distribution/reference's NameTotalLengthMax
+_IMAGE_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")  # what registries serve: a pin dgpipe accepts
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 # namespaces dgpipe never renders into: the cluster's own (kube-*), and `default`, where the Namespace
 # object carrying the restricted Pod Security labels cannot be ours and the NetworkPolicy would select
 # unrelated workloads' neighbours. A dedicated namespace is the supported layout.
 RESERVED_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
 DIGESTS = "digests"  # render.json: sha256 of every file written, checked by `dgpipe deploy`
+RENDER_SUMMARY_MAX_BYTES = 1 << 20  # a render.json is a few kilobytes; past this it is not one
 
 
 class WorkloadKind(str, Enum):
@@ -92,37 +105,54 @@ class Image:
         return self.name + (f":{self.tag}" if self.tag else "") + (f"@{self.digest}" if self.digest else "")
 
 
-def parse_image(ref: str | None) -> Image:
-    """The serving image, pinned: a tag or digest is required so every node runs the same TensorRT."""
+def parse_image(ref: str | None, where: str = "--image") -> Image:
+    """The serving image, a valid reference (`IMAGE_REFERENCE`) and pinned: a tag or digest is required so
+    every node runs the same TensorRT. `where` names the input in errors (the option, or render.json)."""
     hint = (
         "build and push the serving image first: docker build -t REGISTRY/dgpipe-triton:TAG . && "
         "docker push REGISTRY/dgpipe-triton:TAG, then pass --image REGISTRY/dgpipe-triton:TAG"
     )
     if not ref:
-        raise DgpipeError("--image is required: the cluster pulls the serving image from a registry", hint)
-    rest, _, digest = ref.partition("@")
-    name, tag = rest, ""
-    if ":" in rest.rsplit("/", 1)[-1]:  # a colon after the last slash starts the tag (else it is a port)
-        name, tag = rest.rsplit(":", 1)
-    if (
-        not _IMAGE_PATH.match(name)
-        or (tag and not _IMAGE_TAG.match(tag))
-        or (digest and not _IMAGE_DIGEST.match(digest))
-        or ("@" in ref and not digest)
-    ):
-        raise DgpipeError(f"--image {ref!r} is not a valid image reference", hint)
+        raise DgpipeError(f"{where} is required: the cluster pulls the serving image from a registry", hint)
+    m = IMAGE_REFERENCE.match(ref)
+    if m is None or len(m["name"]) > IMAGE_NAME_MAX:
+        raise DgpipeError(
+            f"{where} {ref!r} is not a valid image reference ([REGISTRY[:PORT]/]NAME[:TAG][@DIGEST], each "
+            "part starting with a letter or digit)",
+            hint,
+        )
+    name, tag, digest = m["name"], m["tag"], m["digest"]
+    if digest and not _IMAGE_DIGEST.match(digest):
+        raise DgpipeError(
+            f"{where} {ref!r}: the digest is not sha256:<64 lowercase hex digits>",
+            "pin the digest the registry reports for the pushed image (docker inspect --format "
+            "'{{index .RepoDigests 0}}' IMAGE)",
+        )
     if not tag and not digest:
         raise DgpipeError(
-            f"--image {ref!r} has no tag or digest",
+            f"{where} {ref!r} has no tag or digest",
             "pin it (REGISTRY/dgpipe-triton:TAG or @sha256:...): engines on the PVC are tied to the "
             "image's TensorRT, so a moving :latest would silently invalidate them",
         )
     if tag == "latest" and not digest:
         raise DgpipeError(
-            f"--image {ref!r}: ':latest' is not a pinned version",
+            f"{where} {ref!r}: ':latest' is not a pinned version",
             "use a versioned tag or a digest; engines are tied to the image's TensorRT",
         )
     return Image(name, tag or None, digest or None)
+
+
+def check_namespace(namespace: str, where: str = "--namespace") -> str:
+    """A namespace dgpipe may render into and deploy to: a DNS-1123 label, none of the cluster's own or
+    shared ones (`RESERVED_NAMESPACES`, kube-*). `where` names the input in errors."""
+    if not _NAME.match(namespace):
+        raise DgpipeError(f"{where} {namespace!r} is not a valid namespace name", "use a DNS-1123 label")
+    if namespace in RESERVED_NAMESPACES or namespace.startswith("kube-"):
+        raise DgpipeError(
+            f"{where} {namespace}: a system or shared namespace",
+            "deploy into a namespace of its own (default: dgpipe); dgpipe labels it for restricted pods",
+        )
+    return namespace
 
 
 @dataclass
@@ -237,13 +267,7 @@ def resolve(
     except DgpipeError as e:
         raise DgpipeError(f"deploy target {cfg.name}: {e.args[0]}", e.hint) from e
     img = parse_image(image)
-    if not _NAME.match(namespace):
-        raise DgpipeError(f"--namespace {namespace!r} is not a valid namespace name", "use a DNS-1123 label")
-    if namespace in RESERVED_NAMESPACES or namespace.startswith("kube-"):
-        raise DgpipeError(
-            f"--namespace {namespace}: a system or shared namespace",
-            "deploy into a namespace of its own (default: dgpipe); dgpipe labels it for restricted pods",
-        )
+    check_namespace(namespace)
     if replicas is not None and not 1 <= replicas <= cfg.max_replicas:
         raise DgpipeError(
             f"--replicas {replicas}: deploy target {cfg.name} allows 1 to {cfg.max_replicas}",
@@ -456,6 +480,55 @@ def summary(values: RenderValues, files: dict[str, list[dict[str, Any]]]) -> dic
             name: [f"{d['kind']}/{d['metadata']['name']}" for d in docs] for name, docs in files.items()
         },
     }
+
+
+class WorkloadRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: WorkloadKind
+    name: str
+
+
+class RenderSummary(BaseModel):
+    """render.json as `dgpipe deploy` reads it back (`summary` writes it): every field deploy uses, typed.
+    `load_summary` applies the namespace and image rules `dgpipe manifests` applied to its options on top,
+    so an edited render.json cannot point a deploy at kube-system or at an invalid image reference."""
+
+    model_config = ConfigDict(extra="allow")  # informational fields (gpu_target, precision...) pass through
+
+    target: str
+    image: str
+    namespace: str
+    workload: WorkloadRecord
+    files: dict[str, list[str]]
+    config: dict[str, str]
+    smoke: dict[str, Any] | None = None  # absent from renders made before the smoke test was recorded
+    digests: dict[str, str] | None = None  # absent: deploy refuses it as unverifiable (`edited_files`)
+
+
+def load_summary(output: Path) -> dict[str, Any]:
+    """The render.json of a `dgpipe manifests` output, bounded, parsed and checked against `RenderSummary`;
+    a DgpipeError naming the file and its first problem otherwise."""
+    f = output / RENDER_SUMMARY
+    fix = "render again: dgpipe manifests --target TARGET --image IMG --output DIR"
+    try:
+        with open(f, "rb") as fh:
+            data = fh.read(RENDER_SUMMARY_MAX_BYTES + 1)
+    except FileNotFoundError as e:
+        raise DgpipeError(f"{output}: no {RENDER_SUMMARY} (not a `dgpipe manifests` output)", fix) from e
+    if len(data) > RENDER_SUMMARY_MAX_BYTES:
+        raise DgpipeError(f"{f}: larger than {RENDER_SUMMARY_MAX_BYTES >> 20} MiB", fix)
+    try:
+        raw = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f" ({e.msg} at line {e.lineno})" if isinstance(e, json.JSONDecodeError) else " (not UTF-8)"
+        raise DgpipeError(f"{f}: not valid JSON{where}", fix) from e
+    if not isinstance(raw, dict):
+        raise DgpipeError(f"{f}: holds a JSON {type(raw).__name__}, not an object", fix)
+    with validation_error(lambda where, msg: f"{f}: '{where}': {msg}", hint=fix):
+        summary = RenderSummary.model_validate(raw)
+    check_namespace(summary.namespace, where=f"{f}: namespace")  # the rules `dgpipe manifests` applied
+    parse_image(summary.image, where=f"{f}: image")
+    return summary.model_dump(mode="json")
 
 
 def check_output(output: Path) -> None:

@@ -13,7 +13,6 @@ directory-nesting surprises), unpacked beside the old copy and swapped in with `
 from __future__ import annotations
 
 import io
-import json
 import os
 import posixpath
 import shlex
@@ -31,12 +30,12 @@ from pipeline.deploy.kubectl import kubectl_binary, kubectl_name
 from pipeline.deploy.render import (
     LOADER_FILE,
     PVC_BUILD_DIR,
-    RENDER_SUMMARY,
     SERVING_FILE,
     SMOKE_FILE,
     STORAGE_FILE,
     WorkloadKind,
     edited_files,
+    load_summary,
 )
 from pipeline.errors import DgpipeError
 from pipeline.onnx.contract import MODEL_FILE as ONNX_FILE
@@ -150,13 +149,7 @@ class Plan:
 
 def read_summary(manifests_dir: Path, allow_edited: bool = False) -> dict[str, Any]:
     """render.json, after checking every rendered file against the sha256 recorded at render time."""
-    f = manifests_dir / RENDER_SUMMARY
-    if not f.is_file():
-        raise DgpipeError(
-            f"{manifests_dir}: no {RENDER_SUMMARY} (not a `dgpipe manifests` output)",
-            "render first: dgpipe manifests --target TARGET --image IMG --output DIR",
-        )
-    info = json.loads(f.read_text())
+    info = load_summary(manifests_dir)  # bounded, parsed, typed; namespace and image rules as manifests
     for name in (STORAGE_FILE, SERVING_FILE, SMOKE_FILE):
         if not (manifests_dir / name).is_file():
             raise DgpipeError(f"{manifests_dir / name} is missing", "render the manifests again")
