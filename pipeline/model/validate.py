@@ -52,7 +52,7 @@ class ValidatedCheckpoint(Checkpoint):
         return set(self.headers)
 
 
-GENERATION_FIX = "fix generation_config.json or delete it (dgpipe then uses the published sampler defaults)"
+GENERATION_FIX = "fix generation_config.json, or delete it to use the published sampler defaults"
 # transformers rebuilds generation_config.json's `sampler_config` from the class its `_cls_name` names
 SAMPLER_CONFIG_CLASS = "EntropyBoundSamplerConfig"
 
