@@ -71,7 +71,7 @@ def run_build(opts: BuildOptions, say: Callable[[str], None]) -> dict:
     targets = resolve_targets(opts.precision, opts.targets)
     # a missing, broken or hostile checkpoint fails before any stage runs or anything is written; the
     # one pass over its weights also gives the content hash, and the quantize stage takes this value
-    source = validate_checkpoint(opts.model, weights=True)
+    source = validate_checkpoint(opts.model, weights=True, limits=opts.limits)
     opts.limits.validate(source.config.canvas_length)  # the engines and the repository, before any stage
     opts.limits.check_fits(source.config.canvas_length)
     build_dir = opts.build_dir.resolve()

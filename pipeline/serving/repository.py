@@ -96,7 +96,8 @@ def package(
     from google.protobuf import text_format
 
     limits = limits or Limits()
-    ckpt = validate_checkpoint(model, weights=True)  # refuse a broken checkpoint before writing anything
+    # refuse a broken checkpoint (or generation defaults past the caps) before writing anything
+    ckpt = validate_checkpoint(model, weights=True, limits=limits)
     engine_dirs = _engine_dirs(engines) if engines is not None else []
     if engine_limits is not None:
         check_fits_engine(limits, engine_limits, ckpt.config.canvas_length)

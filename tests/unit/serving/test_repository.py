@@ -206,3 +206,15 @@ def test_package_build_dir_refuses_limits_its_engines_cannot_run(
     # the default max_tokens does not fit a 400-token context either: the hint names what does
     assert "use --max-tokens <=" in _user_error(monkeypatch, capsys, "package", "--build-dir", str(build))
     assert not (build / "model_repository").exists()
+
+
+def test_package_refuses_generation_defaults_past_its_step_cap(tmp_path: Path):
+    """The embedded model's generation_config asks for 48 denoise steps per canvas: a repository that caps
+    requests at fewer would refuse the model's own default, so packaging it is refused, naming the cap."""
+    from pipeline.resources import EMBEDDED_MODEL
+
+    with pytest.raises(DgpipeError, match="max_denoising_steps 48 is over the serving cap of 16"):
+        package(EMBEDDED_MODEL, tmp_path / "r", limits=Limits(max_steps=16))
+    assert not (tmp_path / "r").exists()
+    ok = _cli("package", "--model", str(EMBEDDED_MODEL), "--output", str(tmp_path / "r"), "--max-steps", "48")
+    assert ok.exit_code == 0, ok.output
