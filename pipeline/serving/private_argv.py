@@ -12,6 +12,8 @@ keeps showing the placeholder. The secret is never in any command line, not even
 
 The child also gets its own session (the terminal's Ctrl-C reaches only its parent, which decides how to
 stop it) and a parent-death signal, so it does not outlive a parent killed without a chance to stop it.
+The kernel sends that signal when the *thread* that started the child ends: start it from a thread that
+lives as long as the child should (the main thread, in `dgpipe serve`).
 Linux only (ptrace, /proc); the parent must be allowed to trace its own children (the default, also
 under Yama ptrace_scope 1).
 """
