@@ -43,7 +43,7 @@ AdminKey = Annotated[
         envvar="DGPIPE_ADMIN_KEY",
         show_envvar=True,
         help="header 'triton-admin-key' that Triton's logging/trace/repository/shared-memory/statistics "
-        "APIs require (default: a random key, i.e. closed)",
+        "APIs require (default: a random key, i.e. closed); prefer the environment variable: `ps` shows options",
     ),
 ]
 Image = Annotated[str | None, typer.Option(help="print the NGC container command for a GPU host instead")]

@@ -7,6 +7,7 @@ environment. On GPU hosts `--image` gives the NGC container command instead.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -23,6 +24,7 @@ from pathlib import Path
 from pipeline import endpoints
 from pipeline.endpoints import MODEL_NAME
 from pipeline.errors import DgpipeError
+from pipeline.serving.private_argv import PrivateArg, spawn
 
 NGC_IMAGE = "nvcr.io/nvidia/tritonserver:25.10-py3"
 
@@ -97,17 +99,29 @@ def server_env() -> dict[str, str]:
 
 # Triton's control endpoints (HTTP API / gRPC protocol names): change logging or tracing, load and unload
 # models, register shared memory, read per-model statistics. Inference, health, metadata and model config
-# stay open; these need the header ADMIN_HEADER (gRPC: GRPC_ADMIN_HEADER) with the admin key (`dgpipe serve --admin-key`, the
-# Secret dgpipe-admin-key in Kubernetes). Without a key `dgpipe serve` makes up one nobody knows.
+# stay open; these need the header ADMIN_HEADER (gRPC: GRPC_ADMIN_HEADER) with the admin key (`dgpipe serve
+# --admin-key` or $DGPIPE_ADMIN_KEY, the Secret dgpipe-admin-key in Kubernetes). Without a key `dgpipe serve`
+# makes up one nobody knows.
 RESTRICTED_APIS = ("logging", "trace", "model-repository", "shared-memory", "statistics")
 ADMIN_HEADER = "triton-admin-key"
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # the metadata key Triton checks over gRPC
+HIDDEN_KEY = "<hidden>"  # what tritonserver's command line shows in place of the admin key
 
 
 def restricted_api_args(key: str) -> list[str]:
     """tritonserver flags (`--http-restricted-api=<apis>:<header>=<value>`, the gRPC one alike)."""
     setting = f"{','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={key}"
     return [f"--http-restricted-api={setting}", f"--grpc-restricted-protocol={setting}"]
+
+
+def restricted_api_private_args(key: str) -> list[PrivateArg]:
+    """The same flags, the key kept off the command line: tritonserver accepts it nowhere else (no option
+    file, no environment variable), and a command line is readable by every local user, so its argv shows
+    HIDDEN_KEY and the real flags reach it through pipeline/serving/private_argv.py."""
+    return [
+        PrivateArg(shown, real)
+        for shown, real in zip(restricted_api_args(HIDDEN_KEY), restricted_api_args(key))
+    ]
 
 
 @dataclass
@@ -131,7 +145,12 @@ def log_errors(lines: list[str]) -> list[str]:
 
 
 class TritonServer:
-    """A tritonserver child process: start, wait until ready, stop."""
+    """A tritonserver child process: start, wait until ready, stop.
+
+    It runs in its own session and process group, with its Python backend stubs (its children): the
+    terminal's Ctrl-C reaches only `dgpipe serve`, which drains before stopping it, and stopping it ends
+    the whole group, so no stub survives a tritonserver that died (a stub left alone lives on, parent 1).
+    A parent-death signal (SIGTERM) stops it should `dgpipe serve` itself be killed."""
 
     def __init__(
         self,
@@ -155,6 +174,7 @@ class TritonServer:
         self.proc: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
+        """Its command line as `ps` shows it: the admin key appears as HIDDEN_KEY."""
         p = self.ports
         return [
             str(tritonserver_binary()),
@@ -168,14 +188,17 @@ class TritonServer:
             f"--metrics-address={p.address}",
             "--log-verbose=0",
             *([f"--exit-timeout-secs={self.exit_timeout}"] if self.exit_timeout is not None else []),
-            *restricted_api_args(self.admin_key),
+            *restricted_api_args(HIDDEN_KEY),
         ]
 
     def start(self, timeout: float = 180.0) -> TritonServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as fh:
-            self.proc = subprocess.Popen(
-                self.command(), stdout=fh, stderr=subprocess.STDOUT, env={**server_env(), **self.env}
+            self.proc = spawn(
+                self.command(),
+                restricted_api_private_args(self.admin_key),
+                env={**server_env(), **self.env},
+                stdout=fh,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -215,23 +238,60 @@ class TritonServer:
 
     def stop(self, timeout: float | None = None) -> None:
         """SIGINT: Triton waits up to its exit timeout for requests in flight, unloads the model and exits;
-        killed only when it has not exited `timeout` s (default: its exit timeout + 20 s) later."""
-        if self.proc is None or self.proc.poll() is not None:
+        killed only when it has not exited `timeout` s (default: its exit timeout + 20 s) later. Then
+        whatever is left of its process group (a stub of a tritonserver that died) is killed."""
+        if self.proc is None:
             return
-        if timeout is None:
-            timeout = (30 if self.exit_timeout is None else self.exit_timeout) + 20.0
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc.poll() is None:
+            if timeout is None:
+                timeout = (30 if self.exit_timeout is None else self.exit_timeout) + 20.0
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.reap_group()
+
+    def kill(self) -> None:
+        """At once: SIGKILL to tritonserver and its stubs."""
+        if self.proc is not None:
+            self.reap_group()
+
+    def group(self) -> list[int]:
+        """The live processes of tritonserver's process group (itself, its stubs), zombies left out."""
+        return [] if self.proc is None else processes_in_group(self.proc.pid)
+
+    def reap_group(self, timeout: float = 5.0) -> None:
+        """SIGKILL to the process group, then wait (up to `timeout` s) until none of it is alive."""
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # nothing left in the group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        deadline = time.monotonic() + timeout
+        while self.group() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def processes_in_group(pgid: int, proc: Path = Path("/proc")) -> list[int]:
+    """The pids of process group `pgid` that are alive (zombies are dead: only their exit status is left)."""
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, _ppid, group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if int(group) == pgid and state not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
 
 
 def docker_command(repo: Path, ports: Ports, image: str) -> list[str]:

@@ -6,7 +6,10 @@ port follows it, and when the Python backend is gone or wedged (Triton neither n
 supervisor stops tritonserver and raises, so the command exits non-zero and its own supervisor (systemd,
 Kubernetes) restarts it. On SIGTERM/SIGINT it stops admitting (503, /health 503, the model refuses new
 requests as UNAVAILABLE), lets requests in flight finish up to the drain timeout, stops tritonserver,
-removes shared memory its stubs left, and returns. A second signal stops at once.
+removes shared memory its stubs left, and returns. A second signal stops at once (SIGKILL to tritonserver's
+process group). tritonserver and its stubs run in their own process group (pipeline/serving/server.py), so a
+terminal's Ctrl-C, sent to the whole foreground group, reaches only this supervisor; when tritonserver dies
+the group is killed and waited for, so `dgpipe serve` never leaves a stub behind.
 
 Nothing here prints: `Notices.show` gets what belongs on stdout (the ready lines), `Notices.log` the
 progress that belongs on stderr.
@@ -14,6 +17,7 @@ progress that belongs on stderr.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -61,12 +65,13 @@ def check_frontend_settings(openai_port: int, drain_timeout: float) -> None:
 def stop_on_signals() -> threading.Event:
     """The first SIGINT/SIGTERM sets the event (drain, then stop); a second one stops at once. Installed
     also when started in the background, where SIGINT is ignored by default."""
-    import signal
-
     stop = threading.Event()
 
     def interrupt(signum, frame):
         if stop.is_set():
+            # stopping at once: later signals are not to interrupt that
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             raise KeyboardInterrupt
         stop.set()
 
@@ -91,21 +96,38 @@ def serve(config: ServeConfig, notices: Notices) -> None:
         admin_key=config.admin_key,
     )
     notices.log(f"starting tritonserver on {config.repo} (log: {server.log}) ...")
-    with server:
+    failure, at_once, died, watchdog = None, False, None, None
+    try:
+        server.start()
         assert server.proc is not None
         watchdog = lifecycle.Watchdog(server.http_url, server.proc.pid).start()
         notices.show(f"ready  HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}")
-        failure = _run_until_stopped(config, server, watchdog, stop, drain_file, notices)
-    removed = lifecycle.remove_shm_leftovers(watchdog.regions)
+        failure, at_once = _run_until_stopped(config, server, watchdog, stop, drain_file, notices)
+        died = server.proc.poll()  # on its own: nothing here has stopped it yet
+    except KeyboardInterrupt:  # a second signal outside the loop (while starting)
+        at_once = True
+    finally:
+        # tritonserver's whole process group: a stub of a tritonserver that died would live on
+        if at_once:
+            server.kill()
+        else:
+            server.stop()
+    removed = lifecycle.remove_shm_leftovers(watchdog.regions if watchdog else set())
     if removed:
         notices.log(f"removed shared memory the Python backend left: {', '.join(removed)}")
     drain_file.unlink(missing_ok=True)
+    if died is not None:
+        how = f"was killed by {signal.Signals(-died).name}" if died < 0 else f"exited with code {died}"
+        tail = server.tail()
+        raise DgpipeError(f"tritonserver {how}; dgpipe serve stopped{': ' + tail if tail else ''}")
     if failure is not None:
         raise DgpipeError(
             f"the model stopped answering ({failure}); tritonserver was stopped so that the "
             "supervisor restarts dgpipe serve",
             f"see {server.log}",
         )
+    if at_once:
+        raise DgpipeError("stopped at once by a second signal: requests in flight were cut")
     if server.proc is not None and server.proc.returncode not in (0, -2, None):
         raise DgpipeError(f"tritonserver exited with code {server.proc.returncode}: {server.tail()}")
 
@@ -117,11 +139,12 @@ def _run_until_stopped(
     stop: threading.Event,
     drain_file: Path,
     notices: Notices,
-) -> str | None:
+) -> tuple[str | None, bool]:
     """The frontend (if any) until a signal, tritonserver's exit or the watchdog's verdict; a signal drains.
-    Returns the watchdog's verdict when the model stopped answering (None otherwise)."""
+    Returns the watchdog's verdict when the model stopped answering (None otherwise) and whether a second
+    signal asked to stop at once."""
     assert server.proc is not None
-    frontend, failure = None, None
+    frontend, failure, at_once = None, None, False
     try:
         if config.openai_port:
             frontend = OpenAIFrontend(
@@ -134,20 +157,21 @@ def _run_until_stopped(
             ).start()
             auth = "  (API key required)" if config.api_key else ""
             notices.show(f"ready  OpenAI {frontend.url}{auth}")
-        notices.log("Ctrl-C or SIGTERM to drain and stop")
+        notices.log("Ctrl-C or SIGTERM to drain and stop (twice: stop at once)")
         while not stop.wait(0.5) and server.proc.poll() is None and watchdog.failed is None:
             pass
         failure = watchdog.failed
         if stop.is_set():
             drain(server, frontend, drain_file, config.drain_timeout, notices)
     except KeyboardInterrupt:  # a second signal
+        at_once = True
         notices.log("stopping now ...")
     finally:
         watchdog.stop()
         if frontend is not None:
-            frontend.stop(timeout=5)
+            frontend.stop(timeout=0 if at_once else 5)
         notices.log("stopping tritonserver ...")
-    return failure
+    return failure, at_once
 
 
 def drain(

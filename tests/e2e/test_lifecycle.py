@@ -1,7 +1,8 @@
 """The serving lifecycle against a real `dgpipe serve` (CLI, tritonserver, Python backend, OpenAI frontend):
 abandoned runaway requests end by their deadline and free their slots, a killed backend stub flips
-readiness and stops the server non-zero, SIGTERM drains streams in flight and exits 0 with no shared
-memory left behind (BENCHMARKS.md, "Reliability")."""
+readiness and stops the server non-zero, SIGTERM and a terminal's Ctrl-C drain streams in flight and exit
+0 with no shared memory left behind, a second Ctrl-C stops at once, and a killed tritonserver leaves no
+process of the serve tree behind (BENCHMARKS.md, "Reliability")."""
 
 from __future__ import annotations
 
@@ -150,10 +151,41 @@ def test_abandoned_runaways_end_by_deadline_or_cancel_and_a_valid_request_answer
         srv.stop()
 
 
-def test_sigterm_drains_four_streams_in_flight_and_exits_0_without_shm_leftovers(tmp_path):
+def pgid_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie is dead: only its exit status is left for its parent)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def ctrl_c(srv) -> None:
+    """What a terminal's Ctrl-C does: SIGINT to the whole foreground process group (start_serve starts
+    `dgpipe serve` as the leader of its own group)."""
+    os.killpg(srv.proc.pid, signal.SIGINT)
+
+
+def serve_tree(srv) -> dict[str, list[int]]:
+    """tritonserver and its Python stubs, checked to be in tritonserver's own process group (so the
+    terminal's signal misses them and killing that group reaches the stubs)."""
+    server = srv.tritonserver_pid()
+    stubs = [s.pid for s in stubs_of(server)]
+    assert stubs
+    assert pgid_of(server) == server != pgid_of(srv.proc.pid)
+    assert all(pgid_of(stub) == server for stub in stubs)
+    return {"tritonserver": [server], "stubs": stubs}
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_a_signal_drains_four_streams_in_flight_and_exits_0_without_shm_leftovers(tmp_path, how):
     """4 streams (2 gRPC, Triton HTTP generate_stream, OpenAI SSE) of 80 fixed steps each are in flight
-    when SIGTERM arrives: new requests are refused (503 / UNAVAILABLE) and /health is 503 at once, all 4
-    get their final response, `dgpipe serve` exits 0 and its stub's shared memory is gone."""
+    when SIGTERM arrives (or Ctrl-C: SIGINT to the process group): new requests are refused (503 /
+    UNAVAILABLE) and /health is 503 at once, all 4 get their final response, `dgpipe serve` exits 0 and
+    its stub's shared memory is gone."""
     from pipeline.demo import sudoku
     from pipeline.serving.client import TritonError, complete
 
@@ -179,7 +211,11 @@ def test_sigterm_drains_four_streams_in_flight_and_exits_0_without_shm_leftovers
         for c in clients:
             c.start()
         wait_for(lambda: metric(srv.metrics, "dgpipe_active_requests") == 4, 60, "4 streams in flight")
-        srv.proc.send_signal(signal.SIGTERM)
+        tree = serve_tree(srv)
+        if how == "SIGTERM":
+            srv.proc.send_signal(signal.SIGTERM)
+        else:
+            ctrl_c(srv)
         wait_for(lambda: status(srv.health) == 503, 10, "/health 503 while draining")
         refused = status(srv.openai + "/completions", {"model": "dgpipe", "prompt": PUZZLE, "max_tokens": 82})
         assert refused == 503
@@ -197,5 +233,52 @@ def test_sigterm_drains_four_streams_in_flight_and_exits_0_without_shm_leftovers
             assert reply.finish_reason == "stop" and sudoku.is_valid_solution(PUZZLE, reply.text), name
         assert not any((Path("/dev/shm") / r).exists() for r in regions)
         assert "drained: nothing in flight" in srv.stderr.read_text()
+        assert not any(alive(pid) for pids in tree.values() for pid in pids), tree
+    finally:
+        srv.stop()
+
+
+def test_a_second_ctrl_c_stops_at_once_and_a_killed_tritonserver_leaves_nothing_behind(tmp_path):
+    """Two runaway streams (they never end by themselves) are in flight: Ctrl-C starts the drain, a second
+    Ctrl-C stops at once: exit 2 within seconds, saying so, nothing of the serve tree left. Then a fresh
+    `dgpipe serve` whose tritonserver is SIGKILLed: within 5 s neither tritonserver nor its Python stub is
+    alive, and `dgpipe serve` has exited 2 with one line saying why."""
+    from pipeline.serving.client import grpc_generate
+
+    repo = repo_for(tmp_path, max_steps=10**6, max_request_seconds=600)
+    srv = start_serve(repo, tmp_path)
+    try:
+        runaway = {"text_input": PUZZLE, "max_tokens": 512, "max_denoising_steps": 10**6}
+        runaway |= {"confidence_threshold": 0.0, "stream": True, "stream_drafts": True}
+        streams = [grpc_generate(srv.grpc, runaway) for _ in range(2)]
+        for g in streams:
+            next(g)
+        tree = serve_tree(srv)
+        ctrl_c(srv)
+        wait_for(lambda: "draining" in srv.stderr.read_text(), 10, "the drain to start")
+        t0 = time.monotonic()
+        ctrl_c(srv)
+        assert srv.proc.wait(15) == 2
+        took = time.monotonic() - t0
+        assert took < 10, took
+        assert "stopped at once by a second signal" in srv.stderr.read_text()
+        assert not any(alive(pid) for pids in tree.values() for pid in pids), tree
+        for g in streams:
+            g.close()
+    finally:
+        srv.stop()
+
+    (tmp_path / "second").mkdir()
+    srv = start_serve(repo, tmp_path / "second")
+    try:
+        tree = serve_tree(srv)
+        regions = our_regions(srv)
+        os.kill(tree["tritonserver"][0], signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_for(lambda: not any(alive(pid) for pids in tree.values() for pid in pids), 5, "no serve tree")
+        assert srv.proc.wait(5 - (time.monotonic() - t0)) == 2
+        errors = [ln for ln in srv.stderr.read_text().splitlines() if "tritonserver was killed" in ln]
+        assert len(errors) == 1 and "SIGKILL" in errors[0], srv.stderr.read_text()
+        assert not any((Path("/dev/shm") / r).exists() for r in regions)
     finally:
         srv.stop()

@@ -1,6 +1,6 @@
 """A real `dgpipe serve`: Triton's control endpoints refuse changes without the admin
-key over HTTP and gRPC, accept them with it, inference keeps working, and the ports listen on loopback
-only by default."""
+key over HTTP and gRPC, accept them with it, inference keeps working, the ports listen on loopback
+only by default, and the key is in no command line of the serve tree (readable by every local user)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import json
 import socket
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from pipeline.demo import sudoku
 from pipeline.limits import Limits
-from pipeline.serving.server import ADMIN_HEADER, GRPC_ADMIN_HEADER, tritonserver_binary
+from pipeline.serving.lifecycle import STUB_NAME
+from pipeline.serving.server import ADMIN_HEADER, GRPC_ADMIN_HEADER, HIDDEN_KEY, tritonserver_binary
 from tests._utils.serve import README_PUZZLE, start_serve
 
 pytestmark = pytest.mark.skipif(
@@ -113,3 +115,36 @@ def test_default_address_is_loopback_only(served):
         with socket.socket() as s, pytest.raises(OSError):
             s.settimeout(2)
             s.connect((ip, port))
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> name of `root` and every process under it."""
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            name, rest = stat.split("(", 1)[1].rsplit(")", 1)
+            names[int(entry.name)] = name
+            children.setdefault(int(rest.split()[1]), []).append(int(entry.name))
+    tree, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        tree[pid] = names.get(pid, "?")
+        todo += children.get(pid, [])
+    return tree
+
+
+def test_the_admin_key_is_in_no_command_line_of_the_serve_tree(served):
+    """`ps` shows every user each process's arguments: the key must not be in any of the supervisor's,
+    tritonserver's or its Python stubs' (tritonserver's shows the placeholder where the key goes)."""
+    tree = _descendants(served.proc.pid)
+    assert "tritonserver" in tree.values() and any(STUB_NAME.startswith(n) for n in tree.values()), tree
+    for pid, name in tree.items():
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        assert KEY not in cmdline, (pid, name)
+        if name == "tritonserver":
+            assert f"{ADMIN_HEADER}={HIDDEN_KEY}" in cmdline, cmdline
