@@ -178,7 +178,14 @@ def test_network_policy_admits_namespace_gateway_and_prometheus_only():
 
 
 def test_local_serve_binds_loopback_and_closes_control_apis(tmp_path):
-    from pipeline.serving.server import Ports, TritonServer, docker_command, restricted_api_args
+    from pipeline.serving.server import (
+        HIDDEN_KEY,
+        Ports,
+        TritonServer,
+        docker_command,
+        restricted_api_args,
+        restricted_api_private_args,
+    )
 
     assert Ports().address == "127.0.0.1"
     repo = tmp_path / "repo"
@@ -187,6 +194,9 @@ def test_local_serve_binds_loopback_and_closes_control_apis(tmp_path):
     a, b = TritonServer(repo, Ports(), tmp_path), TritonServer(repo, Ports(), tmp_path)
     assert a.admin_key != b.admin_key and len(a.admin_key) >= 32  # made up per start: nobody knows it
     cmd = TritonServer(repo, Ports(), tmp_path, admin_key="k").command()
-    assert "--http-address=127.0.0.1" in cmd and restricted_api_args("k") == cmd[-2:]
+    assert "--http-address=127.0.0.1" in cmd and restricted_api_args(HIDDEN_KEY) == cmd[-2:]  # as ps shows it
+    assert [p.real for p in restricted_api_private_args("k")] == restricted_api_args(
+        "k"
+    )  # what Triton parses
     docker = docker_command(repo, Ports(), "img:1")
     assert "127.0.0.1:8000:8000" in docker and "${DGPIPE_ADMIN_KEY:?" in docker[-1]

@@ -532,11 +532,12 @@ def test_remote_generate_sends_schema_fields_and_reads_every_output(transports, 
 @pytest.mark.parametrize("url", ["http://h:8000", "grpc://h:8001"])
 def test_client_sends_stop_words_as_a_list_and_bench_serve_uses_schema_fields(transports, url):
     from pipeline.bench.serve import _timed_request
+    from pipeline.bench.workload import BenchRequest
     from pipeline.serving.client import complete
 
     reply = complete(url, PROMPT, stop_words=["9", "x"], stream=True)
     assert reply.text == "81 digits"
-    _timed_request(url, PROMPT, 3)
+    _timed_request(url, BenchRequest(PROMPT, max_tokens=82, answer_chars=81), 3)
     if url.startswith("http"):
         for name, value in transports["http"].items():
             _check_json_field(name, value)
@@ -549,10 +550,8 @@ def test_load_gauges_follow_every_change_and_histograms_count_each_event(model):
     left at the last busy value); each canvas and request is observed once, before the final response."""
     reqs = [FakeRequest({"text_input": arr("text_input", PROMPT)}) for _ in range(2)]
     model.execute(reqs)
-    assert (model.core.metrics.active.value, model.core.metrics.queued.value) == (
-        2,
-        2,
-    )  # both wait in the inbox
+    metrics = model.core.metrics
+    assert (metrics.active.value, metrics.queued.value) == (2, 2)  # both wait in the inbox
     jobs = [model.core.inbox.get_nowait()[0] for _ in reqs]
     model.core.jobs = {j.request_id: j for j in jobs}  # what the worker does after submitting them
     model.core.update_load()
