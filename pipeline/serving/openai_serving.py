@@ -29,6 +29,8 @@ from pipeline.serving.schema import TextError, prompt_too_big, text_bytes
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
 PROMPT_FIELDS = ("prompt", "messages")  # what max_prompt_bytes bounds in an OpenAI request
+# a body over the limit is still read (and dropped) up to this many times it, so its client reads the 413
+DISCARD_FACTOR = 4
 CLIENT_CLOSED = 499  # the status logged for a request whose client left (nobody reads the response)
 
 
@@ -98,18 +100,22 @@ class OpenAIServing:
         return req
 
     async def body(self, request: Request) -> bytes:
-        """The request body, read no further than `request_bytes_limit` (413 past it): a body announced as
-        bigger is refused before a byte of it is read."""
+        """The request body, kept no further than `request_bytes_limit` (413 past it). A body over it is
+        read to its end and dropped (a client still sending would otherwise see its connection reset, not
+        the 413), up to DISCARD_FACTOR times the limit; one announced as bigger is refused unread."""
         limit = request_bytes_limit(self.max_prompt_bytes)
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        if declared.isdigit() and int(declared) > DISCARD_FACTOR * limit:
             raise _too_large(f"{declared} bytes", limit)
         parts, size = [], 0
         async for part in request.stream():
             size += len(part)
-            if size > limit:
-                raise _too_large(f"more than {limit} bytes", limit)
-            parts.append(part)
+            if size > DISCARD_FACTOR * limit:
+                break
+            if size <= limit:
+                parts.append(part)
+        if size > limit:
+            raise _too_large(f"{declared} bytes" if declared.isdigit() else f"more than {limit} bytes", limit)
         return b"".join(parts)
 
     def check_text(self, body: dict[str, Any]) -> None:
