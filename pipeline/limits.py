@@ -37,9 +37,20 @@ class Limits(BaseModel):
     # request may ask for less (its timeout_s input). Bounds what an abandoned HTTP request can cost:
     # Triton's HTTP endpoint does not pass a client's disconnect on to the model (gRPC does)
     max_request_seconds: int = Field(600, ge=1, le=INT32_MAX)
+    # UTF-8 bytes of one prompt (text_input, or the text of the chat messages), checked before the prompt is
+    # tokenized or rendered, so an oversized prompt costs a length check, not seconds of the model's request
+    # thread (health pings wait on that thread). Its own cap, not derived from max_prompt: no tokenizer
+    # bounds the bytes of one token, so a bytes-per-token rule would refuse prompts the token cap admits.
+    # 1 MiB is 512 bytes per token at the default max_prompt, and tokenizes in well under a second
+    max_prompt_bytes: int = Field(1048576, ge=1, le=INT32_MAX)
 
     ENGINE_FIELDS: ClassVar[tuple[str, ...]] = ("max_batch", "max_prompt", "max_context")
-    SERVING_FIELDS: ClassVar[tuple[str, ...]] = ("max_tokens", "max_steps", "max_request_seconds")
+    SERVING_FIELDS: ClassVar[tuple[str, ...]] = (
+        "max_tokens",
+        "max_steps",
+        "max_request_seconds",
+        "max_prompt_bytes",
+    )
 
     @classmethod
     def of(cls, where: str = "limits", **values: int | None) -> Limits:
@@ -97,6 +108,18 @@ class Limits(BaseModel):
 def flag(field_name: str) -> str:
     """max_batch -> --max-batch: the CLI option of a limit."""
     return "--" + field_name.replace("_", "-")
+
+
+# JSON spells one UTF-8 byte in at most 6 (a control character as \u00XX): the most a prompt of
+# `max_prompt_bytes` takes in a JSON body or the `messages` input
+JSON_BYTES_PER_BYTE = 6
+REQUEST_OVERHEAD_BYTES = 1 << 20  # room in a request body for what is not the prompt (options, guides, roles)
+
+
+def request_bytes_limit(max_prompt_bytes: int) -> int:
+    """The largest request body (OpenAI JSON) or `messages` input a server reads: a prompt at its byte cap
+    in the worst JSON escaping, and the rest of the request. Bigger is refused before it is parsed."""
+    return JSON_BYTES_PER_BYTE * max_prompt_bytes + REQUEST_OVERHEAD_BYTES
 
 
 def context_length(prompt_tokens: int, max_tokens: int, canvas_length: int) -> int:

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from pipeline.endpoints import MODEL_NAME
+from pipeline.limits import DEFAULTS
 from pipeline.serving.client import AsyncTriton
 from pipeline.serving.error_kinds import ErrorKind
 from pipeline.serving.openai_errors import error_body, install_error_handlers
@@ -129,10 +130,12 @@ def create_app(
     api_key: str | None = None,
     ready: Callable[[], bool] | None = None,
     admission: Admission | None = None,
+    max_prompt_bytes: int = DEFAULTS.max_prompt_bytes,
 ) -> FastAPI:
     """The frontend for one served model. `stream` sends Triton inputs and yields response chunks (tests
-    pass a fake); `api_key` (None: open) guards /v1; `ready` (None: always) decides /health, which also
-    answers 503 while `admission` (the caller's, or app.state.admission) drains."""
+        pass a fake); `api_key` (None: open) guards /v1; `ready` (None: always) decides /health, which also
+        answers 503 while `admission` (the caller's, or app.state.admission) drains; `max_prompt_bytes` bounds
+    a prompt (and so the body) before it is parsed further (the served repository's limit)."""
     backend = getattr(stream, "__self__", None)  # AsyncTriton when `stream` is its bound method
 
     @asynccontextmanager
@@ -148,7 +151,7 @@ def create_app(
         openapi_url=None,
         lifespan=lifespan,
     )
-    app.state.openai = OpenAIServing(stream, model, api_key, ready)
+    app.state.openai = OpenAIServing(stream, model, api_key, ready, max_prompt_bytes)
     app.state.admission = admission = admission or Admission()
     app.add_middleware(_Admit, admission=admission)
     install_error_handlers(app)

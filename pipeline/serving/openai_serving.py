@@ -1,7 +1,8 @@
 """The OpenAI frontend's handler object (stored on `app.state.openai`; the routes in openai_api.py call it):
 one served model, its Triton stream and API key. It checks a request (content type, JSON, OpenAI's
 fields, the model name), sends the Triton inputs, and answers with the whole completion or its SSE
-stream."""
+stream. A request is bounded before anything costly: its body by size (413), its prompt by UTF-8 bytes
+and its text by being valid Unicode (400), before any template or tokenizer sees it."""
 
 from __future__ import annotations
 
@@ -12,18 +13,25 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from pipeline.limits import DEFAULTS, request_bytes_limit
 from pipeline.runtime.chat_template import MessagesError, parse_messages
 from pipeline.serving.client import Reply
-from pipeline.serving.openai_errors import validation_message
+from pipeline.serving.openai_errors import error_body, validation_message
 from pipeline.serving.openai_schema import ChatCompletionRequest, CompletionRequest, RequestError
 from pipeline.serving.openai_sse import EventWriter, sse_events, usage
 from pipeline.serving.openai_stream import END, Chunks, TritonStream, close, pull
+from pipeline.serving.schema import TextError, prompt_too_big, text_bytes
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
+PROMPT_FIELDS = ("prompt", "messages")  # what max_prompt_bytes bounds in an OpenAI request
+# a body over the limit is still read (and dropped) up to this many times it, so its client reads the 413
+DISCARD_FACTOR = 4
+CLIENT_CLOSED = 499  # the status logged for a request whose client left (nobody reads the response)
 
 
 class OpenAIServing:
@@ -33,8 +41,10 @@ class OpenAIServing:
         model: str,
         api_key: str | None = None,
         ready: Callable[[], bool] | None = None,
+        max_prompt_bytes: int = DEFAULTS.max_prompt_bytes,
     ) -> None:
         self.stream, self.model, self.api_key, self.ready = stream, model, api_key, ready
+        self.max_prompt_bytes = max_prompt_bytes
         self.created = int(time.time())
 
     def authorize(self, request: Request) -> None:
@@ -69,11 +79,12 @@ class OpenAIServing:
                 "unsupported_media_type",
             )
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await self.body(request))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError(f"the request body is not valid JSON: {e}") from e
         if not isinstance(body, dict):
             raise RequestError(f"the request body must be a JSON object (got {type(body).__name__})")
+        self.check_text(body)
         try:
             req = cls.model_validate(body)
         except ValidationError as e:
@@ -88,25 +99,49 @@ class OpenAIServing:
             )
         return req
 
+    async def body(self, request: Request) -> bytes:
+        """The request body, kept no further than `request_bytes_limit` (413 past it). A body over it is
+        read to its end and dropped (a client still sending would otherwise see its connection reset, not
+        the 413), up to DISCARD_FACTOR times the limit; one announced as bigger is refused unread."""
+        limit = request_bytes_limit(self.max_prompt_bytes)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > DISCARD_FACTOR * limit:
+            raise _too_large(f"{declared} bytes", limit)
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > DISCARD_FACTOR * limit:
+                break
+            if size <= limit:
+                parts.append(part)
+        if size > limit:
+            raise _too_large(f"{declared} bytes" if declared.isdigit() else f"more than {limit} bytes", limit)
+        return b"".join(parts)
+
+    def check_text(self, body: dict[str, Any]) -> None:
+        """Every string of the body valid Unicode (JSON's \\uD800 escape carries a lone surrogate, which
+        cannot be sent on as UTF-8), and the prompt within max_prompt_bytes: 400s naming the field."""
+        for key, value in body.items():
+            try:
+                size = text_bytes(value, f"'{key}'")
+            except TextError as e:
+                raise RequestError(str(e), str(key)) from e
+            if key in PROMPT_FIELDS and size > self.max_prompt_bytes:
+                raise RequestError(prompt_too_big(f"'{key}'", size, self.max_prompt_bytes, "text "), key)
+
     async def chat_completion(self, request: Request) -> Any:
         req = await self.parse(request, ChatCompletionRequest)
         try:
             parse_messages(req.messages)
         except MessagesError as e:
             raise RequestError(str(e), "messages") from e
-        return await self.respond(req, chat=True)
+        return await self.respond(req, chat=True, request=request)
 
     async def completion(self, request: Request) -> Any:
-        return await self.respond(await self.parse(request, CompletionRequest), chat=False)
+        return await self.respond(await self.parse(request, CompletionRequest), chat=False, request=request)
 
-    async def respond(self, req: OpenAIRequest, chat: bool) -> Any:
+    async def respond(self, req: OpenAIRequest, chat: bool, request: Request | None = None) -> Any:
         """Send the request to Triton; the whole completion, or its SSE stream with `stream: true`."""
-        chunks = self.stream(req.triton_inputs())
-        try:
-            first = await pull(chunks)  # Triton refuses a bad value before any output
-        except BaseException:
-            await close(chunks)
-            raise
         kind = "chat.completion" if chat else "text_completion"
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -114,22 +149,61 @@ class OpenAIServing:
             "created": int(time.time()),
             "model": self.model,
         }
+        chunks = self.stream(req.triton_inputs())
         if not req.stream:
-            return await self._whole(head, first, chunks, chat)
+            return await self._whole(head, chunks, chat, request)
+        try:
+            first = await pull(chunks)  # Triton refuses a bad value before any output
+        except BaseException:
+            await close(chunks)
+            raise
         writer = EventWriter(head, chat, req.include_usage)
         return StreamingResponse(sse_events(writer, first, chunks, Reply()), media_type="text/event-stream")
 
-    async def _whole(self, head: dict[str, Any], first: Any, chunks: Chunks, chat: bool) -> dict[str, Any]:
-        reply, item = Reply(), first
+    async def _whole(self, head: dict[str, Any], chunks: Chunks, chat: bool, request: Request | None) -> Any:
+        """The whole completion; a client that leaves before it is done cancels the request in Triton
+        (closing the stream, as a streamed response does) instead of leaving it to run to its end."""
+        reply, left, failure = Reply(), False, None
+
+        async def watch(scope: anyio.CancelScope) -> None:
+            nonlocal left
+            assert request is not None
+            while (await request.receive())["type"] != "http.disconnect":
+                await anyio.sleep(0.05)  # body already read: nothing else is expected before it
+            left = True
+            scope.cancel()
+
         try:
-            while item is not END:
-                reply.add(item)
-                item = await pull(chunks)
+            async with anyio.create_task_group() as tasks:
+                if request is not None:
+                    tasks.start_soon(watch, tasks.cancel_scope)
+                try:
+                    while (item := await pull(chunks)) is not END:
+                        reply.add(item)
+                except Exception as e:  # raised after the watcher stops (not as an ExceptionGroup)
+                    failure = e
+                tasks.cancel_scope.cancel()
         finally:
             await close(chunks)  # a no-op once Triton has finished; otherwise the request is dropped
+        if failure is not None:
+            raise failure
+        if left:
+            return JSONResponse(
+                error_body("the client closed the request", code="client_closed"), CLIENT_CLOSED
+            )
         choice: dict[str, Any] = {"index": 0, "finish_reason": reply.finish_reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": reply.text}
         else:
             choice["text"] = reply.text
         return {**head, "choices": [choice], "usage": usage(reply)}
+
+
+def _too_large(size: str, limit: int) -> RequestError:
+    return RequestError(
+        f"the request body is {size}, over this server's limit of {limit} bytes (a prompt of at most "
+        "max_prompt_bytes and the request's other fields): send a shorter prompt",
+        None,
+        413,
+        "request_too_large",
+    )

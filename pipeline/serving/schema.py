@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.limits import DEFAULTS, request_bytes_limit
 from pipeline.limits import INT32_MAX as INT32_MAX  # what an INT32 input holds (re-exported)
 from pipeline.model.config import SAMPLER_RANGES
 from pipeline.runtime.chat_template import MessagesError, last_user_text, parse_messages  # stdlib only
@@ -196,6 +197,7 @@ class ServerLimits:
     max_prompt: int  # prompt tokens (already within what the model's positions hold with one canvas)
     # how long a request may run once it has a batch slot: its deadline
     max_request_seconds: float = float("inf")
+    max_prompt_bytes: int = DEFAULTS.max_prompt_bytes  # UTF-8 bytes of a prompt, checked before tokenizing
 
 
 def prompt_limit(cap: int, max_positions: int, canvas_length: int) -> int:
@@ -268,6 +270,8 @@ def parse_request(
             else "inputs 'text_input' and 'messages' exclude each other: send one"
         )
 
+    _check_prompt_bytes(get, limits.max_prompt_bytes)
+
     def read(kind: Callable[[TritonTensor], bool]) -> dict[str, Any]:
         out = {}
         for spec in INPUTS:
@@ -288,7 +292,7 @@ def parse_request(
     values |= read(lambda s: s.optional and s.datatype == "BYTES")
     messages, prompt = (None, values["text_input"])
     if values["messages"] is not None:
-        messages, prompt = _messages(values["messages"])
+        messages, prompt = _messages(values["messages"], limits.max_prompt_bytes)
     guide = _guide(values["guided_decoding_guide_type"], values["guided_decoding_guide"])
     return ParsedRequest(
         prompt=prompt,
@@ -328,13 +332,69 @@ def _guide(kind: str | None, guide: str | None) -> tuple[str, str] | None:
     return kind, guide or ""
 
 
-def _messages(raw: str) -> tuple[list[dict[str, Any]], str]:
-    """The checked messages and the last user message's text (what `prompt` means for a chat request)."""
+def _messages(raw: str, max_prompt_bytes: int) -> tuple[list[dict[str, Any]], str]:
+    """The checked messages and the last user message's text (what `prompt` means for a chat request);
+    their text within the byte cap and valid Unicode (JSON can spell a lone surrogate, UTF-8 cannot)."""
     try:
         messages = parse_messages(raw)
+        size = text_bytes(messages, "input 'messages'")
+        if size > max_prompt_bytes:
+            raise BadRequest(prompt_too_big("input 'messages'", size, max_prompt_bytes, "text "))
         return messages, last_user_text(messages)
-    except MessagesError as e:
+    except (MessagesError, TextError) as e:
         raise BadRequest(f"input 'messages' is not valid: {e}") from e
+
+
+class TextError(ValueError):
+    """Text that is not valid Unicode: a lone surrogate, which JSON's \\uD800 escape can carry."""
+
+
+def text_bytes(value: Any, where: str) -> int:
+    """The UTF-8 bytes of every string (keys too) in a JSON value; TextError naming the first string UTF-8
+    cannot encode. Iterative: a deeply nested value cannot exhaust the stack."""
+    total, stack = 0, [(value, where)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, str):
+            try:
+                total += len(item.encode("utf-8"))
+            except UnicodeEncodeError as e:
+                raise TextError(
+                    f"{at} holds {item[e.start]!r} at character {e.start}, a lone surrogate that is not "
+                    "valid Unicode: send text whose surrogates come in pairs"
+                ) from None
+        elif isinstance(item, dict):
+            stack.extend((k, at) for k in item)
+            stack.extend((v, f"{at}.{k}") for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(item))
+    return total
+
+
+def prompt_too_big(what: str, size: int, limit: int, kind: str = "") -> str:
+    """The refusal of a prompt over the byte cap, naming the cap and the fix."""
+    return (
+        f"{what} holds {size} bytes of {kind}prompt, over this server's limit of {limit} bytes "
+        "(max_prompt_bytes): send a shorter prompt"
+    )
+
+
+def _check_prompt_bytes(get: Callable[[str], np.ndarray | None], max_prompt_bytes: int) -> None:
+    """The prompt inputs' sizes, from the raw tensors before anything is decoded, parsed or tokenized:
+    `text_input` within the byte cap, `messages` (JSON: its text is checked once parsed) within what a
+    prompt at the cap takes as JSON."""
+    for name in PROMPT_INPUTS:
+        arr = get(name)
+        if arr is None:
+            continue
+        size = sum(len(v) if isinstance(v, bytes | str) else 0 for v in arr.reshape(-1))
+        if name == "text_input" and size > max_prompt_bytes:
+            raise BadRequest(prompt_too_big("input 'text_input'", size, max_prompt_bytes))
+        if name == "messages" and size > request_bytes_limit(max_prompt_bytes):
+            raise BadRequest(
+                f"input 'messages' is {size} bytes of JSON, more than a prompt within this server's limit "
+                f"of {max_prompt_bytes} bytes (max_prompt_bytes) can take: send a shorter prompt"
+            )
 
 
 def output_array(name: str, values: list[Any]) -> np.ndarray:

@@ -459,3 +459,105 @@ def test_a_draining_model_is_a_503_and_a_request_past_its_deadline_a_504():
     )
     http, _ = client(FakeTriton(error=TritonError(deadline, ErrorKind.TIMEOUT)))
     assert_error(http.post("/v1/completions", json=TEXT), 504, code="timeout", contains="deadline")
+
+
+def test_a_prompt_over_the_byte_cap_is_a_400_and_a_body_over_its_bound_a_413_before_triton():
+    """max_prompt_bytes bounds the prompt's text (`prompt`, or every string of `messages`) and, through
+    request_bytes_limit, the body itself: nothing of either reaches Triton."""
+    from pipeline.limits import request_bytes_limit
+
+    http, fake = client(max_prompt_bytes=100)
+    text = {**TEXT, "prompt": "é" * 51}  # 102 UTF-8 bytes in 51 characters
+    assert_error(http.post("/v1/completions", json=text), 400, "prompt", contains="102 bytes of text prompt")
+    chat = {**CHAT, "messages": [{"role": "user", "content": "x" * 90}, {"role": "user", "content": "y"}]}
+    err = assert_error(http.post("/v1/chat/completions", json=chat), 400, "messages")
+    assert "over this server's limit of 100 bytes (max_prompt_bytes)" in err["message"]
+    limit = request_bytes_limit(100)
+    body = json.dumps({**TEXT, "prompt": "z" * limit}).encode()
+    r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert_error(r, 413, code="request_too_large", contains=f"{len(body)} bytes, over this server's limit")
+
+    def chunked():  # no Content-Length: the size is counted as the body streams in
+        yield body[: len(body) // 2]
+        yield body[len(body) // 2 :]
+
+    r = http.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert_error(r, 413, code="request_too_large", contains=f"more than {limit} bytes")
+    assert fake.calls == []
+    assert http.post("/v1/completions", json={**TEXT, "prompt": "é" * 50}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {**TEXT, "prompt": "a\ud800"}, "prompt"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+        ("/v1/completions", {**TEXT, "stop": ["\udfff"]}, "stop"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_naming_the_field(path, body, param):
+    """JSON can escape a lone surrogate; UTF-8 (the Triton inputs) cannot carry it: refused up front."""
+    http, fake = client()
+    raw = json.dumps(body).encode()  # ensure_ascii: the surrogate travels as its \\u escape
+    r = http.post(path, content=raw, headers={"content-type": "application/json"})
+    assert_error(r, 400, param, contains="a lone surrogate that is not valid Unicode")
+    assert fake.calls == []
+
+
+def test_a_non_streamed_request_is_cancelled_in_triton_when_its_client_disconnects():
+    """The whole completion is awaited while the client's connection is watched: when it closes, the
+    Triton stream is closed (AsyncTriton then cancels the gRPC call) instead of running to its end."""
+    started = threading.Event()
+
+    async def slow(inputs):
+        try:
+            started.set()
+            await anyio.sleep(10)  # Triton computing the whole answer (one response when not streamed)
+            slow.ran_to_the_end = True
+            yield FINAL
+        finally:
+            slow.closed = time.monotonic()
+
+    slow.closed, slow.ran_to_the_end = None, False
+    app = create_app(slow)
+    body = json.dumps(TEXT).encode()
+    sent: list[dict] = []
+    left = 0.0
+
+    async def run() -> None:
+        nonlocal left
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            nonlocal left
+            if messages:
+                return messages.pop(0)
+            while not started.is_set():
+                await anyio.sleep(0.01)
+            await anyio.sleep(0.2)
+            left = time.monotonic()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "path": "/v1/completions",
+            "raw_path": b"/v1/completions",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2),
+            "scheme": "http",
+            "root_path": "",
+        }
+        with anyio.fail_after(5):  # the stream's 10 s would fail this: the request must end with the client
+            await app(scope, receive, send)
+
+    anyio.run(run)
+    assert slow.closed is not None and not slow.ran_to_the_end
+    assert 0 <= slow.closed - left < 0.3

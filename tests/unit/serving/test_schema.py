@@ -181,6 +181,47 @@ def test_prompt_over_the_servers_limit_is_refused(model):
     assert refusal(model, inputs) == "prompt has 101 tokens, over this server's limit of 100"
 
 
+def test_a_prompt_over_the_byte_cap_is_refused_before_it_is_decoded_or_tokenized(model, monkeypatch):
+    """max_prompt_bytes is checked on the raw tensors: a 10 MiB prompt never reaches the tokenizer (nor
+    the chat template), so the model's request thread (and its health pings) is not held by it."""
+    from pipeline.limits import DEFAULTS, request_bytes_limit
+
+    cap = DEFAULTS.max_prompt_bytes
+    assert model.core.limits.max_prompt_bytes == cap
+    touched: list[str] = []
+    for name in ("encode_prompt", "encode_messages"):
+        monkeypatch.setattr(model.core.session, name, lambda *a, name=name: touched.append(name) or [1])
+    big = b"x" * (10 << 20)
+    assert refusal(model, {"text_input": arr("text_input", big)}) == (
+        f"input 'text_input' holds {len(big)} bytes of prompt, over this server's limit of {cap} bytes "
+        "(max_prompt_bytes): send a shorter prompt"
+    )
+    messages = json.dumps([{"role": "user", "content": "x" * (10 << 20)}]).encode()
+    assert refusal(model, {"messages": arr("messages", messages)}).startswith(
+        f"input 'messages' is {len(messages)} bytes of JSON, more than a prompt within this server's "
+        f"limit of {cap} bytes (max_prompt_bytes) can take"
+    )
+    # JSON within the bound whose text is not: the text's bytes are counted once parsed
+    assert len(escaped := json.dumps([{"role": "user", "content": "\x01" * cap}]).encode()) < (
+        request_bytes_limit(cap)
+    )
+    assert "bytes of text prompt, over this server's limit" in refusal(
+        model, {"messages": arr("messages", escaped)}
+    )
+    assert touched == []
+    # at the cap: accepted and tokenized
+    model.execute([FakeRequest({"text_input": arr("text_input", b"y" * cap)})])
+    assert touched == ["encode_prompt"]
+
+
+def test_messages_holding_a_lone_surrogate_are_refused_naming_it(model):
+    messages = json.dumps([{"role": "user", "content": "a\ud800b"}]).encode()  # JSON's escape of it
+    assert refusal(model, {"messages": arr("messages", messages)}) == (
+        "input 'messages' is not valid: input 'messages'[0].content holds '\\ud800' at character 1, a lone "
+        "surrogate that is not valid Unicode: send text whose surrogates come in pairs"
+    )
+
+
 def test_sampler_config_checks_the_same_ranges():
     """The in-process path (`dgpipe generate`) refuses what the server refuses: one table of ranges."""
     from pipeline.errors import SamplerError
