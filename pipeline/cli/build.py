@@ -33,6 +33,7 @@ def build(
     max_tokens: opt.MaxTokens = None,
     max_steps: opt.MaxSteps = None,
     max_request_seconds: opt.MaxRequestSeconds = None,
+    max_prompt_bytes: opt.MaxPromptBytes = None,
     as_json: opt.Json = False,
 ) -> None:
     """Run every stage: quantize -> export ONNX -> sampler PTX + TensorRT engines (here, or the step for the
@@ -54,6 +55,7 @@ def build(
             max_tokens=max_tokens,
             max_steps=max_steps,
             max_request_seconds=max_request_seconds,
+            max_prompt_bytes=max_prompt_bytes,
         ),
     )
     with out.spinner("building", err=as_json) as say:

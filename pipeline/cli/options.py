@@ -50,6 +50,12 @@ MaxRequestSeconds = Annotated[
         "max_request_seconds",
     ),
 ]
+MaxPromptBytes = Annotated[
+    int | None,
+    _limit(
+        "largest prompt a request may send, in UTF-8 bytes (checked before tokenizing)", "max_prompt_bytes"
+    ),
+]
 CalibSize = Annotated[int, typer.Option(help="calibration prompts")]
 
 

@@ -41,6 +41,7 @@ def package(
     max_prompt: opt.MaxPrompt = None,
     max_steps: opt.MaxSteps = None,
     max_request_seconds: opt.MaxRequestSeconds = None,
+    max_prompt_bytes: opt.MaxPromptBytes = None,
     device: opt.Device = "auto",
     compile: opt.Compile = False,
     engines: Engines = None,
@@ -63,6 +64,7 @@ def package(
             "max_tokens": max_tokens,
             "max_steps": max_steps,
             "max_request_seconds": max_request_seconds,
+            "max_prompt_bytes": max_prompt_bytes,
         }
         out.stage(package_stage(build_dir, given, device=device, compile=compile), as_json=False)
         return
@@ -73,6 +75,7 @@ def package(
         max_tokens=max_tokens,
         max_steps=max_steps,
         max_request_seconds=max_request_seconds,
+        max_prompt_bytes=max_prompt_bytes,
     )
     repo = run_package(
         model or default_model_path(),
