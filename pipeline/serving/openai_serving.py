@@ -91,7 +91,7 @@ class OpenAIServing:
     async def chat_completion(self, request: Request) -> Any:
         req = await self.parse(request, ChatCompletionRequest)
         try:
-            parse_messages(req.messages)
+            req.messages = parse_messages(req.messages)  # content parts joined into text
         except MessagesError as e:
             raise RequestError(str(e), "messages") from e
         return await self.respond(req, chat=True)
