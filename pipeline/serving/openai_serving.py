@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from pipeline.runtime.chat_template import MessagesError, parse_messages
@@ -24,6 +24,7 @@ from pipeline.serving.openai_sse import EventWriter, sse_events, usage
 from pipeline.serving.openai_stream import END, Chunks, TritonStream, close, pull
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
+SEED_HEADER = "x-dgpipe-seed"  # the seed a response sampled with (drawn when the request sent none)
 
 
 class OpenAIServing:
@@ -100,7 +101,8 @@ class OpenAIServing:
         return await self.respond(await self.parse(request, CompletionRequest), chat=False)
 
     async def respond(self, req: OpenAIRequest, chat: bool) -> Any:
-        """Send the request to Triton; the whole completion, or its SSE stream with `stream: true`."""
+        """Send the request to Triton; the whole completion, or its SSE stream with `stream: true`, with the
+        seed it sampled with in the SEED_HEADER header."""
         chunks = self.stream(req.triton_inputs())
         try:
             first = await pull(chunks)  # Triton refuses a bad value before any output
@@ -114,10 +116,12 @@ class OpenAIServing:
             "created": int(time.time()),
             "model": self.model,
         }
+        headers = {SEED_HEADER: str(req.sampler_seed)}
         if not req.stream:
-            return await self._whole(head, first, chunks, chat)
-        writer = EventWriter(head, chat, req.include_usage)
-        return StreamingResponse(sse_events(writer, first, chunks, Reply()), media_type="text/event-stream")
+            return JSONResponse(await self._whole(head, first, chunks, chat), headers=headers)
+        writer = EventWriter(head, chat, req.include_usage, req.continuous_usage)
+        events = sse_events(writer, first, chunks, Reply())
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
     async def _whole(self, head: dict[str, Any], first: Any, chunks: Chunks, chat: bool) -> dict[str, Any]:
         reply, item = Reply(), first
