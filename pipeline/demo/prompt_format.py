@@ -80,15 +80,18 @@ class SudokuFormat:
         return stok.sudoku_infill_template(_puzzle(text))
 
     def decode(self, tokens: Sequence[int]) -> str:
-        return stok.decode_solution(tokens)
+        """One character per generated cell token, never padded: a canvas cut short (max_tokens < 81)
+        reads as the cells it holds, so the text and its token count agree."""
+        return stok.decode_solution(tokens)[: len(tokens)]
 
     def decode_prompt(self, prompt_ids: Sequence[int]) -> str:
         """The puzzle the prompt holds (its 81 cells between the turn tokens), '.' for a blank."""
         return stok.decode_solution(list(prompt_ids)[2:-1])
 
     def present(self, prompt: str, text: str) -> tuple[str, str | None]:
-        solved = sudoku.is_valid_solution(_puzzle(prompt), text)
-        return sudoku.format_grid(text), "solved" if solved else "NOT a valid solution"
+        grid = text.ljust(81, ".")  # a grid cut short shows its missing cells blank
+        solved = sudoku.is_valid_solution(_puzzle(prompt), grid)
+        return sudoku.format_grid(grid), "solved" if solved else "NOT a valid solution"
 
     @staticmethod
     def check_answer(prompt: str, text: str) -> str | None:

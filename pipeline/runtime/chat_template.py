@@ -44,8 +44,9 @@ class MessagesError(InputError):
 
 def parse_messages(raw: str | bytes | list[Any]) -> list[Message]:
     """OpenAI-style messages (a JSON string or an already-parsed list) checked: a non-empty list of objects
-    with a known `role` and a `content` that is a string or a list of {"type": "text", "text": ...} parts.
-    Keys whose value is null are dropped, as transformers does before rendering."""
+    with a known `role` and a `content` that is a string or a list of {"type": "text", "text": ...} parts
+    (returned joined into one string, `_joined_text_parts`). Keys whose value is null are dropped, as
+    transformers does before rendering."""
     if isinstance(raw, bytes | str):
         try:
             raw = json.loads(raw)
@@ -72,27 +73,35 @@ def parse_messages(raw: str | bytes | list[Any]) -> list[Message]:
             raise MessagesError(f"{where}: unknown role {role!r}", f"roles: {', '.join(ROLES)}")
         content = msg.get("content")
         if isinstance(content, list):
-            for j, part in enumerate(content):
-                if not (
-                    isinstance(part, dict)
-                    and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)
-                ):
-                    raise MessagesError(
-                        f"{where}.content[{j}]: only text parts are supported "
-                        '({"type": "text", "text": "..."})'
-                    )
+            msg["content"] = _joined_text_parts(content, where)
         elif not isinstance(content, str) and not (role == "assistant" and "tool_calls" in msg):
             raise MessagesError(f"{where}: 'content' is missing or not a string or a list of text parts")
         out.append(msg)
     return out
 
 
+def _joined_text_parts(parts: list[Any], where: str) -> str:
+    """A content-part list as the one string a chat template renders: the text parts joined with "\n"
+    (as vLLM and OpenAI's own servers read them). Any other part type (image_url, input_audio, file, ...)
+    is refused naming it: this model reads text only."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            what = f"part type {kind!r}" if isinstance(kind, str) else "a part without a 'type'"
+            raise MessagesError(
+                f"{where}.content[{j}]: {what} is not supported: this model reads text parts only "
+                '({"type": "text", "text": "..."})'
+            )
+        if not isinstance(part.get("text"), str):
+            raise MessagesError(f"{where}.content[{j}]: a text part needs 'text' (a string)")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def message_text(message: Message) -> str:
     content = message.get("content", "")
-    if isinstance(content, list):
-        return "".join(part["text"] for part in content)
-    return content
+    return content if isinstance(content, str) else ""
 
 
 def last_user_text(messages: list[Message]) -> str:

@@ -35,6 +35,7 @@ from pipeline.sampler.reference import CounterDraws, DrawSource, RowKeys, temper
 class Request:
     prompt_ids: list[int]
     max_tokens: int = 256
+    min_tokens: int = 0  # tokens before an end token may stop the request (max_tokens: never, ignore_eos)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     seed: int = 0
     request_id: int = 0
@@ -419,7 +420,9 @@ class BlockDiffusionRuntime:
             res.steps_per_canvas.append(int(self.step_idx[slot]))
             if not res.tokens and res.time_to_first_canvas == 0.0:
                 res.time_to_first_canvas = time.perf_counter() - res.started
-            first_end = next((i for i, t in enumerate(block) if t in self.end_ids), None)
+            # an end token stops the request only once min_tokens precede it (vLLM's min_tokens)
+            floor = res.request.min_tokens - len(res.tokens)
+            first_end = next((i for i, t in enumerate(block) if t in self.end_ids and i >= floor), None)
             emitted = block if first_end is None else block[: first_end + 1]
             room = res.request.max_tokens - len(res.tokens)
             if len(emitted) > room:

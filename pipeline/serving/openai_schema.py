@@ -16,6 +16,15 @@ become the Triton inputs `guided_decoding_guide_type` / `guided_decoding_guide`.
 regular expression here already, so a schema construct the compiler cannot honour is a 400 naming it before
 the request reaches Triton (the Triton model compiles the token automaton and answers a 400 as well).
 
+Seed: OpenAI's `seed` is any 64-bit integer; the sampler's seeds are 63-bit, so a seed maps onto them as
+`seed % 2**63` (deterministic: -1 is 2**63 - 1). An unset seed draws a fresh one (`secrets.randbits(63)`)
+per request, so two unseeded requests differ at any temperature; the seed a response used is in its
+`x-dgpipe-seed` header (send it back as `seed` to repeat the answer).
+
+Load-tool fields (vLLM's, sent by guidellm and AIPerf): `ignore_eos` (the end token does not stop
+generation: it runs to `max_tokens`), `min_tokens` (the end token does not stop it before that many
+tokens) and `stream_options.continuous_usage_stats` (usage on every streamed chunk).
+
 Drafts: `stream_drafts: true` (with `stream: true`) adds the canvas after every denoise step to the stream
 as `event: dgpipe.draft` server-sent events (pipeline/serving/openai_api.py); without it the stream is
 plain OpenAI chunks.
@@ -24,9 +33,10 @@ plain OpenAI chunks.
 from __future__ import annotations
 
 import json
+import secrets
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from pipeline.errors import InputError
 from pipeline.model.config import SAMPLER_RANGES
@@ -84,21 +94,33 @@ STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 STOP_MAX = 4  # stop sequences per request, OpenAI's documented limit
 
 
+SEED_SPACE = SEED_MAX + 1  # the sampler's seeds: 0 .. 2**63 - 1
+INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1  # what a client may send as `seed` (int64 or uint64)
+
+
+def sampler_seed(seed: int | None) -> int:
+    """The sampler seed for a request's `seed`: any 64-bit integer mapped into the 63-bit seed space
+    (deterministically: the same `seed` always samples the same), a fresh random one when unset."""
+    return secrets.randbits(63) if seed is None else seed % SEED_SPACE
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage (so far) on every chunk
 
 
 class _Common(BaseModel):
     """Fields shared by chat and text completions, read strictly (STRICT)."""
 
     model_config = STRICT
+    _seed: int | None = PrivateAttr(None)
 
     model: str
     # INT32 inputs in Triton: a larger value would not fit the tensor (the server's own cap is far lower)
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    seed: int | None = Field(None, ge=INT64_MIN, le=UINT64_MAX)  # mapped by sampler_seed
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -115,6 +137,9 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     stream_drafts: bool = False  # dgpipe.draft events in the stream (only with stream: true)
+    # vLLM's fields that load tools send (guidellm, AIPerf): end tokens ignored until max_tokens / min_tokens
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     # OpenAI fields accepted only at their no-op value, or refused: checked in _refuse
     n: int | None = None
     best_of: int | None = None
@@ -148,6 +173,10 @@ class _Common(BaseModel):
                 raise RequestError(f"'{name}' is not supported by this server", name)
         if self.stream_options is not None and not self.stream:
             raise RequestError("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        if "" in self.stop_words():
+            raise RequestError(
+                "'stop' holds an empty string, which would match at once: leave it out", "stop"
+            )
         if len(self.stop_words()) > STOP_MAX:
             raise RequestError(
                 f"'stop' holds {len(self.stop_words())} sequences; at most {STOP_MAX} are allowed", "stop"
@@ -202,7 +231,8 @@ class _Common(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def inputs(self, max_tokens: int | None) -> dict[str, Any]:
-        """The Triton inputs (schema names) this request sets, besides the prompt; None = the model's default."""
+        """The Triton inputs (schema names) this request sets, besides the prompt; None = the model's default.
+        The seed is always set: the request's (mapped), or one drawn for it."""
         knobs: dict[str, Any] = {k: getattr(self, k) for k in DIFFUSION_KNOBS}
         if self.temperature is not None:
             t_min, t_max = temperature_range(self.temperature)
@@ -210,8 +240,10 @@ class _Common(BaseModel):
             knobs["t_max"] = t_max if knobs["t_max"] is None else knobs["t_max"]
         out: dict[str, Any] = {
             "max_tokens": max_tokens,
-            "seed": self.seed,
+            "seed": self.sampler_seed,
             "stream": self.stream,
+            "ignore_eos": self.ignore_eos or None,
+            "min_tokens": self.min_tokens or None,
             "stream_drafts": self.stream_drafts or None,
             "stop_words": self.stop_words() or None,
             "exclude_input_in_output": True,
@@ -226,6 +258,17 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def sampler_seed(self) -> int:
+        """The seed this request samples with, fixed on first use (drawn once when the request has none)."""
+        if self._seed is None:
+            self._seed = sampler_seed(self.seed)
+        return self._seed
 
 
 class ChatCompletionRequest(_Common):

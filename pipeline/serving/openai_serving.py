@@ -32,6 +32,7 @@ PROMPT_FIELDS = ("prompt", "messages")  # what max_prompt_bytes bounds in an Ope
 # a body over the limit is still read (and dropped) up to this many times it, so its client reads the 413
 DISCARD_FACTOR = 4
 CLIENT_CLOSED = 499  # the status logged for a request whose client left (nobody reads the response)
+SEED_HEADER = "x-dgpipe-seed"  # the seed a response sampled with (drawn when the request sent none)
 
 
 class OpenAIServing:
@@ -132,7 +133,7 @@ class OpenAIServing:
     async def chat_completion(self, request: Request) -> Any:
         req = await self.parse(request, ChatCompletionRequest)
         try:
-            parse_messages(req.messages)
+            req.messages = parse_messages(req.messages)  # content parts joined into text
         except MessagesError as e:
             raise RequestError(str(e), "messages") from e
         return await self.respond(req, chat=True, request=request)
@@ -141,7 +142,8 @@ class OpenAIServing:
         return await self.respond(await self.parse(request, CompletionRequest), chat=False, request=request)
 
     async def respond(self, req: OpenAIRequest, chat: bool, request: Request | None = None) -> Any:
-        """Send the request to Triton; the whole completion, or its SSE stream with `stream: true`."""
+        """Send the request to Triton; the whole completion, or its SSE stream with `stream: true`, with the
+        seed it sampled with in the SEED_HEADER header."""
         kind = "chat.completion" if chat else "text_completion"
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -149,16 +151,19 @@ class OpenAIServing:
             "created": int(time.time()),
             "model": self.model,
         }
+        headers = {SEED_HEADER: str(req.sampler_seed)}
         chunks = self.stream(req.triton_inputs())
         if not req.stream:
-            return await self._whole(head, chunks, chat, request)
+            whole = await self._whole(head, chunks, chat, request)
+            return whole if isinstance(whole, JSONResponse) else JSONResponse(whole, headers=headers)
         try:
             first = await pull(chunks)  # Triton refuses a bad value before any output
         except BaseException:
             await close(chunks)
             raise
-        writer = EventWriter(head, chat, req.include_usage)
-        return StreamingResponse(sse_events(writer, first, chunks, Reply()), media_type="text/event-stream")
+        writer = EventWriter(head, chat, req.include_usage, req.continuous_usage)
+        events = sse_events(writer, first, chunks, Reply())
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
     async def _whole(self, head: dict[str, Any], chunks: Chunks, chat: bool, request: Request | None) -> Any:
         """The whole completion; a client that leaves before it is done cancels the request in Triton

@@ -28,22 +28,28 @@ def event(payload: dict[str, Any]) -> str:
 class EventWriter:
     """The events of one response, each with the response's head (id, object, created, model)."""
 
-    def __init__(self, head: dict[str, Any], chat: bool, include_usage: bool) -> None:
+    def __init__(
+        self, head: dict[str, Any], chat: bool, include_usage: bool, continuous_usage: bool = False
+    ) -> None:
         self.head, self.chat, self.include_usage = head, chat, include_usage
-        self.extra: dict[str, Any] = {"usage": None} if include_usage else {}
+        self.continuous_usage = (
+            continuous_usage  # usage so far on every chunk (vLLM's continuous_usage_stats)
+        )
+        self.extra: dict[str, Any] = {"usage": None} if include_usage or continuous_usage else {}
 
     def role(self) -> str:
         """A chat stream opens with the assistant's role."""
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
         return event({**self.head, "choices": [choice], **self.extra})
 
-    def chunk(self, piece: str | None, finish: str | None) -> str:
+    def chunk(self, piece: str | None, finish: str | None, reply: Reply | None = None) -> str:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
         if self.chat:
             choice["delta"] = {} if piece is None else {"content": piece}
         else:
             choice["text"] = piece or ""
-        return event({**self.head, "choices": [choice], **self.extra})
+        extra = {"usage": usage(reply)} if self.continuous_usage and reply is not None else self.extra
+        return event({**self.head, "choices": [choice], **extra})
 
     def draft(self, canvas: int, step: int, text: str) -> str:
         payload = {**self.head, "object": "dgpipe.draft", "choices": []}
@@ -80,9 +86,9 @@ async def _events(writer: EventWriter, first: Any, chunks: Chunks, reply: Reply)
                 piece = reply.add(item)
                 if piece:
                     canvases += 1
-                    yield writer.chunk(piece, None)
+                    yield writer.chunk(piece, None, reply)
                 if item.get("finish_reason"):
-                    yield writer.chunk(None, reply.finish_reason)
+                    yield writer.chunk(None, reply.finish_reason, reply)
             item = await pull(chunks)
     except RequestError as e:  # after a 200: the error travels as an event
         yield writer.error(e)

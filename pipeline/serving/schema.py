@@ -119,6 +119,8 @@ INPUTS: tuple[TritonTensor, ...] = (
     _in("text_input", "BYTES", "the prompt (UTF-8)", rule=NOT_BLANK),
     _in("max_tokens", "INT32", "tokens to generate at most", default=256, rule=AT_LEAST_ONE),
     _in("stream", "BOOL", "send each committed canvas as it completes", default=False),
+    # absent: 0, so a direct Triton request is reproducible (TensorRT-LLM's random_seed default); the OpenAI
+    # frontend draws a fresh seed for a request without one (openai_schema.sampler_seed)
     _in("seed", "UINT64", "sampling seed: same seed, same answer", default=0, rule=SEED_RANGE),
     _in("stop_words", "BYTES", "stop at the first of these strings", dims=(-1,), default=()),
     _in("exclude_input_in_output", "BOOL", "return the generated text only", default=False),
@@ -148,6 +150,14 @@ INPUTS: tuple[TritonTensor, ...] = (
     _in("t_min", "FP32", "temperature schedule: last step", rule=_sampler_range("t_min"), sampler=True),
     _in("t_max", "FP32", "temperature schedule: first step", rule=_sampler_range("t_max"), sampler=True),
     _in("stream_drafts", "BOOL", "also send the canvas after every denoise step", default=False),
+    _in("ignore_eos", "BOOL", "an end token does not stop generation: run to max_tokens", default=False),
+    _in(
+        "min_tokens",
+        "INT32",
+        "an end token does not stop generation before this many tokens",
+        default=0,
+        rule=Rule(lambda v: v >= 0, "must be >= 0"),
+    ),
     _in("infill_template", "BYTES", "canvas template: '_' is free, other text is pinned"),
     _in(
         "messages",
@@ -218,6 +228,7 @@ class ParsedRequest:
     messages: list[dict[str, Any]] | None = None  # checked chat messages, when sent instead of text_input
     timeout_s: float = float("inf")  # the request's deadline (from its batch slot): its own or the server's
     guide: tuple[str, str] | None = None  # constrained decoding: (guide type, guide), compiled by the model
+    min_tokens: int = 0  # end tokens do not stop generation before this many tokens (ignore_eos: max_tokens)
 
 
 def _scalar(arr: np.ndarray, name: str) -> Any:
@@ -288,6 +299,8 @@ def parse_request(
         values["max_tokens"] = min(values["max_tokens"], limits.max_tokens)
     _check_limits(values, limits)
     max_tokens = values["max_tokens"]
+    if values["min_tokens"] > max_tokens:
+        raise BadRequest(f"input 'min_tokens' ({values['min_tokens']}) must be <= max_tokens ({max_tokens})")
     flags = read(lambda s: s.datatype == "BOOL")
     values |= read(lambda s: s.optional and s.datatype == "BYTES")
     messages, prompt = (None, values["text_input"])
@@ -305,6 +318,7 @@ def parse_request(
         messages=messages,
         timeout_s=values["timeout_s"] if values["timeout_s"] is not None else limits.max_request_seconds,
         guide=guide,
+        min_tokens=max_tokens if flags["ignore_eos"] else values["min_tokens"],
     )
 
 

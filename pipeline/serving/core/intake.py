@@ -63,6 +63,7 @@ class Intake:
         req = Request(
             prompt_ids=prompt_ids,
             max_tokens=parsed.max_tokens,
+            min_tokens=parsed.min_tokens,
             sampler=sampler,
             seed=parsed.seed,
             request_id=job.request_id,

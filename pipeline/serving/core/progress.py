@@ -13,7 +13,7 @@ from pipeline.serving.core import responses
 from pipeline.serving.core.deadlines import expired_message
 from pipeline.serving.core.jobs import Job
 from pipeline.serving.core.responses import Failure
-from pipeline.serving.core.stop_words import cut_at_stop_word
+from pipeline.serving.core.stop_words import cut_at_stop_word, tokens_covering
 from pipeline.serving.error_kinds import ErrorKind
 
 if TYPE_CHECKING:
@@ -40,7 +40,6 @@ class Progress:
     def on_canvas(self, job: Job, tokens: list[int]) -> None:
         core, m = self.core, self.core.metrics
         piece = core.session.decode(tokens)
-        job.tokens += len(tokens)
         job.canvases += 1
         m.canvases.increment(1)
         m.tokens.increment(len(tokens))
@@ -50,13 +49,24 @@ class Progress:
         if job.first_canvas is None:
             job.first_canvas = now - job.started
             m.time_to_first_canvas.observe(job.first_canvas)
-        piece, hit = cut_at_stop_word(job.text, piece, job.stop_words)
+        kept, hit = cut_at_stop_word(job.text, piece, job.stop_words)
         if hit:
             core.runtime.cancel(job.request_id)
             job.stopped_by_word = True
-        job.text += piece
-        if job.flags["stream"] and piece:
-            job.channel.send(responses.piece(piece))
+            tokens = tokens[: tokens_covering(core.session.decode, tokens, len(kept))]
+        job.tokens += len(tokens)  # the tokens of the text returned (a stop word cut drops the rest)
+        job.text += kept
+        if job.flags["stream"] and kept:
+            job.channel.send(responses.piece(kept, *self.counts(job)))
+
+    @staticmethod
+    def counts(job: Job) -> tuple[int | None, int | None]:
+        """(prompt tokens, tokens so far), each only when the request asked for it."""
+        flags = job.flags
+        return (
+            len(job.prompt_ids) if flags["return_num_input_tokens"] else None,
+            job.tokens if flags["return_num_output_tokens"] else None,
+        )
 
     def on_finish(self, job: Job, res: Any) -> None:
         core, m = self.core, self.core.metrics
@@ -93,6 +103,5 @@ class Progress:
             text,
             reason,
             steps,
-            input_tokens=len(job.prompt_ids) if job.flags["return_num_input_tokens"] else None,
-            output_tokens=job.tokens if job.flags["return_num_output_tokens"] else None,
+            *self.counts(job),
         )

@@ -44,9 +44,15 @@ def internal_failure(where: str, error: BaseException) -> Failure:
     return Failure(ErrorKind.INTERNAL, internal_error(where, error))
 
 
-def piece(text: str) -> Outputs:
-    """A committed piece of a streamed answer."""
-    return Outputs({"text_output": [text]}, final=False)
+def piece(text: str, input_tokens: int | None = None, output_tokens: int | None = None) -> Outputs:
+    """A committed piece of a streamed answer, with the token counts so far when the request asked (a
+    client can report usage on every chunk)."""
+    values: dict[str, list[Any]] = {"text_output": [text]}
+    if input_tokens is not None:
+        values["num_input_tokens"] = [input_tokens]
+    if output_tokens is not None:
+        values["num_output_tokens"] = [output_tokens]
+    return Outputs(values, final=False)
 
 
 def draft(text: str, step: int) -> Outputs:

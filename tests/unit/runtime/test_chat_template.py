@@ -44,8 +44,14 @@ def test_render_and_tokens_match_transformers(chat_ckpt, messages):
     session = load_session(chat_ckpt, weights=False)
     if "chatml" in str(chat_ckpt) and len(messages) > 2:
         messages = [*messages[:1], {**messages[1], "meta": {"lang": "en", "html": "<&>"}}, *messages[2:]]
-    want_text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    want_ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    # content parts reach the template as one string, the text parts joined with "\n" (a template that
+    # reads `content` as a string would otherwise print the list's Python repr)
+    joined = [
+        {**m, "content": "\n".join(p["text"] for p in m["content"])} if isinstance(m["content"], list) else m
+        for m in messages
+    ]
+    want_text = hf.apply_chat_template(joined, add_generation_prompt=True, tokenize=False)
+    want_ids = hf.apply_chat_template(joined, add_generation_prompt=True, tokenize=True, return_dict=False)
     checked = ct.parse_messages(messages)
     template = ct.load_chat_template(chat_ckpt)
     assert template is not None and template.special_tokens["bos_token"] == "<bos>"
@@ -128,13 +134,24 @@ def test_a_checkpoint_without_a_template_refuses_messages_and_sudoku_reads_the_p
         ('[{"content": "x"}]', r"messages\[0\]: 'role' is missing"),
         ('[{"role": "robot", "content": "x"}]', r"messages\[0\]: unknown role 'robot'"),
         ('[{"role": "user", "content": 3}]', r"messages\[0\]: 'content' is missing or not a string"),
-        ('[{"role": "user", "content": [{"type": "image_url"}]}]', r"messages\[0\]\.content\[0\]: only text"),
+        (
+            '[{"role": "user", "content": [{"type": "image_url"}]}]',
+            r"messages\[0\]\.content\[0\]: part type 'image_url' is not supported",
+        ),
+        ('[{"role": "user", "content": [{"type": "text"}]}]', r"content\[0\]: a text part needs 'text'"),
     ],
 )
 def test_bad_messages_name_the_problem(raw, problem):
     with pytest.raises(ct.MessagesError, match=problem):
         ct.parse_messages(raw)
     assert issubclass(ct.MessagesError, InputError)
+
+
+def test_text_parts_are_joined_into_one_string_with_newlines():
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    (msg,) = ct.parse_messages([{"role": "user", "content": parts}])
+    assert msg == {"role": "user", "content": "Hello\nworld"}
+    assert ct.last_user_text([msg]) == "Hello\nworld"
 
 
 def test_null_fields_are_dropped_and_a_broken_template_is_the_checkpoint_s_fault(tmp_path):

@@ -43,6 +43,26 @@ def test_end_token_trims_and_stops():
         assert r.tokens[-1] in (1, 4) and not set(r.tokens[:-1]) & {1, 4}
 
 
+def test_ignore_eos_and_min_tokens_keep_generating_past_end_tokens():
+    model = build_tiny()
+    seeds = range(16)
+    ended = run(model, [Request(prompt_ids=[2, 5], max_tokens=40, sampler=FIXED, seed=s) for s in seeds])
+    early = [s for s, r in zip(seeds, ended, strict=True) if r.finish_reason == "stop" and len(r.tokens) < 20]
+    assert early, "some request must end on an end token before 20 tokens"
+    res = run(
+        model,
+        [Request(prompt_ids=[2, 5], max_tokens=40, min_tokens=40, sampler=FIXED, seed=s) for s in early],
+    )
+    assert all(len(r.tokens) == 40 and r.finish_reason == "length" for r in res)  # ignore_eos
+    res = run(
+        model,
+        [Request(prompt_ids=[2, 5], max_tokens=40, min_tokens=20, sampler=FIXED, seed=s) for s in early],
+    )
+    for r in res:  # an end token stops the request only after 20 tokens
+        assert len(r.tokens) > 20 and (r.finish_reason == "length" or r.tokens[-1] in (1, 4))
+        assert set(r.tokens[20:-1]).isdisjoint({1, 4})
+
+
 def test_batch_independence_and_mixed_prompt_lengths():
     """A request's tokens do not depend on its neighbours (counter-based draws, per-row masks).
     float64 so that BLAS blocking differences between batch sizes cannot flip a near-tie."""

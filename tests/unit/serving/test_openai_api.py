@@ -98,7 +98,10 @@ def test_chat_maps_messages_and_fields_onto_triton_inputs():
 
 def test_completion_sends_the_prompt_as_text_input_and_leaves_defaults_to_the_model():
     c, fake = client()
-    assert c.post("/v1/completions", json={**TEXT, "prompt": ["hi"], "max_tokens": 9}).status_code == 200
+    r = c.post("/v1/completions", json={**TEXT, "prompt": ["hi"], "max_tokens": 9})
+    assert r.status_code == 200
+    seed = fake.calls[0].pop("seed")  # drawn for it: the request sent none
+    assert 0 <= seed < 2**63 and r.headers["x-dgpipe-seed"] == str(seed)
     assert fake.calls == [
         {
             "text_input": "hi",
@@ -235,7 +238,17 @@ def test_models_and_health():
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
         ("/v1/chat/completions", {"frobnicate": 1}, "frobnicate"),
         ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
-        ("/v1/chat/completions", {"seed": -1}, "seed"),
+        ("/v1/chat/completions", {"seed": 2**64}, "seed"),
+        ("/v1/chat/completions", {"seed": -(2**63) - 1}, "seed"),
+        ("/v1/chat/completions", {"stop": ""}, "stop"),
+        ("/v1/chat/completions", {"stop": ["x", ""]}, "stop"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages",
+        ),
+        ("/v1/chat/completions", {"stream": True, "stream_options": {"frobnicate": True}}, "stream_options"),
+        ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),
         ("/v1/chat/completions", {"temperature": 3}, "temperature"),
         ("/v1/chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ("/v1/chat/completions", {"max_tokens": "10"}, "max_tokens"),  # JSON types as sent
@@ -302,6 +315,63 @@ def test_an_error_after_the_stream_started_is_an_error_event_then_done():
     assert (
         events[-1]["error"]["type"] == "server_error" and "internal error" in events[-1]["error"]["message"]
     )
+
+
+def test_an_unset_seed_is_drawn_per_request_and_reported_any_64_bit_seed_is_mapped():
+    c, fake = client()
+    r1 = c.post("/v1/chat/completions", json=CHAT)
+    r2 = c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    drawn = [call["seed"] for call in fake.calls]
+    assert drawn[0] != drawn[1]  # two unseeded requests sample differently (2**-63 to collide)
+    assert [r1.headers["x-dgpipe-seed"], r2.headers["x-dgpipe-seed"]] == [str(s) for s in drawn]
+    for sent, used in ((7, 7), (-1, 2**63 - 1), (-(2**63), 0), (2**64 - 1, 2**63 - 1), (2**63, 0)):
+        r = c.post("/v1/chat/completions", json={**CHAT, "seed": sent})
+        assert r.status_code == 200 and fake.calls[-1]["seed"] == used == int(r.headers["x-dgpipe-seed"])
+
+
+def test_text_content_parts_reach_triton_joined_and_other_parts_are_refused_by_type():
+    c, fake = client()
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    body = {**CHAT, "messages": [{"role": "user", "content": parts}]}
+    assert c.post("/v1/chat/completions", json=body).status_code == 200
+    assert json.loads(fake.calls[0]["messages"]) == [{"role": "user", "content": "Hello\nthere"}]
+    audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
+    body = {**CHAT, "messages": [{"role": "user", "content": [*parts, audio]}]}
+    assert_error(c.post("/v1/chat/completions", json=body), 400, "messages", contains="'input_audio'")
+    assert len(fake.calls) == 1
+
+
+def test_load_tool_fields_are_accepted_and_sent_to_the_model():
+    """What guidellm and AIPerf send: vLLM's ignore_eos and min_tokens, continuous_usage_stats."""
+    c, fake = client()
+    body = {**CHAT, "max_tokens": 64, "ignore_eos": True, "min_tokens": 8}
+    assert c.post("/v1/chat/completions", json=body).status_code == 200
+    assert fake.calls[0]["ignore_eos"] is True and fake.calls[0]["min_tokens"] == 8
+    assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
+    assert "ignore_eos" not in fake.calls[1] and "min_tokens" not in fake.calls[1]
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk():
+    chunks = [
+        {"text_output": ["12"], "num_input_tokens": [5], "num_output_tokens": [2]},
+        {"text_output": ["34"], "num_input_tokens": [5], "num_output_tokens": [4]},
+        FINAL,
+    ]
+    c, _ = client(FakeTriton(chunks))
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    events = sse(c.post("/v1/completions", json={**TEXT, "stream": True, "stream_options": options}))
+    assert [e["usage"]["completion_tokens"] for e in events] == [2, 4, 4, 4]
+    assert all(e["usage"]["prompt_tokens"] == 5 for e in events)
+    assert events[-1]["choices"] == []  # the include_usage chunk still ends the stream
+
+
+def test_a_deadline_inside_a_stream_carries_the_same_code_as_without_a_stream():
+    deadline = TritonError("request ran past its deadline of 2 s", ErrorKind.TIMEOUT)
+    c, _ = client(FakeTriton(error=deadline, error_after=1))
+    events = sse(c.post("/v1/completions", json={**TEXT, "stream": True}))
+    assert events[-1]["error"]["code"] == "timeout"
+    c, _ = client(FakeTriton(error=deadline))
+    assert_error(c.post("/v1/completions", json=TEXT), 504, code="timeout")
 
 
 # ---- API key -------------------------------------------------------------------------------------------

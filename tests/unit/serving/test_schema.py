@@ -323,6 +323,7 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
     assert job.flags == dict.fromkeys(schema.FLAGS, False) and job.stop_words == []
     assert model.core.session.knobs == {} and request.template == "default"
     assert job.timeout_s == 60.0  # the server's limit
+    assert request.min_tokens == 0  # an end token stops it
 
     values = {
         "max_tokens": 82,
@@ -342,6 +343,8 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
         "timeout_s": 2.5,
         "guided_decoding_guide_type": "regex",
         "guided_decoding_guide": "[1-9]{81}",
+        "ignore_eos": True,
+        "min_tokens": 3,
     }
     assert set(values) | {"text_input", "messages"} == set(schema.INPUT)  # every input is exercised
     inputs = {"text_input": arr("text_input", PROMPT)}
@@ -357,6 +360,28 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
     assert request.template == "template:" + "_" * 81
     assert job.timeout_s == 2.5
     assert request.guide == ("regex", "[1-9]{81}")
+    assert request.min_tokens == 82  # ignore_eos: no end token stops it before max_tokens
+
+
+def test_min_tokens_stops_end_tokens_until_then_and_must_fit_max_tokens(model):
+    req = FakeRequest(
+        {
+            "text_input": arr("text_input", PROMPT),
+            **{n: schema.input_array(n, v) for n, v in {"max_tokens": 9, "min_tokens": 4}.items()},
+        }
+    )
+    model.execute([req])
+    _, request = model.core.inbox.get_nowait()
+    assert request.min_tokens == 4
+    req = FakeRequest(
+        {
+            "text_input": arr("text_input", PROMPT),
+            **{n: schema.input_array(n, v) for n, v in {"max_tokens": 9, "min_tokens": 10}.items()},
+        }
+    )
+    model.execute([req])
+    ((response, _),) = req.sender.sent
+    assert "input 'min_tokens' (10) must be <= max_tokens (9)" in response.error.message
 
 
 def test_model_takes_messages_instead_of_text_input(model):
@@ -536,6 +561,9 @@ def _check_grpc_inputs(inputs) -> None:
         assert t.shape() == [1] or spec.is_list, (t.name(), t.shape())
 
 
+LOAD_TOOL_INPUTS = ("ignore_eos", "min_tokens")
+
+
 @pytest.mark.parametrize("url", ["http://h:8000", "grpc://h:8001"])
 def test_remote_generate_sends_schema_fields_and_reads_every_output(transports, url):
     from pipeline.runtime.batch import GenerateInput, GenerateSettings
@@ -559,14 +587,16 @@ def test_remote_generate_sends_schema_fields_and_reads_every_output(transports, 
         body = transports["http"]
         for name, value in body.items():
             _check_json_field(name, value)
-        # all but stop words, messages (none given) and timeout_s (the CLI leaves the deadline to the server)
-        assert set(body) == set(schema.INPUT) - {"stop_words", "messages", "timeout_s"}
+        # all but stop words, messages (none given), timeout_s (the CLI leaves the deadline to the server)
+        # and the load-tool fields (ignore_eos, min_tokens: the CLI has no option for them)
+        assert set(body) == set(schema.INPUT) - {"stop_words", "messages", "timeout_s", *LOAD_TOOL_INPUTS}
     else:
         _check_grpc_inputs(transports["grpc"])
         assert {t.name() for t in transports["grpc"]} == set(schema.INPUT) - {
             "stop_words",
             "messages",
             "timeout_s",
+            *LOAD_TOOL_INPUTS,
         }
 
 

@@ -177,10 +177,11 @@ def test_a_request_runs_from_intake_to_its_final_answer_with_stop_words_and_coun
     req.on_canvas(req, [ord(x) for x in "c!d"])
     req.on_finish(types.SimpleNamespace(finish_reason="cancelled", steps_per_canvas=[3, 2]))
     assert c.runtime.cancelled == [job.request_id]  # the stop word ended it
-    assert channel.sent == [
-        responses.piece("ab"),
-        responses.piece("c"),
-        responses.final("", "stop", [3, 2], output_tokens=5),  # streamed: the text went out already
+    assert channel.sent == [  # each piece with the tokens so far, as the request asked for counts
+        responses.piece("ab", None, 2),
+        responses.piece("c", None, 3),
+        # streamed: the text went out already; the count is the returned text's ("abc"), not the canvas's
+        responses.final("", "stop", [3, 2], output_tokens=3),
     ]
     assert c.metrics.requests.value == 1 and c.metrics.canvases.value == 2 and c.metrics.tokens.value == 5
     assert c.metrics.steps_per_canvas.observed == [3, 2] and not c.jobs
@@ -218,3 +219,25 @@ def test_input_arrays_reach_the_core_as_the_transport_hands_them():
     _, req = c.inbox.get_nowait()
     assert req.max_tokens == 4 and req.prompt_ids == [104, 105]
     assert isinstance(arrays["max_tokens"], np.ndarray)
+
+
+def test_a_stop_word_cut_counts_the_tokens_of_the_text_returned():
+    from pipeline.serving.core.stop_words import tokens_covering
+
+    words = {1: "Hello", 2: " wor", 3: "ld", 4: "!"}
+
+    def decode(tokens):
+        return "".join(words[t] for t in tokens)
+
+    assert tokens_covering(decode, [1, 2, 3, 4], len("Hello wo")) == 2  # the token the cut falls in counts
+    assert tokens_covering(decode, [1, 2, 3, 4], len("Hello")) == 1
+    assert tokens_covering(decode, [1, 2, 3, 4], 0) == 0
+
+
+def test_a_sudoku_canvas_cut_short_is_not_padded_so_text_and_count_agree():
+    from pipeline.demo import tokenizer as stok
+    from pipeline.demo.prompt_format import SudokuFormat
+
+    ids = stok.sudoku_target_ids("5" * 81)[:5]
+    assert SudokuFormat().decode(ids) == "55555"  # 5 tokens, 5 cells: no '.' padding a stop word could match
+    assert len(SudokuFormat().decode(stok.sudoku_target_ids("5" * 81))) == 81
