@@ -35,17 +35,16 @@ from pipeline.sampler.reference import CounterDraws, DrawSource, RowKeys, temper
 class Request:
     prompt_ids: list[int]
     max_tokens: int = 256
-    min_tokens: int = 0  # tokens before an end token may stop the request (max_tokens: never, ignore_eos)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     seed: int = 0
     request_id: int = 0
-    draw_id: int | None = (
-        None  # RNG coordinate (default: request_id); a server sets 0 so a seed alone fixes the draws
-    )
+    # RNG coordinate (default: request_id); a server sets 0 so a seed alone fixes the draws
+    draw_id: int | None = None
     template: list[int] | None = (
         None  # infill: token per canvas position, -1 = free (applies to every canvas)
     )
     guide: TokenAutomaton | None = None  # constrained decoding: the output must be in its language
+    min_tokens: int = 0  # tokens before an end token may stop the request (max_tokens: never, ignore_eos)
     on_canvas: Callable[[Request, list[int]], None] | None = None
     on_draft: Callable[[Request, list[int], int], None] | None = None
     on_finish: Callable[[Result], None] | None = None
