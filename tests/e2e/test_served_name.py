@@ -71,3 +71,17 @@ def test_the_frontend_takes_the_repository_prompt_cap(client):
     assert body["param"] == "prompt", body  # refused by the frontend, before Triton
     assert f"'prompt' holds {len(prompt)} bytes" in body["message"]
     assert f"limit of {PROMPT_BYTES} bytes" in body["message"]
+
+
+def test_max_tokens_past_the_models_context_is_a_400_naming_the_numbers(client):
+    """The embedded model holds 512 positions: the puzzle's prompt, 400 tokens and two 82-token canvases
+    do not fit, so the request is refused instead of answered with the one canvas that fits."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=README_PUZZLE, max_tokens=400)
+    body = e.value.body
+    assert body["type"] == "invalid_request_error", body
+    assert "max_tokens is 400" in body["message"] and "context of 512 tokens" in body["message"], body
+    assert "two 82-token canvases" in body["message"]
+    # without max_tokens the checkpoint's default (82, generation_config.json) is served, never refused
+    resp = client.completions.create(model=NAME, prompt=README_PUZZLE, seed=0)
+    assert sudoku.is_valid_solution(README_PUZZLE, resp.choices[0].text), resp.choices[0].text
