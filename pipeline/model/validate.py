@@ -86,6 +86,12 @@ def check_generation_config(
             f"{limits.max_steps} steps per canvas",
             f"set it to at most {limits.max_steps} in generation_config.json",
         )
+    new = raw.get("max_new_tokens")
+    if new is not None and (isinstance(new, bool) or not isinstance(new, int) or new < 1):
+        raise CheckpointError(
+            f"{where}: max_new_tokens {new!r} is not a positive integer (the default max_tokens of a request)",
+            GENERATION_FIX,
+        )
     eos = raw.get("eos_token_id")
     ids = [eos] if not isinstance(eos, list) else eos
     vocab = config.text_config.vocab_size

@@ -78,6 +78,13 @@ class Session:
             config.text_config.eos_token_id = ends
 
     @property
+    def max_new_tokens(self) -> int | None:
+        """generation_config.json's `max_new_tokens`: the checkpoint's own default for how many tokens a
+        request generates when it does not say (None: it sets none; validate_checkpoint checks the value)."""
+        value = self.checkpoint.generation_config.get("max_new_tokens")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+    @property
     def end_token_ids(self) -> list[int]:
         return self.checkpoint.config.text_config.end_token_ids
 

@@ -197,6 +197,7 @@ class Watchdog:
 
     url: str
     server_pid: int
+    model: str = MODEL_NAME  # the served model's name, as its repository names it
     period: float = 2.0
     down_after: int = 3
     health: Health = field(default_factory=lambda: Health("ok"))
@@ -224,7 +225,9 @@ class Watchdog:
         while not self._stop.wait(self.period):
             stubs = stubs_of(self.server_pid)
             self.regions |= {s.shm_region for s in stubs}
-            self.health = ping(self.url) if stubs else Health("down", f"no {STUB_NAME} process is running")
+            self.health = (
+                ping(self.url, self.model) if stubs else Health("down", f"no {STUB_NAME} process is running")
+            )
             downs = downs + 1 if self.health.state == "down" else 0
             if downs >= self.down_after:
                 self.failed = self.health.detail

@@ -229,6 +229,9 @@ class ParsedRequest:
     timeout_s: float = float("inf")  # the request's deadline (from its batch slot): its own or the server's
     guide: tuple[str, str] | None = None  # constrained decoding: (guide type, guide), compiled by the model
     min_tokens: int = 0  # end tokens do not stop generation before this many tokens (ignore_eos: max_tokens)
+    # whether the request sent max_tokens: one asked for is refused when it does not fit the context, the
+    # default is shortened to what fits
+    max_tokens_asked: bool = True
 
 
 def _scalar(arr: np.ndarray, name: str) -> Any:
@@ -263,24 +266,19 @@ def _value(spec: TritonTensor, arr: np.ndarray) -> Any:
 
 
 def parse_request(
-    get: Callable[[str], np.ndarray | None], parameters: Mapping[str, Any], limits: ServerLimits
+    get: Callable[[str], np.ndarray | None],
+    parameters: Mapping[str, Any],
+    limits: ServerLimits,
+    default_max_tokens: int | None = None,
 ) -> ParsedRequest:
     """The request's inputs (`get(name)`: the tensor's array, None when absent) as Python values, every
-    one checked; the first problem raises BadRequest with the message the client sees."""
+    one checked; the first problem raises BadRequest with the message the client sees.
+    `default_max_tokens`: the checkpoint's generation default (generation_config.json's max_new_tokens),
+    for a request that sends no max_tokens; None: the schema's default."""
     unknown = set(parameters) - KNOWN_PARAMETERS
     if unknown:
         raise BadRequest(f"unknown parameter(s): {', '.join(sorted(unknown))}")
-    for spec in INPUTS:
-        if not spec.optional and get(spec.name) is None:
-            raise BadRequest(f"input '{spec.name}' is required")
-    sent = [name for name in PROMPT_INPUTS if get(name) is not None]
-    if len(sent) != 1:
-        raise BadRequest(
-            "input 'text_input' or 'messages' is required"
-            if not sent
-            else "inputs 'text_input' and 'messages' exclude each other: send one"
-        )
-
+    _check_required(get)
     _check_prompt_bytes(get, limits.max_prompt_bytes)
 
     def read(kind: Callable[[TritonTensor], bool]) -> dict[str, Any]:
@@ -295,8 +293,10 @@ def parse_request(
     # the server's limits, flags, lists, then the other texts
     values = read(lambda s: not s.optional)
     values |= read(lambda s: s.datatype not in ("BYTES", "BOOL"))
-    if get("max_tokens") is None:  # not asked: the default, within this server's cap (never a refusal)
-        values["max_tokens"] = min(values["max_tokens"], limits.max_tokens)
+    asked = get("max_tokens") is not None
+    if not asked:  # the checkpoint's default (else the schema's), within this server's cap (never a refusal)
+        default = values["max_tokens"] if default_max_tokens is None else default_max_tokens
+        values["max_tokens"] = min(default, limits.max_tokens)
     _check_limits(values, limits)
     max_tokens = values["max_tokens"]
     if values["min_tokens"] > max_tokens:
@@ -319,7 +319,22 @@ def parse_request(
         timeout_s=values["timeout_s"] if values["timeout_s"] is not None else limits.max_request_seconds,
         guide=guide,
         min_tokens=max_tokens if flags["ignore_eos"] else values["min_tokens"],
+        max_tokens_asked=asked,
     )
+
+
+def _check_required(get: Callable[[str], np.ndarray | None]) -> None:
+    """Every required input, and exactly one of the prompt inputs."""
+    for spec in INPUTS:
+        if not spec.optional and get(spec.name) is None:
+            raise BadRequest(f"input '{spec.name}' is required")
+    sent = [name for name in PROMPT_INPUTS if get(name) is not None]
+    if len(sent) != 1:
+        raise BadRequest(
+            "input 'text_input' or 'messages' is required"
+            if not sent
+            else "inputs 'text_input' and 'messages' exclude each other: send one"
+        )
 
 
 def _check_limits(values: Mapping[str, Any], limits: ServerLimits) -> None:

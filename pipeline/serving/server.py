@@ -24,6 +24,7 @@ from pathlib import Path
 from pipeline import endpoints
 from pipeline.endpoints import MODEL_NAME
 from pipeline.errors import DgpipeError
+from pipeline.limits import DEFAULTS
 from pipeline.serving.private_argv import PrivateArg, spawn
 
 NGC_IMAGE = "nvcr.io/nvidia/tritonserver:25.10-py3"
@@ -339,6 +340,7 @@ class OpenAIFrontend:
         model: str = MODEL_NAME,
         ready=None,
         drain_timeout: float = 5.0,
+        max_prompt_bytes: int = DEFAULTS.max_prompt_bytes,
     ) -> None:
         self.grpc_url, self.address, self.api_key, self.model, self.ready = (
             grpc_url,
@@ -347,6 +349,7 @@ class OpenAIFrontend:
             model,
             ready,
         )
+        self.max_prompt_bytes = max_prompt_bytes  # the served repository's prompt cap
         self.port = port
         self.drain_timeout = drain_timeout  # how long stop() lets open streams finish
         self._server = None
@@ -367,7 +370,12 @@ class OpenAIFrontend:
             ) from e
         self.admission = Admission()
         app = create_app(
-            triton_stream(self.grpc_url, self.model), self.model, self.api_key, self.ready, self.admission
+            triton_stream(self.grpc_url, self.model),
+            self.model,
+            self.api_key,
+            self.ready,
+            self.admission,
+            max_prompt_bytes=self.max_prompt_bytes,
         )
         sock = socket.socket(socket.AF_INET6 if ":" in self.address else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

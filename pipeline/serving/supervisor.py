@@ -27,6 +27,7 @@ from pathlib import Path
 from pipeline.endpoints import OPENAI_PORT
 from pipeline.errors import DgpipeError
 from pipeline.serving import lifecycle
+from pipeline.serving.served_model import ServedModel, read_repository
 from pipeline.serving.server import OpenAIFrontend, Ports, TritonServer
 
 
@@ -84,6 +85,7 @@ def serve(config: ServeConfig, notices: Notices) -> None:
     """tritonserver (+ the frontend) until a signal or the model failing; raises when it ended badly."""
     from pipeline.serving.schema import DRAIN_FILE_ENV
 
+    served = read_repository(config.repo)  # the name clients, pings and the drain address; its caps
     stop = stop_on_signals()
     drain_file = config.workdir / f"draining.{config.ports.http}"  # one per server: several may share it
     drain_file.unlink(missing_ok=True)
@@ -100,9 +102,9 @@ def serve(config: ServeConfig, notices: Notices) -> None:
     try:
         server.start()
         assert server.proc is not None
-        watchdog = lifecycle.Watchdog(server.http_url, server.proc.pid).start()
+        watchdog = lifecycle.Watchdog(server.http_url, server.proc.pid, served.name).start()
         notices.show(f"ready  HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}")
-        failure, at_once = _run_until_stopped(config, server, watchdog, stop, drain_file, notices)
+        failure, at_once = _run_until_stopped(config, served, server, watchdog, stop, drain_file, notices)
         died = server.proc.poll()  # on its own: nothing here has stopped it yet
     except KeyboardInterrupt:  # a second signal outside the loop (while starting)
         at_once = True
@@ -134,6 +136,7 @@ def serve(config: ServeConfig, notices: Notices) -> None:
 
 def _run_until_stopped(
     config: ServeConfig,
+    served: ServedModel,
     server: TritonServer,
     watchdog: lifecycle.Watchdog,
     stop: threading.Event,
@@ -152,8 +155,10 @@ def _run_until_stopped(
                 config.openai_port,
                 config.ports.address,
                 api_key=config.api_key,
+                model=served.name,
                 ready=watchdog.ready,
                 drain_timeout=config.drain_timeout,
+                max_prompt_bytes=served.limits.max_prompt_bytes,
             ).start()
             auth = "  (API key required)" if config.api_key else ""
             notices.show(f"ready  OpenAI {frontend.url}{auth}")

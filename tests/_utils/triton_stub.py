@@ -110,10 +110,12 @@ def _pb_utils() -> types.ModuleType:
 
 
 class FakeSession:
-    """What `_parse` asks of the session, recording the sampler knobs it is handed."""
+    """What `_parse` asks of the session, recording the sampler knobs it is handed. `max_new_tokens`: the
+    checkpoint's generation default for max_tokens (None: it sets none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_new_tokens: int | None = None) -> None:
         self.knobs: dict[str, Any] = {}
+        self.max_new_tokens = max_new_tokens
 
     def sampler(self, **knobs):
         self.knobs = knobs
@@ -147,7 +149,8 @@ class FakeSession:
 
 def triton_model(monkeypatch):
     """The Triton model as tritonserver loads it, its serving core set up without a checkpoint: limits 512
-    tokens, 64 steps per canvas, 100 prompt tokens, 60 s per request."""
+    tokens, 64 steps per canvas, 100 prompt tokens, 60 s per request; 32-token canvases and the context
+    the runtime gets for those limits (as core/loading.py sizes it)."""
     from pipeline.serving.core.metrics import Metrics
     from pipeline.serving.core.service import ServingCore
 
@@ -158,7 +161,15 @@ def triton_model(monkeypatch):
     spec.loader.exec_module(mod)
     m = mod.TritonPythonModel()
     limits = schema.ServerLimits(max_tokens=512, max_steps=64, max_prompt=100, max_request_seconds=60.0)
-    runtime = types.SimpleNamespace(validate=lambda req: None, waiting=())
+    from pipeline.limits import context_length
+
+    canvas = 32
+    runtime = types.SimpleNamespace(
+        validate=lambda req: None,
+        waiting=(),
+        canvas_length=canvas,
+        max_len=context_length(limits.max_prompt, limits.max_tokens, canvas),
+    )
     m.core = ServingCore(FakeSession(), runtime, limits, Metrics(mod.TritonMetrics()))
     return m
 

@@ -98,7 +98,7 @@ def test_abandoned_runaways_end_by_deadline_or_cancel_and_a_valid_request_answer
 
     srv = start_serve(repo_for(tmp_path, max_steps=10**6, max_request_seconds=DEADLINE_S), tmp_path)
     try:
-        runaway = {"text_input": PUZZLE, "max_tokens": 512, "max_denoising_steps": 10**6}
+        runaway = {"text_input": PUZZLE, "max_tokens": 82, "max_denoising_steps": 10**6}
         runaway["confidence_threshold"] = 0.0
         abandon_http(srv, 8, runaway)
         t0 = time.monotonic()
@@ -131,7 +131,7 @@ def test_abandoned_runaways_end_by_deadline_or_cancel_and_a_valid_request_answer
             complete(
                 srv.grpc,
                 PUZZLE,
-                max_tokens=512,
+                max_tokens=82,
                 max_denoising_steps=10**6,
                 confidence_threshold=0.0,
                 timeout_s=0.5,
@@ -248,7 +248,7 @@ def test_a_second_ctrl_c_stops_at_once_and_a_killed_tritonserver_leaves_nothing_
     repo = repo_for(tmp_path, max_steps=10**6, max_request_seconds=600)
     srv = start_serve(repo, tmp_path)
     try:
-        runaway = {"text_input": PUZZLE, "max_tokens": 512, "max_denoising_steps": 10**6}
+        runaway = {"text_input": PUZZLE, "max_tokens": 82, "max_denoising_steps": 10**6}
         runaway |= {"confidence_threshold": 0.0, "stream": True, "stream_drafts": True}
         streams = [grpc_generate(srv.grpc, runaway) for _ in range(2)]
         for g in streams:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipeline.errors import DgpipeError
+from pipeline.limits import context_length
 from pipeline.serving import schema
 from pipeline.serving.core.jobs import Job
 from pipeline.serving.core.responses import Channel
@@ -27,7 +28,8 @@ class Intake:
 
     def build(self, get: InputGetter, parameters: Mapping[str, Any], channel: Channel) -> tuple[Job, Any]:
         """The Job and the runtime Request for one request; BadRequest when anything about it is wrong."""
-        parsed = schema.parse_request(get, parameters, self.core.limits)
+        session = self.core.session
+        parsed = schema.parse_request(get, parameters, self.core.limits, session.max_new_tokens)
         try:
             return self._build(parsed, channel)
         except DgpipeError as e:  # the session's or the runtime's own checks
@@ -44,12 +46,34 @@ class Intake:
             raise BadRequest(f"prompt has {len(ids)} tokens, over this server's limit of {limit}")
         return ids
 
+    def _fit_context(self, parsed: schema.ParsedRequest, prompt_tokens: int) -> None:
+        """The prompt and max_tokens within the runtime's context (`context_length`): a max_tokens the
+        request asked for that does not fit is refused with the numbers, the default one shortened to fit
+        (when nothing fits, the runtime still commits its first canvas, then ends on "length")."""
+        runtime = self.core.runtime
+        context, canvas = runtime.max_len, runtime.canvas_length
+        need = context_length(prompt_tokens, parsed.max_tokens, canvas)
+        if need <= context:
+            return
+        room = context - context_length(prompt_tokens, 0, canvas)
+        if parsed.max_tokens_asked:
+            fix = f"ask for max_tokens <= {room}" if room >= 1 else "send a shorter prompt"
+            raise BadRequest(
+                f"the prompt has {prompt_tokens} tokens and max_tokens is {parsed.max_tokens}: together they "
+                f"need a {need}-token context (prompt + max_tokens + two {canvas}-token canvases), over this "
+                f"model's context of {context} tokens; {fix}"
+            )
+        if room >= 1:
+            parsed.max_tokens = room
+            parsed.min_tokens = min(parsed.min_tokens, room)
+
     def _build(self, parsed: schema.ParsedRequest, channel: Channel) -> tuple[Job, Any]:
         from pipeline.runtime.scheduler import Request
 
         core, session = self.core, self.core.session
         sampler = session.sampler(**parsed.sampler)
         prompt_ids = self._prompt_ids(parsed)
+        self._fit_context(parsed, len(prompt_ids))
         template = (
             session.build_template(parsed.infill_template)
             if parsed.infill_template is not None

@@ -290,6 +290,8 @@ VALIDATOR_CASES: dict[str, Callable[[Path], None]] = {
     "generation-temperature-zero": _generation(t_max=0),
     "generation-eos-outside-vocab": _generation(eos_token_id=[1, 10**6]),
     "generation-eos-string": _generation(eos_token_id="</s>"),
+    "generation-max-new-tokens-zero": _generation(max_new_tokens=0),
+    "generation-max-new-tokens-string": _generation(max_new_tokens="82"),
     "tokenizer-garbage": _write("tokenizer.json", '{"model": 7}'),
 }
 CASES.update(VALIDATOR_CASES)
@@ -324,6 +326,7 @@ def test_file_errors_name_the_file_and_the_problem(tiny_checkpoint: Path):
         ("generation-entropy-negative", "entropy_bound must be in [0.001, 1e+06] (got -1"),
         ("generation-sampler-no-class", "'sampler_config._cls_name' must be 'EntropyBoundSamplerConfig'"),
         ("generation-eos-outside-vocab", "eos_token_id 1000000 is not a token id"),
+        ("generation-max-new-tokens-string", "max_new_tokens '82' is not a positive integer"),
         ("tokenizer-garbage", "tokenizer.json: cannot be read as a tokenizers file"),
     ):
         d = tiny_checkpoint.parent / case

@@ -237,6 +237,8 @@ def test_sampler_config_checks_the_same_ranges():
 class FailingRuntime:
     """A runtime whose submit refuses seed 13 (as the runtime's own check would); the rest go through."""
 
+    canvas_length, max_len = 32, 4096
+
     def __init__(self) -> None:
         self.submitted: list = []
         self.cancelled: list = []
@@ -692,6 +694,44 @@ def test_an_absent_max_tokens_is_the_default_within_the_servers_cap():
         schema.parse_request(
             {**sent, "max_tokens": arr("max_tokens", 65)}.get, {}, schema.ServerLimits(64, 64, 100)
         )
+
+
+def test_an_absent_max_tokens_is_the_checkpoints_generation_default_within_the_cap(model):
+    """generation_config.json's max_new_tokens is the default max_tokens (the schema's only without one),
+    still within the server's cap; a request that asks keeps its own."""
+    for default, want in ((82, 82), (1000, 512), (None, schema.INPUT["max_tokens"].default)):
+        model.core.session.max_new_tokens = default
+        model.execute([FakeRequest(with_prompt())])
+        _, request = model.core.inbox.get_nowait()
+        assert request.max_tokens == want, default
+    model.core.session.max_new_tokens = 82
+    model.execute([FakeRequest(with_prompt(max_tokens=300))])
+    assert model.core.inbox.get_nowait()[1].max_tokens == 300
+
+
+def test_an_asked_max_tokens_past_the_context_is_refused_naming_the_numbers(model):
+    """The prompt's 81 tokens, max_tokens and two 32-token canvases must fit the runtime's context."""
+    model.core.runtime.max_len = 200  # room for 200 - 81 - 64 = 55 tokens
+    message = refusal(model, with_prompt(max_tokens=56))
+    assert message == (
+        "the prompt has 81 tokens and max_tokens is 56: together they need a 201-token context "
+        "(prompt + max_tokens + two 32-token canvases), over this model's context of 200 tokens; "
+        "ask for max_tokens <= 55"
+    )
+    model.execute([FakeRequest(with_prompt(max_tokens=55))])  # exactly fits
+    assert model.core.inbox.get_nowait()[1].max_tokens == 55
+    model.core.runtime.max_len = 81 + 64  # no room at all: the fix is a shorter prompt
+    assert refusal(model, with_prompt(max_tokens=1)).endswith("; send a shorter prompt")
+
+
+def test_the_default_max_tokens_is_shortened_to_what_the_context_holds(model):
+    """Not asked: never refused for the context, the default (here the checkpoint's 300) cut to fit;
+    ignore_eos then runs to that shortened max_tokens."""
+    model.core.runtime.max_len = 200
+    model.core.session.max_new_tokens = 300
+    model.execute([FakeRequest(with_prompt(ignore_eos=True))])
+    _, request = model.core.inbox.get_nowait()
+    assert request.max_tokens == 55 and request.min_tokens == 55
 
 
 def test_a_request_the_client_cancelled_is_released_with_the_final_flag_and_no_response(model):

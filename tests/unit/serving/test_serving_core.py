@@ -111,6 +111,8 @@ class Channel:
 
 
 class Session:
+    max_new_tokens = None  # the checkpoint sets no default max_tokens
+
     def sampler(self, **knobs):
         return knobs
 
@@ -128,6 +130,9 @@ class Session:
 
 
 class Runtime:
+    canvas_length = 8
+    max_len = 50 + 64 + 2 * 8  # context_length of the longest prompt and max_tokens core() admits
+
     def __init__(self) -> None:
         self.waiting, self.dropped, self.cancelled = [], 0, []
 

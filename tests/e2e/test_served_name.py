@@ -1,0 +1,87 @@
+"""`dgpipe package --name tiny-chat` then `dgpipe serve`, as a user runs them: the served name comes from the
+repository everywhere (the models list, routing, the watchdog's health pings), and so does the prompt cap
+of the OpenAI frontend. Queried with the official `openai` client."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import pytest
+
+from pipeline.demo import sudoku
+from pipeline.serving.server import tritonserver_binary
+from tests._utils.cli import dgpipe
+from tests._utils.serve import README_PUZZLE, start_serve
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytestmark = pytest.mark.skipif(
+    tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
+)
+
+NAME = "tiny-chat"
+PROMPT_BYTES = 4000  # the repository's cap, far under the default (1 MiB)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    work = tmp_path_factory.mktemp("served-name")
+    repo = work / "repo"
+    dgpipe("package", "--output", str(repo), "--name", NAME, "--max-prompt-bytes", str(PROMPT_BYTES), ok=True)
+    assert sorted(p.name for p in repo.iterdir()) == [NAME]
+    srv = start_serve(repo, work)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=served.openai, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_the_repository_name_is_served_and_the_server_stays_up(served, client):
+    assert [m.id for m in client.models.list()] == [NAME]
+    resp = client.completions.create(model=NAME, prompt=README_PUZZLE, max_tokens=82, seed=0)
+    assert resp.model == NAME
+    assert sudoku.is_valid_solution(README_PUZZLE, resp.choices[0].text), resp.choices[0].text
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": README_PUZZLE}], max_tokens=82, seed=0
+    )
+    assert sudoku.is_valid_solution(README_PUZZLE, chat.choices[0].message.content)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="dgpipe", prompt=README_PUZZLE, max_tokens=82)
+    assert e.value.body["code"] == "model_not_found" and NAME in e.value.body["message"]
+    # the watchdog pings the served model every 2 s and stops the server after 3 failed pings
+    time.sleep(15)
+    assert served.proc.poll() is None, served.stderr.read_text()
+    with urllib.request.urlopen(served.health, timeout=10) as r:
+        assert r.status == 200
+    again = client.completions.create(model=NAME, prompt=README_PUZZLE, max_tokens=82, seed=0)
+    assert again.choices[0].text == resp.choices[0].text
+
+
+def test_the_frontend_takes_the_repository_prompt_cap(client):
+    prompt = README_PUZZLE + " " * PROMPT_BYTES  # over the repository's cap, far under the default one
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=82)
+    body = e.value.body
+    assert body["param"] == "prompt", body  # refused by the frontend, before Triton
+    assert f"'prompt' holds {len(prompt)} bytes" in body["message"]
+    assert f"limit of {PROMPT_BYTES} bytes" in body["message"]
+
+
+def test_max_tokens_past_the_models_context_is_a_400_naming_the_numbers(client):
+    """The embedded model holds 512 positions: the puzzle's prompt, 400 tokens and two 82-token canvases
+    do not fit, so the request is refused instead of answered with the one canvas that fits."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=README_PUZZLE, max_tokens=400)
+    body = e.value.body
+    assert body["type"] == "invalid_request_error", body
+    assert "max_tokens is 400" in body["message"] and "context of 512 tokens" in body["message"], body
+    assert "two 82-token canvases" in body["message"]
+    # without max_tokens the checkpoint's default (82, generation_config.json) is served, never refused
+    resp = client.completions.create(model=NAME, prompt=README_PUZZLE, seed=0)
+    assert sudoku.is_valid_solution(README_PUZZLE, resp.choices[0].text), resp.choices[0].text
