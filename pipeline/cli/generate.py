@@ -143,7 +143,7 @@ def _guide(json_schema: Path | None, regex: str | None, choice: str | None) -> t
         guide = ("choice", json.dumps([c for c in choice.split(",") if c]))
     else:
         return None
-    GuideSpec(*guide).regex()
+    GuideSpec(*guide).check()
     return guide
 
 
