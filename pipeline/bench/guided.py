@@ -1,22 +1,133 @@
 """`dgpipe bench guided`: what constrained decoding costs. The same requests (Sudoku puzzles with their givens
 pinned, same seeds, same sampler) run unconstrained and under the regex `[1-9]{81}`, alternating run by run
-so both see the same machine load; medians of denoise passes per canvas and wall time, and their ratios."""
+so both see the same machine load; medians of denoise passes per canvas and wall time, and their ratios.
+
+Beside it, the grammar engine's own cost on real schemas (the committed JSONSchemaBench sample): compile
+time and per-step mask time over a 262,144-token synthetic vocabulary (Gemma's size), and `bench_schemas`,
+the per-set table (compiled / refused / valid walks / compile p50, p95) that docs/benchmarks/constrained.md
+quotes, with llguidance and XGrammar themselves measured by the same code where they are installed."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import platform
+import random
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pipeline.bench.results import save_result
 
 RESULT_FILE = "bench_guided.json"
 GRID_REGEX = "[1-9]{81}"
+SAMPLE = Path(__file__).parents[2] / "tests" / "data" / "jsonschemabench" / "sample.jsonl.gz"
+GEMMA_VOCAB = 262_144
+PAD, END = 0, 1  # the synthetic vocabularies' special ids
+
+
+def load_sample() -> list[dict[str, Any]]:
+    """The committed JSONSchemaBench sample: {"set", "name", "schema"} per schema (PROVENANCE.md beside it)."""
+    return [json.loads(line) for line in gzip.decompress(SAMPLE.read_bytes()).decode().splitlines()]
+
+
+def synthetic_vocab(size: int, seed: int = 0) -> dict[int, bytes]:
+    """ids 0/1 special (pad, end), then the 256 single bytes, then distinct random printable strings of 2-8
+    characters: a vocabulary of a real model's size without its files."""
+    rng = random.Random(seed)
+    vocab = {2 + b: bytes([b]) for b in range(256)}
+    seen = set(vocab.values())
+    printable = bytes(range(32, 127))
+    while len(vocab) < size - 2:
+        tok = bytes(rng.choice(printable) for _ in range(rng.randint(2, 8)))
+        if tok not in seen:
+            seen.add(tok)
+            vocab[len(vocab) + 2] = tok
+    return vocab
+
+
+def bpe_vocab(texts: Sequence[str], size: int) -> dict[int, bytes]:
+    """A byte-level BPE vocabulary trained on `texts` (ids 0/1 special): the shape of a real tokenizer's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from pipeline.sampler.constraints import token_bytes
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=size,
+        special_tokens=["<pad>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts), trainer)
+    return token_bytes(tok, size)
+
+
+def vocab_compiler(vocab: dict[int, bytes], end_ids: Sequence[int]):
+    from pipeline.sampler.constraints import GuideCompiler
+
+    return GuideCompiler.from_vocab(vocab, max(vocab) + 1, end_ids)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def grammar_costs(
+    rows: list[dict[str, Any]], vocab_size: int = GEMMA_VOCAB, steps: int = 32
+) -> dict[str, Any]:
+    """Compile time of each schema and the per-step cost of a request's walk (the frontier mask plus the
+    budget check of taking a token) over a synthetic vocabulary of `vocab_size` tokens."""
+    from pipeline.errors import InputError
+    from pipeline.sampler.constraints import GuideSpec
+
+    t = time.perf_counter()
+    compiler = vocab_compiler(synthetic_vocab(vocab_size), [END])
+    compiler.compile(GuideSpec("json_schema", '{"type": "integer"}'))  # builds the engine's tokenizer
+    setup = time.perf_counter() - t
+    compile_s, mask_s, step_s, refused = [], [], [], 0
+    rng = np.random.default_rng(0)
+    for r in rows:
+        t = time.perf_counter()
+        try:
+            guide = compiler.compile(GuideSpec("json_schema", json.dumps(r["schema"])))
+        except InputError:
+            refused += 1
+            continue
+        compile_s.append(time.perf_counter() - t)
+        walk, state, room = guide.for_request(), 0, 4 * steps
+        for i in range(steps):
+            t = time.perf_counter()
+            allowed = walk.allowed(state, room - i)
+            mask_s.append(time.perf_counter() - t)
+            if walk.is_final(state) or len(allowed) == 0:
+                break
+            t = time.perf_counter()
+            tok = int(allowed[rng.integers(len(allowed))])
+            nxt = walk.step(state, tok, room - i)
+            state = nxt if nxt is not None else walk.step(state, walk.forced(state, room - i), room - i)
+            step_s.append(time.perf_counter() - t)
+    return {
+        "vocab_size": vocab_size,
+        "schemas": len(rows),
+        "refused": refused,
+        "tokenizer_setup_ms": 1000 * setup,
+        "compile_ms_p50": 1000 * _pct(compile_s, 50),
+        "compile_ms_p95": 1000 * _pct(compile_s, 95),
+        "compile_ms_max": 1000 * max(compile_s, default=float("nan")),
+        "mask_ms_p50": 1000 * _pct(mask_s, 50),
+        "mask_ms_p95": 1000 * _pct(mask_s, 95),
+        "step_ms_p50": 1000 * _pct(step_s, 50),
+        "step_ms_p95": 1000 * _pct(step_s, 95),
+    }
 
 
 @dataclass
@@ -80,7 +191,9 @@ def _run(session, puzzles: list[str], sampler, guide, seed: int) -> tuple[float,
     return steps / canvases, secs, valid, solved, cpu
 
 
-def run_bench_guided(out: Path, batches: list[int], runs: int, fixed_steps: int) -> dict[str, Any]:
+def run_bench_guided(
+    out: Path, batches: list[int], runs: int, fixed_steps: int, schema_stride: int = 50
+) -> dict[str, Any]:
     from pipeline.demo import sudoku
     from pipeline.runtime.session import load_session
     from pipeline.threads import thread_count
@@ -127,6 +240,8 @@ def run_bench_guided(out: Path, batches: list[int], runs: int, fixed_steps: int)
         "model": "embedded Sudoku model (fp32, CPU)",
         "regex": GRID_REGEX,
         "runs": runs,
+        # every schema_stride-th schema of the JSONSchemaBench sample, over Gemma's vocabulary size
+        "grammar": grammar_costs(load_sample()[::schema_stride]),
         "rows": [
             {
                 **asdict(r),
