@@ -34,6 +34,7 @@ JSON_OPTIONS = {"whitespace_pattern": "[ ]?"}
 CLOSING_BYTES = b'"}])0123456789,:tfnaelrsu' + bytes(range(ord("a"), ord("z") + 1))
 # a rollout this long that has not accepted yet rotates through its options (`a` forever under `a+b`)
 ROTATE_AFTER = 32
+STEP_MAX_ITEMS = 200_000
 # rollouts longer than this are not searched: a state whose shortest completion we find is longer is refused
 MAX_WITNESS = 2048
 # subschema positions (JSON Schema 2020-12 and draft 4-7), to name where an unsupported keyword sits
@@ -138,6 +139,15 @@ def compile_grammar(kind: str, guide: str, tokenizer: Any | None) -> tuple[Any, 
     raise InputError("JSON schema uses more than 64 unknown formats")
 
 
+def _limits() -> Any:
+    """llguidance's per-mask work limit raised 4x (200k Earley items): over a 262k vocabulary of random
+    strings a wide object with `patternProperties` exceeded the default 50k; the matcher then stops with
+    an error instead of a mask."""
+    import llguidance
+
+    return llguidance.LLParserLimits(step_max_items=STEP_MAX_ITEMS)
+
+
 class _UnknownFormat(Exception):
     pass
 
@@ -151,7 +161,7 @@ def _matcher(grammar: str, tokenizer: Any, what: str, schema: Any) -> tuple[Any,
         if not error or error.startswith("WARNING"):
             return None, grammar
     else:
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
         if not matcher.is_error():
             return matcher, grammar
         error = matcher.get_error()
@@ -306,7 +316,9 @@ class GrammarWalk:
             m.consume_token(tok)
             taken.append(tok)
         if taken and not m.rollback(len(taken)):
-            raise RuntimeError("llguidance could not roll back a witness rollout")
+            raise RuntimeError(
+                f"llguidance could not roll back a witness rollout of {len(taken)} tokens: {m.get_error()}"
+            )
         if not found:
             return None
         self._witness = taken
