@@ -12,7 +12,9 @@ A context-free language has no finite table of distances to acceptance, so the b
 from each state the walk rolls out one concrete completion (closing tokens first) and a token is only taken
 when the completion after it still fits the tokens left. The completion after the witness's own first
 token is the witness's tail, so the state's allowed set is never empty while the budget holds: outputs end
-with an end token before `max_tokens` whenever the first witness fits.
+with an end token before `max_tokens` whenever the first witness fits. Where the greedy rollout finds no
+completion (a `format` or `pattern` it cannot spell), the walk follows the grammar alone: its output is
+still valid if it ends, and one cut by `max_tokens` ends as `length`.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ CLOSING_BYTES = b'"}])0123456789,:tfnaelrsu' + bytes(range(ord("a"), ord("z") + 
 # a rollout this long that has not accepted yet rotates through its options (`a` forever under `a+b`)
 ROTATE_AFTER = 32
 STEP_MAX_ITEMS = 200_000
-# rollouts longer than this are not searched: a state whose shortest completion we find is longer is refused
-MAX_WITNESS = 2048
+# rollouts longer than this are not searched: a walk whose witness is not found within it follows the
+# grammar alone from there (no budget forcing: a cut output ends as `length`)
+MAX_WITNESS = 512
 # subschema positions (JSON Schema 2020-12 and draft 4-7), to name where an unsupported keyword sits
 _MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 _LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
@@ -226,15 +229,12 @@ class GrammarGuide:
     min_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.min_tokens = 0
-        witness = self.for_request().witness(0, MAX_WITNESS + 1)
-        if witness is None:
-            raise InputError(
-                f"{self.spec.kind} guide: no output of at most {MAX_WITNESS} tokens over this tokenizer's "
-                "vocabulary was found to satisfy it"
-            )
-        # tokens of the shortest output the witness finds, its end token included (>= the true minimum)
-        self.min_tokens = len(witness) + 1
+        self.min_tokens, self.proven = 0, True
+        witness = self.for_request().witness(0, MAX_WITNESS)
+        # tokens of the shortest output the witness finds, its end token included (>= the true minimum);
+        # without a witness the budget cannot be kept by construction: outputs cut by it end as `length`
+        self.proven = witness is not None
+        self.min_tokens = 1 if witness is None else len(witness) + 1
 
     def for_request(self) -> GrammarWalk:
         return GrammarWalk(self)
@@ -266,6 +266,8 @@ class GrammarWalk:
         self._ends = np.asarray(sorted(set(guide.end_ids)), dtype=np.int64)
         self._bits: np.ndarray | None = None  # the head's mask, packed little-endian (llguidance's layout)
         self._witness: list[int] | None = None  # a completion from the head (tokens before the end token)
+        # False once no witness was found: the walk then follows the grammar alone (no budget forcing)
+        self.proven = getattr(guide, "proven", True)
 
     def for_request(self) -> GrammarWalk:
         return self
@@ -300,6 +302,8 @@ class GrammarWalk:
         (closing bytes first) does not find one that short. Deterministic in the state: the witness after
         its own first token is its tail."""
         self._check(state)
+        if not self.proven:
+            return None
         if self._witness is not None:
             return self._witness if len(self._witness) <= cap else None
         m, taken = self.matcher, []
@@ -320,6 +324,8 @@ class GrammarWalk:
                 f"llguidance could not roll back a witness rollout of {len(taken)} tokens: {m.get_error()}"
             )
         if not found:
+            if len(taken) >= MAX_WITNESS:  # not a budget question: the rollout found no completion
+                self.proven = False
             return None
         self._witness = taken
         return taken
@@ -331,7 +337,7 @@ class GrammarWalk:
         if not options:
             allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little")[: self.guide.vocab_size])
             options = allowed[~np.isin(allowed, self._ends)][:16].tolist()
-        for t in options:
+        for t in options[:8]:
             m.consume_token(t)
             done = m.is_accepting()
             m.rollback(1)
@@ -345,9 +351,7 @@ class GrammarWalk:
         """Sorted token ids the head may take with `remaining` tokens left (this one included): the
         grammar's mask, and only the witness's next token when the budget is as tight as the witness."""
         witness = self.witness(state, max(remaining - 1, 0))
-        if witness is None:
-            return np.zeros(0, dtype=np.int64)
-        if len(witness) >= remaining - 1:  # tight: only the witness is known to fit
+        if witness is not None and len(witness) >= remaining - 1:  # tight: only the witness is known to fit
             return self._ends if not witness else np.asarray([witness[0]], dtype=np.int64)
         toks = np.flatnonzero(np.unpackbits(self._mask_bits(), bitorder="little")[: self.guide.vocab_size])
         toks = toks[~np.isin(toks, self._ends)]
@@ -369,7 +373,7 @@ class GrammarWalk:
             return None
         self._advance(token)
         self._witness = None
-        if self.witness(self.head, remaining - 2) is None:
+        if self.proven and self.witness(self.head, remaining - 2) is None and self.proven:
             self.matcher.rollback(1)
             self.head -= 1
             self._bits, self._witness = None, witness
@@ -377,11 +381,15 @@ class GrammarWalk:
         return self.head
 
     def forced(self, state: int, remaining: int) -> int:
-        """The token the witness takes next (an end token once the head accepts): always fits the budget."""
+        """The token the witness takes next (an end token once the head accepts): always fits the budget
+        when the walk is proven."""
         witness = self.witness(state, max(remaining - 1, 0))
-        if witness is None:
-            raise RuntimeError("constrained decoding: the budget no longer holds a completion")
-        return int(witness[0]) if witness else self.end_ids[0]
+        if witness is not None:
+            return int(witness[0]) if witness else self.end_ids[0]
+        allowed = self.allowed(state, remaining)  # no witness: the grammar alone (the output may be cut)
+        if len(allowed) == 0:
+            raise RuntimeError("constrained decoding: the grammar allows no token here")
+        return int(allowed[0])
 
 
 def compile_grammar_guide(
