@@ -139,6 +139,201 @@ def _walk_costs(guide, steps: int, rng, mask_s: list[float], step_s: list[float]
         step_s.append(time.perf_counter() - t)
 
 
+def _validator(schema: dict[str, Any]):
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema)
+
+
+def guide_walk(guide, vocab_size: int, seed: int, room: int = 128, canvas: int = 32) -> list[int]:
+    """One model-free output of a compiled guide: canvases of random, peaked distributions completed left
+    to right by the runtime's own `finish_canvas` (exact masks, budget forcing, state across canvases).
+    Ends with the end token, or is `room` tokens long when the guide could not force its end."""
+    from pipeline.runtime.guided import GuideState, finish_canvas
+
+    gen = torch.Generator().manual_seed(seed)
+    g, tokens = GuideState(guide, room), []
+    while not g.ended and len(tokens) < room:
+        g.start_canvas(len(tokens))
+        probs = torch.rand(canvas, vocab_size, generator=gen) ** 8
+        tokens += finish_canvas(g, [PAD] * canvas, probs, PAD)
+    ends = [i for i, t in enumerate(tokens) if t in guide.end_ids]
+    return tokens[: ends[0] + 1] if ends else tokens[:room]
+
+
+class _RawEngine:
+    """An engine's own JSON-schema compiler and matcher, as its users call it (defaults), for comparison."""
+
+    def __init__(self, name: str, vocab: dict[int, bytes], size: int):
+        from pipeline.sampler.grammar import CLOSING_BYTES
+
+        self.name, self.size = name, size
+        tokens = [vocab.get(i, b"") for i in range(size)]
+        by_bytes = {b: i for i, b in vocab.items()}
+        self.closing = [by_bytes[bytes([c])] for c in CLOSING_BYTES if bytes([c]) in by_bytes]
+        if name == "llguidance":
+            import llguidance
+
+            from pipeline.sampler.grammar import llg_tokenizer
+
+            self.llg, self.tok = llguidance, llg_tokenizer(vocab, size, [END])
+        else:
+            import xgrammar
+
+            info = xgrammar.TokenizerInfo(
+                [t or b"<special_%d>" % i for i, t in enumerate(tokens)],
+                vocab_type=xgrammar.VocabType.RAW,
+                vocab_size=size,
+                stop_token_ids=[END],
+            )
+            self.xgr, self.compiler = xgrammar, xgrammar.GrammarCompiler(info, max_threads=1)
+            self.bitmask = xgrammar.allocate_token_bitmask(1, size)
+
+    def compile(self, schema: dict[str, Any]) -> Any:
+        if self.name == "llguidance":
+            m = self.llg.LLMatcher(self.tok, self.llg.LLMatcher.grammar_from_json_schema(schema), log_level=0)
+            if m.is_error():
+                raise ValueError(m.get_error())
+            return m
+        return self.compiler.compile_json_schema(json.dumps(schema))
+
+    def walk(self, compiled: Any, rng: random.Random, room: int) -> list[int] | None:
+        """Tokens from the masks — half the time a random one, else the first closing byte allowed, always
+        the latter past half the room — the end token taken with probability 0.3 where allowed; None when
+        the walk did not end within `room` tokens."""
+        m = compiled.deep_copy() if self.name == "llguidance" else self.xgr.GrammarMatcher(compiled)
+        out: list[int] = []
+        for step in range(room):
+            if self.name == "llguidance":
+                bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+            else:
+                m.fill_next_token_bitmask(self.bitmask)
+                bits = self.bitmask[0].numpy().view(np.uint8)
+            allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little")[: self.size]).tolist()
+            if END in allowed and (rng.random() < 0.3 or len(allowed) == 1):
+                return out
+            choices = [t for t in allowed if t != END]
+            if not choices:
+                return None
+            allowed_set = set(choices)
+            closing = next((t for t in self.closing if t in allowed_set), None)
+            random_pick = rng.random() < 0.5 and step < room // 2
+            tok = rng.choice(choices) if random_pick or closing is None else closing
+            ok = m.consume_token(tok) if self.name == "llguidance" else m.accept_token(tok)
+            if not ok:
+                return None
+            out.append(tok)
+        return None
+
+
+def bench_schemas(
+    rows: list[dict[str, Any]],
+    vocab: dict[int, bytes],
+    engines: Sequence[str] = ("dgpipe", "llguidance", "xgrammar"),
+    walks: int = 2,
+    room: int = 128,
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Per engine and JSONSchemaBench set: schemas, compiled %, refused %, walks that ended, valid % of
+    those (jsonschema), compile ms p50/p95. `dgpipe` is this package's guide (walked by the runtime's
+    completion); the others are the engines called directly with their defaults (skipped if missing)."""
+    from pipeline.errors import InputError
+    from pipeline.sampler.constraints import GuideSpec
+
+    size = max(vocab) + 1
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name in engines:
+        try:
+            engine = vocab_compiler(vocab, [END]) if name == "dgpipe" else _RawEngine(name, vocab, size)
+        except ImportError:
+            continue
+        stats: dict[str, dict[str, list]] = {}
+        for r in rows:
+            sts = [
+                stats.setdefault(k, {"n": [], "compile": [], "ended": [], "valid": []})
+                for k in (r["set"], "all")
+            ]
+            for st in sts:
+                st["n"].append(1)
+            t = time.perf_counter()
+            try:
+                if name == "dgpipe":
+                    compiled = engine.compile(GuideSpec("json_schema", json.dumps(r["schema"])))
+                else:
+                    compiled = engine.compile(r["schema"])
+            except (InputError, ValueError, RuntimeError):
+                continue
+            for st in sts:
+                st["compile"].append(time.perf_counter() - t)
+            check, rng = _validator(r["schema"]), random.Random(0)
+            for seed in range(walks):
+                if name == "dgpipe":
+                    toks = guide_walk(compiled, size, seed, room)
+                    toks = toks[:-1] if toks and toks[-1] == END else None
+                else:
+                    toks = engine.walk(compiled, rng, room)
+                if toks is None:
+                    continue
+                try:
+                    value = json.loads(b"".join(vocab.get(t, b"") for t in toks).decode())
+                    valid = not any(True for _ in check.iter_errors(value))
+                except ValueError:
+                    valid = False
+                for st in sts:
+                    st["ended"].append(1)
+                    st["valid"].append(valid)
+        out[name] = {
+            s: {
+                "schemas": len(v["n"]),
+                "compiled_pct": 100 * len(v["compile"]) / len(v["n"]),
+                "refused_pct": 100 - 100 * len(v["compile"]) / len(v["n"]),
+                "walks_ended": len(v["ended"]),
+                "valid_pct": 100 * sum(v["valid"]) / len(v["valid"]) if v["valid"] else float("nan"),
+                "compile_ms_p50": 1000 * _pct(v["compile"], 50),
+                "compile_ms_p95": 1000 * _pct(v["compile"], 95),
+            }
+            for s, v in stats.items()
+        }
+    return out
+
+
+SCHEMAS_RESULT_FILE = "bench_guided_schemas.json"
+
+
+def run_bench_schemas(out: Path, stride: int = 1, vocab_size: int = 4096, walks: int = 2) -> dict[str, Any]:
+    """The per-set engine table over every `stride`-th schema of the sample, on a byte-level BPE vocabulary
+    of `vocab_size` trained on the sample itself; saved as SCHEMAS_RESULT_FILE."""
+    rows = load_sample()
+    vocab = bpe_vocab([json.dumps(r["schema"]) for r in rows], vocab_size)
+    result = {
+        "hardware": f"{platform.processor() or platform.machine()}",
+        "vocab": f"byte-level BPE, {vocab_size} tokens, trained on the sample",
+        "schemas": len(rows[::stride]),
+        "walks_per_schema": walks,
+        "engines": bench_schemas(rows[::stride], vocab, walks=walks),
+    }
+    save_result(out, SCHEMAS_RESULT_FILE, result)
+    return result
+
+
+def schemas_table(result: dict[str, Any]) -> str:
+    """The per-set table (Markdown) of a run_bench_schemas result, one row per set and engine, then all."""
+    lines = [
+        "| set | engine | compiled % | refused % | walks ended | valid % | compile p50 ms | compile p95 ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    engines = result["engines"]
+    sets = [*sorted({s for per in engines.values() for s in per} - {"all"}), "all"]
+    for s in sets:
+        for name, per in engines.items():
+            x = per[s]
+            lines.append(
+                f"| {s} | {name} | {x['compiled_pct']:.0f} | {x['refused_pct']:.0f} | {x['walks_ended']} | "
+                f"{x['valid_pct']:.1f} | {x['compile_ms_p50']:.1f} | {x['compile_ms_p95']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
 @dataclass
 class Row:
     policy: str  # step policy

@@ -34,8 +34,8 @@ JSON_OPTIONS = {"whitespace_pattern": "[ ]?"}
 # bytes a completion prefers, most closing first: ends strings (or opens the shortest value), objects, arrays
 # and groups, then short scalars
 CLOSING_BYTES = b'"}])0123456789,:tfnaelrsu' + bytes(range(ord("a"), ord("z") + 1))
-# a rollout this long that has not accepted yet rotates through its options (`a` forever under `a+b`)
-ROTATE_AFTER = 32
+# a rollout that took the same token this many times in a row takes another option if there is one
+REPEAT_RUN = 4
 STEP_MAX_ITEMS = 200_000
 # rollouts longer than this are not searched: a walk whose witness is not found within it follows the
 # grammar alone from there (no budget forcing: a cut output ends as `length`)
@@ -313,7 +313,7 @@ class GrammarWalk:
                 found = False
                 break
             bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
-            tok = self._pick(m, bits, len(taken))
+            tok = self._pick(m, bits, taken)
             if tok is None:
                 found = False
                 break
@@ -330,9 +330,10 @@ class GrammarWalk:
         self._witness = taken
         return taken
 
-    def _pick(self, m: Any, bits: np.ndarray, steps: int) -> int | None:
+    def _pick(self, m: Any, bits: np.ndarray, taken: list[int]) -> int | None:
         """A rollout's next token: one after which the output may end, else the first closing byte allowed
-        (rotating once the rollout is long), else the lowest allowed token id."""
+        (else the lowest allowed token id), avoiding the token of a run of REPEAT_RUN equal tokens (`a`
+        forever under the pattern `a+b`)."""
         options = [int(t) for t in self.guide.single if t >= 0 and self._allows(bits, int(t))]
         if not options:
             allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little")[: self.guide.vocab_size])
@@ -343,9 +344,10 @@ class GrammarWalk:
             m.rollback(1)
             if done:
                 return t
-        if not options:
-            return None
-        return options[steps % len(options)] if steps >= ROTATE_AFTER else options[0]
+        tail = taken[-REPEAT_RUN:]
+        if len(tail) == REPEAT_RUN and len(set(tail)) == 1:
+            options = [t for t in options if t != tail[0]] or options
+        return options[0] if options else None
 
     def allowed(self, state: int, remaining: int) -> np.ndarray:
         """Sorted token ids the head may take with `remaining` tokens left (this one included): the

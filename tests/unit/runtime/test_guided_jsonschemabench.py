@@ -14,14 +14,13 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-import torch
 
+from pipeline.bench.guided import guide_walk
 from pipeline.errors import InputError
-from pipeline.runtime.guided import GuideState, finish_canvas
 from pipeline.sampler.constraints import GuideSpec
 
 SAMPLE = Path(__file__).parents[2] / "data" / "jsonschemabench" / "sample.jsonl.gz"
-END, PAD, CANVAS, ROOM = 1, 0, 32, 128
+END, CANVAS, ROOM = 1, 32, 128
 
 
 def sample() -> list[dict]:
@@ -41,17 +40,6 @@ def compiler():
     return vocab_compiler(bpe_vocab([json.dumps(r["schema"]) for r in rows[::4]], 1024), [END])
 
 
-def walk(compiler, guide, seed: int) -> list[int]:
-    """One model-free output: canvases of random distributions completed by runtime.guided.finish_canvas."""
-    gen = torch.Generator().manual_seed(seed)
-    g, tokens = GuideState(guide, ROOM), []
-    while not g.ended and len(tokens) < ROOM:
-        g.start_canvas(len(tokens))
-        probs = torch.rand(CANVAS, compiler.vocab_size, generator=gen) ** 8  # peaked: some walks end early
-        tokens += finish_canvas(g, [PAD] * CANVAS, probs, PAD)
-    return tokens[: tokens.index(END) + 1] if END in tokens else tokens
-
-
 def run_walks(compiler, rows: list[dict], walks: int) -> dict[str, int]:
     counts = {"schemas": 0, "compiled": 0, "refused": 0, "walks": 0, "cut": 0}
     for r in rows:
@@ -66,7 +54,7 @@ def run_walks(compiler, rows: list[dict], walks: int) -> dict[str, int]:
             continue
         check = validator(r["schema"])
         for seed in range(walks):
-            out = walk(compiler, guide, seed)
+            out = guide_walk(guide, compiler.vocab_size, seed, ROOM, CANVAS)
             if not guide.proven and out[-1] != END:
                 counts["cut"] += 1  # no witness: the budget is not forced, a cut output is `length`
                 continue
