@@ -82,6 +82,42 @@ def _without_format(schema: Any, fmt: str) -> Any:
     return schema
 
 
+def _map_subschemas(schema: Any, fn) -> Any:
+    """`schema` with `fn` applied to each subschema below it (not to property names or other values)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _MAPS and isinstance(value, dict):
+            out[key] = {k: fn(v) for k, v in value.items()}
+        elif key in _LISTS and isinstance(value, list):
+            out[key] = [fn(v) for v in value]
+        elif key in _SINGLES and isinstance(value, dict):
+            out[key] = fn(value)
+    return out
+
+
+def with_dependencies_as_anyof(schema: Any) -> Any:
+    """`dependencies` (draft 4-7), `dependentRequired` and `dependentSchemas` rewritten exactly into what
+    llguidance implements: "if `name` is present then D" is "`name` absent, or `name` present and D", so
+    each becomes `allOf: [{anyOf: [{properties: {name: false}}, {allOf: [{required: [name]}, D]}]}]`."""
+    if not isinstance(schema, dict):
+        return schema
+    schema = _map_subschemas(schema, with_dependencies_as_anyof)
+    rules: list[Any] = []
+    for key in ("dependencies", "dependentRequired", "dependentSchemas"):
+        deps = schema.get(key)
+        if not isinstance(deps, dict):
+            continue
+        schema = {k: v for k, v in schema.items() if k != key}
+        for name, dep in deps.items():
+            then = {"required": list(dep)} if isinstance(dep, list) else dep
+            rules.append({"anyOf": [{"properties": {name: False}}, {"allOf": [{"required": [name]}, then]}]})
+    if rules:
+        schema["allOf"] = [*schema.get("allOf", []), *rules]
+    return schema
+
+
 def llg_tokenizer(vocab: dict[int, bytes], vocab_size: int, end_ids: Sequence[int]) -> Any:
     """An llguidance tokenizer over the byte string each token id spells (constraints.token_bytes); ids
     that spell nothing (special tokens) get llguidance's special-token spelling and never match text."""
@@ -131,12 +167,13 @@ def compile_grammar(kind: str, guide: str, tokenizer: Any | None) -> tuple[Any, 
         raise InputError("JSON schema at # is `false`: no value can satisfy it")
     if not isinstance(schema, dict | bool):
         raise InputError(f"JSON schema at # must be an object, not {type(schema).__name__}")
+    original, schema = schema, with_dependencies_as_anyof(schema)
     for _ in range(64):  # each round drops one unknown format
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
             json.dumps(schema if schema is not True else {}), overrides=JSON_OPTIONS
         )
         try:
-            return _matcher(grammar, tokenizer, "JSON schema", schema)
+            return _matcher(grammar, tokenizer, "JSON schema", original)
         except _UnknownFormat as e:
             schema = _without_format(schema, e.args[0])
     raise InputError("JSON schema uses more than 64 unknown formats")

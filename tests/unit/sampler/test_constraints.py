@@ -166,3 +166,17 @@ def test_checks_need_no_tokenizer():
     GuideSpec("json_schema", json.dumps({"type": "integer", "minimum": 0})).check()
     with pytest.raises(InputError, match="'if' at #/properties/p"):
         GuideSpec("json_schema", json.dumps({"properties": {"p": {"if": {}, "then": {}}}})).check()
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"a": {"type": "integer"}, "b": {}}, "dependencies": {"a": ["b"]}},
+        {"type": "object", "properties": {"a": {"type": "integer"}, "b": {}}, "dependentRequired": {"a": ["b"]}},
+        {"type": "object", "properties": {"a": {"type": "integer"}, "b": {}}, "dependentSchemas": {"a": {"required": ["b"]}}},
+    ],
+)  # fmt: skip
+def test_dependencies_are_honoured(compiler, schema):
+    a = compiler.compile(GuideSpec("json_schema", json.dumps(schema)))
+    for text, ok in [("{}", True), ('{"a":1,"b":2}', True), ('{"b":2}', True), ('{"a":1}', False)]:
+        assert a.accepts([*encode(compiler, text), END]) == ok, text
