@@ -264,14 +264,16 @@ class GrammarGuide:
     grammar: str = ""
     compile_s: float = 0.0
     min_tokens: int = field(init=False)
+    proven: bool = field(init=False)  # a witness from the start was found: walks are budget-forced
+    witness: list[int] | None = field(init=False, repr=False)  # that witness (each walk starts from it)
 
     def __post_init__(self) -> None:
-        self.min_tokens, self.proven = 0, True
-        witness = self.for_request().witness(0, MAX_WITNESS)
+        self.min_tokens, self.proven, self.witness = 0, True, None
+        self.witness = self.for_request().witness(0, MAX_WITNESS)
         # tokens of the shortest output the witness finds, its end token included (>= the true minimum);
         # without a witness the budget cannot be kept by construction: outputs cut by it end as `length`
-        self.proven = witness is not None
-        self.min_tokens = 1 if witness is None else len(witness) + 1
+        self.proven = self.witness is not None
+        self.min_tokens = 1 if self.witness is None else len(self.witness) + 1
 
     def for_request(self) -> GrammarWalk:
         return GrammarWalk(self)
@@ -302,9 +304,10 @@ class GrammarWalk:
         self.head = 0
         self._ends = np.asarray(sorted(set(guide.end_ids)), dtype=np.int64)
         self._bits: np.ndarray | None = None  # the head's mask, packed little-endian (llguidance's layout)
-        self._witness: list[int] | None = None  # a completion from the head (tokens before the end token)
+        # a completion from the head (tokens before the end token)
+        self._witness: list[int] | None = guide.witness
         # False once no witness was found: the walk then follows the grammar alone (no budget forcing)
-        self.proven = getattr(guide, "proven", True)
+        self.proven = guide.proven
 
     def for_request(self) -> GrammarWalk:
         return self
