@@ -266,7 +266,8 @@ def bench_schemas(
             for st in sts:
                 st["compile"].append(time.perf_counter() - t)
             check, rng = _validator(r["schema"]), random.Random(0)
-            for seed in range(walks):
+            too_long = name == "dgpipe" and compiled.min_tokens > room  # a request would be refused
+            for seed in range(0 if too_long else walks):
                 if name == "dgpipe":
                     toks = guide_walk(compiled, size, seed, room)
                     toks = toks[:-1] if toks and toks[-1] == END else None

@@ -428,7 +428,8 @@ class GrammarWalk:
         witness = self.witness(state, max(remaining - 1, 0))
         if witness is not None:
             return int(witness[0]) if witness else self.end_ids[0]
-        allowed = self.allowed(state, remaining)  # no witness: the grammar alone (the output may be cut)
+        self.proven = False  # no witness fits: the grammar alone from here (the output may be cut)
+        allowed = self.allowed(state, remaining)
         if len(allowed) == 0:
             raise RuntimeError("constrained decoding: the grammar allows no token here")
         return int(allowed[0])
