@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import InputError
-from pipeline.sampler.grammar import GrammarGuide, compile_grammar_guide, llg_tokenizer
+from pipeline.sampler.grammar import GrammarGuide, GrammarVocab, compile_grammar_guide
 
 # guide types: TensorRT-LLM's names (`json` = any JSON object) plus `choice` (guide = JSON list of strings)
 GUIDE_TYPES = ("json", "json_schema", "regex", "choice", "lark_grammar")
@@ -314,7 +314,7 @@ class GuideCompiler:
         self, vocab: dict[int, bytes], vocab_size: int, end_ids: Sequence[int], cache_size: int
     ) -> None:
         self.vocab, self.vocab_size, self.end_ids = vocab, vocab_size, tuple(end_ids)
-        self._llg_tokenizer: Any = None
+        self._grammar_vocab: GrammarVocab | None = None
         self._compile = lru_cache(maxsize=cache_size)(self._build)
 
     @classmethod
@@ -328,9 +328,9 @@ class GuideCompiler:
         if spec.kind in GRAMMAR_TYPES:
             if not self.end_ids:
                 raise InputError("constrained decoding needs the checkpoint's end token ids")
-            if self._llg_tokenizer is None:
-                self._llg_tokenizer = llg_tokenizer(self.vocab, self.vocab_size, self.end_ids)
-            return compile_grammar_guide(spec, self.vocab, self.vocab_size, self.end_ids, self._llg_tokenizer)
+            if self._grammar_vocab is None:
+                self._grammar_vocab = GrammarVocab.build(self.vocab, self.vocab_size, self.end_ids)
+            return compile_grammar_guide(spec, self._grammar_vocab)
         return compile_automaton(spec, self.vocab, self.vocab_size, self.end_ids)
 
     def compile(self, spec: GuideSpec) -> Guide:

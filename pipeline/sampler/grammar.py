@@ -31,9 +31,14 @@ from pipeline.errors import InputError
 
 # whitespace between JSON tokens: at most one space, so outputs stay short on a 256-token canvas
 JSON_OPTIONS = {"whitespace_pattern": "[ ]?"}
-# bytes a completion prefers, most closing first: ends strings (or opens the shortest value), objects, arrays
-# and groups, then short scalars
-CLOSING_BYTES = b'"}])0123456789,:tfnaelrsu' + bytes(range(ord("a"), ord("z") + 1))
+# bytes a completion prefers, most closing first: ends strings (or opens the shortest value), objects, arrays,
+# groups and numbers (`,` before digits: a number must stop to let the next property come), then scalars
+CLOSING_BYTES = (
+    b'"}]),:0123456789tfnaelrsu'
+    + bytes(range(ord("a"), ord("z") + 1))
+    + b"-.TZ@/"
+    + bytes(range(ord("A"), ord("Z") + 1))
+)
 # a rollout that took the same token this many times in a row takes another option if there is one
 REPEAT_RUN = 4
 STEP_MAX_ITEMS = 200_000
@@ -352,8 +357,7 @@ class GrammarWalk:
             if len(taken) >= min(cap, MAX_WITNESS):
                 found = False
                 break
-            bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
-            tok = self._pick(m, bits, taken)
+            tok = self._pick(m, taken)
             if tok is None:
                 found = False
                 break
@@ -370,12 +374,14 @@ class GrammarWalk:
         self._witness = taken
         return taken
 
-    def _pick(self, m: Any, bits: np.ndarray, taken: list[int]) -> int | None:
+    def _pick(self, m: Any, taken: list[int]) -> int | None:
         """A rollout's next token: one after which the output may end, else the first closing byte allowed
         (else the lowest allowed token id), avoiding the token of a run of REPEAT_RUN equal tokens (`a`
-        forever under the pattern `a+b`)."""
-        options = [int(t) for t in self.guide.single if t >= 0 and self._allows(bits, int(t))]
+        forever under the pattern `a+b`). The closing bytes are checked one by one (`validate_tokens`, no
+        state change), which costs microseconds where a full mask over 262k tokens costs milliseconds."""
+        options = [int(t) for t in self.guide.single if t >= 0 and m.validate_tokens([int(t)]) == 1]
         if not options:
+            bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
             allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little")[: self.guide.vocab_size])
             options = allowed[~np.isin(allowed, self._ends)][:16].tolist()
         for t in options[:8]:
@@ -435,16 +441,31 @@ class GrammarWalk:
         return int(allowed[0])
 
 
-def compile_grammar_guide(
-    spec: Any, vocab: dict[int, bytes], vocab_size: int, end_ids: Sequence[int], tokenizer: Any
-) -> GrammarGuide:
+@dataclass(frozen=True)
+class GrammarVocab:
+    """What every grammar guide over one vocabulary shares, built once per tokenizer (over 262k tokens the
+    dictionary and sort below take ~100 ms: not something to redo per compile)."""
+
+    tokenizer: Any  # llguidance.LLTokenizer
+    vocab_size: int
+    end_ids: tuple[int, ...]
+    single: np.ndarray  # [len(CLOSING_BYTES)] the token id spelling each closing byte alone, -1 if none
+    loose: np.ndarray  # every token the vocabulary spells, plus the end tokens (sorted)
+
+    @classmethod
+    def build(cls, vocab: dict[int, bytes], vocab_size: int, end_ids: Sequence[int]) -> GrammarVocab:
+        by_bytes = {b: i for i, b in sorted(vocab.items(), reverse=True) if i not in end_ids}
+        single = np.asarray([by_bytes.get(bytes([b]), -1) for b in CLOSING_BYTES], dtype=np.int64)
+        ends = np.asarray(sorted(set(end_ids)), dtype=np.int64)
+        loose = np.union1d(np.fromiter(vocab, dtype=np.int64, count=len(vocab)), ends)
+        tokenizer = llg_tokenizer(vocab, vocab_size, end_ids)
+        return cls(tokenizer, vocab_size, tuple(end_ids), single, loose)
+
+
+def compile_grammar_guide(spec: Any, gv: GrammarVocab) -> GrammarGuide:
     """A json_schema / lark_grammar GuideSpec -> GrammarGuide over the vocabulary."""
     t = time.perf_counter()
-    matcher, grammar = compile_grammar(spec.kind, spec.guide, tokenizer)
-    by_bytes = {b: i for i, b in sorted(vocab.items(), reverse=True) if i not in end_ids}
-    single = np.asarray([by_bytes.get(bytes([b]), -1) for b in CLOSING_BYTES], dtype=np.int64)
-    ends = np.asarray(sorted(set(end_ids)), dtype=np.int64)
-    loose = np.union1d(np.asarray(sorted(vocab), dtype=np.int64), ends)
+    matcher, grammar = compile_grammar(spec.kind, spec.guide, gv.tokenizer)
     return GrammarGuide(
-        spec, vocab_size, tuple(end_ids), matcher, loose, single, grammar, time.perf_counter() - t
+        spec, gv.vocab_size, gv.end_ids, matcher, gv.loose, gv.single, grammar, time.perf_counter() - t
     )
