@@ -332,8 +332,11 @@ class GrammarWalk:
         return 0 <= token < self.guide.vocab_size and bool((bits[token >> 3] >> (token & 7)) & 1)
 
     def _advance(self, token: int) -> bool:
-        if not self.matcher.consume_token(token):
-            raise RuntimeError(f"llguidance refused token {token} its own mask allowed")
+        """Consume `token` at the head; False (nothing consumed, no error state) if the parser refuses it.
+        `try_consume_tokens`, not `consume_token`: a refused token must not leave the matcher in llguidance's
+        sticky error state (a mask can hold a token the parser then refuses under `patternProperties`)."""
+        if self.matcher.try_consume_tokens([token]) != 1:
+            return False
         self.head += 1
         self._bits = None
         return True
@@ -357,11 +360,10 @@ class GrammarWalk:
             if len(taken) >= min(cap, MAX_WITNESS):
                 found = False
                 break
-            tok = self._pick(m, taken)
+            tok = self._pick(m, taken)  # consumed
             if tok is None:
                 found = False
                 break
-            m.consume_token(tok)
             taken.append(tok)
         if taken and not m.rollback(len(taken)):
             raise RuntimeError(
@@ -375,9 +377,9 @@ class GrammarWalk:
         return taken
 
     def _pick(self, m: Any, taken: list[int]) -> int | None:
-        """A rollout's next token: one after which the output may end, else the first closing byte allowed
-        (else the lowest allowed token id), avoiding the token of a run of REPEAT_RUN equal tokens (`a`
-        forever under the pattern `a+b`). The closing bytes are checked one by one (`validate_tokens`, no
+        """A rollout's next token, consumed: one after which the output may end, else the first closing byte
+        allowed (else the lowest allowed token id), avoiding the token of a run of REPEAT_RUN equal tokens
+        (`a` forever under the pattern `a+b`). The closing bytes are checked one by one (`validate_tokens`, no
         state change), which costs microseconds where a full mask over 262k tokens costs milliseconds."""
         options = [int(t) for t in self.guide.single if t >= 0 and m.validate_tokens([int(t)]) == 1]
         if not options:
@@ -385,15 +387,14 @@ class GrammarWalk:
             allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little")[: self.guide.vocab_size])
             options = allowed[~np.isin(allowed, self._ends)][:16].tolist()
         for t in options[:8]:
-            m.consume_token(t)
-            done = m.is_accepting()
-            m.rollback(1)
-            if done:
-                return t
+            if m.try_consume_tokens([t]) == 1:
+                if m.is_accepting():
+                    return t
+                m.rollback(1)
         tail = taken[-REPEAT_RUN:]
         if len(tail) == REPEAT_RUN and len(set(tail)) == 1:
-            options = [t for t in options if t != tail[0]] or options
-        return options[0] if options else None
+            options = [t for t in options if t != tail[0]] + [tail[0]]
+        return next((t for t in options if m.try_consume_tokens([t]) == 1), None)
 
     def allowed(self, state: int, remaining: int) -> np.ndarray:
         """Sorted token ids the head may take with `remaining` tokens left (this one included): the
@@ -413,13 +414,11 @@ class GrammarWalk:
         None (nothing consumed)."""
         self._check(state)
         witness = self._witness
-        if witness and witness[0] == token and len(witness) <= remaining - 1:
-            self._advance(token)
+        if witness and witness[0] == token and len(witness) <= remaining - 1 and self._advance(token):
             self._witness = witness[1:]
             return self.head
-        if not self._allows(self._mask_bits(), token):
+        if not self._allows(self._mask_bits(), token) or not self._advance(token):
             return None
-        self._advance(token)
         self._witness = None
         if self.proven and self.witness(self.head, remaining - 2) is None and self.proven:
             self.matcher.rollback(1)
@@ -435,10 +434,13 @@ class GrammarWalk:
         if witness is not None:
             return int(witness[0]) if witness else self.end_ids[0]
         self.proven = False  # no witness fits: the grammar alone from here (the output may be cut)
-        allowed = self.allowed(state, remaining)
-        if len(allowed) == 0:
-            raise RuntimeError("constrained decoding: the grammar allows no token here")
-        return int(allowed[0])
+        if self.is_final(state):
+            return self.end_ids[0]
+        for t in self.allowed(state, remaining).tolist():
+            if self.matcher.try_consume_tokens([t]) == 1:
+                self.matcher.rollback(1)
+                return int(t)
+        raise RuntimeError("constrained decoding: the grammar allows no token here")
 
 
 @dataclass(frozen=True)
