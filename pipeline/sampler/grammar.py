@@ -2,8 +2,8 @@
 needs on top of a left-to-right token mask (docs/constrained.md).
 
 JSON schemas are compiled straight to a grammar (no schema -> regex step): llguidance implements the
-validation keywords users rely on (`minimum`/`maximum`, `patternProperties`, `minProperties`, `oneOf` with
-provably disjoint branches, `$ref` chains, formats, ...) and names the ones it does not (`not`,
+validation keywords users rely on (`minimum`/`maximum`, `patternProperties`, `oneOf` with provably
+disjoint branches, `$ref` chains, formats, ...) and names the ones it does not (`not`,
 `uniqueItems`, `if`/`then`, ...); those are refused with the keyword and its JSON pointer, never dropped.
 Annotations and unknown keywords are ignored, as JSON Schema says; so is a `format` llguidance does not know
 (a format is an annotation unless a validator opts in to asserting it).
@@ -41,7 +41,7 @@ CLOSING_BYTES = (
 )
 # a rollout that took the same token this many times in a row takes another option if there is one
 REPEAT_RUN = 4
-STEP_MAX_ITEMS = 200_000
+STEP_MAX_ITEMS = 200_000  # llguidance's per-mask parser work limit (its default: 50k), see _limits
 # rollouts longer than this are not searched: a walk whose witness is not found within it follows the
 # grammar alone from there (no budget forcing: a cut output ends as `length`)
 MAX_WITNESS = 512
