@@ -101,7 +101,7 @@ def parse_guide(json_schema: Path | None, regex: str | None, choice: str | None)
         guide = ("choice", json.dumps([c for c in choice.split(",") if c]))
     else:
         return None
-    GuideSpec(*guide).regex()
+    GuideSpec(*guide).check()
     return guide
 
 

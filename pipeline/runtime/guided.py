@@ -1,7 +1,8 @@
 """Automaton-guided acceptance: how a constrained request's canvas is denoised so that what it commits is
 valid by construction (docs/constrained.md).
 
-Per row, the host keeps the DFA state reached by the canvas prefix accepted so far (the *frontier*):
+Per row, the host keeps the guide's state reached by the canvas prefix accepted so far (the *frontier*) — a
+DFA state for regular guides, the head of the request's own llguidance walk for JSON schemas and grammars:
   * before a pass: the frontier position may only hold tokens the DFA allows there with the token budget
     left; positions beyond it any token of the language (the state there is not known yet); accepted
     positions are pinned through the infill template, which the sampler already honours;
@@ -10,8 +11,9 @@ Per row, the host keeps the DFA state reached by the canvas prefix accepted so f
     was accepted. An accepted end token pins
     the rest of the canvas to PAD: the canvas is then fully determined and stops denoising;
   * when the canvas stops: decode the positions still beyond the frontier left to right from the last
-    pass's (masked) distribution, each position's argmax over the tokens its exact DFA state allows.
-The DFA state carries across the request's canvases. Each row's masks depend only on its own state, so a
+    pass's (masked) distribution, each position's most probable token among those its exact state allows
+    that keep the output completable within the budget.
+The state carries across the request's canvases. Each row's masks depend only on its own state, so a
 constrained request gives the same output in a batch as alone.
 """
 
@@ -21,19 +23,24 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.sampler.constraints import TokenAutomaton
+from pipeline.sampler.constraints import GrammarGuide, TokenAutomaton
+from pipeline.sampler.grammar import GrammarWalk
 
 
 @dataclass
 class GuideState:
-    """One constrained request's progress through its automaton."""
+    """One constrained request's progress through its guide (a shared automaton, or the request's own walk
+    of a grammar guide: `for_request`)."""
 
-    automaton: TokenAutomaton
+    automaton: TokenAutomaton | GrammarGuide | GrammarWalk
     room: int  # tokens the whole output may take (max_tokens and the context), the end token included
     emitted: int = 0  # tokens emitted by committed canvases
     state: int = 0  # DFA state after the accepted prefix
     frontier: int = 0  # canvas positions accepted in the current canvas
     ended: bool = False  # an end token was accepted
+
+    def __post_init__(self) -> None:
+        self.automaton = self.automaton.for_request()
 
     def remaining(self, position: int) -> int:
         """Tokens left for the output at canvas `position`, that position included."""
@@ -84,15 +91,15 @@ def advance(
     while i < length and not g.ended and (pinned[i] or (kept[i] and prev[i] == argmax[i])):
         tok, rem = argmax[i], g.remaining(i)
         if tok in a.end_ids:
-            if not (a.final[g.state] and rem >= 1):
+            if not (a.is_final(g.state) and rem >= 1):
                 break
             g.ended = True
             pins[i] = tok
             pins.update({j: pad_id for j in range(i + 1, length)})
             i = length
             break
-        nxt = a.next_state(g.state, tok)
-        if nxt is None or a.distance[nxt] > rem - 2:
+        nxt = a.step(g.state, tok, rem)
+        if nxt is None:
             break
         pins[i], g.state = tok, nxt
         i += 1
@@ -100,25 +107,44 @@ def advance(
     return pins
 
 
-def finish_canvas(g: GuideState, block: list[int], probs: torch.Tensor, pad_id: int) -> list[int]:
-    """The committed canvas: the accepted prefix, then each later position's most probable allowed token
-    under its exact DFA state (`probs` [L, V] is the last pass's masked distribution). Advances the state."""
+def finish_canvas(
+    g: GuideState, block: list[int], probs: torch.Tensor, pad_id: int, tries: int = 8
+) -> list[int]:
+    """The committed canvas: the accepted prefix, then each later position's most probable token under its
+    exact state (`probs` [L, V] is the last pass's masked distribution) among the first `tries` that keep
+    the output completable in the budget, else the token the guide's shortest completion takes (always
+    fits). Advances the state."""
     a, out = g.automaton, list(block[: g.frontier])
     for i in range(g.frontier, len(block)):
         if g.ended:
             out.append(pad_id)
             continue
-        allowed = a.allowed(g.state, g.remaining(i))
+        rem = g.remaining(i)
+        allowed = a.allowed(g.state, rem)
         if len(allowed) == 0:  # only when the budget is spent, which the distances rule out
             raise RuntimeError(f"constrained decoding: no token allowed at canvas position {i}")
-        idx = torch.from_numpy(allowed).to(probs.device)
-        tok = int(allowed[int(torch.argmax(probs[i, idx].float()))])
+        p = probs[i, torch.from_numpy(allowed).to(probs.device)].float()
+        ranked = [int(allowed[j]) for j in torch.argsort(p, descending=True)[:tries].tolist()]
+        tok = next((t for t in ranked if _take(g, t, rem)), None)
+        if tok is None:
+            tok = a.forced(g.state, rem)
+            taken = _take(g, tok, rem)
+            assert taken  # the shortest completion's next token always fits
         out.append(tok)
-        if tok in a.end_ids:
-            g.ended = True
-        else:
-            nxt = a.next_state(g.state, tok)
-            assert nxt is not None  # `allowed` only holds tokens with a transition
-            g.state = nxt
     g.frontier = len(block)
     return out
+
+
+def _take(g: GuideState, tok: int, rem: int) -> bool:
+    """Advance the state by `tok` if it keeps the output completable within `rem` tokens."""
+    a = g.automaton
+    if tok in a.end_ids:
+        if a.is_final(g.state) and rem >= 1:
+            g.ended = True
+            return True
+        return False
+    nxt = a.step(g.state, tok, rem)
+    if nxt is None:
+        return False
+    g.state = nxt
+    return True

@@ -1,15 +1,16 @@
-"""The constraint compiler: a JSON schema, regular expression or choice list -> a token automaton over the
+"""The constraint compiler: a JSON schema, Lark grammar, regular expression or choice list -> a guide over the
 tokenizer's vocabulary, which the denoiser enforces per canvas position (docs/constrained.md).
 
-Compilation is outlines-core's (Rust): `json_schema.build_regex_from_schema` turns a schema into a regular
-expression and `Index` builds the token-level DFA over the vocabulary's byte strings. On top of it this
-module adds what a *diffusion* canvas needs and a left-to-right decoder does not:
-  * `distance[state]`: the fewest tokens that reach an accepting state, so a position only takes tokens
-    after which the output can still be finished (and its end token emitted) within the token budget left;
-  * `loose`: every token that can appear anywhere in the language (plus the end tokens), the mask for
-    positions beyond the accepted prefix, whose DFA state is not known yet.
-A schema the compiler cannot honour raises `InputError` naming the construct: outlines-core silently ignores
-keywords it does not know, so the schema is checked against the keywords it does implement first.
+Two engines, each where it is exact:
+  * regular guides (`regex`, `choice`, `json` = any one-level JSON object) -> outlines-core's token DFA
+    (`Index` over the vocabulary's byte strings) -> `TokenAutomaton`, which adds what a *diffusion*
+    canvas needs: `distance[state]`, the fewest tokens to acceptance (so a position only takes tokens
+    after which the output can still end within the budget: budget forcing, provable on a finite
+    automaton), and `loose`, the mask for positions beyond the accepted prefix;
+  * context-free guides (`json_schema`, `lark_grammar`) -> llguidance (grammar.py): the schema is compiled
+    to a grammar directly, validation keywords are honoured or refused with their JSON pointer, and the
+    budget is kept by a witness completion instead of a distance table.
+Both answer the same queries (`allowed`, `step`, `is_final`, `forced`, `loose`), which runtime.guided uses.
 """
 
 from __future__ import annotations
@@ -25,31 +26,16 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import InputError
+from pipeline.sampler.grammar import GrammarGuide, GrammarVocab, compile_grammar_guide
 
 # guide types: TensorRT-LLM's names (`json` = any JSON object) plus `choice` (guide = JSON list of strings)
-GUIDE_TYPES = ("json", "json_schema", "regex", "choice")
+GUIDE_TYPES = ("json", "json_schema", "regex", "choice", "lark_grammar")
+GRAMMAR_TYPES = ("json_schema", "lark_grammar")  # compiled by llguidance (grammar.py)
 REFUSED_GUIDE_TYPES = {
     "ebnf_grammar": "EBNF grammars",
     "structural_tag": "structural tags",
-    "lark_grammar": "Lark grammars",
 }
 
-# JSON schema keywords outlines-core implements (json_schema/types.rs, parsing.rs); anything else in a
-# schema would be ignored by it and the output could fail validation, so it is refused instead
-SCHEMA_KEYWORDS = frozenset(
-    {
-        "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
-        "maxItems", "enum", "const", "minLength", "maxLength", "pattern", "format", "anyOf", "oneOf",
-        "allOf", "$ref", "$defs", "definitions", "minDigits", "maxDigits",
-        # annotations: no effect on validity
-        "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
-        "readOnly", "writeOnly",
-    }
-)  # fmt: skip
-# keywords whose value is a map of name -> subschema (walked, but the names are not keywords)
-_SCHEMA_MAPS = ("properties", "$defs", "definitions")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_SINGLE = ("items", "additionalProperties")
 WHITESPACE = r"[ ]?"  # between JSON tokens: at most one space, so outputs stay short on a 256-token canvas
 
 
@@ -60,8 +46,18 @@ class GuideSpec:
     kind: str
     guide: str
 
+    def check(self) -> None:
+        """Refuse a guide that cannot be compiled, before any tokenizer or model is loaded (InputError naming
+        the construct): the CLI and the API call this on the request path."""
+        if self.kind in GRAMMAR_TYPES:
+            from pipeline.sampler.grammar import compile_grammar
+
+            compile_grammar(self.kind, self.guide, None)
+        else:
+            self.regex()
+
     def regex(self) -> str:
-        """The regular expression the output must match in full."""
+        """The regular expression the output must match in full (regular guide types only)."""
         if self.kind in REFUSED_GUIDE_TYPES:
             raise InputError(
                 f"guided decoding type {self.kind!r}: {REFUSED_GUIDE_TYPES[self.kind]} are not supported",
@@ -79,12 +75,8 @@ class GuideSpec:
             return "|".join(re.escape(c) for c in parse_choices(self.guide))
         if self.kind == "json":
             return any_json_object_regex()
-        if self.kind == "json_schema":
-            try:
-                schema = json.loads(self.guide)
-            except ValueError as e:
-                raise InputError(f"guided JSON schema is not valid JSON: {e}") from e
-            return schema_regex(schema)
+        if self.kind in GRAMMAR_TYPES:
+            raise ValueError(f"{self.kind} guides are context-free: compile them with grammar.py")
         raise InputError(
             f"guided decoding type {self.kind!r} is unknown", f"use one of: {', '.join(GUIDE_TYPES)}"
         )
@@ -101,41 +93,6 @@ def parse_choices(guide: str | Sequence[str]) -> list[str]:
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise InputError("guided choice must be a non-empty list of non-empty strings")
     return choices
-
-
-def check_schema(schema: Any, where: str = "#") -> None:
-    """Refuse any keyword outlines-core would silently ignore, naming it and where it is."""
-    if isinstance(schema, bool):
-        if not schema:
-            raise InputError(f"JSON schema at {where} is `false`: no value can satisfy it")
-        return
-    if not isinstance(schema, dict):
-        raise InputError(f"JSON schema at {where} must be an object, not {type(schema).__name__}")
-    for key, value in schema.items():
-        if key not in SCHEMA_KEYWORDS:
-            raise InputError(
-                f"JSON schema keyword {key!r} at {where} is not supported by constrained decoding",
-                f"supported: {', '.join(sorted(k for k in SCHEMA_KEYWORDS if not k.startswith('$')))}",
-            )
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            for name, sub in value.items():
-                check_schema(sub, f"{where}/{key}/{name}")
-        elif key in _SCHEMA_LISTS and isinstance(value, list):
-            for i, sub in enumerate(value):
-                check_schema(sub, f"{where}/{key}/{i}")
-        elif key in _SCHEMA_SINGLE and isinstance(value, dict):
-            check_schema(value, f"{where}/{key}")
-
-
-def schema_regex(schema: Any) -> str:
-    from outlines_core.json_schema import build_regex_from_schema
-
-    check_schema(schema)
-    try:
-        return build_regex_from_schema(json.dumps(schema), whitespace_pattern=WHITESPACE)
-    except (ValueError, TypeError) as e:
-        first = str(e).strip().splitlines()[0]
-        raise InputError(f"JSON schema cannot be compiled for constrained decoding: {first}") from e
 
 
 def any_json_object_regex() -> str:
@@ -253,6 +210,25 @@ class TokenAutomaton:
             hit = self._cache[key] = toks
         return hit
 
+    def for_request(self) -> TokenAutomaton:
+        """The automaton is stateless (a request's state is an int in its GuideState): shared as it is."""
+        return self
+
+    def is_final(self, state: int) -> bool:
+        return bool(self.final[state])
+
+    def step(self, state: int, token: int, remaining: int) -> int | None:
+        """The state after `token` if it is allowed and the output can still end within `remaining` tokens
+        (this one included), else None."""
+        nxt = self.next_state(state, token)
+        return None if nxt is None or self.distance[nxt] > remaining - 2 else nxt
+
+    def forced(self, state: int, remaining: int) -> int:
+        """A token that always fits: the end token in an accepting state, else one nearest to acceptance."""
+        if self.final[state]:
+            return self.end_ids[0]
+        return int(self.tokens[state][int(np.argmin(self._next_dist[state]))])
+
     def accepts(self, tokens: Iterable[int]) -> bool:
         """Whether a whole token sequence (ending on an end token) is in the language: the test oracle's twin."""
         state = 0
@@ -323,19 +299,39 @@ def compile_automaton(
     return TokenAutomaton(spec, vocab_size, tuple(end_ids), tokens, nexts, final, distance, loose)
 
 
+Guide = TokenAutomaton | GrammarGuide  # what a Request carries (GuideState walks it per request)
+
+
 class GuideCompiler:
-    """Compiles guides for one tokenizer, keeping recent automata (a server sees the same schema often)."""
+    """Compiles guides for one tokenizer, keeping recent ones (a server sees the same schema often)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, end_ids: Sequence[int], cache_size: int = 32):
         if tokenizer is None:
             raise InputError("constrained decoding needs a tokenizer.json in the checkpoint")
-        self.vocab = token_bytes(tokenizer, vocab_size)
-        self.vocab_size = vocab_size
-        self.end_ids = tuple(end_ids)
+        self._setup(token_bytes(tokenizer, vocab_size), vocab_size, end_ids, cache_size)
+
+    def _setup(
+        self, vocab: dict[int, bytes], vocab_size: int, end_ids: Sequence[int], cache_size: int
+    ) -> None:
+        self.vocab, self.vocab_size, self.end_ids = vocab, vocab_size, tuple(end_ids)
+        self._grammar_vocab: GrammarVocab | None = None
         self._compile = lru_cache(maxsize=cache_size)(self._build)
 
-    def _build(self, spec: GuideSpec) -> TokenAutomaton:
+    @classmethod
+    def from_vocab(cls, vocab: dict[int, bytes], vocab_size: int, end_ids: Sequence[int]) -> GuideCompiler:
+        """A compiler over token byte strings directly (benchmarks over synthetic vocabularies)."""
+        self = cls.__new__(cls)
+        self._setup(dict(vocab), vocab_size, end_ids, 32)
+        return self
+
+    def _build(self, spec: GuideSpec) -> Guide:
+        if spec.kind in GRAMMAR_TYPES:
+            if not self.end_ids:
+                raise InputError("constrained decoding needs the checkpoint's end token ids")
+            if self._grammar_vocab is None:
+                self._grammar_vocab = GrammarVocab.build(self.vocab, self.vocab_size, self.end_ids)
+            return compile_grammar_guide(spec, self._grammar_vocab)
         return compile_automaton(spec, self.vocab, self.vocab_size, self.end_ids)
 
-    def compile(self, spec: GuideSpec) -> TokenAutomaton:
+    def compile(self, spec: GuideSpec) -> Guide:
         return self._compile(spec)

@@ -222,7 +222,7 @@ class _Common(BaseModel):
             raise RequestError(f"{names} exclude each other: send one constraint", found[1][0])
         param, kind, guide = found[0]
         try:
-            GuideSpec(kind, guide).regex()
+            GuideSpec(kind, guide).check()
         except InputError as e:
             raise RequestError(str(e), param) from e
         return kind, guide

@@ -79,7 +79,7 @@ def _sampler_range(name: str) -> Rule:
 POSITIVE_SECONDS = Rule(lambda v: 0 < v < float("inf"), "must be a positive number of seconds")
 GUIDE_TYPE = Rule(
     lambda v: v in GUIDE_TYPES,
-    f"must be one of {', '.join(GUIDE_TYPES)} (grammars and structural tags are not supported)",
+    f"must be one of {', '.join(GUIDE_TYPES)} (EBNF grammars and structural tags are not supported)",
 )
 SEED_RANGE = Rule(lambda v: 0 <= v <= SEED_MAX, f"must be in [0, {SEED_MAX}] (the sampler's seed range)")
 

@@ -60,7 +60,7 @@ def test_constraints_that_cannot_be_honoured_are_one_error_line(ckpt: Path, args
 def test_unsupported_schema_keyword_is_named(ckpt: Path, tmp_path: Path):
     schema = tmp_path / "s.json"
     schema.write_text(
-        json.dumps({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}})
+        json.dumps({"type": "object", "properties": {"n": {"type": "array", "uniqueItems": True}}})
     )
     proc = dgpipe("generate", "--model", str(ckpt), "x", "--json-schema", str(schema))
-    assert proc.returncode != 0 and "'multipleOf' at #/properties/n" in proc.stderr, proc.stderr
+    assert proc.returncode != 0 and "'uniqueItems' at #/properties/n" in proc.stderr, proc.stderr

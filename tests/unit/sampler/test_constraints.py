@@ -90,12 +90,18 @@ def test_compiles_are_cached(compiler):
     ("spec", "needle"),
     [
         (
-            GuideSpec("json_schema", json.dumps({"type": "object", "patternProperties": {"a": {}}})),
-            "'patternProperties' at #",
+            GuideSpec(
+                "json_schema", json.dumps({"type": "object", "properties": {"t": {"uniqueItems": True}}})
+            ),
+            "'uniqueItems' at #/properties/t",
         ),
         (GuideSpec("json_schema", json.dumps({"properties": {"a": {"not": {}}}})), "'not' at #/properties/a"),
-        (GuideSpec("json_schema", json.dumps({"type": "integer", "minimum": 3})), "'minimum'"),
-        (GuideSpec("json_schema", json.dumps({"type": "string", "format": "hostname"})), "hostname"),
+        (
+            GuideSpec("json_schema", json.dumps({"items": {"oneOf": [{"type": "integer"}, {"minimum": 3}]}})),
+            "'oneOf' at #/items: its branches may overlap",
+        ),
+        (GuideSpec("json_schema", json.dumps({"type": "string", "pattern": "[a-"})), "pattern at #"),
+        (GuideSpec("lark_grammar", "start: undefined_rule"), "Lark grammar cannot be compiled"),
         (GuideSpec("json_schema", "{not json"), "not valid JSON"),
         (GuideSpec("regex", "(unclosed"), "does not compile"),
         (GuideSpec("choice", "[]"), "non-empty list"),
@@ -114,3 +120,63 @@ def test_allowed_sets_are_sorted_unique(compiler):
     for state in range(min(20, a.n_states)):
         toks = a.allowed(state, 100)
         assert np.array_equal(toks, np.unique(toks))
+
+
+HONOURED = [
+    ({"type": "integer", "minimum": 3, "maximum": 12}, ["3", "12"], ["2", "13", "-4"]),
+    (
+        {"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False},
+        ['{"x1":1}', "{}"],
+        ['{"x1":"a"}', '{"y":1}'],
+    ),
+    ({"type": "object", "minProperties": 1, "additionalProperties": {"type": "integer"}}, ['{"a":1}'], ["{}", '{"a":"x"}']),
+    ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, ["1", '"a"'], ["true"]),  # disjoint branches
+    # annotations, unknown keywords and unknown formats are ignored, as JSON Schema says
+    ({"type": "string", "format": "x-colour", "x-kubernetes-int-or-string": True, "example": "a"}, ['"a"'], ["1"]),
+    (
+        {"type": "object", "properties": {"a": {}, "b": {"type": "integer"}}, "required": ["a", "b"]},
+        ['{"a":"x","b":1}', '{"a":[],"b":2}'],
+        ['{"a":"],","b":1', '{"b":1}'],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("schema", "good", "bad"), HONOURED)
+def test_validation_keywords_are_honoured(compiler, schema, good, bad):
+    """The guide accepts exactly what jsonschema accepts on these samples (keywords the old regex compiler
+    refused or mis-compiled)."""
+    import jsonschema
+
+    a = compiler.compile(GuideSpec("json_schema", json.dumps(schema)))
+    for text in good:
+        jsonschema.validate(json.loads(text), schema)
+        assert a.accepts([*encode(compiler, text), END]), text
+    for text in bad:
+        assert not a.accepts([*encode(compiler, text), END]), text
+
+
+def test_lark_grammars_compile(compiler):
+    a = compiler.compile(GuideSpec("lark_grammar", 'start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]+/'))
+    assert a.accepts([*encode(compiler, "(1,23)"), END])
+    assert not a.accepts([*encode(compiler, "(1,)"), END])
+    assert a.min_tokens == 4  # "(0)" + end
+
+
+def test_checks_need_no_tokenizer():
+    GuideSpec("json_schema", json.dumps({"type": "integer", "minimum": 0})).check()
+    with pytest.raises(InputError, match="'if' at #/properties/p"):
+        GuideSpec("json_schema", json.dumps({"properties": {"p": {"if": {}, "then": {}}}})).check()
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"a": {"type": "integer"}, "b": {}}, "dependencies": {"a": ["b"]}},
+        {"type": "object", "properties": {"a": {"type": "integer"}, "b": {}}, "dependentRequired": {"a": ["b"]}},
+        {"type": "object", "properties": {"a": {"type": "integer"}, "b": {}}, "dependentSchemas": {"a": {"required": ["b"]}}},
+    ],
+)  # fmt: skip
+def test_dependencies_are_honoured(compiler, schema):
+    a = compiler.compile(GuideSpec("json_schema", json.dumps(schema)))
+    for text, ok in [("{}", True), ('{"a":1,"b":2}', True), ('{"b":2}', True), ('{"a":1}', False)]:
+        assert a.accepts([*encode(compiler, text), END]) == ok, text

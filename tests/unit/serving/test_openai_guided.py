@@ -54,7 +54,7 @@ def test_text_response_format_sets_no_guide():
 @pytest.mark.parametrize(
     ("extra", "param", "needle"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "integer", "minimum": 1}}}}, "response_format", "keyword 'minimum' at #"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format", "keyword 'uniqueItems' at #"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "o"}}}, "response_format", "needs json_schema.schema"),
         ({"response_format": {"type": "grammar"}}, "response_format", "'grammar' is not supported"),
         ({"guided_json": {"properties": {"a": {"not": {}}}}}, "guided_json", "'not' at #/properties/a"),
