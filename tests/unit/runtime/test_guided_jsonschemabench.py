@@ -3,13 +3,15 @@
 Model-free: each compiled schema is walked by random distributions through runtime.guided's own left-to-right
 completion (exact masks, budget forcing, state carried across canvases); every walk must end with an end
 token inside the budget and validate with jsonschema. With the model: `generate`'s runtime on a
-random-weight model, every `stop` output validated. The default suite takes a stride of the sample; the
-whole sample runs under `slow`."""
+random-weight model, every `stop` output validated. The default suite walks every tenth schema (10 per set);
+the whole sample (about 4 minutes here) runs with DGPIPE_TEST_FULL_SAMPLE=1, and `dgpipe bench guided` walks
+it too."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 
 import jsonschema
@@ -74,11 +76,15 @@ def test_sample_is_the_committed_one():
 
 
 def test_walks_of_a_stride_of_the_sample_all_validate(compiler):
-    counts = run_walks(compiler, sample()[::50], walks=1)  # 20 schemas, two per set
-    assert counts["compiled"] >= 16 and counts["walks"] >= 12, counts  # some need more than ROOM
+    counts = run_walks(compiler, sample()[::10], walks=1)  # 100 schemas, ten per set
+    assert counts["compiled"] >= 80 and counts["walks"] >= 60, counts  # some need more than ROOM
 
 
-@pytest.mark.slow  # the whole sample: minutes
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("DGPIPE_TEST_FULL_SAMPLE") != "1",
+    reason="the whole 1,000-schema sample takes minutes: set DGPIPE_TEST_FULL_SAMPLE=1 (or run dgpipe bench guided)",
+)
 def test_walks_of_the_whole_sample_all_validate(compiler):
     counts = run_walks(compiler, sample(), walks=2)
     assert counts["compiled"] >= 850, counts  # >= 85% compile
