@@ -28,6 +28,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def processes() -> dict[int, tuple[str, int]]:
+    """pid -> (name, parent pid) of every process, from /proc (processes gone meanwhile are left out)."""
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            name, rest = stat.split("(", 1)[1].rsplit(")", 1)
+            table[int(entry.name)] = (name, int(rest.split()[1]))
+    return table
+
+
 @dataclass
 class Serve:
     proc: subprocess.Popen
@@ -51,15 +65,9 @@ class Serve:
 
     def tritonserver_pid(self) -> int:
         """The tritonserver child of this `dgpipe serve`."""
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    stat = (entry / "stat").read_text()
-                except OSError:
-                    continue
-                name, rest = stat.split("(", 1)[1].rsplit(")", 1)
-                if name == "tritonserver" and int(rest.split()[1]) == self.proc.pid:
-                    return int(entry.name)
+        for pid, (name, ppid) in processes().items():
+            if name == "tritonserver" and ppid == self.proc.pid:
+                return pid
         raise AssertionError("no tritonserver child")
 
     def stop(self) -> None:

@@ -16,7 +16,7 @@ from pipeline.demo import sudoku
 from pipeline.limits import Limits
 from pipeline.serving.lifecycle import STUB_NAME
 from pipeline.serving.server import ADMIN_HEADER, GRPC_ADMIN_HEADER, HIDDEN_KEY, tritonserver_binary
-from tests._utils.serve import README_PUZZLE, start_serve
+from tests._utils.serve import README_PUZZLE, processes, start_serve
 
 pytestmark = pytest.mark.skipif(
     tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
@@ -119,17 +119,11 @@ def test_default_address_is_loopback_only(served):
 
 def _descendants(root: int) -> dict[int, str]:
     """pid -> name of `root` and every process under it."""
+    table = processes()
     children: dict[int, list[int]] = {}
-    names: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            name, rest = stat.split("(", 1)[1].rsplit(")", 1)
-            names[int(entry.name)] = name
-            children.setdefault(int(rest.split()[1]), []).append(int(entry.name))
+    for pid, (_, ppid) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    names = {pid: name for pid, (name, _) in table.items()}
     tree, todo = {}, [root]
     while todo:
         pid = todo.pop()

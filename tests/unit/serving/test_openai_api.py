@@ -64,6 +64,26 @@ def sse(r) -> list:
 
 
 # ---- request mapping -------------------------------------------------------------------------------------
+
+
+def completion_scope() -> dict:
+    """The ASGI scope of a JSON POST to /v1/completions (for tests that drive the app's receive/send)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+        "scheme": "http",
+        "root_path": "",
+    }
+
+
 def test_chat_maps_messages_and_fields_onto_triton_inputs():
     c, fake = client()
     body = {
@@ -449,20 +469,7 @@ def test_a_client_that_goes_away_mid_stream_cancels_its_triton_request():
         async def send(message):
             sent.append(message)
 
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "method": "POST",
-            "path": "/v1/completions",
-            "raw_path": b"/v1/completions",
-            "query_string": b"",
-            "headers": [(b"content-type", b"application/json")],
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 2),
-            "scheme": "http",
-            "root_path": "",
-        }
+        scope = completion_scope()
         with anyio.fail_after(20):
             await app(scope, receive, send)
 
@@ -611,20 +618,7 @@ def test_a_non_streamed_request_is_cancelled_in_triton_when_its_client_disconnec
         async def send(message):
             sent.append(message)
 
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "method": "POST",
-            "path": "/v1/completions",
-            "raw_path": b"/v1/completions",
-            "query_string": b"",
-            "headers": [(b"content-type", b"application/json")],
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 2),
-            "scheme": "http",
-            "root_path": "",
-        }
+        scope = completion_scope()
         with anyio.fail_after(5):  # the stream's 10 s would fail this: the request must end with the client
             await app(scope, receive, send)
 
