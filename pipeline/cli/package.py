@@ -52,36 +52,28 @@ def package(
     from pipeline.serving.repository import package as run_package
     from pipeline.serving.repository import package_stage
 
+    given = {  # the limit options given (None: the build's recorded value, else the default)
+        "max_batch": max_batch,
+        "max_prompt": max_prompt,
+        "max_tokens": max_tokens,
+        "max_steps": max_steps,
+        "max_request_seconds": max_request_seconds,
+        "max_prompt_bytes": max_prompt_bytes,
+    }
     if build_dir is not None:
         if model is not None or output is not None or engines is not None or name != MODEL_NAME:
             raise DgpipeError(
                 "--build-dir packages the build's own checkpoint and engines under its layout",
                 "drop --model/--output/--engines/--name, or drop --build-dir",
             )
-        given = {
-            "max_batch": max_batch,
-            "max_prompt": max_prompt,
-            "max_tokens": max_tokens,
-            "max_steps": max_steps,
-            "max_request_seconds": max_request_seconds,
-            "max_prompt_bytes": max_prompt_bytes,
-        }
         out.stage(package_stage(build_dir, given, device=device, compile=compile), as_json=False)
         return
 
-    limits = opt.limits(
-        max_batch=max_batch,
-        max_prompt=max_prompt,
-        max_tokens=max_tokens,
-        max_steps=max_steps,
-        max_request_seconds=max_request_seconds,
-        max_prompt_bytes=max_prompt_bytes,
-    )
     repo = run_package(
         model or default_model_path(),
         output or opt.cache_dir() / "model_repository",
         name,
-        limits,
+        opt.limits(**given),
         device,
         engines=engines,
         compile=compile,
