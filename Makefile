@@ -47,9 +47,13 @@ demo: venv
 	    messages=[{"role": "user", "content": sys.argv[2]}], max_tokens=82); \
 	    print(c.choices[0].message.content, c.usage)' http://127.0.0.1:$(OPENAI_PORT)/v1 "$(PUZZLE)"
 
+# Test files run in parallel worker processes (pytest-xdist), one file per worker at a time: a file's
+# module-scoped server or build is started once and shared by its tests.
+TEST_WORKERS ?= 2
+
 test: venv
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=20
+	$(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile
 
 # The unit tests minus those marked slow (ModelOpt calibration, nvcc builds, training): a few minutes.
 test-fast: venv

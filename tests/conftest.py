@@ -1,10 +1,21 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tests._utils.tiny import build_tiny
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Commands that write to the default cache write to this session's own folder.
+
+    The suite runs in parallel workers (`make test`: pytest-xdist); each worker is its own session, so no two
+    tests share ~/.cache/dgpipe, and a developer's real cache is never touched by the tests.
+    """
+    os.environ["DGPIPE_CACHE"] = str(tmp_path_factory.mktemp("dgpipe-cache"))
 
 
 @pytest.fixture
