@@ -128,7 +128,7 @@ def recognise(path: str | Path) -> Recognised:
     p = Path(path)
     if not p.is_dir():
         raise CheckpointError(
-            f"{p}: no such directory", "pass a checkpoint, adapter or AutoModel checkpoint dir"
+            f"{p}: no such checkpoint directory", "pass a checkpoint, adapter or AutoModel checkpoint dir"
         )
     if (p / "adapter_config.json").is_file():
         return _adapter(p)

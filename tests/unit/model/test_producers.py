@@ -87,7 +87,7 @@ def test_quantized_and_unsloth_merged_are_used_in_place(tmp_path):
 def test_unknown_and_misplaced_dirs_are_one_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="not a checkpoint dgpipe knows"):
         pr.recognise(tmp_path)
-    with pytest.raises(CheckpointError, match="no such directory"):
+    with pytest.raises(CheckpointError, match="no such checkpoint directory"):
         pr.recognise(tmp_path / "missing")
     with pytest.raises(DgpipeError, match="is a Hugging Face checkpoint, not a LoRA adapter"):
         resolve(D / "base", D / "base", tmp_path)
