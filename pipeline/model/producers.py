@@ -175,14 +175,9 @@ def _step_number(d: Path) -> int:
 
 
 def _is_automodel_consolidated(p: Path) -> bool:
-    """A consolidated AutoModel dir passed directly: DiffusionGemma weights without the encoder layer_scalar
-    copies that transformers' `save_pretrained` always writes (AutoModel's adapter drops them)."""
-    from pipeline.model.files import tensor_headers, weight_files
-
-    try:
-        names = set(tensor_headers(weight_files(p)))
-    except CheckpointError:
-        return False
-    has_decoder = any(n.startswith("model.decoder.layers.") for n in names)
-    has_encoder_scalar = any(n.startswith("model.encoder.language_model.layers.") for n in names)
-    return has_decoder and not has_encoder_scalar
+    """A consolidated AutoModel dir passed directly: `model/consolidated/` beside AutoModel's own
+    `model/.hf_metadata/` or its DCP shards (a plain HF dir named `consolidated` is just that)."""
+    parent = p.resolve().parent
+    return p.resolve().name == "consolidated" and (
+        (parent / ".hf_metadata").is_dir() or any(parent.glob("shard-*.safetensors"))
+    )

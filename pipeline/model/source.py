@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from pipeline.atomic import atomic_dir
-from pipeline.errors import DgpipeError
+from pipeline.errors import CheckpointError, DgpipeError
 from pipeline.model import producers as pr
 from pipeline.model.files import TEXT_FILES
 
@@ -62,8 +62,15 @@ def _base_of(rec: pr.Recognised) -> Path:
 
 
 def resolve(model: Path, adapter: Path | None, cache: Path) -> Path:
-    """The checkpoint directory a command loads for `--model` (any recognised layout) and `--adapter`."""
-    rec = pr.recognise(model)
+    """The checkpoint directory a command loads for `--model` (any recognised layout) and `--adapter`. A
+    `--model` alone that is no known layout is passed on as given: the loader's own checks (no such dir,
+    pickle weights, a symlink out, ...) say what is wrong with it."""
+    try:
+        rec = pr.recognise(model)
+    except CheckpointError:
+        if adapter is None:
+            return model
+        raise
     if rec.is_adapter:
         if adapter is not None:
             raise DgpipeError(f"--model {model} is a LoRA adapter", "pass the base checkpoint as --model")
