@@ -16,6 +16,7 @@ app = opt.typer_app()
 @app.command()
 def build(
     model: opt.Model = None,
+    adapter: opt.Adapter = None,
     precision: Annotated[str, typer.Option(help="nvfp4, fp8, int4_awq or bf16")] = "nvfp4",
     target: Annotated[
         list[str] | None,
@@ -42,7 +43,7 @@ def build(
     from pipeline.runtime.session import default_model_path
 
     opts = BuildOptions(
-        model=model or default_model_path(),
+        model=opt.model_dir(model, adapter) or default_model_path(),
         precision=precision,
         build_dir=build_dir or opt.cache_dir() / "build",
         targets=[t for item in target or [] for t in item.split(",") if t],

@@ -34,6 +34,7 @@ BuildDir = Annotated[
 @app.command()
 def package(
     model: opt.Model = None,
+    adapter: opt.Adapter = None,
     output: Output = None,
     name: Name = MODEL_NAME,
     max_batch: opt.MaxBatch = None,
@@ -61,16 +62,22 @@ def package(
         "max_prompt_bytes": max_prompt_bytes,
     }
     if build_dir is not None:
-        if model is not None or output is not None or engines is not None or name != MODEL_NAME:
+        if (
+            model is not None
+            or adapter is not None
+            or output is not None
+            or engines is not None
+            or name != MODEL_NAME
+        ):
             raise DgpipeError(
                 "--build-dir packages the build's own checkpoint and engines under its layout",
-                "drop --model/--output/--engines/--name, or drop --build-dir",
+                "drop --model/--adapter/--output/--engines/--name, or drop --build-dir",
             )
         out.stage(package_stage(build_dir, given, device=device, compile=compile), as_json=False)
         return
 
     repo = run_package(
-        model or default_model_path(),
+        opt.model_dir(model, adapter) or default_model_path(),
         output or opt.cache_dir() / "model_repository",
         name,
         opt.limits(**given),
