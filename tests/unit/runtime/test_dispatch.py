@@ -72,3 +72,11 @@ def test_floor_table_fp8_hopper_and_nvfp4_b200_read_their_floor(cfg26):
         assert rows[key].ratio == 1.0
     assert rows["H200-SXM-141GB", "nvfp4", 1].ratio > 1.4  # the named fallback costs bytes
     assert "| H200-SXM-141GB | fp8 | 1 |" in dp.render_floor_table(list(rows.values()))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
+def test_doctor_says_no_cuda_on_cpu():
+    from pipeline.doctor import check_tensor_cores
+
+    (row,) = check_tensor_cores()
+    assert (row.name, row.ok, row.detail) == ("tensor cores", False, "no CUDA")
