@@ -258,6 +258,21 @@ def _tiny_packed(fmt: str, n: int = 128, k: int = 128) -> PackedLinear:
     return PackedLinear("NVFP4", packed, bs, gs, torch.tensor(0.01))
 
 
+def random_packed(
+    fmt: str, n: int, k: int, device: torch.device, gen: torch.Generator | None = None
+) -> PackedLinear:
+    """A random quantized linear in ModelOpt's stored layout, drawn on `device` (the random-weight
+    benchmark of a full-size configuration: no checkpoint, no host copy): weights ~ N(0, 0.02)."""
+    if fmt == "fp8":
+        w = (torch.randn(n, k, device=device, generator=gen) * (E4M3_MAX / 4)).to(torch.float8_e4m3fn)
+        return PackedLinear("FP8", w, torch.tensor(0.02 * 4 / E4M3_MAX, device=device), None,
+                            torch.tensor(8.0 / E4M3_MAX, device=device))  # fmt: skip
+    codes = torch.randint(0, 256, (n, k // 2), device=device, dtype=torch.uint8, generator=gen)
+    bs = torch.full((n, k // 16), 64.0, device=device).to(torch.float8_e4m3fn)
+    return PackedLinear("NVFP4", codes, bs, torch.tensor(0.02 / (64 * 2), device=device),
+                        torch.tensor(8.0 / (6 * E4M3_MAX), device=device))  # fmt: skip
+
+
 def probe(device: torch.device | str = "cuda") -> Probe:
     """Run each scaled-GEMM form once on tiny operands on `device` (CUDA only)."""
     dev = torch.device(device)
