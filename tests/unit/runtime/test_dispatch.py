@@ -80,3 +80,11 @@ def test_doctor_says_no_cuda_on_cpu():
 
     (row,) = check_tensor_cores()
     assert (row.name, row.ok, row.detail) == ("tensor cores", False, "no CUDA")
+
+
+def test_docs_show_the_tables_the_code_computes(cfg26):
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[3] / "docs" / "engine.md").read_text()
+    assert dp.render_dispatch() in doc
+    assert dp.render_floor_table(dp.floor_table(cfg26.text_config)) in doc
