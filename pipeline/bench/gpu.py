@@ -34,6 +34,7 @@ import torch
 from pipeline.atomic import atomic_write_text
 from pipeline.bench.results import save_result
 from pipeline.runtime.dispatch import arch_of
+from pipeline.targets import precision
 
 RESULT_FILE, TABLE_FILE = "gpu.json", "gpu.md"
 TOTAL_BUDGET_S = 480  # the whole command, checks and their subprocess start-up included
@@ -41,8 +42,8 @@ CONFIG = "diffusiongemma-26b-a4b"
 PASS_BATCHES = (1, 16)
 CONTEXT = 256  # cached prompt tokens under each measured pass
 BF16_NEEDS_GIB = 64  # 26B bf16 weights (~51 GB) plus batch-16 logits and activations
-FP4_ARCHS = ("sm100", "sm120")
-FP8_ARCHS = ("sm89", "sm90", "sm100", "sm120")
+FP4_ARCHS = tuple(precision("nvfp4").native_on)  # GPUs with FP4 tensor cores (configs/precisions)
+FP8_ARCHS = tuple(precision("fp8").native_on)
 
 
 @dataclass(frozen=True)
