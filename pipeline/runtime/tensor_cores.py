@@ -226,6 +226,9 @@ class ScaledExperts(nn.Module):
             offs=offs, output_dtype=self.out_dtype,
         )  # fmt: skip
 
+    # under --compile the experts stay eager (a graph break), as the float path's opaque
+    # `dgpipe::routed_experts` op does: the routing sort and the grouped scaled GEMM run as written
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         order, token_of, offs = sl.expert_order(index, self.num_experts)
         gate, up = self._gemm(x[token_of], "w13", self.in_scale, offs).chunk(2, dim=-1)
