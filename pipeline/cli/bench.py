@@ -1,4 +1,4 @@
-"""`dgpipe bench local|sweep|serve|model|pass|guided|flops|export-memory`: run a benchmark from
+"""`dgpipe bench local|sweep|serve|model|pass|guided|flops|export-memory|gpu`: run a benchmark from
 pipeline/bench/, print its table, say where the JSON and PNG went."""
 
 from __future__ import annotations
@@ -385,3 +385,21 @@ def _render_pass(r: dict) -> list[str]:
         lines.append(f"generate {g['system']:<24} {g['policy']:<16} {g['tokens_per_s']:>8.1f} tokens/s")
     lines += [f"{k}: {v:.3f}" for k, v in r["ratios"].items() if v is not None]
     return lines
+
+
+@app.command("gpu")
+def bench_gpu(
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="list every check and why it would skip here; run nothing")
+    ] = False,
+    out_dir: Annotated[Path | None, _out("bench-gpu", "directory for gpu.json and gpu.md")] = None,
+    as_json: opt.Json = False,
+) -> None:
+    """Everything only a GPU can show, within 8 minutes: kernel build, GPU tests, 26B pass per format vs
+    the HBM floor, largest batch."""
+    from pipeline.bench.gpu import RESULT_FILE, TABLE_FILE, render, run_bench_gpu
+
+    out_dir = out_dir or opt.cache_dir() / "bench-gpu"
+    result = run_bench_gpu(out_dir, dry_run)
+    out.show(result, as_json, lambda r: [render(r)])
+    out.saved([out_dir / RESULT_FILE, out_dir / TABLE_FILE], as_json)
