@@ -35,6 +35,9 @@ def build(
     max_steps: opt.MaxSteps = None,
     max_request_seconds: opt.MaxRequestSeconds = None,
     max_prompt_bytes: opt.MaxPromptBytes = None,
+    max_guide_bytes: opt.MaxGuideBytes = None,
+    max_guide_seconds: opt.MaxGuideSeconds = None,
+    max_guide_memory_mib: opt.MaxGuideMemoryMib = None,
     as_json: opt.Json = False,
 ) -> None:
     """Run every stage: quantize -> export ONNX -> sampler PTX + TensorRT engines (here, or the step for the
@@ -57,6 +60,9 @@ def build(
             max_steps=max_steps,
             max_request_seconds=max_request_seconds,
             max_prompt_bytes=max_prompt_bytes,
+            max_guide_bytes=max_guide_bytes,
+            max_guide_seconds=max_guide_seconds,
+            max_guide_memory_mib=max_guide_memory_mib,
         ),
     )
     with out.spinner("building", err=as_json) as say:

@@ -70,6 +70,16 @@ MaxPromptBytes = Annotated[
         "largest prompt a request may send, in UTF-8 bytes (checked before tokenizing)", "max_prompt_bytes"
     ),
 ]
+MaxGuideBytes = Annotated[
+    int | None,
+    _limit("largest constrained-decoding guide (schema, regex, grammar), in UTF-8 bytes", "max_guide_bytes"),
+]
+MaxGuideSeconds = Annotated[
+    int | None, _limit("seconds compiling one guide may take before it is refused (400)", "max_guide_seconds")
+]
+MaxGuideMemoryMib = Annotated[
+    int | None, _limit("MiB compiling one guide may take before it is refused (400)", "max_guide_memory_mib")
+]
 CalibSize = Annotated[int, typer.Option(help="calibration prompts")]
 
 

@@ -43,6 +43,9 @@ def package(
     max_steps: opt.MaxSteps = None,
     max_request_seconds: opt.MaxRequestSeconds = None,
     max_prompt_bytes: opt.MaxPromptBytes = None,
+    max_guide_bytes: opt.MaxGuideBytes = None,
+    max_guide_seconds: opt.MaxGuideSeconds = None,
+    max_guide_memory_mib: opt.MaxGuideMemoryMib = None,
     device: opt.Device = "auto",
     compile: opt.Compile = False,
     engines: Engines = None,
@@ -60,6 +63,9 @@ def package(
         "max_steps": max_steps,
         "max_request_seconds": max_request_seconds,
         "max_prompt_bytes": max_prompt_bytes,
+        "max_guide_bytes": max_guide_bytes,
+        "max_guide_seconds": max_guide_seconds,
+        "max_guide_memory_mib": max_guide_memory_mib,
     }
     if build_dir is not None:
         if (
