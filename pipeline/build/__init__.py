@@ -1,5 +1,9 @@
 """`dgpipe build`: checkpoint -> quantized checkpoint -> ONNX -> sampler PTX + engines -> Triton repository.
 
+The build tells its caller what it does through typed events (pipeline.build.events: each stage starts,
+reports progress with an ETA, finishes or is skipped) and never prints; a re-run skips every finished stage
+whose inputs are unchanged (pipeline.build.resume) and ends with a summary (pipeline.build.summary).
+
 Each stage is the same code its own command runs (`dgpipe quantize`, `export`, `engine build`, `package`),
 reading the previous stage's output from the build directory and recording itself in the build manifest,
 so a failed build resumes from the stage that failed with the same commands a user would type. Engines
@@ -10,12 +14,23 @@ initContainer rendered by `dgpipe manifests`) and says so.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline.build import resume
+from pipeline.build.events import (
+    BuildFinished,
+    BuildStarted,
+    Emit,
+    PhaseProgress,
+    StageFinished,
+    StageSkipped,
+    StageStarted,
+)
+from pipeline.build.summary import Row, engines, next_command, tree_size
 from pipeline.builddir import (
     LAYOUT,
     load_or_create,
@@ -60,9 +75,16 @@ def resolve_targets(precision: str, requested: list[str]) -> list[str]:
     return [t for t in DEFAULT_TARGETS if precision in target(t).precisions]
 
 
-def run_build(opts: BuildOptions, say: Callable[[str], None]) -> dict:
-    """Every stage in order on one build dir; `say` gets each stage's summary lines as it finishes. Returns
-    the build's summary: its dir, precision, targets and each stage's result by stage name."""
+STAGES = ("quantize", "export", "engine", "package")
+MAIN_OUTPUT = {"quantize": "checkpoint", "export": "onnx", "engine": "plugins", "package": "model_repository"}
+
+
+def run_build(opts: BuildOptions, emit: Emit) -> dict:
+    """Every stage in order on one build dir, telling `emit` as each starts, progresses and finishes (or is
+    skipped: its recorded fingerprint matches, pipeline.build.resume). Returns the build's summary: its
+    dir, precision, targets and each stage's figures by stage name (also in the BuildFinished event)."""
+    started = time.monotonic()
+    emit(StageStarted("validate", f"checking {opts.model}: config, tensors, finite weights"))
     from pipeline.deploy.smoke import smoke_test_for
     from pipeline.model.validate import validate_checkpoint
 
@@ -82,24 +104,150 @@ def run_build(opts: BuildOptions, say: Callable[[str], None]) -> dict:
         targets=targets,
         model_sha256=source.sha256,
     )
+    man.model, man.model_sha256 = str(opts.model), source.sha256
     man.smoke = smoke_test_for(source).as_dict()  # what `dgpipe manifests` renders into the smoke Job
     save_manifest(build_dir, man)
-    say(f"build {build_dir}: {opts.model} -> {opts.precision} for {', '.join(targets)}")
+    validated = time.monotonic() - started
+    emit(
+        StageFinished(
+            "validate", round(validated, 2), str(opts.model), tree_size(opts.model), "checkpoint valid"
+        )
+    )
+    emit(BuildStarted(str(build_dir), str(opts.model), opts.precision, targets))
     summary: dict[str, object] = {
         "build_dir": str(build_dir),
         "precision": opts.precision,
         "targets": targets,
     }
-    stages = (partial(_quantize, source=source), _export, _engines, _package)
-    for stage in stages:  # each reads what the one before wrote
-        result = stage(opts, build_dir)
-        for line in result.summary:
-            say(f"{result.stage}: {line}")
-        summary[result.stage] = result.as_dict()
+    rows = [Row("validate", "ran", round(validated, 2), str(opts.model), tree_size(opts.model), "valid")]
+    runners = {
+        "quantize": partial(_quantize, source=source),
+        "export": _export,
+        "engine": _engines,
+        "package": _package,
+    }
+    previous: str | None = None
+    for stage in STAGES:  # each reads what the one before wrote
+        fp = resume.fingerprint(stage, _stage_inputs(stage, opts, source, targets), previous)
+        previous = fp
+        rec = resume.finished(man, build_dir, stage, fp, MAIN_OUTPUT[stage])
+        if rec is not None:
+            out = build_dir / rec.outputs[MAIN_OUTPUT[stage]]
+            seconds = float(rec.details.get("seconds", 0.0))
+            emit(StageSkipped(stage, f"unchanged since {rec.finished_at}", str(out), tree_size(out), seconds))
+            rows.append(
+                Row(
+                    stage,
+                    "skipped",
+                    seconds,
+                    _rel(out, build_dir),
+                    tree_size(out),
+                    _gate(stage, opts, rec.details),
+                )
+            )
+            summary[stage] = {"stage": stage, "skipped": True, **rec.details}
+            continue
+        emit(StageStarted(stage, _what(stage, opts, targets)))
+        t0 = time.monotonic()
+        result = runners[stage](opts, build_dir, emit=emit)
+        seconds = round(time.monotonic() - t0, 2)
+        man = resume.mark(build_dir, stage, fp, seconds)
+        out = result.paths.get(MAIN_OUTPUT[stage], build_dir / LAYOUT[MAIN_OUTPUT[stage]])
+        gate = _gate(stage, opts, result.details)
+        emit(
+            StageFinished(
+                stage, seconds, str(out), tree_size(Path(out)), gate, result.summary, result.as_dict()
+            )
+        )
+        rows.append(Row(stage, "ran", seconds, _rel(Path(out), build_dir), tree_size(Path(out)), gate))
+        summary[stage] = result.as_dict()
+    engine_status = engines(man)
+    emit(
+        BuildFinished(
+            round(time.monotonic() - started, 2),
+            [r.as_dict() for r in rows],
+            engine_status,
+            next_command(build_dir, engine_status),
+            summary,
+        )
+    )
     return summary
 
 
-def _quantize(opts: BuildOptions, build_dir: Path, source: ValidatedCheckpoint) -> StageResult:
+def _stage_inputs(stage: str, opts: BuildOptions, source: ValidatedCheckpoint, targets: list[str]) -> dict:
+    """What decides a stage's output besides the stage before it (the fingerprint's inputs)."""
+    if stage == "quantize":
+        return {
+            "model_sha256": source.sha256,
+            "precision": opts.precision,
+            "calib_size": opts.calib_size,
+            "calib_data": resume.file_digest(opts.calib_data),
+        }
+    if stage == "engine":
+        return {"targets": targets, "limits": opts.limits.engine_values()}
+    if stage == "package":
+        return {"limits": opts.limits.model_dump()}
+    return {}
+
+
+def _what(stage: str, opts: BuildOptions, targets: list[str]) -> str:
+    return {
+        "quantize": f"{opts.precision} with ModelOpt, calibrated on {opts.calib_size} prompts",
+        "export": "ONNX graph with the sampler ops",
+        "engine": f"sampler PTX and TensorRT engines for {', '.join(targets)}",
+        "package": "Triton model repository",
+    }[stage]
+
+
+def _gate(stage: str, opts: BuildOptions, details: dict) -> str:
+    """The stage's gate as the summary shows it. The build runs the validity gates (checkpoint checks,
+    onnx.checker, engine profiles); the accuracy gate is its own command, named here."""
+    if stage == "quantize":
+        if opts.precision == "bf16":
+            return "reference (not quantized)"
+        return f"accuracy: run `dgpipe eval quantization --precisions {opts.precision}`"
+    if stage == "export":
+        return "onnx.checker passed"
+    if stage == "engine":
+        status = [e.get("status", "?") for e in details.get("engines", {}).values()]
+        return ", ".join(f"{status.count(s)} {s}" for s in dict.fromkeys(status)) or "no targets"
+    return "-"
+
+
+def _rel(path: Path, build_dir: Path) -> str:
+    path = Path(path)
+    return path.relative_to(build_dir).as_posix() if path.is_relative_to(build_dir) else str(path)
+
+
+def _phases(emit: Emit | None, stage: str):
+    """A `phases(name, total)` factory for a stage: each phase is a PhaseProgress on `emit`."""
+
+    def phase(name: str, total: int | None):
+        if emit is None:
+            return lambda k=1: None
+        return PhaseProgress(emit, stage, name, total).advance
+
+    return phase
+
+
+def _steps(emit: Emit | None, stage: str, total: int | None):
+    """A `step(name)` callback for a stage whose steps are named as they start (export, engine)."""
+    if emit is None:
+        return None
+    prog: list[PhaseProgress] = []
+
+    def step(name: str) -> None:  # done counts the steps before this one
+        if prog:
+            prog[0].advance(1, phase=name)
+        else:
+            prog.append(PhaseProgress(emit, stage, name, total))
+
+    return step
+
+
+def _quantize(
+    opts: BuildOptions, build_dir: Path, source: ValidatedCheckpoint, emit: Emit | None = None
+) -> StageResult:
     from quantize.run import QuantizeOptions
     from quantize.stage import quantize_stage
 
@@ -113,23 +261,27 @@ def _quantize(opts: BuildOptions, build_dir: Path, source: ValidatedCheckpoint) 
         ),
         build_dir,
         source=source,
+        phases=_phases(emit, "quantize"),
     )
 
 
-def _export(opts: BuildOptions, build_dir: Path) -> StageResult:
+def _export(opts: BuildOptions, build_dir: Path, emit: Emit | None = None) -> StageResult:
+    from pipeline.onnx.export import EXPORT_STEPS
     from pipeline.onnx.stage import run_export
 
-    return run_export(build_dir / LAYOUT["checkpoint"], None, build_dir, True)
+    step = _steps(emit, "export", len(EXPORT_STEPS) + 1)  # + reading the checkpoint
+    return run_export(build_dir / LAYOUT["checkpoint"], None, build_dir, True, step=step)
 
 
-def _engines(opts: BuildOptions, build_dir: Path) -> StageResult:
+def _engines(opts: BuildOptions, build_dir: Path, emit: Emit | None = None) -> StageResult:
     from pipeline.builddir import load_manifest
     from pipeline.engine.stage import engine_stage
 
-    return engine_stage(build_dir, load_manifest(build_dir), opts.limits)
+    man = load_manifest(build_dir)
+    return engine_stage(build_dir, man, opts.limits, step=_steps(emit, "engine", len(man.targets)))
 
 
-def _package(opts: BuildOptions, build_dir: Path) -> StageResult:
+def _package(opts: BuildOptions, build_dir: Path, emit: Emit | None = None) -> StageResult:
     from pipeline.serving.repository import package_stage
 
     return package_stage(build_dir, opts.limits.model_dump())
