@@ -117,9 +117,9 @@ def denoise_block(
     tick(1)
 
 
-def model_passes(prompts: list[EncodedPrompt], steps: int, batch: int = 16) -> int:
-    """Model passes of one forward-loop call: prefill, `steps` denoise passes and the commit per batch."""
-    return sum(steps + 2 for _ in _batches(prompts, batch))
+def _text_layers(model, kind: str) -> list:
+    """The encoder's or the decoder's transformer layers (text), whose forward hooks count progress."""
+    return [m for m in model.modules() if type(m).__name__.endswith(f"{kind}TextLayer")]
 
 
 def make_forward_loop(
@@ -131,18 +131,32 @@ def make_forward_loop(
     batch: int = 16,
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
-    on_loop: Callable[[], Callable[[int], None]] | None = None,
+    on_loop: Callable[[int], Callable[[int], None]] | None = None,
 ) -> Callable:
     """The `forward_loop(model)` ModelOpt calls (more than once for AWQ: statistics, then the search).
-    `progress(k)` counts prompts; `on_loop()`, at the start of each call, returns the callback that counts
-    that call's model passes (`model_passes` of them), so a build shows progress every few seconds."""
+    `progress(k)` counts prompts. `on_loop(total)`, at the start of each call, returns the callback that
+    counts that call's `total` steps: layer forwards (prefill and commit run the encoder's layers, each
+    denoise pass the decoder's), counted by forward hooks for the call's duration, so a watched build moves
+    every fraction of a second; model passes for a model without such layers."""
 
     def loop(model) -> None:
         gen = torch.Generator().manual_seed(seed)  # same canvases on every call
-        on_pass = on_loop() if on_loop is not None else None
-        for chunk in _batches(prompts, batch):
-            denoise_block(model, chunk, steps, t_min, t_max, entropy_bound, gen, on_pass)
-            if progress is not None:
-                progress(len(chunk))
+        on_pass, hooks = None, []
+        if on_loop is not None:
+            enc, dec = _text_layers(model, "Encoder"), _text_layers(model, "Decoder")
+            n = sum(1 for _ in _batches(prompts, batch))
+            if enc and dec:
+                tick = on_loop(n * (2 * len(enc) + steps * len(dec)))
+                hooks = [m.register_forward_hook(lambda *_: tick(1)) for m in (*enc, *dec)]
+            else:
+                on_pass = on_loop(n * (steps + 2))
+        try:
+            for chunk in _batches(prompts, batch):
+                denoise_block(model, chunk, steps, t_min, t_max, entropy_bound, gen, on_pass)
+                if progress is not None:
+                    progress(len(chunk))
+        finally:
+            for h in hooks:
+                h.remove()
 
     return loop

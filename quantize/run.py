@@ -331,7 +331,7 @@ def quantize_checkpoint(
             import modelopt.torch.quantization as mtq
             from modelopt.torch.export import export_hf_checkpoint
 
-            from quantize.calibrate import make_forward_loop, model_passes
+            from quantize.calibrate import make_forward_loop
             from quantize.recipe import build_mtq_config, choose_block_size, quantized_input_dims
 
             if p.block_size:
@@ -340,11 +340,10 @@ def quantize_checkpoint(
             sampler = src.generation_config
             loops = 0
 
-            def on_loop() -> Callable[[int], None]:
+            def on_loop(total: int) -> Callable[[int], None]:
                 nonlocal loops  # one phase per forward-loop call: AWQ calls it more than once
                 loops += 1
-                name = "calibration" + (f" (pass {loops})" if loops > 1 else "")
-                return phase(name, model_passes(prompts, opts.calib_steps))
+                return phase("calibration" + (f" (pass {loops})" if loops > 1 else ""), total)
 
             phase("insert quantizers", None)
             loop = make_forward_loop(

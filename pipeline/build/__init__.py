@@ -133,7 +133,7 @@ def run_build(opts: BuildOptions, emit: Emit) -> dict:
         rec = resume.finished(man, build_dir, stage, fp, MAIN_OUTPUT[stage])
         if rec is not None:
             out = build_dir / rec.outputs[MAIN_OUTPUT[stage]]
-            seconds = float(rec.details.get("seconds", 0.0))
+            seconds = float(rec.details.get("build_seconds", 0.0))
             emit(StageSkipped(stage, f"unchanged since {rec.finished_at}", str(out), tree_size(out), seconds))
             rows.append(
                 Row(

@@ -1,7 +1,7 @@
 """How `dgpipe build` shows its events (pipeline.build.events): a live view for a person, JSON lines for a
 script. Both get every event; the text view leaves a line per stage start and finish (and progress
-lines when the console is not a terminal), and a progress bar with ETA that it redraws on each
-progress event (never on a timer: what moves on screen is the build's own progress).
+lines when the console is not a terminal), and on a terminal a progress bar with ETA, redrawn on each
+progress event and once a second (its elapsed clock), for steps that report no count.
 """
 
 from __future__ import annotations
@@ -91,8 +91,10 @@ class ConsoleView:
                 TimeElapsedColumn(),
                 TextColumn("{task.fields[eta]}"),
                 console=self.console,
-                auto_refresh=False,
+                refresh_per_second=1,  # the elapsed clock ticks through a step with no count (nvcc)
                 transient=True,
+                redirect_stdout=False,  # third-party output stays in build.log (pipeline/cli/capture.py)
+                redirect_stderr=False,
             )
             self.bars.start()
             self.task = self.bars.add_task("", total=None, eta="")
