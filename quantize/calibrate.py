@@ -117,11 +117,6 @@ def denoise_block(
     tick(1)
 
 
-def _text_layers(model, kind: str) -> list:
-    """The encoder's or the decoder's transformer layers (text), whose forward hooks count progress."""
-    return [m for m in model.modules() if type(m).__name__.endswith(f"{kind}TextLayer")]
-
-
 def make_forward_loop(
     prompts: list[EncodedPrompt],
     steps: int = 8,
@@ -135,28 +130,16 @@ def make_forward_loop(
 ) -> Callable:
     """The `forward_loop(model)` ModelOpt calls (more than once for AWQ: statistics, then the search).
     `progress(k)` counts prompts. `on_loop(total)`, at the start of each call, returns the callback that
-    counts that call's `total` steps: layer forwards (prefill and commit run the encoder's layers, each
-    denoise pass the decoder's), counted by forward hooks for the call's duration, so a watched build moves
-    every fraction of a second; model passes for a model without such layers."""
+    counts that call's `total` model passes (prefill, each denoise pass, commit), a watched build's progress."""
 
     def loop(model) -> None:
         gen = torch.Generator().manual_seed(seed)  # same canvases on every call
-        on_pass, hooks = None, []
+        on_pass = None
         if on_loop is not None:
-            enc, dec = _text_layers(model, "Encoder"), _text_layers(model, "Decoder")
-            n = sum(1 for _ in _batches(prompts, batch))
-            if enc and dec:
-                tick = on_loop(n * (2 * len(enc) + steps * len(dec)))
-                hooks = [m.register_forward_hook(lambda *_: tick(1)) for m in (*enc, *dec)]
-            else:
-                on_pass = on_loop(n * (steps + 2))
-        try:
-            for chunk in _batches(prompts, batch):
-                denoise_block(model, chunk, steps, t_min, t_max, entropy_bound, gen, on_pass)
-                if progress is not None:
-                    progress(len(chunk))
-        finally:
-            for h in hooks:
-                h.remove()
+            on_pass = on_loop(sum(steps + 2 for _ in _batches(prompts, batch)))
+        for chunk in _batches(prompts, batch):
+            denoise_block(model, chunk, steps, t_min, t_max, entropy_bound, gen, on_pass)
+            if progress is not None:
+                progress(len(chunk))
 
     return loop
