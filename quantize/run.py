@@ -287,16 +287,27 @@ def _read_json_or_none(f: Path) -> dict | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
+Phases = Callable[[str, int | None], Callable[[int], None]]  # (phase, steps or None) -> advance(k)
+
+
+def _no_phases(name: str, total: int | None) -> Callable[[int], None]:
+    return lambda k=1: None
+
+
 def quantize_checkpoint(
     opts: QuantizeOptions,
     progress: Callable[[int], None] | None = None,
     on_quantized: Callable[[Any], None] | None = None,
     source: ValidatedCheckpoint | None = None,
+    phases: Phases | None = None,
 ) -> QuantizeResult:
     """Quantize `opts.model`. `source` is that checkpoint as the caller validated it (with its weights
     read: `validate_checkpoint(..., weights=True)`), so the source is not read again before the model
     load; without it the checkpoint is validated here. `on_quantized(model)` sees ModelOpt's in-memory
-    model after calibration, before the export rewrites it (tests compare the exported artifact with it)."""
+    model after calibration, before the export rewrites it (tests compare the exported artifact with it).
+    `phases(name, total)` is told when each phase starts (load, calibration with its model passes, export,
+    finalize) and returns the callback that advances it: what a watched build shows."""
+    phase = phases or _no_phases
     p = check_options(opts)
     # directory, config, tensor names/shapes/dtypes, finite weights; refuses pickle files outright
     src = source if source is not None else validate_checkpoint(opts.model, weights=True)
@@ -305,10 +316,12 @@ def quantize_checkpoint(
     require_modelopt()
     start = time.perf_counter()
     prompts = calibration_prompts(opts, src) if p.modelopt_config else []
+    phase("load model", None)
     model = load_hf_model(opts.model)
     block = None
     with atomic_dir(opts.output) as tmp:
         if p.modelopt_config is None:  # bf16: the unquantized reference
+            phase("save checkpoint", None)
             model.to(getattr(torch, opts.export_dtype)).save_pretrained(tmp)
         else:
             import modelopt.torch.quantization as mtq
@@ -322,6 +335,14 @@ def quantize_checkpoint(
             cfg = build_mtq_config(p, opts.exclude, opts.kv_cache, block, p.modelopt_algorithm)
             # the served sampler settings (entropy_bound nests under sampler_config in generation_config.json)
             sampler = SamplerConfig.from_generation_config(src.generation_config)
+            loops = 0
+
+            def on_loop(total: int) -> Callable[[int], None]:
+                nonlocal loops  # one phase per forward-loop call: AWQ calls it more than once
+                loops += 1
+                return phase("calibration" + (f" (pass {loops})" if loops > 1 else ""), total)
+
+            phase("insert quantizers", None)
             loop = make_forward_loop(
                 prompts,
                 steps=opts.calib_steps,
@@ -330,13 +351,16 @@ def quantize_checkpoint(
                 entropy_bound=sampler.entropy_bound,
                 seed=opts.seed,
                 progress=progress,
+                on_loop=on_loop,
             )
             with contextlib.redirect_stdout(_Quiet()):
                 mtq.quantize(model, cfg, forward_loop=loop)
             if on_quantized is not None:
                 on_quantized(model)
+            phase("export checkpoint", None)
             with contextlib.redirect_stdout(_Quiet()), _fused_experts_export_patch(model):
                 export_hf_checkpoint(model, dtype=getattr(torch, opts.export_dtype), export_dir=tmp)
+        phase("finalize tensors", None)
         _finalize_tensors(tmp, opts.model, src.tensor_names, getattr(torch, opts.export_dtype))
         for name in SIDE_FILES:
             if (opts.model / name).is_file():
