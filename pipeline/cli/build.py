@@ -50,9 +50,6 @@ def build(
 ) -> None:
     """Run every stage: quantize -> export ONNX -> sampler PTX + TensorRT engines (here, or the step for the
     target node) -> Triton model repository, recorded in BUILD_DIR/build_manifest.json."""
-    from pipeline.cli.build_view import ConsoleView, JsonView
-    from pipeline.cli.capture import capture
-
     limits = opt.limits(
         max_batch=max_batch,
         max_prompt=max_prompt,
@@ -66,12 +63,26 @@ def build(
         max_guide_memory_mib=max_guide_memory_mib,
     )
     out_dir = build_dir or opt.cache_dir() / "build"
+    _watched(
+        out_dir,
+        as_json,
+        verbose,
+        lambda view: _run(view, out_dir, model, adapter, precision, target, calib_size, calib_data, limits),
+    )
+
+
+def _watched(out_dir: Path, as_json: bool, verbose: bool, run) -> None:
+    """Run the build with its third-party output captured to build.log and its events shown (a live view,
+    or JSON lines with --json); a Ctrl-C says how to resume."""
+    from pipeline.cli.build_view import ConsoleView, JsonView
+    from pipeline.cli.capture import capture
+
     view: ConsoleView | JsonView | None = None
     echo = (lambda line: view.echo(line) if isinstance(view, ConsoleView) else None) if verbose else None
     with capture(out_dir / LOG_NAME, echo=echo) as cap:  # first: what the imports below say goes to the log
         view = JsonView(cap.stdout) if as_json else ConsoleView(cap.stdout)
         try:
-            _run(view, out_dir, model, adapter, precision, target, calib_size, calib_data, limits)
+            run(view)
         except KeyboardInterrupt:
             view.close()
             view.note(
