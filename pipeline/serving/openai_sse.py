@@ -37,10 +37,16 @@ class EventWriter:
         )
         self.extra: dict[str, Any] = {"usage": None} if include_usage or continuous_usage else {}
 
-    def role(self) -> str:
-        """A chat stream opens with the assistant's role."""
+    def role(self, first: Any = None) -> str:
+        """A chat stream opens with the assistant's role; with continuous usage it already carries the
+        prompt's tokens and no completion tokens (as vLLM's does), read from the model's first chunk."""
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        return event({**self.head, "choices": [choice], **self.extra})
+        extra = self.extra
+        if self.continuous_usage and isinstance(first, dict) and first.get("num_input_tokens") is not None:
+            prompt = Reply()
+            prompt.add({"num_input_tokens": first["num_input_tokens"], "num_output_tokens": 0})
+            extra = {"usage": usage(prompt)}
+        return event({**self.head, "choices": [choice], **extra})
 
     def chunk(self, piece: str | None, finish: str | None, reply: Reply | None = None) -> str:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
@@ -75,7 +81,7 @@ async def sse_events(writer: EventWriter, first: Any, chunks: Chunks, reply: Rep
 
 async def _events(writer: EventWriter, first: Any, chunks: Chunks, reply: Reply) -> AsyncIterator[str]:
     if writer.chat:
-        yield writer.role()
+        yield writer.role(first)
     item, canvases = first, 0
     try:
         while item is not END:
