@@ -188,6 +188,9 @@ def served_model(url: str, api_key: str | None) -> str:
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return json.load(resp)["data"][0]["id"]
+    except urllib.error.HTTPError as e:
+        hint = "pass --api-key or set DGPIPE_API_KEY" if e.code == 401 else "is dgpipe serve running there?"
+        raise DgpipeError(f"cannot list the models at {url}/models (HTTP {e.code})", hint) from e
     except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError) as e:
         raise DgpipeError(
             f"cannot list the models at {url}/models ({e})", "is dgpipe serve running there?"

@@ -92,3 +92,33 @@ def test_the_requests_file_is_what_aiperf_single_turn_and_guidellm_json_file_rea
         {"text": "1" * 81, "output_length": 164, "output_tokens_count": 164},
         {"text": "2" * 81, "output_length": 82, "output_tokens_count": 82},
     ]
+
+
+def test_the_served_model_is_the_listed_one_and_a_401_names_the_key():
+    import http.server
+    import threading
+
+    from pipeline.bench.openai_load import served_model
+    from pipeline.errors import DgpipeError
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # http.server's name for a GET
+            ok = self.headers.get("Authorization") == "Bearer k3y"
+            body = json.dumps({"object": "list", "data": [{"id": "tiny-chat", "object": "model"}]})
+            self.send_response(200 if ok else 401)
+            self.end_headers()
+            self.wfile.write(body.encode() if ok else b'{"error": {"message": "bad key"}}')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/v1"
+    try:
+        assert served_model(url, "k3y") == "tiny-chat"
+        with pytest.raises(DgpipeError) as e:
+            served_model(url, None)
+        assert "HTTP 401" in str(e.value) and "DGPIPE_API_KEY" in (e.value.hint or "")
+    finally:
+        server.shutdown()
