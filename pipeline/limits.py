@@ -48,6 +48,9 @@ class Limits(BaseModel):
     # wall seconds and MiB of address space beyond the child's own. Real-world schemas compile in
     # milliseconds (JSONSchemaBench p95 well under a second); a 2^18-state regex takes seconds and gigabytes
     max_guide_bytes: int = Field(262144, ge=1, le=INT32_MAX)
+    # a regex's positions once counted repeats are unrolled (`[1-9]{50000}`: 50,000), counted before it
+    # compiles: its token automaton grows with them
+    max_regex_positions: int = Field(10000, ge=1, le=INT32_MAX)
     max_guide_seconds: int = Field(10, ge=1, le=INT32_MAX)
     max_guide_memory_mib: int = Field(2048, ge=64, le=INT32_MAX)
 
@@ -58,6 +61,7 @@ class Limits(BaseModel):
         "max_request_seconds",
         "max_prompt_bytes",
         "max_guide_bytes",
+        "max_regex_positions",
         "max_guide_seconds",
         "max_guide_memory_mib",
     )

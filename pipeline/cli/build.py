@@ -38,6 +38,7 @@ def build(
     max_request_seconds: opt.MaxRequestSeconds = None,
     max_prompt_bytes: opt.MaxPromptBytes = None,
     max_guide_bytes: opt.MaxGuideBytes = None,
+    max_regex_positions: opt.MaxRegexPositions = None,
     max_guide_seconds: opt.MaxGuideSeconds = None,
     max_guide_memory_mib: opt.MaxGuideMemoryMib = None,
     verbose: Annotated[
@@ -59,6 +60,7 @@ def build(
         max_request_seconds=max_request_seconds,
         max_prompt_bytes=max_prompt_bytes,
         max_guide_bytes=max_guide_bytes,
+        max_regex_positions=max_regex_positions,
         max_guide_seconds=max_guide_seconds,
         max_guide_memory_mib=max_guide_memory_mib,
     )

@@ -74,6 +74,10 @@ MaxGuideBytes = Annotated[
     int | None,
     _limit("largest constrained-decoding guide (schema, regex, grammar), in UTF-8 bytes", "max_guide_bytes"),
 ]
+MaxRegexPositions = Annotated[
+    int | None,
+    _limit("largest regex guide, in positions once its counted repeats are unrolled", "max_regex_positions"),
+]
 MaxGuideSeconds = Annotated[
     int | None, _limit("seconds compiling one guide may take before it is refused (400)", "max_guide_seconds")
 ]

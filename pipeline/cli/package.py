@@ -44,6 +44,7 @@ def package(
     max_request_seconds: opt.MaxRequestSeconds = None,
     max_prompt_bytes: opt.MaxPromptBytes = None,
     max_guide_bytes: opt.MaxGuideBytes = None,
+    max_regex_positions: opt.MaxRegexPositions = None,
     max_guide_seconds: opt.MaxGuideSeconds = None,
     max_guide_memory_mib: opt.MaxGuideMemoryMib = None,
     device: opt.Device = "auto",
@@ -52,21 +53,13 @@ def package(
     build_dir: BuildDir = None,
 ) -> None:
     """Write a Triton model repository (Python backend, decoupled) that serves the checkpoint."""
+    from pipeline.limits import Limits
     from pipeline.runtime.session import default_model_path
     from pipeline.serving.repository import package as run_package
     from pipeline.serving.repository import package_stage
 
-    given = {  # the limit options given (None: the build's recorded value, else the default)
-        "max_batch": max_batch,
-        "max_prompt": max_prompt,
-        "max_tokens": max_tokens,
-        "max_steps": max_steps,
-        "max_request_seconds": max_request_seconds,
-        "max_prompt_bytes": max_prompt_bytes,
-        "max_guide_bytes": max_guide_bytes,
-        "max_guide_seconds": max_guide_seconds,
-        "max_guide_memory_mib": max_guide_memory_mib,
-    }
+    # the limit options given, by their one name (None: the build's recorded value, else the default)
+    given = {k: v for k, v in locals().items() if k in Limits.model_fields}
     if build_dir is not None:
         if (
             model is not None

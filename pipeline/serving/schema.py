@@ -210,6 +210,7 @@ class ServerLimits:
     max_request_seconds: float = float("inf")
     max_prompt_bytes: int = DEFAULTS.max_prompt_bytes  # UTF-8 bytes of a prompt, checked before tokenizing
     max_guide_bytes: int = DEFAULTS.max_guide_bytes  # UTF-8 bytes of a guide, checked before compiling
+    max_regex_positions: int = DEFAULTS.max_regex_positions  # a regex's unrolled positions, likewise
     max_guide_seconds: int = DEFAULTS.max_guide_seconds  # wall time compiling one guide may take
     max_guide_memory_mib: int = DEFAULTS.max_guide_memory_mib  # memory compiling one guide may take
 

@@ -14,7 +14,9 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from pipeline.errors import InputError
 from pipeline.sampler.constraints import GRAMMAR_TYPES, token_bytes
+from pipeline.sampler.guide_size import check_guide_size
 from pipeline.serving.core.guide_worker import GuideWorker
 from pipeline.serving.core.metrics import Metrics
 from pipeline.serving.schema import BadRequest, ServerLimits
@@ -47,29 +49,33 @@ class Guides:
 
     def compiled(self, kind: str, guide: str) -> Any:
         """The compiled guide for a request; BadRequest when it is too large, refused, or past a limit."""
-        size = len(guide.encode("utf-8", "surrogatepass"))
-        if size > self.limits.max_guide_bytes:
-            raise BadRequest(
-                f"the {kind} guide is {size} bytes, over this server's limit of {self.limits.max_guide_bytes} "
-                "bytes (max_guide_bytes): send a smaller guide"
-            )
+        limits = self.limits
+        check_guide_size(kind, guide, limits.max_guide_bytes, limits.max_regex_positions, f"the {kind} guide")
         key = (kind, guide)
         with self.lock:
             if key in self.cache:
                 self.cache.move_to_end(key)
                 self.metrics.guide_cache_hits.increment(1)
-                return self.cache[key]
+                cached = self.cache[key]
+                if isinstance(cached, InputError):  # a refusal is remembered too: a re-sent hostile guide
+                    raise cached  # costs nothing
+                return cached
         self.metrics.guide_cache_misses.increment(1)
         start = time.perf_counter()
-        if self.in_child:
-            compiled = self.worker().compile(kind, guide, self.limits.max_guide_seconds)
-        if not self.in_child or kind in GRAMMAR_TYPES:  # a grammar: checked within the limits by the child,
-            compiled = self.session.compile_guide(kind, guide)  # its matcher built here
+        try:
+            if self.in_child:
+                compiled = self.worker().compile(kind, guide, limits.max_guide_seconds)
+            if not self.in_child or kind in GRAMMAR_TYPES:  # a grammar: checked within the limits by the
+                compiled = self.session.compile_guide(kind, guide)  # child, its matcher built here
+        except InputError as e:
+            compiled = e
         self.metrics.guide_compile_seconds.observe(time.perf_counter() - start)
         with self.lock:
             self.cache[key] = compiled
             while len(self.cache) > GUIDE_CACHE:
                 self.cache.popitem(last=False)
+        if isinstance(compiled, InputError):
+            raise compiled
         return compiled
 
     def close(self) -> None:

@@ -46,6 +46,7 @@ def server_limits(params: dict[str, str], positions: int, canvas_length: int) ->
         max_request_seconds=float(limits.max_request_seconds),
         max_prompt_bytes=limits.max_prompt_bytes,
         max_guide_bytes=limits.max_guide_bytes,
+        max_regex_positions=limits.max_regex_positions,
         max_guide_seconds=limits.max_guide_seconds,
         max_guide_memory_mib=limits.max_guide_memory_mib,
     )
