@@ -245,9 +245,21 @@ def _steps(emit: Emit | None, stage: str, total: int | None):
     return step
 
 
+# What the quantize stage imports before its first phase: each takes seconds on a busy CPU and holds the
+# interpreter meanwhile (the console's bar cannot redraw), so each is announced as a step of its own.
+HEAVY_IMPORTS = ("torch", "transformers", "modelopt.torch.quantization")
+
+
 def _quantize(
     opts: BuildOptions, build_dir: Path, source: ValidatedCheckpoint, emit: Emit | None = None
 ) -> StageResult:
+    import importlib
+
+    step = _steps(emit, "quantize", len(HEAVY_IMPORTS))
+    for name in HEAVY_IMPORTS:
+        if step is not None:
+            step(f"import {name.split('.')[0]}")
+        importlib.import_module(name)
     from quantize.run import QuantizeOptions
     from quantize.stage import quantize_stage
 

@@ -98,6 +98,10 @@ class ConsoleView:
             )
             self.bars.start()
             self.task = self.bars.add_task("", total=None, eta="")
+        elif e.total is None and self.bars.tasks[0].total is not None:
+            # rich's update keeps a total once set: a phase of unknown length gets a fresh bar, not "0/3"
+            self.bars.remove_task(self.task)
+            self.task = self.bars.add_task(f"{e.stage}: {e.phase}", total=None, eta="")
         self.bars.update(
             self.task, description=f"{e.stage}: {e.phase}", completed=e.done, total=e.total, eta=_eta(e.eta)
         )

@@ -156,3 +156,22 @@ def test_capture_leaves_no_file_when_the_directory_never_appears(tmp_path: Path)
     with capture(tmp_path / "nowhere" / "build.log") as cap:
         pass
     assert cap.lines == 0 and not (tmp_path / "nowhere").exists()
+
+
+def test_the_live_bar_of_a_phase_of_unknown_length_shows_no_count_left_from_the_phase_before():
+    """rich keeps a task's total once set; a phase with no count (an import, nvcc) gets a fresh bar."""
+    import io
+
+    from rich.console import Console
+
+    from pipeline.cli.build_view import ConsoleView
+
+    view = ConsoleView(io.StringIO())
+    view.console = Console(file=io.StringIO(), force_terminal=True, width=120)
+    view.live = True
+    view(StageProgress("quantize", "import modelopt", 2, 3, 0.0))
+    assert view.bars.tasks[0].total == 3
+    view(StageProgress("quantize", "load model", 0, None, None))
+    task = view.bars.tasks[0]
+    assert len(view.bars.tasks) == 1 and task.total is None and task.description == "quantize: load model"
+    view.close()
