@@ -178,6 +178,7 @@ def _run_until_stopped(
                 ready=watchdog.ready,
                 drain_timeout=config.drain_timeout,
                 max_prompt_bytes=served.limits.max_prompt_bytes,
+                guide_limits=(served.limits.max_guide_bytes, served.limits.max_regex_positions),
             ).start()
             auth = "  (API key required)" if config.api_key else ""
             notices.show(f"ready  OpenAI {frontend.url}{auth}")

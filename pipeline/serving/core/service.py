@@ -61,8 +61,9 @@ class ServingCore:
     def stop(self) -> int:
         """Stop and answer every request still queued or in flight; returns how many were answered."""
         answered = shut_down(self)
-        self.guided_intake.shutdown(wait=False, cancel_futures=True)
-        self.guides.close()
+        self.guides.close()  # a compile under way ends now; its request is answered as shutting down
+        # requests still waiting for an intake thread run (fast: nothing compiles now) and are answered so
+        self.guided_intake.shutdown(wait=False)
         return answered
 
     def accept(self, get: InputGetter, parameters: Mapping[str, Any], channel: Channel) -> None:
@@ -92,6 +93,9 @@ class ServingCore:
                 self.metrics.requests.increment(1)
                 self.update_load()
         except Exception as e:  # a bad request is answered alone; the batch keeps going
+            if self.stopped:  # its guide's compile child went with the shutdown: not the request's fault
+                channel.send(Failure(ErrorKind.UNAVAILABLE, SHUTTING_DOWN))
+                return
             self.metrics.rejected.increment(1)
             channel.send(Failure(ErrorKind.INVALID_REQUEST, str(e)))
 
