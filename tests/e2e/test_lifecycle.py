@@ -181,10 +181,10 @@ def serve_tree(srv) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
-def test_a_signal_drains_four_streams_in_flight_and_exits_0_without_shm_leftovers(tmp_path, how):
-    """4 streams (2 gRPC, Triton HTTP generate_stream, OpenAI SSE) of 80 fixed steps each are in flight
+def test_a_signal_drains_six_streams_in_flight_and_exits_0_without_shm_leftovers(tmp_path, how):
+    """6 streams (3 gRPC, Triton HTTP generate_stream, 2 OpenAI SSE) of 80 fixed steps each are in flight
     when SIGTERM arrives (or Ctrl-C: SIGINT to the process group): new requests are refused (503 /
-    UNAVAILABLE) and /health is 503 at once, all 4 get their final response, `dgpipe serve` exits 0 and
+    UNAVAILABLE) and /health is 503 at once, all 6 get their final response, `dgpipe serve` exits 0 and
     its stub's shared memory is gone."""
     from pipeline.demo import sudoku
     from pipeline.serving.client import TritonError, complete
@@ -207,10 +207,12 @@ def test_a_signal_drains_four_streams_in_flight_and_exits_0_without_shm_leftover
             threading.Thread(target=run, args=("grpc2", srv.grpc), kwargs={"seed": 2}),
             threading.Thread(target=run, args=("http", srv.http), kwargs={"seed": 3}),
             threading.Thread(target=run, args=("openai", srv.openai), kwargs={"seed": 4}),
+            threading.Thread(target=run, args=("grpc3", srv.grpc), kwargs={"seed": 5}),
+            threading.Thread(target=run, args=("openai2", srv.openai), kwargs={"seed": 6}),
         ]
         for c in clients:
             c.start()
-        wait_for(lambda: metric(srv.metrics, "dgpipe_active_requests") == 4, 60, "4 streams in flight")
+        wait_for(lambda: metric(srv.metrics, "dgpipe_active_requests") == 6, 60, "6 streams in flight")
         tree = serve_tree(srv)
         if how == "SIGTERM":
             srv.proc.send_signal(signal.SIGTERM)
@@ -227,7 +229,7 @@ def test_a_signal_drains_four_streams_in_flight_and_exits_0_without_shm_leftover
         assert srv.proc.wait(120) == 0
         for c in clients:
             c.join(30)
-        for name in ("grpc1", "grpc2", "http", "openai"):
+        for name in ("grpc1", "grpc2", "http", "openai", "grpc3", "openai2"):
             reply = replies[name]
             assert not isinstance(reply, Exception), (name, reply)
             assert reply.finish_reason == "stop" and sudoku.is_valid_solution(PUZZLE, reply.text), name
