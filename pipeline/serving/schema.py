@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.limits import DEFAULTS, request_bytes_limit
+from pipeline.limits import DEFAULTS, TOP_LOGPROBS_MAX, request_bytes_limit
 from pipeline.limits import INT32_MAX as INT32_MAX  # what an INT32 input holds (re-exported)
 from pipeline.model.config import SAMPLER_RANGES
 from pipeline.runtime.chat_template import MessagesError, last_user_text, parse_messages  # stdlib only
@@ -158,6 +158,21 @@ INPUTS: tuple[TritonTensor, ...] = (
         default=0,
         rule=Rule(lambda v: v >= 0, "must be >= 0"),
     ),
+    # log-probabilities (TensorRT-LLM's return_log_probs): each returned token's, from the distribution of
+    # the denoise pass that committed it, with its top_logprobs most probable alternatives (README, "logprobs")
+    _in(
+        "return_log_probs",
+        "BOOL",
+        "add each returned token's log-probability (output 'logprobs')",
+        default=False,
+    ),
+    _in(
+        "top_logprobs",
+        "INT32",
+        "with return_log_probs: the most probable alternatives per token",
+        default=0,
+        rule=between(0, TOP_LOGPROBS_MAX),
+    ),
     _in("infill_template", "BYTES", "canvas template: '_' is free, other text is pinned"),
     _in(
         "messages",
@@ -189,6 +204,12 @@ OUTPUTS: tuple[TritonTensor, ...] = (
     _in("num_output_tokens", "INT32", "generated tokens (with return_num_output_tokens)"),
     _in("finish_reason", "BYTES", "why generation ended: stop, length, cancelled"),
     _in("denoise_steps", "INT32", "denoise steps per canvas (the step, for a draft)", dims=(-1,)),
+    _in(
+        "logprobs",
+        "BYTES",
+        "with return_log_probs: JSON list, per token of this response's text, of {token, logprob, bytes, "
+        "top_logprobs}",
+    ),
 )
 INPUT: dict[str, TritonTensor] = {t.name: t for t in INPUTS}
 OUTPUT: dict[str, TritonTensor] = {t.name: t for t in OUTPUTS}
@@ -229,6 +250,7 @@ class ParsedRequest:
     timeout_s: float = float("inf")  # the request's deadline (from its batch slot): its own or the server's
     guide: tuple[str, str] | None = None  # constrained decoding: (guide type, guide), compiled by the model
     min_tokens: int = 0  # end tokens do not stop generation before this many tokens (ignore_eos: max_tokens)
+    logprobs: int | None = None  # return_log_probs: the top alternatives per token (top_logprobs); None: off
     # whether the request sent max_tokens: one asked for is refused when it does not fit the context, the
     # default is shortened to what fits
     max_tokens_asked: bool = True
@@ -307,6 +329,8 @@ def parse_request(
     if values["messages"] is not None:
         messages, prompt = _messages(values["messages"], limits.max_prompt_bytes)
     guide = _guide(values["guided_decoding_guide_type"], values["guided_decoding_guide"])
+    if values["top_logprobs"] and not flags["return_log_probs"]:
+        raise BadRequest("input 'top_logprobs' needs 'return_log_probs': true")
     return ParsedRequest(
         prompt=prompt,
         max_tokens=max_tokens,
@@ -319,6 +343,7 @@ def parse_request(
         timeout_s=values["timeout_s"] if values["timeout_s"] is not None else limits.max_request_seconds,
         guide=guide,
         min_tokens=max_tokens if flags["ignore_eos"] else values["min_tokens"],
+        logprobs=values["top_logprobs"] if flags["return_log_probs"] else None,
         max_tokens_asked=asked,
     )
 

@@ -88,6 +88,7 @@ class Intake:
             prompt_ids=prompt_ids,
             max_tokens=parsed.max_tokens,
             min_tokens=parsed.min_tokens,
+            logprobs=parsed.logprobs,
             sampler=sampler,
             seed=parsed.seed,
             request_id=job.request_id,

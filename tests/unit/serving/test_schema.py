@@ -326,6 +326,7 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
     assert model.core.session.knobs == {} and request.template == "default"
     assert job.timeout_s == 60.0  # the server's limit
     assert request.min_tokens == 0  # an end token stops it
+    assert request.logprobs is None  # no log-probabilities unless asked
 
     values = {
         "max_tokens": 82,
@@ -347,6 +348,8 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
         "guided_decoding_guide": "[1-9]{81}",
         "ignore_eos": True,
         "min_tokens": 3,
+        "return_log_probs": True,
+        "top_logprobs": 4,
     }
     assert set(values) | {"text_input", "messages"} == set(schema.INPUT)  # every input is exercised
     inputs = {"text_input": arr("text_input", PROMPT)}
@@ -363,6 +366,7 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
     assert job.timeout_s == 2.5
     assert request.guide == ("regex", "[1-9]{81}")
     assert request.min_tokens == 82  # ignore_eos: no end token stops it before max_tokens
+    assert request.logprobs == 4
 
 
 def test_min_tokens_stops_end_tokens_until_then_and_must_fit_max_tokens(model):
@@ -460,7 +464,12 @@ def test_model_echoes_the_prompt_it_read_for_text_and_messages(model, chat):
 
 
 def test_model_responses_are_schema_outputs(model):
-    flags = ("return_num_input_tokens", "return_num_output_tokens", "exclude_input_in_output")
+    flags = (
+        "return_num_input_tokens",
+        "return_num_output_tokens",
+        "exclude_input_in_output",
+        "return_log_probs",
+    )
     req = FakeRequest({"text_input": arr("text_input", PROMPT), **{f: arr(f, True) for f in flags}})
     model.execute([req])
     job, _ = model.core.inbox.get_nowait()
@@ -468,7 +477,8 @@ def test_model_responses_are_schema_outputs(model):
     job.channel.send(model.core.progress.final(job, "stop", [3, 4]))
     ((response, flag),) = req.sender.sent
     outs = {t.name: t.arr for t in response.output_tensors}
-    assert flag == 1 and set(outs) == set(schema.OUTPUT)  # a final response with the counts: all of them
+    # a final response with the counts and log-probabilities: all of them
+    assert flag == 1 and set(outs) == set(schema.OUTPUT)
     for name, a in outs.items():
         assert a.dtype == np.dtype(schema.OUTPUT[name].numpy_dtype), name
         assert a.shape == (1,) or schema.OUTPUT[name].is_list, name
@@ -499,6 +509,7 @@ def _final_outputs() -> dict[str, np.ndarray]:
         "num_output_tokens": [82],
         "finish_reason": ["stop"],
         "denoise_steps": [3, 4],
+        "logprobs": [json.dumps([{"token": "8", "logprob": -0.5, "bytes": [56], "top_logprobs": []}])],
     }
     assert set(values) == set(schema.OUTPUT)
     return {n: schema.output_array(n, v) for n, v in values.items()}
@@ -564,6 +575,7 @@ def _check_grpc_inputs(inputs) -> None:
 
 
 LOAD_TOOL_INPUTS = ("ignore_eos", "min_tokens")
+LOGPROB_INPUTS = ("return_log_probs", "top_logprobs")  # the OpenAI frontend's: dgpipe generate prints none
 
 
 @pytest.mark.parametrize("url", ["http://h:8000", "grpc://h:8001"])
@@ -590,8 +602,14 @@ def test_remote_generate_sends_schema_fields_and_reads_every_output(transports, 
         for name, value in body.items():
             _check_json_field(name, value)
         # all but stop words, messages (none given), timeout_s (the CLI leaves the deadline to the server)
-        # and the load-tool fields (ignore_eos, min_tokens: the CLI has no option for them)
-        assert set(body) == set(schema.INPUT) - {"stop_words", "messages", "timeout_s", *LOAD_TOOL_INPUTS}
+        # and the load-tool and log-probability fields (the CLI has no option for them)
+        assert set(body) == set(schema.INPUT) - {
+            "stop_words",
+            "messages",
+            "timeout_s",
+            *LOAD_TOOL_INPUTS,
+            *LOGPROB_INPUTS,
+        }
     else:
         _check_grpc_inputs(transports["grpc"])
         assert {t.name() for t in transports["grpc"]} == set(schema.INPUT) - {
@@ -599,6 +617,7 @@ def test_remote_generate_sends_schema_fields_and_reads_every_output(transports, 
             "messages",
             "timeout_s",
             *LOAD_TOOL_INPUTS,
+            *LOGPROB_INPUTS,
         }
 
 
