@@ -15,6 +15,7 @@ a 500 "Unable to parse 'data'". gRPC carries typed tensors (a wrong datatype is 
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -81,6 +82,7 @@ GUIDE_TYPE = Rule(
     lambda v: v in GUIDE_TYPES,
     f"must be one of {', '.join(GUIDE_TYPES)} (EBNF grammars and structural tags are not supported)",
 )
+TOOL_CHOICE = Rule(lambda v: v in ("auto", "required"), "must be auto or required")
 SEED_RANGE = Rule(lambda v: 0 <= v <= SEED_MAX, f"must be in [0, {SEED_MAX}] (the sampler's seed range)")
 
 
@@ -173,6 +175,15 @@ INPUTS: tuple[TritonTensor, ...] = (
         default=0,
         rule=between(0, TOP_LOGPROBS_MAX),
     ),
+    # function tools (OpenAI's `tools`, JSON): rendered through the chat template; `tool_choice` "auto" lets
+    # the model call them in its template's tool-call format, refused when the template declares none
+    _in("tools", "BYTES", "with messages: OpenAI function tools as JSON, rendered by the chat template"),
+    _in(
+        "tool_choice",
+        "BYTES",
+        "with tools: auto (the model's own tool-call format) or required",
+        rule=TOOL_CHOICE,
+    ),
     _in("infill_template", "BYTES", "canvas template: '_' is free, other text is pinned"),
     _in(
         "messages",
@@ -251,6 +262,8 @@ class ParsedRequest:
     guide: tuple[str, str] | None = None  # constrained decoding: (guide type, guide), compiled by the model
     min_tokens: int = 0  # end tokens do not stop generation before this many tokens (ignore_eos: max_tokens)
     logprobs: int | None = None  # return_log_probs: the top alternatives per token (top_logprobs); None: off
+    tools: list[Any] | None = None  # function tools for the chat template (with messages only)
+    tool_choice: str | None = None
     # whether the request sent max_tokens: one asked for is refused when it does not fit the context, the
     # default is shortened to what fits
     max_tokens_asked: bool = True
@@ -331,6 +344,7 @@ def parse_request(
     guide = _guide(values["guided_decoding_guide_type"], values["guided_decoding_guide"])
     if values["top_logprobs"] and not flags["return_log_probs"]:
         raise BadRequest("input 'top_logprobs' needs 'return_log_probs': true")
+    tools = _tools(values["tools"], values["tool_choice"], messages)
     return ParsedRequest(
         prompt=prompt,
         max_tokens=max_tokens,
@@ -344,6 +358,8 @@ def parse_request(
         guide=guide,
         min_tokens=max_tokens if flags["ignore_eos"] else values["min_tokens"],
         logprobs=values["top_logprobs"] if flags["return_log_probs"] else None,
+        tools=tools,
+        tool_choice=values["tool_choice"],
         max_tokens_asked=asked,
     )
 
@@ -384,6 +400,23 @@ def _guide(kind: str | None, guide: str | None) -> tuple[str, str] | None:
     if guide is None and kind != "json":
         raise BadRequest(f"input 'guided_decoding_guide_type' {kind!r} needs 'guided_decoding_guide'")
     return kind, guide or ""
+
+
+def _tools(raw: str | None, choice: str | None, messages: list | None) -> list[Any] | None:
+    """The tools as a JSON list, sent with messages (a plain prompt has no chat template to render them)."""
+    if raw is None:
+        if choice is not None:
+            raise BadRequest("input 'tool_choice' needs 'tools'")
+        return None
+    if messages is None:
+        raise BadRequest("input 'tools' needs 'messages' (the chat template renders them)")
+    try:
+        tools = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"input 'tools' is not valid JSON ({e.msg})") from e
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRequest("input 'tools' must be a JSON list of tool objects")
+    return tools
 
 
 def _messages(raw: str, max_prompt_bytes: int) -> tuple[list[dict[str, Any]], str]:
