@@ -351,7 +351,8 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
         "return_log_probs": True,
         "top_logprobs": 4,
     }
-    assert set(values) | {"text_input", "messages"} == set(schema.INPUT)  # every input is exercised
+    # every input is exercised (the tools, which need messages, in the next test)
+    assert set(values) | {"text_input", "messages", "tools", "tool_choice"} == set(schema.INPUT)
     inputs = {"text_input": arr("text_input", PROMPT)}
     inputs |= {n: schema.input_array(n, v) for n, v in values.items()}
     req = FakeRequest(inputs)
@@ -575,7 +576,8 @@ def _check_grpc_inputs(inputs) -> None:
 
 
 LOAD_TOOL_INPUTS = ("ignore_eos", "min_tokens")
-LOGPROB_INPUTS = ("return_log_probs", "top_logprobs")  # the OpenAI frontend's: dgpipe generate prints none
+# the OpenAI frontend's: dgpipe generate prints no log-probabilities and sends no tools
+LOGPROB_INPUTS = ("return_log_probs", "top_logprobs", "tools", "tool_choice")
 
 
 @pytest.mark.parametrize("url", ["http://h:8000", "grpc://h:8001"])
@@ -841,3 +843,28 @@ def test_finalize_answers_every_queued_and_in_flight_request_as_unavailable(mode
         assert response.error.message == f"[unavailable] {SHUTTING_DOWN}"
     assert model.core.inbox.empty() and not model.core.jobs and dropped == [True]
     assert (model.core.metrics.active.value, model.core.metrics.queued.value) == (0, 0)
+
+
+def test_tools_reach_the_chat_template_and_auto_needs_a_declared_tool_call_format(model):
+    import json
+
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    messages = json.dumps([{"role": "user", "content": "hi"}])
+
+    def send(**values):
+        req = FakeRequest({n: schema.input_array(n, v) for n, v in {"messages": messages, **values}.items()})
+        model.execute([req])
+        return req
+
+    assert not send(tools=json.dumps(tools)).sender.sent
+    model.core.inbox.get_nowait()
+    assert model.core.session.tools == tools
+    ((response, _),) = send(tools=json.dumps(tools), tool_choice="auto").sender.sent
+    assert "tool_choice 'auto' needs a chat template that declares a tool-call format" in str(response.error)
+    model.core.session.tool_call_format = "hermes"
+    assert not send(tools=json.dumps(tools), tool_choice="auto").sender.sent
+    ((response, _),) = send(tool_choice="auto").sender.sent
+    assert "input 'tool_choice' needs 'tools'" in str(response.error)
+    req = FakeRequest({"text_input": arr("text_input", PROMPT), "tools": schema.input_array("tools", "[]")})
+    model.execute([req])
+    assert "input 'tools' needs 'messages'" in str(req.sender.sent[0][0].error)
