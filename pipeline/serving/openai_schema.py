@@ -300,31 +300,10 @@ class ChatCompletionRequest(_Common):
             raise RequestError(
                 "'max_tokens' and 'max_completion_tokens' disagree: send one", "max_completion_tokens"
             )
-        plan = self.tool_plan
-        if plan is not None and plan.guide() is not None and self.guide() is not None:
-            raise RequestError(
-                "a forced tool call is generated under its function's schema: leave out 'response_format' "
-                "and the guided_* fields",
-                "tool_choice",
-            )
-
-    @property
-    def tool_plan(self):  # -> openai_tools.ToolPlan | None
-        """How the reply becomes tool calls (openai_tools.tool_plan), None for a plain reply."""
-        from pipeline.serving.openai_tools import tool_plan
-
-        return tool_plan(self.tools, self.tool_choice)
 
     def triton_inputs(self) -> dict[str, Any]:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        out = {"messages": json.dumps(self.messages), **self.inputs(limit)}
-        if (plan := self.tool_plan) is not None:
-            out["tools"] = json.dumps(plan.tools)
-            if (guide := plan.guide()) is not None:
-                out["guided_decoding_guide_type"], out["guided_decoding_guide"] = guide
-            else:
-                out["tool_choice"] = plan.choice
-        return out
+        return {"messages": json.dumps(self.messages), **self.inputs(limit)}
 
 
 class CompletionRequest(_Common):

@@ -26,6 +26,7 @@ from pipeline.serving.openai_errors import error_body, validation_message
 from pipeline.serving.openai_schema import ChatCompletionRequest, CompletionRequest, RequestError
 from pipeline.serving.openai_sse import EventWriter, sse_events, usage
 from pipeline.serving.openai_stream import END, Chunks, TritonStream, close, pull
+from pipeline.serving.openai_tools import request_plan, tool_inputs
 from pipeline.serving.schema import TextError, prompt_too_big, text_bytes
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
@@ -153,8 +154,8 @@ class OpenAIServing:
             "model": self.model,
         }
         headers = {SEED_HEADER: str(req.sampler_seed)}
-        inputs = req.triton_inputs()
-        plan = req.tool_plan if isinstance(req, ChatCompletionRequest) else None
+        plan = request_plan(req) if isinstance(req, ChatCompletionRequest) else None
+        inputs = {**req.triton_inputs(), **tool_inputs(plan)}
         # n choices: n requests with the derived seeds, sent together so they share the batch's passes
         streams = [self.stream({**inputs, "seed": seed}) for seed in req.choice_seeds()]
         logprobs = req.top_logprobs_wanted() is not None

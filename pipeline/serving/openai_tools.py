@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.serving.openai_schema import RequestError
+from pipeline.serving.openai_schema import ChatCompletionRequest, RequestError
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 ANY_OBJECT = {"type": "object"}  # a function without `parameters` takes any arguments object
@@ -100,6 +100,31 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
         calls.append(tool_call(call["name"], call.get("arguments", {})))
     content = "".join([*rest, text[last:]]).strip()
     return (content or None) if calls else text, calls
+
+
+def request_plan(req: ChatCompletionRequest) -> ToolPlan | None:
+    """A chat request's plan, checked against its other constraint fields."""
+    plan = tool_plan(req.tools, req.tool_choice)
+    if plan is not None and plan.guide() is not None and req.guide() is not None:
+        raise RequestError(
+            "a forced tool call is generated under its function's schema: leave out 'response_format' "
+            "and the guided_* fields",
+            "tool_choice",
+        )
+    return plan
+
+
+def tool_inputs(plan: ToolPlan | None) -> dict[str, Any]:
+    """The Triton inputs of a plan: the tools (for the chat template), and the guide of a forced call or
+    the "auto" choice the model checks against its template."""
+    if plan is None:
+        return {}
+    out: dict[str, Any] = {"tools": json.dumps(plan.tools)}
+    if (guide := plan.guide()) is not None:
+        out["guided_decoding_guide_type"], out["guided_decoding_guide"] = guide
+    else:
+        out["tool_choice"] = plan.choice
+    return out
 
 
 def tool_plan(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None) -> ToolPlan | None:

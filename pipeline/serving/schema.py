@@ -342,8 +342,6 @@ def parse_request(
     if values["messages"] is not None:
         messages, prompt = _messages(values["messages"], limits.max_prompt_bytes)
     guide = _guide(values["guided_decoding_guide_type"], values["guided_decoding_guide"])
-    if values["top_logprobs"] and not flags["return_log_probs"]:
-        raise BadRequest("input 'top_logprobs' needs 'return_log_probs': true")
     tools = _tools(values["tools"], values["tool_choice"], messages)
     return ParsedRequest(
         prompt=prompt,
@@ -357,7 +355,7 @@ def parse_request(
         timeout_s=values["timeout_s"] if values["timeout_s"] is not None else limits.max_request_seconds,
         guide=guide,
         min_tokens=max_tokens if flags["ignore_eos"] else values["min_tokens"],
-        logprobs=values["top_logprobs"] if flags["return_log_probs"] else None,
+        logprobs=_logprobs(values["top_logprobs"], flags["return_log_probs"]),
         tools=tools,
         tool_choice=values["tool_choice"],
         max_tokens_asked=asked,
@@ -400,6 +398,13 @@ def _guide(kind: str | None, guide: str | None) -> tuple[str, str] | None:
     if guide is None and kind != "json":
         raise BadRequest(f"input 'guided_decoding_guide_type' {kind!r} needs 'guided_decoding_guide'")
     return kind, guide or ""
+
+
+def _logprobs(top: int, wanted: bool) -> int | None:
+    """The runtime's logprobs: None (not wanted), or the alternatives per token."""
+    if top and not wanted:
+        raise BadRequest("input 'top_logprobs' needs 'return_log_probs': true")
+    return top if wanted else None
 
 
 def _tools(raw: str | None, choice: str | None, messages: list | None) -> list[Any] | None:

@@ -860,11 +860,13 @@ def test_tools_reach_the_chat_template_and_auto_needs_a_declared_tool_call_forma
     model.core.inbox.get_nowait()
     assert model.core.session.tools == tools
     ((response, _),) = send(tools=json.dumps(tools), tool_choice="auto").sender.sent
-    assert "tool_choice 'auto' needs a chat template that declares a tool-call format" in str(response.error)
+    assert (
+        "tool_choice 'auto' needs a chat template that declares a tool-call format" in response.error.message
+    )
     model.core.session.tool_call_format = "hermes"
     assert not send(tools=json.dumps(tools), tool_choice="auto").sender.sent
     ((response, _),) = send(tool_choice="auto").sender.sent
-    assert "input 'tool_choice' needs 'tools'" in str(response.error)
+    assert "input 'tool_choice' needs 'tools'" in response.error.message
     req = FakeRequest({"text_input": arr("text_input", PROMPT), "tools": schema.input_array("tools", "[]")})
     model.execute([req])
-    assert "input 'tools' needs 'messages'" in str(req.sender.sent[0][0].error)
+    assert "input 'tools' needs 'messages'" in req.sender.sent[0][0].error.message
