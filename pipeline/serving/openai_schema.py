@@ -1,7 +1,7 @@
 """The OpenAI request bodies dgpipe's frontend accepts, and how each maps onto the Triton model's inputs.
 
-Every field OpenAI defines is either mapped, accepted only at its no-op value (`n=1`, `top_p=1`,
-`logprobs=false`, ...), or refused with a 400 naming it: nothing is silently ignored. Unknown fields are
+Every field OpenAI defines is either mapped, accepted only at its no-op value (`best_of=1`, `top_p=1`,
+...), or refused with a 400 naming it: nothing is silently ignored. Unknown fields are
 refused too, except the diffusion knobs, which ride as extra body fields (the `openai` client's
 `extra_body`) under the Triton input names of pipeline/serving/schema.py.
 
@@ -24,6 +24,10 @@ per request, so two unseeded requests differ at any temperature; the seed a resp
 Load-tool fields (vLLM's, sent by guidellm and AIPerf): `ignore_eos` (the end token does not stop
 generation: it runs to `max_tokens`), `min_tokens` (the end token does not stop it before that many
 tokens) and `stream_options.continuous_usage_stats` (usage on every streamed chunk).
+
+Choices, log-probabilities and tools: `n` choices are n requests with seeds `choice_seed(seed, i)`;
+`logprobs` / `top_logprobs` become the Triton inputs `return_log_probs` / `top_logprobs`; `tools` and
+`tool_choice` are planned by pipeline/serving/openai_tools.py (README, "OpenAI-compatible API").
 
 Drafts: `stream_drafts: true` (with `stream: true`) adds the canvas after every denoise step to the stream
 as `event: dgpipe.draft` server-sent events (pipeline/serving/openai_api.py); without it the stream is
