@@ -225,9 +225,16 @@ BAD = [  # (name, path, body, content type, the param named)
     ("temperature huge", "/completions", {"prompt": "x", "temperature": 1e9}, None, "temperature"),
     ("seed below -2**63", "/completions", {"prompt": "x", "seed": -(2**63) - 1}, None, "seed"),
     ("seed over 64 bits", "/completions", {"prompt": "x", "seed": 2**64}, None, "seed"),
-    ("logprobs", "/chat/completions", {"messages": USER, "logprobs": True}, None, "logprobs"),
-    ("tools", "/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, None, "tools"),
-    ("n > 1", "/chat/completions", {"messages": USER, "n": 3}, None, "n"),
+    ("logprobs as a count in chat", "/chat/completions", {"messages": USER, "logprobs": 3}, None, "logprobs"),
+    ("top_logprobs over 20", "/completions", {"prompt": "x", "logprobs": 21}, None, "logprobs"),
+    (
+        "tools without a function",
+        "/chat/completions",
+        {"messages": USER, "tools": [{"type": "function"}]},
+        None,
+        "tools",
+    ),
+    ("n over 8", "/chat/completions", {"messages": USER, "n": 9}, None, "n"),
     # a response_format no server supports (json_schema may be supported by the time this runs)
     (
         "response_format",
@@ -400,4 +407,4 @@ def test_the_server_stops_cleanly_after_everything_above(chat):
     """Last in the file. Triton unloads the model only when every request was released, the one whose
     client went away included; a request left holding it would make Ctrl-C wait and end in a kill."""
     chat.proc.send_signal(signal.SIGINT)
-    assert chat.proc.wait(60) == 0
+    assert chat.proc.wait(60) == 0, chat.srv.stderr.read_text(errors="replace")[-3000:]
