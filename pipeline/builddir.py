@@ -72,6 +72,9 @@ class StageRecord(BaseModel):
     outputs: dict[str, str] = Field(default_factory=dict)
     inputs: dict[str, str] = Field(default_factory=dict)
     details: dict[str, Any] = Field(default_factory=dict)
+    # hash of what the stage read and the options it ran with (pipeline.build.resume): `dgpipe build`
+    # skips a finished stage whose fingerprint still matches; None where a stage ran on its own
+    fingerprint: str | None = None
 
 
 class BuildManifest(BaseModel):

@@ -178,10 +178,46 @@ def check_engine_build() -> list[Check]:
     return checks
 
 
+def check_tensor_cores() -> list[Check]:
+    """The dispatch rows (`pipeline.runtime.dispatch`) for the local GPU: which kernel runs each weight
+    format's linears and experts, or the named fallback. The kernels themselves are probed at load."""
+    import torch
+
+    from pipeline.runtime.dispatch import FORMATS, arch_of, dispatch
+
+    if not torch.cuda.is_available():
+        return [
+            Check(
+                "tensor cores",
+                False,
+                "no CUDA",
+                "FP8/NVFP4 weights run on tensor cores only on an NVIDIA GPU (sm89+); here they are dequantized",
+                "GPU runtime",
+            )
+        ]
+    major, minor = torch.cuda.get_device_capability(0)
+    arch = arch_of(major, minor)
+    if arch is None:
+        return [
+            Check("tensor cores", False, f"sm{major}{minor}: no dispatch row", "sm89+ GPU", "GPU runtime")
+        ]
+    checks = []
+    for fmt in FORMATS:
+        row = dispatch(fmt, arch)
+        detail = f"{arch}: linears {row.linears}; experts {row.experts}"
+        checks.append(
+            Check(
+                f"{fmt} dispatch", row.native, detail, f"fallback {row.fallback}: {row.note}", "GPU runtime"
+            )
+        )
+    return checks
+
+
 def run_checks() -> list[Check]:
     return [
         check_python(),
         *check_torch(),
+        *check_tensor_cores(),
         check_nvcc(),
         *check_engine_build(),
         check_module("modelopt", "nvidia-modelopt", "pip install 'dgpipe[quantize]'", "quantize"),

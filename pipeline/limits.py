@@ -43,6 +43,16 @@ class Limits(BaseModel):
     # bounds the bytes of one token, so a bytes-per-token rule would refuse prompts the token cap admits.
     # 1 MiB is 512 bytes per token at the default max_prompt, and tokenizes in well under a second
     max_prompt_bytes: int = Field(1048576, ge=1, le=INT32_MAX)
+    # a constrained-decoding guide (JSON schema, regex, choice, Lark grammar): its UTF-8 bytes, checked before
+    # it compiles, and what compiling it may take in the compile child (pipeline/serving/core/guide_worker):
+    # wall seconds and MiB of address space beyond the child's own. Real-world schemas compile in
+    # milliseconds (JSONSchemaBench p95 well under a second); a 2^18-state regex takes seconds and gigabytes
+    max_guide_bytes: int = Field(262144, ge=1, le=INT32_MAX)
+    # a regex's positions once counted repeats are unrolled (`[1-9]{50000}`: 50,000), counted before it
+    # compiles: its token automaton grows with them
+    max_regex_positions: int = Field(10000, ge=1, le=INT32_MAX)
+    max_guide_seconds: int = Field(10, ge=1, le=INT32_MAX)
+    max_guide_memory_mib: int = Field(2048, ge=64, le=INT32_MAX)
 
     ENGINE_FIELDS: ClassVar[tuple[str, ...]] = ("max_batch", "max_prompt", "max_context")
     SERVING_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -50,6 +60,10 @@ class Limits(BaseModel):
         "max_steps",
         "max_request_seconds",
         "max_prompt_bytes",
+        "max_guide_bytes",
+        "max_regex_positions",
+        "max_guide_seconds",
+        "max_guide_memory_mib",
     )
 
     @classmethod

@@ -78,13 +78,17 @@ def denoise_block(
     t_max: float,
     entropy_bound: float,
     generator: torch.Generator,
+    on_pass: Callable[[int], None] | None = None,
 ) -> None:
-    """Prefill, `steps` denoise passes, commit: one canvas of the serving path for a batch of prompts."""
+    """Prefill, `steps` denoise passes, commit: one canvas of the serving path for a batch of prompts.
+    `on_pass(1)` after each of its `steps + 2` model passes (a watched build's progress)."""
+    tick = on_pass or (lambda k: None)
     vocab = model.config.text_config.vocab_size
     length = model.config.canvas_length
     ids = torch.tensor([p.ids for p in prompts])
     b = ids.shape[0]
     pkv = model.model.encoder(input_ids=ids).past_key_values
+    tick(1)
     pinned = torch.full((b, length), -1, dtype=torch.long)
     for i, p in enumerate(prompts):
         if p.template is not None:
@@ -107,8 +111,10 @@ def denoise_block(
         canvas = torch.where(eb_keep(entropy, entropy_bound), cand, noise())
         canvas = torch.where(is_pinned, pinned, canvas)
         sc = z.to(model.dtype)
+        tick(1)
     block = torch.where(is_pinned, pinned, z.argmax(-1))
     model.model.encoder(input_ids=block, past_key_values=pkv)  # commit: causal pass over the block
+    tick(1)
 
 
 def make_forward_loop(
@@ -120,13 +126,19 @@ def make_forward_loop(
     batch: int = 16,
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
+    on_loop: Callable[[int], Callable[[int], None]] | None = None,
 ) -> Callable:
-    """The `forward_loop(model)` ModelOpt calls (more than once for AWQ: statistics, then the search)."""
+    """The `forward_loop(model)` ModelOpt calls (more than once for AWQ: statistics, then the search).
+    `progress(k)` counts prompts. `on_loop(total)`, at the start of each call, returns the callback that
+    counts that call's `total` model passes (prefill, each denoise pass, commit), a watched build's progress."""
 
     def loop(model) -> None:
         gen = torch.Generator().manual_seed(seed)  # same canvases on every call
+        on_pass = None
+        if on_loop is not None:
+            on_pass = on_loop(sum(steps + 2 for _ in _batches(prompts, batch)))
         for chunk in _batches(prompts, batch):
-            denoise_block(model, chunk, steps, t_min, t_max, entropy_bound, gen)
+            denoise_block(model, chunk, steps, t_min, t_max, entropy_bound, gen, on_pass)
             if progress is not None:
                 progress(len(chunk))
 

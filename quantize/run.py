@@ -19,6 +19,7 @@ import torch
 
 from pipeline.atomic import atomic_dir
 from pipeline.errors import DgpipeError
+from pipeline.model.config import SamplerConfig
 from pipeline.model.validate import ValidatedCheckpoint, validate_checkpoint
 from pipeline.runtime.prompt_format import EncodedPrompt, prompt_format_for, prompt_format_name
 from pipeline.targets import Precision, check_precision_on_target, precision
@@ -45,7 +46,6 @@ class QuantizeOptions:
     calib_steps: int = 8
     exclude: list[str] = field(default_factory=list)
     kv_cache: str = "none"
-    adapter: Path | None = None
     target: str | None = None
     seed: int = 0
     export_dtype: str = "bfloat16"  # unquantized tensors and 16-bit scales; float32 for exactness tests
@@ -96,7 +96,7 @@ def check_options(opts: QuantizeOptions) -> Precision:
     return p
 
 
-def load_hf_model(path: Path, adapter: Path | None):
+def load_hf_model(path: Path):
     """The transformers model ModelOpt quantizes (fp32: calibration statistics in full precision; the
     export casts what stays unquantized to bf16)."""
     import transformers
@@ -108,10 +108,6 @@ def load_hf_model(path: Path, adapter: Path | None):
         dtype=torch.float32,
         use_safetensors=True,  # never unpickle (validate refused pickle files too)
     ).eval()
-    if adapter is not None:
-        from quantize.adapter import merge_adapter
-
-        model = merge_adapter(model, path, adapter)
     return model
 
 
@@ -291,16 +287,27 @@ def _read_json_or_none(f: Path) -> dict | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
+Phases = Callable[[str, int | None], Callable[[int], None]]  # (phase, steps or None) -> advance(k)
+
+
+def _no_phases(name: str, total: int | None) -> Callable[[int], None]:
+    return lambda k=1: None
+
+
 def quantize_checkpoint(
     opts: QuantizeOptions,
     progress: Callable[[int], None] | None = None,
     on_quantized: Callable[[Any], None] | None = None,
     source: ValidatedCheckpoint | None = None,
+    phases: Phases | None = None,
 ) -> QuantizeResult:
     """Quantize `opts.model`. `source` is that checkpoint as the caller validated it (with its weights
     read: `validate_checkpoint(..., weights=True)`), so the source is not read again before the model
     load; without it the checkpoint is validated here. `on_quantized(model)` sees ModelOpt's in-memory
-    model after calibration, before the export rewrites it (tests compare the exported artifact with it)."""
+    model after calibration, before the export rewrites it (tests compare the exported artifact with it).
+    `phases(name, total)` is told when each phase starts (load, calibration with its model passes, export,
+    finalize) and returns the callback that advances it: what a watched build shows."""
+    phase = phases or _no_phases
     p = check_options(opts)
     # directory, config, tensor names/shapes/dtypes, finite weights; refuses pickle files outright
     src = source if source is not None else validate_checkpoint(opts.model, weights=True)
@@ -309,10 +316,12 @@ def quantize_checkpoint(
     require_modelopt()
     start = time.perf_counter()
     prompts = calibration_prompts(opts, src) if p.modelopt_config else []
-    model = load_hf_model(opts.model, opts.adapter)
+    phase("load model", None)
+    model = load_hf_model(opts.model)
     block = None
     with atomic_dir(opts.output) as tmp:
         if p.modelopt_config is None:  # bf16: the unquantized reference
+            phase("save checkpoint", None)
             model.to(getattr(torch, opts.export_dtype)).save_pretrained(tmp)
         else:
             import modelopt.torch.quantization as mtq
@@ -324,22 +333,34 @@ def quantize_checkpoint(
             if p.block_size:
                 block = choose_block_size(p, quantized_input_dims(model, p, opts.exclude))
             cfg = build_mtq_config(p, opts.exclude, opts.kv_cache, block, p.modelopt_algorithm)
-            sampler = src.generation_config
+            # the served sampler settings (entropy_bound nests under sampler_config in generation_config.json)
+            sampler = SamplerConfig.from_generation_config(src.generation_config)
+            loops = 0
+
+            def on_loop(total: int) -> Callable[[int], None]:
+                nonlocal loops  # one phase per forward-loop call: AWQ calls it more than once
+                loops += 1
+                return phase("calibration" + (f" (pass {loops})" if loops > 1 else ""), total)
+
+            phase("insert quantizers", None)
             loop = make_forward_loop(
                 prompts,
                 steps=opts.calib_steps,
-                t_min=float(sampler.get("t_min", 0.4)),
-                t_max=float(sampler.get("t_max", 0.8)),
-                entropy_bound=float(sampler.get("entropy_bound", 0.1)),
+                t_min=sampler.t_min,
+                t_max=sampler.t_max,
+                entropy_bound=sampler.entropy_bound,
                 seed=opts.seed,
                 progress=progress,
+                on_loop=on_loop,
             )
             with contextlib.redirect_stdout(_Quiet()):
                 mtq.quantize(model, cfg, forward_loop=loop)
             if on_quantized is not None:
                 on_quantized(model)
+            phase("export checkpoint", None)
             with contextlib.redirect_stdout(_Quiet()), _fused_experts_export_patch(model):
                 export_hf_checkpoint(model, dtype=getattr(torch, opts.export_dtype), export_dir=tmp)
+        phase("finalize tensors", None)
         _finalize_tensors(tmp, opts.model, src.tensor_names, getattr(torch, opts.export_dtype))
         for name in SIDE_FILES:
             if (opts.model / name).is_file():
@@ -359,7 +380,6 @@ def quantize_checkpoint(
                 "denoise_steps": opts.calib_steps,
             },
             "source": str(opts.model),
-            "adapter": str(opts.adapter) if opts.adapter else None,
         }
         (tmp / "dgpipe.json").write_text(json.dumps(meta, indent=2) + "\n")
     size = sum(f.stat().st_size for f in opts.output.glob("*.safetensors"))

@@ -16,7 +16,7 @@ from pipeline.builddir import (
 )
 from pipeline.model.validate import ValidatedCheckpoint, validate_checkpoint
 from pipeline.stages import StageResult
-from quantize.run import QuantizeOptions, QuantizeResult, quantize_checkpoint
+from quantize.run import Phases, QuantizeOptions, QuantizeResult, quantize_checkpoint
 
 STAGE = "quantize"
 
@@ -26,6 +26,7 @@ def quantize_stage(
     build_dir: Path,
     progress: Callable[[int], None] | None = None,
     source: ValidatedCheckpoint | None = None,
+    phases: Phases | None = None,
 ) -> StageResult:
     """Quantize `opts.model` into the build dir's checkpoint (opts.output is ignored) and record the stage.
     A build dir that already holds another precision is refused before any work. `source` is the model as
@@ -44,7 +45,7 @@ def quantize_stage(
             model_sha256=source.sha256,
         )
     out = build_dir / LAYOUT["checkpoint"]
-    res = quantize_checkpoint(replace(opts, output=out), progress=progress, source=source)
+    res = quantize_checkpoint(replace(opts, output=out), progress=progress, source=source, phases=phases)
     record_stage(
         build_dir,
         STAGE,

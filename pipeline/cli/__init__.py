@@ -23,6 +23,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "doctor",
         "Check what this machine has for each stage, with install hints for what is missing.",
     ),
+    "inspect": (
+        "inspect",
+        "Say what a directory is (base, ModelOpt-quantized, AutoModel SFT or LoRA, PEFT/Unsloth LoRA) and what\n"
+        "    dgpipe will do with it as --model / --adapter.",
+    ),
     "generate": ("generate", "Generate with block diffusion, in-process or from a Triton server (--url)."),
     "export": (
         "export",

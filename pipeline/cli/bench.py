@@ -1,4 +1,4 @@
-"""`dgpipe bench local|sweep|serve|model|pass|guided|flops|export-memory`: run a benchmark from
+"""`dgpipe bench local|sweep|serve|requests|model|pass|guided|flops|export-memory|gpu`: run a benchmark from
 pipeline/bench/, print its table, say where the JSON and PNG went."""
 
 from __future__ import annotations
@@ -106,8 +106,22 @@ OpenAI = Annotated[
     bool,
     typer.Option(
         "--openai",
-        help="the OpenAI frontend against direct gRPC: latency and CPU per request (starts its own server)",
+        help="with --url http://HOST:PORT/v1: that OpenAI endpoint driven as AIPerf and guidellm drive it "
+        "(TTFT, ITL, tokens/s); without: the OpenAI frontend against direct gRPC, latency and CPU per "
+        "request (starts its own server)",
     ),
+]
+ApiKey = Annotated[
+    str | None,
+    typer.Option(envvar="DGPIPE_API_KEY", show_envvar=True, help="--openai --url: the endpoint's Bearer key"),
+]
+OutputTokens = Annotated[
+    int | None,
+    typer.Option(min=1, help="output tokens each request asks for [default: the reference answer's canvas]"),
+]
+ModelName = Annotated[
+    str | None,
+    typer.Option("--model-name", help="--openai --url: the model to ask for [default: the listed one]"),
 ]
 
 
@@ -119,19 +133,36 @@ def bench_serve(
     requests: Annotated[int, typer.Option(help="requests per level and protocol")] = 32,
     openai: OpenAI = False,
     rounds: Annotated[int, typer.Option(help="--openai: alternating rounds per level (medians)")] = 3,
+    api_key: ApiKey = None,
+    model_name: ModelName = None,
+    output_tokens: OutputTokens = None,
     out_dir: Annotated[Path | None, _out("bench-serve")] = None,
     as_json: opt.Json = False,
 ) -> None:
     """Triton over HTTP and gRPC at several concurrencies, with the same requests in-process alongside;
-    with --openai, the OpenAI-compatible frontend against direct gRPC instead."""
+    with --openai --url .../v1, that OpenAI endpoint driven as load tools drive it; with --openai alone, the
+    OpenAI-compatible frontend against direct gRPC."""
     levels = opt.int_list(concurrency or ("1,4,16" if openai else "1,2,4,8"), "--concurrency")
     out_dir = out_dir or opt.cache_dir() / "bench-serve"
     if requests < 1 or rounds < 1:
         raise DgpipeError(f"--requests and --rounds must be >= 1 (got {requests}, {rounds})")
-    if openai:
-        if url or grpc_url:
+    if openai and url:
+        if not url.rstrip("/").endswith("/v1") or grpc_url:
             raise DgpipeError(
-                "--openai starts its own tritonserver and frontend (it reads their CPU time): drop --url/--grpc-url"
+                f"--openai --url {url}: expected the OpenAI endpoint http://HOST:PORT/v1 (and no --grpc-url)"
+            )
+        from pipeline.bench.openai_load import LOAD_JSON, bench_openai_load
+        from pipeline.bench.openai_load import render as render_load
+
+        result = bench_openai_load(url, levels, requests, out_dir, model_name, api_key, output_tokens)
+        out.show(result, as_json, render_load)
+        out.saved([out_dir / LOAD_JSON], as_json)
+        return
+    if openai:
+        if grpc_url:
+            raise DgpipeError(
+                "--openai without --url starts its own tritonserver and frontend (it reads their CPU time): "
+                "drop --grpc-url"
             )
         from pipeline.bench.openai_overhead import OPENAI_JSON, bench_openai, render
 
@@ -149,6 +180,22 @@ def bench_serve(
     out.lines(_render_serve(result))
     out.line(f"plots: {', '.join(str(out_dir / p) for p in SERVE_PLOTS)}")
     out.saved([out_dir / SERVE_JSON], as_json)
+
+
+@app.command("requests")
+def bench_requests_file(
+    path: Annotated[Path, typer.Argument(help="JSONL file to write")],
+    requests: Annotated[int, typer.Option(help="how many")] = 64,
+    output_tokens: OutputTokens = None,
+) -> None:
+    """Write the serving benchmarks' held-out requests as JSONL for load tools: AIPerf `--input-file PATH
+    --custom-dataset-type single_turn`, guidellm `--data kind=json_file,path=PATH`."""
+    if requests < 1:
+        raise DgpipeError(f"--requests must be >= 1 (got {requests})")
+    from pipeline.bench.openai_load import held_out_requests, write_requests
+
+    written = write_requests(path, held_out_requests(requests, output_tokens))
+    out.line(f"{requests} requests: {written}")
 
 
 def _render_serve(result: dict) -> list[str]:
@@ -385,3 +432,21 @@ def _render_pass(r: dict) -> list[str]:
         lines.append(f"generate {g['system']:<24} {g['policy']:<16} {g['tokens_per_s']:>8.1f} tokens/s")
     lines += [f"{k}: {v:.3f}" for k, v in r["ratios"].items() if v is not None]
     return lines
+
+
+@app.command("gpu")
+def bench_gpu(
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="list every check and why it would skip here; run nothing")
+    ] = False,
+    out_dir: Annotated[Path | None, _out("bench-gpu", "directory for gpu.json and gpu.md")] = None,
+    as_json: opt.Json = False,
+) -> None:
+    """Everything only a GPU can show, within 8 minutes: kernel build, GPU tests, 26B pass per format vs
+    the HBM floor, largest batch."""
+    from pipeline.bench.gpu import RESULT_FILE, TABLE_FILE, render, run_bench_gpu
+
+    out_dir = out_dir or opt.cache_dir() / "bench-gpu"
+    result = run_bench_gpu(out_dir, dry_run)
+    out.show(result, as_json, lambda r: [render(r)])
+    out.saved([out_dir / RESULT_FILE, out_dir / TABLE_FILE], as_json)

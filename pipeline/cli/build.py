@@ -12,10 +12,13 @@ from pipeline.cli import output as out
 
 app = opt.typer_app()
 
+LOG_NAME = "build.log"  # third-party output of a build, in its build dir (pipeline/cli/capture.py)
+
 
 @app.command()
 def build(
     model: opt.Model = None,
+    adapter: opt.Adapter = None,
     precision: Annotated[str, typer.Option(help="nvfp4, fp8, int4_awq or bf16")] = "nvfp4",
     target: Annotated[
         list[str] | None,
@@ -34,31 +37,84 @@ def build(
     max_steps: opt.MaxSteps = None,
     max_request_seconds: opt.MaxRequestSeconds = None,
     max_prompt_bytes: opt.MaxPromptBytes = None,
-    as_json: opt.Json = False,
+    max_guide_bytes: opt.MaxGuideBytes = None,
+    max_regex_positions: opt.MaxRegexPositions = None,
+    max_guide_seconds: opt.MaxGuideSeconds = None,
+    max_guide_memory_mib: opt.MaxGuideMemoryMib = None,
+    verbose: Annotated[
+        bool,
+        typer.Option("--verbose", "-v", help="show third-party output live (it always goes to build.log)"),
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="stream the build's events as JSON lines on stdout")
+    ] = False,
 ) -> None:
     """Run every stage: quantize -> export ONNX -> sampler PTX + TensorRT engines (here, or the step for the
     target node) -> Triton model repository, recorded in BUILD_DIR/build_manifest.json."""
+    limits = opt.limits(
+        max_batch=max_batch,
+        max_prompt=max_prompt,
+        max_context=max_context,
+        max_tokens=max_tokens,
+        max_steps=max_steps,
+        max_request_seconds=max_request_seconds,
+        max_prompt_bytes=max_prompt_bytes,
+        max_guide_bytes=max_guide_bytes,
+        max_regex_positions=max_regex_positions,
+        max_guide_seconds=max_guide_seconds,
+        max_guide_memory_mib=max_guide_memory_mib,
+    )
+    out_dir = build_dir or opt.cache_dir() / "build"
+    _watched(
+        out_dir,
+        as_json,
+        verbose,
+        lambda view: _run(view, out_dir, model, adapter, precision, target, calib_size, calib_data, limits),
+    )
+
+
+def _watched(out_dir: Path, as_json: bool, verbose: bool, run) -> None:
+    """Run the build with its third-party output captured to build.log and its events shown (a live view,
+    or JSON lines with --json); a Ctrl-C says how to resume."""
+    from pipeline.cli.build_view import ConsoleView, JsonView
+    from pipeline.cli.capture import capture
+
+    view: ConsoleView | JsonView | None = None
+    echo = (lambda line: view.echo(line) if isinstance(view, ConsoleView) else None) if verbose else None
+    with capture(out_dir / LOG_NAME, echo=echo) as cap:  # first: what the imports below say goes to the log
+        view = JsonView(cap.stdout) if as_json else ConsoleView(cap.stdout)
+        try:
+            run(view)
+        except KeyboardInterrupt:
+            view.close()
+            view.note(
+                event="interrupted",
+                text="interrupted: run the same command to resume (finished stages are kept)",
+            )
+            raise
+        finally:
+            view.close()
+    if cap.lines:
+        where = f"{cap.log}" if cap.log.is_file() else "the console above"
+        text = f"{cap.lines} lines of third-party output in {where} (-v shows them live)"
+        if as_json:
+            out.json_out({"event": "log", "path": str(cap.log), "lines": cap.lines}, compact=True)
+        else:
+            out.line(text)
+
+
+def _run(view, build_dir, model, adapter, precision, target, calib_size, calib_data, limits) -> None:
     from pipeline.build import BuildOptions, run_build
-    from pipeline.runtime.session import default_model_path
+    from pipeline.resources import EMBEDDED_MODEL  # not runtime.session: torch would delay the first line
 
     opts = BuildOptions(
-        model=model or default_model_path(),
+        # a missing one is refused by the build's first check
+        model=opt.model_dir(model, adapter) or EMBEDDED_MODEL,
         precision=precision,
-        build_dir=build_dir or opt.cache_dir() / "build",
+        build_dir=build_dir,
         targets=[t for item in target or [] for t in item.split(",") if t],
         calib_size=calib_size,
         calib_data=calib_data,
-        limits=opt.limits(
-            max_batch=max_batch,
-            max_prompt=max_prompt,
-            max_context=max_context,
-            max_tokens=max_tokens,
-            max_steps=max_steps,
-            max_request_seconds=max_request_seconds,
-            max_prompt_bytes=max_prompt_bytes,
-        ),
+        limits=limits,
     )
-    with out.spinner("building", err=as_json) as say:
-        summary = run_build(opts, say=say)
-    if as_json:
-        out.json_out(summary)
+    run_build(opts, emit=view)

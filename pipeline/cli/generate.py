@@ -75,6 +75,7 @@ def generate(
     system: System = None,
     file: File = None,
     model: opt.Model = None,
+    adapter: opt.Adapter = None,
     max_tokens: MaxTokens = 256,
     steps: Steps = None,
     entropy_bound: EntropyBound = None,
@@ -106,7 +107,7 @@ def generate(
     text = sys.stdin.read() if prompt == "-" else prompt
     inputs = batch.read_inputs(text, chat or system is not None, system, file)  # all checked before work
     settings = batch.GenerateSettings(
-        model=model,
+        model=opt.model_dir(model, adapter),
         max_tokens=max_tokens,
         sampler={
             "max_denoising_steps": steps,

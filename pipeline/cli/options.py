@@ -14,7 +14,21 @@ from quantize.defaults import CALIB_SIZE as CALIB_SIZE  # the --calib-size defau
 
 Model = Annotated[
     Path | None,
-    typer.Option("--model", "-m", help="checkpoint dir (HF layout); default: the embedded Sudoku model"),
+    typer.Option(
+        "--model",
+        "-m",
+        help="checkpoint dir: Hugging Face, ModelOpt-quantized, Unsloth merged, a NeMo AutoModel checkpoint "
+        "(consolidated or sharded) or a LoRA adapter with a local base (`dgpipe inspect DIR` says which); "
+        "default: the embedded Sudoku model",
+    ),
+]
+Adapter = Annotated[
+    Path | None,
+    typer.Option(
+        "--adapter",
+        help="LoRA adapter dir (PEFT, Unsloth or NeMo AutoModel) merged into --model with its producer's "
+        "formula (cached under ~/.cache/dgpipe/merged)",
+    ),
 ]
 Device = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")]
 Dtype = Annotated[str, typer.Option(help="float32, bfloat16, float16 or auto (bf16 on GPU, fp32 on CPU)")]
@@ -56,7 +70,31 @@ MaxPromptBytes = Annotated[
         "largest prompt a request may send, in UTF-8 bytes (checked before tokenizing)", "max_prompt_bytes"
     ),
 ]
+MaxGuideBytes = Annotated[
+    int | None,
+    _limit("largest constrained-decoding guide (schema, regex, grammar), in UTF-8 bytes", "max_guide_bytes"),
+]
+MaxRegexPositions = Annotated[
+    int | None,
+    _limit("largest regex guide, in positions once its counted repeats are unrolled", "max_regex_positions"),
+]
+MaxGuideSeconds = Annotated[
+    int | None, _limit("seconds compiling one guide may take before it is refused (400)", "max_guide_seconds")
+]
+MaxGuideMemoryMib = Annotated[
+    int | None, _limit("MiB compiling one guide may take before it is refused (400)", "max_guide_memory_mib")
+]
 CalibSize = Annotated[int, typer.Option(help="calibration prompts")]
+
+
+def model_dir(model: Path | None, adapter: Path | None) -> Path | None:
+    """`--model` / `--adapter` as the one checkpoint dir every command loads (None: neither given)."""
+    if model is None and adapter is None:
+        return None
+    from pipeline.model.source import resolve
+    from pipeline.runtime.session import default_model_path
+
+    return resolve(model or default_model_path(), adapter, cache_dir())
 
 
 def limits(**values: int | None) -> Limits:

@@ -34,6 +34,7 @@ BuildDir = Annotated[
 @app.command()
 def package(
     model: opt.Model = None,
+    adapter: opt.Adapter = None,
     output: Output = None,
     name: Name = MODEL_NAME,
     max_batch: opt.MaxBatch = None,
@@ -42,35 +43,40 @@ def package(
     max_steps: opt.MaxSteps = None,
     max_request_seconds: opt.MaxRequestSeconds = None,
     max_prompt_bytes: opt.MaxPromptBytes = None,
+    max_guide_bytes: opt.MaxGuideBytes = None,
+    max_regex_positions: opt.MaxRegexPositions = None,
+    max_guide_seconds: opt.MaxGuideSeconds = None,
+    max_guide_memory_mib: opt.MaxGuideMemoryMib = None,
     device: opt.Device = "auto",
     compile: opt.Compile = False,
     engines: Engines = None,
     build_dir: BuildDir = None,
 ) -> None:
     """Write a Triton model repository (Python backend, decoupled) that serves the checkpoint."""
+    from pipeline.limits import Limits
     from pipeline.runtime.session import default_model_path
     from pipeline.serving.repository import package as run_package
     from pipeline.serving.repository import package_stage
 
-    given = {  # the limit options given (None: the build's recorded value, else the default)
-        "max_batch": max_batch,
-        "max_prompt": max_prompt,
-        "max_tokens": max_tokens,
-        "max_steps": max_steps,
-        "max_request_seconds": max_request_seconds,
-        "max_prompt_bytes": max_prompt_bytes,
-    }
+    # the limit options given, by their one name (None: the build's recorded value, else the default)
+    given = {k: v for k, v in locals().items() if k in Limits.model_fields}
     if build_dir is not None:
-        if model is not None or output is not None or engines is not None or name != MODEL_NAME:
+        if (
+            model is not None
+            or adapter is not None
+            or output is not None
+            or engines is not None
+            or name != MODEL_NAME
+        ):
             raise DgpipeError(
                 "--build-dir packages the build's own checkpoint and engines under its layout",
-                "drop --model/--output/--engines/--name, or drop --build-dir",
+                "drop --model/--adapter/--output/--engines/--name, or drop --build-dir",
             )
         out.stage(package_stage(build_dir, given, device=device, compile=compile), as_json=False)
         return
 
     repo = run_package(
-        model or default_model_path(),
+        opt.model_dir(model, adapter) or default_model_path(),
         output or opt.cache_dir() / "model_repository",
         name,
         opt.limits(**given),

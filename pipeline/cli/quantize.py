@@ -29,7 +29,6 @@ Exclude = Annotated[
     list[str] | None, typer.Option(help="keep modules matching this glob unquantized (repeatable)")
 ]
 KvCache = Annotated[str, typer.Option(help="none or fp8 (K/V scales for the serving engine)")]
-Adapter = Annotated[Path | None, typer.Option(help="PEFT LoRA adapter dir merged before quantizing")]
 Target = Annotated[str | None, typer.Option(help="GPU target (sm89, sm90/hopper, sm100/blackwell, sm120)")]
 Estimate = Annotated[
     bool, typer.Option("--estimate", help="memory plan from --config only: no weights, no quantization")
@@ -48,7 +47,7 @@ def quantize(
     calib_steps: Annotated[int, typer.Option(help="denoise steps per calibration canvas")] = 8,
     exclude: Exclude = None,
     kv_cache: KvCache = "none",
-    adapter: Adapter = None,
+    adapter: opt.Adapter = None,
     target: Target = None,
     estimate: Estimate = False,
     config: Config = "diffusiongemma-26b-a4b",
@@ -75,7 +74,7 @@ def quantize(
     from quantize.stage import quantize_stage, stage_result
 
     opts = QuantizeOptions(
-        model=model or default_model_path(),
+        model=opt.model_dir(model, adapter) or default_model_path(),
         precision=precision,
         output=output or build_dir / LAYOUT["checkpoint"],  # with --build-dir: where the stage writes
         calib_data=calib_data,
@@ -83,7 +82,6 @@ def quantize(
         calib_steps=calib_steps,
         exclude=exclude or [],
         kv_cache=kv_cache,
-        adapter=adapter,
         target=target,
     )
     label = f"calibrate {precision} (prefill + {calib_steps} denoise steps)"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +38,14 @@ from pipeline.targets import target as get_target
 STAGE = "engine"
 
 
-def engine_stage(build_dir: Path, manifest: BuildManifest, limits: Limits | None = None) -> StageResult:
-    """Run the stage for every target in the manifest; records it; its summary has one line per target."""
+def engine_stage(
+    build_dir: Path,
+    manifest: BuildManifest,
+    limits: Limits | None = None,
+    step: Callable[[str], None] | None = None,
+) -> StageResult:
+    """Run the stage for every target in the manifest; records it; its summary has one line per target.
+    `step(target)` is told as each target starts (a watched build's progress)."""
     start = time.perf_counter()
     build_dir = Path(build_dir).resolve()
     onnx = manifest.path_of(build_dir, "onnx")
@@ -48,6 +55,8 @@ def engine_stage(build_dir: Path, manifest: BuildManifest, limits: Limits | None
     lines = []
     for name in manifest.targets:
         t = get_target(name)
+        if step is not None:
+            step(t.name)
         info = build_plugin_ptx(plugins, t.name)
         plan = plan_build(
             onnx,

@@ -163,8 +163,17 @@ class TextConfig(BaseModel):
         kind = self.layer_types[idx]
         if kind == "sliding_attention":
             return LayerShape(layer_type=kind, head_dim=self.head_dim, num_kv_heads=self.num_key_value_heads)
-        # transformers zero-pads the keys to the width of the largest index ("05" in a 30-layer model)
-        override = {int(k): v for k, v in (self.per_layer_config or {}).items()}.get(idx, {})
+        if self.per_layer_config is not None:
+            # transformers zero-pads the keys to the width of the largest index ("05" in a 30-layer model);
+            # a field a layer's entry leaves out is the text config's own (transformers' per-layer config
+            # inherits it: 5.x writes `{"head_dim": 512}` alone when num_global_key_value_heads is unset)
+            override = {int(k): v for k, v in self.per_layer_config.items()}.get(idx, {})
+            return LayerShape(
+                layer_type=kind,
+                head_dim=override.get("head_dim", self.head_dim),
+                num_kv_heads=override.get("num_key_value_heads", self.num_key_value_heads),
+            )
+        override = {}
         return LayerShape(
             layer_type=kind,
             head_dim=override.get("head_dim", self.global_head_dim),

@@ -272,4 +272,5 @@ def _quantized_experts_forward(quants: dict[str, InputQuantizer]):
             start += n
         return out
 
+    forward.graph_safe = False  # `.tolist()` of the routing counts: a host sync per layer
     return forward

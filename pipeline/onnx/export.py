@@ -266,6 +266,18 @@ def _rename_dims(m: onnx.ModelProto, model_dtype: str, dims: dict[str, int]) -> 
         vi.type.CopyFrom(new.type)
 
 
+# what export_onnx tells `step`, in order (a float export skips "insert Q/DQ"); the caller adds its read
+EXPORT_STEPS = (
+    "trace network",
+    "convert opset",
+    "insert Q/DQ",
+    "head + sampler",
+    "save",
+    "check",
+    "count FLOPs",
+)
+
+
 def export_onnx(
     model: DiffusionGemma,
     out_dir: Path,
@@ -276,8 +288,10 @@ def export_onnx(
     post: Callable[[onnx.ModelProto], None] | None = None,
     moe: str = onnx_io.DEFAULT_MOE,
     experts: ExpertsFn | None = None,
+    step: Callable[[str], None] | None = None,
 ) -> ExportSummary:
     """Export to out_dir/model.onnx (+ model.onnx.data, contract.json); out_dir is replaced atomically.
+    `step(name)` is told as each of EXPORT_STEPS starts (a watched build's progress).
 
     `moe` is the MoE form (contract.MOE_FORMS). Quantized exports (`linear` set) are routed only when they
     pass `experts` (the stacked stand-ins their `post` pass replaces by DequantizeLinear: FP8), else dense."""
@@ -292,14 +306,20 @@ def export_onnx(
     if linear is not None and experts is None:
         moe = "dense"
     model_dtype = MODEL_DTYPES[dtype]
+    step = step or (lambda name: None)
+    step("trace network")
     with tempfile.TemporaryDirectory() as scratch:
         m = trace_network(model, Path(scratch) / "net.onnx", linear, holder, moe, experts)
+    step("convert opset")
     m = onnx.version_converter.convert_version(m, onnx_io.OPSET)
     if post is not None:  # Q/DQ insertion (NVFP4 raises the opset to 23)
+        step("insert Q/DQ")
         post(m)
+    step("head + sampler")
     contract = finish_graph(m, model, model_dtype, precision, moe)
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
+        step("save")
         onnx.save_model(
             m,
             str(tmp / onnx_io.MODEL_FILE),
@@ -308,7 +328,9 @@ def export_onnx(
             location=onnx_io.WEIGHTS_FILE,
             size_threshold=0,
         )
+        step("check")
         onnx.checker.check_model(str(tmp / onnx_io.MODEL_FILE))  # by path: the external data is read too
+        step("count FLOPs")
         record_pass_cost(contract, tmp / onnx_io.MODEL_FILE, model)
         (tmp / onnx_io.CONTRACT_FILE).write_text(json.dumps(contract, indent=2) + "\n")
     return summarize(m, out_dir, contract, start)

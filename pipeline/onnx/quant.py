@@ -252,7 +252,7 @@ def insert_nvfp4(m: onnx.ModelProto, holder: _Holder, quant: dict[str, PackedLin
     m.opset_import.append(helper.make_opsetid("trt", 1))
 
 
-def export_nvfp4(ckpt_dir: Path, out_dir: Path, moe: str = "routed"):
+def export_nvfp4(ckpt_dir: Path, out_dir: Path, moe: str = "routed", step=None):
     """Export a ModelOpt NVFP4 checkpoint as the TensorRT >= 11 FP4 graph (checker-level; see insert_nvfp4).
     `moe="routed"`: the experts go to one dgpipe::MoE node per layer (FP4 stacked weights through the
     two-level DequantizeLinear, act_quant="nvfp4"; see insert_routed_nvfp4), when every expert is NVFP4."""
@@ -262,10 +262,10 @@ def export_nvfp4(ckpt_dir: Path, out_dir: Path, moe: str = "routed"):
         raise CheckpointError(
             f"{ckpt_dir}: mixes NVFP4 and FP8 linears", "export one precision per checkpoint"
         )
-    return _export_quantized(model, quant, out_dir, "nvfp4", moe, insert_nvfp4, insert_routed_nvfp4)
+    return _export_quantized(model, quant, out_dir, "nvfp4", moe, insert_nvfp4, insert_routed_nvfp4, step)
 
 
-def export_fp8(ckpt_dir: Path, out_dir: Path, qdq: bool = True, moe: str = "routed"):
+def export_fp8(ckpt_dir: Path, out_dir: Path, qdq: bool = True, moe: str = "routed", step=None):
     """Export a ModelOpt FP8 checkpoint: Q/DQ graph (qdq) or plain dequantized float weights (not qdq).
     `moe="routed"`: the experts go to one dgpipe::MoE node per layer (FP8 stacked weights through
     DequantizeLinear, act_quant="fp8"; see insert_routed_fp8), when every expert linear is FP8."""
@@ -273,13 +273,16 @@ def export_fp8(ckpt_dir: Path, out_dir: Path, qdq: bool = True, moe: str = "rout
 
     model, quant = read_fp8_checkpoint(Path(ckpt_dir))
     if not qdq:
-        return export_onnx(model, out_dir, precision="fp8-dequantized", moe=moe)
-    return _export_quantized(model, quant, out_dir, "fp8", moe, insert_qdq, insert_routed_fp8)
+        return export_onnx(model, out_dir, precision="fp8-dequantized", moe=moe, step=step)
+    return _export_quantized(model, quant, out_dir, "fp8", moe, insert_qdq, insert_routed_fp8, step)
 
 
-def _export_quantized(model, quant: dict, out_dir: Path, fmt: str, moe: str, insert_linears, insert_routed):
+def _export_quantized(
+    model, quant: dict, out_dir: Path, fmt: str, moe: str, insert_linears, insert_routed, step=None
+):
     """The Q/DQ export both formats share: the quantized linears through `insert_linears`, and (routed, when
-    every expert linear is quantized) the experts as stacked weights of one dgpipe::MoE node per layer."""
+    every expert linear is quantized) the experts as stacked weights of one dgpipe::MoE node per layer.
+    `step`: export_onnx's progress callback."""
     from pipeline.onnx.export import export_onnx
 
     routed = moe == "routed" and _all_experts_quantized(model, quant, fmt)
@@ -304,6 +307,7 @@ def _export_quantized(model, quant: dict, out_dir: Path, fmt: str, moe: str, ins
         post=post,
         moe=moe,
         experts=experts,
+        step=step,
     )
 
 

@@ -4,6 +4,7 @@ build manifest when a build directory is given. Returns the stage result; `dgpip
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.errors import DgpipeError
@@ -34,13 +35,15 @@ def run_export(
     from_checkpoint: bool,
     moe: str = "routed",
     stream: bool = False,
+    step: Callable[[str], None] | None = None,
 ) -> StageResult:
     """Write the ONNX dir (`output`, default BUILD_DIR/onnx) and record it in the build manifest.
 
     `moe`: routed (one dgpipe::MoE node per layer) or dense (debugging); quantized checkpoints export
     dense for now (pipeline.onnx.export.export_onnx); the form written is recorded either way.
     `stream`: float checkpoints are exported without loading them (pipeline.onnx.stream), in their stored
-    dtype; quantized ones refuse it."""
+    dtype; quantized ones refuse it. `step(name)`: "read checkpoint", then export_onnx's EXPORT_STEPS, as
+    each starts (a watched build's progress; the streaming export reports none)."""
     from pipeline.builddir import LAYOUT, MANIFEST_NAME, record_stage
     from pipeline.onnx.export import export_onnx
 
@@ -59,14 +62,16 @@ def run_export(
         raise DgpipeError(
             f"{model_dir}: --stream exports float checkpoints; this one is {precision}", "drop --stream"
         )
+    if step is not None:
+        step("read checkpoint")
     if precision == "fp8":
         from pipeline.onnx.quant import export_fp8
 
-        summary = export_fp8(model_dir, output, qdq=from_checkpoint, moe=moe)
+        summary = export_fp8(model_dir, output, qdq=from_checkpoint, moe=moe, step=step)
     elif precision == "nvfp4":  # TensorRT >= 11 Q/DQ; onnxruntime cannot run TRT_FP4DynamicQuantize
         from pipeline.onnx.quant import export_nvfp4
 
-        summary = export_nvfp4(model_dir, output, moe=moe)
+        summary = export_nvfp4(model_dir, output, moe=moe, step=step)
     elif stream:
         from pipeline.onnx.stream import export_streaming
 
@@ -76,7 +81,7 @@ def run_export(
         from pipeline.model.checkpoint import load_model
 
         model, _ = load_model(model_dir)  # fp32 on CPU whatever the stored dtype: the reference graph
-        summary = export_onnx(model, output, precision=precision, moe=moe)
+        summary = export_onnx(model, output, precision=precision, moe=moe, step=step)
     result = summary.as_dict()
     if build_dir is not None:
         fields = {"precision": precision}

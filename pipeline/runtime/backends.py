@@ -108,9 +108,9 @@ class TorchBackend:
 
     @property
     def graph_safe(self) -> bool:
-        """A denoise step can be captured in a CUDA graph: no host syncs (fused sampler, grouped MoE)."""
-        probe = torch.empty(0, dtype=self.dtype, device=self.device)
-        return self.fused and all(layer.experts.use_grouped(probe) for layer in self.model.layers)
+        """A denoise step can be captured in a CUDA graph: no host syncs (fused sampler, experts without
+        one, whatever the weight format: see `experts_graph_safe`)."""
+        return self.fused and experts_graph_safe(self.model)
 
     def causal(self, tokens: torch.Tensor, positions: torch.Tensor, masks: Masks, past: KV | None) -> KV:
         return self.model.encode_kv(tokens, positions, masks, past)
@@ -133,6 +133,26 @@ class TorchBackend:
         )
         res.soft = self.model.soft_embedding(conditioning_probs(logits, sampler, res.step))
         return res
+
+
+def experts_graph_safe(model: DiffusionGemma) -> bool:
+    """Every layer's experts run without a host sync on the model's device and dtype. A forward that was
+    swapped in on the instance (the fake-quantized experts of an FP8/NVFP4 checkpoint, which read the
+    routing counts with `.tolist()`) counts only if it says `graph_safe = True`; modules that replace the
+    experts outright (`pipeline.runtime.tensor_cores.ScaledExperts`) say it as a class attribute."""
+    p = next(model.parameters())
+    probe = torch.empty(0, dtype=p.dtype, device=p.device)
+    for layer in model.layers:
+        experts = layer.experts
+        if "forward" in vars(experts):  # replaced on the instance
+            if not getattr(experts.forward, "graph_safe", False):
+                return False
+        elif hasattr(type(experts), "graph_safe"):
+            if not type(experts).graph_safe:
+                return False
+        elif not experts.use_grouped(probe):
+            return False
+    return True
 
 
 def conditioning_probs(logits: torch.Tensor, s: SamplerInputs, step: StepOutput) -> torch.Tensor:

@@ -183,6 +183,8 @@ def generate_batch(
             runtime.validate(req)  # every input checked before any generation
     with torch.inference_mode():
         results = runtime.generate(requests)
+    if failed := next((r for r in results if r.error), None):  # a guide this vocabulary cannot finish
+        raise DgpipeError(failed.error, "change the guide so that this model's tokens can spell it")
     outputs = []
     for item, res in zip(inputs, results, strict=True):
         text = session.decode(res.tokens)

@@ -337,8 +337,21 @@ class BlockDiffusionRuntime:
                 self.loop.run(rnd, lambda: self._device_step(rnd))
             self.passes["denoise"] += 1
             for slot, res in drafts:
+                if self.results[slot] is not res:  # ended during this pass (a failed guide)
+                    continue
                 res.request.on_draft(res.request, self.amax[slot].tolist(), int(self.step_idx[slot]))  # type: ignore[misc]
-        return slots[self.done[slots]].tolist()
+        # a row whose guide failed was released: it is not finished, it is gone
+        return [s for s in slots[self.done[slots]].tolist() if self.results[s] is not None]
+
+    def _fail_guided_row(self, slot: int, e: Exception) -> None:
+        """End one constrained row whose guide cannot go on (a guide the vocabulary cannot finish: its walk
+        reaches a state where no token is allowed): that request alone ends with the error, its batch
+        keeps going (reason "error", Result.error says why)."""
+        res = self.results[slot]
+        if res is not None:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            res.error = f"the guide cannot be followed over this model's vocabulary: {first}"
+        self._release(slot, "error")
 
     def _advance_guides(
         self, rnd: DenoiseRound, was_done: list[bool], kept: torch.Tensor, prev: torch.Tensor
@@ -351,7 +364,11 @@ class BlockDiffusionRuntime:
             base = res.request.template or []
             pinned = [i < len(base) and base[i] >= 0 for i in range(self.canvas_length)]
             amax = self.amax[slot].tolist()
-            pins = advance(g, amax, prev[r].tolist(), kept[r].tolist(), pinned, self.pad_id)
+            try:
+                pins = advance(g, amax, prev[r].tolist(), kept[r].tolist(), pinned, self.pad_id)
+            except RuntimeError as e:
+                self._fail_guided_row(slot, e)
+                continue
             if pins:
                 pos = torch.tensor(list(pins), device=self.device)
                 tok = torch.tensor(list(pins.values()), device=self.device)
@@ -457,6 +474,13 @@ class BlockDiffusionRuntime:
         return [(t, list(zip(i, v, strict=True))) for t, i, v in zip(token, ids, top, strict=True)]
 
     def _guide_masks(self, rnd: DenoiseRound) -> tuple[torch.Tensor, torch.Tensor] | None:
+        for slot in rnd.slot_list:  # a row whose guide has no mask left fails alone, before the batch's pass
+            g = self.guides[slot]
+            if g is not None and not g.settled(self.canvas_length):
+                try:
+                    g.automaton.allowed(g.state, g.remaining(g.frontier))
+                except RuntimeError as e:
+                    self._fail_guided_row(slot, e)
         guides = [self.guides[s] for s in rnd.slot_list]
         if all(g is None for g in guides):
             return None
@@ -485,7 +509,11 @@ class BlockDiffusionRuntime:
             k = res.request.logprobs
             if (g := self.guides[slot]) is not None:
                 probs = self.guide_probs.pop(slot)
-                block = finish_canvas(g, block, probs, self.pad_id)
+                try:
+                    block = finish_canvas(g, block, probs, self.pad_id)
+                except RuntimeError as e:
+                    self._fail_guided_row(slot, e)
+                    continue
                 self.amax[slot] = torch.tensor(block, device=self.device)  # what the commit writes
                 if k is not None:
                     self._guided_logprobs(slot, block, probs, k)

@@ -165,6 +165,10 @@ def load_session(
     path = Path(model) if model else default_model_path()
     if weights:
         m, ckpt = load_model(path, resolve_dtype(dtype, dev), dev)
+        if dev.type == "cuda":  # FP8 / NVFP4 weights back to their stored format, on tensor cores
+            from pipeline.runtime.tensor_cores import install_from_checkpoint
+
+            install_from_checkpoint(m, path)
     else:
         ckpt = validate_checkpoint(path)  # the headers still have to match the config
         with torch.device("meta"):

@@ -315,7 +315,7 @@ class GuideCompiler:
     ) -> None:
         self.vocab, self.vocab_size, self.end_ids = vocab, vocab_size, tuple(end_ids)
         self._grammar_vocab: GrammarVocab | None = None
-        self._compile = lru_cache(maxsize=cache_size)(self._build)
+        self._compile = lru_cache(maxsize=cache_size)(self.build)
 
     @classmethod
     def from_vocab(cls, vocab: dict[int, bytes], vocab_size: int, end_ids: Sequence[int]) -> GuideCompiler:
@@ -324,7 +324,8 @@ class GuideCompiler:
         self._setup(dict(vocab), vocab_size, end_ids, 32)
         return self
 
-    def _build(self, spec: GuideSpec) -> Guide:
+    def build(self, spec: GuideSpec) -> Guide:
+        """Compile, uncached (a compile worker keeps nothing between guides)."""
         if spec.kind in GRAMMAR_TYPES:
             if not self.end_ids:
                 raise InputError("constrained decoding needs the checkpoint's end token ids")

@@ -468,6 +468,13 @@ def compile_grammar_guide(spec: Any, gv: GrammarVocab) -> GrammarGuide:
     """A json_schema / lark_grammar GuideSpec -> GrammarGuide over the vocabulary."""
     t = time.perf_counter()
     matcher, grammar = compile_grammar(spec.kind, spec.guide, gv.tokenizer)
-    return GrammarGuide(
-        spec, gv.vocab_size, gv.end_ids, matcher, gv.loose, gv.single, grammar, time.perf_counter() - t
-    )
+    try:
+        return GrammarGuide(
+            spec, gv.vocab_size, gv.end_ids, matcher, gv.loose, gv.single, grammar, time.perf_counter() - t
+        )
+    except RuntimeError as e:  # the witness search reached a state no token of this vocabulary continues
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise InputError(
+            f"{spec.kind} guide cannot be completed with this tokenizer's tokens ({first})",
+            "use only text the model's tokens can spell",
+        ) from e

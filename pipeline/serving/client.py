@@ -260,9 +260,6 @@ OPENAI_FIELDS = (
 OPENAI_IMPLIED = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens")
 
 
-GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")
-
-
 def openai_guide(kind: str, guide: str) -> dict[str, Any]:
     """A Triton guide as the OpenAI request's field: response_format for JSON, vLLM's guided_* otherwise."""
     if kind == "json":
@@ -279,7 +276,8 @@ def openai_body(body: dict[str, Any], model: str = MODEL_NAME) -> tuple[str, dic
     """A Triton request body as (path, OpenAI request) for the frontend: `messages` to chat completions,
     `text_input` to completions; always streamed with usage. Inputs the frontend has no field for are refused."""
     unsupported = sorted(
-        set(body) - {"text_input", "messages", "stop_words", *GUIDE_INPUTS, *OPENAI_FIELDS, *OPENAI_IMPLIED}
+        set(body)
+        - {"text_input", "messages", "stop_words", *schema.GUIDE_INPUTS, *OPENAI_FIELDS, *OPENAI_IMPLIED}
     )
     if unsupported:
         raise DgpipeError(

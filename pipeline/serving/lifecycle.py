@@ -32,7 +32,9 @@ from pipeline.endpoints import MODEL_NAME
 TERMINATION_GRACE_S = 120  # the pod's terminationGracePeriodSeconds (k8s/base/deployment.yaml)
 DRAIN_MARGIN_S = 15  # for tritonserver's own exit (model unload) after the drain
 DRAIN_TIMEOUT_S = TERMINATION_GRACE_S - DRAIN_MARGIN_S  # in-flight requests get this long to finish
-EXIT_TIMEOUT_S = 10  # tritonserver --exit-timeout-secs: after a drain nothing is left in flight
+# tritonserver --exit-timeout-secs: after a drain nothing is left in flight, and unloading the model takes
+# well under a second; a longer wait only delays a stop whose unload is stuck (supervisor.unload_timed_out)
+EXIT_TIMEOUT_S = 3
 PING_TIMEOUT_S = 5.0  # a runtime loop that cannot answer within this is wedged (a step is < 1 s)
 STUB_NAME = "triton_python_backend_stub"
 SHM_PREFIX = "triton_python_backend_shm_region_"

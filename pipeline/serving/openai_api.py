@@ -131,6 +131,7 @@ def create_app(
     ready: Callable[[], bool] | None = None,
     admission: Admission | None = None,
     max_prompt_bytes: int = DEFAULTS.max_prompt_bytes,
+    guide_limits: tuple[int, int] = (DEFAULTS.max_guide_bytes, DEFAULTS.max_regex_positions),
 ) -> FastAPI:
     """The frontend for one served model. `stream` sends Triton inputs and yields response chunks (tests
         pass a fake); `api_key` (None: open) guards /v1; `ready` (None: always) decides /health, which also
@@ -151,7 +152,7 @@ def create_app(
         openapi_url=None,
         lifespan=lifespan,
     )
-    app.state.openai = OpenAIServing(stream, model, api_key, ready, max_prompt_bytes)
+    app.state.openai = OpenAIServing(stream, model, api_key, ready, max_prompt_bytes, *guide_limits)
     app.state.admission = admission = admission or Admission()
     app.add_middleware(_Admit, admission=admission)
     install_error_handlers(app)

@@ -18,8 +18,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from pipeline.errors import InputError
 from pipeline.limits import DEFAULTS, request_bytes_limit
 from pipeline.runtime.chat_template import MessagesError, parse_messages
+from pipeline.sampler.guide_size import check_guide_size
 from pipeline.serving.client import Reply
 from pipeline.serving.openai_choices import whole_choice
 from pipeline.serving.openai_errors import error_body, validation_message
@@ -31,6 +33,8 @@ from pipeline.serving.schema import TextError, prompt_too_big, text_bytes
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
 PROMPT_FIELDS = ("prompt", "messages")  # what max_prompt_bytes bounds in an OpenAI request
+# what the guide size limits bound (sampler.guide_size), checked on the raw body before anything compiles
+GUIDE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 # a body over the limit is still read (and dropped) up to this many times it, so its client reads the 413
 DISCARD_FACTOR = 4
 CLIENT_CLOSED = 499  # the status logged for a request whose client left (nobody reads the response)
@@ -45,9 +49,13 @@ class OpenAIServing:
         api_key: str | None = None,
         ready: Callable[[], bool] | None = None,
         max_prompt_bytes: int = DEFAULTS.max_prompt_bytes,
+        max_guide_bytes: int = DEFAULTS.max_guide_bytes,
+        max_regex_positions: int = DEFAULTS.max_regex_positions,
     ) -> None:
         self.stream, self.model, self.api_key, self.ready = stream, model, api_key, ready
         self.max_prompt_bytes = max_prompt_bytes
+        # the served repository's guide size limits, checked here too: an oversized guide goes no further
+        self.max_guide_bytes, self.max_regex_positions = max_guide_bytes, max_regex_positions
         self.created = int(time.time())
 
     def authorize(self, request: Request) -> None:
@@ -131,6 +139,13 @@ class OpenAIServing:
                 raise RequestError(str(e), str(key)) from e
             if key in PROMPT_FIELDS and size > self.max_prompt_bytes:
                 raise RequestError(prompt_too_big(f"'{key}'", size, self.max_prompt_bytes, "text "), key)
+            if key in GUIDE_FIELDS and value is not None:  # before the guide is parsed or checked
+                text = value if isinstance(value, str) else json.dumps(value)
+                kind = "regex" if key == "guided_regex" else "guide"
+                try:
+                    check_guide_size(kind, text, self.max_guide_bytes, self.max_regex_positions, f"'{key}'")
+                except InputError as e:
+                    raise RequestError(str(e), key) from e
 
     async def chat_completion(self, request: Request) -> Any:
         req = await self.parse(request, ChatCompletionRequest)

@@ -51,10 +51,17 @@ class EventWriter:
         self.plan = plan  # openai_tools.ToolPlan: the reply becomes tool calls (None: plain text)
         self.extra: dict[str, Any] = {"usage": None} if include_usage or continuous_usage else {}
 
-    def role(self, index: int = 0) -> str:
-        """A chat stream opens each choice with the assistant's role."""
+    def role(self, index: int = 0, first: Any = None) -> str:
+        """A chat stream opens each choice with the assistant's role; with continuous usage it already
+        carries the prompt's tokens and no completion tokens (as vLLM's does), read from the model's first
+        chunk."""
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        return event({**self.head, "choices": [choice], **self.extra})
+        extra = self.extra
+        if self.continuous_usage and isinstance(first, dict) and first.get("num_input_tokens") is not None:
+            prompt = Reply()
+            prompt.add({"num_input_tokens": first["num_input_tokens"], "num_output_tokens": 0})
+            extra = {"usage": usage([prompt])}
+        return event({**self.head, "choices": [choice], **extra})
 
     def chunk(
         self,
@@ -119,7 +126,7 @@ async def _events(
 ) -> AsyncIterator[str]:
     if writer.chat:
         for i in range(len(streams)):
-            yield writer.role(i)
+            yield writer.role(i, firsts[i])
     canvases = [0] * len(streams)
     try:
         async with aclosing(merged(streams, firsts)) as items:

@@ -223,6 +223,7 @@ OUTPUTS: tuple[TritonTensor, ...] = (
     ),
 )
 INPUT: dict[str, TritonTensor] = {t.name: t for t in INPUTS}
+GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")  # a request with either is guided
 OUTPUT: dict[str, TritonTensor] = {t.name: t for t in OUTPUTS}
 FLAGS = tuple(t.name for t in INPUTS if t.datatype == "BOOL")
 PROMPT_INPUTS = ("text_input", "messages")  # exactly one per request
@@ -240,6 +241,10 @@ class ServerLimits:
     # how long a request may run once it has a batch slot: its deadline
     max_request_seconds: float = float("inf")
     max_prompt_bytes: int = DEFAULTS.max_prompt_bytes  # UTF-8 bytes of a prompt, checked before tokenizing
+    max_guide_bytes: int = DEFAULTS.max_guide_bytes  # UTF-8 bytes of a guide, checked before compiling
+    max_regex_positions: int = DEFAULTS.max_regex_positions  # a regex's unrolled positions, likewise
+    max_guide_seconds: int = DEFAULTS.max_guide_seconds  # wall time compiling one guide may take
+    max_guide_memory_mib: int = DEFAULTS.max_guide_memory_mib  # memory compiling one guide may take
 
 
 def prompt_limit(cap: int, max_positions: int, canvas_length: int) -> int:

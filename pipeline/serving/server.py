@@ -341,6 +341,7 @@ class OpenAIFrontend:
         ready=None,
         drain_timeout: float = 5.0,
         max_prompt_bytes: int = DEFAULTS.max_prompt_bytes,
+        guide_limits: tuple[int, int] = (DEFAULTS.max_guide_bytes, DEFAULTS.max_regex_positions),
     ) -> None:
         self.grpc_url, self.address, self.api_key, self.model, self.ready = (
             grpc_url,
@@ -350,6 +351,7 @@ class OpenAIFrontend:
             ready,
         )
         self.max_prompt_bytes = max_prompt_bytes  # the served repository's prompt cap
+        self.guide_limits = guide_limits  # and its guide size caps (max_guide_bytes, max_regex_positions)
         self.port = port
         self.drain_timeout = drain_timeout  # how long stop() lets open streams finish
         self._server = None
@@ -376,6 +378,7 @@ class OpenAIFrontend:
             self.ready,
             self.admission,
             max_prompt_bytes=self.max_prompt_bytes,
+            guide_limits=self.guide_limits,
         )
         sock = socket.socket(socket.AF_INET6 if ":" in self.address else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -98,13 +98,15 @@ def serve(config: ServeConfig, notices: Notices) -> None:
         admin_key=config.admin_key,
     )
     notices.log(f"starting tritonserver on {config.repo} (log: {server.log}) ...")
-    failure, at_once, died, watchdog = None, False, None, None
+    failure, at_once, died, watchdog, drained = None, False, None, None, False
     try:
         server.start()
         assert server.proc is not None
         watchdog = lifecycle.Watchdog(server.http_url, server.proc.pid, served.name).start()
         notices.show(f"ready  HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}")
-        failure, at_once = _run_until_stopped(config, served, server, watchdog, stop, drain_file, notices)
+        failure, at_once, drained = _run_until_stopped(
+            config, served, server, watchdog, stop, drain_file, notices
+        )
         died = server.proc.poll()  # on its own: nothing here has stopped it yet
     except KeyboardInterrupt:  # a second signal outside the loop (while starting)
         at_once = True
@@ -131,7 +133,24 @@ def serve(config: ServeConfig, notices: Notices) -> None:
     if at_once:
         raise DgpipeError("stopped at once by a second signal: requests in flight were cut")
     if server.proc is not None and server.proc.returncode not in (0, -2, None):
+        if drained and unload_timed_out(server):
+            notices.log(
+                f"tritonserver did not unload the model within its exit timeout ({lifecycle.EXIT_TIMEOUT_S} s) "
+                "although nothing was in flight (it can hold a gRPC stream a client cancelled); its "
+                "processes were stopped"
+            )
+            return
         raise DgpipeError(f"tritonserver exited with code {server.proc.returncode}: {server.tail()}")
+
+
+def unload_timed_out(server: TritonServer) -> bool:
+    """Whether tritonserver's exit failed only on its exit timeout (the model not unloaded in time).
+
+    After a complete drain that is not a lost request: tritonserver 2.51's gRPC stream handler can keep the
+    bookkeeping of a stream whose client cancelled it just as the model sent its final response (the
+    cancellation then waits for a completion callback that already ran), and the model it refers to counts
+    as live until the exit timeout expires. Nothing is computing; the process group is stopped anyway."""
+    return "Exit timeout expired" in server.tail()
 
 
 def _run_until_stopped(
@@ -142,12 +161,12 @@ def _run_until_stopped(
     stop: threading.Event,
     drain_file: Path,
     notices: Notices,
-) -> tuple[str | None, bool]:
+) -> tuple[str | None, bool, bool]:
     """The frontend (if any) until a signal, tritonserver's exit or the watchdog's verdict; a signal drains.
     Returns the watchdog's verdict when the model stopped answering (None otherwise) and whether a second
-    signal asked to stop at once."""
+    signal asked to stop at once, and whether a drain finished with nothing left in flight."""
     assert server.proc is not None
-    frontend, failure, at_once = None, None, False
+    frontend, failure, at_once, drained = None, None, False, False
     try:
         if config.openai_port:
             frontend = OpenAIFrontend(
@@ -159,6 +178,7 @@ def _run_until_stopped(
                 ready=watchdog.ready,
                 drain_timeout=config.drain_timeout,
                 max_prompt_bytes=served.limits.max_prompt_bytes,
+                guide_limits=(served.limits.max_guide_bytes, served.limits.max_regex_positions),
             ).start()
             auth = "  (API key required)" if config.api_key else ""
             notices.show(f"ready  OpenAI {frontend.url}{auth}")
@@ -167,7 +187,7 @@ def _run_until_stopped(
             pass
         failure = watchdog.failed
         if stop.is_set():
-            drain(server, frontend, drain_file, config.drain_timeout, notices)
+            drained = drain(server, frontend, drain_file, config.drain_timeout, notices)
     except KeyboardInterrupt:  # a second signal
         at_once = True
         notices.log("stopping now ...")
@@ -176,13 +196,14 @@ def _run_until_stopped(
         if frontend is not None:
             frontend.stop(timeout=0 if at_once else 5)
         notices.log("stopping tritonserver ...")
-    return failure, at_once
+    return failure, at_once, drained and not at_once
 
 
 def drain(
     server: TritonServer, frontend: OpenAIFrontend | None, drain_file: Path, timeout: float, notices: Notices
-) -> None:
-    """Stop admitting (frontend 503, model UNAVAILABLE), then wait for requests in flight to finish."""
+) -> bool:
+    """Stop admitting (frontend 503, model UNAVAILABLE), then wait for requests in flight to finish;
+    whether they all did."""
     notices.log(f"draining: new requests are refused; waiting up to {timeout:g} s for those in flight ...")
     if frontend is not None:
         frontend.drain()
@@ -190,9 +211,10 @@ def drain(
     busy = frontend.inflight if frontend is not None else (lambda: 0)
     if lifecycle.wait_drained(server.metrics_url, timeout, busy):
         notices.log("drained: nothing in flight")
-    else:
-        left = lifecycle.active_requests(server.metrics_url)
-        notices.log(f"drain timeout: {left or 0:g} request(s) still in flight are cut")
+        return True
+    left = lifecycle.active_requests(server.metrics_url)
+    notices.log(f"drain timeout: {left or 0:g} request(s) still in flight are cut")
+    return False
 
 
 def serve_frontend(

@@ -173,7 +173,13 @@ def triton_model(monkeypatch):
         canvas_length=canvas,
         max_len=context_length(limits.max_prompt, limits.max_tokens, canvas),
     )
-    m.core = ServingCore(FakeSession(), runtime, limits, Metrics(mod.TritonMetrics()))
+    from pipeline.serving.core.guides import Guides
+
+    session, metrics = FakeSession(), Metrics(mod.TritonMetrics())
+    # the stand-in session has no tokenizer for a compile child: its guides compile in this process
+    m.core = ServingCore(
+        session, runtime, limits, metrics, guides=Guides(session, limits, metrics, in_child=False)
+    )
     return m
 
 

@@ -4,35 +4,62 @@ repository that serves the quantized checkpoint, and refusals before anything is
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests._utils.cli import dgpipe
+from tests._utils.cli import DGPIPE, ROOT, dgpipe
 
 pytest.importorskip("modelopt", reason="nvidia-modelopt is not installed (pip install dgpipe[quantize])")
 pytest.importorskip("onnxruntime", reason="onnx/onnxruntime are not installed (pip install dgpipe[engine])")
 
 from pipeline.sampler.kernels.build import find_nvcc
 
+ARGS = ("--precision", "fp8", "--target", "sm90,sm100", "--calib-size", "8")
 
-@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found: the sampler PTX cannot be compiled")
-def test_fp8_build_writes_every_stage_and_defers_the_engine(tmp_path: Path):
-    build = tmp_path / "build"
-    proc = dgpipe(
-        "build",
-        "--precision",
-        "fp8",
-        "--target",
-        "sm90,sm100",
-        "--calib-size",
-        "8",
-        "--build-dir",
-        str(build),
-        "--json",
-    )
+
+def _events(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.strip()]
+
+
+def _finished(events: list[dict]) -> dict:
+    return next(e for e in events if e["event"] == "build_finished")
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory) -> dict:
+    """One build for the module, interrupted once: SIGINT as soon as the export stage starts (quantize has
+    finished and is recorded), then the same command again, which resumes; then a text-mode re-run."""
+    if find_nvcc() is None:
+        pytest.skip("nvcc not found: the sampler PTX cannot be compiled")
+    build = tmp_path_factory.mktemp("build") / "build"
+    argv = [*DGPIPE, "build", *ARGS, "--build-dir", str(build), "--json"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    interrupted = []
+    for line in first.stdout:
+        interrupted.append(json.loads(line))
+        if interrupted[-1].get("event") == "stage_started" and interrupted[-1]["stage"] == "export":
+            first.send_signal(signal.SIGINT)
+    first.wait(timeout=120)
+    resumed = dgpipe("build", *ARGS, "--build-dir", str(build), "--json")
+    again = dgpipe("build", *ARGS, "--build-dir", str(build))
+    return {
+        "dir": build,
+        "interrupted": (first.returncode, interrupted, first.stderr.read()),
+        "resumed": resumed,
+        "again": again,
+    }
+
+
+def test_fp8_build_writes_every_stage_and_defers_the_engine(build):
+    proc = build["resumed"]
+    build = build["dir"]
     assert proc.returncode == 0, proc.stderr
-    summary = json.loads(proc.stdout)
+    summary = _finished(_events(proc.stdout))["summary"]
     assert summary["targets"] == ["sm90", "sm100"]
     man = json.loads((build / "build_manifest.json").read_text())
     assert list(man["stages"]) == ["quantize", "export", "engine", "package"]
@@ -54,7 +81,10 @@ def test_fp8_build_writes_every_stage_and_defers_the_engine(tmp_path: Path):
         rec = man["stages"]["engine"]["details"]["engines"][t]
         assert rec["status"] == "deferred" and "TensorRT" in rec["reason"]
         assert rec["command"][rec["command"].index("--output") + 1] == "model_repository/dgpipe/1"
-    assert "built on the target node" in proc.stderr  # the summary says what happens on the target
+    # the engine stage's lines say what happens on the target
+    assert any(
+        "built on the target node" in line for e in _events(proc.stdout) for line in e.get("lines", [])
+    )
     version = build / "model_repository" / "dgpipe" / "1"
     assert (version / "checkpoint" / "hf_quant_config.json").is_file() and (version / "model.py").is_file()
 
@@ -72,3 +102,55 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path: Path, args, m
     proc = dgpipe("build", *args, "--build-dir", str(tmp_path / "build"))
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "build").exists()
+
+
+def test_an_interrupted_build_resumes_from_the_last_finished_stage(build):
+    code, events, stderr = build["interrupted"]
+    assert code == 130 and "Traceback" not in stderr and events[-1]["event"] == "interrupted"
+    assert [e["stage"] for e in events if e["event"] == "stage_finished"] == ["validate", "quantize"]
+    resumed = _events(build["resumed"].stdout)
+    assert [e["stage"] for e in resumed if e["event"] == "stage_skipped"] == ["quantize"]
+    finished = [e["stage"] for e in resumed if e["event"] == "stage_finished"]
+    assert finished == ["validate", "export", "engine", "package"]
+    man = json.loads((build["dir"] / "build_manifest.json").read_text())
+    assert all(len(rec["fingerprint"]) == 64 for rec in man["stages"].values())
+
+
+def test_the_json_stream_announces_each_stage_and_shows_progress_with_an_eta(build):
+    events = _events(build["resumed"].stdout)
+    assert events[0] == {"event": "stage_started", "stage": "validate", "what": events[0]["what"]}
+    export = [e for e in events if e["event"] == "progress" and e["stage"] == "export"]
+    assert export[0]["phase"] == "read checkpoint" and export[0]["done"] == 0 and export[0]["eta"] is None
+    assert [e["done"] for e in export] == list(range(len(export))) and export[-1]["eta"] is not None
+    assert all(e["total"] == 8 for e in export)  # reading the checkpoint + the export's seven steps
+    rows = _finished(events)["rows"]
+    assert [(r["stage"], r["status"]) for r in rows] == [
+        ("validate", "ran"),
+        ("quantize", "skipped"),
+        ("export", "ran"),
+        ("engine", "ran"),
+        ("package", "ran"),
+    ]
+    assert _finished(events)["engines"]["sm90"]["status"] == "deferred"
+    assert _finished(events)["next_command"].startswith("dgpipe serve --repo ")
+
+
+def test_the_console_shows_the_stages_and_the_summary_and_no_third_party_line(build):
+    proc = build["again"]
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.splitlines()
+    skips = [x.split()[2] for x in out if " skip " in x]
+    assert skips == ["quantize:", "export:", "engine:", "package:"]  # nothing changed: every stage skipped
+    table = out[out.index(next(x for x in out if x.startswith("stage "))) :]
+    assert [row.split()[:2] for row in table[1:6]] == [
+        ["validate", "ran"],
+        ["quantize", "skipped"],
+        ["export", "skipped"],
+        ["engine", "skipped"],
+        ["package", "skipped"],
+    ]
+    assert table[6].startswith("engine sm90: deferred to the target node")
+    assert "next: dgpipe serve --repo" in table[8]
+    log = (build["dir"] / "build.log").read_text()
+    assert "Tied weight (declared)" in log  # ModelOpt's export lines went to the log, not the console
+    assert "Tied weight" not in proc.stdout + proc.stderr and "Warning" not in proc.stdout + proc.stderr

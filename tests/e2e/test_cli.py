@@ -41,7 +41,7 @@ def test_help_lists_every_command_without_importing_them():
     *help_lines, imported = proc.stdout.strip().splitlines()
     assert imported == "[]"
     listed = {line.split()[1] for line in help_lines if line.startswith("│ ") and not line.startswith("│  ")}
-    assert listed >= set(COMMANDS) and len(COMMANDS) == 14
+    assert listed >= set(COMMANDS) and len(COMMANDS) == 15
 
 
 def test_registry_help_is_each_commands_own():

@@ -282,3 +282,49 @@ def test_a_second_ctrl_c_stops_at_once_and_a_killed_tritonserver_leaves_nothing_
         assert not any((Path("/dev/shm") / r).exists() for r in regions)
     finally:
         srv.stop()
+
+
+def test_sigterm_after_a_hundred_cancelled_streams_exits_0_within_seconds_leaving_nothing(tmp_path):
+    """100 OpenAI streams that their clients close (a third before the first chunk, the rest after it, as
+    load tools' time-outs do), then SIGTERM: `dgpipe serve` exits 0 within seconds, no process of the serve
+    tree and no shared memory left. (tritonserver 2.51 can keep a stream cancelled just as the model sent
+    its final response and then fails its own exit on the exit timeout: after a complete drain that is not
+    a failure, and the supervisor says so.)"""
+    import concurrent.futures
+
+    import openai
+
+    srv = start_serve(repo_for(tmp_path), tmp_path)
+    try:
+        regions, tree = our_regions(srv), serve_tree(srv)
+        client = openai.OpenAI(base_url=srv.openai, api_key="none", max_retries=0, timeout=60)
+
+        def cancelled(i: int) -> None:
+            stream = client.chat.completions.create(
+                model="dgpipe",
+                messages=[{"role": "user", "content": PUZZLE}],
+                max_tokens=82,
+                stream=True,
+                seed=i,
+                extra_body={"max_denoising_steps": 40},
+            )
+            if i % 3:
+                next(iter(stream))
+                time.sleep(i % 5 * 0.1)
+            stream.close()
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            list(pool.map(cancelled, range(100)))
+        wait_for(
+            lambda: metric(srv.metrics, "dgpipe_active_requests") == 0, 60, "the cancelled requests to end"
+        )
+        started = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == 0, srv.stderr.read_text()[-2000:]
+        assert time.monotonic() - started < 10
+        assert "drained: nothing in flight" in srv.stderr.read_text()
+        time.sleep(0.5)
+        assert not any(alive(pid) for pids in tree.values() for pid in pids), tree
+        assert not any((Path("/dev/shm") / r).exists() for r in regions)
+    finally:
+        srv.stop()

@@ -210,6 +210,26 @@ def test_frontend_only_in_front_of_a_running_triton_and_an_unreachable_one(serve
         proc.wait(30)
 
 
+def test_bench_serve_openai_drives_the_endpoint_as_load_tools_do(served, tmp_path):
+    """`dgpipe bench serve --openai --url`: streamed chat requests with the fields AIPerf and guidellm send
+    (ignore_eos, min_tokens, continuous usage), all answered at the asked length with usage on every chunk;
+    `dgpipe bench requests` writes the same requests for the tools themselves."""
+    args = ["bench", "serve", "--openai", "--url", served.openai, "--concurrency", "2", "--requests", "4"]
+    args += ["--output-tokens", "164", "--out", str(tmp_path)]
+    dgpipe(*args, env={"DGPIPE_API_KEY": KEY}, ok=True)
+    result = json.loads((tmp_path / "serve_openai_load.json").read_text())
+    assert result["model"] == "dgpipe" and result["output_tokens_asked"] == [164]
+    assert {"ignore_eos", "min_tokens", "stream_options"} <= set(result["fields"])
+    (row,) = result["rows"]
+    assert row["concurrency"] == 2 and row["requests"] == 4 and row["errors"] == 0, row["error_examples"]
+    assert row["output_tokens_mean"] == 164  # two canvases, run to the end: the end token ignored
+    assert row["usage_on_every_chunk"] and row["usage_monotonic"]
+    assert 0 < row["ttft_p50_ms"] < row["latency_p50_ms"] and row["itl_p50_ms"] > 0
+    dgpipe("bench", "requests", str(tmp_path / "reqs.jsonl"), "--requests", "3", ok=True)
+    rows = [json.loads(line) for line in (tmp_path / "reqs.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(sudoku.parse_puzzle(r["text"]) and r["output_length"] == 82 for r in rows)
+
+
 def test_serve_prints_the_openai_url_and_ctrl_c_stops_both(served):
     """Last in the file: it stops the module's server."""
     assert served.openai.startswith("http://127.0.0.1:") and served.openai.endswith("/v1")

@@ -86,7 +86,7 @@ class Intake:
             if parsed.infill_template is not None
             else session.default_template(parsed.prompt)
         )
-        guide = None if parsed.guide is None else session.compile_guide(*parsed.guide)
+        guide = None if parsed.guide is None else core.guides.compiled(*parsed.guide)
         job = Job(
             channel, next(core.ids), prompt_ids, parsed.flags, parsed.stop_words, timeout_s=parsed.timeout_s
         )

@@ -45,6 +45,10 @@ def server_limits(params: dict[str, str], positions: int, canvas_length: int) ->
         max_prompt=schema.prompt_limit(limits.max_prompt, positions, canvas_length),
         max_request_seconds=float(limits.max_request_seconds),
         max_prompt_bytes=limits.max_prompt_bytes,
+        max_guide_bytes=limits.max_guide_bytes,
+        max_regex_positions=limits.max_regex_positions,
+        max_guide_seconds=limits.max_guide_seconds,
+        max_guide_memory_mib=limits.max_guide_memory_mib,
     )
 
 

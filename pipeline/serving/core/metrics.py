@@ -47,6 +47,13 @@ class Metrics:
             "dgpipe_active_requests", "Requests accepted and not yet answered (in the batch or queued)"
         )
         self.queued = make.gauge("dgpipe_queued_requests", "Accepted requests waiting for a batch slot")
+        self.guide_cache_hits = make.counter(
+            "dgpipe_guide_cache_hits_total", "Constrained-decoding guides found compiled in the cache"
+        )
+        self.guide_cache_misses = make.counter(
+            "dgpipe_guide_cache_misses_total",
+            "Constrained-decoding guides compiled (or refused) in the compile child",
+        )
         self._histograms(make)
         self._lock = threading.Lock()
         self._load = (0, 0)
@@ -66,6 +73,11 @@ class Metrics:
         )
         self.steps_per_canvas = make.histogram(
             "dgpipe_steps_per_canvas", "Denoise steps per committed canvas", STEP_BUCKETS
+        )
+        self.guide_compile_seconds = make.histogram(
+            "dgpipe_guide_compile_seconds",
+            "Compile time of a constrained-decoding guide that was not cached (limit: max_guide_seconds)",
+            LATENCY_BUCKETS,
         )
         self.request_latency = make.histogram(
             "dgpipe_request_latency_seconds",

@@ -102,6 +102,9 @@ class Progress:
             message = expired_message(job.timeout_s, job.canvases, core.limits.max_request_seconds)
             core.fail(job, Failure(ErrorKind.TIMEOUT, message))
             return
+        if reason == "error":  # this request's guide could not go on; the batch went on without it
+            core.fail(job, Failure(ErrorKind.INVALID_REQUEST, res.error or "the request failed"))
+            return
         for steps in res.steps_per_canvas:
             m.steps.increment(steps)
             m.steps_per_canvas.observe(steps)

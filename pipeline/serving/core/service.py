@@ -8,10 +8,12 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pipeline.serving.core.drain import DrainSignal
 from pipeline.serving.core.engine_loop import EngineLoop
+from pipeline.serving.core.guides import Guides
 from pipeline.serving.core.intake import InputGetter, Intake
 from pipeline.serving.core.jobs import Job
 from pipeline.serving.core.metrics import Metrics
@@ -19,7 +21,7 @@ from pipeline.serving.core.progress import Progress
 from pipeline.serving.core.responses import Channel, Failure
 from pipeline.serving.core.shutdown import SHUTTING_DOWN, shut_down
 from pipeline.serving.error_kinds import ErrorKind
-from pipeline.serving.schema import DRAINING, HEALTH_PARAMETER, ServerLimits
+from pipeline.serving.schema import DRAINING, GUIDE_INPUTS, HEALTH_PARAMETER, INPUT, ServerLimits
 
 
 class ServingCore:
@@ -31,6 +33,7 @@ class ServingCore:
         metrics: Metrics,
         drain: DrainSignal | None = None,
         log_error: Callable[[str], None] = lambda message: None,
+        guides: Guides | None = None,
     ) -> None:
         self.session, self.runtime, self.limits, self.metrics = session, runtime, limits, metrics
         self.drain = drain or DrainSignal(None)
@@ -42,6 +45,10 @@ class ServingCore:
         self.pings: queue.Queue = queue.Queue()
         self.jobs: dict[int, Job] = {}  # submitted to the runtime, not yet answered
         self.intake, self.progress, self.loop = Intake(self), Progress(self), EngineLoop(self)
+        self.guides = guides or Guides(session, limits, metrics)
+        # guided requests are taken in here (their guide compiled, or found cached) so that the transport's
+        # thread, which also carries health pings and every other request, never waits on a compile
+        self.guided_intake = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dgpipe-guides")
         self.admit_lock = threading.Lock()
         self.running = self.stopped = False
         self.worker: threading.Thread | None = None
@@ -53,7 +60,11 @@ class ServingCore:
 
     def stop(self) -> int:
         """Stop and answer every request still queued or in flight; returns how many were answered."""
-        return shut_down(self)
+        answered = shut_down(self)
+        self.guides.close()  # a compile under way ends now; its request is answered as shutting down
+        # requests still waiting for an intake thread run (fast: nothing compiles now) and are answered so
+        self.guided_intake.shutdown(wait=False)
+        return answered
 
     def accept(self, get: InputGetter, parameters: Mapping[str, Any], channel: Channel) -> None:
         """Take one request: refused (draining, shutting down, invalid), a health ping, or queued."""
@@ -65,10 +76,26 @@ class ServingCore:
             if HEALTH_PARAMETER in parameters:
                 self._queue(self.pings, channel, channel)
                 return
+            if any(get(name) is not None for name in GUIDE_INPUTS):
+                inputs = {name: get(name) for name in INPUT}  # read now: the transport's request may go
+                self.guided_intake.submit(self._take, inputs.get, dict(parameters), channel)
+                return
+        except Exception as e:  # a bad request is answered alone; the batch keeps going
+            self.metrics.rejected.increment(1)
+            channel.send(Failure(ErrorKind.INVALID_REQUEST, str(e)))
+            return
+        self._take(get, parameters, channel)
+
+    def _take(self, get: InputGetter, parameters: Mapping[str, Any], channel: Channel) -> None:
+        """Build the request (checks, prompt, guide) and queue it for the runtime loop, or refuse it."""
+        try:
             if self._queue(self.inbox, self.intake.build(get, parameters, channel), channel):
                 self.metrics.requests.increment(1)
                 self.update_load()
         except Exception as e:  # a bad request is answered alone; the batch keeps going
+            if self.stopped:  # its guide's compile child went with the shutdown: not the request's fault
+                channel.send(Failure(ErrorKind.UNAVAILABLE, SHUTTING_DOWN))
+                return
             self.metrics.rejected.increment(1)
             channel.send(Failure(ErrorKind.INVALID_REQUEST, str(e)))
 

@@ -25,6 +25,7 @@ class CoreState(Protocol):
     pings: queue.Queue  # health pings' channels, answered by the runtime loop
     jobs: dict[int, Job]  # submitted to the runtime, not yet answered
     progress: Any  # progress.Progress: the runtime's callbacks for the jobs
+    guides: Any  # guides.Guides: requests' guides, compiled off the execute thread and cached
     admit_lock: threading.Lock
     running: bool
     stopped: bool

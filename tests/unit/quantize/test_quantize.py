@@ -1,5 +1,5 @@
 """Quantization with ModelOpt: export layout, dequantization and activation fake-quant against ModelOpt's own
-math, the runtime on exported checkpoints, adapters, bad input, the memory planner CLI and the gate.
+math, the runtime on exported checkpoints, bad input, the memory planner CLI and the gate.
 
 One module-scoped fixture quantizes the embedded model to fp8, int4_awq and nvfp4 (small calibration) and
 keeps what ModelOpt's in-memory model computes, so the exported artifact is checked against it."""
@@ -257,44 +257,6 @@ def test_calibration_loop_runs_prefill_denoise_with_self_conditioning_and_commit
     make_forward_loop(SudokuFormat().calibration_prompts(2, CALIB_SEED), steps=3, batch=2)(model)
     assert calls == ["enc", "dec", "dec", "dec", "enc"]  # prefill, 3 denoise steps, commit
     assert sc_seen == [False, True, True]
-
-
-# ---- adapters ------------------------------------------------------------------------------------------
-def _make_lora(out: Path, pattern: str, seed: int = 0) -> Path:
-    from peft import LoraConfig, get_peft_model
-    from transformers import DiffusionGemmaForBlockDiffusion
-
-    torch.manual_seed(seed)
-    m = DiffusionGemmaForBlockDiffusion.from_pretrained(EMBEDDED_MODEL, dtype=torch.float32)
-    get_peft_model(
-        m, LoraConfig(r=4, lora_alpha=8, target_modules=pattern, init_lora_weights=False)
-    ).save_pretrained(out)
-    return out
-
-
-def test_adapter_merge_matches_peft_and_refuses_foreign_or_untied(tmp_path):
-    from peft import PeftModel
-    from transformers import DiffusionGemmaForBlockDiffusion
-
-    from quantize.adapter import merge_adapter
-
-    dec_only = _make_lora(tmp_path / "dec", r".*decoder\.layers\.\d+\.self_attn\.(q_proj|o_proj)")
-    load = lambda: DiffusionGemmaForBlockDiffusion.from_pretrained(EMBEDDED_MODEL, dtype=torch.float32)
-    ours = merge_adapter(load(), EMBEDDED_MODEL, dec_only)
-    ref = PeftModel.from_pretrained(load(), dec_only).merge_and_unload()
-    w, w_ref, w0 = (m.model.decoder.layers[2].self_attn.o_proj.weight for m in (ours, ref, load()))
-    torch.testing.assert_close(w, w_ref)
-    assert (w - w0).abs().max() > 1e-3
-
-    cfg = json.loads((dec_only / "adapter_config.json").read_text())
-    cfg["base_model_name_or_path"] = "google/gemma-3-1b-it"
-    (dec_only / "adapter_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(DgpipeError, match="was trained on 'google/gemma-3-1b-it'"):
-        merge_adapter(load(), EMBEDDED_MODEL, dec_only)
-
-    both = _make_lora(tmp_path / "both", r".*(decoder|language_model)\.layers\.\d+\.self_attn\.q_proj")
-    with pytest.raises(DgpipeError, match="different LoRA deltas for the tied encoder and decoder"):
-        merge_adapter(load(), EMBEDDED_MODEL, both)
 
 
 # ---- bad input, atomic output, planner CLI, gate ----------------------------------------------------------

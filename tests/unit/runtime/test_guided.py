@@ -153,3 +153,32 @@ def test_sudoku_model_under_a_digits_regex_gives_clean_grids():
         grid = s.decode(res.tokens)
         assert re.fullmatch("[1-9]{81}", grid), grid
         assert all(g == "." or g == c for g, c in zip(p, grid, strict=True))  # givens kept
+
+
+def test_a_guide_the_vocabulary_cannot_finish_is_refused_or_fails_its_row_alone(session):
+    """Over an ASCII vocabulary, `start: "ab" "é"` cannot be finished: refused when compiled (its only
+    output cannot be spelled). `start: "x" | "ab" "é"` can (`x`), so it compiles; a walk that takes `a`,
+    `b` is then stuck: that request alone ends with the error (reason "error"), the other seeds and a
+    request batched with them are served as if alone."""
+    from pipeline.errors import InputError
+
+    with pytest.raises(InputError, match="cannot be completed with this tokenizer's tokens"):
+        session.compile_guide("lark_grammar", 'start: "ab" "\u00e9"')
+    seeds = range(8)
+    stuck = requests(session, "lark_grammar", 'start: "x" | "ab" "\u00e9"', seeds)
+    fine = requests(session, "regex", "[1-9]{5}", [4])
+    alone = BlockDiffusionRuntime(session.model, max_batch=1).generate(
+        requests(session, "regex", "[1-9]{5}", [4])
+    )
+    *grammar, good = BlockDiffusionRuntime(session.model, max_batch=9).generate([*stuck, *fine])
+    failed = [r for r in grammar if r.finish_reason == "error"]
+    assert failed and len(failed) < len(grammar)
+    for r in failed:
+        assert r.tokens == [] and r.error.startswith(
+            "the guide cannot be followed over this model's vocabulary: "
+        )
+        assert "\n" not in r.error
+    for r in grammar:
+        if r.finish_reason != "error":
+            assert (r.finish_reason, session.decode(r.tokens)) == ("stop", "x")
+    assert (good.finish_reason, good.tokens) == ("stop", alone[0].tokens)

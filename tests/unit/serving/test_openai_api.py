@@ -406,6 +406,30 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk():
     assert events[-1]["choices"] == []  # the include_usage chunk still ends the stream
 
 
+def test_continuous_usage_stats_in_a_chat_stream_starts_with_the_prompt_tokens_on_the_role_chunk():
+    """As vLLM does: the role chunk already carries usage (prompt tokens, 0 completion tokens), so a load
+    tool reading usage on every chunk (AIPerf --per-chunk-usage) finds it on every one."""
+    chunks = [
+        {"text_output": ["12"], "num_input_tokens": [5], "num_output_tokens": [2]},
+        {"text_output": ["34"], "num_input_tokens": [5], "num_output_tokens": [4]},
+        FINAL,
+    ]
+    c, _ = client(FakeTriton(chunks))
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    events = sse(c.post("/v1/chat/completions", json={**CHAT, "stream": True, "stream_options": options}))
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert [e["usage"]["completion_tokens"] for e in events] == [0, 2, 4, 4, 4]
+    assert [e["usage"]["total_tokens"] for e in events] == [5, 7, 9, 9, 9]
+    # without continuous usage the role chunk's usage stays null (OpenAI's shape with include_usage)
+    events = sse(
+        c.post(
+            "/v1/chat/completions",
+            json={**CHAT, "stream": True, "stream_options": options | {"continuous_usage_stats": False}},
+        )
+    )
+    assert events[0]["usage"] is None
+
+
 def test_a_deadline_inside_a_stream_carries_the_same_code_as_without_a_stream():
     deadline = TritonError("request ran past its deadline of 2 s", ErrorKind.TIMEOUT)
     c, _ = client(FakeTriton(error=deadline, error_after=1))

@@ -96,3 +96,26 @@ def test_cli_client_sends_the_guide_as_openai_fields_the_frontend_maps_back(kind
         calls[0]["guided_decoding_guide_type"],
         calls[0]["guided_decoding_guide"],
     ) == (kind, guide)
+
+
+def test_guides_over_the_served_size_limits_are_refused_before_they_are_parsed():
+    """The repository's guide size limits hold in the frontend too (the model checks them again): a 400
+    naming the field and the limit, and nothing sent to Triton."""
+    calls: list[dict] = []
+
+    async def triton(inputs):
+        calls.append(inputs)
+        yield FINAL
+
+    http = TestClient(create_app(triton, guide_limits=(200, 50)))
+    big = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(20)}}
+    for extra, field, limit in (
+        ({"guided_regex": "[1-9]{51}"}, "guided_regex", "max_regex_positions"),
+        ({"guided_json": big}, "guided_json", "max_guide_bytes"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": big}}}, "response_format", "max_guide_bytes"),
+    ):  # fmt: skip
+        r = http.post("/v1/chat/completions", json={**CHAT, **extra})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == field and f"({limit})" in err["message"], r.json()
+    assert calls == []
+    assert http.post("/v1/chat/completions", json={**CHAT, "guided_regex": "[1-9]{50}"}).status_code == 200

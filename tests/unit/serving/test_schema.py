@@ -356,9 +356,9 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
     inputs = {"text_input": arr("text_input", PROMPT)}
     inputs |= {n: schema.input_array(n, v) for n, v in values.items()}
     req = FakeRequest(inputs)
-    model.execute([req])
+    model.execute([req])  # a guided request is taken in off the execute thread (its guide may compile)
+    job, request = model.core.inbox.get(timeout=10)
     assert not req.sender.sent
-    job, request = model.core.inbox.get_nowait()
     assert (request.max_tokens, request.seed, job.stop_words) == (82, 7, ["9", "x"])
     assert job.flags == {f: True for f in schema.FLAGS} and request.on_draft is not None
     knobs = {t.name for t in schema.INPUTS if t.sampler}

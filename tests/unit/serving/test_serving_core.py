@@ -294,3 +294,37 @@ def test_top_logprobs_needs_return_log_probs():
     assert channel.sent[-1] == Failure(
         ErrorKind.INVALID_REQUEST, "input 'top_logprobs' must be in [0, 20] (got 21)"
     )
+
+
+def test_a_request_waiting_on_its_guide_at_shutdown_is_answered_not_left_hanging():
+    """The guide compiles on an intake thread; the model stops meanwhile: that request is answered as the
+    queued ones are (shutting down), and so is one still waiting for an intake thread."""
+    import threading
+
+    from pipeline.serving.core.guides import Guides
+
+    release, compiling = threading.Event(), threading.Event()
+
+    class GuidedSession(Session):
+        tokenizer = None
+
+        def compile_guide(self, kind: str, guide: str):
+            compiling.set()
+            release.wait(10)
+            return types.SimpleNamespace(kind=kind, guide=guide)
+
+    limits = schema.ServerLimits(max_tokens=64, max_steps=8, max_prompt=50, max_request_seconds=30.0)
+    metrics = Metrics(RecordingFactory())
+    session = GuidedSession()
+    c = ServingCore(
+        session, Runtime(), limits, metrics, guides=Guides(session, limits, metrics, in_child=False)
+    )
+    guide = {"guided_decoding_guide_type": "regex", "guided_decoding_guide": "[0-9]+"}
+    channels = [Channel() for _ in range(3)]  # 2 intake threads: the third waits for one
+    for ch in channels:
+        c.accept(inputs("ab", **guide).get, {}, ch)
+    assert compiling.wait(5)
+    c.stop()
+    release.set()
+    c.guided_intake.shutdown(wait=True)
+    assert all(ch.sent == [Failure(ErrorKind.UNAVAILABLE, SHUTTING_DOWN)] for ch in channels), channels

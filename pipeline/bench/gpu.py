@@ -1,0 +1,393 @@
+"""`dgpipe bench gpu`: everything only a GPU can show, as one command that ends within 8 minutes.
+
+The checks, in order, each in its own subprocess under its own time budget (the budgets add up to at most
+`TOTAL_BUDGET_S`, so the command ends in time by construction, whatever hangs):
+1. build the CUDA sampler kernels (torch extension, nvcc + ninja);
+2. the GPU tests (tests/gpu): fused sampler kernels against the PyTorch oracle, CUDA-graph runtime against
+   eager, tensor-core linears/experts against the dequantized reference (and the TensorRT checks, which
+   skip without TensorRT);
+3. the 26B-A4B random-weight denoise pass in bf16, FP8 and (where the GPU has FP4 tensor cores) NVFP4,
+   each format through the kernels `pipeline.runtime.dispatch` picks for this GPU, at batch 1 and 16:
+   eager and CUDA-graph milliseconds per pass against the HBM floor of the byte model (peak bandwidth
+   from configs/targets, and the measured device copy bandwidth);
+4. the largest batch whose pass fits in GPU memory (doubling from 16, fastest format).
+
+Needs torch with CUDA, nvcc (and ninja) for the kernels, pytest for the tests; nothing is downloaded.
+`--dry-run` lists every check with the reason it would be skipped here, and runs nothing.
+Results: `gpu.json` and `gpu.md` (one table) in `--out`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from pipeline.atomic import atomic_write_text
+from pipeline.bench.results import save_result
+from pipeline.runtime.dispatch import arch_of
+from pipeline.targets import precision
+
+RESULT_FILE, TABLE_FILE = "gpu.json", "gpu.md"
+TOTAL_BUDGET_S = 480  # the whole command, checks and their subprocess start-up included
+CONFIG = "diffusiongemma-26b-a4b"
+PASS_BATCHES = (1, 16)
+CONTEXT = 256  # cached prompt tokens under each measured pass
+BF16_NEEDS_GIB = 64  # 26B bf16 weights (~51 GB) plus batch-16 logits and activations
+FP4_ARCHS = tuple(precision("nvfp4").native_on)  # GPUs with FP4 tensor cores (configs/precisions)
+FP8_ARCHS = tuple(precision("fp8").native_on)
+
+
+@dataclass(frozen=True)
+class GpuCheck:
+    name: str
+    budget_s: int
+    what: str
+    argv: tuple[str, ...]  # run as `python <argv...>` from the repository root
+    needs: tuple[str, ...]  # "cuda", "nvcc", "ninja", "pytest", "fp8", "fp4", "memory"
+
+
+def _pass(fmt: str) -> GpuCheck:
+    needs = ("cuda", "memory") + {"bf16": (), "fp8": ("fp8",), "nvfp4": ("fp4",)}[fmt]
+    return GpuCheck(
+        f"26B pass {fmt}", 55, f"26B-A4B random {fmt} weights, batch {','.join(map(str, PASS_BATCHES))}: ms vs floor",
+        ("-m", "pipeline.bench.gpu", "pass", fmt), needs,
+    )  # fmt: skip
+
+
+CHECKS: tuple[GpuCheck, ...] = (
+    GpuCheck(
+        "build sampler kernels",
+        110,
+        "nvcc build of the fused sampler (torch extension)",
+        ("-c", "from pipeline.sampler.kernels.build import load_torch_extension as b; b()"),
+        ("cuda", "nvcc", "ninja"),
+    ),
+    GpuCheck(
+        "gpu tests",
+        150,
+        "tests/gpu: kernels vs PyTorch oracle, CUDA graph vs eager, scaled GEMMs vs reference",
+        ("-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu"),
+        ("cuda", "pytest"),
+    ),
+    _pass("bf16"),
+    _pass("fp8"),
+    _pass("nvfp4"),
+    GpuCheck(
+        "largest batch",
+        50,
+        "largest batch whose pass fits, doubling from 16 (fastest format here)",
+        ("-m", "pipeline.bench.gpu", "largest"),
+        ("cuda", "memory"),
+    ),
+)
+assert sum(c.budget_s for c in CHECKS) <= TOTAL_BUDGET_S
+
+
+@dataclass
+class Env:
+    cuda: bool
+    gpu: str = ""
+    arch: str | None = None
+    memory_gib: float = 0.0
+    driver: str = ""
+    torch: str = ""
+    cuda_version: str | None = None
+    nvcc: bool = False
+    ninja: bool = False
+    pytest: bool = False
+
+
+def detect_env() -> Env:
+    from pipeline.sampler.kernels.build import find_nvcc
+
+    tools = {"nvcc": find_nvcc() is not None, "ninja": shutil.which("ninja") is not None or _has("ninja"),
+             "pytest": _has("pytest")}  # fmt: skip
+    versions = {"torch": torch.__version__, "cuda_version": torch.version.cuda}
+    if not torch.cuda.is_available():
+        return Env(cuda=False, **versions, **tools)
+    p = torch.cuda.get_device_properties(0)
+    return Env(
+        True, p.name, arch_of(p.major, p.minor), p.total_memory / 2**30, _driver(), **versions, **tools
+    )
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _driver() -> str:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return ""
+    try:
+        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+
+
+def skip_reason(check: GpuCheck, env: Env) -> str | None:
+    """Why `check` cannot run here (None: it runs)."""
+    if "cuda" in check.needs and not env.cuda:
+        return f"no CUDA GPU visible (torch {env.torch}, CUDA build {env.cuda_version or 'none'})"
+    for tool, hint in (
+        ("nvcc", "install the CUDA toolkit"),
+        ("ninja", "pip install ninja"),
+        ("pytest", "pip install pytest"),
+    ):
+        if tool in check.needs and not getattr(env, tool):
+            return f"{tool} not found ({hint})"  # fmt: skip
+    if "fp8" in check.needs and env.arch not in FP8_ARCHS:
+        return f"{env.arch or 'this GPU'} has no FP8 tensor cores (sm89+)"
+    if "fp4" in check.needs and env.arch not in FP4_ARCHS:
+        return f"{env.arch or 'this GPU'} has no FP4 tensor cores (sm100/sm120); the NVFP4 fallback is timed by the fp8 row"
+    if "memory" in check.needs and env.memory_gib < BF16_NEEDS_GIB:
+        return f"{env.memory_gib:.0f} GiB GPU memory < {BF16_NEEDS_GIB} GiB the 26B random-weight pass needs"
+    return None
+
+
+@dataclass
+class CheckResult:
+    name: str
+    what: str
+    budget_s: int
+    status: str  # passed | failed | timeout | skipped
+    seconds: float = 0.0
+    detail: str = ""  # skip reason, or the output's last lines
+    rows: list[dict] = field(default_factory=list)  # pass measurements
+
+
+def plan(env: Env) -> list[CheckResult]:
+    """Every check and whether it would run here (the dry run)."""
+    return [
+        CheckResult(c.name, c.what, c.budget_s, "skipped" if (r := skip_reason(c, env)) else "would run", detail=r or "")
+        for c in CHECKS
+    ]  # fmt: skip
+
+
+def _run(check: GpuCheck, repo: Path, scratch: Path) -> CheckResult:
+    res = CheckResult(check.name, check.what, check.budget_s, "passed")
+    rows_file = scratch / f"{check.name.replace(' ', '_')}.json"
+    env = dict(os.environ, PYTHONPATH=f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               DGPIPE_GPU_ROWS=str(rows_file), PYTHONUNBUFFERED="1")  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        out = subprocess.run([sys.executable, *check.argv], cwd=repo, env=env, capture_output=True, text=True,
+                             timeout=check.budget_s)  # fmt: skip
+        text = out.stdout + out.stderr
+        res.status = "passed" if out.returncode == 0 else "failed"
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        res.status = "timeout"
+    res.seconds = time.monotonic() - t0
+    res.detail = "\n".join(text.strip().splitlines()[-15:])
+    if rows_file.is_file():
+        res.rows = json.loads(rows_file.read_text())
+    return res
+
+
+def run_bench_gpu(out: Path, dry_run: bool = False, repo: Path | None = None) -> dict:
+    """Run (or, `dry_run`, list) the checks; write out/gpu.json and out/gpu.md; return the result."""
+    env = detect_env()
+    repo = repo or Path(__file__).resolve().parents[2]
+    if dry_run:
+        results = plan(env)
+    else:
+        scratch = out / "scratch"
+        scratch.mkdir(parents=True, exist_ok=True)
+        results = []
+        for c in CHECKS:
+            reason = skip_reason(c, env)
+            results.append(
+                CheckResult(c.name, c.what, c.budget_s, "skipped", detail=reason)
+                if reason
+                else _run(c, repo, scratch)
+            )
+    result = {
+        "env": asdict(env),
+        "dry_run": dry_run,
+        "budget_s": TOTAL_BUDGET_S,
+        "checks": [asdict(r) for r in results],
+    }
+    save_result(out, RESULT_FILE, result)
+    atomic_write_text(out / TABLE_FILE, render(result) + "\n")
+    return result
+
+
+def render(result: dict) -> str:
+    """One markdown table: every check, and below it one line per measured pass."""
+    e = result["env"]
+    head = (f"GPU: {e['gpu'] or 'none'} ({e['arch'] or '-'}, {e['memory_gib']:.0f} GiB), driver {e['driver'] or '-'}, "
+            f"torch {e['torch']} (CUDA {e['cuda_version'] or 'none'}){' — dry run' if result['dry_run'] else ''}")  # fmt: skip
+    lines = [head, "", "| check | status | s / budget | detail |", "|---|---|---:|---|"]
+    for c in result["checks"]:
+        detail = c["detail"].splitlines()[-1] if c["detail"] else ""
+        lines.append(
+            f"| {c['name']} | {c['status']} | {c['seconds']:.0f} / {c['budget_s']} | {detail.replace('|', '/')} |"
+        )
+    rows = [r for c in result["checks"] for r in c["rows"] if "ms_eager" in r]
+    for r in (r for c in result["checks"] for r in c["rows"] if "largest_batch" in r):
+        lines += [
+            "",
+            f"Largest batch whose {r['format']} pass fits: {r['largest_batch']} (tried up to {r['tried_up_to']}).",
+        ]
+    if rows:
+        lines += ["", "| format | batch | kernels | ms eager | ms graph | floor ms (spec) | x floor | floor ms (copy bw) |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in rows:
+            lines.append(
+                f"| {r['format']} | {r['batch']} | {r['kernels']} | {r['ms_eager']:.2f} | {r['ms_graph']:.2f} "
+                f"| {r['floor_ms_spec']:.2f} | {r['ms_graph'] / r['floor_ms_spec']:.2f} | {r['floor_ms_copy']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+# ---- the measurements, run in the check subprocesses ------------------------------------------------------
+def quantize_random(model, fmt: str) -> str:
+    """Swap a random bf16 model's linears and experts for tensor-core modules with random `fmt` weights,
+    following the dispatch row of this GPU; returns the kernels used."""
+    from pipeline.runtime.dispatch import dispatch
+    from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, random_packed
+
+    dev = next(model.parameters()).device
+    row = dispatch(fmt, arch_of(*torch.cuda.get_device_capability(dev)))
+    lin, exp = kernel_mode(row.linears), kernel_mode(row.experts)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for layer in model.layers:
+        if lin:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, m in list(parent.named_children()):
+                    if isinstance(m, torch.nn.Linear):
+                        q = random_packed(fmt, m.out_features, m.in_features, dev, gen)
+                        setattr(parent, name, ScaledLinear(q, lin, dev, torch.bfloat16))
+        if exp:
+            e, two_i, d = layer.experts.gate_up_proj.shape
+            mk = lambda n, k, e=e: [random_packed(fmt, n, k, dev, gen) for _ in range(e)]
+            layer.experts = ScaledExperts(
+                mk(two_i // 2, d), mk(two_i // 2, d), mk(d, two_i // 2), exp, dev, torch.bfloat16
+            )
+        torch.cuda.empty_cache()
+    return f"{row.linears} / {row.experts}"
+
+
+def spec_gpu(device_name: str, arch: str):
+    """The configs/targets GPU entry this device is (its bandwidth is the floor's): by product name
+    ("NVIDIA H200" -> H200-SXM-141GB), else the arch's first GPU."""
+    from pipeline.targets import target
+
+    gpus = target(arch).gpus
+    return next((g for g in gpus if g.product.split("-")[0].lower() in device_name.lower()), gpus[0])
+
+
+def _pass_setup(model, batch: int):
+    from pipeline.model.network import canvas_positions
+    from pipeline.runtime.kv_cache import KVCache, attention_masks
+
+    cfg, dev, length = model.cfg, next(model.parameters()).device, model.config.canvas_length
+    cache = KVCache(cfg, batch, CONTEXT + length + 8, torch.bfloat16, dev)
+    slots = torch.arange(batch, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    prompt = torch.randint(3, cfg.vocab_size, (batch, CONTEXT), device=dev, generator=gen)
+    pos = canvas_positions(cache.lengths[slots], CONTEXT)
+    ones = torch.ones_like(pos, dtype=torch.bool)
+    with torch.inference_mode():
+        cache.write(
+            slots,
+            model.encode_kv(prompt, pos, attention_masks(pos, ones, None, True, cache.window)),
+            pos,
+            ones,
+        )
+    canvas = torch.randint(0, cfg.vocab_size, (batch, length), device=dev, generator=gen)
+    past, meta = cache.read(slots)
+    cpos = canvas_positions(cache.lengths[slots], length)
+    masks = attention_masks(cpos, torch.ones_like(cpos, dtype=torch.bool), meta, False, cache.window)
+    soft = model.soft_embedding(
+        torch.softmax(torch.randn(batch, length, cfg.vocab_size, device=dev, generator=gen), -1)
+    )
+    return lambda: model.denoise_soft(canvas, soft, cpos, masks, past)
+
+
+def measure_pass(fmt: str, batches: tuple[int, ...] = PASS_BATCHES, repeats: int = 5) -> list[dict]:
+    """ms per denoise pass (eager and CUDA graph) of the 26B random-weight model in `fmt`, per batch."""
+    from pipeline.bench.model import _graphed, copy_bandwidth, random_model
+    from pipeline.bench.timing import median_seconds
+    from pipeline.model.config import ModelConfig
+    from pipeline.resources import load_yaml
+    from pipeline.runtime.dispatch import dispatch, floor_ms, pass_bytes
+
+    dev = torch.device("cuda")
+    mcfg = ModelConfig.from_dict(load_yaml("models", CONFIG), source=CONFIG)
+    model = random_model(mcfg, torch.bfloat16, dev)
+    kernels = quantize_random(model, fmt) if fmt != "bf16" else "F.linear bf16 / F.grouped_mm bf16"
+    arch = arch_of(*torch.cuda.get_device_capability(dev))
+    row = dispatch(fmt, arch)
+    bw = copy_bandwidth(dev, 2.0)
+    spec = spec_gpu(torch.cuda.get_device_name(dev), arch)
+    rows = []
+    for b in batches:
+        with torch.inference_mode():
+            fn = _pass_setup(model, b)
+            eager = median_seconds(fn, dev, repeats)
+            graph = median_seconds(_graphed(fn, dev), dev, repeats)
+        nbytes = pass_bytes(
+            mcfg.text_config, row.linear_read, row.expert_read, b, mcfg.canvas_length, CONTEXT
+        ).total
+        rows.append({"format": fmt, "batch": b, "kernels": kernels, "ms_eager": eager * 1e3, "ms_graph": graph * 1e3,
+                     "pass_gb": nbytes / 1e9, "floor_ms_spec": floor_ms(nbytes, spec.product),
+                     "spec_gpu": spec.product, "floor_ms_copy": nbytes / bw * 1e3, "copy_gb_s": bw / 1e9})  # fmt: skip
+        torch.cuda.empty_cache()
+    return rows
+
+
+def largest_batch(start: int = 16, limit: int = 1024) -> list[dict]:
+    """Double the batch from `start` until a pass runs out of GPU memory; fastest format on this GPU."""
+    from pipeline.bench.model import random_model
+    from pipeline.model.config import ModelConfig
+    from pipeline.resources import load_yaml
+
+    dev = torch.device("cuda")
+    arch = arch_of(*torch.cuda.get_device_capability(dev))
+    fmt = "nvfp4" if arch in FP4_ARCHS else "fp8" if arch in FP8_ARCHS else "bf16"
+    mcfg = ModelConfig.from_dict(load_yaml("models", CONFIG), source=CONFIG)
+    model = random_model(mcfg, torch.bfloat16, dev)
+    if fmt != "bf16":
+        quantize_random(model, fmt)
+    fits, b = 0, start
+    while b <= limit:
+        try:
+            with torch.inference_mode():
+                _pass_setup(model, b)()
+            torch.cuda.synchronize()
+            fits = b
+        except torch.OutOfMemoryError:
+            break
+        finally:
+            torch.cuda.empty_cache()
+        b *= 2
+    return [{"format": fmt, "largest_batch": fits, "tried_up_to": min(b, limit)}]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipeline.bench.gpu pass <fmt>` / `largest`: one measurement, rows to $DGPIPE_GPU_ROWS."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    rows = measure_pass(args[1]) if args[:1] == ["pass"] else largest_batch()
+    out = os.environ.get("DGPIPE_GPU_ROWS")
+    text = json.dumps(rows, indent=2)
+    if out:
+        Path(out).write_text(text)
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

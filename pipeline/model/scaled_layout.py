@@ -1,0 +1,156 @@
+"""Pure layout converters between ModelOpt's stored tensors and the operands of torch's scaled GEMMs.
+
+`torch.nn.functional.scaled_mm` / `scaled_grouped_mm` (CUDA only) take quantized operands plus decoding
+scales described by a `ScalingType` (and, for block scales, a `SwizzleType`). Everything here is plain
+tensor arithmetic, so it runs and is tested on the CPU against the dequantized reference
+(`pipeline.model.modelopt.dequantize_weight`, `pipeline.model.fake_quant`):
+
+* FP8 (ModelOpt per-tensor weight and static input scales): `TensorWise` for one linear; the grouped
+  kernel takes `RowWise` scales, so a per-expert weight scale becomes one row of an [E, N] scale tensor
+  and the input scale one value per activation row.
+* NVFP4: packed E2M1 codes are already what `torch.float4_e2m1fn_x2` stores (low nibble = even column,
+  as torch's own tests pack them), so packing is a reinterpretation; the E4M3 block scales (one per 16
+  values) go to the 128x4 tile layout cuBLAS documents for block-scaled GEMMs
+  (https://docs.nvidia.com/cuda/cublas/#d-block-scaling-factors-layout, `SwizzleType.SWIZZLE_32_4_4`),
+  the same arrangement as torch's `to_blocked` test helper. In a grouped GEMM each group's scales are
+  laid out as their own 128-row padded tile block, groups one after another.
+* Expert ordering: the routed slots sorted by expert with int32 end offsets, computed on the device
+  without a host sync (CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.model.fake_quant import E2M1_MAX, E4M3_MAX, NVFP4_BLOCK, e2m1_round
+
+TILE_ROWS, TILE_COLS = 128, 4  # one swizzled scale tile: 128 rows x 4 scale columns (64 values of K)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---- FP8 ---------------------------------------------------------------------------------------------
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3(clamp(x / scale)): the operand whose dequantization `fp8_fake_quant` computes."""
+    return (x.float() / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_rowwise_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [..., N, K] re-quantized to E4M3 with one scale per output row ([..., N] fp32):
+    the FP8 form of a weight whose own format has no kernel on this GPU (NVFP4 on Hopper)."""
+    amax = w.float().abs().amax(-1).clamp(min=1e-12)
+    scale = amax / E4M3_MAX
+    return fp8_quantize(w, scale[..., None]), scale
+
+
+def fp8_expert_row_scales(weight_scales: torch.Tensor, n: int) -> torch.Tensor:
+    """Per-expert tensor-wise weight scales [E] -> the grouped kernel's RowWise scales [E, N]."""
+    return weight_scales.float().reshape(-1, 1).expand(-1, n).contiguous()
+
+
+# ---- NVFP4 -------------------------------------------------------------------------------------------
+def as_fp4x2(packed: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's uint8 [.., K/2] (two E2M1 codes per byte, low nibble = even column) as torch's
+    float4_e2m1fn_x2, which packs the same way: a view, no copy."""
+    return packed.contiguous().view(torch.float4_e2m1fn_x2)
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """4-bit E2M1 codes (sign in bit 3) of values already on the E2M1 grid."""
+    mag = x.abs()
+    code = torch.zeros_like(mag, dtype=torch.uint8)
+    for i, v in enumerate((0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), start=1):
+        code = torch.where(mag == v, torch.full_like(code, i), code)
+    return code | ((x < 0) & (mag > 0)).to(torch.uint8) << 3
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] codes -> [..., K/2] uint8, low nibble = even column (ModelOpt's and torch's order)."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def nvfp4_quantize(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic NVFP4 activation quantization, exactly the rounding `nvfp4_fake_quant` emulates:
+    returns (packed uint8 [..., K/2], E4M3 block scales [..., K/16]) with
+    dequant = e2m1 * block_scale * global_scale. (A block whose scale rounds below 1e-5 is all zero
+    here; the emulation divides it by 1 instead, which differs only for blocks ~1e-6 of the tensor's
+    amax that still hold values >= 0.25.)"""
+    shape = x.shape
+    xf = x.float().reshape(*shape[:-1], shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
+    gs = global_scale.float().clamp(min=1e-12)
+    bs = (xf.abs().amax(-1, keepdim=True) / (E2M1_MAX * gs)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    s = bs.float() * gs
+    safe = torch.where(s >= 1e-5, s, torch.ones_like(s))
+    q = e2m1_round(xf.abs() / safe) * (s >= 1e-5)
+    codes = e2m1_codes(torch.where(xf >= 0, q, -q)).reshape(shape)
+    return pack_e2m1(codes), bs.reshape(*shape[:-1], shape[-1] // NVFP4_BLOCK)
+
+
+def to_blocked(scales: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] block scales -> the flat 128x4-tile layout (rows padded to 128, cols to 4 with
+    zeros; inside a tile, row r and column c land at (r % 32) * 16 + (r // 32) * 4 + c)."""
+    rows, cols = scales.shape
+    rb, cb = ceil_div(rows, TILE_ROWS), ceil_div(cols, TILE_COLS)
+    padded = scales.new_zeros(rb * TILE_ROWS, cb * TILE_COLS)
+    padded[:rows, :cols] = scales
+    tiles = padded.view(rb, TILE_ROWS, cb, TILE_COLS).permute(0, 2, 1, 3)
+    return tiles.reshape(-1, 4, 32, TILE_COLS).transpose(1, 2).reshape(-1)
+
+
+def from_blocked(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of `to_blocked` (drops the padding)."""
+    rb, cb = ceil_div(rows, TILE_ROWS), ceil_div(cols, TILE_COLS)
+    tiles = flat.reshape(-1, 32, 4, TILE_COLS).transpose(1, 2).reshape(rb, cb, TILE_ROWS, TILE_COLS)
+    return tiles.permute(0, 2, 1, 3).reshape(rb * TILE_ROWS, cb * TILE_COLS)[:rows, :cols]
+
+
+def blocked_rows_bound(m: int, groups: int) -> int:
+    """Rows of a grouped activation scale tensor for any split of `m` rows into `groups` groups: each
+    group padded to 128 rows, so at most round_up(m, 128) + 128 * groups. Static, so a CUDA graph can
+    hold it."""
+    return (ceil_div(m, TILE_ROWS) + groups) * TILE_ROWS
+
+
+def to_blocked_grouped(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Scales [M, C] of rows grouped by `offs` (int32 end offsets) -> each group's `to_blocked` layout,
+    groups back to back at 128-row-aligned starts, in a [blocked_rows_bound(M, G), round_up(C, 4)]
+    tensor (zeros past the last group). Device-side index arithmetic only: no host sync."""
+    m, c = scales.shape
+    g = offs.shape[0]
+    cp = ceil_div(c, TILE_COLS) * TILE_COLS
+    ends = offs.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    padded = (ends - starts + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS
+    pstart = torch.cumsum(padded, 0) - padded  # each group's first row in the blocked tensor
+    row = torch.arange(m, device=scales.device)
+    grp = torch.bucketize(row, ends, right=True).clamp(max=g - 1)
+    r = row - starts[grp]  # row inside its group
+    tile_row = pstart[grp] + r // TILE_ROWS * TILE_ROWS  # first row of its 128-row tile block
+    col = torch.arange(c, device=scales.device)
+    # flat index inside one group block of width cp: tiles ordered (row tile, col tile), 512 each
+    within = (r % 32 * 16 + (r % TILE_ROWS) // 32 * 4)[:, None] + (col % TILE_COLS)[None, :]
+    flat = (tile_row * cp)[:, None] + (col // TILE_COLS * 512)[None, :] + within
+    out = scales.new_zeros(blocked_rows_bound(m, g) * cp)
+    out[flat.reshape(-1)] = scales.reshape(-1)
+    return out.view(-1, cp)
+
+
+def nvfp4_weight_blocked(block_scales: torch.Tensor) -> torch.Tensor:
+    """Stacked expert (or single) weight block scales [..., N, K/16] -> swizzled, one block per matrix:
+    [E, blocked] for a 3-D input, flat for a 2-D one."""
+    if block_scales.dim() == 2:
+        return to_blocked(block_scales)
+    return torch.stack([to_blocked(s) for s in block_scales])
+
+
+# ---- expert ordering ----------------------------------------------------------------------------------
+def expert_order(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Routed slots sorted by expert: (order into index.reshape(-1), token of each sorted slot, int32 end
+    offsets per expert). No host sync, as `pipeline.model.network.grouped_experts` does it."""
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=index.device)
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return order, order // index.shape[1], torch.cumsum(counts, 0, dtype=torch.int32)

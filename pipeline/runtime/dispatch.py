@@ -1,0 +1,230 @@
+"""Which kernel runs each weight format on each GPU architecture, and what one denoise pass must read.
+
+One table (`DISPATCH`): for a (format, arch) pair, the kernel for the quantized linears and for the routed
+experts, the bytes per parameter that path reads, and, where no vendor kernel serves the pair, the named
+fallback and what it costs. `pipeline.runtime.tensor_cores` follows it on CUDA; `dgpipe doctor` prints the
+rows for the local GPU; `dgpipe bench gpu` measures them; docs/engine.md writes them out.
+
+Vendor kernels (torch, CUDA only; docs.pytorch.org/docs/stable/generated/torch.nn.functional.scaled_mm.html
+and .../torch.nn.functional.scaled_grouped_mm.html):
+* `F.scaled_mm` FP8 `TensorWise` / `RowWise` (cuBLASLt, sm89+); NVFP4 `[BlockWise1x16, TensorWise]`
+  with `SWIZZLE_32_4_4` scales (cuBLASLt block-scaled FP4, sm100/sm120).
+* `F.scaled_grouped_mm` FP8 `RowWise` (sm90 only, as torch's grouped FP8 tests gate it); NVFP4
+  `[BlockWise1x16, TensorWise]` (sm100+, torch builds with its MSLK/FBGEMM grouped kernels: probed).
+* bf16: `F.linear` (cuBLAS) and `F.grouped_mm`.
+
+Byte model of one denoise pass (the HBM floor: every byte read or written once at the pass's minimum):
+weights in their stored format (experts: only those the routed slots touch, expected value under uniform
+routing), the tied embedding read twice (LM head, then the soft embedding of the probabilities), the
+context K/V, fp32 logits written and read once by the sampler, bf16 probabilities written and read once
+by the soft embedding, and every GEMM's bf16 input read and output written once. Norms and element-wise
+ops are assumed fused (not counted). Config-only arithmetic, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.model.config import TextConfig
+from pipeline.targets import precision, target
+
+ARCHS = ("sm89", "sm90", "sm100", "sm120")
+FORMATS = ("bf16", "fp8", "nvfp4", "int4_awq")
+BF16 = 2.0
+
+
+def arch_of(major: int, minor: int) -> str | None:
+    """The dispatch arch of a compute capability (sm_90 -> "sm90"); None when no row covers it."""
+    name = f"sm{major}{minor}"
+    return {"sm103": "sm100", "sm121": "sm120", "sm110": "sm100"}.get(name, name if name in ARCHS else None)
+
+
+@dataclass(frozen=True)
+class DispatchRow:
+    format: str  # the checkpoint's weight format
+    arch: str
+    linears: str  # kernel for the quantized linears (attention, dense MLP)
+    experts: str  # kernel for the routed experts
+    linear_read: str  # the format the linears' weights are read in on this path
+    expert_read: str  # the format the experts' weights are read in on this path
+    fallback: str | None = None  # named fallback when the format has no vendor kernel here
+    note: str = ""
+
+    @property
+    def native(self) -> bool:
+        return self.fallback is None
+
+
+def _bytes(fmt: str) -> float:
+    """Bytes per weight read in `fmt` (block scales included; per-tensor/row scales are negligible)."""
+    return precision(fmt).weight_bytes_per_param() if fmt != "fp8_rowwise" else 1.0
+
+
+SCALED_MM_FP8 = "F.scaled_mm FP8 TensorWise (static input scale)"
+SCALED_MM_FP8_ROW = "F.scaled_mm FP8 RowWise (weights re-quantized per row at load)"
+GROUPED_FP8 = "F.scaled_grouped_mm FP8 RowWise"
+GROUPED_FP8_REQ = "F.scaled_grouped_mm FP8 RowWise (weights re-quantized per row at load)"
+SCALED_MM_FP4 = "F.scaled_mm NVFP4 [BlockWise1x16, TensorWise], SWIZZLE_32_4_4"
+GROUPED_FP4 = "F.scaled_grouped_mm NVFP4 [BlockWise1x16, TensorWise], SWIZZLE_32_4_4"
+LINEAR_BF16 = "F.linear bf16 (dequantized at load)"
+GROUPED_BF16 = "F.grouped_mm bf16 (dequantized at load)"
+
+
+def _rows() -> dict[tuple[str, str], DispatchRow]:
+    rows = {}
+    for arch in ARCHS:
+        rows["bf16", arch] = DispatchRow("bf16", arch, "F.linear bf16", "F.grouped_mm bf16", "bf16", "bf16")
+        rows["int4_awq", arch] = DispatchRow(
+            "int4_awq", arch, LINEAR_BF16, GROUPED_BF16, "bf16", "bf16", "bf16",
+            "torch has no W4A16 GEMM; the checkpoint is dequantized to bf16 (2 B/param)",
+        )  # fmt: skip
+    rows["fp8", "sm90"] = DispatchRow("fp8", "sm90", SCALED_MM_FP8, GROUPED_FP8, "fp8", "fp8")
+    for arch in ("sm89", "sm100", "sm120"):
+        rows["fp8", arch] = DispatchRow(
+            "fp8", arch, SCALED_MM_FP8, GROUPED_BF16, "fp8", "bf16", "bf16 experts",
+            "torch's FP8 grouped GEMM is sm90-only: experts dequantized to bf16 (2 B/param)",
+        )  # fmt: skip
+    for arch in ("sm100", "sm120"):
+        rows["nvfp4", arch] = DispatchRow("nvfp4", arch, SCALED_MM_FP4, GROUPED_FP4, "nvfp4", "nvfp4")
+    rows["nvfp4", "sm90"] = DispatchRow(
+        "nvfp4", "sm90", SCALED_MM_FP8_ROW, GROUPED_FP8_REQ, "fp8_rowwise", "fp8_rowwise", "fp8 re-quantization",
+        "Hopper has no FP4 tensor cores: dequantized NVFP4 weights re-quantized to E4M3 per output row "
+        "(1 B/param, relative error <= 2^-4 per weight); activations NVFP4-rounded, then per-row E4M3",
+    )  # fmt: skip
+    rows["nvfp4", "sm89"] = DispatchRow(
+        "nvfp4", "sm89", SCALED_MM_FP8_ROW, GROUPED_BF16, "fp8_rowwise", "bf16", "fp8 linears, bf16 experts",
+        "no FP4 tensor cores and no FP8 grouped GEMM: linears re-quantized to FP8 per row (1 B/param), experts dequantized to bf16 (2 B/param)",
+    )  # fmt: skip
+    return rows
+
+
+DISPATCH: dict[tuple[str, str], DispatchRow] = _rows()
+
+
+def dispatch(fmt: str, arch: str) -> DispatchRow:
+    return DISPATCH[fmt, arch]
+
+
+# ---- byte model ----------------------------------------------------------------------------------------
+def experts_touched(cfg: TextConfig, tokens: int) -> float:
+    """Expected distinct experts a layer's routed slots touch (uniform routing, top-k distinct per token)."""
+    e, k = cfg.num_experts, cfg.top_k_experts
+    return e * (1.0 - (1.0 - k / e) ** tokens)
+
+
+@dataclass(frozen=True)
+class PassBytes:
+    linears: float  # attention + dense MLP weights
+    experts: float  # routed expert weights touched
+    high_precision: float  # embedding (twice), router, self-conditioning MLP: bf16 in every format
+    kv: float
+    logits: float  # fp32 logits + bf16 probabilities, written and read once
+    activations: float  # GEMM inputs and outputs, bf16
+
+    @property
+    def total(self) -> float:
+        return self.linears + self.experts + self.high_precision + self.kv + self.logits + self.activations
+
+
+def pass_bytes(
+    cfg: TextConfig, linear_read: str, expert_read: str, batch: int, seq: int = 256, past: int = 0
+) -> PassBytes:
+    """Bytes one denoise pass over `batch` canvases of `seq` tokens reads and writes at minimum."""
+    d, tokens = cfg.hidden_size, batch * seq
+    ring = min(past, max(cfg.sliding_window - 1, 1))
+    lin = exp = kv = act = 0.0
+    inner = cfg.moe_intermediate_size
+    for i in range(cfg.num_hidden_layers):
+        s = cfg.layer_shape(i)
+        q, kvd = cfg.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        attn = d * q + d * kvd * (2 if s.is_sliding else 1) + q * d
+        lin += attn + 3 * d * cfg.intermediate_size
+        exp += experts_touched(cfg, tokens) * 3 * d * inner
+        kv += batch * (ring if s.is_sliding else past) * kvd * 2 * BF16
+        act += tokens * BF16 * (d + q + kvd * 2 + q + d)  # q/k/v in, outputs; o in/out
+        act += tokens * BF16 * (d + 2 * cfg.intermediate_size + cfg.intermediate_size + d)  # dense MLP
+        slots = tokens * cfg.top_k_experts
+        act += slots * BF16 * (d + 2 * inner + inner + d)  # experts: gate_up in/out, down in/out
+    v = cfg.vocab_size
+    high = (2 * v * d + cfg.num_hidden_layers * d * cfg.num_experts + 3 * d * cfg.intermediate_size) * BF16
+    logits = tokens * v * (4 + 4 + BF16 + BF16)
+    return PassBytes(lin * _bytes(linear_read), exp * _bytes(expert_read), high, kv, logits, act)
+
+
+def floor_ms(total_bytes: float, product: str) -> float:
+    """Milliseconds to move `total_bytes` at the GPU's peak HBM bandwidth (configs/targets)."""
+    for name in ARCHS:
+        for g in target(name).gpus:
+            if g.product == product:
+                return total_bytes / (g.bandwidth_tb_s * 1e12) * 1e3
+    raise KeyError(product)
+
+
+FLOOR_GPUS = (
+    ("sm90", "H100-SXM5-80GB"),
+    ("sm90", "H200-SXM-141GB"),
+    ("sm100", "B200-180GB"),
+    ("sm120", "RTX-PRO-6000-Blackwell"),
+)
+
+
+@dataclass(frozen=True)
+class FloorRow:
+    gpu: str
+    format: str
+    batch: int
+    kernel: str  # linears / experts
+    path_gb: float  # what the dispatched path reads
+    floor_gb: float  # what the format's own stored weights would read
+    path_ms: float
+    floor_ms: float
+
+    @property
+    def ratio(self) -> float:
+        return self.path_gb / self.floor_gb
+
+
+def floor_table(
+    cfg: TextConfig, batches: tuple[int, ...] = (1, 16), seq: int = 256, past: int = 0
+) -> list[FloorRow]:
+    """Per GPU, format and batch: the dispatched path's bytes and time at peak bandwidth against the floor
+    of the format itself (weights read as stored)."""
+    out = []
+    for arch, gpu in FLOOR_GPUS:
+        for fmt in ("bf16", "fp8", "nvfp4"):
+            row = dispatch(fmt, arch)
+            for b in batches:
+                path = pass_bytes(cfg, row.linear_read, row.expert_read, b, seq, past).total
+                own = pass_bytes(cfg, fmt, fmt, b, seq, past).total
+                out.append(
+                    FloorRow(
+                        gpu, fmt, b, f"{row.linears} / {row.experts}", path / 1e9, own / 1e9,
+                        floor_ms(path, gpu), floor_ms(own, gpu),
+                    )
+                )  # fmt: skip
+    return out
+
+
+def render_floor_table(rows: list[FloorRow]) -> str:
+    """Markdown: one line per (GPU, format, batch)."""
+    lines = [
+        "| GPU | format | batch | path reads (GB) | floor (GB) | path at peak HBM (ms) | floor (ms) | path / floor |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.gpu} | {r.format} | {r.batch} | {r.path_gb:.1f} | {r.floor_gb:.1f} | {r.path_ms:.2f} "
+            f"| {r.floor_ms:.2f} | {r.ratio:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def render_dispatch(arch: str | None = None) -> str:
+    """Markdown: the dispatch rows (all, or one arch's)."""
+    lines = ["| format | arch | linears | experts | fallback |", "|---|---|---|---|---|"]
+    for (fmt, a), r in DISPATCH.items():
+        if arch is None or a == arch:
+            lines.append(
+                f"| {fmt} | {a} | {r.linears} | {r.experts} | {r.fallback or '—'}{': ' + r.note if r.note else ''} |"
+            )
+    return "\n".join(lines)

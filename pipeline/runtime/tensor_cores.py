@@ -1,0 +1,380 @@
+"""Quantized checkpoints on CUDA tensor cores: the weights stay FP8 / NVFP4 in GPU memory and torch's
+scaled GEMMs do the math, as `pipeline.runtime.dispatch` decides per (format, arch).
+
+`install_from_checkpoint` replaces, on a model `pipeline.model.checkpoint.load_model` put on a CUDA device,
+each quantized linear by a `ScaledLinear` (`F.scaled_mm`) and each layer's experts by `ScaledExperts`
+(`F.scaled_grouped_mm`), built from the packed tensors as ModelOpt stored them
+(`pipeline.model.modelopt.read_packed_linears`) through the pure converters of
+`pipeline.model.scaled_layout`. The dequantized float copies the loader made are dropped with the modules
+they belonged to. Activations are quantized as `pipeline.model.fake_quant` emulates them (FP8: static
+per-tensor input scale; NVFP4: dynamic per-16 blocks under the static global scale), so the scaled GEMMs
+compute what the CPU path's fake-quantized float GEMMs compute, up to accumulation order. Nothing here
+runs on the CPU path: the CPU runtime and the float64 parity oracle are untouched.
+
+Neither module synchronises with the host (routing offsets stay on the device), so a denoise step with
+them can be captured in a CUDA graph (`graph_safe = True`).
+
+API (torch >= 2.10's `torch.nn.functional.scaled_mm` / `scaled_grouped_mm` with `ScalingType` and
+`SwizzleType`; checked in torch 2.13's sources): `scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b,
+scale_recipe_b, swizzle_a=None, swizzle_b=None, bias=None, output_dtype=torch.bfloat16, ...)`, and the
+grouped form with `offs` (int32 group end offsets). `probe()` runs each kernel once on tiny operands and
+reports what this GPU and torch build serve; anything that fails takes the row's fallback.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.errors import DgpipeError
+from pipeline.model import scaled_layout as sl
+from pipeline.model.fake_quant import E4M3_MAX, nvfp4_fake_quant
+from pipeline.model.modelopt import PackedLinear, quant_algo, read_packed_linears
+from pipeline.model.network import DiffusionGemma, gelu_tanh
+from pipeline.runtime.dispatch import arch_of, dispatch
+from pipeline.targets import precision_for_quant_algo
+
+EXPERT = re.compile(r"^(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+
+
+def _api():
+    """torch's scaled-GEMM API, or a DgpipeError naming what is missing."""
+    missing = [
+        n for n in ("scaled_mm", "scaled_grouped_mm", "ScalingType", "SwizzleType") if not hasattr(F, n)
+    ]
+    if missing:
+        raise DgpipeError(
+            f"torch {torch.__version__} lacks torch.nn.functional.{', '.join(missing)}",
+            "tensor-core FP8/NVFP4 needs torch >= 2.10 with CUDA; the float path runs without it",
+        )
+    return F.ScalingType, F.SwizzleType
+
+
+def _rowwise_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 operand with one scale per row (fp32 [M])."""
+    s = (x.float().abs().amax(-1) / E4M3_MAX).clamp(min=1e-12)
+    return sl.fp8_quantize(x, s[:, None]), s
+
+
+# ---- linears -------------------------------------------------------------------------------------------
+class ScaledLinear(nn.Module):
+    """A quantized linear on `F.scaled_mm`. `mode`: "fp8" (TensorWise), "nvfp4" (BlockWise1x16 +
+    TensorWise global scales), "fp8_rowwise" (NVFP4 weights re-quantized to E4M3 per row: Hopper/Ada)."""
+
+    graph_safe = True
+
+    def __init__(self, q: PackedLinear, mode: str, device: torch.device, out_dtype: torch.dtype):
+        super().__init__()
+        self.mode, self.out_dtype = mode, out_dtype
+        self.out_features = q.weight.shape[0]
+        self.register_buffer("input_scale", q.input_scale.reshape(()).to(device))
+        if mode == "fp8":
+            self.register_buffer("weight", q.weight.to(device))  # [N, K] e4m3; .t() is column-major
+            self.register_buffer("weight_scale", q.weight_scale.reshape(()).to(device))
+        elif mode == "nvfp4":
+            self.register_buffer("weight", sl.as_fp4x2(q.weight).to(device))  # [N, K/2]
+            blocked = sl.nvfp4_weight_blocked(q.weight_scale.view(torch.uint8))
+            self.register_buffer("weight_scale", blocked.view(torch.float8_e4m3fn).to(device))
+            self.register_buffer("weight_scale_2", q.weight_scale_2.reshape(()).to(device))
+        elif mode == "fp8_rowwise":
+            w, s = sl.fp8_rowwise_weight(q.dequantized())
+            self.register_buffer("weight", w.to(device))
+            self.register_buffer("weight_scale", s.reshape(1, -1).to(device))
+        else:
+            raise ValueError(f"unknown scaled-linear mode {mode!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scaling, swizzle = _api()
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.mode == "fp8":
+            out = F.scaled_mm(
+                sl.fp8_quantize(x2, self.input_scale), self.weight.t(),
+                self.input_scale, scaling.TensorWise, self.weight_scale, scaling.TensorWise,
+                output_dtype=self.out_dtype,
+            )  # fmt: skip
+        elif self.mode == "nvfp4":
+            xq, bs = sl.nvfp4_quantize(x2, self.input_scale)
+            a_scale = sl.to_blocked(bs.view(torch.uint8)).view(torch.float8_e4m3fn)
+            out = F.scaled_mm(
+                sl.as_fp4x2(xq), self.weight.t(),
+                [a_scale, self.input_scale], [scaling.BlockWise1x16, scaling.TensorWise],
+                [self.weight_scale, self.weight_scale_2], [scaling.BlockWise1x16, scaling.TensorWise],
+                swizzle_a=swizzle.SWIZZLE_32_4_4, swizzle_b=swizzle.SWIZZLE_32_4_4, output_dtype=self.out_dtype,
+            )  # fmt: skip
+        else:
+            xq, s = _rowwise_dynamic(nvfp4_fake_quant(x2, self.input_scale))
+            out = F.scaled_mm(
+                xq, self.weight.t(), s[:, None], scaling.RowWise, self.weight_scale, scaling.RowWise,
+                output_dtype=self.out_dtype,
+            )  # fmt: skip
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+# ---- experts -------------------------------------------------------------------------------------------
+def _stack(ps: list[PackedLinear], attr: str) -> torch.Tensor:
+    return torch.stack([getattr(p, attr) for p in ps])
+
+
+class ScaledExperts(nn.Module):
+    """A layer's routed experts on `F.scaled_grouped_mm`: slots sorted by expert (device-side offsets),
+    one grouped GEMM for gate|up and one for down. `mode` as in `ScaledLinear` ("fp8" is RowWise here: the
+    grouped FP8 kernel takes per-row scales, so each expert's per-tensor weight scale fills its rows)."""
+
+    graph_safe = True
+
+    def __init__(
+        self,
+        gate: list[PackedLinear],
+        up: list[PackedLinear],
+        down: list[PackedLinear],
+        mode: str,
+        device: torch.device,
+        out_dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.mode, self.out_dtype, self.num_experts = mode, out_dtype, len(gate)
+        # ModelOpt shares one input quantizer per projection across a layer's experts (max over experts)
+        self.register_buffer(
+            "in_scale", torch.stack([p.input_scale.reshape(()) for p in gate + up]).max().to(device)
+        )
+        self.register_buffer(
+            "down_in_scale", torch.stack([p.input_scale.reshape(()) for p in down]).max().to(device)
+        )
+        gate_up = [
+            PackedLinear(g.algo, torch.cat([g.weight, u.weight])) for g, u in zip(gate, up, strict=True)
+        ]
+        if mode == "fp8":
+            w13 = torch.stack([p.weight for p in gate_up])  # [E, 2I, d] e4m3
+            s13 = torch.stack(
+                [
+                    torch.cat(
+                        [g.weight_scale.expand(g.weight.shape[0]), u.weight_scale.expand(u.weight.shape[0])]
+                    )
+                    for g, u in zip(gate, up, strict=True)
+                ]
+            )
+            self._set("w13", w13, s13, device)
+            self._set(
+                "w2",
+                _stack(down, "weight"),
+                sl.fp8_expert_row_scales(_stack(down, "weight_scale"), down[0].weight.shape[0]),
+                device,
+            )
+        elif mode == "fp8_rowwise":
+            w13 = torch.stack(
+                [torch.cat([g.dequantized(), u.dequantized()]) for g, u in zip(gate, up, strict=True)]
+            )
+            self._set("w13", *sl.fp8_rowwise_weight(w13), device)
+            self._set("w2", *sl.fp8_rowwise_weight(torch.stack([p.dequantized() for p in down])), device)
+        elif mode == "nvfp4":
+            bs13 = torch.stack(
+                [torch.cat([g.weight_scale, u.weight_scale]) for g, u in zip(gate, up, strict=True)]
+            )
+            gs = torch.stack([g.weight_scale_2.reshape(()) for g in gate])
+            if not torch.equal(gs, torch.stack([u.weight_scale_2.reshape(()) for u in up])):
+                raise DgpipeError(
+                    "NVFP4 experts with different gate_proj and up_proj global scales",
+                    "export the checkpoint with ModelOpt's fused gate/up scales (its default)",
+                )
+            self._set("w13", sl.as_fp4x2(torch.stack([p.weight for p in gate_up])), None, device)
+            self.register_buffer(
+                "s13", sl.nvfp4_weight_blocked(bs13.view(torch.uint8)).view(torch.float8_e4m3fn).to(device)
+            )
+            self.register_buffer("g13", gs.float().to(device))
+            self._set("w2", sl.as_fp4x2(_stack(down, "weight")), None, device)
+            self.register_buffer(
+                "s2",
+                sl.nvfp4_weight_blocked(_stack(down, "weight_scale").view(torch.uint8))
+                .view(torch.float8_e4m3fn)
+                .to(device),
+            )
+            self.register_buffer(
+                "g2", torch.stack([p.weight_scale_2.reshape(()) for p in down]).float().to(device)
+            )
+        else:
+            raise ValueError(f"unknown scaled-experts mode {mode!r}")
+
+    def _set(self, name: str, w: torch.Tensor, s: torch.Tensor | None, device: torch.device) -> None:
+        self.register_buffer(name, w.contiguous().to(device))
+        if s is not None:
+            self.register_buffer(name.replace("w", "s"), s.float().contiguous().to(device))
+
+    def _gemm(self, x: torch.Tensor, w: str, in_scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        scaling, swizzle = _api()
+        weight = getattr(self, w).transpose(-2, -1)
+        if self.mode == "nvfp4":
+            xq, bs = sl.nvfp4_quantize(x, in_scale)
+            a_scale = sl.to_blocked_grouped(bs.view(torch.uint8), offs).view(torch.float8_e4m3fn)
+            tag = w[1:]
+            return F.scaled_grouped_mm(
+                sl.as_fp4x2(xq), weight,
+                [a_scale, in_scale.expand(self.num_experts).contiguous()], [scaling.BlockWise1x16, scaling.TensorWise],
+                [getattr(self, "s" + tag), getattr(self, "g" + tag)], [scaling.BlockWise1x16, scaling.TensorWise],
+                swizzle_a=swizzle.SWIZZLE_32_4_4, swizzle_b=swizzle.SWIZZLE_32_4_4, offs=offs, output_dtype=self.out_dtype,
+            )  # fmt: skip
+        if self.mode == "fp8":
+            xq, s = sl.fp8_quantize(x, in_scale), in_scale.expand(x.shape[0]).contiguous()
+        else:
+            xq, s = _rowwise_dynamic(nvfp4_fake_quant(x, in_scale))
+        return F.scaled_grouped_mm(
+            xq, weight, s, scaling.RowWise, getattr(self, w.replace("w", "s")), scaling.RowWise,
+            offs=offs, output_dtype=self.out_dtype,
+        )  # fmt: skip
+
+    # under --compile the experts stay eager (a graph break), as the float path's opaque
+    # `dgpipe::routed_experts` op does: the routing sort and the grouped scaled GEMM run as written
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        order, token_of, offs = sl.expert_order(index, self.num_experts)
+        gate, up = self._gemm(x[token_of], "w13", self.in_scale, offs).chunk(2, dim=-1)
+        y = self._gemm(gelu_tanh(gate) * up, "w2", self.down_in_scale, offs)
+        w_sorted = weights.reshape(-1)[order]
+        return torch.zeros_like(x).index_add_(0, token_of, (y * w_sorted[:, None]).to(x.dtype))
+
+
+# ---- probing and installing ---------------------------------------------------------------------------
+@dataclass
+class Probe:
+    """What this GPU and torch build run: kernel name -> None (ran) or the error it raised."""
+
+    arch: str | None
+    results: dict[str, str | None] = field(default_factory=dict)
+
+    def ok(self, kernel: str) -> bool:
+        return kernel in self.results and self.results[kernel] is None
+
+
+def _tiny_packed(fmt: str, n: int = 128, k: int = 128) -> PackedLinear:
+    """A random quantized linear in ModelOpt's stored layout, for probing."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g)
+    if fmt == "fp8":
+        s = w.abs().amax() / E4M3_MAX
+        return PackedLinear("FP8", sl.fp8_quantize(w, s), s, None, torch.tensor(0.01))
+    gs = w.abs().amax() / (6 * E4M3_MAX)
+    packed, bs = sl.nvfp4_quantize(w, gs)
+    return PackedLinear("NVFP4", packed, bs, gs, torch.tensor(0.01))
+
+
+def random_packed(
+    fmt: str, n: int, k: int, device: torch.device, gen: torch.Generator | None = None
+) -> PackedLinear:
+    """A random quantized linear in ModelOpt's stored layout, drawn on `device` (the random-weight
+    benchmark of a full-size configuration: no checkpoint, no host copy): weights ~ N(0, 0.02)."""
+    if fmt == "fp8":
+        w = (torch.randn(n, k, device=device, generator=gen) * (E4M3_MAX / 4)).to(torch.float8_e4m3fn)
+        return PackedLinear("FP8", w, torch.tensor(0.02 * 4 / E4M3_MAX, device=device), None,
+                            torch.tensor(8.0 / E4M3_MAX, device=device))  # fmt: skip
+    codes = torch.randint(0, 256, (n, k // 2), device=device, dtype=torch.uint8, generator=gen)
+    bs = torch.full((n, k // 16), 64.0, device=device).to(torch.float8_e4m3fn)
+    return PackedLinear("NVFP4", codes, bs, torch.tensor(0.02 / (64 * 2), device=device),
+                        torch.tensor(8.0 / (6 * E4M3_MAX), device=device))  # fmt: skip
+
+
+def probe(device: torch.device | str = "cuda") -> Probe:
+    """Run each scaled-GEMM form once on tiny operands on `device` (CUDA only)."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        raise DgpipeError(
+            "tensor-core probe needs a CUDA device", "run on a GPU host (dgpipe doctor shows it)"
+        )
+    p = Probe(arch_of(*torch.cuda.get_device_capability(dev)))
+    x = torch.randn(40, 128, device=dev, dtype=torch.bfloat16)
+    index = torch.randint(0, 4, (20, 2), device=dev)
+    wts = torch.rand(20, 2, device=dev)
+    for kind, mode, fmt in (("linear", "fp8", "fp8"), ("linear", "nvfp4", "nvfp4"), ("linear", "fp8_rowwise", "nvfp4"),
+                            ("experts", "fp8", "fp8"), ("experts", "nvfp4", "nvfp4"), ("experts", "fp8_rowwise", "nvfp4")):  # fmt: skip
+        name = f"{kind}:{mode}"
+        try:
+            if kind == "linear":
+                ScaledLinear(_tiny_packed(fmt), mode, dev, torch.bfloat16)(x)
+            else:
+                ps = [_tiny_packed(fmt) for _ in range(4)]
+                ScaledExperts(ps, ps, ps, mode, dev, torch.bfloat16)(x[:20], index, wts)
+            torch.cuda.synchronize(dev)
+            p.results[name] = None
+        except (RuntimeError, NotImplementedError, ValueError, TypeError, DgpipeError) as e:
+            p.results[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return p
+
+
+_MODE = {"F.scaled_mm FP8 TensorWise": "fp8", "F.scaled_mm NVFP4": "nvfp4", "F.scaled_mm FP8 RowWise": "fp8_rowwise",
+         "F.scaled_grouped_mm FP8 RowWise (weights": "fp8_rowwise", "F.scaled_grouped_mm FP8 RowWise": "fp8",
+         "F.scaled_grouped_mm NVFP4": "nvfp4"}  # fmt: skip
+
+
+def kernel_mode(kernel: str) -> str | None:
+    """The ScaledLinear/ScaledExperts mode that implements a dispatch-table kernel; None: a float path."""
+    return next((m for prefix, m in _MODE.items() if kernel.startswith(prefix)), None)
+
+
+@dataclass
+class Installed:
+    format: str
+    arch: str | None
+    linears: int = 0  # linears now on scaled_mm
+    experts: int = 0  # layers whose experts are now on scaled_grouped_mm
+    fallbacks: list[str] = field(default_factory=list)  # what stayed on the dequantized float path, and why
+
+
+def install_from_checkpoint(
+    model: DiffusionGemma, path: str | Path, probed: Probe | None = None
+) -> Installed | None:
+    """Swap a CUDA model's fake-quantized float linears/experts for tensor-core modules reading the
+    checkpoint's packed weights. None for an unquantized checkpoint. Parts whose kernel the probe found
+    missing keep the float path and are listed in `fallbacks`."""
+    p = Path(path)
+    algo = quant_algo(p)
+    if algo is None:
+        return None
+    dev = next(model.parameters()).device
+    if dev.type != "cuda":
+        raise DgpipeError(
+            f"tensor-core weights need a CUDA model (this one is on {dev})", "load it with --device cuda"
+        )
+    fmt = precision_for_quant_algo(algo).name
+    pr = probed or probe(dev)
+    res = Installed(fmt, pr.arch)
+    if pr.arch is None or fmt not in ("fp8", "nvfp4"):
+        res.fallbacks.append(f"{fmt} on {pr.arch or 'this GPU'}: no tensor-core row; dequantized float path")
+        return res
+    row = dispatch(fmt, pr.arch)
+    lin_mode, exp_mode = kernel_mode(row.linears), kernel_mode(row.experts)
+    if lin_mode and not pr.ok(f"linear:{lin_mode}"):
+        res.fallbacks.append(
+            f"linears: {row.linears} failed its probe ({pr.results.get(f'linear:{lin_mode}')})"
+        )
+        lin_mode = None
+    if exp_mode and not pr.ok(f"experts:{exp_mode}"):
+        res.fallbacks.append(
+            f"experts: {row.experts} failed its probe ({pr.results.get(f'experts:{exp_mode}')})"
+        )
+        exp_mode = None
+    dtype = model.embed_tokens.weight.dtype
+    experts: dict[str, dict[int, dict[str, PackedLinear]]] = {}
+    for name, q in read_packed_linears(p).items():
+        m = EXPERT.match(name)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = q
+        elif lin_mode and q.input_scale is not None:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, ScaledLinear(q, lin_mode, dev, dtype))
+            res.linears += 1
+    if exp_mode:
+        for prefix, per in experts.items():
+            ps = [per[e] for e in sorted(per)]
+            if any(q.input_scale is None for e in ps for q in e.values()):
+                continue
+            layer = model.get_submodule(prefix.rpartition(".")[0])
+            layer.experts = ScaledExperts([e["gate_proj"] for e in ps], [e["up_proj"] for e in ps],
+                                          [e["down_proj"] for e in ps], exp_mode, dev, dtype)  # fmt: skip
+            res.experts += 1
+    if row.fallback:
+        res.fallbacks.append(f"{row.fallback}: {row.note}")
+    torch.cuda.empty_cache()
+    return res

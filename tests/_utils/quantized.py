@@ -1,0 +1,77 @@
+"""A ModelOpt-layout FP8 or NVFP4 checkpoint of the embedded model, made with dgpipe's own quantizers
+(`pipeline.model.scaled_layout`), for the tests of the quantized runtime paths. Every linear ModelOpt
+quantizes (attention, dense MLP, experts per expert) gets its weight quantized from the float weight and a
+fixed input scale; the rest stays as stored."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from pipeline.model import scaled_layout as sl
+from pipeline.model.checkpoint import hf_state_dict, load_model
+from pipeline.model.fake_quant import E4M3_MAX
+from pipeline.model.files import DECODER
+from pipeline.resources import EMBEDDED_MODEL
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+INPUT_AMAX = 8.0  # activation amax the fixed input scales stand for
+
+
+def quantize(w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    """One float weight [out, in] -> its ModelOpt tensors (weight, scales, input scale)."""
+    if fmt == "fp8":
+        ws = w.abs().max() / E4M3_MAX
+        return {"weight": sl.fp8_quantize(w, ws), "weight_scale": ws.reshape(()),
+                "input_scale": torch.tensor(INPUT_AMAX / E4M3_MAX)}  # fmt: skip
+    gs = w.abs().max() / (6 * E4M3_MAX)
+    packed, bs = sl.nvfp4_quantize(w, gs)
+    return {"weight": packed, "weight_scale": bs, "weight_scale_2": gs.reshape(()),
+            "input_scale": torch.tensor(INPUT_AMAX / (6 * E4M3_MAX))}  # fmt: skip
+
+
+def build_quantized_checkpoint(out: Path, fmt: str, src: Path = EMBEDDED_MODEL) -> Path:
+    model = load_model(src)[0]
+    state = hf_state_dict(model)
+    for i, layer in enumerate(model.layers):
+        for name in LINEARS:
+            if name == "self_attn.v_proj" and layer.self_attn.v_proj is None:
+                continue
+            path = f"layers.{i}.{name}"
+            del state[f"{DECODER}{path}.weight"]
+            w = model.get_submodule(path).weight.detach().float()
+            state.update({f"{DECODER}{path}.{k}": v for k, v in quantize(w, fmt).items()})
+        ex = layer.experts
+        del (
+            state[f"{DECODER}layers.{i}.experts.gate_up_proj"],
+            state[f"{DECODER}layers.{i}.experts.down_proj"],
+        )
+        inner = ex.gate_up_proj.shape[1] // 2
+        for e in range(ex.num_experts):
+            gu = ex.gate_up_proj[e].detach().float()
+            for proj, w in (
+                ("gate_proj", gu[:inner]),
+                ("up_proj", gu[inner:]),
+                ("down_proj", ex.down_proj[e].detach().float()),
+            ):
+                q = quantize(w, fmt)
+                if fmt == "nvfp4" and proj != "down_proj":  # ModelOpt's fused gate/up global scale
+                    gs = gu.abs().max() / (6 * E4M3_MAX)
+                    q["weight"], q["weight_scale"] = sl.nvfp4_quantize(w, gs)
+                    q["weight_scale_2"] = gs.reshape(())
+                state.update({f"{DECODER}layers.{i}.experts.{e}.{proj}.{k}": v for k, v in q.items()})
+    algo = {"fp8": "FP8", "nvfp4": "NVFP4"}[fmt]
+    out.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": algo}
+    (out / "config.json").write_text(json.dumps(cfg))
+    (out / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": algo}}))
+    for name in ("generation_config.json", "dgpipe.json", "tokenizer.json"):
+        if (src / name).is_file():
+            (out / name).write_bytes((src / name).read_bytes())
+    return out

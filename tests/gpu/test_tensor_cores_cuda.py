@@ -1,0 +1,118 @@
+"""Tensor-core linears and experts on a GPU against the dequantized, fake-quantized float reference, and the
+quantized runtime under CUDA graphs equal to eager (run by `dgpipe bench gpu`; skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.model.fake_quant import InputQuantizer, fp8_fake_quant, nvfp4_fake_quant
+from pipeline.model.modelopt import PackedLinear, _quantized_experts_forward
+from pipeline.runtime import tensor_cores as tc
+from pipeline.runtime.dispatch import arch_of, dispatch
+from tests._utils.quantized import build_quantized_checkpoint, quantize
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+    ),
+]
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def probed() -> tc.Probe:
+    return tc.probe(CUDA)
+
+
+def _packed(fmt: str, n: int, k: int, gen: torch.Generator) -> PackedLinear:
+    return PackedLinear(fmt.upper(), **quantize(torch.randn(n, k, generator=gen) * 0.1, fmt))
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def test_probe_serves_what_the_dispatch_table_promises(probed):
+    """Every vendor kernel the table names for this GPU runs (a failure here means the row is wrong)."""
+    row = {f: dispatch(f, probed.arch) for f in ("fp8", "nvfp4")} if probed.arch else {}
+    for fmt, r in row.items():
+        for kind, kernel in (("linear", r.linears), ("experts", r.experts)):
+            mode = tc.kernel_mode(kernel)
+            if mode:
+                assert probed.ok(f"{kind}:{mode}"), (fmt, kernel, probed.results)
+
+
+@pytest.mark.parametrize("mode", ["fp8", "nvfp4", "fp8_rowwise"])
+def test_scaled_linear_equals_reference(probed, mode):
+    if not probed.ok(f"linear:{mode}"):
+        pytest.skip(f"{mode} linear not served here: {probed.results.get(f'linear:{mode}')}")
+    gen = torch.Generator().manual_seed(0)
+    q = _packed("fp8" if mode == "fp8" else "nvfp4", 256, 512, gen)
+    x = torch.randn(37, 512, generator=gen)
+    got = tc.ScaledLinear(q, mode, CUDA, torch.float32)(x.to(CUDA)).cpu()
+    if mode == "fp8":
+        want = F.linear(fp8_fake_quant(x, q.input_scale), q.dequantized())
+    elif mode == "nvfp4":
+        want = F.linear(nvfp4_fake_quant(x, q.input_scale), q.dequantized())
+    else:
+        a = nvfp4_fake_quant(x, q.input_scale)
+        wq, ws = tc.sl.fp8_rowwise_weight(q.dequantized())
+        want = F.linear(fp8_fake_quant(a, a.abs().amax(-1, keepdim=True) / 448), wq.float() * ws[:, None])
+    assert _rel(got, want) < 1e-3
+
+
+@pytest.mark.parametrize("mode", ["fp8", "nvfp4", "fp8_rowwise"])
+def test_scaled_experts_equal_fake_quant_experts(probed, mode):
+    """Routed tokens (uneven, some experts empty) through the grouped GEMM vs the fake-quant expert loop on
+    the dequantized weights (fp8_rowwise: vs the NVFP4 reference, within the re-quantization's error)."""
+    if not probed.ok(f"experts:{mode}"):
+        pytest.skip(f"{mode} experts not served here: {probed.results.get(f'experts:{mode}')}")
+    gen = torch.Generator().manual_seed(1)
+    fmt = "fp8" if mode == "fp8" else "nvfp4"
+    e, d, inner, t = 8, 256, 128, 300
+    gate, up, down = (
+        [_packed(fmt, n, k, gen) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
+    )
+    m = tc.ScaledExperts(gate, up, down, mode, CUDA, torch.float32)
+    x = torch.randn(t, d, generator=gen)
+    index = torch.randint(0, e - 2, (t, 2), generator=gen)  # the last two experts get no token
+    weights = torch.rand(t, 2, generator=gen)
+    got = m(x.to(CUDA), index.to(CUDA), weights.to(CUDA)).cpu()
+    ref = torch.nn.Module()
+    ref.num_experts = e
+    ref.gate_up_proj = torch.stack([torch.cat([g.dequantized(), u.dequantized()]) for g, u in zip(gate, up)])
+    ref.down_proj = torch.stack([p.dequantized() for p in down])
+    quants = {
+        "gate_up": InputQuantizer(fmt, m.in_scale.cpu()),
+        "down": InputQuantizer(fmt, m.down_in_scale.cpu()),
+    }
+    want = _quantized_experts_forward(quants)(ref, x, index, weights)
+    assert _rel(got, want) < (1e-3 if mode != "fp8_rowwise" else 0.1)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_quantized_checkpoint_on_tensor_cores_graph_equals_eager(tmp_path, fmt):
+    """The embedded model quantized to `fmt`, loaded on CUDA: tensor-core modules installed as the table
+    says, graph-safe, and CUDA-graph tokens identical to eager."""
+    from pipeline.runtime.backends import TorchBackend
+    from pipeline.runtime.session import load_session
+    from pipeline.sampler.kernels.build import load_torch_extension
+    from tests._utils.generation import FIXED, generate, requests
+
+    load_torch_extension()
+    path = build_quantized_checkpoint(tmp_path / fmt, fmt)
+    model = load_session(path, dtype="bfloat16", device="cuda").model
+    row = dispatch(fmt, arch_of(*torch.cuda.get_device_capability()))
+    if tc.kernel_mode(row.experts):
+        assert all(isinstance(layer.experts, tc.ScaledExperts) for layer in model.layers)
+    backend = TorchBackend(model)
+    assert backend.graph_safe == all(isinstance(layer.experts, tc.ScaledExperts) for layer in model.layers)
+    if not backend.graph_safe:
+        pytest.skip(f"{fmt} experts stay on the float fallback here ({row.fallback})")
+    _, eager = generate(backend, requests(FIXED), graphs=False, sync_every=4)
+    _, graphed = generate(backend, requests(FIXED), graphs=True, sync_every=4)
+    for a, b in zip(eager, graphed, strict=True):
+        assert (a.tokens, a.steps_per_canvas) == (b.tokens, b.steps_per_canvas)

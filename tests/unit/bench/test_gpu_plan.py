@@ -1,0 +1,83 @@
+"""`dgpipe bench gpu`: the plan (what runs where, and why not), the time budget, and the result files. The
+GPU checks themselves run on a GPU host (tests/gpu and the pass measurements)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from pipeline.bench import gpu
+
+H200 = gpu.Env(True, "NVIDIA H200", "sm90", 139.8, "580.65", "2.11.0+cu130", "13.0", True, True, True)
+
+
+def test_checks_fit_the_eight_minute_budget_by_construction():
+    assert sum(c.budget_s for c in gpu.CHECKS) <= gpu.TOTAL_BUDGET_S == 480
+    assert [c.name for c in gpu.CHECKS][:2] == ["build sampler kernels", "gpu tests"]
+
+
+def test_skip_reasons_per_host():
+    by = lambda env: {c.name: gpu.skip_reason(c, env) for c in gpu.CHECKS}
+    h200 = by(H200)
+    assert [n for n, r in h200.items() if r] == ["26B pass nvfp4"]
+    assert "no FP4 tensor cores" in h200["26B pass nvfp4"]
+    assert not any(by(replace(H200, gpu="NVIDIA B200", arch="sm100", memory_gib=179)).values())
+    l40s = by(replace(H200, arch="sm89", memory_gib=44.4))
+    assert "44 GiB GPU memory < 64 GiB" in l40s["26B pass bf16"] and l40s["build sampler kernels"] is None
+    assert (
+        by(replace(H200, nvcc=False))["build sampler kernels"] == "nvcc not found (install the CUDA toolkit)"
+    )
+    assert by(replace(H200, pytest=False))["gpu tests"] == "pytest not found (pip install pytest)"
+    cpu = by(gpu.Env(False, torch="2.13.0+cpu"))
+    assert all(r.startswith("no CUDA GPU visible (torch 2.13.0+cpu") for r in cpu.values())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU plan")
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_cpu_run_lists_every_check_and_writes_json_and_table(tmp_path, dry_run):
+    result = gpu.run_bench_gpu(tmp_path, dry_run=dry_run)
+    saved = json.loads((tmp_path / gpu.RESULT_FILE).read_text())
+    assert [c["name"] for c in saved["checks"]] == [c.name for c in gpu.CHECKS]
+    assert all(c["status"] == "skipped" and c["detail"].startswith("no CUDA") for c in saved["checks"])
+    table = (tmp_path / gpu.TABLE_FILE).read_text()
+    assert table == gpu.render(result) + "\n" and table.count("| skipped |") == len(gpu.CHECKS)
+
+
+def test_a_check_is_killed_at_its_budget_and_failures_keep_their_output(tmp_path):
+    slow = gpu.GpuCheck(
+        "slow", 1, "sleeps", ("-c", "import time; print('started', flush=True); time.sleep(30)"), ()
+    )
+    res = gpu._run(slow, tmp_path, tmp_path)
+    assert res.status == "timeout" and res.seconds < 10
+    bad = gpu.GpuCheck("bad", 30, "fails", ("-c", "import sys; print('boom'); sys.exit(3)"), ())
+    res = gpu._run(bad, tmp_path, tmp_path)
+    assert (res.status, res.detail) == ("failed", "boom")
+    rows = gpu.GpuCheck(
+        "rows",
+        30,
+        "rows",
+        ("-c", "import json, os; open(os.environ['DGPIPE_GPU_ROWS'], 'w').write(json.dumps([{'a': 1}]))"),
+        (),
+    )
+    assert gpu._run(rows, tmp_path, tmp_path).rows == [{"a": 1}]
+
+
+def test_table_shows_each_pass_against_its_floor():
+    row = {"format": "fp8", "batch": 1, "kernels": "k", "ms_eager": 9.0, "ms_graph": 7.44, "floor_ms_spec": 6.2,
+           "floor_ms_copy": 7.0}  # fmt: skip
+    result = {"env": gpu.asdict(H200), "dry_run": False, "checks": [
+        {"name": "26B pass fp8", "status": "passed", "seconds": 40.0, "budget_s": 55, "detail": "", "rows": [row]},
+        {"name": "largest batch", "status": "passed", "seconds": 30.0, "budget_s": 50, "detail": "",
+         "rows": [{"format": "fp8", "largest_batch": 64, "tried_up_to": 128}]}]}  # fmt: skip
+    md = gpu.render(result)
+    assert "GPU: NVIDIA H200 (sm90, 140 GiB), driver 580.65, torch 2.11.0+cu130 (CUDA 13.0)" in md
+    assert "| fp8 | 1 | k | 9.00 | 7.44 | 6.20 | 1.20 | 7.00 |" in md
+    assert "Largest batch whose fp8 pass fits: 64 (tried up to 128)." in md
+
+
+def test_spec_gpu_picks_the_device_by_name():
+    assert gpu.spec_gpu("NVIDIA H200", "sm90").product == "H200-SXM-141GB"
+    assert gpu.spec_gpu("NVIDIA H100 80GB HBM3", "sm90").product == "H100-SXM5-80GB"

@@ -1,0 +1,90 @@
+"""The dispatch table and the per-pass byte model, checked against the network's own parameter shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.model.config import ModelConfig
+from pipeline.model.network import DiffusionGemma
+from pipeline.resources import load_yaml
+from pipeline.runtime import dispatch as dp
+
+
+@pytest.fixture(scope="module")
+def cfg26():
+    return ModelConfig.from_dict(load_yaml("models", "diffusiongemma-26b-a4b"), source="26b")
+
+
+def test_every_format_and_arch_has_one_row_and_fallbacks_say_why():
+    assert set(dp.DISPATCH) == {(f, a) for f in dp.FORMATS for a in dp.ARCHS}
+    for row in dp.DISPATCH.values():
+        if row.native:
+            assert row.linear_read == row.expert_read == row.format
+        else:
+            assert row.note and "B/param" in row.note
+    assert dp.dispatch("fp8", "sm90").experts.startswith("F.scaled_grouped_mm FP8 RowWise")
+    assert dp.dispatch("nvfp4", "sm100").experts.startswith("F.scaled_grouped_mm NVFP4")
+    assert dp.dispatch("nvfp4", "sm90").fallback == "fp8 re-quantization"
+    assert dp.arch_of(9, 0) == "sm90" and dp.arch_of(10, 3) == "sm100" and dp.arch_of(8, 0) is None
+
+
+def test_bf16_weight_bytes_are_the_networks_parameters(cfg26):
+    """At batch 16 every expert is touched: linears + experts + embedding/router/self-conditioning equal
+    the meta model's matrices at 2 bytes (embedding counted twice: LM head and soft embedding)."""
+    with torch.device("meta"):
+        model = DiffusionGemma(cfg26)
+    c = cfg26.text_config
+    mats = {n: p.numel() for n, p in model.named_parameters() if p.dim() >= 2}
+    experts = sum(v for n, v in mats.items() if ".experts." in n)
+    router = sum(v for n, v in mats.items() if ".router." in n)
+    sc = sum(v for n, v in mats.items() if n.startswith("self_conditioning"))
+    emb = mats["embed_tokens.weight"]
+    linears = sum(mats.values()) - experts - router - sc - emb
+    b = dp.pass_bytes(c, "bf16", "bf16", batch=16)
+    assert b.linears == 2 * linears
+    assert b.experts == pytest.approx(2 * experts, rel=1e-9)
+    assert b.high_precision == 2 * (2 * emb + router + sc)
+    fp8 = dp.pass_bytes(c, "fp8", "fp8", batch=16)
+    assert fp8.linears == linears and fp8.experts == pytest.approx(experts, rel=1e-9)
+    nv = dp.pass_bytes(c, "nvfp4", "nvfp4", batch=16)
+    assert nv.experts == pytest.approx(experts * 0.5625, rel=1e-9)  # 4 bits + an 8-bit scale per 16
+
+
+def test_experts_touched_and_kv_and_floor(cfg26):
+    c = cfg26.text_config
+    assert dp.experts_touched(c, 1) == pytest.approx(c.top_k_experts)
+    assert dp.experts_touched(c, 256) > 127.9
+    kv = dp.pass_bytes(c, "bf16", "bf16", 1, past=2048).kv - dp.pass_bytes(c, "bf16", "bf16", 1).kv
+    sliding = sum(c.layer_shape(i).is_sliding for i in range(c.num_hidden_layers))
+    per_tok = {
+        s: c.layer_shape(i).num_kv_heads * c.layer_shape(i).head_dim * 4
+        for i in range(6)
+        for s in [c.layer_shape(i).is_sliding]
+    }
+    assert kv == sliding * 1023 * per_tok[True] + (c.num_hidden_layers - sliding) * 2048 * per_tok[False]
+    assert dp.floor_ms(4.8e9, "H200-SXM-141GB") == pytest.approx(1.0)
+
+
+def test_floor_table_fp8_hopper_and_nvfp4_b200_read_their_floor(cfg26):
+    rows = {(r.gpu, r.format, r.batch): r for r in dp.floor_table(cfg26.text_config)}
+    for key in (("H100-SXM5-80GB", "fp8", 1), ("H200-SXM-141GB", "fp8", 16), ("B200-180GB", "nvfp4", 1)):
+        assert rows[key].ratio == 1.0
+    assert rows["H200-SXM-141GB", "nvfp4", 1].ratio > 1.4  # the named fallback costs bytes
+    assert "| H200-SXM-141GB | fp8 | 1 |" in dp.render_floor_table(list(rows.values()))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
+def test_doctor_says_no_cuda_on_cpu():
+    from pipeline.doctor import check_tensor_cores
+
+    (row,) = check_tensor_cores()
+    assert (row.name, row.ok, row.detail) == ("tensor cores", False, "no CUDA")
+
+
+def test_docs_show_the_tables_the_code_computes(cfg26):
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[3] / "docs" / "engine.md").read_text()
+    assert dp.render_dispatch() in doc
+    assert dp.render_floor_table(dp.floor_table(cfg26.text_config)) in doc
