@@ -144,3 +144,12 @@ def context_length(prompt_tokens: int, max_tokens: int, canvas_length: int) -> i
 
 
 DEFAULTS = Limits()  # the defaults, for signatures that take one limit as a plain value
+
+# OpenAI's own caps on the request fields dgpipe honours as they are (platform.openai.com/docs/api-reference):
+# `top_logprobs` (chat) takes 0..20 alternatives per token; `n` is dgpipe's own cap on choices per request
+# (each choice is a batch row, so it also stays within one pass's rows)
+TOP_LOGPROBS_MAX = 20
+CHOICES_MAX = 8
+# what a log-probability of -inf (a token the distribution gives 0: masked out, or underflowed) is reported
+# as, since JSON has no infinity; vLLM's OpenAI server uses the same floor
+LOGPROB_FLOOR = -9999.0

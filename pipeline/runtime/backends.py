@@ -86,6 +86,8 @@ class ModelBackend(Protocol):
 class TorchBackend:
     """The PyTorch model; the sampler is the PyTorch oracle, or the fused CUDA kernels on a GPU."""
 
+    returns_probs = True  # each step's probabilities reach the runtime (log-probabilities can be read)
+
     def __init__(self, model: DiffusionGemma, draws: DrawSource | None = None, fused: bool | None = None):
         from pipeline.sampler.kernels.gpu_sampler import cuda_sampler_available
 

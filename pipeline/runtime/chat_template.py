@@ -123,14 +123,24 @@ class ChatTemplate:
     special_tokens: dict[str, str]  # bos_token, eos_token, ...: variables the template may read
     origin: str  # the file it came from, for messages
 
-    def render(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
-        """The prompt text transformers' `apply_chat_template(..., tokenize=False)` gives for `messages`."""
+    @property
+    def tool_call_format(self) -> str | None:
+        """The tool-call format the template declares, which a reply's tool calls are parsed by: "hermes"
+        (calls as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, Hermes' and Qwen's templates), or
+        None when the template declares none (the model has no way of its own to call a tool)."""
+        return "hermes" if "<tool_call>" in self.source else None
+
+    def render(
+        self, messages: list[Message], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> str:
+        """The prompt text transformers' `apply_chat_template(..., tokenize=False, tools=tools)` gives for
+        `messages` (a template that never reads `tools` renders the same text without them)."""
         import jinja2
 
         try:
             return _compile(self.source).render(
                 messages=messages,
-                tools=None,
+                tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,

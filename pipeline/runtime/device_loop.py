@@ -24,6 +24,10 @@ class DenoiseRound:
     positions: torch.Tensor  # [B, L]
     masks: Masks
     past: KV
+    # the rows (indices into `slots`) whose requests want log-probabilities, and the most top alternatives
+    # any of them asks for: fixed for the round like the rest, so a captured step records them too
+    logprob_rows: torch.Tensor | None = None
+    logprob_k: int = 0
     graph: torch.cuda.CUDAGraph | None = field(default=None, repr=False)
     eager_steps: int = 0
 

@@ -152,14 +152,14 @@ class TextFormat:
     def encode_prompt(self, text: str) -> list[int]:
         return self._encode(self.template.format(prompt=text))
 
-    def encode_messages(self, messages: list[Message]) -> list[int]:
+    def encode_messages(self, messages: list[Message], tools: list | None = None) -> list[int]:
         if self.chat_template is None:
             raise InputError(
                 "this checkpoint has no chat template (chat_template.jinja or tokenizer_config.json)",
                 "send a plain prompt (without --chat / messages)",
             )
         # the rendered text holds the template's special tokens already: none are added again
-        return self._encode(self.chat_template.render(messages, add_generation_prompt=True))
+        return self._encode(self.chat_template.render(messages, add_generation_prompt=True, tools=tools))
 
     def infill_template(self, text: str) -> list[int] | None:
         return None

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.errors import InputError
-from pipeline.limits import DEFAULTS, context_length
+from pipeline.limits import DEFAULTS, TOP_LOGPROBS_MAX, context_length
 from pipeline.model.config import SamplerConfig
 from pipeline.model.network import DiffusionGemma, canvas_positions
 from pipeline.runtime.backends import ModelBackend, SamplerInputs, TorchBackend
@@ -45,6 +45,8 @@ class Request:
     )
     guide: TokenAutomaton | None = None  # constrained decoding: the output must be in its language
     min_tokens: int = 0  # tokens before an end token may stop the request (max_tokens: never, ignore_eos)
+    # log-probabilities wanted: None = no; k = each token's and its k most probable alternatives' (0..20)
+    logprobs: int | None = None
     on_canvas: Callable[[Request, list[int]], None] | None = None
     on_draft: Callable[[Request, list[int], int], None] | None = None
     on_finish: Callable[[Result], None] | None = None
@@ -62,6 +64,13 @@ class Result:
     finished: float = 0.0
     cancelled: bool = False
     error: str | None = None
+    # with Request.logprobs: one (log p(token), [(alternative, log p), ...]) per token of `tokens`
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+# a committed token's log-probability and its k most probable alternatives (token id, log-probability),
+# all from the distribution of the denoise pass whose argmax canvas was committed (see _keep_logprobs)
+TokenLogprob = tuple[float, list[tuple[int, float]]]
 
 
 class BlockDiffusionRuntime:
@@ -121,6 +130,11 @@ class BlockDiffusionRuntime:
         self.stab_k = torch.ones(s, dtype=torch.long, device=dev)
         self.results: list[Result | None] = [None] * s
         self.guides: list[GuideState | None] = [None] * s  # constrained rows' automaton progress
+        # log-probabilities of the latest live pass per slot (rows that ask for them): the argmax token's,
+        # and the top TOP_LOGPROBS_MAX alternatives' values and ids
+        self.lp_token = torch.zeros(s, length, **f32)
+        self.lp_top = torch.zeros(s, length, TOP_LOGPROBS_MAX, **f32)
+        self.lp_ids = torch.zeros(s, length, TOP_LOGPROBS_MAX, dtype=torch.long, device=dev)
         self.waiting: deque[Result] = deque()
         self.passes = {"prefill": 0, "denoise": 0, "commit": 0}
         self.loop = DeviceLoop(
@@ -144,6 +158,15 @@ class BlockDiffusionRuntime:
             )
         if any(t < 0 or t >= self.vocab for t in req.prompt_ids):
             raise InputError(f"prompt holds token ids outside the vocabulary [0, {self.vocab})")
+        if req.logprobs is not None:
+            if not 0 <= req.logprobs <= TOP_LOGPROBS_MAX:
+                raise InputError(f"top logprobs must be in [0, {TOP_LOGPROBS_MAX}] (got {req.logprobs})")
+            if not getattr(self.backend, "returns_probs", False):
+                raise InputError(
+                    f"log-probabilities need the sampler's probabilities, which the {type(self.backend).__name__} "
+                    "keeps inside its graph",
+                    "serve the model with the PyTorch backend to get logprobs",
+                )
         if req.template is not None:
             if len(req.template) > self.canvas_length:
                 raise InputError(
@@ -360,7 +383,16 @@ class BlockDiffusionRuntime:
         masks = attention_masks(
             positions, torch.ones_like(positions, dtype=torch.bool), meta, False, self.cache.window
         )
-        return DenoiseRound(slots, slots.tolist(), positions, masks, past)
+        rnd = DenoiseRound(slots, slots.tolist(), positions, masks, past)
+        wanted = [
+            (i, req.logprobs)
+            for i, s in enumerate(rnd.slot_list)
+            if (res := self.results[s]) is not None and (req := res.request).logprobs is not None
+        ]
+        if wanted:
+            rnd.logprob_rows = torch.tensor([i for i, _ in wanted], device=self.device)
+            rnd.logprob_k = max(k for _, k in wanted)
+        return rnd
 
     def _device_step(self, rnd: DenoiseRound) -> torch.Tensor:
         """One denoise pass + sampling step with no host synchronisation; finished rows stay frozen.
@@ -387,6 +419,8 @@ class BlockDiffusionRuntime:
         self.sc[slots] = stepped.soft.to(self.dtype)  # a frozen row's is never read: its canvas is over
         if sampler.allowed is not None:
             self._keep_guide_probs(rnd, out.probs, live)
+        if rnd.logprob_rows is not None:
+            self._keep_logprobs(rnd, out.probs, out.argmax, live)
         for slot in rnd.slot_list:
             self.has_sc[slot] = True
         self.stable[slots] = torch.where(live, stepped.stable_count, self.stable[slots])
@@ -403,6 +437,41 @@ class BlockDiffusionRuntime:
             new = probs[i].to(torch.bfloat16)
             kept = self.guide_probs.get(slot)
             self.guide_probs[slot] = new if kept is None else torch.where(live[i], new, kept)
+
+    def _keep_logprobs(
+        self, rnd: DenoiseRound, probs: torch.Tensor | None, argmax: torch.Tensor, live: torch.Tensor
+    ) -> None:
+        """The log-probabilities of this pass for the rows that want them, kept per slot while the row is
+        live: a canvas's last live pass is the one whose argmax canvas is committed, so what is left when
+        it finishes is each committed token's log-probability under the distribution softmax(logits / T)
+        the sampler drew from at that pass (T: its temperature), and the top alternatives of the same
+        distribution. Device work only (a captured step replays it)."""
+        assert probs is not None  # validate() admits logprobs only from a backend that returns probs
+        rows, k = rnd.logprob_rows, rnd.logprob_k
+        slots, keep = rnd.slots[rows], live[rows][:, None]
+        p = probs[rows]
+        token = p.gather(-1, argmax[rows][..., None]).squeeze(-1).float().log()
+        self.lp_token[slots] = torch.where(keep, token, self.lp_token[slots])
+        if k:
+            top, ids = p.topk(k, dim=-1)
+            keep3 = keep[..., None]
+            self.lp_top[slots, :, :k] = torch.where(keep3, top.float().log(), self.lp_top[slots, :, :k])
+            self.lp_ids[slots, :, :k] = torch.where(keep3, ids, self.lp_ids[slots, :, :k])
+
+    def _guided_logprobs(self, slot: int, block: list[int], probs: torch.Tensor, k: int) -> None:
+        """A constrained canvas's log-probabilities: its committed block is decoded from the last live
+        pass's masked distribution (`finish_canvas`), so they are read from that distribution."""
+        tokens = torch.tensor(block, device=probs.device)
+        self.lp_token[slot] = probs.gather(-1, tokens[:, None]).squeeze(-1).float().log()
+        if k:
+            top, ids = probs.topk(k, dim=-1)
+            self.lp_top[slot, :, :k], self.lp_ids[slot, :, :k] = top.float().log(), ids
+
+    def _logprobs(self, slot: int, n: int, k: int) -> list[TokenLogprob]:
+        """The first n committed tokens' log-probabilities and top-k alternatives, for the host."""
+        token = self.lp_token[slot, :n].tolist()
+        top, ids = self.lp_top[slot, :n, :k].tolist(), self.lp_ids[slot, :n, :k].tolist()
+        return [(t, list(zip(i, v, strict=True))) for t, i, v in zip(token, ids, top, strict=True)]
 
     def _guide_masks(self, rnd: DenoiseRound) -> tuple[torch.Tensor, torch.Tensor] | None:
         for slot in rnd.slot_list:  # a row whose guide has no mask left fails alone, before the batch's pass
@@ -437,13 +506,17 @@ class BlockDiffusionRuntime:
             res = self.results[slot]
             assert res is not None
             block = self.amax[slot].tolist()
+            k = res.request.logprobs
             if (g := self.guides[slot]) is not None:
+                probs = self.guide_probs.pop(slot)
                 try:
-                    block = finish_canvas(g, block, self.guide_probs.pop(slot), self.pad_id)
+                    block = finish_canvas(g, block, probs, self.pad_id)
                 except RuntimeError as e:
                     self._fail_guided_row(slot, e)
                     continue
                 self.amax[slot] = torch.tensor(block, device=self.device)  # what the commit writes
+                if k is not None:
+                    self._guided_logprobs(slot, block, probs, k)
             res.steps_per_canvas.append(int(self.step_idx[slot]))
             if not res.tokens and res.time_to_first_canvas == 0.0:
                 res.time_to_first_canvas = time.perf_counter() - res.started
@@ -459,6 +532,8 @@ class BlockDiffusionRuntime:
             else:
                 reason = "length" if len(emitted) == room else ""
             res.tokens.extend(emitted)
+            if k is not None:
+                res.logprobs.extend(self._logprobs(slot, len(emitted), k))
             if res.request.on_canvas is not None:
                 res.request.on_canvas(res.request, emitted)
             if (

@@ -106,12 +106,19 @@ class Session:
             raise InputError("prompt is empty", "pass the text to continue")
         return self.prompt_format.encode_prompt(text)
 
-    def encode_messages(self, messages: list[Message]) -> list[int]:
-        """Checked chat messages (chat_template.parse_messages) -> prompt ids, through the checkpoint's format."""
+    def encode_messages(self, messages: list[Message], tools: list | None = None) -> list[int]:
+        """Checked chat messages (chat_template.parse_messages) -> prompt ids, through the checkpoint's format;
+        `tools` (OpenAI's function tools) rendered by the chat template as transformers renders them."""
         encode = getattr(self.prompt_format, "encode_messages", None)
         if encode is None:  # a format written before chat messages existed
             raise InputError(f"the prompt format {type(self.prompt_format).__name__} takes no chat messages")
-        return encode(messages)
+        return encode(messages, tools=tools) if tools else encode(messages)
+
+    @property
+    def tool_call_format(self) -> str | None:
+        """The tool-call format the checkpoint's chat template declares (ChatTemplate.tool_call_format)."""
+        template = getattr(self.prompt_format, "chat_template", None)
+        return None if template is None else template.tool_call_format
 
     def default_template(self, text: str) -> list[int] | None:
         """The prompt format's infill for this prompt (a Sudoku's givens are pinned in the canvas), or None."""

@@ -44,6 +44,9 @@ class Reply:
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
     drafts: int = 0  # draft responses seen (never part of the text)
+    # return_log_probs: every token entry so far, and those of the latest chunk
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    new_logprobs: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, chunk: dict[str, Any]) -> str:
         """Fold one response chunk in; returns the committed text it adds ("" for a draft)."""
@@ -51,6 +54,9 @@ class Reply:
             self.drafts += 1
             return ""
         piece = _first(chunk.get("text_output", ""))
+        raw = chunk.get("logprobs")
+        self.new_logprobs = json.loads(_first(raw)) if raw else []
+        self.logprobs += self.new_logprobs
         if chunk.get("finish_reason"):
             fr = chunk["finish_reason"]
             self.finish_reason = fr[0] if isinstance(fr, list) else fr

@@ -1,7 +1,7 @@
 """The OpenAI request bodies dgpipe's frontend accepts, and how each maps onto the Triton model's inputs.
 
-Every field OpenAI defines is either mapped, accepted only at its no-op value (`n=1`, `top_p=1`,
-`logprobs=false`, ...), or refused with a 400 naming it: nothing is silently ignored. Unknown fields are
+Every field OpenAI defines is either mapped, accepted only at its no-op value (`best_of=1`, `top_p=1`,
+...), or refused with a 400 naming it: nothing is silently ignored. Unknown fields are
 refused too, except the diffusion knobs, which ride as extra body fields (the `openai` client's
 `extra_body`) under the Triton input names of pipeline/serving/schema.py.
 
@@ -25,6 +25,10 @@ Load-tool fields (vLLM's, sent by guidellm and AIPerf): `ignore_eos` (the end to
 generation: it runs to `max_tokens`), `min_tokens` (the end token does not stop it before that many
 tokens) and `stream_options.continuous_usage_stats` (usage on every streamed chunk).
 
+Choices, log-probabilities and tools: `n` choices are n requests with seeds `choice_seed(seed, i)`;
+`logprobs` / `top_logprobs` become the Triton inputs `return_log_probs` / `top_logprobs`; `tools` and
+`tool_choice` are planned by pipeline/serving/openai_tools.py (README, "OpenAI-compatible API").
+
 Drafts: `stream_drafts: true` (with `stream: true`) adds the canvas after every denoise step to the stream
 as `event: dgpipe.draft` server-sent events (pipeline/serving/openai_api.py); without it the stream is
 plain OpenAI chunks.
@@ -39,27 +43,23 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from pipeline.errors import InputError
+from pipeline.limits import CHOICES_MAX, TOP_LOGPROBS_MAX
 from pipeline.model.config import SAMPLER_RANGES
 from pipeline.sampler.constraints import GuideSpec
 from pipeline.serving.schema import INT32_MAX, SEED_MAX
 
 # field -> the only value we accept (its OpenAI default, a no-op here)
 NO_OP_ONLY: dict[str, Any] = {
-    "n": 1,
     "best_of": 1,
     "top_p": 1.0,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
-    "logprobs": False,
     "echo": False,
     "parallel_tool_calls": True,
 }
 # fields we refuse whatever their value (null aside)
 UNSUPPORTED = (
-    "top_logprobs",
     "logit_bias",
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
     "suffix",
@@ -96,6 +96,12 @@ STOP_MAX = 4  # stop sequences per request, OpenAI's documented limit
 
 SEED_SPACE = SEED_MAX + 1  # the sampler's seeds: 0 .. 2**63 - 1
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1  # what a client may send as `seed` (int64 or uint64)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request with `n` choices sampling with `seed`: seed + index in the
+    63-bit seed space. Choice i is the answer a single request with seed `seed + i` gets."""
+    return (seed + index) % SEED_SPACE
 
 
 def sampler_seed(seed: int | None) -> int:
@@ -140,19 +146,15 @@ class _Common(BaseModel):
     # vLLM's fields that load tools send (guidellm, AIPerf): end tokens ignored until max_tokens / min_tokens
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    n: int = Field(1, ge=1, le=CHOICES_MAX)  # choices: rows of one batch, seeds choice_seed(seed, i)
     # OpenAI fields accepted only at their no-op value, or refused: checked in _refuse
-    n: int | None = None
     best_of: int | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logprobs: bool | int | None = None
     echo: bool | None = None
     parallel_tool_calls: bool | None = None
-    top_logprobs: Any = None
     logit_bias: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     suffix: Any = None
@@ -246,6 +248,8 @@ class _Common(BaseModel):
             "min_tokens": self.min_tokens or None,
             "stream_drafts": self.stream_drafts or None,
             "stop_words": self.stop_words() or None,
+            "return_log_probs": True if self.top_logprobs_wanted() is not None else None,
+            "top_logprobs": self.top_logprobs_wanted() or None,
             "exclude_input_in_output": True,
             "return_num_input_tokens": True,
             "return_num_output_tokens": True,
@@ -254,6 +258,15 @@ class _Common(BaseModel):
         if (guide := self.guide()) is not None:
             out["guided_decoding_guide_type"], out["guided_decoding_guide"] = guide
         return {k: v for k, v in out.items() if v is not None}
+
+    def top_logprobs_wanted(self) -> int | None:
+        """None: no log-probabilities; k: each token's, with its k most probable alternatives (each request
+        type reads its own fields: chat's logprobs + top_logprobs, the legacy API's logprobs count)."""
+        return None
+
+    def choice_seeds(self) -> list[int]:
+        """The sampler seed of each of the n choices (choice_seed)."""
+        return [choice_seed(self.sampler_seed, i) for i in range(self.n)]
 
     @property
     def include_usage(self) -> bool:
@@ -274,9 +287,18 @@ class _Common(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS_MAX)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def check(self) -> None:
         super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         both = None not in (self.max_tokens, self.max_completion_tokens)
         if both and self.max_tokens != self.max_completion_tokens:
             raise RequestError(
@@ -290,6 +312,11 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[str]
+    # the legacy API's logprobs: the number of most probable alternatives per token (0: the token's alone)
+    logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS_MAX)
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     def triton_inputs(self) -> dict[str, Any]:
         prompt = self.prompt

@@ -23,10 +23,12 @@ from pipeline.limits import DEFAULTS, request_bytes_limit
 from pipeline.runtime.chat_template import MessagesError, parse_messages
 from pipeline.sampler.guide_size import check_guide_size
 from pipeline.serving.client import Reply
+from pipeline.serving.openai_choices import whole_choice
 from pipeline.serving.openai_errors import error_body, validation_message
 from pipeline.serving.openai_schema import ChatCompletionRequest, CompletionRequest, RequestError
 from pipeline.serving.openai_sse import EventWriter, sse_events, usage
 from pipeline.serving.openai_stream import END, Chunks, TritonStream, close, pull
+from pipeline.serving.openai_tools import request_plan, tool_inputs
 from pipeline.serving.schema import TextError, prompt_too_big, text_bytes
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
@@ -167,23 +169,36 @@ class OpenAIServing:
             "model": self.model,
         }
         headers = {SEED_HEADER: str(req.sampler_seed)}
-        chunks = self.stream(req.triton_inputs())
+        plan = request_plan(req) if isinstance(req, ChatCompletionRequest) else None
+        inputs = {**req.triton_inputs(), **tool_inputs(plan)}
+        # n choices: n requests with the derived seeds, sent together so they share the batch's passes
+        streams = [self.stream({**inputs, "seed": seed}) for seed in req.choice_seeds()]
+        logprobs = req.top_logprobs_wanted() is not None
         if not req.stream:
-            whole = await self._whole(head, chunks, chat, request)
-            return whole if isinstance(whole, JSONResponse) else JSONResponse(whole, headers=headers)
+            whole = await self._whole(head, streams, chat, request)
+            if isinstance(whole, JSONResponse):
+                return whole
+            choices = [whole_choice(i, r, chat, logprobs, plan) for i, r in enumerate(whole)]
+            body = {**head, "choices": choices, "usage": usage(whole)}
+            return JSONResponse(body, headers=headers)
+        firsts = []
         try:
-            first = await pull(chunks)  # Triton refuses a bad value before any output
+            for chunks in streams:  # Triton refuses a bad value before any output
+                firsts.append(await pull(chunks))
         except BaseException:
-            await close(chunks)
+            for chunks in streams:
+                await close(chunks)
             raise
-        writer = EventWriter(head, chat, req.include_usage, req.continuous_usage)
-        events = sse_events(writer, first, chunks, Reply())
+        writer = EventWriter(head, chat, req.include_usage, req.continuous_usage, logprobs, plan)
+        events = sse_events(writer, firsts, streams, [Reply() for _ in streams])
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
-    async def _whole(self, head: dict[str, Any], chunks: Chunks, chat: bool, request: Request | None) -> Any:
-        """The whole completion; a client that leaves before it is done cancels the request in Triton
-        (closing the stream, as a streamed response does) instead of leaving it to run to its end."""
-        reply, left, failure = Reply(), False, None
+    async def _whole(
+        self, head: dict[str, Any], streams: list[Chunks], chat: bool, request: Request | None
+    ) -> list[Reply] | JSONResponse:
+        """Every choice's whole reply; a client that leaves before they are done cancels the requests in
+        Triton (closing the streams, as a streamed response does) instead of leaving them to run."""
+        replies, left, failure = [Reply() for _ in streams], False, None
 
         async def watch(scope: anyio.CancelScope) -> None:
             nonlocal left
@@ -193,30 +208,33 @@ class OpenAIServing:
             left = True
             scope.cancel()
 
+        async def collect(i: int, scope: anyio.CancelScope) -> None:
+            nonlocal failure
+            try:
+                while (item := await pull(streams[i])) is not END:
+                    replies[i].add(item)
+            except Exception as e:  # kept, not raised in the group (not as an ExceptionGroup)
+                failure = failure or e
+                scope.cancel()
+
         try:
             async with anyio.create_task_group() as tasks:
                 if request is not None:
                     tasks.start_soon(watch, tasks.cancel_scope)
-                try:
-                    while (item := await pull(chunks)) is not END:
-                        reply.add(item)
-                except Exception as e:  # raised after the watcher stops (not as an ExceptionGroup)
-                    failure = e
+                async with anyio.create_task_group() as choices:
+                    for i in range(len(streams)):
+                        choices.start_soon(collect, i, tasks.cancel_scope)
                 tasks.cancel_scope.cancel()
         finally:
-            await close(chunks)  # a no-op once Triton has finished; otherwise the request is dropped
+            for chunks in streams:  # a no-op once Triton has finished; otherwise the request is dropped
+                await close(chunks)
         if failure is not None:
             raise failure
         if left:
             return JSONResponse(
                 error_body("the client closed the request", code="client_closed"), CLIENT_CLOSED
             )
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reply.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": reply.text}
-        else:
-            choice["text"] = reply.text
-        return {**head, "choices": [choice], "usage": usage(reply)}
+        return replies
 
 
 def _too_large(size: str, limit: int) -> RequestError:

@@ -1,23 +1,30 @@
-"""The server-sent events of a streamed OpenAI response: a chunk per committed canvas, the finish, usage
-when asked, `data: [DONE]`; drafts (`stream_drafts`) as their own `event: dgpipe.draft` events beside the
-standard chunks; an error after the 200 as an error event, as OpenAI's servers do."""
+"""The server-sent events of a streamed OpenAI response: a chunk per committed canvas of each choice (its
+`index`), each choice's finish, usage when asked, `data: [DONE]`; drafts (`stream_drafts`) as their own
+`event: dgpipe.draft` events beside the standard chunks; an error after the 200 as an error event, as
+OpenAI's servers do. A chunk carries the log-probabilities of its own tokens when the request asked for
+them. A reply that becomes tool calls is sent whole with its finish: its text is the call's JSON, which is
+only a call once it is complete."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from pipeline.serving.client import Reply, draft_of
+from pipeline.serving.openai_choices import logprobs_of
 from pipeline.serving.openai_errors import error_body
 from pipeline.serving.openai_schema import RequestError
-from pipeline.serving.openai_stream import END, Chunks, close, pull
+from pipeline.serving.openai_stream import Chunks, close, merged
 
 DONE = "data: [DONE]\n\n"
 
 
-def usage(reply: Reply) -> dict[str, int]:
-    prompt, completion = reply.num_input_tokens or 0, reply.num_output_tokens or 0
+def usage(replies: list[Reply]) -> dict[str, int]:
+    """The prompt counted once, the completion tokens of every choice (OpenAI's usage for n > 1)."""
+    prompt = next((r.num_input_tokens for r in replies if r.num_input_tokens is not None), 0)
+    completion = sum(r.num_output_tokens or 0 for r in replies)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -29,77 +36,124 @@ class EventWriter:
     """The events of one response, each with the response's head (id, object, created, model)."""
 
     def __init__(
-        self, head: dict[str, Any], chat: bool, include_usage: bool, continuous_usage: bool = False
+        self,
+        head: dict[str, Any],
+        chat: bool,
+        include_usage: bool,
+        continuous_usage: bool = False,
+        logprobs: bool = False,
+        plan: Any = None,
     ) -> None:
         self.head, self.chat, self.include_usage = head, chat, include_usage
-        self.continuous_usage = (
-            continuous_usage  # usage so far on every chunk (vLLM's continuous_usage_stats)
-        )
+        # usage so far on every chunk (vLLM's continuous_usage_stats)
+        self.continuous_usage = continuous_usage
+        self.logprobs = logprobs
+        self.plan = plan  # openai_tools.ToolPlan: the reply becomes tool calls (None: plain text)
         self.extra: dict[str, Any] = {"usage": None} if include_usage or continuous_usage else {}
 
-    def role(self, first: Any = None) -> str:
-        """A chat stream opens with the assistant's role; with continuous usage it already carries the
-        prompt's tokens and no completion tokens (as vLLM's does), read from the model's first chunk."""
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+    def role(self, index: int = 0, first: Any = None) -> str:
+        """A chat stream opens each choice with the assistant's role; with continuous usage it already
+        carries the prompt's tokens and no completion tokens (as vLLM's does), read from the model's first
+        chunk."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
         extra = self.extra
         if self.continuous_usage and isinstance(first, dict) and first.get("num_input_tokens") is not None:
             prompt = Reply()
             prompt.add({"num_input_tokens": first["num_input_tokens"], "num_output_tokens": 0})
-            extra = {"usage": usage(prompt)}
+            extra = {"usage": usage([prompt])}
         return event({**self.head, "choices": [choice], **extra})
 
-    def chunk(self, piece: str | None, finish: str | None, reply: Reply | None = None) -> str:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    def chunk(
+        self,
+        piece: str | None,
+        finish: str | None,
+        replies: list[Reply] | None = None,
+        index: int = 0,
+        logprobs: list[dict[str, Any]] | None = None,
+        offset: int = 0,
+        delta: dict[str, Any] | None = None,
+    ) -> str:
+        lp = logprobs_of(logprobs, self.chat, offset) if self.logprobs and logprobs is not None else None
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": lp}
         if self.chat:
-            choice["delta"] = {} if piece is None else {"content": piece}
+            choice["delta"] = delta if delta is not None else ({} if piece is None else {"content": piece})
         else:
             choice["text"] = piece or ""
-        extra = {"usage": usage(reply)} if self.continuous_usage and reply is not None else self.extra
+        extra = {"usage": usage(replies)} if self.continuous_usage and replies is not None else self.extra
         return event({**self.head, "choices": [choice], **extra})
 
-    def draft(self, canvas: int, step: int, text: str) -> str:
+    def tool_calls(self, reply: Reply, replies: list[Reply], index: int) -> str:
+        """A reply's tool calls, whole, with its finish (openai_choices.whole_choice's rule)."""
+        content, calls = self.plan.calls(reply.text)
+        if not calls:
+            return self.chunk(reply.text, reply.finish_reason, replies, index, reply.logprobs)
+        delta: dict[str, Any] = {
+            "content": content,
+            "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)],
+        }
+        finish = "tool_calls" if reply.finish_reason == "stop" else reply.finish_reason
+        return self.chunk(None, finish, replies, index, reply.logprobs, delta=delta)
+
+    def draft(self, canvas: int, step: int, text: str, index: int = 0) -> str:
         payload = {**self.head, "object": "dgpipe.draft", "choices": []}
-        payload["dgpipe"] = {"canvas": canvas, "step": step, "text": text}
+        payload["dgpipe"] = {"canvas": canvas, "step": step, "text": text, "index": index}
         return f"event: dgpipe.draft\n{event(payload)}"
 
-    def usage(self, reply: Reply) -> str:
-        return event({**self.head, "choices": [], "usage": usage(reply)})
+    def usage(self, replies: list[Reply]) -> str:
+        return event({**self.head, "choices": [], "usage": usage(replies)})
 
     def error(self, e: RequestError) -> str:
         kind = "server_error" if e.status >= 500 else "invalid_request_error"
         return event(error_body(e.message, kind, code=e.code))
 
 
-async def sse_events(writer: EventWriter, first: Any, chunks: Chunks, reply: Reply) -> AsyncIterator[str]:
-    """The SSE events; a client that goes away mid-stream cancels its request in Triton."""
+async def sse_events(
+    writer: EventWriter, firsts: list[Any], streams: list[Chunks], replies: list[Reply]
+) -> AsyncIterator[str]:
+    """The SSE events of n choices' streams (their first chunks already read); a client that goes away
+    mid-stream cancels every one of its requests in Triton."""
     try:
-        async for ev in _events(writer, first, chunks, reply):
-            yield ev
+        async with aclosing(_events(writer, firsts, streams, replies)) as events:
+            async for ev in events:
+                yield ev
     finally:
-        await close(chunks)
+        for chunks in streams:
+            await close(chunks)
 
 
-async def _events(writer: EventWriter, first: Any, chunks: Chunks, reply: Reply) -> AsyncIterator[str]:
+async def _events(
+    writer: EventWriter, firsts: list[Any], streams: list[Chunks], replies: list[Reply]
+) -> AsyncIterator[str]:
     if writer.chat:
-        yield writer.role(first)
-    item, canvases = first, 0
+        for i in range(len(streams)):
+            yield writer.role(i, firsts[i])
+    canvases = [0] * len(streams)
     try:
-        while item is not END:
-            draft = draft_of(item)
-            if draft is not None:
-                yield writer.draft(canvases, *draft)
-            else:
+        async with aclosing(merged(streams, firsts)) as items:
+            async for i, item in items:
+                draft = draft_of(item)
+                if draft is not None:
+                    yield writer.draft(canvases[i], *draft, index=i)
+                    continue
+                reply = replies[i]
+                offset = len(reply.text)
                 piece = reply.add(item)
+                finished = bool(item.get("finish_reason"))
+                if writer.plan is not None:  # tool calls: sent whole once the reply is complete
+                    if finished:
+                        yield writer.tool_calls(reply, replies, i)
+                    continue
+                logprobs = reply.new_logprobs
                 if piece:
-                    canvases += 1
-                    yield writer.chunk(piece, None, reply)
-                if item.get("finish_reason"):
-                    yield writer.chunk(None, reply.finish_reason, reply)
-            item = await pull(chunks)
+                    canvases[i] += 1
+                    yield writer.chunk(piece, None, replies, i, logprobs, offset)
+                    logprobs = []
+                if finished:
+                    yield writer.chunk(None, reply.finish_reason, replies, i, logprobs, len(reply.text))
     except RequestError as e:  # after a 200: the error travels as an event
         yield writer.error(e)
         yield DONE
         return
     if writer.include_usage:
-        yield writer.usage(reply)
+        yield writer.usage(replies)
     yield DONE

@@ -4,7 +4,8 @@ and its failures as the frontend's errors (status and code from the error's kind
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -54,3 +55,31 @@ async def close(chunks: Chunks) -> None:
     (the client went away): shielded, so the cleanup itself is not cancelled."""
     with anyio.CancelScope(shield=True):
         await chunks.aclose()
+
+
+async def merged(streams: list[Chunks], firsts: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+    """(stream index, chunk) of several streams as their chunks come (each stream's first chunk already
+    read: `firsts`, END for one already over); a failure of any stream ends it (RequestError)."""
+    for i, first in enumerate(firsts):
+        if first is not END:
+            yield i, first
+    live = [i for i, first in enumerate(firsts) if first is not END]
+    if len(streams) == 1:  # one choice: plain reads, no tasks
+        while live and (item := await pull(streams[0])) is not END:
+            yield 0, item
+        return
+    pending = {asyncio.ensure_future(pull(streams[i])): i for i in live}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=pending.__getitem__):
+                i = pending.pop(fut)
+                item = fut.result()
+                if item is not END:
+                    yield i, item
+                    pending[asyncio.ensure_future(pull(streams[i]))] = i
+    finally:  # the reads still pending are ended before their streams are closed
+        for fut in pending:
+            fut.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*pending, return_exceptions=True)

@@ -15,6 +15,7 @@ a 500 "Unable to parse 'data'". gRPC carries typed tensors (a wrong datatype is 
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.limits import DEFAULTS, request_bytes_limit
+from pipeline.limits import DEFAULTS, TOP_LOGPROBS_MAX, request_bytes_limit
 from pipeline.limits import INT32_MAX as INT32_MAX  # what an INT32 input holds (re-exported)
 from pipeline.model.config import SAMPLER_RANGES
 from pipeline.runtime.chat_template import MessagesError, last_user_text, parse_messages  # stdlib only
@@ -81,6 +82,7 @@ GUIDE_TYPE = Rule(
     lambda v: v in GUIDE_TYPES,
     f"must be one of {', '.join(GUIDE_TYPES)} (EBNF grammars and structural tags are not supported)",
 )
+TOOL_CHOICE = Rule(lambda v: v in ("auto", "required"), "must be auto or required")
 SEED_RANGE = Rule(lambda v: 0 <= v <= SEED_MAX, f"must be in [0, {SEED_MAX}] (the sampler's seed range)")
 
 
@@ -158,6 +160,30 @@ INPUTS: tuple[TritonTensor, ...] = (
         default=0,
         rule=Rule(lambda v: v >= 0, "must be >= 0"),
     ),
+    # log-probabilities (TensorRT-LLM's return_log_probs): each returned token's, from the distribution of
+    # the denoise pass that committed it, with its top_logprobs most probable alternatives (README, "logprobs")
+    _in(
+        "return_log_probs",
+        "BOOL",
+        "add each returned token's log-probability (output 'logprobs')",
+        default=False,
+    ),
+    _in(
+        "top_logprobs",
+        "INT32",
+        "with return_log_probs: the most probable alternatives per token",
+        default=0,
+        rule=between(0, TOP_LOGPROBS_MAX),
+    ),
+    # function tools (OpenAI's `tools`, JSON): rendered through the chat template; `tool_choice` "auto" lets
+    # the model call them in its template's tool-call format, refused when the template declares none
+    _in("tools", "BYTES", "with messages: OpenAI function tools as JSON, rendered by the chat template"),
+    _in(
+        "tool_choice",
+        "BYTES",
+        "with tools: auto (the model's own tool-call format) or required",
+        rule=TOOL_CHOICE,
+    ),
     _in("infill_template", "BYTES", "canvas template: '_' is free, other text is pinned"),
     _in(
         "messages",
@@ -189,6 +215,12 @@ OUTPUTS: tuple[TritonTensor, ...] = (
     _in("num_output_tokens", "INT32", "generated tokens (with return_num_output_tokens)"),
     _in("finish_reason", "BYTES", "why generation ended: stop, length, cancelled"),
     _in("denoise_steps", "INT32", "denoise steps per canvas (the step, for a draft)", dims=(-1,)),
+    _in(
+        "logprobs",
+        "BYTES",
+        "with return_log_probs: JSON list, per token of this response's text, of {token, logprob, bytes, "
+        "top_logprobs}",
+    ),
 )
 INPUT: dict[str, TritonTensor] = {t.name: t for t in INPUTS}
 GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")  # a request with either is guided
@@ -234,6 +266,9 @@ class ParsedRequest:
     timeout_s: float = float("inf")  # the request's deadline (from its batch slot): its own or the server's
     guide: tuple[str, str] | None = None  # constrained decoding: (guide type, guide), compiled by the model
     min_tokens: int = 0  # end tokens do not stop generation before this many tokens (ignore_eos: max_tokens)
+    logprobs: int | None = None  # return_log_probs: the top alternatives per token (top_logprobs); None: off
+    tools: list[Any] | None = None  # function tools for the chat template (with messages only)
+    tool_choice: str | None = None
     # whether the request sent max_tokens: one asked for is refused when it does not fit the context, the
     # default is shortened to what fits
     max_tokens_asked: bool = True
@@ -312,6 +347,7 @@ def parse_request(
     if values["messages"] is not None:
         messages, prompt = _messages(values["messages"], limits.max_prompt_bytes)
     guide = _guide(values["guided_decoding_guide_type"], values["guided_decoding_guide"])
+    tools = _tools(values["tools"], values["tool_choice"], messages)
     return ParsedRequest(
         prompt=prompt,
         max_tokens=max_tokens,
@@ -324,6 +360,9 @@ def parse_request(
         timeout_s=values["timeout_s"] if values["timeout_s"] is not None else limits.max_request_seconds,
         guide=guide,
         min_tokens=max_tokens if flags["ignore_eos"] else values["min_tokens"],
+        logprobs=_logprobs(values["top_logprobs"], flags["return_log_probs"]),
+        tools=tools,
+        tool_choice=values["tool_choice"],
         max_tokens_asked=asked,
     )
 
@@ -364,6 +403,30 @@ def _guide(kind: str | None, guide: str | None) -> tuple[str, str] | None:
     if guide is None and kind != "json":
         raise BadRequest(f"input 'guided_decoding_guide_type' {kind!r} needs 'guided_decoding_guide'")
     return kind, guide or ""
+
+
+def _logprobs(top: int, wanted: bool) -> int | None:
+    """The runtime's logprobs: None (not wanted), or the alternatives per token."""
+    if top and not wanted:
+        raise BadRequest("input 'top_logprobs' needs 'return_log_probs': true")
+    return top if wanted else None
+
+
+def _tools(raw: str | None, choice: str | None, messages: list | None) -> list[Any] | None:
+    """The tools as a JSON list, sent with messages (a plain prompt has no chat template to render them)."""
+    if raw is None:
+        if choice is not None:
+            raise BadRequest("input 'tool_choice' needs 'tools'")
+        return None
+    if messages is None:
+        raise BadRequest("input 'tools' needs 'messages' (the chat template renders them)")
+    try:
+        tools = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"input 'tools' is not valid JSON ({e.msg})") from e
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRequest("input 'tools' must be a JSON list of tool objects")
+    return tools
 
 
 def _messages(raw: str, max_prompt_bytes: int) -> tuple[list[dict[str, Any]], str]:

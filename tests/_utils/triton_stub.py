@@ -113,9 +113,11 @@ class FakeSession:
     """What `_parse` asks of the session, recording the sampler knobs it is handed. `max_new_tokens`: the
     checkpoint's generation default for max_tokens (None: it sets none)."""
 
-    def __init__(self, max_new_tokens: int | None = None) -> None:
+    def __init__(self, max_new_tokens: int | None = None, tool_call_format: str | None = None) -> None:
         self.knobs: dict[str, Any] = {}
         self.max_new_tokens = max_new_tokens
+        self.tool_call_format = tool_call_format  # the chat template's (None: it declares none)
+        self.tools: list | None = None  # the tools the last encode_messages rendered
 
     def sampler(self, **knobs):
         self.knobs = knobs
@@ -135,7 +137,8 @@ class FakeSession:
     def compile_guide(self, kind: str, guide: str) -> tuple[str, str]:
         return kind, guide  # the real compiler: tests/unit/sampler/test_constraints.py
 
-    def encode_messages(self, messages) -> list[int]:
+    def encode_messages(self, messages, tools=None) -> list[int]:
+        self.tools = tools
         return self.encode_prompt(self.render(messages))
 
     @staticmethod

@@ -13,7 +13,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Literal
 
+import pydantic
 import pytest
 
 from pipeline.serving.server import tritonserver_binary
@@ -223,9 +225,16 @@ BAD = [  # (name, path, body, content type, the param named)
     ("temperature huge", "/completions", {"prompt": "x", "temperature": 1e9}, None, "temperature"),
     ("seed below -2**63", "/completions", {"prompt": "x", "seed": -(2**63) - 1}, None, "seed"),
     ("seed over 64 bits", "/completions", {"prompt": "x", "seed": 2**64}, None, "seed"),
-    ("logprobs", "/chat/completions", {"messages": USER, "logprobs": True}, None, "logprobs"),
-    ("tools", "/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, None, "tools"),
-    ("n > 1", "/chat/completions", {"messages": USER, "n": 3}, None, "n"),
+    ("logprobs as a count in chat", "/chat/completions", {"messages": USER, "logprobs": 3}, None, "logprobs"),
+    ("top_logprobs over 20", "/completions", {"prompt": "x", "logprobs": 21}, None, "logprobs"),
+    (
+        "tools without a function",
+        "/chat/completions",
+        {"messages": USER, "tools": [{"type": "function"}]},
+        None,
+        "tools",
+    ),
+    ("n over 8", "/chat/completions", {"messages": USER, "n": 9}, None, "n"),
     # a response_format no server supports (json_schema may be supported by the time this runs)
     (
         "response_format",
@@ -267,8 +276,135 @@ def test_bad_inputs_are_4xx_in_openais_schema_and_the_server_keeps_serving(chat,
     assert chat.proc.poll() is None
 
 
+class Weather(pydantic.BaseModel):
+    """A tool's arguments as the client declares them (openai.pydantic_function_tool: a strict schema)."""
+
+    city: str = pydantic.Field(max_length=6)
+    unit: Literal["c", "f"]
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": Weather.model_json_schema()},
+}
+
+
+def test_n_choices_equal_single_requests_with_the_derived_seeds(client):
+    """n=4 with seed S: choice i is the answer of one request with seed S + i (README, "n")."""
+    messages = [{"role": "user", "content": QUESTION}]
+    common = {"model": "dgpipe", "messages": messages, "max_tokens": 24, "temperature": 1.0}
+    many = client.chat.completions.create(n=4, seed=41, **common)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    singles = [client.chat.completions.create(seed=41 + i, **common) for i in range(4)]
+    assert [c.message.content for c in many.choices] == [s.choices[0].message.content for s in singles]
+    assert [c.finish_reason for c in many.choices] == [s.choices[0].finish_reason for s in singles]
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert len({c.message.content for c in many.choices}) > 1  # different seeds, different samples
+    text = client.completions.create(model="dgpipe", prompt=QUESTION, max_tokens=16, n=2, seed=5)
+    alone = client.completions.create(model="dgpipe", prompt=QUESTION, max_tokens=16, seed=6)
+    assert text.choices[1].text == alone.choices[0].text
+
+
+def test_logprobs_cover_the_returned_tokens_whole_and_streamed(chat, client):
+    messages = [{"role": "user", "content": QUESTION}]
+    common = {"model": "dgpipe", "messages": messages, "max_tokens": 32, "seed": 3}
+    resp = client.chat.completions.create(logprobs=True, top_logprobs=3, **common)
+    choice = resp.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == resp.usage.completion_tokens  # one entry per counted token
+    assert "".join(e.token for e in content) == choice.message.content  # the tokens spell the text
+    for e in content:
+        assert bytes(e.bytes).decode() == e.token
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        alts = [a.logprob for a in e.top_logprobs]
+        assert alts == sorted(alts, reverse=True)
+        # the committed token is the argmax of the pass that committed it: the first alternative
+        assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob)
+    total = sum(e.logprob for e in content)  # the answer's log-probability under its committing passes
+    assert -1e4 < total < 0
+    assert client.chat.completions.create(**common).choices[0].message.content == choice.message.content
+
+    async def streamed() -> list:
+        async with openai.AsyncOpenAI(base_url=chat.url, api_key=KEY, max_retries=0, timeout=120) as aclient:
+            stream = await aclient.chat.completions.create(
+                stream=True, logprobs=True, top_logprobs=3, **common
+            )
+            return [c async for c in stream]
+
+    chunks = asyncio.run(streamed())
+    entries = [
+        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in content]
+    text = client.completions.create(model="dgpipe", prompt=QUESTION, max_tokens=16, seed=3, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert (
+        "".join(lp.tokens) == text.choices[0].text and len(lp.token_logprobs) == text.usage.completion_tokens
+    )
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) <= 2, top  # keyed by text: special tokens that all read "" share one key
+        assert not token or top[token] == v, (token, v, top)
+
+
+def test_forced_tool_calls_parse_and_validate_sync_async_and_with_pydantic(chat, client):
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    for seed in range(4):
+        resp = client.chat.completions.create(
+            model="dgpipe", messages=messages, tools=[WEATHER_TOOL], tool_choice="required", seed=seed,
+        )  # fmt: skip
+        choice = resp.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        Weather.model_validate_json(call.function.arguments)
+    parsed = client.chat.completions.parse(
+        model="dgpipe", messages=messages, tools=[openai.pydantic_function_tool(Weather)],
+        tool_choice={"type": "function", "function": {"name": "Weather"}}, seed=9,
+    )  # fmt: skip
+    (call,) = parsed.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Weather)
+
+    async def streamed():
+        async with openai.AsyncOpenAI(base_url=chat.url, api_key=KEY, max_retries=0, timeout=120) as aclient:
+            stream = await aclient.chat.completions.create(
+                model="dgpipe", messages=messages, tools=[WEATHER_TOOL], tool_choice="required", seed=0,
+                stream=True,
+            )  # fmt: skip
+            return [c async for c in stream]
+
+    chunks = asyncio.run(streamed())
+    calls = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].delta.tool_calls
+        for t in c.choices[0].delta.tool_calls
+    ]
+    whole = client.chat.completions.create(
+        model="dgpipe", messages=messages, tools=[WEATHER_TOOL], tool_choice="required", seed=0
+    )  # fmt: skip
+    assert [c.function.arguments for c in calls] == [
+        whole.choices[0].message.tool_calls[0].function.arguments
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_tool_choice_is_refused_where_the_template_declares_no_tool_call_format(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="dgpipe", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL]
+        )
+    assert "tool_choice 'auto' needs a chat template that declares a tool-call format" in str(e.value)
+    none = client.chat.completions.create(
+        model="dgpipe", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL], tool_choice="none",
+        max_tokens=8, seed=1,
+    )  # fmt: skip
+    assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason in ("stop", "length")
+
+
 def test_the_server_stops_cleanly_after_everything_above(chat):
     """Last in the file. Triton unloads the model only when every request was released, the one whose
     client went away included; a request left holding it would make Ctrl-C wait and end in a kill."""
     chat.proc.send_signal(signal.SIGINT)
-    assert chat.proc.wait(60) == 0
+    assert chat.proc.wait(60) == 0, chat.srv.stderr.read_text(errors="replace")[-3000:]

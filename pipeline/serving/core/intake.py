@@ -40,7 +40,7 @@ class Intake:
         ids = (
             session.encode_prompt(parsed.prompt)
             if parsed.messages is None
-            else session.encode_messages(parsed.messages)  # through the checkpoint's chat template
+            else session.encode_messages(parsed.messages, parsed.tools)  # through the chat template
         )
         if len(ids) > limit:
             raise BadRequest(f"prompt has {len(ids)} tokens, over this server's limit of {limit}")
@@ -71,6 +71,13 @@ class Intake:
         from pipeline.runtime.scheduler import Request
 
         core, session = self.core, self.core.session
+        if parsed.tool_choice == "auto" and session.tool_call_format is None:
+            raise BadRequest(
+                "tool_choice 'auto' needs a chat template that declares a tool-call format (Hermes-style "
+                "<tool_call> blocks), and this checkpoint's declares none, so the model has no way of its own "
+                "to call a tool: send tool_choice 'required' or name a function (the arguments are then "
+                "generated under the function's JSON schema)"
+            )
         sampler = session.sampler(**parsed.sampler)
         prompt_ids = self._prompt_ids(parsed)
         self._fit_context(parsed, len(prompt_ids))
@@ -88,6 +95,7 @@ class Intake:
             prompt_ids=prompt_ids,
             max_tokens=parsed.max_tokens,
             min_tokens=parsed.min_tokens,
+            logprobs=parsed.logprobs,
             sampler=sampler,
             seed=parsed.seed,
             request_id=job.request_id,

@@ -28,6 +28,9 @@ class Job:
     expired: bool = False  # cancelled by its deadline: answered with an error, not a result
     stopped_by_word: bool = False  # ended by a stop word: finish reason "stop"
     result: Any = None  # the runtime's Result once submitted (its `admitted` time: when it got a slot)
+    # return_log_probs: Result.logprobs entries read so far, and the token entries not yet sent
+    logprobs_read: int = 0
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
     def overdue(self, now: float) -> bool:
         admitted = self.result.admitted if self.result is not None else 0.0

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.serving.core import responses
 from pipeline.serving.core.deadlines import expired_message
 from pipeline.serving.core.jobs import Job
+from pipeline.serving.core.logprobs import TokenTexts, token_entries
 from pipeline.serving.core.responses import Failure
 from pipeline.serving.core.stop_words import cut_at_stop_word, tokens_covering
 from pipeline.serving.error_kinds import ErrorKind
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 class Progress:
     def __init__(self, core: CoreState) -> None:
         self.core = core
+        self.tokens = TokenTexts(core.session)
 
     def guarded(self, job: Job, callback: Callable[..., None], *args: Any) -> None:
         """Run a request's callback; if it fails, that request is answered with the error and cancelled."""
@@ -50,14 +52,29 @@ class Progress:
             job.first_canvas = now - job.started
             m.time_to_first_canvas.observe(job.first_canvas)
         kept, hit = cut_at_stop_word(job.text, piece, job.stop_words)
+        emitted = len(tokens)
         if hit:
             core.runtime.cancel(job.request_id)
             job.stopped_by_word = True
             tokens = tokens[: tokens_covering(core.session.decode, tokens, len(kept))]
         job.tokens += len(tokens)  # the tokens of the text returned (a stop word cut drops the rest)
         job.text += kept
+        if job.flags[
+            "return_log_probs"
+        ]:  # the returned tokens' entries (the runtime's are per emitted token)
+            records = job.result.logprobs[job.logprobs_read : job.logprobs_read + emitted]
+            job.logprobs_read += emitted
+            job.logprobs += token_entries(self.tokens, tokens, records[: len(tokens)])
         if job.flags["stream"] and kept:
-            job.channel.send(responses.piece(kept, *self.counts(job)))
+            job.channel.send(responses.piece(kept, *self.counts(job), self.take_logprobs(job)))
+
+    @staticmethod
+    def take_logprobs(job: Job) -> list[dict[str, Any]] | None:
+        """The token entries not sent yet (None: the request did not ask for them)."""
+        if not job.flags["return_log_probs"]:
+            return None
+        entries, job.logprobs = job.logprobs, []
+        return entries
 
     @staticmethod
     def counts(job: Job) -> tuple[int | None, int | None]:
@@ -102,9 +119,4 @@ class Progress:
             text = job.text
         else:  # the prompt as the model read it (a chat: its rendered template), for text and messages alike
             text = self.core.session.decode_prompt(job.prompt_ids) + job.text
-        return responses.final(
-            text,
-            reason,
-            steps,
-            *self.counts(job),
-        )
+        return responses.final(text, reason, steps, *self.counts(job), self.take_logprobs(job))

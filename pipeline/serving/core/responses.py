@@ -4,6 +4,7 @@ responses (Triton tensors and errors); `None` sent on a channel releases a reque
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,10 +45,17 @@ def internal_failure(where: str, error: BaseException) -> Failure:
     return Failure(ErrorKind.INTERNAL, internal_error(where, error))
 
 
-def piece(text: str, input_tokens: int | None = None, output_tokens: int | None = None) -> Outputs:
+def piece(
+    text: str,
+    input_tokens: int | None = None,
+    output_tokens: int | None = None,
+    logprobs: list[dict[str, Any]] | None = None,
+) -> Outputs:
     """A committed piece of a streamed answer, with the token counts so far when the request asked (a
-    client can report usage on every chunk)."""
+    client can report usage on every chunk), and its tokens' log-probabilities when it asked for them."""
     values: dict[str, list[Any]] = {"text_output": [text]}
+    if logprobs is not None:
+        values["logprobs"] = [json.dumps(logprobs)]
     if input_tokens is not None:
         values["num_input_tokens"] = [input_tokens]
     if output_tokens is not None:
@@ -66,9 +74,13 @@ def final(
     steps: list[int],
     input_tokens: int | None = None,
     output_tokens: int | None = None,
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> Outputs:
-    """The last response of a request answered with a result; token counts only when the request asked."""
+    """The last response of a request answered with a result; token counts only when the request asked,
+    the log-probabilities of the tokens not sent yet (all of them, when not streaming) likewise."""
     values: dict[str, list[Any]] = {"text_output": [text], "finish_reason": [reason]}
+    if logprobs is not None:
+        values["logprobs"] = [json.dumps(logprobs)]
     if input_tokens is not None:
         values["num_input_tokens"] = [input_tokens]
     if output_tokens is not None:

@@ -169,3 +169,18 @@ def test_the_sandbox_refuses_python_internals():
     template = ct.ChatTemplate("{{ messages.__class__.__mro__ }}", {}, "test")
     with pytest.raises(InputError, match="unsafe"):
         template.render([{"role": "user", "content": "x"}])
+
+
+def test_tools_reach_the_template_and_a_hermes_template_declares_its_tool_call_format():
+    from pipeline.runtime.chat_template import ChatTemplate
+
+    source = (
+        "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>"
+        "Call a tool as <tool_call>{...}</tool_call>.{% endif %}{{ messages[0].content }}"
+    )
+    hermes = ChatTemplate(source, {}, "test")
+    tools = [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}}]
+    assert hermes.render([{"role": "user", "content": "hi"}], tools=tools).startswith("<tools>f;g;</tools>")
+    assert hermes.render([{"role": "user", "content": "hi"}]) == "hi"
+    assert hermes.tool_call_format == "hermes"
+    assert ChatTemplate("{{ messages[0].content }}", {}, "test").tool_call_format is None

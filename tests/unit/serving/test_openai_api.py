@@ -203,9 +203,9 @@ def test_drafts_only_when_asked_as_named_dgpipe_events_beside_unchanged_chunks()
     drafts = [json.loads(b.split("\n")[1].removeprefix("data: ")) for b in blocks if b.startswith("event: ")]
     assert all(b.startswith("event: dgpipe.draft\ndata: ") for b in blocks if b.startswith("event: "))
     assert [d["dgpipe"] for d in drafts] == [
-        {"canvas": 0, "step": 1, "text": "1?"},
-        {"canvas": 0, "step": 2, "text": "12"},
-        {"canvas": 1, "step": 1, "text": "3?"},
+        {"canvas": 0, "step": 1, "text": "1?", "index": 0},
+        {"canvas": 0, "step": 2, "text": "12", "index": 0},
+        {"canvas": 1, "step": 1, "text": "3?", "index": 0},
     ]
     assert all(d["object"] == "dgpipe.draft" and d["choices"] == [] for d in drafts)
     # the standard chunks are those of the same request without drafts, and the text has no draft in it
@@ -243,11 +243,32 @@ def test_models_and_health():
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        ("/v1/chat/completions", {"n": 2}, "n"),
-        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
-        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"n": 9}, "n"),
+        ("/v1/chat/completions", {"n": 0}, "n"),
+        ("/v1/chat/completions", {"logprobs": 2}, "logprobs"),  # chat's is a boolean
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/completions", {"logprobs": 21}, "logprobs"),
         ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
-        ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+        ("/v1/chat/completions", {"tools": []}, "tools"),
+        ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),  # needs tools
+        (
+            "/v1/chat/completions",
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "tool_choice",
+        ),
         ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
         ("/v1/chat/completions", {"top_p": 0.5}, "top_p"),
         ("/v1/chat/completions", {"frequency_penalty": 1.0}, "frequency_penalty"),

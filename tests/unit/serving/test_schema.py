@@ -326,6 +326,7 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
     assert model.core.session.knobs == {} and request.template == "default"
     assert job.timeout_s == 60.0  # the server's limit
     assert request.min_tokens == 0  # an end token stops it
+    assert request.logprobs is None  # no log-probabilities unless asked
 
     values = {
         "max_tokens": 82,
@@ -347,8 +348,11 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
         "guided_decoding_guide": "[1-9]{81}",
         "ignore_eos": True,
         "min_tokens": 3,
+        "return_log_probs": True,
+        "top_logprobs": 4,
     }
-    assert set(values) | {"text_input", "messages"} == set(schema.INPUT)  # every input is exercised
+    # every input is exercised (the tools, which need messages, in the next test)
+    assert set(values) | {"text_input", "messages", "tools", "tool_choice"} == set(schema.INPUT)
     inputs = {"text_input": arr("text_input", PROMPT)}
     inputs |= {n: schema.input_array(n, v) for n, v in values.items()}
     req = FakeRequest(inputs)
@@ -363,6 +367,7 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
     assert job.timeout_s == 2.5
     assert request.guide == ("regex", "[1-9]{81}")
     assert request.min_tokens == 82  # ignore_eos: no end token stops it before max_tokens
+    assert request.logprobs == 4
 
 
 def test_min_tokens_stops_end_tokens_until_then_and_must_fit_max_tokens(model):
@@ -460,7 +465,12 @@ def test_model_echoes_the_prompt_it_read_for_text_and_messages(model, chat):
 
 
 def test_model_responses_are_schema_outputs(model):
-    flags = ("return_num_input_tokens", "return_num_output_tokens", "exclude_input_in_output")
+    flags = (
+        "return_num_input_tokens",
+        "return_num_output_tokens",
+        "exclude_input_in_output",
+        "return_log_probs",
+    )
     req = FakeRequest({"text_input": arr("text_input", PROMPT), **{f: arr(f, True) for f in flags}})
     model.execute([req])
     job, _ = model.core.inbox.get_nowait()
@@ -468,7 +478,8 @@ def test_model_responses_are_schema_outputs(model):
     job.channel.send(model.core.progress.final(job, "stop", [3, 4]))
     ((response, flag),) = req.sender.sent
     outs = {t.name: t.arr for t in response.output_tensors}
-    assert flag == 1 and set(outs) == set(schema.OUTPUT)  # a final response with the counts: all of them
+    # a final response with the counts and log-probabilities: all of them
+    assert flag == 1 and set(outs) == set(schema.OUTPUT)
     for name, a in outs.items():
         assert a.dtype == np.dtype(schema.OUTPUT[name].numpy_dtype), name
         assert a.shape == (1,) or schema.OUTPUT[name].is_list, name
@@ -499,6 +510,7 @@ def _final_outputs() -> dict[str, np.ndarray]:
         "num_output_tokens": [82],
         "finish_reason": ["stop"],
         "denoise_steps": [3, 4],
+        "logprobs": [json.dumps([{"token": "8", "logprob": -0.5, "bytes": [56], "top_logprobs": []}])],
     }
     assert set(values) == set(schema.OUTPUT)
     return {n: schema.output_array(n, v) for n, v in values.items()}
@@ -564,6 +576,8 @@ def _check_grpc_inputs(inputs) -> None:
 
 
 LOAD_TOOL_INPUTS = ("ignore_eos", "min_tokens")
+# the OpenAI frontend's: dgpipe generate prints no log-probabilities and sends no tools
+LOGPROB_INPUTS = ("return_log_probs", "top_logprobs", "tools", "tool_choice")
 
 
 @pytest.mark.parametrize("url", ["http://h:8000", "grpc://h:8001"])
@@ -590,8 +604,14 @@ def test_remote_generate_sends_schema_fields_and_reads_every_output(transports, 
         for name, value in body.items():
             _check_json_field(name, value)
         # all but stop words, messages (none given), timeout_s (the CLI leaves the deadline to the server)
-        # and the load-tool fields (ignore_eos, min_tokens: the CLI has no option for them)
-        assert set(body) == set(schema.INPUT) - {"stop_words", "messages", "timeout_s", *LOAD_TOOL_INPUTS}
+        # and the load-tool and log-probability fields (the CLI has no option for them)
+        assert set(body) == set(schema.INPUT) - {
+            "stop_words",
+            "messages",
+            "timeout_s",
+            *LOAD_TOOL_INPUTS,
+            *LOGPROB_INPUTS,
+        }
     else:
         _check_grpc_inputs(transports["grpc"])
         assert {t.name() for t in transports["grpc"]} == set(schema.INPUT) - {
@@ -599,6 +619,7 @@ def test_remote_generate_sends_schema_fields_and_reads_every_output(transports, 
             "messages",
             "timeout_s",
             *LOAD_TOOL_INPUTS,
+            *LOGPROB_INPUTS,
         }
 
 
@@ -822,3 +843,30 @@ def test_finalize_answers_every_queued_and_in_flight_request_as_unavailable(mode
         assert response.error.message == f"[unavailable] {SHUTTING_DOWN}"
     assert model.core.inbox.empty() and not model.core.jobs and dropped == [True]
     assert (model.core.metrics.active.value, model.core.metrics.queued.value) == (0, 0)
+
+
+def test_tools_reach_the_chat_template_and_auto_needs_a_declared_tool_call_format(model):
+    import json
+
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    messages = json.dumps([{"role": "user", "content": "hi"}])
+
+    def send(**values):
+        req = FakeRequest({n: schema.input_array(n, v) for n, v in {"messages": messages, **values}.items()})
+        model.execute([req])
+        return req
+
+    assert not send(tools=json.dumps(tools)).sender.sent
+    model.core.inbox.get_nowait()
+    assert model.core.session.tools == tools
+    ((response, _),) = send(tools=json.dumps(tools), tool_choice="auto").sender.sent
+    assert (
+        "tool_choice 'auto' needs a chat template that declares a tool-call format" in response.error.message
+    )
+    model.core.session.tool_call_format = "hermes"
+    assert not send(tools=json.dumps(tools), tool_choice="auto").sender.sent
+    ((response, _),) = send(tool_choice="auto").sender.sent
+    assert "input 'tool_choice' needs 'tools'" in response.error.message
+    req = FakeRequest({"text_input": arr("text_input", PROMPT), "tools": schema.input_array("tools", "[]")})
+    model.execute([req])
+    assert "input 'tools' needs 'messages'" in req.sender.sent[0][0].error.message

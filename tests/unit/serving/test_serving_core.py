@@ -65,7 +65,7 @@ def test_final_response_carries_token_counts_only_when_asked():
         "finish_reason": ["stop"],
         "denoise_steps": [2],
     }
-    full = responses.final("t", "length", [2, 3], input_tokens=5, output_tokens=7)
+    full = responses.final("t", "length", [2, 3], input_tokens=5, output_tokens=7, logprobs=[])
     assert full.final and set(full.values) == set(schema.OUTPUT)
     for name, values in full.values.items():  # every value fits the schema's output dtype
         schema.output_array(name, values)
@@ -112,6 +112,7 @@ class Channel:
 
 class Session:
     max_new_tokens = None  # the checkpoint sets no default max_tokens
+    tokenizer = None
 
     def sampler(self, **knobs):
         return knobs
@@ -246,6 +247,53 @@ def test_a_sudoku_canvas_cut_short_is_not_padded_so_text_and_count_agree():
     ids = stok.sudoku_target_ids("5" * 81)[:5]
     assert SudokuFormat().decode(ids) == "55555"  # 5 tokens, 5 cells: no '.' padding a stop word could match
     assert len(SudokuFormat().decode(stok.sudoku_target_ids("5" * 81))) == 81
+
+
+def test_logprobs_travel_with_the_tokens_returned_cut_at_a_stop_word():
+    """Each response carries the entries of its own tokens (the runtime's records, in OpenAI's shape); a stop
+    word drops the entries of the tokens it drops; the final response carries what is left unsent."""
+    import json
+    import math
+
+    c = core()
+    channel = Channel()
+    get = inputs("hi", stream=True, stop_words=["!"], return_log_probs=True, top_logprobs=1).get
+    c.accept(get, {}, channel)
+    job, req = c.inbox.get_nowait()
+    assert req.logprobs == 1
+    c.jobs[job.request_id] = job
+    job.result = types.SimpleNamespace(logprobs=[])
+
+    def canvas(text: str, lps: list[float]) -> None:
+        job.result.logprobs += [(lp, [(ord("z"), -0.1)]) for lp in lps]
+        req.on_canvas(req, [ord(x) for x in text])
+
+    canvas("ab", [-0.5, -1.0])
+    canvas("c!d", [-0.25, -2.0, -math.inf])
+    req.on_finish(types.SimpleNamespace(finish_reason="cancelled", steps_per_canvas=[3, 2]))
+    sent = [json.loads(r.values["logprobs"][0]) for r in channel.sent]
+    alt = [{"token": "z", "logprob": -0.1, "bytes": [122]}]
+    assert sent == [
+        [
+            {"token": t, "logprob": v, "bytes": [ord(t)], "top_logprobs": alt}
+            for t, v in (("a", -0.5), ("b", -1.0))
+        ],
+        [{"token": "c", "logprob": -0.25, "bytes": [99], "top_logprobs": alt}],
+        [],  # "!" and "d" were cut: their entries with them
+    ]
+
+
+def test_top_logprobs_needs_return_log_probs():
+    c = core()
+    channel = Channel()
+    c.accept(inputs("hi", top_logprobs=2).get, {}, channel)
+    assert channel.sent == [
+        Failure(ErrorKind.INVALID_REQUEST, "input 'top_logprobs' needs 'return_log_probs': true")
+    ]
+    c.accept(inputs("hi", return_log_probs=True, top_logprobs=21).get, {}, channel)
+    assert channel.sent[-1] == Failure(
+        ErrorKind.INVALID_REQUEST, "input 'top_logprobs' must be in [0, 20] (got 21)"
+    )
 
 
 def test_a_request_waiting_on_its_guide_at_shutdown_is_answered_not_left_hanging():

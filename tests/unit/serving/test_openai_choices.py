@@ -1,0 +1,151 @@
+"""The OpenAI frontend's n, logprobs and tools against a fake Triton stream: n choices as n requests with
+the derived seeds, each choice's log-probabilities in the chat and the legacy completions shapes (streamed
+too), and tool calls from a forced call's JSON or a Hermes-format reply."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from pipeline.serving.openai_schema import SEED_SPACE, choice_seed
+from pipeline.serving.openai_tools import parse_hermes, tool_plan
+from tests.unit.serving.test_openai_api import CHAT, TEXT, FakeTriton, assert_error, client, sse
+
+A = {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]}, {"token": "b", "logprob": -1.5, "bytes": [98]}]}  # fmt: skip
+B = {"token": "b", "logprob": -0.25, "bytes": [98], "top_logprobs": [{"token": "b", "logprob": -0.25, "bytes": [98]}, {"token": "a", "logprob": -2.0, "bytes": [97]}]}  # fmt: skip
+LP_CHUNKS = [
+    {"text_output": ["a"], "logprobs": [json.dumps([A])]},
+    {"text_output": ["b"], "logprobs": [json.dumps([B])]},
+    {"text_output": [""], "finish_reason": ["stop"], "num_input_tokens": [3], "num_output_tokens": [2], "logprobs": ["[]"]},
+]  # fmt: skip
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+OTHER = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_n_choices_are_n_requests_with_derived_seeds_and_usage_counts_every_choice():
+    c, fake = client()
+    r = c.post("/v1/chat/completions", json={**CHAT, "n": 3, "seed": 2**63 - 2})
+    assert r.status_code == 200, r.text
+    seeds = [call["seed"] for call in fake.calls]
+    assert seeds == [2**63 - 2, 2**63 - 1, 0]  # seed + i in the 63-bit seed space
+    assert seeds == [choice_seed(2**63 - 2, i) for i in range(3)] and SEED_SPACE == 2**63
+    assert all({k: v for k, v in call.items() if k != "seed"} == {k: v for k, v in fake.calls[0].items() if k != "seed"} for call in fake.calls)  # fmt: skip
+    body = r.json()
+    assert [ch["index"] for ch in body["choices"]] == [0, 1, 2]
+    assert all(ch["message"]["content"] == "1234" for ch in body["choices"])
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    r = c.post(
+        "/v1/completions", json={**TEXT, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    events = sse(r)
+    texts = {0: "", 1: ""}
+    for e in events[:-1]:
+        for ch in e["choices"]:
+            texts[ch["index"]] += ch["text"]
+    assert texts == {0: "1234", 1: "1234"} and events[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_chat_logprobs_in_openais_shape_whole_and_streamed():
+    c, fake = client(FakeTriton(LP_CHUNKS))
+    r = c.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2})
+    assert fake.calls[0]["return_log_probs"] is True and fake.calls[0]["top_logprobs"] == 2
+    choice = r.json()["choices"][0]
+    assert choice["logprobs"] == {"content": [A, B], "refusal": None}
+    assert "".join(e["token"] for e in choice["logprobs"]["content"]) == choice["message"]["content"]
+    r = c.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "stream": True})
+    assert fake.calls[1]["return_log_probs"] is True and "top_logprobs" not in fake.calls[1]
+    chunks = [e["choices"][0] for e in sse(r)[1:]]  # after the role chunk
+    assert [ch["logprobs"] for ch in chunks] == [
+        {"content": [A], "refusal": None},
+        {"content": [B], "refusal": None},
+        {"content": [], "refusal": None},  # the finish: its tokens went out with their text
+    ]
+    r = c.post("/v1/chat/completions", json=CHAT)
+    assert "return_log_probs" not in fake.calls[2] and r.json()["choices"][0]["logprobs"] is None
+
+
+def test_completions_logprobs_in_the_legacy_shape_with_text_offsets():
+    c, fake = client(FakeTriton(LP_CHUNKS))
+    r = c.post("/v1/completions", json={**TEXT, "logprobs": 2})
+    assert fake.calls[0]["top_logprobs"] == 2
+    assert r.json()["choices"][0]["logprobs"] == {
+        "tokens": ["a", "b"],
+        "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"a": -0.5, "b": -1.5}, {"b": -0.25, "a": -2.0}],
+        "text_offset": [0, 1],
+    }
+    r = c.post("/v1/completions", json={**TEXT, "logprobs": 0, "stream": True})
+    assert [e["choices"][0]["logprobs"]["text_offset"] for e in sse(r)] == [[0], [1], []]
+
+
+def test_a_required_tool_call_is_generated_under_the_tools_schema_and_returned_as_tool_calls():
+    answer = json.dumps({"name": "get_weather", "parameters": {"city": "Oslo"}})
+    final = {
+        "text_output": [""],
+        "finish_reason": ["stop"],
+        "num_input_tokens": [3],
+        "num_output_tokens": [9],
+    }
+    c, fake = client(FakeTriton([{"text_output": [answer]}, final]))
+    r = c.post("/v1/chat/completions", json={**CHAT, "tools": [TOOL, OTHER], "tool_choice": "required"})
+    sent = fake.calls[0]
+    assert json.loads(sent["tools"]) == [TOOL, OTHER] and "tool_choice" not in sent
+    assert sent["guided_decoding_guide_type"] == "json_schema"
+    schema = json.loads(sent["guided_decoding_guide"])
+    names = [alt["properties"]["name"]["const"] for alt in schema["anyOf"]]
+    assert names == ["get_weather", "get_time"]
+    assert schema["anyOf"][0]["properties"]["parameters"] == TOOL["function"]["parameters"]
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": json.dumps({"city": "Oslo"})}
+
+
+def test_a_named_function_generates_its_arguments_streamed_as_one_tool_call_delta():
+    final = {
+        "text_output": [""],
+        "finish_reason": ["stop"],
+        "num_input_tokens": [3],
+        "num_output_tokens": [9],
+    }
+    c, fake = client(FakeTriton([{"text_output": ['{"city": ']}, {"text_output": ['"Oslo"}']}, final]))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = c.post("/v1/chat/completions", json={**CHAT, "tools": [TOOL], "tool_choice": named, "stream": True})
+    assert json.loads(fake.calls[0]["guided_decoding_guide"]) == TOOL["function"]["parameters"]
+    events = sse(r)
+    assert len(events) == 2  # the role, then the whole call with its finish
+    choice = events[1]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["delta"]["tool_calls"]
+    assert call["index"] == 0 and call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+
+
+def test_auto_goes_to_the_model_and_none_sends_no_tools():
+    c, fake = client()
+    c.post("/v1/chat/completions", json={**CHAT, "tools": [TOOL]})  # auto: OpenAI's default with tools
+    assert fake.calls[0]["tool_choice"] == "auto" and "guided_decoding_guide" not in fake.calls[0]
+    c.post("/v1/chat/completions", json={**CHAT, "tools": [TOOL], "tool_choice": "none"})
+    assert "tools" not in fake.calls[1] and "tool_choice" not in fake.calls[1]
+    assert_error(
+        c.post("/v1/chat/completions", json={**CHAT, "tools": [TOOL, TOOL], "tool_choice": "required"}),
+        400,
+        "tools",
+    )
+
+
+def test_hermes_calls_are_parsed_out_of_a_reply():
+    text = 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    content, calls = parse_hermes(text)
+    assert content == "Let me check."
+    assert [c["function"] for c in calls] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    assert parse_hermes("no call <tool_call>not json</tool_call>") == (
+        "no call <tool_call>not json</tool_call>",
+        [],
+    )
+    plan = tool_plan([TOOL], "auto")
+    assert plan is not None and plan.guide() is None
+    assert plan.calls("plain") == ("plain", [])
