@@ -38,7 +38,16 @@ def build(tmp_path_factory) -> dict:
     build = tmp_path_factory.mktemp("build") / "build"
     argv = [*DGPIPE, "build", *ARGS, "--build-dir", str(build), "--json"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # SIGINT as a terminal delivers it: a test worker process (pytest-xdist) may run with SIGINT ignored,
+    # which a child inherits
+    first = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     interrupted = []
     for line in first.stdout:
         interrupted.append(json.loads(line))
