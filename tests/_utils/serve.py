@@ -3,13 +3,17 @@ group), a bare tritonserver through the library, and their Prometheus metrics.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,3 +175,27 @@ def metric(metrics_url: str, name: str) -> float:
     if not values:
         raise AssertionError(f"{name} not on {metrics_url}")
     return sum(values)
+
+
+@contextlib.contextmanager
+def health_probed(srv: Serve, every: float = 0.1) -> Iterator[list[int]]:
+    """`srv`'s /health probed every `every` s in a thread while the block runs; yields the statuses seen."""
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            try:
+                with urllib.request.urlopen(srv.health, timeout=5) as r:
+                    statuses.append(r.status)
+            except urllib.error.HTTPError as e:
+                statuses.append(e.code)
+            time.sleep(every)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    try:
+        yield statuses
+    finally:
+        stop.set()
+        thread.join(10)

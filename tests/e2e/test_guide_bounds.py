@@ -20,7 +20,7 @@ import pytest
 from pipeline.serving.server import tritonserver_binary
 from tests._utils.chat import write_chat_checkpoint
 from tests._utils.cli import ROOT, dgpipe
-from tests._utils.serve import metric, start_serve
+from tests._utils.serve import health_probed, metric, start_serve
 
 pytest.importorskip("fastapi")
 pytestmark = [
@@ -83,19 +83,8 @@ def solo_latency(srv) -> float:
 def while_bystanders(srv, body: dict) -> tuple[int, dict, float, list[float], list[int]]:
     """Send `body` while a bystander sends 8 plain requests one after another and /health is probed every
     0.1 s: (status, answer, seconds, the bystander's latencies, every health status)."""
-    health: list[int] = []
     latencies: list[float] = []
     statuses: list[int] = []
-    stop = threading.Event()
-
-    def probe() -> None:
-        while not stop.is_set():
-            try:
-                with urllib.request.urlopen(srv.health, timeout=5) as r:
-                    health.append(r.status)
-            except urllib.error.HTTPError as e:
-                health.append(e.code)
-            time.sleep(0.1)
 
     def bystander() -> None:
         for _ in range(8):
@@ -103,13 +92,11 @@ def while_bystanders(srv, body: dict) -> tuple[int, dict, float, list[float], li
             statuses.append(status)
             latencies.append(seconds)
 
-    threads = [threading.Thread(target=probe), threading.Thread(target=bystander)]
-    for t in threads:
-        t.start()
-    status, answer, seconds = post(srv.openai + "/chat/completions", body)
-    threads[1].join(120)
-    stop.set()
-    threads[0].join(10)
+    with health_probed(srv) as health:
+        thread = threading.Thread(target=bystander)
+        thread.start()
+        status, answer, seconds = post(srv.openai + "/chat/completions", body)
+        thread.join(120)
     assert statuses == [200] * 8, statuses
     return status, answer, seconds, latencies, health
 

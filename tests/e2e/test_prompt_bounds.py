@@ -17,7 +17,7 @@ import pytest
 from pipeline.serving.server import tritonserver_binary
 from tests._utils.chat import write_chat_checkpoint
 from tests._utils.cli import ROOT, dgpipe
-from tests._utils.serve import metric, start_serve
+from tests._utils.serve import health_probed, metric, start_serve
 
 pytest.importorskip("fastapi")
 pytestmark = [
@@ -54,40 +54,27 @@ def srv(tmp_path_factory):
 
 
 def test_a_10_mib_prompt_is_refused_fast_while_bystanders_are_served(srv):
-    health: list[int] = []
     bystander: list[int] = []
-    stop = threading.Event()
-
-    def probe() -> None:
-        while not stop.is_set():
-            try:
-                with urllib.request.urlopen(srv.health, timeout=5) as r:
-                    health.append(r.status)
-            except urllib.error.HTTPError as e:
-                health.append(e.code)
-            time.sleep(0.1)
 
     def ask() -> None:
         for _ in range(4):
             chat = {"model": "dgpipe", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
             bystander.append(post(srv.openai + "/chat/completions", chat)[0])
 
-    threads = [threading.Thread(target=probe), threading.Thread(target=ask)]
-    for t in threads:
-        t.start()
-    timings = {}
-    for name, url, body in (
-        ("openai", srv.openai + "/completions", {"model": "dgpipe", "prompt": BIG, "max_tokens": 8}),
-        ("triton", srv.http + "/v2/models/dgpipe/generate", {"text_input": BIG, "max_tokens": 8}),
-    ):
-        start = time.monotonic()
-        status, answer = post(url, body)
-        timings[name] = time.monotonic() - start
-        assert status in (400, 413), (name, status, answer)
-        assert "max_prompt_bytes" in json.dumps(answer), answer
-    threads[1].join(120)
-    stop.set()
-    threads[0].join(10)
+    with health_probed(srv) as health:
+        thread = threading.Thread(target=ask)
+        thread.start()
+        timings = {}
+        for name, url, body in (
+            ("openai", srv.openai + "/completions", {"model": "dgpipe", "prompt": BIG, "max_tokens": 8}),
+            ("triton", srv.http + "/v2/models/dgpipe/generate", {"text_input": BIG, "max_tokens": 8}),
+        ):
+            start = time.monotonic()
+            status, answer = post(url, body)
+            timings[name] = time.monotonic() - start
+            assert status in (400, 413), (name, status, answer)
+            assert "max_prompt_bytes" in json.dumps(answer), answer
+        thread.join(120)
     assert all(t < 1.0 for t in timings.values()), timings
     assert bystander == [200] * 4
     assert health and set(health) == {200}
