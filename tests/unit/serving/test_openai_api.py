@@ -392,13 +392,16 @@ def test_load_tool_fields_are_accepted_and_sent_to_the_model():
     assert "ignore_eos" not in fake.calls[1] and "min_tokens" not in fake.calls[1]
 
 
+# two pieces with the usage so far (5 prompt tokens; 2, then 4 completion tokens), then the final response
+USAGE_CHUNKS = [
+    {"text_output": ["12"], "num_input_tokens": [5], "num_output_tokens": [2]},
+    {"text_output": ["34"], "num_input_tokens": [5], "num_output_tokens": [4]},
+    FINAL,
+]
+
+
 def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk():
-    chunks = [
-        {"text_output": ["12"], "num_input_tokens": [5], "num_output_tokens": [2]},
-        {"text_output": ["34"], "num_input_tokens": [5], "num_output_tokens": [4]},
-        FINAL,
-    ]
-    c, _ = client(FakeTriton(chunks))
+    c, _ = client(FakeTriton(USAGE_CHUNKS))
     options = {"include_usage": True, "continuous_usage_stats": True}
     events = sse(c.post("/v1/completions", json={**TEXT, "stream": True, "stream_options": options}))
     assert [e["usage"]["completion_tokens"] for e in events] == [2, 4, 4, 4]
@@ -409,12 +412,7 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk():
 def test_continuous_usage_stats_in_a_chat_stream_starts_with_the_prompt_tokens_on_the_role_chunk():
     """As vLLM does: the role chunk already carries usage (prompt tokens, 0 completion tokens), so a load
     tool reading usage on every chunk (AIPerf --per-chunk-usage) finds it on every one."""
-    chunks = [
-        {"text_output": ["12"], "num_input_tokens": [5], "num_output_tokens": [2]},
-        {"text_output": ["34"], "num_input_tokens": [5], "num_output_tokens": [4]},
-        FINAL,
-    ]
-    c, _ = client(FakeTriton(chunks))
+    c, _ = client(FakeTriton(USAGE_CHUNKS))
     options = {"include_usage": True, "continuous_usage_stats": True}
     events = sse(c.post("/v1/chat/completions", json={**CHAT, "stream": True, "stream_options": options}))
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
