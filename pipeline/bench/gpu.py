@@ -25,7 +25,9 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from pipeline.runtime.dispatch import arch_of
 from pipeline.targets import precision
 
 RESULT_FILE, TABLE_FILE = "gpu.json", "gpu.md"
+LOG_LINES = 80
 TOTAL_BUDGET_S = 480  # the whole command, checks and their subprocess start-up included
 CONFIG = "diffusiongemma-26b-a4b"
 PASS_BATCHES = (1, 16)
@@ -164,6 +167,7 @@ class CheckResult:
     status: str  # passed | failed | timeout | skipped
     seconds: float = 0.0
     detail: str = ""  # skip reason, or the output's last lines
+    log: str = ""  # the output's last LOG_LINES lines, for diagnosing a failure from the JSON alone
     rows: list[dict] = field(default_factory=list)  # pass measurements
 
 
@@ -190,37 +194,42 @@ def _run(check: GpuCheck, repo: Path, scratch: Path) -> CheckResult:
         text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         res.status = "timeout"
     res.seconds = time.monotonic() - t0
-    res.detail = "\n".join(text.strip().splitlines()[-15:])
+    lines = text.strip().splitlines()
+    res.detail, res.log = "\n".join(lines[-15:]), "\n".join(lines[-LOG_LINES:])
     if rows_file.is_file():
         res.rows = json.loads(rows_file.read_text())
     return res
 
 
-def run_bench_gpu(out: Path, dry_run: bool = False, repo: Path | None = None) -> dict:
-    """Run (or, `dry_run`, list) the checks; write out/gpu.json and out/gpu.md; return the result."""
+def run_bench_gpu(
+    out: Path,
+    dry_run: bool = False,
+    repo: Path | None = None,
+    on_check: Callable[[CheckResult], None] | None = None,
+) -> dict:
+    """Run (or, `dry_run`, list) the checks; write out/gpu.json and out/gpu.md after every check (a host
+    that goes away mid-run still leaves the checks done so far); return the result. `on_check` is told
+    each check's result as it finishes."""
     env = detect_env()
     repo = repo or Path(__file__).resolve().parents[2]
+    result = {"env": asdict(env), "dry_run": dry_run, "budget_s": TOTAL_BUDGET_S, "checks": []}
+
+    def record(r: CheckResult) -> None:
+        result["checks"].append(asdict(r))
+        save_result(out, RESULT_FILE, result)
+        atomic_write_text(out / TABLE_FILE, render(result) + "\n")
+        if on_check:
+            on_check(r)
+
     if dry_run:
-        results = plan(env)
-    else:
-        scratch = out / "scratch"
-        scratch.mkdir(parents=True, exist_ok=True)
-        results = []
+        for r in plan(env):
+            record(r)
+        return result
+    with tempfile.TemporaryDirectory(prefix="dgpipe-gpu-") as scratch:
         for c in CHECKS:
             reason = skip_reason(c, env)
-            results.append(
-                CheckResult(c.name, c.what, c.budget_s, "skipped", detail=reason)
-                if reason
-                else _run(c, repo, scratch)
-            )
-    result = {
-        "env": asdict(env),
-        "dry_run": dry_run,
-        "budget_s": TOTAL_BUDGET_S,
-        "checks": [asdict(r) for r in results],
-    }
-    save_result(out, RESULT_FILE, result)
-    atomic_write_text(out / TABLE_FILE, render(result) + "\n")
+            record(CheckResult(c.name, c.what, c.budget_s, "skipped", detail=reason) if reason
+                   else _run(c, repo, Path(scratch)))  # fmt: skip
     return result
 
 
@@ -247,9 +256,14 @@ def render(result: dict) -> str:
         for r in rows:
             lines.append(
                 f"| {r['format']} | {r['batch']} | {r['kernels']} | {r['ms_eager']:.2f} | {r['ms_graph']:.2f} "
-                f"| {r['floor_ms_spec']:.2f} | {r['ms_graph'] / r['floor_ms_spec']:.2f} | {r['floor_ms_copy']:.2f} |"
+                f"| {r['floor_ms_spec']:.2f} | {_best_ms(r) / r['floor_ms_spec']:.2f} | {r['floor_ms_copy']:.2f} |"
             )
     return "\n".join(lines)
+
+
+def _best_ms(row: dict) -> float:
+    """The pass time set against the floor: the CUDA-graph time, or eager where the graph did not run."""
+    return row["ms_graph"] if row["ms_graph"] == row["ms_graph"] else row["ms_eager"]
 
 
 # ---- the measurements, run in the check subprocesses ------------------------------------------------------
@@ -317,8 +331,14 @@ def _pass_setup(model, batch: int):
     return lambda: model.denoise_soft(canvas, soft, cpos, masks, past)
 
 
-def measure_pass(fmt: str, batches: tuple[int, ...] = PASS_BATCHES, repeats: int = 5) -> list[dict]:
-    """ms per denoise pass (eager and CUDA graph) of the 26B random-weight model in `fmt`, per batch."""
+def measure_pass(
+    fmt: str,
+    batches: tuple[int, ...] = PASS_BATCHES,
+    repeats: int = 5,
+    sink: Callable[[list[dict]], None] = print,
+) -> list[dict]:
+    """ms per denoise pass (eager and CUDA graph) of the 26B random-weight model in `fmt`, per batch; `sink`
+    gets the rows so far after each batch (a check killed at its budget keeps the batches it finished)."""
     from pipeline.bench.model import _graphed, copy_bandwidth, random_model
     from pipeline.bench.timing import median_seconds
     from pipeline.model.config import ModelConfig
@@ -338,15 +358,49 @@ def measure_pass(fmt: str, batches: tuple[int, ...] = PASS_BATCHES, repeats: int
         with torch.inference_mode():
             fn = _pass_setup(model, b)
             eager = median_seconds(fn, dev, repeats)
-            graph = median_seconds(_graphed(fn, dev), dev, repeats)
+            try:
+                graph, graph_error = median_seconds(_graphed(fn, dev), dev, repeats), None
+            except Exception as e:  # reported in the row; the eager time still stands
+                graph, graph_error = float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         nbytes = pass_bytes(
             mcfg.text_config, row.linear_read, row.expert_read, b, mcfg.canvas_length, CONTEXT
         ).total
         rows.append({"format": fmt, "batch": b, "kernels": kernels, "ms_eager": eager * 1e3, "ms_graph": graph * 1e3,
                      "pass_gb": nbytes / 1e9, "floor_ms_spec": floor_ms(nbytes, spec.product),
-                     "spec_gpu": spec.product, "floor_ms_copy": nbytes / bw * 1e3, "copy_gb_s": bw / 1e9})  # fmt: skip
+                     "spec_gpu": spec.product, "floor_ms_copy": nbytes / bw * 1e3, "copy_gb_s": bw / 1e9,
+                     "graph_error": graph_error, "top_kernels": top_kernels(fn)})  # fmt: skip
+        sink(rows)
         torch.cuda.empty_cache()
     return rows
+
+
+def top_kernels(fn, n: int = 12) -> list[dict]:
+    """Where one eager pass spends its GPU time: the `n` kernels with the most device time (torch profiler),
+    ms per pass each, and the share of all kernel time; the first place to look when a pass misses its floor."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+    except Exception as e:  # a profiler that cannot run here costs the breakdown, not the timings
+        return [
+            {
+                "kernel": f"(profiler failed: {type(e).__name__}: {e})"[:200],
+                "ms": 0.0,
+                "calls": 0,
+                "share": 0.0,
+            }
+        ]
+    kernel_us = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+    events = sorted((e for e in prof.key_averages() if kernel_us(e) > 0), key=kernel_us, reverse=True)
+    total = sum(kernel_us(e) for e in events) or 1.0
+    rows = [{"kernel": e.key[:90], "ms": kernel_us(e) / 1e3, "calls": e.count, "share": kernel_us(e) / total}
+            for e in events[:n]]  # fmt: skip
+    return [
+        {"kernel": "(all kernels)", "ms": total / 1e3, "calls": sum(e.count for e in events), "share": 1.0},
+        *rows,
+    ]
 
 
 def largest_batch(start: int = 16, limit: int = 1024) -> list[dict]:
@@ -380,12 +434,18 @@ def largest_batch(start: int = 16, limit: int = 1024) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     """`python -m pipeline.bench.gpu pass <fmt>` / `largest`: one measurement, rows to $DGPIPE_GPU_ROWS."""
     args = list(sys.argv[1:] if argv is None else argv)
-    rows = measure_pass(args[1]) if args[:1] == ["pass"] else largest_batch()
     out = os.environ.get("DGPIPE_GPU_ROWS")
-    text = json.dumps(rows, indent=2)
-    if out:
-        Path(out).write_text(text)
-    sys.stdout.write(text + "\n")
+
+    def sink(rows: list[dict]) -> None:
+        text = json.dumps(rows, indent=2)
+        if out:
+            atomic_write_text(Path(out), text)
+        sys.stdout.write(text + "\n")
+
+    if args[:1] == ["pass"]:
+        measure_pass(args[1], sink=sink)
+    else:
+        sink(largest_batch())
     return 0
 
 

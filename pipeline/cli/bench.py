@@ -447,6 +447,7 @@ def bench_gpu(
     from pipeline.bench.gpu import RESULT_FILE, TABLE_FILE, render, run_bench_gpu
 
     out_dir = out_dir or opt.cache_dir() / "bench-gpu"
-    result = run_bench_gpu(out_dir, dry_run)
+    report = None if as_json else lambda c: out.line(f"{c.name}: {c.status} ({c.seconds:.0f} s)", err=True)
+    result = run_bench_gpu(out_dir, dry_run, on_check=report)
     out.show(result, as_json, lambda r: [render(r)])
     out.saved([out_dir / RESULT_FILE, out_dir / TABLE_FILE], as_json)
