@@ -39,7 +39,7 @@ from pipeline.runtime.dispatch import arch_of
 from pipeline.targets import precision
 
 RESULT_FILE, TABLE_FILE = "gpu.json", "gpu.md"
-LOG_LINES = 80
+LOG_LINES = 200
 TOTAL_BUDGET_S = 480  # the whole command, checks and their subprocess start-up included
 CONFIG = "diffusiongemma-26b-a4b"
 PASS_BATCHES = (1, 16)
@@ -58,10 +58,16 @@ class GpuCheck:
     needs: tuple[str, ...]  # "cuda", "nvcc", "ninja", "pytest", "fp8", "fp4", "memory"
 
 
-def _pass(fmt: str) -> GpuCheck:
+def _pass(fmt: str, compiled: bool = False) -> GpuCheck:
     needs = ("cuda", "memory") + {"bf16": (), "fp8": ("fp8",), "nvfp4": ("fp4",)}[fmt]
+    batches = ",".join(map(str, PASS_BATCHES))
+    if compiled:
+        return GpuCheck(
+            f"26B pass {fmt} compiled", 120, f"the {fmt} pass under torch.compile (inductor), batch {batches}: compile s, ms vs floor",
+            ("-m", "pipeline.bench.gpu", "pass", fmt, "--compile"), needs,
+        )  # fmt: skip
     return GpuCheck(
-        f"26B pass {fmt}", 55, f"26B-A4B random {fmt} weights, batch {','.join(map(str, PASS_BATCHES))}: ms vs floor",
+        f"26B pass {fmt}", 45, f"26B-A4B random {fmt} weights, batch {batches}: ms vs floor",
         ("-m", "pipeline.bench.gpu", "pass", fmt), needs,
     )  # fmt: skip
 
@@ -69,24 +75,25 @@ def _pass(fmt: str) -> GpuCheck:
 CHECKS: tuple[GpuCheck, ...] = (
     GpuCheck(
         "build sampler kernels",
-        110,
+        60,
         "nvcc build of the fused sampler (torch extension)",
         ("-c", "from pipeline.sampler.kernels.build import load_torch_extension as b; b()"),
         ("cuda", "nvcc", "ninja"),
     ),
     GpuCheck(
         "gpu tests",
-        150,
+        120,
         "tests/gpu: kernels vs PyTorch oracle, CUDA graph vs eager, scaled GEMMs vs reference",
-        ("-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu"),
+        ("-m", "pytest", "-q", "-rfEs", "--tb=short", "-p", "no:cacheprovider", "tests/gpu"),
         ("cuda", "pytest"),
     ),
     _pass("bf16"),
     _pass("fp8"),
     _pass("nvfp4"),
+    _pass("fp8", compiled=True),
     GpuCheck(
         "largest batch",
-        50,
+        40,
         "largest batch whose pass fits, doubling from 16 (fastest format here)",
         ("-m", "pipeline.bench.gpu", "largest"),
         ("cuda", "memory"),
@@ -336,19 +343,26 @@ def measure_pass(
     batches: tuple[int, ...] = PASS_BATCHES,
     repeats: int = 5,
     sink: Callable[[list[dict]], None] = print,
+    compiled: bool = False,
 ) -> list[dict]:
     """ms per denoise pass (eager and CUDA graph) of the 26B random-weight model in `fmt`, per batch; `sink`
-    gets the rows so far after each batch (a check killed at its budget keeps the batches it finished)."""
+    gets the rows so far after each batch (a check killed at its budget keeps the batches it finished).
+    `compiled`: the pass under torch.compile as `dgpipe serve --compile` runs it (one static-shape compile
+    per batch, its seconds reported)."""
     from pipeline.bench.model import _graphed, copy_bandwidth, random_model
     from pipeline.bench.timing import median_seconds
     from pipeline.model.config import ModelConfig
     from pipeline.resources import load_yaml
-    from pipeline.runtime.dispatch import dispatch, floor_ms, pass_bytes
+    from pipeline.runtime.compiled import compile_model
+    from pipeline.runtime.dispatch import dispatch, experts_touched, floor_ms, pass_bytes
 
     dev = torch.device("cuda")
     mcfg = ModelConfig.from_dict(load_yaml("models", CONFIG), source=CONFIG)
     model = random_model(mcfg, torch.bfloat16, dev)
     kernels = quantize_random(model, fmt) if fmt != "bf16" else "F.linear bf16 / F.grouped_mm bf16"
+    if compiled:
+        torch._dynamo.config.automatic_dynamic_shapes = False  # one static graph per measured batch
+        compile_model(model)
     arch = arch_of(*torch.cuda.get_device_capability(dev))
     row = dispatch(fmt, arch)
     bw = copy_bandwidth(dev, 2.0)
@@ -357,21 +371,63 @@ def measure_pass(
     for b in batches:
         with torch.inference_mode():
             fn = _pass_setup(model, b)
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            first_s = time.perf_counter() - t0
             eager = median_seconds(fn, dev, repeats)
             try:
                 graph, graph_error = median_seconds(_graphed(fn, dev), dev, repeats), None
             except Exception as e:  # reported in the row; the eager time still stands
                 graph, graph_error = float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            touched = None if compiled else routed_experts(model, fn)  # (hooks would recompile)
         nbytes = pass_bytes(
             mcfg.text_config, row.linear_read, row.expert_read, b, mcfg.canvas_length, CONTEXT
         ).total
-        rows.append({"format": fmt, "batch": b, "kernels": kernels, "ms_eager": eager * 1e3, "ms_graph": graph * 1e3,
+        rows.append({"format": fmt + (" compiled" if compiled else ""), "batch": b, "kernels": kernels,
+                     "ms_eager": eager * 1e3, "ms_graph": graph * 1e3, "first_call_s": first_s,
                      "pass_gb": nbytes / 1e9, "floor_ms_spec": floor_ms(nbytes, spec.product),
                      "spec_gpu": spec.product, "floor_ms_copy": nbytes / bw * 1e3, "copy_gb_s": bw / 1e9,
-                     "graph_error": graph_error, "top_kernels": top_kernels(fn)})  # fmt: skip
+                     "experts_touched": touched,
+                     "experts_touched_uniform": experts_touched(mcfg.text_config, b * mcfg.canvas_length),
+                     "graph_error": graph_error, "top_kernels": top_kernels(fn), "top_ops": top_ops(fn)})  # fmt: skip
         sink(rows)
         torch.cuda.empty_cache()
     return rows
+
+
+def routed_experts(model, fn) -> float:
+    """Mean distinct experts a layer's routing touches in one pass (the byte model assumes uniform routing;
+    a random-weight model that routed every token to a few experts would read far fewer bytes)."""
+    seen: list[torch.Tensor] = []
+    hooks = [layer.router.register_forward_hook(lambda m, i, o: seen.append(o[2])) for layer in model.layers]
+    try:
+        fn()
+    finally:
+        for h in hooks:
+            h.remove()
+    n = model.cfg.num_experts
+    counts = [int((torch.bincount(idx.reshape(-1), minlength=n) > 0).sum()) for idx in seen]
+    return sum(counts) / max(len(counts), 1)
+
+
+def top_ops(fn, n: int = 15) -> list[dict]:
+    """Device time per aten op in one eager pass (the ops that launched the kernels `top_kernels` lists)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with (
+            torch.inference_mode(),
+            profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+        ):
+            fn()
+            torch.cuda.synchronize()
+    except Exception as e:
+        return [{"op": f"(profiler failed: {type(e).__name__}: {e})"[:200], "ms": 0.0, "calls": 0}]
+    dev_us = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+    ops = sorted((e for e in prof.key_averages() if e.key.startswith(("aten::", "dgpipe::")) and dev_us(e) > 0),
+                 key=dev_us, reverse=True)  # fmt: skip
+    return [{"op": e.key, "ms": dev_us(e) / 1e3, "calls": e.count} for e in ops[:n]]
 
 
 def top_kernels(fn, n: int = 12) -> list[dict]:
@@ -443,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(text + "\n")
 
     if args[:1] == ["pass"]:
-        measure_pass(args[1], sink=sink)
+        measure_pass(args[1], sink=sink, compiled="--compile" in args)
     else:
         sink(largest_batch())
     return 0

@@ -37,12 +37,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and not x.requires_grad and not _tracing():
+        fused = x.dtype == torch.float32 or (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
+        if fused and not x.requires_grad and not _tracing():
             # torch's fused kernel: bit-identical to the lines below in fp32 (pow(2).mean, rsqrt = pow -0.5,
             # two multiplies; tests/unit/model/test_network_norm.py), one dispatch instead of seven. The
-            # small models are overhead-bound and run 11 norms per layer. Not in float64 (the parity
-            # tests' oracle precision), where its result differs in the last bits, and not under an
-            # exporter (ONNX opset 20 has no aten::rms_norm; the written-out ops export as before).
+            # small models are overhead-bound and run 11 norms per layer. On CUDA also in bf16/fp16 (it
+            # computes in fp32 like the lines below): written out, a bf16 norm is nine kernels, ~2,900 of
+            # the ~6,000 kernels of one 26B denoise pass. Not in float64 (the parity tests' oracle precision), where
+            # its result differs in the last bits, and not under an exporter or compiler (ONNX opset 20
+            # has no aten::rms_norm; inductor fuses the written-out ops itself).
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
         out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)

@@ -23,6 +23,7 @@ reports what this GPU and torch build serve; anything that fails takes the row's
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,37 +205,80 @@ class ScaledExperts(nn.Module):
         if s is not None:
             self.register_buffer(name.replace("w", "s"), s.float().contiguous().to(device))
 
-    def _gemm(self, x: torch.Tensor, w: str, in_scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        scaling, swizzle = _api()
-        weight = getattr(self, w).transpose(-2, -1)
-        if self.mode == "nvfp4":
-            xq, bs = sl.nvfp4_quantize(x, in_scale)
-            a_scale = sl.to_blocked_grouped(bs.view(torch.uint8), offs).view(torch.float8_e4m3fn)
-            tag = w[1:]
-            return F.scaled_grouped_mm(
-                sl.as_fp4x2(xq), weight,
-                [a_scale, in_scale.expand(self.num_experts).contiguous()], [scaling.BlockWise1x16, scaling.TensorWise],
-                [getattr(self, "s" + tag), getattr(self, "g" + tag)], [scaling.BlockWise1x16, scaling.TensorWise],
-                swizzle_a=swizzle.SWIZZLE_32_4_4, swizzle_b=swizzle.SWIZZLE_32_4_4, offs=offs, output_dtype=self.out_dtype,
-            )  # fmt: skip
-        if self.mode == "fp8":
-            xq, s = sl.fp8_quantize(x, in_scale), in_scale.expand(x.shape[0]).contiguous()
-        else:
-            xq, s = _rowwise_dynamic(nvfp4_fake_quant(x, in_scale))
-        return F.scaled_grouped_mm(
-            xq, weight, s, scaling.RowWise, getattr(self, w.replace("w", "s")), scaling.RowWise,
-            offs=offs, output_dtype=self.out_dtype,
-        )  # fmt: skip
+    def _weights(self) -> tuple[torch.Tensor | None, ...]:
+        """(w13, s13, g13, w2, s2, g2): the packed weights and their scales (g*: NVFP4 global scales)."""
+        g = lambda n: getattr(self, n, None)
+        return g("w13"), g("s13"), g("g13"), g("w2"), g("s2"), g("g2")
 
-    # under --compile the experts stay eager (a graph break), as the float path's opaque
-    # `dgpipe::routed_experts` op does: the routing sort and the grouped scaled GEMM run as written
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        order, token_of, offs = sl.expert_order(index, self.num_experts)
-        gate, up = self._gemm(x[token_of], "w13", self.in_scale, offs).chunk(2, dim=-1)
-        y = self._gemm(gelu_tanh(gate) * up, "w2", self.down_in_scale, offs)
-        w_sorted = weights.reshape(-1)[order]
-        return torch.zeros_like(x).index_add_(0, token_of, (y * w_sorted[:, None]).to(x.dtype))
+        args = (x, index, weights, *self._weights(), self.in_scale, self.down_in_scale, self.mode)
+        if torch.compiler.is_compiling():
+            # under --compile the experts are one opaque op (as the float path's `dgpipe::routed_experts`):
+            # the routing sort and the grouped scaled GEMMs run as written, and the graph does not break
+            return _scaled_experts_op()(*args)
+        return scaled_experts(*args)
+
+
+def _scaled_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    s: torch.Tensor | None,
+    g: torch.Tensor | None,
+    in_scale: torch.Tensor,
+    offs: torch.Tensor,
+    mode: str,
+) -> torch.Tensor:
+    """One grouped scaled GEMM over the expert-sorted rows of `x` (`w` [E, N, K] packed, `s` its scales)."""
+    scaling, swizzle = _api()
+    weight, num_experts = w.transpose(-2, -1), w.shape[0]
+    if mode == "nvfp4":
+        xq, bs = sl.nvfp4_quantize(x, in_scale)
+        a_scale = sl.to_blocked_grouped(bs.view(torch.uint8), offs).view(torch.float8_e4m3fn)
+        return F.scaled_grouped_mm(
+            sl.as_fp4x2(xq), weight,
+            [a_scale, in_scale.expand(num_experts).contiguous()], [scaling.BlockWise1x16, scaling.TensorWise],
+            [s, g], [scaling.BlockWise1x16, scaling.TensorWise],
+            swizzle_a=swizzle.SWIZZLE_32_4_4, swizzle_b=swizzle.SWIZZLE_32_4_4, offs=offs, output_dtype=torch.bfloat16,
+        )  # fmt: skip
+    if mode == "fp8":
+        xq, xs = sl.fp8_quantize(x, in_scale), in_scale.expand(x.shape[0]).contiguous()
+    else:
+        xq, xs = _rowwise_dynamic(nvfp4_fake_quant(x, in_scale))
+    return F.scaled_grouped_mm(
+        xq, weight, xs, scaling.RowWise, s, scaling.RowWise, offs=offs, output_dtype=torch.bfloat16
+    )  # fmt: skip
+
+
+def scaled_experts(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    g13: torch.Tensor | None,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    g2: torch.Tensor | None,
+    in_scale: torch.Tensor,
+    down_in_scale: torch.Tensor,
+    mode: str,
+) -> torch.Tensor:
+    """A layer's routed experts: slots sorted by expert (device-side offsets, no host sync), one grouped
+    scaled GEMM for gate|up and one for down, the rows added back per token in expert order."""
+    order, token_of, offs = sl.expert_order(index, w13.shape[0])
+    gate, up = _scaled_gemm(x[token_of], w13, s13, g13, in_scale, offs, mode).chunk(2, dim=-1)
+    y = _scaled_gemm(gelu_tanh(gate) * up, w2, s2, g2, down_in_scale, offs, mode)
+    w_sorted = weights.reshape(-1)[order]
+    return torch.zeros_like(x).index_add_(0, token_of, (y * w_sorted[:, None]).to(x.dtype))
+
+
+@functools.cache
+def _scaled_experts_op():
+    """`dgpipe::scaled_experts`: `scaled_experts` as a custom op, opaque to the compiler (output: x's shape
+    and dtype, no side effects). Registered on first use under --compile."""
+    op = torch.library.custom_op("dgpipe::scaled_experts", mutates_args=())(scaled_experts)
+    op.register_fake(lambda x, *rest: torch.empty_like(x))
+    return op
 
 
 # ---- probing and installing ---------------------------------------------------------------------------
