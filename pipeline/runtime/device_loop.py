@@ -37,6 +37,11 @@ class DeviceLoop:
         self.graphs = graphs and device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.captures = 0  # graphs captured (one per round): for tests and benchmarks
+        # the latest captured graph, held so the shared pool always has a user: once every graph that
+        # used a pool is freed (a round ends), torch 2.11's allocator refuses a new capture into it
+        # ("use_count > 0" internal assert, seen on an H200). Rounds replay only their own graph, in
+        # capture order, so keeping the last one alive reserves no memory beyond what the pool holds.
+        self._last_graph: torch.cuda.CUDAGraph | None = None
 
     def run(self, rnd: DenoiseRound, step: Callable[[], None]) -> None:
         if not self.graphs:
@@ -54,6 +59,6 @@ class DeviceLoop:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 step()  # recorded, not run: the replay below runs it
-            rnd.graph = graph
+            rnd.graph = self._last_graph = graph
             self.captures += 1
         rnd.graph.replay()
