@@ -321,8 +321,26 @@ def random_packed(
                         torch.tensor(8.0 / (6 * E4M3_MAX), device=device))  # fmt: skip
 
 
+def probe_plan(arch: str | None) -> list[tuple[str, str, str]]:
+    """The (kind, mode, packed format) forms `probe` runs on `arch`: only those the dispatch table names for
+    it. A kernel built for another architecture can do worse than raise: on an H200 the NVFP4 grouped GEMM
+    failed to set up its TMA descriptors and left a sticky "unspecified launch failure" that broke every
+    later CUDA call in the process."""
+    if arch is None:
+        return []
+    plan: list[tuple[str, str, str]] = []
+    for fmt in ("fp8", "nvfp4"):
+        row = dispatch(fmt, arch)
+        for kind, kernel in (("linear", row.linears), ("experts", row.experts)):
+            mode = kernel_mode(kernel)
+            form = (kind, mode, "fp8" if mode == "fp8" else "nvfp4")
+            if mode and form not in plan:
+                plan.append(form)
+    return plan
+
+
 def probe(device: torch.device | str = "cuda") -> Probe:
-    """Run each scaled-GEMM form once on tiny operands on `device` (CUDA only)."""
+    """Run each scaled-GEMM form this GPU's dispatch rows use once, on tiny operands (CUDA only)."""
     dev = torch.device(device)
     if dev.type != "cuda" or not torch.cuda.is_available():
         raise DgpipeError(
@@ -332,8 +350,7 @@ def probe(device: torch.device | str = "cuda") -> Probe:
     x = torch.randn(40, 128, device=dev, dtype=torch.bfloat16)
     index = torch.randint(0, 4, (20, 2), device=dev)
     wts = torch.rand(20, 2, device=dev)
-    for kind, mode, fmt in (("linear", "fp8", "fp8"), ("linear", "nvfp4", "nvfp4"), ("linear", "fp8_rowwise", "nvfp4"),
-                            ("experts", "fp8", "fp8"), ("experts", "nvfp4", "nvfp4"), ("experts", "fp8_rowwise", "nvfp4")):  # fmt: skip
+    for kind, mode, fmt in probe_plan(p.arch):
         name = f"{kind}:{mode}"
         try:
             if kind == "linear":

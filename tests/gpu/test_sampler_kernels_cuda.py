@@ -2,8 +2,8 @@
 
 Same inputs to both; outputs poisoned before each kernel run so nothing passes by leftover values.
 Required: identical sampled tokens, argmax, kept sets, next canvas, stability counts and stop flags;
-entropies within 1e-5 relative (plus 2e-7 absolute: the oracle's own fp32 log-softmax is only that good
-near zero entropy) of both the oracle and a float64 computation; bf16 softmax within bf16 rounding.
+entropies within 1e-5 relative (plus 1.1e-6 absolute: an fp32 log-softmax over the real vocabulary is only
+that good near zero entropy) of both the oracle and a float64 computation; bf16 softmax within bf16 rounding.
 
 The oracle runs on the GPU too: its Gumbel noise then goes through the same CUDA `logf` as the kernel's.
 """
@@ -34,7 +34,10 @@ pytestmark = [
 
 DEVICE = "cuda"
 VOCAB, CANVAS = 262_144, 256
-ENTROPY_RTOL, ENTROPY_ATOL = 1e-5, 2e-7
+# ATOL: an fp32 log-sum-exp over V = 262,144 terms is only good to about log2(V) * 2^-24 ~ 1.1e-6 absolute,
+# which decides near-zero entropies (H200, torch 2.11: errors up to 7.2e-7 measured on these cases,
+# the PyTorch oracle itself up to 3.9e-7 off)
+ENTROPY_RTOL, ENTROPY_ATOL = 1e-5, 1.1e-6
 
 
 def worst(

@@ -119,6 +119,21 @@ def test_every_vendor_kernel_of_the_table_has_a_module_mode():
     assert tc.kernel_mode(dp.dispatch("fp8", "sm90").experts) == "fp8"
 
 
+def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
+    """Hopper never runs the NVFP4 kernels (one left a sticky launch failure on an H200); Blackwell does."""
+    assert tc.probe_plan("sm90") == [
+        ("linear", "fp8", "fp8"), ("experts", "fp8", "fp8"),
+        ("linear", "fp8_rowwise", "nvfp4"), ("experts", "fp8_rowwise", "nvfp4"),
+    ]  # fmt: skip
+    assert tc.probe_plan("sm100") == [
+        ("linear", "fp8", "fp8"),
+        ("linear", "nvfp4", "nvfp4"),
+        ("experts", "nvfp4", "nvfp4"),
+    ]
+    assert tc.probe_plan("sm89") == [("linear", "fp8", "fp8"), ("linear", "fp8_rowwise", "nvfp4")]
+    assert tc.probe_plan(None) == []
+
+
 def test_cuda_only_entry_points_say_so_on_cpu(ckpts):
     with pytest.raises(DgpipeError, match="CUDA"):
         tc.probe("cpu")
