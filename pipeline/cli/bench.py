@@ -451,3 +451,53 @@ def bench_gpu(
     result = run_bench_gpu(out_dir, dry_run, on_check=report)
     out.show(result, as_json, lambda r: [render(r)])
     out.saved([out_dir / RESULT_FILE, out_dir / TABLE_FILE], as_json)
+
+
+@app.command("prefix")
+def bench_prefix(
+    config: Annotated[
+        str,
+        typer.Option(help="configs/models/<name>.yaml with random weights (fp32, CPU); ignored with --model"),
+    ] = "bench-medium",
+    model: opt.Model = None,
+    system_tokens: Annotated[int, typer.Option(help="shared system prompt tokens")] = 2000,
+    question_tokens: Annotated[int, typer.Option(help="each request's own question tokens")] = 16,
+    requests: Annotated[int, typer.Option(help="timed requests per step count (each on and off)")] = 20,
+    steps: Annotated[str, typer.Option(help="fixed denoising steps per canvas, comma-separated")] = "1,4,16",
+    threads: Annotated[int, typer.Option(help="torch CPU threads")] = 2,
+    out_dir: Annotated[Path | None, _out("bench-prefix")] = None,
+    as_json: opt.Json = False,
+) -> None:
+    """Time to first canvas with prefix caching on and off: a long shared system prompt and short questions,
+    interleaved; tokens must be identical."""
+    try:
+        step_counts = tuple(int(s) for s in steps.split(","))
+    except ValueError:
+        raise DgpipeError(f"--steps must be comma-separated integers (got {steps!r})") from None
+    if min(step_counts) < 1 or requests < 1 or system_tokens < 1 or question_tokens < 1 or threads < 1:
+        raise DgpipeError("need --steps, --requests, --system-tokens, --question-tokens and --threads >= 1")
+    from pipeline.bench.prefix import PLOT_FILE, RESULT_FILE, load_bench_model, run_bench_prefix
+
+    out_dir = out_dir or opt.cache_dir() / "bench-prefix"
+    m = load_bench_model(None if model else config, model, threads)
+    with out.progress("bench prefix", total=requests * len(step_counts), disable=as_json) as advance:
+        result = run_bench_prefix(m, system_tokens, question_tokens, requests, step_counts, out_dir, advance)
+    out.show(result, as_json, _render_prefix)
+    out.saved([out_dir / RESULT_FILE, out_dir / PLOT_FILE], as_json)
+
+
+def _render_prefix(r: dict) -> list[str]:
+    lines = [
+        f"{r['model']}, {r['dtype']} on {r['device']}, {r['machine']['threads']} thread(s); "
+        f"{r['system_tokens']}-token shared system prompt + {r['question_tokens']}-token question, "
+        f"{r['requests']} requests each way, {r['block_tokens']}-token blocks; medians",
+        f"{'steps':>6}{'TTFT off ms':>13}{'TTFT on ms':>12}{'off / on':>10}{'prefill off':>13}{'prefill on':>12}"
+        f"{'hit rate':>10}  tokens",
+    ]
+    for row in r["rows"]:
+        lines.append(
+            f"{row['steps']:>6}{row['ttft_off_ms']:>13.1f}{row['ttft_on_ms']:>12.1f}{row['ttft_ratio']:>10.2f}"
+            f"{row['prefill_off_ms']:>13.1f}{row['prefill_on_ms']:>12.1f}{row['hit_rate']:>10.1%}  "
+            + ("identical" if row["identical"] else "DIFFER")
+        )
+    return lines

@@ -41,6 +41,7 @@ def build(
     max_regex_positions: opt.MaxRegexPositions = None,
     max_guide_seconds: opt.MaxGuideSeconds = None,
     max_guide_memory_mib: opt.MaxGuideMemoryMib = None,
+    prefix_cache_mib: opt.PrefixCacheMib = None,
     verbose: Annotated[
         bool,
         typer.Option("--verbose", "-v", help="show third-party output live (it always goes to build.log)"),
@@ -63,6 +64,7 @@ def build(
         max_regex_positions=max_regex_positions,
         max_guide_seconds=max_guide_seconds,
         max_guide_memory_mib=max_guide_memory_mib,
+        prefix_cache_mib=prefix_cache_mib,
     )
     out_dir = build_dir or opt.cache_dir() / "build"
     _watched(

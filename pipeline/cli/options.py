@@ -84,6 +84,12 @@ MaxGuideSeconds = Annotated[
 MaxGuideMemoryMib = Annotated[
     int | None, _limit("MiB compiling one guide may take before it is refused (400)", "max_guide_memory_mib")
 ]
+PrefixCacheMib = Annotated[
+    int | None,
+    _limit(
+        "MiB for the K/V of prompt blocks reused across requests (prefix caching; 0: off)", "prefix_cache_mib"
+    ),
+]
 CalibSize = Annotated[int, typer.Option(help="calibration prompts")]
 
 

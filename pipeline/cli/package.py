@@ -47,6 +47,7 @@ def package(
     max_regex_positions: opt.MaxRegexPositions = None,
     max_guide_seconds: opt.MaxGuideSeconds = None,
     max_guide_memory_mib: opt.MaxGuideMemoryMib = None,
+    prefix_cache_mib: opt.PrefixCacheMib = None,
     device: opt.Device = "auto",
     compile: opt.Compile = False,
     engines: Engines = None,

@@ -1,7 +1,8 @@
 """Block-autoregressive diffusion generation with canvas-level continuous batching.
 
 Each request owns a cache row ("slot"). Per scheduler step:
-  1. admit waiting requests into free slots and prefill their prompts (one causal pass, right-padded);
+  1. admit waiting requests into free slots and prefill their prompts (causal passes, right-padded, in
+     block-sized chunks; blocks other requests already prefilled come from the prefix cache);
   2. run ONE denoise pass over every slot that has a canvas in flight, whatever step each is at
      (temperatures and sampler settings are per row);
   3. finalise the canvases that stopped: emit the argmax block trimmed at the first end token and at
@@ -20,13 +21,14 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.errors import InputError
-from pipeline.limits import DEFAULTS, TOP_LOGPROBS_MAX, context_length
+from pipeline.limits import DEFAULTS, PREFILL_CHUNK_TOKENS, TOP_LOGPROBS_MAX, context_length
 from pipeline.model.config import SamplerConfig
 from pipeline.model.network import DiffusionGemma, canvas_positions
-from pipeline.runtime.backends import ModelBackend, SamplerInputs, TorchBackend
+from pipeline.runtime.backends import KV, ModelBackend, SamplerInputs, TorchBackend
 from pipeline.runtime.device_loop import DenoiseRound, DeviceLoop
 from pipeline.runtime.guided import GuideState, advance, finish_canvas, mask_rows
 from pipeline.runtime.kv_cache import KVCache, attention_masks
+from pipeline.runtime.prefix_cache import PrefixCache
 from pipeline.sampler.constraints import TokenAutomaton
 from pipeline.sampler.reference import CounterDraws, DrawSource, RowKeys, temperatures
 
@@ -84,11 +86,13 @@ class BlockDiffusionRuntime:
         draws: DrawSource | None = None,
         graphs: bool | None = None,
         sync_every: int | None = None,
+        prefix_cache_mib: int = DEFAULTS.prefix_cache_mib,
     ) -> None:
         """`graphs`: capture each canvas round's denoise step in a CUDA graph (default: where the backend
         allows it). `sync_every`: denoise passes between host checks for finished canvases (default 4 on
         CUDA, 1 elsewhere); rows that finish in between are frozen on the device, so results never depend
-        on it, only the wasted passes do."""
+        on it, only the wasted passes do. `prefix_cache_mib`: memory for the K/V of prompt blocks kept
+        across requests (0: off; `pipeline.runtime.prefix_cache`)."""
         self.draws = draws or CounterDraws()
         self.backend: ModelBackend = (
             TorchBackend(model, self.draws) if isinstance(model, DiffusionGemma) else model
@@ -136,7 +140,12 @@ class BlockDiffusionRuntime:
         self.lp_top = torch.zeros(s, length, TOP_LOGPROBS_MAX, **f32)
         self.lp_ids = torch.zeros(s, length, TOP_LOGPROBS_MAX, dtype=torch.long, device=dev)
         self.waiting: deque[Result] = deque()
-        self.passes = {"prefill": 0, "denoise": 0, "commit": 0}
+        self.passes = {"prefill": 0, "denoise": 0, "commit": 0, "prefix_hit": 0}
+        # prompts are prefilled in chunks ending at multiples of this (the prefix cache's block size)
+        self.prefill_chunk = PREFILL_CHUNK_TOKENS
+        self.prefix_cache = (
+            PrefixCache(self.prefill_chunk, prefix_cache_mib << 20) if prefix_cache_mib > 0 else None
+        )
         self.loop = DeviceLoop(
             self.device, getattr(self.backend, "graph_safe", False) if graphs is None else graphs
         )
@@ -294,8 +303,9 @@ class BlockDiffusionRuntime:
         self.stable[slot] = 0
 
     # ---- passes ---------------------------------------------------------------------------------
-    def _causal_pass(self, slots: list[int], blocks: list[list[int]], fresh: bool) -> None:
-        """Prefill (fresh rows) or commit: one right-padded causal pass that writes K/V."""
+    def _causal_pass(self, slots: list[int], blocks: list[list[int]], fresh: bool) -> KV:
+        """Prefill chunk or commit: one right-padded causal pass that writes K/V (`fresh`: every row's
+        cache is empty, so no past is read). Returns the pass's new K/V ([rows, heads, width, dim])."""
         self._round = None  # the cache changes: positions, masks and past K/V of the round are stale
         idx = torch.tensor(slots, device=self.device)
         width = max(len(b) for b in blocks)
@@ -312,10 +322,48 @@ class BlockDiffusionRuntime:
         masks = attention_masks(positions, valid, meta, causal=True, window=self.cache.window)
         new_kv = self.backend.causal(tokens, positions, masks, past)
         self.cache.write(idx, new_kv, positions, valid)
+        return new_kv
 
     def _prefill(self, slots: list[int]) -> None:
-        self._causal_pass(slots, [self.results[s].request.prompt_ids for s in slots], fresh=True)  # type: ignore[union-attr]
-        self.passes["prefill"] += 1
+        """The joining rows' prompts into the cache: the blocks the prefix cache holds are copied in, the
+        rest is prefilled in chunks that end at block boundaries (cache on or off alike: what makes a cached
+        block equal to a cold prefill's, `pipeline.runtime.prefix_cache`), all rows' chunks in one pass."""
+        prompts = {s: self.results[s].request.prompt_ids for s in slots}  # type: ignore[union-attr]
+        done = dict.fromkeys(slots, 0)
+        if self.prefix_cache is not None:
+            for s in slots:
+                done[s] = self._restore_prefix(s, prompts[s])
+        step = self.prefill_chunk
+        while rows := [s for s in slots if done[s] < len(prompts[s])]:
+            chunks = [prompts[s][done[s] : (done[s] // step + 1) * step] for s in rows]
+            new_kv = self._causal_pass(rows, chunks, fresh=not any(done[s] for s in rows))
+            self.passes["prefill"] += 1
+            for r, (s, chunk) in enumerate(zip(rows, chunks, strict=True)):
+                if self.prefix_cache is not None and len(chunk) == step:
+                    kv = [(k[r, :, :step].clone(), v[r, :, :step].clone()) for k, v in new_kv]
+                    self.prefix_cache.insert(prompts[s], done[s] // step, kv)
+                done[s] += len(chunk)
+
+    def _restore_prefix(self, slot: int, prompt: list[int]) -> int:
+        """Copy the cached blocks that start `prompt` into the slot's (empty) cache row; tokens restored."""
+        assert self.prefix_cache is not None
+        blocks = self.prefix_cache.lookup(prompt)
+        if not blocks:
+            return 0
+        n = len(blocks) * self.prefill_chunk
+        kv = [
+            (torch.cat([b.kv[i][0] for b in blocks], dim=1)[None], torch.cat([b.kv[i][1] for b in blocks], dim=1)[None])
+            for i in range(len(blocks[0].kv))
+        ]  # fmt: skip
+        positions = torch.arange(n, device=self.device)[None]
+        self.cache.write(
+            torch.tensor([slot], device=self.device),
+            kv,
+            positions,
+            torch.ones_like(positions, dtype=torch.bool),
+        )
+        self.passes["prefix_hit"] += 1
+        return n
 
     def _denoise(self, slots: torch.Tensor) -> list[int]:
         """Denoise passes for all rows in flight until the next host check; returns the finished slots.

@@ -245,6 +245,7 @@ class ServerLimits:
     max_regex_positions: int = DEFAULTS.max_regex_positions  # a regex's unrolled positions, likewise
     max_guide_seconds: int = DEFAULTS.max_guide_seconds  # wall time compiling one guide may take
     max_guide_memory_mib: int = DEFAULTS.max_guide_memory_mib  # memory compiling one guide may take
+    prefix_cache_mib: int = DEFAULTS.prefix_cache_mib  # K/V of prompt blocks kept across requests (0: off)
 
 
 def prompt_limit(cap: int, max_positions: int, canvas_length: int) -> int:

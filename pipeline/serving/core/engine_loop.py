@@ -38,6 +38,8 @@ class EngineLoop:
                         core.runtime.step()
                 except Exception as e:  # fail the requests in flight, keep the server serving
                     core.fail_all(responses.internal_failure("during generation", e))
+                if (cache := getattr(core.runtime, "prefix_cache", None)) is not None:
+                    core.metrics.record_prefix_cache(cache)
                 core.update_load()  # requests admitted to batch slots leave the queue
 
     def submit_new(self) -> None:

@@ -49,6 +49,7 @@ def server_limits(params: dict[str, str], positions: int, canvas_length: int) ->
         max_regex_positions=limits.max_regex_positions,
         max_guide_seconds=limits.max_guide_seconds,
         max_guide_memory_mib=limits.max_guide_memory_mib,
+        prefix_cache_mib=limits.prefix_cache_mib,
     )
 
 
@@ -83,6 +84,7 @@ def load_model(config: dict[str, Any], version_dir: Path, log: Log) -> LoadedMod
         backend,
         # never past the model's positions: generation ends ("length") when the next canvas would not fit
         max_len=min(context_length(limits.max_prompt, limits.max_tokens, length), positions),
+        prefix_cache_mib=limits.prefix_cache_mib,
     )
     return LoadedModel(session, runtime, limits)
 

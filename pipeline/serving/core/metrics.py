@@ -5,7 +5,7 @@ the last busy value) and histograms. The core records them through a MetricFacto
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from typing import Any, Protocol
 
 # Histogram buckets (upper bounds; Prometheus adds +Inf): seconds for latencies, steps for steps per canvas.
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -54,11 +54,42 @@ class Metrics:
             "dgpipe_guide_cache_misses_total",
             "Constrained-decoding guides compiled (or refused) in the compile child",
         )
+        self._prefix_cache(make)
         self._histograms(make)
         self._lock = threading.Lock()
         self._load = (0, 0)
         self.active.set(0)
         self.queued.set(0)
+
+    def _prefix_cache(self, make: MetricFactory) -> None:
+        self.prefix_lookup_tokens = make.counter(
+            "dgpipe_prefix_cache_lookup_tokens_total", "Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_hit_tokens = make.counter(
+            "dgpipe_prefix_cache_hit_tokens_total",
+            "Prompt tokens whose K/V came from the prefix cache (hit rate: this over lookup tokens)",
+        )
+        self.prefix_evicted = make.counter(
+            "dgpipe_prefix_cache_evicted_blocks_total", "Prompt blocks evicted from the prefix cache (LRU)"
+        )
+        self.prefix_bytes = make.gauge("dgpipe_prefix_cache_bytes", "Bytes of K/V the prefix cache holds")
+        self._prefix_seen = (0, 0, 0)
+
+    def record_prefix_cache(self, cache: Any) -> None:
+        """Bring the prefix-cache metrics up to the cache's cumulative counts (runtime.prefix_cache.PrefixCache;
+        called by the runtime loop after each step)."""
+        s = cache.stats
+        now = (s.lookup_tokens, s.hit_tokens, s.evicted_blocks)
+        if now != self._prefix_seen:
+            for metric, new, old in zip(
+                (self.prefix_lookup_tokens, self.prefix_hit_tokens, self.prefix_evicted),
+                now,
+                self._prefix_seen,
+            ):
+                if new > old:
+                    metric.increment(new - old)
+            self._prefix_seen = now
+            self.prefix_bytes.set(cache.nbytes)
 
     def _histograms(self, make: MetricFactory) -> None:
         self.time_to_first_canvas = make.histogram(
