@@ -219,33 +219,41 @@ class ScaledExperts(nn.Module):
         return scaled_experts(*args)
 
 
-def _scaled_gemm(
-    x: torch.Tensor,
+def _quantize_rows(x: torch.Tensor, in_scale: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMM operand of x's rows and its scales: FP8 with the static scale per row (fp8), per-row E4M3
+    of the NVFP4-rounded rows (fp8_rowwise), or NVFP4 codes and their per-16 block scales (nvfp4). Each
+    row is quantized on its own, so quantizing before a row gather equals quantizing the gathered rows."""
+    if mode == "fp8":
+        return sl.fp8_quantize(x, in_scale), in_scale.float().expand(x.shape[0])
+    if mode == "fp8_rowwise":
+        return _rowwise_dynamic(nvfp4_fake_quant(x, in_scale))
+    return sl.nvfp4_quantize(x, in_scale)
+
+
+def _grouped_gemm(
+    q: torch.Tensor,
+    qs: torch.Tensor,
     w: torch.Tensor,
-    s: torch.Tensor | None,
+    s: torch.Tensor,
     g: torch.Tensor | None,
     in_scale: torch.Tensor,
     offs: torch.Tensor,
     mode: str,
 ) -> torch.Tensor:
-    """One grouped scaled GEMM over the expert-sorted rows of `x` (`w` [E, N, K] packed, `s` its scales)."""
+    """One grouped scaled GEMM: expert-sorted operand rows `q` (scales `qs`) times `w` [E, N, K] packed
+    (scales `s`, NVFP4 global scales `g`), bf16 out (the only output torch's grouped FP8/FP4 kernels write)."""
     scaling, swizzle = _api()
     weight, num_experts = w.transpose(-2, -1), w.shape[0]
     if mode == "nvfp4":
-        xq, bs = sl.nvfp4_quantize(x, in_scale)
-        a_scale = sl.to_blocked_grouped(bs.view(torch.uint8), offs).view(torch.float8_e4m3fn)
+        a_scale = sl.to_blocked_grouped(qs.view(torch.uint8), offs).view(torch.float8_e4m3fn)
         return F.scaled_grouped_mm(
-            sl.as_fp4x2(xq), weight,
+            sl.as_fp4x2(q), weight,
             [a_scale, in_scale.expand(num_experts).contiguous()], [scaling.BlockWise1x16, scaling.TensorWise],
             [s, g], [scaling.BlockWise1x16, scaling.TensorWise],
             swizzle_a=swizzle.SWIZZLE_32_4_4, swizzle_b=swizzle.SWIZZLE_32_4_4, offs=offs, output_dtype=torch.bfloat16,
         )  # fmt: skip
-    if mode == "fp8":
-        xq, xs = sl.fp8_quantize(x, in_scale), in_scale.expand(x.shape[0]).contiguous()
-    else:
-        xq, xs = _rowwise_dynamic(nvfp4_fake_quant(x, in_scale))
     return F.scaled_grouped_mm(
-        xq, weight, xs, scaling.RowWise, s, scaling.RowWise, offs=offs, output_dtype=torch.bfloat16
+        q, weight, qs.contiguous(), scaling.RowWise, s, scaling.RowWise, offs=offs, output_dtype=torch.bfloat16
     )  # fmt: skip
 
 
@@ -264,12 +272,23 @@ def scaled_experts(
     mode: str,
 ) -> torch.Tensor:
     """A layer's routed experts: slots sorted by expert (device-side offsets, no host sync), one grouped
-    scaled GEMM for gate|up and one for down, the rows added back per token in expert order."""
+    scaled GEMM for gate|up and one for down, each token's top-k outputs weighted and summed.
+
+    The tokens are quantized once and their 1-byte (FP8) or half-byte (NVFP4) rows gathered top_k times,
+    not gathered in bf16 and quantized top_k times over; the outputs go back to slot order with one
+    permutation and each token's k rows are combined by one batched product (fp32 accumulation, no
+    atomics, deterministic), not scattered with bf16 atomic adds. On an H200 at batch 16 those two
+    element-wise paths took most of the experts' non-GEMM time (BENCHMARKS.md, "26B-A4B denoise pass")."""
+    t, k = index.shape
     order, token_of, offs = sl.expert_order(index, w13.shape[0])
-    gate, up = _scaled_gemm(x[token_of], w13, s13, g13, in_scale, offs, mode).chunk(2, dim=-1)
-    y = _scaled_gemm(gelu_tanh(gate) * up, w2, s2, g2, down_in_scale, offs, mode)
-    w_sorted = weights.reshape(-1)[order]
-    return torch.zeros_like(x).index_add_(0, token_of, (y * w_sorted[:, None]).to(x.dtype))
+    q, qs = _quantize_rows(x, in_scale, mode)
+    gate, up = _grouped_gemm(q[token_of], qs[token_of], w13, s13, g13, in_scale, offs, mode).chunk(2, dim=-1)
+    q, qs = _quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode)
+    y = _grouped_gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode)
+    # back to slot order (token-major, the router's top-k order), then each token's k rows in one product
+    per_slot = torch.empty_like(y).index_copy_(0, order, y)
+    combined = torch.bmm(weights.reshape(t, 1, k).to(y.dtype), per_slot.view(t, k, -1))
+    return combined.view(t, -1).to(x.dtype)
 
 
 @functools.cache

@@ -90,7 +90,9 @@ def test_scaled_experts_equal_fake_quant_experts(probed, mode):
         "down": InputQuantizer(fmt, m.down_in_scale.cpu()),
     }
     want = _quantized_experts_forward(quants)(ref, x, index, weights)
-    assert _rel(got, want) < (1e-3 if mode != "fp8_rowwise" else 0.1)
+    # the grouped kernels write bf16 (gate/up before the down projection's re-quantization, and the outputs):
+    # bf16 rounding, and the FP8/NVFP4 rounding it flips, against an fp32 reference
+    assert _rel(got, want) < (2e-2 if mode != "fp8_rowwise" else 0.1)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])

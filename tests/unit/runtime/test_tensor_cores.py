@@ -1,6 +1,6 @@
 """Tensor-core modules on the CPU: torch's `F.scaled_mm` has CPU kernels for FP8 TensorWise and RowWise, so
 `ScaledLinear` runs here for real against the fake-quantized float reference; `F.scaled_grouped_mm` is
-CUDA-only, so `ScaledExperts`' operands are checked group by group through `F.scaled_mm` (the grouped GEMM
+CUDA-only, so `ScaledExperts` runs with it emulated group by group through `F.scaled_mm` (the grouped GEMM
 on a GPU: tests/gpu/test_tensor_cores_cuda.py). And `graph_safe` on quantized embedded models."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from pipeline.model import scaled_layout as sl
 from pipeline.model.checkpoint import load_model
 from pipeline.model.fake_quant import fp8_fake_quant, nvfp4_fake_quant
 from pipeline.model.modelopt import PackedLinear, read_packed_linears
-from pipeline.model.network import gelu_tanh
 from pipeline.resources import EMBEDDED_MODEL
 from pipeline.runtime import dispatch as dp
 from pipeline.runtime import tensor_cores as tc
@@ -56,59 +55,52 @@ def test_scaled_linear_nvfp4_fallback_requantizes_rows():
     assert float((got - exact).abs().max()) <= 0.15 * float(exact.abs().max())
 
 
-def test_scaled_experts_fp8_operands_equal_the_fake_quant_experts():
-    """ScaledExperts' buffers, multiplied per expert by F.scaled_mm RowWise (what scaled_grouped_mm does per
-    group), equal the fake-quantized expert forward on the dequantized weights."""
+def _grouped_by_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, offs=None, output_dtype=None, **_):
+    """F.scaled_grouped_mm (RowWise, 2-D rows x 3-D experts; CUDA-only) as one CPU F.scaled_mm per group, in
+    fp32 (the GPU kernel writes bf16: tests/gpu checks that path against the same reference)."""
+    out, start = [], 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out.append(F.scaled_mm(a[start:end], b[g], scale_a[start:end, None], F.ScalingType.RowWise,
+                                   scale_b[g][None], F.ScalingType.RowWise, output_dtype=torch.float32))  # fmt: skip
+        start = end
+    return torch.cat(out)
+
+
+def test_scaled_experts_fp8_is_the_fake_quant_expert_loop(monkeypatch):
+    """ScaledExperts' forward (tokens quantized once then gathered, grouped GEMMs, outputs permuted back and
+    combined per token by one batched product) against the fake-quantized expert loop on the dequantized
+    weights; uneven groups and an expert with no token included."""
+    from pipeline.model.fake_quant import InputQuantizer
+    from pipeline.model.modelopt import _quantized_experts_forward
+
+    monkeypatch.setattr(F, "scaled_grouped_mm", _grouped_by_scaled_mm)
     e, d, inner, t = 4, 64, 32, 9
     gate, up, down = (
         [_packed("fp8", n, k) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
     )
     m = tc.ScaledExperts(gate, up, down, "fp8", CPU, torch.float32)
     x = torch.randn(t, d, generator=GEN)
-    index = torch.randint(0, e, (t, 2), generator=GEN)
+    index = torch.randint(0, e - 1, (t, 2), generator=GEN)  # the last expert gets no token
     weights = torch.rand(t, 2, generator=GEN)
-    order, token_of, offs = sl.expert_order(index, e)
-    rows = sl.fp8_quantize(x[token_of], m.in_scale)
-    got, start = [], 0
-    for g, end in enumerate(offs.tolist()):
-        a = rows[start:end]
-        s_a = m.in_scale.expand(end - start)[:, None]
-        h = F.scaled_mm(
-            a,
-            m.w13[g].t(),
-            s_a,
-            F.ScalingType.RowWise,
-            m.s13[g][None],
-            F.ScalingType.RowWise,
-            output_dtype=torch.float32,
-        )
-        gt, u = h.chunk(2, -1)
-        hq = sl.fp8_quantize(gelu_tanh(gt) * u, m.down_in_scale)
-        s_h = m.down_in_scale.expand(end - start)[:, None]
-        got.append(
-            F.scaled_mm(
-                hq,
-                m.w2[g].t(),
-                s_h,
-                F.ScalingType.RowWise,
-                m.s2[g][None],
-                F.ScalingType.RowWise,
-                output_dtype=torch.float32,
-            )
-        )
-        start = end
-    y = torch.cat(got) * weights.reshape(-1)[order][:, None]
-    out = torch.zeros_like(x).index_add_(0, token_of, y)
-    want = torch.zeros_like(x)
-    for slot in range(t * 2):
-        tok, ex = slot // 2, int(index.reshape(-1)[slot])
-        w13 = torch.cat([gate[ex].dequantized(), up[ex].dequantized()])
-        gt, u = F.linear(fp8_fake_quant(x[tok], m.in_scale), w13).chunk(2, -1)
-        want[tok] += (
-            F.linear(fp8_fake_quant(gelu_tanh(gt) * u, m.down_in_scale), down[ex].dequantized())
-            * weights.reshape(-1)[slot]
-        )
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    got = m(x, index, weights)
+    ref = torch.nn.Module()
+    ref.num_experts = e
+    ref.gate_up_proj = torch.stack([torch.cat([g.dequantized(), u.dequantized()]) for g, u in zip(gate, up)])
+    ref.down_proj = torch.stack([p.dequantized() for p in down])
+    quants = {"gate_up": InputQuantizer("fp8", m.in_scale), "down": InputQuantizer("fp8", m.down_in_scale)}
+    want = _quantized_experts_forward(quants)(ref, x, index, weights)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["fp8", "fp8_rowwise", "nvfp4"])
+def test_quantizing_tokens_before_the_gather_equals_quantizing_the_gathered_rows(mode):
+    x, scale = torch.randn(11, 64, generator=GEN), torch.tensor(0.02)
+    rows = torch.randint(0, 11, (30,), generator=GEN)
+    q, qs = tc._quantize_rows(x, scale, mode)
+    q2, qs2 = tc._quantize_rows(x[rows], scale, mode)
+    assert torch.equal(q[rows].view(torch.uint8), q2.view(torch.uint8))
+    assert torch.equal(qs[rows].float(), qs2.float())
 
 
 def test_every_vendor_kernel_of_the_table_has_a_module_mode():
