@@ -67,19 +67,24 @@ class PrefixCache:
             keys.append(parent)
         return keys
 
-    def lookup(self, prompt: Sequence[int]) -> list[CachedBlock]:
-        """The longest run of cached blocks that starts the prompt (counted in `stats`, marked recent)."""
+    def count_prompt(self, prompt: Sequence[int]) -> None:
+        """A prompt is about to be looked up: its tokens are the hit rate's denominator (once per prompt)."""
+        self.stats.lookups += 1
+        self.stats.lookup_tokens += len(prompt)
+
+    def lookup(self, prompt: Sequence[int], first: int = 0) -> list[CachedBlock]:
+        """The longest run of cached blocks of the prompt from its block `first` on (the blocks before it are
+        the caller's already), marked recent; the blocks returned count as hits in `stats`."""
         found: list[CachedBlock] = []
-        for i, key in enumerate(self.keys(prompt)):
-            block = self.blocks.get(key)
+        keys = self.keys(prompt)
+        for i in range(first, len(keys)):
+            block = self.blocks.get(keys[i])
             start = i * self.block_tokens
             if block is None or block.tokens != tuple(prompt[start : start + self.block_tokens]):
                 break
             found.append(block)
-        self.stats.lookups += 1
-        self.stats.lookup_tokens += len(prompt)
         self.stats.hit_tokens += len(found) * self.block_tokens
-        self._touch([b.key for b in found])
+        self._touch(keys[: first + len(found)])
         return found
 
     def insert(self, prompt: Sequence[int], index: int, kv: KV) -> None:

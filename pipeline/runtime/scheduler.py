@@ -325,29 +325,55 @@ class BlockDiffusionRuntime:
         return new_kv
 
     def _prefill(self, slots: list[int]) -> None:
-        """The joining rows' prompts into the cache: the blocks the prefix cache holds are copied in, the
-        rest is prefilled in chunks that end at block boundaries (cache on or off alike: what makes a cached
-        block equal to a cold prefill's, `pipeline.runtime.prefix_cache`), all rows' chunks in one pass."""
+        """The joining rows' prompts into the cache, in chunks that end at block boundaries (cache on or off
+        alike: what makes a cached block equal to a cold prefill's, `pipeline.runtime.prefix_cache`), all
+        rows' chunks in one pass per turn. With the prefix cache, each turn first copies in the blocks it
+        holds (from earlier requests, or from a row of this batch one turn earlier), and of several rows
+        about to compute the same block only one does: the others copy it in on the next turn."""
         prompts = {s: self.results[s].request.prompt_ids for s in slots}  # type: ignore[union-attr]
         done = dict.fromkeys(slots, 0)
-        if self.prefix_cache is not None:
+        step, cache = self.prefill_chunk, self.prefix_cache
+        if cache is not None:
             for s in slots:
-                done[s] = self._restore_prefix(s, prompts[s])
-        step = self.prefill_chunk
-        while rows := [s for s in slots if done[s] < len(prompts[s])]:
+                cache.count_prompt(prompts[s])
+        while True:
+            if cache is not None:
+                for s in slots:
+                    done[s] += self._restore_blocks(s, prompts[s], done[s])
+            if not (rows := [s for s in slots if done[s] < len(prompts[s])]):
+                return
+            if cache is not None:
+                rows = self._distinct_blocks(rows, prompts, done)
             chunks = [prompts[s][done[s] : (done[s] // step + 1) * step] for s in rows]
             new_kv = self._causal_pass(rows, chunks, fresh=not any(done[s] for s in rows))
             self.passes["prefill"] += 1
             for r, (s, chunk) in enumerate(zip(rows, chunks, strict=True)):
-                if self.prefix_cache is not None and len(chunk) == step:
+                if cache is not None and len(chunk) == step:
                     kv = [(k[r, :, :step].clone(), v[r, :, :step].clone()) for k, v in new_kv]
-                    self.prefix_cache.insert(prompts[s], done[s] // step, kv)
+                    cache.insert(prompts[s], done[s] // step, kv)
                 done[s] += len(chunk)
 
-    def _restore_prefix(self, slot: int, prompt: list[int]) -> int:
-        """Copy the cached blocks that start `prompt` into the slot's (empty) cache row; tokens restored."""
+    def _distinct_blocks(
+        self, rows: list[int], prompts: dict[int, list[int]], done: dict[int, int]
+    ) -> list[int]:
+        """The rows to prefill this turn: all but those whose next full block an earlier row computes now."""
         assert self.prefix_cache is not None
-        blocks = self.prefix_cache.lookup(prompt)
+        step, seen, keep = self.prefill_chunk, set(), []
+        for s in rows:
+            end = done[s] + step
+            key = self.prefix_cache.keys(prompts[s][:end])[-1] if end <= len(prompts[s]) else None
+            if key is None or key not in seen:
+                keep.append(s)
+                seen.add(key)
+        return keep
+
+    def _restore_blocks(self, slot: int, prompt: list[int], start: int) -> int:
+        """Copy the cached blocks of `prompt` from position `start` (a block boundary; the row holds the
+        tokens before it) into the slot's cache row; returns the tokens restored."""
+        assert self.prefix_cache is not None
+        if start % self.prefill_chunk:
+            return 0  # the row's last, partial chunk was prefilled: nothing left to restore
+        blocks = self.prefix_cache.lookup(prompt, first=start // self.prefill_chunk)
         if not blocks:
             return 0
         n = len(blocks) * self.prefill_chunk
@@ -355,13 +381,9 @@ class BlockDiffusionRuntime:
             (torch.cat([b.kv[i][0] for b in blocks], dim=1)[None], torch.cat([b.kv[i][1] for b in blocks], dim=1)[None])
             for i in range(len(blocks[0].kv))
         ]  # fmt: skip
-        positions = torch.arange(n, device=self.device)[None]
-        self.cache.write(
-            torch.tensor([slot], device=self.device),
-            kv,
-            positions,
-            torch.ones_like(positions, dtype=torch.bool),
-        )
+        positions = torch.arange(start, start + n, device=self.device)[None]
+        valid = torch.ones_like(positions, dtype=torch.bool)
+        self.cache.write(torch.tensor([slot], device=self.device), kv, positions, valid)
         self.passes["prefix_hit"] += 1
         return n
 

@@ -35,10 +35,12 @@ def test_lookup_returns_the_longest_cached_run_from_the_start_and_counts_it():
     for i in (0, 1, 2):
         cache.insert(prompt, i, kv(i))
     assert [float(b.kv[0][0][0, 0, 0]) for b in cache.lookup(prompt)] == [0.0, 1.0, 2.0]
+    assert [float(b.kv[0][0][0, 0, 0]) for b in cache.lookup(prompt, first=1)] == [1.0, 2.0]  # the rest
     assert len(cache.lookup([*range(8), 99, 99, 99, 99])) == 2  # diverges in block 2
     assert cache.lookup([99, *range(1, 12)]) == []
-    assert (cache.stats.lookups, cache.stats.lookup_tokens, cache.stats.hit_tokens) == (3, 37, 20)
-    assert cache.stats.hit_rate == pytest.approx(20 / 37)
+    for p in (prompt, [*range(8), 99, 99, 99, 99]):
+        cache.count_prompt(p)
+    assert (cache.stats.lookups, cache.stats.lookup_tokens, cache.stats.hit_tokens) == (2, 25, 28)
 
 
 def test_a_name_never_stands_in_for_other_tokens():
@@ -111,8 +113,10 @@ def test_a_prompt_cached_whole_needs_no_prefill_and_batched_prompts_match_alone(
     assert on == off and warm.passes["prefill"] == 1
     mixed = prompts(3, 280, 20)
     _, alone = run(session, mixed, mib=0)
-    _, together = run(session, mixed, mib=64, together=True)
+    batched, together = run(session, mixed, mib=64, together=True)
     assert together == alone
+    # admitted together: one row computes the shared block, the other two copy it in on the next turn
+    assert batched.prefix_cache.stats.hit_tokens == 2 * 256 and batched.passes["prefill"] == 2
 
 
 def test_a_budget_too_small_for_a_block_only_costs_the_reuse(session):
@@ -133,8 +137,10 @@ def test_metrics_follow_the_cache_counts():
     m = Metrics(RecordingFactory())
     cache = PrefixCache(B, 1 << 20)
     cache.insert(list(range(8)), 0, kv(0))
+    cache.count_prompt(list(range(8)))
     cache.lookup(list(range(8)))
     m.record_prefix_cache(cache)
+    cache.count_prompt(list(range(8)))
     cache.lookup(list(range(8)))
     m.record_prefix_cache(cache)
     m.record_prefix_cache(cache)  # nothing new: nothing added
