@@ -167,6 +167,9 @@ def test_metrics_port_shows_our_metrics(server):
     values = metrics(server)
     assert values["dgpipe_requests_total"] >= 2 and values["dgpipe_canvases_total"] >= 1
     assert values["dgpipe_generated_tokens_total"] >= 82
+    # every prompt is looked up in the prefix cache; an 81-cell puzzle is shorter than one block: no hit
+    assert values["dgpipe_prefix_cache_lookup_tokens_total"] >= 81
+    assert values.get("dgpipe_prefix_cache_hit_tokens_total", 0.0) == 0.0
     for name in HISTOGRAMS:  # real Prometheus histograms: buckets up to +Inf, _sum and _count
         assert values[f'{name}_bucket{{le="+Inf"}}'] == values[f"{name}_count"] >= 1
         assert values[f"{name}_sum"] > 0
