@@ -54,6 +54,14 @@ TritonUrl = Annotated[
         "(the Kubernetes pod's sidecar)"
     ),
 ]
+SidecarModel = Annotated[
+    str,
+    typer.Option(
+        "--name",
+        help="with --triton-url: the served model's name (`dgpipe package --name`); its limits are read "
+        "from Triton",
+    ),
+]
 DrainTimeout = Annotated[
     float,
     typer.Option(
@@ -75,6 +83,7 @@ def serve(
     admin_key: AdminKey = None,
     image: Image = None,
     triton_url: TritonUrl = None,
+    model: SidecarModel = endpoints.MODEL_NAME,
     drain_timeout: DrainTimeout = DRAIN_TIMEOUT_S,
 ) -> None:
     """Start a real Triton server and the OpenAI-compatible API beside it, wait until ready, stop on Ctrl-C."""
@@ -83,7 +92,7 @@ def serve(
 
     notices = supervisor.Notices(show=out.line, log=lambda text: out.line(text, err=True))
     if triton_url is not None:
-        supervisor.serve_frontend(triton_url, openai_port, address, notices, api_key, drain_timeout)
+        supervisor.serve_frontend(triton_url, openai_port, address, notices, api_key, drain_timeout, model)
         return
     supervisor.check_frontend_settings(openai_port, drain_timeout)
     ports = Ports(http_port, grpc_port, metrics_port, address)

@@ -45,7 +45,7 @@ class OpenAIServing:
     def __init__(
         self,
         stream: TritonStream,
-        model: str,
+        model: str | None,
         api_key: str | None = None,
         ready: Callable[[], bool] | None = None,
         max_prompt_bytes: int = DEFAULTS.max_prompt_bytes,
@@ -57,6 +57,30 @@ class OpenAIServing:
         # the served repository's guide size limits, checked here too: an oversized guide goes no further
         self.max_guide_bytes, self.max_regex_positions = max_guide_bytes, max_regex_positions
         self.created = int(time.time())
+
+    def serve(self, name: str, max_prompt_bytes: int, max_guide_bytes: int, max_regex_positions: int) -> None:
+        """The served model, once known (a sidecar learns it from Triton after it starts): its name, for
+        the requests, the models list and the Triton requests, and its repository's limits."""
+        self.max_prompt_bytes, self.max_guide_bytes, self.max_regex_positions = (
+            max_prompt_bytes,
+            max_guide_bytes,
+            max_regex_positions,
+        )
+        backend = getattr(self.stream, "__self__", None)  # client.AsyncTriton: its requests name the model
+        if backend is not None and hasattr(backend, "model"):
+            backend.model = name
+        self.model = name
+
+    def served_model(self) -> str:
+        """The served model's name; 503 while it is not known yet (Triton loading or unreachable)."""
+        if self.model is None:
+            raise RequestError(
+                "no model is ready behind this frontend yet (Triton is loading it, or unreachable)",
+                None,
+                503,
+                "service_unavailable",
+            )
+        return self.model
 
     def authorize(self, request: Request) -> None:
         """The Bearer key check of /v1 (no key configured: open)."""
@@ -74,9 +98,10 @@ class OpenAIServing:
             )
 
     def model_card(self, name: str | None = None) -> dict[str, Any]:
-        if name is not None and name != self.model:
+        model = self.served_model()
+        if name is not None and name != model:
             raise RequestError(f"the model '{name}' does not exist", "model", 404, "model_not_found")
-        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "dgpipe"}
+        return {"id": model, "object": "model", "created": self.created, "owned_by": "dgpipe"}
 
     async def parse(self, request: Request, cls: type[OpenAIRequest]) -> OpenAIRequest:
         """The request body as the OpenAI request `cls`, every field checked; RequestError otherwise."""
@@ -101,7 +126,7 @@ class OpenAIServing:
         except ValidationError as e:
             raise RequestError(*validation_message(e)) from e
         req.check()
-        if req.model != self.model:
+        if req.model != self.served_model():
             raise RequestError(
                 f"the model '{req.model}' does not exist (this server serves '{self.model}')",
                 "model",

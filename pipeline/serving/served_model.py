@@ -57,3 +57,24 @@ def read_repository(repo: Path) -> ServedModel:
             "repackage it with `dgpipe package --name NAME`",
         )
     return ServedModel(name, {k: v.string_value for k, v in cfg.parameters.items()})
+
+
+def from_triton(grpc_url: str, name: str, timeout: float = 5.0) -> ServedModel | None:
+    """The served model `name` as a running Triton reports it (its config, parameters included), for a
+    frontend that has no repository of its own (the pod's OpenAI sidecar). Triton's model-config API stays
+    open under dgpipe's lock-down (its repository index does not, so the name must be given). None while
+    Triton is unreachable or has not loaded the model yet."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        client = grpcclient.InferenceServerClient(grpc_url.removeprefix("grpc://"))
+    except InferenceServerException:
+        return None
+    try:
+        cfg = client.get_model_config(name, as_json=True, client_timeout=timeout)["config"]
+    except InferenceServerException:
+        return None
+    finally:
+        client.close()
+    return ServedModel(name, {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()})

@@ -20,6 +20,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline import endpoints
 from pipeline.endpoints import MODEL_NAME
@@ -337,7 +338,7 @@ class OpenAIFrontend:
         port: int = endpoints.OPENAI_PORT,
         address: str = "0.0.0.0",
         api_key: str | None = None,
-        model: str = MODEL_NAME,
+        model: str | None = MODEL_NAME,
         ready=None,
         drain_timeout: float = 5.0,
         max_prompt_bytes: int = DEFAULTS.max_prompt_bytes,
@@ -357,6 +358,16 @@ class OpenAIFrontend:
         self._server = None
         self._thread = None
         self.admission = None
+        self.app = None
+
+    def serve_model(self, served: Any) -> None:
+        """Serve `served` (a ServedModel) from now on: its name and its repository's limits (the sidecar's
+        frontend starts before Triton has loaded the model, and learns both from Triton)."""
+        limits = served.limits
+        self.model, self.max_prompt_bytes = served.name, limits.max_prompt_bytes
+        self.guide_limits = (limits.max_guide_bytes, limits.max_regex_positions)
+        if self.app is not None:
+            self.app.state.openai.serve(served.name, self.max_prompt_bytes, *self.guide_limits)
 
     def start(self, timeout: float = 30.0) -> OpenAIFrontend:
         import socket
@@ -380,6 +391,7 @@ class OpenAIFrontend:
             max_prompt_bytes=self.max_prompt_bytes,
             guide_limits=self.guide_limits,
         )
+        self.app = app
         sock = socket.socket(socket.AF_INET6 if ":" in self.address else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

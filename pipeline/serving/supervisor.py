@@ -24,11 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.endpoints import OPENAI_PORT
+from pipeline.endpoints import MODEL_NAME, OPENAI_PORT
 from pipeline.errors import DgpipeError
 from pipeline.serving import lifecycle
-from pipeline.serving.served_model import ServedModel, read_repository
+from pipeline.serving.served_model import ServedModel, from_triton, read_repository
 from pipeline.serving.server import OpenAIFrontend, Ports, TritonServer
+
+SERVED_MODEL_POLL_S = 2.0  # how often a sidecar frontend asks Triton for its model until one is ready
 
 
 @dataclass(frozen=True)
@@ -224,26 +226,29 @@ def serve_frontend(
     notices: Notices,
     api_key: str | None = None,
     drain_timeout: float = lifecycle.DRAIN_TIMEOUT_S,
+    model: str = MODEL_NAME,
 ) -> None:
     """The OpenAI frontend alone in front of a Triton already running at grpc://HOST:PORT (a pod's
     sidecar), until Ctrl-C/SIGTERM (then open streams get up to `drain_timeout`); /health pings the model
-    through Triton."""
+    through Triton. It has no repository: it starts at once (its port answers while Triton loads) and reads
+    the `model`'s config from Triton once it is loaded (its limits, as `package` wrote them); 503 until then."""
     check_frontend_settings(openai_port, drain_timeout)
     if not triton_url.startswith("grpc://") or not openai_port:
         raise DgpipeError(
             f"--triton-url {triton_url} with --openai-port {openai_port}: expected grpc://HOST:PORT and a port"
         )
     stop = stop_on_signals()
-    with OpenAIFrontend(
-        triton_url,
-        openai_port,
-        address,
-        api_key=api_key,
-        ready=lambda: lifecycle.ping(triton_url).ready,
-        drain_timeout=drain_timeout,
-    ) as frontend:
+    frontend = OpenAIFrontend(triton_url, openai_port, address, api_key=api_key, model=None,
+                              drain_timeout=drain_timeout)  # fmt: skip
+    frontend.ready = lambda: frontend.model is not None and lifecycle.ping(triton_url, model).ready
+    if (served := from_triton(triton_url, model)) is not None:  # Triton up already: serve it from the start
+        frontend.serve_model(served)
+    with frontend:
         auth = "  (API key required)" if api_key else ""
         notices.show(f"ready  OpenAI {frontend.url}{auth}  ->  Triton {triton_url}")
+        if served is None:  # Triton loading or unreachable: 503 until it has the model
+            learn = (frontend, triton_url, model, stop, notices)
+            threading.Thread(target=_learn_model, args=learn, name="served-model", daemon=True).start()
         try:
             while not stop.wait(0.5) and frontend.running():
                 pass
@@ -255,3 +260,15 @@ def serve_frontend(
                     time.sleep(0.2)
         except KeyboardInterrupt:
             notices.log("stopping the OpenAI frontend ...")
+
+
+def _learn_model(
+    frontend: OpenAIFrontend, triton_url: str, model: str, stop: threading.Event, notices: Notices
+) -> None:
+    """Ask Triton for the model's config until it has loaded it (or the frontend stops), then serve it."""
+    while not stop.is_set():
+        if (served := from_triton(triton_url, model)) is not None:
+            frontend.serve_model(served)
+            notices.log(f"OpenAI frontend: serving model '{model}' of {triton_url}")
+            return
+        stop.wait(SERVED_MODEL_POLL_S)

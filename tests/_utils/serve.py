@@ -199,3 +199,37 @@ def health_probed(srv: Serve, every: float = 0.1) -> Iterator[list[int]]:
     finally:
         stop.set()
         thread.join(10)
+
+
+def frontend_only(triton_url: str, work: Path, *options: str) -> tuple[subprocess.Popen, str]:
+    """`dgpipe serve --triton-url` (the Kubernetes sidecar): the OpenAI API alone, in front of a Triton."""
+    out = work / f"frontend{free_port()}.out"
+    args = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "serve",
+        "--triton-url",
+        triton_url,
+        "--address",
+        "127.0.0.1",
+        *options,
+    ]
+    env = without_api_key() | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with open(out, "wb") as o:
+        proc = subprocess.Popen(
+            [*args, f"--openai-port={free_port()}"], stdout=o, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+        )
+    for _ in range(120):
+        lines = [ln for ln in out.read_text().splitlines() if ln.startswith("ready  OpenAI ")]
+        if lines:
+            return proc, lines[0].split()[2]
+        assert proc.poll() is None, out.read_text()
+        time.sleep(0.25)
+    proc.kill()
+    raise AssertionError("frontend not ready")
+
+
+def without_api_key() -> dict[str, str]:
+    """This environment less DGPIPE_API_KEY: a client that has not been given the key."""
+    return {k: v for k, v in os.environ.items() if k != "DGPIPE_API_KEY"}

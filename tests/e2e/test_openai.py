@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -21,7 +17,7 @@ from pipeline.demo import sudoku
 from pipeline.limits import Limits
 from pipeline.serving.server import tritonserver_binary
 from tests._utils.cli import ROOT, dgpipe
-from tests._utils.serve import README_PUZZLE, free_port, start_serve
+from tests._utils.serve import README_PUZZLE, free_port, frontend_only, start_serve, without_api_key
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -142,39 +138,6 @@ def test_dgpipe_generate_against_the_openai_port_uses_the_api_key(served):
     assert chat.returncode == 0 and sudoku.is_valid_solution(PUZZLE, chat.stdout.strip()), chat.stderr
     denied = run(PUZZLE, key=None)
     assert denied.returncode == 2 and "401" in denied.stderr and "DGPIPE_API_KEY" in denied.stderr
-
-
-def frontend_only(triton_url: str, work: Path) -> tuple[subprocess.Popen, str]:
-    """`dgpipe serve --triton-url` (the Kubernetes sidecar): the OpenAI API alone, in front of a Triton."""
-    out = work / f"frontend{free_port()}.out"
-    args = [
-        sys.executable,
-        "-m",
-        "pipeline.cli",
-        "serve",
-        "--triton-url",
-        triton_url,
-        "--address",
-        "127.0.0.1",
-    ]
-    env = without_api_key() | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    with open(out, "wb") as o:
-        proc = subprocess.Popen(
-            [*args, f"--openai-port={free_port()}"], stdout=o, stderr=subprocess.STDOUT, env=env, cwd=ROOT
-        )
-    for _ in range(120):
-        lines = [ln for ln in out.read_text().splitlines() if ln.startswith("ready  OpenAI ")]
-        if lines:
-            return proc, lines[0].split()[2]
-        assert proc.poll() is None, out.read_text()
-        time.sleep(0.25)
-    proc.kill()
-    raise AssertionError("frontend not ready")
-
-
-def without_api_key() -> dict[str, str]:
-    """This environment less DGPIPE_API_KEY: a client that has not been given the key."""
-    return {k: v for k, v in os.environ.items() if k != "DGPIPE_API_KEY"}
 
 
 def get_status(url: str) -> int:

@@ -12,7 +12,7 @@ import pytest
 from pipeline.demo import sudoku
 from pipeline.serving.server import tritonserver_binary
 from tests._utils.cli import dgpipe
-from tests._utils.serve import README_PUZZLE, start_serve
+from tests._utils.serve import README_PUZZLE, frontend_only, start_serve
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -61,6 +61,33 @@ def test_the_repository_name_is_served_and_the_server_stays_up(served, client):
         assert r.status == 200
     again = client.completions.create(model=NAME, prompt=README_PUZZLE, max_tokens=82, seed=0)
     assert again.choices[0].text == resp.choices[0].text
+
+
+def test_the_sidecar_frontend_serves_the_name_it_is_given_with_the_limits_triton_reports(served, tmp_path):
+    """`dgpipe serve --triton-url --name NAME` (the pod's OpenAI sidecar) has no repository: it reads the
+    model's config from Triton (the prompt cap the repository was packaged with) once Triton has it."""
+    grpc = next(w for w in served.stdout.read_text().split() if w.startswith("grpc://"))
+    proc, url = frontend_only(grpc, tmp_path, "--name", NAME)
+    try:
+        sidecar = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        for _ in range(60):  # it asks Triton right after it starts
+            try:
+                names = [m.id for m in sidecar.models.list()]
+                break
+            except openai.APIStatusError as e:
+                assert e.status_code == 503, e
+                time.sleep(0.25)
+        assert names == [NAME]
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=10) as r:
+            assert r.status == 200
+        resp = sidecar.completions.create(model=NAME, prompt=README_PUZZLE, max_tokens=82, seed=0)
+        assert sudoku.is_valid_solution(README_PUZZLE, resp.choices[0].text)
+        with pytest.raises(openai.BadRequestError) as e:
+            sidecar.completions.create(model=NAME, prompt=README_PUZZLE + " " * PROMPT_BYTES, max_tokens=82)
+        assert f"limit of {PROMPT_BYTES} bytes" in e.value.body["message"]
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
 
 
 def test_the_frontend_takes_the_repository_prompt_cap(client):

@@ -330,6 +330,19 @@ def test_nan_and_infinity_are_refused_naming_the_field_and_other_content_types_a
     assert c.post("/v1/completions", content=json_body, headers=ok).status_code == 200
 
 
+def test_a_sidecar_answers_503_until_it_knows_its_model_then_serves_it_with_its_limits():
+    """`dgpipe serve --triton-url` starts before Triton has the model: 503 (OpenAI's schema) until the
+    supervisor hands it the model's name and the limits Triton reports, then those apply."""
+    c, fake = client(model=None)
+    assert_error(c.post("/v1/completions", json=TEXT), 503, None, "service_unavailable", "no model is ready")
+    assert_error(c.get("/v1/models"), 503, None, "service_unavailable")
+    c.app.state.openai.serve("tiny-chat", 100, 1000, 100)
+    assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny-chat"]
+    assert c.post("/v1/completions", json={**TEXT, "model": "tiny-chat"}).status_code == 200 and fake.calls
+    too_big = {"model": "tiny-chat", "prompt": "x" * 101}
+    assert_error(c.post("/v1/completions", json=too_big), 400, "prompt", contains="limit of 100 bytes")
+
+
 def test_missing_model_and_unknown_model():
     c, _ = client()
     assert_error(c.post("/v1/completions", json={"prompt": "x"}), 400, "model", contains="required")
