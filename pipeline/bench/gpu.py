@@ -294,9 +294,7 @@ def quantize_random(model, fmt: str) -> str:
         if exp:
             e, two_i, d = layer.experts.gate_up_proj.shape
             mk = lambda n, k, e=e: [random_packed(fmt, n, k, dev, gen) for _ in range(e)]
-            layer.experts = ScaledExperts(
-                mk(two_i // 2, d), mk(two_i // 2, d), mk(d, two_i // 2), exp, dev, torch.bfloat16
-            )
+            layer.experts = ScaledExperts(mk(two_i // 2, d), mk(two_i // 2, d), mk(d, two_i // 2), exp, dev)
         torch.cuda.empty_cache()
     return f"{row.linears} / {row.experts}"
 

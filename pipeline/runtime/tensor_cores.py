@@ -124,7 +124,8 @@ def _stack(ps: list[PackedLinear], attr: str) -> torch.Tensor:
 class ScaledExperts(nn.Module):
     """A layer's routed experts on `F.scaled_grouped_mm`: slots sorted by expert (device-side offsets),
     one grouped GEMM for gate|up and one for down. `mode` as in `ScaledLinear` ("fp8" is RowWise here: the
-    grouped FP8 kernel takes per-row scales, so each expert's per-tensor weight scale fills its rows)."""
+    grouped FP8 kernel takes per-row scales, so each expert's per-tensor weight scale fills its rows). The
+    output has the input's dtype (the grouped kernels compute in bf16: `scaled_experts`)."""
 
     graph_safe = True
 
@@ -135,10 +136,9 @@ class ScaledExperts(nn.Module):
         down: list[PackedLinear],
         mode: str,
         device: torch.device,
-        out_dtype: torch.dtype,
     ):
         super().__init__()
-        self.mode, self.out_dtype, self.num_experts = mode, out_dtype, len(gate)
+        self.mode, self.num_experts = mode, len(gate)
         # ModelOpt shares one input quantizer per projection across a layer's experts (max over experts)
         self.register_buffer(
             "in_scale", torch.stack([p.input_scale.reshape(()) for p in gate + up]).max().to(device)
@@ -377,7 +377,7 @@ def probe(device: torch.device | str = "cuda") -> Probe:
                 ScaledLinear(_tiny_packed(fmt), mode, dev, torch.bfloat16)(x)
             else:
                 ps = [_tiny_packed(fmt) for _ in range(4)]
-                ScaledExperts(ps, ps, ps, mode, dev, torch.bfloat16)(x[:20], index, wts)
+                ScaledExperts(ps, ps, ps, mode, dev)(x[:20], index, wts)
             torch.cuda.synchronize(dev)
             p.results[name] = None
         except (RuntimeError, NotImplementedError, ValueError, TypeError, DgpipeError) as e:
@@ -454,7 +454,7 @@ def install_from_checkpoint(
                 continue
             layer = model.get_submodule(prefix.rpartition(".")[0])
             layer.experts = ScaledExperts([e["gate_proj"] for e in ps], [e["up_proj"] for e in ps],
-                                          [e["down_proj"] for e in ps], exp_mode, dev, dtype)  # fmt: skip
+                                          [e["down_proj"] for e in ps], exp_mode, dev)  # fmt: skip
             res.experts += 1
     if row.fallback:
         res.fallbacks.append(f"{row.fallback}: {row.note}")

@@ -76,7 +76,7 @@ def test_scaled_experts_equal_fake_quant_experts(probed, mode):
     gate, up, down = (
         [_packed(fmt, n, k, gen) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
     )
-    m = tc.ScaledExperts(gate, up, down, mode, CUDA, torch.float32)
+    m = tc.ScaledExperts(gate, up, down, mode, CUDA)
     x = torch.randn(t, d, generator=gen)
     index = torch.randint(0, e - 2, (t, 2), generator=gen)  # the last two experts get no token
     weights = torch.rand(t, 2, generator=gen)

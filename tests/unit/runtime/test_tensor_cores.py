@@ -79,7 +79,7 @@ def test_scaled_experts_fp8_is_the_fake_quant_expert_loop(monkeypatch):
     gate, up, down = (
         [_packed("fp8", n, k) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
     )
-    m = tc.ScaledExperts(gate, up, down, "fp8", CPU, torch.float32)
+    m = tc.ScaledExperts(gate, up, down, "fp8", CPU)
     x = torch.randn(t, d, generator=GEN)
     index = torch.randint(0, e - 1, (t, 2), generator=GEN)  # the last expert gets no token
     weights = torch.rand(t, 2, generator=GEN)
@@ -150,6 +150,6 @@ def test_graph_safe_tells_the_truth_for_every_weight_format(ckpts):
                 [packed[f"layers.{i}.experts.{e}.{p}"] for e in range(n)]
                 for p in ("gate_proj", "up_proj", "down_proj")
             ]
-            layer.experts = tc.ScaledExperts(*per, mode, CPU, torch.float32)
+            layer.experts = tc.ScaledExperts(*per, mode, CPU)
         assert experts_graph_safe(model), fmt  # tensor-core experts keep routing on the device
     assert not TorchBackend(plain).graph_safe  # on the CPU: no fused sampler, nothing to capture
