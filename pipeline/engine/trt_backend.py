@@ -220,6 +220,7 @@ class TensorRTBackend:
         masks: Masks,
         past: KV,
         sampler: SamplerInputs,
+        need_soft: bool = True,  # the graph computes the self-conditioning input either way
     ) -> DenoiseResult:
         b, q = canvas.shape
         sc = denoise_sc(sc_soft, b, q, self.hidden, self.dtype, self.device)

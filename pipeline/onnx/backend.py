@@ -155,6 +155,7 @@ class OnnxRuntimeBackend:
         masks: Masks,
         past: KV,
         sampler: SamplerInputs,
+        need_soft: bool = True,  # the graph computes the self-conditioning input either way
     ) -> DenoiseResult:
         out = self.denoise_outputs(canvas, sc_soft, positions, masks, past, sampler)
         if sampler.allowed is not None:

@@ -62,7 +62,8 @@ class DenoiseResult:
     # [B, L, hidden] in the backend dtype: softmax(z) @ E * sqrt(d), the next step's self-conditioning
     # input. Computed right after sampling so the runtime keeps hidden, not vocab, values per position
     # (at the 26B's sizes 256 x 2816 bf16 = 1.4 MB per sequence instead of 256 x 262144 = 134 MB).
-    soft: torch.Tensor | None = None  # None only inside sample_logits, before its caller fills it
+    # None inside sample_logits before its caller fills it, and when the caller said no step reads it
+    soft: torch.Tensor | None = None
 
 
 class ModelBackend(Protocol):
@@ -80,6 +81,7 @@ class ModelBackend(Protocol):
         masks: Masks,
         past: KV,
         sampler: SamplerInputs,
+        need_soft: bool = True,  # False: no later step reads this one's self-conditioning input
     ) -> DenoiseResult: ...
 
 
@@ -123,7 +125,11 @@ class TorchBackend:
         masks: Masks,
         past: KV,
         sampler: SamplerInputs,
+        need_soft: bool = True,
     ) -> DenoiseResult:
+        """One denoise pass and its sampling step. `need_soft=False` (every row's canvas ends with this
+        pass) skips the next step's self-conditioning input, a [B*L, V] x [V, hidden] product as large as
+        the LM head's: nothing would read it."""
         logits = self.model.denoise_soft(canvas, sc_soft, positions, masks, past)
         rows, vocab = logits.shape[0] * logits.shape[1], logits.shape[2]
         if self.cpu_fused and (self._probs is None or self._probs.shape != (rows, vocab)):
@@ -131,7 +137,8 @@ class TorchBackend:
         res = sample_logits(
             logits, sampler, self.draws, cuda=self.fused, cpu_fused=self.cpu_fused, probs_out=self._probs
         )
-        res.soft = self.model.soft_embedding(conditioning_probs(logits, sampler, res.step))
+        if need_soft:
+            res.soft = self.model.soft_embedding(conditioning_probs(logits, sampler, res.step))
         return res
 
 

@@ -483,10 +483,12 @@ class BlockDiffusionRuntime:
             allowed=self._guide_masks(rnd),
         )
         stepped = self.backend.denoise_step(
-            self.x[slots], self._sc_input(rnd), rnd.positions, rnd.masks, rnd.past, sampler
-        )
+            self.x[slots], self._sc_input(rnd), rnd.positions, rnd.masks, rnd.past, sampler,
+            need_soft=not self._last_pass(slots, live),
+        )  # fmt: skip
         out, row = stepped.step, live[:, None]
-        self.sc[slots] = stepped.soft.to(self.dtype)  # a frozen row's is never read: its canvas is over
+        if stepped.soft is not None:  # a frozen row's is never read: its canvas is over
+            self.sc[slots] = stepped.soft.to(self.dtype)
         if sampler.allowed is not None:
             self._keep_guide_probs(rnd, out.probs, live)
         if rnd.logprob_rows is not None:
@@ -499,6 +501,14 @@ class BlockDiffusionRuntime:
         self.step_idx[slots] += live.long()
         self.done[slots] |= live & (stepped.stop | (self.step_idx[slots] >= self.n_steps[slots]))
         return out.kept
+
+    def _last_pass(self, slots: torch.Tensor, live: torch.Tensor) -> bool:
+        """Every live row reaches its step limit with this pass, so no later pass reads its self-conditioning
+        input. Known only by reading the step counters, which is free on the CPU; elsewhere the step stays
+        free of host reads (a CUDA graph replays it) and always computes the input."""
+        if self.device.type != "cpu":
+            return False
+        return not bool((live & (self.step_idx[slots] + 1 < self.n_steps[slots])).any())
 
     def _keep_guide_probs(self, rnd: DenoiseRound, probs: torch.Tensor, live: torch.Tensor) -> None:
         for i, slot in enumerate(rnd.slot_list):

@@ -736,7 +736,7 @@ class _FeedsOnOrt:
         feeds = engine_feeds("causal", tc, self.dtype, "cpu", tokens, positions, masks, past, sc, None)
         return kv_from_outputs(self._run(feeds), len(tc.layer_types))
 
-    def denoise_step(self, canvas, sc_soft, positions, masks, past, sampler):
+    def denoise_step(self, canvas, sc_soft, positions, masks, past, sampler, need_soft=True):
         from pipeline.engine.feeds import denoise_result, denoise_sc, engine_feeds
 
         b, q = canvas.shape

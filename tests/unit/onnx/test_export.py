@@ -283,7 +283,7 @@ class ShadowBackend:
             self._check(f"{kind} layer {layer} V", v, vo, v64)
         return kv
 
-    def denoise_step(self, canvas, sc_soft, positions, masks, past, sampler):
+    def denoise_step(self, canvas, sc_soft, positions, masks, past, sampler, need_soft=True):
         logits = self.model.denoise_soft(canvas, sc_soft, positions, masks, past)
         got = self.ort.denoise_outputs(canvas, sc_soft, positions, masks, past, sampler)
         logits64 = self.model64.denoise_soft(canvas, _f64(sc_soft), positions, masks, _f64(past))

@@ -144,11 +144,11 @@ class RecordingBackend(TorchBackend):
         super().__init__(model)
         self.zeros, self.calls = zeros, []
 
-    def denoise_step(self, canvas, sc_soft, positions, masks, past, sampler):
+    def denoise_step(self, canvas, sc_soft, positions, masks, past, sampler, need_soft=True):
         self.calls.append(None if sc_soft is None else bool(sc_soft.abs().sum(dim=(1, 2)).gt(0).all()))
         if sc_soft is None and self.zeros:
             sc_soft = torch.zeros(*canvas.shape, self.config.text_config.hidden_size, dtype=self.dtype)
-        return super().denoise_step(canvas, sc_soft, positions, masks, past, sampler)
+        return super().denoise_step(canvas, sc_soft, positions, masks, past, sampler, need_soft)
 
 
 def test_first_step_passes_no_self_conditioning_signal():
@@ -204,6 +204,46 @@ def test_self_conditioning_state_is_hidden_wide_in_the_model_dtype():
     fixed = SamplerConfig(max_denoising_steps=3, confidence_threshold=0.0)
     rt.generate([Request(prompt_ids=[2, 5, 6], max_tokens=cfg.canvas_length, sampler=fixed)])
     assert len(seen) == 3
-    for probs, soft in seen:
+    assert [soft is None for _, soft in seen] == [False, False, True]  # the canvas's last pass: none read
+    for probs, soft in seen[:2]:
         assert torch.equal(soft, model.soft_embedding(probs))
-    assert torch.equal(rt.sc[0], seen[-1][1][0])
+    assert torch.equal(rt.sc[0], seen[1][1][0])
+
+
+class AlwaysSoftBackend(TorchBackend):
+    """The PyTorch backend told to compute the self-conditioning input on every pass, and counting the
+    passes that were told it is not needed."""
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.skipped = 0
+
+    def denoise_step(self, *args, need_soft=True, **kwargs):
+        self.skipped += not need_soft
+        return super().denoise_step(*args, need_soft=True, **kwargs)
+
+
+def test_a_canvas_last_pass_skips_the_self_conditioning_input_and_no_token_changes():
+    """Rows with different step limits share passes: the input is skipped only on a pass after which no
+    row steps again, and the tokens are those of a runtime that computes it on every pass."""
+    model = build_tiny()
+    no_end(model)
+    reqs = lambda: [
+        Request([2, 5, 6], max_tokens=2 * model.config.canvas_length, seed=1,
+                sampler=SamplerConfig(max_denoising_steps=3, confidence_threshold=0.0)),
+        Request([2, 7], max_tokens=model.config.canvas_length, seed=2,
+                sampler=SamplerConfig(max_denoising_steps=2, confidence_threshold=0.0)),
+    ]  # fmt: skip
+    rt = BlockDiffusionRuntime(model, max_batch=2, max_len=64)
+    calls = []
+    step = rt.backend.denoise_step
+    rt.backend.denoise_step = lambda *a, need_soft=True, **k: (
+        calls.append(need_soft) or step(*a, need_soft=need_soft, **k)
+    )
+    got = rt.generate(reqs())
+    # canvas 1: passes 1-2 hold both rows (row 2 ends at 2), pass 3 ends row 1; canvas 2: row 1 alone, 3 passes
+    assert calls == [True, True, False, True, True, False]
+    always = AlwaysSoftBackend(model)
+    want = BlockDiffusionRuntime(always, max_batch=2, max_len=64).generate(reqs())
+    assert always.skipped == 2
+    assert [r.tokens for r in got] == [r.tokens for r in want]
