@@ -87,6 +87,9 @@ class BuildManifest(BaseModel):
     stages: dict[str, StageRecord] = Field(default_factory=dict)
     # the deploy smoke test for this model (pipeline.deploy.smoke.SmokeTest as a dict): set by `dgpipe build`
     smoke: dict[str, Any] | None = None
+    # the served model's name (`dgpipe build --name`): its directory in the repository, the name clients
+    # send, and what the pods are told (`dgpipe manifests`); checked where it is set
+    model_name: str = MODEL_NAME
 
     def path_of(self, build_dir: Path, artifact: str) -> Path:
         """Absolute path of an artifact: what a stage recorded, else the default layout."""

@@ -36,6 +36,7 @@ from pipeline.builddir import (
     load_or_create,
     save_manifest,
 )
+from pipeline.endpoints import MODEL_NAME, check_model_name
 from pipeline.errors import DgpipeError
 from pipeline.limits import Limits
 from pipeline.stages import StageResult
@@ -52,6 +53,7 @@ class BuildOptions:
     model: Path
     precision: str
     build_dir: Path
+    name: str = MODEL_NAME  # the served model's name (BuildManifest.model_name)
     targets: list[str] = field(default_factory=list)  # empty: every default target that runs `precision`
     calib_size: int = CALIB_SIZE
     calib_data: Path | None = None
@@ -90,6 +92,7 @@ def run_build(opts: BuildOptions, emit: Emit) -> dict:
 
     if opts.limits.max_context <= opts.limits.max_prompt:
         raise DgpipeError("--max-context must be > --max-prompt")
+    check_model_name(opts.name)
     targets = resolve_targets(opts.precision, opts.targets)
     # a missing, broken or hostile checkpoint fails before any stage runs or anything is written; the
     # one pass over its weights also gives the content hash, and the quantize stage takes this value
@@ -104,7 +107,7 @@ def run_build(opts: BuildOptions, emit: Emit) -> dict:
         targets=targets,
         model_sha256=source.sha256,
     )
-    man.model, man.model_sha256 = str(opts.model), source.sha256
+    man.model, man.model_sha256, man.model_name = str(opts.model), source.sha256, opts.name
     man.smoke = smoke_test_for(source).as_dict()  # what `dgpipe manifests` renders into the smoke Job
     save_manifest(build_dir, man)
     validated = time.monotonic() - started
@@ -183,10 +186,14 @@ def _stage_inputs(stage: str, opts: BuildOptions, source: ValidatedCheckpoint, t
             "calib_size": opts.calib_size,
             "calib_data": resume.file_digest(opts.calib_data),
         }
+    # a name other than the default is an input of the engine stage (the node's command writes into the
+    # named model's version dir) and of the package stage; the default adds nothing, so builds made before
+    # the name was an option keep their fingerprints
+    named = {"name": opts.name} if opts.name != MODEL_NAME else {}
     if stage == "engine":
-        return {"targets": targets, "limits": opts.limits.engine_values()}
+        return {"targets": targets, "limits": opts.limits.engine_values(), **named}
     if stage == "package":
-        return {"limits": opts.limits.model_dump()}
+        return {"limits": opts.limits.model_dump(), **named}
     return {}
 
 

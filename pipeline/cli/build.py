@@ -9,6 +9,7 @@ import typer
 
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
+from pipeline.endpoints import MODEL_NAME
 
 app = opt.typer_app()
 
@@ -20,6 +21,7 @@ def build(
     model: opt.Model = None,
     adapter: opt.Adapter = None,
     precision: Annotated[str, typer.Option(help="nvfp4, fp8, int4_awq or bf16")] = "nvfp4",
+    name: opt.ModelName = MODEL_NAME,
     target: Annotated[
         list[str] | None,
         typer.Option(help="GPU target (sm90, sm100, sm120; repeatable); default: all that run the precision"),
@@ -71,7 +73,9 @@ def build(
         out_dir,
         as_json,
         verbose,
-        lambda view: _run(view, out_dir, model, adapter, precision, target, calib_size, calib_data, limits),
+        lambda view: _run(
+            view, out_dir, model, adapter, precision, name, target, calib_size, calib_data, limits
+        ),
     )
 
 
@@ -105,7 +109,7 @@ def _watched(out_dir: Path, as_json: bool, verbose: bool, run) -> None:
             out.line(text)
 
 
-def _run(view, build_dir, model, adapter, precision, target, calib_size, calib_data, limits) -> None:
+def _run(view, build_dir, model, adapter, precision, name, target, calib_size, calib_data, limits) -> None:
     from pipeline.build import BuildOptions, run_build
     from pipeline.resources import EMBEDDED_MODEL  # not runtime.session: torch would delay the first line
 
@@ -113,6 +117,7 @@ def _run(view, build_dir, model, adapter, precision, target, calib_size, calib_d
         # a missing one is refused by the build's first check
         model=opt.model_dir(model, adapter) or EMBEDDED_MODEL,
         precision=precision,
+        name=name,
         build_dir=build_dir,
         targets=[t for item in target or [] for t in item.split(",") if t],
         calib_size=calib_size,

@@ -30,7 +30,9 @@ def probe(
         str, typer.Option(help="Triton: http://HOST:PORT or grpc://HOST:PORT")
     ] = endpoints.LOCAL_HTTP_URL,
     live: Annotated[bool, typer.Option("--live", help="liveness: a draining server counts as alive")] = False,
-    model: Annotated[str, typer.Option(help="model name")] = MODEL_NAME,
+    model: Annotated[
+        str, typer.Option(help="the served model's name", envvar=endpoints.MODEL_NAME_ENV)
+    ] = MODEL_NAME,
     timeout: Annotated[float, typer.Option(help="seconds the model has to answer")] = 5.0,
     as_json: opt.Json = False,
 ) -> None:

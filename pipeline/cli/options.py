@@ -33,6 +33,13 @@ Adapter = Annotated[
 Device = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")]
 Dtype = Annotated[str, typer.Option(help="float32, bfloat16, float16 or auto (bf16 on GPU, fp32 on CPU)")]
 Json = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+ModelName = Annotated[
+    str,
+    typer.Option(
+        "--name",
+        help="the served model's name: its directory in the Triton repository and what clients send",
+    ),
+]
 Compile = Annotated[
     bool,
     typer.Option(

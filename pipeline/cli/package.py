@@ -19,7 +19,6 @@ Output = Annotated[
     Path | None,
     opt.output("model repository to write (replaced atomically); " + opt.in_cache("model_repository")),
 ]
-Name = Annotated[str, typer.Option(help="model name in the repository")]
 Engines = Annotated[
     Path | None, typer.Option(help="TensorRT engines dir (<target>/model.plan + engine.json) to ship")
 ]
@@ -36,7 +35,7 @@ def package(
     model: opt.Model = None,
     adapter: opt.Adapter = None,
     output: Output = None,
-    name: Name = MODEL_NAME,
+    name: opt.ModelName = MODEL_NAME,
     max_batch: opt.MaxBatch = None,
     max_tokens: opt.MaxTokens = None,
     max_prompt: opt.MaxPrompt = None,
@@ -70,8 +69,9 @@ def package(
             or name != MODEL_NAME
         ):
             raise DgpipeError(
-                "--build-dir packages the build's own checkpoint and engines under its layout",
-                "drop --model/--adapter/--output/--engines/--name, or drop --build-dir",
+                "--build-dir packages the build's own checkpoint and engines under its layout and name",
+                "drop --model/--adapter/--output/--engines/--name (a build takes its name from "
+                "`dgpipe build --name`), or drop --build-dir",
             )
         out.stage(package_stage(build_dir, given, device=device, compile=compile), as_json=False)
         return

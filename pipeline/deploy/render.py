@@ -36,6 +36,7 @@ from pipeline.deploy.kubectl import kubectl_binary
 from pipeline.deploy.smoke import COMMAND as SMOKE_COMMAND
 from pipeline.deploy.smoke import DEFAULT_SMOKE, SmokeTest
 from pipeline.deploy.targets import DeployTarget, deploy_target
+from pipeline.endpoints import MODEL_NAME, MODEL_NAME_ENV, check_model_name
 from pipeline.errors import DgpipeError, validation_error
 from pipeline.limits import Limits
 from pipeline.onnx.contract import MODEL_FILE as ONNX_FILE
@@ -174,6 +175,10 @@ class RenderValues:
     config: dict[str, str] = field(default_factory=dict)
 
     @property
+    def model_name(self) -> str:
+        return self.config[MODEL_NAME_ENV]
+
+    @property
     def workload_kind(self) -> WorkloadKind:
         return WorkloadKind.LEADER_WORKER_SET if self.lws_size else WorkloadKind.DEPLOYMENT
 
@@ -197,11 +202,14 @@ def _engine_limits(manifest: BuildManifest | None, gpu_target: str) -> Limits:
 def pod_config(
     manifest: BuildManifest | None, build_dir: Path | None, gpu_target: str, precision: str
 ) -> dict[str, str]:
-    """The dgpipe-config values the pods read: paths on the PVC, engine limits, GPU target and precision.
+    """The dgpipe-config values the pods read: the served model's name, paths on the PVC, engine limits, GPU
+    target and precision.
     The k8s base carries these values for the defaults (a test holds it to this function)."""
-    version_dir = model_version_dir(_pvc_path(manifest, build_dir, "model_repository"))
+    name = MODEL_NAME if manifest is None else check_model_name(manifest.model_name, "the build's model_name")
+    version_dir = model_version_dir(_pvc_path(manifest, build_dir, "model_repository"), name)
     limits = _engine_limits(manifest, gpu_target)
     return {
+        MODEL_NAME_ENV: name,  # the served name: the probes, the OpenAI API and the smoke Job use it
         "DGPIPE_BUILD_DIR": PVC_BUILD_DIR,
         "DGPIPE_MODEL_REPOSITORY": str(_pvc_path(manifest, build_dir, "model_repository")),
         "DGPIPE_ONNX": str(_pvc_path(manifest, build_dir, "onnx") / ONNX_FILE),
@@ -401,7 +409,7 @@ def smoke_kustomization(values: RenderValues) -> dict[str, Any]:
     container = "/spec/template/spec/containers/0"
     patch = [
         {"op": "replace", "path": f"{container}/command", "value": SMOKE_COMMAND},
-        {"op": "replace", "path": f"{container}/args", "value": values.smoke.args()},
+        {"op": "replace", "path": f"{container}/args", "value": values.smoke.args(model=values.model_name)},
     ]
     return _side_kustomization(
         values, "smoke", [{"target": {"kind": "Job", "name": "dgpipe-smoke"}, "patch": yaml.safe_dump(patch)}]

@@ -22,7 +22,7 @@ import unicodedata
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pipeline.endpoints import OPENAI_PORT
+from pipeline.endpoints import MODEL_NAME, OPENAI_PORT
 from pipeline.errors import DgpipeError
 
 # the Service's OpenAI port (k8s/base/service.yaml), in-namespace
@@ -64,12 +64,14 @@ class SmokeTest:
     def with_prompt(self, prompt: str) -> SmokeTest:
         return SmokeTest(self.prompt_format, prompt, self.max_tokens, self.check)
 
-    def args(self, url: str = SERVICE_URL) -> list[str]:
+    def args(self, url: str = SERVICE_URL, model: str = MODEL_NAME) -> list[str]:
         """The smoke Job container's args. The kubelet expands $(VAR) in args and reads $$ as $, so every
         $ of the prompt is doubled: the process receives the prompt exactly as recorded."""
         return [
             "--url",
             url,
+            "--model",
+            model,
             "--format",
             self.prompt_format,
             "--max-tokens",
@@ -126,7 +128,9 @@ def check_answer(prompt_format: str, prompt: str, text: str) -> str | None:
     return (getattr(factory, "check_answer", None) or TextFormat.check_answer)(prompt, text)
 
 
-def run_smoke(url: str, prompt_format: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+def run_smoke(
+    url: str, prompt_format: str, prompt: str, max_tokens: int, model: str = MODEL_NAME
+) -> dict[str, Any]:
     """Send the prompt, check the answer; a refused request is a failed check, not an exception."""
     import os
 
@@ -137,7 +141,7 @@ def run_smoke(url: str, prompt_format: str, prompt: str, max_tokens: int) -> dic
     else:  # Triton's own endpoints echo the prompt unless told not to
         via = {"exclude_input_in_output": True}
     try:
-        answer = complete(url, prompt, max_tokens=max_tokens, **via).text
+        answer = complete(url, prompt, max_tokens=max_tokens, model=model, **via).text
     except DgpipeError as e:
         return {"ok": False, "prompt_format": prompt_format, "answer": None, "problem": str(e)}
     problem = check_answer(prompt_format, prompt, answer)
@@ -149,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", required=True)
     p.add_argument("--format", required=True, dest="prompt_format")
     p.add_argument("--max-tokens", type=int, required=True)
+    p.add_argument("--model", default=MODEL_NAME, help="the served model's name")
     p.add_argument("prompt")
     a = p.parse_args(argv)
-    result = run_smoke(a.url, a.prompt_format, a.prompt, a.max_tokens)
+    result = run_smoke(a.url, a.prompt_format, a.prompt, a.max_tokens, a.model)
     print(json.dumps(result), flush=True)
     return 0 if result["ok"] else 1
 

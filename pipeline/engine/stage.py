@@ -70,7 +70,7 @@ def engine_stage(
         # on the node the plan goes straight into the served model's version dir, where the Triton model
         # looks for engines/<target> (a local build lands in engines/ and `package` copies it there);
         # paths are relative to the build dir, which the node mounts as its workdir
-        version_dir = model_version_dir(build_dir / LAYOUT["model_repository"])
+        version_dir = model_version_dir(build_dir / LAYOUT["model_repository"], manifest.model_name)
         node_plan = dataclasses.replace(plan, engine_dir=target_engine_dir(version_dir, t.name))
         command = _relative_command(node_plan.command(), build_dir)
         missing = missing_for_local_build(t)

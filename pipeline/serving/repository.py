@@ -22,6 +22,7 @@ from pipeline.builddir import (
     record_stage,
     target_engine_dir,
 )
+from pipeline.endpoints import check_model_name
 from pipeline.errors import DgpipeError
 from pipeline.limits import Limits, flag
 from pipeline.model.files import checkpoint_files
@@ -95,6 +96,7 @@ def package(
     The prompt limit written is at most what the model's positions hold with one canvas after the prompt."""
     from google.protobuf import text_format
 
+    check_model_name(name)
     limits = limits or Limits()
     # refuse a broken checkpoint (or generation defaults past the caps) before writing anything
     ckpt = validate_checkpoint(model, weights=True, limits=limits)
@@ -153,7 +155,8 @@ def package_stage(
     from pipeline.engine.stage import recorded_limits
 
     build_dir = Path(build_dir)
-    recorded = recorded_limits(load_manifest(build_dir))
+    manifest = load_manifest(build_dir)
+    recorded = recorded_limits(manifest)
     limits = recorded.merged(**(overrides or {}))
     checkpoint = build_dir / LAYOUT["checkpoint"]
     engines = build_dir / LAYOUT["engines"]
@@ -161,6 +164,7 @@ def package_stage(
     repo = package(
         checkpoint,
         build_dir / LAYOUT["model_repository"],
+        name=manifest.model_name,
         limits=limits,
         engine_limits=recorded,
         engines=built,
@@ -174,13 +178,14 @@ def package_stage(
         inputs={"checkpoint": checkpoint, **({"engines": built} if built else {})},
         details={
             "engines": built is not None,
+            "model_name": manifest.model_name,
             "limits": limits.model_dump(),
             "device": device,
             "compile": compile,
         },
     )
     where = "with the engines built here" if built else "engines are added on the target node"
-    line = f"model repository: {repo} (model '{MODEL_NAME}'; {where})"
+    line = f"model repository: {repo} (model '{manifest.model_name}'; {where})"
     details = {"model_repository": str(repo), "engines": built is not None}
     return StageResult("package", {"model_repository": repo}, time.perf_counter() - start, [line], details)
 

@@ -105,6 +105,7 @@ def test_fp8_build_writes_every_stage_and_defers_the_engine(build):
         (["--precision", "fp6"], "unknown precision 'fp6'"),
         (["--precision", "fp8", "--target", "sm75"], "unknown GPU target 'sm75'"),
         (["--precision", "fp8", "--model", "/nonexistent"], "no such checkpoint directory"),
+        (["--precision", "fp8", "--name", "../chat"], "'../chat' is not a valid model name"),
     ],
 )
 def test_bad_input_is_refused_before_anything_is_written(tmp_path: Path, args, message):
@@ -163,3 +164,22 @@ def test_the_console_shows_the_stages_and_the_summary_and_no_third_party_line(bu
     log = (build["dir"] / "build.log").read_text()
     assert "Tied weight (declared)" in log  # ModelOpt's export lines went to the log, not the console
     assert "Tied weight" not in proc.stdout + proc.stderr and "Warning" not in proc.stdout + proc.stderr
+
+
+def test_a_named_build_serves_under_its_name_and_keeps_the_quantized_stages(build, tmp_path):
+    """`--name` on a finished build: quantize and export are kept, the engine step for the node and the
+    repository follow the new name, and nothing is left under the old one."""
+    import shutil
+
+    named = tmp_path / "build"
+    shutil.copytree(build["dir"], named)
+    proc = dgpipe("build", *ARGS, "--build-dir", str(named), "--name", "tiny-chat", "--json")
+    assert proc.returncode == 0, proc.stderr
+    events = _events(proc.stdout)
+    assert [e["stage"] for e in events if e["event"] == "stage_skipped"] == ["quantize", "export"]
+    man = json.loads((named / "build_manifest.json").read_text())
+    assert man["model_name"] == "tiny-chat"
+    rec = man["stages"]["engine"]["details"]["engines"]["sm90"]
+    assert rec["command"][rec["command"].index("--output") + 1] == "model_repository/tiny-chat/1"
+    assert sorted(p.name for p in (named / "model_repository").iterdir()) == ["tiny-chat"]
+    assert 'name: "tiny-chat"' in (named / "model_repository" / "tiny-chat" / "config.pbtxt").read_text()

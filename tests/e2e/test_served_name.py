@@ -112,3 +112,10 @@ def test_max_tokens_past_the_models_context_is_a_400_naming_the_numbers(client):
     # without max_tokens the checkpoint's default (82, generation_config.json) is served, never refused
     resp = client.completions.create(model=NAME, prompt=README_PUZZLE, seed=0)
     assert sudoku.is_valid_solution(README_PUZZLE, resp.choices[0].text), resp.choices[0].text
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "", "-x", "tiny chat"])
+def test_a_name_that_is_not_a_repository_directory_is_refused(tmp_path, name):
+    proc = dgpipe("package", "--output", str(tmp_path / "repo"), "--name", name)
+    assert proc.returncode == 2 and "is not a valid model name" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "repo").exists()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline import endpoints
 from pipeline.builddir import LAYOUT, BuildManifest, model_version_dir, save_manifest
 from pipeline.deploy.targets import deploy_target, deploy_target_names
 from pipeline.limits import Limits
@@ -250,6 +251,8 @@ def test_probes_ports_and_startup_budget(overlays):
         url = ["--url", "http://127.0.0.1:8000"]
         assert triton["livenessProbe"]["exec"]["command"] == ["dgpipe", "health", "probe", "--live", *url]
         assert triton["readinessProbe"]["exec"]["command"] == ["dgpipe", "health", "probe", *url]
+        # exec probes get no $(VAR) expansion: `dgpipe health probe` reads the served name from the env
+        assert endpoints.MODEL_NAME_ENV in {e["name"] for e in triton["env"]}
         # graceful drain: preStop refuses new requests and waits (DRAIN_TIMEOUT_S) for those in flight,
         # tritonserver then exits within its exit timeout, all inside the grace period
         assert triton["lifecycle"]["preStop"]["exec"]["command"] == ["dgpipe", "health", "drain"]
@@ -353,7 +356,7 @@ def test_engine_build_runs_on_the_node_in_the_serving_image(overlays, name):
     assert f"--model-repository=/models/build/{LAYOUT['model_repository']}" in args
     assert {"--http-port=8000", "--grpc-port=8001", "--metrics-port=8002"} <= set(args)
     # every $(VAR) the containers use is defined in their env (the kubelet leaves unknown ones verbatim)
-    for c in (build, triton):
+    for c in (build, triton, container(spec, "openai")):
         names = {e["name"] for e in c["env"]}
         used = set(re.findall(r"\$\((\w+)\)", " ".join(c.get("command", []) + c.get("args", []))))
         assert used <= names, c["name"]
@@ -580,6 +583,8 @@ def test_manifests_without_monitoring_and_smoke_prompt(tmp_path):
     assert c["args"] == [
         "--url",
         "http://dgpipe-triton:9000/v1",
+        "--model",
+        "dgpipe",
         "--format",
         "text",
         "--max-tokens",
@@ -986,7 +991,8 @@ def test_manifests_render_the_build_smoke_test(sudoku_build_dir):
     (c,) = job["spec"]["template"]["spec"]["containers"]
     assert c["command"] == ["python3", "-m", "pipeline.deploy.smoke"]
     assert c["args"] == [
-        *("--url", "http://dgpipe-triton:9000/v1", "--format", "sudoku", "--max-tokens", "82", "--"),
+        *("--url", "http://dgpipe-triton:9000/v1", "--model", "dgpipe"),
+        *("--format", "sudoku", "--max-tokens", "82", "--"),
         sudoku.EXAMPLE_PUZZLE,
     ]
     assert "SMOKE_PROMPT" not in {e["name"] for e in c["env"]}
@@ -1029,15 +1035,15 @@ def test_smoke_prompt_is_one_literal_argv_item(tmp_path, prompt, monkeypatch):
     assert re.sub(r"\$\$", "$", c["args"][-1]) == prompt
     seen = {}
 
-    def fake_run(url, fmt, p, n):
-        seen.update(url=url, fmt=fmt, prompt=p)
+    def fake_run(url, fmt, p, n, model):
+        seen.update(url=url, fmt=fmt, prompt=p, model=model)
         return {"ok": True}
 
     import pipeline.deploy.smoke as smoke
 
     monkeypatch.setattr(smoke, "run_smoke", fake_run)
     assert main([*c["args"][:-1], prompt]) == 0  # the argv the container starts with
-    assert seen == {"url": "http://dgpipe-triton:9000/v1", "fmt": "text", "prompt": prompt}
+    assert seen == {"url": "http://dgpipe-triton:9000/v1", "fmt": "text", "prompt": prompt, "model": "dgpipe"}
 
 
 @pytest.mark.parametrize(
@@ -1090,3 +1096,37 @@ def test_a_build_dir_without_a_recorded_smoke_test_uses_its_checkpoint(build_dir
     shutil.copytree(default_model_path(), build_dir / "checkpoint")
     smoke = mf.resolve("dgx-b200", IMAGE, build_dir=build_dir).smoke
     assert smoke.as_dict() == sudoku_smoke()
+
+
+@needs_kubectl
+def test_a_named_build_is_served_probed_and_smoke_tested_under_its_name(build_dir):
+    """`dgpipe build --name tiny-chat`: the pods get the name from dgpipe-config, the node builds its plan
+    into that model's version dir, the OpenAI API serves it, and the smoke Job asks for it."""
+    from pipeline.builddir import load_manifest
+    from pipeline.deploy import render as mf
+    from pipeline.errors import DgpipeError
+
+    man = load_manifest(build_dir)
+    man.model_name = "tiny-chat"
+    save_manifest(build_dir, man)
+    values = mf.resolve("dgx-b200", IMAGE, build_dir=build_dir)
+    docs = mf.render(values)
+    serving = docs[mf.SERVING_FILE]
+    env = config_values(serving)
+    assert env[endpoints.MODEL_NAME_ENV] == "tiny-chat"
+    assert env["DGPIPE_ENGINE_OUTPUT"] == f"/models/build/{LAYOUT['model_repository']}/tiny-chat/1"
+    spec = one(serving, "Deployment")["spec"]["template"]["spec"]
+    openai = container(spec, "openai")
+    assert "--name=tiny-chat" in expand(openai["command"], env)
+    for c in (container(spec, "triton"), openai):
+        (ref,) = [e for e in c["env"] if e["name"] == endpoints.MODEL_NAME_ENV]
+        assert ref["valueFrom"]["configMapKeyRef"]["key"] == endpoints.MODEL_NAME_ENV
+    job = one(docs[mf.SMOKE_FILE], "Job")
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "tiny-chat"
+    man.model_name = "../etc"  # a hand-edited manifest
+    save_manifest(build_dir, man)
+    with pytest.raises(
+        DgpipeError, match=re.escape("the build's model_name '../etc' is not a valid model name")
+    ):
+        mf.resolve("dgx-b200", IMAGE, build_dir=build_dir)

@@ -107,6 +107,27 @@ def test_drain_timeout_fits_the_grace_period_and_the_cli_uses_it():
     assert serve.DRAIN_TIMEOUT_S is health.DRAIN_TIMEOUT_S is lifecycle.DRAIN_TIMEOUT_S
 
 
+def test_health_probe_pings_the_model_the_pod_environment_names(monkeypatch):
+    """Kubernetes runs exec probes without $(VAR) expansion, so the probe takes the served model's name from
+    $DGPIPE_MODEL_NAME (set from dgpipe-config); --model still wins."""
+    from typer.testing import CliRunner
+
+    from pipeline.cli.health import app
+    from pipeline.endpoints import MODEL_NAME_ENV
+
+    paths = []
+
+    def answer(path, body):
+        paths.append(path)
+        return 404, {"error": f"unknown model {path.split('/')[3]!r}"}
+
+    monkeypatch.setenv(MODEL_NAME_ENV, "tiny-chat")
+    with fake_triton(answer) as url:
+        CliRunner().invoke(app, ["probe", "--url", url])
+        CliRunner().invoke(app, ["probe", "--url", url, "--model", "other"])
+    assert paths == ["/v2/models/tiny-chat/generate", "/v2/models/other/generate"]
+
+
 def test_health_cli_probe_exit_codes_and_drain_touches_the_file_and_waits(tmp_path, monkeypatch):
     """What the pod runs: `dgpipe health probe [--live]` (readiness/liveness) and `dgpipe health drain`
     (preStop), against a stand-in Triton that is draining with one request still in flight."""
