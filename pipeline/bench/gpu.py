@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -265,6 +266,14 @@ def render(result: dict) -> str:
                 f"| {r['format']} | {r['batch']} | {r['kernels']} | {r['ms_eager']:.2f} | {r['ms_graph']:.2f} "
                 f"| {r['floor_ms_spec']:.2f} | {_best_ms(r) / r['floor_ms_spec']:.2f} | {r['floor_ms_copy']:.2f} |"
             )
+    attention = [(r["batch"], a) for r in rows for a in r.get("attention", [])]
+    if attention:
+        lines += ["", "| attention | batch | heads q/kv x dim | keys | kernels torch may pick (grouped) | ms grouped "
+                  "| ms K/V expanded |", "|---|---:|---|---:|---|---:|---:|"]  # fmt: skip
+        for b, a in attention:
+            picks = ", ".join(k for k in ("flash", "efficient", "cudnn") if a[k]) or "math only"
+            lines.append(f"| {a['kind']} | {b} | {a['q_heads']}/{a['kv_heads']} x {a['head_dim']} | {a['keys']} "
+                         f"| {picks} | {a['ms_grouped']:.2f} | {a['ms_expanded']:.2f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -388,8 +397,57 @@ def measure_pass(
                      "experts_touched": touched,
                      "experts_touched_uniform": experts_touched(mcfg.text_config, b * mcfg.canvas_length),
                      "graph_error": graph_error, "top_kernels": top_kernels(fn), "top_ops": top_ops(fn)})  # fmt: skip
+        if fmt == "bf16" and not compiled:  # attention is bf16 in every format: once is enough
+            rows[-1]["attention"] = attention_backends(model.cfg, b, mcfg.canvas_length, dev)
         sink(rows)
         torch.cuda.empty_cache()
+    return rows
+
+
+def attention_backends(cfg, batch: int, canvas: int, dev: torch.device, repeats: int = 5) -> list[dict]:
+    """Per attention shape of the model (sliding, global) at this batch over CONTEXT cached keys plus the
+    canvas: which SDPA kernels torch may pick for the grouped (fewer K/V heads) form the network runs, and
+    why not (torch's own reasons, from `debug=True`); and the ms of that form against the same attention
+    with K/V expanded to every query head, which some kernels need, with the largest difference between the
+    two outputs (the expansion computes the same attention)."""
+    from torch.backends.cuda import (
+        SDPAParams,
+        can_use_cudnn_attention,
+        can_use_efficient_attention,
+        can_use_flash_attention,
+    )
+
+    from pipeline.bench.timing import median_seconds
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rows = []
+    gen = torch.Generator(device=dev).manual_seed(2)
+    for kind in dict.fromkeys(cfg.layer_types):
+        shape = cfg.layer_shape(cfg.layer_types.index(kind))
+        heads, kv, hd = cfg.num_attention_heads, shape.num_kv_heads, shape.head_dim
+        keys = (min(CONTEXT, cfg.sliding_window - 1) if kind == "sliding_attention" else CONTEXT) + canvas
+        q, k, v = (torch.randn(batch, h, n, hd, device=dev, dtype=torch.bfloat16, generator=gen)
+                   for h, n in ((heads, canvas), (kv, keys), (kv, keys)))  # fmt: skip
+        params = SDPAParams(q, k, v, None, 0.0, False, kv != heads)
+        eligible, why = {}, []
+        for name, can in (("flash", can_use_flash_attention), ("efficient", can_use_efficient_attention),
+                          ("cudnn", can_use_cudnn_attention)):  # fmt: skip
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                eligible[name] = bool(can(params, True))
+            why += [f"{name}: {str(w.message).splitlines()[0][:160]}" for w in seen if not eligible[name]]
+        grouped = lambda q=q, k=k, v=v, g=kv != heads, sdpa=sdpa: sdpa(q, k, v, scale=1.0, enable_gqa=g)
+        ke, ve = (t.repeat_interleave(heads // kv, dim=1) for t in (k, v))
+        expanded = lambda q=q, ke=ke, ve=ve, sdpa=sdpa: sdpa(q, ke, ve, scale=1.0)
+        with torch.inference_mode():
+            diff = float((grouped().float() - expanded().float()).abs().max())
+            ms = {
+                n: median_seconds(f, dev, repeats) * 1e3
+                for n, f in (("grouped", grouped), ("expanded", expanded))
+            }
+        rows.append({"kind": kind, "q_heads": heads, "kv_heads": kv, "head_dim": hd, "keys": keys, **eligible,
+                     "why_not": why, "ms_grouped": ms["grouped"], "ms_expanded": ms["expanded"],
+                     "max_abs_diff": diff})  # fmt: skip
     return rows
 
 

@@ -76,6 +76,27 @@ def test_table_shows_each_pass_against_its_floor():
     assert "GPU: NVIDIA H200 (sm90, 140 GiB), driver 580.65, torch 2.11.0+cu130 (CUDA 13.0)" in md
     assert "| fp8 | 1 | k | 9.00 | 7.44 | 6.20 | 1.20 | 7.00 |" in md
     assert "Largest batch whose fp8 pass fits: 64 (tried up to 128)." in md
+    row["attention"] = [{"kind": "full_attention", "q_heads": 16, "kv_heads": 2, "head_dim": 512, "keys": 512,
+                         "flash": False, "efficient": False, "cudnn": False, "ms_grouped": 1.5, "ms_expanded": 0.5}]  # fmt: skip
+    assert "| full_attention | 1 | 16/2 x 512 | 512 | math only | 1.50 | 0.50 |" in gpu.render(result)
+
+
+def test_attention_shapes_report_the_kernels_torch_may_pick_and_the_expanded_form_agrees():
+    """Per attention shape of the model: the grouped form the network runs, and K/V expanded to every query
+    head, time the same attention (here on the CPU, where no CUDA kernel is eligible)."""
+    from pipeline.model.config import ModelConfig
+    from pipeline.resources import load_yaml
+
+    cfg = ModelConfig.from_dict(load_yaml("models", "bench-medium"), source="bench-medium").text_config
+    rows = gpu.attention_backends(cfg, 2, 256, gpu.torch.device("cpu"), repeats=1)
+    assert [(r["kind"], r["q_heads"], r["kv_heads"], r["head_dim"], r["keys"]) for r in rows] == [
+        ("sliding_attention", 8, 4, 64, 127 + 256),  # the ring holds window - 1 of the 256 cached tokens
+        ("full_attention", 8, 2, 128, 256 + 256),
+    ]
+    for r in rows:
+        assert not (r["flash"] or r["efficient"] or r["cudnn"])
+        assert r["max_abs_diff"] < 1e-2  # bf16 outputs of O(1): a wrong head order differs by O(1)
+        assert r["ms_grouped"] > 0 and r["ms_expanded"] > 0
 
 
 def test_spec_gpu_picks_the_device_by_name():
