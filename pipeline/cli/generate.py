@@ -66,6 +66,15 @@ ApiKey = Annotated[
         envvar="DGPIPE_API_KEY", show_envvar=True, help="Bearer key of the OpenAI API (--url .../v1)"
     ),
 ]
+ServedName = Annotated[
+    str,
+    typer.Option(
+        "--name",
+        envvar=endpoints.MODEL_NAME_ENV,
+        show_envvar=True,
+        help="with --url: the served model's name (`dgpipe build/package --name`)",
+    ),
+]
 
 
 @app.command()
@@ -94,6 +103,7 @@ def generate(
     drafts: Drafts = False,
     url: Url = None,
     api_key: ApiKey = None,
+    name: ServedName = endpoints.MODEL_NAME,
     compile: opt.Compile = False,
     dtype: opt.Dtype = "auto",
     device: opt.Device = "auto",
@@ -128,10 +138,12 @@ def generate(
         device=device,
         compile=compile,
     )
-    _run(inputs, settings, url, api_key, as_json, compact=file is not None)
+    _run(inputs, settings, url, api_key, name, as_json, compact=file is not None)
 
 
-def _run(inputs, settings, url: str | None, api_key: str | None, as_json: bool, compact: bool) -> None:
+def _run(
+    inputs, settings, url: str | None, api_key: str | None, name: str, as_json: bool, compact: bool
+) -> None:
     """In-process or remote, then one printout per input (`compact`: --json prints JSON Lines, one
     compact object per input, in order)."""
     from pipeline.runtime.batch import generate_batch
@@ -141,7 +153,8 @@ def _run(inputs, settings, url: str | None, api_key: str | None, as_json: bool, 
         from pipeline.serving.remote import generate_remote
 
         for item in inputs:  # each answer printed as it arrives
-            _print(generate_remote(url, item, settings, api_key, callbacks), settings, as_json, compact)
+            reply = generate_remote(url, item, settings, api_key, callbacks, model=name)
+            _print(reply, settings, as_json, compact)
         return
     for result in generate_batch(inputs, settings, callbacks):
         _print(result, settings, as_json, compact)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline import endpoints
-from pipeline.endpoints import MODEL_NAME
+from pipeline.endpoints import MODEL_NAME, MODEL_NAME_ENV
 from pipeline.errors import DgpipeError
 from pipeline.serving import schema
 from pipeline.serving.error_kinds import ErrorKind, from_wire
@@ -78,9 +78,17 @@ class TritonError(DgpipeError):
     """The server refused or failed the request; `kind` says how (its HTTP status: `status`), the message
     is the server's, without the kind's wire tag."""
 
-    def __init__(self, message: str, kind: ErrorKind = ErrorKind.INVALID_REQUEST) -> None:
-        super().__init__(message)
+    def __init__(
+        self, message: str, kind: ErrorKind = ErrorKind.INVALID_REQUEST, hint: str | None = None
+    ) -> None:
+        super().__init__(message, hint)
         self.kind = kind
+
+
+def unknown_model_hint(model: str) -> str:
+    """What to do when the server serves no model of the name asked for (HTTP 404; over gRPC, a model
+    Triton does not report ready)."""
+    return f"this server serves no model '{model}': ask for the one it serves with --name NAME (or ${MODEL_NAME_ENV})"
 
     @property
     def status(self) -> int:
@@ -119,7 +127,9 @@ def http_generate(
         detail = e.read().decode(errors="replace").strip().removeprefix("data:").strip()
         with contextlib.suppress(json.JSONDecodeError, AttributeError):
             detail = json.loads(detail).get("error", detail)
-        raise model_error(str(detail), ErrorKind.from_status(e.code), f"HTTP {e.code}: ") from e
+        err = model_error(str(detail), ErrorKind.from_status(e.code), f"HTTP {e.code}: ")
+        err.hint = unknown_model_hint(model) if e.code == 404 else None
+        raise err from e
     except urllib.error.URLError as e:
         raise DgpipeError(
             f"cannot reach {url} ({e.reason})", "is the server running? see dgpipe serve"
@@ -159,6 +169,14 @@ def _grpc_error(url: str, message: str, unavailable: bool) -> DgpipeError:
     return model_error(message)
 
 
+def _model_ready(client, model: str) -> bool:
+    """Triton's model-ready call (open under the API lock-down); False when it fails too."""
+    try:
+        return bool(client.is_model_ready(model))
+    except Exception:
+        return False
+
+
 def grpc_generate(
     url: str, body: dict[str, Any], model: str = MODEL_NAME, timeout: float = 600
 ) -> Iterator[dict[str, Any]]:
@@ -179,7 +197,12 @@ def grpc_generate(
             result, error = results.get(timeout=timeout)
             if error is not None:
                 message = error.message() if hasattr(error, "message") else str(error)
-                raise _grpc_error(url, message, "UNAVAILABLE" in str(getattr(error, "status", lambda: "")()))
+                status = str(getattr(error, "status", lambda: "")())
+                err = _grpc_error(url, message, "UNAVAILABLE" in status)
+                # a stream's errors carry no status code: ask Triton whether the model is there at all
+                if err.hint is None and not _model_ready(client, model):
+                    err.hint = unknown_model_hint(model)
+                raise err
             chunk = _grpc_chunk(result)
             if chunk:
                 yield chunk
@@ -338,7 +361,8 @@ def openai_generate(
         hint = "pass --api-key or set DGPIPE_API_KEY" if e.code == 401 else None
         if hint:
             raise DgpipeError(f"HTTP 401: {detail}", hint) from e
-        raise TritonError(f"HTTP {e.code}: {detail}", ErrorKind.from_status(e.code)) from e
+        hint = unknown_model_hint(model) if e.code == 404 else None
+        raise TritonError(f"HTTP {e.code}: {detail}", ErrorKind.from_status(e.code), hint) from e
     except urllib.error.URLError as e:
         raise DgpipeError(
             f"cannot reach {url} ({e.reason})", "is the server running? see dgpipe serve"

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.endpoints import MODEL_NAME
 from pipeline.errors import DgpipeError
 from pipeline.runtime.batch import Callbacks, GenerateInput, GenerateSettings
 
@@ -63,9 +64,10 @@ def generate_remote(
     settings: GenerateSettings,
     api_key: str | None = None,
     callbacks: Callbacks | None = None,
+    model: str = MODEL_NAME,
 ) -> RemoteOutput:
-    """One input answered by the server at `url`; streamed (pieces and drafts to `callbacks`) when the
-    settings ask for it."""
+    """One input answered by the model named `model` of the server at `url`; streamed (pieces and drafts
+    to `callbacks`) when the settings ask for it."""
     from pipeline.serving.client import generate
 
     cb = callbacks or Callbacks()
@@ -78,6 +80,7 @@ def generate_remote(
         stream=settings.stream or settings.drafts,
         seed=settings.seed,
         messages=item.messages,
+        model=model,
         api_key=api_key,
         on_draft=cb.on_draft,
         **options,
@@ -100,14 +103,3 @@ def generate_remote(
         total_s=time.perf_counter() - start,
         url=url,
     )
-
-
-def generate_remote_batch(
-    url: str,
-    inputs: list[GenerateInput],
-    settings: GenerateSettings,
-    api_key: str | None = None,
-    callbacks: Callbacks | None = None,
-) -> list[RemoteOutput]:
-    """Every input in turn, answered by the server (it batches concurrent requests itself)."""
-    return [generate_remote(url, item, settings, api_key, callbacks) for item in inputs]

@@ -119,3 +119,22 @@ def test_a_name_that_is_not_a_repository_directory_is_refused(tmp_path, name):
     proc = dgpipe("package", "--output", str(tmp_path / "repo"), "--name", name)
     assert proc.returncode == 2 and "is not a valid model name" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "repo").exists()
+
+
+@pytest.mark.parametrize("via", ["http", "grpc", "openai"])
+def test_generate_asks_the_served_name(served, via, monkeypatch):
+    """`dgpipe generate --url` against a server of another name: --name (or $DGPIPE_MODEL_NAME, as the pods
+    set it) asks for it on Triton's HTTP and gRPC endpoints and on the OpenAI API; without it, the
+    refusal names the model it asked for and how to ask for another."""
+    from pipeline.endpoints import MODEL_NAME_ENV
+
+    url = getattr(served, via)
+    proc = dgpipe("generate", "--url", url, "--max-tokens", "82", "--name", NAME, README_PUZZLE)
+    assert proc.returncode == 0, proc.stderr
+    assert sudoku.is_valid_solution(README_PUZZLE, proc.stdout.strip()), proc.stdout
+    monkeypatch.setenv(MODEL_NAME_ENV, NAME)
+    assert dgpipe("generate", "--url", url, "--max-tokens", "82", README_PUZZLE).returncode == 0
+    monkeypatch.delenv(MODEL_NAME_ENV)
+    proc = dgpipe("generate", "--url", url, "--max-tokens", "82", README_PUZZLE)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "'dgpipe'" in proc.stderr and "--name" in proc.stderr, proc.stderr
