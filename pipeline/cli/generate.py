@@ -11,7 +11,6 @@ import typer
 from pipeline import endpoints
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
-from pipeline.errors import DgpipeError
 
 app = opt.typer_app()
 
@@ -112,8 +111,6 @@ def generate(
     """Generate with block diffusion, in-process or from a Triton server (--url)."""
     from pipeline.runtime import batch
 
-    if max_tokens < 1:
-        raise DgpipeError(f"--max-tokens must be >= 1 (got {max_tokens})")
     text = sys.stdin.read() if prompt == "-" else prompt
     inputs = batch.read_inputs(text, chat or system is not None, system, file)  # all checked before work
     settings = batch.GenerateSettings(

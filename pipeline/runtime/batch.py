@@ -48,6 +48,10 @@ class GenerateSettings:
     device: str = "auto"
     compile: bool = False
 
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise DgpipeError(f"--max-tokens must be >= 1 (got {self.max_tokens})")
+
 
 @dataclass
 class GenerateOutput:

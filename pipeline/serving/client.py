@@ -84,15 +84,18 @@ class TritonError(DgpipeError):
         super().__init__(message, hint)
         self.kind = kind
 
+    @property
+    def status(self) -> int:
+        return self.kind.status
+
 
 def unknown_model_hint(model: str) -> str:
     """What to do when the server serves no model of the name asked for (HTTP 404; over gRPC, a model
     Triton does not report ready)."""
-    return f"this server serves no model '{model}': ask for the one it serves with --name NAME (or ${MODEL_NAME_ENV})"
-
-    @property
-    def status(self) -> int:
-        return self.kind.status
+    return (
+        f"this server serves no model '{model}': ask for the one it serves with --name NAME "
+        f"(or ${MODEL_NAME_ENV})"
+    )
 
 
 def model_error(
