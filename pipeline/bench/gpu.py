@@ -398,7 +398,10 @@ def measure_pass(
                      "experts_touched_uniform": experts_touched(mcfg.text_config, b * mcfg.canvas_length),
                      "graph_error": graph_error, "top_kernels": top_kernels(fn), "top_ops": top_ops(fn)})  # fmt: skip
         if fmt == "bf16" and not compiled:  # attention is bf16 in every format: once is enough
-            rows[-1]["attention"] = attention_backends(model.cfg, b, mcfg.canvas_length, dev)
+            try:
+                rows[-1]["attention"] = attention_backends(model.cfg, b, mcfg.canvas_length, dev)
+            except Exception as e:  # a diagnostic that cannot run here costs itself, not the pass's row
+                rows[-1]["attention_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         sink(rows)
         torch.cuda.empty_cache()
     return rows
