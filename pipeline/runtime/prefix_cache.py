@@ -72,11 +72,14 @@ class PrefixCache:
         self.stats.lookups += 1
         self.stats.lookup_tokens += len(prompt)
 
-    def lookup(self, prompt: Sequence[int], first: int = 0) -> list[CachedBlock]:
+    def lookup(
+        self, prompt: Sequence[int], first: int = 0, keys: list[bytes] | None = None
+    ) -> list[CachedBlock]:
         """The longest run of cached blocks of the prompt from its block `first` on (the blocks before it are
-        the caller's already), marked recent; the blocks returned count as hits in `stats`."""
+        the caller's already), marked recent; the blocks returned count as hits in `stats`. `keys`: the
+        prompt's `keys()`, when the caller holds them (a prompt prefilled block by block)."""
         found: list[CachedBlock] = []
-        keys = self.keys(prompt)
+        keys = self.keys(prompt) if keys is None else keys
         for i in range(first, len(keys)):
             block = self.blocks.get(keys[i])
             start = i * self.block_tokens
@@ -87,10 +90,12 @@ class PrefixCache:
         self._touch(keys[: first + len(found)])
         return found
 
-    def insert(self, prompt: Sequence[int], index: int, kv: KV) -> None:
+    def insert(self, prompt: Sequence[int], index: int, kv: KV, keys: list[bytes] | None = None) -> None:
         """Keep the K/V of the prompt's block `index` (its full tokens), evicting least recently used blocks
-        to stay within the budget. A block larger than the whole budget is not kept."""
-        key = self.keys(prompt[: (index + 1) * self.block_tokens])[index]
+        to stay within the budget. A block larger than the whole budget is not kept. `keys` as in `lookup`."""
+        if keys is None:
+            keys = self.keys(prompt[: (index + 1) * self.block_tokens])
+        key = keys[index]
         if key in self.blocks:
             self._touch([key])
             return
@@ -106,7 +111,7 @@ class PrefixCache:
         self.blocks[key] = CachedBlock(key, tokens, kv, nbytes)
         self.nbytes += nbytes
         self.stats.inserted_blocks += 1
-        self._touch(self.keys(prompt[:start]))  # its ancestors stay more recent (evicted after it)
+        self._touch(keys[:index])  # its ancestors stay more recent (evicted after it)
 
     def clear(self) -> None:
         self.blocks.clear()

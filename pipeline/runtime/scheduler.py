@@ -333,47 +333,49 @@ class BlockDiffusionRuntime:
         prompts = {s: self.results[s].request.prompt_ids for s in slots}  # type: ignore[union-attr]
         done = dict.fromkeys(slots, 0)
         step, cache = self.prefill_chunk, self.prefix_cache
+        chains: dict[int, list[bytes]] = {}  # each prompt's block names, hashed once
         if cache is not None:
             for s in slots:
                 cache.count_prompt(prompts[s])
+                chains[s] = cache.keys(prompts[s])
         while True:
             if cache is not None:
                 for s in slots:
-                    done[s] += self._restore_blocks(s, prompts[s], done[s])
+                    done[s] += self._restore_blocks(s, prompts[s], chains[s], done[s])
             if not (rows := [s for s in slots if done[s] < len(prompts[s])]):
                 return
             if cache is not None:
-                rows = self._distinct_blocks(rows, prompts, done)
+                rows = self._distinct_blocks(rows, chains, done)
             chunks = [prompts[s][done[s] : (done[s] // step + 1) * step] for s in rows]
             new_kv = self._causal_pass(rows, chunks, fresh=not any(done[s] for s in rows))
             self.passes["prefill"] += 1
             for r, (s, chunk) in enumerate(zip(rows, chunks, strict=True)):
                 if cache is not None and len(chunk) == step:
                     kv = [(k[r, :, :step].clone(), v[r, :, :step].clone()) for k, v in new_kv]
-                    cache.insert(prompts[s], done[s] // step, kv)
+                    cache.insert(prompts[s], done[s] // step, kv, chains[s])
                 done[s] += len(chunk)
 
     def _distinct_blocks(
-        self, rows: list[int], prompts: dict[int, list[int]], done: dict[int, int]
+        self, rows: list[int], chains: dict[int, list[bytes]], done: dict[int, int]
     ) -> list[int]:
-        """The rows to prefill this turn: all but those whose next full block an earlier row computes now."""
-        assert self.prefix_cache is not None
+        """The rows to prefill this turn: all but those whose next full block an earlier row computes now
+        (`chains`: each row's block names, `PrefixCache.keys`)."""
         step, seen, keep = self.prefill_chunk, set(), []
         for s in rows:
-            end = done[s] + step
-            key = self.prefix_cache.keys(prompts[s][:end])[-1] if end <= len(prompts[s]) else None
+            block = done[s] // step
+            key = chains[s][block] if done[s] % step == 0 and block < len(chains[s]) else None
             if key is None or key not in seen:
                 keep.append(s)
                 seen.add(key)
         return keep
 
-    def _restore_blocks(self, slot: int, prompt: list[int], start: int) -> int:
-        """Copy the cached blocks of `prompt` from position `start` (a block boundary; the row holds the
-        tokens before it) into the slot's cache row; returns the tokens restored."""
+    def _restore_blocks(self, slot: int, prompt: list[int], chain: list[bytes], start: int) -> int:
+        """Copy the cached blocks of `prompt` (block names `chain`) from position `start` (a block boundary;
+        the row holds the tokens before it) into the slot's cache row; returns the tokens restored."""
         assert self.prefix_cache is not None
         if start % self.prefill_chunk:
             return 0  # the row's last, partial chunk was prefilled: nothing left to restore
-        blocks = self.prefix_cache.lookup(prompt, first=start // self.prefill_chunk)
+        blocks = self.prefix_cache.lookup(prompt, first=start // self.prefill_chunk, keys=chain)
         if not blocks:
             return 0
         n = len(blocks) * self.prefill_chunk
