@@ -227,12 +227,12 @@ class AsyncTriton:
     one channel for every request, each request its own ModelStreamInfer call, no threads. Use it inside
     one event loop (the channel is created on first use, in the running loop); `aclose` at the end."""
 
-    def __init__(self, url: str, model: str = MODEL_NAME, timeout: float = 600) -> None:
-        self.url, self.model, self.timeout = url, model, timeout
+    def __init__(self, url: str, timeout: float = 600) -> None:
+        self.url, self.timeout = url, timeout
         self._client = None
 
-    async def stream(self, body: dict[str, Any]):
-        """Yield the response chunks of one request (grpc_generate's dicts). It ends after the response
+    async def stream(self, model: str, body: dict[str, Any]):
+        """Yield the response chunks of one request to `model` (grpc_generate's dicts). It ends after the response
         with `finish_reason` (the model's last, schema.OUTPUTS); closing the generator before that, or a
         failure, cancels the gRPC call, and Triton cancels the request (the model drops it)."""
         import grpc
@@ -240,7 +240,7 @@ class AsyncTriton:
 
         if self._client is None:
             self._client = grpcaio.InferenceServerClient(self.url.removeprefix("grpc://"))
-        request = {"model_name": self.model, "inputs": _grpc_inputs(body)}
+        request = {"model_name": model, "inputs": _grpc_inputs(body)}
 
         async def one():
             yield request

@@ -66,9 +66,6 @@ class OpenAIServing:
             max_guide_bytes,
             max_regex_positions,
         )
-        backend = getattr(self.stream, "__self__", None)  # client.AsyncTriton: its requests name the model
-        if backend is not None and hasattr(backend, "model"):
-            backend.model = name
         self.model = name
 
     def served_model(self) -> str:
@@ -197,7 +194,7 @@ class OpenAIServing:
         plan = request_plan(req) if isinstance(req, ChatCompletionRequest) else None
         inputs = {**req.triton_inputs(), **tool_inputs(plan)}
         # n choices: n requests with the derived seeds, sent together so they share the batch's passes
-        streams = [self.stream({**inputs, "seed": seed}) for seed in req.choice_seeds()]
+        streams = [self.stream(self.model, {**inputs, "seed": seed}) for seed in req.choice_seeds()]
         logprobs = req.top_logprobs_wanted() is not None
         if not req.stream:
             whole = await self._whole(head, streams, chat, request)

@@ -10,23 +10,22 @@ from typing import Any
 
 import anyio
 
-from pipeline.endpoints import MODEL_NAME
 from pipeline.errors import DgpipeError
 from pipeline.serving.client import AsyncTriton, TritonError
 from pipeline.serving.error_kinds import ErrorKind
 from pipeline.serving.openai_schema import RequestError
 
-# Triton inputs (schema names) -> the model's response chunks (client.grpc_generate's dicts); closing the
-# generator before its end cancels the request in Triton
-TritonStream = Callable[[dict[str, Any]], AsyncGenerator[dict[str, Any], None]]
+# (served model's name, Triton inputs by schema name) -> the model's response chunks (client.grpc_generate's
+# dicts); closing the generator before its end cancels the request in Triton
+TritonStream = Callable[[str, dict[str, Any]], AsyncGenerator[dict[str, Any], None]]
 Chunks = AsyncGenerator[dict[str, Any], None]
 END = object()  # what `pull` returns once the stream has ended
 
 
-def triton_stream(grpc_url: str, model: str = MODEL_NAME) -> TritonStream:
+def triton_stream(grpc_url: str) -> TritonStream:
     """The production backend: gRPC streaming on the event loop (client.AsyncTriton: one channel, no
     threads). Its `aclose` runs at the app's shutdown."""
-    return AsyncTriton(grpc_url, model).stream
+    return AsyncTriton(grpc_url).stream
 
 
 def from_triton(e: Exception) -> RequestError:

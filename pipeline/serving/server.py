@@ -383,7 +383,7 @@ class OpenAIFrontend:
             ) from e
         self.admission = Admission()
         app = create_app(
-            triton_stream(self.grpc_url, self.model),
+            triton_stream(self.grpc_url),
             self.model,
             self.api_key,
             self.ready,

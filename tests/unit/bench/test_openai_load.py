@@ -30,7 +30,7 @@ class FakeTriton:
     def __init__(self) -> None:
         self.calls: list[dict] = []
 
-    async def __call__(self, inputs):
+    async def __call__(self, model, inputs):
         self.calls.append(inputs)
         yield {"text_output": ["a" * 81], "num_input_tokens": [84], "num_output_tokens": [82]}
         yield {"text_output": ["b" * 81], "num_input_tokens": [84], "num_output_tokens": [164]}

@@ -35,7 +35,7 @@ class FakeTriton:
         self.error, self.error_after = error, error_after
         self.calls: list[dict] = []
 
-    async def __call__(self, inputs):
+    async def __call__(self, model, inputs):
         self.calls.append(inputs)
         for i, chunk in enumerate(self.chunks):
             if self.error is not None and i == self.error_after:
@@ -498,7 +498,7 @@ def test_a_client_that_goes_away_mid_stream_cancels_its_triton_request():
 
     seen = threading.Event()
 
-    async def slow(inputs):
+    async def slow(model, inputs):
         try:
             yield {"text_output": ["12"]}
             seen.set()
@@ -545,7 +545,7 @@ def test_draining_refuses_new_requests_with_503_and_health_503_while_a_stream_in
 
     release, started = threading.Event(), threading.Event()
 
-    async def slow(inputs):
+    async def slow(model, inputs):
         yield {"text_output": ["12"]}
         started.set()
         assert await anyio.to_thread.run_sync(release.wait, 10)  # off the event loop: drain requests go on
@@ -642,7 +642,7 @@ def test_a_non_streamed_request_is_cancelled_in_triton_when_its_client_disconnec
     Triton stream is closed (AsyncTriton then cancels the gRPC call) instead of running to its end."""
     started = threading.Event()
 
-    async def slow(inputs):
+    async def slow(model, inputs):
         try:
             started.set()
             await anyio.sleep(10)  # Triton computing the whole answer (one response when not streamed)

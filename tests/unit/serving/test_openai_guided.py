@@ -21,7 +21,7 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 def post(body: dict, path: str = "/v1/chat/completions"):
     calls: list[dict] = []
 
-    async def triton(inputs):
+    async def triton(model, inputs):
         calls.append(inputs)
         yield FINAL
 
@@ -103,7 +103,7 @@ def test_guides_over_the_served_size_limits_are_refused_before_they_are_parsed()
     naming the field and the limit, and nothing sent to Triton."""
     calls: list[dict] = []
 
-    async def triton(inputs):
+    async def triton(model, inputs):
         calls.append(inputs)
         yield FINAL
 
