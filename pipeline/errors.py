@@ -46,3 +46,10 @@ def validation_error(
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise error(message(where, first["msg"]), hint) from e
+
+
+def error_line(e: BaseException, limit: int = 200) -> str:
+    """An exception as one short line for a report: its type and its message's first line (an empty
+    message gives the type alone)."""
+    first = (str(e).strip().splitlines() or [""])[0][:limit]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__

@@ -36,6 +36,7 @@ import torch
 
 from pipeline.atomic import atomic_write_text
 from pipeline.bench.results import save_result
+from pipeline.errors import error_line
 from pipeline.runtime.dispatch import arch_of
 from pipeline.targets import precision
 
@@ -385,7 +386,7 @@ def measure_pass(
             try:
                 graph, graph_error = median_seconds(_graphed(fn, dev), dev, repeats), None
             except Exception as e:  # reported in the row; the eager time still stands
-                graph, graph_error = float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                graph, graph_error = float("nan"), error_line(e)
             touched = None if compiled else routed_experts(model, fn)  # (hooks would recompile)
         nbytes = pass_bytes(
             mcfg.text_config, row.linear_read, row.expert_read, b, mcfg.canvas_length, CONTEXT
@@ -401,7 +402,7 @@ def measure_pass(
             try:
                 rows[-1]["attention"] = attention_backends(model.cfg, b, mcfg.canvas_length, dev)
             except Exception as e:  # a diagnostic that cannot run here costs itself, not the pass's row
-                rows[-1]["attention_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                rows[-1]["attention_error"] = error_line(e)
         sink(rows)
         torch.cuda.empty_cache()
     return rows

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.errors import DgpipeError
+from pipeline.errors import DgpipeError, error_line
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX, nvfp4_fake_quant
 from pipeline.model.modelopt import PackedLinear, quant_algo, read_packed_linears
@@ -381,7 +381,7 @@ def probe(device: torch.device | str = "cuda") -> Probe:
             torch.cuda.synchronize(dev)
             p.results[name] = None
         except (RuntimeError, NotImplementedError, ValueError, TypeError, DgpipeError) as e:
-            p.results[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            p.results[name] = error_line(e)
     return p
 
 
