@@ -23,16 +23,15 @@ ACTIVATION_FORMATS = ("fp8", "nvfp4")  # what InputQuantizer emulates; other pre
 # (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4)
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-_TIE_UP = torch.tensor([False, True, False, True, False, True, False])  # midpoints that round up
+_TIES_UP = (0.75, 1.75, 3.5)  # the midpoints that round up (plain floats: traceable by torch.compile)
 
 
 def e2m1_round(a: torch.Tensor) -> torch.Tensor:
     """Nearest E2M1 magnitude of a >= 0 (saturating at 6), ties to even."""
     idx = torch.bucketize(a, _BOUNDS.to(a.device), right=False)  # a == bound -> lower bucket
     at_tie_up = torch.zeros_like(a, dtype=torch.bool)
-    for b, up in zip(_BOUNDS.tolist(), _TIE_UP.tolist()):
-        if up:
-            at_tie_up |= a == b
+    for b in _TIES_UP:
+        at_tie_up |= a == b
     idx = idx + at_tie_up.long()
     return E2M1_VALUES.to(a.device)[idx]
 

@@ -107,6 +107,28 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+FUSED_GQA_MAX_HEAD_DIM = 256  # the largest head_dim torch's flash and cuDNN attention kernels take
+
+
+def expands_kv(device: torch.device, head_dim: int, groups: int) -> bool:
+    """Whether `attend` copies grouped K/V out to every query head. On CUDA, torch's SDPA runs grouped K/V
+    (`enable_gqa`) in a fused kernel only through flash or cuDNN, which take head_dim <= 256; the
+    memory-efficient kernel takes larger heads but not groups, so a grouped head_dim-512 layer (the 26B's
+    global layers: 16 query heads on 2 K/V heads) falls to the math path, two batched GEMMs with the score
+    matrix in memory. On an H200 that form took 2.69 ms a layer at 16 canvases against 0.51 ms expanded
+    (BENCHMARKS.md, "26B-A4B denoise pass"). The CPU keeps the grouped form (no copy)."""
+    return device.type == "cuda" and groups > 1 and head_dim > FUSED_GQA_MAX_HEAD_DIM
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Scaled dot-product attention (scale 1: q and k are RMS-normed) of q [B, H, Q, D] over k/v
+    [B, H_kv, K, D], grouped or expanded as `expands_kv` says; the two compute the same attention."""
+    groups = q.shape[1] // k.shape[1]
+    if expands_kv(q.device, q.shape[-1], groups):
+        k, v, groups = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=groups > 1)
+
+
 @dataclass
 class LayerInputs:
     """What one layer type needs for a pass: RoPE tables for the queries/new keys and the boolean mask
@@ -149,9 +171,7 @@ class Attention(nn.Module):
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=li.mask, scale=1.0, enable_gqa=self.num_kv_heads != self.num_heads
-        )
+        out = attend(q, k, v, li.mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1)), new_kv
 
     def project_kv(self, x: torch.Tensor, li: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,10 @@ eagerly again instead of compiling forever. Hence opt-in (`--compile`), not the 
 `dgpipe generate` would spend far longer compiling than generating.
 
 The routed experts enter the graph as one opaque custom op (`dgpipe::routed_experts`, the eager grouped
-GEMMs): torch's fake kernel for `grouped_mm` accepts bf16 only, so tracing the fp32 CPU path fails.
+GEMMs): torch's fake kernel for `grouped_mm` accepts bf16 only, so tracing the fp32 CPU path fails. A
+quantized checkpoint on tensor cores puts only its vendor GEMM calls in the graph as opaque ops
+(`dgpipe::scaled_gemm`, `dgpipe::grouped_scaled_gemm`): the activations' quantization, the routing and
+the combine around them are traced and fused.
 """
 
 from __future__ import annotations

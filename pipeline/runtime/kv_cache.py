@@ -63,14 +63,16 @@ class KVCache:
         # rows are handed out lowest-first, so the rows in flight are usually a range: then views, no copy
         first, n = int(slots[0]) if len(slots) else 0, len(slots)
         rows = slice(first, first + n) if slots.tolist() == list(range(first, first + n)) else slots
+        # a token at position p sits in ring slot p % ring, so while every row is shorter than the ring only
+        # its first kmax slots hold tokens: reading just those keeps attention (and the K/V concatenation) to
+        # the keys that exist, and a batch of equal lengths needs no mask at all (`attention_masks`)
+        filled = min(kmax, self.ring)
         past = []
         for i, kind in enumerate(self.layer_types):
-            if kind == "sliding_attention":
-                past.append((self.k[i][rows], self.v[i][rows]))
-            else:
-                past.append((self.k[i][rows, :, :kmax], self.v[i][rows, :, :kmax]))
+            n = filled if kind == "sliding_attention" else kmax
+            past.append((self.k[i][rows, :, :n], self.v[i][rows, :, :n]))
         gpos = torch.arange(kmax, device=lengths.device)[None, :].expand(len(slots), kmax)
-        ring_pos = self.ring_pos[slots]
+        ring_pos = self.ring_pos[slots, :filled]
         meta = {
             "full_attention": KeyMeta(gpos, gpos < lengths[:, None]),
             "sliding_attention": KeyMeta(ring_pos, ring_pos >= 0),

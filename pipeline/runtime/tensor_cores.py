@@ -23,7 +23,6 @@ reports what this GPU and torch build serve; anything that fails takes the row's
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,30 +89,49 @@ class ScaledLinear(nn.Module):
             raise ValueError(f"unknown scaled-linear mode {mode!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scaling, swizzle = _api()
         x2 = x.reshape(-1, x.shape[-1])
         if self.mode == "fp8":
-            out = F.scaled_mm(
-                sl.fp8_quantize(x2, self.input_scale), self.weight.t(),
-                self.input_scale, scaling.TensorWise, self.weight_scale, scaling.TensorWise,
-                output_dtype=self.out_dtype,
-            )  # fmt: skip
+            a, a_scales, b_scales = (
+                sl.fp8_quantize(x2, self.input_scale),
+                [self.input_scale],
+                [self.weight_scale],
+            )
         elif self.mode == "nvfp4":
-            xq, bs = sl.nvfp4_quantize(x2, self.input_scale)
-            a_scale = sl.to_blocked(bs.view(torch.uint8)).view(torch.float8_e4m3fn)
-            out = F.scaled_mm(
-                sl.as_fp4x2(xq), self.weight.t(),
-                [a_scale, self.input_scale], [scaling.BlockWise1x16, scaling.TensorWise],
-                [self.weight_scale, self.weight_scale_2], [scaling.BlockWise1x16, scaling.TensorWise],
-                swizzle_a=swizzle.SWIZZLE_32_4_4, swizzle_b=swizzle.SWIZZLE_32_4_4, output_dtype=self.out_dtype,
-            )  # fmt: skip
+            a, bs = sl.nvfp4_quantize(x2, self.input_scale)  # packed codes (uint8), per-16 block scales
+            a_scales = [sl.to_blocked(bs.view(torch.uint8)).view(torch.float8_e4m3fn), self.input_scale]
+            b_scales = [self.weight_scale, self.weight_scale_2]
         else:
-            xq, s = _rowwise_dynamic(nvfp4_fake_quant(x2, self.input_scale))
-            out = F.scaled_mm(
-                xq, self.weight.t(), s[:, None], scaling.RowWise, self.weight_scale, scaling.RowWise,
-                output_dtype=self.out_dtype,
-            )  # fmt: skip
+            a, s = _rowwise_dynamic(nvfp4_fake_quant(x2, self.input_scale))
+            a_scales, b_scales = [s[:, None]], [self.weight_scale]
+        gemm = scaled_gemm_op if torch.compiler.is_compiling() else scaled_gemm
+        out = gemm(a, a_scales, self.weight, b_scales, self.mode, self.out_dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def scaled_gemm(
+    a: torch.Tensor,
+    a_scales: list[torch.Tensor],
+    weight: torch.Tensor,
+    w_scales: list[torch.Tensor],
+    mode: str,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`F.scaled_mm` of a quantized operand `a` [M, K] (NVFP4: packed codes [M, K/2] as uint8) and a
+    `ScaledLinear` weight [N, K], with the scaling recipes of `mode`: [M, N] in `out_dtype`."""
+    scaling, swizzle = _api()
+    if mode == "fp8":
+        return F.scaled_mm(
+            a, weight.t(), a_scales[0], scaling.TensorWise, w_scales[0], scaling.TensorWise, output_dtype=out_dtype
+        )  # fmt: skip
+    if mode == "nvfp4":
+        return F.scaled_mm(
+            sl.as_fp4x2(a), weight.t(), a_scales, [scaling.BlockWise1x16, scaling.TensorWise],
+            w_scales, [scaling.BlockWise1x16, scaling.TensorWise],
+            swizzle_a=swizzle.SWIZZLE_32_4_4, swizzle_b=swizzle.SWIZZLE_32_4_4, output_dtype=out_dtype,
+        )  # fmt: skip
+    return F.scaled_mm(
+        a, weight.t(), a_scales[0], scaling.RowWise, w_scales[0], scaling.RowWise, output_dtype=out_dtype
+    )  # fmt: skip
 
 
 # ---- experts -------------------------------------------------------------------------------------------
@@ -211,12 +229,9 @@ class ScaledExperts(nn.Module):
         return g("w13"), g("s13"), g("g13"), g("w2"), g("s2"), g("g2")
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        args = (x, index, weights, *self._weights(), self.in_scale, self.down_in_scale, self.mode)
-        if torch.compiler.is_compiling():
-            # under --compile the experts are one opaque op (as the float path's `dgpipe::routed_experts`):
-            # the routing sort and the grouped scaled GEMMs run as written, and the graph does not break
-            return _scaled_experts_op()(*args)
-        return scaled_experts(*args)
+        return scaled_experts(
+            x, index, weights, *self._weights(), self.in_scale, self.down_in_scale, self.mode
+        )
 
 
 def _quantize_rows(x: torch.Tensor, in_scale: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,7 +245,7 @@ def _quantize_rows(x: torch.Tensor, in_scale: torch.Tensor, mode: str) -> tuple[
     return sl.nvfp4_quantize(x, in_scale)
 
 
-def _grouped_gemm(
+def grouped_gemm(
     q: torch.Tensor,
     qs: torch.Tensor,
     w: torch.Tensor,
@@ -281,23 +296,35 @@ def scaled_experts(
     element-wise paths took most of the experts' non-GEMM time (BENCHMARKS.md, "26B-A4B denoise pass")."""
     t, k = index.shape
     order, token_of, offs = sl.expert_order(index, w13.shape[0])
+    gemm = grouped_gemm_op if torch.compiler.is_compiling() else grouped_gemm
     q, qs = _quantize_rows(x, in_scale, mode)
-    gate, up = _grouped_gemm(q[token_of], qs[token_of], w13, s13, g13, in_scale, offs, mode).chunk(2, dim=-1)
+    gate, up = gemm(q[token_of], qs[token_of], w13, s13, g13, in_scale, offs, mode).chunk(2, dim=-1)
     q, qs = _quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode)
-    y = _grouped_gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode)
-    # back to slot order (token-major, the router's top-k order), then each token's k rows in one product
-    per_slot = torch.empty_like(y).index_copy_(0, order, y)
+    y = gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode)
+    # back to slot order (token-major, the router's top-k order) by a row gather through the inverse
+    # permutation (an H200 ran the equivalent row scatter, index_copy_, at 0.7 TB/s), then each token's k
+    # rows combined in one batched product
+    per_slot = y.index_select(0, sl.inverse_permutation(order))
     combined = torch.bmm(weights.reshape(t, 1, k).to(y.dtype), per_slot.view(t, k, -1))
     return combined.view(t, -1).to(x.dtype)
 
 
-@functools.cache
-def _scaled_experts_op():
-    """`dgpipe::scaled_experts`: `scaled_experts` as a custom op, opaque to the compiler (output: x's shape
-    and dtype, no side effects). Registered on first use under --compile."""
-    op = torch.library.custom_op("dgpipe::scaled_experts", mutates_args=())(scaled_experts)
-    op.register_fake(lambda x, *rest: torch.empty_like(x))
-    return op
+# The two vendor GEMM calls as custom ops, opaque to the compiler, used under --compile. Dynamo cannot trace
+# torch 2.11's `_scaled_mm_v2` builtin: each scaled linear broke the graph, and on an H200 the 26B's FP8
+# pass hit dynamo's recompile limit and ran those frames eagerly. As ops with fake kernels (output shape
+# and dtype only) they keep the graph whole, and inductor fuses what surrounds them: the activations'
+# quantization, the routing gathers, the gating and the combine. Registered at import: registering inside
+# a compiled region is itself a graph break.
+scaled_gemm_op = torch.library.custom_op("dgpipe::scaled_gemm", mutates_args=())(scaled_gemm)
+scaled_gemm_op.register_fake(
+    lambda a, a_scales, weight, w_scales, mode, out_dtype: a.new_empty(
+        (a.shape[0], weight.shape[0]), dtype=out_dtype
+    )
+)
+grouped_gemm_op = torch.library.custom_op("dgpipe::grouped_scaled_gemm", mutates_args=())(grouped_gemm)
+grouped_gemm_op.register_fake(
+    lambda q, qs, w, s, g, in_scale, offs, mode: q.new_empty((q.shape[0], w.shape[1]), dtype=torch.bfloat16)
+)
 
 
 # ---- probing and installing ---------------------------------------------------------------------------

@@ -90,9 +90,26 @@ def test_scaled_experts_equal_fake_quant_experts(probed, mode):
         "down": InputQuantizer(fmt, m.down_in_scale.cpu()),
     }
     want = _quantized_experts_forward(quants)(ref, x, index, weights)
+    if mode == "fp8_rowwise":
+        # the fallback's arithmetic: weights re-quantized to E4M3 per row, inputs NVFP4-rounded then E4M3 per row
+        exact = want
+        requant = lambda w: (lambda q, s: q.float() * s[..., None])(*tc.sl.fp8_rowwise_weight(w))
+        ref.gate_up_proj, ref.down_proj = requant(ref.gate_up_proj), requant(ref.down_proj)
+        rows = lambda s: (
+            lambda a: (lambda b: fp8_fake_quant(b, b.abs().amax(-1, keepdim=True) / 448))(
+                nvfp4_fake_quant(a, s)
+            )
+        )
+        want = _quantized_experts_forward(
+            {"gate_up": rows(m.in_scale.cpu()), "down": rows(m.down_in_scale.cpu())}
+        )(ref, x, index, weights)
+        # what re-quantizing costs against the NVFP4 experts: 0.118 on an H200 and in a CPU run of this module
+        # (grouped GEMM as per-expert F.scaled_mm, bf16 out)
+        assert _rel(got, exact) < 0.15
     # the grouped kernels write bf16 (gate/up before the down projection's re-quantization, and the outputs):
-    # bf16 rounding, and the FP8/NVFP4 rounding it flips, against an fp32 reference
-    assert _rel(got, want) < (2e-2 if mode != "fp8_rowwise" else 0.1)
+    # bf16 rounding, and the FP8/NVFP4 rounding it flips, against an fp32 reference. fp8_rowwise rounds the
+    # down input to NVFP4's 4 bits first, where a flip moves a value by up to a third: 0.029 in that CPU run
+    assert _rel(got, want) < (2e-2 if mode != "fp8_rowwise" else 5e-2)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])

@@ -93,6 +93,65 @@ def test_scaled_experts_fp8_is_the_fake_quant_expert_loop(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _compiled_whole(fn):
+    """fn under torch.compile with fullgraph (a graph break raises) through AOT autograd's fake tensors
+    (every op's fake kernel runs), executed eagerly; returns it and the captured graphs."""
+    graphs = []
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend=backend), graphs
+
+
+def _targets(gm) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+@pytest.mark.parametrize("mode", ["fp8", "fp8_rowwise"])
+def test_scaled_linear_compiles_into_one_graph_around_the_vendor_gemm(mode):
+    """Under --compile the vendor GEMM is one opaque op and everything around it (the activation's
+    quantization) is traced: no graph break per linear (the 26B hit dynamo's recompile limit that way)."""
+    m = tc.ScaledLinear(_packed("fp8" if mode == "fp8" else "nvfp4"), mode, CPU, torch.float32)
+    x = torch.randn(2, 5, 64, generator=GEN)
+    compiled, graphs = _compiled_whole(m)
+    torch.testing.assert_close(compiled(x), m(x), rtol=0, atol=0)
+    assert len(graphs) == 1
+    targets = _targets(graphs[0])
+    assert "dgpipe.scaled_gemm.default" in targets and any("clamp" in t for t in targets), targets
+
+
+def test_scaled_experts_compile_into_one_graph_around_the_grouped_gemms(monkeypatch):
+    # bf16 out, as the GPU kernel writes and the op's fake kernel says
+    monkeypatch.setattr(F, "scaled_grouped_mm", lambda *a, **k: _grouped_by_scaled_mm(*a, **k).bfloat16())
+    e, d, inner, t = 4, 64, 32, 9
+    gate, up, down = (
+        [_packed("fp8", n, k) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
+    )
+    m = tc.ScaledExperts(gate, up, down, "fp8", CPU)
+    x, index, weights = (
+        torch.randn(t, d, generator=GEN),
+        torch.randint(0, e, (t, 2), generator=GEN),
+        torch.rand(t, 2),
+    )
+    compiled, graphs = _compiled_whole(m)
+    torch.testing.assert_close(compiled(x, index, weights), m(x, index, weights), rtol=0, atol=0)
+    targets = _targets(graphs[0])
+    assert targets.count("dgpipe.grouped_scaled_gemm.default") == 2, targets
+    assert any("argsort" in t or "sort" in t for t in targets) and any("bmm" in t for t in targets), targets
+
+
+def test_inverse_permutation_gathers_sorted_rows_back():
+    order = torch.randperm(12, generator=GEN)
+    y = torch.randn(12, 3, generator=GEN)
+    sorted_rows = y[order]
+    torch.testing.assert_close(sorted_rows.index_select(0, sl.inverse_permutation(order)), y)
+    assert torch.equal(torch.empty_like(sorted_rows).index_copy_(0, order, sorted_rows), y)
+
+
 @pytest.mark.parametrize("mode", ["fp8", "fp8_rowwise", "nvfp4"])
 def test_quantizing_tokens_before_the_gather_equals_quantizing_the_gathered_rows(mode):
     x, scale = torch.randn(11, 64, generator=GEN), torch.tensor(0.02)
