@@ -195,9 +195,10 @@ def _run(check: GpuCheck, repo: Path, scratch: Path) -> CheckResult:
                DGPIPE_GPU_ROWS=str(rows_file), PYTHONUNBUFFERED="1")  # fmt: skip
     t0 = time.monotonic()
     try:
-        out = subprocess.run([sys.executable, *check.argv], cwd=repo, env=env, capture_output=True, text=True,
-                             timeout=check.budget_s)  # fmt: skip
-        text = out.stdout + out.stderr
+        # one stream: a check killed at its budget keeps its warnings and tracebacks too
+        out = subprocess.run([sys.executable, *check.argv], cwd=repo, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, timeout=check.budget_s)  # fmt: skip
+        text = out.stdout
         res.status = "passed" if out.returncode == 0 else "failed"
     except subprocess.TimeoutExpired as e:
         text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")

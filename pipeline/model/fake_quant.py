@@ -22,18 +22,19 @@ ACTIVATION_FORMATS = ("fp8", "nvfp4")  # what InputQuantizer emulates; other pre
 # E2M1 magnitudes and the decision points between them; at a midpoint the even-mantissa value wins
 # (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4)
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-_TIES_UP = (0.75, 1.75, 3.5)  # the midpoints that round up (plain floats: traceable by torch.compile)
+_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_TIES_UP = (0.75, 1.75, 3.5)  # the midpoints that round up
+_STEPS = tuple((E2M1_VALUES[1:] - E2M1_VALUES[:-1]).tolist())  # magnitude gained past each decision point
 
 
 def e2m1_round(a: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 magnitude of a >= 0 (saturating at 6), ties to even."""
-    idx = torch.bucketize(a, _BOUNDS.to(a.device), right=False)  # a == bound -> lower bucket
-    at_tie_up = torch.zeros_like(a, dtype=torch.bool)
-    for b in _TIES_UP:
-        at_tie_up |= a == b
-    idx = idx + at_tie_up.long()
-    return E2M1_VALUES.to(a.device)[idx]
+    """Nearest E2M1 magnitude of a >= 0 (saturating at 6), ties to even: the sum of the steps between
+    neighbouring magnitudes whose decision point `a` passes (exact in float). Python-float constants only:
+    no host tensor is copied to `a`'s device, which a CUDA graph capture forbids, and torch.compile traces it."""
+    out = torch.zeros_like(a)
+    for b, step in zip(_BOUNDS, _STEPS, strict=True):
+        out += step * ((a >= b) if b in _TIES_UP else (a > b))
+    return out
 
 
 def fp8_fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

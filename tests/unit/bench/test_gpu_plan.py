@@ -47,11 +47,11 @@ def test_cpu_run_lists_every_check_and_writes_json_and_table(tmp_path, dry_run):
 
 
 def test_a_check_is_killed_at_its_budget_and_failures_keep_their_output(tmp_path):
-    slow = gpu.GpuCheck(
-        "slow", 1, "sleeps", ("-c", "import time; print('started', flush=True); time.sleep(30)"), ()
-    )
+    code = "import sys, time; print('started'); print('warned', file=sys.stderr); time.sleep(30)"
+    slow = gpu.GpuCheck("slow", 1, "sleeps", ("-c", code), ())
     res = gpu._run(slow, tmp_path, tmp_path)
     assert res.status == "timeout" and res.seconds < 10
+    assert res.log.splitlines() == ["started", "warned"]  # what it wrote to either stream before the kill
     bad = gpu.GpuCheck("bad", 30, "fails", ("-c", "import sys; print('boom'); sys.exit(3)"), ())
     res = gpu._run(bad, tmp_path, tmp_path)
     assert (res.status, res.detail) == ("failed", "boom")

@@ -364,3 +364,37 @@ def test_mtq_config_from_recipe_and_flags():
     assert choose_block_size(precision("int4_awq"), {96, 192}) == 32  # the embedded model
     with pytest.raises(DgpipeError, match="no block size"):
         choose_block_size(precision("int4_awq"), {100})
+
+
+def test_e2m1_rounding_equals_the_nearest_magnitude_table():
+    """Against the table lookup it replaced (nearest of the 8 magnitudes, the even one at a midpoint), on
+    random values and every decision point with its neighbours."""
+    g = torch.Generator().manual_seed(0)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    a = torch.cat(
+        [torch.rand(10_000, generator=g) * 7, mids, mids.nextafter(mids + 1), mids.nextafter(mids - 1)]
+    )
+    dist = (a[:, None] - fake_quant.E2M1_VALUES).abs()
+    nearest = fake_quant.E2M1_VALUES[dist.argmin(-1)]  # argmin takes the first (lower) value at a tie
+    tie_up = torch.isin(a, torch.tensor([0.75, 1.75, 3.5]))
+    want = torch.where(tie_up, fake_quant.E2M1_VALUES[(dist.argmin(-1) + 1).clamp(max=7)], nearest)
+    assert torch.equal(fake_quant.e2m1_round(a), want)
+
+
+def test_nvfp4_fake_quant_uses_no_tensor_from_another_device():
+    """CUDA graph capture refuses host-to-device copies: on a meta input every op's tensors stay on meta."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Devices(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat = [*args, *(kwargs or {}).values()]
+            self.seen |= {t.device.type for t in flat if isinstance(t, torch.Tensor)}
+            return func(*args, **(kwargs or {}))
+
+    with Devices() as mode:
+        fake_quant.nvfp4_fake_quant(torch.empty(4, 32, device="meta"), torch.empty((), device="meta"))
+    assert mode.seen == {"meta"}

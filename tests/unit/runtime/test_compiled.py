@@ -10,7 +10,7 @@ from pipeline.runtime.compiled import compile_model, is_compiled
 from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
 from tests._utils.tiny import build_tiny
 
-pytestmark = pytest.mark.slow  # inductor compiles C++ kernels for 3 graphs: ~1 min on two CPU cores
+pytestmark = pytest.mark.slow  # inductor compiles C++ kernels for the layer graphs: ~15 s on two CPU cores
 
 
 def generate(model, reqs):
@@ -35,6 +35,8 @@ def test_compiled_passes_give_the_eager_tokens():
         want, got = generate(eager, reqs), generate(compiled, reqs)
     assert [r.tokens for r in got] == [r.tokens for r in want]
     assert len(want[0].tokens) == 8
-    # one graph per pass (prefill; denoise without and with self-conditioning) and no fallback to eager
-    # inside one (the routed experts enter as the custom op)
+    # the layers ran compiled: a few graphs shared by all layers (per layer kind and pass), none broken
+    # (the routed experts enter as the custom op)
+    graphs = counters["stats"]["unique_graphs"]
+    assert 2 <= graphs <= 16, graphs
     assert not counters["graph_break"], dict(counters["graph_break"])
