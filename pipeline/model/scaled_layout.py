@@ -154,11 +154,3 @@ def expert_order(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     counts = torch.zeros(num_experts, dtype=torch.int32, device=index.device)
     counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     return order, order // index.shape[1], torch.cumsum(counts, 0, dtype=torch.int32)
-
-
-def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    """inv with inv[order[i]] = i: `y.index_select(0, inv)` puts rows sorted by `order` back where they came
-    from (a gather, where `index_copy_(0, order, y)` would scatter)."""
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
-    return inv

@@ -35,7 +35,7 @@ from pipeline.errors import DgpipeError, error_line
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX, nvfp4_fake_quant
 from pipeline.model.modelopt import PackedLinear, quant_algo, read_packed_linears
-from pipeline.model.network import DiffusionGemma, gelu_tanh
+from pipeline.model.network import DiffusionGemma, combine_top_k, gelu_tanh
 from pipeline.runtime.dispatch import arch_of, dispatch
 from pipeline.targets import precision_for_quant_algo
 
@@ -294,19 +294,13 @@ def scaled_experts(
     permutation and each token's k rows are combined by one batched product (fp32 accumulation, no
     atomics, deterministic), not scattered with bf16 atomic adds. On an H200 at batch 16 those two
     element-wise paths took most of the experts' non-GEMM time (BENCHMARKS.md, "26B-A4B denoise pass")."""
-    t, k = index.shape
     order, token_of, offs = sl.expert_order(index, w13.shape[0])
     gemm = grouped_gemm_op if torch.compiler.is_compiling() else grouped_gemm
     q, qs = _quantize_rows(x, in_scale, mode)
     gate, up = gemm(q[token_of], qs[token_of], w13, s13, g13, in_scale, offs, mode).chunk(2, dim=-1)
     q, qs = _quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode)
     y = gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode)
-    # back to slot order (token-major, the router's top-k order) by a row gather through the inverse
-    # permutation (an H200 ran the equivalent row scatter, index_copy_, at 0.7 TB/s), then each token's k
-    # rows combined in one batched product
-    per_slot = y.index_select(0, sl.inverse_permutation(order))
-    combined = torch.bmm(weights.reshape(t, 1, k).to(y.dtype), per_slot.view(t, k, -1))
-    return combined.view(t, -1).to(x.dtype)
+    return combine_top_k(y, order, weights).to(x.dtype)
 
 
 # The two vendor GEMM calls as custom ops, opaque to the compiler, used under --compile. Dynamo cannot trace

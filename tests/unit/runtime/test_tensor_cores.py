@@ -144,14 +144,6 @@ def test_scaled_experts_compile_into_one_graph_around_the_grouped_gemms(monkeypa
     assert any("argsort" in t or "sort" in t for t in targets) and any("bmm" in t for t in targets), targets
 
 
-def test_inverse_permutation_gathers_sorted_rows_back():
-    order = torch.randperm(12, generator=GEN)
-    y = torch.randn(12, 3, generator=GEN)
-    sorted_rows = y[order]
-    torch.testing.assert_close(sorted_rows.index_select(0, sl.inverse_permutation(order)), y)
-    assert torch.equal(torch.empty_like(sorted_rows).index_copy_(0, order, sorted_rows), y)
-
-
 @pytest.mark.parametrize("mode", ["fp8", "fp8_rowwise", "nvfp4"])
 def test_quantizing_tokens_before_the_gather_equals_quantizing_the_gathered_rows(mode):
     x, scale = torch.randn(11, 64, generator=GEN), torch.tensor(0.02)
