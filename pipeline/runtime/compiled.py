@@ -69,7 +69,9 @@ def compile_model(model: DiffusionGemma) -> DiffusionGemma:
     if getattr(model, COMPILED_ATTR, False):
         return model
     _register_routed_experts_op()
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # torch < 2.7's name
+    setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
     for layer in model.layers:
         layer.compile()
     setattr(model, COMPILED_ATTR, True)
