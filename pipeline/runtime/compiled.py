@@ -18,11 +18,13 @@ raised to `RECOMPILE_LIMIT` for that code.
 What stays the same: the weights, the runtime, the sampler (eager, already fused by hand), the LM head
 (in-place, chunked), and the tokens to within rounding (the eager path stays the parity path tested
 against transformers). Fused kernels round differently in the last bits; in bf16 inductor also keeps the
-intermediates of a fused chain in fp32 instead of rounding each to bf16, so an FP8 model's activation codes
-move where a value sits on a rounding boundary (a tiny random FP8 model's logits: 22% relative L2 from
-eager, 4.8% with `torch._inductor.config.emulate_precision_casts`; tests/unit/runtime/test_compiled.py). What it costs: a compile on
-first use of each new shape (cached on disk by inductor for the next process). Hence opt-in (`--compile`),
-not the default: a one-shot `dgpipe generate` would spend far longer compiling than generating.
+intermediates of a fused chain in fp32 instead of rounding each to bf16, so an FP8 model's activation
+codes move where a value sits on a rounding boundary (a tiny random FP8 model's logits: 22% relative L2
+from eager, 4.8% with `torch._inductor.config.emulate_precision_casts`: tests/unit/runtime/test_compiled.py).
+
+What it costs: a compile on first use of each new shape (cached on disk by inductor for the next process).
+Hence opt-in (`--compile`), not the default: a one-shot `dgpipe generate` would spend far longer compiling
+than generating.
 
 The routed experts enter the graph as one opaque custom op (`dgpipe::routed_experts`, the eager grouped
 GEMMs): torch's fake kernel for `grouped_mm` accepts bf16 only, so tracing the fp32 CPU path fails. A
