@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model.config import ModelConfig, TextConfig
+from pipeline.model.scaled_layout import expert_order
 
 
 def _tracing() -> bool:
@@ -235,13 +236,8 @@ def grouped_experts(
     """Routed experts as grouped GEMMs: the slots (token, choice) sorted by expert, one grouped GEMM per
     projection, the rows added back per token in expert order (CPU; CUDA: `combine_top_k`). `gate_up`
     [E, 2I, d], `down` [E, d, I]."""
-    flat_expert = index.reshape(-1)
-    order = torch.argsort(flat_expert, stable=True)
-    token_of = order // index.shape[1]
+    order, token_of, offs = expert_order(index, gate_up.shape[0])
     w_sorted = weights.reshape(-1)[order]
-    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
-    counts.index_add_(0, flat_expert, torch.ones_like(flat_expert, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
     gate, up = F.grouped_mm(x[token_of], gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
     y = F.grouped_mm(gelu_tanh(gate) * up, down.transpose(-2, -1), offs=offs)
     if x.is_cuda:  # atomics there add in no fixed order anyway

@@ -148,7 +148,8 @@ def nvfp4_weight_blocked(block_scales: torch.Tensor) -> torch.Tensor:
 # ---- expert ordering ----------------------------------------------------------------------------------
 def expert_order(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Routed slots sorted by expert: (order into index.reshape(-1), token of each sorted slot, int32 end
-    offsets per expert). No host sync, as `pipeline.model.network.grouped_experts` does it."""
+    offsets per expert). No host sync: a CUDA graph can capture it (`pipeline.model.network.grouped_experts`
+    and the tensor-core experts both route with it)."""
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=index.device)
