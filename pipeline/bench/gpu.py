@@ -268,6 +268,15 @@ def render(result: dict) -> str:
                 f"| {r['format']} | {r['batch']} | {r['kernels']} | {r['ms_eager']:.2f} | {r['ms_graph']:.2f} "
                 f"| {r['floor_ms_spec']:.2f} | {_best_ms(r) / r['floor_ms_spec']:.2f} | {r['floor_ms_copy']:.2f} |"
             )
+    experts = [(r["batch"], r["experts"]) for r in rows if "experts" in r]
+    if experts:
+        lines += ["", "| one layer's FP8 experts | batch | rows per expert | ms FP8 module | ms FP8 grouped GEMMs "
+                  "| ms bf16 grouped (dequantized) | ms dequantize | bf16 vs FP8 (rel L2) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for b, x in experts:
+            lines.append(f"| layer 0 | {b} | {x['rows_per_expert']:.0f} | {x['ms_fp8_module']:.2f} "
+                         f"| {x['ms_fp8_gemms']:.2f} | {x['ms_bf16_grouped']:.2f} | {x['ms_dequantize']:.2f} "
+                         f"| {x['rel_l2_bf16_vs_fp8']:.3f} |")  # fmt: skip
     attention = [(r["batch"], a) for r in rows for a in r.get("attention", [])]
     if attention:
         lines += ["", "| attention | batch | heads q/kv x dim | keys | kernels torch may pick (grouped) | ms grouped "
@@ -399,6 +408,12 @@ def measure_pass(
                      "experts_touched": touched,
                      "experts_touched_uniform": experts_touched(mcfg.text_config, b * mcfg.canvas_length),
                      "graph_error": graph_error, "top_kernels": top_kernels(fn), "top_ops": top_ops(fn)})  # fmt: skip
+        if fmt == "fp8" and not compiled:
+            try:
+                rows[-1]["experts"] = expert_paths(model.layers[0].experts, mcfg.text_config.top_k_experts,
+                                                   b * mcfg.canvas_length, dev)  # fmt: skip
+            except Exception as e:
+                rows[-1]["experts_error"] = error_line(e)
         if fmt == "bf16" and not compiled:  # attention is bf16 in every format: once is enough
             try:
                 rows[-1]["attention"] = attention_backends(model.cfg, b, mcfg.canvas_length, dev)
@@ -454,6 +469,56 @@ def attention_backends(cfg, batch: int, canvas: int, dev: torch.device, repeats:
                      "why_not": why, "ms_grouped": ms["grouped"], "ms_expanded": ms["expanded"],
                      "max_abs_diff": diff})  # fmt: skip
     return rows
+
+
+def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: int = 5) -> dict:
+    """One layer's FP8 experts (`ScaledExperts`, mode "fp8") on `tokens` tokens routed uniformly at random:
+    ms of the module as the pass runs it, of its two grouped scaled GEMMs alone, of the same experts
+    dequantized to bf16 through `F.grouped_mm` (`network.grouped_experts`, weights dequantized beforehand)
+    and of that dequantization; and the bf16 output's distance from the FP8 one (relative L2: the FP8
+    activations' rounding). Whether a bf16 path, dequantizing per layer, would beat the grouped FP8 kernel
+    where that kernel is slow (on an H200 at 16 canvases it ran at 9% of the FP8 tensor-core rate)."""
+    from pipeline.bench.timing import median_seconds
+    from pipeline.model import scaled_layout as sl
+    from pipeline.model.network import grouped_experts
+    from pipeline.runtime.tensor_cores import grouped_gemm, quantize_rows
+
+    if experts.mode != "fp8":
+        raise ValueError(f"expert paths time FP8 experts, not {experts.mode!r}")
+    gen = torch.Generator(device=dev).manual_seed(3)
+    num, d = experts.num_experts, experts.w13.shape[-1]
+    x = torch.randn(tokens, d, device=dev, dtype=torch.bfloat16, generator=gen)
+    scores = torch.rand(tokens, num, device=dev, generator=gen)
+    weights, index = scores.topk(top_k, dim=-1)
+    weights = weights.softmax(-1)
+    dequantize = lambda: ((experts.w13.float() * experts.s13[..., None]).bfloat16(),
+                          (experts.w2.float() * experts.s2[..., None]).bfloat16())  # fmt: skip
+    _, token_of, offs = sl.expert_order(index, num)
+    q, qs = quantize_rows(x, experts.in_scale, "fp8")
+    q, qs = q[token_of], qs[token_of]
+    inner = experts.w2.shape[-1]
+    h = torch.randn(q.shape[0], inner, device=dev, dtype=torch.bfloat16, generator=gen)
+    q2, qs2 = quantize_rows(h, experts.down_in_scale, "fp8")
+
+    def gemms() -> None:
+        grouped_gemm(q, qs, experts.w13, experts.s13, None, experts.in_scale, offs, "fp8")
+        grouped_gemm(q2, qs2, experts.w2, experts.s2, None, experts.down_in_scale, offs, "fp8")
+
+    with torch.inference_mode():
+        w13, w2 = dequantize()
+        fp8_out, bf16_out = (
+            experts(x, index, weights).float(),
+            grouped_experts(x, index, weights, w13, w2).float(),
+        )
+        ms = {
+            name: median_seconds(fn, dev, repeats) * 1e3
+            for name, fn in (("fp8_module", lambda: experts(x, index, weights)), ("fp8_gemms", gemms),
+                             ("bf16_grouped", lambda: grouped_experts(x, index, weights, w13, w2)),
+                             ("dequantize", dequantize))
+        }  # fmt: skip
+    rel = float((bf16_out - fp8_out).norm() / fp8_out.norm().clamp(min=1e-30))
+    return {"tokens": tokens, "rows_per_expert": tokens * top_k / num, **{f"ms_{k}": v for k, v in ms.items()},
+            "rel_l2_bf16_vs_fp8": rel}  # fmt: skip
 
 
 def routed_experts(model, fn) -> float:

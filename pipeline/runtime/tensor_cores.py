@@ -234,7 +234,7 @@ class ScaledExperts(nn.Module):
         )
 
 
-def _quantize_rows(x: torch.Tensor, in_scale: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, in_scale: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The GEMM operand of x's rows and its scales: FP8 with the static scale per row (fp8), per-row E4M3
     of the NVFP4-rounded rows (fp8_rowwise), or NVFP4 codes and their per-16 block scales (nvfp4). Each
     row is quantized on its own, so quantizing before a row gather equals quantizing the gathered rows."""
@@ -296,9 +296,9 @@ def scaled_experts(
     element-wise paths took most of the experts' non-GEMM time (BENCHMARKS.md, "26B-A4B denoise pass")."""
     order, token_of, offs = sl.expert_order(index, w13.shape[0])
     gemm = grouped_gemm_op if torch.compiler.is_compiling() else grouped_gemm
-    q, qs = _quantize_rows(x, in_scale, mode)
+    q, qs = quantize_rows(x, in_scale, mode)
     gate, up = gemm(q[token_of], qs[token_of], w13, s13, g13, in_scale, offs, mode).chunk(2, dim=-1)
-    q, qs = _quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode)
+    q, qs = quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode)
     y = gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode)
     return combine_top_k(y, order, weights).to(x.dtype)
 

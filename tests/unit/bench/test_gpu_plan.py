@@ -102,3 +102,29 @@ def test_attention_shapes_report_the_kernels_torch_may_pick_and_the_expanded_for
 def test_spec_gpu_picks_the_device_by_name():
     assert gpu.spec_gpu("NVIDIA H200", "sm90").product == "H200-SXM-141GB"
     assert gpu.spec_gpu("NVIDIA H100 80GB HBM3", "sm90").product == "H100-SXM5-80GB"
+
+
+def test_expert_paths_time_one_layer_fp8_and_dequantized_bf16_on_the_same_routing(monkeypatch):
+    """The FP8 experts' module, its grouped GEMMs alone, and the bf16 grouped path on their dequantized
+    weights (here on the CPU: the grouped scaled GEMM as one F.scaled_mm per expert, bf16 out as on a GPU);
+    the two outputs differ by the FP8 activation rounding only, and the table shows the row."""
+    import torch.nn.functional as F
+
+    from pipeline.runtime import tensor_cores as tc
+    from tests.unit.runtime.test_tensor_cores import _grouped_by_scaled_mm, _packed
+
+    monkeypatch.setattr(F, "scaled_grouped_mm", lambda *a, **k: _grouped_by_scaled_mm(*a, **k).bfloat16())
+    e, d, inner = 8, 64, 32
+    gate, up, down = (
+        [_packed("fp8", n, k) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
+    )
+    cpu = gpu.torch.device("cpu")
+    x = gpu.expert_paths(tc.ScaledExperts(gate, up, down, "fp8", cpu), 2, 64, cpu, repeats=1)
+    assert x["tokens"] == 64 and x["rows_per_expert"] == 16
+    assert all(x[k] > 0 for k in ("ms_fp8_module", "ms_fp8_gemms", "ms_bf16_grouped", "ms_dequantize"))
+    assert 0 < x["rel_l2_bf16_vs_fp8"] < 0.1  # FP8 inputs round by up to 1/16; a wrong weight layout is O(1)
+    row = {"format": "fp8", "batch": 1, "kernels": "k", "ms_eager": 9.0, "ms_graph": 7.0, "floor_ms_spec": 6.2,
+           "floor_ms_copy": 7.0, "experts": x}  # fmt: skip
+    result = {"env": gpu.asdict(H200), "dry_run": False, "checks": [
+        {"name": "26B pass fp8", "status": "passed", "seconds": 1.0, "budget_s": 40, "detail": "", "rows": [row]}]}  # fmt: skip
+    assert f"| layer 0 | 1 | 16 | {x['ms_fp8_module']:.2f} |" in gpu.render(result)

@@ -148,8 +148,8 @@ def test_scaled_experts_compile_into_one_graph_around_the_grouped_gemms(monkeypa
 def test_quantizing_tokens_before_the_gather_equals_quantizing_the_gathered_rows(mode):
     x, scale = torch.randn(11, 64, generator=GEN), torch.tensor(0.02)
     rows = torch.randint(0, 11, (30,), generator=GEN)
-    q, qs = tc._quantize_rows(x, scale, mode)
-    q2, qs2 = tc._quantize_rows(x[rows], scale, mode)
+    q, qs = tc.quantize_rows(x, scale, mode)
+    q2, qs2 = tc.quantize_rows(x[rows], scale, mode)
     assert torch.equal(q[rows].view(torch.uint8), q2.view(torch.uint8))
     assert torch.equal(qs[rows].float(), qs2.float())
 
