@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.model.network import canvas_positions
-from pipeline.runtime.kv_cache import KVCache, attention_masks
+from pipeline.runtime.kv_cache import KeyMeta, KVCache, attention_masks
 from tests._utils.tiny import build_tiny
 
 SLIDING, GLOBAL = 0, 2  # the tiny model's layer types: sliding, sliding, full
@@ -58,7 +58,7 @@ def test_attention_over_the_trimmed_ring_equals_attention_over_the_whole_ring():
     whole = (cache.k[SLIDING], cache.v[SLIDING])
     ring_pos = cache.ring_pos
     whole_mask = attention_masks(
-        qpos, ones, {**meta, "sliding_attention": type(meta["sliding_attention"])(ring_pos, ring_pos >= 0)},
+        qpos, ones, {**meta, "sliding_attention": KeyMeta(ring_pos, ring_pos >= 0)},
         False, cache.window,
     )["sliding_attention"]  # fmt: skip
     g = torch.Generator().manual_seed(2)
