@@ -362,11 +362,14 @@ def measure_pass(
     repeats: int = 5,
     sink: Callable[[list[dict]], None] = print,
     compiled: bool = False,
+    config: str = CONFIG,
+    device: torch.device | None = None,
 ) -> list[dict]:
     """ms per denoise pass (eager and CUDA graph) of the 26B random-weight model in `fmt`, per batch; `sink`
     gets the rows so far after each batch (a check killed at its budget keeps the batches it finished).
     `compiled`: the pass under torch.compile as `dgpipe serve --compile` runs it (its decoder layers: one
-    static-shape compile per layer kind and batch, the first call's seconds reported)."""
+    static-shape compile per layer kind and batch, the first call's seconds reported). `config`, `device`:
+    another model configuration and device, for testing this function itself off a GPU."""
     from pipeline.bench.model import _graphed, copy_bandwidth, random_model
     from pipeline.bench.timing import median_seconds
     from pipeline.model.config import ModelConfig
@@ -374,8 +377,8 @@ def measure_pass(
     from pipeline.runtime.compiled import compile_model
     from pipeline.runtime.dispatch import dispatch, experts_touched, floor_ms, pass_bytes
 
-    dev = torch.device("cuda")
-    mcfg = ModelConfig.from_dict(load_yaml("models", CONFIG), source=CONFIG)
+    dev = device or torch.device("cuda")
+    mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
     model = random_model(mcfg, torch.bfloat16, dev)
     kernels = quantize_random(model, fmt) if fmt != "bf16" else "F.linear bf16 / F.grouped_mm bf16"
     # every batch's prompt prefilled first, eagerly: compiled, the prefill would compile layer graphs of its
@@ -383,8 +386,7 @@ def measure_pass(
     with torch.inference_mode():
         passes = {b: _pass_setup(model, b) for b in batches}
     if compiled:
-        torch._dynamo.config.automatic_dynamic_shapes = False  # one static graph per measured batch
-        compile_model(model)
+        compile_model(model, dynamic=False)  # one static graph per measured batch
     arch = arch_of(*torch.cuda.get_device_capability(dev))
     row = dispatch(fmt, arch)
     bw = copy_bandwidth(dev, 2.0)

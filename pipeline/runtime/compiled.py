@@ -64,10 +64,10 @@ def _register_routed_experts_op() -> None:
 RECOMPILE_LIMIT = 64  # graphs per compiled function: 2 layer kinds x 2 passes x mask or none x shapes
 
 
-def compile_model(model: DiffusionGemma) -> DiffusionGemma:
+def compile_model(model: DiffusionGemma, dynamic: bool | None = None) -> DiffusionGemma:
     """Compile each decoder layer in place (`nn.Module.compile`); every runtime and backend built on `model`
     afterwards runs them. Idempotent. Compilation itself happens lazily, on a layer kind's first call with a
-    new shape."""
+    new shape. `dynamic`: torch.compile's (False: one static graph per shape, as a benchmark measures)."""
     if getattr(model, COMPILED_ATTR, False):
         return model
     _register_routed_experts_op()
@@ -75,7 +75,7 @@ def compile_model(model: DiffusionGemma) -> DiffusionGemma:
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # torch < 2.7's name
     setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
     for layer in model.layers:
-        layer.compile()
+        layer.compile(dynamic=dynamic)
     setattr(model, COMPILED_ATTR, True)
     return model
 

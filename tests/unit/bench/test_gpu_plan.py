@@ -128,3 +128,38 @@ def test_expert_paths_time_one_layer_fp8_and_dequantized_bf16_on_the_same_routin
     result = {"env": gpu.asdict(H200), "dry_run": False, "checks": [
         {"name": "26B pass fp8", "status": "passed", "seconds": 1.0, "budget_s": 40, "detail": "", "rows": [row]}]}  # fmt: skip
     assert f"| layer 0 | 1 | 16 | {x['ms_fp8_module']:.2f} |" in gpu.render(result)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "compiled"), [("bf16", False), ("fp8", False), pytest.param("fp8", True, marks=pytest.mark.slow)]
+)
+def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compiled):
+    """`measure_pass` itself, on the CPU with the embedded model's configuration and an H200's name and
+    arch patched in (the grouped scaled GEMM as per-expert F.scaled_mm): every row and its diagnostics are
+    filled, so a GPU session does not lose a check to a fault in this harness."""
+    import torch.nn.functional as F
+
+    import pipeline.bench.model as bench_model
+    from tests.unit.runtime.test_tensor_cores import _grouped_by_scaled_mm
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(bench_model, "copy_bandwidth", lambda device, gib=2.0: 4.2e12)
+    monkeypatch.setattr(F, "scaled_grouped_mm", lambda *a, **k: _grouped_by_scaled_mm(*a, **k).bfloat16())
+    sunk: list[int] = []
+    rows = gpu.measure_pass(fmt, batches=(1, 2), repeats=1, sink=lambda r: sunk.append(len(r)), compiled=compiled,
+                            config="sudoku-tiny", device=torch.device("cpu"))  # fmt: skip
+    assert [r["batch"] for r in rows] == [1, 2] and sunk == [1, 2]
+    for r in rows:
+        assert r["finite"] and r["ms_eager"] > 0 and r["graph_error"] is None  # off CUDA the "graph" is fn
+        assert r["spec_gpu"] == "H200-SXM-141GB" and r["floor_ms_spec"] > 0
+        if compiled:  # the layers compiled (inductor's C++ here), no diagnostics that would recompile them
+            assert r["format"] == "fp8 compiled" and r["experts_touched"] is None and "experts" not in r
+            continue
+        assert 1 <= r["experts_touched"] <= 4
+        if fmt == "fp8":
+            assert r["kernels"].startswith("F.scaled_mm FP8 TensorWise") and "experts_error" not in r
+            assert r["experts"]["tokens"] == r["batch"] * 82
+        else:
+            assert "attention_error" not in r and len(r["attention"]) == 2
