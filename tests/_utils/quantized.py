@@ -15,6 +15,7 @@ from pipeline.model import scaled_layout as sl
 from pipeline.model.checkpoint import hf_state_dict, load_model
 from pipeline.model.fake_quant import E4M3_MAX
 from pipeline.model.files import DECODER
+from pipeline.model.modelopt import PackedLinear
 from pipeline.resources import EMBEDDED_MODEL
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -32,6 +33,29 @@ def quantize(w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
     packed, bs = sl.nvfp4_quantize(w, gs)
     return {"weight": packed, "weight_scale": bs, "weight_scale_2": gs.reshape(()),
             "input_scale": torch.tensor(INPUT_AMAX / (6 * E4M3_MAX))}  # fmt: skip
+
+
+def packed_linear(fmt: str, n: int, k: int, gen: torch.Generator) -> PackedLinear:
+    """A random linear [n, k] (weights ~ N(0, 0.1)) quantized to `fmt` as ModelOpt stores it."""
+    return PackedLinear(fmt.upper(), **quantize(torch.randn(n, k, generator=gen) * 0.1, fmt))
+
+
+def grouped_scaled_mm_on_cpu(out_dtype: torch.dtype = torch.float32):
+    """A stand-in for `F.scaled_grouped_mm` (RowWise, 2-D rows x 3-D experts; CUDA-only): one CPU
+    `F.scaled_mm` per group, in fp32, cast to `out_dtype` (bf16: what the GPU kernel writes; tests/gpu
+    checks that kernel against the same references)."""
+    F = torch.nn.functional
+
+    def grouped(a, b, scale_a, recipe_a, scale_b, recipe_b, offs=None, output_dtype=None, **_):
+        out, start = [], 0
+        for g, end in enumerate(offs.tolist()):
+            if end > start:
+                out.append(F.scaled_mm(a[start:end], b[g], scale_a[start:end, None], F.ScalingType.RowWise,
+                                       scale_b[g][None], F.ScalingType.RowWise, output_dtype=torch.float32))  # fmt: skip
+            start = end
+        return torch.cat(out).to(out_dtype)
+
+    return grouped
 
 
 def build_quantized_checkpoint(out: Path, fmt: str, src: Path = EMBEDDED_MODEL) -> Path:

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.model.fake_quant import InputQuantizer, fp8_fake_quant, nvfp4_fake_quant
-from pipeline.model.modelopt import PackedLinear, _quantized_experts_forward
+from pipeline.model.modelopt import _quantized_experts_forward
 from pipeline.runtime import tensor_cores as tc
 from pipeline.runtime.dispatch import arch_of, dispatch
-from tests._utils.quantized import build_quantized_checkpoint, quantize
+from tests._utils.quantized import build_quantized_checkpoint, packed_linear
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,10 +25,6 @@ CUDA = torch.device("cuda")
 @pytest.fixture(scope="module")
 def probed() -> tc.Probe:
     return tc.probe(CUDA)
-
-
-def _packed(fmt: str, n: int, k: int, gen: torch.Generator) -> PackedLinear:
-    return PackedLinear(fmt.upper(), **quantize(torch.randn(n, k, generator=gen) * 0.1, fmt))
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -50,7 +46,7 @@ def test_scaled_linear_equals_reference(probed, mode):
     if not probed.ok(f"linear:{mode}"):
         pytest.skip(f"{mode} linear not served here: {probed.results.get(f'linear:{mode}')}")
     gen = torch.Generator().manual_seed(0)
-    q = _packed("fp8" if mode == "fp8" else "nvfp4", 256, 512, gen)
+    q = packed_linear("fp8" if mode == "fp8" else "nvfp4", 256, 512, gen)
     x = torch.randn(37, 512, generator=gen)
     got = tc.ScaledLinear(q, mode, CUDA, torch.float32)(x.to(CUDA)).cpu()
     if mode == "fp8":
@@ -74,7 +70,7 @@ def test_scaled_experts_equal_fake_quant_experts(probed, mode):
     fmt = "fp8" if mode == "fp8" else "nvfp4"
     e, d, inner, t = 8, 256, 128, 300
     gate, up, down = (
-        [_packed(fmt, n, k, gen) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
+        [packed_linear(fmt, n, k, gen) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
     )
     m = tc.ScaledExperts(gate, up, down, mode, CUDA)
     x = torch.randn(t, d, generator=gen)

@@ -111,12 +111,13 @@ def test_expert_paths_time_one_layer_fp8_and_dequantized_bf16_on_the_same_routin
     import torch.nn.functional as F
 
     from pipeline.runtime import tensor_cores as tc
-    from tests.unit.runtime.test_tensor_cores import _grouped_by_scaled_mm, _packed
+    from tests._utils.quantized import grouped_scaled_mm_on_cpu, packed_linear
 
-    monkeypatch.setattr(F, "scaled_grouped_mm", lambda *a, **k: _grouped_by_scaled_mm(*a, **k).bfloat16())
+    monkeypatch.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu(torch.bfloat16))
+    gen = torch.Generator().manual_seed(0)
     e, d, inner = 8, 64, 32
     gate, up, down = (
-        [_packed("fp8", n, k) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
+        [packed_linear("fp8", n, k, gen) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
     )
     cpu = gpu.torch.device("cpu")
     x = gpu.expert_paths(tc.ScaledExperts(gate, up, down, "fp8", cpu), 2, 64, cpu, repeats=1)
@@ -140,13 +141,13 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
     import torch.nn.functional as F
 
     import pipeline.bench.model as bench_model
-    from tests.unit.runtime.test_tensor_cores import _grouped_by_scaled_mm
+    from tests._utils.quantized import grouped_scaled_mm_on_cpu
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(bench_model, "copy_bandwidth", lambda device, gib=2.0: 4.2e12)
-    monkeypatch.setattr(F, "scaled_grouped_mm", lambda *a, **k: _grouped_by_scaled_mm(*a, **k).bfloat16())
+    monkeypatch.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu(torch.bfloat16))
     sunk: list[int] = []
     rows = gpu.measure_pass(fmt, batches=(1, 2), repeats=1, sink=lambda r: sunk.append(len(r)), compiled=compiled,
                             config="sudoku-tiny", device=torch.device("cpu"))  # fmt: skip

@@ -48,9 +48,10 @@ def _fp8_tiny(monkeypatch):
     import torch.nn.functional as F
 
     from pipeline.runtime import tensor_cores as tc
-    from tests.unit.runtime.test_tensor_cores import _grouped_by_scaled_mm, _packed
+    from tests._utils.quantized import grouped_scaled_mm_on_cpu, packed_linear
 
-    monkeypatch.setattr(F, "scaled_grouped_mm", lambda *a, **k: _grouped_by_scaled_mm(*a, **k).bfloat16())
+    monkeypatch.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu(torch.bfloat16))
+    gen = torch.Generator().manual_seed(0)
     sizes = {
         "hidden_size": 64,
         "intermediate_size": 64,
@@ -64,10 +65,10 @@ def _fp8_tiny(monkeypatch):
         for parent in (layer.self_attn, layer.mlp):
             for name, m in list(parent.named_children()):
                 if isinstance(m, torch.nn.Linear):
-                    q = _packed("fp8", m.out_features, m.in_features)
+                    q = packed_linear("fp8", m.out_features, m.in_features, gen)
                     setattr(parent, name, tc.ScaledLinear(q, "fp8", cpu, torch.bfloat16))
         e, two_i, d = layer.experts.gate_up_proj.shape
-        mk = lambda n, k, e=e: [_packed("fp8", n, k) for _ in range(e)]
+        mk = lambda n, k, e=e: [packed_linear("fp8", n, k, gen) for _ in range(e)]
         layer.experts = tc.ScaledExperts(mk(two_i // 2, d), mk(two_i // 2, d), mk(d, two_i // 2), "fp8", cpu)
     return model
 

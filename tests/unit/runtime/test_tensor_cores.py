@@ -20,7 +20,7 @@ from pipeline.resources import EMBEDDED_MODEL
 from pipeline.runtime import dispatch as dp
 from pipeline.runtime import tensor_cores as tc
 from pipeline.runtime.backends import TorchBackend, experts_graph_safe
-from tests._utils.quantized import build_quantized_checkpoint, quantize
+from tests._utils.quantized import build_quantized_checkpoint, grouped_scaled_mm_on_cpu, packed_linear
 
 CPU = torch.device("cpu")
 GEN = torch.Generator().manual_seed(0)
@@ -33,7 +33,7 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
 
 
 def _packed(fmt: str, n: int = 48, k: int = 64) -> PackedLinear:
-    return PackedLinear(fmt.upper(), **quantize(torch.randn(n, k, generator=GEN) * 0.1, fmt))
+    return packed_linear(fmt, n, k, GEN)
 
 
 def test_scaled_linear_fp8_is_the_fake_quant_linear():
@@ -55,18 +55,6 @@ def test_scaled_linear_nvfp4_fallback_requantizes_rows():
     assert float((got - exact).abs().max()) <= 0.15 * float(exact.abs().max())
 
 
-def _grouped_by_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, offs=None, output_dtype=None, **_):
-    """F.scaled_grouped_mm (RowWise, 2-D rows x 3-D experts; CUDA-only) as one CPU F.scaled_mm per group, in
-    fp32 (the GPU kernel writes bf16: tests/gpu checks that path against the same reference)."""
-    out, start = [], 0
-    for g, end in enumerate(offs.tolist()):
-        if end > start:
-            out.append(F.scaled_mm(a[start:end], b[g], scale_a[start:end, None], F.ScalingType.RowWise,
-                                   scale_b[g][None], F.ScalingType.RowWise, output_dtype=torch.float32))  # fmt: skip
-        start = end
-    return torch.cat(out)
-
-
 def test_scaled_experts_fp8_is_the_fake_quant_expert_loop(monkeypatch):
     """ScaledExperts' forward (tokens quantized once then gathered, grouped GEMMs, outputs permuted back and
     combined per token by one batched product) against the fake-quantized expert loop on the dequantized
@@ -74,7 +62,7 @@ def test_scaled_experts_fp8_is_the_fake_quant_expert_loop(monkeypatch):
     from pipeline.model.fake_quant import InputQuantizer
     from pipeline.model.modelopt import _quantized_experts_forward
 
-    monkeypatch.setattr(F, "scaled_grouped_mm", _grouped_by_scaled_mm)
+    monkeypatch.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu())
     e, d, inner, t = 4, 64, 32, 9
     gate, up, down = (
         [_packed("fp8", n, k) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
@@ -126,7 +114,7 @@ def test_scaled_linear_compiles_into_one_graph_around_the_vendor_gemm(mode):
 
 def test_scaled_experts_compile_into_one_graph_around_the_grouped_gemms(monkeypatch):
     # bf16 out, as the GPU kernel writes and the op's fake kernel says
-    monkeypatch.setattr(F, "scaled_grouped_mm", lambda *a, **k: _grouped_by_scaled_mm(*a, **k).bfloat16())
+    monkeypatch.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu(torch.bfloat16))
     e, d, inner, t = 4, 64, 32, 9
     gate, up, down = (
         [_packed("fp8", n, k) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
