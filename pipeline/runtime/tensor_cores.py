@@ -97,11 +97,11 @@ class ScaledLinear(nn.Module):
                 [self.weight_scale],
             )
         elif self.mode == "nvfp4":
-            a, bs = sl.nvfp4_quantize(x2, self.input_scale)  # packed codes (uint8), per-16 block scales
+            a, bs = quantize_rows(x2, self.input_scale, "nvfp4")  # packed codes (uint8), per-16 block scales
             a_scales = [sl.to_blocked(bs.view(torch.uint8)).view(torch.float8_e4m3fn), self.input_scale]
             b_scales = [self.weight_scale, self.weight_scale_2]
         else:
-            a, s = _rowwise_dynamic(nvfp4_fake_quant(x2, self.input_scale))
+            a, s = quantize_rows(x2, self.input_scale, "fp8_rowwise")
             a_scales, b_scales = [s[:, None]], [self.weight_scale]
         gemm = scaled_gemm_op if torch.compiler.is_compiling() else scaled_gemm
         out = gemm(a, a_scales, self.weight, b_scales, self.mode, self.out_dtype)
