@@ -271,12 +271,13 @@ def render(result: dict) -> str:
     experts = [(r["batch"], r["experts"]) for r in rows if "experts" in r]
     if experts:
         lines += ["", "| one layer's FP8 experts | batch | rows per expert | ms FP8 module | ms FP8 grouped GEMMs "
-                  "| ms bf16 grouped (dequantized) | ms dequantize | bf16 vs FP8 (rel L2) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+                  "(fast / promoted accumulation) | fast vs promoted (rel L2) | ms bf16 grouped (dequantized) "
+                  "| ms dequantize | bf16 vs FP8 (rel L2) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for b, x in experts:
             lines.append(f"| layer 0 | {b} | {x['rows_per_expert']:.0f} | {x['ms_fp8_module']:.2f} "
-                         f"| {x['ms_fp8_gemms']:.2f} | {x['ms_bf16_grouped']:.2f} | {x['ms_dequantize']:.2f} "
-                         f"| {x['rel_l2_bf16_vs_fp8']:.3f} |")  # fmt: skip
+                         f"| {x['ms_fp8_gemms']:.2f} / {x['ms_fp8_gemms_exact_accum']:.2f} "
+                         f"| {x['rel_l2_fast_vs_exact_accum']:.1e} | {x['ms_bf16_grouped']:.2f} "
+                         f"| {x['ms_dequantize']:.2f} | {x['rel_l2_bf16_vs_fp8']:.3f} |")  # fmt: skip
     attention = [(r["batch"], a) for r in rows for a in r.get("attention", [])]
     if attention:
         lines += ["", "| attention | batch | heads q/kv x dim | keys | kernels torch may pick (grouped) | ms grouped "
@@ -479,11 +480,13 @@ def attention_backends(cfg, batch: int, canvas: int, dev: torch.device, repeats:
 
 def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: int = 5) -> dict:
     """One layer's FP8 experts (`ScaledExperts`, mode "fp8") on `tokens` tokens routed uniformly at random:
-    ms of the module as the pass runs it, of its two grouped scaled GEMMs alone, of the same experts
+    ms of the module as the pass runs it, of its two grouped scaled GEMMs alone (with the tensor cores'
+    fast accumulation the module uses, and with promoted fp32 accumulation), of the same experts
     dequantized to bf16 through `F.grouped_mm` (`network.grouped_experts`, weights dequantized beforehand)
-    and of that dequantization; and the bf16 output's distance from the FP8 one (relative L2: the FP8
-    activations' rounding). Whether a bf16 path, dequantizing per layer, would beat the grouped FP8 kernel
-    where that kernel is slow (on an H200 at 16 canvases it ran at 9% of the FP8 tensor-core rate)."""
+    and of that dequantization; the bf16 output's distance from the FP8 one (relative L2: the FP8
+    activations' rounding) and the two accumulation modes' distance. Whether fast accumulation, or a bf16
+    path dequantizing per layer, beats the grouped FP8 kernel where it was slow (on an H200 at 16 canvases,
+    with promoted accumulation, it ran at 9% of the FP8 tensor-core rate)."""
     from pipeline.bench.timing import median_seconds
     from pipeline.model import scaled_layout as sl
     from pipeline.model.network import grouped_experts
@@ -506,9 +509,11 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
     h = torch.randn(q.shape[0], inner, device=dev, dtype=torch.bfloat16, generator=gen)
     q2, qs2 = quantize_rows(h, experts.down_in_scale, "fp8")
 
-    def gemms() -> None:
-        grouped_gemm(q, qs, experts.w13, experts.s13, None, experts.in_scale, offs, "fp8")
-        grouped_gemm(q2, qs2, experts.w2, experts.s2, None, experts.down_in_scale, offs, "fp8")
+    def gemms(fast_accum: bool = True) -> torch.Tensor:
+        grouped_gemm(q, qs, experts.w13, experts.s13, None, experts.in_scale, offs, "fp8", fast_accum)
+        return grouped_gemm(
+            q2, qs2, experts.w2, experts.s2, None, experts.down_in_scale, offs, "fp8", fast_accum
+        )
 
     with torch.inference_mode():
         w13, w2 = dequantize()
@@ -516,15 +521,17 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
             experts(x, index, weights).float(),
             grouped_experts(x, index, weights, w13, w2).float(),
         )
+        fast, exact = gemms(True).float(), gemms(False).float()
         ms = {
             name: median_seconds(fn, dev, repeats) * 1e3
             for name, fn in (("fp8_module", lambda: experts(x, index, weights)), ("fp8_gemms", gemms),
+                             ("fp8_gemms_exact_accum", lambda: gemms(False)),
                              ("bf16_grouped", lambda: grouped_experts(x, index, weights, w13, w2)),
                              ("dequantize", dequantize))
         }  # fmt: skip
-    rel = float((bf16_out - fp8_out).norm() / fp8_out.norm().clamp(min=1e-30))
+    rel = lambda a, b: float((a - b).norm() / b.norm().clamp(min=1e-30))
     return {"tokens": tokens, "rows_per_expert": tokens * top_k / num, **{f"ms_{k}": v for k, v in ms.items()},
-            "rel_l2_bf16_vs_fp8": rel}  # fmt: skip
+            "rel_l2_bf16_vs_fp8": rel(bf16_out, fp8_out), "rel_l2_fast_vs_exact_accum": rel(fast, exact)}  # fmt: skip
 
 
 def routed_experts(model, fn) -> float:

@@ -33,8 +33,14 @@ def ceil_div(a: int, b: int) -> int:
 
 # ---- FP8 ---------------------------------------------------------------------------------------------
 def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3(clamp(x / scale)): the operand whose dequantization `fp8_fake_quant` computes."""
-    return (x.float() / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    """e4m3(clamp(x / scale)) with the division in fp32: the operand whose dequantization `fp8_fake_quant`
+    computes. Three passes over the activations, not four: dividing a bf16 tensor by a 1-element fp32
+    tensor (not a 0-dim one, which would not take part in type promotion) gives float(x) / scale in fp32
+    directly, without first writing x as fp32 (at 16 canvases the 26B's eager FP8 pass spends a quarter of
+    its time on such element-wise passes: BENCHMARKS.md, "26B-A4B denoise pass")."""
+    s = scale.float()
+    q = torch.div(x, s.reshape(1) if s.dim() == 0 else s)
+    return q.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def fp8_rowwise_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

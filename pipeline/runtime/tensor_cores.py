@@ -55,9 +55,23 @@ def _api():
     return F.ScalingType, F.SwizzleType
 
 
+# FP8 products accumulate in the tensor cores' accumulator over the whole K loop ("fast accumulation":
+# CUTLASS's *FP8FastAccum kernel schedules, cuBLASLt's CUBLASLT_MATMUL_DESC_FAST_ACCUM), not promoted into a
+# second set of fp32 registers every few K blocks. vLLM's Hopper FP8 GEMMs use it for every shape
+# (csrc/quantization/w8a8/cutlass/c3x/scaled_mm_sm90_fp8_dispatch.cuh). Without it, torch's grouped FP8
+# kernel (aten/src/ATen/native/cuda/ScaledGroupMM.cu) runs the 26B's expert shapes (256 rows per expert at
+# 16 canvases) on a 128x256x64 tile carrying both accumulators, a tile size its own large-problem branch
+# avoids in that mode "to avoid spilling"; it ran at 9% of the H200's FP8 rate there. The cost: Hopper keeps
+# about 14 bits of the running sum (DeepSeek-V3 technical report, section 3.3.2); a model of 14-bit
+# truncating accumulation (tests/_utils/accumulation.py) gives 2e-3 relative L2 at K = 2,816, against ~3%
+# from the FP8 activations' own rounding. `dgpipe bench gpu` times both modes and reports their difference. torch >= 2.10's
+# `use_fast_accum` ("Hopper-GPUs only"); NVFP4's block-scaled kernels have no such mode.
+FP8_FAST_ACCUM = True
+
+
 def _rowwise_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 operand with one scale per row (fp32 [M])."""
-    s = (x.float().abs().amax(-1) / E4M3_MAX).clamp(min=1e-12)
+    s = (x.abs().amax(-1).float() / E4M3_MAX).clamp(min=1e-12)  # |x| and its max are exact in x's dtype
     return sl.fp8_quantize(x, s[:, None]), s
 
 
@@ -121,7 +135,8 @@ def scaled_gemm(
     scaling, swizzle = _api()
     if mode == "fp8":
         return F.scaled_mm(
-            a, weight.t(), a_scales[0], scaling.TensorWise, w_scales[0], scaling.TensorWise, output_dtype=out_dtype
+            a, weight.t(), a_scales[0], scaling.TensorWise, w_scales[0], scaling.TensorWise, output_dtype=out_dtype,
+            use_fast_accum=FP8_FAST_ACCUM,
         )  # fmt: skip
     if mode == "nvfp4":
         return F.scaled_mm(
@@ -130,7 +145,8 @@ def scaled_gemm(
             swizzle_a=swizzle.SWIZZLE_32_4_4, swizzle_b=swizzle.SWIZZLE_32_4_4, output_dtype=out_dtype,
         )  # fmt: skip
     return F.scaled_mm(
-        a, weight.t(), a_scales[0], scaling.RowWise, w_scales[0], scaling.RowWise, output_dtype=out_dtype
+        a, weight.t(), a_scales[0], scaling.RowWise, w_scales[0], scaling.RowWise, output_dtype=out_dtype,
+        use_fast_accum=FP8_FAST_ACCUM,
     )  # fmt: skip
 
 
@@ -254,9 +270,11 @@ def grouped_gemm(
     in_scale: torch.Tensor,
     offs: torch.Tensor,
     mode: str,
+    fast_accum: bool = FP8_FAST_ACCUM,
 ) -> torch.Tensor:
     """One grouped scaled GEMM: expert-sorted operand rows `q` (scales `qs`) times `w` [E, N, K] packed
-    (scales `s`, NVFP4 global scales `g`), bf16 out (the only output torch's grouped FP8/FP4 kernels write)."""
+    (scales `s`, NVFP4 global scales `g`), bf16 out (the only output torch's grouped FP8/FP4 kernels write).
+    `fast_accum`: FP8 accumulation mode (`FP8_FAST_ACCUM`; the benchmark times the other one too)."""
     scaling, swizzle = _api()
     weight, num_experts = w.transpose(-2, -1), w.shape[0]
     if mode == "nvfp4":
@@ -268,7 +286,8 @@ def grouped_gemm(
             swizzle_a=swizzle.SWIZZLE_32_4_4, swizzle_b=swizzle.SWIZZLE_32_4_4, offs=offs, output_dtype=torch.bfloat16,
         )  # fmt: skip
     return F.scaled_grouped_mm(
-        q, weight, qs.contiguous(), scaling.RowWise, s, scaling.RowWise, offs=offs, output_dtype=torch.bfloat16
+        q, weight, qs.contiguous(), scaling.RowWise, s, scaling.RowWise, offs=offs, output_dtype=torch.bfloat16,
+        use_fast_accum=fast_accum,
     )  # fmt: skip
 
 
@@ -317,7 +336,9 @@ scaled_gemm_op.register_fake(
 )
 grouped_gemm_op = torch.library.custom_op("dgpipe::grouped_scaled_gemm", mutates_args=())(grouped_gemm)
 grouped_gemm_op.register_fake(
-    lambda q, qs, w, s, g, in_scale, offs, mode: q.new_empty((q.shape[0], w.shape[1]), dtype=torch.bfloat16)
+    lambda q, qs, w, s, g, in_scale, offs, mode, fast_accum=FP8_FAST_ACCUM: q.new_empty(
+        (q.shape[0], w.shape[1]), dtype=torch.bfloat16
+    )
 )
 
 

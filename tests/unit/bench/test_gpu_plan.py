@@ -122,13 +122,15 @@ def test_expert_paths_time_one_layer_fp8_and_dequantized_bf16_on_the_same_routin
     cpu = gpu.torch.device("cpu")
     x = gpu.expert_paths(tc.ScaledExperts(gate, up, down, "fp8", cpu), 2, 64, cpu, repeats=1)
     assert x["tokens"] == 64 and x["rows_per_expert"] == 16
-    assert all(x[k] > 0 for k in ("ms_fp8_module", "ms_fp8_gemms", "ms_bf16_grouped", "ms_dequantize"))
+    ms = ("ms_fp8_module", "ms_fp8_gemms", "ms_fp8_gemms_exact_accum", "ms_bf16_grouped", "ms_dequantize")
+    assert all(x[k] > 0 for k in ms)
     assert 0 < x["rel_l2_bf16_vs_fp8"] < 0.1  # FP8 inputs round by up to 1/16; a wrong weight layout is O(1)
+    assert x["rel_l2_fast_vs_exact_accum"] == 0  # the CPU has one accumulation mode
     row = {"format": "fp8", "batch": 1, "kernels": "k", "ms_eager": 9.0, "ms_graph": 7.0, "floor_ms_spec": 6.2,
            "floor_ms_copy": 7.0, "experts": x}  # fmt: skip
     result = {"env": gpu.asdict(H200), "dry_run": False, "checks": [
         {"name": "26B pass fp8", "status": "passed", "seconds": 1.0, "budget_s": 40, "detail": "", "rows": [row]}]}  # fmt: skip
-    assert f"| layer 0 | 1 | 16 | {x['ms_fp8_module']:.2f} |" in gpu.render(result)
+    assert f"| layer 0 | 1 | 16 | {x['ms_fp8_module']:.2f} | {x['ms_fp8_gemms']:.2f} / " in gpu.render(result)
 
 
 @pytest.mark.parametrize(

@@ -107,6 +107,26 @@ def test_fp8_operands_dequantize_to_the_fake_quant_and_rowwise_requant_bound():
     )
 
 
+def test_fp8_quantize_divides_in_fp32_for_every_input_dtype_and_scale_shape():
+    """The operand is e4m3(clamp(float(x) / scale)) bit for bit, whatever x's dtype and whether the scale is
+    0-dim (static per tensor), one per row, or float64: dividing a bf16 tensor by a 0-dim fp32 scale would
+    round the quotient to bf16 first (0-dim tensors do not take part in type promotion) and flip roundings."""
+    x = _randn(64, 96) * torch.logspace(-4, 4, 96)  # magnitudes past E4M3's 448 after scaling: the clamp
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        xd = x.to(dtype)
+        for scale in (
+            torch.tensor(0.0123),
+            torch.tensor(3.7, dtype=torch.float64),
+            _randn(64, 1).abs() + 1e-3,
+        ):
+            want = (xd.float() / scale.float()).clamp(-448, 448).to(torch.float8_e4m3fn)
+            got = sl.fp8_quantize(xd, scale)
+            assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    bf, s = torch.tensor([1.9453125, 3.15625, -4.25], dtype=torch.bfloat16), torch.tensor(0.37)
+    assert sl.fp8_quantize(bf, s).float().tolist() == [5.5, 9.0, -11.0]  # 5.2576, 8.5304, -11.4865 in fp32
+    assert (bf / s).to(torch.float8_e4m3fn).float().tolist() == [5.0, 8.0, -12.0]  # quotients rounded to bf16
+
+
 def test_scaled_grouped_gemm_from_layouts_equals_dequantized_reference():
     """Emulate what scaled_grouped_mm computes from the converted operands (codes x unswizzled block
     scales x global scales, per group) and compare with the dequantized weights times the fake-quantized

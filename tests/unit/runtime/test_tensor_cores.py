@@ -81,6 +81,47 @@ def test_scaled_experts_fp8_is_the_fake_quant_expert_loop(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_fp8_gemms_ask_for_fast_accumulation_and_nvfp4_ones_do_not(monkeypatch):
+    """Every FP8 vendor GEMM (linears TensorWise and RowWise, grouped experts) runs with the tensor cores'
+    fast accumulation, as `FP8_FAST_ACCUM` says; the NVFP4 block-scaled GEMMs have no such mode and are not
+    asked for it (torch documents it for Hopper only)."""
+    calls: list[tuple[str, object]] = []
+    grouping: list[int] = []
+    real_mm, grouped = F.scaled_mm, grouped_scaled_mm_on_cpu()
+
+    def mm(*args, **kw):
+        if args[0].dtype == torch.float4_e2m1fn_x2:  # no CPU kernel: shape only
+            calls.append(("mm", kw.get("use_fast_accum")))
+            return torch.zeros(args[0].shape[0], args[1].shape[1], dtype=kw["output_dtype"])
+        if not grouping:
+            calls.append(("mm", kw.get("use_fast_accum")))
+        return real_mm(*args, **kw)
+
+    def grouped_mm(*args, **kw):
+        calls.append(("grouped", kw.get("use_fast_accum")))
+        grouping.append(1)  # the CPU stand-in's own per-group F.scaled_mm calls are not the module's
+        try:
+            return grouped(*args, **kw)
+        finally:
+            grouping.pop()
+
+    monkeypatch.setattr(F, "scaled_mm", mm)
+    monkeypatch.setattr(F, "scaled_grouped_mm", grouped_mm)
+    assert tc.FP8_FAST_ACCUM is True
+    x = torch.randn(5, 64, generator=GEN)
+    for mode in ("fp8", "fp8_rowwise"):
+        fmt = "fp8" if mode == "fp8" else "nvfp4"
+        tc.ScaledLinear(_packed(fmt), mode, CPU, torch.float32)(x)
+        ps = [_packed(fmt, 64, 64) for _ in range(2)]
+        tc.ScaledExperts(ps, ps, ps, mode, CPU)(
+            x, torch.randint(0, 2, (5, 2), generator=GEN), torch.rand(5, 2)
+        )
+    assert calls == [("mm", True), ("grouped", True), ("grouped", True)] * 2
+    calls.clear()
+    tc.ScaledLinear(_packed("nvfp4"), "nvfp4", CPU, torch.float32)(x)
+    assert calls == [("mm", None)]
+
+
 def _compiled_whole(fn):
     """fn under torch.compile with fullgraph (a graph break raises) through AOT autograd's fake tensors
     (every op's fake kernel runs), executed eagerly; returns it and the captured graphs."""
@@ -192,3 +233,22 @@ def test_graph_safe_tells_the_truth_for_every_weight_format(ckpts):
             layer.experts = tc.ScaledExperts(*per, mode, CPU)
         assert experts_graph_safe(model), fmt  # tensor-core experts keep routing on the device
     assert not TorchBackend(plain).graph_safe  # on the CPU: no fused sampler, nothing to capture
+
+
+@pytest.mark.parametrize(("k", "fast_bound", "promoted_bound"), [(512, 5e-3, None), (2816, 1e-2, 1e-3)])
+def test_gpu_fast_accumulation_bounds_sit_above_the_modelled_error(k, fast_bound, promoted_bound):
+    """The bounds tests/gpu sets on FP8 GEMMs with fast accumulation (K = 512: the linear test; K = 2,816:
+    the 26B's depth) and with promoted accumulation, against a model of Hopper's ~14-bit accumulator:
+    at least twice what the model gives at 13 bits, and the fast mode's extra error grows with K."""
+    from tests._utils.accumulation import truncating_matmul
+
+    gen = torch.Generator().manual_seed(4)
+    a = (torch.randn(64, k, generator=gen) * 16).to(torch.float8_e4m3fn).float()
+    b = (torch.randn(k, 128, generator=gen) * 16).to(torch.float8_e4m3fn).float()
+    exact = a.double() @ b.double()
+    rel = lambda x: float((x - exact).norm() / exact.norm())
+    fast = {bits: rel(truncating_matmul(a, b, bits)) for bits in (13, 14)}
+    assert 0 < fast[14] < fast[13] <= fast_bound / 2, fast
+    if promoted_bound is not None:
+        promoted = rel(truncating_matmul(a, b, 13, interval=128))
+        assert promoted <= promoted_bound / 2 and promoted < fast[13] / 10, (promoted, fast)
