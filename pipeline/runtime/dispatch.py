@@ -60,10 +60,23 @@ def _bytes(fmt: str) -> float:
     return precision(fmt).weight_bytes_per_param() if fmt != "fp8_rowwise" else 1.0
 
 
-SCALED_MM_FP8 = "F.scaled_mm FP8 TensorWise (static input scale)"
-SCALED_MM_FP8_ROW = "F.scaled_mm FP8 RowWise (weights re-quantized per row at load)"
-GROUPED_FP8 = "F.scaled_grouped_mm FP8 RowWise"
-GROUPED_FP8_REQ = "F.scaled_grouped_mm FP8 RowWise (weights re-quantized per row at load)"
+# FP8 products accumulate in the tensor cores' accumulator over the whole K loop ("fast accumulation":
+# CUTLASS's *FP8FastAccum kernel schedules, cuBLASLt's CUBLASLT_MATMUL_DESC_FAST_ACCUM), not promoted into a
+# second set of fp32 registers every few K blocks; torch >= 2.10's `use_fast_accum` ("Hopper-GPUs only";
+# NVFP4's block-scaled kernels have no such mode). vLLM's Hopper FP8 GEMMs use it for every shape
+# (csrc/quantization/w8a8/cutlass/c3x/scaled_mm_sm90_fp8_dispatch.cuh). Without it, torch's grouped FP8
+# kernel (aten/src/ATen/native/cuda/ScaledGroupMM.cu) runs the 26B's expert shapes (256 rows per expert at
+# 16 canvases) on a 128x256x64 tile carrying both accumulators, a tile size its own large-problem branch
+# avoids in that mode "to avoid spilling"; it ran at 9% of the H200's FP8 rate there. The cost: Hopper keeps
+# about 14 bits of the running sum (DeepSeek-V3 technical report, section 3.3.2); a model of 14-bit
+# truncating accumulation (tests/_utils/accumulation.py) gives 2e-3 relative L2 at K = 2,816, against ~3%
+# from the FP8 activations' own rounding. `dgpipe bench gpu` times both modes and reports their difference.
+FP8_FAST_ACCUM = True
+_ACC = ", fast accumulation" if FP8_FAST_ACCUM else ""
+SCALED_MM_FP8 = "F.scaled_mm FP8 TensorWise (static input scale)" + _ACC
+SCALED_MM_FP8_ROW = "F.scaled_mm FP8 RowWise (weights re-quantized per row at load)" + _ACC
+GROUPED_FP8 = "F.scaled_grouped_mm FP8 RowWise" + _ACC
+GROUPED_FP8_REQ = "F.scaled_grouped_mm FP8 RowWise (weights re-quantized per row at load)" + _ACC
 SCALED_MM_FP4 = "F.scaled_mm NVFP4 [BlockWise1x16, TensorWise], SWIZZLE_32_4_4"
 GROUPED_FP4 = "F.scaled_grouped_mm NVFP4 [BlockWise1x16, TensorWise], SWIZZLE_32_4_4"
 LINEAR_BF16 = "F.linear bf16 (dequantized at load)"

@@ -36,7 +36,7 @@ from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX, nvfp4_fake_quant
 from pipeline.model.modelopt import PackedLinear, quant_algo, read_packed_linears
 from pipeline.model.network import DiffusionGemma, combine_top_k, gelu_tanh
-from pipeline.runtime.dispatch import arch_of, dispatch
+from pipeline.runtime.dispatch import FP8_FAST_ACCUM, arch_of, dispatch
 from pipeline.targets import precision_for_quant_algo
 
 EXPERT = re.compile(r"^(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
@@ -53,20 +53,6 @@ def _api():
             "tensor-core FP8/NVFP4 needs torch >= 2.10 with CUDA; the float path runs without it",
         )
     return F.ScalingType, F.SwizzleType
-
-
-# FP8 products accumulate in the tensor cores' accumulator over the whole K loop ("fast accumulation":
-# CUTLASS's *FP8FastAccum kernel schedules, cuBLASLt's CUBLASLT_MATMUL_DESC_FAST_ACCUM), not promoted into a
-# second set of fp32 registers every few K blocks. vLLM's Hopper FP8 GEMMs use it for every shape
-# (csrc/quantization/w8a8/cutlass/c3x/scaled_mm_sm90_fp8_dispatch.cuh). Without it, torch's grouped FP8
-# kernel (aten/src/ATen/native/cuda/ScaledGroupMM.cu) runs the 26B's expert shapes (256 rows per expert at
-# 16 canvases) on a 128x256x64 tile carrying both accumulators, a tile size its own large-problem branch
-# avoids in that mode "to avoid spilling"; it ran at 9% of the H200's FP8 rate there. The cost: Hopper keeps
-# about 14 bits of the running sum (DeepSeek-V3 technical report, section 3.3.2); a model of 14-bit
-# truncating accumulation (tests/_utils/accumulation.py) gives 2e-3 relative L2 at K = 2,816, against ~3%
-# from the FP8 activations' own rounding. `dgpipe bench gpu` times both modes and reports their difference. torch >= 2.10's
-# `use_fast_accum` ("Hopper-GPUs only"); NVFP4's block-scaled kernels have no such mode.
-FP8_FAST_ACCUM = True
 
 
 def _rowwise_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
