@@ -4,6 +4,13 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter (tests/unit/runtime/test_moe_triton.py). The
+# switch must be on before anything imports triton: its standard library (the combine functions of
+# tl.sum, tl.cumsum) is jitted at import, and torch.compile's tests import it early.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests._utils.tiny import build_tiny
 

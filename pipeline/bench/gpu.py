@@ -69,7 +69,8 @@ def _pass(fmt: str, compiled: bool = False) -> GpuCheck:
             ("-m", "pipeline.bench.gpu", "pass", fmt, "--compile"), needs,
         )  # fmt: skip
     return GpuCheck(
-        f"26B pass {fmt}", {"nvfp4": 30}.get(fmt, 40), f"26B-A4B random {fmt} weights, batch {batches}: ms vs floor",
+        # FP8 also runs the probe and compiles the Triton MoE GEMM per tile configuration (cached per host)
+        f"26B pass {fmt}", {"nvfp4": 25, "fp8": 60}.get(fmt, 35), f"26B-A4B random {fmt} weights, batch {batches}: ms vs floor",
         ("-m", "pipeline.bench.gpu", "pass", fmt), needs,
     )  # fmt: skip
 
@@ -77,7 +78,7 @@ def _pass(fmt: str, compiled: bool = False) -> GpuCheck:
 CHECKS: tuple[GpuCheck, ...] = (
     GpuCheck(
         "build sampler kernels",
-        60,
+        45,
         "nvcc build of the fused sampler (torch extension)",
         ("-c", "from pipeline.sampler.kernels.build import load_torch_extension as b; b()"),
         ("cuda", "nvcc", "ninja"),
@@ -95,7 +96,7 @@ CHECKS: tuple[GpuCheck, ...] = (
     _pass("fp8", compiled=True),
     GpuCheck(
         "largest batch",
-        40,
+        35,
         "largest batch whose pass fits, doubling from 16 (fastest format here)",
         ("-m", "pipeline.bench.gpu", "largest"),
         ("cuda", "memory"),
@@ -270,13 +271,16 @@ def render(result: dict) -> str:
             )
     experts = [(r["batch"], r["experts"]) for r in rows if "experts" in r]
     if experts:
-        lines += ["", "| one layer's FP8 experts | batch | rows per expert | ms FP8 module | ms FP8 grouped GEMMs "
-                  "(fast / promoted accumulation) | fast vs promoted (rel L2) | ms bf16 grouped (dequantized) "
-                  "| ms dequantize | bf16 vs FP8 (rel L2) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += ["", "| one layer's FP8 experts | batch | rows per expert | ms FP8 module | ms torch grouped GEMMs "
+                  "(fast / promoted accumulation) | fast vs promoted (rel L2) | ms Triton GEMMs | Triton vs torch "
+                  "(rel L2) | ms bf16 grouped (dequantized) | ms dequantize | bf16 vs FP8 (rel L2) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for b, x in experts:
+            triton = (f"{x['ms_triton_gemms']:.2f} | {x['rel_l2_triton_vs_torch']:.1e}" if "ms_triton_gemms" in x
+                      else f"— | {str(x.get('triton_error')).replace('|', '/')[:80]}")  # fmt: skip
             lines.append(f"| layer 0 | {b} | {x['rows_per_expert']:.0f} | {x['ms_fp8_module']:.2f} "
                          f"| {x['ms_fp8_gemms']:.2f} / {x['ms_fp8_gemms_exact_accum']:.2f} "
-                         f"| {x['rel_l2_fast_vs_exact_accum']:.1e} | {x['ms_bf16_grouped']:.2f} "
+                         f"| {x['rel_l2_fast_vs_exact_accum']:.1e} | {triton} | {x['ms_bf16_grouped']:.2f} "
                          f"| {x['ms_dequantize']:.2f} | {x['rel_l2_bf16_vs_fp8']:.3f} |")  # fmt: skip
     attention = [(r["batch"], a) for r in rows for a in r.get("attention", [])]
     if attention:
@@ -298,12 +302,21 @@ def _best_ms(row: dict) -> float:
 def quantize_random(model, fmt: str) -> str:
     """Swap a random bf16 model's linears and experts for tensor-core modules with random `fmt` weights,
     following the dispatch row of this GPU; returns the kernels used."""
-    from pipeline.runtime.dispatch import dispatch
-    from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, random_packed
+    from pipeline.runtime import moe_triton
+    from pipeline.runtime.dispatch import dispatch, uses_triton
+    from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, probe, random_packed
 
     dev = next(model.parameters()).device
     row = dispatch(fmt, arch_of(*torch.cuda.get_device_capability(dev)))
     lin, exp = kernel_mode(row.linears), kernel_mode(row.experts)
+    kernels = f"{row.linears} / {row.experts}"
+    triton = bool(exp) and uses_triton(row.experts)
+    # as the runtime does: where the Triton GEMM cannot run or fails its probe, torch's GEMM takes every pass
+    why = triton and (
+        moe_triton.unavailable(dev) or (dev.type == "cuda" and probe(dev).results.get(f"triton:{exp}"))
+    )
+    if why:
+        triton, kernels = False, kernels + f" (Triton GEMM not used: {why})"
     gen = torch.Generator(device=dev).manual_seed(0)
     for layer in model.layers:
         if lin:
@@ -315,9 +328,11 @@ def quantize_random(model, fmt: str) -> str:
         if exp:
             e, two_i, d = layer.experts.gate_up_proj.shape
             mk = lambda n, k, e=e: [random_packed(fmt, n, k, dev, gen) for _ in range(e)]
-            layer.experts = ScaledExperts(mk(two_i // 2, d), mk(two_i // 2, d), mk(d, two_i // 2), exp, dev)
+            layer.experts = ScaledExperts(
+                mk(two_i // 2, d), mk(two_i // 2, d), mk(d, two_i // 2), exp, dev, triton
+            )
         torch.cuda.empty_cache()
-    return f"{row.linears} / {row.experts}"
+    return kernels
 
 
 def spec_gpu(device_name: str, arch: str):
@@ -480,16 +495,17 @@ def attention_backends(cfg, batch: int, canvas: int, dev: torch.device, repeats:
 
 def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: int = 5) -> dict:
     """One layer's FP8 experts (`ScaledExperts`, mode "fp8") on `tokens` tokens routed uniformly at random:
-    ms of the module as the pass runs it, of its two grouped scaled GEMMs alone (with the tensor cores'
-    fast accumulation the module uses, and with promoted fp32 accumulation), of the same experts
-    dequantized to bf16 through `F.grouped_mm` (`network.grouped_experts`, weights dequantized beforehand)
-    and of that dequantization; the bf16 output's distance from the FP8 one (relative L2: the FP8
-    activations' rounding) and the two accumulation modes' distance. Whether fast accumulation, or a bf16
-    path dequantizing per layer, beats the grouped FP8 kernel where it was slow (on an H200 at 16 canvases,
-    with promoted accumulation, it ran at 9% of the FP8 tensor-core rate)."""
+    ms of the module as the pass runs it; of its two grouped GEMMs alone, token-row gather included, on
+    torch's kernel (with the fast accumulation the module uses, and with promoted fp32 accumulation) and on
+    `moe_triton`'s kernel (which gathers in the kernel); of the same experts dequantized to bf16 through
+    `F.grouped_mm` (`network.grouped_experts`, weights dequantized beforehand) and of that dequantization.
+    Distances (relative L2): bf16 against FP8 (the FP8 activations' rounding), fast against promoted
+    accumulation, Triton against torch. Which kernel should take which batch: on an H200 torch's kernel ran
+    at 44% of HBM at one canvas and, with promoted accumulation, at 9% of the FP8 rate at 16."""
     from pipeline.bench.timing import median_seconds
     from pipeline.model import scaled_layout as sl
     from pipeline.model.network import grouped_experts
+    from pipeline.runtime import moe_triton
     from pipeline.runtime.tensor_cores import grouped_gemm, quantize_rows
 
     if experts.mode != "fp8":
@@ -504,17 +520,31 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
                           (experts.w2.float() * experts.s2[..., None]).bfloat16())  # fmt: skip
     _, token_of, offs = sl.expert_order(index, num)
     q, qs = quantize_rows(x, experts.in_scale, "fp8")
-    q, qs = q[token_of], qs[token_of]
     inner = experts.w2.shape[-1]
-    h = torch.randn(q.shape[0], inner, device=dev, dtype=torch.bfloat16, generator=gen)
+    h = torch.randn(token_of.shape[0], inner, device=dev, dtype=torch.bfloat16, generator=gen)
     q2, qs2 = quantize_rows(h, experts.down_in_scale, "fp8")
 
     def gemms(fast_accum: bool = True) -> torch.Tensor:
-        grouped_gemm(q, qs, experts.w13, experts.s13, None, experts.in_scale, offs, "fp8", fast_accum)
+        grouped_gemm(
+            q[token_of],
+            qs[token_of],
+            experts.w13,
+            experts.s13,
+            None,
+            experts.in_scale,
+            offs,
+            "fp8",
+            fast_accum,
+        )
         return grouped_gemm(
             q2, qs2, experts.w2, experts.s2, None, experts.down_in_scale, offs, "fp8", fast_accum
         )
 
+    def triton_gemms() -> torch.Tensor:  # the token gather inside the kernel
+        moe_triton.grouped_fp8(q, qs, token_of, experts.w13, experts.s13, offs)
+        return moe_triton.grouped_fp8(q2, qs2, None, experts.w2, experts.s2, offs)
+
+    rel = lambda a, b: float((a - b).norm() / b.norm().clamp(min=1e-30))
     with torch.inference_mode():
         w13, w2 = dequantize()
         fp8_out, bf16_out = (
@@ -522,16 +552,19 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
             grouped_experts(x, index, weights, w13, w2).float(),
         )
         fast, exact = gemms(True).float(), gemms(False).float()
-        ms = {
-            name: median_seconds(fn, dev, repeats) * 1e3
-            for name, fn in (("fp8_module", lambda: experts(x, index, weights)), ("fp8_gemms", gemms),
-                             ("fp8_gemms_exact_accum", lambda: gemms(False)),
-                             ("bf16_grouped", lambda: grouped_experts(x, index, weights, w13, w2)),
-                             ("dequantize", dequantize))
-        }  # fmt: skip
-    rel = lambda a, b: float((a - b).norm() / b.norm().clamp(min=1e-30))
+        paths = [("fp8_module", lambda: experts(x, index, weights)), ("fp8_gemms", gemms),
+                 ("fp8_gemms_exact_accum", lambda: gemms(False)),
+                 ("bf16_grouped", lambda: grouped_experts(x, index, weights, w13, w2)), ("dequantize", dequantize)]  # fmt: skip
+        extra: dict = {"triton_error": moe_triton.unavailable(dev)}
+        if extra["triton_error"] is None:
+            try:
+                extra["rel_l2_triton_vs_torch"] = rel(triton_gemms().float(), fast)
+                paths.append(("triton_gemms", triton_gemms))
+            except Exception as e:  # its own row says why; the other paths still run
+                extra["triton_error"] = error_line(e)
+        ms = {name: median_seconds(fn, dev, repeats) * 1e3 for name, fn in paths}
     return {"tokens": tokens, "rows_per_expert": tokens * top_k / num, **{f"ms_{k}": v for k, v in ms.items()},
-            "rel_l2_bf16_vs_fp8": rel(bf16_out, fp8_out), "rel_l2_fast_vs_exact_accum": rel(fast, exact)}  # fmt: skip
+            "rel_l2_bf16_vs_fp8": rel(bf16_out, fp8_out), "rel_l2_fast_vs_exact_accum": rel(fast, exact), **extra}  # fmt: skip
 
 
 def routed_experts(model, fn) -> float:

@@ -73,10 +73,17 @@ def _bytes(fmt: str) -> float:
 # from the FP8 activations' own rounding. `dgpipe bench gpu` times both modes and reports their difference.
 FP8_FAST_ACCUM = True
 _ACC = ", fast accumulation" if FP8_FAST_ACCUM else ""
+# Passes with few rows per expert (one canvas: 2,048 slots over 128 experts) take dgpipe's Triton FP8 MoE
+# GEMM on Hopper (`pipeline.runtime.moe_triton`, where the probe ran it): torch's grouped FP8 kernel streamed
+# the experts' weights at 44% of an H200's HBM there. More rows per expert keep torch's kernel.
+TRITON_MAX_ROWS_PER_EXPERT = 64
+TRITON_MOE = f"Triton FP8 MoE GEMM at <= {TRITON_MAX_ROWS_PER_EXPERT} rows per expert"
 SCALED_MM_FP8 = "F.scaled_mm FP8 TensorWise (static input scale)" + _ACC
 SCALED_MM_FP8_ROW = "F.scaled_mm FP8 RowWise (weights re-quantized per row at load)" + _ACC
-GROUPED_FP8 = "F.scaled_grouped_mm FP8 RowWise" + _ACC
-GROUPED_FP8_REQ = "F.scaled_grouped_mm FP8 RowWise (weights re-quantized per row at load)" + _ACC
+GROUPED_FP8 = "F.scaled_grouped_mm FP8 RowWise" + _ACC + "; " + TRITON_MOE
+GROUPED_FP8_REQ = (
+    "F.scaled_grouped_mm FP8 RowWise (weights re-quantized per row at load)" + _ACC + "; " + TRITON_MOE
+)
 SCALED_MM_FP4 = "F.scaled_mm NVFP4 [BlockWise1x16, TensorWise], SWIZZLE_32_4_4"
 GROUPED_FP4 = "F.scaled_grouped_mm NVFP4 [BlockWise1x16, TensorWise], SWIZZLE_32_4_4"
 LINEAR_BF16 = "F.linear bf16 (dequantized at load)"
@@ -116,6 +123,11 @@ DISPATCH: dict[tuple[str, str], DispatchRow] = _rows()
 
 def dispatch(fmt: str, arch: str) -> DispatchRow:
     return DISPATCH[fmt, arch]
+
+
+def uses_triton(kernel: str) -> bool:
+    """Whether a dispatch-table experts kernel hands its few-rows-per-expert passes to the Triton GEMM."""
+    return TRITON_MOE in kernel
 
 
 # ---- byte model ----------------------------------------------------------------------------------------

@@ -36,7 +36,8 @@ from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX, nvfp4_fake_quant
 from pipeline.model.modelopt import PackedLinear, quant_algo, read_packed_linears
 from pipeline.model.network import DiffusionGemma, combine_top_k, gelu_tanh
-from pipeline.runtime.dispatch import FP8_FAST_ACCUM, arch_of, dispatch
+from pipeline.runtime import moe_triton
+from pipeline.runtime.dispatch import FP8_FAST_ACCUM, TRITON_MOE, arch_of, dispatch, uses_triton
 from pipeline.targets import precision_for_quant_algo
 
 EXPERT = re.compile(r"^(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
@@ -145,7 +146,8 @@ class ScaledExperts(nn.Module):
     """A layer's routed experts on `F.scaled_grouped_mm`: slots sorted by expert (device-side offsets),
     one grouped GEMM for gate|up and one for down. `mode` as in `ScaledLinear` ("fp8" is RowWise here: the
     grouped FP8 kernel takes per-row scales, so each expert's per-tensor weight scale fills its rows). The
-    output has the input's dtype (the grouped kernels compute in bf16: `scaled_experts`)."""
+    output has the input's dtype (the grouped kernels compute in bf16: `scaled_experts`). `triton`: FP8
+    passes with few rows per expert take `moe_triton`'s kernel instead (set where its probe ran)."""
 
     graph_safe = True
 
@@ -156,9 +158,10 @@ class ScaledExperts(nn.Module):
         down: list[PackedLinear],
         mode: str,
         device: torch.device,
+        triton: bool = False,
     ):
         super().__init__()
-        self.mode, self.num_experts = mode, len(gate)
+        self.mode, self.num_experts, self.triton = mode, len(gate), triton and mode != "nvfp4"
         # ModelOpt shares one input quantizer per projection across a layer's experts (max over experts)
         self.register_buffer(
             "in_scale", torch.stack([p.input_scale.reshape(()) for p in gate + up]).max().to(device)
@@ -232,7 +235,7 @@ class ScaledExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return scaled_experts(
-            x, index, weights, *self._weights(), self.in_scale, self.down_in_scale, self.mode
+            x, index, weights, *self._weights(), self.in_scale, self.down_in_scale, self.mode, self.triton
         )
 
 
@@ -290,9 +293,12 @@ def scaled_experts(
     in_scale: torch.Tensor,
     down_in_scale: torch.Tensor,
     mode: str,
+    triton: bool = False,
 ) -> torch.Tensor:
     """A layer's routed experts: slots sorted by expert (device-side offsets, no host sync), one grouped
-    scaled GEMM for gate|up and one for down, each token's top-k outputs weighted and summed.
+    scaled GEMM for gate|up and one for down, each token's top-k outputs weighted and summed. With
+    `triton`, an FP8 pass with few slots per expert (`moe_triton.serves`) runs both GEMMs
+    on `moe_triton`'s kernel, which gathers the token rows itself.
 
     The tokens are quantized once and their 1-byte (FP8) or half-byte (NVFP4) rows gathered top_k times,
     not gathered in bf16 and quantized top_k times over; the outputs go back to slot order with one
@@ -300,11 +306,18 @@ def scaled_experts(
     atomics, deterministic), not scattered with bf16 atomic adds. On an H200 at batch 16 those two
     element-wise paths took most of the experts' non-GEMM time (BENCHMARKS.md, "26B-A4B denoise pass")."""
     order, token_of, offs = sl.expert_order(index, w13.shape[0])
-    gemm = grouped_gemm_op if torch.compiler.is_compiling() else grouped_gemm
+    compiling = torch.compiler.is_compiling()
     q, qs = quantize_rows(x, in_scale, mode)
-    gate, up = gemm(q[token_of], qs[token_of], w13, s13, g13, in_scale, offs, mode).chunk(2, dim=-1)
-    q, qs = quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode)
-    y = gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode)
+    if triton and moe_triton.serves(token_of.shape[0], w13.shape[0]):
+        small = moe_fp8_gemm_op if compiling else moe_triton.grouped_fp8
+        gate, up = small(q, qs, token_of, w13, s13, offs).chunk(2, dim=-1)
+        q, qs = quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode)
+        y = small(q, qs, None, w2, s2, offs)
+    else:
+        gemm = grouped_gemm_op if compiling else grouped_gemm
+        gate, up = gemm(q[token_of], qs[token_of], w13, s13, g13, in_scale, offs, mode).chunk(2, dim=-1)
+        q, qs = quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode)
+        y = gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode)
     return combine_top_k(y, order, weights).to(x.dtype)
 
 
@@ -324,6 +337,12 @@ grouped_gemm_op = torch.library.custom_op("dgpipe::grouped_scaled_gemm", mutates
 grouped_gemm_op.register_fake(
     lambda q, qs, w, s, g, in_scale, offs, mode, fast_accum=FP8_FAST_ACCUM: q.new_empty(
         (q.shape[0], w.shape[1]), dtype=torch.bfloat16
+    )
+)
+moe_fp8_gemm_op = torch.library.custom_op("dgpipe::moe_fp8_gemm", mutates_args=())(moe_triton.grouped_fp8)
+moe_fp8_gemm_op.register_fake(
+    lambda a, a_scale, rows, w, w_scale, offs: a.new_empty(
+        (a.shape[0] if rows is None else rows.shape[0], w.shape[1]), dtype=torch.bfloat16
     )
 )
 
@@ -379,8 +398,8 @@ def probe_plan(arch: str | None) -> list[tuple[str, str, str]]:
     plan: list[tuple[str, str, str]] = []
     for fmt in ("fp8", "nvfp4"):
         row = dispatch(fmt, arch)
-        for kind, kernel in (("linear", row.linears), ("experts", row.experts)):
-            mode = kernel_mode(kernel)
+        for kind, kernel in (("linear", row.linears), ("experts", row.experts), ("triton", row.experts)):
+            mode = kernel_mode(kernel) if kind != "triton" or uses_triton(kernel) else None
             form = (kind, mode, "fp8" if mode == "fp8" else "nvfp4")
             if mode and form not in plan:
                 plan.append(form)
@@ -403,12 +422,12 @@ def probe(device: torch.device | str = "cuda") -> Probe:
         try:
             if kind == "linear":
                 ScaledLinear(_tiny_packed(fmt), mode, dev, torch.bfloat16)(x)
-            else:
+            else:  # "triton": the experts' few-rows passes (10 rows per expert here) on the Triton GEMM
                 ps = [_tiny_packed(fmt) for _ in range(4)]
-                ScaledExperts(ps, ps, ps, mode, dev)(x[:20], index, wts)
+                ScaledExperts(ps, ps, ps, mode, dev, triton=kind == "triton")(x[:20], index, wts)
             torch.cuda.synchronize(dev)
             p.results[name] = None
-        except (RuntimeError, NotImplementedError, ValueError, TypeError, DgpipeError) as e:
+        except Exception as e:  # any failure (a Triton compile error included) sends the form to its fallback
             p.results[name] = error_line(e)
     return p
 
@@ -465,6 +484,13 @@ def install_from_checkpoint(
             f"experts: {row.experts} failed its probe ({pr.results.get(f'experts:{exp_mode}')})"
         )
         exp_mode = None
+    triton = bool(exp_mode) and uses_triton(row.experts)
+    if triton and not pr.ok(f"triton:{exp_mode}"):
+        res.fallbacks.append(
+            f"experts: {TRITON_MOE} failed its probe ({pr.results.get(f'triton:{exp_mode}')}); "
+            "torch's grouped GEMM runs every pass"
+        )
+        triton = False
     dtype = model.embed_tokens.weight.dtype
     experts: dict[str, dict[int, dict[str, PackedLinear]]] = {}
     for name, q in read_packed_linears(p).items():
@@ -482,7 +508,7 @@ def install_from_checkpoint(
                 continue
             layer = model.get_submodule(prefix.rpartition(".")[0])
             layer.experts = ScaledExperts([e["gate_proj"] for e in ps], [e["up_proj"] for e in ps],
-                                          [e["down_proj"] for e in ps], exp_mode, dev)  # fmt: skip
+                                          [e["down_proj"] for e in ps], exp_mode, dev, triton)  # fmt: skip
             res.experts += 1
     if row.fallback:
         res.fallbacks.append(f"{row.fallback}: {row.note}")

@@ -85,19 +85,26 @@ def test_fast_accumulation_costs_less_than_the_fp8_rounding_at_the_26b_depth(pro
     assert _rel(out[True], exact) < 1e-2
 
 
-@pytest.mark.parametrize("mode", ["fp8", "nvfp4", "fp8_rowwise"])
-def test_scaled_experts_equal_fake_quant_experts(probed, mode):
-    """Routed tokens (uneven, some experts empty) through the grouped GEMM vs the fake-quant expert loop on
-    the dequantized weights (fp8_rowwise: vs the NVFP4 reference, within the re-quantization's error)."""
+@pytest.mark.parametrize(
+    ("mode", "triton"),
+    [("fp8", False), ("nvfp4", False), ("fp8_rowwise", False), ("fp8", True), ("fp8_rowwise", True)],
+)
+def test_scaled_experts_equal_fake_quant_experts(probed, mode, triton):
+    """Routed tokens (uneven, some experts empty) through the grouped GEMM (torch's, or at few rows per
+    expert the Triton one) vs the fake-quant expert loop on the dequantized weights (fp8_rowwise: vs the
+    NVFP4 reference, within the re-quantization's error)."""
     if not probed.ok(f"experts:{mode}"):
         pytest.skip(f"{mode} experts not served here: {probed.results.get(f'experts:{mode}')}")
+    if triton and not probed.ok(f"triton:{mode}"):
+        pytest.skip(f"the Triton GEMM is not served here: {probed.results.get(f'triton:{mode}')}")
     gen = torch.Generator().manual_seed(1)
     fmt = "fp8" if mode == "fp8" else "nvfp4"
-    e, d, inner, t = 8, 256, 128, 300
+    e, d, inner, t = 8, 256, 128, 100 if triton else 300  # 33 or 100 rows per expert: Triton's or torch's
     gate, up, down = (
         [packed_linear(fmt, n, k, gen) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
     )
-    m = tc.ScaledExperts(gate, up, down, mode, CUDA)
+    m = tc.ScaledExperts(gate, up, down, mode, CUDA, triton=triton)
+    assert tc.moe_triton.serves(2 * t, e) == triton
     x = torch.randn(t, d, generator=gen)
     index = torch.randint(0, e - 2, (t, 2), generator=gen)  # the last two experts get no token
     weights = torch.rand(t, 2, generator=gen)
@@ -131,6 +138,36 @@ def test_scaled_experts_equal_fake_quant_experts(probed, mode):
     # bf16 rounding, and the FP8/NVFP4 rounding it flips, against an fp32 reference. fp8_rowwise rounds the
     # down input to NVFP4's 4 bits first, where a flip moves a value by up to a third: 0.029 in that CPU run
     assert _rel(got, want) < (2e-2 if mode != "fp8_rowwise" else 5e-2)
+
+
+def test_triton_moe_gemm_is_the_float_product_of_its_operands(probed):
+    """The Triton FP8 MoE GEMM compiled for this GPU: uneven experts, an empty one, rows gathered in the
+    kernel; within one bf16 unit of the float product at a small K (its fast accumulation adds ~1e-4
+    there: tests/_utils/accumulation.py), and within 1e-2 relative L2 at the 26B's K (2e-3 to 4e-3)."""
+    from pipeline.model import scaled_layout as sl
+    from pipeline.runtime import moe_triton
+
+    if not probed.ok("triton:fp8"):
+        pytest.skip(f"the Triton GEMM is not served here: {probed.results.get('triton:fp8')}")
+    gen = torch.Generator().manual_seed(3)
+    for k, e, n, t in ((160, 6, 96, 37), (2816, 16, 1408, 256)):
+        w = (torch.randn(e, n, k, generator=gen) * 8).to(torch.float8_e4m3fn)
+        a = (torch.randn(t, k, generator=gen) * 8).to(torch.float8_e4m3fn)
+        w_scale, a_scale = torch.rand(e, n, generator=gen) + 0.5, torch.rand(t, generator=gen) + 0.5
+        index = torch.randint(0, e - 1, (t, 2), generator=gen)
+        _, rows, offs = sl.expert_order(index, e)
+        got = (
+            moe_triton.grouped_fp8(*(v.to(CUDA) for v in (a, a_scale, rows, w, w_scale, offs))).float().cpu()
+        )
+        want, start = torch.empty_like(got), 0
+        for i, end in enumerate(offs.tolist()):
+            r = rows[start:end]
+            want[start:end] = (a[r].float() @ w[i].float().t()) * a_scale[r, None] * w_scale[i][None]
+            start = end
+        if k == 160:
+            assert bool(((got - want).abs() <= want.abs() * 2**-8 + want.abs().max() * 1e-4).all())
+        else:
+            assert _rel(got, want) < 1e-2
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])

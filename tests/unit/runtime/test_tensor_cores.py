@@ -21,6 +21,7 @@ from pipeline.resources import EMBEDDED_MODEL
 from pipeline.runtime import dispatch as dp
 from pipeline.runtime import tensor_cores as tc
 from pipeline.runtime.backends import TorchBackend, experts_graph_safe
+from tests._utils.compile import compiled_whole, graph_targets
 from tests._utils.quantized import build_quantized_checkpoint, grouped_scaled_mm_on_cpu, packed_linear
 
 CPU = torch.device("cpu")
@@ -123,34 +124,16 @@ def test_fp8_gemms_ask_for_fast_accumulation_and_nvfp4_ones_do_not(monkeypatch):
     assert calls == [("mm", None)]
 
 
-def _compiled_whole(fn):
-    """fn under torch.compile with fullgraph (a graph break raises) through AOT autograd's fake tensors
-    (every op's fake kernel runs), executed eagerly; returns it and the captured graphs."""
-    graphs = []
-    aot_eager = torch._dynamo.lookup_backend("aot_eager")
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return aot_eager(gm, example_inputs)
-
-    torch._dynamo.reset()
-    return torch.compile(fn, fullgraph=True, backend=backend), graphs
-
-
-def _targets(gm) -> list[str]:
-    return [str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
-
-
 @pytest.mark.parametrize("mode", ["fp8", "fp8_rowwise"])
 def test_scaled_linear_compiles_into_one_graph_around_the_vendor_gemm(mode):
     """Under --compile the vendor GEMM is one opaque op and everything around it (the activation's
     quantization) is traced: no graph break per linear (the 26B hit dynamo's recompile limit that way)."""
     m = tc.ScaledLinear(_packed("fp8" if mode == "fp8" else "nvfp4"), mode, CPU, torch.float32)
     x = torch.randn(2, 5, 64, generator=GEN)
-    compiled, graphs = _compiled_whole(m)
+    compiled, graphs = compiled_whole(m)
     torch.testing.assert_close(compiled(x), m(x), rtol=0, atol=0)
     assert len(graphs) == 1
-    targets = _targets(graphs[0])
+    targets = graph_targets(graphs[0])
     assert "dgpipe.scaled_gemm.default" in targets and any("clamp" in t for t in targets), targets
 
 
@@ -167,9 +150,9 @@ def test_scaled_experts_compile_into_one_graph_around_the_grouped_gemms(monkeypa
         torch.randint(0, e, (t, 2), generator=GEN),
         torch.rand(t, 2),
     )
-    compiled, graphs = _compiled_whole(m)
+    compiled, graphs = compiled_whole(m)
     torch.testing.assert_close(compiled(x, index, weights), m(x, index, weights), rtol=0, atol=0)
-    targets = _targets(graphs[0])
+    targets = graph_targets(graphs[0])
     assert targets.count("dgpipe.grouped_scaled_gemm.default") == 2, targets
     assert any("argsort" in t or "sort" in t for t in targets) and any("bmm" in t for t in targets), targets
 
@@ -193,10 +176,11 @@ def test_every_vendor_kernel_of_the_table_has_a_module_mode():
 
 
 def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
-    """Hopper never runs the NVFP4 kernels (one left a sticky launch failure on an H200); Blackwell does."""
+    """Hopper never runs the NVFP4 kernels (one left a sticky launch failure on an H200); Blackwell does.
+    Hopper's FP8 experts also probe the Triton GEMM their few-rows passes take."""
     assert tc.probe_plan("sm90") == [
-        ("linear", "fp8", "fp8"), ("experts", "fp8", "fp8"),
-        ("linear", "fp8_rowwise", "nvfp4"), ("experts", "fp8_rowwise", "nvfp4"),
+        ("linear", "fp8", "fp8"), ("experts", "fp8", "fp8"), ("triton", "fp8", "fp8"),
+        ("linear", "fp8_rowwise", "nvfp4"), ("experts", "fp8_rowwise", "nvfp4"), ("triton", "fp8_rowwise", "nvfp4"),
     ]  # fmt: skip
     assert tc.probe_plan("sm100") == [
         ("linear", "fp8", "fp8"),

@@ -1,0 +1,149 @@
+"""The routed experts' FP8 GEMM as one Triton kernel, for the few-rows-per-expert passes where torch's grouped
+FP8 kernel leaves half the GPU idle.
+
+Why our own kernel: at one canvas a pass routes 2,048 slots over 128 experts, ~16 rows per expert. torch's
+`F.scaled_grouped_mm` (CUTLASS, aten/src/ATen/native/cuda/ScaledGroupMM.cu) runs that on a 64x128 tile in
+2x2 thread-block clusters, and a group with a single 64-row tile still takes a whole cluster pair along M:
+on an H200 it streamed the experts' FP8 weights at 2.1 TB/s (44% of HBM), about what half of the 132 SMs
+can pull. The field's answer is a Triton MoE GEMM with a small M tile (vLLM's `fused_moe` kernel); vLLM
+does not install on an air-gapped GPU host, while Triton ships with every CUDA build of torch. Here every
+program computes one (expert, M block, N block) tile, so every SM streams weights, and the slots' token
+rows are gathered inside the kernel instead of being copied to expert order first.
+
+Layout (as `pipeline.runtime.tensor_cores.grouped_gemm`): slots sorted by expert with int32 end offsets
+`offs` [E] (`scaled_layout.expert_order`); each program finds its expert from those offsets on the device
+(no host sync: CUDA graphs capture it). Operands: `a` E4M3 [rows, K] with one fp32 scale per row, `w`
+E4M3 [E, N, K] with one fp32 scale per output row [E, N]; the result is bf16 [slots, N], each slot's row
+acc * a_scale * w_scale, as torch's RowWise kernels compute. Checked against the float reference in
+Triton's interpreter on the CPU (tests/unit/runtime/test_moe_triton.py) and on the GPU by tests/gpu.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from pipeline.runtime.dispatch import TRITON_MAX_ROWS_PER_EXPERT
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why this kernel cannot run on `device`, or None. Triton's interpreter (TRITON_INTERPRET=1) runs it
+    on the CPU for tests."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (it comes with torch's CUDA builds)"
+    if device.type != "cuda" and not _interpreted():
+        return f"Triton kernels run on CUDA devices, not {device.type} (TRITON_INTERPRET=1 for the CPU)"
+    return None
+
+
+def _interpreted() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def serves(slots: int, experts: int) -> bool:
+    """Whether a grouped GEMM of `slots` rows over `experts` experts takes this kernel (a shape decision,
+    fixed per pass: graph- and compile-safe); above the dispatch table's threshold torch's grouped GEMM,
+    whose tiles fill at 256 rows per expert, keeps the experts. `dgpipe bench gpu` times both."""
+    return slots <= TRITON_MAX_ROWS_PER_EXPERT * experts
+
+
+def tiles(slots: int, experts: int) -> dict[str, int]:
+    """Tile sizes and launch shape for `slots` rows over `experts` (the vLLM fused-MoE defaults' shape for
+    FP8: a small M tile for few rows per expert, 128 along K for FP8's 32-byte MMA steps). The M tile
+    covers an expert's expected rows in one block, so its weights are read once."""
+    avg = slots / max(experts, 1)
+    block_m = 16 if avg <= 8 else 32 if avg <= 24 else 64
+    return {"BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+
+
+@functools.cache
+def _kernel():
+    """The jitted kernel, built on first use (Triton reads TRITON_INTERPRET when `jit` wraps it)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def moe_fp8_gemm(
+        a_ptr, a_scale_ptr, rows_ptr, w_ptr, w_scale_ptr, offs_ptr, out_ptr,
+        N, K, num_experts, stride_am, stride_as, stride_we, stride_wn, stride_om,
+        GATHER: tl.constexpr, E_POW2: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        # which expert and which of its M blocks this program is: from the end offsets, on the device
+        e = tl.arange(0, E_POW2)
+        live = e < num_experts
+        ends = tl.load(offs_ptr + e, mask=live, other=0)
+        starts = tl.load(offs_ptr + e - 1, mask=live & (e > 0), other=0)
+        blocks = tl.where(live, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+        cum = tl.cumsum(blocks, 0)
+        if pid_m >= tl.sum(blocks, 0):
+            return
+        expert = tl.sum((cum <= pid_m).to(tl.int32), 0)
+        mine = e == expert
+        first_block = tl.sum(tl.where(mine, cum - blocks, 0), 0)
+        row0 = tl.sum(tl.where(mine, starts, 0), 0) + (pid_m - first_block) * BLOCK_M
+        end = tl.sum(tl.where(mine, ends, 0), 0)
+        slot = row0 + tl.arange(0, BLOCK_M)
+        in_m = slot < end
+        if GATHER:
+            row = tl.load(rows_ptr + slot, mask=in_m, other=0)
+        else:
+            row = slot
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_n = n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            in_k = k < K
+            a = tl.load(a_ptr + row.to(tl.int64)[:, None] * stride_am + k[None, :],
+                        mask=in_m[:, None] & in_k[None, :], other=0.0)  # fmt: skip
+            b = tl.load(
+                w_base + n[None, :] * stride_wn + k[:, None], mask=in_k[:, None] & in_n[None, :], other=0.0
+            )
+            acc = tl.dot(a, b, acc)
+        a_scale = tl.load(a_scale_ptr + row * stride_as, mask=in_m, other=0.0)
+        w_scale = tl.load(w_scale_ptr + expert * N + n, mask=in_n, other=0.0)
+        out = (acc * a_scale[:, None] * w_scale[None, :]).to(tl.bfloat16)
+        tl.store(
+            out_ptr + slot.to(tl.int64)[:, None] * stride_om + n[None, :],
+            out,
+            mask=in_m[:, None] & in_n[None, :],
+        )
+
+    return moe_fp8_gemm
+
+
+def grouped_fp8(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    rows: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    offs: torch.Tensor,
+) -> torch.Tensor:
+    """bf16 [slots, N]: slot i is a[rows[i]] (a[i] without `rows`) times its expert's w [E, N, K] (K
+    contiguous), scaled by a_scale [rows of a] (fp32, any stride) and w_scale [E, N] (fp32). The experts
+    own consecutive slots, ending at `offs` [E] (int32, device)."""
+    import triton
+
+    slots = rows.shape[0] if rows is not None else a.shape[0]
+    experts, n, k = w.shape
+    out = torch.empty(slots, n, dtype=torch.bfloat16, device=a.device)
+    if slots == 0:
+        return out
+    cfg = tiles(slots, experts)
+    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    grid = (triton.cdiv(slots, bm) + experts, triton.cdiv(n, bn))  # every expert's last block may be partial
+    w_scale = w_scale.contiguous()
+    _kernel()[grid](
+        a, a_scale, rows if rows is not None else offs, w, w_scale, offs, out,
+        n, k, experts, a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        GATHER=rows is not None, E_POW2=triton.next_power_of_2(experts), BLOCK_M=bm, BLOCK_N=bn, **cfg,
+    )  # fmt: skip
+    return out
