@@ -307,17 +307,16 @@ def scaled_experts(
     element-wise paths took most of the experts' non-GEMM time (BENCHMARKS.md, "26B-A4B denoise pass")."""
     order, token_of, offs = sl.expert_order(index, w13.shape[0])
     compiling = torch.compiler.is_compiling()
-    q, qs = quantize_rows(x, in_scale, mode)
     if triton and moe_triton.serves(token_of.shape[0], w13.shape[0]):
         small = moe_fp8_gemm_op if compiling else moe_triton.grouped_fp8
-        gate, up = small(q, qs, token_of, w13, s13, offs).chunk(2, dim=-1)
-        q, qs = quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode)
-        y = small(q, qs, None, w2, s2, offs)
+        gate_up_gemm = lambda q, qs: small(q, qs, token_of, w13, s13, offs)
+        down_gemm = lambda q, qs: small(q, qs, None, w2, s2, offs)
     else:
         gemm = grouped_gemm_op if compiling else grouped_gemm
-        gate, up = gemm(q[token_of], qs[token_of], w13, s13, g13, in_scale, offs, mode).chunk(2, dim=-1)
-        q, qs = quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode)
-        y = gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode)
+        gate_up_gemm = lambda q, qs: gemm(q[token_of], qs[token_of], w13, s13, g13, in_scale, offs, mode)
+        down_gemm = lambda q, qs: gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode)
+    gate, up = gate_up_gemm(*quantize_rows(x, in_scale, mode)).chunk(2, dim=-1)
+    y = down_gemm(*quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode))
     return combine_top_k(y, order, weights).to(x.dtype)
 
 
