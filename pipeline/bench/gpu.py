@@ -524,21 +524,12 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
     h = torch.randn(token_of.shape[0], inner, device=dev, dtype=torch.bfloat16, generator=gen)
     q2, qs2 = quantize_rows(h, experts.down_in_scale, "fp8")
 
+    gate_up = (experts.w13, experts.s13, None, experts.in_scale, offs, "fp8")
+    down = (experts.w2, experts.s2, None, experts.down_in_scale, offs, "fp8")
+
     def gemms(fast_accum: bool = True) -> torch.Tensor:
-        grouped_gemm(
-            q[token_of],
-            qs[token_of],
-            experts.w13,
-            experts.s13,
-            None,
-            experts.in_scale,
-            offs,
-            "fp8",
-            fast_accum,
-        )
-        return grouped_gemm(
-            q2, qs2, experts.w2, experts.s2, None, experts.down_in_scale, offs, "fp8", fast_accum
-        )
+        grouped_gemm(q[token_of], qs[token_of], *gate_up, fast_accum)
+        return grouped_gemm(q2, qs2, *down, fast_accum)
 
     def triton_gemms() -> torch.Tensor:  # the token gather inside the kernel
         moe_triton.grouped_fp8(q, qs, token_of, experts.w13, experts.s13, offs)
