@@ -126,6 +126,8 @@ def test_expert_paths_time_one_layer_fp8_and_dequantized_bf16_on_the_same_routin
     assert all(x[k] > 0 for k in ms)
     assert 0 < x["rel_l2_bf16_vs_fp8"] < 0.1  # FP8 inputs round by up to 1/16; a wrong weight layout is O(1)
     assert x["rel_l2_fast_vs_exact_accum"] == 0  # the CPU has one accumulation mode
+    assert x["triton_error"] is None and x["ms_triton_gemms"] > 0  # Triton's interpreter (tests/conftest.py)
+    assert 0 < x["rel_l2_triton_vs_torch"] < 1e-2  # bf16 outputs: truncated by the interpreter, rounded here
     row = {"format": "fp8", "batch": 1, "kernels": "k", "ms_eager": 9.0, "ms_graph": 7.0, "floor_ms_spec": 6.2,
            "floor_ms_copy": 7.0, "experts": x}  # fmt: skip
     result = {"env": gpu.asdict(H200), "dry_run": False, "checks": [
@@ -150,6 +152,9 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(bench_model, "copy_bandwidth", lambda device, gib=2.0: 4.2e12)
     monkeypatch.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu(torch.bfloat16))
+    monkeypatch.delenv(
+        "TRITON_INTERPRET", raising=False
+    )  # interpreted, the Triton GEMM takes ~30 s a pass here
     sunk: list[int] = []
     rows = gpu.measure_pass(fmt, batches=(1, 2), repeats=1, sink=lambda r: sunk.append(len(r)), compiled=compiled,
                             config="sudoku-tiny", device=torch.device("cpu"))  # fmt: skip
@@ -163,6 +168,7 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
         assert 1 <= r["experts_touched"] <= 4
         if fmt == "fp8":
             assert r["kernels"].startswith("F.scaled_mm FP8 TensorWise") and "experts_error" not in r
+            assert "(Triton GEMM not used: Triton kernels run on CUDA devices" in r["kernels"]
             assert r["experts"]["tokens"] == r["batch"] * 82
         else:
             assert "attention_error" not in r and len(r["attention"]) == 2
