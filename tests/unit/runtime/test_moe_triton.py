@@ -132,3 +132,54 @@ def test_the_triton_gemm_compiles_as_one_opaque_op():
     compiled, graphs = compiled_whole(m)
     torch.testing.assert_close(compiled(x, index, weights), m(x, index, weights), rtol=0, atol=0)
     assert graph_targets(graphs[0]).count("dgpipe.moe_fp8_gemm.default") == 2
+
+
+COMPILE_FOR_SM90 = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pipeline.runtime import moe_triton
+
+args = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "rows_ptr": "*i64", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
+        "offs_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "num_experts": "i32", "stride_am": "i32",
+        "stride_as": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_om": "i32"}
+out = []
+for slots, gather in ((512, True), (2048, True), (8192, False)):
+    cfg = moe_triton.tiles(slots, 128)
+    consts = {"GATHER": gather, "E_POW2": 128, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}
+    src = ASTSource(fn=moe_triton._kernel(), signature={**args, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    ptx = kernel.asm["ptx"]
+    out.append({"block_m": cfg["BLOCK_M"], "cubin": len(kernel.asm["cubin"]), "wgmma_e4m3": "wgmma.mma_async" in ptx and "e4m3" in ptx,
+                "mma": "mma.sync" in ptx or "wgmma" in ptx, "shared": kernel.metadata.shared})
+json.dump(out, sys.stdout)
+"""
+
+
+def test_the_kernel_compiles_for_hopper_at_every_tile_size(tmp_path):
+    """Triton (the installed version) lowers the kernel to an sm_90a cubin at each M tile it picks: no GPU
+    needed to compile. A 64-row tile takes Hopper's FP8 warpgroup MMA (wgmma e4m3); the smaller tiles the
+    warp-level MMA; all within the H200's 227 KB of shared memory per block."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    root = Path(__file__).parents[3]
+    run = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_SM90],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    kernels = json.loads(run.stdout)
+    assert [k["block_m"] for k in kernels] == [16, 32, 64]
+    assert all(k["cubin"] > 0 and k["mma"] and 0 < k["shared"] <= 227 * 1024 for k in kernels), kernels
+    assert kernels[2]["wgmma_e4m3"], kernels
