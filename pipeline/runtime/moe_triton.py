@@ -126,10 +126,12 @@ def grouped_fp8(
     w: torch.Tensor,
     w_scale: torch.Tensor,
     offs: torch.Tensor,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """bf16 [slots, N]: slot i is a[rows[i]] (a[i] without `rows`) times its expert's w [E, N, K] (K
     contiguous), scaled by a_scale [rows of a] (fp32, any stride) and w_scale [E, N] (fp32). The experts
-    own consecutive slots, ending at `offs` [E] (int32, device)."""
+    own consecutive slots, ending at `offs` [E] (int32, device). `block_m`: another M tile than `tiles`
+    picks (the benchmark's comparison)."""
     import triton
 
     slots = rows.shape[0] if rows is not None else a.shape[0]
@@ -139,6 +141,7 @@ def grouped_fp8(
         return out
     cfg = tiles(slots, experts)
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    bm = block_m or bm
     grid = (triton.cdiv(slots, bm) + experts, triton.cdiv(n, bn))  # every expert's last block may be partial
     w_scale = w_scale.contiguous()
     _kernel()[grid](

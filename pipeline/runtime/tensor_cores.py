@@ -340,7 +340,7 @@ grouped_gemm_op.register_fake(
 )
 moe_fp8_gemm_op = torch.library.custom_op("dgpipe::moe_fp8_gemm", mutates_args=())(moe_triton.grouped_fp8)
 moe_fp8_gemm_op.register_fake(
-    lambda a, a_scale, rows, w, w_scale, offs: a.new_empty(
+    lambda a, a_scale, rows, w, w_scale, offs, block_m=None: a.new_empty(
         (a.shape[0] if rows is None else rows.shape[0], w.shape[1]), dtype=torch.bfloat16
     )
 )
