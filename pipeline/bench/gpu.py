@@ -302,7 +302,7 @@ def _best_ms(row: dict) -> float:
 def quantize_random(model, fmt: str) -> str:
     """Swap a random bf16 model's linears and experts for tensor-core modules with random `fmt` weights,
     following the dispatch row of this GPU; returns the kernels used."""
-    from pipeline.runtime import moe_triton
+    from pipeline.runtime import triton_fp8
     from pipeline.runtime.dispatch import dispatch, uses_triton
     from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, probe, random_packed
 
@@ -311,12 +311,12 @@ def quantize_random(model, fmt: str) -> str:
     lin, exp = kernel_mode(row.linears), kernel_mode(row.experts)
     kernels = f"{row.linears} / {row.experts}"
     triton = bool(exp) and uses_triton(row.experts)
-    # as the runtime does: where the Triton GEMM cannot run or fails its probe, torch's GEMM takes every pass
+    # as the runtime does: where dgpipe's Triton kernels cannot run or fail their probe, torch's take every pass
     why = triton and (
-        moe_triton.unavailable(dev) or (dev.type == "cuda" and probe(dev).results.get(f"triton:{exp}"))
+        triton_fp8.unavailable(dev) or (dev.type == "cuda" and probe(dev).results.get(f"triton:{exp}"))
     )
     if why:
-        triton, kernels = False, kernels + f" (Triton GEMM not used: {why})"
+        triton, kernels = False, kernels + f" (Triton kernels not used: {why})"
     gen = torch.Generator(device=dev).manual_seed(0)
     for layer in model.layers:
         if lin:
@@ -324,7 +324,7 @@ def quantize_random(model, fmt: str) -> str:
                 for name, m in list(parent.named_children()):
                     if isinstance(m, torch.nn.Linear):
                         q = random_packed(fmt, m.out_features, m.in_features, dev, gen)
-                        setattr(parent, name, ScaledLinear(q, lin, dev, torch.bfloat16))
+                        setattr(parent, name, ScaledLinear(q, lin, dev, torch.bfloat16, triton))
         if exp:
             e, two_i, d = layer.experts.gate_up_proj.shape
             mk = lambda n, k, e=e: [random_packed(fmt, n, k, dev, gen) for _ in range(e)]
@@ -497,7 +497,7 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
     """One layer's FP8 experts (`ScaledExperts`, mode "fp8") on `tokens` tokens routed uniformly at random:
     ms of the module as the pass runs it; of its two grouped GEMMs alone, token-row gather included, on
     torch's kernel (with the fast accumulation the module uses, and with promoted fp32 accumulation) and on
-    `moe_triton`'s kernel (which gathers in the kernel); of the same experts dequantized to bf16 through
+    `triton_fp8`'s kernel (which gathers in the kernel); of the same experts dequantized to bf16 through
     `F.grouped_mm` (`network.grouped_experts`, weights dequantized beforehand) and of that dequantization.
     Distances (relative L2): bf16 against FP8 (the FP8 activations' rounding), fast against promoted
     accumulation, Triton against torch. Which kernel should take which batch: on an H200 torch's kernel ran
@@ -505,7 +505,7 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
     from pipeline.bench.timing import median_seconds
     from pipeline.model import scaled_layout as sl
     from pipeline.model.network import grouped_experts
-    from pipeline.runtime import moe_triton
+    from pipeline.runtime import triton_fp8
     from pipeline.runtime.tensor_cores import grouped_gemm, quantize_rows
 
     if experts.mode != "fp8":
@@ -532,8 +532,8 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
         return grouped_gemm(q2, qs2, *down, fast_accum)
 
     def triton_gemms(block_m: int | None = None) -> torch.Tensor:  # the token gather inside the kernel
-        moe_triton.grouped_fp8(q, qs, token_of, experts.w13, experts.s13, offs, block_m)
-        return moe_triton.grouped_fp8(q2, qs2, None, experts.w2, experts.s2, offs, block_m)
+        triton_fp8.grouped_fp8(q, qs, token_of, experts.w13, experts.s13, offs, block_m)
+        return triton_fp8.grouped_fp8(q2, qs2, None, experts.w2, experts.s2, offs, block_m)
 
     rel = lambda a, b: float((a - b).norm() / b.norm().clamp(min=1e-30))
     with torch.inference_mode():
@@ -546,7 +546,7 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
         paths = [("fp8_module", lambda: experts(x, index, weights)), ("fp8_gemms", gemms),
                  ("fp8_gemms_exact_accum", lambda: gemms(False)),
                  ("bf16_grouped", lambda: grouped_experts(x, index, weights, w13, w2)), ("dequantize", dequantize)]  # fmt: skip
-        extra: dict = {"triton_error": moe_triton.unavailable(dev)}
+        extra: dict = {"triton_error": triton_fp8.unavailable(dev)}
         if extra["triton_error"] is None:
             try:
                 extra["rel_l2_triton_vs_torch"] = rel(triton_gemms().float(), fast)

@@ -74,7 +74,7 @@ def _bytes(fmt: str) -> float:
 FP8_FAST_ACCUM = True
 _ACC = ", fast accumulation" if FP8_FAST_ACCUM else ""
 # Passes with few rows per expert (one canvas: 2,048 slots over 128 experts) take dgpipe's Triton FP8 MoE
-# GEMM on Hopper (`pipeline.runtime.moe_triton`, where the probe ran it): torch's grouped FP8 kernel streamed
+# GEMM on Hopper (`pipeline.runtime.triton_fp8`, where the probe ran it): torch's grouped FP8 kernel streamed
 # the experts' weights at 44% of an H200's HBM there. More rows per expert keep torch's kernel.
 TRITON_MAX_ROWS_PER_EXPERT = 64
 TRITON_MOE = f"Triton FP8 MoE GEMM at <= {TRITON_MAX_ROWS_PER_EXPERT} rows per expert"

@@ -36,7 +36,7 @@ from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX, nvfp4_fake_quant
 from pipeline.model.modelopt import PackedLinear, quant_algo, read_packed_linears
 from pipeline.model.network import DiffusionGemma, combine_top_k, gelu_tanh
-from pipeline.runtime import moe_triton
+from pipeline.runtime import triton_fp8
 from pipeline.runtime.dispatch import FP8_FAST_ACCUM, TRITON_MOE, arch_of, dispatch, uses_triton
 from pipeline.targets import precision_for_quant_algo
 
@@ -69,9 +69,11 @@ class ScaledLinear(nn.Module):
 
     graph_safe = True
 
-    def __init__(self, q: PackedLinear, mode: str, device: torch.device, out_dtype: torch.dtype):
+    def __init__(
+        self, q: PackedLinear, mode: str, device: torch.device, out_dtype: torch.dtype, triton: bool = False
+    ):
         super().__init__()
-        self.mode, self.out_dtype = mode, out_dtype
+        self.mode, self.out_dtype, self.triton = mode, out_dtype, triton  # triton: `quantize_rows`
         self.out_features = q.weight.shape[0]
         self.register_buffer("input_scale", q.input_scale.reshape(()).to(device))
         if mode == "fp8":
@@ -93,7 +95,7 @@ class ScaledLinear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         if self.mode == "fp8":
             a, a_scales, b_scales = (
-                sl.fp8_quantize(x2, self.input_scale),
+                quantize_rows(x2, self.input_scale, "fp8", self.triton)[0],
                 [self.input_scale],
                 [self.weight_scale],
             )
@@ -146,8 +148,9 @@ class ScaledExperts(nn.Module):
     """A layer's routed experts on `F.scaled_grouped_mm`: slots sorted by expert (device-side offsets),
     one grouped GEMM for gate|up and one for down. `mode` as in `ScaledLinear` ("fp8" is RowWise here: the
     grouped FP8 kernel takes per-row scales, so each expert's per-tensor weight scale fills its rows). The
-    output has the input's dtype (the grouped kernels compute in bf16: `scaled_experts`). `triton`: FP8
-    passes with few rows per expert take `moe_triton`'s kernel instead (set where its probe ran)."""
+    output has the input's dtype (the grouped kernels compute in bf16: `scaled_experts`). `triton`: dgpipe's
+    Triton kernels where they serve (`triton_fp8`: the GEMMs of passes with few rows per expert, the FP8
+    quantization of activations), set where the probe found them agreeing with torch's."""
 
     graph_safe = True
 
@@ -239,12 +242,18 @@ class ScaledExperts(nn.Module):
         )
 
 
-def quantize_rows(x: torch.Tensor, in_scale: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(
+    x: torch.Tensor, in_scale: torch.Tensor, mode: str, triton: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The GEMM operand of x's rows and its scales: FP8 with the static scale per row (fp8), per-row E4M3
     of the NVFP4-rounded rows (fp8_rowwise), or NVFP4 codes and their per-16 block scales (nvfp4). Each
-    row is quantized on its own, so quantizing before a row gather equals quantizing the gathered rows."""
+    row is quantized on its own, so quantizing before a row gather equals quantizing the gathered rows.
+    `triton`: the static FP8 quantization in one pass on CUDA (`triton_fp8.quantize`), except under
+    torch.compile, which fuses the torch form into its producer."""
     if mode == "fp8":
-        return sl.fp8_quantize(x, in_scale), in_scale.float().expand(x.shape[0])
+        one_pass = triton and x.is_cuda and not torch.compiler.is_compiling()
+        q = triton_fp8.quantize(x, in_scale) if one_pass else sl.fp8_quantize(x, in_scale)
+        return q, in_scale.float().expand(x.shape[0])
     if mode == "fp8_rowwise":
         return _rowwise_dynamic(nvfp4_fake_quant(x, in_scale))
     return sl.nvfp4_quantize(x, in_scale)
@@ -297,8 +306,9 @@ def scaled_experts(
 ) -> torch.Tensor:
     """A layer's routed experts: slots sorted by expert (device-side offsets, no host sync), one grouped
     scaled GEMM for gate|up and one for down, each token's top-k outputs weighted and summed. With
-    `triton`, an FP8 pass with few slots per expert (`moe_triton.serves`) runs both GEMMs
-    on `moe_triton`'s kernel, which gathers the token rows itself.
+    `triton`, an FP8 pass with few slots per expert (`triton_fp8.serves`) runs both GEMMs on
+    `triton_fp8`'s kernel, which gathers the token rows itself, and FP8 activations are quantized in one
+    pass.
 
     The tokens are quantized once and their 1-byte (FP8) or half-byte (NVFP4) rows gathered top_k times,
     not gathered in bf16 and quantized top_k times over; the outputs go back to slot order with one
@@ -307,16 +317,16 @@ def scaled_experts(
     element-wise paths took most of the experts' non-GEMM time (BENCHMARKS.md, "26B-A4B denoise pass")."""
     order, token_of, offs = sl.expert_order(index, w13.shape[0])
     compiling = torch.compiler.is_compiling()
-    if triton and moe_triton.serves(token_of.shape[0], w13.shape[0]):
-        small = moe_fp8_gemm_op if compiling else moe_triton.grouped_fp8
+    if triton and triton_fp8.serves(token_of.shape[0], w13.shape[0]):
+        small = moe_fp8_gemm_op if compiling else triton_fp8.grouped_fp8
         gate_up_gemm = lambda q, qs: small(q, qs, token_of, w13, s13, offs)
         down_gemm = lambda q, qs: small(q, qs, None, w2, s2, offs)
     else:
         gemm = grouped_gemm_op if compiling else grouped_gemm
         gate_up_gemm = lambda q, qs: gemm(q[token_of], qs[token_of], w13, s13, g13, in_scale, offs, mode)
         down_gemm = lambda q, qs: gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode)
-    gate, up = gate_up_gemm(*quantize_rows(x, in_scale, mode)).chunk(2, dim=-1)
-    y = down_gemm(*quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode))
+    gate, up = gate_up_gemm(*quantize_rows(x, in_scale, mode, triton)).chunk(2, dim=-1)
+    y = down_gemm(*quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode, triton))
     return combine_top_k(y, order, weights).to(x.dtype)
 
 
@@ -338,7 +348,7 @@ grouped_gemm_op.register_fake(
         (q.shape[0], w.shape[1]), dtype=torch.bfloat16
     )
 )
-moe_fp8_gemm_op = torch.library.custom_op("dgpipe::moe_fp8_gemm", mutates_args=())(moe_triton.grouped_fp8)
+moe_fp8_gemm_op = torch.library.custom_op("dgpipe::moe_fp8_gemm", mutates_args=())(triton_fp8.grouped_fp8)
 moe_fp8_gemm_op.register_fake(
     lambda a, a_scale, rows, w, w_scale, offs, block_m=None: a.new_empty(
         (a.shape[0] if rows is None else rows.shape[0], w.shape[1]), dtype=torch.bfloat16
@@ -405,6 +415,51 @@ def probe_plan(arch: str | None) -> list[tuple[str, str, str]]:
     return plan
 
 
+# normal, subnormal, tie, saturating and non-finite activations (before the probe's scale of 0.5)
+QUANT_PROBE_VALUES = (
+    0.0,
+    1e-9,
+    2.0**-10,
+    2.0**-9 * 1.5,
+    0.3,
+    0.3125,
+    1.0625,
+    224.0,
+    232.5,
+    1e6,
+    float("inf"),
+    float("nan"),
+)
+
+
+def fp8_codes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two E4M3 tensors hold the same codes, NaN's sign aside (torch keeps the input's, the hardware
+    conversion writes the canonical 0x7F; a NaN activation is NaN downstream either way)."""
+    a, b = a.view(torch.uint8), b.view(torch.uint8)
+    nan_a, nan_b = (a & 0x7F) == 0x7F, (b & 0x7F) == 0x7F
+    return bool(torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b]))
+
+
+def _check_triton(mode: str, fmt: str, dev: torch.device, x, index, weights) -> None:
+    """dgpipe's Triton kernels against torch's on this GPU, or a DgpipeError: the experts' few-rows pass
+    (10 rows per expert here) on the Triton GEMM against torch's grouped GEMM, and the one-pass FP8
+    quantization bit for bit against torch's three passes on normal, subnormal, tie, out-of-range and
+    non-finite values. Only kernels that agree are used: Triton and its compiler vary by host."""
+    ps = [_tiny_packed(fmt) for _ in range(4)]
+    torch_out = ScaledExperts(ps, ps, ps, mode, dev)(x, index, weights).float()
+    triton_out = ScaledExperts(ps, ps, ps, mode, dev, triton=True)(x, index, weights).float()
+    rel = float((triton_out - torch_out).norm() / torch_out.norm().clamp(min=1e-30))
+    if not rel < 0.1:  # bf16 intermediates flip some FP8 roundings (~0.02, tests/gpu); a wrong kernel is O(1)
+        raise DgpipeError(f"the Triton MoE GEMM differs from torch's grouped GEMM by {rel:.3g} (relative L2)",
+                          "torch's grouped GEMM keeps every pass; report the GPU, torch and Triton versions")  # fmt: skip
+    v = torch.tensor(QUANT_PROBE_VALUES)
+    v = torch.cat([v, -v, torch.randn(4096) * 64]).to(dev, torch.bfloat16)  # fmt: skip
+    scale = torch.tensor(0.5, device=dev)
+    if not fp8_codes_equal(triton_fp8.quantize(v, scale), sl.fp8_quantize(v, scale)):
+        raise DgpipeError("the Triton FP8 quantization differs from torch's",
+                          "torch's quantization keeps every pass; report the GPU, torch and Triton versions")  # fmt: skip
+
+
 def probe(device: torch.device | str = "cuda") -> Probe:
     """Run each scaled-GEMM form this GPU's dispatch rows use once, on tiny operands (CUDA only)."""
     dev = torch.device(device)
@@ -421,9 +476,11 @@ def probe(device: torch.device | str = "cuda") -> Probe:
         try:
             if kind == "linear":
                 ScaledLinear(_tiny_packed(fmt), mode, dev, torch.bfloat16)(x)
-            else:  # "triton": the experts' few-rows passes (10 rows per expert here) on the Triton GEMM
+            elif kind == "experts":
                 ps = [_tiny_packed(fmt) for _ in range(4)]
-                ScaledExperts(ps, ps, ps, mode, dev, triton=kind == "triton")(x[:20], index, wts)
+                ScaledExperts(ps, ps, ps, mode, dev)(x[:20], index, wts)
+            else:
+                _check_triton(mode, fmt, dev, x[:20], index, wts)
             torch.cuda.synchronize(dev)
             p.results[name] = None
         except Exception as e:  # any failure (a Triton compile error included) sends the form to its fallback
@@ -486,8 +543,8 @@ def install_from_checkpoint(
     triton = bool(exp_mode) and uses_triton(row.experts)
     if triton and not pr.ok(f"triton:{exp_mode}"):
         res.fallbacks.append(
-            f"experts: {TRITON_MOE} failed its probe ({pr.results.get(f'triton:{exp_mode}')}); "
-            "torch's grouped GEMM runs every pass"
+            f"dgpipe's Triton kernels ({TRITON_MOE}, FP8 quantization) failed their probe "
+            f"({pr.results.get(f'triton:{exp_mode}')}): torch's grouped GEMM and quantization run every pass"
         )
         triton = False
     dtype = model.embed_tokens.weight.dtype
@@ -498,7 +555,7 @@ def install_from_checkpoint(
             experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = q
         elif lin_mode and q.input_scale is not None:
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, ScaledLinear(q, lin_mode, dev, dtype))
+            setattr(model.get_submodule(parent), child, ScaledLinear(q, lin_mode, dev, dtype, triton))
             res.linears += 1
     if exp_mode:
         for prefix, per in experts.items():

@@ -104,7 +104,7 @@ def test_scaled_experts_equal_fake_quant_experts(probed, mode, triton):
         [packed_linear(fmt, n, k, gen) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
     )
     m = tc.ScaledExperts(gate, up, down, mode, CUDA, triton=triton)
-    assert tc.moe_triton.serves(2 * t, e) == triton
+    assert tc.triton_fp8.serves(2 * t, e) == triton
     x = torch.randn(t, d, generator=gen)
     index = torch.randint(0, e - 2, (t, 2), generator=gen)  # the last two experts get no token
     weights = torch.rand(t, 2, generator=gen)
@@ -145,7 +145,7 @@ def test_triton_moe_gemm_is_the_float_product_of_its_operands(probed):
     kernel; within one bf16 unit of the float product at a small K (its fast accumulation adds ~1e-4
     there: tests/_utils/accumulation.py), and within 1e-2 relative L2 at the 26B's K (2e-3 to 4e-3)."""
     from pipeline.model import scaled_layout as sl
-    from pipeline.runtime import moe_triton
+    from pipeline.runtime import triton_fp8
 
     if not probed.ok("triton:fp8"):
         pytest.skip(f"the Triton GEMM is not served here: {probed.results.get('triton:fp8')}")
@@ -157,7 +157,7 @@ def test_triton_moe_gemm_is_the_float_product_of_its_operands(probed):
         index = torch.randint(0, e - 1, (t, 2), generator=gen)
         _, rows, offs = sl.expert_order(index, e)
         got = (
-            moe_triton.grouped_fp8(*(v.to(CUDA) for v in (a, a_scale, rows, w, w_scale, offs))).float().cpu()
+            triton_fp8.grouped_fp8(*(v.to(CUDA) for v in (a, a_scale, rows, w, w_scale, offs))).float().cpu()
         )
         want, start = torch.empty_like(got), 0
         for i, end in enumerate(offs.tolist()):
@@ -168,6 +168,27 @@ def test_triton_moe_gemm_is_the_float_product_of_its_operands(probed):
             assert bool(((got - want).abs() <= want.abs() * 2**-8 + want.abs().max() * 1e-4).all())
         else:
             assert _rel(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_quantization_is_torchs_bit_for_bit(probed, dtype):
+    """The one-pass FP8 quantization against torch's three passes: every code equal (NaN's sign aside) on
+    random activations over 16 binades and the probe's edge values; and a linear using it computes
+    exactly what the torch-quantized one does."""
+    from pipeline.model import scaled_layout as sl
+    from pipeline.runtime import triton_fp8
+
+    if not probed.ok("triton:fp8"):
+        pytest.skip(f"dgpipe's Triton kernels are not served here: {probed.results.get('triton:fp8')}")
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1000, 512, generator=gen) * torch.logspace(-8, 8, 512, base=2.0)
+    x = torch.cat([x.flatten(), torch.tensor(tc.QUANT_PROBE_VALUES)]).to(CUDA, dtype)
+    for scale in (torch.tensor(0.5), torch.tensor(3.7e-3), torch.tensor(8.0 / 448)):
+        s = scale.to(CUDA)
+        assert tc.fp8_codes_equal(triton_fp8.quantize(x, s), sl.fp8_quantize(x, s)), float(scale)
+    q, xs = packed_linear("fp8", 256, 512, gen), torch.randn(37, 512, generator=gen).to(CUDA, torch.bfloat16)
+    plain, one_pass = (tc.ScaledLinear(q, "fp8", CUDA, torch.bfloat16, triton=t)(xs) for t in (False, True))
+    assert torch.equal(plain, one_pass)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])

@@ -315,3 +315,21 @@ def test_gpu_fast_accumulation_bounds_sit_above_the_modelled_error(k, fast_bound
     if promoted_bound is not None:
         promoted = rel(truncating_matmul(a, b, 13, interval=128))
         assert promoted <= promoted_bound / 2 and promoted < fast[13] / 10, (promoted, fast)
+
+
+def test_fp8_codes_compare_equal_up_to_nans_sign_and_the_probe_values_cover_every_case():
+    """The probe's bit-for-bit check of the Triton quantization: a NaN's sign may differ (torch keeps the
+    input's, the hardware writes 0x7F), nothing else may; its values land on a subnormal, a tie, the
+    saturation bound and NaN after torch's quantization."""
+    v = torch.tensor(tc.QUANT_PROBE_VALUES)
+    codes = sl.fp8_quantize(torch.cat([v, -v]), torch.tensor(0.5))
+    canonical = codes.view(torch.uint8).clone()
+    canonical[(canonical & 0x7F) == 0x7F] = 0x7F
+    assert tc.fp8_codes_equal(codes, canonical.view(torch.float8_e4m3fn))
+    off_by_one = canonical.clone()
+    off_by_one[4] += 1
+    assert not tc.fp8_codes_equal(codes, off_by_one.view(torch.float8_e4m3fn))
+    values = codes.float()[: len(v)].tolist()
+    assert values[3] == 3 * 2.0**-9 and values[6] == 2.0  # a subnormal, a tie to even
+    assert values[7:10] == [448.0] * 3  # E4M3's largest, and two beyond it saturated
+    assert values[10] == 448.0 and values[11] != values[11]  # inf saturates, NaN stays NaN

@@ -1,21 +1,30 @@
-"""The routed experts' FP8 GEMM as one Triton kernel, for the few-rows-per-expert passes where torch's grouped
-FP8 kernel leaves half the GPU idle.
+"""dgpipe's two Triton kernels for FP8 on Hopper: the routed experts' GEMM for passes with few rows per
+expert, and the static-scale FP8 quantization of activations in one pass.
 
-Why our own kernel: at one canvas a pass routes 2,048 slots over 128 experts, ~16 rows per expert. torch's
+The MoE GEMM. At one canvas a pass routes 2,048 slots over 128 experts, ~16 rows per expert. torch's
 `F.scaled_grouped_mm` (CUTLASS, aten/src/ATen/native/cuda/ScaledGroupMM.cu) runs that on a 64x128 tile in
 2x2 thread-block clusters, and a group with a single 64-row tile still takes a whole cluster pair along M:
 on an H200 it streamed the experts' FP8 weights at 2.1 TB/s (44% of HBM), about what half of the 132 SMs
 can pull. The field's answer is a Triton MoE GEMM with a small M tile (vLLM's `fused_moe` kernel); vLLM
 does not install on an air-gapped GPU host, while Triton ships with every CUDA build of torch. Here every
 program computes one (expert, M block, N block) tile, so every SM streams weights, and the slots' token
-rows are gathered inside the kernel instead of being copied to expert order first.
+rows are gathered inside the kernel instead of being copied to expert order first. Layout (as
+`pipeline.runtime.tensor_cores.grouped_gemm`): slots sorted by expert with int32 end offsets `offs` [E]
+(`scaled_layout.expert_order`); each program finds its expert from those offsets on the device (no host
+sync: CUDA graphs capture it). Operands: `a` E4M3 [rows, K] with one fp32 scale per row, `w` E4M3
+[E, N, K] with one fp32 scale per output row [E, N]; the result is bf16 [slots, N], each slot's row
+acc * a_scale * w_scale, as torch's RowWise kernels compute.
 
-Layout (as `pipeline.runtime.tensor_cores.grouped_gemm`): slots sorted by expert with int32 end offsets
-`offs` [E] (`scaled_layout.expert_order`); each program finds its expert from those offsets on the device
-(no host sync: CUDA graphs capture it). Operands: `a` E4M3 [rows, K] with one fp32 scale per row, `w`
-E4M3 [E, N, K] with one fp32 scale per output row [E, N]; the result is bf16 [slots, N], each slot's row
-acc * a_scale * w_scale, as torch's RowWise kernels compute. Checked against the float reference in
-Triton's interpreter on the CPU (tests/unit/runtime/test_moe_triton.py) and on the GPU by tests/gpu.
+The quantization. Eagerly, torch quantizes an activation to E4M3 in three passes (divide, clamp, cast:
+`scaled_layout.fp8_quantize`), 19 bytes of traffic per value where one pass needs 3; at 16 canvases the
+26B's eager FP8 pass spent about a quarter of its time in such element-wise passes. The kernel computes the
+same values: IEEE division (`div.rn`), a clamp that keeps NaN, and the round-to-nearest saturating E4M3
+conversion (`cvt.rn.satfinite`). Under torch.compile the traced torch form stays, so inductor can fuse it
+into the op that produced the activation.
+
+Both are checked in Triton's interpreter on the CPU and compiled for sm_90a there
+(tests/unit/runtime/test_triton_fp8.py), and on the GPU by tests/gpu (the quantization bit for bit
+against torch's).
 """
 
 from __future__ import annotations
@@ -149,4 +158,41 @@ def grouped_fp8(
         n, k, experts, a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), out.stride(0),
         GATHER=rows is not None, E_POW2=triton.next_power_of_2(experts), BLOCK_M=bm, BLOCK_N=bn, **cfg,
     )  # fmt: skip
+    return out
+
+
+QUANT_BLOCK = 2048  # values per program of the quantization kernel
+
+
+@functools.cache
+def _quant_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fp8_static_quant(x_ptr, scale_ptr, out_ptr, n, E4M3_MAX: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = i < n
+        x = tl.load(x_ptr + i, mask=inside, other=0.0).to(tl.float32)
+        v = tl.math.div_rn(x, tl.load(scale_ptr).to(tl.float32))
+        v = tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(out_ptr + i, v.to(tl.float8e4nv), mask=inside)
+
+    return fp8_static_quant
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes of x / scale, clamped to E4M3's range (one fp32 `scale` for the whole tensor): what
+    `scaled_layout.fp8_quantize` computes, in one pass."""
+    import triton
+
+    from pipeline.model.fake_quant import E4M3_MAX
+
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    n = x.numel()
+    if n:
+        _quant_kernel()[(triton.cdiv(n, QUANT_BLOCK),)](
+            x, scale, out, n, E4M3_MAX=E4M3_MAX, BLOCK=QUANT_BLOCK
+        )
     return out

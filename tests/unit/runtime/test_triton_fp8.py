@@ -1,4 +1,4 @@
-"""The Triton FP8 MoE GEMM (`pipeline.runtime.moe_triton`) in Triton's interpreter on the CPU: against the
+"""The Triton FP8 MoE GEMM (`pipeline.runtime.triton_fp8`) in Triton's interpreter on the CPU: against the
 float product of its FP8 operands, inside `ScaledExperts` against the fake-quantized expert loop, and under
 torch.compile as one opaque op (on a GPU, compiled by Triton: tests/gpu/test_tensor_cores_cuda.py)."""
 
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import InputQuantizer
 from pipeline.model.modelopt import _quantized_experts_forward
-from pipeline.runtime import moe_triton as mt
 from pipeline.runtime import tensor_cores as tc
+from pipeline.runtime import triton_fp8 as tf
 from tests._utils.compile import compiled_whole, graph_targets
 from tests._utils.quantized import grouped_scaled_mm_on_cpu, packed_linear
 
@@ -57,22 +57,22 @@ def test_the_kernel_is_the_float_product_of_its_fp8_operands(tokens, top_k):
     _, token_of, offs = sl.expert_order(index, e)
     for args in ((a, a_scale, token_of), (a[token_of], a_scale[token_of], None),
                  (a[token_of], torch.tensor(0.7).expand(token_of.shape[0]), None)):  # fmt: skip
-        got = mt.grouped_fp8(*args, w, w_scale, offs)
+        got = tf.grouped_fp8(*args, w, w_scale, offs)
         want = _reference(*args, w, w_scale, offs)
         assert got.dtype == torch.bfloat16 and got.shape == want.shape
         assert bool(((got.float() - want).abs() <= want.abs() * BF16_ULP + 1e-6).all())
 
 
 def test_tiles_and_which_passes_take_the_kernel():
-    assert mt.serves(2048, 128) and mt.serves(64 * 128, 128) and not mt.serves(64 * 128 + 1, 128)
-    assert not mt.serves(4096 * 8, 128)  # 16 canvases: 256 rows per expert stay on torch's grouped GEMM
-    assert [mt.tiles(s, 128)["BLOCK_M"] for s in (512, 2048, 8192)] == [16, 32, 64]  # 4, 16, 64 per expert
+    assert tf.serves(2048, 128) and tf.serves(64 * 128, 128) and not tf.serves(64 * 128 + 1, 128)
+    assert not tf.serves(4096 * 8, 128)  # 16 canvases: 256 rows per expert stay on torch's grouped GEMM
+    assert [tf.tiles(s, 128)["BLOCK_M"] for s in (512, 2048, 8192)] == [16, 32, 64]  # 4, 16, 64 per expert
 
 
 def test_it_says_where_it_cannot_run(monkeypatch):
-    assert mt.unavailable(CPU) is None  # interpreted
+    assert tf.unavailable(CPU) is None  # interpreted
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert "CUDA" in mt.unavailable(CPU)
+    assert "CUDA" in tf.unavailable(CPU)
 
 
 def _experts(mode: str, gen, e: int = 8, d: int = 128, inner: int = 64, triton: bool = True):
@@ -135,21 +135,21 @@ def test_the_triton_gemm_compiles_as_one_opaque_op():
 
 
 COMPILE_FOR_SM90 = """
-import json, sys
+import json, re, sys
 from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pipeline.runtime import moe_triton
+from pipeline.runtime import triton_fp8
 
 args = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "rows_ptr": "*i64", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
         "offs_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "num_experts": "i32", "stride_am": "i32",
         "stride_as": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_om": "i32"}
 # what Triton's launcher specializes on the 26B's shapes: 16-byte aligned tensors, 16-divisible sizes and strides
 aligned = [*[a for a in args if a.endswith("_ptr")], "N", "K", "stride_am", "stride_we", "stride_wn", "stride_om"]
-kernel_fn, out = moe_triton._kernel(), []
+kernel_fn, out = triton_fp8._kernel(), []
 for slots, gather in ((512, True), (2048, True), (8192, False)):
-    cfg = moe_triton.tiles(slots, 128)
+    cfg = triton_fp8.tiles(slots, 128)
     consts = {"GATHER": gather, "E_POW2": 128, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}
     attrs = {(kernel_fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=kernel_fn, signature={**args, **dict.fromkeys(consts, "constexpr")}, constexprs=consts, attrs=attrs)
@@ -159,17 +159,29 @@ for slots, gather in ((512, True), (2048, True), (8192, False)):
     cubin.write_bytes(kernel.asm["cubin"])
     out.append({"block_m": cfg["BLOCK_M"], "cubin": str(cubin), "cp_async": "cp.async" in ptx,
                 "wgmma_e4m3": "wgmma.mma_async" in ptx and "e4m3" in ptx, "shared": kernel.metadata.shared})
+quant = triton_fp8._quant_kernel()
+for dtype in ("*bf16", "*fp32"):
+    sig = {"x_ptr": dtype, "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "n": "i32", "E4M3_MAX": "constexpr", "BLOCK": "constexpr"}
+    attrs = {(quant.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("x_ptr", "scale_ptr", "out_ptr", "n")}
+    src = ASTSource(fn=quant, signature=sig, constexprs={"E4M3_MAX": 448.0, "BLOCK": triton_fp8.QUANT_BLOCK}, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx, cubin = kernel.asm["ptx"], Path(sys.argv[1]) / f"quant_{dtype[1:]}.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    out.append({"quant": dtype, "cubin": str(cubin), "ptx": sorted(set(re.findall(r"(div\\.\\S+|cvt\\.rn\\.satfinite\\S*|min\\.\\S+)", ptx)))})
 json.dump(out, sys.stdout)
 """
 
 
-def test_the_kernel_compiles_for_hopper_at_every_tile_size_without_spills(tmp_path):
-    """Triton (the installed version) lowers the kernel to an sm_90a cubin at each M tile it picks, given
-    what its launcher specializes at run time on the 26B's shapes (aligned tensors, 16-divisible sizes): no
-    GPU needed. Each keeps its loads software-pipelined through shared memory (cp.async), spills no
-    register to the stack (ptxas's resource usage, read by cuobjdump), and fits the H200's 227 KB of shared
-    memory; the 64-row tile runs Hopper's FP8 warpgroup MMA (wgmma e4m3). Without those specializations the
-    same kernel compiled to 255 registers and ~1.5 KB of stack per thread."""
+def test_the_kernels_compile_for_hopper_without_spills(tmp_path):
+    """Triton (the installed version) lowers both kernels to sm_90a cubins, given what its launcher
+    specializes at run time on the 26B's shapes (aligned tensors, 16-divisible sizes): no GPU needed.
+    The MoE GEMM at each M tile it picks keeps its loads software-pipelined through shared memory
+    (cp.async) and fits the H200's 227 KB of shared memory; the 64-row tile runs Hopper's FP8 warpgroup
+    MMA (wgmma e4m3). The quantization divides with IEEE rounding (div.rn), clamps keeping NaN
+    (min.NaN) and converts with round-to-nearest saturation (cvt.rn.satfinite): torch's arithmetic, which
+    tests/gpu and the load-time probe check bit for bit. No kernel spills a register to the stack
+    (ptxas's resource usage, read by cuobjdump); without the specializations the GEMM compiled to 255
+    registers and ~1.5 KB of stack per thread."""
     import json
     import re
     import subprocess
@@ -184,15 +196,18 @@ def test_the_kernel_compiles_for_hopper_at_every_tile_size_without_spills(tmp_pa
     run = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90, str(tmp_path)], capture_output=True, text=True,
                          env=env, cwd=root, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    kernels = json.loads(run.stdout)
+    compiled = json.loads(run.stdout)
+    kernels, quant = [k for k in compiled if "block_m" in k], [k for k in compiled if "quant" in k]
     assert [k["block_m"] for k in kernels] == [16, 32, 64]
     assert all(k["cp_async"] and 0 < k["shared"] <= 227 * 1024 for k in kernels), kernels
     assert kernels[2]["wgmma_e4m3"], kernels
+    for q in quant:
+        assert q["ptx"] == ["cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32", "min.NaN.xorsign.abs.f32"], q
     tool = find_cuobjdump()
     assert tool, "cuobjdump: the nvidia-cuda-cuobjdump wheel is a test dependency"
-    for k in kernels:
+    for k in compiled:
         usage = subprocess.run(
             [tool, "--dump-resource-usage", k["cubin"]], capture_output=True, text=True
         ).stdout
         regs, stack = (int(re.search(rf"{f}:(\d+)", usage).group(1)) for f in ("REG", "STACK"))
-        assert regs <= 255 and stack == 0, (k["block_m"], usage)
+        assert regs <= 255 and stack == 0, (k, usage)
