@@ -211,3 +211,37 @@ def test_the_kernels_compile_for_hopper_without_spills(tmp_path):
         ).stdout
         regs, stack = (int(re.search(rf"{f}:(\d+)", usage).group(1)) for f in ("REG", "STACK"))
         assert regs <= 255 and stack == 0, (k, usage)
+
+
+def test_the_probe_uses_the_triton_kernels_only_where_they_agree_with_torchs(monkeypatch):
+    """The load-time probe's agreement check, run here with the interpreted GEMM and torch's grouped GEMM
+    as its CPU stand-in (the interpreter cannot convert to E4M3, so the quantization under test is
+    torch's own or a broken one): agreeing kernels pass; a wrong GEMM or a quantization one code off fails
+    with an error naming the kernel."""
+    from pipeline.errors import DgpipeError
+
+    monkeypatch.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu(torch.bfloat16))
+    monkeypatch.setattr(tf, "quantize", sl.fp8_quantize)
+    gen = torch.Generator().manual_seed(8)
+    x, index, weights = (
+        torch.randn(20, 128, generator=gen),
+        torch.randint(0, 4, (20, 2), generator=gen),
+        torch.rand(20, 2),
+    )
+    for mode, fmt in (("fp8", "fp8"), ("fp8_rowwise", "nvfp4")):
+        tc._check_triton(mode, fmt, CPU, x, index, weights)
+    one_off = lambda v, s: (sl.fp8_quantize(v, s).view(torch.uint8) ^ (torch.arange(v.numel()) == 3)).view(
+        torch.float8_e4m3fn
+    )
+    monkeypatch.setattr(tf, "quantize", one_off)
+    with pytest.raises(DgpipeError, match="Triton FP8 quantization differs"):
+        tc._check_triton("fp8", "fp8", CPU, x, index, weights)
+    monkeypatch.setattr(tf, "quantize", sl.fp8_quantize)
+    real = tf.grouped_fp8
+    monkeypatch.setattr(
+        tf,
+        "grouped_fp8",
+        lambda a, a_scale, rows, *rest: real(a, a_scale, None if rows is None else rows.flip(0), *rest),
+    )
+    with pytest.raises(DgpipeError, match="Triton MoE GEMM differs"):
+        tc._check_triton("fp8", "fp8", CPU, x, index, weights)
