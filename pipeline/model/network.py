@@ -230,6 +230,23 @@ def combine_top_k(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -
     return torch.bmm(weights.reshape(t, 1, k).to(y.dtype), per_slot.view(t, k, -1)).view(t, -1)
 
 
+# torch's `F.grouped_mm` has a CUDA kernel for bf16 on compute capability 9.x and 10.x only (the gate is
+# `_scaled_mm_allowed_device(sm90_only, sm100_only)` in aten/src/ATen/native/cuda/GroupedBlas.cpp). Anywhere
+# else it runs `_grouped_mm_fallback` (aten/src/ATen/native/GroupedMMUtils.h): the group offsets copied to
+# the host, then one matmul per group. Correct, but a host sync inside the step, which a CUDA graph cannot
+# capture: on an Ada (sm89) or RTX Blackwell (sm120) GPU a bf16 model's denoise steps run eagerly.
+GROUPED_MM_KERNEL_MAJORS = (9, 10)
+
+
+def grouped_mm_reads_host(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `F.grouped_mm` on `device` and `dtype` reads its offsets on the host (its fallback loop)."""
+    if device.type != "cuda":
+        return False
+    return (
+        dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] not in GROUPED_MM_KERNEL_MAJORS
+    )
+
+
 def grouped_experts(
     x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
@@ -248,8 +265,9 @@ def grouped_experts(
 class Experts(nn.Module):
     """Expert weights as 3-D tensors ([E, 2I, d] fused gate|up, [E, d, I] down), as transformers stores them.
 
-    Neither form below synchronises with the host (no `.tolist()`, no data-dependent shapes), so a denoise
-    step can be captured in a CUDA graph and the CPU never waits on routing:
+    Neither form below synchronises with the host itself (no `.tolist()`, no data-dependent shapes), so a
+    denoise step can be captured in a CUDA graph and the CPU never waits on routing, except where torch's
+    grouped GEMM has no CUDA kernel and its fallback does (`grouped_mm_reads_host`):
       * grouped (the default wherever torch has a `grouped_mm` kernel: CPU fp32/bf16/fp16, CUDA bf16/fp16,
         sizes 16-byte aligned): tokens sorted by expert, one grouped GEMM per projection, the results
         added back per token in expert order;

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from pipeline.model.config import ModelConfig
-from pipeline.model.network import DiffusionGemma
+from pipeline.model.network import DiffusionGemma, grouped_mm_reads_host
 from pipeline.sampler.fused import sample_step_fused
 from pipeline.sampler.reference import (
     CounterDraws,
@@ -146,7 +146,9 @@ def experts_graph_safe(model: DiffusionGemma) -> bool:
     """Every layer's experts run without a host sync on the model's device and dtype. A forward that was
     swapped in on the instance (the fake-quantized experts of an FP8/NVFP4 checkpoint, which read the
     routing counts with `.tolist()`) counts only if it says `graph_safe = True`; modules that replace the
-    experts outright (`pipeline.runtime.tensor_cores.ScaledExperts`) say it as a class attribute."""
+    experts outright (`pipeline.runtime.tensor_cores.ScaledExperts`) say it as a class attribute. The
+    grouped bf16 experts are safe only where torch's grouped GEMM has a kernel (`grouped_mm_reads_host`:
+    on sm89 or sm120 its fallback copies the offsets to the host)."""
     p = next(model.parameters())
     probe = torch.empty(0, dtype=p.dtype, device=p.device)
     for layer in model.layers:
@@ -157,7 +159,7 @@ def experts_graph_safe(model: DiffusionGemma) -> bool:
         elif hasattr(type(experts), "graph_safe"):
             if not type(experts).graph_safe:
                 return False
-        elif not experts.use_grouped(probe):
+        elif not experts.use_grouped(probe) or grouped_mm_reads_host(probe.device, probe.dtype):
             return False
     return True
 

@@ -87,21 +87,31 @@ GROUPED_FP8_REQ = (
 SCALED_MM_FP4 = "F.scaled_mm NVFP4 [BlockWise1x16, TensorWise], SWIZZLE_32_4_4"
 GROUPED_FP4 = "F.scaled_grouped_mm NVFP4 [BlockWise1x16, TensorWise], SWIZZLE_32_4_4"
 LINEAR_BF16 = "F.linear bf16 (dequantized at load)"
-GROUPED_BF16 = "F.grouped_mm bf16 (dequantized at load)"
+# where torch's bf16 grouped GEMM has no kernel (`pipeline.model.network.grouped_mm_reads_host`: sm89, sm120)
+NO_GROUPED_KERNEL = ("sm89", "sm120")
+
+
+def _grouped_bf16(arch: str, dequantized: bool = True) -> str:
+    name = "F.grouped_mm bf16" + (" (dequantized at load)" if dequantized else "")
+    return name + (
+        "; torch's per-expert fallback here: host sync, no CUDA graphs" if arch in NO_GROUPED_KERNEL else ""
+    )
 
 
 def _rows() -> dict[tuple[str, str], DispatchRow]:
     rows = {}
     for arch in ARCHS:
-        rows["bf16", arch] = DispatchRow("bf16", arch, "F.linear bf16", "F.grouped_mm bf16", "bf16", "bf16")
+        rows["bf16", arch] = DispatchRow(
+            "bf16", arch, "F.linear bf16", _grouped_bf16(arch, False), "bf16", "bf16"
+        )
         rows["int4_awq", arch] = DispatchRow(
-            "int4_awq", arch, LINEAR_BF16, GROUPED_BF16, "bf16", "bf16", "bf16",
+            "int4_awq", arch, LINEAR_BF16, _grouped_bf16(arch), "bf16", "bf16", "bf16",
             "torch has no W4A16 GEMM; the checkpoint is dequantized to bf16 (2 B/param)",
         )  # fmt: skip
     rows["fp8", "sm90"] = DispatchRow("fp8", "sm90", SCALED_MM_FP8, GROUPED_FP8, "fp8", "fp8")
     for arch in ("sm89", "sm100", "sm120"):
         rows["fp8", arch] = DispatchRow(
-            "fp8", arch, SCALED_MM_FP8, GROUPED_BF16, "fp8", "bf16", "bf16 experts",
+            "fp8", arch, SCALED_MM_FP8, _grouped_bf16(arch), "fp8", "bf16", "bf16 experts",
             "torch's FP8 grouped GEMM is sm90-only: experts dequantized to bf16 (2 B/param)",
         )  # fmt: skip
     for arch in ("sm100", "sm120"):
@@ -112,7 +122,7 @@ def _rows() -> dict[tuple[str, str], DispatchRow]:
         "(1 B/param, relative error <= 2^-4 per weight); activations NVFP4-rounded, then per-row E4M3",
     )  # fmt: skip
     rows["nvfp4", "sm89"] = DispatchRow(
-        "nvfp4", "sm89", SCALED_MM_FP8_ROW, GROUPED_BF16, "fp8_rowwise", "bf16", "fp8 linears, bf16 experts",
+        "nvfp4", "sm89", SCALED_MM_FP8_ROW, _grouped_bf16("sm89"), "fp8_rowwise", "bf16", "fp8 linears, bf16 experts",
         "no FP4 tensor cores and no FP8 grouped GEMM: linears re-quantized to FP8 per row (1 B/param), experts dequantized to bf16 (2 B/param)",
     )  # fmt: skip
     return rows
