@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 
@@ -38,19 +39,13 @@ from pipeline.runtime.dispatch import TRITON_MAX_ROWS_PER_EXPERT
 
 
 def unavailable(device: torch.device) -> str | None:
-    """Why this kernel cannot run on `device`, or None. Triton's interpreter (TRITON_INTERPRET=1) runs it
-    on the CPU for tests."""
+    """Why these kernels cannot run on `device`, or None. Triton's interpreter (TRITON_INTERPRET=1) runs
+    them on the CPU for tests."""
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed (it comes with torch's CUDA builds)"
-    if device.type != "cuda" and not _interpreted():
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return f"Triton kernels run on CUDA devices, not {device.type} (TRITON_INTERPRET=1 for the CPU)"
     return None
-
-
-def _interpreted() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def serves(slots: int, experts: int) -> bool:
@@ -61,9 +56,9 @@ def serves(slots: int, experts: int) -> bool:
 
 
 def tiles(slots: int, experts: int) -> dict[str, int]:
-    """Tile sizes and launch shape for `slots` rows over `experts` (the vLLM fused-MoE defaults' shape for
-    FP8: a small M tile for few rows per expert, 128 along K for FP8's 32-byte MMA steps). The M tile
-    covers an expert's expected rows in one block, so its weights are read once."""
+    """Tile sizes and launch shape for `slots` rows over `experts`: an M tile that covers an expert's
+    expected rows in one block, so its weights are read once (small M tiles for few rows per expert, as
+    vLLM's fused-MoE kernel takes them), 128 along K (four of Hopper's 32-deep FP8 MMA steps)."""
     avg = slots / max(experts, 1)
     block_m = 16 if avg <= 8 else 32 if avg <= 24 else 64
     return {"BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
