@@ -303,14 +303,14 @@ def quantize_random(model, fmt: str) -> str:
     """Swap a random bf16 model's linears and experts for tensor-core modules with random `fmt` weights,
     following the dispatch row of this GPU; returns the kernels used."""
     from pipeline.runtime import triton_fp8
-    from pipeline.runtime.dispatch import dispatch, uses_triton
+    from pipeline.runtime.dispatch import dispatch
     from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, probe, random_packed
 
     dev = next(model.parameters()).device
     row = dispatch(fmt, arch_of(*torch.cuda.get_device_capability(dev)))
     lin, exp = kernel_mode(row.linears), kernel_mode(row.experts)
     kernels = f"{row.linears} / {row.experts}"
-    triton = bool(exp) and uses_triton(row.experts)
+    triton = bool(exp) and row.triton
     # as the runtime does: where dgpipe's Triton kernels cannot run or fail their probe, torch's take every pass
     why = triton and (
         triton_fp8.unavailable(dev) or (dev.type == "cuda" and probe(dev).results.get(f"triton:{exp}"))

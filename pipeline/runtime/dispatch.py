@@ -49,6 +49,7 @@ class DispatchRow:
     expert_read: str  # the format the experts' weights are read in on this path
     fallback: str | None = None  # named fallback when the format has no vendor kernel here
     note: str = ""
+    triton: bool = False  # few-rows-per-expert passes take dgpipe's Triton FP8 kernels (where probed)
 
     @property
     def native(self) -> bool:
@@ -108,7 +109,7 @@ def _rows() -> dict[tuple[str, str], DispatchRow]:
             "int4_awq", arch, LINEAR_BF16, _grouped_bf16(arch), "bf16", "bf16", "bf16",
             "torch has no W4A16 GEMM; the checkpoint is dequantized to bf16 (2 B/param)",
         )  # fmt: skip
-    rows["fp8", "sm90"] = DispatchRow("fp8", "sm90", SCALED_MM_FP8, GROUPED_FP8, "fp8", "fp8")
+    rows["fp8", "sm90"] = DispatchRow("fp8", "sm90", SCALED_MM_FP8, GROUPED_FP8, "fp8", "fp8", triton=True)
     for arch in ("sm89", "sm100", "sm120"):
         rows["fp8", arch] = DispatchRow(
             "fp8", arch, SCALED_MM_FP8, _grouped_bf16(arch), "fp8", "bf16", "bf16 experts",
@@ -120,6 +121,7 @@ def _rows() -> dict[tuple[str, str], DispatchRow]:
         "nvfp4", "sm90", SCALED_MM_FP8_ROW, GROUPED_FP8_REQ, "fp8_rowwise", "fp8_rowwise", "fp8 re-quantization",
         "Hopper has no FP4 tensor cores: dequantized NVFP4 weights re-quantized to E4M3 per output row "
         "(1 B/param, relative error <= 2^-4 per weight); activations NVFP4-rounded, then per-row E4M3",
+        triton=True,
     )  # fmt: skip
     rows["nvfp4", "sm89"] = DispatchRow(
         "nvfp4", "sm89", SCALED_MM_FP8_ROW, _grouped_bf16("sm89"), "fp8_rowwise", "bf16", "fp8 linears, bf16 experts",
@@ -133,11 +135,6 @@ DISPATCH: dict[tuple[str, str], DispatchRow] = _rows()
 
 def dispatch(fmt: str, arch: str) -> DispatchRow:
     return DISPATCH[fmt, arch]
-
-
-def uses_triton(kernel: str) -> bool:
-    """Whether a dispatch-table experts kernel hands its few-rows-per-expert passes to the Triton GEMM."""
-    return TRITON_MOE in kernel
 
 
 # ---- byte model ----------------------------------------------------------------------------------------

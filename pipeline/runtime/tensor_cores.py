@@ -37,7 +37,7 @@ from pipeline.model.fake_quant import E4M3_MAX, nvfp4_fake_quant
 from pipeline.model.modelopt import PackedLinear, quant_algo, read_packed_linears
 from pipeline.model.network import DiffusionGemma, combine_top_k, gelu_tanh
 from pipeline.runtime import triton_fp8
-from pipeline.runtime.dispatch import FP8_FAST_ACCUM, TRITON_MOE, arch_of, dispatch, uses_triton
+from pipeline.runtime.dispatch import FP8_FAST_ACCUM, TRITON_MOE, arch_of, dispatch
 from pipeline.targets import precision_for_quant_algo
 
 EXPERT = re.compile(r"^(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
@@ -408,7 +408,7 @@ def probe_plan(arch: str | None) -> list[tuple[str, str, str]]:
     for fmt in ("fp8", "nvfp4"):
         row = dispatch(fmt, arch)
         for kind, kernel in (("linear", row.linears), ("experts", row.experts), ("triton", row.experts)):
-            mode = kernel_mode(kernel) if kind != "triton" or uses_triton(kernel) else None
+            mode = kernel_mode(kernel) if kind != "triton" or row.triton else None
             form = (kind, mode, "fp8" if mode == "fp8" else "nvfp4")
             if mode and form not in plan:
                 plan.append(form)
@@ -453,7 +453,7 @@ def _check_triton(mode: str, fmt: str, dev: torch.device, x, index, weights) -> 
         raise DgpipeError(f"the Triton MoE GEMM differs from torch's grouped GEMM by {rel:.3g} (relative L2)",
                           "torch's grouped GEMM keeps every pass; report the GPU, torch and Triton versions")  # fmt: skip
     v = torch.tensor(QUANT_PROBE_VALUES)
-    v = torch.cat([v, -v, torch.randn(4096) * 64]).to(dev, torch.bfloat16)  # fmt: skip
+    v = torch.cat([v, -v, torch.randn(4096) * 64]).to(dev, torch.bfloat16)
     scale = torch.tensor(0.5, device=dev)
     if not fp8_codes_equal(triton_fp8.quantize(v, scale), sl.fp8_quantize(v, scale)):
         raise DgpipeError("the Triton FP8 quantization differs from torch's",
@@ -540,7 +540,7 @@ def install_from_checkpoint(
             f"experts: {row.experts} failed its probe ({pr.results.get(f'experts:{exp_mode}')})"
         )
         exp_mode = None
-    triton = bool(exp_mode) and uses_triton(row.experts)
+    triton = bool(exp_mode) and row.triton
     if triton and not pr.ok(f"triton:{exp_mode}"):
         res.fallbacks.append(
             f"dgpipe's Triton kernels ({TRITON_MOE}, FP8 quantization) failed their probe "

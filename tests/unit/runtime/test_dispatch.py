@@ -23,6 +23,8 @@ def test_every_format_and_arch_has_one_row_and_fallbacks_say_why():
             assert row.linear_read == row.expert_read == row.format
         else:
             assert row.note and "B/param" in row.note
+        assert row.triton == (dp.TRITON_MOE in row.experts), row  # the name says what the row does
+    assert [k for k, r in dp.DISPATCH.items() if r.triton] == [("fp8", "sm90"), ("nvfp4", "sm90")]
     assert dp.dispatch("fp8", "sm90").experts.startswith("F.scaled_grouped_mm FP8 RowWise")
     assert dp.dispatch("nvfp4", "sm100").experts.startswith("F.scaled_grouped_mm NVFP4")
     assert dp.dispatch("nvfp4", "sm90").fallback == "fp8 re-quantization"
