@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -31,7 +31,7 @@ from pipeline.model.files import (
     tensor_headers,
     weight_files,
 )
-from pipeline.model.modelopt import QuantizedLoader, quantization_info
+from pipeline.model.modelopt import LINEAR_AUX, PackedLinear, QuantizedLoader, is_packed, quantization_info
 from pipeline.model.network import DiffusionGemma, rope_inv_freq
 from pipeline.model.shapes import check_tensors
 
@@ -76,15 +76,34 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(path=p, config=config, generation_config=gen, dgpipe=extra)
 
 
+class PackedSink(Protocol):
+    """A caller that keeps some quantized linears in their stored form instead of the loader's dequantized
+    float copy (the tensor-core runtime: `pipeline.runtime.tensor_cores`). The loader asks `wants` for each
+    packed weight's module ("layers.0.self_attn.q_proj", "layers.0.experts.3.gate_proj"), hands the wanted
+    ones to `take` as read, and calls `install` once every tensor is in: the sink then puts its modules in
+    place of the wanted linears and of every layer's `experts` whose projections it took."""
+
+    def wants(self, module: str) -> bool: ...
+
+    def take(self, module: str, q: PackedLinear) -> None: ...
+
+    def install(self, model: DiffusionGemma) -> None: ...
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     fake_quant_inputs: bool = True,
+    packed: PackedSink | None = None,
 ) -> tuple[DiffusionGemma, Checkpoint]:
     """The runtime model. A ModelOpt-quantized checkpoint is dequantized on load and, with
     `fake_quant_inputs`, its linears' inputs are fake-quantized as the quantized kernels round them (off for
-    a float stand-in whose quantization is applied elsewhere, e.g. the ONNX Q/DQ graph)."""
+    a float stand-in whose quantization is applied elsewhere, e.g. the ONNX Q/DQ graph); the quantized
+    linears `packed` wants are handed to it as stored instead, never dequantized.
+
+    Each tensor goes to `device` and `dtype` as it is read, so the host holds one tensor at a time, not a
+    dequantized float copy of the whole model (a 26B FP8 checkpoint is ~100 GB of fp32)."""
     ckpt = open_checkpoint(path)
     files = weight_files(ckpt.path)
     quant = _quantized_loader(ckpt.path)  # ModelOpt export: dequantize on load (pipeline.model.modelopt)
@@ -93,8 +112,9 @@ def load_model(
     with torch.device("meta"):
         model = DiffusionGemma(ckpt.config)
     expected = model.state_dict()
+    dtype, dev = dtype or torch.float32, torch.device(device)
     state: dict[str, torch.Tensor] = {}
-    per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    kept: set[str] = set()  # parameters whose modules `packed` replaces
     handles: dict[Path, Any] = {}
 
     def read(name: str) -> torch.Tensor:
@@ -116,12 +136,19 @@ def load_model(
             if target is None or (quant is not None and quant.is_aux(name)):
                 continue
             t = read(name)
+            module = target.removesuffix(".weight")
+            if quant is not None and packed is not None and is_packed(t) and packed.wants(module):
+                packed.take(module, PackedLinear(quant.algo, t, **{s: sibling(name, s) for s in LINEAR_AUX}))
+                m = PER_EXPERT.search(target)
+                kept.update([f"{m.group(1)}.gate_up_proj", f"{m.group(1)}.down_proj"] if m else [target])
+                continue
             if quant is not None:
                 t = quant.weight(target, t, lambda suffix, n=name: sibling(n, suffix))
             m = PER_EXPERT.search(target)
-            if m:  # ModelOpt / vLLM layout: one 2-D tensor per expert and projection
-                per_expert.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+            if m:  # ModelOpt / vLLM layout: one 2-D tensor per expert and projection, into the fused one
+                _fuse_expert(state, expected, m, t, dev, dtype)
                 continue
+            t = t.to(dev, dtype)
             if target not in expected:
                 raise CheckpointError(
                     f"{f}: unexpected tensor '{name}'", "is this a DiffusionGemma checkpoint?"
@@ -129,14 +156,12 @@ def load_model(
             state[target] = t
     except SafetensorError as e:
         raise CheckpointError(f"{ckpt.path}: corrupt safetensors ({e})") from e
-    for prefix, experts in per_expert.items():
-        state[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]], 0) for e in sorted(experts)]
-        )
-        state[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in sorted(experts)])
     for name, ref in expected.items():
+        if name in kept:
+            continue
         if name.endswith("encoder_layer_scalar") and name not in state:
-            state[name] = state.get(name.replace("encoder_layer_scalar", "layer_scalar"), torch.ones(1))
+            scalar = state.get(name.replace("encoder_layer_scalar", "layer_scalar"))
+            state[name] = scalar if scalar is not None else torch.ones(1, device=dev, dtype=dtype)
         if name not in state:
             raise CheckpointError(f"{ckpt.path}: tensor 'model.decoder.{name}' is missing from the weights")
         if tuple(state[name].shape) != tuple(ref.shape):
@@ -144,15 +169,33 @@ def load_model(
                 f"{ckpt.path}: tensor 'model.decoder.{name}' has shape {tuple(state[name].shape)}, "
                 f"config.json implies {tuple(ref.shape)}"
             )
-    dtype = dtype or torch.float32
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    model.load_state_dict(state, assign=True, strict=False)  # what is not in `state` is in `kept`
     for kind in set(model.layer_types):  # RoPE tables are not weights: rebuild them off the meta device
         hd = ckpt.config.text_config.layer_shape(model.layer_types.index(kind)).head_dim
-        setattr(model, f"inv_freq_{kind}", rope_inv_freq(ckpt.config.text_config, kind, hd))
-    model = model.to(device).eval()
+        setattr(model, f"inv_freq_{kind}", rope_inv_freq(ckpt.config.text_config, kind, hd).to(dev))
+    if packed is not None:
+        packed.install(model)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise CheckpointError(f"{ckpt.path}: no weights for {', '.join(left[:3])} after loading")
+    model.eval()
     if quant is not None and fake_quant_inputs:
         quant.install(model)  # activation fake-quantization for FP8 / NVFP4
     return model, ckpt
+
+
+def _fuse_expert(state, expected, m, t: torch.Tensor, dev: torch.device, dtype: torch.dtype) -> None:
+    """Copy one expert's projection (`m`: PER_EXPERT's match) into its layer's fused parameter, allocated on
+    the layer's first projection: [E, 2I, d] gate|up and [E, d, I] down. Nothing per expert is kept, so the
+    loader holds the model plus one tensor. (`check_tensors` has matched every expert's shape and found
+    each one present from the headers, so every slot is written.)"""
+    prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+    name = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+    if name not in state:
+        state[name] = torch.empty(expected[name].shape, device=dev, dtype=dtype)
+    rows = state[name].shape[1] // 2
+    dst = {"down_proj": state[name][e], "gate_proj": state[name][e, :rows], "up_proj": state[name][e, rows:]}
+    dst[proj].copy_(t.to(dtype))
 
 
 def _quantized_loader(path: Path):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -85,7 +85,7 @@ def packed_format(algo: str) -> str:
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     lo, hi = (packed & 0x0F).long(), (packed >> 4).long()
     codes = torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-    mag = E2M1_VALUES[codes & 0x7]
+    mag = E2M1_VALUES.to(packed.device)[codes & 0x7]
     return torch.where(codes >= 8, -mag, mag)
 
 
@@ -155,6 +155,11 @@ class PackedLinear:
 
     def dequantized(self) -> torch.Tensor:
         return dequantize_weight(self.algo, self.weight, lambda suffix: getattr(self, suffix))
+
+    def to(self, device: torch.device) -> PackedLinear:
+        """The same packed tensors on `device` (the GPU then does the layout conversions)."""
+        moved = {n: getattr(self, n) for n in ("weight", *LINEAR_AUX) if getattr(self, n) is not None}
+        return replace(self, **{n: t.to(device) for n, t in moved.items()})
 
 
 def read_packed_linears(path: Path) -> dict[str, PackedLinear]:

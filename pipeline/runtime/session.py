@@ -62,6 +62,8 @@ class Session:
     model: DiffusionGemma
     checkpoint: Checkpoint
     tokenizer: Any  # tokenizers.Tokenizer | None
+    # a quantized checkpoint on a GPU: what runs on tensor cores, what fell back and why (tensor_cores.Installed)
+    tensor_cores: Any = None
     prompt_format: PromptFormat = field(init=False)  # the one the checkpoint names
     _guides: GuideCompiler | None = field(init=False, default=None, repr=False)
 
@@ -163,12 +165,14 @@ def load_session(
     passes through torch.compile (`pipeline.runtime.compiled`: faster passes after a compile per shape)."""
     dev = resolve_device(device)
     path = Path(model) if model else default_model_path()
+    tensor_cores = None
     if weights:
-        m, ckpt = load_model(path, resolve_dtype(dtype, dev), dev)
-        if dev.type == "cuda":  # FP8 / NVFP4 weights back to their stored format, on tensor cores
-            from pipeline.runtime.tensor_cores import install_from_checkpoint
+        if dev.type == "cuda":  # FP8 / NVFP4 weights kept in their stored format, on tensor cores
+            from pipeline.runtime.tensor_cores import load_on_gpu
 
-            install_from_checkpoint(m, path)
+            m, ckpt, tensor_cores = load_on_gpu(path, resolve_dtype(dtype, dev), dev)
+        else:
+            m, ckpt = load_model(path, resolve_dtype(dtype, dev), dev)
     else:
         ckpt = validate_checkpoint(path)  # the headers still have to match the config
         with torch.device("meta"):
@@ -181,4 +185,5 @@ def load_session(
         from pipeline.runtime.compiled import compile_model
 
         compile_model(m)
-    return Session(model=m, checkpoint=ckpt, tokenizer=ckpt.tokenizer() if ckpt.has_tokenizer else None)
+    tokenizer = ckpt.tokenizer() if ckpt.has_tokenizer else None
+    return Session(model=m, checkpoint=ckpt, tokenizer=tokenizer, tensor_cores=tensor_cores)

@@ -1,12 +1,11 @@
 """Quantized checkpoints on CUDA tensor cores: the weights stay FP8 / NVFP4 in GPU memory and torch's
 scaled GEMMs do the math, as `pipeline.runtime.dispatch` decides per (format, arch).
 
-`install_from_checkpoint` replaces, on a model `pipeline.model.checkpoint.load_model` put on a CUDA device,
-each quantized linear by a `ScaledLinear` (`F.scaled_mm`) and each layer's experts by `ScaledExperts`
-(`F.scaled_grouped_mm`), built from the packed tensors as ModelOpt stored them
-(`pipeline.model.modelopt.read_packed_linears`) through the pure converters of
-`pipeline.model.scaled_layout`. The dequantized float copies the loader made are dropped with the modules
-they belonged to. Activations are quantized as `pipeline.model.fake_quant` emulates them (FP8: static
+`load_on_gpu` loads a quantized checkpoint onto a CUDA device with each quantized linear as a
+`ScaledLinear` (`F.scaled_mm`) and each layer's experts as `ScaledExperts` (`F.scaled_grouped_mm`), built
+from the packed tensors as ModelOpt stored them, as `pipeline.model.checkpoint.load_model` reads them
+(`TensorCoreLoad`), through the pure converters of `pipeline.model.scaled_layout`: no dequantized float
+copy of those weights is ever made. Activations are quantized as `pipeline.model.fake_quant` emulates them (FP8: static
 per-tensor input scale; NVFP4: dynamic per-16 blocks under the static global scale), so the scaled GEMMs
 compute what the CPU path's fake-quantized float GEMMs compute, up to accumulation order. Nothing here
 runs on the CPU path: the CPU runtime and the float64 parity oracle are untouched.
@@ -33,8 +32,10 @@ from torch import nn
 
 from pipeline.errors import DgpipeError, error_line
 from pipeline.model import scaled_layout as sl
+from pipeline.model.checkpoint import Checkpoint, load_model
 from pipeline.model.fake_quant import E4M3_MAX, nvfp4_fake_quant
-from pipeline.model.modelopt import PackedLinear, quant_algo, read_packed_linears
+from pipeline.model.files import runtime_name, weight_files
+from pipeline.model.modelopt import PackedLinear, quant_algo
 from pipeline.model.network import DiffusionGemma, combine_top_k, gelu_tanh
 from pipeline.runtime import triton_fp8
 from pipeline.runtime.dispatch import FP8_FAST_ACCUM, TRITON_MOE, arch_of, dispatch
@@ -500,73 +501,128 @@ def kernel_mode(kernel: str) -> str | None:
 
 @dataclass
 class Installed:
+    """What a load put on tensor cores, and what stayed on the dequantized float path and why."""
+
     format: str
     arch: str | None
-    linears: int = 0  # linears now on scaled_mm
-    experts: int = 0  # layers whose experts are now on scaled_grouped_mm
-    fallbacks: list[str] = field(default_factory=list)  # what stayed on the dequantized float path, and why
+    linears: int = 0  # linears on scaled_mm
+    experts: int = 0  # layers whose experts are on scaled_grouped_mm
+    fallbacks: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        head = f"{self.format} on {self.arch or 'this GPU'}: {self.linears} linears and {self.experts} layers' experts on tensor cores"
+        return "; ".join([head, *self.fallbacks])
 
 
-def install_from_checkpoint(
-    model: DiffusionGemma, path: str | Path, probed: Probe | None = None
-) -> Installed | None:
-    """Swap a CUDA model's fake-quantized float linears/experts for tensor-core modules reading the
-    checkpoint's packed weights. None for an unquantized checkpoint. Parts whose kernel the probe found
-    missing keep the float path and are listed in `fallbacks`."""
-    p = Path(path)
-    algo = quant_algo(p)
-    if algo is None:
-        return None
-    dev = next(model.parameters()).device
-    if dev.type != "cuda":
-        raise DgpipeError(
-            f"tensor-core weights need a CUDA model (this one is on {dev})", "load it with --device cuda"
-        )
-    fmt = precision_for_quant_algo(algo).name
-    pr = probed or probe(dev)
-    res = Installed(fmt, pr.arch)
-    if pr.arch is None or fmt not in ("fp8", "nvfp4"):
-        res.fallbacks.append(f"{fmt} on {pr.arch or 'this GPU'}: no tensor-core row; dequantized float path")
-        return res
-    row = dispatch(fmt, pr.arch)
-    lin_mode, exp_mode = kernel_mode(row.linears), kernel_mode(row.experts)
-    if lin_mode and not pr.ok(f"linear:{lin_mode}"):
-        res.fallbacks.append(
-            f"linears: {row.linears} failed its probe ({pr.results.get(f'linear:{lin_mode}')})"
-        )
-        lin_mode = None
-    if exp_mode and not pr.ok(f"experts:{exp_mode}"):
-        res.fallbacks.append(
-            f"experts: {row.experts} failed its probe ({pr.results.get(f'experts:{exp_mode}')})"
-        )
-        exp_mode = None
-    triton = bool(exp_mode) and row.triton
-    if triton and not pr.ok(f"triton:{exp_mode}"):
-        res.fallbacks.append(
-            f"dgpipe's Triton kernels ({TRITON_MOE}, FP8 quantization) failed their probe "
-            f"({pr.results.get(f'triton:{exp_mode}')}): torch's grouped GEMM and quantization run every pass"
-        )
-        triton = False
-    dtype = model.embed_tokens.weight.dtype
-    experts: dict[str, dict[int, dict[str, PackedLinear]]] = {}
-    for name, q in read_packed_linears(p).items():
-        m = EXPERT.match(name)
-        if m:
-            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = q
-        elif lin_mode and q.input_scale is not None:
+class TensorCoreLoad:
+    """The `pipeline.model.checkpoint.PackedSink` that puts a quantized checkpoint on tensor cores while the
+    loader reads it: each packed weight goes to the GPU as stored and becomes a `ScaledLinear`, and a
+    layer's experts become one `ScaledExperts` as soon as all of them are in. The float copy the CPU path
+    dequantizes is never made, so loading needs the checkpoint's size in GPU memory, not its float size
+    (a 26B FP8 checkpoint: ~27 GB instead of ~52 GB of bf16), and the host holds one tensor at a time.
+
+    Which linears and experts it takes is decided from the tensor names before any weight is read: the
+    kernels of this GPU's dispatch row that passed `probe`, for linears with an input scale, and for
+    layers whose experts all have one (a layer's experts share their projections' input quantizers)."""
+
+    def __init__(
+        self, path: str | Path, device: torch.device, dtype: torch.dtype, probed: Probe | None = None
+    ):
+        p = Path(path)
+        self.device, self.dtype = device, dtype
+        pr = probed or probe(device)
+        self.report = Installed(precision_for_quant_algo(quant_algo(p)).name, pr.arch)
+        self.lin_mode, self.exp_mode, self.triton, row = self._modes(pr)
+        names = weight_files(p)
+        scaled = {
+            runtime_name(n.removesuffix("input_scale") + "weight")
+            for n in names
+            if n.endswith(".input_scale")
+        }
+        scaled = {t.removesuffix(".weight") for t in scaled if t}
+        experts: dict[str, set[str]] = {}
+        for n in names:
+            m = EXPERT.match((runtime_name(n) or "").removesuffix(".weight"))
+            if m:
+                experts.setdefault(m.group(1), set()).add(m.group(0))
+        self.linears = {m for m in scaled if not EXPERT.match(m)} if self.lin_mode else set()
+        self.expert_layers = {k: len(v) for k, v in experts.items() if self.exp_mode and v <= scaled}
+        self.modules: dict[str, nn.Module] = {}
+        self.pending: dict[str, dict[int, dict[str, PackedLinear]]] = {}
+        if row is not None and row.fallback:
+            self.report.fallbacks.append(f"{row.fallback}: {row.note}")
+
+    def _modes(self, pr: Probe):
+        """(linear mode, experts mode, Triton, dispatch row) for this format on this GPU, after the probe;
+        each kernel that is missing or failed its probe is reported and left to the float path."""
+        fmt, res = self.report.format, self.report
+        if pr.arch is None or fmt not in ("fp8", "nvfp4"):
+            res.fallbacks.append(
+                f"{fmt} on {pr.arch or 'this GPU'}: no tensor-core row; dequantized float path"
+            )
+            return None, None, False, None
+        row = dispatch(fmt, pr.arch)
+        lin, exp = kernel_mode(row.linears), kernel_mode(row.experts)
+        if lin and not pr.ok(f"linear:{lin}"):
+            res.fallbacks.append(
+                f"linears: {row.linears} failed its probe ({pr.results.get(f'linear:{lin}')})"
+            )
+            lin = None
+        if exp and not pr.ok(f"experts:{exp}"):
+            res.fallbacks.append(
+                f"experts: {row.experts} failed its probe ({pr.results.get(f'experts:{exp}')})"
+            )
+            exp = None
+        triton = bool(exp) and row.triton
+        if triton and not pr.ok(f"triton:{exp}"):
+            res.fallbacks.append(
+                f"dgpipe's Triton kernels ({TRITON_MOE}, FP8 quantization) failed their probe "
+                f"({pr.results.get(f'triton:{exp}')}): torch's grouped GEMM and quantization run every pass"
+            )
+            triton = False
+        return lin, exp, triton, row
+
+    def wants(self, module: str) -> bool:
+        m = EXPERT.match(module)
+        return m.group(1) in self.expert_layers if m else module in self.linears
+
+    def take(self, module: str, q: PackedLinear) -> None:
+        q = q.to(self.device)
+        m = EXPERT.match(module)
+        if m is None:
+            self.modules[module] = ScaledLinear(q, self.lin_mode, self.device, self.dtype, self.triton)
+            self.report.linears += 1
+            return
+        prefix = m.group(1)
+        layer = self.pending.setdefault(prefix, {})
+        layer.setdefault(int(m.group(2)), {})[m.group(3)] = q
+        if sum(map(len, layer.values())) == self.expert_layers[prefix]:  # the layer's last projection
+            per = [layer[e] for e in sorted(self.pending.pop(prefix))]
+            proj = lambda name: [e[name] for e in per]
+            self.modules[prefix] = ScaledExperts(
+                proj("gate_proj"), proj("up_proj"), proj("down_proj"), self.exp_mode, self.device, self.triton
+            )
+            self.report.experts += 1
+
+    def install(self, model: DiffusionGemma) -> None:
+        if self.pending:
+            raise DgpipeError(f"experts of {', '.join(self.pending)} incomplete in the checkpoint")
+        for name, module in self.modules.items():
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, ScaledLinear(q, lin_mode, dev, dtype, triton))
-            res.linears += 1
-    if exp_mode:
-        for prefix, per in experts.items():
-            ps = [per[e] for e in sorted(per)]
-            if any(q.input_scale is None for e in ps for q in e.values()):
-                continue
-            layer = model.get_submodule(prefix.rpartition(".")[0])
-            layer.experts = ScaledExperts([e["gate_proj"] for e in ps], [e["up_proj"] for e in ps],
-                                          [e["down_proj"] for e in ps], exp_mode, dev, triton)  # fmt: skip
-            res.experts += 1
-    if row.fallback:
-        res.fallbacks.append(f"{row.fallback}: {row.note}")
-    torch.cuda.empty_cache()
-    return res
+            setattr(model.get_submodule(parent), child, module)
+        self.modules.clear()
+
+
+def load_on_gpu(
+    path: str | Path, dtype: torch.dtype, device: torch.device, probed: Probe | None = None
+) -> tuple[DiffusionGemma, Checkpoint, Installed | None]:
+    """`load_model` for a GPU: a quantized checkpoint's FP8 / NVFP4 weights go straight onto tensor cores
+    (`TensorCoreLoad`), with what did not reported; an unquantized one loads as on any device (None).
+    `probed`: the kernels known to run here (tests pass one to run this off a GPU)."""
+    if quant_algo(Path(path)) is None:
+        return (*load_model(path, dtype, device), None)
+    sink = TensorCoreLoad(path, device, dtype, probed)
+    model, ckpt = load_model(path, dtype, device, packed=sink)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return model, ckpt, sink.report

@@ -77,6 +77,8 @@ def load_model(config: dict[str, Any], version_dir: Path, log: Log) -> LoadedMod
     if backend is None:  # the plan failed to load: fall back to the PyTorch weights
         session = load_session(ckpt, dtype, device, compile=compile)
         backend = session.model
+    if session.tensor_cores is not None:  # a quantized checkpoint on a GPU: which kernels, which fallbacks
+        log.info(f"dgpipe: tensor cores: {session.tensor_cores.summary()}")
     length = session.model.config.canvas_length
     positions = session.model.config.text_config.max_position_embeddings
     limits = server_limits(params, positions, length)

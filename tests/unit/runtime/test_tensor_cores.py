@@ -16,7 +16,7 @@ from pipeline.errors import DgpipeError
 from pipeline.model import scaled_layout as sl
 from pipeline.model.checkpoint import load_model
 from pipeline.model.fake_quant import fp8_fake_quant, nvfp4_fake_quant
-from pipeline.model.modelopt import PackedLinear, read_packed_linears
+from pipeline.model.modelopt import PackedLinear, QuantizedLoader, is_packed, read_packed_linears
 from pipeline.resources import EMBEDDED_MODEL
 from pipeline.runtime import dispatch as dp
 from pipeline.runtime import tensor_cores as tc
@@ -194,15 +194,85 @@ def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
 def test_cuda_only_entry_points_say_so_on_cpu(ckpts):
     with pytest.raises(DgpipeError, match="CUDA"):
         tc.probe("cpu")
-    model = load_model(ckpts["fp8"])[0]
-    with pytest.raises(DgpipeError, match="CUDA model"):
-        tc.install_from_checkpoint(model, ckpts["fp8"], tc.Probe("sm90"))
-    assert tc.install_from_checkpoint(model, EMBEDDED_MODEL) is None  # unquantized: nothing to do
+    with pytest.raises(DgpipeError, match="CUDA"):
+        tc.load_on_gpu(ckpts["fp8"], torch.bfloat16, CPU)  # no probe: it runs the kernels on a GPU
+    assert tc.load_on_gpu(EMBEDDED_MODEL, torch.float32, CPU)[2] is None  # unquantized: a plain load
+
+
+SM90_PROBED = {
+    "linear:fp8": None,
+    "experts:fp8": None,
+    "linear:fp8_rowwise": None,
+    "experts:fp8_rowwise": None,
+}
+
+
+def _spy_dequantized(monkeypatch) -> list[str]:
+    """The modules whose packed weights the loader dequantizes to floats, as they are read."""
+    names: list[str] = []
+    real = QuantizedLoader.weight
+
+    def weight(self, name, t, fetch):
+        if is_packed(t):
+            names.append(name.removesuffix(".weight"))
+        return real(self, name, t, fetch)
+
+    monkeypatch.setattr(QuantizedLoader, "weight", weight)
+    return names
+
+
+@pytest.mark.parametrize(("fmt", "mode"), [("fp8", "fp8"), ("nvfp4", "fp8_rowwise")])
+def test_gpu_load_takes_every_packed_weight_as_stored_and_builds_what_a_float_load_then_swap_builds(
+    ckpts, monkeypatch, fmt, mode
+):
+    """On Hopper's row every quantized linear and expert goes from the file to its tensor-core module
+    without a float copy, and the model is the one the dequantize-then-replace route builds, tensor for
+    tensor (that route, `_install`, reads the checkpoint twice and holds the float model in between)."""
+    monkeypatch.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu(torch.bfloat16))
+    dequantized = _spy_dequantized(monkeypatch)
+    model, _, report = tc.load_on_gpu(ckpts[fmt], torch.bfloat16, CPU, tc.Probe("sm90", dict(SM90_PROBED)))
+    assert dequantized == []
+    layers = len(model.layers)
+    assert (report.format, report.arch, report.experts) == (fmt, "sm90", layers)
+    assert report.linears == sum(isinstance(m, tc.ScaledLinear) for m in model.modules()) > layers
+    assert all(isinstance(layer.experts, tc.ScaledExperts) for layer in model.layers)
+    want = _install(load_model(ckpts[fmt])[0].to(torch.bfloat16), ckpts[fmt], mode)
+    kinds = lambda m: [(type(x), getattr(x, "mode", None), getattr(x, "triton", None)) for x in m.modules()]
+    assert kinds(model) == kinds(want)  # same modules, same kernels: with equal tensors, equal passes
+    got, ref = model.state_dict(), want.state_dict()
+    assert got.keys() == ref.keys()
+    bits = lambda t: t.flatten().view(torch.uint8)  # bit for bit, NaN and -0.0 included
+    for name, t in ref.items():
+        assert t.dtype == got[name].dtype and torch.equal(bits(t), bits(got[name])), name
+
+
+def test_gpu_load_leaves_what_failed_its_probe_or_has_no_kernel_to_the_float_path(ckpts, monkeypatch):
+    dequantized = _spy_dequantized(monkeypatch)
+    probed = tc.Probe("sm90", {"linear:fp8": "no kernel image", "experts:fp8": None})
+    monkeypatch.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu(torch.bfloat16))
+    model, _, report = tc.load_on_gpu(ckpts["fp8"], torch.bfloat16, CPU, probed)
+    linears = [n for n in dequantized if not tc.EXPERT.match(n)]
+    assert linears == dequantized and len(linears) > len(model.layers)  # linears as floats, experts packed
+    assert report.linears == 0 and report.experts == len(model.layers)
+    assert any("failed its probe (no kernel image)" in f for f in report.fallbacks)
+    assert "no kernel image" in report.summary()
+    dequantized.clear()
+    # FP8 on Blackwell: torch has no FP8 grouped GEMM there, so the experts are dequantized (bf16), the
+    # linears stay FP8
+    model, _, report = tc.load_on_gpu(
+        ckpts["fp8"], torch.bfloat16, CPU, tc.Probe("sm100", {"linear:fp8": None})
+    )
+    assert dequantized and all(tc.EXPERT.match(n) for n in dequantized)
+    assert len(dequantized) == 3 * model.cfg.num_experts * len(model.layers)
+    assert report.experts == 0 and report.linears > 0
+    assert any("sm90-only" in f for f in report.fallbacks)
+    assert not any(isinstance(layer.experts, tc.ScaledExperts) for layer in model.layers)
 
 
 def _install(model, path: Path, mode: str, linears: bool = True):
-    """`install_from_checkpoint` without its CUDA check: the checkpoint's experts (and linears) as `mode`
-    tensor-core modules on the CPU."""
+    """A float-loaded model with the checkpoint's experts (and linears) swapped for `mode` tensor-core
+    modules on the CPU, built from a second, separate read of the packed weights: an independent route to
+    the model `load_on_gpu` builds in one read."""
     packed = read_packed_linears(path)
     for name, q in packed.items():
         if linears and not tc.EXPERT.match(name) and q.input_scale is not None:
