@@ -1,4 +1,4 @@
-"""`dgpipe bench local|sweep|serve|requests|model|pass|guided|flops|export-memory|gpu`: run a benchmark from
+"""`dgpipe bench local|sweep|serve|requests|model|pass|guided|flops|export-memory|load-memory|gpu`: run a benchmark from
 pipeline/bench/, print its table, say where the JSON and PNG went."""
 
 from __future__ import annotations
@@ -338,6 +338,30 @@ def bench_export_memory(
     result = as_dict(run(config, layers, work_dir, moe, sparse=sparse))
     save_result(out_dir, RESULT_FILE, result)
     out.show(result, as_json, _render_export_memory)
+    out.saved([out_dir / RESULT_FILE], as_json)
+
+
+@app.command("load-memory")
+def bench_load_memory(
+    config: Annotated[str, typer.Option(help="configs/models/<name>.yaml (random weights)")] = (
+        "diffusiongemma-26b-a4b"
+    ),
+    layers: Annotated[int, typer.Option(help="decoder layers written at full shapes")] = 2,
+    fmt: Annotated[str, typer.Option("--format", help="fp8 or nvfp4 (ModelOpt layout)")] = "fp8",
+    work_dir: Annotated[Path, typer.Option(help="scratch for the checkpoint (deleted)")] = Path(
+        "/tmp/dgpipe-load-memory"
+    ),
+    out_dir: Annotated[Path | None, _out("bench-load-memory", "directory for the JSON result")] = None,
+    as_json: opt.Json = False,
+) -> None:
+    """Peak memory of loading a quantized checkpoint: the CPU route and the tensor-core route."""
+    from pipeline.bench.load_memory import RESULT_FILE, as_dict, render, run
+    from pipeline.bench.results import save_result
+
+    out_dir = out_dir or opt.cache_dir() / "bench-load-memory"
+    result = as_dict(run(config, layers, fmt, work_dir))
+    save_result(out_dir, RESULT_FILE, result)
+    out.show(result, as_json, render)
     out.saved([out_dir / RESULT_FILE], as_json)
 
 
