@@ -126,13 +126,24 @@ def write_random_checkpoint(
             total += state[name].numel() * state[name].element_size()
         save_file(state, str(out / fname), metadata={"format": "pt"})
         del state
+    write_index_and_config(out, weight_map, total, config, dtype)
+    return total
+
+
+def write_index_and_config(
+    out: Path,
+    weight_map: dict[str, str],
+    total: int,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    **extra: object,
+) -> None:
+    """A sharded checkpoint's model.safetensors.index.json and its config.json (`extra`: more config keys)."""
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n"
     )
-    cfg = config.to_hf_dict()
-    cfg["dtype"] = str(dtype).replace("torch.", "")
+    cfg = {**config.to_hf_dict(), "dtype": str(dtype).replace("torch.", ""), **extra}
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return total
 
 
 _CHILD = r"""

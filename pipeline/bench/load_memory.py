@@ -27,7 +27,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pipeline.bench.export_memory import checkpoint_bytes, checkpoint_shards, model_config
+from pipeline.bench.export_memory import (
+    checkpoint_bytes,
+    checkpoint_shards,
+    model_config,
+    write_index_and_config,
+)
 from pipeline.errors import DgpipeError
 from pipeline.model.config import ModelConfig
 from pipeline.model.files import DECODER
@@ -97,13 +102,8 @@ def write_quantized_checkpoint(out: Path, config: ModelConfig, fmt: str, seed: i
         weight_map.update(dict.fromkeys(state, fname))
         total += sum(t.numel() * t.element_size() for t in state.values())
         del state
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n"
-    )
-    cfg = config.to_hf_dict()
-    cfg["dtype"] = "bfloat16"
-    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": FORMATS[fmt]}
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    quant = {"quant_method": "modelopt", "quant_algo": FORMATS[fmt]}
+    write_index_and_config(out, weight_map, total, config, torch.bfloat16, quantization_config=quant)
     (out / "hf_quant_config.json").write_text(
         json.dumps({"quantization": {"quant_algo": FORMATS[fmt]}}) + "\n"
     )
