@@ -275,12 +275,14 @@ def render(result: dict) -> str:
                   "(fast / promoted accumulation) | fast vs promoted (rel L2) | ms Triton GEMMs (own M tile / 64) | Triton vs torch "
                   "(rel L2) | ms bf16 grouped (dequantized) | ms dequantize | bf16 vs FP8 (rel L2) |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        why = lambda x, key: f"— | {str(x.get(key)).replace('|', '/')[:80]}"
         for b, x in experts:
-            triton = (f"{x['ms_triton_gemms']:.2f} / {x['ms_triton_gemms_m64']:.2f} | {x['rel_l2_triton_vs_torch']:.1e}"
-                      if "ms_triton_gemms" in x else f"— | {str(x.get('triton_error')).replace('|', '/')[:80]}")  # fmt: skip
+            torch_gemms = (f"{x['ms_fp8_gemms']:.2f} / {x['ms_fp8_gemms_exact_accum']:.2f} | {x['rel_l2_fast_vs_exact_accum']:.1e}"
+                           if "ms_fp8_gemms" in x else why(x, "torch_error"))  # fmt: skip
+            triton = (f"{x['ms_triton_gemms']:.2f} / {x['ms_triton_gemms_m64']:.2f} | {x.get('rel_l2_triton_vs_torch', float('nan')):.1e}"
+                      if "ms_triton_gemms" in x else why(x, "triton_error"))  # fmt: skip
             lines.append(f"| layer 0 | {b} | {x['rows_per_expert']:.0f} | {x['ms_fp8_module']:.2f} "
-                         f"| {x['ms_fp8_gemms']:.2f} / {x['ms_fp8_gemms_exact_accum']:.2f} "
-                         f"| {x['rel_l2_fast_vs_exact_accum']:.1e} | {triton} | {x['ms_bf16_grouped']:.2f} "
+                         f"| {torch_gemms} | {triton} | {x['ms_bf16_grouped']:.2f} "
                          f"| {x['ms_dequantize']:.2f} | {x['rel_l2_bf16_vs_fp8']:.3f} |")  # fmt: skip
     attention = [(r["batch"], a) for r in rows for a in r.get("attention", [])]
     if attention:
@@ -310,13 +312,15 @@ def quantize_random(model, fmt: str) -> str:
     row = dispatch(fmt, arch_of(*torch.cuda.get_device_capability(dev)))
     lin, exp = kernel_mode(row.linears), kernel_mode(row.experts)
     kernels = f"{row.linears} / {row.experts}"
-    triton = bool(exp) and row.triton
-    # as the runtime does: where dgpipe's Triton kernels cannot run or fail their probe, torch's take every pass
-    why = triton and (
+    triton_rows = row.triton_rows if exp else 0.0
+    # as the runtime does: where dgpipe's Triton kernels cannot run or fail their probe, torch's take every
+    # pass, or, where torch has no grouped kernel, the experts stay bf16
+    why = triton_rows and (
         triton_fp8.unavailable(dev) or (dev.type == "cuda" and probe(dev).results.get(f"triton:{exp}"))
     )
     if why:
-        triton, kernels = False, kernels + f" (Triton kernels not used: {why})"
+        triton_rows, kernels = 0.0, kernels + f" (Triton kernels not used: {why})"
+        exp = exp if row.torch_experts else None
     gen = torch.Generator(device=dev).manual_seed(0)
     for layer in model.layers:
         if lin:
@@ -324,12 +328,12 @@ def quantize_random(model, fmt: str) -> str:
                 for name, m in list(parent.named_children()):
                     if isinstance(m, torch.nn.Linear):
                         q = random_packed(fmt, m.out_features, m.in_features, dev, gen)
-                        setattr(parent, name, ScaledLinear(q, lin, dev, torch.bfloat16, triton))
+                        setattr(parent, name, ScaledLinear(q, lin, dev, torch.bfloat16, triton_rows > 0))
         if exp:
             e, two_i, d = layer.experts.gate_up_proj.shape
             mk = lambda n, k, e=e: [random_packed(fmt, n, k, dev, gen) for _ in range(e)]
             layer.experts = ScaledExperts(
-                mk(two_i // 2, d), mk(two_i // 2, d), mk(d, two_i // 2), exp, dev, triton
+                mk(two_i // 2, d), mk(two_i // 2, d), mk(d, two_i // 2), exp, dev, triton_rows
             )
         torch.cuda.empty_cache()
     return kernels
@@ -542,21 +546,27 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
             experts(x, index, weights).float(),
             grouped_experts(x, index, weights, w13, w2).float(),
         )
-        fast, exact = gemms(True).float(), gemms(False).float()
-        paths = [("fp8_module", lambda: experts(x, index, weights)), ("fp8_gemms", gemms),
-                 ("fp8_gemms_exact_accum", lambda: gemms(False)),
+        paths = [("fp8_module", lambda: experts(x, index, weights)),
                  ("bf16_grouped", lambda: grouped_experts(x, index, weights, w13, w2)), ("dequantize", dequantize)]  # fmt: skip
-        extra: dict = {"triton_error": triton_fp8.unavailable(dev)}
+        extra: dict = {"rel_l2_bf16_vs_fp8": rel(bf16_out, fp8_out), "torch_error": None}
+        try:  # torch's grouped FP8 GEMM exists on sm90 only (the dispatch table)
+            fast = gemms(True).float()
+            extra["rel_l2_fast_vs_exact_accum"] = rel(fast, gemms(False).float())
+            paths += [("fp8_gemms", gemms), ("fp8_gemms_exact_accum", lambda: gemms(False))]
+        except Exception as e:  # its own field says why; the other paths still run
+            fast, extra["torch_error"] = None, error_line(e)
+        extra["triton_error"] = triton_fp8.unavailable(dev)
         if extra["triton_error"] is None:
             try:
-                extra["rel_l2_triton_vs_torch"] = rel(triton_gemms().float(), fast)
+                out = triton_gemms().float()
+                if fast is not None:
+                    extra["rel_l2_triton_vs_torch"] = rel(out, fast)
                 # its own M tile, and 64 rows (Hopper's FP8 warpgroup MMA) where it picks a smaller one
                 paths += [("triton_gemms", triton_gemms), ("triton_gemms_m64", lambda: triton_gemms(64))]
-            except Exception as e:  # its own row says why; the other paths still run
+            except Exception as e:  # its own field says why; the other paths still run
                 extra["triton_error"] = error_line(e)
         ms = {name: median_seconds(fn, dev, repeats) * 1e3 for name, fn in paths}
-    return {"tokens": tokens, "rows_per_expert": tokens * top_k / num, **{f"ms_{k}": v for k, v in ms.items()},
-            "rel_l2_bf16_vs_fp8": rel(bf16_out, fp8_out), "rel_l2_fast_vs_exact_accum": rel(fast, exact), **extra}  # fmt: skip
+    return {"tokens": tokens, "rows_per_expert": tokens * top_k / num, **{f"ms_{k}": v for k, v in ms.items()}, **extra}  # fmt: skip
 
 
 def routed_experts(model, fn) -> float:

@@ -12,6 +12,9 @@ and .../torch.nn.functional.scaled_grouped_mm.html):
 * `F.scaled_grouped_mm` FP8 `RowWise` (sm90 only, as torch's grouped FP8 tests gate it); NVFP4
   `[BlockWise1x16, TensorWise]` (sm100+, torch builds with its MSLK/FBGEMM grouped kernels: probed).
 * bf16: `F.linear` (cuBLAS) and `F.grouped_mm`.
+Where they leave a gap, dgpipe's own Triton FP8 MoE GEMM (`pipeline.runtime.triton_fp8`): Hopper's passes
+with few rows per expert, and every pass on Ada and RTX Blackwell, which have FP8 tensor cores but no grouped
+GEMM kernel in torch.
 
 Byte model of one denoise pass (the HBM floor: every byte read or written once at the pass's minimum):
 weights in their stored format (experts: only those the routed slots touch, expected value under uniform
@@ -23,6 +26,7 @@ ops are assumed fused (not counted). Config-only arithmetic, no torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pipeline.model.config import TextConfig
@@ -49,11 +53,23 @@ class DispatchRow:
     expert_read: str  # the format the experts' weights are read in on this path
     fallback: str | None = None  # named fallback when the format has no vendor kernel here
     note: str = ""
-    triton: bool = False  # few-rows-per-expert passes take dgpipe's Triton FP8 kernels (where probed)
+    # passes with at most this many rows per expert take dgpipe's Triton FP8 kernels, where probed (0: none;
+    # EVERY_PASS: all of them, where torch has no FP8 grouped GEMM)
+    triton_rows: float = 0.0
 
     @property
     def native(self) -> bool:
         return self.fallback is None
+
+    @property
+    def triton(self) -> bool:
+        """Whether some passes take dgpipe's Triton FP8 kernels."""
+        return self.triton_rows > 0
+
+    @property
+    def torch_experts(self) -> bool:
+        """Whether some passes' experts take torch's grouped GEMM (all but the Triton-only rows)."""
+        return self.triton_rows != EVERY_PASS
 
 
 def _bytes(fmt: str) -> float:
@@ -79,6 +95,14 @@ _ACC = ", fast accumulation" if FP8_FAST_ACCUM else ""
 # the experts' weights at 44% of an H200's HBM there. More rows per expert keep torch's kernel.
 TRITON_MAX_ROWS_PER_EXPERT = 64
 TRITON_MOE = f"Triton FP8 MoE GEMM at <= {TRITON_MAX_ROWS_PER_EXPERT} rows per expert"
+# On Ada and RTX Blackwell (sm89, sm120) torch has neither an FP8 grouped GEMM nor a bf16 one (its bf16
+# `F.grouped_mm` falls back to a per-expert loop that reads the group offsets on the host), so an FP8
+# checkpoint's experts take the same Triton kernel on every pass: FP8 weights (1 B/param instead of bf16's 2),
+# routing kept on the device, the step capturable in a CUDA graph. Triton lowers its FP8 dot to these GPUs'
+# `mma.sync` e4m3 instructions (tests/unit/runtime/test_triton_fp8.py compiles it for both).
+EVERY_PASS = math.inf
+TRITON_MOE_EVERY_PASS = "Triton FP8 MoE GEMM RowWise, every pass (torch has no grouped GEMM kernel here)"
+TRITON_MOE_EVERY_PASS_REQ = "Triton FP8 MoE GEMM RowWise (weights re-quantized per row at load), every pass"
 SCALED_MM_FP8 = "F.scaled_mm FP8 TensorWise (static input scale)" + _ACC
 SCALED_MM_FP8_ROW = "F.scaled_mm FP8 RowWise (weights re-quantized per row at load)" + _ACC
 GROUPED_FP8 = "F.scaled_grouped_mm FP8 RowWise" + _ACC + "; " + TRITON_MOE
@@ -109,23 +133,31 @@ def _rows() -> dict[tuple[str, str], DispatchRow]:
             "int4_awq", arch, LINEAR_BF16, _grouped_bf16(arch), "bf16", "bf16", "bf16",
             "torch has no W4A16 GEMM; the checkpoint is dequantized to bf16 (2 B/param)",
         )  # fmt: skip
-    rows["fp8", "sm90"] = DispatchRow("fp8", "sm90", SCALED_MM_FP8, GROUPED_FP8, "fp8", "fp8", triton=True)
-    for arch in ("sm89", "sm100", "sm120"):
+    rows["fp8", "sm90"] = DispatchRow(
+        "fp8", "sm90", SCALED_MM_FP8, GROUPED_FP8, "fp8", "fp8", triton_rows=TRITON_MAX_ROWS_PER_EXPERT
+    )  # fmt: skip
+    for arch in ("sm89", "sm120"):
         rows["fp8", arch] = DispatchRow(
-            "fp8", arch, SCALED_MM_FP8, _grouped_bf16(arch), "fp8", "bf16", "bf16 experts",
-            "torch's FP8 grouped GEMM is sm90-only: experts dequantized to bf16 (2 B/param)",
+            "fp8", arch, SCALED_MM_FP8, TRITON_MOE_EVERY_PASS, "fp8", "fp8", triton_rows=EVERY_PASS
         )  # fmt: skip
+    rows["fp8", "sm100"] = DispatchRow(
+        "fp8", "sm100", SCALED_MM_FP8, _grouped_bf16("sm100"), "fp8", "bf16", "bf16 experts",
+        "torch's FP8 grouped GEMM is sm90-only: experts dequantized to bf16 (2 B/param) for torch's bf16 "
+        "grouped GEMM; Blackwell runs NVFP4 natively",
+    )  # fmt: skip
     for arch in ("sm100", "sm120"):
         rows["nvfp4", arch] = DispatchRow("nvfp4", arch, SCALED_MM_FP4, GROUPED_FP4, "nvfp4", "nvfp4")
     rows["nvfp4", "sm90"] = DispatchRow(
         "nvfp4", "sm90", SCALED_MM_FP8_ROW, GROUPED_FP8_REQ, "fp8_rowwise", "fp8_rowwise", "fp8 re-quantization",
         "Hopper has no FP4 tensor cores: dequantized NVFP4 weights re-quantized to E4M3 per output row "
         "(1 B/param, relative error <= 2^-4 per weight); activations NVFP4-rounded, then per-row E4M3",
-        triton=True,
+        triton_rows=TRITON_MAX_ROWS_PER_EXPERT,
     )  # fmt: skip
     rows["nvfp4", "sm89"] = DispatchRow(
-        "nvfp4", "sm89", SCALED_MM_FP8_ROW, _grouped_bf16("sm89"), "fp8_rowwise", "bf16", "fp8 linears, bf16 experts",
-        "no FP4 tensor cores and no FP8 grouped GEMM: linears re-quantized to FP8 per row (1 B/param), experts dequantized to bf16 (2 B/param)",
+        "nvfp4", "sm89", SCALED_MM_FP8_ROW, TRITON_MOE_EVERY_PASS_REQ, "fp8_rowwise", "fp8_rowwise", "fp8 re-quantization",
+        "Ada has no FP4 tensor cores: dequantized NVFP4 weights re-quantized to E4M3 per output row "
+        "(1 B/param, relative error <= 2^-4 per weight); activations NVFP4-rounded, then per-row E4M3",
+        triton_rows=EVERY_PASS,
     )  # fmt: skip
     return rows
 

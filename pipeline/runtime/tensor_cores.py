@@ -38,7 +38,7 @@ from pipeline.model.files import runtime_name, weight_files
 from pipeline.model.modelopt import PackedLinear, quant_algo
 from pipeline.model.network import DiffusionGemma, combine_top_k, gelu_tanh
 from pipeline.runtime import triton_fp8
-from pipeline.runtime.dispatch import FP8_FAST_ACCUM, TRITON_MOE, arch_of, dispatch
+from pipeline.runtime.dispatch import EVERY_PASS, FP8_FAST_ACCUM, TRITON_MOE, arch_of, dispatch
 from pipeline.targets import precision_for_quant_algo
 
 EXPERT = re.compile(r"^(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
@@ -149,9 +149,10 @@ class ScaledExperts(nn.Module):
     """A layer's routed experts on `F.scaled_grouped_mm`: slots sorted by expert (device-side offsets),
     one grouped GEMM for gate|up and one for down. `mode` as in `ScaledLinear` ("fp8" is RowWise here: the
     grouped FP8 kernel takes per-row scales, so each expert's per-tensor weight scale fills its rows). The
-    output has the input's dtype (the grouped kernels compute in bf16: `scaled_experts`). `triton`: dgpipe's
-    Triton kernels where they serve (`triton_fp8`: the GEMMs of passes with few rows per expert, the FP8
-    quantization of activations), set where the probe found them agreeing with torch's."""
+    output has the input's dtype (the grouped kernels compute in bf16: `scaled_experts`). `triton_rows`: the
+    dispatch row's, where the probe found dgpipe's Triton kernels agreeing with the float product (FP8
+    passes with at most that many rows per expert take `triton_fp8`'s GEMM, FP8 activations its one-pass
+    quantization; 0: torch's kernels only, `dispatch.EVERY_PASS`: the Triton GEMM only)."""
 
     graph_safe = True
 
@@ -162,10 +163,11 @@ class ScaledExperts(nn.Module):
         down: list[PackedLinear],
         mode: str,
         device: torch.device,
-        triton: bool = False,
+        triton_rows: float = 0.0,
     ):
         super().__init__()
-        self.mode, self.num_experts, self.triton = mode, len(gate), triton and mode != "nvfp4"
+        self.mode, self.num_experts = mode, len(gate)
+        self.triton_rows = triton_rows if mode != "nvfp4" else 0.0
         # ModelOpt shares one input quantizer per projection across a layer's experts (max over experts)
         self.register_buffer(
             "in_scale", torch.stack([p.input_scale.reshape(()) for p in gate + up]).max().to(device)
@@ -238,9 +240,8 @@ class ScaledExperts(nn.Module):
         return g("w13"), g("s13"), g("g13"), g("w2"), g("s2"), g("g2")
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return scaled_experts(
-            x, index, weights, *self._weights(), self.in_scale, self.down_in_scale, self.mode, self.triton
-        )
+        scales = (self.in_scale, self.down_in_scale)
+        return scaled_experts(x, index, weights, *self._weights(), *scales, self.mode, self.triton_rows)
 
 
 def quantize_rows(
@@ -303,12 +304,12 @@ def scaled_experts(
     in_scale: torch.Tensor,
     down_in_scale: torch.Tensor,
     mode: str,
-    triton: bool = False,
+    triton_rows: float = 0.0,
 ) -> torch.Tensor:
     """A layer's routed experts: slots sorted by expert (device-side offsets, no host sync), one grouped
-    scaled GEMM for gate|up and one for down, each token's top-k outputs weighted and summed. With
-    `triton`, an FP8 pass with few slots per expert (`triton_fp8.serves`) runs both GEMMs on
-    `triton_fp8`'s kernel, which gathers the token rows itself, and FP8 activations are quantized in one
+    scaled GEMM for gate|up and one for down, each token's top-k outputs weighted and summed. An FP8 pass
+    with at most `triton_rows` slots per expert (`triton_fp8.serves`) runs both GEMMs on `triton_fp8`'s
+    kernel, which gathers the token rows itself; with `triton_rows`, FP8 activations are quantized in one
     pass.
 
     The tokens are quantized once and their 1-byte (FP8) or half-byte (NVFP4) rows gathered top_k times,
@@ -317,8 +318,8 @@ def scaled_experts(
     atomics, deterministic), not scattered with bf16 atomic adds. On an H200 at batch 16 those two
     element-wise paths took most of the experts' non-GEMM time (BENCHMARKS.md, "26B-A4B denoise pass")."""
     order, token_of, offs = sl.expert_order(index, w13.shape[0])
-    compiling = torch.compiler.is_compiling()
-    if triton and triton_fp8.serves(token_of.shape[0], w13.shape[0]):
+    compiling, triton = torch.compiler.is_compiling(), triton_rows > 0
+    if triton_fp8.serves(token_of.shape[0], w13.shape[0], triton_rows):
         small = moe_fp8_gemm_op if compiling else triton_fp8.grouped_fp8
         gate_up_gemm = lambda q, qs: small(q, qs, token_of, w13, s13, offs)
         down_gemm = lambda q, qs: small(q, qs, None, w2, s2, offs)
@@ -408,8 +409,10 @@ def probe_plan(arch: str | None) -> list[tuple[str, str, str]]:
     plan: list[tuple[str, str, str]] = []
     for fmt in ("fp8", "nvfp4"):
         row = dispatch(fmt, arch)
-        for kind, kernel in (("linear", row.linears), ("experts", row.experts), ("triton", row.experts)):
-            mode = kernel_mode(kernel) if kind != "triton" or row.triton else None
+        uses = (("linear", row.linears, True), ("experts", row.experts, row.torch_experts),
+                ("triton", row.experts, row.triton))  # fmt: skip
+        for kind, kernel, used in uses:
+            mode = kernel_mode(kernel) if used else None
             form = (kind, mode, "fp8" if mode == "fp8" else "nvfp4")
             if mode and form not in plan:
                 plan.append(form)
@@ -441,24 +444,60 @@ def fp8_codes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b]))
 
 
+def float_gemm(a, a_scale, rows, w, w_scale, offs) -> torch.Tensor:
+    """`triton_fp8.grouped_fp8` in fp32 expert by expert (it reads the end offsets on the host): slot i is
+    a[rows[i]] * a_scale[rows[i]] times its expert's w * w_scale, transposed."""
+    x, out, start = a.float() * a_scale.float()[:, None], [], 0
+    for e, end in enumerate(offs.tolist()):
+        out.append(x[rows[start:end]] @ (w[e].float() * w_scale[e][:, None]).t())
+        start = end
+    return torch.cat(out)
+
+
+def float_experts(
+    m: ScaledExperts, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """What an FP8 `ScaledExperts` computes, in fp32 on any device: the same quantized operands (activations
+    quantized as the module does, weights as stored) multiplied expert by expert as floats. The reference
+    dgpipe's Triton GEMM is probed against; it reads the routing on the host, so it is no runtime path."""
+    order, token_of, offs = sl.expert_order(index, m.num_experts)
+    gate_up = float_gemm(*quantize_rows(x, m.in_scale, m.mode), token_of, m.w13, m.s13, offs)
+    gate, up = gate_up.chunk(2, dim=-1)
+    slots = torch.arange(token_of.shape[0], device=x.device)
+    y = float_gemm(*quantize_rows(gelu_tanh(gate) * up, m.down_in_scale, m.mode), slots, m.w2, m.s2, offs)
+    return combine_top_k(y, order, weights.float())
+
+
+TRITON_FALLBACK = "dgpipe uses the dispatch row's other path; report the GPU, torch and Triton versions"
+
+
 def _check_triton(mode: str, fmt: str, dev: torch.device, x, index, weights) -> None:
-    """dgpipe's Triton kernels against torch's on this GPU, or a DgpipeError: the experts' few-rows pass
-    (10 rows per expert here) on the Triton GEMM against torch's grouped GEMM, and the one-pass FP8
-    quantization bit for bit against torch's three passes on normal, subnormal, tie, out-of-range and
-    non-finite values. Only kernels that agree are used: Triton and its compiler vary by host."""
+    """dgpipe's Triton kernels on this GPU against references that need no grouped GEMM kernel (so the check
+    runs where torch has none), or a DgpipeError: the GEMM at every M tile it picks against the float
+    product of its FP8 operands; a whole experts pass on it (10 rows per expert here) against
+    `float_experts`; and the one-pass FP8 quantization bit for bit against torch's three passes on normal,
+    subnormal, tie, out-of-range and non-finite values. Only kernels that agree are used: Triton and its
+    compiler vary by host."""
     ps = [_tiny_packed(fmt, seed=e) for e in range(4)]  # distinct experts: a routing error shows
-    torch_out = ScaledExperts(ps, ps, ps, mode, dev)(x, index, weights).float()
-    triton_out = ScaledExperts(ps, ps, ps, mode, dev, triton=True)(x, index, weights).float()
-    rel = float((triton_out - torch_out).norm() / torch_out.norm().clamp(min=1e-30))
-    if not rel < 0.1:  # bf16 intermediates flip some FP8 roundings (~0.02, tests/gpu); a wrong kernel is O(1)
-        raise DgpipeError(f"the Triton MoE GEMM differs from torch's grouped GEMM by {rel:.3g} (relative L2)",
-                          "torch's grouped GEMM keeps every pass; report the GPU, torch and Triton versions")  # fmt: skip
+    m = ScaledExperts(ps, ps, ps, mode, dev, triton_rows=EVERY_PASS)
+    rel = lambda got, want: float((got.float() - want).norm() / want.norm().clamp(min=1e-30))
+    q, qs = quantize_rows(x, m.in_scale, mode)
+    _, token_of, offs = sl.expert_order(index, m.num_experts)
+    want = float_gemm(q, qs, token_of, m.w13, m.s13, offs)
+    for block_m in triton_fp8.BLOCK_MS:  # one bf16 rounding of the output; a wrong tile is O(1)
+        err = rel(triton_fp8.grouped_fp8(q, qs, token_of, m.w13, m.s13, offs, block_m), want)
+        if not err < 1e-2:
+            raise DgpipeError(f"the Triton MoE GEMM ({block_m}-row tiles) differs from the float product of "
+                              f"its operands by {err:.3g} (relative L2)", TRITON_FALLBACK)  # fmt: skip
+    err = rel(m(x, index, weights), float_experts(m, x, index, weights))
+    if not err < 0.1:  # bf16 intermediates flip some FP8 roundings (~0.02, tests/gpu); a wrong kernel is O(1)
+        raise DgpipeError(f"experts on the Triton MoE GEMM differ from their float reference by {err:.3g} "
+                          "(relative L2)", TRITON_FALLBACK)  # fmt: skip
     v = torch.tensor(QUANT_PROBE_VALUES)
     v = torch.cat([v, -v, torch.randn(4096) * 64]).to(dev, torch.bfloat16)
     scale = torch.tensor(0.5, device=dev)
     if not fp8_codes_equal(triton_fp8.quantize(v, scale), sl.fp8_quantize(v, scale)):
-        raise DgpipeError("the Triton FP8 quantization differs from torch's",
-                          "torch's quantization keeps every pass; report the GPU, torch and Triton versions")  # fmt: skip
+        raise DgpipeError("the Triton FP8 quantization differs from torch's", TRITON_FALLBACK)
 
 
 def probe(device: torch.device | str = "cuda") -> Probe:
@@ -491,7 +530,8 @@ def probe(device: torch.device | str = "cuda") -> Probe:
 
 _MODE = {"F.scaled_mm FP8 TensorWise": "fp8", "F.scaled_mm NVFP4": "nvfp4", "F.scaled_mm FP8 RowWise": "fp8_rowwise",
          "F.scaled_grouped_mm FP8 RowWise (weights": "fp8_rowwise", "F.scaled_grouped_mm FP8 RowWise": "fp8",
-         "F.scaled_grouped_mm NVFP4": "nvfp4"}  # fmt: skip
+         "F.scaled_grouped_mm NVFP4": "nvfp4", "Triton FP8 MoE GEMM RowWise (weights": "fp8_rowwise",
+         "Triton FP8 MoE GEMM RowWise": "fp8"}  # fmt: skip
 
 
 def kernel_mode(kernel: str) -> str | None:
@@ -532,7 +572,7 @@ class TensorCoreLoad:
         self.device, self.dtype = device, dtype
         pr = probed or probe(device)
         self.report = Installed(precision_for_quant_algo(quant_algo(p)).name, pr.arch)
-        self.lin_mode, self.exp_mode, self.triton, row = self._modes(pr)
+        self.lin_mode, self.exp_mode, self.triton_rows, row = self._modes(pr)
         names = weight_files(p)
         scaled = {
             runtime_name(n.removesuffix("input_scale") + "weight")
@@ -568,19 +608,21 @@ class TensorCoreLoad:
                 f"linears: {row.linears} failed its probe ({pr.results.get(f'linear:{lin}')})"
             )
             lin = None
-        if exp and not pr.ok(f"experts:{exp}"):
+        kernel = "experts" if row.torch_experts else "triton"  # the kernel every pass can take
+        if exp and not pr.ok(f"{kernel}:{exp}"):
             res.fallbacks.append(
-                f"experts: {row.experts} failed its probe ({pr.results.get(f'experts:{exp}')})"
+                f"experts: {row.experts} failed its probe ({pr.results.get(f'{kernel}:{exp}')}): "
+                "dequantized float path"
             )
             exp = None
-        triton = bool(exp) and row.triton
-        if triton and not pr.ok(f"triton:{exp}"):
+        triton_rows = row.triton_rows if exp else 0.0
+        if triton_rows and not pr.ok(f"triton:{exp}"):
             res.fallbacks.append(
                 f"dgpipe's Triton kernels ({TRITON_MOE}, FP8 quantization) failed their probe "
                 f"({pr.results.get(f'triton:{exp}')}): torch's grouped GEMM and quantization run every pass"
             )
-            triton = False
-        return lin, exp, triton, row
+            triton_rows = 0.0
+        return lin, exp, triton_rows, row
 
     def wants(self, module: str) -> bool:
         m = EXPERT.match(module)
@@ -590,7 +632,8 @@ class TensorCoreLoad:
         q = q.to(self.device)
         m = EXPERT.match(module)
         if m is None:
-            self.modules[module] = ScaledLinear(q, self.lin_mode, self.device, self.dtype, self.triton)
+            triton = self.triton_rows > 0  # the one-pass FP8 quantization
+            self.modules[module] = ScaledLinear(q, self.lin_mode, self.device, self.dtype, triton)
             self.report.linears += 1
             return
         prefix = m.group(1)
@@ -599,9 +642,8 @@ class TensorCoreLoad:
         if sum(map(len, layer.values())) == self.expert_layers[prefix]:  # the layer's last projection
             per = [layer[e] for e in sorted(self.pending.pop(prefix))]
             proj = lambda name: [e[name] for e in per]
-            self.modules[prefix] = ScaledExperts(
-                proj("gate_proj"), proj("up_proj"), proj("down_proj"), self.exp_mode, self.device, self.triton
-            )
+            projections = proj("gate_proj"), proj("up_proj"), proj("down_proj")
+            self.modules[prefix] = ScaledExperts(*projections, self.exp_mode, self.device, self.triton_rows)
             self.report.experts += 1
 
     def install(self, model: DiffusionGemma) -> None:

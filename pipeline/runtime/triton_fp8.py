@@ -1,5 +1,6 @@
-"""dgpipe's two Triton kernels for FP8 on Hopper: the routed experts' GEMM for passes with few rows per
-expert, and the static-scale FP8 quantization of activations in one pass.
+"""dgpipe's two Triton kernels for FP8: the routed experts' GEMM (on Hopper for passes with few rows per
+expert; on Ada and RTX Blackwell for every pass), and the static-scale FP8 quantization of activations in
+one pass.
 
 The MoE GEMM. At one canvas a pass routes 2,048 slots over 128 experts, ~16 rows per expert. torch's
 `F.scaled_grouped_mm` (CUTLASS, aten/src/ATen/native/cuda/ScaledGroupMM.cu) runs that on a 64x128 tile in
@@ -8,7 +9,9 @@ on an H200 it streamed the experts' FP8 weights at 2.1 TB/s (44% of HBM), about 
 can pull. The field's answer is a Triton MoE GEMM with a small M tile (vLLM's `fused_moe` kernel); vLLM
 does not install on an air-gapped GPU host, while Triton ships with every CUDA build of torch. Here every
 program computes one (expert, M block, N block) tile, so every SM streams weights, and the slots' token
-rows are gathered inside the kernel instead of being copied to expert order first. Layout (as
+rows are gathered inside the kernel instead of being copied to expert order first. On Ada and RTX Blackwell
+(sm89, sm120) torch has no FP8 grouped GEMM and its bf16 one falls back to a per-expert loop that syncs with
+the host, so there this kernel takes every pass (`pipeline.runtime.dispatch.EVERY_PASS`). Layout (as
 `pipeline.runtime.tensor_cores.grouped_gemm`): slots sorted by expert with int32 end offsets `offs` [E]
 (`scaled_layout.expert_order`); each program finds its expert from those offsets on the device (no host
 sync: CUDA graphs capture it). Operands: `a` E4M3 [rows, K] with one fp32 scale per row, `w` E4M3
@@ -48,19 +51,26 @@ def unavailable(device: torch.device) -> str | None:
     return None
 
 
-def serves(slots: int, experts: int) -> bool:
+def serves(slots: int, experts: int, max_rows: float = TRITON_MAX_ROWS_PER_EXPERT) -> bool:
     """Whether a grouped GEMM of `slots` rows over `experts` experts takes this kernel (a shape decision,
-    fixed per pass: graph- and compile-safe); above the dispatch table's threshold torch's grouped GEMM,
-    whose tiles fill at 256 rows per expert, keeps the experts. `dgpipe bench gpu` times both."""
-    return slots <= TRITON_MAX_ROWS_PER_EXPERT * experts
+    fixed per pass: graph- and compile-safe), given the dispatch row's `triton_rows`; above Hopper's
+    threshold torch's grouped GEMM, whose tiles fill at 256 rows per expert, keeps the experts.
+    `dgpipe bench gpu` times both."""
+    return max_rows > 0 and slots <= max_rows * experts
+
+
+BLOCK_MS = (16, 32, 64)  # the M tiles `tiles` picks from (the load-time probe runs each)
 
 
 def tiles(slots: int, experts: int) -> dict[str, int]:
     """Tile sizes and launch shape for `slots` rows over `experts`: an M tile that covers an expert's
     expected rows in one block, so its weights are read once (small M tiles for few rows per expert, as
-    vLLM's fused-MoE kernel takes them), 128 along K (four of Hopper's 32-deep FP8 MMA steps)."""
+    vLLM's fused-MoE kernel takes them), 128 along K (four of Hopper's 32-deep FP8 MMA steps). More rows
+    per expert (every pass on sm89/sm120: 256 at 16 canvases) take 64-row tiles; an expert's M blocks are
+    neighbours in the launch order, so after the first its weight tiles come from L2. Four stages of the
+    64-row tile take 72 KB of shared memory, within the 99 KB a block gets on sm89 and sm120 (test)."""
     avg = slots / max(experts, 1)
-    block_m = 16 if avg <= 8 else 32 if avg <= 24 else 64
+    block_m = BLOCK_MS[0] if avg <= 8 else BLOCK_MS[1] if avg <= 24 else BLOCK_MS[2]
     return {"BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from pipeline.model.fake_quant import InputQuantizer, fp8_fake_quant, nvfp4_fake_quant
 from pipeline.model.modelopt import _quantized_experts_forward
 from pipeline.runtime import tensor_cores as tc
-from pipeline.runtime.dispatch import arch_of, dispatch
+from pipeline.runtime.dispatch import EVERY_PASS, TRITON_MAX_ROWS_PER_EXPERT, arch_of, dispatch
 from tests._utils.quantized import build_quantized_checkpoint, packed_linear
 
 pytestmark = [
@@ -20,6 +20,7 @@ pytestmark = [
     ),
 ]
 CUDA = torch.device("cuda")
+FEW = TRITON_MAX_ROWS_PER_EXPERT  # Hopper's threshold
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,8 @@ def test_probe_serves_what_the_dispatch_table_promises(probed):
     """Every vendor kernel the table names for this GPU runs (a failure here means the row is wrong)."""
     row = {f: dispatch(f, probed.arch) for f in ("fp8", "nvfp4")} if probed.arch else {}
     for fmt, r in row.items():
-        for kind, kernel in (("linear", r.linears), ("experts", r.experts)):
+        experts = "experts" if r.torch_experts else "triton"  # Ada, RTX Blackwell: the Triton GEMM only
+        for kind, kernel in (("linear", r.linears), (experts, r.experts)):
             mode = tc.kernel_mode(kernel)
             if mode:
                 assert probed.ok(f"{kind}:{mode}"), (fmt, kernel, probed.results)
@@ -86,25 +88,26 @@ def test_fast_accumulation_costs_less_than_the_fp8_rounding_at_the_26b_depth(pro
 
 
 @pytest.mark.parametrize(
-    ("mode", "triton"),
-    [("fp8", False), ("nvfp4", False), ("fp8_rowwise", False), ("fp8", True), ("fp8_rowwise", True)],
-)
-def test_scaled_experts_equal_fake_quant_experts(probed, mode, triton):
-    """Routed tokens (uneven, some experts empty) through the grouped GEMM (torch's, or at few rows per
-    expert the Triton one) vs the fake-quant expert loop on the dequantized weights (fp8_rowwise: vs the
-    NVFP4 reference, within the re-quantization's error)."""
-    if not probed.ok(f"experts:{mode}"):
+    ("mode", "rows"),
+    [("fp8", 0), ("nvfp4", 0), ("fp8_rowwise", 0), ("fp8", FEW), ("fp8_rowwise", FEW), ("fp8", EVERY_PASS), ("fp8_rowwise", EVERY_PASS)],
+)  # fmt: skip
+def test_scaled_experts_equal_fake_quant_experts(probed, mode, rows):
+    """Routed tokens (uneven, some experts empty) through the grouped GEMM (torch's; at few rows per expert
+    the Triton one, Hopper's threshold; or the Triton one at 100 rows per expert, as Ada and RTX Blackwell
+    run every pass) vs the fake-quant expert loop on the dequantized weights (fp8_rowwise: vs the NVFP4
+    reference, within the re-quantization's error)."""
+    if not rows and not probed.ok(f"experts:{mode}"):
         pytest.skip(f"{mode} experts not served here: {probed.results.get(f'experts:{mode}')}")
-    if triton and not probed.ok(f"triton:{mode}"):
+    if rows and not probed.ok(f"triton:{mode}"):
         pytest.skip(f"the Triton GEMM is not served here: {probed.results.get(f'triton:{mode}')}")
     gen = torch.Generator().manual_seed(1)
     fmt = "fp8" if mode == "fp8" else "nvfp4"
-    e, d, inner, t = 8, 256, 128, 100 if triton else 300  # 33 or 100 rows per expert: Triton's or torch's
+    e, d, inner, t = 8, 256, 128, 100 if rows == FEW else 300  # 33 or 100 rows per expert
     gate, up, down = (
         [packed_linear(fmt, n, k, gen) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
     )
-    m = tc.ScaledExperts(gate, up, down, mode, CUDA, triton=triton)
-    assert tc.triton_fp8.serves(2 * t, e) == triton
+    m = tc.ScaledExperts(gate, up, down, mode, CUDA, triton_rows=rows)
+    assert tc.triton_fp8.serves(2 * t, e, rows) == (rows > 0)
     x = torch.randn(t, d, generator=gen)
     index = torch.randint(0, e - 2, (t, 2), generator=gen)  # the last two experts get no token
     weights = torch.rand(t, 2, generator=gen)

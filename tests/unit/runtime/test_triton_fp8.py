@@ -15,6 +15,7 @@ from pipeline.model.fake_quant import InputQuantizer
 from pipeline.model.modelopt import _quantized_experts_forward
 from pipeline.runtime import tensor_cores as tc
 from pipeline.runtime import triton_fp8 as tf
+from pipeline.runtime.dispatch import EVERY_PASS, TRITON_MAX_ROWS_PER_EXPERT
 from tests._utils.compile import compiled_whole, graph_targets
 from tests._utils.quantized import grouped_scaled_mm_on_cpu, packed_linear
 
@@ -66,7 +67,10 @@ def test_the_kernel_is_the_float_product_of_its_fp8_operands(tokens, top_k):
 def test_tiles_and_which_passes_take_the_kernel():
     assert tf.serves(2048, 128) and tf.serves(64 * 128, 128) and not tf.serves(64 * 128 + 1, 128)
     assert not tf.serves(4096 * 8, 128)  # 16 canvases: 256 rows per expert stay on torch's grouped GEMM
-    assert [tf.tiles(s, 128)["BLOCK_M"] for s in (512, 2048, 8192)] == [16, 32, 64]  # 4, 16, 64 per expert
+    assert tf.serves(4096 * 8, 128, EVERY_PASS) and tf.serves(10**9, 128, EVERY_PASS)  # sm89, sm120
+    assert not tf.serves(1, 128, 0.0)  # Triton off
+    assert [tf.tiles(s, 128)["BLOCK_M"] for s in (512, 2048, 8192, 32768)] == [16, 32, 64, 64]
+    assert tuple(sorted({tf.tiles(s, 128)["BLOCK_M"] for s in range(1, 40000, 97)})) == tf.BLOCK_MS
 
 
 def test_it_says_where_it_cannot_run(monkeypatch):
@@ -75,17 +79,19 @@ def test_it_says_where_it_cannot_run(monkeypatch):
     assert "CUDA" in tf.unavailable(CPU)
 
 
-def _experts(mode: str, gen, e: int = 8, d: int = 128, inner: int = 64, triton: bool = True):
+def _experts(
+    mode: str, gen, e: int = 8, d: int = 128, inner: int = 64, rows: float = TRITON_MAX_ROWS_PER_EXPERT
+):
     fmt = "fp8" if mode == "fp8" else "nvfp4"
     gate, up, down = (
         [packed_linear(fmt, n, k, gen) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
     )
-    return tc.ScaledExperts(gate, up, down, mode, CPU, triton=triton), gate, up, down
+    return tc.ScaledExperts(gate, up, down, mode, CPU, triton_rows=rows), gate, up, down
 
 
 @pytest.mark.parametrize("mode", ["fp8", "fp8_rowwise"])
 def test_experts_on_the_triton_gemm_route_like_torchs_path(monkeypatch, mode):
-    """`ScaledExperts(triton=True)` at few rows per expert: the right rows through the right experts with
+    """`ScaledExperts` with Hopper's Triton threshold at few rows per expert: the right rows through the right experts with
     the right scales (a routing or scale error is O(1)), against the fake-quantized expert loop (FP8) and
     torch's path (grouped GEMM stand-in, bf16 out). The interpreter truncates its bf16 casts where a GPU
     rounds to nearest, and the down projection re-quantizes those bf16 intermediates to FP8, so a biased
@@ -134,7 +140,7 @@ def test_the_triton_gemm_compiles_as_one_opaque_op():
     assert graph_targets(graphs[0]).count("dgpipe.moe_fp8_gemm.default") == 2
 
 
-COMPILE_FOR_SM90 = """
+COMPILE_FOR_GPUS = """
 import json, re, sys
 from pathlib import Path
 import triton
@@ -148,36 +154,39 @@ args = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "rows_ptr": "*i64", "w_ptr"
 # what Triton's launcher specializes on the 26B's shapes: 16-byte aligned tensors, 16-divisible sizes and strides
 aligned = [*[a for a in args if a.endswith("_ptr")], "N", "K", "stride_am", "stride_we", "stride_wn", "stride_om"]
 kernel_fn, out = triton_fp8._kernel(), []
-for slots, gather in ((512, True), (2048, True), (8192, False)):
+for cc in (90, 89, 120):  # Hopper (few rows per expert); Ada and RTX Blackwell (every pass)
+  for slots, gather in ((512, True), (2048, True), (8192, False)):
     cfg = triton_fp8.tiles(slots, 128)
     consts = {"GATHER": gather, "E_POW2": 128, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}
     attrs = {(kernel_fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=kernel_fn, signature={**args, **dict.fromkeys(consts, "constexpr")}, constexprs=consts, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+    kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32),
                             options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
-    ptx, cubin = kernel.asm["ptx"], Path(sys.argv[1]) / f"moe_{cfg['BLOCK_M']}.cubin"
+    ptx, cubin = kernel.asm["ptx"], Path(sys.argv[1]) / f"moe_sm{cc}_{cfg['BLOCK_M']}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
-    out.append({"block_m": cfg["BLOCK_M"], "cubin": str(cubin), "cp_async": "cp.async" in ptx,
-                "wgmma_e4m3": "wgmma.mma_async" in ptx and "e4m3" in ptx, "shared": kernel.metadata.shared})
+    out.append({"cc": cc, "block_m": cfg["BLOCK_M"], "cubin": str(cubin), "cp_async": "cp.async" in ptx,
+                "wgmma_e4m3": "wgmma.mma_async" in ptx and "e4m3" in ptx, "shared": kernel.metadata.shared,
+                "mma_e4m3": bool(re.search(r"mma\\.sync\\.aligned\\.m16n8k32\\.row\\.col\\.f32\\.e4m3\\.e4m3", ptx))})
 quant = triton_fp8._quant_kernel()
-for dtype in ("*bf16", "*fp32"):
+for cc, dtype in ((90, "*bf16"), (90, "*fp32"), (89, "*bf16"), (120, "*bf16")):
     sig = {"x_ptr": dtype, "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "n": "i32", "E4M3_MAX": "constexpr", "BLOCK": "constexpr"}
     attrs = {(quant.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("x_ptr", "scale_ptr", "out_ptr", "n")}
     src = ASTSource(fn=quant, signature=sig, constexprs={"E4M3_MAX": 448.0, "BLOCK": triton_fp8.QUANT_BLOCK}, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ptx, cubin = kernel.asm["ptx"], Path(sys.argv[1]) / f"quant_{dtype[1:]}.cubin"
+    kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
+    ptx, cubin = kernel.asm["ptx"], Path(sys.argv[1]) / f"quant_sm{cc}_{dtype[1:]}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
-    out.append({"quant": dtype, "cubin": str(cubin), "ptx": sorted(set(re.findall(r"(div\\.\\S+|cvt\\.rn\\.satfinite\\S*|min\\.\\S+)", ptx)))})
+    out.append({"quant": dtype, "cc": cc, "cubin": str(cubin), "ptx": sorted(set(re.findall(r"(div\\.\\S+|cvt\\.rn\\.satfinite\\S*|min\\.\\S+)", ptx)))})
 json.dump(out, sys.stdout)
 """
 
 
-def test_the_kernels_compile_for_hopper_without_spills(tmp_path):
-    """Triton (the installed version) lowers both kernels to sm_90a cubins, given what its launcher
-    specializes at run time on the 26B's shapes (aligned tensors, 16-divisible sizes): no GPU needed.
-    The MoE GEMM at each M tile it picks keeps its loads software-pipelined through shared memory
-    (cp.async) and fits the H200's 227 KB of shared memory; the 64-row tile runs Hopper's FP8 warpgroup
-    MMA (wgmma e4m3). The quantization divides with IEEE rounding (div.rn), clamps keeping NaN
+def test_the_kernels_compile_for_hopper_ada_and_rtx_blackwell_without_spills(tmp_path):
+    """Triton (the installed version) lowers both kernels to sm_90a, sm_89 and sm_120 cubins, given what
+    its launcher specializes at run time on the 26B's shapes (aligned tensors, 16-divisible sizes): no GPU
+    needed. The MoE GEMM at each M tile it picks keeps its loads software-pipelined through shared memory
+    (cp.async) and fits the GPU's shared memory per block (H200: 227 KB; Ada and RTX Blackwell: 99 KB);
+    the 64-row tile runs Hopper's FP8 warpgroup MMA (wgmma e4m3), every tile on Ada and RTX Blackwell their
+    FP8 `mma.sync` (e4m3). The quantization divides with IEEE rounding (div.rn), clamps keeping NaN
     (min.NaN) and converts with round-to-nearest saturation (cvt.rn.satfinite): torch's arithmetic, which
     tests/gpu and the load-time probe check bit for bit. No kernel spills a register to the stack
     (ptxas's resource usage, read by cuobjdump); without the specializations the GEMM compiled to 255
@@ -193,16 +202,25 @@ def test_the_kernels_compile_for_hopper_without_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     root = Path(__file__).parents[3]
-    run = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90, str(tmp_path)], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPUS, str(tmp_path)], capture_output=True, text=True,
                          env=env, cwd=root, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = json.loads(run.stdout)
     kernels, quant = [k for k in compiled if "block_m" in k], [k for k in compiled if "quant" in k]
-    assert [k["block_m"] for k in kernels] == [16, 32, 64]
-    assert all(k["cp_async"] and 0 < k["shared"] <= 227 * 1024 for k in kernels), kernels
-    assert kernels[2]["wgmma_e4m3"], kernels
+    hopper = [k for k in kernels if k["cc"] == 90]
+    assert [k["block_m"] for k in hopper] == list(tf.BLOCK_MS)
+    assert all(k["cp_async"] and 0 < k["shared"] <= 227 * 1024 for k in hopper), hopper
+    assert hopper[2]["wgmma_e4m3"], hopper
+    # Ada and RTX Blackwell: FP8 tensor-core MMAs, and every M tile within the 99 KB of shared memory a
+    # block may use there (72 KB at the 64-row tile, measured), or the launch fails on the GPU
+    others = [k for k in kernels if k["cc"] != 90]
+    assert [(k["cc"], k["block_m"]) for k in others] == [(cc, m) for cc in (89, 120) for m in tf.BLOCK_MS]
+    assert all(k["cp_async"] and k["mma_e4m3"] and 0 < k["shared"] <= 99 * 1024 for k in others), others
+    assert [q["cc"] for q in quant] == [90, 90, 89, 120]
     for q in quant:
-        assert q["ptx"] == ["cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32", "min.NaN.xorsign.abs.f32"], q
+        # a NaN-keeping min: from sm90 on the fused form that clamps |x| and restores the sign (xorsign.abs)
+        assert q["ptx"][:2] == ["cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32"], q
+        assert q["ptx"][2:] == ["min.NaN.f32" if q["cc"] == 89 else "min.NaN.xorsign.abs.f32"], q
     tool = find_cuobjdump()
     assert tool, "cuobjdump: the nvidia-cuda-cuobjdump wheel is a test dependency"
     for k in compiled:
@@ -213,14 +231,50 @@ def test_the_kernels_compile_for_hopper_without_spills(tmp_path):
         assert regs <= 255 and stack == 0, (k, usage)
 
 
-def test_the_probe_uses_the_triton_kernels_only_where_they_agree_with_torchs(monkeypatch):
-    """The load-time probe's agreement check, run here with the interpreted GEMM and torch's grouped GEMM
-    as its CPU stand-in (the interpreter cannot convert to E4M3, so the quantization under test is
-    torch's own or a broken one): agreeing kernels pass; a wrong GEMM or a quantization one code off fails
-    with an error naming the kernel."""
+def test_the_probes_float_reference_is_the_fake_quantized_expert_loop():
+    """`float_experts`, the reference the probe holds the Triton experts to, computes in fp32 what the CPU
+    path's fake-quantized expert loop computes (same quantized operands, same products, other summation
+    order), with uneven and empty experts."""
+    gen = torch.Generator().manual_seed(9)
+    m, gate, up, down = _experts("fp8", gen)
+    x, index, weights = (
+        torch.randn(60, 128, generator=gen),
+        torch.randint(0, 7, (60, 2), generator=gen),
+        torch.rand(60, 2),
+    )
+    ref = torch.nn.Module()
+    ref.num_experts = 8
+    ref.gate_up_proj = torch.stack([torch.cat([g.dequantized(), u.dequantized()]) for g, u in zip(gate, up)])
+    ref.down_proj = torch.stack([p.dequantized() for p in down])
+    quants = {"gate_up": InputQuantizer("fp8", m.in_scale), "down": InputQuantizer("fp8", m.down_in_scale)}
+    want = _quantized_experts_forward(quants)(ref, x, index, weights)
+    torch.testing.assert_close(tc.float_experts(m, x, index, weights), want, rtol=1e-5, atol=1e-5)
+
+
+def test_every_pass_rows_keep_many_rows_per_expert_on_the_triton_gemm(monkeypatch):
+    """Ada and RTX Blackwell: 80 rows per expert (Hopper would hand them to torch) run on the Triton GEMM,
+    never on torch's grouped GEMM, within the bound of the few-rows test from the float reference."""
+    monkeypatch.setattr(F, "scaled_grouped_mm", lambda *a, **k: pytest.fail("torch's grouped GEMM ran"))
+    gen = torch.Generator().manual_seed(6)
+    m, *_ = _experts("fp8", gen, e=2, rows=EVERY_PASS)
+    x, index, weights = (
+        torch.randn(80, 128, generator=gen),
+        torch.randint(0, 2, (80, 2), generator=gen),
+        torch.rand(80, 2),
+    )
+    got, want = m(x, index, weights), tc.float_experts(m, x, index, weights)
+    assert float((got - want).norm() / want.norm()) < 0.08
+
+
+def test_the_probe_uses_the_triton_kernels_only_where_they_agree_with_the_float_reference(monkeypatch):
+    """The load-time probe's agreement check, run here with the interpreted GEMM (the interpreter cannot
+    convert to E4M3, so the quantization under test is torch's own or a broken one). It needs no grouped
+    GEMM kernel of torch's (Ada and RTX Blackwell have none): agreeing kernels pass; a GEMM wrong at one M
+    tile, experts wrong only on the tile the module picks, or a quantization one code off fail with an
+    error naming the kernel."""
     from pipeline.errors import DgpipeError
 
-    monkeypatch.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu(torch.bfloat16))
+    monkeypatch.setattr(F, "scaled_grouped_mm", lambda *a, **k: pytest.fail("torch's grouped GEMM ran"))
     monkeypatch.setattr(tf, "quantize", sl.fp8_quantize)
     gen = torch.Generator().manual_seed(8)
     x, index, weights = (
@@ -238,10 +292,19 @@ def test_the_probe_uses_the_triton_kernels_only_where_they_agree_with_torchs(mon
         tc._check_triton("fp8", "fp8", CPU, x, index, weights)
     monkeypatch.setattr(tf, "quantize", sl.fp8_quantize)
     real = tf.grouped_fp8
-    monkeypatch.setattr(
-        tf,
-        "grouped_fp8",
-        lambda a, a_scale, rows, *rest: real(a, a_scale, None if rows is None else rows.flip(0), *rest),
-    )
-    with pytest.raises(DgpipeError, match="Triton MoE GEMM differs"):
+
+    def wrong_at(tile):  # the GEMM with its rows reversed at one M tile (None: the tile `tiles` picks)
+        def gemm(a, a_scale, rows, w, w_scale, offs, block_m=None):
+            if block_m == tile and rows is not None:
+                rows = rows.flip(0)
+            return real(a, a_scale, rows, w, w_scale, offs, block_m)
+
+        return gemm
+
+    for tile in tf.BLOCK_MS:  # a tile the probe's own pass would not pick is still checked
+        monkeypatch.setattr(tf, "grouped_fp8", wrong_at(tile))
+        with pytest.raises(DgpipeError, match=rf"Triton MoE GEMM \({tile}-row tiles\) differs"):
+            tc._check_triton("fp8", "fp8", CPU, x, index, weights)
+    monkeypatch.setattr(tf, "grouped_fp8", wrong_at(None))
+    with pytest.raises(DgpipeError, match="experts on the Triton MoE GEMM differ from their float reference"):
         tc._check_triton("fp8", "fp8", CPU, x, index, weights)
