@@ -304,7 +304,7 @@ def _best_ms(row: dict) -> float:
 def quantize_random(model, fmt: str) -> str:
     """Swap a random bf16 model's linears and experts for tensor-core modules with random `fmt` weights,
     following the dispatch row of this GPU; returns the kernels used."""
-    from pipeline.runtime import triton_fp8
+    from pipeline.runtime import triton_moe
     from pipeline.runtime.dispatch import dispatch
     from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, probe, random_packed
 
@@ -316,7 +316,7 @@ def quantize_random(model, fmt: str) -> str:
     # as the runtime does: where dgpipe's Triton kernels cannot run or fail their probe, torch's take every
     # pass, or, where torch has no grouped kernel, the experts stay bf16
     why = triton_rows and (
-        triton_fp8.unavailable(dev) or (dev.type == "cuda" and probe(dev).results.get(f"triton:{exp}"))
+        triton_moe.unavailable(dev) or (dev.type == "cuda" and probe(dev).results.get(f"triton:{exp}"))
     )
     if why:
         triton_rows, kernels = 0.0, kernels + f" (Triton kernels not used: {why})"
@@ -396,11 +396,16 @@ def measure_pass(
     from pipeline.resources import load_yaml
     from pipeline.runtime.compiled import compile_model
     from pipeline.runtime.dispatch import dispatch, experts_touched, floor_ms, pass_bytes
+    from pipeline.runtime.tensor_cores import route_float_experts
 
     dev = device or torch.device("cuda")
     mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
     model = random_model(mcfg, torch.bfloat16, dev)
     kernels = quantize_random(model, fmt) if fmt != "bf16" else "F.linear bf16 / F.grouped_mm bf16"
+    # as the runtime loads it: float experts that would read the routing on the host route on the device
+    routed = route_float_experts(model, dev, None, None)
+    if routed is not None:
+        kernels += f" ({routed.summary()})"
     # every batch's prompt prefilled first, eagerly: compiled, the prefill would compile layer graphs of its
     # own (causal, no past) that the measured denoise pass never runs
     with torch.inference_mode():
@@ -501,7 +506,7 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
     """One layer's FP8 experts (`ScaledExperts`, mode "fp8") on `tokens` tokens routed uniformly at random:
     ms of the module as the pass runs it; of its two grouped GEMMs alone, token-row gather included, on
     torch's kernel (with the fast accumulation the module uses, and with promoted fp32 accumulation) and on
-    `triton_fp8`'s kernel (which gathers in the kernel); of the same experts dequantized to bf16 through
+    `triton_moe`'s kernel (which gathers in the kernel); of the same experts dequantized to bf16 through
     `F.grouped_mm` (`network.grouped_experts`, weights dequantized beforehand) and of that dequantization.
     Distances (relative L2): bf16 against FP8 (the FP8 activations' rounding), fast against promoted
     accumulation, Triton against torch. Which kernel should take which batch: on an H200 torch's kernel ran
@@ -509,7 +514,7 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
     from pipeline.bench.timing import median_seconds
     from pipeline.model import scaled_layout as sl
     from pipeline.model.network import grouped_experts
-    from pipeline.runtime import triton_fp8
+    from pipeline.runtime import triton_moe
     from pipeline.runtime.tensor_cores import grouped_gemm, quantize_rows
 
     if experts.mode != "fp8":
@@ -536,8 +541,8 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
         return grouped_gemm(q2, qs2, *down, fast_accum)
 
     def triton_gemms(block_m: int | None = None) -> torch.Tensor:  # the token gather inside the kernel
-        triton_fp8.grouped_fp8(q, qs, token_of, experts.w13, experts.s13, offs, block_m)
-        return triton_fp8.grouped_fp8(q2, qs2, None, experts.w2, experts.s2, offs, block_m)
+        triton_moe.moe_gemm(q, qs, token_of, experts.w13, experts.s13, offs, block_m)
+        return triton_moe.moe_gemm(q2, qs2, None, experts.w2, experts.s2, offs, block_m)
 
     rel = lambda a, b: float((a - b).norm() / b.norm().clamp(min=1e-30))
     with torch.inference_mode():
@@ -555,7 +560,7 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
             paths += [("fp8_gemms", gemms), ("fp8_gemms_exact_accum", lambda: gemms(False))]
         except Exception as e:  # its own field says why; the other paths still run
             fast, extra["torch_error"] = None, error_line(e)
-        extra["triton_error"] = triton_fp8.unavailable(dev)
+        extra["triton_error"] = triton_moe.unavailable(dev)
         if extra["triton_error"] is None:
             try:
                 out = triton_gemms().float()

@@ -278,4 +278,5 @@ def _quantized_experts_forward(quants: dict[str, InputQuantizer]):
         return out
 
     forward.graph_safe = False  # `.tolist()` of the routing counts: a host sync per layer
+    forward.input_quantizers = quants  # for a runtime that computes the same on the device (runtime.routed)
     return forward

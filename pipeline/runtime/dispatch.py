@@ -12,7 +12,7 @@ and .../torch.nn.functional.scaled_grouped_mm.html):
 * `F.scaled_grouped_mm` FP8 `RowWise` (sm90 only, as torch's grouped FP8 tests gate it); NVFP4
   `[BlockWise1x16, TensorWise]` (sm100+, torch builds with its MSLK/FBGEMM grouped kernels: probed).
 * bf16: `F.linear` (cuBLAS) and `F.grouped_mm`.
-Where they leave a gap, dgpipe's own Triton FP8 MoE GEMM (`pipeline.runtime.triton_fp8`): Hopper's passes
+Where they leave a gap, dgpipe's own Triton FP8 MoE GEMM (`pipeline.runtime.triton_moe`): Hopper's passes
 with few rows per expert, and every pass on Ada and RTX Blackwell, which have FP8 tensor cores but no grouped
 GEMM kernel in torch.
 
@@ -53,8 +53,8 @@ class DispatchRow:
     expert_read: str  # the format the experts' weights are read in on this path
     fallback: str | None = None  # named fallback when the format has no vendor kernel here
     note: str = ""
-    # passes with at most this many rows per expert take dgpipe's Triton FP8 kernels, where probed (0: none;
-    # EVERY_PASS: all of them, where torch has no FP8 grouped GEMM)
+    # passes with at most this many rows per expert take dgpipe's Triton kernels, where probed (0: none;
+    # EVERY_PASS: all of them, where torch has no grouped GEMM kernel for the experts' format)
     triton_rows: float = 0.0
 
     @property
@@ -91,7 +91,7 @@ def _bytes(fmt: str) -> float:
 FP8_FAST_ACCUM = True
 _ACC = ", fast accumulation" if FP8_FAST_ACCUM else ""
 # Passes with few rows per expert (one canvas: 2,048 slots over 128 experts) take dgpipe's Triton FP8 MoE
-# GEMM on Hopper (`pipeline.runtime.triton_fp8`, where the probe ran it): torch's grouped FP8 kernel streamed
+# GEMM on Hopper (`pipeline.runtime.triton_moe`, where the probe ran it): torch's grouped FP8 kernel streamed
 # the experts' weights at 44% of an H200's HBM there. More rows per expert keep torch's kernel.
 TRITON_MAX_ROWS_PER_EXPERT = 64
 TRITON_MOE = f"Triton FP8 MoE GEMM at <= {TRITON_MAX_ROWS_PER_EXPERT} rows per expert"
@@ -99,7 +99,7 @@ TRITON_MOE = f"Triton FP8 MoE GEMM at <= {TRITON_MAX_ROWS_PER_EXPERT} rows per e
 # `F.grouped_mm` falls back to a per-expert loop that reads the group offsets on the host), so an FP8
 # checkpoint's experts take the same Triton kernel on every pass: FP8 weights (1 B/param instead of bf16's 2),
 # routing kept on the device, the step capturable in a CUDA graph. Triton lowers its FP8 dot to these GPUs'
-# `mma.sync` e4m3 instructions (tests/unit/runtime/test_triton_fp8.py compiles it for both).
+# `mma.sync` e4m3 instructions (tests/unit/runtime/test_triton_moe.py compiles it for both).
 EVERY_PASS = math.inf
 TRITON_MOE_EVERY_PASS = "Triton FP8 MoE GEMM RowWise, every pass (torch has no grouped GEMM kernel here)"
 TRITON_MOE_EVERY_PASS_REQ = "Triton FP8 MoE GEMM RowWise (weights re-quantized per row at load), every pass"
@@ -113,25 +113,34 @@ SCALED_MM_FP4 = "F.scaled_mm NVFP4 [BlockWise1x16, TensorWise], SWIZZLE_32_4_4"
 GROUPED_FP4 = "F.scaled_grouped_mm NVFP4 [BlockWise1x16, TensorWise], SWIZZLE_32_4_4"
 LINEAR_BF16 = "F.linear bf16 (dequantized at load)"
 # where torch's bf16 grouped GEMM has no kernel (`pipeline.model.network.grouped_mm_reads_host`: sm89, sm120)
+# and its fallback loops over the experts with the offsets on the host: float experts there take dgpipe's
+# Triton MoE GEMM with bf16 operands instead (`pipeline.runtime.routed`), where probed
 NO_GROUPED_KERNEL = ("sm89", "sm120")
+TRITON_BF16 = "Triton bf16 MoE GEMM"
 
 
 def _grouped_bf16(arch: str, dequantized: bool = True) -> str:
-    name = "F.grouped_mm bf16" + (" (dequantized at load)" if dequantized else "")
-    return name + (
-        "; torch's per-expert fallback here: host sync, no CUDA graphs" if arch in NO_GROUPED_KERNEL else ""
-    )
+    at_load = " (dequantized at load)" if dequantized else ""
+    if arch in NO_GROUPED_KERNEL:
+        return f"{TRITON_BF16}{at_load}, every pass (torch's grouped GEMM has no kernel here)"
+    return f"F.grouped_mm bf16{at_load}"
+
+
+def _float_triton_rows(arch: str) -> float:
+    return EVERY_PASS if arch in NO_GROUPED_KERNEL else 0.0
 
 
 def _rows() -> dict[tuple[str, str], DispatchRow]:
     rows = {}
     for arch in ARCHS:
         rows["bf16", arch] = DispatchRow(
-            "bf16", arch, "F.linear bf16", _grouped_bf16(arch, False), "bf16", "bf16"
-        )
+            "bf16", arch, "F.linear bf16", _grouped_bf16(arch, False), "bf16", "bf16",
+            triton_rows=_float_triton_rows(arch),
+        )  # fmt: skip
         rows["int4_awq", arch] = DispatchRow(
             "int4_awq", arch, LINEAR_BF16, _grouped_bf16(arch), "bf16", "bf16", "bf16",
             "torch has no W4A16 GEMM; the checkpoint is dequantized to bf16 (2 B/param)",
+            triton_rows=_float_triton_rows(arch),
         )  # fmt: skip
     rows["fp8", "sm90"] = DispatchRow(
         "fp8", "sm90", SCALED_MM_FP8, GROUPED_FP8, "fp8", "fp8", triton_rows=TRITON_MAX_ROWS_PER_EXPERT
@@ -143,7 +152,7 @@ def _rows() -> dict[tuple[str, str], DispatchRow]:
     rows["fp8", "sm100"] = DispatchRow(
         "fp8", "sm100", SCALED_MM_FP8, _grouped_bf16("sm100"), "fp8", "bf16", "bf16 experts",
         "torch's FP8 grouped GEMM is sm90-only: experts dequantized to bf16 (2 B/param) for torch's bf16 "
-        "grouped GEMM; Blackwell runs NVFP4 natively",
+        "grouped GEMM, inputs FP8-rounded as the checkpoint's; B200 runs NVFP4 natively",
     )  # fmt: skip
     for arch in ("sm100", "sm120"):
         rows["nvfp4", arch] = DispatchRow("nvfp4", arch, SCALED_MM_FP4, GROUPED_FP4, "nvfp4", "nvfp4")

@@ -37,8 +37,16 @@ from pipeline.model.fake_quant import E4M3_MAX, nvfp4_fake_quant
 from pipeline.model.files import runtime_name, weight_files
 from pipeline.model.modelopt import PackedLinear, quant_algo
 from pipeline.model.network import DiffusionGemma, combine_top_k, gelu_tanh
-from pipeline.runtime import triton_fp8
-from pipeline.runtime.dispatch import EVERY_PASS, FP8_FAST_ACCUM, TRITON_MOE, arch_of, dispatch
+from pipeline.runtime import triton_moe
+from pipeline.runtime.dispatch import (
+    EVERY_PASS,
+    FP8_FAST_ACCUM,
+    NO_GROUPED_KERNEL,
+    TRITON_BF16,
+    TRITON_MOE,
+    arch_of,
+    dispatch,
+)
 from pipeline.targets import precision_for_quant_algo
 
 EXPERT = re.compile(r"^(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
@@ -151,7 +159,7 @@ class ScaledExperts(nn.Module):
     grouped FP8 kernel takes per-row scales, so each expert's per-tensor weight scale fills its rows). The
     output has the input's dtype (the grouped kernels compute in bf16: `scaled_experts`). `triton_rows`: the
     dispatch row's, where the probe found dgpipe's Triton kernels agreeing with the float product (FP8
-    passes with at most that many rows per expert take `triton_fp8`'s GEMM, FP8 activations its one-pass
+    passes with at most that many rows per expert take `triton_moe`'s GEMM, FP8 activations its one-pass
     quantization; 0: torch's kernels only, `dispatch.EVERY_PASS`: the Triton GEMM only)."""
 
     graph_safe = True
@@ -250,11 +258,11 @@ def quantize_rows(
     """The GEMM operand of x's rows and its scales: FP8 with the static scale per row (fp8), per-row E4M3
     of the NVFP4-rounded rows (fp8_rowwise), or NVFP4 codes and their per-16 block scales (nvfp4). Each
     row is quantized on its own, so quantizing before a row gather equals quantizing the gathered rows.
-    `triton`: the static FP8 quantization in one pass on CUDA (`triton_fp8.quantize`), except under
+    `triton`: the static FP8 quantization in one pass on CUDA (`triton_moe.quantize`), except under
     torch.compile, which fuses the torch form into its producer."""
     if mode == "fp8":
         one_pass = triton and x.is_cuda and not torch.compiler.is_compiling()
-        q = triton_fp8.quantize(x, in_scale) if one_pass else sl.fp8_quantize(x, in_scale)
+        q = triton_moe.quantize(x, in_scale) if one_pass else sl.fp8_quantize(x, in_scale)
         return q, in_scale.float().expand(x.shape[0])
     if mode == "fp8_rowwise":
         return _rowwise_dynamic(nvfp4_fake_quant(x, in_scale))
@@ -308,7 +316,7 @@ def scaled_experts(
 ) -> torch.Tensor:
     """A layer's routed experts: slots sorted by expert (device-side offsets, no host sync), one grouped
     scaled GEMM for gate|up and one for down, each token's top-k outputs weighted and summed. An FP8 pass
-    with at most `triton_rows` slots per expert (`triton_fp8.serves`) runs both GEMMs on `triton_fp8`'s
+    with at most `triton_rows` slots per expert (`triton_moe.serves`) runs both GEMMs on `triton_moe`'s
     kernel, which gathers the token rows itself; with `triton_rows`, FP8 activations are quantized in one
     pass.
 
@@ -319,8 +327,8 @@ def scaled_experts(
     element-wise paths took most of the experts' non-GEMM time (BENCHMARKS.md, "26B-A4B denoise pass")."""
     order, token_of, offs = sl.expert_order(index, w13.shape[0])
     compiling, triton = torch.compiler.is_compiling(), triton_rows > 0
-    if triton_fp8.serves(token_of.shape[0], w13.shape[0], triton_rows):
-        small = moe_fp8_gemm_op if compiling else triton_fp8.grouped_fp8
+    if triton_moe.serves(token_of.shape[0], w13.shape[0], triton_rows):
+        small = triton_moe.moe_gemm_op if compiling else triton_moe.moe_gemm
         gate_up_gemm = lambda q, qs: small(q, qs, token_of, w13, s13, offs)
         down_gemm = lambda q, qs: small(q, qs, None, w2, s2, offs)
     else:
@@ -348,12 +356,6 @@ grouped_gemm_op = torch.library.custom_op("dgpipe::grouped_scaled_gemm", mutates
 grouped_gemm_op.register_fake(
     lambda q, qs, w, s, g, in_scale, offs, mode, fast_accum=FP8_FAST_ACCUM: q.new_empty(
         (q.shape[0], w.shape[1]), dtype=torch.bfloat16
-    )
-)
-moe_fp8_gemm_op = torch.library.custom_op("dgpipe::moe_fp8_gemm", mutates_args=())(triton_fp8.grouped_fp8)
-moe_fp8_gemm_op.register_fake(
-    lambda a, a_scale, rows, w, w_scale, offs, block_m=None: a.new_empty(
-        (a.shape[0] if rows is None else rows.shape[0], w.shape[1]), dtype=torch.bfloat16
     )
 )
 
@@ -399,21 +401,24 @@ def random_packed(
                         torch.tensor(8.0 / (6 * E4M3_MAX), device=device))  # fmt: skip
 
 
-def probe_plan(arch: str | None) -> list[tuple[str, str, str]]:
-    """The (kind, mode, packed format) forms `probe` runs on `arch`: only those the dispatch table names for
-    it. A kernel built for another architecture can do worse than raise: on an H200 the NVFP4 grouped GEMM
-    failed to set up its TMA descriptors and left a sticky "unspecified launch failure" that broke every
-    later CUDA call in the process."""
+PROBED_FORMATS = ("fp8", "nvfp4", "bf16", "int4_awq")
+
+
+def probe_plan(arch: str | None, formats: tuple[str, ...] = PROBED_FORMATS) -> list[tuple[str, str, str]]:
+    """The (kind, mode, weight format) forms `probe` runs on `arch` for checkpoints in `formats`: only those
+    the dispatch table names for it. A kernel built for another architecture can do worse than raise: on an
+    H200 the NVFP4 grouped GEMM failed to set up its TMA descriptors and left a sticky "unspecified launch
+    failure" that broke every later CUDA call in the process."""
     if arch is None:
         return []
     plan: list[tuple[str, str, str]] = []
-    for fmt in ("fp8", "nvfp4"):
+    for fmt in formats:
         row = dispatch(fmt, arch)
         uses = (("linear", row.linears, True), ("experts", row.experts, row.torch_experts),
                 ("triton", row.experts, row.triton))  # fmt: skip
         for kind, kernel, used in uses:
             mode = kernel_mode(kernel) if used else None
-            form = (kind, mode, "fp8" if mode == "fp8" else "nvfp4")
+            form = (kind, mode, {"fp8": "fp8", "bf16": "bf16"}.get(mode or "", "nvfp4"))
             if mode and form not in plan:
                 plan.append(form)
     return plan
@@ -445,11 +450,12 @@ def fp8_codes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def float_gemm(a, a_scale, rows, w, w_scale, offs) -> torch.Tensor:
-    """`triton_fp8.grouped_fp8` in fp32 expert by expert (it reads the end offsets on the host): slot i is
-    a[rows[i]] * a_scale[rows[i]] times its expert's w * w_scale, transposed."""
-    x, out, start = a.float() * a_scale.float()[:, None], [], 0
+    """`triton_moe.moe_gemm` in fp32 expert by expert (it reads the end offsets on the host): slot i is
+    a[rows[i]] * a_scale[rows[i]] times its expert's w * w_scale, transposed (no scales: bf16 operands)."""
+    x, out, start = a.float() if a_scale is None else a.float() * a_scale.float()[:, None], [], 0
     for e, end in enumerate(offs.tolist()):
-        out.append(x[rows[start:end]] @ (w[e].float() * w_scale[e][:, None]).t())
+        w_e = w[e].float() if w_scale is None else w[e].float() * w_scale[e][:, None]
+        out.append(x[rows[start:end]] @ w_e.t())
         start = end
     return torch.cat(out)
 
@@ -484,8 +490,8 @@ def _check_triton(mode: str, fmt: str, dev: torch.device, x, index, weights) -> 
     q, qs = quantize_rows(x, m.in_scale, mode)
     _, token_of, offs = sl.expert_order(index, m.num_experts)
     want = float_gemm(q, qs, token_of, m.w13, m.s13, offs)
-    for block_m in triton_fp8.BLOCK_MS:  # one bf16 rounding of the output; a wrong tile is O(1)
-        err = rel(triton_fp8.grouped_fp8(q, qs, token_of, m.w13, m.s13, offs, block_m), want)
+    for block_m in triton_moe.BLOCK_MS:  # one bf16 rounding of the output; a wrong tile is O(1)
+        err = rel(triton_moe.moe_gemm(q, qs, token_of, m.w13, m.s13, offs, block_m), want)
         if not err < 1e-2:
             raise DgpipeError(f"the Triton MoE GEMM ({block_m}-row tiles) differs from the float product of "
                               f"its operands by {err:.3g} (relative L2)", TRITON_FALLBACK)  # fmt: skip
@@ -496,12 +502,41 @@ def _check_triton(mode: str, fmt: str, dev: torch.device, x, index, weights) -> 
     v = torch.tensor(QUANT_PROBE_VALUES)
     v = torch.cat([v, -v, torch.randn(4096) * 64]).to(dev, torch.bfloat16)
     scale = torch.tensor(0.5, device=dev)
-    if not fp8_codes_equal(triton_fp8.quantize(v, scale), sl.fp8_quantize(v, scale)):
+    if not fp8_codes_equal(triton_moe.quantize(v, scale), sl.fp8_quantize(v, scale)):
         raise DgpipeError("the Triton FP8 quantization differs from torch's", TRITON_FALLBACK)
 
 
-def probe(device: torch.device | str = "cuda") -> Probe:
-    """Run each scaled-GEMM form this GPU's dispatch rows use once, on tiny operands (CUDA only)."""
+def _check_triton_bf16(dev: torch.device, x, index, weights) -> None:
+    """dgpipe's Triton GEMM with bf16 operands on this GPU, or a DgpipeError: at every M tile against the
+    float product of its operands, and a whole experts pass on it (`pipeline.runtime.routed`) against the
+    same experts in fp32 expert by expert. Run where torch's grouped GEMM has no kernel, so the check needs
+    none."""
+    from pipeline.runtime.routed import routed_experts
+
+    gen = torch.Generator().manual_seed(1)
+    gate_up, down = (torch.randn(4, n, 128, generator=gen).to(dev, torch.bfloat16) / 8 for n in (256, 128))
+    x, slots = x.to(torch.bfloat16), torch.arange(index.numel(), device=dev)
+    order, token_of, offs = sl.expert_order(index, 4)
+    rel = lambda got, want: float((got.float() - want).norm() / want.norm().clamp(min=1e-30))
+    want = float_gemm(x, None, token_of, gate_up, None, offs)
+    for block_m in triton_moe.BLOCK_MS:  # one bf16 rounding of the output; a wrong tile is O(1)
+        err = rel(triton_moe.moe_gemm(x, None, token_of, gate_up, None, offs, block_m), want)
+        if not err < 1e-2:
+            raise DgpipeError(f"the Triton bf16 MoE GEMM ({block_m}-row tiles) differs from the float product "
+                              f"of its operands by {err:.3g} (relative L2)", TRITON_FALLBACK)  # fmt: skip
+    gate, up = want.chunk(2, dim=-1)
+    want = combine_top_k(
+        float_gemm(gelu_tanh(gate) * up, None, slots, down, None, offs), order, weights.float()
+    )
+    err = rel(routed_experts(x, index, weights, gate_up, down, triton=True), want)
+    if not err < 2e-2:  # bf16 intermediates; a wrong kernel is O(1)
+        raise DgpipeError(f"bf16 experts on the Triton MoE GEMM differ from their float reference by {err:.3g} "
+                          "(relative L2)", TRITON_FALLBACK)  # fmt: skip
+
+
+def probe(device: torch.device | str = "cuda", formats: tuple[str, ...] = PROBED_FORMATS) -> Probe:
+    """Run each GEMM form this GPU's dispatch rows use for checkpoints in `formats` once, on tiny operands
+    (CUDA only)."""
     dev = torch.device(device)
     if dev.type != "cuda" or not torch.cuda.is_available():
         raise DgpipeError(
@@ -511,7 +546,7 @@ def probe(device: torch.device | str = "cuda") -> Probe:
     x = torch.randn(40, 128, device=dev, dtype=torch.bfloat16)
     index = torch.randint(0, 4, (20, 2), device=dev)
     wts = torch.rand(20, 2, device=dev)
-    for kind, mode, fmt in probe_plan(p.arch):
+    for kind, mode, fmt in probe_plan(p.arch, formats):
         name = f"{kind}:{mode}"
         try:
             if kind == "linear":
@@ -519,6 +554,8 @@ def probe(device: torch.device | str = "cuda") -> Probe:
             elif kind == "experts":
                 ps = [_tiny_packed(fmt) for _ in range(4)]
                 ScaledExperts(ps, ps, ps, mode, dev)(x[:20], index, wts)
+            elif mode == "bf16":
+                _check_triton_bf16(dev, x[:20], index, wts)
             else:
                 _check_triton(mode, fmt, dev, x[:20], index, wts)
             torch.cuda.synchronize(dev)
@@ -531,27 +568,32 @@ def probe(device: torch.device | str = "cuda") -> Probe:
 _MODE = {"F.scaled_mm FP8 TensorWise": "fp8", "F.scaled_mm NVFP4": "nvfp4", "F.scaled_mm FP8 RowWise": "fp8_rowwise",
          "F.scaled_grouped_mm FP8 RowWise (weights": "fp8_rowwise", "F.scaled_grouped_mm FP8 RowWise": "fp8",
          "F.scaled_grouped_mm NVFP4": "nvfp4", "Triton FP8 MoE GEMM RowWise (weights": "fp8_rowwise",
-         "Triton FP8 MoE GEMM RowWise": "fp8"}  # fmt: skip
+         "Triton FP8 MoE GEMM RowWise": "fp8", TRITON_BF16: "bf16"}  # fmt: skip
 
 
 def kernel_mode(kernel: str) -> str | None:
-    """The ScaledLinear/ScaledExperts mode that implements a dispatch-table kernel; None: a float path."""
+    """The ScaledLinear/ScaledExperts mode that implements a dispatch-table kernel ("bf16": the float experts
+    on dgpipe's Triton GEMM, `pipeline.runtime.routed`); None: a float path on torch's kernels."""
     return next((m for prefix, m in _MODE.items() if kernel.startswith(prefix)), None)
 
 
 @dataclass
 class Installed:
-    """What a load put on tensor cores, and what stayed on the dequantized float path and why."""
+    """What a load put on tensor cores, which float experts route on the device, and what stayed on a
+    host-syncing or dequantized float path and why."""
 
     format: str
     arch: str | None
     linears: int = 0  # linears on scaled_mm
-    experts: int = 0  # layers whose experts are on scaled_grouped_mm
+    experts: int = 0  # layers whose experts are on scaled_grouped_mm (or the Triton FP8 GEMM)
+    routed: int = 0  # layers whose float experts route on the device (`pipeline.runtime.routed`)
+    routed_kernel: str = ""
     fallbacks: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         head = f"{self.format} on {self.arch or 'this GPU'}: {self.linears} linears and {self.experts} layers' experts on tensor cores"
-        return "; ".join([head, *self.fallbacks])
+        routed = [f"{self.routed} layers' float experts on {self.routed_kernel}"] if self.routed else []
+        return "; ".join([head, *routed, *self.fallbacks])
 
 
 class TensorCoreLoad:
@@ -570,7 +612,7 @@ class TensorCoreLoad:
     ):
         p = Path(path)
         self.device, self.dtype = device, dtype
-        pr = probed or probe(device)
+        self.probed = pr = probed or probe(device)
         self.report = Installed(precision_for_quant_algo(quant_algo(p)).name, pr.arch)
         self.lin_mode, self.exp_mode, self.triton_rows, row = self._modes(pr)
         names = weight_files(p)
@@ -659,12 +701,48 @@ def load_on_gpu(
     path: str | Path, dtype: torch.dtype, device: torch.device, probed: Probe | None = None
 ) -> tuple[DiffusionGemma, Checkpoint, Installed | None]:
     """`load_model` for a GPU: a quantized checkpoint's FP8 / NVFP4 weights go straight onto tensor cores
-    (`TensorCoreLoad`), with what did not reported; an unquantized one loads as on any device (None).
-    `probed`: the kernels known to run here (tests pass one to run this off a GPU)."""
+    (`TensorCoreLoad`), and float experts that would read their routing on the host (`route_float_experts`)
+    route on the device; what did not is reported (None: nothing to report, a bf16 checkpoint on a GPU whose
+    grouped GEMM serves it). `probed`: the kernels known to run here (tests pass one to run this off a GPU)."""
+    report = None
     if quant_algo(Path(path)) is None:
-        return (*load_model(path, dtype, device), None)
-    sink = TensorCoreLoad(path, device, dtype, probed)
-    model, ckpt = load_model(path, dtype, device, packed=sink)
+        model, ckpt = load_model(path, dtype, device)
+    else:
+        sink = TensorCoreLoad(path, device, dtype, probed)
+        model, ckpt = load_model(path, dtype, device, packed=sink)
+        report, probed = sink.report, sink.probed
+    report = route_float_experts(model, device, probed, report)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return model, ckpt, sink.report
+    return model, ckpt, report
+
+
+def route_float_experts(
+    model: DiffusionGemma, device: torch.device, probed: Probe | None, report: Installed | None
+) -> Installed | None:
+    """Float experts that would read the routing on the host (`routed.host_bound_experts`) computed on the
+    device instead (`routed.RoutedExperts`): on torch's `F.grouped_mm`, or where it has no kernel on dgpipe's
+    Triton GEMM if it passed its probe (run here for that form alone when the load has not probed)."""
+    from pipeline.runtime.routed import host_bound_experts, route_on_device
+
+    arch = probed.arch if probed is not None else _cuda_arch(device)
+    no_kernel = arch in NO_GROUPED_KERNEL
+    layers = host_bound_experts(model, no_kernel)
+    if not layers:
+        return report
+    report = report or Installed("bf16", arch)
+    if no_kernel:
+        probed = probed or probe(device, formats=("bf16",))
+        if not probed.ok("triton:bf16"):
+            report.fallbacks.append(
+                f"float experts: {TRITON_BF16} failed its probe ({probed.results.get('triton:bf16')}): "
+                "torch's per-expert loop, host sync, no CUDA graphs"
+            )
+            return report
+    route_on_device(model, layers, triton=no_kernel)
+    report.routed, report.routed_kernel = len(layers), TRITON_BF16 if no_kernel else "F.grouped_mm bf16"
+    return report
+
+
+def _cuda_arch(device: torch.device) -> str | None:
+    return arch_of(*torch.cuda.get_device_capability(device)) if device.type == "cuda" else None

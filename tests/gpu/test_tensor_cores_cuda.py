@@ -107,7 +107,7 @@ def test_scaled_experts_equal_fake_quant_experts(probed, mode, rows):
         [packed_linear(fmt, n, k, gen) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
     )
     m = tc.ScaledExperts(gate, up, down, mode, CUDA, triton_rows=rows)
-    assert tc.triton_fp8.serves(2 * t, e, rows) == (rows > 0)
+    assert tc.triton_moe.serves(2 * t, e, rows) == (rows > 0)
     x = torch.randn(t, d, generator=gen)
     index = torch.randint(0, e - 2, (t, 2), generator=gen)  # the last two experts get no token
     weights = torch.rand(t, 2, generator=gen)
@@ -148,7 +148,7 @@ def test_triton_moe_gemm_is_the_float_product_of_its_operands(probed):
     kernel; within one bf16 unit of the float product at a small K (its fast accumulation adds ~1e-4
     there: tests/_utils/accumulation.py), and within 1e-2 relative L2 at the 26B's K (2e-3 to 4e-3)."""
     from pipeline.model import scaled_layout as sl
-    from pipeline.runtime import triton_fp8
+    from pipeline.runtime import triton_moe
 
     if not probed.ok("triton:fp8"):
         pytest.skip(f"the Triton GEMM is not served here: {probed.results.get('triton:fp8')}")
@@ -159,9 +159,7 @@ def test_triton_moe_gemm_is_the_float_product_of_its_operands(probed):
         w_scale, a_scale = torch.rand(e, n, generator=gen) + 0.5, torch.rand(t, generator=gen) + 0.5
         index = torch.randint(0, e - 1, (t, 2), generator=gen)
         _, rows, offs = sl.expert_order(index, e)
-        got = (
-            triton_fp8.grouped_fp8(*(v.to(CUDA) for v in (a, a_scale, rows, w, w_scale, offs))).float().cpu()
-        )
+        got = triton_moe.moe_gemm(*(v.to(CUDA) for v in (a, a_scale, rows, w, w_scale, offs))).float().cpu()
         want, start = torch.empty_like(got), 0
         for i, end in enumerate(offs.tolist()):
             r = rows[start:end]
@@ -179,7 +177,7 @@ def test_triton_quantization_is_torchs_bit_for_bit(probed, dtype):
     random activations over 16 binades and the probe's edge values; and a linear using it computes
     exactly what the torch-quantized one does."""
     from pipeline.model import scaled_layout as sl
-    from pipeline.runtime import triton_fp8
+    from pipeline.runtime import triton_moe
 
     if not probed.ok("triton:fp8"):
         pytest.skip(f"dgpipe's Triton kernels are not served here: {probed.results.get('triton:fp8')}")
@@ -188,7 +186,7 @@ def test_triton_quantization_is_torchs_bit_for_bit(probed, dtype):
     x = torch.cat([x.flatten(), torch.tensor(tc.QUANT_PROBE_VALUES)]).to(CUDA, dtype)
     for scale in (torch.tensor(0.5), torch.tensor(3.7e-3), torch.tensor(8.0 / 448)):
         s = scale.to(CUDA)
-        assert tc.fp8_codes_equal(triton_fp8.quantize(x, s), sl.fp8_quantize(x, s)), float(scale)
+        assert tc.fp8_codes_equal(triton_moe.quantize(x, s), sl.fp8_quantize(x, s)), float(scale)
     q, xs = packed_linear("fp8", 256, 512, gen), torch.randn(37, 512, generator=gen).to(CUDA, torch.bfloat16)
     plain, one_pass = (tc.ScaledLinear(q, "fp8", CUDA, torch.bfloat16, triton=t)(xs) for t in (False, True))
     assert torch.equal(plain, one_pass)
@@ -217,3 +215,51 @@ def test_quantized_checkpoint_on_tensor_cores_graph_equals_eager(tmp_path, fmt):
     _, graphed = generate(backend, requests(FIXED), graphs=True, sync_every=4)
     for a, b in zip(eager, graphed, strict=True):
         assert (a.tokens, a.steps_per_canvas) == (b.tokens, b.steps_per_canvas)
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_routed_float_experts_equal_the_fp32_experts_and_replay_in_a_cuda_graph(triton):
+    """`pipeline.runtime.routed` on this GPU (the bf16 Triton GEMM runs on any GPU with Triton, though only
+    Ada and RTX Blackwell load it): one layer of the embedded model's experts against the same experts in
+    fp32, and a CUDA-graph replay equal to the eager call (the routing never leaves the device)."""
+    from pipeline.model.checkpoint import load_model
+    from pipeline.model.network import grouped_mm_reads_host
+    from pipeline.resources import EMBEDDED_MODEL
+    from pipeline.runtime import routed, triton_moe
+
+    if triton and triton_moe.unavailable(CUDA):
+        pytest.skip(triton_moe.unavailable(CUDA))
+    if not triton and grouped_mm_reads_host(CUDA, torch.bfloat16):
+        pytest.skip("torch's grouped GEMM has no kernel on this GPU")
+    exact = load_model(EMBEDDED_MODEL)[0].layers[0].experts.to(CUDA)  # fp32 on CUDA: the dense form
+    experts = load_model(EMBEDDED_MODEL, torch.bfloat16)[0].layers[0].experts.to(CUDA)
+    gen = torch.Generator(device=CUDA).manual_seed(7)
+    x = torch.randn(512, experts.gate_up_proj.shape[-1], device=CUDA, generator=gen)
+    index = torch.randint(0, experts.num_experts, (512, 2), device=CUDA, generator=gen)
+    weights = torch.rand(512, 2, device=CUDA, generator=gen)
+    m = routed.RoutedExperts(experts, triton)
+    with torch.inference_mode():
+        eager = m(x.bfloat16(), index, weights)
+        assert _rel(eager, exact(x, index, weights)) < 1e-2  # bf16 operands and outputs
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            m(x.bfloat16(), index, weights)  # warm-up (Triton compiles) outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            out = m(x.bfloat16(), index, weights)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+def test_the_triton_bf16_probe_passes_on_this_gpu():
+    from pipeline.runtime import triton_moe
+
+    if triton_moe.unavailable(CUDA):
+        pytest.skip(triton_moe.unavailable(CUDA))
+    gen = torch.Generator(device=CUDA).manual_seed(8)
+    x = torch.randn(20, 128, device=CUDA, generator=gen)
+    index = torch.randint(0, 4, (20, 2), device=CUDA, generator=gen)
+    tc._check_triton_bf16(CUDA, x, index, torch.rand(20, 2, device=CUDA, generator=gen))

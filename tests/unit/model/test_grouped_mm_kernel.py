@@ -29,12 +29,17 @@ def test_grouped_mm_has_a_kernel_for_bf16_on_hopper_and_datacenter_blackwell_onl
     )  # the CPU kernel reads nothing back
 
 
-def test_the_dispatch_table_names_the_fallback_where_the_model_finds_no_kernel():
+def test_the_dispatch_table_routes_around_the_fallback_where_the_model_finds_no_kernel():
+    """Where torch's grouped GEMM has no kernel, the float experts' row names dgpipe's Triton GEMM instead
+    (`pipeline.runtime.routed`), on every pass."""
     for arch in dp.ARCHS:
         major = int(arch[2:-1])  # sm89 -> 8, sm120 -> 12
-        row = dp.dispatch("bf16", arch)
         assert (arch in dp.NO_GROUPED_KERNEL) == (major not in network.GROUPED_MM_KERNEL_MAJORS), arch
-        assert ("no CUDA graphs" in row.experts) == (arch in dp.NO_GROUPED_KERNEL), row.experts
+        for fmt in ("bf16", "int4_awq"):
+            row = dp.dispatch(fmt, arch)
+            no_kernel = arch in dp.NO_GROUPED_KERNEL
+            assert row.experts.startswith(dp.TRITON_BF16 if no_kernel else "F.grouped_mm bf16"), row.experts
+            assert row.triton_rows == (dp.EVERY_PASS if no_kernel else 0), row
 
 
 def test_a_bf16_model_is_not_graph_safe_where_grouped_mm_reads_the_host(monkeypatch):

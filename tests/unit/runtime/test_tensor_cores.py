@@ -181,7 +181,7 @@ def test_every_vendor_kernel_of_the_table_has_a_module_mode():
 def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
     """Hopper never runs the NVFP4 kernels (one left a sticky launch failure on an H200); Blackwell does.
     Hopper's FP8 experts also probe the Triton GEMM their few-rows passes take; where torch has no grouped
-    GEMM kernel, only the Triton GEMM is probed for the experts."""
+    GEMM kernel, only the Triton GEMM is probed for the experts, FP8 and bf16."""
     assert tc.probe_plan("sm90") == [
         ("linear", "fp8", "fp8"), ("experts", "fp8", "fp8"), ("triton", "fp8", "fp8"),
         ("linear", "fp8_rowwise", "nvfp4"), ("experts", "fp8_rowwise", "nvfp4"), ("triton", "fp8_rowwise", "nvfp4"),
@@ -191,13 +191,19 @@ def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
         ("linear", "nvfp4", "nvfp4"),
         ("experts", "nvfp4", "nvfp4"),
     ]
-    # Ada (and RTX Blackwell's FP8): no grouped GEMM kernel in torch, the Triton GEMM takes every pass
+    # Ada and RTX Blackwell: no grouped GEMM kernel in torch for FP8 or bf16, the Triton GEMM takes every pass
     assert tc.probe_plan("sm89") == [
         ("linear", "fp8", "fp8"), ("triton", "fp8", "fp8"), ("linear", "fp8_rowwise", "nvfp4"), ("triton", "fp8_rowwise", "nvfp4"),
+        ("triton", "bf16", "bf16"),
     ]  # fmt: skip
     assert tc.probe_plan("sm120") == [
         ("linear", "fp8", "fp8"), ("triton", "fp8", "fp8"), ("linear", "nvfp4", "nvfp4"), ("experts", "nvfp4", "nvfp4"),
+        ("triton", "bf16", "bf16"),
     ]  # fmt: skip
+    assert tc.probe_plan("sm120", formats=("bf16",)) == [
+        ("triton", "bf16", "bf16")
+    ]  # a bf16 checkpoint's load
+    assert tc.probe_plan("sm90", formats=("bf16", "int4_awq")) == []  # torch's grouped GEMM serves them
     assert tc.probe_plan(None) == []
 
 

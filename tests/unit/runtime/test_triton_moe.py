@@ -1,4 +1,4 @@
-"""The Triton FP8 MoE GEMM (`pipeline.runtime.triton_fp8`) in Triton's interpreter on the CPU: against the
+"""The Triton FP8 MoE GEMM (`pipeline.runtime.triton_moe`) in Triton's interpreter on the CPU: against the
 float product of its FP8 operands, inside `ScaledExperts` against the fake-quantized expert loop, and under
 torch.compile as one opaque op (on a GPU, compiled by Triton: tests/gpu/test_tensor_cores_cuda.py)."""
 
@@ -14,7 +14,7 @@ from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import InputQuantizer
 from pipeline.model.modelopt import _quantized_experts_forward
 from pipeline.runtime import tensor_cores as tc
-from pipeline.runtime import triton_fp8 as tf
+from pipeline.runtime import triton_moe as tf
 from pipeline.runtime.dispatch import EVERY_PASS, TRITON_MAX_ROWS_PER_EXPERT
 from tests._utils.compile import compiled_whole, graph_targets
 from tests._utils.quantized import grouped_scaled_mm_on_cpu, packed_linear
@@ -58,10 +58,31 @@ def test_the_kernel_is_the_float_product_of_its_fp8_operands(tokens, top_k):
     _, token_of, offs = sl.expert_order(index, e)
     for args in ((a, a_scale, token_of), (a[token_of], a_scale[token_of], None),
                  (a[token_of], torch.tensor(0.7).expand(token_of.shape[0]), None)):  # fmt: skip
-        got = tf.grouped_fp8(*args, w, w_scale, offs)
+        got = tf.moe_gemm(*args, w, w_scale, offs)
         want = _reference(*args, w, w_scale, offs)
         assert got.dtype == torch.bfloat16 and got.shape == want.shape
         assert bool(((got.float() - want).abs() <= want.abs() * BF16_ULP + 1e-6).all())
+
+
+@pytest.mark.parametrize(("tokens", "top_k"), [(37, 2), (700, 4)])  # 12 and 467 rows per expert
+def test_the_kernel_is_the_float_product_of_its_bf16_operands(tokens, top_k):
+    """bf16 operands without scales (float experts on Ada and RTX Blackwell): uneven experts and an empty
+    one, K and N not multiples of the tiles, rows gathered in the kernel or in slot order; mixing the two
+    forms' arguments is refused."""
+    gen = torch.Generator().manual_seed(tokens)
+    e, n, k = 6, 96, 160
+    w, a = torch.randn(e, n, k, generator=gen).bfloat16(), torch.randn(tokens, k, generator=gen).bfloat16()
+    index = torch.randint(0, e - 1, (tokens, top_k), generator=gen)
+    _, token_of, offs = sl.expert_order(index, e)
+    ones = lambda m: torch.ones(m)
+    for args in ((a, token_of), (a[token_of], None)):
+        got = tf.moe_gemm(args[0], None, args[1], w, None, offs)
+        rows = args[0].shape[0]
+        want = _reference(args[0], ones(rows), args[1], w, torch.ones(e, n), offs)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        assert bool(((got.float() - want).abs() <= want.abs() * BF16_ULP + 1e-4).all())
+    with pytest.raises(ValueError, match="FP8 operands take both scales"):
+        tf.moe_gemm(a, ones(tokens), token_of, w, None, offs)
 
 
 def test_tiles_and_which_passes_take_the_kernel():
@@ -137,7 +158,7 @@ def test_the_triton_gemm_compiles_as_one_opaque_op():
     x, index, weights = torch.randn(20, 128), torch.randint(0, 8, (20, 2)), torch.rand(20, 2)
     compiled, graphs = compiled_whole(m)
     torch.testing.assert_close(compiled(x, index, weights), m(x, index, weights), rtol=0, atol=0)
-    assert graph_targets(graphs[0]).count("dgpipe.moe_fp8_gemm.default") == 2
+    assert graph_targets(graphs[0]).count("dgpipe.moe_gemm.default") == 2
 
 
 COMPILE_FOR_GPUS = """
@@ -146,32 +167,38 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pipeline.runtime import triton_fp8
+from pipeline.runtime import triton_moe
 
-args = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "rows_ptr": "*i64", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
-        "offs_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "num_experts": "i32", "stride_am": "i32",
-        "stride_as": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_om": "i32"}
-# what Triton's launcher specializes on the 26B's shapes: 16-byte aligned tensors, 16-divisible sizes and strides
-aligned = [*[a for a in args if a.endswith("_ptr")], "N", "K", "stride_am", "stride_we", "stride_wn", "stride_om"]
-kernel_fn, out = triton_fp8._kernel(), []
-for cc in (90, 89, 120):  # Hopper (few rows per expert); Ada and RTX Blackwell (every pass)
+def signature(operand, scale):
+    return {"a_ptr": operand, "a_scale_ptr": scale, "rows_ptr": "*i64", "w_ptr": operand, "w_scale_ptr": scale,
+            "offs_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "num_experts": "i32", "stride_am": "i32",
+            "stride_as": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_om": "i32"}
+kernel_fn, out = triton_moe._kernel(), []
+# FP8 on Hopper (few rows per expert), FP8 and bf16 on Ada and RTX Blackwell (every pass); bf16 takes no
+# scales (the offsets stand in for their pointers, unread)
+for cc, operand in ((90, "fp8"), (89, "fp8"), (120, "fp8"), (89, "bf16"), (120, "bf16")):
+  args = signature("*fp8e4nv", "*fp32") if operand == "fp8" else signature("*bf16", "*i32")
+  # what Triton's launcher specializes on the 26B's shapes: 16-byte aligned tensors, 16-divisible sizes and strides
+  aligned = [*[a for a in args if a.endswith("_ptr")], "N", "K", "stride_am", "stride_we", "stride_wn", "stride_om"]
   for slots, gather in ((512, True), (2048, True), (8192, False)):
-    cfg = triton_fp8.tiles(slots, 128)
-    consts = {"GATHER": gather, "E_POW2": 128, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}
+    cfg = triton_moe.tiles(slots, 128, 1 if operand == "fp8" else 2)
+    consts = {"GATHER": gather, "SCALED": operand == "fp8", "DOT_F32": False, "E_POW2": 128, "BLOCK_M": cfg["BLOCK_M"],
+              "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}
     attrs = {(kernel_fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=kernel_fn, signature={**args, **dict.fromkeys(consts, "constexpr")}, constexprs=consts, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32),
                             options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
-    ptx, cubin = kernel.asm["ptx"], Path(sys.argv[1]) / f"moe_sm{cc}_{cfg['BLOCK_M']}.cubin"
+    ptx, cubin = kernel.asm["ptx"], Path(sys.argv[1]) / f"moe_sm{cc}_{operand}_{cfg['BLOCK_M']}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
-    out.append({"cc": cc, "block_m": cfg["BLOCK_M"], "cubin": str(cubin), "cp_async": "cp.async" in ptx,
+    mma = r"mma\\.sync\\.aligned\\.m16n8k32\\.row\\.col\\.f32\\.e4m3\\.e4m3" if operand == "fp8" else r"mma\\.sync\\.aligned\\.m16n8k16\\.row\\.col\\.f32\\.bf16\\.bf16"
+    out.append({"cc": cc, "operand": operand, "block_m": cfg["BLOCK_M"], "cubin": str(cubin), "cp_async": "cp.async" in ptx,
                 "wgmma_e4m3": "wgmma.mma_async" in ptx and "e4m3" in ptx, "shared": kernel.metadata.shared,
-                "mma_e4m3": bool(re.search(r"mma\\.sync\\.aligned\\.m16n8k32\\.row\\.col\\.f32\\.e4m3\\.e4m3", ptx))})
-quant = triton_fp8._quant_kernel()
+                "mma": bool(re.search(mma, ptx))})
+quant = triton_moe._quant_kernel()
 for cc, dtype in ((90, "*bf16"), (90, "*fp32"), (89, "*bf16"), (120, "*bf16")):
     sig = {"x_ptr": dtype, "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "n": "i32", "E4M3_MAX": "constexpr", "BLOCK": "constexpr"}
     attrs = {(quant.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("x_ptr", "scale_ptr", "out_ptr", "n")}
-    src = ASTSource(fn=quant, signature=sig, constexprs={"E4M3_MAX": 448.0, "BLOCK": triton_fp8.QUANT_BLOCK}, attrs=attrs)
+    src = ASTSource(fn=quant, signature=sig, constexprs={"E4M3_MAX": 448.0, "BLOCK": triton_moe.QUANT_BLOCK}, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
     ptx, cubin = kernel.asm["ptx"], Path(sys.argv[1]) / f"quant_sm{cc}_{dtype[1:]}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
@@ -211,11 +238,13 @@ def test_the_kernels_compile_for_hopper_ada_and_rtx_blackwell_without_spills(tmp
     assert [k["block_m"] for k in hopper] == list(tf.BLOCK_MS)
     assert all(k["cp_async"] and 0 < k["shared"] <= 227 * 1024 for k in hopper), hopper
     assert hopper[2]["wgmma_e4m3"], hopper
-    # Ada and RTX Blackwell: FP8 tensor-core MMAs, and every M tile within the 99 KB of shared memory a
-    # block may use there (72 KB at the 64-row tile, measured), or the launch fails on the GPU
+    # Ada and RTX Blackwell: FP8 (e4m3) and bf16 tensor-core MMAs, and every M tile within the 99 KB of
+    # shared memory a block may use there (72 KB at the 64-row tile, measured), or the launch fails
     others = [k for k in kernels if k["cc"] != 90]
-    assert [(k["cc"], k["block_m"]) for k in others] == [(cc, m) for cc in (89, 120) for m in tf.BLOCK_MS]
-    assert all(k["cp_async"] and k["mma_e4m3"] and 0 < k["shared"] <= 99 * 1024 for k in others), others
+    assert [(k["operand"], k["cc"], k["block_m"]) for k in others] == [
+        (op, cc, m) for op in ("fp8", "bf16") for cc in (89, 120) for m in tf.BLOCK_MS
+    ]
+    assert all(k["cp_async"] and k["mma"] and 0 < k["shared"] <= 99 * 1024 for k in others), others
     assert [q["cc"] for q in quant] == [90, 90, 89, 120]
     for q in quant:
         # a NaN-keeping min: from sm90 on the fused form that clamps |x| and restores the sign (xorsign.abs)
@@ -291,7 +320,7 @@ def test_the_probe_uses_the_triton_kernels_only_where_they_agree_with_the_float_
     with pytest.raises(DgpipeError, match="Triton FP8 quantization differs"):
         tc._check_triton("fp8", "fp8", CPU, x, index, weights)
     monkeypatch.setattr(tf, "quantize", sl.fp8_quantize)
-    real = tf.grouped_fp8
+    real = tf.moe_gemm
 
     def wrong_at(tile):  # the GEMM with its rows reversed at one M tile (None: the tile `tiles` picks)
         def gemm(a, a_scale, rows, w, w_scale, offs, block_m=None):
@@ -302,9 +331,9 @@ def test_the_probe_uses_the_triton_kernels_only_where_they_agree_with_the_float_
         return gemm
 
     for tile in tf.BLOCK_MS:  # a tile the probe's own pass would not pick is still checked
-        monkeypatch.setattr(tf, "grouped_fp8", wrong_at(tile))
+        monkeypatch.setattr(tf, "moe_gemm", wrong_at(tile))
         with pytest.raises(DgpipeError, match=rf"Triton MoE GEMM \({tile}-row tiles\) differs"):
             tc._check_triton("fp8", "fp8", CPU, x, index, weights)
-    monkeypatch.setattr(tf, "grouped_fp8", wrong_at(None))
+    monkeypatch.setattr(tf, "moe_gemm", wrong_at(None))
     with pytest.raises(DgpipeError, match="experts on the Triton MoE GEMM differ from their float reference"):
         tc._check_triton("fp8", "fp8", CPU, x, index, weights)

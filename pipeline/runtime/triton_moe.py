@@ -1,6 +1,6 @@
-"""dgpipe's two Triton kernels for FP8: the routed experts' GEMM (on Hopper for passes with few rows per
-expert; on Ada and RTX Blackwell for every pass), and the static-scale FP8 quantization of activations in
-one pass.
+"""dgpipe's Triton kernels for the routed experts: their grouped GEMM (FP8 on Hopper for passes with few
+rows per expert; FP8 and bf16 on Ada and RTX Blackwell for every pass: `pipeline.runtime.routed` for bf16), and
+the static-scale FP8 quantization of activations in one pass.
 
 The MoE GEMM. At one canvas a pass routes 2,048 slots over 128 experts, ~16 rows per expert. torch's
 `F.scaled_grouped_mm` (CUTLASS, aten/src/ATen/native/cuda/ScaledGroupMM.cu) runs that on a 64x128 tile in
@@ -11,12 +11,13 @@ does not install on an air-gapped GPU host, while Triton ships with every CUDA b
 program computes one (expert, M block, N block) tile, so every SM streams weights, and the slots' token
 rows are gathered inside the kernel instead of being copied to expert order first. On Ada and RTX Blackwell
 (sm89, sm120) torch has no FP8 grouped GEMM and its bf16 one falls back to a per-expert loop that syncs with
-the host, so there this kernel takes every pass (`pipeline.runtime.dispatch.EVERY_PASS`). Layout (as
+the host, so there this kernel takes every pass (`pipeline.runtime.dispatch.EVERY_PASS`), FP8 or bf16. Layout (as
 `pipeline.runtime.tensor_cores.grouped_gemm`): slots sorted by expert with int32 end offsets `offs` [E]
 (`scaled_layout.expert_order`); each program finds its expert from those offsets on the device (no host
 sync: CUDA graphs capture it). Operands: `a` E4M3 [rows, K] with one fp32 scale per row, `w` E4M3
 [E, N, K] with one fp32 scale per output row [E, N]; the result is bf16 [slots, N], each slot's row
-acc * a_scale * w_scale, as torch's RowWise kernels compute.
+acc * a_scale * w_scale, as torch's RowWise kernels compute. Or `a` and `w` bf16 without scales, as
+`F.grouped_mm` computes.
 
 The quantization. Eagerly, torch quantizes an activation to E4M3 in three passes (divide, clamp, cast:
 `scaled_layout.fp8_quantize`), 19 bytes of traffic per value where one pass needs 3; at 16 canvases the
@@ -25,8 +26,8 @@ same values: IEEE division (`div.rn`), a clamp that keeps NaN, and the round-to-
 conversion (`cvt.rn.satfinite`). Under torch.compile the traced torch form stays, so inductor can fuse it
 into the op that produced the activation.
 
-Both are checked in Triton's interpreter on the CPU and compiled for sm_90a there
-(tests/unit/runtime/test_triton_fp8.py), and on the GPU by tests/gpu (the quantization bit for bit
+Both are checked in Triton's interpreter on the CPU and compiled for sm_90a, sm_89 and sm_120 there
+(tests/unit/runtime/test_triton_moe.py), and on the GPU by tests/gpu (the quantization bit for bit
 against torch's).
 """
 
@@ -62,16 +63,23 @@ def serves(slots: int, experts: int, max_rows: float = TRITON_MAX_ROWS_PER_EXPER
 BLOCK_MS = (16, 32, 64)  # the M tiles `tiles` picks from (the load-time probe runs each)
 
 
-def tiles(slots: int, experts: int) -> dict[str, int]:
+def tiles(slots: int, experts: int, element_bytes: int = 1) -> dict[str, int]:
     """Tile sizes and launch shape for `slots` rows over `experts`: an M tile that covers an expert's
     expected rows in one block, so its weights are read once (small M tiles for few rows per expert, as
-    vLLM's fused-MoE kernel takes them), 128 along K (four of Hopper's 32-deep FP8 MMA steps). More rows
+    vLLM's fused-MoE kernel takes them), 128 bytes along K (FP8: four of Hopper's 32-deep MMA steps; bf16:
+    64 values, the same shared memory). More rows
     per expert (every pass on sm89/sm120: 256 at 16 canvases) take 64-row tiles; an expert's M blocks are
     neighbours in the launch order, so after the first its weight tiles come from L2. Four stages of the
     64-row tile take 72 KB of shared memory, within the 99 KB a block gets on sm89 and sm120 (test)."""
     avg = slots / max(experts, 1)
     block_m = BLOCK_MS[0] if avg <= 8 else BLOCK_MS[1] if avg <= 24 else BLOCK_MS[2]
-    return {"BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_N": 128,
+        "BLOCK_K": 128 // element_bytes,
+        "num_warps": 4,
+        "num_stages": 4,
+    }
 
 
 @functools.cache
@@ -81,10 +89,10 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def moe_fp8_gemm(
+    def moe_gemm(
         a_ptr, a_scale_ptr, rows_ptr, w_ptr, w_scale_ptr, offs_ptr, out_ptr,
         N, K, num_experts, stride_am, stride_as, stride_we, stride_wn, stride_om,
-        GATHER: tl.constexpr, E_POW2: tl.constexpr,
+        GATHER: tl.constexpr, SCALED: tl.constexpr, DOT_F32: tl.constexpr, E_POW2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -120,50 +128,77 @@ def _kernel():
             b = tl.load(
                 w_base + n[None, :] * stride_wn + k[:, None], mask=in_k[:, None] & in_n[None, :], other=0.0
             )
+            if DOT_F32:  # Triton's CPU interpreter only: it multiplies bf16 operands as integers
+                a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc)
-        a_scale = tl.load(a_scale_ptr + row * stride_as, mask=in_m, other=0.0)
-        w_scale = tl.load(w_scale_ptr + expert * N + n, mask=in_n, other=0.0)
-        out = (acc * a_scale[:, None] * w_scale[None, :]).to(tl.bfloat16)
+        if SCALED:
+            a_scale = tl.load(a_scale_ptr + row * stride_as, mask=in_m, other=0.0)
+            w_scale = tl.load(w_scale_ptr + expert * N + n, mask=in_n, other=0.0)
+            acc = acc * a_scale[:, None] * w_scale[None, :]
+        out = acc.to(tl.bfloat16)
         tl.store(
             out_ptr + slot.to(tl.int64)[:, None] * stride_om + n[None, :],
             out,
             mask=in_m[:, None] & in_n[None, :],
         )
 
-    return moe_fp8_gemm
+    return moe_gemm
 
 
-def grouped_fp8(
+def moe_gemm(
     a: torch.Tensor,
-    a_scale: torch.Tensor,
+    a_scale: torch.Tensor | None,
     rows: torch.Tensor | None,
     w: torch.Tensor,
-    w_scale: torch.Tensor,
+    w_scale: torch.Tensor | None,
     offs: torch.Tensor,
     block_m: int | None = None,
 ) -> torch.Tensor:
     """bf16 [slots, N]: slot i is a[rows[i]] (a[i] without `rows`) times its expert's w [E, N, K] (K
-    contiguous), scaled by a_scale [rows of a] (fp32, any stride) and w_scale [E, N] (fp32). The experts
-    own consecutive slots, ending at `offs` [E] (int32, device). `block_m`: another M tile than `tiles`
-    picks (the benchmark's comparison)."""
+    contiguous). FP8 operands are scaled by a_scale [rows of a] (fp32, any stride) and w_scale [E, N]
+    (fp32); bf16 operands take no scales (None). The experts own consecutive slots, ending at `offs` [E]
+    (int32, device). `block_m`: another M tile than `tiles` picks (the benchmark's comparison, the probe)."""
     import triton
 
+    scaled = a_scale is not None
+    if scaled != (w_scale is not None) or scaled != (a.element_size() == 1):
+        raise ValueError("FP8 operands take both scales, bf16 operands neither")
+    if w.stride(-1) != 1:
+        raise ValueError("the MoE GEMM reads K-contiguous weights (w [E, N, K])")
+    a = a if a.stride(-1) == 1 else a.contiguous()  # rows at any stride, K contiguous
     slots = rows.shape[0] if rows is not None else a.shape[0]
     experts, n, k = w.shape
     out = torch.empty(slots, n, dtype=torch.bfloat16, device=a.device)
     if slots == 0:
         return out
-    cfg = tiles(slots, experts)
+    cfg = tiles(slots, experts, a.element_size())
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     bm = block_m or bm
     grid = (triton.cdiv(slots, bm) + experts, triton.cdiv(n, bn))  # every expert's last block may be partial
-    w_scale = w_scale.contiguous()
+    w_scale = w_scale.contiguous() if scaled else offs  # unread placeholders when not `scaled`
     _kernel()[grid](
-        a, a_scale, rows if rows is not None else offs, w, w_scale, offs, out,
-        n, k, experts, a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        GATHER=rows is not None, E_POW2=triton.next_power_of_2(experts), BLOCK_M=bm, BLOCK_N=bn, **cfg,
+        a, a_scale if scaled else offs, rows if rows is not None else offs, w, w_scale, offs, out,
+        n, k, experts, a.stride(0), a_scale.stride(0) if scaled else 0, w.stride(0), w.stride(1), out.stride(0),
+        GATHER=rows is not None, SCALED=scaled, DOT_F32=not scaled and _interpreted(), E_POW2=triton.next_power_of_2(experts), BLOCK_M=bm, BLOCK_N=bn, **cfg,
     )  # fmt: skip
     return out
+
+
+# Under torch.compile the kernel is one opaque custom op (its fake kernel gives the output's shape and dtype),
+# registered at import: registering inside a compiled region is itself a graph break.
+moe_gemm_op = torch.library.custom_op("dgpipe::moe_gemm", mutates_args=())(moe_gemm)
+moe_gemm_op.register_fake(
+    lambda a, a_scale, rows, w, w_scale, offs, block_m=None: a.new_empty(
+        (a.shape[0] if rows is None else rows.shape[0], w.shape[1]), dtype=torch.bfloat16
+    )
+)
+
+
+def _interpreted() -> bool:
+    """Triton's CPU interpreter runs the kernels (tests; `unavailable`). Its `tl.dot` of bf16 operands
+    multiplies their bit patterns as integers (Triton 3.9: ~1e10 for unit-size values), so there the bf16
+    operands are widened to fp32 first; FP8 operands it multiplies correctly."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 QUANT_BLOCK = 2048  # values per program of the quantization kernel
