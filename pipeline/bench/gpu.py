@@ -292,6 +292,18 @@ def render(result: dict) -> str:
             picks = ", ".join(k for k in ("flash", "efficient", "cudnn") if a[k]) or "math only"
             lines.append(f"| {a['kind']} | {b} | {a['q_heads']}/{a['kv_heads']} x {a['head_dim']} | {a['keys']} "
                          f"| {picks} | {a['ms_grouped']:.2f} | {a['ms_expanded']:.2f} |")  # fmt: skip
+    bf16 = [(r["batch"], r["bf16_experts"]) for r in rows if "bf16_experts" in r]
+    if bf16:
+        lines += ["", "| one layer's bf16 experts | batch | rows per expert | ms torch F.grouped_mm | ms Triton MoE GEMM "
+                  "| Triton vs torch (rel L2) |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        ms = lambda x, k: (
+            f"{x[f'ms_{k}']:.2f}"
+            if f"ms_{k}" in x
+            else "— " + str(x.get(f"{k}_error")).replace("|", "/")[:60]
+        )
+        for b, x in bf16:
+            lines.append(f"| layer 0 | {b} | {x['rows_per_expert']:.0f} | {ms(x, 'torch')} | {ms(x, 'triton')} "
+                         f"| {x.get('rel_l2_triton_vs_torch', float('nan')):.1e} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -450,6 +462,11 @@ def measure_pass(
                 rows[-1]["attention"] = attention_backends(model.cfg, b, mcfg.canvas_length, dev)
             except Exception as e:  # a diagnostic that cannot run here costs itself, not the pass's row
                 rows[-1]["attention_error"] = error_line(e)
+            try:
+                rows[-1]["bf16_experts"] = bf16_expert_paths(model.layers[0].experts, mcfg.text_config.top_k_experts,
+                                                             b * mcfg.canvas_length, dev)  # fmt: skip
+            except Exception as e:
+                rows[-1]["bf16_experts_error"] = error_line(e)
         sink(rows)
         torch.cuda.empty_cache()
     return rows
@@ -572,6 +589,42 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
                 extra["triton_error"] = error_line(e)
         ms = {name: median_seconds(fn, dev, repeats) * 1e3 for name, fn in paths}
     return {"tokens": tokens, "rows_per_expert": tokens * top_k / num, **{f"ms_{k}": v for k, v in ms.items()}, **extra}  # fmt: skip
+
+
+def bf16_expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: int = 5) -> dict:
+    """One layer's bf16 experts on `tokens` tokens routed uniformly at random, as torch's `F.grouped_mm`
+    runs them (`network.grouped_experts`; on sm89/sm120 its per-expert fallback) and as dgpipe's Triton MoE
+    GEMM does (`pipeline.runtime.routed`, what Ada and RTX Blackwell load): ms of each and their distance.
+    On a GPU where both run (Hopper, B200), the measure of the Triton kernel against CUTLASS's."""
+    from pipeline.bench.timing import median_seconds
+    from pipeline.model.network import grouped_experts
+    from pipeline.runtime import routed, triton_moe
+
+    gen = torch.Generator(device=dev).manual_seed(4)
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    x = torch.randn(tokens, gate_up.shape[-1], device=dev, dtype=torch.bfloat16, generator=gen)
+    weights, index = torch.rand(tokens, gate_up.shape[0], device=dev, generator=gen).topk(top_k, dim=-1)
+    weights = weights.softmax(-1)
+    out: dict = {"tokens": tokens, "rows_per_expert": tokens * top_k / gate_up.shape[0],
+                 "triton_error": triton_moe.unavailable(dev)}  # fmt: skip
+    paths = {"torch": lambda: grouped_experts(x, index, weights, gate_up, down)}
+    if out["triton_error"] is None:
+        paths["triton"] = lambda: routed.routed_experts(x, index, weights, gate_up, down, triton=True)
+    with torch.inference_mode():
+        results = {}
+        for name, fn in list(paths.items()):
+            try:
+                results[name] = fn().float()
+            except Exception as e:  # its own field says why; the other path still runs
+                out[f"{name}_error"] = error_line(e)
+                del paths[name]
+        if len(results) == 2:
+            want = results["torch"]
+            out["rel_l2_triton_vs_torch"] = float(
+                (results["triton"] - want).norm() / want.norm().clamp(min=1e-30)
+            )
+        out.update({f"ms_{name}": median_seconds(fn, dev, repeats) * 1e3 for name, fn in paths.items()})
+    return out
 
 
 def routed_experts(model, fn) -> float:

@@ -4,6 +4,7 @@ GPU checks themselves run on a GPU host (tests/gpu and the pass measurements).""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -174,3 +175,24 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
             assert r["experts"]["tokens"] == r["batch"] * 82
         else:
             assert "attention_error" not in r and len(r["attention"]) == 2
+            x = r["bf16_experts"]  # the Triton path needs CUDA or the interpreter (off here): torch's alone
+            assert "bf16_experts_error" not in r and x["ms_torch"] > 0 and "CUDA" in x["triton_error"]
+
+
+def test_bf16_expert_paths_time_torchs_grouped_gemm_and_the_triton_gemm_on_one_routing():
+    """Both paths on the interpreted kernel (the 26B's layer on a GPU): the same experts within bf16's
+    rounding, and the table row."""
+    from pipeline.model.checkpoint import load_model
+    from pipeline.resources import EMBEDDED_MODEL
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is on where no GPU is")
+    experts = load_model(EMBEDDED_MODEL, torch.bfloat16)[0].layers[0].experts
+    x = gpu.bf16_expert_paths(experts, 2, 64, torch.device("cpu"), repeats=1)
+    assert x["tokens"] == 64 and x["rows_per_expert"] == 32 and x["triton_error"] is None
+    assert x["ms_torch"] > 0 and x["ms_triton"] > 0 and 0 < x["rel_l2_triton_vs_torch"] < 2e-2  # 0.011
+    row = {"format": "bf16", "batch": 1, "kernels": "k", "ms_eager": 9.0, "ms_graph": 7.0, "floor_ms_spec": 6.2,
+           "floor_ms_copy": 7.0, "bf16_experts": x}  # fmt: skip
+    result = {"env": gpu.asdict(H200), "dry_run": False, "checks": [
+        {"name": "26B pass bf16", "status": "passed", "seconds": 1.0, "budget_s": 40, "detail": "", "rows": [row]}]}  # fmt: skip
+    assert f"| layer 0 | 1 | 32 | {x['ms_torch']:.2f} | {x['ms_triton']:.2f} |" in gpu.render(result)
