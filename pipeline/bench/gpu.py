@@ -65,12 +65,13 @@ def _pass(fmt: str, compiled: bool = False) -> GpuCheck:
     batches = ",".join(map(str, PASS_BATCHES))
     if compiled:
         return GpuCheck(
-            f"26B pass {fmt} compiled", 150, f"the {fmt} pass under torch.compile (inductor), batch {batches}: compile s, ms vs floor",
+            f"26B pass {fmt} compiled", 145, f"the {fmt} pass under torch.compile (inductor), batch {batches}: compile s, ms vs floor",
             ("-m", "pipeline.bench.gpu", "pass", fmt, "--compile"), needs,
         )  # fmt: skip
     return GpuCheck(
-        # FP8 also runs the probe and compiles the Triton MoE GEMM per tile configuration (cached per host)
-        f"26B pass {fmt}", {"nvfp4": 25, "fp8": 60}.get(fmt, 35), f"26B-A4B random {fmt} weights, batch {batches}: ms vs floor",
+        # FP8 also runs the probe and compiles the Triton MoE GEMM per tile configuration (cached per host);
+        # bf16 compiles it with bf16 operands for its experts' diagnostic
+        f"26B pass {fmt}", {"nvfp4": 25, "fp8": 60}.get(fmt, 40), f"26B-A4B random {fmt} weights, batch {batches}: ms vs floor",
         ("-m", "pipeline.bench.gpu", "pass", fmt), needs,
     )  # fmt: skip
 
