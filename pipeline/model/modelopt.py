@@ -222,6 +222,11 @@ class QuantizedLoader:
         if q.input_scale is not None:
             self.input_scales[module] = q.input_scale
         if q.pre_quant_scale is not None:
+            if EXPERT.match(module):  # `install` would have nowhere to apply it: outputs silently wrong
+                raise CheckpointError(
+                    f"{module}: an AWQ pre_quant_scale on a routed expert, which dgpipe does not apply",
+                    "re-quantize with `dgpipe quantize --precision int4_awq` (round-to-nearest, no smoothing scales)",
+                )
             self.pre_quant_scales[module] = q.pre_quant_scale.float()
         return q.dequantized()
 

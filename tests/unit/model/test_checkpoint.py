@@ -139,3 +139,21 @@ def test_failed_save_leaves_previous_checkpoint(tiny_checkpoint: Path):
         raise Boom
     assert (tiny_checkpoint / "model.safetensors").read_bytes() == before
     assert not [p for p in tiny_checkpoint.parent.iterdir() if p.name.startswith(".tiny")]
+
+
+def test_an_awq_pre_quant_scale_on_a_routed_expert_is_refused_not_dropped():
+    """The loader applies pre_quant_scale as an input hook on dense linears; on routed experts there is no
+    such hook, so dropping it would load silently wrong experts: a clear error instead."""
+    from pipeline.errors import CheckpointError
+    from pipeline.model.modelopt import QuantizedLoader
+    from tests._utils.quantized import quantize
+
+    tensors = {**quantize(torch.randn(8, 16), "fp8"), "pre_quant_scale": torch.full((16,), 2.0)}
+    loader = QuantizedLoader({"quant_algo": "FP8"})
+    dense = loader.weight("layers.0.mlp.gate_proj.weight", tensors["weight"], tensors.get)
+    assert dense.shape == (8, 16) and torch.equal(
+        loader.pre_quant_scales["layers.0.mlp.gate_proj"], tensors["pre_quant_scale"]
+    )
+    with pytest.raises(CheckpointError, match="pre_quant_scale on a routed expert") as e:
+        loader.weight("layers.0.experts.3.gate_proj.weight", tensors["weight"], tensors.get)
+    assert "dgpipe quantize --precision int4_awq" in str(e.value)
