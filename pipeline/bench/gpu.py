@@ -319,7 +319,8 @@ def quantize_random(model, fmt: str) -> str:
     following the dispatch row of this GPU; returns the kernels used."""
     from pipeline.runtime import triton_moe
     from pipeline.runtime.dispatch import dispatch
-    from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, probe, random_packed
+    from pipeline.runtime.probe import probe
+    from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, random_packed
 
     dev = next(model.parameters()).device
     row = dispatch(fmt, arch_of(*torch.cuda.get_device_capability(dev)))
@@ -409,7 +410,7 @@ def measure_pass(
     from pipeline.resources import load_yaml
     from pipeline.runtime.compiled import compile_model
     from pipeline.runtime.dispatch import dispatch, experts_touched, floor_ms, pass_bytes
-    from pipeline.runtime.tensor_cores import route_float_experts
+    from pipeline.runtime.gpu_load import route_float_experts
 
     dev = device or torch.device("cuda")
     mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)

@@ -6,7 +6,7 @@ depth, then loaded in a fresh process per route; the figure is that process's pe
 GPU, torch's peak allocated GPU memory:
 
 * `cpu`: `load_model` in bf16 on the CPU, the route of the CPU runtime (weights dequantized on load);
-* `tensor-cores`: `tensor_cores.load_on_gpu`, the route of a CUDA host: packed weights to their
+* `tensor-cores`: `gpu_load.load_on_gpu`, the route of a CUDA host: packed weights to their
   tensor-core modules as stored. On a GPU it runs there; without one the host stands in for the GPU (the
   kernels' probe taken as passed on Hopper's row), so RSS counts every byte the route would put on the GPU.
 
@@ -125,11 +125,12 @@ if route == "cpu":
     from pipeline.model.checkpoint import load_model
     model, _ = load_model(ckpt, torch.bfloat16, "cpu")
 else:
-    from pipeline.runtime import tensor_cores as tc
+    from pipeline.runtime import gpu_load
+    from pipeline.runtime import probe as probing
     dev = torch.device("cuda" if cuda else "cpu")
     # off a GPU the host stands in for it: the kernels' probe taken as passed on Hopper's row
-    probed = None if cuda else tc.Probe("sm90", {f"{k}:{m}": None for k in ("linear", "experts") for m in ("fp8", "fp8_rowwise")})
-    model, _, report = tc.load_on_gpu(ckpt, torch.bfloat16, dev, probed)
+    probed = None if cuda else probing.Probe("sm90", {f"{k}:{m}": None for k in ("linear", "experts") for m in ("fp8", "fp8_rowwise")})
+    model, _, report = gpu_load.load_on_gpu(ckpt, torch.bfloat16, dev, probed)
 seconds = time.perf_counter() - t
 print(json.dumps({"peak_rss_gb": rss_gb("VmHWM"), "rss_after_imports_gb": base, "seconds": seconds,
                   "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda and route != "cpu" else None,

@@ -78,7 +78,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
 class PackedSink(Protocol):
     """A caller that keeps some quantized linears in their stored form instead of the loader's dequantized
-    float copy (the tensor-core runtime: `pipeline.runtime.tensor_cores`). The loader asks `wants` for each
+    float copy (the tensor-core runtime: `pipeline.runtime.gpu_load`). The loader asks `wants` for each
     packed weight's module ("layers.0.self_attn.q_proj", "layers.0.experts.3.gate_proj"), hands the wanted
     ones to `take` as read, and calls `install` once every tensor is in: the sink then puts its modules in
     place of the wanted linears and of every layer's `experts` whose projections it took."""

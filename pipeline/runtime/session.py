@@ -62,7 +62,7 @@ class Session:
     model: DiffusionGemma
     checkpoint: Checkpoint
     tokenizer: Any  # tokenizers.Tokenizer | None
-    # a quantized checkpoint on a GPU: what runs on tensor cores, what fell back and why (tensor_cores.Installed)
+    # a quantized checkpoint on a GPU: what runs on tensor cores, what fell back and why (gpu_load.Installed)
     tensor_cores: Any = None
     prompt_format: PromptFormat = field(init=False)  # the one the checkpoint names
     _guides: GuideCompiler | None = field(init=False, default=None, repr=False)
@@ -168,7 +168,7 @@ def load_session(
     tensor_cores = None
     if weights:
         if dev.type == "cuda":  # FP8 / NVFP4 weights kept in their stored format, on tensor cores
-            from pipeline.runtime.tensor_cores import load_on_gpu
+            from pipeline.runtime.gpu_load import load_on_gpu
 
             m, ckpt, tensor_cores = load_on_gpu(path, resolve_dtype(dtype, dev), dev)
         else:

@@ -1,13 +1,13 @@
-"""Quantized checkpoints on CUDA tensor cores: the weights stay FP8 / NVFP4 in GPU memory and torch's
-scaled GEMMs do the math, as `pipeline.runtime.dispatch` decides per (format, arch).
+"""Tensor-core linears and experts: quantized weights stay FP8 / NVFP4 in GPU memory and torch's scaled
+GEMMs (or dgpipe's Triton MoE GEMM) do the math, as `pipeline.runtime.dispatch` decides per (format, arch).
 
-`load_on_gpu` loads a quantized checkpoint onto a CUDA device with each quantized linear as a
-`ScaledLinear` (`F.scaled_mm`) and each layer's experts as `ScaledExperts` (`F.scaled_grouped_mm`), built
-from the packed tensors as ModelOpt stored them, as `pipeline.model.checkpoint.load_model` reads them
-(`TensorCoreLoad`), through the pure converters of `pipeline.model.scaled_layout`: no dequantized float
-copy of those weights is ever made. Activations are quantized as `pipeline.model.fake_quant` emulates them (FP8: static
-per-tensor input scale; NVFP4: dynamic per-16 blocks under the static global scale), so the scaled GEMMs
-compute what the CPU path's fake-quantized float GEMMs compute, up to accumulation order. Nothing here
+`ScaledLinear` (`F.scaled_mm`) and `ScaledExperts` (`F.scaled_grouped_mm`; `triton_moe.moe_gemm` where the
+row says) are built from the packed tensors as ModelOpt stored them, through the pure converters of
+`pipeline.model.scaled_layout`: no dequantized float copy of those weights is ever made
+(`pipeline.runtime.gpu_load` puts them in a model as the checkpoint is read; `pipeline.runtime.probe` finds
+which kernels this GPU runs). Activations are quantized as `pipeline.model.fake_quant` emulates them (FP8:
+static per-tensor input scale; NVFP4: dynamic per-16 blocks under the static global scale), so the scaled
+GEMMs compute what the CPU path's fake-quantized float GEMMs compute, up to accumulation order. Nothing here
 runs on the CPU path: the CPU runtime and the float64 parity oracle are untouched.
 
 Neither module synchronises with the host (routing offsets stay on the device), so a denoise step with
@@ -16,40 +16,22 @@ them can be captured in a CUDA graph (`graph_safe = True`).
 API (torch >= 2.10's `torch.nn.functional.scaled_mm` / `scaled_grouped_mm` with `ScalingType` and
 `SwizzleType`; checked in torch 2.13's sources): `scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b,
 scale_recipe_b, swizzle_a=None, swizzle_b=None, bias=None, output_dtype=torch.bfloat16, ...)`, and the
-grouped form with `offs` (int32 group end offsets). `probe()` runs each kernel once on tiny operands and
-reports what this GPU and torch build serve; anything that fails takes the row's fallback.
+grouped form with `offs` (int32 group end offsets).
 """
 
 from __future__ import annotations
-
-import re
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.errors import DgpipeError, error_line
+from pipeline.errors import DgpipeError
 from pipeline.model import scaled_layout as sl
-from pipeline.model.checkpoint import Checkpoint, load_model
 from pipeline.model.fake_quant import E4M3_MAX, nvfp4_fake_quant
-from pipeline.model.files import runtime_name, weight_files
-from pipeline.model.modelopt import PackedLinear, quant_algo
-from pipeline.model.network import DiffusionGemma, combine_top_k, gelu_tanh
+from pipeline.model.modelopt import PackedLinear
+from pipeline.model.network import combine_top_k, gelu_tanh
 from pipeline.runtime import triton_moe
-from pipeline.runtime.dispatch import (
-    EVERY_PASS,
-    FP8_FAST_ACCUM,
-    NO_GROUPED_KERNEL,
-    TRITON_BF16,
-    TRITON_MOE,
-    arch_of,
-    dispatch,
-)
-from pipeline.targets import precision_for_quant_algo
-
-EXPERT = re.compile(r"^(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+from pipeline.runtime.dispatch import FP8_FAST_ACCUM, TRITON_BF16
 
 
 def _api():
@@ -360,30 +342,6 @@ grouped_gemm_op.register_fake(
 )
 
 
-# ---- probing and installing ---------------------------------------------------------------------------
-@dataclass
-class Probe:
-    """What this GPU and torch build run: kernel name -> None (ran) or the error it raised."""
-
-    arch: str | None
-    results: dict[str, str | None] = field(default_factory=dict)
-
-    def ok(self, kernel: str) -> bool:
-        return kernel in self.results and self.results[kernel] is None
-
-
-def _tiny_packed(fmt: str, n: int = 128, k: int = 128, seed: int = 0) -> PackedLinear:
-    """A random quantized linear in ModelOpt's stored layout, for probing."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g)
-    if fmt == "fp8":
-        s = w.abs().amax() / E4M3_MAX
-        return PackedLinear("FP8", sl.fp8_quantize(w, s), s, None, torch.tensor(0.01))
-    gs = w.abs().amax() / (6 * E4M3_MAX)
-    packed, bs = sl.nvfp4_quantize(w, gs)
-    return PackedLinear("NVFP4", packed, bs, gs, torch.tensor(0.01))
-
-
 def random_packed(
     fmt: str, n: int, k: int, device: torch.device, gen: torch.Generator | None = None
 ) -> PackedLinear:
@@ -401,170 +359,6 @@ def random_packed(
                         torch.tensor(8.0 / (6 * E4M3_MAX), device=device))  # fmt: skip
 
 
-PROBED_FORMATS = ("fp8", "nvfp4", "bf16", "int4_awq")
-
-
-def probe_plan(arch: str | None, formats: tuple[str, ...] = PROBED_FORMATS) -> list[tuple[str, str, str]]:
-    """The (kind, mode, weight format) forms `probe` runs on `arch` for checkpoints in `formats`: only those
-    the dispatch table names for it. A kernel built for another architecture can do worse than raise: on an
-    H200 the NVFP4 grouped GEMM failed to set up its TMA descriptors and left a sticky "unspecified launch
-    failure" that broke every later CUDA call in the process."""
-    if arch is None:
-        return []
-    plan: list[tuple[str, str, str]] = []
-    for fmt in formats:
-        row = dispatch(fmt, arch)
-        uses = (("linear", row.linears, True), ("experts", row.experts, row.torch_experts),
-                ("triton", row.experts, row.triton))  # fmt: skip
-        for kind, kernel, used in uses:
-            mode = kernel_mode(kernel) if used else None
-            form = (kind, mode, {"fp8": "fp8", "bf16": "bf16"}.get(mode or "", "nvfp4"))
-            if mode and form not in plan:
-                plan.append(form)
-    return plan
-
-
-# normal, subnormal, tie, saturating and non-finite activations (before the probe's scale of 0.5)
-QUANT_PROBE_VALUES = (
-    0.0,
-    1e-9,
-    2.0**-10,
-    2.0**-9 * 1.5,
-    0.3,
-    0.3125,
-    1.0625,
-    224.0,
-    232.5,
-    1e6,
-    float("inf"),
-    float("nan"),
-)
-
-
-def fp8_codes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Two E4M3 tensors hold the same codes, NaN's sign aside (torch keeps the input's, the hardware
-    conversion writes the canonical 0x7F; a NaN activation is NaN downstream either way)."""
-    a, b = a.view(torch.uint8), b.view(torch.uint8)
-    nan_a, nan_b = (a & 0x7F) == 0x7F, (b & 0x7F) == 0x7F
-    return bool(torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b]))
-
-
-def float_gemm(a, a_scale, rows, w, w_scale, offs) -> torch.Tensor:
-    """`triton_moe.moe_gemm` in fp32 expert by expert (it reads the end offsets on the host): slot i is
-    a[rows[i]] * a_scale[rows[i]] times its expert's w * w_scale, transposed (no scales: bf16 operands)."""
-    x, out, start = a.float() if a_scale is None else a.float() * a_scale.float()[:, None], [], 0
-    for e, end in enumerate(offs.tolist()):
-        w_e = w[e].float() if w_scale is None else w[e].float() * w_scale[e][:, None]
-        out.append(x[rows[start:end]] @ w_e.t())
-        start = end
-    return torch.cat(out)
-
-
-def float_experts(
-    m: ScaledExperts, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
-) -> torch.Tensor:
-    """What an FP8 `ScaledExperts` computes, in fp32 on any device: the same quantized operands (activations
-    quantized as the module does, weights as stored) multiplied expert by expert as floats. The reference
-    dgpipe's Triton GEMM is probed against; it reads the routing on the host, so it is no runtime path."""
-    order, token_of, offs = sl.expert_order(index, m.num_experts)
-    gate_up = float_gemm(*quantize_rows(x, m.in_scale, m.mode), token_of, m.w13, m.s13, offs)
-    gate, up = gate_up.chunk(2, dim=-1)
-    slots = torch.arange(token_of.shape[0], device=x.device)
-    y = float_gemm(*quantize_rows(gelu_tanh(gate) * up, m.down_in_scale, m.mode), slots, m.w2, m.s2, offs)
-    return combine_top_k(y, order, weights.float())
-
-
-TRITON_FALLBACK = "dgpipe uses the dispatch row's other path; report the GPU, torch and Triton versions"
-
-
-def _check_triton(mode: str, fmt: str, dev: torch.device, x, index, weights) -> None:
-    """dgpipe's Triton kernels on this GPU against references that need no grouped GEMM kernel (so the check
-    runs where torch has none), or a DgpipeError: the GEMM at every M tile it picks against the float
-    product of its FP8 operands; a whole experts pass on it (10 rows per expert here) against
-    `float_experts`; and the one-pass FP8 quantization bit for bit against torch's three passes on normal,
-    subnormal, tie, out-of-range and non-finite values. Only kernels that agree are used: Triton and its
-    compiler vary by host."""
-    ps = [_tiny_packed(fmt, seed=e) for e in range(4)]  # distinct experts: a routing error shows
-    m = ScaledExperts(ps, ps, ps, mode, dev, triton_rows=EVERY_PASS)
-    rel = lambda got, want: float((got.float() - want).norm() / want.norm().clamp(min=1e-30))
-    q, qs = quantize_rows(x, m.in_scale, mode)
-    _, token_of, offs = sl.expert_order(index, m.num_experts)
-    want = float_gemm(q, qs, token_of, m.w13, m.s13, offs)
-    for block_m in triton_moe.BLOCK_MS:  # one bf16 rounding of the output; a wrong tile is O(1)
-        err = rel(triton_moe.moe_gemm(q, qs, token_of, m.w13, m.s13, offs, block_m), want)
-        if not err < 1e-2:
-            raise DgpipeError(f"the Triton MoE GEMM ({block_m}-row tiles) differs from the float product of "
-                              f"its operands by {err:.3g} (relative L2)", TRITON_FALLBACK)  # fmt: skip
-    err = rel(m(x, index, weights), float_experts(m, x, index, weights))
-    if not err < 0.1:  # bf16 intermediates flip some FP8 roundings (~0.02, tests/gpu); a wrong kernel is O(1)
-        raise DgpipeError(f"experts on the Triton MoE GEMM differ from their float reference by {err:.3g} "
-                          "(relative L2)", TRITON_FALLBACK)  # fmt: skip
-    v = torch.tensor(QUANT_PROBE_VALUES)
-    v = torch.cat([v, -v, torch.randn(4096) * 64]).to(dev, torch.bfloat16)
-    scale = torch.tensor(0.5, device=dev)
-    if not fp8_codes_equal(triton_moe.quantize(v, scale), sl.fp8_quantize(v, scale)):
-        raise DgpipeError("the Triton FP8 quantization differs from torch's", TRITON_FALLBACK)
-
-
-def _check_triton_bf16(dev: torch.device, x, index, weights) -> None:
-    """dgpipe's Triton GEMM with bf16 operands on this GPU, or a DgpipeError: at every M tile against the
-    float product of its operands, and a whole experts pass on it (`pipeline.runtime.routed`) against the
-    same experts in fp32 expert by expert. Run where torch's grouped GEMM has no kernel, so the check needs
-    none."""
-    from pipeline.runtime.routed import routed_experts
-
-    gen = torch.Generator().manual_seed(1)
-    gate_up, down = (torch.randn(4, n, 128, generator=gen).to(dev, torch.bfloat16) / 8 for n in (256, 128))
-    x, slots = x.to(torch.bfloat16), torch.arange(index.numel(), device=dev)
-    order, token_of, offs = sl.expert_order(index, 4)
-    rel = lambda got, want: float((got.float() - want).norm() / want.norm().clamp(min=1e-30))
-    want = float_gemm(x, None, token_of, gate_up, None, offs)
-    for block_m in triton_moe.BLOCK_MS:  # one bf16 rounding of the output; a wrong tile is O(1)
-        err = rel(triton_moe.moe_gemm(x, None, token_of, gate_up, None, offs, block_m), want)
-        if not err < 1e-2:
-            raise DgpipeError(f"the Triton bf16 MoE GEMM ({block_m}-row tiles) differs from the float product "
-                              f"of its operands by {err:.3g} (relative L2)", TRITON_FALLBACK)  # fmt: skip
-    gate, up = want.chunk(2, dim=-1)
-    want = combine_top_k(
-        float_gemm(gelu_tanh(gate) * up, None, slots, down, None, offs), order, weights.float()
-    )
-    err = rel(routed_experts(x, index, weights, gate_up, down, triton=True), want)
-    if not err < 2e-2:  # bf16 intermediates; a wrong kernel is O(1)
-        raise DgpipeError(f"bf16 experts on the Triton MoE GEMM differ from their float reference by {err:.3g} "
-                          "(relative L2)", TRITON_FALLBACK)  # fmt: skip
-
-
-def probe(device: torch.device | str = "cuda", formats: tuple[str, ...] = PROBED_FORMATS) -> Probe:
-    """Run each GEMM form this GPU's dispatch rows use for checkpoints in `formats` once, on tiny operands
-    (CUDA only)."""
-    dev = torch.device(device)
-    if dev.type != "cuda" or not torch.cuda.is_available():
-        raise DgpipeError(
-            "tensor-core probe needs a CUDA device", "run on a GPU host (dgpipe doctor shows it)"
-        )
-    p = Probe(arch_of(*torch.cuda.get_device_capability(dev)))
-    x = torch.randn(40, 128, device=dev, dtype=torch.bfloat16)
-    index = torch.randint(0, 4, (20, 2), device=dev)
-    wts = torch.rand(20, 2, device=dev)
-    for kind, mode, fmt in probe_plan(p.arch, formats):
-        name = f"{kind}:{mode}"
-        try:
-            if kind == "linear":
-                ScaledLinear(_tiny_packed(fmt), mode, dev, torch.bfloat16)(x)
-            elif kind == "experts":
-                ps = [_tiny_packed(fmt) for _ in range(4)]
-                ScaledExperts(ps, ps, ps, mode, dev)(x[:20], index, wts)
-            elif mode == "bf16":
-                _check_triton_bf16(dev, x[:20], index, wts)
-            else:
-                _check_triton(mode, fmt, dev, x[:20], index, wts)
-            torch.cuda.synchronize(dev)
-            p.results[name] = None
-        except Exception as e:  # any failure (a Triton compile error included) sends the form to its fallback
-            p.results[name] = error_line(e)
-    return p
-
-
 _MODE = {"F.scaled_mm FP8 TensorWise": "fp8", "F.scaled_mm NVFP4": "nvfp4", "F.scaled_mm FP8 RowWise": "fp8_rowwise",
          "F.scaled_grouped_mm FP8 RowWise (weights": "fp8_rowwise", "F.scaled_grouped_mm FP8 RowWise": "fp8",
          "F.scaled_grouped_mm NVFP4": "nvfp4", "Triton FP8 MoE GEMM RowWise (weights": "fp8_rowwise",
@@ -575,174 +369,3 @@ def kernel_mode(kernel: str) -> str | None:
     """The ScaledLinear/ScaledExperts mode that implements a dispatch-table kernel ("bf16": the float experts
     on dgpipe's Triton GEMM, `pipeline.runtime.routed`); None: a float path on torch's kernels."""
     return next((m for prefix, m in _MODE.items() if kernel.startswith(prefix)), None)
-
-
-@dataclass
-class Installed:
-    """What a load put on tensor cores, which float experts route on the device, and what stayed on a
-    host-syncing or dequantized float path and why."""
-
-    format: str
-    arch: str | None
-    linears: int = 0  # linears on scaled_mm
-    experts: int = 0  # layers whose experts are on scaled_grouped_mm (or the Triton FP8 GEMM)
-    routed: int = 0  # layers whose float experts route on the device (`pipeline.runtime.routed`)
-    routed_kernel: str = ""
-    fallbacks: list[str] = field(default_factory=list)
-
-    def summary(self) -> str:
-        head = f"{self.format} on {self.arch or 'this GPU'}: {self.linears} linears and {self.experts} layers' experts on tensor cores"
-        routed = [f"{self.routed} layers' float experts on {self.routed_kernel}"] if self.routed else []
-        return "; ".join([head, *routed, *self.fallbacks])
-
-
-class TensorCoreLoad:
-    """The `pipeline.model.checkpoint.PackedSink` that puts a quantized checkpoint on tensor cores while the
-    loader reads it: each packed weight goes to the GPU as stored and becomes a `ScaledLinear`, and a
-    layer's experts become one `ScaledExperts` as soon as all of them are in. The float copy the CPU path
-    dequantizes is never made, so loading needs the checkpoint's size in GPU memory, not its float size
-    (a 26B FP8 checkpoint: ~27 GB instead of ~52 GB of bf16), and the host holds one tensor at a time.
-
-    Which linears and experts it takes is decided from the tensor names before any weight is read: the
-    kernels of this GPU's dispatch row that passed `probe`, for linears with an input scale, and for
-    layers whose experts all have one (a layer's experts share their projections' input quantizers)."""
-
-    def __init__(
-        self, path: str | Path, device: torch.device, dtype: torch.dtype, probed: Probe | None = None
-    ):
-        p = Path(path)
-        self.device, self.dtype = device, dtype
-        self.probed = pr = probed or probe(device)
-        self.report = Installed(precision_for_quant_algo(quant_algo(p)).name, pr.arch)
-        self.lin_mode, self.exp_mode, self.triton_rows, row = self._modes(pr)
-        names = weight_files(p)
-        scaled = {
-            runtime_name(n.removesuffix("input_scale") + "weight")
-            for n in names
-            if n.endswith(".input_scale")
-        }
-        scaled = {t.removesuffix(".weight") for t in scaled if t}
-        experts: dict[str, set[str]] = {}
-        for n in names:
-            m = EXPERT.match((runtime_name(n) or "").removesuffix(".weight"))
-            if m:
-                experts.setdefault(m.group(1), set()).add(m.group(0))
-        self.linears = {m for m in scaled if not EXPERT.match(m)} if self.lin_mode else set()
-        self.expert_layers = {k: len(v) for k, v in experts.items() if self.exp_mode and v <= scaled}
-        self.modules: dict[str, nn.Module] = {}
-        self.pending: dict[str, dict[int, dict[str, PackedLinear]]] = {}
-        if row is not None and row.fallback:
-            self.report.fallbacks.append(f"{row.fallback}: {row.note}")
-
-    def _modes(self, pr: Probe):
-        """(linear mode, experts mode, Triton, dispatch row) for this format on this GPU, after the probe;
-        each kernel that is missing or failed its probe is reported and left to the float path."""
-        fmt, res = self.report.format, self.report
-        if pr.arch is None or fmt not in ("fp8", "nvfp4"):
-            res.fallbacks.append(
-                f"{fmt} on {pr.arch or 'this GPU'}: no tensor-core row; dequantized float path"
-            )
-            return None, None, False, None
-        row = dispatch(fmt, pr.arch)
-        lin, exp = kernel_mode(row.linears), kernel_mode(row.experts)
-        if lin and not pr.ok(f"linear:{lin}"):
-            res.fallbacks.append(
-                f"linears: {row.linears} failed its probe ({pr.results.get(f'linear:{lin}')})"
-            )
-            lin = None
-        kernel = "experts" if row.torch_experts else "triton"  # the kernel every pass can take
-        if exp and not pr.ok(f"{kernel}:{exp}"):
-            res.fallbacks.append(
-                f"experts: {row.experts} failed its probe ({pr.results.get(f'{kernel}:{exp}')}): "
-                "dequantized float path"
-            )
-            exp = None
-        triton_rows = row.triton_rows if exp else 0.0
-        if triton_rows and not pr.ok(f"triton:{exp}"):
-            res.fallbacks.append(
-                f"dgpipe's Triton kernels ({TRITON_MOE}, FP8 quantization) failed their probe "
-                f"({pr.results.get(f'triton:{exp}')}): torch's grouped GEMM and quantization run every pass"
-            )
-            triton_rows = 0.0
-        return lin, exp, triton_rows, row
-
-    def wants(self, module: str) -> bool:
-        m = EXPERT.match(module)
-        return m.group(1) in self.expert_layers if m else module in self.linears
-
-    def take(self, module: str, q: PackedLinear) -> None:
-        q = q.to(self.device)
-        m = EXPERT.match(module)
-        if m is None:
-            triton = self.triton_rows > 0  # the one-pass FP8 quantization
-            self.modules[module] = ScaledLinear(q, self.lin_mode, self.device, self.dtype, triton)
-            self.report.linears += 1
-            return
-        prefix = m.group(1)
-        layer = self.pending.setdefault(prefix, {})
-        layer.setdefault(int(m.group(2)), {})[m.group(3)] = q
-        if sum(map(len, layer.values())) == self.expert_layers[prefix]:  # the layer's last projection
-            per = [layer[e] for e in sorted(self.pending.pop(prefix))]
-            proj = lambda name: [e[name] for e in per]
-            projections = proj("gate_proj"), proj("up_proj"), proj("down_proj")
-            self.modules[prefix] = ScaledExperts(*projections, self.exp_mode, self.device, self.triton_rows)
-            self.report.experts += 1
-
-    def install(self, model: DiffusionGemma) -> None:
-        if self.pending:
-            raise DgpipeError(f"experts of {', '.join(self.pending)} incomplete in the checkpoint")
-        for name, module in self.modules.items():
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, module)
-        self.modules.clear()
-
-
-def load_on_gpu(
-    path: str | Path, dtype: torch.dtype, device: torch.device, probed: Probe | None = None
-) -> tuple[DiffusionGemma, Checkpoint, Installed | None]:
-    """`load_model` for a GPU: a quantized checkpoint's FP8 / NVFP4 weights go straight onto tensor cores
-    (`TensorCoreLoad`), and float experts that would read their routing on the host (`route_float_experts`)
-    route on the device; what did not is reported (None: nothing to report, a bf16 checkpoint on a GPU whose
-    grouped GEMM serves it). `probed`: the kernels known to run here (tests pass one to run this off a GPU)."""
-    report = None
-    if quant_algo(Path(path)) is None:
-        model, ckpt = load_model(path, dtype, device)
-    else:
-        sink = TensorCoreLoad(path, device, dtype, probed)
-        model, ckpt = load_model(path, dtype, device, packed=sink)
-        report, probed = sink.report, sink.probed
-    report = route_float_experts(model, device, probed, report)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return model, ckpt, report
-
-
-def route_float_experts(
-    model: DiffusionGemma, device: torch.device, probed: Probe | None, report: Installed | None
-) -> Installed | None:
-    """Float experts that would read the routing on the host (`routed.host_bound_experts`) computed on the
-    device instead (`routed.RoutedExperts`): on torch's `F.grouped_mm`, or where it has no kernel on dgpipe's
-    Triton GEMM if it passed its probe (run here for that form alone when the load has not probed)."""
-    from pipeline.runtime.routed import host_bound_experts, route_on_device
-
-    arch = probed.arch if probed is not None else _cuda_arch(device)
-    no_kernel = arch in NO_GROUPED_KERNEL
-    layers = host_bound_experts(model, no_kernel)
-    if not layers:
-        return report
-    report = report or Installed("bf16", arch)
-    if no_kernel:
-        probed = probed or probe(device, formats=("bf16",))
-        if not probed.ok("triton:bf16"):
-            report.fallbacks.append(
-                f"float experts: {TRITON_BF16} failed its probe ({probed.results.get('triton:bf16')}): "
-                "torch's per-expert loop, host sync, no CUDA graphs"
-            )
-            return report
-    route_on_device(model, layers, triton=no_kernel)
-    report.routed, report.routed_kernel = len(layers), TRITON_BF16 if no_kernel else "F.grouped_mm bf16"
-    return report
-
-
-def _cuda_arch(device: torch.device) -> str | None:
-    return arch_of(*torch.cuda.get_device_capability(device)) if device.type == "cuda" else None

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from pipeline.model.fake_quant import InputQuantizer, fp8_fake_quant, nvfp4_fake_quant
 from pipeline.model.modelopt import _quantized_experts_forward
+from pipeline.runtime import probe as probing
 from pipeline.runtime import tensor_cores as tc
 from pipeline.runtime.dispatch import EVERY_PASS, TRITON_MAX_ROWS_PER_EXPERT, arch_of, dispatch
 from tests._utils.quantized import build_quantized_checkpoint, packed_linear
@@ -24,8 +25,8 @@ FEW = TRITON_MAX_ROWS_PER_EXPERT  # Hopper's threshold
 
 
 @pytest.fixture(scope="module")
-def probed() -> tc.Probe:
-    return tc.probe(CUDA)
+def probed() -> probing.Probe:
+    return probing.probe(CUDA)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -183,10 +184,10 @@ def test_triton_quantization_is_torchs_bit_for_bit(probed, dtype):
         pytest.skip(f"dgpipe's Triton kernels are not served here: {probed.results.get('triton:fp8')}")
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(1000, 512, generator=gen) * torch.logspace(-8, 8, 512, base=2.0)
-    x = torch.cat([x.flatten(), torch.tensor(tc.QUANT_PROBE_VALUES)]).to(CUDA, dtype)
+    x = torch.cat([x.flatten(), torch.tensor(probing.QUANT_PROBE_VALUES)]).to(CUDA, dtype)
     for scale in (torch.tensor(0.5), torch.tensor(3.7e-3), torch.tensor(8.0 / 448)):
         s = scale.to(CUDA)
-        assert tc.fp8_codes_equal(triton_moe.quantize(x, s), sl.fp8_quantize(x, s)), float(scale)
+        assert probing.fp8_codes_equal(triton_moe.quantize(x, s), sl.fp8_quantize(x, s)), float(scale)
     q, xs = packed_linear("fp8", 256, 512, gen), torch.randn(37, 512, generator=gen).to(CUDA, torch.bfloat16)
     plain, one_pass = (tc.ScaledLinear(q, "fp8", CUDA, torch.bfloat16, triton=t)(xs) for t in (False, True))
     assert torch.equal(plain, one_pass)
@@ -262,4 +263,4 @@ def test_the_triton_bf16_probe_passes_on_this_gpu():
     gen = torch.Generator(device=CUDA).manual_seed(8)
     x = torch.randn(20, 128, device=CUDA, generator=gen)
     index = torch.randint(0, 4, (20, 2), device=CUDA, generator=gen)
-    tc._check_triton_bf16(CUDA, x, index, torch.rand(20, 2, device=CUDA, generator=gen))
+    probing.check_triton_bf16(CUDA, x, index, torch.rand(20, 2, device=CUDA, generator=gen))

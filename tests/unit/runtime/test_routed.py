@@ -17,8 +17,8 @@ from pipeline.model.fake_quant import InputQuantizer
 from pipeline.model.modelopt import _quantized_experts_forward
 from pipeline.model.network import Experts
 from pipeline.resources import EMBEDDED_MODEL
-from pipeline.runtime import routed, triton_moe
-from pipeline.runtime import tensor_cores as tc
+from pipeline.runtime import gpu_load, routed, triton_moe
+from pipeline.runtime import probe as probing
 from pipeline.runtime.backends import experts_graph_safe
 from tests._utils.compile import compiled_whole, graph_targets
 from tests._utils.quantized import build_quantized_checkpoint
@@ -99,8 +99,8 @@ def test_a_bf16_checkpoint_on_ada_routes_every_layer_on_the_triton_gemm(monkeypa
     """The embedded bf16 model loaded for an sm89 GPU whose probe ran the Triton bf16 GEMM: every layer's
     experts on it (same parameters, graph-safe), reported; a denoise pass through the interpreted kernel,
     torch's grouped GEMM never called, as close to the fp32 model as the bf16 model's own pass on the CPU."""
-    model, _, report = tc.load_on_gpu(
-        EMBEDDED_MODEL, torch.bfloat16, CPU, tc.Probe("sm89", {"triton:bf16": None})
+    model, _, report = gpu_load.load_on_gpu(
+        EMBEDDED_MODEL, torch.bfloat16, CPU, probing.Probe("sm89", {"triton:bf16": None})
     )
     layers = len(model.layers)
     assert all(
@@ -130,10 +130,10 @@ def test_a_bf16_checkpoint_on_ada_routes_every_layer_on_the_triton_gemm(monkeypa
 
 
 def test_a_bf16_load_routes_nothing_where_torch_serves_it_and_reports_a_failed_probe():
-    model, _, report = tc.load_on_gpu(EMBEDDED_MODEL, torch.bfloat16, CPU, tc.Probe("sm90"))
+    model, _, report = gpu_load.load_on_gpu(EMBEDDED_MODEL, torch.bfloat16, CPU, probing.Probe("sm90"))
     assert report is None and all(type(layer.experts) is Experts for layer in model.layers)
-    probed = tc.Probe("sm120", {"triton:bf16": "out of resources: shared memory"})
-    model, _, report = tc.load_on_gpu(EMBEDDED_MODEL, torch.bfloat16, CPU, probed)
+    probed = probing.Probe("sm120", {"triton:bf16": "out of resources: shared memory"})
+    model, _, report = gpu_load.load_on_gpu(EMBEDDED_MODEL, torch.bfloat16, CPU, probed)
     assert all(type(layer.experts) is Experts for layer in model.layers) and report.routed == 0
     assert report.fallbacks == [
         "float experts: Triton bf16 MoE GEMM failed its probe (out of resources: shared memory): "
@@ -150,8 +150,8 @@ def test_fp8_experts_dequantized_on_b200_route_on_torchs_grouped_gemm(fp8_checkp
     """FP8 on sm100: no FP8 grouped GEMM in torch, so the experts load dequantized, and instead of the
     fake-quantized loop (a host sync per layer, no CUDA graph) they take torch's bf16 grouped GEMM with the
     loop's own input rounding; the linears stay FP8."""
-    probed = tc.Probe("sm100", {"linear:fp8": None})
-    model, _, report = tc.load_on_gpu(fp8_checkpoint, torch.bfloat16, CPU, probed)
+    probed = probing.Probe("sm100", {"linear:fp8": None})
+    model, _, report = gpu_load.load_on_gpu(fp8_checkpoint, torch.bfloat16, CPU, probed)
     assert all(isinstance(layer.experts, routed.RoutedExperts) for layer in model.layers)
     assert not any(layer.experts.triton for layer in model.layers)
     assert all(layer.experts.q_in is not None and layer.experts.q_down is not None for layer in model.layers)
@@ -197,7 +197,7 @@ def test_the_probe_holds_the_triton_bf16_gemm_to_the_float_product(monkeypatch):
         torch.randint(0, 4, (20, 2), generator=gen),
         torch.rand(20, 2),
     )
-    tc._check_triton_bf16(CPU, x, index, weights)
+    probing.check_triton_bf16(CPU, x, index, weights)
     real = triton_moe.moe_gemm
 
     def wrong_at(tile):  # rows reversed at one M tile (None: the tile `tiles` picks)
@@ -217,7 +217,7 @@ def test_the_probe_holds_the_triton_bf16_gemm_to_the_float_product(monkeypatch):
     for tile in triton_moe.BLOCK_MS:
         monkeypatch.setattr(triton_moe, "moe_gemm", wrong_at(tile))
         with pytest.raises(DgpipeError, match=rf"Triton bf16 MoE GEMM \({tile}-row tiles\) differs"):
-            tc._check_triton_bf16(CPU, x, index, weights)
+            probing.check_triton_bf16(CPU, x, index, weights)
     monkeypatch.setattr(triton_moe, "moe_gemm", wrong_at(None))
     with pytest.raises(DgpipeError, match="bf16 experts on the Triton MoE GEMM differ"):
-        tc._check_triton_bf16(CPU, x, index, weights)
+        probing.check_triton_bf16(CPU, x, index, weights)

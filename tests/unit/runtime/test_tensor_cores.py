@@ -20,6 +20,8 @@ from pipeline.model.fake_quant import fp8_fake_quant, nvfp4_fake_quant
 from pipeline.model.modelopt import PackedLinear, QuantizedLoader, is_packed, read_packed_linears
 from pipeline.resources import EMBEDDED_MODEL
 from pipeline.runtime import dispatch as dp
+from pipeline.runtime import gpu_load
+from pipeline.runtime import probe as probing
 from pipeline.runtime import tensor_cores as tc
 from pipeline.runtime.backends import TorchBackend, experts_graph_safe
 from tests._utils.compile import compiled_whole, graph_targets
@@ -182,37 +184,37 @@ def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
     """Hopper never runs the NVFP4 kernels (one left a sticky launch failure on an H200); Blackwell does.
     Hopper's FP8 experts also probe the Triton GEMM their few-rows passes take; where torch has no grouped
     GEMM kernel, only the Triton GEMM is probed for the experts, FP8 and bf16."""
-    assert tc.probe_plan("sm90") == [
+    assert probing.probe_plan("sm90") == [
         ("linear", "fp8", "fp8"), ("experts", "fp8", "fp8"), ("triton", "fp8", "fp8"),
         ("linear", "fp8_rowwise", "nvfp4"), ("experts", "fp8_rowwise", "nvfp4"), ("triton", "fp8_rowwise", "nvfp4"),
     ]  # fmt: skip
-    assert tc.probe_plan("sm100") == [
+    assert probing.probe_plan("sm100") == [
         ("linear", "fp8", "fp8"),
         ("linear", "nvfp4", "nvfp4"),
         ("experts", "nvfp4", "nvfp4"),
     ]
     # Ada and RTX Blackwell: no grouped GEMM kernel in torch for FP8 or bf16, the Triton GEMM takes every pass
-    assert tc.probe_plan("sm89") == [
+    assert probing.probe_plan("sm89") == [
         ("linear", "fp8", "fp8"), ("triton", "fp8", "fp8"), ("linear", "fp8_rowwise", "nvfp4"), ("triton", "fp8_rowwise", "nvfp4"),
         ("triton", "bf16", "bf16"),
     ]  # fmt: skip
-    assert tc.probe_plan("sm120") == [
+    assert probing.probe_plan("sm120") == [
         ("linear", "fp8", "fp8"), ("triton", "fp8", "fp8"), ("linear", "nvfp4", "nvfp4"), ("experts", "nvfp4", "nvfp4"),
         ("triton", "bf16", "bf16"),
     ]  # fmt: skip
-    assert tc.probe_plan("sm120", formats=("bf16",)) == [
+    assert probing.probe_plan("sm120", formats=("bf16",)) == [
         ("triton", "bf16", "bf16")
     ]  # a bf16 checkpoint's load
-    assert tc.probe_plan("sm90", formats=("bf16", "int4_awq")) == []  # torch's grouped GEMM serves them
-    assert tc.probe_plan(None) == []
+    assert probing.probe_plan("sm90", formats=("bf16", "int4_awq")) == []  # torch's grouped GEMM serves them
+    assert probing.probe_plan(None) == []
 
 
 def test_cuda_only_entry_points_say_so_on_cpu(ckpts):
     with pytest.raises(DgpipeError, match="CUDA"):
-        tc.probe("cpu")
+        probing.probe("cpu")
     with pytest.raises(DgpipeError, match="CUDA"):
-        tc.load_on_gpu(ckpts["fp8"], torch.bfloat16, CPU)  # no probe: it runs the kernels on a GPU
-    assert tc.load_on_gpu(EMBEDDED_MODEL, torch.float32, CPU)[2] is None  # unquantized: a plain load
+        gpu_load.load_on_gpu(ckpts["fp8"], torch.bfloat16, CPU)  # no probe: it runs the kernels on a GPU
+    assert gpu_load.load_on_gpu(EMBEDDED_MODEL, torch.float32, CPU)[2] is None  # unquantized: a plain load
 
 
 SM90_PROBED = {
@@ -246,7 +248,9 @@ def test_gpu_load_takes_every_packed_weight_as_stored_and_builds_what_a_float_lo
     tensor (that route, `_install`, reads the checkpoint twice and holds the float model in between)."""
     monkeypatch.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu(torch.bfloat16))
     dequantized = _spy_dequantized(monkeypatch)
-    model, _, report = tc.load_on_gpu(ckpts[fmt], torch.bfloat16, CPU, tc.Probe("sm90", dict(SM90_PROBED)))
+    model, _, report = gpu_load.load_on_gpu(
+        ckpts[fmt], torch.bfloat16, CPU, probing.Probe("sm90", dict(SM90_PROBED))
+    )
     assert dequantized == []
     layers = len(model.layers)
     assert (report.format, report.arch, report.experts) == (fmt, "sm90", layers)
@@ -267,10 +271,10 @@ def test_gpu_load_takes_every_packed_weight_as_stored_and_builds_what_a_float_lo
 
 def test_gpu_load_leaves_what_failed_its_probe_or_has_no_kernel_to_the_float_path(ckpts, monkeypatch):
     dequantized = _spy_dequantized(monkeypatch)
-    probed = tc.Probe("sm90", {"linear:fp8": "no kernel image", "experts:fp8": None})
+    probed = probing.Probe("sm90", {"linear:fp8": "no kernel image", "experts:fp8": None})
     monkeypatch.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu(torch.bfloat16))
-    model, _, report = tc.load_on_gpu(ckpts["fp8"], torch.bfloat16, CPU, probed)
-    linears = [n for n in dequantized if not tc.EXPERT.match(n)]
+    model, _, report = gpu_load.load_on_gpu(ckpts["fp8"], torch.bfloat16, CPU, probed)
+    linears = [n for n in dequantized if not gpu_load.EXPERT.match(n)]
     assert linears == dequantized and len(linears) > len(model.layers)  # linears as floats, experts packed
     assert report.linears == 0 and report.experts == len(model.layers)
     assert any("failed its probe (no kernel image)" in f for f in report.fallbacks)
@@ -278,10 +282,10 @@ def test_gpu_load_leaves_what_failed_its_probe_or_has_no_kernel_to_the_float_pat
     dequantized.clear()
     # FP8 on Blackwell: torch has no FP8 grouped GEMM there, so the experts are dequantized (bf16), the
     # linears stay FP8
-    model, _, report = tc.load_on_gpu(
-        ckpts["fp8"], torch.bfloat16, CPU, tc.Probe("sm100", {"linear:fp8": None})
+    model, _, report = gpu_load.load_on_gpu(
+        ckpts["fp8"], torch.bfloat16, CPU, probing.Probe("sm100", {"linear:fp8": None})
     )
-    assert dequantized and all(tc.EXPERT.match(n) for n in dequantized)
+    assert dequantized and all(gpu_load.EXPERT.match(n) for n in dequantized)
     assert len(dequantized) == 3 * model.cfg.num_experts * len(model.layers)
     assert report.experts == 0 and report.linears > 0
     assert any("sm90-only" in f for f in report.fallbacks)
@@ -301,8 +305,8 @@ def test_ada_and_rtx_blackwell_load_experts_onto_the_triton_gemm_for_every_pass(
     fake-quantized model as closely as torch's Hopper route does, and torch's grouped GEMM never runs."""
     monkeypatch.setattr(F, "scaled_grouped_mm", lambda *a, **k: pytest.fail("torch's grouped GEMM ran"))
     dequantized = _spy_dequantized(monkeypatch)
-    probed = tc.Probe(arch, {f"linear:{mode}": None, f"triton:{mode}": None})
-    model, _, report = tc.load_on_gpu(ckpts[fmt], torch.float32, CPU, probed)
+    probed = probing.Probe(arch, {f"linear:{mode}": None, f"triton:{mode}": None})
+    model, _, report = gpu_load.load_on_gpu(ckpts[fmt], torch.float32, CPU, probed)
     assert dequantized == []
     row = dp.dispatch(fmt, arch)
     assert report.experts == len(model.layers)
@@ -329,10 +333,10 @@ def test_ada_and_rtx_blackwell_load_experts_onto_the_triton_gemm_for_every_pass(
 
 def test_ada_without_a_working_triton_gemm_loads_the_experts_dequantized(ckpts, monkeypatch):
     dequantized = _spy_dequantized(monkeypatch)
-    probed = tc.Probe("sm89", {"linear:fp8": None, "triton:fp8": "ptxas fatal: out of resources"})
-    model, _, report = tc.load_on_gpu(ckpts["fp8"], torch.bfloat16, CPU, probed)
+    probed = probing.Probe("sm89", {"linear:fp8": None, "triton:fp8": "ptxas fatal: out of resources"})
+    model, _, report = gpu_load.load_on_gpu(ckpts["fp8"], torch.bfloat16, CPU, probed)
     assert len(dequantized) == 3 * model.cfg.num_experts * len(model.layers)
-    assert all(tc.EXPERT.match(n) for n in dequantized)
+    assert all(gpu_load.EXPERT.match(n) for n in dequantized)
     assert report.experts == 0 and report.linears > 0
     assert any(
         "failed its probe (ptxas fatal: out of resources): dequantized float path" in f
@@ -348,7 +352,7 @@ def _install(model, path: Path, mode: str, linears: bool = True):
     the model `load_on_gpu` builds in one read."""
     packed = read_packed_linears(path)
     for name, q in packed.items():
-        if linears and not tc.EXPERT.match(name) and q.input_scale is not None:
+        if linears and not gpu_load.EXPERT.match(name) and q.input_scale is not None:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, tc.ScaledLinear(q, mode, CPU, torch.bfloat16))
     for i, layer in enumerate(model.layers):
@@ -464,14 +468,14 @@ def test_fp8_codes_compare_equal_up_to_nans_sign_and_the_probe_values_cover_ever
     """The probe's bit-for-bit check of the Triton quantization: a NaN's sign may differ (torch keeps the
     input's, the hardware writes 0x7F), nothing else may; its values land on a subnormal, a tie, the
     saturation bound and NaN after torch's quantization."""
-    v = torch.tensor(tc.QUANT_PROBE_VALUES)
+    v = torch.tensor(probing.QUANT_PROBE_VALUES)
     codes = sl.fp8_quantize(torch.cat([v, -v]), torch.tensor(0.5))
     canonical = codes.view(torch.uint8).clone()
     canonical[(canonical & 0x7F) == 0x7F] = 0x7F
-    assert tc.fp8_codes_equal(codes, canonical.view(torch.float8_e4m3fn))
+    assert probing.fp8_codes_equal(codes, canonical.view(torch.float8_e4m3fn))
     off_by_one = canonical.clone()
     off_by_one[4] += 1
-    assert not tc.fp8_codes_equal(codes, off_by_one.view(torch.float8_e4m3fn))
+    assert not probing.fp8_codes_equal(codes, off_by_one.view(torch.float8_e4m3fn))
     values = codes.float()[: len(v)].tolist()
     assert values[3] == 3 * 2.0**-9 and values[6] == 2.0  # a subnormal, a tie to even
     assert values[7:10] == [448.0] * 3  # E4M3's largest, and two beyond it saturated

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import InputQuantizer
 from pipeline.model.modelopt import _quantized_experts_forward
+from pipeline.runtime import probe as probing
 from pipeline.runtime import tensor_cores as tc
 from pipeline.runtime import triton_moe as tf
 from pipeline.runtime.dispatch import EVERY_PASS, TRITON_MAX_ROWS_PER_EXPERT
@@ -277,7 +278,7 @@ def test_the_probes_float_reference_is_the_fake_quantized_expert_loop():
     ref.down_proj = torch.stack([p.dequantized() for p in down])
     quants = {"gate_up": InputQuantizer("fp8", m.in_scale), "down": InputQuantizer("fp8", m.down_in_scale)}
     want = _quantized_experts_forward(quants)(ref, x, index, weights)
-    torch.testing.assert_close(tc.float_experts(m, x, index, weights), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(probing.float_experts(m, x, index, weights), want, rtol=1e-5, atol=1e-5)
 
 
 def test_every_pass_rows_keep_many_rows_per_expert_on_the_triton_gemm(monkeypatch):
@@ -291,7 +292,7 @@ def test_every_pass_rows_keep_many_rows_per_expert_on_the_triton_gemm(monkeypatc
         torch.randint(0, 2, (80, 2), generator=gen),
         torch.rand(80, 2),
     )
-    got, want = m(x, index, weights), tc.float_experts(m, x, index, weights)
+    got, want = m(x, index, weights), probing.float_experts(m, x, index, weights)
     assert float((got - want).norm() / want.norm()) < 0.08
 
 
@@ -312,13 +313,13 @@ def test_the_probe_uses_the_triton_kernels_only_where_they_agree_with_the_float_
         torch.rand(20, 2),
     )
     for mode, fmt in (("fp8", "fp8"), ("fp8_rowwise", "nvfp4")):
-        tc._check_triton(mode, fmt, CPU, x, index, weights)
+        probing.check_triton_fp8(mode, fmt, CPU, x, index, weights)
     one_off = lambda v, s: (sl.fp8_quantize(v, s).view(torch.uint8) ^ (torch.arange(v.numel()) == 3)).view(
         torch.float8_e4m3fn
     )
     monkeypatch.setattr(tf, "quantize", one_off)
     with pytest.raises(DgpipeError, match="Triton FP8 quantization differs"):
-        tc._check_triton("fp8", "fp8", CPU, x, index, weights)
+        probing.check_triton_fp8("fp8", "fp8", CPU, x, index, weights)
     monkeypatch.setattr(tf, "quantize", sl.fp8_quantize)
     real = tf.moe_gemm
 
@@ -333,7 +334,7 @@ def test_the_probe_uses_the_triton_kernels_only_where_they_agree_with_the_float_
     for tile in tf.BLOCK_MS:  # a tile the probe's own pass would not pick is still checked
         monkeypatch.setattr(tf, "moe_gemm", wrong_at(tile))
         with pytest.raises(DgpipeError, match=rf"Triton MoE GEMM \({tile}-row tiles\) differs"):
-            tc._check_triton("fp8", "fp8", CPU, x, index, weights)
+            probing.check_triton_fp8("fp8", "fp8", CPU, x, index, weights)
     monkeypatch.setattr(tf, "moe_gemm", wrong_at(None))
     with pytest.raises(DgpipeError, match="experts on the Triton MoE GEMM differ from their float reference"):
-        tc._check_triton("fp8", "fp8", CPU, x, index, weights)
+        probing.check_triton_fp8("fp8", "fp8", CPU, x, index, weights)

@@ -1,0 +1,195 @@
+"""Loading onto a GPU: a quantized checkpoint's FP8 / NVFP4 weights go straight onto tensor cores as the
+loader reads them (`TensorCoreLoad`, a `pipeline.model.checkpoint.PackedSink`), float experts that would read
+their routing on the host route on the device (`route_float_experts`, `pipeline.runtime.routed`), and the
+load reports what went where and every fallback with its reason (`Installed`; `dgpipe serve` logs it)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pipeline.errors import DgpipeError
+from pipeline.model.checkpoint import Checkpoint, load_model
+from pipeline.model.files import runtime_name, weight_files
+from pipeline.model.modelopt import PackedLinear, quant_algo
+from pipeline.model.network import DiffusionGemma
+from pipeline.runtime.dispatch import NO_GROUPED_KERNEL, TRITON_BF16, TRITON_MOE, arch_of, dispatch
+from pipeline.runtime.probe import Probe, probe
+from pipeline.runtime.routed import host_bound_experts, route_on_device
+from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode
+from pipeline.targets import precision_for_quant_algo
+
+EXPERT = re.compile(r"^(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+
+
+@dataclass
+class Installed:
+    """What a load put on tensor cores, which float experts route on the device, and what stayed on a
+    host-syncing or dequantized float path and why."""
+
+    format: str
+    arch: str | None
+    linears: int = 0  # linears on scaled_mm
+    experts: int = 0  # layers whose experts are on scaled_grouped_mm (or the Triton FP8 GEMM)
+    routed: int = 0  # layers whose float experts route on the device (`pipeline.runtime.routed`)
+    routed_kernel: str = ""
+    fallbacks: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        head = f"{self.format} on {self.arch or 'this GPU'}: {self.linears} linears and {self.experts} layers' experts on tensor cores"
+        routed = [f"{self.routed} layers' float experts on {self.routed_kernel}"] if self.routed else []
+        return "; ".join([head, *routed, *self.fallbacks])
+
+
+class TensorCoreLoad:
+    """The `pipeline.model.checkpoint.PackedSink` that puts a quantized checkpoint on tensor cores while the
+    loader reads it: each packed weight goes to the GPU as stored and becomes a `ScaledLinear`, and a
+    layer's experts become one `ScaledExperts` as soon as all of them are in. The float copy the CPU path
+    dequantizes is never made, so loading needs the checkpoint's size in GPU memory, not its float size
+    (a 26B FP8 checkpoint: ~27 GB instead of ~52 GB of bf16), and the host holds one tensor at a time.
+
+    Which linears and experts it takes is decided from the tensor names before any weight is read: the
+    kernels of this GPU's dispatch row that passed `probe`, for linears with an input scale, and for
+    layers whose experts all have one (a layer's experts share their projections' input quantizers)."""
+
+    def __init__(
+        self, path: str | Path, device: torch.device, dtype: torch.dtype, probed: Probe | None = None
+    ):
+        p = Path(path)
+        self.device, self.dtype = device, dtype
+        self.probed = pr = probed or probe(device)
+        self.report = Installed(precision_for_quant_algo(quant_algo(p)).name, pr.arch)
+        self.lin_mode, self.exp_mode, self.triton_rows, row = self._modes(pr)
+        names = weight_files(p)
+        scaled = {
+            runtime_name(n.removesuffix("input_scale") + "weight")
+            for n in names
+            if n.endswith(".input_scale")
+        }
+        scaled = {t.removesuffix(".weight") for t in scaled if t}
+        experts: dict[str, set[str]] = {}
+        for n in names:
+            m = EXPERT.match((runtime_name(n) or "").removesuffix(".weight"))
+            if m:
+                experts.setdefault(m.group(1), set()).add(m.group(0))
+        self.linears = {m for m in scaled if not EXPERT.match(m)} if self.lin_mode else set()
+        self.expert_layers = {k: len(v) for k, v in experts.items() if self.exp_mode and v <= scaled}
+        self.modules: dict[str, nn.Module] = {}
+        self.pending: dict[str, dict[int, dict[str, PackedLinear]]] = {}
+        if row is not None and row.fallback:
+            self.report.fallbacks.append(f"{row.fallback}: {row.note}")
+
+    def _modes(self, pr: Probe):
+        """(linear mode, experts mode, Triton, dispatch row) for this format on this GPU, after the probe;
+        each kernel that is missing or failed its probe is reported and left to the float path."""
+        fmt, res = self.report.format, self.report
+        if pr.arch is None or fmt not in ("fp8", "nvfp4"):
+            res.fallbacks.append(
+                f"{fmt} on {pr.arch or 'this GPU'}: no tensor-core row; dequantized float path"
+            )
+            return None, None, False, None
+        row = dispatch(fmt, pr.arch)
+        lin, exp = kernel_mode(row.linears), kernel_mode(row.experts)
+        if lin and not pr.ok(f"linear:{lin}"):
+            res.fallbacks.append(
+                f"linears: {row.linears} failed its probe ({pr.results.get(f'linear:{lin}')})"
+            )
+            lin = None
+        kernel = "experts" if row.torch_experts else "triton"  # the kernel every pass can take
+        if exp and not pr.ok(f"{kernel}:{exp}"):
+            res.fallbacks.append(
+                f"experts: {row.experts} failed its probe ({pr.results.get(f'{kernel}:{exp}')}): "
+                "dequantized float path"
+            )
+            exp = None
+        triton_rows = row.triton_rows if exp else 0.0
+        if triton_rows and not pr.ok(f"triton:{exp}"):
+            res.fallbacks.append(
+                f"dgpipe's Triton kernels ({TRITON_MOE}, FP8 quantization) failed their probe "
+                f"({pr.results.get(f'triton:{exp}')}): torch's grouped GEMM and quantization run every pass"
+            )
+            triton_rows = 0.0
+        return lin, exp, triton_rows, row
+
+    def wants(self, module: str) -> bool:
+        m = EXPERT.match(module)
+        return m.group(1) in self.expert_layers if m else module in self.linears
+
+    def take(self, module: str, q: PackedLinear) -> None:
+        q = q.to(self.device)
+        m = EXPERT.match(module)
+        if m is None:
+            triton = self.triton_rows > 0  # the one-pass FP8 quantization
+            self.modules[module] = ScaledLinear(q, self.lin_mode, self.device, self.dtype, triton)
+            self.report.linears += 1
+            return
+        prefix = m.group(1)
+        layer = self.pending.setdefault(prefix, {})
+        layer.setdefault(int(m.group(2)), {})[m.group(3)] = q
+        if sum(map(len, layer.values())) == self.expert_layers[prefix]:  # the layer's last projection
+            per = [layer[e] for e in sorted(self.pending.pop(prefix))]
+            proj = lambda name: [e[name] for e in per]
+            projections = proj("gate_proj"), proj("up_proj"), proj("down_proj")
+            self.modules[prefix] = ScaledExperts(*projections, self.exp_mode, self.device, self.triton_rows)
+            self.report.experts += 1
+
+    def install(self, model: DiffusionGemma) -> None:
+        if self.pending:
+            raise DgpipeError(f"experts of {', '.join(self.pending)} incomplete in the checkpoint")
+        for name, module in self.modules.items():
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, module)
+        self.modules.clear()
+
+
+def load_on_gpu(
+    path: str | Path, dtype: torch.dtype, device: torch.device, probed: Probe | None = None
+) -> tuple[DiffusionGemma, Checkpoint, Installed | None]:
+    """`load_model` for a GPU: a quantized checkpoint's FP8 / NVFP4 weights go straight onto tensor cores
+    (`TensorCoreLoad`), and float experts that would read their routing on the host (`route_float_experts`)
+    route on the device; what did not is reported (None: nothing to report, a bf16 checkpoint on a GPU whose
+    grouped GEMM serves it). `probed`: the kernels known to run here (tests pass one to run this off a GPU)."""
+    report = None
+    if quant_algo(Path(path)) is None:
+        model, ckpt = load_model(path, dtype, device)
+    else:
+        sink = TensorCoreLoad(path, device, dtype, probed)
+        model, ckpt = load_model(path, dtype, device, packed=sink)
+        report, probed = sink.report, sink.probed
+    report = route_float_experts(model, device, probed, report)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return model, ckpt, report
+
+
+def route_float_experts(
+    model: DiffusionGemma, device: torch.device, probed: Probe | None, report: Installed | None
+) -> Installed | None:
+    """Float experts that would read the routing on the host (`routed.host_bound_experts`) computed on the
+    device instead (`routed.RoutedExperts`): on torch's `F.grouped_mm`, or where it has no kernel on dgpipe's
+    Triton GEMM if it passed its probe (run here for that form alone when the load has not probed)."""
+    arch = probed.arch if probed is not None else _cuda_arch(device)
+    no_kernel = arch in NO_GROUPED_KERNEL
+    layers = host_bound_experts(model, no_kernel)
+    if not layers:
+        return report
+    report = report or Installed("bf16", arch)
+    if no_kernel:
+        probed = probed or probe(device, formats=("bf16",))
+        if not probed.ok("triton:bf16"):
+            report.fallbacks.append(
+                f"float experts: {TRITON_BF16} failed its probe ({probed.results.get('triton:bf16')}): "
+                "torch's per-expert loop, host sync, no CUDA graphs"
+            )
+            return report
+    route_on_device(model, layers, triton=no_kernel)
+    report.routed, report.routed_kernel = len(layers), TRITON_BF16 if no_kernel else "F.grouped_mm bf16"
+    return report
+
+
+def _cuda_arch(device: torch.device) -> str | None:
+    return arch_of(*torch.cuda.get_device_capability(device)) if device.type == "cuda" else None

@@ -1,0 +1,206 @@
+"""Which of the dispatch table's kernels this GPU and torch build run: each GEMM form the table names for
+the GPU's architecture runs once on tiny operands at load (`probe`), and dgpipe's own Triton kernels must
+also agree with a float reference that needs no vendor kernel (`check_triton_fp8`, `check_triton_bf16`).
+What fails takes the row's fallback (`pipeline.runtime.gpu_load`), so a kernel that a host's driver,
+torch or Triton build cannot run costs speed, never a wrong answer or a crash while serving."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.errors import DgpipeError, error_line
+from pipeline.model import scaled_layout as sl
+from pipeline.model.fake_quant import E4M3_MAX
+from pipeline.model.modelopt import PackedLinear
+from pipeline.model.network import combine_top_k, gelu_tanh
+from pipeline.runtime import triton_moe
+from pipeline.runtime.dispatch import EVERY_PASS, arch_of, dispatch
+from pipeline.runtime.routed import routed_experts
+from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, quantize_rows
+
+
+@dataclass
+class Probe:
+    """What this GPU and torch build run: kernel name -> None (ran) or the error it raised."""
+
+    arch: str | None
+    results: dict[str, str | None] = field(default_factory=dict)
+
+    def ok(self, kernel: str) -> bool:
+        return kernel in self.results and self.results[kernel] is None
+
+
+def _tiny_packed(fmt: str, n: int = 128, k: int = 128, seed: int = 0) -> PackedLinear:
+    """A random quantized linear in ModelOpt's stored layout, for probing."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    if fmt == "fp8":
+        s = w.abs().amax() / E4M3_MAX
+        return PackedLinear("FP8", sl.fp8_quantize(w, s), s, None, torch.tensor(0.01))
+    gs = w.abs().amax() / (6 * E4M3_MAX)
+    packed, bs = sl.nvfp4_quantize(w, gs)
+    return PackedLinear("NVFP4", packed, bs, gs, torch.tensor(0.01))
+
+
+PROBED_FORMATS = ("fp8", "nvfp4", "bf16", "int4_awq")
+
+
+def probe_plan(arch: str | None, formats: tuple[str, ...] = PROBED_FORMATS) -> list[tuple[str, str, str]]:
+    """The (kind, mode, weight format) forms `probe` runs on `arch` for checkpoints in `formats`: only those
+    the dispatch table names for it. A kernel built for another architecture can do worse than raise: on an
+    H200 the NVFP4 grouped GEMM failed to set up its TMA descriptors and left a sticky "unspecified launch
+    failure" that broke every later CUDA call in the process."""
+    if arch is None:
+        return []
+    plan: list[tuple[str, str, str]] = []
+    for fmt in formats:
+        row = dispatch(fmt, arch)
+        uses = (("linear", row.linears, True), ("experts", row.experts, row.torch_experts),
+                ("triton", row.experts, row.triton))  # fmt: skip
+        for kind, kernel, used in uses:
+            mode = kernel_mode(kernel) if used else None
+            form = (kind, mode, {"fp8": "fp8", "bf16": "bf16"}.get(mode or "", "nvfp4"))
+            if mode and form not in plan:
+                plan.append(form)
+    return plan
+
+
+# normal, subnormal, tie, saturating and non-finite activations (before the probe's scale of 0.5)
+QUANT_PROBE_VALUES = (
+    0.0,
+    1e-9,
+    2.0**-10,
+    2.0**-9 * 1.5,
+    0.3,
+    0.3125,
+    1.0625,
+    224.0,
+    232.5,
+    1e6,
+    float("inf"),
+    float("nan"),
+)
+
+
+def fp8_codes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two E4M3 tensors hold the same codes, NaN's sign aside (torch keeps the input's, the hardware
+    conversion writes the canonical 0x7F; a NaN activation is NaN downstream either way)."""
+    a, b = a.view(torch.uint8), b.view(torch.uint8)
+    nan_a, nan_b = (a & 0x7F) == 0x7F, (b & 0x7F) == 0x7F
+    return bool(torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b]))
+
+
+def float_gemm(a, a_scale, rows, w, w_scale, offs) -> torch.Tensor:
+    """`triton_moe.moe_gemm` in fp32 expert by expert (it reads the end offsets on the host): slot i is
+    a[rows[i]] * a_scale[rows[i]] times its expert's w * w_scale, transposed (no scales: bf16 operands)."""
+    x, out, start = a.float() if a_scale is None else a.float() * a_scale.float()[:, None], [], 0
+    for e, end in enumerate(offs.tolist()):
+        w_e = w[e].float() if w_scale is None else w[e].float() * w_scale[e][:, None]
+        out.append(x[rows[start:end]] @ w_e.t())
+        start = end
+    return torch.cat(out)
+
+
+def float_experts(
+    m: ScaledExperts, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """What an FP8 `ScaledExperts` computes, in fp32 on any device: the same quantized operands (activations
+    quantized as the module does, weights as stored) multiplied expert by expert as floats. The reference
+    dgpipe's Triton GEMM is probed against; it reads the routing on the host, so it is no runtime path."""
+    order, token_of, offs = sl.expert_order(index, m.num_experts)
+    gate_up = float_gemm(*quantize_rows(x, m.in_scale, m.mode), token_of, m.w13, m.s13, offs)
+    gate, up = gate_up.chunk(2, dim=-1)
+    slots = torch.arange(token_of.shape[0], device=x.device)
+    y = float_gemm(*quantize_rows(gelu_tanh(gate) * up, m.down_in_scale, m.mode), slots, m.w2, m.s2, offs)
+    return combine_top_k(y, order, weights.float())
+
+
+TRITON_FALLBACK = "dgpipe uses the dispatch row's other path; report the GPU, torch and Triton versions"
+
+
+def check_triton_fp8(mode: str, fmt: str, dev: torch.device, x, index, weights) -> None:
+    """dgpipe's Triton kernels on this GPU against references that need no grouped GEMM kernel (so the check
+    runs where torch has none), or a DgpipeError: the GEMM at every M tile it picks against the float
+    product of its FP8 operands; a whole experts pass on it (10 rows per expert here) against
+    `float_experts`; and the one-pass FP8 quantization bit for bit against torch's three passes on normal,
+    subnormal, tie, out-of-range and non-finite values. Only kernels that agree are used: Triton and its
+    compiler vary by host."""
+    ps = [_tiny_packed(fmt, seed=e) for e in range(4)]  # distinct experts: a routing error shows
+    m = ScaledExperts(ps, ps, ps, mode, dev, triton_rows=EVERY_PASS)
+    rel = lambda got, want: float((got.float() - want).norm() / want.norm().clamp(min=1e-30))
+    q, qs = quantize_rows(x, m.in_scale, mode)
+    _, token_of, offs = sl.expert_order(index, m.num_experts)
+    want = float_gemm(q, qs, token_of, m.w13, m.s13, offs)
+    for block_m in triton_moe.BLOCK_MS:  # one bf16 rounding of the output; a wrong tile is O(1)
+        err = rel(triton_moe.moe_gemm(q, qs, token_of, m.w13, m.s13, offs, block_m), want)
+        if not err < 1e-2:
+            raise DgpipeError(f"the Triton MoE GEMM ({block_m}-row tiles) differs from the float product of "
+                              f"its operands by {err:.3g} (relative L2)", TRITON_FALLBACK)  # fmt: skip
+    err = rel(m(x, index, weights), float_experts(m, x, index, weights))
+    if not err < 0.1:  # bf16 intermediates flip some FP8 roundings (~0.02, tests/gpu); a wrong kernel is O(1)
+        raise DgpipeError(f"experts on the Triton MoE GEMM differ from their float reference by {err:.3g} "
+                          "(relative L2)", TRITON_FALLBACK)  # fmt: skip
+    v = torch.tensor(QUANT_PROBE_VALUES)
+    v = torch.cat([v, -v, torch.randn(4096) * 64]).to(dev, torch.bfloat16)
+    scale = torch.tensor(0.5, device=dev)
+    if not fp8_codes_equal(triton_moe.quantize(v, scale), sl.fp8_quantize(v, scale)):
+        raise DgpipeError("the Triton FP8 quantization differs from torch's", TRITON_FALLBACK)
+
+
+def check_triton_bf16(dev: torch.device, x, index, weights) -> None:
+    """dgpipe's Triton GEMM with bf16 operands on this GPU, or a DgpipeError: at every M tile against the
+    float product of its operands, and a whole experts pass on it (`pipeline.runtime.routed`) against the
+    same experts in fp32 expert by expert. Run where torch's grouped GEMM has no kernel, so the check needs
+    none."""
+    gen = torch.Generator().manual_seed(1)
+    gate_up, down = (torch.randn(4, n, 128, generator=gen).to(dev, torch.bfloat16) / 8 for n in (256, 128))
+    x, slots = x.to(torch.bfloat16), torch.arange(index.numel(), device=dev)
+    order, token_of, offs = sl.expert_order(index, 4)
+    rel = lambda got, want: float((got.float() - want).norm() / want.norm().clamp(min=1e-30))
+    want = float_gemm(x, None, token_of, gate_up, None, offs)
+    for block_m in triton_moe.BLOCK_MS:  # one bf16 rounding of the output; a wrong tile is O(1)
+        err = rel(triton_moe.moe_gemm(x, None, token_of, gate_up, None, offs, block_m), want)
+        if not err < 1e-2:
+            raise DgpipeError(f"the Triton bf16 MoE GEMM ({block_m}-row tiles) differs from the float product "
+                              f"of its operands by {err:.3g} (relative L2)", TRITON_FALLBACK)  # fmt: skip
+    gate, up = want.chunk(2, dim=-1)
+    want = combine_top_k(
+        float_gemm(gelu_tanh(gate) * up, None, slots, down, None, offs), order, weights.float()
+    )
+    err = rel(routed_experts(x, index, weights, gate_up, down, triton=True), want)
+    if not err < 2e-2:  # bf16 intermediates; a wrong kernel is O(1)
+        raise DgpipeError(f"bf16 experts on the Triton MoE GEMM differ from their float reference by {err:.3g} "
+                          "(relative L2)", TRITON_FALLBACK)  # fmt: skip
+
+
+def probe(device: torch.device | str = "cuda", formats: tuple[str, ...] = PROBED_FORMATS) -> Probe:
+    """Run each GEMM form this GPU's dispatch rows use for checkpoints in `formats` once, on tiny operands
+    (CUDA only)."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        raise DgpipeError(
+            "tensor-core probe needs a CUDA device", "run on a GPU host (dgpipe doctor shows it)"
+        )
+    p = Probe(arch_of(*torch.cuda.get_device_capability(dev)))
+    x = torch.randn(40, 128, device=dev, dtype=torch.bfloat16)
+    index = torch.randint(0, 4, (20, 2), device=dev)
+    wts = torch.rand(20, 2, device=dev)
+    for kind, mode, fmt in probe_plan(p.arch, formats):
+        name = f"{kind}:{mode}"
+        try:
+            if kind == "linear":
+                ScaledLinear(_tiny_packed(fmt), mode, dev, torch.bfloat16)(x)
+            elif kind == "experts":
+                ps = [_tiny_packed(fmt) for _ in range(4)]
+                ScaledExperts(ps, ps, ps, mode, dev)(x[:20], index, wts)
+            elif mode == "bf16":
+                check_triton_bf16(dev, x[:20], index, wts)
+            else:
+                check_triton_fp8(mode, fmt, dev, x[:20], index, wts)
+            torch.cuda.synchronize(dev)
+            p.results[name] = None
+        except Exception as e:  # any failure (a Triton compile error included) sends the form to its fallback
+            p.results[name] = error_line(e)
+    return p
