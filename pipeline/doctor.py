@@ -210,7 +210,26 @@ def check_tensor_cores() -> list[Check]:
                 f"{fmt} dispatch", row.native, detail, f"fallback {row.fallback}: {row.note}", "GPU runtime"
             )
         )
-    return checks
+    return checks + check_kernel_probe(torch.device("cuda", 0))
+
+
+def check_kernel_probe(device) -> list[Check]:
+    """The load-time probe run here (`pipeline.runtime.probe`): whether each kernel the rows name runs on
+    this GPU, driver, torch and Triton, or the error that sends its format to the row's fallback at load."""
+    from pipeline.errors import error_line
+    from pipeline.runtime.probe import probe
+
+    hint = "loads take the row's fallback for it; report the GPU, driver, torch and Triton versions"
+    try:
+        probed = probe(device)
+    except Exception as e:  # the probe itself could not run: say so, the other checks still print
+        return [Check("kernel probe", False, error_line(e), hint, "GPU runtime")]
+    return [
+        Check(
+            f"kernel {name}", err is None, "ran on tiny operands" if err is None else err, hint, "GPU runtime"
+        )
+        for name, err in probed.results.items()
+    ]
 
 
 def run_checks() -> list[Check]:

@@ -2,7 +2,7 @@
 
 One table (`DISPATCH`): for a (format, arch) pair, the kernel for the quantized linears and for the routed
 experts, the bytes per parameter that path reads, and, where no vendor kernel serves the pair, the named
-fallback and what it costs. `pipeline.runtime.tensor_cores` follows it on CUDA; `dgpipe doctor` prints the
+fallback and what it costs. `pipeline.runtime.gpu_load` follows it on CUDA; `dgpipe doctor` prints the
 rows for the local GPU; `dgpipe bench gpu` measures them; docs/engine.md writes them out.
 
 Vendor kernels (torch, CUDA only; docs.pytorch.org/docs/stable/generated/torch.nn.functional.scaled_mm.html

@@ -97,6 +97,31 @@ def test_doctor_says_no_cuda_on_cpu():
     assert (row.name, row.ok, row.detail) == ("tensor cores", False, "no CUDA")
 
 
+def test_doctor_on_a_gpu_host_lists_the_rows_and_what_the_probe_ran(monkeypatch):
+    """On an H200 (patched in): one line per format's row, then one per probed kernel, a failure with its
+    error; a probe that cannot run at all is one failed line, not a traceback."""
+    from pipeline import doctor
+    from pipeline.runtime import probe as probing
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    ran = probing.Probe("sm90", {"linear:fp8": None, "triton:fp8": "out of resources: shared memory"})
+    monkeypatch.setattr(probing, "probe", lambda device: ran)
+    checks = {c.name: c for c in doctor.check_tensor_cores()}
+    assert [n for n in checks if n.endswith("dispatch")] == [f"{f} dispatch" for f in dp.FORMATS]
+    assert checks["fp8 dispatch"].ok and not checks["nvfp4 dispatch"].ok  # Hopper: NVFP4 on its fallback
+    assert checks["kernel linear:fp8"].ok and checks["kernel linear:fp8"].detail == "ran on tiny operands"
+    triton = checks["kernel triton:fp8"]
+    assert not triton.ok and triton.detail == "out of resources: shared memory" and "fallback" in triton.hint
+
+    def broken(device):
+        raise RuntimeError("CUDA error: no kernel image is available")
+
+    monkeypatch.setattr(probing, "probe", broken)
+    (line,) = [c for c in doctor.check_tensor_cores() if "probe" in c.name]
+    assert (line.name, line.ok) == ("kernel probe", False) and "no kernel image" in line.detail
+
+
 def test_docs_show_the_tables_the_code_computes(cfg26):
     from pathlib import Path
 
