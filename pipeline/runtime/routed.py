@@ -90,7 +90,10 @@ def host_bound_experts(model: DiffusionGemma, no_grouped_kernel: bool) -> list[i
         like = torch.empty(0, dtype=torch.bfloat16, device=experts.gate_up_proj.device)
         if not no_grouped_kernel and not experts.use_grouped(like):
             continue  # sizes torch's grouped GEMM cannot take (not 16-byte aligned): left as loaded
-        if "forward" in vars(experts) or no_grouped_kernel:
+        loop = vars(experts).get("forward")  # the loader's fake-quantized loop, replaced on the instance
+        if loop is not None and getattr(loop, "input_quantizers", None) is None:
+            continue  # a forward this module does not know how to reproduce: left as loaded
+        if loop is not None or no_grouped_kernel:
             layers.append(i)
     return layers
 

@@ -92,6 +92,8 @@ def test_which_layers_route_on_the_device():
     assert m.gate_up_proj is not None and "layers.1.experts.gate_up_proj" in model.state_dict()
     assert routed.host_bound_experts(model, no_grouped_kernel=True) == [i for i in layers if i != 1]
     assert routed.host_bound_experts(load_model(EMBEDDED_MODEL)[0], True) == []  # fp32: the dense form
+    model.layers[2].experts.forward = lambda x, index, weights: x  # unknown to `routed`: never replaced
+    assert 2 not in routed.host_bound_experts(model, no_grouped_kernel=True)
 
 
 @interpreted
