@@ -56,6 +56,8 @@ class DispatchRow:
     # passes with at most this many rows per expert take dgpipe's Triton kernels, where probed (0: none;
     # EVERY_PASS: all of them, where torch has no grouped GEMM kernel for the experts' format)
     triton_rows: float = 0.0
+    # where the experts' kernel fails its probe: a second quantized path tried before the dequantized float one
+    experts_fallback: str | None = None
 
     @property
     def native(self) -> bool:
@@ -154,8 +156,13 @@ def _rows() -> dict[tuple[str, str], DispatchRow]:
         "torch's FP8 grouped GEMM is sm90-only: experts dequantized to bf16 (2 B/param) for torch's bf16 "
         "grouped GEMM, inputs FP8-rounded as the checkpoint's; B200 runs NVFP4 natively",
     )  # fmt: skip
-    for arch in ("sm100", "sm120"):
-        rows["nvfp4", arch] = DispatchRow("nvfp4", arch, SCALED_MM_FP4, GROUPED_FP4, "nvfp4", "nvfp4")
+    rows["nvfp4", "sm100"] = DispatchRow("nvfp4", "sm100", SCALED_MM_FP4, GROUPED_FP4, "nvfp4", "nvfp4")
+    # torch's grouped NVFP4 GEMM comes from its MSLK/FBGEMM CUTLASS kernels (`f4f4bf16_grouped_mm`); where it
+    # does not run on an RTX Blackwell, the experts keep FP8 (1 B/param, the 26B's ~23 GB) instead of bf16
+    # (2 B/param, ~46 GB: more than an RTX 5090's 32 GB)
+    rows["nvfp4", "sm120"] = DispatchRow(
+        "nvfp4", "sm120", SCALED_MM_FP4, GROUPED_FP4, "nvfp4", "nvfp4", experts_fallback=TRITON_MOE_EVERY_PASS_REQ
+    )  # fmt: skip
     rows["nvfp4", "sm90"] = DispatchRow(
         "nvfp4", "sm90", SCALED_MM_FP8_ROW, GROUPED_FP8_REQ, "fp8_rowwise", "fp8_rowwise", "fp8 re-quantization",
         "Hopper has no FP4 tensor cores: dequantized NVFP4 weights re-quantized to E4M3 per output row "
@@ -297,7 +304,10 @@ def render_dispatch(arch: str | None = None) -> str:
     lines = ["| format | arch | linears | experts | fallback |", "|---|---|---|---|---|"]
     for (fmt, a), r in DISPATCH.items():
         if arch is None or a == arch:
+            experts = r.experts + (
+                f"; where it fails its probe: {r.experts_fallback}" if r.experts_fallback else ""
+            )
             lines.append(
-                f"| {fmt} | {a} | {r.linears} | {r.experts} | {r.fallback or '—'}{': ' + r.note if r.note else ''} |"
+                f"| {fmt} | {a} | {r.linears} | {experts} | {r.fallback or '—'}{': ' + r.note if r.note else ''} |"
             )
     return "\n".join(lines)

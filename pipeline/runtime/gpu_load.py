@@ -17,7 +17,15 @@ from pipeline.model.checkpoint import Checkpoint, load_model
 from pipeline.model.files import runtime_name, weight_files
 from pipeline.model.modelopt import PackedLinear, quant_algo
 from pipeline.model.network import DiffusionGemma
-from pipeline.runtime.dispatch import NO_GROUPED_KERNEL, TRITON_BF16, TRITON_MOE, arch_of, dispatch
+from pipeline.runtime.dispatch import (
+    EVERY_PASS,
+    NO_GROUPED_KERNEL,
+    TRITON_BF16,
+    TRITON_MOE,
+    DispatchRow,
+    arch_of,
+    dispatch,
+)
 from pipeline.runtime.probe import Probe, probe
 from pipeline.runtime.routed import host_bound_experts, route_on_device
 from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode
@@ -85,7 +93,8 @@ class TensorCoreLoad:
 
     def _modes(self, pr: Probe):
         """(linear mode, experts mode, Triton, dispatch row) for this format on this GPU, after the probe;
-        each kernel that is missing or failed its probe is reported and left to the float path."""
+        each kernel that is missing or failed its probe is reported and left to the row's second path or
+        the float path."""
         fmt, res = self.report.format, self.report
         if pr.arch is None or fmt not in ("fp8", "nvfp4"):
             res.fallbacks.append(
@@ -99,21 +108,31 @@ class TensorCoreLoad:
                 f"linears: {row.linears} failed its probe ({pr.results.get(f'linear:{lin}')})"
             )
             lin = None
+        exp, triton_rows = self._experts_mode(row, pr)
+        return lin, exp, triton_rows, row
+
+    def _experts_mode(self, row: DispatchRow, pr: Probe) -> tuple[str | None, float]:
+        """The experts' mode and Triton threshold on this GPU: the row's kernel if it passed its probe, else
+        the row's second quantized path if that passed (`experts_fallback`), else None: dequantized."""
+        exp = kernel_mode(row.experts)
+        if exp is None:
+            return None, 0.0
         kernel = "experts" if row.torch_experts else "triton"  # the kernel every pass can take
-        if exp and not pr.ok(f"{kernel}:{exp}"):
-            res.fallbacks.append(
-                f"experts: {row.experts} failed its probe ({pr.results.get(f'{kernel}:{exp}')}): "
-                "dequantized float path"
-            )
-            exp = None
-        triton_rows = row.triton_rows if exp else 0.0
-        if triton_rows and not pr.ok(f"triton:{exp}"):
-            res.fallbacks.append(
+        if not pr.ok(f"{kernel}:{exp}"):
+            failed = f"experts: {row.experts} failed its probe ({pr.results.get(f'{kernel}:{exp}')})"
+            second = kernel_mode(row.experts_fallback) if row.experts_fallback else None
+            if second and pr.ok(f"triton:{second}"):
+                self.report.fallbacks.append(f"{failed}: {row.experts_fallback}")
+                return second, EVERY_PASS
+            self.report.fallbacks.append(f"{failed}: dequantized float path")
+            return None, 0.0
+        if row.triton and not pr.ok(f"triton:{exp}"):
+            self.report.fallbacks.append(
                 f"dgpipe's Triton kernels ({TRITON_MOE}, FP8 quantization) failed their probe "
                 f"({pr.results.get(f'triton:{exp}')}): torch's grouped GEMM and quantization run every pass"
             )
-            triton_rows = 0.0
-        return lin, exp, triton_rows, row
+            return exp, 0.0
+        return exp, row.triton_rows
 
     def wants(self, module: str) -> bool:
         m = EXPERT.match(module)
@@ -182,7 +201,7 @@ def route_float_experts(
         probed = probed or probe(device, formats=("bf16",))
         if not probed.ok("triton:bf16"):
             report.fallbacks.append(
-                f"float experts: {TRITON_BF16} failed its probe ({probed.results.get('triton:bf16')}): "
+                f"float experts: {TRITON_BF16} failed its probe ({probed.results.get('triton:bf16', 'not run')}): "
                 "torch's per-expert loop, host sync, no CUDA graphs"
             )
             return report

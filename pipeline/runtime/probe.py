@@ -58,7 +58,7 @@ def probe_plan(arch: str | None, formats: tuple[str, ...] = PROBED_FORMATS) -> l
     for fmt in formats:
         row = dispatch(fmt, arch)
         uses = (("linear", row.linears, True), ("experts", row.experts, row.torch_experts),
-                ("triton", row.experts, row.triton))  # fmt: skip
+                ("triton", row.experts, row.triton), ("triton", row.experts_fallback or "", bool(row.experts_fallback)))  # fmt: skip
         for kind, kernel, used in uses:
             mode = kernel_mode(kernel) if used else None
             form = (kind, mode, {"fp8": "fp8", "bf16": "bf16"}.get(mode or "", "nvfp4"))

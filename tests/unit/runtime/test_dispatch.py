@@ -41,6 +41,10 @@ def test_every_format_and_arch_has_one_row_and_fallbacks_say_why():
     assert dp.dispatch("fp8", "sm90").experts.startswith("F.scaled_grouped_mm FP8 RowWise")
     assert dp.dispatch("nvfp4", "sm100").experts.startswith("F.scaled_grouped_mm NVFP4")
     assert dp.dispatch("nvfp4", "sm90").fallback == "fp8 re-quantization"
+    # a second quantized path only where torch's experts kernel may be missing and Triton's FP8 GEMM serves
+    seconds = {k: r.experts_fallback for k, r in dp.DISPATCH.items() if r.experts_fallback}
+    assert seconds == {("nvfp4", "sm120"): dp.TRITON_MOE_EVERY_PASS_REQ}
+    assert f"where it fails its probe: {dp.TRITON_MOE_EVERY_PASS_REQ}" in dp.render_dispatch("sm120")
     assert dp.arch_of(9, 0) == "sm90" and dp.arch_of(10, 3) == "sm100" and dp.arch_of(8, 0) is None
 
 

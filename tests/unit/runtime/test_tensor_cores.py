@@ -200,7 +200,7 @@ def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
     ]  # fmt: skip
     assert probing.probe_plan("sm120") == [
         ("linear", "fp8", "fp8"), ("triton", "fp8", "fp8"), ("linear", "nvfp4", "nvfp4"), ("experts", "nvfp4", "nvfp4"),
-        ("triton", "bf16", "bf16"),
+        ("triton", "fp8_rowwise", "nvfp4"), ("triton", "bf16", "bf16"),  # NVFP4 experts' second path: FP8 on Triton
     ]  # fmt: skip
     assert probing.probe_plan("sm120", formats=("bf16",)) == [
         ("triton", "bf16", "bf16")
@@ -329,6 +329,35 @@ def test_ada_and_rtx_blackwell_load_experts_onto_the_triton_gemm_for_every_pass(
     # the fallback's own cost: 0.36-0.46 either way. Rows routed to the wrong experts: 0.65 and 0.74.
     rel = float((got - want).norm() / want.norm())
     assert rel < (0.12 if fmt == "fp8" else 0.55), rel
+
+
+def test_nvfp4_experts_on_rtx_blackwell_without_torchs_grouped_fp4_keep_fp8_on_the_triton_gemm(
+    ckpts, monkeypatch
+):
+    """sm120 whose probe finds no grouped NVFP4 GEMM in torch (it comes from MSLK/FBGEMM kernels): the
+    experts take the row's second quantized path, re-quantized to FP8 per row on the Triton GEMM for every
+    pass (1 B/param, not bf16's 2), nothing dequantized to a float model, the linears still NVFP4; without
+    a working Triton GEMM either, they load dequantized."""
+    monkeypatch.setattr(F, "scaled_grouped_mm", lambda *a, **k: pytest.fail("torch's grouped GEMM ran"))
+    dequantized = _spy_dequantized(monkeypatch)
+    failed = "NotImplementedError: nvfp4 grouped gemm is not supported"
+    probed = probing.Probe(
+        "sm120", {"linear:nvfp4": None, "experts:nvfp4": failed, "triton:fp8_rowwise": None}
+    )
+    model, _, report = gpu_load.load_on_gpu(ckpts["nvfp4"], torch.bfloat16, CPU, probed)
+    assert dequantized == [] and report.experts == len(model.layers)
+    assert all(
+        (layer.experts.mode, layer.experts.triton_rows) == ("fp8_rowwise", dp.EVERY_PASS)
+        for layer in model.layers
+    )
+    assert {m.mode for m in model.modules() if isinstance(m, tc.ScaledLinear)} == {"nvfp4"}
+    assert report.fallbacks == [
+        f"experts: {dp.GROUPED_FP4} failed its probe ({failed}): {dp.TRITON_MOE_EVERY_PASS_REQ}"
+    ]
+    probed.results["triton:fp8_rowwise"] = "compile error"
+    model, _, report = gpu_load.load_on_gpu(ckpts["nvfp4"], torch.bfloat16, CPU, probed)
+    assert len(dequantized) == 3 * model.cfg.num_experts * len(model.layers) and report.experts == 0
+    assert report.fallbacks[0].endswith(f"({failed}): dequantized float path")
 
 
 def test_ada_without_a_working_triton_gemm_loads_the_experts_dequantized(ckpts, monkeypatch):
