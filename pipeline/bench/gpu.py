@@ -314,27 +314,34 @@ def _best_ms(row: dict) -> float:
 
 
 # ---- the measurements, run in the check subprocesses ------------------------------------------------------
+def _kernels_here(dev: torch.device, arch: str):
+    """The load-time probe on a GPU; off one (this module's own tests), the vendor kernels' CPU stand-ins
+    count as run and dgpipe's Triton kernels as failed with the reason they cannot run here."""
+    from pipeline.runtime import triton_moe
+    from pipeline.runtime.probe import Probe, probe, probe_plan
+
+    if dev.type == "cuda":
+        return probe(dev)
+    why = triton_moe.unavailable(dev)
+    return Probe(
+        arch, {f"{kind}:{mode}": why if kind == "triton" else None for kind, mode, _ in probe_plan(arch)}
+    )
+
+
 def quantize_random(model, fmt: str) -> str:
     """Swap a random bf16 model's linears and experts for tensor-core modules with random `fmt` weights,
     following the dispatch row of this GPU; returns the kernels used."""
-    from pipeline.runtime import triton_moe
     from pipeline.runtime.dispatch import dispatch
-    from pipeline.runtime.probe import probe
+    from pipeline.runtime.gpu_load import experts_plan
     from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, random_packed
 
     dev = next(model.parameters()).device
     row = dispatch(fmt, arch_of(*torch.cuda.get_device_capability(dev)))
-    lin, exp = kernel_mode(row.linears), kernel_mode(row.experts)
-    kernels = f"{row.linears} / {row.experts}"
-    triton_rows = row.triton_rows if exp else 0.0
-    # as the runtime does: where dgpipe's Triton kernels cannot run or fail their probe, torch's take every
-    # pass, or, where torch has no grouped kernel, the experts stay bf16
-    why = triton_rows and (
-        triton_moe.unavailable(dev) or (dev.type == "cuda" and probe(dev).results.get(f"triton:{exp}"))
-    )
-    if why:
-        triton_rows, kernels = 0.0, kernels + f" (Triton kernels not used: {why})"
-        exp = exp if row.torch_experts else None
+    pr = _kernels_here(dev, row.arch)  # as the runtime loads: what failed its probe takes its fallback
+    lin = kernel_mode(row.linears)
+    lin = lin if lin and pr.ok(f"linear:{lin}") else None
+    exp, triton_rows, fell_back = experts_plan(row, pr)
+    kernels = f"{row.linears} / {row.experts}" + (f" ({fell_back})" if fell_back else "")
     gen = torch.Generator(device=dev).manual_seed(0)
     for layer in model.layers:
         if lin:

@@ -53,6 +53,32 @@ class Installed:
         return "; ".join([head, *routed, *self.fallbacks])
 
 
+def experts_plan(row: DispatchRow, pr: Probe) -> tuple[str | None, float, str | None]:
+    """How a quantized checkpoint's experts run on this GPU: (mode, Triton rows per expert, what fell back
+    and why). The row's kernel if it passed its probe, else the row's second quantized path if that passed
+    (`experts_fallback`), else None: dequantized to the float path."""
+    exp = kernel_mode(row.experts)
+    if exp is None:
+        return None, 0.0, None
+    kernel = "experts" if row.torch_experts else "triton"  # the kernel every pass can take
+    if not pr.ok(f"{kernel}:{exp}"):
+        failed = f"experts: {row.experts} failed its probe ({pr.results.get(f'{kernel}:{exp}', 'not run')})"
+        second = kernel_mode(row.experts_fallback) if row.experts_fallback else None
+        if second and pr.ok(f"triton:{second}"):
+            return second, EVERY_PASS, f"{failed}: {row.experts_fallback}"
+        return None, 0.0, f"{failed}: dequantized float path"
+    if row.triton and not pr.ok(f"triton:{exp}"):
+        return (
+            exp,
+            0.0,
+            (
+                f"dgpipe's Triton kernels ({TRITON_MOE}, FP8 quantization) failed their probe "
+                f"({pr.results.get(f'triton:{exp}', 'not run')}): torch's grouped GEMM and quantization run every pass"
+            ),
+        )
+    return exp, row.triton_rows, None
+
+
 class TensorCoreLoad:
     """The `pipeline.model.checkpoint.PackedSink` that puts a quantized checkpoint on tensor cores while the
     loader reads it: each packed weight goes to the GPU as stored and becomes a `ScaledLinear`, and a
@@ -108,31 +134,10 @@ class TensorCoreLoad:
                 f"linears: {row.linears} failed its probe ({pr.results.get(f'linear:{lin}')})"
             )
             lin = None
-        exp, triton_rows = self._experts_mode(row, pr)
+        exp, triton_rows, line = experts_plan(row, pr)
+        if line:
+            res.fallbacks.append(line)
         return lin, exp, triton_rows, row
-
-    def _experts_mode(self, row: DispatchRow, pr: Probe) -> tuple[str | None, float]:
-        """The experts' mode and Triton threshold on this GPU: the row's kernel if it passed its probe, else
-        the row's second quantized path if that passed (`experts_fallback`), else None: dequantized."""
-        exp = kernel_mode(row.experts)
-        if exp is None:
-            return None, 0.0
-        kernel = "experts" if row.torch_experts else "triton"  # the kernel every pass can take
-        if not pr.ok(f"{kernel}:{exp}"):
-            failed = f"experts: {row.experts} failed its probe ({pr.results.get(f'{kernel}:{exp}')})"
-            second = kernel_mode(row.experts_fallback) if row.experts_fallback else None
-            if second and pr.ok(f"triton:{second}"):
-                self.report.fallbacks.append(f"{failed}: {row.experts_fallback}")
-                return second, EVERY_PASS
-            self.report.fallbacks.append(f"{failed}: dequantized float path")
-            return None, 0.0
-        if row.triton and not pr.ok(f"triton:{exp}"):
-            self.report.fallbacks.append(
-                f"dgpipe's Triton kernels ({TRITON_MOE}, FP8 quantization) failed their probe "
-                f"({pr.results.get(f'triton:{exp}')}): torch's grouped GEMM and quantization run every pass"
-            )
-            return exp, 0.0
-        return exp, row.triton_rows
 
     def wants(self, module: str) -> bool:
         m = EXPERT.match(module)

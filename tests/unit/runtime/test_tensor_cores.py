@@ -331,6 +331,34 @@ def test_ada_and_rtx_blackwell_load_experts_onto_the_triton_gemm_for_every_pass(
     assert rel < (0.12 if fmt == "fp8" else 0.55), rel
 
 
+def test_the_experts_plan_follows_the_row_and_the_probe():
+    """Every outcome of `experts_plan`: the row's kernel with its Triton threshold; torch's kernel alone when
+    dgpipe's Triton kernels failed (Hopper); the second quantized path (RTX Blackwell NVFP4); the
+    dequantized float path; and no tensor-core kernel at all (B200 FP8)."""
+    plan = lambda fmt, arch, results: gpu_load.experts_plan(
+        dp.dispatch(fmt, arch), probing.Probe(arch, results)
+    )
+    assert plan("fp8", "sm90", {"experts:fp8": None, "triton:fp8": None}) == (
+        "fp8",
+        dp.TRITON_MAX_ROWS_PER_EXPERT,
+        None,
+    )
+    mode, rows, line = plan("fp8", "sm90", {"experts:fp8": None, "triton:fp8": "PTX error"})
+    assert (mode, rows) == (
+        "fp8",
+        0.0,
+    ) and "(PTX error): torch's grouped GEMM and quantization run every pass" in line
+    assert plan("fp8", "sm89", {"triton:fp8": None}) == ("fp8", dp.EVERY_PASS, None)
+    mode, rows, line = plan("fp8", "sm89", {})
+    assert (mode, rows) == (None, 0.0) and line.endswith("failed its probe (not run): dequantized float path")
+    mode, rows, line = plan("nvfp4", "sm120", {"experts:nvfp4": "no kernel", "triton:fp8_rowwise": None})
+    assert (mode, rows) == ("fp8_rowwise", dp.EVERY_PASS) and line.endswith(
+        f"(no kernel): {dp.TRITON_MOE_EVERY_PASS_REQ}"
+    )
+    assert plan("nvfp4", "sm100", {"experts:nvfp4": None}) == ("nvfp4", 0.0, None)
+    assert plan("fp8", "sm100", {"experts:fp8": None}) == (None, 0.0, None)  # the row's own bf16 experts
+
+
 def test_nvfp4_experts_on_rtx_blackwell_without_torchs_grouped_fp4_keep_fp8_on_the_triton_gemm(
     ckpts, monkeypatch
 ):
