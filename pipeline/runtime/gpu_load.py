@@ -68,14 +68,9 @@ def experts_plan(row: DispatchRow, pr: Probe) -> tuple[str | None, float, str | 
             return second, EVERY_PASS, f"{failed}: {row.experts_fallback}"
         return None, 0.0, f"{failed}: dequantized float path"
     if row.triton and not pr.ok(f"triton:{exp}"):
-        return (
-            exp,
-            0.0,
-            (
-                f"dgpipe's Triton kernels ({TRITON_MOE}, FP8 quantization) failed their probe "
-                f"({pr.results.get(f'triton:{exp}', 'not run')}): torch's grouped GEMM and quantization run every pass"
-            ),
-        )
+        why = pr.results.get(f"triton:{exp}", "not run")
+        return exp, 0.0, (f"dgpipe's Triton kernels ({TRITON_MOE}, FP8 quantization) failed their probe ({why}): "
+                          "torch's grouped GEMM and quantization run every pass")  # fmt: skip
     return exp, row.triton_rows, None
 
 
@@ -118,15 +113,15 @@ class TensorCoreLoad:
             self.report.fallbacks.append(f"{row.fallback}: {row.note}")
 
     def _modes(self, pr: Probe):
-        """(linear mode, experts mode, Triton, dispatch row) for this format on this GPU, after the probe;
-        each kernel that is missing or failed its probe is reported and left to the row's second path or
-        the float path."""
+        """(linear mode, experts mode, Triton rows per expert, dispatch row) for this format on this GPU,
+        after the probe; each kernel that is missing or failed its probe is reported and left to the row's
+        second path or the float path."""
         fmt, res = self.report.format, self.report
         if pr.arch is None or fmt not in ("fp8", "nvfp4"):
             res.fallbacks.append(
                 f"{fmt} on {pr.arch or 'this GPU'}: no tensor-core row; dequantized float path"
             )
-            return None, None, False, None
+            return None, None, 0.0, None
         row = dispatch(fmt, pr.arch)
         lin, exp = kernel_mode(row.linears), kernel_mode(row.experts)
         if lin and not pr.ok(f"linear:{lin}"):
