@@ -164,6 +164,7 @@ def test_fp8_experts_dequantized_on_b200_route_on_torchs_grouped_gemm(fp8_checkp
     )
     assert report.linears > 0 and experts_graph_safe(model)
     loop = load_model(fp8_checkpoint, torch.bfloat16)[0]  # the fake-quantized loop
+    exact = load_model(fp8_checkpoint)[0]  # the same loop in fp32
     cfg, length = model.cfg, model.config.canvas_length
     tokens = torch.randint(0, cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(4))
     args = (
@@ -174,8 +175,10 @@ def test_fp8_experts_dequantized_on_b200_route_on_torchs_grouped_gemm(fp8_checkp
         None,
     )
     with torch.inference_mode():
-        got, want = model.denoise_soft(*args), loop.denoise_soft(*args)
-    assert rel(got, want) < 0.12  # bf16 intermediates flip FP8 roundings through 8 layers (as on Hopper)
+        got, want, ref = model.denoise_soft(*args), loop.denoise_soft(*args), exact.denoise_soft(*args)
+    # as close to the fp32 model as the loop's own bf16 pass: 0.94-1.09 times its distance over 8 seeds
+    # (both 0.06-0.16 from fp32: bf16 flips FP8 roundings through 8 layers); a wrong routing is O(1)
+    assert rel(got, ref) < 1.2 * rel(want, ref)
 
 
 @interpreted
