@@ -196,3 +196,27 @@ def test_bf16_expert_paths_time_torchs_grouped_gemm_and_the_triton_gemm_on_one_r
     result = {"env": gpu.asdict(H200), "dry_run": False, "checks": [
         {"name": "26B pass bf16", "status": "passed", "seconds": 1.0, "budget_s": 40, "detail": "", "rows": [row]}]}  # fmt: skip
     assert f"| layer 0 | 1 | 32 | {x['ms_torch']:.2f} | {x['ms_triton']:.2f} |" in gpu.render(result)
+
+
+def test_the_fp8_pass_on_an_ada_gpu_follows_the_runtimes_fallback_off_a_gpu(monkeypatch):
+    """`measure_pass` for FP8 with an RTX 6000 Ada's arch patched in, where the experts' only kernel is
+    dgpipe's Triton GEMM: with Triton unable to run (off a GPU, no interpreter) the experts stay bf16 as the
+    runtime's load leaves them, the linears stay FP8, the row says why, and the pass still measures."""
+    import pipeline.bench.model as bench_model
+    from pipeline.model.network import Experts
+    from pipeline.runtime.dispatch import TRITON_MOE_EVERY_PASS
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA RTX 6000 Ada Generation")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(bench_model, "copy_bandwidth", lambda device, gib=2.0: 0.9e12)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    built = []
+    real = gpu.quantize_random
+    monkeypatch.setattr(gpu, "quantize_random", lambda model, fmt: built.append(model) or real(model, fmt))
+    (row,) = gpu.measure_pass("fp8", batches=(1,), repeats=1, sink=lambda r: None, config="sudoku-tiny",
+                              device=torch.device("cpu"))  # fmt: skip
+    assert row["finite"] and row["ms_eager"] > 0
+    assert f"experts: {TRITON_MOE_EVERY_PASS} failed its probe (Triton kernels run on CUDA" in row["kernels"]
+    assert row["kernels"].endswith(": dequantized float path)")
+    assert all(type(layer.experts) is Experts for layer in built[0].layers)
