@@ -276,7 +276,7 @@ def render(result: dict) -> str:
                   "(fast / promoted accumulation) | fast vs promoted (rel L2) | ms Triton GEMMs (own M tile / 64) | Triton vs torch "
                   "(rel L2) | ms bf16 grouped (dequantized) | ms dequantize | bf16 vs FP8 (rel L2) |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-        why = lambda x, key: f"— | {str(x.get(key)).replace('|', '/')[:80]}"
+        why = lambda x, key: f"— | {_error_cell(x, key)}"
         for b, x in experts:
             torch_gemms = (f"{x['ms_fp8_gemms']:.2f} / {x['ms_fp8_gemms_exact_accum']:.2f} | {x['rel_l2_fast_vs_exact_accum']:.1e}"
                            if "ms_fp8_gemms" in x else why(x, "torch_error"))  # fmt: skip
@@ -297,15 +297,16 @@ def render(result: dict) -> str:
     if bf16:
         lines += ["", "| one layer's bf16 experts | batch | rows per expert | ms torch F.grouped_mm | ms Triton MoE GEMM "
                   "| Triton vs torch (rel L2) |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-        ms = lambda x, k: (
-            f"{x[f'ms_{k}']:.2f}"
-            if f"ms_{k}" in x
-            else "— " + str(x.get(f"{k}_error")).replace("|", "/")[:60]
-        )
+        ms = lambda x, k: f"{x[f'ms_{k}']:.2f}" if f"ms_{k}" in x else f"— {_error_cell(x, f'{k}_error')}"
         for b, x in bf16:
             lines.append(f"| layer 0 | {b} | {x['rows_per_expert']:.0f} | {ms(x, 'torch')} | {ms(x, 'triton')} "
                          f"| {x.get('rel_l2_triton_vs_torch', float('nan')):.1e} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def _error_cell(x: dict, key: str) -> str:
+    """A diagnostic's error for a markdown cell: no column separators, 80 characters at most."""
+    return str(x.get(key)).replace("|", "/")[:80]
 
 
 def _best_ms(row: dict) -> float:

@@ -120,6 +120,22 @@ def float_experts(
 TRITON_FALLBACK = "dgpipe uses the dispatch row's other path; report the GPU, torch and Triton versions"
 
 
+def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).norm() / want.norm().clamp(min=1e-30))
+
+
+def _check_every_tile(name: str, a, a_scale, rows, w, w_scale, offs) -> torch.Tensor:
+    """The Triton GEMM at every M tile it can pick against the float product of its operands, which it
+    returns, or a DgpipeError naming the tile: one bf16 rounding of the output apart; a wrong tile is O(1)."""
+    want = float_gemm(a, a_scale, rows, w, w_scale, offs)
+    for block_m in triton_moe.BLOCK_MS:
+        err = _rel_l2(triton_moe.moe_gemm(a, a_scale, rows, w, w_scale, offs, block_m), want)
+        if not err < 1e-2:
+            raise DgpipeError(f"the {name} ({block_m}-row tiles) differs from the float product of its operands "
+                              f"by {err:.3g} (relative L2)", TRITON_FALLBACK)  # fmt: skip
+    return want
+
+
 def check_triton_fp8(mode: str, fmt: str, dev: torch.device, x, index, weights) -> None:
     """dgpipe's Triton kernels on this GPU against references that need no grouped GEMM kernel (so the check
     runs where torch has none), or a DgpipeError: the GEMM at every M tile it picks against the float
@@ -129,16 +145,10 @@ def check_triton_fp8(mode: str, fmt: str, dev: torch.device, x, index, weights) 
     compiler vary by host."""
     ps = [_tiny_packed(fmt, seed=e) for e in range(4)]  # distinct experts: a routing error shows
     m = ScaledExperts(ps, ps, ps, mode, dev, triton_rows=EVERY_PASS)
-    rel = lambda got, want: float((got.float() - want).norm() / want.norm().clamp(min=1e-30))
     q, qs = quantize_rows(x, m.in_scale, mode)
     _, token_of, offs = sl.expert_order(index, m.num_experts)
-    want = float_gemm(q, qs, token_of, m.w13, m.s13, offs)
-    for block_m in triton_moe.BLOCK_MS:  # one bf16 rounding of the output; a wrong tile is O(1)
-        err = rel(triton_moe.moe_gemm(q, qs, token_of, m.w13, m.s13, offs, block_m), want)
-        if not err < 1e-2:
-            raise DgpipeError(f"the Triton MoE GEMM ({block_m}-row tiles) differs from the float product of "
-                              f"its operands by {err:.3g} (relative L2)", TRITON_FALLBACK)  # fmt: skip
-    err = rel(m(x, index, weights), float_experts(m, x, index, weights))
+    _check_every_tile("Triton MoE GEMM", q, qs, token_of, m.w13, m.s13, offs)
+    err = _rel_l2(m(x, index, weights), float_experts(m, x, index, weights))
     if not err < 0.1:  # bf16 intermediates flip some FP8 roundings (~0.02, tests/gpu); a wrong kernel is O(1)
         raise DgpipeError(f"experts on the Triton MoE GEMM differ from their float reference by {err:.3g} "
                           "(relative L2)", TRITON_FALLBACK)  # fmt: skip
@@ -158,18 +168,13 @@ def check_triton_bf16(dev: torch.device, x, index, weights) -> None:
     gate_up, down = (torch.randn(4, n, 128, generator=gen).to(dev, torch.bfloat16) / 8 for n in (256, 128))
     x, slots = x.to(torch.bfloat16), torch.arange(index.numel(), device=dev)
     order, token_of, offs = sl.expert_order(index, 4)
-    rel = lambda got, want: float((got.float() - want).norm() / want.norm().clamp(min=1e-30))
-    want = float_gemm(x, None, token_of, gate_up, None, offs)
-    for block_m in triton_moe.BLOCK_MS:  # one bf16 rounding of the output; a wrong tile is O(1)
-        err = rel(triton_moe.moe_gemm(x, None, token_of, gate_up, None, offs, block_m), want)
-        if not err < 1e-2:
-            raise DgpipeError(f"the Triton bf16 MoE GEMM ({block_m}-row tiles) differs from the float product "
-                              f"of its operands by {err:.3g} (relative L2)", TRITON_FALLBACK)  # fmt: skip
-    gate, up = want.chunk(2, dim=-1)
+    gate, up = _check_every_tile("Triton bf16 MoE GEMM", x, None, token_of, gate_up, None, offs).chunk(
+        2, dim=-1
+    )
     want = combine_top_k(
         float_gemm(gelu_tanh(gate) * up, None, slots, down, None, offs), order, weights.float()
     )
-    err = rel(routed_experts(x, index, weights, gate_up, down, triton=True), want)
+    err = _rel_l2(routed_experts(x, index, weights, gate_up, down, triton=True), want)
     if not err < 2e-2:  # bf16 intermediates; a wrong kernel is O(1)
         raise DgpipeError(f"bf16 experts on the Triton MoE GEMM differ from their float reference by {err:.3g} "
                           "(relative L2)", TRITON_FALLBACK)  # fmt: skip
