@@ -329,21 +329,23 @@ def _kernels_here(dev: torch.device, arch: str):
     )
 
 
-def quantize_random(model, fmt: str) -> str:
+def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
     """Swap a random bf16 model's linears and experts for tensor-core modules with random `fmt` weights,
-    following the dispatch row of this GPU; returns the kernels used."""
+    following the dispatch row of this GPU; returns the kernels used. `probed`: the probe's results (default:
+    probe this GPU); `seed`: None draws without a seeded generator (fake tensors have none)."""
     from pipeline.runtime.dispatch import dispatch
     from pipeline.runtime.gpu_load import experts_plan
     from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, random_packed
 
     dev = next(model.parameters()).device
     row = dispatch(fmt, arch_of(*torch.cuda.get_device_capability(dev)))
-    pr = _kernels_here(dev, row.arch)  # as the runtime loads: what failed its probe takes its fallback
+    # as the runtime loads: what failed its probe takes its fallback
+    pr = probed if probed is not None else _kernels_here(dev, row.arch)
     lin = kernel_mode(row.linears)
     lin = lin if lin and pr.ok(f"linear:{lin}") else None
     exp, triton_rows, fell_back = experts_plan(row, pr)
     kernels = f"{row.linears} / {row.experts}" + (f" ({fell_back})" if fell_back else "")
-    gen = torch.Generator(device=dev).manual_seed(0)
+    gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     for layer in model.layers:
         if lin:
             for parent in (layer.self_attn, layer.mlp):

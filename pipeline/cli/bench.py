@@ -1,4 +1,4 @@
-"""`dgpipe bench local|sweep|serve|requests|model|pass|guided|flops|export-memory|load-memory|gpu`: run a benchmark from
+"""`dgpipe bench local|sweep|serve|requests|model|pass|guided|flops|export-memory|load-memory|gpu|gpu-trace`: run a benchmark from
 pipeline/bench/, print its table, say where the JSON and PNG went."""
 
 from __future__ import annotations
@@ -475,6 +475,35 @@ def bench_gpu(
     result = run_bench_gpu(out_dir, dry_run, on_check=report)
     out.show(result, as_json, lambda r: [render(r)])
     out.saved([out_dir / RESULT_FILE, out_dir / TABLE_FILE], as_json)
+
+
+@app.command("gpu-trace")
+def bench_gpu_trace(
+    batch: Annotated[str, typer.Option(help="comma-separated canvases per traced pass")] = "1,16",
+    layers: Annotated[
+        int | None, typer.Option(help="trace only the first N layer kinds (same shapes; default: all layers)")
+    ] = None,
+    out_dir: Annotated[
+        Path | None, _out("bench-gpu-trace", "directory for gpu_trace.json and gpu_trace.md")
+    ] = None,
+    as_json: opt.Json = False,
+) -> None:
+    """Every GPU dispatch row's 26B load and denoise pass on fake CUDA tensors, no GPU needed: GEMMs, weight
+    bytes against the byte model, host reads, launches per pass."""
+    from pipeline.bench.gpu_trace import RESULT_FILE, TABLE_FILE, run
+
+    batches = tuple(opt.int_list(batch, "--batch", " like 1,16"))
+    out_dir = out_dir or opt.cache_dir() / "bench-gpu-trace"
+    report = (
+        None
+        if as_json
+        else lambda t: out.line(f"{t.format} {t.arch} batch {t.batch}: {t.error or 'ok'}", err=True)
+    )
+    result = run(out_dir, batches, layers, on_trace=report)
+    out.show(result, as_json, lambda r: [(out_dir / TABLE_FILE).read_text().rstrip()])
+    out.saved([out_dir / RESULT_FILE, out_dir / TABLE_FILE], as_json)
+    if result["failed"]:
+        raise typer.Exit(1)
 
 
 @app.command("prefix")

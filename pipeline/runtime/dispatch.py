@@ -206,6 +206,24 @@ class PassBytes:
         return self.linears + self.experts + self.high_precision + self.kv + self.logits + self.activations
 
 
+def _linear_params(cfg: TextConfig, i: int) -> int:
+    """Layer i's attention and dense-MLP weights (the quantized linears)."""
+    d, s = cfg.hidden_size, cfg.layer_shape(i)
+    q, kvd = cfg.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    return d * q + d * kvd * (2 if s.is_sliding else 1) + q * d + 3 * d * cfg.intermediate_size
+
+
+def weight_bytes(cfg: TextConfig, row: DispatchRow) -> dict[str, float]:
+    """Bytes of every quantized linear and every routed expert in the formats `row` reads them: what a
+    model loaded on that path holds in GPU memory for them (`pipeline.bench.gpu_trace` checks it)."""
+    layers = range(cfg.num_hidden_layers)
+    experts = cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return {
+        "linears": sum(_linear_params(cfg, i) for i in layers) * _bytes(row.linear_read),
+        "experts": experts * _bytes(row.expert_read),
+    }
+
+
 def pass_bytes(
     cfg: TextConfig, linear_read: str, expert_read: str, batch: int, seq: int = 256, past: int = 0
 ) -> PassBytes:
@@ -217,8 +235,7 @@ def pass_bytes(
     for i in range(cfg.num_hidden_layers):
         s = cfg.layer_shape(i)
         q, kvd = cfg.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        attn = d * q + d * kvd * (2 if s.is_sliding else 1) + q * d
-        lin += attn + 3 * d * cfg.intermediate_size
+        lin += _linear_params(cfg, i)
         exp += experts_touched(cfg, tokens) * 3 * d * inner
         kv += batch * (ring if s.is_sliding else past) * kvd * 2 * BF16
         act += tokens * BF16 * (d + q + kvd * 2 + q + d)  # q/k/v in, outputs; o in/out

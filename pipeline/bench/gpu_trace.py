@@ -1,0 +1,443 @@
+"""Every GPU dispatch row's load and denoise pass, traced on a machine without a GPU.
+
+Most rows of `pipeline.runtime.dispatch` have never run on their GPU (no Ada, B200 or RTX Blackwell has been
+reachable). A trace runs the CUDA path's own code on torch's fake tensors (shapes, dtypes and devices, no
+data) at the full 26B-A4B configuration: the tensor-core modules as `bench gpu` installs them from random
+packed weights (`gpu.quantize_random`, the constructors the checkpoint loader uses), the routed float
+experts (`gpu_load.route_float_experts`), the network's CUDA branches (fused norms, expanded K/V, the gather
+combine) and dgpipe's Triton launch code up to the launch. For each (format, arch) it shows:
+
+* which GEMM runs the linears and the expert projections (aten op or Triton launch), against the row;
+* what the model holds in GPU memory, linears and experts apart, against the formats the byte model reads;
+* that nothing in the pass reads the device from the host (`.item()`, `.tolist()`, `torch.equal`, a
+  data-dependent shape: fake tensors raise) and that no host tensor enters it: either would break CUDA-graph
+  capture;
+* how many operations launch work on the GPU: an estimate of the pass's kernel launches (some aten ops
+  launch more than one; `bench gpu`'s profile counts the real ones).
+
+What it cannot show: numerics, speed, a vendor kernel's own argument checks (fake tensors run torch's meta
+functions), or whether a kernel exists in the host's build (the load-time probe, `pipeline.runtime.probe`).
+
+How, in a CPU build of torch: a fake CUDA tensor works for most ops, but the ops that need a CUDA device
+guard or generator (indexing, `copy_`, `sort`, random draws) raise "not linked with support for cuda
+devices"; those run on meta tensors of the same layout and the result is made a fake CUDA tensor again.
+torch 2.13 has no meta function for `_scaled_grouped_mm_v2`; one is registered here for the 2-D x 3-D
+grouped form dgpipe calls. The device capability is the traced arch's, and every probed kernel counts as
+passed unless a `Probe` says otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from unittest import mock
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from pipeline.atomic import atomic_write_text
+from pipeline.bench.results import save_result
+from pipeline.errors import error_line
+from pipeline.model.config import ModelConfig
+from pipeline.model.network import DiffusionGemma, canvas_positions
+from pipeline.resources import load_yaml
+from pipeline.runtime import triton_moe
+from pipeline.runtime.dispatch import DISPATCH, dispatch, weight_bytes
+from pipeline.runtime.kv_cache import KVCache, attention_masks
+from pipeline.runtime.probe import Probe, probe_plan
+
+CONFIG = "diffusiongemma-26b-a4b"
+CONTEXT = 256  # cached prompt tokens under the traced pass, as `bench gpu` measures it
+CAPABILITY = {"sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
+NO_CUDA = "not linked with support for cuda"  # a CPU build's error for a CUDA device guard or generator
+# operations that launch no work on the device (views are recognised by their schema)
+NO_WORK = frozenset(
+    {"prim::device", "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
+     "aten::detach", "aten::detach_", "aten::lift_fresh", "aten::_local_scalar_dense"}
+)  # fmt: skip
+# the GEMMs, by the name the dispatch table gives them
+GEMMS = {
+    "aten::_scaled_mm_v2": "F.scaled_mm",
+    "aten::_scaled_grouped_mm_v2": "F.scaled_grouped_mm",
+    "aten::_grouped_mm": "F.grouped_mm",
+    "triton::moe_gemm": "Triton MoE GEMM",
+    "aten::linear": "F.linear",
+    "aten::mm": "torch.mm",
+    "aten::bmm": "torch.bmm",
+}
+
+
+@dataclass
+class PassTrace:
+    format: str
+    arch: str
+    batch: int
+    layers: int
+    kernels: str  # the load's own description of its kernels and fallbacks
+    resident_gb: dict[str, float]  # what the model holds on the device: linears, experts, other
+    expected_gb: dict[str, float]  # the byte model's linears and experts in the formats the row reads
+    ops: Counter = field(default_factory=Counter)  # operations of one denoise pass that launch work
+    output: str = ""  # the logits' shape, dtype and device
+    error: str | None = None  # a host read or host tensor in the pass, or anything else that stopped it
+
+    @property
+    def launches(self) -> int:
+        return sum(self.ops.values())
+
+    def gemms(self) -> dict[str, int]:
+        return {GEMMS[op]: n for op, n in self.ops.items() if op in GEMMS}
+
+
+class _Dispatch(TorchDispatchMode):
+    """Counts the pass's operations; runs on meta tensors the ops whose fake kernel needs a CUDA build."""
+
+    def __init__(self, fake: FakeTensorMode) -> None:
+        super().__init__()
+        self.fake, self.ops, self.counting = fake, Counter(), False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        if self.counting:
+            _refuse_host_tensors(name, args, kwargs)
+            if not func.is_view and name not in NO_WORK:
+                self.ops[name] += 1
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as e:
+            if NO_CUDA not in str(e):
+                raise
+        if isinstance(kwargs.get("device"), torch.device | str):
+            kwargs = {**kwargs, "device": "meta"}
+        return _on_meta(self.fake, func, args, kwargs)
+
+
+# ops and tensor methods that copy their input to the device (the methods are seen first: under inference
+# mode a host tensor's copy is not dispatched to this module's modes)
+HOST_COPIES = frozenset(
+    {"aten::_to_copy", "aten::copy_", "torch.Tensor.to", "torch.Tensor.copy_", "torch.Tensor.cuda"}
+)
+
+
+class HostTensorInPass(RuntimeError):
+    """A tensor that lives on the host entered the pass."""
+
+
+def _refuse_host_tensors(name: str, args, kwargs) -> None:
+    """Raise on a host tensor in the pass: copied to the GPU (`.to`, `copy_`) it is a host-to-device copy on
+    every call, which a CUDA graph cannot capture; used by any other op but as a 0-dim scalar, the wrong
+    device. (A 0-dim CPU tensor in arithmetic is a scalar, as CUDA kernels take it.)"""
+    leaves = tree_leaves((args, kwargs))
+    real = [t for t in leaves if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)]
+    host = [t for t in real if t.device.type == "cpu"]  # (meta: this module's own stand-ins)
+    if host and (name in HOST_COPIES or any(t.dim() > 0 for t in host)):
+        t = host[0]
+        raise HostTensorInPass(f"{name} reads a {t.device.type} tensor of shape {list(t.shape)}")
+
+
+class _Functions(TorchFunctionMode):
+    """Python-bound tensor methods that set a CUDA device guard before any dispatch (indexing, `copy_`,
+    `contiguous`, `sort`) run on meta tensors. While loading, `torch.equal` (a load-time check of two
+    scale tensors) answers True: only the pass must not read the device."""
+
+    def __init__(self, fake: FakeTensorMode) -> None:
+        super().__init__()
+        self.fake, self.loading = fake, True
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.loading and func is torch.equal:
+            return True
+        if not self.loading:
+            _refuse_host_tensors(resolve_name(func) or str(func), args, kwargs)
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as e:
+            if NO_CUDA not in str(e):
+                raise
+        return _on_meta(self.fake, func, args, kwargs)
+
+
+def _on_meta(fake: FakeTensorMode, func, args, kwargs):
+    """`func` on meta tensors with the fake CUDA arguments' layout; new results become fake CUDA tensors,
+    results that are an argument (in-place ops) that argument."""
+    originals: dict[int, torch.Tensor] = {}
+
+    def to_meta(t):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+            return t
+        with unset_fake_temporarily():
+            m = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        originals[id(m)] = t
+        return m
+
+    margs, mkwargs = tree_map(to_meta, args), tree_map(to_meta, kwargs)
+    with unset_fake_temporarily():
+        out = func(*margs, **mkwargs)
+
+    def back(m):
+        if not isinstance(m, torch.Tensor) or m.device.type != "meta":
+            return m
+        return originals.get(id(m)) or fake.fake_tensor_converter.from_meta_and_device(
+            fake, m, torch.device("cuda")
+        )
+
+    return tree_map(back, out)
+
+
+class _Launcher:
+    """Stands for a jitted Triton kernel: `kernel[grid](*args)` checks its tensors are on the GPU and
+    counts the launch."""
+
+    def __init__(self, name: str, ops: Counter, counting) -> None:
+        self.name, self.ops, self.counting = name, ops, counting
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.device.type != "cuda":
+                    raise RuntimeError(f"Triton {self.name} launched with a {a.device.type} tensor")
+            if self.counting():
+                self.ops[f"triton::{self.name}"] += 1
+
+        return launch
+
+
+_LIBS: list[torch.library.Library] = []  # registrations live as long as their Library object
+
+
+def _grouped_meta() -> None:
+    """A meta function for `aten::_scaled_grouped_mm_v2` in its 2-D x 3-D form (torch 2.13 has none):
+    a [M, K] (FP4: [M, K/2] packed) times b [E, K, N] in groups ending at `offs` [E] is [M, N]."""
+    name = "aten::_scaled_grouped_mm_v2"
+    if _LIBS or not hasattr(torch.ops.aten, "_scaled_grouped_mm_v2"):
+        return
+    if torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
+        return
+
+    def meta(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, offs=None, bias=None,
+             out_dtype=None, contraction_dim=(), use_fast_accum=False):  # fmt: skip
+        if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[1]:
+            raise RuntimeError(
+                f"grouped GEMM of {tuple(a.shape)} and {tuple(b.shape)}: not [M, K] x [E, K, N]"
+            )
+        if offs is None or offs.shape != (b.shape[0],) or offs.dtype != torch.int32:
+            raise RuntimeError("grouped GEMM offsets must be int32 [E]")
+        return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or torch.bfloat16)
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_scaled_grouped_mm_v2", meta, "Meta")
+    _LIBS.append(lib)
+
+
+def trace_config(layers: int | None = None, config: str = CONFIG) -> ModelConfig:
+    """The model configuration; `layers`: only the first layer of each kind (sliding, global), the same
+    shapes per layer (the tests trace every row on two layers)."""
+    raw = load_yaml("models", config)
+    cfg = ModelConfig.from_dict(raw, source=config)
+    if layers is None:
+        return cfg
+    kinds = list(dict.fromkeys(cfg.text_config.layer_types or []))[:layers]
+    text = {**raw["text_config"], "num_hidden_layers": len(kinds), "layer_types": kinds}
+    return ModelConfig.from_dict({**raw, "text_config": text}, source=f"{config} ({len(kinds)} layers)")
+
+
+def passing_probe(arch: str) -> Probe:
+    """Every kernel the dispatch table names for `arch` ran."""
+    return Probe(arch, {f"{kind}:{mode}": None for kind, mode, _ in probe_plan(arch)})
+
+
+@contextlib.contextmanager
+def fake_gpu(arch: str) -> Iterator[tuple[FakeTensorMode, _Dispatch, _Functions]]:
+    """Fake CUDA tensors of a GPU of `arch`, with Triton launches counted instead of run."""
+    _grouped_meta()
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    ops = _Dispatch(fake)
+    calls = _Functions(fake)
+    counting = lambda: ops.counting
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            mock.patch("torch.cuda.get_device_capability", lambda device=None: CAPABILITY[arch])
+        )
+        stack.enter_context(mock.patch("torch.cuda.empty_cache", lambda: None))
+        stack.enter_context(
+            mock.patch.object(triton_moe, "_kernel", lambda: _Launcher("moe_gemm", ops.ops, counting))
+        )
+        stack.enter_context(
+            mock.patch.object(
+                triton_moe, "_quant_kernel", lambda: _Launcher("fp8_quantize", ops.ops, counting)
+            )
+        )
+        for mode in (fake, ops, calls):
+            stack.enter_context(mode)
+        yield fake, ops, calls
+
+
+def _to_fake_cuda(model: DiffusionGemma, fake: FakeTensorMode) -> None:
+    dev = torch.device("cuda")
+    convert = lambda t: fake.fake_tensor_converter.from_meta_and_device(fake, t, dev)
+    for m in model.modules():
+        for n, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[n] = torch.nn.Parameter(convert(p.data), requires_grad=False)
+        for n, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[n] = convert(b)
+
+
+def _group(name: str) -> str:
+    """The weight group of a parameter or buffer name: routed experts, the quantized linears (attention
+    projections, dense MLP), or everything else (embedding, norms, router, self-conditioning)."""
+    if ".experts." in name:
+        return "experts"
+    if ".mlp." in name or (".self_attn." in name and "_norm" not in name):
+        return "linears"
+    return "other"
+
+
+def resident_gb(model: DiffusionGemma) -> dict[str, float]:
+    """GB the model holds on the device, by `_group`."""
+    out = {"linears": 0.0, "experts": 0.0, "other": 0.0}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        out[_group(name)] += t.numel() * t.element_size() / 1e9
+    return out
+
+
+def _past(mcfg: ModelConfig, batch: int, fake: FakeTensorMode):
+    """A cache holding `CONTEXT` prompt tokens per row, read as the runtime reads it before a step: K/V on
+    meta tensors, lengths and ring positions real, so `KVCache.read` and `attention_masks` run as written."""
+    cfg, length = mcfg.text_config, mcfg.canvas_length
+    with unset_fake_temporarily():
+        cache = KVCache(cfg, batch, CONTEXT + length + 8, torch.bfloat16, "meta")
+        cache.lengths = torch.full((batch,), CONTEXT)
+        held = torch.arange(max(0, CONTEXT - cache.ring), CONTEXT)
+        cache.ring_pos = torch.full((batch, cache.ring), -1)
+        cache.ring_pos[:, held % cache.ring] = held
+        slots = torch.arange(batch)
+        past, meta = cache.read(slots)
+        positions = canvas_positions(cache.lengths[slots], length)
+        masks = attention_masks(
+            positions, torch.ones_like(positions, dtype=torch.bool), meta, False, cache.window
+        )
+    to_cuda = lambda t: None if t is None else fake.fake_tensor_converter.from_meta_and_device(fake, t.to("meta"), torch.device("cuda"))  # fmt: skip
+    return (
+        [(to_cuda(k), to_cuda(v)) for k, v in past],
+        to_cuda(positions),
+        {k: to_cuda(m) for k, m in masks.items()},
+    )
+
+
+def trace_pass(
+    fmt: str,
+    arch: str,
+    batch: int,
+    layers: int | None = None,
+    probed: Probe | None = None,
+    config: str = CONFIG,
+) -> PassTrace:
+    """Load the random-weight model in `fmt` as on a GPU of `arch` and trace one denoise pass of `batch`
+    canvases over `CONTEXT` cached tokens. `probed`: the load-time probe's results (default: all passed)."""
+    from pipeline.bench.gpu import quantize_random  # the benchmark's own load
+    from pipeline.runtime.gpu_load import route_float_experts
+
+    mcfg = trace_config(layers, config)
+    row, probed = dispatch(fmt, arch), probed or passing_probe(arch)
+    with torch.device("meta"):
+        model = DiffusionGemma(mcfg).to(torch.bfloat16).eval()
+    with fake_gpu(arch) as (fake, ops, calls):
+        _to_fake_cuda(model, fake)
+        quantized = fmt in ("fp8", "nvfp4")
+        kernels = (
+            quantize_random(model, fmt, probed, seed=None) if quantized else f"{row.linears} / {row.experts}"
+        )
+        routed = route_float_experts(model, torch.device("cuda"), probed, None)
+        if routed is not None:
+            kernels += f" ({routed.summary()})"
+        expected = weight_bytes(mcfg.text_config, row)
+        trace = PassTrace(fmt, arch, batch, mcfg.text_config.num_hidden_layers, kernels, resident_gb(model),
+                          {k: v / 1e9 for k, v in expected.items()}, ops.ops)  # fmt: skip
+        past, positions, masks = _past(mcfg, batch, fake)
+        canvas = torch.zeros(batch, mcfg.canvas_length, dtype=torch.long, device="cuda")
+        soft = torch.empty(batch, mcfg.canvas_length, mcfg.text_config.hidden_size, dtype=torch.bfloat16, device="cuda")  # fmt: skip
+        calls.loading, fake.allow_non_fake_inputs, ops.counting = False, False, True
+        try:
+            with torch.inference_mode():
+                out = model.denoise_soft(canvas, soft, positions, masks, past)
+            trace.output = f"{list(out.shape)} {str(out.dtype).removeprefix('torch.')} {out.device.type}"
+        except (DataDependentOutputException, DynamicOutputShapeException) as e:
+            trace.error = f"host read in the pass: {error_line(e)}"
+        except HostTensorInPass as e:
+            trace.error = f"host tensor in the pass: {e}"
+        except Exception as e:  # a host tensor (fake mode refuses real inputs now), a shape error, ...
+            trace.error = error_line(e)
+        finally:
+            ops.counting = False
+    return trace
+
+
+def trace_all(
+    batches: tuple[int, ...] = (1, 16),
+    layers: int | None = None,
+    on_trace: Callable[[PassTrace], None] | None = None,
+) -> list[PassTrace]:
+    """Every dispatch row at every batch; `on_trace` hears of each as it ends."""
+    out = []
+    for fmt, arch in DISPATCH:
+        for b in batches:
+            out.append(trace_pass(fmt, arch, b, layers))
+            if on_trace is not None:
+                on_trace(out[-1])
+    return out
+
+
+RESULT_FILE, TABLE_FILE = "gpu_trace.json", "gpu_trace.md"
+
+
+def run(
+    out_dir: Path,
+    batches: tuple[int, ...] = (1, 16),
+    layers: int | None = None,
+    on_trace: Callable[[PassTrace], None] | None = None,
+) -> dict:
+    """`dgpipe bench gpu-trace`: every row traced, written as JSON and a markdown table to `out_dir`."""  # fmt: skip
+    traces = trace_all(batches, layers, on_trace)
+    result = {
+        "config": f"{CONFIG}, {trace_config(layers).text_config.num_hidden_layers} layers",
+        "context": CONTEXT,
+        "torch": torch.__version__,
+        "traces": [
+            {**asdict(t), "ops": dict(t.ops), "launches": t.launches, "gemms": t.gemms()} for t in traces
+        ],
+        "failed": sum(t.error is not None for t in traces),
+    }
+    save_result(out_dir, RESULT_FILE, result)
+    atomic_write_text(out_dir / TABLE_FILE, render(traces) + "\n")
+    return result
+
+
+def render(traces: list[PassTrace]) -> str:
+    """Markdown: one line per (format, arch, batch)."""
+    lines = [
+        "| format | arch | batch | GEMMs per pass | launches per pass | linears GB (byte model) | experts GB (byte model) | host reads |",
+        "|---|---|---:|---|---:|---:|---:|---|",
+    ]  # fmt: skip
+    for t in traces:
+        gemms = ", ".join(f"{name} {n}" for name, n in sorted(t.gemms().items()))
+        gb = lambda k, t=t: f"{t.resident_gb[k]:.2f} ({t.expected_gb[k]:.2f})"
+        lines.append(
+            f"| {t.format} | {t.arch} | {t.batch} | {gemms} | {t.launches:,} | {gb('linears')} | {gb('experts')} "
+            f"| {t.error or 'none'} |"
+        )
+    return "\n".join(lines)

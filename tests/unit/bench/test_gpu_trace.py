@@ -1,0 +1,129 @@
+"""Every GPU dispatch row's load and denoise pass traced on fake CUDA tensors (no GPU): the GEMM each
+projection runs, the weight bytes held against the byte model, no host read or host tensor in the pass."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from pipeline.bench import gpu_trace as gt
+from pipeline.model.modelopt import _quantized_experts_forward
+from pipeline.runtime import gpu_load
+from pipeline.runtime.dispatch import DISPATCH, EVERY_PASS
+
+LAYERS = 2  # one sliding and one global layer of the 26B: every layer shape, ~1 s a trace
+# quantized linears in those two layers: q, k, v, o + the dense MLP's 3 (sliding); the global layer has no v
+QUANTIZED_LINEARS = 7 + 6
+# float linears outside them: router (per layer), self-conditioning MLP (3), LM head (1)
+FLOAT_LINEARS = LAYERS + 3 + 1
+
+
+def experts_gemm(fmt: str, arch: str, batch: int) -> str:
+    """The GEMM the dispatch table says runs the experts of a pass of `batch` canvases (256 tokens, top 8
+    of 128 experts: 16 rows per expert per canvas)."""
+    row = DISPATCH[fmt, arch]
+    rows_per_expert = batch * 256 * 8 / 128
+    if row.experts.startswith("F.grouped_mm"):
+        return "F.grouped_mm"
+    if row.triton_rows == EVERY_PASS or row.triton_rows >= rows_per_expert:
+        return "Triton MoE GEMM"
+    return "F.scaled_grouped_mm"
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize(("fmt", "arch"), list(DISPATCH))
+def test_every_dispatch_row_runs_its_kernels_without_reading_the_host(fmt, arch, batch):
+    t = gt.trace_pass(fmt, arch, batch, layers=LAYERS)
+    assert t.error is None
+    assert t.output == f"[{batch}, 256, 262144] float32 cuda"
+    gemms = t.gemms()
+    assert gemms.pop(experts_gemm(fmt, arch, batch)) == 2 * LAYERS  # gate|up and down, per layer
+    assert gemms.pop("torch.bmm") == LAYERS  # each token's k expert rows combined
+    if DISPATCH[fmt, arch].linears.startswith("F.scaled_mm"):
+        assert gemms == {"F.scaled_mm": QUANTIZED_LINEARS, "F.linear": FLOAT_LINEARS}
+    else:
+        assert gemms == {"F.linear": QUANTIZED_LINEARS + FLOAT_LINEARS}
+    for group in ("linears", "experts"):  # held as the byte model reads them (per-row scales: < 1%)
+        assert t.resident_gb[group] == pytest.approx(t.expected_gb[group], rel=0.01), group
+
+
+def test_the_byte_model_is_what_the_modules_hold_apart_from_scales():
+    fp8, bf16 = gt.trace_pass("fp8", "sm90", 1, LAYERS), gt.trace_pass("bf16", "sm90", 1, LAYERS)
+    assert fp8.resident_gb["experts"] == pytest.approx(bf16.resident_gb["experts"] / 2, rel=0.01)
+    assert fp8.resident_gb["other"] == pytest.approx(bf16.resident_gb["other"])  # bf16 in every format
+    nvfp4 = gt.trace_pass("nvfp4", "sm100", 1, LAYERS)
+    # 4 bits a weight plus one E4M3 scale per 16
+    assert nvfp4.resident_gb["experts"] == pytest.approx(bf16.resident_gb["experts"] * 0.5625 / 2, rel=0.01)
+
+
+def test_kernels_that_failed_their_probe_take_the_rows_second_path():
+    hopper = gt.passing_probe("sm90")
+    hopper.results["triton:fp8"] = "no Triton here"
+    t = gt.trace_pass("fp8", "sm90", 1, LAYERS, probed=hopper)
+    assert t.error is None and t.gemms()["F.scaled_grouped_mm"] == 2 * LAYERS  # torch's kernel at 1 canvas
+    assert "triton::fp8_quantize" not in t.ops  # torch's quantization too
+    rtx = gt.passing_probe("sm120")
+    rtx.results["experts:nvfp4"] = "no grouped FP4 GEMM in this build"
+    t = gt.trace_pass("nvfp4", "sm120", 16, LAYERS, probed=rtx)
+    assert t.error is None and t.gemms()["Triton MoE GEMM"] == 2 * LAYERS
+    assert t.resident_gb["experts"] == pytest.approx(t.expected_gb["experts"] * 2 / 1.125, rel=0.01)  # FP8
+    assert "Triton FP8 MoE GEMM RowWise (weights re-quantized per row at load)" in t.kernels
+
+
+def _leave_the_loaders_loop(model, device, probed, report):
+    """A load that left every layer's experts on the CPU path's fake-quantized loop (`.tolist()`)."""
+    for layer in model.layers:
+        layer.experts.forward = types.MethodType(_quantized_experts_forward({}), layer.experts)
+    return report
+
+
+def test_a_host_read_in_the_pass_is_reported(monkeypatch):
+    monkeypatch.setattr(gpu_load, "route_float_experts", _leave_the_loaders_loop)
+    t = gt.trace_pass("bf16", "sm90", 1, LAYERS)
+    assert t.error is not None and t.error.startswith("host read in the pass")
+    assert t.output == ""
+
+
+HOST_CONSTANT = torch.tensor(1.0)
+
+
+def test_a_host_tensor_copied_into_the_pass_is_reported(monkeypatch):
+    """A constant kept on the host and copied to the GPU on every call: a CUDA graph cannot capture it."""
+
+    def copy_a_constant(model, device, probed, report):
+        norm = model.layers[0].input_layernorm
+        forward = norm.forward
+        norm.forward = lambda x: forward(x) * HOST_CONSTANT.to(x.device)
+        return report
+
+    monkeypatch.setattr(gpu_load, "route_float_experts", copy_a_constant)
+    t = gt.trace_pass("bf16", "sm90", 1, LAYERS)
+    assert t.error == "host tensor in the pass: torch.Tensor.to reads a cpu tensor of shape []"
+
+
+def test_triton_launches_are_counted_and_checked(monkeypatch):
+    t = gt.trace_pass("fp8", "sm89", 16, LAYERS)
+    # every quantized linear's input and both expert projections' inputs: FP8 in one pass each
+    assert t.ops["triton::fp8_quantize"] == QUANTIZED_LINEARS + 2 * LAYERS
+    assert t.ops["triton::moe_gemm"] == 2 * LAYERS
+    launcher = gt._Launcher("moe_gemm", t.ops, lambda: True)
+    with pytest.raises(RuntimeError, match="launched with a cpu tensor"):
+        launcher[(1,)](torch.zeros(1))
+
+
+def test_dgpipe_bench_gpu_trace_writes_json_and_table(tmp_path):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    args = ["bench", "gpu-trace", "--layers", "1", "--batch", "1", "--out", str(tmp_path), "--json"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.stdout)
+    assert result["failed"] == 0 and len(result["traces"]) == len(DISPATCH)
+    assert result["config"] == "diffusiongemma-26b-a4b, 1 layers"
+    assert (tmp_path / gt.TABLE_FILE).read_text().count("\n") == len(DISPATCH) + 2
+    assert json.loads((tmp_path / gt.RESULT_FILE).read_text()) == result
