@@ -334,7 +334,7 @@ def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
     following the dispatch row of this GPU; returns the kernels used. `probed`: the probe's results (default:
     probe this GPU); `seed`: None draws without a seeded generator (fake tensors have none)."""
     from pipeline.runtime.dispatch import dispatch
-    from pipeline.runtime.gpu_load import experts_plan
+    from pipeline.runtime.gpu_load import experts_plan, one_pass
     from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, random_packed
 
     dev = next(model.parameters()).device
@@ -352,13 +352,15 @@ def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
                 for name, m in list(parent.named_children()):
                     if isinstance(m, torch.nn.Linear):
                         q = random_packed(fmt, m.out_features, m.in_features, dev, gen)
-                        setattr(parent, name, ScaledLinear(q, lin, dev, torch.bfloat16, triton_rows > 0))
+                        fast = one_pass(lin, triton_rows, pr)
+                        setattr(parent, name, ScaledLinear(q, lin, dev, torch.bfloat16, fast))
         if exp:
             e, two_i, d = layer.experts.gate_up_proj.shape
             mk = lambda n, k, e=e: [random_packed(fmt, n, k, dev, gen) for _ in range(e)]
             layer.experts = ScaledExperts(
-                mk(two_i // 2, d), mk(two_i // 2, d), mk(d, two_i // 2), exp, dev, triton_rows
-            )
+                mk(two_i // 2, d), mk(two_i // 2, d), mk(d, two_i // 2), exp, dev, triton_rows,
+                one_pass=one_pass(exp, triton_rows, pr),
+            )  # fmt: skip
         torch.cuda.empty_cache()
     return kernels
 

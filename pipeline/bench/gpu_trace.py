@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import torch
@@ -53,12 +54,13 @@ from pipeline.errors import error_line
 from pipeline.model.config import ModelConfig
 from pipeline.model.network import DiffusionGemma, canvas_positions
 from pipeline.resources import load_yaml
-from pipeline.runtime import triton_moe
+from pipeline.runtime import triton_moe, triton_quant
 from pipeline.runtime.dispatch import DISPATCH, dispatch, weight_bytes
 from pipeline.runtime.kv_cache import KVCache, attention_masks
 from pipeline.runtime.probe import Probe, probe_plan
 
 CONFIG = "diffusiongemma-26b-a4b"
+QUANT_KERNELS = ("fp8_static_quant", "nvfp4_quant", "nvfp4_fp8_rows")  # `triton_quant`'s kernels
 CONTEXT = 256  # cached prompt tokens under the traced pass, as `bench gpu` measures it
 CAPABILITY = {"sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
 NO_CUDA = "not linked with support for cuda"  # a CPU build's error for a CUDA device guard or generator
@@ -275,11 +277,8 @@ def fake_gpu(arch: str) -> Iterator[tuple[FakeTensorMode, _Dispatch, _Functions]
         stack.enter_context(
             mock.patch.object(triton_moe, "_kernel", lambda: _Launcher("moe_gemm", ops.ops, counting))
         )
-        stack.enter_context(
-            mock.patch.object(
-                triton_moe, "_quant_kernel", lambda: _Launcher("fp8_quantize", ops.ops, counting)
-            )
-        )
+        quant = SimpleNamespace(**{k: _Launcher(k, ops.ops, counting) for k in QUANT_KERNELS})
+        stack.enter_context(mock.patch.object(triton_quant, "_kernels", lambda: quant))
         for mode in (fake, ops, calls):
             stack.enter_context(mode)
         yield fake, ops, calls

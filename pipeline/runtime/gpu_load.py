@@ -26,7 +26,7 @@ from pipeline.runtime.dispatch import (
     arch_of,
     dispatch,
 )
-from pipeline.runtime.probe import Probe, probe
+from pipeline.runtime.probe import NVFP4_QUANT_MODES, Probe, probe
 from pipeline.runtime.routed import host_bound_experts, route_on_device
 from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode
 from pipeline.targets import precision_for_quant_algo
@@ -72,6 +72,15 @@ def experts_plan(row: DispatchRow, pr: Probe) -> tuple[str | None, float, str | 
         return exp, 0.0, (f"dgpipe's Triton kernels ({TRITON_MOE}, FP8 quantization) failed their probe ({why}): "
                           "torch's grouped GEMM and quantization run every pass")  # fmt: skip
     return exp, row.triton_rows, None
+
+
+def one_pass(mode: str | None, triton_rows: float, pr: Probe) -> bool:
+    """Whether `mode`'s activations are quantized by dgpipe's one-pass kernels (`triton_quant`): FP8's where
+    the row runs the Triton FP8 GEMM (the two are probed together), the NVFP4 forms' where their own probe
+    passed. Elsewhere torch's element-wise form (~50 kernels an input for NVFP4)."""
+    if mode in NVFP4_QUANT_MODES:
+        return pr.ok(f"quant:{mode}")
+    return mode == "fp8" and triton_rows > 0
 
 
 class TensorCoreLoad:
@@ -142,8 +151,8 @@ class TensorCoreLoad:
         q = q.to(self.device)
         m = EXPERT.match(module)
         if m is None:
-            triton = self.triton_rows > 0  # the one-pass FP8 quantization
-            self.modules[module] = ScaledLinear(q, self.lin_mode, self.device, self.dtype, triton)
+            fast = one_pass(self.lin_mode, self.triton_rows, self.probed)
+            self.modules[module] = ScaledLinear(q, self.lin_mode, self.device, self.dtype, fast)
             self.report.linears += 1
             return
         prefix = m.group(1)
@@ -153,7 +162,10 @@ class TensorCoreLoad:
             per = [layer[e] for e in sorted(self.pending.pop(prefix))]
             proj = lambda name: [e[name] for e in per]
             projections = proj("gate_proj"), proj("up_proj"), proj("down_proj")
-            self.modules[prefix] = ScaledExperts(*projections, self.exp_mode, self.device, self.triton_rows)
+            fast = one_pass(self.exp_mode, self.triton_rows, self.probed)
+            self.modules[prefix] = ScaledExperts(
+                *projections, self.exp_mode, self.device, self.triton_rows, one_pass=fast
+            )
             self.report.experts += 1
 
     def install(self, model: DiffusionGemma) -> None:

@@ -15,7 +15,7 @@ from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX
 from pipeline.model.modelopt import PackedLinear
 from pipeline.model.network import combine_top_k, gelu_tanh
-from pipeline.runtime import triton_moe
+from pipeline.runtime import triton_moe, triton_quant
 from pipeline.runtime.dispatch import EVERY_PASS, arch_of, dispatch
 from pipeline.runtime.routed import routed_experts
 from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, quantize_rows
@@ -45,6 +45,10 @@ def _tiny_packed(fmt: str, n: int = 128, k: int = 128, seed: int = 0) -> PackedL
 
 
 PROBED_FORMATS = ("fp8", "nvfp4", "bf16", "int4_awq")
+NVFP4_QUANT_MODES = (
+    "nvfp4",
+    "fp8_rowwise",
+)  # modes whose activations `triton_quant`'s NVFP4 kernels quantize
 
 
 def probe_plan(arch: str | None, formats: tuple[str, ...] = PROBED_FORMATS) -> list[tuple[str, str, str]]:
@@ -61,9 +65,11 @@ def probe_plan(arch: str | None, formats: tuple[str, ...] = PROBED_FORMATS) -> l
                 ("triton", row.experts, row.triton), ("triton", row.experts_fallback or "", bool(row.experts_fallback)))  # fmt: skip
         for kind, kernel, used in uses:
             mode = kernel_mode(kernel) if used else None
-            form = (kind, mode, {"fp8": "fp8", "bf16": "bf16"}.get(mode or "", "nvfp4"))
-            if mode and form not in plan:
-                plan.append(form)
+            # NVFP4 activations' one-pass quantization is a kernel of its own (FP8's is checked with the GEMM)
+            for k in (kind, "quant") if mode in NVFP4_QUANT_MODES else (kind,):
+                form = (k, mode, {"fp8": "fp8", "bf16": "bf16"}.get(mode or "", "nvfp4"))
+                if mode and form not in plan:
+                    plan.append(form)
     return plan
 
 
@@ -155,8 +161,39 @@ def check_triton_fp8(mode: str, fmt: str, dev: torch.device, x, index, weights) 
     v = torch.tensor(QUANT_PROBE_VALUES)
     v = torch.cat([v, -v, torch.randn(4096) * 64]).to(dev, torch.bfloat16)
     scale = torch.tensor(0.5, device=dev)
-    if not fp8_codes_equal(triton_moe.quantize(v, scale), sl.fp8_quantize(v, scale)):
+    if not fp8_codes_equal(triton_quant.fp8(v, scale), sl.fp8_quantize(v, scale)):
         raise DgpipeError("the Triton FP8 quantization differs from torch's", TRITON_FALLBACK)
+
+
+def nvfp4_probe_rows(dev: torch.device) -> torch.Tensor:
+    """bf16 rows [8, 176] (11 blocks of 16) through every case of NVFP4 rounding at global scale 0.5: in
+    two blocks whose scale decodes to exactly 0.5, each E2M1 decision point and its bf16 neighbours below and
+    above; blocks all zero, too small for a scale, with subnormal scales; NaN and infinities; random rows
+    over eight decades."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(8, 176, generator=g) * torch.logspace(-4, 4, 8)[:, None]
+    points = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.bfloat16)
+    for block, toward in enumerate((0.0, 9.0)):  # the block maximum 6 (x = 3) gives scale 6 / 6 * 0.5
+        near = points.nextafter(torch.tensor(toward, dtype=torch.bfloat16))
+        values = torch.cat([points, near, torch.tensor([6.0, 0.0], dtype=torch.bfloat16)])
+        rows[0, 16 * block : 16 * block + 16] = (values / 2).float()
+    rows[1, :16], rows[1, 16:32], rows[1, 32:48] = 0.0, 1e-30, 2.0**-14
+    rows[2, 3], rows[2, 40], rows[2, 70] = float("nan"), float("inf"), -float("inf")
+    return rows.to(dev, torch.bfloat16)
+
+
+def check_triton_quant(mode: str, dev: torch.device) -> None:
+    """dgpipe's one-pass NVFP4 quantization (`mode` "nvfp4": codes and block scales; "fp8_rowwise": NVFP4
+    rounding then per-row E4M3) bit for bit against torch's form on `nvfp4_probe_rows`, or a DgpipeError."""
+    x, gs = nvfp4_probe_rows(dev), torch.tensor(0.5, device=dev)
+    kernel = triton_quant.nvfp4 if mode == "nvfp4" else triton_quant.nvfp4_fp8_rows
+    (q, s), (want_q, want_s) = kernel(x, gs), quantize_rows(x, gs, mode)
+    if mode == "nvfp4":
+        same = torch.equal(q, want_q) and fp8_codes_equal(s, want_s)
+    else:
+        same = fp8_codes_equal(q, want_q) and torch.equal(s, want_s)
+    if not same:
+        raise DgpipeError(f"the Triton {mode} activation quantization differs from torch's", TRITON_FALLBACK)
 
 
 def check_triton_bf16(dev: torch.device, x, index, weights) -> None:
@@ -200,6 +237,8 @@ def probe(device: torch.device | str = "cuda", formats: tuple[str, ...] = PROBED
             elif kind == "experts":
                 ps = [_tiny_packed(fmt) for _ in range(4)]
                 ScaledExperts(ps, ps, ps, mode, dev)(x[:20], index, wts)
+            elif kind == "quant":
+                check_triton_quant(mode, dev)
             elif mode == "bf16":
                 check_triton_bf16(dev, x[:20], index, wts)
             else:

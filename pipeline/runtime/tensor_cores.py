@@ -30,7 +30,7 @@ from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX, nvfp4_fake_quant
 from pipeline.model.modelopt import PackedLinear
 from pipeline.model.network import combine_top_k, gelu_tanh
-from pipeline.runtime import triton_moe
+from pipeline.runtime import triton_moe, triton_quant
 from pipeline.runtime.dispatch import FP8_FAST_ACCUM, TRITON_BF16
 
 
@@ -64,7 +64,7 @@ class ScaledLinear(nn.Module):
         self, q: PackedLinear, mode: str, device: torch.device, out_dtype: torch.dtype, triton: bool = False
     ):
         super().__init__()
-        self.mode, self.out_dtype, self.triton = mode, out_dtype, triton  # triton: `quantize_rows`
+        self.mode, self.out_dtype, self.triton = mode, out_dtype, triton  # triton: `quantize_rows`'s
         self.out_features = q.weight.shape[0]
         self.register_buffer("input_scale", q.input_scale.reshape(()).to(device))
         if mode == "fp8":
@@ -91,11 +91,12 @@ class ScaledLinear(nn.Module):
                 [self.weight_scale],
             )
         elif self.mode == "nvfp4":
-            a, bs = quantize_rows(x2, self.input_scale, "nvfp4")  # packed codes (uint8), per-16 block scales
+            # packed codes (uint8), per-16 block scales
+            a, bs = quantize_rows(x2, self.input_scale, "nvfp4", self.triton)
             a_scales = [sl.to_blocked(bs.view(torch.uint8)).view(torch.float8_e4m3fn), self.input_scale]
             b_scales = [self.weight_scale, self.weight_scale_2]
         else:
-            a, s = quantize_rows(x2, self.input_scale, "fp8_rowwise")
+            a, s = quantize_rows(x2, self.input_scale, "fp8_rowwise", self.triton)
             a_scales, b_scales = [s[:, None]], [self.weight_scale]
         gemm = scaled_gemm_op if torch.compiler.is_compiling() else scaled_gemm
         out = gemm(a, a_scales, self.weight, b_scales, self.mode, self.out_dtype)
@@ -154,10 +155,13 @@ class ScaledExperts(nn.Module):
         mode: str,
         device: torch.device,
         triton_rows: float = 0.0,
+        one_pass: bool | None = None,
     ):
         super().__init__()
         self.mode, self.num_experts = mode, len(gate)
         self.triton_rows = triton_rows if mode != "nvfp4" else 0.0
+        # activations quantized by `triton_quant` (default: where the Triton FP8 GEMM runs, which is probed with it)
+        self.one_pass = self.triton_rows > 0 if one_pass is None else one_pass
         # ModelOpt shares one input quantizer per projection across a layer's experts (max over experts)
         self.register_buffer(
             "in_scale", torch.stack([p.input_scale.reshape(()) for p in gate + up]).max().to(device)
@@ -231,7 +235,9 @@ class ScaledExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         scales = (self.in_scale, self.down_in_scale)
-        return scaled_experts(x, index, weights, *self._weights(), *scales, self.mode, self.triton_rows)
+        return scaled_experts(
+            x, index, weights, *self._weights(), *scales, self.mode, self.triton_rows, self.one_pass
+        )
 
 
 def quantize_rows(
@@ -240,15 +246,17 @@ def quantize_rows(
     """The GEMM operand of x's rows and its scales: FP8 with the static scale per row (fp8), per-row E4M3
     of the NVFP4-rounded rows (fp8_rowwise), or NVFP4 codes and their per-16 block scales (nvfp4). Each
     row is quantized on its own, so quantizing before a row gather equals quantizing the gathered rows.
-    `triton`: the static FP8 quantization in one pass on CUDA (`triton_moe.quantize`), except under
+    `triton`: in one pass on CUDA (`pipeline.runtime.triton_quant`, the same codes), except under
     torch.compile, which fuses the torch form into its producer."""
+    one_pass = triton and x.is_cuda and not torch.compiler.is_compiling()
     if mode == "fp8":
-        one_pass = triton and x.is_cuda and not torch.compiler.is_compiling()
-        q = triton_moe.quantize(x, in_scale) if one_pass else sl.fp8_quantize(x, in_scale)
+        q = triton_quant.fp8(x, in_scale) if one_pass else sl.fp8_quantize(x, in_scale)
         return q, in_scale.float().expand(x.shape[0])
     if mode == "fp8_rowwise":
+        if one_pass:
+            return triton_quant.nvfp4_fp8_rows(x, in_scale)
         return _rowwise_dynamic(nvfp4_fake_quant(x, in_scale))
-    return sl.nvfp4_quantize(x, in_scale)
+    return triton_quant.nvfp4(x, in_scale) if one_pass else sl.nvfp4_quantize(x, in_scale)
 
 
 def grouped_gemm(
@@ -295,12 +303,12 @@ def scaled_experts(
     down_in_scale: torch.Tensor,
     mode: str,
     triton_rows: float = 0.0,
+    one_pass: bool = False,
 ) -> torch.Tensor:
     """A layer's routed experts: slots sorted by expert (device-side offsets, no host sync), one grouped
     scaled GEMM for gate|up and one for down, each token's top-k outputs weighted and summed. An FP8 pass
     with at most `triton_rows` slots per expert (`triton_moe.serves`) runs both GEMMs on `triton_moe`'s
-    kernel, which gathers the token rows itself; with `triton_rows`, FP8 activations are quantized in one
-    pass.
+    kernel, which gathers the token rows itself; `one_pass`: activations quantized by `triton_quant`.
 
     The tokens are quantized once and their 1-byte (FP8) or half-byte (NVFP4) rows gathered top_k times,
     not gathered in bf16 and quantized top_k times over; the outputs go back to slot order with one
@@ -308,7 +316,7 @@ def scaled_experts(
     atomics, deterministic), not scattered with bf16 atomic adds. On an H200 at batch 16 those two
     element-wise paths took most of the experts' non-GEMM time (BENCHMARKS.md, "26B-A4B denoise pass")."""
     order, token_of, offs = sl.expert_order(index, w13.shape[0])
-    compiling, triton = torch.compiler.is_compiling(), triton_rows > 0
+    compiling = torch.compiler.is_compiling()
     if triton_moe.serves(token_of.shape[0], w13.shape[0], triton_rows):
         small = triton_moe.moe_gemm_op if compiling else triton_moe.moe_gemm
         gate_up_gemm = lambda q, qs: small(q, qs, token_of, w13, s13, offs)
@@ -317,8 +325,8 @@ def scaled_experts(
         gemm = grouped_gemm_op if compiling else grouped_gemm
         gate_up_gemm = lambda q, qs: gemm(q[token_of], qs[token_of], w13, s13, g13, in_scale, offs, mode)
         down_gemm = lambda q, qs: gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode)
-    gate, up = gate_up_gemm(*quantize_rows(x, in_scale, mode, triton)).chunk(2, dim=-1)
-    y = down_gemm(*quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode, triton))
+    gate, up = gate_up_gemm(*quantize_rows(x, in_scale, mode, one_pass)).chunk(2, dim=-1)
+    y = down_gemm(*quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode, one_pass))
     return combine_top_k(y, order, weights).to(x.dtype)
 
 

@@ -1,6 +1,6 @@
-"""dgpipe's Triton kernels for the routed experts: their grouped GEMM (FP8 on Hopper for passes with few
-rows per expert; FP8 and bf16 on Ada and RTX Blackwell for every pass: `pipeline.runtime.routed` for bf16), and
-the static-scale FP8 quantization of activations in one pass.
+"""dgpipe's Triton MoE GEMM for the routed experts: FP8 on Hopper for passes with few rows per expert; FP8 and
+bf16 on Ada and RTX Blackwell for every pass (`pipeline.runtime.routed` for bf16). The activations' FP8 and
+NVFP4 quantization kernels are `pipeline.runtime.triton_quant`.
 
 The MoE GEMM. At one canvas a pass routes 2,048 slots over 128 experts, ~16 rows per expert. torch's
 `F.scaled_grouped_mm` (CUTLASS, aten/src/ATen/native/cuda/ScaledGroupMM.cu) runs that on a 64x128 tile in
@@ -19,16 +19,8 @@ sync: CUDA graphs capture it). Operands: `a` E4M3 [rows, K] with one fp32 scale 
 acc * a_scale * w_scale, as torch's RowWise kernels compute. Or `a` and `w` bf16 without scales, as
 `F.grouped_mm` computes.
 
-The quantization. Eagerly, torch quantizes an activation to E4M3 in three passes (divide, clamp, cast:
-`scaled_layout.fp8_quantize`), 19 bytes of traffic per value where one pass needs 3; at 16 canvases the
-26B's eager FP8 pass spent about a quarter of its time in such element-wise passes. The kernel computes the
-same values: IEEE division (`div.rn`), a clamp that keeps NaN, and the round-to-nearest saturating E4M3
-conversion (`cvt.rn.satfinite`). Under torch.compile the traced torch form stays, so inductor can fuse it
-into the op that produced the activation.
-
-Both are checked in Triton's interpreter on the CPU and compiled for sm_90a, sm_89 and sm_120 there
-(tests/unit/runtime/test_triton_moe.py), and on the GPU by tests/gpu (the quantization bit for bit
-against torch's).
+It is checked in Triton's interpreter on the CPU and compiled for sm_90a, sm_89 and sm_120 there
+(tests/unit/runtime/test_triton_moe.py), and on the GPU by tests/gpu and the load-time probe.
 """
 
 from __future__ import annotations
@@ -199,40 +191,3 @@ def _interpreted() -> bool:
     multiplies their bit patterns as integers (Triton 3.9: ~1e10 for unit-size values), so there the bf16
     operands are widened to fp32 first; FP8 operands it multiplies correctly."""
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-QUANT_BLOCK = 2048  # values per program of the quantization kernel
-
-
-@functools.cache
-def _quant_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def fp8_static_quant(x_ptr, scale_ptr, out_ptr, n, E4M3_MAX: tl.constexpr, BLOCK: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = i < n
-        x = tl.load(x_ptr + i, mask=inside, other=0.0).to(tl.float32)
-        v = tl.math.div_rn(x, tl.load(scale_ptr).to(tl.float32))
-        v = tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(out_ptr + i, v.to(tl.float8e4nv), mask=inside)
-
-    return fp8_static_quant
-
-
-def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """E4M3 codes of x / scale, clamped to E4M3's range (one fp32 `scale` for the whole tensor): what
-    `scaled_layout.fp8_quantize` computes, in one pass."""
-    import triton
-
-    from pipeline.model.fake_quant import E4M3_MAX
-
-    x = x.contiguous()
-    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    n = x.numel()
-    if n:
-        _quant_kernel()[(triton.cdiv(n, QUANT_BLOCK),)](
-            x, scale, out, n, E4M3_MAX=E4M3_MAX, BLOCK=QUANT_BLOCK
-        )
-    return out

@@ -178,7 +178,7 @@ def test_triton_quantization_is_torchs_bit_for_bit(probed, dtype):
     random activations over 16 binades and the probe's edge values; and a linear using it computes
     exactly what the torch-quantized one does."""
     from pipeline.model import scaled_layout as sl
-    from pipeline.runtime import triton_moe
+    from pipeline.runtime import triton_quant
 
     if not probed.ok("triton:fp8"):
         pytest.skip(f"dgpipe's Triton kernels are not served here: {probed.results.get('triton:fp8')}")
@@ -187,9 +187,38 @@ def test_triton_quantization_is_torchs_bit_for_bit(probed, dtype):
     x = torch.cat([x.flatten(), torch.tensor(probing.QUANT_PROBE_VALUES)]).to(CUDA, dtype)
     for scale in (torch.tensor(0.5), torch.tensor(3.7e-3), torch.tensor(8.0 / 448)):
         s = scale.to(CUDA)
-        assert probing.fp8_codes_equal(triton_moe.quantize(x, s), sl.fp8_quantize(x, s)), float(scale)
+        assert probing.fp8_codes_equal(triton_quant.fp8(x, s), sl.fp8_quantize(x, s)), float(scale)
     q, xs = packed_linear("fp8", 256, 512, gen), torch.randn(37, 512, generator=gen).to(CUDA, torch.bfloat16)
     plain, one_pass = (tc.ScaledLinear(q, "fp8", CUDA, torch.bfloat16, triton=t)(xs) for t in (False, True))
+    assert torch.equal(plain, one_pass)
+
+
+@pytest.mark.parametrize("mode", ["nvfp4", "fp8_rowwise"])
+def test_triton_nvfp4_quantization_is_torchs_bit_for_bit(mode):
+    """The one-pass NVFP4 kernels against torch's forms on this GPU: the probe's rows, then random rows over
+    sixteen decades at the 26B's input widths, and a linear using them computes what the torch-quantized one
+    does. Run whatever the dispatch row of this GPU is: the kernels need no FP4 tensor cores."""
+    from pipeline.runtime import triton_moe
+
+    if triton_moe.unavailable(CUDA):
+        pytest.skip(triton_moe.unavailable(CUDA))
+    probing.check_triton_quant(mode, CUDA)
+    gen = torch.Generator().manual_seed(6)
+    for k in (704, 2112, 2816, 8192):
+        x = (torch.randn(64, k, generator=gen) * torch.logspace(-8, 8, 64)[:, None]).to(CUDA, torch.bfloat16)
+        gs = torch.tensor(0.003, device=CUDA)
+        (q, s), (want_q, want_s) = (tc.quantize_rows(x, gs, mode, triton=t) for t in (True, False))
+        if mode == "nvfp4":
+            assert torch.equal(q, want_q) and probing.fp8_codes_equal(s, want_s), k
+        else:
+            assert probing.fp8_codes_equal(q, want_q) and torch.equal(s, want_s), k
+    q, xs = (
+        packed_linear("nvfp4", 256, 512, gen),
+        torch.randn(37, 512, generator=gen).to(CUDA, torch.bfloat16),
+    )
+    plain, one_pass = (
+        tc.ScaledLinear(q, "fp8_rowwise", CUDA, torch.bfloat16, triton=t)(xs) for t in (False, True)
+    )
     assert torch.equal(plain, one_pass)
 
 

@@ -64,7 +64,7 @@ def test_kernels_that_failed_their_probe_take_the_rows_second_path():
     hopper.results["triton:fp8"] = "no Triton here"
     t = gt.trace_pass("fp8", "sm90", 1, LAYERS, probed=hopper)
     assert t.error is None and t.gemms()["F.scaled_grouped_mm"] == 2 * LAYERS  # torch's kernel at 1 canvas
-    assert "triton::fp8_quantize" not in t.ops  # torch's quantization too
+    assert "triton::fp8_static_quant" not in t.ops  # torch's quantization too
     rtx = gt.passing_probe("sm120")
     rtx.results["experts:nvfp4"] = "no grouped FP4 GEMM in this build"
     t = gt.trace_pass("nvfp4", "sm120", 16, LAYERS, probed=rtx)
@@ -107,7 +107,7 @@ def test_a_host_tensor_copied_into_the_pass_is_reported(monkeypatch):
 def test_triton_launches_are_counted_and_checked(monkeypatch):
     t = gt.trace_pass("fp8", "sm89", 16, LAYERS)
     # every quantized linear's input and both expert projections' inputs: FP8 in one pass each
-    assert t.ops["triton::fp8_quantize"] == QUANTIZED_LINEARS + 2 * LAYERS
+    assert t.ops["triton::fp8_static_quant"] == QUANTIZED_LINEARS + 2 * LAYERS
     assert t.ops["triton::moe_gemm"] == 2 * LAYERS
     launcher = gt._Launcher("moe_gemm", t.ops, lambda: True)
     with pytest.raises(RuntimeError, match="launched with a cpu tensor"):
@@ -127,3 +127,17 @@ def test_dgpipe_bench_gpu_trace_writes_json_and_table(tmp_path):
     assert result["config"] == "diffusiongemma-26b-a4b, 1 layers"
     assert (tmp_path / gt.TABLE_FILE).read_text().count("\n") == len(DISPATCH) + 2
     assert json.loads((tmp_path / gt.RESULT_FILE).read_text()) == result
+
+
+def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
+    """torch's element-wise NVFP4 quantization is ~50 launches an input (~13,000 a 26B pass); the kernels of
+    `pipeline.runtime.triton_quant` make it one, so Hopper's NVFP4 pass launches exactly what its FP8 pass does."""
+    inputs = QUANTIZED_LINEARS + 2 * LAYERS  # every quantized linear's and both expert projections'
+    hopper, fp8 = gt.trace_pass("nvfp4", "sm90", 1, LAYERS), gt.trace_pass("fp8", "sm90", 1, LAYERS)
+    assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs and hopper.launches == fp8.launches
+    b200 = gt.trace_pass("nvfp4", "sm100", 1, LAYERS)
+    assert b200.ops["triton::nvfp4_quant"] == inputs
+    no_kernel = gt.passing_probe("sm100")
+    no_kernel.results["quant:nvfp4"] = "failed"
+    torch_form = gt.trace_pass("nvfp4", "sm100", 1, LAYERS, probed=no_kernel)
+    assert "triton::nvfp4_quant" not in torch_form.ops and torch_form.launches > b200.launches + 40 * inputs

@@ -16,6 +16,7 @@ from pipeline.model.modelopt import _quantized_experts_forward
 from pipeline.runtime import probe as probing
 from pipeline.runtime import tensor_cores as tc
 from pipeline.runtime import triton_moe as tf
+from pipeline.runtime import triton_quant as tq
 from pipeline.runtime.dispatch import EVERY_PASS, TRITON_MAX_ROWS_PER_EXPERT
 from tests._utils.compile import compiled_whole, graph_targets
 from tests._utils.quantized import grouped_scaled_mm_on_cpu, packed_linear
@@ -195,30 +196,19 @@ for cc, operand in ((90, "fp8"), (89, "fp8"), (120, "fp8"), (89, "bf16"), (120, 
     out.append({"cc": cc, "operand": operand, "block_m": cfg["BLOCK_M"], "cubin": str(cubin), "cp_async": "cp.async" in ptx,
                 "wgmma_e4m3": "wgmma.mma_async" in ptx and "e4m3" in ptx, "shared": kernel.metadata.shared,
                 "mma": bool(re.search(mma, ptx))})
-quant = triton_moe._quant_kernel()
-for cc, dtype in ((90, "*bf16"), (90, "*fp32"), (89, "*bf16"), (120, "*bf16")):
-    sig = {"x_ptr": dtype, "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "n": "i32", "E4M3_MAX": "constexpr", "BLOCK": "constexpr"}
-    attrs = {(quant.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("x_ptr", "scale_ptr", "out_ptr", "n")}
-    src = ASTSource(fn=quant, signature=sig, constexprs={"E4M3_MAX": 448.0, "BLOCK": triton_moe.QUANT_BLOCK}, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 4})
-    ptx, cubin = kernel.asm["ptx"], Path(sys.argv[1]) / f"quant_sm{cc}_{dtype[1:]}.cubin"
-    cubin.write_bytes(kernel.asm["cubin"])
-    out.append({"quant": dtype, "cc": cc, "cubin": str(cubin), "ptx": sorted(set(re.findall(r"(div\\.\\S+|cvt\\.rn\\.satfinite\\S*|min\\.\\S+)", ptx)))})
 json.dump(out, sys.stdout)
 """
 
 
-def test_the_kernels_compile_for_hopper_ada_and_rtx_blackwell_without_spills(tmp_path):
-    """Triton (the installed version) lowers both kernels to sm_90a, sm_89 and sm_120 cubins, given what
+def test_the_kernel_compiles_for_hopper_ada_and_rtx_blackwell_without_spills(tmp_path):
+    """Triton (the installed version) lowers the GEMM to sm_90a, sm_89 and sm_120 cubins, given what
     its launcher specializes at run time on the 26B's shapes (aligned tensors, 16-divisible sizes): no GPU
     needed. The MoE GEMM at each M tile it picks keeps its loads software-pipelined through shared memory
     (cp.async) and fits the GPU's shared memory per block (H200: 227 KB; Ada and RTX Blackwell: 99 KB);
     the 64-row tile runs Hopper's FP8 warpgroup MMA (wgmma e4m3), every tile on Ada and RTX Blackwell their
-    FP8 `mma.sync` (e4m3). The quantization divides with IEEE rounding (div.rn), clamps keeping NaN
-    (min.NaN) and converts with round-to-nearest saturation (cvt.rn.satfinite): torch's arithmetic, which
-    tests/gpu and the load-time probe check bit for bit. No kernel spills a register to the stack
-    (ptxas's resource usage, read by cuobjdump); without the specializations the GEMM compiled to 255
-    registers and ~1.5 KB of stack per thread."""
+    FP8 `mma.sync` (e4m3). No tile spills a register to the stack (ptxas's resource usage, read by
+    cuobjdump); without the specializations the GEMM compiled to 255 registers and ~1.5 KB of stack per
+    thread. (The activations' quantization kernels: tests/unit/runtime/test_triton_quant.py.)"""
     import json
     import re
     import subprocess
@@ -233,8 +223,7 @@ def test_the_kernels_compile_for_hopper_ada_and_rtx_blackwell_without_spills(tmp
     run = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPUS, str(tmp_path)], capture_output=True, text=True,
                          env=env, cwd=root, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    compiled = json.loads(run.stdout)
-    kernels, quant = [k for k in compiled if "block_m" in k], [k for k in compiled if "quant" in k]
+    kernels = json.loads(run.stdout)
     hopper = [k for k in kernels if k["cc"] == 90]
     assert [k["block_m"] for k in hopper] == list(tf.BLOCK_MS)
     assert all(k["cp_async"] and 0 < k["shared"] <= 227 * 1024 for k in hopper), hopper
@@ -246,14 +235,9 @@ def test_the_kernels_compile_for_hopper_ada_and_rtx_blackwell_without_spills(tmp
         (op, cc, m) for op in ("fp8", "bf16") for cc in (89, 120) for m in tf.BLOCK_MS
     ]
     assert all(k["cp_async"] and k["mma"] and 0 < k["shared"] <= 99 * 1024 for k in others), others
-    assert [q["cc"] for q in quant] == [90, 90, 89, 120]
-    for q in quant:
-        # a NaN-keeping min: from sm90 on the fused form that clamps |x| and restores the sign (xorsign.abs)
-        assert q["ptx"][:2] == ["cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32"], q
-        assert q["ptx"][2:] == ["min.NaN.f32" if q["cc"] == 89 else "min.NaN.xorsign.abs.f32"], q
     tool = find_cuobjdump()
     assert tool, "cuobjdump: the nvidia-cuda-cuobjdump wheel is a test dependency"
-    for k in compiled:
+    for k in kernels:
         usage = subprocess.run(
             [tool, "--dump-resource-usage", k["cubin"]], capture_output=True, text=True
         ).stdout
@@ -305,7 +289,7 @@ def test_the_probe_uses_the_triton_kernels_only_where_they_agree_with_the_float_
     from pipeline.errors import DgpipeError
 
     monkeypatch.setattr(F, "scaled_grouped_mm", lambda *a, **k: pytest.fail("torch's grouped GEMM ran"))
-    monkeypatch.setattr(tf, "quantize", sl.fp8_quantize)
+    monkeypatch.setattr(tq, "fp8", sl.fp8_quantize)
     gen = torch.Generator().manual_seed(8)
     x, index, weights = (
         torch.randn(20, 128, generator=gen),
@@ -317,10 +301,10 @@ def test_the_probe_uses_the_triton_kernels_only_where_they_agree_with_the_float_
     one_off = lambda v, s: (sl.fp8_quantize(v, s).view(torch.uint8) ^ (torch.arange(v.numel()) == 3)).view(
         torch.float8_e4m3fn
     )
-    monkeypatch.setattr(tf, "quantize", one_off)
+    monkeypatch.setattr(tq, "fp8", one_off)
     with pytest.raises(DgpipeError, match="Triton FP8 quantization differs"):
         probing.check_triton_fp8("fp8", "fp8", CPU, x, index, weights)
-    monkeypatch.setattr(tf, "quantize", sl.fp8_quantize)
+    monkeypatch.setattr(tq, "fp8", sl.fp8_quantize)
     real = tf.moe_gemm
 
     def wrong_at(tile):  # the GEMM with its rows reversed at one M tile (None: the tile `tiles` picks)

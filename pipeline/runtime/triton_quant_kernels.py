@@ -1,0 +1,84 @@
+"""The Triton kernels of `pipeline.runtime.triton_quant` (imported on first use; see there)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def fp8_static_quant(x_ptr, scale_ptr, out_ptr, n, E4M3_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    x = tl.load(x_ptr + i, mask=inside, other=0.0).to(tl.float32)
+    v = tl.math.div_rn(x, tl.load(scale_ptr).to(tl.float32))
+    v = tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(out_ptr + i, v.to(tl.float8e4nv), mask=inside)
+
+
+@triton.jit
+def e2m1_code(a):
+    """How many of E2M1's decision points a >= 0 passes: the index of its nearest magnitude in
+    (0, .5, 1, 1.5, 2, 3, 4, 6), ties to the even mantissa (0.75, 1.75 and 3.5 round up)."""
+    return (
+        (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+    )  # fmt: skip
+
+
+@triton.jit
+def block_scale(amax, gs, E2M1_MAX: tl.constexpr, E4M3_MAX: tl.constexpr):
+    """The E4M3 scale of a 16-value block whose largest magnitude is `amax` (NaN if it holds a NaN)."""
+    s = tl.minimum(tl.math.div_rn(amax, E2M1_MAX * gs), E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return s.to(tl.float8e4nv)
+
+
+@triton.jit
+def nvfp4_quant(
+    x_ptr, gs_ptr, packed_ptr, scales_ptr, blocks, E2M1_MAX: tl.constexpr, E4M3_MAX: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    inside = b < blocks
+    pair = b[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]  # even columns; odd ones at +1
+    even = tl.load(x_ptr + pair, mask=inside[:, None], other=0.0).to(tl.float32)
+    odd = tl.load(x_ptr + pair + 1, mask=inside[:, None], other=0.0).to(tl.float32)
+    gs = tl.maximum(tl.load(gs_ptr).to(tl.float32), 1e-12, propagate_nan=tl.PropagateNan.ALL)
+    amax = tl.maximum(tl.max(tl.abs(even), 1), tl.max(tl.abs(odd), 1))
+    nan = tl.max(((even != even) | (odd != odd)).to(tl.int32), 1) > 0
+    bs = block_scale(tl.where(nan, float("nan"), amax), gs, E2M1_MAX, E4M3_MAX)
+    s = bs.to(tl.float32) * gs
+    valid = s >= 1e-5  # a block whose scale rounds below that is all zero codes
+    safe = tl.where(valid, s, 1.0)[:, None]
+    lo = tl.where(valid[:, None], e2m1_code(tl.math.div_rn(tl.abs(even), safe)), 0)
+    hi = tl.where(valid[:, None], e2m1_code(tl.math.div_rn(tl.abs(odd), safe)), 0)
+    lo = tl.where((even < 0) & (lo > 0), lo | 8, lo)  # the sign bit, on non-zero codes
+    hi = tl.where((odd < 0) & (hi > 0), hi | 8, hi)
+    tl.store(packed_ptr + pair // 2, (lo | (hi << 4)).to(tl.uint8), mask=inside[:, None])
+    tl.store(scales_ptr + b, bs, mask=inside)
+
+
+@triton.jit
+def nvfp4_fp8_rows(
+    x_ptr, gs_ptr, out_ptr, scales_ptr, K, stride_x, E2M1_MAX: tl.constexpr, E4M3_MAX: tl.constexpr,
+    NB: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, NB)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    inside = offs < K
+    x = tl.load(x_ptr + row * stride_x + offs, mask=inside, other=0.0)
+    xf = x.to(tl.float32)
+    g = tl.load(gs_ptr).to(tl.float32)
+    gs = tl.where(g > 0, g, 1e-12)
+    amax = tl.max(tl.abs(xf), 1)
+    nan = tl.max((xf != xf).to(tl.int32), 1) > 0
+    s = block_scale(tl.where(nan, float("nan"), amax), gs, E2M1_MAX, E4M3_MAX).to(tl.float32) * gs
+    s = tl.where(s >= 1e-5, s, 1.0)[:, None]
+    code = e2m1_code(tl.math.div_rn(tl.abs(xf), s))
+    mag = tl.where(
+        code < 4, code * 0.5, tl.where(code < 6, code - 2.0, code * 2.0 - 8.0)
+    )  # 0 .5 1 1.5 | 2 3 | 4 6
+    q = mag * s
+    v = tl.where(xf >= 0, q, -q).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded as the input's dtype
+    row_scale = tl.maximum(tl.math.div_rn(tl.max(tl.max(tl.abs(v), 1), 0), E4M3_MAX), 1e-12)
+    q8 = tl.clamp(tl.math.div_rn(v, row_scale), -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(out_ptr + row * K + offs, q8.to(tl.float8e4nv), mask=inside)
+    tl.store(scales_ptr + row, row_scale)

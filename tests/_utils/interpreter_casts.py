@@ -1,0 +1,34 @@
+"""Round-to-nearest-even float casts for Triton's CPU interpreter.
+
+The interpreter converts fp32 to E4M3 and to bf16 with its own bit arithmetic (Triton 3.9,
+`triton/runtime/interpreter.py: _convert_float`): it rounds half up on the first dropped bit, ignoring the
+rest, and truncates into E4M3's subnormals, where a GPU's `cvt.rn` rounds to nearest even. Tests that hold a
+kernel to torch's arithmetic bit for bit install torch's own conversions (IEEE round to nearest even) for
+those two casts, so what they compare is the kernel's arithmetic, not the interpreter's casts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+TORCH_DTYPES = {"fp8e4nv": (torch.float8_e4m3fn, torch.uint8), "bf16": (torch.bfloat16, torch.int16)}
+
+
+@pytest.fixture
+def rne_casts(monkeypatch):
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+
+    def rounded(data, input_dtype, output_dtype, rounding_mode):
+        target = TORCH_DTYPES.get(output_dtype.name)
+        if input_dtype.name != "fp32" or target is None:
+            return convert(data, input_dtype, output_dtype, rounding_mode)
+        dtype, bits = target
+        values = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
+        out = values.to(dtype).view(bits).numpy()
+        return out.view(np.uint8 if bits == torch.uint8 else np.uint16).reshape(data.shape)
+
+    monkeypatch.setattr(interpreter, "_convert_float", rounded)

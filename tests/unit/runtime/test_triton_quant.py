@@ -1,0 +1,185 @@
+"""dgpipe's one-pass activation quantization kernels (`pipeline.runtime.triton_quant`) in Triton's interpreter,
+code for code against torch's forms, and compiled for Hopper, B200, Ada and RTX Blackwell without a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pipeline.errors import DgpipeError
+from pipeline.model import scaled_layout as sl
+from pipeline.model.fake_quant import nvfp4_fake_quant
+from pipeline.runtime import probe as probing
+from pipeline.runtime import triton_quant as tq
+from pipeline.runtime.tensor_cores import _rowwise_dynamic, quantize_rows
+from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton's interpreter is on where no GPU is (tests/conftest.py)",
+)
+CPU = torch.device("cpu")
+
+
+def activations(dtype: torch.dtype, k: int = 256, seed: int = 0) -> torch.Tensor:
+    """Rows over twelve decades, with an all-zero block, a block too small for a scale, NaN, infinities,
+    and the probe's rows (every E2M1 decision point and its neighbours)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(37, k, generator=g) * torch.logspace(-6, 6, 37)[:, None]
+    x[0, :16], x[4, :32] = 0.0, 1e-30
+    x[1, 3], x[2, 5], x[3, 17] = float("nan"), float("inf"), -float("inf")
+    x = torch.cat([x[:, :176], probing.nvfp4_probe_rows(CPU).float()]) if k == 176 else x
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("global_scale", [0.01, 0.5, 0.0, 1e-20, 3.0])
+def test_nvfp4_codes_and_scales_are_torchs(rne_casts, dtype, global_scale):  # noqa: F811
+    x, gs = activations(dtype), torch.tensor(global_scale)
+    (packed, scales), (want_packed, want_scales) = tq.nvfp4(x, gs), sl.nvfp4_quantize(x, gs)
+    assert torch.equal(packed, want_packed)
+    assert probing.fp8_codes_equal(scales, want_scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("global_scale", [0.01, 0.5, 0.0, 3.0])
+@pytest.mark.parametrize("k", [176, 256, 704])  # 11, 16 and 44 blocks: rows not a power of two of blocks
+def test_nvfp4_rounded_rows_as_fp8_are_torchs(rne_casts, dtype, global_scale, k):  # noqa: F811
+    x, gs = activations(dtype, k), torch.tensor(global_scale)
+    (q, scales), (want_q, want_scales) = tq.nvfp4_fp8_rows(x, gs), _rowwise_dynamic(nvfp4_fake_quant(x, gs))
+    assert probing.fp8_codes_equal(q, want_q)
+    assert torch.equal(scales, want_scales)
+
+
+def test_leading_dims_strided_rows_and_empty_inputs(rne_casts):  # noqa: F811
+    x = activations(torch.bfloat16).reshape(37, 4, 64)
+    (packed, scales), want = tq.nvfp4(x, torch.tensor(0.02)), sl.nvfp4_quantize(x, torch.tensor(0.02))
+    assert packed.shape == (37, 4, 32) and scales.shape == (37, 4, 4)
+    assert torch.equal(packed, want[0]) and probing.fp8_codes_equal(scales, want[1])
+    wide = activations(torch.bfloat16, 704)
+    rows = wide[:, 64:240]  # 176 columns at a stride of 704
+    got, want = (
+        tq.nvfp4_fp8_rows(rows, torch.tensor(0.01)),
+        _rowwise_dynamic(nvfp4_fake_quant(rows, torch.tensor(0.01))),
+    )
+    assert probing.fp8_codes_equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    empty = torch.empty(0, 64, dtype=torch.bfloat16)
+    assert tq.nvfp4(empty, torch.tensor(1.0))[0].shape == (0, 32)
+    assert tq.nvfp4_fp8_rows(empty, torch.tensor(1.0))[1].shape == (0,)
+
+
+def test_without_round_to_nearest_even_casts_the_interpreter_misses_torchs_codes():
+    """Why the tests above install torch's casts: the interpreter's own E4M3 rounding is not torch's (nor a
+    GPU's), so a bit-for-bit comparison would test the interpreter."""
+    x, gs = activations(torch.bfloat16), torch.tensor(0.01)
+    assert not probing.fp8_codes_equal(tq.nvfp4(x, gs)[1], sl.nvfp4_quantize(x, gs)[1])
+
+
+def test_the_probe_holds_each_kernel_to_torchs_form(rne_casts, monkeypatch):  # noqa: F811
+    for mode in ("nvfp4", "fp8_rowwise"):
+        probing.check_triton_quant(mode, CPU)
+    real = tq.nvfp4
+
+    def one_code_off(x, gs):
+        packed, scales = real(x, gs)
+        return packed ^ (torch.arange(packed.numel()).reshape(packed.shape) == 5).to(torch.uint8), scales
+
+    monkeypatch.setattr(tq, "nvfp4", one_code_off)
+    with pytest.raises(DgpipeError, match="Triton nvfp4 activation quantization differs"):
+        probing.check_triton_quant("nvfp4", CPU)
+    monkeypatch.setattr(tq, "nvfp4_fp8_rows", lambda x, gs: _rowwise_dynamic(x))  # no NVFP4 rounding
+    with pytest.raises(DgpipeError, match="Triton fp8_rowwise activation quantization differs"):
+        probing.check_triton_quant("fp8_rowwise", CPU)
+
+
+def test_the_probe_plan_checks_the_nvfp4_kernels_where_a_row_quantizes_nvfp4_activations():
+    quant = lambda arch: [m for k, m, _ in probing.probe_plan(arch) if k == "quant"]
+    assert quant("sm100") == ["nvfp4"]
+    assert quant("sm120") == ["nvfp4", "fp8_rowwise"]  # its experts' second path re-quantizes to FP8
+    assert quant("sm90") == quant("sm89") == ["fp8_rowwise"]
+    assert not [k for k, *_ in probing.probe_plan("sm90", ("fp8", "bf16")) if k == "quant"]
+
+
+def test_quantize_rows_takes_the_kernels_on_cuda_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tq, "nvfp4", lambda x, gs: calls.append("nvfp4"))
+    x = activations(torch.bfloat16)
+    quantize_rows(x, torch.tensor(0.01), "nvfp4", triton=True)  # a CPU tensor: torch's form
+    assert calls == []
+
+
+COMPILE_FOR_GPUS = """
+import json, re, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pipeline.runtime import triton_quant, triton_quant_kernels as k
+
+consts = {"E2M1_MAX": 6.0, "E4M3_MAX": 448.0}
+forms = {
+    "fp8": (k.fp8_static_quant, {"x_ptr": "*bf16", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "n": "i32"},
+            {"E4M3_MAX": 448.0, "BLOCK": triton_quant.FP8_BLOCK}, 4),
+    "nvfp4": (k.nvfp4_quant, {"x_ptr": "*bf16", "gs_ptr": "*fp32", "packed_ptr": "*u8", "scales_ptr": "*fp8e4nv",
+              "blocks": "i32"}, {**consts, "BLOCKS": triton_quant.NVFP4_BLOCKS}, 4),
+    # the 26B's widest input (the global layers' o_proj: 16 heads x 512): 512 blocks a row
+    "nvfp4_fp8_rows": (k.nvfp4_fp8_rows, {"x_ptr": "*bf16", "gs_ptr": "*fp32", "out_ptr": "*fp8e4nv",
+                       "scales_ptr": "*fp32", "K": "i32", "stride_x": "i32"}, {**consts, "NB": 512}, 8),
+}
+out = []
+for cc in (90, 100, 89, 120):
+    for name, (fn, sig, constexprs, warps) in forms.items():
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")}
+        src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(constexprs, "constexpr")}, constexprs=constexprs, attrs=attrs)
+        kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps})
+        ptx, cubin = kernel.asm["ptx"], Path(sys.argv[1]) / f"{name}_sm{cc}.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        out.append({"name": name, "cc": cc, "cubin": str(cubin),
+                    "ptx": sorted(set(re.findall(r"(div\\.\\S+|cvt\\.rn\\.satfinite\\S*|min\\.\\S+)", ptx)))})
+json.dump(out, sys.stdout)
+"""
+
+
+def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
+    """Triton (the installed version) lowers the three kernels to sm_90a, sm_100a, sm_89 and sm_120 cubins, no
+    GPU needed. Each divides with IEEE rounding (div.rn), converts to E4M3 with round-to-nearest saturation
+    (cvt.rn.satfinite), and keeps NaN through its clamps (min.NaN): torch's arithmetic, which the tests above
+    and the load-time probe hold them to bit for bit. None spills a register to local memory (no STL/LDL
+    in the SASS; the NVFP4 kernel's 8-byte stack frame is a local array Triton declares and never uses)."""
+    import json
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    run = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPUS, str(tmp_path)], capture_output=True, text=True,
+                         env=env, cwd=Path(__file__).parents[3], timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    compiled = json.loads(run.stdout)
+    assert [(k["name"], k["cc"]) for k in compiled] == [
+        (n, cc) for cc in (90, 100, 89, 120) for n in ("fp8", "nvfp4", "nvfp4_fp8_rows")
+    ]
+    for k in compiled:
+        assert "div.rn.f32" in k["ptx"] and "cvt.rn.satfinite.e4m3x2.f32" in k["ptx"], k
+        assert any(p.startswith("min.NaN") for p in k["ptx"]), k
+    import triton
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"  # ships with Triton
+    for k in compiled:  # a spill is a local store and load in the machine code (STL / LDL)
+        sass = subprocess.run([str(nvdisasm), k["cubin"]], capture_output=True, text=True, check=True).stdout
+        assert "EXIT" in sass and not re.search(r"\b(STL|LDL)\b", sass), k["name"]
+
+
+def test_which_loads_quantize_activations_in_one_pass():
+    from pipeline.runtime import gpu_load
+    from pipeline.runtime.probe import Probe
+
+    pr = Probe("sm120", {"quant:nvfp4": None, "quant:fp8_rowwise": "a compile error"})
+    assert gpu_load.one_pass("nvfp4", 0.0, pr)  # its own probe passed; no Triton GEMM needed
+    assert not gpu_load.one_pass("fp8_rowwise", 64, pr)  # its probe failed: torch's form
+    assert gpu_load.one_pass("fp8", 64, pr) and not gpu_load.one_pass("fp8", 0.0, pr)  # with the Triton GEMM
+    assert not gpu_load.one_pass(None, 64, pr)
