@@ -60,7 +60,12 @@ from pipeline.runtime.kv_cache import KVCache, attention_masks
 from pipeline.runtime.probe import Probe, probe_plan
 
 CONFIG = "diffusiongemma-26b-a4b"
-QUANT_KERNELS = ("fp8_static_quant", "nvfp4_quant", "nvfp4_fp8_rows")  # `triton_quant`'s kernels
+QUANT_KERNELS = (
+    "fp8_static_quant",
+    "nvfp4_quant",
+    "nvfp4_fp8_rows",
+    "blocked_scales",
+)  # `triton_quant`'s kernels
 CONTEXT = 256  # cached prompt tokens under the traced pass, as `bench gpu` measures it
 CAPABILITY = {"sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
 NO_CUDA = "not linked with support for cuda"  # a CPU build's error for a CUDA device guard or generator

@@ -183,13 +183,20 @@ def nvfp4_probe_rows(dev: torch.device) -> torch.Tensor:
 
 
 def check_triton_quant(mode: str, dev: torch.device) -> None:
-    """dgpipe's one-pass NVFP4 quantization (`mode` "nvfp4": codes and block scales; "fp8_rowwise": NVFP4
-    rounding then per-row E4M3) bit for bit against torch's form on `nvfp4_probe_rows`, or a DgpipeError."""
+    """dgpipe's one-pass NVFP4 quantization (`mode` "nvfp4": codes and block scales, and the scales' swizzle
+    for one linear and for grouped rows; "fp8_rowwise": NVFP4 rounding then per-row E4M3) bit for bit against
+    torch's form on `nvfp4_probe_rows`, or a DgpipeError."""
     x, gs = nvfp4_probe_rows(dev), torch.tensor(0.5, device=dev)
     kernel = triton_quant.nvfp4 if mode == "nvfp4" else triton_quant.nvfp4_fp8_rows
     (q, s), (want_q, want_s) = kernel(x, gs), quantize_rows(x, gs, mode)
     if mode == "nvfp4":
         same = torch.equal(q, want_q) and fp8_codes_equal(s, want_s)
+        raw, offs = (
+            want_s.view(torch.uint8),
+            torch.tensor([3, 3, 8], dtype=torch.int32, device=dev),
+        )  # one empty
+        same = same and torch.equal(triton_quant.blocked_scales(raw), sl.to_blocked(raw))
+        same = same and torch.equal(triton_quant.blocked_scales(raw, offs), sl.to_blocked_grouped(raw, offs))
     else:
         same = fp8_codes_equal(q, want_q) and torch.equal(s, want_s)
     if not same:

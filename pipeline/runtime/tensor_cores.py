@@ -93,7 +93,7 @@ class ScaledLinear(nn.Module):
         elif self.mode == "nvfp4":
             # packed codes (uint8), per-16 block scales
             a, bs = quantize_rows(x2, self.input_scale, "nvfp4", self.triton)
-            a_scales = [sl.to_blocked(bs.view(torch.uint8)).view(torch.float8_e4m3fn), self.input_scale]
+            a_scales = [blocked(bs, None, in_one_pass(self.triton, x2)), self.input_scale]
             b_scales = [self.weight_scale, self.weight_scale_2]
         else:
             a, s = quantize_rows(x2, self.input_scale, "fp8_rowwise", self.triton)
@@ -240,6 +240,23 @@ class ScaledExperts(nn.Module):
         )
 
 
+def in_one_pass(triton: bool, x: torch.Tensor) -> bool:
+    """Whether `triton_quant`'s kernels prepare x's operand: asked for, on CUDA, and not under torch.compile
+    (which fuses the torch forms into the ops around them)."""
+    return triton and x.is_cuda and not torch.compiler.is_compiling()
+
+
+def blocked(scales: torch.Tensor, offs: torch.Tensor | None, one_pass: bool) -> torch.Tensor:
+    """NVFP4 activation block scales in the swizzled layout the GEMM reads (`scaled_layout.to_blocked`, or
+    `to_blocked_grouped` by `offs`), by `triton_quant.blocked_scales` in one kernel where `one_pass`."""
+    raw = scales.view(torch.uint8)
+    if one_pass:
+        out = triton_quant.blocked_scales(raw, offs)
+    else:
+        out = sl.to_blocked(raw) if offs is None else sl.to_blocked_grouped(raw, offs)
+    return out.view(torch.float8_e4m3fn)
+
+
 def quantize_rows(
     x: torch.Tensor, in_scale: torch.Tensor, mode: str, triton: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,7 +265,7 @@ def quantize_rows(
     row is quantized on its own, so quantizing before a row gather equals quantizing the gathered rows.
     `triton`: in one pass on CUDA (`pipeline.runtime.triton_quant`, the same codes), except under
     torch.compile, which fuses the torch form into its producer."""
-    one_pass = triton and x.is_cuda and not torch.compiler.is_compiling()
+    one_pass = in_one_pass(triton, x)
     if mode == "fp8":
         q = triton_quant.fp8(x, in_scale) if one_pass else sl.fp8_quantize(x, in_scale)
         return q, in_scale.float().expand(x.shape[0])
@@ -269,14 +286,16 @@ def grouped_gemm(
     offs: torch.Tensor,
     mode: str,
     fast_accum: bool = FP8_FAST_ACCUM,
+    one_pass: bool = False,
 ) -> torch.Tensor:
     """One grouped scaled GEMM: expert-sorted operand rows `q` (scales `qs`) times `w` [E, N, K] packed
     (scales `s`, NVFP4 global scales `g`), bf16 out (the only output torch's grouped FP8/FP4 kernels write).
-    `fast_accum`: FP8 accumulation mode (`FP8_FAST_ACCUM`; the benchmark times the other one too)."""
+    `fast_accum`: FP8 accumulation mode (`FP8_FAST_ACCUM`; the benchmark times the other one too);
+    `one_pass`: NVFP4 scales swizzled by `triton_quant` (on CUDA)."""
     scaling, swizzle = _api()
     weight, num_experts = w.transpose(-2, -1), w.shape[0]
     if mode == "nvfp4":
-        a_scale = sl.to_blocked_grouped(qs.view(torch.uint8), offs).view(torch.float8_e4m3fn)
+        a_scale = blocked(qs, offs, in_one_pass(one_pass, qs))
         return F.scaled_grouped_mm(
             sl.as_fp4x2(q), weight,
             [a_scale, in_scale.expand(num_experts).contiguous()], [scaling.BlockWise1x16, scaling.TensorWise],
@@ -323,8 +342,10 @@ def scaled_experts(
         down_gemm = lambda q, qs: small(q, qs, None, w2, s2, offs)
     else:
         gemm = grouped_gemm_op if compiling else grouped_gemm
-        gate_up_gemm = lambda q, qs: gemm(q[token_of], qs[token_of], w13, s13, g13, in_scale, offs, mode)
-        down_gemm = lambda q, qs: gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode)
+        gate_up_gemm = lambda q, qs: gemm(
+            q[token_of], qs[token_of], w13, s13, g13, in_scale, offs, mode, one_pass=one_pass
+        )
+        down_gemm = lambda q, qs: gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode, one_pass=one_pass)
     gate, up = gate_up_gemm(*quantize_rows(x, in_scale, mode, one_pass)).chunk(2, dim=-1)
     y = down_gemm(*quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode, one_pass))
     return combine_top_k(y, order, weights).to(x.dtype)
@@ -344,7 +365,7 @@ scaled_gemm_op.register_fake(
 )
 grouped_gemm_op = torch.library.custom_op("dgpipe::grouped_scaled_gemm", mutates_args=())(grouped_gemm)
 grouped_gemm_op.register_fake(
-    lambda q, qs, w, s, g, in_scale, offs, mode, fast_accum=FP8_FAST_ACCUM: q.new_empty(
+    lambda q, qs, w, s, g, in_scale, offs, mode, fast_accum=FP8_FAST_ACCUM, one_pass=False: q.new_empty(
         (q.shape[0], w.shape[1]), dtype=torch.bfloat16
     )
 )

@@ -24,6 +24,7 @@ import functools
 
 import torch
 
+from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E2M1_MAX, E4M3_MAX, NVFP4_BLOCK
 
 FP8_BLOCK = 2048  # values per program of the FP8 kernel
@@ -86,3 +87,28 @@ def nvfp4_fp8_rows(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.T
             NB=triton.next_power_of_2(k // NVFP4_BLOCK), num_warps=8 if k > 4096 else 4,
         )  # fmt: skip
     return out, scales
+
+
+BLOCKED_ROWS = 4  # scale rows per program of the swizzle kernel (16 spilled registers on sm_100a)
+
+
+def blocked_scales(scales: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
+    """NVFP4 block scales [M, C] (uint8) in the 128x4-tile layout cuBLAS's block-scaled GEMMs read, in one
+    kernel: `scaled_layout.to_blocked` (flat) without `offs`; with int32 group end offsets `offs`,
+    `scaled_layout.to_blocked_grouped` (each group from a 128-row boundary, [blocked_rows_bound, C padded to 4]).
+    torch's form is ~5 launches a linear and ~30 a grouped projection (index arithmetic, a scatter)."""
+    import triton
+
+    m, c = scales.shape
+    cp = sl.ceil_div(c, sl.TILE_COLS) * sl.TILE_COLS
+    groups = 1 if offs is None else offs.shape[0]
+    rows = sl.ceil_div(m, sl.TILE_ROWS) * sl.TILE_ROWS if offs is None else sl.blocked_rows_bound(m, groups)
+    if rows * cp >= 2**31:  # the kernel's indices are int32 (64-bit ones spilled registers on sm_120)
+        raise ValueError(f"{rows * cp} swizzled scales: more than the kernel's int32 indices reach")
+    out = torch.zeros(rows * cp, dtype=torch.uint8, device=scales.device)
+    if m:
+        _kernels().blocked_scales[(triton.cdiv(m, BLOCKED_ROWS),)](
+            scales.contiguous(), scales if offs is None else offs, out, m, c, cp, groups, ONE_GROUP=offs is None,
+            G_POW2=triton.next_power_of_2(groups), BLOCK_R=BLOCKED_ROWS, BLOCK_C=triton.next_power_of_2(c),
+        )  # fmt: skip
+    return out if offs is None else out.view(-1, cp)

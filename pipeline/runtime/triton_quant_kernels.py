@@ -82,3 +82,31 @@ def nvfp4_fp8_rows(
     q8 = tl.clamp(tl.math.div_rn(v, row_scale), -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
     tl.store(out_ptr + row * K + offs, q8.to(tl.float8e4nv), mask=inside)
     tl.store(scales_ptr + row, row_scale)
+
+
+@triton.jit
+def blocked_scales(
+    scales_ptr, offs_ptr, out_ptr, S, C, CP, num_groups, ONE_GROUP: tl.constexpr, G_POW2: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows, in group order (int32: the caller checks)
+    if ONE_GROUP:
+        start = tl.zeros_like(r)
+        pstart = tl.zeros_like(r)
+    else:  # each row's group from the end offsets, on the device
+        e = tl.arange(0, G_POW2)
+        live = e < num_groups
+        ends = tl.load(offs_ptr + e, mask=live, other=0)
+        starts = tl.load(offs_ptr + e - 1, mask=live & (e > 0), other=0)
+        padded = tl.where(live, (ends - starts + 127) // 128 * 128, 0)  # each group's rows, padded to 128
+        g = tl.sum(((ends[None, :] <= r[:, None]) & live[None, :]).to(tl.int32), 1)
+        g = tl.minimum(g, num_groups - 1)
+        start = tl.sum(tl.where(e[None, :] == g[:, None], starts[None, :], 0), 1)
+        pstart = tl.sum(tl.where(e[None, :] < g[:, None], padded[None, :], 0), 1)
+    ri = r - start  # row inside its group
+    tile_row = pstart + ri // 128 * 128  # first row of its 128-row tile block
+    within = (ri % 32) * 16 + (ri % 128) // 32 * 4
+    c = tl.arange(0, BLOCK_C)
+    flat = (tile_row * CP + within)[:, None] + (c // 4 * 512 + c % 4)[None, :]
+    m = (r < S)[:, None] & (c < C)[None, :]
+    tl.store(out_ptr + flat, tl.load(scales_ptr + r[:, None] * C + c[None, :], mask=m, other=0), mask=m)

@@ -70,6 +70,19 @@ def test_leading_dims_strided_rows_and_empty_inputs(rne_casts):  # noqa: F811
     assert tq.nvfp4_fp8_rows(empty, torch.tensor(1.0))[1].shape == (0,)
 
 
+@pytest.mark.parametrize(("m", "c"), [(37, 11), (300, 44), (128, 176), (1, 3)])
+def test_scale_swizzles_are_torchs(m, c):
+    """The block scales' 128x4-tile layout for one linear and for rows grouped by expert (uneven, empty and
+    leading empty groups, rows not a multiple of 128, columns not of 4): byte for byte."""
+    g = torch.Generator().manual_seed(m)
+    s = torch.randint(0, 256, (m, c), dtype=torch.uint8, generator=g)
+    assert torch.equal(tq.blocked_scales(s), sl.to_blocked(s))
+    for groups in (1, 4, 7, 128):
+        cuts = torch.sort(torch.randint(0, m + 1, (groups - 1,), generator=g)).values
+        offs = torch.cat([cuts, torch.tensor([m])]).to(torch.int32)
+        assert torch.equal(tq.blocked_scales(s, offs), sl.to_blocked_grouped(s, offs)), offs.tolist()
+
+
 def test_without_round_to_nearest_even_casts_the_interpreter_misses_torchs_codes():
     """Why the tests above install torch's casts: the interpreter's own E4M3 rounding is not torch's (nor a
     GPU's), so a bit-for-bit comparison would test the interpreter."""
@@ -87,6 +100,11 @@ def test_the_probe_holds_each_kernel_to_torchs_form(rne_casts, monkeypatch):  # 
         return packed ^ (torch.arange(packed.numel()).reshape(packed.shape) == 5).to(torch.uint8), scales
 
     monkeypatch.setattr(tq, "nvfp4", one_code_off)
+    with pytest.raises(DgpipeError, match="Triton nvfp4 activation quantization differs"):
+        probing.check_triton_quant("nvfp4", CPU)
+    monkeypatch.setattr(tq, "nvfp4", real)
+    swizzle = tq.blocked_scales
+    monkeypatch.setattr(tq, "blocked_scales", lambda s, offs=None: swizzle(s.flip(0), offs))  # rows swapped
     with pytest.raises(DgpipeError, match="Triton nvfp4 activation quantization differs"):
         probing.check_triton_quant("nvfp4", CPU)
     monkeypatch.setattr(tq, "nvfp4_fp8_rows", lambda x, gs: _rowwise_dynamic(x))  # no NVFP4 rounding
@@ -128,6 +146,11 @@ forms = {
     "nvfp4_fp8_rows": (k.nvfp4_fp8_rows, {"x_ptr": "*bf16", "gs_ptr": "*fp32", "out_ptr": "*fp8e4nv",
                        "scales_ptr": "*fp32", "K": "i32", "stride_x": "i32"}, {**consts, "NB": 512}, 8),
 }
+swizzle = {"scales_ptr": "*u8", "offs_ptr": "*i32", "out_ptr": "*u8", "S": "i32", "C": "i32", "CP": "i32",
+           "num_groups": "i32"}
+for one in (True, False):  # 128 experts' grouped rows of 176 scale columns (the 26B's hidden size / 16)
+    forms[f"blocked_scales_{'one' if one else 'grouped'}"] = (k.blocked_scales, swizzle,
+        {"ONE_GROUP": one, "G_POW2": 128, "BLOCK_R": triton_quant.BLOCKED_ROWS, "BLOCK_C": 256}, 4)
 out = []
 for cc in (90, 100, 89, 120):
     for name, (fn, sig, constexprs, warps) in forms.items():
@@ -143,8 +166,8 @@ json.dump(out, sys.stdout)
 
 
 def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
-    """Triton (the installed version) lowers the three kernels to sm_90a, sm_100a, sm_89 and sm_120 cubins, no
-    GPU needed. Each divides with IEEE rounding (div.rn), converts to E4M3 with round-to-nearest saturation
+    """Triton (the installed version) lowers the four kernels to sm_90a, sm_100a, sm_89 and sm_120 cubins, no
+    GPU needed. Each quantizing kernel divides with IEEE rounding (div.rn), converts to E4M3 with round-to-nearest saturation
     (cvt.rn.satfinite), and keeps NaN through its clamps (min.NaN): torch's arithmetic, which the tests above
     and the load-time probe hold them to bit for bit. None spills a register to local memory (no STL/LDL
     in the SASS; the NVFP4 kernel's 8-byte stack frame is a local array Triton declares and never uses)."""
@@ -160,10 +183,9 @@ def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spill
                          env=env, cwd=Path(__file__).parents[3], timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = json.loads(run.stdout)
-    assert [(k["name"], k["cc"]) for k in compiled] == [
-        (n, cc) for cc in (90, 100, 89, 120) for n in ("fp8", "nvfp4", "nvfp4_fp8_rows")
-    ]
-    for k in compiled:
+    names = ("fp8", "nvfp4", "nvfp4_fp8_rows", "blocked_scales_one", "blocked_scales_grouped")
+    assert [(k["name"], k["cc"]) for k in compiled] == [(n, cc) for cc in (90, 100, 89, 120) for n in names]
+    for k in (k for k in compiled if not k["name"].startswith("blocked")):  # the swizzle only moves bytes
         assert "div.rn.f32" in k["ptx"] and "cvt.rn.satfinite.e4m3x2.f32" in k["ptx"], k
         assert any(p.startswith("min.NaN") for p in k["ptx"]), k
     import triton
