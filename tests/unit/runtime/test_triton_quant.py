@@ -1,5 +1,6 @@
 """dgpipe's one-pass activation quantization kernels (`pipeline.runtime.triton_quant`) in Triton's interpreter,
-code for code against torch's forms, and compiled for Hopper, B200, Ada and RTX Blackwell without a GPU."""
+code for code against torch's forms (with round-to-nearest-even casts: tests/_utils/interpreter_casts.py), and
+compiled for Hopper, B200, Ada and RTX Blackwell without a GPU."""
 
 from __future__ import annotations
 
@@ -32,6 +33,19 @@ def activations(dtype: torch.dtype, k: int = 256, seed: int = 0) -> torch.Tensor
     x[1, 3], x[2, 5], x[3, 17] = float("nan"), float("inf"), -float("inf")
     x = torch.cat([x[:, :176], probing.nvfp4_probe_rows(CPU).float()]) if k == 176 else x
     return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scale", [0.5, 3.7e-3, 8.0 / 448])
+def test_fp8_codes_are_torchs(rne_casts, dtype, scale):  # noqa: F811
+    """Normal, subnormal, tie, saturating and non-finite values (the probe's) and random ones over 32 binades."""
+    v = torch.tensor(probing.QUANT_PROBE_VALUES)
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat(
+        [v, -v, (torch.randn(64, 512, generator=g) * torch.logspace(-16, 16, 512, base=2.0)).flatten()]
+    )
+    x, s = x.to(dtype), torch.tensor(scale)
+    assert probing.fp8_codes_equal(tq.fp8(x, s), sl.fp8_quantize(x, s))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
