@@ -18,63 +18,39 @@ combine) and dgpipe's Triton launch code up to the launch. For each (format, arc
 What it cannot show: numerics, speed, a vendor kernel's own argument checks (fake tensors run torch's meta
 functions), or whether a kernel exists in the host's build (the load-time probe, `pipeline.runtime.probe`).
 
-How, in a CPU build of torch: a fake CUDA tensor works for most ops, but the ops that need a CUDA device
-guard or generator (indexing, `copy_`, `sort`, random draws) raise "not linked with support for cuda
-devices"; those run on meta tensors of the same layout and the result is made a fake CUDA tensor again.
-torch 2.13 has no meta function for `_scaled_grouped_mm_v2`; one is registered here for the 2-D x 3-D
-grouped form dgpipe calls. The device capability is the traced arch's, and every probed kernel counts as
-passed unless a `Probe` says otherwise.
+How: `pipeline.bench.fake_cuda` (fake CUDA tensors in a CPU build of torch, Triton launches counted). The
+device capability is the traced arch's, and every probed kernel counts as passed unless a `Probe` says
+otherwise.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
-from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
-    FakeTensor,
     FakeTensorMode,
     unset_fake_temporarily,
 )
-from torch.overrides import TorchFunctionMode, resolve_name
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
 
 from pipeline.atomic import atomic_write_text
+from pipeline.bench.fake_cuda import HostTensorInPass, fake_gpu, to_fake_cuda
 from pipeline.bench.results import save_result
 from pipeline.errors import error_line
 from pipeline.model.config import ModelConfig
 from pipeline.model.network import DiffusionGemma, canvas_positions
 from pipeline.resources import load_yaml
-from pipeline.runtime import triton_moe, triton_quant
 from pipeline.runtime.dispatch import DISPATCH, dispatch, weight_bytes
 from pipeline.runtime.kv_cache import KVCache, attention_masks
 from pipeline.runtime.probe import Probe, probe_plan
 
 CONFIG = "diffusiongemma-26b-a4b"
-QUANT_KERNELS = (
-    "fp8_static_quant",
-    "nvfp4_quant",
-    "nvfp4_fp8_rows",
-    "blocked_scales",
-)  # `triton_quant`'s kernels
 CONTEXT = 256  # cached prompt tokens under the traced pass, as `bench gpu` measures it
-CAPABILITY = {"sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
-NO_CUDA = "not linked with support for cuda"  # a CPU build's error for a CUDA device guard or generator
-# operations that launch no work on the device (views are recognised by their schema)
-NO_WORK = frozenset(
-    {"prim::device", "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
-     "aten::detach", "aten::detach_", "aten::lift_fresh", "aten::_local_scalar_dense"}
-)  # fmt: skip
-# the GEMMs, by the name the dispatch table gives them
 GEMMS = {
     "aten::_scaled_mm_v2": "F.scaled_mm",
     "aten::_scaled_grouped_mm_v2": "F.scaled_grouped_mm",
@@ -107,148 +83,6 @@ class PassTrace:
         return {GEMMS[op]: n for op, n in self.ops.items() if op in GEMMS}
 
 
-class _Dispatch(TorchDispatchMode):
-    """Counts the pass's operations; runs on meta tensors the ops whose fake kernel needs a CUDA build."""
-
-    def __init__(self, fake: FakeTensorMode) -> None:
-        super().__init__()
-        self.fake, self.ops, self.counting = fake, Counter(), False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func._schema.name
-        if self.counting:
-            _refuse_host_tensors(name, args, kwargs)
-            if not func.is_view and name not in NO_WORK:
-                self.ops[name] += 1
-        try:
-            return func(*args, **kwargs)
-        except RuntimeError as e:
-            if NO_CUDA not in str(e):
-                raise
-        if isinstance(kwargs.get("device"), torch.device | str):
-            kwargs = {**kwargs, "device": "meta"}
-        return _on_meta(self.fake, func, args, kwargs)
-
-
-# ops and tensor methods that copy their input to the device (the methods are seen first: under inference
-# mode a host tensor's copy is not dispatched to this module's modes)
-HOST_COPIES = frozenset(
-    {"aten::_to_copy", "aten::copy_", "torch.Tensor.to", "torch.Tensor.copy_", "torch.Tensor.cuda"}
-)
-
-
-class HostTensorInPass(RuntimeError):
-    """A tensor that lives on the host entered the pass."""
-
-
-def _refuse_host_tensors(name: str, args, kwargs) -> None:
-    """Raise on a host tensor in the pass: copied to the GPU (`.to`, `copy_`) it is a host-to-device copy on
-    every call, which a CUDA graph cannot capture; used by any other op but as a 0-dim scalar, the wrong
-    device. (A 0-dim CPU tensor in arithmetic is a scalar, as CUDA kernels take it.)"""
-    leaves = tree_leaves((args, kwargs))
-    real = [t for t in leaves if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)]
-    host = [t for t in real if t.device.type == "cpu"]  # (meta: this module's own stand-ins)
-    if host and (name in HOST_COPIES or any(t.dim() > 0 for t in host)):
-        t = host[0]
-        raise HostTensorInPass(f"{name} reads a {t.device.type} tensor of shape {list(t.shape)}")
-
-
-class _Functions(TorchFunctionMode):
-    """Python-bound tensor methods that set a CUDA device guard before any dispatch (indexing, `copy_`,
-    `contiguous`, `sort`) run on meta tensors. While loading, `torch.equal` (a load-time check of two
-    scale tensors) answers True: only the pass must not read the device."""
-
-    def __init__(self, fake: FakeTensorMode) -> None:
-        super().__init__()
-        self.fake, self.loading = fake, True
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.loading and func is torch.equal:
-            return True
-        if not self.loading:
-            _refuse_host_tensors(resolve_name(func) or str(func), args, kwargs)
-        try:
-            return func(*args, **kwargs)
-        except RuntimeError as e:
-            if NO_CUDA not in str(e):
-                raise
-        return _on_meta(self.fake, func, args, kwargs)
-
-
-def _on_meta(fake: FakeTensorMode, func, args, kwargs):
-    """`func` on meta tensors with the fake CUDA arguments' layout; new results become fake CUDA tensors,
-    results that are an argument (in-place ops) that argument."""
-    originals: dict[int, torch.Tensor] = {}
-
-    def to_meta(t):
-        if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
-            return t
-        with unset_fake_temporarily():
-            m = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-        originals[id(m)] = t
-        return m
-
-    margs, mkwargs = tree_map(to_meta, args), tree_map(to_meta, kwargs)
-    with unset_fake_temporarily():
-        out = func(*margs, **mkwargs)
-
-    def back(m):
-        if not isinstance(m, torch.Tensor) or m.device.type != "meta":
-            return m
-        return originals.get(id(m)) or fake.fake_tensor_converter.from_meta_and_device(
-            fake, m, torch.device("cuda")
-        )
-
-    return tree_map(back, out)
-
-
-class _Launcher:
-    """Stands for a jitted Triton kernel: `kernel[grid](*args)` checks its tensors are on the GPU and
-    counts the launch."""
-
-    def __init__(self, name: str, ops: Counter, counting) -> None:
-        self.name, self.ops, self.counting = name, ops, counting
-
-    def __getitem__(self, grid):
-        def launch(*args, **meta):
-            for a in args:
-                if isinstance(a, torch.Tensor) and a.device.type != "cuda":
-                    raise RuntimeError(f"Triton {self.name} launched with a {a.device.type} tensor")
-            if self.counting():
-                self.ops[f"triton::{self.name}"] += 1
-
-        return launch
-
-
-_LIBS: list[torch.library.Library] = []  # registrations live as long as their Library object
-
-
-def _grouped_meta() -> None:
-    """A meta function for `aten::_scaled_grouped_mm_v2` in its 2-D x 3-D form (torch 2.13 has none):
-    a [M, K] (FP4: [M, K/2] packed) times b [E, K, N] in groups ending at `offs` [E] is [M, N]."""
-    name = "aten::_scaled_grouped_mm_v2"
-    if _LIBS or not hasattr(torch.ops.aten, "_scaled_grouped_mm_v2"):
-        return
-    if torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
-        return
-
-    def meta(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, offs=None, bias=None,
-             out_dtype=None, contraction_dim=(), use_fast_accum=False):  # fmt: skip
-        if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[1]:
-            raise RuntimeError(
-                f"grouped GEMM of {tuple(a.shape)} and {tuple(b.shape)}: not [M, K] x [E, K, N]"
-            )
-        if offs is None or offs.shape != (b.shape[0],) or offs.dtype != torch.int32:
-            raise RuntimeError("grouped GEMM offsets must be int32 [E]")
-        return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or torch.bfloat16)
-
-    lib = torch.library.Library("aten", "IMPL")
-    lib.impl("_scaled_grouped_mm_v2", meta, "Meta")
-    _LIBS.append(lib)
-
-
 def trace_config(layers: int | None = None, config: str = CONFIG) -> ModelConfig:
     """The model configuration; `layers`: only the first layer of each kind (sliding, global), the same
     shapes per layer (the tests trace every row on two layers)."""
@@ -264,41 +98,6 @@ def trace_config(layers: int | None = None, config: str = CONFIG) -> ModelConfig
 def passing_probe(arch: str) -> Probe:
     """Every kernel the dispatch table names for `arch` ran."""
     return Probe(arch, {f"{kind}:{mode}": None for kind, mode, _ in probe_plan(arch)})
-
-
-@contextlib.contextmanager
-def fake_gpu(arch: str) -> Iterator[tuple[FakeTensorMode, _Dispatch, _Functions]]:
-    """Fake CUDA tensors of a GPU of `arch`, with Triton launches counted instead of run."""
-    _grouped_meta()
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    ops = _Dispatch(fake)
-    calls = _Functions(fake)
-    counting = lambda: ops.counting
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(
-            mock.patch("torch.cuda.get_device_capability", lambda device=None: CAPABILITY[arch])
-        )
-        stack.enter_context(mock.patch("torch.cuda.empty_cache", lambda: None))
-        stack.enter_context(
-            mock.patch.object(triton_moe, "_kernel", lambda: _Launcher("moe_gemm", ops.ops, counting))
-        )
-        quant = SimpleNamespace(**{k: _Launcher(k, ops.ops, counting) for k in QUANT_KERNELS})
-        stack.enter_context(mock.patch.object(triton_quant, "_kernels", lambda: quant))
-        for mode in (fake, ops, calls):
-            stack.enter_context(mode)
-        yield fake, ops, calls
-
-
-def _to_fake_cuda(model: DiffusionGemma, fake: FakeTensorMode) -> None:
-    dev = torch.device("cuda")
-    convert = lambda t: fake.fake_tensor_converter.from_meta_and_device(fake, t, dev)
-    for m in model.modules():
-        for n, p in list(m._parameters.items()):
-            if p is not None:
-                m._parameters[n] = torch.nn.Parameter(convert(p.data), requires_grad=False)
-        for n, b in list(m._buffers.items()):
-            if b is not None:
-                m._buffers[n] = convert(b)
 
 
 def _group(name: str) -> str:
@@ -361,7 +160,7 @@ def trace_pass(
     with torch.device("meta"):
         model = DiffusionGemma(mcfg).to(torch.bfloat16).eval()
     with fake_gpu(arch) as (fake, ops, calls):
-        _to_fake_cuda(model, fake)
+        to_fake_cuda(model, fake)
         quantized = fmt in ("fp8", "nvfp4")
         kernels = (
             quantize_random(model, fmt, probed, seed=None) if quantized else f"{row.linears} / {row.experts}"

@@ -142,8 +142,9 @@ class ScaledExperts(nn.Module):
     grouped FP8 kernel takes per-row scales, so each expert's per-tensor weight scale fills its rows). The
     output has the input's dtype (the grouped kernels compute in bf16: `scaled_experts`). `triton_rows`: the
     dispatch row's, where the probe found dgpipe's Triton kernels agreeing with the float product (FP8
-    passes with at most that many rows per expert take `triton_moe`'s GEMM, FP8 activations its one-pass
-    quantization; 0: torch's kernels only, `dispatch.EVERY_PASS`: the Triton GEMM only)."""
+    passes with at most that many rows per expert take `triton_moe`'s GEMM; 0: torch's kernels only,
+    `dispatch.EVERY_PASS`: the Triton GEMM only). `one_pass`: activations quantized by `triton_quant`'s
+    kernels (`gpu_load.one_pass`; default: where the Triton FP8 GEMM runs)."""
 
     graph_safe = True
 
@@ -160,7 +161,6 @@ class ScaledExperts(nn.Module):
         super().__init__()
         self.mode, self.num_experts = mode, len(gate)
         self.triton_rows = triton_rows if mode != "nvfp4" else 0.0
-        # activations quantized by `triton_quant` (default: where the Triton FP8 GEMM runs, which is probed with it)
         self.one_pass = self.triton_rows > 0 if one_pass is None else one_pass
         # ModelOpt shares one input quantizer per projection across a layer's experts (max over experts)
         self.register_buffer(

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from pipeline.bench import fake_cuda
 from pipeline.bench import gpu_trace as gt
 from pipeline.model.modelopt import _quantized_experts_forward
 from pipeline.runtime import gpu_load
@@ -109,7 +110,7 @@ def test_triton_launches_are_counted_and_checked(monkeypatch):
     # every quantized linear's input and both expert projections' inputs: FP8 in one pass each
     assert t.ops["triton::fp8_static_quant"] == QUANTIZED_LINEARS + 2 * LAYERS
     assert t.ops["triton::moe_gemm"] == 2 * LAYERS
-    launcher = gt._Launcher("moe_gemm", t.ops, lambda: True)
+    launcher = fake_cuda.Launcher("moe_gemm", t.ops, lambda: True)
     with pytest.raises(RuntimeError, match="launched with a cpu tensor"):
         launcher[(1,)](torch.zeros(1))
 
