@@ -30,21 +30,12 @@ from pipeline.runtime import triton_moe, triton_quant
 
 CAPABILITY = {"sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
 NO_CUDA = "not linked with support for cuda"  # a CPU build's error for a CUDA device guard or generator
-QUANT_KERNELS = (
-    "fp8_static_quant",
-    "nvfp4_quant",
-    "nvfp4_fp8_rows",
-    "blocked_scales",
-)  # `triton_quant`'s kernels
-CONTEXT = 256  # cached prompt tokens under the traced pass, as `bench gpu` measures it
-CAPABILITY = {"sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
-NO_CUDA = "not linked with support for cuda"  # a CPU build's error for a CUDA device guard or generator
+QUANT_KERNELS = ("fp8_static_quant", "nvfp4_quant", "nvfp4_fp8_rows", "blocked_scales")  # `triton_quant`'s
 # operations that launch no work on the device (views are recognised by their schema)
 NO_WORK = frozenset(
     {"prim::device", "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
      "aten::detach", "aten::detach_", "aten::lift_fresh", "aten::_local_scalar_dense"}
 )  # fmt: skip
-# the GEMMs, by the name the dispatch table gives them
 
 
 class OpCounter(TorchDispatchMode):

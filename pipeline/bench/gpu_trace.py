@@ -51,6 +51,7 @@ from pipeline.runtime.probe import Probe, probe_plan
 
 CONFIG = "diffusiongemma-26b-a4b"
 CONTEXT = 256  # cached prompt tokens under the traced pass, as `bench gpu` measures it
+# the GEMMs, by the name the dispatch table gives them
 GEMMS = {
     "aten::_scaled_mm_v2": "F.scaled_mm",
     "aten::_scaled_grouped_mm_v2": "F.scaled_grouped_mm",
