@@ -128,9 +128,9 @@ def _on_meta(fake: FakeTensorMode, func, args, kwargs):
     def back(m):
         if not isinstance(m, torch.Tensor) or m.device.type != "meta":
             return m
-        return originals.get(id(m)) or fake.fake_tensor_converter.from_meta_and_device(
-            fake, m, torch.device("cuda")
-        )
+        if id(m) in originals:  # an in-place op's result is its argument
+            return originals[id(m)]
+        return fake.fake_tensor_converter.from_meta_and_device(fake, m, torch.device("cuda"))
 
     return tree_map(back, out)
 

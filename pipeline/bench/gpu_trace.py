@@ -184,7 +184,7 @@ def trace_pass(
             trace.error = f"host read in the pass: {error_line(e)}"
         except HostTensorInPass as e:
             trace.error = f"host tensor in the pass: {e}"
-        except Exception as e:  # a host tensor (fake mode refuses real inputs now), a shape error, ...
+        except Exception as e:  # a shape, dtype or device error: what would fail on the GPU too
             trace.error = error_line(e)
         finally:
             ops.counting = False
@@ -215,7 +215,7 @@ def run(
     layers: int | None = None,
     on_trace: Callable[[PassTrace], None] | None = None,
 ) -> dict:
-    """`dgpipe bench gpu-trace`: every row traced, written as JSON and a markdown table to `out_dir`."""  # fmt: skip
+    """`dgpipe bench gpu-trace`: every row traced, written as JSON and a markdown table to `out_dir`."""
     traces = trace_all(batches, layers, on_trace)
     result = {
         "config": f"{CONFIG}, {trace_config(layers).text_config.num_hidden_layers} layers",

@@ -142,3 +142,18 @@ def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
     no_kernel.results["quant:nvfp4"] = "failed"
     torch_form = gt.trace_pass("nvfp4", "sm100", 1, LAYERS, probed=no_kernel)
     assert "triton::nvfp4_quant" not in torch_form.ops and torch_form.launches > b200.launches + 40 * inputs
+
+
+def test_ops_a_cpu_build_cannot_run_on_fake_cuda_tensors_run_on_meta_ones():
+    """Indexing, `copy_`, `sort` and in-place writes need a CUDA device guard a CPU build of torch lacks:
+    they run on meta stand-ins with the same layout, and an in-place op returns its own argument."""
+    with fake_cuda.fake_gpu("sm90"):
+        x = torch.empty(6, 4, device="cuda", dtype=torch.bfloat16)
+        rows = torch.zeros(3, dtype=torch.long, device="cuda")
+        assert x[rows].shape == (3, 4) and x[rows].device.type == "cuda"
+        assert x.t().contiguous().shape == (4, 6)
+        assert torch.sort(x[:, 0]).values.shape == (6,)
+        y = torch.empty(6, 4, device="cuda", dtype=torch.bfloat16)
+        assert y.copy_(x) is y
+        x[rows] = 1.0
+        assert x.device.type == "cuda" and torch.cuda.get_device_capability() == (9, 0)
