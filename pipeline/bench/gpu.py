@@ -344,6 +344,7 @@ def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
     lin = kernel_mode(row.linears)
     lin = lin if lin and pr.ok(f"linear:{lin}") else None
     exp, triton_rows, fell_back = experts_plan(row, pr)
+    lin_one_pass, exp_one_pass = one_pass(lin, triton_rows, pr), one_pass(exp, triton_rows, pr)
     kernels = f"{row.linears} / {row.experts}" + (f" ({fell_back})" if fell_back else "")
     gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     for layer in model.layers:
@@ -352,14 +353,13 @@ def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
                 for name, m in list(parent.named_children()):
                     if isinstance(m, torch.nn.Linear):
                         q = random_packed(fmt, m.out_features, m.in_features, dev, gen)
-                        fast = one_pass(lin, triton_rows, pr)
-                        setattr(parent, name, ScaledLinear(q, lin, dev, torch.bfloat16, fast))
+                        setattr(parent, name, ScaledLinear(q, lin, dev, torch.bfloat16, lin_one_pass))
         if exp:
             e, two_i, d = layer.experts.gate_up_proj.shape
             mk = lambda n, k, e=e: [random_packed(fmt, n, k, dev, gen) for _ in range(e)]
             layer.experts = ScaledExperts(
                 mk(two_i // 2, d), mk(two_i // 2, d), mk(d, two_i // 2), exp, dev, triton_rows,
-                one_pass=one_pass(exp, triton_rows, pr),
+                one_pass=exp_one_pass,
             )  # fmt: skip
         torch.cuda.empty_cache()
     return kernels

@@ -45,10 +45,8 @@ def _tiny_packed(fmt: str, n: int = 128, k: int = 128, seed: int = 0) -> PackedL
 
 
 PROBED_FORMATS = ("fp8", "nvfp4", "bf16", "int4_awq")
-NVFP4_QUANT_MODES = (
-    "nvfp4",
-    "fp8_rowwise",
-)  # modes whose activations `triton_quant`'s NVFP4 kernels quantize
+# the modes whose activations `triton_quant`'s NVFP4 kernels quantize
+NVFP4_QUANT_MODES = ("nvfp4", "fp8_rowwise")
 
 
 def probe_plan(arch: str | None, formats: tuple[str, ...] = PROBED_FORMATS) -> list[tuple[str, str, str]]:
@@ -191,10 +189,8 @@ def check_triton_quant(mode: str, dev: torch.device) -> None:
     (q, s), (want_q, want_s) = kernel(x, gs), quantize_rows(x, gs, mode)
     if mode == "nvfp4":
         same = torch.equal(q, want_q) and fp8_codes_equal(s, want_s)
-        raw, offs = (
-            want_s.view(torch.uint8),
-            torch.tensor([3, 3, 8], dtype=torch.int32, device=dev),
-        )  # one empty
+        raw = want_s.view(torch.uint8)
+        offs = torch.tensor([3, 3, 8], dtype=torch.int32, device=dev)  # three groups, one of them empty
         same = same and torch.equal(triton_quant.blocked_scales(raw), sl.to_blocked(raw))
         same = same and torch.equal(triton_quant.blocked_scales(raw, offs), sl.to_blocked_grouped(raw, offs))
     else:
