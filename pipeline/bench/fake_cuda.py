@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import Iterator
-from types import SimpleNamespace
 from unittest import mock
 
 import torch
@@ -30,7 +29,6 @@ from pipeline.runtime import triton_moe, triton_quant
 
 CAPABILITY = {"sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
 NO_CUDA = "not linked with support for cuda"  # a CPU build's error for a CUDA device guard or generator
-QUANT_KERNELS = ("fp8_static_quant", "nvfp4_quant", "nvfp4_fp8_rows", "blocked_scales")  # `triton_quant`'s
 # operations that launch no work on the device (views are recognised by their schema)
 NO_WORK = frozenset(
     {"prim::device", "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
@@ -153,6 +151,16 @@ class Launcher:
         return launch
 
 
+class Launchers:
+    """Stands for a module of jitted kernels (`triton_quant_kernels`): each attribute is a `Launcher`."""
+
+    def __init__(self, ops: Counter, counting) -> None:
+        self.ops, self.counting = ops, counting
+
+    def __getattr__(self, name: str) -> Launcher:
+        return Launcher(name, self.ops, self.counting)
+
+
 _LIBS: list[torch.library.Library] = []  # registrations live as long as their Library object
 
 
@@ -192,11 +200,10 @@ def fake_gpu(arch: str) -> Iterator[tuple[FakeTensorMode, OpCounter, _Functions]
         stack.enter_context(
             mock.patch("torch.cuda.get_device_capability", lambda device=None: CAPABILITY[arch])
         )
-        stack.enter_context(mock.patch("torch.cuda.empty_cache", lambda: None))
         stack.enter_context(
             mock.patch.object(triton_moe, "_kernel", lambda: Launcher("moe_gemm", ops.ops, counting))
         )
-        quant = SimpleNamespace(**{k: Launcher(k, ops.ops, counting) for k in QUANT_KERNELS})
+        quant = Launchers(ops.ops, counting)
         stack.enter_context(mock.patch.object(triton_quant, "_kernels", lambda: quant))
         for mode in (fake, ops, calls):
             stack.enter_context(mode)

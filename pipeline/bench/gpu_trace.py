@@ -227,21 +227,21 @@ def run(
         "failed": sum(t.error is not None for t in traces),
     }
     save_result(out_dir, RESULT_FILE, result)
-    atomic_write_text(out_dir / TABLE_FILE, render(traces) + "\n")
+    atomic_write_text(out_dir / TABLE_FILE, render(result["traces"]) + "\n")
     return result
 
 
-def render(traces: list[PassTrace]) -> str:
-    """Markdown: one line per (format, arch, batch)."""
+def render(rows: list[dict]) -> str:
+    """Markdown: one line per traced row (`run`'s "traces": format, arch, batch, ...)."""
     lines = [
         "| format | arch | batch | GEMMs per pass | launches per pass | linears GB (byte model) | experts GB (byte model) | host reads |",
         "|---|---|---:|---|---:|---:|---:|---|",
     ]  # fmt: skip
-    for t in traces:
-        gemms = ", ".join(f"{name} {n}" for name, n in sorted(t.gemms().items()))
-        gb = lambda k, t=t: f"{t.resident_gb[k]:.2f} ({t.expected_gb[k]:.2f})"
+    for t in rows:
+        gemms = ", ".join(f"{name} {n}" for name, n in sorted(t["gemms"].items()))
+        gb = lambda k, t=t: f"{t['resident_gb'][k]:.2f} ({t['expected_gb'][k]:.2f})"
         lines.append(
-            f"| {t.format} | {t.arch} | {t.batch} | {gemms} | {t.launches:,} | {gb('linears')} | {gb('experts')} "
-            f"| {t.error or 'none'} |"
+            f"| {t['format']} | {t['arch']} | {t['batch']} | {gemms} | {t['launches']:,} | {gb('linears')} "
+            f"| {gb('experts')} | {t['error'] or 'none'} |"
         )
     return "\n".join(lines)

@@ -490,7 +490,7 @@ def bench_gpu_trace(
 ) -> None:
     """Every GPU dispatch row's 26B load and denoise pass on fake CUDA tensors, no GPU needed: GEMMs, weight
     bytes against the byte model, host reads, launches per pass."""
-    from pipeline.bench.gpu_trace import RESULT_FILE, TABLE_FILE, run
+    from pipeline.bench.gpu_trace import RESULT_FILE, TABLE_FILE, render, run
 
     batches = tuple(opt.int_list(batch, "--batch", " like 1,16"))
     out_dir = out_dir or opt.cache_dir() / "bench-gpu-trace"
@@ -500,7 +500,7 @@ def bench_gpu_trace(
         else lambda t: out.line(f"{t.format} {t.arch} batch {t.batch}: {t.error or 'ok'}", err=True)
     )
     result = run(out_dir, batches, layers, on_trace=report)
-    out.show(result, as_json, lambda r: [(out_dir / TABLE_FILE).read_text().rstrip()])
+    out.show(result, as_json, lambda r: render(r["traces"]))
     out.saved([out_dir / RESULT_FILE, out_dir / TABLE_FILE], as_json)
     if result["failed"]:
         raise typer.Exit(1)
