@@ -21,7 +21,10 @@ weights in their stored format (experts: only those the routed slots touch, expe
 routing), the tied embedding read twice (LM head, then the soft embedding of the probabilities), the
 context K/V, fp32 logits written and read once by the sampler, bf16 probabilities written and read once
 by the soft embedding, and every GEMM's bf16 input read and output written once. Norms and element-wise
-ops are assumed fused (not counted). Config-only arithmetic, no torch.
+ops are assumed fused (not counted). Compute floor of the same pass: its matmul FLOPs
+(`pipeline.model.cost.denoise_pass_flop_parts`) at the GPU's dense tensor-core peak, the linears' and the
+experts' at the rate of the format the path reads them in, the rest at bf16's. A pass is bound by the larger
+of the two floors: one canvas by memory, 16 by compute on Hopper. Config-only arithmetic, no torch.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import math
 from dataclasses import dataclass
 
 from pipeline.model.config import TextConfig
-from pipeline.targets import precision, target
+from pipeline.model.cost import denoise_pass_flop_parts
+from pipeline.targets import GPU, precision, target
 
 ARCHS = ("sm89", "sm90", "sm100", "sm120")
 FORMATS = ("bf16", "fp8", "nvfp4", "int4_awq")
@@ -248,13 +252,36 @@ def pass_bytes(
     return PassBytes(lin * _bytes(linear_read), exp * _bytes(expert_read), high, kv, logits, act)
 
 
-def floor_ms(total_bytes: float, product: str) -> float:
-    """Milliseconds to move `total_bytes` at the GPU's peak HBM bandwidth (configs/targets)."""
+def gpu_spec(product: str) -> GPU:
+    """The configs/targets entry of a GPU product."""
     for name in ARCHS:
         for g in target(name).gpus:
             if g.product == product:
-                return total_bytes / (g.bandwidth_tb_s * 1e12) * 1e3
+                return g
     raise KeyError(product)
+
+
+def floor_ms(total_bytes: float, product: str) -> float:
+    """Milliseconds to move `total_bytes` at the GPU's peak HBM bandwidth (configs/targets)."""
+    return total_bytes / (gpu_spec(product).bandwidth_tb_s * 1e12) * 1e3
+
+
+# the tensor-core rate a GEMM runs at, by the format its weights are read in (FP8 re-quantized rows: FP8)
+RATE_OF = {"bf16": "bf16", "fp8": "fp8", "fp8_rowwise": "fp8", "nvfp4": "nvfp4"}
+
+
+def compute_ms(
+    cfg: TextConfig, row: DispatchRow, batch: int, product: str, seq: int = 256, past: int = 0
+) -> float | None:
+    """Milliseconds for one pass's matmuls on `row`'s path at the GPU's dense tensor-core peak
+    (configs/targets), or None where a rate it needs is not recorded: the linears and the experts at the rate
+    of the formats they are read in, everything else (attention, router, self-conditioning, LM head, soft
+    embedding) at bf16's."""
+    f, rates = denoise_pass_flop_parts(cfg, batch, seq, past), gpu_spec(product).dense_tflops
+    parts = ((f.linears, RATE_OF[row.linear_read]), (f.experts, RATE_OF[row.expert_read]), (f.other, "bf16"))
+    if any(rate not in rates for _, rate in parts):
+        return None
+    return sum(flops / (rates[rate] * 1e12) for flops, rate in parts) * 1e3
 
 
 FLOOR_GPUS = (
@@ -275,17 +302,25 @@ class FloorRow:
     floor_gb: float  # what the format's own stored weights would read
     path_ms: float
     floor_ms: float
+    compute_ms: float | None = None  # the path's matmuls at the dense tensor-core peak (None: rate unknown)
 
     @property
     def ratio(self) -> float:
         return self.path_gb / self.floor_gb
+
+    @property
+    def bound(self) -> str:
+        """What bounds the path's pass at the GPU's peaks: "memory", "compute", or "—" (no compute rate)."""
+        if self.compute_ms is None:
+            return "—"
+        return "compute" if self.compute_ms > self.path_ms else "memory"
 
 
 def floor_table(
     cfg: TextConfig, batches: tuple[int, ...] = (1, 16), seq: int = 256, past: int = 0
 ) -> list[FloorRow]:
     """Per GPU, format and batch: the dispatched path's bytes and time at peak bandwidth against the floor
-    of the format itself (weights read as stored)."""
+    of the format itself (weights read as stored), and the path's matmuls at peak tensor-core rate."""
     out = []
     for arch, gpu in FLOOR_GPUS:
         for fmt in ("bf16", "fp8", "nvfp4"):
@@ -296,7 +331,7 @@ def floor_table(
                 out.append(
                     FloorRow(
                         gpu, fmt, b, f"{row.linears} / {row.experts}", path / 1e9, own / 1e9,
-                        floor_ms(path, gpu), floor_ms(own, gpu),
+                        floor_ms(path, gpu), floor_ms(own, gpu), compute_ms(cfg, row, b, gpu, seq, past),
                     )
                 )  # fmt: skip
     return out
@@ -305,13 +340,15 @@ def floor_table(
 def render_floor_table(rows: list[FloorRow]) -> str:
     """Markdown: one line per (GPU, format, batch)."""
     lines = [
-        "| GPU | format | batch | path reads (GB) | floor (GB) | path at peak HBM (ms) | floor (ms) | path / floor |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| GPU | format | batch | path reads (GB) | floor (GB) | path at peak HBM (ms) | floor (ms) | path / floor "
+        "| path's matmuls at peak tensor-core rate (ms) | bound by |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
+        compute = "—" if r.compute_ms is None else f"{r.compute_ms:.2f}"
         lines.append(
             f"| {r.gpu} | {r.format} | {r.batch} | {r.path_gb:.1f} | {r.floor_gb:.1f} | {r.path_ms:.2f} "
-            f"| {r.floor_ms:.2f} | {r.ratio:.2f}x |"
+            f"| {r.floor_ms:.2f} | {r.ratio:.2f}x | {compute} | {r.bound} |"
         )
     return "\n".join(lines)
 

@@ -75,7 +75,12 @@ def test_table_shows_each_pass_against_its_floor():
          "rows": [{"format": "fp8", "largest_batch": 64, "tried_up_to": 128}]}]}  # fmt: skip
     md = gpu.render(result)
     assert "GPU: NVIDIA H200 (sm90, 140 GiB), driver 580.65, torch 2.11.0+cu130 (CUDA 13.0)" in md
-    assert "| fp8 | 1 | k | 9.00 | 7.44 | 6.20 | 1.20 | 7.00 |" in md
+    assert (
+        "| fp8 | 1 | k | 9.00 | 7.44 | 6.20 | — | 1.20 | 7.00 |" in md
+    )  # a run from before the compute floor
+    row16 = {**row, "batch": 16, "ms_graph": 52.0, "floor_ms_spec": 13.2, "compute_ms_spec": 26.0}
+    md16 = gpu.render({**result, "checks": [{**result["checks"][0], "rows": [row16]}]})
+    assert "| fp8 | 16 | k | 9.00 | 52.00 | 13.20 | 26.00 | 2.00 | 7.00 |" in md16  # against the larger floor
     assert "Largest batch whose fp8 pass fits: 64 (tried up to 128)." in md
     row["attention"] = [{"kind": "full_attention", "q_heads": 16, "kv_heads": 2, "head_dim": 512, "keys": 512,
                          "flash": False, "efficient": False, "cudnn": False, "ms_grouped": 1.5, "ms_expanded": 0.5}]  # fmt: skip
@@ -164,7 +169,7 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
     assert [r["batch"] for r in rows] == [1, 2] and sunk == [1, 2]
     for r in rows:
         assert r["finite"] and r["ms_eager"] > 0 and r["graph_error"] is None  # off CUDA the "graph" is fn
-        assert r["spec_gpu"] == "H200-SXM-141GB" and r["floor_ms_spec"] > 0
+        assert r["spec_gpu"] == "H200-SXM-141GB" and r["floor_ms_spec"] > 0 and r["compute_ms_spec"] > 0
         if compiled:  # the layers compiled (inductor's C++ here), no diagnostics that would recompile them
             assert r["format"] == "fp8 compiled" and r["experts_touched"] is None and "experts" not in r
             continue

@@ -132,3 +132,44 @@ def test_docs_show_the_tables_the_code_computes(cfg26):
     doc = (Path(__file__).parents[3] / "docs" / "engine.md").read_text()
     assert dp.render_dispatch() in doc
     assert dp.render_floor_table(dp.floor_table(cfg26.text_config)) in doc
+
+
+def test_flop_parts_are_two_flops_per_weight_and_token(cfg26):
+    """The linears' and experts' FLOPs are 2 per weight per token (per routed slot for the experts), the
+    weights counted from the meta model; the parts add up to the whole pass's count."""
+    from pipeline.model.cost import denoise_pass_flop_parts, denoise_pass_flops
+
+    with torch.device("meta"):
+        model = DiffusionGemma(cfg26)
+    c, tokens = cfg26.text_config, 3 * 256
+    mats = {n: p.numel() for n, p in model.named_parameters() if p.dim() >= 2}
+    linears = sum(v for n, v in mats.items() if ".self_attn." in n or ".mlp." in n)
+    experts = sum(v for n, v in mats.items() if ".experts." in n)
+    f = denoise_pass_flop_parts(c, 3, 256, 100)
+    assert f.linears == 2 * tokens * linears
+    assert f.experts == 2 * tokens * c.top_k_experts * experts // c.num_experts
+    assert f.total == denoise_pass_flops(c, 3, 256, 100)
+    assert denoise_pass_flop_parts(c, 3, 256, 100, routed=False).experts == 2 * tokens * experts
+
+
+def test_compute_floor_runs_each_part_at_its_formats_rate(cfg26):
+    """FP8 on an H200: linears and experts at 1,979 TFLOPS, the rest at 989; one canvas is bound by memory,
+    16 by compute (25.8 ms of matmuls against 13.2 ms of bytes); a rate the GPU entry lacks gives None."""
+    from pipeline.model.cost import denoise_pass_flop_parts
+
+    c = cfg26.text_config
+    f = denoise_pass_flop_parts(c, 16, 256, 0)
+    fp8 = dp.compute_ms(c, dp.dispatch("fp8", "sm90"), 16, "H200-SXM-141GB")
+    assert fp8 == pytest.approx(((f.linears + f.experts) / 1979e12 + f.other / 989e12) * 1e3)
+    bf16 = dp.compute_ms(c, dp.dispatch("bf16", "sm90"), 16, "H200-SXM-141GB")
+    assert bf16 == pytest.approx(f.total / 989e12 * 1e3)
+    # B200's FP8 experts are dequantized to bf16: they run at bf16's rate, the linears at FP8's
+    b200 = dp.compute_ms(c, dp.dispatch("fp8", "sm100"), 16, "B200-180GB")
+    assert b200 == pytest.approx((f.linears / 4500e12 + (f.experts + f.other) / 2250e12) * 1e3)
+    assert dp.compute_ms(c, dp.dispatch("nvfp4", "sm120"), 16, "RTX-PRO-6000-Blackwell") is None
+    rows = {(r.gpu, r.format, r.batch): r for r in dp.floor_table(c)}
+    assert rows["H200-SXM-141GB", "fp8", 1].bound == "memory"
+    h200_16 = rows["H200-SXM-141GB", "fp8", 16]
+    assert h200_16.bound == "compute" and h200_16.compute_ms == pytest.approx(fp8)
+    assert 25 < h200_16.compute_ms < 27 and 13 < h200_16.path_ms < 13.5
+    assert rows["RTX-PRO-6000-Blackwell", "fp8", 16].bound == "—"
