@@ -328,7 +328,8 @@ def _kernels_here(dev: torch.device, arch: str):
         return probe(dev)
     why = triton_moe.unavailable(dev)
     return Probe(
-        arch, {f"{kind}:{mode}": why if kind == "triton" else None for kind, mode, _ in probe_plan(arch)}
+        arch,
+        {f"{kind}:{mode}": why if kind in ("triton", "rope") else None for kind, mode, _ in probe_plan(arch)},
     )
 
 
@@ -425,14 +426,15 @@ def measure_pass(
     from pipeline.resources import load_yaml
     from pipeline.runtime.compiled import compile_model
     from pipeline.runtime.dispatch import compute_ms, dispatch, experts_touched, floor_ms, pass_bytes
-    from pipeline.runtime.gpu_load import route_float_experts
+    from pipeline.runtime.gpu_load import finish_on_device
 
     dev = device or torch.device("cuda")
     mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
     model = random_model(mcfg, torch.bfloat16, dev)
     kernels = quantize_random(model, fmt) if fmt != "bf16" else "F.linear bf16 / F.grouped_mm bf16"
-    # as the runtime loads it: float experts that would read the routing on the host route on the device
-    routed = route_float_experts(model, dev, None, None)
+    # as the runtime loads it: float experts that would read the routing on the host route on the device,
+    # RoPE in one kernel where probed
+    routed = finish_on_device(model, dev, None, None)
     if routed is not None:
         kernels += f" ({routed.summary()})"
     # every batch's prompt prefilled first, eagerly: compiled, the prefill would compile layer graphs of its

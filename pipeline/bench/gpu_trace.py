@@ -154,7 +154,7 @@ def trace_pass(
     """Load the random-weight model in `fmt` as on a GPU of `arch` and trace one denoise pass of `batch`
     canvases over `CONTEXT` cached tokens. `probed`: the load-time probe's results (default: all passed)."""
     from pipeline.bench.gpu import quantize_random  # the benchmark's own load
-    from pipeline.runtime.gpu_load import route_float_experts
+    from pipeline.runtime.gpu_load import finish_on_device
 
     mcfg = trace_config(layers, config)
     row, probed = dispatch(fmt, arch), probed or passing_probe(arch)
@@ -166,7 +166,7 @@ def trace_pass(
         kernels = (
             quantize_random(model, fmt, probed, seed=None) if quantized else f"{row.linears} / {row.experts}"
         )
-        routed = route_float_experts(model, torch.device("cuda"), probed, None)
+        routed = finish_on_device(model, torch.device("cuda"), probed, None)
         if routed is not None:
             kernels += f" ({routed.summary()})"
         expected = weight_bytes(mcfg.text_config, row)

@@ -108,6 +108,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, L, H, D] rotated by its positions' cos/sin [B, L, D]."""
+    return x * cos[:, :, None, :] + rotate_half(x) * sin[:, :, None, :]
+
+
 FUSED_GQA_MAX_HEAD_DIM = 256  # the largest head_dim torch's flash and cuDNN attention kernels take
 
 
@@ -160,14 +165,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
+        # `apply_rope` as one fused CUDA kernel (`pipeline.runtime.triton_rope`), set by the GPU loader where
+        # its probe found it equal to the torch form; None: the torch form (five element-wise kernels)
+        self.rope_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def rotate(self, x: torch.Tensor, li: LayerInputs) -> torch.Tensor:
+        if self.rope_kernel is not None and not _tracing():
+            return self.rope_kernel(x, li.cos, li.sin)
+        return apply_rope(x, li.cos, li.sin)
 
     def forward(
         self, x: torch.Tensor, li: LayerInputs, past: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         b, q_len, _ = x.shape
-        cos, sin = li.cos[:, :, None, :], li.sin[:, :, None, :]
-        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim))
-        q = (q * cos + rotate_half(q) * sin).transpose(1, 2)
+        q = self.rotate(self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)), li)
+        q = q.transpose(1, 2)
         new_kv = k, v = self.project_kv(x, li)
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
@@ -178,15 +190,13 @@ class Attention(nn.Module):
     def project_kv(self, x: torch.Tensor, li: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The new tokens' K/V [B, kv_heads, Q, head_dim] (normed, K rotated): what a cache keeps."""
         b, q_len, _ = x.shape
-        cos, sin = li.cos[:, :, None, :], li.sin[:, :, None, :]
         k_raw = self.k_proj(x).view(b, q_len, self.num_kv_heads, self.head_dim)
         v_raw = (
             self.v_proj(x).view(b, q_len, self.num_kv_heads, self.head_dim)
             if self.v_proj is not None
             else k_raw
         )
-        k = self.k_norm(k_raw)
-        k = (k * cos + rotate_half(k) * sin).transpose(1, 2)
+        k = self.rotate(self.k_norm(k_raw), li).transpose(1, 2)
         return k, self.v_norm(v_raw).transpose(1, 2)
 
 

@@ -14,8 +14,8 @@ from pipeline.errors import DgpipeError, error_line
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX
 from pipeline.model.modelopt import PackedLinear
-from pipeline.model.network import combine_top_k, gelu_tanh
-from pipeline.runtime import triton_moe, triton_quant
+from pipeline.model.network import apply_rope, combine_top_k, gelu_tanh
+from pipeline.runtime import triton_moe, triton_quant, triton_rope
 from pipeline.runtime.dispatch import EVERY_PASS, arch_of, dispatch
 from pipeline.runtime.routed import routed_experts
 from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, quantize_rows
@@ -45,6 +45,8 @@ def _tiny_packed(fmt: str, n: int = 128, k: int = 128, seed: int = 0) -> PackedL
 
 
 PROBED_FORMATS = ("fp8", "nvfp4", "bf16", "int4_awq")
+ROPE_FORM = ("rope", "bf16", "bf16")  # `triton_rope`'s kernel (checked in bf16 and fp16)
+ROPE = f"{ROPE_FORM[0]}:{ROPE_FORM[1]}"
 # the modes whose activations `triton_quant`'s NVFP4 kernels quantize
 NVFP4_QUANT_MODES = ("nvfp4", "fp8_rowwise")
 
@@ -68,7 +70,7 @@ def probe_plan(arch: str | None, formats: tuple[str, ...] = PROBED_FORMATS) -> l
                 form = (k, mode, {"fp8": "fp8", "bf16": "bf16"}.get(mode or "", "nvfp4"))
                 if mode and form not in plan:
                     plan.append(form)
-    return plan
+    return [*plan, ROPE_FORM]  # the network's RoPE kernel, whatever the weights' format
 
 
 # normal, subnormal, tie, saturating and non-finite activations (before the probe's scale of 0.5)
@@ -199,6 +201,22 @@ def check_triton_quant(mode: str, dev: torch.device) -> None:
         raise DgpipeError(f"the Triton {mode} activation quantization differs from torch's", TRITON_FALLBACK)
 
 
+def check_triton_rope(dev: torch.device) -> None:
+    """dgpipe's RoPE kernel bit for bit against the torch form (`network.apply_rope`) in bf16 and fp16, at
+    head dims 64, 256 and 512 (the 26B's two), over positions up to 2^17, or a DgpipeError."""
+    g = torch.Generator().manual_seed(4)
+    for dtype in triton_rope.DTYPES:
+        for d in (64, 256, 512):
+            x = (torch.randn(2, 7, 3, d, generator=g) * 4).to(dev, dtype)
+            positions = torch.randint(0, 2**17, (2, 7, 1), generator=g).float()
+            angles = positions * torch.logspace(0, -4, d // 2)
+            emb = torch.cat([angles, angles], dim=-1)
+            cos, sin = emb.cos().to(dev, dtype), emb.sin().to(dev, dtype)
+            if not torch.equal(triton_rope.rope(x, cos, sin), apply_rope(x, cos, sin)):
+                raise DgpipeError(f"the Triton RoPE kernel differs from torch's ({dtype}, head dim {d})",
+                                  "dgpipe keeps torch's element-wise RoPE; report the GPU, torch and Triton versions")  # fmt: skip
+
+
 def check_triton_bf16(dev: torch.device, x, index, weights) -> None:
     """dgpipe's Triton GEMM with bf16 operands on this GPU, or a DgpipeError: at every M tile against the
     float product of its operands, and a whole experts pass on it (`pipeline.runtime.routed`) against the
@@ -242,6 +260,8 @@ def probe(device: torch.device | str = "cuda", formats: tuple[str, ...] = PROBED
                 ScaledExperts(ps, ps, ps, mode, dev)(x[:20], index, wts)
             elif kind == "quant":
                 check_triton_quant(mode, dev)
+            elif kind == "rope":
+                check_triton_rope(dev)
             elif mode == "bf16":
                 check_triton_bf16(dev, x[:20], index, wts)
             else:

@@ -13,6 +13,7 @@ from pipeline.bench import fake_cuda
 from pipeline.bench import gpu_trace as gt
 from pipeline.model.modelopt import _quantized_experts_forward
 from pipeline.runtime import gpu_load
+from pipeline.runtime import probe as probing
 from pipeline.runtime.dispatch import DISPATCH, EVERY_PASS
 
 LAYERS = 2  # one sliding and one global layer of the 26B: every layer shape, ~1 s a trace
@@ -142,6 +143,18 @@ def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
     no_kernel.results["quant:nvfp4"] = "failed"
     torch_form = gt.trace_pass("nvfp4", "sm100", 1, LAYERS, probed=no_kernel)
     assert "triton::nvfp4_quant" not in torch_form.ops and torch_form.launches > b200.launches + 40 * inputs
+
+
+def test_rope_takes_one_launch_per_tensor_where_probed():
+    """torch's RoPE is five launches for q and five for k a layer (the multiplies, `rotate_half`'s negation
+    and concatenation, the sum); `pipeline.runtime.triton_rope` makes each one. A failed probe keeps torch's."""
+    fused = gt.trace_pass("bf16", "sm90", 1, LAYERS)
+    assert fused.ops["triton::rope"] == 2 * LAYERS and "aten::neg" not in fused.ops
+    no_kernel = gt.passing_probe("sm90")
+    no_kernel.results[probing.ROPE] = "failed"
+    torch_form = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=no_kernel)
+    assert "triton::rope" not in torch_form.ops and torch_form.ops["aten::neg"] == 2 * LAYERS
+    assert torch_form.launches - fused.launches == 8 * LAYERS
 
 
 def test_ops_a_cpu_build_cannot_run_on_fake_cuda_tensors_run_on_meta_ones():

@@ -1,0 +1,38 @@
+"""The Triton kernel of `pipeline.runtime.triton_rope` (imported on first use; see there)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rope(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    rows,
+    heads,
+    HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """x [tokens * heads, 2 * HALF] rotated by its token's cos/sin [tokens, 2 * HALF], each product and the
+    sum rounded to x's dtype as torch's element-wise kernels round them."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    j = tl.arange(0, HALF_P2)[None, :]
+    inside = (r < rows)[:, None] & (j < HALF)
+    row = r[:, None] * (2 * HALF) + j
+    tok = (r // heads)[:, None] * (2 * HALF) + j
+    dt = x_ptr.dtype.element_ty
+    lo = tl.load(x_ptr + row, mask=inside, other=0.0).to(tl.float32)
+    hi = tl.load(x_ptr + row + HALF, mask=inside, other=0.0).to(tl.float32)
+    cos_lo = tl.load(cos_ptr + tok, mask=inside, other=0.0).to(tl.float32)
+    cos_hi = tl.load(cos_ptr + tok + HALF, mask=inside, other=0.0).to(tl.float32)
+    sin_lo = tl.load(sin_ptr + tok, mask=inside, other=0.0).to(tl.float32)
+    sin_hi = tl.load(sin_ptr + tok + HALF, mask=inside, other=0.0).to(tl.float32)
+    # rotate_half(x) = [-hi, lo]; a product of two bf16/fp16 values is exact in fp32, so each rounding
+    # below is the one torch's kernel makes (and keeps the compiler from fusing a multiply into the add)
+    out_lo = (lo * cos_lo).to(dt).to(tl.float32) + (-hi * sin_lo).to(dt).to(tl.float32)
+    out_hi = (hi * cos_hi).to(dt).to(tl.float32) + (lo * sin_hi).to(dt).to(tl.float32)
+    tl.store(out_ptr + row, out_lo.to(dt), mask=inside)
+    tl.store(out_ptr + row + HALF, out_hi.to(dt), mask=inside)

@@ -1,0 +1,203 @@
+"""dgpipe's RoPE kernel (`pipeline.runtime.triton_rope`) in Triton's interpreter against the torch form
+(`network.apply_rope`) bit for bit (with round-to-nearest-even casts: tests/_utils/interpreter_casts.py), a
+model's logits unchanged with it installed, the load-time probe, and the kernel compiled for Hopper, B200,
+Ada and RTX Blackwell without a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pipeline.errors import DgpipeError
+from pipeline.model.network import apply_rope
+from pipeline.runtime import probe as probing
+from pipeline.runtime import triton_rope
+from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
+
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton's interpreter is on where no GPU is (tests/conftest.py)",
+)
+
+
+def tables(b: int, length: int, d: int, dtype: torch.dtype, seed: int = 0, partial: int | None = None):
+    """cos/sin [b, length, d] of positions up to 2^17; `partial`: only the first `partial` frequencies rotate
+    (the "proportional" RoPE of the global layers: the rest have cos 1, sin 0)."""
+    g = torch.Generator().manual_seed(seed)
+    inv = torch.logspace(0, -4, d // 2)
+    if partial is not None:
+        inv[partial:] = 0.0
+    angles = torch.randint(0, 2**17, (b, length, 1), generator=g).float() * inv
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", triton_rope.DTYPES)
+@pytest.mark.parametrize(
+    ("heads", "d", "partial"), [(3, 64, None), (16, 256, None), (2, 512, 64), (5, 2, None), (4, 24, None)]
+)
+def test_rope_is_the_torch_form_bit_for_bit(rne_casts, dtype, heads, d, partial):  # noqa: F811
+    """Rows that do not fill the last program, values over eight decades with zeros, infinities and NaN,
+    head dims from 2 to the 26B's 512 (its global layers rotate 64 of 256 frequencies; the embedded model's
+    24 is no power of two)."""
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(2, 9, heads, d, generator=g) * torch.logspace(-4, 4, d)
+    x[0, 0, 0, :2], x[1, 2, 0, 0], x[1, 3, -1, -1] = 0.0, float("inf"), float("nan")
+    x = x.to(dtype)
+    cos, sin = tables(2, 9, d, dtype, partial=partial)
+    assert triton_rope.serves(x, cos)
+    got, want = triton_rope.rope(x, cos, sin), apply_rope(x, cos, sin)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bit patterns: NaN and -0.0 too
+
+
+def test_other_inputs_keep_the_torch_form(monkeypatch):
+    x, (cos, sin) = torch.randn(1, 4, 2, 64, dtype=torch.bfloat16), tables(1, 4, 64, torch.bfloat16)
+    assert not triton_rope.serves(
+        x.float(), cos.float()
+    )  # fp32: the compiler may fuse a product into the sum
+    assert not triton_rope.serves(x.transpose(1, 2), cos)  # [B, H, L, D]: not the layout it reads
+    assert not triton_rope.serves(x[..., :48], cos[..., :48].contiguous())  # a view: rows not contiguous
+    assert not triton_rope.serves(x, cos.half())
+    monkeypatch.setattr(triton_rope, "rope", lambda *a: pytest.fail("the kernel ran"))
+    y = x.float()
+    assert torch.equal(
+        triton_rope.rope_or_torch(y, cos.float(), sin.float()), apply_rope(y, cos.float(), sin.float())
+    )
+
+
+@interpreted
+def test_a_model_with_the_kernel_installed_gives_the_same_logits(rne_casts):  # noqa: F811
+    """The embedded model in bf16 with every layer's RoPE on the kernel (as `gpu_load.fuse_rope` installs it):
+    the same logits bit for bit, prefill and denoise; the kernel ran in both."""
+    from pipeline.model.checkpoint import load_model
+    from pipeline.resources import EMBEDDED_MODEL
+    from pipeline.runtime import gpu_load
+
+    model = load_model(EMBEDDED_MODEL, torch.bfloat16)[0].eval()
+    cfg, length = model.cfg, model.config.canvas_length
+    g = torch.Generator().manual_seed(0)
+    canvas = torch.randint(0, cfg.vocab_size, (2, length), generator=g)
+    positions = torch.arange(length).expand(2, length) + 7
+    masks = dict.fromkeys(set(model.layer_types))
+
+    def run():
+        with torch.inference_mode():
+            return model.denoise(canvas, None, positions, masks, None), model.encode_kv(
+                canvas, positions, masks
+            )
+
+    want = run()
+    calls = []
+    kernel = triton_rope.rope
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(triton_rope, "rope", lambda *a: calls.append(1) or kernel(*a))
+    try:
+        report = gpu_load.fuse_rope(model, probing.Probe("sm90", {probing.ROPE: None}), None)
+        got = run()
+    finally:
+        monkeypatch.undo()
+    assert report is None and calls and all(layer.self_attn.rope_kernel for layer in model.layers)
+    assert torch.equal(got[0], want[0])
+    assert all(
+        torch.equal(a, b) for kv, kv_want in zip(got[1], want[1], strict=True) for a, b in zip(kv, kv_want)
+    )
+
+
+def test_a_failed_probe_keeps_the_torch_form_and_says_why():
+    from pipeline.model.config import ModelConfig
+    from pipeline.model.network import DiffusionGemma
+    from pipeline.resources import load_yaml
+    from pipeline.runtime import gpu_load
+
+    with torch.device("meta"):
+        model = DiffusionGemma(ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny"))
+    for layer in model.layers:
+        layer.self_attn.rope_kernel = triton_rope.rope_or_torch
+    report = gpu_load.fuse_rope(model, probing.Probe("sm90", {probing.ROPE: "out of resources"}), None)
+    assert all(layer.self_attn.rope_kernel is None for layer in model.layers)
+    assert "RoPE: the Triton kernel failed its probe (out of resources)" in report.summary()
+
+
+@interpreted
+def test_the_probe_check_passes_the_kernel_and_fails_a_wrong_one(rne_casts, monkeypatch):  # noqa: F811
+    probing.check_triton_rope(torch.device("cpu"))
+    kernel = triton_rope.rope
+    monkeypatch.setattr(triton_rope, "rope", lambda x, c, s: kernel(x, s, c))  # cos and sin swapped
+    with pytest.raises(DgpipeError, match="RoPE kernel differs"):
+        probing.check_triton_rope(torch.device("cpu"))
+
+
+COMPILE_FOR_GPUS = """
+import json, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pipeline.runtime import triton_rope, triton_rope_kernels as k
+
+out = []
+for cc in (90, 100, 89, 120):
+    for d in (256, 512):
+        for dt in ("bf16", "fp16"):
+            sig = {"x_ptr": f"*{dt}", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}", "out_ptr": f"*{dt}", "rows": "i32",
+                   "heads": "i32"}
+            constexprs = {"HALF": d // 2, "HALF_P2": d // 2, "BLOCK_R": triton_rope.ROW_VALUES // d}
+            attrs = {(k.rope.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")}
+            src = ASTSource(fn=k.rope, signature={**sig, **dict.fromkeys(constexprs, "constexpr")},
+                            constexprs=constexprs, attrs=attrs)
+            kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=triton_rope.OPTIONS)
+            cubin = Path(sys.argv[1]) / f"rope_{d}_{dt}_sm{cc}.cubin"
+            cubin.write_bytes(kernel.asm["cubin"])
+            out.append({"cc": cc, "d": d, "dtype": dt, "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
+json.dump(out, sys.stdout)
+"""
+
+
+def separate_roundings_missing(ptx: str) -> list[str]:
+    """The PTX float instructions that would round a product and a sum together: any fp32 FMA, and any
+    bf16/fp16 FMA that is not a lone multiply (addend -0.0) or a lone add (a factor of +-1.0), the forms sm_89,
+    which has no bf16 `mul`/`add`, emulates those with."""
+    import re
+
+    constants = dict(re.findall(r"mov\.b16\s+(%rs\d+),\s*(0x[0-9A-Fa-f]+|0);", ptx))
+    neg_zero = {r for r, v in constants.items() if v.upper() == "0X8000"}
+    one = {r for r, v in constants.items() if v.upper() in ("0X3F80", "0XBF80", "0X3C00", "0XBC00")}
+    bad = re.findall(r"\bfma\.\S*f32[^;]*;", ptx)
+    for a, b, c in re.findall(r"\bfma\.rn\.(?:bf16|f16)\s+%rs\d+,\s*(%rs\d+),\s*(%rs\d+),\s*(%rs\d+);", ptx):
+        if c not in neg_zero and a not in one and b not in one:
+            bad.append(f"fma {a} {b} {c}")
+    return bad
+
+
+def test_the_kernel_compiles_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
+    """Triton lowers the kernel for both head dims and dtypes to sm_90a, sm_100a, sm_89 and sm_120 cubins, no
+    GPU needed: every product is rounded to the input's dtype before the sum (`mul.rn`, `add.rn`; a fused
+    multiply-add would round once where torch rounds twice, and Triton's default contraction made one), and no
+    register spills (no STL/LDL in the SASS)."""
+    import json
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    run = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPUS, str(tmp_path)], capture_output=True, text=True,
+                         env=env, cwd=Path(__file__).parents[3], timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    compiled = json.loads(run.stdout)
+    assert len(compiled) == 16
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"  # ships with Triton
+    for k in compiled:
+        assert not separate_roundings_missing(k["ptx"]), (
+            k["cc"],
+            k["dtype"],
+            separate_roundings_missing(k["ptx"]),
+        )
+        sass = subprocess.run([str(nvdisasm), k["cubin"]], capture_output=True, text=True, check=True).stdout
+        assert "EXIT" in sass and not re.search(r"\b(STL|LDL)\b", sass), (k["cc"], k["d"], k["dtype"])
