@@ -155,9 +155,10 @@ def nvfp4_weight_blocked(block_scales: torch.Tensor) -> torch.Tensor:
 def expert_order(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Routed slots sorted by expert: (order into index.reshape(-1), token of each sorted slot, int32 end
     offsets per expert). No host sync: a CUDA graph can capture it (`pipeline.model.network.grouped_experts`
-    and the tensor-core experts both route with it)."""
+    and the tensor-core experts both route with it). Expert e's slots end where the sorted experts pass e:
+    one search of the sorted experts for every expert, three launches fewer than counting them and adding
+    the counts up (zeros, a scatter-add, its ones, a cumulative sum)."""
     flat = index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=index.device)
-    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    return order, order // index.shape[1], torch.cumsum(counts, 0, dtype=torch.int32)
+    experts, order = torch.sort(flat, stable=True)
+    ids = torch.arange(num_experts, device=index.device, dtype=flat.dtype)
+    return order, order // index.shape[1], torch.searchsorted(experts, ids, right=True, out_int32=True)

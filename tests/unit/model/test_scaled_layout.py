@@ -7,6 +7,7 @@ import ast
 import types
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -164,13 +165,21 @@ def test_scaled_grouped_gemm_from_layouts_equals_dequantized_reference():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_expert_order_matches_grouped_experts():
-    index = torch.randint(0, 5, (7, 2), generator=GEN)
-    order, token, offs = sl.expert_order(index, 5)
+@pytest.mark.parametrize(
+    ("tokens", "k", "experts"), [(7, 2, 5), (256, 8, 128), (3, 2, 9), (0, 2, 4), (64, 1, 1)]
+)
+def test_expert_order_matches_grouped_experts(tokens, k, experts):
+    """Sorted slots, their tokens and every expert's end offset, empty experts (first, last, in between) and an
+    empty routing included."""
+    g = torch.Generator().manual_seed(tokens)
+    index = torch.randint(0, experts, (tokens, k), generator=g)
+    if experts > 4:
+        index[index < 2] = 3  # experts 0 and 1 empty
+    order, token, offs = sl.expert_order(index, experts)
     assert torch.equal(order, torch.argsort(index.reshape(-1), stable=True))
-    assert torch.equal(token, order // 2)
+    assert torch.equal(token, order // k)
     assert (
         offs.dtype == torch.int32
-        and offs.tolist() == torch.bincount(index.reshape(-1), minlength=5).cumsum(0).tolist()
+        and offs.tolist() == torch.bincount(index.reshape(-1), minlength=experts).cumsum(0).tolist()
     )
     assert F.grouped_mm is not None  # the bf16 path the fallback rows name
