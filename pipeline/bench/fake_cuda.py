@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from pipeline.model.network import DiffusionGemma
-from pipeline.runtime import triton_moe, triton_quant, triton_rope
+from pipeline.runtime import triton_moe, triton_network, triton_quant
 
 CAPABILITY = {"sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
 NO_CUDA = "not linked with support for cuda"  # a CPU build's error for a CUDA device guard or generator
@@ -205,7 +205,7 @@ def fake_gpu(arch: str) -> Iterator[tuple[FakeTensorMode, OpCounter, _Functions]
         )
         quant = Launchers(ops.ops, counting)
         stack.enter_context(mock.patch.object(triton_quant, "_kernels", lambda: quant))
-        stack.enter_context(mock.patch.object(triton_rope, "_kernels", lambda: quant))
+        stack.enter_context(mock.patch.object(triton_network, "_kernels", lambda: quant))
         for mode in (fake, ops, calls):
             stack.enter_context(mode)
         yield fake, ops, calls

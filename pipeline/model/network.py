@@ -165,7 +165,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
-        # `apply_rope` as one fused CUDA kernel (`pipeline.runtime.triton_rope`), set by the GPU loader where
+        # `apply_rope` as one fused CUDA kernel (`pipeline.runtime.triton_network`), set by the GPU loader where
         # its probe found it equal to the torch form; None: the torch form (five element-wise kernels)
         self.rope_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
@@ -397,6 +397,9 @@ class DiffusionGemma(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_conditioning = SelfConditioning(cfg)
         self.layer_types: list[str] = list(cfg.layer_types)  # type: ignore[arg-type]
+        # the LM head's softcap as one fused CUDA kernel (`pipeline.runtime.triton_network.softcap`), set by
+        # the GPU loader where its probe passed; None: torch's four passes over the logits
+        self.softcap_kernel: Callable[[torch.Tensor, float], torch.Tensor] | None = None
         for kind in sorted(set(self.layer_types)):
             hd = cfg.layer_shape(self.layer_types.index(kind)).head_dim
             # computed on the CPU, then placed where a `with torch.device(...)` block puts everything else
@@ -434,6 +437,8 @@ class DiffusionGemma(nn.Module):
             # (traced: the ops as written; compiled: inductor fuses the three into the GEMM epilogue)
             return torch.tanh(F.linear(hidden, w).float() / cap) * cap
         if not hidden.is_cpu or w.dtype != torch.float32:
+            if self.softcap_kernel is not None:
+                return self.softcap_kernel(F.linear(hidden, w), cap)
             return F.linear(hidden, w).float().div_(cap).tanh_().mul_(cap)
         rows = hidden.reshape(-1, hidden.shape[-1])
         vocab = w.shape[0]

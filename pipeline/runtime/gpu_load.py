@@ -1,8 +1,8 @@
 """Loading onto a GPU: a quantized checkpoint's FP8 / NVFP4 weights go straight onto tensor cores as the
 loader reads them (`TensorCoreLoad`, a `pipeline.model.checkpoint.PackedSink`), float experts that would read
-their routing on the host route on the device (`route_float_experts`, `pipeline.runtime.routed`), RoPE runs
-as one kernel per tensor (`fuse_rope`, `pipeline.runtime.triton_rope`), and the load reports what went where
-and every fallback with its reason (`Installed`; `dgpipe serve` logs it)."""
+their routing on the host route on the device (`route_float_experts`, `pipeline.runtime.routed`), RoPE and
+the logit softcap run as one kernel each (`fuse_network`, `pipeline.runtime.triton_network`), and the load
+reports what went where and every fallback with its reason (`Installed`; `dgpipe serve` logs it)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ from pipeline.runtime.dispatch import (
     arch_of,
     dispatch,
 )
-from pipeline.runtime.probe import NVFP4_QUANT_MODES, ROPE, Probe, probe
+from pipeline.runtime.probe import NVFP4_QUANT_MODES, ROPE, SOFTCAP, Probe, probe
 from pipeline.runtime.routed import host_bound_experts, route_on_device
 from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode
-from pipeline.runtime.triton_rope import rope_or_torch
+from pipeline.runtime.triton_network import rope_or_torch, softcap
 from pipeline.targets import precision_for_quant_algo
 
 EXPERT = re.compile(r"^(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
@@ -203,28 +203,33 @@ def finish_on_device(
     model: DiffusionGemma, device: torch.device, probed: Probe | None, report: Installed | None
 ) -> Installed | None:
     """What every load does once the weights are in (the benchmarks' random-weight loads too): float experts
-    that would read the routing on the host route on the device, and on CUDA RoPE runs as one kernel where
-    its probe passed (run here for that kernel alone when the load has not probed)."""
+    that would read the routing on the host route on the device, and on CUDA RoPE and the logit softcap run
+    as one kernel each where their probes passed (run here for those kernels alone when the load has not
+    probed)."""
     report = route_float_experts(model, device, probed, report)
     if device.type != "cuda":
         return report
     if probed is None or ROPE not in probed.results:
         probed = probe(device, formats=())
-    return fuse_rope(model, probed, report)
+    return fuse_network(model, probed, report)
 
 
-def fuse_rope(model: DiffusionGemma, probed: Probe, report: Installed | None) -> Installed | None:
-    """Every layer's RoPE on dgpipe's one-kernel form (`triton_rope`) where its probe passed; where not, the
-    torch form stays and the report says why."""
-    ok = probed.ok(ROPE)
+# what runs where a `triton_network` kernel failed its probe
+TORCH_FORMS = {ROPE: "RoPE: torch's five element-wise kernels per tensor",
+               SOFTCAP: "logit softcap: torch's four passes over the logits"}  # fmt: skip
+
+
+def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None) -> Installed | None:
+    """Every layer's RoPE and the LM head's softcap on dgpipe's one-kernel forms (`triton_network`) where their
+    probes passed; where not, the torch forms stay and the report says why."""
     for layer in model.layers:
-        layer.self_attn.rope_kernel = rope_or_torch if ok else None
-    if not ok:
-        report = report or Installed("bf16", probed.arch)
-        report.fallbacks.append(
-            f"RoPE: the Triton kernel failed its probe ({probed.results.get(ROPE, 'not run')}): torch's "
-            "five element-wise kernels per tensor"
-        )
+        layer.self_attn.rope_kernel = rope_or_torch if probed.ok(ROPE) else None
+    model.softcap_kernel = softcap if probed.ok(SOFTCAP) else None
+    for kernel, torch_form in TORCH_FORMS.items():
+        if not probed.ok(kernel):
+            report = report or Installed("bf16", probed.arch)
+            report.fallbacks.append(f"{torch_form} (the Triton kernel failed its probe: "
+                                    f"{probed.results.get(kernel, 'not run')})")  # fmt: skip
     return report
 
 

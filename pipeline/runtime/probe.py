@@ -15,7 +15,7 @@ from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX
 from pipeline.model.modelopt import PackedLinear
 from pipeline.model.network import apply_rope, combine_top_k, gelu_tanh
-from pipeline.runtime import triton_moe, triton_quant, triton_rope
+from pipeline.runtime import triton_moe, triton_network, triton_quant
 from pipeline.runtime.dispatch import EVERY_PASS, arch_of, dispatch
 from pipeline.runtime.routed import routed_experts
 from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, quantize_rows
@@ -45,8 +45,10 @@ def _tiny_packed(fmt: str, n: int = 128, k: int = 128, seed: int = 0) -> PackedL
 
 
 PROBED_FORMATS = ("fp8", "nvfp4", "bf16", "int4_awq")
-ROPE_FORM = ("rope", "bf16", "bf16")  # `triton_rope`'s kernel (checked in bf16 and fp16)
-ROPE = f"{ROPE_FORM[0]}:{ROPE_FORM[1]}"
+# `triton_network`'s kernels, probed on every GPU whatever the checkpoint's format
+ROPE_FORM = ("rope", "bf16", "bf16")  # checked in bf16 and fp16
+SOFTCAP_FORM = ("softcap", "bf16", "bf16")  # bf16 logits in, fp32 out
+ROPE, SOFTCAP = (f"{kind}:{mode}" for kind, mode, _ in (ROPE_FORM, SOFTCAP_FORM))
 # the modes whose activations `triton_quant`'s NVFP4 kernels quantize
 NVFP4_QUANT_MODES = ("nvfp4", "fp8_rowwise")
 
@@ -70,7 +72,7 @@ def probe_plan(arch: str | None, formats: tuple[str, ...] = PROBED_FORMATS) -> l
                 form = (k, mode, {"fp8": "fp8", "bf16": "bf16"}.get(mode or "", "nvfp4"))
                 if mode and form not in plan:
                     plan.append(form)
-    return [*plan, ROPE_FORM]  # the network's RoPE kernel, whatever the weights' format
+    return [*plan, ROPE_FORM, SOFTCAP_FORM]
 
 
 # normal, subnormal, tie, saturating and non-finite activations (before the probe's scale of 0.5)
@@ -205,16 +207,30 @@ def check_triton_rope(dev: torch.device) -> None:
     """dgpipe's RoPE kernel bit for bit against the torch form (`network.apply_rope`) in bf16 and fp16, at
     head dims 64, 256 and 512 (the 26B's two), over positions up to 2^17, or a DgpipeError."""
     g = torch.Generator().manual_seed(4)
-    for dtype in triton_rope.DTYPES:
+    for dtype in triton_network.DTYPES:
         for d in (64, 256, 512):
             x = (torch.randn(2, 7, 3, d, generator=g) * 4).to(dev, dtype)
             positions = torch.randint(0, 2**17, (2, 7, 1), generator=g).float()
             angles = positions * torch.logspace(0, -4, d // 2)
             emb = torch.cat([angles, angles], dim=-1)
             cos, sin = emb.cos().to(dev, dtype), emb.sin().to(dev, dtype)
-            if not torch.equal(triton_rope.rope(x, cos, sin), apply_rope(x, cos, sin)):
+            if not torch.equal(triton_network.rope(x, cos, sin), apply_rope(x, cos, sin)):
                 raise DgpipeError(f"the Triton RoPE kernel differs from torch's ({dtype}, head dim {d})",
                                   "dgpipe keeps torch's element-wise RoPE; report the GPU, torch and Triton versions")  # fmt: skip
+
+
+def check_triton_softcap(dev: torch.device) -> None:
+    """dgpipe's softcap kernel against torch's form on bf16 logits from 0 to 1e4, infinities and NaN, or a
+    DgpipeError: within 1e-6 relative, a few fp32 units in the last place (the kernel computes torch's CUDA
+    arithmetic; a tanh of another libdevice or libm build may differ by an ulp or two; a wrong kernel is O(1))."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 1000, generator=g) * torch.logspace(-3, 4, 64)[:, None]
+    x[0, :4] = torch.tensor([0.0, float("inf"), -float("inf"), float("nan")])
+    x = x.to(dev, torch.bfloat16)
+    got, want = triton_network.softcap(x, 30.0), x.float().div_(30.0).tanh_().mul_(30.0)
+    if not torch.allclose(got, want, rtol=1e-6, atol=0.0, equal_nan=True):
+        raise DgpipeError(f"the Triton logit softcap differs from torch's by up to {float((got - want).abs().nan_to_num().max()):.3g}",
+                          "dgpipe keeps torch's element-wise softcap; report the GPU, torch and Triton versions")  # fmt: skip
 
 
 def check_triton_bf16(dev: torch.device, x, index, weights) -> None:
@@ -262,6 +278,8 @@ def probe(device: torch.device | str = "cuda", formats: tuple[str, ...] = PROBED
                 check_triton_quant(mode, dev)
             elif kind == "rope":
                 check_triton_rope(dev)
+            elif kind == "softcap":
+                check_triton_softcap(dev)
             elif mode == "bf16":
                 check_triton_bf16(dev, x[:20], index, wts)
             else:

@@ -5,6 +5,9 @@ The interpreter converts fp32 to E4M3 and to bf16 with its own bit arithmetic (T
 rest, and truncates into E4M3's subnormals, where a GPU's `cvt.rn` rounds to nearest even. Tests that hold a
 kernel to torch's arithmetic bit for bit install torch's own conversions (IEEE round to nearest even) for
 those two casts, so what they compare is the kernel's arithmetic, not the interpreter's casts.
+
+The interpreter has no libdevice functions either (`libdevice.tanh` returns None there): `interpreted_tanh`
+puts numpy's fp32 tanh in its place, within an ulp or two of CUDA's and of torch's CPU tanh.
 """
 
 from __future__ import annotations
@@ -32,3 +35,15 @@ def rne_casts(monkeypatch):
         return out.view(np.uint8 if bits == torch.uint8 else np.uint16).reshape(data.shape)
 
     monkeypatch.setattr(interpreter, "_convert_float", rounded)
+
+
+@pytest.fixture
+def interpreted_tanh(monkeypatch):
+    import triton.language as tl
+    from triton.language.extra import libdevice
+    from triton.runtime import interpreter
+
+    def tanh(x, _semantic=None):
+        return tl.tensor(interpreter.TensorHandle(np.tanh(x.handle.data), x.handle.dtype.scalar), x.type)
+
+    monkeypatch.setattr(libdevice, "tanh", tanh)

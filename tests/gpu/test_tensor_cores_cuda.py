@@ -295,25 +295,27 @@ def test_the_triton_bf16_probe_passes_on_this_gpu():
     probing.check_triton_bf16(CUDA, x, index, torch.rand(20, 2, device=CUDA, generator=gen))
 
 
-def test_triton_rope_is_torchs_bit_for_bit_and_a_model_keeps_its_logits():
-    """The RoPE kernel on this GPU: the probe's check, the 26B's q and k shapes at 16 canvases, and a bf16
-    model loaded as the runtime loads it (`gpu_load.finish_on_device` installs the kernel) gives the logits
-    of the torch form, bit for bit, eagerly and under a CUDA graph."""
+def test_triton_network_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
+    """RoPE and the logit softcap on this GPU: the probe's checks, RoPE bit for bit at the 26B's q and k shapes
+    at 16 canvases, and a bf16 model loaded as the runtime loads it (`gpu_load.finish_on_device` installs both)
+    gives the torch forms' logits: bit for bit with RoPE alone, within the softcap's fp32 rounding with both,
+    eagerly and under a CUDA graph."""
     from pipeline.model.checkpoint import load_model
     from pipeline.model.network import apply_rope
     from pipeline.resources import EMBEDDED_MODEL
-    from pipeline.runtime import gpu_load, triton_moe, triton_rope
+    from pipeline.runtime import gpu_load, triton_moe, triton_network
 
     if triton_moe.unavailable(CUDA):
         pytest.skip(triton_moe.unavailable(CUDA))
     probing.check_triton_rope(CUDA)
+    probing.check_triton_softcap(CUDA)
     gen = torch.Generator(device=CUDA).manual_seed(7)
     for heads, d in ((16, 256), (8, 256), (16, 512), (2, 512)):
         x = torch.randn(16, 256, heads, d, device=CUDA, generator=gen).to(torch.bfloat16)
         angles = torch.rand(16, 256, d // 2, device=CUDA, generator=gen) * 1e4
         emb = torch.cat([angles, angles], -1)
         cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
-        assert torch.equal(triton_rope.rope(x, cos, sin), apply_rope(x, cos, sin)), (heads, d)
+        assert torch.equal(triton_network.rope(x, cos, sin), apply_rope(x, cos, sin)), (heads, d)
     model = load_model(EMBEDDED_MODEL, torch.bfloat16, CUDA)[0].eval()
     length = model.config.canvas_length
     canvas = torch.randint(0, model.cfg.vocab_size, (2, length), device=CUDA, generator=gen)
@@ -323,11 +325,16 @@ def test_triton_rope_is_torchs_bit_for_bit_and_a_model_keeps_its_logits():
     with torch.inference_mode():
         want = step()
         gpu_load.finish_on_device(model, CUDA, None, None)
-        assert all(layer.self_attn.rope_kernel is triton_rope.rope_or_torch for layer in model.layers)
-        assert torch.equal(step(), want)
-        graph, out = torch.cuda.CUDAGraph(), None
+        assert all(layer.self_attn.rope_kernel is triton_network.rope_or_torch for layer in model.layers)
+        assert model.softcap_kernel is triton_network.softcap
+        got = step()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
+        model.softcap_kernel = None
+        assert torch.equal(step(), want)  # RoPE alone: bit for bit
+        model.softcap_kernel = triton_network.softcap
+        graph = torch.cuda.CUDAGraph()
         step()  # warm-up outside the capture (Triton compiles on first launch)
         with torch.cuda.graph(graph):
             out = step()
         graph.replay()
-        assert torch.equal(out, want)
+        assert torch.equal(out, got)

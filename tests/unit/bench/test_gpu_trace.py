@@ -147,7 +147,7 @@ def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
 
 def test_rope_takes_one_launch_per_tensor_where_probed():
     """torch's RoPE is five launches for q and five for k a layer (the multiplies, `rotate_half`'s negation
-    and concatenation, the sum); `pipeline.runtime.triton_rope` makes each one. A failed probe keeps torch's."""
+    and concatenation, the sum); `pipeline.runtime.triton_network` makes each one. A failed probe keeps torch's."""
     fused = gt.trace_pass("bf16", "sm90", 1, LAYERS)
     assert fused.ops["triton::rope"] == 2 * LAYERS and "aten::neg" not in fused.ops
     no_kernel = gt.passing_probe("sm90")
@@ -155,6 +155,18 @@ def test_rope_takes_one_launch_per_tensor_where_probed():
     torch_form = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=no_kernel)
     assert "triton::rope" not in torch_form.ops and torch_form.ops["aten::neg"] == 2 * LAYERS
     assert torch_form.launches - fused.launches == 8 * LAYERS
+
+
+def test_the_logit_softcap_takes_one_launch_where_probed():
+    """torch's softcap is three in-place passes over the fp32 logits after their widening; the kernel of
+    `pipeline.runtime.triton_network` widens and caps in one."""
+    fused = gt.trace_pass("fp8", "sm90", 1, LAYERS)
+    assert fused.ops["triton::softcap"] == 1 and "aten::tanh_" not in fused.ops
+    no_kernel = gt.passing_probe("sm90")
+    no_kernel.results[probing.SOFTCAP] = "failed"
+    torch_form = gt.trace_pass("fp8", "sm90", 1, LAYERS, probed=no_kernel)
+    assert [torch_form.ops[op] for op in ("aten::div_", "aten::tanh_", "aten::mul_")] == [1, 1, 1]
+    assert "triton::softcap" not in torch_form.ops and torch_form.launches - fused.launches == 2
 
 
 def test_ops_a_cpu_build_cannot_run_on_fake_cuda_tensors_run_on_meta_ones():

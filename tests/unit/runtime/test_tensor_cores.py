@@ -183,13 +183,13 @@ def test_every_vendor_kernel_of_the_table_has_a_module_mode():
 def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
     """Hopper never runs the NVFP4 kernels (one left a sticky launch failure on an H200); Blackwell does.
     Hopper's FP8 experts also probe the Triton GEMM their few-rows passes take; where torch has no grouped
-    GEMM kernel, only the Triton GEMM is probed for the experts, FP8 and bf16. Every GPU probes the RoPE
-    kernel, whatever the checkpoint's format."""
-    rope = probing.ROPE_FORM
+    GEMM kernel, only the Triton GEMM is probed for the experts, FP8 and bf16. Every GPU probes the network's
+    RoPE and softcap kernels, whatever the checkpoint's format."""
+    net = (probing.ROPE_FORM, probing.SOFTCAP_FORM)
     assert probing.probe_plan("sm90") == [
         ("linear", "fp8", "fp8"), ("experts", "fp8", "fp8"), ("triton", "fp8", "fp8"),
         ("linear", "fp8_rowwise", "nvfp4"), ("quant", "fp8_rowwise", "nvfp4"), ("experts", "fp8_rowwise", "nvfp4"),
-        ("triton", "fp8_rowwise", "nvfp4"), rope,
+        ("triton", "fp8_rowwise", "nvfp4"), *net,
     ]  # fmt: skip
     # NVFP4 activations' one-pass quantization ("quant") is probed wherever a row quantizes them
     assert probing.probe_plan("sm100") == [
@@ -197,25 +197,25 @@ def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
         ("linear", "nvfp4", "nvfp4"),
         ("quant", "nvfp4", "nvfp4"),
         ("experts", "nvfp4", "nvfp4"),
-        rope,
+        *net,
     ]
     # Ada and RTX Blackwell: no grouped GEMM kernel in torch for FP8 or bf16, the Triton GEMM takes every pass
     assert probing.probe_plan("sm89") == [
         ("linear", "fp8", "fp8"), ("triton", "fp8", "fp8"), ("linear", "fp8_rowwise", "nvfp4"),
-        ("quant", "fp8_rowwise", "nvfp4"), ("triton", "fp8_rowwise", "nvfp4"), ("triton", "bf16", "bf16"), rope,
+        ("quant", "fp8_rowwise", "nvfp4"), ("triton", "fp8_rowwise", "nvfp4"), ("triton", "bf16", "bf16"), *net,
     ]  # fmt: skip
     assert probing.probe_plan("sm120") == [
         ("linear", "fp8", "fp8"), ("triton", "fp8", "fp8"), ("linear", "nvfp4", "nvfp4"), ("quant", "nvfp4", "nvfp4"),
         ("experts", "nvfp4", "nvfp4"),
         ("triton", "fp8_rowwise", "nvfp4"), ("quant", "fp8_rowwise", "nvfp4"),  # NVFP4 experts' second path: FP8 on Triton
-        ("triton", "bf16", "bf16"), rope,
+        ("triton", "bf16", "bf16"), *net,
     ]  # fmt: skip
     assert probing.probe_plan("sm120", formats=("bf16",)) == [
         ("triton", "bf16", "bf16"),
-        rope,
+        *net,
     ]  # a bf16 checkpoint's load
     assert probing.probe_plan("sm90", formats=("bf16", "int4_awq")) == [
-        rope
+        *net
     ]  # torch's grouped GEMM serves them
     assert probing.probe_plan(None) == []
 

@@ -1,7 +1,8 @@
-"""The Triton kernel of `pipeline.runtime.triton_rope` (imported on first use; see there)."""
+"""The Triton kernels of `pipeline.runtime.triton_network` (imported on first use; see there)."""
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -36,3 +37,12 @@ def rope(
     out_hi = (hi * cos_hi).to(dt).to(tl.float32) + (lo * sin_hi).to(dt).to(tl.float32)
     tl.store(out_ptr + row, out_lo.to(dt), mask=inside)
     tl.store(out_ptr + row + HALF, out_hi.to(dt), mask=inside)
+
+
+@triton.jit
+def softcap(x_ptr, out_ptr, n, inv_cap, cap, BLOCK: tl.constexpr):
+    """fp32 tanh(x * inv_cap) * cap of bf16/fp16/fp32 logits x: torch's CUDA `x.float().div_(cap).tanh_().mul_(cap)`."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    x = tl.load(x_ptr + i, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, libdevice.tanh(x * inv_cap) * cap, mask=inside)

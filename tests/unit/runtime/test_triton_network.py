@@ -1,7 +1,8 @@
-"""dgpipe's RoPE kernel (`pipeline.runtime.triton_rope`) in Triton's interpreter against the torch form
-(`network.apply_rope`) bit for bit (with round-to-nearest-even casts: tests/_utils/interpreter_casts.py), a
-model's logits unchanged with it installed, the load-time probe, and the kernel compiled for Hopper, B200,
-Ada and RTX Blackwell without a GPU."""
+"""dgpipe's kernels for the network's element-wise chains (`pipeline.runtime.triton_network`) in Triton's
+interpreter: RoPE against the torch form (`network.apply_rope`) bit for bit (with round-to-nearest-even casts:
+tests/_utils/interpreter_casts.py) and a model's logits unchanged with it installed, the logit softcap against
+torch's form within fp32 rounding; the load-time probe; and both compiled for Hopper, B200, Ada and RTX
+Blackwell without a GPU."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch
 from pipeline.errors import DgpipeError
 from pipeline.model.network import apply_rope
 from pipeline.runtime import probe as probing
-from pipeline.runtime import triton_rope
-from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
+from pipeline.runtime import triton_network
+from tests._utils.interpreter_casts import interpreted_tanh, rne_casts  # noqa: F401  (fixtures)
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -35,7 +36,7 @@ def tables(b: int, length: int, d: int, dtype: torch.dtype, seed: int = 0, parti
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", triton_rope.DTYPES)
+@pytest.mark.parametrize("dtype", triton_network.DTYPES)
 @pytest.mark.parametrize(
     ("heads", "d", "partial"), [(3, 64, None), (16, 256, None), (2, 512, 64), (5, 2, None), (4, 24, None)]
 )
@@ -48,30 +49,31 @@ def test_rope_is_the_torch_form_bit_for_bit(rne_casts, dtype, heads, d, partial)
     x[0, 0, 0, :2], x[1, 2, 0, 0], x[1, 3, -1, -1] = 0.0, float("inf"), float("nan")
     x = x.to(dtype)
     cos, sin = tables(2, 9, d, dtype, partial=partial)
-    assert triton_rope.serves(x, cos)
-    got, want = triton_rope.rope(x, cos, sin), apply_rope(x, cos, sin)
+    assert triton_network.serves(x, cos)
+    got, want = triton_network.rope(x, cos, sin), apply_rope(x, cos, sin)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bit patterns: NaN and -0.0 too
 
 
 def test_other_inputs_keep_the_torch_form(monkeypatch):
     x, (cos, sin) = torch.randn(1, 4, 2, 64, dtype=torch.bfloat16), tables(1, 4, 64, torch.bfloat16)
-    assert not triton_rope.serves(
+    assert not triton_network.serves(
         x.float(), cos.float()
     )  # fp32: the compiler may fuse a product into the sum
-    assert not triton_rope.serves(x.transpose(1, 2), cos)  # [B, H, L, D]: not the layout it reads
-    assert not triton_rope.serves(x[..., :48], cos[..., :48].contiguous())  # a view: rows not contiguous
-    assert not triton_rope.serves(x, cos.half())
-    monkeypatch.setattr(triton_rope, "rope", lambda *a: pytest.fail("the kernel ran"))
+    assert not triton_network.serves(x.transpose(1, 2), cos)  # [B, H, L, D]: not the layout it reads
+    assert not triton_network.serves(x[..., :48], cos[..., :48].contiguous())  # a view: rows not contiguous
+    assert not triton_network.serves(x, cos.half())
+    monkeypatch.setattr(triton_network, "rope", lambda *a: pytest.fail("the kernel ran"))
     y = x.float()
     assert torch.equal(
-        triton_rope.rope_or_torch(y, cos.float(), sin.float()), apply_rope(y, cos.float(), sin.float())
+        triton_network.rope_or_torch(y, cos.float(), sin.float()), apply_rope(y, cos.float(), sin.float())
     )
 
 
 @interpreted
 def test_a_model_with_the_kernel_installed_gives_the_same_logits(rne_casts):  # noqa: F811
-    """The embedded model in bf16 with every layer's RoPE on the kernel (as `gpu_load.fuse_rope` installs it):
-    the same logits bit for bit, prefill and denoise; the kernel ran in both."""
+    """The embedded model in bf16 with every layer's RoPE on the kernel (as `gpu_load.fuse_network` installs
+    it): the same logits bit for bit, prefill and denoise; the kernel ran in both. (The softcap kernel's tanh is
+    numpy's in the interpreter, not torch's: it stays off here; the next test covers it.)"""
     from pipeline.model.checkpoint import load_model
     from pipeline.resources import EMBEDDED_MODEL
     from pipeline.runtime import gpu_load
@@ -91,19 +93,68 @@ def test_a_model_with_the_kernel_installed_gives_the_same_logits(rne_casts):  # 
 
     want = run()
     calls = []
-    kernel = triton_rope.rope
+    kernel = triton_network.rope
     monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(triton_rope, "rope", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(triton_network, "rope", lambda *a: calls.append(1) or kernel(*a))
     try:
-        report = gpu_load.fuse_rope(model, probing.Probe("sm90", {probing.ROPE: None}), None)
+        report = gpu_load.fuse_network(model, probing.Probe("sm90", {probing.ROPE: None}), None)
         got = run()
     finally:
         monkeypatch.undo()
-    assert report is None and calls and all(layer.self_attn.rope_kernel for layer in model.layers)
+    assert (
+        calls and all(layer.self_attn.rope_kernel for layer in model.layers) and model.softcap_kernel is None
+    )
+    assert report.fallbacks == [
+        "logit softcap: torch's four passes over the logits (the Triton kernel failed its probe: not run)"
+    ]
     assert torch.equal(got[0], want[0])
     assert all(
         torch.equal(a, b) for kv, kv_want in zip(got[1], want[1], strict=True) for a, b in zip(kv, kv_want)
     )
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_softcap_is_torchs_cuda_form_within_fp32_rounding(interpreted_tanh, dtype):  # noqa: F811
+    """Logits from 0 to 1e4 with infinities and NaN, a count that does not fill the last program: torch's
+    CUDA form (a product with the cap's fp32 reciprocal, tanh, a product) within 2 ulp, the gap being numpy's
+    tanh against torch's; the model's LM head takes the kernel where it is installed."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 5001, generator=g) * torch.logspace(-3, 4, 5001)
+    x[0, :4] = torch.tensor([0.0, float("inf"), -float("inf"), float("nan")])
+    x = x.to(dtype)
+    inv = torch.tensor(1.0) / torch.tensor(30.0)
+    cuda_form = torch.tanh(x.float() * inv) * 30.0
+    got = triton_network.softcap(x, 30.0)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    torch.testing.assert_close(got, cuda_form, rtol=2.4e-7, atol=0.0, equal_nan=True)
+    assert got[0, 1] == 30.0 and got[0, 2] == -30.0 and got[0, 3].isnan()
+    torch.testing.assert_close(
+        got, x.float().div_(30.0).tanh_().mul_(30.0), rtol=4.8e-7, atol=0.0, equal_nan=True
+    )
+    probing.check_triton_softcap(torch.device("cpu"))
+
+
+def test_the_reciprocal_is_torchs_fp32_division():
+    for cap in (30.0, 7.0, 0.3, 1e-3, 3.0e38, 1.1754944e-38):
+        want = float(torch.tensor(1.0) / torch.tensor(cap, dtype=torch.float32))
+        assert triton_network.fp32_reciprocal(cap) == want, cap
+
+
+def test_the_lm_head_takes_the_softcap_kernel_where_installed(monkeypatch):
+    from pipeline.model.config import ModelConfig
+    from pipeline.model.network import DiffusionGemma
+    from pipeline.resources import load_yaml
+
+    model = DiffusionGemma(
+        ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny")
+    ).bfloat16()
+    hidden = torch.randn(2, 3, model.cfg.hidden_size, dtype=torch.bfloat16)
+    seen = []
+    model.softcap_kernel = lambda logits, cap: seen.append((logits.dtype, cap)) or logits.float()
+    with torch.inference_mode():
+        out = model.logits(hidden)
+    assert seen == [(torch.bfloat16, model.cfg.final_logit_softcapping)] and out.dtype == torch.float32
 
 
 def test_a_failed_probe_keeps_the_torch_form_and_says_why():
@@ -115,17 +166,21 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
     with torch.device("meta"):
         model = DiffusionGemma(ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny"))
     for layer in model.layers:
-        layer.self_attn.rope_kernel = triton_rope.rope_or_torch
-    report = gpu_load.fuse_rope(model, probing.Probe("sm90", {probing.ROPE: "out of resources"}), None)
+        layer.self_attn.rope_kernel = triton_network.rope_or_torch
+    probed = probing.Probe("sm90", {probing.ROPE: "out of resources", probing.SOFTCAP: None})
+    report = gpu_load.fuse_network(model, probed, None)
     assert all(layer.self_attn.rope_kernel is None for layer in model.layers)
-    assert "RoPE: the Triton kernel failed its probe (out of resources)" in report.summary()
+    assert model.softcap_kernel is triton_network.softcap
+    assert report.fallbacks == [
+        "RoPE: torch's five element-wise kernels per tensor (the Triton kernel failed its probe: out of resources)"
+    ]
 
 
 @interpreted
 def test_the_probe_check_passes_the_kernel_and_fails_a_wrong_one(rne_casts, monkeypatch):  # noqa: F811
     probing.check_triton_rope(torch.device("cpu"))
-    kernel = triton_rope.rope
-    monkeypatch.setattr(triton_rope, "rope", lambda x, c, s: kernel(x, s, c))  # cos and sin swapped
+    kernel = triton_network.rope
+    monkeypatch.setattr(triton_network, "rope", lambda x, c, s: kernel(x, s, c))  # cos and sin swapped
     with pytest.raises(DgpipeError, match="RoPE kernel differs"):
         probing.check_triton_rope(torch.device("cpu"))
 
@@ -136,7 +191,7 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pipeline.runtime import triton_rope, triton_rope_kernels as k
+from pipeline.runtime import triton_network, triton_network_kernels as k
 
 out = []
 for cc in (90, 100, 89, 120):
@@ -144,14 +199,21 @@ for cc in (90, 100, 89, 120):
         for dt in ("bf16", "fp16"):
             sig = {"x_ptr": f"*{dt}", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}", "out_ptr": f"*{dt}", "rows": "i32",
                    "heads": "i32"}
-            constexprs = {"HALF": d // 2, "HALF_P2": d // 2, "BLOCK_R": triton_rope.ROW_VALUES // d}
+            constexprs = {"HALF": d // 2, "HALF_P2": d // 2, "BLOCK_R": triton_network.ROW_VALUES // d}
             attrs = {(k.rope.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")}
             src = ASTSource(fn=k.rope, signature={**sig, **dict.fromkeys(constexprs, "constexpr")},
                             constexprs=constexprs, attrs=attrs)
-            kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=triton_rope.OPTIONS)
+            kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=triton_network.OPTIONS)
             cubin = Path(sys.argv[1]) / f"rope_{d}_{dt}_sm{cc}.cubin"
             cubin.write_bytes(kernel.asm["cubin"])
             out.append({"cc": cc, "d": d, "dtype": dt, "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
+    sig = {"x_ptr": "*bf16", "out_ptr": "*fp32", "n": "i32", "inv_cap": "fp32", "cap": "fp32"}
+    src = ASTSource(fn=k.softcap, signature={**sig, "BLOCK": "constexpr"}, constexprs={"BLOCK": triton_network.SOFTCAP_BLOCK},
+                    attrs={(k.softcap.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("x_ptr", "out_ptr")})
+    kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=triton_network.OPTIONS)
+    cubin = Path(sys.argv[1]) / f"softcap_sm{cc}.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    out.append({"cc": cc, "d": 0, "dtype": "softcap", "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
 json.dump(out, sys.stdout)
 """
 
@@ -172,9 +234,9 @@ def separate_roundings_missing(ptx: str) -> list[str]:
     return bad
 
 
-def test_the_kernel_compiles_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
-    """Triton lowers the kernel for both head dims and dtypes to sm_90a, sm_100a, sm_89 and sm_120 cubins, no
-    GPU needed: every product is rounded to the input's dtype before the sum (`mul.rn`, `add.rn`; a fused
+def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
+    """Triton lowers the RoPE kernel for both head dims and dtypes, and the softcap kernel (libdevice's tanh
+    linked in, no `tanh.approx`), to sm_90a, sm_100a, sm_89 and sm_120 cubins, no GPU needed. RoPE: every product is rounded to the input's dtype before the sum (`mul.rn`, `add.rn`; a fused
     multiply-add would round once where torch rounds twice, and Triton's default contraction made one), and no
     register spills (no STL/LDL in the SASS)."""
     import json
@@ -191,13 +253,16 @@ def test_the_kernel_compiles_for_hopper_b200_ada_and_rtx_blackwell_without_spill
                          env=env, cwd=Path(__file__).parents[3], timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = json.loads(run.stdout)
-    assert len(compiled) == 16
+    assert len(compiled) == 20 and sum(k["dtype"] == "softcap" for k in compiled) == 4
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"  # ships with Triton
     for k in compiled:
-        assert not separate_roundings_missing(k["ptx"]), (
-            k["cc"],
-            k["dtype"],
-            separate_roundings_missing(k["ptx"]),
-        )
+        if k["dtype"] == "softcap":  # its tanh is libdevice's own code (its FMAs are the function's)
+            assert "mul.rn.f32" in k["ptx"] and "tanh.approx" not in k["ptx"], k["cc"]
+        else:
+            assert not separate_roundings_missing(k["ptx"]), (
+                k["cc"],
+                k["dtype"],
+                separate_roundings_missing(k["ptx"]),
+            )
         sass = subprocess.run([str(nvdisasm), k["cubin"]], capture_output=True, text=True, check=True).stdout
         assert "EXIT" in sass and not re.search(r"\b(STL|LDL)\b", sass), (k["cc"], k["d"], k["dtype"])

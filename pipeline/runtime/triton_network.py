@@ -1,0 +1,106 @@
+"""The network's element-wise chains on CUDA as one Triton kernel each: RoPE (`rope`, what
+`pipeline.model.network.apply_rope` computes) and the final logits' softcap (`softcap`, what
+`DiffusionGemma.logits` computes after the LM head). Each chain is several kernels eagerly, each a pass
+through memory and a launch of a few microseconds even inside a CUDA graph.
+
+RoPE: rotating q or k is five kernels (x * cos, the negation and concatenation of `rotate_half`, its product
+with sin, the sum), ten launches a layer, ~300 of the ~2,100 in one FP8 26B pass (`dgpipe bench gpu-trace`).
+One program here rotates a block of (token, head) rows, reading x and its token's cos/sin once. Each product
+and the sum are rounded to x's dtype exactly where torch's kernels round them (a product of two bf16 or fp16
+values is exact in fp32), so the result is torch's bit for bit: the unit tests hold it to the torch form in
+Triton's interpreter (with round-to-nearest-even casts) and compile it for sm_90a, sm_100a, sm_89 and sm_120
+with no fused multiply-add (`OPTIONS`). bf16 and fp16 only.
+
+Softcap: the LM head's bf16 logits are widened to fp32, divided by the cap, put through tanh and multiplied
+by it: four passes over [tokens, 262,144] values (at 16 canvases 4.3 GB of fp32 each, ~17 GB of traffic a
+pass on top of the one pass that must write them). The kernel reads the bf16 logits once and writes the fp32
+ones once, with torch's CUDA arithmetic: the division as a product with the cap's fp32 reciprocal (how
+torch's CUDA kernel divides by a scalar) and tanh from CUDA's libdevice.
+
+The load-time probe holds each to the torch form on the GPU before a model uses it
+(`pipeline.runtime.probe.check_triton_rope`, `check_triton_softcap`). Under torch.compile the torch forms
+stay (inductor fuses them).
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+
+import torch
+
+from pipeline.model.network import apply_rope
+
+ROW_VALUES = 4096  # values per program: 16 rows of a 256-wide head, 8 of a 512-wide one
+# no floating-point contraction: with it (Triton's default) LLVM turns a product and the sum it feeds into
+# one fused multiply-add, rounding once where torch rounds twice (seen in the PTX for sm_90a: fma.rn.bf16)
+OPTIONS = {"num_warps": 4, "enable_fp_fusion": False}
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _kernels():
+    """The jitted kernel, imported on first use (Triton reads TRITON_INTERPRET when `jit` wraps it)."""
+    from pipeline.runtime import triton_network_kernels
+
+    return triton_network_kernels
+
+
+def serves(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether the kernel takes x [B, L, H, D] with cos/sin [B, L, D]: bf16/fp16, D even, all contiguous and
+    of one dtype (anything else keeps the torch form)."""
+    d = x.shape[-1]
+    return (
+        x.dtype in DTYPES
+        and cos.dtype == x.dtype
+        and x.dim() == 4
+        and cos.shape == (*x.shape[:2], d)
+        and d % 2 == 0
+        and x.is_contiguous()
+        and cos.is_contiguous()
+    )
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, L, H, D] rotated by cos/sin [B, L, D] (`serves` must hold): x * cos + rotate_half(x) * sin."""
+    import triton
+
+    out = torch.empty_like(x)
+    rows, d = x.numel() // x.shape[-1], x.shape[-1]
+    if rows:
+        half = triton.next_power_of_2(d // 2)
+        block = max(1, ROW_VALUES // (2 * half))
+        _kernels().rope[(triton.cdiv(rows, block),)](
+            x, cos, sin, out, rows, x.shape[2], HALF=d // 2, HALF_P2=half, BLOCK_R=block, **OPTIONS
+        )
+    return out
+
+
+def rope_or_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rope` where it `serves`, else the torch form: what the GPU loader installs as the layers' RoPE."""
+    return rope(x, cos, sin) if serves(x, cos) else apply_rope(x, cos, sin)
+
+
+SOFTCAP_BLOCK = 4096  # logits per program
+
+
+@functools.cache
+def fp32_reciprocal(x: float) -> float:
+    """1 / x in fp32 arithmetic, as torch's CUDA kernel computes the reciprocal of a scalar divisor: the
+    quotient of the fp32 values in double, rounded to fp32 (correctly rounded: 53 >= 2 * 24 + 2 bits)."""
+    f32 = lambda v: struct.unpack("f", struct.pack("f", v))[0]
+    return f32(1.0 / f32(x))
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """fp32 tanh(logits / cap) * cap in one pass over the LM head's output (any float dtype, contiguous)."""
+    import triton
+
+    x = logits.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    n = x.numel()
+    if n:
+        _kernels().softcap[(triton.cdiv(n, SOFTCAP_BLOCK),)](
+            x, out, n, fp32_reciprocal(cap), cap, BLOCK=SOFTCAP_BLOCK, **OPTIONS
+        )
+    return out
