@@ -36,20 +36,58 @@ NO_WORK = frozenset(
 )  # fmt: skip
 
 
+def footprint(t: torch.Tensor) -> int:
+    """Bytes of memory a tensor spans: its elements, or less where dimensions are broadcast (stride 0)."""
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    return min(t.numel(), span) * t.element_size()
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    seen, out = set(), []
+    for t in tree_leaves(tree):
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+# ops that read only the rows their indices name: what they read is what they write, not their source
+GATHERS = frozenset({"aten::embedding", "aten::index_select", "aten::index", "aten::gather"})
+
+
+def traffic(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
+    """Bytes an op moves if it reads each operand and writes each result once (an in-place result counts as a
+    write of its argument; a gather reads its indices and the rows it writes)."""
+    written = sum(footprint(t) for t in outputs)
+    if name in GATHERS:
+        return written + sum(footprint(t) for t in inputs[1:] if not t.is_floating_point()) + written
+    return sum(footprint(t) for t in inputs) + written
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts the pass's operations; runs on meta tensors the ops whose fake kernel needs a CUDA build."""
+    """Counts the pass's operations and the bytes each moves (`traffic`); runs on meta tensors the ops whose
+    fake kernel needs a CUDA build."""
 
     def __init__(self, fake: FakeTensorMode) -> None:
         super().__init__()
-        self.fake, self.ops, self.counting = fake, Counter(), False
+        self.fake, self.ops, self.bytes, self.counting = fake, Counter(), Counter(), False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name
+        counted = self.counting and not func.is_view and name not in NO_WORK
         if self.counting:
             _refuse_host_tensors(name, args, kwargs)
-            if not func.is_view and name not in NO_WORK:
-                self.ops[name] += 1
+        if counted:
+            self.ops[name] += 1
+        out = self._run(func, args, kwargs)
+        if counted:
+            self.bytes[name] += traffic(name, _tensors((args, kwargs)), _tensors(out))
+        return out
+
+    def _run(self, func, args, kwargs):
         try:
             return func(*args, **kwargs)
         except RuntimeError as e:
@@ -134,19 +172,21 @@ def _on_meta(fake: FakeTensorMode, func, args, kwargs):
 
 
 class Launcher:
-    """Stands for a jitted Triton kernel: `kernel[grid](*args)` checks its tensors are on the GPU and
-    counts the launch."""
+    """Stands for a jitted Triton kernel: `kernel[grid](*args)` checks its tensors are on the GPU and counts
+    the launch and the bytes of its tensor arguments, each touched once."""
 
-    def __init__(self, name: str, ops: Counter, counting) -> None:
-        self.name, self.ops, self.counting = name, ops, counting
+    def __init__(self, name: str, counter: OpCounter) -> None:
+        self.name, self.counter = name, counter
 
     def __getitem__(self, grid):
         def launch(*args, **meta):
-            for a in args:
-                if isinstance(a, torch.Tensor) and a.device.type != "cuda":
+            tensors = _tensors(args)
+            for a in tensors:
+                if a.device.type != "cuda":
                     raise RuntimeError(f"Triton {self.name} launched with a {a.device.type} tensor")
-            if self.counting():
-                self.ops[f"triton::{self.name}"] += 1
+            if self.counter.counting:
+                self.counter.ops[f"triton::{self.name}"] += 1
+                self.counter.bytes[f"triton::{self.name}"] += sum(footprint(t) for t in tensors)
 
         return launch
 
@@ -154,11 +194,11 @@ class Launcher:
 class Launchers:
     """Stands for a module of jitted kernels (`triton_quant_kernels`): each attribute is a `Launcher`."""
 
-    def __init__(self, ops: Counter, counting) -> None:
-        self.ops, self.counting = ops, counting
+    def __init__(self, counter: OpCounter) -> None:
+        self.counter = counter
 
     def __getattr__(self, name: str) -> Launcher:
-        return Launcher(name, self.ops, self.counting)
+        return Launcher(name, self.counter)
 
 
 _LIBS: list[torch.library.Library] = []  # registrations live as long as their Library object
@@ -195,17 +235,14 @@ def fake_gpu(arch: str) -> Iterator[tuple[FakeTensorMode, OpCounter, _Functions]
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     ops = OpCounter(fake)
     calls = _Functions(fake)
-    counting = lambda: ops.counting
     with contextlib.ExitStack() as stack:
         stack.enter_context(
             mock.patch("torch.cuda.get_device_capability", lambda device=None: CAPABILITY[arch])
         )
-        stack.enter_context(
-            mock.patch.object(triton_moe, "_kernel", lambda: Launcher("moe_gemm", ops.ops, counting))
-        )
-        quant = Launchers(ops.ops, counting)
-        stack.enter_context(mock.patch.object(triton_quant, "_kernels", lambda: quant))
-        stack.enter_context(mock.patch.object(triton_network, "_kernels", lambda: quant))
+        stack.enter_context(mock.patch.object(triton_moe, "_kernel", lambda: Launcher("moe_gemm", ops)))
+        kernels = Launchers(ops)
+        stack.enter_context(mock.patch.object(triton_quant, "_kernels", lambda: kernels))
+        stack.enter_context(mock.patch.object(triton_network, "_kernels", lambda: kernels))
         for mode in (fake, ops, calls):
             stack.enter_context(mode)
         yield fake, ops, calls

@@ -73,12 +73,18 @@ class PassTrace:
     resident_gb: dict[str, float]  # what the model holds on the device: linears, experts, other
     expected_gb: dict[str, float]  # the byte model's linears and experts in the formats the row reads
     ops: Counter = field(default_factory=Counter)  # operations of one denoise pass that launch work
+    traffic: Counter = field(default_factory=Counter)  # bytes each operation moves (`fake_cuda.traffic`)
     output: str = ""  # the logits' shape, dtype and device
     error: str | None = None  # a host read or host tensor in the pass, or anything else that stopped it
 
     @property
     def launches(self) -> int:
         return sum(self.ops.values())
+
+    @property
+    def moved_gb(self) -> float:
+        """GB the eager pass moves if every operation reads each operand and writes each result once."""
+        return sum(self.traffic.values()) / 1e9
 
     def gemms(self) -> dict[str, int]:
         return {GEMMS[op]: n for op, n in self.ops.items() if op in GEMMS}
@@ -171,7 +177,7 @@ def trace_pass(
             kernels += f" ({routed.summary()})"
         expected = weight_bytes(mcfg.text_config, row)
         trace = PassTrace(fmt, arch, batch, mcfg.text_config.num_hidden_layers, kernels, resident_gb(model),
-                          {k: v / 1e9 for k, v in expected.items()}, ops.ops)  # fmt: skip
+                          {k: v / 1e9 for k, v in expected.items()}, ops.ops, ops.bytes)  # fmt: skip
         past, positions, masks = _past(mcfg, batch, fake)
         canvas = torch.zeros(batch, mcfg.canvas_length, dtype=torch.long, device="cuda")
         soft = torch.empty(batch, mcfg.canvas_length, mcfg.text_config.hidden_size, dtype=torch.bfloat16, device="cuda")  # fmt: skip
@@ -222,7 +228,15 @@ def run(
         "context": CONTEXT,
         "torch": torch.__version__,
         "traces": [
-            {**asdict(t), "ops": dict(t.ops), "launches": t.launches, "gemms": t.gemms()} for t in traces
+            {
+                **asdict(t),
+                "ops": dict(t.ops),
+                "traffic": dict(t.traffic),
+                "launches": t.launches,
+                "moved_gb": t.moved_gb,
+                "gemms": t.gemms(),
+            }
+            for t in traces
         ],
         "failed": sum(t.error is not None for t in traces),
     }
@@ -234,14 +248,14 @@ def run(
 def render(rows: list[dict]) -> str:
     """Markdown: one line per traced row (`run`'s "traces": format, arch, batch, ...)."""
     lines = [
-        "| format | arch | batch | GEMMs per pass | launches per pass | linears GB (byte model) | experts GB (byte model) | host reads |",
-        "|---|---|---:|---|---:|---:|---:|---|",
+        "| format | arch | batch | GEMMs per pass | launches per pass | GB moved per pass (eager) | linears GB (byte model) | experts GB (byte model) | host reads |",
+        "|---|---|---:|---|---:|---:|---:|---:|---|",
     ]  # fmt: skip
     for t in rows:
         gemms = ", ".join(f"{name} {n}" for name, n in sorted(t["gemms"].items()))
         gb = lambda k, t=t: f"{t['resident_gb'][k]:.2f} ({t['expected_gb'][k]:.2f})"
         lines.append(
-            f"| {t['format']} | {t['arch']} | {t['batch']} | {gemms} | {t['launches']:,} | {gb('linears')} "
+            f"| {t['format']} | {t['arch']} | {t['batch']} | {gemms} | {t['launches']:,} | {t['moved_gb']:.1f} | {gb('linears')} "
             f"| {gb('experts')} | {t['error'] or 'none'} |"
         )
     return "\n".join(lines)

@@ -111,7 +111,9 @@ def test_triton_launches_are_counted_and_checked(monkeypatch):
     # every quantized linear's input and both expert projections' inputs: FP8 in one pass each
     assert t.ops["triton::fp8_static_quant"] == QUANTIZED_LINEARS + 2 * LAYERS
     assert t.ops["triton::moe_gemm"] == 2 * LAYERS
-    launcher = fake_cuda.Launcher("moe_gemm", t.ops, lambda: True)
+    launcher = fake_cuda.Launcher(
+        "moe_gemm", types.SimpleNamespace(counting=True, ops=t.ops, bytes=t.traffic)
+    )
     with pytest.raises(RuntimeError, match="launched with a cpu tensor"):
         launcher[(1,)](torch.zeros(1))
 
@@ -167,6 +169,40 @@ def test_the_logit_softcap_takes_one_launch_where_probed():
     torch_form = gt.trace_pass("fp8", "sm90", 1, LAYERS, probed=no_kernel)
     assert [torch_form.ops[op] for op in ("aten::div_", "aten::tanh_", "aten::mul_")] == [1, 1, 1]
     assert "triton::softcap" not in torch_form.ops and torch_form.launches - fused.launches == 2
+
+
+def test_traffic_counts_each_operand_read_and_each_result_written_once():
+    """Element-wise: inputs plus output (a broadcast operand at its own size, an in-place result as a write of
+    its argument); a gather: its indices and the rows it takes, twice; a Triton launch: its tensors once."""
+    import torch.nn.functional as F
+
+    with fake_cuda.fake_gpu("sm90") as (_, counter, _calls):
+        x = torch.empty(1024, 512, device="cuda", dtype=torch.bfloat16)
+        row = torch.empty(512, device="cuda", dtype=torch.bfloat16)
+        table, idx = (
+            torch.empty(1000, 64, device="cuda", dtype=torch.bfloat16),
+            torch.zeros(10, dtype=torch.long, device="cuda"),
+        )
+        counter.counting = True
+        _ = x + row[None, :]
+        x.mul_(2)
+        F.embedding(idx, table)
+        fake_cuda.Launchers(counter).softcap[(1,)](x, torch.empty(1024, 512, device="cuda"), 1, 0.5, 2.0)
+        counter.counting = False
+    mb = 1024 * 512 * 2
+    assert counter.bytes["aten::add"] == mb + 1024 + mb
+    assert counter.bytes["aten::mul_"] == 2 * mb
+    assert counter.bytes["aten::embedding"] == 80 + 2 * 10 * 64 * 2
+    assert counter.bytes["triton::softcap"] == mb + 2 * mb and counter.ops["triton::softcap"] == 1
+
+
+def test_a_pass_moves_at_least_its_weights():
+    """At one canvas every expert is touched: the eager pass reads every weight the model holds on the
+    device, plus the tied embedding once more as the LM head (what it moves beyond that is activations)."""
+    for fmt, arch in (("bf16", "sm90"), ("fp8", "sm90"), ("nvfp4", "sm100")):
+        t = gt.trace_pass(fmt, arch, 1, LAYERS)
+        weights = t.resident_gb["linears"] + t.resident_gb["experts"] + t.resident_gb["other"]
+        assert weights < t.moved_gb < 1.3 * weights + 1.0, (fmt, t.moved_gb, weights)
 
 
 def test_ops_a_cpu_build_cannot_run_on_fake_cuda_tensors_run_on_meta_ones():
