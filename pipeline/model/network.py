@@ -235,9 +235,14 @@ def combine_top_k(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -
     slot order by a row gather and each token's k rows are combined by one batched product: no atomics
     (deterministic), fp32 accumulation, one rounding. On an H200 the scatter-add it replaces on CUDA took
     22 ms of a 141 ms bf16 pass at 16 canvases, and `index_copy_` back to slot order ran at 0.7 TB/s."""
+    return combine_slots(y.index_select(0, inverse_permutation(order)), weights)
+
+
+def combine_slots(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`combine_top_k` of outputs already in token-major slot order ([T * k, d]: a GEMM that wrote its rows
+    there, `pipeline.runtime.triton_moe`'s `out_rows`)."""
     t, k = weights.shape
-    per_slot = y.index_select(0, inverse_permutation(order))
-    return torch.bmm(weights.reshape(t, 1, k).to(y.dtype), per_slot.view(t, k, -1)).view(t, -1)
+    return torch.bmm(weights.reshape(t, 1, k).to(per_slot.dtype), per_slot.view(t, k, -1)).view(t, -1)
 
 
 # torch's `F.grouped_mm` has a CUDA kernel for bf16 on compute capability 9.x and 10.x only (the gate is

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.model.network import DiffusionGemma, Experts, combine_top_k, gelu_tanh
+from pipeline.model.network import DiffusionGemma, Experts, combine_slots, combine_top_k, gelu_tanh
 from pipeline.model.scaled_layout import expert_order
 from pipeline.runtime import triton_moe
 
@@ -46,15 +46,17 @@ def routed_experts(
     """A layer's float experts ([E, 2I, d] gate|up, [E, d, I] down, bf16) on grouped GEMMs, the inputs of
     each projection rounded by `q_in` / `q_down` first (a quantized checkpoint's activation formats)."""
     order, token_of, offs = expert_order(index, gate_up.shape[0])
-    if triton:  # the token rows gathered inside the kernel
+    if triton:  # the token rows gathered inside the kernel, the down rows written in token-major slot order
         op = triton_moe.moe_gemm_op if torch.compiler.is_compiling() else triton_moe.moe_gemm
-        gemm = lambda a, rows, w: op(a, None, rows, w, None, offs)
+        gemm = lambda a, rows, w, out_rows=None: op(a, None, rows, w, None, offs, out_rows=out_rows)
     else:
-        gemm = lambda a, rows, w: F.grouped_mm(a if rows is None else a[rows], w.transpose(-2, -1), offs=offs)
+        gemm = lambda a, rows, w, out_rows=None: F.grouped_mm(
+            a if rows is None else a[rows], w.transpose(-2, -1), offs=offs
+        )
     gate, up = gemm(q_in(x) if q_in is not None else x, token_of, gate_up).chunk(2, dim=-1)
     h = gelu_tanh(gate) * up
-    y = gemm((q_down(h) if q_down is not None else h).to(down.dtype), None, down)
-    return combine_top_k(y, order, weights).to(x.dtype)
+    y = gemm((q_down(h) if q_down is not None else h).to(down.dtype), None, down, order if triton else None)
+    return (combine_slots(y, weights) if triton else combine_top_k(y, order, weights)).to(x.dtype)
 
 
 class RoutedExperts(nn.Module):

@@ -29,7 +29,7 @@ from pipeline.errors import DgpipeError
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX, nvfp4_fake_quant
 from pipeline.model.modelopt import PackedLinear
-from pipeline.model.network import combine_top_k, gelu_tanh
+from pipeline.model.network import combine_slots, combine_top_k, gelu_tanh
 from pipeline.runtime import triton_moe, triton_quant
 from pipeline.runtime.dispatch import FP8_FAST_ACCUM, TRITON_BF16
 
@@ -336,10 +336,11 @@ def scaled_experts(
     element-wise paths took most of the experts' non-GEMM time (BENCHMARKS.md, "26B-A4B denoise pass")."""
     order, token_of, offs = sl.expert_order(index, w13.shape[0])
     compiling = torch.compiler.is_compiling()
-    if triton_moe.serves(token_of.shape[0], w13.shape[0], triton_rows):
+    in_slot_order = triton_moe.serves(token_of.shape[0], w13.shape[0], triton_rows)
+    if in_slot_order:  # the down GEMM writes each row in token-major slot order: no gather back
         small = triton_moe.moe_gemm_op if compiling else triton_moe.moe_gemm
         gate_up_gemm = lambda q, qs: small(q, qs, token_of, w13, s13, offs)
-        down_gemm = lambda q, qs: small(q, qs, None, w2, s2, offs)
+        down_gemm = lambda q, qs: small(q, qs, None, w2, s2, offs, out_rows=order)
     else:
         gemm = grouped_gemm_op if compiling else grouped_gemm
         gate_up_gemm = lambda q, qs: gemm(
@@ -348,7 +349,7 @@ def scaled_experts(
         down_gemm = lambda q, qs: gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode, one_pass=one_pass)
     gate, up = gate_up_gemm(*quantize_rows(x, in_scale, mode, one_pass)).chunk(2, dim=-1)
     y = down_gemm(*quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode, one_pass))
-    return combine_top_k(y, order, weights).to(x.dtype)
+    return (combine_slots(y, weights) if in_slot_order else combine_top_k(y, order, weights)).to(x.dtype)
 
 
 # The two vendor GEMM calls as custom ops, opaque to the compiler, used under --compile. Dynamo cannot trace

@@ -82,10 +82,10 @@ def _kernel():
 
     @triton.jit
     def moe_gemm(
-        a_ptr, a_scale_ptr, rows_ptr, w_ptr, w_scale_ptr, offs_ptr, out_ptr,
+        a_ptr, a_scale_ptr, rows_ptr, w_ptr, w_scale_ptr, offs_ptr, out_ptr, out_rows_ptr,
         N, K, num_experts, stride_am, stride_as, stride_we, stride_wn, stride_om,
-        GATHER: tl.constexpr, SCALED: tl.constexpr, DOT_F32: tl.constexpr, E_POW2: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GATHER: tl.constexpr, SCATTER: tl.constexpr, SCALED: tl.constexpr, DOT_F32: tl.constexpr,
+        E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         # which expert and which of its M blocks this program is: from the end offsets, on the device
@@ -128,8 +128,12 @@ def _kernel():
             w_scale = tl.load(w_scale_ptr + expert * N + n, mask=in_n, other=0.0)
             acc = acc * a_scale[:, None] * w_scale[None, :]
         out = acc.to(tl.bfloat16)
+        if SCATTER:  # each row to where `out_rows` puts it (the slots' token-major order)
+            dest = tl.load(out_rows_ptr + slot, mask=in_m, other=0)
+        else:
+            dest = slot
         tl.store(
-            out_ptr + slot.to(tl.int64)[:, None] * stride_om + n[None, :],
+            out_ptr + dest.to(tl.int64)[:, None] * stride_om + n[None, :],
             out,
             mask=in_m[:, None] & in_n[None, :],
         )
@@ -145,11 +149,14 @@ def moe_gemm(
     w_scale: torch.Tensor | None,
     offs: torch.Tensor,
     block_m: int | None = None,
+    out_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """bf16 [slots, N]: slot i is a[rows[i]] (a[i] without `rows`) times its expert's w [E, N, K] (K
     contiguous). FP8 operands are scaled by a_scale [rows of a] (fp32, any stride) and w_scale [E, N]
     (fp32); bf16 operands take no scales (None). The experts own consecutive slots, ending at `offs` [E]
-    (int32, device). `block_m`: another M tile than `tiles` picks (the benchmark's comparison, the probe)."""
+    (int32, device). `block_m`: another M tile than `tiles` picks (the benchmark's comparison, the probe).
+    `out_rows`: a permutation of the slots; slot i's row is written to row out_rows[i] (the expert order's
+    `order` puts the rows back in token-major slot order, as `network.combine_top_k`'s gather would)."""
     import triton
 
     scaled = a_scale is not None
@@ -170,8 +177,10 @@ def moe_gemm(
     w_scale = w_scale.contiguous() if scaled else offs  # unread placeholders when not `scaled`
     _kernel()[grid](
         a, a_scale if scaled else offs, rows if rows is not None else offs, w, w_scale, offs, out,
+        out_rows if out_rows is not None else offs,
         n, k, experts, a.stride(0), a_scale.stride(0) if scaled else 0, w.stride(0), w.stride(1), out.stride(0),
-        GATHER=rows is not None, SCALED=scaled, DOT_F32=not scaled and _interpreted(), E_POW2=triton.next_power_of_2(experts), BLOCK_M=bm, BLOCK_N=bn, **cfg,
+        GATHER=rows is not None, SCATTER=out_rows is not None, SCALED=scaled, DOT_F32=not scaled and _interpreted(),
+        E_POW2=triton.next_power_of_2(experts), BLOCK_M=bm, BLOCK_N=bn, **cfg,
     )  # fmt: skip
     return out
 
@@ -180,7 +189,7 @@ def moe_gemm(
 # registered at import: registering inside a compiled region is itself a graph break.
 moe_gemm_op = torch.library.custom_op("dgpipe::moe_gemm", mutates_args=())(moe_gemm)
 moe_gemm_op.register_fake(
-    lambda a, a_scale, rows, w, w_scale, offs, block_m=None: a.new_empty(
+    lambda a, a_scale, rows, w, w_scale, offs, block_m=None, out_rows=None: a.new_empty(
         (a.shape[0] if rows is None else rows.shape[0], w.shape[1]), dtype=torch.bfloat16
     )
 )

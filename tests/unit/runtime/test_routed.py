@@ -206,7 +206,7 @@ def test_the_probe_holds_the_triton_bf16_gemm_to_the_float_product(monkeypatch):
     real = triton_moe.moe_gemm
 
     def wrong_at(tile):  # rows reversed at one M tile (None: the tile `tiles` picks)
-        def gemm(a, a_scale, rows, w, w_scale, offs, block_m=None):
+        def gemm(a, a_scale, rows, w, w_scale, offs, block_m=None, out_rows=None):
             return real(
                 a,
                 a_scale,
@@ -215,6 +215,7 @@ def test_the_probe_holds_the_triton_bf16_gemm_to_the_float_product(monkeypatch):
                 w_scale,
                 offs,
                 block_m,
+                out_rows,
             )
 
         return gemm

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pipeline.model import network
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import InputQuantizer
 from pipeline.model.modelopt import _quantized_experts_forward
@@ -85,6 +86,27 @@ def test_the_kernel_is_the_float_product_of_its_bf16_operands(tokens, top_k):
         assert bool(((got.float() - want).abs() <= want.abs() * BF16_ULP + 1e-4).all())
     with pytest.raises(ValueError, match="FP8 operands take both scales"):
         tf.moe_gemm(a, ones(tokens), token_of, w, None, offs)
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_rows_written_in_slot_order_are_the_gathered_rows_bit_for_bit(scaled):
+    """`out_rows=order` writes each sorted slot's row where the expert order's inverse gather would put it:
+    the same bf16 values, no gather, at every M tile."""
+    gen = torch.Generator().manual_seed(3)
+    e, n, k, tokens, top_k = 6, 96, 160, 300, 2
+    index = torch.randint(0, e - 1, (tokens, top_k), generator=gen)
+    order, token_of, offs = sl.expert_order(index, e)
+    a = _fp8(tokens, k, gen=gen) if scaled else torch.randn(tokens, k, generator=gen).bfloat16()
+    w = _fp8(e, n, k, gen=gen) if scaled else torch.randn(e, n, k, generator=gen).bfloat16()
+    scales = (
+        (torch.rand(tokens, generator=gen) + 0.5, torch.rand(e, n, generator=gen) + 0.5)
+        if scaled
+        else (None, None)
+    )
+    for block_m in tf.BLOCK_MS:
+        sorted_rows = tf.moe_gemm(a, scales[0], token_of, w, scales[1], offs, block_m)
+        in_slot_order = tf.moe_gemm(a, scales[0], token_of, w, scales[1], offs, block_m, out_rows=order)
+        assert torch.equal(in_slot_order, sorted_rows.index_select(0, network.inverse_permutation(order)))
 
 
 def test_tiles_and_which_passes_take_the_kernel():
@@ -173,7 +195,7 @@ from pipeline.runtime import triton_moe
 
 def signature(operand, scale):
     return {"a_ptr": operand, "a_scale_ptr": scale, "rows_ptr": "*i64", "w_ptr": operand, "w_scale_ptr": scale,
-            "offs_ptr": "*i32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "num_experts": "i32", "stride_am": "i32",
+            "offs_ptr": "*i32", "out_ptr": "*bf16", "out_rows_ptr": "*i64", "N": "i32", "K": "i32", "num_experts": "i32", "stride_am": "i32",
             "stride_as": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_om": "i32"}
 kernel_fn, out = triton_moe._kernel(), []
 # FP8 on Hopper (few rows per expert), FP8 and bf16 on Ada and RTX Blackwell (every pass); bf16 takes no
@@ -184,7 +206,8 @@ for cc, operand in ((90, "fp8"), (89, "fp8"), (120, "fp8"), (89, "bf16"), (120, 
   aligned = [*[a for a in args if a.endswith("_ptr")], "N", "K", "stride_am", "stride_we", "stride_wn", "stride_om"]
   for slots, gather in ((512, True), (2048, True), (8192, False)):
     cfg = triton_moe.tiles(slots, 128, 1 if operand == "fp8" else 2)
-    consts = {"GATHER": gather, "SCALED": operand == "fp8", "DOT_F32": False, "E_POW2": 128, "BLOCK_M": cfg["BLOCK_M"],
+    # gate|up gathers its token rows; down (slot order in) writes its rows back in token-major slot order
+    consts = {"GATHER": gather, "SCATTER": not gather, "SCALED": operand == "fp8", "DOT_F32": False, "E_POW2": 128, "BLOCK_M": cfg["BLOCK_M"],
               "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}
     attrs = {(kernel_fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=kernel_fn, signature={**args, **dict.fromkeys(consts, "constexpr")}, constexprs=consts, attrs=attrs)
@@ -308,10 +331,10 @@ def test_the_probe_uses_the_triton_kernels_only_where_they_agree_with_the_float_
     real = tf.moe_gemm
 
     def wrong_at(tile):  # the GEMM with its rows reversed at one M tile (None: the tile `tiles` picks)
-        def gemm(a, a_scale, rows, w, w_scale, offs, block_m=None):
+        def gemm(a, a_scale, rows, w, w_scale, offs, block_m=None, out_rows=None):
             if block_m == tile and rows is not None:
                 rows = rows.flip(0)
-            return real(a, a_scale, rows, w, w_scale, offs, block_m)
+            return real(a, a_scale, rows, w, w_scale, offs, block_m, out_rows)
 
         return gemm
 
