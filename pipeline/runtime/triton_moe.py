@@ -8,8 +8,10 @@ The MoE GEMM. At one canvas a pass routes 2,048 slots over 128 experts, ~16 rows
 on an H200 it streamed the experts' FP8 weights at 2.1 TB/s (44% of HBM), about what half of the 132 SMs
 can pull. The field's answer is a Triton MoE GEMM with a small M tile (vLLM's `fused_moe` kernel); vLLM
 does not install on an air-gapped GPU host, while Triton ships with every CUDA build of torch. Here every
-program computes one (expert, M block, N block) tile, so every SM streams weights, and the slots' token
-rows are gathered inside the kernel instead of being copied to expert order first. On Ada and RTX Blackwell
+program computes one (expert, M block, N block) tile, so every SM streams weights, the slots' token
+rows are gathered inside the kernel instead of being copied to expert order first, and the down
+projection's rows can be written straight back to token-major slot order (`out_rows`), the layout the
+combine reads, instead of gathered there after. On Ada and RTX Blackwell
 (sm89, sm120) torch has no FP8 grouped GEMM and its bf16 one falls back to a per-expert loop that syncs with
 the host, so there this kernel takes every pass (`pipeline.runtime.dispatch.EVERY_PASS`), FP8 or bf16. Layout (as
 `pipeline.runtime.tensor_cores.grouped_gemm`): slots sorted by expert with int32 end offsets `offs` [E]
