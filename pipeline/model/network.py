@@ -229,18 +229,31 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def combine_top_k(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+# a fused form of the combine: (y, rows of y in token-major slot order or None, weights [T, k]) -> [T, d]
+CombineKernel = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
+
+
+def combine_top_k(
+    y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, kernel: CombineKernel | None = None
+) -> torch.Tensor:
     """Each token's k expert outputs, weighted and summed: `y` holds the routed slots' outputs sorted by
     `order` (into the token-major [T, k] slots), `weights` [T, k] the router's weights. The rows go back to
     slot order by a row gather and each token's k rows are combined by one batched product: no atomics
     (deterministic), fp32 accumulation, one rounding. On an H200 the scatter-add it replaces on CUDA took
-    22 ms of a 141 ms bf16 pass at 16 canvases, and `index_copy_` back to slot order ran at 0.7 TB/s."""
+    22 ms of a 141 ms bf16 pass at 16 canvases, and `index_copy_` back to slot order ran at 0.7 TB/s.
+    `kernel`: a fused form that reads the rows where they are (`pipeline.runtime.triton_network.combine`)."""
+    if kernel is not None and not _tracing():
+        return kernel(y, inverse_permutation(order), weights)
     return combine_slots(y.index_select(0, inverse_permutation(order)), weights)
 
 
-def combine_slots(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine_slots(
+    per_slot: torch.Tensor, weights: torch.Tensor, kernel: CombineKernel | None = None
+) -> torch.Tensor:
     """`combine_top_k` of outputs already in token-major slot order ([T * k, d]: a GEMM that wrote its rows
     there, `pipeline.runtime.triton_moe`'s `out_rows`)."""
+    if kernel is not None and not _tracing():
+        return kernel(per_slot, None, weights)
     t, k = weights.shape
     return torch.bmm(weights.reshape(t, 1, k).to(per_slot.dtype), per_slot.view(t, k, -1)).view(t, -1)
 
@@ -263,7 +276,12 @@ def grouped_mm_reads_host(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def grouped_experts(
-    x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    combine: CombineKernel | None = None,
 ) -> torch.Tensor:
     """Routed experts as grouped GEMMs: the slots (token, choice) sorted by expert, one grouped GEMM per
     projection, the rows added back per token in expert order (CPU; CUDA: `combine_top_k`). `gate_up`
@@ -273,7 +291,7 @@ def grouped_experts(
     gate, up = F.grouped_mm(x[token_of], gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
     y = F.grouped_mm(gelu_tanh(gate) * up, down.transpose(-2, -1), offs=offs)
     if x.is_cuda:  # atomics there add in no fixed order anyway
-        return combine_top_k(y, order, weights).to(x.dtype)
+        return combine_top_k(y, order, weights, combine).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, (y * w_sorted[:, None]).to(x.dtype))
 
 
@@ -299,6 +317,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
         self.grouped: bool | None = None  # None: grouped GEMM where torch has a kernel for it
+        self.combine_kernel: CombineKernel | None = None  # CUDA: set by the GPU loader where probed
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         if self.grouped is not None:
@@ -320,7 +339,7 @@ class Experts(nn.Module):
             if Experts.compiled_op is None:
                 return self._dense(x, index, weights)
             return Experts.compiled_op(x, index, weights, self.gate_up_proj, self.down_proj)
-        return grouped_experts(x, index, weights, self.gate_up_proj, self.down_proj)
+        return grouped_experts(x, index, weights, self.gate_up_proj, self.down_proj, self.combine_kernel)
 
     def _dense(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         dense_w = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)

@@ -27,10 +27,10 @@ from pipeline.runtime.dispatch import (
     arch_of,
     dispatch,
 )
-from pipeline.runtime.probe import NVFP4_QUANT_MODES, ROPE, SOFTCAP, Probe, probe
+from pipeline.runtime.probe import COMBINE, NVFP4_QUANT_MODES, ROPE, SOFTCAP, Probe, probe
 from pipeline.runtime.routed import host_bound_experts, route_on_device
 from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode
-from pipeline.runtime.triton_network import rope_or_torch, softcap
+from pipeline.runtime.triton_network import combine, rope_or_torch, softcap
 from pipeline.targets import precision_for_quant_algo
 
 EXPERT = re.compile(r"^(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
@@ -216,14 +216,17 @@ def finish_on_device(
 
 # what runs where a `triton_network` kernel failed its probe
 TORCH_FORMS = {ROPE: "RoPE: torch's five element-wise kernels per tensor",
-               SOFTCAP: "logit softcap: torch's four passes over the logits"}  # fmt: skip
+               SOFTCAP: "logit softcap: torch's four passes over the logits",
+               COMBINE: "MoE combine: a gather back to slot order and a batched product"}  # fmt: skip
 
 
 def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None) -> Installed | None:
-    """Every layer's RoPE and the LM head's softcap on dgpipe's one-kernel forms (`triton_network`) where their
-    probes passed; where not, the torch forms stay and the report says why."""
+    """Every layer's RoPE and experts' combine and the LM head's softcap on dgpipe's one-kernel forms
+    (`triton_network`) where their probes passed; where not, the torch forms stay and the report says why."""
     for layer in model.layers:
         layer.self_attn.rope_kernel = rope_or_torch if probed.ok(ROPE) else None
+        if hasattr(layer.experts, "combine_kernel"):  # every experts module routed on the device
+            layer.experts.combine_kernel = combine if probed.ok(COMBINE) else None
     model.softcap_kernel = softcap if probed.ok(SOFTCAP) else None
     for kernel, torch_form in TORCH_FORMS.items():
         if not probed.ok(kernel):

@@ -14,7 +14,7 @@ from pipeline.errors import DgpipeError, error_line
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX
 from pipeline.model.modelopt import PackedLinear
-from pipeline.model.network import apply_rope, combine_top_k, gelu_tanh
+from pipeline.model.network import apply_rope, combine_slots, combine_top_k, gelu_tanh, inverse_permutation
 from pipeline.runtime import triton_moe, triton_network, triton_quant
 from pipeline.runtime.dispatch import EVERY_PASS, arch_of, dispatch
 from pipeline.runtime.routed import routed_experts
@@ -48,7 +48,9 @@ PROBED_FORMATS = ("fp8", "nvfp4", "bf16", "int4_awq")
 # `triton_network`'s kernels, probed on every GPU whatever the checkpoint's format
 ROPE_FORM = ("rope", "bf16", "bf16")  # checked in bf16 and fp16
 SOFTCAP_FORM = ("softcap", "bf16", "bf16")  # bf16 logits in, fp32 out
-ROPE, SOFTCAP = (f"{kind}:{mode}" for kind, mode, _ in (ROPE_FORM, SOFTCAP_FORM))
+COMBINE_FORM = ("combine", "bf16", "bf16")  # the experts' bf16 outputs
+NETWORK_FORMS = (ROPE_FORM, SOFTCAP_FORM, COMBINE_FORM)
+ROPE, SOFTCAP, COMBINE = (f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS)
 # the modes whose activations `triton_quant`'s NVFP4 kernels quantize
 NVFP4_QUANT_MODES = ("nvfp4", "fp8_rowwise")
 
@@ -72,7 +74,7 @@ def probe_plan(arch: str | None, formats: tuple[str, ...] = PROBED_FORMATS) -> l
                 form = (k, mode, {"fp8": "fp8", "bf16": "bf16"}.get(mode or "", "nvfp4"))
                 if mode and form not in plan:
                     plan.append(form)
-    return [*plan, ROPE_FORM, SOFTCAP_FORM]
+    return [*plan, *NETWORK_FORMS]
 
 
 # normal, subnormal, tie, saturating and non-finite activations (before the probe's scale of 0.5)
@@ -233,6 +235,25 @@ def check_triton_softcap(dev: torch.device) -> None:
                           "dgpipe keeps torch's element-wise softcap; report the GPU, torch and Triton versions")  # fmt: skip
 
 
+def check_triton_combine(dev: torch.device) -> None:
+    """dgpipe's MoE combine kernel bit for bit against its torch form (`triton_network.sequential_combine`),
+    rows gathered through the expert order's inverse and in slot order, and within bf16 rounding of the
+    batched product it replaces (`network.combine_slots`), or a DgpipeError."""
+    g = torch.Generator().manual_seed(6)
+    index, weights = torch.randint(0, 16, (37, 8), generator=g), torch.rand(37, 8, generator=g)
+    order = sl.expert_order(index, 16)[0]
+    y = (torch.randn(37 * 8, 2816 + 8, generator=g) * 4).to(dev, torch.bfloat16)  # a row not a block multiple
+    rows, weights = inverse_permutation(order).to(dev), weights.to(dev)
+    for r in (rows, None):
+        got = triton_network.combine(y, r, weights)
+        if not torch.equal(got, triton_network.sequential_combine(y, r, weights)):
+            raise DgpipeError("the Triton MoE combine differs from its torch form", TRITON_FALLBACK)
+    err = _rel_l2(got, combine_slots(y, weights).float())
+    if not err < 1e-2:  # bf16 rounding apart; a wrong kernel is O(1)
+        raise DgpipeError(f"the Triton MoE combine differs from the batched product by {err:.3g} (relative L2)",
+                          TRITON_FALLBACK)  # fmt: skip
+
+
 def check_triton_bf16(dev: torch.device, x, index, weights) -> None:
     """dgpipe's Triton GEMM with bf16 operands on this GPU, or a DgpipeError: at every M tile against the
     float product of its operands, and a whole experts pass on it (`pipeline.runtime.routed`) against the
@@ -280,6 +301,8 @@ def probe(device: torch.device | str = "cuda", formats: tuple[str, ...] = PROBED
                 check_triton_rope(dev)
             elif kind == "softcap":
                 check_triton_softcap(dev)
+            elif kind == "combine":
+                check_triton_combine(dev)
             elif mode == "bf16":
                 check_triton_bf16(dev, x[:20], index, wts)
             else:

@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.model.network import DiffusionGemma, Experts, combine_slots, combine_top_k, gelu_tanh
+from pipeline.model.network import (
+    CombineKernel,
+    DiffusionGemma,
+    Experts,
+    combine_slots,
+    combine_top_k,
+    gelu_tanh,
+)
 from pipeline.model.scaled_layout import expert_order
 from pipeline.runtime import triton_moe
 
@@ -42,6 +49,7 @@ def routed_experts(
     triton: bool,
     q_in: Quantizer | None = None,
     q_down: Quantizer | None = None,
+    combine: CombineKernel | None = None,
 ) -> torch.Tensor:
     """A layer's float experts ([E, 2I, d] gate|up, [E, d, I] down, bf16) on grouped GEMMs, the inputs of
     each projection rounded by `q_in` / `q_down` first (a quantized checkpoint's activation formats)."""
@@ -56,7 +64,9 @@ def routed_experts(
     gate, up = gemm(q_in(x) if q_in is not None else x, token_of, gate_up).chunk(2, dim=-1)
     h = gelu_tanh(gate) * up
     y = gemm((q_down(h) if q_down is not None else h).to(down.dtype), None, down, order if triton else None)
-    return (combine_slots(y, weights) if triton else combine_top_k(y, order, weights)).to(x.dtype)
+    if triton:
+        return combine_slots(y, weights, combine).to(x.dtype)
+    return combine_top_k(y, order, weights, combine).to(x.dtype)
 
 
 class RoutedExperts(nn.Module):
@@ -73,11 +83,13 @@ class RoutedExperts(nn.Module):
         self.num_experts, self.triton = experts.num_experts, triton
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
         self.q_in, self.q_down = (quantizers or {}).get("gate_up"), (quantizers or {}).get("down")
+        self.combine_kernel: CombineKernel | None = None  # set by the GPU loader where probed
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return routed_experts(
-            x, index, weights, self.gate_up_proj, self.down_proj, self.triton, self.q_in, self.q_down
-        )
+            x, index, weights, self.gate_up_proj, self.down_proj, self.triton, self.q_in, self.q_down,
+            self.combine_kernel,
+        )  # fmt: skip
 
 
 def host_bound_experts(model: DiffusionGemma, no_grouped_kernel: bool) -> list[int]:

@@ -29,7 +29,7 @@ from pipeline.errors import DgpipeError
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX, nvfp4_fake_quant
 from pipeline.model.modelopt import PackedLinear
-from pipeline.model.network import combine_slots, combine_top_k, gelu_tanh
+from pipeline.model.network import CombineKernel, combine_slots, combine_top_k, gelu_tanh
 from pipeline.runtime import triton_moe, triton_quant
 from pipeline.runtime.dispatch import FP8_FAST_ACCUM, TRITON_BF16
 
@@ -162,6 +162,7 @@ class ScaledExperts(nn.Module):
         self.mode, self.num_experts = mode, len(gate)
         self.triton_rows = triton_rows if mode != "nvfp4" else 0.0
         self.one_pass = self.triton_rows > 0 if one_pass is None else one_pass
+        self.combine_kernel: CombineKernel | None = None  # set by the GPU loader where probed
         # ModelOpt shares one input quantizer per projection across a layer's experts (max over experts)
         self.register_buffer(
             "in_scale", torch.stack([p.input_scale.reshape(()) for p in gate + up]).max().to(device)
@@ -236,8 +237,9 @@ class ScaledExperts(nn.Module):
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         scales = (self.in_scale, self.down_in_scale)
         return scaled_experts(
-            x, index, weights, *self._weights(), *scales, self.mode, self.triton_rows, self.one_pass
-        )
+            x, index, weights, *self._weights(), *scales, self.mode, self.triton_rows, self.one_pass,
+            self.combine_kernel,
+        )  # fmt: skip
 
 
 def in_one_pass(triton: bool, x: torch.Tensor) -> bool:
@@ -323,6 +325,7 @@ def scaled_experts(
     mode: str,
     triton_rows: float = 0.0,
     one_pass: bool = False,
+    combine: CombineKernel | None = None,
 ) -> torch.Tensor:
     """A layer's routed experts: slots sorted by expert (device-side offsets, no host sync), one grouped
     scaled GEMM for gate|up and one for down, each token's top-k outputs weighted and summed. An FP8 pass
@@ -349,7 +352,9 @@ def scaled_experts(
         down_gemm = lambda q, qs: gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode, one_pass=one_pass)
     gate, up = gate_up_gemm(*quantize_rows(x, in_scale, mode, one_pass)).chunk(2, dim=-1)
     y = down_gemm(*quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode, one_pass))
-    return (combine_slots(y, weights) if in_slot_order else combine_top_k(y, order, weights)).to(x.dtype)
+    if in_slot_order:
+        return combine_slots(y, weights, combine).to(x.dtype)
+    return combine_top_k(y, order, weights, combine).to(x.dtype)
 
 
 # The two vendor GEMM calls as custom ops, opaque to the compiler, used under --compile. Dynamo cannot trace

@@ -104,3 +104,36 @@ def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
             x, out, n, fp32_reciprocal(cap), cap, BLOCK=SOFTCAP_BLOCK, **OPTIONS
         )
     return out
+
+
+COMBINE_BLOCK = 1024  # output values per program (a token's row of the 26B is 2,816)
+
+
+def combine(y: torch.Tensor, rows: torch.Tensor | None, weights: torch.Tensor) -> torch.Tensor:
+    """Each token's k expert outputs weighted and summed in one pass: token t's j-th slot is y[rows[t * k + j]]
+    (rows: the inverse of the expert order; None: y already in token-major slot order). What
+    `network.combine_slots` computes up to the fp32 summation order (`sequential_combine` is this kernel's
+    exact torch form), without first copying the rows to slot order."""
+    import triton
+
+    t, k = weights.shape
+    d = y.shape[1]
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    out = torch.empty(t, d, dtype=y.dtype, device=y.device)
+    if t and d:
+        _kernels().combine[(t, triton.cdiv(d, COMBINE_BLOCK))](
+            y, rows if rows is not None else weights, weights.contiguous(), out, d, y.stride(0),
+            K=k, GATHER=rows is not None, BLOCK_D=COMBINE_BLOCK, **OPTIONS,
+        )  # fmt: skip
+    return out
+
+
+def sequential_combine(y: torch.Tensor, rows: torch.Tensor | None, weights: torch.Tensor) -> torch.Tensor:
+    """`combine` in torch ops: the weights rounded to y's dtype, products and sums in fp32 in slot order."""
+    t, k = weights.shape
+    per_slot = (y if rows is None else y.index_select(0, rows)).view(t, k, -1).float()
+    w = weights.to(y.dtype).float()
+    acc = torch.zeros(t, y.shape[1], dtype=torch.float32, device=y.device)
+    for j in range(k):
+        acc = acc + w[:, j, None] * per_slot[:, j]
+    return acc.to(y.dtype)

@@ -46,3 +46,24 @@ def softcap(x_ptr, out_ptr, n, inv_cap, cap, BLOCK: tl.constexpr):
     inside = i < n
     x = tl.load(x_ptr + i, mask=inside, other=0.0).to(tl.float32)
     tl.store(out_ptr + i, libdevice.tanh(x * inv_cap) * cap, mask=inside)
+
+
+@triton.jit
+def combine(
+    y_ptr, rows_ptr, w_ptr, out_ptr, D, stride_y, K: tl.constexpr, GATHER: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """out[t] = sum over j < K of w[t, j] * y[rows[t * K + j]] (y[t * K + j] without GATHER), the weight in
+    y's dtype, products and sum in fp32 in order j = 0, 1, ..., rounded once to out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    inside = d < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        slot = t * K + j
+        if GATHER:
+            row = tl.load(rows_ptr + slot).to(tl.int64)
+        else:
+            row = slot
+        w = tl.load(w_ptr + slot).to(y_ptr.dtype.element_ty).to(tl.float32)
+        acc = acc + w * tl.load(y_ptr + row * stride_y + d, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=inside)

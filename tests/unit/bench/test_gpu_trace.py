@@ -205,6 +205,21 @@ def test_a_pass_moves_at_least_its_weights():
         assert weights < t.moved_gb < 1.3 * weights + 1.0, (fmt, t.moved_gb, weights)
 
 
+def test_the_moe_combine_takes_one_launch_and_reads_the_rows_where_they_are():
+    """torch's combine gathers the experts' outputs back to slot order and takes a batched product; the
+    kernel of `pipeline.runtime.triton_network` reads them in place (at 16 canvases on Hopper, torch's
+    grouped GEMM's rows in expert order: a [slots, hidden] copy a layer fewer)."""
+    fused = gt.trace_pass("fp8", "sm90", 16, LAYERS)
+    assert fused.ops["triton::combine"] == LAYERS and "aten::bmm" not in fused.ops
+    assert "aten::index_select" not in fused.ops
+    no_kernel = gt.passing_probe("sm90")
+    no_kernel.results[probing.COMBINE] = "failed"
+    torch_form = gt.trace_pass("fp8", "sm90", 16, LAYERS, probed=no_kernel)
+    assert torch_form.ops["aten::bmm"] == torch_form.ops["aten::index_select"] == LAYERS
+    slots_gb = 16 * 256 * 8 * 2816 * 2 / 1e9  # one layer's expert outputs, bf16
+    assert torch_form.moved_gb - fused.moved_gb == pytest.approx(LAYERS * 2 * slots_gb, rel=0.01)
+
+
 def test_ops_a_cpu_build_cannot_run_on_fake_cuda_tensors_run_on_meta_ones():
     """Indexing, `copy_`, `sort` and in-place writes need a CUDA device guard a CPU build of torch lacks:
     they run on meta stand-ins with the same layout, and an in-place op returns its own argument."""

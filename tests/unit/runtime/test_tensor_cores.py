@@ -184,8 +184,8 @@ def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
     """Hopper never runs the NVFP4 kernels (one left a sticky launch failure on an H200); Blackwell does.
     Hopper's FP8 experts also probe the Triton GEMM their few-rows passes take; where torch has no grouped
     GEMM kernel, only the Triton GEMM is probed for the experts, FP8 and bf16. Every GPU probes the network's
-    RoPE and softcap kernels, whatever the checkpoint's format."""
-    net = (probing.ROPE_FORM, probing.SOFTCAP_FORM)
+    RoPE, softcap and MoE combine kernels, whatever the checkpoint's format."""
+    net = probing.NETWORK_FORMS
     assert probing.probe_plan("sm90") == [
         ("linear", "fp8", "fp8"), ("experts", "fp8", "fp8"), ("triton", "fp8", "fp8"),
         ("linear", "fp8_rowwise", "nvfp4"), ("quant", "fp8_rowwise", "nvfp4"), ("experts", "fp8_rowwise", "nvfp4"),

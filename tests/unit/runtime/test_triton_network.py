@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from pipeline.errors import DgpipeError
+from pipeline.model import network
 from pipeline.model.network import apply_rope
+from pipeline.model.scaled_layout import expert_order
 from pipeline.runtime import probe as probing
 from pipeline.runtime import triton_network
 from tests._utils.interpreter_casts import interpreted_tanh, rne_casts  # noqa: F401  (fixtures)
@@ -105,7 +107,8 @@ def test_a_model_with_the_kernel_installed_gives_the_same_logits(rne_casts):  # 
         calls and all(layer.self_attn.rope_kernel for layer in model.layers) and model.softcap_kernel is None
     )
     assert report.fallbacks == [
-        "logit softcap: torch's four passes over the logits (the Triton kernel failed its probe: not run)"
+        f"{form} (the Triton kernel failed its probe: not run)"
+        for form in (gpu_load.TORCH_FORMS[probing.SOFTCAP], gpu_load.TORCH_FORMS[probing.COMBINE])
     ]
     assert torch.equal(got[0], want[0])
     assert all(
@@ -133,6 +136,40 @@ def test_softcap_is_torchs_cuda_form_within_fp32_rounding(interpreted_tanh, dtyp
         got, x.float().div_(30.0).tanh_().mul_(30.0), rtol=4.8e-7, atol=0.0, equal_nan=True
     )
     probing.check_triton_softcap(torch.device("cpu"))
+
+
+@interpreted
+@pytest.mark.parametrize(("tokens", "k", "d"), [(37, 8, 2816 + 8), (5, 2, 24), (64, 1, 1024)])
+def test_combine_is_its_torch_form_bit_for_bit_and_the_batched_product_within_rounding(
+    rne_casts,  # noqa: F811
+    tokens,
+    k,
+    d,
+):
+    """Rows read through the expert order's inverse or already in slot order, a row width that is no block
+    multiple: `sequential_combine` bit for bit; the batched product it replaces within a bf16 unit."""
+    g = torch.Generator().manual_seed(tokens)
+    index, weights = torch.randint(0, 16, (tokens, k), generator=g), torch.rand(tokens, k, generator=g)
+    order = expert_order(index, 16)[0]
+    y = (torch.randn(tokens * k, d, generator=g) * 4).bfloat16()
+    rows = network.inverse_permutation(order)
+    got = triton_network.combine(y, rows, weights)
+    assert torch.equal(got, triton_network.sequential_combine(y, rows, weights))
+    assert torch.equal(
+        triton_network.combine(y, None, weights), triton_network.sequential_combine(y, None, weights)
+    )
+    want = network.combine_top_k(y, order, weights)
+    assert bool(((got.float() - want.float()).abs() <= want.float().abs() * 2**-8 + 1e-6).all())
+    assert torch.equal(network.combine_top_k(y, order, weights, triton_network.combine), got)  # the hook
+
+
+@interpreted
+def test_the_combine_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, monkeypatch):  # noqa: F811
+    probing.check_triton_combine(torch.device("cpu"))
+    kernel = triton_network.combine
+    monkeypatch.setattr(triton_network, "combine", lambda y, rows, w: kernel(y, rows, w.flip(1)))
+    with pytest.raises(DgpipeError, match="MoE combine differs"):
+        probing.check_triton_combine(torch.device("cpu"))
 
 
 def test_the_reciprocal_is_torchs_fp32_division():
@@ -167,10 +204,13 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
         model = DiffusionGemma(ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny"))
     for layer in model.layers:
         layer.self_attn.rope_kernel = triton_network.rope_or_torch
-    probed = probing.Probe("sm90", {probing.ROPE: "out of resources", probing.SOFTCAP: None})
+    probed = probing.Probe(
+        "sm90", {probing.ROPE: "out of resources", probing.SOFTCAP: None, probing.COMBINE: None}
+    )
     report = gpu_load.fuse_network(model, probed, None)
     assert all(layer.self_attn.rope_kernel is None for layer in model.layers)
     assert model.softcap_kernel is triton_network.softcap
+    assert all(layer.experts.combine_kernel is triton_network.combine for layer in model.layers)
     assert report.fallbacks == [
         "RoPE: torch's five element-wise kernels per tensor (the Triton kernel failed its probe: out of resources)"
     ]
@@ -214,6 +254,15 @@ for cc in (90, 100, 89, 120):
     cubin = Path(sys.argv[1]) / f"softcap_sm{cc}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
     out.append({"cc": cc, "d": 0, "dtype": "softcap", "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
+    for gather in (True, False):
+        sig = {"y_ptr": "*bf16", "rows_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16", "D": "i32", "stride_y": "i32"}
+        consts = {"K": 8, "GATHER": gather, "BLOCK_D": triton_network.COMBINE_BLOCK}
+        src = ASTSource(fn=k.combine, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
+                        attrs={(k.combine.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
+        kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=triton_network.OPTIONS)
+        cubin = Path(sys.argv[1]) / f"combine_{gather}_sm{cc}.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        out.append({"cc": cc, "d": 0, "dtype": "combine", "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
 json.dump(out, sys.stdout)
 """
 
@@ -236,7 +285,8 @@ def separate_roundings_missing(ptx: str) -> list[str]:
 
 def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
     """Triton lowers the RoPE kernel for both head dims and dtypes, and the softcap kernel (libdevice's tanh
-    linked in, no `tanh.approx`), to sm_90a, sm_100a, sm_89 and sm_120 cubins, no GPU needed. RoPE: every product is rounded to the input's dtype before the sum (`mul.rn`, `add.rn`; a fused
+    linked in, no `tanh.approx`) and the MoE combine (each product and sum rounded in fp32 on its own, as its
+    torch form computes them), to sm_90a, sm_100a, sm_89 and sm_120 cubins, no GPU needed. RoPE: every product is rounded to the input's dtype before the sum (`mul.rn`, `add.rn`; a fused
     multiply-add would round once where torch rounds twice, and Triton's default contraction made one), and no
     register spills (no STL/LDL in the SASS)."""
     import json
@@ -253,7 +303,7 @@ def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spill
                          env=env, cwd=Path(__file__).parents[3], timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = json.loads(run.stdout)
-    assert len(compiled) == 20 and sum(k["dtype"] == "softcap" for k in compiled) == 4
+    assert len(compiled) == 28 and sum(k["dtype"] == "softcap" for k in compiled) == 4
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"  # ships with Triton
     for k in compiled:
         if k["dtype"] == "softcap":  # its tanh is libdevice's own code (its FMAs are the function's)
