@@ -66,13 +66,14 @@ def _pass(fmt: str, compiled: bool = False) -> GpuCheck:
     batches = ",".join(map(str, PASS_BATCHES))
     if compiled:
         return GpuCheck(
-            f"26B pass {fmt} compiled", 145, f"the {fmt} pass under torch.compile (inductor), batch {batches}: compile s, ms vs floor",
+            f"26B pass {fmt} compiled", 135, f"the {fmt} pass under torch.compile (inductor), batch {batches}: compile s, ms vs floor",
             ("-m", "pipeline.bench.gpu", "pass", fmt, "--compile"), needs,
         )  # fmt: skip
     return GpuCheck(
-        # FP8 also runs the probe and compiles the Triton MoE GEMM per tile configuration (cached per host);
-        # bf16 compiles it with bf16 operands for its experts' diagnostic
-        f"26B pass {fmt}", {"nvfp4": 25, "fp8": 60}.get(fmt, 40), f"26B-A4B random {fmt} weights, batch {batches}: ms vs floor",
+        # each probes and compiles the network's Triton kernels (RoPE, softcap, combine: cached per host, so
+        # the first format pays); FP8 also the Triton MoE GEMM per tile configuration; bf16 compiles that
+        # GEMM with bf16 operands for its experts' diagnostic
+        f"26B pass {fmt}", {"nvfp4": 25, "fp8": 60}.get(fmt, 50), f"26B-A4B random {fmt} weights, batch {batches}: ms vs floor",
         ("-m", "pipeline.bench.gpu", "pass", fmt), needs,
     )  # fmt: skip
 
