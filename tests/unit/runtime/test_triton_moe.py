@@ -21,6 +21,7 @@ from pipeline.runtime import triton_quant as tq
 from pipeline.runtime.dispatch import EVERY_PASS, TRITON_MAX_ROWS_PER_EXPERT
 from tests._utils.compile import compiled_whole, graph_targets
 from tests._utils.quantized import grouped_scaled_mm_on_cpu, packed_linear
+from tests._utils.triton_compile import compiled_for_gpus
 
 CPU = torch.device("cpu")
 BF16_ULP = (
@@ -232,21 +233,12 @@ def test_the_kernel_compiles_for_hopper_ada_and_rtx_blackwell_without_spills(tmp
     FP8 `mma.sync` (e4m3). No tile spills a register to the stack (ptxas's resource usage, read by
     cuobjdump); without the specializations the GEMM compiled to 255 registers and ~1.5 KB of stack per
     thread. (The activations' quantization kernels: tests/unit/runtime/test_triton_quant.py.)"""
-    import json
     import re
     import subprocess
-    import sys
-    from pathlib import Path
 
     from pipeline.sampler.kernels.build import find_cuobjdump
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    root = Path(__file__).parents[3]
-    run = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPUS, str(tmp_path)], capture_output=True, text=True,
-                         env=env, cwd=root, timeout=300)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    kernels = json.loads(run.stdout)
+    kernels = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
     hopper = [k for k in kernels if k["cc"] == 90]
     assert [k["block_m"] for k in hopper] == list(tf.BLOCK_MS)
     assert all(k["cp_async"] and 0 < k["shared"] <= 227 * 1024 for k in hopper), hopper

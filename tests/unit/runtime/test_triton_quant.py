@@ -16,6 +16,7 @@ from pipeline.runtime import probe as probing
 from pipeline.runtime import triton_quant as tq
 from pipeline.runtime.tensor_cores import _rowwise_dynamic, quantize_rows
 from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
+from tests._utils.triton_compile import compiled_for_gpus, spills
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -185,29 +186,14 @@ def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spill
     (cvt.rn.satfinite), and keeps NaN through its clamps (min.NaN): torch's arithmetic, which the tests above
     and the load-time probe hold them to bit for bit. None spills a register to local memory (no STL/LDL
     in the SASS; the NVFP4 kernel's 8-byte stack frame is a local array Triton declares and never uses)."""
-    import json
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    run = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPUS, str(tmp_path)], capture_output=True, text=True,
-                         env=env, cwd=Path(__file__).parents[3], timeout=300)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    compiled = json.loads(run.stdout)
+    compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
     names = ("fp8", "nvfp4", "nvfp4_fp8_rows", "blocked_scales_one", "blocked_scales_grouped")
     assert [(k["name"], k["cc"]) for k in compiled] == [(n, cc) for cc in (90, 100, 89, 120) for n in names]
     for k in (k for k in compiled if not k["name"].startswith("blocked")):  # the swizzle only moves bytes
         assert "div.rn.f32" in k["ptx"] and "cvt.rn.satfinite.e4m3x2.f32" in k["ptx"], k
         assert any(p.startswith("min.NaN") for p in k["ptx"]), k
-    import triton
-
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"  # ships with Triton
-    for k in compiled:  # a spill is a local store and load in the machine code (STL / LDL)
-        sass = subprocess.run([str(nvdisasm), k["cubin"]], capture_output=True, text=True, check=True).stdout
-        assert "EXIT" in sass and not re.search(r"\b(STL|LDL)\b", sass), k["name"]
+    for k in compiled:
+        assert not spills(k["cubin"]), k["name"]
 
 
 def test_which_loads_quantize_activations_in_one_pass():
