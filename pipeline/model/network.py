@@ -170,6 +170,7 @@ class Attention(nn.Module):
         self.rope_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def rotate(self, x: torch.Tensor, li: LayerInputs) -> torch.Tensor:
+        """q or k [B, L, heads, D] rotated by the layer kind's RoPE."""
         if self.rope_kernel is not None and not _tracing():
             return self.rope_kernel(x, li.cos, li.sin)
         return apply_rope(x, li.cos, li.sin)
