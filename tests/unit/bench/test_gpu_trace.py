@@ -43,7 +43,9 @@ def test_every_dispatch_row_runs_its_kernels_without_reading_the_host(fmt, arch,
     assert t.output == f"[{batch}, 256, 262144] float32 cuda"
     gemms = t.gemms()
     assert gemms.pop(experts_gemm(fmt, arch, batch)) == 2 * LAYERS  # gate|up and down, per layer
-    assert t.ops["triton::combine"] == LAYERS and "torch.bmm" not in gemms  # each token's k expert rows combined
+    assert (
+        t.ops["triton::combine"] == LAYERS and "torch.bmm" not in gemms
+    )  # each token's k expert rows combined
     if DISPATCH[fmt, arch].linears.startswith("F.scaled_mm"):
         assert gemms == {"F.scaled_mm": QUANTIZED_LINEARS, "F.linear": FLOAT_LINEARS}
     else:
