@@ -1,7 +1,8 @@
 """The network's element-wise chains on CUDA as one Triton kernel each: RoPE (`rope`, what
-`pipeline.model.network.apply_rope` computes) and the final logits' softcap (`softcap`, what
-`DiffusionGemma.logits` computes after the LM head). Each chain is several kernels eagerly, each a pass
-through memory and a launch of a few microseconds even inside a CUDA graph.
+`pipeline.model.network.apply_rope` computes), the final logits' softcap (`softcap`, what
+`DiffusionGemma.logits` computes after the LM head) and the routed experts' combine (`combine`, what
+`network.combine_top_k` computes). Each chain is several kernels eagerly, each a pass through memory and a
+launch of a few microseconds even inside a CUDA graph.
 
 RoPE: rotating q or k is five kernels (x * cos, the negation and concatenation of `rotate_half`, its product
 with sin, the sum), ten launches a layer, ~300 of the ~2,100 in one FP8 26B pass (`dgpipe bench gpu-trace`).
@@ -17,9 +18,15 @@ pass on top of the one pass that must write them). The kernel reads the bf16 log
 ones once, with torch's CUDA arithmetic: the division as a product with the cap's fp32 reciprocal (how
 torch's CUDA kernel divides by a scalar) and tanh from CUDA's libdevice.
 
-The load-time probe holds each to the torch form on the GPU before a model uses it
-(`pipeline.runtime.probe.check_triton_rope`, `check_triton_softcap`). Under torch.compile the torch forms
-stay (inductor fuses them).
+Combine: each token's k expert outputs were gathered back from expert order to slot order (a copy of every
+slot's row) and summed by cuBLAS's batched product (on an H200 at 16 canvases the two ran far below HBM
+speed: 9.5 ms a pass). The kernel reads each token's rows where they are and sums them in fp32 in slot
+order: bit for bit its torch form `sequential_combine`, and the batched product within bf16 rounding (cuBLAS
+sums in another order).
+
+The load-time probe holds each to its torch form on the GPU before a model uses it
+(`pipeline.runtime.probe.check_triton_rope`, `check_triton_softcap`, `check_triton_combine`). Under
+torch.compile the torch forms stay (inductor fuses them).
 """
 
 from __future__ import annotations
@@ -40,13 +47,13 @@ DTYPES = (torch.bfloat16, torch.float16)
 
 @functools.cache
 def _kernels():
-    """The jitted kernel, imported on first use (Triton reads TRITON_INTERPRET when `jit` wraps it)."""
+    """The jitted kernels, imported on first use (Triton reads TRITON_INTERPRET when `jit` wraps them)."""
     from pipeline.runtime import triton_network_kernels
 
     return triton_network_kernels
 
 
-def serves(x: torch.Tensor, cos: torch.Tensor) -> bool:
+def rope_serves(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether the kernel takes x [B, L, H, D] with cos/sin [B, L, D]: bf16/fp16, D even, all contiguous and
     of one dtype (anything else keeps the torch form)."""
     d = x.shape[-1]
@@ -62,7 +69,7 @@ def serves(x: torch.Tensor, cos: torch.Tensor) -> bool:
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, L, H, D] rotated by cos/sin [B, L, D] (`serves` must hold): x * cos + rotate_half(x) * sin."""
+    """x [B, L, H, D] rotated by cos/sin [B, L, D] (`rope_serves` must hold): x * cos + rotate_half(x) * sin."""
     import triton
 
     out = torch.empty_like(x)
@@ -77,8 +84,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def rope_or_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`rope` where it `serves`, else the torch form: what the GPU loader installs as the layers' RoPE."""
-    return rope(x, cos, sin) if serves(x, cos) else apply_rope(x, cos, sin)
+    """`rope` where it serves (`rope_serves`), else the torch form: what the GPU loader installs as the layers' RoPE."""
+    return rope(x, cos, sin) if rope_serves(x, cos) else apply_rope(x, cos, sin)
 
 
 SOFTCAP_BLOCK = 4096  # logits per program

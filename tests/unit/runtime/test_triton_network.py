@@ -52,19 +52,21 @@ def test_rope_is_the_torch_form_bit_for_bit(rne_casts, dtype, heads, d, partial)
     x[0, 0, 0, :2], x[1, 2, 0, 0], x[1, 3, -1, -1] = 0.0, float("inf"), float("nan")
     x = x.to(dtype)
     cos, sin = tables(2, 9, d, dtype, partial=partial)
-    assert triton_network.serves(x, cos)
+    assert triton_network.rope_serves(x, cos)
     got, want = triton_network.rope(x, cos, sin), apply_rope(x, cos, sin)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bit patterns: NaN and -0.0 too
 
 
 def test_other_inputs_keep_the_torch_form(monkeypatch):
     x, (cos, sin) = torch.randn(1, 4, 2, 64, dtype=torch.bfloat16), tables(1, 4, 64, torch.bfloat16)
-    assert not triton_network.serves(
+    assert not triton_network.rope_serves(
         x.float(), cos.float()
     )  # fp32: the compiler may fuse a product into the sum
-    assert not triton_network.serves(x.transpose(1, 2), cos)  # [B, H, L, D]: not the layout it reads
-    assert not triton_network.serves(x[..., :48], cos[..., :48].contiguous())  # a view: rows not contiguous
-    assert not triton_network.serves(x, cos.half())
+    assert not triton_network.rope_serves(x.transpose(1, 2), cos)  # [B, H, L, D]: not the layout it reads
+    assert not triton_network.rope_serves(
+        x[..., :48], cos[..., :48].contiguous()
+    )  # a view: rows not contiguous
+    assert not triton_network.rope_serves(x, cos.half())
     monkeypatch.setattr(triton_network, "rope", lambda *a: pytest.fail("the kernel ran"))
     y = x.float()
     assert torch.equal(
