@@ -170,6 +170,9 @@ def load_session(
         if dev.type == "cuda":  # FP8 / NVFP4 weights kept in their stored format, on tensor cores
             from pipeline.runtime.gpu_load import load_on_gpu
 
+            if dev.index is not None:  # Triton launches on the current device, not its tensors' (cuda:1)
+                torch.cuda.set_device(dev)
+
             m, ckpt, tensor_cores = load_on_gpu(path, resolve_dtype(dtype, dev), dev)
         else:
             m, ckpt = load_model(path, resolve_dtype(dtype, dev), dev)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+import torch
+
 
 def test_loading_the_embedded_model_does_not_import_dynamo():
     """`torch._dynamo` costs seconds to import; building modules on the meta device used to pull it in
@@ -18,3 +21,18 @@ def test_loading_the_embedded_model_does_not_import_dynamo():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_numbered_gpu_becomes_the_current_device(monkeypatch):
+    """Triton launches its kernels on the current CUDA device, not on their tensors': `--device cuda:1` makes
+    GPU 1 current before the model loads there (plain `cuda` leaves the current device as it is)."""
+    from pipeline.runtime import gpu_load, session
+
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda dev: current.append(str(dev)))
+    monkeypatch.setattr(gpu_load, "load_on_gpu", lambda *a: (_ for _ in ()).throw(RuntimeError("loaded")))
+    for device in ("cuda:1", "cuda"):
+        with pytest.raises(RuntimeError, match="loaded"):
+            session.load_session(device=device)
+    assert current == ["cuda:1"]
