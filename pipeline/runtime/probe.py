@@ -1,6 +1,7 @@
 """Which of the dispatch table's kernels this GPU and torch build run: each GEMM form the table names for
 the GPU's architecture runs once on tiny operands at load (`probe`), and dgpipe's own Triton kernels must
-also agree with a float reference that needs no vendor kernel (`check_triton_fp8`, `check_triton_bf16`).
+also agree with a float reference that needs no vendor kernel (`check_triton_fp8`, `check_triton_bf16`), and
+the network's one-kernel chains with their torch forms (`check_triton_rope`, `_softcap`, `_combine`).
 What fails takes the row's fallback (`pipeline.runtime.gpu_load`), so a kernel that a host's driver,
 torch or Triton build cannot run costs speed, never a wrong answer or a crash while serving."""
 

@@ -343,8 +343,14 @@ def test_triton_network_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
         model.softcap_kernel = triton_network.softcap
         torch.testing.assert_close(step(), want, rtol=1e-6, atol=0.0)
         combine(triton_network.combine)
+        side = (
+            torch.cuda.Stream()
+        )  # warm-up on a side stream, outside the capture (Triton compiles at first launch)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        step()  # warm-up outside the capture (Triton compiles on first launch)
         with torch.cuda.graph(graph):
             out = step()
         graph.replay()
