@@ -323,15 +323,14 @@ def _kernels_here(dev: torch.device, arch: str):
     """The load-time probe on a GPU; off one (this module's own tests), the vendor kernels' CPU stand-ins
     count as run and dgpipe's Triton kernels as failed with the reason they cannot run here."""
     from pipeline.runtime import triton_moe
-    from pipeline.runtime.probe import Probe, probe, probe_plan
+    from pipeline.runtime.probe import NETWORK_FORMS, Probe, probe, probe_plan
 
     if dev.type == "cuda":
         return probe(dev)
     why = triton_moe.unavailable(dev)
-    return Probe(
-        arch,
-        {f"{kind}:{mode}": why if kind in ("triton", "rope") else None for kind, mode, _ in probe_plan(arch)},
-    )
+    triton_kinds = {"triton", *(kind for kind, _, _ in NETWORK_FORMS)}  # dgpipe's own kernels
+    plan = probe_plan(arch)
+    return Probe(arch, {f"{kind}:{mode}": why if kind in triton_kinds else None for kind, mode, _ in plan})
 
 
 def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
