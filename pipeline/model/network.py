@@ -76,15 +76,28 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+# a fused form of gelu_tanh(gate) * up: (gate, up) -> the product in gate's dtype
+GegluKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, kernel: GegluKernel | None = None) -> torch.Tensor:
+    """The gated GeLU of the MLPs and experts; `kernel`: a fused form (`pipeline.runtime.triton_network.geglu`,
+    one pass where torch's form is two: the GeLU, then the product), kept out of exporters and compilers."""
+    if kernel is not None and not _tracing():
+        return kernel(gate, up)
+    return gelu_tanh(gate) * up
+
+
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, inner: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inner, bias=False)
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.geglu_kernel: GegluKernel | None = None  # CUDA: set by the GPU loader where probed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x), self.geglu_kernel))
 
 
 def rope_inv_freq(cfg: TextConfig, layer_type: str, head_dim: int) -> torch.Tensor:
@@ -283,6 +296,7 @@ def grouped_experts(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     combine: CombineKernel | None = None,
+    geglu_kernel: GegluKernel | None = None,
 ) -> torch.Tensor:
     """Routed experts as grouped GEMMs: the slots (token, choice) sorted by expert, one grouped GEMM per
     projection, the rows added back per token in expert order (CPU; CUDA: `combine_top_k`). `gate_up`
@@ -290,7 +304,7 @@ def grouped_experts(
     order, token_of, offs = expert_order(index, gate_up.shape[0])
     w_sorted = weights.reshape(-1)[order]
     gate, up = F.grouped_mm(x[token_of], gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-    y = F.grouped_mm(gelu_tanh(gate) * up, down.transpose(-2, -1), offs=offs)
+    y = F.grouped_mm(geglu(gate, up, geglu_kernel), down.transpose(-2, -1), offs=offs)
     if x.is_cuda:  # atomics there add in no fixed order anyway
         return combine_top_k(y, order, weights, combine).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, (y * w_sorted[:, None]).to(x.dtype))
@@ -319,6 +333,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
         self.grouped: bool | None = None  # None: grouped GEMM where torch has a kernel for it
         self.combine_kernel: CombineKernel | None = None  # CUDA: set by the GPU loader where probed
+        self.geglu_kernel: GegluKernel | None = None  # likewise
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         if self.grouped is not None:
@@ -340,7 +355,9 @@ class Experts(nn.Module):
             if Experts.compiled_op is None:
                 return self._dense(x, index, weights)
             return Experts.compiled_op(x, index, weights, self.gate_up_proj, self.down_proj)
-        return grouped_experts(x, index, weights, self.gate_up_proj, self.down_proj, self.combine_kernel)
+        return grouped_experts(
+            x, index, weights, self.gate_up_proj, self.down_proj, self.combine_kernel, self.geglu_kernel
+        )
 
     def _dense(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         dense_w = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
@@ -375,6 +392,9 @@ class DecoderLayer(nn.Module):
         # fixed per-layer output scale; transformers keeps one copy per mode (the two are not tied)
         self.register_buffer("layer_scalar", torch.ones(1))
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
+        # the residual sum and the layer scale, (residual + x) * scale, as one fused CUDA kernel
+        # (`pipeline.runtime.triton_network.add_scaled`), set by the GPU loader where probed; None: torch's two
+        self.residual_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self, h: torch.Tensor, li: LayerInputs, past: tuple[torch.Tensor, torch.Tensor] | None, encoder: bool
@@ -386,8 +406,11 @@ class DecoderLayer(nn.Module):
         flat = residual.reshape(-1, residual.shape[-1])
         _, weights, index = self.router(flat)
         moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(residual.shape)
-        h = residual + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
-        return h * (self.encoder_layer_scalar if encoder else self.layer_scalar), new_kv
+        ffn = self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
+        scale = self.encoder_layer_scalar if encoder else self.layer_scalar
+        if self.residual_kernel is not None and not _tracing():
+            return self.residual_kernel(residual, ffn, scale), new_kv
+        return (residual + ffn) * scale, new_kv
 
 
 class SelfConditioning(nn.Module):
@@ -401,12 +424,14 @@ class SelfConditioning(nn.Module):
         self.gate_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
+        self.geglu_kernel: GegluKernel | None = None  # CUDA: set by the GPU loader where probed
 
     def forward(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
         if soft is None:  # first step: the MLP of a zero signal is exactly zero
             return self.post_norm(embeds)
         n = self.pre_norm(soft)
-        return self.post_norm(embeds + self.down_proj(gelu_tanh(self.gate_proj(n)) * self.up_proj(n)))
+        h = geglu(self.gate_proj(n), self.up_proj(n), self.geglu_kernel)
+        return self.post_norm(embeds + self.down_proj(h))
 
 
 class DiffusionGemma(nn.Module):

@@ -1,8 +1,9 @@
 """Loading onto a GPU: a quantized checkpoint's FP8 / NVFP4 weights go straight onto tensor cores as the
 loader reads them (`TensorCoreLoad`, a `pipeline.model.checkpoint.PackedSink`), float experts that would read
-their routing on the host route on the device (`route_float_experts`, `pipeline.runtime.routed`), RoPE and
-the logit softcap run as one kernel each (`fuse_network`, `pipeline.runtime.triton_network`), and the load
-reports what went where and every fallback with its reason (`Installed`; `dgpipe serve` logs it)."""
+their routing on the host route on the device (`route_float_experts`, `pipeline.runtime.routed`), RoPE, the
+gated GeLUs, the experts' combine, the residual sums and the logit softcap run as one kernel each
+(`fuse_network`, `pipeline.runtime.triton_network`), and the load reports what went where and every
+fallback with its reason (`Installed`; `dgpipe serve` logs it)."""
 
 from __future__ import annotations
 
@@ -27,10 +28,16 @@ from pipeline.runtime.dispatch import (
     arch_of,
     dispatch,
 )
-from pipeline.runtime.probe import COMBINE, NVFP4_QUANT_MODES, ROPE, SOFTCAP, Probe, probe
+from pipeline.runtime.probe import COMBINE, GEGLU, NVFP4_QUANT_MODES, RESIDUAL, ROPE, SOFTCAP, Probe, probe
 from pipeline.runtime.routed import host_bound_experts, route_on_device
 from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode
-from pipeline.runtime.triton_network import combine, rope_or_torch, softcap
+from pipeline.runtime.triton_network import (
+    add_scaled_or_torch,
+    combine,
+    geglu_or_torch,
+    rope_or_torch,
+    softcap,
+)
 from pipeline.targets import precision_for_quant_algo
 
 EXPERT = re.compile(r"^(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
@@ -217,16 +224,24 @@ def finish_on_device(
 # what runs where a `triton_network` kernel failed its probe
 TORCH_FORMS = {ROPE: "RoPE: torch's five element-wise kernels per tensor",
                SOFTCAP: "logit softcap: torch's four passes over the logits",
-               COMBINE: "MoE combine: a gather back to slot order and a batched product"}  # fmt: skip
+               COMBINE: "MoE combine: a gather back to slot order and a batched product",
+               GEGLU: "gated GeLU: torch's GeLU, then the product (and the FP8 experts' quantization)",
+               RESIDUAL: "residual sum and layer scale: torch's sum, then the product"}  # fmt: skip
 
 
 def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None) -> Installed | None:
-    """Every layer's RoPE and experts' combine and the LM head's softcap on dgpipe's one-kernel forms
-    (`triton_network`) where their probes passed; where not, the torch forms stay and the report says why."""
+    """Every layer's RoPE, gated GeLUs (dense MLP, experts, self-conditioning), experts' combine and residual
+    sum, and the LM head's softcap on dgpipe's one-kernel forms (`triton_network`) where their probes passed;
+    where not, the torch forms stay and the report says why."""
+    gated = geglu_or_torch if probed.ok(GEGLU) else None
     for layer in model.layers:
         layer.self_attn.rope_kernel = rope_or_torch if probed.ok(ROPE) else None
+        layer.mlp.geglu_kernel = gated
+        layer.residual_kernel = add_scaled_or_torch if probed.ok(RESIDUAL) else None
         if hasattr(layer.experts, "combine_kernel"):  # every experts module routed on the device
             layer.experts.combine_kernel = combine if probed.ok(COMBINE) else None
+            layer.experts.geglu_kernel = gated
+    model.self_conditioning.geglu_kernel = gated
     model.softcap_kernel = softcap if probed.ok(SOFTCAP) else None
     for kernel, torch_form in TORCH_FORMS.items():
         if not probed.ok(kernel):

@@ -1,7 +1,8 @@
 """Which of the dispatch table's kernels this GPU and torch build run: each GEMM form the table names for
 the GPU's architecture runs once on tiny operands at load (`probe`), and dgpipe's own Triton kernels must
 also agree with a float reference that needs no vendor kernel (`check_triton_fp8`, `check_triton_bf16`), and
-the network's one-kernel chains with their torch forms (`check_triton_rope`, `_softcap`, `_combine`).
+the network's one-kernel chains with their torch forms (`check_triton_rope`, `_softcap`, `_combine`,
+`_geglu`, `_residual`).
 What fails takes the row's fallback (`pipeline.runtime.gpu_load`), so a kernel that a host's driver,
 torch or Triton build cannot run costs speed, never a wrong answer or a crash while serving."""
 
@@ -50,8 +51,10 @@ PROBED_FORMATS = ("fp8", "nvfp4", "bf16", "int4_awq")
 ROPE_FORM = ("rope", "bf16", "bf16")  # checked in bf16 and fp16
 SOFTCAP_FORM = ("softcap", "bf16", "bf16")  # bf16 logits in, fp32 out
 COMBINE_FORM = ("combine", "bf16", "bf16")  # the experts' bf16 outputs
-NETWORK_FORMS = (ROPE_FORM, SOFTCAP_FORM, COMBINE_FORM)
-ROPE, SOFTCAP, COMBINE = (f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS)
+GEGLU_FORM = ("geglu", "bf16", "bf16")  # checked in bf16 and fp16, and with its FP8 quantization
+RESIDUAL_FORM = ("residual", "bf16", "bf16")  # checked in bf16 and fp16
+NETWORK_FORMS = (ROPE_FORM, SOFTCAP_FORM, COMBINE_FORM, GEGLU_FORM, RESIDUAL_FORM)
+ROPE, SOFTCAP, COMBINE, GEGLU, RESIDUAL = (f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS)
 # the modes whose activations `triton_quant`'s NVFP4 kernels quantize
 NVFP4_QUANT_MODES = ("nvfp4", "fp8_rowwise")
 
@@ -254,6 +257,61 @@ def check_triton_combine(dev: torch.device) -> None:
                           TRITON_FALLBACK)  # fmt: skip
 
 
+def same_geglu(got: torch.Tensor, want: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether two gated GeLUs of gate and up agree as closely as two tanh implementations let them: within
+    2^-6 of the value (its two roundings to bf16, each up to a unit of 2^-7 apart) plus 2.4e-7 |gate * up| (a
+    tanh two fp32 ulps off near -1, which `1 + tanh` turns into the whole result in the negative tail),
+    infinities and NaN in the same places. A wrong kernel is O(1) off."""
+    a, b = got.float(), want.float()
+    nan = a.isnan()
+    if not torch.equal(nan, b.isnan()):
+        return False
+    a, b, scale = a[~nan], b[~nan], (gate.float() * up.float())[~nan].abs()
+    inf = a.isinf() | b.isinf()
+    if not torch.equal(a[inf], b[inf]):
+        return False
+    return bool(((a - b).abs() <= b.abs() * 2**-6 + scale * 2.4e-7)[~inf].all())
+
+
+def check_triton_geglu(dev: torch.device) -> None:
+    """dgpipe's gated-GeLU kernel against torch's form (`gelu_tanh(gate) * up`) on the gate|up halves of one
+    GEMM output, 704 and 2,112 wide (the 26B's experts and dense MLP), values over seven decades with zeros,
+    infinities and NaN, in bf16 and fp16: as close as another tanh allows (`same_geglu`; bit for bit where
+    its tanh, libdevice's, is the one torch's kernel was built with); and its FP8 codes those of its own
+    product quantized (`scaled_layout.fp8_quantize`), bit for bit. Or a DgpipeError."""
+    g = torch.Generator().manual_seed(7)
+    scale = torch.tensor(0.05, device=dev)
+    for dtype, cols in ((torch.bfloat16, 704), (torch.bfloat16, 2112), (torch.float16, 704)):
+        gu = (torch.randn(33, 2 * cols, generator=g) * torch.logspace(-3, 4, 2 * cols)).clamp(-6e4, 6e4)
+        gu[0, :4] = torch.tensor([0.0, float("inf"), -float("inf"), float("nan")])
+        gate, up = gu.to(dev, dtype).chunk(2, dim=-1)
+        got = triton_network.geglu(gate, up)
+        if not same_geglu(got, gelu_tanh(gate) * up, gate, up):
+            raise DgpipeError(
+                f"the Triton gated GeLU differs from torch's ({dtype}, {cols} wide)", TRITON_FALLBACK
+            )
+        if not fp8_codes_equal(triton_network.geglu(gate, up, scale), sl.fp8_quantize(got, scale)):
+            raise DgpipeError(f"the Triton gated GeLU's FP8 codes differ from its product's ({dtype})",
+                              TRITON_FALLBACK)  # fmt: skip
+
+
+def check_triton_residual(dev: torch.device) -> None:
+    """dgpipe's residual-and-scale kernel bit for bit against torch's `(a + b) * scale` in bf16 and fp16, with
+    sums that round, overflow and cancel, infinities and NaN, or a DgpipeError."""
+    g = torch.Generator().manual_seed(9)
+    for dtype in (torch.bfloat16, torch.float16):
+        a, b = (torch.randn(2, 4099, generator=g) * torch.logspace(-3, 4, 4099)).clamp(-6e4, 6e4).unbind()
+        a[:5], b[:5] = (
+            torch.tensor([6e4, 1.0, float("inf"), float("nan"), 3.0]),
+            torch.tensor([6e4, -1.0, 1.0, 1.0, -3.0]),
+        )
+        a, b = a.to(dev, dtype), b.to(dev, dtype)
+        scale = torch.tensor([0.7], device=dev, dtype=dtype)
+        got, want = triton_network.add_scaled(a, b, scale), (a + b) * scale
+        if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            raise DgpipeError(f"the Triton residual sum differs from torch's ({dtype})", TRITON_FALLBACK)
+
+
 def check_triton_bf16(dev: torch.device, x, index, weights) -> None:
     """dgpipe's Triton GEMM with bf16 operands on this GPU, or a DgpipeError: at every M tile against the
     float product of its operands, and a whole experts pass on it (`pipeline.runtime.routed`) against the
@@ -303,6 +361,10 @@ def probe(device: torch.device | str = "cuda", formats: tuple[str, ...] = PROBED
                 check_triton_softcap(dev)
             elif kind == "combine":
                 check_triton_combine(dev)
+            elif kind == "geglu":
+                check_triton_geglu(dev)
+            elif kind == "residual":
+                check_triton_residual(dev)
             elif mode == "bf16":
                 check_triton_bf16(dev, x[:20], index, wts)
             else:

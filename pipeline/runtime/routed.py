@@ -30,9 +30,10 @@ from pipeline.model.network import (
     CombineKernel,
     DiffusionGemma,
     Experts,
+    GegluKernel,
     combine_slots,
     combine_top_k,
-    gelu_tanh,
+    geglu,
 )
 from pipeline.model.scaled_layout import expert_order
 from pipeline.runtime import triton_moe
@@ -50,6 +51,7 @@ def routed_experts(
     q_in: Quantizer | None = None,
     q_down: Quantizer | None = None,
     combine: CombineKernel | None = None,
+    geglu_kernel: GegluKernel | None = None,
 ) -> torch.Tensor:
     """A layer's float experts ([E, 2I, d] gate|up, [E, d, I] down, bf16) on grouped GEMMs, the inputs of
     each projection rounded by `q_in` / `q_down` first (a quantized checkpoint's activation formats)."""
@@ -62,7 +64,7 @@ def routed_experts(
             a if rows is None else a[rows], w.transpose(-2, -1), offs=offs
         )
     gate, up = gemm(q_in(x) if q_in is not None else x, token_of, gate_up).chunk(2, dim=-1)
-    h = gelu_tanh(gate) * up
+    h = geglu(gate, up, geglu_kernel)
     y = gemm((q_down(h) if q_down is not None else h).to(down.dtype), None, down, order if triton else None)
     if triton:
         return combine_slots(y, weights, combine).to(x.dtype)
@@ -84,11 +86,12 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
         self.q_in, self.q_down = (quantizers or {}).get("gate_up"), (quantizers or {}).get("down")
         self.combine_kernel: CombineKernel | None = None  # set by the GPU loader where probed
+        self.geglu_kernel: GegluKernel | None = None  # likewise
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return routed_experts(
             x, index, weights, self.gate_up_proj, self.down_proj, self.triton, self.q_in, self.q_down,
-            self.combine_kernel,
+            self.combine_kernel, self.geglu_kernel,
         )  # fmt: skip
 
 

@@ -21,6 +21,8 @@ grouped form with `offs` (int32 group end offsets).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,7 +31,7 @@ from pipeline.errors import DgpipeError
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX, nvfp4_fake_quant
 from pipeline.model.modelopt import PackedLinear
-from pipeline.model.network import CombineKernel, combine_slots, combine_top_k, gelu_tanh
+from pipeline.model.network import CombineKernel, combine_slots, combine_top_k, geglu
 from pipeline.runtime import triton_moe, triton_quant
 from pipeline.runtime.dispatch import FP8_FAST_ACCUM, TRITON_BF16
 
@@ -163,6 +165,7 @@ class ScaledExperts(nn.Module):
         self.triton_rows = triton_rows if mode != "nvfp4" else 0.0
         self.one_pass = self.triton_rows > 0 if one_pass is None else one_pass
         self.combine_kernel: CombineKernel | None = None  # set by the GPU loader where probed
+        self.geglu_kernel: ScaledGegluKernel | None = None  # likewise
         # ModelOpt shares one input quantizer per projection across a layer's experts (max over experts)
         self.register_buffer(
             "in_scale", torch.stack([p.input_scale.reshape(()) for p in gate + up]).max().to(device)
@@ -238,7 +241,7 @@ class ScaledExperts(nn.Module):
         scales = (self.in_scale, self.down_in_scale)
         return scaled_experts(
             x, index, weights, *self._weights(), *scales, self.mode, self.triton_rows, self.one_pass,
-            self.combine_kernel,
+            self.combine_kernel, self.geglu_kernel,
         )  # fmt: skip
 
 
@@ -310,6 +313,27 @@ def grouped_gemm(
     )  # fmt: skip
 
 
+# a fused gelu_tanh(gate) * up that can also quantize its result: (gate, up, FP8 scale or None) -> the
+# product in gate's dtype, or its E4M3 codes at that scale (`pipeline.runtime.triton_network.geglu`)
+ScaledGegluKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def down_operand(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    scale: torch.Tensor,
+    mode: str,
+    one_pass: bool,
+    kernel: ScaledGegluKernel | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The down projection's operand and scales: gelu_tanh(gate) * up quantized as `quantize_rows` does. With
+    a fused kernel, an FP8 operand in one pass (torch's form is three: the GeLU, the product, then the
+    quantization) and the others' product in one."""
+    if kernel is not None and mode == "fp8" and in_one_pass(one_pass, gate):
+        return kernel(gate, up, scale), scale.float().expand(gate.shape[0])
+    return quantize_rows(geglu(gate, up, kernel), scale, mode, one_pass)
+
+
 def scaled_experts(
     x: torch.Tensor,
     index: torch.Tensor,
@@ -326,6 +350,7 @@ def scaled_experts(
     triton_rows: float = 0.0,
     one_pass: bool = False,
     combine: CombineKernel | None = None,
+    geglu_kernel: ScaledGegluKernel | None = None,
 ) -> torch.Tensor:
     """A layer's routed experts: slots sorted by expert (device-side offsets, no host sync), one grouped
     scaled GEMM for gate|up and one for down, each token's top-k outputs weighted and summed. An FP8 pass
@@ -351,7 +376,7 @@ def scaled_experts(
         )
         down_gemm = lambda q, qs: gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode, one_pass=one_pass)
     gate, up = gate_up_gemm(*quantize_rows(x, in_scale, mode, one_pass)).chunk(2, dim=-1)
-    y = down_gemm(*quantize_rows(gelu_tanh(gate) * up, down_in_scale, mode, one_pass))
+    y = down_gemm(*down_operand(gate, up, down_in_scale, mode, one_pass, geglu_kernel))
     if in_slot_order:
         return combine_slots(y, weights, combine).to(x.dtype)
     return combine_top_k(y, order, weights, combine).to(x.dtype)

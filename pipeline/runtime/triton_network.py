@@ -1,8 +1,9 @@
 """The network's element-wise chains on CUDA as one Triton kernel each: RoPE (`rope`, what
 `pipeline.model.network.apply_rope` computes), the final logits' softcap (`softcap`, what
-`DiffusionGemma.logits` computes after the LM head) and the routed experts' combine (`combine`, what
-`network.combine_top_k` computes). Each chain is several kernels eagerly, each a pass through memory and a
-launch of a few microseconds even inside a CUDA graph.
+`DiffusionGemma.logits` computes after the LM head), the routed experts' combine (`combine`, what
+`network.combine_top_k` computes), the gated GeLU of the MLPs and experts (`geglu`, `network.geglu`) and a
+layer's residual sum and output scale (`add_scaled`). Each chain is several kernels eagerly, each a pass
+through memory and a launch of a few microseconds even inside a CUDA graph.
 
 RoPE: rotating q or k is five kernels (x * cos, the negation and concatenation of `rotate_half`, its product
 with sin, the sum), ten launches a layer, ~300 of the ~2,100 in one FP8 26B pass (`dgpipe bench gpu-trace`).
@@ -24,9 +25,23 @@ speed: 9.5 ms a pass). The kernel reads each token's rows where they are and sum
 order: bit for bit its torch form `sequential_combine`, and the batched product within bf16 rounding (cuBLAS
 sums in another order).
 
+Gated GeLU: torch computes `gelu_tanh(gate) * up` in two kernels, and the FP8 experts quantize the product
+for the down projection in a third; at 16 canvases the 26B's experts move ~0.3 GB a layer through the three.
+The kernel reads gate and up once (the two halves of the gate|up GEMM's output, where they are) and writes
+the product, or its E4M3 codes. It computes what torch's CUDA kernels compute (`GeluCUDAKernelImpl`: the
+GeLU in fp32 with the one fused multiply-add nvcc makes of `x + kKappa * x_cube`, rounded to the input's
+dtype, then the product rounded), with libdevice's tanh, the function CUDA's `tanhf` is. In Triton's
+interpreter (numpy's tanh standing in) it is that arithmetic bit for bit; the probe, which cannot know which
+tanh this torch build was compiled against, allows another tanh's rounding (`probe.same_geglu`: in the
+negative tail `1 + tanh` cancels, so one fp32 ulp of the tanh there is the whole value).
+
+Residual sum: a decoder layer ends with `(residual + x) * layer_scalar`, two kernels; this is one, rounding
+the sum before the product as torch does, so bit for bit.
+
 The load-time probe holds each to its torch form on the GPU before a model uses it
-(`pipeline.runtime.probe.check_triton_rope`, `check_triton_softcap`, `check_triton_combine`). Under
-torch.compile the torch forms stay (inductor fuses them).
+(`pipeline.runtime.probe.check_triton_rope`, `check_triton_softcap`, `check_triton_combine`,
+`check_triton_geglu`, `check_triton_residual`). Under torch.compile the torch forms stay (inductor fuses
+them).
 """
 
 from __future__ import annotations
@@ -36,7 +51,9 @@ import struct
 
 import torch
 
-from pipeline.model.network import apply_rope
+from pipeline.model import scaled_layout as sl
+from pipeline.model.fake_quant import E4M3_MAX
+from pipeline.model.network import apply_rope, gelu_tanh
 
 ROW_VALUES = 4096  # values per program: 16 rows of a 256-wide head, 8 of a 512-wide one
 # no floating-point contraction: with it (Triton's default) LLVM turns a product and the sum it feeds into
@@ -91,12 +108,16 @@ def rope_or_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 SOFTCAP_BLOCK = 4096  # logits per program
 
 
+def fp32(v: float) -> float:
+    """v rounded to the nearest fp32 value (as C converts a double to float)."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
 @functools.cache
 def fp32_reciprocal(x: float) -> float:
     """1 / x in fp32 arithmetic, as torch's CUDA kernel computes the reciprocal of a scalar divisor: the
     quotient of the fp32 values in double, rounded to fp32 (correctly rounded: 53 >= 2 * 24 + 2 bits)."""
-    f32 = lambda v: struct.unpack("f", struct.pack("f", v))[0]
-    return f32(1.0 / f32(x))
+    return fp32(1.0 / fp32(x))
 
 
 def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
@@ -144,3 +165,89 @@ def sequential_combine(y: torch.Tensor, rows: torch.Tensor | None, weights: torc
     for j in range(k):
         acc = acc + w[:, j, None] * per_slot[:, j]
     return acc.to(y.dtype)
+
+
+# torch's `GeluCUDAKernelImpl` constants for fp32 math (aten/src/ATen/native/cuda/ActivationGeluKernel.cu):
+# kBeta = M_SQRT2 * M_2_SQRTPI * 0.5 evaluated in double, then stored as float; kKappa = 0.044715 as float
+GELU_BETA = fp32(1.41421356237309504880 * 1.12837916709551257390 * 0.5)
+GELU_KAPPA = fp32(0.044715)
+GEGLU_BLOCK = 1024  # values per program: a row of the 26B's experts (704), a third of its dense MLP's (2,112)
+
+
+def geglu_serves(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether the kernel takes gate and up: one shape and dtype (bf16/fp16), each row contiguous."""
+    return (
+        gate.dtype in DTYPES
+        and up.dtype == gate.dtype
+        and gate.shape == up.shape
+        and gate.dim() >= 1
+        and gate.stride(-1) == 1
+        and up.stride(-1) == 1
+    )
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, cols] with contiguous rows: a view for a contiguous tensor or the gate|up halves of one."""
+    return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """gelu_tanh(gate) * up in one pass (`geglu_serves` must hold), as torch's CUDA kernels compute it: the
+    GeLU rounded to gate's dtype, then the product rounded. `scale`: instead, that product's E4M3 codes at
+    this static fp32 scale, what `triton_quant.fp8` (`scaled_layout.fp8_quantize`) would make of it."""
+    import triton
+
+    g, u = _rows(gate), _rows(up)
+    rows, cols = g.shape
+    dtype = gate.dtype if scale is None else torch.float8_e4m3fn
+    out = torch.empty(gate.shape, dtype=dtype, device=gate.device)
+    if rows and cols:
+        block = min(GEGLU_BLOCK, triton.next_power_of_2(cols))
+        _kernels().geglu[(rows, triton.cdiv(cols, block))](
+            g, u, g if scale is None else scale, out, cols, g.stride(0), u.stride(0), BETA=GELU_BETA,
+            KAPPA=GELU_KAPPA, E4M3_MAX=E4M3_MAX, QUANT=scale is not None, BLOCK=block, **OPTIONS,
+        )  # fmt: skip
+    return out
+
+
+def geglu_or_torch(gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`geglu` where it serves (`geglu_serves`), else the torch form: what the GPU loader installs."""
+    if geglu_serves(gate, up):
+        return geglu(gate, up, scale)
+    h = gelu_tanh(gate) * up
+    return h if scale is None else sl.fp8_quantize(h, scale)
+
+
+ADD_SCALED_BLOCK = 4096  # values per program
+
+
+def add_scaled_serves(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether the kernel takes a + b times a one-value scale: all one dtype (bf16/fp16), a and b one shape, contiguous."""
+    return (
+        a.dtype in DTYPES
+        and b.dtype == a.dtype
+        and scale.dtype == a.dtype
+        and scale.numel() == 1
+        and a.shape == b.shape
+        and a.is_contiguous()
+        and b.is_contiguous()
+    )
+
+
+def add_scaled(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(a + b) * scale in one pass (`add_scaled_serves` must hold): a decoder layer's residual sum and its
+    output scale, the sum rounded to a's dtype before the product, as torch's two kernels compute them."""
+    import triton
+
+    out = torch.empty_like(a)
+    n = a.numel()
+    if n:
+        _kernels().add_scaled[(triton.cdiv(n, ADD_SCALED_BLOCK),)](
+            a, b, scale, out, n, BLOCK=ADD_SCALED_BLOCK, **OPTIONS
+        )
+    return out
+
+
+def add_scaled_or_torch(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`add_scaled` where it serves (`add_scaled_serves`), else the torch form: what the GPU loader installs."""
+    return add_scaled(a, b, scale) if add_scaled_serves(a, b, scale) else (a + b) * scale

@@ -67,3 +67,40 @@ def combine(
         w = tl.load(w_ptr + slot).to(y_ptr.dtype.element_ty).to(tl.float32)
         acc = acc + w * tl.load(y_ptr + row * stride_y + d, mask=inside, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def geglu(
+    gate_ptr, up_ptr, scale_ptr, out_ptr, cols, stride_gate, stride_up, BETA: tl.constexpr, KAPPA: tl.constexpr,
+    E4M3_MAX: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """out[r] = gelu_tanh(gate[r]) * up[r] in gate's dtype, with torch's CUDA arithmetic: the GeLU in fp32 as
+    `GeluCUDAKernelImpl` writes it (nvcc contracts `x + kKappa * x_cube` into one fma), rounded, then the
+    product rounded; QUANT: that value's E4M3 code at the static scale (`triton_quant.fp8`'s arithmetic)."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = c < cols
+    dt = gate_ptr.dtype.element_ty
+    x = tl.load(gate_ptr + r * stride_gate + c, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + r * stride_up + c, mask=inside, other=0.0).to(tl.float32)
+    inner = BETA * tl.fma(KAPPA, x * x * x, x)
+    gelu = (0.5 * x * (1.0 + libdevice.tanh(inner))).to(dt).to(tl.float32)
+    h = (gelu * u).to(dt)  # a product of two bf16/fp16 values is exact in fp32: one rounding, torch's
+    if QUANT:
+        v = tl.math.div_rn(h.to(tl.float32), tl.load(scale_ptr).to(tl.float32))
+        v = tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(out_ptr + r * cols + c, v.to(tl.float8e4nv), mask=inside)
+    else:
+        tl.store(out_ptr + r * cols + c, h, mask=inside)
+
+
+@triton.jit
+def add_scaled(a_ptr, b_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """out = (a + b) * s[0] in a's dtype, the sum rounded before the product as torch's two kernels round it."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    dt = a_ptr.dtype.element_ty
+    a = tl.load(a_ptr + i, mask=inside, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + i, mask=inside, other=0.0).to(tl.float32)
+    h = (a + b).to(dt).to(tl.float32)
+    tl.store(out_ptr + i, (h * tl.load(s_ptr).to(tl.float32)).to(dt), mask=inside)

@@ -2,9 +2,10 @@
 
 The interpreter converts fp32 to E4M3 and to bf16 with its own bit arithmetic (Triton 3.9,
 `triton/runtime/interpreter.py: _convert_float`): it rounds half up on the first dropped bit, ignoring the
-rest, and truncates into E4M3's subnormals, where a GPU's `cvt.rn` rounds to nearest even. Tests that hold a
+rest, and truncates into E4M3's subnormals, where a GPU's `cvt.rn` rounds to nearest even; and it widens a
+subnormal bf16 value to a wrong fp32 one (it renormalises it below fp32's exponent range). Tests that hold a
 kernel to torch's arithmetic bit for bit install torch's own conversions (IEEE round to nearest even) for
-those two casts, so what they compare is the kernel's arithmetic, not the interpreter's casts.
+those three casts, so what they compare is the kernel's arithmetic, not the interpreter's casts.
 
 The interpreter has no libdevice functions either (`libdevice.tanh` returns None there): `interpreted_tanh`
 puts numpy's fp32 tanh in its place, within an ulp or two of CUDA's and of torch's CPU tanh.
@@ -26,6 +27,9 @@ def rne_casts(monkeypatch):
     convert = interpreter._convert_float
 
     def rounded(data, input_dtype, output_dtype, rounding_mode):
+        if input_dtype.name == "bf16" and output_dtype.name == "fp32":  # exact, subnormals included
+            bf16 = torch.from_numpy(np.ascontiguousarray(data).view(np.int16).copy()).view(torch.bfloat16)
+            return bf16.float().numpy().view(np.uint32).reshape(data.shape)
         target = TORCH_DTYPES.get(output_dtype.name)
         if input_dtype.name != "fp32" or target is None:
             return convert(data, input_dtype, output_dtype, rounding_mode)

@@ -296,11 +296,12 @@ def test_the_triton_bf16_probe_passes_on_this_gpu():
 
 
 def test_triton_network_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
-    """RoPE, the logit softcap and the MoE combine on this GPU: the probe's checks, RoPE bit for bit at the
-    26B's q and k shapes at 16 canvases, and a bf16 model loaded as the runtime loads it
-    (`gpu_load.finish_on_device` installs all three) against the torch forms' logits: bit for bit with RoPE
-    alone, within the softcap's fp32 rounding with it too, within bf16 rounding with the combine (its fp32
-    sums in another order than cuBLAS's batched product); a CUDA graph replays the eager pass exactly."""
+    """RoPE, the logit softcap, the MoE combine, the gated GeLU and the residual sum on this GPU: the probe's
+    checks, RoPE bit for bit at the 26B's q and k shapes at 16 canvases, and a bf16 model loaded as the
+    runtime loads it (`gpu_load.finish_on_device` installs all five) against the torch forms' logits: bit
+    for bit with RoPE and the residual sums alone, within the softcap's fp32 rounding with it too, within
+    bf16 rounding with the combine (its fp32 sums in another order than cuBLAS's batched product) and the
+    gated GeLU; a CUDA graph replays the eager pass exactly."""
     from pipeline.bench.model import _graphed
     from pipeline.model.checkpoint import load_model
     from pipeline.model.network import apply_rope
@@ -312,6 +313,8 @@ def test_triton_network_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
     probing.check_triton_rope(CUDA)
     probing.check_triton_softcap(CUDA)
     probing.check_triton_combine(CUDA)
+    probing.check_triton_geglu(CUDA)
+    probing.check_triton_residual(CUDA)
     gen = torch.Generator(device=CUDA).manual_seed(7)
     for heads, d in ((16, 256), (8, 256), (16, 512), (2, 512)):
         x = torch.randn(16, 256, heads, d, device=CUDA, generator=gen).to(torch.bfloat16)
@@ -330,21 +333,55 @@ def test_triton_network_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
         for layer in model.layers:
             layer.experts.combine_kernel = kernel
 
+    def gated(kernel):
+        for m in (
+            model.self_conditioning,
+            *(m for layer in model.layers for m in (layer.mlp, layer.experts)),
+        ):
+            m.geglu_kernel = kernel
+
     with torch.inference_mode():
         want = step()
         gpu_load.finish_on_device(model, CUDA, None, None)
         assert all(layer.self_attn.rope_kernel is triton_network.rope_or_torch for layer in model.layers)
         assert model.softcap_kernel is triton_network.softcap
         assert all(layer.experts.combine_kernel is triton_network.combine for layer in model.layers)
+        assert all(layer.mlp.geglu_kernel is triton_network.geglu_or_torch for layer in model.layers)
+        assert all(layer.residual_kernel is triton_network.add_scaled_or_torch for layer in model.layers)
         got = step()
         assert float((got - want).norm() / want.norm()) < 1e-2
         combine(None)
+        gated(None)
         model.softcap_kernel = None
-        assert torch.equal(step(), want)  # RoPE alone: bit for bit
+        assert torch.equal(step(), want)  # RoPE and the residual sums: bit for bit
         model.softcap_kernel = triton_network.softcap
         torch.testing.assert_close(step(), want, rtol=1e-6, atol=0.0)
         combine(triton_network.combine)
+        gated(triton_network.geglu_or_torch)
         outs = []  # the warm-up's and then the captured pass's logits (the graph's own output buffer)
         replay = _graphed(lambda: outs.append(step()), CUDA)
         replay()
         assert torch.equal(outs[-1], got)
+
+
+def test_the_gated_gelu_kernel_is_torchs_cuda_gelu_bit_for_bit():
+    """The gated GeLU at the 26B's shapes at 16 canvases (the experts' 32,768 slots, 704 wide, as the gate|up
+    halves of one GEMM output; the dense MLP's 4,096 tokens, 2,112 wide): bit for bit torch's `F.gelu` then
+    the product, since its tanh is libdevice's, the one torch's CUDA kernel calls; its FP8 codes those of
+    that product. (The probe allows another tanh's rounding; this holds the kernel to the claim.)"""
+    from pipeline.model import scaled_layout as sl
+    from pipeline.model.network import gelu_tanh
+    from pipeline.runtime import triton_moe, triton_network
+
+    if triton_moe.unavailable(CUDA):
+        pytest.skip(triton_moe.unavailable(CUDA))
+    gen = torch.Generator(device=CUDA).manual_seed(8)
+    scale = torch.tensor(0.02, device=CUDA)
+    for rows, cols in ((32768, 704), (4096, 2112)):
+        gu = (torch.randn(rows, 2 * cols, device=CUDA, generator=gen) * 3).bfloat16()
+        gate, up = gu.chunk(2, dim=-1)
+        want = gelu_tanh(gate) * up
+        got = triton_network.geglu(gate, up)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), int((got != want).sum())
+        codes = triton_network.geglu(gate, up, scale)
+        assert probing.fp8_codes_equal(codes, sl.fp8_quantize(want, scale))

@@ -110,8 +110,9 @@ def test_a_host_tensor_copied_into_the_pass_is_reported(monkeypatch):
 
 def test_triton_launches_are_counted_and_checked(monkeypatch):
     t = gt.trace_pass("fp8", "sm89", 16, LAYERS)
-    # every quantized linear's input and both expert projections' inputs: FP8 in one pass each
-    assert t.ops["triton::fp8_static_quant"] == QUANTIZED_LINEARS + 2 * LAYERS
+    # every quantized linear's input and the experts' gate|up input: FP8 in one pass each; their down input
+    # is quantized by the gated GeLU that makes it
+    assert t.ops["triton::fp8_static_quant"] == QUANTIZED_LINEARS + LAYERS
     assert t.ops["triton::moe_gemm"] == 2 * LAYERS
     launcher = fake_cuda.Launcher(
         "moe_gemm", types.SimpleNamespace(counting=True, ops=t.ops, bytes=t.traffic)
@@ -137,10 +138,11 @@ def test_dgpipe_bench_gpu_trace_writes_json_and_table(tmp_path):
 
 def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
     """torch's element-wise NVFP4 quantization is ~50 launches an input (~13,000 a 26B pass); the kernels of
-    `pipeline.runtime.triton_quant` make it one, so Hopper's NVFP4 pass launches exactly what its FP8 pass does."""
+    `pipeline.runtime.triton_quant` make it one, so Hopper's NVFP4 pass launches what its FP8 pass does, but for
+    the experts' down input, which FP8 quantizes inside the gated GeLU."""
     inputs = QUANTIZED_LINEARS + 2 * LAYERS  # every quantized linear's and both expert projections'
     hopper, fp8 = gt.trace_pass("nvfp4", "sm90", 1, LAYERS), gt.trace_pass("fp8", "sm90", 1, LAYERS)
-    assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs and hopper.launches == fp8.launches
+    assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs and hopper.launches == fp8.launches + LAYERS
     b200 = gt.trace_pass("nvfp4", "sm100", 1, LAYERS)
     assert b200.ops["triton::nvfp4_quant"] == inputs
     no_kernel = gt.passing_probe("sm100")
@@ -235,3 +237,27 @@ def test_ops_a_cpu_build_cannot_run_on_fake_cuda_tensors_run_on_meta_ones():
         assert y.copy_(x) is y
         x[rows] = 1.0
         assert x.device.type == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+
+
+def test_the_gated_gelus_take_one_launch_where_probed():
+    """torch's gated GeLU is two launches (the GeLU, the product) in each layer's dense MLP and experts and in
+    the self-conditioning, and FP8 experts quantize the product in a third; the kernel makes each one."""
+    fused = gt.trace_pass("fp8", "sm90", 1, LAYERS)
+    assert fused.ops["triton::geglu"] == 2 * LAYERS + 1 and "aten::gelu" not in fused.ops
+    no_kernel = gt.passing_probe("sm90")
+    no_kernel.results[probing.GEGLU] = "failed"
+    torch_form = gt.trace_pass("fp8", "sm90", 1, LAYERS, probed=no_kernel)
+    assert "triton::geglu" not in torch_form.ops and torch_form.ops["aten::gelu"] == 2 * LAYERS + 1
+    assert (
+        torch_form.launches == fused.launches + (2 * LAYERS + 1) + LAYERS
+    )  # one saved a site, and the quantization
+    assert torch_form.moved_gb > fused.moved_gb
+
+
+def test_the_residual_sum_takes_one_launch_a_layer_where_probed():
+    fused = gt.trace_pass("bf16", "sm90", 1, LAYERS)
+    assert fused.ops["triton::add_scaled"] == LAYERS
+    no_kernel = gt.passing_probe("sm90")
+    no_kernel.results[probing.RESIDUAL] = "failed"
+    torch_form = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=no_kernel)
+    assert "triton::add_scaled" not in torch_form.ops and torch_form.launches == fused.launches + LAYERS

@@ -13,6 +13,7 @@ import torch
 
 from pipeline.errors import DgpipeError
 from pipeline.model import network
+from pipeline.model import scaled_layout as sl
 from pipeline.model.network import apply_rope
 from pipeline.model.scaled_layout import expert_order
 from pipeline.runtime import probe as probing
@@ -75,9 +76,9 @@ def test_other_inputs_keep_the_torch_form(monkeypatch):
 
 
 @interpreted
-def test_a_model_with_the_kernel_installed_gives_the_same_logits(rne_casts):  # noqa: F811
-    """The embedded model in bf16 with every layer's RoPE on the kernel (as `gpu_load.fuse_network` installs
-    it): the same logits bit for bit, prefill and denoise; the kernel ran in both. (The softcap kernel's tanh is
+def test_a_model_with_the_kernels_installed_gives_the_same_logits(rne_casts):  # noqa: F811
+    """The embedded model in bf16 with every layer's RoPE and residual sum on the kernels (as
+    `gpu_load.fuse_network` installs them): the same logits bit for bit, prefill and denoise; both kernels ran. (The softcap kernel's tanh is
     numpy's in the interpreter, not torch's: it stays off here; the next test covers it.)"""
     from pipeline.model.checkpoint import load_model
     from pipeline.resources import EMBEDDED_MODEL
@@ -98,20 +99,18 @@ def test_a_model_with_the_kernel_installed_gives_the_same_logits(rne_casts):  # 
 
     want = run()
     calls = []
-    kernel = triton_network.rope
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(triton_network, "rope", lambda *a: calls.append(1) or kernel(*a))
-    try:
-        report = gpu_load.fuse_network(model, probing.Probe("sm90", {probing.ROPE: None}), None)
+    rope, add_scaled = triton_network.rope, triton_network.add_scaled
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_network, "rope", lambda *a: calls.append("rope") or rope(*a))
+        mp.setattr(triton_network, "add_scaled", lambda *a: calls.append("residual") or add_scaled(*a))
+        probed = probing.Probe("sm90", {probing.ROPE: None, probing.RESIDUAL: None})
+        report = gpu_load.fuse_network(model, probed, None)
         got = run()
-    finally:
-        monkeypatch.undo()
-    assert (
-        calls and all(layer.self_attn.rope_kernel for layer in model.layers) and model.softcap_kernel is None
-    )
+    assert set(calls) == {"rope", "residual"} and model.softcap_kernel is None
+    assert all(layer.self_attn.rope_kernel and layer.residual_kernel for layer in model.layers)
     assert report.fallbacks == [
-        f"{form} (the Triton kernel failed its probe: not run)"
-        for form in (gpu_load.TORCH_FORMS[probing.SOFTCAP], gpu_load.TORCH_FORMS[probing.COMBINE])
+        f"{gpu_load.TORCH_FORMS[form]} (the Triton kernel failed its probe: not run)"
+        for form in (probing.SOFTCAP, probing.COMBINE, probing.GEGLU)
     ]
     assert torch.equal(got[0], want[0])
     assert all(
@@ -208,10 +207,20 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
     for layer in model.layers:
         layer.self_attn.rope_kernel = triton_network.rope_or_torch
     probed = probing.Probe(
-        "sm90", {probing.ROPE: "out of resources", probing.SOFTCAP: None, probing.COMBINE: None}
+        "sm90",
+        {
+            probing.ROPE: "out of resources",
+            probing.SOFTCAP: None,
+            probing.COMBINE: None,
+            probing.GEGLU: None,
+            probing.RESIDUAL: None,
+        },
     )
     report = gpu_load.fuse_network(model, probed, None)
     assert all(layer.self_attn.rope_kernel is None for layer in model.layers)
+    gated = [model.self_conditioning, *(m for layer in model.layers for m in (layer.mlp, layer.experts))]
+    assert all(m.geglu_kernel is triton_network.geglu_or_torch for m in gated)
+    assert all(layer.residual_kernel is triton_network.add_scaled_or_torch for layer in model.layers)
     assert model.softcap_kernel is triton_network.softcap
     assert all(layer.experts.combine_kernel is triton_network.combine for layer in model.layers)
     assert report.fallbacks == [
@@ -226,6 +235,187 @@ def test_the_probe_check_passes_the_kernel_and_fails_a_wrong_one(rne_casts, monk
     monkeypatch.setattr(triton_network, "rope", lambda x, c, s: kernel(x, s, c))  # cos and sin swapped
     with pytest.raises(DgpipeError, match="RoPE kernel differs"):
         probing.check_triton_rope(torch.device("cpu"))
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize("n", [1, 4099, 2 * 4096])
+def test_the_residual_sum_is_torchs_bit_for_bit(rne_casts, dtype, n):  # noqa: F811
+    """Sums that round, overflow and cancel, infinities and NaN, counts that do and do not fill the last
+    program: torch's `(a + b) * scale` bit for bit; other inputs keep the torch form."""
+    g = torch.Generator().manual_seed(n)
+    a, b = (torch.randn(2, n, generator=g) * torch.logspace(-3, 4, n)).clamp(-6e4, 6e4).unbind()
+    edges = torch.tensor([[6e4, 1.0, float("inf"), float("nan"), 3.0], [6e4, -1.0, 1.0, 1.0, -3.0]])[:, :n]
+    a[: edges.shape[1]], b[: edges.shape[1]] = edges
+    a, b, scale = a.to(dtype).view(1, -1), b.to(dtype).view(1, -1), torch.tensor([0.7], dtype=dtype)
+    assert triton_network.add_scaled_serves(a, b, scale)
+    got = triton_network.add_scaled(a, b, scale)
+    assert torch.equal(got.view(torch.int16), ((a + b) * scale).view(torch.int16))
+    assert not triton_network.add_scaled_serves(a, b, scale.float())  # torch would promote to fp32
+    assert not triton_network.add_scaled_serves(a.float(), b.float(), scale.float())
+    assert not triton_network.add_scaled_serves(a, b, torch.ones(2, dtype=dtype))
+    wide = torch.randn(3, 8, dtype=dtype)
+    assert not triton_network.add_scaled_serves(wide.t(), wide.t(), scale)  # not contiguous
+    y = triton_network.add_scaled_or_torch(a.float(), b.float(), scale.float())
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, (a.float() + b.float()) * scale.float(), rtol=0, atol=0, equal_nan=True)
+
+
+@interpreted
+def test_the_residual_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, monkeypatch):  # noqa: F811
+    probing.check_triton_residual(torch.device("cpu"))
+    kernel = triton_network.add_scaled
+    monkeypatch.setattr(
+        triton_network, "add_scaled", lambda a, b, s: kernel(a, b, s.float().bfloat16() + 0.01)
+    )
+    with pytest.raises(DgpipeError, match="residual sum differs"):
+        probing.check_triton_residual(torch.device("cpu"))
+
+
+def cuda_geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up as torch's CUDA kernels compute it (`GeluCUDAKernelImpl`, then the product), in
+    numpy with numpy's fp32 tanh: (x * x) * x, the one fma nvcc contracts `x + kKappa * x_cube` into (exact
+    in float64, then rounded), the GeLU rounded to gate's dtype, the product rounded."""
+    import numpy as np
+
+    x = gate.float().numpy()
+    kappa, beta = np.float32(triton_network.GELU_KAPPA), np.float32(triton_network.GELU_BETA)
+    fma = (np.float64(kappa) * ((x * x) * x).astype(np.float64) + x.astype(np.float64)).astype(np.float32)
+    gelu = (np.float32(0.5) * x) * (np.float32(1.0) + np.tanh(beta * fma))
+    return (torch.from_numpy(gelu).to(gate.dtype).float() * up.float()).to(gate.dtype)
+
+
+def geglu_inputs(
+    rows: int, cols: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate|up halves of one GEMM output: values over seven decades, zeros, infinities and NaN."""
+    g = torch.Generator().manual_seed(seed)
+    gu = (torch.randn(rows, 2 * cols, generator=g) * torch.logspace(-3, 4, 2 * cols)).clamp(-6e4, 6e4)
+    gu[0, :4] = torch.tensor([0.0, float("inf"), -float("inf"), float("nan")])
+    gu[-1, -3:] = torch.tensor([1e-39, -2.0, 3.0])  # a subnormal gate and up
+    return gu.to(dtype).chunk(2, dim=-1)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize(("rows", "cols"), [(33, 704), (5, 2112), (3, 24), (1, 1500)])
+def test_geglu_is_torchs_cuda_arithmetic_bit_for_bit(rne_casts, interpreted_tanh, dtype, rows, cols):  # noqa: F811
+    """Rows read through the gate|up halves' stride, widths from 24 to the 26B's 2,112 (none a block multiple
+    but 704's power-of-two program): torch's CUDA arithmetic bit for bit (with numpy's tanh in both), torch's
+    CPU form within one unit in the last place, and the FP8 codes of that product."""
+    gate, up = geglu_inputs(rows, cols, dtype, seed=cols)
+    assert triton_network.geglu_serves(gate, up) and gate.stride(0) == 2 * cols
+    got = triton_network.geglu(gate, up)
+    assert got.dtype == dtype and got.shape == gate.shape
+    assert torch.equal(got.view(torch.int16), cuda_geglu(gate, up).view(torch.int16))
+    assert probing.same_geglu(got, network.gelu_tanh(gate) * up, gate, up)  # another tanh
+    scale = torch.tensor(0.05)
+    codes = triton_network.geglu(gate, up, scale)
+    assert codes.dtype == torch.float8_e4m3fn and probing.fp8_codes_equal(codes, sl.fp8_quantize(got, scale))
+
+
+@interpreted
+def test_a_model_with_the_geglu_kernel_keeps_its_logits(rne_casts, interpreted_tanh):  # noqa: F811
+    """The embedded model in bf16 with its dense MLPs, experts and self-conditioning on the gated-GeLU kernel
+    (as `gpu_load.fuse_network` installs it), a denoise step with the self-conditioning signal: the kernel
+    ran in all three, and the logits stay within bf16 rounding of torch's form (numpy's tanh here against
+    torch's CPU one; on a GPU both are libdevice's)."""
+    from pipeline.model.checkpoint import load_model
+    from pipeline.resources import EMBEDDED_MODEL
+    from pipeline.runtime import gpu_load
+
+    model = load_model(EMBEDDED_MODEL, torch.bfloat16)[0].eval()
+    cfg, length = model.cfg, model.config.canvas_length
+    g = torch.Generator().manual_seed(1)
+    canvas = torch.randint(0, cfg.vocab_size, (2, length), generator=g)
+    probs = torch.softmax(torch.randn(2, length, cfg.vocab_size, generator=g) * 3, -1)
+    positions = torch.arange(length).expand(2, length) + 7
+    masks = dict.fromkeys(set(model.layer_types))
+    step = lambda: model.denoise(canvas, probs, positions, masks, None)
+    with torch.inference_mode():
+        want = step()
+        shapes = []
+        kernel = triton_network.geglu
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(
+                triton_network,
+                "geglu",
+                lambda gt, up, s=None: shapes.append(gt.shape[-1]) or kernel(gt, up, s),
+            )
+            gpu_load.fuse_network(model, probing.Probe("sm90", {probing.GEGLU: None}), None)
+            got = step()
+    assert set(shapes) == {cfg.intermediate_size, cfg.moe_intermediate_size}
+    assert len(shapes) == 2 * cfg.num_hidden_layers + 1  # each layer's MLP and experts, the self-conditioning
+    assert float((got - want).norm() / want.norm()) < 1e-2
+
+
+@interpreted
+def test_the_geglu_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, interpreted_tanh, monkeypatch):  # noqa: F811
+    probing.check_triton_geglu(torch.device("cpu"))
+    kernel = triton_network.geglu
+    monkeypatch.setattr(triton_network, "geglu", lambda g, u, s=None: kernel(u, g, s))  # gate and up swapped
+    with pytest.raises(DgpipeError, match="gated GeLU differs"):
+        probing.check_triton_geglu(torch.device("cpu"))
+
+
+def test_gated_gelus_agree_as_far_as_a_tanh_can_make_them_differ():
+    """torch's CPU form against the CUDA arithmetic (numpy's tanh): apart in the negative tail, where 1 + tanh
+    cancels, by far more than bf16 rounding, yet within `same_geglu`; a wrong form is not."""
+    gate, up = geglu_inputs(33, 704, torch.bfloat16, seed=1)
+    cuda, cpu = cuda_geglu(gate, up), network.gelu_tanh(gate) * up
+    tail = (gate.float() < -4) & (cuda != cpu) & (cpu != 0) & cuda.isfinite() & cpu.isfinite()
+    assert tail.any() and float(((cuda - cpu).float().abs() / cpu.float().abs())[tail].max()) > 0.5
+    assert probing.same_geglu(cuda, cpu, gate, up)
+    assert not probing.same_geglu(cuda_geglu(up, gate), cpu, gate, up)
+    assert not probing.same_geglu(cuda.nan_to_num(), cpu, gate, up)  # NaN in other places
+    swapped = cpu.clone()
+    swapped[0, 1] = -swapped[0, 1]  # -inf for inf
+    assert not probing.same_geglu(swapped, cpu, gate, up)
+
+
+def test_the_gated_gelus_take_the_kernel_where_installed(monkeypatch):
+    """The dense MLP, the self-conditioning MLP, both experts forms and the FP8 experts' down operand call an
+    installed kernel in place of torch's form; the FP8 operand quantized by it in the same call."""
+    from pipeline.model.config import ModelConfig
+    from pipeline.model.network import DiffusionGemma
+    from pipeline.resources import load_yaml
+    from pipeline.runtime import tensor_cores
+    from pipeline.runtime.routed import RoutedExperts
+
+    model = DiffusionGemma(
+        ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny")
+    ).bfloat16()
+    seen = []
+    kernel = lambda g, u, s=None: seen.append((tuple(g.shape), s)) or network.gelu_tanh(g) * u
+    layer, d = model.layers[0], model.cfg.hidden_size
+    x = torch.randn(6, d, dtype=torch.bfloat16)
+    index, weights = torch.randint(0, model.cfg.num_experts, (6, 2)), torch.rand(6, 2)
+    with torch.inference_mode():
+        layer.mlp.geglu_kernel = kernel
+        layer.mlp(x)
+        model.self_conditioning.geglu_kernel = kernel
+        model.self_conditioning(x[None], x[None])
+        layer.experts.geglu_kernel = kernel
+        layer.experts(x, index, weights)
+        routed = RoutedExperts(layer.experts, triton=False)
+        routed.geglu_kernel = kernel
+        routed(x, index, weights)
+    inner, moe = model.cfg.intermediate_size, model.cfg.moe_intermediate_size
+    assert seen == [((6, inner), None), ((1, 6, inner), None), ((12, moe), None), ((12, moe), None)]
+    seen.clear()
+    gate, up = torch.randn(2, 12, 32, dtype=torch.bfloat16).unbind()
+    scale = torch.tensor(0.1)
+    monkeypatch.setattr(tensor_cores, "in_one_pass", lambda one_pass, t: one_pass)
+    q, qs = tensor_cores.down_operand(
+        gate, up, scale, "fp8", True, lambda g, u, s=None: sl.fp8_quantize(kernel(g, u, s), s)
+    )
+    assert seen == [((12, 32), scale)] and torch.equal(qs, scale.expand(12))
+    assert torch.equal(
+        q.view(torch.uint8), sl.fp8_quantize(network.gelu_tanh(gate) * up, scale).view(torch.uint8)
+    )
+    seen.clear()
+    tensor_cores.down_operand(gate, up, scale, "nvfp4", True, kernel)  # another format: the product only
+    assert seen == [((12, 32), None)]
 
 
 COMPILE_FOR_GPUS = """
@@ -266,6 +456,25 @@ for cc in (90, 100, 89, 120):
         cubin = Path(sys.argv[1]) / f"combine_{gather}_sm{cc}.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         out.append({"cc": cc, "d": 0, "dtype": "combine", "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
+    for quant in (False, True):
+        sig = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv" if quant else "*bf16",
+               "cols": "i32", "stride_gate": "i32", "stride_up": "i32"}
+        consts = {"BETA": triton_network.GELU_BETA, "KAPPA": triton_network.GELU_KAPPA, "E4M3_MAX": 448.0,
+                  "QUANT": quant, "BLOCK": triton_network.GEGLU_BLOCK}
+        src = ASTSource(fn=k.geglu, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
+                        attrs={(k.geglu.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
+        kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=triton_network.OPTIONS)
+        cubin = Path(sys.argv[1]) / f"geglu_{quant}_sm{cc}.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        out.append({"cc": cc, "d": 0, "dtype": "geglu", "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
+    for dt in ("bf16", "fp16"):
+        sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "s_ptr": f"*{dt}", "out_ptr": f"*{dt}", "n": "i32"}
+        src = ASTSource(fn=k.add_scaled, signature={**sig, "BLOCK": "constexpr"}, constexprs={"BLOCK": triton_network.ADD_SCALED_BLOCK},
+                        attrs={(k.add_scaled.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
+        kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=triton_network.OPTIONS)
+        cubin = Path(sys.argv[1]) / f"residual_{dt}_sm{cc}.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        out.append({"cc": cc, "d": 0, "dtype": f"residual {dt}", "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
 json.dump(out, sys.stdout)
 """
 
@@ -287,16 +496,25 @@ def separate_roundings_missing(ptx: str) -> list[str]:
 
 
 def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
-    """Triton lowers the RoPE kernel for both head dims and dtypes, and the softcap kernel (libdevice's tanh
-    linked in, no `tanh.approx`) and the MoE combine (each product and sum rounded in fp32 on its own, as its
+    """Triton lowers the RoPE kernel for both head dims and dtypes, the softcap kernel (libdevice's tanh
+    linked in, no `tanh.approx`), the gated GeLU (the same tanh, and the one FMA torch's CUDA GeLU has), the
+    residual sum and the MoE combine (each product and sum rounded in fp32 on its own, as its
     torch form computes them), to sm_90a, sm_100a, sm_89 and sm_120 cubins, no GPU needed. RoPE: every product is rounded to the input's dtype before the sum (`mul.rn`, `add.rn`; a fused
     multiply-add would round once where torch rounds twice, and Triton's default contraction made one), and no
     register spills (no STL/LDL in the SASS)."""
     compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
-    assert len(compiled) == 28 and sum(k["dtype"] == "softcap" for k in compiled) == 4
+    assert len(compiled) == 44 and sum(k["dtype"] == "softcap" for k in compiled) == 4
     for k in compiled:
         if k["dtype"] == "softcap":  # its tanh is libdevice's own code (its FMAs are the function's)
             assert "mul.rn.f32" in k["ptx"] and "tanh.approx" not in k["ptx"], k["cc"]
+        elif k["dtype"] == "geglu":  # libdevice's tanh (flush-to-zero FMAs) and one FMA of its own per value
+            fused = k["ptx"].count("fma.rn.f32") + k["ptx"].count(
+                "fma.rn.f32x2"
+            )  # sm_100a: two values a pair
+            assert fused and fused == k["ptx"].count("ex2.approx") and "tanh.approx" not in k["ptx"], k["cc"]
+            assert not [f for f in separate_roundings_missing(k["ptx"]) if not f.startswith("fma.rn")], k[
+                "cc"
+            ]
         else:
             assert not separate_roundings_missing(k["ptx"]), (
                 k["cc"],
