@@ -158,6 +158,12 @@ class LayerInputs:
     mask: torch.Tensor | None
 
 
+# a fused form of the K/V concatenation: (cached K, cached V, new K, new V) -> (all K, all V), [B, H, tokens, D]
+KVCatKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: TextConfig, idx: int) -> None:
         super().__init__()
@@ -181,6 +187,9 @@ class Attention(nn.Module):
         # `apply_rope` as one fused CUDA kernel (`pipeline.runtime.triton_network`), set by the GPU loader where
         # its probe found it equal to the torch form; None: the torch form (five element-wise kernels)
         self.rope_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # the cached and new K/V concatenated, K and V in one fused CUDA kernel (`triton_network.kv_cat`), set by
+        # the GPU loader where probed; None: torch.cat, one launch each
+        self.kv_cat_kernel: KVCatKernel | None = None
 
     def rotate(self, x: torch.Tensor, li: LayerInputs) -> torch.Tensor:
         """q or k [B, L, heads, D] rotated by the layer kind's RoPE."""
@@ -195,7 +204,9 @@ class Attention(nn.Module):
         q = self.rotate(self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)), li)
         q = q.transpose(1, 2)
         new_kv = k, v = self.project_kv(x, li)
-        if past is not None:
+        if past is not None and self.kv_cat_kernel is not None and not _tracing():
+            k, v = self.kv_cat_kernel(past[0], past[1], k, v)
+        elif past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
         out = attend(q, k, v, li.mask)

@@ -2,7 +2,7 @@
 the GPU's architecture runs once on tiny operands at load (`probe`), and dgpipe's own Triton kernels must
 also agree with a float reference that needs no vendor kernel (`check_triton_fp8`, `check_triton_bf16`), and
 the network's one-kernel chains with their torch forms (`check_triton_rope`, `_softcap`, `_combine`,
-`_geglu`, `_residual`).
+`_geglu`, `_residual`, `_kv_cat`).
 What fails takes the row's fallback (`pipeline.runtime.gpu_load`), so a kernel that a host's driver,
 torch or Triton build cannot run costs speed, never a wrong answer or a crash while serving."""
 
@@ -53,8 +53,9 @@ SOFTCAP_FORM = ("softcap", "bf16", "bf16")  # bf16 logits in, fp32 out
 COMBINE_FORM = ("combine", "bf16", "bf16")  # the experts' bf16 outputs
 GEGLU_FORM = ("geglu", "bf16", "bf16")  # checked in bf16 and fp16, and with its FP8 quantization
 RESIDUAL_FORM = ("residual", "bf16", "bf16")  # checked in bf16 and fp16
-NETWORK_FORMS = (ROPE_FORM, SOFTCAP_FORM, COMBINE_FORM, GEGLU_FORM, RESIDUAL_FORM)
-ROPE, SOFTCAP, COMBINE, GEGLU, RESIDUAL = (f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS)
+KV_CAT_FORM = ("kv_cat", "bf16", "bf16")  # checked in bf16 and fp32
+NETWORK_FORMS = (ROPE_FORM, SOFTCAP_FORM, COMBINE_FORM, GEGLU_FORM, RESIDUAL_FORM, KV_CAT_FORM)
+ROPE, SOFTCAP, COMBINE, GEGLU, RESIDUAL, KV_CAT = (f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS)
 # the modes whose activations `triton_quant`'s NVFP4 kernels quantize
 NVFP4_QUANT_MODES = ("nvfp4", "fp8_rowwise")
 
@@ -312,6 +313,26 @@ def check_triton_residual(dev: torch.device) -> None:
             raise DgpipeError(f"the Triton residual sum differs from torch's ({dtype})", TRITON_FALLBACK)
 
 
+def check_triton_kv_cat(dev: torch.device) -> None:
+    """dgpipe's K/V concatenation bit for bit against torch.cat, or a DgpipeError: the cached K/V read as the
+    cache hands them out (the first tokens of some rows of its buffers: views) and the new K/V as attention
+    makes them (transposed from [B, Q, H, D]), at head dims 256 and 512, with an empty cache, bf16 and fp32."""
+    g = torch.Generator().manual_seed(10)
+    for dtype, heads, d, past in (
+        (torch.bfloat16, 8, 256, 37),
+        (torch.bfloat16, 2, 512, 0),
+        (torch.float32, 3, 24, 5),
+    ):
+        cache = torch.randn(2, 3, heads, 64, d, generator=g).to(dev, dtype)  # K|V, slots, heads, length, dim
+        pk, pv = cache[0, 1:, :, :past], cache[1, 1:, :, :past]
+        new = torch.randn(2, 2, 19, heads, d, generator=g).to(dev, dtype).transpose(2, 3)  # K|V, B, H, Q, D
+        got = triton_network.kv_cat(pk, pv, new[0], new[1])
+        want = torch.cat([pk, new[0]], dim=2), torch.cat([pv, new[1]], dim=2)
+        if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+            raise DgpipeError(f"the Triton K/V concatenation differs from torch.cat ({dtype}, head dim {d})",
+                              TRITON_FALLBACK)  # fmt: skip
+
+
 def check_triton_bf16(dev: torch.device, x, index, weights) -> None:
     """dgpipe's Triton GEMM with bf16 operands on this GPU, or a DgpipeError: at every M tile against the
     float product of its operands, and a whole experts pass on it (`pipeline.runtime.routed`) against the
@@ -365,6 +386,8 @@ def probe(device: torch.device | str = "cuda", formats: tuple[str, ...] = PROBED
                 check_triton_geglu(dev)
             elif kind == "residual":
                 check_triton_residual(dev)
+            elif kind == "kv_cat":
+                check_triton_kv_cat(dev)
             elif mode == "bf16":
                 check_triton_bf16(dev, x[:20], index, wts)
             else:

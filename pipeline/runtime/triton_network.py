@@ -1,9 +1,10 @@
 """The network's element-wise chains on CUDA as one Triton kernel each: RoPE (`rope`, what
 `pipeline.model.network.apply_rope` computes), the final logits' softcap (`softcap`, what
 `DiffusionGemma.logits` computes after the LM head), the routed experts' combine (`combine`, what
-`network.combine_top_k` computes), the gated GeLU of the MLPs and experts (`geglu`, `network.geglu`) and a
-layer's residual sum and output scale (`add_scaled`). Each chain is several kernels eagerly, each a pass
-through memory and a launch of a few microseconds even inside a CUDA graph.
+`network.combine_top_k` computes), the gated GeLU of the MLPs and experts (`geglu`, `network.geglu`), a
+layer's residual sum and output scale (`add_scaled`) and attention's K/V concatenation (`kv_cat`). Each
+chain is several kernels eagerly, each a pass through memory and a launch of a few microseconds even inside
+a CUDA graph.
 
 RoPE: rotating q or k is five kernels (x * cos, the negation and concatenation of `rotate_half`, its product
 with sin, the sum), ten launches a layer, ~300 of the ~2,100 in one FP8 26B pass (`dgpipe bench gpu-trace`).
@@ -35,13 +36,18 @@ interpreter (numpy's tanh standing in) it is that arithmetic bit for bit; the pr
 tanh this torch build was compiled against, allows another tanh's rounding (`probe.same_geglu`: in the
 negative tail `1 + tanh` cancels, so one fp32 ulp of the tanh there is the whole value).
 
+K/V concatenation: a pass over cached tokens concatenates each layer's cached K and V with the new ones, two
+`torch.cat` launches; on an H200 at 16 canvases torch's cat kernel moved the 26B's K/V at about 0.5 TB/s
+(7.3 ms a pass, with `rotate_half`'s concatenations). The kernel copies K's and V's rows, from wherever the
+cache's views and the projections' transposed outputs lie, in one launch: a copy, so torch's bit for bit.
+
 Residual sum: a decoder layer ends with `(residual + x) * layer_scalar`, two kernels; this is one, rounding
 the sum before the product as torch does, so bit for bit.
 
 The load-time probe holds each to its torch form on the GPU before a model uses it
 (`pipeline.runtime.probe.check_triton_rope`, `check_triton_softcap`, `check_triton_combine`,
-`check_triton_geglu`, `check_triton_residual`). Under torch.compile the torch forms stay (inductor fuses
-them).
+`check_triton_geglu`, `check_triton_residual`, `check_triton_kv_cat`). Under torch.compile the torch forms
+stay (inductor fuses them).
 """
 
 from __future__ import annotations
@@ -251,3 +257,54 @@ def add_scaled(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.T
 def add_scaled_or_torch(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`add_scaled` where it serves (`add_scaled_serves`), else the torch form: what the GPU loader installs."""
     return add_scaled(a, b, scale) if add_scaled_serves(a, b, scale) else (a + b) * scale
+
+
+KV_CAT_VALUES = 4096  # values per program: 16 tokens of a 256-wide head, 8 of a 512-wide one
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def kv_cat_serves(past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernel takes the cached K/V [B, H, P, D] and the new [B, H, Q, D]: one dtype, K and V laid
+    out alike (the cache's two buffers, the projections' two outputs), each row of D contiguous."""
+    tensors = (past_k, past_v, k, v)
+    return (
+        past_k.dtype in KV_DTYPES
+        and all(t.dtype == past_k.dtype and t.dim() == 4 and t.stride(-1) == 1 for t in tensors)
+        and past_k.shape == past_v.shape
+        and k.shape == v.shape
+        and past_k.stride() == past_v.stride()
+        and k.stride() == v.stride()
+        and past_k.shape[:2] == k.shape[:2]
+        and past_k.shape[3] == k.shape[3]
+    )
+
+
+def kv_cat(
+    past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cat(past_k, k), cat(past_v, v)) along the tokens in one launch (`kv_cat_serves` must hold): what a
+    denoise pass's attention reads, the cached context's K/V then the canvas's. torch.cat is one launch per
+    tensor, and on an H200 at 16 canvases its kernel moved the 26B's K/V at ~0.5 TB/s."""
+    import triton
+
+    b, heads, past, d = past_k.shape
+    total = past + k.shape[2]
+    out_k = torch.empty(b, heads, total, d, dtype=k.dtype, device=k.device)
+    out_v = torch.empty_like(out_k)
+    if out_k.numel():
+        d_p2 = triton.next_power_of_2(d)
+        block = max(1, KV_CAT_VALUES // d_p2)
+        _kernels().kv_cat[(b * heads, triton.cdiv(total, block))](
+            past_k, past_v, k, v, out_k, out_v, heads, past, total, *past_k.stride()[:3], *k.stride()[:3],
+            D=d, D_P2=d_p2, BLOCK_T=block, **OPTIONS,
+        )  # fmt: skip
+    return out_k, out_v
+
+
+def kv_cat_or_torch(
+    past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kv_cat` where it serves (`kv_cat_serves`), else torch.cat: what the GPU loader installs."""
+    if kv_cat_serves(past_k, past_v, k, v):
+        return kv_cat(past_k, past_v, k, v)
+    return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)

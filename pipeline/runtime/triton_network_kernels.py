@@ -104,3 +104,26 @@ def add_scaled(a_ptr, b_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
     b = tl.load(b_ptr + i, mask=inside, other=0.0).to(tl.float32)
     h = (a + b).to(dt).to(tl.float32)
     tl.store(out_ptr + i, (h * tl.load(s_ptr).to(tl.float32)).to(dt), mask=inside)
+
+
+@triton.jit
+def kv_cat(
+    pk_ptr, pv_ptr, k_ptr, v_ptr, ok_ptr, ov_ptr, heads, past, total, p_sb, p_sh, p_st, n_sb, n_sh, n_st,
+    D: tl.constexpr, D_P2: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """ok[b, h] = cat(pk[b, h], k[b, h]) along the tokens, and ov likewise: both rows of a block of tokens
+    copied from wherever the cached (strides p_*) and new (strides n_*) K/V lie into [B, H, total, D]."""
+    bh = tl.program_id(0).to(tl.int64)
+    b, h = bh // heads, bh % heads
+    t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    d = tl.arange(0, D_P2)[None, :]
+    inside = (t < total) & (d < D)
+    cached = inside & (t < past)
+    fresh = inside & (t >= past)
+    at_past = b * p_sb + h * p_sh + t * p_st + d
+    at_new = b * n_sb + h * n_sh + (t - past) * n_st + d
+    out = (bh * total + t) * D + d
+    k = tl.where(cached, tl.load(pk_ptr + at_past, mask=cached), tl.load(k_ptr + at_new, mask=fresh))
+    tl.store(ok_ptr + out, k, mask=inside)
+    v = tl.where(cached, tl.load(pv_ptr + at_past, mask=cached), tl.load(v_ptr + at_new, mask=fresh))
+    tl.store(ov_ptr + out, v, mask=inside)

@@ -296,12 +296,12 @@ def test_the_triton_bf16_probe_passes_on_this_gpu():
 
 
 def test_triton_network_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
-    """RoPE, the logit softcap, the MoE combine, the gated GeLU and the residual sum on this GPU: the probe's
-    checks, RoPE bit for bit at the 26B's q and k shapes at 16 canvases, and a bf16 model loaded as the
-    runtime loads it (`gpu_load.finish_on_device` installs all five) against the torch forms' logits: bit
-    for bit with RoPE and the residual sums alone, within the softcap's fp32 rounding with it too, within
-    bf16 rounding with the combine (its fp32 sums in another order than cuBLAS's batched product) and the
-    gated GeLU; a CUDA graph replays the eager pass exactly."""
+    """RoPE, the logit softcap, the MoE combine, the gated GeLU, the residual sum and the K/V concatenation on
+    this GPU: the probe's checks, RoPE and the K/V concatenation bit for bit at the 26B's shapes at 16
+    canvases, and a bf16 model loaded as the runtime loads it (`gpu_load.finish_on_device` installs them
+    all) against the torch forms' logits: bit for bit with RoPE and the residual sums alone, within the
+    softcap's fp32 rounding with it too, within bf16 rounding with the combine (its fp32 sums in another
+    order than cuBLAS's batched product) and the gated GeLU; a CUDA graph replays the eager pass exactly."""
     from pipeline.bench.model import _graphed
     from pipeline.model.checkpoint import load_model
     from pipeline.model.network import apply_rope
@@ -315,7 +315,16 @@ def test_triton_network_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
     probing.check_triton_combine(CUDA)
     probing.check_triton_geglu(CUDA)
     probing.check_triton_residual(CUDA)
+    probing.check_triton_kv_cat(CUDA)
     gen = torch.Generator(device=CUDA).manual_seed(7)
+    for heads, d in ((8, 256), (2, 512)):  # the cache's first 256 tokens of 16 rows, the canvas's 256
+        cache = torch.randn(2, 16, heads, 600, d, device=CUDA, generator=gen).bfloat16()
+        new = torch.randn(2, 16, 256, heads, d, device=CUDA, generator=gen).bfloat16().transpose(2, 3)
+        pk, pv = cache[0, :, :, :256], cache[1, :, :, :256]
+        got = triton_network.kv_cat(pk, pv, new[0], new[1])
+        assert torch.equal(got[0], torch.cat([pk, new[0]], 2)) and torch.equal(
+            got[1], torch.cat([pv, new[1]], 2)
+        )
     for heads, d in ((16, 256), (8, 256), (16, 512), (2, 512)):
         x = torch.randn(16, 256, heads, d, device=CUDA, generator=gen).to(torch.bfloat16)
         angles = torch.rand(16, 256, d // 2, device=CUDA, generator=gen) * 1e4
@@ -348,6 +357,7 @@ def test_triton_network_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
         assert all(layer.experts.combine_kernel is triton_network.combine for layer in model.layers)
         assert all(layer.mlp.geglu_kernel is triton_network.geglu_or_torch for layer in model.layers)
         assert all(layer.residual_kernel is triton_network.add_scaled_or_torch for layer in model.layers)
+        assert all(layer.self_attn.kv_cat_kernel is triton_network.kv_cat_or_torch for layer in model.layers)
         got = step()
         assert float((got - want).norm() / want.norm()) < 1e-2
         combine(None)

@@ -261,3 +261,15 @@ def test_the_residual_sum_takes_one_launch_a_layer_where_probed():
     no_kernel.results[probing.RESIDUAL] = "failed"
     torch_form = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=no_kernel)
     assert "triton::add_scaled" not in torch_form.ops and torch_form.launches == fused.launches + LAYERS
+
+
+def test_the_kv_concatenation_takes_one_launch_a_layer_where_probed():
+    """torch.cat is a launch for K and one for V in every layer of a pass over cached tokens; the kernel
+    makes them one."""
+    fused = gt.trace_pass("bf16", "sm90", 1, LAYERS)
+    assert fused.ops["triton::kv_cat"] == LAYERS
+    no_kernel = gt.passing_probe("sm90")
+    no_kernel.results[probing.KV_CAT] = "failed"
+    torch_form = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=no_kernel)
+    assert torch_form.ops["aten::cat"] == fused.ops["aten::cat"] + 2 * LAYERS
+    assert "triton::kv_cat" not in torch_form.ops and torch_form.launches == fused.launches + LAYERS

@@ -110,7 +110,7 @@ def test_a_model_with_the_kernels_installed_gives_the_same_logits(rne_casts):  #
     assert all(layer.self_attn.rope_kernel and layer.residual_kernel for layer in model.layers)
     assert report.fallbacks == [
         f"{gpu_load.TORCH_FORMS[form]} (the Triton kernel failed its probe: not run)"
-        for form in (probing.SOFTCAP, probing.COMBINE, probing.GEGLU)
+        for form in (probing.SOFTCAP, probing.COMBINE, probing.GEGLU, probing.KV_CAT)
     ]
     assert torch.equal(got[0], want[0])
     assert all(
@@ -214,6 +214,7 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
             probing.COMBINE: None,
             probing.GEGLU: None,
             probing.RESIDUAL: None,
+            probing.KV_CAT: None,
         },
     )
     report = gpu_load.fuse_network(model, probed, None)
@@ -221,6 +222,7 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
     gated = [model.self_conditioning, *(m for layer in model.layers for m in (layer.mlp, layer.experts))]
     assert all(m.geglu_kernel is triton_network.geglu_or_torch for m in gated)
     assert all(layer.residual_kernel is triton_network.add_scaled_or_torch for layer in model.layers)
+    assert all(layer.self_attn.kv_cat_kernel is triton_network.kv_cat_or_torch for layer in model.layers)
     assert model.softcap_kernel is triton_network.softcap
     assert all(layer.experts.combine_kernel is triton_network.combine for layer in model.layers)
     assert report.fallbacks == [
@@ -270,6 +272,82 @@ def test_the_residual_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, m
     )
     with pytest.raises(DgpipeError, match="residual sum differs"):
         probing.check_triton_residual(torch.device("cpu"))
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", triton_network.KV_DTYPES)
+@pytest.mark.parametrize(
+    ("heads", "d", "past", "new"), [(8, 256, 37, 19), (2, 512, 0, 5), (3, 24, 5, 1), (1, 2, 3, 0)]
+)
+def test_the_kv_concatenation_is_torch_cat(dtype, heads, d, past, new):
+    """The cached K/V as the cache hands them out (the first tokens of some rows of its buffers: views) and the
+    new K/V as attention makes them (transposed from [B, Q, H, D]); head dims 2 to 512 (24 no power of two),
+    an empty cache, no new tokens, token counts that do not fill the last program: torch.cat bit for bit."""
+    g = torch.Generator().manual_seed(d + past)
+    cache = (torch.randn(2, 3, heads, 64, d, generator=g) * 1e3).to(dtype)  # K|V, slots, heads, length, dim
+    cache[0, 1, 0, 0, :2] = torch.tensor([float("nan"), -0.0])
+    pk, pv = cache[0, 1:, :, :past], cache[1, 1:, :, :past]
+    fresh = torch.randn(2, 2, new, heads, d, generator=g).to(dtype).transpose(2, 3)  # K|V, B, H, Q, D
+    assert triton_network.kv_cat_serves(pk, pv, fresh[0], fresh[1])
+    got = triton_network.kv_cat(pk, pv, fresh[0], fresh[1])
+    want = torch.cat([pk, fresh[0]], dim=2), torch.cat([pv, fresh[1]], dim=2)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and a.is_contiguous() and torch.equal(a.view(bits), b.view(bits))
+
+
+def test_other_kv_layouts_keep_torch_cat(monkeypatch):
+    k = torch.randn(2, 4, 6, 8, dtype=torch.bfloat16)
+    assert triton_network.kv_cat_serves(k, k, k, k)
+    assert not triton_network.kv_cat_serves(k, k, k.float(), k.float())  # torch.cat would promote
+    strided = torch.randn(2, 4, 8, 6, dtype=torch.bfloat16).transpose(2, 3)  # each row of D strided
+    assert not triton_network.kv_cat_serves(strided, strided, k, k)
+    other = k.transpose(0, 1).contiguous().transpose(0, 1)  # V laid out unlike K
+    assert not triton_network.kv_cat_serves(k, other, k, k)
+    assert not triton_network.kv_cat_serves(k[:1], k[:1], k, k)  # another batch
+    monkeypatch.setattr(triton_network, "kv_cat", lambda *a: pytest.fail("the kernel ran"))
+    got = triton_network.kv_cat_or_torch(strided, strided, k, k)
+    assert torch.equal(got[0], torch.cat([strided, k], dim=2)) and torch.equal(got[1], got[0])
+
+
+@interpreted
+def test_a_denoise_pass_over_a_cache_keeps_its_logits_with_the_kv_kernel():
+    """The embedded model in bf16 denoising over its cached prompt K/V with every layer's concatenation on
+    the kernel (as `gpu_load.fuse_network` installs it): the same logits bit for bit; the kernel ran in every
+    layer."""
+    from pipeline.model.checkpoint import load_model
+    from pipeline.resources import EMBEDDED_MODEL
+    from pipeline.runtime import gpu_load
+
+    model = load_model(EMBEDDED_MODEL, torch.bfloat16)[0].eval()
+    cfg, length = model.cfg, model.config.canvas_length
+    g = torch.Generator().manual_seed(3)
+    prompt, canvas = (torch.randint(0, cfg.vocab_size, (2, n), generator=g) for n in (11, length))
+    masks = dict.fromkeys(set(model.layer_types))
+    positions = torch.arange(11 + length).expand(2, -1)
+    with torch.inference_mode():
+        past = model.encode_kv(prompt, positions[:, :11], masks)
+        step = lambda: model.denoise(canvas, None, positions[:, 11:], masks, past)
+        want = step()
+        calls = []
+        kernel = triton_network.kv_cat
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(triton_network, "kv_cat", lambda *a: calls.append(a[0].shape) or kernel(*a))
+            gpu_load.fuse_network(model, probing.Probe("sm90", {probing.KV_CAT: None}), None)
+            got = step()
+    assert len(calls) == cfg.num_hidden_layers and all(shape[2] == 11 for shape in calls)
+    assert torch.equal(got, want)
+
+
+@interpreted
+def test_the_kv_probe_passes_the_kernel_and_fails_a_wrong_one(monkeypatch):
+    probing.check_triton_kv_cat(torch.device("cpu"))
+    kernel = triton_network.kv_cat
+    monkeypatch.setattr(
+        triton_network, "kv_cat", lambda pk, pv, k, v: kernel(pv, pk, k, v)
+    )  # K and V swapped
+    with pytest.raises(DgpipeError, match="K/V concatenation differs"):
+        probing.check_triton_kv_cat(torch.device("cpu"))
 
 
 def cuda_geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -467,6 +545,16 @@ for cc in (90, 100, 89, 120):
         cubin = Path(sys.argv[1]) / f"geglu_{quant}_sm{cc}.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         out.append({"cc": cc, "d": 0, "dtype": "geglu", "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
+    for d in (256, 512):
+        sig = {**{p: "*bf16" for p in ("pk_ptr", "pv_ptr", "k_ptr", "v_ptr", "ok_ptr", "ov_ptr")},
+               **dict.fromkeys(("heads", "past", "total", "p_sb", "p_sh", "p_st", "n_sb", "n_sh", "n_st"), "i32")}
+        consts = {"D": d, "D_P2": d, "BLOCK_T": triton_network.KV_CAT_VALUES // d}
+        src = ASTSource(fn=k.kv_cat, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
+                        attrs={(k.kv_cat.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
+        kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=triton_network.OPTIONS)
+        cubin = Path(sys.argv[1]) / f"kv_cat_{d}_sm{cc}.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        out.append({"cc": cc, "d": d, "dtype": "kv_cat", "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
     for dt in ("bf16", "fp16"):
         sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "s_ptr": f"*{dt}", "out_ptr": f"*{dt}", "n": "i32"}
         src = ASTSource(fn=k.add_scaled, signature={**sig, "BLOCK": "constexpr"}, constexprs={"BLOCK": triton_network.ADD_SCALED_BLOCK},
@@ -498,12 +586,12 @@ def separate_roundings_missing(ptx: str) -> list[str]:
 def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
     """Triton lowers the RoPE kernel for both head dims and dtypes, the softcap kernel (libdevice's tanh
     linked in, no `tanh.approx`), the gated GeLU (the same tanh, and the one FMA torch's CUDA GeLU has), the
-    residual sum and the MoE combine (each product and sum rounded in fp32 on its own, as its
+    residual sum, the K/V concatenation and the MoE combine (each product and sum rounded in fp32 on its own, as its
     torch form computes them), to sm_90a, sm_100a, sm_89 and sm_120 cubins, no GPU needed. RoPE: every product is rounded to the input's dtype before the sum (`mul.rn`, `add.rn`; a fused
     multiply-add would round once where torch rounds twice, and Triton's default contraction made one), and no
     register spills (no STL/LDL in the SASS)."""
     compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
-    assert len(compiled) == 44 and sum(k["dtype"] == "softcap" for k in compiled) == 4
+    assert len(compiled) == 52 and sum(k["dtype"] == "softcap" for k in compiled) == 4
     for k in compiled:
         if k["dtype"] == "softcap":  # its tanh is libdevice's own code (its FMAs are the function's)
             assert "mul.rn.f32" in k["ptx"] and "tanh.approx" not in k["ptx"], k["cc"]
