@@ -10,7 +10,9 @@ The checks, in order, each in its own subprocess under its own time budget (the 
    each format through the kernels `pipeline.runtime.dispatch` picks for this GPU, at batch 1 and 16:
    eager and CUDA-graph milliseconds per pass against its floor: the larger of the byte model's HBM time
    (peak bandwidth from configs/targets, and the measured device copy bandwidth) and its matmuls' time at
-   the dense tensor-core peak (`dispatch.compute_ms`: 16 canvases are bound by compute on Hopper);
+   the dense tensor-core peak (`dispatch.compute_ms`: 16 canvases are bound by compute on Hopper); with
+   diagnostics: where the time went (profiler), one layer's experts and attention on each kernel that
+   can run them, and each of the network's one-kernel chains against its torch form (`gpu_network`);
 4. the largest batch whose pass fits in GPU memory (doubling from 16, fastest format).
 
 Needs torch with CUDA, nvcc (and ninja) for the kernels, pytest for the tests; nothing is downloaded.
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 
 from pipeline.atomic import atomic_write_text
+from pipeline.bench.gpu_network import render_network
 from pipeline.bench.results import save_result
 from pipeline.errors import error_line
 from pipeline.runtime.dispatch import arch_of
@@ -298,6 +301,7 @@ def render(result: dict) -> str:
             picks = ", ".join(k for k in ("flash", "efficient", "cudnn") if a[k]) or "math only"
             lines.append(f"| {a['kind']} | {b} | {a['q_heads']}/{a['kv_heads']} x {a['head_dim']} | {a['keys']} "
                          f"| {picks} | {a['ms_grouped']:.2f} | {a['ms_expanded']:.2f} |")  # fmt: skip
+    lines += render_network([n for r in rows for n in r.get("network", [])])
     bf16 = [(r["batch"], r["bf16_experts"]) for r in rows if "bf16_experts" in r]
     if bf16:
         lines += ["", "| one layer's bf16 experts | batch | rows per expert | ms torch F.grouped_mm | ms Triton MoE GEMM "
@@ -421,6 +425,7 @@ def measure_pass(
     `compiled`: the pass under torch.compile as `dgpipe serve --compile` runs it (its decoder layers: one
     static-shape compile per layer kind and batch, the first call's seconds reported). `config`, `device`:
     another model configuration and device, for testing this function itself off a GPU."""
+    from pipeline.bench.gpu_network import network_paths
     from pipeline.bench.model import _graphed, copy_bandwidth, random_model
     from pipeline.bench.timing import median_seconds
     from pipeline.model.config import ModelConfig
@@ -483,6 +488,10 @@ def measure_pass(
                 rows[-1]["attention"] = attention_backends(model.cfg, b, mcfg.canvas_length, dev)
             except Exception as e:  # a diagnostic that cannot run here costs itself, not the pass's row
                 rows[-1]["attention_error"] = error_line(e)
+            try:
+                rows[-1]["network"] = network_paths(model.cfg, b, mcfg.canvas_length, CONTEXT, dev)
+            except Exception as e:
+                rows[-1]["network_error"] = error_line(e)
             try:
                 rows[-1]["bf16_experts"] = bf16_expert_paths(model.layers[0].experts, mcfg.text_config.top_k_experts,
                                                              b * mcfg.canvas_length, dev)  # fmt: skip

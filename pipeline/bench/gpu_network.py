@@ -1,0 +1,107 @@
+"""`dgpipe bench gpu`'s timing of the network's one-kernel chains (`pipeline.runtime.triton_network`) against
+the torch forms they replace, at the model's shapes for one batch: what each kernel gains on this GPU, which
+the whole pass's time cannot separate, and whether their values agree there as the probe requires.
+
+Each pair runs on the same random inputs: RoPE on the queries of a sliding layer, the LM head's softcap on
+the logits, the experts' combine of rows in slot order, the gated GeLU of the experts' gate|up output (bf16,
+and FP8 against the GeLU, product and one-pass quantization it replaces), a layer's residual sum, and the
+K/V concatenation of a sliding layer over the benchmark's cached tokens read from a cache buffer as the
+runtime reads it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pipeline.errors import error_line
+
+Pair = tuple[str, Callable[[], object], Callable[[], object]]
+
+
+def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> list[Pair]:
+    """(name and shape, torch form, kernel) for each chain, on inputs drawn on `dev`."""
+    from pipeline.model.network import apply_rope, combine_slots, gelu_tanh
+    from pipeline.runtime import triton_network as tn
+    from pipeline.runtime import triton_quant
+
+    gen = torch.Generator(device=dev).manual_seed(5)
+    bf16 = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=gen)
+    tokens, d, k = batch * canvas, cfg.hidden_size, cfg.top_k_experts
+    sliding = cfg.layer_shape(cfg.layer_types.index("sliding_attention"))
+    heads, kv, hd = cfg.num_attention_heads, sliding.num_kv_heads, sliding.head_dim
+    q = bf16(batch, canvas, heads, hd)
+    angles = torch.rand(batch, canvas, hd // 2, device=dev, generator=gen) * 1e4
+    cos, sin = (f(torch.cat([angles, angles], -1)).bfloat16() for f in (torch.cos, torch.sin))
+    logits, cap = bf16(tokens, cfg.vocab_size) * 8, float(cfg.final_logit_softcapping)
+    y, weights = bf16(tokens * k, d), torch.rand(tokens, k, device=dev, generator=gen)
+    gate, up = bf16(tokens * k, 2 * cfg.moe_intermediate_size).chunk(2, dim=-1)
+    scale = torch.tensor(0.05, device=dev)
+    residual, x, layer_scale = bf16(batch, canvas, d), bf16(batch, canvas, d), bf16(1)
+    ring = max(cfg.sliding_window - 1, 1)
+    cache = bf16(2, batch, kv, ring, hd)  # K|V buffers of a sliding layer, as the runtime's cache holds them
+    past = min(context, ring)
+    pk, pv = cache[0, :, :, :past], cache[1, :, :, :past]
+    new = bf16(2, batch, canvas, kv, hd).transpose(2, 3)
+    return [
+        (f"RoPE q [{batch}, {canvas}, {heads}, {hd}]", lambda: apply_rope(q, cos, sin), lambda: tn.rope(q, cos, sin)),
+        (f"softcap [{tokens}, {cfg.vocab_size}]", lambda: logits.float().div_(cap).tanh_().mul_(cap),
+         lambda: tn.softcap(logits, cap)),
+        (f"combine [{tokens} x {k}, {d}]", lambda: combine_slots(y, weights), lambda: tn.combine(y, None, weights)),
+        (f"gated GeLU [{tokens * k}, {gate.shape[1]}]", lambda: gelu_tanh(gate) * up, lambda: tn.geglu(gate, up)),
+        (f"gated GeLU to FP8 [{tokens * k}, {gate.shape[1]}]", lambda: triton_quant.fp8(gelu_tanh(gate) * up, scale),
+         lambda: tn.geglu(gate, up, scale)),
+        (f"residual sum [{tokens}, {d}]", lambda: (residual + x) * layer_scale,
+         lambda: tn.add_scaled(residual, x, layer_scale)),
+        (f"K/V concatenation [{batch}, {kv}, {past} + {canvas}, {hd}]",
+         lambda: (torch.cat([pk, new[0]], 2), torch.cat([pv, new[1]], 2)), lambda: tn.kv_cat(pk, pv, new[0], new[1])),
+    ]  # fmt: skip
+
+
+def _compare(a: object, b: object) -> tuple[bool, float]:
+    """(bit for bit, relative L2 distance) of two results (a tensor or a pair of them), FP8 codes as values."""
+    a, b = (list(t) if isinstance(t, tuple) else [t] for t in (a, b))
+    same = all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True))
+    x, y = (torch.cat([t.float().reshape(-1) for t in ts]) for ts in (a, b))
+    return same, float((x - y).norm() / y.norm().clamp(min=1e-30))
+
+
+def network_paths(
+    cfg, batch: int, canvas: int, context: int, dev: torch.device, repeats: int = 5
+) -> list[dict]:
+    """Per chain: ms of the torch form and of dgpipe's kernel at this batch, and how far apart their values
+    are; a chain whose kernel cannot run here (no CUDA, no Triton) says why in its row, the others still run."""
+    from pipeline.bench.timing import median_seconds
+    from pipeline.runtime.triton_moe import unavailable
+
+    rows, why_not = [], unavailable(dev)
+    with torch.inference_mode():
+        for name, torch_form, kernel in _pairs(cfg, batch, canvas, context, dev):
+            row: dict = {"chain": name, "batch": batch}
+            try:
+                if why_not:
+                    raise RuntimeError(why_not)
+                row["bit_equal"], row["rel_l2"] = _compare(kernel(), torch_form())
+                row["ms_torch"] = median_seconds(torch_form, dev, repeats) * 1e3
+                row["ms_triton"] = median_seconds(kernel, dev, repeats) * 1e3
+            except Exception as e:  # a chain that cannot run here costs its own row
+                row["error"] = error_line(e)
+            rows.append(row)
+    return rows
+
+
+def render_network(rows: list[dict]) -> list[str]:
+    """The markdown table of `network_paths`' rows (empty if none)."""
+    if not rows:
+        return []
+    lines = ["", "| network chain | batch | ms torch form | ms Triton kernel | torch / Triton | bit for bit | rel L2 |",
+             "|---|---:|---:|---:|---:|---|---:|"]  # fmt: skip
+    for r in rows:
+        if "ms_triton" not in r:
+            lines.append(
+                f"| {r['chain']} | {r['batch']} | — | — | — | {str(r.get('error')).replace('|', '/')[:80]} | — |"
+            )
+            continue
+        lines.append(f"| {r['chain']} | {r['batch']} | {r['ms_torch']:.3f} | {r['ms_triton']:.3f} "
+                     f"| {r['ms_torch'] / r['ms_triton']:.2f} | {'yes' if r['bit_equal'] else 'no'} | {r['rel_l2']:.1e} |")  # fmt: skip
+    return lines
