@@ -185,7 +185,7 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
             assert (
                 "network_error" not in r
                 and len(r["network"]) == 7
-                and all("error" in n for n in r["network"])
+                and all("Triton kernels run on CUDA devices" in n["error"] for n in r["network"])
             )
             x = r["bf16_experts"]  # the Triton path needs CUDA or the interpreter (off here): torch's alone
             assert "bf16_experts_error" not in r and x["ms_torch"] > 0 and "CUDA" in x["triton_error"]
