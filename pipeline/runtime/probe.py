@@ -354,6 +354,12 @@ def check_triton_bf16(dev: torch.device, x, index, weights) -> None:
                           "(relative L2)", TRITON_FALLBACK)  # fmt: skip
 
 
+# each `triton_network` kernel's check, by its probe form's kind
+NETWORK_CHECKS = {"rope": check_triton_rope, "softcap": check_triton_softcap, "combine": check_triton_combine,
+                  "geglu": check_triton_geglu, "residual": check_triton_residual, "kv_cat": check_triton_kv_cat}  # fmt: skip
+assert set(NETWORK_CHECKS) == {kind for kind, _, _ in NETWORK_FORMS}
+
+
 def probe(device: torch.device | str = "cuda", formats: tuple[str, ...] = PROBED_FORMATS) -> Probe:
     """Run each GEMM form this GPU's dispatch rows use for checkpoints in `formats` once, on tiny operands
     (CUDA only)."""
@@ -376,18 +382,8 @@ def probe(device: torch.device | str = "cuda", formats: tuple[str, ...] = PROBED
                 ScaledExperts(ps, ps, ps, mode, dev)(x[:20], index, wts)
             elif kind == "quant":
                 check_triton_quant(mode, dev)
-            elif kind == "rope":
-                check_triton_rope(dev)
-            elif kind == "softcap":
-                check_triton_softcap(dev)
-            elif kind == "combine":
-                check_triton_combine(dev)
-            elif kind == "geglu":
-                check_triton_geglu(dev)
-            elif kind == "residual":
-                check_triton_residual(dev)
-            elif kind == "kv_cat":
-                check_triton_kv_cat(dev)
+            elif kind in NETWORK_CHECKS:
+                NETWORK_CHECKS[kind](dev)
             elif mode == "bf16":
                 check_triton_bf16(dev, x[:20], index, wts)
             else:

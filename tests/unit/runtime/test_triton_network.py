@@ -502,67 +502,42 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pipeline.runtime import triton_network, triton_network_kernels as k
+from pipeline.runtime import triton_network as tn, triton_network_kernels as k
 
 out = []
+
+def build(fn, sig, consts, cc, name, label, d=0):
+    src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
+                    attrs={(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
+    kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=tn.OPTIONS)
+    cubin = Path(sys.argv[1]) / f"{name}_sm{cc}.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    out.append({"cc": cc, "d": d, "dtype": label, "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
+
+ptrs = lambda dt, *names: {p: f"*{dt}" for p in names}
+ints = lambda *names: dict.fromkeys(names, "i32")
 for cc in (90, 100, 89, 120):
     for d in (256, 512):
         for dt in ("bf16", "fp16"):
-            sig = {"x_ptr": f"*{dt}", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}", "out_ptr": f"*{dt}", "rows": "i32",
-                   "heads": "i32"}
-            constexprs = {"HALF": d // 2, "HALF_P2": d // 2, "BLOCK_R": triton_network.ROW_VALUES // d}
-            attrs = {(k.rope.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")}
-            src = ASTSource(fn=k.rope, signature={**sig, **dict.fromkeys(constexprs, "constexpr")},
-                            constexprs=constexprs, attrs=attrs)
-            kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=triton_network.OPTIONS)
-            cubin = Path(sys.argv[1]) / f"rope_{d}_{dt}_sm{cc}.cubin"
-            cubin.write_bytes(kernel.asm["cubin"])
-            out.append({"cc": cc, "d": d, "dtype": dt, "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
-    sig = {"x_ptr": "*bf16", "out_ptr": "*fp32", "n": "i32", "inv_cap": "fp32", "cap": "fp32"}
-    src = ASTSource(fn=k.softcap, signature={**sig, "BLOCK": "constexpr"}, constexprs={"BLOCK": triton_network.SOFTCAP_BLOCK},
-                    attrs={(k.softcap.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("x_ptr", "out_ptr")})
-    kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=triton_network.OPTIONS)
-    cubin = Path(sys.argv[1]) / f"softcap_sm{cc}.cubin"
-    cubin.write_bytes(kernel.asm["cubin"])
-    out.append({"cc": cc, "d": 0, "dtype": "softcap", "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
+            build(k.rope, {**ptrs(dt, "x_ptr", "cos_ptr", "sin_ptr", "out_ptr"), **ints("rows", "heads")},
+                  {"HALF": d // 2, "HALF_P2": d // 2, "BLOCK_R": tn.ROW_VALUES // d}, cc, f"rope_{d}_{dt}", dt, d)
+    build(k.softcap, {"x_ptr": "*bf16", "out_ptr": "*fp32", "n": "i32", "inv_cap": "fp32", "cap": "fp32"},
+          {"BLOCK": tn.SOFTCAP_BLOCK}, cc, "softcap", "softcap")
     for gather in (True, False):
-        sig = {"y_ptr": "*bf16", "rows_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16", "D": "i32", "stride_y": "i32"}
-        consts = {"K": 8, "GATHER": gather, "BLOCK_D": triton_network.COMBINE_BLOCK}
-        src = ASTSource(fn=k.combine, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
-                        attrs={(k.combine.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
-        kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=triton_network.OPTIONS)
-        cubin = Path(sys.argv[1]) / f"combine_{gather}_sm{cc}.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        out.append({"cc": cc, "d": 0, "dtype": "combine", "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
+        build(k.combine, {**ptrs("bf16", "y_ptr", "out_ptr"), "rows_ptr": "*i64", "w_ptr": "*fp32", **ints("D", "stride_y")},
+              {"K": 8, "GATHER": gather, "BLOCK_D": tn.COMBINE_BLOCK}, cc, f"combine_{gather}", "combine")
     for quant in (False, True):
-        sig = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv" if quant else "*bf16",
-               "cols": "i32", "stride_gate": "i32", "stride_up": "i32"}
-        consts = {"BETA": triton_network.GELU_BETA, "KAPPA": triton_network.GELU_KAPPA, "E4M3_MAX": 448.0,
-                  "QUANT": quant, "BLOCK": triton_network.GEGLU_BLOCK}
-        src = ASTSource(fn=k.geglu, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
-                        attrs={(k.geglu.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
-        kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=triton_network.OPTIONS)
-        cubin = Path(sys.argv[1]) / f"geglu_{quant}_sm{cc}.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        out.append({"cc": cc, "d": 0, "dtype": "geglu", "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
+        build(k.geglu, {**ptrs("bf16", "gate_ptr", "up_ptr"), "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv" if quant else "*bf16",
+                        **ints("cols", "stride_gate", "stride_up")},
+              {"BETA": tn.GELU_BETA, "KAPPA": tn.GELU_KAPPA, "E4M3_MAX": 448.0, "QUANT": quant, "BLOCK": tn.GEGLU_BLOCK},
+              cc, f"geglu_{quant}", "geglu")
     for d in (256, 512):
-        sig = {**{p: "*bf16" for p in ("pk_ptr", "pv_ptr", "k_ptr", "v_ptr", "ok_ptr", "ov_ptr")},
-               **dict.fromkeys(("heads", "past", "total", "p_sb", "p_sh", "p_st", "n_sb", "n_sh", "n_st"), "i32")}
-        consts = {"D": d, "D_P2": d, "BLOCK_T": triton_network.KV_CAT_VALUES // d}
-        src = ASTSource(fn=k.kv_cat, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
-                        attrs={(k.kv_cat.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
-        kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=triton_network.OPTIONS)
-        cubin = Path(sys.argv[1]) / f"kv_cat_{d}_sm{cc}.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        out.append({"cc": cc, "d": d, "dtype": "kv_cat", "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
+        build(k.kv_cat, {**ptrs("bf16", "pk_ptr", "pv_ptr", "k_ptr", "v_ptr", "ok_ptr", "ov_ptr"),
+                         **ints("heads", "past", "total", "p_sb", "p_sh", "p_st", "n_sb", "n_sh", "n_st")},
+              {"D": d, "D_P2": d, "BLOCK_T": tn.KV_CAT_VALUES // d}, cc, f"kv_cat_{d}", "kv_cat", d)
     for dt in ("bf16", "fp16"):
-        sig = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "s_ptr": f"*{dt}", "out_ptr": f"*{dt}", "n": "i32"}
-        src = ASTSource(fn=k.add_scaled, signature={**sig, "BLOCK": "constexpr"}, constexprs={"BLOCK": triton_network.ADD_SCALED_BLOCK},
-                        attrs={(k.add_scaled.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
-        kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=triton_network.OPTIONS)
-        cubin = Path(sys.argv[1]) / f"residual_{dt}_sm{cc}.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        out.append({"cc": cc, "d": 0, "dtype": f"residual {dt}", "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
+        build(k.add_scaled, {**ptrs(dt, "a_ptr", "b_ptr", "s_ptr", "out_ptr"), "n": "i32"},
+              {"BLOCK": tn.ADD_SCALED_BLOCK}, cc, f"residual_{dt}", f"residual {dt}")
 json.dump(out, sys.stdout)
 """
 
