@@ -204,13 +204,18 @@ class Attention(nn.Module):
         q = self.rotate(self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)), li)
         q = q.transpose(1, 2)
         new_kv = k, v = self.project_kv(x, li)
-        if past is not None and self.kv_cat_kernel is not None and not _tracing():
-            k, v = self.kv_cat_kernel(past[0], past[1], k, v)
-        elif past is not None:
-            k = torch.cat([past[0], k], dim=2)
-            v = torch.cat([past[1], v], dim=2)
+        if past is not None:
+            k, v = self.after_past(past, k, v)
         out = attend(q, k, v, li.mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1)), new_kv
+
+    def after_past(
+        self, past: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values attention reads: the cached ones, then the new ones ([B, kv_heads, tokens, D])."""
+        if self.kv_cat_kernel is not None and not _tracing():
+            return self.kv_cat_kernel(past[0], past[1], k, v)
+        return torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
 
     def project_kv(self, x: torch.Tensor, li: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The new tokens' K/V [B, kv_heads, Q, head_dim] (normed, K rotated): what a cache keeps."""
