@@ -242,9 +242,15 @@ class Router(nn.Module):
         self.proj = nn.Linear(d, cfg.num_experts, bias=False)
         self.scale = nn.Parameter(torch.ones(d))
         self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
+        # norm(x) * scale * root as one fused CUDA kernel (`pipeline.runtime.triton_network.scale_columns`),
+        # set by the GPU loader where probed; None: torch's two products
+        self.scale_kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        scores = self.proj(self.norm(x) * self.scale * self.root)
+        if self.scale_kernel is not None and not _tracing():
+            scores = self.proj(self.scale_kernel(self.norm(x), self.scale, self.root))
+        else:
+            scores = self.proj(self.norm(x) * self.scale * self.root)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probs, k=self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -1,9 +1,9 @@
 """Loading onto a GPU: a quantized checkpoint's FP8 / NVFP4 weights go straight onto tensor cores as the
 loader reads them (`TensorCoreLoad`, a `pipeline.model.checkpoint.PackedSink`), float experts that would read
-their routing on the host route on the device (`route_float_experts`, `pipeline.runtime.routed`), RoPE, the
-K/V concatenation, the gated GeLUs, the experts' combine, the residual sums and the logit softcap run as one
-kernel each (`fuse_network`, `pipeline.runtime.triton_network`), and the load reports what went where and
-every fallback with its reason (`Installed`; `dgpipe serve` logs it)."""
+their routing on the host route on the device (`route_float_experts`, `pipeline.runtime.routed`), the
+network's element-wise chains run as one kernel each (`fuse_network`, `pipeline.runtime.triton_network`),
+and the load reports what went where and every fallback with its reason (`Installed`; `dgpipe serve` logs
+it)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from pipeline.runtime.probe import (
     NVFP4_QUANT_MODES,
     RESIDUAL,
     ROPE,
+    ROUTER,
     SOFTCAP,
     Probe,
     probe,
@@ -47,6 +48,7 @@ from pipeline.runtime.triton_network import (
     geglu_or_torch,
     kv_cat_or_torch,
     rope_or_torch,
+    scale_columns_or_torch,
     softcap,
 )
 from pipeline.targets import precision_for_quant_algo
@@ -238,19 +240,22 @@ TORCH_FORMS = {ROPE: "RoPE: torch's five element-wise kernels per tensor",
                COMBINE: "MoE combine: a gather back to slot order and a batched product",
                GEGLU: "gated GeLU: torch's GeLU, then the product (and the FP8 experts' quantization)",
                RESIDUAL: "residual sum and layer scale: torch's sum, then the product",
-               KV_CAT: "K/V concatenation: torch.cat, one launch for K and one for V"}  # fmt: skip
+               KV_CAT: "K/V concatenation: torch.cat, one launch for K and one for V",
+               ROUTER: "router input: torch's two products"}  # fmt: skip
 
 
 def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None) -> Installed | None:
-    """Every layer's RoPE, K/V concatenation, gated GeLUs (dense MLP, experts, self-conditioning), experts'
-    combine and residual sum, and the LM head's softcap on dgpipe's one-kernel forms (`triton_network`) where
-    their probes passed; where not, the torch forms stay and the report says why."""
+    """The network's element-wise chains on dgpipe's one-kernel forms (`triton_network`) where their probes
+    passed: every layer's RoPE, K/V concatenation, gated GeLUs (dense MLP, experts, self-conditioning), router
+    input, experts' combine and residual sum, and the LM head's softcap; where not, the torch forms stay and
+    the report says why."""
     gated = geglu_or_torch if probed.ok(GEGLU) else None
     for layer in model.layers:
         layer.self_attn.rope_kernel = rope_or_torch if probed.ok(ROPE) else None
         layer.self_attn.kv_cat_kernel = kv_cat_or_torch if probed.ok(KV_CAT) else None
         layer.mlp.geglu_kernel = gated
         layer.residual_kernel = add_scaled_or_torch if probed.ok(RESIDUAL) else None
+        layer.router.scale_kernel = scale_columns_or_torch if probed.ok(ROUTER) else None
         if hasattr(layer.experts, "combine_kernel"):  # every experts module routed on the device
             layer.experts.combine_kernel = combine if probed.ok(COMBINE) else None
             layer.experts.geglu_kernel = gated

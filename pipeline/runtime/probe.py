@@ -2,7 +2,7 @@
 the GPU's architecture runs once on tiny operands at load (`probe`), and dgpipe's own Triton kernels must
 also agree with a float reference that needs no vendor kernel (`check_triton_fp8`, `check_triton_bf16`), and
 the network's one-kernel chains with their torch forms (`check_triton_rope`, `_softcap`, `_combine`,
-`_geglu`, `_residual`, `_kv_cat`).
+`_geglu`, `_residual`, `_kv_cat`, `_router`).
 What fails takes the row's fallback (`pipeline.runtime.gpu_load`), so a kernel that a host's driver,
 torch or Triton build cannot run costs speed, never a wrong answer or a crash while serving."""
 
@@ -54,8 +54,11 @@ COMBINE_FORM = ("combine", "bf16", "bf16")  # the experts' bf16 outputs
 GEGLU_FORM = ("geglu", "bf16", "bf16")  # checked in bf16 and fp16, and with its FP8 quantization
 RESIDUAL_FORM = ("residual", "bf16", "bf16")  # checked in bf16 and fp16
 KV_CAT_FORM = ("kv_cat", "bf16", "bf16")  # checked in bf16 and fp32
-NETWORK_FORMS = (ROPE_FORM, SOFTCAP_FORM, COMBINE_FORM, GEGLU_FORM, RESIDUAL_FORM, KV_CAT_FORM)
-ROPE, SOFTCAP, COMBINE, GEGLU, RESIDUAL, KV_CAT = (f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS)
+ROUTER_FORM = ("router", "bf16", "bf16")  # checked in bf16 and fp16
+NETWORK_FORMS = (ROPE_FORM, SOFTCAP_FORM, COMBINE_FORM, GEGLU_FORM, RESIDUAL_FORM, KV_CAT_FORM, ROUTER_FORM)
+ROPE, SOFTCAP, COMBINE, GEGLU, RESIDUAL, KV_CAT, ROUTER = (
+    f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS
+)
 # the modes whose activations `triton_quant`'s NVFP4 kernels quantize
 NVFP4_QUANT_MODES = ("nvfp4", "fp8_rowwise")
 
@@ -354,9 +357,27 @@ def check_triton_bf16(dev: torch.device, x, index, weights) -> None:
                           "(relative L2)", TRITON_FALLBACK)  # fmt: skip
 
 
+def check_triton_router(dev: torch.device) -> None:
+    """dgpipe's router-input kernel bit for bit against torch's `x * scale * d^-0.5` (bf16 and fp16, the
+    26B's width and one that is no block multiple, values over seven decades, infinities and NaN), or a
+    DgpipeError."""
+    g = torch.Generator().manual_seed(11)
+    for dtype, d in ((torch.bfloat16, 2816), (torch.float16, 2816), (torch.bfloat16, 100)):
+        x = (torch.randn(7, d, generator=g) * torch.logspace(-3, 4, d)).clamp(-6e4, 6e4)
+        x[0, :3] = torch.tensor([float("inf"), float("nan"), 0.0])
+        x, w, root = x.to(dev, dtype), (torch.rand(d, generator=g) * 4).to(dev, dtype), d**-0.5
+        if not torch.equal(
+            triton_network.scale_columns(x, w, root).view(torch.int16), (x * w * root).view(torch.int16)
+        ):
+            raise DgpipeError(
+                f"the Triton router input differs from torch's ({dtype}, {d} wide)", TRITON_FALLBACK
+            )
+
+
 # each `triton_network` kernel's check, by its probe form's kind
 NETWORK_CHECKS = {"rope": check_triton_rope, "softcap": check_triton_softcap, "combine": check_triton_combine,
-                  "geglu": check_triton_geglu, "residual": check_triton_residual, "kv_cat": check_triton_kv_cat}  # fmt: skip
+                  "geglu": check_triton_geglu, "residual": check_triton_residual, "kv_cat": check_triton_kv_cat,
+                  "router": check_triton_router}  # fmt: skip
 assert set(NETWORK_CHECKS) == {kind for kind, _, _ in NETWORK_FORMS}
 
 

@@ -2,8 +2,8 @@
 `pipeline.model.network.apply_rope` computes), the final logits' softcap (`softcap`, what
 `DiffusionGemma.logits` computes after the LM head), the routed experts' combine (`combine`, what
 `network.combine_top_k` computes), the gated GeLU of the MLPs and experts (`geglu`, `network.geglu`), a
-layer's residual sum and output scale (`add_scaled`) and attention's K/V concatenation (`kv_cat`). Each
-chain is several kernels eagerly, each a pass through memory and a launch of a few microseconds even inside
+layer's residual sum and output scale (`add_scaled`), attention's K/V concatenation (`kv_cat`) and the
+router's input scales (`scale_columns`). Each chain is several kernels eagerly, each a pass through memory and a launch of a few microseconds even inside
 a CUDA graph.
 
 RoPE: rotating q or k is five kernels (x * cos, the negation and concatenation of `rotate_half`, its product
@@ -42,12 +42,13 @@ K/V concatenation: a pass over cached tokens concatenates each layer's cached K 
 cache's views and the projections' transposed outputs lie, in one launch: a copy, so torch's bit for bit.
 
 Residual sum: a decoder layer ends with `(residual + x) * layer_scalar`, two kernels; this is one, rounding
-the sum before the product as torch does, so bit for bit.
+the sum before the product as torch does, so bit for bit. The router's input, `norm(x) * scale * d^-0.5`,
+is likewise two products in one kernel, each rounded where torch rounds it.
 
 The load-time probe holds each to its torch form on the GPU before a model uses it
 (`pipeline.runtime.probe.check_triton_rope`, `check_triton_softcap`, `check_triton_combine`,
-`check_triton_geglu`, `check_triton_residual`, `check_triton_kv_cat`). Under torch.compile the torch forms
-stay (inductor fuses them).
+`check_triton_geglu`, `check_triton_residual`, `check_triton_kv_cat`, `check_triton_router`). Under
+torch.compile the torch forms stay (inductor fuses them).
 """
 
 from __future__ import annotations
@@ -308,3 +309,37 @@ def kv_cat_or_torch(
     if kv_cat_serves(past_k, past_v, k, v):
         return kv_cat(past_k, past_v, k, v)
     return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+
+
+SCALE_COLUMNS_BLOCK = 4096  # values per program
+
+
+def scale_columns_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the kernel takes x [..., cols] times w [cols]: one dtype (bf16/fp16), both contiguous."""
+    return (
+        x.dtype in DTYPES
+        and w.dtype == x.dtype
+        and w.shape == x.shape[-1:]
+        and x.is_contiguous()
+        and w.is_contiguous()
+    )
+
+
+def scale_columns(x: torch.Tensor, w: torch.Tensor, c: float) -> torch.Tensor:
+    """x * w * c in one pass (`scale_columns_serves` must hold): the router's input, its normed residual
+    times a learned per-column scale and a fixed number, rounded where torch's two kernels round (c in fp32,
+    as torch's CUDA kernels take a Python number for a bf16 tensor)."""
+    import triton
+
+    out = torch.empty_like(x)
+    n = x.numel()
+    if n:
+        _kernels().scale_columns[(triton.cdiv(n, SCALE_COLUMNS_BLOCK),)](
+            x, w, out, n, x.shape[-1], fp32(c), BLOCK=SCALE_COLUMNS_BLOCK, **OPTIONS
+        )
+    return out
+
+
+def scale_columns_or_torch(x: torch.Tensor, w: torch.Tensor, c: float) -> torch.Tensor:
+    """`scale_columns` where it serves (`scale_columns_serves`), else the torch form: what the GPU loader installs."""
+    return scale_columns(x, w, c) if scale_columns_serves(x, w) else x * w * c

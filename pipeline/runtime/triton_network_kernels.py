@@ -127,3 +127,16 @@ def kv_cat(
     tl.store(ok_ptr + out, k, mask=inside)
     v = tl.where(cached, tl.load(pv_ptr + at_past, mask=cached), tl.load(v_ptr + at_new, mask=fresh))
     tl.store(ov_ptr + out, v, mask=inside)
+
+
+@triton.jit
+def scale_columns(x_ptr, w_ptr, out_ptr, n, cols, c, BLOCK: tl.constexpr):
+    """out = x * w * c for x [rows, cols], w [cols] and an fp32 number c, in x's dtype: the first product
+    rounded to it (exact in fp32 for two bf16/fp16 values), the second in fp32 then rounded, as torch's two
+    kernels compute them."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    dt = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + i, mask=inside, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + i % cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, ((x * w).to(dt).to(tl.float32) * c).to(dt), mask=inside)

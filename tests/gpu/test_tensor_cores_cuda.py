@@ -296,12 +296,13 @@ def test_the_triton_bf16_probe_passes_on_this_gpu():
 
 
 def test_triton_network_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
-    """RoPE, the logit softcap, the MoE combine, the gated GeLU, the residual sum and the K/V concatenation on
-    this GPU: the probe's checks, RoPE and the K/V concatenation bit for bit at the 26B's shapes at 16
-    canvases, and a bf16 model loaded as the runtime loads it (`gpu_load.finish_on_device` installs them
-    all) against the torch forms' logits: bit for bit with RoPE and the residual sums alone, within the
-    softcap's fp32 rounding with it too, within bf16 rounding with the combine (its fp32 sums in another
-    order than cuBLAS's batched product) and the gated GeLU; a CUDA graph replays the eager pass exactly."""
+    """RoPE, the logit softcap, the MoE combine, the gated GeLU, the residual sum, the K/V concatenation and
+    the router's input on this GPU: the probe's checks, RoPE and the K/V concatenation bit for bit at the
+    26B's shapes at 16 canvases, and a bf16 model loaded as the runtime loads it
+    (`gpu_load.finish_on_device` installs them all) against the torch forms' logits: bit for bit with RoPE,
+    the residual sums and the router inputs alone, within the softcap's fp32 rounding with it too, within
+    bf16 rounding with the combine (its fp32 sums in another order than cuBLAS's batched product) and the
+    gated GeLU; a CUDA graph replays the eager pass exactly."""
     from pipeline.bench.model import _graphed
     from pipeline.model.checkpoint import load_model
     from pipeline.model.network import apply_rope
@@ -316,6 +317,7 @@ def test_triton_network_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
     probing.check_triton_geglu(CUDA)
     probing.check_triton_residual(CUDA)
     probing.check_triton_kv_cat(CUDA)
+    probing.check_triton_router(CUDA)
     gen = torch.Generator(device=CUDA).manual_seed(7)
     for heads, d in ((8, 256), (2, 512)):  # the cache's first 256 tokens of 16 rows, the canvas's 256
         cache = torch.randn(2, 16, heads, 600, d, device=CUDA, generator=gen).bfloat16()
@@ -358,12 +360,15 @@ def test_triton_network_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
         assert all(layer.mlp.geglu_kernel is triton_network.geglu_or_torch for layer in model.layers)
         assert all(layer.residual_kernel is triton_network.add_scaled_or_torch for layer in model.layers)
         assert all(layer.self_attn.kv_cat_kernel is triton_network.kv_cat_or_torch for layer in model.layers)
+        assert all(
+            layer.router.scale_kernel is triton_network.scale_columns_or_torch for layer in model.layers
+        )
         got = step()
         assert float((got - want).norm() / want.norm()) < 1e-2
         combine(None)
         gated(None)
         model.softcap_kernel = None
-        assert torch.equal(step(), want)  # RoPE and the residual sums: bit for bit
+        assert torch.equal(step(), want)  # RoPE, the residual sums and the router inputs: bit for bit
         model.softcap_kernel = triton_network.softcap
         torch.testing.assert_close(step(), want, rtol=1e-6, atol=0.0)
         combine(triton_network.combine)

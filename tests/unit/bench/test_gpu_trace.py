@@ -273,3 +273,13 @@ def test_the_kv_concatenation_takes_one_launch_a_layer_where_probed():
     torch_form = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=no_kernel)
     assert torch_form.ops["aten::cat"] == fused.ops["aten::cat"] + 2 * LAYERS
     assert "triton::kv_cat" not in torch_form.ops and torch_form.launches == fused.launches + LAYERS
+
+
+def test_the_router_input_takes_one_launch_a_layer_where_probed():
+    fused = gt.trace_pass("bf16", "sm90", 1, LAYERS)
+    assert fused.ops["triton::scale_columns"] == LAYERS
+    no_kernel = gt.passing_probe("sm90")
+    no_kernel.results[probing.ROUTER] = "failed"
+    torch_form = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=no_kernel)
+    assert torch_form.ops["aten::mul"] == fused.ops["aten::mul"] + 2 * LAYERS
+    assert "triton::scale_columns" not in torch_form.ops and torch_form.launches == fused.launches + LAYERS

@@ -110,7 +110,7 @@ def test_a_model_with_the_kernels_installed_gives_the_same_logits(rne_casts):  #
     assert all(layer.self_attn.rope_kernel and layer.residual_kernel for layer in model.layers)
     assert report.fallbacks == [
         f"{gpu_load.TORCH_FORMS[form]} (the Triton kernel failed its probe: not run)"
-        for form in (probing.SOFTCAP, probing.COMBINE, probing.GEGLU, probing.KV_CAT)
+        for form in (probing.SOFTCAP, probing.COMBINE, probing.GEGLU, probing.KV_CAT, probing.ROUTER)
     ]
     assert torch.equal(got[0], want[0])
     assert all(
@@ -215,6 +215,7 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
             probing.GEGLU: None,
             probing.RESIDUAL: None,
             probing.KV_CAT: None,
+            probing.ROUTER: None,
         },
     )
     report = gpu_load.fuse_network(model, probed, None)
@@ -223,6 +224,7 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
     assert all(m.geglu_kernel is triton_network.geglu_or_torch for m in gated)
     assert all(layer.residual_kernel is triton_network.add_scaled_or_torch for layer in model.layers)
     assert all(layer.self_attn.kv_cat_kernel is triton_network.kv_cat_or_torch for layer in model.layers)
+    assert all(layer.router.scale_kernel is triton_network.scale_columns_or_torch for layer in model.layers)
     assert model.softcap_kernel is triton_network.softcap
     assert all(layer.experts.combine_kernel is triton_network.combine for layer in model.layers)
     assert report.fallbacks == [
@@ -348,6 +350,49 @@ def test_the_kv_probe_passes_the_kernel_and_fails_a_wrong_one(monkeypatch):
     )  # K and V swapped
     with pytest.raises(DgpipeError, match="K/V concatenation differs"):
         probing.check_triton_kv_cat(torch.device("cpu"))
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize("d", [2816, 100])
+def test_the_router_input_is_torchs_bit_for_bit(rne_casts, dtype, d):  # noqa: F811
+    """norm(x) * scale * d^-0.5 as the router computes it, over seven decades with zeros, infinities and NaN, a
+    width that is no block multiple: torch's two products bit for bit; other inputs keep the torch form."""
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(5, d, generator=g) * torch.logspace(-3, 4, d)).clamp(-6e4, 6e4)
+    x[0, :3] = torch.tensor([float("inf"), float("nan"), 0.0])
+    x, w = x.to(dtype), (torch.rand(d, generator=g) * 4).to(dtype)
+    assert triton_network.scale_columns_serves(x, w)
+    got = triton_network.scale_columns(x, w, d**-0.5)
+    assert torch.equal(got.view(torch.int16), (x * w * d**-0.5).view(torch.int16))
+    assert not triton_network.scale_columns_serves(x, w.float())  # torch would promote
+    assert not triton_network.scale_columns_serves(x.t(), w)
+
+
+def test_the_router_takes_its_input_kernel_where_installed():
+    from pipeline.model.config import ModelConfig
+    from pipeline.model.network import DiffusionGemma
+    from pipeline.resources import load_yaml
+
+    model = DiffusionGemma(
+        ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny")
+    ).bfloat16()
+    router, seen = model.layers[0].router, []
+    x = torch.randn(6, model.cfg.hidden_size, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = router(x)
+        router.scale_kernel = lambda h, w, c: seen.append(c) or h * w * c
+        got = router(x)
+    assert seen == [router.root] and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@interpreted
+def test_the_router_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, monkeypatch):  # noqa: F811
+    probing.check_triton_router(torch.device("cpu"))
+    kernel = triton_network.scale_columns
+    monkeypatch.setattr(triton_network, "scale_columns", lambda x, w, c: kernel(x, w, c * 1.01))
+    with pytest.raises(DgpipeError, match="router input differs"):
+        probing.check_triton_router(torch.device("cpu"))
 
 
 def cuda_geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -536,6 +581,8 @@ for cc in (90, 100, 89, 120):
                          **ints("heads", "past", "total", "p_sb", "p_sh", "p_st", "n_sb", "n_sh", "n_st")},
               {"D": d, "D_P2": d, "BLOCK_T": tn.KV_CAT_VALUES // d}, cc, f"kv_cat_{d}", "kv_cat", d)
     for dt in ("bf16", "fp16"):
+        build(k.scale_columns, {**ptrs(dt, "x_ptr", "w_ptr", "out_ptr"), **ints("n", "cols"), "c": "fp32"},
+              {"BLOCK": tn.SCALE_COLUMNS_BLOCK}, cc, f"router_{dt}", f"router {dt}")
         build(k.add_scaled, {**ptrs(dt, "a_ptr", "b_ptr", "s_ptr", "out_ptr"), "n": "i32"},
               {"BLOCK": tn.ADD_SCALED_BLOCK}, cc, f"residual_{dt}", f"residual {dt}")
 json.dump(out, sys.stdout)
@@ -561,12 +608,12 @@ def separate_roundings_missing(ptx: str) -> list[str]:
 def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
     """Triton lowers the RoPE kernel for both head dims and dtypes, the softcap kernel (libdevice's tanh
     linked in, no `tanh.approx`), the gated GeLU (the same tanh, and the one FMA torch's CUDA GeLU has), the
-    residual sum, the K/V concatenation and the MoE combine (each product and sum rounded in fp32 on its own, as its
+    residual sum, the router's input, the K/V concatenation and the MoE combine (each product and sum rounded in fp32 on its own, as its
     torch form computes them), to sm_90a, sm_100a, sm_89 and sm_120 cubins, no GPU needed. RoPE: every product is rounded to the input's dtype before the sum (`mul.rn`, `add.rn`; a fused
     multiply-add would round once where torch rounds twice, and Triton's default contraction made one), and no
     register spills (no STL/LDL in the SASS)."""
     compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
-    assert len(compiled) == 52 and sum(k["dtype"] == "softcap" for k in compiled) == 4
+    assert len(compiled) == 60 and sum(k["dtype"] == "softcap" for k in compiled) == 4
     for k in compiled:
         if k["dtype"] == "softcap":  # its tanh is libdevice's own code (its FMAs are the function's)
             assert "mul.rn.f32" in k["ptx"] and "tanh.approx" not in k["ptx"], k["cc"]
