@@ -254,32 +254,21 @@ def test_the_gated_gelus_take_one_launch_where_probed():
     assert torch_form.moved_gb > fused.moved_gb
 
 
-def test_the_residual_sum_takes_one_launch_a_layer_where_probed():
+@pytest.mark.parametrize(
+    ("form", "kernel", "torch_op", "more"),
+    [
+        (probing.RESIDUAL, "triton::add_scaled", "aten::mul", 1),  # the residual sum and the layer scale
+        (probing.KV_CAT, "triton::kv_cat", "aten::cat", 2),  # torch.cat for K and for V
+        (probing.ROUTER, "triton::scale_columns", "aten::mul", 2),  # the router input's two products
+    ],
+)
+def test_a_two_kernel_chain_takes_one_launch_a_layer_where_probed(form, kernel, torch_op, more):
+    """Each chain is one kernel a layer; where its probe failed, torch's form runs `more` of `torch_op` a
+    layer instead, one launch more in all."""
     fused = gt.trace_pass("bf16", "sm90", 1, LAYERS)
-    assert fused.ops["triton::add_scaled"] == LAYERS
+    assert fused.ops[kernel] == LAYERS
     no_kernel = gt.passing_probe("sm90")
-    no_kernel.results[probing.RESIDUAL] = "failed"
+    no_kernel.results[form] = "failed"
     torch_form = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=no_kernel)
-    assert "triton::add_scaled" not in torch_form.ops and torch_form.launches == fused.launches + LAYERS
-
-
-def test_the_kv_concatenation_takes_one_launch_a_layer_where_probed():
-    """torch.cat is a launch for K and one for V in every layer of a pass over cached tokens; the kernel
-    makes them one."""
-    fused = gt.trace_pass("bf16", "sm90", 1, LAYERS)
-    assert fused.ops["triton::kv_cat"] == LAYERS
-    no_kernel = gt.passing_probe("sm90")
-    no_kernel.results[probing.KV_CAT] = "failed"
-    torch_form = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=no_kernel)
-    assert torch_form.ops["aten::cat"] == fused.ops["aten::cat"] + 2 * LAYERS
-    assert "triton::kv_cat" not in torch_form.ops and torch_form.launches == fused.launches + LAYERS
-
-
-def test_the_router_input_takes_one_launch_a_layer_where_probed():
-    fused = gt.trace_pass("bf16", "sm90", 1, LAYERS)
-    assert fused.ops["triton::scale_columns"] == LAYERS
-    no_kernel = gt.passing_probe("sm90")
-    no_kernel.results[probing.ROUTER] = "failed"
-    torch_form = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=no_kernel)
-    assert torch_form.ops["aten::mul"] == fused.ops["aten::mul"] + 2 * LAYERS
-    assert "triton::scale_columns" not in torch_form.ops and torch_form.launches == fused.launches + LAYERS
+    assert torch_form.ops[torch_op] == fused.ops.get(torch_op, 0) + more * LAYERS
+    assert kernel not in torch_form.ops and torch_form.launches == fused.launches + LAYERS
