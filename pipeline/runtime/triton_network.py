@@ -3,8 +3,8 @@
 `DiffusionGemma.logits` computes after the LM head), the routed experts' combine (`combine`, what
 `network.combine_top_k` computes), the gated GeLU of the MLPs and experts (`geglu`, `network.geglu`), a
 layer's residual sum and output scale (`add_scaled`), attention's K/V concatenation (`kv_cat`) and the
-router's input scales (`scale_columns`). Each chain is several kernels eagerly, each a pass through memory and a launch of a few microseconds even inside
-a CUDA graph.
+router's input scales (`scale_columns`). Each chain is several kernels eagerly, each a pass through memory
+and a launch of a few microseconds even inside a CUDA graph.
 
 RoPE: rotating q or k is five kernels (x * cos, the negation and concatenation of `rotate_half`, its product
 with sin, the sum), ten launches a layer, ~300 of the ~2,100 in one FP8 26B pass (`dgpipe bench gpu-trace`).
@@ -37,9 +37,9 @@ tanh this torch build was compiled against, allows another tanh's rounding (`pro
 negative tail `1 + tanh` cancels, so one fp32 ulp of the tanh there is the whole value).
 
 K/V concatenation: a pass over cached tokens concatenates each layer's cached K and V with the new ones, two
-`torch.cat` launches; on an H200 at 16 canvases torch's cat kernel moved the 26B's K/V at about 0.5 TB/s
-(7.3 ms a pass, with `rotate_half`'s concatenations). The kernel copies K's and V's rows, from wherever the
-cache's views and the projections' transposed outputs lie, in one launch: a copy, so torch's bit for bit.
+`torch.cat` launches; on an H200 at 16 canvases torch's 120 concatenations of a pass (half of them
+`rotate_half`'s) took 7.3 ms for about 7 GB, some 1 TB/s. The kernel copies K's and V's rows, from wherever
+the cache's views and the projections' transposed outputs lie, in one launch: a copy, so torch's bit for bit.
 
 Residual sum: a decoder layer ends with `(residual + x) * layer_scalar`, two kernels; this is one, rounding
 the sum before the product as torch does, so bit for bit. The router's input, `norm(x) * scale * d^-0.5`,
@@ -285,7 +285,7 @@ def kv_cat(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cat(past_k, k), cat(past_v, v)) along the tokens in one launch (`kv_cat_serves` must hold): what a
     denoise pass's attention reads, the cached context's K/V then the canvas's. torch.cat is one launch per
-    tensor, and on an H200 at 16 canvases its kernel moved the 26B's K/V at ~0.5 TB/s."""
+    tensor, and on an H200 at 16 canvases its kernel moved the 26B's K/V at about 1 TB/s."""
     import triton
 
     b, heads, past, d = past_k.shape
