@@ -77,9 +77,10 @@ def test_other_inputs_keep_the_torch_form(monkeypatch):
 
 @interpreted
 def test_a_model_with_the_kernels_installed_gives_the_same_logits(rne_casts):  # noqa: F811
-    """The embedded model in bf16 with every layer's RoPE and residual sum on the kernels (as
-    `gpu_load.fuse_network` installs them): the same logits bit for bit, prefill and denoise; both kernels ran. (The softcap kernel's tanh is
-    numpy's in the interpreter, not torch's: it stays off here; the next test covers it.)"""
+    """The embedded model in bf16 with every layer's RoPE, residual sum and router input on the kernels (as
+    `gpu_load.fuse_network` installs them): the same logits bit for bit, prefill and denoise; all three kernels
+    ran. (The softcap kernel's tanh is numpy's in the interpreter, not torch's: it stays off here; the next
+    test covers it.)"""
     from pipeline.model.checkpoint import load_model
     from pipeline.resources import EMBEDDED_MODEL
     from pipeline.runtime import gpu_load
@@ -99,18 +100,18 @@ def test_a_model_with_the_kernels_installed_gives_the_same_logits(rne_casts):  #
 
     want = run()
     calls = []
-    rope, add_scaled = triton_network.rope, triton_network.add_scaled
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(triton_network, "rope", lambda *a: calls.append("rope") or rope(*a))
-        mp.setattr(triton_network, "add_scaled", lambda *a: calls.append("residual") or add_scaled(*a))
-        probed = probing.Probe("sm90", {probing.ROPE: None, probing.RESIDUAL: None})
+        for name in ("rope", "add_scaled", "scale_columns"):
+            kernel = getattr(triton_network, name)
+            mp.setattr(triton_network, name, lambda *a, k=kernel, n=name: calls.append(n) or k(*a))
+        probed = probing.Probe("sm90", {probing.ROPE: None, probing.RESIDUAL: None, probing.ROUTER: None})
         report = gpu_load.fuse_network(model, probed, None)
         got = run()
-    assert set(calls) == {"rope", "residual"} and model.softcap_kernel is None
+    assert set(calls) == {"rope", "add_scaled", "scale_columns"} and model.softcap_kernel is None
     assert all(layer.self_attn.rope_kernel and layer.residual_kernel for layer in model.layers)
     assert report.fallbacks == [
         f"{gpu_load.TORCH_FORMS[form]} (the Triton kernel failed its probe: not run)"
-        for form in (probing.SOFTCAP, probing.COMBINE, probing.GEGLU, probing.KV_CAT, probing.ROUTER)
+        for form in (probing.SOFTCAP, probing.COMBINE, probing.GEGLU, probing.KV_CAT)
     ]
     assert torch.equal(got[0], want[0])
     assert all(
