@@ -5,8 +5,8 @@ the whole pass's time cannot separate, and whether their values agree there as t
 Each pair runs on the same random inputs: RoPE on the queries of a sliding layer, the LM head's softcap on
 the logits, the experts' combine of rows in slot order, the gated GeLU of the experts' gate|up output (bf16,
 and FP8 against the GeLU, product and one-pass quantization it replaces), a layer's residual sum, the
-router's input scales, and the K/V concatenation of a sliding layer over the benchmark's cached tokens read from a cache buffer as the
-runtime reads it."""
+router's input scales, and the K/V concatenation of a sliding layer over the benchmark's cached tokens, read
+from a cache buffer as the runtime reads it."""
 
 from __future__ import annotations
 

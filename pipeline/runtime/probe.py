@@ -261,6 +261,17 @@ def check_triton_combine(dev: torch.device) -> None:
                           TRITON_FALLBACK)  # fmt: skip
 
 
+def spread(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """Probe values [rows, cols]: normal draws scaled over seven decades along each row (1e-3 to 1e4), clamped
+    to fp16's range so one draw serves bf16 and fp16."""
+    return (torch.randn(rows, cols, generator=g) * torch.logspace(-3, 4, cols)).clamp(-6e4, 6e4)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two bf16/fp16 tensors hold the same bit patterns (NaN, infinities and -0.0 included)."""
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 def same_geglu(got: torch.Tensor, want: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> bool:
     """Whether two gated GeLUs of gate and up agree as closely as two tanh implementations let them: within
     2^-6 of the value (its two roundings to bf16, each up to a unit of 2^-7 apart) plus 2.4e-7 |gate * up| (a
@@ -286,7 +297,7 @@ def check_triton_geglu(dev: torch.device) -> None:
     g = torch.Generator().manual_seed(7)
     scale = torch.tensor(0.05, device=dev)
     for dtype, cols in ((torch.bfloat16, 704), (torch.bfloat16, 2112), (torch.float16, 704)):
-        gu = (torch.randn(33, 2 * cols, generator=g) * torch.logspace(-3, 4, 2 * cols)).clamp(-6e4, 6e4)
+        gu = spread(33, 2 * cols, g)
         gu[0, :4] = torch.tensor([0.0, float("inf"), -float("inf"), float("nan")])
         gate, up = gu.to(dev, dtype).chunk(2, dim=-1)
         got = triton_network.geglu(gate, up)
@@ -304,7 +315,7 @@ def check_triton_residual(dev: torch.device) -> None:
     sums that round, overflow and cancel, infinities and NaN, or a DgpipeError."""
     g = torch.Generator().manual_seed(9)
     for dtype in (torch.bfloat16, torch.float16):
-        a, b = (torch.randn(2, 4099, generator=g) * torch.logspace(-3, 4, 4099)).clamp(-6e4, 6e4).unbind()
+        a, b = spread(2, 4099, g).unbind()
         a[:5], b[:5] = (
             torch.tensor([6e4, 1.0, float("inf"), float("nan"), 3.0]),
             torch.tensor([6e4, -1.0, 1.0, 1.0, -3.0]),
@@ -312,7 +323,7 @@ def check_triton_residual(dev: torch.device) -> None:
         a, b = a.to(dev, dtype), b.to(dev, dtype)
         scale = torch.tensor([0.7], device=dev, dtype=dtype)
         got, want = triton_network.add_scaled(a, b, scale), (a + b) * scale
-        if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+        if not same_bits(got, want):
             raise DgpipeError(f"the Triton residual sum differs from torch's ({dtype})", TRITON_FALLBACK)
 
 
@@ -363,12 +374,10 @@ def check_triton_router(dev: torch.device) -> None:
     DgpipeError."""
     g = torch.Generator().manual_seed(11)
     for dtype, d in ((torch.bfloat16, 2816), (torch.float16, 2816), (torch.bfloat16, 100)):
-        x = (torch.randn(7, d, generator=g) * torch.logspace(-3, 4, d)).clamp(-6e4, 6e4)
+        x = spread(7, d, g)
         x[0, :3] = torch.tensor([float("inf"), float("nan"), 0.0])
         x, w, root = x.to(dev, dtype), (torch.rand(d, generator=g) * 4).to(dev, dtype), d**-0.5
-        if not torch.equal(
-            triton_network.scale_columns(x, w, root).view(torch.int16), (x * w * root).view(torch.int16)
-        ):
+        if not same_bits(triton_network.scale_columns(x, w, root), x * w * root):
             raise DgpipeError(
                 f"the Triton router input differs from torch's ({dtype}, {d} wide)", TRITON_FALLBACK
             )
