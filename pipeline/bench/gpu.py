@@ -360,10 +360,10 @@ def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
     for layer in model.layers:
         if lin:
             for parent in (layer.self_attn, layer.mlp):
-                for name, m in list(parent.named_children()):
-                    if isinstance(m, torch.nn.Linear):
-                        q = random_packed(fmt, m.out_features, m.in_features, dev, gen)
-                        setattr(parent, name, ScaledLinear(q, lin, dev, torch.bfloat16, lin_one_pass))
+                linears = [(n, m) for n, m in parent.named_children() if isinstance(m, torch.nn.Linear)]
+                for i, (name, m) in enumerate(linears):
+                    q = random_packed(fmt, m.out_features, m.in_features, dev, gen, weight_scale=1 + i / 16)
+                    setattr(parent, name, ScaledLinear(q, lin, dev, torch.bfloat16, lin_one_pass))
         if exp:
             e, two_i, d = layer.experts.gate_up_proj.shape
             mk = lambda n, k, e=e: [random_packed(fmt, n, k, dev, gen) for _ in range(e)]

@@ -48,6 +48,7 @@ from pipeline.resources import load_yaml
 from pipeline.runtime.dispatch import DISPATCH, dispatch, weight_bytes
 from pipeline.runtime.kv_cache import KVCache, attention_masks
 from pipeline.runtime.probe import Probe, probe_plan
+from pipeline.runtime.shared_input import SharedInput
 
 CONFIG = "diffusiongemma-26b-a4b"
 CONTEXT = 256  # cached prompt tokens under the traced pass, as `bench gpu` measures it
@@ -118,10 +119,13 @@ def _group(name: str) -> str:
 
 
 def resident_gb(model: DiffusionGemma) -> dict[str, float]:
-    """GB the model holds on the device, by `_group`."""
+    """GB the model holds on the device, by `_group` (and what sibling linears' merged GEMMs hold apart)."""
     out = {"linears": 0.0, "experts": 0.0, "other": 0.0}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         out[_group(name)] += t.numel() * t.element_size() / 1e9
+    for module in model.modules():
+        shared = [v for v in vars(module).values() if isinstance(v, SharedInput)]
+        out["linears"] += sum(s.held_apart for s in shared) / 1e9
     return out
 
 

@@ -79,6 +79,18 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 # a fused form of gelu_tanh(gate) * up: (gate, up) -> the product in gate's dtype
 GegluKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+# linears that read one input, computed together (`pipeline.runtime.shared_input`): x -> each linear's output
+SharedInputKernel = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+def gate_and_up(mlp: GatedMLP | SelfConditioning, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gated MLP's two input projections of x: by its `gate_up_kernel` where the GPU loader set one (one
+    input quantization and, where the weights allow, one GEMM), else by `gate_proj` and `up_proj`."""
+    if mlp.gate_up_kernel is not None and not _tracing():
+        gate, up = mlp.gate_up_kernel(x)
+        return gate, up
+    return mlp.gate_proj(x), mlp.up_proj(x)
+
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, kernel: GegluKernel | None = None) -> torch.Tensor:
     """The gated GeLU of the MLPs and experts; `kernel`: a fused form (`pipeline.runtime.triton_network.geglu`,
@@ -95,9 +107,10 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
         self.geglu_kernel: GegluKernel | None = None  # CUDA: set by the GPU loader where probed
+        self.gate_up_kernel: SharedInputKernel | None = None  # likewise (`gate_and_up`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x), self.geglu_kernel))
+        return self.down_proj(geglu(*gate_and_up(self, x), self.geglu_kernel))
 
 
 def rope_inv_freq(cfg: TextConfig, layer_type: str, head_dim: int) -> torch.Tensor:
@@ -190,6 +203,9 @@ class Attention(nn.Module):
         # the cached and new K/V concatenated, K and V in one fused CUDA kernel (`triton_network.kv_cat`), set by
         # the GPU loader where probed; None: torch.cat, one launch each
         self.kv_cat_kernel: KVCatKernel | None = None
+        # q, k and v projected from one quantization of x (`pipeline.runtime.shared_input`), set by the GPU
+        # loader for quantized linears; None: each projection quantizes x itself
+        self.qkv_kernel: SharedInputKernel | None = None
 
     def rotate(self, x: torch.Tensor, li: LayerInputs) -> torch.Tensor:
         """q or k [B, L, heads, D] rotated by the layer kind's RoPE."""
@@ -201,9 +217,10 @@ class Attention(nn.Module):
         self, x: torch.Tensor, li: LayerInputs, past: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         b, q_len, _ = x.shape
-        q = self.rotate(self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)), li)
+        q_proj, k_proj, v_proj = self.project(x)
+        q = self.rotate(self.q_norm(q_proj.view(b, q_len, self.num_heads, self.head_dim)), li)
         q = q.transpose(1, 2)
-        new_kv = k, v = self.project_kv(x, li)
+        new_kv = k, v = self.normed_kv(k_proj, v_proj, li)
         if past is not None:
             k, v = self.after_past(past, k, v)
         out = attend(q, k, v, li.mask)
@@ -217,15 +234,24 @@ class Attention(nn.Module):
             return self.kv_cat_kernel(past[0], past[1], k, v)
         return torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x's q, k and v projections (v None where the layer has no `v_proj`: K doubles as V)."""
+        if self.qkv_kernel is not None and not _tracing():
+            q, k, *v = self.qkv_kernel(x)
+            return q, k, v[0] if v else None
+        return self.q_proj(x), self.k_proj(x), None if self.v_proj is None else self.v_proj(x)
+
     def project_kv(self, x: torch.Tensor, li: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The new tokens' K/V [B, kv_heads, Q, head_dim] (normed, K rotated): what a cache keeps."""
-        b, q_len, _ = x.shape
-        k_raw = self.k_proj(x).view(b, q_len, self.num_kv_heads, self.head_dim)
-        v_raw = (
-            self.v_proj(x).view(b, q_len, self.num_kv_heads, self.head_dim)
-            if self.v_proj is not None
-            else k_raw
-        )
+        return self.normed_kv(self.k_proj(x), None if self.v_proj is None else self.v_proj(x), li)
+
+    def normed_kv(
+        self, k_proj: torch.Tensor, v_proj: torch.Tensor | None, li: LayerInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`project_kv` from the projections [B, Q, kv_heads * head_dim]."""
+        b, q_len, _ = k_proj.shape
+        k_raw = k_proj.view(b, q_len, self.num_kv_heads, self.head_dim)
+        v_raw = k_raw if v_proj is None else v_proj.view(b, q_len, self.num_kv_heads, self.head_dim)
         k = self.rotate(self.k_norm(k_raw), li).transpose(1, 2)
         return k, self.v_norm(v_raw).transpose(1, 2)
 
@@ -447,12 +473,12 @@ class SelfConditioning(nn.Module):
         self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
         self.geglu_kernel: GegluKernel | None = None  # CUDA: set by the GPU loader where probed
+        self.gate_up_kernel: SharedInputKernel | None = None  # likewise (`gate_and_up`)
 
     def forward(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
         if soft is None:  # first step: the MLP of a zero signal is exactly zero
             return self.post_norm(embeds)
-        n = self.pre_norm(soft)
-        h = geglu(self.gate_proj(n), self.up_proj(n), self.geglu_kernel)
+        h = geglu(*gate_and_up(self, self.pre_norm(soft)), self.geglu_kernel)
         return self.post_norm(embeds + self.down_proj(h))
 
 

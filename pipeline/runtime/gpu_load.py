@@ -41,6 +41,7 @@ from pipeline.runtime.probe import (
     probe,
 )
 from pipeline.runtime.routed import host_bound_experts, route_on_device
+from pipeline.runtime.shared_input import share_inputs
 from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode
 from pipeline.runtime.triton_network import (
     add_scaled_or_torch,
@@ -67,12 +68,16 @@ class Installed:
     experts: int = 0  # layers whose experts are on scaled_grouped_mm (or the Triton FP8 GEMM)
     routed: int = 0  # layers whose float experts route on the device (`pipeline.runtime.routed`)
     routed_kernel: str = ""
+    shared: int = 0  # sibling linears (q/k/v, gate/up) sharing one input quantization (`shared_input`)
+    merged: int = 0  # GEMMs saved by merging gate and up
     fallbacks: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         head = f"{self.format} on {self.arch or 'this GPU'}: {self.linears} linears and {self.experts} layers' experts on tensor cores"
         routed = [f"{self.routed} layers' float experts on {self.routed_kernel}"] if self.routed else []
-        return "; ".join([head, *routed, *self.fallbacks])
+        shared = [f"{self.shared} input quantizations shared by q/k/v or gate/up"] if self.shared else []
+        merged = [f"gate and up in one GEMM ({self.merged} GEMMs fewer)"] if self.merged else []
+        return "; ".join([head, *routed, *shared, *merged, *self.fallbacks])
 
 
 def experts_plan(row: DispatchRow, pr: Probe) -> tuple[str | None, float, str | None]:
@@ -223,12 +228,15 @@ def finish_on_device(
     model: DiffusionGemma, device: torch.device, probed: Probe | None, report: Installed | None
 ) -> Installed | None:
     """What every load does once the weights are in (the benchmarks' random-weight loads too): float experts
-    that would read the routing on the host route on the device, and on CUDA RoPE and the logit softcap run
-    as one kernel each where their probes passed (run here for those kernels alone when the load has not
-    probed)."""
+    that would read the routing on the host route on the device, and on CUDA sibling linears share their
+    input (`shared_input`) and the network's element-wise chains run as one kernel each where their probes
+    passed (run here for those kernels alone when the load has not probed)."""
     report = route_float_experts(model, device, probed, report)
     if device.type != "cuda":
         return report
+    shared, merged = share_inputs(model)
+    if report is not None:
+        report.shared, report.merged = shared, merged
     if probed is None or ROPE not in probed.results:
         probed = probe(device, formats=())
     return fuse_network(model, probed, report)

@@ -68,6 +68,10 @@ class ScaledLinear(nn.Module):
         super().__init__()
         self.mode, self.out_dtype, self.triton = mode, out_dtype, triton  # triton: `quantize_rows`'s
         self.out_features = q.weight.shape[0]
+        # the per-tensor scales as numbers (input; FP8 weight or NVFP4 global), read once at load: which
+        # linears that read one input can share its quantization and their GEMM (`shared_input`)
+        per_tensor = {"fp8": q.weight_scale, "nvfp4": q.weight_scale_2}.get(mode)
+        self.static_scales = tuple(float(t) for t in (q.input_scale, per_tensor) if t is not None)
         self.register_buffer("input_scale", q.input_scale.reshape(()).to(device))
         if mode == "fp8":
             self.register_buffer("weight", q.weight.to(device))  # [N, K] e4m3; .t() is column-major
@@ -85,24 +89,28 @@ class ScaledLinear(nn.Module):
             raise ValueError(f"unknown scaled-linear mode {mode!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        if self.mode == "fp8":
-            a, a_scales, b_scales = (
-                quantize_rows(x2, self.input_scale, "fp8", self.triton)[0],
-                [self.input_scale],
-                [self.weight_scale],
-            )
-        elif self.mode == "nvfp4":
-            # packed codes (uint8), per-16 block scales
-            a, bs = quantize_rows(x2, self.input_scale, "nvfp4", self.triton)
-            a_scales = [blocked(bs, None, in_one_pass(self.triton, x2)), self.input_scale]
-            b_scales = [self.weight_scale, self.weight_scale_2]
-        else:
-            a, s = quantize_rows(x2, self.input_scale, "fp8_rowwise", self.triton)
-            a_scales, b_scales = [s[:, None]], [self.weight_scale]
-        gemm = scaled_gemm_op if torch.compiler.is_compiling() else scaled_gemm
-        out = gemm(a, a_scales, self.weight, b_scales, self.mode, self.out_dtype)
+        out = self.gemm(*self.quantize(x.reshape(-1, x.shape[-1])))
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def quantize(self, x2: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The GEMM's operand of x's rows [M, K] and its scales. It depends on the mode and the input scale
+        only, so linears that read one input and agree on both can share it (`pipeline.runtime.shared_input`)."""
+        if self.mode == "fp8":
+            return quantize_rows(x2, self.input_scale, "fp8", self.triton)[0], [self.input_scale]
+        if self.mode == "nvfp4":  # packed codes (uint8), per-16 block scales swizzled, the global scale
+            a, bs = quantize_rows(x2, self.input_scale, "nvfp4", self.triton)
+            return a, [blocked(bs, None, in_one_pass(self.triton, x2)), self.input_scale]
+        a, s = quantize_rows(x2, self.input_scale, "fp8_rowwise", self.triton)
+        return a, [s[:, None]]
+
+    def gemm(self, a: torch.Tensor, a_scales: list[torch.Tensor]) -> torch.Tensor:
+        """[M, out_features] from `quantize`'s operand."""
+        if self.mode == "nvfp4":
+            w_scales = [self.weight_scale, self.weight_scale_2]
+        else:
+            w_scales = [self.weight_scale]
+        gemm = scaled_gemm_op if torch.compiler.is_compiling() else scaled_gemm
+        return gemm(a, a_scales, self.weight, w_scales, self.mode, self.out_dtype)
 
 
 def scaled_gemm(
@@ -403,20 +411,26 @@ grouped_gemm_op.register_fake(
 
 
 def random_packed(
-    fmt: str, n: int, k: int, device: torch.device, gen: torch.Generator | None = None
+    fmt: str,
+    n: int,
+    k: int,
+    device: torch.device,
+    gen: torch.Generator | None = None,
+    weight_scale: float = 1.0,
 ) -> PackedLinear:
     """A random quantized linear in ModelOpt's stored layout, drawn on `device` (the random-weight
-    benchmark of a full-size configuration: no checkpoint, no host copy): weights ~ N(0, 0.02)."""
+    benchmark of a full-size configuration: no checkpoint, no host copy): weights ~ N(0, 0.02). The
+    per-tensor scales are host numbers, as a checkpoint's are read; `weight_scale` multiplies the FP8 one
+    (ModelOpt's FP8 exports give each linear its own, its NVFP4 ones siblings one global scale)."""
     if fmt == "fp8":
         w = (torch.randn(n, k, device=device, generator=gen) * (E4M3_MAX / 4)).clamp(-E4M3_MAX, E4M3_MAX)
         # clamped first: unclamped, the 26B's routing on an H200 collapsed onto top-k experts (NaN router inputs)
         w = w.to(torch.float8_e4m3fn)
-        return PackedLinear("FP8", w, torch.tensor(0.02 * 4 / E4M3_MAX, device=device), None,
-                            torch.tensor(8.0 / E4M3_MAX, device=device))  # fmt: skip
+        return PackedLinear("FP8", w, torch.tensor(0.02 * 4 / E4M3_MAX * weight_scale), None,
+                            torch.tensor(8.0 / E4M3_MAX))  # fmt: skip
     codes = torch.randint(0, 256, (n, k // 2), device=device, dtype=torch.uint8, generator=gen)
     bs = torch.full((n, k // 16), 64.0, device=device).to(torch.float8_e4m3fn)
-    return PackedLinear("NVFP4", codes, bs, torch.tensor(0.02 / (64 * 2), device=device),
-                        torch.tensor(8.0 / (6 * E4M3_MAX), device=device))  # fmt: skip
+    return PackedLinear("NVFP4", codes, bs, torch.tensor(0.02 / (64 * 2)), torch.tensor(8.0 / (6 * E4M3_MAX)))
 
 
 _MODE = {"F.scaled_mm FP8 TensorWise": "fp8", "F.scaled_mm NVFP4": "nvfp4", "F.scaled_mm FP8 RowWise": "fp8_rowwise",

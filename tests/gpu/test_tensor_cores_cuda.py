@@ -66,6 +66,33 @@ def test_scaled_linear_equals_reference(probed, mode):
     assert _rel(got, want) < (5e-3 if mode != "nvfp4" else 1e-3)
 
 
+@pytest.mark.parametrize("mode", ["fp8", "nvfp4", "fp8_rowwise"])
+def test_sibling_linears_on_one_quantization_and_one_gemm_equal_the_linears_alone(probed, mode):
+    """q/k/v-style siblings (a weight scale each) share one quantization: each output bit for bit the
+    linear's own. Gate/up-style siblings with one weight scale also run as one GEMM, split into views: the
+    same operands, so within the GEMM's summation order (the 26B's 2,112 rows: NVFP4 scales swizzled anew)."""
+    from pipeline.runtime import shared_input as si
+
+    if not probed.ok(f"linear:{mode}"):
+        pytest.skip(f"{mode} linear not served here: {probed.results.get(f'linear:{mode}')}")
+    gen = torch.Generator().manual_seed(3)
+    fmt = "fp8" if mode == "fp8" else "nvfp4"
+    x = torch.randn(2, 256, 2816, generator=gen).to(CUDA, torch.bfloat16)
+    build = lambda n: tc.ScaledLinear(packed_linear(fmt, n, 2816, gen), mode, CUDA, torch.bfloat16, True)
+    qkv = [build(4096), build(2048), build(2048)]
+    alone = [p(x) for p in qkv]
+    for a, b in zip(alone, si.SharedInput(qkv, None)(x), strict=True):
+        assert torch.equal(a, b)
+    gate, up = build(2112), build(2112)
+    if mode == "fp8":
+        up.weight_scale, up.static_scales = gate.weight_scale.clone(), gate.static_scales
+    alone = [gate(x), up(x)]
+    assert si.concatenates([gate, up])
+    together = si.SharedInput([gate, up], si.concatenate([gate, up]))(x)
+    for a, b, p in zip(alone, together, (gate, up), strict=True):
+        assert _rel(b, a) < 5e-3 and torch.equal(p(x), a)  # bf16 outputs; each part alone, on its view
+
+
 def test_fast_accumulation_costs_less_than_the_fp8_rounding_at_the_26b_depth(probed):
     """The FP8 linear's fast accumulation and promoted fp32 accumulation against an fp32 product of the same
     operands at the 26B's K (2,816): the error fast accumulation adds stays an order of magnitude under the

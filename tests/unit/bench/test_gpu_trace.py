@@ -21,6 +21,14 @@ LAYERS = 2  # one sliding and one global layer of the 26B: every layer shape, ~1
 QUANTIZED_LINEARS = 7 + 6
 # float linears outside them: router (per layer), self-conditioning MLP (3), LM head (1)
 FLOAT_LINEARS = LAYERS + 3 + 1
+# inputs those quantized linears quantize: q|k|v share one, o, gate|up share one, down; per layer
+QUANTIZED_INPUTS = 4 * LAYERS
+
+
+def merged_gate_ups(linears: str) -> int:
+    """Dense MLPs whose gate and up are one GEMM: every one with float, NVFP4 or per-row FP8 weights, none
+    with the random model's FP8 ones (a weight scale each, as ModelOpt's FP8 exports)."""
+    return 0 if linears.startswith("F.scaled_mm FP8 TensorWise") else LAYERS
 
 
 def experts_gemm(fmt: str, arch: str, batch: int) -> str:
@@ -46,12 +54,16 @@ def test_every_dispatch_row_runs_its_kernels_without_reading_the_host(fmt, arch,
     assert (
         t.ops["triton::combine"] == LAYERS and "torch.bmm" not in gemms
     )  # each token's k expert rows combined
-    if DISPATCH[fmt, arch].linears.startswith("F.scaled_mm"):
-        assert gemms == {"F.scaled_mm": QUANTIZED_LINEARS, "F.linear": FLOAT_LINEARS}
+    linears = DISPATCH[fmt, arch].linears
+    merged = merged_gate_ups(linears)
+    if linears.startswith("F.scaled_mm"):  # the self-conditioning's gate and up: one float GEMM
+        assert gemms == {"F.scaled_mm": QUANTIZED_LINEARS - merged, "F.linear": FLOAT_LINEARS - 1}
     else:
-        assert gemms == {"F.linear": QUANTIZED_LINEARS + FLOAT_LINEARS}
+        assert gemms == {"F.linear": QUANTIZED_LINEARS + FLOAT_LINEARS - merged - 1}
     for group in ("linears", "experts"):  # held as the byte model reads them (per-row scales: < 1%)
-        assert t.resident_gb[group] == pytest.approx(t.expected_gb[group], rel=0.01), group
+        # NVFP4's merged gate|up block scales are swizzled anew beside the parts' own (`shared_input`): 2.3%
+        apart = 0.025 if group == "linears" and linears.startswith("F.scaled_mm NVFP4") else 0.0
+        assert t.resident_gb[group] == pytest.approx(t.expected_gb[group] * (1 + apart), rel=0.01), group
 
 
 def test_the_byte_model_is_what_the_modules_hold_apart_from_scales():
@@ -110,9 +122,9 @@ def test_a_host_tensor_copied_into_the_pass_is_reported(monkeypatch):
 
 def test_triton_launches_are_counted_and_checked(monkeypatch):
     t = gt.trace_pass("fp8", "sm89", 16, LAYERS)
-    # every quantized linear's input and the experts' gate|up input: FP8 in one pass each; their down input
-    # is quantized by the gated GeLU that makes it
-    assert t.ops["triton::fp8_static_quant"] == QUANTIZED_LINEARS + LAYERS
+    # every quantized input and the experts' gate|up input: FP8 in one pass each; their down input is
+    # quantized by the gated GeLU that makes it
+    assert t.ops["triton::fp8_static_quant"] == QUANTIZED_INPUTS + LAYERS
     assert t.ops["triton::moe_gemm"] == 2 * LAYERS
     launcher = fake_cuda.Launcher(
         "moe_gemm", types.SimpleNamespace(counting=True, ops=t.ops, bytes=t.traffic)
@@ -138,11 +150,12 @@ def test_dgpipe_bench_gpu_trace_writes_json_and_table(tmp_path):
 
 def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
     """torch's element-wise NVFP4 quantization is ~50 launches an input (~13,000 a 26B pass); the kernels of
-    `pipeline.runtime.triton_quant` make it one, so Hopper's NVFP4 pass launches what its FP8 pass does, but for
-    the experts' down input, which FP8 quantizes inside the gated GeLU."""
-    inputs = QUANTIZED_LINEARS + 2 * LAYERS  # every quantized linear's and both expert projections'
+    `pipeline.runtime.triton_quant` make it one, so Hopper's NVFP4 pass launches what its FP8 pass does: one
+    more for the experts' down input, which FP8 quantizes inside the gated GeLU, one fewer for gate and up in
+    one GEMM, which FP8's weight scales rule out."""
+    inputs = QUANTIZED_INPUTS + 2 * LAYERS  # every quantized input and both expert projections'
     hopper, fp8 = gt.trace_pass("nvfp4", "sm90", 1, LAYERS), gt.trace_pass("fp8", "sm90", 1, LAYERS)
-    assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs and hopper.launches == fp8.launches + LAYERS
+    assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs and hopper.launches == fp8.launches
     b200 = gt.trace_pass("nvfp4", "sm100", 1, LAYERS)
     assert b200.ops["triton::nvfp4_quant"] == inputs
     no_kernel = gt.passing_probe("sm100")
@@ -272,3 +285,24 @@ def test_a_two_kernel_chain_takes_one_launch_a_layer_where_probed(form, kernel, 
     torch_form = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=no_kernel)
     assert torch_form.ops[torch_op] == fused.ops.get(torch_op, 0) + more * LAYERS
     assert kernel not in torch_form.ops and torch_form.launches == fused.launches + LAYERS
+
+
+@pytest.mark.parametrize(
+    ("fmt", "arch", "fewer"), [("fp8", "sm90", 5 + 1), ("nvfp4", "sm100", 3 * 5 + 3), ("bf16", "sm90", 3)]
+)
+def test_sibling_linears_share_their_input_quantization_and_gate_and_up_one_gemm(
+    monkeypatch, fmt, arch, fewer
+):
+    """q, k and v quantize their input once (two fewer in a sliding layer, one in a global one), gate and up
+    once (one fewer); NVFP4 quantizes in three launches (codes, the padded swizzled scales, their zeros).
+    Gate and up are one GEMM in the float self-conditioning and, but for FP8 (a weight scale each), in
+    each dense MLP. Without sharing, every linear quantizes and runs alone."""
+    shared = gt.trace_pass(fmt, arch, 1, LAYERS)
+    monkeypatch.setattr(gpu_load, "share_inputs", lambda model: (0, 0))
+    alone = gt.trace_pass(fmt, arch, 1, LAYERS)
+    assert alone.launches - shared.launches == fewer
+    assert alone.gemms()["F.linear"] - shared.gemms()["F.linear"] == 1 + (fmt == "bf16") * LAYERS
+    assert shared.resident_gb["experts"] == alone.resident_gb["experts"]
+    assert shared.resident_gb["linears"] == pytest.approx(
+        alone.resident_gb["linears"], rel=0.03
+    )  # NVFP4's scales

@@ -184,6 +184,27 @@ def test_export_layout_is_modelopt_and_vllm_readable(quantized):
     ).is_file()
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_modelopts_export_gives_sibling_linears_one_input_scale(quantized, fmt):
+    """What the GPU path's shared inputs rest on (`pipeline.runtime.shared_input`), in files ModelOpt wrote:
+    q, k and v have one input scale, gate and up one (`preprocess_linear_fusion`), so each group shares one
+    quantization; NVFP4 siblings also share the global weight scale (gate and up: one GEMM), FP8 ones keep a
+    weight scale each (gate and up: a GEMM each)."""
+    from pipeline.runtime.shared_input import concatenates, shares_quantization
+    from pipeline.runtime.tensor_cores import ScaledLinear
+
+    packed = dequant.read_packed_linears(quantized[fmt]["path"])
+    mode = "fp8" if fmt == "fp8" else "nvfp4"
+    linear = lambda name: ScaledLinear(packed[name], mode, torch.device("cpu"), torch.float32)
+    layers = {int(n.split(".")[1]) for n in packed}
+    assert layers
+    for i in sorted(layers):
+        attn = [n for n in (f"layers.{i}.self_attn.{p}_proj" for p in "qkv") if n in packed]
+        gate_up = [linear(f"layers.{i}.mlp.{p}_proj") for p in ("gate", "up")]
+        assert len(attn) >= 2 and shares_quantization([linear(n) for n in attn])
+        assert shares_quantization(gate_up) and concatenates(gate_up) == (fmt == "nvfp4")
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])
 def test_dequantized_weights_equal_modelopt_fake_quant(quantized, fmt):
     from pipeline.model.checkpoint import load_model

@@ -1,0 +1,158 @@
+"""Linears that read one input, computed together on the GPU: each attention layer's q, k and v projections,
+and each gated MLP's gate and up projections (the dense MLP's and the self-conditioning's).
+
+Quantized linears that agree on the mode and the input scale share one quantization of the input: the same
+operand and scales each of them would compute, so their outputs are unchanged bit for bit, for one
+quantization instead of three (q, k, v) or two (gate, up). ModelOpt's export gives such siblings one input
+scale (`modelopt.torch.export.quant_utils.preprocess_linear_fusion` sets the maximum of their calibrated
+amaxes, as TensorRT-LLM and vLLM run them fused), and the NVFP4 ones one global weight scale too.
+
+Gate and up are also one GEMM where their weights concatenate exactly: float weights, FP8 ones with equal
+per-tensor weight scales, NVFP4 ones with equal global scales, the Hopper/Ada NVFP4 fallback's per-row FP8
+ones. ModelOpt's FP8 exports keep each linear's own weight scale, so there they share the quantization only. The merged output is split into views
+the gated GeLU reads in place. q, k and v are not merged: each feeds its own RMSNorm, which copies a
+non-contiguous input (`expect_contiguous` in torch's CUDA norm) and would give back the launches saved.
+
+Merged weights are one allocation: the linears' own weights become views of it, so they still compute alone
+(`Attention.project_kv`, torch.compile's graphs) and the model holds no second copy. One exception: NVFP4
+block scales are swizzled in 128-row tiles, and where a part's rows end inside a tile (the 26B's 2,112-row
+gate and up) the merged scales are swizzled anew and the parts keep theirs (1/8 of the FP4 weight bytes). The merged module is
+not a submodule of the model (this object is a plain callable), so the model's parameters and buffers count
+each byte once. CUDA only, through `gpu_load.finish_on_device`: the CPU path is untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.model import scaled_layout as sl
+from pipeline.model.network import DiffusionGemma
+from pipeline.runtime.tensor_cores import ScaledLinear
+
+
+class SharedInput:
+    """x -> each linear's output (`network.SharedInputKernel`) from one quantization of x and, where
+    `merged` is set, one GEMM whose output is split into the linears' columns."""
+
+    def __init__(self, parts: Sequence[nn.Module], merged: nn.Module | None) -> None:
+        self.parts, self.merged = list(parts), merged
+        self.sizes = [p.out_features for p in parts]
+        # bytes held here and by none of the model's modules: NVFP4 block scales swizzled anew (`concatenate`)
+        reswizzled = isinstance(merged, ScaledLinear) and merged.mode == "nvfp4" and not _whole_tiles(parts)
+        self.held_apart = merged.weight_scale.numel() if reswizzled else 0
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x2 = x.reshape(-1, x.shape[-1])
+        gemms = [self.merged] if self.merged is not None else self.parts
+        if isinstance(gemms[0], ScaledLinear):
+            a, a_scales = self.parts[0].quantize(x2)
+            outs = [g.gemm(a, a_scales) for g in gemms]
+        else:
+            outs = [F.linear(x2, g.weight, g.bias) for g in gemms]
+        if self.merged is not None:
+            outs = list(outs[0].split(self.sizes, dim=-1))
+        return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
+
+
+def shares_quantization(parts: Sequence[nn.Module]) -> bool:
+    """Quantized linears whose operand of one input is the same: one mode, input scale, kernel and dtype."""
+    first = parts[0]
+    if not all(isinstance(p, ScaledLinear) for p in parts):
+        return False
+    same = lambda p: (p.mode, p.triton, p.out_dtype, p.static_scales[0])
+    return all(same(p) == same(first) for p in parts)
+
+
+def concatenates(parts: Sequence[nn.Module]) -> bool:
+    """Linears whose weights, stacked by output row, are one linear computing all their outputs exactly."""
+    first = parts[0]
+    if all(type(p) is nn.Linear for p in parts):
+        kinds = {(p.weight.dtype, p.weight.device, p.in_features, p.bias is None) for p in parts}
+        return len(kinds) == 1
+    if not shares_quantization(parts):
+        return False
+    if first.mode == "fp8_rowwise":  # per-row weight scales
+        return True
+    return all(p.static_scales == first.static_scales for p in parts)
+
+
+def concatenate(parts: Sequence[nn.Module]) -> nn.Module:
+    """One linear computing `parts` side by side (`concatenates` holds): its weights and per-row scales are
+    the parts' stacked by output row, per-tensor scales shared; each part's tensors become views of it."""
+    first = parts[0]
+    if type(first) is nn.Linear:
+        merged = nn.Linear(first.in_features, 1, bias=first.bias is not None, device="meta")
+    else:
+        merged = ScaledLinear.__new__(ScaledLinear)
+        nn.Module.__init__(merged)
+        merged.mode, merged.out_dtype, merged.triton = first.mode, first.out_dtype, first.triton
+        merged.static_scales = first.static_scales
+    merged.out_features = sum(p.out_features for p in parts)
+    for name, t in [*first.named_parameters(recurse=False), *first.named_buffers(recurse=False)]:
+        if t.dim() == 0:  # a per-tensor scale, equal across the parts
+            merged.register_buffer(name, t)
+            continue
+        if name == "weight_scale" and first.mode == "nvfp4" and not _whole_tiles(parts):
+            _assign(merged, name, _reswizzled(parts))  # the parts keep their own (1/8 of the FP4 bytes)
+            continue
+        dim = t.dim() - 1 if name == "weight_scale" and first.mode == "fp8_rowwise" else 0  # [1, N]
+        pieces = [getattr(p, name) for p in parts]
+        whole = _cat(pieces, dim)
+        views = whole.split([piece.shape[dim] for piece in pieces], dim=dim)
+        for p, view in zip(parts, views, strict=True):
+            _assign(p, name, view)
+        _assign(merged, name, whole)
+    return merged
+
+
+def _whole_tiles(parts: Sequence[ScaledLinear]) -> bool:
+    """NVFP4 block scales swizzled in 128-row tiles, row tile after row tile: where every part fills whole
+    tiles, the merged layout is the parts' one after another."""
+    return all(p.out_features % sl.TILE_ROWS == 0 for p in parts)
+
+
+def _reswizzled(parts: Sequence[ScaledLinear]) -> torch.Tensor:
+    """The merged NVFP4 block scales, swizzled anew from the parts' (their rows end inside a tile)."""
+    cols = parts[0].weight.shape[1] * 2 // 16  # [N, K/2] packed pairs; one scale per 16 values
+    raw = [sl.from_blocked(p.weight_scale.view(torch.uint8), p.out_features, cols) for p in parts]
+    return sl.to_blocked(torch.cat(raw)).view(torch.float8_e4m3fn)
+
+
+def _cat(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """torch.cat, through a uint8 view for one-byte dtypes (FP8 codes, packed FP4 pairs)."""
+    if pieces[0].element_size() != 1:
+        return torch.cat(pieces, dim)
+    return torch.cat([t.view(torch.uint8) for t in pieces], dim).view(pieces[0].dtype)
+
+
+def _assign(module: nn.Module, name: str, t: torch.Tensor) -> None:
+    if name in module._parameters:
+        setattr(module, name, nn.Parameter(t, requires_grad=False))
+    else:
+        module.register_buffer(name, t)
+
+
+def share_inputs(model: DiffusionGemma) -> tuple[int, int]:
+    """Every layer's q/k/v and every gated MLP's gate/up on `SharedInput` where they gain from it: quantized
+    linears sharing the quantization, gate and up also merged where `concatenates`. Returns (groups sharing a
+    quantization, GEMMs saved by merging)."""
+    shared = saved = 0
+    groups = []
+    for layer in model.layers:
+        attn = layer.self_attn
+        qkv = [attn.q_proj, attn.k_proj, *([attn.v_proj] if attn.v_proj is not None else [])]
+        groups += [(attn, "qkv_kernel", qkv, False), (layer.mlp, "gate_up_kernel", None, True)]
+    groups.append((model.self_conditioning, "gate_up_kernel", None, True))
+    for owner, slot, parts, merge in groups:
+        parts = parts or [owner.gate_proj, owner.up_proj]
+        merged = concatenate(parts) if merge and concatenates(parts) else None
+        if merged is None and not shares_quantization(parts):
+            continue
+        setattr(owner, slot, SharedInput(parts, merged))
+        shared += isinstance(parts[0], ScaledLinear)
+        saved += 0 if merged is None else len(parts) - 1
+    return shared, saved

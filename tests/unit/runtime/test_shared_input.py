@@ -1,0 +1,155 @@
+"""Sibling linears on the GPU path (`pipeline.runtime.shared_input`), run on the CPU: torch's `F.scaled_mm`
+has CPU kernels for FP8 TensorWise and RowWise, so sharing a quantization and merging GEMMs run here for
+real against the linears computed alone; NVFP4's GEMM is CUDA-only, so its merged layout is checked against
+the parts' (the GEMM on a GPU: tests/gpu/test_tensor_cores_cuda.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline.model import scaled_layout as sl
+from pipeline.model.modelopt import PackedLinear
+from pipeline.model.network import DiffusionGemma
+from pipeline.runtime import shared_input as si
+from pipeline.runtime import tensor_cores as tc
+from tests._utils.quantized import build_quantized_checkpoint, packed_linear
+
+CPU = torch.device("cpu")
+
+
+def _linears(fmt: str, mode: str, rows: list[int], k: int = 64, seed: int = 0) -> list[tc.ScaledLinear]:
+    gen = torch.Generator().manual_seed(seed)
+    return [tc.ScaledLinear(packed_linear(fmt, n, k, gen), mode, CPU, torch.float32) for n in rows]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().flatten().view(torch.int32)
+
+
+def _quantizations(monkeypatch) -> list[str]:
+    seen: list[str] = []
+    quantize_rows = tc.quantize_rows
+    monkeypatch.setattr(
+        tc, "quantize_rows", lambda x, s, mode, *a: seen.append(mode) or quantize_rows(x, s, mode, *a)
+    )
+    return seen
+
+
+def test_fp8_siblings_with_their_own_weight_scales_share_the_quantization_bit_for_bit(monkeypatch):
+    """ModelOpt's FP8 siblings: one input scale, a weight scale each. One quantization, a GEMM each, and
+    each output the linear's own, bit for bit."""
+    parts = _linears("fp8", "fp8", [48, 32, 32])
+    assert len({p.static_scales[1] for p in parts}) == 3 and len({p.static_scales[0] for p in parts}) == 1
+    assert si.shares_quantization(parts) and not si.concatenates(parts)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1))
+    alone = [p(x) for p in parts]
+    seen = _quantizations(monkeypatch)
+    together = si.SharedInput(parts, None)(x)
+    assert seen == ["fp8"]
+    for a, b in zip(alone, together, strict=True):
+        assert b.shape == a.shape and torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize(("fmt", "mode"), [("fp8", "fp8"), ("nvfp4", "fp8_rowwise")])
+def test_gate_and_up_merge_into_one_gemm_whose_columns_are_theirs(monkeypatch, fmt, mode):
+    """Equal FP8 weight scales, or the per-row FP8 of the NVFP4 fallback: one GEMM, split into views. The
+    parts' weights become views of the merged one, so each still computes alone and nothing is held twice."""
+    gate, up = parts = _linears(fmt, mode, [40, 40])
+    if mode == "fp8":
+        up.weight_scale, up.static_scales = gate.weight_scale.clone(), gate.static_scales
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(2))
+    alone = [p(x) for p in parts]
+    assert si.concatenates(parts)
+    merged = si.concatenate(parts)
+    assert merged.out_features == 80 and merged.weight.shape == (80, 64)
+    storage = lambda t: t.untyped_storage().data_ptr()
+    for p in parts:
+        assert storage(p.weight) == storage(merged.weight)
+        if mode == "fp8_rowwise":  # per-row scales [1, N]; FP8's per-tensor one is shared as it is
+            assert storage(p.weight_scale) == storage(merged.weight_scale)
+    assert mode == "fp8_rowwise" or merged.weight_scale is gate.weight_scale
+    seen = _quantizations(monkeypatch)
+    together = si.SharedInput(parts, merged)(x)
+    assert seen == [mode]
+    for a, b, p in zip(alone, together, parts, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)  # the same operands; summation order only
+        torch.testing.assert_close(p(x), a, rtol=0, atol=0)  # the part alone, on its view
+
+
+@pytest.mark.parametrize("rows", [[256, 128], [2112, 2112]])
+def test_nvfp4_gate_and_up_concatenate_to_their_weights_and_block_scales(rows):
+    """NVFP4 siblings with one global scale (ModelOpt's): the merged codes and swizzled block scales are the
+    parts' stacked by row. In whole 128-row tiles they are the parts' tiles one after another (views); the
+    26B's 2,112 rows end inside a tile, so the merged scales are swizzled anew and held apart."""
+    gen = torch.Generator().manual_seed(3)
+    k, gs = 64, torch.tensor(0.01)
+    packed = []
+    for n in rows:
+        codes, bs = sl.nvfp4_quantize(torch.randn(n, k, generator=gen) * 0.1, gs)
+        packed.append(PackedLinear("NVFP4", codes, bs, gs, torch.tensor(0.02)))
+    parts = [tc.ScaledLinear(p, "nvfp4", CPU, torch.bfloat16) for p in packed]
+    assert si.concatenates(parts)
+    merged = si.concatenate(parts)
+    raw = torch.cat([p.weight_scale for p in packed]).view(torch.uint8)
+    assert torch.equal(sl.from_blocked(merged.weight_scale.view(torch.uint8), sum(rows), k // 16), raw)
+    codes = torch.cat([p.weight for p in packed])
+    assert torch.equal(merged.weight.view(torch.uint8), codes)
+    whole_tiles = all(n % sl.TILE_ROWS == 0 for n in rows)
+    shares = (
+        parts[0].weight_scale.untyped_storage().data_ptr() == merged.weight_scale.untyped_storage().data_ptr()
+    )
+    assert shares == whole_tiles
+    assert si.SharedInput(parts, merged).held_apart == (0 if whole_tiles else merged.weight_scale.numel())
+    for p, q in zip(parts, packed, strict=True):  # each part keeps its own layout
+        assert torch.equal(p.weight_scale.view(torch.uint8), sl.to_blocked(q.weight_scale.view(torch.uint8)))
+
+
+def test_float_gate_and_up_merge_and_different_input_scales_do_not_share():
+    gen = torch.Generator().manual_seed(4)
+    gate, up = nn.Linear(64, 40, bias=False), nn.Linear(64, 40, bias=False)
+    x = torch.randn(3, 64, generator=gen)
+    alone = [gate(x), up(x)]
+    merged = si.concatenate([gate, up])
+    got = si.SharedInput([gate, up], merged)(x)
+    for a, b in zip(alone, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+    assert gate.weight.untyped_storage().data_ptr() == merged.weight.untyped_storage().data_ptr()
+    q, k = _linears("fp8", "fp8", [32, 32])
+    k.static_scales = (k.static_scales[0] * 2, k.static_scales[1])
+    assert not si.shares_quantization([q, k]) and not si.concatenates([q, k])
+    assert not si.shares_quantization([gate, up])  # float linears quantize nothing
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory) -> DiffusionGemma:
+    from pipeline.runtime import gpu_load
+    from pipeline.runtime import probe as probing
+
+    path = build_quantized_checkpoint(Path(tmp_path_factory.mktemp("q")) / "fp8", "fp8")
+    probed = probing.Probe("sm90", {"linear:fp8": None, "experts:fp8": "no grouped GEMM on the CPU"})
+    return gpu_load.load_on_gpu(path, torch.float32, CPU, probed)[0]
+
+
+def test_the_embedded_fp8_model_keeps_its_logits_with_shared_inputs(fp8_model):
+    """Every layer's q/k/v and gate/up on one quantization (the checkpoint's FP8 linears have a weight scale
+    each, as ModelOpt's: no merged GEMM) and the float self-conditioning's gate and up in one GEMM: the same
+    logits (bit for bit on this repository's CI machine; the merged float GEMM may sum in another order)."""
+    model = fp8_model
+    gen = torch.Generator().manual_seed(5)
+    canvas = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=gen)
+    soft = torch.randn(2, 12, model.cfg.hidden_size, generator=gen)
+    positions = torch.arange(12).expand(2, 12)
+    with torch.inference_mode():
+        before = model.denoise_soft(canvas, soft, positions, {k: None for k in set(model.layer_types)}, None)
+        shared, saved = si.share_inputs(model)
+        after = model.denoise_soft(canvas, soft, positions, {k: None for k in set(model.layer_types)}, None)
+    assert shared == 2 * len(model.layers) and saved == 1
+    assert all(isinstance(layer.self_attn.qkv_kernel, si.SharedInput) for layer in model.layers)
+    assert model.self_conditioning.gate_up_kernel.merged is not None
+    torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-5)
+    layer = model.layers[0]
+    assert layer.mlp.gate_up_kernel.merged is None
