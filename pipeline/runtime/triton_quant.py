@@ -105,10 +105,14 @@ def blocked_scales(scales: torch.Tensor, offs: torch.Tensor | None = None) -> to
     rows = sl.ceil_div(m, sl.TILE_ROWS) * sl.TILE_ROWS if offs is None else sl.blocked_rows_bound(m, groups)
     if rows * cp >= 2**31:  # the kernel's indices are int32 (64-bit ones spilled registers on sm_120)
         raise ValueError(f"{rows * cp} swizzled scales: more than the kernel's int32 indices reach")
-    out = torch.zeros(rows * cp, dtype=torch.uint8, device=scales.device)
-    if m:
-        _kernels().blocked_scales[(triton.cdiv(m, BLOCKED_ROWS),)](
-            scales.contiguous(), scales if offs is None else offs, out, m, c, cp, groups, ONE_GROUP=offs is None,
-            G_POW2=triton.next_power_of_2(groups), BLOCK_R=BLOCKED_ROWS, BLOCK_C=triton.next_power_of_2(c),
+    if offs is None:  # the kernel writes every padded tile, zeros included
+        out, covered = torch.empty(rows * cp, dtype=torch.uint8, device=scales.device), rows
+    else:  # padding between groups wherever the offsets put it
+        out, covered = torch.zeros(rows * cp, dtype=torch.uint8, device=scales.device), m
+    if covered:
+        _kernels().blocked_scales[(triton.cdiv(covered, BLOCKED_ROWS),)](
+            scales.contiguous(), scales if offs is None else offs, out, m, rows, c, cp, groups,
+            ONE_GROUP=offs is None, G_POW2=triton.next_power_of_2(groups), BLOCK_R=BLOCKED_ROWS,
+            BLOCK_C=triton.next_power_of_2(cp),
         )  # fmt: skip
     return out if offs is None else out.view(-1, cp)

@@ -86,7 +86,7 @@ def nvfp4_fp8_rows(
 
 @triton.jit
 def blocked_scales(
-    scales_ptr, offs_ptr, out_ptr, S, C, CP, num_groups, ONE_GROUP: tl.constexpr, G_POW2: tl.constexpr,
+    scales_ptr, offs_ptr, out_ptr, S, R, C, CP, num_groups, ONE_GROUP: tl.constexpr, G_POW2: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows, in group order (int32: the caller checks)
@@ -109,4 +109,8 @@ def blocked_scales(
     c = tl.arange(0, BLOCK_C)
     flat = (tile_row * CP + within)[:, None] + (c // 4 * 512 + c % 4)[None, :]
     m = (r < S)[:, None] & (c < C)[None, :]
-    tl.store(out_ptr + flat, tl.load(scales_ptr + r[:, None] * C + c[None, :], mask=m, other=0), mask=m)
+    value = tl.load(scales_ptr + r[:, None] * C + c[None, :], mask=m, other=0)
+    if ONE_GROUP:  # the launch covers the padded tiles too and writes their zeros: no zero-filled output first
+        tl.store(out_ptr + flat, value, mask=(r < R)[:, None] & (c < CP)[None, :])
+    else:
+        tl.store(out_ptr + flat, value, mask=m)

@@ -157,7 +157,9 @@ def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
     hopper, fp8 = gt.trace_pass("nvfp4", "sm90", 1, LAYERS), gt.trace_pass("fp8", "sm90", 1, LAYERS)
     assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs and hopper.launches == fp8.launches
     b200 = gt.trace_pass("nvfp4", "sm100", 1, LAYERS)
-    assert b200.ops["triton::nvfp4_quant"] == inputs
+    assert b200.ops["triton::nvfp4_quant"] == b200.ops["triton::blocked_scales"] == inputs
+    # a linear's swizzle writes its padding itself; the experts' grouped scales start from zeros
+    assert b200.ops["aten::zeros"] == 2 * LAYERS
     no_kernel = gt.passing_probe("sm100")
     no_kernel.results["quant:nvfp4"] = "failed"
     torch_form = gt.trace_pass("nvfp4", "sm100", 1, LAYERS, probed=no_kernel)
@@ -288,13 +290,13 @@ def test_a_two_kernel_chain_takes_one_launch_a_layer_where_probed(form, kernel, 
 
 
 @pytest.mark.parametrize(
-    ("fmt", "arch", "fewer"), [("fp8", "sm90", 5 + 1), ("nvfp4", "sm100", 3 * 5 + 3), ("bf16", "sm90", 3)]
+    ("fmt", "arch", "fewer"), [("fp8", "sm90", 5 + 1), ("nvfp4", "sm100", 2 * 5 + 3), ("bf16", "sm90", 3)]
 )
 def test_sibling_linears_share_their_input_quantization_and_gate_and_up_one_gemm(
     monkeypatch, fmt, arch, fewer
 ):
     """q, k and v quantize their input once (two fewer in a sliding layer, one in a global one), gate and up
-    once (one fewer); NVFP4 quantizes in three launches (codes, the padded swizzled scales, their zeros).
+    once (one fewer); NVFP4 quantizes in two launches (codes and block scales, their swizzle).
     Gate and up are one GEMM in the float self-conditioning and, but for FP8 (a weight scale each), in
     each dense MLP. Without sharing, every linear quantizes and runs alone."""
     shared = gt.trace_pass(fmt, arch, 1, LAYERS)

@@ -4,6 +4,7 @@ compiled for Hopper, B200, Ada and RTX Blackwell without a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -85,6 +86,20 @@ def test_leading_dims_strided_rows_and_empty_inputs(rne_casts):  # noqa: F811
     assert tq.nvfp4_fp8_rows(empty, torch.tensor(1.0))[1].shape == (0,)
 
 
+@contextlib.contextmanager
+def _uninitialised_bytes_are_0xab():
+    """torch.empty's uint8 tensors filled with 0xAB, as memory a GPU allocator hands back may hold."""
+    empty = torch.empty
+
+    def filled(*size, dtype=None, **kw):
+        t = empty(*size, dtype=dtype, **kw)
+        return t.fill_(0xAB) if dtype == torch.uint8 else t
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "empty", filled)
+        yield
+
+
 @pytest.mark.parametrize(("m", "c"), [(37, 11), (300, 44), (128, 176), (1, 3)])
 def test_scale_swizzles_are_torchs(m, c):
     """The block scales' 128x4-tile layout for one linear and for rows grouped by expert (uneven, empty and
@@ -92,6 +107,8 @@ def test_scale_swizzles_are_torchs(m, c):
     g = torch.Generator().manual_seed(m)
     s = torch.randint(0, 256, (m, c), dtype=torch.uint8, generator=g)
     assert torch.equal(tq.blocked_scales(s), sl.to_blocked(s))
+    with _uninitialised_bytes_are_0xab():  # the one-linear form writes its padding's zeros itself
+        assert torch.equal(tq.blocked_scales(s), sl.to_blocked(s))
     for groups in (1, 4, 7, 128):
         cuts = torch.sort(torch.randint(0, m + 1, (groups - 1,), generator=g)).values
         offs = torch.cat([cuts, torch.tensor([m])]).to(torch.int32)
@@ -161,7 +178,7 @@ forms = {
     "nvfp4_fp8_rows": (k.nvfp4_fp8_rows, {"x_ptr": "*bf16", "gs_ptr": "*fp32", "out_ptr": "*fp8e4nv",
                        "scales_ptr": "*fp32", "K": "i32", "stride_x": "i32"}, {**consts, "NB": 512}, 8),
 }
-swizzle = {"scales_ptr": "*u8", "offs_ptr": "*i32", "out_ptr": "*u8", "S": "i32", "C": "i32", "CP": "i32",
+swizzle = {"scales_ptr": "*u8", "offs_ptr": "*i32", "out_ptr": "*u8", "S": "i32", "R": "i32", "C": "i32", "CP": "i32",
            "num_groups": "i32"}
 for one in (True, False):  # 128 experts' grouped rows of 176 scale columns (the 26B's hidden size / 16)
     forms[f"blocked_scales_{'one' if one else 'grouped'}"] = (k.blocked_scales, swizzle,
