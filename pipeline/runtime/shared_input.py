@@ -23,7 +23,7 @@ each byte once. CUDA only, through `gpu_load.finish_on_device`: the CPU path is 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -136,20 +136,24 @@ def _assign(module: nn.Module, name: str, t: torch.Tensor) -> None:
         module.register_buffer(name, t)
 
 
+def sibling_linears(model: DiffusionGemma) -> Iterator[tuple[nn.Module, str, list[nn.Module], bool]]:
+    """(module, its `SharedInputKernel` slot, the linears that read one input, whether they may merge)."""
+    for layer in model.layers:
+        attn = layer.self_attn
+        qkv = [attn.q_proj, attn.k_proj, *([attn.v_proj] if attn.v_proj is not None else [])]
+        yield attn, "qkv_kernel", qkv, False
+        yield layer.mlp, "gate_up_kernel", [layer.mlp.gate_proj, layer.mlp.up_proj], True
+    sc = model.self_conditioning
+    yield sc, "gate_up_kernel", [sc.gate_proj, sc.up_proj], True
+
+
 def share_inputs(model: DiffusionGemma) -> tuple[int, int]:
     """Every layer's q/k/v and every gated MLP's gate/up on `SharedInput` where they gain from it: quantized
     linears sharing the quantization, gate and up also merged where `concatenates`. Returns (groups sharing a
     quantization, GEMMs saved by merging)."""
     shared = saved = 0
-    groups = []
-    for layer in model.layers:
-        attn = layer.self_attn
-        qkv = [attn.q_proj, attn.k_proj, *([attn.v_proj] if attn.v_proj is not None else [])]
-        groups += [(attn, "qkv_kernel", qkv, False), (layer.mlp, "gate_up_kernel", None, True)]
-    groups.append((model.self_conditioning, "gate_up_kernel", None, True))
-    for owner, slot, parts, merge in groups:
-        parts = parts or [owner.gate_proj, owner.up_proj]
-        merged = concatenate(parts) if merge and concatenates(parts) else None
+    for owner, slot, parts, may_merge in sibling_linears(model):
+        merged = concatenate(parts) if may_merge and concatenates(parts) else None
         if merged is None and not shares_quantization(parts):
             continue
         setattr(owner, slot, SharedInput(parts, merged))
