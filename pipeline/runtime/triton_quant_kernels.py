@@ -110,9 +110,8 @@ def blocked_scales(
     flat = (tile_row * CP + within)[:, None] + (c // 4 * 512 + c % 4)[None, :]
     m = (r < S)[:, None] & (c < C)[None, :]
     value = tl.load(scales_ptr + r[:, None] * C + c[None, :], mask=m, other=0)
-    if (
-        ONE_GROUP
-    ):  # the launch covers the padded tiles too and writes their zeros: no zero-filled output first
+    # one group: the launch covers the padded tiles too and writes their zeros (no zero-filled output first)
+    if ONE_GROUP:
         tl.store(out_ptr + flat, value, mask=(r < R)[:, None] & (c < CP)[None, :])
     else:
         tl.store(out_ptr + flat, value, mask=m)
