@@ -5,7 +5,7 @@ the whole pass's time cannot separate, and whether their values agree there as t
 Each pair runs on the same random inputs: RoPE on the queries of a sliding layer, the LM head's softcap on
 the logits, the experts' combine of rows in slot order, the gated GeLU of the experts' gate|up output (bf16,
 and FP8 against the GeLU, product and one-pass quantization it replaces), a layer's residual sum, the
-router's input scales, and the K/V concatenation of a sliding layer over the benchmark's cached tokens, read
+router's input scales, a layer's end (its three last norms, two sums and scale), and the K/V concatenation of a sliding layer over the benchmark's cached tokens, read
 from a cache buffer as the runtime reads it."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ Pair = tuple[str, Callable[[], object], Callable[[], object]]
 
 def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> list[Pair]:
     """(name and shape, torch form, kernel) for each chain, on inputs drawn on `dev`."""
-    from pipeline.model.network import apply_rope, combine_slots, gelu_tanh
+    from pipeline.model.network import RMSNorm, apply_rope, combine_slots, gelu_tanh, layer_end
     from pipeline.runtime import triton_network as tn
     from pipeline.runtime import triton_quant
 
@@ -38,6 +38,10 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
     gate, up = bf16(tokens * k, 2 * cfg.moe_intermediate_size).chunk(2, dim=-1)
     scale = torch.tensor(0.05, device=dev)
     residual, x, layer_scale, router_scale = bf16(batch, canvas, d), bf16(batch, canvas, d), bf16(1), bf16(d)
+    moe, norms = (
+        bf16(batch, canvas, d),
+        tuple(RMSNorm(d, cfg.rms_norm_eps).to(dev, torch.bfloat16) for _ in range(3)),
+    )
     ring = max(cfg.sliding_window - 1, 1)
     cache = bf16(2, batch, kv, ring, hd)  # K|V buffers of a sliding layer, as the runtime's cache holds them
     past = min(context, ring)
@@ -55,6 +59,8 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
          lambda: tn.add_scaled(residual, x, layer_scale)),
         (f"router input [{tokens}, {d}]", lambda: x.view(tokens, d) * router_scale * d**-0.5,
          lambda: tn.scale_columns(x.view(tokens, d), router_scale, d**-0.5)),
+        (f"layer end [{tokens}, {d}]", lambda: layer_end(residual, x, moe, norms, layer_scale),
+         lambda: tn.layer_end(residual, x, moe, norms, layer_scale)),
         (f"K/V concatenation [{batch}, {kv}, {past} + {canvas}, {hd}]",
          lambda: (torch.cat([pk, new[0]], 2), torch.cat([pv, new[1]], 2)), lambda: tn.kv_cat(pk, pv, new[0], new[1])),
     ]  # fmt: skip

@@ -79,6 +79,11 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 # a fused form of gelu_tanh(gate) * up: (gate, up) -> the product in gate's dtype
 GegluKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+# a fused form of `layer_end`: (residual, dense, moe, its three norms, scale) -> the layer's output
+LayerEndKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, tuple[RMSNorm, RMSNorm, RMSNorm], torch.Tensor], torch.Tensor
+]
+
 # linears that read one input, computed together (`pipeline.runtime.shared_input`): x -> each linear's output
 SharedInputKernel = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
@@ -443,6 +448,9 @@ class DecoderLayer(nn.Module):
         # the residual sum and the layer scale, (residual + x) * scale, as one fused CUDA kernel
         # (`pipeline.runtime.triton_network.add_scaled`), set by the GPU loader where probed; None: torch's two
         self.residual_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # `layer_end` (three norms, two sums and the scale: five kernels) as one fused CUDA kernel
+        # (`pipeline.runtime.triton_network.layer_end`), set by the GPU loader where probed
+        self.end_kernel: LayerEndKernel | None = None
 
     def forward(
         self, h: torch.Tensor, li: LayerInputs, past: tuple[torch.Tensor, torch.Tensor] | None, encoder: bool
@@ -450,15 +458,37 @@ class DecoderLayer(nn.Module):
         a, new_kv = self.self_attn(self.input_layernorm(h), li, past)
         h = h + self.post_attention_layernorm(a)
         residual = h
-        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+        dense = self.mlp(self.pre_feedforward_layernorm(h))
         flat = residual.reshape(-1, residual.shape[-1])
         _, weights, index = self.router(flat)
         moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(residual.shape)
-        ffn = self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
         scale = self.encoder_layer_scalar if encoder else self.layer_scalar
-        if self.residual_kernel is not None and not _tracing():
-            return self.residual_kernel(residual, ffn, scale), new_kv
-        return (residual + ffn) * scale, new_kv
+        norms = (
+            self.post_feedforward_layernorm_1,
+            self.post_feedforward_layernorm_2,
+            self.post_feedforward_layernorm,
+        )
+        if self.end_kernel is not None and not _tracing():
+            return self.end_kernel(residual, dense, moe, norms, scale), new_kv
+        return layer_end(residual, dense, moe, norms, scale, self.residual_kernel), new_kv
+
+
+def layer_end(
+    residual: torch.Tensor,
+    dense: torch.Tensor,
+    moe: torch.Tensor,
+    norms: tuple[RMSNorm, RMSNorm, RMSNorm],
+    scale: torch.Tensor,
+    residual_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """A decoder layer's output from its dense MLP's and experts' outputs: (residual + norm(norm_1(dense) +
+    norm_2(moe))) * scale, `norms` = (norm_1, norm_2, norm); `residual_kernel`: a fused form of the last sum
+    and product (`pipeline.runtime.triton_network.add_scaled`)."""
+    dense_norm, moe_norm, ffn_norm = norms
+    ffn = ffn_norm(dense_norm(dense) + moe_norm(moe))
+    if residual_kernel is not None and not _tracing():
+        return residual_kernel(residual, ffn, scale)
+    return (residual + ffn) * scale
 
 
 class SelfConditioning(nn.Module):

@@ -32,6 +32,7 @@ from pipeline.runtime.probe import (
     COMBINE,
     GEGLU,
     KV_CAT,
+    LAYER_END,
     NVFP4_QUANT_MODES,
     RESIDUAL,
     ROPE,
@@ -48,6 +49,7 @@ from pipeline.runtime.triton_network import (
     combine,
     geglu_or_torch,
     kv_cat_or_torch,
+    layer_end_or_torch,
     rope_or_torch,
     scale_columns_or_torch,
     softcap,
@@ -249,13 +251,14 @@ TORCH_FORMS = {ROPE: "RoPE: torch's five element-wise kernels per tensor",
                GEGLU: "gated GeLU: torch's GeLU, then the product (and the FP8 experts' quantization)",
                RESIDUAL: "residual sum and layer scale: torch's sum, then the product",
                KV_CAT: "K/V concatenation: torch.cat, one launch for K and one for V",
-               ROUTER: "router input: torch's two products"}  # fmt: skip
+               ROUTER: "router input: torch's two products",
+               LAYER_END: "layer end: three RMSNorms, a sum, the residual sum and scale (torch's five kernels)"}  # fmt: skip
 
 
 def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None) -> Installed | None:
     """The network's element-wise chains on dgpipe's one-kernel forms (`triton_network`) where their probes
     passed: every layer's RoPE, K/V concatenation, gated GeLUs (dense MLP, experts, self-conditioning), router
-    input, experts' combine and residual sum, and the LM head's softcap; where not, the torch forms stay and
+    input, experts' combine and end (its three last norms and residual sum), and the LM head's softcap; where not, the torch forms stay and
     the report says why."""
     gated = geglu_or_torch if probed.ok(GEGLU) else None
     for layer in model.layers:
@@ -263,6 +266,7 @@ def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None)
         layer.self_attn.kv_cat_kernel = kv_cat_or_torch if probed.ok(KV_CAT) else None
         layer.mlp.geglu_kernel = gated
         layer.residual_kernel = add_scaled_or_torch if probed.ok(RESIDUAL) else None
+        layer.end_kernel = layer_end_or_torch if probed.ok(LAYER_END) else None
         layer.router.scale_kernel = scale_columns_or_torch if probed.ok(ROUTER) else None
         if hasattr(layer.experts, "combine_kernel"):  # every experts module routed on the device
             layer.experts.combine_kernel = combine if probed.ok(COMBINE) else None

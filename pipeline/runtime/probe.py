@@ -16,7 +16,15 @@ from pipeline.errors import DgpipeError, error_line
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX
 from pipeline.model.modelopt import PackedLinear
-from pipeline.model.network import apply_rope, combine_slots, combine_top_k, gelu_tanh, inverse_permutation
+from pipeline.model.network import (
+    RMSNorm,
+    apply_rope,
+    combine_slots,
+    combine_top_k,
+    gelu_tanh,
+    inverse_permutation,
+    layer_end,
+)
 from pipeline.runtime import triton_moe, triton_network, triton_quant
 from pipeline.runtime.dispatch import EVERY_PASS, arch_of, dispatch
 from pipeline.runtime.routed import routed_experts
@@ -55,8 +63,10 @@ GEGLU_FORM = ("geglu", "bf16", "bf16")  # checked in bf16 and fp16, and with its
 RESIDUAL_FORM = ("residual", "bf16", "bf16")  # checked in bf16 and fp16
 KV_CAT_FORM = ("kv_cat", "bf16", "bf16")  # checked in bf16 and fp32
 ROUTER_FORM = ("router", "bf16", "bf16")  # checked in bf16 and fp16
-NETWORK_FORMS = (ROPE_FORM, SOFTCAP_FORM, COMBINE_FORM, GEGLU_FORM, RESIDUAL_FORM, KV_CAT_FORM, ROUTER_FORM)
-ROPE, SOFTCAP, COMBINE, GEGLU, RESIDUAL, KV_CAT, ROUTER = (
+LAYER_END_FORM = ("layer_end", "bf16", "bf16")  # checked in bf16 and fp16
+NETWORK_FORMS = (ROPE_FORM, SOFTCAP_FORM, COMBINE_FORM, GEGLU_FORM, RESIDUAL_FORM, KV_CAT_FORM, ROUTER_FORM,
+                 LAYER_END_FORM)  # fmt: skip
+ROPE, SOFTCAP, COMBINE, GEGLU, RESIDUAL, KV_CAT, ROUTER, LAYER_END = (
     f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS
 )
 # the modes whose activations `triton_quant`'s NVFP4 kernels quantize
@@ -383,10 +393,43 @@ def check_triton_router(dev: torch.device) -> None:
             )
 
 
+def same_layer_end(
+    got: torch.Tensor, want: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor
+) -> bool:
+    """Whether two layer ends agree as closely as RMSNorms summing their squares in another order let them:
+    within 2^-6 of the value plus 2^-6 of the scaled residual it was summed from (a norm's output a unit of
+    2^-7 off, which the residual sum can leave as the whole result where the two cancel), and NaN where the
+    other has NaN. A wrong weight, eps or rounding step is off by far more."""
+    g, w = got.float(), want.float()
+    bound = 2.0**-6 * (w.abs() + (residual.float() * scale.float()).abs())
+    close = ((g - w).abs() <= bound) | (g == w)  # equal infinities
+    return bool(torch.equal(g.isnan(), w.isnan()) and (close | w.isnan()).all())
+
+
+def check_triton_layer_end(dev: torch.device) -> None:
+    """dgpipe's layer-end kernel (three RMSNorms, two sums, the scale) against torch's form
+    (`network.layer_end`: torch's fused RMSNorm) at the 26B's width and one that is no power of two, bf16 and
+    fp16, values over seven decades, a row of zeros and one with infinity and NaN: as close as a norm's sum in
+    another order allows (`same_layer_end`), or a DgpipeError."""
+    g = torch.Generator().manual_seed(12)
+    for dtype, d in ((torch.bfloat16, 2816), (torch.float16, 2816), (torch.bfloat16, 100)):
+        residual, dense, moe = (spread(9, d, g) / 64).to(dev, dtype).chunk(3)  # three rows of three
+        dense[0], moe[1, :2] = 0.0, torch.tensor([float("inf"), float("nan")])
+        norms = tuple(RMSNorm(d, 1e-6).to(dev, dtype) for _ in range(3))
+        for n in norms:
+            n.weight.data = (torch.rand(d, generator=g) * 2).to(dev, dtype)
+        scale = torch.tensor([0.7], device=dev, dtype=dtype)
+        got = triton_network.layer_end(residual, dense, moe, norms, scale)
+        if not same_layer_end(got, layer_end(residual, dense, moe, norms, scale), residual, scale):
+            raise DgpipeError(
+                f"the Triton layer end differs from torch's ({dtype}, {d} wide)", TRITON_FALLBACK
+            )
+
+
 # each `triton_network` kernel's check, by its probe form's kind
 NETWORK_CHECKS = {"rope": check_triton_rope, "softcap": check_triton_softcap, "combine": check_triton_combine,
                   "geglu": check_triton_geglu, "residual": check_triton_residual, "kv_cat": check_triton_kv_cat,
-                  "router": check_triton_router}  # fmt: skip
+                  "router": check_triton_router, "layer_end": check_triton_layer_end}  # fmt: skip
 assert set(NETWORK_CHECKS) == {kind for kind, _, _ in NETWORK_FORMS}
 
 

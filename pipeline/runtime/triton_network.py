@@ -42,12 +42,18 @@ K/V concatenation: a pass over cached tokens concatenates each layer's cached K 
 the cache's views and the projections' transposed outputs lie, in one launch: a copy, so torch's bit for bit.
 
 Residual sum: a decoder layer ends with `(residual + x) * layer_scalar`, two kernels; this is one, rounding
-the sum before the product as torch does, so bit for bit. The router's input, `norm(x) * scale * d^-0.5`,
+the sum before the product as torch does, so bit for bit. Layer end: before that sum come three RMSNorms and a
+sum (`network.layer_end`: `norm(norm_1(dense) + norm_2(moe))`), five kernels in all, each intermediate written
+and read back; one program here takes a row through all of them, each result rounded where torch rounds it.
+The norms compute torch's fused RMSNorm arithmetic (fp32, `x * rsqrt(mean(x^2) + eps) * w`, rounded once)
+but add their squares in another order, so a value can land one rounding away (`probe.same_layer_end`; under
+1% of values in the tests, none in most bf16 rows). The router's input, `norm(x) * scale * d^-0.5`,
 is likewise two products in one kernel, each rounded where torch rounds it.
 
 The load-time probe holds each to its torch form on the GPU before a model uses it
 (`pipeline.runtime.probe.check_triton_rope`, `check_triton_softcap`, `check_triton_combine`,
-`check_triton_geglu`, `check_triton_residual`, `check_triton_kv_cat`, `check_triton_router`). Under
+`check_triton_geglu`, `check_triton_residual`, `check_triton_kv_cat`, `check_triton_router`,
+`check_triton_layer_end`). Under
 torch.compile the torch forms stay (inductor fuses them).
 """
 
@@ -58,9 +64,10 @@ import struct
 
 import torch
 
+from pipeline.model import network
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX
-from pipeline.model.network import apply_rope, gelu_tanh
+from pipeline.model.network import RMSNorm, apply_rope, gelu_tanh
 
 ROW_VALUES = 4096  # values per program: 16 rows of a 256-wide head, 8 of a 512-wide one
 # no floating-point contraction: with it (Triton's default) LLVM turns a product and the sum it feeds into
@@ -258,6 +265,76 @@ def add_scaled(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.T
 def add_scaled_or_torch(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`add_scaled` where it serves (`add_scaled_serves`), else the torch form: what the GPU loader installs."""
     return add_scaled(a, b, scale) if add_scaled_serves(a, b, scale) else (a + b) * scale
+
+
+LAYER_END_MAX_COLS = 8192  # one row a program, in registers (the 26B's 2,816)
+LAYER_END_OPTIONS = {**OPTIONS, "num_warps": 8}  # a 4,096-wide row: 16 values a thread
+
+
+def layer_end_serves(
+    residual: torch.Tensor,
+    dense: torch.Tensor,
+    moe: torch.Tensor,
+    norms: tuple[RMSNorm, ...],
+    scale: torch.Tensor,
+) -> bool:
+    """Whether the kernel takes a layer's end: residual, dense and moe [..., d] of one dtype (bf16/fp16) and
+    shape, contiguous, d at most `LAYER_END_MAX_COLS`; the three norms scaled by weights of that dtype, one eps;
+    a one-value scale."""
+    d = residual.shape[-1]
+    return (
+        residual.dtype in DTYPES
+        and all(
+            t.dtype == residual.dtype and t.shape == residual.shape and t.is_contiguous()
+            for t in (dense, moe)
+        )
+        and residual.is_contiguous()
+        and d <= LAYER_END_MAX_COLS
+        and all(
+            n.weight is not None and n.weight.dtype == residual.dtype and n.weight.shape == (d,)
+            for n in norms
+        )
+        and len({n.eps for n in norms}) == 1
+        and scale.dtype == residual.dtype
+        and scale.numel() == 1
+    )
+
+
+def layer_end(
+    residual: torch.Tensor,
+    dense: torch.Tensor,
+    moe: torch.Tensor,
+    norms: tuple[RMSNorm, ...],
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """`pipeline.model.network.layer_end` in one pass over each row (`layer_end_serves` must hold): the three
+    RMSNorms in fp32 as torch's fused norm computes them but for the order of their sums of squares, and every
+    result rounded where torch's kernels round it."""
+    import triton
+
+    out = torch.empty_like(residual)
+    d = residual.shape[-1]
+    rows = residual.numel() // d if d else 0
+    if rows:
+        w1, w2, w = (n.weight for n in norms)
+        _kernels().layer_end[(rows,)](
+            dense, moe, residual, w1, w2, w, scale, out, d, norms[0].eps, BLOCK=triton.next_power_of_2(d),
+            **LAYER_END_OPTIONS,
+        )  # fmt: skip
+    return out
+
+
+def layer_end_or_torch(
+    residual: torch.Tensor,
+    dense: torch.Tensor,
+    moe: torch.Tensor,
+    norms: tuple[RMSNorm, ...],
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """`layer_end` where it serves (`layer_end_serves`), else the torch form: what the GPU loader installs."""
+    if layer_end_serves(residual, dense, moe, norms, scale):
+        return layer_end(residual, dense, moe, norms, scale)
+    return network.layer_end(residual, dense, moe, norms, scale)
 
 
 KV_CAT_VALUES = 4096  # values per program: 16 tokens of a 256-wide head, 8 of a 512-wide one

@@ -140,3 +140,31 @@ def scale_columns(x_ptr, w_ptr, out_ptr, n, cols, c, BLOCK: tl.constexpr):
     x = tl.load(x_ptr + i, mask=inside, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + i % cols, mask=inside, other=0.0).to(tl.float32)
     tl.store(out_ptr + i, ((x * w).to(dt).to(tl.float32) * c).to(dt), mask=inside)
+
+
+@triton.jit
+def _rms_norm(x, w_ptr, c, inside, cols, eps):
+    """x * rsqrt(mean(x^2) + eps) * w in fp32 for one row x (zeros past `cols`): torch's fused RMSNorm's
+    arithmetic, but for the order its sum of squares is added in."""
+    w = tl.load(w_ptr + c, mask=inside, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.math.div_rn(tl.sum(x * x, 0), cols.to(tl.float32)) + eps)
+    return x * rstd * w
+
+
+@triton.jit
+def layer_end(
+    dense_ptr, moe_ptr, res_ptr, w1_ptr, w2_ptr, w_ptr, s_ptr, out_ptr, cols, eps, BLOCK: tl.constexpr
+):  # fmt: skip
+    """One row of a decoder layer's end, (res + norm(norm1(dense) + norm2(moe))) * s, each norm, the sum, the
+    residual sum and the product rounded to the row's dtype where torch's five kernels round them."""
+    row = tl.program_id(0).to(tl.int64) * cols
+    c = tl.arange(0, BLOCK)
+    inside = c < cols
+    dt = res_ptr.dtype.element_ty
+    dense = tl.load(dense_ptr + row + c, mask=inside, other=0.0).to(tl.float32)
+    moe = tl.load(moe_ptr + row + c, mask=inside, other=0.0).to(tl.float32)
+    a = _rms_norm(dense, w1_ptr, c, inside, cols, eps).to(dt).to(tl.float32)
+    b = _rms_norm(moe, w2_ptr, c, inside, cols, eps).to(dt).to(tl.float32)
+    ffn = _rms_norm((a + b).to(dt).to(tl.float32), w_ptr, c, inside, cols, eps).to(dt).to(tl.float32)
+    h = (tl.load(res_ptr + row + c, mask=inside, other=0.0).to(tl.float32) + ffn).to(dt).to(tl.float32)
+    tl.store(out_ptr + row + c, (h * tl.load(s_ptr).to(tl.float32)).to(dt), mask=inside)

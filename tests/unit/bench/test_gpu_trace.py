@@ -279,14 +279,34 @@ def test_the_gated_gelus_take_one_launch_where_probed():
 )
 def test_a_two_kernel_chain_takes_one_launch_a_layer_where_probed(form, kernel, torch_op, more):
     """Each chain is one kernel a layer; where its probe failed, torch's form runs `more` of `torch_op` a
-    layer instead, one launch more in all."""
-    fused = gt.trace_pass("bf16", "sm90", 1, LAYERS)
+    layer instead, one launch more in all. (The residual sum runs on its own kernel where the layer end's,
+    which computes it too, failed its probe.)"""
+    base = gt.passing_probe("sm90")
+    if form == probing.RESIDUAL:
+        base.results[probing.LAYER_END] = "failed"
+    fused = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=base)
     assert fused.ops[kernel] == LAYERS
     no_kernel = gt.passing_probe("sm90")
-    no_kernel.results[form] = "failed"
+    no_kernel.results.update(base.results, **{form: "failed"})
     torch_form = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=no_kernel)
     assert torch_form.ops[torch_op] == fused.ops.get(torch_op, 0) + more * LAYERS
     assert kernel not in torch_form.ops and torch_form.launches == fused.launches + LAYERS
+
+
+def test_a_layers_end_takes_one_launch_where_probed():
+    """The three norms after the FFN branches, their sum, the residual sum and the layer scale: five launches
+    a layer in torch's form (the residual sum and scale on their own kernel where probed), one on the kernel,
+    and less traffic (each intermediate written and read back)."""
+    fused = gt.trace_pass("fp8", "sm90", 16, LAYERS)
+    assert fused.ops["triton::layer_end"] == LAYERS and "triton::add_scaled" not in fused.ops
+    no_kernel = gt.passing_probe("sm90")
+    no_kernel.results[probing.LAYER_END] = "failed"
+    torch_form = gt.trace_pass("fp8", "sm90", 16, LAYERS, probed=no_kernel)
+    assert torch_form.ops["aten::rms_norm"] == fused.ops["aten::rms_norm"] + 3 * LAYERS
+    assert torch_form.ops["triton::add_scaled"] == LAYERS and "triton::layer_end" not in torch_form.ops
+    assert torch_form.launches == fused.launches + 4 * LAYERS
+    row_gb = 16 * 256 * 2816 * 2 / 1e9  # one [tokens, hidden] bf16 tensor at 16 canvases
+    assert torch_form.moved_gb - fused.moved_gb == pytest.approx(LAYERS * 8 * row_gb, rel=0.05)
 
 
 @pytest.mark.parametrize(

@@ -111,7 +111,7 @@ def test_a_model_with_the_kernels_installed_gives_the_same_logits(rne_casts):  #
     assert all(layer.self_attn.rope_kernel and layer.residual_kernel for layer in model.layers)
     assert report.fallbacks == [
         f"{gpu_load.TORCH_FORMS[form]} (the Triton kernel failed its probe: not run)"
-        for form in (probing.SOFTCAP, probing.COMBINE, probing.GEGLU, probing.KV_CAT)
+        for form in (probing.SOFTCAP, probing.COMBINE, probing.GEGLU, probing.KV_CAT, probing.LAYER_END)
     ]
     assert torch.equal(got[0], want[0])
     assert all(
@@ -217,6 +217,7 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
             probing.RESIDUAL: None,
             probing.KV_CAT: None,
             probing.ROUTER: None,
+            probing.LAYER_END: None,
         },
     )
     report = gpu_load.fuse_network(model, probed, None)
@@ -224,6 +225,7 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
     gated = [model.self_conditioning, *(m for layer in model.layers for m in (layer.mlp, layer.experts))]
     assert all(m.geglu_kernel is triton_network.geglu_or_torch for m in gated)
     assert all(layer.residual_kernel is triton_network.add_scaled_or_torch for layer in model.layers)
+    assert all(layer.end_kernel is triton_network.layer_end_or_torch for layer in model.layers)
     assert all(layer.self_attn.kv_cat_kernel is triton_network.kv_cat_or_torch for layer in model.layers)
     assert all(layer.router.scale_kernel is triton_network.scale_columns_or_torch for layer in model.layers)
     assert model.softcap_kernel is triton_network.softcap
@@ -311,6 +313,77 @@ def test_other_kv_layouts_keep_torch_cat(monkeypatch):
     monkeypatch.setattr(triton_network, "kv_cat", lambda *a: pytest.fail("the kernel ran"))
     got = triton_network.kv_cat_or_torch(strided, strided, k, k)
     assert torch.equal(got[0], torch.cat([strided, k], dim=2)) and torch.equal(got[1], got[0])
+
+
+def _layer_end_inputs(dtype: torch.dtype, d: int, rows: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    residual, dense, moe = (probing.spread(3 * rows, d, g) / 64).to(dtype).chunk(3)
+    norms = tuple(network.RMSNorm(d, 1e-6).to(dtype) for _ in range(3))
+    for n in norms:
+        n.weight.data = (torch.rand(d, generator=g) * 2).to(dtype)
+    return residual, dense, moe, norms, torch.tensor([0.7], dtype=dtype)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize("d", [2816, 100])
+def test_the_layer_end_is_torchs_but_for_its_norms_sums(rne_casts, dtype, d):  # noqa: F811
+    """Three RMSNorms, two sums and the scale in one kernel against torch's form (`network.layer_end`), rows
+    over seven decades: within `probe.same_layer_end`, and bit for bit but where a sum of squares added in
+    another order moved a rounding (under 1% of the values); other inputs keep the torch form."""
+    residual, dense, moe, norms, scale = _layer_end_inputs(dtype, d, 24, d)
+    assert triton_network.layer_end_serves(residual, dense, moe, norms, scale)
+    got = triton_network.layer_end(residual, dense, moe, norms, scale)
+    want = network.layer_end(residual, dense, moe, norms, scale)
+    assert probing.same_layer_end(got, want, residual, scale)
+    assert (got != want).float().mean() < 0.01
+    wrong = network.layer_end(residual, dense, moe, (norms[1], norms[0], norms[2]), scale)
+    assert not probing.same_layer_end(wrong, want, residual, scale)
+    assert not triton_network.layer_end_serves(
+        residual.float(), dense.float(), moe.float(), norms, scale.float()
+    )
+    assert not triton_network.layer_end_serves(residual, dense.t(), moe, norms, scale)  # not contiguous
+    unscaled = (*norms[:2], network.RMSNorm(d, 1e-6, with_scale=False))
+    assert not triton_network.layer_end_serves(residual, dense, moe, unscaled, scale)
+    y = triton_network.layer_end_or_torch(residual, dense, moe, unscaled, scale)
+    assert torch.equal(y, network.layer_end(residual, dense, moe, unscaled, scale))
+
+
+@interpreted
+def test_the_layer_end_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, monkeypatch):  # noqa: F811
+    probing.check_triton_layer_end(torch.device("cpu"))
+    kernel = triton_network.layer_end
+    swapped = lambda r, d, m, norms, s: kernel(r, d, m, (norms[1], norms[0], norms[2]), s)
+    monkeypatch.setattr(triton_network, "layer_end", swapped)
+    with pytest.raises(DgpipeError, match="layer end differs"):
+        probing.check_triton_layer_end(torch.device("cpu"))
+
+
+@interpreted
+def test_a_model_with_the_layer_end_kernel_keeps_its_logits(rne_casts):  # noqa: F811
+    """The embedded model in bf16 with every layer's end on the kernel (as `gpu_load.fuse_network` installs
+    it): the kernel ran in every layer, and the logits stay within 1e-2 relative L2 of torch's form (bf16
+    activations through every layer; the kernel's norms sum in another order)."""
+    from pipeline.model.checkpoint import load_model
+    from pipeline.resources import EMBEDDED_MODEL
+    from pipeline.runtime import gpu_load
+
+    model = load_model(EMBEDDED_MODEL, torch.bfloat16)[0].eval()
+    cfg, length = model.cfg, model.config.canvas_length
+    canvas = torch.randint(0, cfg.vocab_size, (2, length), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(length).expand(2, length)
+    masks = dict.fromkeys(set(model.layer_types))
+    step = lambda: model.denoise(canvas, None, positions, masks, None)
+    with torch.inference_mode():
+        want = step()
+        calls = []
+        kernel = triton_network.layer_end
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(triton_network, "layer_end", lambda *a: calls.append(a[0].shape) or kernel(*a))
+            gpu_load.fuse_network(model, probing.Probe("sm90", {probing.LAYER_END: None}), None)
+            got = step()
+    assert len(calls) == cfg.num_hidden_layers
+    assert float((got - want).norm() / want.norm()) < 1e-2
 
 
 @interpreted
@@ -552,10 +625,10 @@ from pipeline.runtime import triton_network as tn, triton_network_kernels as k
 
 out = []
 
-def build(fn, sig, consts, cc, name, label, d=0):
+def build(fn, sig, consts, cc, name, label, d=0, options=tn.OPTIONS):
     src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
                     attrs={(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
-    kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=tn.OPTIONS)
+    kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options)
     cubin = Path(sys.argv[1]) / f"{name}_sm{cc}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
     out.append({"cc": cc, "d": d, "dtype": label, "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
@@ -586,6 +659,9 @@ for cc in (90, 100, 89, 120):
               {"BLOCK": tn.SCALE_COLUMNS_BLOCK}, cc, f"router_{dt}", f"router {dt}")
         build(k.add_scaled, {**ptrs(dt, "a_ptr", "b_ptr", "s_ptr", "out_ptr"), "n": "i32"},
               {"BLOCK": tn.ADD_SCALED_BLOCK}, cc, f"residual_{dt}", f"residual {dt}")
+        build(k.layer_end, {**ptrs(dt, "dense_ptr", "moe_ptr", "res_ptr", "w1_ptr", "w2_ptr", "w_ptr", "s_ptr", "out_ptr"),
+                            "cols": "i32", "eps": "fp32"},
+              {"BLOCK": 4096}, cc, f"layer_end_{dt}", f"layer_end {dt}", options=tn.LAYER_END_OPTIONS)
 json.dump(out, sys.stdout)
 """
 
@@ -609,12 +685,12 @@ def separate_roundings_missing(ptx: str) -> list[str]:
 def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
     """Triton lowers the RoPE kernel for both head dims and dtypes, the softcap kernel (libdevice's tanh
     linked in, no `tanh.approx`), the gated GeLU (the same tanh, and the one FMA torch's CUDA GeLU has), the
-    residual sum, the router's input, the K/V concatenation and the MoE combine (each product and sum rounded in fp32 on its own, as its
+    residual sum, the router's input, the layer end, the K/V concatenation and the MoE combine (each product and sum rounded on its own, as its
     torch form computes them), to sm_90a, sm_100a, sm_89 and sm_120 cubins, no GPU needed. RoPE: every product is rounded to the input's dtype before the sum (`mul.rn`, `add.rn`; a fused
     multiply-add would round once where torch rounds twice, and Triton's default contraction made one), and no
     register spills (no STL/LDL in the SASS)."""
     compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
-    assert len(compiled) == 60 and sum(k["dtype"] == "softcap" for k in compiled) == 4
+    assert len(compiled) == 68 and sum(k["dtype"] == "softcap" for k in compiled) == 4
     for k in compiled:
         if k["dtype"] == "softcap":  # its tanh is libdevice's own code (its FMAs are the function's)
             assert "mul.rn.f32" in k["ptx"] and "tanh.approx" not in k["ptx"], k["cc"]
