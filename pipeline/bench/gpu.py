@@ -662,7 +662,10 @@ def routed_experts(model, fn) -> float:
     """Mean distinct experts a layer's routing touches in one pass (the byte model assumes uniform routing;
     a random-weight model that routed every token to a few experts would read far fewer bytes)."""
     seen: list[torch.Tensor] = []
-    hooks = [layer.router.register_forward_hook(lambda m, i, o: seen.append(o[2])) for layer in model.layers]
+    # the experts module's (x, index, weights): what every layer's routing chose, whichever kernels routed
+    hooks = [
+        layer.experts.register_forward_pre_hook(lambda m, a: seen.append(a[1])) for layer in model.layers
+    ]
     try:
         fn()
     finally:

@@ -5,7 +5,8 @@ the whole pass's time cannot separate, and whether their values agree there as t
 Each pair runs on the same random inputs: RoPE on the queries of a sliding layer, the LM head's softcap on
 the logits, the experts' combine of rows in slot order, the gated GeLU of the experts' gate|up output (bf16,
 and FP8 against the GeLU, product and one-pass quantization it replaces), a layer's residual sum, the
-router's input scales, a layer's end (its three last norms, two sums and scale), and the K/V concatenation of a sliding layer over the benchmark's cached tokens, read
+router's input scales, a layer's FFN inputs (the norms and residual sum after attention) and end (its three
+last norms, two sums and scale), and the K/V concatenation of a sliding layer over the benchmark's cached tokens, read
 from a cache buffer as the runtime reads it."""
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ Pair = tuple[str, Callable[[], object], Callable[[], object]]
 
 def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> list[Pair]:
     """(name and shape, torch form, kernel) for each chain, on inputs drawn on `dev`."""
-    from pipeline.model.network import RMSNorm, apply_rope, combine_slots, gelu_tanh, layer_end
+    from pipeline.model.network import RMSNorm, apply_rope, combine_slots, ffn_inputs, gelu_tanh, layer_end
     from pipeline.runtime import triton_network as tn
     from pipeline.runtime import triton_quant
+    from pipeline.runtime.probe import ffn_probe_layer
 
     gen = torch.Generator(device=dev).manual_seed(5)
     bf16 = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=gen)
@@ -42,6 +44,7 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
         bf16(batch, canvas, d),
         tuple(RMSNorm(d, cfg.rms_norm_eps).to(dev, torch.bfloat16) for _ in range(3)),
     )
+    layer = ffn_probe_layer(d, dev, torch.bfloat16, torch.Generator().manual_seed(6))
     ring = max(cfg.sliding_window - 1, 1)
     cache = bf16(2, batch, kv, ring, hd)  # K|V buffers of a sliding layer, as the runtime's cache holds them
     past = min(context, ring)
@@ -59,6 +62,7 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
          lambda: tn.add_scaled(residual, x, layer_scale)),
         (f"router input [{tokens}, {d}]", lambda: x.view(tokens, d) * router_scale * d**-0.5,
          lambda: tn.scale_columns(x.view(tokens, d), router_scale, d**-0.5)),
+        (f"FFN inputs [{tokens}, {d}]", lambda: ffn_inputs(layer, residual, x), lambda: tn.ffn_inputs(layer, residual, x)),
         (f"layer end [{tokens}, {d}]", lambda: layer_end(residual, x, moe, norms, layer_scale),
          lambda: tn.layer_end(residual, x, moe, norms, layer_scale)),
         (f"K/V concatenation [{batch}, {kv}, {past} + {canvas}, {hd}]",

@@ -84,6 +84,12 @@ LayerEndKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, tuple[RMSNorm, RMSNorm, RMSNorm], torch.Tensor], torch.Tensor
 ]
 
+# a fused form of `ffn_inputs`: (layer, h, attention output) -> (residual, MLP, experts and router inputs)
+FfnInputsKernel = Callable[
+    ["DecoderLayer", torch.Tensor, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+]
+
 # linears that read one input, computed together (`pipeline.runtime.shared_input`): x -> each linear's output
 SharedInputKernel = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
@@ -278,10 +284,17 @@ class Router(nn.Module):
         self.scale_kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.route(self.input(x))
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the router's projection reads: norm(x) * scale * d^-0.5."""
         if self.scale_kernel is not None and not _tracing():
-            scores = self.proj(self.scale_kernel(self.norm(x), self.scale, self.root))
-        else:
-            scores = self.proj(self.norm(x) * self.scale * self.root)
+            return self.scale_kernel(self.norm(x), self.scale, self.root)
+        return self.norm(x) * self.scale * self.root
+
+    def route(self, inp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(probabilities, top-k weights, top-k experts) from the router's `input`."""
+        scores = self.proj(inp)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32)
         weights, index = torch.topk(probs, k=self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -451,17 +464,21 @@ class DecoderLayer(nn.Module):
         # `layer_end` (three norms, two sums and the scale: five kernels) as one fused CUDA kernel
         # (`pipeline.runtime.triton_network.layer_end`), set by the GPU loader where probed
         self.end_kernel: LayerEndKernel | None = None
+        # `ffn_inputs` (a norm, the residual sum, the three FFN input norms and the router's scales: six
+        # kernels) as one fused CUDA kernel (`pipeline.runtime.triton_network.ffn_inputs`), likewise
+        self.ffn_inputs_kernel: FfnInputsKernel | None = None
 
     def forward(
         self, h: torch.Tensor, li: LayerInputs, past: tuple[torch.Tensor, torch.Tensor] | None, encoder: bool
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         a, new_kv = self.self_attn(self.input_layernorm(h), li, past)
-        h = h + self.post_attention_layernorm(a)
-        residual = h
-        dense = self.mlp(self.pre_feedforward_layernorm(h))
-        flat = residual.reshape(-1, residual.shape[-1])
-        _, weights, index = self.router(flat)
-        moe = self.experts(self.pre_feedforward_layernorm_2(flat), index, weights).reshape(residual.shape)
+        if self.ffn_inputs_kernel is not None and not _tracing():
+            residual, mlp_in, experts_in, router_in = self.ffn_inputs_kernel(self, h, a)
+        else:
+            residual, mlp_in, experts_in, router_in = ffn_inputs(self, h, a)
+        dense = self.mlp(mlp_in)
+        _, weights, index = self.router.route(router_in)
+        moe = self.experts(experts_in, index, weights).reshape(residual.shape)
         scale = self.encoder_layer_scalar if encoder else self.layer_scalar
         norms = (
             self.post_feedforward_layernorm_1,
@@ -471,6 +488,18 @@ class DecoderLayer(nn.Module):
         if self.end_kernel is not None and not _tracing():
             return self.end_kernel(residual, dense, moe, norms, scale), new_kv
         return layer_end(residual, dense, moe, norms, scale, self.residual_kernel), new_kv
+
+
+def ffn_inputs(
+    layer: DecoderLayer, h: torch.Tensor, attn: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a decoder layer's FFN branches read after attention, all from the residual stream
+    h + post_attention_layernorm(attn) [..., d]: that residual, the dense MLP's input (its shape), and as
+    [tokens, d] rows the experts' input and the router's input (`Router.input`)."""
+    residual = h + layer.post_attention_layernorm(attn)
+    flat = residual.reshape(-1, residual.shape[-1])
+    mlp_in = layer.pre_feedforward_layernorm(residual)
+    return residual, mlp_in, layer.pre_feedforward_layernorm_2(flat), layer.router.input(flat)
 
 
 def layer_end(

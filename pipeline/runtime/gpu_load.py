@@ -30,6 +30,7 @@ from pipeline.runtime.dispatch import (
 )
 from pipeline.runtime.probe import (
     COMBINE,
+    FFN_INPUTS,
     GEGLU,
     KV_CAT,
     LAYER_END,
@@ -47,6 +48,7 @@ from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mo
 from pipeline.runtime.triton_network import (
     add_scaled_or_torch,
     combine,
+    ffn_inputs_or_torch,
     geglu_or_torch,
     kv_cat_or_torch,
     layer_end_or_torch,
@@ -252,13 +254,15 @@ TORCH_FORMS = {ROPE: "RoPE: torch's five element-wise kernels per tensor",
                RESIDUAL: "residual sum and layer scale: torch's sum, then the product",
                KV_CAT: "K/V concatenation: torch.cat, one launch for K and one for V",
                ROUTER: "router input: torch's two products",
-               LAYER_END: "layer end: three RMSNorms, a sum, the residual sum and scale (torch's five kernels)"}  # fmt: skip
+               LAYER_END: "layer end: three RMSNorms, a sum, the residual sum and scale (torch's five kernels)",
+               FFN_INPUTS: "FFN inputs: a norm, the residual sum, three norms and the router's scales (torch's six kernels)"}  # fmt: skip
 
 
 def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None) -> Installed | None:
     """The network's element-wise chains on dgpipe's one-kernel forms (`triton_network`) where their probes
     passed: every layer's RoPE, K/V concatenation, gated GeLUs (dense MLP, experts, self-conditioning), router
-    input, experts' combine and end (its three last norms and residual sum), and the LM head's softcap; where not, the torch forms stay and
+    input, FFN inputs (the norms and residual sum after attention), experts' combine and end (its three last
+    norms and residual sum), and the LM head's softcap; where not, the torch forms stay and
     the report says why."""
     gated = geglu_or_torch if probed.ok(GEGLU) else None
     for layer in model.layers:
@@ -267,6 +271,7 @@ def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None)
         layer.mlp.geglu_kernel = gated
         layer.residual_kernel = add_scaled_or_torch if probed.ok(RESIDUAL) else None
         layer.end_kernel = layer_end_or_torch if probed.ok(LAYER_END) else None
+        layer.ffn_inputs_kernel = ffn_inputs_or_torch if probed.ok(FFN_INPUTS) else None
         layer.router.scale_kernel = scale_columns_or_torch if probed.ok(ROUTER) else None
         if hasattr(layer.experts, "combine_kernel"):  # every experts module routed on the device
             layer.experts.combine_kernel = combine if probed.ok(COMBINE) else None

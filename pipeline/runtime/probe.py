@@ -9,18 +9,22 @@ torch or Triton build cannot run costs speed, never a wrong answer or a crash wh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
 from pipeline.errors import DgpipeError, error_line
 from pipeline.model import scaled_layout as sl
+from pipeline.model.config import TextConfig
 from pipeline.model.fake_quant import E4M3_MAX
 from pipeline.model.modelopt import PackedLinear
 from pipeline.model.network import (
     RMSNorm,
+    Router,
     apply_rope,
     combine_slots,
     combine_top_k,
+    ffn_inputs,
     gelu_tanh,
     inverse_permutation,
     layer_end,
@@ -64,9 +68,10 @@ RESIDUAL_FORM = ("residual", "bf16", "bf16")  # checked in bf16 and fp16
 KV_CAT_FORM = ("kv_cat", "bf16", "bf16")  # checked in bf16 and fp32
 ROUTER_FORM = ("router", "bf16", "bf16")  # checked in bf16 and fp16
 LAYER_END_FORM = ("layer_end", "bf16", "bf16")  # checked in bf16 and fp16
+FFN_INPUTS_FORM = ("ffn_inputs", "bf16", "bf16")  # checked in bf16 and fp16
 NETWORK_FORMS = (ROPE_FORM, SOFTCAP_FORM, COMBINE_FORM, GEGLU_FORM, RESIDUAL_FORM, KV_CAT_FORM, ROUTER_FORM,
-                 LAYER_END_FORM)  # fmt: skip
-ROPE, SOFTCAP, COMBINE, GEGLU, RESIDUAL, KV_CAT, ROUTER, LAYER_END = (
+                 LAYER_END_FORM, FFN_INPUTS_FORM)  # fmt: skip
+ROPE, SOFTCAP, COMBINE, GEGLU, RESIDUAL, KV_CAT, ROUTER, LAYER_END, FFN_INPUTS = (
     f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS
 )
 # the modes whose activations `triton_quant`'s NVFP4 kernels quantize
@@ -426,10 +431,44 @@ def check_triton_layer_end(dev: torch.device) -> None:
             )
 
 
+def ffn_probe_layer(d: int, dev: torch.device, dtype: torch.dtype, g: torch.Generator) -> SimpleNamespace:
+    """What `network.ffn_inputs` reads of a decoder layer, `d` wide with random norm weights and router
+    scales: its post-attention and two pre-FFN norms and its router."""
+    norms = [RMSNorm(d, 1e-6).to(dev, dtype) for _ in range(3)]
+    router = Router(TextConfig(hidden_size=d, num_experts=8, top_k_experts=2)).to(dev, dtype)
+    for w in (*(n.weight for n in norms), router.scale):
+        w.data = (torch.rand(d, generator=g) * 2).to(dev, dtype)
+    return SimpleNamespace(post_attention_layernorm=norms[0], pre_feedforward_layernorm=norms[1],
+                           pre_feedforward_layernorm_2=norms[2], router=router)  # fmt: skip
+
+
+def check_triton_ffn_inputs(dev: torch.device) -> None:
+    """dgpipe's FFN-inputs kernel (a norm, the residual sum, three norms of it, the router's scales) against
+    torch's form (`network.ffn_inputs`) at the 26B's width and one that is no power of two, bf16 and fp16,
+    values over seven decades, a zero row and one with infinity and NaN: each output as close as a norm's sum
+    in another order allows (`same_layer_end`: the residual's h, the norms' values themselves), or a
+    DgpipeError."""
+    g = torch.Generator().manual_seed(13)
+    for dtype, d in ((torch.bfloat16, 2816), (torch.float16, 2816), (torch.bfloat16, 100)):
+        h, attn = (spread(6, d, g) / 64).to(dev, dtype).view(2, 3, d).unbind()
+        attn[0], h[1, :2] = 0.0, torch.tensor([float("inf"), float("nan")])
+        layer = ffn_probe_layer(d, dev, dtype, g)
+        got = triton_network.ffn_inputs(layer, h, attn)
+        want = ffn_inputs(layer, h, attn)
+        zero, one = torch.zeros_like(h), torch.ones(1, device=dev, dtype=dtype)
+        if not same_layer_end(got[0], want[0], h, one) or not all(
+            same_layer_end(a, b, zero.view_as(b), one) for a, b in zip(got[1:], want[1:], strict=True)
+        ):
+            raise DgpipeError(
+                f"the Triton FFN inputs differ from torch's ({dtype}, {d} wide)", TRITON_FALLBACK
+            )
+
+
 # each `triton_network` kernel's check, by its probe form's kind
 NETWORK_CHECKS = {"rope": check_triton_rope, "softcap": check_triton_softcap, "combine": check_triton_combine,
                   "geglu": check_triton_geglu, "residual": check_triton_residual, "kv_cat": check_triton_kv_cat,
-                  "router": check_triton_router, "layer_end": check_triton_layer_end}  # fmt: skip
+                  "router": check_triton_router, "layer_end": check_triton_layer_end,
+                  "ffn_inputs": check_triton_ffn_inputs}  # fmt: skip
 assert set(NETWORK_CHECKS) == {kind for kind, _, _ in NETWORK_FORMS}
 
 

@@ -45,6 +45,9 @@ Residual sum: a decoder layer ends with `(residual + x) * layer_scalar`, two ker
 the sum before the product as torch does, so bit for bit. Layer end: before that sum come three RMSNorms and a
 sum (`network.layer_end`: `norm(norm_1(dense) + norm_2(moe))`), five kernels in all, each intermediate written
 and read back; one program here takes a row through all of them, each result rounded where torch rounds it.
+FFN inputs: after attention, a norm and the residual sum, then the dense MLP's, the experts' and the router's
+norms of that residual and the router's two products (`network.ffn_inputs`), six kernels; one here, with one
+norm statistic for the three norms of the residual.
 The norms compute torch's fused RMSNorm arithmetic (fp32, `x * rsqrt(mean(x^2) + eps) * w`, rounded once)
 but add their squares in another order, so a value can land one rounding away (`probe.same_layer_end`; under
 1% of values in the tests, none in most bf16 rows). The router's input, `norm(x) * scale * d^-0.5`,
@@ -53,7 +56,7 @@ is likewise two products in one kernel, each rounded where torch rounds it.
 The load-time probe holds each to its torch form on the GPU before a model uses it
 (`pipeline.runtime.probe.check_triton_rope`, `check_triton_softcap`, `check_triton_combine`,
 `check_triton_geglu`, `check_triton_residual`, `check_triton_kv_cat`, `check_triton_router`,
-`check_triton_layer_end`). Under
+`check_triton_layer_end`, `check_triton_ffn_inputs`). Under
 torch.compile the torch forms stay (inductor fuses them).
 """
 
@@ -67,7 +70,7 @@ import torch
 from pipeline.model import network
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX
-from pipeline.model.network import RMSNorm, apply_rope, gelu_tanh
+from pipeline.model.network import DecoderLayer, RMSNorm, apply_rope, gelu_tanh
 
 ROW_VALUES = 4096  # values per program: 16 rows of a 256-wide head, 8 of a 512-wide one
 # no floating-point contraction: with it (Triton's default) LLVM turns a product and the sum it feeds into
@@ -335,6 +338,68 @@ def layer_end_or_torch(
     if layer_end_serves(residual, dense, moe, norms, scale):
         return layer_end(residual, dense, moe, norms, scale)
     return network.layer_end(residual, dense, moe, norms, scale)
+
+
+def ffn_inputs_serves(layer: DecoderLayer, h: torch.Tensor, attn: torch.Tensor) -> bool:
+    """Whether the kernel takes a layer's FFN inputs: h and the attention output [..., d] of one dtype
+    (bf16/fp16) and shape, contiguous, d at most `LAYER_END_MAX_COLS`; the four norms of that width and eps,
+    the three that scale with weights of that dtype, the router's unscaled; its scales of that dtype."""
+    d = h.shape[-1]
+    scaled = (
+        layer.post_attention_layernorm,
+        layer.pre_feedforward_layernorm,
+        layer.pre_feedforward_layernorm_2,
+    )
+    router = layer.router
+    return (
+        h.dtype in DTYPES
+        and attn.dtype == h.dtype
+        and attn.shape == h.shape
+        and h.is_contiguous()
+        and attn.is_contiguous()
+        and d <= LAYER_END_MAX_COLS
+        and all(n.weight is not None and n.weight.dtype == h.dtype and n.weight.shape == (d,) for n in scaled)
+        and router.norm.weight is None
+        and router.scale.dtype == h.dtype
+        and router.scale.shape == (d,)
+        and len({n.eps for n in (*scaled, router.norm)}) == 1
+    )
+
+
+def ffn_inputs(
+    layer: DecoderLayer, h: torch.Tensor, attn: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pipeline.model.network.ffn_inputs` in one pass over each row (`ffn_inputs_serves` must hold): two norm
+    statistics (the attention output's, the residual's) where torch's form computes five, in fp32 as torch's
+    fused RMSNorm but for the order of the sums of squares, every result rounded where torch rounds it."""
+    import triton
+
+    d = h.shape[-1]
+    rows = h.numel() // d if d else 0
+    residual, mlp_in = torch.empty_like(h), torch.empty_like(h)
+    experts_in, router_in = (torch.empty(rows, d, dtype=h.dtype, device=h.device) for _ in range(2))
+    if rows:
+        norms = (
+            layer.post_attention_layernorm,
+            layer.pre_feedforward_layernorm,
+            layer.pre_feedforward_layernorm_2,
+        )
+        _kernels().ffn_inputs[(rows,)](
+            h, attn, *(n.weight for n in norms), layer.router.scale, residual, mlp_in, experts_in, router_in, d,
+            norms[0].eps, layer.router.root, BLOCK=triton.next_power_of_2(d), **LAYER_END_OPTIONS,
+        )  # fmt: skip
+    return residual, mlp_in, experts_in, router_in
+
+
+def ffn_inputs_or_torch(
+    layer: DecoderLayer, h: torch.Tensor, attn: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`ffn_inputs` where it serves (`ffn_inputs_serves`), else the torch form: what the GPU loader installs."""
+    return (
+        ffn_inputs(layer, h, attn)
+        if ffn_inputs_serves(layer, h, attn)
+        else network.ffn_inputs(layer, h, attn)
+    )
 
 
 KV_CAT_VALUES = 4096  # values per program: 16 tokens of a 256-wide head, 8 of a 512-wide one

@@ -143,12 +143,42 @@ def scale_columns(x_ptr, w_ptr, out_ptr, n, cols, c, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _rstd(x, cols, eps):
+    """rsqrt(mean(x^2) + eps) in fp32 for one row x (zeros past `cols`): torch's fused RMSNorm's arithmetic,
+    but for the order its sum of squares is added in."""
+    return tl.math.rsqrt(tl.math.div_rn(tl.sum(x * x, 0), cols.to(tl.float32)) + eps)
+
+
+@triton.jit
 def _rms_norm(x, w_ptr, c, inside, cols, eps):
-    """x * rsqrt(mean(x^2) + eps) * w in fp32 for one row x (zeros past `cols`): torch's fused RMSNorm's
-    arithmetic, but for the order its sum of squares is added in."""
-    w = tl.load(w_ptr + c, mask=inside, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.math.div_rn(tl.sum(x * x, 0), cols.to(tl.float32)) + eps)
-    return x * rstd * w
+    """x * rstd * w in fp32 (`_rstd`), as torch's fused RMSNorm computes it before its one rounding."""
+    return x * _rstd(x, cols, eps) * tl.load(w_ptr + c, mask=inside, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def ffn_inputs(
+    h_ptr, a_ptr, wa_ptr, w1_ptr, w2_ptr, ws_ptr, res_ptr, mlp_ptr, exp_ptr, router_ptr, cols, eps, root,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One row of what a layer's FFN branches read: res = h + norm_a(a); then from res's one norm statistic
+    the MLP's input norm_1(res), the experts' norm_2(res) and the router's norm(res) * ws * root (unscaled
+    norm, two products), each rounded to the row's dtype where torch's kernels round it."""
+    row = tl.program_id(0).to(tl.int64) * cols
+    c = tl.arange(0, BLOCK)
+    inside = c < cols
+    dt = h_ptr.dtype.element_ty
+    a = tl.load(a_ptr + row + c, mask=inside, other=0.0).to(tl.float32)
+    na = _rms_norm(a, wa_ptr, c, inside, cols, eps).to(dt).to(tl.float32)
+    res = (tl.load(h_ptr + row + c, mask=inside, other=0.0).to(tl.float32) + na).to(dt).to(tl.float32)
+    tl.store(res_ptr + row + c, res.to(dt), mask=inside)
+    n = res * _rstd(res, cols, eps)
+    w1 = tl.load(w1_ptr + c, mask=inside, other=0.0).to(tl.float32)
+    w2 = tl.load(w2_ptr + c, mask=inside, other=0.0).to(tl.float32)
+    ws = tl.load(ws_ptr + c, mask=inside, other=0.0).to(tl.float32)
+    tl.store(mlp_ptr + row + c, (n * w1).to(dt), mask=inside)
+    tl.store(exp_ptr + row + c, (n * w2).to(dt), mask=inside)
+    scaled = (n.to(dt).to(tl.float32) * ws).to(dt).to(tl.float32)
+    tl.store(router_ptr + row + c, (scaled * root).to(dt), mask=inside)
 
 
 @triton.jit

@@ -279,11 +279,12 @@ def test_the_gated_gelus_take_one_launch_where_probed():
 )
 def test_a_two_kernel_chain_takes_one_launch_a_layer_where_probed(form, kernel, torch_op, more):
     """Each chain is one kernel a layer; where its probe failed, torch's form runs `more` of `torch_op` a
-    layer instead, one launch more in all. (The residual sum runs on its own kernel where the layer end's,
-    which computes it too, failed its probe.)"""
+    layer instead, one launch more in all. (The residual sum and the router's input run on their own kernels
+    where the layer end's and the FFN inputs', which compute them too, failed their probes.)"""
     base = gt.passing_probe("sm90")
-    if form == probing.RESIDUAL:
-        base.results[probing.LAYER_END] = "failed"
+    wider = {probing.RESIDUAL: probing.LAYER_END, probing.ROUTER: probing.FFN_INPUTS}
+    if form in wider:
+        base.results[wider[form]] = "failed"
     fused = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=base)
     assert fused.ops[kernel] == LAYERS
     no_kernel = gt.passing_probe("sm90")
@@ -291,6 +292,22 @@ def test_a_two_kernel_chain_takes_one_launch_a_layer_where_probed(form, kernel, 
     torch_form = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=no_kernel)
     assert torch_form.ops[torch_op] == fused.ops.get(torch_op, 0) + more * LAYERS
     assert kernel not in torch_form.ops and torch_form.launches == fused.launches + LAYERS
+
+
+def test_a_layers_ffn_inputs_take_one_launch_where_probed():
+    """After attention: its output's norm, the residual sum, the dense MLP's, the experts' and the router's
+    norms of it and the router's scales: six launches a layer in torch's form (the scales on their own kernel
+    where probed), one on the kernel, and seven [tokens, hidden] passes through memory fewer."""
+    fused = gt.trace_pass("fp8", "sm90", 16, LAYERS)
+    assert fused.ops["triton::ffn_inputs"] == LAYERS and "triton::scale_columns" not in fused.ops
+    no_kernel = gt.passing_probe("sm90")
+    no_kernel.results[probing.FFN_INPUTS] = "failed"
+    torch_form = gt.trace_pass("fp8", "sm90", 16, LAYERS, probed=no_kernel)
+    assert torch_form.ops["aten::rms_norm"] == fused.ops["aten::rms_norm"] + 4 * LAYERS
+    assert torch_form.ops["triton::scale_columns"] == LAYERS and "triton::ffn_inputs" not in torch_form.ops
+    assert torch_form.launches == fused.launches + 5 * LAYERS
+    row_gb = 16 * 256 * 2816 * 2 / 1e9
+    assert torch_form.moved_gb - fused.moved_gb == pytest.approx(LAYERS * 7 * row_gb, rel=0.05)
 
 
 def test_a_layers_end_takes_one_launch_where_probed():

@@ -111,7 +111,14 @@ def test_a_model_with_the_kernels_installed_gives_the_same_logits(rne_casts):  #
     assert all(layer.self_attn.rope_kernel and layer.residual_kernel for layer in model.layers)
     assert report.fallbacks == [
         f"{gpu_load.TORCH_FORMS[form]} (the Triton kernel failed its probe: not run)"
-        for form in (probing.SOFTCAP, probing.COMBINE, probing.GEGLU, probing.KV_CAT, probing.LAYER_END)
+        for form in (
+            probing.SOFTCAP,
+            probing.COMBINE,
+            probing.GEGLU,
+            probing.KV_CAT,
+            probing.LAYER_END,
+            probing.FFN_INPUTS,
+        )
     ]
     assert torch.equal(got[0], want[0])
     assert all(
@@ -218,6 +225,7 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
             probing.KV_CAT: None,
             probing.ROUTER: None,
             probing.LAYER_END: None,
+            probing.FFN_INPUTS: None,
         },
     )
     report = gpu_load.fuse_network(model, probed, None)
@@ -226,6 +234,7 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
     assert all(m.geglu_kernel is triton_network.geglu_or_torch for m in gated)
     assert all(layer.residual_kernel is triton_network.add_scaled_or_torch for layer in model.layers)
     assert all(layer.end_kernel is triton_network.layer_end_or_torch for layer in model.layers)
+    assert all(layer.ffn_inputs_kernel is triton_network.ffn_inputs_or_torch for layer in model.layers)
     assert all(layer.self_attn.kv_cat_kernel is triton_network.kv_cat_or_torch for layer in model.layers)
     assert all(layer.router.scale_kernel is triton_network.scale_columns_or_torch for layer in model.layers)
     assert model.softcap_kernel is triton_network.softcap
@@ -360,10 +369,52 @@ def test_the_layer_end_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, 
 
 
 @interpreted
-def test_a_model_with_the_layer_end_kernel_keeps_its_logits(rne_casts):  # noqa: F811
-    """The embedded model in bf16 with every layer's end on the kernel (as `gpu_load.fuse_network` installs
-    it): the kernel ran in every layer, and the logits stay within 1e-2 relative L2 of torch's form (bf16
-    activations through every layer; the kernel's norms sum in another order)."""
+@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize("d", [2816, 100])
+def test_the_ffn_inputs_are_torchs_but_for_their_norms_sums(rne_casts, dtype, d):  # noqa: F811
+    """The residual sum after attention and the three FFN inputs (dense MLP, experts, router) in one kernel
+    against torch's form (`network.ffn_inputs`): each within `probe.same_layer_end` and bit for bit but where a
+    sum of squares added in another order moved a rounding (under 1% of the values); other inputs keep the
+    torch form."""
+    g = torch.Generator().manual_seed(d)
+    layer = probing.ffn_probe_layer(d, torch.device("cpu"), dtype, g)
+    h, attn = (probing.spread(48, d, g) / 64).to(dtype).view(2, 4, 6, d).unbind()
+    assert triton_network.ffn_inputs_serves(layer, h, attn)
+    got, want = triton_network.ffn_inputs(layer, h, attn), network.ffn_inputs(layer, h, attn)
+    assert [t.shape for t in got] == [t.shape for t in want] == [h.shape, h.shape, (24, d), (24, d)]
+    one = torch.ones(1, dtype=dtype)
+    assert probing.same_layer_end(got[0], want[0], h, one)
+    pairs = list(zip(got, want, strict=True))
+    assert all(probing.same_layer_end(a, b, torch.zeros_like(b), one) for a, b in pairs[1:])  # norms
+    assert all((a != b).float().mean() < 0.01 for a, b in pairs)
+    layer.pre_feedforward_layernorm, layer.pre_feedforward_layernorm_2 = (
+        layer.pre_feedforward_layernorm_2,
+        layer.pre_feedforward_layernorm,
+    )
+    swapped = network.ffn_inputs(layer, h, attn)
+    assert not probing.same_layer_end(swapped[1], want[1], torch.zeros_like(h), one)
+    assert not triton_network.ffn_inputs_serves(layer, h.float(), attn.float())
+    assert not triton_network.ffn_inputs_serves(layer, h, attn.transpose(0, 1))  # not contiguous
+    layer.router.norm = network.RMSNorm(d, 1e-6).to(dtype)  # a scaled router norm: not the kernel's form
+    assert not triton_network.ffn_inputs_serves(layer, h, attn)
+    fallback = triton_network.ffn_inputs_or_torch(layer, h, attn)
+    assert all(torch.equal(a, b) for a, b in zip(fallback, network.ffn_inputs(layer, h, attn), strict=True))
+
+
+@interpreted
+def test_the_ffn_inputs_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, monkeypatch):  # noqa: F811
+    probing.check_triton_ffn_inputs(torch.device("cpu"))
+    kernel = triton_network.ffn_inputs
+    monkeypatch.setattr(triton_network, "ffn_inputs", lambda layer, h, a: kernel(layer, a, h))  # swapped
+    with pytest.raises(DgpipeError, match="FFN inputs differ"):
+        probing.check_triton_ffn_inputs(torch.device("cpu"))
+
+
+@interpreted
+def test_a_model_with_the_layer_end_and_ffn_inputs_kernels_keeps_its_logits(rne_casts):  # noqa: F811
+    """The embedded model in bf16 with every layer's FFN inputs and end on their kernels (as
+    `gpu_load.fuse_network` installs them): both ran in every layer, and the logits stay within 1e-2 relative
+    L2 of torch's form (bf16 activations through every layer; the kernels' norms sum in another order)."""
     from pipeline.model.checkpoint import load_model
     from pipeline.resources import EMBEDDED_MODEL
     from pipeline.runtime import gpu_load
@@ -377,12 +428,14 @@ def test_a_model_with_the_layer_end_kernel_keeps_its_logits(rne_casts):  # noqa:
     with torch.inference_mode():
         want = step()
         calls = []
-        kernel = triton_network.layer_end
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(triton_network, "layer_end", lambda *a: calls.append(a[0].shape) or kernel(*a))
-            gpu_load.fuse_network(model, probing.Probe("sm90", {probing.LAYER_END: None}), None)
+            for name in ("layer_end", "ffn_inputs"):
+                kernel = getattr(triton_network, name)
+                mp.setattr(triton_network, name, lambda *a, k=kernel, n=name: calls.append(n) or k(*a))
+            probed = probing.Probe("sm90", {probing.LAYER_END: None, probing.FFN_INPUTS: None})
+            gpu_load.fuse_network(model, probed, None)
             got = step()
-    assert len(calls) == cfg.num_hidden_layers
+    assert calls.count("layer_end") == calls.count("ffn_inputs") == cfg.num_hidden_layers
     assert float((got - want).norm() / want.norm()) < 1e-2
 
 
@@ -662,6 +715,9 @@ for cc in (90, 100, 89, 120):
         build(k.layer_end, {**ptrs(dt, "dense_ptr", "moe_ptr", "res_ptr", "w1_ptr", "w2_ptr", "w_ptr", "s_ptr", "out_ptr"),
                             "cols": "i32", "eps": "fp32"},
               {"BLOCK": 4096}, cc, f"layer_end_{dt}", f"layer_end {dt}", options=tn.LAYER_END_OPTIONS)
+        build(k.ffn_inputs, {**ptrs(dt, "h_ptr", "a_ptr", "wa_ptr", "w1_ptr", "w2_ptr", "ws_ptr", "res_ptr", "mlp_ptr",
+                                    "exp_ptr", "router_ptr"), "cols": "i32", "eps": "fp32", "root": "fp32"},
+              {"BLOCK": 4096}, cc, f"ffn_inputs_{dt}", f"ffn_inputs {dt}", options=tn.LAYER_END_OPTIONS)
 json.dump(out, sys.stdout)
 """
 
@@ -685,12 +741,12 @@ def separate_roundings_missing(ptx: str) -> list[str]:
 def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
     """Triton lowers the RoPE kernel for both head dims and dtypes, the softcap kernel (libdevice's tanh
     linked in, no `tanh.approx`), the gated GeLU (the same tanh, and the one FMA torch's CUDA GeLU has), the
-    residual sum, the router's input, the layer end, the K/V concatenation and the MoE combine (each product and sum rounded on its own, as its
+    residual sum, the router's input, the FFN inputs and the layer end, the K/V concatenation and the MoE combine (each product and sum rounded on its own, as its
     torch form computes them), to sm_90a, sm_100a, sm_89 and sm_120 cubins, no GPU needed. RoPE: every product is rounded to the input's dtype before the sum (`mul.rn`, `add.rn`; a fused
     multiply-add would round once where torch rounds twice, and Triton's default contraction made one), and no
     register spills (no STL/LDL in the SASS)."""
     compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
-    assert len(compiled) == 68 and sum(k["dtype"] == "softcap" for k in compiled) == 4
+    assert len(compiled) == 76 and sum(k["dtype"] == "softcap" for k in compiled) == 4
     for k in compiled:
         if k["dtype"] == "softcap":  # its tanh is libdevice's own code (its FMAs are the function's)
             assert "mul.rn.f32" in k["ptx"] and "tanh.approx" not in k["ptx"], k["cc"]
