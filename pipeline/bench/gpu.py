@@ -74,9 +74,9 @@ def _pass(fmt: str, compiled: bool = False) -> GpuCheck:
         )  # fmt: skip
     return GpuCheck(
         # each probes and compiles the network's Triton kernels (RoPE, softcap, combine, gated GeLU, residual
-        # sum, K/V concatenation: cached per host, so the first format pays); FP8 also the Triton MoE GEMM
-        # per tile configuration; bf16 compiles that GEMM with bf16 operands for its experts' diagnostic and
-        # times each network kernel against its torch form
+        # sum, router input, FFN inputs, layer end, K/V concatenation: cached per host, so the first format
+        # pays); FP8 also the Triton MoE GEMM per tile configuration; bf16 compiles that GEMM with bf16
+        # operands for its experts' diagnostic and times each network kernel against its torch form
         f"26B pass {fmt}", {"nvfp4": 25, "fp8": 60}.get(fmt, 60), f"26B-A4B random {fmt} weights, batch {batches}: ms vs floor",
         ("-m", "pipeline.bench.gpu", "pass", fmt), needs,
     )  # fmt: skip
