@@ -294,36 +294,30 @@ def test_a_two_kernel_chain_takes_one_launch_a_layer_where_probed(form, kernel, 
     assert kernel not in torch_form.ops and torch_form.launches == fused.launches + LAYERS
 
 
-def test_a_layers_ffn_inputs_take_one_launch_where_probed():
-    """After attention: its output's norm, the residual sum, the dense MLP's, the experts' and the router's
-    norms of it and the router's scales: six launches a layer in torch's form (the scales on their own kernel
-    where probed), one on the kernel, and seven [tokens, hidden] passes through memory fewer."""
+@pytest.mark.parametrize(
+    ("form", "kernel", "superseded", "norms", "rows"),
+    [
+        # after attention: its output's norm, the residual sum, the dense MLP's, the experts' and the router's
+        # norms of it, the router's scales (on their own kernel where probed): six launches
+        (probing.FFN_INPUTS, "triton::ffn_inputs", "triton::scale_columns", 4, 7),
+        # after the FFN branches: three norms, their sum, the residual sum and scale (on their own kernel where
+        # probed): five launches
+        (probing.LAYER_END, "triton::layer_end", "triton::add_scaled", 3, 8),
+    ],
+)
+def test_a_layers_norm_chains_take_one_launch_where_probed(form, kernel, superseded, norms, rows):
+    """Each chain is one launch a layer on its kernel, `norms` RMSNorms and two more launches in torch's form,
+    and `rows` [tokens, hidden] passes through memory fewer (each intermediate written and read back)."""
     fused = gt.trace_pass("fp8", "sm90", 16, LAYERS)
-    assert fused.ops["triton::ffn_inputs"] == LAYERS and "triton::scale_columns" not in fused.ops
+    assert fused.ops[kernel] == LAYERS and superseded not in fused.ops
     no_kernel = gt.passing_probe("sm90")
-    no_kernel.results[probing.FFN_INPUTS] = "failed"
+    no_kernel.results[form] = "failed"
     torch_form = gt.trace_pass("fp8", "sm90", 16, LAYERS, probed=no_kernel)
-    assert torch_form.ops["aten::rms_norm"] == fused.ops["aten::rms_norm"] + 4 * LAYERS
-    assert torch_form.ops["triton::scale_columns"] == LAYERS and "triton::ffn_inputs" not in torch_form.ops
-    assert torch_form.launches == fused.launches + 5 * LAYERS
-    row_gb = 16 * 256 * 2816 * 2 / 1e9
-    assert torch_form.moved_gb - fused.moved_gb == pytest.approx(LAYERS * 7 * row_gb, rel=0.05)
-
-
-def test_a_layers_end_takes_one_launch_where_probed():
-    """The three norms after the FFN branches, their sum, the residual sum and the layer scale: five launches
-    a layer in torch's form (the residual sum and scale on their own kernel where probed), one on the kernel,
-    and less traffic (each intermediate written and read back)."""
-    fused = gt.trace_pass("fp8", "sm90", 16, LAYERS)
-    assert fused.ops["triton::layer_end"] == LAYERS and "triton::add_scaled" not in fused.ops
-    no_kernel = gt.passing_probe("sm90")
-    no_kernel.results[probing.LAYER_END] = "failed"
-    torch_form = gt.trace_pass("fp8", "sm90", 16, LAYERS, probed=no_kernel)
-    assert torch_form.ops["aten::rms_norm"] == fused.ops["aten::rms_norm"] + 3 * LAYERS
-    assert torch_form.ops["triton::add_scaled"] == LAYERS and "triton::layer_end" not in torch_form.ops
-    assert torch_form.launches == fused.launches + 4 * LAYERS
+    assert torch_form.ops["aten::rms_norm"] == fused.ops["aten::rms_norm"] + norms * LAYERS
+    assert torch_form.ops[superseded] == LAYERS and kernel not in torch_form.ops
+    assert torch_form.launches == fused.launches + (norms + 1) * LAYERS
     row_gb = 16 * 256 * 2816 * 2 / 1e9  # one [tokens, hidden] bf16 tensor at 16 canvases
-    assert torch_form.moved_gb - fused.moved_gb == pytest.approx(LAYERS * 8 * row_gb, rel=0.05)
+    assert torch_form.moved_gb - fused.moved_gb == pytest.approx(LAYERS * rows * row_gb, rel=0.05)
 
 
 @pytest.mark.parametrize(
