@@ -9,16 +9,18 @@ amaxes, as TensorRT-LLM and vLLM run them fused), and the NVFP4 ones one global 
 
 Gate and up are also one GEMM where their weights concatenate exactly: float weights, FP8 ones with equal
 per-tensor weight scales, NVFP4 ones with equal global scales, the Hopper/Ada NVFP4 fallback's per-row FP8
-ones. ModelOpt's FP8 exports keep each linear's own weight scale, so there they share the quantization only. The merged output is split into views
-the gated GeLU reads in place. q, k and v are not merged: each feeds its own RMSNorm, which copies a
-non-contiguous input (`expect_contiguous` in torch's CUDA norm) and would give back the launches saved.
+ones. ModelOpt's FP8 exports keep each linear's own weight scale, so there they share the quantization only.
+The merged output is split into views the gated GeLU reads in place. q, k and v are not merged: each feeds
+its own RMSNorm, which copies a non-contiguous input (`expect_contiguous` in torch's CUDA norm) and would
+give back the launches saved.
 
 Merged weights are one allocation: the linears' own weights become views of it, so they still compute alone
 (`Attention.project_kv`, torch.compile's graphs) and the model holds no second copy. One exception: NVFP4
 block scales are swizzled in 128-row tiles, and where a part's rows end inside a tile (the 26B's 2,112-row
-gate and up) the merged scales are swizzled anew and the parts keep theirs (1/8 of the FP4 weight bytes). The merged module is
-not a submodule of the model (this object is a plain callable), so the model's parameters and buffers count
-each byte once. CUDA only, through `gpu_load.finish_on_device`: the CPU path is untouched.
+gate and up) the merged scales are swizzled anew and the parts keep theirs (1/8 of the FP4 weight bytes;
+`SharedInput.held_apart`). The merged module is not a submodule of the model (this object is a plain
+callable), so the model's parameters and buffers count each byte once. CUDA only, through
+`gpu_load.finish_on_device`: the CPU path is untouched.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 `pipeline.model.network.apply_rope` computes), the final logits' softcap (`softcap`, what
 `DiffusionGemma.logits` computes after the LM head), the routed experts' combine (`combine`, what
 `network.combine_top_k` computes), the gated GeLU of the MLPs and experts (`geglu`, `network.geglu`), a
-layer's residual sum and output scale (`add_scaled`), attention's K/V concatenation (`kv_cat`) and the
-router's input scales (`scale_columns`). Each chain is several kernels eagerly, each a pass through memory
+layer's residual sum and output scale (`add_scaled`), attention's K/V concatenation (`kv_cat`), the
+router's input scales (`scale_columns`), and the norms and sums before and after a layer's FFN branches
+(`ffn_inputs`, `layer_end`: `network.ffn_inputs`, `network.layer_end`). Each chain is several kernels eagerly, each a pass through memory
 and a launch of a few microseconds even inside a CUDA graph.
 
 RoPE: rotating q or k is five kernels (x * cos, the negation and concatenation of `rotate_half`, its product
@@ -270,8 +271,9 @@ def add_scaled_or_torch(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -
     return add_scaled(a, b, scale) if add_scaled_serves(a, b, scale) else (a + b) * scale
 
 
-LAYER_END_MAX_COLS = 8192  # one row a program, in registers (the 26B's 2,816)
-LAYER_END_OPTIONS = {**OPTIONS, "num_warps": 8}  # a 4,096-wide row: 16 values a thread
+# the row kernels (`layer_end`, `ffn_inputs`): one row a program, in registers (the 26B's 2,816 wide)
+ROW_MAX_COLS = 8192
+ROW_OPTIONS = {**OPTIONS, "num_warps": 8}  # a 4,096-wide row: 16 values a thread
 
 
 def layer_end_serves(
@@ -282,7 +284,7 @@ def layer_end_serves(
     scale: torch.Tensor,
 ) -> bool:
     """Whether the kernel takes a layer's end: residual, dense and moe [..., d] of one dtype (bf16/fp16) and
-    shape, contiguous, d at most `LAYER_END_MAX_COLS`; the three norms scaled by weights of that dtype, one eps;
+    shape, contiguous, d at most `ROW_MAX_COLS`; the three norms scaled by weights of that dtype, one eps;
     a one-value scale."""
     d = residual.shape[-1]
     return (
@@ -292,7 +294,7 @@ def layer_end_serves(
             for t in (dense, moe)
         )
         and residual.is_contiguous()
-        and d <= LAYER_END_MAX_COLS
+        and d <= ROW_MAX_COLS
         and all(
             n.weight is not None and n.weight.dtype == residual.dtype and n.weight.shape == (d,)
             for n in norms
@@ -322,7 +324,7 @@ def layer_end(
         w1, w2, w = (n.weight for n in norms)
         _kernels().layer_end[(rows,)](
             dense, moe, residual, w1, w2, w, scale, out, d, norms[0].eps, BLOCK=triton.next_power_of_2(d),
-            **LAYER_END_OPTIONS,
+            **ROW_OPTIONS,
         )  # fmt: skip
     return out
 
@@ -342,7 +344,7 @@ def layer_end_or_torch(
 
 def ffn_inputs_serves(layer: DecoderLayer, h: torch.Tensor, attn: torch.Tensor) -> bool:
     """Whether the kernel takes a layer's FFN inputs: h and the attention output [..., d] of one dtype
-    (bf16/fp16) and shape, contiguous, d at most `LAYER_END_MAX_COLS`; the four norms of that width and eps,
+    (bf16/fp16) and shape, contiguous, d at most `ROW_MAX_COLS`; the four norms of that width and eps,
     the three that scale with weights of that dtype, the router's unscaled; its scales of that dtype."""
     d = h.shape[-1]
     scaled = (
@@ -357,7 +359,7 @@ def ffn_inputs_serves(layer: DecoderLayer, h: torch.Tensor, attn: torch.Tensor) 
         and attn.shape == h.shape
         and h.is_contiguous()
         and attn.is_contiguous()
-        and d <= LAYER_END_MAX_COLS
+        and d <= ROW_MAX_COLS
         and all(n.weight is not None and n.weight.dtype == h.dtype and n.weight.shape == (d,) for n in scaled)
         and router.norm.weight is None
         and router.scale.dtype == h.dtype
@@ -386,7 +388,7 @@ def ffn_inputs(
         )
         _kernels().ffn_inputs[(rows,)](
             h, attn, *(n.weight for n in norms), layer.router.scale, residual, mlp_in, experts_in, router_in, d,
-            norms[0].eps, layer.router.root, BLOCK=triton.next_power_of_2(d), **LAYER_END_OPTIONS,
+            norms[0].eps, layer.router.root, BLOCK=triton.next_power_of_2(d), **ROW_OPTIONS,
         )  # fmt: skip
     return residual, mlp_in, experts_in, router_in
 

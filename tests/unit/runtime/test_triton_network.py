@@ -714,10 +714,10 @@ for cc in (90, 100, 89, 120):
               {"BLOCK": tn.ADD_SCALED_BLOCK}, cc, f"residual_{dt}", f"residual {dt}")
         build(k.layer_end, {**ptrs(dt, "dense_ptr", "moe_ptr", "res_ptr", "w1_ptr", "w2_ptr", "w_ptr", "s_ptr", "out_ptr"),
                             "cols": "i32", "eps": "fp32"},
-              {"BLOCK": 4096}, cc, f"layer_end_{dt}", f"layer_end {dt}", options=tn.LAYER_END_OPTIONS)
+              {"BLOCK": 4096}, cc, f"layer_end_{dt}", f"layer_end {dt}", options=tn.ROW_OPTIONS)
         build(k.ffn_inputs, {**ptrs(dt, "h_ptr", "a_ptr", "wa_ptr", "w1_ptr", "w2_ptr", "ws_ptr", "res_ptr", "mlp_ptr",
                                     "exp_ptr", "router_ptr"), "cols": "i32", "eps": "fp32", "root": "fp32"},
-              {"BLOCK": 4096}, cc, f"ffn_inputs_{dt}", f"ffn_inputs {dt}", options=tn.LAYER_END_OPTIONS)
+              {"BLOCK": 4096}, cc, f"ffn_inputs_{dt}", f"ffn_inputs {dt}", options=tn.ROW_OPTIONS)
 json.dump(out, sys.stdout)
 """
 
