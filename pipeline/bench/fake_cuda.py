@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from pipeline.model.network import DiffusionGemma
-from pipeline.runtime import triton_moe, triton_network, triton_quant
+from pipeline.runtime import triton_moe, triton_network, triton_quant, triton_routing
 
 CAPABILITY = {"sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
 NO_CUDA = "not linked with support for cuda"  # a CPU build's error for a CUDA device guard or generator
@@ -243,6 +243,7 @@ def fake_gpu(arch: str) -> Iterator[tuple[FakeTensorMode, OpCounter, _Functions]
         kernels = Launchers(ops)
         stack.enter_context(mock.patch.object(triton_quant, "_kernels", lambda: kernels))
         stack.enter_context(mock.patch.object(triton_network, "_kernels", lambda: kernels))
+        stack.enter_context(mock.patch.object(triton_routing, "_kernels", lambda: kernels))
         for mode in (fake, ops, calls):
             stack.enter_context(mode)
         yield fake, ops, calls

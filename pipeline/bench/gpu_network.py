@@ -6,7 +6,8 @@ Each pair runs on the same random inputs: RoPE on the queries of a sliding layer
 the logits, the experts' combine of rows in slot order, the gated GeLU of the experts' gate|up output (bf16,
 and FP8 against the GeLU, product and one-pass quantization it replaces), a layer's residual sum, the
 router's input scales, a layer's FFN inputs (the norms and residual sum after attention) and end (its three
-last norms, two sums and scale), and the K/V concatenation of a sliding layer over the benchmark's cached tokens, read
+last norms, two sums and scale), the router's top-k and the experts' order (`pipeline.runtime.triton_routing`;
+on scores without ties, `probe.separated_scores`), and the K/V concatenation of a sliding layer over the benchmark's cached tokens, read
 from a cache buffer as the runtime reads it."""
 
 from __future__ import annotations
@@ -22,10 +23,20 @@ Pair = tuple[str, Callable[[], object], Callable[[], object]]
 
 def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> list[Pair]:
     """(name and shape, torch form, kernel) for each chain, on inputs drawn on `dev`."""
-    from pipeline.model.network import RMSNorm, apply_rope, combine_slots, ffn_inputs, gelu_tanh, layer_end
+    from pipeline.model import scaled_layout as sl
+    from pipeline.model.network import (
+        RMSNorm,
+        apply_rope,
+        combine_slots,
+        ffn_inputs,
+        gelu_tanh,
+        layer_end,
+        route_scores,
+    )
     from pipeline.runtime import triton_network as tn
     from pipeline.runtime import triton_quant
-    from pipeline.runtime.probe import ffn_probe_layer
+    from pipeline.runtime import triton_routing as tr
+    from pipeline.runtime.probe import ffn_probe_layer, separated_scores
 
     gen = torch.Generator(device=dev).manual_seed(5)
     bf16 = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=gen)
@@ -45,6 +56,10 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
         tuple(RMSNorm(d, cfg.rms_norm_eps).to(dev, torch.bfloat16) for _ in range(3)),
     )
     layer = ffn_probe_layer(d, dev, torch.bfloat16, torch.Generator().manual_seed(6))
+    experts = cfg.num_experts
+    scores = separated_scores(tokens, experts, torch.Generator().manual_seed(7)).to(dev, torch.bfloat16)
+    expert_scale = torch.rand(experts, device=dev, generator=gen).bfloat16() + 0.5
+    index = route_scores(scores, k, expert_scale)[2]
     ring = max(cfg.sliding_window - 1, 1)
     cache = bf16(2, batch, kv, ring, hd)  # K|V buffers of a sliding layer, as the runtime's cache holds them
     past = min(context, ring)
@@ -65,6 +80,9 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
         (f"FFN inputs [{tokens}, {d}]", lambda: ffn_inputs(layer, residual, x), lambda: tn.ffn_inputs(layer, residual, x)),
         (f"layer end [{tokens}, {d}]", lambda: layer_end(residual, x, moe, norms, layer_scale),
          lambda: tn.layer_end(residual, x, moe, norms, layer_scale)),
+        (f"router top-k [{tokens}, {experts}] top {k}", lambda: route_scores(scores, k, expert_scale)[1:],
+         lambda: tr.top_k(scores, k, expert_scale)),
+        (f"expert order [{tokens} x {k}]", lambda: sl.expert_order(index, experts), lambda: tr.expert_order(index, experts)),
         (f"K/V concatenation [{batch}, {kv}, {past} + {canvas}, {hd}]",
          lambda: (torch.cat([pk, new[0]], 2), torch.cat([pv, new[1]], 2)), lambda: tn.kv_cat(pk, pv, new[0], new[1])),
     ]  # fmt: skip

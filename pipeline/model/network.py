@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model.config import ModelConfig, TextConfig
-from pipeline.model.scaled_layout import expert_order
+from pipeline.model.scaled_layout import OrderKernel, expert_order
 
 
 def _tracing() -> bool:
@@ -282,6 +282,9 @@ class Router(nn.Module):
         # norm(x) * scale * root as one fused CUDA kernel (`pipeline.runtime.triton_network.scale_columns`),
         # set by the GPU loader where probed; None: torch's two products
         self.scale_kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+        # `route_scores`' top-k weights and experts as one fused CUDA kernel
+        # (`pipeline.runtime.triton_routing.top_k`), set by the GPU loader where probed; None: torch's six
+        self.top_k_kernel: TopKKernel | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.route(self.input(x))
@@ -294,11 +297,31 @@ class Router(nn.Module):
 
     def route(self, inp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(probabilities, top-k weights, top-k experts) from the router's `input`."""
+        return route_scores(self.proj(inp), self.top_k, self.per_expert_scale)
+
+    def choose(self, inp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k weights, top-k experts) from the router's `input`: what a layer's experts take."""
         scores = self.proj(inp)
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32)
-        weights, index = torch.topk(probs, k=self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        return probs, weights * self.per_expert_scale[index], index
+        if self.top_k_kernel is not None and not _tracing():
+            return self.top_k_kernel(scores, self.top_k, self.per_expert_scale)
+        _, weights, index = route_scores(scores, self.top_k, self.per_expert_scale)
+        return weights, index
+
+
+# a fused form of `route_scores`' weights and experts: (scores, k, per-expert scale) -> (weights, experts)
+TopKKernel = Callable[[torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def route_scores(
+    scores: torch.Tensor, k: int, per_expert_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(probabilities, top-k weights, top-k experts) from router scores [..., E]: the softmax in fp32, each
+    token's k most probable experts, their probabilities renormalised to sum to 1 and times the experts'
+    learned scales."""
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32)
+    weights, index = torch.topk(probs, k=k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return probs, weights * per_expert_scale[index], index
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
@@ -363,16 +386,17 @@ def grouped_experts(
     down: torch.Tensor,
     combine: CombineKernel | None = None,
     geglu_kernel: GegluKernel | None = None,
+    order_kernel: OrderKernel | None = None,
 ) -> torch.Tensor:
     """Routed experts as grouped GEMMs: the slots (token, choice) sorted by expert, one grouped GEMM per
     projection, the rows added back per token in expert order (CPU; CUDA: `combine_top_k`). `gate_up`
     [E, 2I, d], `down` [E, d, I]."""
-    order, token_of, offs = expert_order(index, gate_up.shape[0])
-    w_sorted = weights.reshape(-1)[order]
+    order, token_of, offs = expert_order(index, gate_up.shape[0], order_kernel)
     gate, up = F.grouped_mm(x[token_of], gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
     y = F.grouped_mm(geglu(gate, up, geglu_kernel), down.transpose(-2, -1), offs=offs)
     if x.is_cuda:  # atomics there add in no fixed order anyway
         return combine_top_k(y, order, weights, combine).to(x.dtype)
+    w_sorted = weights.reshape(-1)[order]
     return torch.zeros_like(x).index_add_(0, token_of, (y * w_sorted[:, None]).to(x.dtype))
 
 
@@ -400,6 +424,7 @@ class Experts(nn.Module):
         self.grouped: bool | None = None  # None: grouped GEMM where torch has a kernel for it
         self.combine_kernel: CombineKernel | None = None  # CUDA: set by the GPU loader where probed
         self.geglu_kernel: GegluKernel | None = None  # likewise
+        self.order_kernel: OrderKernel | None = None  # likewise
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         if self.grouped is not None:
@@ -422,8 +447,9 @@ class Experts(nn.Module):
                 return self._dense(x, index, weights)
             return Experts.compiled_op(x, index, weights, self.gate_up_proj, self.down_proj)
         return grouped_experts(
-            x, index, weights, self.gate_up_proj, self.down_proj, self.combine_kernel, self.geglu_kernel
-        )
+            x, index, weights, self.gate_up_proj, self.down_proj, self.combine_kernel, self.geglu_kernel,
+            self.order_kernel,
+        )  # fmt: skip
 
     def _dense(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         dense_w = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
@@ -477,7 +503,7 @@ class DecoderLayer(nn.Module):
         else:
             residual, mlp_in, experts_in, router_in = ffn_inputs(self, h, a)
         dense = self.mlp(mlp_in)
-        _, weights, index = self.router.route(router_in)
+        weights, index = self.router.choose(router_in)
         moe = self.experts(experts_in, index, weights).reshape(residual.shape)
         scale = self.encoder_layer_scalar if encoder else self.layer_scalar
         norms = (

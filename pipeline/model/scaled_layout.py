@@ -20,6 +20,8 @@ tensor arithmetic, so it runs and is tested on the CPU against the dequantized r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pipeline.model.fake_quant import E2M1_MAX, E4M3_MAX, NVFP4_BLOCK, e2m1_round
@@ -152,12 +154,21 @@ def nvfp4_weight_blocked(block_scales: torch.Tensor) -> torch.Tensor:
 
 
 # ---- expert ordering ----------------------------------------------------------------------------------
-def expert_order(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# a fused form of `expert_order`: (index, num_experts) -> (order, token of each sorted slot, end offsets)
+OrderKernel = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def expert_order(
+    index: torch.Tensor, num_experts: int, kernel: OrderKernel | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Routed slots sorted by expert: (order into index.reshape(-1), token of each sorted slot, int32 end
     offsets per expert). No host sync: a CUDA graph can capture it (`pipeline.model.network.grouped_experts`
     and the tensor-core experts both route with it). Expert e's slots end where the sorted experts pass e:
     one search of the sorted experts for every expert, three launches fewer than counting them and adding
-    the counts up (zeros, a scatter-add, its ones, a cumulative sum)."""
+    the counts up (zeros, a scatter-add, its ones, a cumulative sum). `kernel`: a fused form
+    (`pipeline.runtime.triton_routing.expert_order`), not traced (under torch.compile the torch form)."""
+    if kernel is not None and not (torch.jit.is_tracing() or torch.compiler.is_compiling()):
+        return kernel(index, num_experts)
     flat = index.reshape(-1)
     experts, order = torch.sort(flat, stable=True)
     ids = torch.arange(num_experts, device=index.device, dtype=flat.dtype)

@@ -30,6 +30,7 @@ from pipeline.runtime.dispatch import (
 )
 from pipeline.runtime.probe import (
     COMBINE,
+    EXPERT_ORDER,
     FFN_INPUTS,
     GEGLU,
     KV_CAT,
@@ -39,6 +40,7 @@ from pipeline.runtime.probe import (
     ROPE,
     ROUTER,
     SOFTCAP,
+    TOP_K,
     Probe,
     probe,
 )
@@ -56,6 +58,7 @@ from pipeline.runtime.triton_network import (
     scale_columns_or_torch,
     softcap,
 )
+from pipeline.runtime.triton_routing import expert_order_or_torch, top_k_or_torch
 from pipeline.targets import precision_for_quant_algo
 
 EXPERT = re.compile(r"^(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
@@ -255,14 +258,16 @@ TORCH_FORMS = {ROPE: "RoPE: torch's five element-wise kernels per tensor",
                KV_CAT: "K/V concatenation: torch.cat, one launch for K and one for V",
                ROUTER: "router input: torch's two products",
                LAYER_END: "layer end: three RMSNorms, a sum, the residual sum and scale (torch's five kernels)",
-               FFN_INPUTS: "FFN inputs: a norm, the residual sum, three norms and the router's scales (torch's six kernels)"}  # fmt: skip
+               FFN_INPUTS: "FFN inputs: a norm, the residual sum, three norms and the router's scales (torch's six kernels)",
+               TOP_K: "router top-k: torch's softmax, top-k, renormalisation and scale (six kernels)",
+               EXPERT_ORDER: "expert order: torch's stable sort of the routed slots, their tokens and a search for the offsets"}  # fmt: skip
 
 
 def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None) -> Installed | None:
     """The network's element-wise chains on dgpipe's one-kernel forms (`triton_network`) where their probes
     passed: every layer's RoPE, K/V concatenation, gated GeLUs (dense MLP, experts, self-conditioning), router
-    input, FFN inputs (the norms and residual sum after attention), experts' combine and end (its three last
-    norms and residual sum), and the LM head's softcap; where not, the torch forms stay and
+    input and top-k, FFN inputs (the norms and residual sum after attention), experts' order and combine, the
+    layer's end (its three last norms and residual sum), and the LM head's softcap; where not, the torch forms stay and
     the report says why."""
     gated = geglu_or_torch if probed.ok(GEGLU) else None
     for layer in model.layers:
@@ -273,9 +278,11 @@ def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None)
         layer.end_kernel = layer_end_or_torch if probed.ok(LAYER_END) else None
         layer.ffn_inputs_kernel = ffn_inputs_or_torch if probed.ok(FFN_INPUTS) else None
         layer.router.scale_kernel = scale_columns_or_torch if probed.ok(ROUTER) else None
+        layer.router.top_k_kernel = top_k_or_torch if probed.ok(TOP_K) else None
         if hasattr(layer.experts, "combine_kernel"):  # every experts module routed on the device
             layer.experts.combine_kernel = combine if probed.ok(COMBINE) else None
             layer.experts.geglu_kernel = gated
+            layer.experts.order_kernel = expert_order_or_torch if probed.ok(EXPERT_ORDER) else None
     model.self_conditioning.geglu_kernel = gated
     model.softcap_kernel = softcap if probed.ok(SOFTCAP) else None
     for kernel, torch_form in TORCH_FORMS.items():

@@ -2,7 +2,7 @@
 the GPU's architecture runs once on tiny operands at load (`probe`), and dgpipe's own Triton kernels must
 also agree with a float reference that needs no vendor kernel (`check_triton_fp8`, `check_triton_bf16`), and
 the network's one-kernel chains with their torch forms (`check_triton_rope`, `_softcap`, `_combine`,
-`_geglu`, `_residual`, `_kv_cat`, `_router`).
+`_geglu`, `_residual`, `_kv_cat`, `_router`, `_layer_end`, `_ffn_inputs`, `_top_k`, `_expert_order`).
 What fails takes the row's fallback (`pipeline.runtime.gpu_load`), so a kernel that a host's driver,
 torch or Triton build cannot run costs speed, never a wrong answer or a crash while serving."""
 
@@ -28,8 +28,9 @@ from pipeline.model.network import (
     gelu_tanh,
     inverse_permutation,
     layer_end,
+    route_scores,
 )
-from pipeline.runtime import triton_moe, triton_network, triton_quant
+from pipeline.runtime import triton_moe, triton_network, triton_quant, triton_routing
 from pipeline.runtime.dispatch import EVERY_PASS, arch_of, dispatch
 from pipeline.runtime.routed import routed_experts
 from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, quantize_rows
@@ -69,9 +70,11 @@ KV_CAT_FORM = ("kv_cat", "bf16", "bf16")  # checked in bf16 and fp32
 ROUTER_FORM = ("router", "bf16", "bf16")  # checked in bf16 and fp16
 LAYER_END_FORM = ("layer_end", "bf16", "bf16")  # checked in bf16 and fp16
 FFN_INPUTS_FORM = ("ffn_inputs", "bf16", "bf16")  # checked in bf16 and fp16
+TOP_K_FORM = ("top_k", "bf16", "bf16")  # the router's bf16 scores, and fp32 ones
+EXPERT_ORDER_FORM = ("expert_order", "bf16", "bf16")  # int64 experts whatever the model's dtype
 NETWORK_FORMS = (ROPE_FORM, SOFTCAP_FORM, COMBINE_FORM, GEGLU_FORM, RESIDUAL_FORM, KV_CAT_FORM, ROUTER_FORM,
-                 LAYER_END_FORM, FFN_INPUTS_FORM)  # fmt: skip
-ROPE, SOFTCAP, COMBINE, GEGLU, RESIDUAL, KV_CAT, ROUTER, LAYER_END, FFN_INPUTS = (
+                 LAYER_END_FORM, FFN_INPUTS_FORM, TOP_K_FORM, EXPERT_ORDER_FORM)  # fmt: skip
+ROPE, SOFTCAP, COMBINE, GEGLU, RESIDUAL, KV_CAT, ROUTER, LAYER_END, FFN_INPUTS, TOP_K, EXPERT_ORDER = (
     f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS
 )
 # the modes whose activations `triton_quant`'s NVFP4 kernels quantize
@@ -464,11 +467,65 @@ def check_triton_ffn_inputs(dev: torch.device) -> None:
             )
 
 
-# each `triton_network` kernel's check, by its probe form's kind
+def separated_scores(tokens: int, experts: int, g: torch.Generator) -> torch.Tensor:
+    """Router scores [tokens, experts] whose probabilities no rounding can reorder: each row a random
+    permutation of steps 1/16 apart around 0 (exact in bf16 up to 256 experts, in fp16 up to 512), so any two
+    probabilities differ by a factor of e^(1/16)."""
+    return (
+        torch.stack([torch.randperm(experts, generator=g) for _ in range(tokens)]).float() - experts // 2
+    ) / 16
+
+
+def same_top_k(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether two top-k routings agree as closely as softmax and renormalisation sums added in another
+    order let them: the same experts in the same places, each weight within 2^-18 of it (a few fp32
+    roundings; a missing renormalisation or scale, or another expert's weight, is off by far more)."""
+    (gw, gi), (ww, wi) = got, want
+    return torch.equal(gi, wi) and bool(((gw - ww).abs() <= 2.0**-18 * ww.abs()).all())
+
+
+def check_triton_top_k(dev: torch.device) -> None:
+    """dgpipe's top-k kernel against torch's form (`network.route_scores`) on the 26B's routing (128
+    experts, top 8, bf16 scores), on fp32 scores, and on 100 experts (no power of two) and 4 (top 2), with
+    random per-expert scales: the same experts and weights within a few fp32 roundings (`same_top_k`), or a
+    DgpipeError."""
+    g = torch.Generator().manual_seed(14)
+    for dtype, tokens, experts, k in ((torch.bfloat16, 37, 128, 8), (torch.float32, 19, 128, 8),
+                                      (torch.bfloat16, 5, 100, 8), (torch.bfloat16, 3, 4, 2)):  # fmt: skip
+        scores = separated_scores(tokens, experts, g).to(dev, dtype)
+        scale = (torch.rand(experts, generator=g) + 0.5).to(dev, torch.bfloat16)
+        want = route_scores(scores, k, scale)[1:]
+        if not same_top_k(triton_routing.top_k(scores, k, scale), want):
+            raise DgpipeError(
+                f"the Triton router top-k differs from torch's ({dtype}, {experts} experts, top {k})",
+                TRITON_FALLBACK,
+            )
+
+
+def check_triton_expert_order(dev: torch.device) -> None:
+    """dgpipe's expert-order kernel against torch's stable sort (`scaled_layout.expert_order`): the 26B's
+    routing of 300 tokens (2,400 slots: two steps of the kernel's rank sweep), one token (most experts chosen by
+    none), and every slot on one expert: the same order, tokens and offsets, or a DgpipeError."""
+    g = torch.Generator().manual_seed(15)
+    for tokens, k, experts in ((300, 8, 128), (1, 8, 128), (9, 2, 4)):
+        index = torch.randint(0, experts, (tokens, k), generator=g)
+        if tokens == 9:
+            index[:] = 3
+        index = index.to(dev)
+        got = triton_routing.expert_order(index, experts)
+        if not all(torch.equal(a, b) for a, b in zip(got, sl.expert_order(index, experts), strict=True)):
+            raise DgpipeError(
+                f"the Triton expert order differs from torch's sort ({tokens} tokens, top {k}, {experts} experts)",
+                TRITON_FALLBACK,
+            )
+
+
+# each `triton_network` and `triton_routing` kernel's check, by its probe form's kind
 NETWORK_CHECKS = {"rope": check_triton_rope, "softcap": check_triton_softcap, "combine": check_triton_combine,
                   "geglu": check_triton_geglu, "residual": check_triton_residual, "kv_cat": check_triton_kv_cat,
                   "router": check_triton_router, "layer_end": check_triton_layer_end,
-                  "ffn_inputs": check_triton_ffn_inputs}  # fmt: skip
+                  "ffn_inputs": check_triton_ffn_inputs, "top_k": check_triton_top_k,
+                  "expert_order": check_triton_expert_order}  # fmt: skip
 assert set(NETWORK_CHECKS) == {kind for kind, _, _ in NETWORK_FORMS}
 
 

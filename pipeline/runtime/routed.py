@@ -35,7 +35,7 @@ from pipeline.model.network import (
     combine_top_k,
     geglu,
 )
-from pipeline.model.scaled_layout import expert_order
+from pipeline.model.scaled_layout import OrderKernel, expert_order
 from pipeline.runtime import triton_moe
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]
@@ -52,10 +52,11 @@ def routed_experts(
     q_down: Quantizer | None = None,
     combine: CombineKernel | None = None,
     geglu_kernel: GegluKernel | None = None,
+    order_kernel: OrderKernel | None = None,
 ) -> torch.Tensor:
     """A layer's float experts ([E, 2I, d] gate|up, [E, d, I] down, bf16) on grouped GEMMs, the inputs of
     each projection rounded by `q_in` / `q_down` first (a quantized checkpoint's activation formats)."""
-    order, token_of, offs = expert_order(index, gate_up.shape[0])
+    order, token_of, offs = expert_order(index, gate_up.shape[0], order_kernel)
     if triton:  # the token rows gathered inside the kernel, the down rows written in token-major slot order
         op = triton_moe.moe_gemm_op if torch.compiler.is_compiling() else triton_moe.moe_gemm
         gemm = lambda a, rows, w, out_rows=None: op(a, None, rows, w, None, offs, out_rows=out_rows)
@@ -87,11 +88,12 @@ class RoutedExperts(nn.Module):
         self.q_in, self.q_down = (quantizers or {}).get("gate_up"), (quantizers or {}).get("down")
         self.combine_kernel: CombineKernel | None = None  # set by the GPU loader where probed
         self.geglu_kernel: GegluKernel | None = None  # likewise
+        self.order_kernel: OrderKernel | None = None  # likewise
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return routed_experts(
             x, index, weights, self.gate_up_proj, self.down_proj, self.triton, self.q_in, self.q_down,
-            self.combine_kernel, self.geglu_kernel,
+            self.combine_kernel, self.geglu_kernel, self.order_kernel,
         )  # fmt: skip
 
 

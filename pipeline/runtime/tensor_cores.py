@@ -174,6 +174,7 @@ class ScaledExperts(nn.Module):
         self.one_pass = self.triton_rows > 0 if one_pass is None else one_pass
         self.combine_kernel: CombineKernel | None = None  # set by the GPU loader where probed
         self.geglu_kernel: ScaledGegluKernel | None = None  # likewise
+        self.order_kernel: sl.OrderKernel | None = None  # likewise
         # ModelOpt shares one input quantizer per projection across a layer's experts (max over experts)
         self.register_buffer(
             "in_scale", torch.stack([p.input_scale.reshape(()) for p in gate + up]).max().to(device)
@@ -249,7 +250,7 @@ class ScaledExperts(nn.Module):
         scales = (self.in_scale, self.down_in_scale)
         return scaled_experts(
             x, index, weights, *self._weights(), *scales, self.mode, self.triton_rows, self.one_pass,
-            self.combine_kernel, self.geglu_kernel,
+            self.combine_kernel, self.geglu_kernel, self.order_kernel,
         )  # fmt: skip
 
 
@@ -359,6 +360,7 @@ def scaled_experts(
     one_pass: bool = False,
     combine: CombineKernel | None = None,
     geglu_kernel: ScaledGegluKernel | None = None,
+    order_kernel: sl.OrderKernel | None = None,
 ) -> torch.Tensor:
     """A layer's routed experts: slots sorted by expert (device-side offsets, no host sync), one grouped
     scaled GEMM for gate|up and one for down, each token's top-k outputs weighted and summed. An FP8 pass
@@ -370,7 +372,7 @@ def scaled_experts(
     permutation and each token's k rows are combined by one batched product (fp32 accumulation, no
     atomics, deterministic), not scattered with bf16 atomic adds. On an H200 at batch 16 those two
     element-wise paths took most of the experts' non-GEMM time (BENCHMARKS.md, "26B-A4B denoise pass")."""
-    order, token_of, offs = sl.expert_order(index, w13.shape[0])
+    order, token_of, offs = sl.expert_order(index, w13.shape[0], order_kernel)
     compiling = torch.compiler.is_compiling()
     in_slot_order = triton_moe.serves(token_of.shape[0], w13.shape[0], triton_rows)
     if in_slot_order:  # the down GEMM writes each row in token-major slot order: no gather back

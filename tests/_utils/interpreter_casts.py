@@ -8,7 +8,8 @@ kernel to torch's arithmetic bit for bit install torch's own conversions (IEEE r
 those three casts, so what they compare is the kernel's arithmetic, not the interpreter's casts.
 
 The interpreter has no libdevice functions either (`libdevice.tanh` returns None there): `interpreted_tanh`
-puts numpy's fp32 tanh in its place, within an ulp or two of CUDA's and of torch's CPU tanh.
+and `interpreted_exp` put numpy's fp32 tanh and exp in their places, within an ulp or two of CUDA's and of
+torch's CPU functions.
 """
 
 from __future__ import annotations
@@ -51,3 +52,15 @@ def interpreted_tanh(monkeypatch):
         return tl.tensor(interpreter.TensorHandle(np.tanh(x.handle.data), x.handle.dtype.scalar), x.type)
 
     monkeypatch.setattr(libdevice, "tanh", tanh)
+
+
+@pytest.fixture
+def interpreted_exp(monkeypatch):
+    import triton.language as tl
+    from triton.language.extra import libdevice
+    from triton.runtime import interpreter
+
+    def exp(x, _semantic=None):
+        return tl.tensor(interpreter.TensorHandle(np.exp(x.handle.data), x.handle.dtype.scalar), x.type)
+
+    monkeypatch.setattr(libdevice, "exp", exp)

@@ -468,3 +468,28 @@ def test_the_ffn_inputs_kernel_is_torchs_but_for_its_norms_sums():
     for a, b in zip(got, want, strict=True):
         assert probing.same_layer_end(a, b, torch.zeros_like(b), one) or a is got[0]
         assert float((a != b).float().mean()) < 0.01
+
+
+def test_the_routing_kernels_choose_torchs_experts_and_order_them_as_its_sort():
+    """The 26B's routing at 16 canvases (4,096 tokens, top 8 of 128 experts, bf16 scores): the top-k kernel
+    picks the experts torch's CUDA top-k picks, ties at the k-th place included (both take the lower expert),
+    with each weight within a few fp32 roundings (`probe.same_top_k` once both are put in expert order: the
+    order of tied experts within the k is torch's sort's own); the expert order is torch's stable sort bit for
+    bit (32,768 slots: torch's radix sort)."""
+    from pipeline.model import scaled_layout as sl
+    from pipeline.model.network import route_scores
+    from pipeline.runtime import triton_moe, triton_routing
+
+    if triton_moe.unavailable(CUDA):
+        pytest.skip(triton_moe.unavailable(CUDA))
+    probing.check_triton_top_k(CUDA)
+    probing.check_triton_expert_order(CUDA)
+    gen = torch.Generator(device=CUDA).manual_seed(11)
+    scores = torch.randn(4096, 128, device=CUDA, generator=gen).bfloat16()
+    scale = (torch.rand(128, device=CUDA, generator=gen) + 0.5).bfloat16()
+    got, want = triton_routing.top_k(scores, 8, scale), route_scores(scores, 8, scale)[1:]
+    by_expert = lambda w, i: (w.gather(1, i.argsort(1)), i.sort(1).values)
+    assert probing.same_top_k(by_expert(*got), by_expert(*want))
+    index = got[1]
+    order = triton_routing.expert_order(index, 128)
+    assert all(torch.equal(a, b) for a, b in zip(order, sl.expert_order(index, 128), strict=True))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline.bench import gpu
-from tests._utils.interpreter_casts import interpreted_tanh, rne_casts  # noqa: F401  (fixtures)
+from tests._utils.interpreter_casts import interpreted_exp, interpreted_tanh, rne_casts  # noqa: F401  (fixtures)
 
 H200 = gpu.Env(True, "NVIDIA H200", "sm90", 139.8, "580.65", "2.11.0+cu130", "13.0", True, True, True)
 
@@ -184,7 +184,7 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
             # the network kernels need CUDA or the interpreter (off here): each row says why
             assert (
                 "network_error" not in r
-                and len(r["network"]) == 10
+                and len(r["network"]) == 12
                 and all("Triton kernels run on CUDA devices" in n["error"] for n in r["network"])
             )
             x = r["bf16_experts"]  # the Triton path needs CUDA or the interpreter (off here): torch's alone
@@ -234,9 +234,10 @@ def test_the_fp8_pass_on_an_ada_gpu_follows_the_runtimes_fallback_off_a_gpu(monk
     assert all(type(layer.experts) is Experts for layer in built[0].layers)
 
 
-def test_network_paths_time_each_chain_against_its_torch_form(rne_casts, interpreted_tanh):  # noqa: F811
+def test_network_paths_time_each_chain_against_its_torch_form(rne_casts, interpreted_tanh, interpreted_exp):  # noqa: F811
     """Every chain on the interpreted kernels at the embedded model's shapes: torch's values bit for bit where
-    the kernel is exact (RoPE, the residual sum, the K/V concatenation), within rounding where it is not,
+    the kernel is exact (RoPE, the residual sum, the K/V concatenation, the expert order), within rounding
+    where it is not,
     both timed; and the table."""
     from pipeline.bench.gpu_network import network_paths, render_network
     from pipeline.model.config import ModelConfig
@@ -248,7 +249,7 @@ def test_network_paths_time_each_chain_against_its_torch_form(rne_casts, interpr
     rows = network_paths(cfg, 2, 8, 5, torch.device("cpu"), repeats=1)
     assert [r["chain"].split(" [")[0] for r in rows] == ["RoPE q", "softcap", "combine", "gated GeLU",
                                                          "gated GeLU to FP8", "residual sum", "router input", "FFN inputs", "layer end",
-                                                         "K/V concatenation"]  # fmt: skip
+                                                         "router top-k", "expert order", "K/V concatenation"]  # fmt: skip
     for r in rows:
         assert "error" not in r and r["ms_torch"] > 0 and r["ms_triton"] > 0, r
         assert r["rel_l2"] < 1e-2, r
@@ -257,8 +258,9 @@ def test_network_paths_time_each_chain_against_its_torch_form(rne_casts, interpr
         exact["RoPE q"]
         is exact["residual sum"]
         is exact["router input"]
+        is exact["expert order"]
         is exact["K/V concatenation"]
         is True
     )
     table = "\n".join(render_network(rows))
-    assert table.count("\n| ") == 11 and "| K/V concatenation [2, " in table
+    assert table.count("\n| ") == 13 and "| K/V concatenation [2, " in table

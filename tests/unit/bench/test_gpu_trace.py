@@ -239,6 +239,30 @@ def test_the_moe_combine_takes_one_launch_and_reads_the_rows_where_they_are():
     assert torch_form.moved_gb - fused.moved_gb == pytest.approx(LAYERS * 2 * slots_gb, rel=0.01)
 
 
+# torch's routing a layer: softmax, top-k, the renormalisation's sum and division, the scales' gather and
+# product; the stable sort of the slots by expert, an arange, each slot's token, the offsets' search
+ROUTING_OPS = ("aten::softmax", "aten::topk", "aten::sum", "aten::div", "aten::index", "aten::sort",
+               "aten::arange", "aten::floor_divide", "aten::searchsorted")  # fmt: skip
+
+
+@pytest.mark.parametrize(("fmt", "batch"), [("fp8", 1), ("fp8", 16), ("bf16", 1)])
+def test_a_layers_routing_takes_two_launches_where_probed(fmt, batch):
+    """The router's top-k is one launch a layer where torch's form is six, the experts' order one where it
+    is four (the sort itself more than one kernel on a GPU), on every experts module: FP8 on dgpipe's MoE
+    GEMM (1 canvas) and on torch's grouped GEMM (16), bf16 on `F.grouped_mm`."""
+    fused = gt.trace_pass(fmt, "sm90", batch, LAYERS)
+    assert fused.ops["triton::top_k"] == fused.ops["triton::expert_order"] == LAYERS
+    assert "aten::topk" not in fused.ops and "aten::sort" not in fused.ops
+    no_kernel = gt.passing_probe("sm90")
+    no_kernel.results.update({probing.TOP_K: "failed", probing.EXPERT_ORDER: "failed"})
+    torch_form = gt.trace_pass(fmt, "sm90", batch, LAYERS, probed=no_kernel)
+    # (the gathers of torch's grouped GEMMs and the combine's inverse permutation index and arange too)
+    for op in (*ROUTING_OPS, "aten::mul"):  # the last: the scales' product
+        assert torch_form.ops[op] == fused.ops.get(op, 0) + LAYERS, op
+    assert "triton::top_k" not in torch_form.ops and "triton::expert_order" not in torch_form.ops
+    assert torch_form.launches == fused.launches + 8 * LAYERS
+
+
 def test_ops_a_cpu_build_cannot_run_on_fake_cuda_tensors_run_on_meta_ones():
     """Indexing, `copy_`, `sort` and in-place writes need a CUDA device guard a CPU build of torch lacks:
     they run on meta stand-ins with the same layout, and an in-place op returns its own argument."""

@@ -17,7 +17,7 @@ from pipeline.model import scaled_layout as sl
 from pipeline.model.network import apply_rope
 from pipeline.model.scaled_layout import expert_order
 from pipeline.runtime import probe as probing
-from pipeline.runtime import triton_network
+from pipeline.runtime import triton_network, triton_routing
 from tests._utils.interpreter_casts import interpreted_tanh, rne_casts  # noqa: F401  (fixtures)
 from tests._utils.triton_compile import compiled_for_gpus, spills
 
@@ -118,6 +118,8 @@ def test_a_model_with_the_kernels_installed_gives_the_same_logits(rne_casts):  #
             probing.KV_CAT,
             probing.LAYER_END,
             probing.FFN_INPUTS,
+            probing.TOP_K,
+            probing.EXPERT_ORDER,
         )
     ]
     assert torch.equal(got[0], want[0])
@@ -226,6 +228,8 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
             probing.ROUTER: None,
             probing.LAYER_END: None,
             probing.FFN_INPUTS: None,
+            probing.TOP_K: None,
+            probing.EXPERT_ORDER: None,
         },
     )
     report = gpu_load.fuse_network(model, probed, None)
@@ -239,6 +243,8 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
     assert all(layer.router.scale_kernel is triton_network.scale_columns_or_torch for layer in model.layers)
     assert model.softcap_kernel is triton_network.softcap
     assert all(layer.experts.combine_kernel is triton_network.combine for layer in model.layers)
+    assert all(layer.router.top_k_kernel is triton_routing.top_k_or_torch for layer in model.layers)
+    assert all(layer.experts.order_kernel is triton_routing.expert_order_or_torch for layer in model.layers)
     assert report.fallbacks == [
         "RoPE: torch's five element-wise kernels per tensor (the Triton kernel failed its probe: out of resources)"
     ]
