@@ -2,7 +2,8 @@
 the torch forms they replace, at the model's shapes for one batch: what each kernel gains on this GPU, which
 the whole pass's time cannot separate, and whether their values agree there as the probe requires.
 
-Each pair runs on the same random inputs: RoPE on the queries of a sliding layer, the LM head's softcap on
+Each pair runs on the same random inputs: RoPE on the queries of a sliding layer, the norms of a sliding
+layer's keys and values with the keys' RoPE (`head_norms`, against torch's fused norms), the LM head's softcap on
 the logits, the experts' combine of rows in slot order, the gated GeLU of the experts' gate|up output (bf16,
 and FP8 against the GeLU, product and one-pass quantization it replaces), a layer's residual sum, the
 router's input scales, a layer's FFN inputs (the norms and residual sum after attention) and end (its three
@@ -43,7 +44,11 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
     tokens, d, k = batch * canvas, cfg.hidden_size, cfg.top_k_experts
     sliding = cfg.layer_shape(cfg.layer_types.index("sliding_attention"))
     heads, kv, hd = cfg.num_attention_heads, sliding.num_kv_heads, sliding.head_dim
-    q = bf16(batch, canvas, heads, hd)
+    q, k_raw, v_raw = bf16(batch, canvas, heads, hd), bf16(batch, canvas, kv, hd), bf16(batch, canvas, kv, hd)
+    head_norm, v_norm = (
+        RMSNorm(hd, cfg.rms_norm_eps).to(dev, torch.bfloat16),
+        RMSNorm(hd, cfg.rms_norm_eps, False),
+    )
     angles = torch.rand(batch, canvas, hd // 2, device=dev, generator=gen) * 1e4
     cos, sin = (f(torch.cat([angles, angles], -1)).bfloat16() for f in (torch.cos, torch.sin))
     logits, cap = bf16(tokens, cfg.vocab_size) * 8, float(cfg.final_logit_softcapping)
@@ -67,6 +72,9 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
     new = bf16(2, batch, canvas, kv, hd).transpose(2, 3)
     return [
         (f"RoPE q [{batch}, {canvas}, {heads}, {hd}]", lambda: apply_rope(q, cos, sin), lambda: tn.rope(q, cos, sin)),
+        (f"head norms k, v [{batch}, {canvas}, {kv}, {hd}]",
+         lambda: (apply_rope(head_norm(k_raw), cos, sin), v_norm(v_raw)),
+         lambda: tn.head_norms(k_raw, head_norm, cos, sin, v_raw, v_norm)),
         (f"softcap [{tokens}, {cfg.vocab_size}]", lambda: logits.float().div_(cap).tanh_().mul_(cap),
          lambda: tn.softcap(logits, cap)),
         (f"combine [{tokens} x {k}, {d}]", lambda: combine_slots(y, weights), lambda: tn.combine(y, None, weights)),

@@ -119,9 +119,15 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=False)
         self.geglu_kernel: GegluKernel | None = None  # CUDA: set by the GPU loader where probed
         self.gate_up_kernel: SharedInputKernel | None = None  # likewise (`gate_and_up`)
+        # down(gelu_tanh(gate) * up) from (gate, up) with the down projection's operand made by the gated GeLU
+        # kernel (`pipeline.runtime.tensor_cores.fp8_down_from_geglu`); likewise
+        self.down_kernel: GegluKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(geglu(*gate_and_up(self, x), self.geglu_kernel))
+        gate, up = gate_and_up(self, x)
+        if self.down_kernel is not None and not _tracing():
+            return self.down_kernel(gate, up)
+        return self.down_proj(geglu(gate, up, self.geglu_kernel))
 
 
 def rope_inv_freq(cfg: TextConfig, layer_type: str, head_dim: int) -> torch.Tensor:
@@ -217,6 +223,10 @@ class Attention(nn.Module):
         # q, k and v projected from one quantization of x (`pipeline.runtime.shared_input`), set by the GPU
         # loader for quantized linears; None: each projection quantizes x itself
         self.qkv_kernel: SharedInputKernel | None = None
+        # q's norm and RoPE, or k's and v's norms and k's RoPE, as one fused CUDA kernel each
+        # (`pipeline.runtime.triton_network.head_norms`), set by the GPU loader where probed; None: torch's norms
+        # and `rotate`
+        self.head_norms_kernel: HeadNormsKernel | None = None
 
     def rotate(self, x: torch.Tensor, li: LayerInputs) -> torch.Tensor:
         """q or k [B, L, heads, D] rotated by the layer kind's RoPE."""
@@ -224,13 +234,18 @@ class Attention(nn.Module):
             return self.rope_kernel(x, li.cos, li.sin)
         return apply_rope(x, li.cos, li.sin)
 
+    def normed_q(self, q_raw: torch.Tensor, li: LayerInputs) -> torch.Tensor:
+        """q [B, L, heads, D] from its projection's heads: normed, then rotated."""
+        if self.head_norms_kernel is not None and not _tracing():
+            return self.head_norms_kernel(q_raw, self.q_norm, li.cos, li.sin)[0]
+        return self.rotate(self.q_norm(q_raw), li)
+
     def forward(
         self, x: torch.Tensor, li: LayerInputs, past: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         b, q_len, _ = x.shape
         q_proj, k_proj, v_proj = self.project(x)
-        q = self.rotate(self.q_norm(q_proj.view(b, q_len, self.num_heads, self.head_dim)), li)
-        q = q.transpose(1, 2)
+        q = self.normed_q(q_proj.view(b, q_len, self.num_heads, self.head_dim), li).transpose(1, 2)
         new_kv = k, v = self.normed_kv(k_proj, v_proj, li)
         if past is not None:
             k, v = self.after_past(past, k, v)
@@ -263,8 +278,11 @@ class Attention(nn.Module):
         b, q_len, _ = k_proj.shape
         k_raw = k_proj.view(b, q_len, self.num_kv_heads, self.head_dim)
         v_raw = k_raw if v_proj is None else v_proj.view(b, q_len, self.num_kv_heads, self.head_dim)
-        k = self.rotate(self.k_norm(k_raw), li).transpose(1, 2)
-        return k, self.v_norm(v_raw).transpose(1, 2)
+        if self.head_norms_kernel is not None and not _tracing():
+            k, v = self.head_norms_kernel(k_raw, self.k_norm, li.cos, li.sin, v_raw, self.v_norm)
+        else:
+            k, v = self.rotate(self.k_norm(k_raw), li), self.v_norm(v_raw)
+        return k.transpose(1, 2), v.transpose(1, 2)
 
 
 class Router(nn.Module):
@@ -307,6 +325,9 @@ class Router(nn.Module):
         _, weights, index = route_scores(scores, self.top_k, self.per_expert_scale)
         return weights, index
 
+
+# a fused form of attention's head norms: (x, its norm, cos, sin[, v, v's norm]) -> (rope(norm(x)), v_norm(v))
+HeadNormsKernel = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 # a fused form of `route_scores`' weights and experts: (scores, k, per-expert scale) -> (weights, experts)
 TopKKernel = Callable[[torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

@@ -33,6 +33,7 @@ from pipeline.runtime.probe import (
     EXPERT_ORDER,
     FFN_INPUTS,
     GEGLU,
+    HEAD_NORMS,
     KV_CAT,
     LAYER_END,
     NVFP4_QUANT_MODES,
@@ -46,12 +47,13 @@ from pipeline.runtime.probe import (
 )
 from pipeline.runtime.routed import host_bound_experts, route_on_device
 from pipeline.runtime.shared_input import share_inputs
-from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode
+from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, fp8_down_from_geglu, kernel_mode
 from pipeline.runtime.triton_network import (
     add_scaled_or_torch,
     combine,
     ffn_inputs_or_torch,
     geglu_or_torch,
+    head_norms_or_torch,
     kv_cat_or_torch,
     layer_end_or_torch,
     rope_or_torch,
@@ -260,12 +262,13 @@ TORCH_FORMS = {ROPE: "RoPE: torch's five element-wise kernels per tensor",
                LAYER_END: "layer end: three RMSNorms, a sum, the residual sum and scale (torch's five kernels)",
                FFN_INPUTS: "FFN inputs: a norm, the residual sum, three norms and the router's scales (torch's six kernels)",
                TOP_K: "router top-k: torch's softmax, top-k, renormalisation and scale (six kernels)",
-               EXPERT_ORDER: "expert order: torch's stable sort of the routed slots, their tokens and a search for the offsets"}  # fmt: skip
+               EXPERT_ORDER: "expert order: torch's stable sort of the routed slots, their tokens and a search for the offsets",
+               HEAD_NORMS: "attention head norms: torch's q, k and v norms, then q's and k's RoPE"}  # fmt: skip
 
 
 def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None) -> Installed | None:
     """The network's element-wise chains on dgpipe's one-kernel forms (`triton_network`) where their probes
-    passed: every layer's RoPE, K/V concatenation, gated GeLUs (dense MLP, experts, self-conditioning), router
+    passed: every layer's head norms and RoPE, K/V concatenation, gated GeLUs (dense MLP, experts, self-conditioning), router
     input and top-k, FFN inputs (the norms and residual sum after attention), experts' order and combine, the
     layer's end (its three last norms and residual sum), and the LM head's softcap; where not, the torch forms stay and
     the report says why."""
@@ -273,7 +276,9 @@ def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None)
     for layer in model.layers:
         layer.self_attn.rope_kernel = rope_or_torch if probed.ok(ROPE) else None
         layer.self_attn.kv_cat_kernel = kv_cat_or_torch if probed.ok(KV_CAT) else None
+        layer.self_attn.head_norms_kernel = head_norms_or_torch if probed.ok(HEAD_NORMS) else None
         layer.mlp.geglu_kernel = gated
+        layer.mlp.down_kernel = fp8_down_from_geglu(layer.mlp.down_proj, gated)
         layer.residual_kernel = add_scaled_or_torch if probed.ok(RESIDUAL) else None
         layer.end_kernel = layer_end_or_torch if probed.ok(LAYER_END) else None
         layer.ffn_inputs_kernel = ffn_inputs_or_torch if probed.ok(FFN_INPUTS) else None

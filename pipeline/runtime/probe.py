@@ -2,7 +2,7 @@
 the GPU's architecture runs once on tiny operands at load (`probe`), and dgpipe's own Triton kernels must
 also agree with a float reference that needs no vendor kernel (`check_triton_fp8`, `check_triton_bf16`), and
 the network's one-kernel chains with their torch forms (`check_triton_rope`, `_softcap`, `_combine`,
-`_geglu`, `_residual`, `_kv_cat`, `_router`, `_layer_end`, `_ffn_inputs`, `_top_k`, `_expert_order`).
+`_geglu`, `_residual`, `_kv_cat`, `_router`, `_layer_end`, `_ffn_inputs`, `_top_k`, `_expert_order`, `_head_norms`).
 What fails takes the row's fallback (`pipeline.runtime.gpu_load`), so a kernel that a host's driver,
 torch or Triton build cannot run costs speed, never a wrong answer or a crash while serving."""
 
@@ -28,6 +28,7 @@ from pipeline.model.network import (
     gelu_tanh,
     inverse_permutation,
     layer_end,
+    rotate_half,
     route_scores,
 )
 from pipeline.runtime import triton_moe, triton_network, triton_quant, triton_routing
@@ -72,11 +73,11 @@ LAYER_END_FORM = ("layer_end", "bf16", "bf16")  # checked in bf16 and fp16
 FFN_INPUTS_FORM = ("ffn_inputs", "bf16", "bf16")  # checked in bf16 and fp16
 TOP_K_FORM = ("top_k", "bf16", "bf16")  # the router's bf16 scores, and fp32 ones
 EXPERT_ORDER_FORM = ("expert_order", "bf16", "bf16")  # int64 experts whatever the model's dtype
+HEAD_NORMS_FORM = ("head_norms", "bf16", "bf16")  # checked in bf16 and fp16
 NETWORK_FORMS = (ROPE_FORM, SOFTCAP_FORM, COMBINE_FORM, GEGLU_FORM, RESIDUAL_FORM, KV_CAT_FORM, ROUTER_FORM,
-                 LAYER_END_FORM, FFN_INPUTS_FORM, TOP_K_FORM, EXPERT_ORDER_FORM)  # fmt: skip
-ROPE, SOFTCAP, COMBINE, GEGLU, RESIDUAL, KV_CAT, ROUTER, LAYER_END, FFN_INPUTS, TOP_K, EXPERT_ORDER = (
-    f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS
-)
+                 LAYER_END_FORM, FFN_INPUTS_FORM, TOP_K_FORM, EXPERT_ORDER_FORM, HEAD_NORMS_FORM)  # fmt: skip
+(ROPE, SOFTCAP, COMBINE, GEGLU, RESIDUAL, KV_CAT, ROUTER, LAYER_END, FFN_INPUTS, TOP_K, EXPERT_ORDER,
+ HEAD_NORMS) = (f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS)  # fmt: skip
 # the modes whose activations `triton_quant`'s NVFP4 kernels quantize
 NVFP4_QUANT_MODES = ("nvfp4", "fp8_rowwise")
 
@@ -467,6 +468,45 @@ def check_triton_ffn_inputs(dev: torch.device) -> None:
             )
 
 
+def same_rotation(
+    got: torch.Tensor, want: torch.Tensor, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> bool:
+    """Whether two rotations of normed heads agree as closely as norms summing their squares in another
+    order let them: each value within 2^-5 of |normed * cos| + |rotate_half(normed) * sin| (a normed value a
+    unit of 2^-7 off, carried through the two products and their sum, where the two can cancel), NaN where
+    the other has NaN. A wrong weight, eps, angle or half is off by far more."""
+    g, w = got.float(), want.float()
+    n, c, s = normed.float(), cos.float()[:, :, None, :], sin.float()[:, :, None, :]
+    bound = 2.0**-5 * ((n * c).abs() + (rotate_half(n) * s).abs())
+    close = ((g - w).abs() <= bound) | (g == w)
+    return bool(torch.equal(g.isnan(), w.isnan()) and (close | w.isnan()).all())
+
+
+def check_triton_head_norms(dev: torch.device) -> None:
+    """dgpipe's head-norms kernel (q's or k's norm and RoPE, v's norm) against torch's form (torch's fused
+    RMSNorm, `network.apply_rope`) at the 26B's head dims (256, 512) in bf16 and 256 in fp16, rows over seven
+    decades, a zero row and one with infinity and NaN, over positions up to 2^17: within `same_rotation`,
+    v's within `same_layer_end` of its value, or a DgpipeError."""
+    g = torch.Generator().manual_seed(16)
+    for dtype, d in ((torch.bfloat16, 256), (torch.bfloat16, 512), (torch.float16, 256)):
+        x, v = (spread(2 * 7 * 3, d, g) / 64).to(dev, dtype).view(2, 7, 3, d).chunk(2)
+        x[0, 0, 0], v[0, 1, 2, :2] = 0.0, torch.tensor([float("inf"), float("nan")])
+        norm, v_norm = RMSNorm(d, 1e-6).to(dev, dtype), RMSNorm(d, 1e-6, with_scale=False)
+        norm.weight.data = (torch.rand(d, generator=g) * 2).to(dev, dtype)
+        angles = torch.randint(0, 2**17, (1, 7, 1), generator=g).float() * torch.logspace(0, -4, d // 2)
+        emb = torch.cat([angles, angles], dim=-1)
+        cos, sin = emb.cos().to(dev, dtype), emb.sin().to(dev, dtype)
+        got, got_v = triton_network.head_norms(x, norm, cos, sin, v, v_norm)
+        normed = norm(x)
+        zero, one = torch.zeros_like(v), torch.ones(1, device=dev, dtype=dtype)
+        if not same_rotation(got, apply_rope(normed, cos, sin), normed, cos, sin) or not same_layer_end(
+            got_v, v_norm(v), zero, one
+        ):
+            raise DgpipeError(
+                f"the Triton head norms differ from torch's ({dtype}, head dim {d})", TRITON_FALLBACK
+            )
+
+
 def separated_scores(tokens: int, experts: int, g: torch.Generator) -> torch.Tensor:
     """Router scores [tokens, experts] whose probabilities no rounding can reorder: each row a random
     permutation of steps 1/16 apart around 0 (exact in bf16 up to 256 experts, in fp16 up to 512), so any two
@@ -525,7 +565,7 @@ NETWORK_CHECKS = {"rope": check_triton_rope, "softcap": check_triton_softcap, "c
                   "geglu": check_triton_geglu, "residual": check_triton_residual, "kv_cat": check_triton_kv_cat,
                   "router": check_triton_router, "layer_end": check_triton_layer_end,
                   "ffn_inputs": check_triton_ffn_inputs, "top_k": check_triton_top_k,
-                  "expert_order": check_triton_expert_order}  # fmt: skip
+                  "expert_order": check_triton_expert_order, "head_norms": check_triton_head_norms}  # fmt: skip
 assert set(NETWORK_CHECKS) == {kind for kind, _, _ in NETWORK_FORMS}
 
 

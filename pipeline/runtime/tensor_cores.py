@@ -327,6 +327,27 @@ def grouped_gemm(
 ScaledGegluKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
+def fp8_down_from_geglu(
+    linear: nn.Module, kernel: ScaledGegluKernel | None
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """A gated MLP's `linear(gelu_tanh(gate) * up)` with the FP8 down projection's operand written by the
+    gated GeLU kernel (`triton_network.geglu` with the linear's input scale: the same E4M3 codes as the
+    product quantized on its own, one launch and one [tokens, inner] pass fewer), where `linear` is an FP8
+    `ScaledLinear` that quantizes in one pass; None where not (NVFP4 and per-row FP8 scale each row: the
+    linear keeps quantizing)."""
+    if kernel is None or not isinstance(linear, ScaledLinear) or linear.mode != "fp8":
+        return None
+
+    def down(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if not in_one_pass(linear.triton, gate):
+            return linear(geglu(gate, up, kernel))
+        codes = kernel(gate, up, linear.input_scale)
+        out = linear.gemm(codes.reshape(-1, codes.shape[-1]), [linear.input_scale])
+        return out.reshape(*gate.shape[:-1], linear.out_features)
+
+    return down
+
+
 def down_operand(
     gate: torch.Tensor,
     up: torch.Tensor,

@@ -1,11 +1,11 @@
 """The network's element-wise chains on CUDA as one Triton kernel each: RoPE (`rope`, what
-`pipeline.model.network.apply_rope` computes), the final logits' softcap (`softcap`, what
-`DiffusionGemma.logits` computes after the LM head), the routed experts' combine (`combine`, what
-`network.combine_top_k` computes), the gated GeLU of the MLPs and experts (`geglu`, `network.geglu`), a
-layer's residual sum and output scale (`add_scaled`), attention's K/V concatenation (`kv_cat`), the
-router's input scales (`scale_columns`), and the norms and sums before and after a layer's FFN branches
-(`ffn_inputs`, `layer_end`: `network.ffn_inputs`, `network.layer_end`). Each chain is several kernels eagerly, each a pass through memory
-and a launch of a few microseconds even inside a CUDA graph.
+`pipeline.model.network.apply_rope` computes; with the q, k and v norms before it, `head_norms`), the final
+logits' softcap (`softcap`, what `DiffusionGemma.logits` computes after the LM head), the routed experts'
+combine (`combine`, what `network.combine_top_k` computes), the gated GeLU of the MLPs and experts (`geglu`,
+`network.geglu`), a layer's residual sum and output scale (`add_scaled`), attention's K/V concatenation
+(`kv_cat`), the router's input scales (`scale_columns`), and the norms and sums before and after a layer's
+FFN branches (`ffn_inputs`, `layer_end`: `network.ffn_inputs`, `network.layer_end`). Each chain is several
+kernels eagerly, each a pass through memory and a launch of a few microseconds even inside a CUDA graph.
 
 RoPE: rotating q or k is five kernels (x * cos, the negation and concatenation of `rotate_half`, its product
 with sin, the sum), ten launches a layer, ~300 of the ~2,100 in one FP8 26B pass (`dgpipe bench gpu-trace`).
@@ -14,6 +14,12 @@ and the sum are rounded to x's dtype exactly where torch's kernels round them (a
 values is exact in fp32), so the result is torch's bit for bit: the unit tests hold it to the torch form in
 Triton's interpreter (with round-to-nearest-even casts) and compile it for sm_90a, sm_100a, sm_89 and sm_120
 with no fused multiply-add (`OPTIONS`). bf16 and fp16 only.
+
+Head norms: before RoPE each q and k head is RMS-normed with its weight, and each v head without one: three
+norms and two rotations a layer, five launches, the normed q and k written and read back. One launch here
+norms and rotates q's rows, another k's and v's (a second axis of programs takes v): each norm is torch's
+fused RMSNorm arithmetic but for the order of its sum of squares (as in `layer_end` below), rounded to the
+input's dtype, then rotated with the RoPE kernel's arithmetic (`probe.same_rotation`).
 
 Softcap: the LM head's bf16 logits are widened to fp32, divided by the cap, put through tanh and multiplied
 by it: four passes over [tokens, 262,144] values (at 16 canvases 4.3 GB of fp32 each, ~17 GB of traffic a
@@ -57,7 +63,7 @@ is likewise two products in one kernel, each rounded where torch rounds it.
 The load-time probe holds each to its torch form on the GPU before a model uses it
 (`pipeline.runtime.probe.check_triton_rope`, `check_triton_softcap`, `check_triton_combine`,
 `check_triton_geglu`, `check_triton_residual`, `check_triton_kv_cat`, `check_triton_router`,
-`check_triton_layer_end`, `check_triton_ffn_inputs`). Under
+`check_triton_layer_end`, `check_triton_ffn_inputs`, `check_triton_head_norms`). Under
 torch.compile the torch forms stay (inductor fuses them).
 """
 
@@ -121,6 +127,75 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def rope_or_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`rope` where it serves (`rope_serves`), else the torch form: what the GPU loader installs as the layers' RoPE."""
     return rope(x, cos, sin) if rope_serves(x, cos) else apply_rope(x, cos, sin)
+
+
+# values per program: 8 rows of a 256-wide head, 4 of a 512-wide one (at 16 rows of 256, sm_120 spills)
+HEAD_NORMS_VALUES = 2048
+
+
+def head_norms_serves(
+    x: torch.Tensor,
+    norm: RMSNorm,
+    cos: torch.Tensor,
+    v: torch.Tensor | None = None,
+    v_norm: RMSNorm | None = None,
+) -> bool:
+    """Whether the kernel takes q or k heads x [B, L, H, D] (`rope_serves` with its cos) with their norm
+    (weights of x's dtype), and v [B, L, H, D] of x's shape and dtype, contiguous, with its unscaled norm of
+    the same eps (or neither)."""
+    return (
+        rope_serves(x, cos)
+        and norm.weight is not None
+        and norm.weight.dtype == x.dtype
+        and norm.weight.shape == x.shape[-1:]
+        and norm.weight.is_contiguous()
+        and (v is None) == (v_norm is None)
+        and (
+            v is None
+            or (v.shape == x.shape and v.dtype == x.dtype and v.is_contiguous() and v_norm.weight is None
+                and v_norm.eps == norm.eps)
+        )
+    )  # fmt: skip
+
+
+def head_norms(
+    x: torch.Tensor,
+    norm: RMSNorm,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    v: torch.Tensor | None = None,
+    v_norm: RMSNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rope(norm(x)), v_norm(v) or None) in one launch (`head_norms_serves` must hold): attention's q, or its
+    k and v, normed per head and q or k rotated. Each norm is torch's fused RMSNorm arithmetic but for the
+    order of its sum of squares, rounded to x's dtype; the rotation is `rope`'s, bit for bit on that."""
+    import triton
+
+    out = torch.empty_like(x)
+    v_out = torch.empty_like(v) if v is not None else None
+    rows, d = x.numel() // x.shape[-1], x.shape[-1]
+    if rows:
+        half = triton.next_power_of_2(d // 2)
+        block = max(1, HEAD_NORMS_VALUES // (2 * half))
+        _kernels().head_norms[(triton.cdiv(rows, block), 1 if v is None else 2)](
+            x, norm.weight, cos, sin, out, x if v is None else v, out if v_out is None else v_out, rows,
+            x.shape[2], norm.eps, HALF=d // 2, HALF_P2=half, BLOCK_R=block, **OPTIONS,
+        )  # fmt: skip
+    return out, v_out
+
+
+def head_norms_or_torch(
+    x: torch.Tensor,
+    norm: RMSNorm,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    v: torch.Tensor | None = None,
+    v_norm: RMSNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`head_norms` where it serves (`head_norms_serves`), else the torch form: what the GPU loader installs."""
+    if head_norms_serves(x, norm, cos, v, v_norm):
+        return head_norms(x, norm, cos, sin, v, v_norm)
+    return apply_rope(norm(x), cos, sin), (v_norm(v) if v is not None and v_norm is not None else None)
 
 
 SOFTCAP_BLOCK = 4096  # logits per program

@@ -198,3 +198,50 @@ def layer_end(
     ffn = _rms_norm((a + b).to(dt).to(tl.float32), w_ptr, c, inside, cols, eps).to(dt).to(tl.float32)
     h = (tl.load(res_ptr + row + c, mask=inside, other=0.0).to(tl.float32) + ffn).to(dt).to(tl.float32)
     tl.store(out_ptr + row + c, (h * tl.load(s_ptr).to(tl.float32)).to(dt), mask=inside)
+
+
+@triton.jit
+def head_norms(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, v_ptr, v_out_ptr, rows, heads, eps,
+    HALF: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """Programs (i, 0): rows of x [tokens * heads, 2 * HALF] RMS-normed with weight w and rounded to x's
+    dtype, then rotated by their token's cos/sin [tokens, 2 * HALF] with `rope`'s arithmetic. Programs (i, 1),
+    where the grid has them: rows of v of the same shape normed without a weight."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    j = tl.arange(0, HALF_P2)[None, :]
+    inside = (r < rows)[:, None] & (j < HALF)
+    row = r[:, None] * (2 * HALF) + j
+    dt = x_ptr.dtype.element_ty
+    if tl.program_id(1) == 0:
+        lo = tl.load(x_ptr + row, mask=inside, other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + row + HALF, mask=inside, other=0.0).to(tl.float32)
+        rstd = _head_rstd(lo, hi, HALF, eps)
+        lo = (lo * rstd * tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+        hi = (
+            (hi * rstd * tl.load(w_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32))
+            .to(dt)
+            .to(tl.float32)
+        )
+        tok = (r // heads)[:, None] * (2 * HALF) + j
+        cos_lo = tl.load(cos_ptr + tok, mask=inside, other=0.0).to(tl.float32)
+        cos_hi = tl.load(cos_ptr + tok + HALF, mask=inside, other=0.0).to(tl.float32)
+        sin_lo = tl.load(sin_ptr + tok, mask=inside, other=0.0).to(tl.float32)
+        sin_hi = tl.load(sin_ptr + tok + HALF, mask=inside, other=0.0).to(tl.float32)
+        out_lo = (lo * cos_lo).to(dt).to(tl.float32) + (-hi * sin_lo).to(dt).to(tl.float32)
+        out_hi = (hi * cos_hi).to(dt).to(tl.float32) + (lo * sin_hi).to(dt).to(tl.float32)
+        tl.store(out_ptr + row, out_lo.to(dt), mask=inside)
+        tl.store(out_ptr + row + HALF, out_hi.to(dt), mask=inside)
+    else:
+        lo = tl.load(v_ptr + row, mask=inside, other=0.0).to(tl.float32)
+        hi = tl.load(v_ptr + row + HALF, mask=inside, other=0.0).to(tl.float32)
+        rstd = _head_rstd(lo, hi, HALF, eps)
+        tl.store(v_out_ptr + row, (lo * rstd).to(dt), mask=inside)
+        tl.store(v_out_ptr + row + HALF, (hi * rstd).to(dt), mask=inside)
+
+
+@triton.jit
+def _head_rstd(lo, hi, HALF: tl.constexpr, eps):
+    """rsqrt(mean(x^2) + eps) in fp32 of each row [lo | hi] (zeros past HALF): `_rstd` for a block of rows."""
+    squares = tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)
+    return tl.math.rsqrt(tl.math.div_rn(squares, 2.0 * HALF) + eps)[:, None]

@@ -493,3 +493,34 @@ def test_the_routing_kernels_choose_torchs_experts_and_order_them_as_its_sort():
     index = got[1]
     order = triton_routing.expert_order(index, 128)
     assert all(torch.equal(a, b) for a, b in zip(order, sl.expert_order(index, 128), strict=True))
+
+
+def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
+    """Attention's head norms at the 26B's shapes and 16 canvases (q: 16 heads of 256; a global layer's k and
+    v: 2 heads of 512): within `probe.same_rotation` of torch's fused CUDA norm and RoPE (v within
+    `same_layer_end`), and bit for bit but for under 1% of the values."""
+    from pipeline.model.network import RMSNorm, apply_rope
+    from pipeline.runtime import triton_moe, triton_network
+
+    if triton_moe.unavailable(CUDA):
+        pytest.skip(triton_moe.unavailable(CUDA))
+    probing.check_triton_head_norms(CUDA)
+    gen = torch.Generator(device=CUDA).manual_seed(12)
+    for h, d, with_v in ((16, 256, False), (2, 512, True)):
+        x, v = (torch.randn(2, 16, 256, h, d, device=CUDA, generator=gen) * 2).bfloat16().unbind()
+        norm, v_norm = RMSNorm(d, 1e-6).to(CUDA, torch.bfloat16), RMSNorm(d, 1e-6, with_scale=False)
+        norm.weight.data = (torch.rand(d, device=CUDA, generator=gen) * 2).bfloat16()
+        angles = torch.rand(16, 256, d // 2, device=CUDA, generator=gen) * 1e4
+        emb = torch.cat([angles, angles], -1)
+        cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+        got, got_v = triton_network.head_norms(
+            x, norm, cos, sin, v if with_v else None, v_norm if with_v else None
+        )
+        normed = norm(x)
+        want = apply_rope(normed, cos, sin)
+        assert probing.same_rotation(got, want, normed, cos, sin)
+        assert float((got != want).float().mean()) < 0.01
+        if with_v:
+            one = torch.ones(1, device=CUDA, dtype=torch.bfloat16)
+            assert probing.same_layer_end(got_v, v_norm(v), torch.zeros_like(v), one)
+            assert float((got_v != v_norm(v)).float().mean()) < 0.01

@@ -122,9 +122,9 @@ def test_a_host_tensor_copied_into_the_pass_is_reported(monkeypatch):
 
 def test_triton_launches_are_counted_and_checked(monkeypatch):
     t = gt.trace_pass("fp8", "sm89", 16, LAYERS)
-    # every quantized input and the experts' gate|up input: FP8 in one pass each; their down input is
-    # quantized by the gated GeLU that makes it
-    assert t.ops["triton::fp8_static_quant"] == QUANTIZED_INPUTS + LAYERS
+    # every quantized input and the experts' gate|up input: FP8 in one pass each; the experts' and the dense
+    # MLP's down inputs are quantized by the gated GeLU that makes them
+    assert t.ops["triton::fp8_static_quant"] == QUANTIZED_INPUTS
     assert t.ops["triton::moe_gemm"] == 2 * LAYERS
     launcher = fake_cuda.Launcher(
         "moe_gemm", types.SimpleNamespace(counting=True, ops=t.ops, bytes=t.traffic)
@@ -150,12 +150,12 @@ def test_dgpipe_bench_gpu_trace_writes_json_and_table(tmp_path):
 
 def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
     """torch's element-wise NVFP4 quantization is ~50 launches an input (~13,000 a 26B pass); the kernels of
-    `pipeline.runtime.triton_quant` make it one, so Hopper's NVFP4 pass launches what its FP8 pass does: one
-    more for the experts' down input, which FP8 quantizes inside the gated GeLU, one fewer for gate and up in
-    one GEMM, which FP8's weight scales rule out."""
+    `pipeline.runtime.triton_quant` make it one, so Hopper's NVFP4 pass launches about what its FP8 pass
+    does: two more for the experts' and the dense MLP's down inputs, which FP8 quantizes inside the gated
+    GeLUs, one fewer for gate and up in one GEMM, which FP8's weight scales rule out."""
     inputs = QUANTIZED_INPUTS + 2 * LAYERS  # every quantized input and both expert projections'
     hopper, fp8 = gt.trace_pass("nvfp4", "sm90", 1, LAYERS), gt.trace_pass("fp8", "sm90", 1, LAYERS)
-    assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs and hopper.launches == fp8.launches
+    assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs and hopper.launches == fp8.launches + LAYERS
     b200 = gt.trace_pass("nvfp4", "sm100", 1, LAYERS)
     assert b200.ops["triton::nvfp4_quant"] == b200.ops["triton::blocked_scales"] == inputs
     # a linear's swizzle writes its padding itself; the experts' grouped scales start from zeros
@@ -168,11 +168,14 @@ def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
 
 def test_rope_takes_one_launch_per_tensor_where_probed():
     """torch's RoPE is five launches for q and five for k a layer (the multiplies, `rotate_half`'s negation
-    and concatenation, the sum); `pipeline.runtime.triton_network` makes each one. A failed probe keeps torch's."""
-    fused = gt.trace_pass("bf16", "sm90", 1, LAYERS)
+    and concatenation, the sum); `pipeline.runtime.triton_network` makes each one (where the head-norms kernel,
+    which rotates too, failed its probe). A failed probe keeps torch's."""
+    base = gt.passing_probe("sm90")
+    base.results[probing.HEAD_NORMS] = "failed"
+    fused = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=base)
     assert fused.ops["triton::rope"] == 2 * LAYERS and "aten::neg" not in fused.ops
     no_kernel = gt.passing_probe("sm90")
-    no_kernel.results[probing.ROPE] = "failed"
+    no_kernel.results.update(base.results, **{probing.ROPE: "failed"})
     torch_form = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=no_kernel)
     assert "triton::rope" not in torch_form.ops and torch_form.ops["aten::neg"] == 2 * LAYERS
     assert torch_form.launches - fused.launches == 8 * LAYERS
@@ -263,6 +266,24 @@ def test_a_layers_routing_takes_two_launches_where_probed(fmt, batch):
     assert torch_form.launches == fused.launches + 8 * LAYERS
 
 
+@pytest.mark.parametrize("batch", [1, 16])
+def test_attentions_head_norms_take_two_launches_a_layer_where_probed(batch):
+    """q's norm and RoPE are one launch, k's and v's norms and k's RoPE another, where torch's forms are five
+    (three norms, two RoPE kernels), and the normed q and k are no longer written and read back."""
+    fused = gt.trace_pass("fp8", "sm90", batch, LAYERS)
+    assert fused.ops["triton::head_norms"] == 2 * LAYERS and "triton::rope" not in fused.ops
+    no_kernel = gt.passing_probe("sm90")
+    no_kernel.results[probing.HEAD_NORMS] = "failed"
+    torch_form = gt.trace_pass("fp8", "sm90", batch, LAYERS, probed=no_kernel)
+    assert torch_form.ops["aten::rms_norm"] == fused.ops["aten::rms_norm"] + 3 * LAYERS
+    assert torch_form.ops["triton::rope"] == 2 * LAYERS and "triton::head_norms" not in torch_form.ops
+    assert torch_form.launches == fused.launches + 3 * LAYERS
+    # q (16 heads) and k (8 sliding, 2 global heads) of 256 and 512: each normed once more, written and read
+    heads = (16 + 8) * 256 + (16 + 2) * 512
+    normed_gb = 2 * batch * 256 * heads * 2 / 1e9
+    assert torch_form.moved_gb - fused.moved_gb == pytest.approx(normed_gb, rel=0.05)
+
+
 def test_ops_a_cpu_build_cannot_run_on_fake_cuda_tensors_run_on_meta_ones():
     """Indexing, `copy_`, `sort` and in-place writes need a CUDA device guard a CPU build of torch lacks:
     they run on meta stand-ins with the same layout, and an in-place op returns its own argument."""
@@ -280,7 +301,8 @@ def test_ops_a_cpu_build_cannot_run_on_fake_cuda_tensors_run_on_meta_ones():
 
 def test_the_gated_gelus_take_one_launch_where_probed():
     """torch's gated GeLU is two launches (the GeLU, the product) in each layer's dense MLP and experts and in
-    the self-conditioning, and FP8 experts quantize the product in a third; the kernel makes each one."""
+    the self-conditioning, and FP8 experts and dense MLPs quantize the product in a third for their down
+    projection; the kernel makes each one."""
     fused = gt.trace_pass("fp8", "sm90", 1, LAYERS)
     assert fused.ops["triton::geglu"] == 2 * LAYERS + 1 and "aten::gelu" not in fused.ops
     no_kernel = gt.passing_probe("sm90")
@@ -288,8 +310,8 @@ def test_the_gated_gelus_take_one_launch_where_probed():
     torch_form = gt.trace_pass("fp8", "sm90", 1, LAYERS, probed=no_kernel)
     assert "triton::geglu" not in torch_form.ops and torch_form.ops["aten::gelu"] == 2 * LAYERS + 1
     assert (
-        torch_form.launches == fused.launches + (2 * LAYERS + 1) + LAYERS
-    )  # one saved a site, and the quantization
+        torch_form.launches == fused.launches + (2 * LAYERS + 1) + 2 * LAYERS
+    )  # one saved a site, and the experts' and the dense MLP's quantizations
     assert torch_form.moved_gb > fused.moved_gb
 
 

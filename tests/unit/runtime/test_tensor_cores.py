@@ -548,3 +548,38 @@ def test_fp8_codes_compare_equal_up_to_nans_sign_and_the_probe_values_cover_ever
     assert values[3] == 3 * 2.0**-9 and values[6] == 2.0  # a subnormal, a tie to even
     assert values[7:10] == [448.0] * 3  # E4M3's largest, and two beyond it saturated
     assert values[10] == 448.0 and values[11] != values[11]  # inf saturates, NaN stays NaN
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_an_fp8_dense_down_takes_its_operand_from_the_gated_gelu_kernel(monkeypatch, one_pass):
+    """A gated MLP's FP8 down projection (CPU `F.scaled_mm` TensorWise): with the gated GeLU kernel writing
+    its E4M3 operand (here its torch form, `network.gelu_tanh` then `sl.fp8_quantize`), the linear's own
+    output bit for bit with one quantization fewer; where the linear does not quantize in one pass (under
+    torch.compile, or asked not to), the product and the linear as before. NVFP4 and per-row FP8 downs and
+    float ones keep their linear."""
+    from pipeline.model.network import GatedMLP, gelu_tanh
+
+    gen = torch.Generator().manual_seed(3)
+    down = tc.ScaledLinear(packed_linear("fp8", 32, 48, gen), "fp8", CPU, torch.bfloat16, triton=one_pass)
+    calls: list[object] = []
+
+    def kernel(gate, up, scale=None):
+        calls.append(scale)
+        h = gelu_tanh(gate) * up
+        return h if scale is None else sl.fp8_quantize(h, scale)
+
+    fused = tc.fp8_down_from_geglu(down, kernel)
+    gate, up = (torch.randn(2, 5, 96, generator=gen) * 2).bfloat16().chunk(2, dim=-1)  # views of gate|up
+    want = down(gelu_tanh(gate) * up)  # on the CPU: torch's quantization
+    monkeypatch.setattr(tc, "in_one_pass", lambda triton, t: triton)  # as on CUDA
+    quantized = []
+    quantize_rows = tc.quantize_rows
+    monkeypatch.setattr(tc, "quantize_rows", lambda *a: quantized.append(a[2]) or quantize_rows(*a))
+    got = fused(gate, up)
+    assert got.shape == want.shape == (2, 5, 32) and torch.equal(got, want)
+    assert calls == [down.input_scale] if one_pass else calls == [None]
+    assert quantized == ([] if one_pass else ["fp8"])
+    rowwise = tc.ScaledLinear(packed_linear("nvfp4", 32, 48, gen), "fp8_rowwise", CPU, torch.bfloat16)
+    mlp = GatedMLP(48, 48)
+    assert tc.fp8_down_from_geglu(rowwise, kernel) is tc.fp8_down_from_geglu(mlp.down_proj, kernel) is None
+    assert tc.fp8_down_from_geglu(down, None) is None

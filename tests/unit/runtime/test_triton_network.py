@@ -120,6 +120,7 @@ def test_a_model_with_the_kernels_installed_gives_the_same_logits(rne_casts):  #
             probing.FFN_INPUTS,
             probing.TOP_K,
             probing.EXPERT_ORDER,
+            probing.HEAD_NORMS,
         )
     ]
     assert torch.equal(got[0], want[0])
@@ -230,10 +231,14 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
             probing.FFN_INPUTS: None,
             probing.TOP_K: None,
             probing.EXPERT_ORDER: None,
+            probing.HEAD_NORMS: None,
         },
     )
     report = gpu_load.fuse_network(model, probed, None)
     assert all(layer.self_attn.rope_kernel is None for layer in model.layers)
+    assert all(
+        layer.self_attn.head_norms_kernel is triton_network.head_norms_or_torch for layer in model.layers
+    )
     gated = [model.self_conditioning, *(m for layer in model.layers for m in (layer.mlp, layer.experts))]
     assert all(m.geglu_kernel is triton_network.geglu_or_torch for m in gated)
     assert all(layer.residual_kernel is triton_network.add_scaled_or_torch for layer in model.layers)

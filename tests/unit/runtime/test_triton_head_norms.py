@@ -1,0 +1,178 @@
+"""dgpipe's attention head-norms kernel (`pipeline.runtime.triton_network.head_norms`: q's norm and RoPE, or
+k's and v's norms and k's RoPE, in one launch) in Triton's interpreter, with round-to-nearest-even casts
+(tests/_utils/interpreter_casts.py): against torch's form (torch's fused RMSNorm, `network.apply_rope`), its
+probe, a model's logits with it installed, and compiled for Hopper, B200, Ada and RTX Blackwell without a
+GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pipeline.errors import DgpipeError
+from pipeline.model.network import RMSNorm, apply_rope
+from pipeline.runtime import probe as probing
+from pipeline.runtime import triton_network
+from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
+from tests._utils.triton_compile import compiled_for_gpus, spills
+
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton's interpreter is on where no GPU is (tests/conftest.py)",
+)
+CPU = torch.device("cpu")
+
+
+def heads(b: int, length: int, h: int, d: int, dtype: torch.dtype, seed: int):
+    """(x, v, x's norm, v's norm, cos, sin): x and v [b, length, h, d] over seven decades with a zero row and
+    one with infinity and NaN, random norm weights in [0, 2), angles of positions up to 2^17."""
+    g = torch.Generator().manual_seed(seed)
+    x, v = (probing.spread(2 * b * length * h, d, g) / 64).to(dtype).view(2, b, length, h, d).unbind()
+    x[0, 0, 0], v[-1, -1, -1, :2] = 0.0, torch.tensor([float("inf"), float("nan")])
+    norm, v_norm = RMSNorm(d, 1e-6).to(dtype), RMSNorm(d, 1e-6, with_scale=False)
+    norm.weight.data = (torch.rand(d, generator=g) * 2).to(dtype)
+    angles = torch.randint(0, 2**17, (b, length, 1), generator=g).float() * torch.logspace(0, -4, d // 2)
+    emb = torch.cat([angles, angles], dim=-1)
+    return x, v, norm, v_norm, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize(("h", "d"), [(16, 256), (8, 256), (2, 512), (3, 24), (5, 2)])
+def test_head_norms_are_torchs_but_for_their_norms_sums(rne_casts, dtype, h, d):  # noqa: F811
+    """The 26B's q heads (16 of 256), sliding K/V (8 of 256) and global K/V (2 of 512), the embedded model's
+    24 and the narrowest: within `probe.same_rotation` of torch's form (v within `same_layer_end`), and bit
+    for bit but for under 0.1% of the values (the norms' sums of squares in another order)."""
+    x, v, norm, v_norm, cos, sin = heads(2, 9, h, d, dtype, seed=d + h)
+    assert triton_network.head_norms_serves(x, norm, cos, v, v_norm)
+    got, got_v = triton_network.head_norms(x, norm, cos, sin, v, v_norm)
+    normed = norm(x)
+    want, want_v = apply_rope(normed, cos, sin), v_norm(v)
+    assert probing.same_rotation(got, want, normed, cos, sin)
+    one = torch.ones(1, dtype=dtype)
+    assert probing.same_layer_end(got_v, want_v, torch.zeros_like(v), one)
+    for a, b in ((got, want), (got_v, want_v)):
+        assert float(((a != b) & ~b.isnan()).float().mean()) < 1e-3
+    q, none = triton_network.head_norms(x, norm, cos, sin)  # q: no v
+    assert none is None and probing.same_bits(q, got)
+
+
+def test_other_heads_keep_the_torch_form(monkeypatch):
+    x, v, norm, v_norm, cos, sin = heads(1, 4, 2, 64, torch.bfloat16, seed=0)
+    serves = triton_network.head_norms_serves
+    assert not serves(x.float(), norm.float(), cos.float())  # fp32: no rope kernel either
+    assert not serves(x, norm.float(), cos)  # a weight of another dtype
+    assert not serves(x, v_norm, cos)  # an unscaled norm for q or k
+    assert not serves(x, norm, cos, v, norm)  # a scaled norm for v
+    assert not serves(x, norm, cos, v[:, :, :1].contiguous(), v_norm)  # v of another shape
+    assert not serves(x, norm, cos, v)  # v without its norm
+    monkeypatch.setattr(triton_network, "head_norms", lambda *a: pytest.fail("the kernel ran"))
+    y, w = x.float(), v.float()
+    got = triton_network.head_norms_or_torch(y, norm.float(), cos.float(), sin.float(), w, v_norm)
+    same = lambda a, b: torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+    assert same(got[0], apply_rope(norm.float()(y), cos.float(), sin.float())) and same(got[1], v_norm(w))
+
+
+@interpreted
+def test_the_head_norms_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, monkeypatch):  # noqa: F811
+    probing.check_triton_head_norms(CPU)
+    kernel = triton_network.head_norms
+    wrong = {
+        "not rotated": lambda x, n, c, s, v=None, vn=None: kernel(x, n, torch.ones_like(c), torch.zeros_like(s), v, vn),
+        "weights reversed": lambda x, n, c, s, v=None, vn=None: kernel(x, _flipped(n), c, s, v, vn),
+        "v not normed": lambda x, n, c, s, v=None, vn=None: (kernel(x, n, c, s)[0], v),
+        "v scaled": lambda x, n, c, s, v=None, vn=None: (kernel(x, n, c, s)[0], kernel(v, n, c, s)[0]),
+    }  # fmt: skip
+    for name, form in wrong.items():
+        with monkeypatch.context() as mp:
+            mp.setattr(triton_network, "head_norms", form)
+            with pytest.raises(DgpipeError, match="head norms differ"):
+                probing.check_triton_head_norms(CPU)
+                pytest.fail(f"passed: {name}")
+
+
+def _flipped(norm: RMSNorm) -> RMSNorm:
+    out = RMSNorm(norm.weight.shape[0], norm.eps).to(norm.weight.device, norm.weight.dtype)
+    out.weight.data = norm.weight.data.flip(0)
+    return out
+
+
+@interpreted
+def test_a_model_with_the_head_norms_kernel_keeps_its_logits(rne_casts):  # noqa: F811
+    """The embedded model in bf16 with every layer's head norms on the kernel (as `gpu_load.fuse_network`
+    installs it): it ran for q and for k and v in every layer, prefill and denoise, and the logits and the
+    K/V a cache keeps stay within 1e-2 relative L2 of torch's (measured: 1.2e-3 and 0; a normed value one
+    rounding away, carried through the layers)."""
+    from pipeline.model.checkpoint import load_model
+    from pipeline.resources import EMBEDDED_MODEL
+    from pipeline.runtime import gpu_load
+
+    model = load_model(EMBEDDED_MODEL, torch.bfloat16)[0].eval()
+    cfg, length = model.cfg, model.config.canvas_length
+    g = torch.Generator().manual_seed(0)
+    canvas = torch.randint(0, cfg.vocab_size, (2, length), generator=g)
+    positions = torch.arange(length).expand(2, length) + 7
+    masks = dict.fromkeys(set(model.layer_types))
+
+    def run():
+        with torch.inference_mode():
+            return model.denoise(canvas, None, positions, masks, None), model.encode_kv(
+                canvas, positions, masks
+            )
+
+    want = run()
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            triton_network,
+            "head_norms",
+            lambda *a, k=triton_network.head_norms: calls.append(a[4] is None) or k(*a),
+        )
+        gpu_load.fuse_network(model, probing.Probe("sm90", {probing.HEAD_NORMS: None}), None)
+        got = run()
+    assert all(layer.self_attn.head_norms_kernel for layer in model.layers)
+    layers = len(model.layers)  # q and k|v in each layer of the denoise pass and of the prefill, whose
+    assert calls.count(False) == 2 * layers and calls.count(True) == 2 * layers - 1  # last layer wants no q
+    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
+    kv_rel = max(rel(a, b) for kv, kv_want in zip(got[1], want[1], strict=True) for a, b in zip(kv, kv_want))
+    assert rel(got[0], want[0]) < 1e-2 and kv_rel < 1e-2
+
+
+COMPILE_FOR_GPUS = """
+import json, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pipeline.runtime import triton_network as tn, triton_network_kernels as k
+
+out = []
+for cc in (90, 100, 89, 120):
+    for d in (256, 512):
+        for dt in ("bf16", "fp16"):
+            sig = {**{p: f"*{dt}" for p in ("x_ptr", "w_ptr", "cos_ptr", "sin_ptr", "out_ptr", "v_ptr", "v_out_ptr")},
+                   "rows": "i32", "heads": "i32", "eps": "fp32"}
+            consts = {"HALF": d // 2, "HALF_P2": d // 2, "BLOCK_R": tn.HEAD_NORMS_VALUES // d}
+            src = ASTSource(fn=k.head_norms, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
+                            attrs={(k.head_norms.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
+            kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=tn.OPTIONS)
+            cubin = Path(sys.argv[1]) / f"head_norms_{d}_{dt}_sm{cc}.cubin"
+            cubin.write_bytes(kernel.asm["cubin"])
+            out.append({"cc": cc, "d": d, "dtype": dt, "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
+json.dump(out, sys.stdout)
+"""
+
+
+def test_the_kernel_compiles_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
+    """Triton lowers the head-norms kernel for both head dims and dtypes to sm_90a, sm_100a, sm_89 and sm_120
+    cubins, no GPU needed: every product and sum rounded on its own (no fused multiply-add, which would round
+    once where torch rounds twice) and no register spills (no STL/LDL in the SASS)."""
+    from tests.unit.runtime.test_triton_network import separate_roundings_missing
+
+    compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
+    assert len(compiled) == 16
+    for k in compiled:
+        assert not separate_roundings_missing(k["ptx"]), (k["cc"], k["d"], k["dtype"])
+        assert not spills(k["cubin"]), (k["cc"], k["d"], k["dtype"])
