@@ -354,7 +354,7 @@ def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
     lin = kernel_mode(row.linears)
     lin = lin if lin and pr.ok(f"linear:{lin}") else None
     exp, triton_rows, fell_back = experts_plan(row, pr)
-    lin_one_pass, exp_one_pass = one_pass(lin, triton_rows, pr), one_pass(exp, triton_rows, pr)
+    lin_one_pass, exp_one_pass = one_pass(lin, pr), one_pass(exp, pr)
     kernels = f"{row.linears} / {row.experts}" + (f" ({fell_back})" if fell_back else "")
     gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     for layer in model.layers:

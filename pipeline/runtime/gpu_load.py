@@ -36,7 +36,7 @@ from pipeline.runtime.probe import (
     HEAD_NORMS,
     KV_CAT,
     LAYER_END,
-    NVFP4_QUANT_MODES,
+    ONE_PASS_MODES,
     RESIDUAL,
     ROPE,
     ROUTER,
@@ -110,13 +110,11 @@ def experts_plan(row: DispatchRow, pr: Probe) -> tuple[str | None, float, str | 
     return exp, row.triton_rows, None
 
 
-def one_pass(mode: str | None, triton_rows: float, pr: Probe) -> bool:
-    """Whether `mode`'s activations are quantized by dgpipe's one-pass kernels (`triton_quant`): FP8's where
-    the row runs the Triton FP8 GEMM (the two are probed together), the NVFP4 forms' where their own probe
-    passed. Elsewhere torch's element-wise form (~50 kernels an input for NVFP4)."""
-    if mode in NVFP4_QUANT_MODES:
-        return pr.ok(f"quant:{mode}")
-    return mode == "fp8" and triton_rows > 0
+def one_pass(mode: str | None, pr: Probe) -> bool:
+    """Whether `mode`'s activations are quantized by dgpipe's one-pass kernels (`triton_quant`): where the
+    mode's own probe passed ("quant:<mode>"), whichever GEMM reads them. Elsewhere torch's element-wise form
+    (three kernels an input for FP8, ~50 for NVFP4)."""
+    return mode in ONE_PASS_MODES and pr.ok(f"quant:{mode}")
 
 
 class TensorCoreLoad:
@@ -187,7 +185,7 @@ class TensorCoreLoad:
         q = q.to(self.device)
         m = EXPERT.match(module)
         if m is None:
-            fast = one_pass(self.lin_mode, self.triton_rows, self.probed)
+            fast = one_pass(self.lin_mode, self.probed)
             self.modules[module] = ScaledLinear(q, self.lin_mode, self.device, self.dtype, fast)
             self.report.linears += 1
             return
@@ -198,7 +196,7 @@ class TensorCoreLoad:
             per = [layer[e] for e in sorted(self.pending.pop(prefix))]
             proj = lambda name: [e[name] for e in per]
             projections = proj("gate_proj"), proj("up_proj"), proj("down_proj")
-            fast = one_pass(self.exp_mode, self.triton_rows, self.probed)
+            fast = one_pass(self.exp_mode, self.probed)
             self.modules[prefix] = ScaledExperts(
                 *projections, self.exp_mode, self.device, self.triton_rows, one_pass=fast
             )

@@ -78,8 +78,8 @@ NETWORK_FORMS = (ROPE_FORM, SOFTCAP_FORM, COMBINE_FORM, GEGLU_FORM, RESIDUAL_FOR
                  LAYER_END_FORM, FFN_INPUTS_FORM, TOP_K_FORM, EXPERT_ORDER_FORM, HEAD_NORMS_FORM)  # fmt: skip
 (ROPE, SOFTCAP, COMBINE, GEGLU, RESIDUAL, KV_CAT, ROUTER, LAYER_END, FFN_INPUTS, TOP_K, EXPERT_ORDER,
  HEAD_NORMS) = (f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS)  # fmt: skip
-# the modes whose activations `triton_quant`'s NVFP4 kernels quantize
-NVFP4_QUANT_MODES = ("nvfp4", "fp8_rowwise")
+# the modes whose activations `triton_quant`'s one-pass kernels quantize, each probed on its own ("quant")
+ONE_PASS_MODES = ("fp8", "nvfp4", "fp8_rowwise")
 
 
 def probe_plan(arch: str | None, formats: tuple[str, ...] = PROBED_FORMATS) -> list[tuple[str, str, str]]:
@@ -96,8 +96,8 @@ def probe_plan(arch: str | None, formats: tuple[str, ...] = PROBED_FORMATS) -> l
                 ("triton", row.experts, row.triton), ("triton", row.experts_fallback or "", bool(row.experts_fallback)))  # fmt: skip
         for kind, kernel, used in uses:
             mode = kernel_mode(kernel) if used else None
-            # NVFP4 activations' one-pass quantization is a kernel of its own (FP8's is checked with the GEMM)
-            for k in (kind, "quant") if mode in NVFP4_QUANT_MODES else (kind,):
+            # activations' one-pass quantization is a kernel of its own, whichever GEMM reads them
+            for k in (kind, "quant") if mode in ONE_PASS_MODES else (kind,):
                 form = (k, mode, {"fp8": "fp8", "bf16": "bf16"}.get(mode or "", "nvfp4"))
                 if mode and form not in plan:
                     plan.append(form)
@@ -176,10 +176,8 @@ def _check_every_tile(name: str, a, a_scale, rows, w, w_scale, offs) -> torch.Te
 def check_triton_fp8(mode: str, fmt: str, dev: torch.device, x, index, weights) -> None:
     """dgpipe's Triton kernels on this GPU against references that need no grouped GEMM kernel (so the check
     runs where torch has none), or a DgpipeError: the GEMM at every M tile it picks against the float
-    product of its FP8 operands; a whole experts pass on it (10 rows per expert here) against
-    `float_experts`; and the one-pass FP8 quantization bit for bit against torch's three passes on normal,
-    subnormal, tie, out-of-range and non-finite values. Only kernels that agree are used: Triton and its
-    compiler vary by host."""
+    product of its FP8 operands; and a whole experts pass on it (10 rows per expert here) against
+    `float_experts`. Only kernels that agree are used: Triton and its compiler vary by host."""
     ps = [_tiny_packed(fmt, seed=e) for e in range(4)]  # distinct experts: a routing error shows
     m = ScaledExperts(ps, ps, ps, mode, dev, triton_rows=EVERY_PASS)
     q, qs = quantize_rows(x, m.in_scale, mode)
@@ -189,11 +187,16 @@ def check_triton_fp8(mode: str, fmt: str, dev: torch.device, x, index, weights) 
     if not err < 0.1:  # bf16 intermediates flip some FP8 roundings (~0.02, tests/gpu); a wrong kernel is O(1)
         raise DgpipeError(f"experts on the Triton MoE GEMM differ from their float reference by {err:.3g} "
                           "(relative L2)", TRITON_FALLBACK)  # fmt: skip
+
+
+def check_triton_fp8_quant(dev: torch.device) -> None:
+    """dgpipe's one-pass FP8 quantization bit for bit against torch's three passes on normal, subnormal,
+    tie, out-of-range and non-finite values, or a DgpipeError."""
     v = torch.tensor(QUANT_PROBE_VALUES)
-    v = torch.cat([v, -v, torch.randn(4096) * 64]).to(dev, torch.bfloat16)
-    scale = torch.tensor(0.5, device=dev)
+    v = torch.cat([v, -v, torch.randn(4096, generator=torch.Generator().manual_seed(2)) * 64])
+    v, scale = v.to(dev, torch.bfloat16), torch.tensor(0.5, device=dev)
     if not fp8_codes_equal(triton_quant.fp8(v, scale), sl.fp8_quantize(v, scale)):
-        raise DgpipeError("the Triton FP8 quantization differs from torch's", TRITON_FALLBACK)
+        raise DgpipeError("the Triton fp8 activation quantization differs from torch's", TRITON_FALLBACK)
 
 
 def nvfp4_probe_rows(dev: torch.device) -> torch.Tensor:
@@ -214,9 +217,11 @@ def nvfp4_probe_rows(dev: torch.device) -> torch.Tensor:
 
 
 def check_triton_quant(mode: str, dev: torch.device) -> None:
-    """dgpipe's one-pass NVFP4 quantization (`mode` "nvfp4": codes and block scales, and the scales' swizzle
-    for one linear and for grouped rows; "fp8_rowwise": NVFP4 rounding then per-row E4M3) bit for bit against
-    torch's form on `nvfp4_probe_rows`, or a DgpipeError."""
+    """dgpipe's one-pass activation quantization (`mode` "fp8": `check_triton_fp8_quant`; "nvfp4": codes and
+    block scales, and the scales' swizzle for one linear and for grouped rows; "fp8_rowwise": NVFP4 rounding
+    then per-row E4M3) bit for bit against torch's form (NVFP4 on `nvfp4_probe_rows`), or a DgpipeError."""
+    if mode == "fp8":
+        return check_triton_fp8_quant(dev)
     x, gs = nvfp4_probe_rows(dev), torch.tensor(0.5, device=dev)
     kernel = triton_quant.nvfp4 if mode == "nvfp4" else triton_quant.nvfp4_fp8_rows
     (q, s), (want_q, want_s) = kernel(x, gs), quantize_rows(x, gs, mode)

@@ -80,7 +80,12 @@ def test_kernels_that_failed_their_probe_take_the_rows_second_path():
     hopper.results["triton:fp8"] = "no Triton here"
     t = gt.trace_pass("fp8", "sm90", 1, LAYERS, probed=hopper)
     assert t.error is None and t.gemms()["F.scaled_grouped_mm"] == 2 * LAYERS  # torch's kernel at 1 canvas
-    assert "triton::fp8_static_quant" not in t.ops  # torch's quantization too
+    # the one-pass quantization has a probe of its own: every input but the downs' (the gated GeLUs make
+    # those), and the experts' gate|up
+    assert t.ops["triton::fp8_static_quant"] == QUANTIZED_INPUTS
+    hopper.results["quant:fp8"] = "no Triton here"
+    t = gt.trace_pass("fp8", "sm90", 1, LAYERS, probed=hopper)
+    assert "triton::fp8_static_quant" not in t.ops  # torch's quantization where that failed too
     rtx = gt.passing_probe("sm120")
     rtx.results["experts:nvfp4"] = "no grouped FP4 GEMM in this build"
     t = gt.trace_pass("nvfp4", "sm120", 16, LAYERS, probed=rtx)

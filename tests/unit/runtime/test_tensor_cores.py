@@ -187,13 +187,14 @@ def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
     RoPE, softcap and MoE combine kernels, whatever the checkpoint's format."""
     net = probing.NETWORK_FORMS
     assert probing.probe_plan("sm90") == [
-        ("linear", "fp8", "fp8"), ("experts", "fp8", "fp8"), ("triton", "fp8", "fp8"),
+        ("linear", "fp8", "fp8"), ("quant", "fp8", "fp8"), ("experts", "fp8", "fp8"), ("triton", "fp8", "fp8"),
         ("linear", "fp8_rowwise", "nvfp4"), ("quant", "fp8_rowwise", "nvfp4"), ("experts", "fp8_rowwise", "nvfp4"),
         ("triton", "fp8_rowwise", "nvfp4"), *net,
     ]  # fmt: skip
-    # NVFP4 activations' one-pass quantization ("quant") is probed wherever a row quantizes them
+    # activations' one-pass quantization ("quant") is probed wherever a row quantizes them
     assert probing.probe_plan("sm100") == [
         ("linear", "fp8", "fp8"),
+        ("quant", "fp8", "fp8"),
         ("linear", "nvfp4", "nvfp4"),
         ("quant", "nvfp4", "nvfp4"),
         ("experts", "nvfp4", "nvfp4"),
@@ -201,11 +202,11 @@ def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
     ]
     # Ada and RTX Blackwell: no grouped GEMM kernel in torch for FP8 or bf16, the Triton GEMM takes every pass
     assert probing.probe_plan("sm89") == [
-        ("linear", "fp8", "fp8"), ("triton", "fp8", "fp8"), ("linear", "fp8_rowwise", "nvfp4"),
+        ("linear", "fp8", "fp8"), ("quant", "fp8", "fp8"), ("triton", "fp8", "fp8"), ("linear", "fp8_rowwise", "nvfp4"),
         ("quant", "fp8_rowwise", "nvfp4"), ("triton", "fp8_rowwise", "nvfp4"), ("triton", "bf16", "bf16"), *net,
     ]  # fmt: skip
     assert probing.probe_plan("sm120") == [
-        ("linear", "fp8", "fp8"), ("triton", "fp8", "fp8"), ("linear", "nvfp4", "nvfp4"), ("quant", "nvfp4", "nvfp4"),
+        ("linear", "fp8", "fp8"), ("quant", "fp8", "fp8"), ("triton", "fp8", "fp8"), ("linear", "nvfp4", "nvfp4"), ("quant", "nvfp4", "nvfp4"),
         ("experts", "nvfp4", "nvfp4"),
         ("triton", "fp8_rowwise", "nvfp4"), ("quant", "fp8_rowwise", "nvfp4"),  # NVFP4 experts' second path: FP8 on Triton
         ("triton", "bf16", "bf16"), *net,

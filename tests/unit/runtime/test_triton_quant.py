@@ -144,12 +144,12 @@ def test_the_probe_holds_each_kernel_to_torchs_form(rne_casts, monkeypatch):  # 
         probing.check_triton_quant("fp8_rowwise", CPU)
 
 
-def test_the_probe_plan_checks_the_nvfp4_kernels_where_a_row_quantizes_nvfp4_activations():
+def test_the_probe_plan_checks_the_one_pass_kernels_where_a_row_quantizes_activations():
     quant = lambda arch: [m for k, m, _ in probing.probe_plan(arch) if k == "quant"]
-    assert quant("sm100") == ["nvfp4"]
-    assert quant("sm120") == ["nvfp4", "fp8_rowwise"]  # its experts' second path re-quantizes to FP8
-    assert quant("sm90") == quant("sm89") == ["fp8_rowwise"]
-    assert not [k for k, *_ in probing.probe_plan("sm90", ("fp8", "bf16")) if k == "quant"]
+    assert quant("sm100") == ["fp8", "nvfp4"]  # B200's FP8 linears too, whose experts run dequantized
+    assert quant("sm120") == ["fp8", "nvfp4", "fp8_rowwise"]  # its experts' second path re-quantizes to FP8
+    assert quant("sm90") == quant("sm89") == ["fp8", "fp8_rowwise"]
+    assert not [k for k, *_ in probing.probe_plan("sm90", ("bf16",)) if k == "quant"]
 
 
 def test_quantize_rows_takes_the_kernels_on_cuda_only(monkeypatch):
@@ -217,8 +217,9 @@ def test_which_loads_quantize_activations_in_one_pass():
     from pipeline.runtime import gpu_load
     from pipeline.runtime.probe import Probe
 
-    pr = Probe("sm120", {"quant:nvfp4": None, "quant:fp8_rowwise": "a compile error"})
-    assert gpu_load.one_pass("nvfp4", 0.0, pr)  # its own probe passed; no Triton GEMM needed
-    assert not gpu_load.one_pass("fp8_rowwise", 64, pr)  # its probe failed: torch's form
-    assert gpu_load.one_pass("fp8", 64, pr) and not gpu_load.one_pass("fp8", 0.0, pr)  # with the Triton GEMM
-    assert not gpu_load.one_pass(None, 64, pr)
+    pr = Probe("sm120", {"quant:nvfp4": None, "quant:fp8_rowwise": "a compile error", "triton:fp8": None})
+    assert gpu_load.one_pass("nvfp4", pr)  # its own probe passed; no Triton GEMM needed
+    assert not gpu_load.one_pass("fp8_rowwise", pr)  # its probe failed: torch's form
+    assert not gpu_load.one_pass("fp8", pr)  # not probed: the Triton GEMM's probe does not stand for it
+    pr.results["quant:fp8"] = None
+    assert gpu_load.one_pass("fp8", pr) and not gpu_load.one_pass(None, pr)
