@@ -90,8 +90,9 @@ FfnInputsKernel = Callable[
     tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 ]
 
-# linears that read one input, computed together (`pipeline.runtime.shared_input`): x -> each linear's output
-SharedInputKernel = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+# linears that read one input, computed together (`pipeline.runtime.shared_input`): (x[, its norm]) -> each
+# linear's output of x, or of norm(x)
+SharedInputKernel = Callable[..., tuple[torch.Tensor, ...]]
 
 
 def gate_and_up(mlp: GatedMLP | SelfConditioning, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,10 +242,16 @@ class Attention(nn.Module):
         return self.rotate(self.q_norm(q_raw), li)
 
     def forward(
-        self, x: torch.Tensor, li: LayerInputs, past: tuple[torch.Tensor, torch.Tensor] | None
+        self,
+        x: torch.Tensor,
+        li: LayerInputs,
+        past: tuple[torch.Tensor, torch.Tensor] | None,
+        norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Attention over x (`norm`: x is the layer's un-normed input and this its input norm, which a fused
+        projection can compute with its quantization)."""
         b, q_len, _ = x.shape
-        q_proj, k_proj, v_proj = self.project(x)
+        q_proj, k_proj, v_proj = self.project(x, norm)
         q = self.normed_q(q_proj.view(b, q_len, self.num_heads, self.head_dim), li).transpose(1, 2)
         new_kv = k, v = self.normed_kv(k_proj, v_proj, li)
         if past is not None:
@@ -260,11 +267,14 @@ class Attention(nn.Module):
             return self.kv_cat_kernel(past[0], past[1], k, v)
         return torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """x's q, k and v projections (v None where the layer has no `v_proj`: K doubles as V)."""
+    def project(
+        self, x: torch.Tensor, norm: RMSNorm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x's q, k and v projections, or norm(x)'s (v None where the layer has no `v_proj`: K doubles as V)."""
         if self.qkv_kernel is not None and not _tracing():
-            q, k, *v = self.qkv_kernel(x)
+            q, k, *v = self.qkv_kernel(x, norm)
             return q, k, v[0] if v else None
+        x = x if norm is None else norm(x)
         return self.q_proj(x), self.k_proj(x), None if self.v_proj is None else self.v_proj(x)
 
     def project_kv(self, x: torch.Tensor, li: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -518,7 +528,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, li: LayerInputs, past: tuple[torch.Tensor, torch.Tensor] | None, encoder: bool
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        a, new_kv = self.self_attn(self.input_layernorm(h), li, past)
+        a, new_kv = self.self_attn(h, li, past, self.input_layernorm)
         if self.ffn_inputs_kernel is not None and not _tracing():
             residual, mlp_in, experts_in, router_in = self.ffn_inputs_kernel(self, h, a)
         else:

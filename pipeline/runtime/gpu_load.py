@@ -36,6 +36,7 @@ from pipeline.runtime.probe import (
     HEAD_NORMS,
     KV_CAT,
     LAYER_END,
+    NORM_FP8,
     ONE_PASS_MODES,
     RESIDUAL,
     ROPE,
@@ -46,7 +47,7 @@ from pipeline.runtime.probe import (
     probe,
 )
 from pipeline.runtime.routed import host_bound_experts, route_on_device
-from pipeline.runtime.shared_input import share_inputs
+from pipeline.runtime.shared_input import SharedInput, share_inputs
 from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, fp8_down_from_geglu, kernel_mode
 from pipeline.runtime.triton_network import (
     add_scaled_or_torch,
@@ -56,6 +57,7 @@ from pipeline.runtime.triton_network import (
     head_norms_or_torch,
     kv_cat_or_torch,
     layer_end_or_torch,
+    norm_fp8_or_torch,
     rope_or_torch,
     scale_columns_or_torch,
     softcap,
@@ -261,12 +263,13 @@ TORCH_FORMS = {ROPE: "RoPE: torch's five element-wise kernels per tensor",
                FFN_INPUTS: "FFN inputs: a norm, the residual sum, three norms and the router's scales (torch's six kernels)",
                TOP_K: "router top-k: torch's softmax, top-k, renormalisation and scale (six kernels)",
                EXPERT_ORDER: "expert order: torch's stable sort of the routed slots, their tokens and a search for the offsets",
-               HEAD_NORMS: "attention head norms: torch's q, k and v norms, then q's and k's RoPE"}  # fmt: skip
+               HEAD_NORMS: "attention head norms: torch's q, k and v norms, then q's and k's RoPE",
+               NORM_FP8: "attention input norm to FP8: torch's norm, then the FP8 quantization"}  # fmt: skip
 
 
 def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None) -> Installed | None:
     """The network's element-wise chains on dgpipe's one-kernel forms (`triton_network`) where their probes
-    passed: every layer's head norms and RoPE, K/V concatenation, gated GeLUs (dense MLP, experts, self-conditioning), router
+    passed: every layer's input norm with its FP8 q|k|v operand, head norms and RoPE, K/V concatenation, gated GeLUs (dense MLP, experts, self-conditioning), router
     input and top-k, FFN inputs (the norms and residual sum after attention), experts' order and combine, the
     layer's end (its three last norms and residual sum), and the LM head's softcap; where not, the torch forms stay and
     the report says why."""
@@ -275,6 +278,13 @@ def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None)
         layer.self_attn.rope_kernel = rope_or_torch if probed.ok(ROPE) else None
         layer.self_attn.kv_cat_kernel = kv_cat_or_torch if probed.ok(KV_CAT) else None
         layer.self_attn.head_norms_kernel = head_norms_or_torch if probed.ok(HEAD_NORMS) else None
+        qkv = layer.self_attn.qkv_kernel
+        if (
+            isinstance(qkv, SharedInput)
+            and isinstance(qkv.parts[0], ScaledLinear)
+            and qkv.parts[0].mode == "fp8"
+        ):
+            qkv.norm_quant = norm_fp8_or_torch if probed.ok(NORM_FP8) else None
         layer.mlp.geglu_kernel = gated
         layer.mlp.down_kernel = fp8_down_from_geglu(layer.mlp.down_proj, gated)
         layer.residual_kernel = add_scaled_or_torch if probed.ok(RESIDUAL) else None

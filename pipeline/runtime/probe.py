@@ -2,7 +2,7 @@
 the GPU's architecture runs once on tiny operands at load (`probe`), and dgpipe's own Triton kernels must
 also agree with a float reference that needs no vendor kernel (`check_triton_fp8`, `check_triton_bf16`), and
 the network's one-kernel chains with their torch forms (`check_triton_rope`, `_softcap`, `_combine`,
-`_geglu`, `_residual`, `_kv_cat`, `_router`, `_layer_end`, `_ffn_inputs`, `_top_k`, `_expert_order`, `_head_norms`).
+`_geglu`, `_residual`, `_kv_cat`, `_router`, `_layer_end`, `_ffn_inputs`, `_top_k`, `_expert_order`, `_head_norms`, `_norm_fp8`).
 What fails takes the row's fallback (`pipeline.runtime.gpu_load`), so a kernel that a host's driver,
 torch or Triton build cannot run costs speed, never a wrong answer or a crash while serving."""
 
@@ -74,10 +74,12 @@ FFN_INPUTS_FORM = ("ffn_inputs", "bf16", "bf16")  # checked in bf16 and fp16
 TOP_K_FORM = ("top_k", "bf16", "bf16")  # the router's bf16 scores, and fp32 ones
 EXPERT_ORDER_FORM = ("expert_order", "bf16", "bf16")  # int64 experts whatever the model's dtype
 HEAD_NORMS_FORM = ("head_norms", "bf16", "bf16")  # checked in bf16 and fp16
+NORM_FP8_FORM = ("norm_fp8", "bf16", "bf16")  # bf16 and fp16 rows to E4M3
 NETWORK_FORMS = (ROPE_FORM, SOFTCAP_FORM, COMBINE_FORM, GEGLU_FORM, RESIDUAL_FORM, KV_CAT_FORM, ROUTER_FORM,
-                 LAYER_END_FORM, FFN_INPUTS_FORM, TOP_K_FORM, EXPERT_ORDER_FORM, HEAD_NORMS_FORM)  # fmt: skip
+                 LAYER_END_FORM, FFN_INPUTS_FORM, TOP_K_FORM, EXPERT_ORDER_FORM, HEAD_NORMS_FORM,
+                 NORM_FP8_FORM)  # fmt: skip
 (ROPE, SOFTCAP, COMBINE, GEGLU, RESIDUAL, KV_CAT, ROUTER, LAYER_END, FFN_INPUTS, TOP_K, EXPERT_ORDER,
- HEAD_NORMS) = (f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS)  # fmt: skip
+ HEAD_NORMS, NORM_FP8) = (f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS)  # fmt: skip
 # the modes whose activations `triton_quant`'s one-pass kernels quantize, each probed on its own ("quant")
 ONE_PASS_MODES = ("fp8", "nvfp4", "fp8_rowwise")
 
@@ -512,6 +514,33 @@ def check_triton_head_norms(dev: torch.device) -> None:
             )
 
 
+def same_fp8_of_norm(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether two E4M3 quantizations of normed rows agree as closely as norms summing their squares in
+    another order let them: each value within one E4M3 step (2^-3 of it, or of the smallest subnormal 2^-9:
+    a normed value one bf16 rounding off can cross a rounding boundary of the codes), NaN where the other has
+    NaN. A wrong weight, scale or eps is off by far more."""
+    g, w = got.float(), want.float()
+    close = ((g - w).abs() <= 2.0**-3 * w.abs() + 2.0**-9) | (g == w)
+    return bool(torch.equal(g.isnan(), w.isnan()) and (close | w.isnan()).all())
+
+
+def check_triton_norm_fp8(dev: torch.device) -> None:
+    """dgpipe's norm-to-FP8 kernel against torch's fused RMSNorm then the FP8 quantization, at the 26B's width
+    and one that is no power of two, bf16 and fp16, rows over seven decades (some past E4M3's range after
+    the scale), a zero row and one with infinity and NaN: within `same_fp8_of_norm`, or a DgpipeError."""
+    g = torch.Generator().manual_seed(17)
+    for dtype, d in ((torch.bfloat16, 2816), (torch.float16, 2816), (torch.bfloat16, 100)):
+        x = (spread(6, d, g) / 64).to(dev, dtype)
+        x[0], x[1, :2] = 0.0, torch.tensor([float("inf"), float("nan")])
+        norm = RMSNorm(d, 1e-6).to(dev, dtype)
+        norm.weight.data = (torch.rand(d, generator=g) * 2).to(dev, dtype)
+        scale = torch.tensor(0.004, device=dev)
+        if not same_fp8_of_norm(triton_network.norm_fp8(x, norm, scale), sl.fp8_quantize(norm(x), scale)):
+            raise DgpipeError(
+                f"the Triton norm to FP8 differs from torch's ({dtype}, {d} wide)", TRITON_FALLBACK
+            )
+
+
 def separated_scores(tokens: int, experts: int, g: torch.Generator) -> torch.Tensor:
     """Router scores [tokens, experts] whose probabilities no rounding can reorder: each row a random
     permutation of steps 1/16 apart around 0 (exact in bf16 up to 256 experts, in fp16 up to 512), so any two
@@ -570,7 +599,8 @@ NETWORK_CHECKS = {"rope": check_triton_rope, "softcap": check_triton_softcap, "c
                   "geglu": check_triton_geglu, "residual": check_triton_residual, "kv_cat": check_triton_kv_cat,
                   "router": check_triton_router, "layer_end": check_triton_layer_end,
                   "ffn_inputs": check_triton_ffn_inputs, "top_k": check_triton_top_k,
-                  "expert_order": check_triton_expert_order, "head_norms": check_triton_head_norms}  # fmt: skip
+                  "expert_order": check_triton_expert_order, "head_norms": check_triton_head_norms,
+                  "norm_fp8": check_triton_norm_fp8}  # fmt: skip
 assert set(NETWORK_CHECKS) == {kind for kind, _, _ in NETWORK_FORMS}
 
 

@@ -25,7 +25,7 @@ callable), so the model's parameters and buffers count each byte once. CUDA only
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ from torch import nn
 
 from pipeline.model import scaled_layout as sl
 from pipeline.model.network import DiffusionGemma
-from pipeline.runtime.tensor_cores import ScaledLinear
+from pipeline.runtime.tensor_cores import ScaledLinear, in_one_pass
 
 
 class SharedInput:
@@ -46,14 +46,23 @@ class SharedInput:
         # bytes held here and by none of the model's modules: NVFP4 block scales swizzled anew (`concatenate`)
         reswizzled = isinstance(merged, ScaledLinear) and merged.mode == "nvfp4" and not _whole_tiles(parts)
         self.held_apart = merged.weight_scale.numel() if reswizzled else 0
+        # (rows, norm, scale) -> the E4M3 operand of norm(rows) in one pass (`triton_network.norm_fp8`), set by
+        # the GPU loader for FP8 parts that quantize in one pass, where probed; None: the norm, then `quantize`
+        self.norm_quant: Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor] | None = None
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(self, x: torch.Tensor, norm: nn.Module | None = None) -> tuple[torch.Tensor, ...]:
+        """Each part's output of x, or of norm(x) where `norm` is given (x the un-normed rows)."""
         x2 = x.reshape(-1, x.shape[-1])
         gemms = [self.merged] if self.merged is not None else self.parts
-        if isinstance(gemms[0], ScaledLinear):
-            a, a_scales = self.parts[0].quantize(x2)
+        first = self.parts[0]
+        if norm is not None and self.norm_quant is not None and in_one_pass(first.triton, x2):
+            a, a_scales = self.norm_quant(x2, norm, first.input_scale), [first.input_scale]
+            outs = [g.gemm(a, a_scales) for g in gemms]
+        elif isinstance(gemms[0], ScaledLinear):
+            a, a_scales = first.quantize(x2 if norm is None else norm(x2))
             outs = [g.gemm(a, a_scales) for g in gemms]
         else:
+            x2 = x2 if norm is None else norm(x2)
             outs = [F.linear(x2, g.weight, g.bias) for g in gemms]
         if self.merged is not None:
             outs = list(outs[0].split(self.sizes, dim=-1))

@@ -3,9 +3,10 @@
 logits' softcap (`softcap`, what `DiffusionGemma.logits` computes after the LM head), the routed experts'
 combine (`combine`, what `network.combine_top_k` computes), the gated GeLU of the MLPs and experts (`geglu`,
 `network.geglu`), a layer's residual sum and output scale (`add_scaled`), attention's K/V concatenation
-(`kv_cat`), the router's input scales (`scale_columns`), and the norms and sums before and after a layer's
-FFN branches (`ffn_inputs`, `layer_end`: `network.ffn_inputs`, `network.layer_end`). Each chain is several
-kernels eagerly, each a pass through memory and a launch of a few microseconds even inside a CUDA graph.
+(`kv_cat`), the router's input scales (`scale_columns`), the norms and sums before and after a layer's
+FFN branches (`ffn_inputs`, `layer_end`: `network.ffn_inputs`, `network.layer_end`), and a layer's input
+norm written as its FP8 q|k|v operand (`norm_fp8`). Each chain is several kernels eagerly, each a pass
+through memory and a launch of a few microseconds even inside a CUDA graph.
 
 RoPE: rotating q or k is five kernels (x * cos, the negation and concatenation of `rotate_half`, its product
 with sin, the sum), ten launches a layer, ~300 of the ~2,100 in one FP8 26B pass (`dgpipe bench gpu-trace`).
@@ -58,13 +59,16 @@ norm statistic for the three norms of the residual.
 The norms compute torch's fused RMSNorm arithmetic (fp32, `x * rsqrt(mean(x^2) + eps) * w`, rounded once)
 but add their squares in another order, so a value can land one rounding away (`probe.same_layer_end`; under
 1% of values in the tests, none in most bf16 rows). The router's input, `norm(x) * scale * d^-0.5`,
-is likewise two products in one kernel, each rounded where torch rounds it.
+is likewise two products in one kernel, each rounded where torch rounds it. Norm to FP8: with FP8 linears,
+q, k and v read one E4M3 operand of the layer's normed input, and nothing else reads the normed rows, so one
+kernel norms a row (as `layer_end`'s norms) and writes its codes as `triton_quant.fp8` would
+(`probe.same_fp8_of_norm`: a code one E4M3 step away where the normed value is one rounding away).
 
 The load-time probe holds each to its torch form on the GPU before a model uses it
 (`pipeline.runtime.probe.check_triton_rope`, `check_triton_softcap`, `check_triton_combine`,
 `check_triton_geglu`, `check_triton_residual`, `check_triton_kv_cat`, `check_triton_router`,
-`check_triton_layer_end`, `check_triton_ffn_inputs`, `check_triton_head_norms`). Under
-torch.compile the torch forms stay (inductor fuses them).
+`check_triton_layer_end`, `check_triton_ffn_inputs`, `check_triton_head_norms`, `check_triton_norm_fp8`).
+Under torch.compile the torch forms stay (inductor fuses them).
 """
 
 from __future__ import annotations
@@ -477,6 +481,42 @@ def ffn_inputs_or_torch(
         if ffn_inputs_serves(layer, h, attn)
         else network.ffn_inputs(layer, h, attn)
     )
+
+
+def norm_fp8_serves(x: torch.Tensor, norm: RMSNorm, scale: torch.Tensor) -> bool:
+    """Whether the kernel takes rows x [rows, d] (bf16/fp16, contiguous, d at most `ROW_MAX_COLS`) with their
+    norm (weights of x's dtype) and a one-value fp32 scale."""
+    return (
+        x.dtype in DTYPES
+        and x.dim() == 2
+        and x.is_contiguous()
+        and x.shape[1] <= ROW_MAX_COLS
+        and norm.weight is not None
+        and norm.weight.dtype == x.dtype
+        and norm.weight.shape == x.shape[1:]
+        and scale.dtype == torch.float32
+        and scale.numel() == 1
+    )
+
+
+def norm_fp8(x: torch.Tensor, norm: RMSNorm, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes of norm(x) / scale in one pass over each row (`norm_fp8_serves` must hold): a quantized
+    linear's operand straight from the un-normed rows, the norm as torch's fused RMSNorm computes it but for
+    the order of its sum of squares, rounded to x's dtype, then quantized as `triton_quant.fp8` does."""
+    import triton
+
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    if x.numel():
+        _kernels().norm_fp8[(x.shape[0],)](
+            x, norm.weight, scale, out, x.shape[1], norm.eps, E4M3_MAX=E4M3_MAX,
+            BLOCK=triton.next_power_of_2(x.shape[1]), **ROW_OPTIONS,
+        )  # fmt: skip
+    return out
+
+
+def norm_fp8_or_torch(x: torch.Tensor, norm: RMSNorm, scale: torch.Tensor) -> torch.Tensor:
+    """`norm_fp8` where it serves (`norm_fp8_serves`), else the torch form: what the GPU loader installs."""
+    return norm_fp8(x, norm, scale) if norm_fp8_serves(x, norm, scale) else sl.fp8_quantize(norm(x), scale)
 
 
 KV_CAT_VALUES = 4096  # values per program: 16 tokens of a 256-wide head, 8 of a 512-wide one

@@ -245,3 +245,19 @@ def _head_rstd(lo, hi, HALF: tl.constexpr, eps):
     """rsqrt(mean(x^2) + eps) in fp32 of each row [lo | hi] (zeros past HALF): `_rstd` for a block of rows."""
     squares = tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)
     return tl.math.rsqrt(tl.math.div_rn(squares, 2.0 * HALF) + eps)[:, None]
+
+
+@triton.jit
+def norm_fp8(x_ptr, w_ptr, scale_ptr, out_ptr, cols, eps, E4M3_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's RMSNorm with weight w, rounded to x's dtype as torch's fused norm rounds it (`_rms_norm`: but
+    for the order of its sum of squares), then its E4M3 codes at the static fp32 scale as
+    `triton_quant_kernels.fp8_static_quant` makes them (an IEEE division, a NaN-keeping clamp)."""
+    row = tl.program_id(0).to(tl.int64) * cols
+    c = tl.arange(0, BLOCK)
+    inside = c < cols
+    dt = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row + c, mask=inside, other=0.0).to(tl.float32)
+    n = _rms_norm(x, w_ptr, c, inside, cols, eps).to(dt).to(tl.float32)
+    v = tl.math.div_rn(n, tl.load(scale_ptr).to(tl.float32))
+    v = tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(out_ptr + row + c, v.to(tl.float8e4nv), mask=inside)

@@ -524,3 +524,24 @@ def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
             one = torch.ones(1, device=CUDA, dtype=torch.bfloat16)
             assert probing.same_layer_end(got_v, v_norm(v), torch.zeros_like(v), one)
             assert float((got_v != v_norm(v)).float().mean()) < 0.01
+
+
+def test_the_norm_to_fp8_kernel_is_torchs_but_for_its_norms_sums():
+    """A layer's input norm written as its FP8 q|k|v operand at the 26B's width and 16 canvases: within one
+    E4M3 step of torch's fused CUDA RMSNorm then the FP8 quantization (`probe.same_fp8_of_norm`), the same
+    codes but for under 1% of them."""
+    from pipeline.model import scaled_layout as sl
+    from pipeline.model.network import RMSNorm
+    from pipeline.runtime import triton_moe, triton_network
+
+    if triton_moe.unavailable(CUDA):
+        pytest.skip(triton_moe.unavailable(CUDA))
+    probing.check_triton_norm_fp8(CUDA)
+    gen = torch.Generator(device=CUDA).manual_seed(13)
+    x = (torch.randn(4096, 2816, device=CUDA, generator=gen) * 2).bfloat16()
+    norm = RMSNorm(2816, 1e-6).to(CUDA, torch.bfloat16)
+    norm.weight.data = (torch.rand(2816, device=CUDA, generator=gen) * 2).bfloat16()
+    scale = torch.tensor(0.01, device=CUDA)
+    got, want = triton_network.norm_fp8(x, norm, scale), sl.fp8_quantize(norm(x), scale)
+    assert probing.same_fp8_of_norm(got, want)
+    assert float((got.float() != want.float()).float().mean()) < 0.01

@@ -80,9 +80,9 @@ def test_kernels_that_failed_their_probe_take_the_rows_second_path():
     hopper.results["triton:fp8"] = "no Triton here"
     t = gt.trace_pass("fp8", "sm90", 1, LAYERS, probed=hopper)
     assert t.error is None and t.gemms()["F.scaled_grouped_mm"] == 2 * LAYERS  # torch's kernel at 1 canvas
-    # the one-pass quantization has a probe of its own: every input but the downs' (the gated GeLUs make
-    # those), and the experts' gate|up
-    assert t.ops["triton::fp8_static_quant"] == QUANTIZED_INPUTS
+    # the one-pass quantization has a probe of its own: o's, gate|up's and the experts' gate|up's (the input
+    # norm makes q|k|v's, the gated GeLUs the downs')
+    assert t.ops["triton::fp8_static_quant"] == 3 * LAYERS
     hopper.results["quant:fp8"] = "no Triton here"
     t = gt.trace_pass("fp8", "sm90", 1, LAYERS, probed=hopper)
     assert "triton::fp8_static_quant" not in t.ops  # torch's quantization where that failed too
@@ -127,9 +127,9 @@ def test_a_host_tensor_copied_into_the_pass_is_reported(monkeypatch):
 
 def test_triton_launches_are_counted_and_checked(monkeypatch):
     t = gt.trace_pass("fp8", "sm89", 16, LAYERS)
-    # every quantized input and the experts' gate|up input: FP8 in one pass each; the experts' and the dense
-    # MLP's down inputs are quantized by the gated GeLU that makes them
-    assert t.ops["triton::fp8_static_quant"] == QUANTIZED_INPUTS
+    # o's, gate|up's and the experts' gate|up's inputs: FP8 in one pass each; q|k|v's is written by the input
+    # norm, the experts' and the dense MLP's down inputs by the gated GeLUs that make them
+    assert t.ops["triton::fp8_static_quant"] == 3 * LAYERS
     assert t.ops["triton::moe_gemm"] == 2 * LAYERS
     launcher = fake_cuda.Launcher(
         "moe_gemm", types.SimpleNamespace(counting=True, ops=t.ops, bytes=t.traffic)
@@ -157,10 +157,11 @@ def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
     """torch's element-wise NVFP4 quantization is ~50 launches an input (~13,000 a 26B pass); the kernels of
     `pipeline.runtime.triton_quant` make it one, so Hopper's NVFP4 pass launches about what its FP8 pass
     does: two more for the experts' and the dense MLP's down inputs, which FP8 quantizes inside the gated
-    GeLUs, one fewer for gate and up in one GEMM, which FP8's weight scales rule out."""
+    GeLUs, one more for q|k|v's, which FP8's input norm writes, one fewer for gate and up in one GEMM, which
+    FP8's weight scales rule out."""
     inputs = QUANTIZED_INPUTS + 2 * LAYERS  # every quantized input and both expert projections'
     hopper, fp8 = gt.trace_pass("nvfp4", "sm90", 1, LAYERS), gt.trace_pass("fp8", "sm90", 1, LAYERS)
-    assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs and hopper.launches == fp8.launches + LAYERS
+    assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs and hopper.launches == fp8.launches + 2 * LAYERS
     b200 = gt.trace_pass("nvfp4", "sm100", 1, LAYERS)
     assert b200.ops["triton::nvfp4_quant"] == b200.ops["triton::blocked_scales"] == inputs
     # a linear's swizzle writes its padding itself; the experts' grouped scales start from zeros
@@ -289,6 +290,29 @@ def test_attentions_head_norms_take_two_launches_a_layer_where_probed(batch):
     assert torch_form.moved_gb - fused.moved_gb == pytest.approx(normed_gb, rel=0.05)
 
 
+@pytest.mark.parametrize(
+    ("fmt", "arch", "fused"), [("fp8", "sm90", True), ("fp8", "sm100", True), ("nvfp4", "sm100", False)]
+)
+def test_a_layers_input_norm_writes_its_fp8_qkv_operand_where_probed(fmt, arch, fused):
+    """FP8 q, k and v read their shared operand straight from the layer's un-normed input (one launch where
+    torch's norm and the quantization are two, and the normed bf16 rows never written); NVFP4 operands keep
+    the norm, then their own quantization."""
+    t = gt.trace_pass(fmt, arch, 16, LAYERS)
+    if not fused:
+        assert "triton::norm_fp8" not in t.ops
+        return
+    assert t.ops["triton::norm_fp8"] == LAYERS
+    no_kernel = gt.passing_probe(arch)
+    no_kernel.results[probing.NORM_FP8] = "failed"
+    torch_form = gt.trace_pass(fmt, arch, 16, LAYERS, probed=no_kernel)
+    assert "triton::norm_fp8" not in torch_form.ops
+    assert torch_form.ops["aten::rms_norm"] == t.ops["aten::rms_norm"] + LAYERS
+    assert torch_form.ops["triton::fp8_static_quant"] == t.ops["triton::fp8_static_quant"] + LAYERS
+    assert torch_form.launches == t.launches + LAYERS
+    row_gb = 16 * 256 * 2816 * 2 / 1e9  # the normed rows, bf16, written and read back
+    assert torch_form.moved_gb - t.moved_gb == pytest.approx(LAYERS * 2 * row_gb, rel=0.05)
+
+
 def test_ops_a_cpu_build_cannot_run_on_fake_cuda_tensors_run_on_meta_ones():
     """Indexing, `copy_`, `sort` and in-place writes need a CUDA device guard a CPU build of torch lacks:
     they run on meta stand-ins with the same layout, and an in-place op returns its own argument."""
@@ -372,13 +396,14 @@ def test_a_layers_norm_chains_take_one_launch_where_probed(form, kernel, superse
 
 
 @pytest.mark.parametrize(
-    ("fmt", "arch", "fewer"), [("fp8", "sm90", 5 + 1), ("nvfp4", "sm100", 2 * 5 + 3), ("bf16", "sm90", 3)]
+    ("fmt", "arch", "fewer"), [("fp8", "sm90", 5 + 1 + 2), ("nvfp4", "sm100", 2 * 5 + 3), ("bf16", "sm90", 3)]
 )
 def test_sibling_linears_share_their_input_quantization_and_gate_and_up_one_gemm(
     monkeypatch, fmt, arch, fewer
 ):
     """q, k and v quantize their input once (two fewer in a sliding layer, one in a global one), gate and up
-    once (one fewer); NVFP4 quantizes in two launches (codes and block scales, their swizzle).
+    once (one fewer); NVFP4 quantizes in two launches (codes and block scales, their swizzle), and FP8's
+    shared q|k|v operand comes from the input norm (one fewer a layer).
     Gate and up are one GEMM in the float self-conditioning and, but for FP8 (a weight scale each), in
     each dense MLP. Without sharing, every linear quantizes and runs alone."""
     shared = gt.trace_pass(fmt, arch, 1, LAYERS)

@@ -121,6 +121,7 @@ def test_a_model_with_the_kernels_installed_gives_the_same_logits(rne_casts):  #
             probing.TOP_K,
             probing.EXPERT_ORDER,
             probing.HEAD_NORMS,
+            probing.NORM_FP8,
         )
     ]
     assert torch.equal(got[0], want[0])
@@ -232,6 +233,7 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
             probing.TOP_K: None,
             probing.EXPERT_ORDER: None,
             probing.HEAD_NORMS: None,
+            probing.NORM_FP8: None,
         },
     )
     report = gpu_load.fuse_network(model, probed, None)

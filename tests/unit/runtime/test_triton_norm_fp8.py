@@ -1,0 +1,156 @@
+"""dgpipe's norm-to-FP8 kernel (`pipeline.runtime.triton_network.norm_fp8`: a layer's input norm written as
+its FP8 q|k|v operand in one pass) in Triton's interpreter, with round-to-nearest-even casts
+(tests/_utils/interpreter_casts.py): against torch's fused RMSNorm then the FP8 quantization, its probe, and
+compiled for Hopper, B200, Ada and RTX Blackwell without a GPU; and `SharedInput` taking the un-normed rows."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pipeline.errors import DgpipeError
+from pipeline.model import scaled_layout as sl
+from pipeline.model.network import RMSNorm
+from pipeline.runtime import probe as probing
+from pipeline.runtime import shared_input as si
+from pipeline.runtime import tensor_cores as tc
+from pipeline.runtime import triton_network
+from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
+from tests._utils.quantized import packed_linear
+from tests._utils.triton_compile import compiled_for_gpus, spills
+
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton's interpreter is on where no GPU is (tests/conftest.py)",
+)
+CPU = torch.device("cpu")
+
+
+def rows_and_norm(n: int, d: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, RMSNorm]:
+    """Rows [n, d] over seven decades with a zero row and one with infinity and NaN, and a norm with random
+    weights in [0, 2)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (probing.spread(n, d, g) / 64).to(dtype)
+    x[0], x[1, :2] = 0.0, torch.tensor([float("inf"), float("nan")])
+    norm = RMSNorm(d, 1e-6).to(dtype)
+    norm.weight.data = (torch.rand(d, generator=g) * 2).to(dtype)
+    return x, norm
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize("d", [2816, 100])
+def test_the_norm_to_fp8_is_torchs_but_for_its_norms_sums(rne_casts, dtype, d):  # noqa: F811
+    """The 26B's width and one that is no power of two: within one E4M3 step of torch's codes
+    (`probe.same_fp8_of_norm`), and the same codes but for under 0.1% of them."""
+    x, norm = rows_and_norm(9, d, dtype, seed=d)
+    scale = torch.tensor(0.004)  # rows past 448 * 0.004 saturate
+    assert triton_network.norm_fp8_serves(x, norm, scale)
+    got, want = triton_network.norm_fp8(x, norm, scale), sl.fp8_quantize(norm(x), scale)
+    assert got.dtype == torch.float8_e4m3fn and probing.same_fp8_of_norm(got, want)
+    g, w = got.float(), want.float()
+    assert float(((g != w) & ~w.isnan()).float().mean()) < 1e-3
+    assert (w.abs() == 448).any() and (w == 0).any()  # saturated and zero codes both checked
+
+
+def test_other_rows_keep_the_torch_form(monkeypatch):
+    x, norm = rows_and_norm(4, 64, torch.bfloat16, seed=0)
+    scale = torch.tensor(0.01)
+    assert not triton_network.norm_fp8_serves(x.float(), norm.float(), scale)
+    assert not triton_network.norm_fp8_serves(x[:, :32], norm, scale)  # not contiguous, another width
+    assert not triton_network.norm_fp8_serves(x, norm, scale.bfloat16())
+    assert not triton_network.norm_fp8_serves(x, RMSNorm(64, 1e-6, with_scale=False), scale)
+    monkeypatch.setattr(triton_network, "norm_fp8", lambda *a: pytest.fail("the kernel ran"))
+    got = triton_network.norm_fp8_or_torch(x.float(), norm.float(), scale)
+    assert torch.equal(
+        got.view(torch.uint8), sl.fp8_quantize(norm.float()(x.float()), scale).view(torch.uint8)
+    )
+
+
+@interpreted
+def test_the_norm_fp8_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, monkeypatch):  # noqa: F811
+    probing.check_triton_norm_fp8(CPU)
+    kernel = triton_network.norm_fp8
+    wrong = {
+        "scale doubled": lambda x, n, s: kernel(x, n, s * 2),
+        "not normed": lambda x, n, s: sl.fp8_quantize(x, s),
+        "weights reversed": lambda x, n, s: kernel(x, _flipped(n), s),
+    }
+    for name, form in wrong.items():
+        with monkeypatch.context() as mp:
+            mp.setattr(triton_network, "norm_fp8", form)
+            with pytest.raises(DgpipeError, match="norm to FP8 differs"):
+                probing.check_triton_norm_fp8(CPU)
+                pytest.fail(f"passed: {name}")
+
+
+def _flipped(norm: RMSNorm) -> RMSNorm:
+    out = RMSNorm(norm.weight.shape[0], norm.eps).to(norm.weight.dtype)
+    out.weight.data = norm.weight.data.flip(0)
+    return out
+
+
+def test_shared_fp8_projections_take_their_operand_from_the_un_normed_rows(monkeypatch):
+    """q, k and v with one FP8 input scale (CPU `F.scaled_mm`): given the layer's un-normed rows and its input
+    norm, each output is the linear's own of the normed rows bit for bit, with the operand from `norm_quant`
+    (here its torch form) where set and the parts quantize in one pass, from the norm then `quantize` where
+    not."""
+    gen = torch.Generator().manual_seed(4)
+    parts = [tc.ScaledLinear(packed_linear("fp8", n, 64, gen), "fp8", CPU, torch.float32, triton=True)
+             for n in (48, 32, 32)]  # fmt: skip
+    shared = si.SharedInput(parts, None)
+    x = torch.randn(2, 5, 64, generator=gen)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.rand(64, generator=gen) * 2
+    want = [p(norm(x)) for p in parts]
+    for a, b in zip(shared(x, norm), want, strict=True):
+        assert torch.equal(a, b)  # no fused form installed: the norm, then the shared quantization
+    monkeypatch.setattr(tc, "in_one_pass", lambda triton, t: triton)  # as on CUDA
+    monkeypatch.setattr(si, "in_one_pass", lambda triton, t: triton)
+    calls = []
+    shared.norm_quant = lambda rows, n, s: calls.append(rows.shape) or sl.fp8_quantize(n(rows), s)
+    quantize_rows = tc.quantize_rows
+    monkeypatch.setattr(tc, "quantize_rows", lambda *a: pytest.fail("quantized again") or quantize_rows(*a))
+    for a, b in zip(shared(x, norm), want, strict=True):
+        assert torch.equal(a, b)
+    assert calls == [(10, 64)]
+
+
+COMPILE_FOR_GPUS = """
+import json, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pipeline.runtime import triton_network as tn, triton_network_kernels as k
+
+out = []
+for cc in (90, 100, 89, 120):
+    for dt in ("bf16", "fp16"):
+        sig = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "cols": "i32",
+               "eps": "fp32"}
+        consts = {"E4M3_MAX": 448.0, "BLOCK": 4096}
+        src = ASTSource(fn=k.norm_fp8, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
+                        attrs={(k.norm_fp8.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
+        kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=tn.ROW_OPTIONS)
+        cubin = Path(sys.argv[1]) / f"norm_fp8_{dt}_sm{cc}.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        out.append({"cc": cc, "dtype": dt, "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
+json.dump(out, sys.stdout)
+"""
+
+
+def test_the_kernel_compiles_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
+    """Triton lowers the norm-to-FP8 kernel for bf16 and fp16 rows to sm_90a, sm_100a, sm_89 and sm_120
+    cubins, no GPU needed: an IEEE division (`div.rn.f32`), the saturating round-to-nearest E4M3 conversion,
+    no fused multiply-add, and no register spills (no STL/LDL in the SASS)."""
+    from tests.unit.runtime.test_triton_network import separate_roundings_missing
+
+    compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
+    assert len(compiled) == 8
+    for k in compiled:
+        assert "div.rn.f32" in k["ptx"] and "cvt.rn.satfinite.e4m3x2.f32" in k["ptx"], (k["cc"], k["dtype"])
+        assert not separate_roundings_missing(k["ptx"]), (k["cc"], k["dtype"])
+        assert not spills(k["cubin"]), (k["cc"], k["dtype"])
