@@ -23,20 +23,27 @@ def rope(
     j = tl.arange(0, HALF_P2)[None, :]
     inside = (r < rows)[:, None] & (j < HALF)
     row = r[:, None] * (2 * HALF) + j
-    tok = (r // heads)[:, None] * (2 * HALF) + j
-    dt = x_ptr.dtype.element_ty
     lo = tl.load(x_ptr + row, mask=inside, other=0.0).to(tl.float32)
     hi = tl.load(x_ptr + row + HALF, mask=inside, other=0.0).to(tl.float32)
+    out_lo, out_hi = _rotate(lo, hi, cos_ptr, sin_ptr, (r // heads)[:, None] * (2 * HALF) + j, inside, HALF)
+    tl.store(out_ptr + row, out_lo, mask=inside)
+    tl.store(out_ptr + row + HALF, out_hi, mask=inside)
+
+
+@triton.jit
+def _rotate(lo, hi, cos_ptr, sin_ptr, tok, inside, HALF: tl.constexpr):
+    """Rows' halves lo, hi (fp32 holding values of cos's dtype) rotated by their token's cos/sin at `tok`:
+    (lo * cos - hi * sin, hi * cos + lo * sin) in cos's dtype, torch's `x * cos + rotate_half(x) * sin`
+    (rotate_half(x) = [-hi, lo]). A product of two bf16/fp16 values is exact in fp32, so each rounding below
+    is the one torch's kernel makes (and keeps the compiler from fusing a multiply into the add)."""
+    dt = cos_ptr.dtype.element_ty
     cos_lo = tl.load(cos_ptr + tok, mask=inside, other=0.0).to(tl.float32)
     cos_hi = tl.load(cos_ptr + tok + HALF, mask=inside, other=0.0).to(tl.float32)
     sin_lo = tl.load(sin_ptr + tok, mask=inside, other=0.0).to(tl.float32)
     sin_hi = tl.load(sin_ptr + tok + HALF, mask=inside, other=0.0).to(tl.float32)
-    # rotate_half(x) = [-hi, lo]; a product of two bf16/fp16 values is exact in fp32, so each rounding
-    # below is the one torch's kernel makes (and keeps the compiler from fusing a multiply into the add)
     out_lo = (lo * cos_lo).to(dt).to(tl.float32) + (-hi * sin_lo).to(dt).to(tl.float32)
     out_hi = (hi * cos_hi).to(dt).to(tl.float32) + (lo * sin_hi).to(dt).to(tl.float32)
-    tl.store(out_ptr + row, out_lo.to(dt), mask=inside)
-    tl.store(out_ptr + row + HALF, out_hi.to(dt), mask=inside)
+    return out_lo.to(dt), out_hi.to(dt)
 
 
 @triton.jit
@@ -224,14 +231,9 @@ def head_norms(
             .to(tl.float32)
         )
         tok = (r // heads)[:, None] * (2 * HALF) + j
-        cos_lo = tl.load(cos_ptr + tok, mask=inside, other=0.0).to(tl.float32)
-        cos_hi = tl.load(cos_ptr + tok + HALF, mask=inside, other=0.0).to(tl.float32)
-        sin_lo = tl.load(sin_ptr + tok, mask=inside, other=0.0).to(tl.float32)
-        sin_hi = tl.load(sin_ptr + tok + HALF, mask=inside, other=0.0).to(tl.float32)
-        out_lo = (lo * cos_lo).to(dt).to(tl.float32) + (-hi * sin_lo).to(dt).to(tl.float32)
-        out_hi = (hi * cos_hi).to(dt).to(tl.float32) + (lo * sin_hi).to(dt).to(tl.float32)
-        tl.store(out_ptr + row, out_lo.to(dt), mask=inside)
-        tl.store(out_ptr + row + HALF, out_hi.to(dt), mask=inside)
+        out_lo, out_hi = _rotate(lo, hi, cos_ptr, sin_ptr, tok, inside, HALF)
+        tl.store(out_ptr + row, out_lo, mask=inside)
+        tl.store(out_ptr + row + HALF, out_hi, mask=inside)
     else:
         lo = tl.load(v_ptr + row, mask=inside, other=0.0).to(tl.float32)
         hi = tl.load(v_ptr + row + HALF, mask=inside, other=0.0).to(tl.float32)

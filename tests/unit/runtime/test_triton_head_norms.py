@@ -15,6 +15,7 @@ from pipeline.errors import DgpipeError
 from pipeline.model.network import RMSNorm, apply_rope
 from pipeline.runtime import probe as probing
 from pipeline.runtime import triton_network
+from tests._utils.embedded_passes import denoise_and_prefill, embedded_bf16
 from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
 from tests._utils.triton_compile import compiled_for_gpus, spills
 
@@ -105,23 +106,10 @@ def test_a_model_with_the_head_norms_kernel_keeps_its_logits(rne_casts):  # noqa
     installs it): it ran for q and for k and v in every layer, prefill and denoise, and the logits and the
     K/V a cache keeps stay within 1e-2 relative L2 of torch's (measured: 1.2e-3 and 0; a normed value one
     rounding away, carried through the layers)."""
-    from pipeline.model.checkpoint import load_model
-    from pipeline.resources import EMBEDDED_MODEL
     from pipeline.runtime import gpu_load
 
-    model = load_model(EMBEDDED_MODEL, torch.bfloat16)[0].eval()
-    cfg, length = model.cfg, model.config.canvas_length
-    g = torch.Generator().manual_seed(0)
-    canvas = torch.randint(0, cfg.vocab_size, (2, length), generator=g)
-    positions = torch.arange(length).expand(2, length) + 7
-    masks = dict.fromkeys(set(model.layer_types))
-
-    def run():
-        with torch.inference_mode():
-            return model.denoise(canvas, None, positions, masks, None), model.encode_kv(
-                canvas, positions, masks
-            )
-
+    model = embedded_bf16()
+    run = denoise_and_prefill(model)
     want = run()
     calls = []
     with pytest.MonkeyPatch.context() as mp:

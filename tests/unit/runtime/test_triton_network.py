@@ -18,6 +18,7 @@ from pipeline.model.network import apply_rope
 from pipeline.model.scaled_layout import expert_order
 from pipeline.runtime import probe as probing
 from pipeline.runtime import triton_network, triton_routing
+from tests._utils.embedded_passes import denoise_and_prefill, embedded_bf16
 from tests._utils.interpreter_casts import interpreted_tanh, rne_casts  # noqa: F401  (fixtures)
 from tests._utils.triton_compile import compiled_for_gpus, spills
 
@@ -81,23 +82,10 @@ def test_a_model_with_the_kernels_installed_gives_the_same_logits(rne_casts):  #
     `gpu_load.fuse_network` installs them): the same logits bit for bit, prefill and denoise; all three kernels
     ran. (The softcap kernel's tanh is numpy's in the interpreter, not torch's: it stays off here; the next
     test covers it.)"""
-    from pipeline.model.checkpoint import load_model
-    from pipeline.resources import EMBEDDED_MODEL
     from pipeline.runtime import gpu_load
 
-    model = load_model(EMBEDDED_MODEL, torch.bfloat16)[0].eval()
-    cfg, length = model.cfg, model.config.canvas_length
-    g = torch.Generator().manual_seed(0)
-    canvas = torch.randint(0, cfg.vocab_size, (2, length), generator=g)
-    positions = torch.arange(length).expand(2, length) + 7
-    masks = dict.fromkeys(set(model.layer_types))
-
-    def run():
-        with torch.inference_mode():
-            return model.denoise(canvas, None, positions, masks, None), model.encode_kv(
-                canvas, positions, masks
-            )
-
+    model = embedded_bf16()
+    run = denoise_and_prefill(model)
     want = run()
     calls = []
     with pytest.MonkeyPatch.context() as mp:
