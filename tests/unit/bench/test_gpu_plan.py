@@ -67,6 +67,22 @@ def test_a_check_is_killed_at_its_budget_and_failures_keep_their_output(tmp_path
     assert gpu._run(rows, tmp_path, tmp_path).rows == [{"a": 1}]
 
 
+def test_time_a_check_leaves_goes_to_the_next_within_the_total(tmp_path, monkeypatch):
+    """A skipped check's budget and what a quick check leaves go to the checks after it, so a check that
+    needs more than its own budget (the GPU tests, as kernels are added) still finishes, and the command
+    still ends within the budgets' sum."""
+    quick = gpu.GpuCheck("quick", 20, "returns at once", ("-c", "pass"), ())
+    skipped = gpu.GpuCheck("skipped", 7, "needs a GPU", ("-c", "pass"), ("cuda",))
+    code = "import time; time.sleep(3); print('done')"
+    slow = gpu.GpuCheck("slow", 2, "needs 3 s of its 2", ("-c", code), ())
+    monkeypatch.setattr(gpu, "CHECKS", (skipped, quick, slow))
+    monkeypatch.setattr(gpu, "detect_env", lambda: gpu.Env(cuda=False, torch="2.13"))
+    checks = gpu.run_bench_gpu(tmp_path)["checks"]
+    assert [c["status"] for c in checks] == ["skipped", "passed", "passed"]
+    assert checks[1]["budget_s"] == 20 + 7 and checks[2]["detail"] == "done"
+    assert 2 + 7 < checks[2]["budget_s"] <= 2 + 27 and sum(c["seconds"] for c in checks) <= 29
+
+
 def test_table_shows_each_pass_against_its_floor():
     row = {"format": "fp8", "batch": 1, "kernels": "k", "ms_eager": 9.0, "ms_graph": 7.44, "floor_ms_spec": 6.2,
            "floor_ms_copy": 7.0}  # fmt: skip
