@@ -33,3 +33,17 @@ def spills(cubin: str) -> bool:
     sass = subprocess.run([str(nvdisasm), cubin], capture_output=True, text=True, check=True).stdout
     assert "EXIT" in sass, cubin
     return bool(re.search(r"\b(STL|LDL)\b", sass))
+
+
+def separate_roundings_missing(ptx: str) -> list[str]:
+    """The PTX float instructions that would round a product and a sum together: any fp32 FMA, and any
+    bf16/fp16 FMA that is not a lone multiply (addend -0.0) or a lone add (a factor of +-1.0), the forms sm_89,
+    which has no bf16 `mul`/`add`, emulates those with."""
+    constants = dict(re.findall(r"mov\.b16\s+(%rs\d+),\s*(0x[0-9A-Fa-f]+|0);", ptx))
+    neg_zero = {r for r, v in constants.items() if v.upper() == "0X8000"}
+    one = {r for r, v in constants.items() if v.upper() in ("0X3F80", "0XBF80", "0X3C00", "0XBC00")}
+    bad = re.findall(r"\bfma\.\S*f32[^;]*;", ptx)
+    for a, b, c in re.findall(r"\bfma\.rn\.(?:bf16|f16)\s+%rs\d+,\s*(%rs\d+),\s*(%rs\d+),\s*(%rs\d+);", ptx):
+        if c not in neg_zero and a not in one and b not in one:
+            bad.append(f"fma {a} {b} {c}")
+    return bad

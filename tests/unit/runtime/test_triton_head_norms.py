@@ -17,7 +17,7 @@ from pipeline.runtime import probe as probing
 from pipeline.runtime import triton_network
 from tests._utils.embedded_passes import denoise_and_prefill, embedded_bf16
 from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
-from tests._utils.triton_compile import compiled_for_gpus, spills
+from tests._utils.triton_compile import compiled_for_gpus, separate_roundings_missing, spills
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -157,8 +157,6 @@ def test_the_kernel_compiles_for_hopper_b200_ada_and_rtx_blackwell_without_spill
     """Triton lowers the head-norms kernel for both head dims and dtypes to sm_90a, sm_100a, sm_89 and sm_120
     cubins, no GPU needed: every product and sum rounded on its own (no fused multiply-add, which would round
     once where torch rounds twice) and no register spills (no STL/LDL in the SASS)."""
-    from tests.unit.runtime.test_triton_network import separate_roundings_missing
-
     compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
     assert len(compiled) == 16
     for k in compiled:

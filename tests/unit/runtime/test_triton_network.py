@@ -20,7 +20,7 @@ from pipeline.runtime import probe as probing
 from pipeline.runtime import triton_network, triton_routing
 from tests._utils.embedded_passes import denoise_and_prefill, embedded_bf16
 from tests._utils.interpreter_casts import interpreted_tanh, rne_casts  # noqa: F401  (fixtures)
-from tests._utils.triton_compile import compiled_for_gpus, spills
+from tests._utils.triton_compile import compiled_for_gpus, separate_roundings_missing, spills
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -721,22 +721,6 @@ for cc in (90, 100, 89, 120):
               {"BLOCK": 4096}, cc, f"ffn_inputs_{dt}", f"ffn_inputs {dt}", options=tn.ROW_OPTIONS)
 json.dump(out, sys.stdout)
 """
-
-
-def separate_roundings_missing(ptx: str) -> list[str]:
-    """The PTX float instructions that would round a product and a sum together: any fp32 FMA, and any
-    bf16/fp16 FMA that is not a lone multiply (addend -0.0) or a lone add (a factor of +-1.0), the forms sm_89,
-    which has no bf16 `mul`/`add`, emulates those with."""
-    import re
-
-    constants = dict(re.findall(r"mov\.b16\s+(%rs\d+),\s*(0x[0-9A-Fa-f]+|0);", ptx))
-    neg_zero = {r for r, v in constants.items() if v.upper() == "0X8000"}
-    one = {r for r, v in constants.items() if v.upper() in ("0X3F80", "0XBF80", "0X3C00", "0XBC00")}
-    bad = re.findall(r"\bfma\.\S*f32[^;]*;", ptx)
-    for a, b, c in re.findall(r"\bfma\.rn\.(?:bf16|f16)\s+%rs\d+,\s*(%rs\d+),\s*(%rs\d+),\s*(%rs\d+);", ptx):
-        if c not in neg_zero and a not in one and b not in one:
-            bad.append(f"fma {a} {b} {c}")
-    return bad
 
 
 def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):

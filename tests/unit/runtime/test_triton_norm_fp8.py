@@ -19,7 +19,7 @@ from pipeline.runtime import tensor_cores as tc
 from pipeline.runtime import triton_network
 from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
 from tests._utils.quantized import packed_linear
-from tests._utils.triton_compile import compiled_for_gpus, spills
+from tests._utils.triton_compile import compiled_for_gpus, separate_roundings_missing, spills
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -146,8 +146,6 @@ def test_the_kernel_compiles_for_hopper_b200_ada_and_rtx_blackwell_without_spill
     """Triton lowers the norm-to-FP8 kernel for bf16 and fp16 rows to sm_90a, sm_100a, sm_89 and sm_120
     cubins, no GPU needed: an IEEE division (`div.rn.f32`), the saturating round-to-nearest E4M3 conversion,
     no fused multiply-add, and no register spills (no STL/LDL in the SASS)."""
-    from tests.unit.runtime.test_triton_network import separate_roundings_missing
-
     compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
     assert len(compiled) == 8
     for k in compiled:
