@@ -220,8 +220,9 @@ def nvfp4_probe_rows(dev: torch.device) -> torch.Tensor:
 
 def check_triton_quant(mode: str, dev: torch.device) -> None:
     """dgpipe's one-pass activation quantization (`mode` "fp8": `check_triton_fp8_quant`; "nvfp4": codes and
-    block scales, and the scales' swizzle for one linear and for grouped rows; "fp8_rowwise": NVFP4 rounding
-    then per-row E4M3) bit for bit against torch's form (NVFP4 on `nvfp4_probe_rows`), or a DgpipeError."""
+    block scales, both with the scales swizzled for a linear, and the scales' swizzle for grouped rows;
+    "fp8_rowwise": NVFP4 rounding then per-row E4M3) bit for bit against torch's form (NVFP4 on
+    `nvfp4_probe_rows`), or a DgpipeError."""
     if mode == "fp8":
         return check_triton_fp8_quant(dev)
     x, gs = nvfp4_probe_rows(dev), torch.tensor(0.5, device=dev)
@@ -231,7 +232,8 @@ def check_triton_quant(mode: str, dev: torch.device) -> None:
         same = torch.equal(q, want_q) and fp8_codes_equal(s, want_s)
         raw = want_s.view(torch.uint8)
         offs = torch.tensor([3, 3, 8], dtype=torch.int32, device=dev)  # three groups, one of them empty
-        same = same and torch.equal(triton_quant.blocked_scales(raw), sl.to_blocked(raw))
+        q_blocked, s_blocked = triton_quant.nvfp4_blocked(x, gs)  # rows and scale columns padded
+        same = same and torch.equal(q_blocked, want_q) and fp8_codes_equal(s_blocked, sl.to_blocked(raw))
         same = same and torch.equal(triton_quant.blocked_scales(raw, offs), sl.to_blocked_grouped(raw, offs))
     else:
         same = fp8_codes_equal(q, want_q) and torch.equal(s, want_s)

@@ -98,8 +98,12 @@ class ScaledLinear(nn.Module):
         if self.mode == "fp8":
             return quantize_rows(x2, self.input_scale, "fp8", self.triton)[0], [self.input_scale]
         if self.mode == "nvfp4":  # packed codes (uint8), per-16 block scales swizzled, the global scale
-            a, bs = quantize_rows(x2, self.input_scale, "nvfp4", self.triton)
-            return a, [blocked(bs, None, in_one_pass(self.triton, x2)), self.input_scale]
+            if in_one_pass(self.triton, x2):  # the kernel writes the scales swizzled
+                a, bs = triton_quant.nvfp4_blocked(x2, self.input_scale)
+            else:
+                a, bs = sl.nvfp4_quantize(x2, self.input_scale)
+                bs = sl.to_blocked(bs.view(torch.uint8))
+            return a, [bs.view(torch.float8_e4m3fn), self.input_scale]
         a, s = quantize_rows(x2, self.input_scale, "fp8_rowwise", self.triton)
         return a, [s[:, None]]
 
@@ -260,14 +264,11 @@ def in_one_pass(triton: bool, x: torch.Tensor) -> bool:
     return triton and x.is_cuda and not torch.compiler.is_compiling()
 
 
-def blocked(scales: torch.Tensor, offs: torch.Tensor | None, one_pass: bool) -> torch.Tensor:
-    """NVFP4 activation block scales in the swizzled layout the GEMM reads (`scaled_layout.to_blocked`, or
-    `to_blocked_grouped` by `offs`), by `triton_quant.blocked_scales` in one kernel where `one_pass`."""
+def blocked(scales: torch.Tensor, offs: torch.Tensor, one_pass: bool) -> torch.Tensor:
+    """NVFP4 block scales of rows grouped by `offs` in the swizzled layout the grouped GEMM reads
+    (`scaled_layout.to_blocked_grouped`), by `triton_quant.blocked_scales` in one kernel where `one_pass`."""
     raw = scales.view(torch.uint8)
-    if one_pass:
-        out = triton_quant.blocked_scales(raw, offs)
-    else:
-        out = sl.to_blocked(raw) if offs is None else sl.to_blocked_grouped(raw, offs)
+    out = triton_quant.blocked_scales(raw, offs) if one_pass else sl.to_blocked_grouped(raw, offs)
     return out.view(torch.float8_e4m3fn)
 
 

@@ -72,6 +72,26 @@ def nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, to
     return packed, scales
 
 
+def nvfp4_blocked(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`nvfp4` of x [M, K] with the block scales written straight into the swizzled layout a linear's FP4
+    GEMM reads (`scaled_layout.to_blocked`: flat uint8, rows padded to 128 and scale columns to 4 with
+    zeros), in one launch where `nvfp4` and `blocked_scales` take two."""
+    import triton
+
+    m, k = x.shape
+    x = x.contiguous()
+    c = k // NVFP4_BLOCK
+    cp, rows = sl.ceil_div(c, sl.TILE_COLS) * sl.TILE_COLS, sl.ceil_div(m, sl.TILE_ROWS) * sl.TILE_ROWS
+    packed = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
+    out = torch.empty(rows * cp, dtype=torch.uint8, device=x.device)
+    if rows * cp:
+        _kernels().nvfp4_quant_blocked[(triton.cdiv(rows * cp, NVFP4_BLOCKS),)](
+            x, global_scale, packed, out, m, c, cp, rows * cp, E2M1_MAX=E2M1_MAX, E4M3_MAX=E4M3_MAX,
+            BLOCKS=NVFP4_BLOCKS,
+        )  # fmt: skip
+    return packed, out
+
+
 def nvfp4_fp8_rows(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] rounded to NVFP4 (`fake_quant.nvfp4_fake_quant`, in x's dtype), then quantized to E4M3 with one
     scale per row: (E4M3 [M, K], fp32 scales [M]), as `tensor_cores.quantize_rows` does for "fp8_rowwise"."""
@@ -92,27 +112,22 @@ def nvfp4_fp8_rows(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.T
 BLOCKED_ROWS = 4  # scale rows per program of the swizzle kernel (16 spilled registers on sm_100a)
 
 
-def blocked_scales(scales: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
-    """NVFP4 block scales [M, C] (uint8) in the 128x4-tile layout cuBLAS's block-scaled GEMMs read, in one
-    kernel: `scaled_layout.to_blocked` (flat) without `offs`; with int32 group end offsets `offs`,
-    `scaled_layout.to_blocked_grouped` (each group from a 128-row boundary, [blocked_rows_bound, C padded to 4]).
-    torch's form is ~5 launches a linear and ~30 a grouped projection (index arithmetic, a scatter)."""
+def blocked_scales(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """NVFP4 block scales [M, C] (uint8) of rows grouped by the int32 end offsets `offs` in the layout
+    cuBLAS's grouped block-scaled GEMM reads (`scaled_layout.to_blocked_grouped`: each group from a 128-row
+    boundary, [blocked_rows_bound, C padded to 4]), in one kernel that writes every byte, the padding's
+    zeros included. torch's form is ~30 launches a grouped projection (index arithmetic, a scatter)."""
     import triton
 
     m, c = scales.shape
     cp = sl.ceil_div(c, sl.TILE_COLS) * sl.TILE_COLS
-    groups = 1 if offs is None else offs.shape[0]
-    rows = sl.ceil_div(m, sl.TILE_ROWS) * sl.TILE_ROWS if offs is None else sl.blocked_rows_bound(m, groups)
+    groups = offs.shape[0]
+    rows = sl.blocked_rows_bound(m, groups)
     if rows * cp >= 2**31:  # the kernel's indices are int32 (64-bit ones spilled registers on sm_120)
         raise ValueError(f"{rows * cp} swizzled scales: more than the kernel's int32 indices reach")
-    if offs is None:  # the kernel writes every padded tile, zeros included
-        out, covered = torch.empty(rows * cp, dtype=torch.uint8, device=scales.device), rows
-    else:  # padding between groups wherever the offsets put it
-        out, covered = torch.zeros(rows * cp, dtype=torch.uint8, device=scales.device), m
-    if covered:
-        _kernels().blocked_scales[(triton.cdiv(covered, BLOCKED_ROWS),)](
-            scales.contiguous(), scales if offs is None else offs, out, m, rows, c, cp, groups,
-            ONE_GROUP=offs is None, G_POW2=triton.next_power_of_2(groups), BLOCK_R=BLOCKED_ROWS,
-            BLOCK_C=triton.next_power_of_2(cp),
-        )  # fmt: skip
-    return out if offs is None else out.view(-1, cp)
+    out = torch.empty(rows * cp, dtype=torch.uint8, device=scales.device)
+    _kernels().blocked_scales[(triton.cdiv(rows, BLOCKED_ROWS),)](
+        scales.contiguous(), offs, out, rows, c, cp, groups, G_POW2=triton.next_power_of_2(groups),
+        BLOCK_R=BLOCKED_ROWS, BLOCK_C=triton.next_power_of_2(cp),
+    )  # fmt: skip
+    return out.view(-1, cp)

@@ -32,12 +32,9 @@ def block_scale(amax, gs, E2M1_MAX: tl.constexpr, E4M3_MAX: tl.constexpr):
 
 
 @triton.jit
-def nvfp4_quant(
-    x_ptr, gs_ptr, packed_ptr, scales_ptr, blocks, E2M1_MAX: tl.constexpr, E4M3_MAX: tl.constexpr,
-    BLOCKS: tl.constexpr,
-):  # fmt: skip
-    b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
-    inside = b < blocks
+def nvfp4_codes(x_ptr, gs_ptr, packed_ptr, b, inside, E2M1_MAX: tl.constexpr, E4M3_MAX: tl.constexpr):
+    """Blocks b (16 values each, where `inside`) of x: their E2M1 codes stored in pairs, their E4M3 scales
+    returned."""
     pair = b[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]  # even columns; odd ones at +1
     even = tl.load(x_ptr + pair, mask=inside[:, None], other=0.0).to(tl.float32)
     odd = tl.load(x_ptr + pair + 1, mask=inside[:, None], other=0.0).to(tl.float32)
@@ -53,7 +50,43 @@ def nvfp4_quant(
     lo = tl.where((even < 0) & (lo > 0), lo | 8, lo)  # the sign bit, on non-zero codes
     hi = tl.where((odd < 0) & (hi > 0), hi | 8, hi)
     tl.store(packed_ptr + pair // 2, (lo | (hi << 4)).to(tl.uint8), mask=inside[:, None])
+    return bs
+
+
+@triton.jit
+def nvfp4_quant(
+    x_ptr, gs_ptr, packed_ptr, scales_ptr, blocks, E2M1_MAX: tl.constexpr, E4M3_MAX: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    inside = b < blocks
+    bs = nvfp4_codes(x_ptr, gs_ptr, packed_ptr, b, inside, E2M1_MAX, E4M3_MAX)
     tl.store(scales_ptr + b, bs, mask=inside)
+
+
+@triton.jit
+def nvfp4_quant_blocked(
+    x_ptr, gs_ptr, packed_ptr, out_ptr, rows, C, CP, padded, E2M1_MAX: tl.constexpr, E4M3_MAX: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):  # fmt: skip
+    """`nvfp4_quant` of x [rows, 16 * C] with its scales written in the 128x4-tile layout of [rows padded to
+    128, C padded to CP] (`blocked_index`): programs run over the padded blocks and write the padding's
+    zeros too."""
+    p = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    r = p // CP
+    c = p - r * CP
+    real = (r < rows) & (c < C)
+    bs = nvfp4_codes(x_ptr, gs_ptr, packed_ptr, r * C + c, real, E2M1_MAX, E4M3_MAX)
+    bits = tl.where(real, bs.to(tl.uint8, bitcast=True), 0)
+    tl.store(out_ptr + blocked_index(r, c, CP), bits, mask=p < padded)
+
+
+@triton.jit
+def blocked_index(r, c, CP):
+    """Where scale (r, c) of a [R, CP] matrix (R a multiple of 128, CP of 4) lands in the flat 128x4-tile
+    layout (`scaled_layout.to_blocked`): tiles row block after row block, 512 bytes each; inside one, row r
+    and column c at (r % 32) * 16 + (r % 128) // 32 * 4 + c % 4."""
+    return r // 128 * 128 * CP + r % 32 * 16 + r % 128 // 32 * 4 + c // 4 * 512 + c % 4
 
 
 @triton.jit
@@ -86,32 +119,29 @@ def nvfp4_fp8_rows(
 
 @triton.jit
 def blocked_scales(
-    scales_ptr, offs_ptr, out_ptr, S, R, C, CP, num_groups, ONE_GROUP: tl.constexpr, G_POW2: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    scales_ptr, offs_ptr, out_ptr, R, C, CP, num_groups, G_POW2: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows, in group order (int32: the caller checks)
-    if ONE_GROUP:
-        start = tl.zeros_like(r)
-        pstart = tl.zeros_like(r)
-    else:  # each row's group from the end offsets, on the device
-        e = tl.arange(0, G_POW2)
-        live = e < num_groups
-        ends = tl.load(offs_ptr + e, mask=live, other=0)
-        starts = tl.load(offs_ptr + e - 1, mask=live & (e > 0), other=0)
-        padded = tl.where(live, (ends - starts + 127) // 128 * 128, 0)  # each group's rows, padded to 128
-        g = tl.sum(((ends[None, :] <= r[:, None]) & live[None, :]).to(tl.int32), 1)
-        g = tl.minimum(g, num_groups - 1)
-        start = tl.sum(tl.where(e[None, :] == g[:, None], starts[None, :], 0), 1)
-        pstart = tl.sum(tl.where(e[None, :] < g[:, None], padded[None, :], 0), 1)
-    ri = r - start  # row inside its group
-    tile_row = pstart + ri // 128 * 128  # first row of its 128-row tile block
-    within = (ri % 32) * 16 + (ri % 128) // 32 * 4
+    """Block scales [rows, C] of rows grouped by the int32 end offsets `offs` in the layout of
+    `scaled_layout.to_blocked_grouped`: each group's rows from a 128-row boundary of R output rows, each
+    group padded to whole 128-row tiles. As every group starts on a tile boundary, that layout is
+    `blocked_index` of the [R, CP] matrix whose row o holds its group's row o - (the group's first
+    output row), or zeros: programs run over those output rows and write every byte, padding included."""
+    o = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # output rows (int32: the caller checks)
+    e = tl.arange(0, G_POW2)
+    live = e < num_groups
+    ends = tl.load(offs_ptr + e, mask=live, other=0)
+    starts = tl.load(offs_ptr + e - 1, mask=live & (e > 0), other=0)
+    padded = tl.where(live, (ends - starts + 127) // 128 * 128, 0)  # each group's rows, padded to 128
+    before = (tl.cumsum(padded, 0)[None, :] <= o[:, None]) & live[None, :]  # groups wholly before row o
+    g = tl.sum(before.to(tl.int32), 1)
+    pstart = tl.sum(tl.where(before, padded[None, :], 0), 1)  # first output row of o's group
+    mine = e[None, :] == g[:, None]
+    start = tl.sum(tl.where(mine, starts[None, :], 0), 1)
+    size = tl.sum(tl.where(mine, (ends - starts)[None, :], 0), 1)  # 0 past the last group
+    src = start + o - pstart
     c = tl.arange(0, BLOCK_C)
-    flat = (tile_row * CP + within)[:, None] + (c // 4 * 512 + c % 4)[None, :]
-    m = (r < S)[:, None] & (c < C)[None, :]
-    value = tl.load(scales_ptr + r[:, None] * C + c[None, :], mask=m, other=0)
-    # one group: the launch covers the padded tiles too and writes their zeros (no zero-filled output first)
-    if ONE_GROUP:
-        tl.store(out_ptr + flat, value, mask=(r < R)[:, None] & (c < CP)[None, :])
-    else:
-        tl.store(out_ptr + flat, value, mask=m)
+    real = ((o - pstart < size) & (o < R))[:, None] & (c < C)[None, :]
+    value = tl.load(scales_ptr + src[:, None] * C + c[None, :], mask=real, other=0)
+    flat = blocked_index(o[:, None], c[None, :], CP)
+    tl.store(out_ptr + flat, value, mask=(o < R)[:, None] & (c < CP)[None, :])

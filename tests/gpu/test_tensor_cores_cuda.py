@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import InputQuantizer, fp8_fake_quant, nvfp4_fake_quant
 from pipeline.model.modelopt import _quantized_experts_forward
 from pipeline.runtime import probe as probing
 from pipeline.runtime import tensor_cores as tc
+from pipeline.runtime import triton_quant
 from pipeline.runtime.dispatch import EVERY_PASS, TRITON_MAX_ROWS_PER_EXPERT, arch_of, dispatch
 from tests._utils.quantized import build_quantized_checkpoint, packed_linear
 
@@ -175,7 +177,6 @@ def test_triton_moe_gemm_is_the_float_product_of_its_operands(probed):
     """The Triton FP8 MoE GEMM compiled for this GPU: uneven experts, an empty one, rows gathered in the
     kernel; within one bf16 unit of the float product at a small K (its fast accumulation adds ~1e-4
     there: tests/_utils/accumulation.py), and within 1e-2 relative L2 at the 26B's K (2e-3 to 4e-3)."""
-    from pipeline.model import scaled_layout as sl
     from pipeline.runtime import triton_moe
 
     if not probed.ok("triton:fp8"):
@@ -204,8 +205,6 @@ def test_triton_quantization_is_torchs_bit_for_bit(probed, dtype):
     """The one-pass FP8 quantization against torch's three passes: every code equal (NaN's sign aside) on
     random activations over 16 binades and the probe's edge values; and a linear using it computes
     exactly what the torch-quantized one does."""
-    from pipeline.model import scaled_layout as sl
-    from pipeline.runtime import triton_quant
 
     if not probed.ok("triton:fp8"):
         pytest.skip(f"dgpipe's Triton kernels are not served here: {probed.results.get('triton:fp8')}")
@@ -237,6 +236,10 @@ def test_triton_nvfp4_quantization_is_torchs_bit_for_bit(mode):
         (q, s), (want_q, want_s) = (tc.quantize_rows(x, gs, mode, triton=t) for t in (True, False))
         if mode == "nvfp4":
             assert torch.equal(q, want_q) and probing.fp8_codes_equal(s, want_s), k
+            q, s = triton_quant.nvfp4_blocked(x, gs)  # a linear's operand: its scales swizzled
+            assert torch.equal(q, want_q) and probing.fp8_codes_equal(
+                s, sl.to_blocked(want_s.view(torch.uint8))
+            )
         else:
             assert probing.fp8_codes_equal(q, want_q) and torch.equal(s, want_s), k
     q, xs = (
@@ -411,7 +414,6 @@ def test_the_gated_gelu_kernel_is_torchs_cuda_gelu_bit_for_bit():
     halves of one GEMM output; the dense MLP's 4,096 tokens, 2,112 wide): bit for bit torch's `F.gelu` then
     the product, since its tanh is libdevice's, the one torch's CUDA kernel calls; its FP8 codes those of
     that product. (The probe allows another tanh's rounding; this holds the kernel to the claim.)"""
-    from pipeline.model import scaled_layout as sl
     from pipeline.model.network import gelu_tanh
     from pipeline.runtime import triton_moe, triton_network
 
@@ -476,7 +478,6 @@ def test_the_routing_kernels_choose_torchs_experts_and_order_them_as_its_sort():
     with each weight within a few fp32 roundings (`probe.same_top_k` once both are put in expert order: the
     order of tied experts within the k is torch's sort's own); the expert order is torch's stable sort bit for
     bit (32,768 slots: torch's radix sort)."""
-    from pipeline.model import scaled_layout as sl
     from pipeline.model.network import route_scores
     from pipeline.runtime import triton_moe, triton_routing
 
@@ -530,7 +531,6 @@ def test_the_norm_to_fp8_kernel_is_torchs_but_for_its_norms_sums():
     """A layer's input norm written as its FP8 q|k|v operand at the 26B's width and 16 canvases: within one
     E4M3 step of torch's fused CUDA RMSNorm then the FP8 quantization (`probe.same_fp8_of_norm`), the same
     codes but for under 1% of them."""
-    from pipeline.model import scaled_layout as sl
     from pipeline.model.network import RMSNorm
     from pipeline.runtime import triton_moe, triton_network
 

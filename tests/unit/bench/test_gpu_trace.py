@@ -163,13 +163,16 @@ def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
     hopper, fp8 = gt.trace_pass("nvfp4", "sm90", 1, LAYERS), gt.trace_pass("fp8", "sm90", 1, LAYERS)
     assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs and hopper.launches == fp8.launches + 2 * LAYERS
     b200 = gt.trace_pass("nvfp4", "sm100", 1, LAYERS)
-    assert b200.ops["triton::nvfp4_quant"] == b200.ops["triton::blocked_scales"] == inputs
-    # a linear's swizzle writes its padding itself; the experts' grouped scales start from zeros
-    assert b200.ops["aten::zeros"] == 2 * LAYERS
+    # a linear's quantization writes its scales swizzled, padding included; the experts' inputs are
+    # quantized, then their scales swizzled by expert group, padding included: no zero-filled outputs
+    assert b200.ops["triton::nvfp4_quant_blocked"] == QUANTIZED_INPUTS
+    assert b200.ops["triton::nvfp4_quant"] == b200.ops["triton::blocked_scales"] == 2 * LAYERS
+    assert "aten::zeros" not in b200.ops
     no_kernel = gt.passing_probe("sm100")
     no_kernel.results["quant:nvfp4"] = "failed"
     torch_form = gt.trace_pass("nvfp4", "sm100", 1, LAYERS, probed=no_kernel)
-    assert "triton::nvfp4_quant" not in torch_form.ops and torch_form.launches > b200.launches + 40 * inputs
+    assert not {"triton::nvfp4_quant", "triton::nvfp4_quant_blocked"} & set(torch_form.ops)
+    assert torch_form.launches > b200.launches + 40 * inputs
 
 
 def test_rope_takes_one_launch_per_tensor_where_probed():
@@ -396,14 +399,13 @@ def test_a_layers_norm_chains_take_one_launch_where_probed(form, kernel, superse
 
 
 @pytest.mark.parametrize(
-    ("fmt", "arch", "fewer"), [("fp8", "sm90", 5 + 1 + 2), ("nvfp4", "sm100", 2 * 5 + 3), ("bf16", "sm90", 3)]
+    ("fmt", "arch", "fewer"), [("fp8", "sm90", 5 + 1 + 2), ("nvfp4", "sm100", 5 + 3), ("bf16", "sm90", 3)]
 )
 def test_sibling_linears_share_their_input_quantization_and_gate_and_up_one_gemm(
     monkeypatch, fmt, arch, fewer
 ):
     """q, k and v quantize their input once (two fewer in a sliding layer, one in a global one), gate and up
-    once (one fewer); NVFP4 quantizes in two launches (codes and block scales, their swizzle), and FP8's
-    shared q|k|v operand comes from the input norm (one fewer a layer).
+    once (one fewer); FP8's shared q|k|v operand comes from the input norm (one fewer a layer).
     Gate and up are one GEMM in the float self-conditioning and, but for FP8 (a weight scale each), in
     each dense MLP. Without sharing, every linear quantizes and runs alone."""
     shared = gt.trace_pass(fmt, arch, 1, LAYERS)

@@ -100,19 +100,36 @@ def _uninitialised_bytes_are_0xab():
         yield
 
 
-@pytest.mark.parametrize(("m", "c"), [(37, 11), (300, 44), (128, 176), (1, 3)])
-def test_scale_swizzles_are_torchs(m, c):
-    """The block scales' 128x4-tile layout for one linear and for rows grouped by expert (uneven, empty and
-    leading empty groups, rows not a multiple of 128, columns not of 4): byte for byte."""
+@pytest.mark.parametrize("k", [176, 256, 704])  # 11, 16 and 44 scale columns: padded to 12, 16 and 44
+@pytest.mark.parametrize("rows", [37, 130, 1])  # one, two and one row tile, each padded to 128 rows
+def test_nvfp4_with_swizzled_scales_is_nvfp4_then_the_swizzle(rne_casts, k, rows):  # noqa: F811
+    """A linear's operand in one launch: `nvfp4`'s codes, and its scales in `to_blocked`'s layout with the
+    padded rows and columns zero, byte for byte, where the memory it is handed holds other bytes."""
+    x, gs = activations(torch.bfloat16, k, seed=rows).repeat(4, 1)[:rows], torch.tensor(0.01)
+    want_packed, want_scales = sl.nvfp4_quantize(x, gs)
+    with _uninitialised_bytes_are_0xab():
+        packed, scales = tq.nvfp4_blocked(x, gs)
+    assert torch.equal(packed, want_packed)
+    assert probing.fp8_codes_equal(scales, sl.to_blocked(want_scales.view(torch.uint8)))
+    assert tq.nvfp4_blocked(torch.empty(0, k, dtype=torch.bfloat16), gs)[1].numel() == 0
+
+
+@pytest.mark.parametrize(("m", "c"), [(37, 11), (300, 44), (128, 176), (1, 3), (0, 44)])
+def test_grouped_scale_swizzle_is_torchs(m, c, monkeypatch):
+    """The block scales' 128x4-tile layout for rows grouped by expert (uneven, empty and leading empty
+    groups, rows not a multiple of 128, columns not of 4, no rows at all): byte for byte, where the memory
+    the kernel is handed holds other bytes (it writes the padding's zeros itself). Each output row is
+    computed on its own, so programs of 128 rows compute what the GPU's of `BLOCKED_ROWS` do, in a 32nd
+    of the interpreter's time (the probe runs the GPU's)."""
+    monkeypatch.setattr(tq, "BLOCKED_ROWS", 128)
     g = torch.Generator().manual_seed(m)
     s = torch.randint(0, 256, (m, c), dtype=torch.uint8, generator=g)
-    assert torch.equal(tq.blocked_scales(s), sl.to_blocked(s))
-    with _uninitialised_bytes_are_0xab():  # the one-linear form writes its padding's zeros itself
-        assert torch.equal(tq.blocked_scales(s), sl.to_blocked(s))
     for groups in (1, 4, 7, 128):
         cuts = torch.sort(torch.randint(0, m + 1, (groups - 1,), generator=g)).values
         offs = torch.cat([cuts, torch.tensor([m])]).to(torch.int32)
-        assert torch.equal(tq.blocked_scales(s, offs), sl.to_blocked_grouped(s, offs)), offs.tolist()
+        with _uninitialised_bytes_are_0xab():
+            got = tq.blocked_scales(s, offs)
+        assert torch.equal(got, sl.to_blocked_grouped(s, offs)), offs.tolist()
 
 
 def test_without_round_to_nearest_even_casts_the_interpreter_misses_torchs_codes():
@@ -136,7 +153,12 @@ def test_the_probe_holds_each_kernel_to_torchs_form(rne_casts, monkeypatch):  # 
         probing.check_triton_quant("nvfp4", CPU)
     monkeypatch.setattr(tq, "nvfp4", real)
     swizzle = tq.blocked_scales
-    monkeypatch.setattr(tq, "blocked_scales", lambda s, offs=None: swizzle(s.flip(0), offs))  # rows swapped
+    monkeypatch.setattr(tq, "blocked_scales", lambda s, offs: swizzle(s.flip(0), offs))  # rows swapped
+    with pytest.raises(DgpipeError, match="Triton nvfp4 activation quantization differs"):
+        probing.check_triton_quant("nvfp4", CPU)
+    monkeypatch.setattr(tq, "blocked_scales", swizzle)
+    linear = tq.nvfp4_blocked
+    monkeypatch.setattr(tq, "nvfp4_blocked", lambda x, gs: (linear(x, gs)[0], linear(x.flip(0), gs)[1]))
     with pytest.raises(DgpipeError, match="Triton nvfp4 activation quantization differs"):
         probing.check_triton_quant("nvfp4", CPU)
     monkeypatch.setattr(tq, "nvfp4_fp8_rows", lambda x, gs: _rowwise_dynamic(x))  # no NVFP4 rounding
@@ -174,15 +196,16 @@ forms = {
             {"E4M3_MAX": 448.0, "BLOCK": triton_quant.FP8_BLOCK}, 4),
     "nvfp4": (k.nvfp4_quant, {"x_ptr": "*bf16", "gs_ptr": "*fp32", "packed_ptr": "*u8", "scales_ptr": "*fp8e4nv",
               "blocks": "i32"}, {**consts, "BLOCKS": triton_quant.NVFP4_BLOCKS}, 4),
+    "nvfp4_blocked": (k.nvfp4_quant_blocked, {"x_ptr": "*bf16", "gs_ptr": "*fp32", "packed_ptr": "*u8",
+                      "out_ptr": "*u8", "rows": "i32", "C": "i32", "CP": "i32", "padded": "i32"},
+                      {**consts, "BLOCKS": triton_quant.NVFP4_BLOCKS}, 4),
     # the 26B's widest input (the global layers' o_proj: 16 heads x 512): 512 blocks a row
     "nvfp4_fp8_rows": (k.nvfp4_fp8_rows, {"x_ptr": "*bf16", "gs_ptr": "*fp32", "out_ptr": "*fp8e4nv",
                        "scales_ptr": "*fp32", "K": "i32", "stride_x": "i32"}, {**consts, "NB": 512}, 8),
 }
-swizzle = {"scales_ptr": "*u8", "offs_ptr": "*i32", "out_ptr": "*u8", "S": "i32", "R": "i32", "C": "i32", "CP": "i32",
-           "num_groups": "i32"}
-for one in (True, False):  # 128 experts' grouped rows of 176 scale columns (the 26B's hidden size / 16)
-    forms[f"blocked_scales_{'one' if one else 'grouped'}"] = (k.blocked_scales, swizzle,
-        {"ONE_GROUP": one, "G_POW2": 128, "BLOCK_R": triton_quant.BLOCKED_ROWS, "BLOCK_C": 256}, 4)
+# 128 experts' grouped rows of 176 scale columns (the 26B's hidden size / 16)
+forms["blocked_scales"] = (k.blocked_scales, {"scales_ptr": "*u8", "offs_ptr": "*i32", "out_ptr": "*u8", "R": "i32",
+    "C": "i32", "CP": "i32", "num_groups": "i32"}, {"G_POW2": 128, "BLOCK_R": triton_quant.BLOCKED_ROWS, "BLOCK_C": 256}, 4)
 out = []
 for cc in (90, 100, 89, 120):
     for name, (fn, sig, constexprs, warps) in forms.items():
@@ -198,13 +221,13 @@ json.dump(out, sys.stdout)
 
 
 def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
-    """Triton (the installed version) lowers the four kernels to sm_90a, sm_100a, sm_89 and sm_120 cubins, no
+    """Triton (the installed version) lowers the five kernels to sm_90a, sm_100a, sm_89 and sm_120 cubins, no
     GPU needed. Each quantizing kernel divides with IEEE rounding (div.rn), converts to E4M3 with round-to-nearest saturation
     (cvt.rn.satfinite), and keeps NaN through its clamps (min.NaN): torch's arithmetic, which the tests above
     and the load-time probe hold them to bit for bit. None spills a register to local memory (no STL/LDL
     in the SASS; the NVFP4 kernel's 8-byte stack frame is a local array Triton declares and never uses)."""
     compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
-    names = ("fp8", "nvfp4", "nvfp4_fp8_rows", "blocked_scales_one", "blocked_scales_grouped")
+    names = ("fp8", "nvfp4", "nvfp4_blocked", "nvfp4_fp8_rows", "blocked_scales")
     assert [(k["name"], k["cc"]) for k in compiled] == [(n, cc) for cc in (90, 100, 89, 120) for n in names]
     for k in (k for k in compiled if not k["name"].startswith("blocked")):  # the swizzle only moves bytes
         assert "div.rn.f32" in k["ptx"] and "cvt.rn.satfinite.e4m3x2.f32" in k["ptx"], k
