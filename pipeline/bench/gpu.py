@@ -585,7 +585,7 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
     weights = weights.softmax(-1)
     dequantize = lambda: ((experts.w13.float() * experts.s13[..., None]).bfloat16(),
                           (experts.w2.float() * experts.s2[..., None]).bfloat16())  # fmt: skip
-    _, token_of, offs = sl.expert_order(index, num)
+    _, token_of, offs, _ = sl.expert_order(index, num)
     q, qs = quantize_rows(x, experts.in_scale, "fp8")
     inner = experts.w2.shape[-1]
     h = torch.randn(token_of.shape[0], inner, device=dev, dtype=torch.bfloat16, generator=gen)

@@ -21,6 +21,7 @@ tensor arithmetic, so it runs and is tested on the CPU against the dequantized r
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -154,15 +155,24 @@ def nvfp4_weight_blocked(block_scales: torch.Tensor) -> torch.Tensor:
 
 
 # ---- expert ordering ----------------------------------------------------------------------------------
-# a fused form of `expert_order`: (index, num_experts) -> (order, token of each sorted slot, end offsets)
-OrderKernel = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+class ExpertOrder(NamedTuple):
+    """The routed slots (token-major, `index.reshape(-1)`) sorted by expert, stably."""
+
+    order: torch.Tensor  # the slot at each sorted position
+    token_of: torch.Tensor  # the token of each sorted slot
+    offs: torch.Tensor  # int32 end offset of each expert's slots
+    rows: torch.Tensor | None = (
+        None  # each slot's sorted position (`order`'s inverse), where a kernel wrote it
+    )
 
 
-def expert_order(
-    index: torch.Tensor, num_experts: int, kernel: OrderKernel | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Routed slots sorted by expert: (order into index.reshape(-1), token of each sorted slot, int32 end
-    offsets per expert). No host sync: a CUDA graph can capture it (`pipeline.model.network.grouped_experts`
+# a fused form of `expert_order`: (index, num_experts) -> the slots' order, with `rows`
+OrderKernel = Callable[[torch.Tensor, int], ExpertOrder]
+
+
+def expert_order(index: torch.Tensor, num_experts: int, kernel: OrderKernel | None = None) -> ExpertOrder:
+    """Routed slots sorted by expert (`ExpertOrder`; `rows` None here: `slot_rows` makes it where needed).
+    No host sync: a CUDA graph can capture it (`pipeline.model.network.grouped_experts`
     and the tensor-core experts both route with it). Expert e's slots end where the sorted experts pass e:
     one search of the sorted experts for every expert, three launches fewer than counting them and adding
     the counts up (zeros, a scatter-add, its ones, a cumulative sum). `kernel`: a fused form
@@ -172,4 +182,17 @@ def expert_order(
     flat = index.reshape(-1)
     experts, order = torch.sort(flat, stable=True)
     ids = torch.arange(num_experts, device=index.device, dtype=flat.dtype)
-    return order, order // index.shape[1], torch.searchsorted(experts, ids, right=True, out_int32=True)
+    offs = torch.searchsorted(experts, ids, right=True, out_int32=True)
+    return ExpertOrder(order, order // index.shape[1], offs)
+
+
+def slot_rows(routing: ExpertOrder) -> torch.Tensor:
+    """Each slot's position in the sorted order: `routing.rows` where the order kernel wrote them, else
+    `order`'s inverse (two launches: `y.index_select(0, rows)` puts rows sorted by `order` back in slot
+    order, a gather where `index_copy_(0, order, y)` would scatter)."""
+    if routing.rows is not None:
+        return routing.rows
+    order = routing.order
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    return inv

@@ -26,7 +26,6 @@ from pipeline.model.network import (
     combine_top_k,
     ffn_inputs,
     gelu_tanh,
-    inverse_permutation,
     layer_end,
     rotate_half,
     route_scores,
@@ -148,12 +147,13 @@ def float_experts(
     """What an FP8 `ScaledExperts` computes, in fp32 on any device: the same quantized operands (activations
     quantized as the module does, weights as stored) multiplied expert by expert as floats. The reference
     dgpipe's Triton GEMM is probed against; it reads the routing on the host, so it is no runtime path."""
-    order, token_of, offs = sl.expert_order(index, m.num_experts)
+    routing = sl.expert_order(index, m.num_experts)
+    token_of, offs = routing.token_of, routing.offs
     gate_up = float_gemm(*quantize_rows(x, m.in_scale, m.mode), token_of, m.w13, m.s13, offs)
     gate, up = gate_up.chunk(2, dim=-1)
     slots = torch.arange(token_of.shape[0], device=x.device)
     y = float_gemm(*quantize_rows(gelu_tanh(gate) * up, m.down_in_scale, m.mode), slots, m.w2, m.s2, offs)
-    return combine_top_k(y, order, weights.float())
+    return combine_top_k(y, routing, weights.float())
 
 
 TRITON_FALLBACK = "dgpipe uses the dispatch row's other path; report the GPU, torch and Triton versions"
@@ -183,7 +183,7 @@ def check_triton_fp8(mode: str, fmt: str, dev: torch.device, x, index, weights) 
     ps = [_tiny_packed(fmt, seed=e) for e in range(4)]  # distinct experts: a routing error shows
     m = ScaledExperts(ps, ps, ps, mode, dev, triton_rows=EVERY_PASS)
     q, qs = quantize_rows(x, m.in_scale, mode)
-    _, token_of, offs = sl.expert_order(index, m.num_experts)
+    _, token_of, offs, _ = sl.expert_order(index, m.num_experts)
     _check_every_tile("Triton MoE GEMM", q, qs, token_of, m.w13, m.s13, offs)
     err = _rel_l2(m(x, index, weights), float_experts(m, x, index, weights))
     if not err < 0.1:  # bf16 intermediates flip some FP8 roundings (~0.02, tests/gpu); a wrong kernel is O(1)
@@ -276,9 +276,9 @@ def check_triton_combine(dev: torch.device) -> None:
     batched product it replaces (`network.combine_slots`), or a DgpipeError."""
     g = torch.Generator().manual_seed(6)
     index, weights = torch.randint(0, 16, (37, 8), generator=g), torch.rand(37, 8, generator=g)
-    order = sl.expert_order(index, 16)[0]
+    rows = sl.slot_rows(sl.expert_order(index, 16))
     y = (torch.randn(37 * 8, 2816 + 8, generator=g) * 4).to(dev, torch.bfloat16)  # a row not a block multiple
-    rows, weights = inverse_permutation(order).to(dev), weights.to(dev)
+    rows, weights = rows.to(dev), weights.to(dev)
     for r in (rows, None):
         got = triton_network.combine(y, r, weights)
         if not torch.equal(got, triton_network.sequential_combine(y, r, weights)):
@@ -383,12 +383,13 @@ def check_triton_bf16(dev: torch.device, x, index, weights) -> None:
     gen = torch.Generator().manual_seed(1)
     gate_up, down = (torch.randn(4, n, 128, generator=gen).to(dev, torch.bfloat16) / 8 for n in (256, 128))
     x, slots = x.to(torch.bfloat16), torch.arange(index.numel(), device=dev)
-    order, token_of, offs = sl.expert_order(index, 4)
+    routing = sl.expert_order(index, 4)
+    token_of, offs = routing.token_of, routing.offs
     gate, up = _check_every_tile("Triton bf16 MoE GEMM", x, None, token_of, gate_up, None, offs).chunk(
         2, dim=-1
     )
     want = combine_top_k(
-        float_gemm(gelu_tanh(gate) * up, None, slots, down, None, offs), order, weights.float()
+        float_gemm(gelu_tanh(gate) * up, None, slots, down, None, offs), routing, weights.float()
     )
     err = _rel_l2(routed_experts(x, index, weights, gate_up, down, triton=True), want)
     if not err < 2e-2:  # bf16 intermediates; a wrong kernel is O(1)
@@ -578,18 +579,25 @@ def check_triton_top_k(dev: torch.device) -> None:
             )
 
 
+def same_order(got: sl.ExpertOrder, want: sl.ExpertOrder) -> bool:
+    """Two orders of the routed slots agree: the same sorted slots, tokens and offsets, and the same sorted
+    position of each slot (`scaled_layout.slot_rows`, where either leaves `rows` out)."""
+    same = all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True))
+    return same and torch.equal(sl.slot_rows(got), sl.slot_rows(want))
+
+
 def check_triton_expert_order(dev: torch.device) -> None:
     """dgpipe's expert-order kernel against torch's stable sort (`scaled_layout.expert_order`): the 26B's
     routing of 300 tokens (2,400 slots: two steps of the kernel's rank sweep), one token (most experts chosen by
-    none), and every slot on one expert: the same order, tokens and offsets, or a DgpipeError."""
+    none), and every slot on one expert: the same order, tokens, offsets and inverse (`same_order`), or a
+    DgpipeError."""
     g = torch.Generator().manual_seed(15)
     for tokens, k, experts in ((300, 8, 128), (1, 8, 128), (9, 2, 4)):
         index = torch.randint(0, experts, (tokens, k), generator=g)
         if tokens == 9:
             index[:] = 3
         index = index.to(dev)
-        got = triton_routing.expert_order(index, experts)
-        if not all(torch.equal(a, b) for a, b in zip(got, sl.expert_order(index, experts), strict=True)):
+        if not same_order(triton_routing.expert_order(index, experts), sl.expert_order(index, experts)):
             raise DgpipeError(
                 f"the Triton expert order differs from torch's sort ({tokens} tokens, top {k}, {experts} experts)",
                 TRITON_FALLBACK,

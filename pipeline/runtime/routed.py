@@ -56,7 +56,8 @@ def routed_experts(
 ) -> torch.Tensor:
     """A layer's float experts ([E, 2I, d] gate|up, [E, d, I] down, bf16) on grouped GEMMs, the inputs of
     each projection rounded by `q_in` / `q_down` first (a quantized checkpoint's activation formats)."""
-    order, token_of, offs = expert_order(index, gate_up.shape[0], order_kernel)
+    routing = expert_order(index, gate_up.shape[0], order_kernel)
+    order, token_of, offs = routing.order, routing.token_of, routing.offs
     if triton:  # the token rows gathered inside the kernel, the down rows written in token-major slot order
         op = triton_moe.moe_gemm_op if torch.compiler.is_compiling() else triton_moe.moe_gemm
         gemm = lambda a, rows, w, out_rows=None: op(a, None, rows, w, None, offs, out_rows=out_rows)
@@ -69,7 +70,7 @@ def routed_experts(
     y = gemm((q_down(h) if q_down is not None else h).to(down.dtype), None, down, order if triton else None)
     if triton:
         return combine_slots(y, weights, combine).to(x.dtype)
-    return combine_top_k(y, order, weights, combine).to(x.dtype)
+    return combine_top_k(y, routing, weights, combine).to(x.dtype)
 
 
 class RoutedExperts(nn.Module):

@@ -394,7 +394,8 @@ def scaled_experts(
     permutation and each token's k rows are combined by one batched product (fp32 accumulation, no
     atomics, deterministic), not scattered with bf16 atomic adds. On an H200 at batch 16 those two
     element-wise paths took most of the experts' non-GEMM time (BENCHMARKS.md, "26B-A4B denoise pass")."""
-    order, token_of, offs = sl.expert_order(index, w13.shape[0], order_kernel)
+    routing = sl.expert_order(index, w13.shape[0], order_kernel)
+    order, token_of, offs = routing.order, routing.token_of, routing.offs
     compiling = torch.compiler.is_compiling()
     in_slot_order = triton_moe.serves(token_of.shape[0], w13.shape[0], triton_rows)
     if in_slot_order:  # the down GEMM writes each row in token-major slot order: no gather back
@@ -411,7 +412,7 @@ def scaled_experts(
     y = down_gemm(*down_operand(gate, up, down_in_scale, mode, one_pass, geglu_kernel))
     if in_slot_order:
         return combine_slots(y, weights, combine).to(x.dtype)
-    return combine_top_k(y, order, weights, combine).to(x.dtype)
+    return combine_top_k(y, routing, weights, combine).to(x.dtype)
 
 
 # The two vendor GEMM calls as custom ops, opaque to the compiler, used under --compile. Dynamo cannot trace

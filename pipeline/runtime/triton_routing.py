@@ -111,30 +111,30 @@ def expert_order_serves(index: torch.Tensor, num_experts: int) -> bool:
     )
 
 
-def expert_order(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def expert_order(index: torch.Tensor, num_experts: int) -> sl.ExpertOrder:
     """`scaled_layout.expert_order` in one launch (`expert_order_serves` must hold, every expert in
-    [0, num_experts)): (order of the slots by expert, stable; each sorted slot's token; int32 end offsets)."""
+    [0, num_experts)), with `rows`, the order's inverse, which torch's form computes in two more where the
+    combine reads it (`scaled_layout.slot_rows`)."""
     slots = index.numel()
     order = torch.empty(slots, dtype=torch.int64, device=index.device)
-    token_of = torch.empty_like(order)
+    token_of, rows = torch.empty_like(order), torch.empty_like(order)
     offs = torch.empty(num_experts, dtype=torch.int32, device=index.device)
     _kernels().expert_order[(num_experts,)](
         index,
         order,
         token_of,
         offs,
+        rows,
         slots,
         K=index.shape[1],
         COUNT=ORDER_COUNT,
         CHUNK=ORDER_CHUNK,
         **ORDER_OPTIONS,
     )
-    return order, token_of, offs
+    return sl.ExpertOrder(order, token_of, offs, rows)
 
 
-def expert_order_or_torch(
-    index: torch.Tensor, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def expert_order_or_torch(index: torch.Tensor, num_experts: int) -> sl.ExpertOrder:
     """`expert_order` where it serves (`expert_order_serves`), else the torch form: what the GPU loader installs."""
     if expert_order_serves(index, num_experts):
         return expert_order(index, num_experts)

@@ -50,6 +50,7 @@ def expert_order(
     order_ptr,
     token_ptr,
     offs_ptr,
+    rows_ptr,
     slots,
     K: tl.constexpr,
     COUNT: tl.constexpr,
@@ -57,7 +58,7 @@ def expert_order(
 ):
     """Program e: the routed slots (token * K + choice) that chose expert e, in increasing slot order, written
     where a stable sort of the slots by expert puts them (after every slot of a lower expert), with their
-    tokens; and expert e's end offset. Two sweeps over the slots' experts: the count of lower ones, then the
+    tokens, and each such slot's sorted position (the order's inverse); and expert e's end offset. Two sweeps over the slots' experts: the count of lower ones, then the
     running rank of e's own."""
     e = tl.program_id(0)
     lower = tl.full((), 0, tl.int32)
@@ -72,5 +73,6 @@ def expert_order(
         dst = end + tl.cumsum(hit.to(tl.int32), axis=0) - 1
         tl.store(order_ptr + dst, i.to(tl.int64), mask=hit)
         tl.store(token_ptr + dst, (i // K).to(tl.int64), mask=hit)
+        tl.store(rows_ptr + i, dst.to(tl.int64), mask=hit)
         end += tl.sum(hit.to(tl.int32), axis=0)
     tl.store(offs_ptr + e, end)

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.model.network import combine_top_k, inverse_permutation
+from pipeline.model.network import combine_top_k
+from pipeline.model.scaled_layout import ExpertOrder, slot_rows
 
 
-def test_inverse_permutation_gathers_sorted_rows_back():
+def test_slot_rows_gather_sorted_rows_back():
     order = torch.randperm(12, generator=torch.Generator().manual_seed(0))
     y = torch.randn(12, 3, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(y[order].index_select(0, inverse_permutation(order)), y)
+    routing = ExpertOrder(order, order // 3, torch.zeros(1, dtype=torch.int32))
+    assert torch.equal(y[order].index_select(0, slot_rows(routing)), y)
+    written = routing._replace(rows=torch.arange(12))  # an order kernel's rows are taken as they are
+    assert slot_rows(written) is written.rows
 
 
 def test_combine_equals_the_scatter_add_of_weighted_rows():
@@ -24,4 +28,5 @@ def test_combine_equals_the_scatter_add_of_weighted_rows():
     want = torch.zeros(t, d, dtype=torch.float64).index_add_(
         0, order // k, y * weights.reshape(-1)[order, None]
     )
-    torch.testing.assert_close(combine_top_k(y, order, weights), want)
+    routing = ExpertOrder(order, order // k, torch.zeros(e, dtype=torch.int32))
+    torch.testing.assert_close(combine_top_k(y, routing, weights), want)

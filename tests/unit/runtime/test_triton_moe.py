@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.model import network
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import InputQuantizer
 from pipeline.model.modelopt import _quantized_experts_forward
@@ -59,7 +58,7 @@ def test_the_kernel_is_the_float_product_of_its_fp8_operands(tokens, top_k):
     w, w_scale = _fp8(e, n, k, gen=gen), torch.rand(e, n, generator=gen) + 0.5
     a, a_scale = _fp8(tokens, k, gen=gen), torch.rand(tokens, generator=gen) + 0.5
     index = torch.randint(0, e - 1, (tokens, top_k), generator=gen)  # the last expert gets no slot
-    _, token_of, offs = sl.expert_order(index, e)
+    _, token_of, offs, _ = sl.expert_order(index, e)
     for args in ((a, a_scale, token_of), (a[token_of], a_scale[token_of], None),
                  (a[token_of], torch.tensor(0.7).expand(token_of.shape[0]), None)):  # fmt: skip
         got = tf.moe_gemm(*args, w, w_scale, offs)
@@ -77,7 +76,7 @@ def test_the_kernel_is_the_float_product_of_its_bf16_operands(tokens, top_k):
     e, n, k = 6, 96, 160
     w, a = torch.randn(e, n, k, generator=gen).bfloat16(), torch.randn(tokens, k, generator=gen).bfloat16()
     index = torch.randint(0, e - 1, (tokens, top_k), generator=gen)
-    _, token_of, offs = sl.expert_order(index, e)
+    _, token_of, offs, _ = sl.expert_order(index, e)
     ones = lambda m: torch.ones(m)
     for args in ((a, token_of), (a[token_of], None)):
         got = tf.moe_gemm(args[0], None, args[1], w, None, offs)
@@ -96,7 +95,8 @@ def test_rows_written_in_slot_order_are_the_gathered_rows_bit_for_bit(scaled):
     gen = torch.Generator().manual_seed(3)
     e, n, k, tokens, top_k = 6, 96, 160, 300, 2
     index = torch.randint(0, e - 1, (tokens, top_k), generator=gen)
-    order, token_of, offs = sl.expert_order(index, e)
+    routing = sl.expert_order(index, e)
+    order, token_of, offs = routing.order, routing.token_of, routing.offs
     a = _fp8(tokens, k, gen=gen) if scaled else torch.randn(tokens, k, generator=gen).bfloat16()
     w = _fp8(e, n, k, gen=gen) if scaled else torch.randn(e, n, k, generator=gen).bfloat16()
     scales = (
@@ -107,7 +107,7 @@ def test_rows_written_in_slot_order_are_the_gathered_rows_bit_for_bit(scaled):
     for block_m in tf.BLOCK_MS:
         sorted_rows = tf.moe_gemm(a, scales[0], token_of, w, scales[1], offs, block_m)
         in_slot_order = tf.moe_gemm(a, scales[0], token_of, w, scales[1], offs, block_m, out_rows=order)
-        assert torch.equal(in_slot_order, sorted_rows.index_select(0, network.inverse_permutation(order)))
+        assert torch.equal(in_slot_order, sorted_rows.index_select(0, sl.slot_rows(routing)))
 
 
 def test_tiles_and_which_passes_take_the_kernel():

@@ -15,7 +15,7 @@ from pipeline.errors import DgpipeError
 from pipeline.model import network
 from pipeline.model import scaled_layout as sl
 from pipeline.model.network import apply_rope
-from pipeline.model.scaled_layout import expert_order
+from pipeline.model.scaled_layout import expert_order, slot_rows
 from pipeline.runtime import probe as probing
 from pipeline.runtime import triton_network, triton_routing
 from tests._utils.embedded_passes import denoise_and_prefill, embedded_bf16
@@ -152,17 +152,17 @@ def test_combine_is_its_torch_form_bit_for_bit_and_the_batched_product_within_ro
     multiple: `sequential_combine` bit for bit; the batched product it replaces within a bf16 unit."""
     g = torch.Generator().manual_seed(tokens)
     index, weights = torch.randint(0, 16, (tokens, k), generator=g), torch.rand(tokens, k, generator=g)
-    order = expert_order(index, 16)[0]
+    routing = expert_order(index, 16)
     y = (torch.randn(tokens * k, d, generator=g) * 4).bfloat16()
-    rows = network.inverse_permutation(order)
+    rows = slot_rows(routing)
     got = triton_network.combine(y, rows, weights)
     assert torch.equal(got, triton_network.sequential_combine(y, rows, weights))
     assert torch.equal(
         triton_network.combine(y, None, weights), triton_network.sequential_combine(y, None, weights)
     )
-    want = network.combine_top_k(y, order, weights)
+    want = network.combine_top_k(y, routing, weights)
     assert bool(((got.float() - want.float()).abs() <= want.float().abs() * 2**-8 + 1e-6).all())
-    assert torch.equal(network.combine_top_k(y, order, weights, triton_network.combine), got)  # the hook
+    assert torch.equal(network.combine_top_k(y, routing, weights, triton_network.combine), got)  # the hook
 
 
 @interpreted

@@ -110,8 +110,8 @@ def test_the_expert_order_is_torchs_stable_sort_bit_for_bit(tokens, k, experts):
     index = torch.randint(0, experts, (tokens, k), generator=torch.Generator().manual_seed(tokens))
     assert triton_routing.expert_order_serves(index, experts)
     got, want = triton_routing.expert_order(index, experts), sl.expert_order(index, experts)
-    assert [t.dtype for t in got] == [torch.int64, torch.int64, torch.int32]
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert [t.dtype for t in got] == [torch.int64, torch.int64, torch.int32, torch.int64]
+    assert probing.same_order(got, want)  # the order's inverse included, which the kernel writes too
 
 
 def test_other_routings_keep_torchs_sort(monkeypatch):
@@ -124,7 +124,7 @@ def test_other_routings_keep_torchs_sort(monkeypatch):
     )
     monkeypatch.setattr(triton_routing, "expert_order", lambda *a: pytest.fail("the kernel ran"))
     got = triton_routing.expert_order_or_torch(index.int(), 8)
-    assert all(torch.equal(a, b) for a, b in zip(got, sl.expert_order(index.int(), 8), strict=True))
+    assert got.rows is None and probing.same_order(got, sl.expert_order(index.int(), 8))
 
 
 @interpreted
@@ -134,13 +134,19 @@ def test_the_routing_probes_pass_the_kernels_and_fail_wrong_ones(interpreted_exp
     top_k, order = triton_routing.top_k, triton_routing.expert_order
     wrong = {
         "top_k": lambda s, k, scale: top_k(s, k, torch.ones_like(scale)),  # the experts' scales left out
-        "expert_order": lambda i, e: (lambda o, t, offs: (o, t, offs.roll(1)))(*order(i, e)),
+        "expert_order": lambda i, e: order(i, e)._replace(offs=order(i, e).offs.roll(1)),
+        "rows": lambda i, e: order(i, e)._replace(rows=order(i, e).rows.roll(1)),  # the inverse
     }
-    for name, message in (("top_k", "top-k differs"), ("expert_order", "expert order differs")):
+    checks = (
+        ("top_k", "top-k differs"),
+        ("expert_order", "expert order differs"),
+        ("rows", "expert order differs"),
+    )
+    for name, message in checks:
         with monkeypatch.context() as mp:
-            mp.setattr(triton_routing, name, wrong[name])
+            mp.setattr(triton_routing, "expert_order" if name == "rows" else name, wrong[name])
             with pytest.raises(DgpipeError, match=message):
-                probing.NETWORK_CHECKS[name](CPU)
+                probing.NETWORK_CHECKS["expert_order" if name == "rows" else name](CPU)
     with monkeypatch.context() as mp:  # the renormalisation left out: the probabilities themselves
         mp.setattr(triton_routing, "top_k", lambda s, k, scale: (
             (lambda w, i: (w * route_scores(s, k, scale)[0].gather(1, i).sum(1, keepdim=True), i))(*top_k(s, k, scale))
@@ -212,7 +218,8 @@ for cc in (90, 100, 89, 120):
         for e, top in ((128, 8), (tr.TOP_K_MAX_EXPERTS, tr.TOP_K_MAX_K))[: 2 if cc == 90 else 1]:
             build(k.top_k, {"scores_ptr": f"*{dt}", "scale_ptr": "*bf16", "w_ptr": "*fp32", "i_ptr": "*i64", "tokens": "i32"},
                   {"E": e, "K": top, "E_P2": e, "K_P2": top, "BLOCK_T": tr.TOP_K_VALUES // e}, cc, f"top_k_{dt}_{e}")
-    build(k.expert_order, {"index_ptr": "*i64", "order_ptr": "*i64", "token_ptr": "*i64", "offs_ptr": "*i32", "slots": "i32"},
+    build(k.expert_order, {"index_ptr": "*i64", "order_ptr": "*i64", "token_ptr": "*i64", "offs_ptr": "*i32", "rows_ptr": "*i64",
+                              "slots": "i32"},
           {"K": 8, "COUNT": tr.ORDER_COUNT, "CHUNK": tr.ORDER_CHUNK}, cc, "expert_order", tr.ORDER_OPTIONS)
 json.dump(out, sys.stdout)
 """
