@@ -93,11 +93,13 @@ CHECKS: tuple[GpuCheck, ...] = (
         ("cuda", "nvcc", "ninja"),
     ),
     GpuCheck(
-        # 78 s on the H200 before the Triton GEMM and network kernels' tests (each compiles its kernels)
+        # 78 s on the H200 before the Triton GEMM and network kernels' tests (each compiles its kernels);
+        # each test's outcome as it ends (a run killed at its budget still says how far it got), and the ten
+        # slowest, for the next budget
         "gpu tests",
         130,
         "tests/gpu: kernels vs PyTorch oracle, CUDA graph vs eager, scaled GEMMs vs reference",
-        ("-m", "pytest", "-q", "-rfEs", "--tb=short", "-p", "no:cacheprovider", "tests/gpu"),
+        ("-m", "pytest", "-v", "-rfEs", "--tb=short", "--durations=10", "-p", "no:cacheprovider", "tests/gpu"),
         ("cuda", "pytest"),
     ),
     _pass("bf16"),
