@@ -41,6 +41,8 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
     from pipeline.runtime.probe import ffn_probe_layer, separated_scores
 
     gen = torch.Generator(device=dev).manual_seed(5)
+    # torch's expert order with the inverse the combine computes from it, which the kernel writes too
+    with_rows = lambda routing: routing._replace(rows=sl.slot_rows(routing))
     bf16 = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=gen)
     tokens, d, k = batch * canvas, cfg.hidden_size, cfg.top_k_experts
     sliding = cfg.layer_shape(cfg.layer_types.index("sliding_attention"))
@@ -94,7 +96,8 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
          lambda: tn.norm_fp8(x.view(tokens, d), norms[0], fp8_scale)),
         (f"router top-k [{tokens}, {experts}] top {k}", lambda: route_scores(scores, k, expert_scale)[1:],
          lambda: tr.top_k(scores, k, expert_scale)),
-        (f"expert order [{tokens} x {k}]", lambda: sl.expert_order(index, experts), lambda: tr.expert_order(index, experts)),
+        (f"expert order [{tokens} x {k}]", lambda: with_rows(sl.expert_order(index, experts)),
+         lambda: tr.expert_order(index, experts)),
         (f"K/V concatenation [{batch}, {kv}, {past} + {canvas}, {hd}]",
          lambda: (torch.cat([pk, new[0]], 2), torch.cat([pv, new[1]], 2)), lambda: tn.kv_cat(pk, pv, new[0], new[1])),
     ]  # fmt: skip

@@ -220,7 +220,8 @@ def nvfp4_probe_rows(dev: torch.device) -> torch.Tensor:
 
 def check_triton_quant(mode: str, dev: torch.device) -> None:
     """dgpipe's one-pass activation quantization (`mode` "fp8": `check_triton_fp8_quant`; "nvfp4": codes and
-    block scales, both with the scales swizzled for a linear, and the scales' swizzle for grouped rows;
+    block scales, both with the scales swizzled for a linear, and the scales' swizzle for grouped rows, with
+    and without their gather;
     "fp8_rowwise": NVFP4 rounding then per-row E4M3) bit for bit against torch's form (NVFP4 on
     `nvfp4_probe_rows`), or a DgpipeError."""
     if mode == "fp8":
@@ -235,6 +236,12 @@ def check_triton_quant(mode: str, dev: torch.device) -> None:
         q_blocked, s_blocked = triton_quant.nvfp4_blocked(x, gs)  # rows and scale columns padded
         same = same and torch.equal(q_blocked, want_q) and fp8_codes_equal(s_blocked, sl.to_blocked(raw))
         same = same and torch.equal(triton_quant.blocked_scales(raw, offs), sl.to_blocked_grouped(raw, offs))
+        rows = torch.tensor(
+            [7, 0, 0, 5, 2, 7, 1, 3], device=dev
+        )  # a gather to expert order, repeats included
+        same = same and torch.equal(
+            triton_quant.blocked_scales(raw, offs, rows), sl.to_blocked_grouped(raw[rows], offs)
+        )
     else:
         same = fp8_codes_equal(q, want_q) and torch.equal(s, want_s)
     if not same:

@@ -264,12 +264,16 @@ def in_one_pass(triton: bool, x: torch.Tensor) -> bool:
     return triton and x.is_cuda and not torch.compiler.is_compiling()
 
 
-def blocked(scales: torch.Tensor, offs: torch.Tensor, one_pass: bool) -> torch.Tensor:
-    """NVFP4 block scales of rows grouped by `offs` in the swizzled layout the grouped GEMM reads
-    (`scaled_layout.to_blocked_grouped`), by `triton_quant.blocked_scales` in one kernel where `one_pass`."""
+def blocked(
+    scales: torch.Tensor, offs: torch.Tensor, one_pass: bool, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """NVFP4 block scales of rows grouped by `offs` (`scales[rows]` where `rows` is given) in the swizzled
+    layout the grouped GEMM reads (`scaled_layout.to_blocked_grouped`), by `triton_quant.blocked_scales` in
+    one kernel, the gather included, where `one_pass`."""
     raw = scales.view(torch.uint8)
-    out = triton_quant.blocked_scales(raw, offs) if one_pass else sl.to_blocked_grouped(raw, offs)
-    return out.view(torch.float8_e4m3fn)
+    if one_pass:
+        return triton_quant.blocked_scales(raw, offs, rows).view(torch.float8_e4m3fn)
+    return sl.to_blocked_grouped(raw if rows is None else raw[rows], offs).view(torch.float8_e4m3fn)
 
 
 def quantize_rows(
@@ -302,21 +306,23 @@ def grouped_gemm(
     mode: str,
     fast_accum: bool = FP8_FAST_ACCUM,
     one_pass: bool = False,
+    scale_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One grouped scaled GEMM: expert-sorted operand rows `q` (scales `qs`) times `w` [E, N, K] packed
-    (scales `s`, NVFP4 global scales `g`), bf16 out (the only output torch's grouped FP8/FP4 kernels write).
-    `fast_accum`: FP8 accumulation mode (`FP8_FAST_ACCUM`; the benchmark times the other one too);
-    `one_pass`: NVFP4 scales swizzled by `triton_quant` (on CUDA)."""
+    """One grouped scaled GEMM: expert-sorted operand rows `q` (scales `qs`, or `qs[scale_rows]`) times `w`
+    [E, N, K] packed (scales `s`, NVFP4 global scales `g`), bf16 out (the only output torch's grouped
+    FP8/FP4 kernels write). `fast_accum`: FP8 accumulation mode (`FP8_FAST_ACCUM`; the benchmark times the
+    other one too); `one_pass`: NVFP4 scales gathered and swizzled by `triton_quant` in one kernel (on CUDA)."""
     scaling, swizzle = _api()
     weight, num_experts = w.transpose(-2, -1), w.shape[0]
     if mode == "nvfp4":
-        a_scale = blocked(qs, offs, in_one_pass(one_pass, qs))
+        a_scale = blocked(qs, offs, in_one_pass(one_pass, qs), scale_rows)
         return F.scaled_grouped_mm(
             sl.as_fp4x2(q), weight,
             [a_scale, in_scale.expand(num_experts).contiguous()], [scaling.BlockWise1x16, scaling.TensorWise],
             [s, g], [scaling.BlockWise1x16, scaling.TensorWise],
             swizzle_a=swizzle.SWIZZLE_32_4_4, swizzle_b=swizzle.SWIZZLE_32_4_4, offs=offs, output_dtype=torch.bfloat16,
         )  # fmt: skip
+    qs = qs if scale_rows is None else qs[scale_rows]
     return F.scaled_grouped_mm(
         q, weight, qs.contiguous(), scaling.RowWise, s, scaling.RowWise, offs=offs, output_dtype=torch.bfloat16,
         use_fast_accum=fast_accum,
@@ -405,7 +411,7 @@ def scaled_experts(
     else:
         gemm = grouped_gemm_op if compiling else grouped_gemm
         gate_up_gemm = lambda q, qs: gemm(
-            q[token_of], qs[token_of], w13, s13, g13, in_scale, offs, mode, one_pass=one_pass
+            q[token_of], qs, w13, s13, g13, in_scale, offs, mode, one_pass=one_pass, scale_rows=token_of
         )
         down_gemm = lambda q, qs: gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode, one_pass=one_pass)
     gate, up = gate_up_gemm(*quantize_rows(x, in_scale, mode, one_pass)).chunk(2, dim=-1)
@@ -429,8 +435,8 @@ scaled_gemm_op.register_fake(
 )
 grouped_gemm_op = torch.library.custom_op("dgpipe::grouped_scaled_gemm", mutates_args=())(grouped_gemm)
 grouped_gemm_op.register_fake(
-    lambda q, qs, w, s, g, in_scale, offs, mode, fast_accum=FP8_FAST_ACCUM, one_pass=False: q.new_empty(
-        (q.shape[0], w.shape[1]), dtype=torch.bfloat16
+    lambda q, qs, w, s, g, in_scale, offs, mode, fast_accum=FP8_FAST_ACCUM, one_pass=False, scale_rows=None: (
+        q.new_empty((q.shape[0], w.shape[1]), dtype=torch.bfloat16)
     )
 )
 

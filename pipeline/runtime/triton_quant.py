@@ -112,22 +112,27 @@ def nvfp4_fp8_rows(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.T
 BLOCKED_ROWS = 4  # scale rows per program of the swizzle kernel (16 spilled registers on sm_100a)
 
 
-def blocked_scales(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """NVFP4 block scales [M, C] (uint8) of rows grouped by the int32 end offsets `offs` in the layout
-    cuBLAS's grouped block-scaled GEMM reads (`scaled_layout.to_blocked_grouped`: each group from a 128-row
-    boundary, [blocked_rows_bound, C padded to 4]), in one kernel that writes every byte, the padding's
-    zeros included. torch's form is ~30 launches a grouped projection (index arithmetic, a scatter)."""
+def blocked_scales(
+    scales: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """NVFP4 block scales [M, C] (uint8) of rows grouped by the int32 end offsets `offs` (or the rows
+    `scales[rows]`, gathered here) in the layout cuBLAS's grouped block-scaled GEMM reads
+    (`scaled_layout.to_blocked_grouped`: each group from a 128-row boundary, [blocked_rows_bound, C padded
+    to 4]), in one kernel that writes every byte, the padding's zeros included. torch's form is ~30 launches
+    a grouped projection (index arithmetic, a scatter), and the gather one more."""
     import triton
 
-    m, c = scales.shape
+    c = scales.shape[1]
+    m = scales.shape[0] if rows is None else rows.shape[0]
     cp = sl.ceil_div(c, sl.TILE_COLS) * sl.TILE_COLS
     groups = offs.shape[0]
-    rows = sl.blocked_rows_bound(m, groups)
-    if rows * cp >= 2**31:  # the kernel's indices are int32 (64-bit ones spilled registers on sm_120)
-        raise ValueError(f"{rows * cp} swizzled scales: more than the kernel's int32 indices reach")
-    out = torch.empty(rows * cp, dtype=torch.uint8, device=scales.device)
-    _kernels().blocked_scales[(triton.cdiv(rows, BLOCKED_ROWS),)](
-        scales.contiguous(), offs, out, rows, c, cp, groups, G_POW2=triton.next_power_of_2(groups),
-        BLOCK_R=BLOCKED_ROWS, BLOCK_C=triton.next_power_of_2(cp),
+    padded_rows = sl.blocked_rows_bound(m, groups)
+    if padded_rows * cp >= 2**31:  # the kernel's indices are int32 (64-bit ones spilled registers on sm_120)
+        raise ValueError(f"{padded_rows * cp} swizzled scales: more than the kernel's int32 indices reach")
+    out = torch.empty(padded_rows * cp, dtype=torch.uint8, device=scales.device)
+    _kernels().blocked_scales[(triton.cdiv(padded_rows, BLOCKED_ROWS),)](
+        scales.contiguous(), offs, offs if rows is None else rows, out, padded_rows, c, cp, groups,
+        GATHER=rows is not None, G_POW2=triton.next_power_of_2(groups), BLOCK_R=BLOCKED_ROWS,
+        BLOCK_C=triton.next_power_of_2(cp),
     )  # fmt: skip
     return out.view(-1, cp)

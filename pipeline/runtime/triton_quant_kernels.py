@@ -119,14 +119,15 @@ def nvfp4_fp8_rows(
 
 @triton.jit
 def blocked_scales(
-    scales_ptr, offs_ptr, out_ptr, R, C, CP, num_groups, G_POW2: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    scales_ptr, offs_ptr, rows_ptr, out_ptr, R, C, CP, num_groups, GATHER: tl.constexpr, G_POW2: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """Block scales [rows, C] of rows grouped by the int32 end offsets `offs` in the layout of
     `scaled_layout.to_blocked_grouped`: each group's rows from a 128-row boundary of R output rows, each
     group padded to whole 128-row tiles. As every group starts on a tile boundary, that layout is
     `blocked_index` of the [R, CP] matrix whose row o holds its group's row o - (the group's first
-    output row), or zeros: programs run over those output rows and write every byte, padding included."""
+    output row), or zeros: programs run over those output rows and write every byte, padding included.
+    `GATHER`: grouped row i is row rows[i] of the scales (the rows' gather to expert order, done here)."""
     o = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # output rows (int32: the caller checks)
     e = tl.arange(0, G_POW2)
     live = e < num_groups
@@ -140,8 +141,11 @@ def blocked_scales(
     start = tl.sum(tl.where(mine, starts[None, :], 0), 1)
     size = tl.sum(tl.where(mine, (ends - starts)[None, :], 0), 1)  # 0 past the last group
     src = start + o - pstart
+    live_row = (o - pstart < size) & (o < R)
+    if GATHER:
+        src = tl.load(rows_ptr + src, mask=live_row, other=0).to(tl.int32)
     c = tl.arange(0, BLOCK_C)
-    real = ((o - pstart < size) & (o < R))[:, None] & (c < C)[None, :]
+    real = live_row[:, None] & (c < C)[None, :]
     value = tl.load(scales_ptr + src[:, None] * C + c[None, :], mask=real, other=0)
     flat = blocked_index(o[:, None], c[None, :], CP)
     tl.store(out_ptr + flat, value, mask=(o < R)[:, None] & (c < CP)[None, :])

@@ -130,6 +130,10 @@ def test_grouped_scale_swizzle_is_torchs(m, c, monkeypatch):
         with _uninitialised_bytes_are_0xab():
             got = tq.blocked_scales(s, offs)
         assert torch.equal(got, sl.to_blocked_grouped(s, offs)), offs.tolist()
+        rows = torch.randint(0, max(m, 1), (m,), generator=g)  # gathered to expert order first
+        assert torch.equal(tq.blocked_scales(s, offs, rows), sl.to_blocked_grouped(s[rows], offs)), (
+            offs.tolist()
+        )
 
 
 def test_without_round_to_nearest_even_casts_the_interpreter_misses_torchs_codes():
@@ -153,7 +157,7 @@ def test_the_probe_holds_each_kernel_to_torchs_form(rne_casts, monkeypatch):  # 
         probing.check_triton_quant("nvfp4", CPU)
     monkeypatch.setattr(tq, "nvfp4", real)
     swizzle = tq.blocked_scales
-    monkeypatch.setattr(tq, "blocked_scales", lambda s, offs: swizzle(s.flip(0), offs))  # rows swapped
+    monkeypatch.setattr(tq, "blocked_scales", lambda s, offs, rows=None: swizzle(s.flip(0), offs, rows))
     with pytest.raises(DgpipeError, match="Triton nvfp4 activation quantization differs"):
         probing.check_triton_quant("nvfp4", CPU)
     monkeypatch.setattr(tq, "blocked_scales", swizzle)
@@ -203,9 +207,11 @@ forms = {
     "nvfp4_fp8_rows": (k.nvfp4_fp8_rows, {"x_ptr": "*bf16", "gs_ptr": "*fp32", "out_ptr": "*fp8e4nv",
                        "scales_ptr": "*fp32", "K": "i32", "stride_x": "i32"}, {**consts, "NB": 512}, 8),
 }
-# 128 experts' grouped rows of 176 scale columns (the 26B's hidden size / 16)
-forms["blocked_scales"] = (k.blocked_scales, {"scales_ptr": "*u8", "offs_ptr": "*i32", "out_ptr": "*u8", "R": "i32",
-    "C": "i32", "CP": "i32", "num_groups": "i32"}, {"G_POW2": 128, "BLOCK_R": triton_quant.BLOCKED_ROWS, "BLOCK_C": 256}, 4)
+# 128 experts' grouped rows of 176 scale columns (the 26B's hidden size / 16), gathered to expert order or not
+for gather in (True, False):
+    forms[f"blocked_scales{'_gather' if gather else ''}"] = (k.blocked_scales, {"scales_ptr": "*u8", "offs_ptr": "*i32",
+        "rows_ptr": "*i64", "out_ptr": "*u8", "R": "i32", "C": "i32", "CP": "i32", "num_groups": "i32"},
+        {"GATHER": gather, "G_POW2": 128, "BLOCK_R": triton_quant.BLOCKED_ROWS, "BLOCK_C": 256}, 4)
 out = []
 for cc in (90, 100, 89, 120):
     for name, (fn, sig, constexprs, warps) in forms.items():
@@ -221,13 +227,13 @@ json.dump(out, sys.stdout)
 
 
 def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
-    """Triton (the installed version) lowers the five kernels to sm_90a, sm_100a, sm_89 and sm_120 cubins, no
+    """Triton (the installed version) lowers the kernels to sm_90a, sm_100a, sm_89 and sm_120 cubins, no
     GPU needed. Each quantizing kernel divides with IEEE rounding (div.rn), converts to E4M3 with round-to-nearest saturation
     (cvt.rn.satfinite), and keeps NaN through its clamps (min.NaN): torch's arithmetic, which the tests above
     and the load-time probe hold them to bit for bit. None spills a register to local memory (no STL/LDL
     in the SASS; the NVFP4 kernel's 8-byte stack frame is a local array Triton declares and never uses)."""
     compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
-    names = ("fp8", "nvfp4", "nvfp4_blocked", "nvfp4_fp8_rows", "blocked_scales")
+    names = ("fp8", "nvfp4", "nvfp4_blocked", "nvfp4_fp8_rows", "blocked_scales_gather", "blocked_scales")
     assert [(k["name"], k["cc"]) for k in compiled] == [(n, cc) for cc in (90, 100, 89, 120) for n in names]
     for k in (k for k in compiled if not k["name"].startswith("blocked")):  # the swizzle only moves bytes
         assert "div.rn.f32" in k["ptx"] and "cvt.rn.satfinite.e4m3x2.f32" in k["ptx"], k
