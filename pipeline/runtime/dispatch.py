@@ -105,9 +105,13 @@ TRITON_MOE = f"Triton FP8 MoE GEMM at <= {TRITON_MAX_ROWS_PER_EXPERT} rows per e
 # `F.grouped_mm` falls back to a per-expert loop that reads the group offsets on the host), so an FP8
 # checkpoint's experts take the same Triton kernel on every pass: FP8 weights (1 B/param instead of bf16's 2),
 # routing kept on the device, the step capturable in a CUDA graph. Triton lowers its FP8 dot to these GPUs'
-# `mma.sync` e4m3 instructions (tests/unit/runtime/test_triton_moe.py compiles it for both).
+# `mma.sync` e4m3 instructions (tests/unit/runtime/test_triton_moe.py compiles it for both). B200 (sm100)
+# has torch's bf16 grouped GEMM but not its FP8 one (sm90-only), so there too the FP8 experts take the
+# Triton kernel every pass rather than load dequantized at twice the bytes; Triton lowers its 64-row tile to
+# Blackwell's `tcgen05.mma` FP8 instructions (compiled for sm_100a in the same test).
 EVERY_PASS = math.inf
 TRITON_MOE_EVERY_PASS = "Triton FP8 MoE GEMM RowWise, every pass (torch has no grouped GEMM kernel here)"
+TRITON_MOE_EVERY_PASS_B200 = "Triton FP8 MoE GEMM RowWise, every pass (torch's FP8 grouped GEMM is sm90-only)"
 TRITON_MOE_EVERY_PASS_REQ = "Triton FP8 MoE GEMM RowWise (weights re-quantized per row at load), every pass"
 SCALED_MM_FP8 = "F.scaled_mm FP8 TensorWise (static input scale)" + _ACC
 SCALED_MM_FP8_ROW = "F.scaled_mm FP8 RowWise (weights re-quantized per row at load)" + _ACC
@@ -155,10 +159,10 @@ def _rows() -> dict[tuple[str, str], DispatchRow]:
         rows["fp8", arch] = DispatchRow(
             "fp8", arch, SCALED_MM_FP8, TRITON_MOE_EVERY_PASS, "fp8", "fp8", triton_rows=EVERY_PASS
         )  # fmt: skip
+    # where the Triton kernel fails its probe, the experts load dequantized for torch's bf16 grouped GEMM
+    # (2 B/param, inputs FP8-rounded as the checkpoint's: `gpu_load.experts_plan`)
     rows["fp8", "sm100"] = DispatchRow(
-        "fp8", "sm100", SCALED_MM_FP8, _grouped_bf16("sm100"), "fp8", "bf16", "bf16 experts",
-        "torch's FP8 grouped GEMM is sm90-only: experts dequantized to bf16 (2 B/param) for torch's bf16 "
-        "grouped GEMM, inputs FP8-rounded as the checkpoint's; B200 runs NVFP4 natively",
+        "fp8", "sm100", SCALED_MM_FP8, TRITON_MOE_EVERY_PASS_B200, "fp8", "fp8", triton_rows=EVERY_PASS
     )  # fmt: skip
     rows["nvfp4", "sm100"] = DispatchRow("nvfp4", "sm100", SCALED_MM_FP4, GROUPED_FP4, "nvfp4", "nvfp4")
     # torch's grouped NVFP4 GEMM comes from its MSLK/FBGEMM CUTLASS kernels (`f4f4bf16_grouped_mm`); where it

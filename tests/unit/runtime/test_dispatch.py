@@ -32,8 +32,10 @@ def test_every_format_and_arch_has_one_row_and_fallbacks_say_why():
         dp.TRITON_MOE in dp.DISPATCH[k].experts for k in few
     )
     # Ada and RTX Blackwell: no grouped GEMM kernel in torch for FP8 or bf16, so every format's experts
-    # but NVFP4 on RTX Blackwell (torch's grouped FP4 GEMM) take the Triton GEMM, at their own bytes
-    assert every == {(f, a) for f in dp.FORMATS for a in dp.NO_GROUPED_KERNEL} - {("nvfp4", "sm120")}
+    # but NVFP4 on RTX Blackwell (torch's grouped FP4 GEMM) take the Triton GEMM, at their own bytes; and
+    # FP8 on B200, whose FP8 grouped GEMM torch lacks (sm90-only)
+    no_kernel = {(f, a) for f in dp.FORMATS for a in dp.NO_GROUPED_KERNEL} - {("nvfp4", "sm120")}
+    assert every == no_kernel | {("fp8", "sm100")}
     assert all(dp.DISPATCH[k].expert_read in ("fp8", "fp8_rowwise", "bf16") for k in every)
     assert all(
         dp.DISPATCH[k].experts.startswith(dp.TRITON_BF16) == (k[0] in ("bf16", "int4_awq")) for k in every
@@ -163,9 +165,9 @@ def test_compute_floor_runs_each_part_at_its_formats_rate(cfg26):
     assert fp8 == pytest.approx(((f.linears + f.experts) / 1979e12 + f.other / 989e12) * 1e3)
     bf16 = dp.compute_ms(c, dp.dispatch("bf16", "sm90"), 16, "H200-SXM-141GB")
     assert bf16 == pytest.approx(f.total / 989e12 * 1e3)
-    # B200's FP8 experts are dequantized to bf16: they run at bf16's rate, the linears at FP8's
+    # B200's FP8 experts on the Triton GEMM: linears and experts at FP8's rate
     b200 = dp.compute_ms(c, dp.dispatch("fp8", "sm100"), 16, "B200-180GB")
-    assert b200 == pytest.approx((f.linears / 4500e12 + (f.experts + f.other) / 2250e12) * 1e3)
+    assert b200 == pytest.approx(((f.linears + f.experts) / 4500e12 + f.other / 2250e12) * 1e3)
     assert dp.compute_ms(c, dp.dispatch("nvfp4", "sm120"), 16, "RTX-PRO-6000-Blackwell") is None
     rows = {(r.gpu, r.format, r.batch): r for r in dp.floor_table(c)}
     assert rows["H200-SXM-141GB", "fp8", 1].bound == "memory"

@@ -195,6 +195,7 @@ def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
     assert probing.probe_plan("sm100") == [
         ("linear", "fp8", "fp8"),
         ("quant", "fp8", "fp8"),
+        ("triton", "fp8", "fp8"),  # FP8 experts: torch's FP8 grouped GEMM is sm90-only
         ("linear", "nvfp4", "nvfp4"),
         ("quant", "nvfp4", "nvfp4"),
         ("experts", "nvfp4", "nvfp4"),
@@ -368,7 +369,9 @@ def test_the_experts_plan_follows_the_row_and_the_probe():
         f"(no kernel): {dp.TRITON_MOE_EVERY_PASS_REQ}"
     )
     assert plan("nvfp4", "sm100", {"experts:nvfp4": None}) == ("nvfp4", 0.0, None)
-    assert plan("fp8", "sm100", {"experts:fp8": None}) == (None, 0.0, None)  # the row's own bf16 experts
+    assert plan("fp8", "sm100", {"triton:fp8": None}) == ("fp8", dp.EVERY_PASS, None)
+    mode, rows, line = plan("fp8", "sm100", {"triton:fp8": "PTX error"})  # B200: torch's bf16 grouped GEMM
+    assert (mode, rows) == (None, 0.0) and line.endswith("(PTX error): dequantized float path")
 
 
 def test_nvfp4_experts_on_rtx_blackwell_without_torchs_grouped_fp4_keep_fp8_on_the_triton_gemm(

@@ -199,9 +199,9 @@ def signature(operand, scale):
             "offs_ptr": "*i32", "out_ptr": "*bf16", "out_rows_ptr": "*i64", "N": "i32", "K": "i32", "num_experts": "i32", "stride_am": "i32",
             "stride_as": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_om": "i32"}
 kernel_fn, out = triton_moe._kernel(), []
-# FP8 on Hopper (few rows per expert), FP8 and bf16 on Ada and RTX Blackwell (every pass); bf16 takes no
-# scales (the offsets stand in for their pointers, unread)
-for cc, operand in ((90, "fp8"), (89, "fp8"), (120, "fp8"), (89, "bf16"), (120, "bf16")):
+# FP8 on Hopper (few rows per expert), FP8 and bf16 on Ada and RTX Blackwell (every pass), FP8 on B200 (every
+# pass); bf16 takes no scales (the offsets stand in for their pointers, unread)
+for cc, operand in ((90, "fp8"), (89, "fp8"), (120, "fp8"), (89, "bf16"), (120, "bf16"), (100, "fp8")):
   args = signature("*fp8e4nv", "*fp32") if operand == "fp8" else signature("*bf16", "*i32")
   # what Triton's launcher specializes on the 26B's shapes: 16-byte aligned tensors, 16-divisible sizes and strides
   aligned = [*[a for a in args if a.endswith("_ptr")], "N", "K", "stride_am", "stride_we", "stride_wn", "stride_om"]
@@ -219,17 +219,19 @@ for cc, operand in ((90, "fp8"), (89, "fp8"), (120, "fp8"), (89, "bf16"), (120, 
     mma = r"mma\\.sync\\.aligned\\.m16n8k32\\.row\\.col\\.f32\\.e4m3\\.e4m3" if operand == "fp8" else r"mma\\.sync\\.aligned\\.m16n8k16\\.row\\.col\\.f32\\.bf16\\.bf16"
     out.append({"cc": cc, "operand": operand, "block_m": cfg["BLOCK_M"], "cubin": str(cubin), "cp_async": "cp.async" in ptx,
                 "wgmma_e4m3": "wgmma.mma_async" in ptx and "e4m3" in ptx, "shared": kernel.metadata.shared,
+                "tcgen05_f8": "tcgen05.mma" in ptx and "kind::f8f6f4" in ptx,
                 "mma": bool(re.search(mma, ptx))})
 json.dump(out, sys.stdout)
 """
 
 
-def test_the_kernel_compiles_for_hopper_ada_and_rtx_blackwell_without_spills(tmp_path):
-    """Triton (the installed version) lowers the GEMM to sm_90a, sm_89 and sm_120 cubins, given what
-    its launcher specializes at run time on the 26B's shapes (aligned tensors, 16-divisible sizes): no GPU
-    needed. The MoE GEMM at each M tile it picks keeps its loads software-pipelined through shared memory
-    (cp.async) and fits the GPU's shared memory per block (H200: 227 KB; Ada and RTX Blackwell: 99 KB);
-    the 64-row tile runs Hopper's FP8 warpgroup MMA (wgmma e4m3), every tile on Ada and RTX Blackwell their
+def test_the_kernel_compiles_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
+    """Triton (the installed version) lowers the GEMM to sm_90a, sm_100a, sm_89 and sm_120 cubins, given
+    what its launcher specializes at run time on the 26B's shapes (aligned tensors, 16-divisible sizes): no
+    GPU needed. The MoE GEMM at each M tile it picks keeps its loads software-pipelined through shared memory
+    (cp.async) and fits the GPU's shared memory per block (H200, B200: 227 KB; Ada and RTX Blackwell: 99 KB);
+    the 64-row tile runs Hopper's FP8 warpgroup MMA (wgmma e4m3) and B200's fifth-generation tensor-core MMA
+    (tcgen05 kind::f8f6f4: the 16 canvases' 256 rows per expert), every tile on Ada and RTX Blackwell their
     FP8 `mma.sync` (e4m3). No tile spills a register to the stack (ptxas's resource usage, read by
     cuobjdump); without the specializations the GEMM compiled to 255 registers and ~1.5 KB of stack per
     thread. (The activations' quantization kernels: tests/unit/runtime/test_triton_quant.py.)"""
@@ -245,7 +247,10 @@ def test_the_kernel_compiles_for_hopper_ada_and_rtx_blackwell_without_spills(tmp
     assert hopper[2]["wgmma_e4m3"], hopper
     # Ada and RTX Blackwell: FP8 (e4m3) and bf16 tensor-core MMAs, and every M tile within the 99 KB of
     # shared memory a block may use there (72 KB at the 64-row tile, measured), or the launch fails
-    others = [k for k in kernels if k["cc"] != 90]
+    b200 = [k for k in kernels if k["cc"] == 100]
+    assert [k["block_m"] for k in b200] == list(tf.BLOCK_MS) and b200[2]["tcgen05_f8"], b200
+    assert all(k["cp_async"] and 0 < k["shared"] <= 227 * 1024 for k in b200), b200
+    others = [k for k in kernels if k["cc"] not in (90, 100)]
     assert [(k["operand"], k["cc"], k["block_m"]) for k in others] == [
         (op, cc, m) for op in ("fp8", "bf16") for cc in (89, 120) for m in tf.BLOCK_MS
     ]
