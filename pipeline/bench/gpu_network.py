@@ -85,6 +85,8 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
         (f"gated GeLU [{tokens * k}, {gate.shape[1]}]", lambda: gelu_tanh(gate) * up, lambda: tn.geglu(gate, up)),
         (f"gated GeLU to FP8 [{tokens * k}, {gate.shape[1]}]", lambda: triton_quant.fp8(gelu_tanh(gate) * up, scale),
          lambda: tn.geglu(gate, up, scale)),
+        (f"gated GeLU to NVFP4 [{tokens * k}, {gate.shape[1]}]", lambda: triton_quant.nvfp4(gelu_tanh(gate) * up, scale),
+         lambda: tn.geglu_nvfp4(gate, up, scale)),
         (f"residual sum [{tokens}, {d}]", lambda: (residual + x) * layer_scale,
          lambda: tn.add_scaled(residual, x, layer_scale)),
         (f"router input [{tokens}, {d}]", lambda: x.view(tokens, d) * router_scale * d**-0.5,

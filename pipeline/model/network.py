@@ -121,7 +121,7 @@ class GatedMLP(nn.Module):
         self.geglu_kernel: GegluKernel | None = None  # CUDA: set by the GPU loader where probed
         self.gate_up_kernel: SharedInputKernel | None = None  # likewise (`gate_and_up`)
         # down(gelu_tanh(gate) * up) from (gate, up) with the down projection's operand made by the gated GeLU
-        # kernel (`pipeline.runtime.tensor_cores.fp8_down_from_geglu`); likewise
+        # kernel (`pipeline.runtime.tensor_cores.down_from_geglu`: FP8 or NVFP4); likewise
         self.down_kernel: GegluKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

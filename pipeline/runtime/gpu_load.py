@@ -48,11 +48,12 @@ from pipeline.runtime.probe import (
 )
 from pipeline.runtime.routed import host_bound_experts, route_on_device
 from pipeline.runtime.shared_input import SharedInput, share_inputs
-from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, fp8_down_from_geglu, kernel_mode
+from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, down_from_geglu, kernel_mode
 from pipeline.runtime.triton_network import (
     add_scaled_or_torch,
     combine,
     ffn_inputs_or_torch,
+    geglu_nvfp4_or_torch,
     geglu_or_torch,
     head_norms_or_torch,
     kv_cat_or_torch,
@@ -274,6 +275,7 @@ def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None)
     layer's end (its three last norms and residual sum), and the LM head's softcap; where not, the torch forms stay and
     the report says why."""
     gated = geglu_or_torch if probed.ok(GEGLU) else None
+    gated_nvfp4 = geglu_nvfp4_or_torch if probed.ok(GEGLU) else None
     for layer in model.layers:
         layer.self_attn.rope_kernel = rope_or_torch if probed.ok(ROPE) else None
         layer.self_attn.kv_cat_kernel = kv_cat_or_torch if probed.ok(KV_CAT) else None
@@ -286,7 +288,7 @@ def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None)
         ):
             qkv.norm_quant = norm_fp8_or_torch if probed.ok(NORM_FP8) else None
         layer.mlp.geglu_kernel = gated
-        layer.mlp.down_kernel = fp8_down_from_geglu(layer.mlp.down_proj, gated)
+        layer.mlp.down_kernel = down_from_geglu(layer.mlp.down_proj, gated, gated_nvfp4)
         layer.residual_kernel = add_scaled_or_torch if probed.ok(RESIDUAL) else None
         layer.end_kernel = layer_end_or_torch if probed.ok(LAYER_END) else None
         layer.ffn_inputs_kernel = ffn_inputs_or_torch if probed.ok(FFN_INPUTS) else None
@@ -295,6 +297,8 @@ def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None)
         if hasattr(layer.experts, "combine_kernel"):  # every experts module routed on the device
             layer.experts.combine_kernel = combine if probed.ok(COMBINE) else None
             layer.experts.geglu_kernel = gated
+            if isinstance(layer.experts, ScaledExperts):
+                layer.experts.geglu_nvfp4_kernel = gated_nvfp4
             layer.experts.order_kernel = expert_order_or_torch if probed.ok(EXPERT_ORDER) else None
     model.self_conditioning.geglu_kernel = gated
     model.softcap_kernel = softcap if probed.ok(SOFTCAP) else None

@@ -327,8 +327,9 @@ def check_triton_geglu(dev: torch.device) -> None:
     """dgpipe's gated-GeLU kernel against torch's form (`gelu_tanh(gate) * up`) on the gate|up halves of one
     GEMM output, 704 and 2,112 wide (the 26B's experts and dense MLP), values over seven decades with zeros,
     infinities and NaN, in bf16 and fp16: as close as another tanh allows (`same_geglu`; bit for bit where
-    its tanh, libdevice's, is the one torch's kernel was built with); and its FP8 codes those of its own
-    product quantized (`scaled_layout.fp8_quantize`), bit for bit. Or a DgpipeError."""
+    its tanh, libdevice's, is the one torch's kernel was built with); and its FP8 and NVFP4 codes those of
+    its own product quantized (`scaled_layout.fp8_quantize`, `nvfp4_quantize`), bit for bit. Or a
+    DgpipeError."""
     g = torch.Generator().manual_seed(7)
     scale = torch.tensor(0.05, device=dev)
     for dtype, cols in ((torch.bfloat16, 704), (torch.bfloat16, 2112), (torch.float16, 704)):
@@ -343,6 +344,23 @@ def check_triton_geglu(dev: torch.device) -> None:
         if not fp8_codes_equal(triton_network.geglu(gate, up, scale), sl.fp8_quantize(got, scale)):
             raise DgpipeError(f"the Triton gated GeLU's FP8 codes differ from its product's ({dtype})",
                               TRITON_FALLBACK)  # fmt: skip
+        if not same_nvfp4_of(got, gate, up, scale):
+            raise DgpipeError(f"the Triton gated GeLU's NVFP4 codes differ from its product's ({dtype})",
+                              TRITON_FALLBACK)  # fmt: skip
+
+
+def same_nvfp4_of(product: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gs: torch.Tensor) -> bool:
+    """`triton_network.geglu_nvfp4` of gate and up writes the NVFP4 codes and block scales of `product` (the
+    kernel's own product), as they are and swizzled for a linear (33 rows: padded to a 128-row tile)."""
+    want_q, want_s = sl.nvfp4_quantize(product, gs)
+    (q, s), (qb, sb) = (triton_network.geglu_nvfp4(gate, up, gs, blocked) for blocked in (False, True))
+    swizzled = sl.to_blocked(want_s.view(torch.uint8))
+    return (
+        torch.equal(q, want_q)
+        and fp8_codes_equal(s, want_s)
+        and torch.equal(qb, want_q)
+        and fp8_codes_equal(sb, swizzled)
+    )
 
 
 def check_triton_residual(dev: torch.device) -> None:

@@ -178,6 +178,7 @@ class ScaledExperts(nn.Module):
         self.one_pass = self.triton_rows > 0 if one_pass is None else one_pass
         self.combine_kernel: CombineKernel | None = None  # set by the GPU loader where probed
         self.geglu_kernel: ScaledGegluKernel | None = None  # likewise
+        self.geglu_nvfp4_kernel: NvfpGegluKernel | None = None  # likewise (NVFP4 experts' down operand)
         self.order_kernel: sl.OrderKernel | None = None  # likewise
         # ModelOpt shares one input quantizer per projection across a layer's experts (max over experts)
         self.register_buffer(
@@ -254,7 +255,7 @@ class ScaledExperts(nn.Module):
         scales = (self.in_scale, self.down_in_scale)
         return scaled_experts(
             x, index, weights, *self._weights(), *scales, self.mode, self.triton_rows, self.one_pass,
-            self.combine_kernel, self.geglu_kernel, self.order_kernel,
+            self.combine_kernel, self.geglu_kernel, self.order_kernel, self.geglu_nvfp4_kernel,
         )  # fmt: skip
 
 
@@ -332,24 +333,39 @@ def grouped_gemm(
 # a fused gelu_tanh(gate) * up that can also quantize its result: (gate, up, FP8 scale or None) -> the
 # product in gate's dtype, or its E4M3 codes at that scale (`pipeline.runtime.triton_network.geglu`)
 ScaledGegluKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# the same product as NVFP4: (gate, up, global scale, scales swizzled for a linear) -> (codes packed in pairs,
+# block scales) (`pipeline.runtime.triton_network.geglu_nvfp4`)
+NvfpGegluKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]
+]
 
 
-def fp8_down_from_geglu(
-    linear: nn.Module, kernel: ScaledGegluKernel | None
+def down_from_geglu(
+    linear: nn.Module, kernel: ScaledGegluKernel | None, nvfp4_kernel: NvfpGegluKernel | None = None
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """A gated MLP's `linear(gelu_tanh(gate) * up)` with the FP8 down projection's operand written by the
-    gated GeLU kernel (`triton_network.geglu` with the linear's input scale: the same E4M3 codes as the
-    product quantized on its own, one launch and one [tokens, inner] pass fewer), where `linear` is an FP8
-    `ScaledLinear` that quantizes in one pass; None where not (NVFP4 and per-row FP8 scale each row: the
-    linear keeps quantizing)."""
-    if kernel is None or not isinstance(linear, ScaledLinear) or linear.mode != "fp8":
+    """A gated MLP's `linear(gelu_tanh(gate) * up)` with the down projection's operand written by the gated
+    GeLU kernel: FP8 codes at the linear's input scale (`kernel`), or NVFP4 codes with their block scales
+    swizzled for the linear (`nvfp4_kernel`), the same codes as the product quantized on its own, one launch
+    and one [tokens, inner] pass fewer. Where `linear` is a `ScaledLinear` of that mode that quantizes in one
+    pass; None where not (per-row FP8 scales each row by its maximum: the linear keeps quantizing)."""
+    if not isinstance(linear, ScaledLinear):
+        return None
+    if linear.mode == "fp8" and kernel is not None:
+        operand = lambda gate, up: (kernel(gate, up, linear.input_scale), [linear.input_scale])
+    elif linear.mode == "nvfp4" and nvfp4_kernel is not None:
+
+        def operand(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            codes, scales = nvfp4_kernel(gate, up, linear.input_scale, True)
+            return codes, [scales.view(torch.float8_e4m3fn), linear.input_scale]
+
+    else:
         return None
 
     def down(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if not in_one_pass(linear.triton, gate):
             return linear(geglu(gate, up, kernel))
-        codes = kernel(gate, up, linear.input_scale)
-        out = linear.gemm(codes.reshape(-1, codes.shape[-1]), [linear.input_scale])
+        a, scales = operand(gate, up)
+        out = linear.gemm(a.reshape(-1, a.shape[-1]), scales)
         return out.reshape(*gate.shape[:-1], linear.out_features)
 
     return down
@@ -362,12 +378,15 @@ def down_operand(
     mode: str,
     one_pass: bool,
     kernel: ScaledGegluKernel | None,
+    nvfp4_kernel: NvfpGegluKernel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The down projection's operand and scales: gelu_tanh(gate) * up quantized as `quantize_rows` does. With
     a fused kernel, an FP8 operand in one pass (torch's form is three: the GeLU, the product, then the
     quantization) and the others' product in one."""
     if kernel is not None and mode == "fp8" and in_one_pass(one_pass, gate):
         return kernel(gate, up, scale), scale.float().expand(gate.shape[0])
+    if nvfp4_kernel is not None and mode == "nvfp4" and in_one_pass(one_pass, gate):
+        return nvfp4_kernel(gate, up, scale, False)
     return quantize_rows(geglu(gate, up, kernel), scale, mode, one_pass)
 
 
@@ -389,6 +408,7 @@ def scaled_experts(
     combine: CombineKernel | None = None,
     geglu_kernel: ScaledGegluKernel | None = None,
     order_kernel: sl.OrderKernel | None = None,
+    geglu_nvfp4: NvfpGegluKernel | None = None,
 ) -> torch.Tensor:
     """A layer's routed experts: slots sorted by expert (device-side offsets, no host sync), one grouped
     scaled GEMM for gate|up and one for down, each token's top-k outputs weighted and summed. An FP8 pass
@@ -415,7 +435,7 @@ def scaled_experts(
         )
         down_gemm = lambda q, qs: gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode, one_pass=one_pass)
     gate, up = gate_up_gemm(*quantize_rows(x, in_scale, mode, one_pass)).chunk(2, dim=-1)
-    y = down_gemm(*down_operand(gate, up, down_in_scale, mode, one_pass, geglu_kernel))
+    y = down_gemm(*down_operand(gate, up, down_in_scale, mode, one_pass, geglu_kernel, geglu_nvfp4))
     if in_slot_order:
         return combine_slots(y, weights, combine).to(x.dtype)
     return combine_top_k(y, routing, weights, combine).to(x.dtype)

@@ -80,7 +80,7 @@ import torch
 
 from pipeline.model import network
 from pipeline.model import scaled_layout as sl
-from pipeline.model.fake_quant import E4M3_MAX
+from pipeline.model.fake_quant import E2M1_MAX, E4M3_MAX, NVFP4_BLOCK
 from pipeline.model.network import DecoderLayer, RMSNorm, apply_rope, gelu_tanh
 
 ROW_VALUES = 4096  # values per program: 16 rows of a 256-wide head, 8 of a 512-wide one
@@ -305,6 +305,48 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None = Non
             KAPPA=GELU_KAPPA, E4M3_MAX=E4M3_MAX, QUANT=scale is not None, BLOCK=block, **OPTIONS,
         )  # fmt: skip
     return out
+
+
+def geglu_nvfp4(
+    gate: torch.Tensor, up: torch.Tensor, global_scale: torch.Tensor, blocked: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`geglu`'s product as NVFP4 in the same pass (`geglu_serves` must hold, and a row's width be a multiple
+    of 16): (codes packed in pairs, uint8 [..., cols / 2]; E4M3 block scales [..., cols / 16]), what
+    `scaled_layout.nvfp4_quantize` makes of the product, or with `blocked` the scales as a linear's FP4 GEMM
+    reads them (`scaled_layout.to_blocked` of [rows, cols / 16]: flat uint8, padding zero), what
+    `triton_quant.nvfp4_blocked` writes. The down projection's operand in one launch where two read and
+    write the product."""
+    import triton
+
+    g, u = _rows(gate), _rows(up)
+    rows, cols = g.shape
+    c = cols // NVFP4_BLOCK
+    cp = sl.ceil_div(c, sl.TILE_COLS) * sl.TILE_COLS
+    padded = sl.ceil_div(rows, sl.TILE_ROWS) * sl.TILE_ROWS if blocked else rows
+    packed = torch.empty(*gate.shape[:-1], cols // 2, dtype=torch.uint8, device=gate.device)
+    if blocked:
+        scales = torch.empty(padded * cp, dtype=torch.uint8, device=gate.device)
+    else:
+        scales = torch.empty(*gate.shape[:-1], c, dtype=torch.float8_e4m3fn, device=gate.device)
+    if padded and cols:
+        block = min(GEGLU_BLOCK, max(64, triton.next_power_of_2(cols)))  # >= 4 scale columns a program
+        _kernels().geglu_nvfp4[(padded, triton.cdiv(cols, block))](
+            g, u, global_scale, packed, scales, rows, cols, g.stride(0), u.stride(0), cp, BETA=GELU_BETA,
+            KAPPA=GELU_KAPPA, E2M1_MAX=E2M1_MAX, E4M3_MAX=E4M3_MAX, BLOCKED=blocked, BLOCK=block, **OPTIONS,
+        )  # fmt: skip
+    return packed, scales
+
+
+def geglu_nvfp4_or_torch(
+    gate: torch.Tensor, up: torch.Tensor, global_scale: torch.Tensor, blocked: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`geglu_nvfp4` where it serves, else the torch form: what the GPU loader installs."""
+    if geglu_serves(gate, up) and gate.shape[-1] % NVFP4_BLOCK == 0:
+        return geglu_nvfp4(gate, up, global_scale, blocked)
+    packed, scales = sl.nvfp4_quantize(gelu_tanh(gate) * up, global_scale)
+    return packed, sl.to_blocked(
+        scales.reshape(-1, scales.shape[-1]).view(torch.uint8)
+    ) if blocked else scales
 
 
 def geglu_or_torch(gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,6 +4,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from pipeline.runtime.triton_quant_kernels import blocked_index, nvfp4_encode
+
 
 @triton.jit
 def rope(
@@ -90,15 +92,52 @@ def geglu(
     dt = gate_ptr.dtype.element_ty
     x = tl.load(gate_ptr + r * stride_gate + c, mask=inside, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + r * stride_up + c, mask=inside, other=0.0).to(tl.float32)
-    inner = BETA * tl.fma(KAPPA, x * x * x, x)
-    gelu = (0.5 * x * (1.0 + libdevice.tanh(inner))).to(dt).to(tl.float32)
-    h = (gelu * u).to(dt)  # a product of two bf16/fp16 values is exact in fp32: one rounding, torch's
+    h = _gelu_times(x, u, dt, BETA, KAPPA)
     if QUANT:
         v = tl.math.div_rn(h.to(tl.float32), tl.load(scale_ptr).to(tl.float32))
         v = tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
         tl.store(out_ptr + r * cols + c, v.to(tl.float8e4nv), mask=inside)
     else:
         tl.store(out_ptr + r * cols + c, h, mask=inside)
+
+
+@triton.jit
+def _gelu_times(x, u, dt, BETA: tl.constexpr, KAPPA: tl.constexpr):
+    """gelu_tanh(x) rounded to dt, times u, rounded to dt (x and u fp32 values of dt)."""
+    inner = BETA * tl.fma(KAPPA, x * x * x, x)
+    gelu = (0.5 * x * (1.0 + libdevice.tanh(inner))).to(dt).to(tl.float32)
+    return (gelu * u).to(dt)  # a product of two bf16/fp16 values is exact in fp32: one rounding, torch's
+
+
+@triton.jit
+def geglu_nvfp4(
+    gate_ptr, up_ptr, gs_ptr, packed_ptr, scales_ptr, rows, cols, stride_gate, stride_up, CP, BETA: tl.constexpr,
+    KAPPA: tl.constexpr, E2M1_MAX: tl.constexpr, E4M3_MAX: tl.constexpr, BLOCKED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """`geglu`'s product of row r, as NVFP4 under the global scale: its E2M1 codes in pairs [rows, cols / 2]
+    and its 16-value blocks' E4M3 scales, [rows, cols / 16] or (BLOCKED) at `blocked_index` in the layout of
+    [rows padded to 128, CP] a linear's FP4 GEMM reads, with the padding's zeros (the launch covers the
+    padded rows, and BLOCK / 16 >= 4 scale columns a program reach the padded ones). What
+    `triton_quant_kernels.nvfp4_quant` makes of `geglu`'s output, code for code."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = (c < cols) & (tl.zeros_like(c) + r < rows)  # (a row past `rows`: padding, zero scales)
+    x = tl.load(gate_ptr + r * stride_gate + c, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + r * stride_up + c, mask=inside, other=0.0).to(tl.float32)
+    h = _gelu_times(x, u, gate_ptr.dtype.element_ty, BETA, KAPPA).to(tl.float32)
+    even, odd = tl.split(tl.reshape(h, (BLOCK // 16, 8, 2)))  # each block's even and odd columns
+    codes, bs = nvfp4_encode(even, odd, gs_ptr, E2M1_MAX, E4M3_MAX)
+    pair = tl.program_id(1) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+    live = (pair < cols // 2) & (tl.zeros_like(pair) + r < rows)
+    tl.store(packed_ptr + r * (cols // 2) + pair, tl.reshape(codes, (BLOCK // 2,)), mask=live)
+    cb = tl.program_id(1) * (BLOCK // 16) + tl.arange(0, BLOCK // 16)  # scale columns
+    real = (cb < cols // 16) & (tl.zeros_like(cb) + r < rows)
+    if BLOCKED:
+        bits = tl.where(real, bs.to(tl.uint8, bitcast=True), 0)
+        tl.store(scales_ptr + blocked_index(r, cb, CP), bits, mask=cb < CP)
+    else:
+        tl.store(scales_ptr + r * (cols // 16) + cb, bs, mask=real)
 
 
 @triton.jit

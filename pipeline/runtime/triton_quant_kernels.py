@@ -38,6 +38,15 @@ def nvfp4_codes(x_ptr, gs_ptr, packed_ptr, b, inside, E2M1_MAX: tl.constexpr, E4
     pair = b[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]  # even columns; odd ones at +1
     even = tl.load(x_ptr + pair, mask=inside[:, None], other=0.0).to(tl.float32)
     odd = tl.load(x_ptr + pair + 1, mask=inside[:, None], other=0.0).to(tl.float32)
+    codes, bs = nvfp4_encode(even, odd, gs_ptr, E2M1_MAX, E4M3_MAX)
+    tl.store(packed_ptr + pair // 2, codes, mask=inside[:, None])
+    return bs
+
+
+@triton.jit
+def nvfp4_encode(even, odd, gs_ptr, E2M1_MAX: tl.constexpr, E4M3_MAX: tl.constexpr):
+    """Blocks of 16 fp32 values, their even and odd columns [blocks, 8] each: (their E2M1 codes in pairs,
+    uint8 [blocks, 8], low nibble the even column; their E4M3 scales [blocks]) under the global scale."""
     gs = tl.maximum(tl.load(gs_ptr).to(tl.float32), 1e-12, propagate_nan=tl.PropagateNan.ALL)
     amax = tl.maximum(tl.max(tl.abs(even), 1), tl.max(tl.abs(odd), 1))
     nan = tl.max(((even != even) | (odd != odd)).to(tl.int32), 1) > 0
@@ -49,8 +58,7 @@ def nvfp4_codes(x_ptr, gs_ptr, packed_ptr, b, inside, E2M1_MAX: tl.constexpr, E4
     hi = tl.where(valid[:, None], e2m1_code(tl.math.div_rn(tl.abs(odd), safe)), 0)
     lo = tl.where((even < 0) & (lo > 0), lo | 8, lo)  # the sign bit, on non-zero codes
     hi = tl.where((odd < 0) & (hi > 0), hi | 8, hi)
-    tl.store(packed_ptr + pair // 2, (lo | (hi << 4)).to(tl.uint8), mask=inside[:, None])
-    return bs
+    return (lo | (hi << 4)).to(tl.uint8), bs
 
 
 @triton.jit

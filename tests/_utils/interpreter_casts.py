@@ -2,10 +2,12 @@
 
 The interpreter converts fp32 to E4M3 and to bf16 with its own bit arithmetic (Triton 3.9,
 `triton/runtime/interpreter.py: _convert_float`): it rounds half up on the first dropped bit, ignoring the
-rest, and truncates into E4M3's subnormals, where a GPU's `cvt.rn` rounds to nearest even; and it widens a
-subnormal bf16 value to a wrong fp32 one (it renormalises it below fp32's exponent range). Tests that hold a
-kernel to torch's arithmetic bit for bit install torch's own conversions (IEEE round to nearest even) for
-those three casts, so what they compare is the kernel's arithmetic, not the interpreter's casts.
+rest, and truncates into E4M3's subnormals, where a GPU's `cvt.rn` rounds to nearest even; it widens a
+subnormal bf16 value to a wrong fp32 one (it renormalises it below fp32's exponent range); and it widens
+E4M3FN's NaN (0x7F) to 480, a finite value, where a GPU's conversion gives NaN (so an NVFP4 block scale that
+is NaN would pass `s >= 1e-5` there). Tests that hold a kernel to torch's arithmetic bit for bit install
+torch's own conversions (IEEE round to nearest even, exact widening) for those four casts, so what they
+compare is the kernel's arithmetic, not the interpreter's casts.
 
 The interpreter has no libdevice functions either (`libdevice.tanh` returns None there): `interpreted_tanh`
 and `interpreted_exp` put numpy's fp32 tanh and exp in their places, within an ulp or two of CUDA's and of
@@ -13,6 +15,9 @@ torch's CPU functions.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -28,9 +33,10 @@ def rne_casts(monkeypatch):
     convert = interpreter._convert_float
 
     def rounded(data, input_dtype, output_dtype, rounding_mode):
-        if input_dtype.name == "bf16" and output_dtype.name == "fp32":  # exact, subnormals included
-            bf16 = torch.from_numpy(np.ascontiguousarray(data).view(np.int16).copy()).view(torch.bfloat16)
-            return bf16.float().numpy().view(np.uint32).reshape(data.shape)
+        if input_dtype.name in TORCH_DTYPES and output_dtype.name == "fp32":  # exact: subnormals, NaN
+            dtype, bits = TORCH_DTYPES[input_dtype.name]
+            raw = np.ascontiguousarray(data).view(np.uint8 if bits == torch.uint8 else np.int16).copy()
+            return torch.from_numpy(raw).view(dtype).float().numpy().view(np.uint32).reshape(data.shape)
         target = TORCH_DTYPES.get(output_dtype.name)
         if input_dtype.name != "fp32" or target is None:
             return convert(data, input_dtype, output_dtype, rounding_mode)
@@ -64,3 +70,18 @@ def interpreted_exp(monkeypatch):
         return tl.tensor(interpreter.TensorHandle(np.exp(x.handle.data), x.handle.dtype.scalar), x.type)
 
     monkeypatch.setattr(libdevice, "exp", exp)
+
+
+@contextlib.contextmanager
+def uninitialised_bytes_are_0xab() -> Iterator[None]:
+    """torch.empty's uint8 tensors filled with 0xAB, as memory a GPU allocator hands back may hold: a kernel
+    meant to write every byte of its output (padding included) is seen to."""
+    empty = torch.empty
+
+    def filled(*size, dtype=None, **kw):
+        t = empty(*size, dtype=dtype, **kw)
+        return t.fill_(0xAB) if dtype == torch.uint8 else t
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "empty", filled)
+        yield

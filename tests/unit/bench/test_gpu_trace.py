@@ -163,15 +163,18 @@ def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
     hopper, fp8 = gt.trace_pass("nvfp4", "sm90", 1, LAYERS), gt.trace_pass("fp8", "sm90", 1, LAYERS)
     assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs and hopper.launches == fp8.launches + 2 * LAYERS
     b200 = gt.trace_pass("nvfp4", "sm100", 1, LAYERS)
-    # a linear's quantization writes its scales swizzled, padding included; the experts' inputs are
-    # quantized, then their scales swizzled by expert group, padding included: no zero-filled outputs
-    assert b200.ops["triton::nvfp4_quant_blocked"] == QUANTIZED_INPUTS
-    assert b200.ops["triton::nvfp4_quant"] == b200.ops["triton::blocked_scales"] == 2 * LAYERS
+    # a linear's quantization writes its scales swizzled, padding included, the dense MLP's down operand
+    # comes from its gated GeLU so; the experts' inputs are quantized (gate|up's on their own, down's in
+    # the gated GeLU), then their scales gathered and swizzled by expert group: no zero-filled outputs
+    assert b200.ops["triton::nvfp4_quant_blocked"] == QUANTIZED_INPUTS - LAYERS
+    assert b200.ops["triton::nvfp4_quant"] == LAYERS
+    assert b200.ops["triton::geglu_nvfp4"] == b200.ops["triton::blocked_scales"] == 2 * LAYERS
     assert "aten::zeros" not in b200.ops
     no_kernel = gt.passing_probe("sm100")
     no_kernel.results["quant:nvfp4"] = "failed"
     torch_form = gt.trace_pass("nvfp4", "sm100", 1, LAYERS, probed=no_kernel)
-    assert not {"triton::nvfp4_quant", "triton::nvfp4_quant_blocked"} & set(torch_form.ops)
+    nvfp4_kernels = {"triton::nvfp4_quant", "triton::nvfp4_quant_blocked", "triton::geglu_nvfp4"}
+    assert not nvfp4_kernels & set(torch_form.ops)
     assert torch_form.launches > b200.launches + 40 * inputs
 
 

@@ -559,8 +559,8 @@ def test_an_fp8_dense_down_takes_its_operand_from_the_gated_gelu_kernel(monkeypa
     """A gated MLP's FP8 down projection (CPU `F.scaled_mm` TensorWise): with the gated GeLU kernel writing
     its E4M3 operand (here its torch form, `network.gelu_tanh` then `sl.fp8_quantize`), the linear's own
     output bit for bit with one quantization fewer; where the linear does not quantize in one pass (under
-    torch.compile, or asked not to), the product and the linear as before. NVFP4 and per-row FP8 downs and
-    float ones keep their linear."""
+    torch.compile, or asked not to), the product and the linear as before. Per-row FP8 downs and float ones
+    keep their linear."""
     from pipeline.model.network import GatedMLP, gelu_tanh
 
     gen = torch.Generator().manual_seed(3)
@@ -572,7 +572,7 @@ def test_an_fp8_dense_down_takes_its_operand_from_the_gated_gelu_kernel(monkeypa
         h = gelu_tanh(gate) * up
         return h if scale is None else sl.fp8_quantize(h, scale)
 
-    fused = tc.fp8_down_from_geglu(down, kernel)
+    fused = tc.down_from_geglu(down, kernel)
     gate, up = (torch.randn(2, 5, 96, generator=gen) * 2).bfloat16().chunk(2, dim=-1)  # views of gate|up
     want = down(gelu_tanh(gate) * up)  # on the CPU: torch's quantization
     monkeypatch.setattr(tc, "in_one_pass", lambda triton, t: triton)  # as on CUDA
@@ -585,5 +585,32 @@ def test_an_fp8_dense_down_takes_its_operand_from_the_gated_gelu_kernel(monkeypa
     assert quantized == ([] if one_pass else ["fp8"])
     rowwise = tc.ScaledLinear(packed_linear("nvfp4", 32, 48, gen), "fp8_rowwise", CPU, torch.bfloat16)
     mlp = GatedMLP(48, 48)
-    assert tc.fp8_down_from_geglu(rowwise, kernel) is tc.fp8_down_from_geglu(mlp.down_proj, kernel) is None
-    assert tc.fp8_down_from_geglu(down, None) is None
+    assert tc.down_from_geglu(rowwise, kernel) is tc.down_from_geglu(mlp.down_proj, kernel) is None
+    assert tc.down_from_geglu(down, None) is None
+
+
+def test_an_nvfp4_down_projection_takes_its_operand_from_the_gated_gelu(monkeypatch):
+    """The dense MLP's NVFP4 down projection: the gated GeLU's NVFP4 codes and block scales, swizzled for the
+    linear, go straight to its GEMM with the linear's global scale (torch's forms here; the kernel's equality
+    with them: tests/unit/runtime/test_triton_network.py), the operand its own quantization would make."""
+    from pipeline.model.network import gelu_tanh
+
+    gen = torch.Generator().manual_seed(4)
+    down = tc.ScaledLinear(packed_linear("nvfp4", 32, 48, gen), "nvfp4", CPU, torch.bfloat16, triton=True)
+
+    def nvfp4_kernel(gate, up, gs, blocked):
+        q, s = sl.nvfp4_quantize(gelu_tanh(gate) * up, gs)
+        return q, sl.to_blocked(s.reshape(-1, s.shape[-1]).view(torch.uint8)) if blocked else s
+
+    operands = []
+    monkeypatch.setattr(tc, "in_one_pass", lambda triton, t: triton)  # as on CUDA
+    monkeypatch.setattr(
+        down, "gemm", lambda a, scales: operands.append((a, scales)) or torch.zeros(a.shape[0], 32)
+    )
+    gate, up = (torch.randn(2, 5, 96, generator=gen) * 2).bfloat16().chunk(2, dim=-1)
+    assert tc.down_from_geglu(down, None, nvfp4_kernel)(gate, up).shape == (2, 5, 32)
+    ((a, (block_scales, global_scale)),) = operands
+    want_a, want_s = sl.nvfp4_quantize((gelu_tanh(gate) * up).reshape(10, 48), down.input_scale)
+    assert torch.equal(a, want_a) and global_scale is down.input_scale
+    assert torch.equal(block_scales.view(torch.uint8), sl.to_blocked(want_s.view(torch.uint8)))
+    assert tc.down_from_geglu(down, None, None) is None  # no kernel: the linear quantizes

@@ -19,7 +19,11 @@ from pipeline.model.scaled_layout import expert_order, slot_rows
 from pipeline.runtime import probe as probing
 from pipeline.runtime import triton_network, triton_routing
 from tests._utils.embedded_passes import denoise_and_prefill, embedded_bf16
-from tests._utils.interpreter_casts import interpreted_tanh, rne_casts  # noqa: F401  (fixtures)
+from tests._utils.interpreter_casts import (  # noqa: F401  (fixtures)
+    interpreted_tanh,
+    rne_casts,
+    uninitialised_bytes_are_0xab,
+)
 from tests._utils.triton_compile import compiled_for_gpus, separate_roundings_missing, spills
 
 interpreted = pytest.mark.skipif(
@@ -566,6 +570,24 @@ def test_geglu_is_torchs_cuda_arithmetic_bit_for_bit(rne_casts, interpreted_tanh
 
 
 @interpreted
+@pytest.mark.parametrize(("rows", "cols"), [(33, 704), (130, 2112), (3, 32), (1, 1488)])
+def test_geglu_writes_the_nvfp4_codes_of_its_product(rne_casts, interpreted_tanh, rows, cols):  # noqa: F811
+    """The down projections' NVFP4 operand from the gated GeLU kernel: the codes and block scales
+    `nvfp4_quantize` makes of its product, byte for byte, the scales as they are (the experts') or in a
+    linear's 128x4-tile layout with its padded rows and columns zero (the dense MLP's: 2 and 93 scale
+    columns padded to 4 and 96, one and two row tiles), where the memory it is handed holds other bytes."""
+    gate, up = geglu_inputs(rows, cols, torch.bfloat16, seed=cols)
+    gs = torch.tensor(0.02)
+    want_packed, want_scales = sl.nvfp4_quantize(triton_network.geglu(gate, up), gs)
+    packed, scales = triton_network.geglu_nvfp4(gate, up, gs)
+    assert torch.equal(packed, want_packed) and probing.fp8_codes_equal(scales, want_scales)
+    with uninitialised_bytes_are_0xab():
+        packed, scales = triton_network.geglu_nvfp4(gate, up, gs, blocked=True)
+    assert torch.equal(packed, want_packed)
+    assert probing.fp8_codes_equal(scales, sl.to_blocked(want_scales.view(torch.uint8)))
+
+
+@interpreted
 def test_a_model_with_the_geglu_kernel_keeps_its_logits(rne_casts, interpreted_tanh):  # noqa: F811
     """The embedded model in bf16 with its dense MLPs, experts and self-conditioning on the gated-GeLU kernel
     (as `gpu_load.fuse_network` installs it), a denoise step with the self-conditioning signal: the kernel
@@ -704,6 +726,11 @@ for cc in (90, 100, 89, 120):
                         **ints("cols", "stride_gate", "stride_up")},
               {"BETA": tn.GELU_BETA, "KAPPA": tn.GELU_KAPPA, "E4M3_MAX": 448.0, "QUANT": quant, "BLOCK": tn.GEGLU_BLOCK},
               cc, f"geglu_{quant}", "geglu")
+    for blocked in (False, True):  # the experts' down operand, the dense MLP's
+        build(k.geglu_nvfp4, {**ptrs("bf16", "gate_ptr", "up_ptr"), "gs_ptr": "*fp32", "packed_ptr": "*u8",
+                              "scales_ptr": "*u8" if blocked else "*fp8e4nv", **ints("rows", "cols", "stride_gate", "stride_up", "CP")},
+              {"BETA": tn.GELU_BETA, "KAPPA": tn.GELU_KAPPA, "E2M1_MAX": 6.0, "E4M3_MAX": 448.0, "BLOCKED": blocked,
+               "BLOCK": tn.GEGLU_BLOCK}, cc, f"geglu_nvfp4_{blocked}", "geglu")
     for d in (256, 512):
         build(k.kv_cat, {**ptrs("bf16", "pk_ptr", "pv_ptr", "k_ptr", "v_ptr", "ok_ptr", "ov_ptr"),
                          **ints("heads", "past", "total", "p_sb", "p_sh", "p_st", "n_sb", "n_sh", "n_st")},
@@ -731,7 +758,7 @@ def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spill
     multiply-add would round once where torch rounds twice, and Triton's default contraction made one), and no
     register spills (no STL/LDL in the SASS)."""
     compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
-    assert len(compiled) == 76 and sum(k["dtype"] == "softcap" for k in compiled) == 4
+    assert len(compiled) == 84 and sum(k["dtype"] == "softcap" for k in compiled) == 4
     for k in compiled:
         if k["dtype"] == "softcap":  # its tanh is libdevice's own code (its FMAs are the function's)
             assert "mul.rn.f32" in k["ptx"] and "tanh.approx" not in k["ptx"], k["cc"]

@@ -4,7 +4,6 @@ compiled for Hopper, B200, Ada and RTX Blackwell without a GPU."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
@@ -16,7 +15,7 @@ from pipeline.model.fake_quant import nvfp4_fake_quant
 from pipeline.runtime import probe as probing
 from pipeline.runtime import triton_quant as tq
 from pipeline.runtime.tensor_cores import _rowwise_dynamic, quantize_rows
-from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
+from tests._utils.interpreter_casts import rne_casts, uninitialised_bytes_are_0xab  # noqa: F401  (fixture)
 from tests._utils.triton_compile import compiled_for_gpus, spills
 
 pytestmark = pytest.mark.skipif(
@@ -86,20 +85,6 @@ def test_leading_dims_strided_rows_and_empty_inputs(rne_casts):  # noqa: F811
     assert tq.nvfp4_fp8_rows(empty, torch.tensor(1.0))[1].shape == (0,)
 
 
-@contextlib.contextmanager
-def _uninitialised_bytes_are_0xab():
-    """torch.empty's uint8 tensors filled with 0xAB, as memory a GPU allocator hands back may hold."""
-    empty = torch.empty
-
-    def filled(*size, dtype=None, **kw):
-        t = empty(*size, dtype=dtype, **kw)
-        return t.fill_(0xAB) if dtype == torch.uint8 else t
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch, "empty", filled)
-        yield
-
-
 @pytest.mark.parametrize("k", [176, 256, 704])  # 11, 16 and 44 scale columns: padded to 12, 16 and 44
 @pytest.mark.parametrize("rows", [37, 130, 1])  # one, two and one row tile, each padded to 128 rows
 def test_nvfp4_with_swizzled_scales_is_nvfp4_then_the_swizzle(rne_casts, k, rows):  # noqa: F811
@@ -107,7 +92,7 @@ def test_nvfp4_with_swizzled_scales_is_nvfp4_then_the_swizzle(rne_casts, k, rows
     padded rows and columns zero, byte for byte, where the memory it is handed holds other bytes."""
     x, gs = activations(torch.bfloat16, k, seed=rows).repeat(4, 1)[:rows], torch.tensor(0.01)
     want_packed, want_scales = sl.nvfp4_quantize(x, gs)
-    with _uninitialised_bytes_are_0xab():
+    with uninitialised_bytes_are_0xab():
         packed, scales = tq.nvfp4_blocked(x, gs)
     assert torch.equal(packed, want_packed)
     assert probing.fp8_codes_equal(scales, sl.to_blocked(want_scales.view(torch.uint8)))
@@ -127,7 +112,7 @@ def test_grouped_scale_swizzle_is_torchs(m, c, monkeypatch):
     for groups in (1, 4, 7, 128):
         cuts = torch.sort(torch.randint(0, m + 1, (groups - 1,), generator=g)).values
         offs = torch.cat([cuts, torch.tensor([m])]).to(torch.int32)
-        with _uninitialised_bytes_are_0xab():
+        with uninitialised_bytes_are_0xab():
             got = tq.blocked_scales(s, offs)
         assert torch.equal(got, sl.to_blocked_grouped(s, offs)), offs.tolist()
         rows = torch.randint(0, max(m, 1), (m,), generator=g)  # gathered to expert order first
