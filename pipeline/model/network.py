@@ -189,10 +189,20 @@ class LayerInputs:
     mask: torch.Tensor | None
 
 
-# a fused form of the K/V concatenation: (cached K, cached V, new K, new V) -> (all K, all V), [B, H, tokens, D]
+# a fused form of the K/V concatenation: (cached K, cached V, new K, new V, repeat) -> (all K, all V),
+# [B, H * repeat, tokens, D] (`cat_kv`)
 KVCatKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]
 ]
+
+
+def cat_kv(
+    past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeat: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached K/V, then the new, along the tokens ([B, H, tokens, D]); `repeat`: each head that many
+    times over (grouped K/V expanded to every query head, as `attend` would)."""
+    k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+    return (k, v) if repeat == 1 else (k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1))
 
 
 class Attention(nn.Module):
@@ -254,18 +264,20 @@ class Attention(nn.Module):
         q_proj, k_proj, v_proj = self.project(x, norm)
         q = self.normed_q(q_proj.view(b, q_len, self.num_heads, self.head_dim), li).transpose(1, 2)
         new_kv = k, v = self.normed_kv(k_proj, v_proj, li)
-        if past is not None:
-            k, v = self.after_past(past, k, v)
+        if past is not None:  # expanded to every query head where `attend` would, as they are concatenated
+            groups = self.num_heads // self.num_kv_heads
+            k, v = self.after_past(past, k, v, groups if expands_kv(x.device, self.head_dim, groups) else 1)
         out = attend(q, k, v, li.mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1)), new_kv
 
     def after_past(
-        self, past: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor
+        self, past: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, repeat: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values attention reads: the cached ones, then the new ones ([B, kv_heads, tokens, D])."""
+        """The keys and values attention reads: the cached ones, then the new ones ([B, kv_heads * repeat,
+        tokens, D]: `cat_kv`)."""
         if self.kv_cat_kernel is not None and not _tracing():
-            return self.kv_cat_kernel(past[0], past[1], k, v)
-        return torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+            return self.kv_cat_kernel(past[0], past[1], k, v, repeat)
+        return cat_kv(past[0], past[1], k, v, repeat)
 
     def project(
         self, x: torch.Tensor, norm: RMSNorm | None = None

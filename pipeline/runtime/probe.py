@@ -22,6 +22,7 @@ from pipeline.model.network import (
     RMSNorm,
     Router,
     apply_rope,
+    cat_kv,
     combine_slots,
     combine_top_k,
     ffn_inputs,
@@ -383,18 +384,21 @@ def check_triton_residual(dev: torch.device) -> None:
 def check_triton_kv_cat(dev: torch.device) -> None:
     """dgpipe's K/V concatenation bit for bit against torch.cat, or a DgpipeError: the cached K/V read as the
     cache hands them out (the first tokens of some rows of its buffers: views) and the new K/V as attention
-    makes them (transposed from [B, Q, H, D]), at head dims 256 and 512, with an empty cache, bf16 and fp32."""
+    makes them (transposed from [B, Q, H, D]), at head dims 256 and 512, with an empty cache, bf16 and fp32,
+    and expanded to 8 query heads a K/V head as the global layers' attention reads them
+    (`network.cat_kv`)."""
     g = torch.Generator().manual_seed(10)
-    for dtype, heads, d, past in (
-        (torch.bfloat16, 8, 256, 37),
-        (torch.bfloat16, 2, 512, 0),
-        (torch.float32, 3, 24, 5),
+    for dtype, heads, d, past, repeat in (
+        (torch.bfloat16, 8, 256, 37, 1),
+        (torch.bfloat16, 2, 512, 0, 1),
+        (torch.bfloat16, 2, 512, 21, 8),
+        (torch.float32, 3, 24, 5, 1),
     ):
         cache = torch.randn(2, 3, heads, 64, d, generator=g).to(dev, dtype)  # K|V, slots, heads, length, dim
         pk, pv = cache[0, 1:, :, :past], cache[1, 1:, :, :past]
         new = torch.randn(2, 2, 19, heads, d, generator=g).to(dev, dtype).transpose(2, 3)  # K|V, B, H, Q, D
-        got = triton_network.kv_cat(pk, pv, new[0], new[1])
-        want = torch.cat([pk, new[0]], dim=2), torch.cat([pv, new[1]], dim=2)
+        got = triton_network.kv_cat(pk, pv, new[0], new[1], repeat)
+        want = cat_kv(pk, pv, new[0], new[1], repeat)
         if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
             raise DgpipeError(f"the Triton K/V concatenation differs from torch.cat ({dtype}, head dim {d})",
                               TRITON_FALLBACK)  # fmt: skip

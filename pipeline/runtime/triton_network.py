@@ -582,34 +582,37 @@ def kv_cat_serves(past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v
 
 
 def kv_cat(
-    past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeat: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cat(past_k, k), cat(past_v, v)) along the tokens in one launch (`kv_cat_serves` must hold): what a
     denoise pass's attention reads, the cached context's K/V then the canvas's. torch.cat is one launch per
-    tensor, and on an H200 at 16 canvases its kernel moved the 26B's K/V at about 1 TB/s."""
+    tensor, and on an H200 at 16 canvases its kernel moved the 26B's K/V at about 1 TB/s. `repeat`: each head
+    written that many times over (`repeat_interleave` on the heads: grouped K/V expanded to every query head,
+    `network.expands_kv`), two launches and a pass over the concatenation fewer."""
     import triton
 
     b, heads, past, d = past_k.shape
     total = past + k.shape[2]
-    out_k = torch.empty(b, heads, total, d, dtype=k.dtype, device=k.device)
+    out_k = torch.empty(b, heads * repeat, total, d, dtype=k.dtype, device=k.device)
     out_v = torch.empty_like(out_k)
     if out_k.numel():
         d_p2 = triton.next_power_of_2(d)
         block = max(1, KV_CAT_VALUES // d_p2)
-        _kernels().kv_cat[(b * heads, triton.cdiv(total, block))](
-            past_k, past_v, k, v, out_k, out_v, heads, past, total, *past_k.stride()[:3], *k.stride()[:3],
-            D=d, D_P2=d_p2, BLOCK_T=block, **OPTIONS,
+        _kernels().kv_cat[(b * heads * repeat, triton.cdiv(total, block))](
+            past_k, past_v, k, v, out_k, out_v, heads, repeat, past, total, *past_k.stride()[:3],
+            *k.stride()[:3], D=d, D_P2=d_p2, BLOCK_T=block, **OPTIONS,
         )  # fmt: skip
     return out_k, out_v
 
 
 def kv_cat_or_torch(
-    past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeat: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kv_cat` where it serves (`kv_cat_serves`), else torch.cat: what the GPU loader installs."""
+    """`kv_cat` where it serves (`kv_cat_serves`), else torch.cat (and `repeat_interleave`): what the GPU
+    loader installs."""
     if kv_cat_serves(past_k, past_v, k, v):
-        return kv_cat(past_k, past_v, k, v)
-    return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        return kv_cat(past_k, past_v, k, v, repeat)
+    return network.cat_kv(past_k, past_v, k, v, repeat)
 
 
 SCALE_COLUMNS_BLOCK = 4096  # values per program

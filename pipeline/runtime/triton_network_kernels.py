@@ -154,13 +154,14 @@ def add_scaled(a_ptr, b_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def kv_cat(
-    pk_ptr, pv_ptr, k_ptr, v_ptr, ok_ptr, ov_ptr, heads, past, total, p_sb, p_sh, p_st, n_sb, n_sh, n_st,
-    D: tl.constexpr, D_P2: tl.constexpr, BLOCK_T: tl.constexpr,
+    pk_ptr, pv_ptr, k_ptr, v_ptr, ok_ptr, ov_ptr, heads, repeat, past, total, p_sb, p_sh, p_st, n_sb, n_sh,
+    n_st, D: tl.constexpr, D_P2: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    """ok[b, h] = cat(pk[b, h], k[b, h]) along the tokens, and ov likewise: both rows of a block of tokens
-    copied from wherever the cached (strides p_*) and new (strides n_*) K/V lie into [B, H, total, D]."""
-    bh = tl.program_id(0).to(tl.int64)
-    b, h = bh // heads, bh % heads
+    """ok[b, h] = cat(pk[b, h // repeat], k[b, h // repeat]) along the tokens, and ov likewise: both rows of a
+    block of tokens copied from wherever the cached (strides p_*) and new (strides n_*) K/V lie into
+    [B, H * repeat, total, D] (each head `repeat` times over, as `repeat_interleave` lays them out)."""
+    bh = tl.program_id(0).to(tl.int64)  # an output head
+    b, h = bh // (heads * repeat), bh % (heads * repeat) // repeat
     t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
     d = tl.arange(0, D_P2)[None, :]
     inside = (t < total) & (d < D)

@@ -365,7 +365,9 @@ def test_the_gated_gelus_take_one_launch_where_probed():
 def test_a_two_kernel_chain_takes_one_launch_a_layer_where_probed(form, kernel, torch_op, more):
     """Each chain is one kernel a layer; where its probe failed, torch's form runs `more` of `torch_op` a
     layer instead, one launch more in all. (The residual sum and the router's input run on their own kernels
-    where the layer end's and the FFN inputs', which compute them too, failed their probes.)"""
+    where the layer end's and the FFN inputs', which compute them too, failed their probes.) The K/V
+    concatenation also expands the global layer's K/V to every query head, which torch's form does in two
+    more launches (`repeat_interleave` for K and for V)."""
     base = gt.passing_probe("sm90")
     wider = {probing.RESIDUAL: probing.LAYER_END, probing.ROUTER: probing.FFN_INPUTS}
     if form in wider:
@@ -376,7 +378,12 @@ def test_a_two_kernel_chain_takes_one_launch_a_layer_where_probed(form, kernel, 
     no_kernel.results.update(base.results, **{form: "failed"})
     torch_form = gt.trace_pass("bf16", "sm90", 1, LAYERS, probed=no_kernel)
     assert torch_form.ops[torch_op] == fused.ops.get(torch_op, 0) + more * LAYERS
-    assert kernel not in torch_form.ops and torch_form.launches == fused.launches + LAYERS
+    expansions = 2 if form == probing.KV_CAT else 0  # one global layer in the trace
+    assert (
+        torch_form.ops.get("aten::repeat_interleave", 0)
+        == fused.ops.get("aten::repeat_interleave", 0) + expansions
+    )
+    assert kernel not in torch_form.ops and torch_form.launches == fused.launches + LAYERS + expansions
 
 
 @pytest.mark.parametrize(
