@@ -646,6 +646,18 @@ def test_the_geglu_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, inte
     monkeypatch.setattr(triton_network, "geglu", lambda g, u, s=None: kernel(u, g, s))  # gate and up swapped
     with pytest.raises(DgpipeError, match="gated GeLU differs"):
         probing.check_triton_geglu(torch.device("cpu"))
+    monkeypatch.setattr(triton_network, "geglu", kernel)
+    nvfp4 = triton_network.geglu_nvfp4
+    for wrong in (
+        lambda g, u, gs, blocked=False: nvfp4(g, u, gs * 2, blocked),  # another global scale
+        lambda g, u, gs, blocked=False: (
+            nvfp4(g, u, gs, blocked)[0],
+            nvfp4(g.flip(0), u.flip(0), gs, blocked)[1],
+        ),
+    ):
+        monkeypatch.setattr(triton_network, "geglu_nvfp4", wrong)
+        with pytest.raises(DgpipeError, match="gated GeLU's NVFP4 codes differ"):
+            probing.check_triton_geglu(torch.device("cpu"))
 
 
 def test_gated_gelus_agree_as_far_as_a_tanh_can_make_them_differ():
