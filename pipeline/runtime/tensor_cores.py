@@ -381,8 +381,8 @@ def down_operand(
     nvfp4_kernel: NvfpGegluKernel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The down projection's operand and scales: gelu_tanh(gate) * up quantized as `quantize_rows` does. With
-    a fused kernel, an FP8 operand in one pass (torch's form is three: the GeLU, the product, then the
-    quantization) and the others' product in one."""
+    the fused kernels, an FP8 or NVFP4 operand in one pass (torch's form is three: the GeLU, the product,
+    then the quantization) and the per-row FP8 one's product in one."""
     if kernel is not None and mode == "fp8" and in_one_pass(one_pass, gate):
         return kernel(gate, up, scale), scale.float().expand(gate.shape[0])
     if nvfp4_kernel is not None and mode == "nvfp4" and in_one_pass(one_pass, gate):
