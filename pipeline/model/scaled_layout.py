@@ -97,14 +97,18 @@ def nvfp4_quantize(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.T
     return pack_e2m1(codes), bs.reshape(*shape[:-1], shape[-1] // NVFP4_BLOCK)
 
 
+def blocked_shape(rows: int, cols: int) -> tuple[int, int]:
+    """The [rows, cols] of block scales padded to whole 128x4 tiles: what `to_blocked` lays out."""
+    return ceil_div(rows, TILE_ROWS) * TILE_ROWS, ceil_div(cols, TILE_COLS) * TILE_COLS
+
+
 def to_blocked(scales: torch.Tensor) -> torch.Tensor:
     """[rows, cols] block scales -> the flat 128x4-tile layout (rows padded to 128, cols to 4 with
     zeros; inside a tile, row r and column c land at (r % 32) * 16 + (r // 32) * 4 + c)."""
     rows, cols = scales.shape
-    rb, cb = ceil_div(rows, TILE_ROWS), ceil_div(cols, TILE_COLS)
-    padded = scales.new_zeros(rb * TILE_ROWS, cb * TILE_COLS)
+    padded = scales.new_zeros(blocked_shape(rows, cols))
     padded[:rows, :cols] = scales
-    tiles = padded.view(rb, TILE_ROWS, cb, TILE_COLS).permute(0, 2, 1, 3)
+    tiles = padded.view(-1, TILE_ROWS, padded.shape[1] // TILE_COLS, TILE_COLS).permute(0, 2, 1, 3)
     return tiles.reshape(-1, 4, 32, TILE_COLS).transpose(1, 2).reshape(-1)
 
 
@@ -128,7 +132,7 @@ def to_blocked_grouped(scales: torch.Tensor, offs: torch.Tensor) -> torch.Tensor
     tensor (zeros past the last group). Device-side index arithmetic only: no host sync."""
     m, c = scales.shape
     g = offs.shape[0]
-    cp = ceil_div(c, TILE_COLS) * TILE_COLS
+    cp = blocked_shape(m, c)[1]
     ends = offs.long()
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     padded = (ends - starts + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS

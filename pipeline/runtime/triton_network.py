@@ -321,8 +321,8 @@ def geglu_nvfp4(
     g, u = _rows(gate), _rows(up)
     rows, cols = g.shape
     c = cols // NVFP4_BLOCK
-    cp = sl.ceil_div(c, sl.TILE_COLS) * sl.TILE_COLS
-    padded = sl.ceil_div(rows, sl.TILE_ROWS) * sl.TILE_ROWS if blocked else rows
+    padded, cp = sl.blocked_shape(rows, c)
+    padded = padded if blocked else rows
     packed = torch.empty(*gate.shape[:-1], cols // 2, dtype=torch.uint8, device=gate.device)
     if blocked:
         scales = torch.empty(padded * cp, dtype=torch.uint8, device=gate.device)

@@ -81,7 +81,7 @@ def nvfp4_blocked(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Te
     m, k = x.shape
     x = x.contiguous()
     c = k // NVFP4_BLOCK
-    cp, rows = sl.ceil_div(c, sl.TILE_COLS) * sl.TILE_COLS, sl.ceil_div(m, sl.TILE_ROWS) * sl.TILE_ROWS
+    rows, cp = sl.blocked_shape(m, c)
     packed = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
     out = torch.empty(rows * cp, dtype=torch.uint8, device=x.device)
     if rows * cp:
@@ -124,7 +124,7 @@ def blocked_scales(
 
     c = scales.shape[1]
     m = scales.shape[0] if rows is None else rows.shape[0]
-    cp = sl.ceil_div(c, sl.TILE_COLS) * sl.TILE_COLS
+    cp = sl.blocked_shape(m, c)[1]
     groups = offs.shape[0]
     padded_rows = sl.blocked_rows_bound(m, groups)
     if padded_rows * cp >= 2**31:  # the kernel's indices are int32 (64-bit ones spilled registers on sm_120)
