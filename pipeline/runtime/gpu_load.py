@@ -81,14 +81,14 @@ class Installed:
     routed: int = 0  # layers whose float experts route on the device (`pipeline.runtime.routed`)
     routed_kernel: str = ""
     shared: int = 0  # sibling linears (q/k/v, gate/up) sharing one input quantization (`shared_input`)
-    merged: int = 0  # GEMMs saved by merging gate and up
+    merged: int = 0  # GEMMs saved by merging siblings (gate and up; q, k and v)
     fallbacks: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         head = f"{self.format} on {self.arch or 'this GPU'}: {self.linears} linears and {self.experts} layers' experts on tensor cores"
         routed = [f"{self.routed} layers' float experts on {self.routed_kernel}"] if self.routed else []
         shared = [f"{self.shared} input quantizations shared by q/k/v or gate/up"] if self.shared else []
-        merged = [f"gate and up in one GEMM ({self.merged} GEMMs fewer)"] if self.merged else []
+        merged = [f"siblings in one GEMM ({self.merged} GEMMs fewer)"] if self.merged else []
         return "; ".join([head, *routed, *shared, *merged, *self.fallbacks])
 
 
@@ -244,11 +244,11 @@ def finish_on_device(
     report = route_float_experts(model, device, probed, report)
     if device.type != "cuda":
         return report
-    shared, merged = share_inputs(model)
-    if report is not None:
-        report.shared, report.merged = shared, merged
     if probed is None or ROPE not in probed.results:
         probed = probe(device, formats=())
+    shared, merged = share_inputs(model, merge_qkv=probed.ok(HEAD_NORMS))
+    if report is not None:
+        report.shared, report.merged = shared, merged
     return fuse_network(model, probed, report)
 
 

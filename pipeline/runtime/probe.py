@@ -524,11 +524,16 @@ def same_rotation(
 def check_triton_head_norms(dev: torch.device) -> None:
     """dgpipe's head-norms kernel (q's or k's norm and RoPE, v's norm) against torch's form (torch's fused
     RMSNorm, `network.apply_rope`) at the 26B's head dims (256, 512) in bf16 and 256 in fp16, rows over seven
-    decades, a zero row and one with infinity and NaN, over positions up to 2^17: within `same_rotation`,
-    v's within `same_layer_end` of its value, or a DgpipeError."""
+    decades, a zero row and one with infinity and NaN, over positions up to 2^17, the heads contiguous or
+    columns of one merged q|k|v projection (256-wide heads): within `same_rotation`, v's within
+    `same_layer_end` of its value, or a DgpipeError."""
     g = torch.Generator().manual_seed(16)
     for dtype, d in ((torch.bfloat16, 256), (torch.bfloat16, 512), (torch.float16, 256)):
-        x, v = (spread(2 * 7 * 3, d, g) / 64).to(dev, dtype).view(2, 7, 3, d).chunk(2)
+        if d == 256:  # x and v 3 heads each of one token's 8 (q|k|v's columns), tokens 8 heads apart
+            proj = (spread(7 * 8, d, g) / 64).to(dev, dtype).view(1, 7, 8 * d)
+            x, v = proj[..., : 3 * d].view(1, 7, 3, d), proj[..., 5 * d :].view(1, 7, 3, d)
+        else:
+            x, v = (spread(2 * 7 * 3, d, g) / 64).to(dev, dtype).view(2, 7, 3, d).chunk(2)
         x[0, 0, 0], v[0, 1, 2, :2] = 0.0, torch.tensor([float("inf"), float("nan")])
         norm, v_norm = RMSNorm(d, 1e-6).to(dev, dtype), RMSNorm(d, 1e-6, with_scale=False)
         norm.weight.data = (torch.rand(d, generator=g) * 2).to(dev, dtype)

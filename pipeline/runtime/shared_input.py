@@ -7,12 +7,13 @@ quantization instead of three (q, k, v) or two (gate, up). ModelOpt's export giv
 scale (`modelopt.torch.export.quant_utils.preprocess_linear_fusion` sets the maximum of their calibrated
 amaxes, as TensorRT-LLM and vLLM run them fused), and the NVFP4 ones one global weight scale too.
 
-Gate and up are also one GEMM where their weights concatenate exactly: float weights, FP8 ones with equal
+Siblings are also one GEMM where their weights concatenate exactly: float weights, FP8 ones with equal
 per-tensor weight scales, NVFP4 ones with equal global scales, the Hopper/Ada NVFP4 fallback's per-row FP8
 ones. ModelOpt's FP8 exports keep each linear's own weight scale, so there they share the quantization only.
-The merged output is split into views the gated GeLU reads in place. q, k and v are not merged: each feeds
-its own RMSNorm, which copies a non-contiguous input (`expect_contiguous` in torch's CUDA norm) and would
-give back the launches saved.
+The merged output is split into column views read in place: gate and up by the gated GeLU, q, k and v by
+attention's head-norms kernel (`triton_network.head_norms`, tokens one stride apart). q, k and v merge only
+where that kernel is installed: torch's RMSNorm copies a non-contiguous input (`expect_contiguous` in its
+CUDA norm), which would give back the launches saved.
 
 Merged weights are one allocation: the linears' own weights become views of it, so they still compute alone
 (`Attention.project_kv`, torch.compile's graphs) and the model holds no second copy. One exception: NVFP4
@@ -147,23 +148,26 @@ def _assign(module: nn.Module, name: str, t: torch.Tensor) -> None:
         module.register_buffer(name, t)
 
 
-def sibling_linears(model: DiffusionGemma) -> Iterator[tuple[nn.Module, str, list[nn.Module], bool]]:
+def sibling_linears(
+    model: DiffusionGemma, merge_qkv: bool
+) -> Iterator[tuple[nn.Module, str, list[nn.Module], bool]]:
     """(module, its `SharedInputKernel` slot, the linears that read one input, whether they may merge)."""
     for layer in model.layers:
         attn = layer.self_attn
         qkv = [attn.q_proj, attn.k_proj, *([attn.v_proj] if attn.v_proj is not None else [])]
-        yield attn, "qkv_kernel", qkv, False
+        yield attn, "qkv_kernel", qkv, merge_qkv
         yield layer.mlp, "gate_up_kernel", [layer.mlp.gate_proj, layer.mlp.up_proj], True
     sc = model.self_conditioning
     yield sc, "gate_up_kernel", [sc.gate_proj, sc.up_proj], True
 
 
-def share_inputs(model: DiffusionGemma) -> tuple[int, int]:
+def share_inputs(model: DiffusionGemma, merge_qkv: bool) -> tuple[int, int]:
     """Every layer's q/k/v and every gated MLP's gate/up on `SharedInput` where they gain from it: quantized
-    linears sharing the quantization, gate and up also merged where `concatenates`. Returns (groups sharing a
-    quantization, GEMMs saved by merging)."""
+    linears sharing the quantization, gate and up also merged where `concatenates`, and q, k and v where
+    `merge_qkv` (the head-norms kernel reads their columns). Returns (groups sharing a quantization, GEMMs
+    saved by merging)."""
     shared = saved = 0
-    for owner, slot, parts, may_merge in sibling_linears(model):
+    for owner, slot, parts, may_merge in sibling_linears(model, merge_qkv):
         merged = concatenate(parts) if may_merge and concatenates(parts) else None
         if merged is None and not shares_quantization(parts):
             continue

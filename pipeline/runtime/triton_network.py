@@ -101,6 +101,11 @@ def _kernels():
 def rope_serves(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether the kernel takes x [B, L, H, D] with cos/sin [B, L, D]: bf16/fp16, D even, all contiguous and
     of one dtype (anything else keeps the torch form)."""
+    return _rotates(x, cos) and x.is_contiguous()
+
+
+def _rotates(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """x [B, L, H, D] and cos/sin [B, L, D] as the rotating kernels take them, x at any strides."""
     d = x.shape[-1]
     return (
         x.dtype in DTYPES
@@ -108,7 +113,6 @@ def rope_serves(x: torch.Tensor, cos: torch.Tensor) -> bool:
         and x.dim() == 4
         and cos.shape == (*x.shape[:2], d)
         and d % 2 == 0
-        and x.is_contiguous()
         and cos.is_contiguous()
     )
 
@@ -144,11 +148,12 @@ def head_norms_serves(
     v: torch.Tensor | None = None,
     v_norm: RMSNorm | None = None,
 ) -> bool:
-    """Whether the kernel takes q or k heads x [B, L, H, D] (`rope_serves` with its cos) with their norm
-    (weights of x's dtype), and v [B, L, H, D] of x's shape and dtype, contiguous, with its unscaled norm of
-    the same eps (or neither)."""
+    """Whether the kernel takes q or k heads x [B, L, H, D] (as `rope_serves` does, but its tokens may lie
+    one stride apart: `token_rows`) with their norm (weights of x's dtype), and v [B, L, H, D] of x's shape
+    and dtype, its tokens likewise, with its unscaled norm of the same eps (or neither)."""
     return (
-        rope_serves(x, cos)
+        _rotates(x, cos)
+        and token_rows(x)
         and norm.weight is not None
         and norm.weight.dtype == x.dtype
         and norm.weight.shape == x.shape[-1:]
@@ -156,10 +161,21 @@ def head_norms_serves(
         and (v is None) == (v_norm is None)
         and (
             v is None
-            or (v.shape == x.shape and v.dtype == x.dtype and v.is_contiguous() and v_norm.weight is None
+            or (v.shape == x.shape and v.dtype == x.dtype and token_rows(v) and v_norm.weight is None
                 and v_norm.eps == norm.eps)
         )
     )  # fmt: skip
+
+
+def token_rows(x: torch.Tensor) -> bool:
+    """Whether x [B, L, H, D] holds each token's heads contiguous and its B * L tokens one stride apart (a
+    contiguous tensor, or q's, k's or v's columns of one merged projection's output)."""
+    return (
+        x.dim() == 4
+        and x.stride(3) == 1
+        and x.stride(2) == x.shape[3]
+        and (x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1))
+    )
 
 
 def head_norms(
@@ -175,15 +191,16 @@ def head_norms(
     order of its sum of squares, rounded to x's dtype; the rotation is `rope`'s, bit for bit on that."""
     import triton
 
-    out = torch.empty_like(x)
-    v_out = torch.empty_like(v) if v is not None else None
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    v_out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if v is not None else None
     rows, d = x.numel() // x.shape[-1], x.shape[-1]
     if rows:
         half = triton.next_power_of_2(d // 2)
         block = max(1, HEAD_NORMS_VALUES // (2 * half))
+        v_in = x if v is None else v
         _kernels().head_norms[(triton.cdiv(rows, block), 1 if v is None else 2)](
-            x, norm.weight, cos, sin, out, x if v is None else v, out if v_out is None else v_out, rows,
-            x.shape[2], norm.eps, HALF=d // 2, HALF_P2=half, BLOCK_R=block, **OPTIONS,
+            x, norm.weight, cos, sin, out, v_in, out if v_out is None else v_out, rows, x.shape[2],
+            x.stride(1), v_in.stride(1), norm.eps, HALF=d // 2, HALF_P2=half, BLOCK_R=block, **OPTIONS,
         )  # fmt: skip
     return out, v_out
 

@@ -249,20 +249,24 @@ def layer_end(
 
 @triton.jit
 def head_norms(
-    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, v_ptr, v_out_ptr, rows, heads, eps,
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, v_ptr, v_out_ptr, rows, heads, x_stride, v_stride, eps,
     HALF: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Programs (i, 0): rows of x [tokens * heads, 2 * HALF] RMS-normed with weight w and rounded to x's
     dtype, then rotated by their token's cos/sin [tokens, 2 * HALF] with `rope`'s arithmetic. Programs (i, 1),
-    where the grid has them: rows of v of the same shape normed without a weight."""
+    where the grid has them: rows of v of the same shape normed without a weight. A token's heads are
+    contiguous in x and v, tokens `x_stride` and `v_stride` values apart (columns of one merged projection's
+    output); the outputs are contiguous."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     j = tl.arange(0, HALF_P2)[None, :]
     inside = (r < rows)[:, None] & (j < HALF)
     row = r[:, None] * (2 * HALF) + j
+    head = (r % heads)[:, None] * (2 * HALF) + j
     dt = x_ptr.dtype.element_ty
     if tl.program_id(1) == 0:
-        lo = tl.load(x_ptr + row, mask=inside, other=0.0).to(tl.float32)
-        hi = tl.load(x_ptr + row + HALF, mask=inside, other=0.0).to(tl.float32)
+        src = (r // heads)[:, None] * x_stride + head
+        lo = tl.load(x_ptr + src, mask=inside, other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + src + HALF, mask=inside, other=0.0).to(tl.float32)
         rstd = _head_rstd(lo, hi, HALF, eps)
         lo = (lo * rstd * tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
         hi = (
@@ -275,8 +279,9 @@ def head_norms(
         tl.store(out_ptr + row, out_lo, mask=inside)
         tl.store(out_ptr + row + HALF, out_hi, mask=inside)
     else:
-        lo = tl.load(v_ptr + row, mask=inside, other=0.0).to(tl.float32)
-        hi = tl.load(v_ptr + row + HALF, mask=inside, other=0.0).to(tl.float32)
+        src = (r // heads)[:, None] * v_stride + head
+        lo = tl.load(v_ptr + src, mask=inside, other=0.0).to(tl.float32)
+        hi = tl.load(v_ptr + src + HALF, mask=inside, other=0.0).to(tl.float32)
         rstd = _head_rstd(lo, hi, HALF, eps)
         tl.store(v_out_ptr + row, (lo * rstd).to(dt), mask=inside)
         tl.store(v_out_ptr + row + HALF, (hi * rstd).to(dt), mask=inside)

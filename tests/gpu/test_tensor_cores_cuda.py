@@ -499,7 +499,8 @@ def test_the_routing_kernels_choose_torchs_experts_and_order_them_as_its_sort():
 def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
     """Attention's head norms at the 26B's shapes and 16 canvases (q: 16 heads of 256; a global layer's k and
     v: 2 heads of 512): within `probe.same_rotation` of torch's fused CUDA norm and RoPE (v within
-    `same_layer_end`), and bit for bit but for under 1% of the values."""
+    `same_layer_end`), and bit for bit but for under 1% of the values; heads read in place from a merged
+    q|k|v projection's columns bit for bit as from a contiguous tensor."""
     from pipeline.model.network import RMSNorm, apply_rope
     from pipeline.runtime import triton_moe, triton_network
 
@@ -525,6 +526,13 @@ def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
             one = torch.ones(1, device=CUDA, dtype=torch.bfloat16)
             assert probing.same_layer_end(got_v, v_norm(v), torch.zeros_like(v), one)
             assert float((got_v != v_norm(v)).float().mean()) < 0.01
+        # the same heads as columns of one merged q|k|v output (tokens h + 2 heads apart), read in place
+        merged = torch.cat([x, x[:, :, :1], v[:, :, :1]], dim=2).view(16, 256, -1)
+        q = merged[..., : h * d].view(16, 256, h, d)
+        got_strided = triton_network.head_norms(q, norm, cos, sin)[0]
+        assert not q.is_contiguous() and probing.same_bits(
+            got_strided, triton_network.head_norms(x, norm, cos, sin)[0]
+        )
 
 
 def test_the_norm_to_fp8_kernel_is_torchs_but_for_its_norms_sums():

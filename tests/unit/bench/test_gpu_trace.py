@@ -25,10 +25,12 @@ FLOAT_LINEARS = LAYERS + 3 + 1
 QUANTIZED_INPUTS = 4 * LAYERS
 
 
-def merged_gate_ups(linears: str) -> int:
-    """Dense MLPs whose gate and up are one GEMM: every one with float, NVFP4 or per-row FP8 weights, none
-    with the random model's FP8 ones (a weight scale each, as ModelOpt's FP8 exports)."""
-    return 0 if linears.startswith("F.scaled_mm FP8 TensorWise") else LAYERS
+def merged_away(linears: str) -> int:
+    """GEMMs saved by merging sibling linears in the two layers: with float, NVFP4 or per-row FP8 weights,
+    each dense MLP's gate and up are one GEMM (one fewer a layer) and each attention's q, k and v (two
+    fewer in the sliding layer, one in the global one, which has no v); none with the random model's FP8
+    ones (a weight scale each, as ModelOpt's FP8 exports)."""
+    return 0 if linears.startswith("F.scaled_mm FP8 TensorWise") else LAYERS + 3
 
 
 def experts_gemm(fmt: str, arch: str, batch: int) -> str:
@@ -55,7 +57,7 @@ def test_every_dispatch_row_runs_its_kernels_without_reading_the_host(fmt, arch,
         t.ops["triton::combine"] == LAYERS and "torch.bmm" not in gemms
     )  # each token's k expert rows combined
     linears = DISPATCH[fmt, arch].linears
-    merged = merged_gate_ups(linears)
+    merged = merged_away(linears)
     if linears.startswith("F.scaled_mm"):  # the self-conditioning's gate and up: one float GEMM
         assert gemms == {"F.scaled_mm": QUANTIZED_LINEARS - merged, "F.linear": FLOAT_LINEARS - 1}
     else:
@@ -157,11 +159,13 @@ def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
     """torch's element-wise NVFP4 quantization is ~50 launches an input (~13,000 a 26B pass); the kernels of
     `pipeline.runtime.triton_quant` make it one, so Hopper's NVFP4 pass launches about what its FP8 pass
     does: two more for the experts' and the dense MLP's down inputs, which FP8 quantizes inside the gated
-    GeLUs, one more for q|k|v's, which FP8's input norm writes, one fewer for gate and up in one GEMM, which
-    FP8's weight scales rule out."""
+    GeLUs, one more for q|k|v's, which FP8's input norm writes, and fewer for the GEMMs that FP8's weight
+    scales keep apart: gate and up one (one fewer a layer), q, k and v one (two fewer in the sliding layer,
+    one in the global one)."""
     inputs = QUANTIZED_INPUTS + 2 * LAYERS  # every quantized input and both expert projections'
     hopper, fp8 = gt.trace_pass("nvfp4", "sm90", 1, LAYERS), gt.trace_pass("fp8", "sm90", 1, LAYERS)
-    assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs and hopper.launches == fp8.launches + 2 * LAYERS
+    assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs
+    assert hopper.launches == fp8.launches + 2 * LAYERS - 3
     b200 = gt.trace_pass("nvfp4", "sm100", 1, LAYERS)
     # a linear's quantization writes its scales swizzled, padding included, the dense MLP's down operand
     # comes from its gated GeLU so; the experts' inputs are quantized (gate|up's on their own, down's in
@@ -300,6 +304,22 @@ def test_attentions_head_norms_take_two_launches_a_layer_where_probed(batch):
     assert torch_form.moved_gb - fused.moved_gb == pytest.approx(normed_gb, rel=0.05)
 
 
+@pytest.mark.parametrize(("fmt", "arch"), [("bf16", "sm90"), ("nvfp4", "sm100"), ("nvfp4", "sm90")])
+def test_q_k_and_v_are_one_gemm_where_the_head_norms_kernel_reads_their_columns(fmt, arch):
+    """Where their weights concatenate (float, NVFP4 with one global scale, per-row FP8), q, k and v are
+    one GEMM whose columns the head-norms kernel reads in place; where that kernel failed its probe they
+    stay three GEMMs (torch's norms would copy the columns), and the pass has the torch forms' three
+    launches a layer more and the two GEMMs of the sliding layer and one of the global one."""
+    fused = gt.trace_pass(fmt, arch, 1, LAYERS)
+    no_kernel = gt.passing_probe(arch)
+    no_kernel.results[probing.HEAD_NORMS] = "failed"
+    torch_form = gt.trace_pass(fmt, arch, 1, LAYERS, probed=no_kernel)
+    gemm = "F.linear" if fmt == "bf16" else "F.scaled_mm"
+    assert torch_form.gemms()[gemm] == fused.gemms()[gemm] + 3
+    assert torch_form.launches == fused.launches + 3 * LAYERS + 3
+    assert "aten::clone" not in torch_form.ops and "aten::contiguous" not in torch_form.ops
+
+
 @pytest.mark.parametrize(
     ("fmt", "arch", "fused"), [("fp8", "sm90", True), ("fp8", "sm100", True), ("nvfp4", "sm100", False)]
 )
@@ -413,7 +433,8 @@ def test_a_layers_norm_chains_take_one_launch_where_probed(form, kernel, superse
 
 
 @pytest.mark.parametrize(
-    ("fmt", "arch", "fewer"), [("fp8", "sm90", 5 + 1 + 2), ("nvfp4", "sm100", 5 + 3), ("bf16", "sm90", 3)]
+    ("fmt", "arch", "fewer"),
+    [("fp8", "sm90", 5 + 1 + 2), ("nvfp4", "sm100", 5 + 3 + 3), ("bf16", "sm90", 3 + 3)],
 )
 def test_sibling_linears_share_their_input_quantization_and_gate_and_up_one_gemm(
     monkeypatch, fmt, arch, fewer
@@ -421,12 +442,13 @@ def test_sibling_linears_share_their_input_quantization_and_gate_and_up_one_gemm
     """q, k and v quantize their input once (two fewer in a sliding layer, one in a global one), gate and up
     once (one fewer); FP8's shared q|k|v operand comes from the input norm (one fewer a layer).
     Gate and up are one GEMM in the float self-conditioning and, but for FP8 (a weight scale each), in
-    each dense MLP. Without sharing, every linear quantizes and runs alone."""
+    each dense MLP, and so are q, k and v (two fewer in a sliding layer, one in a global one). Without
+    sharing, every linear quantizes and runs alone."""
     shared = gt.trace_pass(fmt, arch, 1, LAYERS)
-    monkeypatch.setattr(gpu_load, "share_inputs", lambda model: (0, 0))
+    monkeypatch.setattr(gpu_load, "share_inputs", lambda model, merge_qkv: (0, 0))
     alone = gt.trace_pass(fmt, arch, 1, LAYERS)
     assert alone.launches - shared.launches == fewer
-    assert alone.gemms()["F.linear"] - shared.gemms()["F.linear"] == 1 + (fmt == "bf16") * LAYERS
+    assert alone.gemms()["F.linear"] - shared.gemms()["F.linear"] == 1 + (fmt == "bf16") * (LAYERS + 3)
     assert shared.resident_gb["experts"] == alone.resident_gb["experts"]
     assert shared.resident_gb["linears"] == pytest.approx(
         alone.resident_gb["linears"], rel=0.03

@@ -60,6 +60,31 @@ def test_head_norms_are_torchs_but_for_their_norms_sums(rne_casts, dtype, h, d):
     assert none is None and probing.same_bits(q, got)
 
 
+@interpreted
+@pytest.mark.parametrize(("h", "kv", "d"), [(16, 8, 256), (16, 2, 512), (3, 1, 24)])
+def test_head_norms_read_q_k_and_v_in_place_from_one_merged_projection(rne_casts, h, kv, d):  # noqa: F811
+    """q's, k's and v's heads as columns of one q|k|v GEMM's output (tokens h + 2 * kv heads apart): the
+    kernel reads them in place and writes what it writes from contiguous copies, bit for bit; a layout whose
+    heads are not contiguous keeps the torch form."""
+    x, _, norm, v_norm, cos, sin = heads(2, 5, h + 2 * kv, d, torch.bfloat16, seed=h)
+    proj = x.reshape(2, 5, -1)  # [B, L, (h + 2 kv) * d]: q | k | v
+    q, k, v = (c.view(2, 5, -1, d) for c in proj.split([h * d, kv * d, kv * d], dim=-1))
+    assert not q.is_contiguous() and all(triton_network.token_rows(t) for t in (q, k, v))
+    assert triton_network.head_norms_serves(q, norm, cos) and triton_network.head_norms_serves(
+        k, norm, cos, v, v_norm
+    )
+    got_q, none = triton_network.head_norms(q, norm, cos, sin)
+    got_k, got_v = triton_network.head_norms(k, norm, cos, sin, v, v_norm)
+    want_q = triton_network.head_norms(q.contiguous(), norm, cos, sin)[0]
+    want_k, want_v = triton_network.head_norms(k.contiguous(), norm, cos, sin, v.contiguous(), v_norm)
+    assert none is None and all(t.is_contiguous() for t in (got_q, got_k, got_v))
+    for a, b in ((got_q, want_q), (got_k, want_k), (got_v, want_v)):
+        assert probing.same_bits(a, b)
+    transposed = proj[..., : h * d].view(2, 5, d, h).transpose(2, 3)  # a head's values h apart
+    assert not triton_network.token_rows(transposed)
+    assert not triton_network.head_norms_serves(transposed, norm, cos)
+
+
 def test_other_heads_keep_the_torch_form(monkeypatch):
     x, v, norm, v_norm, cos, sin = heads(1, 4, 2, 64, torch.bfloat16, seed=0)
     serves = triton_network.head_norms_serves
@@ -85,6 +110,8 @@ def test_the_head_norms_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, 
         "weights reversed": lambda x, n, c, s, v=None, vn=None: kernel(x, _flipped(n), c, s, v, vn),
         "v not normed": lambda x, n, c, s, v=None, vn=None: (kernel(x, n, c, s)[0], v),
         "v scaled": lambda x, n, c, s, v=None, vn=None: (kernel(x, n, c, s)[0], kernel(v, n, c, s)[0]),
+        "tokens read as contiguous": lambda x, n, c, s, v=None, vn=None: kernel(
+            _as_contiguous(x), n, c, s, None if v is None else _as_contiguous(v), vn),
     }  # fmt: skip
     for name, form in wrong.items():
         with monkeypatch.context() as mp:
@@ -94,6 +121,12 @@ def test_the_head_norms_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, 
                 pytest.fail(f"passed: {name}")
 
 
+def _as_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x's storage from x's first value read as a contiguous tensor of x's shape: what a kernel that ignored
+    the tokens' stride would read."""
+    return x.as_strided(x.shape, torch.empty(x.shape, device="meta").stride())
+
+
 def _flipped(norm: RMSNorm) -> RMSNorm:
     out = RMSNorm(norm.weight.shape[0], norm.eps).to(norm.weight.device, norm.weight.dtype)
     out.weight.data = norm.weight.data.flip(0)
@@ -101,12 +134,15 @@ def _flipped(norm: RMSNorm) -> RMSNorm:
 
 
 @interpreted
-def test_a_model_with_the_head_norms_kernel_keeps_its_logits(rne_casts):  # noqa: F811
+@pytest.mark.parametrize("merged", [False, True])
+def test_a_model_with_the_head_norms_kernel_keeps_its_logits(rne_casts, merged):  # noqa: F811
     """The embedded model in bf16 with every layer's head norms on the kernel (as `gpu_load.fuse_network`
-    installs it): it ran for q and for k and v in every layer, prefill and denoise, and the logits and the
-    K/V a cache keeps stay within 1e-2 relative L2 of torch's (measured: 1.2e-3 and 0; a normed value one
-    rounding away, carried through the layers)."""
-    from pipeline.runtime import gpu_load
+    installs it), `merged`: q, k and v one GEMM whose columns the kernel reads in place (as
+    `gpu_load.finish_on_device` merges them where the kernel is probed): it ran for q and for k and v in
+    every layer, prefill and denoise, and the logits and the K/V a cache keeps stay within 1e-2 relative L2
+    of torch's (measured: 1.2e-3 and 0, merged or not; a normed value one rounding away, carried through the
+    layers; a merged GEMM may sum in another order on another machine)."""
+    from pipeline.runtime import gpu_load, shared_input
 
     model = embedded_bf16()
     run = denoise_and_prefill(model)
@@ -116,13 +152,26 @@ def test_a_model_with_the_head_norms_kernel_keeps_its_logits(rne_casts):  # noqa
         mp.setattr(
             triton_network,
             "head_norms",
-            lambda *a, k=triton_network.head_norms: calls.append(a[4] is None) or k(*a),
+            lambda *a, k=triton_network.head_norms: (
+                calls.append((a[4] is None, a[0].is_contiguous())) or k(*a)
+            ),
         )
+        if merged:
+            qkv = sum(2 if layer.self_attn.v_proj is not None else 1 for layer in model.layers)
+            gate_up = len(model.layers) + 1  # the dense MLPs' and the self-conditioning's
+            assert shared_input.share_inputs(model, merge_qkv=True)[1] == qkv + gate_up
         gpu_load.fuse_network(model, probing.Probe("sm90", {probing.HEAD_NORMS: None}), None)
         got = run()
     assert all(layer.self_attn.head_norms_kernel for layer in model.layers)
     layers = len(model.layers)  # q and k|v in each layer of the denoise pass and of the prefill, whose
-    assert calls.count(False) == 2 * layers and calls.count(True) == 2 * layers - 1  # last layer wants no q
+    q_calls = [contiguous for is_q, contiguous in calls if is_q]
+    kv_calls = [contiguous for is_q, contiguous in calls if not is_q]
+    assert len(kv_calls) == 2 * layers and len(q_calls) == 2 * layers - 1  # last layer wants no q
+    # merged: every q and k|v read in place from the GEMM's output, but the last layer's prefill K/V
+    # (`Attention.project_kv`: k's and v's own linears, on views of the merged weights)
+    assert q_calls.count(False) == merged * len(q_calls) and kv_calls.count(False) == merged * (
+        2 * layers - 1
+    )
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
     kv_rel = max(rel(a, b) for kv, kv_want in zip(got[1], want[1], strict=True) for a, b in zip(kv, kv_want))
     assert rel(got[0], want[0]) < 1e-2 and kv_rel < 1e-2
@@ -141,7 +190,7 @@ for cc in (90, 100, 89, 120):
     for d in (256, 512):
         for dt in ("bf16", "fp16"):
             sig = {**{p: f"*{dt}" for p in ("x_ptr", "w_ptr", "cos_ptr", "sin_ptr", "out_ptr", "v_ptr", "v_out_ptr")},
-                   "rows": "i32", "heads": "i32", "eps": "fp32"}
+                   "rows": "i32", "heads": "i32", "x_stride": "i32", "v_stride": "i32", "eps": "fp32"}
             consts = {"HALF": d // 2, "HALF_P2": d // 2, "BLOCK_R": tn.HEAD_NORMS_VALUES // d}
             src = ASTSource(fn=k.head_norms, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
                             attrs={(k.head_norms.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
