@@ -37,6 +37,7 @@ from pipeline.runtime.probe import (
     KV_CAT,
     LAYER_END,
     NORM_FP8,
+    NORM_NVFP4,
     ONE_PASS_MODES,
     RESIDUAL,
     ROPE,
@@ -47,8 +48,9 @@ from pipeline.runtime.probe import (
     probe,
 )
 from pipeline.runtime.routed import host_bound_experts, route_on_device
-from pipeline.runtime.shared_input import SharedInput, share_inputs
+from pipeline.runtime.shared_input import SharedInput, norm_operand, share_inputs
 from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, down_from_geglu, kernel_mode
+from pipeline.runtime.triton_network import DTYPES as NETWORK_DTYPES
 from pipeline.runtime.triton_network import (
     add_scaled_or_torch,
     combine,
@@ -59,6 +61,7 @@ from pipeline.runtime.triton_network import (
     kv_cat_or_torch,
     layer_end_or_torch,
     norm_fp8_or_torch,
+    norm_nvfp4_or_torch,
     rope_or_torch,
     scale_columns_or_torch,
     softcap,
@@ -246,7 +249,9 @@ def finish_on_device(
         return report
     if probed is None or ROPE not in probed.results:
         probed = probe(device, formats=())
-    shared, merged = share_inputs(model, merge_qkv=probed.ok(HEAD_NORMS))
+    # q, k and v merge where the head-norms kernel will read their columns: probed, and in a dtype it takes
+    columns_read = probed.ok(HEAD_NORMS) and model.embed_tokens.weight.dtype in NETWORK_DTYPES
+    shared, merged = share_inputs(model, merge_qkv=columns_read)
     if report is not None:
         report.shared, report.merged = shared, merged
     return fuse_network(model, probed, report)
@@ -265,28 +270,27 @@ TORCH_FORMS = {ROPE: "RoPE: torch's five element-wise kernels per tensor",
                TOP_K: "router top-k: torch's softmax, top-k, renormalisation and scale (six kernels)",
                EXPERT_ORDER: "expert order: torch's stable sort of the routed slots, their tokens and a search for the offsets",
                HEAD_NORMS: "attention head norms: torch's q, k and v norms, then q's and k's RoPE",
-               NORM_FP8: "attention input norm to FP8: torch's norm, then the FP8 quantization"}  # fmt: skip
+               NORM_FP8: "attention input norm to FP8: torch's norm, then the FP8 quantization",
+               NORM_NVFP4: "attention input norm to NVFP4: torch's norm, then the NVFP4 quantization"}  # fmt: skip
 
 
 def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None) -> Installed | None:
     """The network's element-wise chains on dgpipe's one-kernel forms (`triton_network`) where their probes
-    passed: every layer's input norm with its FP8 q|k|v operand, head norms and RoPE, K/V concatenation, gated GeLUs (dense MLP, experts, self-conditioning), router
+    passed: every layer's input norm with its FP8 or NVFP4 q|k|v operand, head norms and RoPE, K/V concatenation, gated GeLUs (dense MLP, experts, self-conditioning), router
     input and top-k, FFN inputs (the norms and residual sum after attention), experts' order and combine, the
     layer's end (its three last norms and residual sum), and the LM head's softcap; where not, the torch forms stay and
     the report says why."""
     gated = geglu_or_torch if probed.ok(GEGLU) else None
     gated_nvfp4 = geglu_nvfp4_or_torch if probed.ok(GEGLU) else None
+    fp8_of_norm = norm_fp8_or_torch if probed.ok(NORM_FP8) else None
+    nvfp4_of_norm = norm_nvfp4_or_torch if probed.ok(NORM_NVFP4) else None
     for layer in model.layers:
         layer.self_attn.rope_kernel = rope_or_torch if probed.ok(ROPE) else None
         layer.self_attn.kv_cat_kernel = kv_cat_or_torch if probed.ok(KV_CAT) else None
         layer.self_attn.head_norms_kernel = head_norms_or_torch if probed.ok(HEAD_NORMS) else None
         qkv = layer.self_attn.qkv_kernel
-        if (
-            isinstance(qkv, SharedInput)
-            and isinstance(qkv.parts[0], ScaledLinear)
-            and qkv.parts[0].mode == "fp8"
-        ):
-            qkv.norm_quant = norm_fp8_or_torch if probed.ok(NORM_FP8) else None
+        if isinstance(qkv, SharedInput) and isinstance(qkv.parts[0], ScaledLinear):
+            qkv.norm_quant = norm_operand(qkv.parts[0].mode, fp8_of_norm, nvfp4_of_norm)
         layer.mlp.geglu_kernel = gated
         layer.mlp.down_kernel = down_from_geglu(layer.mlp.down_proj, gated, gated_nvfp4)
         layer.residual_kernel = add_scaled_or_torch if probed.ok(RESIDUAL) else None

@@ -2,7 +2,7 @@
 the GPU's architecture runs once on tiny operands at load (`probe`), and dgpipe's own Triton kernels must
 also agree with a float reference that needs no vendor kernel (`check_triton_fp8`, `check_triton_bf16`), and
 the network's one-kernel chains with their torch forms (`check_triton_rope`, `_softcap`, `_combine`,
-`_geglu`, `_residual`, `_kv_cat`, `_router`, `_layer_end`, `_ffn_inputs`, `_top_k`, `_expert_order`, `_head_norms`, `_norm_fp8`).
+`_geglu`, `_residual`, `_kv_cat`, `_router`, `_layer_end`, `_ffn_inputs`, `_top_k`, `_expert_order`, `_head_norms`, `_norm_fp8`, `_norm_nvfp4`).
 What fails takes the row's fallback (`pipeline.runtime.gpu_load`), so a kernel that a host's driver,
 torch or Triton build cannot run costs speed, never a wrong answer or a crash while serving."""
 
@@ -75,11 +75,12 @@ TOP_K_FORM = ("top_k", "bf16", "bf16")  # the router's bf16 scores, and fp32 one
 EXPERT_ORDER_FORM = ("expert_order", "bf16", "bf16")  # int64 experts whatever the model's dtype
 HEAD_NORMS_FORM = ("head_norms", "bf16", "bf16")  # checked in bf16 and fp16
 NORM_FP8_FORM = ("norm_fp8", "bf16", "bf16")  # bf16 and fp16 rows to E4M3
+NORM_NVFP4_FORM = ("norm_nvfp4", "bf16", "bf16")  # bf16 and fp16 rows to NVFP4, scales swizzled
 NETWORK_FORMS = (ROPE_FORM, SOFTCAP_FORM, COMBINE_FORM, GEGLU_FORM, RESIDUAL_FORM, KV_CAT_FORM, ROUTER_FORM,
                  LAYER_END_FORM, FFN_INPUTS_FORM, TOP_K_FORM, EXPERT_ORDER_FORM, HEAD_NORMS_FORM,
-                 NORM_FP8_FORM)  # fmt: skip
+                 NORM_FP8_FORM, NORM_NVFP4_FORM)  # fmt: skip
 (ROPE, SOFTCAP, COMBINE, GEGLU, RESIDUAL, KV_CAT, ROUTER, LAYER_END, FFN_INPUTS, TOP_K, EXPERT_ORDER,
- HEAD_NORMS, NORM_FP8) = (f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS)  # fmt: skip
+ HEAD_NORMS, NORM_FP8, NORM_NVFP4) = (f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS)  # fmt: skip
 # the modes whose activations `triton_quant`'s one-pass kernels quantize, each probed on its own ("quant")
 ONE_PASS_MODES = ("fp8", "nvfp4", "fp8_rowwise")
 
@@ -578,6 +579,36 @@ def check_triton_norm_fp8(dev: torch.device) -> None:
             )
 
 
+def check_triton_norm_nvfp4(dev: torch.device) -> None:
+    """dgpipe's norm-to-NVFP4 kernel: the rows it normed within a norm's rounding of torch's fused RMSNorm
+    (`same_layer_end`), their NVFP4 codes and swizzled block scales bit for bit what
+    `scaled_layout.nvfp4_quantize` and `to_blocked` make of them (33 rows: padded to a 128-row tile), and the
+    same bytes from the launch that does not write the normed rows (the one a pass runs); bf16 and fp16 at
+    the 26B's width and a narrow one, rows over seven decades, a zero row and one with infinity and NaN, or
+    a DgpipeError."""
+    g = torch.Generator().manual_seed(18)
+    for dtype, d in ((torch.bfloat16, 2816), (torch.float16, 2816), (torch.bfloat16, 96)):
+        x = (spread(33, d, g) / 64).to(dev, dtype)
+        x[0], x[1, :2] = 0.0, torch.tensor([float("inf"), float("nan")])
+        norm = RMSNorm(d, 1e-6).to(dev, dtype)
+        norm.weight.data = (torch.rand(d, generator=g) * 2).to(dev, dtype)
+        gs, normed = torch.tensor(0.003, device=dev), torch.empty_like(x)
+        (q, s), (q_pass, s_pass) = (triton_network.norm_nvfp4(x, norm, gs, out) for out in (normed, None))
+        want_q, want_s = sl.nvfp4_quantize(normed, gs)
+        swizzled = sl.to_blocked(want_s.view(torch.uint8)).flatten()
+        zero, one = torch.zeros_like(x), torch.ones(1, device=dev, dtype=dtype)
+        if not (
+            same_layer_end(normed, norm(x), zero, one)
+            and torch.equal(q, want_q)
+            and torch.equal(s.flatten(), swizzled)
+            and torch.equal(q_pass, q)
+            and torch.equal(s_pass, s)
+        ):
+            raise DgpipeError(
+                f"the Triton norm to NVFP4 differs from torch's ({dtype}, {d} wide)", TRITON_FALLBACK
+            )
+
+
 def separated_scores(tokens: int, experts: int, g: torch.Generator) -> torch.Tensor:
     """Router scores [tokens, experts] whose probabilities no rounding can reorder: each row a random
     permutation of steps 1/16 apart around 0 (exact in bf16 up to 256 experts, in fp16 up to 512), so any two
@@ -644,7 +675,7 @@ NETWORK_CHECKS = {"rope": check_triton_rope, "softcap": check_triton_softcap, "c
                   "router": check_triton_router, "layer_end": check_triton_layer_end,
                   "ffn_inputs": check_triton_ffn_inputs, "top_k": check_triton_top_k,
                   "expert_order": check_triton_expert_order, "head_norms": check_triton_head_norms,
-                  "norm_fp8": check_triton_norm_fp8}  # fmt: skip
+                  "norm_fp8": check_triton_norm_fp8, "norm_nvfp4": check_triton_norm_nvfp4}  # fmt: skip
 assert set(NETWORK_CHECKS) == {kind for kind, _, _ in NETWORK_FORMS}
 
 

@@ -36,6 +36,33 @@ from pipeline.model import scaled_layout as sl
 from pipeline.model.network import DiffusionGemma
 from pipeline.runtime.tensor_cores import ScaledLinear, in_one_pass
 
+# (un-normed rows [M, K], their norm, a quantized linear) -> the linear's GEMM operand of the normed rows and
+# its scales, as `ScaledLinear.quantize` gives them
+NormQuant = Callable[[torch.Tensor, nn.Module, ScaledLinear], tuple[torch.Tensor, list[torch.Tensor]]]
+
+
+def norm_operand(
+    mode: str,
+    fp8_kernel: Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor] | None,
+    nvfp4_kernel: Callable[[torch.Tensor, nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None,
+) -> NormQuant | None:
+    """The operand of norm(rows) in one pass for linears in `mode` from the kernels the GPU loader installs
+    where probed (`triton_network.norm_fp8_or_torch`, `norm_nvfp4_or_torch`; None: not probed): FP8 codes at
+    the static input scale, or NVFP4 codes and block scales swizzled for `F.scaled_mm` under the global
+    scale. None for other modes (the Hopper/Ada NVFP4 fallback's per-row FP8): the norm, then `quantize`."""
+    if mode == "fp8" and fp8_kernel is not None:
+        return lambda rows, norm, linear: (fp8_kernel(rows, norm, linear.input_scale), [linear.input_scale])
+    if mode == "nvfp4" and nvfp4_kernel is not None:
+
+        def nvfp4(
+            rows: torch.Tensor, norm: nn.Module, linear: ScaledLinear
+        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            a, scales = nvfp4_kernel(rows, norm, linear.input_scale)
+            return a, [scales.view(torch.float8_e4m3fn), linear.input_scale]
+
+        return nvfp4
+    return None
+
 
 class SharedInput:
     """x -> each linear's output (`network.SharedInputKernel`) from one quantization of x and, where
@@ -47,9 +74,9 @@ class SharedInput:
         # bytes held here and by none of the model's modules: NVFP4 block scales swizzled anew (`concatenate`)
         reswizzled = isinstance(merged, ScaledLinear) and merged.mode == "nvfp4" and not _whole_tiles(parts)
         self.held_apart = merged.weight_scale.numel() if reswizzled else 0
-        # (rows, norm, scale) -> the E4M3 operand of norm(rows) in one pass (`triton_network.norm_fp8`), set by
-        # the GPU loader for FP8 parts that quantize in one pass, where probed; None: the norm, then `quantize`
-        self.norm_quant: Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor] | None = None
+        # (rows, norm, first part) -> `quantize`'s operand of norm(rows) in one pass (`norm_operand`), set by the
+        # GPU loader for parts that quantize in one pass, where probed; None: the norm, then `quantize`
+        self.norm_quant: NormQuant | None = None
 
     def __call__(self, x: torch.Tensor, norm: nn.Module | None = None) -> tuple[torch.Tensor, ...]:
         """Each part's output of x, or of norm(x) where `norm` is given (x the un-normed rows)."""
@@ -57,7 +84,7 @@ class SharedInput:
         gemms = [self.merged] if self.merged is not None else self.parts
         first = self.parts[0]
         if norm is not None and self.norm_quant is not None and in_one_pass(first.triton, x2):
-            a, a_scales = self.norm_quant(x2, norm, first.input_scale), [first.input_scale]
+            a, a_scales = self.norm_quant(x2, norm, first)
             outs = [g.gemm(a, a_scales) for g in gemms]
         elif isinstance(gemms[0], ScaledLinear):
             a, a_scales = first.quantize(x2 if norm is None else norm(x2))

@@ -82,6 +82,7 @@ from pipeline.model import network
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E2M1_MAX, E4M3_MAX, NVFP4_BLOCK
 from pipeline.model.network import DecoderLayer, RMSNorm, apply_rope, gelu_tanh
+from pipeline.runtime import triton_quant
 
 ROW_VALUES = 4096  # values per program: 16 rows of a 256-wide head, 8 of a 512-wide one
 # no floating-point contraction: with it (Triton's default) LLVM turns a product and the sum it feeds into
@@ -576,6 +577,43 @@ def norm_fp8(x: torch.Tensor, norm: RMSNorm, scale: torch.Tensor) -> torch.Tenso
 def norm_fp8_or_torch(x: torch.Tensor, norm: RMSNorm, scale: torch.Tensor) -> torch.Tensor:
     """`norm_fp8` where it serves (`norm_fp8_serves`), else the torch form: what the GPU loader installs."""
     return norm_fp8(x, norm, scale) if norm_fp8_serves(x, norm, scale) else sl.fp8_quantize(norm(x), scale)
+
+
+def norm_nvfp4_serves(x: torch.Tensor, norm: RMSNorm, gs: torch.Tensor) -> bool:
+    """`norm_fp8_serves`, with rows of whole 16-value blocks and a one-value fp32 global scale."""
+    return norm_fp8_serves(x, norm, gs) and x.shape[1] % NVFP4_BLOCK == 0
+
+
+def norm_nvfp4(
+    x: torch.Tensor, norm: RMSNorm, gs: torch.Tensor, normed: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 of norm(x) under the global scale `gs` in one pass over each row (`norm_nvfp4_serves` must
+    hold): (codes in pairs, uint8 [M, K/2]; block scales swizzled for a linear's FP4 GEMM, flat uint8), as
+    `triton_quant.nvfp4_blocked` makes them of the norm `norm_fp8` computes. `normed`: an [M, K] tensor of
+    x's dtype that also receives the normed rows (the probe's check of what was quantized)."""
+    import triton
+
+    m, k = x.shape
+    rows, cp = sl.blocked_shape(m, k // NVFP4_BLOCK)
+    packed = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(rows * cp, dtype=torch.uint8, device=x.device)
+    if rows:
+        _kernels().norm_nvfp4[(rows,)](
+            x, norm.weight, gs, packed, scales, x if normed is None else normed, m, k, cp, norm.eps,
+            E2M1_MAX=E2M1_MAX, E4M3_MAX=E4M3_MAX, WRITE_NORMED=normed is not None,
+            BLOCK=max(64, triton.next_power_of_2(k)), **ROW_OPTIONS,
+        )  # fmt: skip
+    return packed, scales
+
+
+def norm_nvfp4_or_torch(
+    x: torch.Tensor, norm: RMSNorm, gs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_nvfp4` where it serves (`norm_nvfp4_serves`), else the norm, then `triton_quant.nvfp4_blocked`:
+    what the GPU loader installs."""
+    return (
+        norm_nvfp4(x, norm, gs) if norm_nvfp4_serves(x, norm, gs) else triton_quant.nvfp4_blocked(norm(x), gs)
+    )
 
 
 KV_CAT_VALUES = 4096  # values per program: 16 tokens of a 256-wide head, 8 of a 512-wide one

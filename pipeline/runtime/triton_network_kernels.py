@@ -308,3 +308,32 @@ def norm_fp8(x_ptr, w_ptr, scale_ptr, out_ptr, cols, eps, E4M3_MAX: tl.constexpr
     v = tl.math.div_rn(n, tl.load(scale_ptr).to(tl.float32))
     v = tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
     tl.store(out_ptr + row + c, v.to(tl.float8e4nv), mask=inside)
+
+
+@triton.jit
+def norm_nvfp4(
+    x_ptr, w_ptr, gs_ptr, packed_ptr, scales_ptr, normed_ptr, rows, cols, CP, eps, E2M1_MAX: tl.constexpr,
+    E4M3_MAX: tl.constexpr, WRITE_NORMED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One row's RMSNorm as `norm_fp8` computes it, then its NVFP4 under the global scale as
+    `triton_quant_kernels.nvfp4_quant_blocked` makes it, code for code: E2M1 codes in pairs [rows, cols / 2],
+    block scales at `blocked_index` in the layout of [rows padded to 128, CP] a linear's FP4 GEMM reads, the
+    padding's zeros included (the launch covers the padded rows; BLOCK / 16 >= CP). `WRITE_NORMED`: the
+    normed row too (the load-time probe's view of what was quantized)."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    inside = (c < cols) & (tl.zeros_like(c) + r < rows)  # (a row past `rows`: padding, zero scales)
+    dt = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + r * cols + c, mask=inside, other=0.0).to(tl.float32)
+    n = _rms_norm(x, w_ptr, c, inside, cols, eps).to(dt)
+    if WRITE_NORMED:
+        tl.store(normed_ptr + r * cols + c, n, mask=inside)
+    even, odd = tl.split(tl.reshape(n.to(tl.float32), (BLOCK // 16, 8, 2)))  # each block's even, odd columns
+    codes, bs = nvfp4_encode(even, odd, gs_ptr, E2M1_MAX, E4M3_MAX)
+    pair = tl.arange(0, BLOCK // 2)
+    live = (pair < cols // 2) & (tl.zeros_like(pair) + r < rows)
+    tl.store(packed_ptr + r * (cols // 2) + pair, tl.reshape(codes, (BLOCK // 2,)), mask=live)
+    cb = tl.arange(0, BLOCK // 16)  # scale columns
+    real = (cb < cols // 16) & (tl.zeros_like(cb) + r < rows)
+    bits = tl.where(real, bs.to(tl.uint8, bitcast=True), 0)
+    tl.store(scales_ptr + blocked_index(r, cb, CP), bits, mask=cb < CP)

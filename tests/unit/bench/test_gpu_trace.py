@@ -170,7 +170,8 @@ def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
     # a linear's quantization writes its scales swizzled, padding included, the dense MLP's down operand
     # comes from its gated GeLU so; the experts' inputs are quantized (gate|up's on their own, down's in
     # the gated GeLU), then their scales gathered and swizzled by expert group: no zero-filled outputs
-    assert b200.ops["triton::nvfp4_quant_blocked"] == QUANTIZED_INPUTS - LAYERS
+    assert b200.ops["triton::nvfp4_quant_blocked"] == QUANTIZED_INPUTS - 2 * LAYERS  # q|k|v's: from the norm
+    assert b200.ops["triton::norm_nvfp4"] == LAYERS
     assert b200.ops["triton::nvfp4_quant"] == LAYERS
     assert b200.ops["triton::geglu_nvfp4"] == b200.ops["triton::blocked_scales"] == 2 * LAYERS
     assert "aten::zeros" not in b200.ops
@@ -320,24 +321,29 @@ def test_q_k_and_v_are_one_gemm_where_the_head_norms_kernel_reads_their_columns(
     assert "aten::clone" not in torch_form.ops and "aten::contiguous" not in torch_form.ops
 
 
+NORM_OPERANDS = {"fp8": ("triton::norm_fp8", probing.NORM_FP8, "triton::fp8_static_quant"),
+                 "nvfp4": ("triton::norm_nvfp4", probing.NORM_NVFP4, "triton::nvfp4_quant_blocked")}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    ("fmt", "arch", "fused"), [("fp8", "sm90", True), ("fp8", "sm100", True), ("nvfp4", "sm100", False)]
+    ("fmt", "arch"), [("fp8", "sm90"), ("fp8", "sm100"), ("nvfp4", "sm100"), ("nvfp4", "sm90")]
 )
-def test_a_layers_input_norm_writes_its_fp8_qkv_operand_where_probed(fmt, arch, fused):
-    """FP8 q, k and v read their shared operand straight from the layer's un-normed input (one launch where
-    torch's norm and the quantization are two, and the normed bf16 rows never written); NVFP4 operands keep
-    the norm, then their own quantization."""
+def test_a_layers_input_norm_writes_its_qkv_operand_where_probed(fmt, arch):
+    """FP8 and NVFP4 q, k and v read their shared operand straight from the layer's un-normed input (one
+    launch where torch's norm and the quantization are two, and the normed bf16 rows never written); the
+    Hopper/Ada NVFP4 fallback's per-row FP8 operand keeps the norm, then its own quantization."""
     t = gt.trace_pass(fmt, arch, 16, LAYERS)
-    if not fused:
-        assert "triton::norm_fp8" not in t.ops
+    kernel, form, superseded = NORM_OPERANDS[fmt]
+    if arch == "sm90" and fmt == "nvfp4":
+        assert not {"triton::norm_fp8", "triton::norm_nvfp4"} & set(t.ops)
         return
-    assert t.ops["triton::norm_fp8"] == LAYERS
+    assert t.ops[kernel] == LAYERS
     no_kernel = gt.passing_probe(arch)
-    no_kernel.results[probing.NORM_FP8] = "failed"
+    no_kernel.results[form] = "failed"
     torch_form = gt.trace_pass(fmt, arch, 16, LAYERS, probed=no_kernel)
-    assert "triton::norm_fp8" not in torch_form.ops
+    assert kernel not in torch_form.ops
     assert torch_form.ops["aten::rms_norm"] == t.ops["aten::rms_norm"] + LAYERS
-    assert torch_form.ops["triton::fp8_static_quant"] == t.ops["triton::fp8_static_quant"] + LAYERS
+    assert torch_form.ops[superseded] == t.ops.get(superseded, 0) + LAYERS
     assert torch_form.launches == t.launches + LAYERS
     row_gb = 16 * 256 * 2816 * 2 / 1e9  # the normed rows, bf16, written and read back
     assert torch_form.moved_gb - t.moved_gb == pytest.approx(LAYERS * 2 * row_gb, rel=0.05)
@@ -434,13 +440,13 @@ def test_a_layers_norm_chains_take_one_launch_where_probed(form, kernel, superse
 
 @pytest.mark.parametrize(
     ("fmt", "arch", "fewer"),
-    [("fp8", "sm90", 5 + 1 + 2), ("nvfp4", "sm100", 5 + 3 + 3), ("bf16", "sm90", 3 + 3)],
+    [("fp8", "sm90", 5 + 1 + 2), ("nvfp4", "sm100", 5 + 3 + 3 + 2), ("bf16", "sm90", 3 + 3)],
 )
 def test_sibling_linears_share_their_input_quantization_and_gate_and_up_one_gemm(
     monkeypatch, fmt, arch, fewer
 ):
     """q, k and v quantize their input once (two fewer in a sliding layer, one in a global one), gate and up
-    once (one fewer); FP8's shared q|k|v operand comes from the input norm (one fewer a layer).
+    once (one fewer); FP8's and NVFP4's shared q|k|v operand comes from the input norm (one fewer a layer).
     Gate and up are one GEMM in the float self-conditioning and, but for FP8 (a weight scale each), in
     each dense MLP, and so are q, k and v (two fewer in a sliding layer, one in a global one). Without
     sharing, every linear quantizes and runs alone."""

@@ -211,3 +211,20 @@ def test_the_kernel_compiles_for_hopper_b200_ada_and_rtx_blackwell_without_spill
     for k in compiled:
         assert not separate_roundings_missing(k["ptx"]), (k["cc"], k["d"], k["dtype"])
         assert not spills(k["cubin"]), (k["cc"], k["d"], k["dtype"])
+
+
+@pytest.mark.parametrize(("dtype", "probed", "merged"), [
+    (torch.bfloat16, True, True), (torch.bfloat16, False, False), (torch.float32, True, False),
+])  # fmt: skip
+def test_a_gpu_load_merges_q_k_and_v_only_where_the_head_norms_kernel_reads_them(dtype, probed, merged):
+    """`gpu_load.finish_on_device` makes q, k and v one GEMM where the head-norms kernel passed its probe and
+    takes the model's dtype (bf16, fp16); elsewhere torch's norms would copy the merged output's columns."""
+    from pipeline.model.checkpoint import load_model
+    from pipeline.resources import EMBEDDED_MODEL
+    from pipeline.runtime import gpu_load
+
+    model = load_model(EMBEDDED_MODEL, dtype)[0].eval()
+    results = {**dict.fromkeys(gpu_load.TORCH_FORMS), probing.HEAD_NORMS: None if probed else "failed"}
+    gpu_load.finish_on_device(model, torch.device("cuda"), probing.Probe("sm90", results), None)
+    attn = model.layers[0].self_attn
+    assert (attn.qkv_kernel is not None and attn.qkv_kernel.merged is not None) == merged

@@ -1,7 +1,8 @@
-"""dgpipe's norm-to-FP8 kernel (`pipeline.runtime.triton_network.norm_fp8`: a layer's input norm written as
-its FP8 q|k|v operand in one pass) in Triton's interpreter, with round-to-nearest-even casts
-(tests/_utils/interpreter_casts.py): against torch's fused RMSNorm then the FP8 quantization, its probe, and
-compiled for Hopper, B200, Ada and RTX Blackwell without a GPU; and `SharedInput` taking the un-normed rows."""
+"""dgpipe's norm-to-FP8 and norm-to-NVFP4 kernels (`pipeline.runtime.triton_network.norm_fp8`, `norm_nvfp4`: a
+layer's input norm written as its quantized q|k|v operand in one pass) in Triton's interpreter, with
+round-to-nearest-even casts (tests/_utils/interpreter_casts.py): against torch's fused RMSNorm then the
+quantization, their probes, and compiled for Hopper, B200, Ada and RTX Blackwell without a GPU; and
+`SharedInput` taking the un-normed rows."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pipeline.model.network import RMSNorm
 from pipeline.runtime import probe as probing
 from pipeline.runtime import shared_input as si
 from pipeline.runtime import tensor_cores as tc
-from pipeline.runtime import triton_network
+from pipeline.runtime import triton_network, triton_quant
 from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
 from tests._utils.quantized import packed_linear
 from tests._utils.triton_compile import compiled_for_gpus, separate_roundings_missing, spills
@@ -86,6 +87,73 @@ def test_the_norm_fp8_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, mo
                 pytest.fail(f"passed: {name}")
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize(("m", "d"), [(37, 2816), (130, 96), (2, 16)])
+def test_the_norm_to_nvfp4_is_torchs_but_for_its_norms_sums(rne_casts, dtype, m, d):  # noqa: F811
+    """The 26B's width, a narrow one over two 128-row tiles, two rows of one block: the codes and swizzled block scales
+    (padding's zeros included) are bit for bit what `triton_quant.nvfp4_blocked` makes of the rows the kernel
+    normed, those within a norm's rounding of torch's (`probe.same_layer_end`), and the quantization of
+    torch's norm differs in under 0.5% of the codes and 1% of the scales (a normed value one rounding
+    away can move its block's maximum)."""
+    x, norm = rows_and_norm(m, d, dtype, seed=d + m)
+    gs = torch.tensor(0.003)
+    assert triton_network.norm_nvfp4_serves(x, norm, gs)
+    normed = torch.empty_like(x)
+    q, s = triton_network.norm_nvfp4(x, norm, gs, normed)
+    assert probing.same_layer_end(normed, norm(x), torch.zeros_like(x), torch.ones(1, dtype=dtype))
+    want_q, want_s = triton_quant.nvfp4_blocked(normed, gs)
+    assert torch.equal(q, want_q) and torch.equal(s, want_s)
+    assert [
+        torch.equal(a, b) for a, b in zip(triton_network.norm_nvfp4(x, norm, gs), (q, s), strict=True)
+    ] == [True] * 2
+    torch_q, torch_s = triton_quant.nvfp4_blocked(norm(x), gs)
+    assert float((q != torch_q).float().mean()) < 5e-3 and float((s != torch_s).float().mean()) < 1e-2
+
+
+def test_other_rows_keep_the_torch_form_of_the_nvfp4_operand(monkeypatch):
+    x, norm = rows_and_norm(4, 64, torch.bfloat16, seed=1)
+    gs = torch.tensor(0.01)
+    assert not triton_network.norm_nvfp4_serves(
+        x[:, :40].contiguous(), RMSNorm(40, 1e-6).bfloat16(), gs
+    )  # 40: no whole blocks
+    assert not triton_network.norm_nvfp4_serves(x.float(), norm.float(), gs)
+    monkeypatch.setattr(triton_network, "norm_nvfp4", lambda *a: pytest.fail("the kernel ran"))
+    monkeypatch.setattr(triton_quant, "nvfp4_blocked", lambda rows, g: ("quantized", rows))
+    got = triton_network.norm_nvfp4_or_torch(x.float(), norm.float(), gs)
+    same = torch.allclose(got[1], norm(x.float()), rtol=0, atol=0, equal_nan=True)  # (a NaN row)
+    assert got[0] == "quantized" and same
+
+
+@interpreted
+def test_the_norm_nvfp4_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, monkeypatch):  # noqa: F811
+    probing.check_triton_norm_nvfp4(CPU)
+    kernel = triton_network.norm_nvfp4
+
+    def not_normed(x, n, gs, normed=None):
+        if normed is not None:
+            normed.copy_(x)
+        return triton_quant.nvfp4_blocked(x, gs)
+
+    def scales_a_tile_off(x, n, gs, normed=None):
+        q, s = kernel(x, n, gs, normed)
+        return q, s.roll(512)
+
+    wrong = {
+        "global scale doubled": lambda x, n, gs, normed=None: kernel(x, n, gs * 2, normed),
+        "not normed": not_normed,
+        "weights reversed": lambda x, n, gs, normed=None: kernel(x, _flipped(n), gs, normed),
+        "scales a tile off": scales_a_tile_off,
+        "normed rows not written": lambda x, n, gs, normed=None: kernel(x, n, gs),
+    }
+    for name, form in wrong.items():
+        with monkeypatch.context() as mp:
+            mp.setattr(triton_network, "norm_nvfp4", form)
+            with pytest.raises(DgpipeError, match="norm to NVFP4 differs"):
+                probing.check_triton_norm_nvfp4(CPU)
+                pytest.fail(f"passed: {name}")
+
+
 def _flipped(norm: RMSNorm) -> RMSNorm:
     out = RMSNorm(norm.weight.shape[0], norm.eps).to(norm.weight.dtype)
     out.weight.data = norm.weight.data.flip(0)
@@ -110,12 +178,34 @@ def test_shared_fp8_projections_take_their_operand_from_the_un_normed_rows(monke
     monkeypatch.setattr(tc, "in_one_pass", lambda triton, t: triton)  # as on CUDA
     monkeypatch.setattr(si, "in_one_pass", lambda triton, t: triton)
     calls = []
-    shared.norm_quant = lambda rows, n, s: calls.append(rows.shape) or sl.fp8_quantize(n(rows), s)
+    fp8_of_norm = lambda rows, n, s: calls.append(rows.shape) or sl.fp8_quantize(n(rows), s)
+    shared.norm_quant = si.norm_operand("fp8", fp8_of_norm, None)
     quantize_rows = tc.quantize_rows
     monkeypatch.setattr(tc, "quantize_rows", lambda *a: pytest.fail("quantized again") or quantize_rows(*a))
     for a, b in zip(shared(x, norm), want, strict=True):
         assert torch.equal(a, b)
     assert calls == [(10, 64)]
+
+
+@interpreted
+def test_nvfp4_projections_take_their_operand_from_the_un_normed_rows(rne_casts, monkeypatch):  # noqa: F811
+    """`norm_operand` gives an NVFP4 linear the operand and scales its own one-pass `quantize` gives the normed
+    rows (here from the norm-to-NVFP4 kernel's torch form), in the order its GEMM takes them; FP8 takes the
+    FP8 kernel's codes at the input scale; the per-row FP8 fallback, or a kernel not probed, takes none."""
+    gen = torch.Generator().manual_seed(6)
+    linear = tc.ScaledLinear(packed_linear("nvfp4", 48, 64, gen), "nvfp4", CPU, torch.float32, triton=True)
+    x, norm = rows_and_norm(5, 64, torch.bfloat16, seed=7)
+    monkeypatch.setattr(tc, "in_one_pass", lambda triton, t: triton)  # as on CUDA
+    operand = si.norm_operand("nvfp4", None, lambda rows, n, gs: triton_quant.nvfp4_blocked(n(rows), gs))
+    (a, (scales, gs)), (want_a, (want_scales, want_gs)) = operand(x, norm, linear), linear.quantize(norm(x))
+    assert torch.equal(a, want_a) and gs is want_gs is linear.input_scale
+    assert scales.dtype == want_scales.dtype == torch.float8_e4m3fn
+    assert torch.equal(scales.view(torch.uint8), want_scales.view(torch.uint8))
+    fp8 = si.norm_operand("fp8", lambda rows, n, s: ("codes", s), None)
+    assert fp8(x, norm, linear) == (("codes", linear.input_scale), [linear.input_scale])
+    assert (
+        si.norm_operand("fp8_rowwise", fp8, operand) is None and si.norm_operand("nvfp4", fp8, None) is None
+    )
 
 
 COMPILE_FOR_GPUS = """
@@ -137,18 +227,29 @@ for cc in (90, 100, 89, 120):
         kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=tn.ROW_OPTIONS)
         cubin = Path(sys.argv[1]) / f"norm_fp8_{dt}_sm{cc}.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
-        out.append({"cc": cc, "dtype": dt, "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
+        out.append({"cc": cc, "dtype": dt, "kernel": "fp8", "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
+        sig = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "gs_ptr": "*fp32", "packed_ptr": "*u8", "scales_ptr": "*u8",
+               "normed_ptr": f"*{dt}", "rows": "i32", "cols": "i32", "CP": "i32", "eps": "fp32"}
+        consts = {"E2M1_MAX": 6.0, "E4M3_MAX": 448.0, "WRITE_NORMED": False, "BLOCK": 4096}
+        src = ASTSource(fn=k.norm_nvfp4, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
+                        attrs={(k.norm_nvfp4.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
+        kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=tn.ROW_OPTIONS)
+        cubin = Path(sys.argv[1]) / f"norm_nvfp4_{dt}_sm{cc}.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        out.append({"cc": cc, "dtype": dt, "kernel": "nvfp4", "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
 json.dump(out, sys.stdout)
 """
 
 
 def test_the_kernel_compiles_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
-    """Triton lowers the norm-to-FP8 kernel for bf16 and fp16 rows to sm_90a, sm_100a, sm_89 and sm_120
-    cubins, no GPU needed: an IEEE division (`div.rn.f32`), the saturating round-to-nearest E4M3 conversion,
-    no fused multiply-add, and no register spills (no STL/LDL in the SASS)."""
+    """Triton lowers the norm-to-FP8 and norm-to-NVFP4 kernels for bf16 and fp16 rows to sm_90a, sm_100a,
+    sm_89 and sm_120 cubins, no GPU needed: IEEE divisions (`div.rn.f32`), the saturating round-to-nearest
+    E4M3 conversion (of the codes, or of the block scales), no fused multiply-add, and no register spills (no
+    STL/LDL in the SASS)."""
     compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
-    assert len(compiled) == 8
+    assert len(compiled) == 16
     for k in compiled:
-        assert "div.rn.f32" in k["ptx"] and "cvt.rn.satfinite.e4m3x2.f32" in k["ptx"], (k["cc"], k["dtype"])
-        assert not separate_roundings_missing(k["ptx"]), (k["cc"], k["dtype"])
-        assert not spills(k["cubin"]), (k["cc"], k["dtype"])
+        where = (k["cc"], k["dtype"], k["kernel"])
+        assert "div.rn.f32" in k["ptx"] and "cvt.rn.satfinite.e4m3x2.f32" in k["ptx"], where
+        assert not separate_roundings_missing(k["ptx"]), where
+        assert not spills(k["cubin"]), where
