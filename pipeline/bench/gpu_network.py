@@ -7,7 +7,7 @@ layer's keys and values with the keys' RoPE (`head_norms`, against torch's fused
 the logits, the experts' combine of rows in slot order, the gated GeLU of the experts' gate|up output (bf16,
 and FP8 against the GeLU, product and one-pass quantization it replaces), a layer's residual sum, the
 router's input scales, a layer's FFN inputs (the norms and residual sum after attention) and end (its three
-last norms, two sums and scale), a layer's input norm written as its FP8 operand (`norm_fp8`, against the
+last norms, two sums and scale), a layer's input norm written as its FP8 or NVFP4 operand (`norm_fp8`, `norm_nvfp4`, against the
 norm then the one-pass quantization), the router's top-k and the experts' order (`pipeline.runtime.triton_routing`;
 on scores without ties, `probe.separated_scores`), and the K/V concatenation of a sliding layer over the benchmark's cached tokens, read
 from a cache buffer as the runtime reads it."""
@@ -96,6 +96,8 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
          lambda: tn.layer_end(residual, x, moe, norms, layer_scale)),
         (f"input norm to FP8 [{tokens}, {d}]", lambda: triton_quant.fp8(norms[0](x.view(tokens, d)), fp8_scale),
          lambda: tn.norm_fp8(x.view(tokens, d), norms[0], fp8_scale)),
+        (f"input norm to NVFP4 [{tokens}, {d}]", lambda: triton_quant.nvfp4_blocked(norms[0](x.view(tokens, d)), scale),
+         lambda: tn.norm_nvfp4(x.view(tokens, d), norms[0], scale)),
         (f"router top-k [{tokens}, {experts}] top {k}", lambda: route_scores(scores, k, expert_scale)[1:],
          lambda: tr.top_k(scores, k, expert_scale)),
         (f"expert order [{tokens} x {k}]", lambda: with_rows(sl.expert_order(index, experts)),

@@ -46,6 +46,15 @@ def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+class Fp8Rows(NamedTuple):
+    """Activation rows already quantized for their GEMM by the kernel that made them (the GPU path's FFN
+    inputs): `fp8_quantize(rows, scale)` without the rows ever written in their own dtype."""
+
+    codes: torch.Tensor  # E4M3, the rows' shape
+    scale: torch.Tensor  # the static fp32 input scale of the GEMM that reads them
+    dtype: torch.dtype  # the rows' dtype: what the GEMM's consumers compute in
+
+
 def fp8_rowwise_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A float weight [..., N, K] re-quantized to E4M3 with one scale per output row ([..., N] fp32):
     the FP8 form of a weight whose own format has no kernel on this GPU (NVFP4 on Hopper)."""

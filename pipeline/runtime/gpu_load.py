@@ -7,6 +7,7 @@ it)."""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from pipeline.errors import DgpipeError
 from pipeline.model.checkpoint import Checkpoint, load_model
 from pipeline.model.files import runtime_name, weight_files
 from pipeline.model.modelopt import PackedLinear, quant_algo
-from pipeline.model.network import DiffusionGemma
+from pipeline.model.network import DecoderLayer, DiffusionGemma, FfnInputsKernel
 from pipeline.runtime.dispatch import (
     EVERY_PASS,
     NO_GROUPED_KERNEL,
@@ -257,6 +258,24 @@ def finish_on_device(
     return fuse_network(model, probed, report)
 
 
+def ffn_inputs_for(layer: DecoderLayer) -> FfnInputsKernel:
+    """The FFN-inputs kernel for `layer`, writing the dense MLP's and the experts' inputs as the FP8 operands
+    their GEMMs read where those quantize them in one pass at a static scale (`SharedInput` FP8 gate and up,
+    `ScaledExperts` FP8): the same codes and scales they would make, one launch and a pass over the rows
+    fewer each. Elsewhere the rows as they are."""
+    gate_up, experts = layer.mlp.gate_up_kernel, layer.experts
+    first = gate_up.parts[0] if isinstance(gate_up, SharedInput) else None
+    mlp_fp8 = isinstance(first, ScaledLinear) and first.mode == "fp8" and first.triton
+    experts_fp8 = isinstance(experts, ScaledExperts) and experts.mode == "fp8" and experts.one_pass
+    if not (mlp_fp8 or experts_fp8):
+        return ffn_inputs_or_torch
+    return functools.partial(
+        ffn_inputs_or_torch,
+        mlp_scale=first.input_scale if mlp_fp8 else None,
+        experts_scale=experts.in_scale if experts_fp8 else None,
+    )
+
+
 # what runs where a `triton_network` kernel failed its probe
 TORCH_FORMS = {ROPE: "RoPE: torch's five element-wise kernels per tensor",
                SOFTCAP: "logit softcap: torch's four passes over the logits",
@@ -295,7 +314,7 @@ def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None)
         layer.mlp.down_kernel = down_from_geglu(layer.mlp.down_proj, gated, gated_nvfp4)
         layer.residual_kernel = add_scaled_or_torch if probed.ok(RESIDUAL) else None
         layer.end_kernel = layer_end_or_torch if probed.ok(LAYER_END) else None
-        layer.ffn_inputs_kernel = ffn_inputs_or_torch if probed.ok(FFN_INPUTS) else None
+        layer.ffn_inputs_kernel = ffn_inputs_for(layer) if probed.ok(FFN_INPUTS) else None
         layer.router.scale_kernel = scale_columns_or_torch if probed.ok(ROUTER) else None
         layer.router.top_k_kernel = top_k_or_torch if probed.ok(TOP_K) else None
         if hasattr(layer.experts, "combine_kernel"):  # every experts module routed on the device

@@ -490,8 +490,10 @@ def check_triton_ffn_inputs(dev: torch.device) -> None:
     """dgpipe's FFN-inputs kernel (a norm, the residual sum, three norms of it, the router's scales) against
     torch's form (`network.ffn_inputs`) at the 26B's width and one that is no power of two, bf16 and fp16,
     values over seven decades, a zero row and one with infinity and NaN: each output as close as a norm's sum
-    in another order allows (`same_layer_end`: the residual's h, the norms' values themselves), or a
-    DgpipeError."""
+    in another order allows (`same_layer_end`: the residual's h, the norms' values themselves); and the
+    launch that writes the MLP's and the experts' inputs as FP8 operands (scales that saturate some codes)
+    writes the E4M3 codes `scaled_layout.fp8_quantize` makes of the rows it writes otherwise, bit for bit,
+    and its other outputs unchanged; or a DgpipeError."""
     g = torch.Generator().manual_seed(13)
     for dtype, d in ((torch.bfloat16, 2816), (torch.float16, 2816), (torch.bfloat16, 100)):
         h, attn = (spread(6, d, g) / 64).to(dev, dtype).view(2, 3, d).unbind()
@@ -500,8 +502,22 @@ def check_triton_ffn_inputs(dev: torch.device) -> None:
         got = triton_network.ffn_inputs(layer, h, attn)
         want = ffn_inputs(layer, h, attn)
         zero, one = torch.zeros_like(h), torch.ones(1, device=dev, dtype=dtype)
-        if not same_layer_end(got[0], want[0], h, one) or not all(
-            same_layer_end(a, b, zero.view_as(b), one) for a, b in zip(got[1:], want[1:], strict=True)
+        mlp_scale, experts_scale = torch.tensor(0.002, device=dev), torch.tensor(0.0005, device=dev)
+        fp8 = triton_network.ffn_inputs(layer, h, attn, mlp_scale, experts_scale)
+        if not (
+            same_layer_end(got[0], want[0], h, one)
+            and all(
+                same_layer_end(a, b, zero.view_as(b), one) for a, b in zip(got[1:], want[1:], strict=True)
+            )
+            and same_bits(fp8[0], got[0])
+            and same_bits(fp8[3], got[3])
+            and all(
+                isinstance(q, sl.Fp8Rows)
+                and q.scale is scale
+                and q.dtype == dtype
+                and fp8_codes_equal(q.codes, sl.fp8_quantize(rows, scale))
+                for q, rows, scale in ((fp8[1], got[1], mlp_scale), (fp8[2], got[2], experts_scale))
+            )
         ):
             raise DgpipeError(
                 f"the Triton FFN inputs differ from torch's ({dtype}, {d} wide)", TRITON_FALLBACK

@@ -78,11 +78,18 @@ class SharedInput:
         # GPU loader for parts that quantize in one pass, where probed; None: the norm, then `quantize`
         self.norm_quant: NormQuant | None = None
 
-    def __call__(self, x: torch.Tensor, norm: nn.Module | None = None) -> tuple[torch.Tensor, ...]:
-        """Each part's output of x, or of norm(x) where `norm` is given (x the un-normed rows)."""
-        x2 = x.reshape(-1, x.shape[-1])
+    def __call__(
+        self, x: torch.Tensor | sl.Fp8Rows, norm: nn.Module | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """Each part's output of x, or of norm(x) where `norm` is given (x the un-normed rows). x may come as
+        its FP8 operand (`scaled_layout.Fp8Rows`, at the parts' input scale: `gpu_load.fuse_network`)."""
         gemms = [self.merged] if self.merged is not None else self.parts
         first = self.parts[0]
+        if isinstance(x, sl.Fp8Rows):  # made by the kernel that wrote the rows
+            x, a_scales = x.codes, [x.scale]
+            outs = [g.gemm(x.reshape(-1, x.shape[-1]), a_scales) for g in gemms]
+            return self._split(outs, x.shape)
+        x2 = x.reshape(-1, x.shape[-1])
         if norm is not None and self.norm_quant is not None and in_one_pass(first.triton, x2):
             a, a_scales = self.norm_quant(x2, norm, first)
             outs = [g.gemm(a, a_scales) for g in gemms]
@@ -92,9 +99,13 @@ class SharedInput:
         else:
             x2 = x2 if norm is None else norm(x2)
             outs = [F.linear(x2, g.weight, g.bias) for g in gemms]
+        return self._split(outs, x.shape)
+
+    def _split(self, outs: list[torch.Tensor], shape: torch.Size) -> tuple[torch.Tensor, ...]:
+        """The parts' outputs [..., out_features] from the GEMMs' [rows, N] (the merged one's column views)."""
         if self.merged is not None:
             outs = list(outs[0].split(self.sizes, dim=-1))
-        return tuple(o.view(*x.shape[:-1], o.shape[-1]) for o in outs)
+        return tuple(o.view(*shape[:-1], o.shape[-1]) for o in outs)
 
 
 def shares_quantization(parts: Sequence[nn.Module]) -> bool:

@@ -251,7 +251,9 @@ class ScaledExperts(nn.Module):
         g = lambda n: getattr(self, n, None)
         return g("w13"), g("s13"), g("g13"), g("w2"), g("s2"), g("g2")
 
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor | sl.Fp8Rows, index: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         scales = (self.in_scale, self.down_in_scale)
         return scaled_experts(
             x, index, weights, *self._weights(), *scales, self.mode, self.triton_rows, self.one_pass,
@@ -391,7 +393,7 @@ def down_operand(
 
 
 def scaled_experts(
-    x: torch.Tensor,
+    x: torch.Tensor | sl.Fp8Rows,
     index: torch.Tensor,
     weights: torch.Tensor,
     w13: torch.Tensor,
@@ -419,7 +421,8 @@ def scaled_experts(
     not gathered in bf16 and quantized top_k times over; the outputs go back to slot order with one
     permutation and each token's k rows are combined by one batched product (fp32 accumulation, no
     atomics, deterministic), not scattered with bf16 atomic adds. On an H200 at batch 16 those two
-    element-wise paths took most of the experts' non-GEMM time (BENCHMARKS.md, "26B-A4B denoise pass")."""
+    element-wise paths took most of the experts' non-GEMM time (BENCHMARKS.md, "26B-A4B denoise pass").
+    x [tokens, d] may come as its FP8 operand at `in_scale` (`scaled_layout.Fp8Rows`)."""
     routing = sl.expert_order(index, w13.shape[0], order_kernel)
     order, token_of, offs = routing.order, routing.token_of, routing.offs
     compiling = torch.compiler.is_compiling()
@@ -434,11 +437,15 @@ def scaled_experts(
             q[token_of], qs, w13, s13, g13, in_scale, offs, mode, one_pass=one_pass, scale_rows=token_of
         )
         down_gemm = lambda q, qs: gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode, one_pass=one_pass)
-    gate, up = gate_up_gemm(*quantize_rows(x, in_scale, mode, one_pass)).chunk(2, dim=-1)
+    if isinstance(x, sl.Fp8Rows):  # the FFN-inputs kernel's operand at `in_scale` (`gpu_load.fuse_network`)
+        operand, dtype = (x.codes, x.scale.float().expand(x.codes.shape[0])), x.dtype
+    else:
+        operand, dtype = quantize_rows(x, in_scale, mode, one_pass), x.dtype
+    gate, up = gate_up_gemm(*operand).chunk(2, dim=-1)
     y = down_gemm(*down_operand(gate, up, down_in_scale, mode, one_pass, geglu_kernel, geglu_nvfp4))
     if in_slot_order:
-        return combine_slots(y, weights, combine).to(x.dtype)
-    return combine_top_k(y, routing, weights, combine).to(x.dtype)
+        return combine_slots(y, weights, combine).to(dtype)
+    return combine_top_k(y, routing, weights, combine).to(dtype)
 
 
 # The two vendor GEMM calls as custom ops, opaque to the compiler, used under --compile. Dynamo cannot trace

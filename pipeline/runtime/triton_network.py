@@ -84,6 +84,7 @@ from pipeline.model.fake_quant import E2M1_MAX, E4M3_MAX, NVFP4_BLOCK
 from pipeline.model.network import DecoderLayer, RMSNorm, apply_rope, gelu_tanh
 from pipeline.runtime import triton_quant
 
+FfnInput = torch.Tensor | sl.Fp8Rows  # an FFN branch's input: rows, or their FP8 operand (`ffn_inputs`)
 ROW_VALUES = 4096  # values per program: 16 rows of a 256-wide head, 8 of a 512-wide one
 # no floating-point contraction: with it (Triton's default) LLVM turns a product and the sum it feeds into
 # one fused multiply-add, rounding once where torch rounds twice (seen in the PTX for sm_90a: fma.rn.bf16)
@@ -508,39 +509,58 @@ def ffn_inputs_serves(layer: DecoderLayer, h: torch.Tensor, attn: torch.Tensor) 
 
 
 def ffn_inputs(
-    layer: DecoderLayer, h: torch.Tensor, attn: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    layer: DecoderLayer,
+    h: torch.Tensor,
+    attn: torch.Tensor,
+    mlp_scale: torch.Tensor | None = None,
+    experts_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, FfnInput, FfnInput, torch.Tensor]:
     """`pipeline.model.network.ffn_inputs` in one pass over each row (`ffn_inputs_serves` must hold): two norm
     statistics (the attention output's, the residual's) where torch's form computes five, in fp32 as torch's
-    fused RMSNorm but for the order of the sums of squares, every result rounded where torch rounds it."""
+    fused RMSNorm but for the order of the sums of squares, every result rounded where torch rounds it.
+    `mlp_scale`, `experts_scale` (one-value fp32): that input comes as its FP8 operand at that static scale
+    (`scaled_layout.Fp8Rows`: what `triton_quant.fp8` makes of the rounded rows, code for code), for a GEMM
+    that reads it as such (`gpu_load.fuse_network`)."""
     import triton
 
     d = h.shape[-1]
     rows = h.numel() // d if d else 0
-    residual, mlp_in = torch.empty_like(h), torch.empty_like(h)
-    experts_in, router_in = (torch.empty(rows, d, dtype=h.dtype, device=h.device) for _ in range(2))
+    fp8 = torch.float8_e4m3fn
+    residual = torch.empty_like(h)
+    mlp_in = torch.empty(h.shape, dtype=h.dtype if mlp_scale is None else fp8, device=h.device)
+    experts_in = torch.empty(rows, d, dtype=h.dtype if experts_scale is None else fp8, device=h.device)
+    router_in = torch.empty(rows, d, dtype=h.dtype, device=h.device)
     if rows:
         norms = (
             layer.post_attention_layernorm,
             layer.pre_feedforward_layernorm,
             layer.pre_feedforward_layernorm_2,
         )
+        unread = layer.router.scale  # a scale pointer the kernel does not read
         _kernels().ffn_inputs[(rows,)](
-            h, attn, *(n.weight for n in norms), layer.router.scale, residual, mlp_in, experts_in, router_in, d,
-            norms[0].eps, layer.router.root, BLOCK=triton.next_power_of_2(d), **ROW_OPTIONS,
+            h, attn, *(n.weight for n in norms), layer.router.scale, residual, mlp_in, experts_in, router_in,
+            unread if mlp_scale is None else mlp_scale, unread if experts_scale is None else experts_scale, d,
+            norms[0].eps, layer.router.root, E4M3_MAX=E4M3_MAX, MLP_FP8=mlp_scale is not None,
+            EXP_FP8=experts_scale is not None, BLOCK=triton.next_power_of_2(d), **ROW_OPTIONS,
         )  # fmt: skip
-    return residual, mlp_in, experts_in, router_in
+    wrap = lambda t, scale: t if scale is None else sl.Fp8Rows(t, scale, h.dtype)
+    return residual, wrap(mlp_in, mlp_scale), wrap(experts_in, experts_scale), router_in
 
 
 def ffn_inputs_or_torch(
-    layer: DecoderLayer, h: torch.Tensor, attn: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`ffn_inputs` where it serves (`ffn_inputs_serves`), else the torch form: what the GPU loader installs."""
-    return (
-        ffn_inputs(layer, h, attn)
-        if ffn_inputs_serves(layer, h, attn)
-        else network.ffn_inputs(layer, h, attn)
-    )
+    layer: DecoderLayer,
+    h: torch.Tensor,
+    attn: torch.Tensor,
+    mlp_scale: torch.Tensor | None = None,
+    experts_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, FfnInput, FfnInput, torch.Tensor]:
+    """`ffn_inputs` where it serves (`ffn_inputs_serves`), else the torch form, its MLP or experts input then
+    quantized as `ffn_inputs` would give it: what the GPU loader installs."""
+    if ffn_inputs_serves(layer, h, attn):
+        return ffn_inputs(layer, h, attn, mlp_scale, experts_scale)
+    residual, mlp_in, experts_in, router_in = network.ffn_inputs(layer, h, attn)
+    quantized = lambda t, scale: t if scale is None else sl.Fp8Rows(sl.fp8_quantize(t, scale), scale, t.dtype)
+    return residual, quantized(mlp_in, mlp_scale), quantized(experts_in, experts_scale), router_in
 
 
 def norm_fp8_serves(x: torch.Tensor, norm: RMSNorm, scale: torch.Tensor) -> bool:

@@ -204,12 +204,15 @@ def _rms_norm(x, w_ptr, c, inside, cols, eps):
 
 @triton.jit
 def ffn_inputs(
-    h_ptr, a_ptr, wa_ptr, w1_ptr, w2_ptr, ws_ptr, res_ptr, mlp_ptr, exp_ptr, router_ptr, cols, eps, root,
+    h_ptr, a_ptr, wa_ptr, w1_ptr, w2_ptr, ws_ptr, res_ptr, mlp_ptr, exp_ptr, router_ptr, mlp_scale_ptr,
+    exp_scale_ptr, cols, eps, root, E4M3_MAX: tl.constexpr, MLP_FP8: tl.constexpr, EXP_FP8: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One row of what a layer's FFN branches read: res = h + norm_a(a); then from res's one norm statistic
     the MLP's input norm_1(res), the experts' norm_2(res) and the router's norm(res) * ws * root (unscaled
-    norm, two products), each rounded to the row's dtype where torch's kernels round it."""
+    norm, two products), each rounded to the row's dtype where torch's kernels round it. `MLP_FP8`,
+    `EXP_FP8`: the MLP's or the experts' input written as its E4M3 codes at the static fp32 scale instead
+    (`_e4m3`: the codes the one-pass quantization makes of the rounded row)."""
     row = tl.program_id(0).to(tl.int64) * cols
     c = tl.arange(0, BLOCK)
     inside = c < cols
@@ -222,8 +225,14 @@ def ffn_inputs(
     w1 = tl.load(w1_ptr + c, mask=inside, other=0.0).to(tl.float32)
     w2 = tl.load(w2_ptr + c, mask=inside, other=0.0).to(tl.float32)
     ws = tl.load(ws_ptr + c, mask=inside, other=0.0).to(tl.float32)
-    tl.store(mlp_ptr + row + c, (n * w1).to(dt), mask=inside)
-    tl.store(exp_ptr + row + c, (n * w2).to(dt), mask=inside)
+    mlp = (n * w1).to(dt)
+    if MLP_FP8:
+        mlp = _e4m3(mlp.to(tl.float32), mlp_scale_ptr, E4M3_MAX)
+    tl.store(mlp_ptr + row + c, mlp, mask=inside)
+    experts = (n * w2).to(dt)
+    if EXP_FP8:
+        experts = _e4m3(experts.to(tl.float32), exp_scale_ptr, E4M3_MAX)
+    tl.store(exp_ptr + row + c, experts, mask=inside)
     scaled = (n.to(dt).to(tl.float32) * ws).to(dt).to(tl.float32)
     tl.store(router_ptr + row + c, (scaled * root).to(dt), mask=inside)
 
@@ -305,9 +314,15 @@ def norm_fp8(x_ptr, w_ptr, scale_ptr, out_ptr, cols, eps, E4M3_MAX: tl.constexpr
     dt = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row + c, mask=inside, other=0.0).to(tl.float32)
     n = _rms_norm(x, w_ptr, c, inside, cols, eps).to(dt).to(tl.float32)
-    v = tl.math.div_rn(n, tl.load(scale_ptr).to(tl.float32))
-    v = tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-    tl.store(out_ptr + row + c, v.to(tl.float8e4nv), mask=inside)
+    tl.store(out_ptr + row + c, _e4m3(n, scale_ptr, E4M3_MAX), mask=inside)
+
+
+@triton.jit
+def _e4m3(v, scale_ptr, E4M3_MAX: tl.constexpr):
+    """E4M3 codes of fp32 values v at the static fp32 scale, as `triton_quant_kernels.fp8_static_quant` makes
+    them: an IEEE division, a NaN-keeping clamp, the round-to-nearest conversion."""
+    v = tl.math.div_rn(v, tl.load(scale_ptr).to(tl.float32))
+    return tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
 
 
 @triton.jit

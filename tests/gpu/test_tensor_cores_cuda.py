@@ -455,9 +455,10 @@ def test_the_layer_end_kernel_is_torchs_but_for_its_norms_sums():
 def test_the_ffn_inputs_kernel_is_torchs_but_for_its_norms_sums():
     """A decoder layer's FFN inputs at the 26B's width and 16 canvases: the residual and the three norms'
     outputs within `probe.same_layer_end` of torch's form on torch's fused CUDA RMSNorm, bit for bit but for
-    under 1% of the values."""
+    under 1% of the values; the MLP's and experts' inputs as FP8 operands bit for bit what the one-pass FP8
+    quantization makes of the rows."""
     from pipeline.model.network import ffn_inputs
-    from pipeline.runtime import triton_moe, triton_network
+    from pipeline.runtime import triton_moe, triton_network, triton_quant
 
     if triton_moe.unavailable(CUDA):
         pytest.skip(triton_moe.unavailable(CUDA))
@@ -470,6 +471,12 @@ def test_the_ffn_inputs_kernel_is_torchs_but_for_its_norms_sums():
     for a, b in zip(got, want, strict=True):
         assert probing.same_layer_end(a, b, torch.zeros_like(b), one) or a is got[0]
         assert float((a != b).float().mean()) < 0.01
+    # the MLP's and the experts' inputs as FP8 operands: the codes the one-pass quantization makes of the rows
+    scales = torch.tensor(0.01, device=CUDA), torch.tensor(0.02, device=CUDA)
+    fp8 = triton_network.ffn_inputs(layer, h, attn, *scales)
+    for q, rows, scale in zip(fp8[1:3], got[1:3], scales, strict=True):
+        assert probing.fp8_codes_equal(q.codes, triton_quant.fp8(rows, scale)) and q.scale is scale
+    assert probing.same_bits(fp8[0], got[0]) and probing.same_bits(fp8[3], got[3])
 
 
 def test_the_routing_kernels_choose_torchs_experts_and_order_them_as_its_sort():
@@ -553,3 +560,28 @@ def test_the_norm_to_fp8_kernel_is_torchs_but_for_its_norms_sums():
     got, want = triton_network.norm_fp8(x, norm, scale), sl.fp8_quantize(norm(x), scale)
     assert probing.same_fp8_of_norm(got, want)
     assert float((got.float() != want.float()).float().mean()) < 0.01
+
+
+def test_the_norm_to_nvfp4_kernel_quantizes_what_it_normed_as_torch_would():
+    """A layer's input norm written as its NVFP4 q|k|v operand at the 26B's width and 16 canvases: the rows it
+    normed within a norm's rounding of torch's fused CUDA RMSNorm, its codes and swizzled block scales bit
+    for bit what `triton_quant.nvfp4_blocked` makes of them, and the same codes as the norm then that
+    quantization but for under 1% of them."""
+    from pipeline.model.network import RMSNorm
+    from pipeline.runtime import triton_moe, triton_network, triton_quant
+
+    if triton_moe.unavailable(CUDA):
+        pytest.skip(triton_moe.unavailable(CUDA))
+    probing.check_triton_norm_nvfp4(CUDA)
+    gen = torch.Generator(device=CUDA).manual_seed(14)
+    x = (torch.randn(4096, 2816, device=CUDA, generator=gen) * 2).bfloat16()
+    norm = RMSNorm(2816, 1e-6).to(CUDA, torch.bfloat16)
+    norm.weight.data = (torch.rand(2816, device=CUDA, generator=gen) * 2).bfloat16()
+    gs, normed = torch.tensor(0.003, device=CUDA), torch.empty_like(x)
+    q, s = triton_network.norm_nvfp4(x, norm, gs, normed)
+    one = torch.ones(1, device=CUDA, dtype=torch.bfloat16)
+    assert probing.same_layer_end(normed, norm(x), torch.zeros_like(x), one)
+    want_q, want_s = triton_quant.nvfp4_blocked(normed, gs)
+    assert torch.equal(q, want_q) and torch.equal(s, want_s)
+    torch_q = triton_quant.nvfp4_blocked(norm(x), gs)[0]
+    assert float((q != torch_q).float().mean()) < 0.01

@@ -12,7 +12,7 @@ import torch
 from pipeline.bench import fake_cuda
 from pipeline.bench import gpu_trace as gt
 from pipeline.model.modelopt import _quantized_experts_forward
-from pipeline.runtime import gpu_load
+from pipeline.runtime import gpu_load, triton_network
 from pipeline.runtime import probe as probing
 from pipeline.runtime.dispatch import DISPATCH, EVERY_PASS
 
@@ -319,6 +319,22 @@ def test_q_k_and_v_are_one_gemm_where_the_head_norms_kernel_reads_their_columns(
     assert torch_form.gemms()[gemm] == fused.gemms()[gemm] + 3
     assert torch_form.launches == fused.launches + 3 * LAYERS + 3
     assert "aten::clone" not in torch_form.ops and "aten::contiguous" not in torch_form.ops
+
+
+@pytest.mark.parametrize(("arch", "batch"), [("sm90", 1), ("sm90", 16), ("sm100", 1)])
+def test_the_ffn_inputs_kernel_writes_the_fp8_operands_of_the_mlp_and_the_experts(monkeypatch, arch, batch):
+    """FP8 gate|up and FP8 experts read their inputs as the FFN-inputs kernel writes them, E4M3 at their
+    static scales (on Hopper at 16 canvases too, where torch's grouped GEMM takes the experts): two
+    quantizations a layer fewer, and the two inputs are written once as one byte a value where they were
+    written in bf16, read and written as E4M3. Only attention's output still quantizes on its own."""
+    fused = gt.trace_pass("fp8", arch, batch, LAYERS)
+    assert fused.ops["triton::fp8_static_quant"] == LAYERS  # o_proj's input
+    monkeypatch.setattr(gpu_load, "ffn_inputs_for", lambda layer: triton_network.ffn_inputs_or_torch)
+    rows = gt.trace_pass("fp8", arch, batch, LAYERS)
+    assert rows.ops["triton::fp8_static_quant"] == 3 * LAYERS and rows.ops["triton::ffn_inputs"] == LAYERS
+    assert rows.launches == fused.launches + 2 * LAYERS
+    values = batch * 256 * 2816  # one input's values
+    assert rows.moved_gb - fused.moved_gb == pytest.approx(LAYERS * 2 * 4 * values / 1e9, rel=0.05)
 
 
 NORM_OPERANDS = {"fp8": ("triton::norm_fp8", probing.NORM_FP8, "triton::fp8_static_quant"),

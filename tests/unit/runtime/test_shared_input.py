@@ -5,6 +5,7 @@ the parts' (the GEMM on a GPU: tests/gpu/test_tensor_cores_cuda.py)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from pipeline.model.modelopt import PackedLinear
 from pipeline.model.network import DiffusionGemma
 from pipeline.runtime import shared_input as si
 from pipeline.runtime import tensor_cores as tc
+from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
 from tests._utils.quantized import build_quantized_checkpoint, packed_linear
 
 CPU = torch.device("cpu")
@@ -153,3 +155,87 @@ def test_the_embedded_fp8_model_keeps_its_logits_with_shared_inputs(fp8_model):
     torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-5)
     layer = model.layers[0]
     assert layer.mlp.gate_up_kernel.merged is None
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter runs the kernel here"
+)
+def test_the_embedded_fp8_model_keeps_its_logits_with_its_mlps_operand_from_the_ffn_inputs_kernel(
+    tmp_path,
+    monkeypatch,
+    rne_casts,  # noqa: F811
+):
+    """The embedded FP8 model in bf16, gate and up sharing one quantization in one pass (as on CUDA), every
+    layer's FFN-inputs kernel writing the dense MLP's input as their FP8 operand (`gpu_load.ffn_inputs_for`):
+    the same logits bit for bit as the kernel writing the rows and gate and up quantizing them."""
+    from pipeline.runtime import gpu_load, triton_network
+    from pipeline.runtime import probe as probing
+
+    path = build_quantized_checkpoint(tmp_path / "fp8", "fp8")
+    probed = probing.Probe("sm90", {"linear:fp8": None, "experts:fp8": "no grouped GEMM on the CPU"})
+    model = gpu_load.load_on_gpu(path, torch.bfloat16, CPU, probed)[0]
+    si.share_inputs(model, merge_qkv=False)
+    gen = torch.Generator().manual_seed(10)
+    canvas = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=gen)
+    soft = torch.randn(2, 12, model.cfg.hidden_size, generator=gen).bfloat16()
+    positions = torch.arange(12).expand(2, 12)
+    run = lambda: model.denoise_soft(canvas, soft, positions, dict.fromkeys(set(model.layer_types)), None)
+    for layer in model.layers:
+        for part in layer.mlp.gate_up_kernel.parts:
+            part.triton = True  # as the GPU loader sets it where the one-pass quantization passed its probe
+        layer.ffn_inputs_kernel = triton_network.ffn_inputs_or_torch
+    kernel, quantized = triton_network.ffn_inputs, []
+    monkeypatch.setattr(
+        triton_network, "ffn_inputs", lambda *a: quantized.append(a[3] is not None) or kernel(*a)
+    )
+    with torch.inference_mode():
+        before = run()
+        for layer in model.layers:
+            layer.ffn_inputs_kernel = gpu_load.ffn_inputs_for(layer)
+        after = run()
+    assert quantized == [False] * len(model.layers) + [True] * len(model.layers)
+    assert torch.equal(after, before)
+
+
+def test_fp8_rows_made_by_the_kernel_before_are_the_operand_the_siblings_read():
+    """Gate and up given their input as the FP8 operand the FFN-inputs kernel writes (`scaled_layout.Fp8Rows`
+    at their input scale): the outputs they compute from the rows themselves, bit for bit, without
+    quantizing again."""
+    parts = _linears("fp8", "fp8", [40, 40])
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(8))
+    shared = si.SharedInput(parts, None)
+    want = shared(x)
+    rows = sl.Fp8Rows(sl.fp8_quantize(x, parts[0].input_scale), parts[0].input_scale, x.dtype)
+    got = shared(rows)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape == (2, 3, 40) and torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize(
+    ("mlp_one_pass", "experts_one_pass"), [(True, True), (True, False), (False, True), (False, False)]
+)
+def test_the_ffn_inputs_come_as_fp8_operands_only_to_gemms_that_would_make_them(
+    mlp_one_pass, experts_one_pass
+):
+    """`gpu_load.ffn_inputs_for`: the dense MLP's input as FP8 where its gate and up share one FP8 input scale
+    and quantize in one pass (the scale theirs), the experts' where they are FP8 and quantize in one pass
+    (the scale theirs); else the rows, and without either the plain kernel."""
+    from types import SimpleNamespace
+
+    from pipeline.runtime import gpu_load, triton_network
+
+    gen = torch.Generator().manual_seed(9)
+    parts = [tc.ScaledLinear(packed_linear("fp8", 32, 64, gen), "fp8", CPU, torch.bfloat16, triton=mlp_one_pass)
+             for _ in range(2)]  # fmt: skip
+    experts = tc.ScaledExperts(*([[packed_linear("fp8", n, k, gen)] * 2 for n, k in ((32, 64), (32, 64), (64, 32))]),
+                               "fp8", CPU, one_pass=experts_one_pass)  # fmt: skip
+    layer = SimpleNamespace(mlp=SimpleNamespace(gate_up_kernel=si.SharedInput(parts, None)), experts=experts)
+    kernel = gpu_load.ffn_inputs_for(layer)
+    if not (mlp_one_pass or experts_one_pass):
+        assert kernel is triton_network.ffn_inputs_or_torch
+        return
+    assert kernel.func is triton_network.ffn_inputs_or_torch
+    assert kernel.keywords["mlp_scale"] is (parts[0].input_scale if mlp_one_pass else None)
+    assert kernel.keywords["experts_scale"] is (experts.in_scale if experts_one_pass else None)
+    layer.mlp.gate_up_kernel = None  # gate and up on their own: they take rows
+    assert gpu_load.ffn_inputs_for(layer) is triton_network.ffn_inputs_or_torch or experts_one_pass

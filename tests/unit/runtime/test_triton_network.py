@@ -417,12 +417,55 @@ def test_the_ffn_inputs_are_torchs_but_for_their_norms_sums(rne_casts, dtype, d)
 
 
 @interpreted
-def test_the_ffn_inputs_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+def test_the_ffn_inputs_write_the_mlps_and_experts_fp8_operands_bit_for_bit(rne_casts, dtype):  # noqa: F811
+    """Given their GEMMs' static input scales, the dense MLP's and the experts' inputs come as E4M3 codes:
+    bit for bit `scaled_layout.fp8_quantize` of the rows the kernel writes without them (saturated codes
+    included), the residual and the router's input unchanged; one of them alone too; and the torch form
+    where the kernel does not serve quantizes its rows the same way."""
+    d = 2816
+    g = torch.Generator().manual_seed(5)
+    layer = probing.ffn_probe_layer(d, torch.device("cpu"), dtype, g)
+    h, attn = (probing.spread(12, d, g) / 64).to(dtype).view(2, 2, 3, d).unbind()
+    plain = triton_network.ffn_inputs(layer, h, attn)
+    mlp_scale, experts_scale = torch.tensor(0.002), torch.tensor(0.0005)
+    got = triton_network.ffn_inputs(layer, h, attn, mlp_scale, experts_scale)
+    assert probing.same_bits(got[0], plain[0]) and probing.same_bits(got[3], plain[3])
+    for q, rows, scale in ((got[1], plain[1], mlp_scale), (got[2], plain[2], experts_scale)):
+        assert (
+            isinstance(q, sl.Fp8Rows)
+            and q.scale is scale
+            and q.dtype == dtype
+            and q.codes.shape == rows.shape
+        )
+        want = sl.fp8_quantize(rows, scale)
+        assert probing.fp8_codes_equal(q.codes, want) and (want.float().abs() == 448).any()
+    experts_only = triton_network.ffn_inputs(layer, h, attn, None, experts_scale)
+    assert probing.same_bits(experts_only[1], plain[1]) and torch.equal(experts_only[2].codes, got[2].codes)
+    layer.router.norm = network.RMSNorm(d, 1e-6).to(dtype)  # not the kernel's form: torch's, then quantized
+    fallback = triton_network.ffn_inputs_or_torch(layer, h, attn, mlp_scale, None)
+    rows = network.ffn_inputs(layer, h, attn)[1]
+    assert torch.equal(
+        fallback[1].codes.view(torch.uint8), sl.fp8_quantize(rows, mlp_scale).view(torch.uint8)
+    )
+
+
+@interpreted
+def test_the_ffn_inputs_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, monkeypatch):  # noqa: F811
     probing.check_triton_ffn_inputs(torch.device("cpu"))
     kernel = triton_network.ffn_inputs
-    monkeypatch.setattr(triton_network, "ffn_inputs", lambda layer, h, a: kernel(layer, a, h))  # swapped
-    with pytest.raises(DgpipeError, match="FFN inputs differ"):
-        probing.check_triton_ffn_inputs(torch.device("cpu"))
+    wrong = {
+        "inputs swapped": lambda layer, h, a, *scales: kernel(layer, a, h, *scales),
+        "experts at the MLP's scale": lambda layer, h, a, ms=None, es=None: kernel(
+            layer, h, a, ms, None if es is None else ms.clone()),
+        "rows not quantized": lambda layer, h, a, ms=None, es=None: kernel(layer, h, a),
+    }  # fmt: skip
+    for name, form in wrong.items():
+        with monkeypatch.context() as mp:
+            mp.setattr(triton_network, "ffn_inputs", form)
+            with pytest.raises(DgpipeError, match="FFN inputs differ"):
+                probing.check_triton_ffn_inputs(torch.device("cpu"))
+                pytest.fail(f"passed: {name}")
 
 
 @interpreted
@@ -772,9 +815,12 @@ for cc in (90, 100, 89, 120):
         build(k.layer_end, {**ptrs(dt, "dense_ptr", "moe_ptr", "res_ptr", "w1_ptr", "w2_ptr", "w_ptr", "s_ptr", "out_ptr"),
                             "cols": "i32", "eps": "fp32"},
               {"BLOCK": 4096}, cc, f"layer_end_{dt}", f"layer_end {dt}", options=tn.ROW_OPTIONS)
-        build(k.ffn_inputs, {**ptrs(dt, "h_ptr", "a_ptr", "wa_ptr", "w1_ptr", "w2_ptr", "ws_ptr", "res_ptr", "mlp_ptr",
-                                    "exp_ptr", "router_ptr"), "cols": "i32", "eps": "fp32", "root": "fp32"},
-              {"BLOCK": 4096}, cc, f"ffn_inputs_{dt}", f"ffn_inputs {dt}", options=tn.ROW_OPTIONS)
+        for fp8 in (False, True):  # the MLP's and experts' inputs as rows, or as FP8 operands
+            build(k.ffn_inputs, {**ptrs(dt, "h_ptr", "a_ptr", "wa_ptr", "w1_ptr", "w2_ptr", "ws_ptr", "res_ptr", "router_ptr"),
+                                 **ptrs("fp8e4nv" if fp8 else dt, "mlp_ptr", "exp_ptr"), **ptrs("fp32", "mlp_scale_ptr", "exp_scale_ptr"),
+                                 "cols": "i32", "eps": "fp32", "root": "fp32"},
+                  {"E4M3_MAX": 448.0, "MLP_FP8": fp8, "EXP_FP8": fp8, "BLOCK": 4096}, cc, f"ffn_inputs_{dt}_{fp8}",
+                  f"ffn_inputs {dt}", options=tn.ROW_OPTIONS)
 json.dump(out, sys.stdout)
 """
 
@@ -782,12 +828,12 @@ json.dump(out, sys.stdout)
 def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
     """Triton lowers the RoPE kernel for both head dims and dtypes, the softcap kernel (libdevice's tanh
     linked in, no `tanh.approx`), the gated GeLU (the same tanh, and the one FMA torch's CUDA GeLU has), the
-    residual sum, the router's input, the FFN inputs and the layer end, the K/V concatenation and the MoE combine (each product and sum rounded on its own, as its
+    residual sum, the router's input, the FFN inputs (as rows and as FP8 operands) and the layer end, the K/V concatenation and the MoE combine (each product and sum rounded on its own, as its
     torch form computes them), to sm_90a, sm_100a, sm_89 and sm_120 cubins, no GPU needed. RoPE: every product is rounded to the input's dtype before the sum (`mul.rn`, `add.rn`; a fused
     multiply-add would round once where torch rounds twice, and Triton's default contraction made one), and no
     register spills (no STL/LDL in the SASS)."""
     compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
-    assert len(compiled) == 84 and sum(k["dtype"] == "softcap" for k in compiled) == 4
+    assert len(compiled) == 92 and sum(k["dtype"] == "softcap" for k in compiled) == 4
     for k in compiled:
         if k["dtype"] == "softcap":  # its tanh is libdevice's own code (its FMAs are the function's)
             assert "mul.rn.f32" in k["ptx"] and "tanh.approx" not in k["ptx"], k["cc"]
