@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model.config import ModelConfig, TextConfig
-from pipeline.model.scaled_layout import ExpertOrder, Fp8Rows, OrderKernel, expert_order, slot_rows
+from pipeline.model.scaled_layout import ExpertOrder, OrderKernel, QuantizedRows, expert_order, slot_rows
 
 
 def _tracing() -> bool:
@@ -85,11 +85,11 @@ LayerEndKernel = Callable[
 ]
 
 # a fused form of `ffn_inputs`: (layer, h, attention output) -> (residual, MLP, experts and router inputs);
-# the MLP's and the experts' input may come as the FP8 operand their GEMMs read, where the GPU loader made
-# both ends agree (`pipeline.runtime.triton_network.ffn_inputs`)
+# the MLP's and the experts' input may come as the quantized operand their GEMMs read, where the GPU loader
+# made both ends agree (`pipeline.runtime.triton_network.ffn_inputs`)
 FfnInputsKernel = Callable[
     ["DecoderLayer", torch.Tensor, torch.Tensor],
-    tuple[torch.Tensor, torch.Tensor | Fp8Rows, torch.Tensor | Fp8Rows, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor | QuantizedRows, torch.Tensor | QuantizedRows, torch.Tensor],
 ]
 
 # linears that read one input, computed together (`pipeline.runtime.shared_input`): (x[, its norm]) -> each

@@ -46,12 +46,14 @@ def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-class Fp8Rows(NamedTuple):
+class QuantizedRows(NamedTuple):
     """Activation rows already quantized for their GEMM by the kernel that made them (the GPU path's FFN
-    inputs): `fp8_quantize(rows, scale)` without the rows ever written in their own dtype."""
+    inputs), without the rows ever written in their own dtype: the operand and the scales the GEMM's own
+    quantization would give (`ScaledLinear.quantize`'s scale list for a linear, `quantize_rows`' per-row or
+    per-block scales for the experts)."""
 
-    codes: torch.Tensor  # E4M3, the rows' shape
-    scale: torch.Tensor  # the static fp32 input scale of the GEMM that reads them
+    operand: torch.Tensor  # E4M3 codes [..., K], or E2M1 codes in pairs [..., K / 2]
+    scales: tuple[torch.Tensor, ...]
     dtype: torch.dtype  # the rows' dtype: what the GEMM's consumers compute in
 
 

@@ -259,20 +259,21 @@ def finish_on_device(
 
 
 def ffn_inputs_for(layer: DecoderLayer) -> FfnInputsKernel:
-    """The FFN-inputs kernel for `layer`, writing the dense MLP's and the experts' inputs as the FP8 operands
-    their GEMMs read where those quantize them in one pass at a static scale (`SharedInput` FP8 gate and up,
-    `ScaledExperts` FP8): the same codes and scales they would make, one launch and a pass over the rows
-    fewer each. Elsewhere the rows as they are."""
+    """The FFN-inputs kernel for `layer`, writing the dense MLP's and the experts' inputs as the FP8 or NVFP4
+    operands their GEMMs read where those quantize them in one pass (`SharedInput` gate and up,
+    `ScaledExperts`): the codes and scales they would make, one launch and a pass over the rows fewer each.
+    Elsewhere (bf16, the Hopper/Ada NVFP4 fallback's per-row FP8) the rows as they are."""
     gate_up, experts = layer.mlp.gate_up_kernel, layer.experts
     first = gate_up.parts[0] if isinstance(gate_up, SharedInput) else None
-    mlp_fp8 = isinstance(first, ScaledLinear) and first.mode == "fp8" and first.triton
-    experts_fp8 = isinstance(experts, ScaledExperts) and experts.mode == "fp8" and experts.one_pass
-    if not (mlp_fp8 or experts_fp8):
+    quantized = ("fp8", "nvfp4")
+    mlp = isinstance(first, ScaledLinear) and first.mode in quantized and first.triton
+    routed = isinstance(experts, ScaledExperts) and experts.mode in quantized and experts.one_pass
+    if not (mlp or routed):
         return ffn_inputs_or_torch
     return functools.partial(
         ffn_inputs_or_torch,
-        mlp_scale=first.input_scale if mlp_fp8 else None,
-        experts_scale=experts.in_scale if experts_fp8 else None,
+        mlp_form=(first.mode, first.input_scale) if mlp else None,
+        experts_form=(experts.mode, experts.in_scale) if routed else None,
     )
 
 

@@ -19,6 +19,7 @@ from pipeline.model.config import TextConfig
 from pipeline.model.fake_quant import E4M3_MAX
 from pipeline.model.modelopt import PackedLinear
 from pipeline.model.network import (
+    DecoderLayer,
     RMSNorm,
     Router,
     apply_rope,
@@ -491,9 +492,9 @@ def check_triton_ffn_inputs(dev: torch.device) -> None:
     torch's form (`network.ffn_inputs`) at the 26B's width and one that is no power of two, bf16 and fp16,
     values over seven decades, a zero row and one with infinity and NaN: each output as close as a norm's sum
     in another order allows (`same_layer_end`: the residual's h, the norms' values themselves); and the
-    launch that writes the MLP's and the experts' inputs as FP8 operands (scales that saturate some codes)
-    writes the E4M3 codes `scaled_layout.fp8_quantize` makes of the rows it writes otherwise, bit for bit,
-    and its other outputs unchanged; or a DgpipeError."""
+    launches that write the MLP's and the experts' inputs as FP8 or NVFP4 operands (`same_operands`) write
+    what the torch forms of the quantizations make of the rows it writes otherwise, bit for bit, and their
+    other outputs unchanged; or a DgpipeError."""
     g = torch.Generator().manual_seed(13)
     for dtype, d in ((torch.bfloat16, 2816), (torch.float16, 2816), (torch.bfloat16, 100)):
         h, attn = (spread(6, d, g) / 64).to(dev, dtype).view(2, 3, d).unbind()
@@ -502,26 +503,65 @@ def check_triton_ffn_inputs(dev: torch.device) -> None:
         got = triton_network.ffn_inputs(layer, h, attn)
         want = ffn_inputs(layer, h, attn)
         zero, one = torch.zeros_like(h), torch.ones(1, device=dev, dtype=dtype)
-        mlp_scale, experts_scale = torch.tensor(0.002, device=dev), torch.tensor(0.0005, device=dev)
-        fp8 = triton_network.ffn_inputs(layer, h, attn, mlp_scale, experts_scale)
         if not (
             same_layer_end(got[0], want[0], h, one)
             and all(
                 same_layer_end(a, b, zero.view_as(b), one) for a, b in zip(got[1:], want[1:], strict=True)
             )
-            and same_bits(fp8[0], got[0])
-            and same_bits(fp8[3], got[3])
-            and all(
-                isinstance(q, sl.Fp8Rows)
-                and q.scale is scale
-                and q.dtype == dtype
-                and fp8_codes_equal(q.codes, sl.fp8_quantize(rows, scale))
-                for q, rows, scale in ((fp8[1], got[1], mlp_scale), (fp8[2], got[2], experts_scale))
-            )
+            and same_operands(layer, h, attn, got, "fp8")
+            and same_operands(layer, h, attn, got, "nvfp4")
+            and same_operands(layer, *(t.repeat(43, 1)[:128] for t in (h, attn)), None, "nvfp4")  # swizzled
         ):
             raise DgpipeError(
                 f"the Triton FFN inputs differ from torch's ({dtype}, {d} wide)", TRITON_FALLBACK
             )
+
+
+def same_operands(
+    layer: DecoderLayer, h: torch.Tensor, attn: torch.Tensor, rows: tuple | None, kind: str
+) -> bool:
+    """Whether `triton_network.ffn_inputs` writes the MLP's and the experts' inputs as `kind` operands
+    (scales that saturate some FP8 codes, an NVFP4 global scale) bit for bit as the torch forms quantize
+    the rows it writes otherwise (`rows`: that launch's outputs, or None to launch it here), in the layouts
+    their consumers' own quantization gives: for the MLP's linear `ScaledLinear.quantize`'s (NVFP4 block
+    scales swizzled, where the rows fill whole 128-row tiles, else the rows themselves), for the experts
+    `tensor_cores.quantize_rows`'; its residual and router input unchanged."""
+    rows = rows or triton_network.ffn_inputs(layer, h, attn)
+    dev, n = h.device, rows[2].shape[0]
+    mlp_scale, experts_scale = (
+        torch.tensor(s, device=dev) for s in ((0.002, 0.0005) if kind == "fp8" else (0.003, 0.004))
+    )
+    got = triton_network.ffn_inputs(layer, h, attn, (kind, mlp_scale), (kind, experts_scale))
+    if not (same_bits(got[0], rows[0]) and same_bits(got[3], rows[3])):
+        return False
+    mlp, experts = got[1], got[2]
+    if kind == "fp8":
+        return (
+            isinstance(mlp, sl.QuantizedRows)
+            and mlp.scales[0] is mlp_scale
+            and fp8_codes_equal(mlp.operand, sl.fp8_quantize(rows[1], mlp_scale))
+            and isinstance(experts, sl.QuantizedRows)
+            and torch.equal(experts.scales[0], experts_scale.float().expand(n))
+            and fp8_codes_equal(experts.operand, sl.fp8_quantize(rows[2], experts_scale))
+        )
+    codes, bs = sl.nvfp4_quantize(rows[2], experts_scale)
+    if not (
+        isinstance(experts, sl.QuantizedRows)
+        and torch.equal(experts.operand, codes)
+        and fp8_codes_equal(experts.scales[0], bs)
+    ):
+        return False
+    if n % sl.TILE_ROWS:  # no whole tiles: the rows, which the linear quantizes itself
+        return not isinstance(mlp, sl.QuantizedRows) and same_bits(mlp, rows[1])
+    codes, bs = sl.nvfp4_quantize(rows[1].reshape(n, -1), mlp_scale)
+    return (
+        isinstance(mlp, sl.QuantizedRows)
+        and torch.equal(mlp.operand.reshape(n, -1), codes)
+        and torch.equal(
+            mlp.scales[0].view(torch.uint8).flatten(), sl.to_blocked(bs.view(torch.uint8)).flatten()
+        )
+        and mlp.scales[1] is mlp_scale
+    )
 
 
 def same_rotation(

@@ -79,16 +79,16 @@ class SharedInput:
         self.norm_quant: NormQuant | None = None
 
     def __call__(
-        self, x: torch.Tensor | sl.Fp8Rows, norm: nn.Module | None = None
+        self, x: torch.Tensor | sl.QuantizedRows, norm: nn.Module | None = None
     ) -> tuple[torch.Tensor, ...]:
         """Each part's output of x, or of norm(x) where `norm` is given (x the un-normed rows). x may come as
-        its FP8 operand (`scaled_layout.Fp8Rows`, at the parts' input scale: `gpu_load.fuse_network`)."""
+        the operand the parts' `quantize` would make of it (`scaled_layout.QuantizedRows`: `gpu_load.ffn_inputs_for`)."""
         gemms = [self.merged] if self.merged is not None else self.parts
         first = self.parts[0]
-        if isinstance(x, sl.Fp8Rows):  # made by the kernel that wrote the rows
-            x, a_scales = x.codes, [x.scale]
-            outs = [g.gemm(x.reshape(-1, x.shape[-1]), a_scales) for g in gemms]
-            return self._split(outs, x.shape)
+        if isinstance(x, sl.QuantizedRows):  # made by the kernel that wrote the rows
+            a, a_scales = x.operand, list(x.scales)
+            outs = [g.gemm(a.reshape(-1, a.shape[-1]), a_scales) for g in gemms]
+            return self._split(outs, a.shape)
         x2 = x.reshape(-1, x.shape[-1])
         if norm is not None and self.norm_quant is not None and in_one_pass(first.triton, x2):
             a, a_scales = self.norm_quant(x2, norm, first)

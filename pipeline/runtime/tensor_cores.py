@@ -252,7 +252,7 @@ class ScaledExperts(nn.Module):
         return g("w13"), g("s13"), g("g13"), g("w2"), g("s2"), g("g2")
 
     def forward(
-        self, x: torch.Tensor | sl.Fp8Rows, index: torch.Tensor, weights: torch.Tensor
+        self, x: torch.Tensor | sl.QuantizedRows, index: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         scales = (self.in_scale, self.down_in_scale)
         return scaled_experts(
@@ -393,7 +393,7 @@ def down_operand(
 
 
 def scaled_experts(
-    x: torch.Tensor | sl.Fp8Rows,
+    x: torch.Tensor | sl.QuantizedRows,
     index: torch.Tensor,
     weights: torch.Tensor,
     w13: torch.Tensor,
@@ -422,7 +422,7 @@ def scaled_experts(
     permutation and each token's k rows are combined by one batched product (fp32 accumulation, no
     atomics, deterministic), not scattered with bf16 atomic adds. On an H200 at batch 16 those two
     element-wise paths took most of the experts' non-GEMM time (BENCHMARKS.md, "26B-A4B denoise pass").
-    x [tokens, d] may come as its FP8 operand at `in_scale` (`scaled_layout.Fp8Rows`)."""
+    x [tokens, d] may come as the operand `quantize_rows` would make of it (`scaled_layout.QuantizedRows`)."""
     routing = sl.expert_order(index, w13.shape[0], order_kernel)
     order, token_of, offs = routing.order, routing.token_of, routing.offs
     compiling = torch.compiler.is_compiling()
@@ -437,8 +437,8 @@ def scaled_experts(
             q[token_of], qs, w13, s13, g13, in_scale, offs, mode, one_pass=one_pass, scale_rows=token_of
         )
         down_gemm = lambda q, qs: gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode, one_pass=one_pass)
-    if isinstance(x, sl.Fp8Rows):  # the FFN-inputs kernel's operand at `in_scale` (`gpu_load.fuse_network`)
-        operand, dtype = (x.codes, x.scale.float().expand(x.codes.shape[0])), x.dtype
+    if isinstance(x, sl.QuantizedRows):  # what `quantize_rows` would make of x (`gpu_load.ffn_inputs_for`)
+        operand, dtype = (x.operand, *x.scales), x.dtype
     else:
         operand, dtype = quantize_rows(x, in_scale, mode, one_pass), x.dtype
     gate, up = gate_up_gemm(*operand).chunk(2, dim=-1)

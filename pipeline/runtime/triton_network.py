@@ -74,6 +74,7 @@ Under torch.compile the torch forms stay (inductor fuses them).
 from __future__ import annotations
 
 import functools
+import math
 import struct
 
 import torch
@@ -84,7 +85,8 @@ from pipeline.model.fake_quant import E2M1_MAX, E4M3_MAX, NVFP4_BLOCK
 from pipeline.model.network import DecoderLayer, RMSNorm, apply_rope, gelu_tanh
 from pipeline.runtime import triton_quant
 
-FfnInput = torch.Tensor | sl.Fp8Rows  # an FFN branch's input: rows, or their FP8 operand (`ffn_inputs`)
+FfnInput = torch.Tensor | sl.QuantizedRows  # an FFN branch's input: rows, or their operand (`ffn_inputs`)
+OperandForm = tuple[str, torch.Tensor]  # ("fp8" | "nvfp4", the GEMM's static input or global scale)
 ROW_VALUES = 4096  # values per program: 16 rows of a 256-wide head, 8 of a 512-wide one
 # no floating-point contraction: with it (Triton's default) LLVM turns a product and the sum it feeds into
 # one fused multiply-add, rounding once where torch rounds twice (seen in the PTX for sm_90a: fma.rn.bf16)
@@ -512,55 +514,102 @@ def ffn_inputs(
     layer: DecoderLayer,
     h: torch.Tensor,
     attn: torch.Tensor,
-    mlp_scale: torch.Tensor | None = None,
-    experts_scale: torch.Tensor | None = None,
+    mlp_form: OperandForm | None = None,
+    experts_form: OperandForm | None = None,
 ) -> tuple[torch.Tensor, FfnInput, FfnInput, torch.Tensor]:
     """`pipeline.model.network.ffn_inputs` in one pass over each row (`ffn_inputs_serves` must hold): two norm
     statistics (the attention output's, the residual's) where torch's form computes five, in fp32 as torch's
     fused RMSNorm but for the order of the sums of squares, every result rounded where torch rounds it.
-    `mlp_scale`, `experts_scale` (one-value fp32): that input comes as its FP8 operand at that static scale
-    (`scaled_layout.Fp8Rows`: what `triton_quant.fp8` makes of the rounded rows, code for code), for a GEMM
-    that reads it as such (`gpu_load.fuse_network`)."""
+
+    `mlp_form`, `experts_form`: that input comes as the operand its GEMM's own one-pass quantization makes of
+    the rounded rows, code for code (`scaled_layout.QuantizedRows`, for a GEMM that reads it so:
+    `gpu_load.ffn_inputs_for`). ("fp8", static scale): E4M3 codes as `triton_quant.fp8` writes them;
+    ("nvfp4", global scale): E2M1 codes in pairs and block scales as `triton_quant.nvfp4` writes them for
+    the experts, and swizzled as `triton_quant.nvfp4_blocked` writes them for the dense MLP's linear, where
+    its rows fill whole 128-row tiles (else the rows, which the linear quantizes itself)."""
     import triton
 
     d = h.shape[-1]
     rows = h.numel() // d if d else 0
-    fp8 = torch.float8_e4m3fn
+    if mlp_form is not None and mlp_form[0] == "nvfp4" and rows % sl.TILE_ROWS:
+        mlp_form = None  # the kernel writes no padding rows' scales
+    cp = sl.blocked_shape(rows, d // NVFP4_BLOCK)[1]
     residual = torch.empty_like(h)
-    mlp_in = torch.empty(h.shape, dtype=h.dtype if mlp_scale is None else fp8, device=h.device)
-    experts_in = torch.empty(rows, d, dtype=h.dtype if experts_scale is None else fp8, device=h.device)
     router_in = torch.empty(rows, d, dtype=h.dtype, device=h.device)
+    mlp_in, mlp_bs = _operand_buffers(mlp_form, h.shape, cp, True, h)
+    experts_in, experts_bs = _operand_buffers(experts_form, (rows, d), cp, False, h)
     if rows:
         norms = (
             layer.post_attention_layernorm,
             layer.pre_feedforward_layernorm,
             layer.pre_feedforward_layernorm_2,
         )
-        unread = layer.router.scale  # a scale pointer the kernel does not read
+        unread = layer.router.scale  # a pointer the kernel does not read
+        scale = lambda form: unread if form is None else form[1]
         _kernels().ffn_inputs[(rows,)](
             h, attn, *(n.weight for n in norms), layer.router.scale, residual, mlp_in, experts_in, router_in,
-            unread if mlp_scale is None else mlp_scale, unread if experts_scale is None else experts_scale, d,
-            norms[0].eps, layer.router.root, E4M3_MAX=E4M3_MAX, MLP_FP8=mlp_scale is not None,
-            EXP_FP8=experts_scale is not None, BLOCK=triton.next_power_of_2(d), **ROW_OPTIONS,
+            scale(mlp_form), scale(experts_form), unread if mlp_bs is None else mlp_bs,
+            unread if experts_bs is None else experts_bs, rows, d, cp, norms[0].eps, layer.router.root,
+            E2M1_MAX=E2M1_MAX, E4M3_MAX=E4M3_MAX, MLP_FORM=_FFN_FORMS[mlp_form and mlp_form[0], True],
+            EXP_FORM=_FFN_FORMS[experts_form and experts_form[0], False], BLOCK=triton.next_power_of_2(d),
+            **ROW_OPTIONS,
         )  # fmt: skip
-    wrap = lambda t, scale: t if scale is None else sl.Fp8Rows(t, scale, h.dtype)
-    return residual, wrap(mlp_in, mlp_scale), wrap(experts_in, experts_scale), router_in
+    return (
+        residual,
+        _wrapped(mlp_in, mlp_bs, mlp_form, True, h),
+        _wrapped(experts_in, experts_bs, experts_form, False, h),
+        router_in,
+    )
+
+
+# (form, whether the operand is a linear's) -> the ffn_inputs kernel's FORM: the rows, E4M3, NVFP4 with its
+# block scales as the experts read them or swizzled for a linear
+_FFN_FORMS = {(None, True): 0, (None, False): 0, ("fp8", True): 1, ("fp8", False): 1, ("nvfp4", False): 2,
+              ("nvfp4", True): 3}  # fmt: skip
+
+
+def _operand_buffers(
+    form: OperandForm | None, shape: tuple[int, ...], cp: int, linear: bool, h: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the ffn_inputs kernel writes one FFN input to, in `form`: (rows or codes, block scales or None)."""
+    if form is None:
+        return torch.empty(shape, dtype=h.dtype, device=h.device), None
+    if form[0] == "fp8":
+        return torch.empty(shape, dtype=torch.float8_e4m3fn, device=h.device), None
+    rows, d = math.prod(shape[:-1]), shape[-1]
+    codes = torch.empty(*shape[:-1], d // 2, dtype=torch.uint8, device=h.device)
+    if linear:  # swizzled, rows in whole tiles (`ffn_inputs`)
+        return codes, torch.empty(rows * cp, dtype=torch.uint8, device=h.device)
+    return codes, torch.empty(rows, d // NVFP4_BLOCK, dtype=torch.float8_e4m3fn, device=h.device)
+
+
+def _wrapped(
+    out: torch.Tensor, bs: torch.Tensor | None, form: OperandForm | None, linear: bool, h: torch.Tensor
+) -> FfnInput:
+    """One FFN input as its consumer reads it: the rows, or the operand and scales its own quantization
+    gives (`ScaledLinear.quantize`, `tensor_cores.quantize_rows`)."""
+    if form is None:
+        return out
+    kind, scale = form
+    if kind == "fp8":
+        scales = (scale,) if linear else (scale.float().expand(out.shape[0]),)
+    else:
+        scales = (bs.view(torch.float8_e4m3fn), scale) if linear else (bs,)
+    return sl.QuantizedRows(out, scales, h.dtype)
 
 
 def ffn_inputs_or_torch(
     layer: DecoderLayer,
     h: torch.Tensor,
     attn: torch.Tensor,
-    mlp_scale: torch.Tensor | None = None,
-    experts_scale: torch.Tensor | None = None,
+    mlp_form: OperandForm | None = None,
+    experts_form: OperandForm | None = None,
 ) -> tuple[torch.Tensor, FfnInput, FfnInput, torch.Tensor]:
-    """`ffn_inputs` where it serves (`ffn_inputs_serves`), else the torch form, its MLP or experts input then
-    quantized as `ffn_inputs` would give it: what the GPU loader installs."""
+    """`ffn_inputs` where it serves (`ffn_inputs_serves`), else the torch form (its rows, which their GEMMs
+    quantize themselves): what the GPU loader installs."""
     if ffn_inputs_serves(layer, h, attn):
-        return ffn_inputs(layer, h, attn, mlp_scale, experts_scale)
-    residual, mlp_in, experts_in, router_in = network.ffn_inputs(layer, h, attn)
-    quantized = lambda t, scale: t if scale is None else sl.Fp8Rows(sl.fp8_quantize(t, scale), scale, t.dtype)
-    return residual, quantized(mlp_in, mlp_scale), quantized(experts_in, experts_scale), router_in
+        return ffn_inputs(layer, h, attn, mlp_form, experts_form)
+    return network.ffn_inputs(layer, h, attn)
 
 
 def norm_fp8_serves(x: torch.Tensor, norm: RMSNorm, scale: torch.Tensor) -> bool:

@@ -205,14 +205,13 @@ def _rms_norm(x, w_ptr, c, inside, cols, eps):
 @triton.jit
 def ffn_inputs(
     h_ptr, a_ptr, wa_ptr, w1_ptr, w2_ptr, ws_ptr, res_ptr, mlp_ptr, exp_ptr, router_ptr, mlp_scale_ptr,
-    exp_scale_ptr, cols, eps, root, E4M3_MAX: tl.constexpr, MLP_FP8: tl.constexpr, EXP_FP8: tl.constexpr,
-    BLOCK: tl.constexpr,
+    exp_scale_ptr, mlp_bs_ptr, exp_bs_ptr, rows, cols, CP, eps, root, E2M1_MAX: tl.constexpr,
+    E4M3_MAX: tl.constexpr, MLP_FORM: tl.constexpr, EXP_FORM: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One row of what a layer's FFN branches read: res = h + norm_a(a); then from res's one norm statistic
     the MLP's input norm_1(res), the experts' norm_2(res) and the router's norm(res) * ws * root (unscaled
-    norm, two products), each rounded to the row's dtype where torch's kernels round it. `MLP_FP8`,
-    `EXP_FP8`: the MLP's or the experts' input written as its E4M3 codes at the static fp32 scale instead
-    (`_e4m3`: the codes the one-pass quantization makes of the rounded row)."""
+    norm, two products), each rounded to the row's dtype where torch's kernels round it. The MLP's and the
+    experts' inputs are written in the form their GEMMs read (`_ffn_operand`: `MLP_FORM`, `EXP_FORM`)."""
     row = tl.program_id(0).to(tl.int64) * cols
     c = tl.arange(0, BLOCK)
     inside = c < cols
@@ -225,14 +224,11 @@ def ffn_inputs(
     w1 = tl.load(w1_ptr + c, mask=inside, other=0.0).to(tl.float32)
     w2 = tl.load(w2_ptr + c, mask=inside, other=0.0).to(tl.float32)
     ws = tl.load(ws_ptr + c, mask=inside, other=0.0).to(tl.float32)
-    mlp = (n * w1).to(dt)
-    if MLP_FP8:
-        mlp = _e4m3(mlp.to(tl.float32), mlp_scale_ptr, E4M3_MAX)
-    tl.store(mlp_ptr + row + c, mlp, mask=inside)
-    experts = (n * w2).to(dt)
-    if EXP_FP8:
-        experts = _e4m3(experts.to(tl.float32), exp_scale_ptr, E4M3_MAX)
-    tl.store(exp_ptr + row + c, experts, mask=inside)
+    r = tl.program_id(0).to(tl.int64)
+    _ffn_operand((n * w1).to(dt), mlp_ptr, mlp_scale_ptr, mlp_bs_ptr, r, rows, cols, CP, c, inside, E2M1_MAX,
+                 E4M3_MAX, MLP_FORM, BLOCK)  # fmt: skip
+    _ffn_operand((n * w2).to(dt), exp_ptr, exp_scale_ptr, exp_bs_ptr, r, rows, cols, CP, c, inside, E2M1_MAX,
+                 E4M3_MAX, EXP_FORM, BLOCK)  # fmt: skip
     scaled = (n.to(dt).to(tl.float32) * ws).to(dt).to(tl.float32)
     tl.store(router_ptr + row + c, (scaled * root).to(dt), mask=inside)
 
@@ -318,6 +314,23 @@ def norm_fp8(x_ptr, w_ptr, scale_ptr, out_ptr, cols, eps, E4M3_MAX: tl.constexpr
 
 
 @triton.jit
+def _ffn_operand(
+    v, out_ptr, scale_ptr, bs_ptr, r, rows, cols, CP, c, inside, E2M1_MAX: tl.constexpr, E4M3_MAX: tl.constexpr,
+    FORM: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Row r of an FFN input v (rounded to the row's dtype) as its GEMM reads it. FORM 0: the rows; 1: E4M3
+    codes at the static scale (`_e4m3`); 2: NVFP4 under the global scale, block scales [rows, cols / 16]
+    at bs_ptr; 3: likewise, the block scales swizzled for a linear's FP4 GEMM (`_nvfp4_row`)."""
+    if FORM == 0:
+        tl.store(out_ptr + r * cols + c, v, mask=inside)
+    elif FORM == 1:
+        tl.store(out_ptr + r * cols + c, _e4m3(v.to(tl.float32), scale_ptr, E4M3_MAX), mask=inside)
+    else:
+        _nvfp4_row(v.to(tl.float32), r, rows, cols, scale_ptr, out_ptr, bs_ptr, CP, FORM == 3, E2M1_MAX,
+                   E4M3_MAX, BLOCK)  # fmt: skip
+
+
+@triton.jit
 def _e4m3(v, scale_ptr, E4M3_MAX: tl.constexpr):
     """E4M3 codes of fp32 values v at the static fp32 scale, as `triton_quant_kernels.fp8_static_quant` makes
     them: an IEEE division, a NaN-keeping clamp, the round-to-nearest conversion."""
@@ -343,12 +356,29 @@ def norm_nvfp4(
     n = _rms_norm(x, w_ptr, c, inside, cols, eps).to(dt)
     if WRITE_NORMED:
         tl.store(normed_ptr + r * cols + c, n, mask=inside)
-    even, odd = tl.split(tl.reshape(n.to(tl.float32), (BLOCK // 16, 8, 2)))  # each block's even, odd columns
+    _nvfp4_row(
+        n.to(tl.float32), r, rows, cols, gs_ptr, packed_ptr, scales_ptr, CP, True, E2M1_MAX, E4M3_MAX, BLOCK
+    )
+
+
+@triton.jit
+def _nvfp4_row(
+    v, r, rows, cols, gs_ptr, packed_ptr, scales_ptr, CP, BLOCKED: tl.constexpr, E2M1_MAX: tl.constexpr,
+    E4M3_MAX: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Row r's fp32 values v [BLOCK] (zeros past `cols`) as NVFP4 under the global scale, as
+    `triton_quant_kernels.nvfp4_quant` makes them: E2M1 codes in pairs [rows, cols / 2]; block scales
+    [rows, cols / 16], or (BLOCKED) at `blocked_index` in the layout of [rows padded to 128, CP] a linear's FP4
+    GEMM reads, the padded columns' zeros included (BLOCK / 16 >= CP; a row past `rows` writes zero scales)."""
+    even, odd = tl.split(tl.reshape(v, (BLOCK // 16, 8, 2)))  # each block's even and odd columns
     codes, bs = nvfp4_encode(even, odd, gs_ptr, E2M1_MAX, E4M3_MAX)
     pair = tl.arange(0, BLOCK // 2)
     live = (pair < cols // 2) & (tl.zeros_like(pair) + r < rows)
     tl.store(packed_ptr + r * (cols // 2) + pair, tl.reshape(codes, (BLOCK // 2,)), mask=live)
     cb = tl.arange(0, BLOCK // 16)  # scale columns
     real = (cb < cols // 16) & (tl.zeros_like(cb) + r < rows)
-    bits = tl.where(real, bs.to(tl.uint8, bitcast=True), 0)
-    tl.store(scales_ptr + blocked_index(r, cb, CP), bits, mask=cb < CP)
+    if BLOCKED:
+        bits = tl.where(real, bs.to(tl.uint8, bitcast=True), 0)
+        tl.store(scales_ptr + blocked_index(r, cb, CP), bits, mask=cb < CP)
+    else:
+        tl.store(scales_ptr + r * (cols // 16) + cb, bs, mask=real)

@@ -82,9 +82,9 @@ def test_kernels_that_failed_their_probe_take_the_rows_second_path():
     hopper.results["triton:fp8"] = "no Triton here"
     t = gt.trace_pass("fp8", "sm90", 1, LAYERS, probed=hopper)
     assert t.error is None and t.gemms()["F.scaled_grouped_mm"] == 2 * LAYERS  # torch's kernel at 1 canvas
-    # the one-pass quantization has a probe of its own: o's, gate|up's and the experts' gate|up's (the input
-    # norm makes q|k|v's, the gated GeLUs the downs')
-    assert t.ops["triton::fp8_static_quant"] == 3 * LAYERS
+    # the one-pass quantization has a probe of its own: o's (the input norm makes q|k|v's, the FFN-inputs
+    # kernel gate|up's and the experts' gate|up's, the gated GeLUs the downs')
+    assert t.ops["triton::fp8_static_quant"] == LAYERS
     hopper.results["quant:fp8"] = "no Triton here"
     t = gt.trace_pass("fp8", "sm90", 1, LAYERS, probed=hopper)
     assert "triton::fp8_static_quant" not in t.ops  # torch's quantization where that failed too
@@ -129,9 +129,9 @@ def test_a_host_tensor_copied_into_the_pass_is_reported(monkeypatch):
 
 def test_triton_launches_are_counted_and_checked(monkeypatch):
     t = gt.trace_pass("fp8", "sm89", 16, LAYERS)
-    # o's, gate|up's and the experts' gate|up's inputs: FP8 in one pass each; q|k|v's is written by the input
-    # norm, the experts' and the dense MLP's down inputs by the gated GeLUs that make them
-    assert t.ops["triton::fp8_static_quant"] == 3 * LAYERS
+    # o's input: FP8 in one pass; q|k|v's is written by the input norm, gate|up's and the experts' gate|up's
+    # by the FFN-inputs kernel, the experts' and the dense MLP's down inputs by the gated GeLUs that make them
+    assert t.ops["triton::fp8_static_quant"] == LAYERS
     assert t.ops["triton::moe_gemm"] == 2 * LAYERS
     launcher = fake_cuda.Launcher(
         "moe_gemm", types.SimpleNamespace(counting=True, ops=t.ops, bytes=t.traffic)
@@ -159,20 +159,22 @@ def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
     """torch's element-wise NVFP4 quantization is ~50 launches an input (~13,000 a 26B pass); the kernels of
     `pipeline.runtime.triton_quant` make it one, so Hopper's NVFP4 pass launches about what its FP8 pass
     does: two more for the experts' and the dense MLP's down inputs, which FP8 quantizes inside the gated
-    GeLUs, one more for q|k|v's, which FP8's input norm writes, and fewer for the GEMMs that FP8's weight
-    scales keep apart: gate and up one (one fewer a layer), q, k and v one (two fewer in the sliding layer,
-    one in the global one)."""
+    GeLUs, one more for q|k|v's, which FP8's input norm writes, two more for gate|up's and the experts'
+    gate|up's, which FP8's FFN-inputs kernel writes, and fewer for the GEMMs that FP8's weight scales keep
+    apart: gate and up one (one fewer a layer), q, k and v one (two fewer in the sliding layer, one in the
+    global one)."""
     inputs = QUANTIZED_INPUTS + 2 * LAYERS  # every quantized input and both expert projections'
     hopper, fp8 = gt.trace_pass("nvfp4", "sm90", 1, LAYERS), gt.trace_pass("fp8", "sm90", 1, LAYERS)
     assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs
-    assert hopper.launches == fp8.launches + 2 * LAYERS - 3
+    assert hopper.launches == fp8.launches + 4 * LAYERS - 3
     b200 = gt.trace_pass("nvfp4", "sm100", 1, LAYERS)
     # a linear's quantization writes its scales swizzled, padding included, the dense MLP's down operand
     # comes from its gated GeLU so; the experts' inputs are quantized (gate|up's on their own, down's in
     # the gated GeLU), then their scales gathered and swizzled by expert group: no zero-filled outputs
-    assert b200.ops["triton::nvfp4_quant_blocked"] == QUANTIZED_INPUTS - 2 * LAYERS  # q|k|v's: from the norm
-    assert b200.ops["triton::norm_nvfp4"] == LAYERS
-    assert b200.ops["triton::nvfp4_quant"] == LAYERS
+    # q|k|v's from the input norm, gate|up's and the experts' from the FFN-inputs kernel: o's alone
+    assert b200.ops["triton::nvfp4_quant_blocked"] == QUANTIZED_INPUTS - 3 * LAYERS == LAYERS
+    assert b200.ops["triton::norm_nvfp4"] == b200.ops["triton::ffn_inputs"] == LAYERS
+    assert "triton::nvfp4_quant" not in b200.ops
     assert b200.ops["triton::geglu_nvfp4"] == b200.ops["triton::blocked_scales"] == 2 * LAYERS
     assert "aten::zeros" not in b200.ops
     no_kernel = gt.passing_probe("sm100")
@@ -321,17 +323,26 @@ def test_q_k_and_v_are_one_gemm_where_the_head_norms_kernel_reads_their_columns(
     assert "aten::clone" not in torch_form.ops and "aten::contiguous" not in torch_form.ops
 
 
-@pytest.mark.parametrize(("arch", "batch"), [("sm90", 1), ("sm90", 16), ("sm100", 1)])
-def test_the_ffn_inputs_kernel_writes_the_fp8_operands_of_the_mlp_and_the_experts(monkeypatch, arch, batch):
-    """FP8 gate|up and FP8 experts read their inputs as the FFN-inputs kernel writes them, E4M3 at their
-    static scales (on Hopper at 16 canvases too, where torch's grouped GEMM takes the experts): two
-    quantizations a layer fewer, and the two inputs are written once as one byte a value where they were
-    written in bf16, read and written as E4M3. Only attention's output still quantizes on its own."""
-    fused = gt.trace_pass("fp8", arch, batch, LAYERS)
-    assert fused.ops["triton::fp8_static_quant"] == LAYERS  # o_proj's input
+@pytest.mark.parametrize(
+    ("fmt", "arch", "batch"),
+    [("fp8", "sm90", 1), ("fp8", "sm90", 16), ("fp8", "sm100", 1), ("nvfp4", "sm100", 16)],
+)
+def test_the_ffn_inputs_kernel_writes_the_operands_of_the_mlp_and_the_experts(monkeypatch, fmt, arch, batch):
+    """FP8 or NVFP4 gate|up and experts read their inputs as the FFN-inputs kernel writes them (on Hopper
+    at 16 canvases too, where torch's grouped GEMM takes the experts): two quantizations a layer fewer, and
+    each of the two inputs written once as its operand where it was written in bf16, read back and
+    quantized (4 bytes a value fewer). Only attention's output still quantizes on its own."""
+    fused = gt.trace_pass(fmt, arch, batch, LAYERS)
+    quantize = {
+        "fp8": ["triton::fp8_static_quant"],
+        "nvfp4": ["triton::nvfp4_quant_blocked", "triton::nvfp4_quant"],
+    }[fmt]
+    assert sum(fused.ops.get(op, 0) for op in quantize) == LAYERS  # o_proj's input
     monkeypatch.setattr(gpu_load, "ffn_inputs_for", lambda layer: triton_network.ffn_inputs_or_torch)
-    rows = gt.trace_pass("fp8", arch, batch, LAYERS)
-    assert rows.ops["triton::fp8_static_quant"] == 3 * LAYERS and rows.ops["triton::ffn_inputs"] == LAYERS
+    rows = gt.trace_pass(fmt, arch, batch, LAYERS)
+    assert (
+        sum(rows.ops.get(op, 0) for op in quantize) == 3 * LAYERS and rows.ops["triton::ffn_inputs"] == LAYERS
+    )
     assert rows.launches == fused.launches + 2 * LAYERS
     values = batch * 256 * 2816  # one input's values
     assert rows.moved_gb - fused.moved_gb == pytest.approx(LAYERS * 2 * 4 * values / 1e9, rel=0.05)
@@ -429,19 +440,21 @@ def test_a_two_kernel_chain_takes_one_launch_a_layer_where_probed(form, kernel, 
 
 
 @pytest.mark.parametrize(
-    ("form", "kernel", "superseded", "norms", "rows"),
+    ("form", "kernel", "superseded", "norms", "quantized", "rows"),
     [
         # after attention: its output's norm, the residual sum, the dense MLP's, the experts' and the router's
-        # norms of it, the router's scales (on their own kernel where probed): six launches
-        (probing.FFN_INPUTS, "triton::ffn_inputs", "triton::scale_columns", 4, 7),
+        # norms of it, the router's scales (on their own kernel where probed): six launches, then the FP8
+        # quantization of the MLP's and the experts' inputs, which the kernel writes as such (4 bf16 rows' bytes)
+        (probing.FFN_INPUTS, "triton::ffn_inputs", "triton::scale_columns", 4, 2, 7 + 4),
         # after the FFN branches: three norms, their sum, the residual sum and scale (on their own kernel where
         # probed): five launches
-        (probing.LAYER_END, "triton::layer_end", "triton::add_scaled", 3, 8),
+        (probing.LAYER_END, "triton::layer_end", "triton::add_scaled", 3, 0, 8),
     ],
 )
-def test_a_layers_norm_chains_take_one_launch_where_probed(form, kernel, superseded, norms, rows):
-    """Each chain is one launch a layer on its kernel, `norms` RMSNorms and two more launches in torch's form,
-    and `rows` [tokens, hidden] passes through memory fewer (each intermediate written and read back)."""
+def test_a_layers_norm_chains_take_one_launch_where_probed(form, kernel, superseded, norms, quantized, rows):
+    """Each chain is one launch a layer on its kernel, `norms` RMSNorms, two more launches and `quantized`
+    quantizations in torch's form, and `rows` [tokens, hidden] bf16 passes through memory fewer (each
+    intermediate written and read back)."""
     fused = gt.trace_pass("fp8", "sm90", 16, LAYERS)
     assert fused.ops[kernel] == LAYERS and superseded not in fused.ops
     no_kernel = gt.passing_probe("sm90")
@@ -449,23 +462,24 @@ def test_a_layers_norm_chains_take_one_launch_where_probed(form, kernel, superse
     torch_form = gt.trace_pass("fp8", "sm90", 16, LAYERS, probed=no_kernel)
     assert torch_form.ops["aten::rms_norm"] == fused.ops["aten::rms_norm"] + norms * LAYERS
     assert torch_form.ops[superseded] == LAYERS and kernel not in torch_form.ops
-    assert torch_form.launches == fused.launches + (norms + 1) * LAYERS
+    assert torch_form.launches == fused.launches + (norms + 1 + quantized) * LAYERS
     row_gb = 16 * 256 * 2816 * 2 / 1e9  # one [tokens, hidden] bf16 tensor at 16 canvases
     assert torch_form.moved_gb - fused.moved_gb == pytest.approx(LAYERS * rows * row_gb, rel=0.05)
 
 
 @pytest.mark.parametrize(
     ("fmt", "arch", "fewer"),
-    [("fp8", "sm90", 5 + 1 + 2), ("nvfp4", "sm100", 5 + 3 + 3 + 2), ("bf16", "sm90", 3 + 3)],
+    [("fp8", "sm90", 5 + 1 + 2 + 2), ("nvfp4", "sm100", 5 + 3 + 3 + 2 + 2), ("bf16", "sm90", 3 + 3)],
 )
 def test_sibling_linears_share_their_input_quantization_and_gate_and_up_one_gemm(
     monkeypatch, fmt, arch, fewer
 ):
     """q, k and v quantize their input once (two fewer in a sliding layer, one in a global one), gate and up
-    once (one fewer); FP8's and NVFP4's shared q|k|v operand comes from the input norm (one fewer a layer).
-    Gate and up are one GEMM in the float self-conditioning and, but for FP8 (a weight scale each), in
-    each dense MLP, and so are q, k and v (two fewer in a sliding layer, one in a global one). Without
-    sharing, every linear quantizes and runs alone."""
+    once (one fewer); FP8's and NVFP4's shared q|k|v operand comes from the input norm, and their shared
+    gate|up operand from the FFN-inputs kernel (one fewer a layer each). Gate and up are one GEMM in the
+    float self-conditioning and, but for FP8 (a weight scale each), in each dense MLP, and so are q, k and
+    v (two fewer in a sliding layer, one in a global one). Without sharing, every linear quantizes and runs
+    alone."""
     shared = gt.trace_pass(fmt, arch, 1, LAYERS)
     monkeypatch.setattr(gpu_load, "share_inputs", lambda model, merge_qkv: (0, 0))
     alone = gt.trace_pass(fmt, arch, 1, LAYERS)

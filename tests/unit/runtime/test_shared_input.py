@@ -198,14 +198,15 @@ def test_the_embedded_fp8_model_keeps_its_logits_with_its_mlps_operand_from_the_
 
 
 def test_fp8_rows_made_by_the_kernel_before_are_the_operand_the_siblings_read():
-    """Gate and up given their input as the FP8 operand the FFN-inputs kernel writes (`scaled_layout.Fp8Rows`
-    at their input scale): the outputs they compute from the rows themselves, bit for bit, without
-    quantizing again."""
+    """Gate and up given their input as the FP8 operand the FFN-inputs kernel writes
+    (`scaled_layout.QuantizedRows` at their input scale): the outputs they compute from the rows themselves,
+    bit for bit, without quantizing again."""
     parts = _linears("fp8", "fp8", [40, 40])
     x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(8))
     shared = si.SharedInput(parts, None)
     want = shared(x)
-    rows = sl.Fp8Rows(sl.fp8_quantize(x, parts[0].input_scale), parts[0].input_scale, x.dtype)
+    scale = parts[0].input_scale
+    rows = sl.QuantizedRows(sl.fp8_quantize(x, scale), (scale,), x.dtype)
     got = shared(rows)
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape == (2, 3, 40) and torch.equal(_bits(a), _bits(b))
@@ -235,7 +236,7 @@ def test_the_ffn_inputs_come_as_fp8_operands_only_to_gemms_that_would_make_them(
         assert kernel is triton_network.ffn_inputs_or_torch
         return
     assert kernel.func is triton_network.ffn_inputs_or_torch
-    assert kernel.keywords["mlp_scale"] is (parts[0].input_scale if mlp_one_pass else None)
-    assert kernel.keywords["experts_scale"] is (experts.in_scale if experts_one_pass else None)
+    assert kernel.keywords["mlp_form"] == (("fp8", parts[0].input_scale) if mlp_one_pass else None)
+    assert kernel.keywords["experts_form"] == (("fp8", experts.in_scale) if experts_one_pass else None)
     layer.mlp.gate_up_kernel = None  # gate and up on their own: they take rows
     assert gpu_load.ffn_inputs_for(layer) is triton_network.ffn_inputs_or_torch or experts_one_pass

@@ -64,7 +64,7 @@ def test_scaled_experts_fp8_is_the_fake_quant_expert_loop(monkeypatch):
     """ScaledExperts' forward (tokens quantized once then gathered, grouped GEMMs, outputs permuted back and
     combined per token by one batched product) against the fake-quantized expert loop on the dequantized
     weights; uneven groups and an expert with no token included. Given x as its FP8 operand at the experts'
-    input scale (`scaled_layout.Fp8Rows`), the same output bit for bit."""
+    input scale (`scaled_layout.QuantizedRows`), the same output bit for bit."""
     from pipeline.model.fake_quant import InputQuantizer
     from pipeline.model.modelopt import _quantized_experts_forward
 
@@ -85,9 +85,8 @@ def test_scaled_experts_fp8_is_the_fake_quant_expert_loop(monkeypatch):
     quants = {"gate_up": InputQuantizer("fp8", m.in_scale), "down": InputQuantizer("fp8", m.down_in_scale)}
     want = _quantized_experts_forward(quants)(ref, x, index, weights)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    rows = sl.Fp8Rows(
-        sl.fp8_quantize(x, m.in_scale), m.in_scale, x.dtype
-    )  # as the FFN-inputs kernel writes x
+    scales = (m.in_scale.float().expand(t),)  # x as the FFN-inputs kernel writes it
+    rows = sl.QuantizedRows(sl.fp8_quantize(x, m.in_scale), scales, x.dtype)
     assert torch.equal(m(rows, index, weights), got)
 
 

@@ -114,6 +114,7 @@ def test_a_model_with_the_kernels_installed_gives_the_same_logits(rne_casts):  #
             probing.EXPERT_ORDER,
             probing.HEAD_NORMS,
             probing.NORM_FP8,
+            probing.NORM_NVFP4,
         )
     ]
     assert torch.equal(got[0], want[0])
@@ -226,6 +227,7 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
             probing.EXPERT_ORDER: None,
             probing.HEAD_NORMS: None,
             probing.NORM_FP8: None,
+            probing.NORM_NVFP4: None,
         },
     )
     report = gpu_load.fuse_network(model, probed, None)
@@ -418,54 +420,35 @@ def test_the_ffn_inputs_are_torchs_but_for_their_norms_sums(rne_casts, dtype, d)
 
 @interpreted
 @pytest.mark.parametrize("dtype", triton_network.DTYPES)
-def test_the_ffn_inputs_write_the_mlps_and_experts_fp8_operands_bit_for_bit(rne_casts, dtype):  # noqa: F811
-    """Given their GEMMs' static input scales, the dense MLP's and the experts' inputs come as E4M3 codes:
-    bit for bit `scaled_layout.fp8_quantize` of the rows the kernel writes without them (saturated codes
-    included), the residual and the router's input unchanged; one of them alone too; and the torch form
-    where the kernel does not serve quantizes its rows the same way."""
+@pytest.mark.parametrize("kind", ["fp8", "nvfp4"])
+def test_the_ffn_inputs_write_the_mlps_and_experts_operands_bit_for_bit(rne_casts, dtype, kind):  # noqa: F811
+    """Given their GEMMs' forms, the dense MLP's and the experts' inputs come as the operands those GEMMs'
+    own one-pass quantizations make of the rows the kernel writes without them, bit for bit (FP8: some codes
+    saturated; NVFP4: the linear's block scales swizzled over 128 rows, the experts' as they are), the
+    residual and the router's input unchanged (`probe.same_operands`); fewer rows than a tile give the
+    linear its rows; and one of them alone."""
     d = 2816
     g = torch.Generator().manual_seed(5)
     layer = probing.ffn_probe_layer(d, torch.device("cpu"), dtype, g)
-    h, attn = (probing.spread(12, d, g) / 64).to(dtype).view(2, 2, 3, d).unbind()
+    h, attn = (probing.spread(256, d, g) / 64).to(dtype).view(2, 2, 64, d).unbind()
+    assert probing.same_operands(layer, h, attn, None, kind)
+    assert probing.same_operands(layer, h[:, :3], attn[:, :3], None, kind)  # 6 rows
+    scale = torch.tensor(0.003)
     plain = triton_network.ffn_inputs(layer, h, attn)
-    mlp_scale, experts_scale = torch.tensor(0.002), torch.tensor(0.0005)
-    got = triton_network.ffn_inputs(layer, h, attn, mlp_scale, experts_scale)
-    assert probing.same_bits(got[0], plain[0]) and probing.same_bits(got[3], plain[3])
-    for q, rows, scale in ((got[1], plain[1], mlp_scale), (got[2], plain[2], experts_scale)):
-        assert (
-            isinstance(q, sl.Fp8Rows)
-            and q.scale is scale
-            and q.dtype == dtype
-            and q.codes.shape == rows.shape
-        )
-        want = sl.fp8_quantize(rows, scale)
-        assert probing.fp8_codes_equal(q.codes, want) and (want.float().abs() == 448).any()
-    experts_only = triton_network.ffn_inputs(layer, h, attn, None, experts_scale)
-    assert probing.same_bits(experts_only[1], plain[1]) and torch.equal(experts_only[2].codes, got[2].codes)
-    layer.router.norm = network.RMSNorm(d, 1e-6).to(dtype)  # not the kernel's form: torch's, then quantized
-    fallback = triton_network.ffn_inputs_or_torch(layer, h, attn, mlp_scale, None)
-    rows = network.ffn_inputs(layer, h, attn)[1]
-    assert torch.equal(
-        fallback[1].codes.view(torch.uint8), sl.fp8_quantize(rows, mlp_scale).view(torch.uint8)
-    )
+    mlp_only = triton_network.ffn_inputs(layer, h, attn, (kind, scale), None)
+    assert probing.same_bits(mlp_only[2], plain[2]) and isinstance(mlp_only[1], sl.QuantizedRows)
 
 
-@interpreted
-def test_the_ffn_inputs_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, monkeypatch):  # noqa: F811
-    probing.check_triton_ffn_inputs(torch.device("cpu"))
-    kernel = triton_network.ffn_inputs
-    wrong = {
-        "inputs swapped": lambda layer, h, a, *scales: kernel(layer, a, h, *scales),
-        "experts at the MLP's scale": lambda layer, h, a, ms=None, es=None: kernel(
-            layer, h, a, ms, None if es is None else ms.clone()),
-        "rows not quantized": lambda layer, h, a, ms=None, es=None: kernel(layer, h, a),
-    }  # fmt: skip
-    for name, form in wrong.items():
-        with monkeypatch.context() as mp:
-            mp.setattr(triton_network, "ffn_inputs", form)
-            with pytest.raises(DgpipeError, match="FFN inputs differ"):
-                probing.check_triton_ffn_inputs(torch.device("cpu"))
-                pytest.fail(f"passed: {name}")
+def test_the_ffn_inputs_torch_form_gives_the_rows_to_quantize(monkeypatch):
+    """Where the kernel does not serve, the GEMMs get the rows and quantize them themselves."""
+    d = 64
+    layer = probing.ffn_probe_layer(d, torch.device("cpu"), torch.bfloat16, torch.Generator().manual_seed(1))
+    h, attn = torch.randn(2, 3, d).bfloat16().unbind()
+    layer.router.norm = network.RMSNorm(d, 1e-6).bfloat16()  # a scaled router norm: not the kernel's form
+    assert not triton_network.ffn_inputs_serves(layer, h, attn)
+    forms = ("fp8", torch.tensor(0.1)), ("nvfp4", torch.tensor(0.1))
+    got, want = triton_network.ffn_inputs_or_torch(layer, h, attn, *forms), network.ffn_inputs(layer, h, attn)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @interpreted
@@ -815,12 +798,14 @@ for cc in (90, 100, 89, 120):
         build(k.layer_end, {**ptrs(dt, "dense_ptr", "moe_ptr", "res_ptr", "w1_ptr", "w2_ptr", "w_ptr", "s_ptr", "out_ptr"),
                             "cols": "i32", "eps": "fp32"},
               {"BLOCK": 4096}, cc, f"layer_end_{dt}", f"layer_end {dt}", options=tn.ROW_OPTIONS)
-        for fp8 in (False, True):  # the MLP's and experts' inputs as rows, or as FP8 operands
+        # the MLP's and experts' inputs as rows, as FP8 operands, as NVFP4 (swizzled for the MLP's linear)
+        for mlp, experts, codes, bs in ((0, 0, dt, dt), (1, 1, "fp8e4nv", dt), (3, 2, "u8", "u8")):
             build(k.ffn_inputs, {**ptrs(dt, "h_ptr", "a_ptr", "wa_ptr", "w1_ptr", "w2_ptr", "ws_ptr", "res_ptr", "router_ptr"),
-                                 **ptrs("fp8e4nv" if fp8 else dt, "mlp_ptr", "exp_ptr"), **ptrs("fp32", "mlp_scale_ptr", "exp_scale_ptr"),
-                                 "cols": "i32", "eps": "fp32", "root": "fp32"},
-                  {"E4M3_MAX": 448.0, "MLP_FP8": fp8, "EXP_FP8": fp8, "BLOCK": 4096}, cc, f"ffn_inputs_{dt}_{fp8}",
-                  f"ffn_inputs {dt}", options=tn.ROW_OPTIONS)
+                                 **ptrs(codes, "mlp_ptr", "exp_ptr"), **ptrs("fp32", "mlp_scale_ptr", "exp_scale_ptr"),
+                                 "mlp_bs_ptr": f"*{bs}", "exp_bs_ptr": "*fp8e4nv" if experts == 2 else f"*{bs}",
+                                 **ints("rows", "cols", "CP"), "eps": "fp32", "root": "fp32"},
+                  {"E2M1_MAX": 6.0, "E4M3_MAX": 448.0, "MLP_FORM": mlp, "EXP_FORM": experts, "BLOCK": 4096}, cc,
+                  f"ffn_inputs_{dt}_{mlp}", f"ffn_inputs {dt}", options=tn.ROW_OPTIONS)
 json.dump(out, sys.stdout)
 """
 
@@ -828,12 +813,12 @@ json.dump(out, sys.stdout)
 def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
     """Triton lowers the RoPE kernel for both head dims and dtypes, the softcap kernel (libdevice's tanh
     linked in, no `tanh.approx`), the gated GeLU (the same tanh, and the one FMA torch's CUDA GeLU has), the
-    residual sum, the router's input, the FFN inputs (as rows and as FP8 operands) and the layer end, the K/V concatenation and the MoE combine (each product and sum rounded on its own, as its
+    residual sum, the router's input, the FFN inputs (as rows, as FP8 and as NVFP4 operands) and the layer end, the K/V concatenation and the MoE combine (each product and sum rounded on its own, as its
     torch form computes them), to sm_90a, sm_100a, sm_89 and sm_120 cubins, no GPU needed. RoPE: every product is rounded to the input's dtype before the sum (`mul.rn`, `add.rn`; a fused
     multiply-add would round once where torch rounds twice, and Triton's default contraction made one), and no
     register spills (no STL/LDL in the SASS)."""
     compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
-    assert len(compiled) == 92 and sum(k["dtype"] == "softcap" for k in compiled) == 4
+    assert len(compiled) == 100 and sum(k["dtype"] == "softcap" for k in compiled) == 4
     for k in compiled:
         if k["dtype"] == "softcap":  # its tanh is libdevice's own code (its FMAs are the function's)
             assert "mul.rn.f32" in k["ptx"] and "tanh.approx" not in k["ptx"], k["cc"]
