@@ -618,16 +618,25 @@ def same_fp8_of_norm(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(torch.equal(g.isnan(), w.isnan()) and (close | w.isnan()).all())
 
 
+def rows_to_norm(
+    n: int, d: int, dev: torch.device, dtype: torch.dtype, g: torch.Generator
+) -> tuple[torch.Tensor, RMSNorm]:
+    """The norm probes' input: rows [n, d] over seven decades with a zero row and one with infinity and NaN,
+    and an RMSNorm with random weights in [0, 2)."""
+    x = (spread(n, d, g) / 64).to(dev, dtype)
+    x[0], x[1, :2] = 0.0, torch.tensor([float("inf"), float("nan")])
+    norm = RMSNorm(d, 1e-6).to(dev, dtype)
+    norm.weight.data = (torch.rand(d, generator=g) * 2).to(dev, dtype)
+    return x, norm
+
+
 def check_triton_norm_fp8(dev: torch.device) -> None:
     """dgpipe's norm-to-FP8 kernel against torch's fused RMSNorm then the FP8 quantization, at the 26B's width
     and one that is no power of two, bf16 and fp16, rows over seven decades (some past E4M3's range after
     the scale), a zero row and one with infinity and NaN: within `same_fp8_of_norm`, or a DgpipeError."""
     g = torch.Generator().manual_seed(17)
     for dtype, d in ((torch.bfloat16, 2816), (torch.float16, 2816), (torch.bfloat16, 100)):
-        x = (spread(6, d, g) / 64).to(dev, dtype)
-        x[0], x[1, :2] = 0.0, torch.tensor([float("inf"), float("nan")])
-        norm = RMSNorm(d, 1e-6).to(dev, dtype)
-        norm.weight.data = (torch.rand(d, generator=g) * 2).to(dev, dtype)
+        x, norm = rows_to_norm(6, d, dev, dtype, g)
         scale = torch.tensor(0.004, device=dev)
         if not same_fp8_of_norm(triton_network.norm_fp8(x, norm, scale), sl.fp8_quantize(norm(x), scale)):
             raise DgpipeError(
@@ -644,10 +653,7 @@ def check_triton_norm_nvfp4(dev: torch.device) -> None:
     a DgpipeError."""
     g = torch.Generator().manual_seed(18)
     for dtype, d in ((torch.bfloat16, 2816), (torch.float16, 2816), (torch.bfloat16, 96)):
-        x = (spread(33, d, g) / 64).to(dev, dtype)
-        x[0], x[1, :2] = 0.0, torch.tensor([float("inf"), float("nan")])
-        norm = RMSNorm(d, 1e-6).to(dev, dtype)
-        norm.weight.data = (torch.rand(d, generator=g) * 2).to(dev, dtype)
+        x, norm = rows_to_norm(33, d, dev, dtype, g)
         gs, normed = torch.tensor(0.003, device=dev), torch.empty_like(x)
         (q, s), (q_pass, s_pass) = (triton_network.norm_nvfp4(x, norm, gs, out) for out in (normed, None))
         want_q, want_s = sl.nvfp4_quantize(normed, gs)

@@ -126,18 +126,8 @@ def geglu_nvfp4(
     x = tl.load(gate_ptr + r * stride_gate + c, mask=inside, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + r * stride_up + c, mask=inside, other=0.0).to(tl.float32)
     h = _gelu_times(x, u, gate_ptr.dtype.element_ty, BETA, KAPPA).to(tl.float32)
-    even, odd = tl.split(tl.reshape(h, (BLOCK // 16, 8, 2)))  # each block's even and odd columns
-    codes, bs = nvfp4_encode(even, odd, gs_ptr, E2M1_MAX, E4M3_MAX)
-    pair = tl.program_id(1) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
-    live = (pair < cols // 2) & (tl.zeros_like(pair) + r < rows)
-    tl.store(packed_ptr + r * (cols // 2) + pair, tl.reshape(codes, (BLOCK // 2,)), mask=live)
-    cb = tl.program_id(1) * (BLOCK // 16) + tl.arange(0, BLOCK // 16)  # scale columns
-    real = (cb < cols // 16) & (tl.zeros_like(cb) + r < rows)
-    if BLOCKED:
-        bits = tl.where(real, bs.to(tl.uint8, bitcast=True), 0)
-        tl.store(scales_ptr + blocked_index(r, cb, CP), bits, mask=cb < CP)
-    else:
-        tl.store(scales_ptr + r * (cols // 16) + cb, bs, mask=real)
+    _nvfp4_row(h, r, rows, cols, tl.program_id(1) * BLOCK, gs_ptr, packed_ptr, scales_ptr, CP, BLOCKED, E2M1_MAX,
+               E4M3_MAX, BLOCK)  # fmt: skip
 
 
 @triton.jit
@@ -326,7 +316,7 @@ def _ffn_operand(
     elif FORM == 1:
         tl.store(out_ptr + r * cols + c, _e4m3(v.to(tl.float32), scale_ptr, E4M3_MAX), mask=inside)
     else:
-        _nvfp4_row(v.to(tl.float32), r, rows, cols, scale_ptr, out_ptr, bs_ptr, CP, FORM == 3, E2M1_MAX,
+        _nvfp4_row(v.to(tl.float32), r, rows, cols, 0, scale_ptr, out_ptr, bs_ptr, CP, FORM == 3, E2M1_MAX,
                    E4M3_MAX, BLOCK)  # fmt: skip
 
 
@@ -356,26 +346,26 @@ def norm_nvfp4(
     n = _rms_norm(x, w_ptr, c, inside, cols, eps).to(dt)
     if WRITE_NORMED:
         tl.store(normed_ptr + r * cols + c, n, mask=inside)
-    _nvfp4_row(
-        n.to(tl.float32), r, rows, cols, gs_ptr, packed_ptr, scales_ptr, CP, True, E2M1_MAX, E4M3_MAX, BLOCK
-    )
+    _nvfp4_row(n.to(tl.float32), r, rows, cols, 0, gs_ptr, packed_ptr, scales_ptr, CP, True, E2M1_MAX, E4M3_MAX,
+               BLOCK)  # fmt: skip
 
 
 @triton.jit
 def _nvfp4_row(
-    v, r, rows, cols, gs_ptr, packed_ptr, scales_ptr, CP, BLOCKED: tl.constexpr, E2M1_MAX: tl.constexpr,
+    v, r, rows, cols, c0, gs_ptr, packed_ptr, scales_ptr, CP, BLOCKED: tl.constexpr, E2M1_MAX: tl.constexpr,
     E4M3_MAX: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Row r's fp32 values v [BLOCK] (zeros past `cols`) as NVFP4 under the global scale, as
+    """Row r's fp32 values v [BLOCK] from column c0 (zeros past `cols`) as NVFP4 under the global scale, as
     `triton_quant_kernels.nvfp4_quant` makes them: E2M1 codes in pairs [rows, cols / 2]; block scales
     [rows, cols / 16], or (BLOCKED) at `blocked_index` in the layout of [rows padded to 128, CP] a linear's FP4
-    GEMM reads, the padded columns' zeros included (BLOCK / 16 >= CP; a row past `rows` writes zero scales)."""
+    GEMM reads, the padded columns' zeros included (the blocks past `cols` a launch reaches cover CP; a row
+    past `rows` writes zero scales)."""
     even, odd = tl.split(tl.reshape(v, (BLOCK // 16, 8, 2)))  # each block's even and odd columns
     codes, bs = nvfp4_encode(even, odd, gs_ptr, E2M1_MAX, E4M3_MAX)
-    pair = tl.arange(0, BLOCK // 2)
+    pair = c0 // 2 + tl.arange(0, BLOCK // 2)
     live = (pair < cols // 2) & (tl.zeros_like(pair) + r < rows)
     tl.store(packed_ptr + r * (cols // 2) + pair, tl.reshape(codes, (BLOCK // 2,)), mask=live)
-    cb = tl.arange(0, BLOCK // 16)  # scale columns
+    cb = c0 // 16 + tl.arange(0, BLOCK // 16)  # scale columns
     real = (cb < cols // 16) & (tl.zeros_like(cb) + r < rows)
     if BLOCKED:
         bits = tl.where(real, bs.to(tl.uint8, bitcast=True), 0)
