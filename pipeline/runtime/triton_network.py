@@ -526,13 +526,17 @@ def ffn_inputs(
     `gpu_load.ffn_inputs_for`). ("fp8", static scale): E4M3 codes as `triton_quant.fp8` writes them;
     ("nvfp4", global scale): E2M1 codes in pairs and block scales as `triton_quant.nvfp4` writes them for
     the experts, and swizzled as `triton_quant.nvfp4_blocked` writes them for the dense MLP's linear, where
-    its rows fill whole 128-row tiles (else the rows, which the linear quantizes itself)."""
+    its rows fill whole 128-row tiles (else the rows, which the linear quantizes itself; so too for rows of
+    no whole 16-value blocks)."""
     import triton
 
     d = h.shape[-1]
     rows = h.numel() // d if d else 0
-    if mlp_form is not None and mlp_form[0] == "nvfp4" and rows % sl.TILE_ROWS:
-        mlp_form = None  # the kernel writes no padding rows' scales
+    nvfp4 = lambda form: form is not None and form[0] == "nvfp4"
+    if nvfp4(mlp_form) and (rows % sl.TILE_ROWS or d % NVFP4_BLOCK):
+        mlp_form = None  # the kernel writes no padding rows' scales, and whole 16-value blocks
+    if nvfp4(experts_form) and d % NVFP4_BLOCK:
+        experts_form = None
     cp = sl.blocked_shape(rows, d // NVFP4_BLOCK)[1]
     residual = torch.empty_like(h)
     router_in = torch.empty(rows, d, dtype=h.dtype, device=h.device)
@@ -551,8 +555,8 @@ def ffn_inputs(
             scale(mlp_form), scale(experts_form), unread if mlp_bs is None else mlp_bs,
             unread if experts_bs is None else experts_bs, rows, d, cp, norms[0].eps, layer.router.root,
             E2M1_MAX=E2M1_MAX, E4M3_MAX=E4M3_MAX, MLP_FORM=_FFN_FORMS[mlp_form and mlp_form[0], True],
-            EXP_FORM=_FFN_FORMS[experts_form and experts_form[0], False], BLOCK=triton.next_power_of_2(d),
-            **ROW_OPTIONS,
+            EXP_FORM=_FFN_FORMS[experts_form and experts_form[0], False],
+            BLOCK=max(64, triton.next_power_of_2(d)), **ROW_OPTIONS,  # 64: 4 block scales, a swizzled tile's width
         )  # fmt: skip
     return (
         residual,

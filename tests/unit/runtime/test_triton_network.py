@@ -437,6 +437,16 @@ def test_the_ffn_inputs_write_the_mlps_and_experts_operands_bit_for_bit(rne_cast
     plain = triton_network.ffn_inputs(layer, h, attn)
     mlp_only = triton_network.ffn_inputs(layer, h, attn, (kind, scale), None)
     assert probing.same_bits(mlp_only[2], plain[2]) and isinstance(mlp_only[1], sl.QuantizedRows)
+    # 32 wide (two NVFP4 blocks, fewer than a swizzled tile's four scale columns), and 40 (no whole blocks)
+    for width in (32, 40):
+        layer = probing.ffn_probe_layer(width, torch.device("cpu"), dtype, g)
+        h, attn = (probing.spread(256, width, g) / 64).to(dtype).view(2, 128, width).unbind()
+        rows = triton_network.ffn_inputs(layer, h, attn)
+        if kind == "fp8" or width % 16 == 0:
+            assert probing.same_operands(layer, h, attn, rows, kind)
+        else:  # the rows, which their GEMMs quantize themselves
+            got = triton_network.ffn_inputs(layer, h, attn, (kind, scale), (kind, scale))
+            assert probing.same_bits(got[1], rows[1]) and probing.same_bits(got[2], rows[2])
 
 
 def test_the_ffn_inputs_torch_form_gives_the_rows_to_quantize(monkeypatch):
