@@ -6,7 +6,9 @@ Each pair runs on the same random inputs: RoPE on the queries of a sliding layer
 layer's keys and values with the keys' RoPE (`head_norms`, against torch's fused norms), the LM head's softcap on
 the logits, the experts' combine of rows in slot order, the gated GeLU of the experts' gate|up output (bf16,
 and FP8 against the GeLU, product and one-pass quantization it replaces), a layer's residual sum, the
-router's input scales, a layer's FFN inputs (the norms and residual sum after attention) and end (its three
+router's input scales, a layer's FFN inputs (the norms and residual sum after attention; and written as the
+FP8 and NVFP4 operands of the dense MLP's and the experts' GEMMs, against its rows then their one-pass
+quantizations) and end (its three
 last norms, two sums and scale), a layer's input norm written as its FP8 or NVFP4 operand (`norm_fp8`, `norm_nvfp4`, against the
 norm then the one-pass quantization), the router's top-k and the experts' order (`pipeline.runtime.triton_routing`;
 on scores without ties, `probe.separated_scores`), and the K/V concatenation of a sliding layer over the benchmark's cached tokens, read
@@ -74,6 +76,23 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
     past = min(context, ring)
     pk, pv = cache[0, :, :, :past], cache[1, :, :, :past]
     new = bf16(2, batch, canvas, kv, hd).transpose(2, 3)
+
+    def ffn_operands(kind: str, fused: bool) -> tuple[torch.Tensor, ...]:
+        """The dense MLP's and the experts' operands (codes; NVFP4: and block scales, the MLP's swizzled) as
+        bytes: written by the FFN-inputs kernel, or its rows then each GEMM's one-pass quantization (also
+        where the kernel gives rows: the MLP's NVFP4 over fewer rows than a tile)."""
+        s = fp8_scale if kind == "fp8" else scale
+        got = tn.ffn_inputs(layer, residual, x, *(((kind, s),) * 2 if fused else ()))
+        ts: list[torch.Tensor] = []
+        for rows, linear in ((got[1], True), (got[2], False)):
+            if isinstance(rows, sl.QuantizedRows):
+                ts += [rows.operand, *(rows.scales[:1] if kind == "nvfp4" else ())]
+            elif kind == "fp8":
+                ts.append(triton_quant.fp8(rows, s))
+            else:
+                ts += (triton_quant.nvfp4_blocked if linear else triton_quant.nvfp4)(rows.reshape(-1, d), s)
+        return tuple(t.contiguous().view(torch.uint8).reshape(-1) for t in ts)
+
     return [
         (f"RoPE q [{batch}, {canvas}, {heads}, {hd}]", lambda: apply_rope(q, cos, sin), lambda: tn.rope(q, cos, sin)),
         (f"head norms k, v [{batch}, {canvas}, {kv}, {hd}]",
@@ -92,6 +111,11 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
         (f"router input [{tokens}, {d}]", lambda: x.view(tokens, d) * router_scale * d**-0.5,
          lambda: tn.scale_columns(x.view(tokens, d), router_scale, d**-0.5)),
         (f"FFN inputs [{tokens}, {d}]", lambda: ffn_inputs(layer, residual, x), lambda: tn.ffn_inputs(layer, residual, x)),
+        *(
+            (f"FFN inputs to {kind.upper()} [{tokens}, {d}]", lambda kind=kind: ffn_operands(kind, False),
+             lambda kind=kind: ffn_operands(kind, True))
+            for kind in ("fp8", "nvfp4")
+        ),
         (f"layer end [{tokens}, {d}]", lambda: layer_end(residual, x, moe, norms, layer_scale),
          lambda: tn.layer_end(residual, x, moe, norms, layer_scale)),
         (f"input norm to FP8 [{tokens}, {d}]", lambda: triton_quant.fp8(norms[0](x.view(tokens, d)), fp8_scale),
