@@ -7,7 +7,7 @@ layer's keys and values with the keys' RoPE (`head_norms`, against torch's fused
 the logits, the experts' combine of rows in slot order, the gated GeLU of the experts' gate|up output (bf16,
 and FP8 against the GeLU, product and one-pass quantization it replaces), a layer's residual sum, the
 router's input scales, a layer's FFN inputs (the norms and residual sum after attention; and written as the
-FP8 and NVFP4 operands of the dense MLP's and the experts' GEMMs, against its rows then their one-pass
+FP8, NVFP4 and per-row FP8 operands of the dense MLP's and the experts' GEMMs, against its rows then their one-pass
 quantizations) and end (its three
 last norms, two sums and scale), a layer's input norm written as its FP8 or NVFP4 operand (`norm_fp8`, `norm_nvfp4`, against the
 norm then the one-pass quantization), the router's top-k and the experts' order (`pipeline.runtime.triton_routing`;
@@ -78,7 +78,8 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
     new = bf16(2, batch, canvas, kv, hd).transpose(2, 3)
 
     def ffn_operands(kind: str, fused: bool) -> tuple[torch.Tensor, ...]:
-        """The dense MLP's and the experts' operands (codes; NVFP4: and block scales, the MLP's swizzled) as
+        """The dense MLP's and the experts' operands (codes; NVFP4: and block scales, the MLP's swizzled; the
+        per-row FP8 fallback: and row scales) as
         bytes: written by the FFN-inputs kernel, or its rows then each GEMM's one-pass quantization (also
         where the kernel gives rows: the MLP's NVFP4 over fewer rows than a tile)."""
         s = fp8_scale if kind == "fp8" else scale
@@ -86,9 +87,11 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
         ts: list[torch.Tensor] = []
         for rows, linear in ((got[1], True), (got[2], False)):
             if isinstance(rows, sl.QuantizedRows):
-                ts += [rows.operand, *(rows.scales[:1] if kind == "nvfp4" else ())]
+                ts += [rows.operand, *(rows.scales[:1] if kind != "fp8" else ())]
             elif kind == "fp8":
                 ts.append(triton_quant.fp8(rows, s))
+            elif kind == "fp8_rowwise":
+                ts += triton_quant.nvfp4_fp8_rows(rows.reshape(-1, d), s)
             else:
                 ts += (triton_quant.nvfp4_blocked if linear else triton_quant.nvfp4)(rows.reshape(-1, d), s)
         return tuple(t.contiguous().view(torch.uint8).reshape(-1) for t in ts)
@@ -112,9 +115,9 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
          lambda: tn.scale_columns(x.view(tokens, d), router_scale, d**-0.5)),
         (f"FFN inputs [{tokens}, {d}]", lambda: ffn_inputs(layer, residual, x), lambda: tn.ffn_inputs(layer, residual, x)),
         *(
-            (f"FFN inputs to {kind.upper()} [{tokens}, {d}]", lambda kind=kind: ffn_operands(kind, False),
+            (f"FFN inputs to {name} [{tokens}, {d}]", lambda kind=kind: ffn_operands(kind, False),
              lambda kind=kind: ffn_operands(kind, True))
-            for kind in ("fp8", "nvfp4")
+            for kind, name in (("fp8", "FP8"), ("nvfp4", "NVFP4"), ("fp8_rowwise", "NVFP4 as per-row FP8"))
         ),
         (f"layer end [{tokens}, {d}]", lambda: layer_end(residual, x, moe, norms, layer_scale),
          lambda: tn.layer_end(residual, x, moe, norms, layer_scale)),

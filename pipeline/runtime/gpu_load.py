@@ -262,10 +262,10 @@ def ffn_inputs_for(layer: DecoderLayer) -> FfnInputsKernel:
     """The FFN-inputs kernel for `layer`, writing the dense MLP's and the experts' inputs as the FP8 or NVFP4
     operands their GEMMs read where those quantize them in one pass (`SharedInput` gate and up,
     `ScaledExperts`): the codes and scales they would make, one launch and a pass over the rows fewer each.
-    Elsewhere (bf16, the Hopper/Ada NVFP4 fallback's per-row FP8) the rows as they are."""
+    Elsewhere (bf16) the rows as they are."""
     gate_up, experts = layer.mlp.gate_up_kernel, layer.experts
     first = gate_up.parts[0] if isinstance(gate_up, SharedInput) else None
-    quantized = ("fp8", "nvfp4")
+    quantized = ("fp8", "nvfp4", "fp8_rowwise")
     mlp = isinstance(first, ScaledLinear) and first.mode in quantized and first.triton
     routed = isinstance(experts, ScaledExperts) and experts.mode in quantized and experts.one_pass
     if not (mlp or routed):

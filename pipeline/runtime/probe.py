@@ -510,6 +510,7 @@ def check_triton_ffn_inputs(dev: torch.device) -> None:
             )
             and same_operands(layer, h, attn, got, "fp8")
             and same_operands(layer, h, attn, got, "nvfp4")
+            and same_operands(layer, h, attn, got, "fp8_rowwise")
             and same_operands(layer, *(t.repeat(43, 1)[:128] for t in (h, attn)), None, "nvfp4")  # swizzled
         ):
             raise DgpipeError(
@@ -521,7 +522,8 @@ def same_operands(
     layer: DecoderLayer, h: torch.Tensor, attn: torch.Tensor, rows: tuple | None, kind: str
 ) -> bool:
     """Whether `triton_network.ffn_inputs` writes the MLP's and the experts' inputs as `kind` operands
-    (scales that saturate some FP8 codes, an NVFP4 global scale) bit for bit as the torch forms quantize
+    (FP8 scales that saturate some codes; an NVFP4 global scale, for NVFP4 or the Hopper/Ada fallback's per-row
+    FP8 of NVFP4-rounded rows) bit for bit as the torch forms quantize
     the rows it writes otherwise (`rows`: that launch's outputs, or None to launch it here), in the layouts
     their consumers' own quantization gives: for the MLP's linear `ScaledLinear.quantize`'s (NVFP4 block
     scales swizzled, where the rows fill whole 128-row tiles, else the rows themselves), for the experts
@@ -543,6 +545,17 @@ def same_operands(
             and isinstance(experts, sl.QuantizedRows)
             and torch.equal(experts.scales[0], experts_scale.float().expand(n))
             and fp8_codes_equal(experts.operand, sl.fp8_quantize(rows[2], experts_scale))
+        )
+    if kind == "fp8_rowwise":  # E4M3 of the NVFP4-rounded rows, a scale each: [n, 1] for the linear, [n]
+        wants = (
+            quantize_rows(r.reshape(n, -1), s, kind)
+            for r, s in ((rows[1], mlp_scale), (rows[2], experts_scale))
+        )
+        return all(
+            isinstance(q, sl.QuantizedRows)
+            and fp8_codes_equal(q.operand.reshape(n, -1), want_q)
+            and torch.equal(q.scales[0], want_s[:, None] if q is mlp else want_s)
+            for q, (want_q, want_s) in zip((mlp, experts), wants, strict=True)
         )
     codes, bs = sl.nvfp4_quantize(rows[2], experts_scale)
     if not (

@@ -86,7 +86,8 @@ from pipeline.model.network import DecoderLayer, RMSNorm, apply_rope, gelu_tanh
 from pipeline.runtime import triton_quant
 
 FfnInput = torch.Tensor | sl.QuantizedRows  # an FFN branch's input: rows, or their operand (`ffn_inputs`)
-OperandForm = tuple[str, torch.Tensor]  # ("fp8" | "nvfp4", the GEMM's static input or global scale)
+# ("fp8" | "nvfp4" | "fp8_rowwise", the GEMM's static input scale or NVFP4 global scale)
+OperandForm = tuple[str, torch.Tensor]
 ROW_VALUES = 4096  # values per program: 16 rows of a 256-wide head, 8 of a 512-wide one
 # no floating-point contraction: with it (Triton's default) LLVM turns a product and the sum it feeds into
 # one fused multiply-add, rounding once where torch rounds twice (seen in the PTX for sm_90a: fma.rn.bf16)
@@ -527,15 +528,16 @@ def ffn_inputs(
     ("nvfp4", global scale): E2M1 codes in pairs and block scales as `triton_quant.nvfp4` writes them for
     the experts, and swizzled as `triton_quant.nvfp4_blocked` writes them for the dense MLP's linear, where
     its rows fill whole 128-row tiles (else the rows, which the linear quantizes itself; so too for rows of
-    no whole 16-value blocks)."""
+    no whole 16-value blocks); ("fp8_rowwise", global scale): the Hopper/Ada NVFP4 fallback's E4M3 codes of
+    the NVFP4-rounded rows and their per-row scales, as `triton_quant.nvfp4_fp8_rows` writes them."""
     import triton
 
     d = h.shape[-1]
     rows = h.numel() // d if d else 0
-    nvfp4 = lambda form: form is not None and form[0] == "nvfp4"
-    if nvfp4(mlp_form) and (rows % sl.TILE_ROWS or d % NVFP4_BLOCK):
-        mlp_form = None  # the kernel writes no padding rows' scales, and whole 16-value blocks
-    if nvfp4(experts_form) and d % NVFP4_BLOCK:
+    blocks = lambda form: form is not None and form[0] != "fp8"  # NVFP4 blocks: whole ones only
+    if blocks(mlp_form) and (d % NVFP4_BLOCK or (mlp_form[0] == "nvfp4" and rows % sl.TILE_ROWS)):
+        mlp_form = None  # (and the kernel writes no padding rows' swizzled scales)
+    if blocks(experts_form) and d % NVFP4_BLOCK:
         experts_form = None
     cp = sl.blocked_shape(rows, d // NVFP4_BLOCK)[1]
     residual = torch.empty_like(h)
@@ -569,7 +571,7 @@ def ffn_inputs(
 # (form, whether the operand is a linear's) -> the ffn_inputs kernel's FORM: the rows, E4M3, NVFP4 with its
 # block scales as the experts read them or swizzled for a linear
 _FFN_FORMS = {(None, True): 0, (None, False): 0, ("fp8", True): 1, ("fp8", False): 1, ("nvfp4", False): 2,
-              ("nvfp4", True): 3}  # fmt: skip
+              ("nvfp4", True): 3, ("fp8_rowwise", True): 4, ("fp8_rowwise", False): 4}  # fmt: skip
 
 
 def _operand_buffers(
@@ -578,9 +580,12 @@ def _operand_buffers(
     """What the ffn_inputs kernel writes one FFN input to, in `form`: (rows or codes, block scales or None)."""
     if form is None:
         return torch.empty(shape, dtype=h.dtype, device=h.device), None
-    if form[0] == "fp8":
-        return torch.empty(shape, dtype=torch.float8_e4m3fn, device=h.device), None
     rows, d = math.prod(shape[:-1]), shape[-1]
+    if form[0] in ("fp8", "fp8_rowwise"):
+        row_scales = (
+            torch.empty(rows, dtype=torch.float32, device=h.device) if form[0] == "fp8_rowwise" else None
+        )
+        return torch.empty(shape, dtype=torch.float8_e4m3fn, device=h.device), row_scales
     codes = torch.empty(*shape[:-1], d // 2, dtype=torch.uint8, device=h.device)
     if linear:  # swizzled, rows in whole tiles (`ffn_inputs`)
         return codes, torch.empty(rows * cp, dtype=torch.uint8, device=h.device)
@@ -597,6 +602,8 @@ def _wrapped(
     kind, scale = form
     if kind == "fp8":
         scales = (scale,) if linear else (scale.float().expand(out.shape[0]),)
+    elif kind == "fp8_rowwise":  # per-row scales: [M, 1] for a linear's RowWise GEMM, [M] for the experts'
+        scales = (bs[:, None],) if linear else (bs,)
     else:
         scales = (bs.view(torch.float8_e4m3fn), scale) if linear else (bs,)
     return sl.QuantizedRows(out, scales, h.dtype)

@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from pipeline.runtime.triton_quant_kernels import blocked_index, nvfp4_encode
+from pipeline.runtime.triton_quant_kernels import blocked_index, fp8_of_row, nvfp4_encode, nvfp4_rounded
 
 
 @triton.jit
@@ -310,11 +310,19 @@ def _ffn_operand(
 ):  # fmt: skip
     """Row r of an FFN input v (rounded to the row's dtype) as its GEMM reads it. FORM 0: the rows; 1: E4M3
     codes at the static scale (`_e4m3`); 2: NVFP4 under the global scale, block scales [rows, cols / 16]
-    at bs_ptr; 3: likewise, the block scales swizzled for a linear's FP4 GEMM (`_nvfp4_row`)."""
+    at bs_ptr; 3: likewise, the block scales swizzled for a linear's FP4 GEMM (`_nvfp4_row`); 4: rounded to
+    NVFP4 under the global scale and back to the row's dtype, then E4M3 at the row's own scale, stored at
+    bs_ptr [rows] (the Hopper/Ada NVFP4 fallback's operand, as `triton_quant_kernels.nvfp4_fp8_rows`)."""
     if FORM == 0:
         tl.store(out_ptr + r * cols + c, v, mask=inside)
     elif FORM == 1:
         tl.store(out_ptr + r * cols + c, _e4m3(v.to(tl.float32), scale_ptr, E4M3_MAX), mask=inside)
+    elif FORM == 4:
+        blocks = tl.reshape(v.to(tl.float32), (BLOCK // 16, 16))
+        rounded = nvfp4_rounded(blocks, scale_ptr, E2M1_MAX, E4M3_MAX).to(v.dtype).to(tl.float32)
+        codes, row_scale = fp8_of_row(rounded, E4M3_MAX)
+        tl.store(out_ptr + r * cols + c, tl.reshape(codes, (BLOCK,)), mask=inside)
+        tl.store(bs_ptr + r, row_scale)
     else:
         _nvfp4_row(v.to(tl.float32), r, rows, cols, 0, scale_ptr, out_ptr, bs_ptr, CP, FORM == 3, E2M1_MAX,
                    E4M3_MAX, BLOCK)  # fmt: skip

@@ -106,7 +106,16 @@ def nvfp4_fp8_rows(
     offs = tl.arange(0, NB)[:, None] * 16 + tl.arange(0, 16)[None, :]
     inside = offs < K
     x = tl.load(x_ptr + row * stride_x + offs, mask=inside, other=0.0)
-    xf = x.to(tl.float32)
+    v = nvfp4_rounded(x.to(tl.float32), gs_ptr, E2M1_MAX, E4M3_MAX).to(x.dtype).to(tl.float32)  # x's dtype
+    q8, row_scale = fp8_of_row(v, E4M3_MAX)
+    tl.store(out_ptr + row * K + offs, q8, mask=inside)
+    tl.store(scales_ptr + row, row_scale)
+
+
+@triton.jit
+def nvfp4_rounded(xf, gs_ptr, E2M1_MAX: tl.constexpr, E4M3_MAX: tl.constexpr):
+    """Blocks of 16 fp32 values [NB, 16] rounded to NVFP4 under the global scale, in fp32: what
+    `fake_quant.nvfp4_fake_quant` computes before its rounding to the input's dtype."""
     g = tl.load(gs_ptr).to(tl.float32)
     gs = tl.where(g > 0, g, 1e-12)
     amax = tl.max(tl.abs(xf), 1)
@@ -118,11 +127,16 @@ def nvfp4_fp8_rows(
         code < 4, code * 0.5, tl.where(code < 6, code - 2.0, code * 2.0 - 8.0)
     )  # 0 .5 1 1.5 | 2 3 | 4 6
     q = mag * s
-    v = tl.where(xf >= 0, q, -q).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded as the input's dtype
+    return tl.where(xf >= 0, q, -q)
+
+
+@triton.jit
+def fp8_of_row(v, E4M3_MAX: tl.constexpr):
+    """One row's fp32 values v [NB, 16] (zeros past the row) as E4M3 codes at the row's own scale
+    max|v| / 448, and that scale: what `tensor_cores._rowwise_dynamic` computes."""
     row_scale = tl.maximum(tl.math.div_rn(tl.max(tl.max(tl.abs(v), 1), 0), E4M3_MAX), 1e-12)
     q8 = tl.clamp(tl.math.div_rn(v, row_scale), -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-    tl.store(out_ptr + row * K + offs, q8.to(tl.float8e4nv), mask=inside)
-    tl.store(scales_ptr + row, row_scale)
+    return q8.to(tl.float8e4nv), row_scale
 
 
 @triton.jit

@@ -455,8 +455,8 @@ def test_the_layer_end_kernel_is_torchs_but_for_its_norms_sums():
 def test_the_ffn_inputs_kernel_is_torchs_but_for_its_norms_sums():
     """A decoder layer's FFN inputs at the 26B's width and 16 canvases: the residual and the three norms'
     outputs within `probe.same_layer_end` of torch's form on torch's fused CUDA RMSNorm, bit for bit but for
-    under 1% of the values; the MLP's and experts' inputs as FP8 and NVFP4 operands bit for bit what the
-    quantizations make of the rows."""
+    under 1% of the values; the MLP's and experts' inputs as FP8, NVFP4 and per-row FP8 operands bit for bit
+    what the quantizations make of the rows."""
     from pipeline.model.network import ffn_inputs
     from pipeline.runtime import triton_moe, triton_network, triton_quant
 
@@ -471,11 +471,10 @@ def test_the_ffn_inputs_kernel_is_torchs_but_for_its_norms_sums():
     for a, b in zip(got, want, strict=True):
         assert probing.same_layer_end(a, b, torch.zeros_like(b), one) or a is got[0]
         assert float((a != b).float().mean()) < 0.01
-    # the MLP's and the experts' inputs as FP8 and NVFP4 operands: what the torch forms of the one-pass
-    # quantizations make of the rows (4,096 rows: the MLP's NVFP4 scales swizzled)
-    assert probing.same_operands(layer, h, attn, got, "fp8") and probing.same_operands(
-        layer, h, attn, got, "nvfp4"
-    )
+    # the MLP's and the experts' inputs as FP8, NVFP4 and per-row FP8 operands: what the torch forms of the
+    # one-pass quantizations make of the rows (4,096 rows: the MLP's NVFP4 scales swizzled)
+    for kind in ("fp8", "nvfp4", "fp8_rowwise"):
+        assert probing.same_operands(layer, h, attn, got, kind), kind
     fp8 = triton_network.ffn_inputs(layer, h, attn, ("fp8", torch.tensor(0.01, device=CUDA)), None)
     assert probing.fp8_codes_equal(fp8[1].operand, triton_quant.fp8(got[1], fp8[1].scales[0]))
 

@@ -200,7 +200,7 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
             # the network kernels need CUDA or the interpreter (off here): each row says why
             assert (
                 "network_error" not in r
-                and len(r["network"]) == 18
+                and len(r["network"]) == 19
                 and all("Triton kernels run on CUDA devices" in n["error"] for n in r["network"])
             )
             x = r["bf16_experts"]  # the Triton path needs CUDA or the interpreter (off here): torch's alone
@@ -265,7 +265,7 @@ def test_network_paths_time_each_chain_against_its_torch_form(rne_casts, interpr
     cfg = ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny").text_config
     rows = network_paths(cfg, 2, 8, 5, torch.device("cpu"), repeats=1)
     assert [r["chain"].split(" [")[0] for r in rows] == ["RoPE q", "head norms k, v", "softcap", "combine", "gated GeLU",
-                                                         "gated GeLU to FP8", "gated GeLU to NVFP4", "residual sum", "router input", "FFN inputs", "FFN inputs to FP8", "FFN inputs to NVFP4", "layer end", "input norm to FP8", "input norm to NVFP4",
+                                                         "gated GeLU to FP8", "gated GeLU to NVFP4", "residual sum", "router input", "FFN inputs", "FFN inputs to FP8", "FFN inputs to NVFP4", "FFN inputs to NVFP4 as per-row FP8", "layer end", "input norm to FP8", "input norm to NVFP4",
                                                          "router top-k", "expert order", "K/V concatenation"]  # fmt: skip
     for r in rows:
         assert "error" not in r and r["ms_torch"] > 0 and r["ms_triton"] > 0, r
@@ -279,7 +279,8 @@ def test_network_paths_time_each_chain_against_its_torch_form(rne_casts, interpr
         is exact["K/V concatenation"]
         is exact["FFN inputs to FP8"]
         is exact["FFN inputs to NVFP4"]
+        is exact["FFN inputs to NVFP4 as per-row FP8"]
         is True
     )
     table = "\n".join(render_network(rows))
-    assert table.count("\n| ") == 19 and "| K/V concatenation [2, " in table
+    assert table.count("\n| ") == 20 and "| K/V concatenation [2, " in table

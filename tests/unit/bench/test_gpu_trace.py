@@ -159,14 +159,14 @@ def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
     """torch's element-wise NVFP4 quantization is ~50 launches an input (~13,000 a 26B pass); the kernels of
     `pipeline.runtime.triton_quant` make it one, so Hopper's NVFP4 pass launches about what its FP8 pass
     does: two more for the experts' and the dense MLP's down inputs, which FP8 quantizes inside the gated
-    GeLUs, one more for q|k|v's, which FP8's input norm writes, two more for gate|up's and the experts'
-    gate|up's, which FP8's FFN-inputs kernel writes, and fewer for the GEMMs that FP8's weight scales keep
-    apart: gate and up one (one fewer a layer), q, k and v one (two fewer in the sliding layer, one in the
-    global one)."""
+    GeLUs, one more for q|k|v's, which FP8's input norm writes, and fewer for the GEMMs that FP8's weight
+    scales keep apart: gate and up one (one fewer a layer), q, k and v one (two fewer in the sliding layer,
+    one in the global one). Gate|up's and the experts' gate|up's inputs come from the FFN-inputs kernel in
+    both."""
     inputs = QUANTIZED_INPUTS + 2 * LAYERS  # every quantized input and both expert projections'
     hopper, fp8 = gt.trace_pass("nvfp4", "sm90", 1, LAYERS), gt.trace_pass("fp8", "sm90", 1, LAYERS)
-    assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs
-    assert hopper.launches == fp8.launches + 4 * LAYERS - 3
+    assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs - 2 * LAYERS
+    assert hopper.launches == fp8.launches + 2 * LAYERS - 3
     b200 = gt.trace_pass("nvfp4", "sm100", 1, LAYERS)
     # a linear's quantization writes its scales swizzled, padding included, the dense MLP's down operand
     # comes from its gated GeLU so; the experts' inputs are quantized (gate|up's on their own, down's in
@@ -324,26 +324,30 @@ def test_q_k_and_v_are_one_gemm_where_the_head_norms_kernel_reads_their_columns(
 
 
 @pytest.mark.parametrize(
-    ("fmt", "arch", "batch"),
-    [("fp8", "sm90", 1), ("fp8", "sm90", 16), ("fp8", "sm100", 1), ("nvfp4", "sm100", 16)],
-)
-def test_the_ffn_inputs_kernel_writes_the_operands_of_the_mlp_and_the_experts(monkeypatch, fmt, arch, batch):
-    """FP8 or NVFP4 gate|up and experts read their inputs as the FFN-inputs kernel writes them (on Hopper
-    at 16 canvases too, where torch's grouped GEMM takes the experts): two quantizations a layer fewer, and
-    each of the two inputs written once as its operand where it was written in bf16, read back and
-    quantized (4 bytes a value fewer). Only attention's output still quantizes on its own."""
+    ("fmt", "arch", "batch", "alone"),
+    [("fp8", "sm90", 1, 1), ("fp8", "sm90", 16, 1), ("fp8", "sm100", 1, 1), ("nvfp4", "sm100", 16, 1),
+     ("nvfp4", "sm90", 1, 4)],
+)  # fmt: skip
+def test_the_ffn_inputs_kernel_writes_the_operands_of_the_mlp_and_the_experts(
+    monkeypatch, fmt, arch, batch, alone
+):
+    """FP8, NVFP4 or the Hopper NVFP4 fallback's per-row FP8 gate|up and experts read their inputs as the
+    FFN-inputs kernel writes them (on Hopper at 16 canvases too, where torch's grouped GEMM takes the
+    experts): two quantizations a layer fewer, and each of the two inputs written once as its operand where
+    it was written in bf16, read back and quantized (4 bytes a value fewer). `alone`: the quantizations a
+    layer left (attention's output; the per-row fallback's q|k|v input and both down inputs too)."""
     fused = gt.trace_pass(fmt, arch, batch, LAYERS)
-    quantize = {
-        "fp8": ["triton::fp8_static_quant"],
-        "nvfp4": ["triton::nvfp4_quant_blocked", "triton::nvfp4_quant"],
-    }[fmt]
-    assert sum(fused.ops.get(op, 0) for op in quantize) == LAYERS  # o_proj's input
+    quantize = (
+        "triton::fp8_static_quant",
+        "triton::nvfp4_quant_blocked",
+        "triton::nvfp4_quant",
+        "triton::nvfp4_fp8_rows",
+    )
+    assert sum(fused.ops.get(op, 0) for op in quantize) == alone * LAYERS
     monkeypatch.setattr(gpu_load, "ffn_inputs_for", lambda layer: triton_network.ffn_inputs_or_torch)
     rows = gt.trace_pass(fmt, arch, batch, LAYERS)
-    assert (
-        sum(rows.ops.get(op, 0) for op in quantize) == 3 * LAYERS and rows.ops["triton::ffn_inputs"] == LAYERS
-    )
-    assert rows.launches == fused.launches + 2 * LAYERS
+    assert sum(rows.ops.get(op, 0) for op in quantize) == (alone + 2) * LAYERS
+    assert rows.ops["triton::ffn_inputs"] == LAYERS and rows.launches == fused.launches + 2 * LAYERS
     values = batch * 256 * 2816  # one input's values
     assert rows.moved_gb - fused.moved_gb == pytest.approx(LAYERS * 2 * 4 * values / 1e9, rel=0.05)
 

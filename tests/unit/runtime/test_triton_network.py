@@ -420,11 +420,11 @@ def test_the_ffn_inputs_are_torchs_but_for_their_norms_sums(rne_casts, dtype, d)
 
 @interpreted
 @pytest.mark.parametrize("dtype", triton_network.DTYPES)
-@pytest.mark.parametrize("kind", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("kind", ["fp8", "nvfp4", "fp8_rowwise"])
 def test_the_ffn_inputs_write_the_mlps_and_experts_operands_bit_for_bit(rne_casts, dtype, kind):  # noqa: F811
     """Given their GEMMs' forms, the dense MLP's and the experts' inputs come as the operands those GEMMs'
     own one-pass quantizations make of the rows the kernel writes without them, bit for bit (FP8: some codes
-    saturated; NVFP4: the linear's block scales swizzled over 128 rows, the experts' as they are), the
+    saturated; NVFP4: the linear's block scales swizzled over 128 rows, the experts' as they are; the NVFP4 fallback's per-row FP8 of the NVFP4-rounded rows, a scale a row), the
     residual and the router's input unchanged (`probe.same_operands`); fewer rows than a tile give the
     linear its rows; and one of them alone."""
     d = 2816
@@ -442,7 +442,7 @@ def test_the_ffn_inputs_write_the_mlps_and_experts_operands_bit_for_bit(rne_cast
         layer = probing.ffn_probe_layer(width, torch.device("cpu"), dtype, g)
         h, attn = (probing.spread(256, width, g) / 64).to(dtype).view(2, 128, width).unbind()
         rows = triton_network.ffn_inputs(layer, h, attn)
-        if kind == "fp8" or width % 16 == 0:
+        if kind == "fp8" or width % 16 == 0:  # (NVFP4 and its per-row FP8 fallback: whole 16-value blocks)
             assert probing.same_operands(layer, h, attn, rows, kind)
         else:  # the rows, which their GEMMs quantize themselves
             got = triton_network.ffn_inputs(layer, h, attn, (kind, scale), (kind, scale))
@@ -808,8 +808,8 @@ for cc in (90, 100, 89, 120):
         build(k.layer_end, {**ptrs(dt, "dense_ptr", "moe_ptr", "res_ptr", "w1_ptr", "w2_ptr", "w_ptr", "s_ptr", "out_ptr"),
                             "cols": "i32", "eps": "fp32"},
               {"BLOCK": 4096}, cc, f"layer_end_{dt}", f"layer_end {dt}", options=tn.ROW_OPTIONS)
-        # the MLP's and experts' inputs as rows, as FP8 operands, as NVFP4 (swizzled for the MLP's linear)
-        for mlp, experts, codes, bs in ((0, 0, dt, dt), (1, 1, "fp8e4nv", dt), (3, 2, "u8", "u8")):
+        # the MLP's and experts' inputs as rows, as FP8, as NVFP4 (swizzled for the MLP's linear), as per-row FP8
+        for mlp, experts, codes, bs in ((0, 0, dt, dt), (1, 1, "fp8e4nv", dt), (3, 2, "u8", "u8"), (4, 4, "fp8e4nv", "fp32")):
             build(k.ffn_inputs, {**ptrs(dt, "h_ptr", "a_ptr", "wa_ptr", "w1_ptr", "w2_ptr", "ws_ptr", "res_ptr", "router_ptr"),
                                  **ptrs(codes, "mlp_ptr", "exp_ptr"), **ptrs("fp32", "mlp_scale_ptr", "exp_scale_ptr"),
                                  "mlp_bs_ptr": f"*{bs}", "exp_bs_ptr": "*fp8e4nv" if experts == 2 else f"*{bs}",
@@ -823,12 +823,12 @@ json.dump(out, sys.stdout)
 def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spills(tmp_path):
     """Triton lowers the RoPE kernel for both head dims and dtypes, the softcap kernel (libdevice's tanh
     linked in, no `tanh.approx`), the gated GeLU (the same tanh, and the one FMA torch's CUDA GeLU has), the
-    residual sum, the router's input, the FFN inputs (as rows, as FP8 and as NVFP4 operands) and the layer end, the K/V concatenation and the MoE combine (each product and sum rounded on its own, as its
+    residual sum, the router's input, the FFN inputs (as rows, and as FP8, NVFP4 and per-row FP8 operands) and the layer end, the K/V concatenation and the MoE combine (each product and sum rounded on its own, as its
     torch form computes them), to sm_90a, sm_100a, sm_89 and sm_120 cubins, no GPU needed. RoPE: every product is rounded to the input's dtype before the sum (`mul.rn`, `add.rn`; a fused
     multiply-add would round once where torch rounds twice, and Triton's default contraction made one), and no
     register spills (no STL/LDL in the SASS)."""
     compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
-    assert len(compiled) == 100 and sum(k["dtype"] == "softcap" for k in compiled) == 4
+    assert len(compiled) == 108 and sum(k["dtype"] == "softcap" for k in compiled) == 4
     for k in compiled:
         if k["dtype"] == "softcap":  # its tanh is libdevice's own code (its FMAs are the function's)
             assert "mul.rn.f32" in k["ptx"] and "tanh.approx" not in k["ptx"], k["cc"]
