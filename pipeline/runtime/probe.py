@@ -16,7 +16,7 @@ import torch
 from pipeline.errors import DgpipeError, error_line
 from pipeline.model import scaled_layout as sl
 from pipeline.model.config import TextConfig
-from pipeline.model.fake_quant import E4M3_MAX
+from pipeline.model.fake_quant import E4M3_MAX, NVFP4_BLOCK
 from pipeline.model.modelopt import PackedLinear
 from pipeline.model.network import (
     DecoderLayer,
@@ -527,7 +527,8 @@ def same_operands(
     the rows it writes otherwise (`rows`: that launch's outputs, or None to launch it here), in the layouts
     their consumers' own quantization gives: for the MLP's linear `ScaledLinear.quantize`'s (NVFP4 block
     scales swizzled, where the rows fill whole 128-row tiles, else the rows themselves), for the experts
-    `tensor_cores.quantize_rows`'; its residual and router input unchanged."""
+    `tensor_cores.quantize_rows`' (NVFP4 forms of rows of no whole 16-value blocks: the rows themselves);
+    its residual and router input unchanged."""
     rows = rows or triton_network.ffn_inputs(layer, h, attn)
     dev, n = h.device, rows[2].shape[0]
     mlp_scale, experts_scale = (
@@ -537,6 +538,11 @@ def same_operands(
     if not (same_bits(got[0], rows[0]) and same_bits(got[3], rows[3])):
         return False
     mlp, experts = got[1], got[2]
+    if kind != "fp8" and rows[2].shape[-1] % NVFP4_BLOCK:  # no whole blocks: the rows, which GEMMs quantize
+        return all(
+            not isinstance(q, sl.QuantizedRows) and same_bits(q, r)
+            for q, r in ((mlp, rows[1]), (experts, rows[2]))
+        )
     if kind == "fp8":
         return (
             isinstance(mlp, sl.QuantizedRows)

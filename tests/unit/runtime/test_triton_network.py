@@ -24,6 +24,7 @@ from tests._utils.interpreter_casts import (  # noqa: F401  (fixtures)
     rne_casts,
     uninitialised_bytes_are_0xab,
 )
+from tests._utils.probes import each_wrong_form_fails
 from tests._utils.triton_compile import compiled_for_gpus, separate_roundings_missing, spills
 
 interpreted = pytest.mark.skipif(
@@ -459,6 +460,22 @@ def test_the_ffn_inputs_torch_form_gives_the_rows_to_quantize(monkeypatch):
     forms = ("fp8", torch.tensor(0.1)), ("nvfp4", torch.tensor(0.1))
     got, want = triton_network.ffn_inputs_or_torch(layer, h, attn, *forms), network.ffn_inputs(layer, h, attn)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@interpreted
+def test_the_ffn_inputs_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, monkeypatch):  # noqa: F811
+    probing.check_triton_ffn_inputs(torch.device("cpu"))
+    kernel = triton_network.ffn_inputs
+    wrong = {
+        "inputs swapped": lambda layer, h, a, *forms: kernel(layer, a, h, *forms),
+        "experts at the MLP's scale": lambda layer, h, a, mf=None, ef=None: kernel(
+            layer, h, a, mf, None if ef is None else (ef[0], mf[1].clone())),
+        "rows not quantized": lambda layer, h, a, mf=None, ef=None: kernel(layer, h, a),
+        "NVFP4 experts as FP8": lambda layer, h, a, mf=None, ef=None: kernel(
+            layer, h, a, mf, ef if ef is None or ef[0] == "fp8" else ("fp8", ef[1])),
+    }  # fmt: skip
+    check = lambda: probing.check_triton_ffn_inputs(torch.device("cpu"))
+    each_wrong_form_fails(monkeypatch, triton_network, "ffn_inputs", wrong, check, "FFN inputs differ")
 
 
 @interpreted
