@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import InputQuantizer, fp8_fake_quant, nvfp4_fake_quant
 from pipeline.model.modelopt import _quantized_experts_forward
+from pipeline.model.network import RMSNorm
 from pipeline.runtime import probe as probing
 from pipeline.runtime import tensor_cores as tc
 from pipeline.runtime import triton_quant
@@ -542,20 +543,25 @@ def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
         )
 
 
+def _rows_and_norm(seed: int) -> tuple[torch.Tensor, RMSNorm]:
+    """A layer's input at 16 canvases (4,096 rows of 2,816, bf16) and an input norm with random weights."""
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+    x = (torch.randn(4096, 2816, device=CUDA, generator=gen) * 2).bfloat16()
+    norm = RMSNorm(2816, 1e-6).to(CUDA, torch.bfloat16)
+    norm.weight.data = (torch.rand(2816, device=CUDA, generator=gen) * 2).bfloat16()
+    return x, norm
+
+
 def test_the_norm_to_fp8_kernel_is_torchs_but_for_its_norms_sums():
     """A layer's input norm written as its FP8 q|k|v operand at the 26B's width and 16 canvases: within one
     E4M3 step of torch's fused CUDA RMSNorm then the FP8 quantization (`probe.same_fp8_of_norm`), the same
     codes but for under 1% of them."""
-    from pipeline.model.network import RMSNorm
     from pipeline.runtime import triton_moe, triton_network
 
     if triton_moe.unavailable(CUDA):
         pytest.skip(triton_moe.unavailable(CUDA))
     probing.check_triton_norm_fp8(CUDA)
-    gen = torch.Generator(device=CUDA).manual_seed(13)
-    x = (torch.randn(4096, 2816, device=CUDA, generator=gen) * 2).bfloat16()
-    norm = RMSNorm(2816, 1e-6).to(CUDA, torch.bfloat16)
-    norm.weight.data = (torch.rand(2816, device=CUDA, generator=gen) * 2).bfloat16()
+    x, norm = _rows_and_norm(seed=13)
     scale = torch.tensor(0.01, device=CUDA)
     got, want = triton_network.norm_fp8(x, norm, scale), sl.fp8_quantize(norm(x), scale)
     assert probing.same_fp8_of_norm(got, want)
@@ -567,16 +573,12 @@ def test_the_norm_to_nvfp4_kernel_quantizes_what_it_normed_as_torch_would():
     normed within a norm's rounding of torch's fused CUDA RMSNorm, its codes and swizzled block scales bit
     for bit what `triton_quant.nvfp4_blocked` makes of them, and the same codes as the norm then that
     quantization but for under 1% of them."""
-    from pipeline.model.network import RMSNorm
     from pipeline.runtime import triton_moe, triton_network, triton_quant
 
     if triton_moe.unavailable(CUDA):
         pytest.skip(triton_moe.unavailable(CUDA))
     probing.check_triton_norm_nvfp4(CUDA)
-    gen = torch.Generator(device=CUDA).manual_seed(14)
-    x = (torch.randn(4096, 2816, device=CUDA, generator=gen) * 2).bfloat16()
-    norm = RMSNorm(2816, 1e-6).to(CUDA, torch.bfloat16)
-    norm.weight.data = (torch.rand(2816, device=CUDA, generator=gen) * 2).bfloat16()
+    x, norm = _rows_and_norm(seed=14)
     gs, normed = torch.tensor(0.003, device=CUDA), torch.empty_like(x)
     q, s = triton_network.norm_nvfp4(x, norm, gs, normed)
     one = torch.ones(1, device=CUDA, dtype=torch.bfloat16)

@@ -11,12 +11,12 @@ import os
 import pytest
 import torch
 
-from pipeline.errors import DgpipeError
 from pipeline.model.network import RMSNorm, apply_rope
 from pipeline.runtime import probe as probing
 from pipeline.runtime import triton_network
 from tests._utils.embedded_passes import denoise_and_prefill, embedded_bf16
 from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
+from tests._utils.probes import each_wrong_form_fails
 from tests._utils.triton_compile import compiled_for_gpus, separate_roundings_missing, spills
 
 interpreted = pytest.mark.skipif(
@@ -113,12 +113,8 @@ def test_the_head_norms_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, 
         "tokens read as contiguous": lambda x, n, c, s, v=None, vn=None: kernel(
             _as_contiguous(x), n, c, s, None if v is None else _as_contiguous(v), vn),
     }  # fmt: skip
-    for name, form in wrong.items():
-        with monkeypatch.context() as mp:
-            mp.setattr(triton_network, "head_norms", form)
-            with pytest.raises(DgpipeError, match="head norms differ"):
-                probing.check_triton_head_norms(CPU)
-                pytest.fail(f"passed: {name}")
+    check = lambda: probing.check_triton_head_norms(CPU)
+    each_wrong_form_fails(monkeypatch, triton_network, "head_norms", wrong, check, "head norms differ")
 
 
 def _as_contiguous(x: torch.Tensor) -> torch.Tensor:

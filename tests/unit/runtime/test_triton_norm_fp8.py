@@ -11,7 +11,6 @@ import os
 import pytest
 import torch
 
-from pipeline.errors import DgpipeError
 from pipeline.model import scaled_layout as sl
 from pipeline.model.network import RMSNorm
 from pipeline.runtime import probe as probing
@@ -19,6 +18,7 @@ from pipeline.runtime import shared_input as si
 from pipeline.runtime import tensor_cores as tc
 from pipeline.runtime import triton_network, triton_quant
 from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
+from tests._utils.probes import each_wrong_form_fails
 from tests._utils.quantized import packed_linear
 from tests._utils.triton_compile import compiled_for_gpus, separate_roundings_missing, spills
 
@@ -79,12 +79,8 @@ def test_the_norm_fp8_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, mo
         "not normed": lambda x, n, s: sl.fp8_quantize(x, s),
         "weights reversed": lambda x, n, s: kernel(x, _flipped(n), s),
     }
-    for name, form in wrong.items():
-        with monkeypatch.context() as mp:
-            mp.setattr(triton_network, "norm_fp8", form)
-            with pytest.raises(DgpipeError, match="norm to FP8 differs"):
-                probing.check_triton_norm_fp8(CPU)
-                pytest.fail(f"passed: {name}")
+    check = lambda: probing.check_triton_norm_fp8(CPU)
+    each_wrong_form_fails(monkeypatch, triton_network, "norm_fp8", wrong, check, "norm to FP8 differs")
 
 
 @interpreted
@@ -146,12 +142,8 @@ def test_the_norm_nvfp4_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, 
         "scales a tile off": scales_a_tile_off,
         "normed rows not written": lambda x, n, gs, normed=None: kernel(x, n, gs),
     }
-    for name, form in wrong.items():
-        with monkeypatch.context() as mp:
-            mp.setattr(triton_network, "norm_nvfp4", form)
-            with pytest.raises(DgpipeError, match="norm to NVFP4 differs"):
-                probing.check_triton_norm_nvfp4(CPU)
-                pytest.fail(f"passed: {name}")
+    check = lambda: probing.check_triton_norm_nvfp4(CPU)
+    each_wrong_form_fails(monkeypatch, triton_network, "norm_nvfp4", wrong, check, "norm to NVFP4 differs")
 
 
 def _flipped(norm: RMSNorm) -> RMSNorm:
