@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from pipeline.runtime.triton_quant_kernels import blocked_index, fp8_of_row, nvfp4_encode, nvfp4_rounded
+from pipeline.runtime.triton_quant_kernels import blocked_index, e4m3, fp8_of_row, nvfp4_encode, nvfp4_rounded
 
 
 @triton.jit
@@ -96,7 +96,7 @@ def geglu(
     if QUANT:
         v = tl.math.div_rn(h.to(tl.float32), tl.load(scale_ptr).to(tl.float32))
         v = tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(out_ptr + r * cols + c, v.to(tl.float8e4nv), mask=inside)
+        tl.store(out_ptr + r * cols + c, e4m3(v), mask=inside)
     else:
         tl.store(out_ptr + r * cols + c, h, mask=inside)
 
@@ -333,7 +333,7 @@ def _e4m3(v, scale_ptr, E4M3_MAX: tl.constexpr):
     """E4M3 codes of fp32 values v at the static fp32 scale, as `triton_quant_kernels.fp8_static_quant` makes
     them: an IEEE division, a NaN-keeping clamp, the round-to-nearest conversion."""
     v = tl.math.div_rn(v, tl.load(scale_ptr).to(tl.float32))
-    return tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
+    return e4m3(tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL))
 
 
 @triton.jit

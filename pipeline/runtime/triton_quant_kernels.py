@@ -11,7 +11,34 @@ def fp8_static_quant(x_ptr, scale_ptr, out_ptr, n, E4M3_MAX: tl.constexpr, BLOCK
     x = tl.load(x_ptr + i, mask=inside, other=0.0).to(tl.float32)
     v = tl.math.div_rn(x, tl.load(scale_ptr).to(tl.float32))
     v = tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-    tl.store(out_ptr + i, v.to(tl.float8e4nv), mask=inside)
+    tl.store(out_ptr + i, e4m3(v), mask=inside)
+
+
+@triton.jit
+def e4m3(v):
+    """fp32 values v (within E4M3's +-448, or NaN) as E4M3 codes, rounded once to nearest, ties to even:
+    torch's conversion. Every kernel converts through here.
+
+    v is first rounded to E4M3's grid in fp32 (`e4m3_grid`), so the conversion after it is exact however
+    the compiler lowers it. Triton before 3.9 lowers fp32 -> E4M3 on sm_89 (Ada) through fp16 rounded toward
+    zero (`cvt.rz.f16.f32`, then `cvt.rn.satfinite.e4m3x2.f16x2`): two roundings, which put 0.4% of
+    codes one step off torch's, and the load-time probes would then send every FP8 kernel to its torch
+    form. torch 2.11 and 2.12 bring Triton 3.6 and 3.7."""
+    return e4m3_grid(v).to(tl.float8e4nv)
+
+
+@triton.jit
+def e4m3_grid(v):
+    """fp32 values v rounded to the nearest E4M3 value, ties to even, still in fp32 (NaN stays NaN, -0.0
+    stays -0.0; values past +-448 are the callers' to clamp). E4M3's spacing at |v| is 2^(e-3) for |v| in
+    [2^e, 2^(e+1)), e >= -6, and 2^-9 below (subnormals), which is fp32's spacing at 2^(e+20): adding that
+    power of two rounds |v| to it (an IEEE addition: nearest, ties to even), and subtracting it is exact."""
+    bits = v.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    e = tl.minimum(tl.maximum(mag >> 23, 127 - 6), 127 + 8)  # |v|'s biased exponent, within E4M3's span
+    big = ((e + 20) << 23).to(tl.float32, bitcast=True)  # 2^(e + 20)
+    rounded = ((mag.to(tl.float32, bitcast=True) + big) - big).to(tl.int32, bitcast=True)
+    return (rounded | (bits - mag)).to(tl.float32, bitcast=True)  # bits - mag: v's sign bit
 
 
 @triton.jit
@@ -28,7 +55,7 @@ def e2m1_code(a):
 def block_scale(amax, gs, E2M1_MAX: tl.constexpr, E4M3_MAX: tl.constexpr):
     """The E4M3 scale of a 16-value block whose largest magnitude is `amax` (NaN if it holds a NaN)."""
     s = tl.minimum(tl.math.div_rn(amax, E2M1_MAX * gs), E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-    return s.to(tl.float8e4nv)
+    return e4m3(s)
 
 
 @triton.jit
@@ -136,7 +163,7 @@ def fp8_of_row(v, E4M3_MAX: tl.constexpr):
     max|v| / 448, and that scale: what `tensor_cores._rowwise_dynamic` computes."""
     row_scale = tl.maximum(tl.math.div_rn(tl.max(tl.max(tl.abs(v), 1), 0), E4M3_MAX), 1e-12)
     q8 = tl.clamp(tl.math.div_rn(v, row_scale), -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-    return q8.to(tl.float8e4nv), row_scale
+    return e4m3(q8), row_scale
 
 
 @triton.jit

@@ -35,6 +35,19 @@ def spills(cubin: str) -> bool:
     return bool(re.search(r"\b(STL|LDL)\b", sass))
 
 
+def converts_to_e4m3_once(ptx: str, cc: int) -> bool:
+    """Whether a kernel's PTX converts fp32 to E4M3 in one rounding (`cvt.rn.satfinite.e4m3x2.f32`), or, on
+    sm_89 under Triton before 3.9, through fp16 rounded toward zero (`cvt.rz.f16.f32`, then
+    `cvt.rn.satfinite.e4m3x2.f16x2`), which is exact on the E4M3 grid values `triton_quant_kernels.e4m3`
+    converts. `ptx`: the PTX, or its instructions joined."""
+    import triton
+
+    if "cvt.rn.satfinite.e4m3x2.f32" in ptx:
+        return "e4m3x2.f16x2" not in ptx
+    before_3_9 = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
+    return cc == 89 and before_3_9 and "cvt.rn.satfinite.e4m3x2.f16x2" in ptx
+
+
 def separate_roundings_missing(ptx: str) -> list[str]:
     """The PTX float instructions that would round a product and a sum together: any fp32 FMA, and any
     bf16/fp16 FMA that is not a lone multiply (addend -0.0) or a lone add (a factor of +-1.0), the forms sm_89,

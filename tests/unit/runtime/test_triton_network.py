@@ -25,7 +25,12 @@ from tests._utils.interpreter_casts import (  # noqa: F401  (fixtures)
     uninitialised_bytes_are_0xab,
 )
 from tests._utils.probes import each_wrong_form_fails
-from tests._utils.triton_compile import compiled_for_gpus, separate_roundings_missing, spills
+from tests._utils.triton_compile import (
+    compiled_for_gpus,
+    converts_to_e4m3_once,
+    separate_roundings_missing,
+    spills,
+)
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -846,6 +851,10 @@ def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spill
     register spills (no STL/LDL in the SASS)."""
     compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
     assert len(compiled) == 108 and sum(k["dtype"] == "softcap" for k in compiled) == 4
+    # the E4M3 writers (the gated GeLU's FP8 and NVFP4 outputs, the FFN inputs' operands): one rounding each
+    fp8 = [k for k in compiled if "e4m3" in k["ptx"]]
+    assert len(fp8) == 4 * (3 + 2 * 3), [(k["cc"], k["dtype"]) for k in fp8]
+    assert all(converts_to_e4m3_once(k["ptx"], k["cc"]) for k in fp8), [k["cc"] for k in fp8]
     for k in compiled:
         if k["dtype"] == "softcap":  # its tanh is libdevice's own code (its FMAs are the function's)
             assert "mul.rn.f32" in k["ptx"] and "tanh.approx" not in k["ptx"], k["cc"]
