@@ -5,9 +5,9 @@ The checks, in order, each in its own subprocess under its own time budget (the 
 and the budgets of the checks this host skips, go to the checks after it (`run_bench_gpu`): the GPU tests,
 which grow with every kernel, get what a quick kernel build and a GPU without FP4 leave over:
 1. build the CUDA sampler kernels (torch extension, nvcc + ninja);
-2. the GPU tests (tests/gpu): fused sampler kernels against the PyTorch oracle, CUDA-graph runtime against
-   eager, tensor-core linears/experts against the dequantized reference (and the TensorRT checks, which
-   skip without TensorRT);
+2. the GPU tests (tests/gpu, over `GPU_TEST_WORKERS` processes): fused sampler kernels against the PyTorch
+   oracle, CUDA-graph runtime against eager, tensor-core linears/experts against the dequantized reference
+   (and the TensorRT checks, which skip without TensorRT);
 3. the 26B-A4B random-weight denoise pass in bf16, FP8 and (where the GPU has FP4 tensor cores) NVFP4,
    each format through the kernels `pipeline.runtime.dispatch` picks for this GPU, at batch 1 and 16:
    eager and CUDA-graph milliseconds per pass against its floor: the larger of the byte model's HBM time
@@ -93,23 +93,12 @@ CHECKS: tuple[GpuCheck, ...] = (
         ("cuda", "nvcc", "ninja"),
     ),
     GpuCheck(
-        # 78 s on the H200 before the Triton GEMM and network kernels' tests (each compiles its kernels);
-        # each test's outcome as it ends (a run killed at its budget still says how far it got), and the ten
-        # slowest, for the next budget
+        # 78 s on the H200 before the Triton GEMM and network kernels' tests (each compiles its kernels):
+        # `gpu_test_args`
         "gpu tests",
         130,
         "tests/gpu: kernels vs PyTorch oracle, CUDA graph vs eager, scaled GEMMs vs reference",
-        (
-            "-m",
-            "pytest",
-            "-v",
-            "-rfEs",
-            "--tb=short",
-            "--durations=10",
-            "-p",
-            "no:cacheprovider",
-            "tests/gpu",
-        ),
+        ("-m", "pipeline.bench.gpu", "tests"),
         ("cuda", "pytest"),
     ),
     _pass("bf16"),
@@ -125,6 +114,18 @@ CHECKS: tuple[GpuCheck, ...] = (
     ),
 )
 assert sum(c.budget_s for c in CHECKS) <= TOTAL_BUDGET_S
+
+# The GPU tests compile their Triton kernels, on one CPU core per process: spread over this many processes
+# (pytest-xdist, where installed; the GPU hosts have 16 cores). No test depends on another's state.
+GPU_TEST_WORKERS = 4
+
+
+def gpu_test_args() -> list[str]:
+    """pytest's arguments for tests/gpu: each test's outcome as it ends (a run killed at its budget still
+    says how far it got), the ten slowest (for the next budget), and the tests spread over
+    `GPU_TEST_WORKERS` processes where pytest-xdist is installed."""
+    args = ["-v", "-rfEs", "--tb=short", "--durations=10", "-p", "no:cacheprovider", "tests/gpu"]
+    return args + (["-n", str(GPU_TEST_WORKERS), "--dist", "load"] if _has("xdist") else [])
 
 
 @dataclass
@@ -775,8 +776,13 @@ def largest_batch(start: int = 16, limit: int = 1024) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pipeline.bench.gpu pass <fmt>` / `largest`: one measurement, rows to $DGPIPE_GPU_ROWS."""
+    """`python -m pipeline.bench.gpu pass <fmt>` / `largest`: one measurement, rows to $DGPIPE_GPU_ROWS;
+    `tests`: tests/gpu (pytest's exit status)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["tests"]:
+        import pytest
+
+        return int(pytest.main(gpu_test_args()))
     out = os.environ.get("DGPIPE_GPU_ROWS")
 
     def sink(rows: list[dict]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -19,6 +21,19 @@ H200 = gpu.Env(True, "NVIDIA H200", "sm90", 139.8, "580.65", "2.11.0+cu130", "13
 def test_checks_fit_the_eight_minute_budget_by_construction():
     assert sum(c.budget_s for c in gpu.CHECKS) <= gpu.TOTAL_BUDGET_S == 480
     assert [c.name for c in gpu.CHECKS][:2] == ["build sampler kernels", "gpu tests"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU plan: every GPU test skips")
+def test_the_gpu_tests_spread_over_processes_where_pytest_xdist_is(monkeypatch):
+    """The check runs `python -m pipeline.bench.gpu tests`: tests/gpu over `GPU_TEST_WORKERS` processes with
+    pytest-xdist (here: every test collected and skipped, no GPU), in one process without it."""
+    check = next(c for c in gpu.CHECKS if c.name == "gpu tests")
+    run = subprocess.run([sys.executable, *check.argv], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert f"created: {gpu.GPU_TEST_WORKERS}/{gpu.GPU_TEST_WORKERS} workers" in run.stdout
+    assert " skipped" in run.stdout.splitlines()[-1] and " passed" not in run.stdout.splitlines()[-1]
+    monkeypatch.setattr(gpu, "_has", lambda module: module != "xdist")
+    assert "-n" not in gpu.gpu_test_args() and gpu.gpu_test_args()[-1] == "tests/gpu"
 
 
 def test_skip_reasons_per_host():
