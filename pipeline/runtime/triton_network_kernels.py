@@ -4,7 +4,14 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from pipeline.runtime.triton_quant_kernels import blocked_index, e4m3, fp8_of_row, nvfp4_encode, nvfp4_rounded
+from pipeline.runtime.triton_quant_kernels import (
+    blocked_index,
+    e4m3,
+    fp8_of_row,
+    negated,
+    nvfp4_encode,
+    nvfp4_rounded,
+)
 
 
 @triton.jit
@@ -43,7 +50,7 @@ def _rotate(lo, hi, cos_ptr, sin_ptr, tok, inside, HALF: tl.constexpr):
     cos_hi = tl.load(cos_ptr + tok + HALF, mask=inside, other=0.0).to(tl.float32)
     sin_lo = tl.load(sin_ptr + tok, mask=inside, other=0.0).to(tl.float32)
     sin_hi = tl.load(sin_ptr + tok + HALF, mask=inside, other=0.0).to(tl.float32)
-    out_lo = (lo * cos_lo).to(dt).to(tl.float32) + (-hi * sin_lo).to(dt).to(tl.float32)
+    out_lo = (lo * cos_lo).to(dt).to(tl.float32) + (negated(hi) * sin_lo).to(dt).to(tl.float32)
     out_hi = (hi * cos_hi).to(dt).to(tl.float32) + (lo * sin_hi).to(dt).to(tl.float32)
     return out_lo.to(dt), out_hi.to(dt)
 

@@ -28,6 +28,15 @@ def e4m3(v):
 
 
 @triton.jit
+def negated(x):
+    """-x for fp32 values x: their sign bit flipped, as torch's negation does (-0.0 for +0.0, NaN's sign
+    too). Every kernel negates through here: Triton before 3.8 (torch 2.11 and 2.12 bring 3.6 and 3.7)
+    computes its unary minus on floats as 0 - x, which gives +0.0, and the kernels are held to torch's values
+    bit for bit, the sign of zero included (x * -1.0 would keep a NaN's sign where the CPU computes it)."""
+    return (x.to(tl.uint32, bitcast=True) ^ 0x80000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def e4m3_grid(v):
     """fp32 values v rounded to the nearest E4M3 value, ties to even, still in fp32 (NaN stays NaN, -0.0
     stays -0.0; values past +-448 are the callers' to clamp). E4M3's spacing at |v| is 2^(e-3) for |v| in
@@ -154,7 +163,7 @@ def nvfp4_rounded(xf, gs_ptr, E2M1_MAX: tl.constexpr, E4M3_MAX: tl.constexpr):
         code < 4, code * 0.5, tl.where(code < 6, code - 2.0, code * 2.0 - 8.0)
     )  # 0 .5 1 1.5 | 2 3 | 4 6
     q = mag * s
-    return tl.where(xf >= 0, q, -q)
+    return tl.where(xf >= 0, q, negated(q))
 
 
 @triton.jit
