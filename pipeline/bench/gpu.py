@@ -93,8 +93,8 @@ CHECKS: tuple[GpuCheck, ...] = (
         ("cuda", "nvcc", "ninja"),
     ),
     GpuCheck(
-        # 78 s on the H200 before the Triton GEMM and network kernels' tests (each compiles its kernels):
-        # `gpu_test_args`
+        # 78 s on the H200 before the Triton GEMM and network kernels' tests (each compiles its kernels);
+        # how they run: `gpu_test_args`
         "gpu tests",
         130,
         "tests/gpu: kernels vs PyTorch oracle, CUDA graph vs eager, scaled GEMMs vs reference",

@@ -21,9 +21,9 @@ def e4m3(v):
 
     v is first rounded to E4M3's grid in fp32 (`e4m3_grid`), so the conversion after it is exact however
     the compiler lowers it. Triton before 3.9 lowers fp32 -> E4M3 on sm_89 (Ada) through fp16 rounded toward
-    zero (`cvt.rz.f16.f32`, then `cvt.rn.satfinite.e4m3x2.f16x2`): two roundings, which put 0.4% of
-    codes one step off torch's, and the load-time probes would then send every FP8 kernel to its torch
-    form. torch 2.11 and 2.12 bring Triton 3.6 and 3.7."""
+    zero (`cvt.rz.f16.f32`, then `cvt.rn.satfinite.e4m3x2.f16x2`): two roundings, which put about 0.4% of
+    the codes of normally distributed values one step off torch's, and the load-time probes would then send
+    every FP8 kernel to its torch form. torch 2.11 and 2.12 bring Triton 3.6 and 3.7."""
     return e4m3_grid(v).to(tl.float8e4nv)
 
 
