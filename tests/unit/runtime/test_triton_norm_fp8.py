@@ -214,26 +214,23 @@ from triton.compiler import ASTSource
 from pipeline.runtime import triton_network as tn, triton_network_kernels as k
 
 out = []
+
+def build(fn, sig, consts, cc, dt, kernel):
+    src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
+                    attrs={(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
+    compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=tn.ROW_OPTIONS)
+    cubin = Path(sys.argv[1]) / f"norm_{kernel}_{dt}_sm{cc}.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    out.append({"cc": cc, "dtype": dt, "kernel": kernel, "cubin": str(cubin), "ptx": compiled.asm["ptx"]})
+
 for cc in (90, 100, 89, 120):
     for dt in ("bf16", "fp16"):
-        sig = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "cols": "i32",
-               "eps": "fp32"}
-        consts = {"E4M3_MAX": 448.0, "BLOCK": 4096}
-        src = ASTSource(fn=k.norm_fp8, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
-                        attrs={(k.norm_fp8.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
-        kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=tn.ROW_OPTIONS)
-        cubin = Path(sys.argv[1]) / f"norm_fp8_{dt}_sm{cc}.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        out.append({"cc": cc, "dtype": dt, "kernel": "fp8", "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
-        sig = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "gs_ptr": "*fp32", "packed_ptr": "*u8", "scales_ptr": "*u8",
-               "normed_ptr": f"*{dt}", "rows": "i32", "cols": "i32", "CP": "i32", "eps": "fp32"}
-        consts = {"E2M1_MAX": 6.0, "E4M3_MAX": 448.0, "WRITE_NORMED": False, "BLOCK": 4096}
-        src = ASTSource(fn=k.norm_nvfp4, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
-                        attrs={(k.norm_nvfp4.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
-        kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=tn.ROW_OPTIONS)
-        cubin = Path(sys.argv[1]) / f"norm_nvfp4_{dt}_sm{cc}.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        out.append({"cc": cc, "dtype": dt, "kernel": "nvfp4", "cubin": str(cubin), "ptx": kernel.asm["ptx"]})
+        build(k.norm_fp8, {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv",
+                           "cols": "i32", "eps": "fp32"}, {"E4M3_MAX": 448.0, "BLOCK": 4096}, cc, dt, "fp8")
+        build(k.norm_nvfp4, {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "gs_ptr": "*fp32", "packed_ptr": "*u8",
+                             "scales_ptr": "*u8", "normed_ptr": f"*{dt}", "rows": "i32", "cols": "i32", "CP": "i32",
+                             "eps": "fp32"},
+              {"E2M1_MAX": 6.0, "E4M3_MAX": 448.0, "WRITE_NORMED": False, "BLOCK": 4096}, cc, dt, "nvfp4")
 json.dump(out, sys.stdout)
 """
 
