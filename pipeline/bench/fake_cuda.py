@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from pipeline.model.network import DiffusionGemma
-from pipeline.runtime import triton_moe, triton_network, triton_quant, triton_routing
+from pipeline.runtime import tensor_cores, triton_moe, triton_network, triton_quant, triton_routing
 
 CAPABILITY = {"sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
 NO_CUDA = "not linked with support for cuda"  # a CPU build's error for a CUDA device guard or generator
@@ -244,6 +244,10 @@ def fake_gpu(arch: str) -> Iterator[tuple[FakeTensorMode, OpCounter, _Functions]
         stack.enter_context(mock.patch.object(triton_quant, "_kernels", lambda: kernels))
         stack.enter_context(mock.patch.object(triton_network, "_kernels", lambda: kernels))
         stack.enter_context(mock.patch.object(triton_routing, "_kernels", lambda: kernels))
+        # the RowWise GEMMs' unit row scales are cached per device, outside graph capture: here fake tensors
+        # of this mode only, and no capture (a CPU build of torch cannot say)
+        stack.enter_context(mock.patch.dict(tensor_cores._UNIT_ROWS, clear=True))
+        stack.enter_context(mock.patch("torch.cuda.is_current_stream_capturing", lambda: False))
         for mode in (fake, ops, calls):
             stack.enter_context(mode)
         yield fake, ops, calls

@@ -14,7 +14,8 @@ which grow with every kernel, get what a quick kernel build and a GPU without FP
    (peak bandwidth from configs/targets, and the measured device copy bandwidth) and its matmuls' time at
    the dense tensor-core peak (`dispatch.compute_ms`: 16 canvases are bound by compute on Hopper); with
    diagnostics: where the time went (profiler), one layer's experts and attention on each kernel that
-   can run them, and each of the network's one-kernel chains against its torch form (`gpu_network`);
+   can run them, its FP8 sibling linears as one GEMM and apart, and each of the network's one-kernel
+   chains against its torch form (`gpu_network`);
 4. the largest batch whose pass fits in GPU memory (doubling from 16, fastest format).
 
 Needs torch with CUDA, nvcc (and ninja) for the kernels, pytest for the tests; nothing is downloaded.
@@ -40,7 +41,7 @@ from pathlib import Path
 import torch
 
 from pipeline.atomic import atomic_write_text
-from pipeline.bench.gpu_network import render_network
+from pipeline.bench.gpu_network import render_network, render_siblings
 from pipeline.bench.results import save_result
 from pipeline.errors import error_line
 from pipeline.runtime.dispatch import arch_of
@@ -325,6 +326,7 @@ def render(result: dict) -> str:
             picks = ", ".join(k for k in ("flash", "efficient", "cudnn") if a[k]) or "math only"
             lines.append(f"| {a['kind']} | {b} | {a['q_heads']}/{a['kv_heads']} x {a['head_dim']} | {a['keys']} "
                          f"| {picks} | {a['ms_grouped']:.2f} | {a['ms_expanded']:.2f} |")  # fmt: skip
+    lines += render_siblings([s for r in rows for s in r.get("siblings", [])])
     lines += render_network([n for r in rows for n in r.get("network", [])])
     bf16 = [(r["batch"], r["bf16_experts"]) for r in rows if "bf16_experts" in r]
     if bf16:
@@ -449,7 +451,7 @@ def measure_pass(
     `compiled`: the pass under torch.compile as `dgpipe serve --compile` runs it (its decoder layers: one
     static-shape compile per layer kind and batch, the first call's seconds reported). `config`, `device`:
     another model configuration and device, for testing this function itself off a GPU."""
-    from pipeline.bench.gpu_network import network_paths
+    from pipeline.bench.gpu_network import network_paths, sibling_paths
     from pipeline.bench.model import _graphed, copy_bandwidth, random_model
     from pipeline.bench.timing import median_seconds
     from pipeline.model.config import ModelConfig
@@ -507,6 +509,7 @@ def measure_pass(
                                                    b * mcfg.canvas_length, dev)  # fmt: skip
             except Exception as e:
                 rows[-1]["experts_error"] = error_line(e)
+            rows[-1]["siblings"] = sibling_paths(model, b * mcfg.canvas_length, dev)
         if fmt == "bf16" and not compiled:  # attention is bf16 in every format: once is enough
             try:
                 rows[-1]["attention"] = attention_backends(model.cfg, b, mcfg.canvas_length, dev)

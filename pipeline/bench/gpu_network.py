@@ -12,7 +12,8 @@ quantizations) and end (its three
 last norms, two sums and scale), a layer's input norm written as its FP8 or NVFP4 operand (`norm_fp8`, `norm_nvfp4`, against the
 norm then the one-pass quantization), the router's top-k and the experts' order (`pipeline.runtime.triton_routing`;
 on scores without ties, `probe.separated_scores`), and the K/V concatenation of a sliding layer over the benchmark's cached tokens, read
-from a cache buffer as the runtime reads it."""
+from a cache buffer as the runtime reads it. Apart from the chains, the FP8 pass's sibling linears merged
+into one RowWise GEMM against a TensorWise GEMM each (`sibling_paths`)."""
 
 from __future__ import annotations
 
@@ -180,4 +181,59 @@ def render_network(rows: list[dict]) -> list[str]:
             continue
         lines.append(f"| {r['chain']} | {r['batch']} | {r['ms_torch']:.3f} | {r['ms_triton']:.3f} "
                      f"| {r['ms_torch'] / r['ms_triton']:.2f} | {'yes' if r['bit_equal'] else 'no'} | {r['rel_l2']:.1e} |")  # fmt: skip
+    return lines
+
+
+def sibling_paths(model, tokens: int, dev: torch.device, repeats: int = 5) -> list[dict]:
+    """The first layer's FP8 q|k|v and its dense MLP's gate|up (a weight scale each, as ModelOpt's FP8) on
+    `tokens` tokens: as the load merged them (one RowWise GEMM, `pipeline.runtime.shared_input`) against
+    one TensorWise GEMM each on the same shared operand, ms of each and their distance. What the merge
+    bets (one GEMM wide enough for every SM against a launch each on the per-tensor kernel) the whole
+    pass's time cannot separate. Siblings the load left apart (their probe failed, or not on CUDA) say so."""
+    from pipeline.bench.timing import median_seconds
+    from pipeline.runtime.shared_input import SharedInput
+
+    layer, gen, rows = model.layers[0], torch.Generator(device=dev).manual_seed(6), []
+    with torch.inference_mode():
+        for name, siblings in (
+            ("q, k, v", layer.self_attn.qkv_kernel),
+            ("gate, up", layer.mlp.gate_up_kernel),
+        ):
+            row: dict = {"siblings": name, "tokens": tokens}
+            try:
+                if (
+                    not isinstance(siblings, SharedInput)
+                    or getattr(siblings.merged, "mode", "") != "fp8_columns"
+                ):
+                    raise RuntimeError("not one RowWise GEMM on this load (FP8 on CUDA, where probed)")
+                first = siblings.parts[0]
+                x = torch.randn(
+                    tokens, first.weight.shape[1], device=dev, dtype=torch.bfloat16, generator=gen
+                )
+                a, scales = first.quantize(x)
+                apart = lambda a=a, s=scales, parts=siblings.parts: [p.gemm(a, s) for p in parts]
+                merged = lambda a=a, s=scales, m=siblings.merged: m.gemm(a, s)
+                row["columns"] = [p.out_features for p in siblings.parts]
+                row["bit_equal"], row["rel_l2"] = _compare(merged(), torch.cat(apart(), -1))
+                row["ms_apart"] = median_seconds(apart, dev, repeats) * 1e3
+                row["ms_merged"] = median_seconds(merged, dev, repeats) * 1e3
+            except Exception as e:  # a diagnostic that cannot run here costs its own row
+                row["error"] = error_line(e)
+            rows.append(row)
+    return rows
+
+
+def render_siblings(rows: list[dict]) -> list[str]:
+    """The markdown table of `sibling_paths`' rows (empty if none)."""
+    if not rows:
+        return []
+    lines = ["", "| FP8 siblings, layer 0 | tokens | columns | ms a TensorWise GEMM each | ms one RowWise GEMM "
+             "| apart / merged | rel L2 |", "|---|---:|---|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        if "ms_merged" not in r:
+            error = str(r.get("error")).replace("|", "/")[:80]
+            lines.append(f"| {r['siblings']} | {r['tokens']} | — | — | — | {error} | — |")
+            continue
+        lines.append(f"| {r['siblings']} | {r['tokens']} | {' + '.join(map(str, r['columns']))} | {r['ms_apart']:.3f} "
+                     f"| {r['ms_merged']:.3f} | {r['ms_apart'] / r['ms_merged']:.2f} | {r['rel_l2']:.1e} |")  # fmt: skip
     return lines

@@ -113,7 +113,13 @@ EVERY_PASS = math.inf
 TRITON_MOE_EVERY_PASS = "Triton FP8 MoE GEMM RowWise, every pass (torch has no grouped GEMM kernel here)"
 TRITON_MOE_EVERY_PASS_B200 = "Triton FP8 MoE GEMM RowWise, every pass (torch's FP8 grouped GEMM is sm90-only)"
 TRITON_MOE_EVERY_PASS_REQ = "Triton FP8 MoE GEMM RowWise (weights re-quantized per row at load), every pass"
-SCALED_MM_FP8 = "F.scaled_mm FP8 TensorWise (static input scale)" + _ACC
+# ModelOpt's FP8 gives sibling linears (q, k, v; gate, up) one input scale and a weight scale each: one GEMM
+# for them needs per-column scales (`shared_input`, where its probe ran)
+SCALED_MM_FP8 = (
+    "F.scaled_mm FP8 TensorWise (static input scale)"
+    + _ACC
+    + "; q, k, v and gate, up one F.scaled_mm RowWise each"
+)
 SCALED_MM_FP8_ROW = "F.scaled_mm FP8 RowWise (weights re-quantized per row at load)" + _ACC
 GROUPED_FP8 = "F.scaled_grouped_mm FP8 RowWise" + _ACC + "; " + TRITON_MOE
 GROUPED_FP8_REQ = (

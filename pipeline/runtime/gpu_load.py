@@ -33,6 +33,7 @@ from pipeline.runtime.probe import (
     COMBINE,
     EXPERT_ORDER,
     FFN_INPUTS,
+    FP8_COLUMNS,
     GEGLU,
     HEAD_NORMS,
     KV_CAT,
@@ -252,7 +253,7 @@ def finish_on_device(
         probed = probe(device, formats=())
     # q, k and v merge where the head-norms kernel will read their columns: probed, and in a dtype it takes
     columns_read = probed.ok(HEAD_NORMS) and model.embed_tokens.weight.dtype in NETWORK_DTYPES
-    shared, merged = share_inputs(model, merge_qkv=columns_read)
+    shared, merged = share_inputs(model, merge_qkv=columns_read, fp8_columns=probed.ok(FP8_COLUMNS))
     if report is not None:
         report.shared, report.merged = shared, merged
     return fuse_network(model, probed, report)

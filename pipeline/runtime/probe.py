@@ -2,7 +2,8 @@
 the GPU's architecture runs once on tiny operands at load (`probe`), and dgpipe's own Triton kernels must
 also agree with a float reference that needs no vendor kernel (`check_triton_fp8`, `check_triton_bf16`), and
 the network's one-kernel chains with their torch forms (`check_triton_rope`, `_softcap`, `_combine`,
-`_geglu`, `_residual`, `_kv_cat`, `_router`, `_layer_end`, `_ffn_inputs`, `_top_k`, `_expert_order`, `_head_norms`, `_norm_fp8`, `_norm_nvfp4`).
+`_geglu`, `_residual`, `_kv_cat`, `_router`, `_layer_end`, `_ffn_inputs`, `_top_k`, `_expert_order`, `_head_norms`, `_norm_fp8`, `_norm_nvfp4`),
+and FP8 siblings merged into one RowWise GEMM with the linears alone (`check_fp8_columns`).
 What fails takes the row's fallback (`pipeline.runtime.gpu_load`), so a kernel that a host's driver,
 torch or Triton build cannot run costs speed, never a wrong answer or a crash while serving."""
 
@@ -84,6 +85,10 @@ NETWORK_FORMS = (ROPE_FORM, SOFTCAP_FORM, COMBINE_FORM, GEGLU_FORM, RESIDUAL_FOR
  HEAD_NORMS, NORM_FP8, NORM_NVFP4) = (f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS)  # fmt: skip
 # the modes whose activations `triton_quant`'s one-pass kernels quantize, each probed on its own ("quant")
 ONE_PASS_MODES = ("fp8", "nvfp4", "fp8_rowwise")
+# FP8 linears that read one input, each with its own weight scale, as one RowWise GEMM (`shared_input`):
+# probed for every row whose linears are FP8
+FP8_COLUMNS_FORM = ("siblings", "fp8_columns", "fp8")
+FP8_COLUMNS = ":".join(FP8_COLUMNS_FORM[:2])
 
 
 def probe_plan(arch: str | None, formats: tuple[str, ...] = PROBED_FORMATS) -> list[tuple[str, str, str]]:
@@ -105,6 +110,8 @@ def probe_plan(arch: str | None, formats: tuple[str, ...] = PROBED_FORMATS) -> l
                 form = (k, mode, {"fp8": "fp8", "bf16": "bf16"}.get(mode or "", "nvfp4"))
                 if mode and form not in plan:
                     plan.append(form)
+        if kernel_mode(row.linears) == "fp8" and FP8_COLUMNS_FORM not in plan:
+            plan.append(FP8_COLUMNS_FORM)
     return [*plan, *NETWORK_FORMS]
 
 
@@ -192,6 +199,29 @@ def check_triton_fp8(mode: str, fmt: str, dev: torch.device, x, index, weights) 
     if not err < 0.1:  # bf16 intermediates flip some FP8 roundings (~0.02, tests/gpu); a wrong kernel is O(1)
         raise DgpipeError(f"experts on the Triton MoE GEMM differ from their float reference by {err:.3g} "
                           "(relative L2)", TRITON_FALLBACK)  # fmt: skip
+
+
+def check_fp8_columns(dev: torch.device) -> None:
+    """FP8 linears that read one input, with a weight scale each, merged into one RowWise GEMM
+    (`shared_input.concatenate`): each one's columns against the linear alone, or a DgpipeError. The same
+    codes and scales in two GEMMs: within their bf16 outputs' rounding and accumulation orders; a scale or
+    a column range out of place is O(1)."""
+    from pipeline.runtime.shared_input import SharedInput, concatenate
+
+    parts = [
+        ScaledLinear(_tiny_packed("fp8", n, seed=i), "fp8", dev, torch.bfloat16)
+        for i, n in enumerate((128, 64, 64))
+    ]
+    if len({p.static_scales for p in parts}) != len(parts):
+        raise AssertionError("the probe's linears must differ in their weight scales")
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(9)).to(dev, torch.bfloat16)
+    alone = [p(x).float() for p in parts]
+    merged = SharedInput(parts, concatenate(parts))(x)
+    for i, (got, want) in enumerate(zip(merged, alone, strict=True)):
+        err = _rel_l2(got, want)
+        if not err < 1e-2:
+            raise DgpipeError(f"FP8 linears merged into one RowWise GEMM differ from linear {i} alone by {err:.3g} "
+                              "(relative L2)", "dgpipe runs them as one GEMM each; report the GPU, torch and Triton versions")  # fmt: skip
 
 
 def check_triton_fp8_quant(dev: torch.device) -> None:
@@ -782,6 +812,8 @@ def probe(device: torch.device | str = "cuda", formats: tuple[str, ...] = PROBED
                 ScaledExperts(ps, ps, ps, mode, dev)(x[:20], index, wts)
             elif kind == "quant":
                 check_triton_quant(mode, dev)
+            elif kind == "siblings":
+                check_fp8_columns(dev)
             elif kind in NETWORK_CHECKS:
                 NETWORK_CHECKS[kind](dev)
             elif mode == "bf16":

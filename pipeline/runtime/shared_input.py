@@ -9,7 +9,12 @@ amaxes, as TensorRT-LLM and vLLM run them fused), and the NVFP4 ones one global 
 
 Siblings are also one GEMM where their weights concatenate exactly: float weights, FP8 ones with equal
 per-tensor weight scales, NVFP4 ones with equal global scales, the Hopper/Ada NVFP4 fallback's per-row FP8
-ones. ModelOpt's FP8 exports keep each linear's own weight scale, so there they share the quantization only.
+ones. ModelOpt's FP8 exports keep each linear's own weight scale: there the merged GEMM is RowWise, each
+column scaled by its linear's input scale times its weight scale (`ScaledLinear` mode "fp8_columns"), where
+the probe ran that form (`probe.check_fp8_columns`); elsewhere they share the quantization only. The codes
+stay the checkpoint's. vLLM does the same where its kernel takes per-channel scales (`convert_to_channelwise`),
+and for per-tensor GEMMs re-quantizes fused shards to the largest of their scales (`requantize_with_max_scale`,
+both in vllm/model_executor/layers/quantization/utils/w8a8_utils.py), which rounds the others' weights again.
 The merged output is split into column views read in place: gate and up by the gated GeLU, q, k and v by
 attention's head-norms kernel (`triton_network.head_norms`, tokens one stride apart). q, k and v merge only
 where that kernel is installed: torch's RMSNorm copies a non-contiguous input (`expect_contiguous` in its
@@ -117,8 +122,9 @@ def shares_quantization(parts: Sequence[nn.Module]) -> bool:
     return all(same(p) == same(first) for p in parts)
 
 
-def concatenates(parts: Sequence[nn.Module]) -> bool:
-    """Linears whose weights, stacked by output row, are one linear computing all their outputs exactly."""
+def concatenates(parts: Sequence[nn.Module], fp8_columns: bool = False) -> bool:
+    """Linears whose weights, stacked by output row, are one linear computing all their outputs exactly.
+    `fp8_columns`: FP8 ones with a weight scale each too, as one RowWise GEMM (where it passed its probe)."""
     first = parts[0]
     if all(type(p) is nn.Linear for p in parts):
         kinds = {(p.weight.dtype, p.weight.device, p.in_features, p.bias is None) for p in parts}
@@ -127,13 +133,17 @@ def concatenates(parts: Sequence[nn.Module]) -> bool:
         return False
     if first.mode == "fp8_rowwise":  # per-row weight scales
         return True
-    return all(p.static_scales == first.static_scales for p in parts)
+    return all(p.static_scales == first.static_scales for p in parts) or (fp8_columns and first.mode == "fp8")
 
 
 def concatenate(parts: Sequence[nn.Module]) -> nn.Module:
     """One linear computing `parts` side by side (`concatenates` holds): its weights and per-row scales are
-    the parts' stacked by output row, per-tensor scales shared; each part's tensors become views of it."""
+    the parts' stacked by output row, per-tensor scales shared; each part's tensors become views of it. FP8
+    parts with a weight scale each give an "fp8_columns" linear: per-column scales [1, N], the input scale
+    times the part's weight scale (the parts keep their scalars)."""
     first = parts[0]
+    scaled = isinstance(first, ScaledLinear)
+    columns = scaled and first.mode == "fp8" and any(p.static_scales != first.static_scales for p in parts)
     if type(first) is nn.Linear:
         merged = nn.Linear(first.in_features, 1, bias=first.bias is not None, device="meta")
     else:
@@ -141,8 +151,14 @@ def concatenate(parts: Sequence[nn.Module]) -> nn.Module:
         nn.Module.__init__(merged)
         merged.mode, merged.out_dtype, merged.triton = first.mode, first.out_dtype, first.triton
         merged.static_scales = first.static_scales
+        if columns:
+            merged.mode, merged.static_scales = "fp8_columns", first.static_scales[:1]
     merged.out_features = sum(p.out_features for p in parts)
     for name, t in [*first.named_parameters(recurse=False), *first.named_buffers(recurse=False)]:
+        if name == "weight_scale" and columns:
+            per_column = [(p.input_scale * p.weight_scale).float().expand(p.out_features) for p in parts]
+            merged.register_buffer(name, torch.cat(per_column).reshape(1, -1))
+            continue
         if t.dim() == 0:  # a per-tensor scale, equal across the parts
             merged.register_buffer(name, t)
             continue
@@ -199,14 +215,14 @@ def sibling_linears(
     yield sc, "gate_up_kernel", [sc.gate_proj, sc.up_proj], True
 
 
-def share_inputs(model: DiffusionGemma, merge_qkv: bool) -> tuple[int, int]:
+def share_inputs(model: DiffusionGemma, merge_qkv: bool, fp8_columns: bool = False) -> tuple[int, int]:
     """Every layer's q/k/v and every gated MLP's gate/up on `SharedInput` where they gain from it: quantized
-    linears sharing the quantization, gate and up also merged where `concatenates`, and q, k and v where
-    `merge_qkv` (the head-norms kernel reads their columns). Returns (groups sharing a quantization, GEMMs
-    saved by merging)."""
+    linears sharing the quantization, gate and up also merged where `concatenates` (`fp8_columns`: FP8 ones
+    with a weight scale each too), and q, k and v where `merge_qkv` (the head-norms kernel reads their
+    columns). Returns (groups sharing a quantization, GEMMs saved by merging)."""
     shared = saved = 0
     for owner, slot, parts, may_merge in sibling_linears(model, merge_qkv):
-        merged = concatenate(parts) if may_merge and concatenates(parts) else None
+        merged = concatenate(parts) if may_merge and concatenates(parts, fp8_columns) else None
         if merged is None and not shares_quantization(parts):
             continue
         setattr(owner, slot, SharedInput(parts, merged))

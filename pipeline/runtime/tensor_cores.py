@@ -58,7 +58,9 @@ def _rowwise_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- linears -------------------------------------------------------------------------------------------
 class ScaledLinear(nn.Module):
     """A quantized linear on `F.scaled_mm`. `mode`: "fp8" (TensorWise), "nvfp4" (BlockWise1x16 +
-    TensorWise global scales), "fp8_rowwise" (NVFP4 weights re-quantized to E4M3 per row: Hopper/Ada)."""
+    TensorWise global scales), "fp8_rowwise" (NVFP4 weights re-quantized to E4M3 per row: Hopper/Ada), or
+    "fp8_columns": FP8 linears that read one input, side by side, each with its own weight scale (built by
+    `shared_input.concatenate`, not from a checkpoint): RowWise, the per-tensor scales in the columns'."""
 
     graph_safe = True
 
@@ -133,6 +135,11 @@ def scaled_gemm(
             a, weight.t(), a_scales[0], scaling.TensorWise, w_scales[0], scaling.TensorWise, output_dtype=out_dtype,
             use_fast_accum=FP8_FAST_ACCUM,
         )  # fmt: skip
+    if mode == "fp8_columns":  # the static input scale is folded into the column scales: rows scaled by 1
+        return F.scaled_mm(
+            a, weight.t(), unit_row_scales(a.shape[0], a.device), scaling.RowWise, w_scales[0], scaling.RowWise,
+            output_dtype=out_dtype, use_fast_accum=FP8_FAST_ACCUM,
+        )  # fmt: skip
     if mode == "nvfp4":
         return F.scaled_mm(
             sl.as_fp4x2(a), weight.t(), a_scales, [scaling.BlockWise1x16, scaling.TensorWise],
@@ -143,6 +150,24 @@ def scaled_gemm(
         a, weight.t(), a_scales[0], scaling.RowWise, w_scales[0], scaling.RowWise, output_dtype=out_dtype,
         use_fast_accum=FP8_FAST_ACCUM,
     )  # fmt: skip
+
+
+# fp32 ones [rows, 1] per device, grown to the most rows asked for: RowWise GEMMs take their row scales as a
+# contiguous [M, 1] tensor (an expanded scalar is not), and a view of one buffer costs no launch per call
+_UNIT_ROWS: dict[torch.device, torch.Tensor] = {}
+
+
+def unit_row_scales(rows: int, device: torch.device) -> torch.Tensor:
+    """Row scales of 1 for `rows` rows: a view of the device's buffer. Never grown while a CUDA graph is being
+    captured (a fill recorded in a graph runs only when it replays, so the buffer would hold no ones for the
+    eager calls after it): the graph then makes its own."""
+    held = _UNIT_ROWS.get(device)
+    if held is not None and held.shape[0] >= rows:
+        return held[:rows]
+    ones = torch.ones(rows, 1, dtype=torch.float32, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _UNIT_ROWS[device] = ones
+    return ones
 
 
 # ---- experts -------------------------------------------------------------------------------------------

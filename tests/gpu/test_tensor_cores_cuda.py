@@ -72,7 +72,8 @@ def test_scaled_linear_equals_reference(probed, mode):
 @pytest.mark.parametrize("mode", ["fp8", "nvfp4", "fp8_rowwise"])
 def test_sibling_linears_on_one_quantization_and_one_gemm_equal_the_linears_alone(probed, mode):
     """q/k/v-style siblings (a weight scale each) share one quantization: each output bit for bit the
-    linear's own. Gate/up-style siblings with one weight scale also run as one GEMM, split into views: the
+    linear's own; FP8 ones are also one RowWise GEMM where it passed its probe (the column scales carry the
+    per-tensor ones: within the GEMMs' summation orders). Gate/up-style siblings with one weight scale also run as one GEMM, split into views: the
     same operands, so within the GEMM's summation order (the 26B's 2,112 rows: NVFP4 scales swizzled anew)."""
     from pipeline.runtime import shared_input as si
 
@@ -86,6 +87,10 @@ def test_sibling_linears_on_one_quantization_and_one_gemm_equal_the_linears_alon
     alone = [p(x) for p in qkv]
     for a, b in zip(alone, si.SharedInput(qkv, None)(x), strict=True):
         assert torch.equal(a, b)
+    if mode == "fp8" and probed.ok(probing.FP8_COLUMNS):  # a weight scale each: one RowWise GEMM
+        assert si.concatenates(qkv, fp8_columns=True) and not si.concatenates(qkv)
+        for a, b, p in zip(alone, si.SharedInput(qkv, si.concatenate(qkv))(x), qkv, strict=True):
+            assert _rel(b, a) < 5e-3 and torch.equal(p(x), a)  # bf16 outputs; each part alone, on its view
     gate, up = build(2112), build(2112)
     if mode == "fp8":
         up.weight_scale, up.static_scales = gate.weight_scale.clone(), gate.static_scales

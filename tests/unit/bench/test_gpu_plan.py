@@ -210,6 +210,9 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
             assert r["kernels"].startswith("F.scaled_mm FP8 TensorWise") and "experts_error" not in r
             assert "failed their probe (Triton kernels run on CUDA devices" in r["kernels"]
             assert r["experts"]["tokens"] == r["batch"] * 82
+            # off CUDA the load leaves the siblings apart: each diagnostic row says so
+            assert [x["siblings"] for x in r["siblings"]] == ["q, k, v", "gate, up"]
+            assert all("not one RowWise GEMM on this load" in x["error"] for x in r["siblings"])
         else:
             assert "attention_error" not in r and len(r["attention"]) == 2
             # the network kernels need CUDA or the interpreter (off here): each row says why
@@ -239,6 +242,36 @@ def test_bf16_expert_paths_time_torchs_grouped_gemm_and_the_triton_gemm_on_one_r
     result = {"env": gpu.asdict(H200), "dry_run": False, "checks": [
         {"name": "26B pass bf16", "status": "passed", "seconds": 1.0, "budget_s": 40, "detail": "", "rows": [row]}]}  # fmt: skip
     assert f"| layer 0 | 1 | 32 | {x['ms_torch']:.2f} | {x['ms_triton']:.2f} |" in gpu.render(result)
+
+
+def test_sibling_paths_time_fp8_siblings_as_one_rowwise_gemm_and_apart(tmp_path):
+    """The embedded FP8 checkpoint's first layer with its siblings merged as a GPU load merges them (torch's
+    CPU scaled GEMMs): q|k|v and gate|up timed both ways, the same products (bit for bit on this
+    repository's CI machine; within summation order elsewhere), and the table rows."""
+    from pipeline.bench.gpu_network import render_siblings, sibling_paths
+    from pipeline.runtime import gpu_load
+    from pipeline.runtime import probe as probing
+    from pipeline.runtime.shared_input import share_inputs
+    from tests._utils.quantized import build_quantized_checkpoint
+
+    path = build_quantized_checkpoint(tmp_path / "fp8", "fp8")
+    probed = probing.Probe("sm90", {"linear:fp8": None, "experts:fp8": "no grouped GEMM on the CPU"})
+    model = gpu_load.load_on_gpu(path, torch.bfloat16, torch.device("cpu"), probed)[0]
+    share_inputs(model, merge_qkv=True, fp8_columns=True)
+    rows = sibling_paths(model, 24, torch.device("cpu"), repeats=1)
+    assert [r["siblings"] for r in rows] == ["q, k, v", "gate, up"] and all("error" not in r for r in rows)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert rows[0]["columns"] == [p.out_features for p in attn.qkv_kernel.parts]
+    assert rows[1]["columns"] == [mlp.gate_proj.out_features, mlp.up_proj.out_features]
+    for r in rows:
+        assert r["ms_apart"] > 0 and r["ms_merged"] > 0 and r["rel_l2"] < 1e-2  # bf16 outputs
+    table = "\n".join(
+        render_siblings([*rows, {"siblings": "q, k, v", "tokens": 8, "error": "RuntimeError: a|b"}])
+    )
+    assert (
+        f"| gate, up | 24 | {' + '.join(map(str, rows[1]['columns']))} | {rows[1]['ms_apart']:.3f} |" in table
+    )
+    assert "| q, k, v | 8 | — | — | — | RuntimeError: a/b | — |" in table
 
 
 def test_the_fp8_pass_on_an_ada_gpu_follows_the_runtimes_fallback_off_a_gpu(monkeypatch):

@@ -25,12 +25,11 @@ FLOAT_LINEARS = LAYERS + 3 + 1
 QUANTIZED_INPUTS = 4 * LAYERS
 
 
-def merged_away(linears: str) -> int:
-    """GEMMs saved by merging sibling linears in the two layers: with float, NVFP4 or per-row FP8 weights,
-    each dense MLP's gate and up are one GEMM (one fewer a layer) and each attention's q, k and v (two
-    fewer in the sliding layer, one in the global one, which has no v); none with the random model's FP8
-    ones (a weight scale each, as ModelOpt's FP8 exports)."""
-    return 0 if linears.startswith("F.scaled_mm FP8 TensorWise") else LAYERS + 3
+# GEMMs saved by merging sibling linears in the two layers, in every format: each dense MLP's gate and up
+# are one GEMM (one fewer a layer) and each attention's q, k and v (two fewer in the sliding layer, one in the
+# global one, which has no v); FP8 ones with a weight scale each (the random model's, as ModelOpt's FP8
+# exports) as one RowWise GEMM
+MERGED_AWAY = LAYERS + 3
 
 
 def experts_gemm(fmt: str, arch: str, batch: int) -> str:
@@ -57,11 +56,10 @@ def test_every_dispatch_row_runs_its_kernels_without_reading_the_host(fmt, arch,
         t.ops["triton::combine"] == LAYERS and "torch.bmm" not in gemms
     )  # each token's k expert rows combined
     linears = DISPATCH[fmt, arch].linears
-    merged = merged_away(linears)
     if linears.startswith("F.scaled_mm"):  # the self-conditioning's gate and up: one float GEMM
-        assert gemms == {"F.scaled_mm": QUANTIZED_LINEARS - merged, "F.linear": FLOAT_LINEARS - 1}
+        assert gemms == {"F.scaled_mm": QUANTIZED_LINEARS - MERGED_AWAY, "F.linear": FLOAT_LINEARS - 1}
     else:
-        assert gemms == {"F.linear": QUANTIZED_LINEARS + FLOAT_LINEARS - merged - 1}
+        assert gemms == {"F.linear": QUANTIZED_LINEARS + FLOAT_LINEARS - MERGED_AWAY - 1}
     for group in ("linears", "experts"):  # held as the byte model reads them (per-row scales: < 1%)
         # NVFP4's merged gate|up block scales are swizzled anew beside the parts' own (`shared_input`): 2.3%
         apart = 0.025 if group == "linears" and linears.startswith("F.scaled_mm NVFP4") else 0.0
@@ -159,14 +157,12 @@ def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
     """torch's element-wise NVFP4 quantization is ~50 launches an input (~13,000 a 26B pass); the kernels of
     `pipeline.runtime.triton_quant` make it one, so Hopper's NVFP4 pass launches about what its FP8 pass
     does: two more for the experts' and the dense MLP's down inputs, which FP8 quantizes inside the gated
-    GeLUs, one more for q|k|v's, which FP8's input norm writes, and fewer for the GEMMs that FP8's weight
-    scales keep apart: gate and up one (one fewer a layer), q, k and v one (two fewer in the sliding layer,
-    one in the global one). Gate|up's and the experts' gate|up's inputs come from the FFN-inputs kernel in
-    both."""
+    GeLUs, and one more for q|k|v's, which FP8's input norm writes. Gate|up's and the experts' gate|up's
+    inputs come from the FFN-inputs kernel in both, and both merge gate and up, and q, k and v."""
     inputs = QUANTIZED_INPUTS + 2 * LAYERS  # every quantized input and both expert projections'
     hopper, fp8 = gt.trace_pass("nvfp4", "sm90", 1, LAYERS), gt.trace_pass("fp8", "sm90", 1, LAYERS)
     assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs - 2 * LAYERS
-    assert hopper.launches == fp8.launches + 2 * LAYERS - 3
+    assert hopper.launches == fp8.launches + 3 * LAYERS
     b200 = gt.trace_pass("nvfp4", "sm100", 1, LAYERS)
     # a linear's quantization writes its scales swizzled, padding included, the dense MLP's down operand
     # comes from its gated GeLU so; the experts' inputs are quantized (gate|up's on their own, down's in
@@ -292,7 +288,9 @@ def test_a_layers_routing_takes_two_launches_where_probed(fmt, batch):
 @pytest.mark.parametrize("batch", [1, 16])
 def test_attentions_head_norms_take_two_launches_a_layer_where_probed(batch):
     """q's norm and RoPE are one launch, k's and v's norms and k's RoPE another, where torch's forms are five
-    (three norms, two RoPE kernels), and the normed q and k are no longer written and read back."""
+    (three norms, two RoPE kernels), and the normed q and k are no longer written and read back. Without
+    the kernel q, k and v are three GEMMs (two more in the sliding layer, one in the global one): torch's
+    norms would copy the merged GEMM's column views."""
     fused = gt.trace_pass("fp8", "sm90", batch, LAYERS)
     assert fused.ops["triton::head_norms"] == 2 * LAYERS and "triton::rope" not in fused.ops
     no_kernel = gt.passing_probe("sm90")
@@ -300,11 +298,12 @@ def test_attentions_head_norms_take_two_launches_a_layer_where_probed(batch):
     torch_form = gt.trace_pass("fp8", "sm90", batch, LAYERS, probed=no_kernel)
     assert torch_form.ops["aten::rms_norm"] == fused.ops["aten::rms_norm"] + 3 * LAYERS
     assert torch_form.ops["triton::rope"] == 2 * LAYERS and "triton::head_norms" not in torch_form.ops
-    assert torch_form.launches == fused.launches + 3 * LAYERS
+    assert torch_form.launches == fused.launches + 3 * LAYERS + 3
     # q (16 heads) and k (8 sliding, 2 global heads) of 256 and 512: each normed once more, written and read
     heads = (16 + 8) * 256 + (16 + 2) * 512
     normed_gb = 2 * batch * 256 * heads * 2 / 1e9
-    assert torch_form.moved_gb - fused.moved_gb == pytest.approx(normed_gb, rel=0.05)
+    operand_gb = 3 * batch * 256 * 2816 / 1e9  # q|k|v's FP8 operand read by the GEMMs that merged away
+    assert torch_form.moved_gb - fused.moved_gb == pytest.approx(normed_gb + operand_gb, rel=0.05)
 
 
 @pytest.mark.parametrize(("fmt", "arch"), [("bf16", "sm90"), ("nvfp4", "sm100"), ("nvfp4", "sm90")])
@@ -473,7 +472,7 @@ def test_a_layers_norm_chains_take_one_launch_where_probed(form, kernel, superse
 
 @pytest.mark.parametrize(
     ("fmt", "arch", "fewer"),
-    [("fp8", "sm90", 5 + 1 + 2 + 2), ("nvfp4", "sm100", 5 + 3 + 3 + 2 + 2), ("bf16", "sm90", 3 + 3)],
+    [("fp8", "sm90", 5 + 3 + 2 + 2 + 3), ("nvfp4", "sm100", 5 + 3 + 3 + 2 + 2), ("bf16", "sm90", 3 + 3)],
 )
 def test_sibling_linears_share_their_input_quantization_and_gate_and_up_one_gemm(
     monkeypatch, fmt, arch, fewer
@@ -481,11 +480,11 @@ def test_sibling_linears_share_their_input_quantization_and_gate_and_up_one_gemm
     """q, k and v quantize their input once (two fewer in a sliding layer, one in a global one), gate and up
     once (one fewer); FP8's and NVFP4's shared q|k|v operand comes from the input norm, and their shared
     gate|up operand from the FFN-inputs kernel (one fewer a layer each). Gate and up are one GEMM in the
-    float self-conditioning and, but for FP8 (a weight scale each), in each dense MLP, and so are q, k and
-    v (two fewer in a sliding layer, one in a global one). Without sharing, every linear quantizes and runs
-    alone."""
+    float self-conditioning and in each dense MLP (FP8's, a weight scale each, one RowWise GEMM), and so
+    are q, k and v (two fewer in a sliding layer, one in a global one). Without sharing, every linear
+    quantizes and runs alone."""
     shared = gt.trace_pass(fmt, arch, 1, LAYERS)
-    monkeypatch.setattr(gpu_load, "share_inputs", lambda model, merge_qkv: (0, 0))
+    monkeypatch.setattr(gpu_load, "share_inputs", lambda model, merge_qkv, fp8_columns: (0, 0))
     alone = gt.trace_pass(fmt, arch, 1, LAYERS)
     assert alone.launches - shared.launches == fewer
     assert alone.gemms()["F.linear"] - shared.gemms()["F.linear"] == 1 + (fmt == "bf16") * (LAYERS + 3)

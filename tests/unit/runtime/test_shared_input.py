@@ -56,6 +56,73 @@ def test_fp8_siblings_with_their_own_weight_scales_share_the_quantization_bit_fo
         assert b.shape == a.shape and torch.equal(_bits(a), _bits(b))
 
 
+def test_fp8_siblings_with_their_own_weight_scales_are_one_rowwise_gemm_where_it_was_probed(monkeypatch):
+    """Where the RowWise FP8 GEMM passed its probe, the same siblings are one GEMM over their stacked codes
+    (the checkpoint's, not re-quantized), each column scaled by the input scale times its linear's weight
+    scale, each row by 1. Each output within the summation order's noise of the linear's own (torch's CPU
+    TensorWise and RowWise kernels sum in other orders: up to 2.1e-7 of the largest output over five seeds;
+    a scale out of place is O(1)); the parts keep their scalars and compute alone on their views, bit for
+    bit; one quantization for all."""
+    parts = _linears("fp8", "fp8", [48, 32, 32])
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1))
+    alone = [p(x) for p in parts]
+    assert si.concatenates(parts, fp8_columns=True) and not si.concatenates(parts)
+    merged = si.concatenate(parts)
+    assert merged.mode == "fp8_columns" and merged.out_features == 112
+    assert all(p.weight_scale.dim() == 0 and p.mode == "fp8" for p in parts)
+    assert [p.weight.data_ptr() for p in parts] == [merged.weight.data_ptr() + o * 64 for o in (0, 48, 80)]
+    columns = torch.cat([(p.input_scale * p.weight_scale).expand(p.out_features) for p in parts])
+    assert merged.weight_scale.shape == (1, 112) and torch.equal(merged.weight_scale[0], columns)
+    seen = _quantizations(monkeypatch)
+    together = si.SharedInput(parts, merged)(x)
+    assert seen == ["fp8"]
+    for a, b, p in zip(alone, together, parts, strict=True):
+        assert b.shape == a.shape and torch.equal(p(x), a)
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5 * float(a.abs().max()))
+    assert torch.equal(tc._UNIT_ROWS[CPU][:10], torch.ones(10, 1))  # the row scales: a view of one buffer
+
+
+def test_a_rowwise_gemms_unit_row_scales_are_views_of_one_buffer_grown_outside_graph_capture(monkeypatch):
+    """Row scales of 1 come as views of one contiguous buffer per device, which grows to the most rows asked
+    for; while a CUDA graph is captured a larger ask gets a buffer of its own (its fill runs when the graph
+    replays, so eager calls after the capture must not read it)."""
+    from pipeline.bench.fake_cuda import fake_gpu
+
+    monkeypatch.setattr(tc, "_UNIT_ROWS", {})
+    eight, five = tc.unit_row_scales(8, CPU), tc.unit_row_scales(5, CPU)
+    assert torch.equal(eight, torch.ones(8, 1)) and five.shape == (5, 1) and five.is_contiguous()
+    assert five.data_ptr() == eight.data_ptr() and tc._UNIT_ROWS[CPU] is eight
+    assert tc.unit_row_scales(20, CPU).shape == (20, 1) and tc._UNIT_ROWS[CPU].shape == (20, 1)
+    cuda = torch.device("cuda", 0)
+    with fake_gpu("sm90"):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        assert tc.unit_row_scales(4, cuda).shape == (4, 1) and cuda not in tc._UNIT_ROWS
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        assert tc.unit_row_scales(4, cuda).device == cuda and tc._UNIT_ROWS[cuda].shape == (4, 1)
+
+
+def test_the_probe_runs_fp8_siblings_as_one_rowwise_gemm_against_the_linears_alone(monkeypatch):
+    """The load-time probe of the merged form passes here (torch's CPU RowWise kernel) and fails, naming the
+    linear, on column scales without the input scale or with the parts' columns out of place."""
+    from pipeline.errors import DgpipeError
+    from pipeline.runtime import probe as probing
+
+    probing.check_fp8_columns(CPU)
+    concatenate = si.concatenate
+
+    def unscaled(parts):
+        merged = concatenate(parts)
+        merged.weight_scale = merged.weight_scale / parts[0].input_scale
+        return merged
+
+    monkeypatch.setattr(si, "concatenate", unscaled)
+    with pytest.raises(DgpipeError, match="differ from linear 0 alone"):
+        probing.check_fp8_columns(CPU)
+    monkeypatch.setattr(si, "concatenate", lambda parts: concatenate(parts[::-1]))
+    with pytest.raises(DgpipeError, match="one RowWise GEMM differ from linear"):
+        probing.check_fp8_columns(CPU)
+
+
 @pytest.mark.parametrize(("fmt", "mode"), [("fp8", "fp8"), ("nvfp4", "fp8_rowwise")])
 def test_gate_and_up_merge_into_one_gemm_whose_columns_are_theirs(monkeypatch, fmt, mode):
     """Equal FP8 weight scales, or the per-row FP8 of the NVFP4 fallback: one GEMM, split into views. The
@@ -127,13 +194,21 @@ def test_float_gate_and_up_merge_and_different_input_scales_do_not_share():
 
 
 @pytest.fixture(scope="module")
-def fp8_model(tmp_path_factory) -> DiffusionGemma:
+def fp8_checkpoint(tmp_path_factory) -> Path:
+    return build_quantized_checkpoint(Path(tmp_path_factory.mktemp("q")) / "fp8", "fp8")
+
+
+def _load_fp8(path: Path) -> DiffusionGemma:
     from pipeline.runtime import gpu_load
     from pipeline.runtime import probe as probing
 
-    path = build_quantized_checkpoint(Path(tmp_path_factory.mktemp("q")) / "fp8", "fp8")
     probed = probing.Probe("sm90", {"linear:fp8": None, "experts:fp8": "no grouped GEMM on the CPU"})
     return gpu_load.load_on_gpu(path, torch.float32, CPU, probed)[0]
+
+
+@pytest.fixture(scope="module")
+def fp8_model(fp8_checkpoint) -> DiffusionGemma:
+    return _load_fp8(fp8_checkpoint)
 
 
 def test_the_embedded_fp8_model_keeps_its_logits_with_shared_inputs(fp8_model):
@@ -155,6 +230,27 @@ def test_the_embedded_fp8_model_keeps_its_logits_with_shared_inputs(fp8_model):
     torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-5)
     layer = model.layers[0]
     assert layer.mlp.gate_up_kernel.merged is None
+
+
+def test_the_embedded_fp8_model_keeps_its_logits_with_its_siblings_one_rowwise_gemm_each(fp8_checkpoint):
+    """Where the RowWise FP8 GEMM passed its probe, every layer's q/k/v and gate/up (a weight scale each, as
+    ModelOpt's FP8) run as one GEMM each: the same logits as the linears alone (bit for bit on this
+    repository's CI machine; torch's CPU TensorWise and RowWise kernels may sum in other orders)."""
+    model = _load_fp8(fp8_checkpoint)
+    gen = torch.Generator().manual_seed(5)
+    canvas = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=gen)
+    soft = torch.randn(2, 12, model.cfg.hidden_size, generator=gen)
+    positions = torch.arange(12).expand(2, 12)
+    run = lambda: model.denoise_soft(canvas, soft, positions, dict.fromkeys(set(model.layer_types)), None)
+    with torch.inference_mode():
+        before = run()
+        shared, saved = si.share_inputs(model, merge_qkv=True, fp8_columns=True)
+        after = run()
+    qkv = sum(len(layer.self_attn.qkv_kernel.parts) for layer in model.layers)
+    assert shared == 2 * len(model.layers) and saved == qkv - len(model.layers) + len(model.layers) + 1
+    for layer in model.layers:
+        assert layer.self_attn.qkv_kernel.merged.mode == layer.mlp.gate_up_kernel.merged.mode == "fp8_columns"
+    torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.skipif(

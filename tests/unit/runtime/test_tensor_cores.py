@@ -187,12 +187,14 @@ def test_every_vendor_kernel_of_the_table_has_a_module_mode():
 def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
     """Hopper never runs the NVFP4 kernels (one left a sticky launch failure on an H200); Blackwell does.
     Hopper's FP8 experts also probe the Triton GEMM their few-rows passes take; where torch has no grouped
-    GEMM kernel, only the Triton GEMM is probed for the experts, FP8 and bf16. Every GPU probes the network's
-    RoPE, softcap and MoE combine kernels, whatever the checkpoint's format."""
-    net = probing.NETWORK_FORMS
+    GEMM kernel, only the Triton GEMM is probed for the experts, FP8 and bf16. Wherever the linears are FP8,
+    their siblings as one RowWise GEMM ("siblings"). Every GPU probes the network's RoPE, softcap and MoE
+    combine kernels, whatever the checkpoint's format."""
+    net, columns = probing.NETWORK_FORMS, probing.FP8_COLUMNS_FORM
+    assert columns == ("siblings", "fp8_columns", "fp8") and probing.FP8_COLUMNS == "siblings:fp8_columns"
     assert probing.probe_plan("sm90") == [
         ("linear", "fp8", "fp8"), ("quant", "fp8", "fp8"), ("experts", "fp8", "fp8"), ("triton", "fp8", "fp8"),
-        ("linear", "fp8_rowwise", "nvfp4"), ("quant", "fp8_rowwise", "nvfp4"), ("experts", "fp8_rowwise", "nvfp4"),
+        columns, ("linear", "fp8_rowwise", "nvfp4"), ("quant", "fp8_rowwise", "nvfp4"), ("experts", "fp8_rowwise", "nvfp4"),
         ("triton", "fp8_rowwise", "nvfp4"), *net,
     ]  # fmt: skip
     # activations' one-pass quantization ("quant") is probed wherever a row quantizes them
@@ -200,6 +202,7 @@ def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
         ("linear", "fp8", "fp8"),
         ("quant", "fp8", "fp8"),
         ("triton", "fp8", "fp8"),  # FP8 experts: torch's FP8 grouped GEMM is sm90-only
+        columns,
         ("linear", "nvfp4", "nvfp4"),
         ("quant", "nvfp4", "nvfp4"),
         ("experts", "nvfp4", "nvfp4"),
@@ -207,11 +210,11 @@ def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
     ]
     # Ada and RTX Blackwell: no grouped GEMM kernel in torch for FP8 or bf16, the Triton GEMM takes every pass
     assert probing.probe_plan("sm89") == [
-        ("linear", "fp8", "fp8"), ("quant", "fp8", "fp8"), ("triton", "fp8", "fp8"), ("linear", "fp8_rowwise", "nvfp4"),
+        ("linear", "fp8", "fp8"), ("quant", "fp8", "fp8"), ("triton", "fp8", "fp8"), columns, ("linear", "fp8_rowwise", "nvfp4"),
         ("quant", "fp8_rowwise", "nvfp4"), ("triton", "fp8_rowwise", "nvfp4"), ("triton", "bf16", "bf16"), *net,
     ]  # fmt: skip
     assert probing.probe_plan("sm120") == [
-        ("linear", "fp8", "fp8"), ("quant", "fp8", "fp8"), ("triton", "fp8", "fp8"), ("linear", "nvfp4", "nvfp4"), ("quant", "nvfp4", "nvfp4"),
+        ("linear", "fp8", "fp8"), ("quant", "fp8", "fp8"), ("triton", "fp8", "fp8"), columns, ("linear", "nvfp4", "nvfp4"), ("quant", "nvfp4", "nvfp4"),
         ("experts", "nvfp4", "nvfp4"),
         ("triton", "fp8_rowwise", "nvfp4"), ("quant", "fp8_rowwise", "nvfp4"),  # NVFP4 experts' second path: FP8 on Triton
         ("triton", "bf16", "bf16"), *net,
