@@ -148,23 +148,44 @@ def network_paths(
 ) -> list[dict]:
     """Per chain: ms of the torch form and of dgpipe's kernel at this batch, and how far apart their values
     are; a chain whose kernel cannot run here (no CUDA, no Triton) says why in its row, the others still run."""
-    from pipeline.bench.timing import median_seconds
     from pipeline.runtime.triton_moe import unavailable
 
-    rows, why_not = [], unavailable(dev)
+    why_not = unavailable(dev)
+
+    def paths(torch_form: Callable[[], object], kernel: Callable[[], object]):
+        if why_not:
+            raise RuntimeError(why_not)
+        return torch_form, kernel
+
     with torch.inference_mode():
-        for name, torch_form, kernel in _pairs(cfg, batch, canvas, context, dev):
-            row: dict = {"chain": name, "batch": batch}
-            try:
-                if why_not:
-                    raise RuntimeError(why_not)
-                row["bit_equal"], row["rel_l2"] = _compare(kernel(), torch_form())
-                row["ms_torch"] = median_seconds(torch_form, dev, repeats) * 1e3
-                row["ms_triton"] = median_seconds(kernel, dev, repeats) * 1e3
-            except Exception as e:  # a chain that cannot run here costs its own row
-                row["error"] = error_line(e)
-            rows.append(row)
-    return rows
+        return [
+            _timed(
+                {"chain": name, "batch": batch},
+                lambda t=t, k=k: paths(t, k),
+                ("torch", "triton"),
+                dev,
+                repeats,
+            )
+            for name, t, k in _pairs(cfg, batch, canvas, context, dev)
+        ]
+
+
+def _timed(
+    row: dict, make: Callable[[], tuple[Callable[[], object], Callable[[], object]]], names: tuple[str, str],
+    dev: torch.device, repeats: int,
+) -> dict:  # fmt: skip
+    """`row` with two paths' distance (`bit_equal`, `rel_l2`) and ms (`ms_<name>`), `make` giving the paths
+    (first, second); what stops them fills `error` (a path that cannot run here costs its own row)."""
+    from pipeline.bench.timing import median_seconds
+
+    try:
+        first, second = make()
+        row["bit_equal"], row["rel_l2"] = _compare(second(), first())
+        for name, fn in zip(names, (first, second), strict=True):
+            row[f"ms_{name}"] = median_seconds(fn, dev, repeats) * 1e3
+    except Exception as e:
+        row["error"] = error_line(e)
+    return row
 
 
 def render_network(rows: list[dict]) -> list[str]:
@@ -190,37 +211,30 @@ def sibling_paths(model, tokens: int, dev: torch.device, repeats: int = 5) -> li
     one TensorWise GEMM each on the same shared operand, ms of each and their distance. What the merge
     bets (one GEMM wide enough for every SM against a launch each on the per-tensor kernel) the whole
     pass's time cannot separate. Siblings the load left apart (their probe failed, or not on CUDA) say so."""
-    from pipeline.bench.timing import median_seconds
     from pipeline.runtime.shared_input import SharedInput
 
-    layer, gen, rows = model.layers[0], torch.Generator(device=dev).manual_seed(6), []
+    layer, gen = model.layers[0], torch.Generator(device=dev).manual_seed(6)
+
+    def paths(siblings) -> tuple[Callable[[], object], Callable[[], object]]:
+        if not isinstance(siblings, SharedInput) or getattr(siblings.merged, "mode", "") != "fp8_columns":
+            raise RuntimeError("not one RowWise GEMM on this load (FP8 on CUDA, where probed)")
+        first, sizes = siblings.parts[0], [p.out_features for p in siblings.parts]
+        x = torch.randn(tokens, first.weight.shape[1], device=dev, dtype=torch.bfloat16, generator=gen)
+        a, s = first.quantize(x)
+        apart = lambda: tuple(p.gemm(a, s) for p in siblings.parts)
+        return apart, lambda: siblings.merged.gemm(a, s).split(sizes, dim=-1)
+
+    groups = (("q, k, v", layer.self_attn.qkv_kernel), ("gate, up", layer.mlp.gate_up_kernel))
     with torch.inference_mode():
-        for name, siblings in (
-            ("q, k, v", layer.self_attn.qkv_kernel),
-            ("gate, up", layer.mlp.gate_up_kernel),
-        ):
-            row: dict = {"siblings": name, "tokens": tokens}
-            try:
-                if (
-                    not isinstance(siblings, SharedInput)
-                    or getattr(siblings.merged, "mode", "") != "fp8_columns"
-                ):
-                    raise RuntimeError("not one RowWise GEMM on this load (FP8 on CUDA, where probed)")
-                first = siblings.parts[0]
-                x = torch.randn(
-                    tokens, first.weight.shape[1], device=dev, dtype=torch.bfloat16, generator=gen
-                )
-                a, scales = first.quantize(x)
-                apart = lambda a=a, s=scales, parts=siblings.parts: [p.gemm(a, s) for p in parts]
-                merged = lambda a=a, s=scales, m=siblings.merged: m.gemm(a, s)
-                row["columns"] = [p.out_features for p in siblings.parts]
-                row["bit_equal"], row["rel_l2"] = _compare(merged(), torch.cat(apart(), -1))
-                row["ms_apart"] = median_seconds(apart, dev, repeats) * 1e3
-                row["ms_merged"] = median_seconds(merged, dev, repeats) * 1e3
-            except Exception as e:  # a diagnostic that cannot run here costs its own row
-                row["error"] = error_line(e)
-            rows.append(row)
-    return rows
+        return [
+            _timed({"siblings": name, "tokens": tokens, "columns": _columns(siblings)},
+                   lambda siblings=siblings: paths(siblings), ("apart", "merged"), dev, repeats)
+            for name, siblings in groups
+        ]  # fmt: skip
+
+
+def _columns(siblings) -> list[int]:
+    return [p.out_features for p in getattr(siblings, "parts", [])]
 
 
 def render_siblings(rows: list[dict]) -> list[str]:
