@@ -3,7 +3,7 @@ the torch forms they replace, at the model's shapes for one batch: what each ker
 the whole pass's time cannot separate, and whether their values agree there as the probe requires.
 
 Each pair runs on the same random inputs: RoPE on the queries of a sliding layer, the norms of a sliding
-layer's keys and values with the keys' RoPE (`head_norms`, against torch's fused norms), the LM head's softcap on
+layer's queries, keys and values with the queries' and keys' RoPE (`head_norms`, against torch's fused norms), the LM head's softcap on
 the logits, the experts' combine of rows in slot order, the gated GeLU of the experts' gate|up output (bf16,
 and FP8 against the GeLU, product and one-pass quantization it replaces), a layer's residual sum, the
 router's input scales, a layer's FFN inputs (the norms and residual sum after attention; and written as the
@@ -99,9 +99,9 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
 
     return [
         (f"RoPE q [{batch}, {canvas}, {heads}, {hd}]", lambda: apply_rope(q, cos, sin), lambda: tn.rope(q, cos, sin)),
-        (f"head norms k, v [{batch}, {canvas}, {kv}, {hd}]",
-         lambda: (apply_rope(head_norm(k_raw), cos, sin), v_norm(v_raw)),
-         lambda: tn.head_norms(k_raw, head_norm, cos, sin, v_raw, v_norm)),
+        (f"head norms q, k, v [{batch}, {canvas}, {heads} + {kv} + {kv}, {hd}]",
+         lambda: (apply_rope(head_norm(k_raw), cos, sin), v_norm(v_raw), apply_rope(head_norm(q), cos, sin)),
+         lambda: tn.head_norms(k_raw, head_norm, cos, sin, v_raw, v_norm, q, head_norm)),
         (f"softcap [{tokens}, {cfg.vocab_size}]", lambda: logits.float().div_(cap).tanh_().mul_(cap),
          lambda: tn.softcap(logits, cap)),
         (f"combine [{tokens} x {k}, {d}]", lambda: combine_slots(y, weights), lambda: tn.combine(y, None, weights)),

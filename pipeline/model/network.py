@@ -236,9 +236,9 @@ class Attention(nn.Module):
         # q, k and v projected from one quantization of x (`pipeline.runtime.shared_input`), set by the GPU
         # loader for quantized linears; None: each projection quantizes x itself
         self.qkv_kernel: SharedInputKernel | None = None
-        # q's norm and RoPE, or k's and v's norms and k's RoPE, as one fused CUDA kernel each
-        # (`pipeline.runtime.triton_network.head_norms`), set by the GPU loader where probed; None: torch's norms
-        # and `rotate`
+        # q's, k's and v's norms and q's and k's RoPE as one fused CUDA kernel (k's and v's alone for
+        # `project_kv`; `pipeline.runtime.triton_network.head_norms`), set by the GPU loader where probed; None:
+        # torch's norms and `rotate`
         self.head_norms_kernel: HeadNormsKernel | None = None
 
     def rotate(self, x: torch.Tensor, li: LayerInputs) -> torch.Tensor:
@@ -246,12 +246,6 @@ class Attention(nn.Module):
         if self.rope_kernel is not None and not _tracing():
             return self.rope_kernel(x, li.cos, li.sin)
         return apply_rope(x, li.cos, li.sin)
-
-    def normed_q(self, q_raw: torch.Tensor, li: LayerInputs) -> torch.Tensor:
-        """q [B, L, heads, D] from its projection's heads: normed, then rotated."""
-        if self.head_norms_kernel is not None and not _tracing():
-            return self.head_norms_kernel(q_raw, self.q_norm, li.cos, li.sin)[0]
-        return self.rotate(self.q_norm(q_raw), li)
 
     def forward(
         self,
@@ -263,9 +257,8 @@ class Attention(nn.Module):
         """Attention over x (`norm`: x is the layer's un-normed input and this its input norm, which a fused
         projection can compute with its quantization)."""
         b, q_len, _ = x.shape
-        q_proj, k_proj, v_proj = self.project(x, norm)
-        q = self.normed_q(q_proj.view(b, q_len, self.num_heads, self.head_dim), li).transpose(1, 2)
-        new_kv = k, v = self.normed_kv(k_proj, v_proj, li)
+        q, new_kv = self.normed_qkv(*self.project(x, norm), li)
+        k, v = new_kv
         if past is not None:  # expanded to every query head where `attend` would, as they are concatenated
             groups = self.num_heads // self.num_kv_heads
             k, v = self.after_past(past, k, v, groups if expands_kv(x.device, self.head_dim, groups) else 1)
@@ -295,18 +288,40 @@ class Attention(nn.Module):
         """The new tokens' K/V [B, kv_heads, Q, head_dim] (normed, K rotated): what a cache keeps."""
         return self.normed_kv(self.k_proj(x), None if self.v_proj is None else self.v_proj(x), li)
 
+    def normed_qkv(
+        self, q_proj: torch.Tensor, k_proj: torch.Tensor, v_proj: torch.Tensor | None, li: LayerInputs
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """q [B, heads, Q, head_dim] normed and rotated, and the new tokens' K/V as `normed_kv` makes them, from
+        the projections [B, Q, heads * head_dim]: one fused kernel for the three where installed."""
+        b, q_len, _ = q_proj.shape
+        q_raw = q_proj.view(b, q_len, self.num_heads, self.head_dim)
+        if self.head_norms_kernel is None or _tracing():
+            return self.rotate(self.q_norm(q_raw), li).transpose(1, 2), self.normed_kv(k_proj, v_proj, li)
+        k_raw, v_raw = self.kv_heads(k_proj, v_proj)
+        k, v, q = self.head_norms_kernel(
+            k_raw, self.k_norm, li.cos, li.sin, v_raw, self.v_norm, q_raw, self.q_norm
+        )
+        return q.transpose(1, 2), (k.transpose(1, 2), v.transpose(1, 2))
+
     def normed_kv(
         self, k_proj: torch.Tensor, v_proj: torch.Tensor | None, li: LayerInputs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`project_kv` from the projections [B, Q, kv_heads * head_dim]."""
-        b, q_len, _ = k_proj.shape
-        k_raw = k_proj.view(b, q_len, self.num_kv_heads, self.head_dim)
-        v_raw = k_raw if v_proj is None else v_proj.view(b, q_len, self.num_kv_heads, self.head_dim)
+        k_raw, v_raw = self.kv_heads(k_proj, v_proj)
         if self.head_norms_kernel is not None and not _tracing():
-            k, v = self.head_norms_kernel(k_raw, self.k_norm, li.cos, li.sin, v_raw, self.v_norm)
+            k, v, _ = self.head_norms_kernel(k_raw, self.k_norm, li.cos, li.sin, v_raw, self.v_norm)
         else:
             k, v = self.rotate(self.k_norm(k_raw), li), self.v_norm(v_raw)
         return k.transpose(1, 2), v.transpose(1, 2)
+
+    def kv_heads(
+        self, k_proj: torch.Tensor, v_proj: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K's and V's heads [B, Q, kv_heads, head_dim] of their projections (K's where the layer has no
+        `v_proj`: K doubles as V, before its norm and rotation)."""
+        b, q_len, _ = k_proj.shape
+        k_raw = k_proj.view(b, q_len, self.num_kv_heads, self.head_dim)
+        return k_raw, k_raw if v_proj is None else v_proj.view(b, q_len, self.num_kv_heads, self.head_dim)
 
 
 class Router(nn.Module):
@@ -350,8 +365,9 @@ class Router(nn.Module):
         return weights, index
 
 
-# a fused form of attention's head norms: (x, its norm, cos, sin[, v, v's norm]) -> (rope(norm(x)), v_norm(v))
-HeadNormsKernel = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+# a fused form of attention's head norms: (x, its norm, cos, sin[, v, v's norm[, q, q's norm]]) ->
+# (rope(norm(x)), v_norm(v) or None, rope(q_norm(q)) or None)
+HeadNormsKernel = Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
 
 # a fused form of `route_scores`' weights and experts: (scores, k, per-expert scale) -> (weights, experts)
 TopKKernel = Callable[[torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

@@ -632,7 +632,8 @@ def check_triton_head_norms(dev: torch.device) -> None:
     RMSNorm, `network.apply_rope`) at the 26B's head dims (256, 512) in bf16 and 256 in fp16, rows over seven
     decades, a zero row and one with infinity and NaN, over positions up to 2^17, the heads contiguous or
     columns of one merged q|k|v projection (256-wide heads): within `same_rotation`, v's within
-    `same_layer_end` of its value, or a DgpipeError."""
+    `same_layer_end` of its value, or a DgpipeError. And q (another head count, its own weight) in k's and
+    v's launch: each of the three bit for bit what its own launch gives."""
     g = torch.Generator().manual_seed(16)
     for dtype, d in ((torch.bfloat16, 256), (torch.bfloat16, 512), (torch.float16, 256)):
         if d == 256:  # x and v 3 heads each of one token's 8 (q|k|v's columns), tokens 8 heads apart
@@ -646,7 +647,7 @@ def check_triton_head_norms(dev: torch.device) -> None:
         angles = torch.randint(0, 2**17, (1, 7, 1), generator=g).float() * torch.logspace(0, -4, d // 2)
         emb = torch.cat([angles, angles], dim=-1)
         cos, sin = emb.cos().to(dev, dtype), emb.sin().to(dev, dtype)
-        got, got_v = triton_network.head_norms(x, norm, cos, sin, v, v_norm)
+        got, got_v, _ = triton_network.head_norms(x, norm, cos, sin, v, v_norm)
         normed = norm(x)
         zero, one = torch.zeros_like(v), torch.ones(1, device=dev, dtype=dtype)
         if not same_rotation(got, apply_rope(normed, cos, sin), normed, cos, sin) or not same_layer_end(
@@ -655,6 +656,31 @@ def check_triton_head_norms(dev: torch.device) -> None:
             raise DgpipeError(
                 f"the Triton head norms differ from torch's ({dtype}, head dim {d})", TRITON_FALLBACK
             )
+        q, q_norm = _probe_q(proj if d == 256 else None, d, dtype, dev, g)
+        alone_q = triton_network.head_norms(q, q_norm, cos, sin)[0]
+        q_normed = q_norm(q)
+        together = triton_network.head_norms(x, norm, cos, sin, v, v_norm, q, q_norm)
+        if not same_rotation(alone_q, apply_rope(q_normed, cos, sin), q_normed, cos, sin) or not all(
+            same_bits(a, b) for a, b in zip(together, (got, got_v, alone_q), strict=True)
+        ):
+            raise DgpipeError(
+                f"the Triton head norms of q, k and v in one launch differ from their own ({dtype}, head dim {d})",
+                TRITON_FALLBACK,
+            )
+
+
+def _probe_q(
+    proj: torch.Tensor | None, d: int, dtype: torch.dtype, dev: torch.device, g: torch.Generator
+) -> tuple[torch.Tensor, RMSNorm]:
+    """q heads for the head-norms probe beside its x and v: two heads of the merged projection's columns
+    between them (`proj`), or five heads of their own; with a norm weight of q's own."""
+    if proj is not None:
+        q = proj[..., 3 * d : 5 * d].view(1, 7, 2, d)
+    else:
+        q = (spread(7 * 5, d, g) / 64).to(dev, dtype).view(1, 7, 5, d)
+    q_norm = RMSNorm(d, 1e-6).to(dev, dtype)
+    q_norm.weight.data = (torch.rand(d, generator=g) * 2).to(dev, dtype)
+    return q, q_norm
 
 
 def same_fp8_of_norm(got: torch.Tensor, want: torch.Tensor) -> bool:

@@ -190,24 +190,33 @@ def head_norms(
     sin: torch.Tensor,
     v: torch.Tensor | None = None,
     v_norm: RMSNorm | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(rope(norm(x)), v_norm(v) or None) in one launch (`head_norms_serves` must hold): attention's q, or its
-    k and v, normed per head and q or k rotated. Each norm is torch's fused RMSNorm arithmetic but for the
-    order of its sum of squares, rounded to x's dtype; the rotation is `rope`'s, bit for bit on that."""
+    q: torch.Tensor | None = None,
+    q_norm: RMSNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(rope(norm(x)), v_norm(v) or None, rope(q_norm(q)) or None) in one launch (`head_norms_serves` must
+    hold, for q with x's tokens, head dim and dtype as well): attention's k and v, or q, or the three, normed
+    per head, k and q rotated. Each norm is torch's fused RMSNorm arithmetic but for the order of its sum of
+    squares, rounded to x's dtype; the rotation is `rope`'s, bit for bit on that. Each part's values are the
+    ones it gets in a launch of its own."""
     import triton
 
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     v_out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if v is not None else None
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q is not None else None
     rows, d = x.numel() // x.shape[-1], x.shape[-1]
-    if rows:
+    q_rows = 0 if q is None else q.numel() // d
+    if rows or q_rows:
         half = triton.next_power_of_2(d // 2)
         block = max(1, HEAD_NORMS_VALUES // (2 * half))
-        v_in = x if v is None else v
-        _kernels().head_norms[(triton.cdiv(rows, block), 1 if v is None else 2)](
+        v_in, q_in = x if v is None else v, x if q is None else q
+        parts = 3 if q is not None else 2 if v is not None else 1
+        q_weight = norm.weight if q_norm is None else q_norm.weight
+        _kernels().head_norms[(triton.cdiv(max(rows, q_rows), block), parts)](
             x, norm.weight, cos, sin, out, v_in, out if v_out is None else v_out, rows, x.shape[2],
-            x.stride(1), v_in.stride(1), norm.eps, HALF=d // 2, HALF_P2=half, BLOCK_R=block, **OPTIONS,
+            x.stride(1), v_in.stride(1), norm.eps, q_in, q_weight, out if q_out is None else q_out, q_rows,
+            q_in.shape[2], q_in.stride(1), HALF=d // 2, HALF_P2=half, BLOCK_R=block, **OPTIONS,
         )  # fmt: skip
-    return out, v_out
+    return out, v_out, q_out
 
 
 def head_norms_or_torch(
@@ -217,11 +226,32 @@ def head_norms_or_torch(
     sin: torch.Tensor,
     v: torch.Tensor | None = None,
     v_norm: RMSNorm | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`head_norms` where it serves (`head_norms_serves`), else the torch form: what the GPU loader installs."""
-    if head_norms_serves(x, norm, cos, v, v_norm):
-        return head_norms(x, norm, cos, sin, v, v_norm)
-    return apply_rope(norm(x), cos, sin), (v_norm(v) if v is not None and v_norm is not None else None)
+    q: torch.Tensor | None = None,
+    q_norm: RMSNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`head_norms` where it serves (`head_norms_serves`, q's too), else the torch form: what the GPU loader
+    installs."""
+    serves = head_norms_serves(x, norm, cos, v, v_norm) and (q is None or _q_beside(q, q_norm, x, norm, cos))
+    if serves:
+        return head_norms(x, norm, cos, sin, v, v_norm, q, q_norm)
+    normed_v = v_norm(v) if v is not None and v_norm is not None else None
+    normed_q = apply_rope(q_norm(q), cos, sin) if q is not None and q_norm is not None else None
+    return apply_rope(norm(x), cos, sin), normed_v, normed_q
+
+
+def _q_beside(
+    q: torch.Tensor, q_norm: RMSNorm | None, x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor
+) -> bool:
+    """Whether q's heads go in x's launch: the kernel takes them alone, with x's tokens, head dim, dtype and
+    eps."""
+    return (
+        q_norm is not None
+        and head_norms_serves(q, q_norm, cos)
+        and q.shape[:2] == x.shape[:2]
+        and q.shape[3] == x.shape[3]
+        and q.dtype == x.dtype
+        and q_norm.eps == norm.eps
+    )
 
 
 SOFTCAP_BLOCK = 4096  # logits per program

@@ -252,41 +252,59 @@ def layer_end(
 @triton.jit
 def head_norms(
     x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, v_ptr, v_out_ptr, rows, heads, x_stride, v_stride, eps,
+    q_ptr, q_w_ptr, q_out_ptr, q_rows, q_heads, q_stride,
     HALF: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Programs (i, 0): rows of x [tokens * heads, 2 * HALF] RMS-normed with weight w and rounded to x's
     dtype, then rotated by their token's cos/sin [tokens, 2 * HALF] with `rope`'s arithmetic. Programs (i, 1),
-    where the grid has them: rows of v of the same shape normed without a weight. A token's heads are
-    contiguous in x and v, tokens `x_stride` and `v_stride` values apart (columns of one merged projection's
-    output); the outputs are contiguous."""
+    where the grid has them: rows of v of x's shape normed without a weight. Programs (i, 2), where the grid
+    has them: rows of q [tokens * q_heads, 2 * HALF] as x's, with q's weight (attention's q beside its k and
+    v: the three in one launch). A token's heads are contiguous in x, v and q, tokens `x_stride`, `v_stride`
+    and `q_stride` values apart (columns of one merged projection's output); the outputs are contiguous."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    j = tl.arange(0, HALF_P2)[None, :]
-    inside = (r < rows)[:, None] & (j < HALF)
-    row = r[:, None] * (2 * HALF) + j
-    head = (r % heads)[:, None] * (2 * HALF) + j
-    dt = x_ptr.dtype.element_ty
-    if tl.program_id(1) == 0:
-        src = (r // heads)[:, None] * x_stride + head
-        lo = tl.load(x_ptr + src, mask=inside, other=0.0).to(tl.float32)
-        hi = tl.load(x_ptr + src + HALF, mask=inside, other=0.0).to(tl.float32)
-        rstd = _head_rstd(lo, hi, HALF, eps)
-        lo = (lo * rstd * tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
-        hi = (
-            (hi * rstd * tl.load(w_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32))
-            .to(dt)
-            .to(tl.float32)
+    part = tl.program_id(1)
+    if part == 0:
+        _rotated_rows(x_ptr, w_ptr, out_ptr, r, rows, heads, x_stride, cos_ptr, sin_ptr, eps, HALF, HALF_P2)
+    elif part == 2:
+        _rotated_rows(
+            q_ptr, q_w_ptr, q_out_ptr, r, q_rows, q_heads, q_stride, cos_ptr, sin_ptr, eps, HALF, HALF_P2
         )
-        tok = (r // heads)[:, None] * (2 * HALF) + j
-        out_lo, out_hi = _rotate(lo, hi, cos_ptr, sin_ptr, tok, inside, HALF)
-        tl.store(out_ptr + row, out_lo, mask=inside)
-        tl.store(out_ptr + row + HALF, out_hi, mask=inside)
     else:
-        src = (r // heads)[:, None] * v_stride + head
+        j = tl.arange(0, HALF_P2)[None, :]
+        inside = (r < rows)[:, None] & (j < HALF)
+        src = (r // heads)[:, None] * v_stride + (r % heads)[:, None] * (2 * HALF) + j
         lo = tl.load(v_ptr + src, mask=inside, other=0.0).to(tl.float32)
         hi = tl.load(v_ptr + src + HALF, mask=inside, other=0.0).to(tl.float32)
         rstd = _head_rstd(lo, hi, HALF, eps)
+        dt = x_ptr.dtype.element_ty
+        row = r[:, None] * (2 * HALF) + j
         tl.store(v_out_ptr + row, (lo * rstd).to(dt), mask=inside)
         tl.store(v_out_ptr + row + HALF, (hi * rstd).to(dt), mask=inside)
+
+
+@triton.jit
+def _rotated_rows(
+    x_ptr, w_ptr, out_ptr, r, rows, heads, stride, cos_ptr, sin_ptr, eps, HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
+):  # fmt: skip
+    """Rows r of x [tokens * heads, 2 * HALF] (tokens `stride` values apart) RMS-normed with weight w, rounded
+    to x's dtype, rotated by their token's cos/sin, stored contiguous at out."""
+    j = tl.arange(0, HALF_P2)[None, :]
+    inside = (r < rows)[:, None] & (j < HALF)
+    dt = x_ptr.dtype.element_ty
+    src = (r // heads)[:, None] * stride + (r % heads)[:, None] * (2 * HALF) + j
+    lo = tl.load(x_ptr + src, mask=inside, other=0.0).to(tl.float32)
+    hi = tl.load(x_ptr + src + HALF, mask=inside, other=0.0).to(tl.float32)
+    rstd = _head_rstd(lo, hi, HALF, eps)
+    lo = (lo * rstd * tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+    hi = (
+        (hi * rstd * tl.load(w_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+    )
+    tok = (r // heads)[:, None] * (2 * HALF) + j
+    out_lo, out_hi = _rotate(lo, hi, cos_ptr, sin_ptr, tok, inside, HALF)
+    row = r[:, None] * (2 * HALF) + j
+    tl.store(out_ptr + row, out_lo, mask=inside)
+    tl.store(out_ptr + row + HALF, out_hi, mask=inside)
 
 
 @triton.jit

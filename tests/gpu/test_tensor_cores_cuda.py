@@ -513,7 +513,8 @@ def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
     """Attention's head norms at the 26B's shapes and 16 canvases (q: 16 heads of 256; a global layer's k and
     v: 2 heads of 512): within `probe.same_rotation` of torch's fused CUDA norm and RoPE (v within
     `same_layer_end`), and bit for bit but for under 1% of the values; heads read in place from a merged
-    q|k|v projection's columns bit for bit as from a contiguous tensor."""
+    q|k|v projection's columns bit for bit as from a contiguous tensor; q, k and v in one launch bit for bit
+    as in their own."""
     from pipeline.model.network import RMSNorm, apply_rope
     from pipeline.runtime import triton_moe, triton_network
 
@@ -528,7 +529,7 @@ def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
         angles = torch.rand(16, 256, d // 2, device=CUDA, generator=gen) * 1e4
         emb = torch.cat([angles, angles], -1)
         cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
-        got, got_v = triton_network.head_norms(
+        got, got_v, _ = triton_network.head_norms(
             x, norm, cos, sin, v if with_v else None, v_norm if with_v else None
         )
         normed = norm(x)
@@ -546,6 +547,19 @@ def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
         assert not q.is_contiguous() and probing.same_bits(
             got_strided, triton_network.head_norms(x, norm, cos, sin)[0]
         )
+    # a layer's q (16 heads of 256) beside its k and v (8 each) in one launch: each its own launch's values
+    x, k, v = (torch.randn(16, 256, n, 256, device=CUDA, generator=gen).bfloat16() for n in (16, 8, 8))
+    norms = [RMSNorm(256, 1e-6).to(CUDA, torch.bfloat16) for _ in range(2)]
+    for n in norms:
+        n.weight.data = (torch.rand(256, device=CUDA, generator=gen) * 2).bfloat16()
+    v_norm = RMSNorm(256, 1e-6, with_scale=False)
+    angles = torch.rand(16, 256, 128, device=CUDA, generator=gen) * 1e4
+    cos, sin = (f(torch.cat([angles, angles], -1)).bfloat16() for f in (torch.cos, torch.sin))
+    assert triton_network.head_norms_serves(k, norms[1], cos, v, v_norm)
+    together = triton_network.head_norms(k, norms[1], cos, sin, v, v_norm, x, norms[0])
+    apart = (*triton_network.head_norms(k, norms[1], cos, sin, v, v_norm)[:2],
+             triton_network.head_norms(x, norms[0], cos, sin)[0])  # fmt: skip
+    assert all(probing.same_bits(a, b) for a, b in zip(together, apart, strict=True))
 
 
 def _rows_and_norm(seed: int) -> tuple[torch.Tensor, RMSNorm]:

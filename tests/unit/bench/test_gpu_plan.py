@@ -312,7 +312,7 @@ def test_network_paths_time_each_chain_against_its_torch_form(rne_casts, interpr
         pytest.skip("Triton's interpreter is on where no GPU is")
     cfg = ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny").text_config
     rows = network_paths(cfg, 2, 8, 5, torch.device("cpu"), repeats=1)
-    assert [r["chain"].split(" [")[0] for r in rows] == ["RoPE q", "head norms k, v", "softcap", "combine", "gated GeLU",
+    assert [r["chain"].split(" [")[0] for r in rows] == ["RoPE q", "head norms q, k, v", "softcap", "combine", "gated GeLU",
                                                          "gated GeLU to FP8", "gated GeLU to NVFP4", "residual sum", "router input", "FFN inputs", "FFN inputs to FP8", "FFN inputs to NVFP4", "FFN inputs to NVFP4 as per-row FP8", "layer end", "input norm to FP8", "input norm to NVFP4",
                                                          "router top-k", "expert order", "K/V concatenation"]  # fmt: skip
     for r in rows:

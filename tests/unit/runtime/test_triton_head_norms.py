@@ -48,24 +48,26 @@ def test_head_norms_are_torchs_but_for_their_norms_sums(rne_casts, dtype, h, d):
     for bit but for under 0.1% of the values (the norms' sums of squares in another order)."""
     x, v, norm, v_norm, cos, sin = heads(2, 9, h, d, dtype, seed=d + h)
     assert triton_network.head_norms_serves(x, norm, cos, v, v_norm)
-    got, got_v = triton_network.head_norms(x, norm, cos, sin, v, v_norm)
+    got, got_v, no_q = triton_network.head_norms(x, norm, cos, sin, v, v_norm)
     normed = norm(x)
     want, want_v = apply_rope(normed, cos, sin), v_norm(v)
+    assert no_q is None
     assert probing.same_rotation(got, want, normed, cos, sin)
     one = torch.ones(1, dtype=dtype)
     assert probing.same_layer_end(got_v, want_v, torch.zeros_like(v), one)
     for a, b in ((got, want), (got_v, want_v)):
         assert float(((a != b) & ~b.isnan()).float().mean()) < 1e-3
-    q, none = triton_network.head_norms(x, norm, cos, sin)  # q: no v
-    assert none is None and probing.same_bits(q, got)
+    q, none, no_q = triton_network.head_norms(x, norm, cos, sin)  # q: no v
+    assert none is None is no_q and probing.same_bits(q, got)
 
 
 @interpreted
 @pytest.mark.parametrize(("h", "kv", "d"), [(16, 8, 256), (16, 2, 512), (3, 1, 24)])
 def test_head_norms_read_q_k_and_v_in_place_from_one_merged_projection(rne_casts, h, kv, d):  # noqa: F811
     """q's, k's and v's heads as columns of one q|k|v GEMM's output (tokens h + 2 * kv heads apart): the
-    kernel reads them in place and writes what it writes from contiguous copies, bit for bit; a layout whose
-    heads are not contiguous keeps the torch form."""
+    kernel reads them in place and writes what it writes from contiguous copies, bit for bit, in launches of
+    their own (q; k and v) and in one launch for the three, q with its own weight; a layout whose heads are
+    not contiguous keeps the torch form."""
     x, _, norm, v_norm, cos, sin = heads(2, 5, h + 2 * kv, d, torch.bfloat16, seed=h)
     proj = x.reshape(2, 5, -1)  # [B, L, (h + 2 kv) * d]: q | k | v
     q, k, v = (c.view(2, 5, -1, d) for c in proj.split([h * d, kv * d, kv * d], dim=-1))
@@ -73,13 +75,19 @@ def test_head_norms_read_q_k_and_v_in_place_from_one_merged_projection(rne_casts
     assert triton_network.head_norms_serves(q, norm, cos) and triton_network.head_norms_serves(
         k, norm, cos, v, v_norm
     )
-    got_q, none = triton_network.head_norms(q, norm, cos, sin)
-    got_k, got_v = triton_network.head_norms(k, norm, cos, sin, v, v_norm)
-    want_q = triton_network.head_norms(q.contiguous(), norm, cos, sin)[0]
-    want_k, want_v = triton_network.head_norms(k.contiguous(), norm, cos, sin, v.contiguous(), v_norm)
+    q_norm = _flipped(norm)
+    got_q, none, _ = triton_network.head_norms(q, q_norm, cos, sin)
+    got_k, got_v, _ = triton_network.head_norms(k, norm, cos, sin, v, v_norm)
+    want_q = triton_network.head_norms(q.contiguous(), q_norm, cos, sin)[0]
+    want_k, want_v, _ = triton_network.head_norms(k.contiguous(), norm, cos, sin, v.contiguous(), v_norm)
     assert none is None and all(t.is_contiguous() for t in (got_q, got_k, got_v))
     for a, b in ((got_q, want_q), (got_k, want_k), (got_v, want_v)):
         assert probing.same_bits(a, b)
+    together = triton_network.head_norms(k, norm, cos, sin, v, v_norm, q, q_norm)
+    assert all(probing.same_bits(a, b) for a, b in zip(together, (want_k, want_v, want_q), strict=True))
+    assert not probing.same_bits(
+        want_q, triton_network.head_norms(q, norm, cos, sin)[0]
+    )  # the weights differ
     transposed = proj[..., : h * d].view(2, 5, d, h).transpose(2, 3)  # a head's values h apart
     assert not triton_network.token_rows(transposed)
     assert not triton_network.head_norms_serves(transposed, norm, cos)
@@ -106,15 +114,20 @@ def test_the_head_norms_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, 
     probing.check_triton_head_norms(CPU)
     kernel = triton_network.head_norms
     wrong = {
-        "not rotated": lambda x, n, c, s, v=None, vn=None: kernel(x, n, torch.ones_like(c), torch.zeros_like(s), v, vn),
-        "weights reversed": lambda x, n, c, s, v=None, vn=None: kernel(x, _flipped(n), c, s, v, vn),
-        "v not normed": lambda x, n, c, s, v=None, vn=None: (kernel(x, n, c, s)[0], v),
-        "v scaled": lambda x, n, c, s, v=None, vn=None: (kernel(x, n, c, s)[0], kernel(v, n, c, s)[0]),
-        "tokens read as contiguous": lambda x, n, c, s, v=None, vn=None: kernel(
-            _as_contiguous(x), n, c, s, None if v is None else _as_contiguous(v), vn),
+        "not rotated": lambda x, n, c, s, v=None, vn=None, q=None, qn=None: kernel(
+            x, n, torch.ones_like(c), torch.zeros_like(s), v, vn, q, qn),
+        "weights reversed": lambda x, n, c, s, v=None, vn=None, q=None, qn=None: kernel(x, _flipped(n), c, s, v, vn, q, qn),
+        "v not normed": lambda x, n, c, s, v=None, vn=None, q=None, qn=None: (kernel(x, n, c, s)[0], v, None),
+        "v scaled": lambda x, n, c, s, v=None, vn=None, q=None, qn=None: (kernel(x, n, c, s)[0], kernel(v, n, c, s)[0], None),
+        "tokens read as contiguous": lambda x, n, c, s, v=None, vn=None, q=None, qn=None: kernel(
+            _as_contiguous(x), n, c, s, None if v is None else _as_contiguous(v), vn, q, qn),
+        "q with k's weight in one launch": lambda x, n, c, s, v=None, vn=None, q=None, qn=None: kernel(
+            x, n, c, s, v, vn, q, None if q is None else n),
+        "q not rotated in one launch": lambda x, n, c, s, v=None, vn=None, q=None, qn=None: (
+            *kernel(x, n, c, s, v, vn)[:2], None if q is None else apply_rope(qn(q), torch.ones_like(c), torch.zeros_like(s))),
     }  # fmt: skip
     check = lambda: probing.check_triton_head_norms(CPU)
-    each_wrong_form_fails(monkeypatch, triton_network, "head_norms", wrong, check, "head norms differ")
+    each_wrong_form_fails(monkeypatch, triton_network, "head_norms", wrong, check, "head norms .*differ")
 
 
 def _as_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -134,8 +147,8 @@ def _flipped(norm: RMSNorm) -> RMSNorm:
 def test_a_model_with_the_head_norms_kernel_keeps_its_logits(rne_casts, merged):  # noqa: F811
     """The embedded model in bf16 with every layer's head norms on the kernel (as `gpu_load.fuse_network`
     installs it), `merged`: q, k and v one GEMM whose columns the kernel reads in place (as
-    `gpu_load.finish_on_device` merges them where the kernel is probed): it ran for q and for k and v in
-    every layer, prefill and denoise, and the logits and the K/V a cache keeps stay within 1e-2 relative L2
+    `gpu_load.finish_on_device` merges them where the kernel is probed): it ran for q, k and v in one launch
+    in every layer, prefill and denoise (k and v alone for the last layer's prefill K/V), and the logits and the K/V a cache keeps stay within 1e-2 relative L2
     of torch's (measured: 1.2e-3 and 0, merged or not; a normed value one rounding away, carried through the
     layers; a merged GEMM may sum in another order on another machine)."""
     from pipeline.runtime import gpu_load, shared_input
@@ -149,7 +162,7 @@ def test_a_model_with_the_head_norms_kernel_keeps_its_logits(rne_casts, merged):
             triton_network,
             "head_norms",
             lambda *a, k=triton_network.head_norms: (
-                calls.append((a[4] is None, a[0].is_contiguous())) or k(*a)
+                calls.append((len(a) > 6 and a[6] is not None, a[0].is_contiguous())) or k(*a)
             ),
         )
         if merged:
@@ -159,15 +172,13 @@ def test_a_model_with_the_head_norms_kernel_keeps_its_logits(rne_casts, merged):
         gpu_load.fuse_network(model, probing.Probe("sm90", {probing.HEAD_NORMS: None}), None)
         got = run()
     assert all(layer.self_attn.head_norms_kernel for layer in model.layers)
-    layers = len(model.layers)  # q and k|v in each layer of the denoise pass and of the prefill, whose
-    q_calls = [contiguous for is_q, contiguous in calls if is_q]
-    kv_calls = [contiguous for is_q, contiguous in calls if not is_q]
-    assert len(kv_calls) == 2 * layers and len(q_calls) == 2 * layers - 1  # last layer wants no q
-    # merged: every q and k|v read in place from the GEMM's output, but the last layer's prefill K/V
+    layers = len(model.layers)  # q, k and v in each layer of the denoise pass and of the prefill, whose
+    qkv_calls = [contiguous for with_q, contiguous in calls if with_q]
+    kv_calls = [contiguous for with_q, contiguous in calls if not with_q]
+    assert len(qkv_calls) == 2 * layers - 1 and len(kv_calls) == 1  # last layer's prefill wants no q
+    # merged: every q, k and v read in place from the GEMM's output, but the last layer's prefill K/V
     # (`Attention.project_kv`: k's and v's own linears, on views of the merged weights)
-    assert q_calls.count(False) == merged * len(q_calls) and kv_calls.count(False) == merged * (
-        2 * layers - 1
-    )
+    assert qkv_calls.count(False) == merged * len(qkv_calls) and kv_calls == [True]
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
     kv_rel = max(rel(a, b) for kv, kv_want in zip(got[1], want[1], strict=True) for a, b in zip(kv, kv_want))
     assert rel(got[0], want[0]) < 1e-2 and kv_rel < 1e-2
@@ -186,7 +197,9 @@ for cc in (90, 100, 89, 120):
     for d in (256, 512):
         for dt in ("bf16", "fp16"):
             sig = {**{p: f"*{dt}" for p in ("x_ptr", "w_ptr", "cos_ptr", "sin_ptr", "out_ptr", "v_ptr", "v_out_ptr")},
-                   "rows": "i32", "heads": "i32", "x_stride": "i32", "v_stride": "i32", "eps": "fp32"}
+                   "rows": "i32", "heads": "i32", "x_stride": "i32", "v_stride": "i32", "eps": "fp32",
+                   **{p: f"*{dt}" for p in ("q_ptr", "q_w_ptr", "q_out_ptr")}, "q_rows": "i32", "q_heads": "i32",
+                   "q_stride": "i32"}
             consts = {"HALF": d // 2, "HALF_P2": d // 2, "BLOCK_R": tn.HEAD_NORMS_VALUES // d}
             src = ASTSource(fn=k.head_norms, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
                             attrs={(k.head_norms.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
