@@ -218,7 +218,7 @@ def sibling_paths(model, tokens: int, dev: torch.device, repeats: int = 5) -> li
     def paths(siblings) -> tuple[Callable[[], object], Callable[[], object]]:
         if not isinstance(siblings, SharedInput) or getattr(siblings.merged, "mode", "") != "fp8_columns":
             raise RuntimeError("not one RowWise GEMM on this load (FP8 on CUDA, where probed)")
-        first, sizes = siblings.parts[0], [p.out_features for p in siblings.parts]
+        first, sizes = siblings.parts[0], _columns(siblings)
         x = torch.randn(tokens, first.weight.shape[1], device=dev, dtype=torch.bfloat16, generator=gen)
         a, s = first.quantize(x)
         apart = lambda: tuple(p.gemm(a, s) for p in siblings.parts)
@@ -234,6 +234,7 @@ def sibling_paths(model, tokens: int, dev: torch.device, repeats: int = 5) -> li
 
 
 def _columns(siblings) -> list[int]:
+    """Each part's output columns (none where the slot holds no `SharedInput`)."""
     return [p.out_features for p in getattr(siblings, "parts", [])]
 
 

@@ -142,17 +142,19 @@ def concatenate(parts: Sequence[nn.Module]) -> nn.Module:
     parts with a weight scale each give an "fp8_columns" linear: per-column scales [1, N], the input scale
     times the part's weight scale (the parts keep their scalars)."""
     first = parts[0]
-    scaled = isinstance(first, ScaledLinear)
-    columns = scaled and first.mode == "fp8" and any(p.static_scales != first.static_scales for p in parts)
+    columns = (
+        isinstance(first, ScaledLinear)
+        and first.mode == "fp8"
+        and not all(p.static_scales == first.static_scales for p in parts)
+    )
     if type(first) is nn.Linear:
         merged = nn.Linear(first.in_features, 1, bias=first.bias is not None, device="meta")
     else:
         merged = ScaledLinear.__new__(ScaledLinear)
         nn.Module.__init__(merged)
-        merged.mode, merged.out_dtype, merged.triton = first.mode, first.out_dtype, first.triton
-        merged.static_scales = first.static_scales
-        if columns:
-            merged.mode, merged.static_scales = "fp8_columns", first.static_scales[:1]
+        merged.mode = "fp8_columns" if columns else first.mode
+        merged.out_dtype, merged.triton = first.out_dtype, first.triton
+        merged.static_scales = first.static_scales[:1] if columns else first.static_scales  # the input's
     merged.out_features = sum(p.out_features for p in parts)
     for name, t in [*first.named_parameters(recurse=False), *first.named_buffers(recurse=False)]:
         if name == "weight_scale" and columns:

@@ -194,12 +194,15 @@ def head_norms(
     q_norm: RMSNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(rope(norm(x)), v_norm(v) or None, rope(q_norm(q)) or None) in one launch (`head_norms_serves` must
-    hold, for q with x's tokens, head dim and dtype as well): attention's k and v, or q, or the three, normed
+    hold, for q with x's tokens, head dim and dtype as well; q comes with v, whose programs precede q's in the
+    grid): attention's k and v, or q, or the three, normed
     per head, k and q rotated. Each norm is torch's fused RMSNorm arithmetic but for the order of its sum of
     squares, rounded to x's dtype; the rotation is `rope`'s, bit for bit on that. Each part's values are the
     ones it gets in a launch of its own."""
     import triton
 
+    if q is not None and v is None:
+        raise ValueError("head_norms takes q in k's and v's launch: pass v too, or q alone as x")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     v_out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if v is not None else None
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q is not None else None
@@ -231,7 +234,9 @@ def head_norms_or_torch(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`head_norms` where it serves (`head_norms_serves`, q's too), else the torch form: what the GPU loader
     installs."""
-    serves = head_norms_serves(x, norm, cos, v, v_norm) and (q is None or _q_beside(q, q_norm, x, norm, cos))
+    serves = head_norms_serves(x, norm, cos, v, v_norm) and (
+        q is None or (v is not None and _q_beside(q, q_norm, x, norm, cos))
+    )
     if serves:
         return head_norms(x, norm, cos, sin, v, v_norm, q, q_norm)
     normed_v = v_norm(v) if v is not None and v_norm is not None else None
@@ -242,8 +247,8 @@ def head_norms_or_torch(
 def _q_beside(
     q: torch.Tensor, q_norm: RMSNorm | None, x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor
 ) -> bool:
-    """Whether q's heads go in x's launch: the kernel takes them alone, with x's tokens, head dim, dtype and
-    eps."""
+    """Whether q's heads go in x's launch (x being k, with v beside it): the kernel takes them alone, with x's
+    tokens, head dim, dtype and eps."""
     return (
         q_norm is not None
         and head_norms_serves(q, q_norm, cos)

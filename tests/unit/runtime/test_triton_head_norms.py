@@ -102,11 +102,16 @@ def test_other_heads_keep_the_torch_form(monkeypatch):
     assert not serves(x, norm, cos, v, norm)  # a scaled norm for v
     assert not serves(x, norm, cos, v[:, :, :1].contiguous(), v_norm)  # v of another shape
     assert not serves(x, norm, cos, v)  # v without its norm
+    kernel = triton_network.head_norms
     monkeypatch.setattr(triton_network, "head_norms", lambda *a: pytest.fail("the kernel ran"))
+    q_only = triton_network.head_norms_or_torch(x, norm, cos, sin, q=x, q_norm=norm)  # no v: the torch form
+    assert q_only[1] is None and torch.equal(q_only[0], q_only[2])
     y, w = x.float(), v.float()
     got = triton_network.head_norms_or_torch(y, norm.float(), cos.float(), sin.float(), w, v_norm)
     same = lambda a, b: torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
     assert same(got[0], apply_rope(norm.float()(y), cos.float(), sin.float())) and same(got[1], v_norm(w))
+    with pytest.raises(ValueError, match="pass v too"):  # q's programs follow v's in the grid
+        kernel(x, norm, cos, sin, q=x, q_norm=norm)
 
 
 @interpreted
