@@ -77,13 +77,13 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name
-        counted = self.counting and not func.is_view and name not in NO_WORK
         if self.counting:
             _refuse_host_tensors(name, args, kwargs)
-        if counted:
-            self.ops[name] += 1
         out = self._run(func, args, kwargs)
-        if counted:
+        if name == "aten::scaled_dot_product_attention":
+            out = _fused_attention_layout(out)
+        if self.counting and name not in NO_WORK and not (func.is_view and _viewed(args, out)):
+            self.ops[name] += 1
             self.bytes[name] += traffic(name, _tensors((args, kwargs)), _tensors(out))
         return out
 
@@ -96,6 +96,26 @@ class OpCounter(TorchDispatchMode):
         if isinstance(kwargs.get("device"), torch.device | str):
             kwargs = {**kwargs, "device": "meta"}
         return _on_meta(self.fake, func, args, kwargs)
+
+
+def _fused_attention_layout(out: torch.Tensor) -> torch.Tensor:
+    """SDPA's result [B, H, Q, D] as torch's fused CUDA kernels (flash, memory-efficient, cuDNN) lay it out for
+    queries transposed from [B, Q, H, D]: the transpose of a contiguous [B, Q, H, D], so attention's
+    `out.transpose(1, 2).reshape(...)` is a view on the GPU. The fake kernel returns the math path's
+    contiguous layout, which would count a copy the GPU never makes."""
+    b, heads, n, d = out.shape
+    return out.new_empty(b, n, heads, d).transpose(1, 2)
+
+
+def _viewed(args, out) -> bool:
+    """Whether an op whose schema may alias its input (`reshape`, `contiguous`, `flatten`: views where the
+    strides allow, copies elsewhere) returned views of it: no work on the device."""
+    source = next((t for t in tree_leaves(args) if isinstance(t, torch.Tensor)), None)
+    results = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    if source is None:
+        return True
+    storage = source.untyped_storage()._cdata
+    return all(t.untyped_storage()._cdata == storage for t in results)
 
 
 # ops and tensor methods that copy their input to the device (the methods are seen first: under inference

@@ -321,11 +321,12 @@ def render(result: dict) -> str:
     attention = [(r["batch"], a) for r in rows for a in r.get("attention", [])]
     if attention:
         lines += ["", "| attention | batch | heads q/kv x dim | keys | kernels torch may pick (grouped) | ms grouped "
-                  "| ms K/V expanded |", "|---|---:|---|---:|---|---:|---:|"]  # fmt: skip
+                  "| ms K/V expanded | ms queries packed |", "|---|---:|---|---:|---|---:|---:|---:|"]  # fmt: skip
         for b, a in attention:
             picks = ", ".join(k for k in ("flash", "efficient", "cudnn") if a[k]) or "math only"
+            packed = f"{a['ms_packed']:.2f}" if "ms_packed" in a else "—"  # runs from before the packed form
             lines.append(f"| {a['kind']} | {b} | {a['q_heads']}/{a['kv_heads']} x {a['head_dim']} | {a['keys']} "
-                         f"| {picks} | {a['ms_grouped']:.2f} | {a['ms_expanded']:.2f} |")  # fmt: skip
+                         f"| {picks} | {a['ms_grouped']:.2f} | {a['ms_expanded']:.2f} | {packed} |")  # fmt: skip
     lines += render_siblings([s for r in rows for s in r.get("siblings", [])])
     lines += render_network([n for r in rows for n in r.get("network", [])])
     bf16 = [(r["batch"], r["bf16_experts"]) for r in rows if "bf16_experts" in r]
@@ -531,10 +532,12 @@ def measure_pass(
 
 def attention_backends(cfg, batch: int, canvas: int, dev: torch.device, repeats: int = 5) -> list[dict]:
     """Per attention shape of the model (sliding, global) at this batch over CONTEXT cached keys plus the
-    canvas: which SDPA kernels torch may pick for the grouped (fewer K/V heads) form the network runs, and
-    why not (torch's own reasons, from `debug=True`); and the ms of that form against the same attention
-    with K/V expanded to every query head, which some kernels need, with the largest difference between the
-    two outputs (the expansion computes the same attention)."""
+    canvas: which SDPA kernels torch may pick for the grouped (fewer K/V heads) form, and why not (torch's
+    own reasons, from `debug=True`); the ms of that form, of the same attention with K/V expanded to every
+    query head (the copy not timed), and with the queries packed along the K/V heads (`network.attend_packed`,
+    what the network runs where `network.packs_queries`; its copies of q and the output timed), with the
+    largest difference of the other two outputs from the grouped one (all three compute the same attention).
+    q is laid out as attention makes it, transposed from [B, Q, H, D]."""
     from torch.backends.cuda import (
         SDPAParams,
         can_use_cudnn_attention,
@@ -543,6 +546,7 @@ def attention_backends(cfg, batch: int, canvas: int, dev: torch.device, repeats:
     )
 
     from pipeline.bench.timing import median_seconds
+    from pipeline.model.network import attend_packed
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     rows = []
@@ -551,8 +555,9 @@ def attention_backends(cfg, batch: int, canvas: int, dev: torch.device, repeats:
         shape = cfg.layer_shape(cfg.layer_types.index(kind))
         heads, kv, hd = cfg.num_attention_heads, shape.num_kv_heads, shape.head_dim
         keys = (min(CONTEXT, cfg.sliding_window - 1) if kind == "sliding_attention" else CONTEXT) + canvas
-        q, k, v = (torch.randn(batch, h, n, hd, device=dev, dtype=torch.bfloat16, generator=gen)
+        q, k, v = (torch.randn(batch, n, h, hd, device=dev, dtype=torch.bfloat16, generator=gen).transpose(1, 2)
                    for h, n in ((heads, canvas), (kv, keys), (kv, keys)))  # fmt: skip
+        k, v = k.contiguous(), v.contiguous()  # as the K/V concatenation writes them
         params = SDPAParams(q, k, v, None, 0.0, False, kv != heads)
         eligible, why = {}, []
         for name, can in (("flash", can_use_flash_attention), ("efficient", can_use_efficient_attention),
@@ -564,15 +569,15 @@ def attention_backends(cfg, batch: int, canvas: int, dev: torch.device, repeats:
         grouped = lambda q=q, k=k, v=v, g=kv != heads, sdpa=sdpa: sdpa(q, k, v, scale=1.0, enable_gqa=g)
         ke, ve = (t.repeat_interleave(heads // kv, dim=1) for t in (k, v))
         expanded = lambda q=q, ke=ke, ve=ve, sdpa=sdpa: sdpa(q, ke, ve, scale=1.0)
+        packed = lambda q=q, k=k, v=v: attend_packed(q, k, v, None)
+        forms = {"grouped": grouped, "expanded": expanded, "packed": packed}
         with torch.inference_mode():
-            diff = float((grouped().float() - expanded().float()).abs().max())
-            ms = {
-                n: median_seconds(f, dev, repeats) * 1e3
-                for n, f in (("grouped", grouped), ("expanded", expanded))
-            }
+            want = grouped().float()
+            diff = {n: float((f().float() - want).abs().max()) for n, f in forms.items() if n != "grouped"}
+            ms = {n: median_seconds(f, dev, repeats) * 1e3 for n, f in forms.items()}
         rows.append({"kind": kind, "q_heads": heads, "kv_heads": kv, "head_dim": hd, "keys": keys, **eligible,
-                     "why_not": why, "ms_grouped": ms["grouped"], "ms_expanded": ms["expanded"],
-                     "max_abs_diff": diff})  # fmt: skip
+                     "why_not": why, **{f"ms_{n}": t for n, t in ms.items()}, "max_abs_diff": diff["expanded"],
+                     "max_abs_diff_packed": diff["packed"]})  # fmt: skip
     return rows
 
 

@@ -162,23 +162,51 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 FUSED_GQA_MAX_HEAD_DIM = 256  # the largest head_dim torch's flash and cuDNN attention kernels take
 
 
-def expands_kv(device: torch.device, head_dim: int, groups: int) -> bool:
-    """Whether `attend` copies grouped K/V out to every query head. On CUDA, torch's SDPA runs grouped K/V
-    (`enable_gqa`) in a fused kernel only through flash or cuDNN, which take head_dim <= 256; the
-    memory-efficient kernel takes larger heads but not groups, so a grouped head_dim-512 layer (the 26B's
-    global layers: 16 query heads on 2 K/V heads) falls to the math path, two batched GEMMs with the score
-    matrix in memory. On an H200 that form took 2.69 ms a layer at 16 canvases against 0.51 ms expanded
-    (BENCHMARKS.md, "26B-A4B denoise pass"). The CPU keeps the grouped form (no copy)."""
+def packs_queries(device: torch.device, head_dim: int, groups: int) -> bool:
+    """Whether `attend` runs grouped K/V as an ungrouped attention over the K/V heads (`attend_packed`). On
+    CUDA, torch's SDPA runs grouped K/V (`enable_gqa`) in a fused kernel only through flash or cuDNN, which
+    take head_dim <= 256; the memory-efficient kernel takes larger heads but not groups, so a grouped
+    head_dim-512 layer (the 26B's global layers: 16 query heads on 2 K/V heads) falls to the math path, two
+    batched GEMMs with the score matrix in memory: on an H200 2.69 ms a layer at 16 canvases, against 0.51 ms
+    on the memory-efficient kernel with K/V copied out to every query head (BENCHMARKS.md, "26B-A4B denoise
+    pass"). The packed form runs on that kernel too, with the same programs over the same score tiles, but
+    reads each K/V head once instead of a copy per query head. The CPU keeps the grouped form."""
     return device.type == "cuda" and groups > 1 and head_dim > FUSED_GQA_MAX_HEAD_DIM
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Scaled dot-product attention (scale 1: q and k are RMS-normed) of q [B, H, Q, D] over k/v
-    [B, H_kv, K, D], grouped or expanded as `expands_kv` says; the two compute the same attention."""
+    [B, H_kv, K, D], grouped or packed as `packs_queries` says; the two compute the same attention."""
     groups = q.shape[1] // k.shape[1]
-    if expands_kv(q.device, q.shape[-1], groups):
-        k, v, groups = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), 1
+    if packs_queries(q.device, q.shape[-1], groups):
+        return attend_packed(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=groups > 1)
+
+
+def attend_packed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Grouped attention as an ungrouped one over the K/V heads: query head h reads K/V head h // groups, so a
+    K/V head's query heads are stacked along the queries ([B, H_kv, groups * Q, D]) and each query keeps its
+    mask row (as the additive mask torch's SDPA makes of a boolean one: 0 where visible, -inf elsewhere). K and
+    V are read where they lie, once per K/V head; q (a view where it is contiguous [B, H, Q, D], as the
+    head-norms kernel writes it for this form), the mask and the output are copied, each once (the
+    output [B, H, Q, D] as the transpose of a contiguous [B, Q, H, D], which `o_proj` reads without a copy;
+    the mask [B, 1, Q, K] in the packed queries' order).
+    The cost of a copy of K/V per query head (`repeat_interleave`) is then (H - H_kv) heads' K/V written and
+    read again, against q's and the output's H heads over Q: less wherever the keys outnumber the queries
+    (every denoise pass over a cached context)."""
+    b, heads, n, d = q.shape
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    packed = q.reshape(b, kv_heads, groups * n, d)
+    if mask is not None:
+        rows = mask[:, :, None].expand(-1, -1, groups, -1, -1)  # [B, 1, groups, Q, K], a view
+        mask = q.new_zeros(()).where(rows, float("-inf")).flatten(2, 3)
+    out = F.scaled_dot_product_attention(packed, k, v, attn_mask=mask, scale=1.0)
+    return (
+        out.unflatten(2, (groups, n)).permute(0, 3, 1, 2, 4).contiguous().view(b, n, heads, d).transpose(1, 2)
+    )
 
 
 @dataclass
@@ -191,20 +219,17 @@ class LayerInputs:
     mask: torch.Tensor | None
 
 
-# a fused form of the K/V concatenation: (cached K, cached V, new K, new V, repeat) -> (all K, all V),
-# [B, H * repeat, tokens, D] (`cat_kv`)
+# a fused form of the K/V concatenation: (cached K, cached V, new K, new V) -> (all K, all V) (`cat_kv`)
 KVCatKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
 ]
 
 
 def cat_kv(
-    past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeat: int = 1
+    past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cached K/V, then the new, along the tokens ([B, H, tokens, D]); `repeat`: each head that many
-    times over (grouped K/V expanded to every query head, as `attend` would)."""
-    k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-    return (k, v) if repeat == 1 else (k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1))
+    """The cached K/V, then the new, along the tokens ([B, H, tokens, D])."""
+    return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
 
 
 class Attention(nn.Module):
@@ -259,20 +284,19 @@ class Attention(nn.Module):
         b, q_len, _ = x.shape
         q, new_kv = self.normed_qkv(*self.project(x, norm), li)
         k, v = new_kv
-        if past is not None:  # expanded to every query head where `attend` would, as they are concatenated
-            groups = self.num_heads // self.num_kv_heads
-            k, v = self.after_past(past, k, v, groups if expands_kv(x.device, self.head_dim, groups) else 1)
+        if past is not None:
+            k, v = self.after_past(past, k, v)
         out = attend(q, k, v, li.mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1)), new_kv
 
     def after_past(
-        self, past: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, repeat: int = 1
+        self, past: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values attention reads: the cached ones, then the new ones ([B, kv_heads * repeat,
-        tokens, D]: `cat_kv`)."""
+        """The keys and values attention reads: the cached ones, then the new ones ([B, kv_heads, tokens, D]:
+        `cat_kv`)."""
         if self.kv_cat_kernel is not None and not _tracing():
-            return self.kv_cat_kernel(past[0], past[1], k, v, repeat)
-        return cat_kv(past[0], past[1], k, v, repeat)
+            return self.kv_cat_kernel(past[0], past[1], k, v)
+        return cat_kv(past[0], past[1], k, v)
 
     def project(
         self, x: torch.Tensor, norm: RMSNorm | None = None
@@ -298,10 +322,20 @@ class Attention(nn.Module):
         if self.head_norms_kernel is None or _tracing():
             return self.rotate(self.q_norm(q_raw), li).transpose(1, 2), self.normed_kv(k_proj, v_proj, li)
         k_raw, v_raw = self.kv_heads(k_proj, v_proj)
+        # q head-major where `attend` packs it: then its packing is a view, not a copy
+        head_major = packs_queries(q_proj.device, self.head_dim, self.num_heads // self.num_kv_heads)
         k, v, q = self.head_norms_kernel(
-            k_raw, self.k_norm, li.cos, li.sin, v_raw, self.v_norm, q_raw, self.q_norm
+            k_raw,
+            self.k_norm,
+            li.cos,
+            li.sin,
+            v_raw,
+            self.v_norm,
+            q_raw,
+            self.q_norm,
+            q_head_major=head_major,
         )
-        return q.transpose(1, 2), (k.transpose(1, 2), v.transpose(1, 2))
+        return q if head_major else q.transpose(1, 2), (k.transpose(1, 2), v.transpose(1, 2))
 
     def normed_kv(
         self, k_proj: torch.Tensor, v_proj: torch.Tensor | None, li: LayerInputs

@@ -416,21 +416,20 @@ def check_triton_residual(dev: torch.device) -> None:
 def check_triton_kv_cat(dev: torch.device) -> None:
     """dgpipe's K/V concatenation bit for bit against torch.cat, or a DgpipeError: the cached K/V read as the
     cache hands them out (the first tokens of some rows of its buffers: views) and the new K/V as attention
-    makes them (transposed from [B, Q, H, D]), at head dims 256 and 512, with an empty cache, bf16 and fp32,
-    and expanded to 8 query heads a K/V head as the global layers' attention reads them
+    makes them (transposed from [B, Q, H, D]), at head dims 256 and 512, with an empty cache, bf16 and fp32
     (`network.cat_kv`)."""
     g = torch.Generator().manual_seed(10)
-    for dtype, heads, d, past, repeat in (
-        (torch.bfloat16, 8, 256, 37, 1),
-        (torch.bfloat16, 2, 512, 0, 1),
-        (torch.bfloat16, 2, 512, 21, 8),
-        (torch.float32, 3, 24, 5, 1),
+    for dtype, heads, d, past in (
+        (torch.bfloat16, 8, 256, 37),
+        (torch.bfloat16, 2, 512, 0),
+        (torch.bfloat16, 2, 512, 21),
+        (torch.float32, 3, 24, 5),
     ):
         cache = torch.randn(2, 3, heads, 64, d, generator=g).to(dev, dtype)  # K|V, slots, heads, length, dim
         pk, pv = cache[0, 1:, :, :past], cache[1, 1:, :, :past]
         new = torch.randn(2, 2, 19, heads, d, generator=g).to(dev, dtype).transpose(2, 3)  # K|V, B, H, Q, D
-        got = triton_network.kv_cat(pk, pv, new[0], new[1], repeat)
-        want = cat_kv(pk, pv, new[0], new[1], repeat)
+        got = triton_network.kv_cat(pk, pv, new[0], new[1])
+        want = cat_kv(pk, pv, new[0], new[1])
         if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
             raise DgpipeError(f"the Triton K/V concatenation differs from torch.cat ({dtype}, head dim {d})",
                               TRITON_FALLBACK)  # fmt: skip
@@ -633,7 +632,7 @@ def check_triton_head_norms(dev: torch.device) -> None:
     decades, a zero row and one with infinity and NaN, over positions up to 2^17, the heads contiguous or
     columns of one merged q|k|v projection (256-wide heads): within `same_rotation`, v's within
     `same_layer_end` of its value, or a DgpipeError. And q (another head count, its own weight) in k's and
-    v's launch: each of the three bit for bit what its own launch gives."""
+    v's launch: each of the three bit for bit what its own launch gives, q's also written head-major."""
     g = torch.Generator().manual_seed(16)
     for dtype, d in ((torch.bfloat16, 256), (torch.bfloat16, 512), (torch.float16, 256)):
         if d == 256:  # x and v 3 heads each of one token's 8 (q|k|v's columns), tokens 8 heads apart
@@ -660,8 +659,11 @@ def check_triton_head_norms(dev: torch.device) -> None:
         alone_q = triton_network.head_norms(q, q_norm, cos, sin)[0]
         q_normed = q_norm(q)
         together = triton_network.head_norms(x, norm, cos, sin, v, v_norm, q, q_norm)
-        if not same_rotation(alone_q, apply_rope(q_normed, cos, sin), q_normed, cos, sin) or not all(
-            same_bits(a, b) for a, b in zip(together, (got, got_v, alone_q), strict=True)
+        head_major = triton_network.head_norms(x, norm, cos, sin, v, v_norm, q, q_norm, q_head_major=True)[2]
+        if (
+            not same_rotation(alone_q, apply_rope(q_normed, cos, sin), q_normed, cos, sin)
+            or not all(same_bits(a, b) for a, b in zip(together, (got, got_v, alone_q), strict=True))
+            or not (head_major.is_contiguous() and same_bits(head_major.transpose(1, 2), alone_q))
         ):
             raise DgpipeError(
                 f"the Triton head norms of q, k and v in one launch differ from their own ({dtype}, head dim {d})",

@@ -263,6 +263,12 @@ class ScaledExperts(nn.Module):
             self.register_buffer(
                 "g2", torch.stack([p.weight_scale_2.reshape(()) for p in down]).float().to(device)
             )
+            # the grouped GEMM reads the activations' global scale once per expert (TensorWise, contiguous):
+            # made here once, not by an expand-and-copy launch before each GEMM of every pass
+            for name in ("in_scale", "down_in_scale"):
+                self.register_buffer(
+                    f"expert_{name}s", getattr(self, name).expand(self.num_experts).contiguous()
+                )
         else:
             raise ValueError(f"unknown scaled-experts mode {mode!r}")
 
@@ -280,10 +286,18 @@ class ScaledExperts(nn.Module):
         self, x: torch.Tensor | sl.QuantizedRows, index: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         scales = (self.in_scale, self.down_in_scale)
+        per_expert = getattr(self, "expert_in_scales", None), getattr(self, "expert_down_in_scales", None)
         return scaled_experts(
             x, index, weights, *self._weights(), *scales, self.mode, self.triton_rows, self.one_pass,
             self.combine_kernel, self.geglu_kernel, self.order_kernel, self.geglu_nvfp4_kernel,
+            None if per_expert[0] is None else per_expert,
         )  # fmt: skip
+
+
+def per_expert(scale: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """A global scale as the grouped GEMM's TensorWise scales read it, one contiguous value per expert: as
+    given where it is that already (`ScaledExperts` makes it at load), else expanded and copied."""
+    return scale if scale.shape == (num_experts,) else scale.expand(num_experts).contiguous()
 
 
 def in_one_pass(triton: bool, x: torch.Tensor) -> bool:
@@ -346,7 +360,7 @@ def grouped_gemm(
         a_scale = blocked(qs, offs, in_one_pass(one_pass, qs), scale_rows)
         return F.scaled_grouped_mm(
             sl.as_fp4x2(q), weight,
-            [a_scale, in_scale.expand(num_experts).contiguous()], [scaling.BlockWise1x16, scaling.TensorWise],
+            [a_scale, per_expert(in_scale, num_experts)], [scaling.BlockWise1x16, scaling.TensorWise],
             [s, g], [scaling.BlockWise1x16, scaling.TensorWise],
             swizzle_a=swizzle.SWIZZLE_32_4_4, swizzle_b=swizzle.SWIZZLE_32_4_4, offs=offs, output_dtype=torch.bfloat16,
         )  # fmt: skip
@@ -436,6 +450,7 @@ def scaled_experts(
     geglu_kernel: ScaledGegluKernel | None = None,
     order_kernel: sl.OrderKernel | None = None,
     geglu_nvfp4: NvfpGegluKernel | None = None,
+    expert_in_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """A layer's routed experts: slots sorted by expert (device-side offsets, no host sync), one grouped
     scaled GEMM for gate|up and one for down, each token's top-k outputs weighted and summed. An FP8 pass
@@ -447,7 +462,8 @@ def scaled_experts(
     permutation and each token's k rows are combined by one batched product (fp32 accumulation, no
     atomics, deterministic), not scattered with bf16 atomic adds. On an H200 at batch 16 those two
     element-wise paths took most of the experts' non-GEMM time (BENCHMARKS.md, "26B-A4B denoise pass").
-    x [tokens, d] may come as the operand `quantize_rows` would make of it (`scaled_layout.QuantizedRows`)."""
+    x [tokens, d] may come as the operand `quantize_rows` would make of it (`scaled_layout.QuantizedRows`).
+    `expert_in_scales`: the NVFP4 GEMMs' activation global scales, one per expert (`per_expert`)."""
     routing = sl.expert_order(index, w13.shape[0], order_kernel)
     order, token_of, offs = routing.order, routing.token_of, routing.offs
     compiling = torch.compiler.is_compiling()
@@ -458,10 +474,11 @@ def scaled_experts(
         down_gemm = lambda q, qs: small(q, qs, None, w2, s2, offs, out_rows=order)
     else:
         gemm = grouped_gemm_op if compiling else grouped_gemm
+        gemm_in, gemm_down_in = expert_in_scales or (in_scale, down_in_scale)
         gate_up_gemm = lambda q, qs: gemm(
-            q[token_of], qs, w13, s13, g13, in_scale, offs, mode, one_pass=one_pass, scale_rows=token_of
+            q[token_of], qs, w13, s13, g13, gemm_in, offs, mode, one_pass=one_pass, scale_rows=token_of
         )
-        down_gemm = lambda q, qs: gemm(q, qs, w2, s2, g2, down_in_scale, offs, mode, one_pass=one_pass)
+        down_gemm = lambda q, qs: gemm(q, qs, w2, s2, g2, gemm_down_in, offs, mode, one_pass=one_pass)
     if isinstance(x, sl.QuantizedRows):  # what `quantize_rows` would make of x (`gpu_load.ffn_inputs_for`)
         operand, dtype = (x.operand, *x.scales), x.dtype
     else:

@@ -192,20 +192,27 @@ def head_norms(
     v_norm: RMSNorm | None = None,
     q: torch.Tensor | None = None,
     q_norm: RMSNorm | None = None,
+    q_head_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(rope(norm(x)), v_norm(v) or None, rope(q_norm(q)) or None) in one launch (`head_norms_serves` must
     hold, for q with x's tokens, head dim and dtype as well; q comes with v, whose programs precede q's in the
     grid): attention's k and v, or q, or the three, normed
     per head, k and q rotated. Each norm is torch's fused RMSNorm arithmetic but for the order of its sum of
     squares, rounded to x's dtype; the rotation is `rope`'s, bit for bit on that. Each part's values are the
-    ones it gets in a launch of its own."""
+    ones it gets in a launch of its own. The outputs are contiguous [B, L, H, D], q's [B, H, L, D] where
+    `q_head_major` (what `network.attend_packed` reads without a copy)."""
     import triton
 
     if q is not None and v is None:
         raise ValueError("head_norms takes q in k's and v's launch: pass v too, or q alone as x")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     v_out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if v is not None else None
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q is not None else None
+    q_out = None
+    if q is not None:
+        b, seq, heads, _ = q.shape
+        q_out = torch.empty(
+            (b, heads, seq, q.shape[3]) if q_head_major else q.shape, dtype=q.dtype, device=q.device
+        )
     rows, d = x.numel() // x.shape[-1], x.shape[-1]
     q_rows = 0 if q is None else q.numel() // d
     if rows or q_rows:
@@ -214,12 +221,23 @@ def head_norms(
         v_in, q_in = x if v is None else v, x if q is None else q
         parts = 3 if q is not None else 2 if v is not None else 1
         q_weight = norm.weight if q_norm is None else q_norm.weight
+        q_strides = _head_strides(q_out, q_head_major) if q_out is not None else (1, 0, 0, 0)
         _kernels().head_norms[(triton.cdiv(max(rows, q_rows), block), parts)](
             x, norm.weight, cos, sin, out, v_in, out if v_out is None else v_out, rows, x.shape[2],
             x.stride(1), v_in.stride(1), norm.eps, q_in, q_weight, out if q_out is None else q_out, q_rows,
-            q_in.shape[2], q_in.stride(1), HALF=d // 2, HALF_P2=half, BLOCK_R=block, **OPTIONS,
+            q_in.shape[2], q_in.stride(1), *q_strides, HALF=d // 2, HALF_P2=half, BLOCK_R=block, **OPTIONS,
         )  # fmt: skip
     return out, v_out, q_out
+
+
+def _head_strides(out: torch.Tensor, head_major: bool) -> tuple[int, int, int, int]:
+    """(tokens of a batch row, then the strides of a batch row, a token and a head) of a contiguous output
+    [B, L, H, D], or [B, H, L, D] where `head_major`."""
+    if head_major:
+        _, heads, seq, d = out.shape
+        return max(seq, 1), heads * seq * d, d, seq * d
+    _, seq, heads, d = out.shape
+    return max(seq, 1), seq * heads * d, heads * d, d
 
 
 def head_norms_or_torch(
@@ -231,16 +249,19 @@ def head_norms_or_torch(
     v_norm: RMSNorm | None = None,
     q: torch.Tensor | None = None,
     q_norm: RMSNorm | None = None,
+    q_head_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`head_norms` where it serves (`head_norms_serves`, q's too), else the torch form: what the GPU loader
-    installs."""
+    """`head_norms` where it serves (`head_norms_serves`, q's too), else the torch form (q [B, H, L, D] then
+    a transposed view, where `q_head_major`): what the GPU loader installs."""
     serves = head_norms_serves(x, norm, cos, v, v_norm) and (
         q is None or (v is not None and _q_beside(q, q_norm, x, norm, cos))
     )
     if serves:
-        return head_norms(x, norm, cos, sin, v, v_norm, q, q_norm)
+        return head_norms(x, norm, cos, sin, v, v_norm, q, q_norm, q_head_major)
     normed_v = v_norm(v) if v is not None and v_norm is not None else None
     normed_q = apply_rope(q_norm(q), cos, sin) if q is not None and q_norm is not None else None
+    if normed_q is not None and q_head_major:
+        normed_q = normed_q.transpose(1, 2)
     return apply_rope(norm(x), cos, sin), normed_v, normed_q
 
 
@@ -752,37 +773,34 @@ def kv_cat_serves(past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v
 
 
 def kv_cat(
-    past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeat: int = 1
+    past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cat(past_k, k), cat(past_v, v)) along the tokens in one launch (`kv_cat_serves` must hold): what a
     denoise pass's attention reads, the cached context's K/V then the canvas's. torch.cat is one launch per
-    tensor, and on an H200 at 16 canvases its kernel moved the 26B's K/V at about 1 TB/s. `repeat`: each head
-    written that many times over (`repeat_interleave` on the heads: grouped K/V expanded to every query head,
-    `network.expands_kv`), two launches and a pass over the concatenation fewer."""
+    tensor, and on an H200 at 16 canvases its kernel moved the 26B's K/V at about 1 TB/s."""
     import triton
 
     b, heads, past, d = past_k.shape
     total = past + k.shape[2]
-    out_k = torch.empty(b, heads * repeat, total, d, dtype=k.dtype, device=k.device)
+    out_k = torch.empty(b, heads, total, d, dtype=k.dtype, device=k.device)
     out_v = torch.empty_like(out_k)
     if out_k.numel():
         d_p2 = triton.next_power_of_2(d)
         block = max(1, KV_CAT_VALUES // d_p2)
-        _kernels().kv_cat[(b * heads * repeat, triton.cdiv(total, block))](
-            past_k, past_v, k, v, out_k, out_v, heads, repeat, past, total, *past_k.stride()[:3],
-            *k.stride()[:3], D=d, D_P2=d_p2, BLOCK_T=block, **OPTIONS,
+        _kernels().kv_cat[(b * heads, triton.cdiv(total, block))](
+            past_k, past_v, k, v, out_k, out_v, heads, past, total, *past_k.stride()[:3], *k.stride()[:3],
+            D=d, D_P2=d_p2, BLOCK_T=block, **OPTIONS,
         )  # fmt: skip
     return out_k, out_v
 
 
 def kv_cat_or_torch(
-    past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeat: int = 1
+    past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kv_cat` where it serves (`kv_cat_serves`), else torch.cat (and `repeat_interleave`): what the GPU
-    loader installs."""
+    """`kv_cat` where it serves (`kv_cat_serves`), else torch.cat: what the GPU loader installs."""
     if kv_cat_serves(past_k, past_v, k, v):
-        return kv_cat(past_k, past_v, k, v, repeat)
-    return network.cat_kv(past_k, past_v, k, v, repeat)
+        return kv_cat(past_k, past_v, k, v)
+    return network.cat_kv(past_k, past_v, k, v)
 
 
 SCALE_COLUMNS_BLOCK = 4096  # values per program

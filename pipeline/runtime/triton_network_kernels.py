@@ -151,14 +151,13 @@ def add_scaled(a_ptr, b_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def kv_cat(
-    pk_ptr, pv_ptr, k_ptr, v_ptr, ok_ptr, ov_ptr, heads, repeat, past, total, p_sb, p_sh, p_st, n_sb, n_sh,
-    n_st, D: tl.constexpr, D_P2: tl.constexpr, BLOCK_T: tl.constexpr,
+    pk_ptr, pv_ptr, k_ptr, v_ptr, ok_ptr, ov_ptr, heads, past, total, p_sb, p_sh, p_st, n_sb, n_sh, n_st,
+    D: tl.constexpr, D_P2: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    """ok[b, h] = cat(pk[b, h // repeat], k[b, h // repeat]) along the tokens, and ov likewise: both rows of a
-    block of tokens copied from wherever the cached (strides p_*) and new (strides n_*) K/V lie into
-    [B, H * repeat, total, D] (each head `repeat` times over, as `repeat_interleave` lays them out)."""
+    """ok[b, h] = cat(pk[b, h], k[b, h]) along the tokens, and ov likewise: both rows of a block of tokens
+    copied from wherever the cached (strides p_*) and new (strides n_*) K/V lie into [B, H, total, D]."""
     bh = tl.program_id(0).to(tl.int64)  # an output head
-    b, h = bh // (heads * repeat), bh % (heads * repeat) // repeat
+    b, h = bh // heads, bh % heads
     t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
     d = tl.arange(0, D_P2)[None, :]
     inside = (t < total) & (d < D)
@@ -252,7 +251,7 @@ def layer_end(
 @triton.jit
 def head_norms(
     x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, v_ptr, v_out_ptr, rows, heads, x_stride, v_stride, eps,
-    q_ptr, q_w_ptr, q_out_ptr, q_rows, q_heads, q_stride,
+    q_ptr, q_w_ptr, q_out_ptr, q_rows, q_heads, q_stride, q_seq, q_out_sb, q_out_sl, q_out_sh,
     HALF: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Programs (i, 0): rows of x [tokens * heads, 2 * HALF] RMS-normed with weight w and rounded to x's
@@ -260,15 +259,22 @@ def head_norms(
     where the grid has them: rows of v of x's shape normed without a weight. Programs (i, 2), where the grid
     has them: rows of q [tokens * q_heads, 2 * HALF] as x's, with q's weight (attention's q beside its k and
     v: the three in one launch). A token's heads are contiguous in x, v and q, tokens `x_stride`, `v_stride`
-    and `q_stride` values apart (columns of one merged projection's output); the outputs are contiguous."""
+    and `q_stride` values apart (columns of one merged projection's output); x's and v's outputs are
+    contiguous, q's head h of the token at l of batch row b (rows of `q_seq` tokens) is stored at
+    b * q_out_sb + l * q_out_sl + h * q_out_sh (contiguous [B, L, H, D], or [B, H, L, D])."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     part = tl.program_id(1)
     if part == 0:
-        _rotated_rows(x_ptr, w_ptr, out_ptr, r, rows, heads, x_stride, cos_ptr, sin_ptr, eps, HALF, HALF_P2)
+        d = 2 * HALF  # contiguous: all tokens one batch row
+        _rotated_rows(
+            x_ptr, w_ptr, out_ptr, r, rows, heads, x_stride, cos_ptr, sin_ptr, eps, rows + 1, 0, heads * d, d,
+            HALF, HALF_P2,
+        )  # fmt: skip
     elif part == 2:
         _rotated_rows(
-            q_ptr, q_w_ptr, q_out_ptr, r, q_rows, q_heads, q_stride, cos_ptr, sin_ptr, eps, HALF, HALF_P2
-        )
+            q_ptr, q_w_ptr, q_out_ptr, r, q_rows, q_heads, q_stride, cos_ptr, sin_ptr, eps, q_seq, q_out_sb,
+            q_out_sl, q_out_sh, HALF, HALF_P2,
+        )  # fmt: skip
     else:
         j = tl.arange(0, HALF_P2)[None, :]
         inside = (r < rows)[:, None] & (j < HALF)
@@ -284,11 +290,12 @@ def head_norms(
 
 @triton.jit
 def _rotated_rows(
-    x_ptr, w_ptr, out_ptr, r, rows, heads, stride, cos_ptr, sin_ptr, eps, HALF: tl.constexpr,
-    HALF_P2: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, r, rows, heads, stride, cos_ptr, sin_ptr, eps, seq, out_sb, out_sl, out_sh,
+    HALF: tl.constexpr, HALF_P2: tl.constexpr,
 ):  # fmt: skip
     """Rows r of x [tokens * heads, 2 * HALF] (tokens `stride` values apart) RMS-normed with weight w, rounded
-    to x's dtype, rotated by their token's cos/sin, stored contiguous at out."""
+    to x's dtype, rotated by their token's cos/sin, stored at out: head h of the token at l of batch row b
+    (rows of `seq` tokens) at b * out_sb + l * out_sl + h * out_sh."""
     j = tl.arange(0, HALF_P2)[None, :]
     inside = (r < rows)[:, None] & (j < HALF)
     dt = x_ptr.dtype.element_ty
@@ -302,7 +309,8 @@ def _rotated_rows(
     )
     tok = (r // heads)[:, None] * (2 * HALF) + j
     out_lo, out_hi = _rotate(lo, hi, cos_ptr, sin_ptr, tok, inside, HALF)
-    row = r[:, None] * (2 * HALF) + j
+    token = r // heads
+    row = ((token // seq) * out_sb + (token % seq) * out_sl + (r % heads) * out_sh)[:, None] + j
     tl.store(out_ptr + row, out_lo, mask=inside)
     tl.store(out_ptr + row + HALF, out_hi, mask=inside)
 

@@ -116,12 +116,15 @@ def test_table_shows_each_pass_against_its_floor():
     assert "Largest batch whose fp8 pass fits: 64 (tried up to 128)." in md
     row["attention"] = [{"kind": "full_attention", "q_heads": 16, "kv_heads": 2, "head_dim": 512, "keys": 512,
                          "flash": False, "efficient": False, "cudnn": False, "ms_grouped": 1.5, "ms_expanded": 0.5}]  # fmt: skip
-    assert "| full_attention | 1 | 16/2 x 512 | 512 | math only | 1.50 | 0.50 |" in gpu.render(result)
+    assert "| full_attention | 1 | 16/2 x 512 | 512 | math only | 1.50 | 0.50 | — |" in gpu.render(result)
+    row["attention"][0]["ms_packed"] = 0.25
+    assert "| full_attention | 1 | 16/2 x 512 | 512 | math only | 1.50 | 0.50 | 0.25 |" in gpu.render(result)
 
 
-def test_attention_shapes_report_the_kernels_torch_may_pick_and_the_expanded_form_agrees():
-    """Per attention shape of the model: the grouped form the network runs, and K/V expanded to every query
-    head, time the same attention (here on the CPU, where no CUDA kernel is eligible)."""
+def test_attention_shapes_report_the_kernels_torch_may_pick_and_the_other_forms_agree():
+    """Per attention shape of the model: the grouped form, K/V expanded to every query head and the queries
+    packed along the K/V heads time the same attention (here on the CPU, where no CUDA kernel is
+    eligible)."""
     from pipeline.model.config import ModelConfig
     from pipeline.resources import load_yaml
 
@@ -133,8 +136,9 @@ def test_attention_shapes_report_the_kernels_torch_may_pick_and_the_expanded_for
     ]
     for r in rows:
         assert not (r["flash"] or r["efficient"] or r["cudnn"])
-        assert r["max_abs_diff"] < 1e-2  # bf16 outputs of O(1): a wrong head order differs by O(1)
-        assert r["ms_grouped"] > 0 and r["ms_expanded"] > 0
+        # bf16 outputs of O(1): a wrong head order differs by O(1)
+        assert r["max_abs_diff"] < 1e-2 and r["max_abs_diff_packed"] < 1e-2
+        assert r["ms_grouped"] > 0 and r["ms_expanded"] > 0 and r["ms_packed"] > 0
 
 
 def test_spec_gpu_picks_the_device_by_name():

@@ -1,5 +1,5 @@
-"""`attend`: the expanded K/V form some CUDA kernels need computes the grouped form's attention, and it is
-taken only where the grouped form has no fused CUDA kernel."""
+"""`attend`: the packed form (a K/V head's query heads stacked along the queries) computes the grouped
+form's attention, and it is taken only where the grouped form has no fused CUDA kernel."""
 
 from __future__ import annotations
 
@@ -7,31 +7,61 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.model.network import attend, expands_kv
+from pipeline.model.network import attend, attend_packed, packs_queries
+
+
+def _qkv(dtype: torch.dtype, heads: int = 16, kv_heads: int = 2, queries: int = 5, keys: int = 9):
+    g = torch.Generator().manual_seed(heads + keys)
+    # q as attention makes it: [B, Q, H, D] normed per head, then transposed
+    q = torch.randn(3, queries, heads, 8, generator=g).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(3, kv_heads, keys, 8, generator=g).to(dtype) for _ in range(2))
+    mask = torch.rand(3, 1, queries, keys, generator=g) > 0.3
+    mask[..., -1] = True  # every query sees at least one key
+    return q, k, v, mask
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_expanded_kv_computes_the_grouped_attention(masked):
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 8, 5, 16, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(2, 2, 9, 16, generator=g, dtype=torch.float64) for _ in range(2))
-    mask = torch.rand(2, 1, 5, 9, generator=g) > 0.3 if masked else None
-    if mask is not None:
-        mask[..., -1] = True  # every query sees at least one key
-    expanded = F.scaled_dot_product_attention(
-        q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask, scale=1.0
-    )
-    torch.testing.assert_close(attend(q, k, v, mask), expanded)
-    # and against the definition: query head h reads K/V head h // 4
-    scores = (q @ k.repeat_interleave(4, 1).transpose(-1, -2)).masked_fill(
+@pytest.mark.parametrize(("heads", "kv_heads"), [(16, 2), (8, 2), (4, 1), (6, 6)])
+def test_packed_queries_compute_the_grouped_attention(masked, heads, kv_heads):
+    q, k, v, mask = _qkv(torch.float64, heads, kv_heads)
+    mask = mask if masked else None
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=heads > kv_heads)
+    got = attend_packed(q, k, v, mask)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # and against the definition: query head h reads K/V head h // groups
+    groups = heads // kv_heads
+    scores = (q @ k.repeat_interleave(groups, 1).transpose(-1, -2)).masked_fill(
         mask.logical_not() if mask is not None else torch.zeros((), dtype=torch.bool), float("-inf")
     )
-    torch.testing.assert_close(attend(q, k, v, mask), scores.softmax(-1) @ v.repeat_interleave(4, 1))
+    torch.testing.assert_close(got, scores.softmax(-1) @ v.repeat_interleave(groups, 1))
 
 
-def test_kv_is_expanded_only_for_grouped_cuda_heads_past_the_fused_kernels_limit():
+def test_packed_queries_in_bf16_are_the_grouped_kernels_bit_for_bit():
+    """In bf16 on the CPU both forms round the same fp32 sums: the packing moves no arithmetic."""
+    q, k, v, mask = _qkv(torch.bfloat16)
+    for m in (None, mask):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=1.0, enable_gqa=True)
+        assert torch.equal(attend_packed(q, k, v, m), want)
+
+
+def test_the_packed_output_is_what_o_proj_reads():
+    """[B, H, Q, D] whose transpose [B, Q, H, D] is contiguous: `o_proj`'s input with no copy."""
+    q, k, v, mask = _qkv(torch.float32)
+    out = attend_packed(q, k, v, mask)
+    assert out.transpose(1, 2).is_contiguous()
+    # the grouped form's layout, through the same reshape attention applies
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True)
+    torch.testing.assert_close(out.transpose(1, 2).reshape(3, 5, -1), want.transpose(1, 2).reshape(3, 5, -1))
+
+
+def test_queries_are_packed_only_for_grouped_cuda_heads_past_the_fused_kernels_limit():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert expands_kv(cuda, 512, 8)  # the 26B's global layers: 16 query heads on 2 K/V heads
-    assert not expands_kv(cuda, 256, 2)  # its sliding layers: flash / cuDNN take grouped heads of 256
-    assert not expands_kv(cuda, 512, 1)  # nothing to expand
-    assert not expands_kv(cpu, 512, 8)  # the CPU path keeps the grouped form
+    assert packs_queries(cuda, 512, 8)  # the 26B's global layers: 16 query heads on 2 K/V heads
+    assert not packs_queries(cuda, 256, 2)  # its sliding layers: flash / cuDNN take grouped heads of 256
+    assert not packs_queries(cuda, 512, 1)  # nothing grouped
+    assert not packs_queries(cpu, 512, 8)  # the CPU path keeps the grouped form
+    q, k, v, _ = _qkv(torch.float64)
+    assert torch.equal(
+        attend(q, k, v, None), F.scaled_dot_product_attention(q, k, v, scale=1.0, enable_gqa=True)
+    )

@@ -90,6 +90,30 @@ def test_scaled_experts_fp8_is_the_fake_quant_expert_loop(monkeypatch):
     assert torch.equal(m(rows, index, weights), got)
 
 
+def test_nvfp4_experts_hand_the_grouped_gemm_per_expert_global_scales_made_at_load(monkeypatch):
+    """The grouped NVFP4 GEMM reads the activations' global scale as one contiguous value per expert: the
+    module's own buffers, made once at load, not an expand-and-copy before each GEMM of every pass."""
+    seen: list[torch.Tensor] = []
+
+    def grouped(a, b, scale_a, recipe_a, scale_b, recipe_b, **kw):  # no CPU FP4 kernel: shape only
+        seen.append(scale_a[1])
+        return torch.zeros(a.shape[0], b.shape[-1], dtype=kw["output_dtype"])
+
+    monkeypatch.setattr(F, "scaled_grouped_mm", grouped)
+    ps = [_packed("nvfp4", 64, 64) for _ in range(3)]
+    m = tc.ScaledExperts(ps, ps, ps, "nvfp4", CPU)
+    m(torch.randn(5, 64, generator=GEN), torch.randint(0, 3, (5, 2), generator=GEN), torch.rand(5, 2))
+    assert [t is b for t, b in zip(seen, (m.expert_in_scales, m.expert_down_in_scales), strict=True)] == [
+        1,
+        1,
+    ]
+    for held, scalar in ((m.expert_in_scales, m.in_scale), (m.expert_down_in_scales, m.down_in_scale)):
+        assert held.shape == (3,) and held.is_contiguous() and torch.equal(held, scalar.expand(3))
+    assert tc.per_expert(m.expert_in_scales, 3) is m.expert_in_scales
+    expanded = tc.per_expert(m.in_scale, 3)  # a scalar: expanded and copied, as the GEMM reads it
+    assert expanded.shape == (3,) and expanded.is_contiguous() and torch.equal(expanded, m.in_scale.expand(3))
+
+
 def test_fp8_gemms_ask_for_fast_accumulation_and_nvfp4_ones_do_not(monkeypatch):
     """Every FP8 vendor GEMM (linears TensorWise and RowWise, grouped experts) runs with the tensor cores'
     fast accumulation, as `FP8_FAST_ACCUM` says; the NVFP4 block-scaled GEMMs have no such mode and are not

@@ -85,6 +85,11 @@ def test_head_norms_read_q_k_and_v_in_place_from_one_merged_projection(rne_casts
         assert probing.same_bits(a, b)
     together = triton_network.head_norms(k, norm, cos, sin, v, v_norm, q, q_norm)
     assert all(probing.same_bits(a, b) for a, b in zip(together, (want_k, want_v, want_q), strict=True))
+    # q written head-major, [B, H, L, D] contiguous (what packed attention reads), the same values
+    head_major = triton_network.head_norms(k, norm, cos, sin, v, v_norm, q, q_norm, q_head_major=True)
+    assert head_major[2].shape == (2, h, 5, d) and head_major[2].is_contiguous()
+    assert probing.same_bits(head_major[2].transpose(1, 2), want_q)
+    assert all(probing.same_bits(a, b) for a, b in zip(head_major[:2], (want_k, want_v), strict=True))
     assert not probing.same_bits(
         want_q, triton_network.head_norms(q, norm, cos, sin)[0]
     )  # the weights differ
@@ -112,6 +117,13 @@ def test_other_heads_keep_the_torch_form(monkeypatch):
     assert same(got[0], apply_rope(norm.float()(y), cos.float(), sin.float())) and same(got[1], v_norm(w))
     with pytest.raises(ValueError, match="pass v too"):  # q's programs follow v's in the grid
         kernel(x, norm, cos, sin, q=x, q_norm=norm)
+    fp32 = triton_network.head_norms_or_torch(
+        y, norm.float(), cos.float(), sin.float(), w, v_norm, y, norm.float()
+    )
+    head_major = triton_network.head_norms_or_torch(
+        y, norm.float(), cos.float(), sin.float(), w, v_norm, y, norm.float(), q_head_major=True
+    )  # the torch form's q as [B, H, L, D]
+    assert head_major[2].shape == (1, 2, 4, 64) and same(head_major[2].transpose(1, 2), fp32[2])
 
 
 @interpreted
@@ -119,17 +131,21 @@ def test_the_head_norms_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, 
     probing.check_triton_head_norms(CPU)
     kernel = triton_network.head_norms
     wrong = {
-        "not rotated": lambda x, n, c, s, v=None, vn=None, q=None, qn=None: kernel(
-            x, n, torch.ones_like(c), torch.zeros_like(s), v, vn, q, qn),
-        "weights reversed": lambda x, n, c, s, v=None, vn=None, q=None, qn=None: kernel(x, _flipped(n), c, s, v, vn, q, qn),
-        "v not normed": lambda x, n, c, s, v=None, vn=None, q=None, qn=None: (kernel(x, n, c, s)[0], v, None),
-        "v scaled": lambda x, n, c, s, v=None, vn=None, q=None, qn=None: (kernel(x, n, c, s)[0], kernel(v, n, c, s)[0], None),
-        "tokens read as contiguous": lambda x, n, c, s, v=None, vn=None, q=None, qn=None: kernel(
-            _as_contiguous(x), n, c, s, None if v is None else _as_contiguous(v), vn, q, qn),
-        "q with k's weight in one launch": lambda x, n, c, s, v=None, vn=None, q=None, qn=None: kernel(
-            x, n, c, s, v, vn, q, None if q is None else n),
-        "q not rotated in one launch": lambda x, n, c, s, v=None, vn=None, q=None, qn=None: (
+        "not rotated": lambda x, n, c, s, v=None, vn=None, q=None, qn=None, **hm: kernel(
+            x, n, torch.ones_like(c), torch.zeros_like(s), v, vn, q, qn, **hm),
+        "weights reversed": lambda x, n, c, s, v=None, vn=None, q=None, qn=None, **hm: kernel(x, _flipped(n), c, s, v, vn, q, qn, **hm),
+        "v not normed": lambda x, n, c, s, v=None, vn=None, q=None, qn=None, **hm: (kernel(x, n, c, s)[0], v, None),
+        "v scaled": lambda x, n, c, s, v=None, vn=None, q=None, qn=None, **hm: (kernel(x, n, c, s)[0], kernel(v, n, c, s)[0], None),
+        "tokens read as contiguous": lambda x, n, c, s, v=None, vn=None, q=None, qn=None, **hm: kernel(
+            _as_contiguous(x), n, c, s, None if v is None else _as_contiguous(v), vn, q, qn, **hm),
+        "q with k's weight in one launch": lambda x, n, c, s, v=None, vn=None, q=None, qn=None, **hm: kernel(
+            x, n, c, s, v, vn, q, None if q is None else n, **hm),
+        "q not rotated in one launch": lambda x, n, c, s, v=None, vn=None, q=None, qn=None, **hm: (
             *kernel(x, n, c, s, v, vn)[:2], None if q is None else apply_rope(qn(q), torch.ones_like(c), torch.zeros_like(s))),
+        "q token-major where asked head-major": lambda x, n, c, s, v=None, vn=None, q=None, qn=None, **hm: kernel(
+            x, n, c, s, v, vn, q, qn),
+        "q head-major as a transposed view": lambda x, n, c, s, v=None, vn=None, q=None, qn=None, q_head_major=False: (
+            lambda out: (*out[:2], out[2].transpose(1, 2) if q_head_major else out[2]))(kernel(x, n, c, s, v, vn, q, qn)),
     }  # fmt: skip
     check = lambda: probing.check_triton_head_norms(CPU)
     each_wrong_form_fails(monkeypatch, triton_network, "head_norms", wrong, check, "head norms .*differ")
@@ -204,7 +220,7 @@ for cc in (90, 100, 89, 120):
             sig = {**{p: f"*{dt}" for p in ("x_ptr", "w_ptr", "cos_ptr", "sin_ptr", "out_ptr", "v_ptr", "v_out_ptr")},
                    "rows": "i32", "heads": "i32", "x_stride": "i32", "v_stride": "i32", "eps": "fp32",
                    **{p: f"*{dt}" for p in ("q_ptr", "q_w_ptr", "q_out_ptr")}, "q_rows": "i32", "q_heads": "i32",
-                   "q_stride": "i32"}
+                   "q_stride": "i32", "q_seq": "i32", "q_out_sb": "i32", "q_out_sl": "i32", "q_out_sh": "i32"}
             consts = {"HALF": d // 2, "HALF_P2": d // 2, "BLOCK_R": tn.HEAD_NORMS_VALUES // d}
             src = ASTSource(fn=k.head_norms, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
                             attrs={(k.head_norms.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})

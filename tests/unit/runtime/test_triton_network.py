@@ -304,30 +304,21 @@ def test_the_residual_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, m
 @interpreted
 @pytest.mark.parametrize("dtype", triton_network.KV_DTYPES)
 @pytest.mark.parametrize(
-    ("heads", "d", "past", "new", "repeat"),
-    [
-        (8, 256, 37, 19, 1),
-        (2, 512, 0, 5, 1),
-        (3, 24, 5, 1, 1),
-        (1, 2, 3, 0, 1),
-        (2, 512, 9, 5, 8),
-        (3, 24, 5, 1, 2),
-    ],
+    ("heads", "d", "past", "new"),
+    [(8, 256, 37, 19), (2, 512, 0, 5), (3, 24, 5, 1), (1, 2, 3, 0), (2, 512, 9, 5)],
 )
-def test_the_kv_concatenation_is_torch_cat(dtype, heads, d, past, new, repeat):
+def test_the_kv_concatenation_is_torch_cat(dtype, heads, d, past, new):
     """The cached K/V as the cache hands them out (the first tokens of some rows of its buffers: views) and the
     new K/V as attention makes them (transposed from [B, Q, H, D]); head dims 2 to 512 (24 no power of two),
-    an empty cache, no new tokens, token counts that do not fill the last program, heads expanded to the
-    query heads (the global layers' 2 K/V heads to 16): torch.cat and `repeat_interleave` bit for bit."""
+    an empty cache, no new tokens, token counts that do not fill the last program: torch.cat bit for bit."""
     g = torch.Generator().manual_seed(d + past)
     cache = (torch.randn(2, 3, heads, 64, d, generator=g) * 1e3).to(dtype)  # K|V, slots, heads, length, dim
     cache[0, 1, 0, 0, :2] = torch.tensor([float("nan"), -0.0])
     pk, pv = cache[0, 1:, :, :past], cache[1, 1:, :, :past]
     fresh = torch.randn(2, 2, new, heads, d, generator=g).to(dtype).transpose(2, 3)  # K|V, B, H, Q, D
     assert triton_network.kv_cat_serves(pk, pv, fresh[0], fresh[1])
-    got = triton_network.kv_cat(pk, pv, fresh[0], fresh[1], repeat)
-    want = network.cat_kv(pk, pv, fresh[0], fresh[1], repeat)
-    assert want[0].shape[1] == heads * repeat
+    got = triton_network.kv_cat(pk, pv, fresh[0], fresh[1])
+    want = network.cat_kv(pk, pv, fresh[0], fresh[1])
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape and a.is_contiguous() and torch.equal(a.view(bits), b.view(bits))
@@ -546,14 +537,14 @@ def test_the_kv_probe_passes_the_kernel_and_fails_a_wrong_one(monkeypatch):
     probing.check_triton_kv_cat(torch.device("cpu"))
     kernel = triton_network.kv_cat
     monkeypatch.setattr(
-        triton_network, "kv_cat", lambda pk, pv, k, v, repeat=1: kernel(pv, pk, k, v, repeat)
+        triton_network, "kv_cat", lambda pk, pv, k, v: kernel(pv, pk, k, v)
     )  # K and V swapped
     with pytest.raises(DgpipeError, match="K/V concatenation differs"):
         probing.check_triton_kv_cat(torch.device("cpu"))
-    monkeypatch.setattr(  # heads expanded as `repeat` (tile) lays them out, not `repeat_interleave`
+    monkeypatch.setattr(  # the new tokens first
         triton_network,
         "kv_cat",
-        lambda pk, pv, k, v, repeat=1: tuple(t.repeat(1, repeat, 1, 1) for t in kernel(pk, pv, k, v)),
+        lambda pk, pv, k, v: tuple(t.roll(-k.shape[2], 2) for t in kernel(pk, pv, k, v)),
     )
     with pytest.raises(DgpipeError, match="K/V concatenation differs"):
         probing.check_triton_kv_cat(torch.device("cpu"))
@@ -820,7 +811,7 @@ for cc in (90, 100, 89, 120):
                "BLOCK": tn.GEGLU_BLOCK}, cc, f"geglu_nvfp4_{blocked}", "geglu")
     for d in (256, 512):
         build(k.kv_cat, {**ptrs("bf16", "pk_ptr", "pv_ptr", "k_ptr", "v_ptr", "ok_ptr", "ov_ptr"),
-                         **ints("heads", "repeat", "past", "total", "p_sb", "p_sh", "p_st", "n_sb", "n_sh", "n_st")},
+                         **ints("heads", "past", "total", "p_sb", "p_sh", "p_st", "n_sb", "n_sh", "n_st")},
               {"D": d, "D_P2": d, "BLOCK_T": tn.KV_CAT_VALUES // d}, cc, f"kv_cat_{d}", "kv_cat", d)
     for dt in ("bf16", "fp16"):
         build(k.scale_columns, {**ptrs(dt, "x_ptr", "w_ptr", "out_ptr"), **ints("n", "cols"), "c": "fp32"},
