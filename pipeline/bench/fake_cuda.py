@@ -59,8 +59,11 @@ GATHERS = frozenset({"aten::embedding", "aten::index_select", "aten::index", "at
 
 def traffic(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
     """Bytes an op moves if it reads each operand and writes each result once (an in-place result counts as a
-    write of its argument; a gather reads its indices and the rows it writes)."""
+    write of its argument; a gather reads its indices and the rows it writes; `copy_` does not read what it
+    overwrites)."""
     written = sum(footprint(t) for t in outputs)
+    if name == "aten::copy_":
+        inputs = inputs[1:]
     if name in GATHERS:
         return written + sum(footprint(t) for t in inputs[1:] if not t.is_floating_point()) + written
     return sum(footprint(t) for t in inputs) + written

@@ -415,7 +415,7 @@ def _pass_setup(model, batch: int):
     from pipeline.runtime.kv_cache import KVCache, attention_masks
 
     cfg, dev, length = model.cfg, next(model.parameters()).device, model.config.canvas_length
-    cache = KVCache(cfg, batch, CONTEXT + length + 8, torch.bfloat16, dev)
+    cache = KVCache(cfg, batch, CONTEXT + length + 8, torch.bfloat16, dev, room=length)
     slots = torch.arange(batch, device=dev)
     gen = torch.Generator(device=dev).manual_seed(1)
     prompt = torch.randint(3, cfg.vocab_size, (batch, CONTEXT), device=dev, generator=gen)
@@ -429,7 +429,7 @@ def _pass_setup(model, batch: int):
             ones,
         )
     canvas = torch.randint(0, cfg.vocab_size, (batch, length), device=dev, generator=gen)
-    past, meta = cache.read(slots)
+    past, meta = cache.read(slots, room=length)  # as the runtime's denoise rounds read it
     cpos = canvas_positions(cache.lengths[slots], length)
     masks = attention_masks(cpos, torch.ones_like(cpos, dtype=torch.bool), meta, False, cache.window)
     soft = model.soft_embedding(

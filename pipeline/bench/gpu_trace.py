@@ -43,7 +43,7 @@ from pipeline.bench.fake_cuda import HostTensorInPass, fake_gpu, to_fake_cuda
 from pipeline.bench.results import save_result
 from pipeline.errors import error_line
 from pipeline.model.config import ModelConfig
-from pipeline.model.network import DiffusionGemma, canvas_positions
+from pipeline.model.network import DiffusionGemma, PastWithRoom, canvas_positions
 from pipeline.resources import load_yaml
 from pipeline.runtime.dispatch import DISPATCH, dispatch, weight_bytes
 from pipeline.runtime.kv_cache import KVCache, attention_masks
@@ -131,24 +131,25 @@ def resident_gb(model: DiffusionGemma) -> dict[str, float]:
 
 
 def _past(mcfg: ModelConfig, batch: int, fake: FakeTensorMode):
-    """A cache holding `CONTEXT` prompt tokens per row, read as the runtime reads it before a step: K/V on
-    meta tensors, lengths and ring positions real, so `KVCache.read` and `attention_masks` run as written."""
+    """A cache holding `CONTEXT` prompt tokens per row, read as the runtime reads it before a step (with room
+    for the canvas's K/V): K/V on meta tensors, lengths and ring positions real, so `KVCache.read` and
+    `attention_masks` run as written."""
     cfg, length = mcfg.text_config, mcfg.canvas_length
     with unset_fake_temporarily():
-        cache = KVCache(cfg, batch, CONTEXT + length + 8, torch.bfloat16, "meta")
+        cache = KVCache(cfg, batch, CONTEXT + length + 8, torch.bfloat16, "meta", room=length)
         cache.lengths = torch.full((batch,), CONTEXT)
         held = torch.arange(max(0, CONTEXT - cache.ring), CONTEXT)
         cache.ring_pos = torch.full((batch, cache.ring), -1)
         cache.ring_pos[:, held % cache.ring] = held
         slots = torch.arange(batch)
-        past, meta = cache.read(slots)
+        past, meta = cache.read(slots, room=length)
         positions = canvas_positions(cache.lengths[slots], length)
         masks = attention_masks(
             positions, torch.ones_like(positions, dtype=torch.bool), meta, False, cache.window
         )
     to_cuda = lambda t: None if t is None else fake.fake_tensor_converter.from_meta_and_device(fake, t.to("meta"), torch.device("cuda"))  # fmt: skip
     return (
-        [(to_cuda(k), to_cuda(v)) for k, v in past],
+        [PastWithRoom(to_cuda(p.k), to_cuda(p.v), p.length) for p in past],
         to_cuda(positions),
         {k: to_cuda(m) for k, m in masks.items()},
     )

@@ -129,7 +129,7 @@ def bench_batch(
     cfg, dev = model.cfg, next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     length = model.config.canvas_length
-    cache = KVCache(cfg, batch, context + 2 * length + 8, dtype, dev)
+    cache = KVCache(cfg, batch, context + 2 * length + 8, dtype, dev, room=length)
     slots = torch.arange(batch, device=dev)
     gen = torch.Generator(device=dev).manual_seed(1)
     prompt = torch.randint(3, cfg.vocab_size, (batch, context), device=dev, generator=gen)
@@ -139,7 +139,7 @@ def bench_batch(
     cache.write(slots, kv, pos, ones)
 
     canvas = torch.randint(0, cfg.vocab_size, (batch, length), device=dev, generator=gen)
-    past, meta = cache.read(slots)
+    past, meta = cache.read(slots, room=length)  # as the runtime's denoise rounds read it
     cpos = canvas_positions(cache.lengths[slots], length)
     masks = attention_masks(cpos, torch.ones_like(cpos, dtype=torch.bool), meta, False, cache.window)
     probs = torch.softmax(torch.randn(batch, length, cfg.vocab_size, device=dev, generator=gen), -1).to(dtype)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -232,6 +232,27 @@ def cat_kv(
     return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
 
 
+class PastWithRoom(NamedTuple):
+    """A layer's cached K/V with room after them for a pass's own: [B, H, length + room, D] views of a cache's
+    buffers (`KVCache.read` with `room`) whose first `length` tokens are the cached ones. Attention writes
+    the new tokens' K/V into the room and reads the whole in place: no concatenation copying the cached
+    context each pass."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int
+
+
+def room_for(
+    past: tuple[torch.Tensor, torch.Tensor] | PastWithRoom | None, tokens: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The room a cache left after the cached K/V for exactly `tokens` new ones ([B, H, tokens, D] views of
+    its K and V buffers), or None."""
+    if not isinstance(past, PastWithRoom) or past.k.shape[2] - past.length != tokens:
+        return None
+    return past.k[:, :, past.length :], past.v[:, :, past.length :]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: TextConfig, idx: int) -> None:
         super().__init__()
@@ -276,24 +297,29 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         li: LayerInputs,
-        past: tuple[torch.Tensor, torch.Tensor] | None,
+        past: tuple[torch.Tensor, torch.Tensor] | PastWithRoom | None,
         norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Attention over x (`norm`: x is the layer's un-normed input and this its input norm, which a fused
         projection can compute with its quantization)."""
         b, q_len, _ = x.shape
-        q, new_kv = self.normed_qkv(*self.project(x, norm), li)
+        room = room_for(past, q_len)
+        q, new_kv = self.normed_qkv(*self.project(x, norm), li, room)
         k, v = new_kv
-        if past is not None:
+        if room is not None:  # the new K/V went into the cache's room: attention reads its buffers in place
+            k, v = past.k, past.v
+        elif past is not None:
             k, v = self.after_past(past, k, v)
         out = attend(q, k, v, li.mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1)), new_kv
 
     def after_past(
-        self, past: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor
+        self, past: tuple[torch.Tensor, torch.Tensor] | PastWithRoom, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values attention reads: the cached ones, then the new ones ([B, kv_heads, tokens, D]:
-        `cat_kv`)."""
+        `cat_kv`), in the cache's own buffers where it left room for exactly the new ones."""
+        if isinstance(past, PastWithRoom):  # room for other than the new tokens: the cached ones alone
+            past = (past.k[:, :, : past.length], past.v[:, :, : past.length])
         if self.kv_cat_kernel is not None and not _tracing():
             return self.kv_cat_kernel(past[0], past[1], k, v)
         return cat_kv(past[0], past[1], k, v)
@@ -313,29 +339,32 @@ class Attention(nn.Module):
         return self.normed_kv(self.k_proj(x), None if self.v_proj is None else self.v_proj(x), li)
 
     def normed_qkv(
-        self, q_proj: torch.Tensor, k_proj: torch.Tensor, v_proj: torch.Tensor | None, li: LayerInputs
+        self,
+        q_proj: torch.Tensor,
+        k_proj: torch.Tensor,
+        v_proj: torch.Tensor | None,
+        li: LayerInputs,
+        room: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """q [B, heads, Q, head_dim] normed and rotated, and the new tokens' K/V as `normed_kv` makes them, from
-        the projections [B, Q, heads * head_dim]: one fused kernel for the three where installed."""
+        the projections [B, Q, heads * head_dim]: one fused kernel for the three where installed. `room`: the
+        K/V are written there (a cache's room, `room_for`), and those views returned."""
         b, q_len, _ = q_proj.shape
         q_raw = q_proj.view(b, q_len, self.num_heads, self.head_dim)
         if self.head_norms_kernel is None or _tracing():
-            return self.rotate(self.q_norm(q_raw), li).transpose(1, 2), self.normed_kv(k_proj, v_proj, li)
+            kv = self.normed_kv(k_proj, v_proj, li)
+            if room is not None:
+                room[0].copy_(kv[0])
+                room[1].copy_(kv[1])
+            return self.rotate(self.q_norm(q_raw), li).transpose(1, 2), room or kv
         k_raw, v_raw = self.kv_heads(k_proj, v_proj)
         # q head-major where `attend` packs it: then its packing is a view, not a copy
         head_major = packs_queries(q_proj.device, self.head_dim, self.num_heads // self.num_kv_heads)
         k, v, q = self.head_norms_kernel(
-            k_raw,
-            self.k_norm,
-            li.cos,
-            li.sin,
-            v_raw,
-            self.v_norm,
-            q_raw,
-            self.q_norm,
-            q_head_major=head_major,
-        )
-        return q if head_major else q.transpose(1, 2), (k.transpose(1, 2), v.transpose(1, 2))
+            k_raw, self.k_norm, li.cos, li.sin, v_raw, self.v_norm, q_raw, self.q_norm, q_head_major=head_major,
+            out=room,
+        )  # fmt: skip
+        return q if head_major else q.transpose(1, 2), room or (k.transpose(1, 2), v.transpose(1, 2))
 
     def normed_kv(
         self, k_proj: torch.Tensor, v_proj: torch.Tensor | None, li: LayerInputs
@@ -583,7 +612,11 @@ class DecoderLayer(nn.Module):
         self.ffn_inputs_kernel: FfnInputsKernel | None = None
 
     def forward(
-        self, h: torch.Tensor, li: LayerInputs, past: tuple[torch.Tensor, torch.Tensor] | None, encoder: bool
+        self,
+        h: torch.Tensor,
+        li: LayerInputs,
+        past: tuple[torch.Tensor, torch.Tensor] | PastWithRoom | None,
+        encoder: bool,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         a, new_kv = self.self_attn(h, li, past, self.input_layernorm)
         if self.ffn_inputs_kernel is not None and not _tracing():

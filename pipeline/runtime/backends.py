@@ -89,6 +89,9 @@ class TorchBackend:
     """The PyTorch model; the sampler is the PyTorch oracle, or the fused CUDA kernels on a GPU."""
 
     returns_probs = True  # each step's probabilities reach the runtime (log-probabilities can be read)
+    # a denoise pass writes its canvas's K/V into the cache's room and attends in place
+    # (`network.PastWithRoom`): the scheduler's cache keeps room for a canvas and hands it out
+    writes_kv_in_place = True
 
     def __init__(self, model: DiffusionGemma, draws: DrawSource | None = None, fused: bool | None = None):
         from pipeline.sampler.kernels.gpu_sampler import cuda_sampler_available

@@ -3,7 +3,11 @@
 A sliding layer only ever needs the last (window - 1) committed tokens (the query itself is the window's
 last slot), so its buffer has exactly that many slots and a token lives at slot `position % (window - 1)`.
 Rows are independent "slots" so requests of different lengths share one cache and join or leave at canvas
-boundaries. The cache never sees the canvas: denoise passes read it, only prefill and commit write it.
+boundaries. Only prefill and commit write tokens into it. A denoise pass may also use its buffers' room past
+the tokens held (`read(..., room=...)`): attention writes the canvas's K/V there and reads the held tokens
+and the canvas in place, instead of concatenating them into a copy of the whole context every step.
+Nothing reads that room as tokens: it lies past every row's length and, in a ring, in slots no position maps
+to or none holds yet.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.model.config import TextConfig
+from pipeline.model.network import PastWithRoom
 
 
 @dataclass
@@ -31,16 +36,20 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        room: int = 0,
     ) -> None:
+        """`room`: slots beyond a ring's for a canvas's K/V (`read`); a full-length buffer has room past its
+        rows' lengths wherever the canvas fits in `max_len`."""
         self.window = cfg.sliding_window
         self.ring = max(cfg.sliding_window - 1, 1)
+        self.room = room
         self.max_len = max_len
         self.layer_types = list(cfg.layer_types)  # type: ignore[arg-type]
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         for i, kind in enumerate(self.layer_types):
             shape = cfg.layer_shape(i)
-            length = self.ring if kind == "sliding_attention" else max_len
+            length = self.ring + room if kind == "sliding_attention" else max_len
             self.k.append(
                 torch.zeros(slots, shape.num_kv_heads, length, shape.head_dim, dtype=dtype, device=device)
             )
@@ -56,8 +65,13 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def read(self, slots: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict[str, KeyMeta]]:
-        """The cached K/V of some rows, trimmed to the longest of them, and where each key sits."""
+    def read(
+        self, slots: torch.Tensor, room: int = 0
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict[str, KeyMeta]]:
+        """The cached K/V of some rows, trimmed to the longest of them, and where each key sits. `room`: where
+        the rows are a range of the buffers and every buffer has that many free slots past the tokens read,
+        each layer's K/V come with them (`network.PastWithRoom`, views of the buffers), for a denoise pass to
+        write its canvas's K/V into; elsewhere the K/V alone (attention then concatenates)."""
         lengths = self.lengths[slots]
         kmax = int(lengths.max()) if lengths.numel() else 0
         # rows are handed out lowest-first, so the rows in flight are usually a range: then views, no copy
@@ -67,10 +81,14 @@ class KVCache:
         # its first kmax slots hold tokens: reading just those keeps attention (and the K/V concatenation) to
         # the keys that exist, and a batch of equal lengths needs no mask at all (`attention_masks`)
         filled = min(kmax, self.ring)
-        past = []
+        with_room = room > 0 and isinstance(rows, slice) and room <= self.room and kmax + room <= self.max_len
+        past: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i, kind in enumerate(self.layer_types):
             n = filled if kind == "sliding_attention" else kmax
-            past.append((self.k[i][rows, :, :n], self.v[i][rows, :, :n]))
+            if with_room:
+                past.append(PastWithRoom(self.k[i][rows, :, : n + room], self.v[i][rows, :, : n + room], n))
+            else:
+                past.append((self.k[i][rows, :, :n], self.v[i][rows, :, :n]))
         gpos = torch.arange(kmax, device=lengths.device)[None, :].expand(len(slots), kmax)
         ring_pos = self.ring_pos[slots, :filled]
         meta = {

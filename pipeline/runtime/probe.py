@@ -632,7 +632,8 @@ def check_triton_head_norms(dev: torch.device) -> None:
     decades, a zero row and one with infinity and NaN, over positions up to 2^17, the heads contiguous or
     columns of one merged q|k|v projection (256-wide heads): within `same_rotation`, v's within
     `same_layer_end` of its value, or a DgpipeError. And q (another head count, its own weight) in k's and
-    v's launch: each of the three bit for bit what its own launch gives, q's also written head-major."""
+    v's launch: each of the three bit for bit what its own launch gives, q's also written head-major, and k's
+    and v's also into a cache's room."""
     g = torch.Generator().manual_seed(16)
     for dtype, d in ((torch.bfloat16, 256), (torch.bfloat16, 512), (torch.float16, 256)):
         if d == 256:  # x and v 3 heads each of one token's 8 (q|k|v's columns), tokens 8 heads apart
@@ -664,11 +665,32 @@ def check_triton_head_norms(dev: torch.device) -> None:
             not same_rotation(alone_q, apply_rope(q_normed, cos, sin), q_normed, cos, sin)
             or not all(same_bits(a, b) for a, b in zip(together, (got, got_v, alone_q), strict=True))
             or not (head_major.is_contiguous() and same_bits(head_major.transpose(1, 2), alone_q))
+            or not _into_room(x, norm, cos, sin, v, v_norm, q, q_norm, (got, got_v, alone_q))
         ):
             raise DgpipeError(
                 f"the Triton head norms of q, k and v in one launch differ from their own ({dtype}, head dim {d})",
                 TRITON_FALLBACK,
             )
+
+
+def _into_room(x, norm, cos, sin, v, v_norm, q, q_norm, want: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the three-part launch writes k's and v's heads into a cache's room (views [B, H, L, D] of its K
+    and V buffers, a row and some tokens into them) as their own launch writes them, q as its own launch,
+    and leaves the rest of the buffers as they were."""
+    b, seq, heads, d = x.shape
+    cache = torch.full((2, b + 1, heads, seq + 5, d), 3.0, device=x.device, dtype=x.dtype)  # K|V buffers
+    room = cache[0, 1:, :, 2 : 2 + seq], cache[1, 1:, :, 2 : 2 + seq]
+    k, v_out, q_out = triton_network.head_norms(x, norm, cos, sin, v, v_norm, q, q_norm, out=room)
+    untouched = torch.ones_like(cache, dtype=torch.bool)
+    untouched[:, 1:, :, 2 : 2 + seq] = False
+    return (
+        k is room[0]
+        and v_out is room[1]
+        and same_bits(room[0], want[0].transpose(1, 2))
+        and same_bits(room[1], want[1].transpose(1, 2))
+        and same_bits(q_out, want[2])
+        and bool((cache[untouched] == 3.0).all())
+    )
 
 
 def _probe_q(

@@ -105,7 +105,9 @@ class BlockDiffusionRuntime:
         self.max_len = max_len or min(cfg.max_position_embeddings, DEFAULTS.max_context)
         self.max_batch = max_batch
         self.device, self.dtype = self.backend.device, self.backend.dtype
-        self.cache = KVCache(cfg, max_batch, self.max_len, self.dtype, self.device)
+        # room in the cache for a canvas's K/V, where the backend writes them there (`KVCache.read`)
+        room = self.canvas_length if getattr(self.backend, "writes_kv_in_place", False) else 0
+        self.cache = KVCache(cfg, max_batch, self.max_len, self.dtype, self.device, room)
         s, length = max_batch, self.canvas_length
         dev = self.device
         self.x = torch.zeros(s, length, dtype=torch.long, device=dev)
@@ -450,7 +452,7 @@ class BlockDiffusionRuntime:
                 self.done[slot] = True
 
     def _prepare_round(self, slots: torch.Tensor) -> DenoiseRound:
-        past, meta = self.cache.read(slots)
+        past, meta = self.cache.read(slots, room=self.cache.room)
         positions = canvas_positions(self.cache.lengths[slots], self.canvas_length)
         masks = attention_masks(
             positions, torch.ones_like(positions, dtype=torch.bool), meta, False, self.cache.window

@@ -193,6 +193,7 @@ def head_norms(
     q: torch.Tensor | None = None,
     q_norm: RMSNorm | None = None,
     q_head_major: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(rope(norm(x)), v_norm(v) or None, rope(q_norm(q)) or None) in one launch (`head_norms_serves` must
     hold, for q with x's tokens, head dim and dtype as well; q comes with v, whose programs precede q's in the
@@ -200,20 +201,24 @@ def head_norms(
     per head, k and q rotated. Each norm is torch's fused RMSNorm arithmetic but for the order of its sum of
     squares, rounded to x's dtype; the rotation is `rope`'s, bit for bit on that. Each part's values are the
     ones it gets in a launch of its own. The outputs are contiguous [B, L, H, D], q's [B, H, L, D] where
-    `q_head_major` (what `network.attend_packed` reads without a copy)."""
+    `q_head_major` (what `network.attend_packed` reads without a copy), and k's and v's the given `out`
+    [B, H, L, D] where given (`head_outputs_serve`: a cache's room, `network.room_for`), written where they
+    lie."""
     import triton
 
     if q is not None and v is None:
         raise ValueError("head_norms takes q in k's and v's launch: pass v too, or q alone as x")
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    v_out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if v is not None else None
+    if out is not None and v is None:
+        raise ValueError("head_norms writes k and v into `out`: pass v too")
+    b, seq, heads, d = x.shape
+    k_out, v_out = out or (torch.empty_like(x, memory_format=torch.contiguous_format), None)
+    if out is None and v is not None:
+        v_out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     q_out = None
     if q is not None:
-        b, seq, heads, _ = q.shape
-        q_out = torch.empty(
-            (b, heads, seq, q.shape[3]) if q_head_major else q.shape, dtype=q.dtype, device=q.device
-        )
-    rows, d = x.numel() // x.shape[-1], x.shape[-1]
+        q_shape = (b, q.shape[2], seq, d) if q_head_major else q.shape
+        q_out = torch.empty(q_shape, dtype=q.dtype, device=q.device)
+    rows = x.numel() // d
     q_rows = 0 if q is None else q.numel() // d
     if rows or q_rows:
         half = triton.next_power_of_2(d // 2)
@@ -221,23 +226,37 @@ def head_norms(
         v_in, q_in = x if v is None else v, x if q is None else q
         parts = 3 if q is not None else 2 if v is not None else 1
         q_weight = norm.weight if q_norm is None else q_norm.weight
-        q_strides = _head_strides(q_out, q_head_major) if q_out is not None else (1, 0, 0, 0)
+        q_strides = _head_strides(q_out, q_head_major) if q_out is not None else (0, 0, 0)
         _kernels().head_norms[(triton.cdiv(max(rows, q_rows), block), parts)](
-            x, norm.weight, cos, sin, out, v_in, out if v_out is None else v_out, rows, x.shape[2],
-            x.stride(1), v_in.stride(1), norm.eps, q_in, q_weight, out if q_out is None else q_out, q_rows,
-            q_in.shape[2], q_in.stride(1), *q_strides, HALF=d // 2, HALF_P2=half, BLOCK_R=block, **OPTIONS,
+            x, norm.weight, cos, sin, k_out, v_in, k_out if v_out is None else v_out, rows, heads, x.stride(1),
+            v_in.stride(1), norm.eps, max(seq, 1), *_head_strides(k_out, out is not None), q_in, q_weight,
+            k_out if q_out is None else q_out, q_rows, q_in.shape[2], q_in.stride(1), *q_strides, HALF=d // 2,
+            HALF_P2=half, BLOCK_R=block, **OPTIONS,
         )  # fmt: skip
-    return out, v_out, q_out
+    return k_out, v_out, q_out
 
 
-def _head_strides(out: torch.Tensor, head_major: bool) -> tuple[int, int, int, int]:
-    """(tokens of a batch row, then the strides of a batch row, a token and a head) of a contiguous output
-    [B, L, H, D], or [B, H, L, D] where `head_major`."""
+def _head_strides(out: torch.Tensor, head_major: bool) -> tuple[int, int, int]:
+    """The strides of a batch row, a token and a head of an output [B, L, H, D], or [B, H, L, D] where
+    `head_major`."""
     if head_major:
-        _, heads, seq, d = out.shape
-        return max(seq, 1), heads * seq * d, d, seq * d
-    _, seq, heads, d = out.shape
-    return max(seq, 1), seq * heads * d, heads * d, d
+        return out.stride(0), out.stride(2), out.stride(1)
+    return out.stride(0), out.stride(1), out.stride(2)
+
+
+def head_outputs_serve(
+    out: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, v: torch.Tensor | None
+) -> bool:
+    """Whether the kernel writes k's and v's heads into `out` ([B, H, L, D] each, of x's dtype, laid out
+    alike, each head's values contiguous: a cache's room) for x [B, L, H, D] and its v."""
+    b, seq, heads, d = x.shape
+    return v is not None and all(
+        t.shape == (b, heads, seq, d)
+        and t.dtype == x.dtype
+        and t.stride(3) == 1
+        and t.stride() == out[0].stride()
+        for t in out
+    )
 
 
 def head_norms_or_torch(
@@ -250,19 +269,28 @@ def head_norms_or_torch(
     q: torch.Tensor | None = None,
     q_norm: RMSNorm | None = None,
     q_head_major: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`head_norms` where it serves (`head_norms_serves`, q's too), else the torch form (q [B, H, L, D] then
-    a transposed view, where `q_head_major`): what the GPU loader installs."""
-    serves = head_norms_serves(x, norm, cos, v, v_norm) and (
-        q is None or (v is not None and _q_beside(q, q_norm, x, norm, cos))
+    """`head_norms` where it serves (`head_norms_serves`, q's too, `out`'s too), else the torch form (q
+    [B, H, L, D] then a transposed view, where `q_head_major`; k and v copied into `out`, where given): what
+    the GPU loader installs."""
+    serves = (
+        head_norms_serves(x, norm, cos, v, v_norm)
+        and (q is None or (v is not None and _q_beside(q, q_norm, x, norm, cos)))
+        and (out is None or head_outputs_serve(out, x, v))
     )
     if serves:
-        return head_norms(x, norm, cos, sin, v, v_norm, q, q_norm, q_head_major)
+        return head_norms(x, norm, cos, sin, v, v_norm, q, q_norm, q_head_major, out)
+    normed_k = apply_rope(norm(x), cos, sin)
     normed_v = v_norm(v) if v is not None and v_norm is not None else None
     normed_q = apply_rope(q_norm(q), cos, sin) if q is not None and q_norm is not None else None
     if normed_q is not None and q_head_major:
         normed_q = normed_q.transpose(1, 2)
-    return apply_rope(norm(x), cos, sin), normed_v, normed_q
+    if out is not None and normed_v is not None:
+        out[0].copy_(normed_k.transpose(1, 2))
+        out[1].copy_(normed_v.transpose(1, 2))
+        return out[0], out[1], normed_q
+    return normed_k, normed_v, normed_q
 
 
 def _q_beside(

@@ -251,28 +251,28 @@ def layer_end(
 @triton.jit
 def head_norms(
     x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, v_ptr, v_out_ptr, rows, heads, x_stride, v_stride, eps,
-    q_ptr, q_w_ptr, q_out_ptr, q_rows, q_heads, q_stride, q_seq, q_out_sb, q_out_sl, q_out_sh,
-    HALF: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_R: tl.constexpr,
+    seq, out_sb, out_sl, out_sh, q_ptr, q_w_ptr, q_out_ptr, q_rows, q_heads, q_stride, q_out_sb, q_out_sl,
+    q_out_sh, HALF: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Programs (i, 0): rows of x [tokens * heads, 2 * HALF] RMS-normed with weight w and rounded to x's
     dtype, then rotated by their token's cos/sin [tokens, 2 * HALF] with `rope`'s arithmetic. Programs (i, 1),
     where the grid has them: rows of v of x's shape normed without a weight. Programs (i, 2), where the grid
     has them: rows of q [tokens * q_heads, 2 * HALF] as x's, with q's weight (attention's q beside its k and
     v: the three in one launch). A token's heads are contiguous in x, v and q, tokens `x_stride`, `v_stride`
-    and `q_stride` values apart (columns of one merged projection's output); x's and v's outputs are
-    contiguous, q's head h of the token at l of batch row b (rows of `q_seq` tokens) is stored at
-    b * q_out_sb + l * q_out_sl + h * q_out_sh (contiguous [B, L, H, D], or [B, H, L, D])."""
+    and `q_stride` values apart (columns of one merged projection's output). Batch rows hold `seq` tokens;
+    head h of the token at l of batch row b goes to b * out_sb + l * out_sl + h * out_sh of x's and v's
+    outputs (contiguous [B, L, H, D], or views of a cache's room) and likewise of q's with its strides
+    (contiguous [B, L, H, D] or [B, H, L, D])."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     part = tl.program_id(1)
     if part == 0:
-        d = 2 * HALF  # contiguous: all tokens one batch row
         _rotated_rows(
-            x_ptr, w_ptr, out_ptr, r, rows, heads, x_stride, cos_ptr, sin_ptr, eps, rows + 1, 0, heads * d, d,
+            x_ptr, w_ptr, out_ptr, r, rows, heads, x_stride, cos_ptr, sin_ptr, eps, seq, out_sb, out_sl, out_sh,
             HALF, HALF_P2,
         )  # fmt: skip
     elif part == 2:
         _rotated_rows(
-            q_ptr, q_w_ptr, q_out_ptr, r, q_rows, q_heads, q_stride, cos_ptr, sin_ptr, eps, q_seq, q_out_sb,
+            q_ptr, q_w_ptr, q_out_ptr, r, q_rows, q_heads, q_stride, cos_ptr, sin_ptr, eps, seq, q_out_sb,
             q_out_sl, q_out_sh, HALF, HALF_P2,
         )  # fmt: skip
     else:
@@ -283,7 +283,8 @@ def head_norms(
         hi = tl.load(v_ptr + src + HALF, mask=inside, other=0.0).to(tl.float32)
         rstd = _head_rstd(lo, hi, HALF, eps)
         dt = x_ptr.dtype.element_ty
-        row = r[:, None] * (2 * HALF) + j
+        token = r // heads
+        row = ((token // seq) * out_sb + (token % seq) * out_sl + (r % heads) * out_sh)[:, None] + j
         tl.store(v_out_ptr + row, (lo * rstd).to(dt), mask=inside)
         tl.store(v_out_ptr + row + HALF, (hi * rstd).to(dt), mask=inside)
 

@@ -211,7 +211,8 @@ def test_the_logit_softcap_takes_one_launch_where_probed():
 
 def test_traffic_counts_each_operand_read_and_each_result_written_once():
     """Element-wise: inputs plus output (a broadcast operand at its own size, an in-place result as a write of
-    its argument); a gather: its indices and the rows it takes, twice; a Triton launch: its tensors once."""
+    its argument, a copy's destination not read); a gather: its indices and the rows it takes, twice; a
+    Triton launch: its tensors once."""
     import torch.nn.functional as F
 
     with fake_cuda.fake_gpu("sm90") as (_, counter, _calls):
@@ -226,12 +227,14 @@ def test_traffic_counts_each_operand_read_and_each_result_written_once():
         x.mul_(2)
         F.embedding(idx, table)
         fake_cuda.Launchers(counter).softcap[(1,)](x, torch.empty(1024, 512, device="cuda"), 1, 0.5, 2.0)
+        x[:512].copy_(x[512:])
         counter.counting = False
     mb = 1024 * 512 * 2
     assert counter.bytes["aten::add"] == mb + 1024 + mb
     assert counter.bytes["aten::mul_"] == 2 * mb
     assert counter.bytes["aten::embedding"] == 80 + 2 * 10 * 64 * 2
     assert counter.bytes["triton::softcap"] == mb + 2 * mb and counter.ops["triton::softcap"] == 1
+    assert counter.bytes["aten::copy_"] == mb  # half read, half written: what it overwrites is not read
 
 
 def test_copies_behind_aliasing_schemas_are_counted_and_views_are_not():
@@ -319,8 +322,9 @@ def test_attentions_head_norms_take_one_launch_a_layer_where_probed(batch):
     """q's, k's and v's norms and q's and k's RoPE are one launch, where torch's forms are five (three norms,
     two RoPE kernels), and the normed q and k are no longer written and read back. Without
     the kernel q, k and v are three GEMMs (two more in the sliding layer, one in the global one): torch's
-    norms would copy the merged GEMM's column views; and the global layer's q is copied into the packed
-    queries' layout, which the kernel writes directly (head-major)."""
+    norms would copy the merged GEMM's column views; the global layer's q is copied into the packed
+    queries' layout, which the kernel writes directly (head-major); and K and V are copied into the cache's
+    room, where the kernel writes them directly."""
     fused = gt.trace_pass("fp8", "sm90", batch, LAYERS)
     assert fused.ops["triton::head_norms"] == LAYERS and "triton::rope" not in fused.ops
     no_kernel = gt.passing_probe("sm90")
@@ -329,7 +333,8 @@ def test_attentions_head_norms_take_one_launch_a_layer_where_probed(batch):
     assert torch_form.ops["aten::rms_norm"] == fused.ops["aten::rms_norm"] + 3 * LAYERS
     assert torch_form.ops["triton::rope"] == 2 * LAYERS and "triton::head_norms" not in torch_form.ops
     assert torch_form.ops["aten::reshape"] == 1 and "aten::reshape" not in fused.ops
-    assert torch_form.launches == fused.launches + 4 * LAYERS + 3 + 1
+    assert torch_form.ops["aten::copy_"] == 2 * LAYERS and "aten::copy_" not in fused.ops
+    assert torch_form.launches == fused.launches + 4 * LAYERS + 3 + 1 + 2 * LAYERS
     # q (16 heads) and k (8 sliding, 2 global heads) of 256 and 512: each normed once more, written and read
     heads = (16 + 8) * 256 + (16 + 2) * 512
     normed_gb = 2 * batch * 256 * heads * 2 / 1e9
@@ -337,7 +342,8 @@ def test_attentions_head_norms_take_one_launch_a_layer_where_probed(batch):
     # cos and sin (256- and 512-wide) read by q's RoPE and by k's, and once by the one launch
     rope_gb = batch * 256 * (256 + 512) * 2 * 2 / 1e9
     packing_gb = 2 * batch * 256 * 16 * 512 * 2 / 1e9  # the global layer's q read and written packed
-    want_gb = normed_gb + operand_gb + rope_gb + packing_gb
+    room_gb = 2 * batch * 256 * (8 * 256 + 2 * 512) * 2 * 2 / 1e9  # K and V read and written into the room
+    want_gb = normed_gb + operand_gb + rope_gb + packing_gb + room_gb
     assert torch_form.moved_gb - fused.moved_gb == pytest.approx(want_gb, rel=0.05)
 
 
@@ -346,15 +352,16 @@ def test_q_k_and_v_are_one_gemm_where_the_head_norms_kernel_reads_their_columns(
     """Where their weights concatenate (float, NVFP4 with one global scale, per-row FP8), q, k and v are
     one GEMM whose columns the head-norms kernel reads in place; where that kernel failed its probe they
     stay three GEMMs (torch's norms would copy the columns), and the pass has the torch forms' three
-    launches a layer more, the two GEMMs of the sliding layer and one of the global one, and the copy of the
-    global layer's q into the packed queries' layout (which the kernel writes directly)."""
+    launches a layer more, the two GEMMs of the sliding layer and one of the global one, the copy of the
+    global layer's q into the packed queries' layout and those of K and V into the cache's room (which the
+    kernel writes directly)."""
     fused = gt.trace_pass(fmt, arch, 1, LAYERS)
     no_kernel = gt.passing_probe(arch)
     no_kernel.results[probing.HEAD_NORMS] = "failed"
     torch_form = gt.trace_pass(fmt, arch, 1, LAYERS, probed=no_kernel)
     gemm = "F.linear" if fmt == "bf16" else "F.scaled_mm"
     assert torch_form.gemms()[gemm] == fused.gemms()[gemm] + 3
-    assert torch_form.launches == fused.launches + 4 * LAYERS + 3 + 1
+    assert torch_form.launches == fused.launches + 4 * LAYERS + 3 + 1 + 2 * LAYERS
     for copy in ("aten::clone", "aten::contiguous"):  # no copies of the columns
         assert torch_form.ops.get(copy, 0) == fused.ops.get(copy, 0)
     assert torch_form.ops["aten::reshape"] == fused.ops.get("aten::reshape", 0) + 1  # q packed
@@ -452,7 +459,6 @@ def test_the_gated_gelus_take_one_launch_where_probed():
     ("form", "kernel", "torch_op", "more"),
     [
         (probing.RESIDUAL, "triton::add_scaled", "aten::mul", 1),  # the residual sum and the layer scale
-        (probing.KV_CAT, "triton::kv_cat", "aten::cat", 2),  # torch.cat for K and for V
         (probing.ROUTER, "triton::scale_columns", "aten::mul", 2),  # the router input's two products
     ],
 )
@@ -525,19 +531,16 @@ def test_sibling_linears_share_their_input_quantization_and_gate_and_up_one_gemm
     )  # NVFP4's scales
 
 
-def test_global_attention_reads_its_kv_heads_where_the_concatenation_wrote_them():
-    """The global layer's 16 query heads (head dim 512) read its 2 K/V heads with no copy per query head:
-    its queries are packed along the K/V heads (`network.attend_packed`) as the head-norms kernel writes q
-    (head-major: a view), the output copied out once, and the K/V concatenation writes each layer's own
-    heads only."""
+def test_attention_reads_the_cached_and_new_k_v_in_the_caches_buffers():
+    """A denoise pass concatenates no K/V: the head-norms kernel writes the canvas's K and V into the room the
+    cache keeps after the cached tokens (`network.PastWithRoom`) and attention reads the buffers in place;
+    the global layer's 16 query heads (head dim 512) read its 2 K/V heads with no copy per query head, its
+    queries packed along them as the kernel writes q (head-major: a view), the output copied out once. The
+    only concatenations left are the RoPE tables' (one a layer kind)."""
     trace = gt.trace_pass("bf16", "sm90", 1, LAYERS)
+    assert "triton::kv_cat" not in trace.ops and trace.ops["aten::cat"] == 2
     assert "aten::repeat_interleave" not in trace.ops and "aten::reshape" not in trace.ops
-    assert trace.ops["aten::contiguous"] == 1
-    canvas = 256
-    # each layer's cached K/V and the canvas's read, both written: K and V, bf16 (the sliding layer's past,
-    # 256 tokens, is within its window)
-    moved = lambda heads, d: 2 * (2 * heads * d * (gt.CONTEXT + canvas) * 2)
-    assert trace.traffic["triton::kv_cat"] == moved(8, 256) + moved(2, 512)
+    assert trace.ops["aten::contiguous"] == 1 and "aten::copy_" not in trace.ops
 
 
 def test_nvfp4_experts_copy_no_scales_in_the_pass():

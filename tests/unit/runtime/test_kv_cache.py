@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pipeline.model.network import canvas_positions
+from pipeline.model.network import PastWithRoom, canvas_positions
 from pipeline.runtime.kv_cache import KeyMeta, KVCache, attention_masks
 from tests._utils.tiny import build_tiny
 
@@ -76,3 +76,70 @@ def test_attention_over_the_trimmed_ring_equals_attention_over_the_whole_ring():
     qpos = canvas_positions(equal.lengths[slots], 4)
     masks = attention_masks(qpos, torch.ones_like(qpos, dtype=torch.bool), meta, False, equal.window)
     assert masks["sliding_attention"] is None and masks["full_attention"] is None
+
+
+def test_a_read_with_room_hands_out_the_buffers_past_the_tokens_and_never_over_them():
+    """Rows that are a range of the cache get each layer's cached K/V with room after them for a canvas:
+    views of the buffers, the room past every row's length and, in a ring, in slots no held position maps
+    to (before the ring fills: past its longest row; after: the slots beyond it). Rows gathered out of order
+    or a canvas that does not fit get the K/V alone, as without room."""
+    cfg = build_tiny().cfg
+    cache = KVCache(cfg, 3, 16, torch.float32, room=4)  # ring of 5 slots, 4 more for a canvas
+    assert cache.k[SLIDING].shape[2] == cache.ring + 4 and cache.k[GLOBAL].shape[2] == 16
+    _fill(cache, [3, 2, 1])
+    rows = torch.arange(2)
+    past, meta = cache.read(rows, room=4)
+    for layer, held in ((SLIDING, 3), (GLOBAL, 3)):
+        p = past[layer]
+        assert isinstance(p, PastWithRoom) and p.length == held and p.k.shape[2] == held + 4
+        assert p.k.data_ptr() == cache.k[layer].data_ptr() and p.v.data_ptr() == cache.v[layer].data_ptr()
+    assert meta["full_attention"].positions.shape[1] == 3  # the keys' positions: the tokens only
+    # a canvas written into the room changes no token a later read returns
+    before, _ = cache.read(rows)
+    for p in past:
+        p.k[:, :, p.length :] = 7.0
+        p.v[:, :, p.length :] = 7.0
+    after, _ = cache.read(rows)
+    held_equal = lambda a, b, valid: torch.equal(a[:, :, valid], b[:, :, valid])
+    assert held_equal(before[SLIDING][0][0], after[SLIDING][0][0], slice(0, 3))  # row 0: 3 tokens
+    assert held_equal(before[SLIDING][0][1], after[SLIDING][0][1], slice(0, 2))  # row 1: 2 tokens
+    _fill(cache, [4, 4, 0], seed=1)  # row 0 at 7 tokens wraps the ring: the room is past it
+    past, _ = cache.read(rows, room=4)
+    assert past[SLIDING].length == cache.ring and past[SLIDING].k.shape[2] == cache.ring + 4
+    # no room: rows out of order (a gathered copy), a canvas past the context, no room asked for
+    assert not isinstance(cache.read(torch.tensor([1, 0]), room=4)[0][SLIDING], PastWithRoom)
+    assert not isinstance(cache.read(rows, room=16 - 7 + 1)[0][GLOBAL], PastWithRoom)
+    assert not isinstance(cache.read(rows)[0][GLOBAL], PastWithRoom)
+
+
+def test_a_denoise_pass_over_the_room_is_the_pass_over_concatenated_k_v():
+    """The tiny model's denoise pass reading its cache with room (the canvas's K/V written into the buffers,
+    attention over them in place) gives the logits of the pass that concatenates, bit for bit, and leaves
+    the tokens the cache holds as they were."""
+    model = build_tiny().eval()
+    cfg, length = model.cfg, 8
+    cache = KVCache(cfg, 2, 64, torch.float32, room=length)
+    slots = torch.arange(2)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(2, cfg.vocab_size, (2, 7), generator=g)
+    pos = canvas_positions(cache.lengths[slots], 7)
+    valid = torch.arange(7)[None, :] < torch.tensor([7, 5])[:, None]  # rows of different lengths
+    with torch.inference_mode():
+        cache.write(
+            slots,
+            model.encode_kv(prompt, pos, attention_masks(pos, valid, None, True, cache.window)),
+            pos,
+            valid,
+        )
+        canvas = torch.randint(2, cfg.vocab_size, (2, length), generator=g)
+        cpos = canvas_positions(cache.lengths[slots], length)
+        plain, meta = cache.read(slots)
+        masks = attention_masks(cpos, torch.ones_like(cpos, dtype=torch.bool), meta, False, cache.window)
+        want = model.denoise(canvas, None, cpos, masks, plain)
+        held = [(k.clone(), v.clone()) for k, v in plain]
+        roomy, _ = cache.read(slots, room=length)
+        assert all(isinstance(p, PastWithRoom) for p in roomy)
+        got = model.denoise(canvas, None, cpos, masks, roomy)
+        again, _ = cache.read(slots)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for kv, kv_held in zip(again, held) for a, b in zip(kv, kv_held))

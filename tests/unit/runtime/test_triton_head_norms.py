@@ -90,6 +90,17 @@ def test_head_norms_read_q_k_and_v_in_place_from_one_merged_projection(rne_casts
     assert head_major[2].shape == (2, h, 5, d) and head_major[2].is_contiguous()
     assert probing.same_bits(head_major[2].transpose(1, 2), want_q)
     assert all(probing.same_bits(a, b) for a, b in zip(head_major[:2], (want_k, want_v), strict=True))
+    # k and v written into a cache's room: its buffers' rows 1-2, tokens 3-7 of 12, nothing else touched
+    cache = torch.full((2, 3, kv, 12, d), 5.0, dtype=torch.bfloat16)  # K|V, slots, heads, length, dim
+    room = cache[0, 1:, :, 3:8], cache[1, 1:, :, 3:8]
+    assert triton_network.head_outputs_serve(room, k, v)
+    roomed = triton_network.head_norms(k, norm, cos, sin, v, v_norm, q, q_norm, out=room)
+    assert roomed[0] is room[0] and roomed[1] is room[1] and probing.same_bits(roomed[2], want_q)
+    assert probing.same_bits(room[0], want_k.transpose(1, 2)) and probing.same_bits(
+        room[1], want_v.transpose(1, 2)
+    )
+    cache[:, 1:, :, 3:8] = 5.0
+    assert bool((cache == 5.0).all())
     assert not probing.same_bits(
         want_q, triton_network.head_norms(q, norm, cos, sin)[0]
     )  # the weights differ
@@ -124,6 +135,16 @@ def test_other_heads_keep_the_torch_form(monkeypatch):
         y, norm.float(), cos.float(), sin.float(), w, v_norm, y, norm.float(), q_head_major=True
     )  # the torch form's q as [B, H, L, D]
     assert head_major[2].shape == (1, 2, 4, 64) and same(head_major[2].transpose(1, 2), fp32[2])
+    room = torch.zeros(2, 1, 2, 4, 64)  # fp32 K/V: the torch form, copied into the room
+    assert not triton_network.head_outputs_serve(tuple(room[:, :, :, :, :2]), y, w)  # another shape
+    with torch.no_grad():  # as the runtime runs it (the norms' weights are parameters)
+        roomed = triton_network.head_norms_or_torch(
+            y, norm.float(), cos.float(), sin.float(), w, v_norm, out=(room[0], room[1])
+        )
+    assert roomed[0].data_ptr() == room[0].data_ptr() and same(room[0], fp32[0].transpose(1, 2))
+    assert same(room[1], fp32[1].transpose(1, 2))
+    with pytest.raises(ValueError, match="pass v too"):
+        kernel(x, norm, cos, sin, out=(x.transpose(1, 2), x.transpose(1, 2)))
 
 
 @interpreted
@@ -144,8 +165,13 @@ def test_the_head_norms_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, 
             *kernel(x, n, c, s, v, vn)[:2], None if q is None else apply_rope(qn(q), torch.ones_like(c), torch.zeros_like(s))),
         "q token-major where asked head-major": lambda x, n, c, s, v=None, vn=None, q=None, qn=None, **hm: kernel(
             x, n, c, s, v, vn, q, qn),
-        "q head-major as a transposed view": lambda x, n, c, s, v=None, vn=None, q=None, qn=None, q_head_major=False: (
-            lambda out: (*out[:2], out[2].transpose(1, 2) if q_head_major else out[2]))(kernel(x, n, c, s, v, vn, q, qn)),
+        "q head-major as a transposed view": lambda x, n, c, s, v=None, vn=None, q=None, qn=None, q_head_major=False, **o: (
+            lambda out: (*out[:2], out[2].transpose(1, 2) if q_head_major else out[2]))(kernel(x, n, c, s, v, vn, q, qn, **o)),
+        "k and v beside the room": lambda x, n, c, s, v=None, vn=None, q=None, qn=None, out=None, **hm: kernel(
+            x, n, c, s, v, vn, q, qn, **hm),
+        "k and v a token off in the room": lambda x, n, c, s, v=None, vn=None, q=None, qn=None, out=None, **hm: kernel(
+            x, n, c, s, v, vn, q, qn, out=None if out is None else tuple(
+                t.as_strided(t.shape, t.stride(), t.storage_offset() + t.stride(2)) for t in out), **hm),
     }  # fmt: skip
     check = lambda: probing.check_triton_head_norms(CPU)
     each_wrong_form_fails(monkeypatch, triton_network, "head_norms", wrong, check, "head norms .*differ")
@@ -219,8 +245,9 @@ for cc in (90, 100, 89, 120):
         for dt in ("bf16", "fp16"):
             sig = {**{p: f"*{dt}" for p in ("x_ptr", "w_ptr", "cos_ptr", "sin_ptr", "out_ptr", "v_ptr", "v_out_ptr")},
                    "rows": "i32", "heads": "i32", "x_stride": "i32", "v_stride": "i32", "eps": "fp32",
+                   "seq": "i32", "out_sb": "i32", "out_sl": "i32", "out_sh": "i32",
                    **{p: f"*{dt}" for p in ("q_ptr", "q_w_ptr", "q_out_ptr")}, "q_rows": "i32", "q_heads": "i32",
-                   "q_stride": "i32", "q_seq": "i32", "q_out_sb": "i32", "q_out_sl": "i32", "q_out_sh": "i32"}
+                   "q_stride": "i32", "q_out_sb": "i32", "q_out_sl": "i32", "q_out_sh": "i32"}
             consts = {"HALF": d // 2, "HALF_P2": d // 2, "BLOCK_R": tn.HEAD_NORMS_VALUES // d}
             src = ASTSource(fn=k.head_norms, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
                             attrs={(k.head_norms.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr")})
