@@ -543,7 +543,7 @@ def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
     v: 2 heads of 512): within `probe.same_rotation` of torch's fused CUDA norm and RoPE (v within
     `same_layer_end`), and bit for bit but for under 1% of the values; heads read in place from a merged
     q|k|v projection's columns bit for bit as from a contiguous tensor; q, k and v in one launch bit for bit
-    as in their own."""
+    as in their own, k and v also written into a cache's room and q head-major."""
     from pipeline.model.network import RMSNorm, apply_rope
     from pipeline.runtime import triton_moe, triton_network
 
@@ -589,6 +589,20 @@ def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
     apart = (*triton_network.head_norms(k, norms[1], cos, sin, v, v_norm)[:2],
              triton_network.head_norms(x, norms[0], cos, sin)[0])  # fmt: skip
     assert all(probing.same_bits(a, b) for a, b in zip(together, apart, strict=True))
+    # k and v into a cache's room (rows 16-31 of 48, after 1,023 cached tokens of a ring with room for
+    # 256), q head-major: each the values of its own launch, the rest of the buffers untouched
+    cache = torch.full((2, 48, 8, 1023 + 256, 256), 3.0, device=CUDA, dtype=torch.bfloat16)
+    room = cache[0, 16:32, :, 1023:], cache[1, 16:32, :, 1023:]
+    roomed = triton_network.head_norms(
+        k, norms[1], cos, sin, v, v_norm, x, norms[0], q_head_major=True, out=room
+    )
+    assert roomed[0] is room[0] and roomed[1] is room[1]
+    assert probing.same_bits(room[0], apart[0].transpose(1, 2)) and probing.same_bits(
+        room[1], apart[1].transpose(1, 2)
+    )
+    assert roomed[2].is_contiguous() and probing.same_bits(roomed[2].transpose(1, 2), apart[2])
+    cache[:, 16:32, :, 1023:] = 3.0
+    assert bool((cache == 3.0).all())
 
 
 def _rows_and_norm(seed: int) -> tuple[torch.Tensor, RMSNorm]:
