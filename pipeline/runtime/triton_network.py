@@ -48,6 +48,8 @@ K/V concatenation: a pass over cached tokens concatenates each layer's cached K 
 `torch.cat` launches; on an H200 at 16 canvases torch's 120 concatenations of a pass (half of them
 `rotate_half`'s) took 7.3 ms for about 7 GB, some 1 TB/s. The kernel copies K's and V's rows, from wherever
 the cache's views and the projections' transposed outputs lie, in one launch: a copy, so torch's bit for bit.
+Denoise passes over a cache with room for their canvas concatenate nothing (`network.PastWithRoom`: the
+head-norms kernel writes the canvas's K/V into the cache's buffers); prefill chunks and commits still do.
 
 Residual sum: a decoder layer ends with `(residual + x) * layer_scalar`, two kernels; this is one, rounding
 the sum before the product as torch does, so bit for bit. Layer end: before that sum come three RMSNorms and a
@@ -804,7 +806,8 @@ def kv_cat(
     past_k: torch.Tensor, past_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cat(past_k, k), cat(past_v, v)) along the tokens in one launch (`kv_cat_serves` must hold): what a
-    denoise pass's attention reads, the cached context's K/V then the canvas's. torch.cat is one launch per
+    pass over cached tokens reads where the cache has no room for its own (a prefill chunk, a commit), the
+    cached context's K/V then the new tokens'. torch.cat is one launch per
     tensor, and on an H200 at 16 canvases its kernel moved the 26B's K/V at about 1 TB/s."""
     import triton
 
