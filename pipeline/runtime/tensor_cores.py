@@ -286,11 +286,10 @@ class ScaledExperts(nn.Module):
         self, x: torch.Tensor | sl.QuantizedRows, index: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         scales = (self.in_scale, self.down_in_scale)
-        per_expert = getattr(self, "expert_in_scales", None), getattr(self, "expert_down_in_scales", None)
+        held = (self.expert_in_scales, self.expert_down_in_scales) if self.mode == "nvfp4" else None
         return scaled_experts(
             x, index, weights, *self._weights(), *scales, self.mode, self.triton_rows, self.one_pass,
-            self.combine_kernel, self.geglu_kernel, self.order_kernel, self.geglu_nvfp4_kernel,
-            None if per_expert[0] is None else per_expert,
+            self.combine_kernel, self.geglu_kernel, self.order_kernel, self.geglu_nvfp4_kernel, held,
         )  # fmt: skip
 
 
