@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# Without a GPU, Triton kernels run in Triton's interpreter (tests/unit/runtime/test_triton_moe.py). The
+# Without a GPU, Triton kernels run in Triton's interpreter (tests/unit/runtime/kernels/test_moe.py). The
 # switch must be on before anything imports triton: its standard library (the combine functions of
 # tl.sum, tl.cumsum) is jitted at import, and torch.compile's tests import it early.
 if not torch.cuda.is_available():

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from pipeline.model.network import DiffusionGemma
-from pipeline.runtime import tensor_cores, triton_moe, triton_network, triton_quant, triton_routing
+from pipeline.runtime import kernels, tensor_cores
 
 CAPABILITY = {"sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
 NO_CUDA = "not linked with support for cuda"  # a CPU build's error for a CUDA device guard or generator
@@ -215,7 +215,7 @@ class Launcher:
 
 
 class Launchers:
-    """Stands for a module of jitted kernels (`triton_quant_kernels`): each attribute is a `Launcher`."""
+    """Stands for a module of jitted kernels (`kernels.jit.quant`): each attribute is a `Launcher`."""
 
     def __init__(self, counter: OpCounter) -> None:
         self.counter = counter
@@ -262,11 +262,10 @@ def fake_gpu(arch: str) -> Iterator[tuple[FakeTensorMode, OpCounter, _Functions]
         stack.enter_context(
             mock.patch("torch.cuda.get_device_capability", lambda device=None: CAPABILITY[arch])
         )
-        stack.enter_context(mock.patch.object(triton_moe, "_kernel", lambda: Launcher("moe_gemm", ops)))
-        kernels = Launchers(ops)
-        stack.enter_context(mock.patch.object(triton_quant, "_kernels", lambda: kernels))
-        stack.enter_context(mock.patch.object(triton_network, "_kernels", lambda: kernels))
-        stack.enter_context(mock.patch.object(triton_routing, "_kernels", lambda: kernels))
+        stack.enter_context(mock.patch.object(kernels.moe, "_kernel", lambda: Launcher("moe_gemm", ops)))
+        launchers = Launchers(ops)
+        for family in (kernels.quant, kernels.chains, kernels.routing):
+            stack.enter_context(mock.patch.object(family, "_kernels", lambda: launchers))
         # the RowWise GEMMs' unit row scales are cached per device, outside graph capture: here fake tensors
         # of this mode only, and no capture (a CPU build of torch cannot say)
         stack.enter_context(mock.patch.dict(tensor_cores._UNIT_ROWS, clear=True))

@@ -354,12 +354,12 @@ def _best_ms(row: dict) -> float:
 def _kernels_here(dev: torch.device, arch: str):
     """The load-time probe on a GPU; off one (this module's own tests), the vendor kernels' CPU stand-ins
     count as run and dgpipe's Triton kernels as failed with the reason they cannot run here."""
-    from pipeline.runtime import triton_moe
+    from pipeline.runtime import kernels
     from pipeline.runtime.probe import NETWORK_FORMS, Probe, probe, probe_plan
 
     if dev.type == "cuda":
         return probe(dev)
-    why = triton_moe.unavailable(dev)
+    why = kernels.moe.unavailable(dev)
     triton_kinds = {"triton", *(kind for kind, _, _ in NETWORK_FORMS)}  # dgpipe's own kernels
     plan = probe_plan(arch)
     return Probe(arch, {f"{kind}:{mode}": why if kind in triton_kinds else None for kind, mode, _ in plan})
@@ -585,7 +585,7 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
     """One layer's FP8 experts (`ScaledExperts`, mode "fp8") on `tokens` tokens routed uniformly at random:
     ms of the module as the pass runs it; of its two grouped GEMMs alone, token-row gather included, on
     torch's kernel (with the fast accumulation the module uses, and with promoted fp32 accumulation) and on
-    `triton_moe`'s kernel (which gathers in the kernel); of the same experts dequantized to bf16 through
+    `kernels.moe`'s kernel (which gathers in the kernel); of the same experts dequantized to bf16 through
     `F.grouped_mm` (`network.grouped_experts`, weights dequantized beforehand) and of that dequantization.
     Distances (relative L2): bf16 against FP8 (the FP8 activations' rounding), fast against promoted
     accumulation, Triton against torch. Which kernel should take which batch: on an H200 torch's kernel ran
@@ -593,7 +593,7 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
     from pipeline.bench.timing import median_seconds
     from pipeline.model import scaled_layout as sl
     from pipeline.model.network import grouped_experts
-    from pipeline.runtime import triton_moe
+    from pipeline.runtime import kernels
     from pipeline.runtime.tensor_cores import grouped_gemm, quantize_rows
 
     if experts.mode != "fp8":
@@ -620,8 +620,8 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
         return grouped_gemm(q2, qs2, *down, fast_accum)
 
     def triton_gemms(block_m: int | None = None) -> torch.Tensor:  # the token gather inside the kernel
-        triton_moe.moe_gemm(q, qs, token_of, experts.w13, experts.s13, offs, block_m)
-        return triton_moe.moe_gemm(q2, qs2, None, experts.w2, experts.s2, offs, block_m)
+        kernels.moe.moe_gemm(q, qs, token_of, experts.w13, experts.s13, offs, block_m)
+        return kernels.moe.moe_gemm(q2, qs2, None, experts.w2, experts.s2, offs, block_m)
 
     rel = lambda a, b: float((a - b).norm() / b.norm().clamp(min=1e-30))
     with torch.inference_mode():
@@ -639,7 +639,7 @@ def expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repeats: i
             paths += [("fp8_gemms", gemms), ("fp8_gemms_exact_accum", lambda: gemms(False))]
         except Exception as e:  # its own field says why; the other paths still run
             fast, extra["torch_error"] = None, error_line(e)
-        extra["triton_error"] = triton_moe.unavailable(dev)
+        extra["triton_error"] = kernels.moe.unavailable(dev)
         if extra["triton_error"] is None:
             try:
                 out = triton_gemms().float()
@@ -660,7 +660,7 @@ def bf16_expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repea
     On a GPU where both run (Hopper, B200), the measure of the Triton kernel against CUTLASS's."""
     from pipeline.bench.timing import median_seconds
     from pipeline.model.network import grouped_experts
-    from pipeline.runtime import routed, triton_moe
+    from pipeline.runtime import kernels, routed
 
     gen = torch.Generator(device=dev).manual_seed(4)
     gate_up, down = experts.gate_up_proj, experts.down_proj
@@ -668,7 +668,7 @@ def bf16_expert_paths(experts, top_k: int, tokens: int, dev: torch.device, repea
     weights, index = torch.rand(tokens, gate_up.shape[0], device=dev, generator=gen).topk(top_k, dim=-1)
     weights = weights.softmax(-1)
     out: dict = {"tokens": tokens, "rows_per_expert": tokens * top_k / gate_up.shape[0],
-                 "triton_error": triton_moe.unavailable(dev)}  # fmt: skip
+                 "triton_error": kernels.moe.unavailable(dev)}  # fmt: skip
     paths = {"torch": lambda: grouped_experts(x, index, weights, gate_up, down)}
     if out["triton_error"] is None:
         paths["triton"] = lambda: routed.routed_experts(x, index, weights, gate_up, down, triton=True)

@@ -1,4 +1,4 @@
-"""`dgpipe bench gpu`'s timing of the network's one-kernel chains (`pipeline.runtime.triton_network`) against
+"""`dgpipe bench gpu`'s timing of the network's one-kernel chains (`pipeline.runtime.kernels.chains`) against
 the torch forms they replace, at the model's shapes for one batch: what each kernel gains on this GPU, which
 the whole pass's time cannot separate, and whether their values agree there as the probe requires.
 
@@ -10,7 +10,7 @@ router's input scales, a layer's FFN inputs (the norms and residual sum after at
 FP8, NVFP4 and per-row FP8 operands of the dense MLP's and the experts' GEMMs, against its rows then their one-pass
 quantizations) and end (its three
 last norms, two sums and scale), a layer's input norm written as its FP8 or NVFP4 operand (`norm_fp8`, `norm_nvfp4`, against the
-norm then the one-pass quantization), the router's top-k and the experts' order (`pipeline.runtime.triton_routing`;
+norm then the one-pass quantization), the router's top-k and the experts' order (`pipeline.runtime.kernels.routing`;
 on scores without ties, `probe.separated_scores`), and the K/V concatenation of a sliding layer over the benchmark's cached tokens, read
 from a cache buffer as the runtime reads it. Apart from the chains, the FP8 pass's sibling linears merged
 into one RowWise GEMM against a TensorWise GEMM each (`sibling_paths`)."""
@@ -38,9 +38,9 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
         layer_end,
         route_scores,
     )
-    from pipeline.runtime import triton_network as tn
-    from pipeline.runtime import triton_quant
-    from pipeline.runtime import triton_routing as tr
+    from pipeline.runtime import kernels
+    from pipeline.runtime.kernels import chains as tn
+    from pipeline.runtime.kernels import routing as tr
     from pipeline.runtime.probe import ffn_probe_layer, separated_scores
 
     gen = torch.Generator(device=dev).manual_seed(5)
@@ -90,11 +90,11 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
             if isinstance(rows, sl.QuantizedRows):
                 ts += [rows.operand, *(rows.scales[:1] if kind != "fp8" else ())]
             elif kind == "fp8":
-                ts.append(triton_quant.fp8(rows, s))
+                ts.append(kernels.quant.fp8(rows, s))
             elif kind == "fp8_rowwise":
-                ts += triton_quant.nvfp4_fp8_rows(rows.reshape(-1, d), s)
+                ts += kernels.quant.nvfp4_fp8_rows(rows.reshape(-1, d), s)
             else:
-                ts += (triton_quant.nvfp4_blocked if linear else triton_quant.nvfp4)(rows.reshape(-1, d), s)
+                ts += (kernels.quant.nvfp4_blocked if linear else kernels.quant.nvfp4)(rows.reshape(-1, d), s)
         return tuple(t.contiguous().view(torch.uint8).reshape(-1) for t in ts)
 
     return [
@@ -106,9 +106,9 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
          lambda: tn.softcap(logits, cap)),
         (f"combine [{tokens} x {k}, {d}]", lambda: combine_slots(y, weights), lambda: tn.combine(y, None, weights)),
         (f"gated GeLU [{tokens * k}, {gate.shape[1]}]", lambda: gelu_tanh(gate) * up, lambda: tn.geglu(gate, up)),
-        (f"gated GeLU to FP8 [{tokens * k}, {gate.shape[1]}]", lambda: triton_quant.fp8(gelu_tanh(gate) * up, scale),
+        (f"gated GeLU to FP8 [{tokens * k}, {gate.shape[1]}]", lambda: kernels.quant.fp8(gelu_tanh(gate) * up, scale),
          lambda: tn.geglu(gate, up, scale)),
-        (f"gated GeLU to NVFP4 [{tokens * k}, {gate.shape[1]}]", lambda: triton_quant.nvfp4(gelu_tanh(gate) * up, scale),
+        (f"gated GeLU to NVFP4 [{tokens * k}, {gate.shape[1]}]", lambda: kernels.quant.nvfp4(gelu_tanh(gate) * up, scale),
          lambda: tn.geglu_nvfp4(gate, up, scale)),
         (f"residual sum [{tokens}, {d}]", lambda: (residual + x) * layer_scale,
          lambda: tn.add_scaled(residual, x, layer_scale)),
@@ -122,9 +122,9 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
         ),
         (f"layer end [{tokens}, {d}]", lambda: layer_end(residual, x, moe, norms, layer_scale),
          lambda: tn.layer_end(residual, x, moe, norms, layer_scale)),
-        (f"input norm to FP8 [{tokens}, {d}]", lambda: triton_quant.fp8(norms[0](x.view(tokens, d)), fp8_scale),
+        (f"input norm to FP8 [{tokens}, {d}]", lambda: kernels.quant.fp8(norms[0](x.view(tokens, d)), fp8_scale),
          lambda: tn.norm_fp8(x.view(tokens, d), norms[0], fp8_scale)),
-        (f"input norm to NVFP4 [{tokens}, {d}]", lambda: triton_quant.nvfp4_blocked(norms[0](x.view(tokens, d)), scale),
+        (f"input norm to NVFP4 [{tokens}, {d}]", lambda: kernels.quant.nvfp4_blocked(norms[0](x.view(tokens, d)), scale),
          lambda: tn.norm_nvfp4(x.view(tokens, d), norms[0], scale)),
         (f"router top-k [{tokens}, {experts}] top {k}", lambda: route_scores(scores, k, expert_scale)[1:],
          lambda: tr.top_k(scores, k, expert_scale)),
@@ -148,7 +148,7 @@ def network_paths(
 ) -> list[dict]:
     """Per chain: ms of the torch form and of dgpipe's kernel at this batch, and how far apart their values
     are; a chain whose kernel cannot run here (no CUDA, no Triton) says why in its row, the others still run."""
-    from pipeline.runtime.triton_moe import unavailable
+    from pipeline.runtime.kernels.moe import unavailable
 
     why_not = unavailable(dev)
 

@@ -86,7 +86,7 @@ LayerEndKernel = Callable[
 
 # a fused form of `ffn_inputs`: (layer, h, attention output) -> (residual, MLP, experts and router inputs);
 # the MLP's and the experts' input may come as the quantized operand their GEMMs read, where the GPU loader
-# made both ends agree (`pipeline.runtime.triton_network.ffn_inputs`)
+# made both ends agree (`pipeline.runtime.kernels.chains.ffn_inputs`)
 FfnInputsKernel = Callable[
     ["DecoderLayer", torch.Tensor, torch.Tensor],
     tuple[torch.Tensor, torch.Tensor | QuantizedRows, torch.Tensor | QuantizedRows, torch.Tensor],
@@ -107,7 +107,7 @@ def gate_and_up(mlp: GatedMLP | SelfConditioning, x: torch.Tensor) -> tuple[torc
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, kernel: GegluKernel | None = None) -> torch.Tensor:
-    """The gated GeLU of the MLPs and experts; `kernel`: a fused form (`pipeline.runtime.triton_network.geglu`,
+    """The gated GeLU of the MLPs and experts; `kernel`: a fused form (`pipeline.runtime.kernels.chains.geglu`,
     one pass where torch's form is two: the GeLU, then the product), kept out of exporters and compilers."""
     if kernel is not None and not _tracing():
         return kernel(gate, up)
@@ -273,17 +273,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
-        # `apply_rope` as one fused CUDA kernel (`pipeline.runtime.triton_network`), set by the GPU loader where
+        # `apply_rope` as one fused CUDA kernel (`pipeline.runtime.kernels.chains`), set by the GPU loader where
         # its probe found it equal to the torch form; None: the torch form (five element-wise kernels)
         self.rope_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        # the cached and new K/V concatenated, K and V in one fused CUDA kernel (`triton_network.kv_cat`), set by
+        # the cached and new K/V concatenated, K and V in one fused CUDA kernel (`kernels.chains.kv_cat`), set by
         # the GPU loader where probed; None: torch.cat, one launch each
         self.kv_cat_kernel: KVCatKernel | None = None
         # q, k and v projected from one quantization of x (`pipeline.runtime.shared_input`), set by the GPU
         # loader for quantized linears; None: each projection quantizes x itself
         self.qkv_kernel: SharedInputKernel | None = None
         # q's, k's and v's norms and q's and k's RoPE as one fused CUDA kernel (k's and v's alone for
-        # `project_kv`; `pipeline.runtime.triton_network.head_norms`), set by the GPU loader where probed; None:
+        # `project_kv`; `pipeline.runtime.kernels.chains.head_norms`), set by the GPU loader where probed; None:
         # torch's norms and `rotate`
         self.head_norms_kernel: HeadNormsKernel | None = None
 
@@ -399,11 +399,11 @@ class Router(nn.Module):
         self.proj = nn.Linear(d, cfg.num_experts, bias=False)
         self.scale = nn.Parameter(torch.ones(d))
         self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
-        # norm(x) * scale * root as one fused CUDA kernel (`pipeline.runtime.triton_network.scale_columns`),
+        # norm(x) * scale * root as one fused CUDA kernel (`pipeline.runtime.kernels.chains.scale_columns`),
         # set by the GPU loader where probed; None: torch's two products
         self.scale_kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
         # `route_scores`' top-k weights and experts as one fused CUDA kernel
-        # (`pipeline.runtime.triton_routing.top_k`), set by the GPU loader where probed; None: torch's six
+        # (`pipeline.runtime.kernels.routing.top_k`), set by the GPU loader where probed; None: torch's six
         self.top_k_kernel: TopKKernel | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -460,7 +460,7 @@ def combine_top_k(
     slot order by a row gather and each token's k rows are combined by one batched product: no atomics
     (deterministic), fp32 accumulation, one rounding. On an H200 the scatter-add it replaces on CUDA took
     22 ms of a 141 ms bf16 pass at 16 canvases, and `index_copy_` back to slot order ran at 0.7 TB/s.
-    `kernel`: a fused form that reads the rows where they are (`pipeline.runtime.triton_network.combine`)."""
+    `kernel`: a fused form that reads the rows where they are (`pipeline.runtime.kernels.chains.combine`)."""
     if kernel is not None and not _tracing():
         return kernel(y, slot_rows(routing), weights)
     return combine_slots(y.index_select(0, slot_rows(routing)), weights)
@@ -470,7 +470,7 @@ def combine_slots(
     per_slot: torch.Tensor, weights: torch.Tensor, kernel: CombineKernel | None = None
 ) -> torch.Tensor:
     """`combine_top_k` of outputs already in token-major slot order ([T * k, d]: a GEMM that wrote its rows
-    there, `pipeline.runtime.triton_moe`'s `out_rows`)."""
+    there, `pipeline.runtime.kernels.moe`'s `out_rows`)."""
     if kernel is not None and not _tracing():
         return kernel(per_slot, None, weights)
     t, k = weights.shape
@@ -602,13 +602,13 @@ class DecoderLayer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
         # the residual sum and the layer scale, (residual + x) * scale, as one fused CUDA kernel
-        # (`pipeline.runtime.triton_network.add_scaled`), set by the GPU loader where probed; None: torch's two
+        # (`pipeline.runtime.kernels.chains.add_scaled`), set by the GPU loader where probed; None: torch's two
         self.residual_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         # `layer_end` (three norms, two sums and the scale: five kernels) as one fused CUDA kernel
-        # (`pipeline.runtime.triton_network.layer_end`), set by the GPU loader where probed
+        # (`pipeline.runtime.kernels.chains.layer_end`), set by the GPU loader where probed
         self.end_kernel: LayerEndKernel | None = None
         # `ffn_inputs` (a norm, the residual sum, the three FFN input norms and the router's scales: six
-        # kernels) as one fused CUDA kernel (`pipeline.runtime.triton_network.ffn_inputs`), likewise
+        # kernels) as one fused CUDA kernel (`pipeline.runtime.kernels.chains.ffn_inputs`), likewise
         self.ffn_inputs_kernel: FfnInputsKernel | None = None
 
     def forward(
@@ -659,7 +659,7 @@ def layer_end(
 ) -> torch.Tensor:
     """A decoder layer's output from its dense MLP's and experts' outputs: (residual + norm(norm_1(dense) +
     norm_2(moe))) * scale, `norms` = (norm_1, norm_2, norm); `residual_kernel`: a fused form of the last sum
-    and product (`pipeline.runtime.triton_network.add_scaled`)."""
+    and product (`pipeline.runtime.kernels.chains.add_scaled`)."""
     dense_norm, moe_norm, ffn_norm = norms
     ffn = ffn_norm(dense_norm(dense) + moe_norm(moe))
     if residual_kernel is not None and not _tracing():
@@ -701,7 +701,7 @@ class DiffusionGemma(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_conditioning = SelfConditioning(cfg)
         self.layer_types: list[str] = list(cfg.layer_types)  # type: ignore[arg-type]
-        # the LM head's softcap as one fused CUDA kernel (`pipeline.runtime.triton_network.softcap`), set by
+        # the LM head's softcap as one fused CUDA kernel (`pipeline.runtime.kernels.chains.softcap`), set by
         # the GPU loader where its probe passed; None: torch's four passes over the logits
         self.softcap_kernel: Callable[[torch.Tensor, float], torch.Tensor] | None = None
         for kind in sorted(set(self.layer_types)):

@@ -191,7 +191,7 @@ def expert_order(index: torch.Tensor, num_experts: int, kernel: OrderKernel | No
     and the tensor-core experts both route with it). Expert e's slots end where the sorted experts pass e:
     one search of the sorted experts for every expert, three launches fewer than counting them and adding
     the counts up (zeros, a scatter-add, its ones, a cumulative sum). `kernel`: a fused form
-    (`pipeline.runtime.triton_routing.expert_order`), not traced (under torch.compile the torch form)."""
+    (`pipeline.runtime.kernels.routing.expert_order`), not traced (under torch.compile the torch form)."""
     if kernel is not None and not (torch.jit.is_tracing() or torch.compiler.is_compiling()):
         return kernel(index, num_experts)
     flat = index.reshape(-1)

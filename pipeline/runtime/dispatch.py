@@ -12,7 +12,7 @@ and .../torch.nn.functional.scaled_grouped_mm.html):
 * `F.scaled_grouped_mm` FP8 `RowWise` (sm90 only, as torch's grouped FP8 tests gate it); NVFP4
   `[BlockWise1x16, TensorWise]` (sm100+, torch builds with its MSLK/FBGEMM grouped kernels: probed).
 * bf16: `F.linear` (cuBLAS) and `F.grouped_mm`.
-Where they leave a gap, dgpipe's own Triton FP8 MoE GEMM (`pipeline.runtime.triton_moe`): Hopper's passes
+Where they leave a gap, dgpipe's own Triton FP8 MoE GEMM (`pipeline.runtime.kernels.moe`): Hopper's passes
 with few rows per expert, and every pass on Ada and RTX Blackwell, which have FP8 tensor cores but no grouped
 GEMM kernel in torch.
 
@@ -97,7 +97,7 @@ def _bytes(fmt: str) -> float:
 FP8_FAST_ACCUM = True
 _ACC = ", fast accumulation" if FP8_FAST_ACCUM else ""
 # Passes with few rows per expert (one canvas: 2,048 slots over 128 experts) take dgpipe's Triton FP8 MoE
-# GEMM on Hopper (`pipeline.runtime.triton_moe`, where the probe ran it): torch's grouped FP8 kernel streamed
+# GEMM on Hopper (`pipeline.runtime.kernels.moe`, where the probe ran it): torch's grouped FP8 kernel streamed
 # the experts' weights at 44% of an H200's HBM there. More rows per expert keep torch's kernel.
 TRITON_MAX_ROWS_PER_EXPERT = 64
 TRITON_MOE = f"Triton FP8 MoE GEMM at <= {TRITON_MAX_ROWS_PER_EXPERT} rows per expert"
@@ -105,7 +105,7 @@ TRITON_MOE = f"Triton FP8 MoE GEMM at <= {TRITON_MAX_ROWS_PER_EXPERT} rows per e
 # `F.grouped_mm` falls back to a per-expert loop that reads the group offsets on the host), so an FP8
 # checkpoint's experts take the same Triton kernel on every pass: FP8 weights (1 B/param instead of bf16's 2),
 # routing kept on the device, the step capturable in a CUDA graph. Triton lowers its FP8 dot to these GPUs'
-# `mma.sync` e4m3 instructions (tests/unit/runtime/test_triton_moe.py compiles it for both). B200 (sm100)
+# `mma.sync` e4m3 instructions (tests/unit/runtime/kernels/test_moe.py compiles it for both). B200 (sm100)
 # has torch's bf16 grouped GEMM but not its FP8 one (sm90-only), so there too the FP8 experts take the
 # Triton kernel every pass rather than load dequantized at twice the bytes; Triton lowers its 64-row tile to
 # Blackwell's `tcgen05.mma` FP8 instructions (compiled for sm_100a in the same test).

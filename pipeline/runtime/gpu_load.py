@@ -1,7 +1,7 @@
 """Loading onto a GPU: a quantized checkpoint's FP8 / NVFP4 weights go straight onto tensor cores as the
 loader reads them (`TensorCoreLoad`, a `pipeline.model.checkpoint.PackedSink`), float experts that would read
 their routing on the host route on the device (`route_float_experts`, `pipeline.runtime.routed`), the
-network's element-wise chains run as one kernel each (`fuse_network`, `pipeline.runtime.triton_network`),
+network's element-wise chains run as one kernel each (`fuse_network`, `pipeline.runtime.kernels.chains`),
 and the load reports what went where and every fallback with its reason (`Installed`; `dgpipe serve` logs
 it)."""
 
@@ -29,6 +29,23 @@ from pipeline.runtime.dispatch import (
     arch_of,
     dispatch,
 )
+from pipeline.runtime.kernels.chains import DTYPES as NETWORK_DTYPES
+from pipeline.runtime.kernels.chains import (
+    add_scaled_or_torch,
+    combine,
+    ffn_inputs_or_torch,
+    geglu_nvfp4_or_torch,
+    geglu_or_torch,
+    head_norms_or_torch,
+    kv_cat_or_torch,
+    layer_end_or_torch,
+    norm_fp8_or_torch,
+    norm_nvfp4_or_torch,
+    rope_or_torch,
+    scale_columns_or_torch,
+    softcap,
+)
+from pipeline.runtime.kernels.routing import expert_order_or_torch, top_k_or_torch
 from pipeline.runtime.probe import (
     COMBINE,
     EXPERT_ORDER,
@@ -52,23 +69,6 @@ from pipeline.runtime.probe import (
 from pipeline.runtime.routed import host_bound_experts, route_on_device
 from pipeline.runtime.shared_input import SharedInput, norm_operand, share_inputs
 from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, down_from_geglu, kernel_mode
-from pipeline.runtime.triton_network import DTYPES as NETWORK_DTYPES
-from pipeline.runtime.triton_network import (
-    add_scaled_or_torch,
-    combine,
-    ffn_inputs_or_torch,
-    geglu_nvfp4_or_torch,
-    geglu_or_torch,
-    head_norms_or_torch,
-    kv_cat_or_torch,
-    layer_end_or_torch,
-    norm_fp8_or_torch,
-    norm_nvfp4_or_torch,
-    rope_or_torch,
-    scale_columns_or_torch,
-    softcap,
-)
-from pipeline.runtime.triton_routing import expert_order_or_torch, top_k_or_torch
 from pipeline.targets import precision_for_quant_algo
 
 EXPERT = re.compile(r"^(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
@@ -119,7 +119,7 @@ def experts_plan(row: DispatchRow, pr: Probe) -> tuple[str | None, float, str | 
 
 
 def one_pass(mode: str | None, pr: Probe) -> bool:
-    """Whether `mode`'s activations are quantized by dgpipe's one-pass kernels (`triton_quant`): where the
+    """Whether `mode`'s activations are quantized by dgpipe's one-pass kernels (`kernels.quant`): where the
     mode's own probe passed ("quant:<mode>"), whichever GEMM reads them. Elsewhere torch's element-wise form
     (three kernels an input for FP8, ~50 for NVFP4)."""
     return mode in ONE_PASS_MODES and pr.ok(f"quant:{mode}")
@@ -278,7 +278,7 @@ def ffn_inputs_for(layer: DecoderLayer) -> FfnInputsKernel:
     )
 
 
-# what runs where a `triton_network` kernel failed its probe
+# what runs where a `kernels.chains` kernel failed its probe
 TORCH_FORMS = {ROPE: "RoPE: torch's five element-wise kernels per tensor",
                SOFTCAP: "logit softcap: torch's four passes over the logits",
                COMBINE: "MoE combine: a gather back to slot order and a batched product",
@@ -296,7 +296,7 @@ TORCH_FORMS = {ROPE: "RoPE: torch's five element-wise kernels per tensor",
 
 
 def fuse_network(model: DiffusionGemma, probed: Probe, report: Installed | None) -> Installed | None:
-    """The network's element-wise chains on dgpipe's one-kernel forms (`triton_network`) where their probes
+    """The network's element-wise chains on dgpipe's one-kernel forms (`kernels.chains`) where their probes
     passed: every layer's input norm with its FP8 or NVFP4 q|k|v operand, head norms and RoPE, K/V concatenation, gated GeLUs (dense MLP, experts, self-conditioning), router
     input and top-k, FFN inputs (the norms and residual sum after attention), experts' order and combine, the
     layer's end (its three last norms and residual sum), and the LM head's softcap; where not, the torch forms stay and

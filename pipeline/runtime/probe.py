@@ -33,7 +33,7 @@ from pipeline.model.network import (
     rotate_half,
     route_scores,
 )
-from pipeline.runtime import triton_moe, triton_network, triton_quant, triton_routing
+from pipeline.runtime import kernels
 from pipeline.runtime.dispatch import EVERY_PASS, arch_of, dispatch
 from pipeline.runtime.routed import routed_experts
 from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, quantize_rows
@@ -63,7 +63,7 @@ def _tiny_packed(fmt: str, n: int = 128, k: int = 128, seed: int = 0) -> PackedL
 
 
 PROBED_FORMATS = ("fp8", "nvfp4", "bf16", "int4_awq")
-# `triton_network`'s kernels, probed on every GPU whatever the checkpoint's format
+# `kernels.chains`'s kernels, probed on every GPU whatever the checkpoint's format
 ROPE_FORM = ("rope", "bf16", "bf16")  # checked in bf16 and fp16
 SOFTCAP_FORM = ("softcap", "bf16", "bf16")  # bf16 logits in, fp32 out
 COMBINE_FORM = ("combine", "bf16", "bf16")  # the experts' bf16 outputs
@@ -83,7 +83,7 @@ NETWORK_FORMS = (ROPE_FORM, SOFTCAP_FORM, COMBINE_FORM, GEGLU_FORM, RESIDUAL_FOR
                  NORM_FP8_FORM, NORM_NVFP4_FORM)  # fmt: skip
 (ROPE, SOFTCAP, COMBINE, GEGLU, RESIDUAL, KV_CAT, ROUTER, LAYER_END, FFN_INPUTS, TOP_K, EXPERT_ORDER,
  HEAD_NORMS, NORM_FP8, NORM_NVFP4) = (f"{kind}:{mode}" for kind, mode, _ in NETWORK_FORMS)  # fmt: skip
-# the modes whose activations `triton_quant`'s one-pass kernels quantize, each probed on its own ("quant")
+# the modes whose activations `kernels.quant`'s one-pass kernels quantize, each probed on its own ("quant")
 ONE_PASS_MODES = ("fp8", "nvfp4", "fp8_rowwise")
 # FP8 linears that read one input, each with its own weight scale, as one RowWise GEMM (`shared_input`):
 # probed for every row whose linears are FP8
@@ -141,7 +141,7 @@ def fp8_codes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def float_gemm(a, a_scale, rows, w, w_scale, offs) -> torch.Tensor:
-    """`triton_moe.moe_gemm` in fp32 expert by expert (it reads the end offsets on the host): slot i is
+    """`kernels.moe.moe_gemm` in fp32 expert by expert (it reads the end offsets on the host): slot i is
     a[rows[i]] * a_scale[rows[i]] times its expert's w * w_scale, transposed (no scales: bf16 operands)."""
     x, out, start = a.float() if a_scale is None else a.float() * a_scale.float()[:, None], [], 0
     for e, end in enumerate(offs.tolist()):
@@ -177,8 +177,8 @@ def _check_every_tile(name: str, a, a_scale, rows, w, w_scale, offs) -> torch.Te
     """The Triton GEMM at every M tile it can pick against the float product of its operands, which it
     returns, or a DgpipeError naming the tile: one bf16 rounding of the output apart; a wrong tile is O(1)."""
     want = float_gemm(a, a_scale, rows, w, w_scale, offs)
-    for block_m in triton_moe.BLOCK_MS:
-        err = _rel_l2(triton_moe.moe_gemm(a, a_scale, rows, w, w_scale, offs, block_m), want)
+    for block_m in kernels.moe.BLOCK_MS:
+        err = _rel_l2(kernels.moe.moe_gemm(a, a_scale, rows, w, w_scale, offs, block_m), want)
         if not err < 1e-2:
             raise DgpipeError(f"the {name} ({block_m}-row tiles) differs from the float product of its operands "
                               f"by {err:.3g} (relative L2)", TRITON_FALLBACK)  # fmt: skip
@@ -230,7 +230,7 @@ def check_triton_fp8_quant(dev: torch.device) -> None:
     v = torch.tensor(QUANT_PROBE_VALUES)
     v = torch.cat([v, -v, torch.randn(4096, generator=torch.Generator().manual_seed(2)) * 64])
     v, scale = v.to(dev, torch.bfloat16), torch.tensor(0.5, device=dev)
-    if not fp8_codes_equal(triton_quant.fp8(v, scale), sl.fp8_quantize(v, scale)):
+    if not fp8_codes_equal(kernels.quant.fp8(v, scale), sl.fp8_quantize(v, scale)):
         raise DgpipeError("the Triton fp8 activation quantization differs from torch's", TRITON_FALLBACK)
 
 
@@ -260,20 +260,20 @@ def check_triton_quant(mode: str, dev: torch.device) -> None:
     if mode == "fp8":
         return check_triton_fp8_quant(dev)
     x, gs = nvfp4_probe_rows(dev), torch.tensor(0.5, device=dev)
-    kernel = triton_quant.nvfp4 if mode == "nvfp4" else triton_quant.nvfp4_fp8_rows
+    kernel = kernels.quant.nvfp4 if mode == "nvfp4" else kernels.quant.nvfp4_fp8_rows
     (q, s), (want_q, want_s) = kernel(x, gs), quantize_rows(x, gs, mode)
     if mode == "nvfp4":
         same = torch.equal(q, want_q) and fp8_codes_equal(s, want_s)
         raw = want_s.view(torch.uint8)
         offs = torch.tensor([3, 3, 8], dtype=torch.int32, device=dev)  # three groups, one of them empty
-        q_blocked, s_blocked = triton_quant.nvfp4_blocked(x, gs)  # rows and scale columns padded
+        q_blocked, s_blocked = kernels.quant.nvfp4_blocked(x, gs)  # rows and scale columns padded
         same = same and torch.equal(q_blocked, want_q) and fp8_codes_equal(s_blocked, sl.to_blocked(raw))
-        same = same and torch.equal(triton_quant.blocked_scales(raw, offs), sl.to_blocked_grouped(raw, offs))
+        same = same and torch.equal(kernels.quant.blocked_scales(raw, offs), sl.to_blocked_grouped(raw, offs))
         rows = torch.tensor(
             [7, 0, 0, 5, 2, 7, 1, 3], device=dev
         )  # a gather to expert order, repeats included
         same = same and torch.equal(
-            triton_quant.blocked_scales(raw, offs, rows), sl.to_blocked_grouped(raw[rows], offs)
+            kernels.quant.blocked_scales(raw, offs, rows), sl.to_blocked_grouped(raw[rows], offs)
         )
     else:
         same = fp8_codes_equal(q, want_q) and torch.equal(s, want_s)
@@ -291,7 +291,7 @@ def check_triton_rope(dev: torch.device) -> None:
         angles = positions * torch.logspace(0, -4, d // 2)
         emb = torch.cat([angles, angles], dim=-1)
         cos, sin = emb.cos().to(dev, dtype), emb.sin().to(dev, dtype)
-        if not torch.equal(triton_network.rope(x, cos, sin), apply_rope(x, cos, sin)):
+        if not torch.equal(kernels.chains.rope(x, cos, sin), apply_rope(x, cos, sin)):
             raise DgpipeError(f"the Triton RoPE kernel differs from torch's ({dtype}, head dim {d})",
                               "dgpipe keeps torch's element-wise RoPE; report the GPU, torch and Triton versions")  # fmt: skip
 
@@ -304,14 +304,14 @@ def check_triton_softcap(dev: torch.device) -> None:
     x = torch.randn(64, 1000, generator=g) * torch.logspace(-3, 4, 64)[:, None]
     x[0, :4] = torch.tensor([0.0, float("inf"), -float("inf"), float("nan")])
     x = x.to(dev, torch.bfloat16)
-    got, want = triton_network.softcap(x, 30.0), x.float().div_(30.0).tanh_().mul_(30.0)
+    got, want = kernels.chains.softcap(x, 30.0), x.float().div_(30.0).tanh_().mul_(30.0)
     if not torch.allclose(got, want, rtol=1e-6, atol=0.0, equal_nan=True):
         raise DgpipeError(f"the Triton logit softcap differs from torch's by up to {float((got - want).abs().nan_to_num().max()):.3g}",
                           "dgpipe keeps torch's element-wise softcap; report the GPU, torch and Triton versions")  # fmt: skip
 
 
 def check_triton_combine(dev: torch.device) -> None:
-    """dgpipe's MoE combine kernel bit for bit against its torch form (`triton_network.sequential_combine`),
+    """dgpipe's MoE combine kernel bit for bit against its torch form (`kernels.chains.sequential_combine`),
     rows gathered through the expert order's inverse and in slot order, and within bf16 rounding of the
     batched product it replaces (`network.combine_slots`), or a DgpipeError."""
     g = torch.Generator().manual_seed(6)
@@ -320,8 +320,8 @@ def check_triton_combine(dev: torch.device) -> None:
     y = (torch.randn(37 * 8, 2816 + 8, generator=g) * 4).to(dev, torch.bfloat16)  # a row not a block multiple
     rows, weights = rows.to(dev), weights.to(dev)
     for r in (rows, None):
-        got = triton_network.combine(y, r, weights)
-        if not torch.equal(got, triton_network.sequential_combine(y, r, weights)):
+        got = kernels.chains.combine(y, r, weights)
+        if not torch.equal(got, kernels.chains.sequential_combine(y, r, weights)):
             raise DgpipeError("the Triton MoE combine differs from its torch form", TRITON_FALLBACK)
     err = _rel_l2(got, combine_slots(y, weights).float())
     if not err < 1e-2:  # bf16 rounding apart; a wrong kernel is O(1)
@@ -369,12 +369,12 @@ def check_triton_geglu(dev: torch.device) -> None:
         gu = spread(33, 2 * cols, g)
         gu[0, :4] = torch.tensor([0.0, float("inf"), -float("inf"), float("nan")])
         gate, up = gu.to(dev, dtype).chunk(2, dim=-1)
-        got = triton_network.geglu(gate, up)
+        got = kernels.chains.geglu(gate, up)
         if not same_geglu(got, gelu_tanh(gate) * up, gate, up):
             raise DgpipeError(
                 f"the Triton gated GeLU differs from torch's ({dtype}, {cols} wide)", TRITON_FALLBACK
             )
-        if not fp8_codes_equal(triton_network.geglu(gate, up, scale), sl.fp8_quantize(got, scale)):
+        if not fp8_codes_equal(kernels.chains.geglu(gate, up, scale), sl.fp8_quantize(got, scale)):
             raise DgpipeError(f"the Triton gated GeLU's FP8 codes differ from its product's ({dtype})",
                               TRITON_FALLBACK)  # fmt: skip
         if not same_nvfp4_of(got, gate, up, scale):
@@ -383,10 +383,10 @@ def check_triton_geglu(dev: torch.device) -> None:
 
 
 def same_nvfp4_of(product: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gs: torch.Tensor) -> bool:
-    """`triton_network.geglu_nvfp4` of gate and up writes the NVFP4 codes and block scales of `product` (the
+    """`kernels.chains.geglu_nvfp4` of gate and up writes the NVFP4 codes and block scales of `product` (the
     kernel's own product), as they are and swizzled for a linear (33 rows: padded to a 128-row tile)."""
     want_q, want_s = sl.nvfp4_quantize(product, gs)
-    (q, s), (qb, sb) = (triton_network.geglu_nvfp4(gate, up, gs, blocked) for blocked in (False, True))
+    (q, s), (qb, sb) = (kernels.chains.geglu_nvfp4(gate, up, gs, blocked) for blocked in (False, True))
     swizzled = sl.to_blocked(want_s.view(torch.uint8))
     return (
         torch.equal(q, want_q)
@@ -408,7 +408,7 @@ def check_triton_residual(dev: torch.device) -> None:
         )
         a, b = a.to(dev, dtype), b.to(dev, dtype)
         scale = torch.tensor([0.7], device=dev, dtype=dtype)
-        got, want = triton_network.add_scaled(a, b, scale), (a + b) * scale
+        got, want = kernels.chains.add_scaled(a, b, scale), (a + b) * scale
         if not same_bits(got, want):
             raise DgpipeError(f"the Triton residual sum differs from torch's ({dtype})", TRITON_FALLBACK)
 
@@ -428,7 +428,7 @@ def check_triton_kv_cat(dev: torch.device) -> None:
         cache = torch.randn(2, 3, heads, 64, d, generator=g).to(dev, dtype)  # K|V, slots, heads, length, dim
         pk, pv = cache[0, 1:, :, :past], cache[1, 1:, :, :past]
         new = torch.randn(2, 2, 19, heads, d, generator=g).to(dev, dtype).transpose(2, 3)  # K|V, B, H, Q, D
-        got = triton_network.kv_cat(pk, pv, new[0], new[1])
+        got = kernels.chains.kv_cat(pk, pv, new[0], new[1])
         want = cat_kv(pk, pv, new[0], new[1])
         if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
             raise DgpipeError(f"the Triton K/V concatenation differs from torch.cat ({dtype}, head dim {d})",
@@ -466,7 +466,7 @@ def check_triton_router(dev: torch.device) -> None:
         x = spread(7, d, g)
         x[0, :3] = torch.tensor([float("inf"), float("nan"), 0.0])
         x, w, root = x.to(dev, dtype), (torch.rand(d, generator=g) * 4).to(dev, dtype), d**-0.5
-        if not same_bits(triton_network.scale_columns(x, w, root), x * w * root):
+        if not same_bits(kernels.chains.scale_columns(x, w, root), x * w * root):
             raise DgpipeError(
                 f"the Triton router input differs from torch's ({dtype}, {d} wide)", TRITON_FALLBACK
             )
@@ -498,7 +498,7 @@ def check_triton_layer_end(dev: torch.device) -> None:
         for n in norms:
             n.weight.data = (torch.rand(d, generator=g) * 2).to(dev, dtype)
         scale = torch.tensor([0.7], device=dev, dtype=dtype)
-        got = triton_network.layer_end(residual, dense, moe, norms, scale)
+        got = kernels.chains.layer_end(residual, dense, moe, norms, scale)
         if not same_layer_end(got, layer_end(residual, dense, moe, norms, scale), residual, scale):
             raise DgpipeError(
                 f"the Triton layer end differs from torch's ({dtype}, {d} wide)", TRITON_FALLBACK
@@ -529,7 +529,7 @@ def check_triton_ffn_inputs(dev: torch.device) -> None:
         h, attn = (spread(6, d, g) / 64).to(dev, dtype).view(2, 3, d).unbind()
         attn[0], h[1, :2] = 0.0, torch.tensor([float("inf"), float("nan")])
         layer = ffn_probe_layer(d, dev, dtype, g)
-        got = triton_network.ffn_inputs(layer, h, attn)
+        got = kernels.chains.ffn_inputs(layer, h, attn)
         want = ffn_inputs(layer, h, attn)
         zero, one = torch.zeros_like(h), torch.ones(1, device=dev, dtype=dtype)
         if not (
@@ -550,7 +550,7 @@ def check_triton_ffn_inputs(dev: torch.device) -> None:
 def same_operands(
     layer: DecoderLayer, h: torch.Tensor, attn: torch.Tensor, rows: tuple | None, kind: str
 ) -> bool:
-    """Whether `triton_network.ffn_inputs` writes the MLP's and the experts' inputs as `kind` operands
+    """Whether `kernels.chains.ffn_inputs` writes the MLP's and the experts' inputs as `kind` operands
     (FP8 scales that saturate some codes; an NVFP4 global scale, for NVFP4 or the Hopper/Ada fallback's per-row
     FP8 of NVFP4-rounded rows) bit for bit as the torch forms quantize
     the rows it writes otherwise (`rows`: that launch's outputs, or None to launch it here), in the layouts
@@ -558,12 +558,12 @@ def same_operands(
     scales swizzled, where the rows fill whole 128-row tiles, else the rows themselves), for the experts
     `tensor_cores.quantize_rows`' (NVFP4 forms of rows of no whole 16-value blocks: the rows themselves);
     its residual and router input unchanged."""
-    rows = rows or triton_network.ffn_inputs(layer, h, attn)
+    rows = rows or kernels.chains.ffn_inputs(layer, h, attn)
     dev, n = h.device, rows[2].shape[0]
     mlp_scale, experts_scale = (
         torch.tensor(s, device=dev) for s in ((0.002, 0.0005) if kind == "fp8" else (0.003, 0.004))
     )
-    got = triton_network.ffn_inputs(layer, h, attn, (kind, mlp_scale), (kind, experts_scale))
+    got = kernels.chains.ffn_inputs(layer, h, attn, (kind, mlp_scale), (kind, experts_scale))
     if not (same_bits(got[0], rows[0]) and same_bits(got[3], rows[3])):
         return False
     mlp, experts = got[1], got[2]
@@ -647,7 +647,7 @@ def check_triton_head_norms(dev: torch.device) -> None:
         angles = torch.randint(0, 2**17, (1, 7, 1), generator=g).float() * torch.logspace(0, -4, d // 2)
         emb = torch.cat([angles, angles], dim=-1)
         cos, sin = emb.cos().to(dev, dtype), emb.sin().to(dev, dtype)
-        got, got_v, _ = triton_network.head_norms(x, norm, cos, sin, v, v_norm)
+        got, got_v, _ = kernels.chains.head_norms(x, norm, cos, sin, v, v_norm)
         normed = norm(x)
         zero, one = torch.zeros_like(v), torch.ones(1, device=dev, dtype=dtype)
         if not same_rotation(got, apply_rope(normed, cos, sin), normed, cos, sin) or not same_layer_end(
@@ -657,10 +657,10 @@ def check_triton_head_norms(dev: torch.device) -> None:
                 f"the Triton head norms differ from torch's ({dtype}, head dim {d})", TRITON_FALLBACK
             )
         q, q_norm = _probe_q(proj if d == 256 else None, d, dtype, dev, g)
-        alone_q = triton_network.head_norms(q, q_norm, cos, sin)[0]
+        alone_q = kernels.chains.head_norms(q, q_norm, cos, sin)[0]
         q_normed = q_norm(q)
-        together = triton_network.head_norms(x, norm, cos, sin, v, v_norm, q, q_norm)
-        head_major = triton_network.head_norms(x, norm, cos, sin, v, v_norm, q, q_norm, q_head_major=True)[2]
+        together = kernels.chains.head_norms(x, norm, cos, sin, v, v_norm, q, q_norm)
+        head_major = kernels.chains.head_norms(x, norm, cos, sin, v, v_norm, q, q_norm, q_head_major=True)[2]
         if (
             not same_rotation(alone_q, apply_rope(q_normed, cos, sin), q_normed, cos, sin)
             or not all(same_bits(a, b) for a, b in zip(together, (got, got_v, alone_q), strict=True))
@@ -680,7 +680,7 @@ def _into_room(x, norm, cos, sin, v, v_norm, q, q_norm, want: tuple[torch.Tensor
     b, seq, heads, d = x.shape
     cache = torch.full((2, b + 1, heads, seq + 5, d), 3.0, device=x.device, dtype=x.dtype)  # K|V buffers
     room = cache[0, 1:, :, 2 : 2 + seq], cache[1, 1:, :, 2 : 2 + seq]
-    k, v_out, q_out = triton_network.head_norms(x, norm, cos, sin, v, v_norm, q, q_norm, out=room)
+    k, v_out, q_out = kernels.chains.head_norms(x, norm, cos, sin, v, v_norm, q, q_norm, out=room)
     untouched = torch.ones_like(cache, dtype=torch.bool)
     untouched[:, 1:, :, 2 : 2 + seq] = False
     return (
@@ -737,7 +737,7 @@ def check_triton_norm_fp8(dev: torch.device) -> None:
     for dtype, d in ((torch.bfloat16, 2816), (torch.float16, 2816), (torch.bfloat16, 100)):
         x, norm = rows_to_norm(6, d, dev, dtype, g)
         scale = torch.tensor(0.004, device=dev)
-        if not same_fp8_of_norm(triton_network.norm_fp8(x, norm, scale), sl.fp8_quantize(norm(x), scale)):
+        if not same_fp8_of_norm(kernels.chains.norm_fp8(x, norm, scale), sl.fp8_quantize(norm(x), scale)):
             raise DgpipeError(
                 f"the Triton norm to FP8 differs from torch's ({dtype}, {d} wide)", TRITON_FALLBACK
             )
@@ -754,7 +754,7 @@ def check_triton_norm_nvfp4(dev: torch.device) -> None:
     for dtype, d in ((torch.bfloat16, 2816), (torch.float16, 2816), (torch.bfloat16, 96)):
         x, norm = rows_to_norm(33, d, dev, dtype, g)
         gs, normed = torch.tensor(0.003, device=dev), torch.empty_like(x)
-        (q, s), (q_pass, s_pass) = (triton_network.norm_nvfp4(x, norm, gs, out) for out in (normed, None))
+        (q, s), (q_pass, s_pass) = (kernels.chains.norm_nvfp4(x, norm, gs, out) for out in (normed, None))
         want_q, want_s = sl.nvfp4_quantize(normed, gs)
         swizzled = sl.to_blocked(want_s.view(torch.uint8)).flatten()
         zero, one = torch.zeros_like(x), torch.ones(1, device=dev, dtype=dtype)
@@ -798,7 +798,7 @@ def check_triton_top_k(dev: torch.device) -> None:
         scores = separated_scores(tokens, experts, g).to(dev, dtype)
         scale = (torch.rand(experts, generator=g) + 0.5).to(dev, torch.bfloat16)
         want = route_scores(scores, k, scale)[1:]
-        if not same_top_k(triton_routing.top_k(scores, k, scale), want):
+        if not same_top_k(kernels.routing.top_k(scores, k, scale), want):
             raise DgpipeError(
                 f"the Triton router top-k differs from torch's ({dtype}, {experts} experts, top {k})",
                 TRITON_FALLBACK,
@@ -823,14 +823,14 @@ def check_triton_expert_order(dev: torch.device) -> None:
         if tokens == 9:
             index[:] = 3
         index = index.to(dev)
-        if not same_order(triton_routing.expert_order(index, experts), sl.expert_order(index, experts)):
+        if not same_order(kernels.routing.expert_order(index, experts), sl.expert_order(index, experts)):
             raise DgpipeError(
                 f"the Triton expert order differs from torch's sort ({tokens} tokens, top {k}, {experts} experts)",
                 TRITON_FALLBACK,
             )
 
 
-# each `triton_network` and `triton_routing` kernel's check, by its probe form's kind
+# each `kernels.chains` and `kernels.routing` kernel's check, by its probe form's kind
 NETWORK_CHECKS = {"rope": check_triton_rope, "softcap": check_triton_softcap, "combine": check_triton_combine,
                   "geglu": check_triton_geglu, "residual": check_triton_residual, "kv_cat": check_triton_kv_cat,
                   "router": check_triton_router, "layer_end": check_triton_layer_end,

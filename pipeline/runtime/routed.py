@@ -12,7 +12,7 @@ Two cases leave a layer's experts in float on a GPU:
 Either way every denoise step syncs with the host and no CUDA graph can capture it. `RoutedExperts` computes
 the same thing with the routing on the device: the slots sorted by expert (`scaled_layout.expert_order`),
 one grouped GEMM per projection (torch's `F.grouped_mm` where it has a kernel, dgpipe's Triton MoE GEMM,
-`triton_moe.moe_gemm`, where it has none), each token's k rows combined by one batched product
+`kernels.moe.moe_gemm`, where it has none), each token's k rows combined by one batched product
 (`network.combine_top_k`). A quantized checkpoint's inputs are rounded by the same `InputQuantizer`s as
 the loop's, once per token before the row gather (a static scale per tensor: rounding then gathering is
 gathering then rounding). The CPU path, and the loop as the tests' oracle, are unchanged.
@@ -36,7 +36,7 @@ from pipeline.model.network import (
     geglu,
 )
 from pipeline.model.scaled_layout import OrderKernel, expert_order
-from pipeline.runtime import triton_moe
+from pipeline.runtime import kernels
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -59,7 +59,7 @@ def routed_experts(
     routing = expert_order(index, gate_up.shape[0], order_kernel)
     order, token_of, offs = routing.order, routing.token_of, routing.offs
     if triton:  # the token rows gathered inside the kernel, the down rows written in token-major slot order
-        op = triton_moe.moe_gemm_op if torch.compiler.is_compiling() else triton_moe.moe_gemm
+        op = kernels.moe.moe_gemm_op if torch.compiler.is_compiling() else kernels.moe.moe_gemm
         gemm = lambda a, rows, w, out_rows=None: op(a, None, rows, w, None, offs, out_rows=out_rows)
     else:
         gemm = lambda a, rows, w, out_rows=None: F.grouped_mm(

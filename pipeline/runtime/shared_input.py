@@ -16,7 +16,7 @@ stay the checkpoint's. vLLM does the same where its kernel takes per-channel sca
 and for per-tensor GEMMs re-quantizes fused shards to the largest of their scales (`requantize_with_max_scale`,
 both in vllm/model_executor/layers/quantization/utils/w8a8_utils.py), which rounds the others' weights again.
 The merged output is split into column views read in place: gate and up by the gated GeLU, q, k and v by
-attention's head-norms kernel (`triton_network.head_norms`, tokens one stride apart). q, k and v merge only
+attention's head-norms kernel (`kernels.chains.head_norms`, tokens one stride apart). q, k and v merge only
 where that kernel is installed: torch's RMSNorm copies a non-contiguous input (`expect_contiguous` in its
 CUDA norm), which would give back the launches saved.
 
@@ -52,7 +52,7 @@ def norm_operand(
     nvfp4_kernel: Callable[[torch.Tensor, nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None,
 ) -> NormQuant | None:
     """The operand of norm(rows) in one pass for linears in `mode` from the kernels the GPU loader installs
-    where probed (`triton_network.norm_fp8_or_torch`, `norm_nvfp4_or_torch`; None: not probed): FP8 codes at
+    where probed (`kernels.chains.norm_fp8_or_torch`, `norm_nvfp4_or_torch`; None: not probed): FP8 codes at
     the static input scale, or NVFP4 codes and block scales swizzled for `F.scaled_mm` under the global
     scale. None for other modes (the Hopper/Ada NVFP4 fallback's per-row FP8): the norm, then `quantize`."""
     if mode == "fp8" and fp8_kernel is not None:

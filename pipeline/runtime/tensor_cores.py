@@ -1,7 +1,7 @@
 """Tensor-core linears and experts: quantized weights stay FP8 / NVFP4 in GPU memory and torch's scaled
 GEMMs (or dgpipe's Triton MoE GEMM) do the math, as `pipeline.runtime.dispatch` decides per (format, arch).
 
-`ScaledLinear` (`F.scaled_mm`) and `ScaledExperts` (`F.scaled_grouped_mm`; `triton_moe.moe_gemm` where the
+`ScaledLinear` (`F.scaled_mm`) and `ScaledExperts` (`F.scaled_grouped_mm`; `kernels.moe.moe_gemm` where the
 row says) are built from the packed tensors as ModelOpt stored them, through the pure converters of
 `pipeline.model.scaled_layout`: no dequantized float copy of those weights is ever made
 (`pipeline.runtime.gpu_load` puts them in a model as the checkpoint is read; `pipeline.runtime.probe` finds
@@ -32,7 +32,7 @@ from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX, nvfp4_fake_quant
 from pipeline.model.modelopt import PackedLinear
 from pipeline.model.network import CombineKernel, combine_slots, combine_top_k, geglu
-from pipeline.runtime import triton_moe, triton_quant
+from pipeline.runtime import kernels
 from pipeline.runtime.dispatch import FP8_FAST_ACCUM, TRITON_BF16
 
 
@@ -101,7 +101,7 @@ class ScaledLinear(nn.Module):
             return quantize_rows(x2, self.input_scale, "fp8", self.triton)[0], [self.input_scale]
         if self.mode == "nvfp4":  # packed codes (uint8), per-16 block scales swizzled, the global scale
             if in_one_pass(self.triton, x2):  # the kernel writes the scales swizzled
-                a, bs = triton_quant.nvfp4_blocked(x2, self.input_scale)
+                a, bs = kernels.quant.nvfp4_blocked(x2, self.input_scale)
             else:
                 a, bs = sl.nvfp4_quantize(x2, self.input_scale)
                 bs = sl.to_blocked(bs.view(torch.uint8))
@@ -181,8 +181,8 @@ class ScaledExperts(nn.Module):
     grouped FP8 kernel takes per-row scales, so each expert's per-tensor weight scale fills its rows). The
     output has the input's dtype (the grouped kernels compute in bf16: `scaled_experts`). `triton_rows`: the
     dispatch row's, where the probe found dgpipe's Triton kernels agreeing with the float product (FP8
-    passes with at most that many rows per expert take `triton_moe`'s GEMM; 0: torch's kernels only,
-    `dispatch.EVERY_PASS`: the Triton GEMM only). `one_pass`: activations quantized by `triton_quant`'s
+    passes with at most that many rows per expert take `kernels.moe`'s GEMM; 0: torch's kernels only,
+    `dispatch.EVERY_PASS`: the Triton GEMM only). `one_pass`: activations quantized by `kernels.quant`'s
     kernels (`gpu_load.one_pass`; default: where the Triton FP8 GEMM runs)."""
 
     graph_safe = True
@@ -300,7 +300,7 @@ def per_expert(scale: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def in_one_pass(triton: bool, x: torch.Tensor) -> bool:
-    """Whether `triton_quant`'s kernels prepare x's operand: asked for, on CUDA, and not under torch.compile
+    """Whether `kernels.quant`'s kernels prepare x's operand: asked for, on CUDA, and not under torch.compile
     (which fuses the torch forms into the ops around them)."""
     return triton and x.is_cuda and not torch.compiler.is_compiling()
 
@@ -309,11 +309,11 @@ def blocked(
     scales: torch.Tensor, offs: torch.Tensor, one_pass: bool, rows: torch.Tensor | None = None
 ) -> torch.Tensor:
     """NVFP4 block scales of rows grouped by `offs` (`scales[rows]` where `rows` is given) in the swizzled
-    layout the grouped GEMM reads (`scaled_layout.to_blocked_grouped`), by `triton_quant.blocked_scales` in
+    layout the grouped GEMM reads (`scaled_layout.to_blocked_grouped`), by `kernels.quant.blocked_scales` in
     one kernel, the gather included, where `one_pass`."""
     raw = scales.view(torch.uint8)
     if one_pass:
-        return triton_quant.blocked_scales(raw, offs, rows).view(torch.float8_e4m3fn)
+        return kernels.quant.blocked_scales(raw, offs, rows).view(torch.float8_e4m3fn)
     return sl.to_blocked_grouped(raw if rows is None else raw[rows], offs).view(torch.float8_e4m3fn)
 
 
@@ -323,17 +323,17 @@ def quantize_rows(
     """The GEMM operand of x's rows and its scales: FP8 with the static scale per row (fp8), per-row E4M3
     of the NVFP4-rounded rows (fp8_rowwise), or NVFP4 codes and their per-16 block scales (nvfp4). Each
     row is quantized on its own, so quantizing before a row gather equals quantizing the gathered rows.
-    `triton`: in one pass on CUDA (`pipeline.runtime.triton_quant`, the same codes), except under
+    `triton`: in one pass on CUDA (`pipeline.runtime.kernels.quant`, the same codes), except under
     torch.compile, which fuses the torch form into its producer."""
     one_pass = in_one_pass(triton, x)
     if mode == "fp8":
-        q = triton_quant.fp8(x, in_scale) if one_pass else sl.fp8_quantize(x, in_scale)
+        q = kernels.quant.fp8(x, in_scale) if one_pass else sl.fp8_quantize(x, in_scale)
         return q, in_scale.float().expand(x.shape[0])
     if mode == "fp8_rowwise":
         if one_pass:
-            return triton_quant.nvfp4_fp8_rows(x, in_scale)
+            return kernels.quant.nvfp4_fp8_rows(x, in_scale)
         return _rowwise_dynamic(nvfp4_fake_quant(x, in_scale))
-    return triton_quant.nvfp4(x, in_scale) if one_pass else sl.nvfp4_quantize(x, in_scale)
+    return kernels.quant.nvfp4(x, in_scale) if one_pass else sl.nvfp4_quantize(x, in_scale)
 
 
 def grouped_gemm(
@@ -352,7 +352,7 @@ def grouped_gemm(
     """One grouped scaled GEMM: expert-sorted operand rows `q` (scales `qs`, or `qs[scale_rows]`) times `w`
     [E, N, K] packed (scales `s`, NVFP4 global scales `g`), bf16 out (the only output torch's grouped
     FP8/FP4 kernels write). `fast_accum`: FP8 accumulation mode (`FP8_FAST_ACCUM`; the benchmark times the
-    other one too); `one_pass`: NVFP4 scales gathered and swizzled by `triton_quant` in one kernel (on CUDA)."""
+    other one too); `one_pass`: NVFP4 scales gathered and swizzled by `kernels.quant` in one kernel (on CUDA)."""
     scaling, swizzle = _api()
     weight, num_experts = w.transpose(-2, -1), w.shape[0]
     if mode == "nvfp4":
@@ -371,10 +371,10 @@ def grouped_gemm(
 
 
 # a fused gelu_tanh(gate) * up that can also quantize its result: (gate, up, FP8 scale or None) -> the
-# product in gate's dtype, or its E4M3 codes at that scale (`pipeline.runtime.triton_network.geglu`)
+# product in gate's dtype, or its E4M3 codes at that scale (`pipeline.runtime.kernels.chains.geglu`)
 ScaledGegluKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # the same product as NVFP4: (gate, up, global scale, scales swizzled for a linear) -> (codes packed in pairs,
-# block scales) (`pipeline.runtime.triton_network.geglu_nvfp4`)
+# block scales) (`pipeline.runtime.kernels.chains.geglu_nvfp4`)
 NvfpGegluKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]
 ]
@@ -453,8 +453,8 @@ def scaled_experts(
 ) -> torch.Tensor:
     """A layer's routed experts: slots sorted by expert (device-side offsets, no host sync), one grouped
     scaled GEMM for gate|up and one for down, each token's top-k outputs weighted and summed. An FP8 pass
-    with at most `triton_rows` slots per expert (`triton_moe.serves`) runs both GEMMs on `triton_moe`'s
-    kernel, which gathers the token rows itself; `one_pass`: activations quantized by `triton_quant`.
+    with at most `triton_rows` slots per expert (`kernels.moe.serves`) runs both GEMMs on `kernels.moe`'s
+    kernel, which gathers the token rows itself; `one_pass`: activations quantized by `kernels.quant`.
 
     The tokens are quantized once and their 1-byte (FP8) or half-byte (NVFP4) rows gathered top_k times,
     not gathered in bf16 and quantized top_k times over; the outputs go back to slot order with one
@@ -466,9 +466,9 @@ def scaled_experts(
     routing = sl.expert_order(index, w13.shape[0], order_kernel)
     order, token_of, offs = routing.order, routing.token_of, routing.offs
     compiling = torch.compiler.is_compiling()
-    in_slot_order = triton_moe.serves(token_of.shape[0], w13.shape[0], triton_rows)
+    in_slot_order = kernels.moe.serves(token_of.shape[0], w13.shape[0], triton_rows)
     if in_slot_order:  # the down GEMM writes each row in token-major slot order: no gather back
-        small = triton_moe.moe_gemm_op if compiling else triton_moe.moe_gemm
+        small = kernels.moe.moe_gemm_op if compiling else kernels.moe.moe_gemm
         gate_up_gemm = lambda q, qs: small(q, qs, token_of, w13, s13, offs)
         down_gemm = lambda q, qs: small(q, qs, None, w2, s2, offs, out_rows=order)
     else:

@@ -38,7 +38,7 @@ def spills(cubin: str) -> bool:
 def converts_to_e4m3_once(ptx: str, cc: int) -> bool:
     """Whether a kernel's PTX converts fp32 to E4M3 in one rounding (`cvt.rn.satfinite.e4m3x2.f32`), or, on
     sm_89 under Triton before 3.9, through fp16 rounded toward zero (`cvt.rz.f16.f32`, then
-    `cvt.rn.satfinite.e4m3x2.f16x2`), which is exact on the E4M3 grid values `triton_quant_kernels.e4m3`
+    `cvt.rn.satfinite.e4m3x2.f16x2`), which is exact on the E4M3 grid values `kernels.jit.quant.e4m3`
     converts. `ptx`: the PTX, or its instructions joined."""
     import triton
 

@@ -11,9 +11,9 @@ from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import InputQuantizer, fp8_fake_quant, nvfp4_fake_quant
 from pipeline.model.modelopt import _quantized_experts_forward
 from pipeline.model.network import RMSNorm
+from pipeline.runtime import kernels
 from pipeline.runtime import probe as probing
 from pipeline.runtime import tensor_cores as tc
-from pipeline.runtime import triton_quant
 from pipeline.runtime.dispatch import EVERY_PASS, TRITON_MAX_ROWS_PER_EXPERT, arch_of, dispatch
 from tests._utils.quantized import build_quantized_checkpoint, packed_linear
 
@@ -143,7 +143,7 @@ def test_scaled_experts_equal_fake_quant_experts(probed, mode, rows):
         [packed_linear(fmt, n, k, gen) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
     )
     m = tc.ScaledExperts(gate, up, down, mode, CUDA, triton_rows=rows)
-    assert tc.triton_moe.serves(2 * t, e, rows) == (rows > 0)
+    assert tc.kernels.moe.serves(2 * t, e, rows) == (rows > 0)
     x = torch.randn(t, d, generator=gen)
     index = torch.randint(0, e - 2, (t, 2), generator=gen)  # the last two experts get no token
     weights = torch.rand(t, 2, generator=gen)
@@ -183,7 +183,7 @@ def test_triton_moe_gemm_is_the_float_product_of_its_operands(probed):
     """The Triton FP8 MoE GEMM compiled for this GPU: uneven experts, an empty one, rows gathered in the
     kernel; within one bf16 unit of the float product at a small K (its fast accumulation adds ~1e-4
     there: tests/_utils/accumulation.py), and within 1e-2 relative L2 at the 26B's K (2e-3 to 4e-3)."""
-    from pipeline.runtime import triton_moe
+    from pipeline.runtime import kernels
 
     if not probed.ok("triton:fp8"):
         pytest.skip(f"the Triton GEMM is not served here: {probed.results.get('triton:fp8')}")
@@ -194,7 +194,7 @@ def test_triton_moe_gemm_is_the_float_product_of_its_operands(probed):
         w_scale, a_scale = torch.rand(e, n, generator=gen) + 0.5, torch.rand(t, generator=gen) + 0.5
         index = torch.randint(0, e - 1, (t, 2), generator=gen)
         _, rows, offs, _ = sl.expert_order(index, e)
-        got = triton_moe.moe_gemm(*(v.to(CUDA) for v in (a, a_scale, rows, w, w_scale, offs))).float().cpu()
+        got = kernels.moe.moe_gemm(*(v.to(CUDA) for v in (a, a_scale, rows, w, w_scale, offs))).float().cpu()
         want, start = torch.empty_like(got), 0
         for i, end in enumerate(offs.tolist()):
             r = rows[start:end]
@@ -219,7 +219,7 @@ def test_triton_quantization_is_torchs_bit_for_bit(probed, dtype):
     x = torch.cat([x.flatten(), torch.tensor(probing.QUANT_PROBE_VALUES)]).to(CUDA, dtype)
     for scale in (torch.tensor(0.5), torch.tensor(3.7e-3), torch.tensor(8.0 / 448)):
         s = scale.to(CUDA)
-        assert probing.fp8_codes_equal(triton_quant.fp8(x, s), sl.fp8_quantize(x, s)), float(scale)
+        assert probing.fp8_codes_equal(kernels.quant.fp8(x, s), sl.fp8_quantize(x, s)), float(scale)
     q, xs = packed_linear("fp8", 256, 512, gen), torch.randn(37, 512, generator=gen).to(CUDA, torch.bfloat16)
     plain, one_pass = (tc.ScaledLinear(q, "fp8", CUDA, torch.bfloat16, triton=t)(xs) for t in (False, True))
     assert torch.equal(plain, one_pass)
@@ -230,10 +230,10 @@ def test_triton_nvfp4_quantization_is_torchs_bit_for_bit(mode):
     """The one-pass NVFP4 kernels against torch's forms on this GPU: the probe's rows, then random rows over
     sixteen decades at the 26B's input widths, and a linear using them computes what the torch-quantized one
     does. Run whatever the dispatch row of this GPU is: the kernels need no FP4 tensor cores."""
-    from pipeline.runtime import triton_moe
+    from pipeline.runtime import kernels
 
-    if triton_moe.unavailable(CUDA):
-        pytest.skip(triton_moe.unavailable(CUDA))
+    if kernels.moe.unavailable(CUDA):
+        pytest.skip(kernels.moe.unavailable(CUDA))
     probing.check_triton_quant(mode, CUDA)
     gen = torch.Generator().manual_seed(6)
     for k in (704, 2112, 2816, 8192):
@@ -242,7 +242,7 @@ def test_triton_nvfp4_quantization_is_torchs_bit_for_bit(mode):
         (q, s), (want_q, want_s) = (tc.quantize_rows(x, gs, mode, triton=t) for t in (True, False))
         if mode == "nvfp4":
             assert torch.equal(q, want_q) and probing.fp8_codes_equal(s, want_s), k
-            q, s = triton_quant.nvfp4_blocked(x, gs)  # a linear's operand: its scales swizzled
+            q, s = kernels.quant.nvfp4_blocked(x, gs)  # a linear's operand: its scales swizzled
             assert torch.equal(q, want_q) and probing.fp8_codes_equal(
                 s, sl.to_blocked(want_s.view(torch.uint8))
             )
@@ -291,10 +291,10 @@ def test_routed_float_experts_equal_the_fp32_experts_and_replay_in_a_cuda_graph(
     from pipeline.model.checkpoint import load_model
     from pipeline.model.network import grouped_mm_reads_host
     from pipeline.resources import EMBEDDED_MODEL
-    from pipeline.runtime import routed, triton_moe
+    from pipeline.runtime import kernels, routed
 
-    if triton and triton_moe.unavailable(CUDA):
-        pytest.skip(triton_moe.unavailable(CUDA))
+    if triton and kernels.moe.unavailable(CUDA):
+        pytest.skip(kernels.moe.unavailable(CUDA))
     if not triton and grouped_mm_reads_host(CUDA, torch.bfloat16):
         pytest.skip("torch's grouped GEMM has no kernel on this GPU")
     exact = load_model(EMBEDDED_MODEL)[0].layers[0].experts.to(CUDA)  # fp32 on CUDA: the dense form
@@ -321,10 +321,10 @@ def test_routed_float_experts_equal_the_fp32_experts_and_replay_in_a_cuda_graph(
 
 
 def test_the_triton_bf16_probe_passes_on_this_gpu():
-    from pipeline.runtime import triton_moe
+    from pipeline.runtime import kernels
 
-    if triton_moe.unavailable(CUDA):
-        pytest.skip(triton_moe.unavailable(CUDA))
+    if kernels.moe.unavailable(CUDA):
+        pytest.skip(kernels.moe.unavailable(CUDA))
     gen = torch.Generator(device=CUDA).manual_seed(8)
     x = torch.randn(20, 128, device=CUDA, generator=gen)
     index = torch.randint(0, 4, (20, 2), device=CUDA, generator=gen)
@@ -343,10 +343,10 @@ def test_triton_network_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
     from pipeline.model.checkpoint import load_model
     from pipeline.model.network import apply_rope
     from pipeline.resources import EMBEDDED_MODEL
-    from pipeline.runtime import gpu_load, triton_moe, triton_network
+    from pipeline.runtime import gpu_load, kernels
 
-    if triton_moe.unavailable(CUDA):
-        pytest.skip(triton_moe.unavailable(CUDA))
+    if kernels.moe.unavailable(CUDA):
+        pytest.skip(kernels.moe.unavailable(CUDA))
     probing.check_triton_rope(CUDA)
     probing.check_triton_softcap(CUDA)
     probing.check_triton_combine(CUDA)
@@ -359,7 +359,7 @@ def test_triton_network_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
         cache = torch.randn(2, 16, heads, 600, d, device=CUDA, generator=gen).bfloat16()
         new = torch.randn(2, 16, 256, heads, d, device=CUDA, generator=gen).bfloat16().transpose(2, 3)
         pk, pv = cache[0, :, :, :256], cache[1, :, :, :256]
-        got = triton_network.kv_cat(pk, pv, new[0], new[1])
+        got = kernels.chains.kv_cat(pk, pv, new[0], new[1])
         assert torch.equal(got[0], torch.cat([pk, new[0]], 2)) and torch.equal(
             got[1], torch.cat([pv, new[1]], 2)
         )
@@ -368,7 +368,7 @@ def test_triton_network_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
         angles = torch.rand(16, 256, d // 2, device=CUDA, generator=gen) * 1e4
         emb = torch.cat([angles, angles], -1)
         cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
-        assert torch.equal(triton_network.rope(x, cos, sin), apply_rope(x, cos, sin)), (heads, d)
+        assert torch.equal(kernels.chains.rope(x, cos, sin), apply_rope(x, cos, sin)), (heads, d)
     model = load_model(EMBEDDED_MODEL, torch.bfloat16, CUDA)[0].eval()
     length = model.config.canvas_length
     canvas = torch.randint(0, model.cfg.vocab_size, (2, length), device=CUDA, generator=gen)
@@ -390,14 +390,14 @@ def test_triton_network_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
     with torch.inference_mode():
         want = step()
         gpu_load.finish_on_device(model, CUDA, None, None)
-        assert all(layer.self_attn.rope_kernel is triton_network.rope_or_torch for layer in model.layers)
-        assert model.softcap_kernel is triton_network.softcap
-        assert all(layer.experts.combine_kernel is triton_network.combine for layer in model.layers)
-        assert all(layer.mlp.geglu_kernel is triton_network.geglu_or_torch for layer in model.layers)
-        assert all(layer.residual_kernel is triton_network.add_scaled_or_torch for layer in model.layers)
-        assert all(layer.self_attn.kv_cat_kernel is triton_network.kv_cat_or_torch for layer in model.layers)
+        assert all(layer.self_attn.rope_kernel is kernels.chains.rope_or_torch for layer in model.layers)
+        assert model.softcap_kernel is kernels.chains.softcap
+        assert all(layer.experts.combine_kernel is kernels.chains.combine for layer in model.layers)
+        assert all(layer.mlp.geglu_kernel is kernels.chains.geglu_or_torch for layer in model.layers)
+        assert all(layer.residual_kernel is kernels.chains.add_scaled_or_torch for layer in model.layers)
+        assert all(layer.self_attn.kv_cat_kernel is kernels.chains.kv_cat_or_torch for layer in model.layers)
         assert all(
-            layer.router.scale_kernel is triton_network.scale_columns_or_torch for layer in model.layers
+            layer.router.scale_kernel is kernels.chains.scale_columns_or_torch for layer in model.layers
         )
         got = step()
         assert float((got - want).norm() / want.norm()) < 1e-2
@@ -405,10 +405,10 @@ def test_triton_network_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
         gated(None)
         model.softcap_kernel = None
         assert torch.equal(step(), want)  # RoPE, the residual sums and the router inputs: bit for bit
-        model.softcap_kernel = triton_network.softcap
+        model.softcap_kernel = kernels.chains.softcap
         torch.testing.assert_close(step(), want, rtol=1e-6, atol=0.0)
-        combine(triton_network.combine)
-        gated(triton_network.geglu_or_torch)
+        combine(kernels.chains.combine)
+        gated(kernels.chains.geglu_or_torch)
         outs = []  # the warm-up's and then the captured pass's logits (the graph's own output buffer)
         replay = _graphed(lambda: outs.append(step()), CUDA)
         replay()
@@ -421,19 +421,19 @@ def test_the_gated_gelu_kernel_is_torchs_cuda_gelu_bit_for_bit():
     the product, since its tanh is libdevice's, the one torch's CUDA kernel calls; its FP8 codes those of
     that product. (The probe allows another tanh's rounding; this holds the kernel to the claim.)"""
     from pipeline.model.network import gelu_tanh
-    from pipeline.runtime import triton_moe, triton_network
+    from pipeline.runtime import kernels
 
-    if triton_moe.unavailable(CUDA):
-        pytest.skip(triton_moe.unavailable(CUDA))
+    if kernels.moe.unavailable(CUDA):
+        pytest.skip(kernels.moe.unavailable(CUDA))
     gen = torch.Generator(device=CUDA).manual_seed(8)
     scale = torch.tensor(0.02, device=CUDA)
     for rows, cols in ((32768, 704), (4096, 2112)):
         gu = (torch.randn(rows, 2 * cols, device=CUDA, generator=gen) * 3).bfloat16()
         gate, up = gu.chunk(2, dim=-1)
         want = gelu_tanh(gate) * up
-        got = triton_network.geglu(gate, up)
+        got = kernels.chains.geglu(gate, up)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), int((got != want).sum())
-        codes = triton_network.geglu(gate, up, scale)
+        codes = kernels.chains.geglu(gate, up, scale)
         assert probing.fp8_codes_equal(codes, sl.fp8_quantize(want, scale))
 
 
@@ -442,17 +442,17 @@ def test_the_layer_end_kernel_is_torchs_but_for_its_norms_sums():
     `probe.same_layer_end` of torch's form on torch's fused CUDA RMSNorm, and bit for bit but for under 1% of
     the values (the sums of squares are added in another order)."""
     from pipeline.model.network import RMSNorm, layer_end
-    from pipeline.runtime import triton_moe, triton_network
+    from pipeline.runtime import kernels
 
-    if triton_moe.unavailable(CUDA):
-        pytest.skip(triton_moe.unavailable(CUDA))
+    if kernels.moe.unavailable(CUDA):
+        pytest.skip(kernels.moe.unavailable(CUDA))
     gen = torch.Generator(device=CUDA).manual_seed(9)
     residual, dense, moe = (torch.randn(3, 4096, 2816, device=CUDA, generator=gen) * 2).bfloat16().unbind()
     norms = tuple(RMSNorm(2816, 1e-6).to(CUDA, torch.bfloat16) for _ in range(3))
     for n in norms:
         n.weight.data = (torch.rand(2816, device=CUDA, generator=gen) * 2).bfloat16()
     scale = torch.tensor([0.7], device=CUDA, dtype=torch.bfloat16)
-    got = triton_network.layer_end(residual, dense, moe, norms, scale)
+    got = kernels.chains.layer_end(residual, dense, moe, norms, scale)
     want = layer_end(residual, dense, moe, norms, scale)
     assert probing.same_layer_end(got, want, residual, scale)
     assert float((got != want).float().mean()) < 0.01
@@ -464,14 +464,14 @@ def test_the_ffn_inputs_kernel_is_torchs_but_for_its_norms_sums():
     under 1% of the values; the MLP's and experts' inputs as FP8, NVFP4 and per-row FP8 operands bit for bit
     what the quantizations make of the rows."""
     from pipeline.model.network import ffn_inputs
-    from pipeline.runtime import triton_moe, triton_network, triton_quant
+    from pipeline.runtime import kernels
 
-    if triton_moe.unavailable(CUDA):
-        pytest.skip(triton_moe.unavailable(CUDA))
+    if kernels.moe.unavailable(CUDA):
+        pytest.skip(kernels.moe.unavailable(CUDA))
     layer = probing.ffn_probe_layer(2816, CUDA, torch.bfloat16, torch.Generator().manual_seed(10))
     gen = torch.Generator(device=CUDA).manual_seed(10)
     h, attn = (torch.randn(2, 16, 256, 2816, device=CUDA, generator=gen) * 2).bfloat16().unbind()
-    got, want = triton_network.ffn_inputs(layer, h, attn), ffn_inputs(layer, h, attn)
+    got, want = kernels.chains.ffn_inputs(layer, h, attn), ffn_inputs(layer, h, attn)
     one = torch.ones(1, device=CUDA, dtype=torch.bfloat16)
     assert probing.same_layer_end(got[0], want[0], h, one)
     for a, b in zip(got, want, strict=True):
@@ -481,8 +481,8 @@ def test_the_ffn_inputs_kernel_is_torchs_but_for_its_norms_sums():
     # one-pass quantizations make of the rows (4,096 rows: the MLP's NVFP4 scales swizzled)
     for kind in ("fp8", "nvfp4", "fp8_rowwise"):
         assert probing.same_operands(layer, h, attn, got, kind), kind
-    fp8 = triton_network.ffn_inputs(layer, h, attn, ("fp8", torch.tensor(0.01, device=CUDA)), None)
-    assert probing.fp8_codes_equal(fp8[1].operand, triton_quant.fp8(got[1], fp8[1].scales[0]))
+    fp8 = kernels.chains.ffn_inputs(layer, h, attn, ("fp8", torch.tensor(0.01, device=CUDA)), None)
+    assert probing.fp8_codes_equal(fp8[1].operand, kernels.quant.fp8(got[1], fp8[1].scales[0]))
 
 
 def test_the_routing_kernels_choose_torchs_experts_and_order_them_as_its_sort():
@@ -492,20 +492,20 @@ def test_the_routing_kernels_choose_torchs_experts_and_order_them_as_its_sort():
     order of tied experts within the k is torch's sort's own); the expert order is torch's stable sort bit for
     bit (32,768 slots: torch's radix sort)."""
     from pipeline.model.network import route_scores
-    from pipeline.runtime import triton_moe, triton_routing
+    from pipeline.runtime import kernels
 
-    if triton_moe.unavailable(CUDA):
-        pytest.skip(triton_moe.unavailable(CUDA))
+    if kernels.moe.unavailable(CUDA):
+        pytest.skip(kernels.moe.unavailable(CUDA))
     probing.check_triton_top_k(CUDA)
     probing.check_triton_expert_order(CUDA)
     gen = torch.Generator(device=CUDA).manual_seed(11)
     scores = torch.randn(4096, 128, device=CUDA, generator=gen).bfloat16()
     scale = (torch.rand(128, device=CUDA, generator=gen) + 0.5).bfloat16()
-    got, want = triton_routing.top_k(scores, 8, scale), route_scores(scores, 8, scale)[1:]
+    got, want = kernels.routing.top_k(scores, 8, scale), route_scores(scores, 8, scale)[1:]
     by_expert = lambda w, i: (w.gather(1, i.argsort(1)), i.sort(1).values)
     assert probing.same_top_k(by_expert(*got), by_expert(*want))
     index = got[1]
-    order = triton_routing.expert_order(index, 128)
+    order = kernels.routing.expert_order(index, 128)
     assert probing.same_order(order, sl.expert_order(index, 128))
 
 
@@ -545,10 +545,10 @@ def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
     q|k|v projection's columns bit for bit as from a contiguous tensor; q, k and v in one launch bit for bit
     as in their own, k and v also written into a cache's room and q head-major."""
     from pipeline.model.network import RMSNorm, apply_rope
-    from pipeline.runtime import triton_moe, triton_network
+    from pipeline.runtime import kernels
 
-    if triton_moe.unavailable(CUDA):
-        pytest.skip(triton_moe.unavailable(CUDA))
+    if kernels.moe.unavailable(CUDA):
+        pytest.skip(kernels.moe.unavailable(CUDA))
     probing.check_triton_head_norms(CUDA)
     gen = torch.Generator(device=CUDA).manual_seed(12)
     for h, d, with_v in ((16, 256, False), (2, 512, True)):
@@ -558,7 +558,7 @@ def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
         angles = torch.rand(16, 256, d // 2, device=CUDA, generator=gen) * 1e4
         emb = torch.cat([angles, angles], -1)
         cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
-        got, got_v, _ = triton_network.head_norms(
+        got, got_v, _ = kernels.chains.head_norms(
             x, norm, cos, sin, v if with_v else None, v_norm if with_v else None
         )
         normed = norm(x)
@@ -572,9 +572,9 @@ def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
         # the same heads as columns of one merged q|k|v output (tokens h + 2 heads apart), read in place
         merged = torch.cat([x, x[:, :, :1], v[:, :, :1]], dim=2).view(16, 256, -1)
         q = merged[..., : h * d].view(16, 256, h, d)
-        got_strided = triton_network.head_norms(q, norm, cos, sin)[0]
+        got_strided = kernels.chains.head_norms(q, norm, cos, sin)[0]
         assert not q.is_contiguous() and probing.same_bits(
-            got_strided, triton_network.head_norms(x, norm, cos, sin)[0]
+            got_strided, kernels.chains.head_norms(x, norm, cos, sin)[0]
         )
     # a layer's q (16 heads of 256) beside its k and v (8 each) in one launch: each its own launch's values
     x, k, v = (torch.randn(16, 256, n, 256, device=CUDA, generator=gen).bfloat16() for n in (16, 8, 8))
@@ -584,16 +584,16 @@ def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
     v_norm = RMSNorm(256, 1e-6, with_scale=False)
     angles = torch.rand(16, 256, 128, device=CUDA, generator=gen) * 1e4
     cos, sin = (f(torch.cat([angles, angles], -1)).bfloat16() for f in (torch.cos, torch.sin))
-    assert triton_network.head_norms_serves(k, norms[1], cos, v, v_norm)
-    together = triton_network.head_norms(k, norms[1], cos, sin, v, v_norm, x, norms[0])
-    apart = (*triton_network.head_norms(k, norms[1], cos, sin, v, v_norm)[:2],
-             triton_network.head_norms(x, norms[0], cos, sin)[0])  # fmt: skip
+    assert kernels.chains.head_norms_serves(k, norms[1], cos, v, v_norm)
+    together = kernels.chains.head_norms(k, norms[1], cos, sin, v, v_norm, x, norms[0])
+    apart = (*kernels.chains.head_norms(k, norms[1], cos, sin, v, v_norm)[:2],
+             kernels.chains.head_norms(x, norms[0], cos, sin)[0])  # fmt: skip
     assert all(probing.same_bits(a, b) for a, b in zip(together, apart, strict=True))
     # k and v into a cache's room (rows 16-31 of 48, after 1,023 cached tokens of a ring with room for
     # 256), q head-major: each the values of its own launch, the rest of the buffers untouched
     cache = torch.full((2, 48, 8, 1023 + 256, 256), 3.0, device=CUDA, dtype=torch.bfloat16)
     room = cache[0, 16:32, :, 1023:], cache[1, 16:32, :, 1023:]
-    roomed = triton_network.head_norms(
+    roomed = kernels.chains.head_norms(
         k, norms[1], cos, sin, v, v_norm, x, norms[0], q_head_major=True, out=room
     )
     assert roomed[0] is room[0] and roomed[1] is room[1]
@@ -618,14 +618,14 @@ def test_the_norm_to_fp8_kernel_is_torchs_but_for_its_norms_sums():
     """A layer's input norm written as its FP8 q|k|v operand at the 26B's width and 16 canvases: within one
     E4M3 step of torch's fused CUDA RMSNorm then the FP8 quantization (`probe.same_fp8_of_norm`), the same
     codes but for under 1% of them."""
-    from pipeline.runtime import triton_moe, triton_network
+    from pipeline.runtime import kernels
 
-    if triton_moe.unavailable(CUDA):
-        pytest.skip(triton_moe.unavailable(CUDA))
+    if kernels.moe.unavailable(CUDA):
+        pytest.skip(kernels.moe.unavailable(CUDA))
     probing.check_triton_norm_fp8(CUDA)
     x, norm = _rows_and_norm(seed=13)
     scale = torch.tensor(0.01, device=CUDA)
-    got, want = triton_network.norm_fp8(x, norm, scale), sl.fp8_quantize(norm(x), scale)
+    got, want = kernels.chains.norm_fp8(x, norm, scale), sl.fp8_quantize(norm(x), scale)
     assert probing.same_fp8_of_norm(got, want)
     assert float((got.float() != want.float()).float().mean()) < 0.01
 
@@ -633,19 +633,19 @@ def test_the_norm_to_fp8_kernel_is_torchs_but_for_its_norms_sums():
 def test_the_norm_to_nvfp4_kernel_quantizes_what_it_normed_as_torch_would():
     """A layer's input norm written as its NVFP4 q|k|v operand at the 26B's width and 16 canvases: the rows it
     normed within a norm's rounding of torch's fused CUDA RMSNorm, its codes and swizzled block scales bit
-    for bit what `triton_quant.nvfp4_blocked` makes of them, and the same codes as the norm then that
+    for bit what `kernels.quant.nvfp4_blocked` makes of them, and the same codes as the norm then that
     quantization but for under 1% of them."""
-    from pipeline.runtime import triton_moe, triton_network, triton_quant
+    from pipeline.runtime import kernels
 
-    if triton_moe.unavailable(CUDA):
-        pytest.skip(triton_moe.unavailable(CUDA))
+    if kernels.moe.unavailable(CUDA):
+        pytest.skip(kernels.moe.unavailable(CUDA))
     probing.check_triton_norm_nvfp4(CUDA)
     x, norm = _rows_and_norm(seed=14)
     gs, normed = torch.tensor(0.003, device=CUDA), torch.empty_like(x)
-    q, s = triton_network.norm_nvfp4(x, norm, gs, normed)
+    q, s = kernels.chains.norm_nvfp4(x, norm, gs, normed)
     one = torch.ones(1, device=CUDA, dtype=torch.bfloat16)
     assert probing.same_layer_end(normed, norm(x), torch.zeros_like(x), one)
-    want_q, want_s = triton_quant.nvfp4_blocked(normed, gs)
+    want_q, want_s = kernels.quant.nvfp4_blocked(normed, gs)
     assert torch.equal(q, want_q) and torch.equal(s, want_s)
-    torch_q = triton_quant.nvfp4_blocked(norm(x), gs)[0]
+    torch_q = kernels.quant.nvfp4_blocked(norm(x), gs)[0]
     assert float((q != torch_q).float().mean()) < 0.01

@@ -12,7 +12,7 @@ import torch
 from pipeline.bench import fake_cuda
 from pipeline.bench import gpu_trace as gt
 from pipeline.model.modelopt import _quantized_experts_forward
-from pipeline.runtime import gpu_load, triton_network
+from pipeline.runtime import gpu_load, kernels
 from pipeline.runtime import probe as probing
 from pipeline.runtime.dispatch import DISPATCH, EVERY_PASS
 
@@ -155,7 +155,7 @@ def test_dgpipe_bench_gpu_trace_writes_json_and_table(tmp_path):
 
 def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
     """torch's element-wise NVFP4 quantization is ~50 launches an input (~13,000 a 26B pass); the kernels of
-    `pipeline.runtime.triton_quant` make it one, so Hopper's NVFP4 pass launches about what its FP8 pass
+    `pipeline.runtime.kernels.quant` make it one, so Hopper's NVFP4 pass launches about what its FP8 pass
     does: two more for the experts' and the dense MLP's down inputs, which FP8 quantizes inside the gated
     GeLUs, and one more for q|k|v's, which FP8's input norm writes. Gate|up's and the experts' gate|up's
     inputs come from the FFN-inputs kernel in both, and both merge gate and up, and q, k and v."""
@@ -183,7 +183,7 @@ def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
 
 def test_rope_takes_one_launch_per_tensor_where_probed():
     """torch's RoPE is five launches for q and five for k a layer (the multiplies, `rotate_half`'s negation
-    and concatenation, the sum); `pipeline.runtime.triton_network` makes each one (where the head-norms kernel,
+    and concatenation, the sum); `pipeline.runtime.kernels.chains` makes each one (where the head-norms kernel,
     which rotates too, failed its probe). A failed probe keeps torch's."""
     base = gt.passing_probe("sm90")
     base.results[probing.HEAD_NORMS] = "failed"
@@ -198,7 +198,7 @@ def test_rope_takes_one_launch_per_tensor_where_probed():
 
 def test_the_logit_softcap_takes_one_launch_where_probed():
     """torch's softcap is the logits' widening to fp32 and three in-place passes over them; the kernel of
-    `pipeline.runtime.triton_network` widens and caps in one."""
+    `pipeline.runtime.kernels.chains` widens and caps in one."""
     fused = gt.trace_pass("fp8", "sm90", 1, LAYERS)
     assert fused.ops["triton::softcap"] == 1 and "aten::tanh_" not in fused.ops
     no_kernel = gt.passing_probe("sm90")
@@ -276,7 +276,7 @@ def test_a_pass_moves_at_least_its_weights():
 
 def test_the_moe_combine_takes_one_launch_and_reads_the_rows_where_they_are():
     """torch's combine gathers the experts' outputs back to slot order and takes a batched product; the
-    kernel of `pipeline.runtime.triton_network` reads them in place (at 16 canvases on Hopper, torch's
+    kernel of `pipeline.runtime.kernels.chains` reads them in place (at 16 canvases on Hopper, torch's
     grouped GEMM's rows in expert order: a [slots, hidden] copy a layer fewer)."""
     fused = gt.trace_pass("fp8", "sm90", 16, LAYERS)
     assert fused.ops["triton::combine"] == LAYERS and "aten::bmm" not in fused.ops
@@ -388,7 +388,7 @@ def test_the_ffn_inputs_kernel_writes_the_operands_of_the_mlp_and_the_experts(
         "triton::nvfp4_fp8_rows",
     )
     assert sum(fused.ops.get(op, 0) for op in quantize) == alone * LAYERS
-    monkeypatch.setattr(gpu_load, "ffn_inputs_for", lambda layer: triton_network.ffn_inputs_or_torch)
+    monkeypatch.setattr(gpu_load, "ffn_inputs_for", lambda layer: kernels.chains.ffn_inputs_or_torch)
     rows = gt.trace_pass(fmt, arch, batch, LAYERS)
     assert sum(rows.ops.get(op, 0) for op in quantize) == (alone + 2) * LAYERS
     assert rows.ops["triton::ffn_inputs"] == LAYERS and rows.launches == fused.launches + 2 * LAYERS

@@ -17,7 +17,7 @@ from pipeline.model.fake_quant import InputQuantizer
 from pipeline.model.modelopt import _quantized_experts_forward
 from pipeline.model.network import Experts
 from pipeline.resources import EMBEDDED_MODEL
-from pipeline.runtime import gpu_load, routed, triton_moe
+from pipeline.runtime import gpu_load, kernels, routed
 from pipeline.runtime import probe as probing
 from pipeline.runtime.backends import experts_graph_safe
 from tests._utils.compile import compiled_whole, graph_targets
@@ -203,7 +203,7 @@ def test_the_probe_holds_the_triton_bf16_gemm_to_the_float_product(monkeypatch):
         torch.rand(20, 2),
     )
     probing.check_triton_bf16(CPU, x, index, weights)
-    real = triton_moe.moe_gemm
+    real = kernels.moe.moe_gemm
 
     def wrong_at(tile):  # rows reversed at one M tile (None: the tile `tiles` picks)
         def gemm(a, a_scale, rows, w, w_scale, offs, block_m=None, out_rows=None):
@@ -220,10 +220,10 @@ def test_the_probe_holds_the_triton_bf16_gemm_to_the_float_product(monkeypatch):
 
         return gemm
 
-    for tile in triton_moe.BLOCK_MS:
-        monkeypatch.setattr(triton_moe, "moe_gemm", wrong_at(tile))
+    for tile in kernels.moe.BLOCK_MS:
+        monkeypatch.setattr(kernels.moe, "moe_gemm", wrong_at(tile))
         with pytest.raises(DgpipeError, match=rf"Triton bf16 MoE GEMM \({tile}-row tiles\) differs"):
             probing.check_triton_bf16(CPU, x, index, weights)
-    monkeypatch.setattr(triton_moe, "moe_gemm", wrong_at(None))
+    monkeypatch.setattr(kernels.moe, "moe_gemm", wrong_at(None))
     with pytest.raises(DgpipeError, match="bf16 experts on the Triton MoE GEMM differ"):
         probing.check_triton_bf16(CPU, x, index, weights)

@@ -264,7 +264,7 @@ def test_the_embedded_fp8_model_keeps_its_logits_with_its_mlps_operand_from_the_
     """The embedded FP8 model in bf16, gate and up sharing one quantization in one pass (as on CUDA), every
     layer's FFN-inputs kernel writing the dense MLP's input as their FP8 operand (`gpu_load.ffn_inputs_for`):
     the same logits bit for bit as the kernel writing the rows and gate and up quantizing them."""
-    from pipeline.runtime import gpu_load, triton_network
+    from pipeline.runtime import gpu_load, kernels
     from pipeline.runtime import probe as probing
 
     path = build_quantized_checkpoint(tmp_path / "fp8", "fp8")
@@ -279,10 +279,10 @@ def test_the_embedded_fp8_model_keeps_its_logits_with_its_mlps_operand_from_the_
     for layer in model.layers:
         for part in layer.mlp.gate_up_kernel.parts:
             part.triton = True  # as the GPU loader sets it where the one-pass quantization passed its probe
-        layer.ffn_inputs_kernel = triton_network.ffn_inputs_or_torch
-    kernel, quantized = triton_network.ffn_inputs, []
+        layer.ffn_inputs_kernel = kernels.chains.ffn_inputs_or_torch
+    kernel, quantized = kernels.chains.ffn_inputs, []
     monkeypatch.setattr(
-        triton_network, "ffn_inputs", lambda *a: quantized.append(a[3] is not None) or kernel(*a)
+        kernels.chains, "ffn_inputs", lambda *a: quantized.append(a[3] is not None) or kernel(*a)
     )
     with torch.inference_mode():
         before = run()
@@ -319,7 +319,7 @@ def test_the_ffn_inputs_come_as_fp8_operands_only_to_gemms_that_would_make_them(
     (the scale theirs); else the rows, and without either the plain kernel."""
     from types import SimpleNamespace
 
-    from pipeline.runtime import gpu_load, triton_network
+    from pipeline.runtime import gpu_load, kernels
 
     gen = torch.Generator().manual_seed(9)
     parts = [tc.ScaledLinear(packed_linear("fp8", 32, 64, gen), "fp8", CPU, torch.bfloat16, triton=mlp_one_pass)
@@ -329,10 +329,10 @@ def test_the_ffn_inputs_come_as_fp8_operands_only_to_gemms_that_would_make_them(
     layer = SimpleNamespace(mlp=SimpleNamespace(gate_up_kernel=si.SharedInput(parts, None)), experts=experts)
     kernel = gpu_load.ffn_inputs_for(layer)
     if not (mlp_one_pass or experts_one_pass):
-        assert kernel is triton_network.ffn_inputs_or_torch
+        assert kernel is kernels.chains.ffn_inputs_or_torch
         return
-    assert kernel.func is triton_network.ffn_inputs_or_torch
+    assert kernel.func is kernels.chains.ffn_inputs_or_torch
     assert kernel.keywords["mlp_form"] == (("fp8", parts[0].input_scale) if mlp_one_pass else None)
     assert kernel.keywords["experts_form"] == (("fp8", experts.in_scale) if experts_one_pass else None)
     layer.mlp.gate_up_kernel = None  # gate and up on their own: they take rows
-    assert gpu_load.ffn_inputs_for(layer) is triton_network.ffn_inputs_or_torch or experts_one_pass
+    assert gpu_load.ffn_inputs_for(layer) is kernels.chains.ffn_inputs_or_torch or experts_one_pass

@@ -623,7 +623,7 @@ def test_an_fp8_dense_down_takes_its_operand_from_the_gated_gelu_kernel(monkeypa
 def test_an_nvfp4_down_projection_takes_its_operand_from_the_gated_gelu(monkeypatch):
     """The dense MLP's NVFP4 down projection: the gated GeLU's NVFP4 codes and block scales, swizzled for the
     linear, go straight to its GEMM with the linear's global scale (torch's forms here; the kernel's equality
-    with them: tests/unit/runtime/test_triton_network.py), the operand its own quantization would make."""
+    with them: tests/unit/runtime/kernels/test_chains.py), the operand its own quantization would make."""
     from pipeline.model.network import gelu_tanh
 
     gen = torch.Generator().manual_seed(4)

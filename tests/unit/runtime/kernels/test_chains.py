@@ -1,4 +1,4 @@
-"""dgpipe's kernels for the network's element-wise chains (`pipeline.runtime.triton_network`) in Triton's
+"""dgpipe's kernels for the network's element-wise chains (`pipeline.runtime.kernels.chains`) in Triton's
 interpreter: RoPE against the torch form (`network.apply_rope`) bit for bit (with round-to-nearest-even casts:
 tests/_utils/interpreter_casts.py) and a model's logits unchanged with it installed, the logit softcap against
 torch's form within fp32 rounding; the load-time probe; and both compiled for Hopper, B200, Ada and RTX
@@ -16,8 +16,8 @@ from pipeline.model import network
 from pipeline.model import scaled_layout as sl
 from pipeline.model.network import apply_rope
 from pipeline.model.scaled_layout import expert_order, slot_rows
+from pipeline.runtime import kernels
 from pipeline.runtime import probe as probing
-from pipeline.runtime import triton_network, triton_routing
 from tests._utils.embedded_passes import denoise_and_prefill, embedded_bf16
 from tests._utils.interpreter_casts import (  # noqa: F401  (fixtures)
     interpreted_tanh,
@@ -51,7 +51,7 @@ def tables(b: int, length: int, d: int, dtype: torch.dtype, seed: int = 0, parti
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize("dtype", kernels.chains.DTYPES)
 @pytest.mark.parametrize(
     ("heads", "d", "partial"), [(3, 64, None), (16, 256, None), (2, 512, 64), (5, 2, None), (4, 24, None)]
 )
@@ -64,25 +64,25 @@ def test_rope_is_the_torch_form_bit_for_bit(rne_casts, dtype, heads, d, partial)
     x[0, 0, 0, :2], x[1, 2, 0, 0], x[1, 3, -1, -1] = 0.0, float("inf"), float("nan")
     x = x.to(dtype)
     cos, sin = tables(2, 9, d, dtype, partial=partial)
-    assert triton_network.rope_serves(x, cos)
-    got, want = triton_network.rope(x, cos, sin), apply_rope(x, cos, sin)
+    assert kernels.chains.rope_serves(x, cos)
+    got, want = kernels.chains.rope(x, cos, sin), apply_rope(x, cos, sin)
     assert probing.same_bits(got, want)  # bit patterns: NaN and -0.0 too
 
 
 def test_other_inputs_keep_the_torch_form(monkeypatch):
     x, (cos, sin) = torch.randn(1, 4, 2, 64, dtype=torch.bfloat16), tables(1, 4, 64, torch.bfloat16)
-    assert not triton_network.rope_serves(
+    assert not kernels.chains.rope_serves(
         x.float(), cos.float()
     )  # fp32: the compiler may fuse a product into the sum
-    assert not triton_network.rope_serves(x.transpose(1, 2), cos)  # [B, H, L, D]: not the layout it reads
-    assert not triton_network.rope_serves(
+    assert not kernels.chains.rope_serves(x.transpose(1, 2), cos)  # [B, H, L, D]: not the layout it reads
+    assert not kernels.chains.rope_serves(
         x[..., :48], cos[..., :48].contiguous()
     )  # a view: rows not contiguous
-    assert not triton_network.rope_serves(x, cos.half())
-    monkeypatch.setattr(triton_network, "rope", lambda *a: pytest.fail("the kernel ran"))
+    assert not kernels.chains.rope_serves(x, cos.half())
+    monkeypatch.setattr(kernels.chains, "rope", lambda *a: pytest.fail("the kernel ran"))
     y = x.float()
     assert torch.equal(
-        triton_network.rope_or_torch(y, cos.float(), sin.float()), apply_rope(y, cos.float(), sin.float())
+        kernels.chains.rope_or_torch(y, cos.float(), sin.float()), apply_rope(y, cos.float(), sin.float())
     )
 
 
@@ -100,8 +100,8 @@ def test_a_model_with_the_kernels_installed_gives_the_same_logits(rne_casts):  #
     calls = []
     with pytest.MonkeyPatch.context() as mp:
         for name in ("rope", "add_scaled", "scale_columns"):
-            kernel = getattr(triton_network, name)
-            mp.setattr(triton_network, name, lambda *a, k=kernel, n=name: calls.append(n) or k(*a))
+            kernel = getattr(kernels.chains, name)
+            mp.setattr(kernels.chains, name, lambda *a, k=kernel, n=name: calls.append(n) or k(*a))
         probed = probing.Probe("sm90", {probing.ROPE: None, probing.RESIDUAL: None, probing.ROUTER: None})
         report = gpu_load.fuse_network(model, probed, None)
         got = run()
@@ -141,7 +141,7 @@ def test_softcap_is_torchs_cuda_form_within_fp32_rounding(interpreted_tanh, dtyp
     x = x.to(dtype)
     inv = torch.tensor(1.0) / torch.tensor(30.0)
     cuda_form = torch.tanh(x.float() * inv) * 30.0
-    got = triton_network.softcap(x, 30.0)
+    got = kernels.chains.softcap(x, 30.0)
     assert got.dtype == torch.float32 and got.shape == x.shape
     torch.testing.assert_close(got, cuda_form, rtol=2.4e-7, atol=0.0, equal_nan=True)
     assert got[0, 1] == 30.0 and got[0, 2] == -30.0 and got[0, 3].isnan()
@@ -166,21 +166,21 @@ def test_combine_is_its_torch_form_bit_for_bit_and_the_batched_product_within_ro
     routing = expert_order(index, 16)
     y = (torch.randn(tokens * k, d, generator=g) * 4).bfloat16()
     rows = slot_rows(routing)
-    got = triton_network.combine(y, rows, weights)
-    assert torch.equal(got, triton_network.sequential_combine(y, rows, weights))
+    got = kernels.chains.combine(y, rows, weights)
+    assert torch.equal(got, kernels.chains.sequential_combine(y, rows, weights))
     assert torch.equal(
-        triton_network.combine(y, None, weights), triton_network.sequential_combine(y, None, weights)
+        kernels.chains.combine(y, None, weights), kernels.chains.sequential_combine(y, None, weights)
     )
     want = network.combine_top_k(y, routing, weights)
     assert bool(((got.float() - want.float()).abs() <= want.float().abs() * 2**-8 + 1e-6).all())
-    assert torch.equal(network.combine_top_k(y, routing, weights, triton_network.combine), got)  # the hook
+    assert torch.equal(network.combine_top_k(y, routing, weights, kernels.chains.combine), got)  # the hook
 
 
 @interpreted
 def test_the_combine_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, monkeypatch):  # noqa: F811
     probing.check_triton_combine(torch.device("cpu"))
-    kernel = triton_network.combine
-    monkeypatch.setattr(triton_network, "combine", lambda y, rows, w: kernel(y, rows, w.flip(1)))
+    kernel = kernels.chains.combine
+    monkeypatch.setattr(kernels.chains, "combine", lambda y, rows, w: kernel(y, rows, w.flip(1)))
     with pytest.raises(DgpipeError, match="MoE combine differs"):
         probing.check_triton_combine(torch.device("cpu"))
 
@@ -188,7 +188,7 @@ def test_the_combine_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, mo
 def test_the_reciprocal_is_torchs_fp32_division():
     for cap in (30.0, 7.0, 0.3, 1e-3, 3.0e38, 1.1754944e-38):
         want = float(torch.tensor(1.0) / torch.tensor(cap, dtype=torch.float32))
-        assert triton_network.fp32_reciprocal(cap) == want, cap
+        assert kernels.chains.fp32_reciprocal(cap) == want, cap
 
 
 def test_the_lm_head_takes_the_softcap_kernel_where_installed(monkeypatch):
@@ -216,7 +216,7 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
     with torch.device("meta"):
         model = DiffusionGemma(ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny"))
     for layer in model.layers:
-        layer.self_attn.rope_kernel = triton_network.rope_or_torch
+        layer.self_attn.rope_kernel = kernels.chains.rope_or_torch
     probed = probing.Probe(
         "sm90",
         {
@@ -239,19 +239,19 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
     report = gpu_load.fuse_network(model, probed, None)
     assert all(layer.self_attn.rope_kernel is None for layer in model.layers)
     assert all(
-        layer.self_attn.head_norms_kernel is triton_network.head_norms_or_torch for layer in model.layers
+        layer.self_attn.head_norms_kernel is kernels.chains.head_norms_or_torch for layer in model.layers
     )
     gated = [model.self_conditioning, *(m for layer in model.layers for m in (layer.mlp, layer.experts))]
-    assert all(m.geglu_kernel is triton_network.geglu_or_torch for m in gated)
-    assert all(layer.residual_kernel is triton_network.add_scaled_or_torch for layer in model.layers)
-    assert all(layer.end_kernel is triton_network.layer_end_or_torch for layer in model.layers)
-    assert all(layer.ffn_inputs_kernel is triton_network.ffn_inputs_or_torch for layer in model.layers)
-    assert all(layer.self_attn.kv_cat_kernel is triton_network.kv_cat_or_torch for layer in model.layers)
-    assert all(layer.router.scale_kernel is triton_network.scale_columns_or_torch for layer in model.layers)
-    assert model.softcap_kernel is triton_network.softcap
-    assert all(layer.experts.combine_kernel is triton_network.combine for layer in model.layers)
-    assert all(layer.router.top_k_kernel is triton_routing.top_k_or_torch for layer in model.layers)
-    assert all(layer.experts.order_kernel is triton_routing.expert_order_or_torch for layer in model.layers)
+    assert all(m.geglu_kernel is kernels.chains.geglu_or_torch for m in gated)
+    assert all(layer.residual_kernel is kernels.chains.add_scaled_or_torch for layer in model.layers)
+    assert all(layer.end_kernel is kernels.chains.layer_end_or_torch for layer in model.layers)
+    assert all(layer.ffn_inputs_kernel is kernels.chains.ffn_inputs_or_torch for layer in model.layers)
+    assert all(layer.self_attn.kv_cat_kernel is kernels.chains.kv_cat_or_torch for layer in model.layers)
+    assert all(layer.router.scale_kernel is kernels.chains.scale_columns_or_torch for layer in model.layers)
+    assert model.softcap_kernel is kernels.chains.softcap
+    assert all(layer.experts.combine_kernel is kernels.chains.combine for layer in model.layers)
+    assert all(layer.router.top_k_kernel is kernels.routing.top_k_or_torch for layer in model.layers)
+    assert all(layer.experts.order_kernel is kernels.routing.expert_order_or_torch for layer in model.layers)
     assert report.fallbacks == [
         "RoPE: torch's five element-wise kernels per tensor (the Triton kernel failed its probe: out of resources)"
     ]
@@ -260,14 +260,14 @@ def test_a_failed_probe_keeps_the_torch_form_and_says_why():
 @interpreted
 def test_the_probe_check_passes_the_kernel_and_fails_a_wrong_one(rne_casts, monkeypatch):  # noqa: F811
     probing.check_triton_rope(torch.device("cpu"))
-    kernel = triton_network.rope
-    monkeypatch.setattr(triton_network, "rope", lambda x, c, s: kernel(x, s, c))  # cos and sin swapped
+    kernel = kernels.chains.rope
+    monkeypatch.setattr(kernels.chains, "rope", lambda x, c, s: kernel(x, s, c))  # cos and sin swapped
     with pytest.raises(DgpipeError, match="RoPE kernel differs"):
         probing.check_triton_rope(torch.device("cpu"))
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize("dtype", kernels.chains.DTYPES)
 @pytest.mark.parametrize("n", [1, 4099, 2 * 4096])
 def test_the_residual_sum_is_torchs_bit_for_bit(rne_casts, dtype, n):  # noqa: F811
     """Sums that round, overflow and cancel, infinities and NaN, counts that do and do not fill the last
@@ -277,15 +277,15 @@ def test_the_residual_sum_is_torchs_bit_for_bit(rne_casts, dtype, n):  # noqa: F
     edges = torch.tensor([[6e4, 1.0, float("inf"), float("nan"), 3.0], [6e4, -1.0, 1.0, 1.0, -3.0]])[:, :n]
     a[: edges.shape[1]], b[: edges.shape[1]] = edges
     a, b, scale = a.to(dtype).view(1, -1), b.to(dtype).view(1, -1), torch.tensor([0.7], dtype=dtype)
-    assert triton_network.add_scaled_serves(a, b, scale)
-    got = triton_network.add_scaled(a, b, scale)
+    assert kernels.chains.add_scaled_serves(a, b, scale)
+    got = kernels.chains.add_scaled(a, b, scale)
     assert probing.same_bits(got, (a + b) * scale)
-    assert not triton_network.add_scaled_serves(a, b, scale.float())  # torch would promote to fp32
-    assert not triton_network.add_scaled_serves(a.float(), b.float(), scale.float())
-    assert not triton_network.add_scaled_serves(a, b, torch.ones(2, dtype=dtype))
+    assert not kernels.chains.add_scaled_serves(a, b, scale.float())  # torch would promote to fp32
+    assert not kernels.chains.add_scaled_serves(a.float(), b.float(), scale.float())
+    assert not kernels.chains.add_scaled_serves(a, b, torch.ones(2, dtype=dtype))
     wide = torch.randn(3, 8, dtype=dtype)
-    assert not triton_network.add_scaled_serves(wide.t(), wide.t(), scale)  # not contiguous
-    y = triton_network.add_scaled_or_torch(a.float(), b.float(), scale.float())
+    assert not kernels.chains.add_scaled_serves(wide.t(), wide.t(), scale)  # not contiguous
+    y = kernels.chains.add_scaled_or_torch(a.float(), b.float(), scale.float())
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, (a.float() + b.float()) * scale.float(), rtol=0, atol=0, equal_nan=True)
 
@@ -293,16 +293,16 @@ def test_the_residual_sum_is_torchs_bit_for_bit(rne_casts, dtype, n):  # noqa: F
 @interpreted
 def test_the_residual_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, monkeypatch):  # noqa: F811
     probing.check_triton_residual(torch.device("cpu"))
-    kernel = triton_network.add_scaled
+    kernel = kernels.chains.add_scaled
     monkeypatch.setattr(
-        triton_network, "add_scaled", lambda a, b, s: kernel(a, b, s.float().bfloat16() + 0.01)
+        kernels.chains, "add_scaled", lambda a, b, s: kernel(a, b, s.float().bfloat16() + 0.01)
     )
     with pytest.raises(DgpipeError, match="residual sum differs"):
         probing.check_triton_residual(torch.device("cpu"))
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", triton_network.KV_DTYPES)
+@pytest.mark.parametrize("dtype", kernels.chains.KV_DTYPES)
 @pytest.mark.parametrize(
     ("heads", "d", "past", "new"),
     [(8, 256, 37, 19), (2, 512, 0, 5), (3, 24, 5, 1), (1, 2, 3, 0), (2, 512, 9, 5)],
@@ -316,8 +316,8 @@ def test_the_kv_concatenation_is_torch_cat(dtype, heads, d, past, new):
     cache[0, 1, 0, 0, :2] = torch.tensor([float("nan"), -0.0])
     pk, pv = cache[0, 1:, :, :past], cache[1, 1:, :, :past]
     fresh = torch.randn(2, 2, new, heads, d, generator=g).to(dtype).transpose(2, 3)  # K|V, B, H, Q, D
-    assert triton_network.kv_cat_serves(pk, pv, fresh[0], fresh[1])
-    got = triton_network.kv_cat(pk, pv, fresh[0], fresh[1])
+    assert kernels.chains.kv_cat_serves(pk, pv, fresh[0], fresh[1])
+    got = kernels.chains.kv_cat(pk, pv, fresh[0], fresh[1])
     want = network.cat_kv(pk, pv, fresh[0], fresh[1])
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     for a, b in zip(got, want, strict=True):
@@ -326,15 +326,15 @@ def test_the_kv_concatenation_is_torch_cat(dtype, heads, d, past, new):
 
 def test_other_kv_layouts_keep_torch_cat(monkeypatch):
     k = torch.randn(2, 4, 6, 8, dtype=torch.bfloat16)
-    assert triton_network.kv_cat_serves(k, k, k, k)
-    assert not triton_network.kv_cat_serves(k, k, k.float(), k.float())  # torch.cat would promote
+    assert kernels.chains.kv_cat_serves(k, k, k, k)
+    assert not kernels.chains.kv_cat_serves(k, k, k.float(), k.float())  # torch.cat would promote
     strided = torch.randn(2, 4, 8, 6, dtype=torch.bfloat16).transpose(2, 3)  # each row of D strided
-    assert not triton_network.kv_cat_serves(strided, strided, k, k)
+    assert not kernels.chains.kv_cat_serves(strided, strided, k, k)
     other = k.transpose(0, 1).contiguous().transpose(0, 1)  # V laid out unlike K
-    assert not triton_network.kv_cat_serves(k, other, k, k)
-    assert not triton_network.kv_cat_serves(k[:1], k[:1], k, k)  # another batch
-    monkeypatch.setattr(triton_network, "kv_cat", lambda *a: pytest.fail("the kernel ran"))
-    got = triton_network.kv_cat_or_torch(strided, strided, k, k)
+    assert not kernels.chains.kv_cat_serves(k, other, k, k)
+    assert not kernels.chains.kv_cat_serves(k[:1], k[:1], k, k)  # another batch
+    monkeypatch.setattr(kernels.chains, "kv_cat", lambda *a: pytest.fail("the kernel ran"))
+    got = kernels.chains.kv_cat_or_torch(strided, strided, k, k)
     assert torch.equal(got[0], torch.cat([strided, k], dim=2)) and torch.equal(got[1], got[0])
 
 
@@ -348,42 +348,42 @@ def _layer_end_inputs(dtype: torch.dtype, d: int, rows: int, seed: int):
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize("dtype", kernels.chains.DTYPES)
 @pytest.mark.parametrize("d", [2816, 100])
 def test_the_layer_end_is_torchs_but_for_its_norms_sums(rne_casts, dtype, d):  # noqa: F811
     """Three RMSNorms, two sums and the scale in one kernel against torch's form (`network.layer_end`), rows
     over seven decades: within `probe.same_layer_end`, and bit for bit but where a sum of squares added in
     another order moved a rounding (under 1% of the values); other inputs keep the torch form."""
     residual, dense, moe, norms, scale = _layer_end_inputs(dtype, d, 24, d)
-    assert triton_network.layer_end_serves(residual, dense, moe, norms, scale)
-    got = triton_network.layer_end(residual, dense, moe, norms, scale)
+    assert kernels.chains.layer_end_serves(residual, dense, moe, norms, scale)
+    got = kernels.chains.layer_end(residual, dense, moe, norms, scale)
     want = network.layer_end(residual, dense, moe, norms, scale)
     assert probing.same_layer_end(got, want, residual, scale)
     assert (got != want).float().mean() < 0.01
     wrong = network.layer_end(residual, dense, moe, (norms[1], norms[0], norms[2]), scale)
     assert not probing.same_layer_end(wrong, want, residual, scale)
-    assert not triton_network.layer_end_serves(
+    assert not kernels.chains.layer_end_serves(
         residual.float(), dense.float(), moe.float(), norms, scale.float()
     )
-    assert not triton_network.layer_end_serves(residual, dense.t(), moe, norms, scale)  # not contiguous
+    assert not kernels.chains.layer_end_serves(residual, dense.t(), moe, norms, scale)  # not contiguous
     unscaled = (*norms[:2], network.RMSNorm(d, 1e-6, with_scale=False))
-    assert not triton_network.layer_end_serves(residual, dense, moe, unscaled, scale)
-    y = triton_network.layer_end_or_torch(residual, dense, moe, unscaled, scale)
+    assert not kernels.chains.layer_end_serves(residual, dense, moe, unscaled, scale)
+    y = kernels.chains.layer_end_or_torch(residual, dense, moe, unscaled, scale)
     assert torch.equal(y, network.layer_end(residual, dense, moe, unscaled, scale))
 
 
 @interpreted
 def test_the_layer_end_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, monkeypatch):  # noqa: F811
     probing.check_triton_layer_end(torch.device("cpu"))
-    kernel = triton_network.layer_end
+    kernel = kernels.chains.layer_end
     swapped = lambda r, d, m, norms, s: kernel(r, d, m, (norms[1], norms[0], norms[2]), s)
-    monkeypatch.setattr(triton_network, "layer_end", swapped)
+    monkeypatch.setattr(kernels.chains, "layer_end", swapped)
     with pytest.raises(DgpipeError, match="layer end differs"):
         probing.check_triton_layer_end(torch.device("cpu"))
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize("dtype", kernels.chains.DTYPES)
 @pytest.mark.parametrize("d", [2816, 100])
 def test_the_ffn_inputs_are_torchs_but_for_their_norms_sums(rne_casts, dtype, d):  # noqa: F811
     """The residual sum after attention and the three FFN inputs (dense MLP, experts, router) in one kernel
@@ -393,8 +393,8 @@ def test_the_ffn_inputs_are_torchs_but_for_their_norms_sums(rne_casts, dtype, d)
     g = torch.Generator().manual_seed(d)
     layer = probing.ffn_probe_layer(d, torch.device("cpu"), dtype, g)
     h, attn = (probing.spread(48, d, g) / 64).to(dtype).view(2, 4, 6, d).unbind()
-    assert triton_network.ffn_inputs_serves(layer, h, attn)
-    got, want = triton_network.ffn_inputs(layer, h, attn), network.ffn_inputs(layer, h, attn)
+    assert kernels.chains.ffn_inputs_serves(layer, h, attn)
+    got, want = kernels.chains.ffn_inputs(layer, h, attn), network.ffn_inputs(layer, h, attn)
     assert [t.shape for t in got] == [t.shape for t in want] == [h.shape, h.shape, (24, d), (24, d)]
     one = torch.ones(1, dtype=dtype)
     assert probing.same_layer_end(got[0], want[0], h, one)
@@ -407,16 +407,16 @@ def test_the_ffn_inputs_are_torchs_but_for_their_norms_sums(rne_casts, dtype, d)
     )
     swapped = network.ffn_inputs(layer, h, attn)
     assert not probing.same_layer_end(swapped[1], want[1], torch.zeros_like(h), one)
-    assert not triton_network.ffn_inputs_serves(layer, h.float(), attn.float())
-    assert not triton_network.ffn_inputs_serves(layer, h, attn.transpose(0, 1))  # not contiguous
+    assert not kernels.chains.ffn_inputs_serves(layer, h.float(), attn.float())
+    assert not kernels.chains.ffn_inputs_serves(layer, h, attn.transpose(0, 1))  # not contiguous
     layer.router.norm = network.RMSNorm(d, 1e-6).to(dtype)  # a scaled router norm: not the kernel's form
-    assert not triton_network.ffn_inputs_serves(layer, h, attn)
-    fallback = triton_network.ffn_inputs_or_torch(layer, h, attn)
+    assert not kernels.chains.ffn_inputs_serves(layer, h, attn)
+    fallback = kernels.chains.ffn_inputs_or_torch(layer, h, attn)
     assert all(torch.equal(a, b) for a, b in zip(fallback, network.ffn_inputs(layer, h, attn), strict=True))
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize("dtype", kernels.chains.DTYPES)
 @pytest.mark.parametrize("kind", ["fp8", "nvfp4", "fp8_rowwise"])
 def test_the_ffn_inputs_write_the_mlps_and_experts_operands_bit_for_bit(rne_casts, dtype, kind):  # noqa: F811
     """Given their GEMMs' forms, the dense MLP's and the experts' inputs come as the operands those GEMMs'
@@ -431,18 +431,18 @@ def test_the_ffn_inputs_write_the_mlps_and_experts_operands_bit_for_bit(rne_cast
     assert probing.same_operands(layer, h, attn, None, kind)
     assert probing.same_operands(layer, h[:, :3], attn[:, :3], None, kind)  # 6 rows
     scale = torch.tensor(0.003)
-    plain = triton_network.ffn_inputs(layer, h, attn)
-    mlp_only = triton_network.ffn_inputs(layer, h, attn, (kind, scale), None)
+    plain = kernels.chains.ffn_inputs(layer, h, attn)
+    mlp_only = kernels.chains.ffn_inputs(layer, h, attn, (kind, scale), None)
     assert probing.same_bits(mlp_only[2], plain[2]) and isinstance(mlp_only[1], sl.QuantizedRows)
     # 32 wide (two NVFP4 blocks, fewer than a swizzled tile's four scale columns), and 40 (no whole blocks)
     for width in (32, 40):
         layer = probing.ffn_probe_layer(width, torch.device("cpu"), dtype, g)
         h, attn = (probing.spread(256, width, g) / 64).to(dtype).view(2, 128, width).unbind()
-        rows = triton_network.ffn_inputs(layer, h, attn)
+        rows = kernels.chains.ffn_inputs(layer, h, attn)
         if kind == "fp8" or width % 16 == 0:  # (NVFP4 and its per-row FP8 fallback: whole 16-value blocks)
             assert probing.same_operands(layer, h, attn, rows, kind)
         else:  # the rows, which their GEMMs quantize themselves
-            got = triton_network.ffn_inputs(layer, h, attn, (kind, scale), (kind, scale))
+            got = kernels.chains.ffn_inputs(layer, h, attn, (kind, scale), (kind, scale))
             assert probing.same_bits(got[1], rows[1]) and probing.same_bits(got[2], rows[2])
 
 
@@ -452,16 +452,16 @@ def test_the_ffn_inputs_torch_form_gives_the_rows_to_quantize(monkeypatch):
     layer = probing.ffn_probe_layer(d, torch.device("cpu"), torch.bfloat16, torch.Generator().manual_seed(1))
     h, attn = torch.randn(2, 3, d).bfloat16().unbind()
     layer.router.norm = network.RMSNorm(d, 1e-6).bfloat16()  # a scaled router norm: not the kernel's form
-    assert not triton_network.ffn_inputs_serves(layer, h, attn)
+    assert not kernels.chains.ffn_inputs_serves(layer, h, attn)
     forms = ("fp8", torch.tensor(0.1)), ("nvfp4", torch.tensor(0.1))
-    got, want = triton_network.ffn_inputs_or_torch(layer, h, attn, *forms), network.ffn_inputs(layer, h, attn)
+    got, want = kernels.chains.ffn_inputs_or_torch(layer, h, attn, *forms), network.ffn_inputs(layer, h, attn)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @interpreted
 def test_the_ffn_inputs_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, monkeypatch):  # noqa: F811
     probing.check_triton_ffn_inputs(torch.device("cpu"))
-    kernel = triton_network.ffn_inputs
+    kernel = kernels.chains.ffn_inputs
     wrong = {
         "inputs swapped": lambda layer, h, a, *forms: kernel(layer, a, h, *forms),
         "experts at the MLP's scale": lambda layer, h, a, mf=None, ef=None: kernel(
@@ -471,7 +471,7 @@ def test_the_ffn_inputs_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, 
             layer, h, a, mf, ef if ef is None or ef[0] == "fp8" else ("fp8", ef[1])),
     }  # fmt: skip
     check = lambda: probing.check_triton_ffn_inputs(torch.device("cpu"))
-    each_wrong_form_fails(monkeypatch, triton_network, "ffn_inputs", wrong, check, "FFN inputs differ")
+    each_wrong_form_fails(monkeypatch, kernels.chains, "ffn_inputs", wrong, check, "FFN inputs differ")
 
 
 @interpreted
@@ -494,8 +494,8 @@ def test_a_model_with_the_layer_end_and_ffn_inputs_kernels_keeps_its_logits(rne_
         calls = []
         with pytest.MonkeyPatch.context() as mp:
             for name in ("layer_end", "ffn_inputs"):
-                kernel = getattr(triton_network, name)
-                mp.setattr(triton_network, name, lambda *a, k=kernel, n=name: calls.append(n) or k(*a))
+                kernel = getattr(kernels.chains, name)
+                mp.setattr(kernels.chains, name, lambda *a, k=kernel, n=name: calls.append(n) or k(*a))
             probed = probing.Probe("sm90", {probing.LAYER_END: None, probing.FFN_INPUTS: None})
             gpu_load.fuse_network(model, probed, None)
             got = step()
@@ -523,9 +523,9 @@ def test_a_denoise_pass_over_a_cache_keeps_its_logits_with_the_kv_kernel():
         step = lambda: model.denoise(canvas, None, positions[:, 11:], masks, past)
         want = step()
         calls = []
-        kernel = triton_network.kv_cat
+        kernel = kernels.chains.kv_cat
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(triton_network, "kv_cat", lambda *a: calls.append(a[0].shape) or kernel(*a))
+            mp.setattr(kernels.chains, "kv_cat", lambda *a: calls.append(a[0].shape) or kernel(*a))
             gpu_load.fuse_network(model, probing.Probe("sm90", {probing.KV_CAT: None}), None)
             got = step()
     assert len(calls) == cfg.num_hidden_layers and all(shape[2] == 11 for shape in calls)
@@ -535,14 +535,14 @@ def test_a_denoise_pass_over_a_cache_keeps_its_logits_with_the_kv_kernel():
 @interpreted
 def test_the_kv_probe_passes_the_kernel_and_fails_a_wrong_one(monkeypatch):
     probing.check_triton_kv_cat(torch.device("cpu"))
-    kernel = triton_network.kv_cat
+    kernel = kernels.chains.kv_cat
     monkeypatch.setattr(
-        triton_network, "kv_cat", lambda pk, pv, k, v: kernel(pv, pk, k, v)
+        kernels.chains, "kv_cat", lambda pk, pv, k, v: kernel(pv, pk, k, v)
     )  # K and V swapped
     with pytest.raises(DgpipeError, match="K/V concatenation differs"):
         probing.check_triton_kv_cat(torch.device("cpu"))
     monkeypatch.setattr(  # the new tokens first
-        triton_network,
+        kernels.chains,
         "kv_cat",
         lambda pk, pv, k, v: tuple(t.roll(-k.shape[2], 2) for t in kernel(pk, pv, k, v)),
     )
@@ -551,7 +551,7 @@ def test_the_kv_probe_passes_the_kernel_and_fails_a_wrong_one(monkeypatch):
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize("dtype", kernels.chains.DTYPES)
 @pytest.mark.parametrize("d", [2816, 100])
 def test_the_router_input_is_torchs_bit_for_bit(rne_casts, dtype, d):  # noqa: F811
     """norm(x) * scale * d^-0.5 as the router computes it, over seven decades with zeros, infinities and NaN, a
@@ -560,11 +560,11 @@ def test_the_router_input_is_torchs_bit_for_bit(rne_casts, dtype, d):  # noqa: F
     x = probing.spread(5, d, g)
     x[0, :3] = torch.tensor([float("inf"), float("nan"), 0.0])
     x, w = x.to(dtype), (torch.rand(d, generator=g) * 4).to(dtype)
-    assert triton_network.scale_columns_serves(x, w)
-    got = triton_network.scale_columns(x, w, d**-0.5)
+    assert kernels.chains.scale_columns_serves(x, w)
+    got = kernels.chains.scale_columns(x, w, d**-0.5)
     assert probing.same_bits(got, x * w * d**-0.5)
-    assert not triton_network.scale_columns_serves(x, w.float())  # torch would promote
-    assert not triton_network.scale_columns_serves(x.t(), w)
+    assert not kernels.chains.scale_columns_serves(x, w.float())  # torch would promote
+    assert not kernels.chains.scale_columns_serves(x.t(), w)
 
 
 def test_the_router_takes_its_input_kernel_where_installed():
@@ -587,8 +587,8 @@ def test_the_router_takes_its_input_kernel_where_installed():
 @interpreted
 def test_the_router_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, monkeypatch):  # noqa: F811
     probing.check_triton_router(torch.device("cpu"))
-    kernel = triton_network.scale_columns
-    monkeypatch.setattr(triton_network, "scale_columns", lambda x, w, c: kernel(x, w, c * 1.01))
+    kernel = kernels.chains.scale_columns
+    monkeypatch.setattr(kernels.chains, "scale_columns", lambda x, w, c: kernel(x, w, c * 1.01))
     with pytest.raises(DgpipeError, match="router input differs"):
         probing.check_triton_router(torch.device("cpu"))
 
@@ -600,7 +600,7 @@ def cuda_geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     import numpy as np
 
     x = gate.float().numpy()
-    kappa, beta = np.float32(triton_network.GELU_KAPPA), np.float32(triton_network.GELU_BETA)
+    kappa, beta = np.float32(kernels.chains.GELU_KAPPA), np.float32(kernels.chains.GELU_BETA)
     fma = (np.float64(kappa) * ((x * x) * x).astype(np.float64) + x.astype(np.float64)).astype(np.float32)
     gelu = (np.float32(0.5) * x) * (np.float32(1.0) + np.tanh(beta * fma))
     return (torch.from_numpy(gelu).to(gate.dtype).float() * up.float()).to(gate.dtype)
@@ -618,20 +618,20 @@ def geglu_inputs(
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize("dtype", kernels.chains.DTYPES)
 @pytest.mark.parametrize(("rows", "cols"), [(33, 704), (5, 2112), (3, 24), (1, 1500)])
 def test_geglu_is_torchs_cuda_arithmetic_bit_for_bit(rne_casts, interpreted_tanh, dtype, rows, cols):  # noqa: F811
     """Rows read through the gate|up halves' stride, widths from 24 to the 26B's 2,112 (none a block multiple
     but 704's power-of-two program): torch's CUDA arithmetic bit for bit (with numpy's tanh in both), torch's
     CPU form within one unit in the last place, and the FP8 codes of that product."""
     gate, up = geglu_inputs(rows, cols, dtype, seed=cols)
-    assert triton_network.geglu_serves(gate, up) and gate.stride(0) == 2 * cols
-    got = triton_network.geglu(gate, up)
+    assert kernels.chains.geglu_serves(gate, up) and gate.stride(0) == 2 * cols
+    got = kernels.chains.geglu(gate, up)
     assert got.dtype == dtype and got.shape == gate.shape
     assert probing.same_bits(got, cuda_geglu(gate, up))
     assert probing.same_geglu(got, network.gelu_tanh(gate) * up, gate, up)  # another tanh
     scale = torch.tensor(0.05)
-    codes = triton_network.geglu(gate, up, scale)
+    codes = kernels.chains.geglu(gate, up, scale)
     assert codes.dtype == torch.float8_e4m3fn and probing.fp8_codes_equal(codes, sl.fp8_quantize(got, scale))
 
 
@@ -644,11 +644,11 @@ def test_geglu_writes_the_nvfp4_codes_of_its_product(rne_casts, interpreted_tanh
     columns padded to 4 and 96, one and two row tiles), where the memory it is handed holds other bytes."""
     gate, up = geglu_inputs(rows, cols, torch.bfloat16, seed=cols)
     gs = torch.tensor(0.02)
-    want_packed, want_scales = sl.nvfp4_quantize(triton_network.geglu(gate, up), gs)
-    packed, scales = triton_network.geglu_nvfp4(gate, up, gs)
+    want_packed, want_scales = sl.nvfp4_quantize(kernels.chains.geglu(gate, up), gs)
+    packed, scales = kernels.chains.geglu_nvfp4(gate, up, gs)
     assert torch.equal(packed, want_packed) and probing.fp8_codes_equal(scales, want_scales)
     with uninitialised_bytes_are_0xab():
-        packed, scales = triton_network.geglu_nvfp4(gate, up, gs, blocked=True)
+        packed, scales = kernels.chains.geglu_nvfp4(gate, up, gs, blocked=True)
     assert torch.equal(packed, want_packed)
     assert probing.fp8_codes_equal(scales, sl.to_blocked(want_scales.view(torch.uint8)))
 
@@ -674,10 +674,10 @@ def test_a_model_with_the_geglu_kernel_keeps_its_logits(rne_casts, interpreted_t
     with torch.inference_mode():
         want = step()
         shapes = []
-        kernel = triton_network.geglu
+        kernel = kernels.chains.geglu
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(
-                triton_network,
+                kernels.chains,
                 "geglu",
                 lambda gt, up, s=None: shapes.append(gt.shape[-1]) or kernel(gt, up, s),
             )
@@ -691,12 +691,12 @@ def test_a_model_with_the_geglu_kernel_keeps_its_logits(rne_casts, interpreted_t
 @interpreted
 def test_the_geglu_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, interpreted_tanh, monkeypatch):  # noqa: F811
     probing.check_triton_geglu(torch.device("cpu"))
-    kernel = triton_network.geglu
-    monkeypatch.setattr(triton_network, "geglu", lambda g, u, s=None: kernel(u, g, s))  # gate and up swapped
+    kernel = kernels.chains.geglu
+    monkeypatch.setattr(kernels.chains, "geglu", lambda g, u, s=None: kernel(u, g, s))  # gate and up swapped
     with pytest.raises(DgpipeError, match="gated GeLU differs"):
         probing.check_triton_geglu(torch.device("cpu"))
-    monkeypatch.setattr(triton_network, "geglu", kernel)
-    nvfp4 = triton_network.geglu_nvfp4
+    monkeypatch.setattr(kernels.chains, "geglu", kernel)
+    nvfp4 = kernels.chains.geglu_nvfp4
     for wrong in (
         lambda g, u, gs, blocked=False: nvfp4(g, u, gs * 2, blocked),  # another global scale
         lambda g, u, gs, blocked=False: (
@@ -704,7 +704,7 @@ def test_the_geglu_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, inte
             nvfp4(g.flip(0), u.flip(0), gs, blocked)[1],
         ),
     ):
-        monkeypatch.setattr(triton_network, "geglu_nvfp4", wrong)
+        monkeypatch.setattr(kernels.chains, "geglu_nvfp4", wrong)
         with pytest.raises(DgpipeError, match="gated GeLU's NVFP4 codes differ"):
             probing.check_triton_geglu(torch.device("cpu"))
 
@@ -775,7 +775,8 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pipeline.runtime import triton_network as tn, triton_network_kernels as k
+from pipeline.runtime.kernels import chains as tn
+from pipeline.runtime.kernels.jit import chains as k
 
 out = []
 

@@ -1,4 +1,4 @@
-"""The Triton FP8 MoE GEMM (`pipeline.runtime.triton_moe`) in Triton's interpreter on the CPU: against the
+"""The Triton FP8 MoE GEMM (`pipeline.runtime.kernels.moe`) in Triton's interpreter on the CPU: against the
 float product of its FP8 operands, inside `ScaledExperts` against the fake-quantized expert loop, and under
 torch.compile as one opaque op (on a GPU, compiled by Triton: tests/gpu/test_tensor_cores_cuda.py)."""
 
@@ -15,9 +15,9 @@ from pipeline.model.fake_quant import InputQuantizer
 from pipeline.model.modelopt import _quantized_experts_forward
 from pipeline.runtime import probe as probing
 from pipeline.runtime import tensor_cores as tc
-from pipeline.runtime import triton_moe as tf
-from pipeline.runtime import triton_quant as tq
 from pipeline.runtime.dispatch import EVERY_PASS, TRITON_MAX_ROWS_PER_EXPERT
+from pipeline.runtime.kernels import moe as tf
+from pipeline.runtime.kernels import quant as tq
 from tests._utils.compile import compiled_whole, graph_targets
 from tests._utils.quantized import grouped_scaled_mm_on_cpu, packed_linear
 from tests._utils.triton_compile import compiled_for_gpus
@@ -192,13 +192,13 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pipeline.runtime import triton_moe
+from pipeline.runtime import kernels
 
 def signature(operand, scale):
     return {"a_ptr": operand, "a_scale_ptr": scale, "rows_ptr": "*i64", "w_ptr": operand, "w_scale_ptr": scale,
             "offs_ptr": "*i32", "out_ptr": "*bf16", "out_rows_ptr": "*i64", "N": "i32", "K": "i32", "num_experts": "i32", "stride_am": "i32",
             "stride_as": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_om": "i32"}
-kernel_fn, out = triton_moe._kernel(), []
+kernel_fn, out = kernels.moe._kernel(), []
 # FP8 on Hopper (few rows per expert), FP8 and bf16 on Ada and RTX Blackwell (every pass), FP8 on B200 (every
 # pass); bf16 takes no scales (the offsets stand in for their pointers, unread)
 for cc, operand in ((90, "fp8"), (89, "fp8"), (120, "fp8"), (89, "bf16"), (120, "bf16"), (100, "fp8")):
@@ -206,7 +206,7 @@ for cc, operand in ((90, "fp8"), (89, "fp8"), (120, "fp8"), (89, "bf16"), (120, 
   # what Triton's launcher specializes on the 26B's shapes: 16-byte aligned tensors, 16-divisible sizes and strides
   aligned = [*[a for a in args if a.endswith("_ptr")], "N", "K", "stride_am", "stride_we", "stride_wn", "stride_om"]
   for slots, gather in ((512, True), (2048, True), (8192, False)):
-    cfg = triton_moe.tiles(slots, 128, 1 if operand == "fp8" else 2)
+    cfg = kernels.moe.tiles(slots, 128, 1 if operand == "fp8" else 2)
     # gate|up gathers its token rows; down (slot order in) writes its rows back in token-major slot order
     consts = {"GATHER": gather, "SCATTER": not gather, "SCALED": operand == "fp8", "DOT_F32": False, "E_POW2": 128, "BLOCK_M": cfg["BLOCK_M"],
               "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}
@@ -234,30 +234,30 @@ def test_the_kernel_compiles_for_hopper_b200_ada_and_rtx_blackwell_without_spill
     (tcgen05 kind::f8f6f4: the 16 canvases' 256 rows per expert), every tile on Ada and RTX Blackwell their
     FP8 `mma.sync` (e4m3). No tile spills a register to the stack (ptxas's resource usage, read by
     cuobjdump); without the specializations the GEMM compiled to 255 registers and ~1.5 KB of stack per
-    thread. (The activations' quantization kernels: tests/unit/runtime/test_triton_quant.py.)"""
+    thread. (The activations' quantization kernels: tests/unit/runtime/kernels/test_quant.py.)"""
     import re
     import subprocess
 
     from pipeline.sampler.kernels.build import find_cuobjdump
 
-    kernels = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
-    hopper = [k for k in kernels if k["cc"] == 90]
+    compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
+    hopper = [k for k in compiled if k["cc"] == 90]
     assert [k["block_m"] for k in hopper] == list(tf.BLOCK_MS)
     assert all(k["cp_async"] and 0 < k["shared"] <= 227 * 1024 for k in hopper), hopper
     assert hopper[2]["wgmma_e4m3"], hopper
     # Ada and RTX Blackwell: FP8 (e4m3) and bf16 tensor-core MMAs, and every M tile within the 99 KB of
     # shared memory a block may use there (72 KB at the 64-row tile, measured), or the launch fails
-    b200 = [k for k in kernels if k["cc"] == 100]
+    b200 = [k for k in compiled if k["cc"] == 100]
     assert [k["block_m"] for k in b200] == list(tf.BLOCK_MS) and b200[2]["tcgen05_f8"], b200
     assert all(k["cp_async"] and 0 < k["shared"] <= 227 * 1024 for k in b200), b200
-    others = [k for k in kernels if k["cc"] not in (90, 100)]
+    others = [k for k in compiled if k["cc"] not in (90, 100)]
     assert [(k["operand"], k["cc"], k["block_m"]) for k in others] == [
         (op, cc, m) for op in ("fp8", "bf16") for cc in (89, 120) for m in tf.BLOCK_MS
     ]
     assert all(k["cp_async"] and k["mma"] and 0 < k["shared"] <= 99 * 1024 for k in others), others
     tool = find_cuobjdump()
     assert tool, "cuobjdump: the nvidia-cuda-cuobjdump wheel is a test dependency"
-    for k in kernels:
+    for k in compiled:
         usage = subprocess.run(
             [tool, "--dump-resource-usage", k["cubin"]], capture_output=True, text=True
         ).stdout

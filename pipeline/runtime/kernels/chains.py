@@ -63,7 +63,7 @@ but add their squares in another order, so a value can land one rounding away (`
 1% of values in the tests, none in most bf16 rows). The router's input, `norm(x) * scale * d^-0.5`,
 is likewise two products in one kernel, each rounded where torch rounds it. Norm to FP8: with FP8 linears,
 q, k and v read one E4M3 operand of the layer's normed input, and nothing else reads the normed rows, so one
-kernel norms a row (as `layer_end`'s norms) and writes its codes as `triton_quant.fp8` would
+kernel norms a row (as `layer_end`'s norms) and writes its codes as `kernels.quant.fp8` would
 (`probe.same_fp8_of_norm`: a code one E4M3 step away where the normed value is one rounding away).
 
 The load-time probe holds each to its torch form on the GPU before a model uses it
@@ -85,7 +85,7 @@ from pipeline.model import network
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E2M1_MAX, E4M3_MAX, NVFP4_BLOCK
 from pipeline.model.network import DecoderLayer, RMSNorm, apply_rope, gelu_tanh
-from pipeline.runtime import triton_quant
+from pipeline.runtime.kernels import quant
 
 FfnInput = torch.Tensor | sl.QuantizedRows  # an FFN branch's input: rows, or their operand (`ffn_inputs`)
 # ("fp8" | "nvfp4" | "fp8_rowwise", the GEMM's static input scale or NVFP4 global scale)
@@ -100,9 +100,9 @@ DTYPES = (torch.bfloat16, torch.float16)
 @functools.cache
 def _kernels():
     """The jitted kernels, imported on first use (Triton reads TRITON_INTERPRET when `jit` wraps them)."""
-    from pipeline.runtime import triton_network_kernels
+    from pipeline.runtime.kernels.jit import chains as jit_chains
 
-    return triton_network_kernels
+    return jit_chains
 
 
 def rope_serves(x: torch.Tensor, cos: torch.Tensor) -> bool:
@@ -399,7 +399,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def geglu(gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """gelu_tanh(gate) * up in one pass (`geglu_serves` must hold), as torch's CUDA kernels compute it: the
     GeLU rounded to gate's dtype, then the product rounded. `scale`: instead, that product's E4M3 codes at
-    this static fp32 scale, what `triton_quant.fp8` (`scaled_layout.fp8_quantize`) would make of it."""
+    this static fp32 scale, what `kernels.quant.fp8` (`scaled_layout.fp8_quantize`) would make of it."""
     import triton
 
     g, u = _rows(gate), _rows(up)
@@ -422,7 +422,7 @@ def geglu_nvfp4(
     of 16): (codes packed in pairs, uint8 [..., cols / 2]; E4M3 block scales [..., cols / 16]), what
     `scaled_layout.nvfp4_quantize` makes of the product, or with `blocked` the scales as a linear's FP4 GEMM
     reads them (`scaled_layout.to_blocked` of [rows, cols / 16]: flat uint8, padding zero), what
-    `triton_quant.nvfp4_blocked` writes. The down projection's operand in one launch where two read and
+    `kernels.quant.nvfp4_blocked` writes. The down projection's operand in one launch where two read and
     write the product."""
     import triton
 
@@ -610,12 +610,12 @@ def ffn_inputs(
 
     `mlp_form`, `experts_form`: that input comes as the operand its GEMM's own one-pass quantization makes of
     the rounded rows, code for code (`scaled_layout.QuantizedRows`, for a GEMM that reads it so:
-    `gpu_load.ffn_inputs_for`). ("fp8", static scale): E4M3 codes as `triton_quant.fp8` writes them;
-    ("nvfp4", global scale): E2M1 codes in pairs and block scales as `triton_quant.nvfp4` writes them for
-    the experts, and swizzled as `triton_quant.nvfp4_blocked` writes them for the dense MLP's linear, where
+    `gpu_load.ffn_inputs_for`). ("fp8", static scale): E4M3 codes as `kernels.quant.fp8` writes them;
+    ("nvfp4", global scale): E2M1 codes in pairs and block scales as `kernels.quant.nvfp4` writes them for
+    the experts, and swizzled as `kernels.quant.nvfp4_blocked` writes them for the dense MLP's linear, where
     its rows fill whole 128-row tiles (else the rows, which the linear quantizes itself; so too for rows of
     no whole 16-value blocks); ("fp8_rowwise", global scale): the Hopper/Ada NVFP4 fallback's E4M3 codes of
-    the NVFP4-rounded rows and their per-row scales, as `triton_quant.nvfp4_fp8_rows` writes them."""
+    the NVFP4-rounded rows and their per-row scales, as `kernels.quant.nvfp4_fp8_rows` writes them."""
     import triton
 
     d = h.shape[-1]
@@ -728,7 +728,7 @@ def norm_fp8_serves(x: torch.Tensor, norm: RMSNorm, scale: torch.Tensor) -> bool
 def norm_fp8(x: torch.Tensor, norm: RMSNorm, scale: torch.Tensor) -> torch.Tensor:
     """E4M3 codes of norm(x) / scale in one pass over each row (`norm_fp8_serves` must hold): a quantized
     linear's operand straight from the un-normed rows, the norm as torch's fused RMSNorm computes it but for
-    the order of its sum of squares, rounded to x's dtype, then quantized as `triton_quant.fp8` does."""
+    the order of its sum of squares, rounded to x's dtype, then quantized as `kernels.quant.fp8` does."""
     import triton
 
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
@@ -755,7 +755,7 @@ def norm_nvfp4(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 of norm(x) under the global scale `gs` in one pass over each row (`norm_nvfp4_serves` must
     hold): (codes in pairs, uint8 [M, K/2]; block scales swizzled for a linear's FP4 GEMM, flat uint8), as
-    `triton_quant.nvfp4_blocked` makes them of the norm `norm_fp8` computes. `normed`: an [M, K] tensor of
+    `kernels.quant.nvfp4_blocked` makes them of the norm `norm_fp8` computes. `normed`: an [M, K] tensor of
     x's dtype that also receives the normed rows (the probe's check of what was quantized)."""
     import triton
 
@@ -775,11 +775,9 @@ def norm_nvfp4(
 def norm_nvfp4_or_torch(
     x: torch.Tensor, norm: RMSNorm, gs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm_nvfp4` where it serves (`norm_nvfp4_serves`), else the norm, then `triton_quant.nvfp4_blocked`:
+    """`norm_nvfp4` where it serves (`norm_nvfp4_serves`), else the norm, then `kernels.quant.nvfp4_blocked`:
     what the GPU loader installs."""
-    return (
-        norm_nvfp4(x, norm, gs) if norm_nvfp4_serves(x, norm, gs) else triton_quant.nvfp4_blocked(norm(x), gs)
-    )
+    return norm_nvfp4(x, norm, gs) if norm_nvfp4_serves(x, norm, gs) else quant.nvfp4_blocked(norm(x), gs)
 
 
 KV_CAT_VALUES = 4096  # values per program: 16 tokens of a 256-wide head, 8 of a 512-wide one

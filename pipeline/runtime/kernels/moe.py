@@ -1,6 +1,6 @@
 """dgpipe's Triton MoE GEMM for the routed experts: FP8 on Hopper for passes with few rows per expert; FP8 and
 bf16 on Ada and RTX Blackwell for every pass (`pipeline.runtime.routed` for bf16). The activations' FP8 and
-NVFP4 quantization kernels are `pipeline.runtime.triton_quant`.
+NVFP4 quantization kernels are `pipeline.runtime.kernels.quant`.
 
 The MoE GEMM. At one canvas a pass routes 2,048 slots over 128 experts, ~16 rows per expert. torch's
 `F.scaled_grouped_mm` (CUTLASS, aten/src/ATen/native/cuda/ScaledGroupMM.cu) runs that on a 64x128 tile in
@@ -22,7 +22,7 @@ acc * a_scale * w_scale, as torch's RowWise kernels compute. Or `a` and `w` bf16
 `F.grouped_mm` computes.
 
 It is checked in Triton's interpreter on the CPU and compiled for sm_90a, sm_89 and sm_120 there
-(tests/unit/runtime/test_triton_moe.py), and on the GPU by tests/gpu and the load-time probe.
+(tests/unit/runtime/kernels/test_moe.py), and on the GPU by tests/gpu and the load-time probe.
 """
 
 from __future__ import annotations

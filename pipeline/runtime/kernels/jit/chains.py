@@ -1,10 +1,10 @@
-"""The Triton kernels of `pipeline.runtime.triton_network` (imported on first use; see there)."""
+"""The Triton kernels of `pipeline.runtime.kernels.chains` (imported on first use; see there)."""
 
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from pipeline.runtime.triton_quant_kernels import (
+from pipeline.runtime.kernels.jit.quant import (
     blocked_index,
     e4m3,
     fp8_of_row,
@@ -92,7 +92,7 @@ def geglu(
 ):  # fmt: skip
     """out[r] = gelu_tanh(gate[r]) * up[r] in gate's dtype, with torch's CUDA arithmetic: the GeLU in fp32 as
     `GeluCUDAKernelImpl` writes it (nvcc contracts `x + kKappa * x_cube` into one fma), rounded, then the
-    product rounded; QUANT: that value's E4M3 code at the static scale (`triton_quant.fp8`'s arithmetic)."""
+    product rounded; QUANT: that value's E4M3 code at the static scale (`kernels.quant.fp8`'s arithmetic)."""
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = c < cols
@@ -126,7 +126,7 @@ def geglu_nvfp4(
     and its 16-value blocks' E4M3 scales, [rows, cols / 16] or (BLOCKED) at `blocked_index` in the layout of
     [rows padded to 128, CP] a linear's FP4 GEMM reads, with the padding's zeros (the launch covers the
     padded rows, and BLOCK / 16 >= 4 scale columns a program reach the padded ones). What
-    `triton_quant_kernels.nvfp4_quant` makes of `geglu`'s output, code for code."""
+    `kernels.jit.quant.nvfp4_quant` makes of `geglu`'s output, code for code."""
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = (c < cols) & (tl.zeros_like(c) + r < rows)  # (a row past `rows`: padding, zero scales)
@@ -327,7 +327,7 @@ def _head_rstd(lo, hi, HALF: tl.constexpr, eps):
 def norm_fp8(x_ptr, w_ptr, scale_ptr, out_ptr, cols, eps, E4M3_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """One row's RMSNorm with weight w, rounded to x's dtype as torch's fused norm rounds it (`_rms_norm`: but
     for the order of its sum of squares), then its E4M3 codes at the static fp32 scale as
-    `triton_quant_kernels.fp8_static_quant` makes them (an IEEE division, a NaN-keeping clamp)."""
+    `kernels.jit.quant.fp8_static_quant` makes them (an IEEE division, a NaN-keeping clamp)."""
     row = tl.program_id(0).to(tl.int64) * cols
     c = tl.arange(0, BLOCK)
     inside = c < cols
@@ -346,7 +346,7 @@ def _ffn_operand(
     codes at the static scale (`_e4m3`); 2: NVFP4 under the global scale, block scales [rows, cols / 16]
     at bs_ptr; 3: likewise, the block scales swizzled for a linear's FP4 GEMM (`_nvfp4_row`); 4: rounded to
     NVFP4 under the global scale and back to the row's dtype, then E4M3 at the row's own scale, stored at
-    bs_ptr [rows] (the Hopper/Ada NVFP4 fallback's operand, as `triton_quant_kernels.nvfp4_fp8_rows`)."""
+    bs_ptr [rows] (the Hopper/Ada NVFP4 fallback's operand, as `kernels.jit.quant.nvfp4_fp8_rows`)."""
     if FORM == 0:
         tl.store(out_ptr + r * cols + c, v, mask=inside)
     elif FORM == 1:
@@ -364,7 +364,7 @@ def _ffn_operand(
 
 @triton.jit
 def _e4m3(v, scale_ptr, E4M3_MAX: tl.constexpr):
-    """E4M3 codes of fp32 values v at the static fp32 scale, as `triton_quant_kernels.fp8_static_quant` makes
+    """E4M3 codes of fp32 values v at the static fp32 scale, as `kernels.jit.quant.fp8_static_quant` makes
     them: an IEEE division, a NaN-keeping clamp, the round-to-nearest conversion."""
     v = tl.math.div_rn(v, tl.load(scale_ptr).to(tl.float32))
     return e4m3(tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL))
@@ -376,7 +376,7 @@ def norm_nvfp4(
     E4M3_MAX: tl.constexpr, WRITE_NORMED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One row's RMSNorm as `norm_fp8` computes it, then its NVFP4 under the global scale as
-    `triton_quant_kernels.nvfp4_quant_blocked` makes it, code for code: E2M1 codes in pairs [rows, cols / 2],
+    `kernels.jit.quant.nvfp4_quant_blocked` makes it, code for code: E2M1 codes in pairs [rows, cols / 2],
     block scales at `blocked_index` in the layout of [rows padded to 128, CP] a linear's FP4 GEMM reads, the
     padding's zeros included (the launch covers the padded rows; BLOCK / 16 >= CP). `WRITE_NORMED`: the
     normed row too (the load-time probe's view of what was quantized)."""
@@ -398,7 +398,7 @@ def _nvfp4_row(
     E4M3_MAX: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Row r's fp32 values v [BLOCK] from column c0 (zeros past `cols`) as NVFP4 under the global scale, as
-    `triton_quant_kernels.nvfp4_quant` makes them: E2M1 codes in pairs [rows, cols / 2]; block scales
+    `kernels.jit.quant.nvfp4_quant` makes them: E2M1 codes in pairs [rows, cols / 2]; block scales
     [rows, cols / 16], or (BLOCKED) at `blocked_index` in the layout of [rows padded to 128, CP] a linear's FP4
     GEMM reads, the padded columns' zeros included (the blocks past `cols` a launch reaches cover CP; a row
     past `rows` writes zero scales)."""

@@ -1,4 +1,4 @@
-"""dgpipe's routing kernels (`pipeline.runtime.triton_routing`) in Triton's interpreter: the router's top-k
+"""dgpipe's routing kernels (`pipeline.runtime.kernels.routing`) in Triton's interpreter: the router's top-k
 against its torch form (`network.route_scores`) within fp32 rounding, with the lower expert first among
 equal probabilities; the experts' order against torch's stable sort (`scaled_layout.expert_order`) bit for
 bit; their load-time probes; a model's logits with both installed; and both compiled for Hopper, B200, Ada
@@ -14,8 +14,8 @@ import torch
 from pipeline.errors import DgpipeError
 from pipeline.model import scaled_layout as sl
 from pipeline.model.network import route_scores
+from pipeline.runtime import kernels
 from pipeline.runtime import probe as probing
-from pipeline.runtime import triton_routing
 from tests._utils.embedded_passes import denoise_and_prefill, embedded_bf16
 from tests._utils.interpreter_casts import interpreted_exp, rne_casts  # noqa: F401  (fixtures)
 from tests._utils.triton_compile import compiled_for_gpus, spills
@@ -48,8 +48,8 @@ def test_the_top_k_is_torchs_within_fp32_rounding(interpreted_exp, dtype, tokens
     each weight within a few fp32 roundings (`probe.same_top_k`)."""
     g = torch.Generator().manual_seed(experts)
     scores, scale = probing.separated_scores(tokens, experts, g).to(dtype), scales(experts)
-    assert triton_routing.top_k_serves(scores, k, scale)
-    got = triton_routing.top_k(scores, k, scale)
+    assert kernels.routing.top_k_serves(scores, k, scale)
+    got = kernels.routing.top_k(scores, k, scale)
     want = route_scores(scores, k, scale)[1:]
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.int64
     assert probing.same_top_k(got, want)
@@ -64,7 +64,7 @@ def test_random_bf16_scores_choose_torchs_experts_with_ties_to_the_lower_one(int
     ties their own way). Each expert gets torch's weight within a few fp32 roundings."""
     g = torch.Generator().manual_seed(5)
     scores, scale = torch.randn(37, 128, generator=g).to(torch.bfloat16), scales(128)
-    (gw, gi), (ww, wi) = triton_routing.top_k(scores, 8, scale), route_scores(scores, 8, scale)[1:]
+    (gw, gi), (ww, wi) = kernels.routing.top_k(scores, 8, scale), route_scores(scores, 8, scale)[1:]
     probs = torch.softmax(scores.float(), dim=-1)
     assert torch.equal(gi, probs.sort(dim=-1, descending=True, stable=True).indices[:, :8])
     kth, next_ = probs.sort(dim=-1, descending=True).values[:, 7:9].unbind(1)
@@ -77,19 +77,19 @@ def test_random_bf16_scores_choose_torchs_experts_with_ties_to_the_lower_one(int
 
     equal = torch.zeros(2, 16, dtype=torch.bfloat16)
     equal[0, [3, 9, 12]] = 1.0  # three equal leaders, two places: the two lower experts
-    weights, index = triton_routing.top_k(equal, 2, torch.ones(16, dtype=torch.bfloat16))
+    weights, index = kernels.routing.top_k(equal, 2, torch.ones(16, dtype=torch.bfloat16))
     assert index.tolist() == [[3, 9], [0, 1]] and torch.equal(weights, torch.full((2, 2), 0.5))
 
 
 def test_other_scores_keep_the_torch_form(monkeypatch):
     scores, scale = torch.randn(3, 16), scales(16)
-    assert not triton_routing.top_k_serves(scores.t(), 2, scales(3))  # not contiguous
-    assert not triton_routing.top_k_serves(scores[None], 2, scale)  # not [tokens, experts]
-    assert not triton_routing.top_k_serves(scores, 17, scale)  # more choices than experts
-    assert not triton_routing.top_k_serves(scores.double(), 2, scale)
-    assert not triton_routing.top_k_serves(torch.randn(2, 2048), 8, scales(2048))  # wider than a program
-    monkeypatch.setattr(triton_routing, "top_k", lambda *a: pytest.fail("the kernel ran"))
-    got = triton_routing.top_k_or_torch(scores.double(), 2, scale)
+    assert not kernels.routing.top_k_serves(scores.t(), 2, scales(3))  # not contiguous
+    assert not kernels.routing.top_k_serves(scores[None], 2, scale)  # not [tokens, experts]
+    assert not kernels.routing.top_k_serves(scores, 17, scale)  # more choices than experts
+    assert not kernels.routing.top_k_serves(scores.double(), 2, scale)
+    assert not kernels.routing.top_k_serves(torch.randn(2, 2048), 8, scales(2048))  # wider than a program
+    monkeypatch.setattr(kernels.routing, "top_k", lambda *a: pytest.fail("the kernel ran"))
+    got = kernels.routing.top_k_or_torch(scores.double(), 2, scale)
     want = route_scores(scores.double(), 2, scale)[1:]
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
@@ -108,22 +108,22 @@ def test_other_scores_keep_the_torch_form(monkeypatch):
 )
 def test_the_expert_order_is_torchs_stable_sort_bit_for_bit(tokens, k, experts):
     index = torch.randint(0, experts, (tokens, k), generator=torch.Generator().manual_seed(tokens))
-    assert triton_routing.expert_order_serves(index, experts)
-    got, want = triton_routing.expert_order(index, experts), sl.expert_order(index, experts)
+    assert kernels.routing.expert_order_serves(index, experts)
+    got, want = kernels.routing.expert_order(index, experts), sl.expert_order(index, experts)
     assert [t.dtype for t in got] == [torch.int64, torch.int64, torch.int32, torch.int64]
     assert probing.same_order(got, want)  # the order's inverse included, which the kernel writes too
 
 
 def test_other_routings_keep_torchs_sort(monkeypatch):
     index = torch.randint(0, 8, (6, 2))
-    assert not triton_routing.expert_order_serves(index.int(), 8)
-    assert not triton_routing.expert_order_serves(index.t(), 8)  # not contiguous
-    assert not triton_routing.expert_order_serves(index.reshape(-1), 8)
-    assert not triton_routing.expert_order_serves(
-        torch.zeros(triton_routing.ORDER_MAX_SLOTS + 1, 1).long(), 8
+    assert not kernels.routing.expert_order_serves(index.int(), 8)
+    assert not kernels.routing.expert_order_serves(index.t(), 8)  # not contiguous
+    assert not kernels.routing.expert_order_serves(index.reshape(-1), 8)
+    assert not kernels.routing.expert_order_serves(
+        torch.zeros(kernels.routing.ORDER_MAX_SLOTS + 1, 1).long(), 8
     )
-    monkeypatch.setattr(triton_routing, "expert_order", lambda *a: pytest.fail("the kernel ran"))
-    got = triton_routing.expert_order_or_torch(index.int(), 8)
+    monkeypatch.setattr(kernels.routing, "expert_order", lambda *a: pytest.fail("the kernel ran"))
+    got = kernels.routing.expert_order_or_torch(index.int(), 8)
     assert got.rows is None and probing.same_order(got, sl.expert_order(index.int(), 8))
 
 
@@ -131,7 +131,7 @@ def test_other_routings_keep_torchs_sort(monkeypatch):
 def test_the_routing_probes_pass_the_kernels_and_fail_wrong_ones(interpreted_exp, monkeypatch):  # noqa: F811
     probing.check_triton_top_k(CPU)
     probing.check_triton_expert_order(CPU)
-    top_k, order = triton_routing.top_k, triton_routing.expert_order
+    top_k, order = kernels.routing.top_k, kernels.routing.expert_order
     wrong = {
         "top_k": lambda s, k, scale: top_k(s, k, torch.ones_like(scale)),  # the experts' scales left out
         "expert_order": lambda i, e: order(i, e)._replace(offs=order(i, e).offs.roll(1)),
@@ -144,11 +144,11 @@ def test_the_routing_probes_pass_the_kernels_and_fail_wrong_ones(interpreted_exp
     )
     for name, message in checks:
         with monkeypatch.context() as mp:
-            mp.setattr(triton_routing, "expert_order" if name == "rows" else name, wrong[name])
+            mp.setattr(kernels.routing, "expert_order" if name == "rows" else name, wrong[name])
             with pytest.raises(DgpipeError, match=message):
                 probing.NETWORK_CHECKS["expert_order" if name == "rows" else name](CPU)
     with monkeypatch.context() as mp:  # the renormalisation left out: the probabilities themselves
-        mp.setattr(triton_routing, "top_k", lambda s, k, scale: (
+        mp.setattr(kernels.routing, "top_k", lambda s, k, scale: (
             (lambda w, i: (w * route_scores(s, k, scale)[0].gather(1, i).sum(1, keepdim=True), i))(*top_k(s, k, scale))
         ))  # fmt: skip
         with pytest.raises(DgpipeError, match="top-k differs"):
@@ -183,8 +183,8 @@ def test_a_model_with_the_routing_kernels_keeps_its_logits(interpreted_exp, monk
     assert ((want - torch_choice).norm() / want.norm()).item() > 1e-2  # ties decided: another expert
     calls = []
     for name in ("top_k", "expert_order"):
-        kernel = getattr(triton_routing, name)
-        monkeypatch.setattr(triton_routing, name, lambda *a, k=kernel, n=name: calls.append(n) or k(*a))
+        kernel = getattr(kernels.routing, name)
+        monkeypatch.setattr(kernels.routing, name, lambda *a, k=kernel, n=name: calls.append(n) or k(*a))
     probed = probing.Probe("sm90", {probing.TOP_K: None, probing.EXPERT_ORDER: None})
     gpu_load.fuse_network(model, probed, None)
     assert all(layer.router.top_k_kernel and layer.experts.order_kernel for layer in model.layers)
@@ -201,7 +201,8 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pipeline.runtime import triton_routing as tr, triton_routing_kernels as k
+from pipeline.runtime.kernels import routing as tr
+from pipeline.runtime.kernels.jit import routing as k
 
 out = []
 

@@ -1,4 +1,4 @@
-"""dgpipe's norm-to-FP8 and norm-to-NVFP4 kernels (`pipeline.runtime.triton_network.norm_fp8`, `norm_nvfp4`: a
+"""dgpipe's norm-to-FP8 and norm-to-NVFP4 kernels (`pipeline.runtime.kernels.chains.norm_fp8`, `norm_nvfp4`: a
 layer's input norm written as its quantized q|k|v operand in one pass) in Triton's interpreter, with
 round-to-nearest-even casts (tests/_utils/interpreter_casts.py): against torch's fused RMSNorm then the
 quantization, their probes, and compiled for Hopper, B200, Ada and RTX Blackwell without a GPU; and
@@ -13,10 +13,10 @@ import torch
 
 from pipeline.model import scaled_layout as sl
 from pipeline.model.network import RMSNorm
+from pipeline.runtime import kernels
 from pipeline.runtime import probe as probing
 from pipeline.runtime import shared_input as si
 from pipeline.runtime import tensor_cores as tc
-from pipeline.runtime import triton_network, triton_quant
 from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
 from tests._utils.probes import each_wrong_form_fails
 from tests._utils.quantized import packed_linear
@@ -46,15 +46,15 @@ def rows_and_norm(n: int, d: int, dtype: torch.dtype, seed: int) -> tuple[torch.
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize("dtype", kernels.chains.DTYPES)
 @pytest.mark.parametrize("d", [2816, 100])
 def test_the_norm_to_fp8_is_torchs_but_for_its_norms_sums(rne_casts, dtype, d):  # noqa: F811
     """The 26B's width and one that is no power of two: within one E4M3 step of torch's codes
     (`probe.same_fp8_of_norm`), and the same codes but for under 0.1% of them."""
     x, norm = rows_and_norm(9, d, dtype, seed=d)
     scale = torch.tensor(0.004)  # rows past 448 * 0.004 saturate
-    assert triton_network.norm_fp8_serves(x, norm, scale)
-    got, want = triton_network.norm_fp8(x, norm, scale), sl.fp8_quantize(norm(x), scale)
+    assert kernels.chains.norm_fp8_serves(x, norm, scale)
+    got, want = kernels.chains.norm_fp8(x, norm, scale), sl.fp8_quantize(norm(x), scale)
     assert got.dtype == torch.float8_e4m3fn and probing.same_fp8_of_norm(got, want)
     g, w = got.float(), want.float()
     assert float(((g != w) & ~w.isnan()).float().mean()) < 1e-3
@@ -64,12 +64,12 @@ def test_the_norm_to_fp8_is_torchs_but_for_its_norms_sums(rne_casts, dtype, d): 
 def test_other_rows_keep_the_torch_form(monkeypatch):
     x, norm = rows_and_norm(4, 64, torch.bfloat16, seed=0)
     scale = torch.tensor(0.01)
-    assert not triton_network.norm_fp8_serves(x.float(), norm.float(), scale)
-    assert not triton_network.norm_fp8_serves(x[:, :32], norm, scale)  # not contiguous, another width
-    assert not triton_network.norm_fp8_serves(x, norm, scale.bfloat16())
-    assert not triton_network.norm_fp8_serves(x, RMSNorm(64, 1e-6, with_scale=False), scale)
-    monkeypatch.setattr(triton_network, "norm_fp8", lambda *a: pytest.fail("the kernel ran"))
-    got = triton_network.norm_fp8_or_torch(x.float(), norm.float(), scale)
+    assert not kernels.chains.norm_fp8_serves(x.float(), norm.float(), scale)
+    assert not kernels.chains.norm_fp8_serves(x[:, :32], norm, scale)  # not contiguous, another width
+    assert not kernels.chains.norm_fp8_serves(x, norm, scale.bfloat16())
+    assert not kernels.chains.norm_fp8_serves(x, RMSNorm(64, 1e-6, with_scale=False), scale)
+    monkeypatch.setattr(kernels.chains, "norm_fp8", lambda *a: pytest.fail("the kernel ran"))
+    got = kernels.chains.norm_fp8_or_torch(x.float(), norm.float(), scale)
     assert torch.equal(
         got.view(torch.uint8), sl.fp8_quantize(norm.float()(x.float()), scale).view(torch.uint8)
     )
@@ -78,50 +78,50 @@ def test_other_rows_keep_the_torch_form(monkeypatch):
 @interpreted
 def test_the_norm_fp8_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, monkeypatch):  # noqa: F811
     probing.check_triton_norm_fp8(CPU)
-    kernel = triton_network.norm_fp8
+    kernel = kernels.chains.norm_fp8
     wrong = {
         "scale doubled": lambda x, n, s: kernel(x, n, s * 2),
         "not normed": lambda x, n, s: sl.fp8_quantize(x, s),
         "weights reversed": lambda x, n, s: kernel(x, _flipped(n), s),
     }
     check = lambda: probing.check_triton_norm_fp8(CPU)
-    each_wrong_form_fails(monkeypatch, triton_network, "norm_fp8", wrong, check, "norm to FP8 differs")
+    each_wrong_form_fails(monkeypatch, kernels.chains, "norm_fp8", wrong, check, "norm to FP8 differs")
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize("dtype", kernels.chains.DTYPES)
 @pytest.mark.parametrize(("m", "d"), [(37, 2816), (130, 96), (2, 16)])
 def test_the_norm_to_nvfp4_is_torchs_but_for_its_norms_sums(rne_casts, dtype, m, d):  # noqa: F811
     """The 26B's width, a narrow one over two 128-row tiles, two rows of one block: the codes and swizzled block scales
-    (padding's zeros included) are bit for bit what `triton_quant.nvfp4_blocked` makes of the rows the kernel
+    (padding's zeros included) are bit for bit what `kernels.quant.nvfp4_blocked` makes of the rows the kernel
     normed, those within a norm's rounding of torch's (`probe.same_layer_end`), and the quantization of
     torch's norm differs in under 0.5% of the codes and 1% of the scales (a normed value one rounding
     away can move its block's maximum)."""
     x, norm = rows_and_norm(m, d, dtype, seed=d + m)
     gs = torch.tensor(0.003)
-    assert triton_network.norm_nvfp4_serves(x, norm, gs)
+    assert kernels.chains.norm_nvfp4_serves(x, norm, gs)
     normed = torch.empty_like(x)
-    q, s = triton_network.norm_nvfp4(x, norm, gs, normed)
+    q, s = kernels.chains.norm_nvfp4(x, norm, gs, normed)
     assert probing.same_layer_end(normed, norm(x), torch.zeros_like(x), torch.ones(1, dtype=dtype))
-    want_q, want_s = triton_quant.nvfp4_blocked(normed, gs)
+    want_q, want_s = kernels.quant.nvfp4_blocked(normed, gs)
     assert torch.equal(q, want_q) and torch.equal(s, want_s)
     assert [
-        torch.equal(a, b) for a, b in zip(triton_network.norm_nvfp4(x, norm, gs), (q, s), strict=True)
+        torch.equal(a, b) for a, b in zip(kernels.chains.norm_nvfp4(x, norm, gs), (q, s), strict=True)
     ] == [True] * 2
-    torch_q, torch_s = triton_quant.nvfp4_blocked(norm(x), gs)
+    torch_q, torch_s = kernels.quant.nvfp4_blocked(norm(x), gs)
     assert float((q != torch_q).float().mean()) < 5e-3 and float((s != torch_s).float().mean()) < 1e-2
 
 
 def test_other_rows_keep_the_torch_form_of_the_nvfp4_operand(monkeypatch):
     x, norm = rows_and_norm(4, 64, torch.bfloat16, seed=1)
     gs = torch.tensor(0.01)
-    assert not triton_network.norm_nvfp4_serves(
+    assert not kernels.chains.norm_nvfp4_serves(
         x[:, :40].contiguous(), RMSNorm(40, 1e-6).bfloat16(), gs
     )  # 40: no whole blocks
-    assert not triton_network.norm_nvfp4_serves(x.float(), norm.float(), gs)
-    monkeypatch.setattr(triton_network, "norm_nvfp4", lambda *a: pytest.fail("the kernel ran"))
-    monkeypatch.setattr(triton_quant, "nvfp4_blocked", lambda rows, g: ("quantized", rows))
-    got = triton_network.norm_nvfp4_or_torch(x.float(), norm.float(), gs)
+    assert not kernels.chains.norm_nvfp4_serves(x.float(), norm.float(), gs)
+    monkeypatch.setattr(kernels.chains, "norm_nvfp4", lambda *a: pytest.fail("the kernel ran"))
+    monkeypatch.setattr(kernels.quant, "nvfp4_blocked", lambda rows, g: ("quantized", rows))
+    got = kernels.chains.norm_nvfp4_or_torch(x.float(), norm.float(), gs)
     same = torch.allclose(got[1], norm(x.float()), rtol=0, atol=0, equal_nan=True)  # (a NaN row)
     assert got[0] == "quantized" and same
 
@@ -129,12 +129,12 @@ def test_other_rows_keep_the_torch_form_of_the_nvfp4_operand(monkeypatch):
 @interpreted
 def test_the_norm_nvfp4_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, monkeypatch):  # noqa: F811
     probing.check_triton_norm_nvfp4(CPU)
-    kernel = triton_network.norm_nvfp4
+    kernel = kernels.chains.norm_nvfp4
 
     def not_normed(x, n, gs, normed=None):
         if normed is not None:
             normed.copy_(x)
-        return triton_quant.nvfp4_blocked(x, gs)
+        return kernels.quant.nvfp4_blocked(x, gs)
 
     def scales_a_tile_off(x, n, gs, normed=None):
         q, s = kernel(x, n, gs, normed)
@@ -148,7 +148,7 @@ def test_the_norm_nvfp4_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, 
         "normed rows not written": lambda x, n, gs, normed=None: kernel(x, n, gs),
     }
     check = lambda: probing.check_triton_norm_nvfp4(CPU)
-    each_wrong_form_fails(monkeypatch, triton_network, "norm_nvfp4", wrong, check, "norm to NVFP4 differs")
+    each_wrong_form_fails(monkeypatch, kernels.chains, "norm_nvfp4", wrong, check, "norm to NVFP4 differs")
 
 
 def _flipped(norm: RMSNorm) -> RMSNorm:
@@ -193,7 +193,7 @@ def test_nvfp4_projections_take_their_operand_from_the_un_normed_rows(rne_casts,
     linear = tc.ScaledLinear(packed_linear("nvfp4", 48, 64, gen), "nvfp4", CPU, torch.float32, triton=True)
     x, norm = rows_and_norm(5, 64, torch.bfloat16, seed=7)
     monkeypatch.setattr(tc, "in_one_pass", lambda triton, t: triton)  # as on CUDA
-    operand = si.norm_operand("nvfp4", None, lambda rows, n, gs: triton_quant.nvfp4_blocked(n(rows), gs))
+    operand = si.norm_operand("nvfp4", None, lambda rows, n, gs: kernels.quant.nvfp4_blocked(n(rows), gs))
     (a, (scales, gs)), (want_a, (want_scales, want_gs)) = operand(x, norm, linear), linear.quantize(norm(x))
     assert torch.equal(a, want_a) and gs is want_gs is linear.input_scale
     assert scales.dtype == want_scales.dtype == torch.float8_e4m3fn
@@ -211,7 +211,8 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pipeline.runtime import triton_network as tn, triton_network_kernels as k
+from pipeline.runtime.kernels import chains as tn
+from pipeline.runtime.kernels.jit import chains as k
 
 out = []
 

@@ -1,4 +1,4 @@
-"""dgpipe's attention head-norms kernel (`pipeline.runtime.triton_network.head_norms`: q's norm and RoPE, or
+"""dgpipe's attention head-norms kernel (`pipeline.runtime.kernels.chains.head_norms`: q's norm and RoPE, or
 k's and v's norms and k's RoPE, in one launch) in Triton's interpreter, with round-to-nearest-even casts
 (tests/_utils/interpreter_casts.py): against torch's form (torch's fused RMSNorm, `network.apply_rope`), its
 probe, a model's logits with it installed, and compiled for Hopper, B200, Ada and RTX Blackwell without a
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pipeline.model.network import RMSNorm, apply_rope
+from pipeline.runtime import kernels
 from pipeline.runtime import probe as probing
-from pipeline.runtime import triton_network
 from tests._utils.embedded_passes import denoise_and_prefill, embedded_bf16
 from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
 from tests._utils.probes import each_wrong_form_fails
@@ -40,15 +40,15 @@ def heads(b: int, length: int, h: int, d: int, dtype: torch.dtype, seed: int):
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", triton_network.DTYPES)
+@pytest.mark.parametrize("dtype", kernels.chains.DTYPES)
 @pytest.mark.parametrize(("h", "d"), [(16, 256), (8, 256), (2, 512), (3, 24), (5, 2)])
 def test_head_norms_are_torchs_but_for_their_norms_sums(rne_casts, dtype, h, d):  # noqa: F811
     """The 26B's q heads (16 of 256), sliding K/V (8 of 256) and global K/V (2 of 512), the embedded model's
     24 and the narrowest: within `probe.same_rotation` of torch's form (v within `same_layer_end`), and bit
     for bit but for under 0.1% of the values (the norms' sums of squares in another order)."""
     x, v, norm, v_norm, cos, sin = heads(2, 9, h, d, dtype, seed=d + h)
-    assert triton_network.head_norms_serves(x, norm, cos, v, v_norm)
-    got, got_v, no_q = triton_network.head_norms(x, norm, cos, sin, v, v_norm)
+    assert kernels.chains.head_norms_serves(x, norm, cos, v, v_norm)
+    got, got_v, no_q = kernels.chains.head_norms(x, norm, cos, sin, v, v_norm)
     normed = norm(x)
     want, want_v = apply_rope(normed, cos, sin), v_norm(v)
     assert no_q is None
@@ -57,7 +57,7 @@ def test_head_norms_are_torchs_but_for_their_norms_sums(rne_casts, dtype, h, d):
     assert probing.same_layer_end(got_v, want_v, torch.zeros_like(v), one)
     for a, b in ((got, want), (got_v, want_v)):
         assert float(((a != b) & ~b.isnan()).float().mean()) < 1e-3
-    q, none, no_q = triton_network.head_norms(x, norm, cos, sin)  # q: no v
+    q, none, no_q = kernels.chains.head_norms(x, norm, cos, sin)  # q: no v
     assert none is None is no_q and probing.same_bits(q, got)
 
 
@@ -71,30 +71,30 @@ def test_head_norms_read_q_k_and_v_in_place_from_one_merged_projection(rne_casts
     x, _, norm, v_norm, cos, sin = heads(2, 5, h + 2 * kv, d, torch.bfloat16, seed=h)
     proj = x.reshape(2, 5, -1)  # [B, L, (h + 2 kv) * d]: q | k | v
     q, k, v = (c.view(2, 5, -1, d) for c in proj.split([h * d, kv * d, kv * d], dim=-1))
-    assert not q.is_contiguous() and all(triton_network.token_rows(t) for t in (q, k, v))
-    assert triton_network.head_norms_serves(q, norm, cos) and triton_network.head_norms_serves(
+    assert not q.is_contiguous() and all(kernels.chains.token_rows(t) for t in (q, k, v))
+    assert kernels.chains.head_norms_serves(q, norm, cos) and kernels.chains.head_norms_serves(
         k, norm, cos, v, v_norm
     )
     q_norm = _flipped(norm)
-    got_q, none, _ = triton_network.head_norms(q, q_norm, cos, sin)
-    got_k, got_v, _ = triton_network.head_norms(k, norm, cos, sin, v, v_norm)
-    want_q = triton_network.head_norms(q.contiguous(), q_norm, cos, sin)[0]
-    want_k, want_v, _ = triton_network.head_norms(k.contiguous(), norm, cos, sin, v.contiguous(), v_norm)
+    got_q, none, _ = kernels.chains.head_norms(q, q_norm, cos, sin)
+    got_k, got_v, _ = kernels.chains.head_norms(k, norm, cos, sin, v, v_norm)
+    want_q = kernels.chains.head_norms(q.contiguous(), q_norm, cos, sin)[0]
+    want_k, want_v, _ = kernels.chains.head_norms(k.contiguous(), norm, cos, sin, v.contiguous(), v_norm)
     assert none is None and all(t.is_contiguous() for t in (got_q, got_k, got_v))
     for a, b in ((got_q, want_q), (got_k, want_k), (got_v, want_v)):
         assert probing.same_bits(a, b)
-    together = triton_network.head_norms(k, norm, cos, sin, v, v_norm, q, q_norm)
+    together = kernels.chains.head_norms(k, norm, cos, sin, v, v_norm, q, q_norm)
     assert all(probing.same_bits(a, b) for a, b in zip(together, (want_k, want_v, want_q), strict=True))
     # q written head-major, [B, H, L, D] contiguous (what packed attention reads), the same values
-    head_major = triton_network.head_norms(k, norm, cos, sin, v, v_norm, q, q_norm, q_head_major=True)
+    head_major = kernels.chains.head_norms(k, norm, cos, sin, v, v_norm, q, q_norm, q_head_major=True)
     assert head_major[2].shape == (2, h, 5, d) and head_major[2].is_contiguous()
     assert probing.same_bits(head_major[2].transpose(1, 2), want_q)
     assert all(probing.same_bits(a, b) for a, b in zip(head_major[:2], (want_k, want_v), strict=True))
     # k and v written into a cache's room: its buffers' rows 1-2, tokens 3-7 of 12, nothing else touched
     cache = torch.full((2, 3, kv, 12, d), 5.0, dtype=torch.bfloat16)  # K|V, slots, heads, length, dim
     room = cache[0, 1:, :, 3:8], cache[1, 1:, :, 3:8]
-    assert triton_network.head_outputs_serve(room, k, v)
-    roomed = triton_network.head_norms(k, norm, cos, sin, v, v_norm, q, q_norm, out=room)
+    assert kernels.chains.head_outputs_serve(room, k, v)
+    roomed = kernels.chains.head_norms(k, norm, cos, sin, v, v_norm, q, q_norm, out=room)
     assert roomed[0] is room[0] and roomed[1] is room[1] and probing.same_bits(roomed[2], want_q)
     assert probing.same_bits(room[0], want_k.transpose(1, 2)) and probing.same_bits(
         room[1], want_v.transpose(1, 2)
@@ -102,43 +102,43 @@ def test_head_norms_read_q_k_and_v_in_place_from_one_merged_projection(rne_casts
     cache[:, 1:, :, 3:8] = 5.0
     assert bool((cache == 5.0).all())
     assert not probing.same_bits(
-        want_q, triton_network.head_norms(q, norm, cos, sin)[0]
+        want_q, kernels.chains.head_norms(q, norm, cos, sin)[0]
     )  # the weights differ
     transposed = proj[..., : h * d].view(2, 5, d, h).transpose(2, 3)  # a head's values h apart
-    assert not triton_network.token_rows(transposed)
-    assert not triton_network.head_norms_serves(transposed, norm, cos)
+    assert not kernels.chains.token_rows(transposed)
+    assert not kernels.chains.head_norms_serves(transposed, norm, cos)
 
 
 def test_other_heads_keep_the_torch_form(monkeypatch):
     x, v, norm, v_norm, cos, sin = heads(1, 4, 2, 64, torch.bfloat16, seed=0)
-    serves = triton_network.head_norms_serves
+    serves = kernels.chains.head_norms_serves
     assert not serves(x.float(), norm.float(), cos.float())  # fp32: no rope kernel either
     assert not serves(x, norm.float(), cos)  # a weight of another dtype
     assert not serves(x, v_norm, cos)  # an unscaled norm for q or k
     assert not serves(x, norm, cos, v, norm)  # a scaled norm for v
     assert not serves(x, norm, cos, v[:, :, :1].contiguous(), v_norm)  # v of another shape
     assert not serves(x, norm, cos, v)  # v without its norm
-    kernel = triton_network.head_norms
-    monkeypatch.setattr(triton_network, "head_norms", lambda *a: pytest.fail("the kernel ran"))
-    q_only = triton_network.head_norms_or_torch(x, norm, cos, sin, q=x, q_norm=norm)  # no v: the torch form
+    kernel = kernels.chains.head_norms
+    monkeypatch.setattr(kernels.chains, "head_norms", lambda *a: pytest.fail("the kernel ran"))
+    q_only = kernels.chains.head_norms_or_torch(x, norm, cos, sin, q=x, q_norm=norm)  # no v: the torch form
     assert q_only[1] is None and torch.equal(q_only[0], q_only[2])
     y, w = x.float(), v.float()
-    got = triton_network.head_norms_or_torch(y, norm.float(), cos.float(), sin.float(), w, v_norm)
+    got = kernels.chains.head_norms_or_torch(y, norm.float(), cos.float(), sin.float(), w, v_norm)
     same = lambda a, b: torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
     assert same(got[0], apply_rope(norm.float()(y), cos.float(), sin.float())) and same(got[1], v_norm(w))
     with pytest.raises(ValueError, match="pass v too"):  # q's programs follow v's in the grid
         kernel(x, norm, cos, sin, q=x, q_norm=norm)
-    fp32 = triton_network.head_norms_or_torch(
+    fp32 = kernels.chains.head_norms_or_torch(
         y, norm.float(), cos.float(), sin.float(), w, v_norm, y, norm.float()
     )
-    head_major = triton_network.head_norms_or_torch(
+    head_major = kernels.chains.head_norms_or_torch(
         y, norm.float(), cos.float(), sin.float(), w, v_norm, y, norm.float(), q_head_major=True
     )  # the torch form's q as [B, H, L, D]
     assert head_major[2].shape == (1, 2, 4, 64) and same(head_major[2].transpose(1, 2), fp32[2])
     room = torch.zeros(2, 1, 2, 4, 64)  # fp32 K/V: the torch form, copied into the room
-    assert not triton_network.head_outputs_serve(tuple(room[:, :, :, :, :2]), y, w)  # another shape
+    assert not kernels.chains.head_outputs_serve(tuple(room[:, :, :, :, :2]), y, w)  # another shape
     with torch.no_grad():  # as the runtime runs it (the norms' weights are parameters)
-        roomed = triton_network.head_norms_or_torch(
+        roomed = kernels.chains.head_norms_or_torch(
             y, norm.float(), cos.float(), sin.float(), w, v_norm, out=(room[0], room[1])
         )
     assert roomed[0].data_ptr() == room[0].data_ptr() and same(room[0], fp32[0].transpose(1, 2))
@@ -150,7 +150,7 @@ def test_other_heads_keep_the_torch_form(monkeypatch):
 @interpreted
 def test_the_head_norms_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, monkeypatch):  # noqa: F811
     probing.check_triton_head_norms(CPU)
-    kernel = triton_network.head_norms
+    kernel = kernels.chains.head_norms
     wrong = {
         "not rotated": lambda x, n, c, s, v=None, vn=None, q=None, qn=None, **hm: kernel(
             x, n, torch.ones_like(c), torch.zeros_like(s), v, vn, q, qn, **hm),
@@ -174,7 +174,7 @@ def test_the_head_norms_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, 
                 t.as_strided(t.shape, t.stride(), t.storage_offset() + t.stride(2)) for t in out), **hm),
     }  # fmt: skip
     check = lambda: probing.check_triton_head_norms(CPU)
-    each_wrong_form_fails(monkeypatch, triton_network, "head_norms", wrong, check, "head norms .*differ")
+    each_wrong_form_fails(monkeypatch, kernels.chains, "head_norms", wrong, check, "head norms .*differ")
 
 
 def _as_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -206,9 +206,9 @@ def test_a_model_with_the_head_norms_kernel_keeps_its_logits(rne_casts, merged):
     calls = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(
-            triton_network,
+            kernels.chains,
             "head_norms",
-            lambda *a, k=triton_network.head_norms: (
+            lambda *a, k=kernels.chains.head_norms: (
                 calls.append((len(a) > 6 and a[6] is not None, a[0].is_contiguous())) or k(*a)
             ),
         )
@@ -237,7 +237,8 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pipeline.runtime import triton_network as tn, triton_network_kernels as k
+from pipeline.runtime.kernels import chains as tn
+from pipeline.runtime.kernels.jit import chains as k
 
 out = []
 for cc in (90, 100, 89, 120):

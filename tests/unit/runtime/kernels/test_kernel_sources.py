@@ -2,15 +2,16 @@
 tested one does (docs/engine.md, "The Triton that users' torch brings"): torch 2.11 brings Triton 3.6 and
 torch 2.12 brings 3.7, whose unary minus on floats is 0 - x (+0.0 for +0.0, where torch's negation gives
 -0.0), and which convert fp32 to E4M3 on sm_89 in two roundings. The kernels are held to torch's values bit
-for bit, so they negate through `triton_quant_kernels.negated` and convert to E4M3 through
-`triton_quant_kernels.e4m3` only."""
+for bit, so they negate through `kernels.jit.quant.negated` and convert to E4M3 through
+`kernels.jit.quant.e4m3` only."""
 
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-ROOT = Path(__file__).parents[3]
+from pipeline.resources import PACKAGE_DIR
+
+ROOT = PACKAGE_DIR.parent
 
 
 def jit_functions() -> list[tuple[str, ast.FunctionDef]]:
@@ -28,8 +29,7 @@ def jit_functions() -> list[tuple[str, ast.FunctionDef]]:
 def test_the_kernels_are_found():
     modules = {m for m, _ in jit_functions()}
     assert modules == {
-        f"pipeline/runtime/{m}.py"
-        for m in ("triton_moe", "triton_network_kernels", "triton_quant_kernels", "triton_routing_kernels")
+        f"pipeline/runtime/kernels/{m}.py" for m in ("moe", "jit/chains", "jit/quant", "jit/routing")
     }
     assert len(jit_functions()) >= 30
 
@@ -57,4 +57,4 @@ def test_every_e4m3_conversion_goes_through_the_grid():
         for node in ast.walk(fn)
         if isinstance(node, ast.Attribute) and node.attr == "float8e4nv"
     ]
-    assert named == ["pipeline/runtime/triton_quant_kernels.py: e4m3"]
+    assert named == ["pipeline/runtime/kernels/jit/quant.py: e4m3"]

@@ -15,7 +15,7 @@ that keep NaN, round-to-nearest saturating E4M3 conversion (`cvt.rn.satfinite`),
 decision points (ties to the even mantissa). Under torch.compile the traced torch forms stay, so inductor can
 fuse them into the op that produced the activation. The load-time probe (`pipeline.runtime.probe`) holds each
 kernel to its torch form bit for bit on the GPU before it is used; tests run them in Triton's interpreter and
-compile them for sm_90a, sm_100a, sm_89 and sm_120 (tests/unit/runtime/test_triton_quant.py).
+compile them for sm_90a, sm_100a, sm_89 and sm_120 (tests/unit/runtime/kernels/test_quant.py).
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ NVFP4_BLOCKS = 128  # 16-value blocks per program of the NVFP4 kernel
 
 @functools.cache
 def _kernels():
-    """The jitted kernels (`triton_quant_kernels`), imported on first use: Triton reads TRITON_INTERPRET when
+    """The jitted kernels (`kernels.jit.quant`), imported on first use: Triton reads TRITON_INTERPRET when
     `jit` wraps a kernel, and the kernels call each other as module globals, which its interpreter needs."""
-    from pipeline.runtime import triton_quant_kernels
+    from pipeline.runtime.kernels.jit import quant as jit_quant
 
-    return triton_quant_kernels
+    return jit_quant
 
 
 def fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

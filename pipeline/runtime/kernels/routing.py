@@ -51,9 +51,9 @@ ORDER_OPTIONS = {"num_warps": 8}
 @functools.cache
 def _kernels():
     """The jitted kernels, imported on first use (Triton reads TRITON_INTERPRET when `jit` wraps them)."""
-    from pipeline.runtime import triton_routing_kernels
+    from pipeline.runtime.kernels.jit import routing as jit_routing
 
-    return triton_routing_kernels
+    return jit_routing
 
 
 def top_k_serves(scores: torch.Tensor, k: int, scale: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""The Triton kernels of `pipeline.runtime.triton_routing` (imported on first use; see there)."""
+"""The Triton kernels of `pipeline.runtime.kernels.routing` (imported on first use; see there)."""
 
 import triton
 import triton.language as tl

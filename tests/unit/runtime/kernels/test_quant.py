@@ -1,4 +1,4 @@
-"""dgpipe's one-pass activation quantization kernels (`pipeline.runtime.triton_quant`) in Triton's interpreter,
+"""dgpipe's one-pass activation quantization kernels (`pipeline.runtime.kernels.quant`) in Triton's interpreter,
 code for code against torch's forms (with round-to-nearest-even casts: tests/_utils/interpreter_casts.py), and
 compiled for Hopper, B200, Ada and RTX Blackwell without a GPU."""
 
@@ -15,8 +15,8 @@ from pipeline.errors import DgpipeError
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import nvfp4_fake_quant
 from pipeline.runtime import probe as probing
-from pipeline.runtime import triton_quant as tq
-from pipeline.runtime import triton_quant_kernels as kernels
+from pipeline.runtime.kernels import quant as tq
+from pipeline.runtime.kernels.jit import quant as kernels
 from pipeline.runtime.tensor_cores import _rowwise_dynamic, quantize_rows
 from tests._utils.interpreter_casts import rne_casts, uninitialised_bytes_are_0xab  # noqa: F401  (fixture)
 from tests._utils.triton_compile import compiled_for_gpus, converts_to_e4m3_once, spills
@@ -223,17 +223,18 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pipeline.runtime import triton_quant, triton_quant_kernels as k
+from pipeline.runtime import kernels
+from pipeline.runtime.kernels.jit import quant as k
 
 consts = {"E2M1_MAX": 6.0, "E4M3_MAX": 448.0}
 forms = {
     "fp8": (k.fp8_static_quant, {"x_ptr": "*bf16", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "n": "i32"},
-            {"E4M3_MAX": 448.0, "BLOCK": triton_quant.FP8_BLOCK}, 4),
+            {"E4M3_MAX": 448.0, "BLOCK": kernels.quant.FP8_BLOCK}, 4),
     "nvfp4": (k.nvfp4_quant, {"x_ptr": "*bf16", "gs_ptr": "*fp32", "packed_ptr": "*u8", "scales_ptr": "*fp8e4nv",
-              "blocks": "i32"}, {**consts, "BLOCKS": triton_quant.NVFP4_BLOCKS}, 4),
+              "blocks": "i32"}, {**consts, "BLOCKS": kernels.quant.NVFP4_BLOCKS}, 4),
     "nvfp4_blocked": (k.nvfp4_quant_blocked, {"x_ptr": "*bf16", "gs_ptr": "*fp32", "packed_ptr": "*u8",
                       "out_ptr": "*u8", "rows": "i32", "C": "i32", "CP": "i32", "padded": "i32"},
-                      {**consts, "BLOCKS": triton_quant.NVFP4_BLOCKS}, 4),
+                      {**consts, "BLOCKS": kernels.quant.NVFP4_BLOCKS}, 4),
     # the 26B's widest input (the global layers' o_proj: 16 heads x 512): 512 blocks a row
     "nvfp4_fp8_rows": (k.nvfp4_fp8_rows, {"x_ptr": "*bf16", "gs_ptr": "*fp32", "out_ptr": "*fp8e4nv",
                        "scales_ptr": "*fp32", "K": "i32", "stride_x": "i32"}, {**consts, "NB": 512}, 8),
@@ -242,7 +243,7 @@ forms = {
 for gather in (True, False):
     forms[f"blocked_scales{'_gather' if gather else ''}"] = (k.blocked_scales, {"scales_ptr": "*u8", "offs_ptr": "*i32",
         "rows_ptr": "*i64", "out_ptr": "*u8", "R": "i32", "C": "i32", "CP": "i32", "num_groups": "i32"},
-        {"GATHER": gather, "G_POW2": 128, "BLOCK_R": triton_quant.BLOCKED_ROWS, "BLOCK_C": 256}, 4)
+        {"GATHER": gather, "G_POW2": 128, "BLOCK_R": kernels.quant.BLOCKED_ROWS, "BLOCK_C": 256}, 4)
 out = []
 for cc in (90, 100, 89, 120):
     for name, (fn, sig, constexprs, warps) in forms.items():
