@@ -12,7 +12,7 @@ import torch
 # tl.sum, tl.cumsum) is jitted at import, and torch.compile's tests import it early.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    # imported now, so a test that unsets the switch for a while (bench/test_gpu_plan.py) cannot be the
+    # imported now, so a test that unsets the switch for a while (bench/gpu/test_measure.py) cannot be the
     # first to import it and leave its standard library compiled-mode
     with contextlib.suppress(ImportError):
         import triton.language  # noqa: F401

@@ -468,7 +468,8 @@ def bench_gpu(
 ) -> None:
     """Everything only a GPU can show, within 8 minutes: kernel build, GPU tests, 26B pass per format vs
     the HBM floor, largest batch."""
-    from pipeline.bench.gpu import RESULT_FILE, TABLE_FILE, render, run_bench_gpu
+    from pipeline.bench.gpu.checks import RESULT_FILE, TABLE_FILE, run_bench_gpu
+    from pipeline.bench.gpu.report import render
 
     out_dir = out_dir or opt.cache_dir() / "bench-gpu"
     report = None if as_json else lambda c: out.line(f"{c.name}: {c.status} ({c.seconds:.0f} s)", err=True)
@@ -490,7 +491,7 @@ def bench_gpu_trace(
 ) -> None:
     """Every GPU dispatch row's 26B load and denoise pass on fake CUDA tensors, no GPU needed: GEMMs, weight
     bytes against the byte model, host reads, launches per pass."""
-    from pipeline.bench.gpu_trace import RESULT_FILE, TABLE_FILE, render, run
+    from pipeline.bench.gpu.trace import RESULT_FILE, TABLE_FILE, render, run
 
     batches = tuple(opt.int_list(batch, "--batch", " like 1,16"))
     out_dir = out_dir or opt.cache_dir() / "bench-gpu-trace"

@@ -229,7 +229,7 @@ def _linear_params(cfg: TextConfig, i: int) -> int:
 
 def weight_bytes(cfg: TextConfig, row: DispatchRow) -> dict[str, float]:
     """Bytes of every quantized linear and every routed expert in the formats `row` reads them: what a
-    model loaded on that path holds in GPU memory for them (`pipeline.bench.gpu_trace` checks it)."""
+    model loaded on that path holds in GPU memory for them (`pipeline.bench.gpu.trace` checks it)."""
     layers = range(cfg.num_hidden_layers)
     experts = cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
     return {

@@ -331,7 +331,7 @@ def test_the_triton_bf16_probe_passes_on_this_gpu():
     probing.check_triton_bf16(CUDA, x, index, torch.rand(20, 2, device=CUDA, generator=gen))
 
 
-def test_triton_network_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
+def test_the_chain_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
     """RoPE, the logit softcap, the MoE combine, the gated GeLU, the residual sum, the K/V concatenation and
     the router's input on this GPU: the probe's checks, RoPE and the K/V concatenation bit for bit at the
     26B's shapes at 16 canvases, and a bf16 model loaded as the runtime loads it

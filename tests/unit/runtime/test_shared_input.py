@@ -86,7 +86,7 @@ def test_a_rowwise_gemms_unit_row_scales_are_views_of_one_buffer_grown_outside_g
     """Row scales of 1 come as views of one contiguous buffer per device, which grows to the most rows asked
     for; while a CUDA graph is captured a larger ask gets a buffer of its own (its fill runs when the graph
     replays, so eager calls after the capture must not read it)."""
-    from pipeline.bench.fake_cuda import fake_gpu
+    from pipeline.bench.gpu.fake_cuda import fake_gpu
 
     monkeypatch.setattr(tc, "_UNIT_ROWS", {})
     eight, five = tc.unit_row_scales(8, CPU), tc.unit_row_scales(5, CPU)

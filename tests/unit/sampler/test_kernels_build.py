@@ -125,7 +125,7 @@ def test_gpu_sampler_imports_without_cuda():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the benchmark would run")
 def test_gpu_bench_exits_cleanly_without_gpu(tmp_path: Path):
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.bench.gpu_sampler", "--out", str(tmp_path)],
+        [sys.executable, "-m", "pipeline.bench.gpu.sampler", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},

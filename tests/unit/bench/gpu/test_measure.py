@@ -1,124 +1,18 @@
-"""`dgpipe bench gpu`: the plan (what runs where, and why not), the time budget, and the result files. The
-GPU checks themselves run on a GPU host (tests/gpu and the pass measurements)."""
+"""`dgpipe bench gpu`'s measurements run end to end off a GPU (small models, the CPU): the pass against its
+floor, one layer's attention, experts and sibling linears on each kernel, and the network's chains."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from dataclasses import replace
+from dataclasses import asdict
 
 import pytest
 import torch
 
-from pipeline.bench import gpu
+from pipeline.bench.gpu import checks, layers, measure, report
 from tests._utils.interpreter_casts import interpreted_exp, interpreted_tanh, rne_casts  # noqa: F401  (fixtures)
 
-H200 = gpu.Env(True, "NVIDIA H200", "sm90", 139.8, "580.65", "2.11.0+cu130", "13.0", True, True, True)
-
-
-def test_checks_fit_the_eight_minute_budget_by_construction():
-    assert sum(c.budget_s for c in gpu.CHECKS) <= gpu.TOTAL_BUDGET_S == 480
-    assert [c.name for c in gpu.CHECKS][:2] == ["build sampler kernels", "gpu tests"]
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU plan: every GPU test skips")
-def test_the_gpu_tests_spread_over_processes_where_pytest_xdist_is(monkeypatch):
-    """The check runs `python -m pipeline.bench.gpu tests`: tests/gpu over `GPU_TEST_WORKERS` processes with
-    pytest-xdist (here: every test collected and skipped, no GPU), in one process without it."""
-    check = next(c for c in gpu.CHECKS if c.name == "gpu tests")
-    run = subprocess.run([sys.executable, *check.argv], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert f"created: {gpu.GPU_TEST_WORKERS}/{gpu.GPU_TEST_WORKERS} workers" in run.stdout
-    assert " skipped" in run.stdout.splitlines()[-1] and " passed" not in run.stdout.splitlines()[-1]
-    monkeypatch.setattr(gpu, "_has", lambda module: module != "xdist")
-    assert "-n" not in gpu.gpu_test_args() and gpu.gpu_test_args()[-1] == "tests/gpu"
-
-
-def test_skip_reasons_per_host():
-    by = lambda env: {c.name: gpu.skip_reason(c, env) for c in gpu.CHECKS}
-    h200 = by(H200)
-    assert [n for n, r in h200.items() if r] == ["26B pass nvfp4"]
-    assert "no FP4 tensor cores" in h200["26B pass nvfp4"]
-    assert not any(by(replace(H200, gpu="NVIDIA B200", arch="sm100", memory_gib=179)).values())
-    l40s = by(replace(H200, arch="sm89", memory_gib=44.4))
-    assert "44 GiB GPU memory < 64 GiB" in l40s["26B pass bf16"] and l40s["build sampler kernels"] is None
-    assert (
-        by(replace(H200, nvcc=False))["build sampler kernels"] == "nvcc not found (install the CUDA toolkit)"
-    )
-    assert by(replace(H200, pytest=False))["gpu tests"] == "pytest not found (pip install pytest)"
-    cpu = by(gpu.Env(False, torch="2.13.0+cpu"))
-    assert all(r.startswith("no CUDA GPU visible (torch 2.13.0+cpu") for r in cpu.values())
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU plan")
-@pytest.mark.parametrize("dry_run", [True, False])
-def test_cpu_run_lists_every_check_and_writes_json_and_table(tmp_path, dry_run):
-    result = gpu.run_bench_gpu(tmp_path, dry_run=dry_run)
-    saved = json.loads((tmp_path / gpu.RESULT_FILE).read_text())
-    assert [c["name"] for c in saved["checks"]] == [c.name for c in gpu.CHECKS]
-    assert all(c["status"] == "skipped" and c["detail"].startswith("no CUDA") for c in saved["checks"])
-    table = (tmp_path / gpu.TABLE_FILE).read_text()
-    assert table == gpu.render(result) + "\n" and table.count("| skipped |") == len(gpu.CHECKS)
-
-
-def test_a_check_is_killed_at_its_budget_and_failures_keep_their_output(tmp_path):
-    code = "import sys, time; print('started'); print('warned', file=sys.stderr); time.sleep(30)"
-    slow = gpu.GpuCheck("slow", 1, "sleeps", ("-c", code), ())
-    res = gpu._run(slow, tmp_path, tmp_path)
-    assert res.status == "timeout" and res.seconds < 10
-    assert res.log.splitlines() == ["started", "warned"]  # what it wrote to either stream before the kill
-    bad = gpu.GpuCheck("bad", 30, "fails", ("-c", "import sys; print('boom'); sys.exit(3)"), ())
-    res = gpu._run(bad, tmp_path, tmp_path)
-    assert (res.status, res.detail) == ("failed", "boom")
-    rows = gpu.GpuCheck(
-        "rows",
-        30,
-        "rows",
-        ("-c", "import json, os; open(os.environ['DGPIPE_GPU_ROWS'], 'w').write(json.dumps([{'a': 1}]))"),
-        (),
-    )
-    assert gpu._run(rows, tmp_path, tmp_path).rows == [{"a": 1}]
-
-
-def test_time_a_check_leaves_goes_to_the_next_within_the_total(tmp_path, monkeypatch):
-    """A skipped check's budget and what a quick check leaves go to the checks after it, so a check that
-    needs more than its own budget (the GPU tests, as kernels are added) still finishes, and the command
-    still ends within the budgets' sum."""
-    quick = gpu.GpuCheck("quick", 20, "returns at once", ("-c", "pass"), ())
-    skipped = gpu.GpuCheck("skipped", 7, "needs a GPU", ("-c", "pass"), ("cuda",))
-    code = "import time; time.sleep(3); print('done')"
-    slow = gpu.GpuCheck("slow", 2, "needs 3 s of its 2", ("-c", code), ())
-    monkeypatch.setattr(gpu, "CHECKS", (skipped, quick, slow))
-    monkeypatch.setattr(gpu, "detect_env", lambda: gpu.Env(cuda=False, torch="2.13"))
-    checks = gpu.run_bench_gpu(tmp_path)["checks"]
-    assert [c["status"] for c in checks] == ["skipped", "passed", "passed"]
-    assert checks[1]["budget_s"] == 20 + 7 and checks[2]["detail"] == "done"
-    assert 2 + 7 < checks[2]["budget_s"] <= 2 + 27 and sum(c["seconds"] for c in checks) <= 29
-
-
-def test_table_shows_each_pass_against_its_floor():
-    row = {"format": "fp8", "batch": 1, "kernels": "k", "ms_eager": 9.0, "ms_graph": 7.44, "floor_ms_spec": 6.2,
-           "floor_ms_copy": 7.0}  # fmt: skip
-    result = {"env": gpu.asdict(H200), "dry_run": False, "checks": [
-        {"name": "26B pass fp8", "status": "passed", "seconds": 40.0, "budget_s": 55, "detail": "", "rows": [row]},
-        {"name": "largest batch", "status": "passed", "seconds": 30.0, "budget_s": 50, "detail": "",
-         "rows": [{"format": "fp8", "largest_batch": 64, "tried_up_to": 128}]}]}  # fmt: skip
-    md = gpu.render(result)
-    assert "GPU: NVIDIA H200 (sm90, 140 GiB), driver 580.65, torch 2.11.0+cu130 (CUDA 13.0)" in md
-    assert (
-        "| fp8 | 1 | k | 9.00 | 7.44 | 6.20 | — | 1.20 | 7.00 |" in md
-    )  # a run from before the compute floor
-    row16 = {**row, "batch": 16, "ms_graph": 52.0, "floor_ms_spec": 13.2, "compute_ms_spec": 26.0}
-    md16 = gpu.render({**result, "checks": [{**result["checks"][0], "rows": [row16]}]})
-    assert "| fp8 | 16 | k | 9.00 | 52.00 | 13.20 | 26.00 | 2.00 | 7.00 |" in md16  # against the larger floor
-    assert "Largest batch whose fp8 pass fits: 64 (tried up to 128)." in md
-    row["attention"] = [{"kind": "full_attention", "q_heads": 16, "kv_heads": 2, "head_dim": 512, "keys": 512,
-                         "flash": False, "efficient": False, "cudnn": False, "ms_grouped": 1.5, "ms_expanded": 0.5}]  # fmt: skip
-    assert "| full_attention | 1 | 16/2 x 512 | 512 | math only | 1.50 | 0.50 | — |" in gpu.render(result)
-    row["attention"][0]["ms_packed"] = 0.25
-    assert "| full_attention | 1 | 16/2 x 512 | 512 | math only | 1.50 | 0.50 | 0.25 |" in gpu.render(result)
+H200 = checks.Env(True, "NVIDIA H200", "sm90", 139.8, "580.65", "2.11.0+cu130", "13.0", True, True, True)
 
 
 def test_attention_shapes_report_the_kernels_torch_may_pick_and_the_other_forms_agree():
@@ -129,7 +23,7 @@ def test_attention_shapes_report_the_kernels_torch_may_pick_and_the_other_forms_
     from pipeline.resources import load_yaml
 
     cfg = ModelConfig.from_dict(load_yaml("models", "bench-medium"), source="bench-medium").text_config
-    rows = gpu.attention_backends(cfg, 2, 256, gpu.torch.device("cpu"), repeats=1)
+    rows = layers.attention_backends(cfg, 2, 256, torch.device("cpu"), repeats=1)
     assert [(r["kind"], r["q_heads"], r["kv_heads"], r["head_dim"], r["keys"]) for r in rows] == [
         ("sliding_attention", 8, 4, 64, 127 + 256),  # the ring holds window - 1 of the 256 cached tokens
         ("full_attention", 8, 2, 128, 256 + 256),
@@ -142,8 +36,8 @@ def test_attention_shapes_report_the_kernels_torch_may_pick_and_the_other_forms_
 
 
 def test_spec_gpu_picks_the_device_by_name():
-    assert gpu.spec_gpu("NVIDIA H200", "sm90").product == "H200-SXM-141GB"
-    assert gpu.spec_gpu("NVIDIA H100 80GB HBM3", "sm90").product == "H100-SXM5-80GB"
+    assert measure.spec_gpu("NVIDIA H200", "sm90").product == "H200-SXM-141GB"
+    assert measure.spec_gpu("NVIDIA H100 80GB HBM3", "sm90").product == "H100-SXM5-80GB"
 
 
 def test_expert_paths_time_one_layer_fp8_and_dequantized_bf16_on_the_same_routing(monkeypatch):
@@ -161,8 +55,8 @@ def test_expert_paths_time_one_layer_fp8_and_dequantized_bf16_on_the_same_routin
     gate, up, down = (
         [packed_linear("fp8", n, k, gen) for _ in range(e)] for n, k in ((inner, d), (inner, d), (d, inner))
     )
-    cpu = gpu.torch.device("cpu")
-    x = gpu.expert_paths(tc.ScaledExperts(gate, up, down, "fp8", cpu), 2, 64, cpu, repeats=1)
+    cpu = torch.device("cpu")
+    x = layers.expert_paths(tc.ScaledExperts(gate, up, down, "fp8", cpu), 2, 64, cpu, repeats=1)
     assert x["tokens"] == 64 and x["rows_per_expert"] == 16
     ms = ("ms_fp8_module", "ms_fp8_gemms", "ms_fp8_gemms_exact_accum", "ms_bf16_grouped", "ms_dequantize")
     assert all(x[k] > 0 for k in ms)
@@ -174,9 +68,11 @@ def test_expert_paths_time_one_layer_fp8_and_dequantized_bf16_on_the_same_routin
     assert 0 < x["rel_l2_triton_vs_torch"] < 1e-2  # bf16 outputs: truncated by the interpreter, rounded here
     row = {"format": "fp8", "batch": 1, "kernels": "k", "ms_eager": 9.0, "ms_graph": 7.0, "floor_ms_spec": 6.2,
            "floor_ms_copy": 7.0, "experts": x}  # fmt: skip
-    result = {"env": gpu.asdict(H200), "dry_run": False, "checks": [
+    result = {"env": asdict(H200), "dry_run": False, "checks": [
         {"name": "26B pass fp8", "status": "passed", "seconds": 1.0, "budget_s": 40, "detail": "", "rows": [row]}]}  # fmt: skip
-    assert f"| layer 0 | 1 | 16 | {x['ms_fp8_module']:.2f} | {x['ms_fp8_gemms']:.2f} / " in gpu.render(result)
+    assert f"| layer 0 | 1 | 16 | {x['ms_fp8_module']:.2f} | {x['ms_fp8_gemms']:.2f} / " in report.render(
+        result
+    )
 
 
 @pytest.mark.parametrize(
@@ -200,7 +96,7 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
         "TRITON_INTERPRET", raising=False
     )  # interpreted, the Triton GEMM takes ~30 s a pass here
     sunk: list[int] = []
-    rows = gpu.measure_pass(fmt, batches=(1, 2), repeats=1, sink=lambda r: sunk.append(len(r)), compiled=compiled,
+    rows = measure.measure_pass(fmt, batches=(1, 2), repeats=1, sink=lambda r: sunk.append(len(r)), compiled=compiled,
                             config="sudoku-tiny", device=torch.device("cpu"))  # fmt: skip
     assert [r["batch"] for r in rows] == [1, 2] and sunk == [1, 2]
     for r in rows:
@@ -238,21 +134,21 @@ def test_bf16_expert_paths_time_torchs_grouped_gemm_and_the_triton_gemm_on_one_r
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton's interpreter is on where no GPU is")
     experts = load_model(EMBEDDED_MODEL, torch.bfloat16)[0].layers[0].experts
-    x = gpu.bf16_expert_paths(experts, 2, 64, torch.device("cpu"), repeats=1)
+    x = layers.bf16_expert_paths(experts, 2, 64, torch.device("cpu"), repeats=1)
     assert x["tokens"] == 64 and x["rows_per_expert"] == 32 and x["triton_error"] is None
     assert x["ms_torch"] > 0 and x["ms_triton"] > 0 and 0 < x["rel_l2_triton_vs_torch"] < 2e-2  # 0.011
     row = {"format": "bf16", "batch": 1, "kernels": "k", "ms_eager": 9.0, "ms_graph": 7.0, "floor_ms_spec": 6.2,
            "floor_ms_copy": 7.0, "bf16_experts": x}  # fmt: skip
-    result = {"env": gpu.asdict(H200), "dry_run": False, "checks": [
+    result = {"env": asdict(H200), "dry_run": False, "checks": [
         {"name": "26B pass bf16", "status": "passed", "seconds": 1.0, "budget_s": 40, "detail": "", "rows": [row]}]}  # fmt: skip
-    assert f"| layer 0 | 1 | 32 | {x['ms_torch']:.2f} | {x['ms_triton']:.2f} |" in gpu.render(result)
+    assert f"| layer 0 | 1 | 32 | {x['ms_torch']:.2f} | {x['ms_triton']:.2f} |" in report.render(result)
 
 
 def test_sibling_paths_time_fp8_siblings_as_one_rowwise_gemm_and_apart(tmp_path):
     """The embedded FP8 checkpoint's first layer with its siblings merged as a GPU load merges them (torch's
     CPU scaled GEMMs): q|k|v and gate|up timed both ways, the same products (bit for bit on this
     repository's CI machine; within summation order elsewhere), and the table rows."""
-    from pipeline.bench.gpu_network import render_siblings, sibling_paths
+    from pipeline.bench.gpu.network import render_siblings, sibling_paths
     from pipeline.runtime import gpu_load
     from pipeline.runtime import probe as probing
     from pipeline.runtime.shared_input import share_inputs
@@ -292,9 +188,11 @@ def test_the_fp8_pass_on_an_ada_gpu_follows_the_runtimes_fallback_off_a_gpu(monk
     monkeypatch.setattr(bench_model, "copy_bandwidth", lambda device, gib=2.0: 0.9e12)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     built = []
-    real = gpu.quantize_random
-    monkeypatch.setattr(gpu, "quantize_random", lambda model, fmt: built.append(model) or real(model, fmt))
-    (row,) = gpu.measure_pass("fp8", batches=(1,), repeats=1, sink=lambda r: None, config="sudoku-tiny",
+    real = measure.quantize_random
+    monkeypatch.setattr(
+        measure, "quantize_random", lambda model, fmt: built.append(model) or real(model, fmt)
+    )
+    (row,) = measure.measure_pass("fp8", batches=(1,), repeats=1, sink=lambda r: None, config="sudoku-tiny",
                               device=torch.device("cpu"))  # fmt: skip
     assert row["finite"] and row["ms_eager"] > 0
     assert f"experts: {TRITON_MOE_EVERY_PASS} failed its probe (Triton kernels run on CUDA" in row["kernels"]
@@ -308,7 +206,7 @@ def test_network_paths_time_each_chain_against_its_torch_form(rne_casts, interpr
     operands against the one-pass quantizations of the kernel's rows), within rounding
     where it is not,
     both timed; and the table."""
-    from pipeline.bench.gpu_network import network_paths, render_network
+    from pipeline.bench.gpu.network import network_paths, render_network
     from pipeline.model.config import ModelConfig
     from pipeline.resources import load_yaml
 

@@ -18,7 +18,7 @@ combine) and dgpipe's Triton launch code up to the launch. For each (format, arc
 What it cannot show: numerics, speed, a vendor kernel's own argument checks (fake tensors run torch's meta
 functions), or whether a kernel exists in the host's build (the load-time probe, `pipeline.runtime.probe`).
 
-How: `pipeline.bench.fake_cuda` (fake CUDA tensors in a CPU build of torch, Triton launches counted). The
+How: `pipeline.bench.gpu.fake_cuda` (fake CUDA tensors in a CPU build of torch, Triton launches counted). The
 device capability is the traced arch's, and every probed kernel counts as passed unless a `Probe` says
 otherwise.
 """
@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from pipeline.atomic import atomic_write_text
-from pipeline.bench.fake_cuda import HostTensorInPass, fake_gpu, to_fake_cuda
+from pipeline.bench.gpu.fake_cuda import HostTensorInPass, fake_gpu, to_fake_cuda
 from pipeline.bench.results import save_result
 from pipeline.errors import error_line
 from pipeline.model.config import ModelConfig
@@ -165,7 +165,7 @@ def trace_pass(
 ) -> PassTrace:
     """Load the random-weight model in `fmt` as on a GPU of `arch` and trace one denoise pass of `batch`
     canvases over `CONTEXT` cached tokens. `probed`: the load-time probe's results (default: all passed)."""
-    from pipeline.bench.gpu import quantize_random  # the benchmark's own load
+    from pipeline.bench.gpu.measure import quantize_random  # the benchmark's own load
     from pipeline.runtime.gpu_load import finish_on_device
 
     mcfg = trace_config(layers, config)

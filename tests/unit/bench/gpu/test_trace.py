@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from pipeline.bench import fake_cuda
-from pipeline.bench import gpu_trace as gt
+from pipeline.bench.gpu import fake_cuda
+from pipeline.bench.gpu import trace as gt
 from pipeline.model.modelopt import _quantized_experts_forward
 from pipeline.runtime import gpu_load, kernels
 from pipeline.runtime import probe as probing

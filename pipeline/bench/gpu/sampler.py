@@ -1,6 +1,6 @@
 """Time the fused CUDA sampler step against the PyTorch sampler on a GPU (real vocabulary, canvas 256).
 
-`python -m pipeline.bench.gpu_sampler --out DIR` prints a table and writes DIR/bench_gpu.json. Both sides
+`python -m pipeline.bench.gpu.sampler --out DIR` prints a table and writes DIR/bench_gpu.json. Both sides
 do the same work per step: sample_step + update_stability + should_stop (PyTorch) versus the two kernels
 (entropy, argmax, Gumbel sample, bf16 softmax, acceptance, next canvas, stability, stop). Without a GPU it
 exits with status 2 and a one-line message.

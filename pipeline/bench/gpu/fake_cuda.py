@@ -1,4 +1,4 @@
-"""Fake CUDA tensors on a machine without a GPU, for tracing dgpipe's CUDA path (`pipeline.bench.gpu_trace`).
+"""Fake CUDA tensors on a machine without a GPU, for tracing dgpipe's CUDA path (`pipeline.bench.gpu.trace`).
 
 torch's fake tensors carry shapes, dtypes and devices, no data, so a CUDA model of any size can run its
 Python and its ops' shape functions anywhere. In a CPU build of torch a fake CUDA tensor works for most ops,

@@ -1,0 +1,253 @@
+"""`dgpipe bench gpu`'s checks: what each runs, what it needs, its time budget, and running them in turn,
+each in its own subprocess, within `TOTAL_BUDGET_S` by construction (`run_bench_gpu`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from pipeline.atomic import atomic_write_text
+from pipeline.bench.gpu.report import render
+from pipeline.bench.results import save_result
+from pipeline.resources import PACKAGE_DIR
+from pipeline.runtime.dispatch import arch_of
+from pipeline.targets import precision
+
+RESULT_FILE, TABLE_FILE = "gpu.json", "gpu.md"
+LOG_LINES = 200
+TOTAL_BUDGET_S = 480  # the whole command, checks and their subprocess start-up included
+CONFIG = "diffusiongemma-26b-a4b"
+PASS_BATCHES = (1, 16)
+CONTEXT = 256  # cached prompt tokens under each measured pass
+BF16_NEEDS_GIB = 64  # 26B bf16 weights (~51 GB) plus batch-16 logits and activations
+FP4_ARCHS = tuple(precision("nvfp4").native_on)  # GPUs with FP4 tensor cores (configs/precisions)
+FP8_ARCHS = tuple(precision("fp8").native_on)
+
+
+@dataclass(frozen=True)
+class GpuCheck:
+    name: str
+    budget_s: int
+    what: str
+    argv: tuple[str, ...]  # run as `python <argv...>` from the repository root
+    needs: tuple[str, ...]  # "cuda", "nvcc", "ninja", "pytest", "fp8", "fp4", "memory"
+
+
+def _pass(fmt: str, compiled: bool = False) -> GpuCheck:
+    needs = ("cuda", "memory") + {"bf16": (), "fp8": ("fp8",), "nvfp4": ("fp4",)}[fmt]
+    batches = ",".join(map(str, PASS_BATCHES))
+    if compiled:
+        return GpuCheck(
+            f"26B pass {fmt} compiled", 135, f"the {fmt} pass under torch.compile (inductor), batch {batches}: compile s, ms vs floor",
+            ("-m", "pipeline.bench.gpu.measure", "pass", fmt, "--compile"), needs,
+        )  # fmt: skip
+    return GpuCheck(
+        # each probes and compiles the network's Triton kernels (RoPE, softcap, combine, gated GeLU, residual
+        # sum, router input, FFN inputs, layer end, K/V concatenation: cached per host, so the first format
+        # pays); FP8 also the Triton MoE GEMM per tile configuration; bf16 compiles that GEMM with bf16
+        # operands for its experts' diagnostic and times each network kernel against its torch form
+        f"26B pass {fmt}", {"nvfp4": 25, "fp8": 60}.get(fmt, 60), f"26B-A4B random {fmt} weights, batch {batches}: ms vs floor",
+        ("-m", "pipeline.bench.gpu.measure", "pass", fmt), needs,
+    )  # fmt: skip
+
+
+CHECKS: tuple[GpuCheck, ...] = (
+    GpuCheck(
+        "build sampler kernels",
+        45,
+        "nvcc build of the fused sampler (torch extension)",
+        ("-c", "from pipeline.sampler.kernels.build import load_torch_extension as b; b()"),
+        ("cuda", "nvcc", "ninja"),
+    ),
+    GpuCheck(
+        # 78 s on the H200 before the Triton GEMM and network kernels' tests (each compiles its kernels);
+        # how they run: `gpu_test_args`
+        "gpu tests",
+        130,
+        "tests/gpu: kernels vs PyTorch oracle, CUDA graph vs eager, scaled GEMMs vs reference",
+        ("-m", "pipeline.bench.gpu.measure", "tests"),
+        ("cuda", "pytest"),
+    ),
+    _pass("bf16"),
+    _pass("fp8"),
+    _pass("nvfp4"),
+    _pass("fp8", compiled=True),
+    GpuCheck(
+        "largest batch",
+        25,  # 15 s on the H200
+        "largest batch whose pass fits, doubling from 16 (fastest format here)",
+        ("-m", "pipeline.bench.gpu.measure", "largest"),
+        ("cuda", "memory"),
+    ),
+)
+assert sum(c.budget_s for c in CHECKS) <= TOTAL_BUDGET_S
+
+# The GPU tests compile their Triton kernels, on one CPU core per process: spread over this many processes
+# (pytest-xdist, where installed; the GPU hosts have 16 cores). No test depends on another's state.
+GPU_TEST_WORKERS = 4
+
+
+def gpu_test_args() -> list[str]:
+    """pytest's arguments for tests/gpu: each test's outcome as it ends (a run killed at its budget still
+    says how far it got), the ten slowest (for the next budget), and the tests spread over
+    `GPU_TEST_WORKERS` processes where pytest-xdist is installed."""
+    args = ["-v", "-rfEs", "--tb=short", "--durations=10", "-p", "no:cacheprovider", "tests/gpu"]
+    return args + (["-n", str(GPU_TEST_WORKERS), "--dist", "load"] if _has("xdist") else [])
+
+
+@dataclass
+class Env:
+    cuda: bool
+    gpu: str = ""
+    arch: str | None = None
+    memory_gib: float = 0.0
+    driver: str = ""
+    torch: str = ""
+    cuda_version: str | None = None
+    nvcc: bool = False
+    ninja: bool = False
+    pytest: bool = False
+
+
+def detect_env() -> Env:
+    from pipeline.sampler.kernels.build import find_nvcc
+
+    tools = {"nvcc": find_nvcc() is not None, "ninja": shutil.which("ninja") is not None or _has("ninja"),
+             "pytest": _has("pytest")}  # fmt: skip
+    versions = {"torch": torch.__version__, "cuda_version": torch.version.cuda}
+    if not torch.cuda.is_available():
+        return Env(cuda=False, **versions, **tools)
+    p = torch.cuda.get_device_properties(0)
+    return Env(
+        True, p.name, arch_of(p.major, p.minor), p.total_memory / 2**30, _driver(), **versions, **tools
+    )
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _driver() -> str:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return ""
+    try:
+        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+
+
+def skip_reason(check: GpuCheck, env: Env) -> str | None:
+    """Why `check` cannot run here (None: it runs)."""
+    if "cuda" in check.needs and not env.cuda:
+        return f"no CUDA GPU visible (torch {env.torch}, CUDA build {env.cuda_version or 'none'})"
+    for tool, hint in (
+        ("nvcc", "install the CUDA toolkit"),
+        ("ninja", "pip install ninja"),
+        ("pytest", "pip install pytest"),
+    ):
+        if tool in check.needs and not getattr(env, tool):
+            return f"{tool} not found ({hint})"  # fmt: skip
+    if "fp8" in check.needs and env.arch not in FP8_ARCHS:
+        return f"{env.arch or 'this GPU'} has no FP8 tensor cores (sm89+)"
+    if "fp4" in check.needs and env.arch not in FP4_ARCHS:
+        return f"{env.arch or 'this GPU'} has no FP4 tensor cores (sm100/sm120); the NVFP4 fallback is timed by the fp8 row"
+    if "memory" in check.needs and env.memory_gib < BF16_NEEDS_GIB:
+        return f"{env.memory_gib:.0f} GiB GPU memory < {BF16_NEEDS_GIB} GiB the 26B random-weight pass needs"
+    return None
+
+
+@dataclass
+class CheckResult:
+    name: str
+    what: str
+    budget_s: int
+    status: str  # passed | failed | timeout | skipped
+    seconds: float = 0.0
+    detail: str = ""  # skip reason, or the output's last lines
+    log: str = ""  # the output's last LOG_LINES lines, for diagnosing a failure from the JSON alone
+    rows: list[dict] = field(default_factory=list)  # pass measurements
+
+
+def plan(env: Env) -> list[CheckResult]:
+    """Every check and whether it would run here (the dry run)."""
+    return [
+        CheckResult(c.name, c.what, c.budget_s, "skipped" if (r := skip_reason(c, env)) else "would run", detail=r or "")
+        for c in CHECKS
+    ]  # fmt: skip
+
+
+def _run(check: GpuCheck, repo: Path, scratch: Path, budget_s: int | None = None) -> CheckResult:
+    """Run `check` under `budget_s` seconds (default: its own budget)."""
+    budget_s = budget_s or check.budget_s
+    res = CheckResult(check.name, check.what, budget_s, "passed")
+    rows_file = scratch / f"{check.name.replace(' ', '_')}.json"
+    env = dict(os.environ, PYTHONPATH=f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               DGPIPE_GPU_ROWS=str(rows_file), PYTHONUNBUFFERED="1")  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        # one stream: a check killed at its budget keeps its warnings and tracebacks too
+        out = subprocess.run([sys.executable, *check.argv], cwd=repo, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, timeout=budget_s)  # fmt: skip
+        text = out.stdout
+        res.status = "passed" if out.returncode == 0 else "failed"
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        res.status = "timeout"
+    res.seconds = time.monotonic() - t0
+    lines = text.strip().splitlines()
+    res.detail, res.log = "\n".join(lines[-15:]), "\n".join(lines[-LOG_LINES:])
+    if rows_file.is_file():
+        res.rows = json.loads(rows_file.read_text())
+    return res
+
+
+def run_bench_gpu(
+    out: Path,
+    dry_run: bool = False,
+    repo: Path | None = None,
+    on_check: Callable[[CheckResult], None] | None = None,
+) -> dict:
+    """Run (or, `dry_run`, list) the checks; write out/gpu.json and out/gpu.md after every check (a host
+    that goes away mid-run still leaves the checks done so far); return the result. `on_check` is told
+    each check's result as it finishes."""
+    env = detect_env()
+    repo = repo or PACKAGE_DIR.parent
+    result = {"env": asdict(env), "dry_run": dry_run, "budget_s": TOTAL_BUDGET_S, "checks": []}
+
+    def record(r: CheckResult) -> None:
+        result["checks"].append(asdict(r))
+        save_result(out, RESULT_FILE, result)
+        atomic_write_text(out / TABLE_FILE, render(result) + "\n")
+        if on_check:
+            on_check(r)
+
+    if dry_run:
+        for r in plan(env):
+            record(r)
+        return result
+    # what the skipped checks and the checks that finished early leave, handed on to the next one to run:
+    # every check's elapsed time stays within the budgets' sum
+    spare = float(sum(c.budget_s for c in CHECKS if skip_reason(c, env)))
+    with tempfile.TemporaryDirectory(prefix="dgpipe-gpu-") as scratch:
+        for c in CHECKS:
+            if reason := skip_reason(c, env):
+                record(CheckResult(c.name, c.what, c.budget_s, "skipped", detail=reason))
+                continue
+            r = _run(c, repo, Path(scratch), c.budget_s + int(spare))
+            spare = max(0.0, r.budget_s - r.seconds)
+            record(r)
+    return result

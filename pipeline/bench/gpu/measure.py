@@ -1,0 +1,320 @@
+"""The measurements `dgpipe bench gpu` runs in its check subprocesses (`python -m pipeline.bench.gpu.measure
+pass <fmt>` / `largest` / `tests`): the 26B-A4B random-weight denoise pass against its floor, with where its
+time went, and the largest batch that fits."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from pipeline.atomic import atomic_write_text
+from pipeline.bench.gpu.checks import CONFIG, CONTEXT, FP4_ARCHS, FP8_ARCHS, PASS_BATCHES, gpu_test_args
+from pipeline.bench.gpu.layers import attention_backends, bf16_expert_paths, expert_paths
+from pipeline.errors import error_line
+from pipeline.runtime.dispatch import arch_of
+
+
+def _kernels_here(dev: torch.device, arch: str):
+    """The load-time probe on a GPU; off one (this module's own tests), the vendor kernels' CPU stand-ins
+    count as run and dgpipe's Triton kernels as failed with the reason they cannot run here."""
+    from pipeline.runtime import kernels
+    from pipeline.runtime.probe import NETWORK_FORMS, Probe, probe, probe_plan
+
+    if dev.type == "cuda":
+        return probe(dev)
+    why = kernels.moe.unavailable(dev)
+    triton_kinds = {"triton", *(kind for kind, _, _ in NETWORK_FORMS)}  # dgpipe's own kernels
+    plan = probe_plan(arch)
+    return Probe(arch, {f"{kind}:{mode}": why if kind in triton_kinds else None for kind, mode, _ in plan})
+
+
+def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
+    """Swap a random bf16 model's linears and experts for tensor-core modules with random `fmt` weights,
+    following the dispatch row of this GPU; returns the kernels used. `probed`: the probe's results (default:
+    probe this GPU); `seed`: None draws without a seeded generator (fake tensors have none)."""
+    from pipeline.runtime.dispatch import dispatch
+    from pipeline.runtime.gpu_load import experts_plan, one_pass
+    from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, random_packed
+
+    dev = next(model.parameters()).device
+    row = dispatch(fmt, arch_of(*torch.cuda.get_device_capability(dev)))
+    # as the runtime loads: what failed its probe takes its fallback
+    pr = probed if probed is not None else _kernels_here(dev, row.arch)
+    lin = kernel_mode(row.linears)
+    lin = lin if lin and pr.ok(f"linear:{lin}") else None
+    exp, triton_rows, fell_back = experts_plan(row, pr)
+    lin_one_pass, exp_one_pass = one_pass(lin, pr), one_pass(exp, pr)
+    kernels = f"{row.linears} / {row.experts}" + (f" ({fell_back})" if fell_back else "")
+    gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
+    for layer in model.layers:
+        if lin:
+            for parent in (layer.self_attn, layer.mlp):
+                linears = [(n, m) for n, m in parent.named_children() if isinstance(m, torch.nn.Linear)]
+                for i, (name, m) in enumerate(linears):
+                    q = random_packed(fmt, m.out_features, m.in_features, dev, gen, weight_scale=1 + i / 16)
+                    setattr(parent, name, ScaledLinear(q, lin, dev, torch.bfloat16, lin_one_pass))
+        if exp:
+            e, two_i, d = layer.experts.gate_up_proj.shape
+            mk = lambda n, k, e=e: [random_packed(fmt, n, k, dev, gen) for _ in range(e)]
+            layer.experts = ScaledExperts(
+                mk(two_i // 2, d), mk(two_i // 2, d), mk(d, two_i // 2), exp, dev, triton_rows,
+                one_pass=exp_one_pass,
+            )  # fmt: skip
+        torch.cuda.empty_cache()
+    return kernels
+
+
+def spec_gpu(device_name: str, arch: str):
+    """The configs/targets GPU entry this device is (its bandwidth is the floor's): by product name
+    ("NVIDIA H200" -> H200-SXM-141GB), else the arch's first GPU."""
+    from pipeline.targets import target
+
+    gpus = target(arch).gpus
+    return next((g for g in gpus if g.product.split("-")[0].lower() in device_name.lower()), gpus[0])
+
+
+def _pass_setup(model, batch: int):
+    from pipeline.model.network import canvas_positions
+    from pipeline.runtime.kv_cache import KVCache, attention_masks
+
+    cfg, dev, length = model.cfg, next(model.parameters()).device, model.config.canvas_length
+    cache = KVCache(cfg, batch, CONTEXT + length + 8, torch.bfloat16, dev, room=length)
+    slots = torch.arange(batch, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    prompt = torch.randint(3, cfg.vocab_size, (batch, CONTEXT), device=dev, generator=gen)
+    pos = canvas_positions(cache.lengths[slots], CONTEXT)
+    ones = torch.ones_like(pos, dtype=torch.bool)
+    with torch.inference_mode():
+        cache.write(
+            slots,
+            model.encode_kv(prompt, pos, attention_masks(pos, ones, None, True, cache.window)),
+            pos,
+            ones,
+        )
+    canvas = torch.randint(0, cfg.vocab_size, (batch, length), device=dev, generator=gen)
+    past, meta = cache.read(slots, room=length)  # as the runtime's denoise rounds read it
+    cpos = canvas_positions(cache.lengths[slots], length)
+    masks = attention_masks(cpos, torch.ones_like(cpos, dtype=torch.bool), meta, False, cache.window)
+    soft = model.soft_embedding(
+        torch.softmax(torch.randn(batch, length, cfg.vocab_size, device=dev, generator=gen), -1)
+    )
+    return lambda: model.denoise_soft(canvas, soft, cpos, masks, past)
+
+
+def measure_pass(
+    fmt: str,
+    batches: tuple[int, ...] = PASS_BATCHES,
+    repeats: int = 5,
+    sink: Callable[[list[dict]], None] = print,
+    compiled: bool = False,
+    config: str = CONFIG,
+    device: torch.device | None = None,
+) -> list[dict]:
+    """ms per denoise pass (eager and CUDA graph) of the 26B random-weight model in `fmt`, per batch; `sink`
+    gets the rows so far after each batch (a check killed at its budget keeps the batches it finished).
+    `compiled`: the pass under torch.compile as `dgpipe serve --compile` runs it (its decoder layers: one
+    static-shape compile per layer kind and batch, the first call's seconds reported). `config`, `device`:
+    another model configuration and device, for testing this function itself off a GPU."""
+    from pipeline.bench.gpu.network import network_paths, sibling_paths
+    from pipeline.bench.model import _graphed, copy_bandwidth, random_model
+    from pipeline.bench.timing import median_seconds
+    from pipeline.model.config import ModelConfig
+    from pipeline.resources import load_yaml
+    from pipeline.runtime.compiled import compile_model
+    from pipeline.runtime.dispatch import compute_ms, dispatch, experts_touched, floor_ms, pass_bytes
+    from pipeline.runtime.gpu_load import finish_on_device
+
+    dev = device or torch.device("cuda")
+    mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
+    model = random_model(mcfg, torch.bfloat16, dev)
+    kernels = quantize_random(model, fmt) if fmt != "bf16" else "F.linear bf16 / F.grouped_mm bf16"
+    # as the runtime loads it: float experts that would read the routing on the host route on the device,
+    # RoPE in one kernel where probed
+    routed = finish_on_device(model, dev, None, None)
+    if routed is not None:
+        kernels += f" ({routed.summary()})"
+    # every batch's prompt prefilled first, eagerly: compiled, the prefill would compile layer graphs of its
+    # own (causal, no past) that the measured denoise pass never runs
+    with torch.inference_mode():
+        passes = {b: _pass_setup(model, b) for b in batches}
+    if compiled:
+        compile_model(model, dynamic=False)  # one static graph per measured batch
+    arch = arch_of(*torch.cuda.get_device_capability(dev))
+    row = dispatch(fmt, arch)
+    bw = copy_bandwidth(dev, 2.0)
+    spec = spec_gpu(torch.cuda.get_device_name(dev), arch)
+    rows = []
+    for b in batches:
+        with torch.inference_mode():
+            fn = passes.pop(b)
+            t0 = time.perf_counter()
+            finite = bool(torch.isfinite(fn()).all())  # a pass that makes NaNs measures nothing real
+            first_s = time.perf_counter() - t0
+            eager = median_seconds(fn, dev, repeats)
+            try:
+                graph, graph_error = median_seconds(_graphed(fn, dev), dev, repeats), None
+            except Exception as e:  # reported in the row; the eager time still stands
+                graph, graph_error = float("nan"), error_line(e)
+            touched = None if compiled else routed_experts(model, fn)  # (hooks would recompile)
+        nbytes = pass_bytes(
+            mcfg.text_config, row.linear_read, row.expert_read, b, mcfg.canvas_length, CONTEXT
+        ).total
+        rows.append({"format": fmt + (" compiled" if compiled else ""), "batch": b, "kernels": kernels,
+                     "ms_eager": eager * 1e3, "ms_graph": graph * 1e3, "first_call_s": first_s, "finite": finite,
+                     "pass_gb": nbytes / 1e9, "floor_ms_spec": floor_ms(nbytes, spec.product),
+                     "spec_gpu": spec.product, "floor_ms_copy": nbytes / bw * 1e3, "copy_gb_s": bw / 1e9,
+                     "compute_ms_spec": compute_ms(mcfg.text_config, row, b, spec.product, mcfg.canvas_length, CONTEXT),
+                     "experts_touched": touched,
+                     "experts_touched_uniform": experts_touched(mcfg.text_config, b * mcfg.canvas_length),
+                     "graph_error": graph_error, "top_kernels": top_kernels(fn), "top_ops": top_ops(fn)})  # fmt: skip
+        if fmt == "fp8" and not compiled:
+            try:
+                rows[-1]["experts"] = expert_paths(model.layers[0].experts, mcfg.text_config.top_k_experts,
+                                                   b * mcfg.canvas_length, dev)  # fmt: skip
+            except Exception as e:
+                rows[-1]["experts_error"] = error_line(e)
+            rows[-1]["siblings"] = sibling_paths(model, b * mcfg.canvas_length, dev)
+        if fmt == "bf16" and not compiled:  # attention is bf16 in every format: once is enough
+            try:
+                rows[-1]["attention"] = attention_backends(model.cfg, b, mcfg.canvas_length, dev)
+            except Exception as e:  # a diagnostic that cannot run here costs itself, not the pass's row
+                rows[-1]["attention_error"] = error_line(e)
+            try:
+                rows[-1]["network"] = network_paths(model.cfg, b, mcfg.canvas_length, CONTEXT, dev)
+            except Exception as e:
+                rows[-1]["network_error"] = error_line(e)
+            try:
+                rows[-1]["bf16_experts"] = bf16_expert_paths(model.layers[0].experts, mcfg.text_config.top_k_experts,
+                                                             b * mcfg.canvas_length, dev)  # fmt: skip
+            except Exception as e:
+                rows[-1]["bf16_experts_error"] = error_line(e)
+        sink(rows)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def routed_experts(model, fn) -> float:
+    """Mean distinct experts a layer's routing touches in one pass (the byte model assumes uniform routing;
+    a random-weight model that routed every token to a few experts would read far fewer bytes)."""
+    seen: list[torch.Tensor] = []
+    # the experts module's (x, index, weights): what every layer's routing chose, whichever kernels routed
+    hooks = [
+        layer.experts.register_forward_pre_hook(lambda m, a: seen.append(a[1])) for layer in model.layers
+    ]
+    try:
+        fn()
+    finally:
+        for h in hooks:
+            h.remove()
+    n = model.cfg.num_experts
+    counts = [int((torch.bincount(idx.reshape(-1), minlength=n) > 0).sum()) for idx in seen]
+    return sum(counts) / max(len(counts), 1)
+
+
+def top_ops(fn, n: int = 15) -> list[dict]:
+    """Device time per aten op in one eager pass (the ops that launched the kernels `top_kernels` lists)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with (
+            torch.inference_mode(),
+            profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+        ):
+            fn()
+            torch.cuda.synchronize()
+    except Exception as e:
+        return [{"op": f"(profiler failed: {type(e).__name__}: {e})"[:200], "ms": 0.0, "calls": 0}]
+    dev_us = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+    ops = sorted((e for e in prof.key_averages() if e.key.startswith(("aten::", "dgpipe::")) and dev_us(e) > 0),
+                 key=dev_us, reverse=True)  # fmt: skip
+    return [{"op": e.key, "ms": dev_us(e) / 1e3, "calls": e.count} for e in ops[:n]]
+
+
+def top_kernels(fn, n: int = 12) -> list[dict]:
+    """Where one eager pass spends its GPU time: the `n` kernels with the most device time (torch profiler),
+    ms per pass each, and the share of all kernel time; the first place to look when a pass misses its floor."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+    except Exception as e:  # a profiler that cannot run here costs the breakdown, not the timings
+        return [
+            {
+                "kernel": f"(profiler failed: {type(e).__name__}: {e})"[:200],
+                "ms": 0.0,
+                "calls": 0,
+                "share": 0.0,
+            }
+        ]
+    kernel_us = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+    events = sorted((e for e in prof.key_averages() if kernel_us(e) > 0), key=kernel_us, reverse=True)
+    total = sum(kernel_us(e) for e in events) or 1.0
+    rows = [{"kernel": e.key[:90], "ms": kernel_us(e) / 1e3, "calls": e.count, "share": kernel_us(e) / total}
+            for e in events[:n]]  # fmt: skip
+    return [
+        {"kernel": "(all kernels)", "ms": total / 1e3, "calls": sum(e.count for e in events), "share": 1.0},
+        *rows,
+    ]
+
+
+def largest_batch(start: int = 16, limit: int = 1024) -> list[dict]:
+    """Double the batch from `start` until a pass runs out of GPU memory; fastest format on this GPU."""
+    from pipeline.bench.model import random_model
+    from pipeline.model.config import ModelConfig
+    from pipeline.resources import load_yaml
+
+    dev = torch.device("cuda")
+    arch = arch_of(*torch.cuda.get_device_capability(dev))
+    fmt = "nvfp4" if arch in FP4_ARCHS else "fp8" if arch in FP8_ARCHS else "bf16"
+    mcfg = ModelConfig.from_dict(load_yaml("models", CONFIG), source=CONFIG)
+    model = random_model(mcfg, torch.bfloat16, dev)
+    if fmt != "bf16":
+        quantize_random(model, fmt)
+    fits, b = 0, start
+    while b <= limit:
+        try:
+            with torch.inference_mode():
+                _pass_setup(model, b)()
+            torch.cuda.synchronize()
+            fits = b
+        except torch.OutOfMemoryError:
+            break
+        finally:
+            torch.cuda.empty_cache()
+        b *= 2
+    return [{"format": fmt, "largest_batch": fits, "tried_up_to": min(b, limit)}]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipeline.bench.gpu.measure pass <fmt>` / `largest`: one measurement, rows to $DGPIPE_GPU_ROWS;
+    `tests`: tests/gpu (pytest's exit status)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["tests"]:
+        import pytest
+
+        return int(pytest.main(gpu_test_args()))
+    out = os.environ.get("DGPIPE_GPU_ROWS")
+
+    def sink(rows: list[dict]) -> None:
+        text = json.dumps(rows, indent=2)
+        if out:
+            atomic_write_text(Path(out), text)
+        sys.stdout.write(text + "\n")
+
+    if args[:1] == ["pass"]:
+        measure_pass(args[1], sink=sink, compiled="--compile" in args)
+    else:
+        sink(largest_batch())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

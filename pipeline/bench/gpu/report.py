@@ -1,0 +1,79 @@
+"""`dgpipe bench gpu`'s markdown table: every check, then the measured passes and their diagnostics."""
+
+from __future__ import annotations
+
+from pipeline.bench.gpu.network import render_network, render_siblings
+
+
+def render(result: dict) -> str:
+    """One markdown table: every check, and below it one line per measured pass."""
+    e = result["env"]
+    head = (f"GPU: {e['gpu'] or 'none'} ({e['arch'] or '-'}, {e['memory_gib']:.0f} GiB), driver {e['driver'] or '-'}, "
+            f"torch {e['torch']} (CUDA {e['cuda_version'] or 'none'}){' — dry run' if result['dry_run'] else ''}")  # fmt: skip
+    lines = [head, "", "| check | status | s / budget | detail |", "|---|---|---:|---|"]
+    for c in result["checks"]:
+        detail = c["detail"].splitlines()[-1] if c["detail"] else ""
+        lines.append(
+            f"| {c['name']} | {c['status']} | {c['seconds']:.0f} / {c['budget_s']} | {detail.replace('|', '/')} |"
+        )
+    rows = [r for c in result["checks"] for r in c["rows"] if "ms_eager" in r]
+    for r in (r for c in result["checks"] for r in c["rows"] if "largest_batch" in r):
+        lines += [
+            "",
+            f"Largest batch whose {r['format']} pass fits: {r['largest_batch']} (tried up to {r['tried_up_to']}).",
+        ]
+    if rows:
+        lines += ["", "| format | batch | kernels | ms eager | ms graph | floor ms (HBM, spec) | floor ms (matmuls, "
+                  "spec) | x floor | floor ms (copy bw) |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in rows:
+            compute = r.get("compute_ms_spec")
+            lines.append(
+                f"| {r['format']} | {r['batch']} | {r['kernels']} | {r['ms_eager']:.2f} | {r['ms_graph']:.2f} "
+                f"| {r['floor_ms_spec']:.2f} | {'—' if compute is None else f'{compute:.2f}'} "
+                f"| {_best_ms(r) / max(r['floor_ms_spec'], compute or 0.0):.2f} | {r['floor_ms_copy']:.2f} |"
+            )
+    experts = [(r["batch"], r["experts"]) for r in rows if "experts" in r]
+    if experts:
+        lines += ["", "| one layer's FP8 experts | batch | rows per expert | ms FP8 module | ms torch grouped GEMMs "
+                  "(fast / promoted accumulation) | fast vs promoted (rel L2) | ms Triton GEMMs (own M tile / 64) | Triton vs torch "
+                  "(rel L2) | ms bf16 grouped (dequantized) | ms dequantize | bf16 vs FP8 (rel L2) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        why = lambda x, key: f"— | {_error_cell(x, key)}"
+        for b, x in experts:
+            torch_gemms = (f"{x['ms_fp8_gemms']:.2f} / {x['ms_fp8_gemms_exact_accum']:.2f} | {x['rel_l2_fast_vs_exact_accum']:.1e}"
+                           if "ms_fp8_gemms" in x else why(x, "torch_error"))  # fmt: skip
+            triton = (f"{x['ms_triton_gemms']:.2f} / {x['ms_triton_gemms_m64']:.2f} | {x.get('rel_l2_triton_vs_torch', float('nan')):.1e}"
+                      if "ms_triton_gemms" in x else why(x, "triton_error"))  # fmt: skip
+            lines.append(f"| layer 0 | {b} | {x['rows_per_expert']:.0f} | {x['ms_fp8_module']:.2f} "
+                         f"| {torch_gemms} | {triton} | {x['ms_bf16_grouped']:.2f} "
+                         f"| {x['ms_dequantize']:.2f} | {x['rel_l2_bf16_vs_fp8']:.3f} |")  # fmt: skip
+    attention = [(r["batch"], a) for r in rows for a in r.get("attention", [])]
+    if attention:
+        lines += ["", "| attention | batch | heads q/kv x dim | keys | kernels torch may pick (grouped) | ms grouped "
+                  "| ms K/V expanded | ms queries packed |", "|---|---:|---|---:|---|---:|---:|---:|"]  # fmt: skip
+        for b, a in attention:
+            picks = ", ".join(k for k in ("flash", "efficient", "cudnn") if a[k]) or "math only"
+            packed = f"{a['ms_packed']:.2f}" if "ms_packed" in a else "—"  # runs from before the packed form
+            lines.append(f"| {a['kind']} | {b} | {a['q_heads']}/{a['kv_heads']} x {a['head_dim']} | {a['keys']} "
+                         f"| {picks} | {a['ms_grouped']:.2f} | {a['ms_expanded']:.2f} | {packed} |")  # fmt: skip
+    lines += render_siblings([s for r in rows for s in r.get("siblings", [])])
+    lines += render_network([n for r in rows for n in r.get("network", [])])
+    bf16 = [(r["batch"], r["bf16_experts"]) for r in rows if "bf16_experts" in r]
+    if bf16:
+        lines += ["", "| one layer's bf16 experts | batch | rows per expert | ms torch F.grouped_mm | ms Triton MoE GEMM "
+                  "| Triton vs torch (rel L2) |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        ms = lambda x, k: f"{x[f'ms_{k}']:.2f}" if f"ms_{k}" in x else f"— {_error_cell(x, f'{k}_error')}"
+        for b, x in bf16:
+            lines.append(f"| layer 0 | {b} | {x['rows_per_expert']:.0f} | {ms(x, 'torch')} | {ms(x, 'triton')} "
+                         f"| {x.get('rel_l2_triton_vs_torch', float('nan')):.1e} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _error_cell(x: dict, key: str) -> str:
+    """A diagnostic's error for a markdown cell: no column separators, 80 characters at most."""
+    return str(x.get(key)).replace("|", "/")[:80]
+
+
+def _best_ms(row: dict) -> float:
+    """The pass time set against the floor: the CUDA-graph time, or eager where the graph did not run."""
+    return row["ms_graph"] if row["ms_graph"] == row["ms_graph"] else row["ms_eager"]

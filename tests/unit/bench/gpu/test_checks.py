@@ -1,0 +1,121 @@
+"""`dgpipe bench gpu`: the plan (what runs where, and why not), the time budget, the result files and the
+table. The GPU checks themselves run on a GPU host (tests/gpu and the pass measurements)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict, replace
+
+import pytest
+import torch
+
+from pipeline.bench.gpu import checks, report
+
+H200 = checks.Env(True, "NVIDIA H200", "sm90", 139.8, "580.65", "2.11.0+cu130", "13.0", True, True, True)
+
+
+def test_checks_fit_the_eight_minute_budget_by_construction():
+    assert sum(c.budget_s for c in checks.CHECKS) <= checks.TOTAL_BUDGET_S == 480
+    assert [c.name for c in checks.CHECKS][:2] == ["build sampler kernels", "gpu tests"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU plan: every GPU test skips")
+def test_the_gpu_tests_spread_over_processes_where_pytest_xdist_is(monkeypatch):
+    """The check runs `python -m pipeline.bench.gpu.measure tests`: tests/gpu over `GPU_TEST_WORKERS` processes with
+    pytest-xdist (here: every test collected and skipped, no GPU), in one process without it."""
+    check = next(c for c in checks.CHECKS if c.name == "gpu tests")
+    run = subprocess.run([sys.executable, *check.argv], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert f"created: {checks.GPU_TEST_WORKERS}/{checks.GPU_TEST_WORKERS} workers" in run.stdout
+    assert " skipped" in run.stdout.splitlines()[-1] and " passed" not in run.stdout.splitlines()[-1]
+    monkeypatch.setattr(checks, "_has", lambda module: module != "xdist")
+    assert "-n" not in checks.gpu_test_args() and checks.gpu_test_args()[-1] == "tests/gpu"
+
+
+def test_skip_reasons_per_host():
+    by = lambda env: {c.name: checks.skip_reason(c, env) for c in checks.CHECKS}
+    h200 = by(H200)
+    assert [n for n, r in h200.items() if r] == ["26B pass nvfp4"]
+    assert "no FP4 tensor cores" in h200["26B pass nvfp4"]
+    assert not any(by(replace(H200, gpu="NVIDIA B200", arch="sm100", memory_gib=179)).values())
+    l40s = by(replace(H200, arch="sm89", memory_gib=44.4))
+    assert "44 GiB GPU memory < 64 GiB" in l40s["26B pass bf16"] and l40s["build sampler kernels"] is None
+    assert (
+        by(replace(H200, nvcc=False))["build sampler kernels"] == "nvcc not found (install the CUDA toolkit)"
+    )
+    assert by(replace(H200, pytest=False))["gpu tests"] == "pytest not found (pip install pytest)"
+    cpu = by(checks.Env(False, torch="2.13.0+cpu"))
+    assert all(r.startswith("no CUDA GPU visible (torch 2.13.0+cpu") for r in cpu.values())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU plan")
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_cpu_run_lists_every_check_and_writes_json_and_table(tmp_path, dry_run):
+    result = checks.run_bench_gpu(tmp_path, dry_run=dry_run)
+    saved = json.loads((tmp_path / checks.RESULT_FILE).read_text())
+    assert [c["name"] for c in saved["checks"]] == [c.name for c in checks.CHECKS]
+    assert all(c["status"] == "skipped" and c["detail"].startswith("no CUDA") for c in saved["checks"])
+    table = (tmp_path / checks.TABLE_FILE).read_text()
+    assert table == report.render(result) + "\n" and table.count("| skipped |") == len(checks.CHECKS)
+
+
+def test_a_check_is_killed_at_its_budget_and_failures_keep_their_output(tmp_path):
+    code = "import sys, time; print('started'); print('warned', file=sys.stderr); time.sleep(30)"
+    slow = checks.GpuCheck("slow", 1, "sleeps", ("-c", code), ())
+    res = checks._run(slow, tmp_path, tmp_path)
+    assert res.status == "timeout" and res.seconds < 10
+    assert res.log.splitlines() == ["started", "warned"]  # what it wrote to either stream before the kill
+    bad = checks.GpuCheck("bad", 30, "fails", ("-c", "import sys; print('boom'); sys.exit(3)"), ())
+    res = checks._run(bad, tmp_path, tmp_path)
+    assert (res.status, res.detail) == ("failed", "boom")
+    rows = checks.GpuCheck(
+        "rows",
+        30,
+        "rows",
+        ("-c", "import json, os; open(os.environ['DGPIPE_GPU_ROWS'], 'w').write(json.dumps([{'a': 1}]))"),
+        (),
+    )
+    assert checks._run(rows, tmp_path, tmp_path).rows == [{"a": 1}]
+
+
+def test_time_a_check_leaves_goes_to_the_next_within_the_total(tmp_path, monkeypatch):
+    """A skipped check's budget and what a quick check leaves go to the checks after it, so a check that
+    needs more than its own budget (the GPU tests, as kernels are added) still finishes, and the command
+    still ends within the budgets' sum."""
+    quick = checks.GpuCheck("quick", 20, "returns at once", ("-c", "pass"), ())
+    skipped = checks.GpuCheck("skipped", 7, "needs a GPU", ("-c", "pass"), ("cuda",))
+    code = "import time; time.sleep(3); print('done')"
+    slow = checks.GpuCheck("slow", 2, "needs 3 s of its 2", ("-c", code), ())
+    monkeypatch.setattr(checks, "CHECKS", (skipped, quick, slow))
+    monkeypatch.setattr(checks, "detect_env", lambda: checks.Env(cuda=False, torch="2.13"))
+    ran = checks.run_bench_gpu(tmp_path)["checks"]
+    assert [c["status"] for c in ran] == ["skipped", "passed", "passed"]
+    assert ran[1]["budget_s"] == 20 + 7 and ran[2]["detail"] == "done"
+    assert 2 + 7 < ran[2]["budget_s"] <= 2 + 27 and sum(c["seconds"] for c in ran) <= 29
+
+
+def test_table_shows_each_pass_against_its_floor():
+    row = {"format": "fp8", "batch": 1, "kernels": "k", "ms_eager": 9.0, "ms_graph": 7.44, "floor_ms_spec": 6.2,
+           "floor_ms_copy": 7.0}  # fmt: skip
+    result = {"env": asdict(H200), "dry_run": False, "checks": [
+        {"name": "26B pass fp8", "status": "passed", "seconds": 40.0, "budget_s": 55, "detail": "", "rows": [row]},
+        {"name": "largest batch", "status": "passed", "seconds": 30.0, "budget_s": 50, "detail": "",
+         "rows": [{"format": "fp8", "largest_batch": 64, "tried_up_to": 128}]}]}  # fmt: skip
+    md = report.render(result)
+    assert "GPU: NVIDIA H200 (sm90, 140 GiB), driver 580.65, torch 2.11.0+cu130 (CUDA 13.0)" in md
+    assert (
+        "| fp8 | 1 | k | 9.00 | 7.44 | 6.20 | — | 1.20 | 7.00 |" in md
+    )  # a run from before the compute floor
+    row16 = {**row, "batch": 16, "ms_graph": 52.0, "floor_ms_spec": 13.2, "compute_ms_spec": 26.0}
+    md16 = report.render({**result, "checks": [{**result["checks"][0], "rows": [row16]}]})
+    assert "| fp8 | 16 | k | 9.00 | 52.00 | 13.20 | 26.00 | 2.00 | 7.00 |" in md16  # against the larger floor
+    assert "Largest batch whose fp8 pass fits: 64 (tried up to 128)." in md
+    row["attention"] = [{"kind": "full_attention", "q_heads": 16, "kv_heads": 2, "head_dim": 512, "keys": 512,
+                         "flash": False, "efficient": False, "cudnn": False, "ms_grouped": 1.5, "ms_expanded": 0.5}]  # fmt: skip
+    assert "| full_attention | 1 | 16/2 x 512 | 512 | math only | 1.50 | 0.50 | — |" in report.render(result)
+    row["attention"][0]["ms_packed"] = 0.25
+    assert "| full_attention | 1 | 16/2 x 512 | 512 | math only | 1.50 | 0.50 | 0.25 |" in report.render(
+        result
+    )
