@@ -17,11 +17,18 @@ torch's CPU functions.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
+
+# Triton's interpreter is on where no GPU is (tests/conftest.py): the kernel tests that run kernels need it
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton's interpreter is on where no GPU is (tests/conftest.py)",
+)
 
 TORCH_DTYPES = {"fp8e4nv": (torch.float8_e4m3fn, torch.uint8), "bf16": (torch.bfloat16, torch.int16)}
 

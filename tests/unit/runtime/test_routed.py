@@ -4,7 +4,6 @@ expert loop; which layers a GPU load routes, what it reports, and the probe of t
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -21,12 +20,10 @@ from pipeline.runtime import gpu_load, kernels, routed
 from pipeline.runtime import probe as probing
 from pipeline.runtime.backends import experts_graph_safe
 from tests._utils.compile import compiled_whole, graph_targets
+from tests._utils.interpreter_casts import interpreted
 from tests._utils.quantized import build_quantized_checkpoint
 
 CPU = torch.device("cpu")
-interpreted = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter is on where no GPU is"
-)
 rel = lambda got, want: float((got.float() - want.float()).norm() / want.float().norm())
 
 

@@ -6,8 +6,6 @@ Blackwell without a GPU."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -20,6 +18,7 @@ from pipeline.runtime import kernels
 from pipeline.runtime import probe as probing
 from tests._utils.embedded_passes import denoise_and_prefill, embedded_bf16
 from tests._utils.interpreter_casts import (  # noqa: F401  (fixtures)
+    interpreted,
     interpreted_tanh,
     rne_casts,
     uninitialised_bytes_are_0xab,
@@ -30,11 +29,6 @@ from tests._utils.triton_compile import (
     converts_to_e4m3_once,
     separate_roundings_missing,
     spills,
-)
-
-interpreted = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton's interpreter is on where no GPU is (tests/conftest.py)",
 )
 
 

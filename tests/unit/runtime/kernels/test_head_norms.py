@@ -6,8 +6,6 @@ GPU."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -15,14 +13,10 @@ from pipeline.model.network import RMSNorm, apply_rope
 from pipeline.runtime import kernels
 from pipeline.runtime import probe as probing
 from tests._utils.embedded_passes import denoise_and_prefill, embedded_bf16
-from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
+from tests._utils.interpreter_casts import interpreted, rne_casts  # noqa: F401  (fixture)
 from tests._utils.probes import each_wrong_form_fails
 from tests._utils.triton_compile import compiled_for_gpus, separate_roundings_missing, spills
 
-interpreted = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton's interpreter is on where no GPU is (tests/conftest.py)",
-)
 CPU = torch.device("cpu")
 
 

@@ -4,8 +4,6 @@ torch.compile as one opaque op (on a GPU, compiled by Triton: tests/gpu/test_ten
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +17,7 @@ from pipeline.runtime.dispatch import EVERY_PASS, TRITON_MAX_ROWS_PER_EXPERT
 from pipeline.runtime.kernels import moe as tf
 from pipeline.runtime.kernels import quant as tq
 from tests._utils.compile import compiled_whole, graph_targets
+from tests._utils.interpreter_casts import interpreted
 from tests._utils.quantized import grouped_scaled_mm_on_cpu, packed_linear
 from tests._utils.triton_compile import compiled_for_gpus
 
@@ -28,10 +27,7 @@ BF16_ULP = (
 )  # one bf16 unit in the last place, relative: the interpreter truncates its bf16 casts, GPUs round
 
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton's interpreter is on where no GPU is (tests/conftest.py)",
-)
+pytestmark = interpreted
 
 
 def _fp8(*shape, gen):

@@ -6,8 +6,6 @@ quantization, their probes, and compiled for Hopper, B200, Ada and RTX Blackwell
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,7 +15,7 @@ from pipeline.runtime import kernels
 from pipeline.runtime import probe as probing
 from pipeline.runtime import shared_input as si
 from pipeline.runtime import tensor_cores as tc
-from tests._utils.interpreter_casts import rne_casts  # noqa: F401  (fixture)
+from tests._utils.interpreter_casts import interpreted, rne_casts  # noqa: F401  (fixture)
 from tests._utils.probes import each_wrong_form_fails
 from tests._utils.quantized import packed_linear
 from tests._utils.triton_compile import (
@@ -27,10 +25,6 @@ from tests._utils.triton_compile import (
     spills,
 )
 
-interpreted = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton's interpreter is on where no GPU is (tests/conftest.py)",
-)
 CPU = torch.device("cpu")
 
 

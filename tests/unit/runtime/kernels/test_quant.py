@@ -4,8 +4,6 @@ compiled for Hopper, B200, Ada and RTX Blackwell without a GPU."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import triton
@@ -16,15 +14,12 @@ from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import nvfp4_fake_quant
 from pipeline.runtime import probe as probing
 from pipeline.runtime.kernels import quant as tq
-from pipeline.runtime.kernels.jit import quant as kernels
+from pipeline.runtime.kernels.jit import quant as jit_quant
 from pipeline.runtime.tensor_cores import _rowwise_dynamic, quantize_rows
-from tests._utils.interpreter_casts import rne_casts, uninitialised_bytes_are_0xab  # noqa: F401  (fixture)
+from tests._utils.interpreter_casts import interpreted, rne_casts, uninitialised_bytes_are_0xab  # noqa: F401  (fixture)
 from tests._utils.triton_compile import compiled_for_gpus, converts_to_e4m3_once, spills
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton's interpreter is on where no GPU is (tests/conftest.py)",
-)
+pytestmark = interpreted
 CPU = torch.device("cpu")
 
 
@@ -130,8 +125,8 @@ def _to_e4m3(x_ptr, grid_ptr, codes_ptr, raw_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
     v = tl.load(x_ptr + i, mask=inside, other=0.0)
-    tl.store(grid_ptr + i, kernels.e4m3_grid(v), mask=inside)
-    tl.store(codes_ptr + i, kernels.e4m3(v), mask=inside)
+    tl.store(grid_ptr + i, jit_quant.e4m3_grid(v), mask=inside)
+    tl.store(codes_ptr + i, jit_quant.e4m3(v), mask=inside)
     tl.store(raw_ptr + i, v.to(tl.float8e4nv), mask=inside)
 
 

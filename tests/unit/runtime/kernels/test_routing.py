@@ -6,8 +6,6 @@ and RTX Blackwell without a GPU."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,13 +15,9 @@ from pipeline.model.network import route_scores
 from pipeline.runtime import kernels
 from pipeline.runtime import probe as probing
 from tests._utils.embedded_passes import denoise_and_prefill, embedded_bf16
-from tests._utils.interpreter_casts import interpreted_exp, rne_casts  # noqa: F401  (fixtures)
+from tests._utils.interpreter_casts import interpreted, interpreted_exp, rne_casts  # noqa: F401  (fixtures)
 from tests._utils.triton_compile import compiled_for_gpus, spills
 
-interpreted = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton's interpreter is on where no GPU is (tests/conftest.py)",
-)
 CPU = torch.device("cpu")
 
 
