@@ -210,7 +210,35 @@ def check_tensor_cores() -> list[Check]:
                 f"{fmt} dispatch", row.native, detail, f"fallback {row.fallback}: {row.note}", "GPU runtime"
             )
         )
-    return checks + check_kernel_probe(torch.device("cuda", 0))
+    return (
+        checks + check_moe_tiles(torch.cuda.get_device_name(0)) + check_kernel_probe(torch.device("cuda", 0))
+    )
+
+
+def check_moe_tiles(gpu: str) -> list[Check]:
+    """Which tile table the Triton MoE GEMM reads on this GPU model, per operand type
+    (`pipeline.runtime.kernels.moe_tiles`), or that it keeps its default tiles."""
+    from pipeline.errors import DgpipeError
+    from pipeline.runtime.kernels import moe_tiles
+
+    checks = []
+    for operand in ("fp8", "bf16"):
+        name, hint = (
+            f"moe tiles {operand}",
+            f"`dgpipe bench moe-tiles --operand {operand}` tunes them for {gpu}",
+        )
+        try:
+            found = moe_tiles.find_table(gpu, operand)
+        except DgpipeError as e:
+            checks.append(Check(name, False, str(e), hint, "GPU runtime"))
+            continue
+        detail = (
+            f"measured: {found[1]} (torch {found[0].torch}, Triton {found[0].triton})"
+            if found
+            else "default tiles"
+        )
+        checks.append(Check(name, True, detail, hint, "GPU runtime"))
+    return checks
 
 
 def check_kernel_probe(device) -> list[Check]:

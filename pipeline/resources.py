@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,15 @@ def _shipped_dir(name: str, marker: str) -> Path:
         if (cand / marker).exists():
             return cand
     raise DgpipeError(f"{name}/ directory not found", "run from a dgpipe checkout or reinstall dgpipe")
+
+
+def cache_dir() -> Path:
+    """Where commands write when not told: $DGPIPE_CACHE, else $XDG_CACHE_HOME/dgpipe, else ~/.cache/dgpipe."""
+    if os.environ.get("DGPIPE_CACHE"):
+        return Path(os.environ["DGPIPE_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "dgpipe"
+    return Path.home() / ".cache" / "dgpipe"
 
 
 def configs_dir() -> Path:

@@ -478,6 +478,43 @@ def bench_gpu(
     out.saved([out_dir / RESULT_FILE, out_dir / TABLE_FILE], as_json)
 
 
+@app.command("moe-tiles")
+def bench_moe_tiles(
+    operand: Annotated[
+        str | None, typer.Option(help="fp8 or bf16 weights (default: fp8 where the GPU has FP8 tensor cores)")
+    ] = None,
+    config: Annotated[str, typer.Option(help="configs/models/<name>.yaml whose expert shapes to tune")] = (
+        "diffusiongemma-26b-a4b"
+    ),
+    budget_s: Annotated[
+        float, typer.Option(help="seconds to spend; the most likely tiles come first")
+    ] = 120.0,
+    install: Annotated[
+        bool,
+        typer.Option(help="also put the table where dgpipe on this host reads it (the cache's moe_tiles/)"),
+    ] = True,
+    out_dir: Annotated[Path | None, _out("bench-moe-tiles", "directory for the JSON, table and YAML")] = None,
+    as_json: opt.Json = False,
+) -> None:
+    """Tune dgpipe's Triton MoE GEMM for this GPU: time candidate tiles at the model's expert shapes, write
+    the fastest per shape and batch as this GPU model's tile table."""
+    if operand not in (None, "fp8", "bf16"):
+        raise DgpipeError(f"--operand must be fp8 or bf16 (got {operand!r})")
+    if budget_s <= 0:
+        raise DgpipeError("--budget-s must be > 0")
+    from pipeline.bench.gpu.tiles import RESULT_FILE, TABLE_FILE, render, run_moe_tiles
+    from pipeline.runtime.kernels.moe_tiles import TABLE_DIR
+
+    out_dir = out_dir or opt.cache_dir() / "bench-moe-tiles"
+    install_dir = opt.cache_dir() / TABLE_DIR if install else None
+    with out.progress_bars(as_json) as bars:
+        task = bars.add_task("bench moe-tiles: candidate tiles", total=None)
+        result = run_moe_tiles(out_dir, operand, config, budget_s, install_dir=install_dir,
+                               on_tile=lambda i, n: bars.update(task, completed=i, total=n))  # fmt: skip
+    out.show(result, as_json, render)
+    out.saved([out_dir / RESULT_FILE, out_dir / TABLE_FILE, *map(Path, result["table_files"])], as_json)
+
+
 @app.command("gpu-trace")
 def bench_gpu_trace(
     batch: Annotated[str, typer.Option(help="comma-separated canvases per traced pass")] = "1,16",

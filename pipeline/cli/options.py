@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -10,6 +9,7 @@ import typer
 
 from pipeline.limits import DEFAULTS as LIMITS  # the defaults the limit options show (None: not given)
 from pipeline.limits import Limits
+from pipeline.resources import cache_dir as cache_dir  # where commands write when not told
 from quantize.defaults import CALIB_SIZE as CALIB_SIZE  # the --calib-size default, re-exported
 
 Model = Annotated[
@@ -128,15 +128,6 @@ def out(help: str):
 def build_dir(help: str):
     """`--build-dir DIR`: a `dgpipe build` directory (build_manifest.json)."""
     return typer.Option("--build-dir", help=help)
-
-
-def cache_dir() -> Path:
-    """Where commands write when not told: $DGPIPE_CACHE, else $XDG_CACHE_HOME/dgpipe, else ~/.cache/dgpipe."""
-    if os.environ.get("DGPIPE_CACHE"):
-        return Path(os.environ["DGPIPE_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "dgpipe"
-    return Path.home() / ".cache" / "dgpipe"
 
 
 def in_cache(sub: str) -> str:

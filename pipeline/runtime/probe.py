@@ -174,13 +174,14 @@ def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _check_every_tile(name: str, a, a_scale, rows, w, w_scale, offs) -> torch.Tensor:
-    """The Triton GEMM at every M tile it can pick against the float product of its operands, which it
-    returns, or a DgpipeError naming the tile: one bf16 rounding of the output apart; a wrong tile is O(1)."""
+    """The Triton GEMM at every tile it can launch with on this GPU (`kernels.moe.probe_tiles`: its default
+    M tiles and this GPU's measured table) against the float product of its operands, which it returns, or a
+    DgpipeError naming the tile: one bf16 rounding of the output apart; a wrong tile is O(1)."""
     want = float_gemm(a, a_scale, rows, w, w_scale, offs)
-    for block_m in kernels.moe.BLOCK_MS:
-        err = _rel_l2(kernels.moe.moe_gemm(a, a_scale, rows, w, w_scale, offs, block_m), want)
+    for tile in kernels.moe.probe_tiles(a.device, a.element_size()):
+        err = _rel_l2(kernels.moe.launch(tile, a, a_scale, rows, w, w_scale, offs), want)
         if not err < 1e-2:
-            raise DgpipeError(f"the {name} ({block_m}-row tiles) differs from the float product of its operands "
+            raise DgpipeError(f"the {name} ({tile.short()} tiles) differs from the float product of its operands "
                               f"by {err:.3g} (relative L2)", TRITON_FALLBACK)  # fmt: skip
     return want
 

@@ -263,6 +263,8 @@ def fake_gpu(arch: str) -> Iterator[tuple[FakeTensorMode, OpCounter, _Functions]
             mock.patch("torch.cuda.get_device_capability", lambda device=None: CAPABILITY[arch])
         )
         stack.enter_context(mock.patch.object(kernels.moe, "_kernel", lambda: Launcher("moe_gemm", ops)))
+        # one launch per GEMM whatever its tile: no measured tile table is looked for
+        stack.enter_context(mock.patch.object(kernels.moe_tiles, "table_for", lambda device, operand: None))
         launchers = Launchers(ops)
         for family in (kernels.quant, kernels.chains, kernels.routing):
             stack.enter_context(mock.patch.object(family, "_kernels", lambda: launchers))

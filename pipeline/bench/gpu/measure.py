@@ -293,9 +293,26 @@ def largest_batch(start: int = 16, limit: int = 1024) -> list[dict]:
     return [{"format": fmt, "largest_batch": fits, "tried_up_to": min(b, limit)}]
 
 
+TILES_MARGIN_S = 15  # of the check's budget: the subprocess's start (torch, CUDA) and writing the table
+
+
+def tune_tiles(started: float) -> list[dict]:
+    """`dgpipe bench moe-tiles` within the check's budget ($DGPIPE_GPU_BUDGET_S, counted from the process's
+    start), its files in $DGPIPE_GPU_OUT/moe_tiles (the table to ship: configs/moe_tiles); its rows."""
+    from pipeline.bench.gpu.tiles import run_moe_tiles
+
+    budget = (
+        float(os.environ.get("DGPIPE_GPU_BUDGET_S", "60")) - TILES_MARGIN_S - (time.monotonic() - started)
+    )
+    out = Path(os.environ.get("DGPIPE_GPU_OUT", ".")) / "moe_tiles"
+    result = run_moe_tiles(out, None, CONFIG, budget_s=max(budget, 1.0))
+    return [{**r, "device": result["device"], "operand": result["operand"]} for r in result["rows"]]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pipeline.bench.gpu.measure pass <fmt>` / `largest`: one measurement, rows to $DGPIPE_GPU_ROWS;
-    `tests`: tests/gpu (pytest's exit status)."""
+    """`python -m pipeline.bench.gpu.measure pass <fmt>` / `largest` / `tiles`: one measurement, rows to
+    $DGPIPE_GPU_ROWS; `tests`: tests/gpu (pytest's exit status)."""
+    started = time.monotonic()
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["tests"]:
         import pytest
@@ -311,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args[:1] == ["pass"]:
         measure_pass(args[1], sink=sink, compiled="--compile" in args)
+    elif args[:1] == ["tiles"]:
+        sink(tune_tiles(started))
     else:
         sink(largest_batch())
     return 0

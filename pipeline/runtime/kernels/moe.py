@@ -34,6 +34,8 @@ import os
 import torch
 
 from pipeline.runtime.dispatch import TRITON_MAX_ROWS_PER_EXPERT
+from pipeline.runtime.kernels import moe_tiles
+from pipeline.runtime.kernels.moe_tiles import Tile, TileTable
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -54,26 +56,38 @@ def serves(slots: int, experts: int, max_rows: float = TRITON_MAX_ROWS_PER_EXPER
     return max_rows > 0 and slots <= max_rows * experts
 
 
-BLOCK_MS = (16, 32, 64)  # the M tiles `tiles` picks from (the load-time probe runs each)
+BLOCK_MS = (16, 32, 64)  # the M tiles `default_tile` picks from (the load-time probe runs each)
 
 
-def tiles(slots: int, experts: int, element_bytes: int = 1) -> dict[str, int]:
-    """Tile sizes and launch shape for `slots` rows over `experts`: an M tile that covers an expert's
-    expected rows in one block, so its weights are read once (small M tiles for few rows per expert, as
-    vLLM's fused-MoE kernel takes them), 128 bytes along K (FP8: four of Hopper's 32-deep MMA steps; bf16:
-    64 values, the same shared memory). More rows
-    per expert (every pass on sm89/sm120: 256 at 16 canvases) take 64-row tiles; an expert's M blocks are
-    neighbours in the launch order, so after the first its weight tiles come from L2. Four stages of the
-    64-row tile take 72 KB of shared memory, within the 99 KB a block gets on sm89 and sm120 (test)."""
+def default_tile(slots: int, experts: int, element_bytes: int = 1) -> Tile:
+    """The tile for `slots` rows over `experts` where no measured table names one (`moe_tiles`): an M tile
+    that covers an expert's expected rows in one block, so its weights are read once (small M tiles for few
+    rows per expert, as vLLM's fused-MoE kernel takes them), 128 bytes along K (FP8: four of Hopper's
+    32-deep MMA steps; bf16: 64 values, the same shared memory). More rows per expert (every pass on
+    sm89/sm120: 256 at 16 canvases) take 64-row tiles; an expert's M blocks are neighbours in the launch
+    order, so after the first its weight tiles come from L2. Four stages of the 64-row tile take 72 KB of
+    shared memory, within the 99 KB a block gets on sm89 and sm120 (test)."""
     avg = slots / max(experts, 1)
     block_m = BLOCK_MS[0] if avg <= 8 else BLOCK_MS[1] if avg <= 24 else BLOCK_MS[2]
-    return {
-        "BLOCK_M": block_m,
-        "BLOCK_N": 128,
-        "BLOCK_K": 128 // element_bytes,
-        "num_warps": 4,
-        "num_stages": 4,
-    }
+    return Tile(block_m=block_m, block_n=128, block_k=128 // element_bytes, num_warps=4, num_stages=4)
+
+
+def tiles(
+    slots: int, experts: int, n: int, k: int, element_bytes: int = 1, table: TileTable | None = None
+) -> Tile:
+    """The tile a GEMM of `slots` rows over `experts` experts' [n, k] weights launches with: the measured
+    table's (`moe_tiles`: this GPU model, this shape, the nearest rows per expert), else `default_tile`. A
+    host-side choice from shapes alone: graph- and compile-safe."""
+    tuned = table.pick(n, k, slots / max(experts, 1)) if table is not None else None
+    return tuned or default_tile(slots, experts, element_bytes)
+
+
+def probe_tiles(device: torch.device, element_bytes: int) -> list[Tile]:
+    """Every tile a pass on `device` may launch with: `default_tile`'s and this GPU's measured table's. The
+    load-time probe runs each against the float reference."""
+    table = moe_tiles.table_for(device, moe_tiles.operand_of(element_bytes))
+    defaults = [default_tile(m * 128, 128, element_bytes).model_copy(update={"block_m": m}) for m in BLOCK_MS]
+    return list(dict.fromkeys(defaults + (table.all_tiles() if table else [])))
 
 
 @functools.cache
@@ -156,9 +170,30 @@ def moe_gemm(
     """bf16 [slots, N]: slot i is a[rows[i]] (a[i] without `rows`) times its expert's w [E, N, K] (K
     contiguous). FP8 operands are scaled by a_scale [rows of a] (fp32, any stride) and w_scale [E, N]
     (fp32); bf16 operands take no scales (None). The experts own consecutive slots, ending at `offs` [E]
-    (int32, device). `block_m`: another M tile than `tiles` picks (the benchmark's comparison, the probe).
-    `out_rows`: a permutation of the slots; slot i's row is written to row out_rows[i] (the expert order's
-    `order` puts the rows back in token-major slot order, as `network.combine_top_k`'s gather would)."""
+    (int32, device). Launched with `tiles`' tile for the shape on this GPU; `block_m`: another M tile (the
+    benchmark's comparison). `out_rows`: a permutation of the slots; slot i's row is written to row
+    out_rows[i] (the expert order's `order` puts the rows back in token-major slot order, as
+    `network.combine_top_k`'s gather would)."""
+    slots = rows.shape[0] if rows is not None else a.shape[0]
+    experts, n, k = w.shape
+    table = moe_tiles.table_for(a.device, moe_tiles.operand_of(a.element_size()))
+    tile = tiles(slots, experts, n, k, a.element_size(), table)
+    if block_m:
+        tile = tile.model_copy(update={"block_m": block_m})
+    return launch(tile, a, a_scale, rows, w, w_scale, offs, out_rows)
+
+
+def launch(
+    tile: Tile,
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    rows: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    offs: torch.Tensor,
+    out_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`moe_gemm` with the given tile (the probe and `dgpipe bench moe-tiles` run every candidate)."""
     import triton
 
     scaled = a_scale is not None
@@ -172,9 +207,7 @@ def moe_gemm(
     out = torch.empty(slots, n, dtype=torch.bfloat16, device=a.device)
     if slots == 0:
         return out
-    cfg = tiles(slots, experts, a.element_size())
-    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
-    bm = block_m or bm
+    bm, bn = tile.block_m, tile.block_n
     grid = (triton.cdiv(slots, bm) + experts, triton.cdiv(n, bn))  # every expert's last block may be partial
     w_scale = w_scale.contiguous() if scaled else offs  # unread placeholders when not `scaled`
     _kernel()[grid](
@@ -182,7 +215,8 @@ def moe_gemm(
         out_rows if out_rows is not None else offs,
         n, k, experts, a.stride(0), a_scale.stride(0) if scaled else 0, w.stride(0), w.stride(1), out.stride(0),
         GATHER=rows is not None, SCATTER=out_rows is not None, SCALED=scaled, DOT_F32=not scaled and _interpreted(),
-        E_POW2=triton.next_power_of_2(experts), BLOCK_M=bm, BLOCK_N=bn, **cfg,
+        E_POW2=triton.next_power_of_2(experts), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return out
 

@@ -103,14 +103,18 @@ def test_doctor_says_no_cuda_on_cpu():
     assert (row.name, row.ok, row.detail) == ("tensor cores", False, "no CUDA")
 
 
-def test_doctor_on_a_gpu_host_lists_the_rows_and_what_the_probe_ran(monkeypatch):
-    """On an H200 (patched in): one line per format's row, then one per probed kernel, a failure with its
-    error; a probe that cannot run at all is one failed line, not a traceback."""
+def test_doctor_on_a_gpu_host_lists_the_rows_and_what_the_probe_ran(monkeypatch, tmp_path):
+    """On an H200 (patched in): one line per format's row, the MoE GEMM's tile tables, then one per probed
+    kernel, a failure with its error; a probe that cannot run at all is one failed line, not a traceback."""
     from pipeline import doctor
     from pipeline.runtime import probe as probing
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setenv("DGPIPE_CACHE", str(tmp_path))
+    (tmp_path / "moe_tiles").mkdir()
+    (tmp_path / "moe_tiles" / "NVIDIA_H200-bf16.yaml").write_text("device: NVIDIA H200\n")
     ran = probing.Probe("sm90", {"linear:fp8": None, "triton:fp8": "out of resources: shared memory"})
     monkeypatch.setattr(probing, "probe", lambda device: ran)
     checks = {c.name: c for c in doctor.check_tensor_cores()}
@@ -119,6 +123,9 @@ def test_doctor_on_a_gpu_host_lists_the_rows_and_what_the_probe_ran(monkeypatch)
     assert checks["kernel linear:fp8"].ok and checks["kernel linear:fp8"].detail == "ran on tiny operands"
     triton = checks["kernel triton:fp8"]
     assert not triton.ok and triton.detail == "out of resources: shared memory" and "fallback" in triton.hint
+    tiles_fp8, tiles_bf16 = checks["moe tiles fp8"], checks["moe tiles bf16"]
+    assert tiles_fp8.ok and tiles_fp8.detail == "default tiles" and "dgpipe bench moe-tiles" in tiles_fp8.hint
+    assert not tiles_bf16.ok and "NVIDIA_H200-bf16.yaml is not valid" in tiles_bf16.detail
 
     def broken(device):
         raise RuntimeError("CUDA error: no kernel image is available")

@@ -200,27 +200,26 @@ def test_the_probe_holds_the_triton_bf16_gemm_to_the_float_product(monkeypatch):
         torch.rand(20, 2),
     )
     probing.check_triton_bf16(CPU, x, index, weights)
-    real = kernels.moe.moe_gemm
+    real_launch, real_gemm = kernels.moe.launch, kernels.moe.moe_gemm
 
-    def wrong_at(tile):  # rows reversed at one M tile (None: the tile `tiles` picks)
-        def gemm(a, a_scale, rows, w, w_scale, offs, block_m=None, out_rows=None):
-            return real(
-                a,
-                a_scale,
-                rows.flip(0) if block_m == tile and rows is not None else rows,
-                w,
-                w_scale,
-                offs,
-                block_m,
-                out_rows,
-            )
+    def wrong_at(tile):  # rows reversed at one tile
+        def launch(t, a, a_scale, rows, w, w_scale, offs, out_rows=None):
+            rows = rows.flip(0) if t == tile and rows is not None else rows
+            return real_launch(t, a, a_scale, rows, w, w_scale, offs, out_rows)
 
-        return gemm
+        return launch
 
-    for tile in kernels.moe.BLOCK_MS:
-        monkeypatch.setattr(kernels.moe, "moe_gemm", wrong_at(tile))
-        with pytest.raises(DgpipeError, match=rf"Triton bf16 MoE GEMM \({tile}-row tiles\) differs"):
+    for tile in kernels.moe.probe_tiles(CPU, 2):
+        monkeypatch.setattr(kernels.moe, "launch", wrong_at(tile))
+        with pytest.raises(DgpipeError, match=rf"Triton bf16 MoE GEMM \({tile.short()} tiles\) differs"):
             probing.check_triton_bf16(CPU, x, index, weights)
-    monkeypatch.setattr(kernels.moe, "moe_gemm", wrong_at(None))
+    monkeypatch.setattr(kernels.moe, "launch", real_launch)
+
+    def wrong_in_the_pass(a, a_scale, rows, w, w_scale, offs, block_m=None, out_rows=None):
+        return real_gemm(
+            a, a_scale, rows.flip(0) if rows is not None else rows, w, w_scale, offs, block_m, out_rows
+        )
+
+    monkeypatch.setattr(kernels.moe, "moe_gemm", wrong_in_the_pass)
     with pytest.raises(DgpipeError, match="bf16 experts on the Triton MoE GEMM differ"):
         probing.check_triton_bf16(CPU, x, index, weights)

@@ -234,3 +234,32 @@ def test_network_paths_time_each_chain_against_its_torch_form(rne_casts, interpr
     )
     table = "\n".join(render_network(rows))
     assert table.count("\n| ") == 20 and "| K/V concatenation [2, " in table
+
+
+def test_the_tiles_check_tunes_within_its_budget_and_leaves_its_table_in_the_runs_out(monkeypatch, tmp_path):
+    """`measure tiles`: `run_moe_tiles` on the 26B's shapes with what is left of the check's budget once the
+    process started (less a margin for writing), its files under the run's out directory, its rows tagged
+    with the GPU and operand for `bench gpu`'s table."""
+    import json
+
+    from pipeline.bench.gpu import measure, tiles
+
+    seen = {}
+
+    def run(out, operand, config, budget_s):
+        seen.update(out=out, operand=operand, config=config, budget_s=budget_s)
+        return {"device": "NVIDIA H200", "operand": "fp8", "rows": [{"shape": "down", "best_ms": 0.1}]}
+
+    monkeypatch.setattr(tiles, "run_moe_tiles", run)
+    monkeypatch.setenv("DGPIPE_GPU_BUDGET_S", "100")
+    monkeypatch.setenv("DGPIPE_GPU_OUT", str(tmp_path))
+    monkeypatch.setenv("DGPIPE_GPU_ROWS", str(tmp_path / "rows.json"))
+    assert measure.main(["tiles"]) == 0
+    assert (
+        seen["out"] == tmp_path / "moe_tiles"
+        and seen["operand"] is None
+        and seen["config"] == "diffusiongemma-26b-a4b"
+    )
+    assert 100 - measure.TILES_MARGIN_S - 5 < seen["budget_s"] <= 100 - measure.TILES_MARGIN_S
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert rows == [{"shape": "down", "best_ms": 0.1, "device": "NVIDIA H200", "operand": "fp8"}]

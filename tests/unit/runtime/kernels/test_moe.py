@@ -111,8 +111,9 @@ def test_tiles_and_which_passes_take_the_kernel():
     assert not tf.serves(4096 * 8, 128)  # 16 canvases: 256 rows per expert stay on torch's grouped GEMM
     assert tf.serves(4096 * 8, 128, EVERY_PASS) and tf.serves(10**9, 128, EVERY_PASS)  # sm89, sm120
     assert not tf.serves(1, 128, 0.0)  # Triton off
-    assert [tf.tiles(s, 128)["BLOCK_M"] for s in (512, 2048, 8192, 32768)] == [16, 32, 64, 64]
-    assert tuple(sorted({tf.tiles(s, 128)["BLOCK_M"] for s in range(1, 40000, 97)})) == tf.BLOCK_MS
+    assert [tf.default_tile(s, 128).block_m for s in (512, 2048, 8192, 32768)] == [16, 32, 64, 64]
+    assert tuple(sorted({tf.default_tile(s, 128).block_m for s in range(1, 40000, 97)})) == tf.BLOCK_MS
+    assert [t.block_m for t in tf.probe_tiles(CPU, 1)] == list(tf.BLOCK_MS)  # no table off CUDA
 
 
 def test_it_says_where_it_cannot_run(monkeypatch):
@@ -202,18 +203,18 @@ for cc, operand in ((90, "fp8"), (89, "fp8"), (120, "fp8"), (89, "bf16"), (120, 
   # what Triton's launcher specializes on the 26B's shapes: 16-byte aligned tensors, 16-divisible sizes and strides
   aligned = [*[a for a in args if a.endswith("_ptr")], "N", "K", "stride_am", "stride_we", "stride_wn", "stride_om"]
   for slots, gather in ((512, True), (2048, True), (8192, False)):
-    cfg = kernels.moe.tiles(slots, 128, 1 if operand == "fp8" else 2)
+    cfg = kernels.moe.default_tile(slots, 128, 1 if operand == "fp8" else 2)
     # gate|up gathers its token rows; down (slot order in) writes its rows back in token-major slot order
-    consts = {"GATHER": gather, "SCATTER": not gather, "SCALED": operand == "fp8", "DOT_F32": False, "E_POW2": 128, "BLOCK_M": cfg["BLOCK_M"],
-              "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}
+    consts = {"GATHER": gather, "SCATTER": not gather, "SCALED": operand == "fp8", "DOT_F32": False, "E_POW2": 128, "BLOCK_M": cfg.block_m,
+              "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
     attrs = {(kernel_fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=kernel_fn, signature={**args, **dict.fromkeys(consts, "constexpr")}, constexprs=consts, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                            options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
-    ptx, cubin = kernel.asm["ptx"], Path(sys.argv[1]) / f"moe_sm{cc}_{operand}_{cfg['BLOCK_M']}.cubin"
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    ptx, cubin = kernel.asm["ptx"], Path(sys.argv[1]) / f"moe_sm{cc}_{operand}_{cfg.block_m}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
     mma = r"mma\\.sync\\.aligned\\.m16n8k32\\.row\\.col\\.f32\\.e4m3\\.e4m3" if operand == "fp8" else r"mma\\.sync\\.aligned\\.m16n8k16\\.row\\.col\\.f32\\.bf16\\.bf16"
-    out.append({"cc": cc, "operand": operand, "block_m": cfg["BLOCK_M"], "cubin": str(cubin), "cp_async": "cp.async" in ptx,
+    out.append({"cc": cc, "operand": operand, "block_m": cfg.block_m, "cubin": str(cubin), "cp_async": "cp.async" in ptx,
                 "wgmma_e4m3": "wgmma.mma_async" in ptx and "e4m3" in ptx, "shared": kernel.metadata.shared,
                 "tcgen05_f8": "tcgen05.mma" in ptx and "kind::f8f6f4" in ptx,
                 "mma": bool(re.search(mma, ptx))})
@@ -322,20 +323,26 @@ def test_the_probe_uses_the_triton_kernels_only_where_they_agree_with_the_float_
     with pytest.raises(DgpipeError, match="Triton fp8 activation quantization differs"):
         probing.check_triton_quant("fp8", CPU)
     monkeypatch.setattr(tq, "fp8", sl.fp8_quantize)
-    real = tf.moe_gemm
+    real_launch, real_gemm = tf.launch, tf.moe_gemm
 
-    def wrong_at(tile):  # the GEMM with its rows reversed at one M tile (None: the tile `tiles` picks)
-        def gemm(a, a_scale, rows, w, w_scale, offs, block_m=None, out_rows=None):
-            if block_m == tile and rows is not None:
-                rows = rows.flip(0)
-            return real(a, a_scale, rows, w, w_scale, offs, block_m, out_rows)
+    def wrong_at(tile):  # the GEMM with its rows reversed at one tile
+        def launch(t, a, a_scale, rows, w, w_scale, offs, out_rows=None):
+            rows = rows.flip(0) if t == tile and rows is not None else rows
+            return real_launch(t, a, a_scale, rows, w, w_scale, offs, out_rows)
 
-        return gemm
+        return launch
 
-    for tile in tf.BLOCK_MS:  # a tile the probe's own pass would not pick is still checked
-        monkeypatch.setattr(tf, "moe_gemm", wrong_at(tile))
-        with pytest.raises(DgpipeError, match=rf"Triton MoE GEMM \({tile}-row tiles\) differs"):
+    for tile in tf.probe_tiles(CPU, 1):  # a tile the probe's own pass would not pick is still checked
+        monkeypatch.setattr(tf, "launch", wrong_at(tile))
+        with pytest.raises(DgpipeError, match=rf"Triton MoE GEMM \({tile.short()} tiles\) differs"):
             probing.check_triton_fp8("fp8", "fp8", CPU, x, index, weights)
-    monkeypatch.setattr(tf, "moe_gemm", wrong_at(None))
+    monkeypatch.setattr(tf, "launch", real_launch)
+
+    def wrong_in_the_pass(a, a_scale, rows, w, w_scale, offs, block_m=None, out_rows=None):
+        return real_gemm(
+            a, a_scale, rows.flip(0) if rows is not None else rows, w, w_scale, offs, block_m, out_rows
+        )
+
+    monkeypatch.setattr(tf, "moe_gemm", wrong_in_the_pass)
     with pytest.raises(DgpipeError, match="experts on the Triton MoE GEMM differ from their float reference"):
         probing.check_triton_fp8("fp8", "fp8", CPU, x, index, weights)

@@ -1,0 +1,296 @@
+"""`dgpipe bench moe-tiles`: time dgpipe's Triton MoE GEMM (`pipeline.runtime.kernels.moe`) over a grid of
+tiles on this GPU, at a model's two expert GEMM shapes (gate|up and down) and at 1 to 16 canvases per pass,
+and write the fastest tile of each as this GPU model's table (`pipeline.runtime.kernels.moe_tiles`), which
+every later dgpipe process on a GPU of the same model reads.
+
+How, and why so: the candidates are the grid vLLM's fused-MoE tuner searches, cut to what fits the GPU's
+shared memory per block; the GEMMs run on the operands the pass gives them (FP8 or bf16 weights, the tokens'
+rows gathered by the kernel for gate|up, the down rows written back in token-major slot order), routed
+uniformly at random; each tile's output must be the float product of its operands (one bf16 rounding
+apart) or the tile is rejected; times are `triton.testing.do_bench` medians (CUDA events, L2 flushed between runs).
+Compiling a candidate (two specializations: gate|up and down) costs ~1 s, the timings much less, so the
+candidates run in order of likelihood, the current defaults first, nearest variations next, until the
+time budget is spent: a short budget still leaves a table no slower than the defaults at any point."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.atomic import atomic_write_text
+from pipeline.errors import DgpipeError, error_line
+from pipeline.runtime import kernels
+from pipeline.runtime.kernels.moe_tiles import ShapeTiles, Tile, TileTable, file_name
+
+RESULT_FILE, TABLE_FILE = "moe_tiles.json", "moe_tiles.md"
+CANVASES = (1, 2, 4, 8, 16)
+BLOCK_M, BLOCK_N, WARPS, STAGES = (16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 5)
+BLOCK_K_BYTES = (64, 128, 256)  # along K, in bytes: FP8 64-256 values, bf16 32-128
+SAME_OUTPUT = 1e-2  # relative L2 from the float product: one bf16 rounding apart; a wrong tile is O(1)
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    name: str  # "gate_up" (gathers the token rows) or "down" (writes rows back in slot order)
+    n: int
+    k: int
+
+
+def gemm_shapes(hidden: int, moe_intermediate: int) -> tuple[GemmShape, GemmShape]:
+    """A layer's two expert GEMMs: gate|up [2I, d] and down [d, I] weights."""
+    return GemmShape("gate_up", 2 * moe_intermediate, hidden), GemmShape("down", hidden, moe_intermediate)
+
+
+def candidates(element_bytes: int, shared_limit: int) -> list[Tile]:
+    """The tiles worth timing, most likely first: the default tiles (`kernels.moe.default_tile`), then every
+    grid tile within `shared_limit` bytes of shared memory, ordered by how many of its five settings differ
+    from the nearest default (one change before two)."""
+    defaults = [kernels.moe.default_tile(m * 128, 128, element_bytes) for m in (8, 16, 64)]
+    grid = [
+        Tile(block_m=m, block_n=n, block_k=kb // element_bytes, num_warps=w, num_stages=s)
+        for m, n, kb, w, s in itertools.product(BLOCK_M, BLOCK_N, BLOCK_K_BYTES, WARPS, STAGES)
+    ]
+    fits = [t for t in grid if t.shared_bytes(element_bytes) <= shared_limit]
+    differs = lambda t: min(
+        sum(a != b for a, b in zip(t.model_dump().values(), d.model_dump().values())) for d in defaults
+    )
+    return list(dict.fromkeys(defaults + sorted(fits, key=differs)))
+
+
+@dataclass
+class Problem:
+    """One GEMM as a pass of `canvases` runs it: its operands on the device and its float product."""
+
+    shape: GemmShape
+    canvases: int
+    slots: int  # tokens x top-k, over `experts`
+    experts: int
+    args: tuple  # launch's operands after the tile
+    want: torch.Tensor | None = None  # `reference`, computed once
+
+
+def problems(
+    shapes, canvases, canvas: int, experts: int, top_k: int, operand: str, dev: torch.device, seed: int = 0
+):
+    """The operands of every (shape, canvases) GEMM: random weights in the operand's dtype, a pass's
+    `canvas` tokens per canvas routed uniformly at random over `experts`, top `top_k` each."""
+    from pipeline.model import scaled_layout as sl
+
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    weights = {}
+    for s in shapes:
+        w = torch.randn(experts, s.n, s.k, device=dev, generator=gen)
+        weights[s.name] = (
+            (
+                w.clamp(-448, 448).to(torch.float8_e4m3fn),
+                torch.rand(experts, s.n, device=dev, generator=gen) / 64,
+            )
+            if operand == "fp8"
+            else (w.bfloat16(), None)
+        )
+    out = []
+    for c in canvases:
+        tokens = c * canvas
+        index = torch.rand(tokens, experts, device=dev, generator=gen).topk(top_k, dim=-1).indices
+        routing = sl.expert_order(index, experts)
+        for s in shapes:
+            w, w_scale = weights[s.name]
+            rows = tokens * top_k if s.name == "down" else tokens
+            a = torch.randn(rows, s.k, device=dev, generator=gen)
+            a, a_scale = (
+                (a.to(torch.float8_e4m3fn), torch.rand(rows, device=dev, generator=gen) / 8)
+                if operand == "fp8"
+                else (a.bfloat16(), None)
+            )
+            gather = s.name == "gate_up"
+            args = (a, a_scale, routing.token_of if gather else None, w, w_scale, routing.offs,
+                    None if gather else routing.order)  # fmt: skip
+            out.append(Problem(s, c, tokens * top_k, experts, args))
+    return out
+
+
+def reference(p: Problem) -> torch.Tensor:
+    """The problem's product in fp32 expert by expert (`probe.float_gemm`), its rows where the kernel writes
+    them (`out_rows`)."""
+    from pipeline.runtime.probe import float_gemm
+
+    a, a_scale, rows, w, w_scale, offs, out_rows = p.args
+    rows = rows if rows is not None else torch.arange(a.shape[0], device=a.device)
+    want = float_gemm(a, a_scale, rows, w, w_scale, offs)
+    return want if out_rows is None else torch.empty_like(want).index_copy_(0, out_rows, want)
+
+
+def do_bench_ms(fn: Callable[[], object]) -> float:
+    """Median ms of fn on the GPU: `triton.testing.do_bench` (CUDA events, L2 cache flushed between runs)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=5, rep=20, return_mode="median"))
+
+
+def tune(
+    problems_: list[Problem],
+    tiles: list[Tile],
+    deadline: float,
+    time_ms: Callable[[Callable[[], object]], float] = do_bench_ms,
+    on_tile: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Time every tile on every problem until `deadline` (time.monotonic()); the first tile and the tiles
+    `kernels.moe` picks by default for these problems are always timed (`candidates` puts them first).
+    Returns {"timed": [(tile, [ms per problem])], "rejected": [(tile, why)]}; a tile whose output is not the
+    float product of its operands (`reference`, one bf16 rounding apart), or that fails to compile or launch
+    (Triton's shared-memory or register limits), is rejected; the first one failing is an error (the kernel
+    itself is wrong here)."""
+    timed, rejected = [], []
+    defaults = {kernels.moe.default_tile(p.slots, p.experts, p.args[0].element_size()) for p in problems_}
+    for i, tile in enumerate(tiles):
+        if i and tile not in defaults and time.monotonic() >= deadline:
+            continue
+        try:
+            ms = []
+            for p in problems_:
+                got = kernels.moe.launch(tile, *p.args).float()
+                p.want = reference(p) if p.want is None else p.want
+                err = float((got - p.want).norm() / p.want.norm().clamp(min=1e-30))
+                if not err < SAME_OUTPUT:
+                    raise DgpipeError(f"{p.shape.name} at {p.canvases} canvases differs from the float product "
+                                      f"by {err:.3g} (relative L2)")  # fmt: skip
+                ms.append(time_ms(lambda p=p, tile=tile: kernels.moe.launch(tile, *p.args)))
+            timed.append((tile, ms))
+        except Exception as e:  # recorded with its reason; the other tiles still run
+            if not i:
+                raise
+            rejected.append((tile, error_line(e)))
+        if on_tile:
+            on_tile(i + 1, len(tiles))
+    return {"timed": timed, "rejected": rejected}
+
+
+def best_table(
+    problems_: list[Problem], timed: list, device: str, operand: str, element_bytes: int
+) -> tuple[TileTable, list[dict]]:
+    """The fastest timed tile per problem as a table, and one row per problem: its default tile's ms and the
+    best tile's."""
+    rows, by_shape = [], {}
+    for j, p in enumerate(problems_):
+        default = kernels.moe.default_tile(p.slots, p.experts, element_bytes)
+        mine = {t: ms[j] for t, ms in timed}
+        best = min(mine, key=lambda t: (mine[t], t != default))  # a tie keeps the default
+        per_expert = p.slots / p.experts
+        rows.append({"shape": p.shape.name, "n": p.shape.n, "k": p.shape.k, "canvases": p.canvases,
+                     "rows_per_expert": per_expert, "default": default.short(), "default_ms": mine.get(default),
+                     "best": best.short(), "best_ms": mine[best]})  # fmt: skip
+        by_shape.setdefault(p.shape, {})[max(1, round(per_expert))] = best
+    import triton
+
+    shapes = [ShapeTiles(n=s.n, k=s.k, tiles=t) for s, t in by_shape.items()]
+    table = TileTable(
+        device=device, operand=operand, torch=torch.__version__, triton=triton.__version__, shapes=shapes
+    )
+    return table, rows
+
+
+def render(result: dict) -> list[str]:
+    """The summary line and `render_rows`' table."""
+    lines = [
+        f"Triton MoE GEMM tiles on {result['device']} ({result['operand']}; torch {result['torch']}, "
+        f"Triton {result['triton']}): {result['timed']} of {result['candidates']} candidate tiles timed in "
+        f"{result['seconds']:.0f} s, {len(result['rejected'])} rejected; do_bench medians",
+        *render_rows(result["rows"]),
+    ]
+    return lines
+
+
+def render_rows(rows: list[dict]) -> list[str]:
+    """Per GEMM shape and canvases: the default tile and the best, with their ms (also in `dgpipe bench gpu`'s
+    table)."""
+    if not rows:
+        return []
+    lines = [
+        "",
+        "| MoE GEMM | canvases | rows per expert | default tile | ms | best tile | ms | default / best |",
+        "|---|---:|---:|---|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        d = r["default_ms"]
+        lines.append(
+            f"| {r['shape']} [{r['n']}, {r['k']}] | {r['canvases']} | {r['rows_per_expert']:.0f} | {r['default']} | "
+            + (f"{d:.3f}" if d is not None else "-")
+            + f" | {r['best']} | {r['best_ms']:.3f} | "
+            + (f"{d / r['best_ms']:.2f}" if d is not None else "-")
+            + " |"
+        )
+    return lines
+
+
+def run_moe_tiles(
+    out: Path,
+    operand: str | None,
+    config: str,
+    budget_s: float = 120.0,
+    canvases: tuple[int, ...] = CANVASES,
+    install_dir: Path | None = None,
+    device: torch.device | None = None,
+    time_ms: Callable[[Callable[[], object]], float] = do_bench_ms,
+    on_tile: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Tune the MoE GEMM's tiles for `config`'s experts on this GPU within `budget_s`; write out/moe_tiles.json,
+    out/moe_tiles.md and the table (`<GPU>-<operand>.yaml`), and the table into `install_dir` too (where
+    dgpipe reads tables: `moe_tiles.search_dirs`). `operand`: "fp8" or "bf16" (default: fp8 where the GPU
+    has FP8 tensor cores). `device`, `time_ms`: another device and timer, for testing off a GPU."""
+    import yaml
+
+    from pipeline.model.config import ModelConfig
+    from pipeline.resources import load_yaml
+    from pipeline.runtime.dispatch import arch_of
+    from pipeline.targets import precision
+
+    t0 = time.monotonic()
+    dev = device or torch.device("cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DgpipeError(
+            "dgpipe bench moe-tiles needs a CUDA GPU: tiles are timed on the GPU model that will use them",
+            "run it on the GPU host; `dgpipe bench gpu` runs it too",
+        )
+    why = kernels.moe.unavailable(dev)
+    if why:
+        raise DgpipeError(f"the Triton MoE GEMM cannot run here: {why}")
+    if dev.type == "cuda":
+        name, arch = torch.cuda.get_device_name(dev), arch_of(*torch.cuda.get_device_capability(dev))
+        props = torch.cuda.get_device_properties(dev)  # the opt-in limit is what Triton's kernels may take
+        shared = getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
+    else:
+        name, arch, shared = f"{dev.type} (interpreted)", None, 99 * 1024
+    fp8_here = dev.type != "cuda" or arch in precision("fp8").native_on
+    operand = operand or ("fp8" if fp8_here else "bf16")
+    if operand == "fp8" and not fp8_here:
+        raise DgpipeError(f"{name} ({arch}) has no FP8 tensor cores (sm89+)", "tune with --operand bf16")
+    element_bytes = 1 if operand == "fp8" else 2
+    mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
+    text = mcfg.text_config
+    shapes = gemm_shapes(text.hidden_size, text.moe_intermediate_size)
+    todo = problems(shapes, canvases, mcfg.canvas_length, text.num_experts, text.top_k_experts, operand, dev)
+    tiles = candidates(element_bytes, shared)
+    with torch.inference_mode():
+        found = tune(todo, tiles, t0 + budget_s, time_ms, on_tile)
+    table, rows = best_table(todo, found["timed"], name, operand, element_bytes)
+    result = {"device": name, "arch": arch, "operand": operand, "model": config, "torch": table.torch,
+              "triton": table.triton, "shared_memory_per_block": shared, "budget_s": budget_s,
+              "seconds": time.monotonic() - t0, "candidates": len(tiles), "timed": len(found["timed"]),
+              "rejected": [{"tile": t.short(), "why": w} for t, w in found["rejected"]], "rows": rows,
+              "table": table.model_dump(), "timings": [{"tile": t.short(), "ms": ms} for t, ms in found["timed"]]}  # fmt: skip
+    text_yaml = "# dgpipe bench moe-tiles: the fastest Triton MoE GEMM tile per shape and rows per expert\n"
+    text_yaml += yaml.safe_dump(table.model_dump(), sort_keys=False)
+    targets = [out] + ([install_dir] if install_dir else [])
+    result["table_files"] = [str(d / file_name(name, operand)) for d in targets]
+    for path in result["table_files"]:
+        atomic_write_text(Path(path), text_yaml)
+    from pipeline.bench.results import save_result
+
+    save_result(out, RESULT_FILE, result)
+    atomic_write_text(out / TABLE_FILE, "\n".join(render(result)) + "\n")
+    return result

@@ -1,0 +1,151 @@
+"""Tile tables for dgpipe's Triton MoE GEMM (`pipeline.runtime.kernels.moe`): which tile sizes, warps and
+pipeline stages to launch at each weight shape and number of rows per expert, measured on one GPU model.
+
+Why tables: the best tiles of a Triton GEMM depend on the GPU (SM count, shared memory, L2), the shape and
+the rows per expert, and no formula predicts them well. The field's practice is to time a grid of
+candidates on each GPU model and ship the winners as data: vLLM's fused-MoE kernel reads per-GPU JSON files
+(`vllm/model_executor/layers/fused_moe/configs/E=...,N=...,device_name=NVIDIA_H200,...json`, made by its
+`benchmarks/kernels/benchmark_moe.py --tune`). dgpipe does the same: `dgpipe bench moe-tiles` times the
+candidates on this GPU (`pipeline.bench.moe_tiles`) and writes one YAML table per GPU model and operand
+type; `dgpipe bench gpu` tunes too and leaves its table in its `--out`.
+
+Where tables are found, first match wins: the cache (`<dgpipe cache>/moe_tiles`, where `dgpipe bench
+moe-tiles` writes by default: tuned on this host) and then `configs/moe_tiles` (measured tables shipped
+with dgpipe). A shape or GPU with no table keeps `kernels.moe.tiles`' own choice. The load-time probe runs
+every tile of the table it finds against the float reference (`pipeline.runtime.probe`), so a table from
+another Triton build costs speed, never a wrong answer."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import re
+from pathlib import Path
+from typing import Literal
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline.errors import DgpipeError
+from pipeline.resources import cache_dir, configs_dir
+
+TABLE_DIR = "moe_tiles"  # under the cache and under configs/
+Operand = Literal["fp8", "bf16"]
+
+
+class Tile(BaseModel):
+    """One launch configuration of the MoE GEMM: its tile sizes (rows, output columns, reduction depth),
+    warps per program and software-pipeline stages."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    block_m: Literal[16, 32, 64, 128]
+    block_n: Literal[32, 64, 128, 256]
+    block_k: Literal[32, 64, 128, 256]
+    num_warps: Literal[2, 4, 8]
+    num_stages: int = Field(ge=1, le=8)
+
+    def shared_bytes(self, element_bytes: int) -> int:
+        """Shared memory its pipeline stages take (both operands' tiles per stage), the number a GPU's
+        per-block limit bounds."""
+        return self.num_stages * (self.block_m + self.block_n) * self.block_k * element_bytes
+
+    def short(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
+
+
+class ShapeTiles(BaseModel):
+    """The tiles of one weight shape (N output columns, K reduction), keyed by rows per expert."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n: int = Field(gt=0)
+    k: int = Field(gt=0)
+    tiles: dict[int, Tile] = Field(min_length=1)
+
+    def pick(self, rows_per_expert: float) -> Tile:
+        """The tile measured nearest `rows_per_expert`, nearness by ratio (16 is as far from 8 as 32 is)."""
+        at = math.log2(max(rows_per_expert, 1e-9))
+        return self.tiles[min(self.tiles, key=lambda r: (abs(math.log2(r) - at), r))]
+
+
+class TileTable(BaseModel):
+    """One GPU model's measured tiles for one operand type; what `dgpipe bench moe-tiles` writes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str  # torch.cuda.get_device_name, as measured
+    operand: Operand
+    torch: str  # the versions it was measured with (a Triton upgrade may change the best tiles)
+    triton: str
+    shapes: list[ShapeTiles] = Field(min_length=1)
+
+    def pick(self, n: int, k: int, rows_per_expert: float) -> Tile | None:
+        """The measured tile for this shape nearest `rows_per_expert`, or None (shape not measured)."""
+        for shape in self.shapes:
+            if (shape.n, shape.k) == (n, k):
+                return shape.pick(rows_per_expert)
+        return None
+
+    def all_tiles(self) -> list[Tile]:
+        """Every distinct tile it names, in a stable order (what the load-time probe checks)."""
+        return list(dict.fromkeys(t for s in self.shapes for _, t in sorted(s.tiles.items())))
+
+
+def file_name(device: str, operand: str) -> str:
+    """The table's file name: the GPU's name with its spaces and punctuation as underscores, as vLLM names
+    its per-device files (`NVIDIA_H200-fp8.yaml`)."""
+    return f"{re.sub(r'[^A-Za-z0-9]+', '_', device).strip('_')}-{operand}.yaml"
+
+
+def search_dirs() -> list[Path]:
+    """Where tables are looked for, first match wins: tuned on this host, then shipped with dgpipe."""
+    dirs = [cache_dir() / TABLE_DIR]
+    with contextlib.suppress(DgpipeError):  # an install without its configs: only tables tuned here
+        dirs.append(configs_dir() / TABLE_DIR)
+    return dirs
+
+
+def read_table(path: Path) -> TileTable:
+    """A table file, or a DgpipeError naming the file and what is wrong with it."""
+    try:
+        return TileTable.model_validate(yaml.safe_load(path.read_text()))
+    except (OSError, yaml.YAMLError, ValidationError) as e:
+        first = str(e).strip().splitlines()
+        raise DgpipeError(
+            f"MoE tile table {path} is not valid: {' '.join(first[:3])}",
+            f"delete it, or write it again with `dgpipe bench moe-tiles --out {path.parent}`",
+        ) from e
+
+
+def find_table(device: str, operand: str, dirs: list[Path] | None = None) -> tuple[TileTable, Path] | None:
+    """The first table for this GPU model and operand type in `dirs` (default `search_dirs`), or None."""
+    for d in dirs if dirs is not None else search_dirs():
+        path = d / file_name(device, operand)
+        if path.is_file():
+            table = read_table(path)
+            if table.device != device or table.operand != operand:
+                raise DgpipeError(
+                    f"MoE tile table {path} was measured on {table.device} ({table.operand}), "
+                    f"not {device} ({operand})",
+                    "delete it: its name and its contents disagree",
+                )
+            return table, path
+    return None
+
+
+@functools.cache
+def table_for(device: torch.device, operand: str) -> TileTable | None:
+    """This CUDA device's table for `operand` ("fp8" or "bf16"), read once per process; None off CUDA or
+    where none was measured. A table tuned on this host (`dgpipe bench moe-tiles`) is read by the
+    processes started after it."""
+    if device.type != "cuda":
+        return None
+    found = find_table(torch.cuda.get_device_name(device), operand)
+    return found[0] if found else None
+
+
+def operand_of(element_bytes: int) -> Operand:
+    return "fp8" if element_bytes == 1 else "bf16"

@@ -1,0 +1,120 @@
+"""Measured tile tables for the Triton MoE GEMM (`pipeline.runtime.kernels.moe_tiles`): which tile a pass
+launches with, where tables are found, what a bad table says, and that a tuned tile computes what the
+default tile does (Triton's interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from pipeline.errors import DgpipeError
+from pipeline.model import scaled_layout as sl
+from pipeline.runtime.kernels import moe, moe_tiles
+from pipeline.runtime.kernels.moe_tiles import ShapeTiles, Tile, TileTable
+from tests._utils.interpreter_casts import interpreted
+
+CPU = torch.device("cpu")
+T16 = Tile(block_m=16, block_n=64, block_k=256, num_warps=8, num_stages=3)
+T64 = Tile(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=5)
+
+
+def _table(device: str = "NVIDIA H200", operand: str = "fp8") -> TileTable:
+    return TileTable(device=device, operand=operand, torch="2.11.0+cu130", triton="3.5.0",
+                     shapes=[ShapeTiles(n=1408, k=2816, tiles={16: T16, 64: T64, 256: T64})])  # fmt: skip
+
+
+def test_a_table_picks_the_tile_measured_nearest_by_ratio_and_only_for_its_shapes():
+    table = _table()
+    assert table.pick(1408, 2816, 16) == T16 and table.pick(1408, 2816, 1) == T16
+    assert table.pick(1408, 2816, 31) == T16 and table.pick(1408, 2816, 33) == T64  # 32: as far from 16 as 64
+    assert table.pick(1408, 2816, 32) == T16  # a tie keeps the smaller tile
+    assert table.pick(1408, 2816, 10**6) == T64
+    assert table.pick(2816, 704, 16) is None  # the down shape was not measured
+    assert table.all_tiles() == [T16, T64]
+    # the pass's tile: the table's where it has one, else the default
+    assert moe.tiles(2048, 128, 1408, 2816, 1, table) == T16
+    assert moe.tiles(2048, 128, 2816, 704, 1, table) == moe.default_tile(2048, 128, 1)
+    assert moe.tiles(2048, 128, 1408, 2816, 1, None) == moe.default_tile(2048, 128, 1)
+
+
+def test_tiles_take_only_launchable_settings_and_say_their_shared_memory():
+    assert T64.shared_bytes(1) == 5 * (64 + 256) * 64 and T64.shared_bytes(2) == 2 * T64.shared_bytes(1)
+    for bad in ({"block_m": 24}, {"num_warps": 3}, {"num_stages": 0}, {"extra": 1}):
+        with pytest.raises(ValueError):
+            Tile(**{**T16.model_dump(), **bad})
+
+
+def test_table_files_are_named_after_the_gpu_model_and_found_first_in_the_cache(tmp_path, monkeypatch):
+    assert moe_tiles.file_name("NVIDIA H200", "fp8") == "NVIDIA_H200-fp8.yaml"
+    name = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
+    assert moe_tiles.file_name(name, "bf16") == "NVIDIA_RTX_PRO_6000_Blackwell_Server_Edition-bf16.yaml"
+    monkeypatch.setenv("DGPIPE_CACHE", str(tmp_path / "cache"))
+    dirs = moe_tiles.search_dirs()
+    assert dirs[0] == tmp_path / "cache" / "moe_tiles" and dirs[1].parts[-2:] == ("configs", "moe_tiles")
+    shipped, tuned = tmp_path / "shipped", tmp_path / "tuned"
+    for d, tile in ((shipped, T64), (tuned, T16)):
+        d.mkdir()
+        t = _table()
+        t.shapes[0].tiles[16] = tile
+        (d / "NVIDIA_H200-fp8.yaml").write_text(yaml.safe_dump(t.model_dump()))
+    found, path = moe_tiles.find_table("NVIDIA H200", "fp8", [tuned, shipped])
+    assert path == tuned / "NVIDIA_H200-fp8.yaml" and found.pick(1408, 2816, 16) == T16
+    assert moe_tiles.find_table("NVIDIA H200", "fp8", [shipped])[0].pick(1408, 2816, 16) == T64
+    assert moe_tiles.find_table("NVIDIA H200", "bf16", [tuned, shipped]) is None
+    assert moe_tiles.find_table("NVIDIA H100 80GB HBM3", "fp8", [tuned, shipped]) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("device: [unclosed", "is not valid"),
+        ("device: NVIDIA H200\noperand: fp8\n", "is not valid: 3 validation errors"),
+        (None, r"was measured on NVIDIA H100 \(fp8\), not NVIDIA H200 \(fp8\)"),
+    ],
+)
+def test_a_bad_table_is_an_error_naming_the_file_and_the_fix(tmp_path, text, says):
+    path = tmp_path / "NVIDIA_H200-fp8.yaml"
+    path.write_text(text if text is not None else yaml.safe_dump(_table("NVIDIA H100").model_dump()))
+    with pytest.raises(DgpipeError, match=says) as e:
+        moe_tiles.find_table("NVIDIA H200", "fp8", [tmp_path])
+    assert str(path) in str(e.value) and ("delete it" in e.value.hint)
+
+
+def test_off_cuda_no_table_is_read():
+    assert moe_tiles.table_for(CPU, "fp8") is None
+
+
+@interpreted
+@pytest.mark.parametrize("operand", ["fp8", "bf16"])
+def test_a_pass_launches_with_its_gpus_table_and_a_tuned_tile_computes_what_the_default_does(
+    operand, monkeypatch
+):
+    """The table this device has (here put in place of the CUDA lookup) decides the pass's tile; a tile
+    wider than N and deeper than K, with other warps and stages, gives the default tile's result within one
+    bf16 rounding (another K block sums in another order)."""
+    gen = torch.Generator().manual_seed(11)
+    e, n, k, tokens = 4, 96, 160, 60
+    element_bytes = 1 if operand == "fp8" else 2
+    w = torch.randn(e, n, k, generator=gen)
+    a = torch.randn(tokens, k, generator=gen)
+    if operand == "fp8":
+        w, a = (w * 8).to(torch.float8_e4m3fn), (a * 8).to(torch.float8_e4m3fn)
+        scales = (torch.rand(tokens, generator=gen) + 0.5, torch.rand(e, n, generator=gen) + 0.5)
+    else:
+        w, a, scales = w.bfloat16(), a.bfloat16(), (None, None)
+    index = torch.randint(0, e, (tokens, 2), generator=gen)
+    routing = sl.expert_order(index, e)
+    args = (a, scales[0], routing.token_of, w, scales[1], routing.offs)
+    want = moe.launch(moe.default_tile(tokens * 2, e, element_bytes), *args).float()
+    tuned = Tile(block_m=16, block_n=256, block_k=256 // element_bytes, num_warps=8, num_stages=3)
+    table = TileTable(device="cpu", operand=operand, torch="t", triton="t",
+                      shapes=[ShapeTiles(n=n, k=k, tiles={30: tuned})])  # fmt: skip
+    seen = []
+    real = moe.launch
+    monkeypatch.setattr(moe_tiles, "table_for", lambda device, op: table if op == operand else None)
+    monkeypatch.setattr(moe, "launch", lambda tile, *a: seen.append(tile) or real(tile, *a))
+    got = moe.moe_gemm(*args).float()
+    assert seen == [tuned]
+    assert float((got - want).norm() / want.norm()) < 2**-8
+    assert moe.probe_tiles(CPU, element_bytes)[-1] == tuned  # the probe runs it too
