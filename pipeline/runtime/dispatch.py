@@ -98,7 +98,9 @@ FP8_FAST_ACCUM = True
 _ACC = ", fast accumulation" if FP8_FAST_ACCUM else ""
 # Passes with few rows per expert (one canvas: 2,048 slots over 128 experts) take dgpipe's Triton FP8 MoE
 # GEMM on Hopper (`pipeline.runtime.kernels.moe`, where the probe ran it): torch's grouped FP8 kernel streamed
-# the experts' weights at 44% of an H200's HBM there. More rows per expert keep torch's kernel.
+# the experts' weights at 44% of an H200's HBM there. More rows per expert keep torch's kernel. Where this
+# GPU model's tile table timed torch's kernel too (`dgpipe bench moe-tiles`), its measured crossover
+# replaces this count (`kernels.moe_tiles.TileTable.triton_rows`, `gpu_load.experts_plan`).
 TRITON_MAX_ROWS_PER_EXPERT = 64
 TRITON_MOE = f"Triton FP8 MoE GEMM at <= {TRITON_MAX_ROWS_PER_EXPERT} rows per expert"
 # On Ada and RTX Blackwell (sm89, sm120) torch has neither an FP8 grouped GEMM nor a bf16 one (its bf16

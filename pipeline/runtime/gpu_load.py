@@ -45,6 +45,7 @@ from pipeline.runtime.kernels.chains import (
     scale_columns_or_torch,
     softcap,
 )
+from pipeline.runtime.kernels.moe_tiles import measured_triton_rows
 from pipeline.runtime.kernels.routing import expert_order_or_torch, top_k_or_torch
 from pipeline.runtime.probe import (
     COMBINE,
@@ -97,10 +98,14 @@ class Installed:
         return "; ".join([head, *routed, *shared, *merged, *self.fallbacks])
 
 
-def experts_plan(row: DispatchRow, pr: Probe) -> tuple[str | None, float, str | None]:
+def experts_plan(
+    row: DispatchRow, pr: Probe, measured_rows: float | None = None
+) -> tuple[str | None, float, str | None]:
     """How a quantized checkpoint's experts run on this GPU: (mode, Triton rows per expert, what fell back
     and why). The row's kernel if it passed its probe, else the row's second quantized path if that passed
-    (`experts_fallback`), else None: dequantized to the float path."""
+    (`experts_fallback`), else None: dequantized to the float path. `measured_rows`: the crossover this GPU
+    model's tile table measured (`moe_tiles.measured_triton_rows`), in place of the row's threshold where
+    the row splits passes between the Triton GEMM and torch's."""
     exp = kernel_mode(row.experts)
     if exp is None:
         return None, 0.0, None
@@ -115,7 +120,8 @@ def experts_plan(row: DispatchRow, pr: Probe) -> tuple[str | None, float, str | 
         why = pr.results.get(f"triton:{exp}", "not run")
         return exp, 0.0, (f"dgpipe's Triton kernels ({TRITON_MOE}, FP8 quantization) failed their probe ({why}): "
                           "torch's grouped GEMM and quantization run every pass")  # fmt: skip
-    return exp, row.triton_rows, None
+    split = row.triton and row.torch_experts
+    return exp, measured_rows if split and measured_rows is not None else row.triton_rows, None
 
 
 def one_pass(mode: str | None, pr: Probe) -> bool:
@@ -180,7 +186,7 @@ class TensorCoreLoad:
                 f"linears: {row.linears} failed its probe ({pr.results.get(f'linear:{lin}')})"
             )
             lin = None
-        exp, triton_rows, line = experts_plan(row, pr)
+        exp, triton_rows, line = experts_plan(row, pr, measured_triton_rows(self.device))
         if line:
             res.fallbacks.append(line)
         return lin, exp, triton_rows, row

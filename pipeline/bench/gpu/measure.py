@@ -40,6 +40,7 @@ def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
     probe this GPU); `seed`: None draws without a seeded generator (fake tensors have none)."""
     from pipeline.runtime.dispatch import dispatch
     from pipeline.runtime.gpu_load import experts_plan, one_pass
+    from pipeline.runtime.kernels.moe_tiles import measured_triton_rows
     from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, random_packed
 
     dev = next(model.parameters()).device
@@ -48,7 +49,7 @@ def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
     pr = probed if probed is not None else _kernels_here(dev, row.arch)
     lin = kernel_mode(row.linears)
     lin = lin if lin and pr.ok(f"linear:{lin}") else None
-    exp, triton_rows, fell_back = experts_plan(row, pr)
+    exp, triton_rows, fell_back = experts_plan(row, pr, measured_triton_rows(dev))
     lin_one_pass, exp_one_pass = one_pass(lin, pr), one_pass(exp, pr)
     kernels = f"{row.linears} / {row.experts}" + (f" ({fell_back})" if fell_back else "")
     gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None

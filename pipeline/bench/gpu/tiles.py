@@ -3,12 +3,14 @@ tiles on this GPU, at a model's two expert GEMM shapes (gate|up and down) and at
 and write the fastest tile of each as this GPU model's table (`pipeline.runtime.kernels.moe_tiles`), which
 every later dgpipe process on a GPU of the same model reads.
 
-How, and why so: the candidates are the grid vLLM's fused-MoE tuner searches, cut to what fits the GPU's
-shared memory per block; the GEMMs run on the operands the pass gives them (FP8 or bf16 weights, the tokens'
-rows gathered by the kernel for gate|up, the down rows written back in token-major slot order), routed
-uniformly at random; each tile's output must be the float product of its operands (one bf16 rounding
-apart) or the tile is rejected; times are `triton.testing.do_bench` medians (CUDA events, L2 flushed between runs).
-Compiling a candidate (two specializations: gate|up and down) costs ~1 s, the timings much less, so the
+How, and why so: the candidates are a subset of the grid vLLM's fused-MoE tuner searches
+(`benchmarks/kernels/benchmark_moe.py`: M tiles 16-256, N 32-256, K 64-256, 4 or 8 warps, 2-5 stages, and a
+GROUP_SIZE_M our launch order has no counterpart for), cut to what fits the GPU's shared memory per block;
+the GEMMs run on the operands the pass gives them (FP8 or bf16 weights, the tokens' rows gathered by the
+kernel for gate|up, the down rows written back in token-major slot order), routed uniformly at random, as
+vLLM's tuner routes them; each tile's output must be the float product of its operands (one bf16 rounding
+apart) or the tile is rejected; times are `triton.testing.do_bench` medians (CUDA events, L2 flushed
+between runs). Compiling a candidate (two specializations: gate|up and down) costs ~1 s, the timings much less, so the
 candidates run in order of likelihood, the current defaults first, nearest variations next, until the
 time budget is spent: a short budget still leaves a table no slower than the defaults at any point."""
 
@@ -75,8 +77,15 @@ class Problem:
 
 
 def problems(
-    shapes, canvases, canvas: int, experts: int, top_k: int, operand: str, dev: torch.device, seed: int = 0
-):
+    shapes: tuple[GemmShape, ...],
+    canvases: tuple[int, ...],
+    canvas: int,
+    experts: int,
+    top_k: int,
+    operand: str,
+    dev: torch.device,
+    seed: int = 0,
+) -> list[Problem]:
     """The operands of every (shape, canvases) GEMM: random weights in the operand's dtype, a pass's
     `canvas` tokens per canvas routed uniformly at random over `experts`, top `top_k` each."""
     from pipeline.model import scaled_layout as sl
@@ -132,6 +141,38 @@ def do_bench_ms(fn: Callable[[], object]) -> float:
     return float(do_bench(fn, warmup=5, rep=20, return_mode="median"))
 
 
+def vendor_gemm(p: Problem) -> Callable[[], torch.Tensor]:
+    """torch's grouped GEMM on the problem's operands, as a pass runs it where the Triton GEMM does not: FP8
+    through `tensor_cores.grouped_gemm` (RowWise), bf16 through `F.grouped_mm`, the token rows gathered
+    first in both (the Triton GEMM gathers them itself). The down rows stay in expert order: the gather
+    back to token order that the pass then runs is not timed, so the comparison leans to torch."""
+    a, a_scale, rows, w, w_scale, offs, _ = p.args
+    if a_scale is not None:
+        from pipeline.runtime.tensor_cores import grouped_gemm
+
+        # the activations' global scale is NVFP4's only: unread for FP8
+        return lambda: grouped_gemm(a if rows is None else a[rows], a_scale, w, w_scale, None, None, offs, "fp8",
+                                    scale_rows=rows)  # fmt: skip
+    return lambda: torch.nn.functional.grouped_mm(
+        a if rows is None else a[rows], w.transpose(-2, -1), offs=offs
+    )
+
+
+def time_vendor(problems_: list[Problem], time_ms: Callable[[Callable[[], object]], float]) -> dict:
+    """ms of torch's grouped GEMM per problem (`vendor_gemm`), or None and why where it cannot run here
+    (torch's FP8 grouped GEMM is sm90-only)."""
+    ms, error = [], None
+    for p in problems_:
+        try:
+            fn = vendor_gemm(p)
+            fn()
+            ms.append(time_ms(fn))
+        except Exception as e:  # its own field says why; the tiles are still timed
+            ms.append(None)
+            error = error_line(e)
+    return {"ms": ms, "error": error}
+
+
 def tune(
     problems_: list[Problem],
     tiles: list[Tile],
@@ -171,11 +212,17 @@ def tune(
 
 
 def best_table(
-    problems_: list[Problem], timed: list, device: str, operand: str, element_bytes: int
+    problems_: list[Problem],
+    timed: list,
+    device: str,
+    operand: str,
+    element_bytes: int,
+    vendor_ms: list[float | None] | None = None,
 ) -> tuple[TileTable, list[dict]]:
-    """The fastest timed tile per problem as a table, and one row per problem: its default tile's ms and the
-    best tile's."""
-    rows, by_shape = [], {}
+    """The fastest timed tile per problem as a table (with its ms and torch's, `vendor_ms`), and one row
+    per problem: its default tile's ms, the best tile's and torch's."""
+    rows, by_shape, best_ms, torch_ms = [], {}, {}, {}
+    vendor_ms = vendor_ms or [None] * len(problems_)
     for j, p in enumerate(problems_):
         default = kernels.moe.default_tile(p.slots, p.experts, element_bytes)
         mine = {t: ms[j] for t, ms in timed}
@@ -183,11 +230,16 @@ def best_table(
         per_expert = p.slots / p.experts
         rows.append({"shape": p.shape.name, "n": p.shape.n, "k": p.shape.k, "canvases": p.canvases,
                      "rows_per_expert": per_expert, "default": default.short(), "default_ms": mine.get(default),
-                     "best": best.short(), "best_ms": mine[best]})  # fmt: skip
-        by_shape.setdefault(p.shape, {})[max(1, round(per_expert))] = best
+                     "best": best.short(), "best_ms": mine[best], "vendor_ms": vendor_ms[j]})  # fmt: skip
+        key = max(1, round(per_expert))
+        by_shape.setdefault(p.shape, {})[key] = best
+        best_ms.setdefault(p.shape, {})[key] = mine[best]
+        if vendor_ms[j] is not None:
+            torch_ms.setdefault(p.shape, {})[key] = vendor_ms[j]
     import triton
 
-    shapes = [ShapeTiles(n=s.n, k=s.k, tiles=t) for s, t in by_shape.items()]
+    shapes = [ShapeTiles(n=s.n, k=s.k, tiles=t, tile_ms=best_ms[s], vendor_ms=torch_ms.get(s, {}))
+              for s, t in by_shape.items()]  # fmt: skip
     table = TileTable(
         device=device, operand=operand, torch=torch.__version__, triton=triton.__version__, shapes=shapes
     )
@@ -196,33 +248,40 @@ def best_table(
 
 def render(result: dict) -> list[str]:
     """The summary line and `render_rows`' table."""
-    lines = [
+    rows = result.get("triton_rows")
+    crossover = (
+        f"torch's grouped GEMM not timed ({result.get('vendor_error')})"
+        if rows is None
+        else "torch's grouped GEMM is faster from the fewest rows per expert timed"
+        if not rows
+        else f"the tuned Triton GEMM is as fast as torch's grouped GEMM up to {rows:.0f} rows per expert"
+    )
+    return [
         f"Triton MoE GEMM tiles on {result['device']} ({result['operand']}; torch {result['torch']}, "
         f"Triton {result['triton']}): {result['timed']} of {result['candidates']} candidate tiles timed in "
-        f"{result['seconds']:.0f} s, {len(result['rejected'])} rejected; do_bench medians",
+        f"{result['seconds']:.0f} s, {len(result['rejected'])} rejected; do_bench medians; {crossover}",
         *render_rows(result["rows"]),
     ]
-    return lines
 
 
 def render_rows(rows: list[dict]) -> list[str]:
-    """Per GEMM shape and canvases: the default tile and the best, with their ms (also in `dgpipe bench gpu`'s
-    table)."""
+    """Per GEMM shape and canvases: the default tile and the best, with their ms, and torch's grouped GEMM
+    on the same operands (also in `dgpipe bench gpu`'s table)."""
     if not rows:
         return []
     lines = [
         "",
-        "| MoE GEMM | canvases | rows per expert | default tile | ms | best tile | ms | default / best |",
-        "|---|---:|---:|---|---:|---|---:|---:|",
+        "| MoE GEMM | canvases | rows per expert | default tile | ms | best tile | ms | default / best "
+        "| ms torch grouped GEMM | torch / best |",
+        "|---|---:|---:|---|---:|---|---:|---:|---:|---:|",
     ]
+    cell = lambda v, f: "-" if v is None else format(v, f)
     for r in rows:
-        d = r["default_ms"]
+        d, b, v = r["default_ms"], r["best_ms"], r.get("vendor_ms")
         lines.append(
-            f"| {r['shape']} [{r['n']}, {r['k']}] | {r['canvases']} | {r['rows_per_expert']:.0f} | {r['default']} | "
-            + (f"{d:.3f}" if d is not None else "-")
-            + f" | {r['best']} | {r['best_ms']:.3f} | "
-            + (f"{d / r['best_ms']:.2f}" if d is not None else "-")
-            + " |"
+            f"| {r['shape']} [{r['n']}, {r['k']}] | {r['canvases']} | {r['rows_per_expert']:.0f} | {r['default']} "
+            f"| {cell(d, '.3f')} | {r['best']} | {b:.3f} | {cell(d and d / b, '.2f')} | {cell(v, '.3f')} "
+            f"| {cell(v and v / b, '.2f')} |"
         )
     return lines
 
@@ -276,9 +335,11 @@ def run_moe_tiles(
     todo = problems(shapes, canvases, mcfg.canvas_length, text.num_experts, text.top_k_experts, operand, dev)
     tiles = candidates(element_bytes, shared)
     with torch.inference_mode():
+        vendor = time_vendor(todo, time_ms)
         found = tune(todo, tiles, t0 + budget_s, time_ms, on_tile)
-    table, rows = best_table(todo, found["timed"], name, operand, element_bytes)
+    table, rows = best_table(todo, found["timed"], name, operand, element_bytes, vendor["ms"])
     result = {"device": name, "arch": arch, "operand": operand, "model": config, "torch": table.torch,
+              "triton_rows": table.triton_rows(), "vendor_error": vendor["error"],
               "triton": table.triton, "shared_memory_per_block": shared, "budget_s": budget_s,
               "seconds": time.monotonic() - t0, "candidates": len(tiles), "timed": len(found["timed"]),
               "rejected": [{"tile": t.short(), "why": w} for t, w in found["rejected"]], "rows": rows,

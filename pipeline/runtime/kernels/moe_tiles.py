@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.errors import DgpipeError
 from pipeline.resources import cache_dir, configs_dir
@@ -57,13 +57,23 @@ class Tile(BaseModel):
 
 
 class ShapeTiles(BaseModel):
-    """The tiles of one weight shape (N output columns, K reduction), keyed by rows per expert."""
+    """The tiles of one weight shape (N output columns, K reduction), keyed by rows per expert, with the
+    measured ms of each and of torch's grouped GEMM on the same operands (where this GPU has one)."""
 
     model_config = ConfigDict(extra="forbid")
 
     n: int = Field(gt=0)
     k: int = Field(gt=0)
     tiles: dict[int, Tile] = Field(min_length=1)
+    tile_ms: dict[int, float] = {}
+    vendor_ms: dict[int, float] = {}
+
+    @model_validator(mode="after")
+    def _same_rows(self) -> ShapeTiles:
+        for name in ("tile_ms", "vendor_ms"):
+            if not set(getattr(self, name)) <= set(self.tiles):
+                raise ValueError(f"{name} names rows per expert that `tiles` does not")
+        return self
 
     def pick(self, rows_per_expert: float) -> Tile:
         """The tile measured nearest `rows_per_expert`, nearness by ratio (16 is as far from 8 as 32 is)."""
@@ -88,6 +98,21 @@ class TileTable(BaseModel):
             if (shape.n, shape.k) == (n, k):
                 return shape.pick(rows_per_expert)
         return None
+
+    def triton_rows(self) -> float | None:
+        """Up to how many rows per expert the tuned Triton GEMM beat torch's grouped GEMM here (both
+        shapes' ms summed): the largest measured count at which it won at every count up to it, 0 where it
+        lost at the smallest, None where torch's was not timed at every count. Where the dispatch row gives
+        Triton the passes with few rows per expert (Hopper), this measured crossover replaces its constant."""
+        counts = sorted(set.intersection(*(set(s.tiles) for s in self.shapes)))
+        if not all(r in s.tile_ms and r in s.vendor_ms for s in self.shapes for r in counts):
+            return None
+        rows = 0.0
+        for r in counts:
+            if sum(s.tile_ms[r] for s in self.shapes) > sum(s.vendor_ms[r] for s in self.shapes):
+                break
+            rows = float(r)
+        return rows
 
     def all_tiles(self) -> list[Tile]:
         """Every distinct tile it names, in a stable order (what the load-time probe checks)."""
@@ -145,6 +170,13 @@ def table_for(device: torch.device, operand: str) -> TileTable | None:
         return None
     found = find_table(torch.cuda.get_device_name(device), operand)
     return found[0] if found else None
+
+
+def measured_triton_rows(device: torch.device) -> float | None:
+    """This GPU's measured crossover between the Triton FP8 GEMM and torch's (`TileTable.triton_rows`), or
+    None: no FP8 table, or one without torch's timings."""
+    table = table_for(device, "fp8")
+    return table.triton_rows() if table is not None else None
 
 
 def operand_of(element_bytes: int) -> Operand:

@@ -387,6 +387,15 @@ def test_the_experts_plan_follows_the_row_and_the_probe():
         dp.TRITON_MAX_ROWS_PER_EXPERT,
         None,
     )
+    # this GPU model's tile table measured where the tuned Triton GEMM stops beating torch's: that count
+    # replaces the row's threshold where the row splits passes between them, and only there
+    measured = lambda fmt, arch, results: gpu_load.experts_plan(
+        dp.dispatch(fmt, arch), probing.Probe(arch, results), 256.0
+    )[1]
+    assert measured("fp8", "sm90", {"experts:fp8": None, "triton:fp8": None}) == 256.0
+    assert measured("nvfp4", "sm90", {"experts:fp8_rowwise": None, "triton:fp8_rowwise": None}) == 256.0
+    assert measured("fp8", "sm89", {"triton:fp8": None}) == dp.EVERY_PASS
+    assert measured("nvfp4", "sm100", {"experts:nvfp4": None}) == 0.0
     mode, rows, line = plan("fp8", "sm90", {"experts:fp8": None, "triton:fp8": "PTX error"})
     assert (mode, rows) == (
         "fp8",

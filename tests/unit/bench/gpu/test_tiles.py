@@ -112,11 +112,37 @@ def test_a_run_writes_a_table_dgpipe_reads_back(tmp_path, monkeypatch):
     saved = json.loads((tmp_path / "out" / tiles.RESULT_FILE).read_text())
     assert saved["rows"] == result["rows"] and [r["shape"] for r in saved["rows"]] == ["gate_up", "down"]
     md = (tmp_path / "out" / tiles.TABLE_FILE).read_text()
-    assert "| gate_up [192, 96] | 1 |" in md and "| 1.00 |" in md
+    assert "| gate_up [192, 96] | 1 |" in md and "| 1.000 | 1.00 | - | - |" in md
+    # torch's grouped FP8 GEMM runs on CUDA only: not timed, and no crossover in the table
+    assert result["vendor_error"] and result["triton_rows"] is None and "grouped GEMM not timed" in md
     found, path = moe_tiles.find_table("cpu (interpreted)", "fp8")
     assert path == install / "cpu_interpreted-fp8.yaml" and (tmp_path / "out" / path.name).is_file()
     rows_per_expert = result["rows"][0]["rows_per_expert"]
     assert found.pick(192, 96, rows_per_expert) == moe.default_tile(round(rows_per_expert * 4), 4, 1)
+
+
+@interpreted
+def test_torchs_grouped_gemm_is_timed_on_the_same_operands_and_sets_the_crossover(monkeypatch):
+    """torch's grouped GEMM computes the float product of the problem's operands (bf16 `F.grouped_mm`,
+    here on the CPU), its ms go in the table beside the best tile's, and the table's crossover follows."""
+    probs = _problems("bf16")
+    for p in probs:
+        got = tiles.vendor_gemm(p)().float()
+        want = tiles.reference(p)
+        if p.args[-1] is not None:  # the down GEMM: torch's rows stay in expert order
+            want = want.index_select(0, p.args[-1])
+        assert float((got - want).norm() / want.norm()) < 2**-7
+    marks = []
+    monkeypatch.setattr(tiles, "vendor_gemm", lambda p: lambda: marks.append(p.canvases))
+    vendor = tiles.time_vendor(probs, time_ms=lambda fn: (fn(), {1: 5.0, 2: 0.5}[marks[-1]])[1])
+    assert vendor == {"ms": [5.0, 5.0, 0.5, 0.5], "error": None}
+    defaults = list(dict.fromkeys(moe.default_tile(p.slots, p.experts, 2) for p in probs))
+    found = tiles.tune(probs, defaults, deadline=0.0, time_ms=lambda fn: 1.0)
+    table, rows = tiles.best_table(probs, found["timed"], "cpu", "bf16", 2, vendor["ms"])
+    assert [r["vendor_ms"] for r in rows] == vendor[
+        "ms"
+    ] and table.triton_rows() == 8.0  # 16 rows: torch wins
+    assert tiles.render_rows(rows)[-1].endswith("| 1.000 | 1.00 | 0.500 | 0.50 |")
 
 
 @pytest.mark.parametrize(
@@ -138,15 +164,26 @@ def test_the_command_says_what_is_wrong_in_one_line(monkeypatch, capsys, tmp_pat
     )
 
 
-@pytest.mark.parametrize("rows", [[], [{"shape": "down", "n": 2816, "k": 704, "canvases": 16, "rows_per_expert": 256.0,
-                                        "default": "64x128x128 w4 s4", "default_ms": 0.5, "best": "128x128x128 w8 s3",
-                                        "best_ms": 0.25}]])  # fmt: skip
-def test_bench_gpus_table_shows_the_tuned_tiles(rows):
-    lines = tiles.render_rows(rows)
-    if rows:
-        assert (
-            lines[-1]
-            == "| down [2816, 704] | 16 | 256 | 64x128x128 w4 s4 | 0.500 | 128x128x128 w8 s3 | 0.250 | 2.00 |"
-        )
-    else:
-        assert lines == []
+def test_bench_gpus_table_shows_the_tuned_tiles_beside_torchs_grouped_gemm():
+    from dataclasses import asdict
+
+    from pipeline.bench.gpu import checks, report
+
+    row = {"shape": "down", "n": 2816, "k": 704, "canvases": 16, "rows_per_expert": 256.0, "default": "64x128x128 w4 s4",
+           "default_ms": 0.5, "best": "128x128x128 w8 s3", "best_ms": 0.25, "vendor_ms": 1.0}  # fmt: skip
+    check = {
+        "name": "MoE GEMM tiles",
+        "status": "passed",
+        "seconds": 30.0,
+        "budget_s": 30,
+        "detail": "",
+        "rows": [row],
+    }
+    env = asdict(checks.Env(cuda=True, gpu="NVIDIA H200", arch="sm90", memory_gib=140, torch="2.11"))
+    md = report.render({"env": env, "dry_run": False, "checks": [check]})
+    want = "| down [2816, 704] | 16 | 256 | 64x128x128 w4 s4 | 0.500 | 128x128x128 w8 s3 | 0.250 | 2.00 | 1.000 | 4.00 |"
+    assert md.splitlines()[-1] == want
+    assert tiles.render_rows([{**row, "default_ms": None, "vendor_ms": None}])[-1].endswith(
+        "| 128x128x128 w8 s3 | 0.250 | - | - | - |"
+    )
+    assert tiles.render_rows([]) == []

@@ -38,6 +38,23 @@ def test_a_table_picks_the_tile_measured_nearest_by_ratio_and_only_for_its_shape
     assert moe.tiles(2048, 128, 1408, 2816, 1, None) == moe.default_tile(2048, 128, 1)
 
 
+def test_the_measured_crossover_is_where_the_tuned_triton_gemm_stops_beating_torchs():
+    """Both shapes' ms summed per rows-per-expert count: Triton's tile ms against torch's grouped GEMM's."""
+
+    def table(triton_ms, torch_ms):
+        shapes = [ShapeTiles(n=n, k=k, tiles=dict.fromkeys(triton_ms, T16), tile_ms=dict(triton_ms),
+                             vendor_ms=dict(torch_ms)) for n, k in ((1408, 2816), (2816, 704))]  # fmt: skip
+        return TileTable(device="NVIDIA H200", operand="fp8", torch="t", triton="t", shapes=shapes)
+
+    rows = {16: 0.1, 32: 0.2, 64: 0.4, 128: 0.8, 256: 1.6}
+    assert table(rows, {r: 2 * ms for r, ms in rows.items()}).triton_rows() == 256.0  # wins everywhere
+    assert table(rows, {16: 0.2, 32: 0.2, 64: 0.3, 128: 2.0, 256: 3.2}).triton_rows() == 32.0  # a tie wins
+    assert table(rows, {16: 0.05, 32: 0.4, 64: 0.8, 128: 1.6, 256: 3.2}).triton_rows() == 0.0
+    assert table(rows, {16: 0.2}).triton_rows() is None  # torch's kernel not timed at every count
+    with pytest.raises(ValueError, match="tile_ms names rows per expert that `tiles` does not"):
+        ShapeTiles(n=1, k=1, tiles={16: T16}, tile_ms={32: 0.1})
+
+
 def test_tiles_take_only_launchable_settings_and_say_their_shared_memory():
     assert T64.shared_bytes(1) == 5 * (64 + 256) * 64 and T64.shared_bytes(2) == 2 * T64.shared_bytes(1)
     for bad in ({"block_m": 24}, {"num_warps": 3}, {"num_stages": 0}, {"extra": 1}):
@@ -82,7 +99,7 @@ def test_a_bad_table_is_an_error_naming_the_file_and_the_fix(tmp_path, text, say
 
 
 def test_off_cuda_no_table_is_read():
-    assert moe_tiles.table_for(CPU, "fp8") is None
+    assert moe_tiles.table_for(CPU, "fp8") is None and moe_tiles.measured_triton_rows(CPU) is None
 
 
 @interpreted
