@@ -135,3 +135,14 @@ def test_a_pass_launches_with_its_gpus_table_and_a_tuned_tile_computes_what_the_
     assert seen == [tuned]
     assert float((got - want).norm() / want.norm()) < 2**-8
     assert moe.probe_tiles(CPU, element_bytes)[-1] == tuned  # the probe runs it too
+
+
+def test_every_shipped_table_is_valid_and_named_after_its_gpu():
+    """Tables measured by `dgpipe bench gpu` and committed to configs/moe_tiles: each reads back under the
+    name dgpipe looks it up by."""
+    from pipeline.resources import configs_dir
+
+    shipped = configs_dir() / moe_tiles.TABLE_DIR
+    for path in sorted(shipped.glob("*.yaml")):
+        table = moe_tiles.read_table(path)
+        assert moe_tiles.find_table(table.device, table.operand, [shipped]) == (table, path)
