@@ -307,7 +307,8 @@ def tune_tiles(started: float) -> list[dict]:
     )
     out = Path(os.environ.get("DGPIPE_GPU_OUT", ".")) / "moe_tiles"
     result = run_moe_tiles(out, None, CONFIG, budget_s=max(budget, 1.0))
-    return [{**r, "device": result["device"], "operand": result["operand"]} for r in result["rows"]]
+    tags = {"device": result["device"], "operand": result["operand"], "layers": result["layers"]}
+    return [{**r, **tags} for r in result["rows"]]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pipeline.bench.gpu.network import render_network, render_siblings
-from pipeline.bench.gpu.tiles import render_rows
+from pipeline.bench.gpu.tiles import render_per_pass, render_rows
 
 
 def render(result: dict) -> str:
@@ -67,7 +67,8 @@ def render(result: dict) -> str:
         for b, x in bf16:
             lines.append(f"| layer 0 | {b} | {x['rows_per_expert']:.0f} | {ms(x, 'torch')} | {ms(x, 'triton')} "
                          f"| {x.get('rel_l2_triton_vs_torch', float('nan')):.1e} |")  # fmt: skip
-    lines += render_rows([r for c in result["checks"] for r in c["rows"] if "best_ms" in r])
+    tiles = [r for c in result["checks"] for r in c["rows"] if "best_ms" in r]
+    lines += render_rows(tiles) + (render_per_pass(tiles, tiles[0]["layers"]) if tiles else [])
     return "\n".join(lines)
 
 

@@ -261,7 +261,29 @@ def render(result: dict) -> list[str]:
         f"Triton {result['triton']}): {result['timed']} of {result['candidates']} candidate tiles timed in "
         f"{result['seconds']:.0f} s, {len(result['rejected'])} rejected; do_bench medians; {crossover}",
         *render_rows(result["rows"]),
+        *render_per_pass(result["rows"], result["layers"]),
     ]
+
+
+def per_pass(rows: list[dict], layers: int) -> list[dict]:
+    """The expert GEMMs of a whole pass per canvases: both shapes' ms times the model's MoE layers, on the
+    default tiles, the best ones and torch's kernel (None where one of them was not timed)."""
+    total = lambda group, key: (
+        None if any(r.get(key) is None for r in group) else layers * sum(r[key] for r in group)
+    )
+    by_canvases: dict[int, list[dict]] = {}
+    for r in rows:
+        by_canvases.setdefault(r["canvases"], []).append(r)
+    return [{"canvases": c, "default_ms": total(g, "default_ms"), "best_ms": total(g, "best_ms"),
+             "vendor_ms": total(g, "vendor_ms")} for c, g in sorted(by_canvases.items())]  # fmt: skip
+
+
+def render_per_pass(rows: list[dict], layers: int) -> list[str]:
+    cell = lambda v: "-" if v is None else f"{v:.2f}"
+    lines = ["", f"| expert GEMMs per pass ({layers} layers) | ms default tiles | ms best tiles | ms torch grouped GEMM |",
+             "|---:|---:|---:|---:|"]  # fmt: skip
+    return lines + [f"| {p['canvases']} canvases | {cell(p['default_ms'])} | {cell(p['best_ms'])} | {cell(p['vendor_ms'])} |"
+                    for p in per_pass(rows, layers)]  # fmt: skip
 
 
 def render_rows(rows: list[dict]) -> list[str]:
@@ -338,7 +360,8 @@ def run_moe_tiles(
         vendor = time_vendor(todo, time_ms)
         found = tune(todo, tiles, t0 + budget_s, time_ms, on_tile)
     table, rows = best_table(todo, found["timed"], name, operand, element_bytes, vendor["ms"])
-    result = {"device": name, "arch": arch, "operand": operand, "model": config, "torch": table.torch,
+    result = {"device": name, "arch": arch, "operand": operand, "model": config, "layers": text.num_hidden_layers,
+              "torch": table.torch,
               "triton_rows": table.triton_rows(), "vendor_error": vendor["error"],
               "triton": table.triton, "shared_memory_per_block": shared, "budget_s": budget_s,
               "seconds": time.monotonic() - t0, "candidates": len(tiles), "timed": len(found["timed"]),

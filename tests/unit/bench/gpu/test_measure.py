@@ -248,7 +248,12 @@ def test_the_tiles_check_tunes_within_its_budget_and_leaves_its_table_in_the_run
 
     def run(out, operand, config, budget_s):
         seen.update(out=out, operand=operand, config=config, budget_s=budget_s)
-        return {"device": "NVIDIA H200", "operand": "fp8", "rows": [{"shape": "down", "best_ms": 0.1}]}
+        return {
+            "device": "NVIDIA H200",
+            "operand": "fp8",
+            "layers": 30,
+            "rows": [{"shape": "down", "best_ms": 0.1}],
+        }
 
     monkeypatch.setattr(tiles, "run_moe_tiles", run)
     monkeypatch.setenv("DGPIPE_GPU_BUDGET_S", "100")
@@ -262,4 +267,6 @@ def test_the_tiles_check_tunes_within_its_budget_and_leaves_its_table_in_the_run
     )
     assert 100 - measure.TILES_MARGIN_S - 5 < seen["budget_s"] <= 100 - measure.TILES_MARGIN_S
     rows = json.loads((tmp_path / "rows.json").read_text())
-    assert rows == [{"shape": "down", "best_ms": 0.1, "device": "NVIDIA H200", "operand": "fp8"}]
+    assert rows == [
+        {"shape": "down", "best_ms": 0.1, "device": "NVIDIA H200", "operand": "fp8", "layers": 30}
+    ]
