@@ -83,7 +83,8 @@ CHECKS: tuple[GpuCheck, ...] = (
     _pass("fp8"),
     _pass("nvfp4"),
     GpuCheck(
-        # before the compiled pass, which may run out its budget: this one gets what the checks before it left
+        # before the compiled pass, which may run out its budget: this one gets what the checks before it left,
+        # and uses up to 100 s of it (`measure.TILES_MAX_S`)
         "MoE GEMM tiles",
         30,
         "the Triton MoE GEMM's tiles tuned at the 26B's expert shapes, 1-16 canvases (dgpipe bench moe-tiles)",

@@ -295,16 +295,17 @@ def largest_batch(start: int = 16, limit: int = 1024) -> list[dict]:
 
 
 TILES_MARGIN_S = 15  # of the check's budget: the subprocess's start (torch, CUDA) and writing the table
+TILES_MAX_S = 100  # of what the checks before it left: the rest goes on to the compiled pass after it
 
 
 def tune_tiles(started: float) -> list[dict]:
-    """`dgpipe bench moe-tiles` within the check's budget ($DGPIPE_GPU_BUDGET_S, counted from the process's
-    start), its files in $DGPIPE_GPU_OUT/moe_tiles (the table to ship: configs/moe_tiles); its rows."""
+    """`dgpipe bench moe-tiles` within the check's budget ($DGPIPE_GPU_BUDGET_S, at most `TILES_MAX_S`,
+    counted from the process's start), its files in $DGPIPE_GPU_OUT/moe_tiles (the table to ship:
+    configs/moe_tiles); its rows."""
     from pipeline.bench.gpu.tiles import run_moe_tiles
 
-    budget = (
-        float(os.environ.get("DGPIPE_GPU_BUDGET_S", "60")) - TILES_MARGIN_S - (time.monotonic() - started)
-    )
+    budget = min(float(os.environ.get("DGPIPE_GPU_BUDGET_S", "60")), TILES_MAX_S)
+    budget -= TILES_MARGIN_S + (time.monotonic() - started)
     out = Path(os.environ.get("DGPIPE_GPU_OUT", ".")) / "moe_tiles"
     result = run_moe_tiles(out, None, CONFIG, budget_s=max(budget, 1.0))
     tags = {"device": result["device"], "operand": result["operand"], "layers": result["layers"]}

@@ -266,6 +266,9 @@ def test_the_tiles_check_tunes_within_its_budget_and_leaves_its_table_in_the_run
         and seen["config"] == "diffusiongemma-26b-a4b"
     )
     assert 100 - measure.TILES_MARGIN_S - 5 < seen["budget_s"] <= 100 - measure.TILES_MARGIN_S
+    monkeypatch.setenv("DGPIPE_GPU_BUDGET_S", "400")  # what the checks before it left: not all of it
+    measure.main(["tiles"])
+    assert seen["budget_s"] <= measure.TILES_MAX_S - measure.TILES_MARGIN_S
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert rows == [
         {"shape": "down", "best_ms": 0.1, "device": "NVIDIA H200", "operand": "fp8", "layers": 30}
