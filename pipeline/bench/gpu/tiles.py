@@ -50,12 +50,14 @@ def gemm_shapes(hidden: int, moe_intermediate: int) -> tuple[GemmShape, GemmShap
 
 def candidates(element_bytes: int, shared_limit: int) -> list[Tile]:
     """The tiles worth timing, most likely first: the default tiles (`kernels.moe.default_tile`), then every
-    grid tile within `shared_limit` bytes of shared memory, ordered by how many of its five settings differ
+    grid tile within `shared_limit` bytes of shared memory, ordered by how many of its six settings differ
     from the nearest default (one change before two)."""
     defaults = [kernels.moe.default_tile(m * 128, 128, element_bytes) for m in (8, 16, 64)]
     grid = [
-        Tile(block_m=m, block_n=n, block_k=kb // element_bytes, num_warps=w, num_stages=s)
-        for m, n, kb, w, s in itertools.product(BLOCK_M, BLOCK_N, BLOCK_K_BYTES, WARPS, STAGES)
+        Tile(block_m=m, block_n=n, block_k=kb // element_bytes, num_warps=w, num_stages=s, n_fastest=o)
+        for m, n, kb, w, s, o in itertools.product(
+            BLOCK_M, BLOCK_N, BLOCK_K_BYTES, WARPS, STAGES, (False, True)
+        )
     ]
     fits = [t for t in grid if t.shared_bytes(element_bytes) <= shared_limit]
     differs = lambda t: min(

@@ -57,6 +57,7 @@ def serves(slots: int, experts: int, max_rows: float = TRITON_MAX_ROWS_PER_EXPER
 
 
 BLOCK_MS = (16, 32, 64)  # the M tiles `default_tile` picks from (the load-time probe runs each)
+GRID_Y_MAX = 65535  # CUDA's limit on a grid's second axis
 
 
 def default_tile(slots: int, experts: int, element_bytes: int = 1) -> Tile:
@@ -102,8 +103,13 @@ def _kernel():
         N, K, num_experts, stride_am, stride_as, stride_we, stride_wn, stride_om,
         GATHER: tl.constexpr, SCATTER: tl.constexpr, SCALED: tl.constexpr, DOT_F32: tl.constexpr,
         E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        N_FASTEST: tl.constexpr,
     ):  # fmt: skip
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        # the launch order (`Tile.n_fastest`): CUDA starts blocks along grid axis 0 first
+        if N_FASTEST:
+            pid_m, pid_n = tl.program_id(1), tl.program_id(0)
+        else:
+            pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         # which expert and which of its M blocks this program is: from the end offsets, on the device
         e = tl.arange(0, E_POW2)
         live = e < num_experts
@@ -208,14 +214,19 @@ def launch(
     if slots == 0:
         return out
     bm, bn = tile.block_m, tile.block_n
-    grid = (triton.cdiv(slots, bm) + experts, triton.cdiv(n, bn))  # every expert's last block may be partial
+    m_blocks, n_blocks = (
+        triton.cdiv(slots, bm) + experts,
+        triton.cdiv(n, bn),
+    )  # an expert's last block may be partial
+    n_fastest = tile.n_fastest and m_blocks <= GRID_Y_MAX  # else M first: the same product, in another order
+    grid = (n_blocks, m_blocks) if n_fastest else (m_blocks, n_blocks)
     w_scale = w_scale.contiguous() if scaled else offs  # unread placeholders when not `scaled`
     _kernel()[grid](
         a, a_scale if scaled else offs, rows if rows is not None else offs, w, w_scale, offs, out,
         out_rows if out_rows is not None else offs,
         n, k, experts, a.stride(0), a_scale.stride(0) if scaled else 0, w.stride(0), w.stride(1), out.stride(0),
         GATHER=rows is not None, SCATTER=out_rows is not None, SCALED=scaled, DOT_F32=not scaled and _interpreted(),
-        E_POW2=triton.next_power_of_2(experts), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=tile.block_k,
+        E_POW2=triton.next_power_of_2(experts), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=tile.block_k, N_FASTEST=n_fastest,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return out

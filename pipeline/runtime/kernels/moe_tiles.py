@@ -37,7 +37,13 @@ Operand = Literal["fp8", "bf16"]
 
 class Tile(BaseModel):
     """One launch configuration of the MoE GEMM: its tile sizes (rows, output columns, reduction depth),
-    warps per program and software-pipeline stages."""
+    warps per program, software-pipeline stages, and launch order. M blocks first (`n_fastest` False):
+    programs running together share an N block, so an expert's weight tile is read once for all its M
+    blocks, and the activations are read again for every N block. N blocks first: programs running together
+    share M blocks, so their activation rows are read once from memory and stay in L2 across the N blocks,
+    and an expert's weights are read again for each of its M blocks, from L2 while they fit (4 MB per
+    expert for the 26B's gate|up). With many rows per expert (16 canvases: 256) the second reads far less
+    from memory; which is faster is measured (`dgpipe bench moe-tiles`), as the tiles are."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -46,6 +52,7 @@ class Tile(BaseModel):
     block_k: Literal[32, 64, 128, 256]
     num_warps: Literal[2, 4, 8]
     num_stages: int = Field(ge=1, le=8)
+    n_fastest: bool = False
 
     def shared_bytes(self, element_bytes: int) -> int:
         """Shared memory its pipeline stages take (both operands' tiles per stage), the number a GPU's
@@ -53,7 +60,8 @@ class Tile(BaseModel):
         return self.num_stages * (self.block_m + self.block_n) * self.block_k * element_bytes
 
     def short(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
+        order = " n-first" if self.n_fastest else ""
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{order}"
 
 
 class ShapeTiles(BaseModel):

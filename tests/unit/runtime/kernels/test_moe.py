@@ -205,7 +205,7 @@ for cc, operand in ((90, "fp8"), (89, "fp8"), (120, "fp8"), (89, "bf16"), (120, 
   for slots, gather in ((512, True), (2048, True), (8192, False)):
     cfg = kernels.moe.default_tile(slots, 128, 1 if operand == "fp8" else 2)
     # gate|up gathers its token rows; down (slot order in) writes its rows back in token-major slot order
-    consts = {"GATHER": gather, "SCATTER": not gather, "SCALED": operand == "fp8", "DOT_F32": False, "E_POW2": 128, "BLOCK_M": cfg.block_m,
+    consts = {"GATHER": gather, "SCATTER": not gather, "SCALED": operand == "fp8", "DOT_F32": False, "E_POW2": 128, "N_FASTEST": cfg.n_fastest, "BLOCK_M": cfg.block_m,
               "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
     attrs = {(kernel_fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=kernel_fn, signature={**args, **dict.fromkeys(consts, "constexpr")}, constexprs=consts, attrs=attrs)

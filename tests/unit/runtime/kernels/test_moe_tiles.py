@@ -146,3 +146,43 @@ def test_every_shipped_table_is_valid_and_named_after_its_gpu():
     for path in sorted(shipped.glob("*.yaml")):
         table = moe_tiles.read_table(path)
         assert moe_tiles.find_table(table.device, table.operand, [shipped]) == (table, path)
+
+
+@interpreted
+@pytest.mark.parametrize("operand", ["fp8", "bf16"])
+def test_n_blocks_first_is_the_same_product_in_another_launch_order(operand, monkeypatch):
+    """`Tile.n_fastest` swaps the grid's axes (N blocks along axis 0, which CUDA starts first): the same
+    output bit for bit, rows gathered or written back in slot order; where the M blocks would exceed the
+    grid's second axis, the launch keeps M first."""
+    gen = torch.Generator().manual_seed(12)
+    e, n, k, tokens = 5, 160, 96, 70
+    element_bytes = 1 if operand == "fp8" else 2
+    w, a = torch.randn(e, n, k, generator=gen), torch.randn(tokens, k, generator=gen)
+    if operand == "fp8":
+        w, a = (w * 8).to(torch.float8_e4m3fn), (a * 8).to(torch.float8_e4m3fn)
+        scales = (torch.rand(tokens, generator=gen) + 0.5, torch.rand(e, n, generator=gen) + 0.5)
+    else:
+        w, a, scales = w.bfloat16(), a.bfloat16(), (None, None)
+    routing = sl.expert_order(torch.randint(0, e, (tokens, 2), generator=gen), e)
+    m_first = Tile(block_m=16, block_n=64, block_k=128 // element_bytes, num_warps=4, num_stages=3)
+    n_first = m_first.model_copy(update={"n_fastest": True})
+    assert n_first.short() == m_first.short() + " n-first"
+    grids = []
+    real = moe._kernel()
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(moe, "_kernel", lambda: Spy())
+    for args in ((a, scales[0], routing.token_of), (a[routing.token_of], None if scales[0] is None else scales[0][routing.token_of], None)):  # fmt: skip
+        for out_rows in (None, routing.order):
+            tail = (w, scales[1], routing.offs, out_rows)
+            torch.testing.assert_close(moe.launch(n_first, *args, *tail), moe.launch(m_first, *args, *tail),
+                                       rtol=0, atol=0)  # fmt: skip
+    m_blocks = -(-tokens * 2 // 16) + e
+    assert grids[:2] == [(3, m_blocks), (m_blocks, 3)]
+    monkeypatch.setattr(moe, "GRID_Y_MAX", m_blocks - 1)
+    moe.launch(n_first, a, scales[0], routing.token_of, w, scales[1], routing.offs)
+    assert grids[-1] == (m_blocks, 3)
