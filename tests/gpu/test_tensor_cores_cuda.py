@@ -206,6 +206,31 @@ def test_triton_moe_gemm_is_the_float_product_of_its_operands(probed):
             assert _rel(got, want) < 1e-2
 
 
+def test_the_tuners_tiles_compute_the_float_product_too(probed):
+    """Tiles `dgpipe bench moe-tiles` tries beyond the defaults (wider N, deeper K, 8 warps, other stages, N
+    blocks launched first), compiled for this GPU at the 26B's expert shapes: the float product of their
+    operands, token rows gathered in (gate|up) and rows written back in slot order (down)."""
+    from pipeline.bench.gpu import tiles
+    from pipeline.runtime.kernels.moe_tiles import Tile
+
+    if not probed.ok("triton:fp8"):
+        pytest.skip(f"the Triton GEMM is not served here: {probed.results.get('triton:fp8')}")
+    props = torch.cuda.get_device_properties(CUDA)
+    shared = getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
+    candidates = [
+        Tile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4, n_fastest=True),
+        Tile(block_m=32, block_n=64, block_k=256, num_warps=4, num_stages=5),
+        Tile(block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=2),
+        Tile(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, n_fastest=True),
+    ]
+    problems = tiles.problems(tiles.gemm_shapes(2816, 704), (1,), canvas=128, experts=16, top_k=8, operand="fp8",
+                              dev=CUDA)  # fmt: skip
+    for p in problems:
+        want = tiles.reference(p)
+        for tile in (t for t in candidates if t.shared_bytes(1) <= shared):
+            assert _rel(kernels.moe.launch(tile, *p.args), want) < tiles.SAME_OUTPUT, (p.shape, tile.short())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_quantization_is_torchs_bit_for_bit(probed, dtype):
     """The one-pass FP8 quantization against torch's three passes: every code equal (NaN's sign aside) on
