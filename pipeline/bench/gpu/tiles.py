@@ -52,7 +52,7 @@ def candidates(element_bytes: int, shared_limit: int) -> list[Tile]:
     """The tiles worth timing, most likely first: the default tiles (`kernels.moe.default_tile`), then every
     grid tile within `shared_limit` bytes of shared memory, ordered by how many of its six settings differ
     from the nearest default (one change before two)."""
-    defaults = [kernels.moe.default_tile(m * 128, 128, element_bytes) for m in (8, 16, 64)]
+    defaults = kernels.moe.default_tiles(element_bytes)
     grid = [
         Tile(block_m=m, block_n=n, block_k=kb // element_bytes, num_warps=w, num_stages=s, n_fastest=o)
         for m, n, kb, w, s, o in itertools.product(

@@ -19,7 +19,9 @@ the host, so there this kernel takes every pass (`pipeline.runtime.dispatch.EVER
 sync: CUDA graphs capture it). Operands: `a` E4M3 [rows, K] with one fp32 scale per row, `w` E4M3
 [E, N, K] with one fp32 scale per output row [E, N]; the result is bf16 [slots, N], each slot's row
 acc * a_scale * w_scale, as torch's RowWise kernels compute. Or `a` and `w` bf16 without scales, as
-`F.grouped_mm` computes.
+`F.grouped_mm` computes. Its tile sizes, warps, stages and launch order (`tiles`) come from this GPU
+model's measured table where one exists (`pipeline.runtime.kernels.moe_tiles`, written by `dgpipe bench
+moe-tiles`), else from `default_tile`.
 
 It is checked in Triton's interpreter on the CPU and compiled for sm_90a, sm_89 and sm_120 there
 (tests/unit/runtime/kernels/test_moe.py), and on the GPU by tests/gpu and the load-time probe.
@@ -83,12 +85,16 @@ def tiles(
     return tuned or default_tile(slots, experts, element_bytes)
 
 
+def default_tiles(element_bytes: int) -> list[Tile]:
+    """Every tile `default_tile` can pick, one per M tile in `BLOCK_MS`."""
+    return [default_tile(1, 1, element_bytes).model_copy(update={"block_m": m}) for m in BLOCK_MS]
+
+
 def probe_tiles(device: torch.device, element_bytes: int) -> list[Tile]:
     """Every tile a pass on `device` may launch with: `default_tile`'s and this GPU's measured table's. The
     load-time probe runs each against the float reference."""
     table = moe_tiles.table_for(device, moe_tiles.operand_of(element_bytes))
-    defaults = [default_tile(m * 128, 128, element_bytes).model_copy(update={"block_m": m}) for m in BLOCK_MS]
-    return list(dict.fromkeys(defaults + (table.all_tiles() if table else [])))
+    return list(dict.fromkeys(default_tiles(element_bytes) + (table.all_tiles() if table else [])))
 
 
 @functools.cache
@@ -214,10 +220,8 @@ def launch(
     if slots == 0:
         return out
     bm, bn = tile.block_m, tile.block_n
-    m_blocks, n_blocks = (
-        triton.cdiv(slots, bm) + experts,
-        triton.cdiv(n, bn),
-    )  # an expert's last block may be partial
+    # every expert's last M block may be partial: at most one block more each
+    m_blocks, n_blocks = triton.cdiv(slots, bm) + experts, triton.cdiv(n, bn)
     n_fastest = tile.n_fastest and m_blocks <= GRID_Y_MAX  # else M first: the same product, in another order
     grid = (n_blocks, m_blocks) if n_fastest else (m_blocks, n_blocks)
     w_scale = w_scale.contiguous() if scaled else offs  # unread placeholders when not `scaled`

@@ -20,8 +20,8 @@ CPU = torch.device("cpu")
 
 def test_candidates_start_with_the_defaults_then_one_change_and_fit_shared_memory():
     ada = tiles.candidates(1, 99 * 1024)  # FP8 on sm89 / sm120: 99 KB a block
-    defaults = [moe.default_tile(m * 128, 128, 1) for m in (8, 16, 64)]
-    assert ada[:3] == defaults and len(set(ada)) == len(ada)
+    defaults = [moe.default_tile(m * 128, 128, 1) for m in (8, 16, 64)]  # 16-, 32- and 64-row M tiles
+    assert ada[:3] == defaults == moe.default_tiles(1) and len(set(ada)) == len(ada)
     assert all(t.shared_bytes(1) <= 99 * 1024 for t in ada)
     differs = [min(sum(a != b for a, b in zip(t.model_dump().values(), d.model_dump().values())) for d in defaults)
                for t in ada]  # fmt: skip
