@@ -282,9 +282,9 @@ def per_pass(rows: list[dict], layers: int) -> list[dict]:
 
 def render_per_pass(rows: list[dict], layers: int) -> list[str]:
     cell = lambda v: "-" if v is None else f"{v:.2f}"
-    lines = ["", f"| expert GEMMs per pass ({layers} layers) | ms default tiles | ms best tiles | ms torch grouped GEMM |",
-             "|---:|---:|---:|---:|"]  # fmt: skip
-    return lines + [f"| {p['canvases']} canvases | {cell(p['default_ms'])} | {cell(p['best_ms'])} | {cell(p['vendor_ms'])} |"
+    lines = ["", f"| canvases per pass | expert GEMMs, {layers} layers: ms default tiles | ms best tiles "
+             "| ms torch grouped GEMM |", "|---:|---:|---:|---:|"]  # fmt: skip
+    return lines + [f"| {p['canvases']} | {cell(p['default_ms'])} | {cell(p['best_ms'])} | {cell(p['vendor_ms'])} |"
                     for p in per_pass(rows, layers)]  # fmt: skip
 
 

@@ -115,7 +115,7 @@ def test_a_run_writes_a_table_dgpipe_reads_back(tmp_path, monkeypatch):
     assert "| gate_up [192, 96] | 1 |" in md and "| 1.000 | 1.00 | - | - |" in md
     # torch's grouped FP8 GEMM runs on CUDA only: not timed, and no crossover in the table
     assert result["vendor_error"] and result["triton_rows"] is None and "grouped GEMM not timed" in md
-    assert f"| 1 canvases | {2 * result['layers']:.2f} | {2 * result['layers']:.2f} | - |" in md
+    assert f"| 1 | {2 * result['layers']:.2f} | {2 * result['layers']:.2f} | - |" in md
     found, path = moe_tiles.find_table("cpu (interpreted)", "fp8")
     assert path == install / "cpu_interpreted-fp8.yaml" and (tmp_path / "out" / path.name).is_file()
     rows_per_expert = result["rows"][0]["rows_per_expert"]
@@ -149,7 +149,7 @@ def test_torchs_grouped_gemm_is_timed_on_the_same_operands_and_sets_the_crossove
         {"canvases": 1, "default_ms": 60.0, "best_ms": 60.0, "vendor_ms": 300.0},
         {"canvases": 2, "default_ms": 60.0, "best_ms": 60.0, "vendor_ms": 30.0},
     ]
-    assert tiles.render_per_pass(rows, 30)[-1] == "| 2 canvases | 60.00 | 60.00 | 30.00 |"
+    assert tiles.render_per_pass(rows, 30)[-1] == "| 2 | 60.00 | 60.00 | 30.00 |"
 
 
 @pytest.mark.parametrize(
@@ -189,7 +189,7 @@ def test_bench_gpus_table_shows_the_tuned_tiles_beside_torchs_grouped_gemm():
     env = asdict(checks.Env(cuda=True, gpu="NVIDIA H200", arch="sm90", memory_gib=140, torch="2.11"))
     md = report.render({"env": env, "dry_run": False, "checks": [check]})
     want = "| down [2816, 704] | 16 | 256 | 64x128x128 w4 s4 | 0.500 | 128x128x128 w8 s3 | 0.250 | 2.00 | 1.000 | 4.00 |"
-    assert want in md.splitlines() and md.splitlines()[-1] == "| 16 canvases | 15.00 | 7.50 | 30.00 |"
+    assert want in md.splitlines() and md.splitlines()[-1] == "| 16 | 15.00 | 7.50 | 30.00 |"
     assert tiles.render_rows([{**row, "default_ms": None, "vendor_ms": None}])[-1].endswith(
         "| 128x128x128 w8 s3 | 0.250 | - | - | - |"
     )
