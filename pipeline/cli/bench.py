@@ -487,7 +487,7 @@ def bench_moe_tiles(
         "diffusiongemma-26b-a4b"
     ),
     budget_s: Annotated[
-        float, typer.Option(help="seconds to spend; the most likely tiles come first")
+        float, typer.Option(help="seconds to spend (the climb from the default tiles stops there)")
     ] = 120.0,
     install: Annotated[
         bool,

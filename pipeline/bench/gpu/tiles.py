@@ -10,9 +10,10 @@ the GEMMs run on the operands the pass gives them (FP8 or bf16 weights, the toke
 kernel for gate|up, the down rows written back in token-major slot order), routed uniformly at random, as
 vLLM's tuner routes them; each tile's output must be the float product of its operands (one bf16 rounding
 apart) or the tile is rejected; times are `triton.testing.do_bench` medians (CUDA events, L2 flushed
-between runs). Compiling a candidate (two specializations: gate|up and down) costs ~1 s, the timings much less, so the
-candidates run in order of likelihood, the current defaults first, nearest variations next, until the
-time budget is spent: a short budget still leaves a table no slower than the defaults at any point."""
+between runs). Compiling a candidate (two specializations: gate|up and down) costs ~1 s, the timings much
+less, so where vLLM's tuner times its whole grid (for hours), this one climbs: the defaults first, then
+every tile one setting away from each GEMM's fastest so far, round after round, until none is left or the
+time budget is spent. A short budget still leaves a table no slower than the defaults at any point."""
 
 from __future__ import annotations
 
@@ -48,6 +49,11 @@ def gemm_shapes(hidden: int, moe_intermediate: int) -> tuple[GemmShape, GemmShap
     return GemmShape("gate_up", 2 * moe_intermediate, hidden), GemmShape("down", hidden, moe_intermediate)
 
 
+def changes(a: Tile, b: Tile) -> int:
+    """How many of their six settings two tiles differ in."""
+    return sum(x != y for x, y in zip(a.model_dump().values(), b.model_dump().values()))
+
+
 def candidates(element_bytes: int, shared_limit: int) -> list[Tile]:
     """The tiles worth timing, most likely first: the default tiles (`kernels.moe.default_tile`), then every
     grid tile within `shared_limit` bytes of shared memory, ordered by how many of its six settings differ
@@ -60,10 +66,12 @@ def candidates(element_bytes: int, shared_limit: int) -> list[Tile]:
         )
     ]
     fits = [t for t in grid if t.shared_bytes(element_bytes) <= shared_limit]
-    differs = lambda t: min(
-        sum(a != b for a, b in zip(t.model_dump().values(), d.model_dump().values())) for d in defaults
-    )
-    return list(dict.fromkeys(defaults + sorted(fits, key=differs)))
+    return list(dict.fromkeys(defaults + sorted(fits, key=lambda t: min(changes(t, d) for d in defaults))))
+
+
+def one_change(grid: list[Tile]) -> Callable[[Tile], list[Tile]]:
+    """The tiles of `grid` that differ from a tile in one setting: the next steps of `tune`'s climb."""
+    return lambda tile: [t for t in grid if changes(t, tile) == 1]
 
 
 @dataclass
@@ -181,17 +189,23 @@ def tune(
     deadline: float,
     time_ms: Callable[[Callable[[], object]], float] = do_bench_ms,
     on_tile: Callable[[int, int], None] | None = None,
+    neighbours: Callable[[Tile], list[Tile]] | None = None,
 ) -> dict:
     """Time every tile on every problem until `deadline` (time.monotonic()); the first tile and the tiles
     `kernels.moe` picks by default for these problems are always timed (`candidates` puts them first).
+    With `neighbours`, a climb: once the tiles given are timed, the neighbours of each problem's fastest
+    tile so far are timed next, round after round, until no untimed neighbour is left or time runs out
+    (from the defaults, two rounds reach a tile two settings away; the whole grid is ~10x more tiles).
     Returns {"timed": [(tile, [ms per problem])], "rejected": [(tile, why)]}; a tile whose output is not the
     float product of its operands (`reference`, one bf16 rounding apart), or that fails to compile or launch
     (Triton's shared-memory or register limits), is rejected; the first one failing is an error (the kernel
     itself is wrong here)."""
     timed, rejected = [], []
     defaults = {kernels.moe.default_tile(p.slots, p.experts, p.args[0].element_size()) for p in problems_}
-    for i, tile in enumerate(tiles):
-        if i and tile not in defaults and time.monotonic() >= deadline:
+    queue, i = list(dict.fromkeys(tiles)), 0
+    while i < len(queue):
+        tile, i = queue[i], i + 1
+        if i > 1 and tile not in defaults and time.monotonic() >= deadline:
             continue
         try:
             ms = []
@@ -205,11 +219,14 @@ def tune(
                 ms.append(time_ms(lambda p=p, tile=tile: kernels.moe.launch(tile, *p.args)))
             timed.append((tile, ms))
         except Exception as e:  # recorded with its reason; the other tiles still run
-            if not i:
+            if i == 1:
                 raise
             rejected.append((tile, error_line(e)))
         if on_tile:
-            on_tile(i + 1, len(tiles))
+            on_tile(len(timed) + len(rejected), len(queue))
+        if i == len(queue) and neighbours and timed and time.monotonic() < deadline:  # the next round
+            bests = {min(timed, key=lambda tm, j=j: tm[1][j])[0] for j in range(len(problems_))}
+            queue += [t for t in dict.fromkeys(n for b in bests for n in neighbours(b)) if t not in queue]
     return {"timed": timed, "rejected": rejected}
 
 
@@ -360,7 +377,8 @@ def run_moe_tiles(
     tiles = candidates(element_bytes, shared)
     with torch.inference_mode():
         vendor = time_vendor(todo, time_ms)
-        found = tune(todo, tiles, t0 + budget_s, time_ms, on_tile)
+        found = tune(todo, kernels.moe.default_tiles(element_bytes), t0 + budget_s, time_ms, on_tile,
+                     one_change(tiles))  # fmt: skip
     table, rows = best_table(todo, found["timed"], name, operand, element_bytes, vendor["ms"])
     result = {"device": name, "arch": arch, "operand": operand, "model": config, "layers": text.num_hidden_layers,
               "torch": table.torch,

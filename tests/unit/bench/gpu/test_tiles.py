@@ -92,6 +92,27 @@ def test_the_fastest_tile_per_problem_wins_and_wrong_or_failing_tiles_are_reject
 
 
 @interpreted
+def test_the_climb_reaches_a_tile_several_settings_from_the_defaults_timing_a_fraction_of_the_grid(
+    monkeypatch,
+):
+    """Each round times the tiles one setting away from each problem's fastest so far: with times that fall
+    toward a tile three settings from the nearest default, the climb ends there."""
+    grid = tiles.candidates(1, 227 * 1024)
+    target = Tile(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4, n_fastest=True)
+    assert target in grid and min(tiles.changes(target, d) for d in moe.default_tiles(1)) == 3
+    monkeypatch.setattr(moe, "launch", lambda tile, *a: current.__setitem__(0, tile) or torch.zeros(1))
+    monkeypatch.setattr(tiles, "reference", lambda p: torch.zeros(1))
+    current = [None]
+    timer = lambda fn: (fn(), 1.0 + tiles.changes(current[0], target))[1]
+    probs = _problems()
+    found = tiles.tune(probs, moe.default_tiles(1), float("inf"), timer, neighbours=tiles.one_change(grid))
+    timed = [t for t, _ in found["timed"]]
+    table, _ = tiles.best_table(probs, found["timed"], "cpu", "fp8", 1)
+    assert table.pick(96, 64, 16) == target and len(timed) < len(grid) / 3 and not found["rejected"]
+    assert len(timed) == len(set(timed))  # no tile timed twice
+
+
+@interpreted
 def test_past_the_deadline_only_the_default_tiles_still_run():
     probs = _problems("bf16")
     defaults = {moe.default_tile(p.slots, p.experts, 2) for p in probs}
