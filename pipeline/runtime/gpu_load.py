@@ -88,6 +88,7 @@ class Installed:
     routed_kernel: str = ""
     shared: int = 0  # sibling linears (q/k/v, gate/up) sharing one input quantization (`shared_input`)
     merged: int = 0  # GEMMs saved by merging siblings (gate and up; q, k and v)
+    measured_rows: float | None = None  # the Triton/torch expert GEMM crossover from this GPU's tile table
     fallbacks: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -95,7 +96,13 @@ class Installed:
         routed = [f"{self.routed} layers' float experts on {self.routed_kernel}"] if self.routed else []
         shared = [f"{self.shared} input quantizations shared by q/k/v or gate/up"] if self.shared else []
         merged = [f"siblings in one GEMM ({self.merged} GEMMs fewer)"] if self.merged else []
-        return "; ".join([head, *routed, *shared, *merged, *self.fallbacks])
+        rows = self.measured_rows
+        tiles = (
+            [f"Triton MoE GEMM up to {rows:g} rows per expert (this GPU's tile table)"]
+            if rows is not None
+            else []
+        )
+        return "; ".join([head, *routed, *shared, *merged, *tiles, *self.fallbacks])
 
 
 def experts_plan(
@@ -186,9 +193,12 @@ class TensorCoreLoad:
                 f"linears: {row.linears} failed its probe ({pr.results.get(f'linear:{lin}')})"
             )
             lin = None
-        exp, triton_rows, line = experts_plan(row, pr, measured_triton_rows(self.device))
+        measured = measured_triton_rows(self.device)
+        exp, triton_rows, line = experts_plan(row, pr, measured)
         if line:
             res.fallbacks.append(line)
+        if exp and measured is not None and row.triton and row.torch_experts and triton_rows == measured:
+            res.measured_rows = measured
         return lin, exp, triton_rows, row
 
     def wants(self, module: str) -> bool:

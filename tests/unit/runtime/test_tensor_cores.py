@@ -336,6 +336,20 @@ def test_gpu_load_leaves_what_failed_its_probe_or_has_no_kernel_to_the_float_pat
     assert not any(isinstance(layer.experts, tc.ScaledExperts) for layer in model.layers)
 
 
+def test_a_hopper_load_takes_the_crossover_its_gpus_tile_table_measured(ckpts, monkeypatch):
+    """An FP8 checkpoint on sm90 whose GPU model has a tile table with torch's timings: every layer's experts
+    take the Triton GEMM up to the measured rows per expert, not the row's 64, and the load says so."""
+    monkeypatch.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu(torch.bfloat16))
+    probed = probing.Probe("sm90", {"linear:fp8": None, "experts:fp8": None, "triton:fp8": None})
+    model, _, report = gpu_load.load_on_gpu(ckpts["fp8"], torch.bfloat16, CPU, probed)
+    assert {layer.experts.triton_rows for layer in model.layers} == {dp.TRITON_MAX_ROWS_PER_EXPERT}
+    assert report.measured_rows is None and "tile table" not in report.summary()
+    monkeypatch.setattr(gpu_load, "measured_triton_rows", lambda device: 256.0)
+    model, _, report = gpu_load.load_on_gpu(ckpts["fp8"], torch.bfloat16, CPU, probed)
+    assert {layer.experts.triton_rows for layer in model.layers} == {256.0}
+    assert "Triton MoE GEMM up to 256 rows per expert (this GPU's tile table)" in report.summary()
+
+
 @pytest.mark.parametrize(
     ("fmt", "arch", "mode"),
     [("fp8", "sm89", "fp8"), ("fp8", "sm120", "fp8"), ("nvfp4", "sm89", "fp8_rowwise")],
