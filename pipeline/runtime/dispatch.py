@@ -77,6 +77,12 @@ class DispatchRow:
         """Whether some passes' experts take torch's grouped GEMM (all but the Triton-only rows)."""
         return self.triton_rows != EVERY_PASS
 
+    @property
+    def splits_passes(self) -> bool:
+        """Whether passes split between the Triton GEMM and torch's by rows per expert (Hopper): where a
+        measured crossover (`kernels.moe_tiles`) may replace `triton_rows`."""
+        return self.triton and self.torch_experts
+
 
 def _bytes(fmt: str) -> float:
     """Bytes per weight read in `fmt` (block scales included; per-tensor/row scales are negligible)."""

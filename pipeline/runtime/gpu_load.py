@@ -127,8 +127,7 @@ def experts_plan(
         why = pr.results.get(f"triton:{exp}", "not run")
         return exp, 0.0, (f"dgpipe's Triton kernels ({TRITON_MOE}, FP8 quantization) failed their probe ({why}): "
                           "torch's grouped GEMM and quantization run every pass")  # fmt: skip
-    split = row.triton and row.torch_experts
-    return exp, measured_rows if split and measured_rows is not None else row.triton_rows, None
+    return exp, measured_rows if row.splits_passes and measured_rows is not None else row.triton_rows, None
 
 
 def one_pass(mode: str | None, pr: Probe) -> bool:
@@ -197,7 +196,7 @@ class TensorCoreLoad:
         exp, triton_rows, line = experts_plan(row, pr, measured)
         if line:
             res.fallbacks.append(line)
-        if exp and measured is not None and row.triton and row.torch_experts and triton_rows == measured:
+        if exp and measured is not None and row.splits_passes and triton_rows == measured:
             res.measured_rows = measured
         return lin, exp, triton_rows, row
 
