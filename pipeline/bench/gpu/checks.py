@@ -22,6 +22,7 @@ from pipeline.bench.gpu.report import render
 from pipeline.bench.results import save_result
 from pipeline.resources import PACKAGE_DIR
 from pipeline.runtime.dispatch import arch_of
+from pipeline.runtime.kernels.moe_tiles import TABLE_DIR, TABLES_ENV
 from pipeline.targets import precision
 
 RESULT_FILE, TABLE_FILE = "gpu.json", "gpu.md"
@@ -33,6 +34,7 @@ CONTEXT = 256  # cached prompt tokens under each measured pass
 BF16_NEEDS_GIB = 64  # 26B bf16 weights (~51 GB) plus batch-16 logits and activations
 FP4_ARCHS = tuple(precision("nvfp4").native_on)  # GPUs with FP4 tensor cores (configs/precisions)
 FP8_ARCHS = tuple(precision("fp8").native_on)
+TILES_CHECK = "MoE GEMM tiles"  # leaves its table in `--out`/moe_tiles/, which the checks after it read
 
 
 @dataclass(frozen=True)
@@ -80,17 +82,17 @@ CHECKS: tuple[GpuCheck, ...] = (
         ("cuda", "pytest"),
     ),
     _pass("bf16"),
-    _pass("fp8"),
-    _pass("nvfp4"),
     GpuCheck(
-        # before the compiled pass, which may run out its budget: this one gets what the checks before it left,
-        # and uses up to 100 s of it (`measure.TILES_MAX_S`)
-        "MoE GEMM tiles",
+        # before the FP8 and NVFP4 passes, which then launch with the table it measured (`run_bench_gpu`):
+        # it gets what the checks before it left, and uses up to 100 s of it (`measure.TILES_MAX_S`)
+        TILES_CHECK,
         30,
         "the Triton MoE GEMM's tiles tuned at the 26B's expert shapes, 1-16 canvases (dgpipe bench moe-tiles)",
         ("-m", "pipeline.bench.gpu.measure", "tiles"),
         ("cuda",),
     ),
+    _pass("fp8"),
+    _pass("nvfp4"),
     _pass("fp8", compiled=True),
     GpuCheck(
         "largest batch",
@@ -200,16 +202,24 @@ def plan(env: Env) -> list[CheckResult]:
 
 
 def _run(
-    check: GpuCheck, repo: Path, scratch: Path, budget_s: int | None = None, out: Path | None = None
+    check: GpuCheck,
+    repo: Path,
+    scratch: Path,
+    budget_s: int | None = None,
+    out: Path | None = None,
+    tile_tables: Path | None = None,
 ) -> CheckResult:
     """Run `check` under `budget_s` seconds (default: its own budget). The check finds where to put its
-    rows, its budget and the run's `out` directory (files of its own) in its environment."""
+    rows, its budget and the run's `out` directory (files of its own) in its environment, and, where
+    `tile_tables` is given, the MoE GEMM tile tables to launch with first (`moe_tiles.TABLES_ENV`)."""
     budget_s = budget_s or check.budget_s
     res = CheckResult(check.name, check.what, budget_s, "passed")
     rows_file = scratch / f"{check.name.replace(' ', '_')}.json"
     env = dict(os.environ, PYTHONPATH=f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                DGPIPE_GPU_ROWS=str(rows_file), DGPIPE_GPU_BUDGET_S=str(budget_s),
                DGPIPE_GPU_OUT=str(out or scratch), PYTHONUNBUFFERED="1")  # fmt: skip
+    if tile_tables is not None:
+        env[TABLES_ENV] = str(tile_tables)
     t0 = time.monotonic()
     try:
         # one stream: a check killed at its budget keeps its warnings and tracebacks too
@@ -237,6 +247,7 @@ def run_bench_gpu(
     """Run (or, `dry_run`, list) the checks; write out/gpu.json and out/gpu.md after every check (a host
     that goes away mid-run still leaves the checks done so far); return the result. `on_check` is told
     each check's result as it finishes."""
+    out = out.resolve()  # the checks run from the repository root: a relative `out` would land there
     env = detect_env()
     repo = repo or PACKAGE_DIR.parent
     result = {"env": asdict(env), "dry_run": dry_run, "budget_s": TOTAL_BUDGET_S, "checks": []}
@@ -255,12 +266,15 @@ def run_bench_gpu(
     # what the skipped checks and the checks that finished early leave, handed on to the next one to run:
     # every check's elapsed time stays within the budgets' sum
     spare = float(sum(c.budget_s for c in CHECKS if skip_reason(c, env)))
+    tile_tables = None  # once the tiles check has measured this GPU's table, the passes after it use it
     with tempfile.TemporaryDirectory(prefix="dgpipe-gpu-") as scratch:
         for c in CHECKS:
             if reason := skip_reason(c, env):
                 record(CheckResult(c.name, c.what, c.budget_s, "skipped", detail=reason))
                 continue
-            r = _run(c, repo, Path(scratch), c.budget_s + int(spare), out)
+            r = _run(c, repo, Path(scratch), c.budget_s + int(spare), out, tile_tables)
             spare = max(0.0, r.budget_s - r.seconds)
+            if c.name == TILES_CHECK and r.status == "passed":
+                tile_tables = out / TABLE_DIR
             record(r)
     return result

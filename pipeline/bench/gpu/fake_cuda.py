@@ -264,7 +264,9 @@ def fake_gpu(arch: str) -> Iterator[tuple[FakeTensorMode, OpCounter, _Functions]
         )
         stack.enter_context(mock.patch.object(kernels.moe, "_kernel", lambda: Launcher("moe_gemm", ops)))
         # one launch per GEMM whatever its tile: no measured tile table is looked for
-        stack.enter_context(mock.patch.object(kernels.moe_tiles, "table_for", lambda device, operand: None))
+        stack.enter_context(
+            mock.patch.object(kernels.moe_tiles, "table_and_path", lambda device, operand: None)
+        )
         launchers = Launchers(ops)
         for family in (kernels.quant, kernels.chains, kernels.routing):
             stack.enter_context(mock.patch.object(family, "_kernels", lambda: launchers))

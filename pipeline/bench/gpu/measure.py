@@ -49,9 +49,12 @@ def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
     pr = probed if probed is not None else _kernels_here(dev, row.arch)
     lin = kernel_mode(row.linears)
     lin = lin if lin and pr.ok(f"linear:{lin}") else None
-    exp, triton_rows, fell_back = experts_plan(row, pr, measured_triton_rows(dev))
+    measured = measured_triton_rows(dev)
+    exp, triton_rows, fell_back = experts_plan(row, pr, measured)
     lin_one_pass, exp_one_pass = one_pass(lin, pr), one_pass(exp, pr)
     kernels = f"{row.linears} / {row.experts}" + (f" ({fell_back})" if fell_back else "")
+    if exp and row.splits_passes and measured is not None:
+        kernels += f" (Triton up to {triton_rows:g} rows per expert: this GPU's tile table)"
     gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     for layer in model.layers:
         if lin:
@@ -130,6 +133,7 @@ def measure_pass(
     from pipeline.runtime.compiled import compile_model
     from pipeline.runtime.dispatch import compute_ms, dispatch, experts_touched, floor_ms, pass_bytes
     from pipeline.runtime.gpu_load import finish_on_device
+    from pipeline.runtime.kernels.moe_tiles import tiles_source
 
     dev = device or torch.device("cuda")
     mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
@@ -173,7 +177,8 @@ def measure_pass(
                      "compute_ms_spec": compute_ms(mcfg.text_config, row, b, spec.product, mcfg.canvas_length, CONTEXT),
                      "experts_touched": touched,
                      "experts_touched_uniform": experts_touched(mcfg.text_config, b * mcfg.canvas_length),
-                     "graph_error": graph_error, "top_kernels": top_kernels(fn), "top_ops": top_ops(fn)})  # fmt: skip
+                     "graph_error": graph_error, "top_kernels": top_kernels(fn), "top_ops": top_ops(fn),
+                     "moe_tiles": tiles_source(dev, "bf16" if fmt == "bf16" else "fp8")})  # fmt: skip
         if fmt == "fp8" and not compiled:
             try:
                 rows[-1]["experts"] = expert_paths(model.layers[0].experts, mcfg.text_config.top_k_experts,
@@ -295,13 +300,13 @@ def largest_batch(start: int = 16, limit: int = 1024) -> list[dict]:
 
 
 TILES_MARGIN_S = 15  # of the check's budget: the subprocess's start (torch, CUDA) and writing the table
-TILES_MAX_S = 100  # of what the checks before it left: the rest goes on to the compiled pass after it
+TILES_MAX_S = 100  # of what the checks before it left: the rest goes on to the passes after it
 
 
 def tune_tiles(started: float) -> list[dict]:
     """`dgpipe bench moe-tiles` within the check's budget ($DGPIPE_GPU_BUDGET_S, at most `TILES_MAX_S`,
     counted from the process's start), its files in $DGPIPE_GPU_OUT/moe_tiles (the table to ship:
-    configs/moe_tiles); its rows."""
+    configs/moe_tiles; the passes after this check launch with it); its rows."""
     from pipeline.bench.gpu.tiles import run_moe_tiles
 
     budget = min(float(os.environ.get("DGPIPE_GPU_BUDGET_S", "60")), TILES_MAX_S)

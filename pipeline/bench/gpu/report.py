@@ -33,6 +33,10 @@ def render(result: dict) -> str:
                 f"| {r['floor_ms_spec']:.2f} | {'—' if compute is None else f'{compute:.2f}'} "
                 f"| {_best_ms(r) / max(r['floor_ms_spec'], compute or 0.0):.2f} | {r['floor_ms_copy']:.2f} |"
             )
+        # which tiles the Triton MoE GEMM launched with, where a pass ran it (runs from before say nothing)
+        sources = dict.fromkeys((r["format"], r["moe_tiles"]) for r in rows if "moe_tiles" in r)
+        if sources:
+            lines += ["", *(f"Triton MoE GEMM in the {f} passes: {s}." for f, s in sources)]
     experts = [(r["batch"], r["experts"]) for r in rows if "experts" in r]
     if experts:
         lines += ["", "| one layer's FP8 experts | batch | rows per expert | ms FP8 module | ms torch grouped GEMMs "

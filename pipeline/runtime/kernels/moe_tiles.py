@@ -9,9 +9,10 @@ candidates on each GPU model and ship the winners as data: vLLM's fused-MoE kern
 candidates on this GPU (`pipeline.bench.moe_tiles`) and writes one YAML table per GPU model and operand
 type; `dgpipe bench gpu` tunes too and leaves its table in its `--out`.
 
-Where tables are found, first match wins: the cache (`<dgpipe cache>/moe_tiles`, where `dgpipe bench
-moe-tiles` writes by default: tuned on this host) and then `configs/moe_tiles` (measured tables shipped
-with dgpipe). A shape or GPU with no table keeps `kernels.moe.tiles`' own choice. The load-time probe runs
+Where tables are found, first match wins: the folder $DGPIPE_MOE_TILES names (`TABLES_ENV`: a table to
+try without installing it; `dgpipe bench gpu` points the checks after its tiles check at the table that
+check measured), the cache (`<dgpipe cache>/moe_tiles`, where `dgpipe bench moe-tiles` writes by default:
+tuned on this host) and then `configs/moe_tiles` (measured tables shipped with dgpipe). A shape or GPU with no table keeps `kernels.moe.tiles`' own choice. The load-time probe runs
 every tile of the table it finds against the float reference (`pipeline.runtime.probe`), so a table from
 another Triton build costs speed, never a wrong answer."""
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -32,6 +34,7 @@ from pipeline.errors import DgpipeError
 from pipeline.resources import cache_dir, configs_dir
 
 TABLE_DIR = "moe_tiles"  # under the cache and under configs/
+TABLES_ENV = "DGPIPE_MOE_TILES"  # a folder of tables searched before the cache and configs/
 Operand = Literal["fp8", "bf16"]
 
 
@@ -134,8 +137,10 @@ def file_name(device: str, operand: str) -> str:
 
 
 def search_dirs() -> list[Path]:
-    """Where tables are looked for, first match wins: tuned on this host, then shipped with dgpipe."""
-    dirs = [cache_dir() / TABLE_DIR]
+    """Where tables are looked for, first match wins: $DGPIPE_MOE_TILES where set, tuned on this host,
+    then shipped with dgpipe."""
+    dirs = [Path(os.environ[TABLES_ENV]).expanduser()] if os.environ.get(TABLES_ENV) else []
+    dirs.append(cache_dir() / TABLE_DIR)
     with contextlib.suppress(DgpipeError):  # an install without its configs: only tables tuned here
         dirs.append(configs_dir() / TABLE_DIR)
     return dirs
@@ -170,14 +175,30 @@ def find_table(device: str, operand: str, dirs: list[Path] | None = None) -> tup
 
 
 @functools.cache
+def table_and_path(device: torch.device, operand: str) -> tuple[TileTable, Path] | None:
+    """This CUDA device's table for `operand` and its file, read once per process; None off CUDA or where
+    none was measured."""
+    if device.type != "cuda":
+        return None
+    return find_table(torch.cuda.get_device_name(device), operand)
+
+
 def table_for(device: torch.device, operand: str) -> TileTable | None:
     """This CUDA device's table for `operand` ("fp8" or "bf16"), read once per process; None off CUDA or
     where none was measured. A table tuned on this host (`dgpipe bench moe-tiles`) is read by the
     processes started after it."""
-    if device.type != "cuda":
-        return None
-    found = find_table(torch.cuda.get_device_name(device), operand)
+    found = table_and_path(device, operand)
     return found[0] if found else None
+
+
+def tiles_source(device: torch.device, operand: str) -> str:
+    """Where this device's MoE GEMM tiles for `operand` come from, for a report: the table's file and the
+    versions it was measured with, or "default tiles"."""
+    found = table_and_path(device, operand)
+    if found is None:
+        return "default tiles"
+    table, path = found
+    return f"tiles from {path} (torch {table.torch}, Triton {table.triton})"
 
 
 def measured_triton_rows(device: torch.device) -> float | None:

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,31 @@ H200 = checks.Env(True, "NVIDIA H200", "sm90", 139.8, "580.65", "2.11.0+cu130", 
 
 def test_checks_fit_the_eight_minute_budget_by_construction():
     assert sum(c.budget_s for c in checks.CHECKS) <= checks.TOTAL_BUDGET_S == 480
-    assert [c.name for c in checks.CHECKS][:2] == ["build sampler kernels", "gpu tests"]
+    names = [c.name for c in checks.CHECKS]
+    assert names[:2] == ["build sampler kernels", "gpu tests"]
+    # the quantized passes run after the tiles are tuned, so they launch with this GPU's table
+    assert names.index("26B pass bf16") < names.index(checks.TILES_CHECK) < names.index("26B pass fp8")
+
+
+@pytest.mark.parametrize("tiles_pass", [True, False])
+def test_the_checks_after_the_tiles_check_launch_with_the_table_it_measured(
+    tmp_path, monkeypatch, tiles_pass
+):
+    """They find `--out`/moe_tiles first ($DGPIPE_MOE_TILES, absolute: the checks run from the repository
+    root); the checks before it, and every check after a tiles check that failed, use whatever table this
+    host has."""
+    say = "import os; print(os.environ.get('DGPIPE_MOE_TILES', 'unset'))"
+    tiles = checks.GpuCheck(
+        checks.TILES_CHECK, 5, "tunes", ("-c", "pass" if tiles_pass else "raise SystemExit(1)"), ()
+    )
+    before, after = (checks.GpuCheck(name, 5, "says", ("-c", say), ()) for name in ("before", "after"))
+    monkeypatch.setattr(checks, "CHECKS", (before, tiles, after))
+    monkeypatch.setattr(checks, "detect_env", lambda: checks.Env(cuda=False, torch="2.13"))
+    monkeypatch.delenv("DGPIPE_MOE_TILES", raising=False)
+    monkeypatch.chdir(tmp_path)
+    ran = checks.run_bench_gpu(Path("out"))["checks"]
+    assert ran[0]["detail"] == "unset"
+    assert ran[2]["detail"] == (str(tmp_path / "out" / "moe_tiles") if tiles_pass else "unset")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU plan: every GPU test skips")
@@ -112,6 +137,15 @@ def test_table_shows_each_pass_against_its_floor():
     md16 = report.render({**result, "checks": [{**result["checks"][0], "rows": [row16]}]})
     assert "| fp8 | 16 | k | 9.00 | 52.00 | 13.20 | 26.00 | 2.00 | 7.00 |" in md16  # against the larger floor
     assert "Largest batch whose fp8 pass fits: 64 (tried up to 128)." in md
+    assert "Triton MoE GEMM in the" not in md  # a run from before the passes said which tiles they took
+    tiled = {**row, "moe_tiles": "tiles from out/moe_tiles/NVIDIA_H200-fp8.yaml (torch 2.11, Triton 3.6)"}
+    md_tiled = report.render(
+        {**result, "checks": [{**result["checks"][0], "rows": [tiled, {**tiled, "batch": 16}]}]}
+    )
+    assert (
+        md_tiled.count("Triton MoE GEMM in the fp8 passes: tiles from out/moe_tiles/NVIDIA_H200-fp8.yaml")
+        == 1
+    )
     row["attention"] = [{"kind": "full_attention", "q_heads": 16, "kv_heads": 2, "head_dim": 512, "keys": 512,
                          "flash": False, "efficient": False, "cudnn": False, "ms_grouped": 1.5, "ms_expanded": 0.5}]  # fmt: skip
     assert "| full_attention | 1 | 16/2 x 512 | 512 | math only | 1.50 | 0.50 | — |" in report.render(result)

@@ -106,6 +106,7 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
             assert r["format"] == "fp8 compiled" and r["experts_touched"] is None and "experts" not in r
             continue
         assert 1 <= r["experts_touched"] <= 4
+        assert r["moe_tiles"] == "default tiles"  # no table off CUDA
         if fmt == "fp8":
             assert r["kernels"].startswith("F.scaled_mm FP8 TensorWise") and "experts_error" not in r
             assert "failed their probe (Triton kernels run on CUDA devices" in r["kernels"]
@@ -172,6 +173,30 @@ def test_sibling_paths_time_fp8_siblings_as_one_rowwise_gemm_and_apart(tmp_path)
         f"| gate, up | 24 | {' + '.join(map(str, rows[1]['columns']))} | {rows[1]['ms_apart']:.3f} |" in table
     )
     assert "| q, k, v | 8 | — | — | — | RuntimeError: a/b | — |" in table
+
+
+def test_a_random_fp8_model_on_hopper_takes_the_crossover_of_this_gpus_tile_table(monkeypatch):
+    """As the runtime's load does (`gpu_load.experts_plan`): the table's measured crossover replaces the
+    dispatch row's 64 rows per expert, and the pass's kernels say so."""
+    from pipeline.bench.model import random_model
+    from pipeline.model.config import ModelConfig
+    from pipeline.resources import load_yaml
+    from pipeline.runtime import probe as probing
+    from pipeline.runtime.kernels import moe_tiles
+    from pipeline.runtime.probe import probe_plan
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    everything = probing.Probe("sm90", {f"{kind}:{mode}": None for kind, mode, _ in probe_plan("sm90")})
+    mcfg = ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny")
+    for measured, says in (
+        (None, None),
+        (256.0, "(Triton up to 256 rows per expert: this GPU's tile table)"),
+    ):
+        monkeypatch.setattr(moe_tiles, "measured_triton_rows", lambda device, rows=measured: rows)
+        model = random_model(mcfg, torch.bfloat16, torch.device("cpu"))
+        kernels = measure.quantize_random(model, "fp8", everything)
+        assert {layer.experts.triton_rows for layer in model.layers} == {measured or 64}
+        assert (says in kernels) if says else "tile table" not in kernels
 
 
 def test_the_fp8_pass_on_an_ada_gpu_follows_the_runtimes_fallback_off_a_gpu(monkeypatch):

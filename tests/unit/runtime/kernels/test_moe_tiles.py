@@ -67,8 +67,11 @@ def test_table_files_are_named_after_the_gpu_model_and_found_first_in_the_cache(
     name = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
     assert moe_tiles.file_name(name, "bf16") == "NVIDIA_RTX_PRO_6000_Blackwell_Server_Edition-bf16.yaml"
     monkeypatch.setenv("DGPIPE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(moe_tiles.TABLES_ENV, raising=False)
     dirs = moe_tiles.search_dirs()
     assert dirs[0] == tmp_path / "cache" / "moe_tiles" and dirs[1].parts[-2:] == ("configs", "moe_tiles")
+    monkeypatch.setenv(moe_tiles.TABLES_ENV, str(tmp_path / "trying"))  # a folder named to try first
+    assert moe_tiles.search_dirs() == [tmp_path / "trying", *dirs]
     shipped, tuned = tmp_path / "shipped", tmp_path / "tuned"
     for d, tile in ((shipped, T64), (tuned, T16)):
         d.mkdir()
@@ -100,6 +103,14 @@ def test_a_bad_table_is_an_error_naming_the_file_and_the_fix(tmp_path, text, say
 
 def test_off_cuda_no_table_is_read():
     assert moe_tiles.table_for(CPU, "fp8") is None and moe_tiles.measured_triton_rows(CPU) is None
+    assert moe_tiles.tiles_source(CPU, "fp8") == "default tiles"
+
+
+def test_a_report_names_the_table_a_device_launches_with(tmp_path, monkeypatch):
+    path = tmp_path / "NVIDIA_H200-fp8.yaml"
+    monkeypatch.setattr(moe_tiles, "table_and_path", lambda device, operand: (_table(), path))
+    assert moe_tiles.tiles_source(CPU, "fp8") == f"tiles from {path} (torch 2.11.0+cu130, Triton 3.5.0)"
+    assert moe_tiles.table_for(CPU, "fp8") == _table()
 
 
 @interpreted
