@@ -43,7 +43,7 @@ class GpuCheck:
     budget_s: int
     what: str
     argv: tuple[str, ...]  # run as `python <argv...>` from the repository root
-    needs: tuple[str, ...]  # "cuda", "nvcc", "ninja", "pytest", "fp8", "fp4", "memory"
+    needs: tuple[str, ...]  # "cuda", "nvcc", "ninja", "pytest", "gpu_tests", "fp8", "fp4", "memory"
 
 
 def _pass(fmt: str, compiled: bool = False) -> GpuCheck:
@@ -79,7 +79,7 @@ CHECKS: tuple[GpuCheck, ...] = (
         130,
         "tests/gpu: kernels vs PyTorch oracle, CUDA graph vs eager, scaled GEMMs vs reference",
         ("-m", "pipeline.bench.gpu.measure", "tests"),
-        ("cuda", "pytest"),
+        ("cuda", "pytest", "gpu_tests"),
     ),
     _pass("bf16"),
     GpuCheck(
@@ -104,6 +104,7 @@ CHECKS: tuple[GpuCheck, ...] = (
 )
 assert sum(c.budget_s for c in CHECKS) <= TOTAL_BUDGET_S
 
+GPU_TESTS = "tests/gpu"  # in a source checkout, beside the package; a wheel ships no tests
 # The GPU tests compile their Triton kernels, on one CPU core per process: spread over this many processes
 # (pytest-xdist, where installed; the GPU hosts have 16 cores). No test depends on another's state.
 GPU_TEST_WORKERS = 4
@@ -113,7 +114,7 @@ def gpu_test_args() -> list[str]:
     """pytest's arguments for tests/gpu: each test's outcome as it ends (a run killed at its budget still
     says how far it got), the ten slowest (for the next budget), and the tests spread over
     `GPU_TEST_WORKERS` processes where pytest-xdist is installed."""
-    args = ["-v", "-rfEs", "--tb=short", "--durations=10", "-p", "no:cacheprovider", "tests/gpu"]
+    args = ["-v", "-rfEs", "--tb=short", "--durations=10", "-p", "no:cacheprovider", GPU_TESTS]
     return args + (["-n", str(GPU_TEST_WORKERS), "--dist", "load"] if _has("xdist") else [])
 
 
@@ -129,13 +130,14 @@ class Env:
     nvcc: bool = False
     ninja: bool = False
     pytest: bool = False
+    gpu_tests: bool = False  # GPU_TESTS beside the package (a source checkout)
 
 
 def detect_env() -> Env:
     from pipeline.sampler.kernels.build import find_nvcc
 
     tools = {"nvcc": find_nvcc() is not None, "ninja": shutil.which("ninja") is not None or _has("ninja"),
-             "pytest": _has("pytest")}  # fmt: skip
+             "pytest": _has("pytest"), "gpu_tests": (PACKAGE_DIR.parent / GPU_TESTS).is_dir()}  # fmt: skip
     versions = {"torch": torch.__version__, "cuda_version": torch.version.cuda}
     if not torch.cuda.is_available():
         return Env(cuda=False, **versions, **tools)
@@ -165,13 +167,14 @@ def skip_reason(check: GpuCheck, env: Env) -> str | None:
     """Why `check` cannot run here (None: it runs)."""
     if "cuda" in check.needs and not env.cuda:
         return f"no CUDA GPU visible (torch {env.torch}, CUDA build {env.cuda_version or 'none'})"
-    for tool, hint in (
-        ("nvcc", "install the CUDA toolkit"),
-        ("ninja", "pip install ninja"),
-        ("pytest", "pip install pytest"),
+    for need, what, hint in (
+        ("nvcc", "nvcc", "install the CUDA toolkit"),
+        ("ninja", "ninja", "pip install ninja"),
+        ("pytest", "pytest", "pip install pytest"),
+        ("gpu_tests", GPU_TESTS, "they come with a source checkout: git clone, then pip install -e ."),
     ):
-        if tool in check.needs and not getattr(env, tool):
-            return f"{tool} not found ({hint})"  # fmt: skip
+        if need in check.needs and not getattr(env, need):
+            return f"{what} not found ({hint})"
     if "fp8" in check.needs and env.arch not in FP8_ARCHS:
         return f"{env.arch or 'this GPU'} has no FP8 tensor cores (sm89+)"
     if "fp4" in check.needs and env.arch not in FP4_ARCHS:

@@ -14,7 +14,9 @@ import torch
 
 from pipeline.bench.gpu import checks, report
 
-H200 = checks.Env(True, "NVIDIA H200", "sm90", 139.8, "580.65", "2.11.0+cu130", "13.0", True, True, True)
+H200 = checks.Env(
+    True, "NVIDIA H200", "sm90", 139.8, "580.65", "2.11.0+cu130", "13.0", True, True, True, True
+)
 
 
 def test_checks_fit_the_eight_minute_budget_by_construction():
@@ -71,6 +73,14 @@ def test_skip_reasons_per_host():
         by(replace(H200, nvcc=False))["build sampler kernels"] == "nvcc not found (install the CUDA toolkit)"
     )
     assert by(replace(H200, pytest=False))["gpu tests"] == "pytest not found (pip install pytest)"
+    # an installed wheel has no tests: the GPU tests skip, the measurements still run
+    wheel = by(replace(H200, gpu_tests=False))
+    assert (
+        wheel["gpu tests"]
+        == "tests/gpu not found (they come with a source checkout: git clone, then pip install -e .)"
+    )
+    assert [n for n, r in wheel.items() if r] == ["gpu tests", "26B pass nvfp4"]
+    assert checks.detect_env().gpu_tests  # this checkout has them
     cpu = by(checks.Env(False, torch="2.13.0+cpu"))
     assert all(r.startswith("no CUDA GPU visible (torch 2.13.0+cpu") for r in cpu.values())
 

@@ -12,7 +12,9 @@ import torch
 from pipeline.bench.gpu import checks, layers, measure, report
 from tests._utils.interpreter_casts import interpreted_exp, interpreted_tanh, rne_casts  # noqa: F401  (fixtures)
 
-H200 = checks.Env(True, "NVIDIA H200", "sm90", 139.8, "580.65", "2.11.0+cu130", "13.0", True, True, True)
+H200 = checks.Env(
+    True, "NVIDIA H200", "sm90", 139.8, "580.65", "2.11.0+cu130", "13.0", True, True, True, True
+)
 
 
 def test_attention_shapes_report_the_kernels_torch_may_pick_and_the_other_forms_agree():
