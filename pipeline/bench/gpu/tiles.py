@@ -35,6 +35,12 @@ CANVASES = (1, 2, 4, 8, 16)
 BLOCK_M, BLOCK_N, WARPS, STAGES = (16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 5)
 BLOCK_K_BYTES = (64, 128, 256)  # along K, in bytes: FP8 64-256 values, bf16 32-128
 SAME_OUTPUT = 1e-2  # relative L2 from the float product: one bf16 rounding apart; a wrong tile is O(1)
+# fp32 accumulator registers a thread may hold, of the 255 it can address: the operands' fragments and the
+# addresses need the rest. Compiled for sm_90a by Triton 3.6 (torch 2.11's), each of the H200's 372
+# shared-memory-fitting tiles compiled; the ten 128x256 tiles on 4 warps (256 accumulator registers a
+# thread) spilled over 1 KB a thread each: slow by construction, not worth a compile in the budget (one
+# other tile, 32x256x256 on 4 warps and 3 stages, spilled 16-56 bytes and stays)
+MAX_ACCUMULATOR_REGISTERS = 128
 
 
 @dataclass(frozen=True)
@@ -54,10 +60,15 @@ def changes(a: Tile, b: Tile) -> int:
     return sum(x != y for x, y in zip(a.model_dump().values(), b.model_dump().values()))
 
 
+def accumulator_registers(tile: Tile) -> int:
+    """fp32 registers a thread holds of the tile's [block_m, block_n] accumulator."""
+    return tile.block_m * tile.block_n // (32 * tile.num_warps)
+
+
 def candidates(element_bytes: int, shared_limit: int) -> list[Tile]:
     """The tiles worth timing, most likely first: the default tiles (`kernels.moe.default_tile`), then every
-    grid tile within `shared_limit` bytes of shared memory, ordered by how many of its six settings differ
-    from the nearest default (one change before two)."""
+    grid tile within `shared_limit` bytes of shared memory and `MAX_ACCUMULATOR_REGISTERS`, ordered by how
+    many of its six settings differ from the nearest default (one change before two)."""
     defaults = kernels.moe.default_tiles(element_bytes)
     grid = [
         Tile(block_m=m, block_n=n, block_k=kb // element_bytes, num_warps=w, num_stages=s, n_fastest=o)
@@ -65,7 +76,12 @@ def candidates(element_bytes: int, shared_limit: int) -> list[Tile]:
             BLOCK_M, BLOCK_N, BLOCK_K_BYTES, WARPS, STAGES, (False, True)
         )
     ]
-    fits = [t for t in grid if t.shared_bytes(element_bytes) <= shared_limit]
+    fits = [
+        t
+        for t in grid
+        if t.shared_bytes(element_bytes) <= shared_limit
+        and accumulator_registers(t) <= MAX_ACCUMULATOR_REGISTERS
+    ]
     return list(dict.fromkeys(defaults + sorted(fits, key=lambda t: min(changes(t, d) for d in defaults))))
 
 

@@ -31,6 +31,10 @@ def test_candidates_start_with_the_defaults_then_one_change_and_fit_shared_memor
         set(ada) < set(hopper)
         and Tile(block_m=128, block_n=256, block_k=128, num_warps=8, num_stages=4) in hopper
     )
+    # its accumulator, 256 fp32 registers a thread on 4 warps, would spill: not a candidate
+    assert Tile(block_m=128, block_n=256, block_k=128, num_warps=4, num_stages=4) not in hopper
+    assert max(map(tiles.accumulator_registers, hopper)) == tiles.MAX_ACCUMULATOR_REGISTERS == 128
+    assert (len(ada), len(hopper)) == (228, 362)
     bf16 = tiles.candidates(2, 99 * 1024)
     assert {t.block_k for t in bf16} == {32, 64, 128} and all(t.shared_bytes(2) <= 99 * 1024 for t in bf16)
 
