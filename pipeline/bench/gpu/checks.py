@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from pipeline.atomic import atomic_write_text
-from pipeline.bench.gpu.report import render
+from pipeline.bench.gpu.report import render, summary
 from pipeline.bench.results import save_result
 from pipeline.resources import PACKAGE_DIR
 from pipeline.runtime.dispatch import arch_of
@@ -276,6 +276,8 @@ def run_bench_gpu(
                 record(CheckResult(c.name, c.what, c.budget_s, "skipped", detail=reason))
                 continue
             r = _run(c, repo, Path(scratch), c.budget_s + int(spare), out, tile_tables)
+            if r.status == "passed" and r.rows:  # what it measured, not its output's last line
+                r.detail = summary(r.rows)
             spare = max(0.0, r.budget_s - r.seconds)
             if c.name == TILES_CHECK and r.status == "passed":
                 tile_tables = out / TABLE_DIR

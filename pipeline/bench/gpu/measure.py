@@ -313,7 +313,9 @@ def tune_tiles(started: float) -> list[dict]:
     budget -= TILES_MARGIN_S + (time.monotonic() - started)
     out = Path(os.environ.get("DGPIPE_GPU_OUT", ".")) / "moe_tiles"
     result = run_moe_tiles(out, None, CONFIG, budget_s=max(budget, 1.0))
-    tags = {"device": result["device"], "operand": result["operand"], "layers": result["layers"]}
+    tags = {"device": result["device"], "operand": result["operand"], "layers": result["layers"],
+            "timed": result["timed"], "candidates": result["candidates"], "triton_rows": result["triton_rows"],
+            "table_file": result["table_files"][0]}  # fmt: skip
     return [{**r, **tags} for r in result["rows"]]
 
 

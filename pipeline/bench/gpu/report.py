@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pipeline.bench.gpu.network import render_network, render_siblings
-from pipeline.bench.gpu.tiles import render_per_pass, render_rows
+from pipeline.bench.gpu.tiles import per_pass, render_per_pass, render_rows
 
 
 def render(result: dict) -> str:
@@ -31,7 +31,7 @@ def render(result: dict) -> str:
             lines.append(
                 f"| {r['format']} | {r['batch']} | {r['kernels']} | {r['ms_eager']:.2f} | {r['ms_graph']:.2f} "
                 f"| {r['floor_ms_spec']:.2f} | {'—' if compute is None else f'{compute:.2f}'} "
-                f"| {_best_ms(r) / max(r['floor_ms_spec'], compute or 0.0):.2f} | {r['floor_ms_copy']:.2f} |"
+                f"| {_x_floor(r):.2f} | {r['floor_ms_copy']:.2f} |"
             )
         # which tiles the Triton MoE GEMM launched with, where a pass ran it (runs from before say nothing)
         sources = dict.fromkeys((r["format"], r["moe_tiles"]) for r in rows if "moe_tiles" in r)
@@ -76,6 +76,25 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict]) -> str:
+    """A measurement check's rows in one line, for the checks table: each pass's ms against its floor, the
+    tuned tiles' expert GEMMs per pass, or the largest batch."""
+    if not rows:
+        return ""
+    if "ms_eager" in rows[0]:
+        return "; ".join(f"batch {r['batch']}: {_best_ms(r):.1f} ms, {_x_floor(r):.2f}x floor" for r in rows)
+    if "largest_batch" in rows[0]:
+        return f"largest {rows[0]['format']} batch that fits: {rows[0]['largest_batch']}"
+    if "best_ms" in rows[0]:
+        r, ms = rows[0], lambda v: "-" if v is None else f"{v:.1f}"
+        passes = ", ".join(f"{p['canvases']}: {ms(p['default_ms'])} -> {ms(p['best_ms'])} (torch {ms(p['vendor_ms'])})"
+                           for p in per_pass(rows, r["layers"]))  # fmt: skip
+        crossover = "not timed" if r["triton_rows"] is None else f"{r['triton_rows']:g} rows per expert"
+        return (f"{r['timed']} of {r['candidates']} tiles timed; expert GEMMs per pass, ms by canvases, default -> "
+                f"tuned: {passes}; Triton up to {crossover}; {r['table_file']}")  # fmt: skip
+    return ""
+
+
 def _error_cell(x: dict, key: str) -> str:
     """A diagnostic's error for a markdown cell: no column separators, 80 characters at most."""
     return str(x.get(key)).replace("|", "/")[:80]
@@ -84,3 +103,8 @@ def _error_cell(x: dict, key: str) -> str:
 def _best_ms(row: dict) -> float:
     """The pass time set against the floor: the CUDA-graph time, or eager where the graph did not run."""
     return row["ms_graph"] if row["ms_graph"] == row["ms_graph"] else row["ms_eager"]
+
+
+def _x_floor(row: dict) -> float:
+    """The pass time over the larger of its floors: HBM bytes and (runs since it was added) matmul FLOPs."""
+    return _best_ms(row) / max(row["floor_ms_spec"], row.get("compute_ms_spec") or 0.0)

@@ -131,6 +131,40 @@ def test_time_a_check_leaves_goes_to_the_next_within_the_total(tmp_path, monkeyp
     assert 2 + 7 < ran[2]["budget_s"] <= 2 + 27 and sum(c["seconds"] for c in ran) <= 29
 
 
+def test_a_passed_measurement_says_what_it_measured_in_the_checks_table(tmp_path, monkeypatch):
+    """Its detail is its rows in one line (a pass's output ends with warnings or JSON); a failed check keeps
+    its output's last line."""
+    rows = [{"format": "fp8", "largest_batch": 128, "tried_up_to": 256}]
+    code = (
+        f"import json, os; open(os.environ['DGPIPE_GPU_ROWS'], 'w').write({json.dumps(rows)!r}); print(']')"
+    )
+    measured = checks.GpuCheck("largest batch", 20, "rows", ("-c", code), ())
+    failed = checks.GpuCheck(
+        "failed", 20, "rows, then a fault", ("-c", code + "; raise SystemExit('boom')"), ()
+    )
+    monkeypatch.setattr(checks, "CHECKS", (measured, failed))
+    monkeypatch.setattr(checks, "detect_env", lambda: checks.Env(cuda=False, torch="2.13"))
+    ran = checks.run_bench_gpu(tmp_path)["checks"]
+    assert [c["detail"] for c in ran] == ["largest fp8 batch that fits: 128", "]\nboom"]
+    passes = [{"batch": 1, "ms_eager": 30.0, "ms_graph": 7.44, "floor_ms_spec": 6.2},
+              {"batch": 16, "ms_eager": 60.0, "ms_graph": float("nan"), "floor_ms_spec": 13.2, "compute_ms_spec": 26.0}]  # fmt: skip
+    assert report.summary(passes) == "batch 1: 7.4 ms, 1.20x floor; batch 16: 60.0 ms, 2.31x floor"
+    tag = {
+        "layers": 30,
+        "timed": 40,
+        "candidates": 362,
+        "triton_rows": 256.0,
+        "table_file": "out/moe_tiles/H200-fp8.yaml",
+    }
+    tiles = [{**tag, "canvases": c, "default_ms": d, "best_ms": b, "vendor_ms": v}
+             for c, d, b, v in ((1, 0.2, 0.1, 0.3), (1, 0.1, 0.1, 0.1), (16, 1.0, 0.5, None), (16, 1.0, 0.5, 2.0))]  # fmt: skip
+    assert report.summary(tiles) == (
+        "40 of 362 tiles timed; expert GEMMs per pass, ms by canvases, default -> tuned: 1: 9.0 -> 6.0 (torch 12.0), "
+        "16: 60.0 -> 30.0 (torch -); Triton up to 256 rows per expert; out/moe_tiles/H200-fp8.yaml"
+    )
+    assert report.summary([]) == ""
+
+
 def test_table_shows_each_pass_against_its_floor():
     row = {"format": "fp8", "batch": 1, "kernels": "k", "ms_eager": 9.0, "ms_graph": 7.44, "floor_ms_spec": 6.2,
            "floor_ms_copy": 7.0}  # fmt: skip

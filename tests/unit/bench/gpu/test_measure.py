@@ -279,6 +279,10 @@ def test_the_tiles_check_tunes_within_its_budget_and_leaves_its_table_in_the_run
             "device": "NVIDIA H200",
             "operand": "fp8",
             "layers": 30,
+            "timed": 40,
+            "candidates": 362,
+            "triton_rows": 256.0,
+            "table_files": [str(out / "NVIDIA_H200-fp8.yaml")],
             "rows": [{"shape": "down", "best_ms": 0.1}],
         }
 
@@ -297,6 +301,6 @@ def test_the_tiles_check_tunes_within_its_budget_and_leaves_its_table_in_the_run
     measure.main(["tiles"])
     assert seen["budget_s"] <= measure.TILES_MAX_S - measure.TILES_MARGIN_S
     rows = json.loads((tmp_path / "rows.json").read_text())
-    assert rows == [
-        {"shape": "down", "best_ms": 0.1, "device": "NVIDIA H200", "operand": "fp8", "layers": 30}
-    ]
+    tags = {"device": "NVIDIA H200", "operand": "fp8", "layers": 30, "timed": 40, "candidates": 362,
+            "triton_rows": 256.0, "table_file": str(tmp_path / "moe_tiles" / "NVIDIA_H200-fp8.yaml")}  # fmt: skip
+    assert rows == [{"shape": "down", "best_ms": 0.1, **tags}]
