@@ -38,8 +38,8 @@ SAME_OUTPUT = 1e-2  # relative L2 from the float product: one bf16 rounding apar
 # fp32 accumulator registers a thread may hold, of the 255 it can address: the operands' fragments and the
 # addresses need the rest. Compiled for sm_90a by Triton 3.6 (torch 2.11's), each of the H200's 372
 # shared-memory-fitting tiles compiled; the ten 128x256 tiles on 4 warps (256 accumulator registers a
-# thread) spilled over 1 KB a thread each: slow by construction, not worth a compile in the budget (one
-# other tile, 32x256x256 on 4 warps and 3 stages, spilled 16-56 bytes and stays)
+# thread) spilled over 1 KB a thread each: slow by construction, not worth a compile in the budget (the
+# 32x256x256 tiles on 4 warps and 3 stages, either launch order, spilled 16-56 bytes and stay)
 MAX_ACCUMULATOR_REGISTERS = 128
 
 
