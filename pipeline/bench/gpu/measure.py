@@ -133,7 +133,6 @@ def measure_pass(
     from pipeline.runtime.compiled import compile_model
     from pipeline.runtime.dispatch import compute_ms, dispatch, experts_touched, floor_ms, pass_bytes
     from pipeline.runtime.gpu_load import finish_on_device
-    from pipeline.runtime.kernels.moe_tiles import tiles_source
 
     dev = device or torch.device("cuda")
     mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
@@ -177,8 +176,9 @@ def measure_pass(
                      "compute_ms_spec": compute_ms(mcfg.text_config, row, b, spec.product, mcfg.canvas_length, CONTEXT),
                      "experts_touched": touched,
                      "experts_touched_uniform": experts_touched(mcfg.text_config, b * mcfg.canvas_length),
-                     "graph_error": graph_error, "top_kernels": top_kernels(fn), "top_ops": top_ops(fn),
-                     "moe_tiles": tiles_source(dev, "bf16" if fmt == "bf16" else "fp8")})  # fmt: skip
+                     "graph_error": graph_error, "top_kernels": top_kernels(fn), "top_ops": top_ops(fn)})  # fmt: skip
+        if tiles := moe_tiles_used(model, dev):
+            rows[-1]["moe_tiles"] = tiles
         if fmt == "fp8" and not compiled:
             try:
                 rows[-1]["experts"] = expert_paths(model.layers[0].experts, mcfg.text_config.top_k_experts,
@@ -203,6 +203,20 @@ def measure_pass(
         sink(rows)
         torch.cuda.empty_cache()
     return rows
+
+
+def moe_tiles_used(model, dev: torch.device) -> str | None:
+    """Which tiles the pass's Triton MoE GEMMs launch with (`moe_tiles.tiles_source`), or None where its
+    experts never run on that GEMM: tensor-core experts with Triton rows (FP8 operands), or float experts
+    routed on it (bf16 operands)."""
+    from pipeline.runtime.kernels.moe_tiles import tiles_source
+
+    experts = model.layers[0].experts
+    if getattr(experts, "triton_rows", 0) > 0:
+        return tiles_source(dev, "fp8")
+    if getattr(experts, "triton", False):
+        return tiles_source(dev, "bf16")
+    return None
 
 
 def routed_experts(model, fn) -> float:

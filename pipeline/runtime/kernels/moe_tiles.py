@@ -6,15 +6,16 @@ the rows per expert, and no formula predicts them well. The field's practice is 
 candidates on each GPU model and ship the winners as data: vLLM's fused-MoE kernel reads per-GPU JSON files
 (`vllm/model_executor/layers/fused_moe/configs/E=...,N=...,device_name=NVIDIA_H200,...json`, made by its
 `benchmarks/kernels/benchmark_moe.py --tune`). dgpipe does the same: `dgpipe bench moe-tiles` times the
-candidates on this GPU (`pipeline.bench.moe_tiles`) and writes one YAML table per GPU model and operand
+candidates on this GPU (`pipeline.bench.gpu.tiles`) and writes one YAML table per GPU model and operand
 type; `dgpipe bench gpu` tunes too and leaves its table in its `--out`.
 
 Where tables are found, first match wins: the folder $DGPIPE_MOE_TILES names (`TABLES_ENV`: a table to
 try without installing it; `dgpipe bench gpu` points the checks after its tiles check at the table that
 check measured), the cache (`<dgpipe cache>/moe_tiles`, where `dgpipe bench moe-tiles` writes by default:
-tuned on this host) and then `configs/moe_tiles` (measured tables shipped with dgpipe). A shape or GPU with no table keeps `kernels.moe.tiles`' own choice. The load-time probe runs
-every tile of the table it finds against the float reference (`pipeline.runtime.probe`), so a table from
-another Triton build costs speed, never a wrong answer."""
+tuned on this host) and then `configs/moe_tiles` (measured tables shipped with dgpipe). A shape or GPU with
+no table keeps `kernels.moe.tiles`' own choice. The load-time probe runs every tile of the table it finds
+against the float reference (`pipeline.runtime.probe`), so a table from another Triton build costs speed,
+never a wrong answer."""
 
 from __future__ import annotations
 
