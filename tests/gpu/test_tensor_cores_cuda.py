@@ -609,7 +609,7 @@ def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
     v_norm = RMSNorm(256, 1e-6, with_scale=False)
     angles = torch.rand(16, 256, 128, device=CUDA, generator=gen) * 1e4
     cos, sin = (f(torch.cat([angles, angles], -1)).bfloat16() for f in (torch.cos, torch.sin))
-    assert kernels.chains.head_norms_serves(k, norms[1], cos, v, v_norm)
+    assert kernels.chains.head_norms_serves(k, norms[1], cos, sin, v, v_norm)
     together = kernels.chains.head_norms(k, norms[1], cos, sin, v, v_norm, x, norms[0])
     apart = (*kernels.chains.head_norms(k, norms[1], cos, sin, v, v_norm)[:2],
              kernels.chains.head_norms(x, norms[0], cos, sin)[0])  # fmt: skip

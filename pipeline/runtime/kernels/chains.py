@@ -105,23 +105,29 @@ def _kernels():
     return jit_chains
 
 
-def rope_serves(x: torch.Tensor, cos: torch.Tensor) -> bool:
+def rope_serves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether the kernel takes x [B, L, H, D] with cos/sin [B, L, D]: bf16/fp16, D even, all contiguous and
     of one dtype (anything else keeps the torch form)."""
-    return _rotates(x, cos) and x.is_contiguous()
+    return _rotates(x, cos, sin) and x.is_contiguous()
 
 
-def _rotates(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """x [B, L, H, D] and cos/sin [B, L, D] as the rotating kernels take them, x at any strides."""
+def _rotates(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """x [B, L, H, D] and cos, sin [B, L, D] as the rotating kernels take them, x at any strides: the
+    kernels read sin at cos's offsets, so both tables are checked (torch's form would broadcast either)."""
+    if x.dim() != 4 or x.dtype not in DTYPES:
+        return False
     d = x.shape[-1]
     return (
-        x.dtype in DTYPES
-        and cos.dtype == x.dtype
-        and x.dim() == 4
-        and cos.shape == (*x.shape[:2], d)
+        d > 0
         and d % 2 == 0
-        and cos.is_contiguous()
+        and all(t.dtype == x.dtype and t.shape == (*x.shape[:2], d) and t.is_contiguous() for t in (cos, sin))
     )
+
+
+def _row_weight(w: torch.Tensor | None, dtype: torch.dtype, d: int) -> bool:
+    """Whether the row kernels can read `w` as a norm's or scale's weight over d columns: d values of
+    `dtype`, contiguous (they read it at w_ptr + column)."""
+    return w is not None and w.dtype == dtype and w.shape == (d,) and w.is_contiguous()
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -141,7 +147,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def rope_or_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`rope` where it serves (`rope_serves`), else the torch form: what the GPU loader installs as the layers' RoPE."""
-    return rope(x, cos, sin) if rope_serves(x, cos) else apply_rope(x, cos, sin)
+    return rope(x, cos, sin) if rope_serves(x, cos, sin) else apply_rope(x, cos, sin)
 
 
 # values per program: 8 rows of a 256-wide head, 4 of a 512-wide one (at 16 rows of 256, sm_120 spills)
@@ -152,6 +158,7 @@ def head_norms_serves(
     x: torch.Tensor,
     norm: RMSNorm,
     cos: torch.Tensor,
+    sin: torch.Tensor,
     v: torch.Tensor | None = None,
     v_norm: RMSNorm | None = None,
 ) -> bool:
@@ -159,12 +166,9 @@ def head_norms_serves(
     one stride apart: `token_rows`) with their norm (weights of x's dtype), and v [B, L, H, D] of x's shape
     and dtype, its tokens likewise, with its unscaled norm of the same eps (or neither)."""
     return (
-        _rotates(x, cos)
+        _rotates(x, cos, sin)
         and token_rows(x)
-        and norm.weight is not None
-        and norm.weight.dtype == x.dtype
-        and norm.weight.shape == x.shape[-1:]
-        and norm.weight.is_contiguous()
+        and _row_weight(norm.weight, x.dtype, x.shape[-1])
         and (v is None) == (v_norm is None)
         and (
             v is None
@@ -277,8 +281,8 @@ def head_norms_or_torch(
     [B, H, L, D] then a transposed view, where `q_head_major`; k and v copied into `out`, where given): what
     the GPU loader installs."""
     serves = (
-        head_norms_serves(x, norm, cos, v, v_norm)
-        and (q is None or (v is not None and _q_beside(q, q_norm, x, norm, cos)))
+        head_norms_serves(x, norm, cos, sin, v, v_norm)
+        and (q is None or (v is not None and _q_beside(q, q_norm, x, norm, cos, sin)))
         and (out is None or head_outputs_serve(out, x, v))
     )
     if serves:
@@ -296,13 +300,18 @@ def head_norms_or_torch(
 
 
 def _q_beside(
-    q: torch.Tensor, q_norm: RMSNorm | None, x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor
+    q: torch.Tensor,
+    q_norm: RMSNorm | None,
+    x: torch.Tensor,
+    norm: RMSNorm,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
 ) -> bool:
     """Whether q's heads go in x's launch (x being k, with v beside it): the kernel takes them alone, with x's
     tokens, head dim, dtype and eps."""
     return (
         q_norm is not None
-        and head_norms_serves(q, q_norm, cos)
+        and head_norms_serves(q, q_norm, cos, sin)
         and q.shape[:2] == x.shape[:2]
         and q.shape[3] == x.shape[3]
         and q.dtype == x.dtype
@@ -353,9 +362,9 @@ def combine(y: torch.Tensor, rows: torch.Tensor | None, weights: torch.Tensor) -
     d = y.shape[1]
     y = y if y.stride(-1) == 1 else y.contiguous()
     out = torch.empty(t, d, dtype=y.dtype, device=y.device)
-    if t and d:
+    if t and d:  # the kernel reads rows[t * k + j] and weights[t, j] at those offsets
         _kernels().combine[(t, triton.cdiv(d, COMBINE_BLOCK))](
-            y, rows if rows is not None else weights, weights.contiguous(), out, d, y.stride(0),
+            y, (rows if rows is not None else weights).contiguous(), weights.contiguous(), out, d, y.stride(0),
             K=k, GATHER=rows is not None, BLOCK_D=COMBINE_BLOCK, **OPTIONS,
         )  # fmt: skip
     return out
@@ -469,12 +478,14 @@ ADD_SCALED_BLOCK = 4096  # values per program
 
 
 def add_scaled_serves(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether the kernel takes a + b times a one-value scale: all one dtype (bf16/fp16), a and b one shape, contiguous."""
+    """Whether the kernel takes a + b times a one-value scale: all one dtype (bf16/fp16), a and b one shape,
+    contiguous, the scale of no more dimensions than they have (torch's form would broadcast the sum up)."""
     return (
         a.dtype in DTYPES
         and b.dtype == a.dtype
         and scale.dtype == a.dtype
         and scale.numel() == 1
+        and scale.dim() <= a.dim()
         and a.shape == b.shape
         and a.is_contiguous()
         and b.is_contiguous()
@@ -524,10 +535,7 @@ def layer_end_serves(
         )
         and residual.is_contiguous()
         and d <= ROW_MAX_COLS
-        and all(
-            n.weight is not None and n.weight.dtype == residual.dtype and n.weight.shape == (d,)
-            for n in norms
-        )
+        and all(_row_weight(n.weight, residual.dtype, d) for n in norms)
         and len({n.eps for n in norms}) == 1
         and scale.dtype == residual.dtype
         and scale.numel() == 1
@@ -589,10 +597,9 @@ def ffn_inputs_serves(layer: DecoderLayer, h: torch.Tensor, attn: torch.Tensor) 
         and h.is_contiguous()
         and attn.is_contiguous()
         and d <= ROW_MAX_COLS
-        and all(n.weight is not None and n.weight.dtype == h.dtype and n.weight.shape == (d,) for n in scaled)
+        and all(_row_weight(n.weight, h.dtype, d) for n in scaled)
         and router.norm.weight is None
-        and router.scale.dtype == h.dtype
-        and router.scale.shape == (d,)
+        and _row_weight(router.scale, h.dtype, d)
         and len({n.eps for n in (*scaled, router.norm)}) == 1
     )
 
@@ -717,9 +724,7 @@ def norm_fp8_serves(x: torch.Tensor, norm: RMSNorm, scale: torch.Tensor) -> bool
         and x.dim() == 2
         and x.is_contiguous()
         and x.shape[1] <= ROW_MAX_COLS
-        and norm.weight is not None
-        and norm.weight.dtype == x.dtype
-        and norm.weight.shape == x.shape[1:]
+        and _row_weight(norm.weight, x.dtype, x.shape[1])
         and scale.dtype == torch.float32
         and scale.numel() == 1
     )
@@ -837,13 +842,7 @@ SCALE_COLUMNS_BLOCK = 4096  # values per program
 
 def scale_columns_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the kernel takes x [..., cols] times w [cols]: one dtype (bf16/fp16), both contiguous."""
-    return (
-        x.dtype in DTYPES
-        and w.dtype == x.dtype
-        and w.shape == x.shape[-1:]
-        and x.is_contiguous()
-        and w.is_contiguous()
-    )
+    return x.dim() >= 1 and x.dtype in DTYPES and x.is_contiguous() and _row_weight(w, x.dtype, x.shape[-1])
 
 
 def scale_columns(x: torch.Tensor, w: torch.Tensor, c: float) -> torch.Tensor:

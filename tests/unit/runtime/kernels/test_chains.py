@@ -58,21 +58,28 @@ def test_rope_is_the_torch_form_bit_for_bit(rne_casts, dtype, heads, d, partial)
     x[0, 0, 0, :2], x[1, 2, 0, 0], x[1, 3, -1, -1] = 0.0, float("inf"), float("nan")
     x = x.to(dtype)
     cos, sin = tables(2, 9, d, dtype, partial=partial)
-    assert kernels.chains.rope_serves(x, cos)
+    assert kernels.chains.rope_serves(x, cos, sin)
     got, want = kernels.chains.rope(x, cos, sin), apply_rope(x, cos, sin)
     assert probing.same_bits(got, want)  # bit patterns: NaN and -0.0 too
 
 
 def test_other_inputs_keep_the_torch_form(monkeypatch):
     x, (cos, sin) = torch.randn(1, 4, 2, 64, dtype=torch.bfloat16), tables(1, 4, 64, torch.bfloat16)
-    assert not kernels.chains.rope_serves(
-        x.float(), cos.float()
+    serves = kernels.chains.rope_serves
+    assert serves(x, cos, sin)
+    assert not serves(
+        x.float(), cos.float(), sin.float()
     )  # fp32: the compiler may fuse a product into the sum
-    assert not kernels.chains.rope_serves(x.transpose(1, 2), cos)  # [B, H, L, D]: not the layout it reads
-    assert not kernels.chains.rope_serves(
-        x[..., :48], cos[..., :48].contiguous()
-    )  # a view: rows not contiguous
-    assert not kernels.chains.rope_serves(x, cos.half())
+    assert not serves(x.transpose(1, 2), cos, sin)  # [B, H, L, D]: not the layout it reads
+    assert not serves(
+        x[..., :48], cos[..., :48].contiguous(), sin[..., :48].contiguous()
+    )  # rows not contiguous
+    assert not serves(x, cos.half(), sin)
+    # sin is read at cos's offsets: a sin torch's form would broadcast or promote keeps that form
+    assert not serves(x, cos, torch.cat([cos, sin], -1)[..., 64:])  # a view of a wider table
+    assert not serves(x, cos, sin[:, :1])  # one token's, broadcast
+    assert not serves(x, cos, sin.half())
+    assert not serves(x[..., :0], cos[..., :0], sin[..., :0])  # no head dim
     monkeypatch.setattr(kernels.chains, "rope", lambda *a: pytest.fail("the kernel ran"))
     y = x.float()
     assert torch.equal(
@@ -165,6 +172,8 @@ def test_combine_is_its_torch_form_bit_for_bit_and_the_batched_product_within_ro
     assert torch.equal(
         kernels.chains.combine(y, None, weights), kernels.chains.sequential_combine(y, None, weights)
     )
+    strided = torch.stack([rows, rows], 1)[:, 0]  # the same rows, every other value of a buffer
+    assert torch.equal(kernels.chains.combine(y, strided, weights), got)
     want = network.combine_top_k(y, routing, weights)
     assert bool(((got.float() - want.float()).abs() <= want.float().abs() * 2**-8 + 1e-6).all())
     assert torch.equal(network.combine_top_k(y, routing, weights, kernels.chains.combine), got)  # the hook
@@ -277,6 +286,7 @@ def test_the_residual_sum_is_torchs_bit_for_bit(rne_casts, dtype, n):  # noqa: F
     assert not kernels.chains.add_scaled_serves(a, b, scale.float())  # torch would promote to fp32
     assert not kernels.chains.add_scaled_serves(a.float(), b.float(), scale.float())
     assert not kernels.chains.add_scaled_serves(a, b, torch.ones(2, dtype=dtype))
+    assert not kernels.chains.add_scaled_serves(a, b, scale.view(1, 1, 1))  # torch would broadcast the sum up
     wide = torch.randn(3, 8, dtype=dtype)
     assert not kernels.chains.add_scaled_serves(wide.t(), wide.t(), scale)  # not contiguous
     y = kernels.chains.add_scaled_or_torch(a.float(), b.float(), scale.float())
@@ -362,6 +372,9 @@ def test_the_layer_end_is_torchs_but_for_its_norms_sums(rne_casts, dtype, d):  #
     assert not kernels.chains.layer_end_serves(residual, dense.t(), moe, norms, scale)  # not contiguous
     unscaled = (*norms[:2], network.RMSNorm(d, 1e-6, with_scale=False))
     assert not kernels.chains.layer_end_serves(residual, dense, moe, unscaled, scale)
+    strided = network.RMSNorm(d, 1e-6).to(dtype)  # the kernel reads a weight at each column's offset
+    strided.weight.data = torch.stack([norms[2].weight.data] * 2, 1)[:, 0]
+    assert not kernels.chains.layer_end_serves(residual, dense, moe, (*norms[:2], strided), scale)
     y = kernels.chains.layer_end_or_torch(residual, dense, moe, unscaled, scale)
     assert torch.equal(y, network.layer_end(residual, dense, moe, unscaled, scale))
 
@@ -403,6 +416,10 @@ def test_the_ffn_inputs_are_torchs_but_for_their_norms_sums(rne_casts, dtype, d)
     assert not probing.same_layer_end(swapped[1], want[1], torch.zeros_like(h), one)
     assert not kernels.chains.ffn_inputs_serves(layer, h.float(), attn.float())
     assert not kernels.chains.ffn_inputs_serves(layer, h, attn.transpose(0, 1))  # not contiguous
+    router_scale = layer.router.scale.data
+    layer.router.scale.data = torch.stack([router_scale] * 2, 1)[:, 0]  # its values, every other of a buffer
+    assert not kernels.chains.ffn_inputs_serves(layer, h, attn)
+    layer.router.scale.data = router_scale
     layer.router.norm = network.RMSNorm(d, 1e-6).to(dtype)  # a scaled router norm: not the kernel's form
     assert not kernels.chains.ffn_inputs_serves(layer, h, attn)
     fallback = kernels.chains.ffn_inputs_or_torch(layer, h, attn)
@@ -559,6 +576,8 @@ def test_the_router_input_is_torchs_bit_for_bit(rne_casts, dtype, d):  # noqa: F
     assert probing.same_bits(got, x * w * d**-0.5)
     assert not kernels.chains.scale_columns_serves(x, w.float())  # torch would promote
     assert not kernels.chains.scale_columns_serves(x.t(), w)
+    assert not kernels.chains.scale_columns_serves(x, torch.stack([w, w], 1)[:, 0])  # w's values, strided
+    assert not kernels.chains.scale_columns_serves(x[0, 0], w[0])  # one value: no columns
 
 
 def test_the_router_takes_its_input_kernel_where_installed():

@@ -41,7 +41,7 @@ def test_head_norms_are_torchs_but_for_their_norms_sums(rne_casts, dtype, h, d):
     24 and the narrowest: within `probe.same_rotation` of torch's form (v within `same_layer_end`), and bit
     for bit but for under 0.1% of the values (the norms' sums of squares in another order)."""
     x, v, norm, v_norm, cos, sin = heads(2, 9, h, d, dtype, seed=d + h)
-    assert kernels.chains.head_norms_serves(x, norm, cos, v, v_norm)
+    assert kernels.chains.head_norms_serves(x, norm, cos, sin, v, v_norm)
     got, got_v, no_q = kernels.chains.head_norms(x, norm, cos, sin, v, v_norm)
     normed = norm(x)
     want, want_v = apply_rope(normed, cos, sin), v_norm(v)
@@ -66,8 +66,8 @@ def test_head_norms_read_q_k_and_v_in_place_from_one_merged_projection(rne_casts
     proj = x.reshape(2, 5, -1)  # [B, L, (h + 2 kv) * d]: q | k | v
     q, k, v = (c.view(2, 5, -1, d) for c in proj.split([h * d, kv * d, kv * d], dim=-1))
     assert not q.is_contiguous() and all(kernels.chains.token_rows(t) for t in (q, k, v))
-    assert kernels.chains.head_norms_serves(q, norm, cos) and kernels.chains.head_norms_serves(
-        k, norm, cos, v, v_norm
+    assert kernels.chains.head_norms_serves(q, norm, cos, sin) and kernels.chains.head_norms_serves(
+        k, norm, cos, sin, v, v_norm
     )
     q_norm = _flipped(norm)
     got_q, none, _ = kernels.chains.head_norms(q, q_norm, cos, sin)
@@ -100,18 +100,26 @@ def test_head_norms_read_q_k_and_v_in_place_from_one_merged_projection(rne_casts
     )  # the weights differ
     transposed = proj[..., : h * d].view(2, 5, d, h).transpose(2, 3)  # a head's values h apart
     assert not kernels.chains.token_rows(transposed)
-    assert not kernels.chains.head_norms_serves(transposed, norm, cos)
+    assert not kernels.chains.head_norms_serves(transposed, norm, cos, sin)
 
 
 def test_other_heads_keep_the_torch_form(monkeypatch):
     x, v, norm, v_norm, cos, sin = heads(1, 4, 2, 64, torch.bfloat16, seed=0)
     serves = kernels.chains.head_norms_serves
-    assert not serves(x.float(), norm.float(), cos.float())  # fp32: no rope kernel either
-    assert not serves(x, norm.float(), cos)  # a weight of another dtype
-    assert not serves(x, v_norm, cos)  # an unscaled norm for q or k
-    assert not serves(x, norm, cos, v, norm)  # a scaled norm for v
-    assert not serves(x, norm, cos, v[:, :, :1].contiguous(), v_norm)  # v of another shape
-    assert not serves(x, norm, cos, v)  # v without its norm
+    assert serves(x, norm, cos, sin, v, v_norm)
+    assert not serves(x.float(), norm.float(), cos.float(), sin.float())  # fp32: no rope kernel either
+    assert not serves(x, norm.float(), cos, sin)  # a weight of another dtype
+    assert not serves(x, v_norm, cos, sin)  # an unscaled norm for q or k
+    assert not serves(x, norm, cos, sin, v, norm)  # a scaled norm for v
+    assert not serves(x, norm, cos, sin, v[:, :, :1].contiguous(), v_norm)  # v of another shape
+    assert not serves(x, norm, cos, sin, v)  # v without its norm
+    # the kernel reads sin at cos's offsets and the weight at each column's: other layouts keep torch's form
+    assert not serves(x, norm, cos, torch.cat([cos, sin], -1)[..., 64:])  # sin a view of a wider table
+    assert not serves(x, norm, cos, sin[:, :1])  # one token's sin, broadcast
+    assert not serves(x, norm, cos, sin.float())
+    strided = RMSNorm(64, 1e-6).bfloat16()
+    strided.weight.data = torch.ones(128, dtype=torch.bfloat16)[::2]
+    assert not serves(x, strided, cos, sin)
     kernel = kernels.chains.head_norms
     monkeypatch.setattr(kernels.chains, "head_norms", lambda *a: pytest.fail("the kernel ran"))
     q_only = kernels.chains.head_norms_or_torch(x, norm, cos, sin, q=x, q_norm=norm)  # no v: the torch form

@@ -62,6 +62,9 @@ def test_other_rows_keep_the_torch_form(monkeypatch):
     assert not kernels.chains.norm_fp8_serves(x[:, :32], norm, scale)  # not contiguous, another width
     assert not kernels.chains.norm_fp8_serves(x, norm, scale.bfloat16())
     assert not kernels.chains.norm_fp8_serves(x, RMSNorm(64, 1e-6, with_scale=False), scale)
+    strided = RMSNorm(64, 1e-6).bfloat16()  # the kernel reads the weight at each column's offset
+    strided.weight.data = torch.stack([norm.weight.data] * 2, 1)[:, 0]
+    assert not kernels.chains.norm_fp8_serves(x, strided, scale)
     monkeypatch.setattr(kernels.chains, "norm_fp8", lambda *a: pytest.fail("the kernel ran"))
     got = kernels.chains.norm_fp8_or_torch(x.float(), norm.float(), scale)
     assert torch.equal(
