@@ -641,9 +641,15 @@ def ffn_inputs(
     layer: DecoderLayer, h: torch.Tensor, attn: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a decoder layer's FFN branches read after attention, all from the residual stream
-    h + post_attention_layernorm(attn) [..., d]: that residual, the dense MLP's input (its shape), and as
-    [tokens, d] rows the experts' input and the router's input (`Router.input`)."""
-    residual = h + layer.post_attention_layernorm(attn)
+    h + post_attention_layernorm(attn) [..., d]: that residual, then `ffn_norms` of it."""
+    return ffn_norms(layer, h + layer.post_attention_layernorm(attn))
+
+
+def ffn_norms(
+    layer: DecoderLayer, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The residual stream [..., d] after attention, the dense MLP's input (its shape), and as [tokens, d]
+    rows the experts' input and the router's input (`Router.input`)."""
     flat = residual.reshape(-1, residual.shape[-1])
     mlp_in = layer.pre_feedforward_layernorm(residual)
     return residual, mlp_in, layer.pre_feedforward_layernorm_2(flat), layer.router.input(flat)

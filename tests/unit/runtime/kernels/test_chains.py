@@ -356,16 +356,17 @@ def _layer_end_inputs(dtype: torch.dtype, d: int, rows: int, seed: int):
 @pytest.mark.parametrize("d", [2816, 100])
 def test_the_layer_end_is_torchs_but_for_its_norms_sums(rne_casts, dtype, d):  # noqa: F811
     """Three RMSNorms, two sums and the scale in one kernel against torch's form (`network.layer_end`), rows
-    over seven decades: within `probe.same_layer_end`, and bit for bit but where a sum of squares added in
-    another order moved a rounding (under 1% of the values); other inputs keep the torch form."""
+    over seven decades: within `probe.same_layer_end_of` torch's form, and bit for bit but where a sum of
+    squares added in another order moved a rounding (under 1% of the values); other inputs keep the torch
+    form."""
     residual, dense, moe, norms, scale = _layer_end_inputs(dtype, d, 24, d)
     assert kernels.chains.layer_end_serves(residual, dense, moe, norms, scale)
     got = kernels.chains.layer_end(residual, dense, moe, norms, scale)
     want = network.layer_end(residual, dense, moe, norms, scale)
-    assert probing.same_layer_end(got, want, residual, scale)
+    assert probing.same_layer_end_of(got, residual, dense, moe, norms, scale)
     assert (got != want).float().mean() < 0.01
     wrong = network.layer_end(residual, dense, moe, (norms[1], norms[0], norms[2]), scale)
-    assert not probing.same_layer_end(wrong, want, residual, scale)
+    assert not probing.same_layer_end_of(wrong, residual, dense, moe, norms, scale)
     assert not kernels.chains.layer_end_serves(
         residual.float(), dense.float(), moe.float(), norms, scale.float()
     )
@@ -394,7 +395,7 @@ def test_the_layer_end_probe_passes_the_kernel_and_fails_a_wrong_one(rne_casts, 
 @pytest.mark.parametrize("d", [2816, 100])
 def test_the_ffn_inputs_are_torchs_but_for_their_norms_sums(rne_casts, dtype, d):  # noqa: F811
     """The residual sum after attention and the three FFN inputs (dense MLP, experts, router) in one kernel
-    against torch's form (`network.ffn_inputs`): each within `probe.same_layer_end` and bit for bit but where a
+    against torch's form (`network.ffn_inputs`): within `probe.same_ffn_inputs` and bit for bit but where a
     sum of squares added in another order moved a rounding (under 1% of the values); other inputs keep the
     torch form."""
     g = torch.Generator().manual_seed(d)
@@ -403,17 +404,17 @@ def test_the_ffn_inputs_are_torchs_but_for_their_norms_sums(rne_casts, dtype, d)
     assert kernels.chains.ffn_inputs_serves(layer, h, attn)
     got, want = kernels.chains.ffn_inputs(layer, h, attn), network.ffn_inputs(layer, h, attn)
     assert [t.shape for t in got] == [t.shape for t in want] == [h.shape, h.shape, (24, d), (24, d)]
-    one = torch.ones(1, dtype=dtype)
-    assert probing.same_layer_end(got[0], want[0], h, one)
-    pairs = list(zip(got, want, strict=True))
-    assert all(probing.same_layer_end(a, b, torch.zeros_like(b), one) for a, b in pairs[1:])  # norms
-    assert all((a != b).float().mean() < 0.01 for a, b in pairs)
+    assert probing.same_ffn_inputs(got, layer, h, attn)
+    assert all((a != b).float().mean() < 0.01 for a, b in zip(got, want, strict=True))
     layer.pre_feedforward_layernorm, layer.pre_feedforward_layernorm_2 = (
         layer.pre_feedforward_layernorm_2,
         layer.pre_feedforward_layernorm,
     )
-    swapped = network.ffn_inputs(layer, h, attn)
-    assert not probing.same_layer_end(swapped[1], want[1], torch.zeros_like(h), one)
+    assert not probing.same_ffn_inputs(got, layer, h, attn)  # the norms' weights swapped
+    layer.pre_feedforward_layernorm, layer.pre_feedforward_layernorm_2 = (
+        layer.pre_feedforward_layernorm_2,
+        layer.pre_feedforward_layernorm,
+    )
     assert not kernels.chains.ffn_inputs_serves(layer, h.float(), attn.float())
     assert not kernels.chains.ffn_inputs_serves(layer, h, attn.transpose(0, 1))  # not contiguous
     router_scale = layer.router.scale.data
@@ -467,6 +468,70 @@ def test_the_ffn_inputs_torch_form_gives_the_rows_to_quantize(monkeypatch):
     forms = ("fp8", torch.tensor(0.1)), ("nvfp4", torch.tensor(0.1))
     got, want = kernels.chains.ffn_inputs_or_torch(layer, h, attn, *forms), network.ffn_inputs(layer, h, attn)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_a_layer_end_may_carry_a_rounding_of_its_inner_norms_through_the_outer_one():
+    """Where norm_1(dense) and norm_2(moe) cancel, their sum one rounding off (a norm's sum of squares in
+    another order flipped a rounding of norm_1's) is far off relatively, and the outer norm keeps it: such a
+    layer end misses `same_layer_end` of torch's form and is within `probe.same_layer_end_of` it; another
+    outer weight, or an inner value off by more than a rounding, is not."""
+    d, dtype = 64, torch.bfloat16
+    g = torch.Generator().manual_seed(6)
+    dense = torch.randn(2, 3, d, generator=g).to(dtype)
+    norms = [network.RMSNorm(d, 1e-6).to(dtype) for _ in range(3)]
+    for n in norms:
+        n.weight.data = (torch.rand(d, generator=g) + 0.5).to(dtype)
+    norms[1].weight.data = norms[0].weight.data.clone()
+    norms[1].weight.data[
+        7
+    ] *= -1  # moe = dense: norm_2(moe) = norm_1(dense) but at column 7, where they cancel
+    residual, scale = torch.zeros_like(dense), torch.tensor([0.7], dtype=dtype)
+    want = network.layer_end(residual, dense, dense, tuple(norms), scale)
+    n1, n2 = norms[0](dense), norms[1](dense)
+    assert bool(((n1 + n2)[..., 7] == 0).all()) and bool((want[..., 7] == 0).all())
+
+    def end_with_inner(n1_at_7: torch.Tensor, outer: network.RMSNorm = norms[2]) -> torch.Tensor:
+        inner = n1.clone()
+        inner[..., 7] = n1_at_7
+        return (residual + outer(inner + n2)) * scale
+
+    rounding_off = end_with_inner((n1[..., 7].view(torch.int16) + 1).view(dtype))  # one bf16 unit out
+    assert not probing.same_layer_end(rounding_off, want, residual, scale)
+    assert probing.same_layer_end_of(rounding_off, residual, dense, dense, tuple(norms), scale)
+    assert not probing.same_layer_end_of(
+        end_with_inner(n1[..., 7] * 1.25), residual, dense, dense, tuple(norms), scale
+    )
+    other = network.RMSNorm(d, 1e-6).to(dtype)
+    other.weight.data = norms[2].weight.data.flip(0)
+    assert not probing.same_layer_end_of(
+        end_with_inner(n1[..., 7], other), residual, dense, dense, tuple(norms), scale
+    )
+
+
+def test_ffn_inputs_are_held_to_torchs_norms_of_their_own_residual():
+    """Where h and the normed attention output cancel, a residual value one rounding off (the post-attention
+    norm's sum of squares in another order flipped that value's rounding) is far off relatively, and the
+    three norms of the residual keep it: against torch's norms of torch's residual they miss
+    `same_layer_end`, against torch's norms of the kernel's own residual (`probe.same_ffn_inputs`) they
+    pass; a norm with another's weights, or a residual off by more than that rounding, still fails."""
+    d, dtype = 64, torch.bfloat16
+    layer = probing.ffn_probe_layer(d, torch.device("cpu"), dtype, torch.Generator().manual_seed(3))
+    attn = torch.randn(2, 5, d, generator=torch.Generator().manual_seed(4)).to(dtype)
+    normed = layer.post_attention_layernorm(attn)
+    h = (torch.randn(2, 5, d, generator=torch.Generator().manual_seed(5)) - normed.float()).to(dtype)
+    h[0, 0, 7] = -normed[0, 0, 7]  # the residual cancels there: 0
+    want = network.ffn_inputs(layer, h, attn)
+    assert float(want[0][0, 0, 7]) == 0.0
+    residual = want[0].clone()
+    residual[0, 0, 7] = normed[0, 0, 7].float() * 2**-8  # what a flipped rounding of the norm leaves
+    got = network.ffn_norms(layer, residual)
+    zero, one = torch.zeros_like(want[1]), torch.ones(1, dtype=dtype)
+    assert not probing.same_layer_end(got[1], want[1], zero, one)  # the norms of torch's residual: far off
+    assert probing.same_ffn_inputs(got, layer, h, attn)
+    swapped = (got[0], got[1], network.ffn_norms(layer, residual)[1].reshape(-1, d), got[3])  # MLP's weights
+    assert not probing.same_ffn_inputs(swapped, layer, h, attn)
+    residual[0, 0, 7] = normed[0, 0, 7] * 0.1  # off by a tenth of the normed value, not a rounding
+    assert not probing.same_ffn_inputs(network.ffn_norms(layer, residual), layer, h, attn)
 
 
 @interpreted
