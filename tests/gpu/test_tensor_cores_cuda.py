@@ -360,10 +360,13 @@ def test_the_chain_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
     """RoPE, the logit softcap, the MoE combine, the gated GeLU, the residual sum, the K/V concatenation and
     the router's input on this GPU: the probe's checks, RoPE and the K/V concatenation bit for bit at the
     26B's shapes at 16 canvases, and a bf16 model loaded as the runtime loads it
-    (`gpu_load.finish_on_device` installs them all) against the torch forms' logits: bit for bit with RoPE,
-    the residual sums and the router inputs alone, within the softcap's fp32 rounding with it too, within
-    bf16 rounding with the combine (its fp32 sums in another order than cuBLAS's batched product) and the
-    gated GeLU; a CUDA graph replays the eager pass exactly."""
+    (`gpu_load.finish_on_device` installs every network kernel) against the torch forms' logits: within bf16
+    rounding with every kernel but the router's top-k (the combine's fp32 sums in another order than cuBLAS's
+    batched product, the head norms', FFN inputs' and layer end's sums of squares in another order; the
+    top-k's weights are a few fp32 roundings off and a near tie can pick another expert, which changes a
+    token's output outright: the routing test holds it to torch's choice), bit for bit with those off (RoPE,
+    the K/V concatenation, the residual sums, the router inputs and the experts' order), within the
+    softcap's fp32 rounding with it too; a CUDA graph replays the eager pass of every kernel exactly."""
     from pipeline.bench.model import _graphed
     from pipeline.model.checkpoint import load_model
     from pipeline.model.network import apply_rope
@@ -401,16 +404,18 @@ def test_the_chain_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
     masks = dict.fromkeys(set(model.layer_types))
     step = lambda: model.denoise(canvas, None, positions, masks, None)
 
-    def combine(kernel):
+    def kernel_slots() -> tuple[list, list]:
+        """Where the installed kernels that compute torch's form within a rounding sit, and the router's
+        top-k (after the load: it puts the experts on the device in modules of their own)."""
+        rounding = [(model, "softcap_kernel"), (model.self_conditioning, "geglu_kernel")]
         for layer in model.layers:
-            layer.experts.combine_kernel = kernel
+            rounding += [(layer.experts, "combine_kernel"), (layer.experts, "geglu_kernel"), (layer.mlp, "geglu_kernel"),
+                         (layer.self_attn, "head_norms_kernel"), (layer, "end_kernel"), (layer, "ffn_inputs_kernel")]  # fmt: skip
+        return rounding, [(layer.router, "top_k_kernel") for layer in model.layers]
 
-    def gated(kernel):
-        for m in (
-            model.self_conditioning,
-            *(m for layer in model.layers for m in (layer.mlp, layer.experts)),
-        ):
-            m.geglu_kernel = kernel
+    def without(slots: list) -> None:
+        for owner, name in slots:
+            setattr(owner, name, None)
 
     with torch.inference_mode():
         want = step()
@@ -424,16 +429,23 @@ def test_the_chain_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
         assert all(
             layer.router.scale_kernel is kernels.chains.scale_columns_or_torch for layer in model.layers
         )
+        assert all(
+            layer.self_attn.head_norms_kernel is kernels.chains.head_norms_or_torch for layer in model.layers
+        )
+        assert all(layer.end_kernel is kernels.chains.layer_end_or_torch for layer in model.layers)
+        assert all(layer.ffn_inputs_kernel is kernels.chains.ffn_inputs_or_torch for layer in model.layers)
+        assert all(layer.router.top_k_kernel is kernels.routing.top_k_or_torch for layer in model.layers)
+        rounding, routing = kernel_slots()
+        installed = {slot: getattr(*slot) for slot in rounding + routing}
         got = step()
-        assert float((got - want).norm() / want.norm()) < 1e-2
-        combine(None)
-        gated(None)
-        model.softcap_kernel = None
-        assert torch.equal(step(), want)  # RoPE, the residual sums and the router inputs: bit for bit
+        without(routing)
+        assert float((step() - want).norm() / want.norm()) < 1e-2
+        without(rounding)
+        assert torch.equal(step(), want)  # RoPE, K/V, residual sums, router inputs, expert order: bit for bit
         model.softcap_kernel = kernels.chains.softcap
         torch.testing.assert_close(step(), want, rtol=1e-6, atol=0.0)
-        combine(kernels.chains.combine)
-        gated(kernels.chains.geglu_or_torch)
+        for (owner, name), kernel in installed.items():
+            setattr(owner, name, kernel)
         outs = []  # the warm-up's and then the captured pass's logits (the graph's own output buffer)
         replay = _graphed(lambda: outs.append(step()), CUDA)
         replay()
