@@ -35,6 +35,11 @@ TORCH_DTYPES = {"fp8e4nv": (torch.float8_e4m3fn, torch.uint8), "bf16": (torch.bf
 
 @pytest.fixture
 def rne_casts(monkeypatch):
+    install_rne_casts(monkeypatch)
+
+
+def install_rne_casts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter's fp32 <-> bf16 / E4M3 conversions replaced by torch's (`rne_casts`)."""
     from triton.runtime import interpreter
 
     convert = interpreter._convert_float
@@ -57,26 +62,26 @@ def rne_casts(monkeypatch):
 
 @pytest.fixture
 def interpreted_tanh(monkeypatch):
-    import triton.language as tl
-    from triton.language.extra import libdevice
-    from triton.runtime import interpreter
-
-    def tanh(x, _semantic=None):
-        return tl.tensor(interpreter.TensorHandle(np.tanh(x.handle.data), x.handle.dtype.scalar), x.type)
-
-    monkeypatch.setattr(libdevice, "tanh", tanh)
+    install_numpy_libdevice(monkeypatch, "tanh")
 
 
 @pytest.fixture
 def interpreted_exp(monkeypatch):
+    install_numpy_libdevice(monkeypatch, "exp")
+
+
+def install_numpy_libdevice(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """libdevice's `name` (tanh, exp) as numpy's fp32 function, in the interpreter."""
     import triton.language as tl
     from triton.language.extra import libdevice
     from triton.runtime import interpreter
 
-    def exp(x, _semantic=None):
-        return tl.tensor(interpreter.TensorHandle(np.exp(x.handle.data), x.handle.dtype.scalar), x.type)
+    numpy_fn = getattr(np, name)
 
-    monkeypatch.setattr(libdevice, "exp", exp)
+    def fn(x, _semantic=None):
+        return tl.tensor(interpreter.TensorHandle(numpy_fn(x.handle.data), x.handle.dtype.scalar), x.type)
+
+    monkeypatch.setattr(libdevice, name, fn)
 
 
 @contextlib.contextmanager

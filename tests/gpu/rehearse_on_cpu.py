@@ -1,0 +1,89 @@
+"""Run tests/gpu's network-kernel tests on a machine without a GPU, at their own sizes, before a GPU runs them.
+
+    python tests/gpu/rehearse_on_cpu.py [TEST ...]      (default: every test in `REHEARSED`; ~25 min)
+
+The kernels run in Triton's interpreter with a GPU's round-to-nearest-even casts and numpy's tanh and exp
+for libdevice's (`tests/_utils/interpreter_casts`); the tests' CUDA device is the CPU; torch's top-k gets
+CUDA's rule at a tie, the lower index (`aten/src/ATen/native/cuda/TensorTopK.cu` fills the last places with
+the first equal values it sees; the CPU's takes others); the load's kernel install is
+`gpu_load.fuse_network` with every network kernel's probe passed, and a CUDA graph is a second eager call.
+So each test holds the kernels to torch's CPU forms: a check of its own bounds at its own sizes, where a
+bound too tight for a sum in another order shows (torch's CUDA norms add in yet another order), not a GPU
+result. Exit status 1 if any test failed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests._utils.interpreter_casts import install_numpy_libdevice, install_rne_casts  # noqa: E402
+
+REHEARSED = (
+    "test_the_layer_end_kernel_is_torchs_but_for_its_norms_sums",
+    "test_the_ffn_inputs_kernel_is_torchs_but_for_its_norms_sums",
+    "test_the_routing_kernels_choose_torchs_experts_and_order_them_as_its_sort",
+    "test_the_norm_to_fp8_kernel_is_torchs_but_for_its_norms_sums",
+    "test_the_norm_to_nvfp4_kernel_quantizes_what_it_normed_as_torch_would",
+    "test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums",
+    "test_the_chain_kernels_are_torchs_forms_and_a_model_keeps_its_logits",
+)
+
+
+def route_scores_with_cuda_ties(scores: torch.Tensor, k: int, per_expert_scale: torch.Tensor):
+    """`network.route_scores` with torch's CUDA top-k rule at a tie: the lower expert first."""
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32)
+    weights, index = (t[..., :k] for t in torch.sort(probs, dim=-1, descending=True, stable=True))
+    return probs, weights / weights.sum(dim=-1, keepdim=True) * per_expert_scale[index], index
+
+
+def rehearse(names: list[str]) -> int:
+    """Run the named tests of tests/gpu/test_tensor_cores_cuda.py as described above; how many failed."""
+    import pipeline.bench.model as bench_model
+    from pipeline.model import network
+    from pipeline.runtime import gpu_load, kernels, probe
+
+    spec = importlib.util.spec_from_file_location("gpu_tests", ROOT / "tests/gpu/test_tensor_cores_cuda.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    every_kernel = probe.Probe("sm90", {f"{kind}:{mode}": None for kind, mode, _ in probe.NETWORK_FORMS})
+    failed = 0
+    with pytest.MonkeyPatch.context() as mp:
+        torch.set_num_threads(1)
+        install_rne_casts(mp)
+        install_numpy_libdevice(mp, "tanh")
+        install_numpy_libdevice(mp, "exp")
+        mp.setattr(module, "CUDA", torch.device("cpu"))
+        mp.setattr(kernels.moe, "unavailable", lambda device: None)
+        mp.setattr(network, "route_scores", route_scores_with_cuda_ties)
+        mp.setattr(
+            gpu_load, "finish_on_device", lambda model, *_: gpu_load.fuse_network(model, every_kernel, None)
+        )
+        mp.setattr(bench_model, "_graphed", lambda step, device: (step(), step)[1])
+        for name in names:
+            start = time.monotonic()
+            try:
+                with torch.no_grad():
+                    getattr(module, name)()
+                print(f"passed  {name} ({time.monotonic() - start:.0f} s)", flush=True)
+            except Exception:
+                failed += 1
+                print(f"FAILED  {name} ({time.monotonic() - start:.0f} s)", flush=True)
+                traceback.print_exc(limit=-2)
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(1 if rehearse(sys.argv[1:] or list(REHEARSED)) else 0)
