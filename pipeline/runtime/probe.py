@@ -549,9 +549,9 @@ def check_triton_ffn_inputs(dev: torch.device) -> None:
     """dgpipe's FFN-inputs kernel (a norm, the residual sum, three norms of it, the router's scales) against
     torch's form (`network.ffn_inputs`) at the 26B's width and one that is no power of two, bf16 and fp16,
     values over seven decades, a zero row and one with infinity and NaN: each output as close as a norm's sum
-    in another order allows (`same_ffn_inputs`); and the launches that write the MLP's and the experts' inputs as FP8 or NVFP4 operands (`same_operands`) write
-    what the torch forms of the quantizations make of the rows it writes otherwise, bit for bit, and their
-    other outputs unchanged; or a DgpipeError."""
+    in another order allows (`same_ffn_inputs`); and the launches that write the MLP's and the experts'
+    inputs as FP8 or NVFP4 operands (`same_operands`) write what the torch forms of the quantizations make of
+    the rows it writes otherwise, bit for bit, and their other outputs unchanged; or a DgpipeError."""
     g = torch.Generator().manual_seed(13)
     for dtype, d in ((torch.bfloat16, 2816), (torch.float16, 2816), (torch.bfloat16, 100)):
         h, attn = (spread(6, d, g) / 64).to(dev, dtype).view(2, 3, d).unbind()
