@@ -509,7 +509,8 @@ def same_layer_end_of(
     n1, n2 = norms[0](dense), norms[1](moe)
     s = (n1 + n2).float()
     rms = (s.square().mean(-1, keepdim=True) + norms[2].eps).sqrt()
-    inner = (n1.float().abs() + n2.float().abs()) * norms[2].weight.float() / rms * scale.float().abs()
+    outer_weight = 1.0 if norms[2].weight is None else norms[2].weight.float()
+    inner = (n1.float().abs() + n2.float().abs()) * outer_weight / rms * scale.float().abs()
     outer = want.float().abs() + (residual.float() * scale.float()).abs()
     return _within(got, want, 2.0**-6 * (outer + inner.nan_to_num(0.0, 0.0, 0.0)))
 

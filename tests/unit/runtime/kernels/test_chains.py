@@ -482,9 +482,8 @@ def test_a_layer_end_may_carry_a_rounding_of_its_inner_norms_through_the_outer_o
     for n in norms:
         n.weight.data = (torch.rand(d, generator=g) + 0.5).to(dtype)
     norms[1].weight.data = norms[0].weight.data.clone()
-    norms[1].weight.data[
-        7
-    ] *= -1  # moe = dense: norm_2(moe) = norm_1(dense) but at column 7, where they cancel
+    # moe = dense: norm_2(moe) = norm_1(dense) but at column 7, where they cancel
+    norms[1].weight.data[7] *= -1
     residual, scale = torch.zeros_like(dense), torch.tensor([0.7], dtype=dtype)
     want = network.layer_end(residual, dense, dense, tuple(norms), scale)
     n1, n2 = norms[0](dense), norms[1](dense)
@@ -528,7 +527,12 @@ def test_ffn_inputs_are_held_to_torchs_norms_of_their_own_residual():
     zero, one = torch.zeros_like(want[1]), torch.ones(1, dtype=dtype)
     assert not probing.same_layer_end(got[1], want[1], zero, one)  # the norms of torch's residual: far off
     assert probing.same_ffn_inputs(got, layer, h, attn)
-    swapped = (got[0], got[1], network.ffn_norms(layer, residual)[1].reshape(-1, d), got[3])  # MLP's weights
+    swapped = (
+        got[0],
+        got[1],
+        got[1].reshape(-1, d),
+        got[3],
+    )  # the experts' input normed with the MLP's weights
     assert not probing.same_ffn_inputs(swapped, layer, h, attn)
     residual[0, 0, 7] = normed[0, 0, 7] * 0.1  # off by a tenth of the normed value, not a rounding
     assert not probing.same_ffn_inputs(network.ffn_norms(layer, residual), layer, h, attn)
