@@ -1,24 +1,32 @@
-"""Run tests/gpu's network-kernel tests on a machine without a GPU, at their own sizes, before a GPU runs them.
+"""Run tests/gpu's tests of dgpipe's Triton kernels and tensor-core modules on a machine without a GPU, at
+their own sizes, before a GPU runs them.
 
-    python tests/gpu/rehearse_on_cpu.py [TEST ...]      (default: every test in `REHEARSED`; ~25 min)
+    python tests/gpu/rehearse_on_cpu.py [TEST ...]      (default: every test in `REHEARSED`; ~30 min)
 
 The kernels run in Triton's interpreter with a GPU's round-to-nearest-even casts and numpy's tanh and exp
 for libdevice's (`tests/_utils/interpreter_casts`); the tests' CUDA device is the CPU; torch's top-k gets
 CUDA's rule at a tie, the lower index (`aten/src/ATen/native/cuda/TensorTopK.cu` fills the last places with
 the first equal values it sees; the CPU's takes others); the load's kernel install is
 `gpu_load.fuse_network` with every network kernel's probe passed, and a CUDA graph is a second eager call.
-So each test holds the kernels to torch's CPU forms: a check of its own bounds at its own sizes, where a
+The tensor-core tests run as on an H200: the load-time probe passed for every form Hopper's dispatch rows
+name, torch's CPU `F.scaled_mm` for the FP8 GEMMs (its grouped form, CUDA-only, one `F.scaled_mm` per expert
+with bf16 out: `tests/_utils/quantized.grouped_scaled_mm_on_cpu`), activations quantized by the one-pass
+kernels as on CUDA, and an H200's shared memory for the tuner's tiles. Tests of the GPU's own arithmetic
+(fast accumulation, torch's CUDA GeLU bit for bit, the memory-efficient attention kernel), of CUDA graphs
+and of the CUDA sampler are not rehearsed. So each test holds the kernels to torch's CPU forms: a check of its own bounds at its own sizes, where a
 bound too tight for a sum in another order shows (torch's CUDA norms add in yet another order), not a GPU
 result. Exit status 1 if any test failed."""
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import sys
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
 
@@ -32,6 +40,14 @@ sys.path.insert(0, str(ROOT))
 from tests._utils.interpreter_casts import install_numpy_libdevice, install_rne_casts  # noqa: E402
 
 REHEARSED = (
+    "test_scaled_linear_equals_reference",
+    "test_sibling_linears_on_one_quantization_and_one_gemm_equal_the_linears_alone",
+    "test_scaled_experts_equal_fake_quant_experts",
+    "test_triton_moe_gemm_is_the_float_product_of_its_operands",
+    "test_the_tuners_tiles_compute_the_float_product_too",
+    "test_triton_quantization_is_torchs_bit_for_bit",
+    "test_triton_nvfp4_quantization_is_torchs_bit_for_bit",
+    "test_the_triton_bf16_probe_passes_on_this_gpu",
     "test_the_layer_end_kernel_is_torchs_but_for_its_norms_sums",
     "test_the_ffn_inputs_kernel_is_torchs_but_for_its_norms_sums",
     "test_the_routing_kernels_choose_torchs_experts_and_order_them_as_its_sort",
@@ -42,6 +58,12 @@ REHEARSED = (
 )
 
 
+# what the tiles test reads of the GPU: an H200's shared memory per block (opt-in)
+H200 = SimpleNamespace(
+    name="NVIDIA H200", shared_memory_per_block_optin=232448, shared_memory_per_block=49152
+)
+
+
 def route_scores_with_cuda_ties(scores: torch.Tensor, k: int, per_expert_scale: torch.Tensor):
     """`network.route_scores` with torch's CUDA top-k rule at a tie: the lower expert first."""
     probs = F.softmax(scores, dim=-1, dtype=torch.float32)
@@ -49,16 +71,39 @@ def route_scores_with_cuda_ties(scores: torch.Tensor, k: int, per_expert_scale: 
     return probs, weights / weights.sum(dim=-1, keepdim=True) * per_expert_scale[index], index
 
 
+def cases(test) -> list[tuple[str, dict]]:
+    """A test's calls as pytest makes them from its `parametrize` marks (their product): (id, arguments)."""
+    calls = [("", {})]
+    for mark in getattr(test, "pytestmark", []):
+        if mark.name != "parametrize":
+            continue
+        names, values = mark.args[:2]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        rows = [v if len(names) > 1 else (v,) for v in values]
+        calls = [
+            (
+                f"{ident}-{'-'.join(map(str, row))}".lstrip("-"),
+                {**kwargs, **dict(zip(names, row, strict=True))},
+            )
+            for row in rows
+            for ident, kwargs in calls
+        ]
+    return calls
+
+
 def rehearse(names: list[str]) -> int:
     """Run the named tests of tests/gpu/test_tensor_cores_cuda.py as described above; how many failed."""
     import pipeline.bench.model as bench_model
     from pipeline.model import network
     from pipeline.runtime import gpu_load, kernels, probe
+    from pipeline.runtime import tensor_cores as tc
+    from tests._utils.quantized import grouped_scaled_mm_on_cpu
 
     spec = importlib.util.spec_from_file_location("gpu_tests", ROOT / "tests/gpu/test_tensor_cores_cuda.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     every_kernel = probe.Probe("sm90", {f"{kind}:{mode}": None for kind, mode, _ in probe.NETWORK_FORMS})
+    hopper = probe.Probe("sm90", {f"{kind}:{mode}": None for kind, mode, _ in probe.probe_plan("sm90")})
     failed = 0
     with pytest.MonkeyPatch.context() as mp:
         torch.set_num_threads(1)
@@ -67,21 +112,30 @@ def rehearse(names: list[str]) -> int:
         install_numpy_libdevice(mp, "exp")
         mp.setattr(module, "CUDA", torch.device("cpu"))
         mp.setattr(kernels.moe, "unavailable", lambda device: None)
+        mp.setattr(tc, "in_one_pass", lambda triton, x: triton)  # the one-pass quantization, as on CUDA
+        mp.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu(torch.bfloat16))
+        mp.setattr(torch.cuda, "get_device_properties", lambda device=None: H200)
         mp.setattr(network, "route_scores", route_scores_with_cuda_ties)
         mp.setattr(
             gpu_load, "finish_on_device", lambda model, *_: gpu_load.fuse_network(model, every_kernel, None)
         )
         mp.setattr(bench_model, "_graphed", lambda step, device: (step(), step)[1])
         for name in names:
-            start = time.monotonic()
-            try:
-                with torch.no_grad():
-                    getattr(module, name)()
-                print(f"passed  {name} ({time.monotonic() - start:.0f} s)", flush=True)
-            except Exception:
-                failed += 1
-                print(f"FAILED  {name} ({time.monotonic() - start:.0f} s)", flush=True)
-                traceback.print_exc(limit=-2)
+            test = getattr(module, name)
+            for ident, kwargs in cases(test):
+                if "probed" in inspect.signature(test).parameters:
+                    kwargs = {**kwargs, "probed": hopper}
+                label, start = f"{name}[{ident}]" if ident else name, time.monotonic()
+                try:
+                    with torch.no_grad():
+                        test(**kwargs)
+                    print(f"passed  {label} ({time.monotonic() - start:.0f} s)", flush=True)
+                except pytest.skip.Exception as e:
+                    print(f"skipped {label}: {e.msg}", flush=True)
+                except Exception:
+                    failed += 1
+                    print(f"FAILED  {label} ({time.monotonic() - start:.0f} s)", flush=True)
+                    traceback.print_exc(limit=-2)
     return failed
 
 
