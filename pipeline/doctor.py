@@ -94,6 +94,20 @@ def check_nvcc() -> Check:
     return Check("nvcc", True, f"{path} ({release})", needed_for="CUDA kernels")
 
 
+def check_ninja() -> Check:
+    """ninja as torch's `cpp_extension` finds it (on PATH, the `ninja` package's binary included)."""
+    from torch.utils import cpp_extension
+
+    from pipeline.sampler.kernels.build import ninja_on_path
+
+    ninja_on_path()
+    if not cpp_extension.is_ninja_available():
+        return Check(
+            "ninja", False, "not found", "pip install ninja", "the fused CUDA sampler (built on first use)"
+        )
+    return Check("ninja", True, shutil.which("ninja") or "on PATH", needed_for="the fused CUDA sampler")
+
+
 def check_module(name: str, dist: str, hint: str, needed_for: str) -> Check:
     v = _version(dist)
     if v is None or importlib.util.find_spec(name) is None:
@@ -266,6 +280,7 @@ def run_checks() -> list[Check]:
         *check_torch(),
         *check_tensor_cores(),
         check_nvcc(),
+        check_ninja(),
         *check_engine_build(),
         check_module("modelopt", "nvidia-modelopt", "pip install 'dgpipe[quantize]'", "quantize"),
         check_module("onnx", "onnx", "pip install 'dgpipe[engine]'", "ONNX export"),

@@ -12,6 +12,7 @@ cache-blocked twin, `pipeline.sampler.fused`, for the counter draws) or, on CUDA
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +31,26 @@ from pipeline.sampler.reference import (
     should_stop,
     update_stability,
 )
+
+log = logging.getLogger(__name__)
+
+
+def uses_fused_sampler(device: torch.device, draws: DrawSource, fused: bool | None = None) -> bool:
+    """Whether a runtime on `device` samples with the fused CUDA kernels: on CUDA, with the counter RNG (the
+    kernels draw from it alone, so other draw sources, such as tests sharing draws with transformers, take
+    the PyTorch sampler), where `fused` asks for them or, left None, where they can run here
+    (`cuda_sampler_unavailable`; where they cannot, the reason is logged and the PyTorch sampler runs)."""
+    from pipeline.sampler.kernels.gpu_sampler import cuda_sampler_unavailable
+
+    can_fuse = device.type == "cuda" and isinstance(draws, CounterDraws)
+    if fused is None and can_fuse:
+        unavailable = cuda_sampler_unavailable()
+        if unavailable is not None:
+            log.warning(f"dgpipe: the fused CUDA sampler is unavailable ({unavailable}): the PyTorch sampler "
+                        "takes each step, with fp32 [B, L, V] temporaries and no CUDA graphs")  # fmt: skip
+        fused = unavailable is None
+    return bool(fused and can_fuse)
+
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 Masks = dict[str, torch.Tensor | None]
@@ -94,17 +115,12 @@ class TorchBackend:
     writes_kv_in_place = True
 
     def __init__(self, model: DiffusionGemma, draws: DrawSource | None = None, fused: bool | None = None):
-        from pipeline.sampler.kernels.gpu_sampler import cuda_sampler_available
-
         self.model = model
         self.config = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.draws = draws or CounterDraws()
-        # the kernels draw from the counter RNG only, so custom draw sources (tests sharing draws with
-        # transformers) always take the PyTorch sampler
-        can_fuse = self.device.type == "cuda" and isinstance(self.draws, CounterDraws)
-        self.fused = (can_fuse and cuda_sampler_available()) if fused is None else (fused and can_fuse)
+        self.fused = uses_fused_sampler(self.device, self.draws, fused)
         # elsewhere the counter draws take the cache-blocked PyTorch step (bit-identical to the reference)
         self.cpu_fused = not self.fused and type(self.draws) is CounterDraws
         # the CPU sampler's probs, reused step to step: every reader (the soft embedding below, the

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 from pipeline.limits import Limits
+from pipeline.sampler.kernels.build import find_nvcc
 from tests._utils.availability import has_cuda_gpu, has_tensorrt
 
 needs_trt_gpu = pytest.mark.skipif(
-    not (has_tensorrt() and has_cuda_gpu()),
-    reason="needs TensorRT >= 10.8 and a CUDA GPU (engine build + run)",
+    not (has_tensorrt() and has_cuda_gpu() and find_nvcc() is not None),
+    reason="needs TensorRT >= 10.8, a CUDA GPU and nvcc (the sampler plugin's PTX; engine build + run)",
 )
 
 

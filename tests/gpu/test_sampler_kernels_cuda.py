@@ -62,9 +62,13 @@ def sample_step_cuda(*args, **kwargs):  # indirection: lets the harness be dry-r
 
 @pytest.fixture(scope="module", autouse=True)
 def extension():
-    """Build the extension once, up front, so a build failure reads as one clear error."""
-    from pipeline.sampler.kernels.build import load_torch_extension
+    """Build the extension once, up front, so a build failure reads as one clear error (a tool missing for
+    the build, nvcc or ninja, skips the module naming it)."""
+    from pipeline.sampler.kernels.build import load_torch_extension, missing_build_tools
 
+    missing = missing_build_tools()
+    if missing is not None:
+        pytest.skip(str(missing))
     return load_torch_extension()
 
 

@@ -181,21 +181,46 @@ def read_cubin(path: Path | str) -> CubinInfo:
     return CubinInfo(arch=arch, kernels=kernels)
 
 
-@functools.lru_cache(maxsize=1)
-def load_torch_extension(verbose: bool = False) -> ModuleType:
-    """Build (once, cached by torch under ~/.cache/torch_extensions) and import the torch binding."""
+def ninja_on_path() -> None:
+    """Put the `ninja` package's binary on PATH where it is installed but not there: torch's `cpp_extension`
+    runs `ninja` from PATH, and a virtual environment's bin directory is on it only when activated."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+
+
+def missing_build_tools() -> DgpipeError | None:
+    """What `load_torch_extension` lacks on this machine to build the extension (torch's `cpp_extension`
+    builds with nvcc under CUDA_HOME and with ninja), as the error it raises, or None."""
     import torch
     from torch.utils import cpp_extension
 
+    ninja_on_path()
+
     if torch.version.cuda is None:
-        raise DgpipeError(
+        return DgpipeError(
             f"the CUDA sampler needs a CUDA build of torch; this torch ({torch.__version__}) has no CUDA",
             hint="run on a GPU machine with a CUDA wheel of torch, or use pipeline.sampler.reference.sample_step",
         )
     if cpp_extension.CUDA_HOME is None or find_nvcc() is None:
-        raise DgpipeError("the CUDA sampler extension needs nvcc (CUDA toolkit)", hint="set CUDA_HOME")
+        return DgpipeError("the CUDA sampler extension needs nvcc (CUDA toolkit)", hint="set CUDA_HOME")
     if not cpp_extension.is_ninja_available():
-        raise DgpipeError("building the CUDA sampler extension needs ninja", hint="pip install ninja")
+        return DgpipeError("building the CUDA sampler extension needs ninja", hint="pip install ninja")
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def load_torch_extension(verbose: bool = False) -> ModuleType:
+    """Build (once, cached by torch under ~/.cache/torch_extensions) and import the torch binding."""
+    from torch.utils import cpp_extension
+
+    missing = missing_build_tools()
+    if missing is not None:
+        raise missing
     return cpp_extension.load(
         name="dgpipe_sampler",
         sources=[str(TORCH_BINDING), str(SAMPLER_SOURCE)],

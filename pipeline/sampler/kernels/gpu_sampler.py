@@ -14,11 +14,12 @@ Importing this module needs no CUDA; the first call builds the extension (`build
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from pipeline.errors import SamplerError
+from pipeline.errors import SamplerError, error_line
 from pipeline.sampler.reference import RowKeys, StepOutput
 
 MAX_CANVAS = 1024  # kernel B sorts one row in one thread block
@@ -56,11 +57,26 @@ class StepBuffers:
         )
 
 
-def cuda_sampler_available() -> bool:
-    """True where the kernels can run: a CUDA build of torch with a visible GPU, and nvcc to build them."""
-    from pipeline.sampler.kernels.build import find_nvcc
+@functools.cache
+def cuda_sampler_unavailable() -> str | None:
+    """Why the kernels cannot run in this process, or None: they need a CUDA build of torch with a visible
+    GPU and their extension built (the first time with nvcc and ninja; torch caches the build). Built here,
+    once, so that a missing tool or a failed build sends the runtime to the PyTorch sampler when it is set
+    up, not to an error on its first step."""
+    from pipeline.sampler.kernels.build import load_torch_extension
 
-    return torch.version.cuda is not None and torch.cuda.is_available() and find_nvcc() is not None
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        return f"no CUDA GPU visible (torch {torch.__version__})"
+    try:
+        load_torch_extension()
+    except Exception as e:  # a missing tool (DgpipeError) or the build's own failure
+        return error_line(e)
+    return None
+
+
+def cuda_sampler_available() -> bool:
+    """True where the kernels can run (`cuda_sampler_unavailable`)."""
+    return cuda_sampler_unavailable() is None
 
 
 def _row(
