@@ -604,8 +604,9 @@ class BlockDiffusionRuntime:
             res.steps_per_canvas.append(int(self.step_idx[slot]))
             if not res.tokens and res.time_to_first_canvas == 0.0:
                 res.time_to_first_canvas = time.perf_counter() - res.started
-            # an end token stops the request only once min_tokens precede it (vLLM's min_tokens)
-            floor = res.request.min_tokens - len(res.tokens)
+            # an end token stops the request only once min_tokens precede it (vLLM's min_tokens); a guided
+            # output ends where its guide accepted one, min_tokens or not: its language admits nothing after it
+            floor = 0 if g is not None and g.ended else res.request.min_tokens - len(res.tokens)
             first_end = next((i for i, t in enumerate(block) if t in self.end_ids and i >= floor), None)
             emitted = block if first_end is None else block[: first_end + 1]
             room = res.request.max_tokens - len(res.tokens)

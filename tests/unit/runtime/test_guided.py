@@ -135,6 +135,26 @@ def test_outputs_end_within_max_tokens(session):
         assert re.fullmatch("[a-z]+", session.decode(res.tokens))
 
 
+def test_a_guided_output_ends_where_its_guide_does_whatever_min_tokens_asks(session):
+    """min_tokens (and ignore_eos, which load tools send) holds end tokens back; a guide whose language
+    admits nothing after its end cannot go on, so the output ends there: alone, beside another guided row,
+    and beside an unguided row whose min_tokens still holds."""
+    rt = BlockDiffusionRuntime(session.model, max_batch=3)
+    budget = 3 * rt.canvas_length
+    alone = rt.generate(requests(session, "regex", "(yes|no)", [0], budget, min_tokens=budget))
+    together = rt.generate(
+        [
+            *requests(session, "regex", "(yes|no)", [1], budget, min_tokens=budget),
+            *requests(session, "regex", "[a-z]+", [2], budget),
+            Request(session.encode_prompt("Answer:"), max_tokens=40, min_tokens=40, sampler=session.sampler(), seed=3),
+        ]
+    )  # fmt: skip
+    for res in (*alone, *together[:2]):
+        assert res.finish_reason == "stop" and res.tokens[-1] in session.end_token_ids, res
+        assert re.fullmatch("(yes|no)|[a-z]+", session.decode(res.tokens)), session.decode(res.tokens)
+    assert len(together[2].tokens) == 40 and together[2].finish_reason == "length"
+
+
 def test_sudoku_model_under_a_digits_regex_gives_clean_grids():
     from pipeline.demo import sudoku
 
