@@ -215,6 +215,7 @@ class BlockDiffusionRuntime:
         dropped = [*self.waiting, *(r for r in self.results if r is not None)]
         self.waiting.clear()
         self.results = [None] * self.max_batch
+        self._round = None  # the dropped rows' positions, masks and past
         return dropped
 
     def busy(self) -> bool:
@@ -387,6 +388,7 @@ class BlockDiffusionRuntime:
         ]  # fmt: skip
         positions = torch.arange(start, start + n, device=self.device)[None]
         valid = torch.ones_like(positions, dtype=torch.bool)
+        self._round = None  # the cache changes, as in `_causal_pass`
         self.cache.write(torch.tensor([slot], device=self.device), kv, positions, valid)
         self.passes["prefix_hit"] += 1
         return n

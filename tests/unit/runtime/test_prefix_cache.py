@@ -119,6 +119,24 @@ def test_a_prompt_cached_whole_needs_no_prefill_and_batched_prompts_match_alone(
     assert batched.prefix_cache.stats.hit_tokens == 2 * 256 and batched.passes["prefill"] == 2
 
 
+def test_after_a_failed_step_a_prompt_restored_whole_denoises_in_a_round_of_its_own(session):
+    """After a failed step the server drops every request (`drop_all`); the next one in the same slot, its
+    prompt restored whole from the cache (no prefill pass), gets positions, masks and past of its own, not the
+    dropped request's."""
+    (cached,), dropped = prompts(1, 256, 0), [5 + i % 19 for i in range(310)]  # another prompt, longer
+    _, (cold,) = run(session, [cached], mib=0)
+    rt = BlockDiffusionRuntime(session.model, max_batch=1, max_len=512, prefix_cache_mib=64)
+    request = lambda p, i: Request(
+        p, max_tokens=20, seed=0, request_id=i, sampler=SamplerConfig(max_denoising_steps=3)
+    )
+    rt.generate([request(cached, 0)])  # puts its block in the cache
+    rt.submit(request(dropped, 1))
+    rt.step()  # a round for the dropped request's positions
+    assert rt.busy() and len(rt.drop_all()) == 1 and not rt.busy()
+    (warm,) = rt.generate([request(cached, 0)])
+    assert rt.prefix_cache.stats.hit_tokens == 256 and warm.tokens == cold
+
+
 def test_a_budget_too_small_for_a_block_only_costs_the_reuse(session):
     ps = prompts(2, 280, 20)
     _, on = run(session, ps, mib=0)
