@@ -9,12 +9,21 @@ is a single `graph.replay()`: no per-kernel launch overhead and no host round-tr
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from pipeline.runtime.backends import KV, Masks
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """`device` as the calling thread's current CUDA device for the block (nothing off CUDA). CUDA's current
+    device is per host thread, and what a runtime step does not place by its tensors goes to it: Triton's
+    launches, new streams, the current stream a CUDA graph captures. A server steps its runtime on a worker
+    thread of its own, whose current device is 0 whatever GPU the model was loaded on."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @dataclass

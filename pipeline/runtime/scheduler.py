@@ -25,7 +25,7 @@ from pipeline.limits import DEFAULTS, PREFILL_CHUNK_TOKENS, TOP_LOGPROBS_MAX, co
 from pipeline.model.config import SamplerConfig
 from pipeline.model.network import DiffusionGemma, canvas_positions
 from pipeline.runtime.backends import KV, ModelBackend, SamplerInputs, TorchBackend
-from pipeline.runtime.device_loop import DenoiseRound, DeviceLoop
+from pipeline.runtime.device_loop import DenoiseRound, DeviceLoop, on_device
 from pipeline.runtime.guided import GuideState, advance, finish_canvas, mask_rows
 from pipeline.runtime.kv_cache import KVCache, attention_masks
 from pipeline.runtime.prefix_cache import PrefixCache
@@ -231,14 +231,17 @@ class BlockDiffusionRuntime:
 
     @torch.no_grad()
     def step(self) -> None:
-        self._drop_cancelled()
-        self._admit()
-        active = [i for i, r in enumerate(self.results) if r is not None]
-        if not active:
-            return
-        done = self._denoise(torch.tensor(active, device=self.device))
-        if done:
-            self._finalise(done)
+        """One turn: admit waiting requests, run the rows' denoise passes to the next host check, finish
+        the canvases that are done. On this runtime's GPU whichever thread calls it (`on_device`)."""
+        with on_device(self.device):
+            self._drop_cancelled()
+            self._admit()
+            active = [i for i, r in enumerate(self.results) if r is not None]
+            if not active:
+                return
+            done = self._denoise(torch.tensor(active, device=self.device))
+            if done:
+                self._finalise(done)
 
     # ---- scheduling -----------------------------------------------------------------------------
     def _drop_cancelled(self) -> None:

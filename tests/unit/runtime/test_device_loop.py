@@ -69,3 +69,37 @@ def test_grouped_gemm_moe_equals_the_expert_loop():
     oracle = out[torch.float64, False]
     assert oracle.abs().max() > 0.1
     assert_within_reference_noise("grouped MoE", out[torch.float32, True], oracle, out[torch.float32, False])
+
+
+def test_a_runtime_steps_on_its_own_gpu_from_any_thread(monkeypatch):
+    """CUDA's current device is per host thread: a server's worker thread starts on GPU 0. `on_device`
+    makes the runtime's GPU current for a step (Triton launches, new streams and graph captures follow the
+    current device), and off CUDA does nothing."""
+    import contextlib
+    import threading
+
+    from pipeline.runtime import device_loop, scheduler
+
+    entered: list[tuple[str, int | None]] = []
+
+    @contextlib.contextmanager
+    def current(device):
+        entered.append((threading.current_thread().name, device.index))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", current)
+    worker = threading.Thread(
+        target=lambda: device_loop.on_device(torch.device("cuda", 1)).__enter__(), name="w"
+    )
+    worker.start()
+    worker.join()
+    with device_loop.on_device(torch.device("cpu")):
+        pass
+    assert entered == [("w", 1)]
+
+    steps: list[torch.device] = []
+    monkeypatch.setattr(
+        scheduler, "on_device", lambda device: steps.append(device) or contextlib.nullcontext()
+    )
+    rt, _ = generate(build_tiny(torch.float64), requests(FIXED), sync_every=1)
+    assert len(steps) >= rt.passes["denoise"] and set(steps) == {rt.device}
