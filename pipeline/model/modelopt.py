@@ -243,7 +243,16 @@ class QuantizedLoader:
                     d.setdefault(proj, []).append(self.input_scales[name])
                 continue
             module = model.get_submodule(name)
-            q = InputQuantizer(self.act, self.input_scales.get(name), self.pre_quant_scales.get(name))
+            # the scales as read (on the CPU), put where the linear's input will be: a [K] pre_quant_scale
+            # on the CPU cannot multiply a CUDA activation
+            dev, scale, pre = (
+                module.weight.device,
+                self.input_scales.get(name),
+                self.pre_quant_scales.get(name),
+            )
+            q = InputQuantizer(
+                self.act, None if scale is None else scale.to(dev), None if pre is None else pre.to(dev)
+            )
             if q.kind is None and q.pre_quant_scale is None:
                 continue
             module.register_forward_pre_hook(lambda _m, args, q=q: (q(args[0]), *args[1:]))

@@ -141,6 +141,25 @@ def test_failed_save_leaves_previous_checkpoint(tiny_checkpoint: Path):
     assert not [p for p in tiny_checkpoint.parent.iterdir() if p.name.startswith(".tiny")]
 
 
+def test_a_linears_activation_scales_go_where_its_weight_is():
+    """The scales are read on the CPU; a [K] pre_quant_scale there cannot multiply a GPU activation (a 0-dim
+    input scale could, as a scalar). Installed beside a weight on another device (meta stands in for a GPU),
+    the hooked linear runs."""
+    from pipeline.model.modelopt import QuantizedLoader
+    from tests._utils.quantized import quantize
+
+    tensors = {**quantize(torch.randn(8, 16), "fp8"), "pre_quant_scale": torch.full((16,), 2.0)}
+    loader = QuantizedLoader({"quant_algo": "FP8"})
+    loader.weight("proj.weight", tensors["weight"], tensors.get)
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(16, 8, bias=False, device="meta")
+    assert loader.install(model) == 1
+    (hook,) = model.proj._forward_pre_hooks.values()
+    q = hook.__defaults__[0]
+    assert q.pre_quant_scale.device.type == "meta" and q.scale.device.type == "meta"
+    assert model.proj(torch.randn(3, 16, device="meta")).shape == (3, 8)
+
+
 def test_an_awq_pre_quant_scale_on_a_routed_expert_is_refused_not_dropped():
     """The loader applies pre_quant_scale as an input hook on dense linears; on routed experts there is no
     such hook, so dropping it would load silently wrong experts: a clear error instead."""
