@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,7 @@ from pipeline.bench.results import save_result
 from pipeline.resources import PACKAGE_DIR
 from pipeline.runtime.dispatch import arch_of
 from pipeline.runtime.kernels.moe_tiles import TABLE_DIR, TABLES_ENV
+from pipeline.sampler.kernels.build import clear_build_lock
 from pipeline.targets import precision
 
 RESULT_FILE, TABLE_FILE = "gpu.json", "gpu.md"
@@ -224,15 +226,19 @@ def _run(
     if tile_tables is not None:
         env[TABLES_ENV] = str(tile_tables)
     t0 = time.monotonic()
+    # one stream: a check killed at its budget keeps its warnings and tracebacks too; a process group of its
+    # own, so that a kill at the budget also ends what it started (pytest-xdist's workers, nvcc), which would
+    # otherwise run on beside the next check
+    proc = subprocess.Popen([sys.executable, *check.argv], cwd=repo, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, encoding="utf-8", errors="replace", start_new_session=True)  # fmt: skip
     try:
-        # one stream: a check killed at its budget keeps its warnings and tracebacks too
-        out = subprocess.run([sys.executable, *check.argv], cwd=repo, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, timeout=budget_s)  # fmt: skip
-        text = out.stdout
-        res.status = "passed" if out.returncode == 0 else "failed"
-    except subprocess.TimeoutExpired as e:
-        text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        text, _ = proc.communicate(timeout=budget_s)
+        res.status = "passed" if proc.returncode == 0 else "failed"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
         res.status = "timeout"
+        clear_build_lock()  # a build of the sampler extension killed mid-way: the next load would wait forever
     res.seconds = time.monotonic() - t0
     lines = text.strip().splitlines()
     res.detail, res.log = "\n".join(lines[-15:]), "\n".join(lines[-LOG_LINES:])

@@ -120,12 +120,13 @@ def measure_pass(
     config: str = CONFIG,
     device: torch.device | None = None,
 ) -> list[dict]:
-    """ms per denoise pass (eager and CUDA graph) of the 26B random-weight model in `fmt`, per batch; `sink`
-    gets the rows so far after each batch (a check killed at its budget keeps the batches it finished).
+    """ms per denoise pass (eager and CUDA graph) of the 26B random-weight model in `fmt`, per batch, then
+    each batch's diagnostics (where the time went, experts, attention, network kernels); `sink` gets the rows
+    so far after each batch's timing and after each batch's diagnostics, so a check killed at its budget
+    keeps every time it measured.
     `compiled`: the pass under torch.compile as `dgpipe serve --compile` runs it (its decoder layers: one
     static-shape compile per layer kind and batch, the first call's seconds reported). `config`, `device`:
     another model configuration and device, for testing this function itself off a GPU."""
-    from pipeline.bench.gpu.network import network_paths, sibling_paths
     from pipeline.bench.model import _graphed, copy_bandwidth, random_model
     from pipeline.bench.timing import median_seconds
     from pipeline.model.config import ModelConfig
@@ -153,10 +154,10 @@ def measure_pass(
     row = dispatch(fmt, arch)
     bw = copy_bandwidth(dev, 2.0)
     spec = spec_gpu(torch.cuda.get_device_name(dev), arch)
-    rows = []
-    for b in batches:
+    rows, fns = [], {}
+    for b in batches:  # every batch's times first: diagnostics come after, so a budget cut keeps them all
         with torch.inference_mode():
-            fn = passes.pop(b)
+            fn = fns[b] = passes.pop(b)
             t0 = time.perf_counter()
             finite = bool(torch.isfinite(fn()).all())  # a pass that makes NaNs measures nothing real
             first_s = time.perf_counter() - t0
@@ -165,7 +166,6 @@ def measure_pass(
                 graph, graph_error = median_seconds(_graphed(fn, dev), dev, repeats), None
             except Exception as e:  # reported in the row; the eager time still stands
                 graph, graph_error = float("nan"), error_line(e)
-            touched = None if compiled else routed_experts(model, fn)  # (hooks would recompile)
         nbytes = pass_bytes(
             mcfg.text_config, row.linear_read, row.expert_read, b, mcfg.canvas_length, CONTEXT
         ).total
@@ -174,35 +174,50 @@ def measure_pass(
                      "pass_gb": nbytes / 1e9, "floor_ms_spec": floor_ms(nbytes, spec.product),
                      "spec_gpu": spec.product, "floor_ms_copy": nbytes / bw * 1e3, "copy_gb_s": bw / 1e9,
                      "compute_ms_spec": compute_ms(mcfg.text_config, row, b, spec.product, mcfg.canvas_length, CONTEXT),
-                     "experts_touched": touched,
+                     "experts_touched": None,
                      "experts_touched_uniform": experts_touched(mcfg.text_config, b * mcfg.canvas_length),
-                     "graph_error": graph_error, "top_kernels": top_kernels(fn), "top_ops": top_ops(fn)})  # fmt: skip
-        if tiles := moe_tiles_used(model, dev):
-            rows[-1]["moe_tiles"] = tiles
-        if fmt == "fp8" and not compiled:
+                     "graph_error": graph_error})  # fmt: skip
+        sink(rows)
+    for r in rows:
+        diagnostics = pass_diagnostics(model, fns.pop(r["batch"]), r["batch"], fmt, compiled, dev)
+        for key, diagnose in diagnostics.items():
             try:
-                rows[-1]["experts"] = expert_paths(model.layers[0].experts, mcfg.text_config.top_k_experts,
-                                                   b * mcfg.canvas_length, dev)  # fmt: skip
-            except Exception as e:
-                rows[-1]["experts_error"] = error_line(e)
-            rows[-1]["siblings"] = sibling_paths(model, b * mcfg.canvas_length, dev)
-        if fmt == "bf16" and not compiled:  # attention is bf16 in every format: once is enough
-            try:
-                rows[-1]["attention"] = attention_backends(model.cfg, b, mcfg.canvas_length, dev)
+                with torch.inference_mode():
+                    value = diagnose()
+                if value is not None:
+                    r[key] = value
             except Exception as e:  # a diagnostic that cannot run here costs itself, not the pass's row
-                rows[-1]["attention_error"] = error_line(e)
-            try:
-                rows[-1]["network"] = network_paths(model.cfg, b, mcfg.canvas_length, CONTEXT, dev)
-            except Exception as e:
-                rows[-1]["network_error"] = error_line(e)
-            try:
-                rows[-1]["bf16_experts"] = bf16_expert_paths(model.layers[0].experts, mcfg.text_config.top_k_experts,
-                                                             b * mcfg.canvas_length, dev)  # fmt: skip
-            except Exception as e:
-                rows[-1]["bf16_experts_error"] = error_line(e)
+                r[f"{key}_error"] = error_line(e)
         sink(rows)
         torch.cuda.empty_cache()
     return rows
+
+
+def pass_diagnostics(
+    model, fn: Callable[[], torch.Tensor], batch: int, fmt: str, compiled: bool, dev: torch.device
+) -> dict[str, Callable[[], object]]:
+    """What `measure_pass` records beside a pass's times, by the row key each fills: the kernels and aten
+    ops that took the time, the tiles the Triton MoE GEMM launched with, and, eagerly (hooks and extra calls
+    would recompile a compiled pass), the experts the routing touched; FP8: one layer's experts on each
+    kernel that can run them and the siblings as one GEMM; bf16: attention's backends, the network kernels
+    against their torch forms, and the bf16 experts on both grouped GEMMs."""
+    from pipeline.bench.gpu.network import network_paths, sibling_paths
+
+    cfg, length = model.cfg, model.config.canvas_length
+    tokens, experts = batch * length, model.layers[0].experts
+    diagnostics = {"top_kernels": lambda: top_kernels(fn), "top_ops": lambda: top_ops(fn),
+                   "moe_tiles": lambda: moe_tiles_used(model, dev)}  # fmt: skip
+    if compiled:
+        return diagnostics
+    diagnostics["experts_touched"] = lambda: routed_experts(model, fn)
+    if fmt == "fp8":
+        diagnostics["experts"] = lambda: expert_paths(experts, cfg.top_k_experts, tokens, dev)
+        diagnostics["siblings"] = lambda: sibling_paths(model, tokens, dev)
+    if fmt == "bf16":  # attention is bf16 in every format: once is enough
+        diagnostics["attention"] = lambda: attention_backends(cfg, batch, length, dev)
+        diagnostics["network"] = lambda: network_paths(cfg, batch, length, CONTEXT, dev)
+        diagnostics["bf16_experts"] = lambda: bf16_expert_paths(experts, cfg.top_k_experts, tokens, dev)
+    return diagnostics
 
 
 def moe_tiles_used(model, dev: torch.device) -> str | None:
@@ -285,32 +300,57 @@ def top_kernels(fn, n: int = 12) -> list[dict]:
     ]
 
 
-def largest_batch(start: int = 16, limit: int = 1024) -> list[dict]:
-    """Double the batch from `start` until a pass runs out of GPU memory; fastest format on this GPU."""
+def largest_batch(
+    start: int = 16,
+    limit: int = 1024,
+    sink: Callable[[list[dict]], None] = print,
+    config: str = CONFIG,
+    device: torch.device | None = None,
+) -> list[dict]:
+    """Double the batch from `start` until a pass runs out of GPU memory; fastest format on this GPU, loaded
+    as the runtime loads it (`finish_on_device`). `sink` gets the row after each batch that fits (a check
+    killed at its budget keeps the largest batch found so far). `config`, `device`: another model
+    configuration and device, for testing this function itself off a GPU."""
     from pipeline.bench.model import random_model
     from pipeline.model.config import ModelConfig
     from pipeline.resources import load_yaml
+    from pipeline.runtime.gpu_load import finish_on_device
 
-    dev = torch.device("cuda")
+    dev = device or torch.device("cuda")
     arch = arch_of(*torch.cuda.get_device_capability(dev))
     fmt = "nvfp4" if arch in FP4_ARCHS else "fp8" if arch in FP8_ARCHS else "bf16"
-    mcfg = ModelConfig.from_dict(load_yaml("models", CONFIG), source=CONFIG)
+    mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
     model = random_model(mcfg, torch.bfloat16, dev)
     if fmt != "bf16":
         quantize_random(model, fmt)
-    fits, b = 0, start
+    finish_on_device(model, dev, None, None)
+    row = {"format": fmt, "largest_batch": 0, "tried_up_to": start}
+    b = start
     while b <= limit:
+        row["tried_up_to"] = b
         try:
             with torch.inference_mode():
                 _pass_setup(model, b)()
-            torch.cuda.synchronize()
-            fits = b
-        except torch.OutOfMemoryError:
+            torch.cuda.synchronize(dev)
+        except Exception as e:
+            if not out_of_memory(e):
+                raise
             break
         finally:
             torch.cuda.empty_cache()
+        row["largest_batch"] = b
+        sink([row])
         b *= 2
-    return [{"format": fmt, "largest_batch": fits, "tried_up_to": min(b, limit)}]
+    return [row]
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is the GPU running out of memory: torch's own error, or a library's allocation failure
+    that torch passes on as a RuntimeError (cuBLAS's CUBLAS_STATUS_ALLOC_FAILED, cuDNN's workspace)."""
+    text = str(e)
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and ("out of memory" in text or "ALLOC_FAILED" in text)
+    )
 
 
 TILES_MARGIN_S = 15  # of the check's budget: the subprocess's start (torch, CUDA) and writing the table
@@ -355,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args[:1] == ["tiles"]:
         sink(tune_tiles(started))
     else:
-        sink(largest_batch())
+        sink(largest_batch(sink=sink))
     return 0
 
 

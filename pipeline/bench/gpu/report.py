@@ -47,7 +47,12 @@ def render(result: dict) -> str:
         for b, x in experts:
             torch_gemms = (f"{x['ms_fp8_gemms']:.2f} / {x['ms_fp8_gemms_exact_accum']:.2f} | {x['rel_l2_fast_vs_exact_accum']:.1e}"
                            if "ms_fp8_gemms" in x else why(x, "torch_error"))  # fmt: skip
-            triton = (f"{x['ms_triton_gemms']:.2f} / {x['ms_triton_gemms_m64']:.2f} | {x.get('rel_l2_triton_vs_torch', float('nan')):.1e}"
+            m64 = (
+                f"{x['ms_triton_gemms_m64']:.2f}"
+                if "ms_triton_gemms_m64" in x
+                else _error_cell(x, "triton_m64_error")
+            )
+            triton = (f"{x['ms_triton_gemms']:.2f} / {m64} | {x.get('rel_l2_triton_vs_torch', float('nan')):.1e}"
                       if "ms_triton_gemms" in x else why(x, "triton_error"))  # fmt: skip
             lines.append(f"| layer 0 | {b} | {x['rows_per_expert']:.0f} | {x['ms_fp8_module']:.2f} "
                          f"| {torch_gemms} | {triton} | {x['ms_bf16_grouped']:.2f} "

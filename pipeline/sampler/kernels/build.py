@@ -213,6 +213,22 @@ def missing_build_tools() -> DgpipeError | None:
     return None
 
 
+EXTENSION = "dgpipe_sampler"  # the torch extension's name: its build directory under torch's extensions root
+
+
+def clear_build_lock() -> bool:
+    """Remove the lock a killed build of the extension leaves in its build directory; whether there was one.
+    torch's `cpp_extension` holds it while building and every later load waits for it to go, with no
+    timeout, so a build killed at a budget would hang every process after it. Only for a build known dead."""
+    from torch.utils import cpp_extension
+
+    lock = Path(cpp_extension._get_build_directory(EXTENSION, False)) / "lock"
+    if not lock.exists():
+        return False
+    lock.unlink(missing_ok=True)
+    return True
+
+
 @functools.lru_cache(maxsize=1)
 def load_torch_extension(verbose: bool = False) -> ModuleType:
     """Build (once, cached by torch under ~/.cache/torch_extensions) and import the torch binding."""
@@ -222,7 +238,7 @@ def load_torch_extension(verbose: bool = False) -> ModuleType:
     if missing is not None:
         raise missing
     return cpp_extension.load(
-        name="dgpipe_sampler",
+        name=EXTENSION,
         sources=[str(TORCH_BINDING), str(SAMPLER_SOURCE)],
         extra_include_paths=[str(CSRC)],
         extra_cflags=["-O3"],

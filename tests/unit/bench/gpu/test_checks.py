@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -113,6 +114,36 @@ def test_a_check_is_killed_at_its_budget_and_failures_keep_their_output(tmp_path
         (),
     )
     assert checks._run(rows, tmp_path, tmp_path).rows == [{"a": 1}]
+
+
+def test_a_kill_at_the_budget_ends_what_the_check_started_and_any_bytes_are_read(tmp_path):
+    """pytest-xdist's workers or nvcc, started by a check, would run on beside the next check: the kill takes
+    the check's whole process group. And output that is not UTF-8 is read with replacements, not a crash
+    that would end the run."""
+    pid_file = tmp_path / "grandchild.pid"
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(60)")  # fmt: skip
+    res = checks._run(checks.GpuCheck("spawns", 2, "spawns", ("-c", code), ()), tmp_path, tmp_path)
+    assert res.status == "timeout" and res.log == "started"
+    status = Path(f"/proc/{pid_file.read_text()}/status")
+    time.sleep(0.2)
+    assert not status.exists() or "State:\tZ" in status.read_text()  # gone, or a zombie awaiting its reaper
+    raw = ("-c", "import sys; sys.stdout.buffer.write(b'ok \\xff\\n')")
+    res = checks._run(checks.GpuCheck("bytes", 30, "bytes", raw, ()), tmp_path, tmp_path)
+    assert (res.status, res.detail) == ("passed", "ok \ufffd")
+
+
+def test_a_killed_build_leaves_no_lock_for_the_next_load(tmp_path, monkeypatch):
+    """torch's `cpp_extension` waits, with no timeout, for the lock a killed build leaves."""
+    from torch.utils import cpp_extension
+
+    from pipeline.sampler.kernels import build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = Path(cpp_extension._get_build_directory(build.EXTENSION, False)) / "lock"
+    lock.touch()
+    assert build.clear_build_lock() and not lock.exists()
+    assert not build.clear_build_lock()
 
 
 def test_time_a_check_leaves_goes_to_the_next_within_the_total(tmp_path, monkeypatch):

@@ -100,7 +100,8 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
     sunk: list[int] = []
     rows = measure.measure_pass(fmt, batches=(1, 2), repeats=1, sink=lambda r: sunk.append(len(r)), compiled=compiled,
                             config="sudoku-tiny", device=torch.device("cpu"))  # fmt: skip
-    assert [r["batch"] for r in rows] == [1, 2] and sunk == [1, 2]
+    assert [r["batch"] for r in rows] == [1, 2]
+    assert sunk == [1, 2, 2, 2]  # both batches' times before any diagnostic, then each batch's diagnostics
     for r in rows:
         assert r["finite"] and r["ms_eager"] > 0 and r["graph_error"] is None  # off CUDA the "graph" is fn
         assert r["spec_gpu"] == "H200-SXM-141GB" and r["floor_ms_spec"] > 0 and r["compute_ms_spec"] > 0
@@ -126,6 +127,35 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
             )
             x = r["bf16_experts"]  # the Triton path needs CUDA or the interpreter (off here): torch's alone
             assert "bf16_experts_error" not in r and x["ms_torch"] > 0 and "CUDA" in x["triton_error"]
+
+
+def test_the_largest_batch_keeps_what_fit_and_knows_a_librarys_allocation_failure(monkeypatch):
+    """Each batch that fits is sunk as it is found (a check killed at its budget keeps it), and cuBLAS's
+    allocation failure, which torch passes on as a RuntimeError, ends the search as torch's own
+    OutOfMemoryError does; any other error is not taken for a full GPU."""
+    import torch.nn.functional as F
+
+    from tests._utils.quantized import grouped_scaled_mm_on_cpu
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu(torch.bfloat16))
+    setup = measure._pass_setup
+
+    def full_from(batch: int, error: Exception):
+        return lambda model, b: (_ for _ in ()).throw(error) if b >= batch else setup(model, b)
+
+    alloc = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    monkeypatch.setattr(measure, "_pass_setup", full_from(4, alloc))
+    sunk: list[dict] = []
+    search = lambda: measure.largest_batch(
+        1, 64, lambda r: sunk.append(dict(r[0])), "sudoku-tiny", torch.device("cpu")
+    )
+    assert search() == [{"format": "fp8", "largest_batch": 2, "tried_up_to": 4}]
+    assert [r["largest_batch"] for r in sunk] == [1, 2]
+    monkeypatch.setattr(measure, "_pass_setup", full_from(2, ValueError("a bug, not memory")))
+    with pytest.raises(ValueError, match="a bug"):
+        search()
 
 
 def test_bf16_expert_paths_time_torchs_grouped_gemm_and_the_triton_gemm_on_one_routing():
