@@ -127,6 +127,8 @@ def concatenates(parts: Sequence[nn.Module], fp8_columns: bool = False) -> bool:
     `fp8_columns`: FP8 ones with a weight scale each too, as one RowWise GEMM (where it passed its probe)."""
     first = parts[0]
     if all(type(p) is nn.Linear for p in parts):
+        if any(p._forward_pre_hooks or p._forward_hooks for p in parts):
+            return False  # a dequantized linear's input rounding (`QuantizedLoader.install`): not in a merged GEMM
         kinds = {(p.weight.dtype, p.weight.device, p.in_features, p.bias is None) for p in parts}
         return len(kinds) == 1
     if not shares_quantization(parts):

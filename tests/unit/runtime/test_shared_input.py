@@ -232,6 +232,30 @@ def test_the_embedded_fp8_model_keeps_its_logits_with_shared_inputs(fp8_model):
     assert layer.mlp.gate_up_kernel.merged is None
 
 
+def test_dequantized_siblings_whose_inputs_are_rounded_by_a_hook_stay_apart(fp8_checkpoint):
+    """Where the FP8 linear fails its probe the load dequantizes the linears and hooks their inputs' FP8
+    rounding on (`QuantizedLoader.install`; an AWQ checkpoint's pre_quant_scale likewise). A merged GEMM
+    would skip the hooks: such siblings stay apart and the logits stay (only the unhooked float
+    self-conditioning's gate and up merge)."""
+    from pipeline.runtime import gpu_load
+    from pipeline.runtime import probe as probing
+
+    probed = probing.Probe("sm90", {"linear:fp8": "failed here", "experts:fp8": "no grouped GEMM on the CPU"})
+    model = gpu_load.load_on_gpu(fp8_checkpoint, torch.float32, CPU, probed)[0]
+    gate = model.layers[0].mlp.gate_proj
+    assert type(gate) is nn.Linear and gate._forward_pre_hooks
+    assert not si.concatenates([gate, model.layers[0].mlp.up_proj])
+    gen = torch.Generator().manual_seed(6)
+    canvas = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=gen)
+    soft = torch.randn(2, 12, model.cfg.hidden_size, generator=gen)
+    positions, masks = torch.arange(12).expand(2, 12), {k: None for k in set(model.layer_types)}
+    with torch.inference_mode():
+        before = model.denoise_soft(canvas, soft, positions, masks, None)
+        assert si.share_inputs(model, merge_qkv=True) == (0, 1)
+        after = model.denoise_soft(canvas, soft, positions, masks, None)
+    torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-5)
+
+
 def test_the_embedded_fp8_model_keeps_its_logits_with_its_siblings_one_rowwise_gemm_each(fp8_checkpoint):
     """Where the RowWise FP8 GEMM passed its probe, every layer's q/k/v and gate/up (a weight scale each, as
     ModelOpt's FP8) run as one GEMM each: the same logits as the linears alone (bit for bit on this
