@@ -66,7 +66,8 @@ def quant_algo(path: Path) -> str | None:
     return str(algo) if algo else None
 
 
-def _precision(algo: str) -> Precision:
+def precision_of(algo: str) -> Precision:
+    """The dgpipe precision of a ModelOpt `quant_algo`, or a CheckpointError naming the ones it runs."""
     p = precision_for_quant_algo(algo)
     if p is None:
         raise CheckpointError(
@@ -79,7 +80,7 @@ def _precision(algo: str) -> Precision:
 @cache
 def packed_format(algo: str) -> str:
     """How a uint8 weight of this quant_algo is packed: the precision's name ('nvfp4', 'int4_awq')."""
-    return _precision(algo).name
+    return precision_of(algo).name
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -173,7 +174,7 @@ def read_packed_linears(path: Path) -> dict[str, PackedLinear]:
             "expected hf_quant_config.json or a quantization_config in config.json",
         )
     algo = str(info.get("quant_algo"))
-    _precision(algo)
+    precision_of(algo)
     files = weight_files(path)
     handles: dict[Path, Any] = {}
 
@@ -202,7 +203,7 @@ class QuantizedLoader:
 
     def __init__(self, info: dict[str, Any]):
         self.algo = str(info.get("quant_algo"))
-        p = _precision(self.algo)
+        p = precision_of(self.algo)
         self.act = p.activations if p.activations in ACTIVATION_FORMATS else None  # None: weight-only
         self.input_scales: dict[str, torch.Tensor] = {}  # runtime module name -> input scale
         self.pre_quant_scales: dict[str, torch.Tensor] = {}

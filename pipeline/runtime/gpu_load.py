@@ -18,7 +18,7 @@ from torch import nn
 from pipeline.errors import DgpipeError
 from pipeline.model.checkpoint import Checkpoint, load_model
 from pipeline.model.files import runtime_name, weight_files
-from pipeline.model.modelopt import PackedLinear, quant_algo
+from pipeline.model.modelopt import PackedLinear, precision_of, quant_algo
 from pipeline.model.network import DecoderLayer, DiffusionGemma, FfnInputsKernel
 from pipeline.runtime.dispatch import (
     EVERY_PASS,
@@ -70,7 +70,6 @@ from pipeline.runtime.probe import (
 from pipeline.runtime.routed import host_bound_experts, route_on_device
 from pipeline.runtime.shared_input import SharedInput, norm_operand, share_inputs
 from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, down_from_geglu, kernel_mode
-from pipeline.targets import precision_for_quant_algo
 
 EXPERT = re.compile(r"^(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 
@@ -154,7 +153,7 @@ class TensorCoreLoad:
         p = Path(path)
         self.device, self.dtype = device, dtype
         self.probed = pr = probed or probe(device)
-        self.report = Installed(precision_for_quant_algo(quant_algo(p)).name, pr.arch)
+        self.report = Installed(precision_of(str(quant_algo(p))).name, pr.arch)
         self.lin_mode, self.exp_mode, self.triton_rows, row = self._modes(pr)
         names = weight_files(p)
         scaled = {
@@ -163,6 +162,13 @@ class TensorCoreLoad:
             if n.endswith(".input_scale")
         }
         scaled = {t.removesuffix(".weight") for t in scaled if t}
+        # an AWQ pre_quant_scale multiplies the input first, which only the float path applies
+        # (`QuantizedLoader.install`; on a routed expert it refuses the checkpoint): no tensor cores there
+        scaled -= {
+            (runtime_name(n.removesuffix("pre_quant_scale") + "weight") or "").removesuffix(".weight")
+            for n in names
+            if n.endswith(".pre_quant_scale")
+        }
         experts: dict[str, set[str]] = {}
         for n in names:
             m = EXPERT.match((runtime_name(n) or "").removesuffix(".weight"))

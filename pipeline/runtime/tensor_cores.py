@@ -135,11 +135,12 @@ def scaled_gemm(
             a, weight.t(), a_scales[0], scaling.TensorWise, w_scales[0], scaling.TensorWise, output_dtype=out_dtype,
             use_fast_accum=FP8_FAST_ACCUM,
         )  # fmt: skip
+    rowwise = rowwise_output_dtype(out_dtype, a.device)
     if mode == "fp8_columns":  # the static input scale is folded into the column scales: rows scaled by 1
         return F.scaled_mm(
             a, weight.t(), unit_row_scales(a.shape[0], a.device), scaling.RowWise, w_scales[0], scaling.RowWise,
-            output_dtype=out_dtype, use_fast_accum=FP8_FAST_ACCUM,
-        )  # fmt: skip
+            output_dtype=rowwise, use_fast_accum=FP8_FAST_ACCUM,
+        ).to(out_dtype)  # fmt: skip
     if mode == "nvfp4":
         return F.scaled_mm(
             sl.as_fp4x2(a), weight.t(), a_scales, [scaling.BlockWise1x16, scaling.TensorWise],
@@ -147,9 +148,19 @@ def scaled_gemm(
             swizzle_a=swizzle.SWIZZLE_32_4_4, swizzle_b=swizzle.SWIZZLE_32_4_4, output_dtype=out_dtype,
         )  # fmt: skip
     return F.scaled_mm(
-        a, weight.t(), a_scales[0], scaling.RowWise, w_scales[0], scaling.RowWise, output_dtype=out_dtype,
+        a, weight.t(), a_scales[0], scaling.RowWise, w_scales[0], scaling.RowWise, output_dtype=rowwise,
         use_fast_accum=FP8_FAST_ACCUM,
-    )  # fmt: skip
+    ).to(out_dtype)  # fmt: skip
+
+
+def rowwise_output_dtype(out_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """What a RowWise `F.scaled_mm` writes, before the cast to the model's dtype: on CUDA bf16. torch runs
+    RowWise scaling on cuBLAS only on Hopper with cuBLAS 12.9+, elsewhere on its CUTLASS kernel, which
+    writes bf16 alone (fp16 too in newer releases): `_scaled_mm_cuda`, "Only bf16 high precision output
+    types are supported for row-wise scaling", so an fp16 or fp32 model's first RowWise GEMM on Ada or a
+    B200 would fail. bf16's rounding of the output (2^-9) is far below its FP8 operands' own (2^-4). On the
+    CPU (tests) the model's dtype."""
+    return torch.bfloat16 if device.type == "cuda" else out_dtype
 
 
 # fp32 ones [rows, 1] per device, grown to the most rows asked for: RowWise GEMMs take their row scales as a

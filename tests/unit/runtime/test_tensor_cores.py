@@ -261,6 +261,77 @@ def test_cuda_only_entry_points_say_so_on_cpu(ckpts):
     assert gpu_load.load_on_gpu(EMBEDDED_MODEL, torch.float32, CPU)[2] is None  # unquantized: a plain load
 
 
+def test_a_rowwise_gemm_on_a_gpu_writes_bf16_and_casts_to_the_models_dtype(monkeypatch):
+    """torch's CUTLASS RowWise kernel (every GPU but Hopper with cuBLAS 12.9+) writes bf16 only: an fp16 or
+    fp32 model's RowWise linears ask it for bf16 and cast, within bf16's rounding of the fp32 output."""
+    assert tc.rowwise_output_dtype(torch.float32, torch.device("cuda")) is torch.bfloat16
+    assert tc.rowwise_output_dtype(torch.float16, torch.device("cuda", 1)) is torch.bfloat16
+    assert tc.rowwise_output_dtype(torch.float32, CPU) is torch.float32
+    gen = torch.Generator().manual_seed(8)
+    linear = tc.ScaledLinear(packed_linear("nvfp4", 32, 64, gen), "fp8_rowwise", CPU, torch.float32)
+    x = torch.randn(5, 64, generator=gen)
+    exact = linear(x)
+    asked: list[torch.dtype] = []
+    real = F.scaled_mm
+    monkeypatch.setattr(F, "scaled_mm", lambda *a, **k: asked.append(k["output_dtype"]) or real(*a, **k))
+    monkeypatch.setattr(tc, "rowwise_output_dtype", lambda dtype, device: torch.bfloat16)  # as on a GPU
+    got = linear(x)
+    assert asked == [torch.bfloat16] and got.dtype == torch.float32
+    torch.testing.assert_close(got, exact, rtol=2**-8, atol=1e-6)
+
+
+def test_a_quant_algo_the_runtime_does_not_run_is_the_cpu_loads_error_on_a_gpu(ckpts, tmp_path):
+    """ModelOpt's per-channel FP8 (and NVFP4_AWQ, MIXED_PRECISION): the same one-line error as the CPU load,
+    naming what dgpipe runs, not an AttributeError from the tensor-core loader."""
+    import json
+    import shutil
+
+    path = Path(shutil.copytree(ckpts["fp8"], tmp_path / "fp8_pc_pt"))
+    for name in ("hf_quant_config.json", "config.json"):
+        text = (path / name).read_text().replace('"quant_algo": "FP8"', '"quant_algo": "FP8_PC_PT"')
+        (path / name).write_text(text)
+    assert (
+        json.loads((path / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "FP8_PC_PT"
+    )
+    for load in (
+        lambda: load_model(path),
+        lambda: gpu_load.load_on_gpu(path, torch.float32, CPU, probing.Probe("sm90")),
+    ):
+        with pytest.raises(DgpipeError, match="quant_algo 'FP8_PC_PT' is not supported by dgpipe's runtime"):
+            load()
+
+
+def test_a_linear_with_an_awq_pre_quant_scale_stays_on_the_float_path_that_applies_it(
+    ckpts, tmp_path, monkeypatch
+):
+    """The tensor-core modules read no pre_quant_scale: a linear that has one loads dequantized with its
+    input hook (`QuantizedLoader.install`), and one on a routed expert is refused as on the CPU, not taken
+    onto tensor cores without it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.model.files import DECODER
+
+    monkeypatch.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu(torch.bfloat16))
+    path = Path(shutil.copytree(ckpts["fp8"], tmp_path / "awq_scaled"))
+    state = load_file(path / "model.safetensors")
+    width = state[f"{DECODER}layers.0.mlp.gate_proj.weight"].shape[1]
+    state[f"{DECODER}layers.0.mlp.gate_proj.pre_quant_scale"] = torch.full((width,), 0.5)
+    save_file(state, str(path / "model.safetensors"))
+    model = gpu_load.load_on_gpu(path, torch.bfloat16, CPU, probing.Probe("sm90", dict(SM90_PROBED)))[0]
+    mlp = model.layers[0].mlp
+    assert type(mlp.gate_proj) is torch.nn.Linear and mlp.gate_proj._forward_pre_hooks
+    assert isinstance(mlp.up_proj, tc.ScaledLinear) and isinstance(
+        model.layers[1].mlp.gate_proj, tc.ScaledLinear
+    )
+    expert = f"{DECODER}layers.0.experts.0.gate_proj"
+    state[f"{expert}.pre_quant_scale"] = torch.full((state[f"{expert}.weight"].shape[1],), 0.5)
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(DgpipeError, match="pre_quant_scale on a routed expert"):
+        gpu_load.load_on_gpu(path, torch.bfloat16, CPU, probing.Probe("sm90", dict(SM90_PROBED)))
+
+
 SM90_PROBED = {
     "linear:fp8": None,
     "experts:fp8": None,
