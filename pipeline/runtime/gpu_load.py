@@ -156,19 +156,14 @@ class TensorCoreLoad:
         self.report = Installed(precision_of(str(quant_algo(p))).name, pr.arch)
         self.lin_mode, self.exp_mode, self.triton_rows, row = self._modes(pr)
         names = weight_files(p)
-        scaled = {
-            runtime_name(n.removesuffix("input_scale") + "weight")
-            for n in names
-            if n.endswith(".input_scale")
-        }
-        scaled = {t.removesuffix(".weight") for t in scaled if t}
+
+        def having(aux: str) -> set[str]:  # runtime modules whose weight has `aux` beside it
+            found = (runtime_name(n.removesuffix(aux) + "weight") for n in names if n.endswith("." + aux))
+            return {t.removesuffix(".weight") for t in found if t}
+
         # an AWQ pre_quant_scale multiplies the input first, which only the float path applies
         # (`QuantizedLoader.install`; on a routed expert it refuses the checkpoint): no tensor cores there
-        scaled -= {
-            (runtime_name(n.removesuffix("pre_quant_scale") + "weight") or "").removesuffix(".weight")
-            for n in names
-            if n.endswith(".pre_quant_scale")
-        }
+        scaled = having("input_scale") - having("pre_quant_scale")
         experts: dict[str, set[str]] = {}
         for n in names:
             m = EXPERT.match((runtime_name(n) or "").removesuffix(".weight"))
