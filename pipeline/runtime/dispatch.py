@@ -138,9 +138,12 @@ GROUPED_FP4 = "F.scaled_grouped_mm NVFP4 [BlockWise1x16, TensorWise], SWIZZLE_32
 LINEAR_BF16 = "F.linear bf16 (dequantized at load)"
 # where torch's bf16 grouped GEMM has no kernel (`pipeline.model.network.grouped_mm_reads_host`: sm89, sm120)
 # and its fallback loops over the experts with the offsets on the host: float experts there take dgpipe's
-# Triton MoE GEMM with bf16 operands instead (`pipeline.runtime.routed`), where probed
+# Triton MoE GEMM with bf16 operands instead (`pipeline.runtime.routed`), where probed. torch's fp16 grouped
+# GEMM has no CUDA kernel on any GPU, so a model loaded with `--dtype float16` takes it with fp16 operands
+# everywhere.
 NO_GROUPED_KERNEL = ("sm89", "sm120")
 TRITON_BF16 = "Triton bf16 MoE GEMM"
+TRITON_FP16 = "Triton fp16 MoE GEMM"
 
 
 def _grouped_bf16(arch: str, dequantized: bool = True) -> str:

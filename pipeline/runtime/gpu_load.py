@@ -24,6 +24,7 @@ from pipeline.runtime.dispatch import (
     EVERY_PASS,
     NO_GROUPED_KERNEL,
     TRITON_BF16,
+    TRITON_FP16,
     TRITON_MOE,
     DispatchRow,
     arch_of,
@@ -355,24 +356,29 @@ def route_float_experts(
     model: DiffusionGemma, device: torch.device, probed: Probe | None, report: Installed | None
 ) -> Installed | None:
     """Float experts that would read the routing on the host (`routed.host_bound_experts`) computed on the
-    device instead (`routed.RoutedExperts`): on torch's `F.grouped_mm`, or where it has no kernel on dgpipe's
-    Triton GEMM if it passed its probe (run here for that form alone when the load has not probed)."""
+    device instead (`routed.RoutedExperts`): on torch's `F.grouped_mm`, or where it has no kernel for the
+    model's dtype on dgpipe's Triton GEMM if it passed its probe (run here for that form alone when the load
+    has not probed). Off a GPU (no arch) the loaded experts stay."""
     arch = probed.arch if probed is not None else _cuda_arch(device)
-    no_kernel = arch in NO_GROUPED_KERNEL
+    if arch is None:
+        return report
+    dtype = model.embed_tokens.weight.dtype
+    no_kernel = arch in NO_GROUPED_KERNEL or dtype != torch.bfloat16  # torch's grouped GEMM: bf16 only
     layers = host_bound_experts(model, no_kernel)
     if not layers:
         return report
     report = report or Installed("bf16", arch)
+    triton = TRITON_FP16 if dtype == torch.float16 else TRITON_BF16
     if no_kernel:
         probed = probed or probe(device, formats=("bf16",))
         if not probed.ok("triton:bf16"):
             report.fallbacks.append(
-                f"float experts: {TRITON_BF16} failed its probe ({probed.results.get('triton:bf16', 'not run')}): "
+                f"float experts: {triton} failed its probe ({probed.results.get('triton:bf16', 'not run')}): "
                 "torch's per-expert loop, host sync, no CUDA graphs"
             )
             return report
     route_on_device(model, layers, triton=no_kernel)
-    report.routed, report.routed_kernel = len(layers), TRITON_BF16 if no_kernel else "F.grouped_mm bf16"
+    report.routed, report.routed_kernel = len(layers), triton if no_kernel else "F.grouped_mm bf16"
     return report
 
 

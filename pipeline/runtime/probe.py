@@ -438,25 +438,28 @@ def check_triton_kv_cat(dev: torch.device) -> None:
 
 
 def check_triton_bf16(dev: torch.device, x, index, weights) -> None:
-    """dgpipe's Triton GEMM with bf16 operands on this GPU, or a DgpipeError: at every M tile against the
-    float product of its operands, and a whole experts pass on it (`pipeline.runtime.routed`) against the
-    same experts in fp32 expert by expert. Run where torch's grouped GEMM has no kernel, so the check needs
-    none."""
+    """dgpipe's Triton GEMM with bf16 operands on this GPU, and with fp16 ones (a model loaded in fp16), or
+    a DgpipeError: at every M tile against the float product of its operands, and a whole experts pass on it
+    (`pipeline.runtime.routed`) against the same experts in fp32 expert by expert. Run where torch's grouped
+    GEMM has no kernel, so the check needs none."""
     gen = torch.Generator().manual_seed(1)
-    gate_up, down = (torch.randn(4, n, 128, generator=gen).to(dev, torch.bfloat16) / 8 for n in (256, 128))
-    x, slots = x.to(torch.bfloat16), torch.arange(index.numel(), device=dev)
+    weights_fp32 = [torch.randn(4, n, 128, generator=gen) / 8 for n in (256, 128)]
+    slots = torch.arange(index.numel(), device=dev)
     routing = sl.expert_order(index, 4)
     token_of, offs = routing.token_of, routing.offs
-    gate, up = _check_every_tile("Triton bf16 MoE GEMM", x, None, token_of, gate_up, None, offs).chunk(
-        2, dim=-1
-    )
-    want = combine_top_k(
-        float_gemm(gelu_tanh(gate) * up, None, slots, down, None, offs), routing, weights.float()
-    )
-    err = _rel_l2(routed_experts(x, index, weights, gate_up, down, triton=True), want)
-    if not err < 2e-2:  # bf16 intermediates; a wrong kernel is O(1)
-        raise DgpipeError(f"bf16 experts on the Triton MoE GEMM differ from their float reference by {err:.3g} "
-                          "(relative L2)", TRITON_FALLBACK)  # fmt: skip
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        gate_up, down = (w.to(dev, dtype) for w in weights_fp32)
+        a = x.to(dtype)
+        gate, up = _check_every_tile(f"Triton {name} MoE GEMM", a, None, token_of, gate_up, None, offs).chunk(
+            2, dim=-1
+        )
+        want = combine_top_k(
+            float_gemm(gelu_tanh(gate) * up, None, slots, down, None, offs), routing, weights.float()
+        )
+        err = _rel_l2(routed_experts(a, index, weights, gate_up, down, triton=True), want)
+        if not err < 2e-2:  # bf16 / fp16 intermediates; a wrong kernel is O(1)
+            raise DgpipeError(f"{name} experts on the Triton MoE GEMM differ from their float reference by "
+                              f"{err:.3g} (relative L2)", TRITON_FALLBACK)  # fmt: skip
 
 
 def check_triton_router(dev: torch.device) -> None:

@@ -2,9 +2,9 @@
 would not keep it there.
 
 Two cases leave a layer's experts in float on a GPU:
-* a bf16 checkpoint (or an INT4-AWQ one, dequantized) on Ada or RTX Blackwell (sm89, sm120), where torch's
-  `F.grouped_mm` has no kernel and falls back to a per-expert loop that reads the group offsets on the host
-  (`network.grouped_mm_reads_host`);
+* a bf16 checkpoint (or an INT4-AWQ one, dequantized) on Ada or RTX Blackwell (sm89, sm120), or any model
+  loaded in fp16, where torch's `F.grouped_mm` has no kernel and falls back to a per-expert loop that reads
+  the group offsets on the host (`network.grouped_mm_reads_host`);
 * an FP8 / NVFP4 checkpoint whose experts the dispatch table or the probe leaves dequantized (FP8 on B200:
   torch's FP8 grouped GEMM is sm90-only). The loader then installs the CPU path's fake-quantized expert loop
   (`pipeline.model.modelopt`), which reads the routing counts on the host and runs one GEMM per expert.
@@ -54,8 +54,9 @@ def routed_experts(
     geglu_kernel: GegluKernel | None = None,
     order_kernel: OrderKernel | None = None,
 ) -> torch.Tensor:
-    """A layer's float experts ([E, 2I, d] gate|up, [E, d, I] down, bf16) on grouped GEMMs, the inputs of
-    each projection rounded by `q_in` / `q_down` first (a quantized checkpoint's activation formats)."""
+    """A layer's float experts ([E, 2I, d] gate|up, [E, d, I] down, bf16 or fp16) on grouped GEMMs, the
+    inputs of each projection rounded by `q_in` / `q_down` first (a quantized checkpoint's activation
+    formats)."""
     routing = expert_order(index, gate_up.shape[0], order_kernel)
     order, token_of, offs = routing.order, routing.token_of, routing.offs
     if triton:  # the token rows gathered inside the kernel, the down rows written in token-major slot order
@@ -100,14 +101,15 @@ class RoutedExperts(nn.Module):
 
 def host_bound_experts(model: DiffusionGemma, no_grouped_kernel: bool) -> list[int]:
     """The layers whose experts, as loaded, would read the routing on the host on a GPU: a quantized
-    checkpoint's fake-quantized expert loop anywhere, plain bf16 experts where torch's grouped GEMM has no
-    kernel (`no_grouped_kernel`). Experts on tensor cores (`tensor_cores.ScaledExperts`) are not float."""
+    checkpoint's fake-quantized expert loop anywhere, plain bf16 or fp16 experts where torch's grouped GEMM
+    has no kernel for their dtype (`no_grouped_kernel`: sm89 and sm120 for bf16, every GPU for fp16).
+    Experts on tensor cores (`tensor_cores.ScaledExperts`) are not float."""
     layers = []
     for i, layer in enumerate(model.layers):
         experts = layer.experts
-        if not isinstance(experts, Experts) or experts.gate_up_proj.dtype != torch.bfloat16:
-            continue  # tensor-core experts; or fp32/fp16, which take the dense form on CUDA (no host read)
-        like = torch.empty(0, dtype=torch.bfloat16, device=experts.gate_up_proj.device)
+        if not isinstance(experts, Experts) or experts.gate_up_proj.dtype not in kernels.moe.FLOAT_OPERANDS:
+            continue  # tensor-core experts; or fp32, which takes the dense form on CUDA (no host read)
+        like = torch.empty(0, dtype=experts.gate_up_proj.dtype, device=experts.gate_up_proj.device)
         if not no_grouped_kernel and not experts.use_grouped(like):
             continue  # sizes torch's grouped GEMM cannot take (not 16-byte aligned): left as loaded
         loop = vars(experts).get("forward")  # the loader's fake-quantized loop, replaced on the instance

@@ -13,13 +13,14 @@ rows are gathered inside the kernel instead of being copied to expert order firs
 projection's rows can be written straight back to token-major slot order (`out_rows`), the layout the
 combine reads, instead of gathered there after. On Ada and RTX Blackwell
 (sm89, sm120) torch has no FP8 grouped GEMM and its bf16 one falls back to a per-expert loop that syncs with
-the host, so there this kernel takes every pass (`pipeline.runtime.dispatch.EVERY_PASS`), FP8 or bf16. Layout (as
+the host, so there this kernel takes every pass (`pipeline.runtime.dispatch.EVERY_PASS`), FP8 or bf16; torch has
+no fp16 grouped GEMM kernel on any GPU, so a model loaded in fp16 takes it on every GPU. Layout (as
 `pipeline.runtime.tensor_cores.grouped_gemm`): slots sorted by expert with int32 end offsets `offs` [E]
 (`scaled_layout.expert_order`); each program finds its expert from those offsets on the device (no host
 sync: CUDA graphs capture it). Operands: `a` E4M3 [rows, K] with one fp32 scale per row, `w` E4M3
 [E, N, K] with one fp32 scale per output row [E, N]; the result is bf16 [slots, N], each slot's row
-acc * a_scale * w_scale, as torch's RowWise kernels compute. Or `a` and `w` bf16 without scales, as
-`F.grouped_mm` computes. Its tile sizes, warps, stages and launch order (`tiles`) come from this GPU
+acc * a_scale * w_scale, as torch's RowWise kernels compute. Or `a` and `w` bf16 (or fp16) without scales,
+the result in their dtype, as `F.grouped_mm` computes. Its tile sizes, warps, stages and launch order (`tiles`) come from this GPU
 model's measured table where one exists (`pipeline.runtime.kernels.moe_tiles`, written by `dgpipe bench
 moe-tiles`), else from `default_tile`.
 
@@ -58,6 +59,7 @@ def serves(slots: int, experts: int, max_rows: float = TRITON_MAX_ROWS_PER_EXPER
     return max_rows > 0 and slots <= max_rows * experts
 
 
+FLOAT_OPERANDS = (torch.bfloat16, torch.float16)  # the unscaled operand dtypes `tl.dot` takes on tensor cores
 BLOCK_MS = (16, 32, 64)  # the M tiles `default_tile` picks from (the load-time probe runs each)
 GRID_Y_MAX = 65535  # CUDA's limit on a grid's second axis
 
@@ -155,7 +157,7 @@ def _kernel():
             a_scale = tl.load(a_scale_ptr + row * stride_as, mask=in_m, other=0.0)
             w_scale = tl.load(w_scale_ptr + expert * N + n, mask=in_n, other=0.0)
             acc = acc * a_scale[:, None] * w_scale[None, :]
-        out = acc.to(tl.bfloat16)
+        out = acc.to(out_ptr.dtype.element_ty)  # bf16 for FP8 operands; else the operands' dtype
         if SCATTER:  # each row to where `out_rows` puts it (the slots' token-major order)
             dest = tl.load(out_rows_ptr + slot, mask=in_m, other=0)
         else:
@@ -179,9 +181,9 @@ def moe_gemm(
     block_m: int | None = None,
     out_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """bf16 [slots, N]: slot i is a[rows[i]] (a[i] without `rows`) times its expert's w [E, N, K] (K
+    """[slots, N]: slot i is a[rows[i]] (a[i] without `rows`) times its expert's w [E, N, K] (K
     contiguous). FP8 operands are scaled by a_scale [rows of a] (fp32, any stride) and w_scale [E, N]
-    (fp32); bf16 operands take no scales (None). The experts own consecutive slots, ending at `offs` [E]
+    (fp32), the result bf16; bf16 or fp16 operands take no scales (None), the result in their dtype. The experts own consecutive slots, ending at `offs` [E]
     (int32, device). Launched with `tiles`' tile for the shape on this GPU; `block_m`: another M tile (the
     benchmark's comparison). `out_rows`: a permutation of the slots; slot i's row is written to row
     out_rows[i] (the expert order's `order` puts the rows back in token-major slot order, as
@@ -210,13 +212,15 @@ def launch(
 
     scaled = a_scale is not None
     if scaled != (w_scale is not None) or scaled != (a.element_size() == 1):
-        raise ValueError("FP8 operands take both scales, bf16 operands neither")
+        raise ValueError("FP8 operands take both scales, bf16 and fp16 operands neither")
+    if not scaled and (a.dtype != w.dtype or a.dtype not in FLOAT_OPERANDS):
+        raise ValueError(f"float operands are bf16 or fp16, both one dtype (got {a.dtype} and {w.dtype})")
     if w.stride(-1) != 1:
         raise ValueError("the MoE GEMM reads K-contiguous weights (w [E, N, K])")
     a = a if a.stride(-1) == 1 else a.contiguous()  # rows at any stride, K contiguous
     slots = rows.shape[0] if rows is not None else a.shape[0]
     experts, n, k = w.shape
-    out = torch.empty(slots, n, dtype=torch.bfloat16, device=a.device)
+    out = torch.empty(slots, n, dtype=out_dtype(a), device=a.device)
     if slots == 0:
         return out
     bm, bn = tile.block_m, tile.block_n
@@ -241,9 +245,14 @@ def launch(
 moe_gemm_op = torch.library.custom_op("dgpipe::moe_gemm", mutates_args=())(moe_gemm)
 moe_gemm_op.register_fake(
     lambda a, a_scale, rows, w, w_scale, offs, block_m=None, out_rows=None: a.new_empty(
-        (a.shape[0] if rows is None else rows.shape[0], w.shape[1]), dtype=torch.bfloat16
+        (a.shape[0] if rows is None else rows.shape[0], w.shape[1]), dtype=out_dtype(a)
     )
 )
+
+
+def out_dtype(a: torch.Tensor) -> torch.dtype:
+    """The GEMM's result dtype: bf16 for FP8 operands (as torch's RowWise kernels write), else a's."""
+    return torch.bfloat16 if a.element_size() == 1 else a.dtype
 
 
 def _interpreted() -> bool:

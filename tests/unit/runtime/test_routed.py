@@ -89,6 +89,8 @@ def test_which_layers_route_on_the_device():
     assert m.gate_up_proj is not None and "layers.1.experts.gate_up_proj" in model.state_dict()
     assert routed.host_bound_experts(model, no_grouped_kernel=True) == [i for i in layers if i != 1]
     assert routed.host_bound_experts(load_model(EMBEDDED_MODEL)[0], True) == []  # fp32: the dense form
+    half = load_model(EMBEDDED_MODEL, torch.float16)[0]  # fp16: no grouped GEMM kernel on any GPU
+    assert routed.host_bound_experts(half, no_grouped_kernel=True) == layers
     model.layers[2].experts.forward = lambda x, index, weights: x  # unknown to `routed`: never replaced
     assert 2 not in routed.host_bound_experts(model, no_grouped_kernel=True)
 
@@ -126,6 +128,31 @@ def test_a_bf16_checkpoint_on_ada_routes_every_layer_on_the_triton_gemm(monkeypa
     # as close to the fp32 model as the CPU's own bf16 pass: over 3 seeds 0.046-0.062 against 0.048-0.068
     # (0.024-0.040 from each other); a wrong routing is O(1)
     assert rel(got, exact) < 1.2 * rel(want, exact)
+
+
+@interpreted
+def test_an_fp16_model_on_hopper_routes_every_layer_on_the_triton_gemm_in_fp16(monkeypatch):
+    """torch's grouped GEMM has no fp16 CUDA kernel on any GPU (its fallback reads the offsets on the host),
+    so a model loaded in fp16 routes its experts on the Triton GEMM even on Hopper: fp16 throughout,
+    graph-safe, reported; as close to the fp32 model as the fp16 model's own pass on the CPU."""
+    probed = probing.Probe("sm90", {"triton:bf16": None})
+    model, _, report = gpu_load.load_on_gpu(EMBEDDED_MODEL, torch.float16, CPU, probed)
+    assert all(isinstance(x.experts, routed.RoutedExperts) and x.experts.triton for x in model.layers)
+    assert report.routed == len(model.layers) and report.routed_kernel == "Triton fp16 MoE GEMM"
+    assert experts_graph_safe(model)
+    cfg, length = model.cfg, model.config.canvas_length
+    tokens = torch.randint(0, cfg.vocab_size, (2, length), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(length)[None].expand(2, -1)
+    masks = {"full_attention": None, "sliding_attention": None}
+    monkeypatch.setattr(F, "grouped_mm", lambda *a, **k: pytest.fail("torch's grouped GEMM ran"))
+    with torch.inference_mode():
+        got = model.denoise_soft(tokens, None, positions, masks, None)
+    monkeypatch.undo()
+    with torch.inference_mode():
+        want = load_model(EMBEDDED_MODEL, torch.float16)[0].denoise_soft(tokens, None, positions, masks, None)
+        exact = load_model(EMBEDDED_MODEL)[0].denoise_soft(tokens, None, positions, masks, None)
+    # over 12 seeds 0.005-0.017 from the fp32 model, at most 1.18x the CPU's fp16 pass; a wrong routing is O(1)
+    assert rel(got, exact) < 1.5 * rel(want, exact)
 
 
 def test_a_bf16_load_routes_nothing_where_torch_serves_it_and_reports_a_failed_probe():
@@ -213,6 +240,14 @@ def test_the_probe_holds_the_triton_bf16_gemm_to_the_float_product(monkeypatch):
         monkeypatch.setattr(kernels.moe, "launch", wrong_at(tile))
         with pytest.raises(DgpipeError, match=rf"Triton bf16 MoE GEMM \({tile.short()} tiles\) differs"):
             probing.check_triton_bf16(CPU, x, index, weights)
+
+    def wrong_in_fp16(t, a, a_scale, rows, w, w_scale, offs, out_rows=None):  # a model loaded in fp16
+        rows = rows.flip(0) if a.dtype == torch.float16 and rows is not None else rows
+        return real_launch(t, a, a_scale, rows, w, w_scale, offs, out_rows)
+
+    monkeypatch.setattr(kernels.moe, "launch", wrong_in_fp16)
+    with pytest.raises(DgpipeError, match=r"Triton fp16 MoE GEMM \([^)]+ tiles\) differs"):
+        probing.check_triton_bf16(CPU, x, index, weights)
     monkeypatch.setattr(kernels.moe, "launch", real_launch)
 
     def wrong_in_the_pass(a, a_scale, rows, w, w_scale, offs, block_m=None, out_rows=None):

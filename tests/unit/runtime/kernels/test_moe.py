@@ -22,9 +22,8 @@ from tests._utils.quantized import grouped_scaled_mm_on_cpu, packed_linear
 from tests._utils.triton_compile import compiled_for_gpus
 
 CPU = torch.device("cpu")
-BF16_ULP = (
-    2**-7
-)  # one bf16 unit in the last place, relative: the interpreter truncates its bf16 casts, GPUs round
+# one unit in the last place, relative: the interpreter truncates its bf16 casts, GPUs round
+BF16_ULP, FP16_ULP = 2**-7, 2**-10
 
 
 pytestmark = interpreted
@@ -63,25 +62,30 @@ def test_the_kernel_is_the_float_product_of_its_fp8_operands(tokens, top_k):
         assert bool(((got.float() - want).abs() <= want.abs() * BF16_ULP + 1e-6).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("tokens", "top_k"), [(37, 2), (700, 4)])  # 12 and 467 rows per expert
-def test_the_kernel_is_the_float_product_of_its_bf16_operands(tokens, top_k):
-    """bf16 operands without scales (float experts on Ada and RTX Blackwell): uneven experts and an empty
-    one, K and N not multiples of the tiles, rows gathered in the kernel or in slot order; mixing the two
-    forms' arguments is refused."""
+def test_the_kernel_is_the_float_product_of_its_float_operands(tokens, top_k, dtype):
+    """bf16 operands without scales (float experts on Ada and RTX Blackwell), or fp16 ones (a model loaded
+    in fp16, on every GPU), the result in their dtype: uneven experts and an empty one, K and N not multiples
+    of the tiles, rows gathered in the kernel or in slot order; mixing the forms' arguments is refused."""
     gen = torch.Generator().manual_seed(tokens)
     e, n, k = 6, 96, 160
-    w, a = torch.randn(e, n, k, generator=gen).bfloat16(), torch.randn(tokens, k, generator=gen).bfloat16()
+    w, a = torch.randn(e, n, k, generator=gen).to(dtype), torch.randn(tokens, k, generator=gen).to(dtype)
     index = torch.randint(0, e - 1, (tokens, top_k), generator=gen)
     _, token_of, offs, _ = sl.expert_order(index, e)
     ones = lambda m: torch.ones(m)
+    ulp = BF16_ULP if dtype == torch.bfloat16 else FP16_ULP
     for args in ((a, token_of), (a[token_of], None)):
         got = tf.moe_gemm(args[0], None, args[1], w, None, offs)
         rows = args[0].shape[0]
         want = _reference(args[0], ones(rows), args[1], w, torch.ones(e, n), offs)
-        assert got.dtype == torch.bfloat16 and got.shape == want.shape
-        assert bool(((got.float() - want).abs() <= want.abs() * BF16_ULP + 1e-4).all())
+        assert got.dtype == dtype and got.shape == want.shape
+        assert bool(((got.float() - want).abs() <= want.abs() * ulp + 1e-4).all())
     with pytest.raises(ValueError, match="FP8 operands take both scales"):
         tf.moe_gemm(a, ones(tokens), token_of, w, None, offs)
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(ValueError, match="float operands are bf16 or fp16, both one dtype"):
+        tf.moe_gemm(a, None, token_of, w.to(other), None, offs)
 
 
 @pytest.mark.parametrize("scaled", [True, False])
@@ -193,13 +197,14 @@ from pipeline.runtime import kernels
 
 def signature(operand, scale):
     return {"a_ptr": operand, "a_scale_ptr": scale, "rows_ptr": "*i64", "w_ptr": operand, "w_scale_ptr": scale,
-            "offs_ptr": "*i32", "out_ptr": "*bf16", "out_rows_ptr": "*i64", "N": "i32", "K": "i32", "num_experts": "i32", "stride_am": "i32",
+            "offs_ptr": "*i32", "out_ptr": "*bf16" if operand != "*fp16" else "*fp16", "out_rows_ptr": "*i64", "N": "i32", "K": "i32", "num_experts": "i32", "stride_am": "i32",
             "stride_as": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_om": "i32"}
 kernel_fn, out = kernels.moe._kernel(), []
 # FP8 on Hopper (few rows per expert), FP8 and bf16 on Ada and RTX Blackwell (every pass), FP8 on B200 (every
-# pass); bf16 takes no scales (the offsets stand in for their pointers, unread)
-for cc, operand in ((90, "fp8"), (89, "fp8"), (120, "fp8"), (89, "bf16"), (120, "bf16"), (100, "fp8")):
-  args = signature("*fp8e4nv", "*fp32") if operand == "fp8" else signature("*bf16", "*i32")
+# pass), fp16 everywhere (a model loaded in fp16; Hopper here); bf16 and fp16 take no scales (the offsets stand
+# in for their pointers, unread)
+for cc, operand in ((90, "fp8"), (89, "fp8"), (120, "fp8"), (89, "bf16"), (120, "bf16"), (100, "fp8"), (90, "fp16")):
+  args = signature("*fp8e4nv", "*fp32") if operand == "fp8" else signature(f"*{operand}", "*i32")
   # what Triton's launcher specializes on the 26B's shapes: 16-byte aligned tensors, 16-divisible sizes and strides
   aligned = [*[a for a in args if a.endswith("_ptr")], "N", "K", "stride_am", "stride_we", "stride_wn", "stride_om"]
   for slots, gather in ((512, True), (2048, True), (8192, False)):
@@ -213,7 +218,9 @@ for cc, operand in ((90, "fp8"), (89, "fp8"), (120, "fp8"), (89, "bf16"), (120, 
                             options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     ptx, cubin = kernel.asm["ptx"], Path(sys.argv[1]) / f"moe_sm{cc}_{operand}_{cfg.block_m}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
-    mma = r"mma\\.sync\\.aligned\\.m16n8k32\\.row\\.col\\.f32\\.e4m3\\.e4m3" if operand == "fp8" else r"mma\\.sync\\.aligned\\.m16n8k16\\.row\\.col\\.f32\\.bf16\\.bf16"
+    mma = {"fp8": r"mma\\.sync\\.aligned\\.m16n8k32\\.row\\.col\\.f32\\.e4m3\\.e4m3",
+           "bf16": r"mma\\.sync\\.aligned\\.m16n8k16\\.row\\.col\\.f32\\.bf16\\.bf16",
+           "fp16": r"(wgmma\\.mma_async\\S*\\.f32\\.f16\\.f16|mma\\.sync\\.aligned\\.m16n8k16\\.row\\.col\\.f32\\.f16\\.f16)"}[operand]
     out.append({"cc": cc, "operand": operand, "block_m": cfg.block_m, "cubin": str(cubin), "cp_async": "cp.async" in ptx,
                 "wgmma_e4m3": "wgmma.mma_async" in ptx and "e4m3" in ptx, "shared": kernel.metadata.shared,
                 "tcgen05_f8": "tcgen05.mma" in ptx and "kind::f8f6f4" in ptx,
@@ -229,7 +236,7 @@ def test_the_kernel_compiles_for_hopper_b200_ada_and_rtx_blackwell_without_spill
     (cp.async) and fits the GPU's shared memory per block (H200, B200: 227 KB; Ada and RTX Blackwell: 99 KB);
     the 64-row tile runs Hopper's FP8 warpgroup MMA (wgmma e4m3) and B200's fifth-generation tensor-core MMA
     (tcgen05 kind::f8f6f4: the 16 canvases' 256 rows per expert), every tile on Ada and RTX Blackwell their
-    FP8 `mma.sync` (e4m3). No tile spills a register to the stack (ptxas's resource usage, read by
+    FP8 `mma.sync` (e4m3), and with fp16 operands (a model loaded in fp16) Hopper's fp16 MMAs. No tile spills a register to the stack (ptxas's resource usage, read by
     cuobjdump); without the specializations the GEMM compiled to 255 registers and ~1.5 KB of stack per
     thread. (The activations' quantization kernels: tests/unit/runtime/kernels/test_quant.py.)"""
     import re
@@ -238,16 +245,20 @@ def test_the_kernel_compiles_for_hopper_b200_ada_and_rtx_blackwell_without_spill
     from pipeline.sampler.kernels.build import find_cuobjdump
 
     compiled = compiled_for_gpus(COMPILE_FOR_GPUS, tmp_path)
-    hopper = [k for k in compiled if k["cc"] == 90]
+    hopper = [k for k in compiled if k["cc"] == 90 and k["operand"] == "fp8"]
     assert [k["block_m"] for k in hopper] == list(tf.BLOCK_MS)
     assert all(k["cp_async"] and 0 < k["shared"] <= 227 * 1024 for k in hopper), hopper
     assert hopper[2]["wgmma_e4m3"], hopper
+    # fp16 operands (a model loaded in fp16) on fp16 tensor-core MMAs, written as fp16
+    fp16 = [k for k in compiled if k["operand"] == "fp16"]
+    assert [k["block_m"] for k in fp16] == list(tf.BLOCK_MS)
+    assert all(k["cp_async"] and k["mma"] and 0 < k["shared"] <= 227 * 1024 for k in fp16), fp16
     # Ada and RTX Blackwell: FP8 (e4m3) and bf16 tensor-core MMAs, and every M tile within the 99 KB of
     # shared memory a block may use there (72 KB at the 64-row tile, measured), or the launch fails
     b200 = [k for k in compiled if k["cc"] == 100]
     assert [k["block_m"] for k in b200] == list(tf.BLOCK_MS) and b200[2]["tcgen05_f8"], b200
     assert all(k["cp_async"] and 0 < k["shared"] <= 227 * 1024 for k in b200), b200
-    others = [k for k in compiled if k["cc"] not in (90, 100)]
+    others = [k for k in compiled if k["cc"] not in (90, 100)]  # fp16 is compiled for Hopper alone
     assert [(k["operand"], k["cc"], k["block_m"]) for k in others] == [
         (op, cc, m) for op in ("fp8", "bf16") for cc in (89, 120) for m in tf.BLOCK_MS
     ]
