@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +11,21 @@ from pipeline.atomic import atomic_write_text
 
 
 def save_result(out: Path, name: str, result: dict[str, Any]) -> Path:
-    """Write out/name atomically; return its path."""
-    return atomic_write_text(out / name, json.dumps(result, indent=2, default=str))
+    """Write out/name atomically as strict JSON (a value that is no finite number, such as the percentile
+    of no samples, written as null: Python's JSON reads NaN, jq and JavaScript do not); return its path."""
+    text = json.dumps(finite(result), indent=2, default=str, allow_nan=False)
+    return atomic_write_text(out / name, text)
+
+
+def finite(value: Any) -> Any:
+    """`value` with every float that is NaN or infinite, at any depth of dicts, lists and tuples, as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 def save_plot(path: Path, draw) -> None:
