@@ -238,6 +238,7 @@ class ServerLimits:
     max_tokens: int  # max_tokens per request
     max_steps: int  # max_denoising_steps: denoise passes per canvas
     max_prompt: int  # prompt tokens (already within what the model's positions hold with one canvas)
+    max_batch: int = DEFAULTS.max_batch  # rows of one denoise pass: requests beyond it wait for a slot
     # how long a request may run once it has a batch slot: its deadline
     max_request_seconds: float = float("inf")
     max_prompt_bytes: int = DEFAULTS.max_prompt_bytes  # UTF-8 bytes of a prompt, checked before tokenizing

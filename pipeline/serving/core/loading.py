@@ -43,6 +43,7 @@ def server_limits(params: dict[str, str], positions: int, canvas_length: int) ->
         max_tokens=limits.max_tokens,
         max_steps=limits.max_steps,
         max_prompt=schema.prompt_limit(limits.max_prompt, positions, canvas_length),
+        max_batch=limits.max_batch,
         max_request_seconds=float(limits.max_request_seconds),
         max_prompt_bytes=limits.max_prompt_bytes,
         max_guide_bytes=limits.max_guide_bytes,
@@ -86,6 +87,7 @@ def load_model(config: dict[str, Any], version_dir: Path, log: Log) -> LoadedMod
         backend,
         # never past the model's positions: generation ends ("length") when the next canvas would not fit
         max_len=min(context_length(limits.max_prompt, limits.max_tokens, length), positions),
+        max_batch=limits.max_batch,
         prefix_cache_mib=limits.prefix_cache_mib,
     )
     return LoadedModel(session, runtime, limits)

@@ -36,6 +36,25 @@ def test_repository_layout_and_config(tiny_checkpoint: Path, tmp_path: Path):
     assert n == len(data) - 4 and data[4:] == b"Hello"
 
 
+def test_the_served_runtime_takes_the_repositorys_batch_and_limits(tiny_checkpoint: Path, tmp_path: Path):
+    """The Triton model's loader builds its runtime with the batch `package --max-batch` wrote: a TensorRT
+    plan takes no more rows than its profiles, and an operator lowers the batch to fit memory."""
+    import json
+
+    from google.protobuf import json_format
+
+    from pipeline.builddir import model_version_dir
+    from pipeline.serving.core.loading import Log, load_model
+
+    repo = package(tiny_checkpoint, tmp_path / "repo", limits=Limits(max_batch=3, max_tokens=300))
+    cfg = text_format.Parse((repo / "dgpipe" / "config.pbtxt").read_text(), mc.ModelConfig())
+    # what Triton hands the Python backend: the model config as JSON, with the proto's field names
+    config = json.loads(json_format.MessageToJson(cfg, preserving_proto_field_name=True))
+    loaded = load_model(config, model_version_dir(repo), Log(info=lambda m: None, error=lambda m: None))
+    assert loaded.runtime.max_batch == loaded.limits.max_batch == 3
+    assert loaded.limits.max_tokens == 300
+
+
 def test_compile_is_a_model_parameter(tiny_checkpoint: Path, tmp_path: Path):
     """`package --compile` sets the parameter the Triton model reads to compile its passes at load."""
     repo = package(tiny_checkpoint, tmp_path / "repo", compile=True)
