@@ -167,7 +167,8 @@ def experts_graph_safe(model: DiffusionGemma) -> bool:
     routing counts with `.tolist()`) counts only if it says `graph_safe = True`; modules that replace the
     experts outright (`pipeline.runtime.tensor_cores.ScaledExperts`) say it as a class attribute. The
     grouped bf16 experts are safe only where torch's grouped GEMM has a kernel (`grouped_mm_reads_host`:
-    on sm89 or sm120 its fallback copies the offsets to the host)."""
+    on sm89 or sm120 its fallback copies the offsets to the host); the dense form (fp32 on CUDA) reads
+    nothing on the host."""
     p = next(model.parameters())
     probe = torch.empty(0, dtype=p.dtype, device=p.device)
     for layer in model.layers:
@@ -178,7 +179,7 @@ def experts_graph_safe(model: DiffusionGemma) -> bool:
         elif hasattr(type(experts), "graph_safe"):
             if not type(experts).graph_safe:
                 return False
-        elif not experts.use_grouped(probe) or grouped_mm_reads_host(probe.device, probe.dtype):
+        elif experts.use_grouped(probe) and grouped_mm_reads_host(probe.device, probe.dtype):
             return False
     return True
 

@@ -19,7 +19,7 @@ from pipeline.errors import DgpipeError
 from pipeline.model.checkpoint import Checkpoint, load_model
 from pipeline.model.files import runtime_name, weight_files
 from pipeline.model.modelopt import PackedLinear, precision_of, quant_algo
-from pipeline.model.network import DecoderLayer, DiffusionGemma, FfnInputsKernel
+from pipeline.model.network import DecoderLayer, DiffusionGemma, FfnInputsKernel, grouped_mm_reads_host
 from pipeline.runtime.dispatch import (
     EVERY_PASS,
     NO_GROUPED_KERNEL,
@@ -67,6 +67,7 @@ from pipeline.runtime.probe import (
     TOP_K,
     Probe,
     probe,
+    run_forms,
 )
 from pipeline.runtime.routed import host_bound_experts, route_on_device
 from pipeline.runtime.shared_input import SharedInput, norm_operand, share_inputs
@@ -153,7 +154,7 @@ class TensorCoreLoad:
     ):
         p = Path(path)
         self.device, self.dtype = device, dtype
-        self.probed = pr = probed or probe(device)
+        self.probed = pr = probed or probe(device, dtype=dtype)
         self.report = Installed(precision_of(str(quant_algo(p))).name, pr.arch)
         self.lin_mode, self.exp_mode, self.triton_rows, row = self._modes(pr)
         names = weight_files(p)
@@ -357,23 +358,29 @@ def route_float_experts(
 ) -> Installed | None:
     """Float experts that would read the routing on the host (`routed.host_bound_experts`) computed on the
     device instead (`routed.RoutedExperts`): on torch's `F.grouped_mm`, or where it has no kernel for the
-    model's dtype on dgpipe's Triton GEMM if it passed its probe (run here for that form alone when the load
-    has not probed). Off a GPU (no arch) the loaded experts stay."""
+    model's dtype on dgpipe's Triton GEMM with operands of that dtype if its probe passed (run here, for that
+    form alone, where the load's probe did not: its plan follows the dispatch table, which assumes bf16). Off
+    a GPU (no arch) the loaded experts stay."""
     arch = probed.arch if probed is not None else _cuda_arch(device)
     if arch is None:
         return report
     dtype = model.embed_tokens.weight.dtype
-    no_kernel = arch in NO_GROUPED_KERNEL or dtype != torch.bfloat16  # torch's grouped GEMM: bf16 only
+    # torch's grouped GEMM has a kernel for bf16 alone, on compute capability 9.x and 10.x alone: asked of
+    # the device itself where it is one (an sm110 GPU shares B200's dispatch row, not torch's kernel)
+    no_kernel = arch in NO_GROUPED_KERNEL or dtype != torch.bfloat16 or grouped_mm_reads_host(device, dtype)
     layers = host_bound_experts(model, no_kernel)
     if not layers:
         return report
     report = report or Installed("bf16", arch)
-    triton = TRITON_FP16 if dtype == torch.float16 else TRITON_BF16
+    mode = "fp16" if dtype == torch.float16 else "bf16"
+    triton, form = TRITON_FP16 if mode == "fp16" else TRITON_BF16, f"triton:{mode}"
     if no_kernel:
-        probed = probed or probe(device, formats=("bf16",))
-        if not probed.ok("triton:bf16"):
+        probed = probed or Probe(arch)
+        if form not in probed.results:
+            run_forms(probed, device, [("triton", mode, mode)], dtype)
+        if not probed.ok(form):
             report.fallbacks.append(
-                f"float experts: {triton} failed its probe ({probed.results.get('triton:bf16', 'not run')}): "
+                f"float experts: {triton} failed its probe ({probed.results[form]}): "
                 "torch's per-expert loop, host sync, no CUDA graphs"
             )
             return report

@@ -1,6 +1,6 @@
 """Which of the dispatch table's kernels this GPU and torch build run: each GEMM form the table names for
 the GPU's architecture runs once on tiny operands at load (`probe`), and dgpipe's own Triton kernels must
-also agree with a float reference that needs no vendor kernel (`check_triton_fp8`, `check_triton_bf16`), and
+also agree with a float reference that needs no vendor kernel (`check_triton_fp8`, `check_triton_float`), and
 the network's one-kernel chains with their torch forms (`check_triton_rope`, `_softcap`, `_combine`,
 `_geglu`, `_residual`, `_kv_cat`, `_router`, `_layer_end`, `_ffn_inputs`, `_top_k`, `_expert_order`, `_head_norms`, `_norm_fp8`, `_norm_nvfp4`),
 and FP8 siblings merged into one RowWise GEMM with the linears alone (`check_fp8_columns`).
@@ -437,29 +437,31 @@ def check_triton_kv_cat(dev: torch.device) -> None:
                               TRITON_FALLBACK)  # fmt: skip
 
 
-def check_triton_bf16(dev: torch.device, x, index, weights) -> None:
-    """dgpipe's Triton GEMM with bf16 operands on this GPU, and with fp16 ones (a model loaded in fp16), or
-    a DgpipeError: at every M tile against the float product of its operands, and a whole experts pass on it
+# the Triton GEMM's float operand forms ("triton:bf16", "triton:fp16"): the mode names the operands' dtype
+FLOAT_OPERANDS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_triton_float(dev: torch.device, dtype: torch.dtype, x, index, weights) -> None:
+    """dgpipe's Triton GEMM with bf16 or fp16 operands (`dtype`: a model loaded in fp16) on this GPU, or a
+    DgpipeError: at every M tile against the float product of its operands, and a whole experts pass on it
     (`pipeline.runtime.routed`) against the same experts in fp32 expert by expert. Run where torch's grouped
-    GEMM has no kernel, so the check needs none."""
+    GEMM has no kernel for `dtype`, so the check needs none."""
+    name = next(mode for mode, d in FLOAT_OPERANDS.items() if d == dtype)
     gen = torch.Generator().manual_seed(1)
-    weights_fp32 = [torch.randn(4, n, 128, generator=gen) / 8 for n in (256, 128)]
-    slots = torch.arange(index.numel(), device=dev)
+    gate_up, down = (torch.randn(4, n, 128, generator=gen).to(dev, dtype) / 8 for n in (256, 128))
+    x, slots = x.to(dtype), torch.arange(index.numel(), device=dev)
     routing = sl.expert_order(index, 4)
     token_of, offs = routing.token_of, routing.offs
-    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
-        gate_up, down = (w.to(dev, dtype) for w in weights_fp32)
-        a = x.to(dtype)
-        gate, up = _check_every_tile(f"Triton {name} MoE GEMM", a, None, token_of, gate_up, None, offs).chunk(
-            2, dim=-1
-        )
-        want = combine_top_k(
-            float_gemm(gelu_tanh(gate) * up, None, slots, down, None, offs), routing, weights.float()
-        )
-        err = _rel_l2(routed_experts(a, index, weights, gate_up, down, triton=True), want)
-        if not err < 2e-2:  # bf16 / fp16 intermediates; a wrong kernel is O(1)
-            raise DgpipeError(f"{name} experts on the Triton MoE GEMM differ from their float reference by "
-                              f"{err:.3g} (relative L2)", TRITON_FALLBACK)  # fmt: skip
+    gate, up = _check_every_tile(f"Triton {name} MoE GEMM", x, None, token_of, gate_up, None, offs).chunk(
+        2, dim=-1
+    )
+    want = combine_top_k(
+        float_gemm(gelu_tanh(gate) * up, None, slots, down, None, offs), routing, weights.float()
+    )
+    err = _rel_l2(routed_experts(x, index, weights, gate_up, down, triton=True), want)
+    if not err < 2e-2:  # bf16 / fp16 intermediates; a wrong kernel is O(1)
+        raise DgpipeError(f"{name} experts on the Triton MoE GEMM differ from their float reference by {err:.3g} "
+                          "(relative L2)", TRITON_FALLBACK)  # fmt: skip
 
 
 def check_triton_router(dev: torch.device) -> None:
@@ -881,23 +883,37 @@ NETWORK_CHECKS = {"rope": check_triton_rope, "softcap": check_triton_softcap, "c
 assert set(NETWORK_CHECKS) == {kind for kind, _, _ in NETWORK_FORMS}
 
 
-def probe(device: torch.device | str = "cuda", formats: tuple[str, ...] = PROBED_FORMATS) -> Probe:
-    """Run each GEMM form this GPU's dispatch rows use for checkpoints in `formats` once, on tiny operands
-    (CUDA only)."""
+def probe(
+    device: torch.device | str = "cuda",
+    formats: tuple[str, ...] = PROBED_FORMATS,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Probe:
+    """Run each GEMM form this GPU's dispatch rows use for checkpoints in `formats` once, on tiny operands,
+    the linears writing the model's `dtype` (CUDA only)."""
     dev = torch.device(device)
     if dev.type != "cuda" or not torch.cuda.is_available():
         raise DgpipeError(
             "tensor-core probe needs a CUDA device", "run on a GPU host (dgpipe doctor shows it)"
         )
     p = Probe(arch_of(*torch.cuda.get_device_capability(dev)))
-    x = torch.randn(40, 128, device=dev, dtype=torch.bfloat16)
-    index = torch.randint(0, 4, (20, 2), device=dev)
-    wts = torch.rand(20, 2, device=dev)
-    for kind, mode, fmt in probe_plan(p.arch, formats):
+    return run_forms(p, dev, probe_plan(p.arch, formats), dtype)
+
+
+def run_forms(
+    p: Probe, dev: torch.device, forms: list[tuple[str, str, str]], dtype: torch.dtype = torch.bfloat16
+) -> Probe:
+    """Run each (kind, mode, weight format) form on `dev` and record it in `p`: None where it ran and agreed
+    with its reference, else the error. Also how a load adds a form its plan did not know it needed (the
+    Triton GEMM for a model loaded in fp16). Triton's interpreter runs the Triton forms on the CPU (tests)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 128, generator=gen).to(dev, dtype)
+    index = torch.randint(0, 4, (20, 2), generator=gen).to(dev)
+    wts = torch.rand(20, 2, generator=gen).to(dev)
+    for kind, mode, fmt in forms:
         name = f"{kind}:{mode}"
         try:
             if kind == "linear":
-                ScaledLinear(_tiny_packed(fmt), mode, dev, torch.bfloat16)(x)
+                ScaledLinear(_tiny_packed(fmt), mode, dev, dtype)(x)
             elif kind == "experts":
                 ps = [_tiny_packed(fmt) for _ in range(4)]
                 ScaledExperts(ps, ps, ps, mode, dev)(x[:20], index, wts)
@@ -907,11 +923,12 @@ def probe(device: torch.device | str = "cuda", formats: tuple[str, ...] = PROBED
                 check_fp8_columns(dev)
             elif kind in NETWORK_CHECKS:
                 NETWORK_CHECKS[kind](dev)
-            elif mode == "bf16":
-                check_triton_bf16(dev, x[:20], index, wts)
+            elif mode in FLOAT_OPERANDS:
+                check_triton_float(dev, FLOAT_OPERANDS[mode], x[:20], index, wts)
             else:
                 check_triton_fp8(mode, fmt, dev, x[:20], index, wts)
-            torch.cuda.synchronize(dev)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
             p.results[name] = None
         except Exception as e:  # any failure (a Triton compile error included) sends the form to its fallback
             p.results[name] = error_line(e)

@@ -47,7 +47,7 @@ REHEARSED = (
     "test_the_tuners_tiles_compute_the_float_product_too",
     "test_triton_quantization_is_torchs_bit_for_bit",
     "test_triton_nvfp4_quantization_is_torchs_bit_for_bit",
-    "test_the_triton_bf16_probe_passes_on_this_gpu",
+    "test_the_triton_float_probe_passes_on_this_gpu",
     "test_the_layer_end_kernel_is_torchs_but_for_its_norms_sums",
     "test_the_ffn_inputs_kernel_is_torchs_but_for_its_norms_sums",
     "test_the_routing_kernels_choose_torchs_experts_and_order_them_as_its_sort",

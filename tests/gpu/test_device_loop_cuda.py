@@ -13,10 +13,12 @@ from tests._utils.tiny import build_tiny
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
 )
-def test_cuda_graph_replay_equals_eager_on_gpu():
-    """bf16 on CUDA with the fused sampler: graphs captured once per round, tokens identical to eager. On a
-    GPU where torch's grouped GEMM has no kernel (Ada, RTX Blackwell) the experts route on dgpipe's Triton
-    GEMM, as a load puts them there."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_graph_replay_equals_eager_on_gpu(dtype):
+    """bf16, fp16 and fp32 models on CUDA with the fused sampler: graphs captured once per round, tokens
+    identical to eager. Where torch's grouped GEMM has no kernel for the dtype (bf16 on Ada and RTX
+    Blackwell, fp16 everywhere) the experts route on dgpipe's Triton GEMM, as a load puts them there; fp32
+    experts take the dense form."""
     from pipeline.runtime.backends import TorchBackend
     from pipeline.runtime.dispatch import ARCHS, arch_of
     from pipeline.runtime.gpu_load import route_float_experts
@@ -30,7 +32,7 @@ def test_cuda_graph_replay_equals_eager_on_gpu():
     load_torch_extension()
     cuda = torch.device("cuda")
     model = build_tiny(torch.float32, text_config={"hidden_size": 64, "moe_intermediate_size": 32})
-    model = model.to(cuda, torch.bfloat16)
+    model = model.to(cuda, dtype)
     report = route_float_experts(model, cuda, None, None)
     if report is not None and report.fallbacks:  # the Triton GEMM failed its probe: tests/gpu says so too
         pytest.skip(f"the experts read the routing on the host here: {report.summary()}")

@@ -353,7 +353,8 @@ def test_routed_float_experts_equal_the_fp32_experts_and_replay_in_a_cuda_graph(
         assert torch.equal(out, eager)
 
 
-def test_the_triton_bf16_probe_passes_on_this_gpu():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_triton_float_probe_passes_on_this_gpu(dtype):
     from pipeline.runtime import kernels
 
     if kernels.moe.unavailable(CUDA):
@@ -361,7 +362,7 @@ def test_the_triton_bf16_probe_passes_on_this_gpu():
     gen = torch.Generator(device=CUDA).manual_seed(8)
     x = torch.randn(20, 128, device=CUDA, generator=gen)
     index = torch.randint(0, 4, (20, 2), device=CUDA, generator=gen)
-    probing.check_triton_bf16(CUDA, x, index, torch.rand(20, 2, device=CUDA, generator=gen))
+    probing.check_triton_float(CUDA, dtype, x, index, torch.rand(20, 2, device=CUDA, generator=gen))
 
 
 def test_the_chain_kernels_are_torchs_forms_and_a_model_keeps_its_logits():

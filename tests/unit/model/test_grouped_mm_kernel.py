@@ -49,3 +49,7 @@ def test_a_bf16_model_is_not_graph_safe_where_grouped_mm_reads_the_host(monkeypa
     assert backends.experts_graph_safe(model)
     monkeypatch.setattr(backends, "grouped_mm_reads_host", lambda device, dtype: True)  # an sm89/sm120 GPU
     assert not backends.experts_graph_safe(model)
+    # the dense form (every expert on every token: float64 here, fp32 on CUDA) reads nothing on the host
+    dense = load_model(EMBEDDED_MODEL, torch.float64)[0]
+    assert not dense.layers[0].experts.use_grouped(dense.embed_tokens.weight)
+    assert backends.experts_graph_safe(dense)

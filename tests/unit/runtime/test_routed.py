@@ -133,10 +133,15 @@ def test_a_bf16_checkpoint_on_ada_routes_every_layer_on_the_triton_gemm(monkeypa
 @interpreted
 def test_an_fp16_model_on_hopper_routes_every_layer_on_the_triton_gemm_in_fp16(monkeypatch):
     """torch's grouped GEMM has no fp16 CUDA kernel on any GPU (its fallback reads the offsets on the host),
-    so a model loaded in fp16 routes its experts on the Triton GEMM even on Hopper: fp16 throughout,
-    graph-safe, reported; as close to the fp32 model as the fp16 model's own pass on the CPU."""
-    probed = probing.Probe("sm90", {"triton:bf16": None})
+    so a model loaded in fp16 routes its experts on the Triton GEMM even on Hopper, whose probe plan (the
+    dispatch table's, for bf16) has no Triton float form: the load runs the fp16 form's check itself (here in
+    Triton's interpreter). fp16 throughout, graph-safe, reported; as close to the fp32 model as the fp16
+    model's own pass on the CPU."""
+    planned = {f"{kind}:{mode}": None for kind, mode, _ in probing.probe_plan("sm90")}
+    assert "triton:bf16" not in planned and "triton:fp16" not in planned
+    probed = probing.Probe("sm90", planned)
     model, _, report = gpu_load.load_on_gpu(EMBEDDED_MODEL, torch.float16, CPU, probed)
+    assert probed.results["triton:fp16"] is None and "triton:bf16" not in probed.results
     assert all(isinstance(x.experts, routed.RoutedExperts) and x.experts.triton for x in model.layers)
     assert report.routed == len(model.layers) and report.routed_kernel == "Triton fp16 MoE GEMM"
     assert experts_graph_safe(model)
@@ -153,6 +158,20 @@ def test_an_fp16_model_on_hopper_routes_every_layer_on_the_triton_gemm_in_fp16(m
         exact = load_model(EMBEDDED_MODEL)[0].denoise_soft(tokens, None, positions, masks, None)
     # over 12 seeds 0.005-0.017 from the fp32 model, at most 1.18x the CPU's fp16 pass; a wrong routing is O(1)
     assert rel(got, exact) < 1.5 * rel(want, exact)
+
+
+def test_a_gpu_whose_torch_has_no_grouped_kernel_routes_bf16_experts_on_the_triton_gemm(monkeypatch):
+    """A GPU that shares a dispatch row with one torch serves but is not one (compute capability 11.0 reads
+    as sm100; torch's grouped GEMM takes 9.x and 10.x alone): the device decides, so its float experts take
+    the Triton GEMM, whose check the load runs, instead of torch's host-reading fallback under a graph."""
+    monkeypatch.setattr(gpu_load, "grouped_mm_reads_host", lambda device, dtype: True)
+    checked = []
+    monkeypatch.setattr(gpu_load, "run_forms", lambda p, dev, forms, dtype: checked.append(forms) or
+                        p.results.update({f"{k}:{m}": None for k, m, _ in forms}))  # fmt: skip
+    model, _, report = gpu_load.load_on_gpu(EMBEDDED_MODEL, torch.bfloat16, CPU, probing.Probe("sm100"))
+    assert checked == [[("triton", "bf16", "bf16")]]
+    assert all(isinstance(x.experts, routed.RoutedExperts) and x.experts.triton for x in model.layers)
+    assert report.routed_kernel == "Triton bf16 MoE GEMM"
 
 
 def test_a_bf16_load_routes_nothing_where_torch_serves_it_and_reports_a_failed_probe():
@@ -226,7 +245,7 @@ def test_the_probe_holds_the_triton_bf16_gemm_to_the_float_product(monkeypatch):
         torch.randint(0, 4, (20, 2), generator=gen),
         torch.rand(20, 2),
     )
-    probing.check_triton_bf16(CPU, x, index, weights)
+    probing.check_triton_float(CPU, torch.bfloat16, x, index, weights)
     real_launch, real_gemm = kernels.moe.launch, kernels.moe.moe_gemm
 
     def wrong_at(tile):  # rows reversed at one tile
@@ -239,15 +258,16 @@ def test_the_probe_holds_the_triton_bf16_gemm_to_the_float_product(monkeypatch):
     for tile in kernels.moe.probe_tiles(CPU, 2):
         monkeypatch.setattr(kernels.moe, "launch", wrong_at(tile))
         with pytest.raises(DgpipeError, match=rf"Triton bf16 MoE GEMM \({tile.short()} tiles\) differs"):
-            probing.check_triton_bf16(CPU, x, index, weights)
+            probing.check_triton_float(CPU, torch.bfloat16, x, index, weights)
 
     def wrong_in_fp16(t, a, a_scale, rows, w, w_scale, offs, out_rows=None):  # a model loaded in fp16
         rows = rows.flip(0) if a.dtype == torch.float16 and rows is not None else rows
         return real_launch(t, a, a_scale, rows, w, w_scale, offs, out_rows)
 
     monkeypatch.setattr(kernels.moe, "launch", wrong_in_fp16)
+    probing.check_triton_float(CPU, torch.bfloat16, x, index, weights)  # each dtype is its own form
     with pytest.raises(DgpipeError, match=r"Triton fp16 MoE GEMM \([^)]+ tiles\) differs"):
-        probing.check_triton_bf16(CPU, x, index, weights)
+        probing.check_triton_float(CPU, torch.float16, x, index, weights)
     monkeypatch.setattr(kernels.moe, "launch", real_launch)
 
     def wrong_in_the_pass(a, a_scale, rows, w, w_scale, offs, block_m=None, out_rows=None):
@@ -257,4 +277,4 @@ def test_the_probe_holds_the_triton_bf16_gemm_to_the_float_product(monkeypatch):
 
     monkeypatch.setattr(kernels.moe, "moe_gemm", wrong_in_the_pass)
     with pytest.raises(DgpipeError, match="bf16 experts on the Triton MoE GEMM differ"):
-        probing.check_triton_bf16(CPU, x, index, weights)
+        probing.check_triton_float(CPU, torch.bfloat16, x, index, weights)
