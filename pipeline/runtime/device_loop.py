@@ -4,18 +4,23 @@ Between two host checks nothing in a denoise step depends on the host: the rows,
 and past K/V are fixed for the round (they change only when a causal pass writes the cache or a row
 leaves), and all sampler state lives in device tensors. So the first step of a round runs eagerly (on a
 side stream, which is also the warm-up CUDA graphs need), the second is captured, and every later step
-is a single `graph.replay()`: no per-kernel launch overhead and no host round-trip per step.
+is a single `graph.replay()`: no per-kernel launch overhead and no host round-trip per step. A capture
+that fails (`graph_safe` is a prediction: a library call that CUDA refuses while a stream captures)
+leaves the loop eager for good, and the step runs eagerly instead: the server keeps serving, slower.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from pipeline.runtime.backends import KV, Masks
+
+log = logging.getLogger(__name__)
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
@@ -46,6 +51,7 @@ class DeviceLoop:
         self.graphs = graphs and device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.captures = 0  # graphs captured (one per round): for tests and benchmarks
+        self.capture_error: str | None = None  # why a capture failed and the loop went eager
         # the latest captured graph, held so the shared pool always has a user: once every graph that
         # used a pool is freed (a round ends), torch 2.11's allocator refuses a new capture into it
         # ("use_count > 0" internal assert, seen on an H200). Rounds replay only their own graph, in
@@ -59,15 +65,25 @@ class DeviceLoop:
         if rnd.graph is None and rnd.eager_steps == 0:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()
-            torch.cuda.current_stream().wait_stream(side)
+            try:
+                with torch.cuda.stream(side):
+                    step()
+            finally:  # a failed step's queued kernels finish before the next request's work is ordered after
+                torch.cuda.current_stream().wait_stream(side)
             rnd.eager_steps += 1
             return
         if rnd.graph is None:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                step()  # recorded, not run: the replay below runs it
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):
+                    step()  # recorded, not run: the replay below runs it
+            except Exception as e:  # nothing ran on the device: run the step eagerly, and every later one
+                self.graphs, self.capture_error = False, f"{type(e).__name__}: {e}"
+                log.warning(f"dgpipe: CUDA graph capture failed ({self.capture_error}); denoise steps run "
+                            "eagerly from now on (slower): report the GPU, torch and Triton versions")  # fmt: skip
+                torch.cuda.synchronize()
+                step()
+                return
             rnd.graph = self._last_graph = graph
             self.captures += 1
         rnd.graph.replay()

@@ -579,10 +579,13 @@ class BlockDiffusionRuntime:
         """The rows' self-conditioning soft embeddings: None (no signal: the network skips the MLP, as
         transformers does) when every row starts a canvas; rows without a previous step are zeroed, which
         is exactly "no signal" too (zero probs give a zero embedding). Only a round's first step can be None
-        or mixed: every later step (the one a CUDA graph captures) has a signal for every row."""
+        or mixed: every later step (the one a CUDA graph captures) has a signal for every row. Under CUDA
+        graphs that first step is the capture's warm-up, so it gets zeros instead of None: the MLP then
+        runs there first (its output exactly zero), and no kernel of it loads inside a capture, which
+        CUDA refuses."""
         ready = [self.has_sc[s] for s in rnd.slot_list]
         if not any(ready):
-            return None
+            return torch.zeros_like(self.sc[rnd.slots]) if self.loop.graphs else None
         if all(ready):
             return self.sc[rnd.slots]
         # where, not a multiply: a slot's last occupant may have left non-finite values (NaN * 0 is NaN)

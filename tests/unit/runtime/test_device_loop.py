@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.runtime.scheduler import BlockDiffusionRuntime
 from tests._utils.generation import FIXED, generate, requests
 from tests._utils.numerics import assert_within_reference_noise
 from tests._utils.tiny import build_tiny
@@ -103,3 +104,61 @@ def test_a_runtime_steps_on_its_own_gpu_from_any_thread(monkeypatch):
     )
     rt, _ = generate(build_tiny(torch.float64), requests(FIXED), sync_every=1)
     assert len(steps) >= rt.passes["denoise"] and set(steps) == {rt.device}
+
+
+def test_under_cuda_graphs_a_rounds_warm_up_runs_what_its_capture_runs(monkeypatch):
+    """A round whose rows all start a canvas has no self-conditioning signal on its first step, which is
+    the capture's eager warm-up. Under graphs it gets zeros instead of None, so the self-conditioning MLP
+    (and its kernels) runs there first rather than inside the capture; its output is exactly zero, so the
+    tokens are those of a run without graphs. (The steps run directly here: no GPU.)"""
+    model = build_tiny(torch.float64)
+    _, plain = generate(model, requests(FIXED), sync_every=4)
+    seen: list[bool] = []
+    forward = model.self_conditioning.forward
+    monkeypatch.setattr(
+        model.self_conditioning,
+        "forward",
+        lambda embeds, soft: seen.append(soft is None) or forward(embeds, soft),
+    )
+    rt = BlockDiffusionRuntime(model, max_batch=3, max_len=128, sync_every=4)
+    rt.loop.graphs = True
+    monkeypatch.setattr(rt.loop, "run", lambda rnd, step: step())
+    same_results(plain, rt.generate(requests(FIXED)))
+    assert seen and not any(seen)
+
+
+def test_a_failed_capture_runs_the_step_eagerly_and_leaves_graphs_off(monkeypatch, caplog):
+    """`graph_safe` predicts; CUDA decides. A capture that raises (CUDA refuses a call while a stream
+    captures) ran nothing on the device: the loop runs that step eagerly, and every later one, and says
+    why once. Before, every round captured again and failed the requests in flight each time. torch.cuda's
+    stream and graph calls are stood in for (no GPU here)."""
+    import contextlib
+
+    from pipeline.runtime import device_loop
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: type("S", (), {"wait_stream": lambda self, s: None})())
+    monkeypatch.setattr(
+        torch.cuda, "current_stream", lambda: type("S", (), {"wait_stream": lambda self, s: None})()
+    )
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+
+    @contextlib.contextmanager
+    def refused(graph, pool=None):
+        yield
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "graph", refused)
+    loop = device_loop.DeviceLoop(torch.device("cuda"), graphs=True)
+    rnd = device_loop.DenoiseRound(torch.zeros(1), [0], torch.zeros(1, 4), {}, None)
+    ran: list[int] = []
+    with caplog.at_level("WARNING", logger=device_loop.__name__):
+        for _ in range(4):
+            loop.run(rnd, lambda: ran.append(1))
+    # the warm-up, the step recorded into the failed capture, that step again eagerly, two more eagerly
+    assert len(ran) == 5 and not loop.graphs and loop.captures == 0 and rnd.graph is None
+    assert "operation not permitted" in loop.capture_error
+    assert [r.getMessage() for r in caplog.records if "capture failed" in r.getMessage()] != []
+    assert len(caplog.records) == 1
