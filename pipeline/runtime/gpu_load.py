@@ -367,7 +367,12 @@ def route_float_experts(
     dtype = model.embed_tokens.weight.dtype
     # torch's grouped GEMM has a kernel for bf16 alone, on compute capability 9.x and 10.x alone: asked of
     # the device itself where it is one (an sm110 GPU shares B200's dispatch row, not torch's kernel)
-    no_kernel = arch in NO_GROUPED_KERNEL or dtype != torch.bfloat16 or grouped_mm_reads_host(device, dtype)
+    on_gpu = device.type == "cuda" and torch.cuda.is_available()  # tests load for a GPU on the CPU
+    no_kernel = (
+        arch in NO_GROUPED_KERNEL
+        or dtype != torch.bfloat16
+        or (on_gpu and grouped_mm_reads_host(device, dtype))
+    )
     layers = host_bound_experts(model, no_kernel)
     if not layers:
         return report

@@ -25,6 +25,7 @@ from pipeline.limits import DEFAULTS, PREFILL_CHUNK_TOKENS, TOP_LOGPROBS_MAX, co
 from pipeline.model.config import SamplerConfig
 from pipeline.model.network import DiffusionGemma, canvas_positions
 from pipeline.runtime.backends import KV, ModelBackend, SamplerInputs, TorchBackend
+from pipeline.runtime.device_errors import device_failure
 from pipeline.runtime.device_loop import DenoiseRound, DeviceLoop, on_device
 from pipeline.runtime.guided import GuideState, advance, finish_canvas, mask_rows
 from pipeline.runtime.kv_cache import KVCache, attention_masks
@@ -211,10 +212,18 @@ class BlockDiffusionRuntime:
                 res.cancelled = True
 
     def drop_all(self) -> list[Result]:
-        """Forget every request without callbacks (after a failed step the server answers them itself)."""
-        dropped = [*self.waiting, *(r for r in self.results if r is not None)]
+        """Forget every request without callbacks (the server answers them itself: shutting down)."""
+        dropped = [*self.waiting, *self.drop_running()]
         self.waiting.clear()
+        return dropped
+
+    def drop_running(self) -> list[Result]:
+        """Forget the requests in the batch without callbacks, after a failed step (the server answers
+        them itself); those still waiting for a slot stay queued."""
+        dropped = [r for r in self.results if r is not None]
         self.results = [None] * self.max_batch
+        self.guides = [None] * self.max_batch
+        self.guide_probs.clear()  # a view of a pass's probabilities pins the whole batch's
         self._round = None  # the dropped rows' positions, masks and past
         return dropped
 
@@ -446,6 +455,8 @@ class BlockDiffusionRuntime:
             try:
                 pins = advance(g, amax, prev[r].tolist(), kept[r].tolist(), pinned, self.pad_id)
             except RuntimeError as e:
+                if device_failure(e):  # out of memory, a CUDA error: the step failed, not the guide
+                    raise
                 self._fail_guided_row(slot, e)
                 continue
             if pins:
@@ -525,7 +536,8 @@ class BlockDiffusionRuntime:
                 continue
             new = probs[i].to(torch.bfloat16)
             kept = self.guide_probs.get(slot)
-            self.guide_probs[slot] = new if kept is None else torch.where(live[i], new, kept)
+            # a copy: already bf16 (CUDA), `new` is a view that would keep the whole batch's probabilities
+            self.guide_probs[slot] = new.clone() if kept is None else torch.where(live[i], new, kept)
 
     def _keep_logprobs(
         self, rnd: DenoiseRound, probs: torch.Tensor | None, argmax: torch.Tensor, live: torch.Tensor
@@ -569,6 +581,8 @@ class BlockDiffusionRuntime:
                 try:
                     g.automaton.allowed(g.state, g.remaining(g.frontier))
                 except RuntimeError as e:
+                    if device_failure(e):  # out of memory, a CUDA error: the step failed, not the guide
+                        raise
                     self._fail_guided_row(slot, e)
         guides = [self.guides[s] for s in rnd.slot_list]
         if all(g is None for g in guides):
@@ -604,6 +618,8 @@ class BlockDiffusionRuntime:
                 try:
                     block = finish_canvas(g, block, probs, self.pad_id)
                 except RuntimeError as e:
+                    if device_failure(e):  # out of memory, a CUDA error: the step failed, not the guide
+                        raise
                     self._fail_guided_row(slot, e)
                     continue
                 self.amax[slot] = torch.tensor(block, device=self.device)  # what the commit writes

@@ -17,6 +17,7 @@ from pipeline.atomic import atomic_write_text
 from pipeline.bench.gpu.checks import CONFIG, CONTEXT, FP4_ARCHS, FP8_ARCHS, PASS_BATCHES, gpu_test_args
 from pipeline.bench.gpu.layers import attention_backends, bf16_expert_paths, expert_paths
 from pipeline.errors import error_line
+from pipeline.runtime.device_errors import out_of_memory
 from pipeline.runtime.dispatch import arch_of
 
 
@@ -342,15 +343,6 @@ def largest_batch(
         sink([row])
         b *= 2
     return [row]
-
-
-def out_of_memory(e: BaseException) -> bool:
-    """Whether `e` is the GPU running out of memory: torch's own error, or a library's allocation failure
-    that torch passes on as a RuntimeError (cuBLAS's CUBLAS_STATUS_ALLOC_FAILED, cuDNN's workspace)."""
-    text = str(e)
-    return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and ("out of memory" in text or "ALLOC_FAILED" in text)
-    )
 
 
 TILES_MARGIN_S = 15  # of the check's budget: the subprocess's start (torch, CUDA) and writing the table

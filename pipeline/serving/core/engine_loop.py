@@ -1,7 +1,10 @@
 """The runtime loop, on the core's worker thread: it owns the BlockDiffusionRuntime. Each turn it submits
 new requests (they join the batch at canvas boundaries), answers health pings (proof the loop is alive),
 cancels requests the client abandoned or that ran past their deadline, and runs one denoise pass shared by
-every request in flight. A failed pass fails the requests in flight, and the server keeps serving."""
+every request in flight. A failed pass fails the requests in the batch, and the server keeps serving those
+still queued: out of GPU memory as UNAVAILABLE (retry), anything else as INTERNAL. A failure that leaves the
+GPU unusable (a sticky CUDA error: `pipeline.runtime.device_errors`) fails every request and marks the core
+broken, so health pings fail and the watchdog or the kubelet restarts the server."""
 
 from __future__ import annotations
 
@@ -17,30 +20,65 @@ if TYPE_CHECKING:
     from pipeline.serving.core.state import CoreState
 
 POLL_S = 0.05  # how long an idle loop waits for a request before it looks at pings and deadlines again
+CANCEL_POLL_S = 0.1  # how often the clients are asked whether they went away (a step is ~10-100 ms)
 
 
 class EngineLoop:
     def __init__(self, core: CoreState) -> None:
         self.core = core
+        self._cancels_polled = float("-inf")  # when the clients were last asked whether they went away
 
     def run(self) -> None:
+        while self.core.running:
+            self.turn()
+
+    def turn(self) -> None:
+        """One turn of the loop: intake, pings, deadlines, then one step of the runtime when it has work."""
         import torch
 
         core = self.core
-        while core.running:
-            self.submit_new()
-            self.answer_pings()
-            core.update_load()
-            self.cancel_abandoned(time.perf_counter())
-            if core.runtime.busy():
-                try:
-                    with torch.inference_mode():
-                        core.runtime.step()
-                except Exception as e:  # fail the requests in flight, keep the server serving
-                    core.fail_all(responses.internal_failure("during generation", e))
-                if (cache := getattr(core.runtime, "prefix_cache", None)) is not None:
-                    core.metrics.record_prefix_cache(cache)
-                core.update_load()  # requests admitted to batch slots leave the queue
+        self.submit_new()
+        self.answer_pings()
+        core.update_load()
+        self.cancel_abandoned(time.perf_counter())
+        if core.runtime.busy():
+            try:
+                with torch.inference_mode():
+                    core.runtime.step()
+            except Exception as e:  # fail the requests in the batch, keep the server serving
+                self.step_failed(e)
+            if (cache := getattr(core.runtime, "prefix_cache", None)) is not None:
+                core.metrics.record_prefix_cache(cache)
+            core.update_load()  # requests admitted to batch slots leave the queue
+
+    def step_failed(self, error: Exception) -> None:
+        """Answer the requests a failed step had in its batch; the queued ones stay queued. Where no
+        request had a slot yet (the failure was an admission's), every request is answered, so that no
+        request fails the loop forever."""
+        import torch
+
+        from pipeline.runtime.device_errors import out_of_memory, unusable
+
+        core = self.core
+        device = getattr(core.runtime, "device", torch.device("cpu"))
+        if (lost := unusable(device)) is not None:
+            core.broken = f"the GPU can run no more work in this process ({lost}): restart the server"
+            core.fail_all(Failure(ErrorKind.UNAVAILABLE, core.broken))
+            return
+        rows = core.runtime.drop_running()
+        if out_of_memory(error):
+            core.log_error(f"dgpipe: out of GPU memory at a batch of {len(rows)}: {error}")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # what the failed step held, for the next one
+            failure = Failure(ErrorKind.UNAVAILABLE, f"the GPU ran out of memory at a batch of {len(rows)} "
+                              "requests: retry; if it recurs, serve with a smaller max_batch (dgpipe package "
+                              "--max-batch) or max_tokens")  # fmt: skip
+        else:
+            failure = responses.internal_failure("during generation", error)
+        if not rows:
+            core.fail_all(failure)
+            return
+        core.fail_requests([r.request.request_id for r in rows], failure)
 
     def submit_new(self) -> None:
         """Hand the queued requests to the runtime (waiting a little for one when the batch is idle)."""
@@ -60,16 +98,23 @@ class EngineLoop:
             pass
 
     def answer_pings(self) -> None:
-        """Alive: this loop runs and reaches its queues."""
-        while not self.core.pings.empty():
-            self.core.pings.get_nowait().send(responses.ALIVE)
+        """Alive: this loop runs and reaches its queues, and its GPU can still run work."""
+        core = self.core
+        answer = responses.ALIVE if core.broken is None else Failure(ErrorKind.UNAVAILABLE, core.broken)
+        while not core.pings.empty():
+            core.pings.get_nowait().send(answer)
 
     def cancel_abandoned(self, now: float) -> None:
         """Cancel requests whose client went away or whose deadline passed; the runtime lets them go at
-        its next step and their finish answers them (progress.on_finish)."""
+        its next step and their finish answers them (progress.on_finish). Whether a client went away is
+        asked every `CANCEL_POLL_S`, not every step: in Triton's Python backend each `is_cancelled` is a
+        round trip to the server process, one per request in flight or queued."""
         core = self.core
+        poll = now - self._cancels_polled >= CANCEL_POLL_S
+        if poll:
+            self._cancels_polled = now
         for job in list(core.jobs.values()):
-            if job.channel.is_cancelled():
+            if poll and job.channel.is_cancelled():
                 core.runtime.cancel(job.request_id)
             elif not job.expired and job.overdue(now):
                 job.expired = True

@@ -52,6 +52,9 @@ class ServingCore:
         self.admit_lock = threading.Lock()
         self.running = self.stopped = False
         self.worker: threading.Thread | None = None
+        # why the GPU can run no more work in this process (set by the engine loop): every request and
+        # health ping is refused from then on, so the server gets restarted
+        self.broken: str | None = None
 
     def start(self) -> None:
         self.running = True
@@ -69,6 +72,9 @@ class ServingCore:
     def accept(self, get: InputGetter, parameters: Mapping[str, Any], channel: Channel) -> None:
         """Take one request: refused (draining, shutting down, invalid), a health ping, or queued."""
         try:
+            if self.broken is not None:  # health pings too: the watchdog or the kubelet restarts the server
+                channel.send(Failure(ErrorKind.UNAVAILABLE, self.broken))
+                return
             if self.drain.draining():
                 self.metrics.draining.set(1)
                 channel.send(Failure(ErrorKind.UNAVAILABLE, DRAINING))
@@ -121,8 +127,17 @@ class ServingCore:
         self.update_load()
         job.channel.send(failure)
 
+    def fail_requests(self, request_ids: list[int], failure: Failure) -> None:
+        """Answer these requests with the error (the rows of a failed pass, already dropped by the runtime)."""
+        self.log_error(failure.message)
+        for request_id in request_ids:
+            if (job := self.jobs.pop(request_id, None)) is not None:
+                job.failed = True
+                job.channel.send(failure)
+        self.update_load()
+
     def fail_all(self, failure: Failure) -> None:
-        """Answer every request in flight with the error and drop them from the runtime (a failed pass)."""
+        """Answer every request submitted to the runtime with the error and drop them from it."""
         self.log_error(failure.message)
         for job in list(self.jobs.values()):
             job.failed = True

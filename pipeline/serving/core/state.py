@@ -28,11 +28,15 @@ class CoreState(Protocol):
     guides: Any  # guides.Guides: requests' guides, compiled off the execute thread and cached
     admit_lock: threading.Lock
     running: bool
+    broken: str | None  # why the GPU can run no more work in this process: every request is refused
+    log_error: Any  # Callable[[str], None]: the server's error log
     stopped: bool
     worker: threading.Thread | None
 
     def update_load(self) -> None: ...
 
     def fail(self, job: Job, failure: Failure) -> None: ...
+
+    def fail_requests(self, request_ids: list[int], failure: Failure) -> None: ...
 
     def fail_all(self, failure: Failure) -> None: ...

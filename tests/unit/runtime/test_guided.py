@@ -202,3 +202,35 @@ def test_a_guide_the_vocabulary_cannot_finish_is_refused_or_fails_its_row_alone(
         if r.finish_reason != "error":
             assert (r.finish_reason, session.decode(r.tokens)) == ("stop", "x")
     assert (good.finish_reason, good.tokens) == ("stop", alone[0].tokens)
+
+
+@pytest.mark.parametrize("where", ["advance", "finish_canvas"])
+def test_a_device_failure_in_a_guided_step_fails_the_step_not_the_guide(session, monkeypatch, where):
+    """The guide's host walk touches the device (masks, probabilities): the GPU running out of memory or a
+    CUDA error there is the step's failure, raised for the server to answer (retry, or restart), not the
+    request's guide reported as one the vocabulary cannot follow (a 400). Its rows' guide state is dropped
+    with them; a queued request stays queued."""
+    import torch
+
+    from pipeline.runtime import scheduler
+
+    real = getattr(scheduler, where)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    rt = BlockDiffusionRuntime(session.model, max_batch=1)
+    first, queued = requests(session, "regex", "[1-9]{5}", [0, 1])
+    rt.submit(first), rt.submit(queued)
+    monkeypatch.setattr(scheduler, where, out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        while rt.busy():
+            rt.step()
+    dropped = rt.drop_running()
+    assert [r.request.request_id for r in dropped] == [0] and not rt.guide_probs
+    assert all(g is None for g in rt.guides) and [r.request.request_id for r in rt.waiting] == [1]
+    monkeypatch.setattr(scheduler, where, real)
+    served = rt.waiting[0]
+    while rt.busy():
+        rt.step()
+    assert served.finish_reason == "stop" and re.fullmatch("[1-9]{5}", session.decode(served.tokens))

@@ -216,6 +216,121 @@ def test_a_failed_pass_fails_the_requests_in_flight_as_internal():
     assert c.runtime.dropped == 1 and not c.jobs
 
 
+class TinySession(Session):
+    """The test session over the tiny model's vocabulary (prompts of three tokens, short canvases)."""
+
+    def sampler(self, **knobs):
+        from pipeline.model.config import SamplerConfig
+
+        return SamplerConfig(max_denoising_steps=3, confidence_threshold=0.0)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return [2, 5, 6]
+
+    def decode(self, tokens: list[int]) -> str:
+        return "x" * len(tokens)
+
+
+def tiny_core(max_batch: int) -> ServingCore:
+    """A core over a real runtime on the tiny model."""
+    from pipeline.runtime.scheduler import BlockDiffusionRuntime
+    from tests._utils.tiny import build_tiny
+
+    limits = schema.ServerLimits(max_tokens=64, max_steps=8, max_prompt=50, max_request_seconds=30.0)
+    runtime = BlockDiffusionRuntime(build_tiny(), max_batch=max_batch, max_len=128)
+    return ServingCore(TinySession(), runtime, limits, Metrics(RecordingFactory()))
+
+
+def test_out_of_memory_fails_the_batch_as_unavailable_and_the_queue_is_served(monkeypatch):
+    """A step that runs out of GPU memory: the requests in its batch are answered 503 (retry) with what to
+    change if it recurs; the requests still waiting for a slot stay queued and are served. Before, every
+    request the runtime held, queued ones too, failed as a 500 with the allocator's text."""
+    import torch
+
+    c = tiny_core(max_batch=2)
+    channels = [Channel() for _ in range(4)]
+    for channel in channels:
+        c.accept(inputs("hi", max_tokens=16).get, {}, channel)
+    real, failures = c.runtime.backend.denoise_step, iter([True])
+
+    def once(*args, **kwargs):
+        if next(failures, False):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(c.runtime.backend, "denoise_step", once)
+    c.loop.turn()
+    batch, queued = channels[:2], channels[2:]
+    for channel in batch:
+        ((failure,),) = [channel.sent]
+        assert failure.kind == ErrorKind.UNAVAILABLE and failure.message.startswith(
+            "the GPU ran out of memory at a batch of 2 requests: retry"
+        )
+    assert all(not channel.sent for channel in queued) and len(c.jobs) == 2
+    while c.jobs:
+        c.loop.turn()
+    for channel in queued:
+        assert not any(isinstance(r, Failure) for r in channel.sent) and channel.sent[-1].final
+
+
+def test_a_gpu_left_unusable_fails_everything_and_fails_health(monkeypatch):
+    """A sticky CUDA error (an illegal memory access): every later CUDA call fails, so the core fails every
+    request, queued ones too, and from then on refuses requests and health pings as unavailable, so the
+    watchdog or the kubelet restarts the server. Before, pings answered "alive" while every request failed."""
+    import torch
+
+    from pipeline.runtime import device_errors
+
+    c = tiny_core(max_batch=1)
+    channels = [Channel() for _ in range(2)]
+    for channel in channels:
+        c.accept(inputs("hi", max_tokens=16).get, {}, channel)
+    lost = "AcceleratorError: CUDA error: an illegal memory access was encountered"
+
+    def illegal_access(*args, **kwargs):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(c.runtime.backend, "denoise_step", illegal_access)
+    monkeypatch.setattr(device_errors, "unusable", lambda device: lost)  # a synchronize would fail too
+    c.loop.turn()
+    broken = Failure(ErrorKind.UNAVAILABLE, f"the GPU can run no more work in this process ({lost}): "
+                     "restart the server")  # fmt: skip
+    assert [channel.sent for channel in channels] == [[broken], [broken]] and not c.jobs
+    ping, late = Channel(), Channel()
+    c.accept(inputs("").get, {schema.HEALTH_PARAMETER: True}, ping)
+    c.accept(inputs("hi").get, {}, late)
+    assert ping.sent == late.sent == [broken]
+
+
+def test_clients_are_asked_whether_they_went_away_at_most_every_poll_interval():
+    """In Triton's Python backend `is_cancelled` is a round trip to the server per request: asked at every
+    step for every request held, queued ones too, it would keep the GPU waiting. The clients are asked once
+    per `CANCEL_POLL_S`; deadlines, a local check, are kept every step."""
+    from pipeline.serving.core.engine_loop import CANCEL_POLL_S
+
+    c = core()
+    asked: list[int] = []
+
+    class Asked(Channel):
+        def is_cancelled(self) -> bool:
+            asked.append(1)
+            return False
+
+    for _ in range(3):
+        c.accept(inputs("hi").get, {}, Asked())
+        job, _ = c.inbox.get_nowait()
+        c.jobs[job.request_id] = job
+    for i in range(10):  # ten steps within one interval
+        c.loop.cancel_abandoned(100.0 + i * CANCEL_POLL_S / 20)
+    assert len(asked) == 3
+    c.loop.cancel_abandoned(100.0 + CANCEL_POLL_S * 1.01)
+    assert len(asked) == 6
+    late = next(iter(c.jobs.values()))
+    late.timeout_s, late.result = 1.0, types.SimpleNamespace(admitted=99.0)
+    c.loop.cancel_abandoned(100.0 + CANCEL_POLL_S * 1.5)  # between polls: the deadline is still checked
+    assert len(asked) == 6 and c.runtime.cancelled == [late.request_id] and late.expired
+
+
 def test_input_arrays_reach_the_core_as_the_transport_hands_them():
     """The getter is the only view the core has of a request: a plain function of the input name."""
     c = core()
