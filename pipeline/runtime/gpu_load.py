@@ -365,14 +365,7 @@ def route_float_experts(
     if arch is None:
         return report
     dtype = model.embed_tokens.weight.dtype
-    # torch's grouped GEMM has a kernel for bf16 alone, on compute capability 9.x and 10.x alone: asked of
-    # the device itself where it is one (an sm110 GPU shares B200's dispatch row, not torch's kernel)
-    on_gpu = device.type == "cuda" and torch.cuda.is_available()  # tests load for a GPU on the CPU
-    no_kernel = (
-        arch in NO_GROUPED_KERNEL
-        or dtype != torch.bfloat16
-        or (on_gpu and grouped_mm_reads_host(device, dtype))
-    )
+    no_kernel = grouped_kernel_missing(device, arch, dtype)
     layers = host_bound_experts(model, no_kernel)
     if not layers:
         return report
@@ -392,6 +385,16 @@ def route_float_experts(
     route_on_device(model, layers, triton=no_kernel)
     report.routed, report.routed_kernel = len(layers), triton if no_kernel else "F.grouped_mm bf16"
     return report
+
+
+def grouped_kernel_missing(device: torch.device, arch: str, dtype: torch.dtype) -> bool:
+    """Whether torch's `F.grouped_mm` has no kernel for float experts of `dtype` on this GPU: it has one for
+    bf16 alone, on compute capability 9.x and 10.x alone. Asked of the device itself where it is one: a
+    GPU of compute capability 11.0 shares B200's dispatch row (`arch` sm100), not torch's kernel. (Tests
+    load for a GPU on the CPU: there `arch` decides.)"""
+    if arch in NO_GROUPED_KERNEL or dtype != torch.bfloat16:
+        return True
+    return device.type == "cuda" and torch.cuda.is_available() and grouped_mm_reads_host(device, dtype)
 
 
 def _cuda_arch(device: torch.device) -> str | None:

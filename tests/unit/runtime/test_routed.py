@@ -164,7 +164,15 @@ def test_a_gpu_whose_torch_has_no_grouped_kernel_routes_bf16_experts_on_the_trit
     """A GPU that shares a dispatch row with one torch serves but is not one (compute capability 11.0 reads
     as sm100; torch's grouped GEMM takes 9.x and 10.x alone): the device decides, so its float experts take
     the Triton GEMM, whose check the load runs, instead of torch's host-reading fallback under a graph."""
-    monkeypatch.setattr(gpu_load, "grouped_mm_reads_host", lambda device, dtype: True)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (11, 0))
+    assert gpu_load.grouped_kernel_missing(cuda, "sm100", torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))  # a B200
+    assert not gpu_load.grouped_kernel_missing(cuda, "sm100", torch.bfloat16)
+    assert gpu_load.grouped_kernel_missing(cuda, "sm100", torch.float16)
+    monkeypatch.undo()
+    monkeypatch.setattr(gpu_load, "grouped_kernel_missing", lambda device, arch, dtype: True)  # the 11.0 GPU
     checked = []
     monkeypatch.setattr(gpu_load, "run_forms", lambda p, dev, forms, dtype: checked.append(forms) or
                         p.results.update({f"{k}:{m}": None for k, m, _ in forms}))  # fmt: skip
