@@ -16,12 +16,13 @@ from tests._utils.tiny import build_tiny
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_graph_replay_equals_eager_on_gpu(dtype):
     """bf16, fp16 and fp32 models on CUDA with the fused sampler: graphs captured once per round, tokens
-    identical to eager. Where torch's grouped GEMM has no kernel for the dtype (bf16 on Ada and RTX
-    Blackwell, fp16 everywhere) the experts route on dgpipe's Triton GEMM, as a load puts them there; fp32
-    experts take the dense form."""
-    from pipeline.runtime.backends import TorchBackend
+    identical to eager. The model is finished as a load finishes it (`finish_on_device`): where torch's
+    grouped GEMM has no kernel for the dtype (bf16 on Ada and RTX Blackwell, fp16 everywhere) the experts
+    route on dgpipe's Triton GEMM, fp32 experts take the dense form, and the network's Triton kernels that
+    pass their probes run inside the captured steps."""
+    from pipeline.runtime.backends import TorchBackend, experts_graph_safe
     from pipeline.runtime.dispatch import ARCHS, arch_of
-    from pipeline.runtime.gpu_load import route_float_experts
+    from pipeline.runtime.gpu_load import finish_on_device
     from pipeline.sampler.kernels.build import load_torch_extension, missing_build_tools
 
     missing = missing_build_tools()
@@ -33,8 +34,8 @@ def test_cuda_graph_replay_equals_eager_on_gpu(dtype):
     cuda = torch.device("cuda")
     model = build_tiny(torch.float32, text_config={"hidden_size": 64, "moe_intermediate_size": 32})
     model = model.to(cuda, dtype)
-    report = route_float_experts(model, cuda, None, None)
-    if report is not None and report.fallbacks:  # the Triton GEMM failed its probe: tests/gpu says so too
+    report = finish_on_device(model, cuda, None, None)
+    if not experts_graph_safe(model):  # the Triton GEMM failed its probe: tests/gpu says so too
         pytest.skip(f"the experts read the routing on the host here: {report.summary()}")
     backend = TorchBackend(model)
     assert backend.fused and backend.graph_safe
