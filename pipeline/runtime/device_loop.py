@@ -6,7 +6,8 @@ leaves), and all sampler state lives in device tensors. So the first step of a r
 side stream, which is also the warm-up CUDA graphs need), the second is captured, and every later step
 is a single `graph.replay()`: no per-kernel launch overhead and no host round-trip per step. A capture
 that fails (`graph_safe` is a prediction: a library call that CUDA refuses while a stream captures)
-leaves the loop eager for good, and the step runs eagerly instead: the server keeps serving, slower.
+leaves the loop eager for good, and the step runs eagerly instead: the server keeps serving, slower. Out
+of memory, or a CUDA error that leaves the GPU unusable, is the step's failure instead, raised.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.runtime.backends import KV, Masks
+from pipeline.runtime.device_errors import device_failure, unusable
 
 log = logging.getLogger(__name__)
 
@@ -73,17 +75,32 @@ class DeviceLoop:
             rnd.eager_steps += 1
             return
         if rnd.graph is None:
-            graph = torch.cuda.CUDAGraph()
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
             try:
                 with torch.cuda.graph(graph, pool=self.pool):
                     step()  # recorded, not run: the replay below runs it
-            except Exception as e:  # nothing ran on the device: run the step eagerly, and every later one
-                self.graphs, self.capture_error = False, f"{type(e).__name__}: {e}"
+            except Exception as e:  # nothing ran on the device
+                self._after_failed_capture(stream)
+                # what failed inside, where capture_end then raised its "invalidated capture" over it
+                cause = e if device_failure(e) else (e.__context__ or e)
+                if device_failure(cause) or unusable(stream.device) is not None:
+                    if cause is e:  # the step's failure (out of memory, a lost GPU): the server answers it
+                        raise
+                    raise cause from e
+                self.graphs, self.capture_error = False, f"{type(cause).__name__}: {cause}"
                 log.warning(f"dgpipe: CUDA graph capture failed ({self.capture_error}); denoise steps run "
                             "eagerly from now on (slower): report the GPU, torch and Triton versions")  # fmt: skip
-                torch.cuda.synchronize()
-                step()
+                step()  # this step, eagerly, and every later one
                 return
             rnd.graph = self._last_graph = graph
             self.captures += 1
         rnd.graph.replay()
+
+    def _after_failed_capture(self, stream: torch.cuda.Stream) -> None:
+        """Undo what a failed capture leaves: `torch.cuda.graph` restores the stream only after
+        `capture_end` returns, and before torch 2.12 a `capture_end` that raised also left the caching
+        allocator recording into the graph's pool, which fails every later `empty_cache` and synchronize
+        (pytorch/pytorch#180395). Ending it again where it was ended raises, which is fine."""
+        torch.cuda.set_stream(stream)
+        with contextlib.suppress(RuntimeError):
+            torch._C._cuda_endAllocateToPool(stream.device.index, self.pool)

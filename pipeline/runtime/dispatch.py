@@ -140,7 +140,7 @@ LINEAR_BF16 = "F.linear bf16 (dequantized at load)"
 # and its fallback loops over the experts with the offsets on the host: float experts there take dgpipe's
 # Triton MoE GEMM with bf16 operands instead (`pipeline.runtime.routed`), where probed. torch's fp16 grouped
 # GEMM has no CUDA kernel on any GPU, so a model loaded with `--dtype float16` takes it with fp16 operands
-# everywhere.
+# on every GPU of this table.
 NO_GROUPED_KERNEL = ("sm89", "sm120")
 TRITON_BF16 = "Triton bf16 MoE GEMM"
 TRITON_FP16 = "Triton fp16 MoE GEMM"

@@ -369,8 +369,8 @@ def route_float_experts(
     layers = host_bound_experts(model, no_kernel)
     if not layers:
         return report
-    report = report or Installed("bf16", arch)
     mode = "fp16" if dtype == torch.float16 else "bf16"
+    report = report or Installed(mode, arch)  # a float checkpoint: the model's dtype names it
     triton, form = TRITON_FP16 if mode == "fp16" else TRITON_BF16, f"triton:{mode}"
     if no_kernel:
         probed = probed or Probe(arch)

@@ -14,7 +14,8 @@ projection's rows can be written straight back to token-major slot order (`out_r
 combine reads, instead of gathered there after. On Ada and RTX Blackwell
 (sm89, sm120) torch has no FP8 grouped GEMM and its bf16 one falls back to a per-expert loop that syncs with
 the host, so there this kernel takes every pass (`pipeline.runtime.dispatch.EVERY_PASS`), FP8 or bf16; torch has
-no fp16 grouped GEMM kernel on any GPU, so a model loaded in fp16 takes it on every GPU. Layout (as
+no fp16 grouped GEMM kernel on any GPU, so a model loaded in fp16 takes it on every GPU of the dispatch
+table. Layout (as
 `pipeline.runtime.tensor_cores.grouped_gemm`): slots sorted by expert with int32 end offsets `offs` [E]
 (`scaled_layout.expert_order`); each program finds its expert from those offsets on the device (no host
 sync: CUDA graphs capture it). Operands: `a` E4M3 [rows, K] with one fp32 scale per row, `w` E4M3
@@ -183,11 +184,11 @@ def moe_gemm(
 ) -> torch.Tensor:
     """[slots, N]: slot i is a[rows[i]] (a[i] without `rows`) times its expert's w [E, N, K] (K
     contiguous). FP8 operands are scaled by a_scale [rows of a] (fp32, any stride) and w_scale [E, N]
-    (fp32), the result bf16; bf16 or fp16 operands take no scales (None), the result in their dtype. The experts own consecutive slots, ending at `offs` [E]
-    (int32, device). Launched with `tiles`' tile for the shape on this GPU; `block_m`: another M tile (the
-    benchmark's comparison). `out_rows`: a permutation of the slots; slot i's row is written to row
-    out_rows[i] (the expert order's `order` puts the rows back in token-major slot order, as
-    `network.combine_top_k`'s gather would)."""
+    (fp32), the result bf16; bf16 or fp16 operands take no scales (None), the result in their dtype. The
+    experts own consecutive slots, ending at `offs` [E] (int32, device). Launched with `tiles`' tile for
+    the shape on this GPU; `block_m`: another M tile (the benchmark's comparison). `out_rows`: a
+    permutation of the slots; slot i's row is written to row out_rows[i] (the expert order's `order` puts
+    the rows back in token-major slot order, as `network.combine_top_k`'s gather would)."""
     slots = rows.shape[0] if rows is not None else a.shape[0]
     experts, n, k = w.shape
     table = moe_tiles.table_for(a.device, moe_tiles.operand_of(a.element_size()))

@@ -30,7 +30,10 @@ class EngineLoop:
 
     def run(self) -> None:
         while self.core.running:
-            self.turn()
+            try:
+                self.turn()
+            except Exception as e:  # outside a step (a bug): answer what the runtime holds, keep the loop
+                self.core.fail_all(responses.internal_failure("in the runtime loop", e))
 
     def turn(self) -> None:
         """One turn of the loop: intake, pings, deadlines, then one step of the runtime when it has work."""
@@ -52,9 +55,12 @@ class EngineLoop:
             core.update_load()  # requests admitted to batch slots leave the queue
 
     def step_failed(self, error: Exception) -> None:
-        """Answer the requests a failed step had in its batch; the queued ones stay queued. Where no
-        request had a slot yet (the failure was an admission's), every request is answered, so that no
-        request fails the loop forever."""
+        """Answer the requests a failed step had in its batch; the queued ones stay queued. A step that
+        failed with no request in its batch (none admitted) answers every request, so that none can fail
+        the loop forever."""
+        import contextlib
+        import traceback
+
         import torch
 
         from pipeline.runtime.device_errors import out_of_memory, unusable
@@ -66,19 +72,22 @@ class EngineLoop:
             core.fail_all(Failure(ErrorKind.UNAVAILABLE, core.broken))
             return
         rows = core.runtime.drop_running()
-        if out_of_memory(error):
+        oom = out_of_memory(error)
+        if oom:
             core.log_error(f"dgpipe: out of GPU memory at a batch of {len(rows)}: {error}")
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # what the failed step held, for the next one
             failure = Failure(ErrorKind.UNAVAILABLE, f"the GPU ran out of memory at a batch of {len(rows)} "
-                              "requests: retry; if it recurs, serve with a smaller max_batch (dgpipe package "
-                              "--max-batch) or max_tokens")  # fmt: skip
+                              "requests: retry; if it recurs, serve with a smaller max_batch (--max-batch "
+                              "of dgpipe build or package) or max_tokens")  # fmt: skip
         else:
             failure = responses.internal_failure("during generation", error)
-        if not rows:
+        if rows:
+            core.fail_requests([r.request.request_id for r in rows], failure)
+        else:
             core.fail_all(failure)
-            return
-        core.fail_requests([r.request.request_id for r in rows], failure)
+        if oom and device.type == "cuda":  # what the failed step held, for the next one
+            traceback.clear_frames(error.__traceback__)  # its frames hold the step's tensors
+            with contextlib.suppress(Exception):  # answered already: nothing here may stop the loop
+                torch.cuda.empty_cache()
 
     def submit_new(self) -> None:
         """Hand the queued requests to the runtime (waiting a little for one when the batch is idle)."""

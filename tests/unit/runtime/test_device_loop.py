@@ -7,6 +7,7 @@ per-expert loop. (The CUDA-graph replay test is tests/gpu/test_device_loop_cuda.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pipeline.runtime.scheduler import BlockDiffusionRuntime
@@ -127,38 +128,97 @@ def test_under_cuda_graphs_a_rounds_warm_up_runs_what_its_capture_runs(monkeypat
     assert seen and not any(seen)
 
 
-def test_a_failed_capture_runs_the_step_eagerly_and_leaves_graphs_off(monkeypatch, caplog):
-    """`graph_safe` predicts; CUDA decides. A capture that raises (CUDA refuses a call while a stream
-    captures) ran nothing on the device: the loop runs that step eagerly, and every later one, and says
-    why once. Before, every round captured again and failed the requests in flight each time. torch.cuda's
-    stream and graph calls are stood in for (no GPU here)."""
-    import contextlib
+class FakeCuda:
+    """torch.cuda's streams, graphs and allocator calls as a failed capture meets them (no GPU here): entering
+    `torch.cuda.graph` makes the capture stream current; a call CUDA refuses inside the step invalidates the
+    capture, so `capture_end` raises on the way out and, as in torch, the stream is never restored."""
 
+    def __init__(self, monkeypatch, refused: Exception) -> None:
+        import contextlib
+
+        self.refused, self.calls = refused, []
+        stream = lambda name: type("Stream", (), {"name": name, "device": torch.device("cuda", 0),
+                                                  "wait_stream": lambda self, other: None})()  # fmt: skip
+        self.default, self.capturing = stream("default"), stream("capture")
+        self.current = self.default
+
+        @contextlib.contextmanager
+        def graph(graph, pool=None):
+            self.current = self.capturing
+            try:
+                yield
+            except Exception as e:
+                raise RuntimeError(
+                    "CUDA error: operation failed due to a previous error during capture"
+                ) from e
+            self.current = self.default
+
+        def set_stream(s):
+            self.calls.append(("set_stream", s.name))
+            self.current = s
+
+        def end_allocate(device, pool):
+            self.calls.append(("end_allocate", device, pool))
+
+        for name, value in {
+            "graph_pool_handle": lambda: (0, 1), "Stream": lambda: stream("side"),
+            "current_stream": lambda: self.current, "stream": lambda s: contextlib.nullcontext(),
+            "synchronize": lambda device=None: None, "CUDAGraph": lambda: object(), "graph": graph,
+            "set_stream": set_stream,
+        }.items():  # fmt: skip
+            monkeypatch.setattr(torch.cuda, name, value)
+        monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end_allocate, raising=False)
+
+    def step(self, ran: list[str]):
+        def step() -> None:
+            ran.append(self.current.name)
+            if self.current is self.capturing:
+                raise self.refused
+
+        return step
+
+
+def test_a_failed_capture_runs_the_step_eagerly_and_leaves_graphs_off(monkeypatch, caplog):
+    """`graph_safe` predicts; CUDA decides. A capture CUDA refuses ran nothing on the device: the loop puts
+    back the stream and ends the allocator's recording into the graph's pool (torch before 2.12 leaves it
+    recording when `capture_end` raises, and every later `empty_cache` fails), runs that step eagerly on the
+    default stream, and every later one, and says why once, naming the refused call. Before, every round
+    captured again and failed the requests in flight each time."""
     from pipeline.runtime import device_loop
 
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
-    monkeypatch.setattr(torch.cuda, "Stream", lambda: type("S", (), {"wait_stream": lambda self, s: None})())
-    monkeypatch.setattr(
-        torch.cuda, "current_stream", lambda: type("S", (), {"wait_stream": lambda self, s: None})()
+    cuda = FakeCuda(
+        monkeypatch, RuntimeError("CUDA driver error: operation not permitted when stream is capturing")
     )
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
-
-    @contextlib.contextmanager
-    def refused(graph, pool=None):
-        yield
-        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
-
-    monkeypatch.setattr(torch.cuda, "graph", refused)
     loop = device_loop.DeviceLoop(torch.device("cuda"), graphs=True)
     rnd = device_loop.DenoiseRound(torch.zeros(1), [0], torch.zeros(1, 4), {}, None)
-    ran: list[int] = []
+    ran: list[str] = []
     with caplog.at_level("WARNING", logger=device_loop.__name__):
         for _ in range(4):
-            loop.run(rnd, lambda: ran.append(1))
-    # the warm-up, the step recorded into the failed capture, that step again eagerly, two more eagerly
-    assert len(ran) == 5 and not loop.graphs and loop.captures == 0 and rnd.graph is None
-    assert "operation not permitted" in loop.capture_error
-    assert [r.getMessage() for r in caplog.records if "capture failed" in r.getMessage()] != []
-    assert len(caplog.records) == 1
+            loop.run(rnd, cuda.step(ran))
+    # the warm-up, the step refused in the capture, that step again eagerly, two more eagerly
+    assert ran == ["default", "capture", "default", "default", "default"]
+    assert cuda.calls == [("set_stream", "default"), ("end_allocate", 0, (0, 1))]
+    assert not loop.graphs and loop.captures == 0 and rnd.graph is None
+    assert (
+        loop.capture_error
+        == "RuntimeError: CUDA driver error: operation not permitted when stream is capturing"
+    )
+    assert [r.getMessage() for r in caplog.records] == [
+        f"dgpipe: CUDA graph capture failed ({loop.capture_error}); denoise steps run eagerly from now on "
+        "(slower): report the GPU, torch and Triton versions"
+    ]
+
+
+def test_out_of_memory_in_a_capture_is_the_steps_failure_and_graphs_stay_on(monkeypatch):
+    """Running out of memory while capturing says nothing about graphs: the state is put back, the error is
+    raised for the server to answer (503, retry), and the next round captures again."""
+    from pipeline.runtime import device_loop
+
+    cuda = FakeCuda(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    loop = device_loop.DeviceLoop(torch.device("cuda"), graphs=True)
+    rnd = device_loop.DenoiseRound(torch.zeros(1), [0], torch.zeros(1, 4), {}, None)
+    ran: list[str] = []
+    loop.run(rnd, cuda.step(ran))
+    with pytest.raises(torch.OutOfMemoryError):  # itself, not capture_end's error: the server's 503
+        loop.run(rnd, cuda.step(ran))
+    assert loop.graphs and loop.capture_error is None and cuda.current is cuda.default

@@ -120,7 +120,7 @@ def test_a_prompt_cached_whole_needs_no_prefill_and_batched_prompts_match_alone(
 
 
 def test_after_a_failed_step_a_prompt_restored_whole_denoises_in_a_round_of_its_own(session):
-    """After a failed step the server drops every request (`drop_all`); the next one in the same slot, its
+    """After a failed step the server drops the requests in the batch (`drop_running`); the next one in the same slot, its
     prompt restored whole from the cache (no prefill pass), gets positions, masks and past of its own, not the
     dropped request's."""
     (cached,), dropped = prompts(1, 256, 0), [5 + i % 19 for i in range(310)]  # another prompt, longer
@@ -132,7 +132,7 @@ def test_after_a_failed_step_a_prompt_restored_whole_denoises_in_a_round_of_its_
     rt.generate([request(cached, 0)])  # puts its block in the cache
     rt.submit(request(dropped, 1))
     rt.step()  # a round for the dropped request's positions
-    assert rt.busy() and len(rt.drop_all()) == 1 and not rt.busy()
+    assert rt.busy() and len(rt.drop_running()) == 1 and not rt.busy()
     (warm,) = rt.generate([request(cached, 0)])
     assert rt.prefix_cache.stats.hit_tokens == 256 and warm.tokens == cold
 

@@ -144,6 +144,7 @@ def test_an_fp16_model_on_hopper_routes_every_layer_on_the_triton_gemm_in_fp16(m
     assert probed.results["triton:fp16"] is None and "triton:bf16" not in probed.results
     assert all(isinstance(x.experts, routed.RoutedExperts) and x.experts.triton for x in model.layers)
     assert report.routed == len(model.layers) and report.routed_kernel == "Triton fp16 MoE GEMM"
+    assert report.summary().startswith("fp16 on sm90")
     assert experts_graph_safe(model)
     cfg, length = model.cfg, model.config.canvas_length
     tokens = torch.randint(0, cfg.vocab_size, (2, length), generator=torch.Generator().manual_seed(4))

@@ -273,6 +273,39 @@ def test_out_of_memory_fails_the_batch_as_unavailable_and_the_queue_is_served(mo
         assert not any(isinstance(r, Failure) for r in channel.sent) and channel.sent[-1].final
 
 
+def test_a_cache_release_that_fails_after_out_of_memory_leaves_the_batch_answered(monkeypatch):
+    """On CUDA the failed step's cached memory is released after its requests are answered, and whatever that
+    release raises (an allocator left recording by a failed capture: `captures_underway.empty()`) neither
+    leaves the batch unanswered nor stops the runtime loop."""
+    import torch
+
+    from pipeline.runtime import device_errors
+
+    c = tiny_core(max_batch=1)
+    channels = [Channel() for _ in range(2)]
+    for channel in channels:
+        c.accept(inputs("hi", max_tokens=16).get, {}, channel)
+
+    def out_of_memory(*args, **kwargs):  # the failed step as on a GPU (the runtime itself runs on the CPU)
+        monkeypatch.setattr(c.runtime, "device", torch.device("cuda"))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def assert_failed(*args, **kwargs):
+        raise RuntimeError("captures_underway.empty() INTERNAL ASSERT FAILED")
+
+    real = c.runtime.backend.denoise_step
+    monkeypatch.setattr(c.runtime.backend, "denoise_step", out_of_memory)
+    monkeypatch.setattr(device_errors, "unusable", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", assert_failed)
+    c.loop.turn()
+    assert channels[0].sent[-1].kind == ErrorKind.UNAVAILABLE and not channels[1].sent
+    monkeypatch.setattr(c.runtime, "device", torch.device("cpu"))
+    monkeypatch.setattr(c.runtime.backend, "denoise_step", real)
+    while c.jobs:
+        c.loop.turn()
+    assert channels[1].sent[-1].final and not any(isinstance(r, Failure) for r in channels[1].sent)
+
+
 def test_a_gpu_left_unusable_fails_everything_and_fails_health(monkeypatch):
     """A sticky CUDA error (an illegal memory access): every later CUDA call fails, so the core fails every
     request, queued ones too, and from then on refuses requests and health pings as unavailable, so the
