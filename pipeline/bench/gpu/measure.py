@@ -199,9 +199,11 @@ def pass_diagnostics(
 ) -> dict[str, Callable[[], object]]:
     """What `measure_pass` records beside a pass's times, by the row key each fills: the kernels and aten
     ops that took the time, the tiles the Triton MoE GEMM launched with, and, eagerly (hooks and extra calls
-    would recompile a compiled pass), the experts the routing touched; FP8: one layer's experts on each
-    kernel that can run them and the siblings as one GEMM; bf16: attention's backends, the network kernels
+    would recompile a compiled pass), the experts the routing touched; FP8: ms per canvas through the
+    serving runtime (`canvas.canvas_time`), one layer's experts on each kernel that can run them and the
+    siblings as one GEMM; bf16: attention's backends, the network kernels
     against their torch forms, and the bf16 experts on both grouped GEMMs."""
+    from pipeline.bench.gpu.canvas import canvas_time
     from pipeline.bench.gpu.network import network_paths, sibling_paths
 
     cfg, length = model.cfg, model.config.canvas_length
@@ -211,7 +213,8 @@ def pass_diagnostics(
     if compiled:
         return diagnostics
     diagnostics["experts_touched"] = lambda: routed_experts(model, fn)
-    if fmt == "fp8":
+    if fmt == "fp8":  # the format users serve: its canvases through the runtime, then its experts' kernels
+        diagnostics["canvas"] = lambda: canvas_time(model, batch, CONTEXT, dev)
         diagnostics["experts"] = lambda: expert_paths(experts, cfg.top_k_experts, tokens, dev)
         diagnostics["siblings"] = lambda: sibling_paths(model, tokens, dev)
     if fmt == "bf16":  # attention is bf16 in every format: once is enough

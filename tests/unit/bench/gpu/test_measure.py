@@ -117,6 +117,11 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
             # off CUDA the load leaves the siblings apart: each diagnostic row says so
             assert [x["siblings"] for x in r["siblings"]] == ["q, k, v", "gate, up"]
             assert all("not one RowWise GEMM on this load" in x["error"] for x in r["siblings"])
+            # the canvases through the serving runtime: exactly the canvases and steps asked for
+            c = r["canvas"]
+            assert "canvas_error" not in r and c["tokens"] == r["batch"] * c["canvases"] * 82
+            assert c["steps_per_canvas"] == [16] and c["passes"]["denoise"] == c["canvases"] * 16
+            assert c["ms_per_canvas"] > 0 and not c["graphs"]  # off CUDA: no graphs
         else:
             assert "attention_error" not in r and len(r["attention"]) == 2
             # the network kernels need CUDA or the interpreter (off here): each row says why
@@ -335,3 +340,28 @@ def test_the_tiles_check_tunes_within_its_budget_and_leaves_its_table_in_the_run
     tags = {"device": "NVIDIA H200", "operand": "fp8", "layers": 30, "timed": 40, "candidates": 362,
             "triton_rows": 256.0, "table_file": str(tmp_path / "moe_tiles" / "NVIDIA_H200-fp8.yaml")}  # fmt: skip
     assert rows == [{"shape": "down", "best_ms": 0.1, **tags}]
+
+
+def test_the_canvas_table_shows_each_run_and_why_one_did_not():
+    from pipeline.bench.gpu.canvas import render_canvas
+    from pipeline.bench.gpu.report import render
+
+    ok = {"batch": 1, "steps": 16, "canvases": 2, "ms_per_canvas": 151.26, "tokens_per_s": 1692.4, "tokens": 512,
+          "graphs": True, "fused_sampler": True, "passes": {"denoise": 32, "commit": 2}, "steps_per_canvas": [16]}  # fmt: skip
+    row = {"format": "fp8", "batch": 1, "kernels": "k", "ms_eager": 30.0, "ms_graph": 25.0, "floor_ms_spec": 6.2,
+           "floor_ms_copy": 7.0, "canvas": ok}  # fmt: skip
+    failed = {**row, "batch": 16, "canvas_error": "OutOfMemoryError: CUDA out of memory | tried"}
+    del failed["canvas"]
+    env = {
+        "gpu": "NVIDIA H200",
+        "arch": "sm90",
+        "memory_gib": 141,
+        "driver": "580",
+        "torch": "2.11",
+        "cuda_version": "13.0",
+    }
+    table = render({"env": env, "dry_run": False, "checks": [{"name": "fp8 pass", "status": "passed", "seconds": 9,
+                                                             "budget_s": 90, "detail": "", "rows": [row, failed]}]})  # fmt: skip
+    assert "| fp8 | 1 | 16 | 151.3 | 1692 | yes | yes | 32 / 2 |" in table
+    assert "| fp8 | 16 | — | — | — | — | — | OutOfMemoryError: CUDA out of memory / tried |" in table
+    assert render_canvas([]) == []
