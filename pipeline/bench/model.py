@@ -44,17 +44,26 @@ class ModelBenchRow:
 
 
 def _graphed(fn, device: torch.device):
-    """fn captured in a CUDA graph (after a warm-up on a side stream), or fn itself off CUDA."""
+    """fn captured in a CUDA graph (after a warm-up on a side stream), or fn itself off CUDA. A capture that
+    fails is undone before it is raised (`device_loop.undo_failed_capture`): what the caller measures next
+    runs on the stream and allocator it expects."""
+    from pipeline.runtime.device_loop import undo_failed_capture
+
     if device.type != "cuda":
         return fn
+    stream = torch.cuda.current_stream()
     side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+    side.wait_stream(stream)
     with torch.cuda.stream(side):
         fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    stream.wait_stream(side)
+    graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+    except Exception:
+        undo_failed_capture(stream, pool)
+        raise
     return graph.replay
 
 

@@ -80,7 +80,7 @@ class DeviceLoop:
                 with torch.cuda.graph(graph, pool=self.pool):
                     step()  # recorded, not run: the replay below runs it
             except Exception as e:  # nothing ran on the device
-                self._after_failed_capture(stream)
+                undo_failed_capture(stream, self.pool)
                 # what failed inside, where capture_end then raised its "invalidated capture" over it
                 cause = e if device_failure(e) else (e.__context__ or e)
                 if device_failure(cause) or unusable(stream.device) is not None:
@@ -96,11 +96,13 @@ class DeviceLoop:
             self.captures += 1
         rnd.graph.replay()
 
-    def _after_failed_capture(self, stream: torch.cuda.Stream) -> None:
-        """Undo what a failed capture leaves: `torch.cuda.graph` restores the stream only after
-        `capture_end` returns, and before torch 2.12 a `capture_end` that raised also left the caching
-        allocator recording into the graph's pool, which fails every later `empty_cache` and synchronize
-        (pytorch/pytorch#180395). Ending it again where it was ended raises, which is fine."""
-        torch.cuda.set_stream(stream)
-        with contextlib.suppress(RuntimeError):
-            torch._C._cuda_endAllocateToPool(stream.device.index, self.pool)
+
+def undo_failed_capture(stream: torch.cuda.Stream, pool: tuple[int, int]) -> None:
+    """Undo what a failed `torch.cuda.graph` capture into `pool` leaves, with `stream` current before it:
+    the context restores the stream only after `capture_end` returns, and before torch 2.12 a `capture_end`
+    that raised also left the caching allocator recording into the pool, which fails every later
+    `empty_cache` and synchronize (pytorch/pytorch#180395). Ending it again where it was ended raises,
+    which is fine."""
+    torch.cuda.set_stream(stream)
+    with contextlib.suppress(RuntimeError):
+        torch._C._cuda_endAllocateToPool(stream.device.index, pool)

@@ -4,6 +4,7 @@ time went, and the largest batch that fits."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -190,7 +191,8 @@ def measure_pass(
             except Exception as e:  # a diagnostic that cannot run here costs itself, not the pass's row
                 r[f"{key}_error"] = error_line(e)
         sink(rows)
-        torch.cuda.empty_cache()
+        with contextlib.suppress(RuntimeError):  # an allocator a failed capture left: the next batch says
+            torch.cuda.empty_cache()
     return rows
 
 

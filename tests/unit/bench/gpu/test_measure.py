@@ -121,7 +121,8 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
             c = r["canvas"]
             assert "canvas_error" not in r and c["tokens"] == r["batch"] * c["canvases"] * 82
             assert c["steps_per_canvas"] == [16] and c["passes"]["denoise"] == c["canvases"] * 16
-            assert c["ms_per_canvas"] > 0 and not c["graphs"]  # off CUDA: no graphs
+            assert c["ms_per_canvas"] > 0 and not c["graphs"] and c["captures"] == 0  # off CUDA: no graphs
+            assert c["passes"]["commit"] == 1  # the first canvas's K/V written; the second ends the request
         else:
             assert "attention_error" not in r and len(r["attention"]) == 2
             # the network kernels need CUDA or the interpreter (off here): each row says why
@@ -347,7 +348,15 @@ def test_the_canvas_table_shows_each_run_and_why_one_did_not():
     from pipeline.bench.gpu.report import render
 
     ok = {"batch": 1, "steps": 16, "canvases": 2, "ms_per_canvas": 151.26, "tokens_per_s": 1692.4, "tokens": 512,
-          "graphs": True, "fused_sampler": True, "passes": {"denoise": 32, "commit": 2}, "steps_per_canvas": [16]}  # fmt: skip
+          "graphs": True, "fused_sampler": True, "captures": 2, "capture_error": None,
+          "passes": {"denoise": 32, "commit": 1}, "steps_per_canvas": [16]}  # fmt: skip
+    eager = {
+        **ok,
+        "batch": 4,
+        "graphs": False,
+        "captures": 0,
+        "capture_error": "RuntimeError: operation | not permitted",
+    }
     row = {"format": "fp8", "batch": 1, "kernels": "k", "ms_eager": 30.0, "ms_graph": 25.0, "floor_ms_spec": 6.2,
            "floor_ms_copy": 7.0, "canvas": ok}  # fmt: skip
     failed = {**row, "batch": 16, "canvas_error": "OutOfMemoryError: CUDA out of memory | tried"}
@@ -362,6 +371,10 @@ def test_the_canvas_table_shows_each_run_and_why_one_did_not():
     }
     table = render({"env": env, "dry_run": False, "checks": [{"name": "fp8 pass", "status": "passed", "seconds": 9,
                                                              "budget_s": 90, "detail": "", "rows": [row, failed]}]})  # fmt: skip
-    assert "| fp8 | 1 | 16 | 151.3 | 1692 | yes | yes | 32 / 2 |" in table
+    assert "| fp8 | 1 | 16 | 151.3 | 1692 | yes (2) | yes | 32 / 1 |" in table
+    assert (
+        "| fp8 | 4 | 16 | 151.3 | 1692 | no: RuntimeError: operation / not permitted | yes | 32 / 1 |"
+        in "\n".join(render_canvas([("fp8", eager)]))
+    )
     assert "| fp8 | 16 | — | — | — | — | — | OutOfMemoryError: CUDA out of memory / tried |" in table
     assert render_canvas([]) == []
