@@ -191,7 +191,9 @@ def measure_pass(
             except Exception as e:  # a diagnostic that cannot run here costs itself, not the pass's row
                 r[f"{key}_error"] = error_line(e)
         sink(rows)
-        with contextlib.suppress(RuntimeError):  # an allocator a failed capture left: the next batch says
+        with contextlib.suppress(
+            RuntimeError
+        ):  # whatever a failed capture left: the next rows say what failed
             torch.cuda.empty_cache()
     return rows
 
@@ -203,8 +205,8 @@ def pass_diagnostics(
     ops that took the time, the tiles the Triton MoE GEMM launched with, and, eagerly (hooks and extra calls
     would recompile a compiled pass), the experts the routing touched; FP8: ms per canvas through the
     serving runtime (`canvas.canvas_time`), one layer's experts on each kernel that can run them and the
-    siblings as one GEMM; bf16: attention's backends, the network kernels
-    against their torch forms, and the bf16 experts on both grouped GEMMs."""
+    siblings as one GEMM; bf16: attention's backends, the network kernels against their torch forms, and
+    the bf16 experts on both grouped GEMMs."""
     from pipeline.bench.gpu.canvas import canvas_time
     from pipeline.bench.gpu.network import network_paths, sibling_paths
 
