@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from pipeline.limits import DEFAULTS
 from pipeline.model.config import ModelConfig
 from pipeline.model.network import DiffusionGemma
 from pipeline.targets import Precision, Target
@@ -38,6 +39,7 @@ class ServingPlan:
     weights_gib: float
     kv_cache_gib: float
     workspace_gib: float
+    prefix_cache_gib: float
     total_gib: float
     gpu_memory_gib: float
     fits: bool
@@ -89,9 +91,12 @@ class Workspace:
       * `sampler_probs`: the fused sampler's bf16 probabilities, allocated once the softcap temporaries
         are gone, so it does not add to the peak; they live only until the soft embedding of the next
         step is taken from them right after sampling (`DenoiseResult.soft`, [C, canvas, hidden]);
-      * `activations`: one canvas batch's hidden states and the widest MoE intermediate, bf16.
+      * `activations`: one canvas batch's hidden states and the widest MoE intermediate, bf16;
+      * `graph_pool`: under CUDA graphs (`pipeline.runtime.device_loop`) the captured step's own copy of
+        everything above but the store: its allocations stay in the graphs' private pool, while each round's
+        eager warm-up step allocates the same again outside it.
     The peak is at the sampler: sc_state + sc_input + fp32 logits + bf16 probs + activations (the fresh soft
-    embedding, [C, canvas, hidden], is the size of sc_state)."""
+    embedding, [C, canvas, hidden], is the size of sc_state), plus the graph pool."""
 
     sc_state: int
     sc_input: int
@@ -99,12 +104,18 @@ class Workspace:
     softcap_temporaries: int
     sampler_probs: int
     activations: int
+    graph_pool: int = 0
+
+    @property
+    def step(self) -> int:
+        """One step's own allocations at its peak (all but the store kept between steps)."""
+        at_softcap = self.logits + self.softcap_temporaries
+        at_sampler = self.logits + self.sampler_probs
+        return self.sc_input + max(at_softcap, at_sampler) + self.activations
 
     @property
     def peak(self) -> int:
-        at_softcap = self.logits + self.softcap_temporaries
-        at_sampler = self.logits + self.sampler_probs
-        return self.sc_state + self.sc_input + max(at_softcap, at_sampler) + self.activations
+        return self.sc_state + self.step + self.graph_pool
 
 
 def sc_state_bytes_per_sequence(config: ModelConfig, dtype_bytes: int = 2) -> int:
@@ -113,12 +124,13 @@ def sc_state_bytes_per_sequence(config: ModelConfig, dtype_bytes: int = 2) -> in
     return config.canvas_length * config.text_config.hidden_size * dtype_bytes
 
 
-def workspace(config: ModelConfig, concurrency: int, dtype_bytes: int = 2) -> Workspace:
+def workspace(config: ModelConfig, concurrency: int, dtype_bytes: int = 2, graphs: bool = True) -> Workspace:
+    """`graphs`: the step runs under CUDA graphs (the GPU serving path), which hold a second copy of it."""
     t = config.text_config
     cells = concurrency * config.canvas_length * t.vocab_size  # one [C, canvas, vocab] tensor
     widest = max(t.hidden_size * 8, t.num_experts * t.moe_intermediate_size)
     sc = concurrency * sc_state_bytes_per_sequence(config, dtype_bytes)
-    return Workspace(
+    ws = Workspace(
         sc_state=sc,
         sc_input=sc,
         logits=cells * 4,
@@ -126,23 +138,33 @@ def workspace(config: ModelConfig, concurrency: int, dtype_bytes: int = 2) -> Wo
         sampler_probs=cells * 2,
         activations=concurrency * config.canvas_length * widest * dtype_bytes,
     )
+    ws.graph_pool = ws.step if graphs else 0
+    return ws
 
 
-def workspace_bytes(config: ModelConfig, concurrency: int) -> int:
+def workspace_bytes(config: ModelConfig, concurrency: int, graphs: bool = True) -> int:
     """Peak denoise-pass workspace (see `Workspace`)."""
-    return workspace(config, concurrency).peak
+    return workspace(config, concurrency, graphs=graphs).peak
 
 
 def serving_plan(
-    config: ModelConfig, p: Precision, target: Target, context: int, concurrency: int, kv_cache: str = "none"
+    config: ModelConfig,
+    p: Precision,
+    target: Target,
+    context: int,
+    concurrency: int,
+    kv_cache: str = "none",
+    prefix_cache_mib: int = DEFAULTS.prefix_cache_mib,
 ) -> list[ServingPlan]:
-    """`kv_cache="fp8"` stores K/V in one byte per value (ModelOpt's KV-cache quantization)."""
+    """`kv_cache="fp8"` stores K/V in one byte per value (ModelOpt's KV-cache quantization);
+    `prefix_cache_mib`: the K/V of prompt blocks the server keeps across requests (its limit of that name)."""
     w = weight_plan(config, p)
     kv = kv_cache_bytes(config, context, concurrency, 1 if kv_cache == "fp8" else 2)
     ws = workspace_bytes(config, concurrency)
+    prefix = prefix_cache_mib << 20
     plans = []
     for gpu in target.gpus:
-        total = w.bytes + kv + ws
+        total = w.bytes + kv + ws + prefix
         plans.append(
             ServingPlan(
                 target=target.name,
@@ -151,6 +173,7 @@ def serving_plan(
                 weights_gib=round(w.gib, 2),
                 kv_cache_gib=round(kv / GIB, 2),
                 workspace_gib=round(ws / GIB, 2),
+                prefix_cache_gib=round(prefix / GIB, 2),
                 total_gib=round(total / GIB, 2),
                 gpu_memory_gib=gpu.memory_gib,
                 fits=total <= 0.9 * gpu.memory_gib * GIB,  # leave 10% for CUDA context and fragmentation

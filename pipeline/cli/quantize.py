@@ -110,6 +110,7 @@ def _render_estimate(r: dict, target: str | None, context: int, concurrency: int
             fits = out.flag("fits", True) if s["fits"] else out.flag("does not fit", False)
             rows.append(
                 f"  {s['precision']:<9} {s['gpu']:<18} weights {s['weights_gib']:.2f} + KV {s['kv_cache_gib']:.2f} + "
-                f"workspace {s['workspace_gib']:.2f} = {s['total_gib']:.2f} GiB of {s['gpu_memory_gib']:.0f} GiB: {fits}"
+                f"workspace {s['workspace_gib']:.2f} + prefix cache {s['prefix_cache_gib']:.2f} = {s['total_gib']:.2f} GiB "
+                f"of {s['gpu_memory_gib']:.0f} GiB: {fits}"
             )
     return rows

@@ -120,9 +120,22 @@ def test_workspace_counts_the_fp32_logits_the_runtime_allocates():
     assert ws.softcap_temporaries == 0
     activations = 8 * 256 * (128 * 704) * 2  # the 128 x 704 MoE intermediate is wider than 8 x hidden
     assert ws.activations == activations
-    assert workspace_bytes(CFG, 8) == 2 * sc + cells * (4 + 2) + activations  # 3.6 GB
+    step = sc + cells * (4 + 2) + activations  # the gathered store, logits, probabilities, activations
+    assert workspace_bytes(CFG, 8, graphs=False) == sc + step  # 3.6 GB
+    # under CUDA graphs the captured step's allocations stay in the graphs' pool beside the warm-up's
+    assert ws.graph_pool == step and workspace_bytes(CFG, 8) == sc + 2 * step
     plan = serving_plan(CFG, precision("nvfp4"), target("sm100"), context=8192, concurrency=8)[0]
-    assert plan.workspace_gib == round((2 * sc + cells * 6 + activations) / 2**30, 2)
+    assert plan.workspace_gib == round((sc + 2 * step) / 2**30, 2) and plan.prefix_cache_gib == 1.0
+    kv = kv_cache_bytes(CFG, 8192, 8)
+    assert plan.total_gib == round(
+        (weight_plan(CFG, precision("nvfp4")).bytes + kv + sc + 2 * step + 2**30) / 2**30, 2
+    )
+    assert (
+        serving_plan(CFG, precision("nvfp4"), target("sm100"), 8192, 8, prefix_cache_mib=0)[
+            0
+        ].prefix_cache_gib
+        == 0
+    )
 
 
 def test_self_conditioning_state_per_sequence_is_hidden_wide():
