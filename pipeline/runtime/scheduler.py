@@ -105,6 +105,8 @@ class BlockDiffusionRuntime:
         self.pad_id = cfg.pad_token_id
         self.max_len = max_len or min(cfg.max_position_embeddings, DEFAULTS.max_context)
         self.max_batch = max_batch
+        # rows admitted at most, below max_batch once a batch ran out of GPU memory (`after_out_of_memory`)
+        self.rows_allowed = self.rows_ceiling = max_batch
         self.device, self.dtype = self.backend.device, self.backend.dtype
         # room in the cache for a canvas's K/V, where the backend writes them there (`KVCache.read`)
         room = self.canvas_length if getattr(self.backend, "writes_kv_in_place", False) else 0
@@ -261,8 +263,17 @@ class BlockDiffusionRuntime:
             if res is not None and res.cancelled:
                 self._release(slot, "cancelled")
 
+    def after_out_of_memory(self, rows: int) -> None:
+        """A step with `rows` rows ran out of GPU memory: admit half as many from now on, then one more row
+        with every canvas that finishes, up to one row fewer than failed. Each size fails once at most; the
+        server learns the batch that fits its memory (`dgpipe quantize --estimate` plans it beforehand)."""
+        self.rows_ceiling = max(1, min(self.rows_ceiling, rows - 1))
+        self.rows_allowed = max(1, min(self.rows_ceiling, rows // 2))
+
     def _admit(self) -> None:
         free = [i for i, r in enumerate(self.results) if r is None]
+        room = self.rows_allowed - (len(self.results) - len(free))
+        free = free[: max(0, room)]
         joining: list[int] = []
         while free and self.waiting:
             slot, res = free.pop(0), self.waiting.popleft()
@@ -607,6 +618,7 @@ class BlockDiffusionRuntime:
         return torch.where(mask[:, None, None], self.sc[rnd.slots], 0.0)
 
     def _finalise(self, slots: list[int]) -> None:
+        self.rows_allowed = min(self.rows_ceiling, self.rows_allowed + 1)  # back toward what fits
         commits: list[int] = []
         for slot in slots:
             res = self.results[slot]

@@ -74,10 +74,14 @@ class EngineLoop:
         rows = core.runtime.drop_running()
         oom = out_of_memory(error)
         if oom:
-            core.log_error(f"dgpipe: out of GPU memory at a batch of {len(rows)}: {error}")
+            if rows:  # the batch that failed: the runtime admits fewer rows from now on
+                core.runtime.after_out_of_memory(len(rows))
+            allowed = core.runtime.rows_allowed
+            core.log_error(f"dgpipe: out of GPU memory at a batch of {len(rows)}: {error}; admitting {allowed} "
+                           f"rows at a time now")  # fmt: skip
             failure = Failure(ErrorKind.UNAVAILABLE, f"the GPU ran out of memory at a batch of {len(rows)} "
-                              "requests: retry; if it recurs, serve with a smaller max_batch (--max-batch "
-                              "of dgpipe build or package) or max_tokens")  # fmt: skip
+                              f"requests: retry (the server now runs {allowed} at a time); if it recurs, serve "
+                              "with a smaller max_batch (--max-batch of dgpipe build or package) or max_tokens")  # fmt: skip
         else:
             failure = responses.internal_failure("during generation", error)
         if rows:

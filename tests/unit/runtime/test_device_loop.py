@@ -222,3 +222,27 @@ def test_out_of_memory_in_a_capture_is_the_steps_failure_and_graphs_stay_on(monk
     with pytest.raises(torch.OutOfMemoryError):  # itself, not capture_end's error: the server's 503
         loop.run(rnd, cuda.step(ran))
     assert loop.graphs and loop.capture_error is None and cuda.current is cuda.default
+
+
+def test_after_running_out_of_memory_the_runtime_admits_fewer_rows_then_grows_back_below_the_failed_size():
+    """Out of memory at 4 rows: 2 admitted from then on, one more with every canvas that finishes, never 4
+    again (each size fails once at most); the tokens are those of a run that never failed."""
+    model = build_tiny(torch.float64)
+    _, plain = generate(model, requests(FIXED), max_batch=4, sync_every=4)
+    rt = BlockDiffusionRuntime(model, max_batch=4, max_len=128, sync_every=4)
+    rt.after_out_of_memory(4)
+    assert (rt.rows_allowed, rt.rows_ceiling) == (2, 3)
+    seen: list[int] = []
+    step = rt.step
+
+    def counted() -> None:
+        step()
+        seen.append(sum(r is not None for r in rt.results))
+
+    rt.step = counted
+    same_results(plain, rt.generate(requests(FIXED)))
+    assert max(seen) == 3 and seen[0] == 2 and rt.rows_allowed == 3
+    rt.after_out_of_memory(3)
+    assert (rt.rows_allowed, rt.rows_ceiling) == (1, 2)
+    rt.after_out_of_memory(1)
+    assert (rt.rows_allowed, rt.rows_ceiling) == (1, 1)  # one row always runs
