@@ -104,7 +104,8 @@ def _render_estimate(r: dict, target: str | None, context: int, concurrency: int
         )
     if r["serving"]:
         rows.append(
-            f"serving on {target} (context {context}, concurrency {concurrency}, KV cache {kv_cache}):"
+            f"serving on {target} (context {context}, concurrency {concurrency}, KV cache {kv_cache}; the workspace "
+            "holds a step's working set twice, as under CUDA graphs, and the prefix cache is the server's default):"
         )
         for s in r["serving"]:
             fits = out.flag("fits", True) if s["fits"] else out.flag("does not fit", False)

@@ -33,6 +33,9 @@ from pipeline.runtime.prefix_cache import PrefixCache
 from pipeline.sampler.constraints import TokenAutomaton
 from pipeline.sampler.reference import CounterDraws, DrawSource, RowKeys, temperatures
 
+# after a batch ran out of GPU memory, how long without another failure before one more row may run
+CEILING_RECOVERY_S = 300.0
+
 
 @dataclass
 class Request:
@@ -107,6 +110,9 @@ class BlockDiffusionRuntime:
         self.max_batch = max_batch
         # rows admitted at most, below max_batch once a batch ran out of GPU memory (`after_out_of_memory`)
         self.rows_allowed = self.rows_ceiling = max_batch
+        self._out_of_memory_at = (
+            0.0  # when (perf_counter) a batch last ran out of memory, or the ceiling rose
+        )
         self.device, self.dtype = self.backend.device, self.backend.dtype
         # room in the cache for a canvas's K/V, where the backend writes them there (`KVCache.read`)
         room = self.canvas_length if getattr(self.backend, "writes_kv_in_place", False) else 0
@@ -265,10 +271,13 @@ class BlockDiffusionRuntime:
 
     def after_out_of_memory(self, rows: int) -> None:
         """A step with `rows` rows ran out of GPU memory: admit half as many from now on, then one more row
-        with every canvas that finishes, up to one row fewer than failed. Each size fails once at most; the
-        server learns the batch that fits its memory (`dgpipe quantize --estimate` plans it beforehand)."""
+        with every canvas that finishes, up to one row fewer than failed (the ceiling). So the server learns
+        the batch that fits its memory (`dgpipe quantize --estimate` plans it beforehand). Memory can also
+        run out for a reason the batch size is not (one long prompt, fragmentation), so the ceiling rises by
+        one row every `CEILING_RECOVERY_S` without another failure, back to max_batch."""
         self.rows_ceiling = max(1, min(self.rows_ceiling, rows - 1))
         self.rows_allowed = max(1, min(self.rows_ceiling, rows // 2))
+        self._out_of_memory_at = time.perf_counter()
 
     def _admit(self) -> None:
         free = [i for i, r in enumerate(self.results) if r is None]
@@ -618,7 +627,12 @@ class BlockDiffusionRuntime:
         return torch.where(mask[:, None, None], self.sc[rnd.slots], 0.0)
 
     def _finalise(self, slots: list[int]) -> None:
-        self.rows_allowed = min(self.rows_ceiling, self.rows_allowed + 1)  # back toward what fits
+        if (
+            self.rows_ceiling < self.max_batch
+            and time.perf_counter() - self._out_of_memory_at >= CEILING_RECOVERY_S
+        ):
+            self.rows_ceiling, self._out_of_memory_at = self.rows_ceiling + 1, time.perf_counter()
+        self.rows_allowed = min(self.rows_ceiling, self.rows_allowed + len(slots))  # back toward what fits
         commits: list[int] = []
         for slot in slots:
             res = self.results[slot]

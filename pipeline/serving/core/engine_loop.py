@@ -80,7 +80,7 @@ class EngineLoop:
             core.log_error(f"dgpipe: out of GPU memory at a batch of {len(rows)}: {error}; admitting {allowed} "
                            f"rows at a time now")  # fmt: skip
             failure = Failure(ErrorKind.UNAVAILABLE, f"the GPU ran out of memory at a batch of {len(rows)} "
-                              f"requests: retry (the server now runs {allowed} at a time); if it recurs, serve "
+                              f"requests: retry (the server now admits {allowed} at a time, more as canvases finish); if it recurs, serve "
                               "with a smaller max_batch (--max-batch of dgpipe build or package) or max_tokens")  # fmt: skip
         else:
             failure = responses.internal_failure("during generation", error)

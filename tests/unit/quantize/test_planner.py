@@ -121,7 +121,7 @@ def test_workspace_counts_the_fp32_logits_the_runtime_allocates():
     activations = 8 * 256 * (128 * 704) * 2  # the 128 x 704 MoE intermediate is wider than 8 x hidden
     assert ws.activations == activations
     step = sc + cells * (4 + 2) + activations  # the gathered store, logits, probabilities, activations
-    assert workspace_bytes(CFG, 8, graphs=False) == sc + step  # 3.6 GB
+    assert workspace_bytes(CFG, 8, graphs=False) == sc + step  # 3.6 GB eagerly, 7.2 GB under CUDA graphs
     # under CUDA graphs the captured step's allocations stay in the graphs' pool beside the warm-up's
     assert ws.graph_pool == step and workspace_bytes(CFG, 8) == sc + 2 * step
     plan = serving_plan(CFG, precision("nvfp4"), target("sm100"), context=8192, concurrency=8)[0]

@@ -224,9 +224,14 @@ def test_out_of_memory_in_a_capture_is_the_steps_failure_and_graphs_stay_on(monk
     assert loop.graphs and loop.capture_error is None and cuda.current is cuda.default
 
 
-def test_after_running_out_of_memory_the_runtime_admits_fewer_rows_then_grows_back_below_the_failed_size():
-    """Out of memory at 4 rows: 2 admitted from then on, one more with every canvas that finishes, never 4
-    again (each size fails once at most); the tokens are those of a run that never failed."""
+def test_after_running_out_of_memory_the_runtime_admits_fewer_rows_then_grows_back_below_the_failed_size(
+    monkeypatch,
+):
+    """Out of memory at 4 rows: 2 admitted from then on, one more with every canvas that finishes, not 4
+    again until `CEILING_RECOVERY_S` passed without another failure (memory can run out for a reason the
+    batch size is not); the tokens are those of a run that never failed."""
+    from pipeline.runtime import scheduler
+
     model = build_tiny(torch.float64)
     _, plain = generate(model, requests(FIXED), max_batch=4, sync_every=4)
     rt = BlockDiffusionRuntime(model, max_batch=4, max_len=128, sync_every=4)
@@ -246,3 +251,7 @@ def test_after_running_out_of_memory_the_runtime_admits_fewer_rows_then_grows_ba
     assert (rt.rows_allowed, rt.rows_ceiling) == (1, 2)
     rt.after_out_of_memory(1)
     assert (rt.rows_allowed, rt.rows_ceiling) == (1, 1)  # one row always runs
+    monkeypatch.setattr(scheduler, "CEILING_RECOVERY_S", 0.0)  # the time passed: a row more per finish
+    seen.clear()
+    same_results(plain, rt.generate(requests(FIXED)))
+    assert seen[0] == 1 and max(seen) == 3 and rt.rows_ceiling == 4

@@ -264,7 +264,7 @@ def test_out_of_memory_fails_the_batch_as_unavailable_and_the_queue_is_served(mo
     for channel in batch:
         ((failure,),) = [channel.sent]
         assert failure.kind == ErrorKind.UNAVAILABLE and failure.message.startswith(
-            "the GPU ran out of memory at a batch of 2 requests: retry (the server now runs 1 at a time)"
+            "the GPU ran out of memory at a batch of 2 requests: retry (the server now admits 1 at a time"
         )
     assert all(not channel.sent for channel in queued) and len(c.jobs) == 2
     c.loop.turn()  # the queued two: one row at a time now, a size that has not failed
