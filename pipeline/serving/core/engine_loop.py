@@ -52,6 +52,8 @@ class EngineLoop:
                 self.step_failed(e)
             if (cache := getattr(core.runtime, "prefix_cache", None)) is not None:
                 core.metrics.record_prefix_cache(cache)
+            if (rows := getattr(core.runtime, "rows_allowed", None)) is not None:
+                core.metrics.record_rows_allowed(rows)
             core.update_load()  # requests admitted to batch slots leave the queue
 
     def step_failed(self, error: Exception) -> None:
@@ -74,6 +76,7 @@ class EngineLoop:
         rows = core.runtime.drop_running()
         oom = out_of_memory(error)
         if oom:
+            core.metrics.out_of_memory.increment(1)
             if rows:  # the batch that failed: the runtime admits fewer rows from now on
                 core.runtime.after_out_of_memory(len(rows))
             allowed = core.runtime.rows_allowed

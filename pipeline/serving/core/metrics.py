@@ -47,6 +47,15 @@ class Metrics:
             "dgpipe_active_requests", "Requests accepted and not yet answered (in the batch or queued)"
         )
         self.queued = make.gauge("dgpipe_queued_requests", "Accepted requests waiting for a batch slot")
+        self.out_of_memory = make.counter(
+            "dgpipe_out_of_memory_total",
+            "Denoise steps that ran out of GPU memory (their batch answered 503)",
+        )
+        self.rows_allowed = make.gauge(
+            "dgpipe_batch_rows_allowed",
+            "Rows a denoise pass admits at most: max_batch, less after out of memory",
+        )
+        self._rows_allowed: int | None = None
         self.guide_cache_hits = make.counter(
             "dgpipe_guide_cache_hits_total", "Constrained-decoding guides found compiled in the cache"
         )
@@ -115,6 +124,13 @@ class Metrics:
             "From acceptance to the final response of a request answered with a result",
             REQUEST_BUCKETS,
         )
+
+    def record_rows_allowed(self, rows: int) -> None:
+        """Set the rows gauge to the runtime's `rows_allowed` (called by the runtime loop after each step;
+        only a change is written)."""
+        if rows != self._rows_allowed:
+            self._rows_allowed = rows
+            self.rows_allowed.set(rows)
 
     def set_load(self, active: int, queued: int) -> None:
         """Set the load gauges (called by either thread on every change; only a change is written)."""

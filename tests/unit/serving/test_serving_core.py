@@ -267,6 +267,7 @@ def test_out_of_memory_fails_the_batch_as_unavailable_and_the_queue_is_served(mo
             "the GPU ran out of memory at a batch of 2 requests: retry (the server now admits 1 at a time"
         )
     assert all(not channel.sent for channel in queued) and len(c.jobs) == 2
+    assert c.metrics.out_of_memory.value == 1 and c.metrics.rows_allowed.value == 1
     c.loop.turn()  # the queued two: one row at a time now, a size that has not failed
     assert sum(r is not None for r in c.runtime.results) == 1
     while c.jobs:
