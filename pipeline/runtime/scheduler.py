@@ -110,9 +110,8 @@ class BlockDiffusionRuntime:
         self.max_batch = max_batch
         # rows admitted at most, below max_batch once a batch ran out of GPU memory (`after_out_of_memory`)
         self.rows_allowed = self.rows_ceiling = max_batch
-        self._out_of_memory_at = (
-            0.0  # when (perf_counter) a batch last ran out of memory, or the ceiling rose
-        )
+        # when (perf_counter) a batch last ran out of memory, or the ceiling rose
+        self._out_of_memory_at = 0.0
         self.device, self.dtype = self.backend.device, self.backend.dtype
         # room in the cache for a canvas's K/V, where the backend writes them there (`KVCache.read`)
         room = self.canvas_length if getattr(self.backend, "writes_kv_in_place", False) else 0
@@ -454,7 +453,10 @@ class BlockDiffusionRuntime:
     def _fail_guided_row(self, slot: int, e: Exception) -> None:
         """End one constrained row whose guide cannot go on (a guide the vocabulary cannot finish: its walk
         reaches a state where no token is allowed): that request alone ends with the error, its batch
-        keeps going (reason "error", Result.error says why)."""
+        keeps going (reason "error", Result.error says why). Out of memory or a CUDA error in the guide's
+        walk (it touches the device) is the step's failure instead, raised for the server to answer."""
+        if device_failure(e):
+            raise e
         res = self.results[slot]
         if res is not None:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -475,8 +477,6 @@ class BlockDiffusionRuntime:
             try:
                 pins = advance(g, amax, prev[r].tolist(), kept[r].tolist(), pinned, self.pad_id)
             except RuntimeError as e:
-                if device_failure(e):  # out of memory, a CUDA error: the step failed, not the guide
-                    raise
                 self._fail_guided_row(slot, e)
                 continue
             if pins:
@@ -601,8 +601,6 @@ class BlockDiffusionRuntime:
                 try:
                     g.automaton.allowed(g.state, g.remaining(g.frontier))
                 except RuntimeError as e:
-                    if device_failure(e):  # out of memory, a CUDA error: the step failed, not the guide
-                        raise
                     self._fail_guided_row(slot, e)
         guides = [self.guides[s] for s in rnd.slot_list]
         if all(g is None for g in guides):
@@ -644,8 +642,6 @@ class BlockDiffusionRuntime:
                 try:
                     block = finish_canvas(g, block, probs, self.pad_id)
                 except RuntimeError as e:
-                    if device_failure(e):  # out of memory, a CUDA error: the step failed, not the guide
-                        raise
                     self._fail_guided_row(slot, e)
                     continue
                 self.amax[slot] = torch.tensor(block, device=self.device)  # what the commit writes

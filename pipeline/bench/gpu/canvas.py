@@ -29,6 +29,7 @@ def canvas_time(
     `BlockDiffusionRuntime` over `model` as `dgpipe serve` builds it (CUDA graphs and the fused sampler where
     the backend allows them), after a warm-up run of the same requests: ms per canvas (every request's canvases
     run side by side), output tokens per second, and what the runtime ran."""
+    from pipeline.bench.timing import sync
     from pipeline.model.config import SamplerConfig
     from pipeline.runtime.backends import TorchBackend
     from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
@@ -45,10 +46,10 @@ def canvas_time(
 
     rt.generate(requests(canvases, 0))  # the prefill, the sampler's load, every shape's first run
     before, captured = dict(rt.passes), rt.loop.captures
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     results = rt.generate(requests(canvases, batch))
-    _sync(dev)
+    sync(dev)
     wall = time.perf_counter() - t0
     tokens = sum(len(r.tokens) for r in results)
     return {"batch": batch, "steps": steps, "canvases": canvases, "ms_per_canvas": wall * 1e3 / canvases,
@@ -56,11 +57,6 @@ def canvas_time(
             "captures": rt.loop.captures - captured, "capture_error": rt.loop.capture_error,
             "passes": {k: v - before.get(k, 0) for k, v in rt.passes.items()},
             "steps_per_canvas": sorted({s for r in results for s in r.steps_per_canvas})}  # fmt: skip
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def render_canvas(rows: list[dict]) -> list[str]:

@@ -8,8 +8,10 @@ broken, so health pings fail and the watchdog or the kubelet restarts the server
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
+import traceback
 from typing import TYPE_CHECKING
 
 from pipeline.serving.core import responses
@@ -60,9 +62,6 @@ class EngineLoop:
         """Answer the requests a failed step had in its batch; the queued ones stay queued. A step that
         failed with no request in its batch (none admitted) answers every request, so that none can fail
         the loop forever."""
-        import contextlib
-        import traceback
-
         import torch
 
         from pipeline.runtime.device_errors import out_of_memory, unusable
