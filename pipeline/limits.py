@@ -94,10 +94,6 @@ class Limits(BaseModel):
         """The caps an engine is built for, by name (the serving caps do not change a plan)."""
         return {k: getattr(self, k) for k in self.ENGINE_FIELDS}
 
-    def serving_values(self) -> dict[str, int]:
-        """The caps one request may ask for, by name."""
-        return {k: getattr(self, k) for k in self.SERVING_FIELDS}
-
     def engine_flags(self) -> list[str]:
         """The `dgpipe engine build` options that build a plan for these caps (the node's command)."""
         return [a for k, v in self.engine_values().items() for a in (flag(k), str(v))]

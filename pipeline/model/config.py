@@ -57,11 +57,6 @@ class LayerShape(BaseModel):
     def is_sliding(self) -> bool:
         return self.layer_type == "sliding_attention"
 
-    @property
-    def shares_kv(self) -> bool:
-        """Global layers have no v_proj: V is the k_proj output (normed without scale, no RoPE)."""
-        return not self.is_sliding
-
 
 def _size(default: int, name: str) -> Any:
     """A size the model allocates from, bounded by CONFIG_LIMITS[name]: pydantic checks it while parsing,

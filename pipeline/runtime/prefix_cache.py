@@ -45,10 +45,6 @@ class PrefixStats:
     inserted_blocks: int = 0
     evicted_blocks: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
-
 
 @dataclass
 class PrefixCache:
