@@ -15,6 +15,9 @@ from pipeline.resources import config_names, load_yaml
 
 class GPU(BaseModel):
     product: str
+    # what the driver calls it (`torch.cuda.get_device_name`, nvidia-smi), exactly: how a running GPU finds
+    # its entry (`gpu_named`). GPU feature discovery's label nvidia.com/gpu.product is a name, "-" for " ".
+    device_names: list[str]
     memory_gib: float
     bandwidth_tb_s: float
     # dense (no 2:4 sparsity) tensor-core TFLOPS per precision, from NVIDIA's datasheets; the compute floor
@@ -76,6 +79,18 @@ def target(name: str) -> Target:
             f"choose one of: {', '.join(config_names('targets'))} (or hopper, blackwell)",
         )
     return Target(**load_yaml("targets", name))
+
+
+def gpu_named(device_name: str) -> GPU | None:
+    """The configs/targets entry of the GPU the driver calls `device_name`, or None for one no target lists.
+    Whole names only: "NVIDIA H100 PCIe" is not "NVIDIA H100 80GB HBM3", and "NVIDIA GH200 480GB" is no H200,
+    though each name holds the other's product name. A GPU's bandwidth and tensor-core rates set its floors."""
+    key = device_name.strip().casefold()
+    for t in map(target, config_names("targets")):
+        for g in t.gpus:
+            if any(n.casefold() == key for n in g.device_names):
+                return g
+    return None
 
 
 def target_for_compute_capability(cc: str) -> Target | None:

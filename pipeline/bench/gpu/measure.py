@@ -20,6 +20,7 @@ from pipeline.bench.gpu.layers import attention_backends, bf16_expert_paths, exp
 from pipeline.errors import error_line
 from pipeline.runtime.device_errors import out_of_memory
 from pipeline.runtime.dispatch import arch_of
+from pipeline.targets import gpu_named
 
 
 def _kernels_here(dev: torch.device, arch: str):
@@ -76,15 +77,6 @@ def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
     return kernels
 
 
-def spec_gpu(device_name: str, arch: str):
-    """The configs/targets GPU entry this device is (its bandwidth is the floor's): by product name
-    ("NVIDIA H200" -> H200-SXM-141GB), else the arch's first GPU."""
-    from pipeline.targets import target
-
-    gpus = target(arch).gpus
-    return next((g for g in gpus if g.product.split("-")[0].lower() in device_name.lower()), gpus[0])
-
-
 def _pass_setup(model, batch: int):
     from pipeline.model.network import canvas_positions
     from pipeline.runtime.kv_cache import KVCache, attention_masks
@@ -107,9 +99,12 @@ def _pass_setup(model, batch: int):
     past, meta = cache.read(slots, room=length)  # as the runtime's denoise rounds read it
     cpos = canvas_positions(cache.lengths[slots], length)
     masks = attention_masks(cpos, torch.ones_like(cpos, dtype=torch.bool), meta, False, cache.window)
-    soft = model.soft_embedding(
-        torch.softmax(torch.randn(batch, length, cfg.vocab_size, device=dev, generator=gen), -1)
-    )
+    # one canvas's fp32 probabilities at a time: all at once, [batch, 256, 262144] twice over, they ran out of
+    # memory before the pass did (34 GB each at 128 canvases); the pass itself holds [batch, 256, hidden]
+    soft = torch.cat([
+        model.soft_embedding(torch.softmax(torch.randn(1, length, cfg.vocab_size, device=dev, generator=gen), -1))
+        for _ in range(batch)
+    ])  # fmt: skip
     return lambda: model.denoise_soft(canvas, soft, cpos, masks, past)
 
 
@@ -155,7 +150,9 @@ def measure_pass(
     arch = arch_of(*torch.cuda.get_device_capability(dev))
     row = dispatch(fmt, arch)
     bw = copy_bandwidth(dev, 2.0)
-    spec = spec_gpu(torch.cuda.get_device_name(dev), arch)
+    # the datasheet's bandwidth and tensor-core rates set the floors; a GPU configs/targets does not list has
+    # none, and its pass is set against the copy bandwidth measured here
+    spec = gpu_named(torch.cuda.get_device_name(dev))
     rows, fns = [], {}
     for b in batches:  # every batch's times first: diagnostics come after, so a budget cut keeps them all
         with torch.inference_mode():
@@ -173,9 +170,11 @@ def measure_pass(
         ).total
         rows.append({"format": fmt + (" compiled" if compiled else ""), "batch": b, "kernels": kernels,
                      "ms_eager": eager * 1e3, "ms_graph": graph * 1e3, "first_call_s": first_s, "finite": finite,
-                     "pass_gb": nbytes / 1e9, "floor_ms_spec": floor_ms(nbytes, spec.product),
-                     "spec_gpu": spec.product, "floor_ms_copy": nbytes / bw * 1e3, "copy_gb_s": bw / 1e9,
-                     "compute_ms_spec": compute_ms(mcfg.text_config, row, b, spec.product, mcfg.canvas_length, CONTEXT),
+                     "pass_gb": nbytes / 1e9, "spec_gpu": spec.product if spec else None,
+                     "floor_ms_spec": floor_ms(nbytes, spec.product) if spec else None,
+                     "floor_ms_copy": nbytes / bw * 1e3, "copy_gb_s": bw / 1e9,
+                     "compute_ms_spec": compute_ms(mcfg.text_config, row, b, spec.product, mcfg.canvas_length, CONTEXT)
+                     if spec else None,
                      "experts_touched": None,
                      "experts_touched_uniform": experts_touched(mcfg.text_config, b * mcfg.canvas_length),
                      "graph_error": graph_error})  # fmt: skip
@@ -190,7 +189,7 @@ def measure_pass(
                     r[key] = value
             except Exception as e:  # a diagnostic that cannot run here costs itself, not the pass's row
                 r[f"{key}_error"] = error_line(e)
-        sink(rows)
+            sink(rows)  # each diagnostic as it ends: a check killed at its budget loses only the one running
         with contextlib.suppress(
             RuntimeError
         ):  # whatever a failed capture left: the next rows say what failed
@@ -217,10 +216,10 @@ def pass_diagnostics(
     if compiled:
         return diagnostics
     diagnostics["experts_touched"] = lambda: routed_experts(model, fn)
-    if fmt == "fp8":  # the format users serve: its canvases through the runtime, then its experts' kernels
-        diagnostics["canvas"] = lambda: canvas_time(model, batch, CONTEXT, dev)
+    if fmt == "fp8":  # the format users serve: its experts' kernels, then its canvases through the runtime
         diagnostics["experts"] = lambda: expert_paths(experts, cfg.top_k_experts, tokens, dev)
         diagnostics["siblings"] = lambda: sibling_paths(model, tokens, dev)
+        diagnostics["canvas"] = lambda: canvas_time(model, batch, CONTEXT, dev)  # the longest: last
     if fmt == "bf16":  # attention is bf16 in every format: once is enough
         diagnostics["attention"] = lambda: attention_backends(cfg, batch, length, dev)
         diagnostics["network"] = lambda: network_paths(cfg, batch, length, CONTEXT, dev)
@@ -308,6 +307,9 @@ def top_kernels(fn, n: int = 12) -> list[dict]:
     ]
 
 
+BATCH_STEP = 8  # canvases: how close the largest batch that fits is found
+
+
 def largest_batch(
     start: int = 16,
     limit: int = 1024,
@@ -315,9 +317,10 @@ def largest_batch(
     config: str = CONFIG,
     device: torch.device | None = None,
 ) -> list[dict]:
-    """Double the batch from `start` until a pass runs out of GPU memory; fastest format on this GPU, loaded
-    as the runtime loads it (`finish_on_device`). `sink` gets the row after each batch that fits (a check
-    killed at its budget keeps the largest batch found so far). `config`, `device`: another model
+    """Double the batch from `start` until a pass runs out of GPU memory, then halve the gap between the
+    largest batch that fit and the first that did not down to `BATCH_STEP` canvases; fastest format on this
+    GPU, loaded as the runtime loads it (`finish_on_device`). `sink` gets the row after each batch that fits
+    (a check killed at its budget keeps the largest batch found so far). `config`, `device`: another model
     configuration and device, for testing this function itself off a GPU."""
     from pipeline.bench.model import random_model
     from pipeline.model.config import ModelConfig
@@ -333,22 +336,29 @@ def largest_batch(
         quantize_random(model, fmt)
     finish_on_device(model, dev, None, None)
     row = {"format": fmt, "largest_batch": 0, "tried_up_to": start}
-    b = start
-    while b <= limit:
-        row["tried_up_to"] = b
+
+    def fits(batch: int) -> bool:
+        row["tried_up_to"] = max(row["tried_up_to"], batch)
         try:
             with torch.inference_mode():
-                _pass_setup(model, b)()
+                _pass_setup(model, batch)()
             torch.cuda.synchronize(dev)
         except Exception as e:
             if not out_of_memory(e):
                 raise
-            break
+            return False
         finally:
             torch.cuda.empty_cache()
-        row["largest_batch"] = b
+        row["largest_batch"] = batch
         sink([row])
-        b *= 2
+        return True
+
+    fit, over = 0, start
+    while over <= limit and fits(over):
+        fit, over = over, over * 2
+    while fit and over <= limit and over - fit > BATCH_STEP:
+        mid = (fit + over) // 2
+        fit, over = (mid, over) if fits(mid) else (fit, mid)
     return [row]
 
 

@@ -31,7 +31,7 @@ def render(result: dict) -> str:
             compute = r.get("compute_ms_spec")
             lines.append(
                 f"| {r['format']} | {r['batch']} | {r['kernels']} | {r['ms_eager']:.2f} | {r['ms_graph']:.2f} "
-                f"| {r['floor_ms_spec']:.2f} | {'—' if compute is None else f'{compute:.2f}'} "
+                f"| {_ms_cell(r['floor_ms_spec'])} | {_ms_cell(compute)} "
                 f"| {_x_floor(r):.2f} | {r['floor_ms_copy']:.2f} |"
             )
         # which tiles the Triton MoE GEMM launched with, where a pass ran it (runs from before say nothing)
@@ -103,6 +103,11 @@ def summary(rows: list[dict]) -> str:
     return ""
 
 
+def _ms_cell(ms: float | None) -> str:
+    """A floor's cell: "—" where the GPU has no datasheet figures in configs/targets."""
+    return "—" if ms is None else f"{ms:.2f}"
+
+
 def _error_cell(x: dict, key: str) -> str:
     """A diagnostic's error for a markdown cell: no column separators, 80 characters at most."""
     return str(x.get(key)).replace("|", "/")[:80]
@@ -114,5 +119,8 @@ def _best_ms(row: dict) -> float:
 
 
 def _x_floor(row: dict) -> float:
-    """The pass time over the larger of its floors: HBM bytes and (runs since it was added) matmul FLOPs."""
-    return _best_ms(row) / max(row["floor_ms_spec"], row.get("compute_ms_spec") or 0.0)
+    """The pass time over the larger of its floors: HBM bytes and (runs since it was added) matmul FLOPs, at
+    the datasheet's rates; on a GPU configs/targets does not list, the bytes at the copy bandwidth measured."""
+    return _best_ms(row) / max(
+        row["floor_ms_spec"] or row["floor_ms_copy"], row.get("compute_ms_spec") or 0.0
+    )

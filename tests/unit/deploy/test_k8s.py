@@ -20,8 +20,9 @@ from pipeline import endpoints
 from pipeline.builddir import LAYOUT, BuildManifest, model_version_dir, save_manifest
 from pipeline.deploy.targets import deploy_target, deploy_target_names
 from pipeline.limits import Limits
+from pipeline.resources import config_names
 from pipeline.serving import lifecycle
-from pipeline.targets import check_precision_on_target, target
+from pipeline.targets import check_precision_on_target, gpu_named, target
 from tests._utils.cli import ROOT
 from tests._utils.k8s import IMAGE, K8S, KUBECTL, container, dgpipe, kustomize, needs_kubectl, one, pod_specs
 
@@ -129,6 +130,26 @@ def test_deploy_config_is_consistent_with_gpu_targets(name):
     if name == "rtx-pro":
         assert cfg.gpus_per_node == cfg.gpus_per_replica == 1
     assert cfg.cpu_arch == ("arm64" if name == "gb200" else "amd64")
+    # GPU feature discovery labels a node with its GPU's driver name, "-" for " ": one of the target's GPUs
+    names = [n.replace(" ", "-") for g in target(cfg.gpu_target).gpus for n in g.device_names]
+    assert cfg.gpu_product in names
+
+
+def test_a_running_gpu_finds_its_datasheet_entry_by_its_whole_driver_name():
+    """Driver names (NVIDIA's open-gpu-kernel-modules README) that hold another product's name find their
+    own entry or none: a PCIe H100's bandwidth is 60% of the SXM's, a GH200 is no H200."""
+    found = lambda name: (g := gpu_named(name)) and g.product
+    assert found("NVIDIA H100 80GB HBM3") == "H100-SXM5-80GB"
+    assert found("NVIDIA H100 PCIe") == "H100-PCIe-80GB" and found("NVIDIA H100 NVL") == "H100-NVL-94GB"
+    assert found("NVIDIA H200") == "H200-SXM-141GB" and found("NVIDIA H200 NVL") == "H200-NVL-141GB"
+    assert found("NVIDIA GH200 480GB") == "GH200-96GB" and found("NVIDIA GH200 144G HBM3e") == "GH200-144GB"
+    assert found("NVIDIA GeForce RTX 5090") == "RTX-5090" and found(" nvidia b200 ") == "B200-180GB"
+    assert found("NVIDIA RTX PRO 6000 Blackwell Server Edition") == "RTX-PRO-6000-Blackwell"
+    assert found("NVIDIA H20") is None and found("NVIDIA H800") is None and found("NVIDIA H100") is None
+    every = [
+        n.casefold() for t in map(target, config_names("targets")) for g in t.gpus for n in g.device_names
+    ]
+    assert len(every) == len(set(every))  # one entry per name
 
 
 @needs_kubectl

@@ -37,9 +37,24 @@ def test_attention_shapes_report_the_kernels_torch_may_pick_and_the_other_forms_
         assert r["ms_grouped"] > 0 and r["ms_expanded"] > 0 and r["ms_packed"] > 0
 
 
-def test_spec_gpu_picks_the_device_by_name():
-    assert measure.spec_gpu("NVIDIA H200", "sm90").product == "H200-SXM-141GB"
-    assert measure.spec_gpu("NVIDIA H100 80GB HBM3", "sm90").product == "H100-SXM5-80GB"
+def test_a_gpu_configs_targets_does_not_list_is_set_against_its_measured_copy_bandwidth():
+    """No datasheet figures, no spec floors: the pass's ratio uses the bytes at the copy bandwidth measured,
+    and the table shows no spec floor rather than another GPU's."""
+    from pipeline.bench.gpu.report import render
+
+    row = {"format": "fp8", "batch": 1, "kernels": "k", "ms_eager": 9.0, "ms_graph": 8.0, "spec_gpu": None,
+           "floor_ms_spec": None, "compute_ms_spec": None, "floor_ms_copy": 4.0}  # fmt: skip
+    env = {
+        "gpu": "NVIDIA H20",
+        "arch": "sm90",
+        "memory_gib": 96.0,
+        "driver": "1",
+        "torch": "2.11",
+        "cuda_version": "13.0",
+    }
+    md = render({"env": env, "dry_run": False, "checks": [{"name": "26B pass fp8", "status": "passed", "seconds": 1.0,
+                                                          "budget_s": 60, "detail": "", "rows": [row]}]})  # fmt: skip
+    assert "| fp8 | 1 | k | 9.00 | 8.00 | — | — | 2.00 | 4.00 |" in md
 
 
 def test_expert_paths_time_one_layer_fp8_and_dequantized_bf16_on_the_same_routing(monkeypatch):
@@ -101,7 +116,9 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
     rows = measure.measure_pass(fmt, batches=(1, 2), repeats=1, sink=lambda r: sunk.append(len(r)), compiled=compiled,
                             config="sudoku-tiny", device=torch.device("cpu"))  # fmt: skip
     assert [r["batch"] for r in rows] == [1, 2]
-    assert sunk == [1, 2, 2, 2]  # both batches' times before any diagnostic, then each batch's diagnostics
+    # both batches' times before any diagnostic, then the rows after each diagnostic of each batch
+    diagnostics = 3 if compiled else 7
+    assert sunk == [1, 2] + [2] * (2 * diagnostics)
     for r in rows:
         assert r["finite"] and r["ms_eager"] > 0 and r["graph_error"] is None  # off CUDA the "graph" is fn
         assert r["spec_gpu"] == "H200-SXM-141GB" and r["floor_ms_spec"] > 0 and r["compute_ms_spec"] > 0
@@ -162,6 +179,12 @@ def test_the_largest_batch_keeps_what_fit_and_knows_a_librarys_allocation_failur
     monkeypatch.setattr(measure, "_pass_setup", full_from(2, ValueError("a bug, not memory")))
     with pytest.raises(ValueError, match="a bug"):
         search()
+    # between the largest batch that fit and the first that did not, the gap is halved down to BATCH_STEP
+    monkeypatch.setattr(measure, "BATCH_STEP", 2)
+    monkeypatch.setattr(measure, "_pass_setup", full_from(7, torch.OutOfMemoryError("CUDA out of memory")))
+    sunk.clear()
+    assert search() == [{"format": "fp8", "largest_batch": 6, "tried_up_to": 8}]
+    assert [r["largest_batch"] for r in sunk] == [1, 2, 4, 6]
 
 
 def test_bf16_expert_paths_time_torchs_grouped_gemm_and_the_triton_gemm_on_one_routing():
@@ -262,6 +285,24 @@ def test_the_fp8_pass_on_an_ada_gpu_follows_the_runtimes_fallback_off_a_gpu(monk
     assert f"experts: {TRITON_MOE_EVERY_PASS} failed its probe (Triton kernels run on CUDA" in row["kernels"]
     assert row["kernels"].endswith(": dequantized float path)")
     assert all(type(layer.experts) is Experts for layer in built[0].layers)
+
+
+def test_results_compared_slice_by_slice_are_compared_as_wholes(monkeypatch):
+    """`_compare` in slices of a few values (a batch-16 softcap's results would not fit twice more on an
+    80 GB GPU): the same verdict and distance as over the whole results, pairs and scalars too."""
+    from pipeline.bench.gpu import network
+
+    monkeypatch.setattr(network, "COMPARE_VALUES", 10)
+    a = torch.randn(7, 5, generator=torch.Generator().manual_seed(0)).bfloat16()
+    b = a.clone()
+    b[3, 2] += 1
+    whole = float((a.float() - b.float()).norm() / b.float().norm())
+    assert network._compare(a, a) == (True, 0.0)
+    same, dist = network._compare((a, torch.tensor(3)), (b, torch.tensor(3)))
+    assert not same and dist == pytest.approx(
+        whole * b.float().norm() / (b.float().square().sum() + 9) ** 0.5
+    )
+    assert network._compare(torch.tensor([-0.0]), torch.tensor([0.0])) == (False, 0.0)  # bits, not values
 
 
 def test_network_paths_time_each_chain_against_its_torch_form(rne_casts, interpreted_tanh, interpreted_exp):  # noqa: F811
