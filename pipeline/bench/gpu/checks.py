@@ -101,7 +101,7 @@ CHECKS: tuple[GpuCheck, ...] = (
     GpuCheck(
         "largest batch",
         25,  # 15 s on the H200
-        "largest batch whose pass fits, doubling from 16 (fastest format here)",
+        "largest batch whose pass fits, doubling from 16, then to within 8 (fastest format here)",
         ("-m", "pipeline.bench.gpu.measure", "largest"),
         ("cuda", "memory"),
     ),
