@@ -231,7 +231,10 @@ def clear_build_lock() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def load_torch_extension(verbose: bool = False) -> ModuleType:
-    """Build (once, cached by torch under ~/.cache/torch_extensions) and import the torch binding."""
+    """Build (once, cached by torch under ~/.cache/torch_extensions) and import the torch binding, once per
+    process: the sampler calls it every step it runs outside a CUDA graph, and torch's `load` itself runs
+    ninja, hashes the sources and takes the build directory's lock, milliseconds a call, and the tools check
+    spawns `ninja --version`. A failed load raises and is not remembered: the next call tries again."""
     from torch.utils import cpp_extension
 
     missing = missing_build_tools()

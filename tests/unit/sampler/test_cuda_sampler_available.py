@@ -65,3 +65,29 @@ def test_the_ninja_packages_binary_goes_on_path_once(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv("PATH")
     build.ninja_on_path()
     assert os.environ["PATH"] == ninja.BIN_DIR
+
+
+def test_the_extension_loads_once_per_process_and_a_failed_load_is_tried_again(monkeypatch):
+    """The sampler asks for its extension every step it runs outside a CUDA graph: torch's `load` (ninja, a
+    hash of the sources, the build lock) runs once, and a load that failed runs again on the next ask."""
+    from torch.utils import cpp_extension
+
+    loads, fail = [], [True]
+
+    def load(**kwargs):
+        loads.append(kwargs["name"])
+        if fail[0]:
+            raise RuntimeError("Error building extension 'dgpipe_sampler'")
+        return "the module"
+
+    monkeypatch.setattr(build, "missing_build_tools", lambda: None)
+    monkeypatch.setattr(cpp_extension, "load", load)
+    build.load_torch_extension.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="Error building"):
+            build.load_torch_extension()
+        fail[0] = False
+        assert build.load_torch_extension() == build.load_torch_extension() == "the module"
+        assert loads == [build.EXTENSION] * 2
+    finally:
+        build.load_torch_extension.cache_clear()
