@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,6 +54,9 @@ class DeviceLoop:
         self.graphs = graphs and device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.captures = 0  # graphs captured (one per round): for tests and benchmarks
+        # what a round pays before its replays, in host seconds (the launches of its eager step, the capture
+        # with the graph's instantiation), summed over rounds: a benchmark sets it beside the replays
+        self.warmups, self.warmup_s, self.capture_s = 0, 0.0, 0.0
         self.capture_error: str | None = None  # why a capture failed and the loop went eager
         # the latest captured graph, held so the shared pool always has a user: once every graph that
         # used a pool is freed (a round ends), torch 2.11's allocator refuses a new capture into it
@@ -65,7 +69,7 @@ class DeviceLoop:
             step()
             return
         if rnd.graph is None and rnd.eager_steps == 0:
-            side = torch.cuda.Stream()
+            side, t0 = torch.cuda.Stream(), time.perf_counter()
             side.wait_stream(torch.cuda.current_stream())
             try:
                 with torch.cuda.stream(side):
@@ -73,9 +77,12 @@ class DeviceLoop:
             finally:  # a failed step's queued kernels finish before the next request's work is ordered after
                 torch.cuda.current_stream().wait_stream(side)
             rnd.eager_steps += 1
+            self.warmups, self.warmup_s = self.warmups + 1, self.warmup_s + time.perf_counter() - t0
             return
         if rnd.graph is None:
             graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
+            stream.synchronize()  # as `torch.cuda.graph` does first: the time below is the capture's own
+            t0 = time.perf_counter()
             try:
                 with torch.cuda.graph(graph, pool=self.pool):
                     step()  # recorded, not run: the replay below runs it
@@ -93,7 +100,7 @@ class DeviceLoop:
                 step()  # this step, eagerly, and every later one
                 return
             rnd.graph = self._last_graph = graph
-            self.captures += 1
+            self.captures, self.capture_s = self.captures + 1, self.capture_s + time.perf_counter() - t0
         rnd.graph.replay()
 
 

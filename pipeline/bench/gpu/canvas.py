@@ -45,7 +45,8 @@ def canvas_time(
                 for i in range(batch)]  # fmt: skip
 
     rt.generate(requests(canvases, 0))  # the prefill, the sampler's load, every shape's first run
-    before, captured = dict(rt.passes), rt.loop.captures
+    loop = rt.loop
+    before, captured, warm = dict(rt.passes), loop.captures, (loop.warmups, loop.warmup_s, loop.capture_s)
     sync(dev)
     t0 = time.perf_counter()
     results = rt.generate(requests(canvases, batch))
@@ -54,26 +55,37 @@ def canvas_time(
     tokens = sum(len(r.tokens) for r in results)
     return {"batch": batch, "steps": steps, "canvases": canvases, "ms_per_canvas": wall * 1e3 / canvases,
             "tokens_per_s": tokens / wall, "tokens": tokens, "graphs": rt.loop.graphs, "fused_sampler": backend.fused,
-            "captures": rt.loop.captures - captured, "capture_error": rt.loop.capture_error,
+            "captures": loop.captures - captured, "capture_error": loop.capture_error,
+            # per round, the host's time before its replays: the eager step's launches and the capture
+            "warmup_ms_per_round": _per(loop.warmup_s - warm[1], loop.warmups - warm[0]),
+            "capture_ms_per_round": _per(loop.capture_s - warm[2], loop.captures - captured),
             "passes": {k: v - before.get(k, 0) for k, v in rt.passes.items()},
             "steps_per_canvas": sorted({s for r in results for s in r.steps_per_canvas})}  # fmt: skip
 
 
-def render_canvas(rows: list[dict]) -> list[str]:
-    """The canvases' markdown table (runs from before the check say nothing)."""
+def _per(seconds: float, n: int) -> float | None:
+    return seconds * 1e3 / n if n else None
+
+
+def render_canvas(rows: list[tuple[str, dict, float]]) -> list[str]:
+    """The canvases' markdown table, each beside its pass's CUDA-graph ms times the steps (fmt, canvas
+    row, graph ms per pass); runs from before the check say nothing."""
     if not rows:
         return []
-    lines = ["", "| through the runtime | batch | steps per canvas | ms per canvas | output tokens/s | CUDA graphs "
-             "(captures) | fused sampler | denoise / commit passes |", "|---|---:|---:|---:|---:|---|---|---|"]  # fmt: skip
+    lines = ["", "| through the runtime | batch | steps per canvas | ms per canvas | steps x graph pass ms | output "
+             "tokens/s | CUDA graphs (captures) | host ms per round: eager step / capture | fused sampler "
+             "| denoise / commit passes |", "|---|---:|---:|---:|---:|---:|---|---|---|---|"]  # fmt: skip
     cell = lambda text: str(text).replace("|", "/")[:80]
-    for fmt, x in rows:
+    ms = lambda v: "—" if v is None or v != v else f"{v:.1f}"
+    for fmt, x, pass_ms in rows:
         if "error" in x:
-            lines.append(f"| {fmt} | {x['batch']} | — | — | — | — | — | {cell(x['error'])} |")
+            lines.append(f"| {fmt} | {x['batch']} | — | — | — | — | — | — | — | {cell(x['error'])} |")
             continue
         p, steps = x["passes"], "/".join(map(str, x["steps_per_canvas"]))
         why = f": {cell(x['capture_error'])}" if x.get("capture_error") else ""
         graphs = f"yes ({x['captures']})" if x["graphs"] else f"no{why}"
-        lines.append(f"| {fmt} | {x['batch']} | {steps} | {x['ms_per_canvas']:.1f} | {x['tokens_per_s']:.0f} "
-                     f"| {graphs} | {'yes' if x['fused_sampler'] else 'no'} "
+        host = f"{ms(x.get('warmup_ms_per_round'))} / {ms(x.get('capture_ms_per_round'))}"
+        lines.append(f"| {fmt} | {x['batch']} | {steps} | {x['ms_per_canvas']:.1f} | {ms(x['steps'] * pass_ms)} "
+                     f"| {x['tokens_per_s']:.0f} | {graphs} | {host} | {'yes' if x['fused_sampler'] else 'no'} "
                      f"| {p.get('denoise', 0)} / {p.get('commit', 0)} |")  # fmt: skip
     return [*lines, "", "vLLM, for comparison: ~146 ms per 256-token canvas at 16 steps (FP8, one H100)."]

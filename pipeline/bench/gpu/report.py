@@ -67,8 +67,8 @@ def render(result: dict) -> str:
             packed = f"{a['ms_packed']:.2f}" if "ms_packed" in a else "—"  # runs from before the packed form
             lines.append(f"| {a['kind']} | {b} | {a['q_heads']}/{a['kv_heads']} x {a['head_dim']} | {a['keys']} "
                          f"| {picks} | {a['ms_grouped']:.2f} | {a['ms_expanded']:.2f} | {packed} |")  # fmt: skip
-    lines += render_canvas([(r["format"], r["canvas"] if "canvas" in r else {"batch": r["batch"], "error": r["canvas_error"]})
-                            for r in rows if "canvas" in r or "canvas_error" in r])  # fmt: skip
+    lines += render_canvas([(r["format"], r["canvas"] if "canvas" in r else {"batch": r["batch"], "error": r["canvas_error"]},
+                             r["ms_graph"]) for r in rows if "canvas" in r or "canvas_error" in r])  # fmt: skip
     lines += render_siblings([s for r in rows for s in r.get("siblings", [])])
     lines += render_network([n for r in rows for n in r.get("network", [])])
     bf16 = [(r["batch"], r["bf16_experts"]) for r in rows if "bf16_experts" in r]

@@ -7,6 +7,8 @@ per-expert loop. (The CUDA-graph replay test is tests/gpu/test_device_loop_cuda.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -133,12 +135,13 @@ class FakeCuda:
     `torch.cuda.graph` makes the capture stream current; a call CUDA refuses inside the step invalidates the
     capture, so `capture_end` raises on the way out and, as in torch, the stream is never restored."""
 
-    def __init__(self, monkeypatch, refused: Exception) -> None:
+    def __init__(self, monkeypatch, refused: Exception | None) -> None:
         import contextlib
 
         self.refused, self.calls = refused, []
         stream = lambda name: type("Stream", (), {"name": name, "device": torch.device("cuda", 0),
-                                                  "wait_stream": lambda self, other: None})()  # fmt: skip
+                                                  "wait_stream": lambda self, other: None,
+                                                  "synchronize": lambda self: None})()  # fmt: skip
         self.default, self.capturing = stream("default"), stream("capture")
         self.current = self.default
 
@@ -163,7 +166,8 @@ class FakeCuda:
         for name, value in {
             "graph_pool_handle": lambda: (0, 1), "Stream": lambda: stream("side"),
             "current_stream": lambda: self.current, "stream": lambda s: contextlib.nullcontext(),
-            "synchronize": lambda device=None: None, "CUDAGraph": lambda: object(), "graph": graph,
+            "synchronize": lambda device=None: None, "graph": graph,
+            "CUDAGraph": lambda: type("CUDAGraph", (), {"replay": lambda self: None})(),
             "set_stream": set_stream,
         }.items():  # fmt: skip
             monkeypatch.setattr(torch.cuda, name, value)
@@ -172,10 +176,28 @@ class FakeCuda:
     def step(self, ran: list[str]):
         def step() -> None:
             ran.append(self.current.name)
-            if self.current is self.capturing:
+            time.sleep(0.002)
+            if self.current is self.capturing and self.refused is not None:
                 raise self.refused
 
         return step
+
+
+def test_a_round_counts_the_host_time_of_its_eager_step_and_its_capture(monkeypatch):
+    """What a round pays before its replays, for `dgpipe bench gpu`'s canvases: one eager step and one
+    capture per round, their host seconds summed; replays add nothing."""
+    from pipeline.runtime import device_loop
+
+    cuda = FakeCuda(monkeypatch, None)
+    loop = device_loop.DeviceLoop(torch.device("cuda"), graphs=True)
+    ran: list[str] = []
+    for _ in range(2):
+        rnd = device_loop.DenoiseRound(torch.zeros(1), [0], torch.zeros(1, 4), {}, None)
+        for _ in range(4):
+            loop.run(rnd, cuda.step(ran))
+    assert ran == ["default", "capture"] * 2  # the replays run no Python step
+    assert (loop.warmups, loop.captures) == (2, 2)
+    assert loop.warmup_s >= 0.004 and loop.capture_s >= 0.004
 
 
 def test_a_failed_capture_runs_the_step_eagerly_and_leaves_graphs_off(monkeypatch, caplog):

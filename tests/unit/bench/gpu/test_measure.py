@@ -390,13 +390,15 @@ def test_the_canvas_table_shows_each_run_and_why_one_did_not():
 
     ok = {"batch": 1, "steps": 16, "canvases": 2, "ms_per_canvas": 151.26, "tokens_per_s": 1692.4, "tokens": 512,
           "graphs": True, "fused_sampler": True, "captures": 2, "capture_error": None,
-          "passes": {"denoise": 32, "commit": 1}, "steps_per_canvas": [16]}  # fmt: skip
+          "passes": {"denoise": 32, "commit": 1}, "steps_per_canvas": [16], "warmup_ms_per_round": 31.04,
+          "capture_ms_per_round": 40.0}  # fmt: skip
     eager = {
         **ok,
         "batch": 4,
         "graphs": False,
         "captures": 0,
         "capture_error": "RuntimeError: operation | not permitted",
+        "capture_ms_per_round": None,
     }
     row = {"format": "fp8", "batch": 1, "kernels": "k", "ms_eager": 30.0, "ms_graph": 25.0, "floor_ms_spec": 6.2,
            "floor_ms_copy": 7.0, "canvas": ok}  # fmt: skip
@@ -412,10 +414,11 @@ def test_the_canvas_table_shows_each_run_and_why_one_did_not():
     }
     table = render({"env": env, "dry_run": False, "checks": [{"name": "fp8 pass", "status": "passed", "seconds": 9,
                                                              "budget_s": 90, "detail": "", "rows": [row, failed]}]})  # fmt: skip
-    assert "| fp8 | 1 | 16 | 151.3 | 1692 | yes (2) | yes | 32 / 1 |" in table
+    # beside the pass's 16 graph replays (16 x 25.0 ms) and what a round's eager step and capture cost
+    assert "| fp8 | 1 | 16 | 151.3 | 400.0 | 1692 | yes (2) | 31.0 / 40.0 | yes | 32 / 1 |" in table
     assert (
-        "| fp8 | 4 | 16 | 151.3 | 1692 | no: RuntimeError: operation / not permitted | yes | 32 / 1 |"
-        in "\n".join(render_canvas([("fp8", eager)]))
+        "| fp8 | 4 | 16 | 151.3 | — | 1692 | no: RuntimeError: operation / not permitted | 31.0 / — | yes | 32 / 1 |"
+        in "\n".join(render_canvas([("fp8", eager, float("nan"))]))
     )
-    assert "| fp8 | 16 | — | — | — | — | — | OutOfMemoryError: CUDA out of memory / tried |" in table
+    assert "| fp8 | 16 | — | — | — | — | — | — | — | OutOfMemoryError: CUDA out of memory / tried |" in table
     assert render_canvas([]) == []
