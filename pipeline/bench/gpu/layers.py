@@ -3,6 +3,8 @@ shapes: the diagnostics beside a measured pass (`pipeline.bench.gpu.measure`).""
 
 from __future__ import annotations
 
+import functools
+import time
 import warnings
 
 import torch
@@ -58,7 +60,51 @@ def attention_backends(cfg, batch: int, canvas: int, dev: torch.device, repeats:
             ms = {n: median_seconds(f, dev, repeats) * 1e3 for n, f in forms.items()}
         rows.append({"kind": kind, "q_heads": heads, "kv_heads": kv, "head_dim": hd, "keys": keys, **eligible,
                      "why_not": why, **{f"ms_{n}": t for n, t in ms.items()}, "max_abs_diff": diff["expanded"],
-                     "max_abs_diff_packed": diff["packed"]})  # fmt: skip
+                     "max_abs_diff_packed": diff["packed"],
+                     "new_length": new_key_lengths(q, k, v, dev, repeats)})  # fmt: skip
+    return rows
+
+
+BACKENDS = ("flash", "efficient", "cudnn")
+
+
+def new_key_lengths(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dev: torch.device, repeats: int
+) -> list[dict]:
+    """Per SDPA backend, the attention the network runs (`network.attend`) and the same with K/V expanded to
+    every query head, each first called at a key length it has not seen (one key more per call): ms of that
+    first call, wall clock, and of the calls after it. cuDNN builds an execution plan for every new shape,
+    keyed on batch and key length, on the host (PyTorch's `aten/src/ATen/native/cudnn/MHA.cpp`), and a server
+    meets new key lengths all the time (every prompt length, every batch of rows), where the timed passes
+    repeat one shape; the other backends launch the same kernels at any length."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from pipeline.bench.timing import median_seconds, sync
+    from pipeline.model.network import attend
+
+    groups = q.shape[1] // k.shape[1]
+    forms = {"network": lambda q, k, v: attend(q, k, v, None),
+             "expanded": lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+                 q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), scale=1.0)}  # fmt: skip
+    which = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "cudnn": SDPBackend.CUDNN_ATTENTION}  # fmt: skip
+    rows, extra = [], 0
+    for backend in BACKENDS:
+        for form, fn in forms.items():
+            extra += 1  # a key length no call before this one has used
+            k2, v2 = (torch.cat([t, t[:, :, :extra]], 2) for t in (k, v))
+            row = {"backend": backend, "form": form, "keys": k2.shape[2]}
+            try:
+                with sdpa_kernel([which[backend]]), torch.inference_mode():
+                    sync(dev)
+                    t0 = time.perf_counter()
+                    fn(q, k2, v2)
+                    sync(dev)
+                    row["first_ms"] = (time.perf_counter() - t0) * 1e3
+                    row["ms"] = median_seconds(functools.partial(fn, q, k2, v2), dev, repeats) * 1e3
+            except RuntimeError as e:  # this backend does not take this form here
+                row["error"] = error_line(e)
+            rows.append(row)
     return rows
 
 

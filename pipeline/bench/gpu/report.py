@@ -67,6 +67,17 @@ def render(result: dict) -> str:
             packed = f"{a['ms_packed']:.2f}" if "ms_packed" in a else "—"  # runs from before the packed form
             lines.append(f"| {a['kind']} | {b} | {a['q_heads']}/{a['kv_heads']} x {a['head_dim']} | {a['keys']} "
                          f"| {picks} | {a['ms_grouped']:.2f} | {a['ms_expanded']:.2f} | {packed} |")  # fmt: skip
+        new = [(b, a["kind"], n) for b, a in attention for n in a.get("new_length", [])]
+        if new:
+            lines += ["", "| attention at a new key length | batch | backend | form | keys | ms first call | ms after |",
+                      "|---|---:|---|---|---:|---:|---:|"]  # fmt: skip
+            for b, kind, n in new:
+                times = (
+                    f"{n['first_ms']:.2f} | {n['ms']:.3f}"
+                    if "first_ms" in n
+                    else f"— | {_error_cell(n, 'error')}"
+                )
+                lines.append(f"| {kind} | {b} | {n['backend']} | {n['form']} | {n['keys']} | {times} |")
     lines += render_canvas([(r["format"], r["canvas"] if "canvas" in r else {"batch": r["batch"], "error": r["canvas_error"]},
                              r["ms_graph"]) for r in rows if "canvas" in r or "canvas_error" in r])  # fmt: skip
     lines += render_siblings([s for r in rows for s in r.get("siblings", [])])

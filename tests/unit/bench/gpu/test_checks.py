@@ -228,3 +228,10 @@ def test_table_shows_each_pass_against_its_floor():
     assert "| full_attention | 1 | 16/2 x 512 | 512 | math only | 1.50 | 0.50 | 0.25 |" in report.render(
         result
     )
+    row["attention"][0]["new_length"] = [
+        {"backend": "cudnn", "form": "network", "keys": 513, "first_ms": 41.0, "ms": 0.0625},
+        {"backend": "flash", "form": "network", "keys": 514, "error": "RuntimeError: No available | kernel"},
+    ]
+    md = report.render(result)
+    assert "| full_attention | 1 | cudnn | network | 513 | 41.00 | 0.062 |" in md
+    assert "| full_attention | 1 | flash | network | 514 | — | RuntimeError: No available / kernel |" in md

@@ -35,6 +35,15 @@ def test_attention_shapes_report_the_kernels_torch_may_pick_and_the_other_forms_
         # bf16 outputs of O(1): a wrong head order differs by O(1)
         assert r["max_abs_diff"] < 1e-2 and r["max_abs_diff_packed"] < 1e-2
         assert r["ms_grouped"] > 0 and r["ms_expanded"] > 0 and r["ms_packed"] > 0
+        # each backend and form first called at a key length nothing before it used: a cuDNN plan is built
+        # per shape, so a length seen before would hide its cost
+        new = r["new_length"]
+        assert [(n["backend"], n["form"]) for n in new] == [
+            (b, f) for b in ("flash", "efficient", "cudnn") for f in ("network", "expanded")
+        ]
+        assert len({n["keys"] for n in new}) == 6 and min(n["keys"] for n in new) == r["keys"] + 1
+        assert all(("first_ms" in n and n["ms"] > 0) != ("error" in n) for n in new)
+        assert any("first_ms" in n for n in new)  # the CPU's flash kernel runs here
 
 
 def test_a_gpu_configs_targets_does_not_list_is_set_against_its_measured_copy_bandwidth():
@@ -139,6 +148,7 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
             assert "canvas_error" not in r and c["tokens"] == r["batch"] * c["canvases"] * 82
             assert c["steps_per_canvas"] == [16] and c["passes"]["denoise"] == c["canvases"] * 16
             assert c["ms_per_canvas"] > 0 and not c["graphs"] and c["captures"] == 0  # off CUDA: no graphs
+            assert c["ms_per_canvas_new_lengths"] > 0 and c["warmup_ms_per_round"] is None
             assert c["passes"]["commit"] == 1  # the first canvas's K/V written; the second ends the request
         else:
             assert "attention_error" not in r and len(r["attention"]) == 2
@@ -391,7 +401,7 @@ def test_the_canvas_table_shows_each_run_and_why_one_did_not():
     ok = {"batch": 1, "steps": 16, "canvases": 2, "ms_per_canvas": 151.26, "tokens_per_s": 1692.4, "tokens": 512,
           "graphs": True, "fused_sampler": True, "captures": 2, "capture_error": None,
           "passes": {"denoise": 32, "commit": 1}, "steps_per_canvas": [16], "warmup_ms_per_round": 31.04,
-          "capture_ms_per_round": 40.0}  # fmt: skip
+          "capture_ms_per_round": 40.0, "ms_per_canvas_new_lengths": 402.5}  # fmt: skip
     eager = {
         **ok,
         "batch": 4,
@@ -415,10 +425,12 @@ def test_the_canvas_table_shows_each_run_and_why_one_did_not():
     table = render({"env": env, "dry_run": False, "checks": [{"name": "fp8 pass", "status": "passed", "seconds": 9,
                                                              "budget_s": 90, "detail": "", "rows": [row, failed]}]})  # fmt: skip
     # beside the pass's 16 graph replays (16 x 25.0 ms) and what a round's eager step and capture cost
-    assert "| fp8 | 1 | 16 | 151.3 | 400.0 | 1692 | yes (2) | 31.0 / 40.0 | yes | 32 / 1 |" in table
+    assert "| fp8 | 1 | 16 | 151.3 | 402.5 | 400.0 | 1692 | yes (2) | 31.0 / 40.0 | yes | 32 / 1 |" in table
     assert (
-        "| fp8 | 4 | 16 | 151.3 | — | 1692 | no: RuntimeError: operation / not permitted | 31.0 / — | yes | 32 / 1 |"
-        in "\n".join(render_canvas([("fp8", eager, float("nan"))]))
+        "| fp8 | 4 | 16 | 151.3 | 402.5 | — | 1692 | no: RuntimeError: operation / not permitted | 31.0 / — | yes "
+        "| 32 / 1 |" in "\n".join(render_canvas([("fp8", eager, float("nan"))]))
     )
-    assert "| fp8 | 16 | — | — | — | — | — | — | — | OutOfMemoryError: CUDA out of memory / tried |" in table
+    assert (
+        "| fp8 | 16 | — | — | — | — | — | — | — | — | OutOfMemoryError: CUDA out of memory / tried |" in table
+    )
     assert render_canvas([]) == []
