@@ -224,9 +224,23 @@ def check_tensor_cores() -> list[Check]:
                 f"{fmt} dispatch", row.native, detail, f"fallback {row.fallback}: {row.note}", "GPU runtime"
             )
         )
-    return (
-        checks + check_moe_tiles(torch.cuda.get_device_name(0)) + check_kernel_probe(torch.device("cuda", 0))
-    )
+    gpu = torch.cuda.get_device_name(0)
+    return [check_gpu_spec(gpu), *checks, *check_moe_tiles(gpu), *check_kernel_probe(torch.device("cuda", 0))]
+
+
+def check_gpu_spec(gpu: str) -> Check:
+    """The configs/targets entry of the GPU the driver names (`targets.gpu_named`): its datasheet bandwidth
+    and memory set `dgpipe bench gpu`'s floors and `dgpipe quantize --estimate`'s fit."""
+    from pipeline.targets import gpu_named
+
+    spec = gpu_named(gpu)
+    if spec is None:
+        return Check("gpu spec", False, f"{gpu}: not in configs/targets",
+                     "add its datasheet figures (device_names, memory, bandwidth, dense TFLOPS) to "
+                     "configs/targets/<arch>.yaml; `dgpipe bench gpu` sets it against the copy bandwidth it measures",
+                     "GPU runtime")  # fmt: skip
+    detail = f"{gpu}: {spec.product}, {spec.memory_gib:g} GiB, {spec.bandwidth_tb_s:g} TB/s"
+    return Check("gpu spec", True, detail, "", "GPU runtime")
 
 
 def check_moe_tiles(gpu: str) -> list[Check]:

@@ -118,6 +118,14 @@ def test_doctor_on_a_gpu_host_lists_the_rows_and_what_the_probe_ran(monkeypatch,
     ran = probing.Probe("sm90", {"linear:fp8": None, "triton:fp8": "out of resources: shared memory"})
     monkeypatch.setattr(probing, "probe", lambda device: ran)
     checks = {c.name: c for c in doctor.check_tensor_cores()}
+    assert (
+        checks["gpu spec"].ok
+        and checks["gpu spec"].detail == "NVIDIA H200: H200-SXM-141GB, 141 GiB, 4.8 TB/s"
+    )
+    unlisted = doctor.check_gpu_spec("NVIDIA H20")
+    assert (
+        not unlisted.ok and "not in configs/targets" in unlisted.detail and "configs/targets" in unlisted.hint
+    )
     assert [n for n in checks if n.endswith("dispatch")] == [f"{f} dispatch" for f in dp.FORMATS]
     assert checks["fp8 dispatch"].ok and not checks["nvfp4 dispatch"].ok  # Hopper: NVFP4 on its fallback
     assert checks["kernel linear:fp8"].ok and checks["kernel linear:fp8"].detail == "ran on tiny operands"
