@@ -230,7 +230,7 @@ def check_tensor_cores() -> list[Check]:
 
 def check_gpu_spec(gpu: str) -> Check:
     """The configs/targets entry of the GPU the driver names (`targets.gpu_named`): its datasheet bandwidth
-    and memory set `dgpipe bench gpu`'s floors and `dgpipe quantize --estimate`'s fit."""
+    and tensor-core rates set `dgpipe bench gpu`'s floors."""
     from pipeline.targets import gpu_named
 
     spec = gpu_named(gpu)

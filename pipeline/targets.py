@@ -17,7 +17,7 @@ class GPU(BaseModel):
     product: str
     # what the driver calls it (`torch.cuda.get_device_name`, nvidia-smi), exactly: how a running GPU finds
     # its entry (`gpu_named`). GPU feature discovery's label nvidia.com/gpu.product is a name, "-" for " ".
-    device_names: list[str]
+    device_names: list[str] = []
     memory_gib: float
     bandwidth_tb_s: float
     # dense (no 2:4 sparsity) tensor-core TFLOPS per precision, from NVIDIA's datasheets; the compute floor

@@ -16,7 +16,8 @@ which grow with every kernel, get what a quick kernel build and a GPU without FP
    diagnostics: where the time went (profiler), one layer's experts and attention on each kernel that
    can run them, its FP8 sibling linears as one GEMM and apart, and each of the network's one-kernel
    chains against its torch form (`network`);
-4. the largest batch whose pass fits in GPU memory (doubling from 16, fastest format).
+4. the largest batch whose pass fits in GPU memory (doubling from 16, then to within 8 canvases;
+   fastest format).
 
 Needs torch with CUDA, nvcc (and ninja) for the kernels, pytest for the tests; nothing is downloaded.
 `--dry-run` lists every check with the reason it would be skipped here, and runs nothing.

@@ -353,10 +353,10 @@ def largest_batch(
         sink([row])
         return True
 
-    fit, over = 0, start
+    fit, over = 0, start  # over: the smallest batch known not to fit, or past `limit`
     while over <= limit and fits(over):
-        fit, over = over, over * 2
-    while fit and over <= limit and over - fit > BATCH_STEP:
+        fit, over = over, min(over * 2, limit + 1)
+    while fit and over - fit > BATCH_STEP:
         mid = (fit + over) // 2
         fit, over = (mid, over) if fits(mid) else (fit, mid)
     return [row]

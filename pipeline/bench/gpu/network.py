@@ -145,6 +145,12 @@ def _compare(a: object, b: object) -> tuple[bool, float]:
     a, b = (list(t) if isinstance(t, tuple) else [t] for t in (a, b))
     same, diff, ref = True, 0.0, 0.0
     for x, y in zip(a, b, strict=True):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            raise ValueError(
+                f"results differ in shape or dtype: {tuple(x.shape)} {x.dtype}, {tuple(y.shape)} {y.dtype}"
+            )
+        if x.numel() == 0:
+            continue
         rows = max(1, COMPARE_VALUES // max(1, x[0].numel())) if x.dim() else 1
         for xs, ys in zip(x.split(rows), y.split(rows), strict=True) if x.dim() else [(x, y)]:
             same = same and torch.equal(_bits(xs), _bits(ys))

@@ -195,6 +195,10 @@ def test_the_largest_batch_keeps_what_fit_and_knows_a_librarys_allocation_failur
     sunk.clear()
     assert search() == [{"format": "fp8", "largest_batch": 6, "tried_up_to": 8}]
     assert [r["largest_batch"] for r in sunk] == [1, 2, 4, 6]
+    # a limit between two doublings is searched up to, to within BATCH_STEP, not stopped at the last doubling
+    monkeypatch.setattr(measure, "_pass_setup", full_from(99, torch.OutOfMemoryError("CUDA out of memory")))
+    row = measure.largest_batch(1, 10, lambda r: None, "sudoku-tiny", torch.device("cpu"))
+    assert row == [{"format": "fp8", "largest_batch": 9, "tried_up_to": 9}]
 
 
 def test_bf16_expert_paths_time_torchs_grouped_gemm_and_the_triton_gemm_on_one_routing():
@@ -313,6 +317,38 @@ def test_results_compared_slice_by_slice_are_compared_as_wholes(monkeypatch):
         whole * b.float().norm() / (b.float().square().sum() + 9) ** 0.5
     )
     assert network._compare(torch.tensor([-0.0]), torch.tensor([0.0])) == (False, 0.0)  # bits, not values
+    assert network._compare(torch.zeros(0, 5), torch.zeros(0, 5)) == (True, 0.0)
+    for other in (
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int16),
+    ):  # not broadcast, not cast
+        with pytest.raises(ValueError, match="shape or dtype"):
+            network._compare(torch.zeros(1, dtype=torch.int16), other)
+
+
+def test_a_failed_run_at_new_lengths_keeps_the_steady_canvases(monkeypatch):
+    """The canvases' last run (every key length new) is an extra: if it fails, the steady run's row stays
+    and says why the other is missing."""
+    from pipeline.bench.gpu import canvas
+    from pipeline.bench.model import random_model
+    from pipeline.model.config import ModelConfig
+    from pipeline.resources import load_yaml
+    from pipeline.runtime.scheduler import BlockDiffusionRuntime
+
+    mcfg = ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny")
+    model = random_model(mcfg, torch.float32, torch.device("cpu"))
+    generate = BlockDiffusionRuntime.generate
+
+    def failing_at_new_lengths(self, requests):
+        if len(requests[0].prompt_ids) == 8 + canvas.NEW_LENGTH:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return generate(self, requests)
+
+    monkeypatch.setattr(BlockDiffusionRuntime, "generate", failing_at_new_lengths)
+    row = canvas.canvas_time(model, 1, 8, torch.device("cpu"), steps=2, canvases=1)
+    assert row["ms_per_canvas"] > 0 and row["passes"]["denoise"] == 2
+    assert row["new_lengths_error"].startswith("OutOfMemoryError: CUDA out of memory")
+    assert "ms_per_canvas_new_lengths" not in row
 
 
 def test_network_paths_time_each_chain_against_its_torch_form(rne_casts, interpreted_tanh, interpreted_exp):  # noqa: F811
