@@ -71,9 +71,10 @@ BACKENDS = ("flash", "efficient", "cudnn")
 def new_key_lengths(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dev: torch.device, repeats: int
 ) -> list[dict]:
-    """Per SDPA backend, the attention the network runs (`network.attend`) and the same with K/V expanded to
-    every query head, each first called at a key length it has not seen (one key more per call): ms of that
-    first call, wall clock, and of the calls after it. cuDNN builds an execution plan for every new shape,
+    """Per SDPA backend, the attention the network runs (`network.attend`), unmasked (rows of one length)
+    and masked (rows of different lengths: a batch's rows started from other prompts), and the same with
+    K/V expanded to every query head, each first called at a key length it has not seen (one key more per
+    call): ms of that first call, wall clock, and of the calls after it. cuDNN builds an execution plan for every new shape,
     keyed on batch and key length, on the host (PyTorch's `aten/src/ATen/native/cudnn/MHA.cpp`), and a server
     meets new key lengths all the time (every prompt length, every batch of rows), where the timed passes
     repeat one shape; the other backends launch the same kernels at any length."""
@@ -83,7 +84,16 @@ def new_key_lengths(
     from pipeline.model.network import attend
 
     groups = q.shape[1] // k.shape[1]
-    forms = {"network": lambda q, k, v: attend(q, k, v, None),
+
+    def ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Row i of the batch sees all keys but its last i % 8 (the mask `attention_masks` gives rows of
+        several lengths): [B, 1, Q, K], True where visible."""
+        keys = torch.arange(k.shape[2], device=k.device)
+        hidden = torch.arange(q.shape[0], device=k.device) % 8
+        visible = keys[None, :] < (k.shape[2] - hidden)[:, None]
+        return attend(q, k, v, visible[:, None, None, :].expand(-1, 1, q.shape[2], -1))
+
+    forms = {"network": lambda q, k, v: attend(q, k, v, None), "network, masked": ragged,
              "expanded": lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
                  q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), scale=1.0)}  # fmt: skip
     which = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
