@@ -8,8 +8,10 @@ the canvas's K/V.
 Every canvas takes exactly `STEPS` denoise steps (confidence threshold 0: no adaptive stop) and every request
 ignores the end token (random weights end anywhere), so the canvases timed are the canvases asked for. A
 warm-up run of the same shapes comes first: the commit pass, the longer past of a later canvas and their
-attention plans (cuDNN builds one per sequence length) are paid there, not in the time. (`dgpipe bench
-model`'s `runtime_canvas_s` isolates the passes instead: one canvas in one round, the prefill subtracted.)
+attention plans (cuDNN builds one per sequence length) are paid there, not in the steady time. A last run
+with `NEW_LENGTH` prompt tokens more pays them again, as a server does for the prompt lengths it has not
+met. (`dgpipe bench model`'s `runtime_canvas_s` isolates the passes instead: one canvas in one round, the
+prefill subtracted.)
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def canvas_time(
     """`batch` requests, each a `context`-token prompt and `canvases` canvases of `steps` steps, through a
     `BlockDiffusionRuntime` over `model` as `dgpipe serve` builds it (CUDA graphs and the fused sampler where
     the backend allows them), after a warm-up run of the same requests: ms per canvas (every request's canvases
-    run side by side), output tokens per second, and what the runtime ran."""
+    run side by side), output tokens per second, and what the runtime ran; then ms per canvas of the same
+    requests with `NEW_LENGTH` prompt tokens more, where every shape is new (or why that run failed)."""
     from pipeline.bench.timing import sync
     from pipeline.model.config import SamplerConfig
     from pipeline.runtime.backends import TorchBackend
