@@ -6,8 +6,11 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def sync(device: torch.device) -> None:
@@ -15,14 +18,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def seconds(fn: Callable[[], T], device: torch.device) -> tuple[float, T]:
+    """Seconds of one fn() call, the device's queued work before it excluded and its own included, and
+    what it returned: a first call's cost (nothing warmed up), or a run too long to repeat."""
+    sync(device)
+    t = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t, out
+
+
 def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Median seconds of fn() over `repeats` calls after one warm-up call."""
     fn()
-    sync(device)
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+    return statistics.median(seconds(fn, device)[0] for _ in range(repeats))

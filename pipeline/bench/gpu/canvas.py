@@ -16,8 +16,6 @@ prefill subtracted.)
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from pipeline.errors import error_line
@@ -37,7 +35,7 @@ def canvas_time(
     the backend allows them), after a warm-up run of the same requests: ms per canvas (every request's canvases
     run side by side), output tokens per second, and what the runtime ran; then ms per canvas of the same
     requests with `NEW_LENGTH` prompt tokens more, where every shape is new (or why that run failed)."""
-    from pipeline.bench.timing import sync
+    from pipeline.bench.timing import seconds
     from pipeline.model.config import SamplerConfig
     from pipeline.runtime.backends import TorchBackend
     from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
@@ -53,11 +51,7 @@ def canvas_time(
         out = canvases * length
         reqs = [Request(prompt[:tokens], max_tokens=out, min_tokens=out, sampler=sampler, seed=i,
                         request_id=first_id + i) for i in range(batch)]  # fmt: skip
-        sync(dev)
-        t0 = time.perf_counter()
-        results = rt.generate(reqs)
-        sync(dev)
-        return time.perf_counter() - t0, results
+        return seconds(lambda: rt.generate(reqs), dev)
 
     timed(context, 0)  # the prefill, the sampler's load, every shape's first run
     loop = rt.loop

@@ -4,7 +4,6 @@ shapes: the diagnostics beside a measured pass (`pipeline.bench.gpu.measure`).""
 from __future__ import annotations
 
 import functools
-import time
 import warnings
 
 import torch
@@ -81,7 +80,7 @@ def new_key_lengths(
     same kernels at any length."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from pipeline.bench.timing import median_seconds, sync
+    from pipeline.bench.timing import median_seconds, seconds
     from pipeline.model.network import attend
 
     groups = q.shape[1] // k.shape[1]
@@ -108,12 +107,9 @@ def new_key_lengths(
             try:
                 with sdpa_kernel([which[backend]]), torch.inference_mode():
                     fn(q, k, v)  # the backend's first use in the process (handles, libraries), untimed
-                    sync(dev)
-                    t0 = time.perf_counter()
-                    fn(q, k2, v2)
-                    sync(dev)
-                    row["first_ms"] = (time.perf_counter() - t0) * 1e3
-                    row["ms"] = median_seconds(functools.partial(fn, q, k2, v2), dev, repeats) * 1e3
+                    call = functools.partial(fn, q, k2, v2)
+                    row["first_ms"] = seconds(call, dev)[0] * 1e3
+                    row["ms"] = median_seconds(call, dev, repeats) * 1e3
             except RuntimeError as e:  # this backend does not take this form here
                 row["error"] = error_line(e)
             rows.append(row)
