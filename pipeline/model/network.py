@@ -13,6 +13,7 @@ ring-buffer cache (`pipeline.runtime.kv_cache`). Module and parameter names matc
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
@@ -20,6 +21,7 @@ from typing import ClassVar, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.model.config import ModelConfig, TextConfig
 from pipeline.model.scaled_layout import ExpertOrder, OrderKernel, QuantizedRows, expert_order, slot_rows
@@ -159,26 +161,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, :, None, :] + rotate_half(x) * sin[:, :, None, :]
 
 
-FUSED_GQA_MAX_HEAD_DIM = 256  # the largest head_dim torch's flash and cuDNN attention kernels take
+FUSED_GQA_MAX_HEAD_DIM = 256  # the largest head_dim torch's flash attention kernel takes
+# the SDPA kernels a pass on CUDA may take: every one but cuDNN's (`attention_kernels`)
+PLANLESS_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def packs_queries(device: torch.device, head_dim: int, groups: int) -> bool:
+def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager:
+    """Where a pass's attention may run: on CUDA torch's flash, memory-efficient or math kernels, never
+    cuDNN's. torch puts cuDNN first on sm90 and sm100 (`check_prefer_cudnn_attention` in
+    `aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`), and cuDNN's attention builds an execution plan
+    on the host for every new problem: the plan cache is keyed on the batch and the key length among the rest
+    (`MHAParams`, `aten/src/ATen/native/cudnn/MHA.cpp`). A server meets new ones all the time: every round's
+    key lengths until the sliding ring is full, every prompt length, every batch of rows. Public reports put
+    a build at hundreds of milliseconds, where the sliding layers' attention kernels took 0.05 ms a layer at
+    one canvas and 0.14 ms at 16 on an H200: one build costs more than any kernel's edge saves over hundreds
+    of passes (docs/engine.md, "Attention without cuDNN's plans"). The CPU takes what torch picks."""
+    return sdpa_kernel(PLANLESS_SDPA) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def packs_queries(device: torch.device, head_dim: int, groups: int, masked: bool = False) -> bool:
     """Whether `attend` runs grouped K/V as an ungrouped attention over the K/V heads (`attend_packed`). On
-    CUDA, torch's SDPA runs grouped K/V (`enable_gqa`) in a fused kernel only through flash or cuDNN, which
-    take head_dim <= 256; the memory-efficient kernel takes larger heads but not groups, so a grouped
-    head_dim-512 layer (the 26B's global layers: 16 query heads on 2 K/V heads) falls to the math path, two
-    batched GEMMs with the score matrix in memory: on an H200 2.69 ms a layer at 16 canvases, against 0.51 ms
-    on the memory-efficient kernel with K/V copied out to every query head (BENCHMARKS.md, "26B-A4B denoise
-    pass"). The packed form runs on that kernel too, with the same programs over the same score tiles, but
-    reads each K/V head once instead of a copy per query head. The CPU keeps the grouped form."""
-    return device.type == "cuda" and groups > 1 and head_dim > FUSED_GQA_MAX_HEAD_DIM
+    CUDA, without cuDNN (`attention_kernels`), torch's SDPA runs grouped K/V (`enable_gqa`) in a fused kernel
+    only through flash, which takes head_dim <= 256 and no mask; the memory-efficient kernel takes larger
+    heads and masks but (torch 2.11) not groups, so a grouped head_dim-512 layer (the 26B's global layers: 16
+    query heads on 2 K/V heads), or any grouped layer with a mask (a batch of rows of different lengths, a
+    causal pass), falls to the math path, two batched GEMMs with the score matrix in memory: on an H200 2.69
+    ms a layer at 16 canvases, against 0.51 ms on the memory-efficient kernel with K/V copied out to every
+    query head (BENCHMARKS.md, "26B-A4B denoise pass"). The packed form runs on that kernel too, with the
+    same programs over the same score tiles, but reads each K/V head once instead of a copy per query head.
+    The CPU keeps the grouped form."""
+    return device.type == "cuda" and groups > 1 and (masked or head_dim > FUSED_GQA_MAX_HEAD_DIM)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Scaled dot-product attention (scale 1: q and k are RMS-normed) of q [B, H, Q, D] over k/v
-    [B, H_kv, K, D], grouped or packed as `packs_queries` says; the two compute the same attention."""
+    [B, H_kv, K, D], grouped or packed as `packs_queries` says; the two compute the same attention. On CUDA
+    inside `attention_kernels` (every pass of the network is)."""
     groups = q.shape[1] // k.shape[1]
-    if packs_queries(q.device, q.shape[-1], groups):
+    if packs_queries(q.device, q.shape[-1], groups, mask is not None):
         return attend_packed(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=groups > 1)
 
@@ -359,7 +379,8 @@ class Attention(nn.Module):
             return self.rotate(self.q_norm(q_raw), li).transpose(1, 2), room or kv
         k_raw, v_raw = self.kv_heads(k_proj, v_proj)
         # q head-major where `attend` packs it: then its packing is a view, not a copy
-        head_major = packs_queries(q_proj.device, self.head_dim, self.num_heads // self.num_kv_heads)
+        groups = self.num_heads // self.num_kv_heads
+        head_major = packs_queries(q_proj.device, self.head_dim, groups, li.mask is not None)
         k, v, q = self.head_norms_kernel(
             k_raw, self.k_norm, li.cos, li.sin, v_raw, self.v_norm, q_raw, self.q_norm, q_head_major=head_major,
             out=room,
@@ -792,9 +813,10 @@ class DiffusionGemma(nn.Module):
         """All layers plus the final norm; returns the hidden states and each layer's new (K, V)."""
         inputs = self.layer_inputs(positions, masks, h.dtype)
         new_kv = []
-        for i, layer in enumerate(self.layers):
-            h, kv = layer(h, inputs[self.layer_types[i]], past[i] if past is not None else None, encoder)
-            new_kv.append(kv)
+        with attention_kernels(h.device):
+            for i, layer in enumerate(self.layers):
+                h, kv = layer(h, inputs[self.layer_types[i]], past[i] if past is not None else None, encoder)
+                new_kv.append(kv)
         return self.norm(h), new_kv
 
     # ---- the three passes --------------------------------------------------------------------------
@@ -820,9 +842,10 @@ class DiffusionGemma(nn.Module):
         h = self.embed(tokens)
         inputs = self.layer_inputs(positions, masks, h.dtype)
         new_kv = []
-        for i, layer in enumerate(self.layers[:-1]):
-            h, kv = layer(h, inputs[self.layer_types[i]], past[i] if past is not None else None, True)
-            new_kv.append(kv)
+        with attention_kernels(h.device):
+            for i, layer in enumerate(self.layers[:-1]):
+                h, kv = layer(h, inputs[self.layer_types[i]], past[i] if past is not None else None, True)
+                new_kv.append(kv)
         last = self.layers[-1]
         new_kv.append(last.self_attn.project_kv(last.input_layernorm(h), inputs[self.layer_types[-1]]))
         return new_kv

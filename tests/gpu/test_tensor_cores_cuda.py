@@ -556,18 +556,24 @@ def test_the_routing_kernels_choose_torchs_experts_and_order_them_as_its_sort():
     assert probing.same_order(order, sl.expert_order(index, 128))
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_packed_queries_take_the_memory_efficient_kernel_and_compute_the_expanded_attention(masked):
-    """The 26B's global attention (16 query heads on 2 K/V heads of 512) at 16 canvases over 256 cached
-    tokens: the network's packed form runs on torch's memory-efficient kernel (forced: no math fallback) and
-    equals the same kernel on K/V expanded to every query head, within bf16 rounding of O(1) outputs."""
+@pytest.mark.parametrize(
+    ("kv_heads", "head_dim", "masked"), [(2, 512, False), (2, 512, True), (8, 256, True)]
+)
+def test_packed_queries_take_the_memory_efficient_kernel_and_compute_the_expanded_attention(
+    kv_heads, head_dim, masked
+):
+    """The 26B's global attention (16 query heads on 2 K/V heads of 512), and its sliding attention (on 8 K/V
+    heads of 256) where rows of different lengths give it a mask, at 16 canvases over 256 cached tokens: the
+    network's packed form runs on torch's memory-efficient kernel (forced: no math fallback) and equals the
+    same kernel on K/V expanded to every query head, within bf16 rounding of O(1) outputs."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from pipeline.model.network import attend, packs_queries
 
+    groups = 16 // kv_heads
     gen = torch.Generator(device=CUDA).manual_seed(11)
-    q = torch.randn(16, 256, 16, 512, device=CUDA, generator=gen).bfloat16().transpose(1, 2)
-    k, v = (torch.randn(16, 2, 512, 512, device=CUDA, generator=gen).bfloat16() for _ in range(2))
+    q = torch.randn(16, 256, 16, head_dim, device=CUDA, generator=gen).bfloat16().transpose(1, 2)
+    k, v = (torch.randn(16, kv_heads, 512, head_dim, device=CUDA, generator=gen).bfloat16() for _ in range(2))
     mask = None
     if masked:  # rows of different cached lengths, as a mixed batch has them
         lengths = torch.arange(16, device=CUDA) * 16
@@ -575,11 +581,11 @@ def test_packed_queries_take_the_memory_efficient_kernel_and_compute_the_expande
         mask = ((keys[None] < lengths[:, None]) | (keys[None] >= 256))[:, None, None, :].expand(
             16, 1, 256, 512
         )
-    assert packs_queries(CUDA, 512, 8)
+    assert packs_queries(CUDA, head_dim, groups, masked)
     with torch.inference_mode(), sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
         got = attend(q, k, v, mask)
         want = F.scaled_dot_product_attention(
-            q, k.repeat_interleave(8, 1), v.repeat_interleave(8, 1), attn_mask=mask, scale=1.0
+            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=mask, scale=1.0
         )
     assert got.shape == want.shape and got.transpose(1, 2).is_contiguous()
     assert float((got.float() - want.float()).abs().max()) <= 2**-6

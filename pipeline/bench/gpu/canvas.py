@@ -7,10 +7,11 @@ the canvas's K/V.
 
 Every canvas takes exactly `STEPS` denoise steps (confidence threshold 0: no adaptive stop) and every request
 ignores the end token (random weights end anywhere), so the canvases timed are the canvases asked for. A
-warm-up run of the same shapes comes first: the commit pass, the longer past of a later canvas and their
-attention plans (cuDNN builds one per sequence length) are paid there, not in the steady time. A last run
-with `NEW_LENGTH` prompt tokens more pays them again, as a server does for the prompt lengths it has not
-met. (`dgpipe bench model`'s `runtime_canvas_s` isolates the passes instead: one canvas in one round, the
+warm-up run of the same shapes comes first: the commit pass, the longer past of a later canvas and what
+their first call at a shape costs (Triton's specializations, the allocator's first blocks) are paid there,
+not in the steady time. A last run with `NEW_LENGTH` prompt tokens more pays for new shapes again, as a
+server does for the prompt lengths it has not met (with cuDNN's attention in torch's choice, a plan build
+per shape: the network's passes leave it out, `network.attention_kernels`). (`dgpipe bench model`'s `runtime_canvas_s` isolates the passes instead: one canvas in one round, the
 prefill subtracted.)
 """
 
@@ -23,7 +24,7 @@ from pipeline.errors import error_line
 STEPS = 16  # denoise steps per canvas: vLLM's measured step count for this model
 CANVASES = 2  # timed per request, after a warm-up run of as many
 # prompt tokens more in a last timed run: every key length in it new to the process, as a server meets new
-# prompt lengths (cuDNN's attention builds a plan on the host for every new shape; the steady run reuses them)
+# prompt lengths (what a first call at a shape costs; the steady run reuses its shapes)
 NEW_LENGTH = 16  # a multiple of 16: Triton specializes on it, and new variants would add their compiles
 
 

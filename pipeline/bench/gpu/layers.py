@@ -77,7 +77,8 @@ def new_key_lengths(
     every new shape, keyed on batch and key length, on the host (PyTorch's
     `aten/src/ATen/native/cudnn/MHA.cpp`), and a server meets new key lengths all the time (every prompt
     length, every batch of rows), where the timed passes repeat one shape; the other backends launch the
-    same kernels at any length."""
+    same kernels at any length. The network's passes leave cuDNN out (`network.attention_kernels`): these
+    rows say what that costs or saves in kernel time, and what a plan build costs."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from pipeline.bench.timing import median_seconds, seconds

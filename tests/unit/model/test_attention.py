@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.model.network import attend, attend_packed, packs_queries
+from pipeline.model.network import attend, attend_packed, attention_kernels, packs_queries
 
 
 def _qkv(dtype: torch.dtype, heads: int = 16, kv_heads: int = 2, queries: int = 5, keys: int = 9):
@@ -55,12 +55,26 @@ def test_the_packed_output_is_what_o_proj_reads():
     torch.testing.assert_close(out.transpose(1, 2).reshape(3, 5, -1), want.transpose(1, 2).reshape(3, 5, -1))
 
 
-def test_queries_are_packed_only_for_grouped_cuda_heads_past_the_fused_kernels_limit():
+def test_queries_are_packed_only_for_grouped_cuda_heads_flash_does_not_take():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert packs_queries(cuda, 512, 8)  # the 26B's global layers: 16 query heads on 2 K/V heads
-    assert not packs_queries(cuda, 256, 2)  # its sliding layers: flash / cuDNN take grouped heads of 256
-    assert not packs_queries(cuda, 512, 1)  # nothing grouped
-    assert not packs_queries(cpu, 512, 8)  # the CPU path keeps the grouped form
+    assert not packs_queries(cuda, 256, 2)  # its sliding layers: flash takes grouped heads of 256
+    assert packs_queries(cuda, 256, 2, masked=True)  # but no mask (rows of several lengths, causal passes)
+    assert not packs_queries(cuda, 512, 1, masked=True)  # nothing grouped
+    assert not packs_queries(cpu, 512, 8, masked=True)  # the CPU path keeps the grouped form
+
+
+def test_cuda_passes_take_every_attention_kernel_but_cudnns_and_the_cpu_what_torch_picks():
+    """cuDNN's attention builds a host plan per new shape: out of a CUDA pass's choice, and back after it."""
+    cuda = torch.backends.cuda
+    enabled = lambda: (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
+                       cuda.cudnn_sdp_enabled())  # fmt: skip
+    assert enabled() == (True, True, True, True)
+    with attention_kernels(torch.device("cuda", 1)):
+        assert enabled() == (True, True, True, False)
+    with attention_kernels(torch.device("cpu")):
+        assert enabled() == (True, True, True, True)
+    assert enabled() == (True, True, True, True)
     q, k, v, _ = _qkv(torch.float64)
     assert torch.equal(
         attend(q, k, v, None), F.scaled_dot_product_attention(q, k, v, scale=1.0, enable_gqa=True)

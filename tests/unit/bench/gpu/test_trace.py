@@ -548,3 +548,51 @@ def test_nvfp4_experts_copy_no_scales_in_the_pass():
     the only `contiguous` copy left in the B200 pass is the packed attention's output."""
     trace = gt.trace_pass("nvfp4", "sm100", 16, LAYERS)
     assert trace.ops["aten::contiguous"] == 1
+
+
+def test_attention_on_cuda_runs_without_cudnns_plans_and_packs_masked_grouped_heads(monkeypatch):
+    """Every attention call of a pass on CUDA runs with cuDNN's kernel out of torch's choice (a plan built
+    on the host per new shape) and flash's and the memory-efficient kernel's in it, the backends restored
+    after the pass; with rows of several lengths (masks), grouped heads are packed for the memory-efficient
+    kernel (flash takes no mask, and without cuDNN torch 2.11 would run grouped heads with a mask on the math
+    path), q written head-major by the head-norms kernel so its packing is a view."""
+    import torch.nn.functional as F
+
+    calls: list[dict] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recorded(q, k, v, attn_mask=None, **kw):
+        cuda = torch.backends.cuda
+        calls.append({"cudnn": cuda.cudnn_sdp_enabled(), "flash": cuda.flash_sdp_enabled(),
+                      "efficient": cuda.mem_efficient_sdp_enabled(), "grouped": q.shape[1] != k.shape[1],
+                      "masked": attn_mask is not None})  # fmt: skip
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    past_of = gt._past
+
+    def ragged(mcfg, batch, fake):  # the cache as `_past` reads it, its rows taken as of several lengths
+        past, positions, masks = past_of(mcfg, batch, fake)
+        kinds = mcfg.text_config.layer_types
+        keys = {kind: past[kinds.index(kind)].k.shape[2] for kind in masks}
+        q = positions.shape[1]
+        return (
+            past,
+            positions,
+            {k: torch.ones(batch, 1, q, n, dtype=torch.bool, device="cuda") for k, n in keys.items()},
+        )
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    for masked in (False, True):
+        calls.clear()
+        if masked:
+            monkeypatch.setattr(gt, "_past", ragged)
+        trace = gt.trace_pass("bf16", "sm90", 2, LAYERS)
+        assert trace.error is None and len(calls) == LAYERS
+        assert all(c["efficient"] and c["flash"] and not c["cudnn"] for c in calls), calls
+        assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the pass
+        # unmasked: the sliding layer's grouped heads of 256 on flash, the global layer's of 512 packed
+        assert [c["grouped"] for c in calls] == [not masked, False]
+        assert all(c["masked"] == masked for c in calls)
+        # K/V read once per K/V head, q packed as a view (the copies behind a reshape are counted)
+        assert "aten::repeat_interleave" not in trace.ops and "aten::reshape" not in trace.ops
