@@ -212,7 +212,9 @@ def attend_packed(
     V are read where they lie, once per K/V head; q (a view where it is contiguous [B, H, Q, D], as the
     head-norms kernel writes it for this form), the mask and the output are copied, each once (the
     output [B, H, Q, D] as the transpose of a contiguous [B, Q, H, D], which `o_proj` reads without a copy;
-    the mask [B, 1, Q, K] in the packed queries' order).
+    the mask [B, 1, Q, K] in the packed queries' order, its rows 8 values apart: torch's memory-efficient
+    kernel copies a bias whose strides are not multiples of 8 into one that is, `preprocess_mask` in
+    `aten/src/ATen/native/transformers/attention.cpp`, and most key lengths are not).
     The cost of a copy of K/V per query head (`repeat_interleave`) is then (H - H_kv) heads' K/V written and
     read again, against q's and the output's H heads over Q: less wherever the keys outnumber the queries
     (every denoise pass over a cached context)."""
@@ -222,7 +224,9 @@ def attend_packed(
     packed = q.reshape(b, kv_heads, groups * n, d)
     if mask is not None:
         rows = mask[:, :, None].expand(-1, -1, groups, -1, -1)  # [B, 1, groups, Q, K], a view
-        mask = q.new_zeros(()).where(rows, float("-inf")).flatten(2, 3)
+        keys = mask.shape[-1]
+        additive = q.new_full((b, 1, groups, n, -(-keys // 8) * 8), float("-inf"))[..., :keys]
+        mask = additive.masked_fill_(rows, 0.0).flatten(2, 3)  # a view: its rows stay 8 values apart
     out = F.scaled_dot_product_attention(packed, k, v, attn_mask=mask, scale=1.0)
     return (
         out.unflatten(2, (groups, n)).permute(0, 3, 1, 2, 4).contiguous().view(b, n, heads, d).transpose(1, 2)

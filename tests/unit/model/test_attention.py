@@ -79,3 +79,24 @@ def test_cuda_passes_take_every_attention_kernel_but_cudnns_and_the_cpu_what_tor
     assert torch.equal(
         attend(q, k, v, None), F.scaled_dot_product_attention(q, k, v, scale=1.0, enable_gqa=True)
     )
+
+
+@pytest.mark.parametrize("keys", [9, 16])
+def test_the_packed_mask_is_one_the_memory_efficient_kernel_takes_without_a_copy(monkeypatch, keys):
+    """Its strides but the last are multiples of 8 and its last is 1 (`aligned_tensor` in torch's
+    attention.cpp), whatever the key count, so the kernel reads it as it is; 0 where visible, -inf elsewhere."""
+    q, k, v, mask = _qkv(torch.bfloat16, keys=keys)
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recorded(*args, attn_mask=None, **kw):
+        seen.append(attn_mask)
+        return sdpa(*args, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    attend_packed(q, k, v, mask)
+    (bias,) = seen
+    assert bias.shape == (3, 1, 8 * 5, keys) and bias.stride(-1) == 1
+    assert all(s % 8 == 0 for s in bias.stride()[:-1])
+    want = mask[:, :, None].expand(-1, -1, 8, -1, -1).flatten(2, 3)
+    assert torch.equal(bias == 0, want) and torch.equal(bias == float("-inf"), ~want)
