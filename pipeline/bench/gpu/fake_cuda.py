@@ -14,7 +14,8 @@ the device's data (`.item()`, `.tolist()`, `torch.equal`, a data-dependent shape
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
+import functools
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from unittest import mock
 
@@ -76,6 +77,7 @@ class OpCounter(TorchDispatchMode):
     def __init__(self, fake: FakeTensorMode) -> None:
         super().__init__()
         self.fake, self.ops, self.bytes, self.counting = fake, Counter(), Counter(), False
+        self.compiles: defaultdict[str, set[tuple]] = defaultdict(set)  # each Triton kernel's launch keys
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -194,12 +196,53 @@ def _on_meta(fake: FakeTensorMode, func, args, kwargs):
     return tree_map(back, out)
 
 
+class _Address:
+    """A fake tensor as Triton's launcher sees a tensor argument: its dtype and its address, here a block of
+    the caching allocator (they start 512 bytes apart) plus the tensor's offset into its storage."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.dtype, self.address = t.dtype, 512 * 1024 + t.storage_offset() * t.element_size()
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+@functools.cache
+def _binder(kernel, arch: str):
+    """Triton's own argument binder for `kernel` (a `triton.jit` function, or the interpreter's, whose jit
+    arguments it keeps) on NVIDIA's backend for `arch`: what its launcher calls to make a launch's key."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    if not isinstance(kernel, JITFunction):
+        jit = {k: v for k, v in kernel.kwargs.items() if k.startswith("do_not_specialize")}
+        kernel = JITFunction(kernel.fn, **jit)
+    major, minor = CAPABILITY[arch]
+    backend = CUDABackend(GPUTarget("cuda", major * 10 + minor, 32))
+    return create_function_from_signature(kernel.signature, kernel.params, backend)
+
+
+def specialization(kernel, arch: str, args: tuple, meta: dict) -> tuple:
+    """The key a launch of `kernel` compiles under on a GPU of `arch`, made by Triton's own binder
+    (`create_function_from_signature` in `triton/runtime/jit.py`): constexprs by value, each int as 1, a
+    multiple of 16 or neither (unless the kernel says `do_not_specialize`), each tensor by its dtype and
+    whether its address is a multiple of 16, and the launch options (`num_warps`, `num_stages`). A launch
+    whose key Triton has not met compiles the kernel again, on the host, in the middle of the pass that
+    launched it (the disk cache serves later processes)."""
+    args = tuple(_Address(a) if isinstance(a, torch.Tensor) else a for a in args)
+    meta = {k: _Address(v) if isinstance(v, torch.Tensor) else v for k, v in meta.items()}
+    _, key, options = _binder(kernel, arch)(*args, **meta)
+    return (*key, *sorted(options.items()))
+
+
 class Launcher:
     """Stands for a jitted Triton kernel: `kernel[grid](*args)` checks its tensors are on the GPU and counts
-    the launch and the bytes of its tensor arguments, each touched once."""
+    the launch and the bytes of its tensor arguments, each touched once, and the key it compiles under
+    (`specialization`, where the real kernel `source` is given)."""
 
-    def __init__(self, name: str, counter: OpCounter) -> None:
-        self.name, self.counter = name, counter
+    def __init__(self, name: str, counter: OpCounter, source=None, arch: str = "sm90") -> None:
+        self.name, self.counter, self.source, self.arch = name, counter, source, arch
 
     def __getitem__(self, grid):
         def launch(*args, **meta):
@@ -210,18 +253,22 @@ class Launcher:
             if self.counter.counting:
                 self.counter.ops[f"triton::{self.name}"] += 1
                 self.counter.bytes[f"triton::{self.name}"] += sum(footprint(t) for t in tensors)
+                if self.source is not None:
+                    self.counter.compiles[self.name].add(specialization(self.source, self.arch, args, meta))
 
         return launch
 
 
 class Launchers:
-    """Stands for a module of jitted kernels (`kernels.jit.quant`): each attribute is a `Launcher`."""
+    """Stands for a module of jitted kernels (`kernels.jit.quant`): each attribute is a `Launcher` of the
+    module's kernel of that name."""
 
-    def __init__(self, counter: OpCounter) -> None:
-        self.counter = counter
+    def __init__(self, counter: OpCounter, source=None, arch: str = "sm90") -> None:
+        self.counter, self.source, self.arch = counter, source, arch
 
     def __getattr__(self, name: str) -> Launcher:
-        return Launcher(name, self.counter)
+        kernel = None if self.source is None else getattr(self.source, name)
+        return Launcher(name, self.counter, kernel, self.arch)
 
 
 _LIBS: list[torch.library.Library] = []  # registrations live as long as their Library object
@@ -262,14 +309,15 @@ def fake_gpu(arch: str) -> Iterator[tuple[FakeTensorMode, OpCounter, _Functions]
         stack.enter_context(
             mock.patch("torch.cuda.get_device_capability", lambda device=None: CAPABILITY[arch])
         )
-        stack.enter_context(mock.patch.object(kernels.moe, "_kernel", lambda: Launcher("moe_gemm", ops)))
+        moe = Launcher("moe_gemm", ops, kernels.moe._kernel(), arch)
+        stack.enter_context(mock.patch.object(kernels.moe, "_kernel", lambda: moe))
         # one launch per GEMM whatever its tile: no measured tile table is looked for
         stack.enter_context(
             mock.patch.object(kernels.moe_tiles, "table_and_path", lambda device, operand: None)
         )
-        launchers = Launchers(ops)
         for family in (kernels.quant, kernels.chains, kernels.routing):
-            stack.enter_context(mock.patch.object(family, "_kernels", lambda: launchers))
+            launchers = Launchers(ops, family._kernels(), arch)
+            stack.enter_context(mock.patch.object(family, "_kernels", lambda launchers=launchers: launchers))
         # the RowWise GEMMs' unit row scales are cached per device, outside graph capture: here fake tensors
         # of this mode only, and no capture (a CPU build of torch cannot say)
         stack.enter_context(mock.patch.dict(tensor_cores._UNIT_ROWS, clear=True))

@@ -78,6 +78,8 @@ class PassTrace:
     traffic: Counter = field(default_factory=Counter)  # bytes each operation moves (`fake_cuda.traffic`)
     output: str = ""  # the logits' shape, dtype and device
     error: str | None = None  # a host read or host tensor in the pass, or anything else that stopped it
+    # each Triton kernel's compile keys (`fake_cuda.specialization`): the binaries the pass needs
+    binaries: dict[str, set[tuple]] = field(default_factory=dict, repr=False)
 
     @property
     def launches(self) -> int:
@@ -130,26 +132,36 @@ def resident_gb(model: DiffusionGemma) -> dict[str, float]:
     return out
 
 
-def _past(mcfg: ModelConfig, batch: int, fake: FakeTensorMode):
-    """A cache holding `CONTEXT` prompt tokens per row, read as the runtime reads it before a step (with room
-    for the canvas's K/V): K/V on meta tensors, lengths and ring positions real, so `KVCache.read` and
-    `attention_masks` run as written."""
+def _past(
+    mcfg: ModelConfig, batch: int, fake: FakeTensorMode, context: int = CONTEXT, prompt: int | None = None
+):
+    """A cache holding `context` prompt tokens per row, read as the runtime reads it before a step (with room
+    for the canvas's K/V), or before a causal pass of `prompt` tokens per row (a prefill chunk, a commit:
+    without room, the masks causal): K/V on meta tensors, lengths and ring positions real, so `KVCache.read`
+    and `attention_masks` run as written."""
     cfg, length = mcfg.text_config, mcfg.canvas_length
+    room = length if prompt is None else 0
     with unset_fake_temporarily():
-        cache = KVCache(cfg, batch, CONTEXT + length + 8, torch.bfloat16, "meta", room=length)
-        cache.lengths = torch.full((batch,), CONTEXT)
-        held = torch.arange(max(0, CONTEXT - cache.ring), CONTEXT)
+        cache = KVCache(cfg, batch, context + (prompt or length) + 8, torch.bfloat16, "meta", room=room)
+        cache.lengths = torch.full((batch,), context)
+        held = torch.arange(max(0, context - cache.ring), context)
         cache.ring_pos = torch.full((batch, cache.ring), -1)
         cache.ring_pos[:, held % cache.ring] = held
         slots = torch.arange(batch)
-        past, meta = cache.read(slots, room=length)
-        positions = canvas_positions(cache.lengths[slots], length)
+        past, meta = cache.read(slots, room=room)
+        if prompt is None:
+            positions = canvas_positions(cache.lengths[slots], length)
+        else:
+            positions = cache.lengths[slots, None] + torch.arange(prompt)[None]
         masks = attention_masks(
-            positions, torch.ones_like(positions, dtype=torch.bool), meta, False, cache.window
+            positions, torch.ones_like(positions, dtype=torch.bool), meta, prompt is not None, cache.window
         )
     to_cuda = lambda t: None if t is None else fake.fake_tensor_converter.from_meta_and_device(fake, t.to("meta"), torch.device("cuda"))  # fmt: skip
     return (
-        [PastWithRoom(to_cuda(p.k), to_cuda(p.v), p.length) for p in past],
+        [
+            PastWithRoom(to_cuda(p.k), to_cuda(p.v), p.length) if room else (to_cuda(p[0]), to_cuda(p[1]))
+            for p in past
+        ],
         to_cuda(positions),
         {k: to_cuda(m) for k, m in masks.items()},
     )
@@ -162,9 +174,12 @@ def trace_pass(
     layers: int | None = None,
     probed: Probe | None = None,
     config: str = CONFIG,
+    context: int = CONTEXT,
+    prompt: int | None = None,
 ) -> PassTrace:
     """Load the random-weight model in `fmt` as on a GPU of `arch` and trace one denoise pass of `batch`
-    canvases over `CONTEXT` cached tokens. `probed`: the load-time probe's results (default: all passed)."""
+    canvases over `context` cached tokens, or (`prompt`) a causal pass of that many tokens per row over them
+    (`encode_kv`: a prefill chunk, a commit). `probed`: the load-time probe's results (default: all passed)."""
     from pipeline.bench.gpu.measure import quantize_random  # the benchmark's own load
     from pipeline.runtime.gpu_load import finish_on_device
 
@@ -184,15 +199,18 @@ def trace_pass(
         expected = weight_bytes(mcfg.text_config, row)
         trace = PassTrace(fmt, arch, batch, mcfg.text_config.num_hidden_layers, kernels, resident_gb(model),
                           {k: v / 1e9 for k, v in expected.items()}, ops.ops, ops.bytes)  # fmt: skip
-        past, positions, masks = _past(mcfg, batch, fake)
-        canvas = torch.zeros(batch, mcfg.canvas_length, dtype=torch.long, device="cuda")
+        past, positions, masks = _past(mcfg, batch, fake, context, prompt)
+        tokens = torch.zeros(positions.shape, dtype=torch.long, device="cuda")
         # the pass as it runs after its first, whose RowWise GEMMs made their row scales of 1 once
-        unit_row_scales(canvas.numel(), canvas.device)
-        soft = torch.empty(batch, mcfg.canvas_length, mcfg.text_config.hidden_size, dtype=torch.bfloat16, device="cuda")  # fmt: skip
+        unit_row_scales(tokens.numel(), tokens.device)
+        soft = torch.empty(*tokens.shape, mcfg.text_config.hidden_size, dtype=torch.bfloat16, device="cuda")
         calls.loading, fake.allow_non_fake_inputs, ops.counting = False, False, True
         try:
             with torch.inference_mode():
-                out = model.denoise_soft(canvas, soft, positions, masks, past)
+                if prompt is None:
+                    out = model.denoise_soft(tokens, soft, positions, masks, past)
+                else:
+                    out = model.encode_kv(tokens, positions, masks, past)[-1][0]  # the last layer's K
             trace.output = f"{list(out.shape)} {str(out.dtype).removeprefix('torch.')} {out.device.type}"
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
             trace.error = f"host read in the pass: {error_line(e)}"
@@ -202,6 +220,7 @@ def trace_pass(
             trace.error = error_line(e)
         finally:
             ops.counting = False
+            trace.binaries = {name: set(keys) for name, keys in ops.compiles.items()}
     return trace
 
 
@@ -243,6 +262,7 @@ def run(
                 "launches": t.launches,
                 "moved_gb": t.moved_gb,
                 "gemms": t.gemms(),
+                "binaries": {name: len(keys) for name, keys in t.binaries.items()},
             }
             for t in traces
         ],

@@ -14,7 +14,7 @@ from pipeline.runtime.kernels.jit.quant import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # token counts: one binary for every length
 def rope(
     x_ptr,
     cos_ptr,
@@ -116,7 +116,7 @@ def _gelu_times(x, u, dt, BETA: tl.constexpr, KAPPA: tl.constexpr):
     return (gelu * u).to(dt)  # a product of two bf16/fp16 values is exact in fp32: one rounding, torch's
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # token counts: one binary for every length
 def geglu_nvfp4(
     gate_ptr, up_ptr, gs_ptr, packed_ptr, scales_ptr, rows, cols, stride_gate, stride_up, CP, BETA: tl.constexpr,
     KAPPA: tl.constexpr, E2M1_MAX: tl.constexpr, E4M3_MAX: tl.constexpr, BLOCKED: tl.constexpr,
@@ -149,7 +149,7 @@ def add_scaled(a_ptr, b_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + i, (h * tl.load(s_ptr).to(tl.float32)).to(dt), mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["past", "total"])  # token counts: one binary for every length
 def kv_cat(
     pk_ptr, pv_ptr, k_ptr, v_ptr, ok_ptr, ov_ptr, heads, past, total, p_sb, p_sh, p_st, n_sb, n_sh, n_st,
     D: tl.constexpr, D_P2: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -198,7 +198,7 @@ def _rms_norm(x, w_ptr, c, inside, cols, eps):
     return x * _rstd(x, cols, eps) * tl.load(w_ptr + c, mask=inside, other=0.0).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # token counts: one binary for every length
 def ffn_inputs(
     h_ptr, a_ptr, wa_ptr, w1_ptr, w2_ptr, ws_ptr, res_ptr, mlp_ptr, exp_ptr, router_ptr, mlp_scale_ptr,
     exp_scale_ptr, mlp_bs_ptr, exp_bs_ptr, rows, cols, CP, eps, root, E2M1_MAX: tl.constexpr,
@@ -248,7 +248,7 @@ def layer_end(
     tl.store(out_ptr + row + c, (h * tl.load(s_ptr).to(tl.float32)).to(dt), mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "seq", "q_rows"])  # token counts: one binary for every length
 def head_norms(
     x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, v_ptr, v_out_ptr, rows, heads, x_stride, v_stride, eps,
     seq, out_sb, out_sl, out_sh, q_ptr, q_w_ptr, q_out_ptr, q_rows, q_heads, q_stride, q_out_sb, q_out_sl,
@@ -370,7 +370,7 @@ def _e4m3(v, scale_ptr, E4M3_MAX: tl.constexpr):
     return e4m3(tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # token counts: one binary for every length
 def norm_nvfp4(
     x_ptr, w_ptr, gs_ptr, packed_ptr, scales_ptr, normed_ptr, rows, cols, CP, eps, E2M1_MAX: tl.constexpr,
     E4M3_MAX: tl.constexpr, WRITE_NORMED: tl.constexpr, BLOCK: tl.constexpr,

@@ -108,7 +108,7 @@ def nvfp4_quant(
     tl.store(scales_ptr + b, bs, mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # token counts: one binary for every length
 def nvfp4_quant_blocked(
     x_ptr, gs_ptr, packed_ptr, out_ptr, rows, C, CP, padded, E2M1_MAX: tl.constexpr, E4M3_MAX: tl.constexpr,
     BLOCKS: tl.constexpr,

@@ -5,7 +5,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])  # token counts: one binary for every length
 def top_k(
     scores_ptr,
     scale_ptr,
@@ -44,7 +44,7 @@ def top_k(
     tl.store(i_ptr + out, idx.to(tl.int64), mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots"])  # token counts: one binary for every length
 def expert_order(
     index_ptr,
     order_ptr,

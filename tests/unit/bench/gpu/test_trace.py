@@ -570,8 +570,10 @@ def test_attention_on_cuda_runs_without_cudnns_plans_and_packs_masked_grouped_he
 
     past_of = gt._past
 
-    def ragged(mcfg, batch, fake):  # the cache as `_past` reads it, its rows taken as of several lengths
-        past, positions, masks = past_of(mcfg, batch, fake)
+    def ragged(
+        mcfg, batch, fake, *args
+    ):  # the cache as `_past` reads it, its rows taken as of several lengths
+        past, positions, masks = past_of(mcfg, batch, fake, *args)
         kinds = mcfg.text_config.layer_types
         keys = {kind: past[kinds.index(kind)].k.shape[2] for kind in masks}
         q = positions.shape[1]
@@ -596,3 +598,41 @@ def test_attention_on_cuda_runs_without_cudnns_plans_and_packs_masked_grouped_he
         assert all(c["masked"] == masked for c in calls)
         # K/V read once per K/V head, q packed as a view (the copies behind a reshape are counted)
         assert "aten::repeat_interleave" not in trace.ops and "aten::reshape" not in trace.ops
+
+
+@pytest.mark.parametrize(("fmt", "arch"), [("fp8", "sm90"), ("nvfp4", "sm100"), ("bf16", "sm89")])
+def test_a_passs_triton_kernels_compile_once_for_every_prompt_and_context_length(fmt, arch):
+    """Triton compiles a kernel again, on the host and in the middle of the pass that launches it, for every
+    new compile key, and a key holds whether each int argument is 1 or a multiple of 16 unless the kernel
+    says not to (`fake_cuda.specialization`). A server meets new prompt and context lengths all the time:
+    the token counts the kernels take are not specialized on, so a denoise pass over any context, and a
+    causal pass (prefill chunk, commit) of any length over any context, launch the binaries the first one
+    did. (Rows per expert choose the MoE GEMM's tile, a handful of binaries: the lengths here keep one.)"""
+    denoise = [gt.trace_pass(fmt, arch, 1, LAYERS, context=c) for c in (256, 263, 1000)]
+    causal = [
+        gt.trace_pass(fmt, arch, 1, LAYERS, context=c, prompt=p)
+        for c, p in ((256, 37), (263, 50), (1001, 99))
+    ]
+    for traces in (denoise, causal):
+        assert all(t.error is None for t in traces) and traces[0].binaries
+        assert all(t.binaries == traces[0].binaries for t in traces), [t.binaries for t in traces]
+    assert "kv_cat" in causal[0].binaries and "head_norms" in causal[0].binaries  # the token counts' kernels
+
+
+def test_a_launchs_compile_key_is_the_one_tritons_binder_makes():
+    """Ints by whether they are 1 or multiples of 16 unless the kernel says not to (kv_cat's token counts),
+    tensors by dtype and 16-byte alignment, the launch options too."""
+    kv_cat = kernels.chains._kernels().kv_cat
+    x = torch.zeros(64, dtype=torch.bfloat16)
+
+    def key(heads=16, past=37, total=48, t=x):
+        ints = (heads, past, total, 16, 16, 16, 16, 16, 16)
+        return fake_cuda.specialization(
+            kv_cat, "sm90", (t,) * 6 + ints, {"D": 8, "D_P2": 8, "BLOCK_T": 4, "num_warps": 4}
+        )
+
+    first = key()
+    assert ("num_warps", 4) in first and ("constexpr", 8) in first
+    assert key(past=38, total=51) == key(past=1, total=2) == first  # token counts: one binary
+    assert key(heads=9) != first and key(heads=1) != key(heads=9)  # a multiple of 16, neither, 1
+    assert key(t=x[4:]) != first and key(t=x[8:]) == first  # 8 bytes off is unaligned, 16 is aligned
