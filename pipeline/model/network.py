@@ -14,14 +14,13 @@ ring-buffer cache (`pipeline.runtime.kv_cache`). Module and parameter names matc
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.model.config import ModelConfig, TextConfig
 from pipeline.model.scaled_layout import ExpertOrder, OrderKernel, QuantizedRows, expert_order, slot_rows
@@ -162,13 +161,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 FUSED_GQA_MAX_HEAD_DIM = 256  # the largest head_dim torch's flash attention kernel takes
-# the SDPA kernels a pass on CUDA may take: every one but cuDNN's (`attention_kernels`)
-PLANLESS_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager:
-    """Where a pass's attention may run: on CUDA torch's flash, memory-efficient or math kernels, never
-    cuDNN's. torch puts cuDNN first on sm90 and sm100 (`check_prefer_cudnn_attention` in
+@contextlib.contextmanager
+def attention_kernels(device: torch.device) -> Iterator[None]:
+    """Where a pass's attention may run: on CUDA any SDPA kernel torch has enabled but cuDNN's (the flags
+    of `torch.backends.cuda`; cuDNN's restored after). torch puts cuDNN first on sm90 and sm100 (`check_prefer_cudnn_attention` in
     `aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`), and cuDNN's attention builds an execution plan
     on the host for every new problem: the plan cache is keyed on the batch and the key length among the rest
     (`MHAParams`, `aten/src/ATen/native/cudnn/MHA.cpp`). A server meets new ones all the time: every round's
@@ -176,7 +174,15 @@ def attention_kernels(device: torch.device) -> contextlib.AbstractContextManager
     a build at hundreds of milliseconds, where the sliding layers' attention kernels took 0.05 ms a layer at
     one canvas and 0.14 ms at 16 on an H200: one build costs more than any kernel's edge saves over hundreds
     of passes (docs/engine.md, "Attention without cuDNN's plans"). The CPU takes what torch picks."""
-    return sdpa_kernel(PLANLESS_SDPA) if device.type == "cuda" else contextlib.nullcontext()
+    cuda = torch.backends.cuda
+    if device.type != "cuda" or not cuda.cudnn_sdp_enabled():
+        yield
+        return
+    cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        cuda.enable_cudnn_sdp(True)
 
 
 def packs_queries(device: torch.device, head_dim: int, groups: int, masked: bool = False) -> bool:

@@ -19,7 +19,8 @@ def attention_backends(cfg, batch: int, canvas: int, dev: torch.device, repeats:
     query head (the copy not timed), and with the queries packed along the K/V heads (`network.attend_packed`,
     what the network runs where `network.packs_queries`; its copies of q and the output timed), with the
     largest difference of the other two outputs from the grouped one (all three compute the same attention).
-    q is laid out as attention makes it, transposed from [B, Q, H, D]."""
+    Each timed as the network's passes run it, without cuDNN (`network.attention_kernels`). q is laid out as
+    attention makes it, transposed from [B, Q, H, D]."""
     from torch.backends.cuda import (
         SDPAParams,
         can_use_cudnn_attention,
@@ -28,7 +29,7 @@ def attention_backends(cfg, batch: int, canvas: int, dev: torch.device, repeats:
     )
 
     from pipeline.bench.timing import median_seconds
-    from pipeline.model.network import attend_packed
+    from pipeline.model.network import attend_packed, attention_kernels
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     rows = []
@@ -53,7 +54,7 @@ def attention_backends(cfg, batch: int, canvas: int, dev: torch.device, repeats:
         expanded = lambda q=q, ke=ke, ve=ve, sdpa=sdpa: sdpa(q, ke, ve, scale=1.0)
         packed = lambda q=q, k=k, v=v: attend_packed(q, k, v, None)
         forms = {"grouped": grouped, "expanded": expanded, "packed": packed}
-        with torch.inference_mode():
+        with torch.inference_mode(), attention_kernels(dev):
             want = grouped().float()
             diff = {n: float((f().float() - want).abs().max()) for n, f in forms.items() if n != "grouped"}
             ms = {n: median_seconds(f, dev, repeats) * 1e3 for n, f in forms.items()}
@@ -71,8 +72,9 @@ def new_key_lengths(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dev: torch.device, repeats: int
 ) -> list[dict]:
     """Per SDPA backend, the attention the network runs (`network.attend`), unmasked (rows of one length)
-    and masked (rows of different lengths: a batch's rows started from other prompts), and the same with
-    K/V expanded to every query head, each first called at a key length it has not seen (one key more per
+    and masked (rows of different lengths: a batch's rows started from other prompts; grouped heads packed
+    on CUDA), torch's grouped form with that mask (what the network ran before it packed them, and cuDNN's
+    only fused form of it), and the same with K/V expanded to every query head, each first called at a key length it has not seen (one key more per
     call): ms of that first call, wall clock, and of the calls after it. cuDNN builds an execution plan for
     every new shape, keyed on batch and key length, on the host (PyTorch's
     `aten/src/ATen/native/cudnn/MHA.cpp`), and a server meets new key lengths all the time (every prompt
@@ -86,17 +88,19 @@ def new_key_lengths(
 
     groups = q.shape[1] // k.shape[1]
 
-    def ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def ragged(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Row i of the batch sees all keys but its last i % 8 (the mask `attention_masks` gives rows of
         several lengths): [B, 1, Q, K], True where visible."""
         keys = torch.arange(k.shape[2], device=k.device)
         hidden = torch.arange(q.shape[0], device=k.device) % 8
         visible = keys[None, :] < (k.shape[2] - hidden)[:, None]
-        return attend(q, k, v, visible[:, None, None, :].expand(-1, 1, q.shape[2], -1))
+        return visible[:, None, None, :].expand(-1, 1, q.shape[2], -1)
 
-    forms = {"network": lambda q, k, v: attend(q, k, v, None), "network, masked": ragged,
-             "expanded": lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
-                 q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), scale=1.0)}  # fmt: skip
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    forms = {"network": lambda q, k, v: attend(q, k, v, None),
+             "network, masked": lambda q, k, v: attend(q, k, v, ragged(q, k)),
+             "grouped, masked": lambda q, k, v: sdpa(q, k, v, attn_mask=ragged(q, k), scale=1.0, enable_gqa=groups > 1),
+             "expanded": lambda q, k, v: sdpa(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), scale=1.0)}  # fmt: skip
     which = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
              "cudnn": SDPBackend.CUDNN_ATTENTION}  # fmt: skip
     rows, extra = [], 0

@@ -125,7 +125,7 @@ def expert_order(index: torch.Tensor, num_experts: int) -> sl.ExpertOrder:
         token_of,
         offs,
         rows,
-        slots,
+        index.shape[0],
         K=index.shape[1],
         COUNT=ORDER_COUNT,
         CHUNK=ORDER_CHUNK,

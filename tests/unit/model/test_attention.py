@@ -65,7 +65,8 @@ def test_queries_are_packed_only_for_grouped_cuda_heads_flash_does_not_take():
 
 
 def test_cuda_passes_take_every_attention_kernel_but_cudnns_and_the_cpu_what_torch_picks():
-    """cuDNN's attention builds a host plan per new shape: out of a CUDA pass's choice, and back after it."""
+    """cuDNN's attention builds a host plan per new shape: out of a CUDA pass's choice, and back after it;
+    a kernel the caller turned off stays off."""
     cuda = torch.backends.cuda
     enabled = lambda: (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
                        cuda.cudnn_sdp_enabled())  # fmt: skip
@@ -75,6 +76,13 @@ def test_cuda_passes_take_every_attention_kernel_but_cudnns_and_the_cpu_what_tor
     with attention_kernels(torch.device("cpu")):
         assert enabled() == (True, True, True, True)
     assert enabled() == (True, True, True, True)
+    cuda.enable_flash_sdp(False)
+    try:
+        with attention_kernels(torch.device("cuda")):
+            assert enabled() == (False, True, True, False)
+        assert enabled() == (False, True, True, True)
+    finally:
+        cuda.enable_flash_sdp(True)
     q, k, v, _ = _qkv(torch.float64)
     assert torch.equal(
         attend(q, k, v, None), F.scaled_dot_product_attention(q, k, v, scale=1.0, enable_gqa=True)

@@ -44,14 +44,14 @@ def top_k(
     tl.store(i_ptr + out, idx.to(tl.int64), mask=inside)
 
 
-@triton.jit(do_not_specialize=["slots"])  # token counts: one binary for every length
+@triton.jit(do_not_specialize=["tokens"])  # token counts: one binary for every length
 def expert_order(
     index_ptr,
     order_ptr,
     token_ptr,
     offs_ptr,
     rows_ptr,
-    slots,
+    tokens,
     K: tl.constexpr,
     COUNT: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -61,6 +61,7 @@ def expert_order(
     tokens, and each such slot's sorted position (the order's inverse); and expert e's end offset. Two sweeps over the slots' experts: the count of lower ones, then the
     running rank of e's own."""
     e = tl.program_id(0)
+    slots = tokens * K  # a multiple of K whatever the token count: the loads below stay vectorized
     lower = tl.full((), 0, tl.int32)
     for start in range(0, slots, COUNT):
         i = start + tl.arange(0, COUNT)

@@ -41,9 +41,9 @@ def test_attention_shapes_report_the_kernels_torch_may_pick_and_the_other_forms_
         assert [(n["backend"], n["form"]) for n in new] == [
             (b, f)
             for b in ("flash", "efficient", "cudnn")
-            for f in ("network", "network, masked", "expanded")
+            for f in ("network", "network, masked", "grouped, masked", "expanded")
         ]
-        assert len({n["keys"] for n in new}) == 9 and min(n["keys"] for n in new) == r["keys"] + 1
+        assert len({n["keys"] for n in new}) == 12 and min(n["keys"] for n in new) == r["keys"] + 1
         assert all(("first_ms" in n and n["ms"] > 0) != ("error" in n) for n in new)
         assert any("first_ms" in n for n in new)  # the CPU's flash kernel runs here
 

@@ -609,10 +609,10 @@ def test_a_passs_triton_kernels_compile_once_for_every_prompt_and_context_length
     causal pass (prefill chunk, commit) of any length over any context, launch the binaries the first one
     did. (Rows per expert choose the MoE GEMM's tile, a handful of binaries: the lengths here keep one.)"""
     denoise = [gt.trace_pass(fmt, arch, 1, LAYERS, context=c) for c in (256, 263, 1000)]
-    causal = [
-        gt.trace_pass(fmt, arch, 1, LAYERS, context=c, prompt=p)
-        for c, p in ((256, 37), (263, 50), (1001, 99))
-    ]
+    # token counts of each class: neither 1 nor a multiple of 16, multiples of 16 (a prompt of 48; a context
+    # of 64 and its total of 112), 1
+    lengths = ((256, 37), (263, 48), (64, 48), (1001, 1))
+    causal = [gt.trace_pass(fmt, arch, 1, LAYERS, context=c, prompt=p) for c, p in lengths]
     for traces in (denoise, causal):
         assert all(t.error is None for t in traces) and traces[0].binaries
         assert all(t.binaries == traces[0].binaries for t in traces), [t.binaries for t in traces]

@@ -214,7 +214,7 @@ for cc in (90, 100, 89, 120):
             build(k.top_k, {"scores_ptr": f"*{dt}", "scale_ptr": "*bf16", "w_ptr": "*fp32", "i_ptr": "*i64", "tokens": "i32"},
                   {"E": e, "K": top, "E_P2": e, "K_P2": top, "BLOCK_T": tr.TOP_K_VALUES // e}, cc, f"top_k_{dt}_{e}")
     build(k.expert_order, {"index_ptr": "*i64", "order_ptr": "*i64", "token_ptr": "*i64", "offs_ptr": "*i32", "rows_ptr": "*i64",
-                              "slots": "i32"},
+                              "tokens": "i32"},
           {"K": 8, "COUNT": tr.ORDER_COUNT, "CHUNK": tr.ORDER_CHUNK}, cc, "expert_order", tr.ORDER_OPTIONS)
 json.dump(out, sys.stdout)
 """
