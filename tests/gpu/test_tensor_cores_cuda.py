@@ -591,6 +591,43 @@ def test_packed_queries_take_the_memory_efficient_kernel_and_compute_the_expande
     assert float((got.float() - want.float()).abs().max()) <= 2**-6
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_sliding_attention_of_a_pass_runs_flash_or_the_memory_efficient_kernel_never_cudnns(masked):
+    """The 26B's sliding attention (16 query heads on 8 K/V heads of 256) at 16 canvases over 256 cached
+    tokens, as a pass runs it (`network.attention_kernels`): rows of one length on flash's grouped kernel,
+    rows of several lengths (a mask) packed onto the memory-efficient kernel; no cuDNN attention, whose
+    host plan per new shape a server would pay (torch prefers it on sm90 and sm100)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pipeline.model.network import attend, attention_kernels
+
+    gen = torch.Generator(device=CUDA).manual_seed(13)
+    # q and k at 256^-1/4 of unit size: scores of unit size (scale 1), so bf16 stays near the fp32 reference
+    q = (torch.randn(16, 256, 16, 256, device=CUDA, generator=gen) / 4).bfloat16().transpose(1, 2)
+    k = (torch.randn(16, 8, 512, 256, device=CUDA, generator=gen) / 4).bfloat16()
+    v = torch.randn(16, 8, 512, 256, device=CUDA, generator=gen).bfloat16()
+    mask = None
+    if masked:
+        keys = torch.arange(512, device=CUDA)
+        visible = keys[None] < 512 - torch.arange(16, device=CUDA)[:, None]
+        mask = visible[:, None, None, :].expand(16, 1, 256, 512)
+    with torch.inference_mode(), attention_kernels(CUDA), profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = attend(q, k, v, mask)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_cudnn_attention" not in ops, ops
+    want = "efficient" if masked else "flash"
+    assert f"aten::_scaled_dot_product_{want}_attention" in ops, ops
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # on again after the pass
+    ref = F.scaled_dot_product_attention(
+        q.float(),
+        k.float().repeat_interleave(2, 1),
+        v.float().repeat_interleave(2, 1),
+        attn_mask=mask,
+        scale=1.0,
+    )
+    assert float((got.float() - ref).abs().max()) <= 2**-6
+
+
 def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
     """Attention's head norms at the 26B's shapes and 16 canvases (q: 16 heads of 256; a global layer's k and
     v: 2 heads of 512): within `probe.same_rotation` of torch's fused CUDA norm and RoPE (v within
