@@ -195,8 +195,13 @@ def packs_queries(device: torch.device, head_dim: int, groups: int, masked: bool
     ms a layer at 16 canvases, against 0.51 ms on the memory-efficient kernel with K/V copied out to every
     query head (BENCHMARKS.md, "26B-A4B denoise pass"). The packed form runs on that kernel too, with the
     same programs over the same score tiles, but reads each K/V head once instead of a copy per query head.
-    The CPU keeps the grouped form."""
-    return device.type == "cuda" and groups > 1 and (masked or head_dim > FUSED_GQA_MAX_HEAD_DIM)
+    A torch built without flash attention (its Windows wheels) packs every grouped layer. The CPU keeps the
+    grouped form."""
+    if device.type != "cuda" or groups <= 1:
+        return False
+    return (
+        masked or head_dim > FUSED_GQA_MAX_HEAD_DIM or not torch.backends.cuda.is_flash_attention_available()
+    )
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

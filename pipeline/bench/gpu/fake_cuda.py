@@ -309,6 +309,8 @@ def fake_gpu(arch: str) -> Iterator[tuple[FakeTensorMode, OpCounter, _Functions]
         stack.enter_context(
             mock.patch("torch.cuda.get_device_capability", lambda device=None: CAPABILITY[arch])
         )
+        # a Linux CUDA build of torch, which has flash attention (a CPU build says it has none)
+        stack.enter_context(mock.patch("torch.backends.cuda.is_flash_attention_available", lambda: True))
         moe = Launcher("moe_gemm", ops, kernels.moe._kernel(), arch)
         stack.enter_context(mock.patch.object(kernels.moe, "_kernel", lambda: moe))
         # one launch per GEMM whatever its tile: no measured tile table is looked for

@@ -55,13 +55,18 @@ def test_the_packed_output_is_what_o_proj_reads():
     torch.testing.assert_close(out.transpose(1, 2).reshape(3, 5, -1), want.transpose(1, 2).reshape(3, 5, -1))
 
 
-def test_queries_are_packed_only_for_grouped_cuda_heads_flash_does_not_take():
+def test_queries_are_packed_only_for_grouped_cuda_heads_flash_does_not_take(monkeypatch):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(
+        torch.backends.cuda, "is_flash_attention_available", lambda: True
+    )  # a Linux CUDA build
     assert packs_queries(cuda, 512, 8)  # the 26B's global layers: 16 query heads on 2 K/V heads
     assert not packs_queries(cuda, 256, 2)  # its sliding layers: flash takes grouped heads of 256
     assert packs_queries(cuda, 256, 2, masked=True)  # but no mask (rows of several lengths, causal passes)
     assert not packs_queries(cuda, 512, 1, masked=True)  # nothing grouped
     assert not packs_queries(cpu, 512, 8, masked=True)  # the CPU path keeps the grouped form
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: False)  # Windows wheels
+    assert packs_queries(cuda, 256, 2) and not packs_queries(cuda, 256, 1)
 
 
 def test_cuda_passes_take_every_attention_kernel_but_cudnns_and_the_cpu_what_torch_picks():
