@@ -168,9 +168,10 @@ def attention_kernels(device: torch.device) -> Iterator[None]:
     """Where a pass's attention may run: on CUDA any SDPA kernel torch has enabled but cuDNN's (the flags
     of `torch.backends.cuda`; cuDNN's restored after). torch puts cuDNN first on sm90 and sm100
     (`check_prefer_cudnn_attention` in `aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`), and cuDNN's
-    attention builds an execution plan on the host for every new problem: the plan cache is keyed on the batch and the key length among the rest
-    (`MHAParams`, `aten/src/ATen/native/cudnn/MHA.cpp`). A server meets new ones all the time: every round's
-    key lengths until the sliding ring is full, every prompt length, every batch of rows. Public reports put
+    attention builds an execution plan on the host for every new problem: the plan cache is keyed on the
+    batch and the key length among the rest (`MHAParams`, `aten/src/ATen/native/cudnn/MHA.cpp`). A server
+    meets new ones all the time: every round's key lengths until the sliding ring is full, every prompt
+    length, every batch of rows. Public reports put
     a build at hundreds of milliseconds, where the sliding layers' attention kernels took 0.05 ms a layer at
     one canvas and 0.14 ms at 16 on an H200: one build costs more than any kernel's edge saves over hundreds
     of passes (docs/engine.md, "Attention without cuDNN's plans"). The CPU takes what torch picks."""

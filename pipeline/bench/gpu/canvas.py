@@ -11,8 +11,8 @@ warm-up run of the same shapes comes first: the commit pass, the longer past of 
 their first call at a shape costs (Triton's specializations, the allocator's first blocks) are paid there,
 not in the steady time. A last run with `NEW_LENGTH` prompt tokens more pays for new shapes again, as a
 server does for the prompt lengths it has not met (with cuDNN's attention in torch's choice, a plan build
-per shape: the network's passes leave it out, `network.attention_kernels`). (`dgpipe bench model`'s `runtime_canvas_s` isolates the passes instead: one canvas in one round, the
-prefill subtracted.)
+per shape: the network's passes leave it out, `network.attention_kernels`). (`dgpipe bench model`'s
+`runtime_canvas_s` isolates the passes instead: one canvas in one round, the prefill subtracted.)
 """
 
 from __future__ import annotations

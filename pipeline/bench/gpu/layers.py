@@ -74,8 +74,8 @@ def new_key_lengths(
     """Per SDPA backend, the attention the network runs (`network.attend`), unmasked (rows of one length)
     and masked (rows of different lengths: a batch's rows started from other prompts; grouped heads packed
     on CUDA), torch's grouped form with that mask (what the network ran before it packed them, and cuDNN's
-    only fused form of it), and the same with K/V expanded to every query head, each first called at a key length it has not seen (one key more per
-    call): ms of that first call, wall clock, and of the calls after it. cuDNN builds an execution plan for
+    only fused form of it), and the same with K/V expanded to every query head, each first called at a key
+    length it has not seen (one key more per call): ms of that first call, wall clock, and of the calls after it. cuDNN builds an execution plan for
     every new shape, keyed on batch and key length, on the host (PyTorch's
     `aten/src/ATen/native/cudnn/MHA.cpp`), and a server meets new key lengths all the time (every prompt
     length, every batch of rows), where the timed passes repeat one shape; the other backends launch the
