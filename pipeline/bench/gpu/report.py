@@ -60,7 +60,8 @@ def render(result: dict) -> str:
                          f"| {x['ms_dequantize']:.2f} | {x['rel_l2_bf16_vs_fp8']:.3f} |")  # fmt: skip
     attention = [(r["batch"], a) for r in rows for a in r.get("attention", [])]
     if attention:
-        lines += ["", "| attention | batch | heads q/kv x dim | keys | kernels torch may pick (grouped) | ms grouped "
+        lines += ["", "Attention, each form timed as a network pass runs it: cuDNN's kernel off.", "",
+                  "| attention | batch | heads q/kv x dim | keys | kernels torch may pick (grouped) | ms grouped "
                   "| ms K/V expanded | ms queries packed |", "|---|---:|---|---:|---|---:|---:|---:|"]  # fmt: skip
         for b, a in attention:
             picks = ", ".join(k for k in ("flash", "efficient", "cudnn") if a[k]) or "math only"
