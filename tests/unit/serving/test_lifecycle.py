@@ -81,8 +81,8 @@ def test_wait_drained_follows_the_active_requests_gauge_and_the_frontends_stream
 
     streams = [1]
     with fake_triton(metrics) as url:
+        t0 = time.monotonic()  # before the timer starts: the stream closes at least 0.5 s after t0
         threading.Timer(0.5, streams.clear).start()
-        t0 = time.monotonic()
         assert lifecycle.wait_drained(url + "/metrics", 30, busy=lambda: len(streams), poll=0.05)
         assert time.monotonic() - t0 >= 0.5  # it waited for the open stream too
         assert lifecycle.active_requests(url + "/metrics") == 0
