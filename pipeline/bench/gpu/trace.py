@@ -203,11 +203,12 @@ def trace_pass(
         tokens = torch.zeros(positions.shape, dtype=torch.long, device="cuda")
         # the pass as it runs after its first, whose RowWise GEMMs made their row scales of 1 once
         unit_row_scales(tokens.numel(), tokens.device)
-        soft = torch.empty(*tokens.shape, mcfg.text_config.hidden_size, dtype=torch.bfloat16, device="cuda")
         calls.loading, fake.allow_non_fake_inputs, ops.counting = False, False, True
         try:
             with torch.inference_mode():
                 if prompt is None:
+                    hidden = mcfg.text_config.hidden_size
+                    soft = torch.empty(*tokens.shape, hidden, dtype=torch.bfloat16, device="cuda")
                     out = model.denoise_soft(tokens, soft, positions, masks, past)
                 else:
                     out = model.encode_kv(tokens, positions, masks, past)[-1][0]  # the last layer's K

@@ -570,9 +570,8 @@ def test_attention_on_cuda_runs_without_cudnns_plans_and_packs_masked_grouped_he
 
     past_of = gt._past
 
-    def ragged(
-        mcfg, batch, fake, *args
-    ):  # the cache as `_past` reads it, its rows taken as of several lengths
+    def ragged(mcfg, batch, fake, *args):
+        """The cache as `_past` reads it, its rows taken as of several lengths (a mask for each kind)."""
         past, positions, masks = past_of(mcfg, batch, fake, *args)
         kinds = mcfg.text_config.layer_types
         keys = {kind: past[kinds.index(kind)].k.shape[2] for kind in masks}
