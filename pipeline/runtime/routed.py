@@ -98,6 +98,14 @@ class RoutedExperts(nn.Module):
             self.combine_kernel, self.geglu_kernel, self.order_kernel,
         )  # fmt: skip
 
+    def gemms_for(self, slots: int) -> tuple:
+        """Which GEMMs a pass routing `slots` (token, expert) pairs through this layer runs: the Triton MoE
+        GEMM's tiles for gate|up and down, or torch's grouped GEMM (`pipeline.runtime.warm`)."""
+        if self.triton:
+            size = self.gate_up_proj.element_size()
+            return tuple(kernels.moe.tile_for(slots, w, size) for w in (self.gate_up_proj, self.down_proj))
+        return ("grouped",)
+
 
 def host_bound_experts(model: DiffusionGemma, no_grouped_kernel: bool) -> list[int]:
     """The layers whose experts, as loaded, would read the routing on the host on a GPU: a quantized

@@ -30,6 +30,7 @@ from pipeline.runtime.device_loop import DenoiseRound, DeviceLoop, on_device
 from pipeline.runtime.guided import GuideState, advance, finish_canvas, mask_rows
 from pipeline.runtime.kv_cache import KVCache, attention_masks
 from pipeline.runtime.prefix_cache import PrefixCache
+from pipeline.runtime.warm import warm_experts
 from pipeline.sampler.constraints import TokenAutomaton
 from pipeline.sampler.reference import CounterDraws, DrawSource, RowKeys, temperatures
 
@@ -238,6 +239,17 @@ class BlockDiffusionRuntime:
         return bool(self.waiting) or any(r is not None for r in self.results)
 
     @torch.no_grad()
+    def warm_kernels(self) -> list[int]:
+        """Compile, before serving, the Triton kernels that this runtime's first passes of new sizes would
+        compile mid-request (`pipeline.runtime.warm`): the experts' GEMM paths of every pass it can run, up
+        to `max_batch` rows of a canvas or of a prefill chunk. Returns the token counts of the passes run:
+        none off CUDA or on another backend than the PyTorch model."""
+        if not isinstance(self.backend, TorchBackend):
+            return []
+        most = self.max_batch * max(self.canvas_length, self.prefill_chunk)
+        with on_device(self.device):
+            return warm_experts(self.backend.model, self.device, most)
+
     def generate(self, requests: list[Request]) -> list[Result]:
         """Run requests to completion (in-process path). Each gets its own result, in order."""
         results = [self.submit(r) for r in requests]

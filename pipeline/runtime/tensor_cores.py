@@ -303,6 +303,14 @@ class ScaledExperts(nn.Module):
             self.combine_kernel, self.geglu_kernel, self.order_kernel, self.geglu_nvfp4_kernel, held,
         )  # fmt: skip
 
+    def gemms_for(self, slots: int) -> tuple:
+        """Which GEMMs a pass routing `slots` (token, expert) pairs through this layer runs, as `scaled_experts`
+        decides: the Triton MoE GEMM's tiles for gate|up and down, or torch's grouped GEMM. Which Triton
+        binaries the pass needs follows from it (`pipeline.runtime.warm`)."""
+        if kernels.moe.serves(slots, self.num_experts, self.triton_rows):
+            return tuple(kernels.moe.tile_for(slots, w, 1) for w in (self.w13, self.w2))
+        return ("grouped",)
+
 
 def per_expert(scale: torch.Tensor, num_experts: int) -> torch.Tensor:
     """A global scale as the grouped GEMM's TensorWise scales read it, one contiguous value per expert: as

@@ -316,6 +316,30 @@ def test_quantized_checkpoint_on_tensor_cores_graph_equals_eager(tmp_path, fmt):
         assert (a.tokens, a.steps_per_canvas) == (b.tokens, b.steps_per_canvas)
 
 
+def test_the_loads_warm_up_passes_run_on_an_fp8_checkpoint_and_change_no_token(tmp_path):
+    """`BlockDiffusionRuntime.warm_kernels` on the embedded model's FP8 checkpoint: one K/V pass per GEMM path
+    of its experts (`warm.warm_token_counts`), after which it generates the tokens of a runtime not warmed."""
+    from pipeline.runtime.scheduler import BlockDiffusionRuntime
+    from pipeline.runtime.session import load_session
+    from pipeline.runtime.warm import warm_token_counts
+    from pipeline.sampler.kernels.build import load_torch_extension, missing_build_tools
+    from tests._utils.generation import FIXED, requests
+
+    missing = missing_build_tools()
+    if missing is not None:
+        pytest.skip(str(missing))
+    load_torch_extension()
+    session = load_session(
+        build_quantized_checkpoint(tmp_path / "fp8", "fp8"), dtype="bfloat16", device="cuda"
+    )
+    cold, warm = (BlockDiffusionRuntime(session.model, max_batch=3, max_len=128) for _ in range(2))
+    tokens = warm.warm_kernels()
+    assert tokens == warm_token_counts(session.model, 3 * max(warm.canvas_length, warm.prefill_chunk))
+    assert tokens or session.tensor_cores.fallbacks, session.tensor_cores.summary()
+    for a, b in zip(cold.generate(requests(FIXED)), warm.generate(requests(FIXED)), strict=True):
+        assert (a.tokens, a.steps_per_canvas) == (b.tokens, b.steps_per_canvas)
+
+
 @pytest.mark.parametrize("triton", [False, True])
 def test_routed_float_experts_equal_the_fp32_experts_and_replay_in_a_cuda_graph(triton):
     """`pipeline.runtime.routed` on this GPU (the bf16 Triton GEMM runs on any GPU with Triton, though only

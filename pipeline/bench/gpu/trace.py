@@ -25,6 +25,7 @@ otherwise.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -180,6 +181,44 @@ def trace_pass(
     """Load the random-weight model in `fmt` as on a GPU of `arch` and trace one denoise pass of `batch`
     canvases over `context` cached tokens, or (`prompt`) a causal pass of that many tokens per row over them
     (`encode_kv`: a prefill chunk, a commit). `probed`: the load-time probe's results (default: all passed)."""
+    with _loaded(fmt, arch, batch, layers, probed, config) as (model, trace, fake, ops, calls):
+        mcfg = model.config
+        past, positions, masks = _past(mcfg, batch, fake, context, prompt)
+        tokens = torch.zeros(positions.shape, dtype=torch.long, device="cuda")
+        # the pass as it runs after its first, whose RowWise GEMMs made their row scales of 1 once
+        unit_row_scales(tokens.numel(), tokens.device)
+        calls.loading, fake.allow_non_fake_inputs, ops.counting = False, False, True
+        with _traced(trace, ops), torch.inference_mode():
+            if prompt is None:
+                hidden = mcfg.text_config.hidden_size
+                soft = torch.empty(*tokens.shape, hidden, dtype=torch.bfloat16, device="cuda")
+                out = model.denoise_soft(tokens, soft, positions, masks, past)
+            else:
+                out = model.encode_kv(tokens, positions, masks, past)[-1][0]  # the last layer's K
+            trace.output = f"{list(out.shape)} {str(out.dtype).removeprefix('torch.')} {out.device.type}"
+    return trace
+
+
+def trace_warm(
+    fmt: str, arch: str, most: int, layers: int | None = None, config: str = CONFIG
+) -> tuple[list[int], PassTrace]:
+    """`warm.warm_experts` on the model loaded as in `trace_pass`, for passes of up to `most` tokens: the token
+    counts of its passes, and their trace (`binaries`: what they compile)."""
+    from pipeline.runtime.warm import warm_experts
+
+    counts: list[int] = []
+    with _loaded(fmt, arch, 1, layers, None, config) as (model, trace, fake, ops, calls):
+        calls.loading, fake.allow_non_fake_inputs, ops.counting = False, False, True
+        with _traced(trace, ops):
+            counts = warm_experts(model, torch.device("cuda"), most)
+    return counts, trace
+
+
+@contextlib.contextmanager
+def _loaded(fmt: str, arch: str, batch: int, layers: int | None, probed: Probe | None, config: str):
+    """The random-weight model loaded in `fmt` as on a GPU of `arch`, inside `fake_cuda.fake_gpu`: (model,
+    its `PassTrace` with the load's kernels and resident bytes, the fake mode, the op counter, the
+    function mode)."""
     from pipeline.bench.gpu.measure import quantize_random  # the benchmark's own load
     from pipeline.runtime.gpu_load import finish_on_device
 
@@ -199,30 +238,23 @@ def trace_pass(
         expected = weight_bytes(mcfg.text_config, row)
         trace = PassTrace(fmt, arch, batch, mcfg.text_config.num_hidden_layers, kernels, resident_gb(model),
                           {k: v / 1e9 for k, v in expected.items()}, ops.ops, ops.bytes)  # fmt: skip
-        past, positions, masks = _past(mcfg, batch, fake, context, prompt)
-        tokens = torch.zeros(positions.shape, dtype=torch.long, device="cuda")
-        # the pass as it runs after its first, whose RowWise GEMMs made their row scales of 1 once
-        unit_row_scales(tokens.numel(), tokens.device)
-        calls.loading, fake.allow_non_fake_inputs, ops.counting = False, False, True
-        try:
-            with torch.inference_mode():
-                if prompt is None:
-                    hidden = mcfg.text_config.hidden_size
-                    soft = torch.empty(*tokens.shape, hidden, dtype=torch.bfloat16, device="cuda")
-                    out = model.denoise_soft(tokens, soft, positions, masks, past)
-                else:
-                    out = model.encode_kv(tokens, positions, masks, past)[-1][0]  # the last layer's K
-            trace.output = f"{list(out.shape)} {str(out.dtype).removeprefix('torch.')} {out.device.type}"
-        except (DataDependentOutputException, DynamicOutputShapeException) as e:
-            trace.error = f"host read in the pass: {error_line(e)}"
-        except HostTensorInPass as e:
-            trace.error = f"host tensor in the pass: {e}"
-        except Exception as e:  # a shape, dtype or device error: what would fail on the GPU too
-            trace.error = error_line(e)
-        finally:
-            ops.counting = False
-            trace.binaries = {name: set(keys) for name, keys in ops.compiles.items()}
-    return trace
+        yield model, trace, fake, ops, calls
+
+
+@contextlib.contextmanager
+def _traced(trace: PassTrace, ops):
+    """Record in `trace` why the block stopped, if it did, and the compile keys its launches met."""
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        trace.error = f"host read in the pass: {error_line(e)}"
+    except HostTensorInPass as e:
+        trace.error = f"host tensor in the pass: {e}"
+    except Exception as e:  # a shape, dtype or device error: what would fail on the GPU too
+        trace.error = error_line(e)
+    finally:
+        ops.counting = False
+        trace.binaries = {name: set(keys) for name, keys in ops.compiles.items()}
 
 
 def trace_all(

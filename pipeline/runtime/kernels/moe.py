@@ -88,6 +88,14 @@ def tiles(
     return tuned or default_tile(slots, experts, element_bytes)
 
 
+def tile_for(slots: int, w: torch.Tensor, element_bytes: int) -> Tile:
+    """The tile `moe_gemm` launches a GEMM of `slots` rows over the weights `w` [E, N, K] with, operands of
+    `element_bytes`, on w's GPU: `tiles` with this GPU model's measured table."""
+    experts, n, k = w.shape
+    table = moe_tiles.table_for(w.device, moe_tiles.operand_of(element_bytes))
+    return tiles(slots, experts, n, k, element_bytes, table)
+
+
 def default_tiles(element_bytes: int) -> list[Tile]:
     """Every tile `default_tile` can pick, one per M tile in `BLOCK_MS`."""
     return [default_tile(1, 1, element_bytes).model_copy(update={"block_m": m}) for m in BLOCK_MS]
@@ -190,9 +198,7 @@ def moe_gemm(
     permutation of the slots; slot i's row is written to row out_rows[i] (the expert order's `order` puts
     the rows back in token-major slot order, as `network.combine_top_k`'s gather would)."""
     slots = rows.shape[0] if rows is not None else a.shape[0]
-    experts, n, k = w.shape
-    table = moe_tiles.table_for(a.device, moe_tiles.operand_of(a.element_size()))
-    tile = tiles(slots, experts, n, k, a.element_size(), table)
+    tile = tile_for(slots, w, a.element_size())
     if block_m:
         tile = tile.model_copy(update={"block_m": block_m})
     return launch(tile, a, a_scale, rows, w, w_scale, offs, out_rows)

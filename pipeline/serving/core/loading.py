@@ -5,6 +5,7 @@ the model config as a dict and its logger."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +91,23 @@ def load_model(config: dict[str, Any], version_dir: Path, log: Log) -> LoadedMod
         max_batch=limits.max_batch,
         prefix_cache_mib=limits.prefix_cache_mib,
     )
+    _warm(runtime, log)
     return LoadedModel(session, runtime, limits)
+
+
+def _warm(runtime: Any, log: Log) -> None:
+    """`runtime.warm_kernels()`, reported. A failure costs only the warm-up: the server still comes up, and
+    the kernels compile when a pass first needs them (where that fails too, the request says why)."""
+    t0 = time.perf_counter()
+    try:
+        tokens = runtime.warm_kernels()
+    except Exception as e:
+        log.error(f"dgpipe: compiling the experts' kernels ahead failed ({type(e).__name__}: {e}); "
+                  "they compile when a pass first needs them")  # fmt: skip
+        return
+    if tokens:
+        log.info(f"dgpipe: experts' kernels compiled for passes of {', '.join(map(str, tokens))} tokens "
+                 f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
 
 
 def _choose(version_dir: Path, log: Log):

@@ -618,6 +618,41 @@ def test_a_passs_triton_kernels_compile_once_for_every_prompt_and_context_length
     assert "kv_cat" in causal[0].binaries and "head_norms" in causal[0].binaries  # the token counts' kernels
 
 
+def _keys(trace: gt.PassTrace) -> set[tuple]:
+    assert trace.error is None, trace.error
+    return {(name, key) for name, keys in trace.binaries.items() for key in keys}
+
+
+@pytest.mark.parametrize(
+    ("fmt", "arch", "counts"),
+    [
+        ("fp8", "sm90", [1, 129, 385, 1025]),  # 16-, 32- and 64-row tiles, then torch's grouped GEMM
+        ("bf16", "sm89", [1, 129, 385]),  # the Triton GEMM every pass: its three tiles
+    ],
+)
+def test_after_the_warm_up_no_pass_of_any_batch_or_length_compiles(fmt, arch, counts):
+    """Rows per expert choose the experts' GEMMs (the Triton GEMM's tile, or torch's grouped GEMM and its
+    combine), so a first batch of two canvases, or of five, compiled new binaries mid-request. After the
+    load's warm-up (`warm.warm_experts`: one K/V pass per path, at the fewest tokens that take it) and the
+    server's warm-up request (a prompt's prefill, one canvas's denoise pass), denoise passes of 2 to 16
+    canvases, a commit of two, and prefills of 400 and 2,000 tokens compile nothing."""
+    warmed, warm = gt.trace_warm(fmt, arch, 16 * 256, LAYERS)
+    assert warmed == counts
+    request = [
+        gt.trace_pass(fmt, arch, 1, LAYERS, context=0, prompt=37),
+        gt.trace_pass(fmt, arch, 1, LAYERS, context=37),
+    ]
+    ready = _keys(warm).union(*map(_keys, request))
+    passes = {f"denoise {b}": gt.trace_pass(fmt, arch, b, LAYERS, context=37) for b in (2, 5, 16)}
+    passes |= {f"prefill {p}": gt.trace_pass(fmt, arch, 1, LAYERS, context=37, prompt=p) for p in (400, 2000)}
+    passes["commit 2"] = gt.trace_pass(fmt, arch, 2, LAYERS, context=37, prompt=256)
+    new = {label: sorted({name for name, _ in _keys(t) - ready}) for label, t in passes.items()}
+    assert not any(new.values()), new
+    # without the load's passes, a batch of two canvases would compile the 64-row tile
+    unwarmed = _keys(passes["denoise 2"]) - set().union(*map(_keys, request))
+    assert {name for name, _ in unwarmed} == {"moe_gemm"}
+
+
 def test_a_launchs_compile_key_is_the_one_tritons_binder_makes():
     """Ints by whether they are 1 or multiples of 16 unless the kernel says not to (kv_cat's token counts),
     tensors by dtype and 16-byte alignment, the launch options too."""

@@ -1,0 +1,48 @@
+"""The load's warm-up passes (`pipeline.runtime.warm`): which token counts it runs, and where it runs none.
+What they compile on each GPU is traced in tests/unit/bench/gpu/test_trace.py."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.runtime.routed import RoutedExperts
+from pipeline.runtime.scheduler import BlockDiffusionRuntime
+from pipeline.runtime.warm import distinct_experts, warm_experts, warm_token_counts
+from pipeline.serving.core.loading import Log, _warm
+from tests._utils.tiny import build_tiny
+
+
+def test_one_pass_per_gemm_path_at_the_fewest_tokens_that_take_it():
+    """The tiny model routes each token to 2 of 4 experts: t tokens give t/2 rows per expert, which take the
+    Triton GEMM's 16-row tile up to 8 rows, its 32-row tile up to 24 and its 64-row tile above."""
+    model = build_tiny(torch.bfloat16)
+    assert warm_token_counts(model, 4096) == []  # the loaded experts run the same kernels at every size
+    for layer in model.layers:
+        layer.experts = RoutedExperts(layer.experts, triton=True)
+    assert len(distinct_experts(model)) == 1  # every layer's experts decide alike
+    assert warm_token_counts(model, 4096) == [1, 17, 49]
+    assert warm_token_counts(model, 20) == [1, 17]  # no pass of the runtime is larger
+    for layer in model.layers:
+        layer.experts.triton = False
+    assert warm_token_counts(model, 4096) == [1]  # torch's grouped GEMM at every size: one path
+
+
+def test_nothing_runs_off_cuda():
+    model = build_tiny(torch.bfloat16)
+    for layer in model.layers:
+        layer.experts = RoutedExperts(layer.experts, triton=True)
+    assert warm_experts(model, torch.device("cpu"), 4096) == []
+    assert BlockDiffusionRuntime(model, max_batch=2).warm_kernels() == []
+
+
+def test_a_failed_warm_up_is_logged_and_the_load_goes_on():
+    class Failing:
+        def warm_kernels(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    errors: list[str] = []
+    _warm(Failing(), Log(info=errors.append, error=errors.append))
+    assert errors == [
+        "dgpipe: compiling the experts' kernels ahead failed (RuntimeError: CUDA error: an illegal memory "
+        "access was encountered); they compile when a pass first needs them"
+    ]
