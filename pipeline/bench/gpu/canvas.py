@@ -34,9 +34,10 @@ def canvas_time(
 ) -> dict:
     """`batch` requests, each a `context`-token prompt and `canvases` canvases of `steps` steps, through a
     `BlockDiffusionRuntime` over `model` as `dgpipe serve` builds it (CUDA graphs and the fused sampler where
-    the backend allows them), after a warm-up run of the same requests: ms per canvas (every request's canvases
-    run side by side), output tokens per second, and what the runtime ran; then ms per canvas of the same
-    requests with `NEW_LENGTH` prompt tokens more, where every shape is new (or why that run failed)."""
+    the backend allows them, the load's warm-up passes, timed), after a warm-up run of the same requests: ms
+    per canvas (every request's canvases run side by side), output tokens per second, and what the runtime
+    ran; then ms per canvas of the same requests with `NEW_LENGTH` prompt tokens more, where every shape is
+    new (or why that run failed)."""
     from pipeline.bench.timing import seconds
     from pipeline.model.config import SamplerConfig
     from pipeline.runtime.backends import TorchBackend
@@ -55,6 +56,8 @@ def canvas_time(
                         request_id=first_id + i) for i in range(batch)]  # fmt: skip
         return seconds(lambda: rt.generate(reqs), dev)
 
+    # what `dgpipe serve`'s load adds: the experts' GEMM paths compiled (`BlockDiffusionRuntime.warm_kernels`)
+    warm_s, warmed = seconds(rt.warm_kernels, dev)
     timed(context, 0)  # the prefill, the sampler's load, every shape's first run
     loop = rt.loop
     before, captured, warm = dict(rt.passes), loop.captures, (loop.warmups, loop.warmup_s, loop.capture_s)
@@ -67,7 +70,8 @@ def canvas_time(
             "warmup_ms_per_round": _per(loop.warmup_s - warm[1], loop.warmups - warm[0]),
             "capture_ms_per_round": _per(loop.capture_s - warm[2], loop.captures - captured),
             "passes": {k: v - before.get(k, 0) for k, v in rt.passes.items()},
-            "steps_per_canvas": sorted({s for r in results for s in r.steps_per_canvas})}  # fmt: skip
+            "steps_per_canvas": sorted({s for r in results for s in r.steps_per_canvas}),
+            "load_warm_s": warm_s, "load_warm_tokens": warmed}  # fmt: skip
     try:  # a failure here keeps the steady run's row
         new_wall, _ = timed(context + NEW_LENGTH, 2 * batch)
     except Exception as e:
@@ -86,19 +90,22 @@ def render_canvas(rows: list[tuple[str, dict, float]]) -> list[str]:
         return []
     lines = ["", "| through the runtime | batch | steps per canvas | ms per canvas | at new lengths | steps x graph "
              "pass ms | output tokens/s | CUDA graphs (captures) | host ms per round: eager step / capture | fused "
-             "sampler | denoise / commit passes |", "|---|---:|---:|---:|---:|---:|---:|---|---|---|---|"]  # fmt: skip
+             "sampler | denoise / commit passes | load warm-up s (pass tokens) |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---|"]  # fmt: skip
     cell = lambda text: str(text).replace("|", "/")[:80]
     ms = lambda v: "—" if v is None or v != v else f"{v:.1f}"
     for fmt, x, pass_ms in rows:
         if "error" in x:
-            lines.append(f"| {fmt} | {x['batch']} | — | — | — | — | — | — | — | — | {cell(x['error'])} |")
+            lines.append(f"| {fmt} | {x['batch']} | — | — | — | — | — | — | — | — | — | {cell(x['error'])} |")
             continue
         p, steps = x["passes"], "/".join(map(str, x["steps_per_canvas"]))
         why = f": {cell(x['capture_error'])}" if x.get("capture_error") else ""
         graphs = f"yes ({x['captures']})" if x["graphs"] else f"no{why}"
         host = f"{ms(x.get('warmup_ms_per_round'))} / {ms(x.get('capture_ms_per_round'))}"
+        warmed = x.get("load_warm_tokens")
+        load = "—" if warmed is None else f"{x['load_warm_s']:.1f} ({', '.join(map(str, warmed)) or 'none'})"
         lines.append(f"| {fmt} | {x['batch']} | {steps} | {x['ms_per_canvas']:.1f} "
                      f"| {ms(x.get('ms_per_canvas_new_lengths'))} | {ms(x['steps'] * pass_ms)} "
                      f"| {x['tokens_per_s']:.0f} | {graphs} | {host} | {'yes' if x['fused_sampler'] else 'no'} "
-                     f"| {p.get('denoise', 0)} / {p.get('commit', 0)} |")  # fmt: skip
+                     f"| {p.get('denoise', 0)} / {p.get('commit', 0)} | {load} |")  # fmt: skip
     return [*lines, "", "vLLM, for comparison: ~146 ms per 256-token canvas at 16 steps (FP8, one H100)."]

@@ -152,6 +152,7 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
             assert c["ms_per_canvas"] > 0 and not c["graphs"] and c["captures"] == 0  # off CUDA: no graphs
             assert c["ms_per_canvas_new_lengths"] > 0 and c["warmup_ms_per_round"] is None
             assert c["passes"]["commit"] == 1  # the first canvas's K/V written; the second ends the request
+            assert c["load_warm_tokens"] == [] and c["load_warm_s"] >= 0  # off CUDA nothing compiles
         else:
             assert "attention_error" not in r and len(r["attention"]) == 2
             # the network kernels need CUDA or the interpreter (off here): each row says why
@@ -439,7 +440,8 @@ def test_the_canvas_table_shows_each_run_and_why_one_did_not():
     ok = {"batch": 1, "steps": 16, "canvases": 2, "ms_per_canvas": 151.26, "tokens_per_s": 1692.4, "tokens": 512,
           "graphs": True, "fused_sampler": True, "captures": 2, "capture_error": None,
           "passes": {"denoise": 32, "commit": 1}, "steps_per_canvas": [16], "warmup_ms_per_round": 31.04,
-          "capture_ms_per_round": 40.0, "ms_per_canvas_new_lengths": 402.5}  # fmt: skip
+          "capture_ms_per_round": 40.0, "ms_per_canvas_new_lengths": 402.5, "load_warm_s": 2.54,
+          "load_warm_tokens": [1, 129]}  # fmt: skip
     eager = {
         **ok,
         "batch": 4,
@@ -447,6 +449,7 @@ def test_the_canvas_table_shows_each_run_and_why_one_did_not():
         "captures": 0,
         "capture_error": "RuntimeError: operation | not permitted",
         "capture_ms_per_round": None,
+        "load_warm_tokens": [],
     }
     row = {"format": "fp8", "batch": 1, "kernels": "k", "ms_eager": 30.0, "ms_graph": 25.0, "floor_ms_spec": 6.2,
            "floor_ms_copy": 7.0, "canvas": ok}  # fmt: skip
@@ -463,12 +466,17 @@ def test_the_canvas_table_shows_each_run_and_why_one_did_not():
     table = render({"env": env, "dry_run": False, "checks": [{"name": "fp8 pass", "status": "passed", "seconds": 9,
                                                              "budget_s": 90, "detail": "", "rows": [row, failed]}]})  # fmt: skip
     # beside the pass's 16 graph replays (16 x 25.0 ms) and what a round's eager step and capture cost
-    assert "| fp8 | 1 | 16 | 151.3 | 402.5 | 400.0 | 1692 | yes (2) | 31.0 / 40.0 | yes | 32 / 1 |" in table
+    # and the seconds the load's warm-up passes took, with their token counts
     assert (
-        "| fp8 | 4 | 16 | 151.3 | 402.5 | — | 1692 | no: RuntimeError: operation / not permitted | 31.0 / — | yes "
-        "| 32 / 1 |" in "\n".join(render_canvas([("fp8", eager, float("nan"))]))
+        "| fp8 | 1 | 16 | 151.3 | 402.5 | 400.0 | 1692 | yes (2) | 31.0 / 40.0 | yes | 32 / 1 | 2.5 (1, 129) |"
+        in table
     )
     assert (
-        "| fp8 | 16 | — | — | — | — | — | — | — | — | OutOfMemoryError: CUDA out of memory / tried |" in table
+        "| fp8 | 4 | 16 | 151.3 | 402.5 | — | 1692 | no: RuntimeError: operation / not permitted | 31.0 / — | yes "
+        "| 32 / 1 | 2.5 (none) |" in "\n".join(render_canvas([("fp8", eager, float("nan"))]))
+    )
+    assert (
+        "| fp8 | 16 | — | — | — | — | — | — | — | — | — | OutOfMemoryError: CUDA out of memory / tried |"
+        in table
     )
     assert render_canvas([]) == []
