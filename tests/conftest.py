@@ -5,6 +5,17 @@ import os
 from pathlib import Path
 
 import pytest
+
+from pipeline.threads import apply_thread_policy
+
+# `make test` runs the files in parallel worker processes (pytest-xdist). Each would otherwise start as many
+# compute threads as the machine has cores, and OpenMP threads that outnumber the cores spin against each
+# other: on a 2-core machine the suite's torch-heavy files ran 3-10x slower. So the workers share the
+# cores the way `dgpipe serve` splits them among model instances, set before torch and numpy start their
+# thread pools (OpenBLAS reads OMP_NUM_THREADS once, when it loads); their subprocesses inherit the count.
+if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    apply_thread_policy(instances=workers)
+
 import torch
 
 # Without a GPU, Triton kernels run in Triton's interpreter (tests/unit/runtime/kernels/test_moe.py). The
@@ -17,15 +28,7 @@ if not torch.cuda.is_available():
     with contextlib.suppress(ImportError):
         import triton.language  # noqa: F401
 
-from pipeline.threads import apply_thread_policy
 from tests._utils.tiny import build_tiny
-
-# `make test` runs the files in parallel worker processes (pytest-xdist). Each would otherwise start as many
-# compute threads as the machine has cores, and OpenMP threads that outnumber the cores spin against each
-# other: on a 2-core machine the suite's torch-heavy files ran 3-10x slower. So the workers share the
-# cores the way `dgpipe serve` splits them among model instances; their subprocesses inherit the count.
-if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
-    apply_thread_policy(instances=workers)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -238,7 +238,6 @@ class BlockDiffusionRuntime:
     def busy(self) -> bool:
         return bool(self.waiting) or any(r is not None for r in self.results)
 
-    @torch.no_grad()
     def warm_kernels(self) -> list[int]:
         """Compile, before serving, the Triton kernels that this runtime's first passes of new sizes would
         compile mid-request (`pipeline.runtime.warm`): the experts' GEMM paths of every pass it can run, up
@@ -250,6 +249,7 @@ class BlockDiffusionRuntime:
         with on_device(self.device):
             return warm_experts(self.backend.model, self.device, most)
 
+    @torch.no_grad()
     def generate(self, requests: list[Request]) -> list[Result]:
         """Run requests to completion (in-process path). Each gets its own result, in order."""
         results = [self.submit(r) for r in requests]

@@ -14,7 +14,8 @@ grouped path's combine (`tests/unit/bench/gpu/test_trace.py` traces both).
 `warm_experts` runs one pass for each path that a pass of up to `most` tokens can take, at the fewest
 tokens that take it. They are K/V passes (`encode_kv`) with no cache and no mask: their output is
 dropped, so what they attend to does not matter, and without a mask nothing in them reads the device
-from the host.
+from the host. A model under `torch.compile` is left alone: its passes are inductor's graphs, compiled per
+shape and mask on first use, and mask-less passes would only compile graphs that no served pass runs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from pipeline.model.network import DiffusionGemma
+from pipeline.runtime.compiled import is_compiled
 
 
 def _signature(experts: nn.Module) -> tuple:
@@ -36,9 +38,10 @@ def _signature(experts: nn.Module) -> tuple:
 
 def distinct_experts(model: DiffusionGemma) -> list[nn.Module]:
     """One experts module per kind of layer whose GEMMs depend on the pass's size (those with `gemms_for`:
-    tensor-core and device-routed experts); the 26B's layers all have the same one."""
+    tensor-core and device-routed experts); the 26B's layers all have the same one. The last layer's are
+    left out: a K/V pass does not run them (`encode_kv`), and they are their neighbours' kind."""
     found: dict[tuple, nn.Module] = {}
-    for layer in model.layers:
+    for layer in model.layers[:-1]:
         experts = getattr(layer, "experts", None)
         if experts is not None and hasattr(experts, "gemms_for"):
             found.setdefault(_signature(experts), experts)
@@ -61,11 +64,12 @@ def warm_token_counts(model: DiffusionGemma, most: int) -> list[int]:
 @torch.inference_mode()
 def warm_experts(model: DiffusionGemma, device: torch.device, most: int) -> list[int]:
     """Run one K/V pass at each of `warm_token_counts(model, most)` on `device`, which compiles every Triton
-    binary the experts' paths need. Returns the token counts. On the CPU nothing compiles: no pass runs."""
-    if device.type != "cuda":
+    binary the experts' paths need. Returns the token counts. None run on the CPU, where nothing compiles,
+    or for a compiled model."""
+    if device.type != "cuda" or is_compiled(model):
         return []
     counts = warm_token_counts(model, most)
-    unmasked = dict.fromkeys(("full_attention", "sliding_attention"))
+    unmasked = dict.fromkeys(model.layer_types)
     for tokens in counts:
         positions = torch.arange(tokens, device=device)[None]
         model.encode_kv(torch.zeros_like(positions), positions, unmasked, None)

@@ -96,12 +96,17 @@ def load_model(config: dict[str, Any], version_dir: Path, log: Log) -> LoadedMod
 
 
 def _warm(runtime: Any, log: Log) -> None:
-    """`runtime.warm_kernels()`, reported. A failure costs only the warm-up: the server still comes up, and
-    the kernels compile when a pass first needs them (where that fails too, the request says why)."""
+    """`runtime.warm_kernels()`, reported. A failure that leaves the GPU usable (out of memory, a compile
+    error) costs only the warm-up: the server still comes up, and the kernels compile when a pass first
+    needs them (where that fails too, the request says why). A lost CUDA context fails the load."""
+    from pipeline.runtime.device_errors import unusable
+
     t0 = time.perf_counter()
     try:
         tokens = runtime.warm_kernels()
     except Exception as e:
+        if unusable(runtime.device) is not None:
+            raise
         log.error(f"dgpipe: compiling the experts' kernels ahead failed ({type(e).__name__}: {e}); "
                   "they compile when a pass first needs them")  # fmt: skip
         return

@@ -3,8 +3,10 @@ What they compile on each GPU is traced in tests/unit/bench/gpu/test_trace.py.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from pipeline.runtime.compiled import COMPILED_ATTR
 from pipeline.runtime.routed import RoutedExperts
 from pipeline.runtime.scheduler import BlockDiffusionRuntime
 from pipeline.runtime.warm import distinct_experts, warm_experts, warm_token_counts
@@ -35,14 +37,35 @@ def test_nothing_runs_off_cuda():
     assert BlockDiffusionRuntime(model, max_batch=2).warm_kernels() == []
 
 
-def test_a_failed_warm_up_is_logged_and_the_load_goes_on():
-    class Failing:
-        def warm_kernels(self):
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+class _Failing:
+    """A runtime whose warm-up runs out of GPU memory."""
 
+    device = torch.device("cuda")
+
+    def warm_kernels(self):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_a_failed_warm_up_is_logged_and_the_load_goes_on(monkeypatch):
+    monkeypatch.setattr("pipeline.runtime.device_errors.unusable", lambda device: None)
     errors: list[str] = []
-    _warm(Failing(), Log(info=errors.append, error=errors.append))
+    _warm(_Failing(), Log(info=errors.append, error=errors.append))
     assert errors == [
-        "dgpipe: compiling the experts' kernels ahead failed (RuntimeError: CUDA error: an illegal memory "
-        "access was encountered); they compile when a pass first needs them"
+        "dgpipe: compiling the experts' kernels ahead failed (OutOfMemoryError: CUDA out of memory. Tried to "
+        "allocate 2.00 GiB); they compile when a pass first needs them"
     ]
+
+
+def test_a_warm_up_that_loses_the_cuda_context_fails_the_load(monkeypatch):
+    monkeypatch.setattr("pipeline.runtime.device_errors.unusable", lambda device: "AcceleratorError: lost")
+    with pytest.raises(torch.OutOfMemoryError):
+        _warm(_Failing(), Log(info=print, error=print))
+
+
+def test_a_compiled_model_is_left_to_compile_on_first_use():
+    model = build_tiny(torch.bfloat16)
+    for layer in model.layers:
+        layer.experts = RoutedExperts(layer.experts, triton=True)
+    setattr(model, COMPILED_ATTR, True)
+    assert warm_token_counts(model, 4096) == [1, 17, 49]
+    assert warm_experts(model, torch.device("cuda"), 4096) == []  # returns before touching the device

@@ -637,12 +637,13 @@ def test_after_the_warm_up_no_pass_of_any_batch_or_length_compiles(fmt, arch, co
     server's warm-up request (a prompt's prefill, one canvas's denoise pass), denoise passes of 2 to 16
     canvases, a commit of two, and prefills of 400 and 2,000 tokens compile nothing."""
     warmed, warm = gt.trace_warm(fmt, arch, 16 * 256, LAYERS)
+    ready = _keys(warm)  # (its error, if the warm-up failed)
     assert warmed == counts
     request = [
         gt.trace_pass(fmt, arch, 1, LAYERS, context=0, prompt=37),
         gt.trace_pass(fmt, arch, 1, LAYERS, context=37),
     ]
-    ready = _keys(warm).union(*map(_keys, request))
+    ready |= set().union(*map(_keys, request))
     passes = {f"denoise {b}": gt.trace_pass(fmt, arch, b, LAYERS, context=37) for b in (2, 5, 16)}
     passes |= {f"prefill {p}": gt.trace_pass(fmt, arch, 1, LAYERS, context=37, prompt=p) for p in (400, 2000)}
     passes["commit 2"] = gt.trace_pass(fmt, arch, 2, LAYERS, context=37, prompt=256)
