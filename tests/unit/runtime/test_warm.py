@@ -14,13 +14,19 @@ from pipeline.serving.core.loading import Log, _warm
 from tests._utils.tiny import build_tiny
 
 
+def _routed_tiny():
+    """The tiny model with its experts routed on the device on the Triton GEMM, as on Ada or RTX Blackwell."""
+    model = build_tiny(torch.bfloat16)
+    for layer in model.layers:
+        layer.experts = RoutedExperts(layer.experts, triton=True)
+    return model
+
+
 def test_one_pass_per_gemm_path_at_the_fewest_tokens_that_take_it():
     """The tiny model routes each token to 2 of 4 experts: t tokens give t/2 rows per expert, which take the
     Triton GEMM's 16-row tile up to 8 rows, its 32-row tile up to 24 and its 64-row tile above."""
-    model = build_tiny(torch.bfloat16)
-    assert warm_token_counts(model, 4096) == []  # the loaded experts run the same kernels at every size
-    for layer in model.layers:
-        layer.experts = RoutedExperts(layer.experts, triton=True)
+    assert warm_token_counts(build_tiny(torch.bfloat16), 4096) == []  # as loaded: one kernel at every size
+    model = _routed_tiny()
     assert len(distinct_experts(model)) == 1  # every layer's experts decide alike
     assert warm_token_counts(model, 4096) == [1, 17, 49]
     assert warm_token_counts(model, 20) == [1, 17]  # no pass of the runtime is larger
@@ -30,9 +36,7 @@ def test_one_pass_per_gemm_path_at_the_fewest_tokens_that_take_it():
 
 
 def test_nothing_runs_off_cuda():
-    model = build_tiny(torch.bfloat16)
-    for layer in model.layers:
-        layer.experts = RoutedExperts(layer.experts, triton=True)
+    model = _routed_tiny()
     assert warm_experts(model, torch.device("cpu"), 4096) == []
     assert BlockDiffusionRuntime(model, max_batch=2).warm_kernels() == []
 
@@ -63,9 +67,7 @@ def test_a_warm_up_that_loses_the_cuda_context_fails_the_load(monkeypatch):
 
 
 def test_a_compiled_model_is_left_to_compile_on_first_use():
-    model = build_tiny(torch.bfloat16)
-    for layer in model.layers:
-        layer.experts = RoutedExperts(layer.experts, triton=True)
+    model = _routed_tiny()
     setattr(model, COMPILED_ATTR, True)
     assert warm_token_counts(model, 4096) == [1, 17, 49]
     assert warm_experts(model, torch.device("cuda"), 4096) == []  # returns before touching the device
