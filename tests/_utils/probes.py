@@ -3,7 +3,10 @@ the probe with its DgpipeError."""
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -26,3 +29,19 @@ def each_wrong_form_fails(
             with pytest.raises(DgpipeError, match=match):
                 check()
                 pytest.fail(f"passed: {label}")
+
+
+def kernel_variant(module: ModuleType, replacements: list[tuple[str, str]], where: Path) -> ModuleType:
+    """A copy of `module` (a file of Triton kernels) with each (old, new) text replaced, written under `where`
+    and imported: a kernel wrong in one place, compiled by Triton as the real one is (its interpreter reads
+    a kernel's source from its file). Each `old` must occur exactly once."""
+    source = Path(inspect.getsourcefile(module)).read_text()
+    for old, new in replacements:
+        assert source.count(old) == 1, f"{old!r} occurs {source.count(old)} times in {module.__name__}"
+        source = source.replace(old, new)
+    path = where / f"wrong_{module.__name__.rsplit('.', 1)[-1]}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"{module.__name__}_wrong", path)
+    variant = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variant)
+    return variant

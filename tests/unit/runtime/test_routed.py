@@ -248,13 +248,7 @@ def test_the_triton_bf16_experts_compile_as_two_opaque_ops(experts):
 def test_the_probe_holds_the_triton_bf16_gemm_to_the_float_product(monkeypatch):
     """The load-time check of the bf16 form, here on the interpreted kernel: it passes; a GEMM wrong at any
     one M tile, or experts wrong only on the tile the pass picks, fail with an error naming the kernel."""
-    gen = torch.Generator().manual_seed(6)
-    x, index, weights = (
-        torch.randn(20, 128, generator=gen),
-        torch.randint(0, 4, (20, 2), generator=gen),
-        torch.rand(20, 2),
-    )
-    probing.check_triton_float(CPU, torch.bfloat16, x, index, weights)
+    probing.check_triton_float(CPU, torch.bfloat16)
     real_launch, real_gemm = kernels.moe.launch, kernels.moe.moe_gemm
 
     def wrong_at(tile):  # rows reversed at one tile
@@ -267,16 +261,16 @@ def test_the_probe_holds_the_triton_bf16_gemm_to_the_float_product(monkeypatch):
     for tile in kernels.moe.probe_tiles(CPU, 2):
         monkeypatch.setattr(kernels.moe, "launch", wrong_at(tile))
         with pytest.raises(DgpipeError, match=rf"Triton bf16 MoE GEMM \({tile.short()} tiles\) differs"):
-            probing.check_triton_float(CPU, torch.bfloat16, x, index, weights)
+            probing.check_triton_float(CPU, torch.bfloat16)
 
     def wrong_in_fp16(t, a, a_scale, rows, w, w_scale, offs, out_rows=None):  # a model loaded in fp16
         rows = rows.flip(0) if a.dtype == torch.float16 and rows is not None else rows
         return real_launch(t, a, a_scale, rows, w, w_scale, offs, out_rows)
 
     monkeypatch.setattr(kernels.moe, "launch", wrong_in_fp16)
-    probing.check_triton_float(CPU, torch.bfloat16, x, index, weights)  # each dtype is its own form
+    probing.check_triton_float(CPU, torch.bfloat16)  # each dtype is its own form
     with pytest.raises(DgpipeError, match=r"Triton fp16 MoE GEMM \([^)]+ tiles\) differs"):
-        probing.check_triton_float(CPU, torch.float16, x, index, weights)
+        probing.check_triton_float(CPU, torch.float16)
     monkeypatch.setattr(kernels.moe, "launch", real_launch)
 
     def wrong_in_the_pass(a, a_scale, rows, w, w_scale, offs, block_m=None, out_rows=None):
@@ -286,4 +280,4 @@ def test_the_probe_holds_the_triton_bf16_gemm_to_the_float_product(monkeypatch):
 
     monkeypatch.setattr(kernels.moe, "moe_gemm", wrong_in_the_pass)
     with pytest.raises(DgpipeError, match="bf16 experts on the Triton MoE GEMM differ"):
-        probing.check_triton_float(CPU, torch.bfloat16, x, index, weights)
+        probing.check_triton_float(CPU, torch.bfloat16)

@@ -318,14 +318,8 @@ def test_the_probe_uses_the_triton_kernels_only_where_they_agree_with_the_float_
 
     monkeypatch.setattr(F, "scaled_grouped_mm", lambda *a, **k: pytest.fail("torch's grouped GEMM ran"))
     monkeypatch.setattr(tq, "fp8", sl.fp8_quantize)
-    gen = torch.Generator().manual_seed(8)
-    x, index, weights = (
-        torch.randn(20, 128, generator=gen),
-        torch.randint(0, 4, (20, 2), generator=gen),
-        torch.rand(20, 2),
-    )
     for mode, fmt in (("fp8", "fp8"), ("fp8_rowwise", "nvfp4")):
-        probing.check_triton_fp8(mode, fmt, CPU, x, index, weights)
+        probing.check_triton_fp8(mode, fmt, CPU)
     one_off = lambda v, s: (sl.fp8_quantize(v, s).view(torch.uint8) ^ (torch.arange(v.numel()) == 3)).view(
         torch.float8_e4m3fn
     )
@@ -346,7 +340,7 @@ def test_the_probe_uses_the_triton_kernels_only_where_they_agree_with_the_float_
     for tile in tf.probe_tiles(CPU, 1):  # a tile the probe's own pass would not pick is still checked
         monkeypatch.setattr(tf, "launch", wrong_at(tile))
         with pytest.raises(DgpipeError, match=rf"Triton MoE GEMM \({tile.short()} tiles\) differs"):
-            probing.check_triton_fp8("fp8", "fp8", CPU, x, index, weights)
+            probing.check_triton_fp8("fp8", "fp8", CPU)
     monkeypatch.setattr(tf, "launch", real_launch)
 
     def wrong_in_the_pass(a, a_scale, rows, w, w_scale, offs, block_m=None, out_rows=None):
@@ -356,4 +350,4 @@ def test_the_probe_uses_the_triton_kernels_only_where_they_agree_with_the_float_
 
     monkeypatch.setattr(tf, "moe_gemm", wrong_in_the_pass)
     with pytest.raises(DgpipeError, match="experts on the Triton MoE GEMM differ from their float reference"):
-        probing.check_triton_fp8("fp8", "fp8", CPU, x, index, weights)
+        probing.check_triton_fp8("fp8", "fp8", CPU)

@@ -184,7 +184,7 @@ def test_the_probe_holds_each_kernel_to_torchs_form(rne_casts, monkeypatch):  # 
     monkeypatch.setattr(tq, "nvfp4", real)
     swizzle = tq.blocked_scales
     monkeypatch.setattr(tq, "blocked_scales", lambda s, offs, rows=None: swizzle(s.flip(0), offs, rows))
-    with pytest.raises(DgpipeError, match="Triton nvfp4 activation quantization differs"):
+    with pytest.raises(DgpipeError, match="Triton swizzle of grouped NVFP4 scales differs"):
         probing.check_triton_quant("nvfp4", CPU)
     monkeypatch.setattr(tq, "blocked_scales", swizzle)
     linear = tq.nvfp4_blocked

@@ -1,0 +1,176 @@
+"""The load-time probes reach every part of their kernels that served inputs reach: a kernel wrong only in a
+loop's second step, a grid axis's second program, a batch row after the first, or a dtype other than bf16
+fails its probe. Each wrong kernel is the real one's source with one expression changed
+(`tests._utils.probes.kernel_variant`), run in Triton's interpreter; each is O(1) wrong at the 26B's
+shapes, and passed the probes as they were before they were sized for this."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from pipeline.errors import DgpipeError
+from pipeline.runtime import kernels
+from pipeline.runtime import probe as probing
+from pipeline.runtime.kernels import chains, moe, quant, routing
+from pipeline.runtime.kernels.jit import chains as jit_chains
+from pipeline.runtime.kernels.jit import quant as jit_quant
+from pipeline.runtime.kernels.jit import routing as jit_routing
+from tests._utils.interpreter_casts import (  # noqa: F401  (fixtures)
+    interpreted,
+    interpreted_exp,
+    interpreted_tanh,
+    rne_casts,
+)
+from tests._utils.probes import kernel_variant
+
+pytestmark = interpreted
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("acc = tl.dot(a, b, acc)", "acc = tl.dot(a, b)"),  # only the last step along K counts
+        ("+ (pid_m - first_block) * BLOCK_M", "+ 0 * BLOCK_M"),  # every M block an expert's first
+    ],
+    ids=["one-k-step", "one-m-block"],
+)
+def test_the_moe_gemm_probes_fail_a_kernel_wrong_past_its_first_block(
+    rne_casts,  # noqa: F811
+    monkeypatch,
+    tmp_path,
+    old,
+    new,
+):
+    monkeypatch.setattr(moe, "_kernel", kernel_variant(moe, [(old, new)], tmp_path)._kernel)
+    with pytest.raises(DgpipeError, match=r"Triton MoE GEMM \(.* tiles\) differs"):
+        probing.check_triton_fp8("fp8", "fp8", CPU)
+    with pytest.raises(DgpipeError, match=r"Triton bf16 MoE GEMM \(.* tiles\) differs"):
+        probing.check_triton_float(CPU, torch.bfloat16)
+
+
+def test_the_moe_gemm_probes_run_every_tile_past_one_block_along_k_m_and_n():
+    """What the wrong kernels above stand for, for every tile a GPU may launch (the tuner's grid included):
+    the probe's GEMMs take more than one step along K, one expert more than one M block, and more than one
+    N block, each with a partial last block at the default tiles."""
+    from pipeline.bench.gpu.tiles import BLOCK_K_BYTES, BLOCK_M, BLOCK_N
+
+    p = probing.EXPERTS_PROBE
+    _, index, _ = p.routing(CPU, torch.bfloat16)
+    rows = torch.bincount(index.flatten(), minlength=p.experts).tolist()
+    assert rows[0] == p.crowded and rows[-1] == 0
+    assert all(a != b for a, b in index.tolist())  # two distinct experts a token, as top-k chooses
+    # the GEMM checked at every tile is gate|up's: K = hidden (FP8: a value a byte; bf16 takes half as many a step)
+    for size, largest in (
+        (rows[0], max(BLOCK_M)),
+        (p.hidden, max(BLOCK_K_BYTES)),
+        (2 * p.intermediate, max(BLOCK_N)),
+    ):
+        assert size > largest and size % largest  # more than one block, the last partial
+
+
+def test_the_expert_order_probe_fails_a_kernel_wrong_past_its_first_counting_step(monkeypatch, tmp_path):
+    old = "lower += tl.sum(((x < e) & (i < slots)).to(tl.int32), axis=0)"
+    wrong = kernel_variant(jit_routing, [(old, old.replace("+=", "="))], tmp_path)
+    monkeypatch.setattr(routing, "_kernels", lambda: wrong)
+    with pytest.raises(DgpipeError, match="Triton expert order differs"):
+        probing.check_triton_expert_order(CPU)
+
+
+def test_the_head_norms_probe_fails_a_kernel_that_writes_every_batch_row_as_the_first(
+    rne_casts,  # noqa: F811
+    monkeypatch,
+    tmp_path,
+):
+    batch_row = "((token // seq) * out_sb + (token % seq) * out_sl + (r % heads) * out_sh)"
+    flat = "(token * out_sl + (r % heads) * out_sh)"  # right for a contiguous [B, L, H, D] output alone
+    assert inspect.getsource(jit_chains).count(batch_row) == 2  # k's (and q's) rotated rows, and v's
+    wrong = kernel_variant(
+        jit_chains,
+        [
+            (
+                f"row = {batch_row}[:, None] + j\n    tl.store(out_ptr",
+                f"row = {flat}[:, None] + j\n    tl.store(out_ptr",
+            ),
+            (
+                f"row = {batch_row}[:, None] + j\n        tl.store(v_out",
+                f"row = {flat}[:, None] + j\n        tl.store(v_out",
+            ),
+        ],
+        tmp_path,
+    )
+    monkeypatch.setattr(chains, "_kernels", lambda: wrong)
+    with pytest.raises(DgpipeError, match="Triton head norms"):
+        probing.check_triton_head_norms(CPU)
+
+
+def test_the_nvfp4_probe_fails_a_kernel_whose_every_program_quantizes_the_first_blocks(
+    rne_casts,  # noqa: F811
+    monkeypatch,
+    tmp_path,
+):
+    old = "b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)\n    inside = b < blocks"
+    wrong = kernel_variant(jit_quant, [(old, old.replace("* BLOCKS +", "* 0 +"))], tmp_path)
+    monkeypatch.setattr(quant, "_kernels", lambda: wrong)
+    assert (
+        len(probing.nvfp4_probe_rows(CPU)) * 2 * 11 > quant.NVFP4_BLOCKS
+    )  # the probe's 16 rows of 11 blocks
+    with pytest.raises(DgpipeError, match="Triton nvfp4 activation quantization differs"):
+        probing.check_triton_quant("nvfp4", CPU)
+
+
+def wrong_in(dtype: torch.dtype, form):
+    """`form` with its result's first value changed where its input is `dtype`: a kernel whose `dtype`
+    compile is wrong."""
+
+    def wrong(x, *args, **kwargs):
+        out = form(x, *args, **kwargs)
+        if x.dtype == dtype:
+            first = (out[0] if isinstance(out, tuple) else out).view(-1)[:1]
+            if first.element_size() == 1:  # E4M3 or packed E2M1 codes
+                first.view(torch.uint8).bitwise_xor_(1)
+            else:
+                first.add_(1)
+        return out
+
+    return wrong
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "check", "dtypes"),
+    [
+        (chains, "softcap", lambda: probing.check_triton_softcap(CPU), (torch.float16, torch.float32)),
+        (chains, "combine", lambda: probing.check_triton_combine(CPU), (torch.float16,)),
+        (chains, "kv_cat", lambda: probing.check_triton_kv_cat(CPU), (torch.float16,)),
+        (kernels.routing, "top_k", lambda: probing.check_triton_top_k(CPU), (torch.float16,)),
+        (quant, "fp8", lambda: probing.check_triton_quant("fp8", CPU), (torch.float16, torch.float32)),
+        (quant, "nvfp4", lambda: probing.check_triton_quant("nvfp4", CPU), (torch.float16, torch.float32)),
+        (
+            quant,
+            "nvfp4_fp8_rows",
+            lambda: probing.check_triton_quant("fp8_rowwise", CPU),
+            (torch.float16, torch.float32),
+        ),
+    ],
+    ids=["softcap", "combine", "kv_cat", "top_k", "fp8", "nvfp4", "fp8_rowwise"],
+)
+def test_a_probe_fails_a_kernel_wrong_only_in_a_dtype_a_load_hands_it(
+    rne_casts,  # noqa: F811
+    interpreted_tanh,  # noqa: F811
+    interpreted_exp,  # noqa: F811
+    monkeypatch,
+    module,
+    name,
+    check,
+    dtypes,
+):
+    check()
+    real = getattr(module, name)
+    for dtype in dtypes:
+        with monkeypatch.context() as mp:
+            mp.setattr(module, name, wrong_in(dtype, real))
+            with pytest.raises(DgpipeError, match="differs"):
+                check()
