@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests._utils.generation import FIXED, generate, requests
+from tests._utils.graph_replay import mixed_requests
 from tests._utils.tiny import build_tiny
 
 
@@ -19,7 +20,9 @@ def test_cuda_graph_replay_equals_eager_on_gpu(dtype):
     identical to eager. The model is finished as a load finishes it (`finish_on_device`): where torch's
     grouped GEMM has no kernel for the dtype (bf16 on Ada and RTX Blackwell, fp16 everywhere) the experts
     route on dgpipe's Triton GEMM, fp32 experts take the dense form, and the network's Triton kernels that
-    pass their probes run inside the captured steps."""
+    pass their probes run inside the captured steps. Also over rounds whose rows stop at other steps, with
+    templates and log-probabilities (`graph_replay.mixed_requests`, replayed on the CPU by
+    tests/unit/runtime/test_graph_replay.py)."""
     from pipeline.runtime.backends import TorchBackend, experts_graph_safe
     from pipeline.runtime.dispatch import ARCHS, arch_of
     from pipeline.runtime.gpu_load import finish_on_device
@@ -39,8 +42,9 @@ def test_cuda_graph_replay_equals_eager_on_gpu(dtype):
         pytest.skip(f"the experts read the routing on the host here: {report.summary()}")
     backend = TorchBackend(model)
     assert backend.fused and backend.graph_safe
-    rt_eager, eager = generate(backend, requests(FIXED), graphs=False, sync_every=4)
-    rt_graph, graphed = generate(backend, requests(FIXED), graphs=True, sync_every=4)
-    assert rt_graph.loop.captures > 0 and rt_eager.loop.captures == 0
-    for a, b in zip(eager, graphed, strict=True):
-        assert (a.tokens, a.steps_per_canvas) == (b.tokens, b.steps_per_canvas)
+    for made in (lambda: requests(FIXED), mixed_requests):  # and rounds of rows that stop apart
+        rt_eager, eager = generate(backend, made(), graphs=False, sync_every=4)
+        rt_graph, graphed = generate(backend, made(), graphs=True, sync_every=4)
+        assert rt_graph.loop.captures > 0 and rt_eager.loop.captures == 0
+        for a, b in zip(eager, graphed, strict=True):
+            assert (a.tokens, a.steps_per_canvas, a.logprobs) == (b.tokens, b.steps_per_canvas, b.logprobs)
