@@ -13,9 +13,10 @@ of memory, or a CUDA error that leaves the GPU unusable, is the step's failure i
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,8 @@ class DeviceLoop:
         # ("use_count > 0" internal assert, seen on an H200). Rounds replay only their own graph, in
         # capture order, so keeping the last one alive reserves no memory beyond what the pool holds.
         self._last_graph: torch.cuda.CUDAGraph | None = None
+        # the stream captures run on, made on the loop's device at its first capture
+        self._capture_stream: torch.cuda.Stream | None = None
 
     def run(self, rnd: DenoiseRound, step: Callable[[], None]) -> None:
         if not self.graphs:
@@ -83,8 +86,9 @@ class DeviceLoop:
             graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
             stream.synchronize()  # as `torch.cuda.graph` does first: the time below is the capture's own
             t0 = time.perf_counter()
+            self._capture_stream = self._capture_stream or torch.cuda.Stream()
             try:
-                with torch.cuda.graph(graph, pool=self.pool):
+                with capturing(graph, self.pool, self._capture_stream):
                     step()  # recorded, not run: the replay below runs it
             except Exception as e:  # nothing ran on the device
                 undo_failed_capture(stream, self.pool)
@@ -104,12 +108,37 @@ class DeviceLoop:
         rnd.graph.replay()
 
 
+@contextlib.contextmanager
+def capturing(
+    graph: torch.cuda.CUDAGraph, pool: tuple[int, int], stream: torch.cuda.Stream
+) -> Iterator[None]:
+    """Capture the block's CUDA work on `stream` into `graph`, its memory from `pool`: what `torch.cuda.graph`
+    does, less the `torch.cuda.empty_cache()` it calls before every capture. That hands every cached block
+    back to the driver, and a runtime captures a graph every round, so each round's eager step would
+    allocate its tensors through cudaMalloc again. Python's garbage collector is off while the stream
+    captures: a collection could free a CUDA object held in a reference cycle (an earlier round's graph, a
+    Triton module), a call CUDA refuses during a capture (vLLM freezes it around its captures too). The
+    stream that was current is current again after, whatever the block or `capture_end` raised."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool)
+            try:
+                yield
+            finally:
+                graph.capture_end()
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def undo_failed_capture(stream: torch.cuda.Stream, pool: tuple[int, int]) -> None:
-    """Undo what a failed `torch.cuda.graph` capture into `pool` leaves, with `stream` current before it:
-    the context restores the stream only after `capture_end` returns, and before torch 2.12 a `capture_end`
-    that raised also left the caching allocator recording into the pool, which fails every later
-    `empty_cache` and synchronize (pytorch/pytorch#180395). Ending it again where it was ended raises,
-    which is fine."""
+    """Undo what a failed capture into `pool` leaves, with `stream` current before it: before torch 2.12 a
+    `capture_end` that raised left the caching allocator recording into the pool, which fails every later
+    `empty_cache` and synchronize (pytorch/pytorch#180395); and `torch.cuda.graph` restores the stream only
+    after `capture_end` returns (`capturing` restores it whatever happened). Ending the recording again
+    where it was ended raises, which is fine."""
     torch.cuda.set_stream(stream)
     with contextlib.suppress(RuntimeError):
         torch._C._cuda_endAllocateToPool(stream.device.index, pool)

@@ -131,30 +131,45 @@ def test_under_cuda_graphs_a_rounds_warm_up_runs_what_its_capture_runs(monkeypat
 
 
 class FakeCuda:
-    """torch.cuda's streams, graphs and allocator calls as a failed capture meets them (no GPU here): entering
-    `torch.cuda.graph` makes the capture stream current; a call CUDA refuses inside the step invalidates the
-    capture, so `capture_end` raises on the way out and, as in torch, the stream is never restored."""
+    """torch.cuda's streams, graphs and allocator calls as a capture meets them (no GPU here): the capture
+    stream is current inside `torch.cuda.stream`; a call CUDA refuses inside the step invalidates the
+    capture, so `capture_end` raises on the way out. Records the garbage collector's state as the step ran
+    and every `empty_cache`."""
 
     def __init__(self, monkeypatch, refused: Exception | None) -> None:
         import contextlib
+        import gc
 
-        self.refused, self.calls = refused, []
+        self.refused, self.calls, self.collecting = refused, [], []
+        self.in_capture = self.invalidated = False
         stream = lambda name: type("Stream", (), {"name": name, "device": torch.device("cuda", 0),
                                                   "wait_stream": lambda self, other: None,
                                                   "synchronize": lambda self: None})()  # fmt: skip
-        self.default, self.capturing = stream("default"), stream("capture")
+        self.default = stream("default")
         self.current = self.default
 
         @contextlib.contextmanager
-        def graph(graph, pool=None):
-            self.current = self.capturing
+        def stream_ctx(s):
+            before, self.current = self.current, s
             try:
                 yield
-            except Exception as e:
-                raise RuntimeError(
-                    "CUDA error: operation failed due to a previous error during capture"
-                ) from e
-            self.current = self.default
+            finally:
+                self.current = before
+
+        fake = self
+
+        class CUDAGraph:
+            def capture_begin(self, pool=None):
+                fake.calls.append(("capture_begin", pool))
+                fake.in_capture, fake.invalidated = True, False
+
+            def capture_end(self):
+                fake.in_capture = False
+                if fake.invalidated:
+                    raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+            def replay(self):
+                pass
 
         def set_stream(s):
             self.calls.append(("set_stream", s.name))
@@ -165,19 +180,21 @@ class FakeCuda:
 
         for name, value in {
             "graph_pool_handle": lambda: (0, 1), "Stream": lambda: stream("side"),
-            "current_stream": lambda: self.current, "stream": lambda s: contextlib.nullcontext(),
-            "synchronize": lambda device=None: None, "graph": graph,
-            "CUDAGraph": lambda: type("CUDAGraph", (), {"replay": lambda self: None})(),
-            "set_stream": set_stream,
+            "current_stream": lambda: self.current, "stream": stream_ctx,
+            "synchronize": lambda device=None: None, "CUDAGraph": CUDAGraph, "set_stream": set_stream,
+            "empty_cache": lambda: self.calls.append(("empty_cache",)),
         }.items():  # fmt: skip
             monkeypatch.setattr(torch.cuda, name, value)
+        self.gc_enabled = gc.isenabled
         monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end_allocate, raising=False)
 
     def step(self, ran: list[str]):
         def step() -> None:
-            ran.append(self.current.name)
+            ran.append("capture" if self.in_capture else self.current.name)
+            self.collecting.append(self.gc_enabled())
             time.sleep(0.002)
-            if self.current is self.capturing and self.refused is not None:
+            if self.in_capture and self.refused is not None:
+                self.invalidated = not isinstance(self.refused, torch.OutOfMemoryError)
                 raise self.refused
 
         return step
@@ -195,9 +212,32 @@ def test_a_round_counts_the_host_time_of_its_eager_step_and_its_capture(monkeypa
         rnd = device_loop.DenoiseRound(torch.zeros(1), [0], torch.zeros(1, 4), {}, None)
         for _ in range(4):
             loop.run(rnd, cuda.step(ran))
-    assert ran == ["default", "capture"] * 2  # the replays run no Python step
+    assert ran == ["side", "capture"] * 2  # the replays run no Python step
     assert (loop.warmups, loop.captures) == (2, 2)
     assert loop.warmup_s >= 0.004 and loop.capture_s >= 0.004
+
+
+@pytest.mark.parametrize("refused", [None, RuntimeError("operation not permitted when stream is capturing")])
+def test_a_capture_keeps_the_allocators_cache_and_pauses_the_garbage_collector(monkeypatch, refused):
+    """A runtime captures a graph every round: `torch.cuda.graph`'s `empty_cache` before each capture would
+    hand the cached blocks back to the driver and make the next round allocate through cudaMalloc again. A
+    collection during a capture could free a CUDA object, a call CUDA refuses there. Both hold whether the
+    capture succeeds or fails, and the collector is on again after."""
+    import gc
+
+    from pipeline.runtime import device_loop
+
+    cuda = FakeCuda(monkeypatch, refused)
+    loop = device_loop.DeviceLoop(torch.device("cuda"), graphs=True)
+    rnd = device_loop.DenoiseRound(torch.zeros(1), [0], torch.zeros(1, 4), {}, None)
+    ran: list[str] = []
+    assert gc.isenabled()
+    for _ in range(3):
+        loop.run(rnd, cuda.step(ran))
+    assert ("empty_cache",) not in cuda.calls and ("capture_begin", loop.pool) in cuda.calls
+    assert dict(zip(ran, cuda.collecting, strict=True)) == {"side": True, "capture": False, **(
+        {"default": True} if refused else {})}  # fmt: skip
+    assert gc.isenabled()
 
 
 def test_a_failed_capture_runs_the_step_eagerly_and_leaves_graphs_off(monkeypatch, caplog):
@@ -218,8 +258,8 @@ def test_a_failed_capture_runs_the_step_eagerly_and_leaves_graphs_off(monkeypatc
         for _ in range(4):
             loop.run(rnd, cuda.step(ran))
     # the warm-up, the step refused in the capture, that step again eagerly, two more eagerly
-    assert ran == ["default", "capture", "default", "default", "default"]
-    assert cuda.calls == [("set_stream", "default"), ("end_allocate", 0, (0, 1))]
+    assert ran == ["side", "capture", "default", "default", "default"]
+    assert cuda.calls == [("capture_begin", (0, 1)), ("set_stream", "default"), ("end_allocate", 0, (0, 1))]
     assert not loop.graphs and loop.captures == 0 and rnd.graph is None
     assert (
         loop.capture_error
