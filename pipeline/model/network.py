@@ -510,8 +510,8 @@ def combine_slots(
     there, `pipeline.runtime.kernels.moe`'s `out_rows`)."""
     if kernel is not None and not _tracing():
         return kernel(per_slot, None, weights)
-    t, k = weights.shape
-    return torch.bmm(weights.reshape(t, 1, k).to(per_slot.dtype), per_slot.view(t, k, -1)).view(t, -1)
+    (t, k), d = weights.shape, per_slot.shape[-1]  # d named: a view cannot infer it from 0 tokens
+    return torch.bmm(weights.reshape(t, 1, k).to(per_slot.dtype), per_slot.view(t, k, d)).view(t, d)
 
 
 # torch's `F.grouped_mm` has a CUDA kernel for bf16 on compute capability 9.x and 10.x only (the gate is

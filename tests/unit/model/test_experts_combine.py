@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.model.network import combine_top_k
+from pipeline.model.network import combine_slots, combine_top_k
 from pipeline.model.scaled_layout import ExpertOrder, slot_rows
 
 
@@ -30,3 +30,12 @@ def test_combine_equals_the_scatter_add_of_weighted_rows():
     )
     routing = ExpertOrder(order, order // k, torch.zeros(e, dtype=torch.int32))
     torch.testing.assert_close(combine_top_k(y, routing, weights), want)
+
+
+def test_combine_takes_a_pass_of_no_tokens():
+    """A pass of 0 tokens gives [0, d] (a view cannot infer d from no elements)."""
+    routing = ExpertOrder(
+        *(torch.zeros(0, dtype=torch.int64) for _ in range(2)), torch.zeros(5, dtype=torch.int32)
+    )
+    y, weights = torch.zeros(0, 7), torch.zeros(0, 3)
+    assert combine_top_k(y, routing, weights).shape == combine_slots(y, weights).shape == (0, 7)
