@@ -64,15 +64,19 @@ class DeviceLoop:
         # ("use_count > 0" internal assert, seen on an H200). Rounds replay only their own graph, in
         # capture order, so keeping the last one alive reserves no memory beyond what the pool holds.
         self._last_graph: torch.cuda.CUDAGraph | None = None
-        # the stream captures run on, made on the loop's device at its first capture
-        self._capture_stream: torch.cuda.Stream | None = None
+        # the streams eager warm-up steps and captures run on, made on the loop's device at its first round.
+        # One each for the loop's life: the caching allocator reuses a freed block only on the stream that
+        # allocated it, and `torch.cuda.Stream()` hands out 32 streams in turn, so a new warm-up stream per
+        # round would allocate the step's tensors anew and keep up to 32 cached copies of them
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
 
     def run(self, rnd: DenoiseRound, step: Callable[[], None]) -> None:
         if not self.graphs:
             step()
             return
+        side, capture = self._streams = self._streams or (torch.cuda.Stream(), torch.cuda.Stream())
         if rnd.graph is None and rnd.eager_steps == 0:
-            side, t0 = torch.cuda.Stream(), time.perf_counter()
+            t0 = time.perf_counter()
             side.wait_stream(torch.cuda.current_stream())
             try:
                 with torch.cuda.stream(side):
@@ -83,13 +87,11 @@ class DeviceLoop:
             self.warmups, self.warmup_s = self.warmups + 1, self.warmup_s + time.perf_counter() - t0
             return
         if rnd.graph is None:
-            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
+            stream = torch.cuda.current_stream()
             stream.synchronize()  # as `torch.cuda.graph` does first: the time below is the capture's own
             t0 = time.perf_counter()
-            self._capture_stream = self._capture_stream or torch.cuda.Stream()
             try:
-                with capturing(graph, self.pool, self._capture_stream):
-                    step()  # recorded, not run: the replay below runs it
+                graph = self._capture(step, stream, capture)
             except Exception as e:  # nothing ran on the device
                 undo_failed_capture(stream, self.pool)
                 # what failed inside, where capture_end then raised its "invalidated capture" over it
@@ -107,6 +109,32 @@ class DeviceLoop:
             self.captures, self.capture_s = self.captures + 1, self.capture_s + time.perf_counter() - t0
         rnd.graph.replay()
 
+    def _capture(
+        self, step: Callable[[], None], stream: torch.cuda.Stream, capture: torch.cuda.Stream
+    ) -> torch.cuda.CUDAGraph:
+        """`step` captured on `capture` into a new graph of the loop's pool (recorded, not run), with `stream`
+        current. A capture that ran out of memory is tried once more after emptying the allocator's cache:
+        while a stream captures, the allocator frees no cached block to grow the graphs' pool (it does
+        outside a capture), and `capturing` keeps the blocks earlier rounds cached."""
+        try:
+            return captured(step, self.pool, capture)
+        except Exception as e:
+            if not out_of_memory(e):
+                raise
+        undo_failed_capture(stream, self.pool)
+        torch.cuda.empty_cache()
+        return captured(step, self.pool, capture)
+
+
+def captured(
+    step: Callable[[], None], pool: tuple[int, int], stream: torch.cuda.Stream
+) -> torch.cuda.CUDAGraph:
+    """A new graph of `step`'s CUDA work, captured on `stream` into `pool`: recorded, not run."""
+    graph = torch.cuda.CUDAGraph()
+    with capturing(graph, pool, stream):
+        step()
+    return graph
+
 
 @contextlib.contextmanager
 def capturing(
@@ -116,9 +144,9 @@ def capturing(
     does, less the `torch.cuda.empty_cache()` it calls before every capture. That hands every cached block
     back to the driver, and a runtime captures a graph every round, so each round's eager step would
     allocate its tensors through cudaMalloc again. Python's garbage collector is off while the stream
-    captures: a collection could free a CUDA object held in a reference cycle (an earlier round's graph, a
-    Triton module), a call CUDA refuses during a capture (vLLM freezes it around its captures too). The
-    stream that was current is current again after, whatever the block or `capture_end` raised."""
+    captures: a collection there costs host time, and could free CUDA objects held in reference cycles
+    mid-capture (vLLM and SGLang freeze it around their captures). The stream that was current is current
+    again after, whatever the block or `capture_end` raised."""
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -131,6 +159,11 @@ def capturing(
     finally:
         if collecting:
             gc.enable()
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """The capture ran out of memory: the step's error itself, or the one `capture_end` raised over."""
+    return isinstance(e, torch.OutOfMemoryError) or isinstance(e.__context__, torch.OutOfMemoryError)
 
 
 def undo_failed_capture(stream: torch.cuda.Stream, pool: tuple[int, int]) -> None:

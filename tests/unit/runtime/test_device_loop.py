@@ -136,11 +136,12 @@ class FakeCuda:
     capture, so `capture_end` raises on the way out. Records the garbage collector's state as the step ran
     and every `empty_cache`."""
 
-    def __init__(self, monkeypatch, refused: Exception | None) -> None:
+    def __init__(self, monkeypatch, refused: Exception | None, refusals: int | None = None) -> None:
         import contextlib
         import gc
 
-        self.refused, self.calls, self.collecting = refused, [], []
+        self.refused, self.refusals, self.calls, self.collecting = refused, refusals, [], []
+        self.streams_made = 0
         self.in_capture = self.invalidated = False
         stream = lambda name: type("Stream", (), {"name": name, "device": torch.device("cuda", 0),
                                                   "wait_stream": lambda self, other: None,
@@ -178,8 +179,12 @@ class FakeCuda:
         def end_allocate(device, pool):
             self.calls.append(("end_allocate", device, pool))
 
+        def new_stream():
+            self.streams_made += 1
+            return stream("side")
+
         for name, value in {
-            "graph_pool_handle": lambda: (0, 1), "Stream": lambda: stream("side"),
+            "graph_pool_handle": lambda: (0, 1), "Stream": new_stream,
             "current_stream": lambda: self.current, "stream": stream_ctx,
             "synchronize": lambda device=None: None, "CUDAGraph": CUDAGraph, "set_stream": set_stream,
             "empty_cache": lambda: self.calls.append(("empty_cache",)),
@@ -193,8 +198,9 @@ class FakeCuda:
             ran.append("capture" if self.in_capture else self.current.name)
             self.collecting.append(self.gc_enabled())
             time.sleep(0.002)
-            if self.in_capture and self.refused is not None:
+            if self.in_capture and self.refused is not None and self.refusals != 0:
                 self.invalidated = not isinstance(self.refused, torch.OutOfMemoryError)
+                self.refusals = None if self.refusals is None else self.refusals - 1
                 raise self.refused
 
         return step
@@ -215,6 +221,9 @@ def test_a_round_counts_the_host_time_of_its_eager_step_and_its_capture(monkeypa
     assert ran == ["side", "capture"] * 2  # the replays run no Python step
     assert (loop.warmups, loop.captures) == (2, 2)
     assert loop.warmup_s >= 0.004 and loop.capture_s >= 0.004
+    # one warm-up stream and one capture stream for every round: the allocator reuses a block only on the
+    # stream that allocated it, so a new stream per round would allocate (and cache) the step anew
+    assert cuda.streams_made == 2
 
 
 @pytest.mark.parametrize("refused", [None, RuntimeError("operation not permitted when stream is capturing")])
@@ -283,6 +292,25 @@ def test_out_of_memory_in_a_capture_is_the_steps_failure_and_graphs_stay_on(monk
     loop.run(rnd, cuda.step(ran))
     with pytest.raises(torch.OutOfMemoryError):  # itself, not capture_end's error: the server's 503
         loop.run(rnd, cuda.step(ran))
+    assert loop.graphs and loop.capture_error is None and cuda.current is cuda.default
+    assert ran == ["side", "capture", "capture"]  # tried once more after emptying the cache, in vain
+
+
+def test_a_capture_out_of_memory_is_tried_once_more_after_emptying_the_cache(monkeypatch):
+    """While a stream captures, the allocator frees no cached block to grow the graphs' pool, and captures
+    keep the cache: a capture that ran out of memory ends its recording into the pool, empties the cache
+    and captures again, and the round replays that graph."""
+    from pipeline.runtime import device_loop
+
+    cuda = FakeCuda(monkeypatch, torch.OutOfMemoryError("CUDA out of memory"), refusals=1)
+    loop = device_loop.DeviceLoop(torch.device("cuda"), graphs=True)
+    rnd = device_loop.DenoiseRound(torch.zeros(1), [0], torch.zeros(1, 4), {}, None)
+    ran: list[str] = []
+    for _ in range(3):
+        loop.run(rnd, cuda.step(ran))
+    assert ran == ["side", "capture", "capture"] and loop.captures == 1 and rnd.graph is not None
+    assert cuda.calls == [("capture_begin", (0, 1)), ("set_stream", "default"), ("end_allocate", 0, (0, 1)),
+                          ("empty_cache",), ("capture_begin", (0, 1))]  # fmt: skip
     assert loop.graphs and loop.capture_error is None and cuda.current is cuda.default
 
 
