@@ -72,54 +72,54 @@ def test_the_moe_gemm_probes_run_every_tile_past_one_block_along_k_m_and_n():
         assert size > largest and size % largest  # more than one block, the last partial
 
 
-def test_the_expert_order_probe_fails_a_kernel_wrong_past_its_first_counting_step(monkeypatch, tmp_path):
-    old = "lower += tl.sum(((x < e) & (i < slots)).to(tl.int32), axis=0)"
-    wrong = kernel_variant(jit_routing, [(old, old.replace("+=", "="))], tmp_path)
-    monkeypatch.setattr(routing, "_kernels", lambda: wrong)
-    with pytest.raises(DgpipeError, match="Triton expert order differs"):
-        probing.check_triton_expert_order(CPU)
+COUNT_STEP = "lower += tl.sum(((x < e) & (i < slots)).to(tl.int32), axis=0)"
+BATCH_ROW = "((token // seq) * out_sb + (token % seq) * out_sl + (r % heads) * out_sh)"
+FLAT_ROW = "(token * out_sl + (r % heads) * out_sh)"  # right for a contiguous [B, L, H, D] output alone
+PROGRAM = "b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)\n    inside = b < blocks"
 
 
-def test_the_head_norms_probe_fails_a_kernel_that_writes_every_batch_row_as_the_first(
+@pytest.mark.parametrize(
+    ("source", "module", "replacements", "check", "match"),
+    [
+        (  # only the last step of the expert order's counting sweep counts
+            jit_routing, routing, [(COUNT_STEP, COUNT_STEP.replace("+=", "="))],
+            lambda: probing.check_triton_expert_order(CPU), "Triton expert order differs",
+        ),
+        (  # k's (and q's) rotated rows and v's written as if every token were in the first batch row
+            jit_chains, chains,
+            [(f"row = {BATCH_ROW}[:, None] + j\n{pad}tl.store({out}", f"row = {FLAT_ROW}[:, None] + j\n{pad}tl.store({out}")
+             for pad, out in (("    ", "out_ptr"), ("        ", "v_out"))],
+            lambda: probing.check_triton_head_norms(CPU), "Triton head norms",
+        ),
+        (  # every program of the NVFP4 quantization quantizes the first blocks
+            jit_quant, quant, [(PROGRAM, PROGRAM.replace("* BLOCKS +", "* 0 +"))],
+            lambda: probing.check_triton_quant("nvfp4", CPU), "Triton nvfp4 activation quantization differs",
+        ),
+    ],
+    ids=["expert-order-one-count-step", "head-norms-one-batch-row", "nvfp4-one-program"],
+)  # fmt: skip
+def test_a_network_probe_fails_a_kernel_wrong_past_its_first_step_row_or_program(
     rne_casts,  # noqa: F811
     monkeypatch,
     tmp_path,
+    source,
+    module,
+    replacements,
+    check,
+    match,
 ):
-    batch_row = "((token // seq) * out_sb + (token % seq) * out_sl + (r % heads) * out_sh)"
-    flat = "(token * out_sl + (r % heads) * out_sh)"  # right for a contiguous [B, L, H, D] output alone
-    assert inspect.getsource(jit_chains).count(batch_row) == 2  # k's (and q's) rotated rows, and v's
-    wrong = kernel_variant(
-        jit_chains,
-        [
-            (
-                f"row = {batch_row}[:, None] + j\n    tl.store(out_ptr",
-                f"row = {flat}[:, None] + j\n    tl.store(out_ptr",
-            ),
-            (
-                f"row = {batch_row}[:, None] + j\n        tl.store(v_out",
-                f"row = {flat}[:, None] + j\n        tl.store(v_out",
-            ),
-        ],
-        tmp_path,
-    )
-    monkeypatch.setattr(chains, "_kernels", lambda: wrong)
-    with pytest.raises(DgpipeError, match="Triton head norms"):
-        probing.check_triton_head_norms(CPU)
+    wrong = kernel_variant(source, replacements, tmp_path)
+    monkeypatch.setattr(module, "_kernels", lambda: wrong)
+    with pytest.raises(DgpipeError, match=match):
+        check()
 
 
-def test_the_nvfp4_probe_fails_a_kernel_whose_every_program_quantizes_the_first_blocks(
-    rne_casts,  # noqa: F811
-    monkeypatch,
-    tmp_path,
-):
-    old = "b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)\n    inside = b < blocks"
-    wrong = kernel_variant(jit_quant, [(old, old.replace("* BLOCKS +", "* 0 +"))], tmp_path)
-    monkeypatch.setattr(quant, "_kernels", lambda: wrong)
-    assert (
-        len(probing.nvfp4_probe_rows(CPU)) * 2 * 11 > quant.NVFP4_BLOCKS
-    )  # the probe's 16 rows of 11 blocks
-    with pytest.raises(DgpipeError, match="Triton nvfp4 activation quantization differs"):
-        probing.check_triton_quant("nvfp4", CPU)
+def test_the_network_probes_inputs_reach_past_the_first_step_row_and_program():
+    """What the wrong kernels above stand for: the expert order's probe routes more slots than a counting
+    step takes, the head norms' runs two batch rows, the NVFP4 quantization's more blocks than a program."""
+    assert inspect.getsource(jit_chains).count(BATCH_ROW) == 2
+    assert routing.ORDER_COUNT < 600 * 8  # the probe's 600 tokens of top 8
+    assert len(probing.nvfp4_probe_rows(CPU)) * 2 * 11 > quant.NVFP4_BLOCKS  # 16 rows of 11 blocks
 
 
 def wrong_in(dtype: torch.dtype, form):
