@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.runtime.backends import KV, Masks
-from pipeline.runtime.device_errors import device_failure, unusable
+from pipeline.runtime.device_errors import device_failure, out_of_memory, unusable
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +118,8 @@ class DeviceLoop:
         outside a capture), and `capturing` keeps the blocks earlier rounds cached."""
         try:
             return captured(step, self.pool, capture)
-        except Exception as e:
-            if not out_of_memory(e):
+        except Exception as e:  # out of memory itself, or the error capture_end raised over it
+            if not (out_of_memory(e) or (e.__context__ is not None and out_of_memory(e.__context__))):
                 raise
         undo_failed_capture(stream, self.pool)
         torch.cuda.empty_cache()
@@ -159,11 +159,6 @@ def capturing(
     finally:
         if collecting:
             gc.enable()
-
-
-def out_of_memory(e: BaseException) -> bool:
-    """The capture ran out of memory: the step's error itself, or the one `capture_end` raised over."""
-    return isinstance(e, torch.OutOfMemoryError) or isinstance(e.__context__, torch.OutOfMemoryError)
 
 
 def undo_failed_capture(stream: torch.cuda.Stream, pool: tuple[int, int]) -> None:

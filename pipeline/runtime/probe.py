@@ -197,10 +197,10 @@ class ExpertsProbe:
     """The experts the Triton MoE GEMM's probes run, sized so that every loop and grid axis of the kernel
     goes past its first block: the hidden size, gate|up's K (the GEMM checked at every tile), takes more
     than one step at every K tile the tuner tries (FP8: 64-256 values), the last one partial at 128 and 256
-    as the 26B's down projection's 704 does; gate|up's N more than one block, the last partial; and 150
-    tokens routed top-2 over 5 experts put 139 rows on expert 0 (more than one M block at every M tile, up to
-    128, the last partial), about 54 on each of experts 1-3 and none on expert 4 (most experts at a decode
-    step are chosen by no token)."""
+    as the 26B's down projection's 704 does; gate|up's N (384) more than one block at every N tile, the
+    last partial at 256; and 150 tokens routed top-2 over 5 experts put 139 rows on expert 0 (more than one
+    M block at every M tile, up to 128, the last partial), 37 to 67 on experts 1-3 and none on expert 4
+    (most experts at a decode step are chosen by no token)."""
 
     hidden: int = 320
     intermediate: int = 192
@@ -299,6 +299,14 @@ def nvfp4_probe_rows(dev: torch.device) -> torch.Tensor:
     return rows.to(dev, torch.bfloat16)
 
 
+def nvfp4_quant_rows(dev: torch.device) -> torch.Tensor:
+    """The NVFP4 quantizations' probe rows: `nvfp4_probe_rows` and their negations in another order (no
+    palindrome, so a swizzle of the rows reversed shows), 176 blocks of 16: more than one program of the
+    one-pass kernel."""
+    rows = nvfp4_probe_rows(dev)
+    return torch.cat([rows, -rows.roll(3, 0)])
+
+
 def check_triton_quant(mode: str, dev: torch.device) -> None:
     """dgpipe's one-pass activation quantization bit for bit against torch's form, in each of `FLOATS`, or a
     DgpipeError. `mode` "fp8": `check_triton_fp8_quant`. "nvfp4": codes and block scales, also with the
@@ -307,8 +315,7 @@ def check_triton_quant(mode: str, dev: torch.device) -> None:
     blocks, more than one program of the one-pass kernel."""
     if mode == "fp8":
         return check_triton_fp8_quant(dev)
-    rows, gs = nvfp4_probe_rows(dev), torch.tensor(0.5, device=dev)
-    rows = torch.cat([rows, -rows.roll(3, 0)])  # no palindrome: a swizzle of the rows reversed shows
+    rows, gs = nvfp4_quant_rows(dev), torch.tensor(0.5, device=dev)
     kernel = kernels.quant.nvfp4 if mode == "nvfp4" else kernels.quant.nvfp4_fp8_rows
     for dtype in FLOATS:
         x = rows.to(dtype)
@@ -934,13 +941,18 @@ def same_order(got: sl.ExpertOrder, want: sl.ExpertOrder) -> bool:
     return same and torch.equal(sl.slot_rows(got), sl.slot_rows(want))
 
 
+# (tokens, top k, experts) of the expert-order probe: the 26B's routing over more slots than one step of
+# each of the kernel's sweeps takes, one token's, and (tokens == 9) every slot on one expert
+EXPERT_ORDER_CASES = ((600, 8, 128), (1, 8, 128), (9, 2, 4))
+
+
 def check_triton_expert_order(dev: torch.device) -> None:
     """dgpipe's expert-order kernel against torch's stable sort (`scaled_layout.expert_order`): the 26B's
     routing of 600 tokens (4,800 slots: more than one step of each of the kernel's sweeps, the last partial), one
     token (most experts chosen by none), and every slot on one expert: the same order, tokens, offsets and
     inverse (`same_order`), or a DgpipeError."""
     g = torch.Generator().manual_seed(15)
-    for tokens, k, experts in ((600, 8, 128), (1, 8, 128), (9, 2, 4)):
+    for tokens, k, experts in EXPERT_ORDER_CASES:
         index = torch.randint(0, experts, (tokens, k), generator=g)
         if tokens == 9:
             index[:] = 3

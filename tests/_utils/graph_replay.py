@@ -2,12 +2,14 @@
 
 A CUDA graph records a step's kernels with the addresses they read and write, and its scalar arguments;
 `replay()` runs those kernels again and nothing else: no Python, no host decision, no new tensor a later
-step hands in. A runtime is graph-safe only if each step of a round reads its inputs from the same storages,
-updated in place, and leaves what the host reads after it in storages the host looks at. Running the step
-again eagerly (the CPU tests' usual stand-in) cannot show a break of that rule: the Python runs again and
-finds the new tensors. `StepRecording` records the step at the level of aten ops (each op, its constant
-arguments, the very tensors it reads from outside the step), and `replay()` runs that op list with fresh
-intermediates, as the graph would.
+step hands in. Each replay writes the same memory the capture allocated, so a tensor made inside the step
+and kept by the host after it holds each replay's values. A runtime is graph-safe only if each step of a
+round reads its inputs from the same storages, updated in place, and the host reads what the step wrote
+from the storages the step writes. Running the step again eagerly (the CPU tests' usual stand-in) cannot
+show a break of that rule: the Python runs again and finds the new tensors. `StepRecording` records the
+step at the level of aten ops (each op, its constant arguments, the very tensors it reads from outside the
+step), and `replay()` runs that op list writing each result into the tensor the recording made, as the
+graph would.
 """
 
 from __future__ import annotations
@@ -20,19 +22,32 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+aten = torch.ops.aten
+# ops whose result the host must read before it can go on: a capture refuses them (a CUDA graph cannot wait
+# for the host). `.tolist()` and the like read memory without an aten op and cannot be seen here.
+HOST_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default,
+              aten.equal.default, aten._unique2.default, aten.masked_select.default}  # fmt: skip
+
+
+def reads_host(func, leaves: list) -> bool:
+    """Whether an op needs the host to read a result first: one of `HOST_READS`, or indexing by a bool mask
+    (the number of rows it keeps is known only on the host)."""
+    bool_index = func is aten.index.Tensor and any(
+        isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in leaves[1:]
+    )
+    return func in HOST_READS or bool_index
+
 
 class StepRecording(TorchDispatchMode):
     """The aten ops one step ran, each with its arguments: an intermediate of the step by where it was
-    made, any other tensor as itself (its storage), anything else as the constant it was."""
+    made, any other tensor as itself (its storage), anything else as the constant it was; and the tensors
+    it made, held, so that no id is reused while recording and a replay can write into them."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops: list[tuple[Any, Any, list[tuple[str, Any]]]] = []
-        self.made: dict[int, tuple[int, int]] = {}  # id of an intermediate -> (op, output)
-        self.alive: list[
-            torch.Tensor
-        ] = []  # holds the intermediates, so that no id is reused while recording
-        self.host_reads: list[str] = []  # what a capture would refuse (a host sync inside the step)
+        self.ops: list[tuple[Any, Any, list[tuple[str, Any]], list[torch.Tensor | None]]] = []
+        self.made: dict[int, tuple[int, int]] = {}  # id of a tensor the step made -> (op, output)
+        self.host_reads: list[str] = []  # what a capture would refuse
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -42,22 +57,30 @@ class StepRecording(TorchDispatchMode):
             for a in leaves
         ]
         out = func(*args, **kwargs)
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if reads_host(func, leaves):
             self.host_reads.append(str(func))
         given = {id(a) for a in leaves if isinstance(a, torch.Tensor)}
+        made: list[torch.Tensor | None] = []
         for j, o in enumerate(tree_flatten(out)[0]):
-            if isinstance(o, torch.Tensor) and id(o) not in given:  # an in-place op returns its input
+            fresh = isinstance(o, torch.Tensor) and id(o) not in given  # an in-place op returns its input
+            if fresh:
                 self.made[id(o)] = (len(self.ops), j)
-                self.alive.append(o)
-        self.ops.append((func, spec, refs))
+            made.append(o if fresh else None)
+        self.ops.append((func, spec, refs, made))
         return out
 
     def replay(self) -> None:
-        outs: list[list[Any]] = []
-        for func, spec, refs in self.ops:
-            leaves = [outs[r[0]][r[1]] if kind == "made" else r for kind, r in refs]
+        """Run the recorded ops again: each reads the tensors it read when recorded (those the step made as
+        the recording holds them), and each result that is not a view lands in the tensor the recording
+        made, as a graph's replay writes the memory its capture allocated."""
+        for func, spec, refs, made in self.ops:
+            leaves = [self.ops[r[0]][3][r[1]] if kind == "made" else r for kind, r in refs]
             args, kwargs = tree_unflatten(leaves, spec)
-            outs.append(tree_flatten(func(*args, **kwargs))[0])
+            for new, recorded in zip(tree_flatten(func(*args, **kwargs))[0], made, strict=True):
+                if (
+                    recorded is not None and not recorded._is_view()
+                ):  # a view already shares its base's memory
+                    recorded.copy_(new)
 
 
 def replayed_rounds(loop) -> collections.Counter:

@@ -136,12 +136,23 @@ class FakeCuda:
     capture, so `capture_end` raises on the way out. Records the garbage collector's state as the step ran
     and every `empty_cache`."""
 
-    def __init__(self, monkeypatch, refused: Exception | None, refusals: int | None = None) -> None:
+    def __init__(
+        self,
+        monkeypatch,
+        refused: Exception | None,
+        refusals: int | None = None,
+        invalidates: bool | None = None,
+    ) -> None:
         import contextlib
         import gc
 
         self.refused, self.refusals, self.calls, self.collecting = refused, refusals, [], []
         self.streams_made = 0
+        # whether a refused call invalidates the capture (capture_end raises over it): CUDA's refusals do, an
+        # allocation that fails before any CUDA call does not
+        self.invalidates = (
+            not isinstance(refused, torch.OutOfMemoryError) if invalidates is None else invalidates
+        )
         self.in_capture = self.invalidated = False
         stream = lambda name: type("Stream", (), {"name": name, "device": torch.device("cuda", 0),
                                                   "wait_stream": lambda self, other: None,
@@ -199,7 +210,7 @@ class FakeCuda:
             self.collecting.append(self.gc_enabled())
             time.sleep(0.002)
             if self.in_capture and self.refused is not None and self.refusals != 0:
-                self.invalidated = not isinstance(self.refused, torch.OutOfMemoryError)
+                self.invalidated = self.invalidates
                 self.refusals = None if self.refusals is None else self.refusals - 1
                 raise self.refused
 
@@ -296,13 +307,25 @@ def test_out_of_memory_in_a_capture_is_the_steps_failure_and_graphs_stay_on(monk
     assert ran == ["side", "capture", "capture"]  # tried once more after emptying the cache, in vain
 
 
-def test_a_capture_out_of_memory_is_tried_once_more_after_emptying_the_cache(monkeypatch):
+@pytest.mark.parametrize(
+    ("refused", "invalidates"),
+    [
+        (torch.OutOfMemoryError("CUDA out of memory"), False),
+        (torch.OutOfMemoryError("CUDA out of memory"), True),  # capture_end raises over it
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+    ],
+    ids=["oom", "oom-under-capture-end", "cublas-alloc"],
+)
+def test_a_capture_out_of_memory_is_tried_once_more_after_emptying_the_cache(
+    monkeypatch, refused, invalidates
+):
     """While a stream captures, the allocator frees no cached block to grow the graphs' pool, and captures
-    keep the cache: a capture that ran out of memory ends its recording into the pool, empties the cache
-    and captures again, and the round replays that graph."""
+    keep the cache: a capture that ran out of memory (torch's error, or a library's allocation failure,
+    raised itself or under `capture_end`'s) ends its recording into the pool, empties the cache and
+    captures again, and the round replays that graph."""
     from pipeline.runtime import device_loop
 
-    cuda = FakeCuda(monkeypatch, torch.OutOfMemoryError("CUDA out of memory"), refusals=1)
+    cuda = FakeCuda(monkeypatch, refused, refusals=1, invalidates=invalidates)
     loop = device_loop.DeviceLoop(torch.device("cuda"), graphs=True)
     rnd = device_loop.DenoiseRound(torch.zeros(1), [0], torch.zeros(1, 4), {}, None)
     ran: list[str] = []

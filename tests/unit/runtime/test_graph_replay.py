@@ -45,21 +45,27 @@ def test_replayed_steps_give_the_eager_tokens_steps_and_logprobs(monkeypatch):
     assert outcome(replayed) == outcome(eager)
 
 
-def test_a_buffer_rebound_after_a_step_breaks_the_replay(monkeypatch):
-    """The stand-in's own check: a runtime that hands the host a new tensor after each step (what a
-    graph's replay would never write) gives other tokens under it."""
-    step = scheduler.BlockDiffusionRuntime._device_step
+def rebinding_amax(rt: BlockDiffusionRuntime) -> BlockDiffusionRuntime:
+    """`rt` with a buffer the step reads and writes (`amax`) replaced by a copy between steps: eagerly the
+    same values, but a replay keeps writing the buffer its recording read."""
+    run = rt.loop.run
 
-    def rebinding(self, rnd):
-        out = step(self, rnd)
-        self.amax = self.amax.clone()
-        return out
+    def rebinding(rnd, step) -> None:
+        run(rnd, step)
+        rt.amax = rt.amax.clone()
 
-    monkeypatch.setattr(scheduler.BlockDiffusionRuntime, "_device_step", rebinding)
-    eager = as_on_cuda(monkeypatch).generate(requests())
+    rt.loop.run = rebinding
+    return rt
+
+
+def test_a_buffer_rebound_between_steps_breaks_the_replay(monkeypatch):
+    """The stand-in's own check: a runtime that hands a later step a new tensor where the recorded one read
+    another (what a graph's replay never sees) gives other tokens under it, and the same ones eagerly."""
+    eager = outcome(as_on_cuda(monkeypatch).generate(requests()))
+    assert outcome(rebinding_amax(as_on_cuda(monkeypatch)).generate(requests())) == eager
     rt = as_on_cuda(monkeypatch)
     replayed_rounds(rt.loop)
-    assert outcome(rt.generate(requests())) != outcome(eager)
+    assert outcome(rebinding_amax(rt).generate(requests())) != eager
 
 
 def test_a_host_read_inside_the_recorded_step_is_refused(monkeypatch):
