@@ -311,8 +311,7 @@ def check_triton_quant(mode: str, dev: torch.device) -> None:
     """dgpipe's one-pass activation quantization bit for bit against torch's form, in each of `FLOATS`, or a
     DgpipeError. `mode` "fp8": `check_triton_fp8_quant`. "nvfp4": codes and block scales, also with the
     scales swizzled for a linear, and the scales' swizzle for grouped rows, with and without their gather.
-    "fp8_rowwise": NVFP4 rounding, then per-row E4M3. NVFP4 on `nvfp4_probe_rows` and their negations: 176
-    blocks, more than one program of the one-pass kernel."""
+    "fp8_rowwise": NVFP4 rounding, then per-row E4M3. NVFP4 on `nvfp4_quant_rows`."""
     if mode == "fp8":
         return check_triton_fp8_quant(dev)
     rows, gs = nvfp4_quant_rows(dev), torch.tensor(0.5, device=dev)
