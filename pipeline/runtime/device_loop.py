@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.runtime.backends import KV, Masks
-from pipeline.runtime.device_errors import device_failure, out_of_memory, unusable
+from pipeline.runtime.device_errors import out_of_memory, unusable
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,9 @@ class DeviceLoop:
                 graph = self._capture(step, stream, capture)
             except Exception as e:  # nothing ran on the device
                 undo_failed_capture(stream, self.pool)
-                # what failed inside, where capture_end then raised its "invalidated capture" over it
-                cause = e if device_failure(e) else (e.__context__ or e)
-                if device_failure(cause) or unusable(stream.device) is not None:
+                cause = capture_cause(e)
+                # a CUDA error that leaves the context usable is the capture's own refusal: graphs go off
+                if out_of_memory(cause) or unusable(stream.device) is not None:
                     if cause is e:  # the step's failure (out of memory, a lost GPU): the server answers it
                         raise
                     raise cause from e
@@ -118,12 +118,19 @@ class DeviceLoop:
         outside a capture), and `capturing` keeps the blocks earlier rounds cached."""
         try:
             return captured(step, self.pool, capture)
-        except Exception as e:  # out of memory itself, or the error capture_end raised over it
-            if not (out_of_memory(e) or (e.__context__ is not None and out_of_memory(e.__context__))):
+        except Exception as e:
+            if not out_of_memory(capture_cause(e)):
                 raise
         undo_failed_capture(stream, self.pool)
         torch.cuda.empty_cache()
         return captured(step, self.pool, capture)
+
+
+def capture_cause(e: Exception) -> BaseException:
+    """What failed inside a capture: the step's error where `capture_end` raised its "invalidated capture"
+    over it, else `e`. Since torch 2.8 both are `torch.AcceleratorError` where CUDA refused a call, so the
+    error's type does not tell the capture's refusal from a lost GPU: `unusable` does."""
+    return e.__context__ or e
 
 
 def captured(

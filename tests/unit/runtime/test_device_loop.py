@@ -178,7 +178,10 @@ class FakeCuda:
             def capture_end(self):
                 fake.in_capture = False
                 if fake.invalidated:
-                    raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+                    cuda_error = isinstance(fake.refused, torch.AcceleratorError)  # torch 2.8+: CUDA's errors
+                    raise (torch.AcceleratorError if cuda_error else RuntimeError)(
+                        "CUDA error: operation failed due to a previous error during capture"
+                    )
 
             def replay(self):
                 pass
@@ -260,7 +263,10 @@ def test_a_capture_keeps_the_allocators_cache_and_pauses_the_garbage_collector(m
     assert gc.isenabled()
 
 
-def test_a_failed_capture_runs_the_step_eagerly_and_leaves_graphs_off(monkeypatch, caplog):
+@pytest.mark.parametrize(
+    "error", [RuntimeError, torch.AcceleratorError]
+)  # torch 2.8+ raises CUDA's as the latter
+def test_a_failed_capture_runs_the_step_eagerly_and_leaves_graphs_off(monkeypatch, caplog, error):
     """`graph_safe` predicts; CUDA decides. A capture CUDA refuses ran nothing on the device: the loop puts
     back the stream and ends the allocator's recording into the graph's pool (torch before 2.12 leaves it
     recording when `capture_end` raises, and every later `empty_cache` fails), runs that step eagerly on the
@@ -268,9 +274,7 @@ def test_a_failed_capture_runs_the_step_eagerly_and_leaves_graphs_off(monkeypatc
     captured again and failed the requests in flight each time."""
     from pipeline.runtime import device_loop
 
-    cuda = FakeCuda(
-        monkeypatch, RuntimeError("CUDA driver error: operation not permitted when stream is capturing")
-    )
+    cuda = FakeCuda(monkeypatch, error("CUDA driver error: operation not permitted when stream is capturing"))
     loop = device_loop.DeviceLoop(torch.device("cuda"), graphs=True)
     rnd = device_loop.DenoiseRound(torch.zeros(1), [0], torch.zeros(1, 4), {}, None)
     ran: list[str] = []
@@ -283,7 +287,7 @@ def test_a_failed_capture_runs_the_step_eagerly_and_leaves_graphs_off(monkeypatc
     assert not loop.graphs and loop.captures == 0 and rnd.graph is None
     assert (
         loop.capture_error
-        == "RuntimeError: CUDA driver error: operation not permitted when stream is capturing"
+        == f"{error.__name__}: CUDA driver error: operation not permitted when stream is capturing"
     )
     assert [r.getMessage() for r in caplog.records] == [
         f"dgpipe: CUDA graph capture failed ({loop.capture_error}); denoise steps run eagerly from now on "
