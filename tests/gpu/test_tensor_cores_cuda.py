@@ -15,6 +15,17 @@ from pipeline.runtime import kernels
 from pipeline.runtime import probe as probing
 from pipeline.runtime import tensor_cores as tc
 from pipeline.runtime.dispatch import ARCHS, EVERY_PASS, TRITON_MAX_ROWS_PER_EXPERT, arch_of, dispatch
+from pipeline.runtime.probe.common import fp8_codes_equal, same_bits, same_layer_end
+from pipeline.runtime.probe.norms import (
+    ffn_probe_layer,
+    same_ffn_inputs,
+    same_fp8_of_norm,
+    same_layer_end_of,
+    same_operands,
+    same_rotation,
+)
+from pipeline.runtime.probe.quant import QUANT_PROBE_VALUES
+from pipeline.runtime.probe.routing import same_order, same_top_k
 from tests._utils.quantized import build_quantized_checkpoint, packed_linear
 
 pytestmark = [
@@ -241,10 +252,10 @@ def test_triton_quantization_is_torchs_bit_for_bit(probed, dtype):
         pytest.skip(f"dgpipe's Triton kernels are not served here: {probed.results.get('triton:fp8')}")
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(1000, 512, generator=gen) * torch.logspace(-8, 8, 512, base=2.0)
-    x = torch.cat([x.flatten(), torch.tensor(probing.QUANT_PROBE_VALUES)]).to(CUDA, dtype)
+    x = torch.cat([x.flatten(), torch.tensor(QUANT_PROBE_VALUES)]).to(CUDA, dtype)
     for scale in (torch.tensor(0.5), torch.tensor(3.7e-3), torch.tensor(8.0 / 448)):
         s = scale.to(CUDA)
-        assert probing.fp8_codes_equal(kernels.quant.fp8(x, s), sl.fp8_quantize(x, s)), float(scale)
+        assert fp8_codes_equal(kernels.quant.fp8(x, s), sl.fp8_quantize(x, s)), float(scale)
     q, xs = packed_linear("fp8", 256, 512, gen), torch.randn(37, 512, generator=gen).to(CUDA, torch.bfloat16)
     plain, one_pass = (tc.ScaledLinear(q, "fp8", CUDA, torch.bfloat16, triton=t)(xs) for t in (False, True))
     assert torch.equal(plain, one_pass)
@@ -266,13 +277,11 @@ def test_triton_nvfp4_quantization_is_torchs_bit_for_bit(mode):
         gs = torch.tensor(0.003, device=CUDA)
         (q, s), (want_q, want_s) = (tc.quantize_rows(x, gs, mode, triton=t) for t in (True, False))
         if mode == "nvfp4":
-            assert torch.equal(q, want_q) and probing.fp8_codes_equal(s, want_s), k
+            assert torch.equal(q, want_q) and fp8_codes_equal(s, want_s), k
             q, s = kernels.quant.nvfp4_blocked(x, gs)  # a linear's operand: its scales swizzled
-            assert torch.equal(q, want_q) and probing.fp8_codes_equal(
-                s, sl.to_blocked(want_s.view(torch.uint8))
-            )
+            assert torch.equal(q, want_q) and fp8_codes_equal(s, sl.to_blocked(want_s.view(torch.uint8)))
         else:
-            assert probing.fp8_codes_equal(q, want_q) and torch.equal(s, want_s), k
+            assert fp8_codes_equal(q, want_q) and torch.equal(s, want_s), k
     q, xs = (
         packed_linear("nvfp4", 256, 512, gen),
         torch.randn(37, 512, generator=gen).to(CUDA, torch.bfloat16),
@@ -505,7 +514,7 @@ def test_the_gated_gelu_kernel_is_torchs_cuda_gelu_bit_for_bit():
         got = kernels.chains.geglu(gate, up)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), int((got != want).sum())
         codes = kernels.chains.geglu(gate, up, scale)
-        assert probing.fp8_codes_equal(codes, sl.fp8_quantize(want, scale))
+        assert fp8_codes_equal(codes, sl.fp8_quantize(want, scale))
 
 
 def test_the_layer_end_kernel_is_torchs_but_for_its_norms_sums():
@@ -525,7 +534,7 @@ def test_the_layer_end_kernel_is_torchs_but_for_its_norms_sums():
     scale = torch.tensor([0.7], device=CUDA, dtype=torch.bfloat16)
     got = kernels.chains.layer_end(residual, dense, moe, norms, scale)
     want = layer_end(residual, dense, moe, norms, scale)
-    assert probing.same_layer_end_of(got, residual, dense, moe, norms, scale)
+    assert same_layer_end_of(got, residual, dense, moe, norms, scale)
     assert float((got != want).float().mean()) < 0.01
 
 
@@ -539,19 +548,19 @@ def test_the_ffn_inputs_kernel_is_torchs_but_for_its_norms_sums():
 
     if kernels.moe.unavailable(CUDA):
         pytest.skip(kernels.moe.unavailable(CUDA))
-    layer = probing.ffn_probe_layer(2816, CUDA, torch.bfloat16, torch.Generator().manual_seed(10))
+    layer = ffn_probe_layer(2816, CUDA, torch.bfloat16, torch.Generator().manual_seed(10))
     gen = torch.Generator(device=CUDA).manual_seed(10)
     h, attn = (torch.randn(2, 16, 256, 2816, device=CUDA, generator=gen) * 2).bfloat16().unbind()
     got, want = kernels.chains.ffn_inputs(layer, h, attn), ffn_inputs(layer, h, attn)
-    assert probing.same_ffn_inputs(got, layer, h, attn)
+    assert same_ffn_inputs(got, layer, h, attn)
     for a, b in zip(got, want, strict=True):
         assert float((a != b).float().mean()) < 0.01
     # the MLP's and the experts' inputs as FP8, NVFP4 and per-row FP8 operands: what the torch forms of the
     # one-pass quantizations make of the rows (4,096 rows: the MLP's NVFP4 scales swizzled)
     for kind in ("fp8", "nvfp4", "fp8_rowwise"):
-        assert probing.same_operands(layer, h, attn, got, kind), kind
+        assert same_operands(layer, h, attn, got, kind), kind
     fp8 = kernels.chains.ffn_inputs(layer, h, attn, ("fp8", torch.tensor(0.01, device=CUDA)), None)
-    assert probing.fp8_codes_equal(fp8[1].operand, kernels.quant.fp8(got[1], fp8[1].scales[0]))
+    assert fp8_codes_equal(fp8[1].operand, kernels.quant.fp8(got[1], fp8[1].scales[0]))
 
 
 def test_the_routing_kernels_choose_torchs_experts_and_order_them_as_its_sort():
@@ -572,10 +581,10 @@ def test_the_routing_kernels_choose_torchs_experts_and_order_them_as_its_sort():
     scale = (torch.rand(128, device=CUDA, generator=gen) + 0.5).bfloat16()
     got, want = kernels.routing.top_k(scores, 8, scale), route_scores(scores, 8, scale)[1:]
     by_expert = lambda w, i: (w.gather(1, i.argsort(1)), i.sort(1).values)
-    assert probing.same_top_k(by_expert(*got), by_expert(*want))
+    assert same_top_k(by_expert(*got), by_expert(*want))
     index = got[1]
     order = kernels.routing.expert_order(index, 128)
-    assert probing.same_order(order, sl.expert_order(index, 128))
+    assert same_order(order, sl.expert_order(index, 128))
 
 
 @pytest.mark.parametrize(
@@ -675,17 +684,17 @@ def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
         )
         normed = norm(x)
         want = apply_rope(normed, cos, sin)
-        assert probing.same_rotation(got, want, normed, cos, sin)
+        assert same_rotation(got, want, normed, cos, sin)
         assert float((got != want).float().mean()) < 0.01
         if with_v:
             one = torch.ones(1, device=CUDA, dtype=torch.bfloat16)
-            assert probing.same_layer_end(got_v, v_norm(v), torch.zeros_like(v), one)
+            assert same_layer_end(got_v, v_norm(v), torch.zeros_like(v), one)
             assert float((got_v != v_norm(v)).float().mean()) < 0.01
         # the same heads as columns of one merged q|k|v output (tokens h + 2 heads apart), read in place
         merged = torch.cat([x, x[:, :, :1], v[:, :, :1]], dim=2).view(16, 256, -1)
         q = merged[..., : h * d].view(16, 256, h, d)
         got_strided = kernels.chains.head_norms(q, norm, cos, sin)[0]
-        assert not q.is_contiguous() and probing.same_bits(
+        assert not q.is_contiguous() and same_bits(
             got_strided, kernels.chains.head_norms(x, norm, cos, sin)[0]
         )
     # a layer's q (16 heads of 256) beside its k and v (8 each) in one launch: each its own launch's values
@@ -700,7 +709,7 @@ def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
     together = kernels.chains.head_norms(k, norms[1], cos, sin, v, v_norm, x, norms[0])
     apart = (*kernels.chains.head_norms(k, norms[1], cos, sin, v, v_norm)[:2],
              kernels.chains.head_norms(x, norms[0], cos, sin)[0])  # fmt: skip
-    assert all(probing.same_bits(a, b) for a, b in zip(together, apart, strict=True))
+    assert all(same_bits(a, b) for a, b in zip(together, apart, strict=True))
     # k and v into a cache's room (rows 16-31 of 48, after 1,023 cached tokens of a ring with room for
     # 256), q head-major: each the values of its own launch, the rest of the buffers untouched
     cache = torch.full((2, 48, 8, 1023 + 256, 256), 3.0, device=CUDA, dtype=torch.bfloat16)
@@ -709,10 +718,8 @@ def test_the_head_norms_kernel_is_torchs_but_for_its_norms_sums():
         k, norms[1], cos, sin, v, v_norm, x, norms[0], q_head_major=True, out=room
     )
     assert roomed[0] is room[0] and roomed[1] is room[1]
-    assert probing.same_bits(room[0], apart[0].transpose(1, 2)) and probing.same_bits(
-        room[1], apart[1].transpose(1, 2)
-    )
-    assert roomed[2].is_contiguous() and probing.same_bits(roomed[2].transpose(1, 2), apart[2])
+    assert same_bits(room[0], apart[0].transpose(1, 2)) and same_bits(room[1], apart[1].transpose(1, 2))
+    assert roomed[2].is_contiguous() and same_bits(roomed[2].transpose(1, 2), apart[2])
     cache[:, 16:32, :, 1023:] = 3.0
     assert bool((cache == 3.0).all())
 
@@ -738,7 +745,7 @@ def test_the_norm_to_fp8_kernel_is_torchs_but_for_its_norms_sums():
     x, norm = _rows_and_norm(seed=13)
     scale = torch.tensor(0.01, device=CUDA)
     got, want = kernels.chains.norm_fp8(x, norm, scale), sl.fp8_quantize(norm(x), scale)
-    assert probing.same_fp8_of_norm(got, want)
+    assert same_fp8_of_norm(got, want)
     assert float((got.float() != want.float()).float().mean()) < 0.01
 
 
@@ -756,7 +763,7 @@ def test_the_norm_to_nvfp4_kernel_quantizes_what_it_normed_as_torch_would():
     gs, normed = torch.tensor(0.003, device=CUDA), torch.empty_like(x)
     q, s = kernels.chains.norm_nvfp4(x, norm, gs, normed)
     one = torch.ones(1, device=CUDA, dtype=torch.bfloat16)
-    assert probing.same_layer_end(normed, norm(x), torch.zeros_like(x), one)
+    assert same_layer_end(normed, norm(x), torch.zeros_like(x), one)
     want_q, want_s = kernels.quant.nvfp4_blocked(normed, gs)
     assert torch.equal(q, want_q) and torch.equal(s, want_s)
     torch_q = kernels.quant.nvfp4_blocked(norm(x), gs)[0]

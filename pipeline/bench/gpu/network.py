@@ -41,7 +41,8 @@ def _pairs(cfg, batch: int, canvas: int, context: int, dev: torch.device) -> lis
     from pipeline.runtime import kernels
     from pipeline.runtime.kernels import chains as tn
     from pipeline.runtime.kernels import routing as tr
-    from pipeline.runtime.probe import ffn_probe_layer, separated_scores
+    from pipeline.runtime.probe.norms import ffn_probe_layer
+    from pipeline.runtime.probe.routing import separated_scores
 
     gen = torch.Generator(device=dev).manual_seed(5)
     # torch's expert order with the inverse the combine computes from it, which the kernel writes too

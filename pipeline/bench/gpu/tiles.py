@@ -150,9 +150,9 @@ def problems(
 
 
 def reference(p: Problem) -> torch.Tensor:
-    """The problem's product in fp32 expert by expert (`probe.float_gemm`), its rows where the kernel writes
+    """The problem's product in fp32 expert by expert (`probe.gemm.float_gemm`), its rows where the kernel writes
     them (`out_rows`)."""
-    from pipeline.runtime.probe import float_gemm
+    from pipeline.runtime.probe.gemm import float_gemm
 
     a, a_scale, rows, w, w_scale, offs, out_rows = p.args
     rows = rows if rows is not None else torch.arange(a.shape[0], device=a.device)

@@ -20,7 +20,7 @@ Head norms: before RoPE each q and k head is RMS-normed with its weight, and eac
 norms and two rotations a layer, five launches, the normed q and k written and read back. One launch here
 norms and rotates q's rows, another k's and v's (a second axis of programs takes v): each norm is torch's
 fused RMSNorm arithmetic but for the order of its sum of squares (as in `layer_end` below), rounded to the
-input's dtype, then rotated with the RoPE kernel's arithmetic (`probe.same_rotation`).
+input's dtype, then rotated with the RoPE kernel's arithmetic (`probe.norms.same_rotation`).
 
 Softcap: the LM head's bf16 logits are widened to fp32, divided by the cap, put through tanh and multiplied
 by it: four passes over [tokens, 262,144] values (at 16 canvases 4.3 GB of fp32 each, ~17 GB of traffic a
@@ -41,7 +41,7 @@ the product, or its E4M3 codes. It computes what torch's CUDA kernels compute (`
 GeLU in fp32 with the one fused multiply-add nvcc makes of `x + kKappa * x_cube`, rounded to the input's
 dtype, then the product rounded), with libdevice's tanh, the function CUDA's `tanhf` is. In Triton's
 interpreter (numpy's tanh standing in) it is that arithmetic bit for bit; the probe, which cannot know which
-tanh this torch build was compiled against, allows another tanh's rounding (`probe.same_geglu`: in the
+tanh this torch build was compiled against, allows another tanh's rounding (`probe.chains.same_geglu`: in the
 negative tail `1 + tanh` cancels, so one fp32 ulp of the tanh there is the whole value).
 
 K/V concatenation: a pass over cached tokens concatenates each layer's cached K and V with the new ones, two
@@ -59,12 +59,12 @@ FFN inputs: after attention, a norm and the residual sum, then the dense MLP's, 
 norms of that residual and the router's two products (`network.ffn_inputs`), six kernels; one here, with one
 norm statistic for the three norms of the residual.
 The norms compute torch's fused RMSNorm arithmetic (fp32, `x * rsqrt(mean(x^2) + eps) * w`, rounded once)
-but add their squares in another order, so a value can land one rounding away (`probe.same_layer_end`; under
+but add their squares in another order, so a value can land one rounding away (`probe.common.same_layer_end`; under
 1% of values in the tests, none in most bf16 rows). The router's input, `norm(x) * scale * d^-0.5`,
 is likewise two products in one kernel, each rounded where torch rounds it. Norm to FP8: with FP8 linears,
 q, k and v read one E4M3 operand of the layer's normed input, and nothing else reads the normed rows, so one
 kernel norms a row (as `layer_end`'s norms) and writes its codes as `kernels.quant.fp8` would
-(`probe.same_fp8_of_norm`: a code one E4M3 step away where the normed value is one rounding away).
+(`probe.norms.same_fp8_of_norm`: a code one E4M3 step away where the normed value is one rounding away).
 
 The load-time probe holds each to its torch form on the GPU before a model uses it
 (`pipeline.runtime.probe.check_triton_rope`, `check_triton_softcap`, `check_triton_combine`,

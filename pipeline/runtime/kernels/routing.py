@@ -12,7 +12,7 @@ computes what torch's CUDA kernels compute: the softmax in fp32 as exp(s - max) 
 descending, the lower expert first among equal ones (torch's CUDA top-k takes the lower index at the k-th
 value), the renormalisation by an IEEE division and the scale product in fp32. Only the two sums add in
 another order, so a weight can land an fp32 rounding or two away, and a choice between two probabilities
-that close can differ (`probe.same_top_k`).
+that close can differ (`probe.routing.same_top_k`).
 
 Expert order: torch sorts the slots' experts stably (for more than 4,096 slots a radix sort over all 64
 bits of the keys: about ten kernels), then an arange, a division for each slot's token and a search for the

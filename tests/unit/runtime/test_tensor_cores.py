@@ -24,6 +24,8 @@ from pipeline.runtime import gpu_load
 from pipeline.runtime import probe as probing
 from pipeline.runtime import tensor_cores as tc
 from pipeline.runtime.backends import TorchBackend, experts_graph_safe
+from pipeline.runtime.probe.common import fp8_codes_equal
+from pipeline.runtime.probe.quant import QUANT_PROBE_VALUES
 from tests._utils.compile import compiled_whole, graph_targets
 from tests._utils.quantized import build_quantized_checkpoint, grouped_scaled_mm_on_cpu, packed_linear
 
@@ -665,14 +667,14 @@ def test_fp8_codes_compare_equal_up_to_nans_sign_and_the_probe_values_cover_ever
     """The probe's bit-for-bit check of the Triton quantization: a NaN's sign may differ (torch keeps the
     input's, the hardware writes 0x7F), nothing else may; its values land on a subnormal, a tie, the
     saturation bound and NaN after torch's quantization."""
-    v = torch.tensor(probing.QUANT_PROBE_VALUES)
+    v = torch.tensor(QUANT_PROBE_VALUES)
     codes = sl.fp8_quantize(torch.cat([v, -v]), torch.tensor(0.5))
     canonical = codes.view(torch.uint8).clone()
     canonical[(canonical & 0x7F) == 0x7F] = 0x7F
-    assert probing.fp8_codes_equal(codes, canonical.view(torch.float8_e4m3fn))
+    assert fp8_codes_equal(codes, canonical.view(torch.float8_e4m3fn))
     off_by_one = canonical.clone()
     off_by_one[4] += 1
-    assert not probing.fp8_codes_equal(codes, off_by_one.view(torch.float8_e4m3fn))
+    assert not fp8_codes_equal(codes, off_by_one.view(torch.float8_e4m3fn))
     values = codes.float()[: len(v)].tolist()
     assert values[3] == 3 * 2.0**-9 and values[6] == 2.0  # a subnormal, a tie to even
     assert values[7:10] == [448.0] * 3  # E4M3's largest, and two beyond it saturated

@@ -16,6 +16,9 @@ from pipeline.model.network import apply_rope
 from pipeline.model.scaled_layout import expert_order, slot_rows
 from pipeline.runtime import kernels
 from pipeline.runtime import probe as probing
+from pipeline.runtime.probe.chains import same_geglu
+from pipeline.runtime.probe.common import fp8_codes_equal, same_bits, same_layer_end, spread
+from pipeline.runtime.probe.norms import ffn_probe_layer, same_ffn_inputs, same_layer_end_of, same_operands
 from tests._utils.embedded_passes import denoise_and_prefill, embedded_bf16
 from tests._utils.interpreter_casts import (  # noqa: F401  (fixtures)
     interpreted,
@@ -60,7 +63,7 @@ def test_rope_is_the_torch_form_bit_for_bit(rne_casts, dtype, heads, d, partial)
     cos, sin = tables(2, 9, d, dtype, partial=partial)
     assert kernels.chains.rope_serves(x, cos, sin)
     got, want = kernels.chains.rope(x, cos, sin), apply_rope(x, cos, sin)
-    assert probing.same_bits(got, want)  # bit patterns: NaN and -0.0 too
+    assert same_bits(got, want)  # bit patterns: NaN and -0.0 too
 
 
 def test_other_inputs_keep_the_torch_form(monkeypatch):
@@ -276,13 +279,13 @@ def test_the_residual_sum_is_torchs_bit_for_bit(rne_casts, dtype, n):  # noqa: F
     """Sums that round, overflow and cancel, infinities and NaN, counts that do and do not fill the last
     program: torch's `(a + b) * scale` bit for bit; other inputs keep the torch form."""
     g = torch.Generator().manual_seed(n)
-    a, b = probing.spread(2, n, g).unbind()
+    a, b = spread(2, n, g).unbind()
     edges = torch.tensor([[6e4, 1.0, float("inf"), float("nan"), 3.0], [6e4, -1.0, 1.0, 1.0, -3.0]])[:, :n]
     a[: edges.shape[1]], b[: edges.shape[1]] = edges
     a, b, scale = a.to(dtype).view(1, -1), b.to(dtype).view(1, -1), torch.tensor([0.7], dtype=dtype)
     assert kernels.chains.add_scaled_serves(a, b, scale)
     got = kernels.chains.add_scaled(a, b, scale)
-    assert probing.same_bits(got, (a + b) * scale)
+    assert same_bits(got, (a + b) * scale)
     assert not kernels.chains.add_scaled_serves(a, b, scale.float())  # torch would promote to fp32
     assert not kernels.chains.add_scaled_serves(a.float(), b.float(), scale.float())
     assert not kernels.chains.add_scaled_serves(a, b, torch.ones(2, dtype=dtype))
@@ -344,7 +347,7 @@ def test_other_kv_layouts_keep_torch_cat(monkeypatch):
 
 def _layer_end_inputs(dtype: torch.dtype, d: int, rows: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    residual, dense, moe = (probing.spread(3 * rows, d, g) / 64).to(dtype).chunk(3)
+    residual, dense, moe = (spread(3 * rows, d, g) / 64).to(dtype).chunk(3)
     norms = tuple(network.RMSNorm(d, 1e-6).to(dtype) for _ in range(3))
     for n in norms:
         n.weight.data = (torch.rand(d, generator=g) * 2).to(dtype)
@@ -363,10 +366,10 @@ def test_the_layer_end_is_torchs_but_for_its_norms_sums(rne_casts, dtype, d):  #
     assert kernels.chains.layer_end_serves(residual, dense, moe, norms, scale)
     got = kernels.chains.layer_end(residual, dense, moe, norms, scale)
     want = network.layer_end(residual, dense, moe, norms, scale)
-    assert probing.same_layer_end_of(got, residual, dense, moe, norms, scale)
+    assert same_layer_end_of(got, residual, dense, moe, norms, scale)
     assert (got != want).float().mean() < 0.01
     wrong = network.layer_end(residual, dense, moe, (norms[1], norms[0], norms[2]), scale)
-    assert not probing.same_layer_end_of(wrong, residual, dense, moe, norms, scale)
+    assert not same_layer_end_of(wrong, residual, dense, moe, norms, scale)
     assert not kernels.chains.layer_end_serves(
         residual.float(), dense.float(), moe.float(), norms, scale.float()
     )
@@ -399,18 +402,18 @@ def test_the_ffn_inputs_are_torchs_but_for_their_norms_sums(rne_casts, dtype, d)
     sum of squares added in another order moved a rounding (under 1% of the values); other inputs keep the
     torch form."""
     g = torch.Generator().manual_seed(d)
-    layer = probing.ffn_probe_layer(d, torch.device("cpu"), dtype, g)
-    h, attn = (probing.spread(48, d, g) / 64).to(dtype).view(2, 4, 6, d).unbind()
+    layer = ffn_probe_layer(d, torch.device("cpu"), dtype, g)
+    h, attn = (spread(48, d, g) / 64).to(dtype).view(2, 4, 6, d).unbind()
     assert kernels.chains.ffn_inputs_serves(layer, h, attn)
     got, want = kernels.chains.ffn_inputs(layer, h, attn), network.ffn_inputs(layer, h, attn)
     assert [t.shape for t in got] == [t.shape for t in want] == [h.shape, h.shape, (24, d), (24, d)]
-    assert probing.same_ffn_inputs(got, layer, h, attn)
+    assert same_ffn_inputs(got, layer, h, attn)
     assert all((a != b).float().mean() < 0.01 for a, b in zip(got, want, strict=True))
     layer.pre_feedforward_layernorm, layer.pre_feedforward_layernorm_2 = (
         layer.pre_feedforward_layernorm_2,
         layer.pre_feedforward_layernorm,
     )
-    assert not probing.same_ffn_inputs(got, layer, h, attn)  # the norms' weights swapped
+    assert not same_ffn_inputs(got, layer, h, attn)  # the norms' weights swapped
     layer.pre_feedforward_layernorm, layer.pre_feedforward_layernorm_2 = (
         layer.pre_feedforward_layernorm_2,
         layer.pre_feedforward_layernorm,
@@ -438,30 +441,30 @@ def test_the_ffn_inputs_write_the_mlps_and_experts_operands_bit_for_bit(rne_cast
     linear its rows; and one of them alone."""
     d = 2816
     g = torch.Generator().manual_seed(5)
-    layer = probing.ffn_probe_layer(d, torch.device("cpu"), dtype, g)
-    h, attn = (probing.spread(256, d, g) / 64).to(dtype).view(2, 2, 64, d).unbind()
-    assert probing.same_operands(layer, h, attn, None, kind)
-    assert probing.same_operands(layer, h[:, :3], attn[:, :3], None, kind)  # 6 rows
+    layer = ffn_probe_layer(d, torch.device("cpu"), dtype, g)
+    h, attn = (spread(256, d, g) / 64).to(dtype).view(2, 2, 64, d).unbind()
+    assert same_operands(layer, h, attn, None, kind)
+    assert same_operands(layer, h[:, :3], attn[:, :3], None, kind)  # 6 rows
     scale = torch.tensor(0.003)
     plain = kernels.chains.ffn_inputs(layer, h, attn)
     mlp_only = kernels.chains.ffn_inputs(layer, h, attn, (kind, scale), None)
-    assert probing.same_bits(mlp_only[2], plain[2]) and isinstance(mlp_only[1], sl.QuantizedRows)
+    assert same_bits(mlp_only[2], plain[2]) and isinstance(mlp_only[1], sl.QuantizedRows)
     # 32 wide (two NVFP4 blocks, fewer than a swizzled tile's four scale columns), and 40 (no whole blocks)
     for width in (32, 40):
-        layer = probing.ffn_probe_layer(width, torch.device("cpu"), dtype, g)
-        h, attn = (probing.spread(256, width, g) / 64).to(dtype).view(2, 128, width).unbind()
+        layer = ffn_probe_layer(width, torch.device("cpu"), dtype, g)
+        h, attn = (spread(256, width, g) / 64).to(dtype).view(2, 128, width).unbind()
         rows = kernels.chains.ffn_inputs(layer, h, attn)
         if kind == "fp8" or width % 16 == 0:  # (NVFP4 and its per-row FP8 fallback: whole 16-value blocks)
-            assert probing.same_operands(layer, h, attn, rows, kind)
+            assert same_operands(layer, h, attn, rows, kind)
         else:  # the rows, which their GEMMs quantize themselves
             got = kernels.chains.ffn_inputs(layer, h, attn, (kind, scale), (kind, scale))
-            assert probing.same_bits(got[1], rows[1]) and probing.same_bits(got[2], rows[2])
+            assert same_bits(got[1], rows[1]) and same_bits(got[2], rows[2])
 
 
 def test_the_ffn_inputs_torch_form_gives_the_rows_to_quantize(monkeypatch):
     """Where the kernel does not serve, the GEMMs get the rows and quantize them themselves."""
     d = 64
-    layer = probing.ffn_probe_layer(d, torch.device("cpu"), torch.bfloat16, torch.Generator().manual_seed(1))
+    layer = ffn_probe_layer(d, torch.device("cpu"), torch.bfloat16, torch.Generator().manual_seed(1))
     h, attn = torch.randn(2, 3, d).bfloat16().unbind()
     layer.router.norm = network.RMSNorm(d, 1e-6).bfloat16()  # a scaled router norm: not the kernel's form
     assert not kernels.chains.ffn_inputs_serves(layer, h, attn)
@@ -495,14 +498,14 @@ def test_a_layer_end_may_carry_a_rounding_of_its_inner_norms_through_the_outer_o
         return (residual + outer(inner + n2)) * scale
 
     rounding_off = end_with_inner((n1[..., 7].view(torch.int16) + 1).view(dtype))  # one bf16 unit out
-    assert not probing.same_layer_end(rounding_off, want, residual, scale)
-    assert probing.same_layer_end_of(rounding_off, residual, dense, dense, tuple(norms), scale)
-    assert not probing.same_layer_end_of(
+    assert not same_layer_end(rounding_off, want, residual, scale)
+    assert same_layer_end_of(rounding_off, residual, dense, dense, tuple(norms), scale)
+    assert not same_layer_end_of(
         end_with_inner(n1[..., 7] * 1.25), residual, dense, dense, tuple(norms), scale
     )
     other = network.RMSNorm(d, 1e-6).to(dtype)
     other.weight.data = norms[2].weight.data.flip(0)
-    assert not probing.same_layer_end_of(
+    assert not same_layer_end_of(
         end_with_inner(n1[..., 7], other), residual, dense, dense, tuple(norms), scale
     )
 
@@ -514,7 +517,7 @@ def test_ffn_inputs_are_held_to_torchs_norms_of_their_own_residual():
     `same_layer_end`, against torch's norms of the kernel's own residual (`probe.same_ffn_inputs`) they
     pass; a norm with another's weights, or a residual off by more than that rounding, still fails."""
     d, dtype = 64, torch.bfloat16
-    layer = probing.ffn_probe_layer(d, torch.device("cpu"), dtype, torch.Generator().manual_seed(3))
+    layer = ffn_probe_layer(d, torch.device("cpu"), dtype, torch.Generator().manual_seed(3))
     attn = torch.randn(2, 5, d, generator=torch.Generator().manual_seed(4)).to(dtype)
     normed = layer.post_attention_layernorm(attn)
     h = (torch.randn(2, 5, d, generator=torch.Generator().manual_seed(5)) - normed.float()).to(dtype)
@@ -525,17 +528,17 @@ def test_ffn_inputs_are_held_to_torchs_norms_of_their_own_residual():
     residual[0, 0, 7] = normed[0, 0, 7].float() * 2**-8  # what a flipped rounding of the norm leaves
     got = network.ffn_norms(layer, residual)
     zero, one = torch.zeros_like(want[1]), torch.ones(1, dtype=dtype)
-    assert not probing.same_layer_end(got[1], want[1], zero, one)  # the norms of torch's residual: far off
-    assert probing.same_ffn_inputs(got, layer, h, attn)
+    assert not same_layer_end(got[1], want[1], zero, one)  # the norms of torch's residual: far off
+    assert same_ffn_inputs(got, layer, h, attn)
     swapped = (
         got[0],
         got[1],
         got[1].reshape(-1, d),
         got[3],
     )  # the experts' input normed with the MLP's weights
-    assert not probing.same_ffn_inputs(swapped, layer, h, attn)
+    assert not same_ffn_inputs(swapped, layer, h, attn)
     residual[0, 0, 7] = normed[0, 0, 7] * 0.1  # off by a tenth of the normed value, not a rounding
-    assert not probing.same_ffn_inputs(network.ffn_norms(layer, residual), layer, h, attn)
+    assert not same_ffn_inputs(network.ffn_norms(layer, residual), layer, h, attn)
 
 
 @interpreted
@@ -637,12 +640,12 @@ def test_the_router_input_is_torchs_bit_for_bit(rne_casts, dtype, d):  # noqa: F
     """norm(x) * scale * d^-0.5 as the router computes it, over seven decades with zeros, infinities and NaN, a
     width that is no block multiple: torch's two products bit for bit; other inputs keep the torch form."""
     g = torch.Generator().manual_seed(d)
-    x = probing.spread(5, d, g)
+    x = spread(5, d, g)
     x[0, :3] = torch.tensor([float("inf"), float("nan"), 0.0])
     x, w = x.to(dtype), (torch.rand(d, generator=g) * 4).to(dtype)
     assert kernels.chains.scale_columns_serves(x, w)
     got = kernels.chains.scale_columns(x, w, d**-0.5)
-    assert probing.same_bits(got, x * w * d**-0.5)
+    assert same_bits(got, x * w * d**-0.5)
     assert not kernels.chains.scale_columns_serves(x, w.float())  # torch would promote
     assert not kernels.chains.scale_columns_serves(x.t(), w)
     assert not kernels.chains.scale_columns_serves(x, torch.stack([w, w], 1)[:, 0])  # w's values, strided
@@ -693,7 +696,7 @@ def geglu_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate|up halves of one GEMM output: values over seven decades, zeros, infinities and NaN."""
     g = torch.Generator().manual_seed(seed)
-    gu = probing.spread(rows, 2 * cols, g)
+    gu = spread(rows, 2 * cols, g)
     gu[0, :4] = torch.tensor([0.0, float("inf"), -float("inf"), float("nan")])
     gu[-1, -3:] = torch.tensor([1e-39, -2.0, 3.0])  # a subnormal gate and up
     return gu.to(dtype).chunk(2, dim=-1)
@@ -710,11 +713,11 @@ def test_geglu_is_torchs_cuda_arithmetic_bit_for_bit(rne_casts, interpreted_tanh
     assert kernels.chains.geglu_serves(gate, up) and gate.stride(0) == 2 * cols
     got = kernels.chains.geglu(gate, up)
     assert got.dtype == dtype and got.shape == gate.shape
-    assert probing.same_bits(got, cuda_geglu(gate, up))
-    assert probing.same_geglu(got, network.gelu_tanh(gate) * up, gate, up)  # another tanh
+    assert same_bits(got, cuda_geglu(gate, up))
+    assert same_geglu(got, network.gelu_tanh(gate) * up, gate, up)  # another tanh
     scale = torch.tensor(0.05)
     codes = kernels.chains.geglu(gate, up, scale)
-    assert codes.dtype == torch.float8_e4m3fn and probing.fp8_codes_equal(codes, sl.fp8_quantize(got, scale))
+    assert codes.dtype == torch.float8_e4m3fn and fp8_codes_equal(codes, sl.fp8_quantize(got, scale))
 
 
 @interpreted
@@ -728,11 +731,11 @@ def test_geglu_writes_the_nvfp4_codes_of_its_product(rne_casts, interpreted_tanh
     gs = torch.tensor(0.02)
     want_packed, want_scales = sl.nvfp4_quantize(kernels.chains.geglu(gate, up), gs)
     packed, scales = kernels.chains.geglu_nvfp4(gate, up, gs)
-    assert torch.equal(packed, want_packed) and probing.fp8_codes_equal(scales, want_scales)
+    assert torch.equal(packed, want_packed) and fp8_codes_equal(scales, want_scales)
     with uninitialised_bytes_are_0xab():
         packed, scales = kernels.chains.geglu_nvfp4(gate, up, gs, blocked=True)
     assert torch.equal(packed, want_packed)
-    assert probing.fp8_codes_equal(scales, sl.to_blocked(want_scales.view(torch.uint8)))
+    assert fp8_codes_equal(scales, sl.to_blocked(want_scales.view(torch.uint8)))
 
 
 @interpreted
@@ -798,12 +801,12 @@ def test_gated_gelus_agree_as_far_as_a_tanh_can_make_them_differ():
     cuda, cpu = cuda_geglu(gate, up), network.gelu_tanh(gate) * up
     tail = (gate.float() < -4) & (cuda != cpu) & (cpu != 0) & cuda.isfinite() & cpu.isfinite()
     assert tail.any() and float(((cuda - cpu).float().abs() / cpu.float().abs())[tail].max()) > 0.5
-    assert probing.same_geglu(cuda, cpu, gate, up)
-    assert not probing.same_geglu(cuda_geglu(up, gate), cpu, gate, up)
-    assert not probing.same_geglu(cuda.nan_to_num(), cpu, gate, up)  # NaN in other places
+    assert same_geglu(cuda, cpu, gate, up)
+    assert not same_geglu(cuda_geglu(up, gate), cpu, gate, up)
+    assert not same_geglu(cuda.nan_to_num(), cpu, gate, up)  # NaN in other places
     swapped = cpu.clone()
     swapped[0, 1] = -swapped[0, 1]  # -inf for inf
-    assert not probing.same_geglu(swapped, cpu, gate, up)
+    assert not same_geglu(swapped, cpu, gate, up)
 
 
 def test_the_gated_gelus_take_the_kernel_where_installed(monkeypatch):

@@ -12,6 +12,8 @@ import torch
 from pipeline.model.network import RMSNorm, apply_rope
 from pipeline.runtime import kernels
 from pipeline.runtime import probe as probing
+from pipeline.runtime.probe.common import same_bits, same_layer_end, spread
+from pipeline.runtime.probe.norms import same_rotation
 from tests._utils.embedded_passes import denoise_and_prefill, embedded_bf16
 from tests._utils.interpreter_casts import interpreted, rne_casts  # noqa: F401  (fixture)
 from tests._utils.probes import each_wrong_form_fails
@@ -24,7 +26,7 @@ def heads(b: int, length: int, h: int, d: int, dtype: torch.dtype, seed: int):
     """(x, v, x's norm, v's norm, cos, sin): x and v [b, length, h, d] over seven decades with a zero row and
     one with infinity and NaN, random norm weights in [0, 2), angles of positions up to 2^17."""
     g = torch.Generator().manual_seed(seed)
-    x, v = (probing.spread(2 * b * length * h, d, g) / 64).to(dtype).view(2, b, length, h, d).unbind()
+    x, v = (spread(2 * b * length * h, d, g) / 64).to(dtype).view(2, b, length, h, d).unbind()
     x[0, 0, 0], v[-1, -1, -1, :2] = 0.0, torch.tensor([float("inf"), float("nan")])
     norm, v_norm = RMSNorm(d, 1e-6).to(dtype), RMSNorm(d, 1e-6, with_scale=False)
     norm.weight.data = (torch.rand(d, generator=g) * 2).to(dtype)
@@ -46,13 +48,13 @@ def test_head_norms_are_torchs_but_for_their_norms_sums(rne_casts, dtype, h, d):
     normed = norm(x)
     want, want_v = apply_rope(normed, cos, sin), v_norm(v)
     assert no_q is None
-    assert probing.same_rotation(got, want, normed, cos, sin)
+    assert same_rotation(got, want, normed, cos, sin)
     one = torch.ones(1, dtype=dtype)
-    assert probing.same_layer_end(got_v, want_v, torch.zeros_like(v), one)
+    assert same_layer_end(got_v, want_v, torch.zeros_like(v), one)
     for a, b in ((got, want), (got_v, want_v)):
         assert float(((a != b) & ~b.isnan()).float().mean()) < 1e-3
     q, none, no_q = kernels.chains.head_norms(x, norm, cos, sin)  # q: no v
-    assert none is None is no_q and probing.same_bits(q, got)
+    assert none is None is no_q and same_bits(q, got)
 
 
 @interpreted
@@ -76,28 +78,24 @@ def test_head_norms_read_q_k_and_v_in_place_from_one_merged_projection(rne_casts
     want_k, want_v, _ = kernels.chains.head_norms(k.contiguous(), norm, cos, sin, v.contiguous(), v_norm)
     assert none is None and all(t.is_contiguous() for t in (got_q, got_k, got_v))
     for a, b in ((got_q, want_q), (got_k, want_k), (got_v, want_v)):
-        assert probing.same_bits(a, b)
+        assert same_bits(a, b)
     together = kernels.chains.head_norms(k, norm, cos, sin, v, v_norm, q, q_norm)
-    assert all(probing.same_bits(a, b) for a, b in zip(together, (want_k, want_v, want_q), strict=True))
+    assert all(same_bits(a, b) for a, b in zip(together, (want_k, want_v, want_q), strict=True))
     # q written head-major, [B, H, L, D] contiguous (what packed attention reads), the same values
     head_major = kernels.chains.head_norms(k, norm, cos, sin, v, v_norm, q, q_norm, q_head_major=True)
     assert head_major[2].shape == (2, h, 5, d) and head_major[2].is_contiguous()
-    assert probing.same_bits(head_major[2].transpose(1, 2), want_q)
-    assert all(probing.same_bits(a, b) for a, b in zip(head_major[:2], (want_k, want_v), strict=True))
+    assert same_bits(head_major[2].transpose(1, 2), want_q)
+    assert all(same_bits(a, b) for a, b in zip(head_major[:2], (want_k, want_v), strict=True))
     # k and v written into a cache's room: its buffers' rows 1-2, tokens 3-7 of 12, nothing else touched
     cache = torch.full((2, 3, kv, 12, d), 5.0, dtype=torch.bfloat16)  # K|V, slots, heads, length, dim
     room = cache[0, 1:, :, 3:8], cache[1, 1:, :, 3:8]
     assert kernels.chains.head_outputs_serve(room, k, v)
     roomed = kernels.chains.head_norms(k, norm, cos, sin, v, v_norm, q, q_norm, out=room)
-    assert roomed[0] is room[0] and roomed[1] is room[1] and probing.same_bits(roomed[2], want_q)
-    assert probing.same_bits(room[0], want_k.transpose(1, 2)) and probing.same_bits(
-        room[1], want_v.transpose(1, 2)
-    )
+    assert roomed[0] is room[0] and roomed[1] is room[1] and same_bits(roomed[2], want_q)
+    assert same_bits(room[0], want_k.transpose(1, 2)) and same_bits(room[1], want_v.transpose(1, 2))
     cache[:, 1:, :, 3:8] = 5.0
     assert bool((cache == 5.0).all())
-    assert not probing.same_bits(
-        want_q, kernels.chains.head_norms(q, norm, cos, sin)[0]
-    )  # the weights differ
+    assert not same_bits(want_q, kernels.chains.head_norms(q, norm, cos, sin)[0])  # the weights differ
     transposed = proj[..., : h * d].view(2, 5, d, h).transpose(2, 3)  # a head's values h apart
     assert not kernels.chains.token_rows(transposed)
     assert not kernels.chains.head_norms_serves(transposed, norm, cos, sin)

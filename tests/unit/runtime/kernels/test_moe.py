@@ -16,6 +16,7 @@ from pipeline.runtime import tensor_cores as tc
 from pipeline.runtime.dispatch import EVERY_PASS, TRITON_MAX_ROWS_PER_EXPERT
 from pipeline.runtime.kernels import moe as tf
 from pipeline.runtime.kernels import quant as tq
+from pipeline.runtime.probe.gemm import float_experts
 from tests._utils.compile import compiled_whole, graph_targets
 from tests._utils.interpreter_casts import interpreted
 from tests._utils.quantized import grouped_scaled_mm_on_cpu, packed_linear
@@ -290,7 +291,7 @@ def test_the_probes_float_reference_is_the_fake_quantized_expert_loop():
     ref.down_proj = torch.stack([p.dequantized() for p in down])
     quants = {"gate_up": InputQuantizer("fp8", m.in_scale), "down": InputQuantizer("fp8", m.down_in_scale)}
     want = _quantized_experts_forward(quants)(ref, x, index, weights)
-    torch.testing.assert_close(probing.float_experts(m, x, index, weights), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(float_experts(m, x, index, weights), want, rtol=1e-5, atol=1e-5)
 
 
 def test_every_pass_rows_keep_many_rows_per_expert_on_the_triton_gemm(monkeypatch):
@@ -304,7 +305,7 @@ def test_every_pass_rows_keep_many_rows_per_expert_on_the_triton_gemm(monkeypatc
         torch.randint(0, 2, (80, 2), generator=gen),
         torch.rand(80, 2),
     )
-    got, want = m(x, index, weights), probing.float_experts(m, x, index, weights)
+    got, want = m(x, index, weights), float_experts(m, x, index, weights)
     assert float((got - want).norm() / want.norm()) < 0.08
 
 

@@ -15,6 +15,8 @@ from pipeline.runtime import kernels
 from pipeline.runtime import probe as probing
 from pipeline.runtime import shared_input as si
 from pipeline.runtime import tensor_cores as tc
+from pipeline.runtime.probe.common import same_layer_end, spread
+from pipeline.runtime.probe.norms import same_fp8_of_norm
 from tests._utils.interpreter_casts import interpreted, rne_casts  # noqa: F401  (fixture)
 from tests._utils.probes import each_wrong_form_fails
 from tests._utils.quantized import packed_linear
@@ -32,7 +34,7 @@ def rows_and_norm(n: int, d: int, dtype: torch.dtype, seed: int) -> tuple[torch.
     """Rows [n, d] over seven decades with a zero row and one with infinity and NaN, and a norm with random
     weights in [0, 2)."""
     g = torch.Generator().manual_seed(seed)
-    x = (probing.spread(n, d, g) / 64).to(dtype)
+    x = (spread(n, d, g) / 64).to(dtype)
     x[0], x[1, :2] = 0.0, torch.tensor([float("inf"), float("nan")])
     norm = RMSNorm(d, 1e-6).to(dtype)
     norm.weight.data = (torch.rand(d, generator=g) * 2).to(dtype)
@@ -49,7 +51,7 @@ def test_the_norm_to_fp8_is_torchs_but_for_its_norms_sums(rne_casts, dtype, d): 
     scale = torch.tensor(0.004)  # rows past 448 * 0.004 saturate
     assert kernels.chains.norm_fp8_serves(x, norm, scale)
     got, want = kernels.chains.norm_fp8(x, norm, scale), sl.fp8_quantize(norm(x), scale)
-    assert got.dtype == torch.float8_e4m3fn and probing.same_fp8_of_norm(got, want)
+    assert got.dtype == torch.float8_e4m3fn and same_fp8_of_norm(got, want)
     g, w = got.float(), want.float()
     assert float(((g != w) & ~w.isnan()).float().mean()) < 1e-3
     assert (w.abs() == 448).any() and (w == 0).any()  # saturated and zero codes both checked
@@ -99,7 +101,7 @@ def test_the_norm_to_nvfp4_is_torchs_but_for_its_norms_sums(rne_casts, dtype, m,
     assert kernels.chains.norm_nvfp4_serves(x, norm, gs)
     normed = torch.empty_like(x)
     q, s = kernels.chains.norm_nvfp4(x, norm, gs, normed)
-    assert probing.same_layer_end(normed, norm(x), torch.zeros_like(x), torch.ones(1, dtype=dtype))
+    assert same_layer_end(normed, norm(x), torch.zeros_like(x), torch.ones(1, dtype=dtype))
     want_q, want_s = kernels.quant.nvfp4_blocked(normed, gs)
     assert torch.equal(q, want_q) and torch.equal(s, want_s)
     assert [

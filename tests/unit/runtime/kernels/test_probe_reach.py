@@ -18,6 +18,9 @@ from pipeline.runtime.kernels import chains, moe, quant, routing
 from pipeline.runtime.kernels.jit import chains as jit_chains
 from pipeline.runtime.kernels.jit import quant as jit_quant
 from pipeline.runtime.kernels.jit import routing as jit_routing
+from pipeline.runtime.probe.gemm import EXPERTS_PROBE
+from pipeline.runtime.probe.quant import nvfp4_quant_rows
+from pipeline.runtime.probe.routing import EXPERT_ORDER_CASES
 from tests._utils.interpreter_casts import (  # noqa: F401  (fixtures)
     interpreted,
     interpreted_exp,
@@ -58,7 +61,7 @@ def test_the_moe_gemm_probes_run_every_tile_past_one_block_along_k_m_and_n():
     N block, each with a partial last block at the default tiles."""
     from pipeline.bench.gpu.tiles import BLOCK_K_BYTES, BLOCK_M, BLOCK_N
 
-    p = probing.EXPERTS_PROBE
+    p = EXPERTS_PROBE
     _, index, _ = p.routing(CPU, torch.bfloat16)
     rows = torch.bincount(index.flatten(), minlength=p.experts).tolist()
     assert rows[0] == p.crowded and rows[-1] == 0
@@ -118,8 +121,8 @@ def test_the_network_probes_inputs_reach_past_the_first_step_row_and_program():
     """What the wrong kernels above stand for: the expert order's probe routes more slots than a counting
     step takes, the head norms' runs two batch rows, the NVFP4 quantization's more blocks than a program."""
     assert inspect.getsource(jit_chains).count(BATCH_ROW) == 2
-    assert max(tokens * k for tokens, k, _ in probing.EXPERT_ORDER_CASES) > routing.ORDER_COUNT
-    assert probing.nvfp4_quant_rows(CPU).numel() // 16 > quant.NVFP4_BLOCKS
+    assert max(tokens * k for tokens, k, _ in EXPERT_ORDER_CASES) > routing.ORDER_COUNT
+    assert nvfp4_quant_rows(CPU).numel() // 16 > quant.NVFP4_BLOCKS
 
 
 def wrong_in(dtype: torch.dtype, form):

@@ -15,6 +15,8 @@ from pipeline.model.fake_quant import nvfp4_fake_quant
 from pipeline.runtime import probe as probing
 from pipeline.runtime.kernels import quant as tq
 from pipeline.runtime.kernels.jit import quant as jit_quant
+from pipeline.runtime.probe.common import fp8_codes_equal
+from pipeline.runtime.probe.quant import QUANT_PROBE_VALUES, nvfp4_probe_rows
 from pipeline.runtime.tensor_cores import _rowwise_dynamic, quantize_rows
 from tests._utils.interpreter_casts import interpreted, rne_casts, uninitialised_bytes_are_0xab  # noqa: F401  (fixture)
 from tests._utils.triton_compile import compiled_for_gpus, converts_to_e4m3_once, spills
@@ -30,7 +32,7 @@ def activations(dtype: torch.dtype, k: int = 256, seed: int = 0) -> torch.Tensor
     x = torch.randn(37, k, generator=g) * torch.logspace(-6, 6, 37)[:, None]
     x[0, :16], x[4, :32] = 0.0, 1e-30
     x[1, 3], x[2, 5], x[3, 17] = float("nan"), float("inf"), -float("inf")
-    x = torch.cat([x[:, :176], probing.nvfp4_probe_rows(CPU).float()]) if k == 176 else x
+    x = torch.cat([x[:, :176], nvfp4_probe_rows(CPU).float()]) if k == 176 else x
     return x.to(dtype)
 
 
@@ -38,13 +40,13 @@ def activations(dtype: torch.dtype, k: int = 256, seed: int = 0) -> torch.Tensor
 @pytest.mark.parametrize("scale", [0.5, 3.7e-3, 8.0 / 448])
 def test_fp8_codes_are_torchs(rne_casts, dtype, scale):  # noqa: F811
     """Normal, subnormal, tie, saturating and non-finite values (the probe's) and random ones over 32 binades."""
-    v = torch.tensor(probing.QUANT_PROBE_VALUES)
+    v = torch.tensor(QUANT_PROBE_VALUES)
     g = torch.Generator().manual_seed(1)
     x = torch.cat(
         [v, -v, (torch.randn(64, 512, generator=g) * torch.logspace(-16, 16, 512, base=2.0)).flatten()]
     )
     x, s = x.to(dtype), torch.tensor(scale)
-    assert probing.fp8_codes_equal(tq.fp8(x, s), sl.fp8_quantize(x, s))
+    assert fp8_codes_equal(tq.fp8(x, s), sl.fp8_quantize(x, s))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -53,7 +55,7 @@ def test_nvfp4_codes_and_scales_are_torchs(rne_casts, dtype, global_scale):  # n
     x, gs = activations(dtype), torch.tensor(global_scale)
     (packed, scales), (want_packed, want_scales) = tq.nvfp4(x, gs), sl.nvfp4_quantize(x, gs)
     assert torch.equal(packed, want_packed)
-    assert probing.fp8_codes_equal(scales, want_scales)
+    assert fp8_codes_equal(scales, want_scales)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -62,7 +64,7 @@ def test_nvfp4_codes_and_scales_are_torchs(rne_casts, dtype, global_scale):  # n
 def test_nvfp4_rounded_rows_as_fp8_are_torchs(rne_casts, dtype, global_scale, k):  # noqa: F811
     x, gs = activations(dtype, k), torch.tensor(global_scale)
     (q, scales), (want_q, want_scales) = tq.nvfp4_fp8_rows(x, gs), _rowwise_dynamic(nvfp4_fake_quant(x, gs))
-    assert probing.fp8_codes_equal(q, want_q)
+    assert fp8_codes_equal(q, want_q)
     assert torch.equal(scales, want_scales)
 
 
@@ -70,14 +72,14 @@ def test_leading_dims_strided_rows_and_empty_inputs(rne_casts):  # noqa: F811
     x = activations(torch.bfloat16).reshape(37, 4, 64)
     (packed, scales), want = tq.nvfp4(x, torch.tensor(0.02)), sl.nvfp4_quantize(x, torch.tensor(0.02))
     assert packed.shape == (37, 4, 32) and scales.shape == (37, 4, 4)
-    assert torch.equal(packed, want[0]) and probing.fp8_codes_equal(scales, want[1])
+    assert torch.equal(packed, want[0]) and fp8_codes_equal(scales, want[1])
     wide = activations(torch.bfloat16, 704)
     rows = wide[:, 64:240]  # 176 columns at a stride of 704
     got, want = (
         tq.nvfp4_fp8_rows(rows, torch.tensor(0.01)),
         _rowwise_dynamic(nvfp4_fake_quant(rows, torch.tensor(0.01))),
     )
-    assert probing.fp8_codes_equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert fp8_codes_equal(got[0], want[0]) and torch.equal(got[1], want[1])
     empty = torch.empty(0, 64, dtype=torch.bfloat16)
     assert tq.nvfp4(empty, torch.tensor(1.0))[0].shape == (0, 32)
     assert tq.nvfp4_fp8_rows(empty, torch.tensor(1.0))[1].shape == (0,)
@@ -93,7 +95,7 @@ def test_nvfp4_with_swizzled_scales_is_nvfp4_then_the_swizzle(rne_casts, k, rows
     with uninitialised_bytes_are_0xab():
         packed, scales = tq.nvfp4_blocked(x, gs)
     assert torch.equal(packed, want_packed)
-    assert probing.fp8_codes_equal(scales, sl.to_blocked(want_scales.view(torch.uint8)))
+    assert fp8_codes_equal(scales, sl.to_blocked(want_scales.view(torch.uint8)))
     assert tq.nvfp4_blocked(torch.empty(0, k, dtype=torch.bfloat16), gs)[1].numel() == 0
 
 
@@ -161,12 +163,12 @@ def test_e4m3_rounds_once_to_torchs_codes_whatever_conversion_follows():
     )
     assert torch.equal(grid[~nan].half().float(), grid[~nan])  # exact in fp16: any rounding mode keeps it
     # NaN aside: the interpreter's own conversion makes it a finite code (a GPU's keeps it NaN)
-    assert probing.fp8_codes_equal(codes[~nan], want[~nan])
-    assert not probing.fp8_codes_equal(raw[~nan], want[~nan])  # the interpreter's conversion alone misses
+    assert fp8_codes_equal(codes[~nan], want[~nan])
+    assert not fp8_codes_equal(raw[~nan], want[~nan])  # the interpreter's conversion alone misses
     # and the conversion Triton before 3.9 emits on sm_89 (toward zero to fp16, then to nearest) on the raw
     # values misses torch's codes on this set too: what the grid is for
     toward_zero = (x.view(torch.int32) & ~0x1FFF).view(torch.float32)  # fp16's 10 mantissa bits, truncated
-    assert not probing.fp8_codes_equal(toward_zero.to(torch.float8_e4m3fn), want)
+    assert not fp8_codes_equal(toward_zero.to(torch.float8_e4m3fn), want)
 
 
 def test_the_probe_holds_each_kernel_to_torchs_form(rne_casts, monkeypatch):  # noqa: F811

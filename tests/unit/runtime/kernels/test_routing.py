@@ -14,6 +14,7 @@ from pipeline.model import scaled_layout as sl
 from pipeline.model.network import route_scores
 from pipeline.runtime import kernels
 from pipeline.runtime import probe as probing
+from pipeline.runtime.probe.routing import same_order, same_top_k, separated_scores
 from tests._utils.embedded_passes import denoise_and_prefill, embedded_bf16
 from tests._utils.interpreter_casts import interpreted, interpreted_exp, rne_casts  # noqa: F401  (fixtures)
 from tests._utils.triton_compile import compiled_for_gpus, spills
@@ -41,12 +42,12 @@ def test_the_top_k_is_torchs_within_fp32_rounding(interpreted_exp, dtype, tokens
     """Scores no rounding can reorder (`probe.separated_scores`): the same experts in the same places and
     each weight within a few fp32 roundings (`probe.same_top_k`)."""
     g = torch.Generator().manual_seed(experts)
-    scores, scale = probing.separated_scores(tokens, experts, g).to(dtype), scales(experts)
+    scores, scale = separated_scores(tokens, experts, g).to(dtype), scales(experts)
     assert kernels.routing.top_k_serves(scores, k, scale)
     got = kernels.routing.top_k(scores, k, scale)
     want = route_scores(scores, k, scale)[1:]
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.int64
-    assert probing.same_top_k(got, want)
+    assert same_top_k(got, want)
 
 
 @interpreted
@@ -105,7 +106,7 @@ def test_the_expert_order_is_torchs_stable_sort_bit_for_bit(tokens, k, experts):
     assert kernels.routing.expert_order_serves(index, experts)
     got, want = kernels.routing.expert_order(index, experts), sl.expert_order(index, experts)
     assert [t.dtype for t in got] == [torch.int64, torch.int64, torch.int32, torch.int64]
-    assert probing.same_order(got, want)  # the order's inverse included, which the kernel writes too
+    assert same_order(got, want)  # the order's inverse included, which the kernel writes too
 
 
 def test_other_routings_keep_torchs_sort(monkeypatch):
@@ -118,7 +119,7 @@ def test_other_routings_keep_torchs_sort(monkeypatch):
     )
     monkeypatch.setattr(kernels.routing, "expert_order", lambda *a: pytest.fail("the kernel ran"))
     got = kernels.routing.expert_order_or_torch(index.int(), 8)
-    assert got.rows is None and probing.same_order(got, sl.expert_order(index.int(), 8))
+    assert got.rows is None and same_order(got, sl.expert_order(index.int(), 8))
 
 
 @interpreted
