@@ -111,7 +111,7 @@ class BlockDiffusionRuntime:
         self.max_batch = max_batch
         # rows admitted at most, below max_batch once a batch ran out of GPU memory (`after_out_of_memory`)
         self.rows_allowed = self.rows_ceiling = max_batch
-        # when (perf_counter) a batch last ran out of memory, or the ceiling rose
+        # when (perf_counter) a batch last ran out of memory, or the ceiling last rose a period after it
         self._out_of_memory_at = 0.0
         self.device, self.dtype = self.backend.device, self.backend.dtype
         # room in the cache for a canvas's K/V, where the backend writes them there (`KVCache.read`)
@@ -637,11 +637,11 @@ class BlockDiffusionRuntime:
         return torch.where(mask[:, None, None], self.sc[rnd.slots], 0.0)
 
     def _finalise(self, slots: list[int]) -> None:
-        if (
-            self.rows_ceiling < self.max_batch
-            and time.perf_counter() - self._out_of_memory_at >= CEILING_RECOVERY_S
-        ):
-            self.rows_ceiling, self._out_of_memory_at = self.rows_ceiling + 1, time.perf_counter()
+        if self.rows_ceiling < self.max_batch:  # a row per period passed, idle ones too
+            periods = int((time.perf_counter() - self._out_of_memory_at) // CEILING_RECOVERY_S)
+            if periods > 0:
+                self.rows_ceiling = min(self.max_batch, self.rows_ceiling + periods)
+                self._out_of_memory_at += periods * CEILING_RECOVERY_S
         self.rows_allowed = min(self.rows_ceiling, self.rows_allowed + len(slots))  # back toward what fits
         commits: list[int] = []
         for slot in slots:

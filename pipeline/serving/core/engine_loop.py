@@ -54,9 +54,13 @@ class EngineLoop:
                 self.step_failed(e)
             if (cache := getattr(core.runtime, "prefix_cache", None)) is not None:
                 core.metrics.record_prefix_cache(cache)
-            if (rows := getattr(core.runtime, "rows_allowed", None)) is not None:
-                core.metrics.record_rows_allowed(rows)
+            self.record_rows_allowed()
             core.update_load()  # requests admitted to batch slots leave the queue
+
+    def record_rows_allowed(self) -> None:
+        """Set the rows gauge to what the runtime admits (from the start: max_batch, before any step)."""
+        if (rows := getattr(self.core.runtime, "rows_allowed", None)) is not None:
+            self.core.metrics.record_rows_allowed(rows)
 
     def step_failed(self, error: Exception) -> None:
         """Answer the requests a failed step had in its batch; the queued ones stay queued. A step that
@@ -91,7 +95,7 @@ class EngineLoop:
         else:
             core.fail_all(failure)
         if oom and device.type == "cuda":  # what the failed step held, for the next one
-            traceback.clear_frames(error.__traceback__)  # its frames hold the step's tensors
+            release_frames(error)
             with contextlib.suppress(Exception):  # answered already: nothing here may stop the loop
                 torch.cuda.empty_cache()
 
@@ -134,3 +138,21 @@ class EngineLoop:
             elif not job.expired and job.overdue(now):
                 job.expired = True
                 core.runtime.cancel(job.request_id)
+
+
+def release_frames(error: BaseException) -> None:
+    """Let go of what the frames of a failed step hold: the step's tensors, and the round a closure in it
+    captured. `traceback.clear_frames` clears each frame's locals, but a frame keeps its function, and a
+    lambda's closure holds what it captured; so the exception, and each one it was raised from or during,
+    also drops its traceback. Done before the allocator's cache is emptied: memory still referenced there
+    stays allocated."""
+    pending: list[BaseException | None] = [error]
+    seen: set[int] = set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e.__traceback__ = None
+        pending += [e.__cause__, e.__context__]

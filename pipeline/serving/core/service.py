@@ -45,6 +45,7 @@ class ServingCore:
         self.pings: queue.Queue = queue.Queue()
         self.jobs: dict[int, Job] = {}  # submitted to the runtime, not yet answered
         self.intake, self.progress, self.loop = Intake(self), Progress(self), EngineLoop(self)
+        self.loop.record_rows_allowed()
         self.guides = guides or Guides(session, limits, metrics)
         # guided requests are taken in here (their guide compiled, or found cached) so that the transport's
         # thread, which also carries health pings and every other request, never waits on a compile

@@ -8,6 +8,7 @@ per-expert loop. (The CUDA-graph replay test is tests/gpu/test_device_loop_cuda.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -346,9 +347,12 @@ def test_after_running_out_of_memory_the_runtime_admits_fewer_rows_then_grows_ba
 ):
     """Out of memory at 4 rows: 2 admitted from then on, one more with every canvas that finishes, not 4
     again until `CEILING_RECOVERY_S` passed without another failure (memory can run out for a reason the
-    batch size is not); the tokens are those of a run that never failed."""
+    batch size is not), a row for each period passed, idle ones too; the tokens are those of a run that never
+    failed."""
     from pipeline.runtime import scheduler
 
+    clock = [1000.0]
+    monkeypatch.setattr(scheduler, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     model = build_tiny(torch.float64)
     _, plain = generate(model, requests(FIXED), max_batch=4, sync_every=4)
     rt = BlockDiffusionRuntime(model, max_batch=4, max_len=128, sync_every=4)
@@ -368,7 +372,13 @@ def test_after_running_out_of_memory_the_runtime_admits_fewer_rows_then_grows_ba
     assert (rt.rows_allowed, rt.rows_ceiling) == (1, 2)
     rt.after_out_of_memory(1)
     assert (rt.rows_allowed, rt.rows_ceiling) == (1, 1)  # one row always runs
-    monkeypatch.setattr(scheduler, "CEILING_RECOVERY_S", 0.0)  # the time passed: a row more per finish
+    clock[0] += scheduler.CEILING_RECOVERY_S - 1  # not yet a period
+    same_results(plain, rt.generate(requests(FIXED)))
+    assert rt.rows_ceiling == 1 and max(seen) == 3
+    clock[0] += 2 * scheduler.CEILING_RECOVERY_S  # two periods since the failure without another, idle
     seen.clear()
     same_results(plain, rt.generate(requests(FIXED)))
-    assert seen[0] == 1 and max(seen) == 3 and rt.rows_ceiling == 4
+    assert seen[0] == 1 and max(seen) == 3 and rt.rows_ceiling == 3  # raised by the first finish
+    clock[0] += 10 * scheduler.CEILING_RECOVERY_S
+    same_results(plain, rt.generate(requests(FIXED)))
+    assert rt.rows_ceiling == 4  # max_batch again, and no more

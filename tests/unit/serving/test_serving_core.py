@@ -276,6 +276,54 @@ def test_out_of_memory_fails_the_batch_as_unavailable_and_the_queue_is_served(mo
         assert not any(isinstance(r, Failure) for r in channel.sent) and channel.sent[-1].final
 
 
+def test_the_rows_gauge_says_max_batch_before_the_first_step():
+    """A fresh server admits max_batch rows, and dgpipe_batch_rows_allowed says so before any request (it
+    read 0 until the first step, which an alert on fewer rows than max_batch would take for a failure)."""
+    assert tiny_core(max_batch=2).metrics.rows_allowed.value == 2
+
+
+def test_out_of_memory_lets_go_of_the_dropped_round_before_the_cache_is_emptied(monkeypatch):
+    """After a step runs out of GPU memory the allocator's cache is emptied for the next one, and what the
+    failed step held must be unreferenced by then: the traceback's frames keep their functions, and the
+    denoise step's closure held the dropped round (its slots, masks and the K/V copy of a batch whose rows
+    are no range). Before, the round lived until the failure's handling returned."""
+    import gc
+    import weakref
+
+    import torch
+
+    from pipeline.runtime import device_errors
+
+    c = tiny_core(max_batch=2)
+    for _ in range(2):
+        c.accept(inputs("hi", max_tokens=16).get, {}, Channel())
+    rounds: list[weakref.ref] = []
+    prepare = c.runtime._prepare_round
+
+    def prepared(slots):
+        rounds.append(weakref.ref(rnd := prepare(slots)))
+        return rnd
+
+    def out_of_memory(*args, **kwargs):  # as on a GPU (the runtime itself runs on the CPU)
+        monkeypatch.setattr(c.runtime, "device", torch.device("cuda"))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(c.runtime, "_prepare_round", prepared)
+    monkeypatch.setattr(c.runtime.backend, "denoise_step", out_of_memory)
+    monkeypatch.setattr(device_errors, "unusable", lambda device: None)
+    alive_when_emptied: list[bool] = []
+    monkeypatch.setattr(
+        torch.cuda, "empty_cache", lambda: alive_when_emptied.append(rounds[-1]() is not None)
+    )
+    gc.disable()  # only references count: a collection in between would hide one
+    try:
+        c.loop.turn()
+    finally:
+        gc.enable()
+    assert len(rounds) == 1 and c.runtime._round is None
+    assert alive_when_emptied == [False]
+
+
 def test_a_cache_release_that_fails_after_out_of_memory_leaves_the_batch_answered(monkeypatch):
     """On CUDA the failed step's cached memory is released after its requests are answered, and whatever that
     release raises (an allocator left recording by a failed capture: `captures_underway.empty()`) neither
