@@ -8,6 +8,7 @@ it)."""
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from torch import nn
 
 from pipeline.errors import DgpipeError
 from pipeline.model.checkpoint import Checkpoint, load_model
-from pipeline.model.files import runtime_name, weight_files
+from pipeline.model.files import runtime_name, tensor_headers, weight_files
 from pipeline.model.modelopt import PackedLinear, precision_of, quant_algo
 from pipeline.model.network import DecoderLayer, DiffusionGemma, FfnInputsKernel, grouped_mm_reads_host
 from pipeline.runtime.dispatch import (
@@ -164,8 +165,15 @@ class TensorCoreLoad:
             return {t.removesuffix(".weight") for t in found if t}
 
         # an AWQ pre_quant_scale multiplies the input first, which only the float path applies
-        # (`QuantizedLoader.install`; on a routed expert it refuses the checkpoint): no tensor cores there
-        scaled = having("input_scale") - having("pre_quant_scale")
+        # (`QuantizedLoader.install`; on a routed expert it refuses the checkpoint): no tensor cores there;
+        # nor for FP8 weight scales per output row, which the float path dequantizes as the CPU does
+        per_row = per_row_fp8(names)
+        scaled = having("input_scale") - having("pre_quant_scale") - per_row
+        if per_row:
+            self.report.fallbacks.append(
+                f"{len(per_row)} FP8 weights with a scale per output row: dequantized float path (the "
+                "tensor-core modules read ModelOpt's FP8 scale per tensor)"
+            )
         experts: dict[str, set[str]] = {}
         for n in names:
             m = EXPERT.match((runtime_name(n) or "").removesuffix(".weight"))
@@ -235,6 +243,22 @@ class TensorCoreLoad:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, module)
         self.modules.clear()
+
+
+def per_row_fp8(names: dict[str, Path]) -> set[str]:
+    """The runtime modules whose FP8 weight has a scale per output row ([N]) in the checkpoint, from its
+    files' headers. ModelOpt's FP8 export writes one scale per tensor, which the tensor-core modules read;
+    the CPU load also dequantizes a scale per row (`modelopt.dequantize_weight`), and so does the float
+    path these modules take on a GPU."""
+    headers = tensor_headers({n: f for n, f in names.items() if n.endswith((".weight", ".weight_scale"))})
+    modules: set[str] = set()
+    for name, scale in headers.items():
+        weight = name.removesuffix("_scale")
+        if weight == name or math.prod(scale.shape) == 1 or weight not in headers:
+            continue
+        if headers[weight].dtype == "F8_E4M3" and (module := runtime_name(weight)):
+            modules.add(module.removesuffix(".weight"))
+    return modules
 
 
 def load_on_gpu(

@@ -334,6 +334,56 @@ def test_a_linear_with_an_awq_pre_quant_scale_stays_on_the_float_path_that_appli
         gpu_load.load_on_gpu(path, torch.bfloat16, CPU, probing.Probe("sm90", dict(SM90_PROBED)))
 
 
+def test_fp8_weights_with_a_scale_per_output_row_load_dequantized_as_on_the_cpu(ckpts, tmp_path, monkeypatch):
+    """The CPU load dequantizes an FP8 weight whose scale is one per output row; the tensor-core modules read
+    one per tensor (ModelOpt's export). Such a linear, and a layer with such an expert, take the float path
+    on a GPU too, named in the report, and the model computes what the CPU load's does. Before, the linear
+    failed the load and the experts spread the down projection's [E, N] scales as one per expert, so every
+    expert read rows of expert 0's."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.model.files import DECODER
+
+    monkeypatch.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu(torch.bfloat16))
+    path = Path(shutil.copytree(ckpts["fp8"], tmp_path / "per_row"))
+    state = load_file(path / "model.safetensors")
+    per_row = [f"{DECODER}layers.0.self_attn.q_proj"] + [
+        n.removesuffix(".weight_scale") for n in state if re.match(rf"{DECODER}layers\.0\.experts\.\d+\.down_proj\.weight_scale$", n)
+    ]  # fmt: skip
+    for e, name in enumerate(per_row):  # the experts' scales apart, so that reading another's shows
+        rows, scale = (
+            state[f"{name}.weight"].shape[0],
+            state[f"{name}.weight_scale"].reshape(()) * (1 + e % 3),
+        )
+        state[f"{name}.weight_scale"] = scale.expand(rows).clone()
+    save_file(state, str(path / "model.safetensors"))
+    model, _, report = gpu_load.load_on_gpu(
+        path, torch.float32, CPU, probing.Probe("sm90", dict(SM90_PROBED))
+    )
+    first, second = model.layers[0], model.layers[1]
+    assert type(first.self_attn.q_proj) is torch.nn.Linear and isinstance(
+        first.self_attn.k_proj, tc.ScaledLinear
+    )
+    assert not isinstance(first.experts, tc.ScaledExperts) and isinstance(second.experts, tc.ScaledExperts)
+    assert report.experts == len(model.layers) - 1
+    assert any(
+        f.startswith(f"{len(per_row)} FP8 weights with a scale per output row") for f in report.fallbacks
+    )
+    cpu = load_model(path)[0]
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, cpu.cfg.vocab_size, (1, cpu.config.canvas_length), generator=g)
+    positions = torch.arange(cpu.config.canvas_length)[None]
+    masks = {"full_attention": None, "sliding_attention": None}
+    with torch.inference_mode():
+        got, want = (m.denoise_soft(tokens, None, positions, masks, None) for m in (model, cpu))
+    assert float((got - want).norm() / want.norm()) < 0.12  # FP8 GEMMs against fake-quant, as for per-tensor
+    with pytest.raises(ValueError, match="one per expert expected"):  # never spread as one per expert
+        sl.fp8_expert_row_scales(torch.ones(3, 8), 8)
+
+
 SM90_PROBED = {
     "linear:fp8": None,
     "experts:fp8": None,
