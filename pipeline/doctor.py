@@ -219,11 +219,10 @@ def check_tensor_cores() -> list[Check]:
     for fmt in FORMATS:
         row = dispatch(fmt, arch)
         detail = f"{arch}: linears {row.linears}; experts {row.experts}"
-        checks.append(
-            Check(
-                f"{fmt} dispatch", row.native, detail, f"fallback {row.fallback}: {row.note}", "GPU runtime"
-            )
-        )
+        if row.experts_fallback:  # what a load takes where the experts' kernel fails its probe
+            detail += f"; where it fails its probe: {row.experts_fallback}"
+        hint = "" if row.native else f"fallback {row.fallback}: {row.note}"
+        checks.append(Check(f"{fmt} dispatch", row.native, detail, hint, "GPU runtime"))
     gpu = torch.cuda.get_device_name(0)
     return [check_gpu_spec(gpu), *checks, *check_moe_tiles(gpu), *check_kernel_probe(torch.device("cuda", 0))]
 

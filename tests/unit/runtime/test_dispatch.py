@@ -103,6 +103,24 @@ def test_doctor_says_no_cuda_on_cpu():
     assert (row.name, row.ok, row.detail) == ("tensor cores", False, "no CUDA")
 
 
+def test_doctor_names_the_experts_fallback_a_load_takes_on_rtx_blackwell(monkeypatch, tmp_path):
+    """On RTX Blackwell an NVFP4 load runs the experts on the row's second path where torch's grouped NVFP4
+    GEMM fails its probe (Triton FP8, re-quantized); doctor's row says so, as the dispatch table does."""
+    from pipeline import doctor
+    from pipeline.runtime import probe as probing
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 5090")
+    monkeypatch.setenv("DGPIPE_CACHE", str(tmp_path))
+    ran = probing.Probe("sm120", {"linear:nvfp4": None, "experts:nvfp4": "no kernel image"})
+    monkeypatch.setattr(probing, "probe", lambda device: ran)
+    row = {c.name: c for c in doctor.check_tensor_cores()}["nvfp4 dispatch"]
+    assert row.ok and row.hint == ""
+    assert row.detail.endswith(f"; where it fails its probe: {dp.TRITON_MOE_EVERY_PASS_REQ}")
+    assert dp.TRITON_MOE_EVERY_PASS_REQ in dp.render_dispatch("sm120")
+
+
 def test_doctor_on_a_gpu_host_lists_the_rows_and_what_the_probe_ran(monkeypatch, tmp_path):
     """On an H200 (patched in): one line per format's row, the MoE GEMM's tile tables, then one per probed
     kernel, a failure with its error; a probe that cannot run at all is one failed line, not a traceback."""
@@ -128,6 +146,9 @@ def test_doctor_on_a_gpu_host_lists_the_rows_and_what_the_probe_ran(monkeypatch,
     )
     assert [n for n in checks if n.endswith("dispatch")] == [f"{f} dispatch" for f in dp.FORMATS]
     assert checks["fp8 dispatch"].ok and not checks["nvfp4 dispatch"].ok  # Hopper: NVFP4 on its fallback
+    assert checks["fp8 dispatch"].hint == "" and checks["nvfp4 dispatch"].hint.startswith(
+        "fallback fp8 re-quantization: Hopper has no FP4 tensor cores"
+    )
     assert checks["kernel linear:fp8"].ok and checks["kernel linear:fp8"].detail == "ran on tiny operands"
     triton = checks["kernel triton:fp8"]
     assert not triton.ok and triton.detail == "out of resources: shared memory" and "fallback" in triton.hint
