@@ -3,6 +3,7 @@ each in its own subprocess, within `TOTAL_BUDGET_S` by construction (`run_bench_
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -11,8 +12,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from pipeline.targets import precision
 
 RESULT_FILE, TABLE_FILE = "gpu.json", "gpu.md"
 LOG_LINES = 200
+STOP_WAIT_S = 10.0  # reading a killed check's last output, at most
 TOTAL_BUDGET_S = 480  # the whole command, checks and their subprocess start-up included
 CONFIG = "diffusiongemma-26b-a4b"
 PASS_BATCHES = (1, 16)
@@ -221,7 +224,7 @@ def _run(
     `tile_tables` is given, the MoE GEMM tile tables to launch with first (`moe_tiles.TABLES_ENV`)."""
     budget_s = budget_s or check.budget_s
     res = CheckResult(check.name, check.what, budget_s, "passed")
-    rows_file = scratch / f"{check.name.replace(' ', '_')}.json"
+    rows_file = rows_file_of(check, scratch)
     env = dict(os.environ, PYTHONPATH=f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                DGPIPE_GPU_ROWS=str(rows_file), DGPIPE_GPU_BUDGET_S=str(budget_s),
                DGPIPE_GPU_OUT=str(out or scratch), PYTHONUNBUFFERED="1")  # fmt: skip
@@ -237,16 +240,43 @@ def _run(
         text, _ = proc.communicate(timeout=budget_s)
         res.status = "passed" if proc.returncode == 0 else "failed"
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        text, _ = proc.communicate()
+        text = stop(proc)
         res.status = "timeout"
-        clear_build_lock()  # a build of the sampler extension killed mid-way: the next load would wait forever
+    except (
+        BaseException
+    ):  # the bench itself stopped (a runner's limit, Ctrl-C): the check must not outlive it
+        stop(proc)  # on a GPU it holds memory the next command on the host would run out of
+        raise
     res.seconds = time.monotonic() - t0
     lines = text.strip().splitlines()
     res.detail, res.log = "\n".join(lines[-15:]), "\n".join(lines[-LOG_LINES:])
-    if rows_file.is_file():
-        res.rows = json.loads(rows_file.read_text())
+    res.rows = read_rows(rows_file)
     return res
+
+
+def rows_file_of(check: GpuCheck, scratch: Path) -> Path:
+    """Where `check` writes its measurements (`DGPIPE_GPU_ROWS`)."""
+    return scratch / f"{check.name.replace(' ', '_')}.json"
+
+
+def read_rows(rows_file: Path) -> list[dict]:
+    """A check's measurements so far: it saves each as it is made, atomically, so a killed one keeps them."""
+    return json.loads(rows_file.read_text()) if rows_file.is_file() else []
+
+
+def stop(proc: subprocess.Popen) -> str:
+    """Kill a check's process group (what it started too: pytest-xdist's workers, nvcc) and return what it
+    wrote. The output is read for at most `STOP_WAIT_S` more: a process that left the group but kept the
+    pipe open would hold the run past its budget."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    clear_build_lock()  # a build of the sampler extension killed mid-way: the next load would wait forever
+    try:
+        return proc.communicate(timeout=STOP_WAIT_S)[0] or ""
+    except subprocess.TimeoutExpired as e:
+        proc.kill()
+        written = e.output or b""
+        return written.decode("utf-8", "replace") if isinstance(written, bytes) else written
 
 
 def run_bench_gpu(
@@ -274,20 +304,50 @@ def run_bench_gpu(
         for r in plan(env):
             record(r)
         return result
-    # what the skipped checks and the checks that finished early leave, handed on to the next one to run:
-    # every check's elapsed time stays within the budgets' sum
+    # what the skipped checks and the checks that finished early leave, handed on to the next one to run,
+    # and what a killed one overran (its kill and teardown) taken from it: every check's elapsed time stays
+    # within the budgets' sum
     spare = float(sum(c.budget_s for c in CHECKS if skip_reason(c, env)))
     tile_tables = None  # once the tiles check has measured this GPU's table, the passes after it use it
-    with tempfile.TemporaryDirectory(prefix="dgpipe-gpu-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="dgpipe-gpu-") as scratch, stopped_by_sigterm():
         for c in CHECKS:
             if reason := skip_reason(c, env):
                 record(CheckResult(c.name, c.what, c.budget_s, "skipped", detail=reason))
                 continue
-            r = _run(c, repo, Path(scratch), c.budget_s + int(spare), out, tile_tables)
+            budget = max(1, c.budget_s + int(spare))
+            try:
+                r = _run(c, repo, Path(scratch), budget, out, tile_tables)
+            except BaseException:  # stopped from outside: what the check measured so far is kept
+                rows = read_rows(rows_file_of(c, Path(scratch)))
+                record(
+                    CheckResult(
+                        c.name, c.what, budget, "interrupted", detail="the bench was stopped", rows=rows
+                    )
+                )
+                raise
             if r.status == "passed" and r.rows:  # what it measured, not its output's last line
                 r.detail = summary(r.rows)
-            spare = max(0.0, r.budget_s - r.seconds)
+            spare = r.budget_s - r.seconds
             if c.name == TILES_CHECK and r.status == "passed":
                 tile_tables = out / TABLE_DIR
             record(r)
     return result
+
+
+@contextlib.contextmanager
+def stopped_by_sigterm() -> Iterator[None]:
+    """SIGTERM (`timeout`'s, a runner's at its limit) raises SystemExit here while the block runs, so that the
+    running check is killed and what it measured recorded: Python's default for it ends the process with
+    no cleanup, and a check runs in a process group of its own, which the signal does not reach."""
+
+    def exit_by_signal(signum, frame):
+        raise SystemExit(128 + signum)  # the shell's exit status for a signal
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes handlers
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, exit_by_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)

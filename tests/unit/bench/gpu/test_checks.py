@@ -133,6 +133,74 @@ def test_a_kill_at_the_budget_ends_what_the_check_started_and_any_bytes_are_read
     assert (res.status, res.detail) == ("passed", "ok \ufffd")
 
 
+def _alive(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "State:\tZ" not in status.read_text()
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_a_bench_stopped_from_outside_kills_the_running_check_and_keeps_what_it_measured(tmp_path, how):
+    """A runner's limit (`timeout`'s SIGTERM) or Ctrl-C stops the bench while a check runs: the check, in a
+    process group of its own that the signal does not reach, is killed too (on a GPU it would hold its
+    memory, and the next command on the host run out), and its rows so far are in gpu.json, marked
+    interrupted. Before, the check ran on and its rows were lost."""
+    import os
+    import signal
+
+    pid_file, out = tmp_path / "check.pid", tmp_path / "out"
+    measures = ("import json, os, time; open(os.environ['DGPIPE_GPU_ROWS'], 'w').write(json.dumps([{'largest_batch': 128}])); "
+                f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)")  # fmt: skip
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "from pathlib import Path\nfrom pipeline.bench.gpu import checks\n"
+        f"checks.CHECKS = (checks.GpuCheck('largest batch', 120, 'measures, then runs on', ('-c', {measures!r}), ()),)\n"
+        "checks.detect_env = lambda: checks.Env(cuda=False, torch='2.13')\n"
+        f"checks.run_bench_gpu(Path({str(out)!r}))\n"
+    )  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(Path(checks.__file__).parents[3]))
+    bench = subprocess.Popen([sys.executable, str(driver)], env=env, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not pid_file.is_file() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.3)  # the pid written, the check asleep
+    os.killpg(
+        bench.pid, signal.SIGTERM if how == "SIGTERM" else signal.SIGINT
+    )  # as `timeout` / a terminal do
+    assert bench.wait(timeout=30) != 0
+    time.sleep(0.2)
+    assert not _alive(int(pid_file.read_text()))
+    (check,) = json.loads((out / checks.RESULT_FILE).read_text())["checks"]
+    assert check["status"] == "interrupted" and check["rows"] == [{"largest_batch": 128}]
+
+
+def test_a_killed_checks_output_is_read_for_a_bounded_time(tmp_path, monkeypatch):
+    """A process that left the check's group but kept its output open (one started in a session of its own)
+    cannot hold the run past the check's budget and `STOP_WAIT_S`."""
+    monkeypatch.setattr(checks, "STOP_WAIT_S", 1.0)
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(20)'], "
+            "start_new_session=True); print('started', flush=True); time.sleep(60)")  # fmt: skip
+    t0 = time.monotonic()
+    res = checks._run(checks.GpuCheck("escapes", 1, "leaves a sleeper", ("-c", code), ()), tmp_path, tmp_path)
+    assert res.status == "timeout" and res.log == "started" and time.monotonic() - t0 < 6
+
+
+def test_a_killed_checks_overrun_is_taken_from_the_next_checks_budget(tmp_path, monkeypatch):
+    """A check killed at its budget takes a moment more to end (the kill, its teardown): the checks after it
+    get that much less, so the command stays within the budgets' sum."""
+    first, second = (checks.GpuCheck(name, 30, "runs", ("-c", "pass"), ()) for name in ("first", "second"))
+    budgets: list[int] = []
+
+    def run(check, repo, scratch, budget_s, out, tile_tables):
+        budgets.append(budget_s)
+        return checks.CheckResult(check.name, check.what, budget_s, "timeout", seconds=budget_s + 4.0)
+
+    monkeypatch.setattr(checks, "CHECKS", (first, second))
+    monkeypatch.setattr(checks, "detect_env", lambda: checks.Env(cuda=False, torch="2.13"))
+    monkeypatch.setattr(checks, "_run", run)
+    checks.run_bench_gpu(tmp_path)
+    assert budgets == [30, 26]
+
+
 def test_a_killed_build_leaves_no_lock_for_the_next_load(tmp_path, monkeypatch):
     """torch's `cpp_extension` waits, with no timeout, for the lock a killed build leaves."""
     from torch.utils import cpp_extension
