@@ -14,6 +14,8 @@ import torch
 from pipeline.limits import DEFAULTS
 from pipeline.model.config import ModelConfig
 from pipeline.model.network import DiffusionGemma
+from pipeline.runtime.backends import TorchBackend
+from pipeline.runtime.kv_cache import KVCache, canvas_room
 from pipeline.targets import Precision, Target
 
 GIB = 2**30
@@ -67,14 +69,13 @@ def weight_plan(config: ModelConfig, p: Precision) -> WeightPlan:
 
 
 def kv_cache_bytes(config: ModelConfig, context: int, concurrency: int, bytes_per_value: int = 2) -> int:
-    """Sliding layers keep window - 1 tokens (ring buffer); global layers keep the whole context."""
-    t = config.text_config
-    total = 0
-    for i in range(t.num_hidden_layers):
-        s = t.layer_shape(i)
-        tokens = min(context, t.sliding_window - 1) if s.is_sliding else context
-        total += 2 * s.num_kv_heads * s.head_dim * tokens * bytes_per_value
-    return total * concurrency
+    """The K/V cache the PyTorch runtime allocates for `concurrency` rows of `context` tokens, made on the
+    meta device so that plan and runtime cannot disagree (`KVCache`): global layers the whole context,
+    sliding layers a ring of window - 1 tokens whatever the context, and past it room for a canvas's K/V,
+    which the denoise pass writes there (`kv_cache.canvas_room`)."""
+    dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}[bytes_per_value]
+    room = canvas_room(TorchBackend, config.canvas_length)
+    return KVCache(config.text_config, concurrency, context, dtype, "meta", room).nbytes()
 
 
 @dataclass

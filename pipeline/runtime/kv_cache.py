@@ -28,6 +28,13 @@ class KeyMeta:
     valid: torch.Tensor
 
 
+def canvas_room(backend: object, canvas_length: int) -> int:
+    """Slots the cache keeps past a sliding layer's ring for a canvas's K/V: a canvas's worth where the
+    backend's denoise pass writes them there (`writes_kv_in_place`), else none. The runtime's cache and the
+    memory plan (`quantize.planner.kv_cache_bytes`) both size it here."""
+    return canvas_length if getattr(backend, "writes_kv_in_place", False) else 0
+
+
 class KVCache:
     def __init__(
         self,

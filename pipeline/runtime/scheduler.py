@@ -28,7 +28,7 @@ from pipeline.runtime.backends import KV, ModelBackend, SamplerInputs, TorchBack
 from pipeline.runtime.device_errors import device_failure
 from pipeline.runtime.device_loop import DenoiseRound, DeviceLoop, on_device
 from pipeline.runtime.guided import GuideState, advance, finish_canvas, mask_rows
-from pipeline.runtime.kv_cache import KVCache, attention_masks
+from pipeline.runtime.kv_cache import KVCache, attention_masks, canvas_room
 from pipeline.runtime.prefix_cache import PrefixCache
 from pipeline.runtime.warm import warm_experts
 from pipeline.sampler.constraints import TokenAutomaton
@@ -115,7 +115,7 @@ class BlockDiffusionRuntime:
         self._out_of_memory_at = 0.0
         self.device, self.dtype = self.backend.device, self.backend.dtype
         # room in the cache for a canvas's K/V, where the backend writes them there (`KVCache.read`)
-        room = self.canvas_length if getattr(self.backend, "writes_kv_in_place", False) else 0
+        room = canvas_room(self.backend, self.canvas_length)
         self.cache = KVCache(cfg, max_batch, self.max_len, self.dtype, self.device, room)
         s, length = max_batch, self.canvas_length
         dev = self.device

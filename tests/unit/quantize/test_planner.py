@@ -7,6 +7,7 @@ import pytest
 from pipeline.errors import DgpipeError
 from pipeline.model.config import ModelConfig
 from pipeline.resources import load_yaml
+from pipeline.runtime.scheduler import BlockDiffusionRuntime
 from pipeline.targets import check_precision_on_target, precision, target
 from quantize.planner import (
     kv_cache_bytes,
@@ -16,6 +17,7 @@ from quantize.planner import (
     workspace,
     workspace_bytes,
 )
+from tests._utils.tiny import build_tiny
 
 CFG = ModelConfig.from_dict(load_yaml("models", "diffusiongemma-26b-a4b"))
 
@@ -80,12 +82,16 @@ def test_26b_weights_match_the_published_sizes():
 
 
 def test_kv_cache_ring_buffer_for_sliding_layers():
+    """Global layers hold the context; sliding ones a ring of 1,023 tokens and room for a 256-token canvas's
+    K/V past it (the denoise pass writes them there), whatever the context: what the runtime allocates."""
     per_token_global = 2 * 2 * 512 * 2  # K and V, 2 heads x 512, bf16
     per_token_sliding = 2 * 8 * 256 * 2
-    ctx = 32_768
-    expected = 5 * per_token_global * ctx + 25 * per_token_sliding * 1023
-    assert kv_cache_bytes(CFG, ctx, 1) == expected
-    assert kv_cache_bytes(CFG, ctx, 4, bytes_per_value=1) == 2 * expected
+    for ctx in (32_768, 512):
+        expected = 5 * per_token_global * ctx + 25 * per_token_sliding * (1023 + 256)
+        assert kv_cache_bytes(CFG, ctx, 1) == expected
+        assert kv_cache_bytes(CFG, ctx, 4, bytes_per_value=1) == 2 * expected
+    runtime = BlockDiffusionRuntime(build_tiny(), max_batch=3, max_len=96)
+    assert kv_cache_bytes(runtime.backend.config, 96, 3, bytes_per_value=4) == runtime.cache.nbytes()
 
 
 def test_serving_plan_per_gpu():
