@@ -151,7 +151,8 @@ def test_a_bench_stopped_from_outside_kills_the_running_check_and_keeps_what_it_
     measures = ("import json, os, time; open(os.environ['DGPIPE_GPU_ROWS'], 'w').write(json.dumps([{'largest_batch': 128}])); "
                 f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)")  # fmt: skip
     driver = tmp_path / "driver.py"
-    driver.write_text(
+    driver.write_text(  # Ctrl-C raises KeyboardInterrupt, as in a terminal (a background job ignores SIGINT)
+        "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from pathlib import Path\nfrom pipeline.bench.gpu import checks\n"
         f"checks.CHECKS = (checks.GpuCheck('largest batch', 120, 'measures, then runs on', ('-c', {measures!r}), ()),)\n"
         "checks.detect_env = lambda: checks.Env(cuda=False, torch='2.13')\n"
