@@ -242,10 +242,10 @@ def _run(
     except subprocess.TimeoutExpired:
         text = stop(proc)
         res.status = "timeout"
-    except (
-        BaseException
-    ):  # the bench itself stopped (a runner's limit, Ctrl-C): the check must not outlive it
-        stop(proc)  # on a GPU it holds memory the next command on the host would run out of
+    except BaseException:
+        # the bench itself stopped (a runner's limit, Ctrl-C): the check must not outlive it, as on a GPU it
+        # holds memory the next command on the host would run out of
+        stop(proc)
         raise
     res.seconds = time.monotonic() - t0
     lines = text.strip().splitlines()
@@ -274,7 +274,6 @@ def stop(proc: subprocess.Popen) -> str:
     try:
         return proc.communicate(timeout=STOP_WAIT_S)[0] or ""
     except subprocess.TimeoutExpired as e:
-        proc.kill()
         written = e.output or b""
         return written.decode("utf-8", "replace") if isinstance(written, bytes) else written
 
