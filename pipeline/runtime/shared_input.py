@@ -39,8 +39,7 @@ from torch import nn
 
 from pipeline.model import scaled_layout as sl
 from pipeline.model.network import DiffusionGemma
-from pipeline.runtime import tensor_cores
-from pipeline.runtime.tensor_cores import ScaledLinear, in_one_pass
+from pipeline.runtime.tensor_cores import ScaledLinear, in_one_pass, rowwise_output_dtype
 
 # (un-normed rows [M, K], their norm, a quantized linear) -> the linear's GEMM operand of the normed rows and
 # its scales, as `ScaledLinear.quantize` gives them
@@ -141,7 +140,7 @@ def concatenates(parts: Sequence[nn.Module], fp8_columns: bool = False) -> bool:
     # one RowWise GEMM: only where it writes the model's dtype itself (on CUDA bf16 alone,
     # `rowwise_output_dtype`); an fp16 or fp32 model's merged outputs would be rounded to bf16, which each
     # linear alone (TensorWise, writing the model's dtype) is not
-    rowwise_out = tensor_cores.rowwise_output_dtype(first.out_dtype, first.weight.device)
+    rowwise_out = rowwise_output_dtype(first.out_dtype, first.weight.device)
     return fp8_columns and first.mode == "fp8" and rowwise_out == first.out_dtype
 
 

@@ -87,7 +87,7 @@ def test_fp8_siblings_merge_into_a_rowwise_gemm_only_where_it_writes_the_models_
     stay a GEMM each (TensorWise, in the model's dtype) and only share their quantization, since merged
     their outputs would be rounded to bf16 (the tests' quantized model's logits moved by 9% relative L2 in
     fp16, 7% in fp32, with CUDA's output dtype stood in for). A bf16 model merges."""
-    monkeypatch.setattr(tc, "rowwise_output_dtype", lambda out_dtype, device: torch.bfloat16)  # as on CUDA
+    monkeypatch.setattr(si, "rowwise_output_dtype", lambda out_dtype, device: torch.bfloat16)  # as on CUDA
     for dtype, merges in ((torch.bfloat16, True), (torch.float16, False), (torch.float32, False)):
         gen = torch.Generator().manual_seed(0)
         parts = [tc.ScaledLinear(packed_linear("fp8", n, 64, gen), "fp8", CPU, dtype) for n in (48, 32)]
