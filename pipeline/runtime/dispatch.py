@@ -10,7 +10,10 @@ and .../torch.nn.functional.scaled_grouped_mm.html):
 * `F.scaled_mm` FP8 `TensorWise` / `RowWise` (cuBLASLt, sm89+); NVFP4 `[BlockWise1x16, TensorWise]`
   with `SWIZZLE_32_4_4` scales (cuBLASLt block-scaled FP4, sm100/sm120).
 * `F.scaled_grouped_mm` FP8 `RowWise` (sm90 only, as torch's grouped FP8 tests gate it); NVFP4
-  `[BlockWise1x16, TensorWise]` (sm100+, torch builds with its MSLK/FBGEMM grouped kernels: probed).
+  `[BlockWise1x16, TensorWise]` (compute capability 10.x alone, torch builds with its MSLK/FBGEMM grouped
+  kernels: probed). Every torch grouped GEMM refuses other GPUs before choosing a recipe
+  (`_scaled_mm_allowed_device(sm90_only, sm100_only)` in ATen's cuda/GroupedBlas.cpp: majors 9 and 10),
+  so RTX Blackwell (12.x) and Thor (11.0, dispatched as sm100) have none.
 * bf16: `F.linear` (cuBLAS) and `F.grouped_mm`.
 Where they leave a gap, dgpipe's own Triton FP8 MoE GEMM (`pipeline.runtime.kernels.moe`): Hopper's passes
 with few rows per expert, and every pass on Ada and RTX Blackwell, which have FP8 tensor cores but no grouped
@@ -20,8 +23,9 @@ Byte model of one denoise pass (the HBM floor: every byte read or written once a
 weights in their stored format (experts: only those the routed slots touch, expected value under uniform
 routing), the tied embedding read twice (LM head, then the soft embedding of the probabilities), the
 context K/V, fp32 logits written and read once by the sampler, bf16 probabilities written and read once
-by the soft embedding, and every GEMM's bf16 input read and output written once. Norms and element-wise
-ops are assumed fused (not counted). Compute floor of the same pass: its matmul FLOPs
+by the soft embedding, every GEMM's bf16 input read and output written once (the self-conditioning MLP's
+too), and attention's Q, K and V read and its output written once. Norms and element-wise ops are assumed
+fused (not counted). Compute floor of the same pass: its matmul FLOPs
 (`pipeline.model.cost.denoise_pass_flop_parts`) at the GPU's dense tensor-core peak, the linears' and the
 experts' at the rate of the format the path reads them in, the rest at bf16's. A pass is bound by the larger
 of the two floors: one canvas by memory, 16 by compute on Hopper. Config-only arithmetic, no torch.
@@ -166,7 +170,8 @@ def _rows() -> dict[tuple[str, str], DispatchRow]:
         )  # fmt: skip
         rows["int4_awq", arch] = DispatchRow(
             "int4_awq", arch, LINEAR_BF16, _grouped_bf16(arch), "bf16", "bf16", "bf16",
-            "torch has no W4A16 GEMM; the checkpoint is dequantized to bf16 (2 B/param)",
+            "torch has no W4A16 grouped GEMM for the experts (its private tinygemm `_weight_int4pack_mm` is "
+            "not one, nor public); the checkpoint is dequantized to bf16 (2 B/param)",
             triton_rows=_float_triton_rows(arch),
         )  # fmt: skip
     rows["fp8", "sm90"] = DispatchRow(
@@ -181,12 +186,22 @@ def _rows() -> dict[tuple[str, str], DispatchRow]:
     rows["fp8", "sm100"] = DispatchRow(
         "fp8", "sm100", SCALED_MM_FP8, TRITON_MOE_EVERY_PASS_B200, "fp8", "fp8", triton_rows=EVERY_PASS
     )  # fmt: skip
-    rows["nvfp4", "sm100"] = DispatchRow("nvfp4", "sm100", SCALED_MM_FP4, GROUPED_FP4, "nvfp4", "nvfp4")
     # torch's grouped NVFP4 GEMM comes from its MSLK/FBGEMM CUTLASS kernels (`f4f4bf16_grouped_mm`); where it
-    # does not run on an RTX Blackwell, the experts keep FP8 (1 B/param, the 26B's ~23 GB) instead of bf16
-    # (2 B/param, ~46 GB: more than an RTX 5090's 32 GB)
+    # fails its probe (a torch built without them; Thor, compute capability 11.0, which torch's grouped GEMMs
+    # refuse), the experts keep FP8 (1 B/param, the 26B's ~23 GB) instead of bf16 (2 B/param, ~46 GB)
+    rows["nvfp4", "sm100"] = DispatchRow(
+        "nvfp4", "sm100", SCALED_MM_FP4, GROUPED_FP4, "nvfp4", "nvfp4", experts_fallback=TRITON_MOE_EVERY_PASS_REQ
+    )  # fmt: skip
+    # RTX Blackwell has FP4 tensor cores and cuBLASLt's block-scaled FP4 GEMM for the linears, but no torch
+    # grouped GEMM at all: the experts take the Triton FP8 GEMM as on Ada, FP8 instead of bf16 keeping the
+    # 26B's experts at ~23 GB (bf16: ~46 GB, more than an RTX 5090's 32 GB)
     rows["nvfp4", "sm120"] = DispatchRow(
-        "nvfp4", "sm120", SCALED_MM_FP4, GROUPED_FP4, "nvfp4", "nvfp4", experts_fallback=TRITON_MOE_EVERY_PASS_REQ
+        "nvfp4", "sm120", SCALED_MM_FP4, TRITON_MOE_EVERY_PASS_REQ, "nvfp4", "fp8_rowwise",
+        "experts: fp8 re-quantization",
+        "torch's grouped GEMMs run on compute capability 9.x and 10.x alone: the experts' dequantized NVFP4 "
+        "weights re-quantized to E4M3 per output row (1 B/param) for dgpipe's Triton FP8 MoE GEMM; the linears "
+        "stay NVFP4",
+        triton_rows=EVERY_PASS,
     )  # fmt: skip
     rows["nvfp4", "sm90"] = DispatchRow(
         "nvfp4", "sm90", SCALED_MM_FP8_ROW, GROUPED_FP8_REQ, "fp8_rowwise", "fp8_rowwise", "fp8 re-quantization",
@@ -263,10 +278,15 @@ def pass_bytes(
         lin += _linear_params(cfg, i)
         exp += experts_touched(cfg, tokens) * 3 * d * inner
         kv += batch * (ring if s.is_sliding else past) * kvd * 2 * BF16
-        act += tokens * BF16 * (d + q + kvd * 2 + q + d)  # q/k/v in, outputs; o in/out
+        kv_out = kvd * (2 if s.is_sliding else 1)  # global layers: V is K (no v_proj)
+        act += tokens * BF16 * (d + q + kv_out + q + d)  # q/k/v in, outputs; o in/out
+        act += tokens * BF16 * (q + 2 * kvd + q)  # attention reads Q, K and V, writes O
         act += tokens * BF16 * (d + 2 * cfg.intermediate_size + cfg.intermediate_size + d)  # dense MLP
         slots = tokens * cfg.top_k_experts
         act += slots * BF16 * (d + 2 * inner + inner + d)  # experts: gate_up in/out, down in/out
+    act += (
+        tokens * BF16 * (d + 2 * cfg.intermediate_size + cfg.intermediate_size + d)
+    )  # self-conditioning MLP
     v = cfg.vocab_size
     high = (2 * v * d + cfg.num_hidden_layers * d * cfg.num_experts + 3 * d * cfg.intermediate_size) * BF16
     logits = tokens * v * (4 + 4 + BF16 + BF16)

@@ -16,7 +16,10 @@ them can be captured in a CUDA graph (`graph_safe = True`).
 API (torch >= 2.10's `torch.nn.functional.scaled_mm` / `scaled_grouped_mm` with `ScalingType` and
 `SwizzleType`; checked in torch 2.13's sources): `scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b,
 scale_recipe_b, swizzle_a=None, swizzle_b=None, bias=None, output_dtype=torch.bfloat16, ...)`, and the
-grouped form with `offs` (int32 group end offsets).
+grouped form with `offs` (int32 group end offsets). Where a recipe has two levels (NVFP4's block scales and
+global scale), `F.scaled_mm` on CUDA takes a swizzle per scale (`check_swizzle_lengths` in ATen's
+`cuda/ScaledBlas.cpp`, and torch's own NVFP4 samples in `common_methods_invocations.py`); its meta
+function reads the first alone, so `pipeline.bench.gpu.fake_cuda` adds that check to the CPU rehearsals.
 """
 
 from __future__ import annotations
@@ -142,10 +145,13 @@ def scaled_gemm(
             output_dtype=rowwise, use_fast_accum=FP8_FAST_ACCUM,
         ).to(out_dtype)  # fmt: skip
     if mode == "nvfp4":
+        # one swizzle per scale, as CUDA's kernel checks (a single one is refused): the block scales in the
+        # 32x4x4 layout, the global scale as it is
+        each = [swizzle.SWIZZLE_32_4_4, swizzle.NO_SWIZZLE]
         return F.scaled_mm(
             sl.as_fp4x2(a), weight.t(), a_scales, [scaling.BlockWise1x16, scaling.TensorWise],
-            w_scales, [scaling.BlockWise1x16, scaling.TensorWise],
-            swizzle_a=swizzle.SWIZZLE_32_4_4, swizzle_b=swizzle.SWIZZLE_32_4_4, output_dtype=out_dtype,
+            w_scales, [scaling.BlockWise1x16, scaling.TensorWise], swizzle_a=each, swizzle_b=each,
+            output_dtype=out_dtype,
         )  # fmt: skip
     return F.scaled_mm(
         a, weight.t(), a_scales[0], scaling.RowWise, w_scales[0], scaling.RowWise, output_dtype=rowwise,

@@ -272,6 +272,29 @@ class Launchers:
 
 
 _LIBS: list[torch.library.Library] = []  # registrations live as long as their Library object
+# the block-scaled recipes (NVFP4, MX formats) whose scales CUDA's `_scaled_mm_v2` reads in a swizzled layout
+BLOCK_SCALED = (
+    torch.nn.functional.ScalingType.BlockWise1x16.value,
+    torch.nn.functional.ScalingType.BlockWise1x32.value,
+)
+
+
+def cuda_scaled_mm_checks(scaled_mm_v2):
+    """`torch._scaled_mm_v2` with the argument check CUDA's kernel makes and the meta function (which
+    fake tensors run) does not: a block-scaled operand takes one swizzle per scale (`check_swizzle_lengths`
+    in ATen's cuda/ScaledBlas.cpp: NVFP4's block scales and global scale, two), else the same ValueError."""
+
+    @functools.wraps(scaled_mm_v2)
+    def checked(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, *rest, **kw):
+        for name, scales, recipe, swizzle in (
+            ("a", scale_a, recipe_a, swizzle_a),
+            ("b", scale_b, recipe_b, swizzle_b),
+        ):
+            if any(r in BLOCK_SCALED for r in recipe) and len(swizzle) != len(scales):
+                raise ValueError(f"swizzle_{name} must have {len(scales)} values, got {len(swizzle)}")
+        return scaled_mm_v2(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, *rest, **kw)
+
+    return checked
 
 
 def _grouped_meta() -> None:
@@ -311,6 +334,9 @@ def fake_gpu(arch: str) -> Iterator[tuple[FakeTensorMode, OpCounter, _Functions]
         )
         # a Linux CUDA build of torch, which has flash attention (a CPU build says it has none)
         stack.enter_context(mock.patch("torch.backends.cuda.is_flash_attention_available", lambda: True))
+        stack.enter_context(
+            mock.patch.object(torch, "_scaled_mm_v2", cuda_scaled_mm_checks(torch._scaled_mm_v2))
+        )
         moe = Launcher("moe_gemm", ops, kernels.moe._kernel(), arch)
         stack.enter_context(mock.patch.object(kernels.moe, "_kernel", lambda: moe))
         # one launch per GEMM whatever its tile: no measured tile table is looked for

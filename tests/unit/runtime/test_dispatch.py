@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.model.config import ModelConfig
-from pipeline.model.network import DiffusionGemma
+from pipeline.model.network import GROUPED_MM_KERNEL_MAJORS, DiffusionGemma
 from pipeline.resources import load_yaml
 from pipeline.runtime import dispatch as dp
 
@@ -31,11 +31,16 @@ def test_every_format_and_arch_has_one_row_and_fallbacks_say_why():
     assert few == {("fp8", "sm90"), ("nvfp4", "sm90")} and all(
         dp.TRITON_MOE in dp.DISPATCH[k].experts for k in few
     )
-    # Ada and RTX Blackwell: no grouped GEMM kernel in torch for FP8 or bf16, so every format's experts
-    # but NVFP4 on RTX Blackwell (torch's grouped FP4 GEMM) take the Triton GEMM, at their own bytes; and
-    # FP8 on B200, whose FP8 grouped GEMM torch lacks (sm90-only)
-    no_kernel = {(f, a) for f in dp.FORMATS for a in dp.NO_GROUPED_KERNEL} - {("nvfp4", "sm120")}
+    # Ada and RTX Blackwell: no grouped GEMM kernel in torch (every one runs on majors 9 and 10 alone, as
+    # the network's own check says), so every format's experts take the Triton GEMM, at their own bytes or
+    # FP8's (NVFP4); and FP8 on B200, whose FP8 grouped GEMM torch lacks (sm90-only)
+    majors = {a: int(a[2:-1]) for a in dp.ARCHS}
+    assert set(dp.NO_GROUPED_KERNEL) == {a for a, m in majors.items() if m not in GROUPED_MM_KERNEL_MAJORS}
+    no_kernel = {(f, a) for f in dp.FORMATS for a in dp.NO_GROUPED_KERNEL}
     assert every == no_kernel | {("fp8", "sm100")}
+    assert (
+        dp.dispatch("nvfp4", "sm120").fallback and dp.dispatch("nvfp4", "sm120").expert_read == "fp8_rowwise"
+    )
     assert all(dp.DISPATCH[k].expert_read in ("fp8", "fp8_rowwise", "bf16") for k in every)
     assert all(
         dp.DISPATCH[k].experts.startswith(dp.TRITON_BF16) == (k[0] in ("bf16", "int4_awq")) for k in every
@@ -44,9 +49,11 @@ def test_every_format_and_arch_has_one_row_and_fallbacks_say_why():
     assert dp.dispatch("nvfp4", "sm100").experts.startswith("F.scaled_grouped_mm NVFP4")
     assert dp.dispatch("nvfp4", "sm90").fallback == "fp8 re-quantization"
     # a second quantized path only where torch's experts kernel may be missing and Triton's FP8 GEMM serves
+    # (a torch without its grouped NVFP4 kernels; Thor, compute capability 11.0, dispatched as sm100)
     seconds = {k: r.experts_fallback for k, r in dp.DISPATCH.items() if r.experts_fallback}
-    assert seconds == {("nvfp4", "sm120"): dp.TRITON_MOE_EVERY_PASS_REQ}
-    assert f"where it fails its probe: {dp.TRITON_MOE_EVERY_PASS_REQ}" in dp.render_dispatch("sm120")
+    assert seconds == {("nvfp4", "sm100"): dp.TRITON_MOE_EVERY_PASS_REQ}
+    assert f"where it fails its probe: {dp.TRITON_MOE_EVERY_PASS_REQ}" in dp.render_dispatch("sm100")
+    assert dp.arch_of(11, 0) == "sm100"
     assert dp.arch_of(9, 0) == "sm90" and dp.arch_of(10, 3) == "sm100" and dp.arch_of(8, 0) is None
 
 
@@ -70,6 +77,37 @@ def test_bf16_weight_bytes_are_the_networks_parameters(cfg26):
     assert fp8.linears == linears and fp8.experts == pytest.approx(experts, rel=1e-9)
     nv = dp.pass_bytes(c, "nvfp4", "nvfp4", batch=16)
     assert nv.experts == pytest.approx(experts * 0.5625, rel=1e-9)  # 4 bits + an 8-bit scale per 16
+
+
+def test_activation_bytes_are_every_gemms_input_and_output_and_attentions_operands(cfg26):
+    """Counted from the meta model's modules: each GEMM's input (siblings read theirs once: q, k, v; gate,
+    up) and output once per token (the routed experts' per slot), and attention's Q, K, V read and output
+    written once; bf16."""
+    with torch.device("meta"):
+        model = DiffusionGemma(cfg26)
+    c, tokens = cfg26.text_config, 3 * 256
+    mlp = lambda m: (
+        m.gate_proj.in_features
+        + 2 * m.gate_proj.out_features
+        + m.down_proj.in_features
+        + m.down_proj.out_features
+    )
+    per_token = 0
+    for layer in model.layers:
+        a = layer.self_attn
+        qkv = [m for m in (a.q_proj, a.k_proj, a.v_proj) if m is not None]  # global layers: V is K
+        per_token += (
+            a.q_proj.in_features
+            + sum(m.out_features for m in qkv)
+            + a.o_proj.in_features
+            + a.o_proj.out_features
+        )
+        per_token += 2 * a.q_proj.out_features + 2 * a.k_proj.out_features  # Q, K, V read; output written
+        per_token += mlp(layer.mlp)
+        _, two_i, d = layer.experts.gate_up_proj.shape
+        per_token += c.top_k_experts * (d + two_i + two_i // 2 + d)
+    per_token += mlp(model.self_conditioning)
+    assert dp.pass_bytes(c, "fp8", "fp8", batch=3).activations == 2 * tokens * per_token
 
 
 def test_experts_touched_and_kv_and_floor(cfg26):
@@ -103,22 +141,32 @@ def test_doctor_says_no_cuda_on_cpu():
     assert (row.name, row.ok, row.detail) == ("tensor cores", False, "no CUDA")
 
 
-def test_doctor_names_the_experts_fallback_a_load_takes_on_rtx_blackwell(monkeypatch, tmp_path):
-    """On RTX Blackwell an NVFP4 load runs the experts on the row's second path where torch's grouped NVFP4
-    GEMM fails its probe (Triton FP8, re-quantized); doctor's row says so, as the dispatch table does."""
+@pytest.mark.parametrize(
+    ("capability", "gpu"), [((11, 0), "NVIDIA Thor"), ((12, 0), "NVIDIA GeForce RTX 5090")]
+)
+def test_doctor_names_the_nvfp4_experts_path_a_load_takes(monkeypatch, tmp_path, capability, gpu):
+    """On sm100 (Thor, compute capability 11.0, included) an NVFP4 load runs the experts on the row's second
+    path where torch's grouped NVFP4 GEMM fails its probe (Triton FP8, re-quantized); on RTX Blackwell, which
+    torch's grouped GEMMs refuse, on that path always, a named fallback. Doctor's row says so, as the
+    dispatch table does."""
     from pipeline import doctor
     from pipeline.runtime import probe as probing
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (12, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 5090")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
     monkeypatch.setenv("DGPIPE_CACHE", str(tmp_path))
-    ran = probing.Probe("sm120", {"linear:nvfp4": None, "experts:nvfp4": "no kernel image"})
+    arch = dp.arch_of(*capability)
+    ran = probing.Probe(arch, {"linear:nvfp4": None, "experts:nvfp4": "no kernel image"})
     monkeypatch.setattr(probing, "probe", lambda device: ran)
     row = {c.name: c for c in doctor.check_tensor_cores()}["nvfp4 dispatch"]
-    assert row.ok and row.hint == ""
-    assert row.detail.endswith(f"; where it fails its probe: {dp.TRITON_MOE_EVERY_PASS_REQ}")
-    assert dp.TRITON_MOE_EVERY_PASS_REQ in dp.render_dispatch("sm120")
+    if arch == "sm100":
+        assert row.ok and row.hint == ""
+        assert row.detail.endswith(f"; where it fails its probe: {dp.TRITON_MOE_EVERY_PASS_REQ}")
+    else:
+        assert not row.ok and row.detail.endswith(f"experts {dp.TRITON_MOE_EVERY_PASS_REQ}")
+        assert row.hint.startswith("fallback experts: fp8 re-quantization: torch's grouped GEMMs run on")
+    assert dp.TRITON_MOE_EVERY_PASS_REQ in dp.render_dispatch(arch)
 
 
 def test_doctor_on_a_gpu_host_lists_the_rows_and_what_the_probe_ran(monkeypatch, tmp_path):
@@ -192,7 +240,7 @@ def test_flop_parts_are_two_flops_per_weight_and_token(cfg26):
 
 def test_compute_floor_runs_each_part_at_its_formats_rate(cfg26):
     """FP8 on an H200: linears and experts at 1,979 TFLOPS, the rest at 989; one canvas is bound by memory,
-    16 by compute (25.8 ms of matmuls against 13.2 ms of bytes); a rate the GPU entry lacks gives None."""
+    16 by compute (25.8 ms of matmuls against 13.9 ms of bytes); a rate the GPU entry lacks gives None."""
     from pipeline.model.cost import denoise_pass_flop_parts
 
     c = cfg26.text_config
@@ -209,5 +257,5 @@ def test_compute_floor_runs_each_part_at_its_formats_rate(cfg26):
     assert rows["H200-SXM-141GB", "fp8", 1].bound == "memory"
     h200_16 = rows["H200-SXM-141GB", "fp8", 16]
     assert h200_16.bound == "compute" and h200_16.compute_ms == pytest.approx(fp8)
-    assert 25 < h200_16.compute_ms < 27 and 13 < h200_16.path_ms < 13.5
+    assert 25 < h200_16.compute_ms < 27 and 13.5 < h200_16.path_ms < 14
     assert rows["RTX-PRO-6000-Blackwell", "fp8", 16].bound == "—"

@@ -232,17 +232,22 @@ def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
         ("linear", "nvfp4", "nvfp4"),
         ("quant", "nvfp4", "nvfp4"),
         ("experts", "nvfp4", "nvfp4"),
+        (
+            "triton",
+            "fp8_rowwise",
+            "nvfp4",
+        ),  # NVFP4 experts' second path: FP8 on Triton (Thor; a torch without
+        ("quant", "fp8_rowwise", "nvfp4"),  # its grouped NVFP4 kernels)
         *net,
     ]
-    # Ada and RTX Blackwell: no grouped GEMM kernel in torch for FP8 or bf16, the Triton GEMM takes every pass
+    # Ada and RTX Blackwell: no grouped GEMM kernel in torch at all, the Triton GEMM takes every pass
     assert probing.probe_plan("sm89") == [
         ("linear", "fp8", "fp8"), ("quant", "fp8", "fp8"), ("triton", "fp8", "fp8"), columns, ("linear", "fp8_rowwise", "nvfp4"),
         ("quant", "fp8_rowwise", "nvfp4"), ("triton", "fp8_rowwise", "nvfp4"), ("triton", "bf16", "bf16"), *net,
     ]  # fmt: skip
     assert probing.probe_plan("sm120") == [
         ("linear", "fp8", "fp8"), ("quant", "fp8", "fp8"), ("triton", "fp8", "fp8"), columns, ("linear", "nvfp4", "nvfp4"), ("quant", "nvfp4", "nvfp4"),
-        ("experts", "nvfp4", "nvfp4"),
-        ("triton", "fp8_rowwise", "nvfp4"), ("quant", "fp8_rowwise", "nvfp4"),  # NVFP4 experts' second path: FP8 on Triton
+        ("triton", "fp8_rowwise", "nvfp4"), ("quant", "fp8_rowwise", "nvfp4"),  # NVFP4 experts: FP8 on Triton
         ("triton", "bf16", "bf16"), *net,
     ]  # fmt: skip
     assert probing.probe_plan("sm120", formats=("bf16",)) == [
@@ -467,7 +472,7 @@ def test_a_hopper_load_takes_the_crossover_its_gpus_tile_table_measured(ckpts, m
     model, _, report = gpu_load.load_on_gpu(ckpts["fp8"], torch.bfloat16, CPU, probed)
     assert {layer.experts.triton_rows for layer in model.layers} == {dp.TRITON_MAX_ROWS_PER_EXPERT}
     assert report.measured_rows is None and "tile table" not in report.summary()
-    monkeypatch.setattr(gpu_load, "measured_triton_rows", lambda device: 256.0)
+    monkeypatch.setattr(gpu_load, "measured_triton_rows", lambda device, shapes: 256.0)
     model, _, report = gpu_load.load_on_gpu(ckpts["fp8"], torch.bfloat16, CPU, probed)
     assert {layer.experts.triton_rows for layer in model.layers} == {256.0}
     assert "Triton MoE GEMM up to 256 rows per expert (this GPU's tile table)" in report.summary()
@@ -541,29 +546,31 @@ def test_the_experts_plan_follows_the_row_and_the_probe():
     assert plan("fp8", "sm89", {"triton:fp8": None}) == ("fp8", dp.EVERY_PASS, None)
     mode, rows, line = plan("fp8", "sm89", {})
     assert (mode, rows) == (None, 0.0) and line.endswith("failed its probe (not run): dequantized float path")
-    mode, rows, line = plan("nvfp4", "sm120", {"experts:nvfp4": "no kernel", "triton:fp8_rowwise": None})
+    mode, rows, line = plan("nvfp4", "sm100", {"experts:nvfp4": "no kernel", "triton:fp8_rowwise": None})
     assert (mode, rows) == ("fp8_rowwise", dp.EVERY_PASS) and line.endswith(
         f"(no kernel): {dp.TRITON_MOE_EVERY_PASS_REQ}"
     )
+    assert plan("nvfp4", "sm120", {"triton:fp8_rowwise": None}) == ("fp8_rowwise", dp.EVERY_PASS, None)
     assert plan("nvfp4", "sm100", {"experts:nvfp4": None}) == ("nvfp4", 0.0, None)
     assert plan("fp8", "sm100", {"triton:fp8": None}) == ("fp8", dp.EVERY_PASS, None)
     mode, rows, line = plan("fp8", "sm100", {"triton:fp8": "PTX error"})  # B200: torch's bf16 grouped GEMM
     assert (mode, rows) == (None, 0.0) and line.endswith("(PTX error): dequantized float path")
 
 
-def test_nvfp4_experts_on_rtx_blackwell_without_torchs_grouped_fp4_keep_fp8_on_the_triton_gemm(
-    ckpts, monkeypatch
-):
-    """sm120 whose probe finds no grouped NVFP4 GEMM in torch (it comes from MSLK/FBGEMM kernels): the
-    experts take the row's second quantized path, re-quantized to FP8 per row on the Triton GEMM for every
-    pass (1 B/param, not bf16's 2), nothing dequantized to a float model, the linears still NVFP4; without
-    a working Triton GEMM either, they load dequantized."""
+@pytest.mark.parametrize("arch", ["sm100", "sm120"])
+def test_nvfp4_experts_without_torchs_grouped_fp4_keep_fp8_on_the_triton_gemm(ckpts, monkeypatch, arch):
+    """Where torch's grouped NVFP4 GEMM does not run (RTX Blackwell always: torch's grouped GEMMs refuse
+    it; on sm100 where its probe fails: Thor, a torch without its MSLK/FBGEMM kernels), the experts are
+    re-quantized to FP8 per row on the Triton GEMM for every pass (1 B/param, not bf16's 2), nothing
+    dequantized to a float model, the linears still NVFP4; without a working Triton GEMM either, they load
+    dequantized."""
     monkeypatch.setattr(F, "scaled_grouped_mm", lambda *a, **k: pytest.fail("torch's grouped GEMM ran"))
     dequantized = _spy_dequantized(monkeypatch)
     failed = "NotImplementedError: nvfp4 grouped gemm is not supported"
-    probed = probing.Probe(
-        "sm120", {"linear:nvfp4": None, "experts:nvfp4": failed, "triton:fp8_rowwise": None}
-    )
+    row = dp.dispatch("nvfp4", arch)
+    probed = probing.Probe(arch, {"linear:nvfp4": None, "triton:fp8_rowwise": None})
+    if arch == "sm100":
+        probed.results["experts:nvfp4"] = failed
     model, _, report = gpu_load.load_on_gpu(ckpts["nvfp4"], torch.bfloat16, CPU, probed)
     assert dequantized == [] and report.experts == len(model.layers)
     assert all(
@@ -571,13 +578,16 @@ def test_nvfp4_experts_on_rtx_blackwell_without_torchs_grouped_fp4_keep_fp8_on_t
         for layer in model.layers
     )
     assert {m.mode for m in model.modules() if isinstance(m, tc.ScaledLinear)} == {"nvfp4"}
-    assert report.fallbacks == [
-        f"experts: {dp.GROUPED_FP4} failed its probe ({failed}): {dp.TRITON_MOE_EVERY_PASS_REQ}"
-    ]
+    assert report.fallbacks == (
+        [f"experts: {dp.GROUPED_FP4} failed its probe ({failed}): {dp.TRITON_MOE_EVERY_PASS_REQ}"]
+        if arch == "sm100"
+        else [f"experts: fp8 re-quantization: {row.note}"]
+    )
     probed.results["triton:fp8_rowwise"] = "compile error"
     model, _, report = gpu_load.load_on_gpu(ckpts["nvfp4"], torch.bfloat16, CPU, probed)
     assert len(dequantized) == 3 * model.cfg.num_experts * len(model.layers) and report.experts == 0
-    assert report.fallbacks[0].endswith(f"({failed}): dequantized float path")
+    failed_first = failed if arch == "sm100" else "compile error"
+    assert any(f.endswith(f"({failed_first}): dequantized float path") for f in report.fallbacks)
 
 
 def test_ada_without_a_working_triton_gemm_loads_the_experts_dequantized(ckpts, monkeypatch):
@@ -791,3 +801,24 @@ def test_an_nvfp4_down_projection_takes_its_operand_from_the_gated_gelu(monkeypa
     assert torch.equal(a, want_a) and global_scale is down.input_scale
     assert torch.equal(block_scales.view(torch.uint8), sl.to_blocked(want_s.view(torch.uint8)))
     assert tc.down_from_geglu(down, None, None) is None  # no kernel: the linear quantizes
+
+
+def test_nvfp4_linears_give_cudas_kernel_one_swizzle_per_scale(monkeypatch):
+    """NVFP4's two-level recipe (block scales, global scale) takes two swizzles per operand on CUDA, where
+    torch's meta function, and so every CPU test, reads the first alone: the check CUDA makes, as the CPU
+    rehearsals make it (`fake_cuda.cuda_scaled_mm_checks`), on the arguments the linear gives."""
+    from pipeline.bench.gpu.fake_cuda import cuda_scaled_mm_checks
+
+    seen = []
+
+    def kernel(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, bias, out_dtype, *rest):
+        seen.append((recipe_a, swizzle_a, recipe_b, swizzle_b))
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+    checked = cuda_scaled_mm_checks(kernel)
+    with pytest.raises(ValueError, match="swizzle_a must have 2 values, got 1"):
+        checked(None, None, [1, 2], [2, 0], [1], [1, 2], [2, 0], [1, 0], None, None)
+    monkeypatch.setattr(torch, "_scaled_mm_v2", checked)
+    tc.ScaledLinear(_packed("nvfp4"), "nvfp4", CPU, torch.float32)(torch.randn(5, 64, generator=GEN))
+    two_level = [F.ScalingType.BlockWise1x16.value, F.ScalingType.TensorWise.value]
+    assert seen == [(two_level, [1, 0], two_level, [1, 0])]  # SWIZZLE_32_4_4, then NO_SWIZZLE

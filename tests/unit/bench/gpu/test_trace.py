@@ -86,12 +86,20 @@ def test_kernels_that_failed_their_probe_take_the_rows_second_path():
     hopper.results["quant:fp8"] = "no Triton here"
     t = gt.trace_pass("fp8", "sm90", 1, LAYERS, probed=hopper)
     assert "triton::fp8_static_quant" not in t.ops  # torch's quantization where that failed too
-    rtx = gt.passing_probe("sm120")
-    rtx.results["experts:nvfp4"] = "no grouped FP4 GEMM in this build"
-    t = gt.trace_pass("nvfp4", "sm120", 16, LAYERS, probed=rtx)
+    thor = gt.passing_probe("sm100")  # compute capability 11.0, or a torch without its grouped FP4 kernels
+    thor.results["experts:nvfp4"] = "no grouped FP4 GEMM in this build"
+    t = gt.trace_pass("nvfp4", "sm100", 16, LAYERS, probed=thor)
     assert t.error is None and t.gemms()["Triton MoE GEMM"] == 2 * LAYERS
     assert t.resident_gb["experts"] == pytest.approx(t.expected_gb["experts"] * 2 / 1.125, rel=0.01)  # FP8
     assert "Triton FP8 MoE GEMM RowWise (weights re-quantized per row at load)" in t.kernels
+    # RTX Blackwell: that path always, torch's grouped GEMMs refusing the GPU; its bytes are the row's own
+    t = gt.trace_pass("nvfp4", "sm120", 16, LAYERS)
+    assert (
+        t.error is None
+        and t.gemms()["Triton MoE GEMM"] == 2 * LAYERS
+        and "F.scaled_grouped_mm" not in t.gemms()
+    )
+    assert t.resident_gb["experts"] == pytest.approx(t.expected_gb["experts"], rel=0.01)
 
 
 def _leave_the_loaders_loop(model, device, probed, report):
