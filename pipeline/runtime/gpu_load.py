@@ -18,7 +18,8 @@ from torch import nn
 
 from pipeline.errors import DgpipeError
 from pipeline.model.checkpoint import Checkpoint, load_model
-from pipeline.model.files import runtime_name, tensor_headers, weight_files
+from pipeline.model.config import ModelConfig
+from pipeline.model.files import read_json, runtime_name, tensor_headers, weight_files
 from pipeline.model.modelopt import PackedLinear, precision_of, quant_algo
 from pipeline.model.network import DecoderLayer, DiffusionGemma, FfnInputsKernel, grouped_mm_reads_host
 from pipeline.runtime.dispatch import (
@@ -47,7 +48,7 @@ from pipeline.runtime.kernels.chains import (
     scale_columns_or_torch,
     softcap,
 )
-from pipeline.runtime.kernels.moe_tiles import measured_triton_rows
+from pipeline.runtime.kernels.moe_tiles import expert_shapes, measured_triton_rows
 from pipeline.runtime.kernels.routing import expert_order_or_torch, top_k_or_torch
 from pipeline.runtime.probe import (
     COMBINE,
@@ -157,7 +158,9 @@ class TensorCoreLoad:
         self.device, self.dtype = device, dtype
         self.probed = pr = probed or probe(device, dtype=dtype)
         self.report = Installed(precision_of(str(quant_algo(p))).name, pr.arch)
-        self.lin_mode, self.exp_mode, self.triton_rows, row = self._modes(pr)
+        text = ModelConfig.from_raw(read_json(p / "config.json"), source=str(p / "config.json")).text_config
+        shapes = expert_shapes(text.hidden_size, text.moe_intermediate_size)
+        self.lin_mode, self.exp_mode, self.triton_rows, row = self._modes(pr, shapes)
         names = weight_files(p)
 
         def having(aux: str) -> set[str]:  # runtime modules whose weight has `aux` beside it
@@ -186,10 +189,11 @@ class TensorCoreLoad:
         if row is not None and row.fallback:
             self.report.fallbacks.append(f"{row.fallback}: {row.note}")
 
-    def _modes(self, pr: Probe):
+    def _modes(self, pr: Probe, shapes: set[tuple[int, int]]):
         """(linear mode, experts mode, Triton rows per expert, dispatch row) for this format on this GPU,
         after the probe; each kernel that is missing or failed its probe is reported and left to the row's
-        second path or the float path."""
+        second path or the float path. `shapes`: the experts' weight shapes, which a measured crossover
+        must have timed (`measured_triton_rows`)."""
         fmt, res = self.report.format, self.report
         if pr.arch is None or fmt not in ("fp8", "nvfp4"):
             res.fallbacks.append(
@@ -203,7 +207,7 @@ class TensorCoreLoad:
                 f"linears: {row.linears} failed its probe ({pr.results.get(f'linear:{lin}')})"
             )
             lin = None
-        measured = measured_triton_rows(self.device)
+        measured = measured_triton_rows(self.device, shapes)
         exp, triton_rows, line = experts_plan(row, pr, measured)
         if line:
             res.fallbacks.append(line)

@@ -13,7 +13,10 @@ apart) or the tile is rejected; times are `triton.testing.do_bench` medians (CUD
 between runs). Compiling a candidate (two specializations: gate|up and down) costs ~1 s, the timings much
 less, so where vLLM's tuner times its whole grid (for hours), this one climbs: the defaults first, then
 every tile one setting away from each GEMM's fastest so far, round after round, until none is left or the
-time budget is spent. A short budget still leaves a table no slower than the defaults at any point."""
+time budget is spent. A short budget still leaves a table no slower than the defaults at any point, and
+so does a process killed mid-climb: once the defaults are timed, the files are written again after every
+tile timed (a write takes milliseconds, a tile's compile about a second), marked `"complete": false` until
+the climb ends."""
 
 from __future__ import annotations
 
@@ -206,6 +209,7 @@ def tune(
     time_ms: Callable[[Callable[[], object]], float] = do_bench_ms,
     on_tile: Callable[[int, int], None] | None = None,
     neighbours: Callable[[Tile], list[Tile]] | None = None,
+    on_timed: Callable[[list, list], None] | None = None,
 ) -> dict:
     """Time every tile on every problem until `deadline` (time.monotonic()); the first tile and the tiles
     `kernels.moe` picks by default for these problems are always timed (`candidates` puts them first).
@@ -215,8 +219,10 @@ def tune(
     Returns {"timed": [(tile, [ms per problem])], "rejected": [(tile, why)]}; a tile whose output is not the
     float product of its operands (`reference`, one bf16 rounding apart), or that fails to compile or launch
     (Triton's shared-memory or register limits), is rejected; the first one failing is an error (the kernel
-    itself is wrong here)."""
+    itself is wrong here). `on_timed(timed, rejected)`: told after each tile timed once the tiles given
+    (the defaults) have all been tried, so that what it saves is never slower than the defaults."""
     timed, rejected = [], []
+    given = len(dict.fromkeys(tiles))
     defaults = {kernels.moe.default_tile(p.slots, p.experts, p.args[0].element_size()) for p in problems_}
     queue, i = list(dict.fromkeys(tiles)), 0
     while i < len(queue):
@@ -240,6 +246,8 @@ def tune(
             rejected.append((tile, error_line(e)))
         if on_tile:
             on_tile(len(timed) + len(rejected), len(queue))
+        if on_timed and i >= given and timed and timed[-1][0] is tile:
+            on_timed(timed, rejected)
         if i == len(queue) and neighbours and timed and time.monotonic() < deadline:  # the next round
             bests = {min(timed, key=lambda tm, j=j: tm[1][j])[0] for j in range(len(problems_))}
             queue += [t for t in dict.fromkeys(n for b in bests for n in neighbours(b)) if t not in queue]
@@ -291,10 +299,11 @@ def render(result: dict) -> list[str]:
         if not rows
         else f"the tuned Triton GEMM is as fast as torch's grouped GEMM up to {rows:.0f} rows per expert"
     )
+    partial = "" if result.get("complete", True) else " (stopped before the end: the best tiles timed so far)"
     return [
         f"Triton MoE GEMM tiles on {result['device']} ({result['operand']}; torch {result['torch']}, "
         f"Triton {result['triton']}): {result['timed']} of {result['candidates']} candidate tiles timed in "
-        f"{result['seconds']:.0f} s, {len(result['rejected'])} rejected; do_bench medians; {crossover}",
+        f"{result['seconds']:.0f} s{partial}, {len(result['rejected'])} rejected; do_bench medians; {crossover}",
         *render_rows(result["rows"]),
         *render_per_pass(result["rows"], result["layers"]),
     ]
@@ -353,11 +362,14 @@ def run_moe_tiles(
     device: torch.device | None = None,
     time_ms: Callable[[Callable[[], object]], float] = do_bench_ms,
     on_tile: Callable[[int, int], None] | None = None,
+    on_result: Callable[[dict], None] | None = None,
 ) -> dict:
     """Tune the MoE GEMM's tiles for `config`'s experts on this GPU within `budget_s`; write out/moe_tiles.json,
     out/moe_tiles.md and the table (`<GPU>-<operand>.yaml`), and the table into `install_dir` too (where
-    dgpipe reads tables: `moe_tiles.search_dirs`). `operand`: "fp8" or "bf16" (default: fp8 where the GPU
-    has FP8 tensor cores). `device`, `time_ms`: another device and timer, for testing off a GPU."""
+    dgpipe reads tables: `moe_tiles.search_dirs`): once the defaults are timed and after every tile timed
+    from then on (`"complete": false`), and at the end. `on_result` is given each result written.
+    `operand`: "fp8" or "bf16" (default: fp8 where the GPU has FP8 tensor cores). `device`, `time_ms`:
+    another device and timer, for testing off a GPU."""
     import yaml
 
     from pipeline.model.config import ModelConfig
@@ -391,26 +403,33 @@ def run_moe_tiles(
     shapes = gemm_shapes(text.hidden_size, text.moe_intermediate_size)
     todo = problems(shapes, canvases, mcfg.canvas_length, text.num_experts, text.top_k_experts, operand, dev)
     tiles = candidates(element_bytes, shared)
+    from pipeline.bench.results import save_result
+
+    def save(timed: list, rejected: list, complete: bool) -> dict:
+        table, rows = best_table(todo, timed, name, operand, element_bytes, vendor["ms"])
+        result = {"device": name, "arch": arch, "operand": operand, "model": config, "layers": text.num_hidden_layers,
+                  "torch": table.torch, "triton_rows": table.triton_rows(), "vendor_error": vendor["error"],
+                  "triton": table.triton, "shared_memory_per_block": shared, "budget_s": budget_s,
+                  "seconds": time.monotonic() - t0, "complete": complete, "candidates": len(tiles),
+                  "timed": len(timed), "rejected": [{"tile": t.short(), "why": w} for t, w in rejected],
+                  "rows": rows, "table": table.model_dump(),
+                  "timings": [{"tile": t.short(), "ms": ms} for t, ms in timed]}  # fmt: skip
+        text_yaml = (
+            "# dgpipe bench moe-tiles: the fastest Triton MoE GEMM tile per shape and rows per expert\n"
+        )
+        text_yaml += yaml.safe_dump(table.model_dump(), sort_keys=False)
+        targets = [out] + ([install_dir] if install_dir else [])
+        result["table_files"] = [str(d / file_name(name, operand)) for d in targets]
+        for path in result["table_files"]:
+            atomic_write_text(Path(path), text_yaml)
+        save_result(out, RESULT_FILE, result)
+        atomic_write_text(out / TABLE_FILE, "\n".join(render(result)) + "\n")
+        if on_result:
+            on_result(result)
+        return result
+
     with torch.inference_mode():
         vendor = time_vendor(todo, time_ms)
         found = tune(todo, kernels.moe.default_tiles(element_bytes), t0 + budget_s, time_ms, on_tile,
-                     one_change(tiles))  # fmt: skip
-    table, rows = best_table(todo, found["timed"], name, operand, element_bytes, vendor["ms"])
-    result = {"device": name, "arch": arch, "operand": operand, "model": config, "layers": text.num_hidden_layers,
-              "torch": table.torch,
-              "triton_rows": table.triton_rows(), "vendor_error": vendor["error"],
-              "triton": table.triton, "shared_memory_per_block": shared, "budget_s": budget_s,
-              "seconds": time.monotonic() - t0, "candidates": len(tiles), "timed": len(found["timed"]),
-              "rejected": [{"tile": t.short(), "why": w} for t, w in found["rejected"]], "rows": rows,
-              "table": table.model_dump(), "timings": [{"tile": t.short(), "ms": ms} for t, ms in found["timed"]]}  # fmt: skip
-    text_yaml = "# dgpipe bench moe-tiles: the fastest Triton MoE GEMM tile per shape and rows per expert\n"
-    text_yaml += yaml.safe_dump(table.model_dump(), sort_keys=False)
-    targets = [out] + ([install_dir] if install_dir else [])
-    result["table_files"] = [str(d / file_name(name, operand)) for d in targets]
-    for path in result["table_files"]:
-        atomic_write_text(Path(path), text_yaml)
-    from pipeline.bench.results import save_result
-
-    save_result(out, RESULT_FILE, result)
-    atomic_write_text(out / TABLE_FILE, "\n".join(render(result)) + "\n")
-    return result
+                     one_change(tiles), on_timed=lambda timed, rejected: save(timed, rejected, complete=False))  # fmt: skip
+    return save(found["timed"], found["rejected"], complete=True)

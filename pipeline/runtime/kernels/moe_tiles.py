@@ -14,8 +14,10 @@ try without installing it; `dgpipe bench gpu` points the checks after its tiles 
 check measured), the cache (`<dgpipe cache>/moe_tiles`, where `dgpipe bench moe-tiles` writes by default:
 tuned on this host) and then `configs/moe_tiles` (measured tables shipped with dgpipe). A shape or GPU with
 no table keeps `kernels.moe.tiles`' own choice. The load-time probe runs every tile of the table it finds
-against the float reference (`pipeline.runtime.probe`), so a table from another Triton build costs speed,
-never a wrong answer."""
+against the float reference (`pipeline.runtime.probe`): a tile that fails there (a table from another
+Triton build) turns the Triton GEMM off for that load, its fallback line naming the table to delete or tune
+again; it costs speed, never a wrong answer. A table that cannot be read is an error of the load naming
+its file (`TileTableError`), never a quiet fallback."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from typing import Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 from pipeline.errors import DgpipeError
 from pipeline.resources import cache_dir, configs_dir
@@ -37,6 +39,11 @@ from pipeline.resources import cache_dir, configs_dir
 TABLE_DIR = "moe_tiles"  # under the cache and under configs/
 TABLES_ENV = "DGPIPE_MOE_TILES"  # a folder of tables searched before the cache and configs/
 Operand = Literal["fp8", "bf16"]
+
+
+class TileTableError(DgpipeError):
+    """A tile table file that cannot be used (unreadable, malformed, or measured on another GPU): the load
+    stops and names it, where a kernel failure would only send the pass to a slower path."""
 
 
 class Tile(BaseModel):
@@ -76,9 +83,9 @@ class ShapeTiles(BaseModel):
 
     n: int = Field(gt=0)
     k: int = Field(gt=0)
-    tiles: dict[int, Tile] = Field(min_length=1)
-    tile_ms: dict[int, float] = {}
-    vendor_ms: dict[int, float] = {}
+    tiles: dict[PositiveInt, Tile] = Field(min_length=1)
+    tile_ms: dict[PositiveInt, PositiveFloat] = {}
+    vendor_ms: dict[PositiveInt, PositiveFloat] = {}
 
     @model_validator(mode="after")
     def _same_rows(self) -> ShapeTiles:
@@ -111,17 +118,23 @@ class TileTable(BaseModel):
                 return shape.pick(rows_per_expert)
         return None
 
-    def triton_rows(self) -> float | None:
-        """Up to how many rows per expert the tuned Triton GEMM beat torch's grouped GEMM here (both
-        shapes' ms summed): the largest measured count at which it won at every count up to it, 0 where it
-        lost at the smallest, None where torch's was not timed at every count. Where the dispatch row gives
-        Triton the passes with few rows per expert (Hopper), this measured crossover replaces its constant."""
-        counts = sorted(set.intersection(*(set(s.tiles) for s in self.shapes)))
-        if not all(r in s.tile_ms and r in s.vendor_ms for s in self.shapes for r in counts):
+    def triton_rows(self, shapes: set[tuple[int, int]] | None = None) -> float | None:
+        """Up to how many rows per expert the tuned Triton GEMM beat torch's grouped GEMM here at the weight
+        `shapes` ((N, K) pairs; default: every shape measured), their ms summed: the largest measured count
+        at which it won at every count up to it, 0 where it lost at the smallest, None where a shape was not
+        measured or torch's GEMM was not timed at every count. Where the dispatch row gives Triton the passes
+        with few rows per expert (Hopper), this measured crossover replaces its constant for a model whose
+        expert shapes it timed; another model's shapes keep the constant."""
+        measured = {(s.n, s.k): s for s in self.shapes}
+        if shapes is not None and not shapes <= set(measured):
+            return None
+        mine = list(measured.values()) if shapes is None else [measured[s] for s in sorted(shapes)]
+        counts = sorted(set.intersection(*(set(s.tiles) for s in mine)))
+        if not all(r in s.tile_ms and r in s.vendor_ms for s in mine for r in counts):
             return None
         rows = 0.0
         for r in counts:
-            if sum(s.tile_ms[r] for s in self.shapes) > sum(s.vendor_ms[r] for s in self.shapes):
+            if sum(s.tile_ms[r] for s in mine) > sum(s.vendor_ms[r] for s in mine):
                 break
             rows = float(r)
         return rows
@@ -148,12 +161,13 @@ def search_dirs() -> list[Path]:
 
 
 def read_table(path: Path) -> TileTable:
-    """A table file, or a DgpipeError naming the file and what is wrong with it."""
+    """A table file, or a TileTableError naming the file and what is wrong with it (a pydantic
+    ValidationError and a file that is not UTF-8 are ValueErrors)."""
     try:
-        return TileTable.model_validate(yaml.safe_load(path.read_text()))
-    except (OSError, yaml.YAMLError, ValidationError) as e:
+        return TileTable.model_validate(yaml.safe_load(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, yaml.YAMLError) as e:
         first = str(e).strip().splitlines()
-        raise DgpipeError(
+        raise TileTableError(
             f"MoE tile table {path} is not valid: {' '.join(first[:3])}",
             f"delete it, or write it again with `dgpipe bench moe-tiles --out {path.parent}`",
         ) from e
@@ -166,7 +180,7 @@ def find_table(device: str, operand: str, dirs: list[Path] | None = None) -> tup
         if path.is_file():
             table = read_table(path)
             if table.device != device or table.operand != operand:
-                raise DgpipeError(
+                raise TileTableError(
                     f"MoE tile table {path} was measured on {table.device} ({table.operand}), "
                     f"not {device} ({operand})",
                     "delete it: its name and its contents disagree",
@@ -202,11 +216,17 @@ def tiles_source(device: torch.device, operand: str) -> str:
     return f"tiles from {path} (torch {table.torch}, Triton {table.triton})"
 
 
-def measured_triton_rows(device: torch.device) -> float | None:
-    """This GPU's measured crossover between the Triton FP8 GEMM and torch's (`TileTable.triton_rows`), or
-    None: no FP8 table, or one without torch's timings."""
+def measured_triton_rows(device: torch.device, shapes: set[tuple[int, int]]) -> float | None:
+    """This GPU's measured crossover between the Triton FP8 GEMM and torch's at a model's expert weight
+    `shapes` ((N, K) of gate|up and down: `expert_shapes`; `TileTable.triton_rows`), or None: no FP8 table,
+    one without these shapes or without torch's timings."""
     table = table_for(device, "fp8")
-    return table.triton_rows() if table is not None else None
+    return table.triton_rows(shapes) if table is not None else None
+
+
+def expert_shapes(hidden: int, moe_intermediate: int) -> set[tuple[int, int]]:
+    """A MoE layer's two expert GEMM weight shapes (N, K): gate|up [2I, d] and down [d, I]."""
+    return {(2 * moe_intermediate, hidden), (hidden, moe_intermediate)}
 
 
 def operand_of(element_bytes: int) -> Operand:

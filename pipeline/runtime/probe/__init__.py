@@ -14,6 +14,7 @@ import torch
 
 from pipeline.errors import DgpipeError, error_line
 from pipeline.runtime.dispatch import arch_of, dispatch
+from pipeline.runtime.kernels.moe_tiles import TileTableError
 from pipeline.runtime.probe.chains import (
     check_triton_combine,
     check_triton_geglu,
@@ -163,6 +164,8 @@ def run_forms(
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             p.results[name] = None
+        except TileTableError:  # a tile table that cannot be read is the load's error, not a slower path
+            raise
         except Exception as e:  # any failure (a Triton compile error included) sends the form to its fallback
             p.results[name] = error_line(e)
     return p

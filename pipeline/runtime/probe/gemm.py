@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.errors import DgpipeError
+from pipeline.errors import DgpipeError, error_line
 from pipeline.model import scaled_layout as sl
 from pipeline.model.fake_quant import E4M3_MAX
 from pipeline.model.modelopt import PackedLinear
@@ -17,6 +17,7 @@ from pipeline.model.network import (
 )
 from pipeline.runtime import kernels
 from pipeline.runtime.dispatch import EVERY_PASS
+from pipeline.runtime.kernels.moe_tiles import operand_of, tiles_source
 from pipeline.runtime.probe.common import (
     TRITON_FALLBACK,
     rel_l2,
@@ -68,11 +69,21 @@ def _check_every_tile(name: str, a, a_scale, rows, w, w_scale, offs) -> torch.Te
     M tiles and this GPU's measured table) against the float product of its operands, which it returns, or a
     DgpipeError naming the tile: one bf16 rounding of the output apart; a wrong tile is O(1)."""
     want = float_gemm(a, a_scale, rows, w, w_scale, offs)
+    defaults = kernels.moe.default_tiles(a.element_size())
     for tile in kernels.moe.probe_tiles(a.device, a.element_size()):
-        err = rel_l2(kernels.moe.launch(tile, a, a_scale, rows, w, w_scale, offs), want)
+        # a tile of the GPU's measured table: the fix of its failure is that table, not the kernel
+        source = "" if tile in defaults else f" of {tiles_source(a.device, operand_of(a.element_size()))}"
+        try:
+            err = rel_l2(kernels.moe.launch(tile, a, a_scale, rows, w, w_scale, offs), want)
+        except Exception as e:
+            if not source:
+                raise
+            raise DgpipeError(f"the {name} at {tile.short()}{source} does not run here: {error_line(e)}",
+                              "delete that table or tune it again: dgpipe bench moe-tiles") from e  # fmt: skip
         if not err < 1e-2:
-            raise DgpipeError(f"the {name} ({tile.short()} tiles) differs from the float product of its operands "
-                              f"by {err:.3g} (relative L2)", TRITON_FALLBACK)  # fmt: skip
+            hint = "delete that table or tune it again: dgpipe bench moe-tiles" if source else TRITON_FALLBACK
+            raise DgpipeError(f"the {name} ({tile.short()} tiles{source}) differs from the float product of its "
+                              f"operands by {err:.3g} (relative L2)", hint)  # fmt: skip
     return want
 
 

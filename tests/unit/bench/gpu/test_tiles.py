@@ -219,3 +219,31 @@ def test_bench_gpus_table_shows_the_tuned_tiles_beside_torchs_grouped_gemm():
         "| 128x128x128 w8 s3 | 0.250 | - | - | - |"
     )
     assert tiles.render_rows([]) == []
+
+
+@interpreted
+def test_a_run_stopped_mid_climb_leaves_the_table_of_the_tiles_it_timed(tmp_path):
+    """Killed by its budget (here interrupted at the fifth tile's first timing): once the defaults are
+    timed, the table, the JSON and the markdown are written after every tile, marked incomplete, and the
+    rows handed on are those of the table on disk."""
+    shapes = 2  # gate|up and down, one canvas
+    defaults = len(moe.default_tiles(1))
+    calls, handed = [], []
+
+    def timer(fn):  # each tile a little faster than the last; the fifth never finishes
+        calls.append(1)
+        if len(calls) > (defaults + 1) * shapes:
+            raise KeyboardInterrupt
+        return 10.0 - len(calls) / 10
+
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        tiles.run_moe_tiles(out, "fp8", "sudoku-tiny", budget_s=1e6, canvases=(1,), device=CPU, time_ms=timer,
+                            on_result=handed.append)  # fmt: skip
+    saved = json.loads((out / tiles.RESULT_FILE).read_text())
+    assert saved["complete"] is False and saved["timed"] == defaults + 1 and len(handed) == 2
+    assert handed[-1]["rows"] == saved["rows"] and [r["best_ms"] for r in saved["rows"]] == [9.3, 9.2]
+    assert saved["rows"][0]["best"] != saved["rows"][0]["default"]  # the climb's first tile, faster
+    table = moe_tiles.read_table(out / "cpu_interpreted-fp8.yaml")
+    assert table == moe_tiles.TileTable.model_validate(saved["table"])
+    assert "stopped before the end" in (out / tiles.TABLE_FILE).read_text()
