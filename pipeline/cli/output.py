@@ -29,10 +29,12 @@ def lines(texts: Iterable[str], err: bool = False) -> None:
 def json_out(obj: object, compact: bool = False) -> None:
     """`--json`: the whole result on stdout, nothing else there. `compact`: one line with no spaces, so a
     command answering several inputs prints JSON Lines (one object per input, in order)."""
+    from pipeline.bench.results import finite  # NaN and infinities as null: strict JSON, as the files save it
+
     if compact:
-        typer.echo(json.dumps(obj, separators=(",", ":"), default=str))
+        typer.echo(json.dumps(finite(obj), separators=(",", ":"), default=str, allow_nan=False))
     else:
-        typer.echo(json.dumps(obj, indent=2, default=str))
+        typer.echo(json.dumps(finite(obj), indent=2, default=str, allow_nan=False))
 
 
 def show(data: Any, as_json: bool, render: Callable[[Any], str | Iterable[str]]) -> None:

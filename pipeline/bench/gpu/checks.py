@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
@@ -33,6 +34,8 @@ RESULT_FILE, TABLE_FILE = "gpu.json", "gpu.md"
 LOG_LINES = 200
 STOP_WAIT_S = 10.0  # reading a killed check's last output, at most
 TOTAL_BUDGET_S = 480  # the whole command, checks and their subprocess start-up included
+# of the total: the command's own start (imports) before the run, and reading the last check killed
+END_MARGIN_S = 5 + STOP_WAIT_S
 CONFIG = "diffusiongemma-26b-a4b"
 PASS_BATCHES = (1, 16)
 CONTEXT = 256  # cached prompt tokens under each measured pass
@@ -287,6 +290,7 @@ def run_bench_gpu(
     """Run (or, `dry_run`, list) the checks; write out/gpu.json and out/gpu.md after every check (a host
     that goes away mid-run still leaves the checks done so far); return the result. `on_check` is told
     each check's result as it finishes."""
+    started = time.monotonic()
     out = out.resolve()  # the checks run from the repository root: a relative `out` would land there
     env = detect_env()
     repo = repo or PACKAGE_DIR.parent
@@ -307,13 +311,22 @@ def run_bench_gpu(
     # and what a killed one overran (its kill and teardown) taken from it: every check's elapsed time stays
     # within the budgets' sum
     spare = float(sum(c.budget_s for c in CHECKS if skip_reason(c, env)))
+    # whatever the checks' overruns and the environment's probe took, nothing runs past the total
+    deadline = started + TOTAL_BUDGET_S - END_MARGIN_S
     tile_tables = None  # once the tiles check has measured this GPU's table, the passes after it use it
     with tempfile.TemporaryDirectory(prefix="dgpipe-gpu-") as scratch, stopped_by_sigterm():
         for c in CHECKS:
             if reason := skip_reason(c, env):
                 record(CheckResult(c.name, c.what, c.budget_s, "skipped", detail=reason))
                 continue
-            budget = max(1, c.budget_s + int(spare))
+            budget = min(max(1, c.budget_s + math.floor(spare)), math.floor(deadline - time.monotonic()))
+            if budget < 1:
+                record(CheckResult(c.name, c.what, c.budget_s, "skipped", detail="no time left of the command's"
+                                   f" {TOTAL_BUDGET_S} s: the checks before it overran"))  # fmt: skip
+                continue
+            if c.name == TILES_CHECK:  # an earlier run's table in this `out` must not pass for this run's
+                for old in (out / TABLE_DIR).glob("*.yaml"):
+                    old.unlink()
             try:
                 r = _run(c, repo, Path(scratch), budget, out, tile_tables)
             except BaseException:  # stopped from outside: what the check measured so far is kept
@@ -327,8 +340,13 @@ def run_bench_gpu(
             if r.status == "passed" and r.rows:  # what it measured, not its output's last line
                 r.detail = summary(r.rows)
             spare = r.budget_s - r.seconds
-            if c.name == TILES_CHECK and r.status == "passed":
+            # the tiles check writes its table as it climbs: one it was killed in the middle of is still no
+            # slower than the default tiles, and the passes after it launch with it
+            if c.name == TILES_CHECK and any((out / TABLE_DIR).glob("*.yaml")):
                 tile_tables = out / TABLE_DIR
+                if r.status != "passed":
+                    kept = f"its table of the tiles timed before it stopped ({tile_tables}) is used by the checks after it"
+                    r.detail = f"{kept}\n{r.detail}"
             record(r)
     return result
 

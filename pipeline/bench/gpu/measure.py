@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,7 +44,7 @@ def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
     probe this GPU); `seed`: None draws without a seeded generator (fake tensors have none)."""
     from pipeline.runtime.dispatch import dispatch
     from pipeline.runtime.gpu_load import experts_plan, one_pass
-    from pipeline.runtime.kernels.moe_tiles import measured_triton_rows
+    from pipeline.runtime.kernels.moe_tiles import expert_shapes, measured_triton_rows
     from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, random_packed
 
     dev = next(model.parameters()).device
@@ -52,10 +53,13 @@ def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
     pr = probed if probed is not None else _kernels_here(dev, row.arch)
     lin = kernel_mode(row.linears)
     lin = lin if lin and pr.ok(f"linear:{lin}") else None
-    measured = measured_triton_rows(dev)
+    _, two_i, d = model.layers[0].experts.gate_up_proj.shape
+    measured = measured_triton_rows(dev, expert_shapes(d, two_i // 2))
     exp, triton_rows, fell_back = experts_plan(row, pr, measured)
     lin_one_pass, exp_one_pass = one_pass(lin, pr), one_pass(exp, pr)
     kernels = f"{row.linears} / {row.experts}" + (f" ({fell_back})" if fell_back else "")
+    if kernel_mode(row.linears) and not lin:  # as the load reports it: the linears stay bf16
+        kernels += f" (linears: {row.linears} failed its probe ({pr.results.get(f'linear:{kernel_mode(row.linears)}')}): bf16)"
     if exp and row.splits_passes and measured is not None:
         kernels += f" (Triton up to {triton_rows:g} rows per expert: this GPU's tile table)"
     gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
@@ -75,6 +79,20 @@ def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
             )  # fmt: skip
         torch.cuda.empty_cache()
     return kernels
+
+
+def weights_read(model) -> tuple[str, str]:
+    """The formats a pass reads the model's linears and experts in, as they were installed (`quantize_random`
+    after its fallbacks): a tensor-core module's mode ("fp8", "fp8_rowwise", "nvfp4"), else "bf16". The byte
+    model's formats (`dispatch.pass_bytes`): a floor is set by the bytes the pass really reads."""
+    from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear
+
+    layer = model.layers[0]
+    linear = layer.self_attn.q_proj
+    return (
+        linear.mode if isinstance(linear, ScaledLinear) else "bf16",
+        layer.experts.mode if isinstance(layer.experts, ScaledExperts) else "bf16",
+    )
 
 
 def _pass_setup(model, batch: int):
@@ -136,6 +154,9 @@ def measure_pass(
     mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
     model = random_model(mcfg, torch.bfloat16, dev)
     kernels = quantize_random(model, fmt) if fmt != "bf16" else "F.linear bf16 / F.grouped_mm bf16"
+    reads = weights_read(
+        model
+    )  # what the pass reads its weights in, fallbacks taken: its bytes and FLOP rates
     # as the runtime loads it: float experts that would read the routing on the host route on the device,
     # RoPE in one kernel where probed
     routed = finish_on_device(model, dev, None, None)
@@ -148,7 +169,7 @@ def measure_pass(
     if compiled:
         compile_model(model, dynamic=False)  # one static graph per measured batch
     arch = arch_of(*torch.cuda.get_device_capability(dev))
-    row = dispatch(fmt, arch)
+    row = replace(dispatch(fmt, arch), linear_read=reads[0], expert_read=reads[1])
     bw = copy_bandwidth(dev, 2.0)
     # the datasheet's bandwidth and tensor-core rates set the floors; a GPU configs/targets does not list has
     # none, and its pass is set against the copy bandwidth measured here
@@ -366,20 +387,25 @@ TILES_MARGIN_S = 15  # of the check's budget: the subprocess's start (torch, CUD
 TILES_MAX_S = 100  # of what the checks before it left: the rest goes on to the passes after it
 
 
-def tune_tiles(started: float) -> list[dict]:
+def tune_tiles(started: float, save: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """`dgpipe bench moe-tiles` within the check's budget ($DGPIPE_GPU_BUDGET_S, at most `TILES_MAX_S`,
     counted from the process's start), its files in $DGPIPE_GPU_OUT/moe_tiles (the table to ship:
-    configs/moe_tiles; the passes after this check launch with it); its rows."""
+    configs/moe_tiles; the passes after this check launch with it); its rows, handed to `save` too each time
+    the files are written, so that a check killed at its budget keeps the rows of its table."""
     from pipeline.bench.gpu.tiles import run_moe_tiles
 
     budget = min(float(os.environ.get("DGPIPE_GPU_BUDGET_S", "60")), TILES_MAX_S)
     budget -= TILES_MARGIN_S + (time.monotonic() - started)
     out = Path(os.environ.get("DGPIPE_GPU_OUT", ".")) / "moe_tiles"
-    result = run_moe_tiles(out, None, CONFIG, budget_s=max(budget, 1.0))
-    tags = {"device": result["device"], "operand": result["operand"], "layers": result["layers"],
-            "timed": result["timed"], "candidates": result["candidates"], "triton_rows": result["triton_rows"],
-            "table_file": result["table_files"][0]}  # fmt: skip
-    return [{**r, **tags} for r in result["rows"]]
+
+    def rows_of(result: dict) -> list[dict]:
+        tags = {"device": result["device"], "operand": result["operand"], "layers": result["layers"],
+                "timed": result["timed"], "candidates": result["candidates"], "triton_rows": result["triton_rows"],
+                "complete": result["complete"], "table_file": result["table_files"][0]}  # fmt: skip
+        return [{**r, **tags} for r in result["rows"]]
+
+    on_result = (lambda result: save(rows_of(result))) if save else None
+    return rows_of(run_moe_tiles(out, None, CONFIG, budget_s=max(budget, 1.0), on_result=on_result))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,16 +419,24 @@ def main(argv: list[str] | None = None) -> int:
         return int(pytest.main(gpu_test_args()))
     out = os.environ.get("DGPIPE_GPU_ROWS")
 
-    def sink(rows: list[dict]) -> None:
-        text = json.dumps(rows, indent=2)
+    def save(rows: list[dict]) -> None:
         if out:
-            atomic_write_text(Path(out), text)
-        sys.stdout.write(text + "\n")
+            atomic_write_text(Path(out), json.dumps(rows, indent=2))
+
+    def sink(rows: list[dict]) -> None:
+        save(rows)
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
 
     if args[:1] == ["pass"]:
-        measure_pass(args[1], sink=sink, compiled="--compile" in args)
+        rows = measure_pass(args[1], sink=sink, compiled="--compile" in args)
+        nan = [r["batch"] for r in rows if not r["finite"]]
+        if nan:  # its times stand in the rows, marked; the check fails
+            sys.stderr.write(
+                f"the {args[1]} pass made NaN or inf at batch {nan}: its times measure nothing real\n"
+            )
+            return 1
     elif args[:1] == ["tiles"]:
-        sink(tune_tiles(started))
+        sink(tune_tiles(started, save))
     else:
         sink(largest_batch(sink=sink))
     return 0

@@ -29,10 +29,16 @@ def render(result: dict) -> str:
                   "spec) | x floor | floor ms (copy bw) |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in rows:
             compute = r.get("compute_ms_spec")
+            graph = (
+                f"{r['ms_graph']:.2f}"
+                if r["ms_graph"] == r["ms_graph"]
+                else f"— {_error_cell(r, 'graph_error')}"
+            )
+            x_floor = f"{_x_floor(r):.2f}" if r.get("finite", True) else "— (NaN output)"
             lines.append(
-                f"| {r['format']} | {r['batch']} | {r['kernels']} | {r['ms_eager']:.2f} | {r['ms_graph']:.2f} "
+                f"| {r['format']} | {r['batch']} | {r['kernels']} | {r['ms_eager']:.2f} | {graph} "
                 f"| {_ms_cell(r['floor_ms_spec'])} | {_ms_cell(compute)} "
-                f"| {_x_floor(r):.2f} | {r['floor_ms_copy']:.2f} |"
+                f"| {x_floor} | {r['floor_ms_copy']:.2f} |"
             )
         # which tiles the Triton MoE GEMM launched with, where a pass ran it (runs from before say nothing)
         sources = dict.fromkeys((r["format"], r["moe_tiles"]) for r in rows if "moe_tiles" in r)
@@ -102,7 +108,12 @@ def summary(rows: list[dict]) -> str:
     if not rows:
         return ""
     if "ms_eager" in rows[0]:
-        return "; ".join(f"batch {r['batch']}: {_best_ms(r):.1f} ms, {_x_floor(r):.2f}x floor" for r in rows)
+        return "; ".join(
+            f"batch {r['batch']}: {_best_ms(r):.1f} ms, {_x_floor(r):.2f}x floor"
+            if r.get("finite", True)
+            else f"batch {r['batch']}: NaN output"
+            for r in rows
+        )
     if "largest_batch" in rows[0]:
         return f"largest {rows[0]['format']} batch that fits: {rows[0]['largest_batch']}"
     if "best_ms" in rows[0]:

@@ -28,25 +28,36 @@ def test_checks_fit_the_eight_minute_budget_by_construction():
     assert names.index("26B pass bf16") < names.index(checks.TILES_CHECK) < names.index("26B pass fp8")
 
 
-@pytest.mark.parametrize("tiles_pass", [True, False])
-def test_the_checks_after_the_tiles_check_launch_with_the_table_it_measured(
-    tmp_path, monkeypatch, tiles_pass
-):
+@pytest.mark.parametrize("tiles_end", ["passes", "killed after writing", "fails writing none"])
+def test_the_checks_after_the_tiles_check_launch_with_the_table_it_measured(tmp_path, monkeypatch, tiles_end):
     """They find `--out`/moe_tiles first ($DGPIPE_MOE_TILES, absolute: the checks run from the repository
-    root); the checks before it, and every check after a tiles check that failed, use whatever table this
-    host has."""
+    root), also where the tiles check was killed at its budget after writing its table (it writes as it
+    climbs); the checks before it, and every check after a tiles check that wrote no table, use whatever
+    table this host has: never one an earlier run left in `--out`."""
     say = "import os; print(os.environ.get('DGPIPE_MOE_TILES', 'unset'))"
-    tiles = checks.GpuCheck(
-        checks.TILES_CHECK, 5, "tunes", ("-c", "pass" if tiles_pass else "raise SystemExit(1)"), ()
-    )
-    before, after = (checks.GpuCheck(name, 5, "says", ("-c", say), ()) for name in ("before", "after"))
+    write = ("import os, pathlib, time; d = pathlib.Path(os.environ['DGPIPE_GPU_OUT']) / 'moe_tiles'; "
+             "d.mkdir(exist_ok=True); (d / 'GPU-fp8.yaml').write_text('measured')")  # fmt: skip
+    code = {
+        "passes": write,
+        "killed after writing": write + "; time.sleep(60)",
+        "fails writing none": "exit(1)",
+    }
+    tiles = checks.GpuCheck(checks.TILES_CHECK, 3, "tunes", ("-c", code[tiles_end]), ())
+    before, after = (checks.GpuCheck(name, 1, "says", ("-c", say), ()) for name in ("before", "after"))
     monkeypatch.setattr(checks, "CHECKS", (before, tiles, after))
     monkeypatch.setattr(checks, "detect_env", lambda: checks.Env(cuda=False, torch="2.13"))
     monkeypatch.delenv("DGPIPE_MOE_TILES", raising=False)
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "out" / "moe_tiles").mkdir(parents=True)
+    (tmp_path / "out" / "moe_tiles" / "GPU-fp8.yaml").write_text("an earlier run's")
     ran = checks.run_bench_gpu(Path("out"))["checks"]
     assert ran[0]["detail"] == "unset"
-    assert ran[2]["detail"] == (str(tmp_path / "out" / "moe_tiles") if tiles_pass else "unset")
+    wrote = tiles_end != "fails writing none"
+    assert ran[2]["detail"] == (str(tmp_path / "out" / "moe_tiles") if wrote else "unset")
+    assert [p.name for p in (tmp_path / "out" / "moe_tiles").iterdir()] == (["GPU-fp8.yaml"] if wrote else [])
+    if tiles_end == "killed after writing":
+        assert ran[1]["status"] == "timeout"
+        assert ran[1]["detail"].startswith("its table of the tiles timed before it stopped (")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU plan: every GPU test skips")
@@ -304,3 +315,59 @@ def test_table_shows_each_pass_against_its_floor():
     md = report.render(result)
     assert "| full_attention | 1 | cudnn | network | 513 | 41.00 | 0.062 |" in md
     assert "| full_attention | 1 | flash | network | 514 | — | RuntimeError: No available / kernel |" in md
+
+
+def test_a_pass_that_made_nans_or_failed_its_capture_says_so_in_the_table():
+    """A NaN output measures nothing: no ratio to its floor, in the table or the checks' line; a capture that
+    failed says why in its cell instead of "nan"."""
+    row = {"format": "fp8", "batch": 1, "kernels": "k", "ms_eager": 9.0, "ms_graph": 7.44, "floor_ms_spec": 6.2,
+           "floor_ms_copy": 7.0, "finite": False}  # fmt: skip
+    failed = {**row, "batch": 16, "finite": True, "ms_graph": float("nan"),
+              "graph_error": "RuntimeError: operation not permitted when stream is capturing"}  # fmt: skip
+    result = {"env": asdict(H200), "dry_run": False, "checks": [
+        {"name": "26B pass fp8", "status": "failed", "seconds": 40.0, "budget_s": 55, "detail": "",
+         "rows": [row, failed]}]}  # fmt: skip
+    md = report.render(result)
+    assert "| fp8 | 1 | k | 9.00 | 7.44 | 6.20 | — | — (NaN output) | 7.00 |" in md
+    assert (
+        "| fp8 | 16 | k | 9.00 | — RuntimeError: operation not permitted when stream is capturing | 6.20 | — | 1.45 |"
+        in md
+    )
+    assert report.summary([row, failed]) == "batch 1: NaN output; batch 16: 9.0 ms, 1.45x floor"
+
+
+def test_the_whole_command_ends_within_its_total_whatever_the_checks_overrun(tmp_path, monkeypatch):
+    """Each check runs at most until the total's deadline (less the margin for the command's start and the
+    last kill's output); a check left with under a second is skipped, saying why. A killed check's overrun
+    under a second is taken from the next one too (floored, not truncated toward zero)."""
+    monkeypatch.setattr(checks, "TOTAL_BUDGET_S", 8)
+    monkeypatch.setattr(checks, "END_MARGIN_S", 2)
+    monkeypatch.setattr(checks, "STOP_WAIT_S", 1.0)
+    hang = ("-c", "import time; time.sleep(60)")
+    runs = [checks.GpuCheck(name, 3, "hangs", hang, ()) for name in ("a", "b", "c")]
+    monkeypatch.setattr(checks, "CHECKS", tuple(runs))
+    monkeypatch.setattr(checks, "detect_env", lambda: checks.Env(cuda=False, torch="2.13"))
+    t0 = time.monotonic()
+    ran = checks.run_bench_gpu(tmp_path)["checks"]
+    assert time.monotonic() - t0 < 8
+    assert [c["status"] for c in ran] == ["timeout", "timeout", "skipped"], ran
+    assert ran[1]["budget_s"] == 2  # 3 less the first's overrun, floored
+    assert ran[2]["detail"] == "no time left of the command's 8 s: the checks before it overran"
+
+
+def test_json_on_stdout_is_strict_json_like_the_files(capsys):
+    """`--json` prints what gpu.json holds: NaN (a failed capture's time) and infinities as null, so strict
+    parsers (jq, JSON.parse) read it."""
+    import json
+
+    from pipeline.cli import output
+
+    def strict(text: str) -> object:
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in --json output"))
+
+    result = {"checks": [{"rows": [{"ms_graph": float("nan"), "x": float("inf"), "ms_eager": 1.5}]}]}
+    want = {"checks": [{"rows": [{"ms_graph": None, "x": None, "ms_eager": 1.5}]}]}
+    output.json_out(result)
+    assert strict(capsys.readouterr().out) == want
+    output.json_out(result, compact=True)
+    assert strict(capsys.readouterr().out) == want

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from pipeline.bench.gpu import checks, layers, measure, report
+from pipeline.model.config import ModelConfig
+from pipeline.resources import load_yaml
+from pipeline.runtime.dispatch import pass_bytes
 from tests._utils.interpreter_casts import interpreted_exp, interpreted_tanh, rne_casts  # noqa: F401  (fixtures)
 
 H200 = checks.Env(
@@ -270,7 +273,7 @@ def test_a_random_fp8_model_on_hopper_takes_the_crossover_of_this_gpus_tile_tabl
         (None, None),
         (256.0, "(Triton up to 256 rows per expert: this GPU's tile table)"),
     ):
-        monkeypatch.setattr(moe_tiles, "measured_triton_rows", lambda device, rows=measured: rows)
+        monkeypatch.setattr(moe_tiles, "measured_triton_rows", lambda device, shapes, rows=measured: rows)
         model = random_model(mcfg, torch.bfloat16, torch.device("cpu"))
         kernels = measure.quantize_random(model, "fp8", everything)
         assert {layer.experts.triton_rows for layer in model.layers} == {measured or 64}
@@ -302,6 +305,40 @@ def test_the_fp8_pass_on_an_ada_gpu_follows_the_runtimes_fallback_off_a_gpu(monk
     assert f"experts: {TRITON_MOE_EVERY_PASS} failed its probe (Triton kernels run on CUDA" in row["kernels"]
     assert row["kernels"].endswith(": dequantized float path)")
     assert all(type(layer.experts) is Experts for layer in built[0].layers)
+    # its floor: the bytes of the experts it ran, bf16, not the row's FP8
+    mcfg = ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny")
+    ran = pass_bytes(mcfg.text_config, "fp8", "bf16", 1, mcfg.canvas_length, measure.CONTEXT).total
+    assert measure.weights_read(built[0]) == ("fp8", "bf16") and row["pass_gb"] == ran / 1e9
+
+
+def test_linears_that_failed_their_probe_say_so_and_count_as_bf16(monkeypatch):
+    """As the runtime's load reports it: the row names the linears' kernel that failed and its error, and the
+    pass reads them in bf16."""
+    from pipeline.bench.model import random_model
+    from pipeline.runtime import probe as probing
+    from pipeline.runtime.dispatch import SCALED_MM_FP8
+    from pipeline.runtime.probe import probe_plan
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    plan = {f"{kind}:{mode}": None for kind, mode, _ in probe_plan("sm90")}
+    failed = probing.Probe("sm90", {**plan, "linear:fp8": "RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED"})
+    mcfg = ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny")
+    model = random_model(mcfg, torch.bfloat16, torch.device("cpu"))
+    kernels = measure.quantize_random(model, "fp8", failed)
+    assert (
+        f"(linears: {SCALED_MM_FP8} failed its probe (RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED): bf16)"
+        in kernels
+    )
+    assert measure.weights_read(model) == ("bf16", "fp8")
+
+
+def test_a_pass_that_made_nans_fails_its_check_with_its_rows_kept(monkeypatch, tmp_path, capsys):
+    rows = [{"batch": 1, "finite": True}, {"batch": 16, "finite": False}]
+    monkeypatch.setattr(measure, "measure_pass", lambda fmt, sink, compiled: sink(rows) or rows)
+    monkeypatch.setenv("DGPIPE_GPU_ROWS", str(tmp_path / "rows.json"))
+    assert measure.main(["pass", "fp8"]) == 1
+    assert "the fp8 pass made NaN or inf at batch [16]" in capsys.readouterr().err
+    assert checks.read_rows(tmp_path / "rows.json") == rows
 
 
 def test_results_compared_slice_by_slice_are_compared_as_wholes(monkeypatch):
@@ -400,18 +437,23 @@ def test_the_tiles_check_tunes_within_its_budget_and_leaves_its_table_in_the_run
 
     seen = {}
 
-    def run(out, operand, config, budget_s):
+    def run(out, operand, config, budget_s, on_result):
         seen.update(out=out, operand=operand, config=config, budget_s=budget_s)
-        return {
+        result = {
             "device": "NVIDIA H200",
             "operand": "fp8",
             "layers": 30,
             "timed": 40,
             "candidates": 362,
             "triton_rows": 256.0,
+            "complete": False,
             "table_files": [str(out / "NVIDIA_H200-fp8.yaml")],
-            "rows": [{"shape": "down", "best_ms": 0.1}],
+            "rows": [{"shape": "down", "best_ms": 0.2}],
         }
+        on_result(result)  # written as it climbs
+        if seen.get("killed"):
+            raise KeyboardInterrupt
+        return {**result, "complete": True, "rows": [{"shape": "down", "best_ms": 0.1}]}
 
     monkeypatch.setattr(tiles, "run_moe_tiles", run)
     monkeypatch.setenv("DGPIPE_GPU_BUDGET_S", "100")
@@ -430,7 +472,12 @@ def test_the_tiles_check_tunes_within_its_budget_and_leaves_its_table_in_the_run
     rows = json.loads((tmp_path / "rows.json").read_text())
     tags = {"device": "NVIDIA H200", "operand": "fp8", "layers": 30, "timed": 40, "candidates": 362,
             "triton_rows": 256.0, "table_file": str(tmp_path / "moe_tiles" / "NVIDIA_H200-fp8.yaml")}  # fmt: skip
-    assert rows == [{"shape": "down", "best_ms": 0.1, **tags}]
+    assert rows == [{"shape": "down", "best_ms": 0.1, **tags, "complete": True}]
+    seen["killed"] = True  # stopped mid-climb: the rows of the table it last wrote stay
+    with pytest.raises(KeyboardInterrupt):
+        measure.main(["tiles"])
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert rows == [{"shape": "down", "best_ms": 0.2, **tags, "complete": False}]
 
 
 def test_the_canvas_table_shows_each_run_and_why_one_did_not():
