@@ -327,3 +327,35 @@ def test_constraint_masks_inside_the_kernel_equal_masking_the_logits(dtype: torc
     free = index < 0
     rows_allowed = table[index.clamp(min=0)].gather(-1, second.argmax[..., None])[..., 0]
     assert (rows_allowed | free).all()  # every constrained argmax is an allowed token
+
+
+def test_a_row_masked_to_one_token_at_a_large_vocab_has_zero_entropy():
+    """Constrained to one token out of 2^20 at the lowest temperature: the masked tokens' partial softmax
+    sums, merged into the allowed token's, underflow to weight 0 while their entropy term (-1e30 / T times
+    half the vocabulary) overflows to -inf; the merge must add nothing, not 0 * -inf. The reference: entropy
+    0, probability 1 on the allowed token."""
+    vocab, length = 1 << 20, 32
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    logits = (30 * torch.tanh(torch.randn(1, length, vocab, generator=gen, device=DEVICE) / 30)).float()
+    table = torch.zeros(1, vocab, dtype=torch.bool, device=DEVICE)
+    table[0, 12345] = True
+    index = torch.zeros(1, length, dtype=torch.long, device=DEVICE)
+    keys = RowKeys(seed=torch.tensor([1], device=DEVICE), request=torch.tensor([2], device=DEVICE),
+                   canvas=torch.tensor([0], device=DEVICE), step=torch.tensor([0], device=DEVICE))  # fmt: skip
+    prev = torch.full((1, length), -1, dtype=torch.long, device=DEVICE)
+    one = torch.ones(1, dtype=torch.long, device=DEVICE)
+    args = (
+        torch.full((1,), 1e-3, device=DEVICE),
+        torch.ones(1, device=DEVICE),
+        keys,
+        None,
+        prev,
+        0 * one,
+        one,
+        0.0,
+    )
+    out, _, _ = sample_step_cuda(
+        logits, *args, out=poisoned_buffers(1, length, vocab), allowed=(table, index)
+    )
+    assert torch.isfinite(out.entropy).all() and (out.entropy == 0).all()
+    assert (out.argmax == 12345).all() and (out.canvas == 12345).all()

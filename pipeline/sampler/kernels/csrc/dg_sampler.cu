@@ -118,8 +118,12 @@ __device__ __forceinline__ void merge(RowState& a, const RowState& b) {
   if (lo.s > 0.0f) {  // lo is empty (m = -inf) when s == 0
     const float d = lo.m - hi.m;  // <= 0
     const float e = expf(d);
-    s += e * lo.s;
-    t += e * (lo.t + d * lo.s);
+    // e == 0: lo's terms are all exactly 0, as the reference's are; d * lo.s may be -inf there (masked
+    // tokens at -1e30 / T, many of them), and 0 * -inf would make the entropy NaN
+    if (e > 0.0f) {
+      s += e * lo.s;
+      t += e * (lo.t + d * lo.s);
+    }
   }
   a.m = hi.m;
   a.amax = hi.amax;
@@ -203,7 +207,7 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
       if (st.s > 0.0f) {
         const float d = st.m - cm;
         const float e = expf(d);
-        st.t = e * (st.t + d * st.s);
+        st.t = e > 0.0f ? e * (st.t + d * st.s) : 0.0f;  // as in `merge`: no 0 * -inf
         st.s *= e;
       }
       st.m = cm;
@@ -404,7 +408,8 @@ __device__ __forceinline__ void accept_body(int length, int vocab, const float* 
   const bool all_same = __syncthreads_and(same);
   if (tid == 0) {
     const int64_t count = all_same ? stable_in[row] + 1 : 0;
-    // torch: entropy.mean(-1) is the fp32 sum divided by the length
+    // torch's entropy.mean(-1) sums in fp32, this in double (the keep rule's scan): the two means can differ
+    // in their last bit, and `stop` with them where the threshold lies that close to the mean
     const float mean = __fdiv_rn(static_cast<float>(total), static_cast<float>(length));
     stable_out[row] = count;
     stop[row] = count >= stability_threshold[row] && mean < confidence_threshold[row];
