@@ -20,7 +20,11 @@ def top_k(
 ):
     """For each token's router scores [E]: the softmax in fp32 (exp(s - max) / sum, CUDA's expf and an
     IEEE division, as torch's CUDA softmax computes it), its K largest probabilities in descending order (the
-    lower expert first where two are equal), renormalised to sum to 1 and times their experts' scales."""
+    lower expert first where two are equal), renormalised to sum to 1 and times their experts' scales. The
+    choice is made on a key that ranks NaN above every number, as `torch.topk` does, and the padding columns
+    below everything: a row with a NaN or infinite score (all its probabilities NaN) still gets K distinct
+    experts below E, where `tl.argmax` over the NaN probabilities would pick whichever column its reduction
+    order left, K times, past E where E is not a power of two."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, E_P2)
     rows = t < tokens
@@ -31,11 +35,14 @@ def top_k(
     j = tl.arange(0, K_P2)[None, :]
     w = tl.zeros((BLOCK_T, K_P2), dtype=tl.float32)
     idx = tl.zeros((BLOCK_T, K_P2), dtype=tl.int32)
+    key = tl.where(p != p, 2.0, p)  # probabilities are in [0, 1]: NaN first
+    key = tl.where((e < E)[None, :], key, -2.0)
     for k in tl.static_range(K):
-        best = tl.argmax(p, axis=1, tie_break_left=True)
-        w = tl.where(j == k, tl.max(p, axis=1)[:, None], w)
+        best = tl.argmax(key, axis=1, tie_break_left=True)
+        chosen = e[None, :] == best[:, None]
+        w = tl.where(j == k, tl.sum(tl.where(chosen, p, 0.0), axis=1)[:, None], w)
         idx = tl.where(j == k, best[:, None], idx)
-        p = tl.where(e[None, :] == best[:, None], -1.0, p)  # probabilities are >= 0: never chosen again
+        key = tl.where(chosen, -3.0, key)  # never chosen again
     w = tl.math.div_rn(w, tl.sum(w, axis=1)[:, None])
     out = t[:, None] * K + j
     inside = rows[:, None] & (j < K)

@@ -51,6 +51,28 @@ def test_the_top_k_is_torchs_within_fp32_rounding(interpreted_exp, dtype, tokens
 
 
 @interpreted
+@pytest.mark.parametrize("experts", [128, 100])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_row_with_a_nan_or_infinite_score_still_gets_k_distinct_experts_below_e(
+    interpreted_exp,  # noqa: F811
+    experts,
+    bad,
+):
+    """One bad score makes every probability of its row NaN, as torch's softmax does; the kernel's choice
+    ranks NaN first (as `torch.topk` does), so that row still routes to K distinct experts that exist (the
+    expert order and the combine index by them), its weights NaN as torch's are; the other rows are
+    untouched."""
+    g = torch.Generator().manual_seed(experts)
+    scores, scale = separated_scores(6, experts, g), scales(experts)
+    scores[2, 17] = bad
+    weights, index = kernels.routing.top_k(scores, 8, scale)
+    want_w, want_i = route_scores(scores, 8, scale)[1:]
+    assert index[2].tolist() == list(range(8)) and weights[2].isnan().all() and want_w[2].isnan().all()
+    others = [0, 1, 3, 4, 5]
+    assert same_top_k((weights[others], index[others]), (want_w[others], want_i[others]))
+
+
+@interpreted
 def test_random_bf16_scores_choose_torchs_experts_with_ties_to_the_lower_one(interpreted_exp):  # noqa: F811
     """bf16 scores of the 26B's width tie often: 11 of these 37 tokens have two equal probabilities among
     their top 8, and 2 a tie at the 8th place. The kernel orders the k by probability, the lower expert first
