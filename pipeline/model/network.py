@@ -590,13 +590,14 @@ class Experts(nn.Module):
         return x.device.type in ("cpu", "cuda") and x.dtype in kinds and aligned
 
     # set by `pipeline.runtime.compiled` to its `dgpipe::routed_experts` custom op: under torch.compile the
-    # grouped path runs as that one opaque op (torch's fake kernel for grouped_mm takes bf16 only)
+    # grouped path of a dtype other than bf16 runs as that one opaque op (torch's fake kernel for grouped_mm
+    # takes bf16 only); bf16 is traced, its fused kernels (gated GeLU, expert order, combine) with it
     compiled_op: ClassVar[Callable[..., torch.Tensor] | None] = None
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if not self.use_grouped(x):
             return self._dense(x, index, weights)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
             if Experts.compiled_op is None:
                 return self._dense(x, index, weights)
             return Experts.compiled_op(x, index, weights, self.gate_up_proj, self.down_proj)

@@ -26,8 +26,10 @@ What it costs: a compile on first use of each new shape (cached on disk by induc
 Hence opt-in (`--compile`), not the default: a one-shot `dgpipe generate` would spend far longer compiling
 than generating.
 
-The routed experts enter the graph as one opaque custom op (`dgpipe::routed_experts`, the eager grouped
-GEMMs): torch's fake kernel for `grouped_mm` accepts bf16 only, so tracing the fp32 CPU path fails. A
+bf16 routed experts (Hopper, B200) are traced: torch's grouped GEMMs, with the routing, gated GeLU and
+combine around them for inductor to fuse (the hand-fused kernels stay out of compilers). Other dtypes enter
+the graph as one opaque custom op (`dgpipe::routed_experts`, the eager grouped GEMMs): torch's fake kernel
+for `grouped_mm` accepts bf16 only, so tracing the fp32 CPU path fails. A
 quantized checkpoint on tensor cores puts only its vendor GEMM calls in the graph as opaque ops
 (`dgpipe::scaled_gemm`, `dgpipe::grouped_scaled_gemm`): the activations' quantization, the routing and
 the combine around them are traced and fused.

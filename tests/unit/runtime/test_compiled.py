@@ -168,3 +168,27 @@ def test_float_experts_routed_on_the_device_compile_in_the_layers(triton):
         one = torch.compile(experts, fullgraph=True)(x, index, weights).float()
         ref = experts(x, index, weights).float()
     assert float((one - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bf16_grouped_experts_are_traced_and_other_dtypes_run_as_one_opaque_op(dtype):
+    """bf16 experts (Hopper, B200) enter the compiled graph as torch's grouped GEMMs with the routing, gated
+    GeLU and combine around them, which inductor fuses (the fused kernels' own forms stay out of compilers);
+    other dtypes, which torch's fake grouped GEMM refuses, as `dgpipe::routed_experts`. The same output."""
+    from pipeline.runtime.compiled import _register_routed_experts_op
+    from tests._utils.compile import compiled_whole, graph_targets
+
+    _register_routed_experts_op()
+    experts = build_tiny(dtype, seed=3, text_config=SIZES).layers[0].experts
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, experts.gate_up_proj.shape[2], generator=gen).to(dtype)
+    index = torch.randint(0, experts.num_experts, (16, 2), generator=gen)
+    weights = torch.rand(16, 2, generator=gen).to(dtype)
+    compiled, graphs = compiled_whole(experts)
+    with torch.inference_mode():
+        got, want = compiled(x, index, weights), experts(x, index, weights)
+    targets = graph_targets(graphs[0])
+    opaque = any("routed_experts" in t for t in targets)
+    assert opaque == (dtype != torch.bfloat16), targets
+    assert any("grouped_mm" in t for t in targets) == (dtype == torch.bfloat16)
+    torch.testing.assert_close(got, want)
