@@ -66,9 +66,11 @@ def fp8_rowwise_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_expert_row_scales(weight_scales: torch.Tensor, n: int) -> torch.Tensor:
-    """Per-expert tensor-wise weight scales [E] -> the grouped kernel's RowWise scales [E, N]. Scales of
-    another shape (one per output row) are refused: spread as one per expert they would give each expert
-    rows of another's scales."""
+    """Per-expert tensor-wise weight scales [E] (or [E, 1]: each stored as a 1-element tensor rather than a
+    0-dim one) -> the grouped kernel's RowWise scales [E, N]. Scales of another shape (one per output row)
+    are refused: spread as one per expert they would give each expert rows of another's scales."""
+    if weight_scales.dim() == 2 and weight_scales.shape[1] == 1:
+        weight_scales = weight_scales[:, 0]
     if weight_scales.dim() != 1:
         raise ValueError(f"FP8 expert weight scales {tuple(weight_scales.shape)}: one per expert expected")
     return weight_scales.float().reshape(-1, 1).expand(-1, n).contiguous()

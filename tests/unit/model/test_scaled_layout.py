@@ -106,6 +106,10 @@ def test_fp8_operands_dequantize_to_the_fake_quant_and_rowwise_requant_bound():
     assert torch.equal(
         sl.fp8_expert_row_scales(torch.tensor([1.0, 2.0]), 3), torch.tensor([[1.0] * 3, [2.0] * 3])
     )
+    # each expert's scale stored as a 1-element tensor (shape [1], not 0-dim): stacked [E, 1], the same
+    assert torch.equal(
+        sl.fp8_expert_row_scales(torch.tensor([[1.0], [2.0]]), 3), torch.tensor([[1.0] * 3, [2.0] * 3])
+    )
 
 
 def test_fp8_quantize_divides_in_fp32_for_every_input_dtype_and_scale_shape():

@@ -200,8 +200,9 @@ def test_the_probe_holds_each_kernel_to_torchs_form(rne_casts, monkeypatch):  # 
 
 def test_the_probe_plan_checks_the_one_pass_kernels_where_a_row_quantizes_activations():
     quant = lambda arch: [m for k, m, _ in probing.probe_plan(arch) if k == "quant"]
-    assert quant("sm100") == ["fp8", "nvfp4"]  # B200: FP8 linears and experts, NVFP4 ones
-    assert quant("sm120") == ["fp8", "nvfp4", "fp8_rowwise"]  # its experts' second path re-quantizes to FP8
+    # B200: FP8 linears and experts, NVFP4 ones; the NVFP4 experts' second path re-quantizes to FP8
+    assert quant("sm100") == ["fp8", "nvfp4", "fp8_rowwise"]
+    assert quant("sm120") == ["fp8", "nvfp4", "fp8_rowwise"]  # its NVFP4 experts re-quantized to FP8
     assert quant("sm90") == quant("sm89") == ["fp8", "fp8_rowwise"]
     assert not [k for k, *_ in probing.probe_plan("sm90", ("bf16",)) if k == "quant"]
 
