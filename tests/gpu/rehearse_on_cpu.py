@@ -94,6 +94,7 @@ def cases(test) -> list[tuple[str, dict]]:
 def rehearse(names: list[str]) -> int:
     """Run the named tests of tests/gpu/test_tensor_cores_cuda.py as described above; how many failed."""
     import pipeline.bench.model as bench_model
+    from pipeline.bench.gpu.fake_cuda import cuda_scaled_mm_checks
     from pipeline.model import network
     from pipeline.runtime import gpu_load, kernels, probe
     from pipeline.runtime import tensor_cores as tc
@@ -114,6 +115,9 @@ def rehearse(names: list[str]) -> int:
         mp.setattr(kernels.moe, "unavailable", lambda device: None)
         mp.setattr(tc, "in_one_pass", lambda triton, x: triton)  # the one-pass quantization, as on CUDA
         mp.setattr(F, "scaled_grouped_mm", grouped_scaled_mm_on_cpu(torch.bfloat16))
+        mp.setattr(
+            torch, "_scaled_mm_v2", cuda_scaled_mm_checks(torch._scaled_mm_v2)
+        )  # CUDA's argument checks
         mp.setattr(torch.cuda, "get_device_properties", lambda device=None: H200)
         mp.setattr(network, "route_scores", route_scores_with_cuda_ties)
         mp.setattr(
