@@ -20,6 +20,8 @@ grouped form with `offs` (int32 group end offsets). Where a recipe has two level
 global scale), `F.scaled_mm` on CUDA takes a swizzle per scale (`check_swizzle_lengths` in ATen's
 `cuda/ScaledBlas.cpp`, and torch's own NVFP4 samples in `common_methods_invocations.py`); its meta
 function reads the first alone, so `pipeline.bench.gpu.fake_cuda` adds that check to the CPU rehearsals.
+The grouped form's NVFP4 case reads no swizzle in torch 2.13, and newer ATen (`GroupedBlas.cpp`,
+`normalize_grouped_swizzles`) takes exactly that pair: it is given the pair too.
 """
 
 from __future__ import annotations
@@ -386,7 +388,8 @@ def grouped_gemm(
             sl.as_fp4x2(q), weight,
             [a_scale, per_expert(in_scale, num_experts)], [scaling.BlockWise1x16, scaling.TensorWise],
             [s, g], [scaling.BlockWise1x16, scaling.TensorWise],
-            swizzle_a=swizzle.SWIZZLE_32_4_4, swizzle_b=swizzle.SWIZZLE_32_4_4, offs=offs, output_dtype=torch.bfloat16,
+            swizzle_a=[swizzle.SWIZZLE_32_4_4, swizzle.NO_SWIZZLE], swizzle_b=[swizzle.SWIZZLE_32_4_4, swizzle.NO_SWIZZLE],
+            offs=offs, output_dtype=torch.bfloat16,
         )  # fmt: skip
     qs = qs if scale_rows is None else qs[scale_rows]
     return F.scaled_grouped_mm(

@@ -20,7 +20,12 @@ from collections.abc import Iterator
 from unittest import mock
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
@@ -272,6 +277,34 @@ class Launchers:
 
 
 _LIBS: list[torch.library.Library] = []  # registrations live as long as their Library object
+
+
+class GroupedFallbackReadsHost(DataDependentOutputException):
+    """torch's grouped GEMM on a GPU or dtype its kernels do not take: `_grouped_mm_fallback` copies the group
+    offsets to the host (`GroupedMMUtils.h`), a host read in the pass."""
+
+
+def cuda_grouped_checks(grouped_mm, arch: str, kind: str = ""):
+    """torch's grouped GEMMs as a GPU of `arch` runs them, where fake tensors cannot tell: the scaled ones
+    (`kind` "scaled") refuse every GPU but compute capability 9.x and 10.x (`_scaled_mm_allowed_device(
+    sm90_only, sm100_only)` in cuda/GroupedBlas.cpp), and `F.grouped_mm` there, or in a dtype other than bf16,
+    takes its fallback, which reads the offsets on the host."""
+    from pipeline.model.network import GROUPED_MM_KERNEL_MAJORS
+
+    served = CAPABILITY[arch][0] in GROUPED_MM_KERNEL_MAJORS
+
+    @functools.wraps(grouped_mm)
+    def checked(a, b, *rest, **kw):
+        if kind == "scaled" and not served:
+            raise RuntimeError("torch._scaled_grouped_mm is only supported on CUDA devices with compute "
+                               "capability = [9.0, 10.0]")  # fmt: skip
+        if not kind and (not served or a.dtype != torch.bfloat16):
+            raise GroupedFallbackReadsHost(torch.ops.aten._grouped_mm.default)
+        return grouped_mm(a, b, *rest, **kw)
+
+    return checked
+
+
 # the block-scaled recipes (NVFP4, MX formats) whose scales CUDA's `_scaled_mm_v2` reads in a swizzled layout
 BLOCK_SCALED = (
     torch.nn.functional.ScalingType.BlockWise1x16.value,
@@ -280,9 +313,11 @@ BLOCK_SCALED = (
 
 
 def cuda_scaled_mm_checks(scaled_mm_v2):
-    """`torch._scaled_mm_v2` with the argument check CUDA's kernel makes and the meta function (which
-    fake tensors run) does not: a block-scaled operand takes one swizzle per scale (`check_swizzle_lengths`
-    in ATen's cuda/ScaledBlas.cpp: NVFP4's block scales and global scale, two), else the same ValueError."""
+    """`torch._scaled_mm_v2` (or `_scaled_grouped_mm_v2`, whose first eight arguments are the same) with the
+    argument check CUDA's kernel makes and the meta function (which fake tensors run) does not: a
+    block-scaled operand takes one swizzle per scale (`check_swizzle_lengths` in ATen's cuda/ScaledBlas.cpp,
+    `normalize_grouped_swizzles` in newer cuda/GroupedBlas.cpp: NVFP4's block scales and global scale, two),
+    else the same ValueError."""
 
     @functools.wraps(scaled_mm_v2)
     def checked(a, b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, *rest, **kw):
@@ -336,6 +371,11 @@ def fake_gpu(arch: str) -> Iterator[tuple[FakeTensorMode, OpCounter, _Functions]
         stack.enter_context(mock.patch("torch.backends.cuda.is_flash_attention_available", lambda: True))
         stack.enter_context(
             mock.patch.object(torch, "_scaled_mm_v2", cuda_scaled_mm_checks(torch._scaled_mm_v2))
+        )
+        grouped = cuda_grouped_checks(cuda_scaled_mm_checks(torch._scaled_grouped_mm_v2), arch, "scaled")
+        stack.enter_context(mock.patch.object(torch, "_scaled_grouped_mm_v2", grouped))
+        stack.enter_context(
+            mock.patch.object(torch, "_grouped_mm", cuda_grouped_checks(torch._grouped_mm, arch))
         )
         moe = Launcher("moe_gemm", ops, kernels.moe._kernel(), arch)
         stack.enter_context(mock.patch.object(kernels.moe, "_kernel", lambda: moe))

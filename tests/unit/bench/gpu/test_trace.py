@@ -679,3 +679,35 @@ def test_a_launchs_compile_key_is_the_one_tritons_binder_makes():
     assert key(past=38, total=51) == key(past=1, total=2) == first  # token counts: one binary
     assert key(heads=9) != first and key(heads=1) != key(heads=9)  # a multiple of 16, neither, 1
     assert key(t=x[4:]) != first and key(t=x[8:]) == first  # 8 bytes off is unaligned, 16 is aligned
+
+
+def test_torchs_grouped_gemms_are_traced_as_the_gpu_runs_them():
+    """What fake tensors cannot tell, as each GPU's torch does it: the scaled grouped GEMMs refuse every GPU
+    but compute capability 9.x and 10.x; `F.grouped_mm` elsewhere, or in a dtype other than bf16, takes its
+    fallback, which reads the group offsets on the host; a block-scaled operand takes a swizzle per scale."""
+    calls = []
+    grouped = lambda a, b, *rest, **kw: calls.append(a.dtype) or "ran"
+    bf16, fp16 = torch.empty(2, dtype=torch.bfloat16), torch.empty(2, dtype=torch.float16)
+    assert fake_cuda.cuda_grouped_checks(grouped, "sm90")(bf16, None) == "ran"
+    assert fake_cuda.cuda_grouped_checks(grouped, "sm100", "scaled")(fp16, None) == "ran"
+    for arch in ("sm89", "sm120"):
+        with pytest.raises(RuntimeError, match=r"compute capability = \[9.0, 10.0\]"):
+            fake_cuda.cuda_grouped_checks(grouped, arch, "scaled")(bf16, None)
+        with pytest.raises(fake_cuda.GroupedFallbackReadsHost):
+            fake_cuda.cuda_grouped_checks(grouped, arch)(bf16, None)
+    with pytest.raises(fake_cuda.GroupedFallbackReadsHost):
+        fake_cuda.cuda_grouped_checks(grouped, "sm90")(fp16, None)
+    assert calls == [torch.bfloat16, torch.float16]
+    # NVFP4's two-level recipe in the grouped form: the swizzle pair, as newer ATen requires it
+    two_level = [
+        torch.nn.functional.ScalingType.BlockWise1x16.value,
+        torch.nn.functional.ScalingType.TensorWise.value,
+    ]
+    checked = fake_cuda.cuda_scaled_mm_checks(lambda *a, **k: "ran")
+    with pytest.raises(ValueError, match="swizzle_b must have 2 values, got 1"):
+        checked(None, None, [1, 2], two_level, [1, 0], [1, 2], two_level, [1], None)
+    # bf16 experts on Ada whose Triton GEMM failed its probe: torch's fallback loop, a host read in the pass
+    ada = gt.passing_probe("sm89")
+    ada.results["triton:bf16"] = "no Triton here"
+    t = gt.trace_pass("bf16", "sm89", 1, LAYERS, probed=ada)
+    assert t.error is not None and t.error.startswith("host read in the pass"), t.error
