@@ -26,7 +26,7 @@ from pipeline.bench.gpu.report import render, summary
 from pipeline.bench.results import save_result
 from pipeline.resources import PACKAGE_DIR
 from pipeline.runtime.dispatch import arch_of
-from pipeline.runtime.kernels.moe_tiles import TABLE_DIR, TABLES_ENV
+from pipeline.runtime.kernels.moe_tiles import TABLE_DIR, TABLES_ENV, file_name
 from pipeline.sampler.kernels.build import clear_build_lock
 from pipeline.targets import precision
 
@@ -324,9 +324,11 @@ def run_bench_gpu(
                 record(CheckResult(c.name, c.what, c.budget_s, "skipped", detail="no time left of the command's"
                                    f" {TOTAL_BUDGET_S} s: the checks before it overran"))  # fmt: skip
                 continue
-            if c.name == TILES_CHECK:  # an earlier run's table in this `out` must not pass for this run's
-                for old in (out / TABLE_DIR).glob("*.yaml"):
-                    old.unlink()
+            if (
+                c.name == TILES_CHECK
+            ):  # an earlier run's table of this GPU in `out` must not pass for this run's
+                for operand in ("fp8", "bf16"):
+                    (out / TABLE_DIR / file_name(env.gpu, operand)).unlink(missing_ok=True)
             try:
                 r = _run(c, repo, Path(scratch), budget, out, tile_tables)
             except BaseException:  # stopped from outside: what the check measured so far is kept
@@ -342,7 +344,9 @@ def run_bench_gpu(
             spare = r.budget_s - r.seconds
             # the tiles check writes its table as it climbs: one it was killed in the middle of is still no
             # slower than the default tiles, and the passes after it launch with it
-            if c.name == TILES_CHECK and any((out / TABLE_DIR).glob("*.yaml")):
+            if c.name == TILES_CHECK and any(
+                (out / TABLE_DIR / file_name(env.gpu, op)).is_file() for op in ("fp8", "bf16")
+            ):
                 tile_tables = out / TABLE_DIR
                 if r.status != "passed":
                     kept = f"its table of the tiles timed before it stopped ({tile_tables}) is used by the checks after it"

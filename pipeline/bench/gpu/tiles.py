@@ -246,7 +246,8 @@ def tune(
             rejected.append((tile, error_line(e)))
         if on_tile:
             on_tile(len(timed) + len(rejected), len(queue))
-        if on_timed and i >= given and timed and timed[-1][0] is tile:
+        # once every default was tried (the last may have been rejected), then after each tile timed
+        if on_timed and timed and (i == given or (i > given and timed[-1][0] is tile)):
             on_timed(timed, rejected)
         if i == len(queue) and neighbours and timed and time.monotonic() < deadline:  # the next round
             bests = {min(timed, key=lambda tm, j=j: tm[1][j])[0] for j in range(len(problems_))}
@@ -366,8 +367,9 @@ def run_moe_tiles(
 ) -> dict:
     """Tune the MoE GEMM's tiles for `config`'s experts on this GPU within `budget_s`; write out/moe_tiles.json,
     out/moe_tiles.md and the table (`<GPU>-<operand>.yaml`), and the table into `install_dir` too (where
-    dgpipe reads tables: `moe_tiles.search_dirs`): once the defaults are timed and after every tile timed
-    from then on (`"complete": false`), and at the end. `on_result` is given each result written.
+    dgpipe reads tables: `moe_tiles.search_dirs`), the files in `out` once the defaults are timed and after
+    every tile timed from then on (`"complete": false`), and all of them at the end: a run stopped part-way
+    leaves the table `install_dir` had. `on_result` is given each result written.
     `operand`: "fp8" or "bf16" (default: fp8 where the GPU has FP8 tensor cores). `device`, `time_ms`:
     another device and timer, for testing off a GPU."""
     import yaml
@@ -418,7 +420,8 @@ def run_moe_tiles(
             "# dgpipe bench moe-tiles: the fastest Triton MoE GEMM tile per shape and rows per expert\n"
         )
         text_yaml += yaml.safe_dump(table.model_dump(), sort_keys=False)
-        targets = [out] + ([install_dir] if install_dir else [])
+        # the installed table (every later load reads it) is replaced by a finished run's alone
+        targets = [out] + ([install_dir] if install_dir and complete else [])
         result["table_files"] = [str(d / file_name(name, operand)) for d in targets]
         for path in result["table_files"]:
             atomic_write_text(Path(path), text_yaml)

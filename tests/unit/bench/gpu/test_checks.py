@@ -36,7 +36,7 @@ def test_the_checks_after_the_tiles_check_launch_with_the_table_it_measured(tmp_
     table this host has: never one an earlier run left in `--out`."""
     say = "import os; print(os.environ.get('DGPIPE_MOE_TILES', 'unset'))"
     write = ("import os, pathlib, time; d = pathlib.Path(os.environ['DGPIPE_GPU_OUT']) / 'moe_tiles'; "
-             "d.mkdir(exist_ok=True); (d / 'GPU-fp8.yaml').write_text('measured')")  # fmt: skip
+             "d.mkdir(exist_ok=True); (d / 'NVIDIA_H200-fp8.yaml').write_text('measured')")  # fmt: skip
     code = {
         "passes": write,
         "killed after writing": write + "; time.sleep(60)",
@@ -45,16 +45,21 @@ def test_the_checks_after_the_tiles_check_launch_with_the_table_it_measured(tmp_
     tiles = checks.GpuCheck(checks.TILES_CHECK, 3, "tunes", ("-c", code[tiles_end]), ())
     before, after = (checks.GpuCheck(name, 1, "says", ("-c", say), ()) for name in ("before", "after"))
     monkeypatch.setattr(checks, "CHECKS", (before, tiles, after))
-    monkeypatch.setattr(checks, "detect_env", lambda: checks.Env(cuda=False, torch="2.13"))
+    monkeypatch.setattr(checks, "detect_env", lambda: checks.Env(cuda=False, gpu="NVIDIA H200", torch="2.13"))
     monkeypatch.delenv("DGPIPE_MOE_TILES", raising=False)
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "out" / "moe_tiles").mkdir(parents=True)
-    (tmp_path / "out" / "moe_tiles" / "GPU-fp8.yaml").write_text("an earlier run's")
+    tables = tmp_path / "out" / "moe_tiles"
+    tables.mkdir(parents=True)
+    (tables / "NVIDIA_H200-fp8.yaml").write_text("an earlier run's")
+    (tables / "NVIDIA_B200-fp8.yaml").write_text("another GPU's: kept")
     ran = checks.run_bench_gpu(Path("out"))["checks"]
     assert ran[0]["detail"] == "unset"
     wrote = tiles_end != "fails writing none"
-    assert ran[2]["detail"] == (str(tmp_path / "out" / "moe_tiles") if wrote else "unset")
-    assert [p.name for p in (tmp_path / "out" / "moe_tiles").iterdir()] == (["GPU-fp8.yaml"] if wrote else [])
+    assert ran[2]["detail"] == (str(tables) if wrote else "unset")
+    assert sorted(p.name for p in tables.iterdir()) == ["NVIDIA_B200-fp8.yaml"] + (
+        ["NVIDIA_H200-fp8.yaml"] if wrote else []
+    )
+    assert (tables / "NVIDIA_H200-fp8.yaml").read_text() == "measured" if wrote else True
     if tiles_end == "killed after writing":
         assert ran[1]["status"] == "timeout"
         assert ran[1]["detail"].startswith("its table of the tiles timed before it stopped (")

@@ -236,10 +236,14 @@ def test_a_run_stopped_mid_climb_leaves_the_table_of_the_tiles_it_timed(tmp_path
             raise KeyboardInterrupt
         return 10.0 - len(calls) / 10
 
-    out = tmp_path / "out"
+    out, install = tmp_path / "out", tmp_path / "cache" / "moe_tiles"
+    install.mkdir(parents=True)
+    (install / "cpu_interpreted-fp8.yaml").write_text("the table a finished run installed")
     with pytest.raises(KeyboardInterrupt):
         tiles.run_moe_tiles(out, "fp8", "sudoku-tiny", budget_s=1e6, canvases=(1,), device=CPU, time_ms=timer,
-                            on_result=handed.append)  # fmt: skip
+                            on_result=handed.append, install_dir=install)  # fmt: skip
+    # what every later load reads is replaced by a finished run alone
+    assert (install / "cpu_interpreted-fp8.yaml").read_text() == "the table a finished run installed"
     saved = json.loads((out / tiles.RESULT_FILE).read_text())
     assert saved["complete"] is False and saved["timed"] == defaults + 1 and len(handed) == 2
     assert handed[-1]["rows"] == saved["rows"] and [r["best_ms"] for r in saved["rows"]] == [9.3, 9.2]
@@ -247,3 +251,25 @@ def test_a_run_stopped_mid_climb_leaves_the_table_of_the_tiles_it_timed(tmp_path
     table = moe_tiles.read_table(out / "cpu_interpreted-fp8.yaml")
     assert table == moe_tiles.TileTable.model_validate(saved["table"])
     assert "stopped before the end" in (out / tiles.TABLE_FILE).read_text()
+
+
+@interpreted
+def test_the_partial_table_is_saved_once_every_default_was_tried_even_if_the_last_was_rejected():
+    """`tune`'s `on_timed` fires when the given tiles are through, whatever the last one's fate, then after
+    every tile timed; never before the defaults are all tried (a table of some of them could be slower)."""
+    probs = _problems("fp8")
+    defaults = moe.default_tiles(1)
+    last, extra = defaults[-1], defaults[0].model_copy(update={"num_stages": 2})
+    seen = []
+    real = moe.launch
+
+    def launch(tile, *a, **k):
+        if tile == last:
+            raise RuntimeError("out of resource: shared memory")
+        return real(tile, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe, "launch", launch)
+        tiles.tune(probs, defaults, float("inf"), lambda fn: 1.0, neighbours=lambda t: [extra],
+                   on_timed=lambda timed, rejected: seen.append((len(timed), len(rejected))))  # fmt: skip
+    assert seen == [(len(defaults) - 1, 1), (len(defaults), 1)]
