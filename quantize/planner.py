@@ -68,6 +68,23 @@ def weight_plan(config: ModelConfig, p: Precision) -> WeightPlan:
     return WeightPlan(p.name, quantized, high, total)
 
 
+def held_weight_bytes(config: ModelConfig, p: Precision, target: Target) -> int:
+    """What the PyTorch runtime holds in GPU memory on `target` for a checkpoint in `p`, which is not always
+    what the checkpoint stores (`weight_plan`): the linears and experts in the formats the target's dispatch
+    row reads them in (`pipeline.runtime.dispatch.weight_bytes`: an NVFP4 checkpoint's experts as FP8 on RTX
+    Blackwell, whose torch has no grouped GEMM; INT4-AWQ dequantized to bf16, for which torch has no W4A16
+    grouped GEMM), every other weight in bf16."""
+    from pipeline.runtime.dispatch import dispatch, weight_bytes
+
+    with torch.device("meta"):
+        model = DiffusionGemma(config)
+    every = sum(t.numel() for t in model.parameters())
+    held = weight_bytes(config.text_config, dispatch(p.name, target.name))
+    as_bf16 = weight_bytes(config.text_config, dispatch("bf16", target.name))  # 2 bytes per parameter
+    rest = every - (as_bf16["linears"] + as_bf16["experts"]) / 2
+    return int(held["linears"] + held["experts"] + 2 * rest)
+
+
 def kv_cache_bytes(config: ModelConfig, context: int, concurrency: int, bytes_per_value: int = 2) -> int:
     """The K/V cache the PyTorch runtime allocates for `concurrency` rows of `context` tokens, made on the
     meta device so that plan and runtime cannot disagree (`KVCache`): global layers the whole context,
@@ -158,20 +175,21 @@ def serving_plan(
     prefix_cache_mib: int = DEFAULTS.prefix_cache_mib,
 ) -> list[ServingPlan]:
     """`kv_cache="fp8"` stores K/V in one byte per value (ModelOpt's KV-cache quantization);
-    `prefix_cache_mib`: the K/V of prompt blocks the server keeps across requests (its limit of that name)."""
-    w = weight_plan(config, p)
+    `prefix_cache_mib`: the K/V of prompt blocks the server keeps across requests (its limit of that name).
+    The weights are what the runtime holds on the target (`held_weight_bytes`)."""
+    weights = held_weight_bytes(config, p, target)
     kv = kv_cache_bytes(config, context, concurrency, 1 if kv_cache == "fp8" else 2)
     ws = workspace_bytes(config, concurrency)
     prefix = prefix_cache_mib << 20
     plans = []
     for gpu in target.gpus:
-        total = w.bytes + kv + ws + prefix
+        total = weights + kv + ws + prefix
         plans.append(
             ServingPlan(
                 target=target.name,
                 gpu=gpu.product,
                 precision=p.name,
-                weights_gib=round(w.gib, 2),
+                weights_gib=round(weights / GIB, 2),
                 kv_cache_gib=round(kv / GIB, 2),
                 workspace_gib=round(ws / GIB, 2),
                 prefix_cache_gib=round(prefix / GIB, 2),
