@@ -174,19 +174,26 @@ def rowwise_output_dtype(out_dtype: torch.dtype, device: torch.device) -> torch.
 # fp32 ones [rows, 1] per device, grown to the most rows asked for: RowWise GEMMs take their row scales as a
 # contiguous [M, 1] tensor (an expanded scalar is not), and a view of one buffer costs no launch per call
 _UNIT_ROWS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN_ROWS: list[torch.Tensor] = []  # kept, never freed: graphs captured on them read them at replay
 
 
 def unit_row_scales(rows: int, device: torch.device) -> torch.Tensor:
     """Row scales of 1 for `rows` rows: a view of the device's buffer. Never grown while a CUDA graph is being
     captured (a fill recorded in a graph runs only when it replays, so the buffer would hold no ones for the
-    eager calls after it): the graph then makes its own."""
+    eager calls after it): the graph then makes its own. A buffer it outgrows stays allocated: a graph
+    captured while it was the device's reads its address on every replay, and freed, that memory would go
+    to other tensors (a few KB a size, sizes doubling)."""
     held = _UNIT_ROWS.get(device)
     if held is not None and held.shape[0] >= rows:
         return held[:rows]
-    ones = torch.ones(rows, 1, dtype=torch.float32, device=device)
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _UNIT_ROWS[device] = ones
-    return ones
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.ones(rows, 1, dtype=torch.float32, device=device)
+    size = rows
+    if held is not None:
+        _OUTGROWN_ROWS.append(held)
+        size = max(rows, 2 * held.shape[0])
+    _UNIT_ROWS[device] = torch.ones(size, 1, dtype=torch.float32, device=device)
+    return _UNIT_ROWS[device][:rows]
 
 
 # ---- experts -------------------------------------------------------------------------------------------

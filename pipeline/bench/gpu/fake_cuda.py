@@ -389,6 +389,7 @@ def fake_gpu(arch: str) -> Iterator[tuple[FakeTensorMode, OpCounter, _Functions]
         # the RowWise GEMMs' unit row scales are cached per device, outside graph capture: here fake tensors
         # of this mode only, and no capture (a CPU build of torch cannot say)
         stack.enter_context(mock.patch.dict(tensor_cores._UNIT_ROWS, clear=True))
+        stack.enter_context(mock.patch.object(tensor_cores, "_OUTGROWN_ROWS", []))
         stack.enter_context(mock.patch("torch.cuda.is_current_stream_capturing", lambda: False))
         for mode in (fake, ops, calls):
             stack.enter_context(mode)

@@ -95,16 +95,20 @@ def test_fp8_siblings_merge_into_a_rowwise_gemm_only_where_it_writes_the_models_
 
 
 def test_a_rowwise_gemms_unit_row_scales_are_views_of_one_buffer_grown_outside_graph_capture(monkeypatch):
-    """Row scales of 1 come as views of one contiguous buffer per device, which grows to the most rows asked
-    for; while a CUDA graph is captured a larger ask gets a buffer of its own (its fill runs when the graph
+    """Row scales of 1 come as views of one contiguous buffer per device, which grows (at least doubling) to
+    the most rows asked for, the buffer it outgrew kept allocated (a graph captured on it reads it at every
+    replay); while a CUDA graph is captured a larger ask gets a buffer of its own (its fill runs when the graph
     replays, so eager calls after the capture must not read it)."""
     from pipeline.bench.gpu.fake_cuda import fake_gpu
 
     monkeypatch.setattr(tc, "_UNIT_ROWS", {})
+    monkeypatch.setattr(tc, "_OUTGROWN_ROWS", [])
     eight, five = tc.unit_row_scales(8, CPU), tc.unit_row_scales(5, CPU)
     assert torch.equal(eight, torch.ones(8, 1)) and five.shape == (5, 1) and five.is_contiguous()
-    assert five.data_ptr() == eight.data_ptr() and tc._UNIT_ROWS[CPU] is eight
-    assert tc.unit_row_scales(20, CPU).shape == (20, 1) and tc._UNIT_ROWS[CPU].shape == (20, 1)
+    assert five.data_ptr() == eight.data_ptr() == tc._UNIT_ROWS[CPU].data_ptr()
+    assert tc.unit_row_scales(12, CPU).shape == (12, 1) and tc._UNIT_ROWS[CPU].shape == (16, 1)
+    assert tc.unit_row_scales(20, CPU).shape == (20, 1) and tc._UNIT_ROWS[CPU].shape == (32, 1)
+    assert tc._OUTGROWN_ROWS[0].data_ptr() == eight.data_ptr() and len(tc._OUTGROWN_ROWS) == 2
     cuda = torch.device("cuda", 0)
     with fake_gpu("sm90"):
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
