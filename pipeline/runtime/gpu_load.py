@@ -189,7 +189,7 @@ class TensorCoreLoad:
         if row is not None and row.fallback:
             self.report.fallbacks.append(f"{row.fallback}: {row.note}")
 
-    def _modes(self, pr: Probe, shapes: set[tuple[int, int]]):
+    def _modes(self, pr: Probe, shapes: tuple[tuple[int, int], ...]):
         """(linear mode, experts mode, Triton rows per expert, dispatch row) for this format on this GPU,
         after the probe; each kernel that is missing or failed its probe is reported and left to the row's
         second path or the float path. `shapes`: the experts' weight shapes, which a measured crossover

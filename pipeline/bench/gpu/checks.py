@@ -314,6 +314,7 @@ def run_bench_gpu(
     # whatever the checks' overruns and the environment's probe took, nothing runs past the total
     deadline = started + TOTAL_BUDGET_S - END_MARGIN_S
     tile_tables = None  # once the tiles check has measured this GPU's table, the passes after it use it
+    own_tables = [out / TABLE_DIR / file_name(env.gpu, operand) for operand in ("fp8", "bf16")]
     with tempfile.TemporaryDirectory(prefix="dgpipe-gpu-") as scratch, stopped_by_sigterm():
         for c in CHECKS:
             if reason := skip_reason(c, env):
@@ -324,11 +325,10 @@ def run_bench_gpu(
                 record(CheckResult(c.name, c.what, c.budget_s, "skipped", detail="no time left of the command's"
                                    f" {TOTAL_BUDGET_S} s: the checks before it overran"))  # fmt: skip
                 continue
-            if (
-                c.name == TILES_CHECK
-            ):  # an earlier run's table of this GPU in `out` must not pass for this run's
-                for operand in ("fp8", "bf16"):
-                    (out / TABLE_DIR / file_name(env.gpu, operand)).unlink(missing_ok=True)
+            # an earlier run's table of this GPU in `out` must not pass for this run's
+            if c.name == TILES_CHECK:
+                for table in own_tables:
+                    table.unlink(missing_ok=True)
             try:
                 r = _run(c, repo, Path(scratch), budget, out, tile_tables)
             except BaseException:  # stopped from outside: what the check measured so far is kept
@@ -344,9 +344,7 @@ def run_bench_gpu(
             spare = r.budget_s - r.seconds
             # the tiles check writes its table as it climbs: one it was killed in the middle of is still no
             # slower than the default tiles, and the passes after it launch with it
-            if c.name == TILES_CHECK and any(
-                (out / TABLE_DIR / file_name(env.gpu, op)).is_file() for op in ("fp8", "bf16")
-            ):
+            if c.name == TILES_CHECK and any(table.is_file() for table in own_tables):
                 tile_tables = out / TABLE_DIR
                 if r.status != "passed":
                     kept = f"its table of the tiles timed before it stopped ({tile_tables}) is used by the checks after it"

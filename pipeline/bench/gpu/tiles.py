@@ -31,7 +31,7 @@ import torch
 from pipeline.atomic import atomic_write_text
 from pipeline.errors import DgpipeError, error_line
 from pipeline.runtime import kernels
-from pipeline.runtime.kernels.moe_tiles import ShapeTiles, Tile, TileTable, file_name
+from pipeline.runtime.kernels.moe_tiles import ShapeTiles, Tile, TileTable, expert_shapes, file_name
 
 RESULT_FILE, TABLE_FILE = "moe_tiles.json", "moe_tiles.md"
 CANVASES = (1, 2, 4, 8, 16)
@@ -54,8 +54,9 @@ class GemmShape:
 
 
 def gemm_shapes(hidden: int, moe_intermediate: int) -> tuple[GemmShape, GemmShape]:
-    """A layer's two expert GEMMs: gate|up [2I, d] and down [d, I] weights."""
-    return GemmShape("gate_up", 2 * moe_intermediate, hidden), GemmShape("down", hidden, moe_intermediate)
+    """A layer's two expert GEMMs (`moe_tiles.expert_shapes`), named: gate|up [2I, d] and down [d, I]."""
+    gate_up, down = expert_shapes(hidden, moe_intermediate)
+    return GemmShape("gate_up", *gate_up), GemmShape("down", *down)
 
 
 def changes(a: Tile, b: Tile) -> int:
@@ -219,8 +220,8 @@ def tune(
     Returns {"timed": [(tile, [ms per problem])], "rejected": [(tile, why)]}; a tile whose output is not the
     float product of its operands (`reference`, one bf16 rounding apart), or that fails to compile or launch
     (Triton's shared-memory or register limits), is rejected; the first one failing is an error (the kernel
-    itself is wrong here). `on_timed(timed, rejected)`: told after each tile timed once the tiles given
-    (the defaults) have all been tried, so that what it saves is never slower than the defaults."""
+    itself is wrong here). `on_timed(timed, rejected)`: told once the tiles given (the defaults) have all
+    been tried, then after each tile timed, so that what it saves is never slower than the defaults."""
     timed, rejected = [], []
     given = len(dict.fromkeys(tiles))
     defaults = {kernels.moe.default_tile(p.slots, p.experts, p.args[0].element_size()) for p in problems_}

@@ -216,17 +216,17 @@ def tiles_source(device: torch.device, operand: str) -> str:
     return f"tiles from {path} (torch {table.torch}, Triton {table.triton})"
 
 
-def measured_triton_rows(device: torch.device, shapes: set[tuple[int, int]]) -> float | None:
+def measured_triton_rows(device: torch.device, shapes: tuple[tuple[int, int], ...]) -> float | None:
     """This GPU's measured crossover between the Triton FP8 GEMM and torch's at a model's expert weight
     `shapes` ((N, K) of gate|up and down: `expert_shapes`; `TileTable.triton_rows`), or None: no FP8 table,
     one without these shapes or without torch's timings."""
     table = table_for(device, "fp8")
-    return table.triton_rows(shapes) if table is not None else None
+    return table.triton_rows(set(shapes)) if table is not None else None
 
 
-def expert_shapes(hidden: int, moe_intermediate: int) -> set[tuple[int, int]]:
-    """A MoE layer's two expert GEMM weight shapes (N, K): gate|up [2I, d] and down [d, I]."""
-    return {(2 * moe_intermediate, hidden), (hidden, moe_intermediate)}
+def expert_shapes(hidden: int, moe_intermediate: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A MoE layer's two expert GEMM weight shapes (N, K): gate|up [2I, d], then down [d, I]."""
+    return (2 * moe_intermediate, hidden), (hidden, moe_intermediate)
 
 
 def operand_of(element_bytes: int) -> Operand:

@@ -130,7 +130,7 @@ def test_a_bad_table_is_an_error_naming_the_file_and_the_fix(tmp_path, text, say
 
 
 def test_off_cuda_no_table_is_read():
-    assert moe_tiles.table_for(CPU, "fp8") is None and moe_tiles.measured_triton_rows(CPU, {(1, 1)}) is None
+    assert moe_tiles.table_for(CPU, "fp8") is None and moe_tiles.measured_triton_rows(CPU, ((1, 1),)) is None
     assert moe_tiles.tiles_source(CPU, "fp8") == "default tiles"
 
 
