@@ -197,7 +197,8 @@ def check_tensor_cores() -> list[Check]:
     format's linears and experts, or the named fallback. The kernels themselves are probed at load."""
     import torch
 
-    from pipeline.runtime.dispatch import FORMATS, arch_of, dispatch
+    from pipeline.model.network import GROUPED_MM_KERNEL_MAJORS
+    from pipeline.runtime.dispatch import FORMATS, NO_GROUPED_KERNEL, arch_of, dispatch
 
     if not torch.cuda.is_available():
         return [
@@ -223,6 +224,18 @@ def check_tensor_cores() -> list[Check]:
             detail += f"; where it fails its probe: {row.experts_fallback}"
         hint = "" if row.native else f"fallback {row.fallback}: {row.note}"
         checks.append(Check(f"{fmt} dispatch", row.native, detail, hint, "GPU runtime"))
+    if major not in GROUPED_MM_KERNEL_MAJORS and arch not in NO_GROUPED_KERNEL:  # Thor: sm100's row
+        checks.append(
+            Check(
+                "torch grouped GEMMs",
+                False,
+                f"compute capability {major}.{minor} takes {arch}'s rows, but torch's grouped GEMMs run on 9.x "
+                "and 10.x alone",
+                "float experts take dgpipe's Triton MoE GEMM and NVFP4 experts their second path, where probed "
+                "(the load reports each)",
+                "GPU runtime",
+            )
+        )
     gpu = torch.cuda.get_device_name(0)
     return [check_gpu_spec(gpu), *checks, *check_moe_tiles(gpu), *check_kernel_probe(torch.device("cuda", 0))]
 

@@ -159,10 +159,15 @@ def test_doctor_names_the_nvfp4_experts_path_a_load_takes(monkeypatch, tmp_path,
     arch = dp.arch_of(*capability)
     ran = probing.Probe(arch, {"linear:nvfp4": None, "experts:nvfp4": "no kernel image"})
     monkeypatch.setattr(probing, "probe", lambda device: ran)
-    row = {c.name: c for c in doctor.check_tensor_cores()}["nvfp4 dispatch"]
+    checks = {c.name: c for c in doctor.check_tensor_cores()}
+    row = checks["nvfp4 dispatch"]
     if arch == "sm100":
         assert row.ok and row.hint == ""
         assert row.detail.endswith(f"; where it fails its probe: {dp.TRITON_MOE_EVERY_PASS_REQ}")
+        # Thor takes B200's rows, but not torch's grouped GEMMs: said once, with what the load does instead
+        grouped = checks["torch grouped GEMMs"]
+        assert not grouped.ok and grouped.detail.startswith("compute capability 11.0 takes sm100's rows")
+        assert "Triton MoE GEMM" in grouped.hint
     else:
         assert not row.ok and row.detail.endswith(f"experts {dp.TRITON_MOE_EVERY_PASS_REQ}")
         assert row.hint.startswith("fallback experts: fp8 re-quantization: torch's grouped GEMMs run on")
