@@ -8,7 +8,8 @@ Layouts, as `modelopt.torch.export.export_hf_checkpoint` (0.47) writes them per 
 * NVFP4:    weight uint8 [out, in/2], two E2M1 codes per byte, low nibble = even column; weight_scale
             float8_e4m3fn [out, in/16]; weight_scale_2 fp32; input_scale fp32 (= amax / (6 * 448)).
 * W4A16_AWQ: weight uint8 [out/2, in], two signed int4 per byte along the OUTPUT dim, low nibble = even
-            row; weight_scale [out, in/group] (16-bit); optional pre_quant_scale [in] multiplies the input.
+            row; weight_scale [out, in/group] (fp32 as ModelOpt writes it, bf16 after `dgpipe quantize`'s
+            finalize; both read); optional pre_quant_scale [in] multiplies the input.
 Fused-expert models are exported one 2-D tensor per expert and projection (`experts.E.gate_proj`), which
 `pipeline.model.checkpoint` fuses back after dequantization.
 

@@ -156,6 +156,14 @@ def recognise(path: str | Path) -> Recognised:
     if (p / "config.json").is_file() and _has_weights(p):
         config = _json(p / "config.json")
         if (p / "hf_quant_config.json").is_file() or "quantization_config" in config:
+            from pipeline.model.modelopt import quantization_info
+
+            if not (p / "hf_quant_config.json").is_file() and quantization_info(p) is None:
+                method = (config.get("quantization_config") or {}).get("quant_method", "an unnamed method")
+                raise CheckpointError(
+                    f"{p}: quantized by {method} (config.json's quantization_config), which dgpipe does not read",
+                    "quantize the base checkpoint with `dgpipe quantize` (NVIDIA ModelOpt), or use the unquantized one",
+                )
             return _make(p, QUANTIZED, "NVIDIA ModelOpt", p)
         if config.get("unsloth_version"):
             return _make(p, UNSLOTH_MERGED, "Unsloth", p, notes=[f"unsloth {config['unsloth_version']}"])

@@ -77,6 +77,20 @@ def test_quantized_and_unsloth_merged_are_used_in_place(tmp_path):
     assert resolve(q, None, tmp_path / "cache") == q
     with pytest.raises(DgpipeError, match="needs an unquantized base"):
         resolve(q, D / "unsloth-lora", tmp_path / "cache")
+    # config.json's quantization_config: ModelOpt's (quant_method modelopt) used in place, another's refused
+    for method, kind in (("modelopt", pr.QUANTIZED), ("compressed-tensors", None)):
+        c = shutil.copytree(D / "base", tmp_path / method)
+        cfg = json.loads((c / "config.json").read_text())
+        (c / "config.json").write_text(
+            json.dumps(cfg | {"quantization_config": {"quant_method": method, "quant_algo": "FP8"}})
+        )
+        if kind:
+            assert pr.recognise(c).kind == kind
+        else:
+            with pytest.raises(
+                CheckpointError, match=r"quantized by compressed-tensors .*which dgpipe does not read"
+            ):
+                pr.recognise(c)
     u = shutil.copytree(D / "base", tmp_path / "u")
     cfg = json.loads((u / "config.json").read_text()) | {"unsloth_version": "2026.10.9"}
     (u / "config.json").write_text(json.dumps(cfg))

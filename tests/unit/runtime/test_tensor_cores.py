@@ -295,16 +295,23 @@ def test_a_quant_algo_the_runtime_does_not_run_is_the_cpu_loads_error_on_a_gpu(c
 
     path = Path(shutil.copytree(ckpts["fp8"], tmp_path / "fp8_pc_pt"))
     for name in ("hf_quant_config.json", "config.json"):
-        text = (path / name).read_text().replace('"quant_algo": "FP8"', '"quant_algo": "FP8_PC_PT"')
+        text = (
+            (path / name)
+            .read_text()
+            .replace('"quant_algo": "FP8"', '"quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"')
+        )
         (path / name).write_text(text)
     assert (
-        json.loads((path / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "FP8_PC_PT"
+        json.loads((path / "hf_quant_config.json").read_text())["quantization"]["quant_algo"]
+        == "FP8_PER_CHANNEL_PER_TOKEN"
     )
     for load in (
         lambda: load_model(path),
         lambda: gpu_load.load_on_gpu(path, torch.float32, CPU, probing.Probe("sm90")),
     ):
-        with pytest.raises(DgpipeError, match="quant_algo 'FP8_PC_PT' is not supported by dgpipe's runtime"):
+        with pytest.raises(
+            DgpipeError, match="quant_algo 'FP8_PER_CHANNEL_PER_TOKEN' is not supported by dgpipe's runtime"
+        ):
             load()
 
 
