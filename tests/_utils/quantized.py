@@ -1,7 +1,10 @@
 """A ModelOpt-layout FP8 or NVFP4 checkpoint of the embedded model, made with dgpipe's own quantizers
 (`pipeline.model.scaled_layout`), for the tests of the quantized runtime paths. Every linear ModelOpt
 quantizes (attention, dense MLP, experts per expert) gets its weight quantized from the float weight and a
-fixed input scale; the rest stays as stored."""
+fixed input scale; the rest stays as stored. NVFP4 siblings that read one input (q, k, v; gate, up) share one
+global scale, the largest of theirs, as ModelOpt's export makes it (`preprocess_linear_fusion` in
+modelopt/torch/export/quant_utils.py unifies the NVFP4 global amax of fused linears; FP8 weight scales
+stay one per linear, as a real export of the embedded model shows)."""
 
 from __future__ import annotations
 
@@ -21,15 +24,17 @@ from pipeline.resources import EMBEDDED_MODEL
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
 INPUT_AMAX = 8.0  # activation amax the fixed input scales stand for
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings reading one input
 
 
-def quantize(w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
-    """One float weight [out, in] -> its ModelOpt tensors (weight, scales, input scale)."""
+def quantize(w: torch.Tensor, fmt: str, amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """One float weight [out, in] -> its ModelOpt tensors (weight, scales, input scale). `amax`: NVFP4's
+    global amax where siblings share it (default: this weight's own)."""
     if fmt == "fp8":
         ws = w.abs().max() / E4M3_MAX
         return {"weight": sl.fp8_quantize(w, ws), "weight_scale": ws.reshape(()),
                 "input_scale": torch.tensor(INPUT_AMAX / E4M3_MAX)}  # fmt: skip
-    gs = w.abs().max() / (6 * E4M3_MAX)
+    gs = (w.abs().max() if amax is None else amax) / (6 * E4M3_MAX)
     packed, bs = sl.nvfp4_quantize(w, gs)
     return {"weight": packed, "weight_scale": bs, "weight_scale_2": gs.reshape(()),
             "input_scale": torch.tensor(INPUT_AMAX / (6 * E4M3_MAX))}  # fmt: skip
@@ -62,13 +67,15 @@ def build_quantized_checkpoint(out: Path, fmt: str, src: Path = EMBEDDED_MODEL) 
     model = load_model(src)[0]
     state = hf_state_dict(model)
     for i, layer in enumerate(model.layers):
-        for name in LINEARS:
-            if name == "self_attn.v_proj" and layer.self_attn.v_proj is None:
-                continue
+        present = [n for n in LINEARS if not (n == "self_attn.v_proj" and layer.self_attn.v_proj is None)]
+        weights = {n: model.get_submodule(f"layers.{i}.{n}").weight.detach().float() for n in present}
+        groups = [[n for n in present if n.split(".")[-1] in names] for names in SHARED_INPUT]
+        amax = {n: max(weights[s].abs().max() for s in group) for group in groups for n in group}
+        for name in present:
             path = f"layers.{i}.{name}"
             del state[f"{DECODER}{path}.weight"]
-            w = model.get_submodule(path).weight.detach().float()
-            state.update({f"{DECODER}{path}.{k}": v for k, v in quantize(w, fmt).items()})
+            q = quantize(weights[name], fmt, amax.get(name))
+            state.update({f"{DECODER}{path}.{k}": v for k, v in q.items()})
         ex = layer.experts
         del (
             state[f"{DECODER}layers.{i}.experts.gate_up_proj"],

@@ -376,3 +376,20 @@ def test_the_ffn_inputs_come_as_fp8_operands_only_to_gemms_that_would_make_them(
     assert kernel.keywords["experts_form"] == (("fp8", experts.in_scale) if experts_one_pass else None)
     layer.mlp.gate_up_kernel = None  # gate and up on their own: they take rows
     assert gpu_load.ffn_inputs_for(layer) is kernels.chains.ffn_inputs_or_torch or experts_one_pass
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_the_fixture_checkpoints_siblings_share_what_modelopts_export_makes_them_share(tmp_path, fmt):
+    """As a real ModelOpt export of the embedded model has them: NVFP4 q, k, v (and gate, up) with one global
+    scale, so on tensor cores they are one GEMM each (`concatenates`); FP8 ones with a weight scale each, one
+    RowWise GEMM only where that form passed its probe."""
+    from pipeline.model.modelopt import read_packed_linears
+
+    path = build_quantized_checkpoint(tmp_path / fmt, fmt)
+    packed = read_packed_linears(path)
+    mode = fmt
+    for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+        parent = "self_attn" if names[0] == "q_proj" else "mlp"
+        parts = [tc.ScaledLinear(packed[f"layers.0.{parent}.{n}"], mode, CPU, torch.float32) for n in names]
+        assert si.concatenates(parts) == (fmt == "nvfp4"), names
+        assert si.concatenates(parts, fp8_columns=True) or fmt != "fp8"
