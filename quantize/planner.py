@@ -15,6 +15,7 @@ from pipeline.limits import DEFAULTS
 from pipeline.model.config import ModelConfig
 from pipeline.model.network import DiffusionGemma
 from pipeline.runtime.backends import TorchBackend
+from pipeline.runtime.dispatch import dispatch, weight_bytes
 from pipeline.runtime.kv_cache import KVCache, canvas_room
 from pipeline.targets import Precision, Target
 
@@ -74,8 +75,6 @@ def held_weight_bytes(config: ModelConfig, p: Precision, target: Target) -> int:
     row reads them in (`pipeline.runtime.dispatch.weight_bytes`: an NVFP4 checkpoint's experts as FP8 on RTX
     Blackwell, whose torch has no grouped GEMM; INT4-AWQ dequantized to bf16, for which torch has no W4A16
     grouped GEMM), every other weight in bf16."""
-    from pipeline.runtime.dispatch import dispatch, weight_bytes
-
     with torch.device("meta"):
         model = DiffusionGemma(config)
     every = sum(t.numel() for t in model.parameters())

@@ -134,7 +134,7 @@ def scaled_gemm(
 ) -> torch.Tensor:
     """`F.scaled_mm` of a quantized operand `a` [M, K] (NVFP4: packed codes [M, K/2] as uint8) and a
     `ScaledLinear` weight [N, K], with the scaling recipes of `mode`: [M, N] in `out_dtype`."""
-    scaling, swizzle = _api()
+    scaling, _ = _api()
     if mode == "fp8":
         return F.scaled_mm(
             a, weight.t(), a_scales[0], scaling.TensorWise, w_scales[0], scaling.TensorWise, output_dtype=out_dtype,
@@ -147,18 +147,23 @@ def scaled_gemm(
             output_dtype=rowwise, use_fast_accum=FP8_FAST_ACCUM,
         ).to(out_dtype)  # fmt: skip
     if mode == "nvfp4":
-        # one swizzle per scale, as CUDA's kernel checks (a single one is refused): the block scales in the
-        # 32x4x4 layout, the global scale as it is
-        each = [swizzle.SWIZZLE_32_4_4, swizzle.NO_SWIZZLE]
+        recipe, swizzles = nvfp4_recipe()
         return F.scaled_mm(
-            sl.as_fp4x2(a), weight.t(), a_scales, [scaling.BlockWise1x16, scaling.TensorWise],
-            w_scales, [scaling.BlockWise1x16, scaling.TensorWise], swizzle_a=each, swizzle_b=each,
+            sl.as_fp4x2(a), weight.t(), a_scales, recipe, w_scales, recipe, swizzle_a=swizzles, swizzle_b=swizzles,
             output_dtype=out_dtype,
         )  # fmt: skip
     return F.scaled_mm(
         a, weight.t(), a_scales[0], scaling.RowWise, w_scales[0], scaling.RowWise, output_dtype=rowwise,
         use_fast_accum=FP8_FAST_ACCUM,
     ).to(out_dtype)  # fmt: skip
+
+
+def nvfp4_recipe() -> tuple[list, list]:
+    """NVFP4's two-level scaling, the same for both operands of a scaled GEMM: block scales per 16 values and
+    a global scale, and one swizzle per scale (CUDA's kernels refuse a single one): the block scales in the
+    32x4x4 layout, the global scale as it is."""
+    scaling, swizzle = _api()
+    return [scaling.BlockWise1x16, scaling.TensorWise], [swizzle.SWIZZLE_32_4_4, swizzle.NO_SWIZZLE]
 
 
 def rowwise_output_dtype(out_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -387,16 +392,14 @@ def grouped_gemm(
     [E, N, K] packed (scales `s`, NVFP4 global scales `g`), bf16 out (the only output torch's grouped
     FP8/FP4 kernels write). `fast_accum`: FP8 accumulation mode (`FP8_FAST_ACCUM`; the benchmark times the
     other one too); `one_pass`: NVFP4 scales gathered and swizzled by `kernels.quant` in one kernel (on CUDA)."""
-    scaling, swizzle = _api()
+    scaling, _ = _api()
     weight, num_experts = w.transpose(-2, -1), w.shape[0]
     if mode == "nvfp4":
+        recipe, swizzles = nvfp4_recipe()
         a_scale = blocked(qs, offs, in_one_pass(one_pass, qs), scale_rows)
         return F.scaled_grouped_mm(
-            sl.as_fp4x2(q), weight,
-            [a_scale, per_expert(in_scale, num_experts)], [scaling.BlockWise1x16, scaling.TensorWise],
-            [s, g], [scaling.BlockWise1x16, scaling.TensorWise],
-            swizzle_a=[swizzle.SWIZZLE_32_4_4, swizzle.NO_SWIZZLE], swizzle_b=[swizzle.SWIZZLE_32_4_4, swizzle.NO_SWIZZLE],
-            offs=offs, output_dtype=torch.bfloat16,
+            sl.as_fp4x2(q), weight, [a_scale, per_expert(in_scale, num_experts)], recipe, [s, g], recipe,
+            swizzle_a=swizzles, swizzle_b=swizzles, offs=offs, output_dtype=torch.bfloat16,
         )  # fmt: skip
     qs = qs if scale_rows is None else qs[scale_rows]
     return F.scaled_grouped_mm(

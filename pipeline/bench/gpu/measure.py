@@ -51,15 +51,15 @@ def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
     row = dispatch(fmt, arch_of(*torch.cuda.get_device_capability(dev)))
     # as the runtime loads: what failed its probe takes its fallback
     pr = probed if probed is not None else _kernels_here(dev, row.arch)
-    lin = kernel_mode(row.linears)
-    lin = lin if lin and pr.ok(f"linear:{lin}") else None
+    wanted = kernel_mode(row.linears)
+    lin = wanted if wanted and pr.ok(f"linear:{wanted}") else None
     _, two_i, d = model.layers[0].experts.gate_up_proj.shape
     measured = measured_triton_rows(dev, expert_shapes(d, two_i // 2))
     exp, triton_rows, fell_back = experts_plan(row, pr, measured)
     lin_one_pass, exp_one_pass = one_pass(lin, pr), one_pass(exp, pr)
     kernels = f"{row.linears} / {row.experts}" + (f" ({fell_back})" if fell_back else "")
-    if kernel_mode(row.linears) and not lin:  # as the load reports it: the linears stay bf16
-        kernels += f" (linears: {row.linears} failed its probe ({pr.results.get(f'linear:{kernel_mode(row.linears)}')}): bf16)"
+    if wanted and not lin:  # as the load reports it: the linears stay bf16
+        kernels += f" (linears: {row.linears} failed its probe ({pr.results.get(f'linear:{wanted}')}): bf16)"
     if exp and row.splits_passes and measured is not None:
         kernels += f" (Triton up to {triton_rows:g} rows per expert: this GPU's tile table)"
     gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
@@ -154,9 +154,8 @@ def measure_pass(
     mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
     model = random_model(mcfg, torch.bfloat16, dev)
     kernels = quantize_random(model, fmt) if fmt != "bf16" else "F.linear bf16 / F.grouped_mm bf16"
-    reads = weights_read(
-        model
-    )  # what the pass reads its weights in, fallbacks taken: its bytes and FLOP rates
+    # what the pass reads its weights in, fallbacks taken: its bytes and FLOP rates
+    reads = weights_read(model)
     # as the runtime loads it: float experts that would read the routing on the host route on the device,
     # RoPE in one kernel where probed
     routed = finish_on_device(model, dev, None, None)

@@ -26,6 +26,7 @@ import functools
 import math
 import os
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Literal
 
@@ -118,7 +119,7 @@ class TileTable(BaseModel):
                 return shape.pick(rows_per_expert)
         return None
 
-    def triton_rows(self, shapes: set[tuple[int, int]] | None = None) -> float | None:
+    def triton_rows(self, shapes: Collection[tuple[int, int]] | None = None) -> float | None:
         """Up to how many rows per expert the tuned Triton GEMM beat torch's grouped GEMM here at the weight
         `shapes` ((N, K) pairs; default: every shape measured), their ms summed: the largest measured count
         at which it won at every count up to it, 0 where it lost at the smallest, None where a shape was not
@@ -126,9 +127,9 @@ class TileTable(BaseModel):
         with few rows per expert (Hopper), this measured crossover replaces its constant for a model whose
         expert shapes it timed; another model's shapes keep the constant."""
         measured = {(s.n, s.k): s for s in self.shapes}
-        if shapes is not None and not shapes <= set(measured):
+        if shapes is not None and not set(shapes) <= set(measured):
             return None
-        mine = list(measured.values()) if shapes is None else [measured[s] for s in sorted(shapes)]
+        mine = list(measured.values()) if shapes is None else [measured[s] for s in sorted(set(shapes))]
         counts = sorted(set.intersection(*(set(s.tiles) for s in mine)))
         if not all(r in s.tile_ms and r in s.vendor_ms for s in mine for r in counts):
             return None
@@ -221,7 +222,7 @@ def measured_triton_rows(device: torch.device, shapes: tuple[tuple[int, int], ..
     `shapes` ((N, K) of gate|up and down: `expert_shapes`; `TileTable.triton_rows`), or None: no FP8 table,
     one without these shapes or without torch's timings."""
     table = table_for(device, "fp8")
-    return table.triton_rows(set(shapes)) if table is not None else None
+    return table.triton_rows(shapes) if table is not None else None
 
 
 def expert_shapes(hidden: int, moe_intermediate: int) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -64,6 +64,9 @@ def float_experts(
     return combine_top_k(y, routing, weights.float())
 
 
+TABLE_FIX = "delete that table or tune it again: dgpipe bench moe-tiles"  # a measured tile that fails
+
+
 def _check_every_tile(name: str, a, a_scale, rows, w, w_scale, offs) -> torch.Tensor:
     """The Triton GEMM at every tile it can launch with on this GPU (`kernels.moe.probe_tiles`: its default
     M tiles and this GPU's measured table) against the float product of its operands, which it returns, or a
@@ -79,9 +82,9 @@ def _check_every_tile(name: str, a, a_scale, rows, w, w_scale, offs) -> torch.Te
             if not source:
                 raise
             raise DgpipeError(f"the {name} at {tile.short()}{source} does not run here: {error_line(e)}",
-                              "delete that table or tune it again: dgpipe bench moe-tiles") from e  # fmt: skip
+                              TABLE_FIX) from e  # fmt: skip
         if not err < 1e-2:
-            hint = "delete that table or tune it again: dgpipe bench moe-tiles" if source else TRITON_FALLBACK
+            hint = TABLE_FIX if source else TRITON_FALLBACK
             raise DgpipeError(f"the {name} ({tile.short()} tiles{source}) differs from the float product of its "
                               f"operands by {err:.3g} (relative L2)", hint)  # fmt: skip
     return want
