@@ -359,3 +359,36 @@ def test_a_row_masked_to_one_token_at_a_large_vocab_has_zero_entropy():
     )
     assert torch.isfinite(out.entropy).all() and (out.entropy == 0).all()
     assert (out.argmax == 12345).all() and (out.canvas == 12345).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_nan_logits_give_what_the_oracle_gives(dtype: torch.dtype):
+    """A broken checkpoint's NaN logits: torch's softmax and entropy of such a position are NaN, its argmax
+    (and the Gumbel argmax) the first NaN, and torch.sort puts NaN entropies after every number. The kernels
+    give the same, so the kept set and the next canvas still match the oracle: every NaN position re-noised,
+    and a row with one never stops."""
+    batch, length, vocab = 2, 64, 4096
+    case = make_case(batch, length, vocab, dtype, seed=9)
+    nan = float("nan")
+    case.logits[0, [3, 40], 123] = nan
+    case.logits[0, 17, 5] = case.logits[0, 17, 900] = nan
+    case.logits[1, 60] = nan
+    nan_at = torch.zeros(batch, length, dtype=torch.bool, device=DEVICE)
+    nan_at[0, [3, 17, 40]] = nan_at[1, 60] = True
+    draws = CounterDraws()
+    ref = sample_step(case.logits, case.temperature, case.bound, case.keys, draws)
+    ref_sample = draws.categorical(case.keys, case.logits / case.temperature[:, None, None])
+    prev = ref.argmax.clone()
+    ref_count = update_stability(case.stable_in, prev, ref.argmax)
+    buf = poisoned_buffers(batch, length, vocab)
+    out, count, stop = sample_step_cuda(
+        case.logits, case.temperature, case.bound, case.keys, None, prev, case.stable_in, case.stab_k, 1e9,
+        out=buf,
+    )  # fmt: skip
+    assert torch.equal(ref.entropy.isnan(), nan_at) and torch.equal(out.entropy.isnan(), nan_at)
+    assert torch.equal(buf.sample, ref_sample) and torch.equal(out.argmax, ref.argmax)
+    assert out.argmax[0, 3] == 123 and out.argmax[0, 17] == 5 and out.argmax[1, 60] == 0
+    assert torch.equal(out.kept, ref.kept) and torch.equal(out.canvas, ref.canvas)
+    assert not out.kept[nan_at].any() and out.kept[~nan_at].any()
+    assert torch.equal(count, ref_count) and not stop.any()
+    assert torch.equal(out.probs.isnan().all(-1), nan_at) and not out.probs[~nan_at].isnan().any()

@@ -1,5 +1,6 @@
-"""The sampler kernels on a machine without a GPU: they compile to SASS + PTX for every target, and the
-CUDA RNG (csrc/dg_rng.cuh, built as host code) computes exactly what pipeline.sampler.rng computes."""
+"""The sampler kernels on a machine without a GPU: they compile to SASS + PTX for every target, the CUDA RNG
+(csrc/dg_rng.cuh, built as host code) computes exactly what pipeline.sampler.rng computes, and kernel B's
+sorting network (csrc/dg_order.cuh) orders entropies as torch.sort does."""
 
 from __future__ import annotations
 
@@ -180,24 +181,28 @@ int main() {
 """
 
 
-@pytest.fixture(scope="session")
-def rng_host(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The RNG header compiled as host code: with nvcc (as CUDA, so __host__ __device__ is exercised)
-    where it exists, else with the system C++ compiler."""
-    d = tmp_path_factory.mktemp("rng_host")
-    exe = d / "rng_host"
+def compile_host(d: Path, name: str, program: str) -> Path:
+    """A host program over the kernels' headers: built with nvcc (as CUDA, so __host__ __device__ is
+    exercised) where it exists, else with the system C++ compiler."""
+    exe = d / name
     nvcc, cxx = build.find_nvcc(), shutil.which("c++") or shutil.which("g++")
     if nvcc:
-        src = d / "rng_host.cu"
+        src = d / f"{name}.cu"
         cmd = [nvcc, "-O2", "-std=c++17", f"-I{build.CSRC}", "-o", str(exe), str(src)]
     elif cxx:
-        src = d / "rng_host.cpp"
+        src = d / f"{name}.cpp"
         cmd = [cxx, "-O2", "-std=c++17", f"-I{build.CSRC}", "-o", str(exe), str(src)]
     else:
         pytest.skip("neither nvcc nor a C++ compiler found")
-    src.write_text(HOST_PROGRAM)
+    src.write_text(program)
     subprocess.run(cmd, check=True, capture_output=True)
     return exe
+
+
+@pytest.fixture(scope="session")
+def rng_host(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The RNG header compiled as host code."""
+    return compile_host(tmp_path_factory.mktemp("rng_host"), "rng_host", HOST_PROGRAM)
 
 
 def ask(exe: Path, queries: list[str]) -> list[str]:
@@ -278,3 +283,79 @@ def test_gumbel_skip_bound_is_safe():
     r = torch.arange(0, 1 << 23, dtype=torch.int64)  # every possible draw
     g = -torch.log(-torch.log((r.to(torch.float32) + 0.5) * (1.0 / (1 << 23))))
     assert torch.isfinite(g).all() and g.max().item() < bound - 0.05
+
+
+# ---- kernel B's sort, as host code ----------------------------------------------------------------------
+
+SORT_PROGRAM = r"""
+#include <cstdio>
+#include <cstring>
+#include <utility>
+#include <vector>
+#include "dg_order.cuh"
+
+// One row per stdin line: its length, then its keys as fp32 bits in hex. Answers the positions in sorted
+// order: kernel B's bitonic network over the row padded to a power of two, one compare-exchange at a time
+// (a stage's pairs are disjoint, so this is what the block's threads compute between two barriers).
+int main() {
+  int length;
+  while (std::scanf("%d", &length) == 1) {
+    int n = 1;
+    while (n < length) n <<= 1;
+    std::vector<float> key(n);
+    std::vector<int> index(n);
+    for (int t = 0; t < n; ++t) {
+      key[t] = dg::padding_key();
+      if (t < length) {
+        unsigned bits;
+        std::scanf("%x", &bits);
+        std::memcpy(&key[t], &bits, 4);
+      }
+      index[t] = t;
+    }
+    for (int k = 2; k <= n; k <<= 1) {
+      for (int j = k >> 1; j > 0; j >>= 1) {
+        for (int tid = 0; tid < n; ++tid) {
+          const int other = tid ^ j;
+          if (other > tid && dg::sorts_after(key[tid], index[tid], key[other], index[other]) == ((tid & k) == 0)) {
+            std::swap(key[tid], key[other]);
+            std::swap(index[tid], index[other]);
+          }
+        }
+      }
+    }
+    for (int t = 0; t < length; ++t) std::printf(t ? " %d" : "%d", index[t]);
+    std::printf("\n");
+  }
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="session")
+def sort_host(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return compile_host(tmp_path_factory.mktemp("sort_host"), "sort_host", SORT_PROGRAM)
+
+
+def test_kernel_b_sorts_entropies_as_torch_sort_does_nan_and_infinity_included(sort_host: Path):
+    """torch.sort(stable=True) puts NaN after every number (a broken checkpoint's NaN logits make NaN
+    entropies) and keeps equal keys (0.0 and -0.0 too) in position order; kernel B's network, padded to a
+    power of two, must give the same permutation, every real position in the row's first places."""
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for length in (1, 2, 5, 37, 256, 1000, 1024):
+        h = torch.rand(length, generator=g) * 5
+        h[torch.rand(length, generator=g) < 0.2] = float("nan")
+        h[torch.rand(length, generator=g) < 0.05] = float("inf")
+        h[torch.rand(length, generator=g) < 0.1] = 0.0  # pinned cells: exact ties
+        h[torch.rand(length, generator=g) < 0.05] = -0.0
+        h[torch.rand(length, generator=g) < 0.1] = 1.5
+        rows.append(h)
+    rows.append(torch.full((37,), float("nan")))
+    rows.append(torch.tensor([float("nan"), float("inf"), 1.0, float("nan"), 0.0, float("inf")]))
+    queries = [
+        f"{len(h)} " + " ".join(f"{b & 0xFFFFFFFF:08x}" for b in h.view(torch.int32).tolist()) for h in rows
+    ]
+    for h, line in zip(rows, ask(sort_host, queries), strict=True):
+        expected = torch.sort(h, stable=True).indices.tolist()
+        assert [int(x) for x in line.split()] == expected, h.tolist()

@@ -20,7 +20,9 @@
 //   template), argmax canvas, stability counter and stop flag, all on the device.
 //
 // No torch headers here: plain extern "C" launchers on raw pointers, so the TensorRT plugin and the torch
-// binding (torch_binding.cpp) share one implementation. Logits are assumed finite (they are softcapped).
+// binding (torch_binding.cpp) share one implementation. Logits are finite in a working model (they are
+// softcapped); a NaN one (a broken checkpoint) gives what the oracle gives: NaN entropy and softmax, the first
+// NaN as argmax and sample, NaN entropies sorted last (dg_order.cuh).
 //
 // Constrained decoding (docs/constrained.md): kernel A optionally reads compact allowed-token masks, a table
 // [M, V] of bytes and a row index [B, L] (int64, -1 = free), and replaces a disallowed logit with
@@ -34,6 +36,7 @@
 
 #include <type_traits>
 
+#include "dg_order.cuh"
 #include "dg_rng.cuh"
 
 namespace {
@@ -101,7 +104,13 @@ struct RowState {
   int amax;    // lowest index holding m
   float best;  // max of z + g
   int bidx;    // lowest index holding best
+  int nan_at;  // lowest index whose z is NaN (a broken checkpoint's logits), INT32_MAX if none
 };
+
+// The state of no token yet: what every thread starts from, and what pads the last warp's merge.
+__device__ __forceinline__ RowState empty_row_state() {
+  return RowState{-INFINITY, 0.0f, 0.0f, INT32_MAX, -INFINITY, INT32_MAX, INT32_MAX};
+}
 
 __device__ __forceinline__ bool beats(float v2, int i2, float v1, int i1) {
   return v2 > v1 || (v2 == v1 && i2 < i1);
@@ -133,6 +142,7 @@ __device__ __forceinline__ void merge(RowState& a, const RowState& b) {
     a.best = b.best;
     a.bidx = b.bidx;
   }
+  a.nan_at = min(a.nan_at, b.nan_at);
 }
 
 __device__ __forceinline__ RowState shfl_down(const RowState& x, int offset) {
@@ -143,6 +153,7 @@ __device__ __forceinline__ RowState shfl_down(const RowState& x, int offset) {
   y.amax = __shfl_down_sync(0xFFFFFFFFu, x.amax, offset);
   y.best = __shfl_down_sync(0xFFFFFFFFu, x.best, offset);
   y.bidx = __shfl_down_sync(0xFFFFFFFFu, x.bidx, offset);
+  y.nan_at = __shfl_down_sync(0xFFFFFFFFu, x.nan_at, offset);
   return y;
 }
 
@@ -156,7 +167,7 @@ __device__ __forceinline__ RowState block_merge(RowState x) {
   __syncthreads();
   if (warp == 0) {
     const int n_warps = blockDim.x >> 5;
-    x = lane < n_warps ? warp_state[lane] : RowState{-INFINITY, 0.0f, 0.0f, INT32_MAX, -INFINITY, INT32_MAX};
+    x = lane < n_warps ? warp_state[lane] : empty_row_state();
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) merge(x, shfl_down(x, offset));
   }
@@ -184,7 +195,7 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
   const int64_t mask_row = mask_index != nullptr ? mask_index[cell] : -1;
   const uint8_t* __restrict__ allowed = mask_row >= 0 ? mask_table + mask_row * vocab : nullptr;
 
-  RowState st{-INFINITY, 0.0f, 0.0f, INT32_MAX, -INFINITY, INT32_MAX};
+  RowState st = empty_row_state();
   // Each thread walks its chunks in increasing index order, so strict '>' keeps the lowest index on ties.
   for (int i = threadIdx.x * N; i < vocab; i += blockDim.x * N) {
     float z[N];
@@ -198,6 +209,7 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       z[j] = __fdiv_rn(z[j], temp);
+      if (isnan(z[j]) && st.nan_at == INT32_MAX) st.nan_at = i + j;  // chunks in increasing order: the lowest
       if (z[j] > cm) {
         cm = z[j];
         ci = i + j;
@@ -243,11 +255,14 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
   __shared__ float row_max, row_inv_sum;
   st = block_merge(st);
   if (threadIdx.x == 0) {
-    const float inv = 1.0f / st.s;
-    entropy[cell] = logf(st.s) - st.t * inv;  // log s >= 0 and -t/s >= 0: no cancellation
+    // A NaN logit is what torch's reductions answer: its softmax and entropy are NaN, its argmax (and the
+    // Gumbel argmax of z + g) the first NaN. Comparisons skip NaN, and a merge may drop a NaN sum, so say it.
+    const bool has_nan = st.nan_at != INT32_MAX;
+    const float inv = has_nan ? NAN : 1.0f / st.s;
+    entropy[cell] = has_nan ? NAN : logf(st.s) - st.t * inv;  // log s >= 0 and -t/s >= 0: no cancellation
     max_prob[cell] = inv;
-    argmax[cell] = st.amax;
-    sample[cell] = st.bidx;
+    argmax[cell] = has_nan ? st.nan_at : st.amax;
+    sample[cell] = has_nan ? st.nan_at : st.bidx;
     row_max = st.m;
     row_inv_sum = inv;
   }
@@ -354,7 +369,7 @@ __device__ __forceinline__ void accept_body(int length, int vocab, const float* 
 
   // Read everything this thread needs before any write: outputs may alias inputs (in-place use).
   int64_t tpl = -1, amax = 0, cand = 0;
-  float h = INFINITY;  // padding sorts last (its index is >= length, after every real one)
+  float h = dg::padding_key();  // sorts after every real position
   if (active) {
     tpl = templ != nullptr ? templ[at] : -1;
     amax = argmax_in[at];
@@ -365,15 +380,14 @@ __device__ __forceinline__ void accept_body(int length, int vocab, const float* 
   index[tid] = tid;
   __syncthreads();
 
-  // Bitonic sort of (H, index) ascending; the index tie-break makes it a stable sort.
+  // Bitonic sort of (H, index) ascending, NaN last (dg::sorts_after); the index tie-break makes it stable.
   for (int k = 2; k <= n; k <<= 1) {
     for (int j = k >> 1; j > 0; j >>= 1) {
       const int other = tid ^ j;
       if (other > tid) {
         const float ka = key[tid], kb = key[other];
         const int ia = index[tid], ib = index[other];
-        const bool a_after_b = ka > kb || (ka == kb && ia > ib);
-        if (a_after_b == ((tid & k) == 0)) {
+        if (dg::sorts_after(ka, ia, kb, ib) == ((tid & k) == 0)) {
           key[tid] = kb;
           key[other] = ka;
           index[tid] = ib;
