@@ -190,6 +190,13 @@ def plan_build(
         )
     limits = limits or Limits()
     canvas, ring, dims = model_dims(onnx)
+    if canvas > plugin_spec.MAX_CANVAS:
+        raise DgpipeError(
+            f"{onnx} was exported with {canvas}-token canvases: the engine's sampler plugin sorts a canvas's "
+            f"entropies in one thread block, at most {plugin_spec.MAX_CANVAS} positions",
+            hint=f"export with canvas_length <= {plugin_spec.MAX_CANVAS}, or serve this model with the PyTorch "
+            "runtime (no engine)",
+        )
     check_export_precision(onnx, precision)
     profiles = engine_profiles(onnx_inputs(onnx), limits, canvas, ring, static=dims)
     plugins_root = Path(plugins) if plugins else Path(output) / LAYOUT["plugins"]

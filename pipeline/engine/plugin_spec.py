@@ -132,7 +132,8 @@ ACCEPT_KERNEL = "dg_trt_accept"
 
 def accept_block(length: int | None) -> int:
     """Kernel B block size: the power of two >= the canvas length (>= one warp), or the largest the kernel
-    supports when the length is only known at run time (the sort pads with +inf keys, so that is exact)."""
+    supports when the length is only known at run time (the sort's padding sorts after every position, so that
+    is exact; `plan_build` refuses longer canvases)."""
     if length is None:
         return MAX_CANVAS
     if not 1 <= length <= MAX_CANVAS:

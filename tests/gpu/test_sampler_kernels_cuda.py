@@ -362,19 +362,25 @@ def test_a_row_masked_to_one_token_at_a_large_vocab_has_zero_entropy():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_nan_logits_give_what_the_oracle_gives(dtype: torch.dtype):
-    """A broken checkpoint's NaN logits: torch's softmax and entropy of such a position are NaN, its argmax
-    (and the Gumbel argmax) the first NaN, and torch.sort puts NaN entropies after every number. The kernels
-    give the same, so the kept set and the next canvas still match the oracle: every NaN position re-noised,
-    and a row with one never stops."""
+def test_non_finite_logits_give_what_the_oracle_gives(dtype: torch.dtype):
+    """A broken checkpoint's NaN and infinite logits. NaN: torch's softmax and entropy of the position are
+    NaN, its argmax (and the Gumbel argmax) the first NaN. +inf: the same with the first +inf. -inf: the
+    entropy NaN (0 * log 0), the softmax not, unless every logit is -inf (then argmax 0). torch.sort puts NaN
+    entropies after every number. The kernels give the same, so the kept set and the next canvas still match
+    the oracle: every such position re-noised, and a row with one never stops."""
     batch, length, vocab = 2, 64, 4096
     case = make_case(batch, length, vocab, dtype, seed=9)
-    nan = float("nan")
+    nan, inf = float("nan"), float("inf")
     case.logits[0, [3, 40], 123] = nan
     case.logits[0, 17, 5] = case.logits[0, 17, 900] = nan
     case.logits[1, 60] = nan
+    case.logits[0, 30, 77] = inf
+    case.logits[1, 10, :8] = -inf  # the first chunk of a thread with nothing finite before it
+    case.logits[1, 20] = -inf
     nan_at = torch.zeros(batch, length, dtype=torch.bool, device=DEVICE)
-    nan_at[0, [3, 17, 40]] = nan_at[1, 60] = True
+    nan_at[0, [3, 17, 30, 40]] = nan_at[1, [10, 20, 60]] = True
+    probs_nan = nan_at.clone()
+    probs_nan[1, 10] = False  # a few -inf logits: probability 0, the rest finite
     draws = CounterDraws()
     ref = sample_step(case.logits, case.temperature, case.bound, case.keys, draws)
     ref_sample = draws.categorical(case.keys, case.logits / case.temperature[:, None, None])
@@ -388,7 +394,11 @@ def test_nan_logits_give_what_the_oracle_gives(dtype: torch.dtype):
     assert torch.equal(ref.entropy.isnan(), nan_at) and torch.equal(out.entropy.isnan(), nan_at)
     assert torch.equal(buf.sample, ref_sample) and torch.equal(out.argmax, ref.argmax)
     assert out.argmax[0, 3] == 123 and out.argmax[0, 17] == 5 and out.argmax[1, 60] == 0
+    assert out.argmax[0, 30] == 77 and out.argmax[1, 20] == 0 and buf.sample[1, 20] == 0
     assert torch.equal(out.kept, ref.kept) and torch.equal(out.canvas, ref.canvas)
     assert not out.kept[nan_at].any() and out.kept[~nan_at].any()
     assert torch.equal(count, ref_count) and not stop.any()
-    assert torch.equal(out.probs.isnan().all(-1), nan_at) and not out.probs[~nan_at].isnan().any()
+    assert torch.equal(out.probs.isnan().all(-1), probs_nan) and not out.probs[~probs_nan].isnan().any()
+    torch.testing.assert_close(out.probs[1, 10].float(), ref.probs[1, 10], rtol=2**-8, atol=1e-37)
+    finite = ~probs_nan
+    torch.testing.assert_close(buf.max_prob[finite], ref.probs.amax(-1)[finite], rtol=1e-4, atol=1e-7)

@@ -359,7 +359,7 @@ def test_profile_errors_are_clear():
 
 
 # ---- CLI validation (no TensorRT, no GPU) ------------------------------------------------------------
-def write_contract_onnx(d: Path, vocab: int = 24) -> Path:
+def write_contract_onnx(d: Path, vocab: int = 24, canvas: int = 8) -> Path:
     """A graph with the contract's inputs/outputs and a SampleRows/SampleAccept pair: what plan_build reads."""
     import onnx
     from onnx import TensorProto, helper
@@ -390,9 +390,22 @@ def write_contract_onnx(d: Path, vocab: int = 24) -> Path:
     )
     onnx.save(model, d / "model.onnx")
     (d / "contract.json").write_text(
-        json.dumps({"dims": {"canvas_length": 8, "sliding_window": 6, "vocab": vocab, "hidden": 20}})
+        json.dumps({"dims": {"canvas_length": canvas, "sliding_window": 6, "vocab": vocab, "hidden": 20}})
     )
     return d / "model.onnx"
+
+
+def test_cli_refuses_a_canvas_longer_than_the_sampler_plugin_sorts(tmp_path: Path):
+    """ModelConfig allows canvases up to 16,384 positions; kernel B sorts one in a thread block of at most
+    1,024 threads, and past that would leave positions unwritten: refused before anything is built."""
+    onnx_path = write_contract_onnx(tmp_path / "onnx", canvas=1025)
+    out = tmp_path / "out"
+    r = dgpipe("engine", "build", "--onnx", str(onnx_path), "--target", "sm90", "--precision", "bf16",
+               "--output", str(out))  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "exported with 1025-token canvases" in r.stderr and "at most 1024 positions" in r.stderr
+    assert "export with canvas_length <= 1024" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
 
 
 def test_cli_refuses_nvfp4_on_hopper_with_fp8_hint(tmp_path: Path):

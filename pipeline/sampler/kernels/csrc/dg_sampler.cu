@@ -21,8 +21,8 @@
 //
 // No torch headers here: plain extern "C" launchers on raw pointers, so the TensorRT plugin and the torch
 // binding (torch_binding.cpp) share one implementation. Logits are finite in a working model (they are
-// softcapped); a NaN one (a broken checkpoint) gives what the oracle gives: NaN entropy and softmax, the first
-// NaN as argmax and sample, NaN entropies sorted last (dg_order.cuh).
+// softcapped); a NaN or infinite one (a broken checkpoint) gives what the oracle gives (NaN entropies, the first
+// NaN as argmax and sample, NaN entropies sorted last: dg_order.cuh).
 //
 // Constrained decoding (docs/constrained.md): kernel A optionally reads compact allowed-token masks, a table
 // [M, V] of bytes and a row index [B, L] (int64, -1 = free), and replaces a disallowed logit with
@@ -105,11 +105,12 @@ struct RowState {
   float best;  // max of z + g
   int bidx;    // lowest index holding best
   int nan_at;  // lowest index whose z is NaN (a broken checkpoint's logits), INT32_MAX if none
+  int ninf;    // 1 where some z is -inf: the oracle's entropy then holds 0 * log 0 = NaN
 };
 
 // The state of no token yet: what every thread starts from, and what pads the last warp's merge.
 __device__ __forceinline__ RowState empty_row_state() {
-  return RowState{-INFINITY, 0.0f, 0.0f, INT32_MAX, -INFINITY, INT32_MAX, INT32_MAX};
+  return RowState{-INFINITY, 0.0f, 0.0f, INT32_MAX, -INFINITY, INT32_MAX, INT32_MAX, 0};
 }
 
 __device__ __forceinline__ bool beats(float v2, int i2, float v1, int i1) {
@@ -143,6 +144,7 @@ __device__ __forceinline__ void merge(RowState& a, const RowState& b) {
     a.bidx = b.bidx;
   }
   a.nan_at = min(a.nan_at, b.nan_at);
+  a.ninf |= b.ninf;
 }
 
 __device__ __forceinline__ RowState shfl_down(const RowState& x, int offset) {
@@ -154,6 +156,7 @@ __device__ __forceinline__ RowState shfl_down(const RowState& x, int offset) {
   y.best = __shfl_down_sync(0xFFFFFFFFu, x.best, offset);
   y.bidx = __shfl_down_sync(0xFFFFFFFFu, x.bidx, offset);
   y.nan_at = __shfl_down_sync(0xFFFFFFFFu, x.nan_at, offset);
+  y.ninf = __shfl_down_sync(0xFFFFFFFFu, x.ninf, offset);
   return y;
 }
 
@@ -210,6 +213,7 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
     for (int j = 0; j < N; ++j) {
       z[j] = __fdiv_rn(z[j], temp);
       if (isnan(z[j]) && st.nan_at == INT32_MAX) st.nan_at = i + j;  // chunks in increasing order: the lowest
+      st.ninf |= z[j] == -INFINITY;
       if (z[j] > cm) {
         cm = z[j];
         ci = i + j;
@@ -225,16 +229,21 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
       st.m = cm;
       st.amax = ci;
     }
-    float ps = 0.0f, pt = 0.0f;  // chunk partials first: shorter sequential sums, smaller rounding error
+    // Chunk partials first: shorter sequential sums, smaller rounding error. With no finite z yet (m = -inf)
+    // every z so far is -inf (probability 0) or NaN (answered below): -inf - -inf would make the sums NaN,
+    // and a merge would then drop this thread's later finite terms with them.
+    if (st.m > -INFINITY) {
+      float ps = 0.0f, pt = 0.0f;
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const float d = z[j] - st.m;
-      const float e = expf(d);
-      ps += e;
-      pt += e > 0.0f ? e * d : 0.0f;
+      for (int j = 0; j < N; ++j) {
+        const float d = z[j] - st.m;
+        const float e = expf(d);
+        ps += e;
+        pt += e > 0.0f ? e * d : 0.0f;
+      }
+      st.s += ps;
+      st.t += pt;
     }
-    st.s += ps;
-    st.t += pt;
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       // Gumbel-max. z + g <= z + 16.64 for every g, so a token with z + 17 < best can neither win nor
@@ -255,14 +264,15 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
   __shared__ float row_max, row_inv_sum;
   st = block_merge(st);
   if (threadIdx.x == 0) {
-    // A NaN logit is what torch's reductions answer: its softmax and entropy are NaN, its argmax (and the
-    // Gumbel argmax of z + g) the first NaN. Comparisons skip NaN, and a merge may drop a NaN sum, so say it.
+    // Non-finite logits get what torch's reductions answer. NaN: softmax and entropy NaN, argmax (and the
+    // Gumbel argmax of z + g) the first NaN; comparisons skip NaN and a merge may drop a NaN sum, so say it.
+    // -inf: probability 0, but the entropy NaN (0 * log 0). Every z -inf: softmax NaN, argmax index 0.
     const bool has_nan = st.nan_at != INT32_MAX;
-    const float inv = has_nan ? NAN : 1.0f / st.s;
-    entropy[cell] = has_nan ? NAN : logf(st.s) - st.t * inv;  // log s >= 0 and -t/s >= 0: no cancellation
+    const float inv = has_nan || st.s == 0.0f ? NAN : 1.0f / st.s;
+    entropy[cell] = has_nan || st.ninf ? NAN : logf(st.s) - st.t * inv;  // both terms >= 0: no cancellation
     max_prob[cell] = inv;
-    argmax[cell] = has_nan ? st.nan_at : st.amax;
-    sample[cell] = has_nan ? st.nan_at : st.bidx;
+    argmax[cell] = has_nan ? st.nan_at : (st.amax == INT32_MAX ? 0 : st.amax);
+    sample[cell] = has_nan ? st.nan_at : (st.bidx == INT32_MAX ? 0 : st.bidx);
     row_max = st.m;
     row_inv_sum = inv;
   }

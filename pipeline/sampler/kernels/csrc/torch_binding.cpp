@@ -40,7 +40,8 @@ void check_launch(int err, const char* what) {
 }
 
 // Kernel A: per-position entropy, max probability, argmax, Gumbel sample; softmax(z) in bf16 if given.
-// Constrained decoding: `mask_table` [M, V] bool and `mask_index` [B, L] int64 (-1 = free), both or neither.
+// Constrained decoding: `mask_table` [M, V] bool and `mask_index` [B, L] int64 (-1 = free), both or neither;
+// every index below M, which is not checked here (that would read the device): `guided.mask_rows` makes them so.
 void rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& seed,
           const at::Tensor& request, const at::Tensor& canvas, const at::Tensor& step, at::Tensor& entropy,
           at::Tensor& max_prob, at::Tensor& argmax, at::Tensor& sample, std::optional<at::Tensor> probs,
@@ -50,7 +51,9 @@ void rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Ten
               "logits must be float32 or bfloat16, got ", logits.scalar_type());
   TORCH_CHECK(logits.is_contiguous(), "logits must be contiguous");
   const int64_t b = logits.size(0), l = logits.size(1), v = logits.size(2);
-  TORCH_CHECK(v < (int64_t{1} << 31) && b * l < (int64_t{1} << 31), "logits too large");
+  // kernel A walks the vocabulary with an int index that steps past its end by up to a block's chunk
+  TORCH_CHECK(v <= (int64_t{1} << 30), "vocabulary of ", v, " tokens: at most 2^30");
+  TORCH_CHECK(b * l < (int64_t{1} << 31), "logits too large");
   const auto dev = logits.device();
   check(temperature, "temperature", at::kFloat, {b}, dev);
   for (const auto* t : {&seed, &request, &canvas, &step}) check(*t, "row key", at::kLong, {b}, dev);
