@@ -90,15 +90,27 @@ def test_every_constrained_output_validates(session):
     assert multi_canvas > 50  # the DFA state carried across canvases in many outputs
 
 
+def validates(kind: str, guide: str, text: str) -> bool:
+    try:
+        check(kind, guide, text)
+    except (AssertionError, ValueError, jsonschema.ValidationError):  # ValueError: not JSON at all
+        return False
+    return True
+
+
 def test_unconstrained_outputs_of_the_random_model_do_not_validate(session):
-    """The control: without the guide the same model's outputs are not JSON, so validity is the guide's."""
+    """The control: without a guide the same model's outputs satisfy none of the guides (not JSON, no regex's
+    match, no choice), so the validity of the constrained outputs is the guides'."""
     rt = BlockDiffusionRuntime(session.model, max_batch=8)
     ids = session.encode_prompt("Answer:")
     out = rt.generate(
         [Request(ids, max_tokens=32, sampler=session.sampler(), seed=s, request_id=s) for s in range(8)]
     )
     texts = [session.decode(r.tokens) for r in out]
-    assert not any(re.fullmatch(r"[1-9]{5}", t) for t in texts), texts
+    assert all(texts), texts
+    assert not [(g, t) for kind, g in GUIDES for t in texts if validates(kind, g, t)]
+    guided = rt.generate(requests(session, "regex", REGEXES[0], range(8), max_tokens=32))
+    assert all(validates("regex", REGEXES[0], session.decode(r.tokens)) for r in guided)
 
 
 def test_batching_does_not_change_a_constrained_output(session):

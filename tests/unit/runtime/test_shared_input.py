@@ -374,8 +374,13 @@ def test_the_ffn_inputs_come_as_fp8_operands_only_to_gemms_that_would_make_them(
     assert kernel.func is kernels.chains.ffn_inputs_or_torch
     assert kernel.keywords["mlp_form"] == (("fp8", parts[0].input_scale) if mlp_one_pass else None)
     assert kernel.keywords["experts_form"] == (("fp8", experts.in_scale) if experts_one_pass else None)
-    layer.mlp.gate_up_kernel = None  # gate and up on their own: they take rows
-    assert gpu_load.ffn_inputs_for(layer) is kernels.chains.ffn_inputs_or_torch or experts_one_pass
+    layer.mlp.gate_up_kernel = None  # gate and up on their own: they take rows, the experts as before
+    alone = gpu_load.ffn_inputs_for(layer)
+    if not experts_one_pass:
+        assert alone is kernels.chains.ffn_inputs_or_torch
+        return
+    assert alone.func is kernels.chains.ffn_inputs_or_torch and alone.keywords["mlp_form"] is None
+    assert alone.keywords["experts_form"] == ("fp8", experts.in_scale)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])

@@ -17,7 +17,7 @@ from pipeline.runtime.kernels import quant as tq
 from pipeline.runtime.kernels.jit import quant as jit_quant
 from pipeline.runtime.probe.common import fp8_codes_equal
 from pipeline.runtime.probe.quant import QUANT_PROBE_VALUES, nvfp4_probe_rows
-from pipeline.runtime.tensor_cores import _rowwise_dynamic, quantize_rows
+from pipeline.runtime.tensor_cores import _rowwise_dynamic, in_one_pass, quantize_rows
 from tests._utils.interpreter_casts import interpreted, rne_casts, uninitialised_bytes_are_0xab  # noqa: F401  (fixture)
 from tests._utils.triton_compile import compiled_for_gpus, converts_to_e4m3_once, spills
 
@@ -208,11 +208,25 @@ def test_the_probe_plan_checks_the_one_pass_kernels_where_a_row_quantizes_activa
 
 
 def test_quantize_rows_takes_the_kernels_on_cuda_only(monkeypatch):
+    """Each mode's one-pass kernel where asked for on a CUDA tensor (a fake one here: the kernels are
+    recorded, not run); torch's form on the CPU or where not asked for."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     calls = []
     monkeypatch.setattr(tq, "nvfp4", lambda x, gs: calls.append("nvfp4"))
+    monkeypatch.setattr(tq, "fp8", lambda x, s: calls.append("fp8"))
+    monkeypatch.setattr(tq, "nvfp4_fp8_rows", lambda x, gs: calls.append("fp8_rowwise"))
+    modes = ("nvfp4", "fp8", "fp8_rowwise")
     x = activations(torch.bfloat16)
-    quantize_rows(x, torch.tensor(0.01), "nvfp4", triton=True)  # a CPU tensor: torch's form
+    for mode in modes:
+        quantize_rows(x, torch.tensor(0.01), mode, triton=True)  # a CPU tensor: torch's form
     assert calls == []
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(4, 64, dtype=torch.bfloat16, device="cuda")
+        for mode in modes:
+            quantize_rows(x, torch.tensor(0.01, device="cuda"), mode, triton=True)
+        assert not in_one_pass(False, x)  # not asked for: torch's form on CUDA too
+    assert calls == list(modes)
 
 
 COMPILE_FOR_GPUS = """

@@ -253,4 +253,7 @@ def test_the_kernels_compile_for_hopper_b200_ada_and_rtx_blackwell_without_spill
         if k["name"].startswith("top_k"):
             assert "div.rn.f32" in k["ptx"] and "div.full.f32" not in k["ptx"], k["cc"]
             assert "__nv_expf" not in k["ptx"]  # linked and inlined, not left a call
+            # libdevice's expf: its range reduction (an fma rounding down, then a saturating cvt) before ex2;
+            # `tl.exp` would be `ex2.approx` alone
+            assert "fma.rm.ftz.f32" in k["ptx"] and "cvt.ftz.sat.f32.f32" in k["ptx"], k["cc"]
         assert not spills(k["cubin"]), (k["cc"], k["name"])
