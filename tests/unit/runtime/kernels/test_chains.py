@@ -560,8 +560,10 @@ def test_the_ffn_inputs_probe_passes_the_kernel_and_fails_wrong_ones(rne_casts, 
 @interpreted
 def test_a_model_with_the_layer_end_and_ffn_inputs_kernels_keeps_its_logits(rne_casts):  # noqa: F811
     """The embedded model in bf16 with every layer's FFN inputs and end on their kernels (as
-    `gpu_load.fuse_network` installs them): both ran in every layer, and the logits stay within 1e-2 relative
-    L2 of torch's form (bf16 activations through every layer; the kernels' norms sum in another order)."""
+    `gpu_load.fuse_network` installs them): both ran in every layer, and the logits are as close to the fp32
+    model's as torch's bf16 form is (bf16 activations through every layer drift ~5% relative L2 from fp32
+    either way; the kernels' norms sum in another order, so the two bf16 forms differ by 0.7-2.1%, by seed
+    and by the CPU's bf16 GEMM kernels: a bound between them would test this machine's BLAS)."""
     from pipeline.model.checkpoint import load_model
     from pipeline.resources import EMBEDDED_MODEL
     from pipeline.runtime import gpu_load
@@ -571,8 +573,11 @@ def test_a_model_with_the_layer_end_and_ffn_inputs_kernels_keeps_its_logits(rne_
     canvas = torch.randint(0, cfg.vocab_size, (2, length), generator=torch.Generator().manual_seed(4))
     positions = torch.arange(length).expand(2, length)
     masks = dict.fromkeys(set(model.layer_types))
-    step = lambda: model.denoise(canvas, None, positions, masks, None)
+    step = lambda: model.denoise(canvas, None, positions, masks, None).float()
     with torch.inference_mode():
+        exact = (
+            load_model(EMBEDDED_MODEL, torch.float32)[0].eval().denoise(canvas, None, positions, masks, None)
+        )
         want = step()
         calls = []
         with pytest.MonkeyPatch.context() as mp:
@@ -583,7 +588,8 @@ def test_a_model_with_the_layer_end_and_ffn_inputs_kernels_keeps_its_logits(rne_
             gpu_load.fuse_network(model, probed, None)
             got = step()
     assert calls.count("layer_end") == calls.count("ffn_inputs") == cfg.num_hidden_layers
-    assert float((got - want).norm() / want.norm()) < 1e-2
+    off = lambda x: float((x - exact).norm() / exact.norm())
+    assert off(got) <= 1.2 * off(want) and off(want) < 0.1, (off(got), off(want))
 
 
 @interpreted
