@@ -19,8 +19,10 @@ constrained request gives the same output in a batch as alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pipeline.sampler.constraints import GrammarGuide, TokenAutomaton
@@ -108,12 +110,18 @@ def advance(
 
 
 def finish_canvas(
-    g: GuideState, block: list[int], probs: torch.Tensor, pad_id: int, tries: int = 8
+    g: GuideState,
+    block: list[int],
+    probs: torch.Tensor,
+    pad_id: int,
+    tries: int = 8,
+    on_decode: Callable[[int, int, np.ndarray, torch.Tensor], None] | None = None,
 ) -> list[int]:
     """The committed canvas: the accepted prefix, then each later position's most probable token under its
     exact state (`probs` [L, V] is the last pass's masked distribution) among the first `tries` that keep
     the output completable in the budget, else the token the guide's shortest completion takes (always
-    fits). Advances the state."""
+    fits). Advances the state. `on_decode(position, token, allowed, p)`: each decoded position's token,
+    the tokens its state allowed and their probabilities, which ranked them."""
     a, out = g.automaton, list(block[: g.frontier])
     for i in range(g.frontier, len(block)):
         if g.ended:
@@ -131,6 +139,8 @@ def finish_canvas(
             taken = _take(g, tok, rem)
             assert taken  # the shortest completion's next token always fits
         out.append(tok)
+        if on_decode is not None:
+            on_decode(i, tok, allowed, p)
     g.frontier = len(block)
     return out
 

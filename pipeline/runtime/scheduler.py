@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pipeline.errors import InputError
@@ -496,6 +497,9 @@ class BlockDiffusionRuntime:
                 tok = torch.tensor(list(pins.values()), device=self.device)
                 for buf in (self.template, self.x, self.amax):
                     buf[slot, pos] = tok
+                probs = self.guide_probs.get(slot)  # this pass's masked distribution, which decoded them
+                if (k := res.request.logprobs) is not None and probs is not None:
+                    self._write_logprobs(slot, pos, tok, probs[pos], k)
             if g.settled(self.canvas_length):
                 self.done[slot] = True
 
@@ -509,7 +513,9 @@ class BlockDiffusionRuntime:
         wanted = [
             (i, req.logprobs)
             for i, s in enumerate(rnd.slot_list)
-            if (res := self.results[s]) is not None and (req := res.request).logprobs is not None
+            if (res := self.results[s]) is not None
+            and (req := res.request).logprobs is not None
+            and self.guides[s] is None  # a constrained row's are read as its guide takes each token
         ]
         if wanted:
             rnd.logprob_rows = torch.tensor([i for i, _ in wanted], device=self.device)
@@ -591,14 +597,27 @@ class BlockDiffusionRuntime:
             self.lp_top[slots, :, :k] = torch.where(keep3, top.float().log(), self.lp_top[slots, :, :k])
             self.lp_ids[slots, :, :k] = torch.where(keep3, ids, self.lp_ids[slots, :, :k])
 
-    def _guided_logprobs(self, slot: int, block: list[int], probs: torch.Tensor, k: int) -> None:
-        """A constrained canvas's log-probabilities: its committed block is decoded from the last live
-        pass's masked distribution (`finish_canvas`), so they are read from that distribution."""
-        tokens = torch.tensor(block, device=probs.device)
-        self.lp_token[slot] = probs.gather(-1, tokens[:, None]).squeeze(-1).float().log()
+    def _write_logprobs(
+        self, slot: int, positions: torch.Tensor, tokens: torch.Tensor, dist: torch.Tensor, k: int
+    ) -> None:
+        """The log-probabilities of a constrained canvas's `tokens` at `positions` under `dist` [n, V], the
+        masked distribution each was decoded from, and its top k."""
+        self.lp_token[slot, positions] = dist.gather(-1, tokens[:, None]).squeeze(-1).float().log()
         if k:
-            top, ids = probs.topk(k, dim=-1)
-            self.lp_top[slot, :, :k], self.lp_ids[slot, :, :k] = top.float().log(), ids
+            top, ids = dist.topk(k, dim=-1)
+            self.lp_top[slot, positions, :k], self.lp_ids[slot, positions, :k] = top.float().log(), ids
+
+    def _decoded_logprobs(self, slot: int, k: int) -> Callable[[int, int, np.ndarray, torch.Tensor], None]:
+        """`finish_canvas`'s callback for a row that wants log-probabilities: a position it decodes chose its
+        token by `p` over the tokens its guide allowed there, so that renormalised is the distribution."""
+
+        def write(position: int, token: int, allowed: np.ndarray, p: torch.Tensor) -> None:
+            dist = torch.zeros(1, self.vocab, dtype=torch.float32, device=p.device)
+            dist[0, torch.from_numpy(allowed).to(p.device)] = p / p.sum()
+            at = torch.tensor([position], device=self.device)
+            self._write_logprobs(slot, at, torch.tensor([token], device=p.device), dist.to(self.device), k)
+
+        return write
 
     def _logprobs(self, slot: int, n: int, k: int) -> list[TokenLogprob]:
         """The first n committed tokens' log-probabilities and top-k alternatives, for the host."""
@@ -651,14 +670,13 @@ class BlockDiffusionRuntime:
             k = res.request.logprobs
             if (g := self.guides[slot]) is not None:
                 probs = self.guide_probs.pop(slot)
+                decoded = None if k is None else self._decoded_logprobs(slot, k)
                 try:
-                    block = finish_canvas(g, block, probs, self.pad_id)
+                    block = finish_canvas(g, block, probs, self.pad_id, on_decode=decoded)
                 except RuntimeError as e:
                     self._fail_guided_row(slot, e)
                     continue
                 self.amax[slot] = torch.tensor(block, device=self.device)  # what the commit writes
-                if k is not None:
-                    self._guided_logprobs(slot, block, probs, k)
             res.steps_per_canvas.append(int(self.step_idx[slot]))
             if not res.tokens and res.time_to_first_canvas == 0.0:
                 res.time_to_first_canvas = time.perf_counter() - res.started

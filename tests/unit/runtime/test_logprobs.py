@@ -80,6 +80,11 @@ def test_top_logprobs_out_of_range_is_refused():
 
 
 def test_constrained_rows_read_the_masked_distribution(tmp_path):
+    """A constrained token's log-probability and alternatives come from the masked distribution it was
+    decoded from: taken by the guide during the passes, that pass's; decoded when the canvas ends, the last
+    pass's over what the guide allowed there. A token the language never spells has no mass there (the
+    unmasked distribution of a later pass would give it some: this random model puts most of its mass
+    elsewhere)."""
     from pipeline.runtime.session import load_session
     from tests._utils.chat import write_chat_checkpoint
 
@@ -90,7 +95,11 @@ def test_constrained_rows_read_the_masked_distribution(tmp_path):
     res = BlockDiffusionRuntime(session.model, max_batch=1, max_len=256).generate([req])[0]
     assert session.decode(res.tokens) in ("yes", "no")
     assert len(res.logprobs) == len(res.tokens)
+    loose = set(automaton.loose.tolist())  # every token the language spells, and the end tokens
     for token, (lp, top) in zip(res.tokens, res.logprobs, strict=True):
         assert -math.inf < lp <= 0  # the token had mass under the masked distribution it came from
         assert lp <= top[0][1] + 1e-6 and len(top) == 3
         assert token != top[0][0] or lp == pytest.approx(top[0][1], abs=1e-6)
+        with_mass = [(t, v) for t, v in top if v > -math.inf]
+        assert {t for t, _ in with_mass} <= loose, top
+        assert sum(math.exp(v) for _, v in with_mass) <= 1 + 1e-5
