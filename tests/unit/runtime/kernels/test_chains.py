@@ -563,7 +563,7 @@ def test_a_model_with_the_layer_end_and_ffn_inputs_kernels_keeps_its_logits(rne_
     `gpu_load.fuse_network` installs them): both ran in every layer, and the logits are as close to the fp32
     model's as torch's bf16 form is (bf16 activations through every layer drift ~5% relative L2 from fp32
     either way; the kernels' norms sum in another order, so the two bf16 forms differ by 0.7-2.1%, by seed
-    and by the CPU's bf16 GEMM kernels: a bound between them would test this machine's BLAS)."""
+    and machine: a bound between them would test which way each rounding fell)."""
     from pipeline.model.checkpoint import load_model
     from pipeline.resources import EMBEDDED_MODEL
     from pipeline.runtime import gpu_load
