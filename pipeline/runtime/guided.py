@@ -19,6 +19,7 @@ constrained request gives the same output in a batch as alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -143,6 +144,40 @@ def finish_canvas(
             on_decode(i, tok, allowed, p)
     g.frontier = len(block)
     return out
+
+
+@dataclass(frozen=True)
+class DecodedLogprob:
+    """A position `finish_canvas` decoded: its token's log-probability under the distribution that ranked it,
+    and that distribution's top k (log-probabilities and ids), padded to k with tokens of no mass."""
+
+    position: int
+    logprob: float
+    top: list[float]
+    ids: list[int]
+
+
+def decoded_logprob(
+    position: int, token: int, allowed: np.ndarray, p: torch.Tensor, k: int
+) -> DecodedLogprob:
+    """`finish_canvas` ranks the tokens the guide allows at `position` by `p`, the last pass's masked
+    probabilities of `allowed`, so `p` renormalised over them is the distribution the token was decoded from.
+    Work over the allowed tokens only (a full vocabulary per position costs ~1 ms each on a CPU). Where every
+    allowed token underflowed to 0 (a low temperature's mass on a token this state does not allow) there is
+    no mass: -inf, which the API reports at its floor, not 0/0."""
+    q = p.float()
+    q = (q / q.sum().clamp_min(torch.finfo(torch.float32).tiny)).cpu()
+    at = np.flatnonzero(allowed == token)
+    mass = float(q[int(at[0])]) if len(at) else 0.0
+    n = min(k, len(allowed))
+    values, index = q.topk(n)
+    top = [math.log(v) if v > 0 else -math.inf for v in values.tolist()]
+    ids = [int(allowed[i]) for i in index.tolist()]
+    if n < k:  # fewer allowed tokens than asked for: the rest have no mass
+        taken = set(ids)
+        ids += [t for t in range(k + n) if t not in taken][: k - n]
+        top += [-math.inf] * (k - n)
+    return DecodedLogprob(position, math.log(mass) if mass > 0 else -math.inf, top, ids)
 
 
 def _take(g: GuideState, tok: int, rem: int) -> bool:

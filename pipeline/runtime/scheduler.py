@@ -18,7 +18,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from pipeline.errors import InputError
@@ -28,7 +27,14 @@ from pipeline.model.network import DiffusionGemma, canvas_positions
 from pipeline.runtime.backends import KV, ModelBackend, SamplerInputs, TorchBackend
 from pipeline.runtime.device_errors import device_failure
 from pipeline.runtime.device_loop import DenoiseRound, DeviceLoop, on_device
-from pipeline.runtime.guided import GuideState, advance, finish_canvas, mask_rows
+from pipeline.runtime.guided import (
+    DecodedLogprob,
+    GuideState,
+    advance,
+    decoded_logprob,
+    finish_canvas,
+    mask_rows,
+)
 from pipeline.runtime.kv_cache import KVCache, attention_masks, canvas_room
 from pipeline.runtime.prefix_cache import PrefixCache
 from pipeline.runtime.warm import warm_experts
@@ -77,7 +83,8 @@ class Result:
 
 
 # a committed token's log-probability and its k most probable alternatives (token id, log-probability),
-# all from the distribution of the denoise pass whose argmax canvas was committed (see _keep_logprobs)
+# all from the distribution of the denoise pass whose argmax canvas was committed (see _keep_logprobs; a
+# constrained token's: the masked distribution it was decoded from, see _advance_guides and decoded_logprob)
 TokenLogprob = tuple[float, list[tuple[int, float]]]
 
 
@@ -146,8 +153,9 @@ class BlockDiffusionRuntime:
         self.stab_k = torch.ones(s, dtype=torch.long, device=dev)
         self.results: list[Result | None] = [None] * s
         self.guides: list[GuideState | None] = [None] * s  # constrained rows' automaton progress
-        # log-probabilities of the latest live pass per slot (rows that ask for them): the argmax token's,
-        # and the top TOP_LOGPROBS_MAX alternatives' values and ids
+        # log-probabilities per slot (rows that ask for them): the argmax token's under the latest live pass
+        # (a constrained row's: under the distribution each token was decoded from), and the top
+        # TOP_LOGPROBS_MAX alternatives' values and ids
         self.lp_token = torch.zeros(s, length, **f32)
         self.lp_top = torch.zeros(s, length, TOP_LOGPROBS_MAX, **f32)
         self.lp_ids = torch.zeros(s, length, TOP_LOGPROBS_MAX, dtype=torch.long, device=dev)
@@ -607,17 +615,16 @@ class BlockDiffusionRuntime:
             top, ids = dist.topk(k, dim=-1)
             self.lp_top[slot, positions, :k], self.lp_ids[slot, positions, :k] = top.float().log(), ids
 
-    def _decoded_logprobs(self, slot: int, k: int) -> Callable[[int, int, np.ndarray, torch.Tensor], None]:
-        """`finish_canvas`'s callback for a row that wants log-probabilities: a position it decodes chose its
-        token by `p` over the tokens its guide allowed there, so that renormalised is the distribution."""
-
-        def write(position: int, token: int, allowed: np.ndarray, p: torch.Tensor) -> None:
-            dist = torch.zeros(1, self.vocab, dtype=torch.float32, device=p.device)
-            dist[0, torch.from_numpy(allowed).to(p.device)] = p / p.sum()
-            at = torch.tensor([position], device=self.device)
-            self._write_logprobs(slot, at, torch.tensor([token], device=p.device), dist.to(self.device), k)
-
-        return write
+    def _write_decoded(self, slot: int, decoded: list[DecodedLogprob], k: int) -> None:
+        """The positions `finish_canvas` decoded (`decoded_logprob`), written at once."""
+        if not decoded:
+            return
+        dev = self.device
+        positions = torch.tensor([d.position for d in decoded], device=dev)
+        self.lp_token[slot, positions] = torch.tensor([d.logprob for d in decoded], device=dev)
+        if k:
+            self.lp_top[slot, positions, :k] = torch.tensor([d.top for d in decoded], device=dev)
+            self.lp_ids[slot, positions, :k] = torch.tensor([d.ids for d in decoded], device=dev)
 
     def _logprobs(self, slot: int, n: int, k: int) -> list[TokenLogprob]:
         """The first n committed tokens' log-probabilities and top-k alternatives, for the host."""
@@ -670,13 +677,18 @@ class BlockDiffusionRuntime:
             k = res.request.logprobs
             if (g := self.guides[slot]) is not None:
                 probs = self.guide_probs.pop(slot)
-                decoded = None if k is None else self._decoded_logprobs(slot, k)
+                decoded: list[DecodedLogprob] = []
+                on_decode = (
+                    None if k is None else lambda *a, k=k, into=decoded: into.append(decoded_logprob(*a, k=k))
+                )
                 try:
-                    block = finish_canvas(g, block, probs, self.pad_id, on_decode=decoded)
+                    block = finish_canvas(g, block, probs, self.pad_id, on_decode=on_decode)
                 except RuntimeError as e:
                     self._fail_guided_row(slot, e)
                     continue
                 self.amax[slot] = torch.tensor(block, device=self.device)  # what the commit writes
+                if k is not None:
+                    self._write_decoded(slot, decoded, k)
             res.steps_per_canvas.append(int(self.step_idx[slot]))
             if not res.tokens and res.time_to_first_canvas == 0.0:
                 res.time_to_first_canvas = time.perf_counter() - res.started

@@ -3,10 +3,12 @@
 text, its log-probability, its UTF-8 bytes and its most probable alternatives, each with the same fields.
 
 The numbers come from the runtime (`Result.logprobs`: each committed token's log-probability under the
-distribution of the denoise pass that committed it, README "logprobs"). A token's text is what it adds to the
+distribution of the denoise pass that committed it, or for a constrained request the masked distribution it
+was decoded from, README "logprobs"). A token's text is what it adds to the
 answer (the checkpoint's decode of it alone); its bytes are its own bytes, which differ from the text's for
 a byte-fallback token (`<0xE2>`: one byte of a character the text shows only once its other bytes follow).
-A log-probability of -inf (a token given no mass) is reported as LOGPROB_FLOOR: JSON has no infinity.
+A log-probability of -inf (a token given no mass) is reported as LOGPROB_FLOOR: JSON has no infinity (nor
+NaN, which a broken checkpoint's logits would give: reported likewise).
 """
 
 from __future__ import annotations
@@ -51,4 +53,5 @@ def token_entries(
 
 def _entry(texts: TokenTexts, token: int, lp: float) -> dict[str, Any]:
     text, raw = texts(token)
-    return {"token": text, "logprob": max(lp, LOGPROB_FLOOR), "bytes": raw}
+    # `lp >= floor` is False for NaN too: no mass, or none that can be said, is the floor (JSON has neither)
+    return {"token": text, "logprob": lp if lp >= LOGPROB_FLOOR else LOGPROB_FLOOR, "bytes": raw}

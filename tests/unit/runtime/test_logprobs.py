@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -103,3 +104,50 @@ def test_constrained_rows_read_the_masked_distribution(tmp_path):
         with_mass = [(t, v) for t, v in top if v > -math.inf]
         assert {t for t, _ in with_mass} <= loose, top
         assert sum(math.exp(v) for _, v in with_mass) <= 1 + 1e-5
+
+
+def test_a_decoded_positions_distribution_is_its_allowed_tokens_renormalised():
+    """`finish_canvas` ranks the allowed tokens by the last pass's masked probabilities: those renormalised,
+    the top k among them (padded with tokens of no mass where fewer are allowed), and where every allowed
+    token underflowed, no mass (-inf), never 0/0."""
+    from pipeline.runtime.guided import decoded_logprob
+
+    allowed = np.array([5, 9, 12])
+    p = torch.tensor([0.02, 0.06, 0.02], dtype=torch.bfloat16)  # mass elsewhere: 0.9
+    d = decoded_logprob(3, 9, allowed, p, k=2)
+    assert d.position == 3 and d.logprob == pytest.approx(math.log(0.6), abs=1e-2)
+    assert (
+        d.ids[0] == 9
+        and d.ids[1] in (5, 12)
+        and d.top == pytest.approx([math.log(0.6), math.log(0.2)], abs=1e-2)
+    )
+    padded = decoded_logprob(0, 12, allowed, p, k=5)
+    assert padded.ids[:3] == [9, 5, 12] or padded.ids[:3] == [9, 12, 5]
+    assert padded.ids[3:] == [0, 1] and padded.top[3:] == [-math.inf, -math.inf]
+    none = decoded_logprob(0, 9, allowed, torch.zeros(3), k=2)  # a low temperature's mass on another token
+    assert none.logprob == -math.inf and none.top == [-math.inf, -math.inf] and none.ids[0] in (5, 9, 12)
+    assert decoded_logprob(0, 7, allowed, p, k=0) == decoded_logprob(0, 7, allowed, p, k=0)  # not allowed
+    assert decoded_logprob(0, 7, allowed, p, k=0).logprob == -math.inf
+
+
+def test_constrained_logprobs_at_temperature_zero_have_no_nan(tmp_path):
+    """OpenAI's temperature 0 (T = 0.001 here): the allowed tokens of a decoded position can all underflow;
+    their log-probabilities are -inf (the API's floor), not NaN, which JSON cannot carry."""
+    import json
+
+    from pipeline.runtime.session import load_session
+    from pipeline.serving.openai_schema import temperature_range
+    from tests._utils.chat import write_chat_checkpoint
+
+    session = load_session(write_chat_checkpoint(tmp_path / "chat"), device="cpu")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    automaton = session.compile_guide("json_schema", json.dumps(schema))
+    t_min, t_max = temperature_range(0.0)
+    sampler = session.sampler().model_copy(update={"t_min": t_min, "t_max": t_max})
+    ids = session.encode_prompt("Answer:")
+    reqs = [Request(ids, max_tokens=64, sampler=sampler, seed=s, request_id=s, guide=automaton, logprobs=2)
+            for s in range(4)]  # fmt: skip
+    results = BlockDiffusionRuntime(session.model, max_batch=4, max_len=512).generate(reqs)
+    values = [v for r in results for lp, top in r.logprobs for v in (lp, *(x for _, x in top))]
+    assert values and not any(math.isnan(v) for v in values)
+    assert all(isinstance(json.loads(session.decode(r.tokens))["ok"], bool) for r in results)

@@ -184,10 +184,18 @@ def test_a_request_runs_from_intake_to_its_final_answer_with_stop_words_and_coun
     req.on_finish(types.SimpleNamespace(finish_reason="cancelled", steps_per_canvas=[3, 2]))
     assert c.runtime.cancelled == [job.request_id]  # the stop word ended it
     assert channel.sent == [  # each piece with the tokens so far, as the request asked for counts
-        responses.piece("ab", None, 2),
-        responses.piece("c", None, 3),
+        Outputs({"text_output": ["ab"], "num_output_tokens": [2]}, final=False),
+        Outputs({"text_output": ["c"], "num_output_tokens": [3]}, final=False),
         # streamed: the text went out already; the count is the returned text's ("abc"), not the canvas's
-        responses.final("", "stop", [3, 2], output_tokens=3),
+        Outputs(
+            {
+                "text_output": [""],
+                "finish_reason": ["stop"],
+                "num_output_tokens": [3],
+                "denoise_steps": [3, 2],
+            },
+            final=True,
+        ),
     ]
     assert c.metrics.requests.value == 1 and c.metrics.canvases.value == 2 and c.metrics.tokens.value == 5
     assert c.metrics.steps_per_canvas.observed == [3, 2] and not c.jobs
@@ -527,3 +535,21 @@ def test_a_request_waiting_on_its_guide_at_shutdown_is_answered_not_left_hanging
     release.set()
     c.guided_intake.shutdown(wait=True)
     assert all(ch.sent == [Failure(ErrorKind.UNAVAILABLE, SHUTTING_DOWN)] for ch in channels), channels
+
+
+def test_a_token_of_no_mass_or_of_nan_is_reported_at_the_floor():
+    """JSON has no infinity and no NaN: a log-probability of -inf (no mass) or NaN (a broken checkpoint's
+    logits) is the floor, in the entry and in its alternatives; a finite one is itself."""
+    import json
+
+    from pipeline.serving.core.logprobs import LOGPROB_FLOOR, token_entries
+
+    texts = lambda t: (chr(t), [t])
+    nan, inf = float("nan"), float("inf")
+    entries = token_entries(texts, [97, 98], [(-0.5, [(97, -0.5), (99, -inf)]), (nan, [(98, nan)])])
+    assert [e["logprob"] for e in entries] == [-0.5, LOGPROB_FLOOR]
+    assert [[a["logprob"] for a in e["top_logprobs"]] for e in entries] == [
+        [-0.5, LOGPROB_FLOOR],
+        [LOGPROB_FLOOR],
+    ]
+    json.dumps(entries, allow_nan=False)
