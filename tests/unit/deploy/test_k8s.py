@@ -444,11 +444,8 @@ def test_monitoring_objects_are_well_formed(overlays):
             for r in g["rules"]
             if r.get("record") == "dgpipe:request_latency_seconds:p95_5m"
         )
-        assert (
-            "histogram_quantile(0.95" in p95
-            and "dgpipe_request_latency_seconds_bucket" in p95
-            and "le" in p95
-        )
+        assert "histogram_quantile(0.95" in p95 and "dgpipe_request_latency_seconds_bucket" in p95
+        assert re.search(r"\bby \([^)]*\ble\b", p95), p95  # the quantile needs the buckets' bounds kept
 
 
 def test_leaderworkerset_variant(lws_render):
@@ -724,7 +721,7 @@ case "$*" in *api-resources*)
   [ -z "$FAKE_NO_CRDS" ] && printf 'podmonitors.monitoring.coreos.com\nprometheusrules.monitoring.coreos.com\n'
   exit 0;; esac
 if [ -n "$FAKE_FAIL" ]; then case "$*" in *"$FAKE_FAIL"*) echo "error: simulated failure" >&2; exit 1;; esac; fi
-case "$*" in *condition=complete*) [ -n "$FAKE_JOB_FAILED" ] && { sleep 30; echo "complete-wait ran out" >> "$FAKE_LOG"; exit 1; };; esac
+case "$*" in *condition=complete*) [ -n "$FAKE_JOB_FAILED" ] && { echo "complete-wait group $$" >> "$FAKE_LOG"; sleep 30; echo "complete-wait ran out" >> "$FAKE_LOG"; exit 1; };; esac
 case "$*" in *condition=failed*) [ -n "$FAKE_JOB_FAILED" ] && exit 0; sleep 30; exit 1;; esac
 exit 0
 """
@@ -887,6 +884,22 @@ def test_deploy_sees_a_failed_smoke_job_without_waiting_out_the_timeout(rendered
     assert any("wait --for=condition=failed job/dgpipe-smoke" in c for c in calls)
     assert "complete-wait ran out" not in calls
     assert any(c.endswith("rollout undo deployment/dgpipe-triton") for c in calls)
+    (group,) = [int(c.split()[-1]) for c in calls if c.startswith("complete-wait group ")]
+    assert not running_in_group(group)  # the wait and its sleep were killed, not left running
+
+
+def running_in_group(pgid: int) -> list[int]:
+    """The processes of a process group that still run (a killed one may stay a zombie until init reaps it,
+    which some containers' init never does): /proc/<pid>/stat's state and process group fields."""
+    running = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            running.append(int(stat_file.parent.name))
+    return running
 
 
 def test_engine_limits_follow_the_limits_the_engine_stage_recorded(build_dir):
@@ -988,14 +1001,26 @@ def test_build_records_the_sudoku_smoke_test():
     assert smoke["max_tokens"] == 82 and "valid Sudoku solution" in smoke["check"]
 
 
-def test_build_writes_the_smoke_test_into_the_manifest():
-    """run_build records it before any stage runs (the stages themselves are tested in tests/e2e)."""
-    import inspect
+def test_build_writes_the_smoke_test_into_the_manifest(tiny_checkpoint, tmp_path):
+    """run_build records it before any stage runs (the stages themselves are tested in tests/e2e): stopped
+    as the first stage would start, the manifest on disk already holds it."""
+    from pipeline.build import BuildOptions, run_build
+    from pipeline.build.events import BuildStarted
+    from pipeline.builddir import load_manifest
+    from pipeline.deploy.smoke import smoke_test_for
+    from pipeline.model.validate import validate_checkpoint
 
-    from pipeline import build
+    class Stop(Exception):
+        pass
 
-    src = inspect.getsource(build.run_build)
-    assert src.index("man.smoke = smoke_test_for(source)") < src.index("save_manifest(build_dir, man)")
+    def emit(event):
+        if isinstance(event, BuildStarted):
+            raise Stop
+
+    with pytest.raises(Stop):
+        run_build(BuildOptions(tiny_checkpoint, "bf16", tmp_path / "build"), emit)
+    smoke = load_manifest(tmp_path / "build").smoke
+    assert smoke and smoke == smoke_test_for(validate_checkpoint(tiny_checkpoint)).as_dict()
 
 
 @needs_kubectl

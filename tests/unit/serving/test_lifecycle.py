@@ -101,10 +101,14 @@ def test_shm_cleanup_removes_only_our_stubs_regions(tmp_path):
 
 
 def test_drain_timeout_fits_the_grace_period_and_the_cli_uses_it():
+    import inspect
+
     from pipeline.cli import health, serve
 
     assert lifecycle.DRAIN_TIMEOUT_S + lifecycle.EXIT_TIMEOUT_S < lifecycle.TERMINATION_GRACE_S
-    assert serve.DRAIN_TIMEOUT_S is health.DRAIN_TIMEOUT_S is lifecycle.DRAIN_TIMEOUT_S
+    # the options' defaults: `dgpipe health drain --timeout` and `dgpipe serve --drain-timeout`
+    assert inspect.signature(health.drain).parameters["timeout"].default == lifecycle.DRAIN_TIMEOUT_S
+    assert inspect.signature(serve.serve).parameters["drain_timeout"].default == lifecycle.DRAIN_TIMEOUT_S
 
 
 def test_health_probe_pings_the_model_the_pod_environment_names(monkeypatch):

@@ -52,9 +52,11 @@ def test_config_pbtxt_tensors_are_the_schema():
     assert [(o.name, mc.DataType.Name(o.data_type), tuple(o.dims)) for o in cfg.output] == [
         (t.name, t.config_type, t.dims) for t in schema.OUTPUTS
     ]
-    for t in (*schema.INPUTS, *schema.OUTPUTS):  # the config type and the wire type are Triton's pair
-        assert mc.DataType.Name(mc.DataType.Value(t.config_type)) == t.config_type
-        assert np.dtype(t.numpy_dtype) == np.dtype(schema.NUMPY_DTYPES[t.datatype])
+    from tritonclient.utils import triton_to_np_dtype
+
+    for t in (*schema.INPUTS, *schema.OUTPUTS):  # the config type, the wire type and numpy's: Triton's triple
+        assert t.config_type == "TYPE_" + ("STRING" if t.datatype == "BYTES" else t.datatype)
+        assert np.dtype(t.numpy_dtype) == np.dtype(triton_to_np_dtype(t.datatype)), t.name
     warm = cfg.model_warmup[0].inputs
     assert {n: mc.DataType.Name(w.data_type) for n, w in warm.items()} == {
         "text_input": "TYPE_STRING",
@@ -631,6 +633,16 @@ def test_client_sends_stop_words_as_a_list_and_bench_serve_uses_schema_fields(tr
 
     reply = complete(url, PROMPT, stop_words=["9", "x"], stream=True)
     assert reply.text == "81 digits"
+    if url.startswith("http"):
+        assert transports["http"]["stop_words"] == ["9", "x"]
+    else:
+        from tritonclient.utils import deserialize_bytes_tensor
+
+        (words,) = [t for t in transports["grpc"] if t.name() == "stop_words"]
+        assert words.shape() == [2] and deserialize_bytes_tensor(words._get_content()).tolist() == [
+            b"9",
+            b"x",
+        ]
     _timed_request(url, BenchRequest(PROMPT, max_tokens=82, answer_chars=81), 3)
     if url.startswith("http"):
         for name, value in transports["http"].items():
