@@ -179,7 +179,8 @@ def metric(metrics_url: str, name: str) -> float:
 
 @contextlib.contextmanager
 def health_probed(srv: Serve, every: float = 0.1) -> Iterator[list[int]]:
-    """`srv`'s /health probed every `every` s in a thread while the block runs; yields the statuses seen."""
+    """`srv`'s /health probed every `every` s in a thread while the block runs; yields the statuses seen, 0 for
+    a probe that got no answer (refused, reset, or none within 5 s: a frontend blocked by another request)."""
     statuses: list[int] = []
     stop = threading.Event()
 
@@ -190,6 +191,8 @@ def health_probed(srv: Serve, every: float = 0.1) -> Iterator[list[int]]:
                     statuses.append(r.status)
             except urllib.error.HTTPError as e:
                 statuses.append(e.code)
+            except OSError:  # URLError, a timeout, a reset: no answer
+                statuses.append(0)
             time.sleep(every)
 
     thread = threading.Thread(target=probe)

@@ -201,3 +201,30 @@ def test_serve_prints_the_openai_url_and_ctrl_c_stops_both(served):
     assert served.proc.wait(60) == 0
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(served.openai.removesuffix("/v1") + "/health", timeout=5)
+
+
+def test_the_smoke_job_check_passes_against_the_openai_frontend_with_its_key(served):
+    """The smoke Job runs `python3 -m pipeline.deploy.smoke --url http://dgpipe-triton:9000/v1` with the
+    deployment's API key in $DGPIPE_API_KEY: the same here, against a frontend that requires the key; without
+    the key the check fails (and says why) instead of raising."""
+    import sys
+
+    from pipeline.deploy.smoke import smoke_test_for
+    from pipeline.model.checkpoint import open_checkpoint
+    from pipeline.runtime.session import default_model_path
+
+    smoke = smoke_test_for(open_checkpoint(default_model_path()))
+    args = [a.replace("$$", "$") for a in smoke.args(served.openai)]  # as the kubelet hands them over
+    assert args[args.index("--url") + 1].endswith("/v1")
+
+    def run(key: str | None) -> tuple[int, dict]:
+        env = {**without_api_key(), **({"DGPIPE_API_KEY": key} if key else {})}
+        proc = subprocess.run([sys.executable, "-m", "pipeline.deploy.smoke", *args], capture_output=True,
+                              text=True, timeout=300, env=env, cwd=ROOT)  # fmt: skip
+        return proc.returncode, json.loads(proc.stdout)
+
+    rc, result = run(KEY)
+    assert rc == 0 and result["ok"] and result["problem"] is None, result
+    assert sudoku.is_valid_solution(smoke.prompt, result["answer"])
+    rc, result = run(None)
+    assert rc == 1 and not result["ok"] and "API key" in result["problem"], result

@@ -38,3 +38,18 @@ def test_a_model_whose_format_cannot_judge_is_refused(tmp_path: Path):
         run_sweep(model, [1.0], [2], 1, tmp_path / "out")
     assert "`dgpipe bench sweep` needs" in str(e.value) and "sudoku" not in str(e.value).lower()
     assert not (tmp_path / "out" / SWEEP_JSON).exists()
+
+
+def test_the_pareto_front_keeps_the_points_no_other_beats_on_both_axes():
+    """Fewer mean steps and a higher solve rate are both better: a point is on the front unless another has
+    no more steps and a higher rate; ties in steps keep the better rate only."""
+    pts = [
+        {"name": "a", "mean_steps": 10, "solve_rate": 0.5},
+        {"name": "b", "mean_steps": 12, "solve_rate": 0.4},  # beaten by a on both
+        {"name": "c", "mean_steps": 20, "solve_rate": 0.9},
+        {"name": "d", "mean_steps": 5, "solve_rate": 0.2},
+        {"name": "e", "mean_steps": 10, "solve_rate": 0.3},  # same steps as a, lower rate
+        {"name": "f", "mean_steps": 30, "solve_rate": 0.9},  # c has the rate in fewer steps
+    ]
+    assert [p["name"] for p in pareto_front(pts)] == ["d", "a", "c"]
+    assert pareto_front([]) == []

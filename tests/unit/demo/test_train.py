@@ -53,15 +53,24 @@ def torch_threads():
 
 
 @pytest.mark.slow  # trains, then re-evaluates the checkpoint: ~15 s
-def test_train_writes_a_checkpoint(tmp_path, torch_threads):
+def test_train_writes_a_checkpoint(tmp_path, torch_threads, monkeypatch):
     # one thread: the default two OpenMP threads on a shared 2-core machine wait on each other at every op
     # of this small model (8 minutes for these 3 steps and 2 evaluations under load, 15 s with one)
+    from pipeline.demo import train as training
+
     cfg = TrainConfig(
         minutes=10, max_steps=3, batch_size=4, pool_size=8, eval_n=4, eval_every_minutes=100, threads=1
     )
+    evaluated = []  # the weights each evaluation saw
+    evaluate = training.eval_sudoku
+    monkeypatch.setattr(training, "eval_sudoku", lambda m, *a, **k: evaluated.append(
+        {n: t.detach().clone() for n, t in m.state_dict().items()}) or evaluate(m, *a, **k))  # fmt: skip
     rows = []
     out = train(cfg, tmp_path / "ckpt", log=rows.append)
     model, ckpt = load_model(out)
+    saved = model.state_dict()  # what the last logged evaluation measured is what was saved
+    assert evaluated and evaluated[-1].keys() == saved.keys()
+    assert all(torch.equal(evaluated[-1][n].to(t.dtype), t) for n, t in saved.items())
     assert ckpt.dgpipe["task"] == "sudoku" and (out / "tokenizer.json").is_file()
     assert ckpt.generation_config["max_denoising_steps"] == 48
     assert rows[-1]["step"] == 3 and rows[-1]["examples"] == 3 * 4

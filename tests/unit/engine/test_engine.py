@@ -900,6 +900,10 @@ def test_onnx_identity_hash_is_cached_by_size_and_mtime(tmp_path: Path):
     cache = json.loads((tmp_path / "model.onnx.data.sha256.json").read_text())
     assert cache["size"] == 7000 and len(cache["sha256"]) == 64
     assert onnx_sha256(tmp_path / "model.onnx") == first
+    # same size and mtime, other bytes: the cache answers, the weights are not read again
+    data.write_bytes(b"w" * 7000)
+    os.utime(data, ns=(cache["mtime_ns"], cache["mtime_ns"]))
+    assert onnx_sha256(tmp_path / "model.onnx") == first
     data.write_bytes(b"WEIGHTS" * 1000)  # same size, new content and mtime: re-hashed
     os.utime(data, ns=(cache["mtime_ns"] + 10**9, cache["mtime_ns"] + 10**9))
     assert onnx_sha256(tmp_path / "model.onnx") != first

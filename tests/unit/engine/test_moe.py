@@ -114,8 +114,12 @@ def nvfp4_input_scales(layer) -> torch.Tensor:
 def test_nvfp4_dequantization_is_modelopts(layer):
     """dequantize_nvfp4 (what the reference and the kernel multiply by) equals ModelOpt's own dequantization of
     each expert's linear, bit for bit: same nibble order, same block-scale x global-scale product."""
+    nvfp4_tensor = pytest.importorskip("modelopt.torch.quantization.qtensor.nvfp4_tensor")
     from pipeline.engine.kernels.moe_reference import dequantize_nvfp4
-    from pipeline.model.modelopt import PackedLinear
+
+    def modelopts(codes, bs, gs):  # ModelOpt's NVFP4QTensor over the packed codes, as its export reads them
+        q = nvfp4_tensor.NVFP4QTensor(torch.Size((codes.shape[0], codes.shape[1] * 2)), torch.float32, codes)
+        return q.dequantize(dtype=torch.float32, scale=bs, double_scale=gs, block_sizes={-1: 16})
 
     w = nvfp4_experts(layer)
     inter = w["gate_up"].shape[1] // 2
@@ -123,10 +127,9 @@ def test_nvfp4_dequantization_is_modelopts(layer):
         for half, rows in ((0, slice(0, inter)), (1, slice(inter, 2 * inter))):
             codes, bs = w["gate_up"][e, rows], w["gate_up_block_scale"][e, rows]
             gs = w["gate_up_scale"][e, half, 0]
-            want = PackedLinear("NVFP4", codes, bs, gs).dequantized()
-            assert torch.equal(dequantize_nvfp4(codes, bs, gs), want)
-        want = PackedLinear("NVFP4", w["down"][e], w["down_block_scale"][e], w["down_scale"][e]).dequantized()
-        assert torch.equal(dequantize_nvfp4(w["down"][e], w["down_block_scale"][e], w["down_scale"][e]), want)
+            assert torch.equal(dequantize_nvfp4(codes, bs, gs), modelopts(codes, bs, gs))
+        codes, bs, gs = w["down"][e], w["down_block_scale"][e], w["down_scale"][e]
+        assert torch.equal(dequantize_nvfp4(codes, bs, gs), modelopts(codes, bs, gs))
     deq = dequantize_nvfp4(w["down"], w["down_block_scale"], w["down_scale"][:, None, None])
     ref = layer.experts.down_proj.detach().float()
     rel = float((deq - ref).norm() / ref.norm())

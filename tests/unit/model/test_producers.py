@@ -67,7 +67,9 @@ def test_automodel_sft_gets_the_encoder_scalars_and_the_base_side_files(tmp_path
     assert (state["model.decoder.layers.0.router.per_expert_scale"] == 1).all()
     assert (out / "tokenizer.json").read_bytes() == (D / "base" / "tokenizer.json").read_bytes()
     assert json.loads((out / "dgpipe.json").read_text())["source"]["kind"] == pr.AUTOMODEL_SFT
+    written = (out / "model.safetensors").stat().st_mtime_ns
     assert resolve(D / "automodel-sft", None, tmp_path) == out  # cached: the second call merges nothing
+    assert (out / "model.safetensors").stat().st_mtime_ns == written
 
 
 def test_quantized_and_unsloth_merged_are_used_in_place(tmp_path):

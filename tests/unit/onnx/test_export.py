@@ -895,17 +895,24 @@ def test_nvfp4_routed_export_matches_fake_quant_reference(model, tmp_path):
     assert "--precision fp8" in str(refused.value.hint)
 
 
-def test_cli_eval_sudoku_through_onnx(exported):
+def test_cli_eval_sudoku_through_onnx(exported, monkeypatch):
+    """`dgpipe eval sudoku --onnx` runs its passes in onnxruntime (counted) and solves what PyTorch solves."""
     import json
 
     from typer.testing import CliRunner
 
     from pipeline.cli import app
+    from pipeline.onnx.backend import OnnxRuntimeBackend
 
+    runs = []
+    run = OnnxRuntimeBackend._run
+    monkeypatch.setattr(OnnxRuntimeBackend, "_run", lambda self, feeds: runs.append(1) or run(self, feeds))
     args = ["eval", "sudoku", "--n", "6", "--batch", "6", "--json"]
     ref = CliRunner().invoke(app, args)
+    assert not runs
     got = CliRunner().invoke(app, [*args, "--onnx", str(exported)])
     assert ref.exit_code == 0 and got.exit_code == 0, got.output
+    assert len(runs) >= 2  # the prompt's pass and the canvas's denoise passes, in onnxruntime
     ref_rep, got_rep = json.loads(ref.output), json.loads(got.output)
     assert got_rep["onnx"] == str(exported)
     assert got_rep["solve_rate"] == ref_rep["solve_rate"] and got_rep["mean_steps"] == ref_rep["mean_steps"]

@@ -55,15 +55,32 @@ def test_the_served_runtime_takes_the_repositorys_batch_and_limits(tiny_checkpoi
     assert loaded.limits.max_tokens == 300
 
 
-def test_compile_is_a_model_parameter(tiny_checkpoint: Path, tmp_path: Path):
-    """`package --compile` sets the parameter the Triton model reads to compile its passes at load."""
-    repo = package(tiny_checkpoint, tmp_path / "repo", compile=True)
-    cfg = text_format.Parse((repo / "dgpipe" / "config.pbtxt").read_text(), mc.ModelConfig())
-    assert cfg.parameters["compile"].string_value == "true"
-    model_py = (repo / "dgpipe" / "1" / "model.py").read_text()
-    assert "load_model(" in model_py  # the serving core's loader, which reads the parameter:
-    loader = Path(__file__).parents[3] / "pipeline" / "serving" / "core" / "loading.py"
-    assert 'params.get("compile", "false") == "true"' in loader.read_text()
+def test_compile_is_a_model_parameter(tiny_checkpoint: Path, tmp_path: Path, monkeypatch):
+    """`package --compile` sets the parameter the Triton model reads to compile its passes at load: the
+    serving core's loader (which model.py calls) opens the session with it, and without it does not."""
+    from google.protobuf import json_format
+
+    from pipeline.builddir import model_version_dir
+    from pipeline.runtime import session
+    from pipeline.serving.core.loading import Log, load_model
+
+    class Opened(Exception):
+        pass
+
+    def load_session(*args, compile=False, **kwargs):
+        raise Opened(compile)
+
+    monkeypatch.setattr(session, "load_session", load_session)
+    quiet = Log(info=lambda m: None, error=lambda m: None)
+    for compiled in (True, False):
+        repo = package(tiny_checkpoint, tmp_path / f"repo{compiled}", compile=compiled)
+        cfg = text_format.Parse((repo / "dgpipe" / "config.pbtxt").read_text(), mc.ModelConfig())
+        assert (cfg.parameters["compile"].string_value == "true") is compiled
+        assert "load_model(" in (repo / "dgpipe" / "1" / "model.py").read_text()
+        config = json_format.MessageToDict(cfg, preserving_proto_field_name=True)
+        with pytest.raises(Opened) as opened:
+            load_model(config, model_version_dir(repo), quiet)
+        assert opened.value.args == (compiled,)
 
 
 def test_broken_checkpoint_writes_nothing(tmp_path: Path):
