@@ -1,5 +1,9 @@
 """A ModelOpt-layout FP8 or NVFP4 checkpoint of the embedded model, made with dgpipe's own quantizers
-(`pipeline.model.scaled_layout`), for the tests of the quantized runtime paths. Every linear ModelOpt
+(`pipeline.model.scaled_layout`), for the tests of the quantized runtime paths: tests/gpu run them on GPU
+hosts that have no ModelOpt, and fixed input scales keep the runtime tests' bounds independent of a
+calibration. tests/unit/quantize/test_quantize.py holds it to ModelOpt's own export of the same model (every
+tensor's name, dtype and shape, the quantizer named in both configs); tests that read a checkpoint's format
+itself (the ONNX export's) read ModelOpt's export. Every linear ModelOpt
 quantizes (attention, dense MLP, experts per expert) gets its weight quantized from the float weight and a
 fixed input scale; the rest stays as stored. NVFP4 siblings that read one input (q, k, v; gate, up) share one
 global scale, the largest of theirs, as ModelOpt's export makes it (`preprocess_linear_fusion` in

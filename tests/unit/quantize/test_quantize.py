@@ -185,6 +185,35 @@ def test_export_layout_is_modelopt_and_vllm_readable(quantized):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_the_runtime_tests_checkpoints_are_laid_out_as_modelopts_export(quantized, tmp_path, fmt):
+    """tests/_utils/quantized.py writes FP8 and NVFP4 checkpoints of the embedded model without ModelOpt
+    (tests/gpu run them on GPU hosts that have none): every tensor's name, dtype and shape, and the quantizer
+    named in both configs, as ModelOpt's own export of the same model has them."""
+    from safetensors import safe_open
+
+    from tests._utils.quantized import build_quantized_checkpoint
+
+    def layout(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+        out = {}
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as h:
+                names = h.keys()  # a safe_open handle is not iterable
+                out |= {k: (h.get_slice(k).get_dtype(), tuple(h.get_slice(k).get_shape())) for k in names}
+        return out
+
+    real, ours = quantized[fmt]["path"], build_quantized_checkpoint(tmp_path / fmt, fmt)
+    assert layout(ours) == layout(real) and len(layout(real)) > 100
+    for name, keys in (
+        ("config.json", ("quantization_config",)),
+        ("hf_quant_config.json", ("quantization",)),
+    ):
+        want, got = json.loads((real / name).read_text()), json.loads((ours / name).read_text())
+        for key in keys:
+            assert got[key]["quant_algo"] == want[key]["quant_algo"] == fmt.upper()
+    assert json.loads((ours / "config.json").read_text())["quantization_config"]["quant_method"] == "modelopt"
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_modelopts_export_gives_sibling_linears_one_input_scale(quantized, fmt):
     """What the GPU path's shared inputs rest on (`pipeline.runtime.shared_input`), in files ModelOpt wrote:
     q, k and v have one input scale, gate and up one (`preprocess_linear_fusion`), so each group shares one
