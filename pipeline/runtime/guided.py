@@ -20,7 +20,7 @@ constrained request gives the same output in a batch as alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,12 +117,15 @@ def finish_canvas(
     pad_id: int,
     tries: int = 8,
     on_decode: Callable[[int, int, np.ndarray, torch.Tensor], None] | None = None,
+    pins: Sequence[int] = (),
 ) -> list[int]:
     """The committed canvas: the accepted prefix, then each later position's most probable token under its
     exact state (`probs` [L, V] is the last pass's masked distribution) among the first `tries` that keep
     the output completable in the budget, else the token the guide's shortest completion takes (always
     fits). Advances the state. `on_decode(position, token, allowed, p)`: each decoded position's token,
-    the tokens its state allowed and their probabilities, which ranked them."""
+    the tokens its state allowed and their probabilities, which ranked them. `pins`: the request's infill
+    template (-1 free): a pinned position keeps its token where the guide allows it there, else it is decoded
+    like the others (validity wins over the pin)."""
     a, out = g.automaton, list(block[: g.frontier])
     for i in range(g.frontier, len(block)):
         if g.ended:
@@ -133,8 +136,12 @@ def finish_canvas(
         if len(allowed) == 0:  # only when the budget is spent, which the distances rule out
             raise RuntimeError(f"constrained decoding: no token allowed at canvas position {i}")
         p = probs[i, torch.from_numpy(allowed).to(probs.device)].float()
-        ranked = [int(allowed[j]) for j in torch.argsort(p, descending=True)[:tries].tolist()]
-        tok = next((t for t in ranked if _take(g, t, rem)), None)
+        pinned = pins[i] if i < len(pins) else -1
+        if pinned >= 0 and _take(g, pinned, rem):
+            tok: int | None = pinned
+        else:
+            ranked = [int(allowed[j]) for j in torch.argsort(p, descending=True)[:tries].tolist()]
+            tok = next((t for t in ranked if _take(g, t, rem)), None)
         if tok is None:
             tok = a.forced(g.state, rem)
             taken = _take(g, tok, rem)

@@ -682,7 +682,9 @@ class BlockDiffusionRuntime:
                     None if k is None else lambda *a, k=k, into=decoded: into.append(decoded_logprob(*a, k=k))
                 )
                 try:
-                    block = finish_canvas(g, block, probs, self.pad_id, on_decode=on_decode)
+                    block = finish_canvas(
+                        g, block, probs, self.pad_id, on_decode=on_decode, pins=res.request.template or ()
+                    )
                 except RuntimeError as e:
                     self._fail_guided_row(slot, e)
                     continue

@@ -246,3 +246,24 @@ def test_a_device_failure_in_a_guided_step_fails_the_step_not_the_guide(session,
     while rt.busy():
         rt.step()
     assert served.finish_reason == "stop" and re.fullmatch("[1-9]{5}", session.decode(served.tokens))
+
+
+def test_an_infill_template_is_kept_under_a_guide_where_the_guide_allows_it(session):
+    """Positions an infill template pins keep their tokens under a guide, whether the guide took them during
+    the passes or the canvas's end decoded them (which once ranked every later position by the model alone,
+    dropping the pins); a pin the guide cannot allow there gives way to a valid token (validity wins)."""
+    from tests._utils.chat import VOCAB
+
+    tid = {t: i for i, t in enumerate(VOCAB)}
+    regex = r"[a-z]+@[a-z]+\.com"
+    kept = [-1, -1, tid["x"], -1, tid["@"]]
+    rt = BlockDiffusionRuntime(session.model, max_batch=4)
+    ok = rt.generate(requests(session, "regex", regex, range(3), max_tokens=16, template=kept))
+    for res in ok:
+        text = session.decode(res.tokens)
+        assert res.finish_reason == "stop" and text[2] == "x" and text[4] == "@", text
+        check("regex", regex, text)
+    (overridden,) = rt.generate(requests(session, "regex", regex, [0], max_tokens=16, template=[tid["@"]]))
+    text = session.decode(overridden.tokens)
+    assert overridden.finish_reason == "stop" and text[0] != "@", text  # '@' cannot start the address
+    check("regex", regex, text)
