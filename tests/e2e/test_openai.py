@@ -193,16 +193,6 @@ def test_bench_serve_openai_drives_the_endpoint_as_load_tools_do(served, tmp_pat
     assert len(rows) == 3 and all(sudoku.parse_puzzle(r["text"]) and r["output_length"] == 82 for r in rows)
 
 
-def test_serve_prints_the_openai_url_and_ctrl_c_stops_both(served):
-    """Last in the file: it stops the module's server."""
-    assert served.openai.startswith("http://127.0.0.1:") and served.openai.endswith("/v1")
-    assert "(API key required)" in served.stdout.read_text()
-    served.proc.send_signal(signal.SIGINT)
-    assert served.proc.wait(60) == 0
-    with pytest.raises(urllib.error.URLError):
-        urllib.request.urlopen(served.openai.removesuffix("/v1") + "/health", timeout=5)
-
-
 def test_the_smoke_job_check_passes_against_the_openai_frontend_with_its_key(served):
     """The smoke Job runs `python3 -m pipeline.deploy.smoke --url http://dgpipe-triton:9000/v1` with the
     deployment's API key in $DGPIPE_API_KEY: the same here, against a frontend that requires the key; without
@@ -228,3 +218,13 @@ def test_the_smoke_job_check_passes_against_the_openai_frontend_with_its_key(ser
     assert sudoku.is_valid_solution(smoke.prompt, result["answer"])
     rc, result = run(None)
     assert rc == 1 and not result["ok"] and "API key" in result["problem"], result
+
+
+def test_serve_prints_the_openai_url_and_ctrl_c_stops_both(served):
+    """Last in the file: it stops the module's server."""
+    assert served.openai.startswith("http://127.0.0.1:") and served.openai.endswith("/v1")
+    assert "(API key required)" in served.stdout.read_text()
+    served.proc.send_signal(signal.SIGINT)
+    assert served.proc.wait(60) == 0
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(served.openai.removesuffix("/v1") + "/health", timeout=5)

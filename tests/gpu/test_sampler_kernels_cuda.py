@@ -120,12 +120,14 @@ def make_case(
     )
 
 
-def poisoned_buffers(batch: int, length: int, vocab: int):
+def poisoned_buffers(batch: int, length: int, vocab: int, float_poison: float = float("nan")):
+    """Step buffers holding values no kernel writes. `float_poison`: finite where a test expects NaN outputs
+    (a NaN left in place would pass for one written)."""
     from pipeline.sampler.kernels.gpu_sampler import StepBuffers
 
     buf = StepBuffers.allocate(batch, length, vocab, DEVICE)
     for t in (buf.entropy, buf.max_prob, buf.probs):
-        t.fill_(float("nan"))
+        t.fill_(float_poison)
     for t in (buf.argmax, buf.sample, buf.canvas, buf.stable):
         t.fill_(-1)
     for t in (buf.kept, buf.stop):
@@ -386,7 +388,7 @@ def test_non_finite_logits_give_what_the_oracle_gives(dtype: torch.dtype):
     ref_sample = draws.categorical(case.keys, case.logits / case.temperature[:, None, None])
     prev = ref.argmax.clone()
     ref_count = update_stability(case.stable_in, prev, ref.argmax)
-    buf = poisoned_buffers(batch, length, vocab)
+    buf = poisoned_buffers(batch, length, vocab, float_poison=-7.0)
     out, count, stop = sample_step_cuda(
         case.logits, case.temperature, case.bound, case.keys, None, prev, case.stable_in, case.stab_k, 1e9,
         out=buf,

@@ -11,6 +11,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -721,8 +722,8 @@ case "$*" in *api-resources*)
   [ -z "$FAKE_NO_CRDS" ] && printf 'podmonitors.monitoring.coreos.com\nprometheusrules.monitoring.coreos.com\n'
   exit 0;; esac
 if [ -n "$FAKE_FAIL" ]; then case "$*" in *"$FAKE_FAIL"*) echo "error: simulated failure" >&2; exit 1;; esac; fi
-case "$*" in *condition=complete*) [ -n "$FAKE_JOB_FAILED" ] && { echo "complete-wait group $$" >> "$FAKE_LOG"; sleep 30; echo "complete-wait ran out" >> "$FAKE_LOG"; exit 1; };; esac
-case "$*" in *condition=failed*) [ -n "$FAKE_JOB_FAILED" ] && exit 0; sleep 30; exit 1;; esac
+case "$*" in *condition=complete*) [ -n "$FAKE_JOB_FAILED" ] && { sleep 30 & echo "complete-wait sleep $!" >> "$FAKE_LOG"; wait $!; echo "complete-wait ran out" >> "$FAKE_LOG"; exit 1; };; esac
+case "$*" in *condition=failed*) [ -n "$FAKE_JOB_FAILED" ] && { for _ in $(seq 100); do grep -q "complete-wait sleep" "$FAKE_LOG" && break; sleep 0.05; done; exit 0; }; sleep 30; exit 1;; esac
 exit 0
 """
 
@@ -884,22 +885,22 @@ def test_deploy_sees_a_failed_smoke_job_without_waiting_out_the_timeout(rendered
     assert any("wait --for=condition=failed job/dgpipe-smoke" in c for c in calls)
     assert "complete-wait ran out" not in calls
     assert any(c.endswith("rollout undo deployment/dgpipe-triton") for c in calls)
-    (group,) = [int(c.split()[-1]) for c in calls if c.startswith("complete-wait group ")]
-    assert not running_in_group(group)  # the wait and its sleep were killed, not left running
+    (sleep,) = [int(c.split()[-1]) for c in calls if c.startswith("complete-wait sleep ")]
+    # the losing wait was stopped with what it started (its sleep), not left running
+    deadline = time.monotonic() + 2
+    while running(sleep) and time.monotonic() < deadline:  # a SIGKILLed process can show R for a moment
+        time.sleep(0.05)
+    assert not running(sleep)
 
 
-def running_in_group(pgid: int) -> list[int]:
-    """The processes of a process group that still run (a killed one may stay a zombie until init reaps it,
-    which some containers' init never does): /proc/<pid>/stat's state and process group fields."""
-    running = []
-    for stat_file in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat_file.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended while we looked
-            continue
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            running.append(int(stat_file.parent.name))
-    return running
+def running(pid: int) -> bool:
+    """Whether `pid` still runs: a killed process may stay a zombie until init reaps it, which some
+    containers' init never does (/proc/<pid>/stat's state field)."""
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:  # gone
+        return False
+    return state not in ("Z", "X")
 
 
 def test_engine_limits_follow_the_limits_the_engine_stage_recorded(build_dir):

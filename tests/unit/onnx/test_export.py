@@ -460,11 +460,12 @@ def modelopt_fp8(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("moe", ["routed", "dense"])
 def test_fp8_qdq_export_matches_fake_quant_reference(model, modelopt_fp8, tmp_path, moe):
     """ModelOpt's FP8 export through the Q/DQ graph in onnxruntime against the PyTorch fake-quant reference of
-    the same checkpoint: logits within 7.6e-7 mean / 2.1e-4 max here (routed; dense 4.6e-7 / 2.1e-5). Another
-    CPU's kernels sum in another fp32 order and can move an activation across an E4M3 rounding (one step is
-    6-12%: a logit then moves by up to ~0.5, as measured on an earlier checkpoint), so the bounds leave room
-    for a few such crossings. The test can fail: against the unquantized-activation model the graph is ~5e4
-    times further off (0.036 mean)."""
+    the same checkpoint. Q/DQ is bit-exact op by op, but where torch's CPU kernels sum in another fp32 order
+    than onnxruntime's, activations cross E4M3 rounding steps (6-12% each) through 8 layers: on this
+    repository's AVX2 machines the logits sit 7.6e-7 mean / 2.1e-4 max from the reference (routed; dense
+    4.6e-7 / 2.1e-5), with torch's plain kernels (ATEN_CPU_CAPABILITY=default, as on a CPU without AVX2)
+    1.2e-2 mean / 1.22 max (softcap 30). The bounds hold for both. The test can fail: against the
+    unquantized-activation model the graph is 3x (plain kernels) to 5e4x (AVX2) further off."""
     from pipeline.onnx.backend import OnnxRuntimeBackend
     from pipeline.onnx.graph import GraphModel
     from pipeline.onnx.quant import export_fp8, fp8_reference_linear, read_fp8_checkpoint
@@ -561,10 +562,10 @@ def test_fp8_qdq_export_matches_fake_quant_reference(model, modelopt_fp8, tmp_pa
     want = qmodel.logits(ref(*args)[-1])
     loose = qmodel.logits(no_act_quant(*args)[-1])
     err, err_loose = (got - want).abs(), (got - loose).abs()
-    assert float(err.mean()) < 2e-3 and float(err.max()) < 0.75, (float(err.mean()), float(err.max()))
+    assert float(err.mean()) < 0.03 and float(err.max()) < 2.0, (float(err.mean()), float(err.max()))
     # the Q/DQ really quantizes activations: without that the graph would sit near `loose`, and this would
-    # be reversed (measured 4.8e4x routed, 7.9e4x dense)
-    assert float(err_loose.mean()) > 10 * float(err.mean())
+    # be reversed (measured 3.0x with torch's plain kernels, 4.8e4x routed and 7.9e4x dense on AVX2)
+    assert float(err_loose.mean()) > 1.5 * float(err.mean())
     assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.99
 
 

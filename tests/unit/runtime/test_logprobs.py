@@ -103,7 +103,8 @@ def test_constrained_rows_read_the_masked_distribution(tmp_path):
         assert token != top[0][0] or lp == pytest.approx(top[0][1], abs=1e-6)
         with_mass = [(t, v) for t, v in top if v > -math.inf]
         assert {t for t, _ in with_mass} <= loose, top
-        assert sum(math.exp(v) for _, v in with_mass) <= 1 + 1e-5
+        # bf16 probabilities (a pass's, for tokens taken during the passes): each rounded by up to 2^-9
+        assert sum(math.exp(v) for _, v in with_mass) <= 1 + 2**-7
 
 
 def test_a_decoded_positions_distribution_is_its_allowed_tokens_renormalised():
