@@ -317,6 +317,9 @@ def test_kernel_choice_and_tile():
     assert moe_spec.tile(32, 16, "float32") == 16  # tiny: capped
     assert moe_spec.tile(2816, 704, "bfloat16") == 5  # 26B-A4B: 8448 bytes per token of 48 KiB
     assert moe_spec.shared_bytes(2816, 704, "bfloat16", 5) == 42240 <= moe_spec.SMEM_BUDGET
+    # 4 tokens of 12,288 bytes fill 48 KiB exactly, leaving no room for the block's static shared memory
+    assert moe_spec.tile(4096, 1024, "bfloat16") == 3
+    assert moe_spec.SMEM_BUDGET + moe_spec.STATIC_SHARED == 48 * 1024
     assert moe_spec.kernel(moe_spec.W4_OP, "bfloat16") == "dg_trt_moe_bf16_w4"
     assert moe_spec.kernel(moe_spec.W4A4_OP, "bfloat16") == "dg_trt_moe_bf16_w4a4"
     with pytest.raises(DgpipeError, match="FP8 and NVFP4 expert weights run with bf16 activations"):

@@ -17,7 +17,8 @@
 //
 // Parameter order is TensorRT's AOT convention: input pointers, the extra int32 scalars, output pointers.
 // Preconditions (checked by the plugin at build time, moe_spec.check_*): d, I >= 1; `tile` in
-// [1, kMaxTile]; tile * (d * sizeof(TX) + I * 4) bytes of dynamic shared memory <= 48 KiB.
+// [1, kMaxTile]; tile * (d * sizeof(TX) + I * 4) bytes of dynamic shared memory <= 48 KiB less the
+// static s_slot and s_warp (moe_spec.SMEM_BUDGET).
 // A slot whose expert index is outside [0, E) gets a zero row (block x = 0 writes it), never garbage.
 
 #include <cuda_bf16.h>
