@@ -168,13 +168,10 @@ class TextConfig(BaseModel):
                 head_dim=override.get("head_dim", self.head_dim),
                 num_kv_heads=override.get("num_key_value_heads", self.num_key_value_heads),
             )
-        override = {}
         return LayerShape(
             layer_type=kind,
-            head_dim=override.get("head_dim", self.global_head_dim),
-            num_kv_heads=override.get(
-                "num_key_value_heads", self.num_global_key_value_heads or self.num_key_value_heads
-            ),
+            head_dim=self.global_head_dim,
+            num_kv_heads=self.num_global_key_value_heads or self.num_key_value_heads,
         )
 
     @property
@@ -198,6 +195,17 @@ class ModelConfig(BaseModel):
     def _known_type(cls, v: str) -> str:
         if v != "diffusion_gemma":
             raise ValueError(f"model_type is {v!r}, expected 'diffusion_gemma'")
+        return v
+
+    @field_validator("tie_word_embeddings")
+    @classmethod
+    def _tied(cls, v: bool) -> bool:
+        # the loader reads the output projection from the input embedding and skips any lm_head tensor, so
+        # an untied checkpoint would run with the wrong head
+        if not v:
+            raise ValueError(
+                "tie_word_embeddings is false: dgpipe runs DiffusionGemma's head tied to its input embedding"
+            )
         return v
 
     @classmethod

@@ -117,6 +117,10 @@ def test_corrupt_and_inconsistent(tiny_checkpoint: Path):
     cfg = json.loads(good)
     cfg_path.write_text(json.dumps({**cfg, "model_type": "llama"}))
     _expect(tiny_checkpoint, "model_type.*expected 'diffusion_gemma'")
+    cfg_path.write_text(
+        json.dumps({**cfg, "tie_word_embeddings": False})
+    )  # the head is read from the embedding
+    _expect(tiny_checkpoint, "tie_word_embeddings is false")
     cfg_path.write_text(json.dumps({**cfg, "text_config": {**cfg["text_config"], "hidden_size": 48}}))
     _expect(tiny_checkpoint, r"has shape .* config.json implies")
     cfg_path.write_text(good)
