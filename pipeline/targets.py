@@ -47,7 +47,6 @@ class Precision(BaseModel):
     block_size: int
     scale_bits: int
     activations: str
-    min_compute_capability: str
     native_on: list[str]
     quantize: list[str]
     keep_high_precision: list[str]

@@ -84,13 +84,3 @@ def progress_bars(disable: bool = False):
 
     with Progress(transient=True, disable=disable) as bars:
         yield bars
-
-
-@contextmanager
-def spinner(text: str, err: bool = False) -> Iterator[Callable[[str], None]]:
-    """A spinner while a long call runs; yields `say(line)` that prints above it."""
-    from rich.console import Console
-
-    console = Console(stderr=err)
-    with console.status(text, spinner="dots"):
-        yield lambda msg: console.print(msg, highlight=False)

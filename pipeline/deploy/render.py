@@ -30,7 +30,6 @@ from pipeline.builddir import (
     BuildManifest,
     model_version_dir,
     record_stage,
-    target_engine_dir,
 )
 from pipeline.deploy.kubectl import kubectl_binary
 from pipeline.deploy.smoke import COMMAND as SMOKE_COMMAND
@@ -165,9 +164,6 @@ class RenderValues:
     image: Image
     namespace: str
     replicas: int
-    model_repository: str  # absolute paths inside the pod (on the PVC)
-    onnx: str
-    engine_dir: str  # where the plan for this target lands: <model version dir>/engines/<target>
     smoke: SmokeTest
     monitoring: bool = True
     lws_size: int | None = None
@@ -299,9 +295,6 @@ def resolve(
         image=img,
         namespace=namespace,
         replicas=replicas or cfg.replicas,
-        model_repository=config["DGPIPE_MODEL_REPOSITORY"],
-        onnx=config["DGPIPE_ONNX"],
-        engine_dir=str(target_engine_dir(PurePosixPath(config["DGPIPE_ENGINE_OUTPUT"]), cfg.gpu_target)),
         smoke=smoke,
         monitoring=monitoring,
         lws_size=lws_size,

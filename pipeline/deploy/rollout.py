@@ -115,7 +115,6 @@ class Step:
 @dataclass
 class Plan:
     summary: dict[str, Any]
-    manifests_dir: Path
     steps: list[Step] = field(default_factory=list)
     upload: Path | None = None
     context: str | None = None
@@ -193,7 +192,7 @@ def make_plan(
     kc = [kubectl_name()] + (["--context", context] if context else [])
     ns = ["--namespace", info["namespace"]]
     apply = [*kc, "apply", "--server-side", f"--field-manager={FIELD_MANAGER}"]
-    plan = Plan(summary=info, manifests_dir=manifests_dir, upload=upload, context=context, kubectl=kc[0])
+    plan = Plan(summary=info, upload=upload, context=context, kubectl=kc[0])
     # deadline of the rollout: the Deployment's own progress deadline (engine build + load) plus slack
     rollout = rollout_timeout_s or 5400 + 600
     s = plan.steps

@@ -75,7 +75,6 @@ W4_INPUTS = (
     Port("down_scale", "float32", ("E",)),
 )
 W4A4_INPUTS = (*W4_INPUTS, Port("input_scale", "float32", ("3", "E")))
-OUTPUTS = (Port("out_k", "float32", ("T", "K", "d")),)
 SPECS = {
     EXPERTS_OP: EXPERTS_INPUTS,
     W8_OP: W8_INPUTS,

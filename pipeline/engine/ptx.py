@@ -69,21 +69,19 @@ def source_sha256() -> str:
     return h.hexdigest()
 
 
-def build_plugin_ptx(
-    plugins_root: Path | str, target_name: str, *, nvcc: str | None = None, force: bool = False
-) -> PluginPtx:
+def build_plugin_ptx(plugins_root: Path | str, target_name: str) -> PluginPtx:
     """Compile the sampler to PTX for `target_name` into `plugins_root/<target>/` (replaced atomically);
     kept as is when it was compiled from the same sources (re-running a build stage is then instant)."""
     t = get_target(target_name)
     existing = Path(plugins_root) / t.name
-    if not force and (existing / INFO_NAME).is_file():
+    if (existing / INFO_NAME).is_file():
         try:
             info, _ = load_plugin_ptx(existing, t.name)
             if info.source_sha256 == source_sha256():
                 return info
         except DgpipeError:
             pass  # damaged or stale: recompile
-    nvcc = nvcc or build.find_nvcc()
+    nvcc = build.find_nvcc()
     if nvcc is None:
         raise DgpipeError(
             f"nvcc not found: cannot compile the sampler plugin's PTX for {t.name} ({t.arch})",

@@ -36,7 +36,6 @@ _ENCODER = re.compile(r"^model\.encoder\.language_model\.(layers\.\d+\..+|embed_
 _DECODER = re.compile(r"^model\.decoder\.(.+)$")
 _AUTOMODEL = re.compile(r"^model\.((?:layers\.\d+\.|embed_tokens|norm|self_conditioning).*)$")
 TIED_HEAD = "lm_head"
-EMBED = "model.decoder.embed_tokens.weight"
 
 
 @dataclass

@@ -298,7 +298,6 @@ MOE = OpSpec(
     kernel="grouped-GEMM MoE plugin (engine/kernels/csrc/dg_moe.cu): tokens sorted by expert, one launch per layer",
     doc="routed experts of one decoder layer (router outside the node)",
 )
-MOE_ACTIVATIONS = ("gelu_tanh",)
 MOE_ACT_QUANT = ("none", "fp8", "nvfp4")
 
 # How the exporter writes the MoE (`dgpipe export --moe`), recorded in contract.json as "moe":

@@ -121,7 +121,6 @@ def chat_messages(prompt: str, system: str | None = None) -> list[Message]:
 class ChatTemplate:
     source: str  # the Jinja text
     special_tokens: dict[str, str]  # bos_token, eos_token, ...: variables the template may read
-    origin: str  # the file it came from, for messages
 
     @property
     def tool_call_format(self) -> str | None:
@@ -192,7 +191,7 @@ def load_chat_template(checkpoint_dir: Path) -> ChatTemplate | None:
         _compile(source)
     except Exception as e:  # jinja2.TemplateSyntaxError: the checkpoint's fault, said once at load
         raise CheckpointError(f"{origin}: the chat template does not compile ({e})") from e
-    return ChatTemplate(source=source, special_tokens=specials, origin=origin)
+    return ChatTemplate(source=source, special_tokens=specials)
 
 
 def end_token_ids(

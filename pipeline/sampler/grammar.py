@@ -20,7 +20,6 @@ still valid if it ends, and one cut by `max_tokens` ends as `length`.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,10 +153,10 @@ def llg_tokenizer(vocab: dict[int, bytes], vocab_size: int, end_ids: Sequence[in
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab()), eos_token=list(end_ids))
 
 
-def compile_grammar(kind: str, guide: str, tokenizer: Any | None) -> tuple[Any, str]:
-    """A JSON schema (`json_schema`) or Lark grammar (`lark_grammar`) -> (an llguidance matcher at the start
-    of the output, or None without a tokenizer; the grammar it was built from). Refusals raise InputError
-    naming the construct."""
+def compile_grammar(kind: str, guide: str, tokenizer: Any | None) -> Any:
+    """A JSON schema (`json_schema`) or Lark grammar (`lark_grammar`) -> an llguidance matcher at the start
+    of the output, or None without a tokenizer (the grammar is then only validated). Refusals raise
+    InputError naming the construct."""
     import llguidance
 
     if kind == "lark_grammar":
@@ -197,18 +196,18 @@ class _UnknownFormat(Exception):
     pass
 
 
-def _matcher(grammar: str, tokenizer: Any, what: str, schema: Any) -> tuple[Any, str]:
+def _matcher(grammar: str, tokenizer: Any, what: str, schema: Any) -> Any:
     """The matcher (None without a tokenizer: the grammar is only validated)."""
     import llguidance
 
     if tokenizer is None:
         matcher, error = None, llguidance.LLMatcher.validate_grammar(grammar)
         if not error or error.startswith("WARNING"):
-            return None, grammar
+            return None
     else:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
         if not matcher.is_error():
-            return matcher, grammar
+            return matcher
         error = matcher.get_error()
     error = error.strip()
     first = error.splitlines()[0] if error else "unknown error"
@@ -266,8 +265,6 @@ class GrammarGuide:
     matcher: Any  # llguidance.LLMatcher at the start of the output: requests deep-copy it
     loose: np.ndarray  # every token the vocabulary spells, plus the end tokens (sorted)
     single: np.ndarray  # [len(CLOSING_BYTES)] the token id spelling each closing byte alone, -1 if none
-    grammar: str = ""
-    compile_s: float = 0.0
     min_tokens: int = field(init=False)
     proven: bool = field(init=False)  # a witness from the start was found: walks are budget-forced
     witness: list[int] | None = field(init=False, repr=False)  # that witness (each walk starts from it)
@@ -466,12 +463,9 @@ class GrammarVocab:
 
 def compile_grammar_guide(spec: Any, gv: GrammarVocab) -> GrammarGuide:
     """A json_schema / lark_grammar GuideSpec -> GrammarGuide over the vocabulary."""
-    t = time.perf_counter()
-    matcher, grammar = compile_grammar(spec.kind, spec.guide, gv.tokenizer)
+    matcher = compile_grammar(spec.kind, spec.guide, gv.tokenizer)
     try:
-        return GrammarGuide(
-            spec, gv.vocab_size, gv.end_ids, matcher, gv.loose, gv.single, grammar, time.perf_counter() - t
-        )
+        return GrammarGuide(spec, gv.vocab_size, gv.end_ids, matcher, gv.loose, gv.single)
     except RuntimeError as e:  # the witness search reached a state no token of this vocabulary continues
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise InputError(

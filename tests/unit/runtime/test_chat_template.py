@@ -65,7 +65,7 @@ def test_render_and_tokens_match_transformers(chat_ckpt, messages):
 
 
 def test_gemma_folds_the_system_message_and_refuses_bad_turns(tmp_path):
-    template = ct.ChatTemplate(GEMMA_TEMPLATE, {"bos_token": "<bos>"}, "test")
+    template = ct.ChatTemplate(GEMMA_TEMPLATE, {"bos_token": "<bos>"})
     text = template.render(ct.chat_messages("Hi", system="Be brief."))
     assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
     with pytest.raises(InputError, match="roles must alternate"):
@@ -166,7 +166,7 @@ def test_null_fields_are_dropped_and_a_broken_template_is_the_checkpoint_s_fault
 
 
 def test_the_sandbox_refuses_python_internals():
-    template = ct.ChatTemplate("{{ messages.__class__.__mro__ }}", {}, "test")
+    template = ct.ChatTemplate("{{ messages.__class__.__mro__ }}", {})
     with pytest.raises(InputError, match="unsafe"):
         template.render([{"role": "user", "content": "x"}])
 
@@ -178,9 +178,9 @@ def test_tools_reach_the_template_and_a_hermes_template_declares_its_tool_call_f
         "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>"
         "Call a tool as <tool_call>{...}</tool_call>.{% endif %}{{ messages[0].content }}"
     )
-    hermes = ChatTemplate(source, {}, "test")
+    hermes = ChatTemplate(source, {})
     tools = [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}}]
     assert hermes.render([{"role": "user", "content": "hi"}], tools=tools).startswith("<tools>f;g;</tools>")
     assert hermes.render([{"role": "user", "content": "hi"}]) == "hi"
     assert hermes.tool_call_format == "hermes"
-    assert ChatTemplate("{{ messages[0].content }}", {}, "test").tool_call_format is None
+    assert ChatTemplate("{{ messages[0].content }}", {}).tool_call_format is None
