@@ -93,7 +93,9 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         log = Log(pb_utils.Logger.log_info, pb_utils.Logger.log_error)
         version_dir = Path(args["model_repository"]) / args["model_version"]
-        loaded = load_model(json.loads(args["model_config"]), version_dir, log)
+        # an instance Triton placed on a GPU (KIND_GPU) serves on that GPU
+        placed = args.get("model_instance_kind"), args.get("model_instance_device_id")
+        loaded = load_model(json.loads(args["model_config"]), version_dir, log, *placed)
         metrics = Metrics(TritonMetrics())
         # the drain file touched after this load drains the server (an older file is a previous server's)
         drain = DrainSignal.from_env()

@@ -16,13 +16,13 @@ def tensorrt_version() -> str | None:
     return getattr(trt, "__version__", None)
 
 
-def gpu() -> tuple[str, str] | None:
-    """(compute capability "9.0", name) of GPU 0, or None."""
+def gpu(index: int = 0) -> tuple[str, str] | None:
+    """(compute capability "9.0", name) of GPU `index`, or None."""
     try:
         import torch
     except ImportError:
         return None
     if not torch.cuda.is_available():
         return None
-    p = torch.cuda.get_device_properties(0)
+    p = torch.cuda.get_device_properties(index)
     return f"{p.major}.{p.minor}", p.name

@@ -166,12 +166,13 @@ def load_session(
     dev = resolve_device(device)
     path = Path(model) if model else default_model_path()
     tensor_cores = None
+    if dev.type == "cuda" and dev.index is not None:
+        # Triton launches on the current device, not its tensors' (cuda:1); a TensorRT plan and its streams
+        # land on the current device too
+        torch.cuda.set_device(dev)
     if weights:
         if dev.type == "cuda":  # FP8 / NVFP4 weights kept in their stored format, on tensor cores
             from pipeline.runtime.gpu_load import load_on_gpu
-
-            if dev.index is not None:  # Triton launches on the current device, not its tensors' (cuda:1)
-                torch.cuda.set_device(dev)
 
             m, ckpt, tensor_cores = load_on_gpu(path, resolve_dtype(dtype, dev), dev)
         else:

@@ -6,8 +6,9 @@ their own sizes, before a GPU runs them.
 The kernels run in Triton's interpreter with a GPU's round-to-nearest-even casts and numpy's tanh and exp
 for libdevice's (`tests/_utils/interpreter_casts`); the tests' CUDA device is the CPU; torch's top-k gets
 CUDA's rule at a tie, the lower index (`aten/src/ATen/native/cuda/TensorTopK.cu` fills the last places with
-the first equal values it sees; the CPU's takes others); the load's kernel install is
-`gpu_load.fuse_network` with every network kernel's probe passed, and a CUDA graph is a second eager call.
+the first equal values it sees; the CPU's takes others); the load's install is
+`gpu_load.finish_on_device`'s CUDA part (sibling linears on one input, q|k|v and gate|up merged into one GEMM
+each, then `fuse_network`) with every network kernel's probe passed, and a CUDA graph is a second eager call.
 The tensor-core tests run as on an H200: the load-time probe passed for every form Hopper's dispatch rows
 name, torch's CPU `F.scaled_mm` for the FP8 GEMMs (its grouped form, CUDA-only, one `F.scaled_mm` per expert
 with bf16 out: `tests/_utils/quantized.grouped_scaled_mm_on_cpu`), activations quantized by the one-pass
@@ -120,9 +121,15 @@ def rehearse(names: list[str]) -> int:
         )  # CUDA's argument checks
         mp.setattr(torch.cuda, "get_device_properties", lambda device=None: H200)
         mp.setattr(network, "route_scores", route_scores_with_cuda_ties)
-        mp.setattr(
-            gpu_load, "finish_on_device", lambda model, *_: gpu_load.fuse_network(model, every_kernel, None)
-        )
+
+        def finish_as_on_cuda(model, *_):
+            """`finish_on_device`'s CUDA part: sibling linears on one input (q|k|v and gate|up merged into one
+            GEMM each), then every network kernel."""
+            columns_read = model.embed_tokens.weight.dtype in gpu_load.NETWORK_DTYPES
+            gpu_load.share_inputs(model, merge_qkv=columns_read, fp8_columns=hopper.ok(gpu_load.FP8_COLUMNS))
+            return gpu_load.fuse_network(model, every_kernel, None)
+
+        mp.setattr(gpu_load, "finish_on_device", finish_as_on_cuda)
         mp.setattr(bench_model, "_graphed", lambda step, device: (step(), step)[1])
         for name in names:
             test = getattr(module, name)

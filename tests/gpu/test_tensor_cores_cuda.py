@@ -465,6 +465,10 @@ def test_the_chain_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
                          (layer.self_attn, "head_norms_kernel"), (layer, "end_kernel"), (layer, "ffn_inputs_kernel")]  # fmt: skip
         return rounding, [(layer.router, "top_k_kernel") for layer in model.layers]
 
+    def exact_slots() -> list:
+        """Where the installed kernels that compute torch's form bit for bit sit."""
+        return [slot for layer in model.layers for slot in ((layer.self_attn, "rope_kernel"), (layer.self_attn, "kv_cat_kernel"), (layer, "residual_kernel"), (layer.router, "scale_kernel"), (layer.experts, "order_kernel"))]  # fmt: skip
+
     def without(slots: list) -> None:
         for owner, name in slots:
             setattr(owner, name, None)
@@ -488,14 +492,22 @@ def test_the_chain_kernels_are_torchs_forms_and_a_model_keeps_its_logits():
         assert all(layer.ffn_inputs_kernel is kernels.chains.ffn_inputs_or_torch for layer in model.layers)
         assert all(layer.router.top_k_kernel is kernels.routing.top_k_or_torch for layer in model.layers)
         rounding, routing = kernel_slots()
-        installed = {slot: getattr(*slot) for slot in rounding + routing}
+        exact = exact_slots()
+        installed = {slot: getattr(*slot) for slot in rounding + routing + exact}
         got = step()
         without(routing)
         assert float((step() - want).norm() / want.norm()) < 1e-2
         without(rounding)
-        assert torch.equal(step(), want)  # RoPE, K/V, residual sums, router inputs, expert order: bit for bit
+        exact_only = step()
+        without(exact)
+        # every kernel's torch form, on the GEMMs the load merged (q|k|v, gate|up): the oracle for the exact
+        # kernels, as cuBLAS promises no equal bits between a merged GEMM and its parts (`want`)
+        torch_forms = step()
+        assert torch.equal(exact_only, torch_forms)  # RoPE, K/V, residual sums, router inputs, expert order
+        for owner, name in exact:
+            setattr(owner, name, installed[owner, name])
         model.softcap_kernel = kernels.chains.softcap
-        torch.testing.assert_close(step(), want, rtol=1e-6, atol=0.0)
+        torch.testing.assert_close(step(), torch_forms, rtol=1e-6, atol=0.0)
         for (owner, name), kernel in installed.items():
             setattr(owner, name, kernel)
         outs = []  # the warm-up's and then the captured pass's logits (the graph's own output buffer)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import DgpipeError
 from pipeline.serving import schema
 
 
@@ -31,6 +32,25 @@ def instance_count(config: dict[str, Any]) -> int:
     """How many stub processes serve this model (each instance is its own: the thread budget is split)."""
     groups = config.get("instance_group", [])
     return sum(int(g.get("count", 1)) * max(1, len(g.get("gpus", []))) for g in groups) or 1
+
+
+def serving_device(
+    param: str, instance_kind: str | None = None, instance_device_id: str | None = None
+) -> str:
+    """The device an instance serves on: the repository's `device` parameter, or, for an instance Triton
+    placed on a GPU (`instance_group { kind: KIND_GPU }`: the Python backend passes `model_instance_kind`
+    "GPU" and `model_instance_device_id`), that GPU. Each such instance is its own process; left on "auto"
+    (the current device, GPU 0) every instance of an 8-GPU group would load onto GPU 0."""
+    if instance_kind != "GPU" or instance_device_id is None:
+        return param
+    placed = f"cuda:{int(instance_device_id)}"
+    if param not in ("auto", "cuda", placed):
+        raise DgpipeError(
+            f"config.pbtxt places this instance on GPU {instance_device_id} (instance_group kind KIND_GPU) "
+            f"but its device parameter is {param!r}",
+            'set the device parameter to "auto", or use instance_group kind KIND_CPU with the device you want',
+        )
+    return placed
 
 
 def server_limits(params: dict[str, str], positions: int, canvas_length: int) -> schema.ServerLimits:
@@ -55,8 +75,15 @@ def server_limits(params: dict[str, str], positions: int, canvas_length: int) ->
     )
 
 
-def load_model(config: dict[str, Any], version_dir: Path, log: Log) -> LoadedModel:
-    """Everything the core serves with, for the model config (Triton's model_config as a dict)."""
+def load_model(
+    config: dict[str, Any],
+    version_dir: Path,
+    log: Log,
+    instance_kind: str | None = None,
+    instance_device_id: str | None = None,
+) -> LoadedModel:
+    """Everything the core serves with, for the model config (Triton's model_config as a dict), on the
+    device `serving_device` picks from the config and the instance's placement."""
     from pipeline.builddir import MODEL_CHECKPOINT
     from pipeline.limits import context_length
     from pipeline.runtime.scheduler import BlockDiffusionRuntime
@@ -69,13 +96,14 @@ def load_model(config: dict[str, Any], version_dir: Path, log: Log) -> LoadedMod
     params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
     ckpt = Path(params.get("checkpoint", MODEL_CHECKPOINT))
     ckpt = ckpt if ckpt.is_absolute() else version_dir / ckpt
-    dtype, device = params.get("dtype", "auto"), params.get("device", "auto")
+    dtype = params.get("dtype", "auto")
+    device = serving_device(params.get("device", "auto"), instance_kind, instance_device_id)
     # compile: the PyTorch passes through torch.compile; the warm-up request compiles them during load
     compile = params.get("compile", "false") == "true"
-    choice = _choose(version_dir, log)
+    choice = _choose(version_dir, log, device)
     # with a TensorRT plan the weights live in the engine: the session then holds config + tokenizer only
     session = load_session(ckpt, dtype, device, weights=choice.kind != "tensorrt", compile=compile)
-    backend = _backend(choice, session, log)
+    backend = _backend(choice, session, log, device)
     if backend is None:  # the plan failed to load: fall back to the PyTorch weights
         session = load_session(ckpt, dtype, device, compile=compile)
         backend = session.model
@@ -115,27 +143,31 @@ def _warm(runtime: Any, log: Log) -> None:
                  f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
 
 
-def _choose(version_dir: Path, log: Log):
-    """The TensorRT plan for this GPU when the repository holds a matching one, else the PyTorch model.
-    A plan that is present but unusable (other TensorRT, other GPU) is logged as an error, not hidden."""
+def _choose(version_dir: Path, log: Log, device: str):
+    """The TensorRT plan for the instance's GPU when the repository holds a matching one, else the PyTorch
+    model. A plan that is present but unusable (other TensorRT, other GPU) is logged as an error, not
+    hidden."""
     from pipeline.engine.probe import gpu, tensorrt_version
     from pipeline.engine.select import choose_backend
+    from pipeline.runtime.session import resolve_device
 
-    g = gpu()
+    dev = resolve_device(device)
+    g = gpu(dev.index or 0) if dev.type == "cuda" else None
     choice = choose_backend(version_dir, g[0] if g else None, tensorrt_version())
     if choice.kind != "tensorrt":
         (log.error if choice.loud else log.info)(f"dgpipe: PyTorch runtime ({choice.reason})")
     return choice
 
 
-def _backend(choice: Any, session: Any, log: Log) -> Any:
+def _backend(choice: Any, session: Any, log: Log, device: str) -> Any:
     """The runtime's backend for the choice; None when a chosen plan fails to load (the log says why)."""
     if choice.kind != "tensorrt":
         return session.model
     try:
         from pipeline.engine.trt_backend import TensorRTBackend
+        from pipeline.runtime.session import resolve_device
 
-        backend = TensorRTBackend(choice.engine_dir, session.model.config)
+        backend = TensorRTBackend(choice.engine_dir, session.model.config, device=str(resolve_device(device)))
     except Exception as e:  # the server must come up
         log.error(f"dgpipe: TensorRT engine failed to load ({e}); using the PyTorch runtime")
         return None

@@ -25,7 +25,8 @@ def test_loading_the_embedded_model_does_not_import_dynamo():
 
 def test_a_numbered_gpu_becomes_the_current_device(monkeypatch):
     """Triton launches its kernels on the current CUDA device, not on their tensors': `--device cuda:1` makes
-    GPU 1 current before the model loads there (plain `cuda` leaves the current device as it is)."""
+    GPU 1 current before the model loads there (plain `cuda` leaves the current device as it is); a session
+    for a TensorRT plan (no weights) makes it current too, as the plan and its streams land there."""
     from pipeline.runtime import gpu_load, session
 
     current = []
@@ -36,3 +37,5 @@ def test_a_numbered_gpu_becomes_the_current_device(monkeypatch):
         with pytest.raises(RuntimeError, match="loaded"):
             session.load_session(device=device)
     assert current == ["cuda:1"]
+    session.load_session(device="cuda:2", weights=False)
+    assert current == ["cuda:1", "cuda:2"]

@@ -83,6 +83,54 @@ def test_compile_is_a_model_parameter(tiny_checkpoint: Path, tmp_path: Path, mon
         assert opened.value.args == (compiled,)
 
 
+def test_an_instance_triton_places_on_a_gpu_serves_on_that_gpu(
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch
+):
+    """With `instance_group { kind: KIND_GPU }` each instance is a process of its own, told its GPU by the
+    Python backend (`model_instance_kind` "GPU", `model_instance_device_id`): the plan is chosen for that GPU,
+    the session opens there and a TensorRT plan runs there, where "auto" put every instance on GPU 0."""
+    from types import SimpleNamespace
+
+    import torch
+    from google.protobuf import json_format
+
+    from pipeline.builddir import model_version_dir
+    from pipeline.engine import probe, trt_backend
+    from pipeline.runtime import session
+    from pipeline.serving.core.loading import Log, _backend, load_model, serving_device
+
+    assert serving_device("auto") == serving_device("auto", "CPU", "0") == "auto"
+    assert serving_device("auto", "GPU", "3") == serving_device("cuda", "GPU", "3") == "cuda:3"
+    assert serving_device("cuda:3", "GPU", "3") == "cuda:3"
+    for conflicting in ("cuda:1", "cpu"):
+        with pytest.raises(DgpipeError, match=f"places this instance on GPU 3 .* is '{conflicting}'"):
+            serving_device(conflicting, "GPU", "3")
+
+    class Opened(Exception):
+        pass
+
+    def load_session(model, dtype, device, **kwargs):
+        raise Opened(device)
+
+    probed, made = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(probe, "gpu", lambda index=0: probed.append(index) or ("9.0", "NVIDIA H200"))
+    monkeypatch.setattr(session, "load_session", load_session)
+    quiet = Log(info=lambda m: None, error=lambda m: None)
+    repo = package(tiny_checkpoint, tmp_path / "repo")
+    cfg = text_format.Parse((repo / "dgpipe" / "config.pbtxt").read_text(), mc.ModelConfig())
+    config = json_format.MessageToDict(cfg, preserving_proto_field_name=True)
+    with pytest.raises(Opened) as opened:
+        load_model(config, model_version_dir(repo), quiet, "GPU", "3")
+    assert opened.value.args == ("cuda:3",) and probed == [3]
+    monkeypatch.setattr(
+        trt_backend, "TensorRTBackend", lambda path, config, device: made.append(device) or "plan"
+    )
+    plan = SimpleNamespace(kind="tensorrt", engine_dir=tmp_path, reason="a plan for sm90")
+    assert _backend(plan, SimpleNamespace(model=SimpleNamespace(config=None)), quiet, "cuda:3") == "plan"
+    assert made == ["cuda:3"]
+
+
 def test_broken_checkpoint_writes_nothing(tmp_path: Path):
     with pytest.raises(DgpipeError, match="no such checkpoint directory"):
         package(tmp_path / "missing", tmp_path / "repo")
