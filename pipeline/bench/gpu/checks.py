@@ -27,7 +27,6 @@ from pipeline.bench.results import save_result
 from pipeline.resources import PACKAGE_DIR
 from pipeline.runtime.dispatch import arch_of
 from pipeline.runtime.kernels.moe_tiles import TABLE_DIR, TABLES_ENV, file_name
-from pipeline.sampler.kernels.build import clear_build_lock
 from pipeline.targets import precision
 
 RESULT_FILE, TABLE_FILE = "gpu.json", "gpu.md"
@@ -273,7 +272,6 @@ def stop(proc: subprocess.Popen) -> str:
     pipe open would hold the run past its budget."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    clear_build_lock()  # a build of the sampler extension killed mid-way: the next load would wait forever
     try:
         return proc.communicate(timeout=STOP_WAIT_S)[0] or ""
     except subprocess.TimeoutExpired as e:

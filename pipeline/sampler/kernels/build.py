@@ -13,6 +13,8 @@ that every architecture compiled.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import functools
 import os
 import re
@@ -20,6 +22,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -216,17 +219,21 @@ def missing_build_tools() -> DgpipeError | None:
 EXTENSION = "dgpipe_sampler"  # the torch extension's name: its build directory under torch's extensions root
 
 
-def clear_build_lock() -> bool:
-    """Remove the lock a killed build of the extension leaves in its build directory; whether there was one.
-    torch's `cpp_extension` holds it while building and every later load waits for it to go, with no
-    timeout, so a build killed at a budget would hang every process after it. Only for a build known dead."""
+@contextlib.contextmanager
+def exclusive_build() -> Iterator[Path]:
+    """The extension's build directory, held by this process alone: dgpipe's processes load the extension
+    one at a time under an flock(2) there, which the kernel drops when its holder dies. torch's
+    `cpp_extension` marks a build with a lock file that names no owner and waits for it to go with no
+    timeout, so a build killed mid-way (a container killed while loading, a check past its budget) left a
+    lock that hung every later load, across container restarts where the directory is a volume. Holding
+    the flock, a lock file found is a dead build's, and is removed."""
     from torch.utils import cpp_extension
 
-    lock = Path(cpp_extension._get_build_directory(EXTENSION, False)) / "lock"
-    if not lock.exists():
-        return False
-    lock.unlink(missing_ok=True)
-    return True
+    build_dir = Path(cpp_extension._get_build_directory(EXTENSION, False))
+    with open(build_dir / "dgpipe.flock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # released on close, or by the kernel when this process dies
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield build_dir
 
 
 @functools.lru_cache(maxsize=1)
@@ -240,14 +247,15 @@ def load_torch_extension(verbose: bool = False) -> ModuleType:
     missing = missing_build_tools()
     if missing is not None:
         raise missing
-    return cpp_extension.load(
-        name=EXTENSION,
-        sources=[str(TORCH_BINDING), str(SAMPLER_SOURCE)],
-        extra_include_paths=[str(CSRC)],
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=list(NVCC_FLAGS),
-        verbose=verbose,
-    )
+    with exclusive_build():
+        return cpp_extension.load(
+            name=EXTENSION,
+            sources=[str(TORCH_BINDING), str(SAMPLER_SOURCE)],
+            extra_include_paths=[str(CSRC)],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=list(NVCC_FLAGS),
+            verbose=verbose,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,6 +103,37 @@ def test_torch_extension_names_what_is_missing():
         build.load_torch_extension()
 
 
+def test_a_lock_a_killed_build_left_is_cleared_and_a_live_builds_is_waited_for(tmp_path: Path, monkeypatch):
+    """torch's `cpp_extension` waits, with no timeout, for the lock file a killed build leaves (in a pod, on a
+    volume that outlives the container): under dgpipe's own flock, the next load removes it; while another
+    process builds (holds the flock), a load waits for it rather than take its lock away."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = Path(cpp_extension._get_build_directory(build.EXTENSION, False)) / "lock"
+    lock.touch()  # a build killed mid-way
+    with build.exclusive_build() as build_dir:
+        assert build_dir == lock.parent and not lock.exists()
+    builder = (
+        "import time\n"
+        "from pipeline.sampler.kernels import build\n"
+        "with build.exclusive_build() as d:\n"
+        "    (d / 'lock').touch()\n"
+        "    print('building', flush=True)\n"
+        "    time.sleep(2)\n"
+        "    (d / 'lock').unlink()\n"  # torch's release
+        "    (d / 'built').touch()\n"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    with subprocess.Popen(
+        [sys.executable, "-c", builder], stdout=subprocess.PIPE, text=True, env=env
+    ) as other:
+        assert other.stdout.readline().strip() == "building"
+        with build.exclusive_build() as build_dir:
+            assert (build_dir / "built").exists()  # entered only after the other build ended
+    assert other.returncode == 0
+
+
 def test_gpu_sampler_imports_without_cuda():
     from pipeline.errors import SamplerError
     from pipeline.sampler.kernels.gpu_sampler import sample_step_cuda

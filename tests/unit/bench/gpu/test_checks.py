@@ -218,19 +218,6 @@ def test_a_killed_checks_overrun_is_taken_from_the_next_checks_budget(tmp_path, 
     assert budgets == [30, 26]
 
 
-def test_a_killed_build_leaves_no_lock_for_the_next_load(tmp_path, monkeypatch):
-    """torch's `cpp_extension` waits, with no timeout, for the lock a killed build leaves."""
-    from torch.utils import cpp_extension
-
-    from pipeline.sampler.kernels import build
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = Path(cpp_extension._get_build_directory(build.EXTENSION, False)) / "lock"
-    lock.touch()
-    assert build.clear_build_lock() and not lock.exists()
-    assert not build.clear_build_lock()
-
-
 def test_time_a_check_leaves_goes_to_the_next_within_the_total(tmp_path, monkeypatch):
     """A skipped check's budget and what a quick check leaves go to the checks after it, so a check that
     needs more than its own budget (the GPU tests, as kernels are added) still finishes, and the command
