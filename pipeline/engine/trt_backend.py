@@ -31,6 +31,7 @@ from pipeline.errors import DgpipeError
 from pipeline.model.config import ModelConfig
 from pipeline.onnx.contract import MODE_CAUSAL, MODE_DENOISE
 from pipeline.runtime.backends import KV, DenoiseResult, Masks, SamplerInputs
+from pipeline.runtime.device_loop import captured, undo_failed_capture
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,10 @@ class _Context:
         self.dtypes = {n: types[engine.get_tensor_dtype(n)] for n in names}
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_key: tuple | None = None
+        # every recapture (about once per canvas: the cached length is in the key) reuses this pool, and
+        # captures as the runtime's device loop does: no device-wide synchronize and emptied allocator cache
+        # as `torch.cuda.graph` does on entry
+        self.pool = torch.cuda.graph_pool_handle()
         self.static: dict[str, torch.Tensor] = {}
         self.use_graphs = True
 
@@ -135,14 +140,14 @@ class _Context:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         outs = self._bind(self.static)
         self.static.update(outs)
+        current = torch.cuda.current_stream(self.device)
         try:
             with torch.cuda.stream(self.stream):
                 self._execute()  # TensorRT: one run before capture to flush deferred shape updates
             self.stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self.stream):
-                self._execute()
+            graph = captured(self._execute, self.pool, self.stream)
         except Exception as e:  # capture unsupported by this engine / TensorRT build: run eagerly
+            undo_failed_capture(current, self.pool)
             log.warning("CUDA graph capture of the denoise step failed (%s); running TensorRT eagerly", e)
             self.use_graphs = False
             return
