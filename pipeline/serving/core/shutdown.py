@@ -38,6 +38,10 @@ def shut_down(core: CoreState, join_s: float = WORKER_JOIN_S) -> int:
         answered += 1
     while not core.pings.empty():
         core.pings.get_nowait().send(failure)
+    if core.worker is not None and core.worker.is_alive():
+        # a pass still running (a first capture or compile can outlast the join): the runtime is its
+        # loop's alone until it ends; the loop then stops, and what it finishes goes to no one
+        return answered
     with contextlib.suppress(Exception):  # the runtime may be half torn down; the answers went out
         core.runtime.drop_all()
     core.update_load()

@@ -173,6 +173,26 @@ def test_stop_answers_every_queued_and_in_flight_request_and_refuses_new_ones():
     assert (c.metrics.active.value, c.metrics.queued.value) == (0, 0)
 
 
+def test_stop_leaves_the_runtime_to_a_pass_still_running_past_the_join():
+    """A pass can outlast shutdown's wait for the loop (a first CUDA-graph capture, a compile): its requests
+    are answered, but the runtime is not dropped under it from another thread."""
+    import threading
+
+    from pipeline.serving.core.shutdown import shut_down
+
+    c = core()
+    running, passing = Channel(), threading.Event()
+    c.accept(inputs("ab").get, {}, running)
+    job, _ = c.inbox.queue.pop()
+    c.jobs[job.request_id] = job
+    c.worker = threading.Thread(target=passing.wait, daemon=True)
+    c.worker.start()
+    assert shut_down(c, join_s=0.01) == 1
+    assert running.sent == [Failure(ErrorKind.UNAVAILABLE, SHUTTING_DOWN)] and c.runtime.dropped == 0
+    passing.set()
+    c.worker.join()
+
+
 def test_a_request_runs_from_intake_to_its_final_answer_with_stop_words_and_counts():
     c = core()
     channel = Channel()
