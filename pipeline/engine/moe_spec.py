@@ -40,7 +40,8 @@ MAX_TILE = 16  # kMaxTile: tokens per tile (registers per lane: 2 x tile accumul
 # A block's static and dynamic shared memory together must fit 48 KiB without the opt-in attribute an AOT
 # launch cannot set. Static: s_slot[kThreads + kMaxTile] and s_warp[kWarps] (int32), plus the 1 KiB that
 # ptxas adds to every kernel's static shared memory from sm_90 on (cuobjdump --dump-resource-usage shows
-# 1,088 bytes for one int[272] on sm_80 and 2,112 on sm_90, sm_90a and sm_120a); every target is sm_90+.
+# 1,088 bytes for one int[272] on sm_80 and 2,112 on sm_90, sm_90a and sm_120a): the largest over the
+# targets (sm_89's MoE kernels have 1,120 bytes, the others 2,144).
 SM90_RESERVED_SHARED = 1024
 STATIC_SHARED = 4 * (THREADS + MAX_TILE) + 4 * (THREADS // 32) + SM90_RESERVED_SHARED
 SMEM_BUDGET = 48 * 1024 - STATIC_SHARED  # dynamic shared memory per block

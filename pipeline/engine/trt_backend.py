@@ -135,6 +135,10 @@ class _Context:
         return {n: self.static[n] for n in self.outputs}
 
     def _capture(self, feeds: dict[str, torch.Tensor], key: tuple) -> None:
+        # the graph being replaced stays alive until the new one is captured: once every graph that used a
+        # pool is freed, torch's allocator refuses a new capture into it ("use_count > 0", as the device
+        # loop found on an H200). A context replays only its latest graph, so this reserves nothing more.
+        previous = self.graph  # noqa: F841 (held, not read)
         self.graph, self.graph_key = None, None
         self.static = {n: (t if n in self.host_inputs else t.clone()) for n, t in feeds.items()}
         self.stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -782,6 +782,39 @@ class _FeedsOnOrt:
         return denoise_result(self._run(feeds))
 
 
+def test_a_recapture_holds_the_graph_it_replaces_until_the_new_one_is_captured(monkeypatch):
+    """A TensorRT context recaptures (about once per canvas) into its one pool, and torch's allocator refuses
+    a capture into a pool whose every graph is freed: the graph replaced stays alive until its successor is
+    captured, then goes."""
+    import contextlib
+    import weakref
+    from types import SimpleNamespace
+
+    import torch
+
+    from pipeline.engine import trt_backend
+
+    class Graph:
+        pass
+
+    ctx = object.__new__(trt_backend._Context)
+    old = Graph()
+    ctx.graph, ctx.graph_key, ctx.pool, ctx.device, ctx.host_inputs = old, "canvas 1", (0, 1), "cuda", set()
+    ctx.use_graphs, ctx.static = True, {}
+    ctx.stream = SimpleNamespace(wait_stream=lambda s: None, synchronize=lambda: None)
+    ctx._bind, ctx._execute = (lambda static: {}), (lambda: None)
+    replaced, seen = weakref.ref(old), []
+    del old
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "current")
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(
+        trt_backend, "captured", lambda step, pool, stream: seen.append(replaced() is not None) or Graph()
+    )
+    ctx._capture({"canvas": torch.zeros(2, 4)}, "canvas 2")
+    assert seen == [True] and ctx.use_graphs and ctx.graph_key == "canvas 2"
+    assert isinstance(ctx.graph, Graph) and replaced() is None
+
+
 def test_trt_feeds_drive_the_real_graph_like_onnxruntime_backend(tmp_path: Path):
     """Sudoku infill (templates pinned) through the exported graph fed by engine_feeds: the same tokens and
     steps as the exporter's onnxruntime backend, and every pass had the profile's shapes."""
