@@ -28,10 +28,16 @@ class LoadedModel:
     limits: schema.ServerLimits
 
 
-def instance_count(config: dict[str, Any]) -> int:
-    """How many stub processes serve this model (each instance is its own: the thread budget is split)."""
-    groups = config.get("instance_group", [])
-    return sum(int(g.get("count", 1)) * max(1, len(g.get("gpus", []))) for g in groups) or 1
+def instance_count(config: dict[str, Any], visible_gpus: int) -> int:
+    """How many stub processes serve this model on this host (each instance is its own: the thread budget
+    is split). A KIND_GPU group without a `gpus` list puts `count` instances on every visible GPU."""
+
+    def gpus(group: dict[str, Any]) -> int:
+        if group.get("gpus"):
+            return len(group["gpus"])
+        return max(1, visible_gpus) if group.get("kind") == "KIND_GPU" else 1
+
+    return sum(int(g.get("count", 1)) * gpus(g) for g in config.get("instance_group", [])) or 1
 
 
 def serving_device(
@@ -84,13 +90,15 @@ def load_model(
 ) -> LoadedModel:
     """Everything the core serves with, for the model config (Triton's model_config as a dict), on the
     device `serving_device` picks from the config and the instance's placement."""
+    import torch
+
     from pipeline.builddir import MODEL_CHECKPOINT
     from pipeline.limits import context_length
     from pipeline.runtime.scheduler import BlockDiffusionRuntime
     from pipeline.runtime.session import load_session
     from pipeline.threads import apply_thread_policy
 
-    instances = instance_count(config)
+    instances = instance_count(config, torch.cuda.device_count())
     threads = apply_thread_policy(instances)
     log.info(f"dgpipe: {threads} compute threads per instance ({instances} instances)")
     params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}

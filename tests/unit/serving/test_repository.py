@@ -97,11 +97,15 @@ def test_an_instance_triton_places_on_a_gpu_serves_on_that_gpu(
     from pipeline.builddir import model_version_dir
     from pipeline.engine import probe, trt_backend
     from pipeline.runtime import session
-    from pipeline.serving.core.loading import Log, _backend, load_model, serving_device
+    from pipeline.serving.core.loading import Log, _backend, instance_count, load_model, serving_device
 
     assert serving_device("auto") == serving_device("auto", "CPU", "0") == "auto"
     assert serving_device("auto", "GPU", "3") == serving_device("cuda", "GPU", "3") == "cuda:3"
     assert serving_device("cuda:3", "GPU", "3") == "cuda:3"
+    # the processes that split the host's threads: KIND_GPU without `gpus` is `count` on every visible GPU
+    assert instance_count({"instance_group": [{"kind": "KIND_GPU", "count": 2}]}, visible_gpus=8) == 16
+    assert instance_count({"instance_group": [{"kind": "KIND_GPU", "gpus": [0, 1]}]}, visible_gpus=8) == 2
+    assert instance_count({"instance_group": [{"kind": "KIND_CPU", "count": 1}]}, visible_gpus=8) == 1
     for conflicting in ("cuda:1", "cpu"):
         with pytest.raises(DgpipeError, match=f"places this instance on GPU 3 .* is '{conflicting}'"):
             serving_device(conflicting, "GPU", "3")
