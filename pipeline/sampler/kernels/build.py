@@ -147,6 +147,7 @@ def cuobjdump_archs(path: Path | str, *, cuobjdump: str | None = None) -> set[st
 class CubinInfo:
     arch: str  # e.g. "sm_90a"
     kernels: list[str]  # mangled names of the functions with SASS (.text.<name> sections)
+    static_shared: dict[str, int]  # each kernel's static shared memory in bytes (its .nv.shared.<name>)
 
 
 EM_CUDA = 190
@@ -173,15 +174,18 @@ def read_cubin(path: Path | str) -> CubinInfo:
 
     arch = f"sm_{number}"
     kernels: list[str] = []
+    static_shared: dict[str, int] = {}
     for sec in sections:
         sec_name = name(sec)
         if sec_name.startswith(".text.") and sec[5] > 0:
             kernels.append(sec_name[len(".text.") :])
+        elif sec_name.startswith(".nv.shared."):
+            static_shared[sec_name[len(".nv.shared.") :]] = sec[5]
         elif sec_name == ".note.nv.tkinfo":
             m = re.search(rb"-arch (sm_(\d+)[af]?)", data[sec[4] : sec[4] + sec[5]])
             if m and int(m.group(2)) == number:
                 arch = m.group(1).decode()
-    return CubinInfo(arch=arch, kernels=kernels)
+    return CubinInfo(arch=arch, kernels=kernels, static_shared=static_shared)
 
 
 def ninja_on_path() -> None:

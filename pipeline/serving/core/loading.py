@@ -9,10 +9,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import DgpipeError
 from pipeline.serving import schema
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ def load_model(
     from pipeline.builddir import MODEL_CHECKPOINT
     from pipeline.limits import context_length
     from pipeline.runtime.scheduler import BlockDiffusionRuntime
-    from pipeline.runtime.session import load_session
+    from pipeline.runtime.session import load_session, resolve_device
     from pipeline.threads import apply_thread_policy
 
     instances = instance_count(config, torch.cuda.device_count())
@@ -106,12 +109,13 @@ def load_model(
     ckpt = ckpt if ckpt.is_absolute() else version_dir / ckpt
     dtype = params.get("dtype", "auto")
     device = serving_device(params.get("device", "auto"), instance_kind, instance_device_id)
+    dev = resolve_device(device)
     # compile: the PyTorch passes through torch.compile; the warm-up request compiles them during load
     compile = params.get("compile", "false") == "true"
-    choice = _choose(version_dir, log, device)
+    choice = _choose(version_dir, log, dev)
     # with a TensorRT plan the weights live in the engine: the session then holds config + tokenizer only
     session = load_session(ckpt, dtype, device, weights=choice.kind != "tensorrt", compile=compile)
-    backend = _backend(choice, session, log, device)
+    backend = _backend(choice, session, log, dev)
     if backend is None:  # the plan failed to load: fall back to the PyTorch weights
         session = load_session(ckpt, dtype, device, compile=compile)
         backend = session.model
@@ -151,31 +155,28 @@ def _warm(runtime: Any, log: Log) -> None:
                  f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
 
 
-def _choose(version_dir: Path, log: Log, device: str):
+def _choose(version_dir: Path, log: Log, device: torch.device):
     """The TensorRT plan for the instance's GPU when the repository holds a matching one, else the PyTorch
     model. A plan that is present but unusable (other TensorRT, other GPU) is logged as an error, not
     hidden."""
     from pipeline.engine.probe import gpu, tensorrt_version
     from pipeline.engine.select import choose_backend
-    from pipeline.runtime.session import resolve_device
 
-    dev = resolve_device(device)
-    g = gpu(dev.index or 0) if dev.type == "cuda" else None
+    g = gpu(device.index or 0) if device.type == "cuda" else None
     choice = choose_backend(version_dir, g[0] if g else None, tensorrt_version())
     if choice.kind != "tensorrt":
         (log.error if choice.loud else log.info)(f"dgpipe: PyTorch runtime ({choice.reason})")
     return choice
 
 
-def _backend(choice: Any, session: Any, log: Log, device: str) -> Any:
+def _backend(choice: Any, session: Any, log: Log, device: torch.device) -> Any:
     """The runtime's backend for the choice; None when a chosen plan fails to load (the log says why)."""
     if choice.kind != "tensorrt":
         return session.model
     try:
         from pipeline.engine.trt_backend import TensorRTBackend
-        from pipeline.runtime.session import resolve_device
 
-        backend = TensorRTBackend(choice.engine_dir, session.model.config, device=str(resolve_device(device)))
+        backend = TensorRTBackend(choice.engine_dir, session.model.config, device=str(device))
     except Exception as e:  # the server must come up
         log.error(f"dgpipe: TensorRT engine failed to load ({e}); using the PyTorch runtime")
         return None

@@ -167,25 +167,7 @@ def test_plugin_ptx_assembles_for_its_gpu(plugins: Path, tmp_path: Path, target:
     # what the tile's budget leaves room for
     from pipeline.engine import moe_spec
 
-    static = _static_shared(out)
-    assert {static[k] for k in moe_spec.ENTRY_POINTS} == {moe_spec.STATIC_SHARED}
-
-
-def _static_shared(cubin: Path) -> dict[str, int]:
-    """Each kernel's static shared memory: the size of its `.nv.shared.<kernel>` section (ELF64)."""
-    import struct
-
-    data = cubin.read_bytes()
-    shoff = struct.unpack_from("<Q", data, 0x28)[0]
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    names = sections[shstrndx][4]
-    sizes = {}
-    for sec in sections:
-        name = data[names + sec[0] : data.index(b"\0", names + sec[0])].decode()
-        if name.startswith(".nv.shared."):
-            sizes[name[len(".nv.shared.") :]] = sec[5]
-    return sizes
+    assert {info.static_shared[k] for k in moe_spec.ENTRY_POINTS} == {moe_spec.STATIC_SHARED}
 
 
 @pytest.mark.slow  # compiles the plugin PTX with nvcc (the module's `plugins` fixture)

@@ -131,7 +131,10 @@ def test_an_instance_triton_places_on_a_gpu_serves_on_that_gpu(
         trt_backend, "TensorRTBackend", lambda path, config, device: made.append(device) or "plan"
     )
     plan = SimpleNamespace(kind="tensorrt", engine_dir=tmp_path, reason="a plan for sm90")
-    assert _backend(plan, SimpleNamespace(model=SimpleNamespace(config=None)), quiet, "cuda:3") == "plan"
+    assert (
+        _backend(plan, SimpleNamespace(model=SimpleNamespace(config=None)), quiet, torch.device("cuda:3"))
+        == "plan"
+    )
     assert made == ["cuda:3"]
 
 
