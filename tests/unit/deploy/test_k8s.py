@@ -24,6 +24,8 @@ from pipeline.limits import Limits
 from pipeline.resources import config_names
 from pipeline.serving import lifecycle
 from pipeline.targets import check_precision_on_target, gpu_named, target
+from pipeline.threads import ENV as THREADS_ENV
+from pipeline.threads import thread_count
 from tests._utils.cli import ROOT
 from tests._utils.k8s import IMAGE, K8S, KUBECTL, container, dgpipe, kustomize, needs_kubectl, one, pod_specs
 
@@ -191,6 +193,12 @@ def test_overlay_matches_its_deploy_config(overlays, name):
         assert c["resources"]["limits"]["nvidia.com/gpu"] == str(cfg.gpus_per_replica)
         assert c["resources"]["requests"]["nvidia.com/gpu"] == str(cfg.gpus_per_replica)
         assert c["resources"]["limits"]["memory"] == cfg.memory
+        # no CPU limit: compute threads follow the CPU request through the downward API, which gives
+        # whole cores (rounded up), so the pods on one node do not each start a thread per node core
+        assert c["resources"]["requests"]["cpu"] == cfg.cpu and "cpu" not in c["resources"]["limits"]
+        (threads,) = [e for e in c["env"] if e["name"] == THREADS_ENV]
+        assert threads["valueFrom"] == {"resourceFieldRef": {"resource": "requests.cpu"}}
+        assert thread_count(1, {THREADS_ENV: cfg.cpu}) == int(cfg.cpu)
     shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": cfg.shm_size}
     assert dep["spec"]["replicas"] == cfg.replicas
