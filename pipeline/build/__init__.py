@@ -252,6 +252,23 @@ def _steps(emit: Emit | None, stage: str, total: int | None):
     return step
 
 
+def _bytes_copied(emit: Emit | None, stage: str, phase: str):
+    """A `progress(done, total)` callback in bytes, shown as a phase counted in MiB (an event per MiB
+    gained, not per call: the streaming export calls it once per tensor)."""
+    if emit is None:
+        return lambda done, total: None
+    bar: list[PhaseProgress] = []
+
+    def progress(done: int, total: int) -> None:
+        if not bar:
+            bar.append(PhaseProgress(emit, stage, phase, max(total >> 20, 1)))
+        mib = bar[0].total if done >= total else done >> 20
+        if mib > bar[0].done:
+            bar[0].advance(mib - bar[0].done)
+
+    return progress
+
+
 # What the quantize stage imports before its first phase: each takes seconds on a busy CPU and holds the
 # interpreter meanwhile (the console's bar cannot redraw), so each is announced as a step of its own.
 HEAVY_IMPORTS = ("torch", "transformers", "modelopt.torch.quantization")
@@ -285,11 +302,26 @@ def _quantize(
 
 
 def _export(opts: BuildOptions, build_dir: Path, emit: Emit | None = None) -> StageResult:
+    from pipeline.engine.build_engine import GRAPH_DTYPE
     from pipeline.onnx.export import EXPORT_STEPS
-    from pipeline.onnx.stage import run_export
+    from pipeline.onnx.stage import ONNX_QUANTIZED, run_export
 
-    step = _steps(emit, "export", len(EXPORT_STEPS) + 1)  # + reading the checkpoint
-    return run_export(build_dir / LAYOUT["checkpoint"], None, build_dir, True, step=step)
+    if opts.precision in ONNX_QUANTIZED:
+        step, copied = _steps(emit, "export", len(EXPORT_STEPS) + 1), None  # + reading the checkpoint
+    else:  # a float checkpoint is streamed into the graph, not loaded (26B bf16: ~0.5 GB of host memory)
+        step, copied = _steps(emit, "export", 1), _bytes_copied(emit, "export", "copy weights (MiB)")
+    # the graph the engines are built from: in the model dtype TensorRT runs (onnxruntime cannot run it on
+    # CPU; `dgpipe export --dtype float32` writes the reference graph)
+    return run_export(
+        build_dir / LAYOUT["checkpoint"],
+        None,
+        build_dir,
+        True,
+        stream=copied is not None,
+        step=step,
+        dtype=GRAPH_DTYPE,
+        progress=copied,
+    )
 
 
 def _engines(opts: BuildOptions, build_dir: Path, emit: Emit | None = None) -> StageResult:

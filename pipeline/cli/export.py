@@ -27,6 +27,13 @@ def export(
     stream: Annotated[
         bool, typer.Option(help="float checkpoints: stream weights into the ONNX without loading the model")
     ] = False,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="the graph's model dtype: float32 (onnxruntime runs it) or bfloat16 (for TensorRT engines); "
+            "default float32, with --stream the checkpoint's"
+        ),
+    ] = None,
     as_json: opt.Json = False,
 ) -> None:
     """Export model + sampler step as ONNX (opset 21, dgpipe::SampleRows/SampleAccept; docs/onnx.md)."""
@@ -36,7 +43,7 @@ def export(
     if model is None and build_dir is not None:
         model = _build_checkpoint(build_dir)
     result = run_export(
-        model or default_model_path(), output, build_dir, precision_from_checkpoint, moe, stream
+        model or default_model_path(), output, build_dir, precision_from_checkpoint, moe, stream, dtype=dtype
     )
     out.stage(result, as_json)
 

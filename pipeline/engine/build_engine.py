@@ -121,6 +121,12 @@ def model_dims(onnx_path: Path) -> tuple[int, int, dict[str, int]]:
 
 
 UNQUANTIZED = {"fp32", "bf16", "fp16"}
+# The model dtype of the graph an engine of each precision is built from (`dgpipe export --dtype`; the
+# build exports it): a strongly typed network runs the graph's own types, so an unquantized engine runs in
+# the dtype it was exported at, and the FP8 / NVFP4 expert plugins take bf16 hidden states (moe_spec).
+GRAPH_DTYPE = "bfloat16"
+ENGINE_GRAPH_DTYPES = {"fp32": "float32", "fp16": "float16"}  # the other precisions: GRAPH_DTYPE
+_ONNX_DTYPES = {"FLOAT": "float32", "BFLOAT16": "bfloat16", "FLOAT16": "float16"}
 HASH_CACHE_SUFFIX = ".sha256.json"
 
 
@@ -152,16 +158,27 @@ def onnx_sha256(onnx: Path) -> str:
 
 def check_export_precision(onnx_path: Path, precision: str) -> None:
     """A strongly typed engine runs the types in the graph, so the ONNX must have been exported at the
-    precision asked for (an unquantized export serves bf16, whose weights the graph carries as exported)."""
+    precision asked for (any unquantized export for an unquantized precision) and in the model dtype that
+    precision runs in (ENGINE_GRAPH_DTYPES)."""
     contract = json.loads((onnx_path.parent / "contract.json").read_text())
     exported = contract.get("precision")
-    if exported is None or exported == precision or (exported in UNQUANTIZED and precision in UNQUANTIZED):
-        return
-    raise DgpipeError(
-        f"{onnx_path} was exported at {exported}, not {precision}: a strongly typed engine takes its types "
-        "from the graph",
-        hint=f"export the {precision} checkpoint (dgpipe build --precision {precision}) or pass --precision {exported}",
-    )
+    if not (
+        exported is None or exported == precision or (exported in UNQUANTIZED and precision in UNQUANTIZED)
+    ):
+        raise DgpipeError(
+            f"{onnx_path} was exported at {exported}, not {precision}: a strongly typed engine takes its "
+            "types from the graph",
+            hint=f"export the {precision} checkpoint (dgpipe build --precision {precision}) or pass "
+            f"--precision {exported}",
+        )
+    sc_embed = next((i for i in contract.get("inputs", []) if i.get("name") == "sc_embed"), {})
+    graph, want = _ONNX_DTYPES.get(sc_embed.get("dtype")), ENGINE_GRAPH_DTYPES.get(precision, GRAPH_DTYPE)
+    if graph is not None and graph != want:
+        raise DgpipeError(
+            f"{onnx_path} is a {graph} graph: a strongly typed {precision} engine needs a {want} one (it runs "
+            "the graph's types, and the FP8 / NVFP4 expert plugins take bf16 hidden states)",
+            hint=f"export it with `dgpipe export --dtype {want}` (dgpipe build does)",
+        )
 
 
 def plan_build(

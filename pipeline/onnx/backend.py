@@ -4,7 +4,8 @@ The host keeps everything stateful (KV ring buffers, masks, canvases, sampler st
 contract's inputs (`pipeline.onnx.contract`) and maps the outputs back. What the host fills in for the mode it
 does not use: a causal pass sends one zero self-conditioning row and dummy sampler rows (the graph runs
 the head on one position and its sampler outputs are ignored); a denoise pass sends `sc_embed` [B, 1, hidden]
-zeros when no row has a previous step yet, and otherwise the previous step's `next_sc_embed`. Outputs come back through DLPack (numpy has no bfloat16).
+zeros when no row has a previous step yet, and otherwise the previous step's `next_sc_embed`. Outputs come
+back through DLPack. It runs fp32 graphs: onnxruntime's CPU provider has no bf16 MatMul.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from pipeline.onnx import contract as onnx_io
 from pipeline.runtime.backends import KV, DenoiseResult, Masks, SamplerInputs, sample_logits
 from pipeline.sampler.reference import StepOutput
 from pipeline.threads import thread_count
-
-TORCH_DTYPES = {"FLOAT": torch.float32, "BFLOAT16": torch.bfloat16, "FLOAT16": torch.float16}
 
 
 class OnnxRuntimeBackend:
@@ -53,7 +52,13 @@ class OnnxRuntimeBackend:
                 "re-run `dgpipe export`",
             )
         model_dtype = inputs["sc_embed"]["dtype"]
-        self.dtype = TORCH_DTYPES[model_dtype]
+        if model_dtype != "FLOAT":  # e.g. the bf16 graph `dgpipe build` writes for TensorRT
+            raise DgpipeError(
+                f"{model_file} is a {model_dtype.lower()} graph, which onnxruntime's CPU provider cannot run "
+                "(it has no bf16 MatMul kernels)",
+                "export the reference graph with `dgpipe export --dtype float32`",
+            )
+        self.dtype = torch.float32
         self.device = torch.device("cpu")
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads if threads is not None else thread_count()
@@ -189,7 +194,5 @@ class OnnxRuntimeBackend:
 
 
 def _np(t: torch.Tensor):
-    """A contiguous numpy view (bool/int/float); bfloat16 inputs are not part of the fp32 path."""
-    if t.dtype == torch.bfloat16:
-        raise DgpipeError("bfloat16 host tensors are not supported by the onnxruntime backend yet")
+    """A contiguous numpy view (bool/int/float: the backend runs fp32 graphs only)."""
     return t.detach().contiguous().numpy()

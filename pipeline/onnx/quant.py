@@ -12,6 +12,12 @@ The exported graph keeps the packed weights as they are:
 which is the pattern TensorRT fuses into an FP8 GEMM (and what ModelOpt's own ONNX export writes). The
 packed tensors come from `pipeline.model.modelopt` (the one ModelOpt-format reader); the float model used
 for tracing is `load_model` without activation fake-quant (the graph carries its own Q/DQ).
+
+In a bf16 graph (what TensorRT builds: its FP8 / NVFP4 expert plugins take bf16 hidden states) the Q/DQ
+pairs stay in fp32, as ModelOpt's exporter writes them for a bf16 model ("the QDQ in Float"): x -> Cast(FLOAT)
+-> Q -> DQ -> Cast(BFLOAT16), and each dequantized weight -> Cast(BFLOAT16); the MatMul runs in the model
+dtype. ONNX's QuantizeLinear takes x and its scale in one type below opset 25, and the scales stay the
+checkpoint's fp32 values.
 `fp8_reference_linear` is the plain-PyTorch fake-quant of the same arithmetic, the oracle for the
 onnxruntime parity test.
 """
@@ -42,16 +48,20 @@ EXPORT_NEEDS = {
 }
 
 
-def read_fp8_checkpoint(ckpt_dir: Path) -> tuple[DiffusionGemma, dict[str, PackedLinear]]:
-    """The float model (weights dequantized) and the packed FP8 linears keyed by runtime module path
-    ("layers.0.self_attn.q_proj", "layers.0.experts.3.gate_proj", ...)."""
-    model, quant = read_quantized_checkpoint(ckpt_dir)
+def read_fp8_checkpoint(
+    ckpt_dir: Path, dtype: torch.dtype = torch.float32
+) -> tuple[DiffusionGemma, dict[str, PackedLinear]]:
+    """The float model in `dtype` (weights dequantized) and the packed FP8 linears keyed by runtime module
+    path ("layers.0.self_attn.q_proj", "layers.0.experts.3.gate_proj", ...)."""
+    model, quant = read_quantized_checkpoint(ckpt_dir, dtype)
     if any(q.format != "fp8" for q in quant.values()):
         raise CheckpointError(f"{ckpt_dir}: not an FP8 checkpoint")
     return model, quant
 
 
-def read_quantized_checkpoint(ckpt_dir: Path) -> tuple[DiffusionGemma, dict[str, PackedLinear]]:
+def read_quantized_checkpoint(
+    ckpt_dir: Path, dtype: torch.dtype = torch.float32
+) -> tuple[DiffusionGemma, dict[str, PackedLinear]]:
     """Like read_fp8_checkpoint, for FP8 and NVFP4 linears."""
     quant = read_packed_linears(Path(ckpt_dir))
     if not quant:
@@ -65,7 +75,7 @@ def read_quantized_checkpoint(ckpt_dir: Path) -> tuple[DiffusionGemma, dict[str,
         missing = [s for s in needs if getattr(q, s) is None]
         if missing:
             raise CheckpointError(f"{ckpt_dir}: {q.format.upper()} linear '{path}' lacks {'/'.join(missing)}")
-    model, _ = load_model(ckpt_dir, fake_quant_inputs=False)
+    model, _ = load_model(ckpt_dir, dtype=dtype, fake_quant_inputs=False)
     return model, quant
 
 
@@ -94,13 +104,14 @@ def _float_weight(model: DiffusionGemma, path: str) -> torch.Tensor:
 
 
 class _Holder(nn.Module):
-    """Float stand-ins for the FP8 weights while tracing, one named buffer per quantized linear."""
+    """Stand-ins in the model dtype for the packed weights while tracing, one named buffer per quantized
+    linear (the Q/DQ insertion reads the model dtype from them)."""
 
-    def __init__(self, quant: dict) -> None:
+    def __init__(self, quant: dict, dtype: torch.dtype) -> None:
         super().__init__()
         self.paths = sorted(quant)
         for k, path in enumerate(self.paths):
-            self.register_buffer(f"w{k}", quant[path].dequantized().t().contiguous())
+            self.register_buffer(f"w{k}", quant[path].dequantized().t().to(dtype).contiguous())
 
 
 def _trace_linear(model: DiffusionGemma, holder: _Holder) -> LinearFn:
@@ -113,6 +124,24 @@ def _trace_linear(model: DiffusionGemma, holder: _Holder) -> LinearFn:
         return torch.matmul(x, getattr(holder, f"w{k}"))
 
     return linear
+
+
+def _in_model_dtype(name: str, model_type: int) -> tuple[str, list[onnx.NodeProto]]:
+    """Where a fp32 DequantizeLinear must write so that `name` holds its value in the model dtype: `name`
+    itself in a fp32 graph, else `name`_f32 and a Cast to `name`."""
+    if model_type == TensorProto.FLOAT:
+        return name, []
+    f32 = f"{name}_f32"
+    return f32, [helper.make_node("Cast", [f32], [name], to=model_type, name=f"{name}/cast")]
+
+
+def _as_float(x: str, path: str, model_type: int) -> tuple[str, list[onnx.NodeProto]]:
+    """x as the fp32 input of linear `path`'s Q node: x itself in a fp32 graph, else Cast(x, FLOAT) (one
+    per linear: q, k and v share their x, and TensorRT fuses each Cast into its own quantize)."""
+    if model_type == TensorProto.FLOAT:
+        return x, []
+    x32 = f"{path}/x_f32"
+    return x32, [helper.make_node("Cast", [x], [x32], to=TensorProto.FLOAT, name=x32)]
 
 
 def _splice(g: onnx.GraphProto, before: dict[int, list[onnx.NodeProto]]) -> None:
@@ -136,6 +165,7 @@ def insert_qdq(m: onnx.ModelProto, holder: _Holder, quant: dict[str, PackedLinea
         stand_in = f"{prefix}w{k}"
         if stand_in not in inits:
             raise RuntimeError(f"traced graph lost the stand-in weight {stand_in}")
+        model_type = inits[stand_in].data_type
         g.initializer.remove(inits[stand_in])
         q = quant[path]
         w8 = helper.make_tensor(
@@ -153,18 +183,19 @@ def insert_qdq(m: onnx.ModelProto, holder: _Holder, quant: dict[str, PackedLinea
                 continue
             if node.op_type != "MatMul" or list(node.input).index(stand_in) != 1:
                 raise RuntimeError(f"{stand_in} feeds {node.op_type}, expected MatMul's second input")
-            x = node.input[0]
+            x, x_cast = _as_float(node.input[0], path, model_type)
+            w_dq, w_cast = _in_model_dtype(f"{path}/w_dq", model_type)
+            x_dq, x_back = _in_model_dtype(f"{path}/x_dq", model_type)
             new = [
-                helper.make_node(
-                    "DequantizeLinear", [w8.name, ws.name], [f"{path}/w_dq"], name=f"{path}/w_dq"
-                ),
+                helper.make_node("DequantizeLinear", [w8.name, ws.name], [w_dq], name=f"{path}/w_dq"),
+                *w_cast,
                 helper.make_node(
                     "Transpose", [f"{path}/w_dq"], [f"{path}/w_t"], perm=[1, 0], name=f"{path}/w_t"
                 ),
+                *x_cast,
                 helper.make_node("QuantizeLinear", [x, xs.name, zp], [f"{path}/x_q"], name=f"{path}/x_q"),
-                helper.make_node(
-                    "DequantizeLinear", [f"{path}/x_q", xs.name], [f"{path}/x_dq"], name=f"{path}/x_dq"
-                ),
+                helper.make_node("DequantizeLinear", [f"{path}/x_q", xs.name], [x_dq], name=f"{path}/x_dq"),
+                *x_back,
             ]
             node.input[0], node.input[1] = f"{path}/x_dq", f"{path}/w_t"
             before.setdefault(idx, []).extend(new)
@@ -181,6 +212,7 @@ def insert_nvfp4(m: onnx.ModelProto, holder: _Holder, quant: dict[str, PackedLin
     before: dict[int, list[onnx.NodeProto]] = {}
     for k, path in enumerate(holder.paths):
         stand_in, q = f"{prefix}w{k}", quant[path]
+        model_type = inits[stand_in].data_type
         g.initializer.remove(inits[stand_in])
         out_f, in_f = q.weight.shape[0], q.weight.shape[1] * 2
         w4 = helper.make_tensor(
@@ -204,21 +236,21 @@ def insert_nvfp4(m: onnx.ModelProto, holder: _Holder, quant: dict[str, PackedLin
         for idx, node in enumerate(g.node):
             if stand_in not in node.input:
                 continue
-            x = node.input[0]
+            x, x_cast = _as_float(node.input[0], path, model_type)
+            w_dq, w_cast = _in_model_dtype(f"{path}/w_dq", model_type)
+            x_dq, x_back = _in_model_dtype(f"{path}/x_dq", model_type)
             new = [
                 helper.make_node(
                     "DequantizeLinear", [bs.name, ws2.name], [f"{path}/w_scale"], name=f"{path}/w_scale"
                 ),
                 helper.make_node(
-                    "DequantizeLinear",
-                    [w4.name, f"{path}/w_scale"],
-                    [f"{path}/w_dq"],
-                    name=f"{path}/w_dq",
-                    **blocked,
+                    "DequantizeLinear", [w4.name, f"{path}/w_scale"], [w_dq], name=f"{path}/w_dq", **blocked
                 ),
+                *w_cast,
                 helper.make_node(
                     "Transpose", [f"{path}/w_dq"], [f"{path}/w_t"], perm=[1, 0], name=f"{path}/w_t"
                 ),
+                *x_cast,
                 helper.make_node(
                     "TRT_FP4DynamicQuantize",
                     [x, xs.name],
@@ -238,10 +270,11 @@ def insert_nvfp4(m: onnx.ModelProto, holder: _Holder, quant: dict[str, PackedLin
                 helper.make_node(
                     "DequantizeLinear",
                     [f"{path}/x_f4", f"{path}/x_scale"],
-                    [f"{path}/x_dq"],
+                    [x_dq],
                     name=f"{path}/x_dq",
                     **blocked,
                 ),
+                *x_back,
             ]
             node.input[0], node.input[1] = f"{path}/x_dq", f"{path}/w_t"
             before.setdefault(idx, []).extend(new)
@@ -252,12 +285,15 @@ def insert_nvfp4(m: onnx.ModelProto, holder: _Holder, quant: dict[str, PackedLin
     m.opset_import.append(helper.make_opsetid("trt", 1))
 
 
-def export_nvfp4(ckpt_dir: Path, out_dir: Path, moe: str = "routed", step=None):
+def export_nvfp4(
+    ckpt_dir: Path, out_dir: Path, moe: str = "routed", step=None, dtype: torch.dtype = torch.float32
+):
     """Export a ModelOpt NVFP4 checkpoint as the TensorRT >= 11 FP4 graph (checker-level; see insert_nvfp4).
     `moe="routed"`: the experts go to one dgpipe::MoE node per layer (FP4 stacked weights through the
-    two-level DequantizeLinear, act_quant="nvfp4"; see insert_routed_nvfp4), when every expert is NVFP4."""
+    two-level DequantizeLinear, act_quant="nvfp4"; see insert_routed_nvfp4), when every expert is NVFP4.
+    `dtype`: the graph's model dtype (bf16 for TensorRT; the Q/DQ stay fp32, see the module docstring)."""
 
-    model, quant = read_quantized_checkpoint(Path(ckpt_dir))
+    model, quant = read_quantized_checkpoint(Path(ckpt_dir), dtype)
     if any(q.format != "nvfp4" for q in quant.values()):
         raise CheckpointError(
             f"{ckpt_dir}: mixes NVFP4 and FP8 linears", "export one precision per checkpoint"
@@ -265,13 +301,21 @@ def export_nvfp4(ckpt_dir: Path, out_dir: Path, moe: str = "routed", step=None):
     return _export_quantized(model, quant, out_dir, "nvfp4", moe, insert_nvfp4, insert_routed_nvfp4, step)
 
 
-def export_fp8(ckpt_dir: Path, out_dir: Path, qdq: bool = True, moe: str = "routed", step=None):
+def export_fp8(
+    ckpt_dir: Path,
+    out_dir: Path,
+    qdq: bool = True,
+    moe: str = "routed",
+    step=None,
+    dtype: torch.dtype = torch.float32,
+):
     """Export a ModelOpt FP8 checkpoint: Q/DQ graph (qdq) or plain dequantized float weights (not qdq).
     `moe="routed"`: the experts go to one dgpipe::MoE node per layer (FP8 stacked weights through
-    DequantizeLinear, act_quant="fp8"; see insert_routed_fp8), when every expert linear is FP8."""
+    DequantizeLinear, act_quant="fp8"; see insert_routed_fp8), when every expert linear is FP8.
+    `dtype`: the graph's model dtype (bf16 for TensorRT; the Q/DQ stay fp32, see the module docstring)."""
     from pipeline.onnx.export import export_onnx
 
-    model, quant = read_fp8_checkpoint(Path(ckpt_dir))
+    model, quant = read_fp8_checkpoint(Path(ckpt_dir), dtype)
     if not qdq:
         return export_onnx(model, out_dir, precision="fp8-dequantized", moe=moe, step=step)
     return _export_quantized(model, quant, out_dir, "fp8", moe, insert_qdq, insert_routed_fp8, step)
@@ -287,10 +331,11 @@ def _export_quantized(
 
     routed = moe == "routed" and _all_experts_quantized(model, quant, fmt)
     linears = {p: q for p, q in quant.items() if not (routed and _is_expert(p))}
-    holder = _Holder(linears)
+    dtype = next(model.parameters()).dtype
+    holder = _Holder(linears, dtype)
     experts = None
     if routed:
-        holder.routed = _RoutedExperts(model, quant, fmt)
+        holder.routed = _RoutedExperts(model, quant, fmt, dtype)
         experts = holder.routed.inputs
 
     def post(m: onnx.ModelProto) -> None:
@@ -329,18 +374,20 @@ def _all_experts_quantized(model: DiffusionGemma, quant: dict[str, PackedLinear]
 
 
 class _RoutedExperts(nn.Module):
-    """Per layer: float stand-ins for the stacked FP8 / NVFP4 experts (gate_up [E, 2I, d], down [E, d, I])
-    and the experts' activation scales [3, E] (gate, up, down). Traced as the MoE node's inputs;
-    insert_routed_fp8 / insert_routed_nvfp4 then replace the stand-ins by packed initializers + DQ."""
+    """Per layer: stand-ins in the model dtype for the stacked FP8 / NVFP4 experts (gate_up [E, 2I, d], down
+    [E, d, I]) and the experts' activation scales [3, E] (gate, up, down, fp32). Traced as the MoE node's
+    inputs; insert_routed_fp8 / insert_routed_nvfp4 then replace the stand-ins by packed initializers + DQ."""
 
-    def __init__(self, model: DiffusionGemma, quant: dict[str, PackedLinear], act_quant: str) -> None:
+    def __init__(
+        self, model: DiffusionGemma, quant: dict[str, PackedLinear], act_quant: str, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.act_quant = act_quant
         for i, layer in enumerate(model.layers):
             rows = [_expert_linears(i, e, quant) for e in range(layer.experts.num_experts)]
             gate_up = torch.stack([torch.cat([g.dequantized(), u.dequantized()]) for g, u, _ in rows])
-            self.register_buffer(f"gate_up{i}", gate_up.float())
-            self.register_buffer(f"down{i}", torch.stack([d.dequantized() for _, _, d in rows]).float())
+            self.register_buffer(f"gate_up{i}", gate_up.to(dtype))
+            self.register_buffer(f"down{i}", torch.stack([d.dequantized() for _, _, d in rows]).to(dtype))
             scale = torch.tensor([[float(q.input_scale) for q in row] for row in rows]).T.contiguous()
             self.register_buffer(f"input_scale{i}", scale)
 
@@ -363,6 +410,7 @@ def insert_routed_fp8(m: onnx.ModelProto, model: DiffusionGemma, quant: dict[str
         e_count = model.layers[i].experts.num_experts
         rows = [_expert_linears(i, e, quant) for e in range(e_count)]
         inner, d = rows[0][0].weight.shape
+        model_type = inits[node.input[3]].data_type
         for name in node.input[3:5]:
             g.initializer.remove(inits[name])
         w_gu = torch.stack([torch.cat([gq.weight, uq.weight]) for gq, uq, _ in rows])
@@ -384,11 +432,13 @@ def insert_routed_fp8(m: onnx.ModelProto, model: DiffusionGemma, quant: dict[str
             g.initializer.append(
                 onnx.numpy_helper.from_array(s.numpy().astype(np.float32), f"{prefix}.{name}.weight_scale")
             )
+        gate_up, gate_up_cast = _in_model_dtype(node.input[3], model_type)
+        down, down_cast = _in_model_dtype(node.input[4], model_type)
         dq.append(
             helper.make_node(
                 "DequantizeLinear",
                 [f"{prefix}.gate_up_proj.weight", f"{prefix}.gate_up_proj.weight_scale"],
-                [node.input[3]],
+                [gate_up],
                 name=f"{prefix}/gate_up_dq",
                 axis=1,
                 block_size=inner,
@@ -398,11 +448,12 @@ def insert_routed_fp8(m: onnx.ModelProto, model: DiffusionGemma, quant: dict[str
             helper.make_node(
                 "DequantizeLinear",
                 [f"{prefix}.down_proj.weight", f"{prefix}.down_proj.weight_scale"],
-                [node.input[4]],
+                [down],
                 name=f"{prefix}/down_dq",
                 axis=0,
             )
         )
+        dq += [*gate_up_cast, *down_cast]
     _splice(g, {0: dq})
 
 
@@ -430,6 +481,7 @@ def insert_routed_nvfp4(m: onnx.ModelProto, model: DiffusionGemma, quant: dict[s
     for i, node in enumerate(nodes):
         rows = [_expert_linears(i, e, quant) for e in range(model.layers[i].experts.num_experts)]
         e_count, inner, d = len(rows), rows[0][0].weight.shape[0], rows[0][0].weight.shape[1] * 2
+        model_type = inits[node.input[3]].data_type
         for name in node.input[3:5]:
             g.initializer.remove(inits[name])
         ws2_gu = torch.tensor([[float(gq.weight_scale_2), float(uq.weight_scale_2)] for gq, uq, _ in rows])
@@ -445,6 +497,7 @@ def insert_routed_nvfp4(m: onnx.ModelProto, model: DiffusionGemma, quant: dict[s
         )  # fmt: skip
         for (name, w4, bs, ws2, shape, scale_axis), target in zip(parts, node.input[3:5], strict=True):
             base = f"{prefix}.{name}"
+            w_dq, cast = _in_model_dtype(target, model_type)
             g.initializer.extend(
                 [
                     _stacked(f"{base}.weight", TensorProto.FLOAT4E2M1, w4, [e_count, *shape]),
@@ -465,10 +518,11 @@ def insert_routed_nvfp4(m: onnx.ModelProto, model: DiffusionGemma, quant: dict[s
                 helper.make_node(
                     "DequantizeLinear",
                     [f"{base}.weight", f"{base}/w_scale"],
-                    [target],
+                    [w_dq],
                     name=f"{base}/w_dq",
                     axis=-1,
                     block_size=NVFP4_BLOCK,
                 ),
+                *cast,
             ]
     _splice(g, {0: dq})

@@ -36,6 +36,8 @@ def run_export(
     moe: str = "routed",
     stream: bool = False,
     step: Callable[[str], None] | None = None,
+    dtype: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> StageResult:
     """Write the ONNX dir (`output`, default BUILD_DIR/onnx) and record it in the build manifest.
 
@@ -43,13 +45,21 @@ def run_export(
     dense for now (pipeline.onnx.export.export_onnx); the form written is recorded either way.
     `stream`: float checkpoints are exported without loading them (pipeline.onnx.stream), in their stored
     dtype; quantized ones refuse it. `step(name)`: "read checkpoint", then export_onnx's EXPORT_STEPS, as
-    each starts (a watched build's progress; the streaming export reports none)."""
+    each starts (a watched build's progress; the streaming export reports none).
+
+    `dtype`: the graph's model dtype, "float32" (onnxruntime's CPU provider runs it: the reference) or
+    "bfloat16" (what TensorRT builds: a strongly typed engine runs the graph's types, and the FP8 / NVFP4
+    expert plugins take bf16 hidden states). Default float32, or with `stream` the checkpoint's own.
+    `progress(bytes done, bytes total)`: the streaming export's weight copy."""
     from pipeline.builddir import LAYOUT, MANIFEST_NAME, record_stage
     from pipeline.onnx.export import export_onnx
 
     if output is None and build_dir is None:
         raise DgpipeError("nowhere to write the ONNX", "pass --output DIR or --build-dir DIR")
     output = output or build_dir / LAYOUT["onnx"]  # type: ignore[operator]
+    graph_dtype = _graph_dtype(dtype)
+    import torch
+
     from pipeline.model.validate import validate_checkpoint
 
     validate_checkpoint(model_dir)  # names/shapes/dtypes from the headers; load_model checks finiteness
@@ -62,25 +72,30 @@ def run_export(
         raise DgpipeError(
             f"{model_dir}: --stream exports float checkpoints; this one is {precision}", "drop --stream"
         )
+    if precision not in ONNX_QUANTIZED and graph_dtype is not None:  # an unquantized graph's is its dtype
+        precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[graph_dtype]
     if step is not None:
         step("read checkpoint")
     if precision == "fp8":
         from pipeline.onnx.quant import export_fp8
 
-        summary = export_fp8(model_dir, output, qdq=from_checkpoint, moe=moe, step=step)
+        summary = export_fp8(
+            model_dir, output, qdq=from_checkpoint, moe=moe, step=step, dtype=graph_dtype or torch.float32
+        )
     elif precision == "nvfp4":  # TensorRT >= 11 Q/DQ; onnxruntime cannot run TRT_FP4DynamicQuantize
         from pipeline.onnx.quant import export_nvfp4
 
-        summary = export_nvfp4(model_dir, output, moe=moe, step=step)
+        summary = export_nvfp4(model_dir, output, moe=moe, step=step, dtype=graph_dtype or torch.float32)
     elif stream:
         from pipeline.onnx.stream import export_streaming
 
-        summary = export_streaming(model_dir, output, moe=moe)
+        summary = export_streaming(model_dir, output, moe=moe, dtype=graph_dtype, progress=progress)
         precision = summary.precision
     else:
         from pipeline.model.checkpoint import load_model
 
-        model, _ = load_model(model_dir)  # fp32 on CPU whatever the stored dtype: the reference graph
+        # fp32 by default whatever the stored dtype: the reference graph onnxruntime runs
+        model, _ = load_model(model_dir, dtype=graph_dtype or torch.float32)
         summary = export_onnx(model, output, precision=precision, moe=moe, step=step)
     result = summary.as_dict()
     if build_dir is not None:
@@ -104,6 +119,20 @@ def run_export(
         )
         result["manifest"] = str(Path(build_dir) / MANIFEST_NAME)
     return StageResult("export", {"onnx": Path(output)}, result["seconds"], describe(result), result)
+
+
+GRAPH_DTYPES = ("float32", "bfloat16")  # `--dtype` choices: the model dtype of an exported graph
+
+
+def _graph_dtype(name: str | None):
+    """The torch dtype for a `--dtype` name (None: the export's default)."""
+    if name is None:
+        return None
+    if name not in GRAPH_DTYPES:
+        raise DgpipeError(f"unknown --dtype '{name}'", f"choose one of: {', '.join(GRAPH_DTYPES)}")
+    import torch
+
+    return getattr(torch, name)
 
 
 def describe(r: dict) -> list[str]:

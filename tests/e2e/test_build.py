@@ -84,6 +84,9 @@ def test_fp8_build_writes_every_stage_and_defers_the_engine(build):
         "dgpipe::SampleAccept",
         "dgpipe::MoE",  # FP8 experts routed (pipeline.onnx.quant.insert_routed_fp8)
     ]
+    # the graph TensorRT builds from is bf16 (the FP8 expert plugins take bf16 hidden states), and the
+    # engine stage accepts it for an fp8 engine
+    assert man["stages"]["export"]["details"]["model_dtype"] == "BFLOAT16"
     for t in ("sm90", "sm100"):
         ptx = (build / "plugins" / t / "dg_sampler.ptx").read_text()
         assert f".target sm_{t[2:]}a" in ptx
@@ -183,3 +186,26 @@ def test_a_named_build_serves_under_its_name_and_keeps_the_quantized_stages(buil
     assert rec["command"][rec["command"].index("--output") + 1] == "model_repository/tiny-chat/1"
     assert sorted(p.name for p in (named / "model_repository").iterdir()) == ["tiny-chat"]
     assert 'name: "tiny-chat"' in (named / "model_repository" / "tiny-chat" / "config.pbtxt").read_text()
+
+
+def test_bf16_build_streams_the_float_checkpoint_into_a_bf16_graph(tmp_path):
+    """A float checkpoint is copied into the graph tensor by tensor (the 26B in bf16 would otherwise be loaded
+    whole: ~52 GB of host memory), with its progress in MiB, and the graph is the bf16 one TensorRT builds a
+    bf16 engine from."""
+    if find_nvcc() is None:
+        pytest.skip("nvcc not found: the sampler PTX cannot be compiled")
+    build = tmp_path / "build"
+    r = dgpipe("build", "--precision", "bf16", "--target", "sm90", "--build-dir", str(build), "--json")
+    assert r.returncode == 0, r.stderr
+    copies = [e for e in _events(r.stdout) if e.get("phase") == "copy weights (MiB)"]
+    assert (
+        copies
+        and copies[-1]["done"]
+        == copies[-1]["total"]
+        == (build / "checkpoint" / "model.safetensors").stat().st_size >> 20
+    )
+    assert [e["done"] for e in copies] == sorted({e["done"] for e in copies})  # one event per MiB gained
+    export = json.loads((build / "build_manifest.json").read_text())["stages"]["export"]["details"]
+    assert export["model_dtype"] == "BFLOAT16"
+    rec = _finished(_events(r.stdout))["summary"]["engine"]["engines"]["sm90"]
+    assert rec["status"] == "deferred" and "--precision" in rec["command"] and "bf16" in rec["command"]

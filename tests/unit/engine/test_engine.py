@@ -685,13 +685,14 @@ def test_engine_built_on_its_own_joins_the_stage_record(tmp_path: Path):
 def test_plan_from_a_real_export(tmp_path: Path):
     """The exporter's tiny-model ONNX: every graph input gets a profile, the plugin nodes get marked."""
     import onnx
+    import torch
 
     from pipeline.engine.build_engine import _onnx_for_trt, plan_build
     from pipeline.engine.profiles import onnx_inputs
     from pipeline.onnx.export import export_onnx
     from tests._utils.tiny import build_tiny
 
-    export_onnx(build_tiny(), tmp_path / "onnx")
+    export_onnx(build_tiny().to(torch.bfloat16), tmp_path / "onnx")  # a bf16 engine runs a bf16 graph
     model = tmp_path / "onnx" / "model.onnx"
     if kbuild.find_nvcc() is None:
         pytest.skip("nvcc not found: plan_build needs it when no PTX is prepared")

@@ -3,6 +3,8 @@ own MoE in float64, the plugin contract and geometry, and TensorRT's registratio
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -880,3 +882,86 @@ def test_a_routed_export_is_lowered_for_tensorrt(tmp_path):
     ops = [n.op_type for n in lowered.graph.node]
     assert "MoE" not in ops and ops.count("MoEExperts") == len(routed_nodes)
     onnx.checker.check_model(str(parsed))  # by path: external data resolved beside the model
+
+
+# ONNX element types as the plugins name TensorRT's (pipeline/engine/plugin.py _dtype_names)
+PLUGIN_DTYPES = {"FLOAT": "float32", "BFLOAT16": "bfloat16", "FLOAT16": "float16", "INT64": "int64",
+                 "INT32": "int32", "BOOL": "bool", "FLOAT8E4M3FN": "float8e4m3", "FLOAT4E2M1": "float4e2m1"}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp8", "nvfp4"])
+def build_graph(request, tmp_path_factory):
+    """What `dgpipe build --precision P` exports for the engines: ModelOpt's own checkpoint of the embedded
+    model (bf16: the float checkpoint), exported at the build's graph dtype."""
+    from pipeline.engine.build_engine import GRAPH_DTYPE
+    from pipeline.onnx.stage import run_export
+    from pipeline.resources import EMBEDDED_MODEL
+
+    precision, root = request.param, tmp_path_factory.mktemp(request.param)
+    ckpt = EMBEDDED_MODEL
+    if precision != "bf16":
+        pytest.importorskip("modelopt", reason="needs nvidia-modelopt: pip install 'dgpipe[quantize]'")
+        from quantize.run import QuantizeOptions, quantize_checkpoint
+
+        opts = QuantizeOptions(EMBEDDED_MODEL, precision, root / "ckpt", calib_size=8, calib_steps=4)
+        ckpt = Path(quantize_checkpoint(opts).output)
+    run_export(ckpt, root / "onnx", None, True, dtype=GRAPH_DTYPE)
+    return precision, Path(ckpt), root / "onnx" / "model.onnx"
+
+
+def test_the_builds_graph_gives_every_plugin_inputs_it_has_a_kernel_for(build_graph):
+    """The checks TensorRT's build runs in each plugin (plugin.py: check_inputs, then the kernel for the
+    hidden states' dtype), on the lowered graph's own input types. A fp32 graph fails them for FP8 / NVFP4
+    experts (their kernels take bf16 hidden states) and would make a bf16 engine an fp32 one."""
+    import onnx
+
+    from pipeline.engine import plugin_spec
+    from pipeline.engine.build_engine import _onnx_for_trt, check_export_precision
+    from pipeline.model.modelopt import read_packed_linears
+
+    precision, ckpt, path = build_graph
+    check_export_precision(path, precision)
+    lowered = onnx.shape_inference.infer_shapes(onnx.load(str(_onnx_for_trt(path, path.parent, "sm100"))))
+    g = lowered.graph
+    types = {v.name: v.type.tensor_type for v in [*g.input, *g.value_info, *g.output]}
+    inits = {t.name: t for t in g.initializer}
+
+    def described(name: str) -> tuple[str, int]:
+        if name in inits:
+            return PLUGIN_DTYPES[onnx.TensorProto.DataType.Name(inits[name].data_type)], len(inits[name].dims)
+        t = types[name]
+        return PLUGIN_DTYPES[onnx.TensorProto.DataType.Name(t.elem_type)], len(t.shape.dim)
+
+    kernels = set()
+    for node in g.node:
+        if node.domain != plugin_spec.NAMESPACE:
+            continue
+        dtypes, ranks = map(list, zip(*(described(i) for i in node.input), strict=True))
+        if node.op_type in moe_spec.SPECS:
+            moe_spec.check_inputs(node.op_type, dtypes, ranks)
+            kernels.add(moe_spec.kernel(node.op_type, dtypes[0]))
+        else:
+            plugin_spec.check_inputs(node.op_type, dtypes, ranks)
+    want = {"bf16": "dg_trt_moe_bf16", "fp8": "dg_trt_moe_bf16_w8a8", "nvfp4": "dg_trt_moe_bf16_w4a4"}
+    assert kernels == {want[precision]}
+    # the Q/DQ stay fp32 in the bf16 graph (ModelOpt's "QDQ in Float"): one per quantized linear outside
+    # the experts, each quantizing a fp32 tensor
+    quantize = [n for n in g.node if n.op_type in ("QuantizeLinear", "TRT_FP4DynamicQuantize")]
+    assert all(described(n.input[0])[0] == "float32" for n in quantize)
+    dense = [p for p in (read_packed_linears(ckpt) if precision != "bf16" else {}) if ".experts." not in p]
+    assert len(quantize) == len(dense)
+
+
+def test_an_engine_is_not_built_from_a_graph_in_another_dtype(build_graph, tmp_path):
+    """A strongly typed engine runs the graph's types: an fp32 export for a bf16 / FP8 / NVFP4 engine is
+    refused before TensorRT is needed, naming the export that fixes it."""
+    from pipeline.engine.build_engine import check_export_precision
+    from pipeline.onnx.stage import run_export
+
+    precision, ckpt, _ = build_graph
+    run_export(ckpt, tmp_path / "onnx", None, True, dtype="float32")
+    with pytest.raises(
+        DgpipeError, match=r"is a float32 graph: a strongly typed .* needs a bfloat16 one"
+    ) as e:
+        check_export_precision(tmp_path / "onnx" / "model.onnx", precision)
+    assert "dgpipe export --dtype bfloat16" in e.value.hint

@@ -26,6 +26,7 @@ from pipeline.model.cost import denoise_pass_flops  # noqa: E402
 from pipeline.onnx import contract as onnx_io  # noqa: E402
 from pipeline.onnx.flops import graph_cost, pass_dims  # noqa: E402
 from pipeline.resources import EMBEDDED_MODEL  # noqa: E402
+from tests._utils.onnx_graphs import random_feeds  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -44,27 +45,6 @@ def exports(tmp_path_factory):
     return root
 
 
-def _feeds(path: str, seed: int) -> dict[str, np.ndarray]:
-    m = onnx.load(path, load_external_data=False)
-    rng = np.random.default_rng(seed)
-    dims = pass_dims(2, 5, 9, 64) | {onnx_io.PAST_SLIDING: 9, onnx_io.KEYS_SLIDING: 14}
-    feeds = {}
-    for i in m.graph.input:
-        shape = [d.dim_value or dims[d.dim_param] for d in i.type.tensor_type.shape.dim]
-        et = i.type.tensor_type.elem_type
-        if et == TensorProto.BOOL:
-            feeds[i.name] = rng.random(shape) < 0.8
-        elif et == TensorProto.FLOAT:
-            feeds[i.name] = rng.random(shape, dtype=np.float32)
-        else:
-            feeds[i.name] = rng.integers(0, 20, shape).astype(np.int64)
-    feeds["attention_mask.full"][..., -1] = feeds["attention_mask.sliding"][..., -1] = True  # no empty row
-    feeds["mode"] = np.array([onnx_io.MODE_DENOISE], np.int64)
-    feeds["template"][:] = feeds["prev_argmax"][:] = -1
-    feeds["temperature"][:] = 1.0
-    return feeds
-
-
 @pytest.mark.slow
 def test_streamed_export_runs_bit_identically_to_in_memory_export(exports):
     paths = [str(exports / d / onnx_io.MODEL_FILE) for d in ("memory", "stream")]
@@ -73,7 +53,7 @@ def test_streamed_export_runs_bit_identically_to_in_memory_export(exports):
     opts.intra_op_num_threads = 1
     sessions = [ort.InferenceSession(p, opts, providers=["CPUExecutionProvider"]) for p in paths]
     for seed in (0, 1):
-        feeds = _feeds(paths[0], seed)
+        feeds = random_feeds(paths[0], seed)
         ref, got = (s.run(names, feeds) for s in sessions)
         for name, a, b in zip(names, ref, got, strict=True):
             np.testing.assert_array_equal(a, b, err_msg=name)
