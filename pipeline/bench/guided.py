@@ -313,6 +313,7 @@ def run_bench_schemas(out: Path, stride: int = 1, vocab_size: int = 4096, walks:
         "walks_per_schema": walks,
         "engines": bench_schemas(rows[::stride], vocab, walks=walks),
     }
+    result["not_installed"] = [e for e in ("llguidance", "xgrammar") if e not in result["engines"]]
     save_result(out, SCHEMAS_RESULT_FILE, result)
     return result
 
@@ -332,6 +333,9 @@ def schemas_table(result: dict[str, Any]) -> str:
                 f"| {s} | {name} | {x['compiled_pct']:.0f} | {x['refused_pct']:.0f} | {x['walks_ended']} | "
                 f"{x['valid_pct']:.1f} | {x['compile_ms_p50']:.1f} | {x['compile_ms_p95']:.1f} |"
             )
+    if result.get("not_installed"):
+        missing = " ".join(result["not_installed"])
+        lines.append(f"\nnot measured (not installed): {missing}; `pip install {missing}` to compare")
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
-"""`dgpipe bench local|sweep|serve|requests|model|pass|guided|flops|export-memory|load-memory|gpu|gpu-trace`: run a benchmark from
+"""`dgpipe bench local|sweep|serve|requests|model|pass|guided|schemas|flops|export-memory|load-memory|gpu|gpu-trace`:
+run a benchmark from
 pipeline/bench/, print its table, say where the JSON and PNG went."""
 
 from __future__ import annotations
@@ -266,6 +267,26 @@ def bench_guided(
     result = run_bench_guided(out_dir, batches, runs, fixed_steps)
     out.show(result, as_json, _render_guided)
     out.saved([out_dir / RESULT_FILE], as_json)
+
+
+@app.command("schemas")
+def bench_schemas(
+    stride: Annotated[int, typer.Option(min=1, help="every N-th schema of the committed sample")] = 1,
+    vocab_size: Annotated[
+        int, typer.Option(min=260, help="byte-level BPE vocabulary trained on the sample")
+    ] = 4096,
+    walks: Annotated[int, typer.Option(min=1, help="model-free outputs per compiled schema")] = 2,
+    out_dir: Annotated[Path | None, _out("bench-schemas", "directory for the JSON result")] = None,
+    as_json: opt.Json = False,
+) -> None:
+    """The grammar engine on JSONSchemaBench's sets: compiled / refused %, valid outputs, compile p50/p95;
+    llguidance and XGrammar with their defaults beside it where they are installed (docs/benchmarks/constrained.md)."""
+    out_dir = out_dir or opt.cache_dir() / "bench-schemas"
+    from pipeline.bench.guided import SCHEMAS_RESULT_FILE, run_bench_schemas, schemas_table
+
+    result = run_bench_schemas(out_dir, stride, vocab_size, walks)
+    out.show(result, as_json, schemas_table)
+    out.saved([out_dir / SCHEMAS_RESULT_FILE], as_json)
 
 
 def _render_guided(r: dict) -> list[str]:

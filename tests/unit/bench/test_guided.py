@@ -40,3 +40,24 @@ def test_schema_table_counts_and_validates_per_set():
     assert per["all"]["walks_ended"] >= 1 and per["all"]["valid_pct"] == 100.0
     table = schemas_table({"engines": result})
     assert table.splitlines()[-1].startswith("| all | dgpipe | ") and len(table.splitlines()) == 2 + 6
+
+
+def test_bench_schemas_command_writes_the_table_and_names_engines_it_could_not_measure(tmp_path):
+    import importlib.util
+    import json
+
+    from tests._utils.cli import dgpipe
+
+    args = ["--stride", "200", "--vocab-size", "1024", "--walks", "1", "--out", str(tmp_path)]
+    r = dgpipe("bench", "schemas", *args, "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    missing = [e for e in ("llguidance", "xgrammar") if importlib.util.find_spec(e) is None]
+    assert result["not_installed"] == missing
+    assert set(result["engines"]) == {"dgpipe", "llguidance", "xgrammar"} - set(missing)
+    assert result["engines"]["dgpipe"]["all"]["schemas"] == 5
+    assert json.loads((tmp_path / "bench_guided_schemas.json").read_text())["engines"] == result["engines"]
+    text = dgpipe("bench", "schemas", *args).stdout
+    assert "| all | dgpipe |" in text and (
+        not missing or f"not measured (not installed): {' '.join(missing)}" in text
+    )
