@@ -1,6 +1,5 @@
 """`dgpipe bench local|sweep|serve|requests|model|pass|guided|schemas|flops|export-memory|load-memory|gpu|gpu-trace`:
-run a benchmark from
-pipeline/bench/, print its table, say where the JSON and PNG went."""
+run a benchmark from pipeline/bench/, print its table, say where the JSON and PNG went."""
 
 from __future__ import annotations
 
