@@ -335,15 +335,14 @@ def _perm9_batch(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def augment_batch(
-    puzzles: np.ndarray, solutions: np.ndarray, rng: np.random.Generator, transpose: bool = True
+    puzzles: np.ndarray, solutions: np.ndarray, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
     """Vectorised `augment` for (N, 81) int arrays (0 = blank): one independent symmetry per row."""
     n = puzzles.shape[0]
     rows, cols = _perm9_batch(n, rng), _perm9_batch(n, rng)
     idx = rows[:, :, None] * 9 + cols[:, None, :]  # (N, 9, 9) source cell for each target cell
-    if transpose:
-        flip = rng.random(n) < 0.5
-        idx = np.where(flip[:, None, None], idx.transpose(0, 2, 1), idx)
+    flip = rng.random(n) < 0.5
+    idx = np.where(flip[:, None, None], idx.transpose(0, 2, 1), idx)
     idx = idx.reshape(n, 81)
     lut = np.zeros((n, 10), dtype=puzzles.dtype)
     lut[:, 1:] = rng.permuted(np.tile(np.arange(1, 10, dtype=puzzles.dtype), (n, 1)), axis=1)

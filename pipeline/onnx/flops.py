@@ -45,18 +45,18 @@ class PassCost:
         return asdict(self)
 
 
-def pass_dims(batch: int, seq: int, past: int, sliding_window: int, denoise: bool = True) -> dict[str, int]:
-    """Concrete values of the contract's symbolic dims for one pass over `past` cached tokens."""
+def pass_dims(batch: int, seq: int, past: int, sliding_window: int) -> dict[str, int]:
+    """Concrete values of the contract's symbolic dims for one denoise pass over `past` cached tokens."""
     ring = min(past, max(sliding_window - 1, 1))
     return {
         onnx_io.BATCH: batch,
         onnx_io.SEQ: seq,
-        onnx_io.SC_SEQ: seq if denoise else 1,
+        onnx_io.SC_SEQ: seq,
         onnx_io.PAST_FULL: past,
         onnx_io.PAST_SLIDING: ring,
         onnx_io.KEYS_FULL: past + seq,
         onnx_io.KEYS_SLIDING: ring + seq,
-        onnx_io.HEAD: seq if denoise else 1,
+        onnx_io.HEAD: seq,
     }
 
 
@@ -109,12 +109,10 @@ def _shape(vi: onnx.ValueInfoProto | None) -> list[int] | None:
     return None if any(d is None for d in dims) else dims
 
 
-def graph_cost(
-    m: onnx.ModelProto, dims: dict[str, int], base_dir: str | None = None, routed_tokens: int | None = None
-) -> PassCost:
+def graph_cost(m: onnx.ModelProto, dims: dict[str, int], base_dir: str | None = None) -> PassCost:
     """Count one pass of `m`, loaded WITHOUT external data (a 26B graph is a few MB). Small external
     tensors (shape constants) are read from `base_dir`; weights become value-less inputs for the shape
-    inference. `routed_tokens`: tokens routed per layer (default batch * seq) for the MoE weight bytes."""
+    inference. Every token of the pass is routed (batch * seq per layer) for the MoE weight bytes."""
     m = onnx.ModelProto.FromString(m.SerializeToString())  # callers keep their model untouched
     moe_weights = {n.input[i] for n in m.graph.node if n.op_type == onnx_io.MOE.name for i in (3, 4)}
     moe_attrs = [
@@ -159,7 +157,7 @@ def graph_cost(
             raise ValueError(f"shape inference left {n.op_type} '{n.name}' unresolved; cannot count it")
         k = a[0] if n.op_type == "Gemm" and _attr(n, "transA") else a[-1]
         flops += 2.0 * float(np.prod(out, dtype=np.float64)) * k
-    tokens = routed_tokens if routed_tokens is not None else dims[onnx_io.BATCH] * dims[onnx_io.SEQ]
+    tokens = dims[onnx_io.BATCH] * dims[onnx_io.SEQ]
     weight_bytes = 0.0
     for name, t in inits.items():
         size = float(np.prod(t.dims, dtype=np.float64)) * BYTES.get(t.data_type, 4)

@@ -185,7 +185,6 @@ def export_streaming(
     out_dir: Path,
     *,
     dtype: torch.dtype | None = None,
-    precision: str | None = None,
     moe: str = onnx_io.DEFAULT_MOE,
     progress: Callable[[int, int], None] | None = None,  # (bytes done, bytes total)
 ) -> ExportSummary:
@@ -209,7 +208,7 @@ def export_streaming(
     dtype = dtype or next(iter(stored.values()))[2]
     if dtype not in MODEL_DTYPES:
         raise DgpipeError(f"cannot export a {dtype} graph", "use float32, bfloat16 or float16")
-    precision = precision or {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     model = meta_model(open_checkpoint(ckpt_dir).config, dtype)
     m, weights = _trace(model, moe)
     graph_inputs = {i.name for i in m.graph.input} - {w.name for w in weights}
