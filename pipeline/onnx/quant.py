@@ -12,14 +12,14 @@ The exported graph keeps the packed weights as they are:
 which is the pattern TensorRT fuses into an FP8 GEMM (and what ModelOpt's own ONNX export writes). The
 packed tensors come from `pipeline.model.modelopt` (the one ModelOpt-format reader); the float model used
 for tracing is `load_model` without activation fake-quant (the graph carries its own Q/DQ).
+`fp8_reference_linear` is the plain-PyTorch fake-quant of the same arithmetic, the oracle for the
+onnxruntime parity test.
 
 In a bf16 graph (what TensorRT builds: its FP8 / NVFP4 expert plugins take bf16 hidden states) the Q/DQ
 pairs stay in fp32, as ModelOpt's exporter writes them for a bf16 model ("the QDQ in Float"): x -> Cast(FLOAT)
 -> Q -> DQ -> Cast(BFLOAT16), and each dequantized weight -> Cast(BFLOAT16); the MatMul runs in the model
 dtype. ONNX's QuantizeLinear takes x and its scale in one type below opset 25, and the scales stay the
 checkpoint's fp32 values.
-`fp8_reference_linear` is the plain-PyTorch fake-quant of the same arithmetic, the oracle for the
-onnxruntime parity test.
 """
 
 from __future__ import annotations
