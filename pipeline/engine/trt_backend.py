@@ -31,7 +31,8 @@ from pipeline.errors import DgpipeError
 from pipeline.model.config import ModelConfig
 from pipeline.onnx.contract import MODE_CAUSAL, MODE_DENOISE
 from pipeline.runtime.backends import KV, DenoiseResult, Masks, SamplerInputs
-from pipeline.runtime.device_loop import captured, undo_failed_capture
+from pipeline.runtime.device_errors import out_of_memory, unusable
+from pipeline.runtime.device_loop import capture_cause, captured, undo_failed_capture
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,10 @@ class _Context:
             self._capture(feeds, key)
             if not self.use_graphs:
                 return self.run(feeds)
+            # the run before the capture computed this very pass from these inputs (a capture records,
+            # it does not run): its outputs are the step's, a replay would compute them a second time
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            return {n: self.static[n] for n in self.outputs}
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)
         with torch.cuda.stream(self.stream):
@@ -145,14 +150,23 @@ class _Context:
         outs = self._bind(self.static)
         self.static.update(outs)
         current = torch.cuda.current_stream(self.device)
+        # TensorRT: one run before the capture flushes deferred shape updates; its failure is the engine's
+        # (the request's error), not the capture's
+        with torch.cuda.stream(self.stream):
+            self._execute()
+        self.stream.synchronize()
         try:
-            with torch.cuda.stream(self.stream):
-                self._execute()  # TensorRT: one run before capture to flush deferred shape updates
-            self.stream.synchronize()
             graph = captured(self._execute, self.pool, self.stream)
-        except Exception as e:  # capture unsupported by this engine / TensorRT build: run eagerly
+        except Exception as e:
             undo_failed_capture(current, self.pool)
-            log.warning("CUDA graph capture of the denoise step failed (%s); running TensorRT eagerly", e)
+            cause = capture_cause(e)
+            # out of memory or a lost GPU is the step's failure, which the server answers (as the device
+            # loop does); any other error is the capture's refusal: this context runs eagerly from now on
+            if out_of_memory(cause) or unusable(torch.device(self.device)) is not None:
+                if cause is e:
+                    raise
+                raise cause from e
+            log.warning("CUDA graph capture of the denoise step failed (%s); running TensorRT eagerly", cause)
             self.use_graphs = False
             return
         self.graph, self.graph_key = graph, key

@@ -948,3 +948,95 @@ def test_onnx_identity_hash_is_cached_by_size_and_mtime(tmp_path: Path):
     assert onnx_sha256(tmp_path / "model.onnx") != first
     (tmp_path / "model.onnx").write_bytes(b"graph2")
     assert len({first, onnx_sha256(tmp_path / "model.onnx")}) == 2
+
+
+def test_the_step_that_captures_runs_the_engine_once(monkeypatch):
+    """The run TensorRT needs before a capture computes the step from the same inputs, and a capture records
+    without running: the step that captures returns those outputs (the canvas's first denoise step used to
+    run twice), the next replays."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from pipeline.engine import trt_backend
+
+    calls = []
+
+    class Graph:
+        def replay(self):
+            calls.append("replay")
+
+    ctx = object.__new__(trt_backend._Context)
+    ctx.graph, ctx.graph_key, ctx.pool, ctx.device, ctx.host_inputs = None, None, (0, 1), "cuda", set()
+    ctx.use_graphs, ctx.static, ctx.outputs = True, {}, ["next_canvas"]
+    ctx.stream = SimpleNamespace(wait_stream=lambda s: None, synchronize=lambda: None)
+    ctx._bind = lambda static: {"next_canvas": torch.zeros(2, 4)}
+
+    def execute():
+        calls.append("execute")
+        ctx.static["next_canvas"].fill_(7)  # what the engine writes for these inputs
+
+    ctx._execute = execute
+    monkeypatch.setattr(
+        torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_stream=lambda s: None)
+    )
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(trt_backend, "captured", lambda step, pool, stream: Graph())
+    feeds = {"canvas": torch.ones(2, 4)}
+    first = ctx.run_graph(feeds)
+    assert calls == ["execute"] and bool((first["next_canvas"] == 7).all())
+    ctx.run_graph(feeds)
+    assert calls == ["execute", "replay"]
+
+
+@pytest.mark.parametrize(
+    ("error", "goes_eager"),
+    [
+        (RuntimeError("operation not permitted when stream is capturing"), True),
+        (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+    ],
+)
+def test_only_a_refused_capture_sends_tensorrt_eager(monkeypatch, error, goes_eager):
+    """A capture the driver refuses runs the context eagerly from then on; out of memory (or a lost GPU) is
+    the step's failure and reaches the request, as in the device loop, instead of silently slowing every
+    later step. A failing run before the capture is the engine's error, not a refused capture."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from pipeline.engine import trt_backend
+
+    def context(execute):
+        ctx = object.__new__(trt_backend._Context)
+        ctx.graph, ctx.graph_key, ctx.pool, ctx.device, ctx.host_inputs = None, None, (0, 1), "cuda", set()
+        ctx.use_graphs, ctx.static, ctx.outputs = True, {}, []
+        ctx.stream = SimpleNamespace(wait_stream=lambda s: None, synchronize=lambda: None)
+        ctx._bind, ctx._execute = (lambda static: {}), execute
+        return ctx
+
+    def refuse(step, pool, stream):
+        raise error
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "current")
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(trt_backend, "captured", refuse)
+    monkeypatch.setattr(trt_backend, "undo_failed_capture", lambda stream, pool: None)
+    monkeypatch.setattr(trt_backend, "unusable", lambda device: None)
+    ctx = context(lambda: None)
+    if goes_eager:
+        ctx._capture({"canvas": torch.zeros(2, 4)}, "canvas 1")
+        assert not ctx.use_graphs
+    else:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            ctx._capture({"canvas": torch.zeros(2, 4)}, "canvas 1")
+        assert ctx.use_graphs
+
+    def engine_fails():
+        raise DgpipeError("TensorRT execute_async_v3 failed (see the TensorRT log)")
+
+    ctx = context(engine_fails)
+    with pytest.raises(DgpipeError, match="execute_async_v3 failed"):
+        ctx._capture({"canvas": torch.zeros(2, 4)}, "canvas 1")
+    assert ctx.use_graphs
