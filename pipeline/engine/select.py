@@ -4,8 +4,9 @@ A pure function of what the repository holds, the GPU's compute capability and t
 it is tested without either. The repository may hold plans for several targets (engines/sm90, sm100,
 ...): the one whose manifest names this GPU's compute capability is taken, the way Triton's
 `cc_model_filenames` maps plans per GPU for its TensorRT backend. A plan that exists but cannot be used
-(other TensorRT, other GPU, no TensorRT in the image) falls back to PyTorch with `loud=True`: the server
-still comes up, and the log says, as an error, that the engine was skipped and why.
+(other TensorRT, other GPU, no TensorRT in the image, optimization profiles smaller than what the server
+admits) falls back to PyTorch with `loud=True`: the server still comes up, and the log says, as an error,
+that the engine was skipped and why.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Literal
 from pipeline.builddir import ENGINES_DIR
 from pipeline.engine.plan_record import ENGINE_MANIFEST, PLAN_NAME, check_compatible, load_engine_manifest
 from pipeline.errors import DgpipeError
+from pipeline.limits import Limits, flag
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,11 @@ def find_engine_dir(root: Path, gpu_cc: str | None) -> Path:
     raise DgpipeError(f"{root}: no engine for compute capability {gpu_cc} ({ccs})")
 
 
-def choose_backend(version_dir: Path, gpu_cc: str | None, tensorrt_version: str | None) -> BackendChoice:
+def choose_backend(
+    version_dir: Path, gpu_cc: str | None, tensorrt_version: str | None, admits: dict[str, int] | None = None
+) -> BackendChoice:
+    """`admits`: the engine caps (Limits.ENGINE_FIELDS) the server will run passes for; a plan built for
+    less would fail those requests mid-generation ("outside the optimization profile"), so it is skipped."""
     dirs = engine_dirs(Path(version_dir))
     if not dirs:
         return BackendChoice("pytorch", "the repository holds no TensorRT engine")
@@ -74,6 +80,15 @@ def choose_backend(version_dir: Path, gpu_cc: str | None, tensorrt_version: str 
         check_compatible(m, tensorrt_version, gpu_cc, where=str(d / PLAN_NAME))
     except DgpipeError as e:
         return BackendChoice("pytorch", f"engine skipped: {e}", loud=True)
+    caps = Limits.from_record(m.limits, str(d / ENGINE_MANIFEST))
+    over = [f"{flag(k)} {v} > {getattr(caps, k)}" for k, v in (admits or {}).items() if v > getattr(caps, k)]
+    if over:
+        return BackendChoice(
+            "pytorch",
+            f"engine skipped: {d / PLAN_NAME} was built for less than this server admits ({', '.join(over)}): "
+            "rebuild it with these limits (dgpipe engine build), or lower them in config.pbtxt",
+            loud=True,
+        )
     return BackendChoice(
         "tensorrt",
         f"{d.name} plan (TensorRT {m.tensorrt_version}, cc {m.compute_capability}, {m.precision})",

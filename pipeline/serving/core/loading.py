@@ -97,6 +97,7 @@ def load_model(
 
     from pipeline.builddir import MODEL_CHECKPOINT
     from pipeline.limits import context_length
+    from pipeline.model.checkpoint import open_checkpoint
     from pipeline.runtime.scheduler import BlockDiffusionRuntime
     from pipeline.runtime.session import load_session, resolve_device
     from pipeline.threads import apply_thread_policy
@@ -112,7 +113,14 @@ def load_model(
     dev = resolve_device(device)
     # compile: the PyTorch passes through torch.compile; the warm-up request compiles them during load
     compile = params.get("compile", "false") == "true"
-    choice = _choose(version_dir, log, dev)
+    model_config = open_checkpoint(ckpt).config
+    length = model_config.canvas_length
+    positions = model_config.text_config.max_position_embeddings
+    limits = server_limits(params, positions, length)
+    # never past the model's positions: generation ends ("length") when the next canvas would not fit
+    max_len = min(context_length(limits.max_prompt, limits.max_tokens, length), positions)
+    admits = {"max_batch": limits.max_batch, "max_prompt": limits.max_prompt, "max_context": max_len}
+    choice = _choose(version_dir, log, dev, admits)
     # with a TensorRT plan the weights live in the engine: the session then holds config + tokenizer only
     session = load_session(ckpt, dtype, device, weights=choice.kind != "tensorrt", compile=compile)
     backend = _backend(choice, session, log, dev)
@@ -121,13 +129,9 @@ def load_model(
         backend = session.model
     if session.tensor_cores is not None:  # a quantized checkpoint on a GPU: which kernels, which fallbacks
         log.info(f"dgpipe: tensor cores: {session.tensor_cores.summary()}")
-    length = session.model.config.canvas_length
-    positions = session.model.config.text_config.max_position_embeddings
-    limits = server_limits(params, positions, length)
     runtime = BlockDiffusionRuntime(
         backend,
-        # never past the model's positions: generation ends ("length") when the next canvas would not fit
-        max_len=min(context_length(limits.max_prompt, limits.max_tokens, length), positions),
+        max_len=max_len,
         max_batch=limits.max_batch,
         prefix_cache_mib=limits.prefix_cache_mib,
     )
@@ -155,7 +159,7 @@ def _warm(runtime: Any, log: Log) -> None:
                  f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
 
 
-def _choose(version_dir: Path, log: Log, device: torch.device):
+def _choose(version_dir: Path, log: Log, device: torch.device, admits: dict[str, int]):
     """The TensorRT plan for the instance's GPU when the repository holds a matching one, else the PyTorch
     model. A plan that is present but unusable (other TensorRT, other GPU) is logged as an error, not
     hidden."""
@@ -163,7 +167,7 @@ def _choose(version_dir: Path, log: Log, device: torch.device):
     from pipeline.engine.select import choose_backend
 
     g = gpu(device.index or 0) if device.type == "cuda" else None
-    choice = choose_backend(version_dir, g[0] if g else None, tensorrt_version())
+    choice = choose_backend(version_dir, g[0] if g else None, tensorrt_version(), admits)
     if choice.kind != "tensorrt":
         (log.error if choice.loud else log.info)(f"dgpipe: PyTorch runtime ({choice.reason})")
     return choice

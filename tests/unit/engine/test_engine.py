@@ -575,6 +575,23 @@ def test_backend_choice(tmp_path: Path):
     assert (c.kind, c.reason) == ("pytorch", "TensorRT engines present but no GPU is visible")
 
 
+def test_a_plan_built_for_less_than_the_server_admits_is_skipped(tmp_path: Path):
+    """A config.pbtxt edited past the limits a plan's profiles were built for would fail those requests
+    mid-generation ("outside the optimization profile"): the load takes the PyTorch runtime and says why."""
+    from pipeline.engine.build_engine import write_engine_dir
+    from pipeline.engine.select import choose_backend
+
+    caps = {"max_batch": 8, "max_prompt": 2048, "max_context": 8192}
+    write_engine_dir(tmp_path / "engines" / "sm90", b"PLAN", _manifest(limits=caps))
+    assert choose_backend(tmp_path, "9.0", "10.13.2.6", caps).kind == "tensorrt"
+    c = choose_backend(tmp_path, "9.0", "10.13.2.6", {**caps, "max_batch": 16, "max_context": 9000})
+    assert (c.kind, c.loud) == ("pytorch", True)
+    assert (
+        "--max-batch 16 > 8, --max-context 9000 > 8192" in c.reason
+        and "rebuild it with these limits" in c.reason
+    )
+
+
 def test_engine_check_cli_without_tensorrt(tmp_path: Path):
     repo = _repo_with_engines(tmp_path / "b", ("sm90", "9.0"))
     r = dgpipe("engine", "check", "--plan", str(repo))
