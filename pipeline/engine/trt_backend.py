@@ -14,7 +14,11 @@ plugins inside the plan) never leaves the GPU.
   `execute_async_v3` is replayed. A graph is valid only while shapes stay the same, so one is kept per
   context and recaptured when (batch, cached length) changes, i.e. about once per canvas; sc_embed is
   always sent full-width (zeros on a canvas's first step) so the first step does not change the shape.
-  If capture fails (a TensorRT build with host syncs in enqueue), the backend logs it and runs eagerly.
+  The step that captures returns the outputs of the run TensorRT needs before a capture (a capture records
+  without running). If the capture is refused (a TensorRT build with host syncs in enqueue), the backend
+  logs it and runs eagerly; out of memory or a lost GPU fails the step instead, as in the device loop.
+  Known cost, unmeasured without a GPU: each step copies the rows' K/V twice (engine_feeds makes the
+  cache's row views contiguous, the replay copies them into the static buffers).
 """
 
 from __future__ import annotations
