@@ -11,11 +11,16 @@ from pathlib import Path
 
 def atomic_write_text(path: Path, text: str) -> Path:
     """Write to a temp file beside `path`, then rename: a crash never leaves a half-written file."""
+    return atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> Path:
+    """`atomic_write_text` for bytes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; an artifact is as readable as a plain write makes it
         os.replace(tmp, path)
     except BaseException:

@@ -148,7 +148,7 @@ def check_kubectl() -> Check:
 
 
 def check_engine_build() -> list[Check]:
-    """What a local TensorRT engine build needs: TensorRT >= 10.8 (AOT plugins), a GPU and its compute
+    """What a local TensorRT engine build needs: TensorRT >= 10.9 (AOT plugins), a GPU and its compute
     capability (which target's engine it can build), nvcc for the sampler PTX. Without them the engine is
     built on the target node (`dgpipe engine build` in the serving image), which doctor says."""
     from pipeline.engine.build_engine import MIN_TENSORRT, missing_for_local_build

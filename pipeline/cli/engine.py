@@ -49,7 +49,7 @@ def build_cmd(
     dry_run: DryRun = False,
     as_json: opt.Json = False,
 ) -> None:
-    """Build engines/<target>/model.plan + engine.json (needs TensorRT >= 10.8 and a GPU of the target)."""
+    """Build engines/<target>/model.plan + engine.json (needs TensorRT >= 10.9 and a GPU of the target)."""
     from pipeline.engine.stage import EngineBuild, build_one_engine
 
     request = EngineBuild(

@@ -2,18 +2,22 @@
 
 Everything that can be decided without a GPU is decided first (`plan_build`: target, precision on that
 target, ONNX present, PTX compiled and hashed, profiles from the ONNX dims), so a CPU machine validates a
-build completely and can hand it to the target node as one command. `build` then needs TensorRT >= 10.8
+build completely and can hand it to the target node as one command. `build` then needs TensorRT >= 10.9
 (AOT Python plugins) and a GPU of the target's compute capability; it writes into a temporary directory
 and renames it into place, so an interrupted build leaves no plan that a loader could trust.
 
 TensorRT specifics, all from the vendor API:
   * the network is STRONGLY_TYPED: every tensor's type comes from the ONNX graph (ModelOpt's Q/DQ nodes
     for FP8 / NVFP4 / INT4), so no precision flags (FP16/BF16/FP8) are set on the builder config;
-  * the sampler nodes are imported as the `dgpipe` plugins, not as their ONNX local functions: the nodes
-    get `plugin_namespace="dgpipe"` (a graph-only copy beside the model, sharing its external data) and
-    the parser gets ENABLE_PLUGIN_OVERRIDE where this TensorRT has it;
+  * the sampler nodes are imported as the `dgpipe` plugins, not as their ONNX local functions: the parser
+    takes a node carrying `plugin_namespace` to a registered plugin of that name (the exporter writes it;
+    onnx-tensorrt's parseNode), and the graph-only copy it parses (beside the model, sharing its external
+    data) gives each plugin node `aot=1`, the quickly deployable plugins' request for the AOT
+    implementation (a build fails loudly rather than taking another). No ENABLE_PLUGIN_OVERRIDE (TensorRT
+    >= 10.15): it is not needed for such nodes, and it would send every node to the plugin registry first;
   * two optimization profiles (pipeline.engine.profiles); `mode` is a shape tensor and gets values too;
-  * a timing cache is loaded from / saved to the engine directory's parent so rebuilds are faster.
+  * a timing cache per GPU model (TensorRT refuses a cache from other device properties: an H100 and an
+    H200 are both sm90) is loaded from / saved beside the engine directories so rebuilds are faster.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.atomic import atomic_write_bytes
 from pipeline.builddir import LAYOUT, hash_files, target_engine_dir, target_plugin_dir
 from pipeline.engine import plugin_spec
 from pipeline.engine.plan_record import (
@@ -48,8 +53,16 @@ from pipeline.sampler.kernels.build import find_nvcc
 from pipeline.targets import Target, check_precision_on_target
 from pipeline.targets import target as get_target
 
-MIN_TENSORRT = (10, 8)  # tensorrt.plugin.aot_impl (AOT Python plugins) is in TensorRT >= 10.8
-TIMING_CACHE = "timing.cache"
+MIN_TENSORRT = (10, 9)  # tensorrt.plugin.aot_impl (AOT Python plugins): TensorRT 10.9.0 release notes
+TIMING_CACHE = "timing.cache"  # per GPU model: timing_cache_file
+
+
+def timing_cache_file(engines_dir: Path, compute_capability: str, gpu_name: str) -> Path:
+    """The timing cache of one GPU model beside its engine dirs: `timing.<cc>.<gpu name>.cache`."""
+    slug = "".join(c if c.isalnum() else "-" for c in gpu_name.strip()).strip("-")
+    return engines_dir / TIMING_CACHE.replace(".cache", f".{compute_capability}.{slug}.cache")
+
+
 NODE_STEP = (
     "the engine is built on the target node, in the serving image (which has TensorRT and the GPU): "
     "a Kubernetes initContainer or Job runs `{command}`"
@@ -98,8 +111,7 @@ class BuildPlan:
             "strongly_typed": True,
             "workspace_gib": self.workspace_gib,
             "builder_optimization_level": self.builder_optimization_level,
-            "plugin_override": True,
-            "timing_cache": TIMING_CACHE,
+            "timing_cache": "per GPU model",
             **self.extra_flags,
         }
 
@@ -279,12 +291,11 @@ def require_local_build(plan: BuildPlan) -> tuple[str, tuple[str, str]]:
 
 # ---- the TensorRT build -----------------------------------------------------------------------------
 def _onnx_for_trt(onnx: Path, tmp_dir: Path, target: str | None = None) -> Path:
-    """The model to parse: itself when every sampler node carries plugin_namespace="dgpipe" (the exporter
-    adds it) and there is no routed MoE node, else a graph-only copy written BESIDE the original (external
-    data paths are relative to the model file) with the sampler nodes marked, so the parser imports them
-    as plugins and not as their reference functions, and each dgpipe::MoE node lowered to the expert
-    plugin + ReduceSum + CastLike (pipeline/engine/moe_graph.py; NVFP4 experts only on a `target` that runs
-    NVFP4)."""
+    """The model to parse: a graph-only copy written BESIDE the original (external data paths are relative
+    to the model file) whose sampler nodes carry plugin_namespace="dgpipe" (the exporter adds it), so the
+    parser imports them as plugins and not as their reference functions, every plugin node `aot=1`, and
+    each dgpipe::MoE node lowered to the expert plugin + ReduceSum + CastLike (pipeline/engine/moe_graph.py;
+    NVFP4 experts only on a `target` that runs NVFP4)."""
     import onnx as onnx_lib
 
     from pipeline.engine.moe_graph import lower_moe
@@ -295,12 +306,13 @@ def _onnx_for_trt(onnx: Path, tmp_dir: Path, target: str | None = None) -> Path:
     ]
     if not nodes:
         raise DgpipeError(f"{onnx}: no dgpipe::SampleRows / SampleAccept nodes: not a dgpipe export?")
-    unmarked = [n for n in nodes if not any(a.name == "plugin_namespace" for a in n.attribute)]
-    for node in unmarked:
-        node.attribute.append(onnx_lib.helper.make_attribute("plugin_namespace", plugin_spec.NAMESPACE))
-    lowered = lower_moe(model, target)
-    if not unmarked and not lowered:
-        return onnx
+    for node in nodes:
+        names = {a.name for a in node.attribute}
+        if "plugin_namespace" not in names:
+            node.attribute.append(onnx_lib.helper.make_attribute("plugin_namespace", plugin_spec.NAMESPACE))
+        if "aot" not in names:
+            node.attribute.append(onnx_lib.helper.make_attribute("aot", 1))
+    lower_moe(model, target)
     fd, name = tempfile.mkstemp(prefix=".trt.", suffix=".onnx", dir=tmp_dir)
     os.close(fd)
     onnx_lib.save(model, name)  # external_data entries are kept as references, weights are not rewritten
@@ -313,8 +325,6 @@ def _parse(trt: Any, builder: Any, logger: Any, onnx: Path) -> tuple[Any, Any]:
         flags |= 1 << int(trt.NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS)
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
-    if hasattr(trt, "OnnxParserFlag") and hasattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE"):
-        parser.set_flag(trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE)
     if not parser.parse_from_file(str(onnx)):
         errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
         raise DgpipeError(f"TensorRT could not parse {onnx}: {' | '.join(errors[:5])}")
@@ -323,7 +333,7 @@ def _parse(trt: Any, builder: Any, logger: Any, onnx: Path) -> tuple[Any, Any]:
 
 def build(plan: BuildPlan, *, force: bool = False, log_level: str = "WARNING") -> tuple[EngineManifest, bool]:
     """Build (or keep) the plan. Returns (manifest, built) where built is False when an up-to-date plan was
-    kept. Needs TensorRT >= 10.8 and a GPU of the target's compute capability."""
+    kept. Needs TensorRT >= 10.9 and a GPU of the target's compute capability."""
     trt_version, (cc, gpu_name) = require_local_build(plan)
     ptx_info = ensure_ptx(plan)
     if not force:
@@ -364,17 +374,18 @@ def build(plan: BuildPlan, *, force: bool = False, log_level: str = "WARNING") -
                 profile.set_shape_input(name, lo, opt, hi)
             if config.add_optimization_profile(profile) < 0:
                 raise DgpipeError(f"TensorRT rejected the {record.name} optimization profile")
-        cache_file = plan.engine_dir.parent / TIMING_CACHE
+        cache_file = timing_cache_file(plan.engine_dir.parent, cc, gpu_name)
         cache = config.create_timing_cache(cache_file.read_bytes() if cache_file.is_file() else b"")
-        config.set_timing_cache(cache, ignore_mismatch=False)
+        if not config.set_timing_cache(cache, ignore_mismatch=False):  # unreadable or another device's
+            config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False)
         serialized = builder.build_serialized_network(network, config)
         if serialized is None:
             raise DgpipeError(f"TensorRT failed to build the {plan.target.name} engine (see the log above)")
         plan_bytes = bytes(memoryview(serialized))
-        timing = bytes(memoryview(config.get_timing_cache().serialize()))
+        built_cache = config.get_timing_cache()
+        timing = bytes(memoryview(built_cache.serialize())) if built_cache is not None else None
     finally:
-        if trt_onnx != plan.onnx:
-            trt_onnx.unlink(missing_ok=True)
+        trt_onnx.unlink(missing_ok=True)
 
     manifest = EngineManifest(
         plan_sha256="",
@@ -394,8 +405,8 @@ def build(plan: BuildPlan, *, force: bool = False, log_level: str = "WARNING") -
         profiles=plan.profiles,
     )
     write_engine_dir(plan.engine_dir, plan_bytes, manifest)
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    cache_file.write_bytes(timing)
+    if timing is not None:
+        atomic_write_bytes(cache_file, timing)
     return manifest, True
 
 

@@ -176,7 +176,7 @@ def lower_moe(model: Any, target: str | None = None) -> int:
         new_nodes += [
             helper.make_node(
                 op, inputs, [per_choice], name=f"{node.name}.{op}", domain=NAMESPACE,
-                plugin_namespace=NAMESPACE, plugin_version="1",
+                plugin_namespace=NAMESPACE, plugin_version="1", aot=1,
             ),
             helper.make_node("ReduceSum", [per_choice, axes], [summed], keepdims=0),
             helper.make_node("CastLike", [summed, hidden], [node.output[0]]),

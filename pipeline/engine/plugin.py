@@ -2,7 +2,7 @@
 `dgpipe::SampleAccept`) and the routed experts (`dgpipe::MoEExperts`, `...W8`, `...W8A8`, `...W4`, `...W4A4`;
 moe_spec).
 
-Why AOT Python plugins (tensorrt.plugin, TensorRT >= 10.8) and not a C++ IPluginV3 library: `@trtp.aot_impl`
+Why AOT Python plugins (tensorrt.plugin, TensorRT >= 10.9) and not a C++ IPluginV3 library: `@trtp.aot_impl`
 returns PTX that TensorRT embeds in the serialized engine, so the plan is self-contained: Triton's C++
 runtime, trtexec or our Python wrapper run it with no plugin .so to build per TensorRT version and CUDA
 arch, ship, and load (`--backend-config=tensorrt,plugins=...`, LD_PRELOAD), and no NvInfer.h (absent from

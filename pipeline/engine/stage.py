@@ -1,7 +1,7 @@
 """The engine stage of `dgpipe build`: PTX for every target, then the engine here or a step for the node.
 
 On any machine it compiles the sampler PTX per target into `plugins/<target>/` (nvcc only) and validates
-the engine build (precision on target, ONNX inputs -> profiles). Where TensorRT >= 10.8 and a GPU of a
+the engine build (precision on target, ONNX inputs -> profiles). Where TensorRT >= 10.9 and a GPU of a
 target are present it builds that target's engine; for every other target it records the exact
 `dgpipe engine build ...` command that the serving image runs on the target node (a Kubernetes
 initContainer or Job, rendered by the manifests stage from the build manifest), and the summary says so.

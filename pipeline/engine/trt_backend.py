@@ -63,7 +63,8 @@ class _Context:
         if self.ctx is None:
             raise DgpipeError("TensorRT could not create an execution context (out of GPU memory?)")
         self.stream = torch.cuda.Stream(device=device)
-        self.ctx.set_optimization_profile_async(profile, self.stream.cuda_stream)
+        if not self.ctx.set_optimization_profile_async(profile, self.stream.cuda_stream):
+            raise DgpipeError(f"TensorRT refused optimization profile {profile} (see the TensorRT log)")
         self.stream.synchronize()
         self.engine, self.trt, self.device = engine, trt, device
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
@@ -92,15 +93,21 @@ class _Context:
                 raise DgpipeError(
                     f"engine input {name}: shape {tuple(t.shape)} is outside the optimization profile"
                 )
-            self.ctx.set_tensor_address(name, t.data_ptr())
+            self._address(name, t)
         outs = {}
         for name in self.outputs:
             shape = tuple(self.ctx.get_tensor_shape(name))
             if any(d < 0 for d in shape):
                 raise DgpipeError(f"engine output {name} has an unresolved shape {shape}")
             outs[name] = torch.empty(shape, dtype=self.dtypes[name], device=self.device)
-            self.ctx.set_tensor_address(name, outs[name].data_ptr())
+            self._address(name, outs[name])
         return outs
+
+    def _address(self, name: str, t: torch.Tensor) -> None:
+        # False where TensorRT refuses the binding (a misaligned or wrong-device pointer): said here, not as
+        # a generic execute failure later
+        if not self.ctx.set_tensor_address(name, t.data_ptr()):
+            raise DgpipeError(f"TensorRT refused the address of engine tensor {name} (see the TensorRT log)")
 
     def _execute(self) -> None:
         if not self.ctx.execute_async_v3(self.stream.cuda_stream):

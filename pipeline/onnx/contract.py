@@ -308,10 +308,10 @@ MOE_FORMS = ("routed", "dense")
 DEFAULT_MOE = "routed"
 
 # String attributes on both sampler nodes. TensorRT's ONNX parser (onnx-tensorrt, TRT 10.x main) imports a
-# node that has a model-local function AS THAT FUNCTION unless the node carries `plugin_namespace` (or the
-# parser flag kENABLE_PLUGIN_OVERRIDE is set) and a plugin of that name/version/namespace is registered;
-# then it becomes the plugin. Older 10.x parsers preferred a registered plugin anyway. With these
-# attributes the plugin wins on both; without a registered plugin the graph still builds from the function.
+# node that has a model-local function AS THAT FUNCTION unless the node carries `plugin_namespace` and a
+# plugin of that name/version/namespace is registered; then it becomes the plugin (parseNode). Older 10.x
+# parsers preferred a registered plugin anyway. With these attributes the plugin wins on both; without a
+# registered plugin the graph still builds from the function.
 PLUGIN_ATTRIBUTES = {"plugin_namespace": DOMAIN, "plugin_version": "1"}
 
 # Files under the export directory.

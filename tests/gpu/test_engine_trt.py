@@ -13,7 +13,7 @@ from tests._utils.availability import has_cuda_gpu, has_tensorrt
 
 needs_trt_gpu = pytest.mark.skipif(
     not (has_tensorrt() and has_cuda_gpu() and find_nvcc() is not None),
-    reason="needs TensorRT >= 10.8, a CUDA GPU and nvcc (the sampler plugin's PTX; engine build + run)",
+    reason="needs TensorRT >= 10.9, a CUDA GPU and nvcc (the sampler plugin's PTX; engine build + run)",
 )
 
 

@@ -535,8 +535,10 @@ def test_onnx_for_trt_marks_the_plugin_nodes(tmp_path: Path):
     copy = _onnx_for_trt(src, src.parent)
     assert copy != src and copy.parent == src.parent  # beside the model: external data paths stay valid
     node = next(n for n in onnx.load(str(copy)).graph.node if n.op_type == "SampleRows")
-    attrs = {a.name: a.s.decode() for a in node.attribute}
-    assert attrs == {"plugin_namespace": "dgpipe"}
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    # the parser takes a node with plugin_namespace to the registered plugin; aot=1 asks for its AOT
+    # implementation only (the vendor's quickly deployable plugins README)
+    assert attrs == {"plugin_namespace": b"dgpipe", "aot": 1}
 
 
 # ---- Triton: which runtime ------------------------------------------------------------------------
@@ -1057,3 +1059,46 @@ def test_only_a_refused_capture_sends_tensorrt_eager(monkeypatch, error, goes_ea
     with pytest.raises(DgpipeError, match="execute_async_v3 failed"):
         ctx._capture({"canvas": torch.zeros(2, 4)}, "canvas 1")
     assert ctx.use_graphs
+
+
+def test_local_build_needs_the_tensorrt_that_has_aot_plugins(monkeypatch):
+    """AOT Python plugins (`tensorrt.plugin.aot_impl`, KernelLaunchParams) arrived in TensorRT 10.9 (its
+    release notes); 10.8 would pass a version check at 10.8 and fail in the plugin definitions."""
+    from pipeline.engine import build_engine
+
+    monkeypatch.setattr(build_engine, "gpu", lambda: ("9.0", "NVIDIA H200"))
+    monkeypatch.setattr(build_engine, "tensorrt_version", lambda: "10.8.0.43")
+    assert build_engine.missing_for_local_build() == [
+        "TensorRT 10.8.0.43 is too old: AOT Python plugins need >= 10.9"
+    ]
+    monkeypatch.setattr(build_engine, "tensorrt_version", lambda: "10.13.3.9")
+    assert build_engine.missing_for_local_build() == []
+
+
+def test_each_gpu_model_keeps_its_own_timing_cache(tmp_path: Path):
+    """TensorRT refuses a timing cache made on other device properties, and an H100 and an H200 are both
+    sm90: each GPU model reads and writes its own file beside the engine dirs."""
+    from pipeline.engine.build_engine import timing_cache_file
+
+    h100 = timing_cache_file(tmp_path, "9.0", "NVIDIA H100 80GB HBM3")
+    h200 = timing_cache_file(tmp_path, "9.0", "NVIDIA H200")
+    assert h100 != h200 and h100.parent == h200.parent == tmp_path
+    assert h200.name == "timing.9.0.NVIDIA-H200.cache"
+
+
+def test_a_refused_binding_is_named_where_it_happens():
+    """TensorRT's set_tensor_address returns False for a binding it refuses; the context says which tensor
+    instead of failing later in a generic execute_async_v3 error."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pipeline.engine import trt_backend
+
+    ctx = object.__new__(trt_backend._Context)
+    ctx.inputs, ctx.outputs = ["tokens"], []
+    ctx.ctx = SimpleNamespace(
+        set_input_shape=lambda name, shape: True, set_tensor_address=lambda name, ptr: False
+    )
+    with pytest.raises(DgpipeError, match="TensorRT refused the address of engine tensor tokens"):
+        ctx._bind({"tokens": torch.zeros(1, 4, dtype=torch.int64)})

@@ -568,7 +568,9 @@ def _run_lowered(model, feeds):
     class MoEExperts(OpRun):
         op_domain = "dgpipe"
 
-        def _run(self, hidden, index, weight, gate_up, down, plugin_namespace=None, plugin_version=None):
+        def _run(
+            self, hidden, index, weight, gate_up, down, plugin_namespace=None, plugin_version=None, aot=None
+        ):
             return rows(hidden, index, weight, gate_up, down)
 
     def fp8(a):
@@ -577,7 +579,19 @@ def _run_lowered(model, feeds):
     class MoEExpertsW8(OpRun):
         op_domain = "dgpipe"
 
-        def _run(self, hidden, index, weight, gu, gu_s, dn, dn_s, plugin_namespace=None, plugin_version=None):
+        def _run(
+            self,
+            hidden,
+            index,
+            weight,
+            gu,
+            gu_s,
+            dn,
+            dn_s,
+            plugin_namespace=None,
+            plugin_version=None,
+            aot=None,
+        ):
             t = [torch.from_numpy(np.array(a)) for a in (hidden, index, weight)]
             out = moe_experts_reference(*t, fp8(gu), fp8(dn), gate_up_scale=torch.from_numpy(np.array(gu_s)),
                                         down_scale=torch.from_numpy(np.array(dn_s)), dtype=torch.float32)  # fmt: skip
@@ -587,7 +601,18 @@ def _run_lowered(model, feeds):
         op_domain = "dgpipe"
 
         def _run(
-            self, hidden, index, weight, gu, gu_s, dn, dn_s, in_s, plugin_namespace=None, plugin_version=None
+            self,
+            hidden,
+            index,
+            weight,
+            gu,
+            gu_s,
+            dn,
+            dn_s,
+            in_s,
+            plugin_namespace=None,
+            plugin_version=None,
+            aot=None,
         ):
             t = [torch.from_numpy(np.array(a)) for a in (hidden, index, weight)]
             out = moe_experts_reference(*t, fp8(gu), fp8(dn), gate_up_scale=torch.from_numpy(np.array(gu_s)),
@@ -614,7 +639,11 @@ def test_lowering_keeps_the_node_semantics(layer, fp8: bool, act_quant: bool, op
     assert ops[-2:] == [("", "ReduceSum"), ("", "CastLike")]
     assert ("", "DequantizeLinear") not in ops  # FP8: the plugin reads the packed weights themselves
     plugin = next(n for n in model.graph.node if n.op_type == op)
-    assert {a.name: a.s for a in plugin.attribute} == {"plugin_namespace": b"dgpipe", "plugin_version": b"1"}
+    assert {a.name: onnx.helper.get_attribute_value(a) for a in plugin.attribute} == {
+        "plugin_namespace": b"dgpipe",
+        "plugin_version": b"1",
+        "aot": 1,
+    }
     got = _run_lowered(model, feeds)
     scales = {k: v for k, v in w.items() if k.endswith("scale")}
     want = moe_reference(x.float(), index, weights, w["gate_up"], w["down"], dtype=torch.float64, **scales)
@@ -753,7 +782,7 @@ def _run_lowered_nvfp4(model, feeds):
     class MoEExpertsW4(OpRun):
         op_domain = "dgpipe"
 
-        def _run(self, *ins, plugin_namespace=None, plugin_version=None):
+        def _run(self, *ins, plugin_namespace=None, plugin_version=None, aot=None):
             return rows(*ins)
 
     class MoEExpertsW4A4(MoEExpertsW4):
