@@ -568,9 +568,7 @@ def _run_lowered(model, feeds):
     class MoEExperts(OpRun):
         op_domain = "dgpipe"
 
-        def _run(
-            self, hidden, index, weight, gate_up, down, plugin_namespace=None, plugin_version=None, aot=None
-        ):
+        def _run(self, hidden, index, weight, gate_up, down, **plugin_attributes):
             return rows(hidden, index, weight, gate_up, down)
 
     def fp8(a):
@@ -579,19 +577,7 @@ def _run_lowered(model, feeds):
     class MoEExpertsW8(OpRun):
         op_domain = "dgpipe"
 
-        def _run(
-            self,
-            hidden,
-            index,
-            weight,
-            gu,
-            gu_s,
-            dn,
-            dn_s,
-            plugin_namespace=None,
-            plugin_version=None,
-            aot=None,
-        ):
+        def _run(self, hidden, index, weight, gu, gu_s, dn, dn_s, **plugin_attributes):
             t = [torch.from_numpy(np.array(a)) for a in (hidden, index, weight)]
             out = moe_experts_reference(*t, fp8(gu), fp8(dn), gate_up_scale=torch.from_numpy(np.array(gu_s)),
                                         down_scale=torch.from_numpy(np.array(dn_s)), dtype=torch.float32)  # fmt: skip
@@ -600,20 +586,7 @@ def _run_lowered(model, feeds):
     class MoEExpertsW8A8(OpRun):
         op_domain = "dgpipe"
 
-        def _run(
-            self,
-            hidden,
-            index,
-            weight,
-            gu,
-            gu_s,
-            dn,
-            dn_s,
-            in_s,
-            plugin_namespace=None,
-            plugin_version=None,
-            aot=None,
-        ):
+        def _run(self, hidden, index, weight, gu, gu_s, dn, dn_s, in_s, **plugin_attributes):
             t = [torch.from_numpy(np.array(a)) for a in (hidden, index, weight)]
             out = moe_experts_reference(*t, fp8(gu), fp8(dn), gate_up_scale=torch.from_numpy(np.array(gu_s)),
                                         down_scale=torch.from_numpy(np.array(dn_s)), input_scale=torch.from_numpy(np.array(in_s)),
@@ -782,7 +755,7 @@ def _run_lowered_nvfp4(model, feeds):
     class MoEExpertsW4(OpRun):
         op_domain = "dgpipe"
 
-        def _run(self, *ins, plugin_namespace=None, plugin_version=None, aot=None):
+        def _run(self, *ins, **plugin_attributes):
             return rows(*ins)
 
     class MoEExpertsW4A4(MoEExpertsW4):
