@@ -57,9 +57,8 @@ def run_export(
     if output is None and build_dir is None:
         raise DgpipeError("nowhere to write the ONNX", "pass --output DIR or --build-dir DIR")
     output = output or build_dir / LAYOUT["onnx"]  # type: ignore[operator]
-    graph_dtype = _graph_dtype(dtype)
-    import torch
-
+    if dtype is not None and dtype not in GRAPH_DTYPES:
+        raise DgpipeError(f"unknown --dtype '{dtype}'", f"choose one of: {', '.join(GRAPH_DTYPES)}")
     from pipeline.model.validate import validate_checkpoint
 
     validate_checkpoint(model_dir)  # names/shapes/dtypes from the headers; load_model checks finiteness
@@ -72,30 +71,30 @@ def run_export(
         raise DgpipeError(
             f"{model_dir}: --stream exports float checkpoints; this one is {precision}", "drop --stream"
         )
-    if precision not in ONNX_QUANTIZED and graph_dtype is not None:  # an unquantized graph's is its dtype
-        precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[graph_dtype]
+    if precision not in ONNX_QUANTIZED and dtype is not None:  # an unquantized graph's is its dtype
+        precision = GRAPH_DTYPES[dtype]
+    model_dtype = _torch_dtype(dtype or "float32")  # of the model an in-memory export traces
     if step is not None:
         step("read checkpoint")
     if precision == "fp8":
         from pipeline.onnx.quant import export_fp8
 
-        summary = export_fp8(
-            model_dir, output, qdq=from_checkpoint, moe=moe, step=step, dtype=graph_dtype or torch.float32
-        )
+        summary = export_fp8(model_dir, output, qdq=from_checkpoint, moe=moe, step=step, dtype=model_dtype)
     elif precision == "nvfp4":  # TensorRT >= 11 Q/DQ; onnxruntime cannot run TRT_FP4DynamicQuantize
         from pipeline.onnx.quant import export_nvfp4
 
-        summary = export_nvfp4(model_dir, output, moe=moe, step=step, dtype=graph_dtype or torch.float32)
+        summary = export_nvfp4(model_dir, output, moe=moe, step=step, dtype=model_dtype)
     elif stream:
         from pipeline.onnx.stream import export_streaming
 
-        summary = export_streaming(model_dir, output, moe=moe, dtype=graph_dtype, progress=progress)
+        convert_to = None if dtype is None else model_dtype  # None: the dtype the checkpoint stores
+        summary = export_streaming(model_dir, output, moe=moe, dtype=convert_to, progress=progress)
         precision = summary.precision
     else:
         from pipeline.model.checkpoint import load_model
 
         # fp32 by default whatever the stored dtype: the reference graph onnxruntime runs
-        model, _ = load_model(model_dir, dtype=graph_dtype or torch.float32)
+        model, _ = load_model(model_dir, dtype=model_dtype)
         summary = export_onnx(model, output, precision=precision, moe=moe, step=step)
     result = summary.as_dict()
     if build_dir is not None:
@@ -121,15 +120,11 @@ def run_export(
     return StageResult("export", {"onnx": Path(output)}, result["seconds"], describe(result), result)
 
 
-GRAPH_DTYPES = ("float32", "bfloat16")  # `--dtype` choices: the model dtype of an exported graph
+# `--dtype` choices, the model dtype of an exported graph, and the precision an unquantized one records
+GRAPH_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
-def _graph_dtype(name: str | None):
-    """The torch dtype for a `--dtype` name (None: the export's default)."""
-    if name is None:
-        return None
-    if name not in GRAPH_DTYPES:
-        raise DgpipeError(f"unknown --dtype '{name}'", f"choose one of: {', '.join(GRAPH_DTYPES)}")
+def _torch_dtype(name: str):
     import torch
 
     return getattr(torch, name)
