@@ -54,13 +54,12 @@ from pipeline.targets import Target, check_precision_on_target
 from pipeline.targets import target as get_target
 
 MIN_TENSORRT = (10, 9)  # tensorrt.plugin.aot_impl (AOT Python plugins): TensorRT 10.9.0 release notes
-TIMING_CACHE = "timing.cache"  # per GPU model: timing_cache_file
 
 
 def timing_cache_file(engines_dir: Path, compute_capability: str, gpu_name: str) -> Path:
     """The timing cache of one GPU model beside its engine dirs: `timing.<cc>.<gpu name>.cache`."""
     slug = "".join(c if c.isalnum() else "-" for c in gpu_name.strip()).strip("-")
-    return engines_dir / TIMING_CACHE.replace(".cache", f".{compute_capability}.{slug}.cache")
+    return engines_dir / f"timing.{compute_capability}.{slug}.cache"
 
 
 NODE_STEP = (
@@ -133,11 +132,10 @@ def model_dims(onnx_path: Path) -> tuple[int, int, dict[str, int]]:
 
 
 UNQUANTIZED = {"fp32", "bf16", "fp16"}
-# The model dtype of the graph an engine of each precision is built from (`dgpipe export --dtype`; the
-# build exports it): a strongly typed network runs the graph's own types, so an unquantized engine runs in
-# the dtype it was exported at, and the FP8 / NVFP4 expert plugins take bf16 hidden states (moe_spec).
+# The model dtype of the graph every engine is built from (`dgpipe export --dtype`; the build exports it):
+# a strongly typed network runs the graph's own types, so a bf16 engine runs in the dtype it was exported
+# at, and the FP8 / NVFP4 expert plugins take bf16 hidden states (moe_spec).
 GRAPH_DTYPE = "bfloat16"
-ENGINE_GRAPH_DTYPES = {"fp32": "float32", "fp16": "float16"}  # the other precisions: GRAPH_DTYPE
 _ONNX_DTYPES = {"FLOAT": "float32", "BFLOAT16": "bfloat16", "FLOAT16": "float16"}
 HASH_CACHE_SUFFIX = ".sha256.json"
 
@@ -170,8 +168,7 @@ def onnx_sha256(onnx: Path) -> str:
 
 def check_export_precision(onnx_path: Path, precision: str) -> None:
     """A strongly typed engine runs the types in the graph, so the ONNX must have been exported at the
-    precision asked for (any unquantized export for an unquantized precision) and in the model dtype that
-    precision runs in (ENGINE_GRAPH_DTYPES)."""
+    precision asked for (any unquantized export for an unquantized precision), in GRAPH_DTYPE."""
     contract = json.loads((onnx_path.parent / "contract.json").read_text())
     exported = contract.get("precision")
     if not (
@@ -184,12 +181,12 @@ def check_export_precision(onnx_path: Path, precision: str) -> None:
             f"--precision {exported}",
         )
     sc_embed = next((i for i in contract.get("inputs", []) if i.get("name") == "sc_embed"), {})
-    graph, want = _ONNX_DTYPES.get(sc_embed.get("dtype")), ENGINE_GRAPH_DTYPES.get(precision, GRAPH_DTYPE)
-    if graph is not None and graph != want:
+    graph = _ONNX_DTYPES.get(sc_embed.get("dtype"))
+    if graph is not None and graph != GRAPH_DTYPE:
         raise DgpipeError(
-            f"{onnx_path} is a {graph} graph: a strongly typed {precision} engine needs a {want} one (it runs "
-            "the graph's types, and the FP8 / NVFP4 expert plugins take bf16 hidden states)",
-            hint=f"export it with `dgpipe export --dtype {want}` (dgpipe build does)",
+            f"{onnx_path} is a {graph} graph: a strongly typed {precision} engine needs a {GRAPH_DTYPE} one "
+            "(it runs the graph's types, and the FP8 / NVFP4 expert plugins take bf16 hidden states)",
+            hint=f"export it with `dgpipe export --dtype {GRAPH_DTYPE}` (dgpipe build does)",
         )
 
 
