@@ -35,8 +35,7 @@ from pipeline.errors import DgpipeError
 from pipeline.model.config import ModelConfig
 from pipeline.onnx.contract import MODE_CAUSAL, MODE_DENOISE
 from pipeline.runtime.backends import KV, DenoiseResult, Masks, SamplerInputs
-from pipeline.runtime.device_errors import out_of_memory, unusable
-from pipeline.runtime.device_loop import capture_cause, captured, undo_failed_capture
+from pipeline.runtime.device_loop import captured, refused_capture, undo_failed_capture
 
 log = logging.getLogger(__name__)
 
@@ -170,13 +169,9 @@ class _Context:
             graph = captured(self._execute, self.pool, self.stream)
         except Exception as e:
             undo_failed_capture(current, self.pool)
-            cause = capture_cause(e)
-            # out of memory or a lost GPU is the step's failure, which the server answers (as the device
-            # loop does); any other error is the capture's refusal: this context runs eagerly from now on
-            if out_of_memory(cause) or unusable(torch.device(self.device)) is not None:
-                if cause is e:
-                    raise
-                raise cause from e
+            # out of memory or a lost GPU is raised, the step's failure; any other error is the capture's
+            # refusal: this context runs eagerly from now on
+            cause = refused_capture(e, torch.device(self.device))
             log.warning("CUDA graph capture of the denoise step failed (%s); running TensorRT eagerly", cause)
             self.use_graphs = False
             return

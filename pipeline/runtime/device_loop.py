@@ -94,12 +94,7 @@ class DeviceLoop:
                 graph = self._capture(step, stream, capture)
             except Exception as e:  # nothing ran on the device
                 undo_failed_capture(stream, self.pool)
-                cause = capture_cause(e)
-                # a CUDA error that leaves the context usable is the capture's own refusal: graphs go off
-                if out_of_memory(cause) or unusable(stream.device) is not None:
-                    if cause is e:  # the step's failure (out of memory, a lost GPU): the server answers it
-                        raise
-                    raise cause from e
+                cause = refused_capture(e, stream.device)
                 self.graphs, self.capture_error = False, f"{type(cause).__name__}: {cause}"
                 log.warning(f"dgpipe: CUDA graph capture failed ({self.capture_error}); denoise steps run "
                             "eagerly from now on (slower): report the GPU, torch and Triton versions")  # fmt: skip
@@ -131,6 +126,18 @@ def capture_cause(e: Exception) -> BaseException:
     over it, else `e`. Since torch 2.8 both are `torch.AcceleratorError` where CUDA refused a call, so the
     error's type does not tell the capture's refusal from a lost GPU: `unusable` does."""
     return e.__context__ or e
+
+
+def refused_capture(e: Exception, device: torch.device) -> BaseException:
+    """Why a capture failed, where the capture itself was refused (a CUDA error that leaves the context
+    usable: graphs go off); the step's own failure (out of memory, a lost GPU) is raised instead, for the
+    server to answer."""
+    cause = capture_cause(e)
+    if out_of_memory(cause) or unusable(device) is not None:
+        if cause is e:
+            raise e
+        raise cause from e
+    return cause
 
 
 def captured(

@@ -1026,6 +1026,7 @@ def test_only_a_refused_capture_sends_tensorrt_eager(monkeypatch, error, goes_ea
     import torch
 
     from pipeline.engine import trt_backend
+    from pipeline.runtime import device_loop
 
     def context(execute):
         ctx = object.__new__(trt_backend._Context)
@@ -1042,7 +1043,7 @@ def test_only_a_refused_capture_sends_tensorrt_eager(monkeypatch, error, goes_ea
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(trt_backend, "captured", refuse)
     monkeypatch.setattr(trt_backend, "undo_failed_capture", lambda stream, pool: None)
-    monkeypatch.setattr(trt_backend, "unusable", lambda device: None)
+    monkeypatch.setattr(device_loop, "unusable", lambda device: None)
     ctx = context(lambda: None)
     if goes_eager:
         ctx._capture({"canvas": torch.zeros(2, 4)}, "canvas 1")
