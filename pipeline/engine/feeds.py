@@ -42,8 +42,10 @@ def engine_feeds(
     sampler: SamplerInputs | None,
     mode: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every graph input (pipeline/onnx/contract.py) for one pass, contiguous, on `device` (`mode` may be given
-    as a pinned host tensor: TensorRT reads shape-tensor inputs from host memory)."""
+    """Every graph input (pipeline/onnx/contract.py) for one pass, on `device` (`mode` may be given as a pinned
+    host tensor: TensorRT reads shape-tensor inputs from host memory). The K/V are the cache's row views as
+    they lie (strided where the rows are shorter than the buffers): whoever binds them makes the one copy
+    TensorRT needs, into a contiguous tensor for an eager run or into a captured graph's static input."""
     b, q = tokens.shape
     long = {"dtype": torch.int64, "device": device}
     f32 = {"dtype": torch.float32, "device": device}
@@ -104,7 +106,7 @@ def engine_feeds(
             "stability_threshold": s.stability_threshold.to(**long),
             "confidence_threshold": s.confidence_threshold.to(**f32),
         }
-    return {n: t.contiguous() for n, t in feeds.items()}
+    return feeds
 
 
 def kv_from_outputs(out: dict[str, torch.Tensor], n_layers: int) -> KV:

@@ -7,18 +7,20 @@ torch CUDA tensors to the engine's I/O (`set_input_shape` / `set_tensor_address`
 plugins inside the plan) never leaves the GPU.
 
 * Two execution contexts, one per optimization profile (0 = causal, 1 = denoise; pipeline.engine.profiles),
-  so switching pass kinds never re-selects a profile.
+  so switching pass kinds never re-selects a profile. They share one activation buffer (TensorRT's
+  USER_MANAGED allocation, `engine.device_memory_size_v2` bytes, the most any profile needs) instead of one
+  each: both run in the order of torch's current stream, never at the same time, which is what TensorRT asks
+  of contexts sharing memory.
 * `mode` is a shape tensor (it decides how many positions reach the LM head): its value is bound from
   pinned host memory, as TensorRT requires for shape-tensor inputs.
 * Denoise steps replay a CUDA graph: the inputs are copied into static buffers and the captured
-  `execute_async_v3` is replayed. A graph is valid only while shapes stay the same, so one is kept per
+  `execute_async_v3` is replayed. The K/V come as the cache's row views, so each step copies them once, from
+  the cache into the static buffers (an eager run copies them once into contiguous tensors). A graph is valid only while shapes stay the same, so one is kept per
   context and recaptured when (batch, cached length) changes, i.e. about once per canvas; sc_embed is
   always sent full-width (zeros on a canvas's first step) so the first step does not change the shape.
   The step that captures returns the outputs of the run TensorRT needs before a capture (a capture records
   without running). If the capture is refused (a TensorRT build with host syncs in enqueue), the backend
   logs it and runs eagerly; out of memory or a lost GPU fails the step instead, as in the device loop.
-  Known cost, unmeasured without a GPU: each step copies the rows' K/V twice (engine_feeds makes the
-  cache's row views contiguous, the replay copies them into the static buffers).
 """
 
 from __future__ import annotations
@@ -57,10 +59,14 @@ def _torch_dtypes(trt: Any) -> dict[Any, torch.dtype]:
 class _Context:
     """One execution context (one profile) with its I/O bookkeeping and an optional CUDA graph."""
 
-    def __init__(self, engine: Any, profile: int, trt: Any, device: torch.device) -> None:
-        self.ctx = engine.create_execution_context()
+    def __init__(
+        self, engine: Any, profile: int, trt: Any, device: torch.device, activations: torch.Tensor
+    ) -> None:
+        self.ctx = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
         if self.ctx is None:
             raise DgpipeError("TensorRT could not create an execution context (out of GPU memory?)")
+        # the activation memory every context of the backend shares (`activation_buffer`)
+        self.ctx.set_device_memory(activations.data_ptr(), activations.numel())
         self.stream = torch.cuda.Stream(device=device)
         if not self.ctx.set_optimization_profile_async(profile, self.stream.cuda_stream):
             raise DgpipeError(f"TensorRT refused optimization profile {profile} (see the TensorRT log)")
@@ -115,6 +121,7 @@ class _Context:
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Eager: bind and execute on the context's stream, ordered after torch's current stream."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        feeds = {n: t.contiguous() for n, t in feeds.items()}  # TensorRT reads packed tensors
         outs = self._bind(feeds)
         self._execute()
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
@@ -155,7 +162,10 @@ class _Context:
         # loop found on an H200). A context replays only its latest graph, so this reserves nothing more.
         previous = self.graph  # noqa: F841 (held, not read)
         self.graph, self.graph_key = None, None
-        self.static = {n: (t if n in self.host_inputs else t.clone()) for n, t in feeds.items()}
+        self.static = {
+            n: (t if n in self.host_inputs else t.clone(memory_format=torch.contiguous_format))
+            for n, t in feeds.items()
+        }
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         outs = self._bind(self.static)
         self.static.update(outs)
@@ -176,6 +186,16 @@ class _Context:
             self.use_graphs = False
             return
         self.graph, self.graph_key = graph, key
+
+
+def activation_buffer(engine: Any, device: torch.device) -> torch.Tensor:
+    """The activation memory the backend's contexts share: `device_memory_size_v2` bytes, the most any
+    profile needs (what each context would allocate for itself under the default STATIC strategy), from
+    torch's allocator, at the 256-byte alignment TensorRT asks for (torch's CUDA blocks have it already)."""
+    size = engine.device_memory_size_v2
+    block = torch.empty(size + 255, dtype=torch.uint8, device=device)
+    start = -block.data_ptr() % 256
+    return block[start : start + size]
 
 
 class TensorRTBackend:
@@ -215,7 +235,10 @@ class TensorRTBackend:
             raise DgpipeError(
                 f"{engine_dir}: the plan has {self.engine.num_optimization_profiles} profile(s), needs 2"
             )
-        self.contexts = {k: _Context(self.engine, p, trt, self.device) for k, p in PROFILE.items()}
+        self._activations = activation_buffer(self.engine, self.device)
+        self.contexts = {
+            k: _Context(self.engine, p, trt, self.device, self._activations) for k, p in PROFILE.items()
+        }
         self.contexts["denoise"].use_graphs = cuda_graphs
         self.dtype = self.contexts["causal"].dtypes["past.0.key"]  # K/V cache and self-conditioning dtype
         self._mode = {

@@ -817,6 +817,121 @@ def test_a_recapture_holds_the_graph_it_replaces_until_the_new_one_is_captured(m
     assert isinstance(ctx.graph, Graph) and replaced() is None
 
 
+def test_a_denoise_step_copies_the_cached_rows_once(monkeypatch):
+    """The feeds carry the KV cache's row views as they lie (strided: the rows hold fewer tokens than the
+    buffers), so a replayed step copies each layer's K/V once, from the cache into the graph's static inputs,
+    and an eager run binds one contiguous copy; the feeds used to be made contiguous first, a second copy
+    of the whole context every step."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from pipeline.engine import trt_backend
+    from pipeline.engine.feeds import engine_feeds
+    from pipeline.model.checkpoint import open_checkpoint
+    from pipeline.runtime.kv_cache import KVCache
+
+    tc = open_checkpoint(EMBEDDED_MODEL).config.text_config
+    cache = KVCache(tc, slots=2, max_len=256, dtype=torch.float32)
+    for t in cache.k + cache.v:
+        t.normal_()
+    cache.lengths[:] = 5
+
+    def feeds():
+        past, _ = cache.read(torch.arange(2))
+        tokens, positions = torch.zeros(2, 3, dtype=torch.int64), torch.arange(5, 8).expand(2, 3)
+        sc = torch.zeros(2, 1, tc.hidden_size)
+        return engine_feeds("causal", tc, torch.float32, "cpu", tokens, positions, {}, past, sc, None)
+
+    first = feeds()
+    kv = [n for n in first if n.startswith("past.")]
+    for i in range(len(tc.layer_types)):
+        for name, buffer in ((f"past.{i}.key", cache.k[i]), (f"past.{i}.value", cache.v[i])):
+            view = first[name]
+            assert view.shape[2] == 5 and not view.is_contiguous()
+            assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+    ctx = object.__new__(trt_backend._Context)
+    ctx.graph, ctx.graph_key, ctx.pool, ctx.device, ctx.host_inputs = None, None, (0, 1), "cpu", {"mode"}
+    ctx.use_graphs, ctx.static, ctx.outputs = True, {}, []
+    ctx.stream = SimpleNamespace(wait_stream=lambda s: None, synchronize=lambda: None)
+    bound: list[dict] = []
+    ctx._bind = lambda tensors: bound.append(dict(tensors)) or {}
+    ctx._execute = lambda: None
+    monkeypatch.setattr(
+        torch.cuda, "current_stream", lambda device=None: SimpleNamespace(wait_stream=lambda s: None)
+    )
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(
+        trt_backend, "captured", lambda step, pool, stream: SimpleNamespace(replay=lambda: None)
+    )
+    ctx.run_graph(first)  # captures: the static inputs are packed copies of the views
+    assert all(bound[0][n].is_contiguous() for n in kv)
+    for t in cache.k + cache.v:  # the next step: same shapes, new values in the cache
+        t.normal_()
+    second = feeds()
+    copies = []
+    copy = torch.Tensor.copy_
+    monkeypatch.setattr(
+        torch.Tensor, "copy_", lambda dst, src, **kw: copies.append(src) or copy(dst, src, **kw)
+    )
+    ctx.run_graph(second)
+    assert {id(s) for s in copies} >= {id(second[n]) for n in kv}  # straight from the cache's views
+    assert all(torch.equal(ctx.static[n], second[n]) for n in kv)
+    monkeypatch.setattr(torch.Tensor, "copy_", copy)
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: None, raising=False)
+    ctx.run(second)  # eager: the packed copies are what TensorRT is bound to
+    assert all(bound[-1][n].is_contiguous() and torch.equal(bound[-1][n], second[n]) for n in kv)
+
+
+def test_the_contexts_share_one_activation_buffer(monkeypatch):
+    """Both contexts (causal, denoise) run in the order of torch's current stream, never at once, so they
+    share one activation buffer of the engine's largest profile (TensorRT's USER_MANAGED allocation) instead
+    of one each under the default STATIC strategy."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pipeline.engine import trt_backend
+
+    strategies, memory = [], []
+
+    class Context:
+        def set_device_memory(self, ptr, size):
+            memory.append((ptr, size))
+
+        def set_optimization_profile_async(self, profile, stream):
+            return True
+
+    def create_execution_context(strategy):
+        strategies.append(strategy)
+        return Context()
+
+    engine = SimpleNamespace(
+        device_memory_size_v2=4096,
+        create_execution_context=create_execution_context,
+        num_io_tensors=0,
+    )
+    trt = SimpleNamespace(
+        ExecutionContextAllocationStrategy=SimpleNamespace(USER_MANAGED="user managed"),
+        TensorIOMode=SimpleNamespace(INPUT="in"),
+        **{k: k for k in ("float32", "float16", "bfloat16", "int64", "int32", "bool", "int8")},
+    )
+    monkeypatch.setattr(
+        torch.cuda, "Stream", lambda device: SimpleNamespace(cuda_stream=0, synchronize=lambda: None)
+    )
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    device = torch.device("cpu")
+    shared = trt_backend.activation_buffer(engine, device)
+    for profile in trt_backend.PROFILE.values():
+        trt_backend._Context(engine, profile, trt, device, shared)
+    assert strategies == ["user managed", "user managed"]
+    assert memory == [(shared.data_ptr(), 4096)] * 2 and shared.numel() == 4096
+    assert shared.data_ptr() % 256 == 0  # TensorRT's alignment, on a CPU allocator's 64-byte blocks too
+
+
 def test_trt_feeds_drive_the_real_graph_like_onnxruntime_backend(tmp_path: Path):
     """Sudoku infill (templates pinned) through the exported graph fed by engine_feeds: the same tokens and
     steps as the exporter's onnxruntime backend, and every pass had the profile's shapes."""
