@@ -3,13 +3,11 @@ tokens become text again.
 
 A checkpoint names its format in dgpipe.json (`prompt_format`; older checkpoints only have a `task`, which
 is taken as the format's name when a format of that name exists). The runtime looks the name up here and
-never branches on it. Two sources, first match wins:
-
-1. `register_prompt_format(name, factory)`: formats registered in-process (tests, embedding applications);
-2. the `dgpipe.prompt_formats` entry-point group: formats of installed packages, dgpipe's own demo format
-   included (`[project.entry-points."dgpipe.prompt_formats"] myformat = "mypkg.fmt:MyFormat"`). A format's
-   module is imported only when a checkpoint names it, so the runtime neither depends on nor pays for any
-   format but the one in use.
+never branches on it. Formats are plain text (built in) and those of the `dgpipe.prompt_formats`
+entry-point group: installed packages' formats, dgpipe's own demo format included
+(`[project.entry-points."dgpipe.prompt_formats"] myformat = "mypkg.fmt:MyFormat"`). A format's module is
+imported only when a checkpoint names it, so the runtime neither depends on nor pays for any format but the
+one in use.
 
 A checkpoint only ever supplies a *name*: the code behind it is dgpipe's or an installed package's, never
 something read from the checkpoint directory (its chat template is data, rendered in jinja2's sandbox).
@@ -181,16 +179,11 @@ class TextFormat:
         return None if text.strip() else "the answer is empty"
 
 
-_REGISTRY: dict[str, PromptFormatFactory] = {DEFAULT: TextFormat}
-
-
-def register_prompt_format(name: str, factory: PromptFormatFactory) -> None:
-    """Make `name` (a checkpoint's dgpipe.json `prompt_format`) build its format with `factory`."""
-    _REGISTRY[name] = factory
+_REGISTRY: dict[str, PromptFormatFactory] = {DEFAULT: TextFormat}  # and each installed format once loaded
 
 
 def prompt_format_factory(name: str) -> PromptFormatFactory | None:
-    """The factory registered or installed under `name`; None when there is none."""
+    """The factory built in or installed under `name`; None when there is none."""
     if name not in _REGISTRY:
         found = list(entry_points(group=ENTRY_POINT_GROUP, name=name))
         if not found:
