@@ -109,13 +109,39 @@ def _adapter(path: Path) -> Recognised:
     notes = [f"r={cfg.get('r')}, lora_alpha={cfg.get('lora_alpha')}"]
     if cfg.get("use_rslora"):
         notes.append("rsLoRA: scale alpha/sqrt(r)")
-    if (path / "automodel_peft_config.json").is_file():
-        return _make(path, AUTOMODEL_LORA, "NeMo AutoModel", path, base=base, notes=notes)
     card = path / "README.md"
-    unsloth = card.is_file() and "unsloth" in card.read_text(encoding="utf-8", errors="replace").lower()
-    if unsloth:
-        return _make(path, UNSLOTH_LORA, "Unsloth", path, base=base, notes=notes)
-    return _make(path, PEFT_LORA, "PEFT", path, base=base, notes=notes)
+    if (path / "automodel_peft_config.json").is_file():
+        kind, producer = AUTOMODEL_LORA, "NeMo AutoModel"
+    elif card.is_file() and "unsloth" in card.read_text(encoding="utf-8", errors="replace").lower():
+        kind, producer = UNSLOTH_LORA, "Unsloth"
+    else:
+        kind, producer = PEFT_LORA, "PEFT"
+    rec = _make(path, kind, producer, path, base=base, notes=notes)
+    _merge_outlook(rec, cfg, path)
+    return rec
+
+
+def _merge_outlook(rec: Recognised, cfg: dict[str, Any], path: Path) -> None:
+    """What `--adapter` will do with it, told before it is tried: the refusal of a variant the merge would
+    get wrong, and which passes a one-copy adapter was trained on (`pipeline.model.lora`)."""
+    from pipeline.errors import DgpipeError
+    from pipeline.model import lora
+
+    try:
+        lora.check_config(cfg, path)
+    except DgpipeError as e:
+        rec.action = f"refused: {e}"
+        return
+    try:
+        from safetensors import safe_open
+
+        with safe_open(path / "adapter_model.safetensors", "pt") as f:
+            keys = list(f.keys())
+    except Exception:  # a missing or damaged file: the merge names it
+        return
+    note = lora.one_copy_note(lora.adapted_copies(keys))
+    if note:
+        rec.notes.append(note)
 
 
 def _has_weights(path: Path) -> bool:

@@ -153,6 +153,7 @@ def write_resolved(rec: pr.Recognised, ad: pr.Recognised | None, out: Path) -> P
             "adapter": ad.path,
             "adapter_kind": ad.kind,
             "scaling": adapter.scaling,
+            "adapted_copies": sorted(adapter.copies),
             "merged": merged,
         }
     with atomic_dir(out) as tmp:

@@ -109,3 +109,105 @@ def test_untied_encoder_delta_and_tied_head_are_refused(tmp_path):
     save_file(w, ad / "adapter_model.safetensors")
     with pytest.raises(DgpipeError, match="a LoRA on lm_head, which DiffusionGemma ties"):
         resolve(D / "base", ad, tmp_path / "cache2")
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        (
+            {"init_lora_weights": "pissa"},
+            "init_lora_weights='pissa'.*path_initial_model_for_weight_conversion",
+        ),
+        ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights='pissa_niter_4'"),
+        ({"init_lora_weights": "olora"}, "init_lora_weights='olora'.*path_initial_model_for_weight"),
+        ({"init_lora_weights": "loftq"}, "init_lora_weights='loftq'.*merge it with the tool"),
+        ({"use_bdlora": {"target_modules_bd_a": ["q_proj"]}}, "use_bdlora.*block-diagonal"),
+        ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens.*cannot merge"),
+        ({"layer_replication": [[0, 2], [1, 2]]}, "layer_replication"),
+        ({"trainable_token_indices": [3, 4]}, "trainable_token_indices"),
+        ({"kasa_config": {}}, None),  # an empty KaSA config is no KaSA: merged
+        ({"kasa_config": {"k": 1}}, "kasa_config"),
+    ],
+)
+def test_variants_whose_merge_is_not_the_plain_sum_are_refused(tmp_path, fields, needle):
+    """PiSSA / OLoRA / CorDA / LoftQ adapters apply to a residual of the base that PEFT recomputes when it
+    loads them (merged into the original base they are wrong, by more than the fine-tune moved the weights),
+    and block-diagonal, activated and KaSA LoRA, replicated layers and trained token rows are no plain
+    W + s * B @ A: each is refused naming its field, the convertible ones with PEFT's conversion."""
+    ad = _edit_config(tmp_path, **fields)
+    if needle is None:
+        resolve(D / "base", ad, tmp_path / "cache")
+        return
+    with pytest.raises(DgpipeError, match=needle):
+        resolve(D / "base", ad, tmp_path / "cache")
+
+
+def test_damaged_adapters_are_named_not_tracebacks(tmp_path):
+    """Mismatched ranks, a 1-D factor, a truncated file, a config whose r is not the tensors' rank and a
+    base name that is not a string end in one error naming the adapter (they raised RuntimeError,
+    SafetensorError and AttributeError)."""
+    key = "base_model.model.model.decoder.layers.0.self_attn.q_proj.lora_{}.weight"
+    cases = {
+        "rank": lambda w: w | {key.format("B"): torch.zeros(w[key.format("B")].shape[0], 2)},
+        "1-D": lambda w: w | {key.format("A"): torch.zeros(32)},
+    }
+    for name, edit in cases.items():
+        ad = _edit_config(tmp_path / name)
+        save_file(edit(load_file(ad / "adapter_model.safetensors")), ad / "adapter_model.safetensors")
+        with pytest.raises(DgpipeError, match="not a rank-r pair"):
+            lora.read_adapter(ad)
+    ad = _edit_config(tmp_path / "trunc")
+    data = (ad / "adapter_model.safetensors").read_bytes()
+    (ad / "adapter_model.safetensors").write_bytes(data[:5])
+    with pytest.raises(DgpipeError, match=r"adapter_model\.safetensors cannot be read"):
+        lora.read_adapter(ad)
+    with pytest.raises(DgpipeError, match=r"has rank 4, adapter_config\.json r=8"):
+        lora.read_adapter(_edit_config(tmp_path / "r", r=8))
+    with pytest.raises(DgpipeError, match="base_model_name_or_path=7 is not a name"):
+        lora.read_adapter(_edit_config(tmp_path / "base", base_model_name_or_path=7))
+
+
+def test_config_fields_peft_reads_its_own_way(tmp_path):
+    """An absent lora_alpha is PEFT's default 8 (not r), and fan_in_fan_out changes nothing: PEFT sets it
+    False for nn.Linear and nn.Embedding (it transposed the delta, wrong on square weights)."""
+    cfg = json.loads((D / "unsloth-lora" / "adapter_config.json").read_text())
+    del cfg["lora_alpha"]
+    ad = _edit_config(tmp_path / "alpha")
+    (ad / "adapter_config.json").write_text(json.dumps(cfg))
+    assert lora.read_adapter(ad).scaling == 8 / 4
+    plain = _merged(tmp_path / "plain", D / "unsloth-lora")
+    flipped = _merged(tmp_path / "flipped", _edit_config(tmp_path / "fifo", fan_in_fan_out=True))
+    assert all(torch.equal(plain[k], flipped[k]) for k in plain)
+
+
+def test_a_hugging_face_cache_snapshot_is_the_base_it_names(tmp_path):
+    """The hub cache keeps a repository at models--ORG--NAME/snapshots/<commit>: an adapter recording
+    ORG/NAME names that snapshot (its last path component is the commit)."""
+    snap = tmp_path / "models--google--diffusiongemma-26B-A4B-it" / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    assert lora.same_base("google/diffusiongemma-26B-A4B-it", snap)
+    assert not lora.same_base("google/gemma-3-1b-it", snap)
+
+
+def test_one_copy_adapters_say_what_the_merge_changes(tmp_path, caplog):
+    """PEFT adapts the modules it targets, and transformers' encoder and decoder copies are separate modules
+    over one weight: a decoder-only adapter was trained with the prompt pass on the base weights. Merged, as
+    PEFT's merge_and_unload merges it, it adapts both passes: the merge says so and records the copies, and
+    `dgpipe inspect` tells it beforehand. AutoModel's single stack runs in both passes: nothing to say."""
+    import logging
+
+    from pipeline.model.producers import recognise
+
+    assert lora.read_adapter(D / "unsloth-lora").copies == {"decoder"}
+    assert lora.read_adapter(D / "automodel-lora" / "epoch_0_step_1" / "model").copies == {
+        "decoder",
+        "encoder",
+    }
+    with caplog.at_level(logging.WARNING, logger="pipeline.model.lora"):
+        out = resolve(D / "base", D / "unsloth-lora", tmp_path)
+    assert "adapts the decoder (denoise pass) only" in caplog.text
+    assert json.loads((out / "dgpipe.json").read_text())["source"]["adapted_copies"] == ["decoder"]
+    assert any("prompt pass" in n for n in recognise(D / "unsloth-lora").notes)
+    assert not any("prompt pass" in n for n in recognise(D / "automodel-lora").notes)
+    refused = recognise(_edit_config(tmp_path, use_dora=True))
+    assert refused.action.startswith("refused: ") and "use_dora=True" in refused.action
