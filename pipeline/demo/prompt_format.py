@@ -81,8 +81,10 @@ class SudokuFormat:
 
     def decode(self, tokens: Sequence[int]) -> str:
         """One character per generated cell token, never padded: a canvas cut short (max_tokens < 81)
-        reads as the cells it holds, so the text and its token count agree."""
-        return stok.decode_solution(tokens)[: len(tokens)]
+        reads as the cells it holds. The end tokens read as nothing, as a tokenizer's special tokens do:
+        a guided output ends with one right after its text (`1` then EOS is "1", not "1.")."""
+        cells = [t for t in tokens if int(t) not in (stok.EOS_ID, stok.TURN_END_ID)]
+        return stok.decode_solution(cells)[: len(cells)]
 
     def decode_prompt(self, prompt_ids: Sequence[int]) -> str:
         """The puzzle the prompt holds (its 81 cells between the turn tokens), '.' for a blank."""

@@ -64,3 +64,15 @@ def test_unsupported_schema_keyword_is_named(ckpt: Path, tmp_path: Path):
     )
     proc = dgpipe("generate", "--model", str(ckpt), "x", "--json-schema", str(schema))
     assert proc.returncode != 0 and "'uniqueItems' at #/properties/n" in proc.stderr, proc.stderr
+
+
+def test_the_embedded_models_guided_output_is_the_text_its_guide_admits():
+    """The Sudoku format read a guided output's end token as a blank cell: `--choice 1,2` printed "1." and
+    `--regex [0-9]{5}` five digits and a dot. The end token reads as nothing, as a tokenizer's special
+    tokens do, so the text is one of the choices and matches the regex."""
+    from pipeline.demo.sudoku import make_dataset
+
+    puzzle = make_dataset(3, 1, (45, 61))[0][0]
+    run = ["generate", "--json", "--max-tokens", "82", puzzle]
+    assert json.loads(dgpipe(*run, "--choice", "1,2").stdout)["text"] in ("1", "2")
+    assert re.fullmatch(r"[0-9]{5}", json.loads(dgpipe(*run, "--regex", "[0-9]{5}").stdout)["text"])
