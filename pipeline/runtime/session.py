@@ -11,6 +11,7 @@ Shared by `dgpipe generate`, `eval`, `bench` and the Triton model so they all tu
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,7 +115,14 @@ class Session:
         encode = getattr(self.prompt_format, "encode_messages", None)
         if encode is None:  # a format written before chat messages existed
             raise InputError(f"the prompt format {type(self.prompt_format).__name__} takes no chat messages")
-        return encode(messages, tools=tools) if tools else encode(messages)
+        if not tools:
+            return encode(messages)
+        if "tools" not in inspect.signature(encode).parameters:  # a task format: its prompt has no tools
+            raise InputError(
+                f"this model's prompt format ({type(self.prompt_format).__name__}) takes no tools",
+                "send the request without tools",
+            )
+        return encode(messages, tools=tools)
 
     @property
     def tool_call_format(self) -> str | None:

@@ -162,7 +162,11 @@ def compile_grammar(kind: str, guide: str, tokenizer: Any | None) -> Any:
     if kind == "lark_grammar":
         if not guide.strip():
             raise InputError("guided Lark grammar is empty", "pass a grammar with a `start` rule")
-        return _matcher(llguidance.LLMatcher.grammar_from_lark(guide), tokenizer, "Lark grammar", None)
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(guide)
+        except ValueError as e:  # llguidance's refusal of the text, before any compile
+            raise InputError(f"guided Lark grammar cannot be read: {e}") from e
+        return _matcher(grammar, tokenizer, "Lark grammar", None)
     try:
         schema = json.loads(guide)
     except ValueError as e:
@@ -173,9 +177,12 @@ def compile_grammar(kind: str, guide: str, tokenizer: Any | None) -> Any:
         raise InputError(f"JSON schema at # must be an object, not {type(schema).__name__}")
     original, schema = schema, with_dependencies_as_anyof(schema)
     for _ in range(64):  # each round drops one unknown format
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema if schema is not True else {}), overrides=JSON_OPTIONS
-        )
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema if schema is not True else {}), overrides=JSON_OPTIONS
+            )
+        except ValueError as e:  # llguidance's reader refuses it (e.g. nested past its recursion limit)
+            raise InputError(f"guided JSON schema cannot be read: {e}") from e
         try:
             return _matcher(grammar, tokenizer, "JSON schema", original)
         except _UnknownFormat as e:

@@ -55,7 +55,6 @@ NO_OP_ONLY: dict[str, Any] = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "echo": False,
-    "parallel_tool_calls": True,
 }
 # fields we refuse whatever their value (null aside)
 UNSUPPORTED = (

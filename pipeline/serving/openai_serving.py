@@ -111,10 +111,15 @@ class OpenAIServing:
                 415,
                 "unsupported_media_type",
             )
+        raw = await self.body(request)  # its size refused as a 413, before any parsing
         try:
-            body = json.loads(await self.body(request))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            body = json.loads(raw)
+        except ValueError as e:  # malformed, not UTF-8, or a number past Python's 4300-digit conversion limit
             raise RequestError(f"the request body is not valid JSON: {e}") from e
+        except RecursionError as e:
+            raise RequestError(
+                "the request body nests arrays or objects deeper than JSON parsing allows"
+            ) from e
         if not isinstance(body, dict):
             raise RequestError(f"the request body must be a JSON object (got {type(body).__name__})")
         self.check_text(body)

@@ -12,6 +12,8 @@
     templates). The Triton model refuses "auto" with a 400 saying why when the checkpoint's template
     declares no format (DiffusionGemma's Gemma template declares none).
   * "none" (or no tools): a plain reply; the tools are not sent.
+`parallel_tool_calls: false` keeps the first call of an "auto" reply (vLLM's reading); a forced call is one
+call either way.
 The tools themselves reach the chat template as transformers' `apply_chat_template(tools=...)` gives them.
 """
 
@@ -36,6 +38,7 @@ class ToolPlan:
     tools: list[dict[str, Any]]
     choice: str  # "auto", "required" or "function"
     name: str | None = None  # the named function
+    parallel: bool = True  # parallel_tool_calls: false keeps an "auto" reply's first call only
 
     def parameters(self, name: str) -> dict[str, Any]:
         fn = next(t["function"] for t in self.tools if t["function"]["name"] == name)
@@ -66,7 +69,8 @@ class ToolPlan:
         """(message content, tool calls) of a reply's text. A forced call that did not complete (the reply
         ended on length or was cut by a stop word) is no call: its text is returned as the content."""
         if self.choice == "auto":
-            return parse_hermes(text)
+            content, calls = parse_hermes(text)
+            return content, calls if self.parallel else calls[:1]
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
@@ -104,7 +108,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
 
 def request_plan(req: ChatCompletionRequest) -> ToolPlan | None:
     """A chat request's plan, checked against its other constraint fields."""
-    plan = tool_plan(req.tools, req.tool_choice)
+    plan = tool_plan(req.tools, req.tool_choice, parallel=req.parallel_tool_calls is not False)
     if plan is not None and plan.guide() is not None and req.guide() is not None:
         raise RequestError(
             "a forced tool call is generated under its function's schema: leave out 'response_format' "
@@ -127,7 +131,9 @@ def tool_inputs(plan: ToolPlan | None) -> dict[str, Any]:
     return out
 
 
-def tool_plan(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None) -> ToolPlan | None:
+def tool_plan(
+    tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None, parallel: bool = True
+) -> ToolPlan | None:
     """The checked tools and choice; None when the reply is plain text. RequestError naming the field."""
     if tools is None:
         if choice not in (None, "none"):
@@ -151,14 +157,16 @@ def tool_plan(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] |
     if choice == "none":
         return None
     if choice in ("auto", "required"):
-        return ToolPlan(tools, choice)
+        return ToolPlan(tools, choice, parallel=parallel)
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = (choice.get("function") or {}).get("name")
+        if name is None:
+            raise RequestError("'tool_choice' names no function: send function.name", "tool_choice")
         if name not in names:
             raise RequestError(
                 f"'tool_choice' names the function {name!r}, which is not in 'tools'", "tool_choice"
             )
-        return ToolPlan(tools, "function", name)
+        return ToolPlan(tools, "function", name, parallel)
     raise RequestError(
         '\'tool_choice\' must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
         "tool_choice",

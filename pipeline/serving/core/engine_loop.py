@@ -110,7 +110,7 @@ class EngineLoop:
                 try:
                     job.result = core.runtime.submit(req)
                 except Exception as e:  # this request alone is refused; the batch never saw it
-                    core.fail(job, Failure(ErrorKind.INVALID_REQUEST, str(e)))
+                    core.fail(job, responses.refusal("submitting the request", e))
                     continue
                 core.jobs[job.request_id] = job
         except queue.Empty:

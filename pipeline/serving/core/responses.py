@@ -5,10 +5,14 @@ responses (Triton tensors and errors); `None` sent on a channel releases a reque
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pipeline.errors import DgpipeError
 from pipeline.serving.error_kinds import ErrorKind, internal_error
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,16 @@ class Channel(Protocol):
 def internal_failure(where: str, error: BaseException) -> Failure:
     """A failure of the server's own (a bug, a failed pass), naming where it happened and the exception."""
     return Failure(ErrorKind.INTERNAL, internal_error(where, error))
+
+
+def refusal(where: str, error: Exception) -> Failure:
+    """The answer to a request whose intake failed: the request's own problem (a DgpipeError, or a
+    ValueError from a value it sent) is an invalid request; anything else is a failure of the server's own,
+    answered as one (a 500, not a 400 blaming the request) and logged with its traceback."""
+    if isinstance(error, DgpipeError | ValueError):
+        return Failure(ErrorKind.INVALID_REQUEST, str(error))
+    log.error("internal error %s", where, exc_info=error)
+    return internal_failure(where, error)
 
 
 def piece(

@@ -18,7 +18,7 @@ from pipeline.serving.core.intake import InputGetter, Intake
 from pipeline.serving.core.jobs import Job
 from pipeline.serving.core.metrics import Metrics
 from pipeline.serving.core.progress import Progress
-from pipeline.serving.core.responses import Channel, Failure
+from pipeline.serving.core.responses import Channel, Failure, refusal
 from pipeline.serving.core.shutdown import SHUTTING_DOWN, shut_down
 from pipeline.serving.error_kinds import ErrorKind
 from pipeline.serving.schema import DRAINING, GUIDE_INPUTS, HEALTH_PARAMETER, INPUT, ServerLimits
@@ -89,7 +89,7 @@ class ServingCore:
                 return
         except Exception as e:  # a bad request is answered alone; the batch keeps going
             self.metrics.rejected.increment(1)
-            channel.send(Failure(ErrorKind.INVALID_REQUEST, str(e)))
+            channel.send(refusal("accepting the request", e))
             return
         self._take(get, parameters, channel)
 
@@ -104,7 +104,7 @@ class ServingCore:
                 channel.send(Failure(ErrorKind.UNAVAILABLE, SHUTTING_DOWN))
                 return
             self.metrics.rejected.increment(1)
-            channel.send(Failure(ErrorKind.INVALID_REQUEST, str(e)))
+            channel.send(refusal("building the request", e))
 
     def _queue(self, into: queue.Queue, item: Any, channel: Channel) -> bool:
         """Queue unless the core is shut down (then the request is answered as unavailable)."""

@@ -23,6 +23,19 @@ def test_loading_the_embedded_model_does_not_import_dynamo():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_tools_on_a_format_that_takes_none_are_refused_naming_it():
+    """The embedded model's task format reads the puzzle from the last message and has no tools: a request
+    with tools is the request's problem, said as such (it was a TypeError about a keyword argument)."""
+    from pipeline.errors import InputError
+    from pipeline.runtime.session import load_session
+
+    s = load_session(weights=False)
+    messages = [{"role": "user", "content": "x" * 81}]
+    tool = {"type": "function", "function": {"name": "f"}}
+    with pytest.raises(InputError, match=r"prompt format \(SudokuFormat\) takes no tools"):
+        s.encode_messages(messages, tools=[tool])
+
+
 def test_a_numbered_gpu_becomes_the_current_device(monkeypatch):
     """Triton launches its kernels on the current CUDA device, not on their tensors': `--device cuda:1` makes
     GPU 1 current before the model loads there (plain `cuda` leaves the current device as it is); a session

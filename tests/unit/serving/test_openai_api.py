@@ -316,6 +316,22 @@ def test_malformed_json_is_a_400_not_a_422(raw):
     assert fake.calls == []
 
 
+@pytest.mark.parametrize(
+    ("raw", "contains", "param"),
+    [
+        ('{"model": "dgpipe", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests", None),
+        ('{"model": "dgpipe", "max_tokens": ' + "9" * 5000 + "}", "not valid JSON", None),
+        (json.dumps({**CHAT, "guided_json": {}})[:-3] + '{"a": ' * 400 + "1" + "}" * 401, "cannot be read", "guided_json"),
+    ],
+)  # fmt: skip
+def test_bodies_past_the_parsers_limits_are_a_400(raw, contains, param):
+    """Nesting past JSON parsing's recursion limit, a number past Python's 4300-digit conversion limit, and a
+    schema nested past llguidance's reader were 500s with a traceback: they are the request's problem."""
+    c, fake = client()
+    assert_error(c.post("/v1/chat/completions", content=raw.encode()), 400, param, contains=contains)
+    assert fake.calls == []
+
+
 def test_nan_and_infinity_are_refused_naming_the_field_and_other_content_types_are_a_415():
     c, fake = client()
     for field, literal in (("temperature", "NaN"), ("t_min", "Infinity"), ("entropy_bound", "-Infinity")):

@@ -149,3 +149,34 @@ def test_hermes_calls_are_parsed_out_of_a_reply():
     plan = tool_plan([TOOL], "auto")
     assert plan is not None and plan.guide() is None
     assert plan.calls("plain") == ("plain", [])
+
+
+def test_parallel_tool_calls_false_keeps_an_auto_replys_first_call():
+    """Agent SDKs send parallel_tool_calls: false (it was refused as unsupported): an "auto" reply keeps
+    its first call, as vLLM reads it, and a forced call is one call either way."""
+    two = "".join(
+        f'<tool_call>{{"name": "{n}", "arguments": {{}}}}</tool_call>' for n in ("get_weather", "get_time")
+    )
+    final = {
+        "text_output": [""],
+        "finish_reason": ["stop"],
+        "num_input_tokens": [3],
+        "num_output_tokens": [9],
+    }
+    for parallel, names in ((False, ["get_weather"]), (True, ["get_weather", "get_time"])):
+        c, _ = client(FakeTriton([{"text_output": [two]}, final]))
+        body = {**CHAT, "tools": [TOOL, OTHER], "parallel_tool_calls": parallel}
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        calls = r.json()["choices"][0]["message"]["tool_calls"]
+        assert [call["function"]["name"] for call in calls] == names
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    c, _ = client(FakeTriton([{"text_output": ['{"city": "Oslo"}']}, final]))
+    body = {**CHAT, "tools": [TOOL], "tool_choice": named, "parallel_tool_calls": False}
+    assert len(c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["tool_calls"]) == 1
+
+
+def test_a_named_tool_choice_without_a_name_says_so():
+    c, _ = client()
+    r = c.post("/v1/chat/completions", json={**CHAT, "tools": [TOOL], "tool_choice": {"type": "function"}})
+    assert_error(r, 400, "tool_choice", contains="names no function")

@@ -231,6 +231,24 @@ def test_a_bad_request_is_answered_with_its_kind_and_never_queued():
     assert c.inbox.empty() and c.metrics.rejected.value == 1
 
 
+def test_a_bug_in_intake_is_a_server_error_not_the_requests(monkeypatch):
+    """A request's own problem (a DgpipeError, or a ValueError from a value it sent) is an invalid request;
+    an exception of any other type is the server's failure: answered as internal (a 500), not as a 400
+    blaming the request, and the core keeps taking requests."""
+    c = core()
+    channel = Channel()
+    monkeypatch.setattr(c.session, "encode_prompt", lambda p: (_ for _ in ()).throw(TypeError("bad call")))
+    c.accept(inputs("hi").get, {}, channel)
+    (failure,) = channel.sent
+    assert failure.kind is ErrorKind.INTERNAL and "TypeError: bad call" in failure.message
+    monkeypatch.setattr(c.session, "encode_prompt", lambda p: (_ for _ in ()).throw(ValueError("bad value")))
+    c.accept(inputs("hi").get, {}, channel)
+    assert channel.sent[1] == Failure(ErrorKind.INVALID_REQUEST, "bad value")
+    monkeypatch.undo()
+    c.accept(inputs("hi").get, {}, channel)
+    assert len(channel.sent) == 2 and not c.inbox.empty()
+
+
 def test_a_failed_pass_fails_the_requests_in_flight_as_internal():
     c = core()
     channel = Channel()
