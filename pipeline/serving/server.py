@@ -14,6 +14,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -137,6 +138,27 @@ class Ports:
     def host(self) -> str:
         return "127.0.0.1" if self.address in ("0.0.0.0", "") else self.address
 
+    def check_free(self) -> None:
+        """Refuse ports another process listens on, before tritonserver starts: its readiness is probed by
+        URL, so a server already on the HTTP port would answer for it (and requests would reach that
+        server) until this one failed to bind. SO_REUSEADDR as a server sets it: a port a stopped server
+        left in TIME_WAIT is free, one being listened on is not."""
+        for name, port in (
+            ("--http-port", self.http),
+            ("--grpc-port", self.grpc),
+            ("--metrics-port", self.metrics),
+        ):
+            family, kind, _, _, where = socket.getaddrinfo(self.address, port, type=socket.SOCK_STREAM)[0]
+            with socket.socket(family, kind) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind(where)
+                except OSError as e:
+                    raise DgpipeError(
+                        f"port {port} ({name}) on {self.address} is taken: {e.strerror}",
+                        f"stop what listens there, or pass another {name}",
+                    ) from e
+
 
 _GLOG_ERROR = re.compile(r"^\s*[EF]\d{4} ")  # glog severity + MMDD: E1203 12:00:00.000 ...
 
@@ -194,6 +216,7 @@ class TritonServer:
         ]
 
     def start(self, timeout: float = 180.0) -> TritonServer:
+        self.ports.check_free()
         self.workdir.mkdir(parents=True, exist_ok=True)
         with open(self.log, "wb") as fh:
             self.proc = spawn(

@@ -143,8 +143,9 @@ def start_tritonserver(repo: Path, work: Path, pick=free_port):
     """A bare tritonserver on REPO through the library (pipeline.serving.server), returned started.
 
     tritonserver takes fixed ports (no port 0 with read-back), so ports are picked by bind-then-close
-    and another process can take one before tritonserver binds it. It then exits with "... already in
-    use" in its log; pick fresh ports and start again. Any other failure is raised at once."""
+    and another process can take one before tritonserver binds it: the start refuses a port taken before it
+    spawns tritonserver, which exits with "... already in use" in its log for one taken after. Either way:
+    pick fresh ports and start again. Any other failure is raised at once."""
     from pipeline.errors import DgpipeError
     from pipeline.serving.server import Ports, TritonServer
 
@@ -154,9 +155,10 @@ def start_tritonserver(repo: Path, work: Path, pick=free_port):
         srv = TritonServer(repo, ports, work, log=log)
         try:
             return srv.start()
-        except DgpipeError:
-            # the log, not the message: the message's error lines can miss the bind failure
-            if "already in use" not in log.read_text(errors="replace") or attempt == START_ATTEMPTS - 1:
+        except DgpipeError as e:
+            # the log too, not the message alone: the message's error lines can miss the bind failure
+            said = str(e) + (log.read_text(errors="replace") if log.is_file() else "")
+            if "already in use" not in said or attempt == START_ATTEMPTS - 1:
                 raise
     raise AssertionError("unreachable")
 

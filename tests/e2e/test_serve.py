@@ -44,7 +44,8 @@ def server(tmp_path_factory):
 
 def test_server_start_retries_when_a_port_is_taken(tmp_path):
     """The race, forced: the first ports handed out are held by another socket; the second start works.
-    (Runs a second tritonserver briefly; the failing start exits as soon as it tries to bind.)"""
+    The taken port is refused before any tritonserver starts (one that started would be answered for by
+    the server already there)."""
     from pipeline.runtime.session import default_model_path
     from pipeline.serving.repository import package
 
@@ -57,8 +58,7 @@ def test_server_start_retries_when_a_port_is_taken(tmp_path):
         srv = start_tritonserver(repo, tmp_path, pick=lambda: next(handed, None) or free_port())
         try:
             assert srv.ports.http != taken and srv.ready()
-            first_log = (tmp_path / "tritonserver.0.log").read_text(errors="replace")
-            assert "already in use" in first_log
+            assert not (tmp_path / "tritonserver.0.log").exists()  # refused before tritonserver started
         finally:
             srv.stop()
 

@@ -160,3 +160,36 @@ def test_health_cli_probe_exit_codes_and_drain_touches_the_file_and_waits(tmp_pa
         "ok": True,
     }
     assert drained.exit_code == 0 and "drained: nothing in flight" in drained.stdout and drain.is_file()
+
+
+def test_a_port_another_server_listens_on_is_refused_before_tritonserver_starts(tmp_path, monkeypatch):
+    """Readiness is probed by URL: with another server on the HTTP port, it answered for the new one, which
+    printed "ready" (and its clients were served by the other) until tritonserver failed to bind. The taken
+    port is named before anything starts; a port nobody listens on is free."""
+    import socket
+
+    import pytest
+
+    from pipeline.errors import DgpipeError
+    from pipeline.serving import server
+
+    repo = tmp_path / "repo"
+    (repo / "m").mkdir(parents=True)
+    (repo / "m" / "config.pbtxt").write_text('name: "m"\n')
+    spawned = []
+    monkeypatch.setattr(server, "spawn", lambda *a, **kw: spawned.append(a))
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        free = [socket.socket() for _ in range(2)]
+        for s in free:
+            s.bind(("127.0.0.1", 0))
+        grpc, metrics = (s.getsockname()[1] for s in free)
+        for s in free:
+            s.close()  # free again, as a port a stopped server left behind
+        ports = server.Ports(http=taken, grpc=grpc, metrics=metrics)
+        with pytest.raises(DgpipeError, match=rf"port {taken} \(--http-port\) on 127.0.0.1 is taken"):
+            server.TritonServer(repo, ports, tmp_path).start(timeout=1)
+        assert spawned == []
+        server.Ports(http=grpc, grpc=metrics, metrics=grpc).check_free()
