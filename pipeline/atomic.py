@@ -8,6 +8,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pipeline.errors import DgpipeError
+
 
 def atomic_write_text(path: Path, text: str) -> Path:
     """Write to a temp file beside `path`, then rename: a crash never leaves a half-written file."""
@@ -29,8 +31,24 @@ def atomic_write_bytes(path: Path, data: bytes) -> Path:
     return path
 
 
-def atomic_dir(final: Path):
-    """Context manager yielding a temp dir next to `final` that replaces it only on success."""
+def check_replaceable(final: Path, kind: str, marker: str) -> None:
+    """Refuse to replace `final` unless it is absent, an empty directory, or an earlier output of this kind
+    (a directory holding a file matching the glob `marker`): an output directory is replaced as a whole, so
+    `--output ~/models` must not delete what the user keeps there."""
+    final = Path(final)
+    if not final.exists():
+        return
+    if not final.is_dir() or (any(final.iterdir()) and not any(final.glob(marker))):
+        raise DgpipeError(
+            f"{final}: exists and is not {kind}",
+            "it would be replaced as a whole: pass a new or empty directory",
+        )
+
+
+def atomic_dir(final: Path, kind: str, marker: str):
+    """Context manager yielding a temp dir next to `final` that replaces it only on success; `final` must be
+    replaceable (`check_replaceable`: absent, empty, or an earlier output of `kind`, marked by `marker`)."""
+    check_replaceable(final, kind, marker)
 
     @contextlib.contextmanager
     def _cm():

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.atomic import atomic_dir
+from pipeline.atomic import atomic_dir, check_replaceable
 from pipeline.builddir import (
     LAYOUT,
     MANIFEST_NAME,
@@ -44,6 +44,7 @@ from pipeline.resources import k8s_dir
 PVC_BUILD_DIR = "/models/build"  # where the build directory lives on the model PVC (k8s/base/pvc.yaml)
 WORKLOAD = "dgpipe-triton"
 RENDER_SUMMARY = "render.json"
+MANIFESTS_OUTPUT = "a `dgpipe manifests` output"  # what an --output dir may hold for a render to replace it
 # Output files, in the order `dgpipe deploy` applies them (smoke and loader are applied on their own).
 STORAGE_FILE, SERVING_FILE, SMOKE_FILE, LOADER_FILE = (
     "storage.yaml",
@@ -534,13 +535,7 @@ def load_summary(output: Path) -> dict[str, Any]:
 
 def check_output(output: Path) -> None:
     """The output dir is replaced as a whole: refuse one that holds anything but an earlier render."""
-    if output.exists() and (
-        not output.is_dir() or (any(output.iterdir()) and not (output / RENDER_SUMMARY).is_file())
-    ):
-        raise DgpipeError(
-            f"--output {output}: exists and is not a `dgpipe manifests` output",
-            "it would be replaced as a whole; pass a new or empty directory",
-        )
+    check_replaceable(output, MANIFESTS_OUTPUT, RENDER_SUMMARY)
 
 
 def write(output: Path, values: RenderValues, files: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -549,7 +544,7 @@ def write(output: Path, values: RenderValues, files: dict[str, list[dict[str, An
     info = summary(values, files)
     texts = {name: yaml.safe_dump_all(docs, sort_keys=False).encode() for name, docs in files.items()}
     digests = {name: hashlib.sha256(data).hexdigest() for name, data in texts.items()}
-    with atomic_dir(output) as tmp:  # files and their digests appear together or not at all
+    with atomic_dir(output, MANIFESTS_OUTPUT, RENDER_SUMMARY) as tmp:  # files and digests appear together
         for name, data in texts.items():
             (tmp / name).write_bytes(data)
         (tmp / RENDER_SUMMARY).write_text(json.dumps({**info, DIGESTS: digests}, indent=2) + "\n")

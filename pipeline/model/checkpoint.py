@@ -226,7 +226,7 @@ def save_checkpoint(
 ) -> Path:
     """Write config.json, model.safetensors, generation_config.json (+ tokenizer etc. via extra_files) atomically."""
     final = Path(out)
-    with atomic_dir(final) as tmp:
+    with atomic_dir(final, "a checkpoint", "config.json") as tmp:
         state = hf_state_dict(model)
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}

@@ -156,7 +156,7 @@ def write_resolved(rec: pr.Recognised, ad: pr.Recognised | None, out: Path) -> P
             "adapted_copies": sorted(adapter.copies),
             "merged": merged,
         }
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, "a resolved checkpoint", "config.json") as tmp:
         _save_sharded(state, tmp, save_file)
         side = _recorded_base(meta, Path(rec.path)) if rec.kind in _AUTOMODEL else None
         if ad is not None:

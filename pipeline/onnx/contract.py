@@ -318,6 +318,7 @@ PLUGIN_ATTRIBUTES = {"plugin_namespace": DOMAIN, "plugin_version": "1"}
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "model.onnx.data"  # external data (all initializers)
 CONTRACT_FILE = "contract.json"  # this module's tables + the model's dims, written beside the model
+EXPORT_KIND = "an ONNX export"  # what an export's output dir may hold for an export to replace it
 
 
 def custom_ops(moe: str = DEFAULT_MOE) -> tuple[OpSpec, ...]:

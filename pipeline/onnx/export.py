@@ -318,7 +318,7 @@ def export_onnx(
     step("head + sampler")
     contract = finish_graph(m, model, model_dtype, precision, moe)
     out_dir = Path(out_dir)
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, onnx_io.EXPORT_KIND, onnx_io.CONTRACT_FILE) as tmp:
         step("save")
         onnx.save_model(
             m,

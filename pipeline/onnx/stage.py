@@ -51,12 +51,15 @@ def run_export(
     "bfloat16" (what TensorRT builds: a strongly typed engine runs the graph's types, and the FP8 / NVFP4
     expert plugins take bf16 hidden states). Default float32, or with `stream` the checkpoint's own.
     `progress(bytes done, bytes total)`: the streaming export's weight copy."""
+    from pipeline.atomic import check_replaceable
     from pipeline.builddir import LAYOUT, MANIFEST_NAME, record_stage
+    from pipeline.onnx import contract as onnx_io
     from pipeline.onnx.export import export_onnx
 
     if output is None and build_dir is None:
         raise DgpipeError("nowhere to write the ONNX", "pass --output DIR or --build-dir DIR")
     output = output or build_dir / LAYOUT["onnx"]  # type: ignore[operator]
+    check_replaceable(output, onnx_io.EXPORT_KIND, onnx_io.CONTRACT_FILE)  # before the model is read
     if dtype is not None and dtype not in GRAPH_DTYPES:
         raise DgpipeError(f"unknown --dtype '{dtype}'", f"choose one of: {', '.join(GRAPH_DTYPES)}")
     from pipeline.model.validate import validate_checkpoint

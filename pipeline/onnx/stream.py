@@ -215,7 +215,7 @@ def export_streaming(
     shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     total = sum(stored[_param(i.name)][5] for i in weights if _param(i.name) in stored)
     out_dir = Path(out_dir)
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, onnx_io.EXPORT_KIND, onnx_io.CONTRACT_FILE) as tmp:
         writer = ExternalDataWriter(tmp / onnx_io.WEIGHTS_FILE)
         try:
             done = 0

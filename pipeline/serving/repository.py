@@ -31,6 +31,9 @@ from pipeline.resources import TRITON_MODEL_SOURCE
 from pipeline.serving import schema
 from pipeline.stages import StageResult
 
+# what an --output dir may hold for a package to replace it: a Triton model repository (a model's config)
+REPOSITORY_KIND, REPOSITORY_MARKER = "a Triton model repository", "*/config.pbtxt"
+
 
 def model_config(
     name: str,
@@ -114,7 +117,7 @@ def package(
         )
     warmup = _warmup_request(ckpt)
     cfg = model_config(name, limits.merged(max_prompt=prompt_cap), device, warmup, compile)
-    with atomic_dir(output) as tmp:
+    with atomic_dir(output, REPOSITORY_KIND, REPOSITORY_MARKER) as tmp:
         mdir = tmp / name
         version = model_version_dir(tmp, name)
         version.mkdir(parents=True)

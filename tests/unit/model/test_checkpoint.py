@@ -138,7 +138,7 @@ def test_failed_save_leaves_previous_checkpoint(tiny_checkpoint: Path):
     class Boom(RuntimeError):
         pass
 
-    with pytest.raises(Boom), ck.atomic_dir(tiny_checkpoint) as tmp:
+    with pytest.raises(Boom), ck.atomic_dir(tiny_checkpoint, "a checkpoint", "config.json") as tmp:
         (tmp / "model.safetensors").write_bytes(b"half")
         raise Boom
     assert (tiny_checkpoint / "model.safetensors").read_bytes() == before

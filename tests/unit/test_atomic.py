@@ -1,0 +1,52 @@
+"""Outputs are replaced as a whole: never a directory the user keeps other things in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.atomic import atomic_dir
+from pipeline.errors import DgpipeError
+from tests._utils.cli import dgpipe
+
+
+def test_an_output_dir_is_replaced_only_when_it_is_an_earlier_output(tmp_path: Path):
+    """`--output ~/models` replaced the whole directory: everything else in it was deleted. A directory is
+    replaced when absent, empty, or holding this kind's marker; a file or another directory is refused."""
+    kept = tmp_path / "mine"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("keep me")
+    with (
+        pytest.raises(DgpipeError, match="exists and is not an ONNX export"),
+        atomic_dir(kept, "an ONNX export", "contract.json"),
+    ):
+        pass  # fmt: skip
+    assert (kept / "notes.txt").read_text() == "keep me"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DgpipeError, match="is not an ONNX export"):
+        atomic_dir(tmp_path / "file", "an ONNX export", "contract.json")
+    for ours in (tmp_path / "empty", tmp_path / "earlier"):
+        ours.mkdir()
+    (tmp_path / "earlier" / "contract.json").write_text("{}")
+    for ours in (tmp_path / "empty", tmp_path / "earlier", tmp_path / "absent"):
+        with atomic_dir(ours, "an ONNX export", "contract.json") as tmp:
+            (tmp / "contract.json").write_text("new")
+        assert [p.name for p in ours.iterdir()] == ["contract.json"]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["package", "--output"],
+        ["export", "--output"],
+        ["quantize", "--precision", "fp8", "--output"],
+    ],
+)
+def test_commands_refuse_an_output_dir_of_other_files_before_any_work(tmp_path: Path, command: list[str]):
+    kept = tmp_path / "mine"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("keep me")
+    proc = dgpipe(*command, str(kept), timeout=300)
+    assert proc.returncode == 2 and "exists and is not" in proc.stderr and "Traceback" not in proc.stderr
+    assert (kept / "notes.txt").read_text() == "keep me" and [p.name for p in kept.iterdir()] == ["notes.txt"]
