@@ -16,9 +16,22 @@ def atomic_write_text(path: Path, text: str) -> Path:
     return atomic_write_bytes(path, text.encode())
 
 
+def make_dir(d: Path) -> None:
+    """`d` and its parents, or a DgpipeError naming the path that is a file where a directory is needed."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        blocking = next((p for p in (d, *d.parents) if p.exists() and not p.is_dir()), d)
+        raise DgpipeError(
+            f"{blocking}: a file is in the way of directory {d}", "pass a directory path"
+        ) from e
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> Path:
     """`atomic_write_text` for bytes."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise DgpipeError(f"{path}: is a directory, not a file", "pass a file path")
+    make_dir(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -52,7 +65,7 @@ def atomic_dir(final: Path, kind: str, marker: str):
 
     @contextlib.contextmanager
     def _cm():
-        final.parent.mkdir(parents=True, exist_ok=True)
+        make_dir(final.parent)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         try:
             yield tmp

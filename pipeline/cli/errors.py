@@ -1,7 +1,8 @@
 """The one error map: exception type -> exit code and one line on stderr; `main()` applies it once.
 
-User errors (DgpipeError and its kinds) exit 2 with `error: ...`; DGPIPE_DEBUG=1 also shows the traceback.
-Anything not in the map is a bug and keeps its traceback.
+User errors (DgpipeError and its kinds) exit 2 with `error: ...`; so do the file system's refusals (OSError:
+a path that is a file where a directory is needed, unwritable, missing, a full disk), named with their
+path. DGPIPE_DEBUG=1 also shows the traceback. Anything not in the map is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -14,8 +15,16 @@ from collections.abc import Callable
 from pipeline.cli import output
 from pipeline.errors import DgpipeError
 
+
+def _os_error(e: BaseException) -> str:
+    assert isinstance(e, OSError)
+    where = f"{e.filename}: " if e.filename else ""
+    return f"error: {where}{e.strerror or e} (check the path, its permissions and free space)"
+
+
 ERRORS: dict[type[BaseException], tuple[int, Callable[[BaseException], str]]] = {
     DgpipeError: (2, lambda e: f"error: {e}"),
+    OSError: (2, _os_error),
     KeyboardInterrupt: (130, lambda e: "interrupted"),
 }
 

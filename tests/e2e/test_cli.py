@@ -75,6 +75,25 @@ def test_debug_variable_shows_the_traceback(tmp_path: Path):
     assert debug.stderr.strip().splitlines()[-1] == plain.stderr.strip()
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["build", "--precision", "bf16", "--build-dir", "{file}"], "{file}: a file is in the way"),
+        (["bench", "requests", "{dir}"], "{dir}: is a directory, not a file"),
+        (["bench", "gpu", "--dry-run", "--out", "{file}/x"], "{file}: a file is in the way"),
+        (["bench", "requests", "/proc/dgpipe-nope/x.jsonl"], "/proc/dgpipe-nope: No such file or directory"),
+    ],
+)
+def test_paths_of_the_wrong_kind_are_one_line_naming_them(tmp_path: Path, args, needle):
+    """A file where a directory is needed, a directory where a file is, a path the file system refuses:
+    exit 2 with the path named (they were tracebacks: FileExistsError, IsADirectoryError, ...)."""
+    (tmp_path / "f").write_text("x")
+    fill = {"file": str(tmp_path / "f"), "dir": str(tmp_path)}
+    proc = dgpipe(*(a.format(**fill) for a in args), ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert needle.format(**fill) in proc.stderr
+
+
 def test_doctor_json():
     rows = json.loads(dgpipe("doctor", "--json").stdout)
     names = {r["name"] for r in rows}
