@@ -96,8 +96,14 @@ def _inside(p: Path, roots: list[Path]) -> bool:
 
 def checkpoint_files(path: str | Path) -> list[Path]:
     """Every file of the checkpoint, relative to it, after checking the directory is safe to read and copy:
-    no symlink leaving it, nothing but regular files and folders, no pickle files."""
+    no symlink leaving it, nothing but regular files and folders, no pickle files. A directory without
+    config.json is no checkpoint and is not walked (its files are not the user's checkpoint's)."""
     root = checkpoint_dir(path)
+    if not (root / "config.json").is_file():
+        raise CheckpointError(
+            f"{path}: not a checkpoint (no config.json)",
+            "pass --model DIR with config.json and *.safetensors; `dgpipe inspect DIR` says what a directory is",
+        )
     roots = _allowed_roots(root)
     found: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):

@@ -101,7 +101,7 @@ def _expect(path: Path, pattern: str) -> None:
 def test_missing_directory_and_files(tiny_checkpoint: Path, tmp_path: Path):
     _expect(tmp_path / "nope", "no such checkpoint directory")
     (tiny_checkpoint / "config.json").rename(tmp_path / "c.json")
-    _expect(tiny_checkpoint, "config.json: missing")
+    _expect(tiny_checkpoint, r"not a checkpoint \(no config\.json\)")
     (tmp_path / "c.json").rename(tiny_checkpoint / "config.json")
     (tiny_checkpoint / "model.safetensors").unlink()
     _expect(tiny_checkpoint, "no model.safetensors")

@@ -466,3 +466,17 @@ def test_package_copies_regular_files_only(tiny_checkpoint: Path, tmp_path: Path
     copied = tmp_path / "copy" / "alias.json"
     assert copied.is_file() and not copied.is_symlink()
     assert copied.read_bytes() == (tiny_checkpoint / "config.json").read_bytes()
+
+
+def test_a_directory_without_config_json_is_not_walked(tmp_path):
+    """`--model /usr` walked the whole tree and advised deleting a vim tutorial's `.pt` file as a pickle in
+    the checkpoint: a directory without config.json is said to be no checkpoint before anything in it is
+    read."""
+    from pipeline.errors import CheckpointError
+    from pipeline.model.checkpoint import open_checkpoint
+
+    (tmp_path / "venv" / "lib").mkdir(parents=True)
+    (tmp_path / "venv" / "lib" / "weights.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"not a checkpoint \(no config\.json\)") as e:
+        open_checkpoint(tmp_path)
+    assert "pickle" not in str(e.value)
