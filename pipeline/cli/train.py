@@ -67,25 +67,28 @@ def train(
     out_dir = out_dir or opt.cache_dir() / "sudoku-tiny"
     from pipeline.demo.train import TrainConfig
     from pipeline.demo.train import train as run_train
+    from pipeline.errors import validation_error
 
-    cfg = TrainConfig(
-        model=config,
-        minutes=minutes,
-        max_steps=max_steps,
-        givens=(lo, hi),
-        curriculum_start=curriculum_start if curriculum_start is not None else max(62, lo),
-        eval_givens=bands[0],
-        extra_eval_givens=bands[1:],
-        hard_fraction=hard_fraction,
-        pin_prob=pin_prob,
-        pool_size=pool_size,
-        warmup_steps=warmup_steps,
-        eval_n=eval_n,
-        threads=threads,
-        batch_size=batch_size,
-        lr=lr,
-        seed=seed,
-        eval_every_minutes=eval_every,
-    )
+    flags = {"eval_every_minutes": "--eval-every"}  # the options named otherwise than their field
+    with validation_error(lambda where, msg: f"{flags.get(where, '--' + where.replace('_', '-'))}: {msg}"):
+        cfg = TrainConfig(
+            model=config,
+            minutes=minutes,
+            max_steps=max_steps,
+            givens=(lo, hi),
+            curriculum_start=curriculum_start if curriculum_start is not None else max(62, lo),
+            eval_givens=bands[0],
+            extra_eval_givens=bands[1:],
+            hard_fraction=hard_fraction,
+            pin_prob=pin_prob,
+            pool_size=pool_size,
+            warmup_steps=warmup_steps,
+            eval_n=eval_n,
+            threads=threads,
+            batch_size=batch_size,
+            lr=lr,
+            seed=seed,
+            eval_every_minutes=eval_every,
+        )
     path = run_train(cfg, out_dir, resume=resume, log=lambda row: out.line(json.dumps(row)))
     out.saved([path], True, "checkpoint")

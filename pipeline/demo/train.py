@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from pipeline.demo import sudoku
 from pipeline.demo import tokenizer as stok
@@ -40,12 +40,14 @@ from pipeline.runtime.kv_cache import KeyMeta, attention_masks
 
 class TrainConfig(BaseModel):
     model: str = "sudoku-tiny"  # configs/models/<name>.yaml
-    minutes: float = 150.0
-    max_steps: int | None = None  # optional step budget: whichever of minutes / steps comes first
-    batch_size: int = 64
-    lr: float = 2e-3
+    minutes: float = Field(150.0, gt=0)  # the schedule divides by it: 0 fails, a negative one never ends
+    max_steps: int | None = Field(
+        None, ge=1
+    )  # optional step budget: whichever of minutes / steps comes first
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(2e-3, gt=0)
     min_lr_ratio: float = 0.05
-    warmup_steps: int = 200
+    warmup_steps: int = Field(200, ge=1)  # the warm-up divides by it
     weight_decay: float = 0.01
     ar_loss_weight: float = 0.5
     ar_fraction: float = 0.25  # share of each batch that also trains the causal-LM (encoder) mode
@@ -59,20 +61,22 @@ class TrainConfig(BaseModel):
     curriculum_start: int = 62  # lowest givens at the start; decreases to givens[0]
     curriculum_fraction: float = 0.5  # share of the budget spent moving the lower bound
     max_givens: int = 70
-    pool_size: int = 4096  # base puzzles over givens[0]..max_givens, generated once (augmented on the fly)
+    pool_size: int = Field(
+        4096, ge=1
+    )  # base puzzles over givens[0]..max_givens, generated once (augmented on the fly)
     # difficulty weighting: this share of each batch is drawn in proportion to each puzzle's last
     # per-example diffusion loss (unseen puzzles count as the pool's highest), the rest uniformly.
     # hard_fraction and pin_prob default to the shipped recipe (off): neither has been validated by a
     # full training run yet (no run has separated their effect: BENCHMARKS.md, "Embedded model accuracy")
     hard_fraction: float = 0.0
-    eval_every_minutes: float = 10.0
-    eval_n: int = 128
+    eval_every_minutes: float = Field(10.0, gt=0)
+    eval_n: int = Field(128, ge=1)
     eval_givens: tuple[int, int] = sudoku.DEFAULT_GIVENS
     # further held-out bands evaluated with eval_givens; the checkpoint kept is the best by the sum of
     # all bands' solve rates, so a harder band cannot be bought with a loss on the primary one unseen
     extra_eval_givens: list[tuple[int, int]] = []
     seed: int = 0
-    threads: int = 2
+    threads: int = Field(2, ge=1)
 
 
 def default_generation_config() -> dict:

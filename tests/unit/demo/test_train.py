@@ -119,3 +119,23 @@ def test_pinned_givens_stay_clean_in_the_corrupted_canvas(monkeypatch):
     pinned, free = seen
     assert torch.equal(pinned[:, :81][given], target[:, :81][given])
     assert (free[:, :81][given] == target[:, :81][given]).float().mean() < 0.3  # ~1/24 by chance
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--minutes", "-1"], "--minutes: Input should be greater than 0"),
+        (["--minutes", "0"], "--minutes: Input should be greater than 0"),
+        (["--batch-size", "0"], "--batch-size: Input should be greater than or equal to 1"),
+        (["--threads", "0"], "--threads: Input should be greater than or equal to 1"),
+        (["--eval-every", "0"], "--eval-every: Input should be greater than 0"),
+    ],
+)
+def test_budgets_and_sizes_out_of_range_are_refused_naming_the_option(tmp_path, args, needle):
+    """`--minutes -1` trained forever (the schedule's fraction never reached 1), 0 divided by zero, a zero
+    batch, thread count or evaluation interval failed deep inside: each is refused up front."""
+    from tests._utils.cli import dgpipe
+
+    proc = dgpipe("train", *args, "--out", str(tmp_path / "out"), timeout=120)
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
