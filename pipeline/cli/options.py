@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from pipeline.devices import DEVICE_CHOICES
 from pipeline.limits import DEFAULTS as LIMITS  # the defaults the limit options show (None: not given)
 from pipeline.limits import Limits
 from pipeline.resources import cache_dir as cache_dir  # where commands write when not told
@@ -30,7 +31,7 @@ Adapter = Annotated[
         "formula (cached under ~/.cache/dgpipe/merged)",
     ),
 ]
-Device = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto")]
+Device = Annotated[str, typer.Option(help=DEVICE_CHOICES)]
 Dtype = Annotated[str, typer.Option(help="float32, bfloat16, float16 or auto (bf16 on GPU, fp32 on CPU)")]
 Json = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 ModelName = Annotated[

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pipeline.devices import check_device
 from pipeline.errors import DgpipeError, InputError
 from pipeline.model.checkpoint import Checkpoint, load_model
 from pipeline.model.config import SamplerConfig
@@ -33,6 +34,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(device: str | None) -> torch.device:
+    if device is not None:
+        check_device(device)
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():

@@ -22,6 +22,7 @@ from pipeline.builddir import (
     record_stage,
     target_engine_dir,
 )
+from pipeline.devices import check_device
 from pipeline.endpoints import check_model_name
 from pipeline.errors import DgpipeError
 from pipeline.limits import Limits, flag
@@ -98,6 +99,8 @@ def package(
     `engine_limits`: the caps a build's engines were built for, which `limits` must fit.
     The prompt limit written is at most what the model's positions hold with one canvas after the prompt."""
     from google.protobuf import text_format
+
+    check_device(device)  # written into config.pbtxt: a wrong one would fail only when Triton loads the model
 
     check_model_name(name)
     limits = limits or Limits()

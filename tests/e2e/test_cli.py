@@ -219,3 +219,13 @@ def test_bench_sweep_writes_json_and_png(tmp_path: Path):
     assert [(p["entropy_bound"], p["max_steps"]) for p in out["points"]] == [(0.1, 2), (1.0, 2)]
     assert all(p["mean_steps"] <= 2 for p in out["points"]) and out["pareto"]
     assert (tmp_path / "sweep.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("command", [["generate", "x"], ["package", "--output", "{tmp}/repo"]])
+@pytest.mark.parametrize("device", ["tpu", "mps", "meta", "cuda:x"])
+def test_a_device_dgpipe_does_not_run_on_is_refused_up_front(tmp_path: Path, command, device):
+    """torch names more devices than dgpipe runs on: `mps` and `tpu` were tracebacks, `meta` a misleading
+    "no weights" error, and `package --device tpu` wrote a repository that failed only when Triton loaded it."""
+    proc = dgpipe(*(a.format(tmp=tmp_path) for a in command), "--device", device, ok=False)
+    assert proc.returncode == 2 and f"--device {device}: not a device dgpipe runs on" in proc.stderr
+    assert not (tmp_path / "repo").exists()

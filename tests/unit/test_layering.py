@@ -32,6 +32,7 @@ STAGES = {  # package prefix -> position on the data path
     "pipeline.endpoints": 0,
     "pipeline.stages": 0,
     "pipeline.threads": 0,
+    "pipeline.devices": 0,
     "pipeline.model": 1,
     "pipeline.sampler": 2,
     "pipeline.runtime": 3,
