@@ -89,10 +89,12 @@ def run_build(opts: BuildOptions, emit: Emit) -> dict:
     emit(StageStarted("validate", f"checking {opts.model}: config, tensors, finite weights"))
     from pipeline.deploy.smoke import smoke_test_for
     from pipeline.model.validate import validate_checkpoint
+    from quantize.run import check_options
 
     if opts.limits.max_context <= opts.limits.max_prompt:
         raise DgpipeError("--max-context must be > --max-prompt")
     check_model_name(opts.name)
+    check_options(_quantize_options(opts, opts.build_dir.resolve()))  # --calib-data etc., before any write
     targets = resolve_targets(opts.precision, opts.targets)
     # a missing, broken or hostile checkpoint fails before any stage runs or anything is written; the
     # one pass over its weights also gives the content hash, and the quantize stage takes this value
@@ -284,20 +286,22 @@ def _quantize(
         if step is not None:
             step(f"import {name.split('.')[0]}")
         importlib.import_module(name)
-    from quantize.run import QuantizeOptions
     from quantize.stage import quantize_stage
 
     return quantize_stage(
-        QuantizeOptions(
-            model=opts.model,
-            precision=opts.precision,
-            output=build_dir / LAYOUT["checkpoint"],
-            calib_data=opts.calib_data,
-            calib_size=opts.calib_size,
-        ),
-        build_dir,
-        source=source,
-        phases=_phases(emit, "quantize"),
+        _quantize_options(opts, build_dir), build_dir, source=source, phases=_phases(emit, "quantize")
+    )
+
+
+def _quantize_options(opts: BuildOptions, build_dir: Path):
+    from quantize.run import QuantizeOptions
+
+    return QuantizeOptions(
+        model=opts.model,
+        precision=opts.precision,
+        output=build_dir / LAYOUT["checkpoint"],
+        calib_data=opts.calib_data,
+        calib_size=opts.calib_size,
     )
 
 

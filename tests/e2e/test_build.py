@@ -109,6 +109,11 @@ def test_fp8_build_writes_every_stage_and_defers_the_engine(build):
         (["--precision", "fp8", "--target", "sm75"], "unknown GPU target 'sm75'"),
         (["--precision", "fp8", "--model", "/nonexistent"], "no such checkpoint directory"),
         (["--precision", "fp8", "--name", "../chat"], "'../chat' is not a valid model name"),
+        (
+            ["--precision", "fp8", "--calib-data", "/nonexistent.jsonl"],
+            "--calib-data /nonexistent.jsonl: no such file",
+        ),
+        (["--precision", "fp8", "--calib-size", "0"], "--calib-size must be >= 1"),
     ],
 )
 def test_bad_input_is_refused_before_anything_is_written(tmp_path: Path, args, message):
