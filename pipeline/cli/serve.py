@@ -19,7 +19,7 @@ app = opt.typer_app()
 Repo = Annotated[
     Path | None,
     typer.Option(
-        help="model repository (default: package the embedded model into ~/.cache/dgpipe/model_repository)"
+        help="model repository (default: package the embedded model into ~/.cache/dgpipe/serve/model_repository)"
     ),
 ]
 HttpPort = Annotated[int, typer.Option(help="HTTP port")]
@@ -100,7 +100,8 @@ def serve(
         from pipeline.runtime.session import default_model_path
         from pipeline.serving.repository import package as run_package
 
-        repo = run_package(default_model_path(), opt.cache_dir() / "model_repository")
+        # its own dir under serve's: `dgpipe package`'s default output (cache/model_repository) is the user's
+        repo = run_package(default_model_path(), opt.cache_dir() / "serve" / "model_repository")
     if image:
         out.line(" ".join(docker_command(repo, ports, image)))
         return

@@ -229,3 +229,21 @@ def test_a_device_dgpipe_does_not_run_on_is_refused_up_front(tmp_path: Path, com
     proc = dgpipe(*(a.format(tmp=tmp_path) for a in command), "--device", device, ok=False)
     assert proc.returncode == 2 and f"--device {device}: not a device dgpipe runs on" in proc.stderr
     assert not (tmp_path / "repo").exists()
+
+
+def test_serve_without_a_repository_leaves_packages_default_output_alone(tmp_path: Path):
+    """`dgpipe serve` without --repo packages the embedded model: into its own dir, not into
+    `dgpipe package`'s default output, which holds the user's repository."""
+    mine = tmp_path / "cache" / "model_repository" / "mymodel"
+    mine.mkdir(parents=True)
+    (mine / "config.pbtxt").write_text('name: "mymodel"\n')
+    proc = dgpipe(
+        "serve",
+        "--image",
+        "nvcr.io/nvidia/tritonserver:25.01-py3",
+        env={"DGPIPE_CACHE": str(tmp_path / "cache")},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert str(tmp_path / "cache" / "serve" / "model_repository") in proc.stdout
+    assert [p.name for p in mine.parent.iterdir()] == ["mymodel"]
+    assert (mine / "config.pbtxt").read_text() == 'name: "mymodel"\n'
