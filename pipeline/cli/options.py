@@ -150,13 +150,16 @@ def givens_range(text: str) -> tuple[int, int]:
 
 
 def int_list(text: str, flag: str, example: str = "") -> list[int]:
-    """`--flag 1,2,4`: comma-separated integers."""
+    """`--flag 1,2,4`: comma-separated counts (batch sizes, concurrency levels), each at least 1."""
     from pipeline.errors import DgpipeError
 
     try:
-        return [int(x) for x in text.split(",")]
+        values = [int(x) for x in text.split(",")]
     except ValueError as e:
         raise DgpipeError(f"{flag} {text!r}: expected comma-separated integers{example}") from e
+    if min(values) < 1:
+        raise DgpipeError(f"{flag} {text!r}: expected counts of at least 1{example}")
+    return values
 
 
 def typer_app(**kwargs) -> typer.Typer:

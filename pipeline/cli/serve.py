@@ -22,12 +22,15 @@ Repo = Annotated[
         help="model repository (default: package the embedded model into ~/.cache/dgpipe/serve/model_repository)"
     ),
 ]
-HttpPort = Annotated[int, typer.Option(help="HTTP port")]
-GrpcPort = Annotated[int, typer.Option(help="gRPC port")]
-MetricsPort = Annotated[int, typer.Option(help="Prometheus metrics port")]
+HttpPort = Annotated[int, typer.Option(help="HTTP port", min=1, max=65535)]
+GrpcPort = Annotated[int, typer.Option(help="gRPC port", min=1, max=65535)]
+MetricsPort = Annotated[int, typer.Option(help="Prometheus metrics port", min=1, max=65535)]
 Address = Annotated[str, typer.Option(help="address to bind (0.0.0.0: every interface; mind --admin-key)")]
 OpenAIPort = Annotated[
-    int, typer.Option(help="port of the OpenAI-compatible API (/v1/chat/completions, ...); 0 disables it")
+    int,
+    typer.Option(
+        help="port of the OpenAI-compatible API (/v1/chat/completions, ...); 0 disables it", min=0, max=65535
+    ),
 ]
 ApiKey = Annotated[
     str | None,

@@ -247,3 +247,17 @@ def test_serve_without_a_repository_leaves_packages_default_output_alone(tmp_pat
     assert str(tmp_path / "cache" / "serve" / "model_repository") in proc.stdout
     assert [p.name for p in mine.parent.iterdir()] == ["mymodel"]
     assert (mine / "config.pbtxt").read_text() == 'name: "mymodel"\n'
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["bench", "guided", "--batch", "0,1"], "--batch '0,1': expected counts of at least 1"),
+        (["serve", "--http-port", "99999"], "Invalid value for '--http-port'"),
+        (["serve", "--openai-port", "-1"], "Invalid value for '--openai-port'"),
+    ],
+)
+def test_counts_and_ports_out_of_range_are_usage_errors(tmp_path: Path, args, needle):
+    """A zero batch divided by zero after the warm-up; port 99999 was printed as where the server listens."""
+    proc = dgpipe(*args, ok=False, env={"DGPIPE_CACHE": str(tmp_path)})
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
