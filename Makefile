@@ -1,11 +1,13 @@
 # Two entry points for a fresh machine: `make demo` (the main job) and `make test` (the suite).
-# Each creates the virtual environment it needs; torch is pinned first so pip never pulls a CUDA build.
+# Each creates the virtual environment it needs; torch is pinned and installed first. From public PyPI a
+# Linux torch wheel is the CUDA build: TORCH_INDEX=https://download.pytorch.org/whl/cpu installs the CPU one.
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 DGPIPE  = $(VENV)/bin/dgpipe
 TORCH  ?= torch==2.13.0
+TORCH_INDEX ?=
 HTTP_PORT ?= 18000
 GRPC_PORT ?= 18001
 METRICS_PORT ?= 18002
@@ -18,7 +20,7 @@ PUZZLE ?= 14...9..56925.31.8835.1.927..1732.5.259.6.7.437694.28....6.4.935.3.914
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet "$(TORCH)"
+	$(PIP) install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install --quiet -e ".[test,bench,serve,quantize,engine]"
 	touch $@
 

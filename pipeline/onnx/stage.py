@@ -41,8 +41,9 @@ def run_export(
 ) -> StageResult:
     """Write the ONNX dir (`output`, default BUILD_DIR/onnx) and record it in the build manifest.
 
-    `moe`: routed (one dgpipe::MoE node per layer) or dense (debugging); quantized checkpoints export
-    dense for now (pipeline.onnx.export.export_onnx); the form written is recorded either way.
+    `moe`: routed (one dgpipe::MoE node per layer) or dense (debugging); a quantized export is routed when
+    every expert is quantized (pipeline.onnx.quant); the form written is recorded either way.
+    `from_checkpoint` False: an FP8 checkpoint exports dequantized float weights; NVFP4 has no such form.
     `stream`: float checkpoints are exported without loading them (pipeline.onnx.stream), in their stored
     dtype; quantized ones refuse it. `step(name)`: "read checkpoint", then export_onnx's EXPORT_STEPS, as
     each starts (a watched build's progress; the streaming export reports none).
@@ -85,6 +86,12 @@ def run_export(
         summary = export_fp8(model_dir, output, qdq=from_checkpoint, moe=moe, step=step, dtype=model_dtype)
     elif precision == "nvfp4":  # TensorRT >= 11 Q/DQ; onnxruntime cannot run TRT_FP4DynamicQuantize
         from pipeline.onnx.quant import export_nvfp4
+
+        if not from_checkpoint:
+            raise DgpipeError(
+                f"{model_dir}: --no-precision-from-checkpoint has no dequantized form for NVFP4",
+                "drop the flag (the export is the NVFP4 Q/DQ graph), or export the unquantized base",
+            )
 
         summary = export_nvfp4(model_dir, output, moe=moe, step=step, dtype=model_dtype)
     elif stream:

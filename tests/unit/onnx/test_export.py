@@ -733,6 +733,17 @@ def modelopt_nvfp4(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     return ckpt, {path: linear.dequantized() for path, linear in read_packed_linears(ckpt).items()}
 
 
+def test_nvfp4_has_no_dequantized_export(modelopt_nvfp4, tmp_path):
+    """--no-precision-from-checkpoint asks for dequantized float weights, which only FP8 has: an NVFP4
+    checkpoint said nothing and wrote its Q/DQ graph anyway."""
+    from pipeline.errors import DgpipeError
+    from pipeline.onnx.stage import run_export
+
+    with pytest.raises(DgpipeError, match="no dequantized form for NVFP4"):
+        run_export(modelopt_nvfp4[0], tmp_path / "onnx", None, from_checkpoint=False)
+    assert not (tmp_path / "onnx").exists()
+
+
 def test_nvfp4_export_passes_checker_and_packs_weights_exactly(model, modelopt_nvfp4, tmp_path):
     from pipeline.onnx.quant import _float_weight, export_nvfp4
     from pipeline.onnx.stage import checkpoint_precision
