@@ -166,7 +166,7 @@ def run_build(opts: BuildOptions, emit: Emit) -> dict:
         )
         rows.append(Row(stage, "ran", seconds, _rel(Path(out), build_dir), tree_size(Path(out)), gate))
         summary[stage] = result.as_dict()
-    engine_status = engines(man)
+    engine_status = engines(man, build_dir)
     emit(
         BuildFinished(
             round(time.monotonic() - started, 2),

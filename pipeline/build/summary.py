@@ -8,6 +8,7 @@ figures they were recorded with.
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -50,15 +51,19 @@ def human_size(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def engines(manifest: BuildManifest) -> dict[str, dict[str, Any]]:
-    """target -> {"status": built | up to date | deferred, "reason", "command"} from the engine stage."""
+def engines(manifest: BuildManifest, build_dir: Path) -> dict[str, dict[str, Any]]:
+    """target -> {"status": built | up to date | deferred, "reason", "command"} from the engine stage. The
+    command runs in the build dir (its paths are the build's, relative: the node mounts the build elsewhere),
+    so it is shown with the `cd` that makes it runnable from anywhere."""
     rec = manifest.stages.get("engine")
     found = rec.details.get("engines", {}) if rec else {}
     return {
         t: {
             "status": e.get("status", "unknown"),
             "reason": e.get("reason"),
-            "command": " ".join(e["command"]) if isinstance(e.get("command"), list) else e.get("command"),
+            "command": f"cd {shlex.quote(str(build_dir))} && {shlex.join(e['command'])}"
+            if e.get("command")
+            else None,
         }
         for t, e in found.items()
     }

@@ -70,7 +70,11 @@ def drain(
     if path is None:
         raise DgpipeError(f"no drain file: pass --drain-file or set {DRAIN_FILE_ENV} as for tritonserver")
     lifecycle.touch_drain_file(path)
-    if lifecycle.wait_drained(metrics_url, timeout):
+    if lifecycle.active_requests(metrics_url) is None:  # the server is gone, or the URL is not its metrics
+        out.line(
+            f"drained: no metrics at {metrics_url} (server gone, or pass its --metrics-url): nothing to wait for"
+        )
+    elif lifecycle.wait_drained(metrics_url, timeout):
         out.line("drained: nothing in flight")
     else:
         left = lifecycle.active_requests(metrics_url)

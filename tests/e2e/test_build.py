@@ -168,6 +168,8 @@ def test_the_console_shows_the_stages_and_the_summary_and_no_third_party_line(bu
         ["package", "skipped"],
     ]
     assert table[6].startswith("engine sm90: deferred to the target node")
+    # runnable from anywhere: the recorded command's paths are the build dir's
+    assert f"cd {build['dir'].resolve()} && dgpipe engine build --onnx onnx/model.onnx" in table[6]
     assert "next: dgpipe serve --repo" in table[8]
     log = (build["dir"] / "build.log").read_text()
     assert "Tied weight (declared)" in log  # ModelOpt's export lines went to the log, not the console

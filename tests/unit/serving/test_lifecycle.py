@@ -160,6 +160,9 @@ def test_health_cli_probe_exit_codes_and_drain_touches_the_file_and_waits(tmp_pa
         "ok": True,
     }
     assert drained.exit_code == 0 and "drained: nothing in flight" in drained.stdout and drain.is_file()
+    # nothing answers at the metrics URL: said so (a wrong --metrics-url read as "nothing in flight")
+    gone = runner.invoke(app, ["drain", "--metrics-url", "http://127.0.0.1:9/metrics", "--timeout", "30"])
+    assert gone.exit_code == 0 and "drained: no metrics at http://127.0.0.1:9/metrics" in gone.stdout
 
 
 def test_a_port_another_server_listens_on_is_refused_before_tritonserver_starts(tmp_path, monkeypatch):
