@@ -11,6 +11,7 @@ import typer
 from pipeline import endpoints
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
+from pipeline.errors import DgpipeError
 
 app = opt.typer_app()
 
@@ -111,6 +112,18 @@ def generate(
     """Generate with block diffusion, in-process or from a Triton server (--url)."""
     from pipeline.runtime import batch
 
+    if url:  # the server's model, dtype and device serve the request: these would be silently ignored
+        local = {"--model": model, "--adapter": adapter, "--compile": compile or None}
+        local |= {
+            "--dtype": None if dtype == "auto" else dtype,
+            "--device": None if device == "auto" else device,
+        }
+        given = [flag for flag, value in local.items() if value is not None]
+        if given:
+            raise DgpipeError(
+                f"{', '.join(given)} with --url: the server's model runs there, not one loaded here",
+                "leave them out, or leave out --url to generate in-process",
+            )
     text = sys.stdin.read() if prompt == "-" else prompt
     inputs = batch.read_inputs(text, chat or system is not None, system, file)  # all checked before work
     settings = batch.GenerateSettings(

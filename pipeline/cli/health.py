@@ -39,6 +39,8 @@ def probe(
     """Ping the model through its runtime loop; exit 0 when ready (or, with --live, alive)."""
     from pipeline.serving.lifecycle import ping
 
+    if not url.startswith(("http://", "grpc://")):  # a typo, not a server that is down
+        raise DgpipeError(f"--url {url}: not a Triton URL", "pass http://HOST:PORT or grpc://HOST:PORT")
     health = ping(url, model, timeout)
     ok = health.live if live else health.ready
     if as_json:

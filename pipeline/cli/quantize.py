@@ -64,7 +64,9 @@ def quantize(
         result = plan(config, [precision] if precision else [], target, context, concurrency, kv_cache)
         out.show(result, as_json, lambda r: _render_estimate(r, target, context, concurrency, kv_cache))
         return
-    if precision is None or (output is None) == (build_dir is None):
+    if output is not None and build_dir is not None:
+        raise DgpipeError("--output and --build-dir exclude each other", "pass one of them")
+    if precision is None or (output is None and build_dir is None):
         raise DgpipeError(
             "--precision and one of --output / --build-dir are required",
             "e.g. --precision nvfp4 --output ckpt-nvfp4",

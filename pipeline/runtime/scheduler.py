@@ -183,7 +183,7 @@ class BlockDiffusionRuntime:
             raise InputError(
                 f"prompt has {len(req.prompt_ids)} tokens; with one {self.canvas_length}-token canvas it exceeds "
                 f"the context limit of {self.max_len} tokens",
-                "shorten the prompt or raise --max-context",
+                "shorten the prompt; a server's context limit is its --max-context",
             )
         if any(t < 0 or t >= self.vocab for t in req.prompt_ids):
             raise InputError(f"prompt holds token ids outside the vocabulary [0, {self.vocab})")

@@ -261,3 +261,22 @@ def test_counts_and_ports_out_of_range_are_usage_errors(tmp_path: Path, args, ne
     """A zero batch divided by zero after the warm-up; port 99999 was printed as where the server listens."""
     proc = dgpipe(*args, ok=False, env={"DGPIPE_CACHE": str(tmp_path)})
     assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["health", "probe", "--url", "ftp://x"], "--url ftp://x: not a Triton URL"),
+        (["generate", "--url", "http://127.0.0.1:9", "--model", "{tmp}", "x"], "--model with --url"),
+        (["generate", "--url", "http://127.0.0.1:9", "--device", "cpu", "x"], "--device with --url"),
+        (
+            ["quantize", "--precision", "fp8", "--output", "{tmp}/a", "--build-dir", "{tmp}/b"],
+            "exclude each other",
+        ),
+    ],
+)
+def test_options_that_cannot_apply_are_refused(tmp_path: Path, args, needle):
+    """A URL scheme no probe speaks was reported as a server that is down (exit 1); a local model, dtype or
+    device beside --url was ignored; --output with --build-dir was told one of them is required."""
+    proc = dgpipe(*(a.format(tmp=tmp_path) for a in args), ok=False)
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
