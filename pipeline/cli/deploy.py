@@ -27,7 +27,8 @@ def deploy(
     ] = False,
     context: Annotated[str | None, typer.Option(help="kubeconfig context")] = None,
     timeout: Annotated[
-        int | None, typer.Option(help="seconds to wait for the rollout (default: engine build + load budget)")
+        int | None,
+        typer.Option(help="seconds to wait for the rollout (default: engine build + load budget)", min=1),
     ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan; needs no cluster")] = False,
     allow_edited: Annotated[

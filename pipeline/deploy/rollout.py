@@ -409,6 +409,9 @@ def execute(plan: Plan, log: Callable[[str], None] = lambda line: None) -> dict[
         log(f"-> {step.what}")
         stdin = _tar_build_dir(plan.upload) if step.sends_upload and plan.upload else None
         proc = _run(step, stdin)
+        # the step's hint is for what it checks (a CRD the cluster lacks); kubectl failing to reach the
+        # cluster at all (an unknown --context, no credentials) has its own fix
+        unreachable = proc.returncode != 0 and step.kind is StepKind.CHECK_CRD
         if proc.returncode == 0 and step.expect_output and step.expect_output not in _text(proc.stdout):
             proc = subprocess.CompletedProcess(step.argv, 1, b"", f"{step.expect_output} not found".encode())
         if proc.returncode == 0:
@@ -436,6 +439,8 @@ def execute(plan: Plan, log: Callable[[str], None] = lambda line: None) -> dict[
         for d in details:
             log(d)
         hint = step.hint
+        if unreachable:
+            hint = f"kubectl could not ask the cluster: check the context and credentials ({shlex.join([*kc, 'cluster-info'])})"
         if rolled_back:
             hint = "rolled back to the previous revision"
         elif serving_applied and not existed:

@@ -726,10 +726,10 @@ FAKE_KUBECTL = r"""#!/bin/sh
 # records every call; answers discovery; fails the calls whose arguments contain $FAKE_FAIL
 echo "$*" >> "$FAKE_LOG"
 cat > /dev/null
+if [ -n "$FAKE_FAIL" ]; then case "$*" in *"$FAKE_FAIL"*) echo "error: simulated failure" >&2; exit 1;; esac; fi
 case "$*" in *api-resources*)
   [ -z "$FAKE_NO_CRDS" ] && printf 'podmonitors.monitoring.coreos.com\nprometheusrules.monitoring.coreos.com\n'
   exit 0;; esac
-if [ -n "$FAKE_FAIL" ]; then case "$*" in *"$FAKE_FAIL"*) echo "error: simulated failure" >&2; exit 1;; esac; fi
 case "$*" in *condition=complete*) [ -n "$FAKE_JOB_FAILED" ] && { sleep 30 & echo "complete-wait sleep $!" >> "$FAKE_LOG"; wait $!; echo "complete-wait ran out" >> "$FAKE_LOG"; exit 1; };; esac
 case "$*" in *condition=failed*) [ -n "$FAKE_JOB_FAILED" ] && { for _ in $(seq 100); do grep -q "complete-wait sleep" "$FAKE_LOG" && break; sleep 0.05; done; exit 0; }; sleep 30; exit 1;; esac
 exit 0
@@ -876,6 +876,20 @@ def test_deploy_stops_before_applying_when_a_crd_is_missing(rendered, fake_kubec
         dp.execute(dp.make_plan(rendered), log=lambda s: None)
     assert "--no-monitoring" in str(e.value)
     assert not any(" apply " in f" {c} " for c in fake_kubectl.read_text().splitlines())
+
+
+def test_a_cluster_kubectl_cannot_reach_is_not_told_to_install_crds(rendered, fake_kubectl, monkeypatch):
+    """The CRD check is the plan's first contact with the cluster: kubectl failing there (an unknown
+    --context, no credentials) was answered with "install prometheus-operator"."""
+    from pipeline.deploy import rollout as dp
+    from pipeline.errors import DgpipeError
+
+    monkeypatch.setenv("DGPIPE_KUBECTL", str(fake_kubectl.parent / "kubectl"))
+    monkeypatch.setenv("FAKE_FAIL", "api-resources")
+    with pytest.raises(DgpipeError, match=r"serves PodMonitor .* failed") as e:
+        dp.execute(dp.make_plan(rendered), log=lambda s: None)
+    assert "check the context and credentials" in str(e.value) and "cluster-info" in str(e.value)
+    assert "prometheus-operator" not in str(e.value)
 
 
 def test_deploy_sees_a_failed_smoke_job_without_waiting_out_the_timeout(rendered, fake_kubectl, monkeypatch):
