@@ -76,7 +76,7 @@ def checkpoint_dir(path: str | Path) -> Path:
     p = Path(path)
     if not p.is_dir():
         raise CheckpointError(
-            f"{p}: no such checkpoint directory", "pass --model DIR with config.json and *.safetensors"
+            f"{p}: no such checkpoint directory", "pass a checkpoint directory: config.json and *.safetensors"
         )
     return p.resolve()
 
@@ -102,7 +102,7 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     if not (root / "config.json").is_file():
         raise CheckpointError(
             f"{path}: not a checkpoint (no config.json)",
-            "pass --model DIR with config.json and *.safetensors; `dgpipe inspect DIR` says what a directory is",
+            "pass a checkpoint directory (config.json and *.safetensors); `dgpipe inspect DIR` says what one is",
         )
     roots = _allowed_roots(root)
     found: list[Path] = []
