@@ -61,7 +61,7 @@ class Capture:
             self.echo(line)
 
     def finish(self) -> None:
-        f = self._open()
+        f = self._open() if self._pending or self._file is not None else None  # no line: no log file
         if f is not None:
             for held in self._pending:
                 f.write(held + "\n")

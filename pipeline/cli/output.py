@@ -9,7 +9,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import typer
 
@@ -70,17 +70,23 @@ def saved(paths: Sequence[Path | str], as_json: bool, label: str = "results") ->
 
 
 @contextmanager
-def progress(label: str, total: int | None, disable: bool = False) -> Iterator[Callable[[int], None]]:
-    """A transient progress bar; yields `advance(k)` for the library's `progress` callback."""
-    with progress_bars(disable) as bars:
+def progress(
+    label: str, total: int | None, disable: bool = False, console: TextIO | None = None
+) -> Iterator[Callable[[int], None]]:
+    """A transient progress bar; yields `advance(k)` for the library's `progress` callback. `console`: the
+    terminal stream to draw on while a capture (pipeline/cli/capture.py) holds stdout and stderr."""
+    with progress_bars(disable, console) as bars:
         task = bars.add_task(label, total=total)
         yield lambda k=1: bars.advance(task, k)
 
 
 @contextmanager
-def progress_bars(disable: bool = False):
+def progress_bars(disable: bool = False, console: TextIO | None = None):
     """Several transient bars (rich Progress) for a library that takes a progress factory."""
+    from rich.console import Console
     from rich.progress import Progress
 
-    with Progress(transient=True, disable=disable) as bars:
+    with Progress(
+        transient=True, disable=disable, console=Console(file=console) if console else None
+    ) as bars:
         yield bars

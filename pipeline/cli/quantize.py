@@ -10,6 +10,8 @@ import typer
 from pipeline.builddir import LAYOUT
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
+from pipeline.cli.build import LOG_NAME  # a build dir's third-party output, the quantize stage's too
+from pipeline.cli.capture import capture
 from pipeline.errors import DgpipeError
 
 app = opt.typer_app()
@@ -87,12 +89,16 @@ def quantize(
         target=target,
     )
     label = f"calibrate {precision} (prefill + {calib_steps} denoise steps)"
-    with out.progress(label, total=None, disable=as_json) as advance:
+    # ModelOpt's and transformers' output goes to a log beside the checkpoint (the build's build.log)
+    log = build_dir / LOG_NAME if build_dir is not None else opts.output.parent / f"{opts.output.name}.log"
+    with capture(log) as cap, out.progress(label, total=None, disable=as_json, console=cap.stderr) as advance:
         if build_dir is not None:
             res = quantize_stage(opts, build_dir, progress=advance)
         else:
             res = stage_result(quantize_checkpoint(opts, progress=advance))
     out.stage(res, as_json)
+    if cap.lines:
+        out.line(f"{cap.lines} lines of third-party output in {cap.log}", err=True)
 
 
 def _render_estimate(r: dict, target: str | None, context: int, concurrency: int, kv_cache: str) -> list[str]:
