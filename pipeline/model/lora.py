@@ -70,13 +70,14 @@ COPIES = {"decoder": "the decoder (denoise pass)", "encoder": "the encoder (prom
 
 @dataclass
 class Adapter:
-    """A LoRA adapter in one layout: per checkpoint tensor name, its (A, B, is_embedding) pairs, and which of
-    transformers' two module trees it adapts (`adapted_copies`)."""
+    """A LoRA adapter in one layout: per checkpoint tensor name, its (A, B, is_embedding, scale) pairs (the
+    scale per module: `rank_pattern` / `alpha_pattern` may set it), and which of transformers' two module
+    trees it adapts (`adapted_copies`)."""
 
     path: Path
     base: str | None
-    scaling: float
-    pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor, bool]]]
+    scaling: float  # the config's r and lora_alpha: every module's without patterns
+    pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor, bool, float]]]
     copies: set[str]
 
 
@@ -87,20 +88,37 @@ def _refuse(adapter: Path, field: str, value: Any, why: str) -> DgpipeError:
     )
 
 
-def scaling(cfg: dict[str, Any], adapter: Path) -> float:
-    """The producer's scale: alpha / r, or alpha / sqrt(r) with rsLoRA (PEFT's LoraLayer.update_layer); an
-    absent lora_alpha is PEFT's default."""
+def scaling(cfg: dict[str, Any], adapter: Path, module: str | None = None) -> tuple[int, float]:
+    """(r, scale) of `module` (None: the config's default) as PEFT's LoraModel._create_and_replace picks
+    them: r and lora_alpha, overridden by the first `rank_pattern` / `alpha_pattern` key that matches the end
+    of the module's name (peft.utils.other.get_pattern_key); scale alpha / r, or alpha / sqrt(r) with
+    rsLoRA (LoraLayer.update_layer). An absent lora_alpha is PEFT's default."""
     r, alpha = cfg.get("r"), cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)
+    patterns = {}
+    for field in ("rank_pattern", "alpha_pattern"):
+        patterns[field] = cfg.get(field) or {}
+        if not isinstance(patterns[field], dict):
+            raise DgpipeError(f"--adapter {adapter}: adapter_config.json {field} is not an object")
+    if module is not None:
+        r = _pattern_value(patterns["rank_pattern"], module, r)
+        alpha = _pattern_value(patterns["alpha_pattern"], module, alpha)
     if isinstance(r, bool) or not isinstance(r, int) or r < 1 or not isinstance(alpha, int | float):
-        raise DgpipeError(f"--adapter {adapter}: adapter_config.json needs an integer r >= 1 and lora_alpha")
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        raise _refuse(
-            adapter,
-            "rank_pattern/alpha_pattern",
-            cfg.get("rank_pattern") or cfg.get("alpha_pattern"),
-            "per-module ranks",
+        where = f" for {module}" if module else ""
+        raise DgpipeError(
+            f"--adapter {adapter}: adapter_config.json needs an integer r >= 1 and a numeric lora_alpha{where}"
         )
-    return alpha / (r**0.5 if cfg.get("use_rslora") else r)
+    return r, alpha / (r**0.5 if cfg.get("use_rslora") else r)
+
+
+def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's get_pattern_key: the first key (a regex) that matches a dotted suffix of the module name."""
+    for key, value in pattern.items():
+        try:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        except re.error as e:
+            raise DgpipeError(f"rank/alpha pattern {key!r} is not a regular expression ({e})") from e
+    return default
 
 
 def check_config(cfg: dict[str, Any], adapter: Path) -> None:
@@ -203,7 +221,7 @@ def read_adapter(adapter: Path) -> Adapter:
     if not isinstance(cfg, dict):
         raise DgpipeError(f"--adapter {adapter}: adapter_config.json is not a JSON object")
     check_config(cfg, adapter)
-    scale = scaling(cfg, adapter)
+    _, scale = scaling(cfg, adapter)
     base = cfg.get("base_model_name_or_path")
     if base is not None and not isinstance(base, str):
         raise DgpipeError(
@@ -221,14 +239,15 @@ def read_adapter(adapter: Path) -> Adapter:
         if not m:
             raise DgpipeError(f"--adapter {adapter}: unexpected tensor '{key}' (not a LoRA A/B weight)")
         halves.setdefault(m.group(1), {})[m.group(2)] = t
-    pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor, bool]]] = {}
+    pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor, bool, float]]] = {}
     for module, ab in sorted(halves.items()):
         emb = "embedding_A" in ab or "embedding_B" in ab
         a, b = (ab.get("embedding_A"), ab.get("embedding_B")) if emb else (ab.get("A"), ab.get("B"))
         if a is None or b is None:
             raise DgpipeError(f"--adapter {adapter}: '{module}' lacks lora_A or lora_B")
-        _check_rank(adapter, module, a, b, cfg["r"])
-        pairs.setdefault(checkpoint_name(module, adapter), []).append((a, b, emb))
+        r, module_scale = scaling(cfg, adapter, module)
+        _check_rank(adapter, module, a, b, r)
+        pairs.setdefault(checkpoint_name(module, adapter), []).append((a, b, emb, module_scale))
     return Adapter(adapter, base, scale, pairs, adapted_copies(halves))
 
 
@@ -265,7 +284,7 @@ def merge_into(state: dict[str, torch.Tensor], ad: Adapter) -> list[str]:
                 f"--adapter {ad.path}: adapts '{name}', which the base checkpoint does not have",
                 "the adapter belongs to another architecture or base model",
             )
-        deltas = [delta(a, b, ad.scaling, emb) for a, b, emb in ab]
+        deltas = [delta(a, b, s, emb) for a, b, emb, s in ab]
         for d in deltas:
             if tuple(d.shape) != tuple(state[name].shape):
                 raise DgpipeError(

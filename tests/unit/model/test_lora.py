@@ -211,3 +211,34 @@ def test_one_copy_adapters_say_what_the_merge_changes(tmp_path, caplog):
     assert not any("prompt pass" in n for n in recognise(D / "automodel-lora").notes)
     refused = recognise(_edit_config(tmp_path, use_dora=True))
     assert refused.action.startswith("refused: ") and "use_dora=True" in refused.action
+
+
+def test_per_module_ranks_and_alphas_merge_as_peft_merges_them(tmp_path):
+    """rank_pattern / alpha_pattern give some modules their own r and alpha (PEFT matches each key against
+    the end of the module's name): each module's delta takes its own scale, equal to PEFT's merge_and_unload
+    after rounding to the checkpoint's bf16."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    base = DiffusionGemmaForBlockDiffusion.from_pretrained(D / "base", dtype=torch.float32)
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=r"model\.decoder\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)",
+        rank_pattern={"q_proj": 2, r"layers\.1\.mlp\.up_proj": 6},
+        alpha_pattern={"o_proj": 32},
+        init_lora_weights=False,  # random B: every delta is nonzero
+    )
+    torch.manual_seed(0)
+    peft_model = get_peft_model(base, cfg)
+    peft_model.save_pretrained(tmp_path / "ad")
+    ad = lora.read_adapter(tmp_path / "ad")
+    scales = {name: {s for *_, s in pairs} for name, pairs in ad.pairs.items()}
+    assert scales["model.decoder.layers.0.self_attn.q_proj.weight"] == {8 / 2}
+    assert scales["model.decoder.layers.0.self_attn.o_proj.weight"] == {32 / 4}
+    assert scales["model.decoder.layers.1.mlp.up_proj.weight"] == {8 / 6}
+    assert scales["model.decoder.layers.0.mlp.up_proj.weight"] == {8 / 4}
+    ref = peft_model.merge_and_unload().state_dict()
+    ours = _merged(tmp_path / "merged", tmp_path / "ad")
+    for k, t in ours.items():
+        assert torch.equal(t, ref[k].to(t.dtype)), k
