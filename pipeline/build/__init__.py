@@ -256,7 +256,7 @@ def _steps(emit: Emit | None, stage: str, total: int | None):
 
 def _bytes_copied(emit: Emit | None, stage: str, phase: str):
     """A `progress(done, total)` callback in bytes, shown as a phase counted in MiB (an event per MiB
-    gained, not per call: the streaming export calls it once per tensor)."""
+    gained, not per call: the streaming export calls it per chunk copied)."""
     if emit is None:
         return lambda done, total: None
     bar: list[PhaseProgress] = []
@@ -307,24 +307,20 @@ def _quantize_options(opts: BuildOptions, build_dir: Path):
 
 def _export(opts: BuildOptions, build_dir: Path, emit: Emit | None = None) -> StageResult:
     from pipeline.engine.build_engine import GRAPH_DTYPE
-    from pipeline.onnx.export import EXPORT_STEPS
-    from pipeline.onnx.stage import ONNX_QUANTIZED, run_export
+    from pipeline.onnx.stage import run_export
 
-    if opts.precision in ONNX_QUANTIZED:
-        step, copied = _steps(emit, "export", len(EXPORT_STEPS) + 1), None  # + reading the checkpoint
-    else:  # a float checkpoint is streamed into the graph, not loaded (26B bf16: ~0.5 GB of host memory)
-        step, copied = _steps(emit, "export", 1), _bytes_copied(emit, "export", "copy weights (MiB)")
-    # the graph the engines are built from: in the model dtype TensorRT runs (onnxruntime cannot run it on
-    # CPU; `dgpipe export --dtype float32` writes the reference graph)
+    # the checkpoint is streamed into the graph, not loaded (float or FP8 / NVFP4: the 26B's export holds the
+    # traced graph and one chunk of host memory), in the model dtype TensorRT runs (onnxruntime cannot run it
+    # on CPU; `dgpipe export --dtype float32` writes the reference graph)
     return run_export(
         build_dir / LAYOUT["checkpoint"],
         None,
         build_dir,
         True,
-        stream=copied is not None,
-        step=step,
+        stream=True,
+        step=_steps(emit, "export", 1),
         dtype=GRAPH_DTYPE,
-        progress=copied,
+        progress=_bytes_copied(emit, "export", "copy weights (MiB)"),
     )
 
 

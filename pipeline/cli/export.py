@@ -25,7 +25,10 @@ def export(
         str, typer.Option(help="MoE form: routed (dgpipe::MoE node, routed FLOPs) or dense (debugging)")
     ] = "routed",
     stream: Annotated[
-        bool, typer.Option(help="float checkpoints: stream weights into the ONNX without loading the model")
+        bool,
+        typer.Option(
+            help="stream the weights (float, or FP8 / NVFP4 packed) into the ONNX without loading the model"
+        ),
     ] = False,
     dtype: Annotated[
         str | None,

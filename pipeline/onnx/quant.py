@@ -25,6 +25,7 @@ checkpoint's fp32 values.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
@@ -41,6 +42,7 @@ from pipeline.model.network import DiffusionGemma
 from pipeline.onnx import contract as onnx_io
 from pipeline.onnx.graph import LinearFn
 
+HOLDER_PREFIX = "qdq."  # the stand-ins' names in the traced graph (`trace_network` holds them as `qdq`)
 # the stored tensors each exportable format needs per linear (the activation scale feeds the Q/DQ pair)
 EXPORT_NEEDS = {
     "fp8": ("weight_scale", "input_scale"),
@@ -63,7 +65,14 @@ def read_quantized_checkpoint(
     ckpt_dir: Path, dtype: torch.dtype = torch.float32
 ) -> tuple[DiffusionGemma, dict[str, PackedLinear]]:
     """Like read_fp8_checkpoint, for FP8 and NVFP4 linears."""
-    quant = read_packed_linears(Path(ckpt_dir))
+    quant = check_exportable(read_packed_linears(Path(ckpt_dir)), ckpt_dir)
+    model, _ = load_model(ckpt_dir, dtype=dtype, fake_quant_inputs=False)
+    return model, quant
+
+
+def check_exportable(quant: dict[str, PackedLinear], ckpt_dir: Path, fmt: str | None = None) -> dict:
+    """`quant` when every linear has an ONNX export with the tensors it needs (and, given `fmt`, is in that
+    one format), else a CheckpointError naming the linear."""
     if not quant:
         raise CheckpointError(f"{ckpt_dir}: no quantized weights", "is this a ModelOpt FP8/NVFP4 checkpoint?")
     for path, q in quant.items():
@@ -75,8 +84,11 @@ def read_quantized_checkpoint(
         missing = [s for s in needs if getattr(q, s) is None]
         if missing:
             raise CheckpointError(f"{ckpt_dir}: {q.format.upper()} linear '{path}' lacks {'/'.join(missing)}")
-    model, _ = load_model(ckpt_dir, dtype=dtype, fake_quant_inputs=False)
-    return model, quant
+    if fmt is not None and any(q.format != fmt for q in quant.values()):
+        raise CheckpointError(
+            f"{ckpt_dir}: mixes NVFP4 and FP8 linears", "export one precision per checkpoint"
+        )
+    return quant
 
 
 def fp8_reference_linear(model: DiffusionGemma, quant: dict[str, PackedLinear]) -> LinearFn:
@@ -103,15 +115,76 @@ def _float_weight(model: DiffusionGemma, path: str) -> torch.Tensor:
     return model.get_submodule(path).weight
 
 
+def unpacked_shape(q: PackedLinear) -> tuple[int, int]:
+    """[out, in] of a packed linear's weight (NVFP4 stores two codes per byte along `in`)."""
+    out_f, stored_in = q.weight.shape
+    return out_f, stored_in * (2 if q.format == "nvfp4" else 1)
+
+
+def _stand_in(q: PackedLinear, dtype: torch.dtype, meta: bool) -> torch.Tensor:
+    """A linear's transposed [in, out] weight in the model dtype: its dequantized values, or on the meta
+    device (the streaming export traces without values: the Q/DQ insertion replaces it either way)."""
+    if meta:
+        out_f, in_f = unpacked_shape(q)
+        return torch.empty(in_f, out_f, dtype=dtype, device="meta")
+    return q.dequantized().t().to(dtype).contiguous()
+
+
 class _Holder(nn.Module):
     """Stand-ins in the model dtype for the packed weights while tracing, one named buffer per quantized
-    linear (the Q/DQ insertion reads the model dtype from them)."""
+    linear (the Q/DQ insertion reads the model dtype from them). `meta`: shapes only (`_stand_in`)."""
 
-    def __init__(self, quant: dict, dtype: torch.dtype) -> None:
+    def __init__(self, quant: dict, dtype: torch.dtype, meta: bool = False) -> None:
         super().__init__()
         self.paths = sorted(quant)
         for k, path in enumerate(self.paths):
-            self.register_buffer(f"w{k}", quant[path].dequantized().t().to(dtype).contiguous())
+            self.register_buffer(f"w{k}", _stand_in(quant[path], dtype, meta))
+
+
+def _raw(t: Any) -> bytes:
+    """A packed tensor's bytes as stored (float8 / uint8 viewed as bytes)."""
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+class Initializers(Protocol):
+    """Where the Q/DQ insertion reads the stand-ins and writes the packed tensors: the traced model proto
+    itself (`InMemory`: the tensors' bytes in the proto, saved as external data afterwards), or the
+    external-data file of the streaming export (`pipeline.onnx.stream`, which copies each tensor from its
+    safetensors shard). A part is a tensor, or for the streaming export a stored tensor not read yet."""
+
+    def model_type(self, stand_in: str) -> int:
+        """The ONNX element type of a stand-in (the graph's model dtype)."""
+
+    def drop(self, stand_in: str) -> None:
+        """Remove a stand-in the insertion replaced."""
+
+    def packed(self, name: str, data_type: int, shape: list[int], parts: list[Any]) -> onnx.TensorProto:
+        """An initializer of the parts' bytes, concatenated in order, under `shape`."""
+
+    def floats(self, name: str, values: Any) -> onnx.TensorProto:
+        """A small fp32 initializer (scales)."""
+
+
+class InMemory:
+    """`Initializers` in the traced proto: the stand-ins are its initializers."""
+
+    def __init__(self, g: onnx.GraphProto) -> None:
+        self.g = g
+        self.inits = {t.name: t for t in g.initializer}
+
+    def model_type(self, stand_in: str) -> int:
+        if stand_in not in self.inits:
+            raise RuntimeError(f"traced graph lost the stand-in weight {stand_in}")
+        return self.inits[stand_in].data_type
+
+    def drop(self, stand_in: str) -> None:
+        self.g.initializer.remove(self.inits.pop(stand_in))
+
+    def packed(self, name: str, data_type: int, shape: list[int], parts: list[Any]) -> onnx.TensorProto:
+        return helper.make_tensor(name, data_type, shape, b"".join(_raw(p) for p in parts), raw=True)
+
+    def floats(self, name: str, values: Any) -> onnx.TensorProto:
+        return onnx.numpy_helper.from_array(np.asarray(values, np.float32), name)
 
 
 def _trace_linear(model: DiffusionGemma, holder: _Holder) -> LinearFn:
@@ -154,29 +227,27 @@ def _splice(g: onnx.GraphProto, before: dict[int, list[onnx.NodeProto]]) -> None
     g.node.extend(nodes)
 
 
-def insert_qdq(m: onnx.ModelProto, holder: _Holder, quant: dict[str, PackedLinear], prefix: str) -> None:
-    """Replace each stand-in initializer `{prefix}w{k}` by FP8 weight + DQ, and Q/DQ its MatMul's input."""
+def insert_qdq(
+    m: onnx.ModelProto,
+    holder: _Holder,
+    quant: dict[str, PackedLinear],
+    prefix: str,
+    inits: Initializers | None = None,
+) -> None:
+    """Replace each stand-in `{prefix}w{k}` by FP8 weight + DQ, and Q/DQ its MatMul's input."""
     g = m.graph
-    inits = {t.name: t for t in g.initializer}
+    inits = inits or InMemory(g)
     zp = "qdq.fp8_zero_point"
     g.initializer.append(helper.make_tensor(zp, TensorProto.FLOAT8E4M3FN, [], [0.0]))
     before: dict[int, list[onnx.NodeProto]] = {}
     for k, path in enumerate(holder.paths):
         stand_in = f"{prefix}w{k}"
-        if stand_in not in inits:
-            raise RuntimeError(f"traced graph lost the stand-in weight {stand_in}")
-        model_type = inits[stand_in].data_type
-        g.initializer.remove(inits[stand_in])
+        model_type = inits.model_type(stand_in)
+        inits.drop(stand_in)
         q = quant[path]
-        w8 = helper.make_tensor(
-            f"{path}.weight",
-            TensorProto.FLOAT8E4M3FN,
-            list(q.weight.shape),
-            q.weight.contiguous().view(torch.uint8).numpy().tobytes(),
-            raw=True,
-        )
-        ws = onnx.numpy_helper.from_array(np.asarray(q.weight_scale, np.float32), f"{path}.weight_scale")
-        xs = onnx.numpy_helper.from_array(np.asarray(q.input_scale, np.float32), f"{path}.input_scale")
+        w8 = inits.packed(f"{path}.weight", TensorProto.FLOAT8E4M3FN, list(q.weight.shape), [q.weight])
+        ws = inits.floats(f"{path}.weight_scale", q.weight_scale)
+        xs = inits.floats(f"{path}.input_scale", q.input_scale)
         g.initializer.extend([w8, ws, xs])
         for idx, node in enumerate(g.node):
             if stand_in not in node.input:
@@ -202,35 +273,30 @@ def insert_qdq(m: onnx.ModelProto, holder: _Holder, quant: dict[str, PackedLinea
     _splice(g, before)
 
 
-def insert_nvfp4(m: onnx.ModelProto, holder: _Holder, quant: dict[str, PackedLinear], prefix: str) -> None:
+def insert_nvfp4(
+    m: onnx.ModelProto,
+    holder: _Holder,
+    quant: dict[str, PackedLinear],
+    prefix: str,
+    inits: Initializers | None = None,
+) -> None:
     """NVFP4 as ModelOpt's NVFP4QuantExporter writes it (TensorRT >= 11): per weight
     DQ(block_scale_f8, weight_scale_2) -> DQ(w_f4 FLOAT4E2M1, axis=-1, block_size=16) -> Transpose -> MatMul;
     per activation trt::TRT_FP4DynamicQuantize(x, input_scale) -> (x_f4, scale_f8) -> DQ -> DQ(blocked).
     FLOAT4E2M1 needs opset 23 / IR 11. onnxruntime cannot run TRT_FP4DynamicQuantize: checker-level."""
     g = m.graph
-    inits = {t.name: t for t in g.initializer}
+    inits = inits or InMemory(g)
     before: dict[int, list[onnx.NodeProto]] = {}
     for k, path in enumerate(holder.paths):
         stand_in, q = f"{prefix}w{k}", quant[path]
-        model_type = inits[stand_in].data_type
-        g.initializer.remove(inits[stand_in])
-        out_f, in_f = q.weight.shape[0], q.weight.shape[1] * 2
-        w4 = helper.make_tensor(
-            f"{path}.weight",
-            TensorProto.FLOAT4E2M1,
-            [out_f, in_f],
-            q.weight.contiguous().numpy().tobytes(),
-            raw=True,
+        model_type = inits.model_type(stand_in)
+        inits.drop(stand_in)
+        w4 = inits.packed(f"{path}.weight", TensorProto.FLOAT4E2M1, list(unpacked_shape(q)), [q.weight])
+        bs = inits.packed(
+            f"{path}.weight_scale", TensorProto.FLOAT8E4M3FN, list(q.weight_scale.shape), [q.weight_scale]
         )
-        bs = helper.make_tensor(
-            f"{path}.weight_scale",
-            TensorProto.FLOAT8E4M3FN,
-            list(q.weight_scale.shape),
-            q.weight_scale.contiguous().view(torch.uint8).numpy().tobytes(),
-            raw=True,
-        )
-        ws2 = onnx.numpy_helper.from_array(np.asarray(q.weight_scale_2, np.float32), f"{path}.weight_scale_2")
-        xs = onnx.numpy_helper.from_array(np.asarray(q.input_scale, np.float32), f"{path}.input_scale")
+        ws2 = inits.floats(f"{path}.weight_scale_2", q.weight_scale_2)
+        xs = inits.floats(f"{path}.input_scale", q.input_scale)
         g.initializer.extend([w4, bs, ws2, xs])
         blocked = {"axis": -1, "block_size": NVFP4_BLOCK}
         for idx, node in enumerate(g.node):
@@ -294,10 +360,7 @@ def export_nvfp4(
     `dtype`: the graph's model dtype (bf16 for TensorRT; the Q/DQ stay fp32, see the module docstring)."""
 
     model, quant = read_quantized_checkpoint(Path(ckpt_dir), dtype)
-    if any(q.format != "nvfp4" for q in quant.values()):
-        raise CheckpointError(
-            f"{ckpt_dir}: mixes NVFP4 and FP8 linears", "export one precision per checkpoint"
-        )
+    check_exportable(quant, ckpt_dir, "nvfp4")
     return _export_quantized(model, quant, out_dir, "nvfp4", moe, insert_nvfp4, insert_routed_nvfp4, step)
 
 
@@ -339,7 +402,7 @@ def _export_quantized(
         experts = holder.routed.inputs
 
     def post(m: onnx.ModelProto) -> None:
-        insert_linears(m, holder, linears, "qdq.")
+        insert_linears(m, holder, linears, HOLDER_PREFIX)
         if routed:
             insert_routed(m, model, quant)
 
@@ -379,29 +442,48 @@ class _RoutedExperts(nn.Module):
     inputs; insert_routed_fp8 / insert_routed_nvfp4 then replace the stand-ins by packed initializers + DQ."""
 
     def __init__(
-        self, model: DiffusionGemma, quant: dict[str, PackedLinear], act_quant: str, dtype: torch.dtype
+        self,
+        model: DiffusionGemma,
+        quant: dict[str, PackedLinear],
+        act_quant: str,
+        dtype: torch.dtype,
+        meta: bool = False,
     ) -> None:
         super().__init__()
         self.act_quant = act_quant
+        self.values: dict[str, torch.Tensor] = {}  # buffer name -> the activation scales' values
         for i, layer in enumerate(model.layers):
             rows = [_expert_linears(i, e, quant) for e in range(layer.experts.num_experts)]
-            gate_up = torch.stack([torch.cat([g.dequantized(), u.dequantized()]) for g, u, _ in rows])
+            if meta:  # shapes only: the streaming export traces without values
+                (inner, d), e_count = unpacked_shape(rows[0][0]), len(rows)
+                gate_up = torch.empty(e_count, 2 * inner, d, dtype=dtype, device="meta")
+                down = torch.empty(e_count, d, inner, dtype=dtype, device="meta")
+            else:
+                gate_up = torch.stack([torch.cat([g.dequantized(), u.dequantized()]) for g, u, _ in rows])
+                down = torch.stack([d.dequantized() for _, _, d in rows])
             self.register_buffer(f"gate_up{i}", gate_up.to(dtype))
-            self.register_buffer(f"down{i}", torch.stack([d.dequantized() for _, _, d in rows]).to(dtype))
+            self.register_buffer(f"down{i}", down.to(dtype))
             scale = torch.tensor([[float(q.input_scale) for q in row] for row in rows]).T.contiguous()
-            self.register_buffer(f"input_scale{i}", scale)
+            # traced on the meta device too: its values are bound by name afterwards (`values`)
+            self.register_buffer(f"input_scale{i}", scale.to("meta") if meta else scale)
+            self.values[f"input_scale{i}"] = scale
 
     def inputs(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
         scale = getattr(self, f"input_scale{i}")
         return getattr(self, f"gate_up{i}"), getattr(self, f"down{i}"), scale, self.act_quant
 
 
-def insert_routed_fp8(m: onnx.ModelProto, model: DiffusionGemma, quant: dict[str, PackedLinear]) -> None:
+def insert_routed_fp8(
+    m: onnx.ModelProto,
+    model: DiffusionGemma,
+    quant: dict[str, PackedLinear],
+    inits: Initializers | None = None,
+) -> None:
     """The MoE nodes' float stand-ins -> FP8 initializers through DequantizeLinear (contract.MOE): gate_up
     blocked along axis 1 with block_size = I (scale [E, 2, d], so gate and up keep their own per-expert
     weight_scale), down per expert along axis 0 (scale [E])."""
     g = m.graph
-    inits = {t.name: t for t in g.initializer}
+    inits = inits or InMemory(g)
     nodes = [n for n in g.node if n.op_type == onnx_io.MOE.name]
     if len(nodes) != len(model.layers):
         raise RuntimeError(f"traced graph has {len(nodes)} MoE nodes for {len(model.layers)} layers")
@@ -410,28 +492,24 @@ def insert_routed_fp8(m: onnx.ModelProto, model: DiffusionGemma, quant: dict[str
         e_count = model.layers[i].experts.num_experts
         rows = [_expert_linears(i, e, quant) for e in range(e_count)]
         inner, d = rows[0][0].weight.shape
-        model_type = inits[node.input[3]].data_type
+        model_type = inits.model_type(node.input[3])
         for name in node.input[3:5]:
-            g.initializer.remove(inits[name])
-        w_gu = torch.stack([torch.cat([gq.weight, uq.weight]) for gq, uq, _ in rows])
-        w_down = torch.stack([dq_.weight for _, _, dq_ in rows])
+            inits.drop(name)
+        # stacked [E, 2I, d] and [E, d, I]: expert after expert, gate before up, as the bytes are stored
+        w_gu = [w for gq, uq, _ in rows for w in (gq.weight, uq.weight)]
+        w_down = [dq_.weight for _, _, dq_ in rows]
         s_gu = torch.tensor([[float(gq.weight_scale), float(uq.weight_scale)] for gq, uq, _ in rows])
         s_gu = s_gu[:, :, None].expand(e_count, 2, d).contiguous()
         s_down = torch.tensor([float(dq_.weight_scale) for _, _, dq_ in rows])
         prefix = f"layers.{i}.experts"
-        for name, w, s in (("gate_up_proj", w_gu, s_gu), ("down_proj", w_down, s_down)):
+        for name, parts, shape, s in (
+            ("gate_up_proj", w_gu, [e_count, 2 * inner, d], s_gu),
+            ("down_proj", w_down, [e_count, d, inner], s_down),
+        ):
             g.initializer.append(
-                helper.make_tensor(
-                    f"{prefix}.{name}.weight",
-                    TensorProto.FLOAT8E4M3FN,
-                    list(w.shape),
-                    w.contiguous().view(torch.uint8).numpy().tobytes(),
-                    raw=True,
-                )
+                inits.packed(f"{prefix}.{name}.weight", TensorProto.FLOAT8E4M3FN, shape, parts)
             )
-            g.initializer.append(
-                onnx.numpy_helper.from_array(s.numpy().astype(np.float32), f"{prefix}.{name}.weight_scale")
-            )
+            g.initializer.append(inits.floats(f"{prefix}.{name}.weight_scale", s.numpy()))
         gate_up, gate_up_cast = _in_model_dtype(node.input[3], model_type)
         down, down_cast = _in_model_dtype(node.input[4], model_type)
         dq.append(
@@ -457,13 +535,12 @@ def insert_routed_fp8(m: onnx.ModelProto, model: DiffusionGemma, quant: dict[str
     _splice(g, {0: dq})
 
 
-def _stacked(name: str, data_type: int, tensors: list[torch.Tensor], shape: list[int]) -> onnx.TensorProto:
-    """One initializer of the stacked packed bytes (uint8 / float8 viewed as uint8) under `shape`."""
-    raw = torch.stack(tensors).contiguous().view(torch.uint8).numpy().tobytes()
-    return helper.make_tensor(name, data_type, shape, raw, raw=True)
-
-
-def insert_routed_nvfp4(m: onnx.ModelProto, model: DiffusionGemma, quant: dict[str, PackedLinear]) -> None:
+def insert_routed_nvfp4(
+    m: onnx.ModelProto,
+    model: DiffusionGemma,
+    quant: dict[str, PackedLinear],
+    inits: Initializers | None = None,
+) -> None:
     """The MoE nodes' float stand-ins -> stacked NVFP4 experts as insert_nvfp4 writes one linear, per layer:
         gate_up: DQ(block_scale F8 [E, 2I, d/16], weight_scale_2 [E, 2, d/16], axis=1, block_size=I)
                  -> DQ(w FLOAT4E2M1 [E, 2I, d], axis=-1, block_size=16)
@@ -473,24 +550,25 @@ def insert_routed_nvfp4(m: onnx.ModelProto, model: DiffusionGemma, quant: dict[s
     checkpoint's, and the DQ chain computes e2m1 x (block_scale x weight_scale_2), PackedLinear.dequantized's
     order, so the node sees exactly the checkpoint's dequantized weights."""
     g = m.graph
-    inits = {t.name: t for t in g.initializer}
+    inits = inits or InMemory(g)
     nodes = [n for n in g.node if n.op_type == onnx_io.MOE.name]
     if len(nodes) != len(model.layers):
         raise RuntimeError(f"traced graph has {len(nodes)} MoE nodes for {len(model.layers)} layers")
     dq = []
     for i, node in enumerate(nodes):
         rows = [_expert_linears(i, e, quant) for e in range(model.layers[i].experts.num_experts)]
-        e_count, inner, d = len(rows), rows[0][0].weight.shape[0], rows[0][0].weight.shape[1] * 2
-        model_type = inits[node.input[3]].data_type
+        e_count, (inner, d) = len(rows), unpacked_shape(rows[0][0])
+        model_type = inits.model_type(node.input[3])
         for name in node.input[3:5]:
-            g.initializer.remove(inits[name])
+            inits.drop(name)
         ws2_gu = torch.tensor([[float(gq.weight_scale_2), float(uq.weight_scale_2)] for gq, uq, _ in rows])
         ws2_gu = ws2_gu[:, :, None].expand(e_count, 2, d // NVFP4_BLOCK).contiguous()
         ws2_down = torch.tensor([float(dq_.weight_scale_2) for _, _, dq_ in rows])
         prefix = f"layers.{i}.experts"
+        # stacked per layer, expert after expert (gate before up), as the bytes are stored
         parts = (
-            ("gate_up_proj", [torch.cat([gq.weight, uq.weight]) for gq, uq, _ in rows],
-             [torch.cat([gq.weight_scale, uq.weight_scale]) for gq, uq, _ in rows], ws2_gu, [2 * inner, d],
+            ("gate_up_proj", [w for gq, uq, _ in rows for w in (gq.weight, uq.weight)],
+             [s for gq, uq, _ in rows for s in (gq.weight_scale, uq.weight_scale)], ws2_gu, [2 * inner, d],
              {"axis": 1, "block_size": inner}),
             ("down_proj", [dq_.weight for _, _, dq_ in rows], [dq_.weight_scale for _, _, dq_ in rows],
              ws2_down, [d, inner], {"axis": 0}),
@@ -498,13 +576,12 @@ def insert_routed_nvfp4(m: onnx.ModelProto, model: DiffusionGemma, quant: dict[s
         for (name, w4, bs, ws2, shape, scale_axis), target in zip(parts, node.input[3:5], strict=True):
             base = f"{prefix}.{name}"
             w_dq, cast = _in_model_dtype(target, model_type)
+            scale_shape = [e_count, shape[0], shape[1] // NVFP4_BLOCK]
             g.initializer.extend(
                 [
-                    _stacked(f"{base}.weight", TensorProto.FLOAT4E2M1, w4, [e_count, *shape]),
-                    _stacked(
-                        f"{base}.weight_scale", TensorProto.FLOAT8E4M3FN, bs, list(torch.stack(bs).shape)
-                    ),
-                    onnx.numpy_helper.from_array(ws2.numpy().astype(np.float32), f"{base}.weight_scale_2"),
+                    inits.packed(f"{base}.weight", TensorProto.FLOAT4E2M1, [e_count, *shape], w4),
+                    inits.packed(f"{base}.weight_scale", TensorProto.FLOAT8E4M3FN, scale_shape, bs),
+                    inits.floats(f"{base}.weight_scale_2", ws2.numpy()),
                 ]
             )
             dq += [
@@ -526,3 +603,7 @@ def insert_routed_nvfp4(m: onnx.ModelProto, model: DiffusionGemma, quant: dict[s
                 *cast,
             ]
     _splice(g, {0: dq})
+
+
+# format -> (the quantized linears' Q/DQ insertion, the routed experts'), both exports' (in memory, streamed)
+INSERTS = {"fp8": (insert_qdq, insert_routed_fp8), "nvfp4": (insert_nvfp4, insert_routed_nvfp4)}

@@ -44,13 +44,14 @@ def run_export(
     `moe`: routed (one dgpipe::MoE node per layer) or dense (debugging); a quantized export is routed when
     every expert is quantized (pipeline.onnx.quant); the form written is recorded either way.
     `from_checkpoint` False: an FP8 checkpoint exports dequantized float weights; NVFP4 has no such form.
-    `stream`: float checkpoints are exported without loading them (pipeline.onnx.stream), in their stored
-    dtype; quantized ones refuse it. `step(name)`: "read checkpoint", then export_onnx's EXPORT_STEPS, as
-    each starts (a watched build's progress; the streaming export reports none).
+    `stream`: the checkpoint is exported without loading it (pipeline.onnx.stream): a float one in its
+    stored dtype, a ModelOpt FP8 / NVFP4 one as its Q/DQ graph. `step(name)`: "read checkpoint", then
+    export_onnx's EXPORT_STEPS, as each starts (a watched build's progress; the streaming export reports
+    `progress` instead).
 
     `dtype`: the graph's model dtype, "float32" (onnxruntime's CPU provider runs it: the reference) or
     "bfloat16" (what TensorRT builds: a strongly typed engine runs the graph's types, and the FP8 / NVFP4
-    expert plugins take bf16 hidden states). Default float32, or with `stream` the checkpoint's own.
+    expert plugins take bf16 hidden states). Default float32, or with `stream` a float checkpoint's own.
     `progress(bytes done, bytes total)`: the streaming export's weight copy."""
     from pipeline.atomic import check_replaceable
     from pipeline.builddir import LAYOUT, MANIFEST_NAME, record_stage
@@ -71,27 +72,33 @@ def run_export(
     if moe not in MOE_FORMS:
         raise DgpipeError(f"unknown --moe '{moe}'", f"choose one of: {', '.join(MOE_FORMS)}")
     precision = checkpoint_precision(model_dir)
-    if stream and precision in ONNX_QUANTIZED:
-        raise DgpipeError(
-            f"{model_dir}: --stream exports float checkpoints; this one is {precision}", "drop --stream"
-        )
     if precision not in ONNX_QUANTIZED and dtype is not None:  # an unquantized graph's is its dtype
         precision = GRAPH_DTYPES[dtype]
     model_dtype = _torch_dtype(dtype or "float32")  # of the model an in-memory export traces
+    if precision == "nvfp4" and not from_checkpoint:
+        raise DgpipeError(
+            f"{model_dir}: --no-precision-from-checkpoint has no dequantized form for NVFP4",
+            "drop the flag (the export is the NVFP4 Q/DQ graph), or export the unquantized base",
+        )
+    if stream and precision in ONNX_QUANTIZED and not from_checkpoint:
+        raise DgpipeError(
+            f"{model_dir}: --stream exports the checkpoint's Q/DQ graph, not its dequantized weights",
+            "drop --stream or --no-precision-from-checkpoint",
+        )
     if step is not None:
         step("read checkpoint")
-    if precision == "fp8":
+    if stream and precision in ONNX_QUANTIZED:
+        from pipeline.onnx.stream import export_quantized_streaming
+
+        summary = export_quantized_streaming(
+            model_dir, output, precision, dtype=model_dtype, moe=moe, progress=progress
+        )
+    elif precision == "fp8":
         from pipeline.onnx.quant import export_fp8
 
         summary = export_fp8(model_dir, output, qdq=from_checkpoint, moe=moe, step=step, dtype=model_dtype)
     elif precision == "nvfp4":  # TensorRT >= 11 Q/DQ; onnxruntime cannot run TRT_FP4DynamicQuantize
         from pipeline.onnx.quant import export_nvfp4
-
-        if not from_checkpoint:
-            raise DgpipeError(
-                f"{model_dir}: --no-precision-from-checkpoint has no dequantized form for NVFP4",
-                "drop the flag (the export is the NVFP4 Q/DQ graph), or export the unquantized base",
-            )
 
         summary = export_nvfp4(model_dir, output, moe=moe, step=step, dtype=model_dtype)
     elif stream:

@@ -17,8 +17,11 @@ The graph is the in-memory export's graph up to two things its constant folding 
 stay `Transpose` nodes on the named weights (TensorRT folds them at build time), and equal-valued tensors are
 not de-duplicated. Outputs are bit-identical (tests/unit/onnx/test_stream.py).
 
-Scope: float checkpoints (fp32/bf16/fp16) in the transformers layout. ModelOpt FP8/NVFP4 checkpoints still
-go through `pipeline.onnx.quant` (in memory): their Q/DQ insertion rewrites initializers by value.
+ModelOpt FP8 / NVFP4 checkpoints stream too (`export_quantized_streaming`): the quantized linears trace as
+meta stand-ins (`pipeline.onnx.quant`), and the Q/DQ insertion, given this module's `Streamed` initializers,
+copies each packed weight and block scale from its shard into the external data (a routed layer's experts
+one after another: the stacked tensor, byte for byte) and reads only the per-tensor scales. The graph is the
+in-memory Q/DQ export's, up to the same two differences (tests/unit/onnx/test_stream.py).
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ import struct
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -60,6 +65,7 @@ SAFETENSORS_DTYPES = {
     "F16": torch.float16,
     "F64": torch.float64,
 }
+PACKED_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}  # ModelOpt's packed weights and scales
 ONNX_DTYPES = {
     torch.float32: TensorProto.FLOAT,
     torch.bfloat16: TensorProto.BFLOAT16,
@@ -67,8 +73,12 @@ ONNX_DTYPES = {
 }
 
 
-def safetensors_index(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
-    """name -> (dtype, shape, absolute byte offset, byte length) from one shard's header."""
+def safetensors_index(
+    path: Path, packed: bool = False
+) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
+    """name -> (dtype, shape, absolute byte offset, byte length) from one shard's header. `packed`: ModelOpt's
+    float8 / uint8 tensors too (the quantized export)."""
+    dtypes = SAFETENSORS_DTYPES | (PACKED_DTYPES if packed else {})
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
@@ -82,22 +92,101 @@ def safetensors_index(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in SAFETENSORS_DTYPES:
+        if info["dtype"] not in dtypes:
             raise CheckpointError(
-                f"{path}: tensor '{name}' is {info['dtype']}", "quantized checkpoints export in memory"
+                f"{path}: tensor '{name}' is {info['dtype']}",
+                "a float or ModelOpt FP8/NVFP4 checkpoint exports",
             )
         begin, end = info["data_offsets"]
-        out[name] = (SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), 8 + n + begin, end - begin)
+        out[name] = (dtypes[info["dtype"]], tuple(info["shape"]), 8 + n + begin, end - begin)
     return out
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A tensor in a safetensors shard, not read: where its bytes are (the streaming export copies them)."""
+
+    shard: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+
+    def read(self) -> torch.Tensor:
+        """Its values (for the small ones: per-tensor and per-channel scales)."""
+        with open(self.shard, "rb") as f:
+            f.seek(self.offset)
+            data = bytearray(f.read(self.length))
+        if len(data) != self.length:
+            raise CheckpointError(f"{self.shard}: truncated inside a tensor")
+        return torch.frombuffer(data, dtype=self.dtype).reshape(self.shape)
+
+
+def stored_packed_linears(ckpt_dir: Path) -> dict[str, Any]:
+    """`pipeline.model.modelopt.read_packed_linears` without reading the packed tensors: each quantized
+    linear's weight and float8 block scales as `Stored`, its per-tensor (or per-channel) scales read."""
+    from pipeline.model.modelopt import LINEAR_AUX, PackedLinear, is_packed, precision_of, quantization_info
+
+    info = quantization_info(ckpt_dir)
+    if info is None:
+        raise CheckpointError(f"{ckpt_dir}: not a ModelOpt-quantized checkpoint")
+    algo = str(info.get("quant_algo"))
+    precision_of(algo)
+    index: dict[str, Stored] = {}
+    for shard in sorted(set(weight_files(ckpt_dir).values())):
+        for name, (dtype, shape, off, length) in safetensors_index(shard, packed=True).items():
+            index[name] = Stored(shard, dtype, shape, off, length)
+    out = {}
+    for name, st in index.items():
+        target = runtime_name(name)
+        if target is None or not name.endswith(".weight") or not is_packed(torch.empty(0, dtype=st.dtype)):
+            continue
+        base = name.removesuffix("weight")
+        aux = {s: index[base + s] for s in LINEAR_AUX if base + s in index}
+        # block scales stay where they are (1/16 of the weights' elements); scalars and vectors are read
+        read = {
+            s: t if t.dtype == torch.float8_e4m3fn and len(t.shape) == 2 else t.read() for s, t in aux.items()
+        }
+        out[target.removesuffix(".weight")] = PackedLinear(algo, st, **read)  # type: ignore[arg-type]
+    return out
+
+
+class Streamed:
+    """`pipeline.onnx.quant.Initializers` of the streaming export: the stand-ins are the meta trace's graph
+    inputs (dropped with the other weight inputs), every packed tensor is copied from its shard."""
+
+    def __init__(self, m: onnx.ModelProto, writer: ExternalDataWriter) -> None:
+        self.types = {i.name: i.type.tensor_type.elem_type for i in m.graph.input}
+        self.writer = writer
+
+    def model_type(self, stand_in: str) -> int:
+        if stand_in not in self.types:
+            raise RuntimeError(f"traced graph lost the stand-in weight {stand_in}")
+        return self.types[stand_in]
+
+    def drop(self, stand_in: str) -> None:
+        pass  # a weight input: the export keeps only the model's inputs
+
+    def packed(self, name: str, data_type: int, shape: list[int], parts: list[Any]) -> TensorProto:
+        return self.writer.copy_parts(name, data_type, tuple(shape), parts)
+
+    def floats(self, name: str, values: Any) -> TensorProto:
+        a = np.array(values, dtype=np.float32, order="C")  # 0-d stays 0-d (ascontiguousarray makes it 1-d)
+        return self.writer.write_raw(name, TensorProto.FLOAT, tuple(a.shape), a.tobytes())
 
 
 class ExternalDataWriter:
     """Appends tensors to one external-data file and returns initializers that point at them."""
 
-    def __init__(self, path: Path, append: bool = False) -> None:
+    def __init__(
+        self, path: Path, append: bool = False, on_copy: Callable[[int], None] | None = None
+    ) -> None:
         self.f = open(path, "ab" if append else "wb")  # noqa: SIM115 - closed by close()
         self.offset = self.f.tell()
         self.buf: bytearray | None = None
+        self.on_copy = (
+            on_copy  # told the bytes read from a shard, chunk by chunk (a watched export's progress)
+        )
 
     def _begin(self) -> int:
         pad = -self.offset % ALIGN
@@ -125,27 +214,44 @@ class ExternalDataWriter:
     ) -> TensorProto:
         """Copy one stored tensor chunk by chunk, converting src -> dst dtype; never holds more than CHUNK."""
         start = self._begin()
-        item = torch.empty((), dtype=src).element_size()
+        self._copy(Stored(shard, src, shape, offset, length), dst, name)
+        return self._initializer(name, ONNX_DTYPES[dst], shape, start)
+
+    def _copy(self, stored: Stored, dst: torch.dtype, name: str) -> None:
+        """Append a stored tensor's bytes (converted to `dst`) at the current offset, CHUNK at a time."""
+        item = torch.empty((), dtype=stored.dtype).element_size()
         step = CHUNK - CHUNK % item
-        if self.buf is None:
-            self.buf = bytearray(
-                CHUNK
-            )  # one buffer for the whole export: allocating per tensor costs a memset
+        if self.buf is None:  # one buffer for the whole export: allocating per tensor costs a memset
+            self.buf = bytearray(CHUNK)
         buf = self.buf
-        with open(shard, "rb") as f:
-            f.seek(offset)
-            left = length
+        with open(stored.shard, "rb") as f:
+            f.seek(stored.offset)
+            left = stored.length
             while left:
                 n = f.readinto(memoryview(buf)[: min(step, left)])
                 if n == 0:
-                    raise CheckpointError(f"{shard}: truncated inside tensor '{name}'")
+                    raise CheckpointError(f"{stored.shard}: truncated inside tensor '{name}'")
                 chunk = memoryview(buf)[:n]
-                if src != dst:
-                    chunk = torch.frombuffer(chunk, dtype=src).to(dst).view(torch.uint8).numpy().data
+                if stored.dtype != dst:
+                    chunk = torch.frombuffer(chunk, dtype=stored.dtype).to(dst).view(torch.uint8).numpy().data
                 self.f.write(chunk)
                 self.offset += len(chunk)
                 left -= n
-        return self._initializer(name, ONNX_DTYPES[dst], shape, start)
+                if self.on_copy is not None:
+                    self.on_copy(n)
+
+    def copy_parts(self, name: str, data_type: int, shape: tuple[int, ...], parts: list[Any]) -> TensorProto:
+        """One initializer of the parts' bytes in order (`Stored` tensors copied chunk by chunk, their dtype
+        kept; in-memory tensors as their bytes): a stacked tensor without stacking it in memory."""
+        start = self._begin()
+        for p in parts:
+            if isinstance(p, Stored):
+                self._copy(p, p.dtype, f"{name} part")
+            else:
+                data = p.contiguous().view(torch.uint8).numpy().tobytes()
+                self.f.write(data)
+                self.offset += len(data)
+        return self._initializer(name, data_type, shape, start)
 
     def write_tensor(self, name: str, value: torch.Tensor) -> TensorProto:
         return self.write_raw(
@@ -190,37 +296,137 @@ def export_streaming(
 ) -> ExportSummary:
     """Export a float checkpoint to out_dir (model.onnx + model.onnx.data + contract.json), atomically,
     streaming the weights. `dtype`: the graph's model dtype (default: the checkpoint's stored dtype)."""
-    from pipeline.atomic import atomic_dir
-
     start = time.perf_counter()
     ckpt_dir = Path(ckpt_dir)
     if moe not in onnx_io.MOE_FORMS:
         raise DgpipeError(f"unknown MoE form '{moe}'", f"choose one of: {', '.join(onnx_io.MOE_FORMS)}")
-    files = weight_files(ckpt_dir)
-    stored = {}  # runtime name -> (checkpoint name, shard, dtype, shape, offset, length)
-    for shard in sorted(set(files.values())):
-        for name, (src, shape, off, length) in safetensors_index(shard).items():
-            target = runtime_name(name)
-            if target is not None:
-                stored[target] = (name, shard, src, shape, off, length)
-    if not stored:
-        raise CheckpointError(f"{ckpt_dir}: no DiffusionGemma tensors (expected names under '{DECODER}')")
-    dtype = dtype or next(iter(stored.values()))[2]
+    stored = _stored_weights(ckpt_dir)
+    dtype = dtype or next(iter(stored.values()))[1].dtype
     if dtype not in MODEL_DTYPES:
         raise DgpipeError(f"cannot export a {dtype} graph", "use float32, bfloat16 or float16")
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     model = meta_model(open_checkpoint(ckpt_dir).config, dtype)
     m, weights = _trace(model, moe)
+    return _write(ckpt_dir, out_dir, m, weights, model, stored, dtype, precision, moe, progress, start)
+
+
+def export_quantized_streaming(
+    ckpt_dir: Path,
+    out_dir: Path,
+    fmt: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    moe: str = onnx_io.DEFAULT_MOE,
+    progress: Callable[[int, int], None] | None = None,  # (bytes done, bytes total)
+) -> ExportSummary:
+    """A ModelOpt FP8 or NVFP4 checkpoint (`fmt`) as its Q/DQ graph in the model dtype `dtype`, the graph
+    `pipeline.onnx.quant.export_fp8` / `export_nvfp4` write, without loading the model: host memory is the
+    traced graph, the per-tensor scales and one chunk."""
+    from pipeline.onnx import quant as q
+
+    start = time.perf_counter()
+    ckpt_dir = Path(ckpt_dir)
+    if moe not in onnx_io.MOE_FORMS:
+        raise DgpipeError(f"unknown MoE form '{moe}'", f"choose one of: {', '.join(onnx_io.MOE_FORMS)}")
+    quant = q.check_exportable(stored_packed_linears(ckpt_dir), ckpt_dir, fmt)
+    model = meta_model(open_checkpoint(ckpt_dir).config, dtype)
+    routed = moe == "routed" and q._all_experts_quantized(model, quant, fmt)
+    linears = {p: lin for p, lin in quant.items() if not (routed and q._is_expert(p))}
+    holder = q._Holder(linears, dtype, meta=True)
+    values: dict[str, torch.Tensor] = {}
+    experts = None
+    if routed:
+        holder.routed = q._RoutedExperts(model, quant, fmt, dtype, meta=True)
+        experts = holder.routed.inputs
+        values = {f"{q.HOLDER_PREFIX}routed.{k}": v for k, v in holder.routed.values.items()}
+    with tempfile.TemporaryDirectory() as scratch:
+        m = trace_network(
+            model,
+            Path(scratch) / "net.onnx",
+            q._trace_linear(model, holder),
+            holder,
+            moe if routed else "dense",
+            experts,
+        )
+    m = onnx.version_converter.convert_version(m, onnx_io.OPSET)
+    stand_ins = {f"{q.HOLDER_PREFIX}{name}" for name, _ in holder.named_buffers()} - set(values)
+    weights = _weight_inputs(m, model)
+    insert_linears, insert_routed = q.INSERTS[fmt]
+
+    def post(m: onnx.ModelProto, writer: ExternalDataWriter) -> None:  # the Q/DQ, copied from the shards
+        inits = Streamed(m, writer)
+        insert_linears(m, holder, linears, q.HOLDER_PREFIX, inits)
+        if routed:
+            insert_routed(m, model, quant, inits)
+
+    stored = _stored_weights(ckpt_dir, packed=True)
+    return _write(
+        ckpt_dir, out_dir, m, weights, model, stored, dtype, fmt, "routed" if routed else "dense", progress,
+        start, post=post, skip=stand_ins, values=values, packed_bytes=_packed_bytes(quant),
+    )  # fmt: skip
+
+
+def _packed_bytes(quant: dict[str, Any]) -> int:
+    """What the Q/DQ insertion copies from the shards (the progress total beside the float weights)."""
+    return sum(
+        t.length for lin in quant.values() for t in (lin.weight, lin.weight_scale) if isinstance(t, Stored)
+    )
+
+
+def _stored_weights(ckpt_dir: Path, packed: bool = False) -> dict[str, tuple[str, Stored]]:
+    """runtime name -> (checkpoint name, where its bytes are), from the shards' headers."""
+    stored = {}
+    for shard in sorted(set(weight_files(ckpt_dir).values())):
+        for name, (src, shape, off, length) in safetensors_index(shard, packed).items():
+            target = runtime_name(name)
+            if target is not None:
+                stored[target] = (name, Stored(shard, src, shape, off, length))
+    if not stored:
+        raise CheckpointError(f"{ckpt_dir}: no DiffusionGemma tensors (expected names under '{DECODER}')")
+    return stored
+
+
+def _write(
+    ckpt_dir: Path,
+    out_dir: Path,
+    m: onnx.ModelProto,
+    weights: list[onnx.ValueInfoProto],
+    model: DiffusionGemma,
+    stored: dict[str, tuple[str, Stored]],
+    dtype: torch.dtype,
+    precision: str,
+    moe: str,
+    progress: Callable[[int, int], None] | None,
+    start: float,
+    *,
+    post: Callable[[onnx.ModelProto, ExternalDataWriter], None] | None = None,
+    skip: set[str] = frozenset(),  # type: ignore[assignment]
+    values: dict[str, torch.Tensor] | None = None,
+    packed_bytes: int = 0,
+) -> ExportSummary:
+    """Bind the traced weight inputs to their tensors in the shards (copied into the external data, dtype
+    converted), or to `values`, leaving out the `skip` stand-ins `post` replaces; then the head, the
+    sampler, the contract and the checks, into out_dir atomically."""
+    from pipeline.atomic import atomic_dir
+
+    values = values or {}
     graph_inputs = {i.name for i in m.graph.input} - {w.name for w in weights}
     shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-    total = sum(stored[_param(i.name)][5] for i in weights if _param(i.name) in stored)
-    out_dir = Path(out_dir)
+    bound = [w for w in weights if w.name not in skip and w.name not in values]
+    total = packed_bytes + sum(stored[_param(w.name)][1].length for w in bound if _param(w.name) in stored)
+    done = 0
+
+    def copied(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, total)
+
     with atomic_dir(out_dir, onnx_io.EXPORT_KIND, onnx_io.CONTRACT_FILE) as tmp:
-        writer = ExternalDataWriter(tmp / onnx_io.WEIGHTS_FILE)
+        writer = ExternalDataWriter(tmp / onnx_io.WEIGHTS_FILE, on_copy=copied)
         try:
-            done = 0
-            inits = []
-            for vi in weights:
+            inits = [writer.write_tensor(name, v) for name, v in values.items()]
+            for vi in bound:
                 param = _param(vi.name)
                 if param.startswith("inv_freq_"):  # not a weight: rebuilt from the config, as load_model does
                     kind = param[len("inv_freq_") :]
@@ -236,15 +442,16 @@ def export_streaming(
                     raise CheckpointError(
                         f"{ckpt_dir}: tensor '{DECODER}{param}' is missing from the weights"
                     )
-                name, shard, sdtype, shape, off, length = src
-                if tuple(shape) != shapes[param]:
+                name, st = src
+                if tuple(st.shape) != shapes[param]:
                     raise CheckpointError(
-                        f"{shard}: tensor '{name}' has shape {tuple(shape)}, config.json implies {shapes[param]}"
+                        f"{st.shard}: tensor '{name}' has shape {tuple(st.shape)}, config.json implies {shapes[param]}"
                     )
-                inits.append(writer.copy_from_shard(vi.name, shard, sdtype, shape, off, length, dtype))
-                done += length
-                if progress is not None:
-                    progress(done, total)
+                inits.append(
+                    writer.copy_from_shard(vi.name, st.shard, st.dtype, st.shape, st.offset, st.length, dtype)
+                )
+            if post is not None:  # the Q/DQ insertion (NVFP4 raises the opset to 23)
+                post(m, writer)
         finally:
             writer.close()
         keep = [i for i in m.graph.input if i.name in graph_inputs]
@@ -266,13 +473,18 @@ def export_streaming(
     return summarize(m, out_dir, contract, start)
 
 
+def _weight_inputs(m: onnx.ModelProto, model: DiffusionGemma) -> list[onnx.ValueInfoProto]:
+    """The traced graph's inputs that are weights (to bind), not the model's own inputs."""
+    graph_inputs = {s.name for s in (*onnx_io.MODEL_INPUTS, *onnx_io.kv_inputs(list(model.layer_types)))}
+    return [i for i in m.graph.input if i.name not in graph_inputs]
+
+
 def _trace(model: DiffusionGemma, moe: str) -> tuple[onnx.ModelProto, list[onnx.ValueInfoProto]]:
     """Meta trace at the contract opset; the weight inputs (to bind) separately."""
     with tempfile.TemporaryDirectory() as scratch:
         m = trace_network(model, Path(scratch) / "net.onnx", moe=moe)
     m = onnx.version_converter.convert_version(m, onnx_io.OPSET)
-    graph_inputs = {s.name for s in (*onnx_io.MODEL_INPUTS, *onnx_io.kv_inputs(list(model.layer_types)))}
-    return m, [i for i in m.graph.input if i.name not in graph_inputs]
+    return m, _weight_inputs(m, model)
 
 
 def structure_graph(config: ModelConfig, moe: str, dtype: torch.dtype = torch.bfloat16) -> onnx.ModelProto:

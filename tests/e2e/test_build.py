@@ -139,8 +139,9 @@ def test_the_json_stream_announces_each_stage_and_shows_progress_with_an_eta(bui
     assert events[0] == {"event": "stage_started", "stage": "validate", "what": events[0]["what"]}
     export = [e for e in events if e["event"] == "progress" and e["stage"] == "export"]
     assert export[0]["phase"] == "read checkpoint" and export[0]["done"] == 0 and export[0]["eta"] is None
-    assert [e["done"] for e in export] == list(range(len(export))) and export[-1]["eta"] is not None
-    assert all(e["total"] == 8 for e in export)  # reading the checkpoint + the export's seven steps
+    # the FP8 checkpoint streams into the graph (its packed weights copied from the shards), counted in MiB
+    copies = [e for e in export if e["phase"] == "copy weights (MiB)"]
+    assert copies and copies[-1]["done"] == copies[-1]["total"] >= 1 and copies[-1]["eta"] is not None
     rows = _finished(events)["rows"]
     assert [(r["stage"], r["status"]) for r in rows] == [
         ("validate", "ran"),

@@ -907,7 +907,7 @@ def build_graph(request, tmp_path_factory):
 
         opts = QuantizeOptions(EMBEDDED_MODEL, precision, root / "ckpt", calib_size=8, calib_steps=4)
         ckpt = Path(quantize_checkpoint(opts).output)
-    run_export(ckpt, root / "onnx", None, True, dtype=GRAPH_DTYPE)
+    run_export(ckpt, root / "onnx", None, True, stream=True, dtype=GRAPH_DTYPE)  # as the build does
     return precision, Path(ckpt), root / "onnx" / "model.onnx"
 
 

@@ -33,6 +33,7 @@ from pipeline.runtime.backends import DenoiseResult, TorchBackend  # noqa: E402
 from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request  # noqa: E402
 from pipeline.sampler.reference import CounterDraws, RowKeys, sample_step, should_stop, update_stability  # noqa: E402
 from tests._utils.numerics import assert_within_reference_noise  # noqa: E402
+from tests._utils.quantized import modelopt_checkpoint  # noqa: E402
 
 EMBEDDED = EMBEDDED_MODEL
 
@@ -442,14 +443,8 @@ def test_sudoku_through_onnxruntime_equals_pytorch(model, backend):
 
 # ---- FP8 (ModelOpt layout) -> Q/DQ graph --------------------------------------------------------------
 def modelopt_export(tmp_path_factory, precision: str) -> Path:
-    """ModelOpt's own export of the embedded model (the quantize stage: calibration, then ModelOpt's HF export;
-    unquantized tensors in float32), ~9 s: the real producer's files, not an imitation of them."""
     pytest.importorskip("modelopt", reason="needs nvidia-modelopt: pip install 'dgpipe[quantize]'")
-    from quantize.run import QuantizeOptions, quantize_checkpoint
-
-    out = tmp_path_factory.mktemp("modelopt") / precision
-    opts = QuantizeOptions(EMBEDDED, precision, out, calib_size=8, calib_steps=4, export_dtype="float32")
-    return Path(quantize_checkpoint(opts).output)
+    return modelopt_checkpoint(tmp_path_factory.mktemp("modelopt") / precision, precision)
 
 
 @pytest.fixture(scope="module")

@@ -116,3 +116,67 @@ def test_graph_flops_equal_the_analytic_count_routed_and_dense(exports):
         assert d.matmul_flops == denoise_pass_flops(cfg, b, s, past, routed=False)
         assert r.matmul_flops < d.matmul_flops
         assert r.kv_bytes == d.kv_bytes > 0
+
+
+@pytest.fixture(scope="module", params=["fp8", "nvfp4"])
+def quantized_exports(request, tmp_path_factory):
+    """ModelOpt's own FP8 / NVFP4 checkpoint of the embedded model, exported in memory and streamed, as the
+    fp32 reference graph and as the bf16 graph the engines are built from."""
+    pytest.importorskip("modelopt", reason="needs nvidia-modelopt: pip install 'dgpipe[quantize]'")
+    from pipeline.onnx.quant import export_fp8, export_nvfp4
+    from pipeline.onnx.stream import export_quantized_streaming
+    from tests._utils.quantized import modelopt_checkpoint
+
+    fmt, root = request.param, tmp_path_factory.mktemp(f"stream-{request.param}")
+    ckpt = modelopt_checkpoint(root / "ckpt", fmt)
+    in_memory = export_fp8 if fmt == "fp8" else export_nvfp4
+    paths = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        paths["memory", dtype] = in_memory(ckpt, root / f"memory-{dtype}", dtype=dtype).path
+        paths["stream", dtype] = export_quantized_streaming(
+            ckpt, root / f"stream-{dtype}", fmt, dtype=dtype
+        ).path
+    return fmt, paths
+
+
+def _initializers(path: str) -> dict[str, np.ndarray]:
+    m = onnx.load(path)
+    return {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer}
+
+
+def test_a_streamed_quantized_export_is_the_in_memory_one(quantized_exports):
+    """Without loading the model, every packed weight, block scale and scale of the Q/DQ graph is the
+    in-memory export's byte for byte (the routed experts' stacks too), in fp32 and in the bf16 graph the
+    engines are built from, the graph keeps the same Q/DQ and MoE nodes, and the FP8 graph runs in
+    onnxruntime bit-identically (onnxruntime cannot run NVFP4's TRT_FP4DynamicQuantize)."""
+    fmt, paths = quantized_exports
+    for dtype in (torch.float32, torch.bfloat16):
+        memory, stream = (_initializers(paths[kind, dtype]) for kind in ("memory", "stream"))
+        quantized = [n for n in memory if n.endswith((".weight_scale", ".weight_scale_2", ".input_scale"))]
+        quantized += [n.removesuffix("_scale") for n in memory if n.endswith(".weight_scale")]
+        quantized += [n for n in memory if "input_scale" in n and n.startswith("qdq.")]
+        assert len(quantized) > 100
+        for name in quantized:
+            a, b = memory[name], stream[name]
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), name
+        ops = [{n.op_type for n in onnx.load(paths[k, dtype], load_external_data=False).graph.node} for k in ("memory", "stream")]  # fmt: skip
+        assert {"DequantizeLinear", "MoE"} <= ops[0] and ops[0] - {"Identity"} == ops[1]
+    if fmt == "fp8":
+        sessions = [ort.InferenceSession(paths[k, torch.float32], providers=["CPUExecutionProvider"]) for k in ("memory", "stream")]  # fmt: skip
+        names = [o.name for o in sessions[0].get_outputs() if o.name != "probs"]
+        feeds = random_feeds(paths["memory", torch.float32], 0)
+        for name, a, b in zip(names, *(s.run(names, feeds) for s in sessions), strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_the_stream_refuses_a_dequantized_export(tmp_path):
+    """--no-precision-from-checkpoint asks for dequantized float weights, which only the in-memory export
+    writes: with --stream it is refused, not silently ignored."""
+    pytest.importorskip("modelopt", reason="needs nvidia-modelopt: pip install 'dgpipe[quantize]'")
+    from pipeline.errors import DgpipeError
+    from pipeline.onnx.stage import run_export
+    from tests._utils.quantized import modelopt_checkpoint
+
+    ckpt = modelopt_checkpoint(tmp_path / "ckpt", "fp8")
+    with pytest.raises(DgpipeError, match="--stream exports the checkpoint's Q/DQ graph"):
+        run_export(ckpt, tmp_path / "onnx", None, from_checkpoint=False, stream=True)
