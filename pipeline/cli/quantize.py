@@ -74,7 +74,7 @@ def quantize(
             "e.g. --precision nvfp4 --output ckpt-nvfp4",
         )
     from pipeline.runtime.session import default_model_path
-    from quantize.run import QuantizeOptions, quantize_checkpoint
+    from quantize.run import QuantizeOptions, check_options, quantize_checkpoint
     from quantize.stage import quantize_stage, stage_result
 
     opts = QuantizeOptions(
@@ -88,6 +88,7 @@ def quantize(
         kv_cache=kv_cache,
         target=target,
     )
+    check_options(opts)  # a bad option is one line, before any progress bar or log
     label = f"calibrate {precision} (prefill + {calib_steps} denoise steps)"
     # ModelOpt's and transformers' output goes to a log beside the checkpoint (the build's build.log)
     log = build_dir / LOG_NAME if build_dir is not None else opts.output.parent / f"{opts.output.name}.log"

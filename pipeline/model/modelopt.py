@@ -48,7 +48,15 @@ def quantization_info(path: Path) -> dict[str, Any] | None:
     not ModelOpt-quantized."""
     hq = path / "hf_quant_config.json"
     if hq.is_file():
-        return read_json_object(hq).get("quantization")
+        block = read_json_object(hq).get("quantization")
+        if not isinstance(block, dict):
+            raise CheckpointError(f"{hq}: 'quantization' is not an object", "the file is damaged")
+        if block.get("quant_algo") is None and block.get("kv_cache_quant_algo"):
+            raise CheckpointError(
+                f"{hq}: quantizes only the KV cache ({block['kv_cache_quant_algo']}), which dgpipe does not run",
+                "pass the unquantized checkpoint, or one with quantized weights",
+            )
+        return block
     cfg = path / "config.json"
     if cfg.is_file():
         q = read_json_object(cfg).get("quantization_config")

@@ -41,6 +41,46 @@ def packed_shape(fmt: str, out_dim: int, in_dim: int) -> tuple[int, int]:
     return (out_dim, in_dim)
 
 
+SCALAR = ((), (1,))
+
+
+def check_scales(
+    base: str, fmt: str, out_in: tuple[int, ...], headers: dict[str, TensorHeader], file: Path
+) -> None:
+    """A packed linear's scales as ModelOpt writes them (pipeline.model.modelopt's layouts), named when one is
+    missing or of another shape: without this a missing FP8 weight_scale read the raw E4M3 codes as weights,
+    and a [1, in/16] block scale was broadcast over every row."""
+    out_f, in_f = out_in
+    wanted: dict[str, tuple[tuple[int, ...], ...]] = {"input_scale": SCALAR}  # every format here quantizes x
+    if fmt == "fp8":
+        wanted["weight_scale"] = (*SCALAR, (out_f,), (out_f, 1))
+    elif fmt == "nvfp4":
+        wanted |= {"weight_scale": ((out_f, in_f // 16),), "weight_scale_2": SCALAR}
+    else:  # int4_awq: weight-only, groups of the input dimension
+        scale = headers.get(base + "weight_scale")
+        groups = scale.shape[-1] if scale is not None and len(scale.shape) == 2 else 0
+        ok = groups > 0 and in_f % groups == 0
+        wanted = {"weight_scale": ((out_f, groups),) if ok else ((out_f, -1),)}
+    for suffix, shapes in wanted.items():
+        h = headers.get(base + suffix)
+        if h is None:
+            raise CheckpointError(
+                f"{file}: {fmt.upper()} weight '{base}weight' has no '{suffix}'",
+                "the checkpoint is incomplete: " + FIX_DIR,
+            )
+        if h.shape not in shapes:
+            raise CheckpointError(
+                f"{file}: '{base}{suffix}' has shape {h.shape}, a {fmt.upper()} weight of {out_in} needs "
+                + " or ".join(str(s) for s in shapes),
+                FIX_DIR,
+            )
+    if fmt == "nvfp4" and headers[base + "weight_scale"].dtype != "F8_E4M3":
+        raise CheckpointError(
+            f"{file}: '{base}weight_scale' is {headers[base + 'weight_scale'].dtype}, NVFP4 block scales are F8_E4M3",
+            FIX_DIR,
+        )
+
+
 def check_tensors(
     config: ModelConfig, headers: dict[str, TensorHeader], quant_algo: str | None, where: Path
 ) -> None:
@@ -80,7 +120,16 @@ def check_tensors(
                 f"{h.file}: unexpected tensor '{name}'", "is this a DiffusionGemma checkpoint?"
             )
         if h.dtype in PACKED_DTYPES and fmt is not None and len(want) == 2:
-            want = packed_shape(fmt if h.dtype == "U8" else "fp8", *want)
+            stored_as = fmt if h.dtype == "U8" else "fp8"
+            if (h.dtype == "U8") != (
+                fmt != "fp8"
+            ):  # F8_E4M3 weights under FP8 only, packed U8 under the rest
+                raise CheckpointError(
+                    f"{h.file}: tensor '{name}' is {h.dtype}, which a {quant_algo} checkpoint does not store",
+                    "hf_quant_config.json's quant_algo does not describe these weights: " + FIX_DIR,
+                )
+            check_scales(name.removesuffix("weight"), stored_as, want, headers, h.file)
+            want = packed_shape(stored_as, *want)
         elif h.dtype not in FLOAT_DTYPES:
             raise CheckpointError(
                 f"{h.file}: tensor '{name}' has dtype {h.dtype}",

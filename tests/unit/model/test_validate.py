@@ -480,3 +480,40 @@ def test_a_directory_without_config_json_is_not_walked(tmp_path):
     with pytest.raises(CheckpointError, match=r"not a checkpoint \(no config\.json\)") as e:
         open_checkpoint(tmp_path)
     assert "pickle" not in str(e.value)
+
+
+Q_PROJ = "model.decoder.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "edit", "needle"),
+    [
+        ("fp8", lambda s, q: s.pop(Q_PROJ + ".weight_scale"), "has no 'weight_scale'"),
+        ("nvfp4", lambda s, q: s.pop(Q_PROJ + ".input_scale"), "has no 'input_scale'"),
+        ("nvfp4", lambda s, q: s.__setitem__(Q_PROJ + ".weight_scale", s[Q_PROJ + ".weight_scale"][:1].clone()), r"has shape \(1, 6\)"),
+        ("nvfp4", lambda s, q: s.__setitem__(Q_PROJ + ".weight_scale", s[Q_PROJ + ".weight_scale"].float()), "NVFP4 block scales are F8_E4M3"),
+        ("fp8", lambda s, q: s.__setitem__(Q_PROJ + ".weight_scale", s[Q_PROJ + ".weight_scale"].reshape(1).repeat(3)), r"has shape \(3,\)"),
+        ("fp8", lambda s, q: q.__setitem__("quantization", {"quant_algo": "NVFP4"}), "is F8_E4M3, which a NVFP4 checkpoint does not store"),
+        ("fp8", lambda s, q: q.__setitem__("quantization", ["FP8"]), "'quantization' is not an object"),
+        ("fp8", lambda s, q: q.__setitem__("quantization", {"quant_algo": None, "kv_cache_quant_algo": "FP8"}), "quantizes only the KV cache"),
+    ],
+)  # fmt: skip
+def test_a_quantized_checkpoints_scales_and_label_are_checked(tmp_path, fmt, edit, needle):
+    """A missing FP8 weight_scale read the raw E4M3 codes as weights (off by 448x), a one-row NVFP4 block
+    scale was broadcast over every row, fp32 block scales broke the ONNX export, a linear without its input
+    scale ran unquantized, FP8 weights under an NVFP4 label took NVFP4 activation quantization, and a damaged
+    or KV-only quantization block was a traceback or "quant_algo 'None'": each is named before loading."""
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.errors import CheckpointError
+    from pipeline.model.checkpoint import load_model
+    from tests._utils.quantized import build_quantized_checkpoint
+
+    ckpt = build_quantized_checkpoint(tmp_path / "ckpt", fmt)
+    state = load_file(ckpt / "model.safetensors")
+    hq = json.loads((ckpt / "hf_quant_config.json").read_text())
+    edit(state, hq)
+    save_file(state, str(ckpt / "model.safetensors"))
+    (ckpt / "hf_quant_config.json").write_text(json.dumps(hq))
+    with pytest.raises(CheckpointError, match=needle):
+        load_model(ckpt)
