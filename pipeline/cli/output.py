@@ -86,6 +86,8 @@ def progress_bars(disable: bool = False, console: TextIO | None = None):
     from rich.console import Console
     from rich.progress import Progress
 
+    # on a stream that is no terminal a bar draws nothing but leaves a blank line before what follows
+    disable = disable or (console is not None and not console.isatty())
     with Progress(
         transient=True, disable=disable, console=Console(file=console) if console else None
     ) as bars:
