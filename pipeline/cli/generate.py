@@ -112,18 +112,8 @@ def generate(
     """Generate with block diffusion, in-process or from a Triton server (--url)."""
     from pipeline.runtime import batch
 
-    if url:  # the server's model, dtype and device serve the request: these would be silently ignored
-        local = {"--model": model, "--adapter": adapter, "--compile": compile or None}
-        local |= {
-            "--dtype": None if dtype == "auto" else dtype,
-            "--device": None if device == "auto" else device,
-        }
-        given = [flag for flag, value in local.items() if value is not None]
-        if given:
-            raise DgpipeError(
-                f"{', '.join(given)} with --url: the server's model runs there, not one loaded here",
-                "leave them out, or leave out --url to generate in-process",
-            )
+    if url:
+        _refuse_local_options(model, adapter, compile, dtype, device)
     text = sys.stdin.read() if prompt == "-" else prompt
     inputs = batch.read_inputs(text, chat or system is not None, system, file)  # all checked before work
     settings = batch.GenerateSettings(
@@ -149,6 +139,18 @@ def generate(
         compile=compile,
     )
     _run(inputs, settings, url, api_key, name, as_json, compact=file is not None)
+
+
+def _refuse_local_options(model, adapter, compile: bool, dtype: str, device: str) -> None:
+    """With --url the server's model, dtype and device serve the request: these would be silently ignored."""
+    local = {"--model": model, "--adapter": adapter, "--compile": compile or None}
+    local |= {"--dtype": None if dtype == "auto" else dtype, "--device": None if device == "auto" else device}
+    given = [flag for flag, value in local.items() if value is not None]
+    if given:
+        raise DgpipeError(
+            f"{', '.join(given)} with --url: the server's model runs there, not one loaded here",
+            "leave them out, or leave out --url to generate in-process",
+        )
 
 
 def _run(
