@@ -112,8 +112,7 @@ def generate(
     """Generate with block diffusion, in-process or from a Triton server (--url)."""
     from pipeline.runtime import batch
 
-    if url:
-        _refuse_local_options(model, adapter, compile, dtype, device)
+    _refuse_local_options(url, model, adapter, compile, dtype, device)
     text = sys.stdin.read() if prompt == "-" else prompt
     inputs = batch.read_inputs(text, chat or system is not None, system, file)  # all checked before work
     settings = batch.GenerateSettings(
@@ -141,8 +140,10 @@ def generate(
     _run(inputs, settings, url, api_key, name, as_json, compact=file is not None)
 
 
-def _refuse_local_options(model, adapter, compile: bool, dtype: str, device: str) -> None:
+def _refuse_local_options(url, model, adapter, compile: bool, dtype: str, device: str) -> None:
     """With --url the server's model, dtype and device serve the request: these would be silently ignored."""
+    if not url:
+        return
     local = {"--model": model, "--adapter": adapter, "--compile": compile or None}
     local |= {"--dtype": None if dtype == "auto" else dtype, "--device": None if device == "auto" else device}
     given = [flag for flag, value in local.items() if value is not None]

@@ -74,8 +74,7 @@ def quantize(
             "e.g. --precision nvfp4 --output ckpt-nvfp4",
         )
     from pipeline.runtime.session import default_model_path
-    from quantize.run import QuantizeOptions, check_options, quantize_checkpoint
-    from quantize.stage import quantize_stage, stage_result
+    from quantize.run import QuantizeOptions, check_options
 
     opts = QuantizeOptions(
         model=opt.model_dir(model, adapter) or default_model_path(),
@@ -89,8 +88,16 @@ def quantize(
         target=target,
     )
     check_options(opts)  # a bad option is one line, before any progress bar or log
-    label = f"calibrate {precision} (prefill + {calib_steps} denoise steps)"
-    # ModelOpt's and transformers' output goes to a log beside the checkpoint (the build's build.log)
+    _quantize_logged(opts, build_dir, as_json)
+
+
+def _quantize_logged(opts, build_dir: Path | None, as_json: bool) -> None:
+    """Quantize with ModelOpt's and transformers' output in a log beside the checkpoint (the build dir's
+    build.log), the calibration's progress on the console, and the stage's summary."""
+    from quantize.run import quantize_checkpoint
+    from quantize.stage import quantize_stage, stage_result
+
+    label = f"calibrate {opts.precision} (prefill + {opts.calib_steps} denoise steps)"
     log = build_dir / LOG_NAME if build_dir is not None else opts.output.parent / f"{opts.output.name}.log"
     with capture(log) as cap, out.progress(label, total=None, disable=as_json, console=cap.stderr) as advance:
         if build_dir is not None:
