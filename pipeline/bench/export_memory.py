@@ -160,6 +160,8 @@ base = rss_gb()
 t = time.perf_counter()
 if mode == "stream":
     stream.export_streaming(Path(src), Path(out), moe=moe)
+elif mode in ("fp8", "nvfp4"):  # a ModelOpt checkpoint, as dgpipe build exports it: the bf16 Q/DQ graph
+    stream.export_quantized_streaming(Path(src), Path(out), mode, dtype=torch.bfloat16, moe=moe)
 else:  # the weightless part at this depth: meta trace + opset conversion
     from pipeline.bench.export_memory import model_config
     m = stream.structure_graph(model_config(src, None if out == "full" else int(out)), moe)
@@ -176,9 +178,10 @@ def _child(*args: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def stream_peak_rss(ckpt: Path, out: Path, moe: str = "routed") -> dict:
-    """Peak RSS (GB, decimal) of a fresh process that streams `ckpt` to `out`."""
-    return _child("stream", str(ckpt), str(out), moe)
+def stream_peak_rss(ckpt: Path, out: Path, moe: str = "routed", quantized: str | None = None) -> dict:
+    """Peak RSS (GB, decimal) of a fresh process that streams `ckpt` to `out` (`quantized`: a ModelOpt
+    "fp8" / "nvfp4" checkpoint, streamed into its bf16 Q/DQ graph)."""
+    return _child(quantized or "stream", str(ckpt), str(out), moe)
 
 
 def trace_peak_rss(config: str, layers: int | None, moe: str = "routed") -> dict:

@@ -180,3 +180,23 @@ def test_the_stream_refuses_a_dequantized_export(tmp_path):
     ckpt = modelopt_checkpoint(tmp_path / "ckpt", "fp8")
     with pytest.raises(DgpipeError, match="--stream exports the checkpoint's Q/DQ graph"):
         run_export(ckpt, tmp_path / "onnx", None, from_checkpoint=False, stream=True)
+
+
+@pytest.mark.slow
+def test_a_quantized_export_of_26b_shaped_layers_does_not_materialise(tmp_path):
+    """The FP8 checkpoint of the 2-layer 26B-shaped model above (0.47 GB), streamed into the bf16 Q/DQ graph
+    the engines are built from: peak RSS grows by ~0.3 GB (the trace and one chunk), where the in-memory
+    export held 6.3 GB (the model dequantized, its stand-ins and the graph's tensors)."""
+    from pipeline.bench.export_memory import model_config, stream_peak_rss, write_random_checkpoint
+    from tests._utils.quantized import build_quantized_checkpoint
+
+    cfg = model_config("diffusiongemma-26b-a4b", 2, vocab_size=8192, num_experts=16)
+    write_random_checkpoint(tmp_path / "float", cfg)
+    ckpt = build_quantized_checkpoint(tmp_path / "fp8", "fp8", src=tmp_path / "float")
+    size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+    assert size > 0.4e9
+    r = stream_peak_rss(ckpt, tmp_path / "onnx", quantized="fp8")
+    grew = r["peak_rss_gb"] - r["rss_after_imports_gb"]
+    assert grew < 0.8 * size / 1e9, r  # the in-memory export grows by ~13x the checkpoint
+    graph = onnx.load(str(tmp_path / "onnx" / onnx_io.MODEL_FILE), load_external_data=False)
+    assert sum(n.op_type == "DequantizeLinear" for n in graph.graph.node) > 0
