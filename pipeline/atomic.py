@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.errors import DgpipeError
@@ -44,23 +46,40 @@ def atomic_write_bytes(path: Path, data: bytes) -> Path:
     return path
 
 
-def check_replaceable(final: Path, kind: str, marker: str) -> None:
+Marker = str | Callable[[Path], bool]  # a glob of a file only this kind of output has, or a test of the dir
+
+
+def json_key(name: str, key: str) -> Callable[[Path], bool]:
+    """A marker: the directory's JSON file `name` is an object holding `key` (what dgpipe writes there)."""
+
+    def marked(d: Path) -> bool:
+        try:
+            return key in json.loads((d / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError, TypeError):
+            return False
+
+    return marked
+
+
+def check_replaceable(final: Path, kind: str, marker: Marker) -> None:
     """Refuse to replace `final` unless it is absent, an empty directory, or an earlier output of this kind
-    (a directory holding a file matching the glob `marker`): an output directory is replaced as a whole, so
-    `--output ~/models` must not delete what the user keeps there."""
+    (`marker`: a glob of a file only such an output holds, or a test of the directory): an output directory is
+    replaced as a whole, so `--output ~/models` must not delete what the user keeps there."""
     final = Path(final)
     if not final.exists():
         return
-    if not final.is_dir() or (any(final.iterdir()) and not any(final.glob(marker))):
+    earlier = marker(final) if callable(marker) else any(final.glob(marker))
+    if not final.is_dir() or (any(final.iterdir()) and not earlier):
         raise DgpipeError(
             f"{final}: exists and is not {kind}",
             "it would be replaced as a whole: pass a new or empty directory",
         )
 
 
-def atomic_dir(final: Path, kind: str, marker: str):
+def atomic_dir(final: Path, kind: str, marker: Marker):
     """Context manager yielding a temp dir next to `final` that replaces it only on success; `final` must be
     replaceable (`check_replaceable`: absent, empty, or an earlier output of `kind`, marked by `marker`)."""
+    final = Path(final)
     check_replaceable(final, kind, marker)
 
     @contextlib.contextmanager

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pipeline.atomic import atomic_dir, check_replaceable
+from pipeline.atomic import atomic_dir, check_replaceable, json_key
 from pipeline.errors import DgpipeError
 from pipeline.model.config import SamplerConfig
 from pipeline.model.validate import ValidatedCheckpoint, validate_checkpoint
@@ -26,7 +26,11 @@ from pipeline.targets import Precision, check_precision_on_target, precision
 from quantize import calibrate
 from quantize.defaults import CALIB_SEED, CALIB_SIZE
 
-QUANTIZED_KIND = "a quantized checkpoint"  # what an --output dir may hold for a quantize to replace it
+# what an --output dir may hold for a quantize to replace it: a checkpoint whose dgpipe.json records its quantization
+QUANTIZED_KIND, QUANTIZED_MARKER = (
+    "a checkpoint dgpipe quantize wrote",
+    json_key("dgpipe.json", "quantization"),
+)
 # files a serving runtime needs beside the weights, copied unchanged from the source checkpoint
 SIDE_FILES = (
     "tokenizer.json",
@@ -94,7 +98,7 @@ def check_options(opts: QuantizeOptions) -> Precision:
         raise DgpipeError(f"--precision {p.name} is a plain cast: --exclude and --kv-cache do not apply")
     if opts.output.resolve() == opts.model.resolve():
         raise DgpipeError("--output must differ from --model (the source would be replaced)")
-    check_replaceable(opts.output, QUANTIZED_KIND, "config.json")  # before calibration, not after it
+    check_replaceable(opts.output, QUANTIZED_KIND, QUANTIZED_MARKER)  # before calibration, not after it
     return p
 
 
@@ -321,7 +325,7 @@ def quantize_checkpoint(
     phase("load model", None)
     model = load_hf_model(opts.model)
     block = None
-    with atomic_dir(opts.output, QUANTIZED_KIND, "config.json") as tmp:
+    with atomic_dir(opts.output, QUANTIZED_KIND, QUANTIZED_MARKER) as tmp:
         if p.modelopt_config is None:  # bf16: the unquantized reference
             phase("save checkpoint", None)
             model.to(getattr(torch, opts.export_dtype)).save_pretrained(tmp)

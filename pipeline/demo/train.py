@@ -28,10 +28,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, Field
 
+from pipeline.atomic import check_replaceable
 from pipeline.demo import sudoku
 from pipeline.demo import tokenizer as stok
 from pipeline.demo.evaluate import eval_sudoku
-from pipeline.model.checkpoint import load_model, save_checkpoint
+from pipeline.model.checkpoint import SAVED_CHECKPOINT, load_model, save_checkpoint
 from pipeline.model.config import ModelConfig, SamplerConfig
 from pipeline.model.network import DiffusionGemma
 from pipeline.resources import load_yaml
@@ -263,6 +264,7 @@ def train(
     bands = [tuple(cfg.eval_givens), *(tuple(b) for b in cfg.extra_eval_givens)]
     held_out = {b: sudoku.make_dataset(10_000 + cfg.seed, cfg.eval_n, b) for b in bands}
     best = -1.0
+    check_replaceable(out, *SAVED_CHECKPOINT)  # before hours of training, not at the first save
     out.mkdir(parents=True, exist_ok=True)
     curve_path = out.parent / f"{out.name}.curve.jsonl"
     budget = cfg.minutes * 60

@@ -120,8 +120,10 @@ class _Context:
 
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Eager: bind and execute on the context's stream, ordered after torch's current stream."""
+        # TensorRT reads packed tensors: copied on torch's current stream BEFORE the context's stream waits
+        # for it (a wait orders only the work queued by then)
+        feeds = {n: t.contiguous() for n, t in feeds.items()}
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        feeds = {n: t.contiguous() for n, t in feeds.items()}  # TensorRT reads packed tensors
         outs = self._bind(feeds)
         self._execute()
         torch.cuda.current_stream(self.device).wait_stream(self.stream)

@@ -216,6 +216,10 @@ def hf_state_dict(model: DiffusionGemma) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
+# what a directory may hold for save_checkpoint to replace it: a checkpoint dgpipe wrote (its dgpipe.json)
+SAVED_CHECKPOINT = ("a checkpoint dgpipe wrote", "dgpipe.json")
+
+
 def save_checkpoint(
     model: DiffusionGemma,
     out: str | Path,
@@ -226,7 +230,7 @@ def save_checkpoint(
 ) -> Path:
     """Write config.json, model.safetensors, generation_config.json (+ tokenizer etc. via extra_files) atomically."""
     final = Path(out)
-    with atomic_dir(final, "a checkpoint", "config.json") as tmp:
+    with atomic_dir(final, *SAVED_CHECKPOINT) as tmp:
         state = hf_state_dict(model)
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}

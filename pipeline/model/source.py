@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.atomic import atomic_dir
+from pipeline.atomic import atomic_dir, json_key
 from pipeline.errors import CheckpointError, DgpipeError
 from pipeline.model import producers as pr
 from pipeline.model.files import TEXT_FILES
@@ -156,7 +156,7 @@ def write_resolved(rec: pr.Recognised, ad: pr.Recognised | None, out: Path) -> P
             "adapted_copies": sorted(adapter.copies),
             "merged": merged,
         }
-    with atomic_dir(out, "a resolved checkpoint", "config.json") as tmp:
+    with atomic_dir(out, "a resolved checkpoint", json_key("dgpipe.json", "source")) as tmp:
         _save_sharded(state, tmp, save_file)
         side = _recorded_base(meta, Path(rec.path)) if rec.kind in _AUTOMODEL else None
         if ad is not None:

@@ -27,6 +27,8 @@ in-memory Q/DQ export's, up to the same two differences (tests/unit/onnx/test_st
 from __future__ import annotations
 
 import json
+import math
+import re
 import struct
 import tempfile
 import time
@@ -253,6 +255,15 @@ class ExternalDataWriter:
                 self.offset += len(data)
         return self._initializer(name, data_type, shape, start)
 
+    def copy_stacked(
+        self, name: str, parts: list[Stored], dst: torch.dtype, shape: tuple[int, ...]
+    ) -> TensorProto:
+        """One initializer of stored tensors one after another, each converted to `dst`."""
+        start = self._begin()
+        for p in parts:
+            self._copy(p, dst, name)
+        return self._initializer(name, ONNX_DTYPES[dst], shape, start)
+
     def write_tensor(self, name: str, value: torch.Tensor) -> TensorProto:
         return self.write_raw(
             name,
@@ -409,11 +420,16 @@ def _write(
     sampler, the contract and the checks, into out_dir atomically."""
     from pipeline.atomic import atomic_dir
 
-    values = values or {}
+    values, out_dir = values or {}, Path(out_dir)
     graph_inputs = {i.name for i in m.graph.input} - {w.name for w in weights}
     shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     bound = [w for w in weights if w.name not in skip and w.name not in values]
-    total = packed_bytes + sum(stored[_param(w.name)][1].length for w in bound if _param(w.name) in stored)
+    experts = {w.name: _per_expert(stored, _param(w.name), shapes) for w in bound}
+    total = packed_bytes + sum(
+        sum(p.length for p in parts) if parts else stored[_param(w.name)][1].length
+        for w in bound
+        if (parts := experts[w.name]) or _param(w.name) in stored
+    )
     done = 0
 
     def copied(n: int) -> None:
@@ -432,6 +448,9 @@ def _write(
                     kind = param[len("inv_freq_") :]
                     hd = model.cfg.layer_shape(model.layer_types.index(kind)).head_dim
                     inits.append(writer.write_tensor(vi.name, rope_inv_freq(model.cfg, kind, hd).float()))
+                    continue
+                if experts[vi.name]:  # a quantized checkpoint's unquantized experts, stored one by one
+                    inits.append(writer.copy_stacked(vi.name, experts[vi.name], dtype, shapes[param]))
                     continue
                 src = stored.get(param)
                 if src is None and param.endswith(
@@ -471,6 +490,26 @@ def _write(
         record_pass_cost(contract, tmp / onnx_io.MODEL_FILE, model)
         (tmp / onnx_io.CONTRACT_FILE).write_text(json.dumps(contract, indent=2) + "\n")
     return summarize(m, out_dir, contract, start)
+
+
+def _per_expert(
+    stored: dict[str, tuple[str, Stored]], param: str, shapes: dict[str, tuple[int, ...]]
+) -> list[Stored] | None:
+    """A fused expert parameter (`layers.N.experts.gate_up_proj` [E, 2I, d], `down_proj` [E, d, I]) that the
+    checkpoint stores one tensor per expert and projection (ModelOpt's export, also for experts it left
+    unquantized): the tensors in the fused order (expert by expert, gate before up); None when the checkpoint
+    stores it fused, or the parameter is no expert's."""
+    m = re.fullmatch(r"(layers\.\d+\.experts)\.(gate_up_proj|down_proj)", param)
+    if m is None or param in stored:
+        return None
+    projections = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",)
+    names = [f"{m.group(1)}.{e}.{p}.weight" for e in range(shapes[param][0]) for p in projections]
+    if not all(n in stored for n in names):
+        return None
+    parts = [stored[n][1] for n in names]
+    if sum(math.prod(p.shape) for p in parts) != math.prod(shapes[param]):
+        raise CheckpointError(f"{parts[0].shard}: the experts of '{m.group(1)}' do not make {shapes[param]}")
+    return parts
 
 
 def _weight_inputs(m: onnx.ModelProto, model: DiffusionGemma) -> list[onnx.ValueInfoProto]:

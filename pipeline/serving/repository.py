@@ -32,8 +32,13 @@ from pipeline.resources import TRITON_MODEL_SOURCE
 from pipeline.serving import schema
 from pipeline.stages import StageResult
 
-# what an --output dir may hold for a package to replace it: a Triton model repository (a model's config)
-REPOSITORY_KIND, REPOSITORY_MARKER = "a Triton model repository", "*/config.pbtxt"
+REPOSITORY_KIND = "a model repository dgpipe package wrote"
+
+
+def _only_dgpipe_models(repo: Path) -> bool:
+    """What an --output dir may hold for a package to replace it: dgpipe models only (each a model dir whose
+    version holds the model's checkpoint), never a repository that also serves other models."""
+    return all(any(entry.glob(f"*/{MODEL_CHECKPOINT}/config.json")) for entry in repo.iterdir())
 
 
 def model_config(
@@ -120,7 +125,7 @@ def package(
         )
     warmup = _warmup_request(ckpt)
     cfg = model_config(name, limits.merged(max_prompt=prompt_cap), device, warmup, compile)
-    with atomic_dir(output, REPOSITORY_KIND, REPOSITORY_MARKER) as tmp:
+    with atomic_dir(output, REPOSITORY_KIND, _only_dgpipe_models) as tmp:
         mdir = tmp / name
         version = model_version_dir(tmp, name)
         version.mkdir(parents=True)

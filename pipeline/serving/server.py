@@ -148,7 +148,14 @@ class Ports:
             ("--grpc-port", self.grpc),
             ("--metrics-port", self.metrics),
         ):
-            family, kind, _, _, where = socket.getaddrinfo(self.address, port, type=socket.SOCK_STREAM)[0]
+            try:
+                family, kind, _, _, where = socket.getaddrinfo(
+                    self.address or "0.0.0.0", port, type=socket.SOCK_STREAM
+                )[0]
+            except socket.gaierror as e:
+                raise DgpipeError(
+                    f"--address {self.address}: {e.strerror}", "pass an IP address or a host name"
+                ) from e
             with socket.socket(family, kind) as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:

@@ -50,3 +50,28 @@ def test_commands_refuse_an_output_dir_of_other_files_before_any_work(tmp_path: 
     proc = dgpipe(*command, str(kept), timeout=300)
     assert proc.returncode == 2 and "exists and is not" in proc.stderr and "Traceback" not in proc.stderr
     assert (kept / "notes.txt").read_text() == "keep me" and [p.name for p in kept.iterdir()] == ["notes.txt"]
+
+
+def test_only_what_dgpipe_wrote_is_an_earlier_output(tmp_path: Path):
+    """A marker any Hugging Face checkpoint or Triton repository has would let `--output` replace one: a
+    quantized checkpoint is one whose dgpipe.json records its quantization, a model repository one holding
+    dgpipe models only (each version with its checkpoint)."""
+    from pipeline.atomic import check_replaceable, json_key
+    from pipeline.serving.repository import REPOSITORY_KIND, _only_dgpipe_models
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    quantized = json_key("dgpipe.json", "quantization")
+    with pytest.raises(DgpipeError, match="exists and is not"):
+        check_replaceable(hf, "a checkpoint dgpipe quantize wrote", quantized)
+    (hf / "dgpipe.json").write_text('{"quantization": {"precision": "fp8"}}')
+    check_replaceable(hf, "a checkpoint dgpipe quantize wrote", quantized)
+    repo = tmp_path / "repo"
+    (repo / "dgpipe" / "1" / "checkpoint").mkdir(parents=True)
+    (repo / "dgpipe" / "1" / "checkpoint" / "config.json").write_text("{}")
+    check_replaceable(repo, REPOSITORY_KIND, _only_dgpipe_models)
+    (repo / "other" / "1").mkdir(parents=True)  # a model of someone else's beside it
+    (repo / "other" / "config.pbtxt").write_text('name: "other"\n')
+    with pytest.raises(DgpipeError, match="exists and is not a model repository dgpipe package wrote"):
+        check_replaceable(repo, REPOSITORY_KIND, _only_dgpipe_models)

@@ -55,6 +55,8 @@ def refusal(where: str, error: Exception) -> Failure:
     answered as one (a 500, not a 400 blaming the request) and logged with its traceback."""
     if isinstance(error, DgpipeError | ValueError):
         return Failure(ErrorKind.INVALID_REQUEST, str(error))
+    if isinstance(error, RecursionError):  # an input (messages, tools) nested past what its parser reads
+        return Failure(ErrorKind.INVALID_REQUEST, f"an input nests deeper than it can be read ({error})")
     log.error("internal error %s", where, exc_info=error)
     return internal_failure(where, error)
 

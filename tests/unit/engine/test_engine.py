@@ -882,8 +882,20 @@ def test_a_denoise_step_copies_the_cached_rows_once(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "copy_", copy)
 
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: None, raising=False)
+    # the copies are queued on torch's stream before the context's stream waits for it: a wait orders only
+    # the work queued by then, so copies made after it could be read by TensorRT before they are done
+    events: list[str] = []
+    ctx.stream = SimpleNamespace(wait_stream=lambda s: events.append("wait"), synchronize=lambda: None)
+    contiguous = torch.Tensor.contiguous
+    monkeypatch.setattr(
+        torch.Tensor,
+        "contiguous",
+        lambda t, *a: (events.append("copy") if not t.is_contiguous() else None) or contiguous(t, *a),
+    )
     ctx.run(second)  # eager: the packed copies are what TensorRT is bound to
+    monkeypatch.setattr(torch.Tensor, "contiguous", contiguous)
     assert all(bound[-1][n].is_contiguous() and torch.equal(bound[-1][n], second[n]) for n in kv)
+    assert "copy" in events and events.index("wait") > max(i for i, e in enumerate(events) if e == "copy")
 
 
 def test_the_contexts_share_one_activation_buffer(monkeypatch):

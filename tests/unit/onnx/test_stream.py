@@ -200,3 +200,27 @@ def test_a_quantized_export_of_26b_shaped_layers_does_not_materialise(tmp_path):
     assert grew < 0.8 * size / 1e9, r  # the in-memory export grows by ~13x the checkpoint
     graph = onnx.load(str(tmp_path / "onnx" / onnx_io.MODEL_FILE), load_external_data=False)
     assert sum(n.op_type == "DequantizeLinear" for n in graph.graph.node) > 0
+
+
+def test_a_quantized_checkpoint_with_unquantized_experts_streams(tmp_path):
+    """ModelOpt writes experts it leaves unquantized (`--exclude '*experts*'`) one float tensor per expert
+    and projection, not fused: the stream stacks them into the fused parameters, expert by expert, and the
+    graph runs bit-identically to the in-memory export (which fuses them on load)."""
+    pytest.importorskip("modelopt", reason="needs nvidia-modelopt: pip install 'dgpipe[quantize]'")
+    from pipeline.onnx.quant import export_fp8
+    from pipeline.onnx.stream import export_quantized_streaming
+    from quantize.run import QuantizeOptions, quantize_checkpoint
+
+    opts = QuantizeOptions(
+        EMBEDDED_MODEL, "fp8", tmp_path / "ckpt", calib_size=4, calib_steps=2, exclude=["*experts*"]
+    )
+    ckpt = quantize_checkpoint(opts).output
+    paths = [
+        export_fp8(ckpt, tmp_path / "memory").path,
+        export_quantized_streaming(ckpt, str(tmp_path / "stream"), "fp8").path,  # a str path too
+    ]
+    sessions = [ort.InferenceSession(p, providers=["CPUExecutionProvider"]) for p in paths]
+    names = [o.name for o in sessions[0].get_outputs() if o.name != "probs"]
+    feeds = random_feeds(paths[0], 0)
+    for name, a, b in zip(names, *(s.run(names, feeds) for s in sessions), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)

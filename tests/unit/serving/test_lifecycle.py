@@ -196,3 +196,6 @@ def test_a_port_another_server_listens_on_is_refused_before_tritonserver_starts(
             server.TritonServer(repo, ports, tmp_path).start(timeout=1)
         assert spawned == []
         server.Ports(http=grpc, grpc=metrics, metrics=grpc).check_free()
+        server.Ports(http=grpc, grpc=metrics, metrics=grpc, address="").check_free()  # every interface, as ""
+        with pytest.raises(DgpipeError, match=r"--address nohost\.invalid"):
+            server.Ports(http=grpc, grpc=metrics, metrics=grpc, address="nohost.invalid").check_free()

@@ -244,9 +244,15 @@ def test_a_bug_in_intake_is_a_server_error_not_the_requests(monkeypatch):
     monkeypatch.setattr(c.session, "encode_prompt", lambda p: (_ for _ in ()).throw(ValueError("bad value")))
     c.accept(inputs("hi").get, {}, channel)
     assert channel.sent[1] == Failure(ErrorKind.INVALID_REQUEST, "bad value")
+    # an input nested past its parser's recursion limit is the request's too
+    monkeypatch.setattr(
+        c.session, "encode_prompt", lambda p: (_ for _ in ()).throw(RecursionError("too deep"))
+    )
+    c.accept(inputs("hi").get, {}, channel)
+    assert channel.sent[2].kind is ErrorKind.INVALID_REQUEST and "nests deeper" in channel.sent[2].message
     monkeypatch.undo()
     c.accept(inputs("hi").get, {}, channel)
-    assert len(channel.sent) == 2 and not c.inbox.empty()
+    assert len(channel.sent) == 3 and not c.inbox.empty()
 
 
 def test_a_failed_pass_fails_the_requests_in_flight_as_internal():
