@@ -262,7 +262,14 @@ def compile_automaton(
         index = Index(regex, Vocabulary(end_ids[0], by_bytes))
     except Exception as e:  # outlines-core raises ValueError on regexes it cannot build
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise InputError(f"{spec.kind} guide cannot be compiled over this tokenizer: {first}") from e
+        if (
+            len(first) > 200
+        ):  # outlines-core quotes the whole compiled regex (1 kB for `json`): the error says why
+            first = first[:200] + " ..."
+        raise InputError(
+            f"{spec.kind} guide cannot be compiled over this tokenizer: {first}",
+            "change the guide so that this model's tokens can spell it",
+        ) from e
     raw = index.get_transitions()
     order = [index.get_initial_state(), *sorted(s for s in raw if s != index.get_initial_state())]
     finals = set(index.get_final_states())

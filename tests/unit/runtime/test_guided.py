@@ -267,3 +267,14 @@ def test_an_infill_template_is_kept_under_a_guide_where_the_guide_allows_it(sess
     text = session.decode(overridden.tokens)
     assert overridden.finish_reason == "stop" and text[0] != "@", text  # '@' cannot start the address
     check("regex", regex, text)
+
+
+def test_a_guide_the_vocabulary_cannot_spell_is_one_short_error():
+    """`response_format: json_object` on the Sudoku model's vocabulary (digits and a few specials): outlines-core
+    refuses, quoting the whole compiled regex (1 kB); the error keeps its start and says what to change."""
+    from pipeline.errors import InputError
+    from pipeline.runtime.session import load_session
+
+    with pytest.raises(InputError, match="json guide cannot be compiled over this tokenizer") as e:
+        load_session().compile_guide("json", "")
+    assert len(str(e.value)) < 350 and "change the guide" in str(e.value)
