@@ -301,7 +301,8 @@ class SamplerConfig(BaseModel):
         for name, (lo, hi) in SAMPLER_RANGES.items():
             value = getattr(self, name)
             if not lo <= value <= hi:  # NaN fails it too
-                raise SamplerError(f"{name} must be in [{lo:g}, {hi:g}] (got {value})")
+                # 7 significant digits: a value sent as fp32 (Triton's inputs) reads as sent, 0.0001 not 9.99e-05
+                raise SamplerError(f"{name} must be in [{lo:g}, {hi:g}] (got {value:.7g})")
         if self.t_min > self.t_max:
             raise SamplerError(f"t_min ({self.t_min}) must be <= t_max ({self.t_max})")
         if self.stability_threshold < 0:

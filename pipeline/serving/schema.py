@@ -60,7 +60,9 @@ class Rule:
     show_value: bool = True  # append " (got <value>)"
 
     def error(self, name: str, value: Any) -> str:
-        return f"input '{name}' {self.message}" + (f" (got {value})" if self.show_value else "")
+        # a float input arrives as fp32: 7 significant digits read it as sent (0.0001, not 9.999999747e-05)
+        shown = f"{value:.7g}" if isinstance(value, float) else value
+        return f"input '{name}' {self.message}" + (f" (got {shown})" if self.show_value else "")
 
 
 AT_LEAST_ONE = Rule(lambda v: v >= 1, "must be >= 1")

@@ -98,7 +98,7 @@ def test_warmup_files_are_what_triton_reads():
         (
             {"text_input": arr("text_input", PROMPT), "entropy_bound": arr("entropy_bound", -1.0)},
             None,
-            "input 'entropy_bound' must be in [0.001, 1e+06] (got -1.0)",
+            "input 'entropy_bound' must be in [0.001, 1e+06] (got -1)",
         ),
         (
             {
@@ -139,16 +139,16 @@ def with_prompt(**values) -> dict[str, np.ndarray]:
     [  # the values that reached the runtime before: each poisoned its batch slot or failed the batch
         (
             {"t_min": 1e-45, "t_max": 1e-45},
-            "input 't_min' must be in [0.001, 100] (got 1.401298464324817e-45)",
+            "input 't_min' must be in [0.001, 100] (got 1.401298e-45)",
         ),
         ({"t_min": 0.5, "t_max": 1e39}, "input 't_max' must be in [0.001, 100] (got inf)"),
         ({"t_max": float("nan")}, "input 't_max' must be in [0.001, 100] (got nan)"),
-        ({"t_min": 0.0}, "input 't_min' must be in [0.001, 100] (got 0.0)"),
+        ({"t_min": 0.0}, "input 't_min' must be in [0.001, 100] (got 0)"),
         ({"t_min": 0.75, "t_max": 0.5}, "input 't_min' (0.75) must be <= input 't_max' (0.5)"),
         ({"entropy_bound": float("inf")}, "input 'entropy_bound' must be in [0.001, 1e+06] (got inf)"),
         (
             {"confidence_threshold": 1e30},
-            "input 'confidence_threshold' must be in [0, 100] (got 1.0000000150474662e+30)",
+            "input 'confidence_threshold' must be in [0, 100] (got 1e+30)",
         ),
         (
             {"seed": 2**63},
@@ -160,7 +160,7 @@ def with_prompt(**values) -> dict[str, np.ndarray]:
             "input 'max_denoising_steps' is 1000000, over this server's limit of 64",
         ),
         ({"max_tokens": 2**31 - 1}, "input 'max_tokens' is 2147483647, over this server's limit of 512"),
-        ({"timeout_s": 0.0}, "input 'timeout_s' must be a positive number of seconds (got 0.0)"),
+        ({"timeout_s": 0.0}, "input 'timeout_s' must be a positive number of seconds (got 0)"),
         ({"timeout_s": float("nan")}, "input 'timeout_s' must be a positive number of seconds (got nan)"),
         ({"timeout_s": 61.0}, "input 'timeout_s' is 61.0, over this server's limit of 60.0"),
     ],
