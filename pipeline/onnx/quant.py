@@ -24,6 +24,7 @@ checkpoint's fp32 values.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,7 +41,7 @@ from pipeline.model.fake_quant import NVFP4_BLOCK, fp8_fake_quant
 from pipeline.model.modelopt import PackedLinear, read_packed_linears
 from pipeline.model.network import DiffusionGemma
 from pipeline.onnx import contract as onnx_io
-from pipeline.onnx.graph import LinearFn
+from pipeline.onnx.graph import ExpertsFn, LinearFn
 
 HOLDER_PREFIX = "qdq."  # the stand-ins' names in the traced graph (`trace_network` holds them as `qdq`)
 # the stored tensors each exportable format needs per linear (the activation scale feeds the Q/DQ pair)
@@ -392,31 +393,75 @@ def _export_quantized(
     `step`: export_onnx's progress callback."""
     from pipeline.onnx.export import export_onnx
 
-    routed = moe == "routed" and _all_experts_quantized(model, quant, fmt)
-    linears = {p: q for p, q in quant.items() if not (routed and _is_expert(p))}
-    dtype = next(model.parameters()).dtype
-    holder = _Holder(linears, dtype)
-    experts = None
-    if routed:
-        holder.routed = _RoutedExperts(model, quant, fmt, dtype)
-        experts = holder.routed.inputs
+    trace = QuantizedTrace.of(model, quant, fmt, moe, next(model.parameters()).dtype)
 
     def post(m: onnx.ModelProto) -> None:
-        insert_linears(m, holder, linears, HOLDER_PREFIX)
-        if routed:
-            insert_routed(m, model, quant)
+        trace.insert(m, model, quant, insert_linears, insert_routed)
 
     return export_onnx(
         model,
         out_dir,
         precision=fmt,
-        linear=_trace_linear(model, holder),
-        holder=holder,
+        linear=trace.linear(model),
+        holder=trace.holder,
         post=post,
         moe=moe,
-        experts=experts,
+        experts=trace.experts,
         step=step,
     )
+
+
+@dataclass
+class QuantizedTrace:
+    """What a Q/DQ export traces with, in memory or streamed: the stand-ins (`holder`) for the quantized
+    linears they replace (`linears`), and, when every expert is quantized and the MoE is routed, the stacked
+    expert stand-ins the routed node takes (`experts`)."""
+
+    holder: _Holder
+    linears: dict[str, PackedLinear]
+    experts: ExpertsFn | None
+
+    @classmethod
+    def of(
+        cls, model: DiffusionGemma, quant: dict, fmt: str, moe: str, dtype: torch.dtype, meta: bool = False
+    ) -> QuantizedTrace:
+        """`meta`: stand-ins on the meta device (the streaming export traces without values)."""
+        routed = moe == "routed" and _all_experts_quantized(model, quant, fmt)
+        linears = {p: q for p, q in quant.items() if not (routed and _is_expert(p))}
+        holder = _Holder(linears, dtype, meta)
+        if not routed:
+            return cls(holder, linears, None)
+        holder.routed = _RoutedExperts(model, quant, fmt, dtype, meta)
+        return cls(holder, linears, holder.routed.inputs)
+
+    @property
+    def routed(self) -> bool:
+        return self.experts is not None
+
+    @property
+    def values(self) -> dict[str, torch.Tensor]:
+        """Stand-ins' values a meta trace binds by their graph names (the routed experts' input scales)."""
+        return (
+            {f"{HOLDER_PREFIX}routed.{k}": v for k, v in self.holder.routed.values.items()}
+            if self.routed
+            else {}
+        )
+
+    @property
+    def stand_ins(self) -> set[str]:
+        """The graph names of the stand-ins the Q/DQ insertion replaces."""
+        return {f"{HOLDER_PREFIX}{name}" for name, _ in self.holder.named_buffers()} - set(self.values)
+
+    def linear(self, model: DiffusionGemma) -> LinearFn:
+        return _trace_linear(model, self.holder)
+
+    def insert(
+        self, m, model, quant, insert_linears, insert_routed, inits: Initializers | None = None
+    ) -> None:
+        """The Q/DQ of the quantized linears, and of the routed experts when they are routed."""
+        insert_linears(m, self.holder, self.linears, HOLDER_PREFIX, inits)
+        if self.routed:
+            insert_routed(m, model, quant, inits)
 
 
 def _is_expert(path: str) -> bool:

@@ -341,39 +341,21 @@ def export_quantized_streaming(
         raise DgpipeError(f"unknown MoE form '{moe}'", f"choose one of: {', '.join(onnx_io.MOE_FORMS)}")
     quant = q.check_exportable(stored_packed_linears(ckpt_dir), ckpt_dir, fmt)
     model = meta_model(open_checkpoint(ckpt_dir).config, dtype)
-    routed = moe == "routed" and q._all_experts_quantized(model, quant, fmt)
-    linears = {p: lin for p, lin in quant.items() if not (routed and q._is_expert(p))}
-    holder = q._Holder(linears, dtype, meta=True)
-    values: dict[str, torch.Tensor] = {}
-    experts = None
-    if routed:
-        holder.routed = q._RoutedExperts(model, quant, fmt, dtype, meta=True)
-        experts = holder.routed.inputs
-        values = {f"{q.HOLDER_PREFIX}routed.{k}": v for k, v in holder.routed.values.items()}
+    trace = q.QuantizedTrace.of(model, quant, fmt, moe, dtype, meta=True)
+    form = "routed" if trace.routed else "dense"
     with tempfile.TemporaryDirectory() as scratch:
         m = trace_network(
-            model,
-            Path(scratch) / "net.onnx",
-            q._trace_linear(model, holder),
-            holder,
-            moe if routed else "dense",
-            experts,
+            model, Path(scratch) / "net.onnx", trace.linear(model), trace.holder, form, trace.experts
         )
     m = onnx.version_converter.convert_version(m, onnx_io.OPSET)
-    stand_ins = {f"{q.HOLDER_PREFIX}{name}" for name, _ in holder.named_buffers()} - set(values)
-    weights = _weight_inputs(m, model)
-    insert_linears, insert_routed = q.INSERTS[fmt]
 
     def post(m: onnx.ModelProto, writer: ExternalDataWriter) -> None:  # the Q/DQ, copied from the shards
-        inits = Streamed(m, writer)
-        insert_linears(m, holder, linears, q.HOLDER_PREFIX, inits)
-        if routed:
-            insert_routed(m, model, quant, inits)
+        trace.insert(m, model, quant, *q.INSERTS[fmt], inits=Streamed(m, writer))
 
     stored = _stored_weights(ckpt_dir, packed=True)
     return _write(
-        ckpt_dir, out_dir, m, weights, model, stored, dtype, fmt, "routed" if routed else "dense", progress,
-        start, post=post, skip=stand_ins, values=values, packed_bytes=_packed_bytes(quant),
+        ckpt_dir, out_dir, m, _weight_inputs(m, model), model, stored, dtype, fmt, form, progress, start,
+        post=post, skip=trace.stand_ins, values=trace.values, packed_bytes=_packed_bytes(quant),
     )  # fmt: skip
 
 
