@@ -204,20 +204,21 @@ class ExternalDataWriter:
             entry.key, entry.value = k, str(v)
         return t
 
-    def copy_from_shard(
+    def copy_parts(
         self,
         name: str,
-        shard: Path,
-        src: torch.dtype,
+        data_type: int,
         shape: tuple[int, ...],
-        offset: int,
-        length: int,
-        dst: torch.dtype,
+        parts: list[Stored],
+        dst: torch.dtype | None = None,
     ) -> TensorProto:
-        """Copy one stored tensor chunk by chunk, converting src -> dst dtype; never holds more than CHUNK."""
+        """One initializer of stored tensors one after another (one tensor, or a stacked one without stacking
+        it in memory), copied chunk by chunk and converted to `dst` (None: bytes as stored); never holds
+        more than CHUNK."""
         start = self._begin()
-        self._copy(Stored(shard, src, shape, offset, length), dst, name)
-        return self._initializer(name, ONNX_DTYPES[dst], shape, start)
+        for p in parts:
+            self._copy(p, dst or p.dtype, name)
+        return self._initializer(name, data_type, shape, start)
 
     def _copy(self, stored: Stored, dst: torch.dtype, name: str) -> None:
         """Append a stored tensor's bytes (converted to `dst`) at the current offset, CHUNK at a time."""
@@ -241,28 +242,6 @@ class ExternalDataWriter:
                 left -= n
                 if self.on_copy is not None:
                     self.on_copy(n)
-
-    def copy_parts(self, name: str, data_type: int, shape: tuple[int, ...], parts: list[Any]) -> TensorProto:
-        """One initializer of the parts' bytes in order (`Stored` tensors copied chunk by chunk, their dtype
-        kept; in-memory tensors as their bytes): a stacked tensor without stacking it in memory."""
-        start = self._begin()
-        for p in parts:
-            if isinstance(p, Stored):
-                self._copy(p, p.dtype, f"{name} part")
-            else:
-                data = p.contiguous().view(torch.uint8).numpy().tobytes()
-                self.f.write(data)
-                self.offset += len(data)
-        return self._initializer(name, data_type, shape, start)
-
-    def copy_stacked(
-        self, name: str, parts: list[Stored], dst: torch.dtype, shape: tuple[int, ...]
-    ) -> TensorProto:
-        """One initializer of stored tensors one after another, each converted to `dst`."""
-        start = self._begin()
-        for p in parts:
-            self._copy(p, dst, name)
-        return self._initializer(name, ONNX_DTYPES[dst], shape, start)
 
     def write_tensor(self, name: str, value: torch.Tensor) -> TensorProto:
         return self.write_raw(
@@ -432,7 +411,10 @@ def _write(
                     inits.append(writer.write_tensor(vi.name, rope_inv_freq(model.cfg, kind, hd).float()))
                     continue
                 if experts[vi.name]:  # a quantized checkpoint's unquantized experts, stored one by one
-                    inits.append(writer.copy_stacked(vi.name, experts[vi.name], dtype, shapes[param]))
+                    onnx_type = ONNX_DTYPES[dtype]
+                    inits.append(
+                        writer.copy_parts(vi.name, onnx_type, shapes[param], experts[vi.name], dtype)
+                    )
                     continue
                 src = stored.get(param)
                 if src is None and param.endswith(
@@ -448,9 +430,7 @@ def _write(
                     raise CheckpointError(
                         f"{st.shard}: tensor '{name}' has shape {tuple(st.shape)}, config.json implies {shapes[param]}"
                     )
-                inits.append(
-                    writer.copy_from_shard(vi.name, st.shard, st.dtype, st.shape, st.offset, st.length, dtype)
-                )
+                inits.append(writer.copy_parts(vi.name, ONNX_DTYPES[dtype], st.shape, [st], dtype))
             if post is not None:  # the Q/DQ insertion (NVFP4 raises the opset to 23)
                 post(m, writer)
         finally:
