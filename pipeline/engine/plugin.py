@@ -10,15 +10,17 @@ the pip wheels). Python is needed at build time only. The cost: one kernel per p
 tactics, which is why the sampler is two nodes, one per kernel.
 
 Each `@trtp.register` function checks the inputs and describes the outputs with the rules of
-`pipeline.engine.plugin_spec`; each `@trtp.aot_impl` returns (kernel name, PTX, launch params, extra int32
+`pipeline.engine.plugin_spec` / `moe_spec`, whose port lists also make the functions' signatures
+(`_define_plugin`); each `@trtp.aot_impl` returns (kernel name, PTX, launch params, extra int32
 args) for the `dg_trt_*` entry points of csrc/dg_sampler.cu, whose parameters follow TensorRT's AOT calling
 convention: input pointers, the extra scalars (length, vocab), output pointers.
 
 `register(ptx, arch)` must run before the ONNX parser sees the nodes; TensorRT is imported here only.
-No `from __future__ import annotations` here: tensorrt.plugin reads the decorated functions' annotations as
-objects (TensorDesc, int, Tuple[...]) to build the plugin signature, and strings would not match.
 """
 
+import inspect
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -74,16 +76,60 @@ def register(ptx: bytes | str | Path, arch: str) -> None:
     _STATE["registered"] = True
 
 
-def _define() -> None:
-    # typing.Tuple / Union as in TensorRT's own samples: tensorrt.plugin validates these annotations
-    from typing import Tuple, Union  # noqa: UP035
+def _define_plugin(
+    trtp: Any,
+    op: str,
+    ports: tuple,
+    n_outputs: int,
+    describe: Callable[..., tuple],
+    launch: Callable[..., tuple],
+    attrs: dict[str, type] | None = None,
+) -> None:
+    """Register `NAMESPACE::op` with TensorRT: its `@trtp.register` and `@trtp.aot_impl` functions.
 
+    tensorrt.plugin reads a plugin's inputs and attributes from the decorated functions' signatures (names,
+    annotations, order: `_validate.py` calls `inspect.signature`), so the signatures are made here from the
+    op's port list in plugin_spec / moe_spec, where the ports are written once. TensorRT calls the register
+    function with the inputs positionally and the attributes by keyword, and the AOT function with all of
+    them positionally, then the output descriptions and the tactic.
+    describe(inputs, **attrs) -> output descriptions; launch(inputs, **attrs) -> (kernel, PTX, launch, extra).
+    """
+    from typing import Tuple, Union  # noqa: UP035  (the annotations tensorrt.plugin validates)
+
+    attrs = attrs or {}
+    td = trtp.TensorDesc
+    arg = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter(p.name, arg, annotation=td) for p in ports]
+    params += [inspect.Parameter(name, arg, annotation=kind) for name, kind in attrs.items()]
+    n = len(ports)
+
+    def register_fn(*inputs: Any, **attr_values: Any) -> tuple:
+        return describe(inputs, **attr_values)
+
+    def aot_fn(*args: Any) -> tuple:
+        return launch(args[:n], **dict(zip(attrs, args[n:-2])))  # the last two: outputs, tactic
+
+    register_fn.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        params,
+        return_annotation=Tuple[(td,) * n_outputs],  # noqa: UP006
+    )
+    aot_fn.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [*params, inspect.Parameter("outputs", arg), inspect.Parameter("tactic", arg, annotation=int)],
+        return_annotation=Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs],  # noqa: UP006, UP007
+    )
+    plugin_id = f"{spec.NAMESPACE}::{op}"
+    trtp.register(plugin_id)(register_fn)
+    trtp.aot_impl(plugin_id)(aot_fn)
+
+
+def _define() -> None:
+    """The sampler's two plugins: kernel A (`SampleRows`) and kernel B (`SampleAccept`) of csrc/dg_sampler.cu."""
     import tensorrt as trt
     import tensorrt.plugin as trtp
 
     names, types = _dtype_names(trt), _trt_dtypes(trt)
 
-    def check(op: str, *inputs: Any) -> None:
+    def check(op: str, inputs: tuple) -> None:
         spec.check_inputs(op, [names.get(t.dtype, str(t.dtype)) for t in inputs], [t.ndim for t in inputs])
 
     def describe(op: str, b: Any, length: Any, vocab: Any) -> tuple:
@@ -92,27 +138,13 @@ def _define() -> None:
             for shape, dtype in spec.output_shapes(op, b, length, vocab)
         )
 
-    rows_id = f"{spec.NAMESPACE}::{spec.ROWS_OP}"
-    accept_id = f"{spec.NAMESPACE}::{spec.ACCEPT_OP}"
-    TD = trtp.TensorDesc
-    Out = Tuple[  # noqa: UP006
-        TD, TD, TD, TD, TD
-    ]
-    Out6 = Tuple[  # noqa: UP006
-        TD, TD, TD, TD, TD, TD
-    ]
-    Aot = Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]  # noqa: UP006, UP007
-
-    @trtp.register(rows_id)
-    def rows_desc(logits: TD, temperature: TD, seed: TD, request: TD, canvas: TD, step: TD) -> Out:
-        check(spec.ROWS_OP, logits, temperature, seed, request, canvas, step)
-        s = logits.shape_expr
+    def rows_desc(inputs: tuple) -> tuple:
+        check(spec.ROWS_OP, inputs)
+        s = inputs[0].shape_expr  # logits [B, L, V]
         return describe(spec.ROWS_OP, s[0], s[1], s[2])
 
-    @trtp.aot_impl(rows_id)
-    def rows_aot(
-        logits: TD, temperature: TD, seed: TD, request: TD, canvas: TD, step: TD, outputs, tactic: int
-    ) -> Aot:
+    def rows_aot(inputs: tuple) -> tuple:
+        logits = inputs[0]
         s = logits.shape_expr
         kernel = spec.rows_kernel(names[logits.dtype], _const(s[2]))
         launch = trtp.KernelLaunchParams()
@@ -124,63 +156,14 @@ def _define() -> None:
         extra[1] = trtp.SymInt32(s[2])  # vocab
         return kernel.encode(), _ptx(), launch, extra
 
-    @trtp.register(accept_id)
-    def accept_desc(
-        entropy: TD,
-        argmax: TD,
-        sample: TD,
-        template: TD,
-        bound: TD,
-        seed: TD,
-        request: TD,
-        canvas: TD,
-        step: TD,
-        prev_argmax: TD,
-        stable_count: TD,
-        stability_threshold: TD,
-        confidence_threshold: TD,
-        vocab: int,
-    ) -> Out6:
+    def accept_desc(inputs: tuple, vocab: int) -> tuple:
         spec.check_vocab(vocab)
-        check(
-            spec.ACCEPT_OP,
-            entropy,
-            argmax,
-            sample,
-            template,
-            bound,
-            seed,
-            request,
-            canvas,
-            step,
-            prev_argmax,
-            stable_count,
-            stability_threshold,
-            confidence_threshold,
-        )
-        s = entropy.shape_expr
+        check(spec.ACCEPT_OP, inputs)
+        s = inputs[0].shape_expr  # entropy [B, L]
         return describe(spec.ACCEPT_OP, s[0], s[1], None)
 
-    @trtp.aot_impl(accept_id)
-    def accept_aot(
-        entropy: TD,
-        argmax: TD,
-        sample: TD,
-        template: TD,
-        bound: TD,
-        seed: TD,
-        request: TD,
-        canvas: TD,
-        step: TD,
-        prev_argmax: TD,
-        stable_count: TD,
-        stability_threshold: TD,
-        confidence_threshold: TD,
-        vocab: int,
-        outputs,
-        tactic: int,
-    ) -> Aot:
-        s = entropy.shape_expr
+    def accept_aot(inputs: tuple, vocab: int) -> tuple:
+        s = inputs[0].shape_expr
         launch = trtp.KernelLaunchParams()
         launch.grid_x = s[0]  # one block per row
         launch.block_x = spec.accept_block(_const(s[1]))
@@ -190,29 +173,31 @@ def _define() -> None:
         extra[1] = trtp.SymInt32(vocab)  # the node's attribute: re-noise tokens are drawn from [0, vocab)
         return spec.ACCEPT_KERNEL.encode(), _ptx(), launch, extra
 
+    rows_in, rows_out = spec.SPECS[spec.ROWS_OP]
+    _define_plugin(trtp, spec.ROWS_OP, rows_in, len(rows_out), rows_desc, rows_aot)
+    accept_in, accept_out = spec.SPECS[spec.ACCEPT_OP]
+    _define_plugin(
+        trtp, spec.ACCEPT_OP, accept_in, len(accept_out), accept_desc, accept_aot, spec.ACCEPT_ATTRS
+    )
+
 
 def _define_moe() -> None:
     """The routed-experts plugins (pipeline.engine.moe_spec): one fp32 row per (token, choice), out_k
     [T, K, d]; the graph sums over K and casts (pipeline.engine.moe_graph). All dims but T are weight
     shapes, so build-time constants: the tile and shared memory are fixed per engine."""
-    from typing import Tuple, Union  # noqa: UP035
-
     import tensorrt as trt
     import tensorrt.plugin as trtp
 
     from pipeline.engine import moe_spec as moe
 
     names = _dtype_names(trt)
-    TD = trtp.TensorDesc
-    Out = Tuple[TD]  # noqa: UP006
-    Aot = Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]  # noqa: UP006, UP007
 
     def describe(op: str, inputs: tuple) -> tuple:
         moe.check_inputs(op, [names.get(t.dtype, str(t.dtype)) for t in inputs], [t.ndim for t in inputs])
         h, idx = inputs[0].shape_expr, inputs[1].shape_expr
         return (trtp.from_shape_expr((h[0], idx[1], h[1]), dtype=trt.float32),)
 
-    def launch(op: str, inputs: tuple) -> Aot:
+    def launch(op: str, inputs: tuple) -> tuple:
         hidden, index, gate_up = inputs[0], inputs[1], inputs[3]
         down = inputs[moe.port_index(op, "down")]
         dims = {}
@@ -247,186 +232,5 @@ def _define_moe() -> None:
             extra[i] = trtp.SymInt32(v)
         return kernel.encode(), _ptx(), p, extra
 
-    experts_id = f"{spec.NAMESPACE}::{moe.EXPERTS_OP}"
-    w8_id = f"{spec.NAMESPACE}::{moe.W8_OP}"
-    w8a8_id = f"{spec.NAMESPACE}::{moe.W8A8_OP}"
-    w4_id = f"{spec.NAMESPACE}::{moe.W4_OP}"
-    w4a4_id = f"{spec.NAMESPACE}::{moe.W4A4_OP}"
-
-    @trtp.register(experts_id)
-    def experts_desc(hidden: TD, expert_index: TD, expert_weight: TD, gate_up: TD, down: TD) -> Out:
-        return describe(moe.EXPERTS_OP, (hidden, expert_index, expert_weight, gate_up, down))
-
-    @trtp.aot_impl(experts_id)
-    def experts_aot(
-        hidden: TD, expert_index: TD, expert_weight: TD, gate_up: TD, down: TD, outputs, tactic: int
-    ) -> Aot:
-        return launch(moe.EXPERTS_OP, (hidden, expert_index, expert_weight, gate_up, down))
-
-    @trtp.register(w8_id)
-    def w8_desc(
-        hidden: TD,
-        expert_index: TD,
-        expert_weight: TD,
-        gate_up: TD,
-        gate_up_scale: TD,
-        down: TD,
-        down_scale: TD,
-    ) -> Out:
-        return describe(
-            moe.W8_OP, (hidden, expert_index, expert_weight, gate_up, gate_up_scale, down, down_scale)
-        )
-
-    @trtp.aot_impl(w8_id)
-    def w8_aot(
-        hidden: TD,
-        expert_index: TD,
-        expert_weight: TD,
-        gate_up: TD,
-        gate_up_scale: TD,
-        down: TD,
-        down_scale: TD,
-        outputs,
-        tactic: int,
-    ) -> Aot:
-        return launch(
-            moe.W8_OP, (hidden, expert_index, expert_weight, gate_up, gate_up_scale, down, down_scale)
-        )
-
-    @trtp.register(w8a8_id)
-    def w8a8_desc(
-        hidden: TD,
-        expert_index: TD,
-        expert_weight: TD,
-        gate_up: TD,
-        gate_up_scale: TD,
-        down: TD,
-        down_scale: TD,
-        input_scale: TD,
-    ) -> Out:
-        ins = (hidden, expert_index, expert_weight, gate_up, gate_up_scale, down, down_scale, input_scale)
-        return describe(moe.W8A8_OP, ins)
-
-    @trtp.aot_impl(w8a8_id)
-    def w8a8_aot(
-        hidden: TD,
-        expert_index: TD,
-        expert_weight: TD,
-        gate_up: TD,
-        gate_up_scale: TD,
-        down: TD,
-        down_scale: TD,
-        input_scale: TD,
-        outputs,
-        tactic: int,
-    ) -> Aot:
-        ins = (hidden, expert_index, expert_weight, gate_up, gate_up_scale, down, down_scale, input_scale)
-        return launch(moe.W8A8_OP, ins)
-
-    @trtp.register(w4_id)
-    def w4_desc(
-        hidden: TD,
-        expert_index: TD,
-        expert_weight: TD,
-        gate_up: TD,
-        gate_up_block_scale: TD,
-        gate_up_scale: TD,
-        down: TD,
-        down_block_scale: TD,
-        down_scale: TD,
-    ) -> Out:
-        ins = (
-            hidden,
-            expert_index,
-            expert_weight,
-            gate_up,
-            gate_up_block_scale,
-            gate_up_scale,
-            down,
-            down_block_scale,
-            down_scale,
-        )
-        return describe(moe.W4_OP, ins)
-
-    @trtp.aot_impl(w4_id)
-    def w4_aot(
-        hidden: TD,
-        expert_index: TD,
-        expert_weight: TD,
-        gate_up: TD,
-        gate_up_block_scale: TD,
-        gate_up_scale: TD,
-        down: TD,
-        down_block_scale: TD,
-        down_scale: TD,
-        outputs,
-        tactic: int,
-    ) -> Aot:
-        ins = (
-            hidden,
-            expert_index,
-            expert_weight,
-            gate_up,
-            gate_up_block_scale,
-            gate_up_scale,
-            down,
-            down_block_scale,
-            down_scale,
-        )
-        return launch(moe.W4_OP, ins)
-
-    @trtp.register(w4a4_id)
-    def w4a4_desc(
-        hidden: TD,
-        expert_index: TD,
-        expert_weight: TD,
-        gate_up: TD,
-        gate_up_block_scale: TD,
-        gate_up_scale: TD,
-        down: TD,
-        down_block_scale: TD,
-        down_scale: TD,
-        input_scale: TD,
-    ) -> Out:
-        ins = (
-            hidden,
-            expert_index,
-            expert_weight,
-            gate_up,
-            gate_up_block_scale,
-            gate_up_scale,
-            down,
-            down_block_scale,
-            down_scale,
-            input_scale,
-        )
-        return describe(moe.W4A4_OP, ins)
-
-    @trtp.aot_impl(w4a4_id)
-    def w4a4_aot(
-        hidden: TD,
-        expert_index: TD,
-        expert_weight: TD,
-        gate_up: TD,
-        gate_up_block_scale: TD,
-        gate_up_scale: TD,
-        down: TD,
-        down_block_scale: TD,
-        down_scale: TD,
-        input_scale: TD,
-        outputs,
-        tactic: int,
-    ) -> Aot:
-        ins = (
-            hidden,
-            expert_index,
-            expert_weight,
-            gate_up,
-            gate_up_block_scale,
-            gate_up_scale,
-            down,
-            down_block_scale,
-            down_scale,
-            input_scale,
-        )
-        return launch(moe.W4A4_OP, ins)
+    for op, ports in moe.SPECS.items():
+        _define_plugin(trtp, op, ports, 1, partial(describe, op), partial(launch, op))
