@@ -12,8 +12,7 @@ import torch
 
 from pipeline.model.config import TextConfig
 from pipeline.onnx.contract import MODE_CAUSAL, MODE_DENOISE
-from pipeline.runtime.backends import KV, DenoiseResult, Masks, SamplerInputs
-from pipeline.sampler.reference import StepOutput
+from pipeline.runtime.backends import KV, Masks, SamplerInputs
 
 MODES = {"causal": MODE_CAUSAL, "denoise": MODE_DENOISE}
 
@@ -107,18 +106,3 @@ def engine_feeds(
             "confidence_threshold": s.confidence_threshold.to(**f32),
         }
     return feeds
-
-
-def kv_from_outputs(out: dict[str, torch.Tensor], n_layers: int) -> KV:
-    return [(out[f"present.{i}.key"], out[f"present.{i}.value"]) for i in range(n_layers)]
-
-
-def denoise_result(out: dict[str, torch.Tensor]) -> DenoiseResult:
-    step = StepOutput(
-        canvas=out["next_canvas"],
-        argmax=out["argmax"],
-        probs=None,  # stays in the engine: next_sc_embed is what the next step reads
-        entropy=out["entropy"],
-        kept=out["kept"],
-    )
-    return DenoiseResult(step, out["stable_count_out"], out["stop"], out["next_sc_embed"])

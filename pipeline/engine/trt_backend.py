@@ -31,10 +31,11 @@ from typing import Any
 
 import torch
 
-from pipeline.engine.feeds import denoise_result, denoise_sc, engine_feeds, kv_from_outputs
+from pipeline.engine.feeds import denoise_sc, engine_feeds
 from pipeline.engine.plan_record import check_compatible, load_engine_manifest
 from pipeline.errors import DgpipeError
 from pipeline.model.config import ModelConfig
+from pipeline.onnx.backend import denoise_result, kv_from_outputs
 from pipeline.onnx.contract import MODE_CAUSAL, MODE_DENOISE
 from pipeline.runtime.backends import KV, DenoiseResult, Masks, SamplerInputs
 from pipeline.runtime.device_loop import captured, refused_capture, undo_failed_capture

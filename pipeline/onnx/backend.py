@@ -149,8 +149,7 @@ class OnnxRuntimeBackend:
     def causal(self, tokens: torch.Tensor, positions: torch.Tensor, masks: Masks, past: KV | None) -> KV:
         feeds = self._model_feeds(onnx_io.MODE_CAUSAL, tokens, positions, None, masks, past)
         feeds.update(self._sampler_feeds(None, *tokens.shape))
-        out = self._run(feeds)
-        return [(out[f"present.{i}.key"], out[f"present.{i}.value"]) for i in range(len(self.layer_types))]
+        return kv_from_outputs(self._run(feeds), len(self.layer_types))
 
     def denoise_step(
         self,
@@ -169,14 +168,7 @@ class OnnxRuntimeBackend:
             res = sample_logits(out["logits"], sampler)
             res.soft = out["next_sc_embed"]
             return res
-        step = StepOutput(
-            canvas=out["next_canvas"],
-            argmax=out["argmax"],
-            probs=None,  # stays inside the graph: next_sc_embed is what the next step reads
-            entropy=out["entropy"],
-            kept=out["kept"],
-        )
-        return DenoiseResult(step, out["stable_count_out"], out["stop"], out["next_sc_embed"])
+        return denoise_result(out)
 
     def denoise_outputs(
         self,
@@ -196,3 +188,20 @@ class OnnxRuntimeBackend:
 def _np(t: torch.Tensor):
     """A contiguous numpy view (bool/int/float: the backend runs fp32 graphs only)."""
     return t.detach().contiguous().numpy()
+
+
+def kv_from_outputs(out: dict[str, torch.Tensor], n_layers: int) -> KV:
+    """The causal pass's `present.*` outputs as the runtime's KV list (this graph's and its engines')."""
+    return [(out[f"present.{i}.key"], out[f"present.{i}.value"]) for i in range(n_layers)]
+
+
+def denoise_result(out: dict[str, torch.Tensor]) -> DenoiseResult:
+    """A denoise pass's sampler outputs as the runtime's step result (this graph's and its engines')."""
+    step = StepOutput(
+        canvas=out["next_canvas"],
+        argmax=out["argmax"],
+        probs=None,  # stays in the graph: next_sc_embed is what the next step reads
+        entropy=out["entropy"],
+        kept=out["kept"],
+    )
+    return DenoiseResult(step, out["stable_count_out"], out["stop"], out["next_sc_embed"])

@@ -767,7 +767,8 @@ class _FeedsOnOrt:
     def causal(self, tokens, positions, masks, past):
         import torch
 
-        from pipeline.engine.feeds import engine_feeds, kv_from_outputs
+        from pipeline.engine.feeds import engine_feeds
+        from pipeline.onnx.backend import kv_from_outputs
 
         tc = self.config.text_config
         sc = torch.zeros(tokens.shape[0], 1, tc.hidden_size)
@@ -775,7 +776,8 @@ class _FeedsOnOrt:
         return kv_from_outputs(self._run(feeds), len(tc.layer_types))
 
     def denoise_step(self, canvas, sc_soft, positions, masks, past, sampler, need_soft=True):
-        from pipeline.engine.feeds import denoise_result, denoise_sc, engine_feeds
+        from pipeline.engine.feeds import denoise_sc, engine_feeds
+        from pipeline.onnx.backend import denoise_result
 
         b, q = canvas.shape
         tc = self.config.text_config
