@@ -53,6 +53,15 @@ STORAGE_FILE, SERVING_FILE, SMOKE_FILE, LOADER_FILE = (
     "pvc-loader.yaml",
 )
 STORAGE_KINDS = {"Namespace", "ServiceAccount", "PersistentVolumeClaim"}
+# Serving objects (all named WORKLOAD) that one render has and another lacks (--lws-size, --no-monitoring):
+# `dgpipe deploy` removes those an earlier render may have left in the cluster.
+OPTIONAL_SERVING_KINDS = (
+    "Deployment",
+    "LeaderWorkerSet",
+    "HorizontalPodAutoscaler",
+    "PodMonitor",
+    "PrometheusRule",
+)
 # The image reference grammar of the container registries' own parser, distribution/reference
 # (https://github.com/distribution/reference/blob/main/regexp.go, `ReferenceRegexp`):
 #   reference := name [ ":" tag ] [ "@" digest ];  name := [domain "/"] path-component ["/" path-component]*
@@ -322,7 +331,13 @@ def _delete(kind: str, api_version: str, name: str) -> dict[str, Any]:
 
 
 def serving_kustomization(values: RenderValues) -> dict[str, Any]:
-    """The kustomization layered on the overlay: every build-, user- and cluster-specific value."""
+    """The kustomization layered on the overlay: every build-, user- and cluster-specific value.
+
+    With the HPA rendered (monitoring on), the workload carries no `spec.replicas`: the HPA owns the
+    count from its `minReplicas` (= `values.replicas`) up. A replica count in the applied manifest would
+    make every later server-side apply conflict with the HPA's writes to it, or reset the fleet the HPA
+    scaled, as the Kubernetes docs warn (Horizontal Pod Autoscaling, "Migrating Deployments and
+    StatefulSets to horizontal autoscaling")."""
     hpa_min = values.replicas
     hpa_max = max(values.replicas, values.target.max_replicas)
     k: dict[str, Any] = {
@@ -345,6 +360,13 @@ def serving_kustomization(values: RenderValues) -> dict[str, Any]:
         "patches": [],
     }
     if values.monitoring:
+        del k["replicas"]
+        k["patches"].append(
+            {
+                "target": {"kind": "Deployment", "name": WORKLOAD},
+                "patch": yaml.safe_dump([{"op": "remove", "path": "/spec/replicas"}]),
+            }
+        )
         k["patches"].append(
             {
                 "target": {"kind": "HorizontalPodAutoscaler", "name": WORKLOAD},
@@ -364,22 +386,19 @@ def serving_kustomization(values: RenderValues) -> dict[str, Any]:
         ]
     if values.lws_size:
         k["components"] = ["../k8s/components/leaderworkerset"]
+        # the Deployment goes (its replicas patch with it); kustomize's replicas field does not know
+        # LeaderWorkerSet, so the group count is patched, or removed where the HPA owns it
+        k["patches"] = [p for p in k["patches"] if p.get("target", {}).get("kind") != "Deployment"]
         k["patches"].append(_delete("Deployment", "apps/v1", WORKLOAD))
-        del k["replicas"]  # kustomize's replicas field does not know LeaderWorkerSet; patch it instead
+        k.pop("replicas", None)
+        count = (
+            {"op": "remove", "path": "/spec/replicas"}
+            if values.monitoring
+            else {"op": "replace", "path": "/spec/replicas", "value": values.replicas}
+        )
+        size = {"op": "replace", "path": "/spec/leaderWorkerTemplate/size", "value": values.lws_size}
         k["patches"].append(
-            {
-                "target": {"kind": "LeaderWorkerSet", "name": WORKLOAD},
-                "patch": yaml.safe_dump(
-                    [
-                        {"op": "replace", "path": "/spec/replicas", "value": values.replicas},
-                        {
-                            "op": "replace",
-                            "path": "/spec/leaderWorkerTemplate/size",
-                            "value": values.lws_size,
-                        },
-                    ]
-                ),
-            }
+            {"target": {"kind": "LeaderWorkerSet", "name": WORKLOAD}, "patch": yaml.safe_dump([count, size])}
         )
     return k
 

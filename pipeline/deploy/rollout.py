@@ -2,17 +2,23 @@
 
 The plan is a list of kubectl commands built from the `dgpipe manifests` output alone, so `--dry-run`
 prints exactly what would run and needs no cluster. The live path shells out to kubectl (server-side
-apply with field manager `dgpipe`), because kubectl already owns kubeconfig, contexts, auth plugins
-and apply semantics; dgpipe adds the order, the waiting, the smoke request and the rollback.
+apply with field manager `dgpipe`, forcing conflicts: dgpipe is the owner of record of what it renders),
+because kubectl already owns kubeconfig, contexts, auth plugins and apply semantics; dgpipe adds the
+order, the waiting, the smoke request and the rollback.
 
 Filling the PVC (`--upload BUILD_DIR`): a short-lived loader pod mounts the model PVC and the build
 directory is streamed into it as a tar over `kubectl exec` (what `kubectl cp` does, minus its
-directory-nesting surprises), unpacked beside the old copy and swapped in with `mv`.
+directory-nesting surprises), unpacked beside the old copy and swapped in with `mv`. Running pods keep
+the model they loaded, so when the apply leaves their template as it was, they are restarted (rolled
+like any template change) onto the new build.
+
+Rollback (`kubectl rollout undo`) happens only where it restores what ran before: the apply made a new
+revision and no upload replaced the model on the PVC, which every pod, rolled back or not, would load.
 """
 
 from __future__ import annotations
 
-import io
+import contextlib
 import os
 import posixpath
 import shlex
@@ -25,22 +31,30 @@ from enum import Enum, auto
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from pipeline.builddir import ENGINES_DIR, LAYOUT, MANIFEST_NAME
 from pipeline.deploy.kubectl import kubectl_binary, kubectl_name
 from pipeline.deploy.render import (
     LOADER_FILE,
+    OPTIONAL_SERVING_KINDS,
     PVC_BUILD_DIR,
     SERVING_FILE,
     SMOKE_FILE,
     STORAGE_FILE,
+    WORKLOAD,
     WorkloadKind,
     edited_files,
     load_summary,
 )
 from pipeline.errors import DgpipeError
 from pipeline.onnx.contract import MODEL_FILE as ONNX_FILE
+from pipeline.resources import k8s_dir
 
 FIELD_MANAGER = "dgpipe"
+UNSERVED_KIND = "the server doesn't have a resource type"  # kubectl, for a kind whose CRD is not installed
+RESTARTED_AT = "dgpipe.dev/restartedAt"  # pod-template annotation that restarts a LeaderWorkerSet's pods
+ROLLOUT_SLACK_S = 600
 # Custom resources the rendered objects may use: kind -> (API group, plural, how to get it served)
 CRDS = {
     "PodMonitor": (
@@ -79,11 +93,14 @@ class StepKind(Enum):
 
     CHECK_CRD = auto()
     STORAGE = auto()
+    CHECK_SECRETS = auto()
     LOADER_START = auto()
     LOADER_WAIT = auto()
     UPLOAD = auto()
     LOADER_DELETE = auto()
     SERVING = auto()
+    PRUNE = auto()
+    RESTART = auto()  # runs only after an upload that left the pod template unchanged
     ROLLOUT_WAIT = auto()
     SMOKE_CLEAN = auto()
     SMOKE_START = auto()
@@ -103,6 +120,7 @@ class Step:
     show_output: bool = False
     expect_output: str | None = None  # the step fails unless stdout contains this
     fails_if: list[str] | None = None  # runs alongside; if it succeeds first, the step has failed
+    tolerate: str | None = None  # a failure whose stderr says this counts as success
     hint: str | None = None  # how to fix it, when the failure has one obvious cause
 
     def shell(self) -> str:
@@ -191,10 +209,10 @@ def make_plan(
     # the plan names kubectl as the user would type it, so --dry-run works where kubectl is not installed
     kc = [kubectl_name()] + (["--context", context] if context else [])
     ns = ["--namespace", info["namespace"]]
-    apply = [*kc, "apply", "--server-side", f"--field-manager={FIELD_MANAGER}"]
+    apply = [*kc, "apply", "--server-side", f"--field-manager={FIELD_MANAGER}", "--force-conflicts"]
     plan = Plan(summary=info, upload=upload, context=context, kubectl=kc[0])
-    # deadline of the rollout: the Deployment's own progress deadline (engine build + load) plus slack
-    rollout = rollout_timeout_s or 5400 + 600
+    serving = _objects(manifests_dir / SERVING_FILE)
+    rollout = rollout_timeout_s or rollout_budget_s(serving)
     s = plan.steps
     served = {name.split("/")[0] for objs in info["files"].values() for name in objs}
     for kind in sorted(served & CRDS.keys()):
@@ -216,6 +234,22 @@ def make_plan(
             StepKind.STORAGE,
         )
     )
+    secrets = secret_refs([*serving, *_objects(manifests_dir / SMOKE_FILE)])
+    if secrets:
+        create = "; ".join(
+            f"kubectl -n {info['namespace']} create secret generic {name} "
+            f'--from-literal={key}="$(openssl rand -hex 32)"'
+            for name, key in secrets.items()
+        )
+        s.append(
+            Step(
+                "check that the Secrets the pods read exist",
+                [*kc, *ns, "get", "secret", *secrets, "-o", "name"],
+                StepKind.CHECK_SECRETS,
+                timeout_s=60,
+                hint=f"create them, then deploy again: {create}",
+            )
+        )
     if upload is not None:
         conf = info["config"]
         engines_rel = posixpath.join(
@@ -258,10 +292,30 @@ def make_plan(
                 StepKind.LOADER_DELETE,
             ),
         ]
+    s.append(
+        Step("apply the serving objects", [*apply, "-f", str(manifests_dir / SERVING_FILE)], StepKind.SERVING)
+    )
+    rendered = set(info["files"][SERVING_FILE])
+    for kind in OPTIONAL_SERVING_KINDS:
+        if f"{kind}/{WORKLOAD}" not in rendered:  # rendered by an earlier, other configuration, maybe
+            s.append(
+                Step(
+                    f"remove {kind}/{WORKLOAD} if an earlier render made it",
+                    [*kc, *ns, "delete", f"{kind.lower()}/{WORKLOAD}", "--ignore-not-found"],
+                    StepKind.PRUNE,
+                    timeout_s=180,
+                    tolerate=UNSERVED_KIND,
+                )
+            )
+    if upload is not None:
+        s.append(
+            Step(
+                "restart the pods onto the uploaded build (only where the apply left their template as it was)",
+                _restart(kc, ns, plan),
+                StepKind.RESTART,
+            )
+        )
     s += [
-        Step(
-            "apply the serving objects", [*apply, "-f", str(manifests_dir / SERVING_FILE)], StepKind.SERVING
-        ),
         Step(
             "wait for the rollout (engine build on the node + model load)",
             _wait_rollout(kc, ns, plan, rollout),
@@ -309,6 +363,54 @@ def make_plan(
     return plan
 
 
+def _objects(path: Path) -> list[dict[str, Any]]:
+    """The objects of a rendered file (its digest was checked by `read_summary`)."""
+    return [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
+
+
+def secret_refs(objects: list[dict[str, Any]]) -> dict[str, str]:
+    """name -> key of every Secret the objects' containers read (`secretKeyRef`), in order of appearance."""
+    found: dict[str, str] = {}
+
+    def walk(x: Any) -> None:
+        if isinstance(x, dict):
+            ref = x.get("secretKeyRef")
+            if isinstance(ref, dict) and isinstance(ref.get("name"), str):
+                found.setdefault(ref["name"], str(ref.get("key", "")))
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(objects)
+    return found
+
+
+def rollout_budget_s(serving: list[dict[str, Any]]) -> int:
+    """How long a rollout may take: the Deployment's progress deadline (an engine build and a load, which
+    Kubernetes counts afresh for each pod that becomes available) for every replica or group replaced one
+    after another (maxSurge 0), as many as the fleet may hold (the HPA's maxReplicas, else the workload's
+    replicas), plus slack. `kubectl rollout status` fails sooner when one pod overruns its deadline."""
+    by_kind = {d.get("kind"): d.get("spec") or {} for d in serving}
+    deployment = by_kind.get("Deployment") or _objects(k8s_dir() / "base" / "deployment.yaml")[0]["spec"]
+    workload = by_kind.get("Deployment") or by_kind.get("LeaderWorkerSet") or {}
+    replicas = by_kind.get("HorizontalPodAutoscaler", {}).get("maxReplicas") or workload.get("replicas") or 1
+    return int(deployment["progressDeadlineSeconds"]) * int(replicas) + ROLLOUT_SLACK_S
+
+
+def _restart(kc: list[str], ns: list[str], plan: Plan) -> list[str]:
+    """Roll the workload's pods with their template otherwise unchanged (they reload the model)."""
+    if plan.workload_kind.has_rollout_history:
+        return [*kc, *ns, "rollout", "restart", plan.workload]
+    import json
+    import time
+
+    stamp = {"metadata": {"annotations": {RESTARTED_AT: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}}
+    patch = {"spec": {"leaderWorkerTemplate": {"leaderTemplate": stamp, "workerTemplate": stamp}}}
+    return [*kc, *ns, "patch", plan.workload, "--type=merge", "-p", json.dumps(patch)]
+
+
 def _wait_rollout(kc: list[str], ns: list[str], plan: Plan, timeout: int) -> list[str]:
     if plan.workload_kind.has_rollout_history:
         return [*kc, *ns, "rollout", "status", plan.workload, f"--timeout={timeout}s"]
@@ -316,13 +418,38 @@ def _wait_rollout(kc: list[str], ns: list[str], plan: Plan, timeout: int) -> lis
     return [*kc, *ns, "wait", "--for=condition=Available", plan.workload, f"--timeout={timeout}s"]
 
 
-def _tar_build_dir(build_dir: Path) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for item in UPLOAD_ITEMS:
-            if (build_dir / item).exists():
-                tar.add(build_dir / item, arcname=item)
-    return buf.getvalue()
+def _send_build_dir(step: Step, build_dir: Path) -> subprocess.CompletedProcess:
+    """Run the step with the build dir as a tar stream on its stdin, written as it is read: the build dir
+    (tens of GB for a 26B model) is never held in memory. Past the step's timeout kubectl is killed, which
+    ends the stream; a file that cannot be read stops kubectl too, so the loader never swaps in half a tree."""
+    import tempfile
+    import threading
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(step.argv, stdin=subprocess.PIPE, stdout=out, stderr=err)
+        expired = threading.Event()
+        timer = threading.Timer(step.timeout_s, lambda: (expired.set(), proc.kill()))
+        timer.start()
+        try:
+            with tarfile.open(fileobj=proc.stdin, mode="w|") as tar:
+                for item in UPLOAD_ITEMS:
+                    if (build_dir / item).exists():
+                        tar.add(build_dir / item, arcname=item)
+        except (BrokenPipeError, ConnectionResetError):  # kubectl stopped reading: its stderr says why
+            pass
+        except BaseException:
+            proc.kill()
+            raise
+        finally:
+            with contextlib.suppress(OSError):  # a broken pipe's last flush
+                proc.stdin.close()  # type: ignore[union-attr]
+            code = proc.wait()
+            timer.cancel()
+            timed_out = expired.is_set()
+        out.seek(0)
+        err.seek(0)
+        stderr = f"timed out after {step.timeout_s:.0f} s".encode() if timed_out else err.read()
+        return subprocess.CompletedProcess(step.argv, 124 if timed_out else code, out.read(), stderr)
 
 
 def _race(step: Step) -> subprocess.CompletedProcess:
@@ -363,16 +490,23 @@ def _race(step: Step) -> subprocess.CompletedProcess:
                 proc.wait()
 
 
-def _run(step: Step, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+def _run(step: Step, upload: Path | None = None) -> subprocess.CompletedProcess:
     if step.fails_if:
         return _race(step)
-    try:
-        feed = {"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}
-        return subprocess.run(step.argv, capture_output=True, timeout=step.timeout_s, **feed)
-    except subprocess.TimeoutExpired as e:
-        return subprocess.CompletedProcess(
-            step.argv, 124, e.stdout or b"", f"timed out after {step.timeout_s:.0f} s".encode()
-        )
+    if step.sends_upload and upload is not None:
+        proc = _send_build_dir(step, upload)
+    else:
+        try:
+            proc = subprocess.run(
+                step.argv, capture_output=True, timeout=step.timeout_s, stdin=subprocess.DEVNULL
+            )
+        except subprocess.TimeoutExpired as e:
+            return subprocess.CompletedProcess(
+                step.argv, 124, e.stdout or b"", f"timed out after {step.timeout_s:.0f} s".encode()
+            )
+    if proc.returncode != 0 and step.tolerate and step.tolerate in _text(proc.stderr):
+        return subprocess.CompletedProcess(step.argv, 0, proc.stdout, proc.stderr)
+    return proc
 
 
 def _text(b: bytes | str | None) -> str:
@@ -396,19 +530,53 @@ def _diagnose(plan: Plan, kc: list[str]) -> list[str]:
     return out
 
 
+def _pod_template(kc: list[str], ns: list[str], plan: Plan) -> str | None:
+    """The workload's pod template(s) as the API server holds them, None where the workload does not exist:
+    compared before and after the apply, it tells whether the apply made a new revision (a replica count
+    or other spec change does not)."""
+    path = "{.spec.template}" if plan.workload_kind.has_rollout_history else "{.spec.leaderWorkerTemplate}"
+    probe = Step("probe", [*kc, *ns, "get", plan.workload, "-o", f"jsonpath={path}"], timeout_s=60)
+    proc = _run(probe)
+    return _text(proc.stdout) if proc.returncode == 0 else None
+
+
+def _roll_back(
+    plan: Plan, kc: list[str], done: set[StepKind | None], existed: bool, changed: bool, log: Callable
+) -> str | None:
+    """After a failure past the serving apply: `kubectl rollout undo` where it restores what ran before;
+    otherwise the hint that says why not."""
+    if not existed:
+        log(f"<- {plan.workload} is new (no previous revision to roll back to); left for inspection")
+        return "nothing to roll back to"
+    if StepKind.UPLOAD in done:
+        return (
+            "not rolled back: the PVC holds the uploaded build, which rolled-back pods would load as well; "
+            "fix the failure and deploy again, or --upload the build dir that served before"
+        )
+    if not changed:
+        return "not rolled back: the apply changed no pod template, so the previous revision is what runs"
+    if not plan.workload_kind.has_rollout_history:
+        return f"not rolled back: kubectl rollout does not know {plan.workload_kind.value}s"
+    ns = ["--namespace", plan.namespace]
+    undo = _run(Step("rollback", [*kc, *ns, "rollout", "undo", plan.workload], timeout_s=120))
+    log(f"<- rollout undo {plan.workload}: {'ok' if undo.returncode == 0 else _text(undo.stderr)}")
+    return "rolled back to the previous revision" if undo.returncode == 0 else None
+
+
 def execute(plan: Plan, log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Run the plan; on a failed rollout or smoke test, roll the workload back and say what failed."""
     kubectl_binary()  # a clear error when kubectl is missing, before anything runs
     kc = [plan.kubectl] + (["--context", plan.context] if plan.context else [])
     ns = ["--namespace", plan.namespace]
-    existed = (
-        _run(Step("probe", [*kc, *ns, "get", plan.workload, "-o", "name"], timeout_s=60)).returncode == 0
-    )
+    before = _pod_template(kc, ns, plan)
+    changed = False  # whether the serving apply (or the restart) made a new revision
     done: list[Step] = []
     for step in plan.steps:
+        if step.kind is StepKind.RESTART and changed:
+            log("-- the apply changed the pod template: the pods roll onto the uploaded build anyway")
+            continue
         log(f"-> {step.what}")
-        stdin = _tar_build_dir(plan.upload) if step.sends_upload and plan.upload else None
-        proc = _run(step, stdin)
+        proc = _run(step, plan.upload)
         # the step's hint is for what it checks (a CRD the cluster lacks); kubectl failing to reach the
         # cluster at all (an unknown --context, no credentials) has its own fix
         unreachable = proc.returncode != 0 and step.kind is StepKind.CHECK_CRD
@@ -416,34 +584,26 @@ def execute(plan: Plan, log: Callable[[str], None] = lambda line: None) -> dict[
             proc = subprocess.CompletedProcess(step.argv, 1, b"", f"{step.expect_output} not found".encode())
         if proc.returncode == 0:
             done.append(step)
+            if step.kind is StepKind.SERVING:
+                changed = _pod_template(kc, ns, plan) != before
+            changed = changed or step.kind is StepKind.RESTART
             if step.show_output:
                 log(_text(proc.stdout))
             continue
         reason = _text(proc.stderr).splitlines()[-1:] or [f"exit code {proc.returncode}"]
         failure = f"{step.what} failed: {reason[0]}"
         kinds_done = {d.kind for d in done}
-        serving_applied = StepKind.SERVING in kinds_done
-        details = _diagnose(plan, kc) if serving_applied else []
-        rolled_back = None
-        if serving_applied and plan.workload_kind.has_rollout_history:
-            if existed:
-                undo = _run(Step("rollback", [*kc, *ns, "rollout", "undo", plan.workload], timeout_s=120))
-                rolled_back = undo.returncode == 0
-                log(f"<- rollout undo {plan.workload}: {'ok' if rolled_back else _text(undo.stderr)}")
-            else:
-                log(f"<- {plan.workload} is new (no previous revision to roll back to); left for inspection")
+        hint = step.hint
+        if StepKind.SERVING in kinds_done:
+            details = _diagnose(plan, kc)
+            hint = _roll_back(plan, kc, kinds_done, before is not None, changed, log) or hint
+            for d in details:
+                log(d)
         if StepKind.LOADER_START in kinds_done and StepKind.LOADER_DELETE not in kinds_done:
             _run(
                 Step("cleanup", [*kc, *ns, "delete", "pod", LOADER_POD, "--ignore-not-found", "--wait=false"])
             )
-        for d in details:
-            log(d)
-        hint = step.hint
         if unreachable:
             hint = f"kubectl could not ask the cluster: check the context and credentials ({shlex.join([*kc, 'cluster-info'])})"
-        if rolled_back:
-            hint = "rolled back to the previous revision"
-        elif serving_applied and not existed:
-            hint = "nothing to roll back to"
         raise DgpipeError(failure, hint)
     return {"deployed": plan.workload, "namespace": plan.namespace, "steps": [d.what for d in done]}

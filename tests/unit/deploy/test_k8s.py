@@ -183,6 +183,11 @@ def test_overlay_matches_its_deploy_config(overlays, name):
                     "operator": "In",
                     "values": [str(target(cfg.gpu_target).cc[0])],
                 },
+                {  # arch-specific (sm_XXXa) code runs on that exact capability only: 10.3 (B300) is no sm100
+                    "key": "nvidia.com/gpu.compute.minor",
+                    "operator": "In",
+                    "values": [str(target(cfg.gpu_target).cc[1])],
+                },
                 {"key": "kubernetes.io/arch", "operator": "In", "values": [cfg.cpu_arch]},
             ]
         }
@@ -201,7 +206,7 @@ def test_overlay_matches_its_deploy_config(overlays, name):
         assert thread_count(1, {THREADS_ENV: cfg.cpu}) == int(cfg.cpu)
     shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": cfg.shm_size}
-    assert dep["spec"]["replicas"] == cfg.replicas
+    assert dep["spec"]["replicas"] == cfg.replicas  # `dgpipe manifests` leaves it to the HPA (below)
     assert one(docs, "PersistentVolumeClaim")["spec"]["resources"]["requests"]["storage"] == cfg.storage
     hpa = one(docs, "HorizontalPodAutoscaler")["spec"]
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (cfg.replicas, cfg.max_replicas)
@@ -469,7 +474,8 @@ def test_leaderworkerset_variant(lws_render):
         "leaderWorkerTemplate",
         "networkConfig",
     }
-    assert spec["replicas"] == 3 and spec["leaderWorkerTemplate"]["size"] == 2
+    assert "replicas" not in spec and spec["leaderWorkerTemplate"]["size"] == 2  # the HPA owns the count
+    assert one(docs, "HorizontalPodAutoscaler")["spec"]["minReplicas"] == 3
     assert spec["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
     assert spec["startupPolicy"] in ("LeaderCreated", "LeaderReady")
     assert spec["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxSurge": 0, "maxUnavailable": 1}
@@ -572,7 +578,7 @@ def test_manifests_end_to_end_with_build_manifest(build_dir):
     ns = one(docs, "Namespace")
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     dep = one(docs, "Deployment")
-    assert dep["spec"]["replicas"] == 3
+    assert "replicas" not in dep["spec"]
     assert {
         c["image"] for _, s in pod_specs(docs) for c in s["containers"] + s.get("initContainers", [])
     } == {IMAGE}
@@ -600,8 +606,15 @@ def test_manifests_without_monitoring_and_smoke_prompt(tmp_path):
         "Say hi",
     )
     assert proc.returncode == 0, proc.stderr
-    kinds = [d["kind"] for d in yaml.safe_load_all((out / "dgpipe.yaml").read_text()) if d]
-    assert sorted(kinds) == ["ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service"]
+    docs = [d for d in yaml.safe_load_all((out / "dgpipe.yaml").read_text()) if d]
+    assert sorted(d["kind"] for d in docs) == [
+        "ConfigMap",
+        "Deployment",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+        "Service",
+    ]
+    assert one(docs, "Deployment")["spec"]["replicas"] == deploy_target("rtx-pro").replicas  # no HPA
     job = next(yaml.safe_load_all((out / "smoke-job.yaml").read_text()))
     (c,) = job["spec"]["template"]["spec"]["containers"]
     assert c["command"] == ["python3", "-m", "pipeline.deploy.smoke"]
@@ -725,8 +738,10 @@ def test_deploy_bad_input(tmp_path, rendered):
 FAKE_KUBECTL = r"""#!/bin/sh
 # records every call; answers discovery; fails the calls whose arguments contain $FAKE_FAIL
 echo "$*" >> "$FAKE_LOG"
-cat > /dev/null
+if [ -n "$FAKE_STDIN" ]; then cat >> "$FAKE_STDIN"; else cat > /dev/null; fi
 if [ -n "$FAKE_FAIL" ]; then case "$*" in *"$FAKE_FAIL"*) echo "error: simulated failure" >&2; exit 1;; esac; fi
+case "$*" in *jsonpath=*)  # the pod template: changes with each apply of the serving file, unless FAKE_SAME
+  if [ -n "$FAKE_SAME" ]; then echo same; else grep -c "dgpipe.yaml" "$FAKE_LOG"; fi; exit 0;; esac
 case "$*" in *api-resources*)
   [ -z "$FAKE_NO_CRDS" ] && printf 'podmonitors.monitoring.coreos.com\nprometheusrules.monitoring.coreos.com\n'
   exit 0;; esac
@@ -743,7 +758,7 @@ def fake_kubectl(tmp_path, monkeypatch) -> Path:
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
     log = tmp_path / "calls.log"
     monkeypatch.setenv("FAKE_LOG", str(log))
-    for var in ("FAKE_FAIL", "FAKE_NO_CRDS", "FAKE_JOB_FAILED"):
+    for var in ("FAKE_FAIL", "FAKE_NO_CRDS", "FAKE_JOB_FAILED", "FAKE_SAME", "FAKE_STDIN"):
         monkeypatch.setenv(var, "")
     return log
 
@@ -755,11 +770,12 @@ def test_deploy_live_path_order_against_a_recording_kubectl(rendered, build_dir,
     plan = dp.make_plan(rendered, context="dgx", upload=build_dir)
     result = dp.execute(plan, log=lambda s: None)
     calls = fake_kubectl.read_text().splitlines()
-    assert calls[0].endswith("get deployment/dgpipe-triton -o name")  # does a previous revision exist?
+    assert calls[0].endswith("get deployment/dgpipe-triton -o jsonpath={.spec.template}")  # what runs now?
     assert calls[1].endswith("--context dgx api-resources --api-group=monitoring.coreos.com -o name")
     assert any("exec -i dgpipe-pvc-loader" in c for c in calls)
     assert calls[-1].endswith("logs job/dgpipe-smoke --tail=50")
-    assert len(result["steps"]) == len(plan.steps) and not any("rollout undo" in c for c in calls)
+    # every step ran but the restart: the apply changed the pod template, which rolls the pods anyway
+    assert len(result["steps"]) == len(plan.steps) - 1 and not any("rollout undo" in c for c in calls)
 
 
 def test_deploy_rolls_back_and_reports_a_failed_smoke_test(rendered, fake_kubectl, monkeypatch):
@@ -784,7 +800,7 @@ def test_deploy_decides_on_step_kinds_not_on_step_text(rendered, build_dir, fake
 
     monkeypatch.setenv("DGPIPE_KUBECTL", str(fake_kubectl.parent / "kubectl"))
     monkeypatch.setenv("FAKE_FAIL", "wait --for=condition=complete")
-    plan = dp.make_plan(rendered, upload=build_dir)
+    plan = dp.make_plan(rendered)
     for i, step in enumerate(plan.steps):
         step.what = f"step {i}"  # reworded for display: nothing else may change
     with pytest.raises(DgpipeError, match="rolled back to the previous revision"):
@@ -804,6 +820,144 @@ def test_deploy_decides_on_step_kinds_not_on_step_text(rendered, build_dir, fake
         fake_kubectl.read_text()
         .splitlines()[-1]
         .endswith("delete pod dgpipe-pvc-loader --ignore-not-found --wait=false")
+    )
+
+
+def test_deploy_owns_what_it_renders_and_removes_what_an_earlier_render_left(rendered, tmp_path):
+    """Server-side apply forces dgpipe's values over other managers' (a `kubectl rollout undo`'s template);
+    objects the render toggles (workload kind, monitoring) that this render lacks are deleted, tolerating a
+    kind whose CRD the cluster does not serve."""
+    from pipeline.deploy import render as mf
+    from pipeline.deploy import rollout as dp
+
+    plan = dp.make_plan(rendered)
+    applies = [s.argv for s in plan.steps if "apply" in s.argv]
+    assert len(applies) == 3 and all("--force-conflicts" in a for a in applies)
+    pruned = [s.argv[-2] for s in plan.steps if s.kind is dp.StepKind.PRUNE]
+    assert pruned == ["leaderworkerset/dgpipe-triton"]  # this render has the Deployment and monitoring
+    values = mf.resolve("gb200", IMAGE, lws_size=2, monitoring=False)
+    mf.write(tmp_path / "lws", values, mf.render(values))
+    plan = dp.make_plan(tmp_path / "lws")
+    assert [s.argv[-2] for s in plan.steps if s.kind is dp.StepKind.PRUNE] == [
+        "deployment/dgpipe-triton",
+        "horizontalpodautoscaler/dgpipe-triton",
+        "podmonitor/dgpipe-triton",
+        "prometheusrule/dgpipe-triton",
+    ]
+    kinds = [s.kind for s in plan.steps]
+    assert (
+        kinds.index(dp.StepKind.SERVING)
+        < kinds.index(dp.StepKind.PRUNE)
+        < kinds.index(dp.StepKind.ROLLOUT_WAIT)
+    )
+    unserved = 'echo "error: the server doesn\'t have a resource type \\"podmonitors\\"" >&2; exit 1'
+    step = dp.Step("prune", ["sh", "-c", unserved], dp.StepKind.PRUNE, tolerate=dp.UNSERVED_KIND)
+    assert dp._run(step).returncode == 0
+    assert (
+        dp._run(
+            dp.Step("other", ["sh", "-c", "echo 'error: forbidden' >&2; exit 1"], tolerate=dp.UNSERVED_KIND)
+        ).returncode
+        == 1
+    )
+
+
+def test_deploy_checks_the_secrets_the_pods_read_before_applying(rendered, fake_kubectl, monkeypatch):
+    from pipeline.deploy import rollout as dp
+    from pipeline.errors import DgpipeError
+
+    monkeypatch.setenv("DGPIPE_KUBECTL", str(fake_kubectl.parent / "kubectl"))
+    plan = dp.make_plan(rendered)
+    (check,) = [s for s in plan.steps if s.kind is dp.StepKind.CHECK_SECRETS]
+    assert check.argv[-5:] == ["secret", "dgpipe-admin-key", "dgpipe-api-key", "-o", "name"]
+    monkeypatch.setenv("FAKE_FAIL", "get secret")
+    with pytest.raises(DgpipeError, match="check that the Secrets the pods read exist failed") as e:
+        dp.execute(plan, log=lambda s: None)
+    assert "kubectl -n serving create secret generic dgpipe-api-key --from-literal=api-key=" in e.value.hint
+    assert "create secret generic dgpipe-admin-key --from-literal=admin-key=" in e.value.hint
+    assert not any("dgpipe.yaml" in c for c in fake_kubectl.read_text().splitlines())
+
+
+def test_an_upload_restarts_pods_whose_template_the_apply_left_unchanged(
+    rendered, build_dir, fake_kubectl, monkeypatch
+):
+    """Pods keep the model they loaded: an upload under an unchanged template restarts them; a changed
+    template rolls them anyway, so no restart is added."""
+    from pipeline.deploy import rollout as dp
+
+    monkeypatch.setenv("DGPIPE_KUBECTL", str(fake_kubectl.parent / "kubectl"))
+    dp.execute(dp.make_plan(rendered, upload=build_dir), log=lambda s: None)
+    assert not any("rollout restart" in c for c in fake_kubectl.read_text().splitlines())
+    fake_kubectl.write_text("")
+    monkeypatch.setenv("FAKE_SAME", "1")
+    dp.execute(dp.make_plan(rendered, upload=build_dir), log=lambda s: None)
+    calls = fake_kubectl.read_text().splitlines()
+    (restart,) = [i for i, c in enumerate(calls) if c.endswith("rollout restart deployment/dgpipe-triton")]
+    assert restart > next(i for i, c in enumerate(calls) if "dgpipe.yaml" in c)
+    assert restart < next(i for i, c in enumerate(calls) if "rollout status" in c)
+
+
+@pytest.mark.parametrize("case", ["upload", "unchanged template"])
+def test_deploy_rolls_back_only_what_restores_the_previous_model(
+    case, rendered, build_dir, fake_kubectl, monkeypatch
+):
+    """`rollout undo` would not restore the model an upload replaced on the PVC, and after an apply that made
+    no new revision it would go back to an older, unrelated one: both are reported, not undone."""
+    from pipeline.deploy import rollout as dp
+    from pipeline.errors import DgpipeError
+
+    monkeypatch.setenv("DGPIPE_KUBECTL", str(fake_kubectl.parent / "kubectl"))
+    monkeypatch.setenv("FAKE_FAIL", "wait --for=condition=complete")
+    if case == "unchanged template":
+        monkeypatch.setenv("FAKE_SAME", "1")
+    plan = dp.make_plan(rendered, upload=build_dir if case == "upload" else None)
+    with pytest.raises(DgpipeError, match="wait for the smoke Job failed") as e:
+        dp.execute(plan, log=lambda s: None)
+    want = "the PVC holds the uploaded build" if case == "upload" else "the apply changed no pod template"
+    assert f"not rolled back: {want}" in e.value.hint
+    assert not any("rollout undo" in c for c in fake_kubectl.read_text().splitlines())
+
+
+def test_the_upload_streams_the_build_dir_and_stops_at_its_timeout(build_dir, tmp_path):
+    """The tar reaches kubectl's stdin as it is written (never built in memory); a kubectl that stops
+    reading fails the step with its own message; one that hangs is killed at the step's timeout."""
+    import tarfile
+
+    from pipeline.deploy import rollout as dp
+
+    got = tmp_path / "received.tar"
+    step = dp.Step("upload", ["sh", "-c", f"cat > {got}"], dp.StepKind.UPLOAD, sends_upload=True)
+    assert dp._run(step, build_dir).returncode == 0
+    with tarfile.open(got) as tar:
+        names = tar.getnames()
+        assert "build_manifest.json" in names and "onnx/model.onnx" in names
+        manifest = tar.extractfile("build_manifest.json").read()
+    assert manifest == (build_dir / "build_manifest.json").read_bytes()
+    quits = dp.Step("upload", ["sh", "-c", "echo 'error: pod not found' >&2; exit 1"], sends_upload=True)
+    proc = dp._run(quits, build_dir)
+    assert proc.returncode == 1 and b"pod not found" in proc.stderr
+    hangs = dp.Step("upload", ["sleep", "30"], sends_upload=True, timeout_s=1)
+    start = time.monotonic()
+    proc = dp._run(hangs, build_dir)
+    assert proc.returncode == 124 and b"timed out after 1 s" in proc.stderr and time.monotonic() - start < 10
+
+
+def test_rollout_budget_counts_each_replica_the_fleet_may_hold(rendered, tmp_path):
+    """Kubernetes restarts the progress deadline for each pod that becomes available, and pods are
+    replaced one at a time: a fixed budget would cut off (and roll back) a healthy rollout of a large fleet."""
+    from pipeline.deploy import render as mf
+    from pipeline.deploy import rollout as dp
+
+    serving = dp._objects(rendered / "dgpipe.yaml")
+    deadline = one(serving, "Deployment")["spec"]["progressDeadlineSeconds"]
+    hpa_max = one(serving, "HorizontalPodAutoscaler")["spec"]["maxReplicas"]
+    assert dp.rollout_budget_s(serving) == deadline * hpa_max + dp.ROLLOUT_SLACK_S
+    (wait,) = [s for s in dp.make_plan(rendered).steps if s.kind is dp.StepKind.ROLLOUT_WAIT]
+    assert f"--timeout={deadline * hpa_max + dp.ROLLOUT_SLACK_S}s" in wait.argv
+    values = mf.resolve("gb200", IMAGE, lws_size=2, replicas=3, monitoring=False)
+    mf.write(tmp_path / "lws", values, mf.render(values))
+    assert (
+        dp.rollout_budget_s(dp._objects(tmp_path / "lws" / "dgpipe.yaml"))
+        == deadline * 3 + dp.ROLLOUT_SLACK_S
     )
 
 
@@ -978,7 +1132,7 @@ def test_upload_swap_script_replaces_the_build_dir_and_keeps_node_built_plans(tm
     (root / "onnx").mkdir()
     (root / "onnx" / "stale.onnx").write_bytes(b"old")
     script = dp.SWAP_SCRIPT.format(root=root, engines=eng)
-    subprocess.run(["sh", "-c", script], input=dp._tar_build_dir(build_dir), check=True)
+    assert dp._run(dp.Step("upload", ["sh", "-c", script], sends_upload=True), build_dir).returncode == 0
     assert (root / "onnx" / "model.onnx").read_bytes() == b"onnx"
     assert not (root / "onnx" / "stale.onnx").exists()  # the old copy is gone, not merged
     assert (root / "model_repository" / "dgpipe" / "config.pbtxt").is_file()
