@@ -28,7 +28,10 @@ def deploy(
     context: Annotated[str | None, typer.Option(help="kubeconfig context")] = None,
     timeout: Annotated[
         int | None,
-        typer.Option(help="seconds to wait for the rollout (default: engine build + load budget)", min=1),
+        typer.Option(
+            help="seconds to wait for the rollout (default: the progress deadline per replica the fleet may hold)",
+            min=1,
+        ),
     ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan; needs no cluster")] = False,
     allow_edited: Annotated[
