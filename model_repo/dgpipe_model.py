@@ -67,14 +67,20 @@ class TritonChannel:
 
 class TritonMetrics:
     """The core's metric factory over Triton's metric families (MetricFamily.HISTOGRAM since 24.08; the
-    bundled tritonserver 2.51 is 24.10). A family must outlive its metrics, so this keeps them."""
+    bundled tritonserver 2.51 is 24.10). A family must outlive its metrics, so this keeps them.
 
-    def __init__(self) -> None:
+    Triton registers a family by name and hands every instance that asks for the same labels the same
+    series (core src/metric_family.cc), so each instance labels its own (model, version, instance): with
+    two instances on a GPU, unlabelled gauges would hold whichever instance wrote last. Readers sum the
+    series (lifecycle.active_requests, the HPA's adapter rule)."""
+
+    def __init__(self, labels: dict[str, str] | None = None) -> None:
         self.families: list = []
+        self.labels = labels or {}
 
     def _metric(self, name: str, description: str, kind: Any, **kwargs: Any) -> Any:
         self.families.append(pb_utils.MetricFamily(name=name, description=description, kind=kind))
-        return self.families[-1].Metric(labels={}, **kwargs)
+        return self.families[-1].Metric(labels=self.labels, **kwargs)
 
     def counter(self, name: str, description: str) -> Any:
         return self._metric(name, description, pb_utils.MetricFamily.COUNTER)
@@ -96,7 +102,9 @@ class TritonPythonModel:
         # an instance Triton placed on a GPU (KIND_GPU) serves on that GPU
         placed = args.get("model_instance_kind"), args.get("model_instance_device_id")
         loaded = load_model(json.loads(args["model_config"]), version_dir, log, *placed)
-        metrics = Metrics(TritonMetrics())
+        instance = {"model": args["model_name"], "version": args["model_version"]}
+        instance["instance"] = args.get("model_instance_name", args["model_name"])
+        metrics = Metrics(TritonMetrics(instance))
         # the drain file touched after this load drains the server (an older file is a previous server's)
         drain = DrainSignal.from_env()
         self.core = ServingCore(loaded.session, loaded.runtime, loaded.limits, metrics, drain, log.error)
@@ -110,5 +118,7 @@ class TritonPythonModel:
         return None
 
     def finalize(self) -> None:
-        """Stop the runtime loop and answer every request still queued or in flight as unavailable."""
+        """Stop the runtime loop. Triton calls this only once every request had its final response (each
+        response factory holds the model), so nothing is left to answer here; a drain that timed out had the
+        runtime loop answer what was left (core.drain)."""
         self.core.stop()

@@ -80,4 +80,7 @@ def drain(
         out.line("drained: nothing in flight")
     else:
         left = lifecycle.active_requests(metrics_url)
-        out.line(f"drain timeout after {timeout:g} s: {left or 0:g} request(s) still in flight")
+        out.line(f"drain timeout after {timeout:g} s: {left or 0:g} request(s) still in flight answered 503")
+        left = lifecycle.abort_in_flight(path, metrics_url)
+        if left:
+            out.line(f"{left:g} request(s) did not answer within {lifecycle.ABORT_WAIT_S} s")

@@ -30,8 +30,9 @@ from pathlib import Path
 from pipeline.endpoints import MODEL_NAME
 
 TERMINATION_GRACE_S = 120  # the pod's terminationGracePeriodSeconds (k8s/base/deployment.yaml)
-DRAIN_MARGIN_S = 15  # for tritonserver's own exit (model unload) after the drain
+DRAIN_MARGIN_S = 15  # after the drain: answering what is left (ABORT_WAIT_S), tritonserver's exit (unload)
 DRAIN_TIMEOUT_S = TERMINATION_GRACE_S - DRAIN_MARGIN_S  # in-flight requests get this long to finish
+ABORT_WAIT_S = 3  # after a drain timeout: how long the model gets to answer what is left as unavailable
 # tritonserver --exit-timeout-secs: after a drain nothing is left in flight, and unloading the model takes
 # well under a second; a longer wait only delays a stop whose unload is stuck (supervisor.unload_timed_out)
 EXIT_TIMEOUT_S = 3
@@ -118,16 +119,21 @@ def _ping_grpc(url: str, model: str, timeout: float) -> Health:
 
 
 def active_requests(metrics_url: str, timeout: float = 5.0) -> float | None:
-    """The model's `dgpipe_active_requests` gauge (accepted, not yet answered); None when unreadable."""
+    """The model's `dgpipe_active_requests` gauge (accepted, not yet answered), summed over its series (one
+    per model instance); None when unreadable or absent."""
     try:
         with urllib.request.urlopen(metrics_url, timeout=timeout) as r:
             text = r.read().decode(errors="replace")
     except OSError:
         return None
+    name, values = "dgpipe_active_requests", []
     for line in text.splitlines():
-        if line.startswith("dgpipe_active_requests"):
-            return float(line.split()[-1])
-    return None
+        if line.startswith((name + " ", name + "{")):
+            sample = line[len(name) :]
+            if sample.startswith("{"):
+                sample = sample[sample.index("}") + 1 :]
+            values.append(float(sample.split()[0]))  # the value; an optional timestamp follows
+    return sum(values) if values else None
 
 
 def touch_drain_file(path: Path) -> None:
@@ -135,6 +141,20 @@ def touch_drain_file(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch()
     os.utime(path)
+
+
+def abort_in_flight(path: Path, metrics_url: str, wait_s: float = ABORT_WAIT_S) -> float | None:
+    """After a drain timed out: ask the model to answer every request still in flight as unavailable
+    (the drain file's content becomes `ABORT`, written whole by a rename), and wait up to `wait_s` for it
+    to have done so. Returns what is still in flight then (None: no metrics)."""
+    from pipeline.serving.core.drain import ABORT
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(ABORT)
+    os.replace(tmp, path)
+    wait_drained(metrics_url, wait_s)
+    return active_requests(metrics_url)
 
 
 def wait_drained(metrics_url: str, timeout: float, busy=lambda: 0, poll: float = 0.2) -> bool:

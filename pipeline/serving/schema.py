@@ -3,8 +3,10 @@ numpy types, dims, default and validation rule. The repository builds config.pbt
 parses and validates requests with it, and the clients build their HTTP JSON bodies and gRPC inputs with it.
 
 Light on purpose (stdlib + numpy + the sampler's config, no torch): the Triton model imports it inside
-tritonserver's Python stub. Names follow Triton's LLM conventions, so `/generate`, `/generate_stream` and the
-OpenAI frontend work.
+tritonserver's Python stub. Names follow Triton's LLM conventions (`text_input`, `max_tokens`, `stream`:
+the vLLM backend's layout, `max_batch_size: 0` and dims [1]), so Triton's `/generate` and `/generate_stream`
+work and dgpipe's OpenAI frontend (pipeline/serving/openai_api.py) drives it. Triton's own OpenAI frontend
+does not: it sends Python-backend models TensorRT-LLM's batched layout.
 
 Every value is checked against its real range here, before the request is queued: nothing out of range
 reaches the runtime's shared batch state. What this model cannot see: Triton's HTTP JSON parser converts a

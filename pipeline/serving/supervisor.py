@@ -204,8 +204,8 @@ def _run_until_stopped(
 def drain(
     server: TritonServer, frontend: OpenAIFrontend | None, drain_file: Path, timeout: float, notices: Notices
 ) -> bool:
-    """Stop admitting (frontend 503, model UNAVAILABLE), then wait for requests in flight to finish;
-    whether they all did."""
+    """Stop admitting (frontend 503, model UNAVAILABLE), then wait for requests in flight to finish; past
+    the timeout the model answers those left as unavailable. Whether nothing is in flight in the end."""
     notices.log(f"draining: new requests are refused; waiting up to {timeout:g} s for those in flight ...")
     if frontend is not None:
         frontend.drain()
@@ -215,8 +215,11 @@ def drain(
         notices.log("drained: nothing in flight")
         return True
     left = lifecycle.active_requests(server.metrics_url)
-    notices.log(f"drain timeout: {left or 0:g} request(s) still in flight are cut")
-    return False
+    notices.log(f"drain timeout: {left or 0:g} request(s) still in flight are answered 503 (retry elsewhere)")
+    left = lifecycle.abort_in_flight(drain_file, server.metrics_url)
+    if left:
+        notices.log(f"{left:g} request(s) did not answer within {lifecycle.ABORT_WAIT_S} s: they are cut")
+    return not left
 
 
 def serve_frontend(

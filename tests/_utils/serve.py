@@ -85,14 +85,20 @@ class Serve:
 
 
 def _start(
-    repo: Path, work: Path, attempt: int, env: dict[str, str], address: str | None, openai: bool
+    repo: Path,
+    work: Path,
+    attempt: int,
+    env: dict[str, str],
+    address: str | None,
+    openai: bool,
+    options: list[str],
 ) -> Serve | None:
     cache = work / f"cache{attempt}"
     ports = [free_port() for _ in range(4 if openai else 3)] + ([] if openai else [0])
     out, err = work / f"serve{attempt}.out", work / f"serve{attempt}.err"
     args = [sys.executable, "-m", "pipeline.cli", "serve", "--repo", str(repo)]
     args += ["--address", address] if address else []
-    args += [f"--{n}-port={p}" for n, p in zip(("http", "grpc", "metrics", "openai"), ports)]
+    args += [f"--{n}-port={p}" for n, p in zip(("http", "grpc", "metrics", "openai"), ports)] + options
     full_env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -128,12 +134,14 @@ def start_serve(
     *,
     address: str | None = "127.0.0.1",
     openai: bool = True,
+    options: list[str] | None = None,
 ) -> Serve:
     """`dgpipe serve --repo REPO` on free ports, ready to answer; `env` adds to the environment (keys),
-    `address=None` keeps serve's default address, `openai=False` starts no OpenAI frontend.
+    `address=None` keeps serve's default address, `openai=False` starts no OpenAI frontend, `options` are
+    more of serve's options.
     Ports are picked by bind-then-close, so another process can take one first: then start again."""
     for attempt in range(START_ATTEMPTS):
-        srv = _start(repo, work, attempt, env or {}, address, openai)
+        srv = _start(repo, work, attempt, env or {}, address, openai, options or [])
         if srv is not None:
             return srv
     raise AssertionError("no free ports after retries")

@@ -70,7 +70,7 @@ def repo_for(tmp: Path, **limits) -> Path:
 
 def abandon_http(srv, n: int, body: dict) -> None:
     """n Triton generate_stream requests whose client sends, waits until they run, and closes the socket
-    (Triton's HTTP endpoint does not pass that on to the model)."""
+    (Triton's HTTP endpoint notices only when it writes a response, and a runaway never commits one)."""
     raw = json.dumps(body).encode()
     host, port = srv.http.removeprefix("http://").split(":")
     socks = []
@@ -236,6 +236,42 @@ def test_a_signal_drains_six_streams_in_flight_and_exits_0_without_shm_leftovers
         assert not any((Path("/dev/shm") / r).exists() for r in regions)
         assert "drained: nothing in flight" in srv.stderr.read_text()
         assert not any(alive(pid) for pids in tree.values() for pid in pids), tree
+    finally:
+        srv.stop()
+
+
+def test_a_drain_that_times_out_answers_the_requests_left_as_unavailable(tmp_path):
+    """Runaway streams (they never finish by themselves) outlast a 2 s drain: each is then answered with
+    the model's UNAVAILABLE error (retry elsewhere), over gRPC, Triton HTTP and the OpenAI port alike,
+    instead of being cut when tritonserver stops (Triton finalizes the model only after every request
+    had its final response, so nothing else would answer them)."""
+    from pipeline.serving.client import TritonError, complete
+
+    srv = start_serve(repo_for(tmp_path, max_steps=10**6), tmp_path, options=["--drain-timeout", "2"])
+    try:
+        runaway = {"max_tokens": 82, "max_denoising_steps": 10**6, "confidence_threshold": 0.0}
+        replies: dict[str, object] = {}
+
+        def run(name: str, url: str) -> None:
+            try:
+                replies[name] = complete(url, PUZZLE, stream=True, **runaway)
+            except Exception as e:  # the expected outcome, asserted below
+                replies[name] = e
+
+        names = {"grpc": srv.grpc, "http": srv.http, "openai": srv.openai}
+        clients = [threading.Thread(target=run, args=item) for item in names.items()]
+        for c in clients:
+            c.start()
+        wait_for(lambda: metric(srv.metrics, "dgpipe_active_requests") == 3, 60, "3 runaways in flight")
+        srv.proc.send_signal(signal.SIGTERM)
+        for c in clients:
+            c.join(60)
+        assert srv.proc.wait(60) == 0
+        for name in names:
+            reply = replies[name]
+            assert isinstance(reply, TritonError), (name, reply)
+            assert "drain timed out" in str(reply) and "retry on another replica" in str(reply), (name, reply)
+        assert "request(s) still in flight are answered 503" in srv.stderr.read_text()
     finally:
         srv.stop()
 

@@ -150,8 +150,17 @@ def test_eight_concurrent_requests_are_all_solved(server):
 
 
 def metrics(server) -> dict[str, float]:
-    """The dgpipe_ samples on the metrics port, by name with labels."""
-    return {k: v for k, v in scrape(server.metrics_url).items() if k.startswith("dgpipe_")}
+    """The dgpipe_ samples on the metrics port, by name and bucket (`x_bucket{le="1"}`), summed over the
+    model instances' series (each instance labels its own: model, version, instance)."""
+    out: dict[str, float] = {}
+    for key, value in scrape(server.metrics_url).items():
+        if not key.startswith("dgpipe_"):
+            continue
+        name, _, labels = key.partition("{")
+        le = re.search(r'le="([^"]*)"', labels)
+        key = f'{name}{{le="{le[1]}"}}' if le else name
+        out[key] = out.get(key, 0.0) + value
+    return out
 
 
 HISTOGRAMS = (

@@ -1,6 +1,7 @@
 """The runtime loop, on the core's worker thread: it owns the BlockDiffusionRuntime. Each turn it submits
 new requests (they join the batch at canvas boundaries), answers health pings (proof the loop is alive),
-cancels requests the client abandoned or that ran past their deadline, and runs one denoise pass shared by
+cancels requests the client abandoned or that ran past their deadline (and all of them once a drain timed
+out: core.drain), and runs one denoise pass shared by
 every request in flight. A failed pass fails the requests in the batch, and the server keeps serving those
 still queued: out of GPU memory as UNAVAILABLE (retry), anything else as INTERNAL. A failure that leaves the
 GPU unusable (a sticky CUDA error: `pipeline.runtime.device_errors`) fails every request and marks the core
@@ -21,6 +22,9 @@ from pipeline.serving.error_kinds import ErrorKind
 if TYPE_CHECKING:
     from pipeline.serving.core.state import CoreState
 
+DRAIN_EXPIRED = (
+    "this server stopped before the request finished (its drain timed out): retry on another replica"
+)
 POLL_S = 0.05  # how long an idle loop waits for a request before it looks at pings and deadlines again
 CANCEL_POLL_S = 0.1  # how often the clients are asked whether they went away (a step is ~10-100 ms)
 
@@ -132,6 +136,9 @@ class EngineLoop:
         poll = now - self._cancels_polled >= CANCEL_POLL_S
         if poll:
             self._cancels_polled = now
+            if core.jobs and core.drain.aborting():  # the drain timed out: the server stops next
+                core.fail_all(Failure(ErrorKind.UNAVAILABLE, DRAIN_EXPIRED))
+                return
         for job in list(core.jobs.values()):
             if poll and job.channel.is_cancelled():
                 core.runtime.cancel(job.request_id)

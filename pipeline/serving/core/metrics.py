@@ -39,6 +39,11 @@ class Metrics:
             "dgpipe_requests_expired_total",
             "Requests ended by their deadline (max_request_seconds/timeout_s)",
         )
+        self.failed = make.counter(
+            "dgpipe_requests_failed_total",
+            "Requests answered with an internal error (a failure of the server's own); Triton's "
+            "nv_inference_request_failure never counts them: a decoupled model's error responses count as successes",
+        )
         self.draining = make.gauge("dgpipe_draining", "1 once the server drains: new requests are refused")
         self.canvases = make.counter("dgpipe_canvases_total", "Canvases committed")
         self.steps = make.counter("dgpipe_denoise_steps_total", "Denoise steps over all canvases")

@@ -126,6 +126,7 @@ class ServingCore:
         job.failed = True
         self.jobs.pop(job.request_id, None)
         self.update_load()
+        self._count_failed(failure, 1)
         job.channel.send(failure)
 
     def fail_requests(self, request_ids: list[int], failure: Failure) -> None:
@@ -134,12 +135,20 @@ class ServingCore:
         for request_id in request_ids:
             if (job := self.jobs.pop(request_id, None)) is not None:
                 job.failed = True
+                self._count_failed(failure, 1)
                 job.channel.send(failure)
         self.update_load()
+
+    def _count_failed(self, failure: Failure, requests: int) -> None:
+        """Internal errors feed the request-failure alert (k8s/base/prometheusrule.yaml); the client's own
+        faults, deadlines and unavailability have counters of their own."""
+        if failure.kind is ErrorKind.INTERNAL and requests:
+            self.metrics.failed.increment(requests)
 
     def fail_all(self, failure: Failure) -> None:
         """Answer every request submitted to the runtime with the error and drop them from it."""
         self.log_error(failure.message)
+        self._count_failed(failure, len(self.jobs))
         for job in list(self.jobs.values()):
             job.failed = True
             job.channel.send(failure)

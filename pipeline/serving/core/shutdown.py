@@ -1,5 +1,7 @@
 """Shutdown: stop the runtime loop, then answer every request still queued or in flight (and every health
-ping waiting) as unavailable, so no client waits on a server that is gone; new requests are refused."""
+ping waiting) as unavailable, so no client waits on a server that is gone; new requests are refused.
+Under Triton this finds nothing left (finalize comes after every final response); a host that stops the
+core with requests in flight gets them answered."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ import queue
 import threading
 from typing import Any, Protocol
 
+from pipeline.serving.core.drain import DrainSignal
 from pipeline.serving.core.jobs import Job
 from pipeline.serving.core.metrics import Metrics
 from pipeline.serving.core.responses import Failure
@@ -20,6 +21,7 @@ class CoreState(Protocol):
     runtime: Any  # runtime.scheduler.BlockDiffusionRuntime
     limits: ServerLimits
     metrics: Metrics
+    drain: DrainSignal  # the drain file: refuse new requests; end those in flight once the drain timed out
     ids: itertools.count  # request ids, unique in this model instance
     inbox: queue.Queue  # (Job, runtime Request) waiting for the runtime loop
     pings: queue.Queue  # health pings' channels, answered by the runtime loop

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -91,6 +92,40 @@ def test_wait_drained_follows_the_active_requests_gauge_and_the_frontends_stream
     assert lifecycle.wait_drained(url + "/metrics", 1)  # unreachable: the server is gone, nothing in flight
 
 
+def test_a_timed_out_drain_asks_the_model_to_answer_what_is_left(tmp_path):
+    """The drain file says drain when touched and abort once `abort_in_flight` wrote it; a drain file of
+    a previous server (older than the model's load) says neither."""
+    from pipeline.serving.core.drain import DrainSignal
+
+    path = tmp_path / "draining.8000"
+    signal_ = DrainSignal(str(path))
+    assert not signal_.draining() and not signal_.aborting()
+    lifecycle.touch_drain_file(path)
+    assert signal_.draining() and not signal_.aborting()
+    with fake_triton(lambda p, body: (200, "dgpipe_active_requests 0\n")) as url:
+        assert lifecycle.abort_in_flight(path, url + "/metrics", wait_s=1) == 0
+    assert signal_.aborting()
+    os.utime(path, (time.time() - 60, time.time() - 60))
+    assert not DrainSignal(str(path)).aborting()  # a previous server's file
+
+
+def test_active_requests_sums_the_series_of_every_model_instance():
+    """Each model instance labels its own gauge (Triton hands instances asking for the same labels one
+    series): a drain must wait for all of them, not read the first line."""
+    text = (
+        "# HELP dgpipe_active_requests Requests accepted and not yet answered\n"
+        "# TYPE dgpipe_active_requests gauge\n"
+        'dgpipe_active_requests{instance="dgpipe_0_0",model="dgpipe",version="1"} 0\n'
+        'dgpipe_active_requests{instance="dgpipe_0_1",model="dgpipe",version="1"} 3 1700000000000\n'
+        "dgpipe_active_requests_other 9\n"
+    )
+    with fake_triton(lambda path, body: (200, text)) as url:
+        assert lifecycle.active_requests(url + "/metrics") == 3
+        assert not lifecycle.wait_drained(url + "/metrics", 0.3, poll=0.05)
+    with fake_triton(lambda path, body: (200, "nv_gpu_utilization 0\n")) as url:
+        assert lifecycle.active_requests(url + "/metrics") is None  # not the model's metrics
+
+
 def test_shm_cleanup_removes_only_our_stubs_regions(tmp_path):
     ours, theirs = lifecycle.SHM_PREFIX + "ours", lifecycle.SHM_PREFIX + "theirs"
     for name in (ours, theirs, "other"):
@@ -105,7 +140,9 @@ def test_drain_timeout_fits_the_grace_period_and_the_cli_uses_it():
 
     from pipeline.cli import health, serve
 
-    assert lifecycle.DRAIN_TIMEOUT_S + lifecycle.EXIT_TIMEOUT_S < lifecycle.TERMINATION_GRACE_S
+    # after the drain: the model answers what is left, then tritonserver exits, all within the grace period
+    assert lifecycle.ABORT_WAIT_S + lifecycle.EXIT_TIMEOUT_S < lifecycle.DRAIN_MARGIN_S
+    assert lifecycle.DRAIN_TIMEOUT_S + lifecycle.DRAIN_MARGIN_S <= lifecycle.TERMINATION_GRACE_S
     # the options' defaults: `dgpipe health drain --timeout` and `dgpipe serve --drain-timeout`
     assert inspect.signature(health.drain).parameters["timeout"].default == lifecycle.DRAIN_TIMEOUT_S
     assert inspect.signature(serve.serve).parameters["drain_timeout"].default == lifecycle.DRAIN_TIMEOUT_S

@@ -3,6 +3,7 @@ response shaping, and a core that answers through a recording channel (shutdown,
 
 from __future__ import annotations
 
+import time
 import types
 
 import numpy as np
@@ -266,6 +267,50 @@ def test_a_failed_pass_fails_the_requests_in_flight_as_internal():
         Failure(ErrorKind.INTERNAL, "internal error during generation: RuntimeError: boom")
     ]
     assert c.runtime.dropped == 1 and not c.jobs
+
+
+def test_a_drain_that_timed_out_ends_every_request_in_flight_as_unavailable(tmp_path):
+    from pipeline.serving.core.drain import ABORT, DrainSignal
+    from pipeline.serving.core.engine_loop import DRAIN_EXPIRED, EngineLoop
+
+    c = core()
+    c.drain = DrainSignal(str(tmp_path / "draining"))
+    channel = Channel()
+    c.accept(inputs("hi").get, {}, channel)
+    job, _ = c.inbox.get_nowait()
+    c.jobs[job.request_id] = job
+    loop = EngineLoop(c)
+    (tmp_path / "draining").touch()  # draining: the request in flight goes on
+    loop.cancel_abandoned(time.perf_counter())
+    assert c.jobs and not channel.sent
+    (tmp_path / "draining").write_bytes(ABORT)
+    loop.cancel_abandoned(time.perf_counter() + 1)
+    assert channel.sent == [Failure(ErrorKind.UNAVAILABLE, DRAIN_EXPIRED)] and not c.jobs
+
+
+def test_internal_failures_are_counted_for_the_alert_and_other_failures_are_not():
+    """Triton counts a decoupled model's error responses as successes, so the request-failure alert reads
+    dgpipe_requests_failed_total: internal errors only (a bad request, a deadline, a drain are not failures)."""
+    c = core()
+    channels = [Channel() for _ in range(3)]
+    for ch in channels:
+        c.accept(inputs("hi").get, {}, ch)
+    jobs = [c.inbox.get_nowait()[0] for _ in channels]
+    for job in jobs:
+        c.jobs[job.request_id] = job
+    c.fail(jobs[0], Failure(ErrorKind.TIMEOUT, "ran past its deadline"))
+    c.fail_requests([jobs[1].request_id], Failure(ErrorKind.INVALID_REQUEST, "guide"))
+    assert c.metrics.failed.value == 0
+    c.fail_requests(
+        [jobs[1].request_id, jobs[2].request_id], responses.internal_failure("in a pass", KeyError(1))
+    )
+    assert c.metrics.failed.value == 1  # jobs[1] was already answered
+    c.accept(inputs("hi").get, {}, Channel())
+    c.accept(inputs("hi").get, {}, Channel())
+    for job in (c.inbox.get_nowait()[0], c.inbox.get_nowait()[0]):
+        c.jobs[job.request_id] = job
+    c.fail_all(responses.internal_failure("in the runtime loop", RuntimeError("boom")))
+    assert c.metrics.failed.value == 3
 
 
 class TinySession(Session):
