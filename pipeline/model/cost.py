@@ -31,9 +31,10 @@ class PassFlops:
 
 
 def denoise_pass_flop_parts(
-    cfg: TextConfig, batch: int, seq: int, past: int, routed: bool = True
+    cfg: TextConfig, batch: int, seq: int, past: int, routed: bool = True, step: bool = True
 ) -> PassFlops:
-    """`denoise_pass_flops` split by `PassFlops`' parts."""
+    """`denoise_pass_flops` split by `PassFlops`' parts. `step=False`: the network's pass alone, without
+    the soft embedding of its probabilities for the next step (what `dgpipe bench gpu` times)."""
     d, hidden, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
     ring = min(past, max(cfg.sliding_window - 1, 1))
     linears = experts = other = 0
@@ -45,7 +46,7 @@ def denoise_pass_flop_parts(
         linears += 2 * 3 * d * hidden  # dense MLP
         other += 2 * 2 * q * keys + 2 * d * cfg.num_experts  # QK^T and PV, router
         experts += 2 * 3 * d * cfg.moe_intermediate_size * (cfg.top_k_experts if routed else cfg.num_experts)
-    self_conditioning = 2 * 3 * d * hidden + 2 * cfg.vocab_size * d  # its MLP; probs @ E for the next pass
+    self_conditioning = 2 * 3 * d * hidden + (2 * cfg.vocab_size * d if step else 0)  # MLP; probs @ E next
     head = 2 * d * cfg.vocab_size
     tokens = batch * seq
     return PassFlops(tokens * linears, tokens * experts, tokens * (other + self_conditioning + head))

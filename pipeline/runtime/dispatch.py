@@ -236,9 +236,9 @@ def experts_touched(cfg: TextConfig, tokens: int) -> float:
 class PassBytes:
     linears: float  # attention + dense MLP weights
     experts: float  # routed expert weights touched
-    high_precision: float  # embedding (twice), router, self-conditioning MLP: bf16 in every format
+    high_precision: float  # embedding (twice in a step), router, self-conditioning MLP: bf16 in every format
     kv: float
-    logits: float  # fp32 logits + bf16 probabilities, written and read once
+    logits: float  # fp32 logits + bf16 probabilities, written and read once (a pass alone: logits written)
     activations: float  # GEMM inputs and outputs, bf16
 
     @property
@@ -265,9 +265,18 @@ def weight_bytes(cfg: TextConfig, row: DispatchRow) -> dict[str, float]:
 
 
 def pass_bytes(
-    cfg: TextConfig, linear_read: str, expert_read: str, batch: int, seq: int = 256, past: int = 0
+    cfg: TextConfig,
+    linear_read: str,
+    expert_read: str,
+    batch: int,
+    seq: int = 256,
+    past: int = 0,
+    step: bool = True,
 ) -> PassBytes:
-    """Bytes one denoise pass over `batch` canvases of `seq` tokens reads and writes at minimum."""
+    """Bytes one denoise step over `batch` canvases of `seq` tokens reads and writes at minimum: the
+    network's pass, its sampler (fp32 logits and bf16 probabilities, each written and read) and the soft
+    embedding of the probabilities for the next step (the embedding table read a second time).
+    `step=False`: the network's pass alone, its fp32 logits written once (what `dgpipe bench gpu` times)."""
     d, tokens = cfg.hidden_size, batch * seq
     ring = min(past, max(cfg.sliding_window - 1, 1))
     lin = exp = kv = act = 0.0
@@ -288,8 +297,11 @@ def pass_bytes(
         tokens * BF16 * (d + 2 * cfg.intermediate_size + cfg.intermediate_size + d)
     )  # self-conditioning MLP
     v = cfg.vocab_size
-    high = (2 * v * d + cfg.num_hidden_layers * d * cfg.num_experts + 3 * d * cfg.intermediate_size) * BF16
-    logits = tokens * v * (4 + 4 + BF16 + BF16)
+    tables = 2 if step else 1  # the LM head's (tied) embedding table; the soft embedding reads it again
+    high = (
+        tables * v * d + cfg.num_hidden_layers * d * cfg.num_experts + 3 * d * cfg.intermediate_size
+    ) * BF16
+    logits = tokens * v * ((4 + 4 + BF16 + BF16) if step else 4)
     return PassBytes(lin * _bytes(linear_read), exp * _bytes(expert_read), high, kv, logits, act)
 
 
@@ -312,13 +324,19 @@ RATE_OF = {"bf16": "bf16", "fp8": "fp8", "fp8_rowwise": "fp8", "nvfp4": "nvfp4"}
 
 
 def compute_ms(
-    cfg: TextConfig, row: DispatchRow, batch: int, product: str, seq: int = 256, past: int = 0
+    cfg: TextConfig,
+    row: DispatchRow,
+    batch: int,
+    product: str,
+    seq: int = 256,
+    past: int = 0,
+    step: bool = True,
 ) -> float | None:
     """Milliseconds for one pass's matmuls on `row`'s path at the GPU's dense tensor-core peak
     (configs/targets), or None where a rate it needs is not recorded: the linears and the experts at the rate
     of the formats they are read in, everything else (attention, router, self-conditioning, LM head, soft
-    embedding) at bf16's."""
-    f, rates = denoise_pass_flop_parts(cfg, batch, seq, past), gpu_spec(product).dense_tflops
+    embedding) at bf16's. `step=False`: without the soft embedding (as `pass_bytes`)."""
+    f, rates = denoise_pass_flop_parts(cfg, batch, seq, past, step=step), gpu_spec(product).dense_tflops
     parts = ((f.linears, RATE_OF[row.linear_read]), (f.experts, RATE_OF[row.expert_read]), (f.other, "bf16"))
     if any(rate not in rates for _, rate in parts):
         return None

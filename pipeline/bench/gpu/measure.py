@@ -185,15 +185,16 @@ def measure_pass(
                 graph, graph_error = median_seconds(_graphed(fn, dev), dev, repeats), None
             except Exception as e:  # reported in the row; the eager time still stands
                 graph, graph_error = float("nan"), error_line(e)
+        # the floors of what is timed: the network's pass, not the sampler or the next step's soft embedding
         nbytes = pass_bytes(
-            mcfg.text_config, row.linear_read, row.expert_read, b, mcfg.canvas_length, CONTEXT
+            mcfg.text_config, row.linear_read, row.expert_read, b, mcfg.canvas_length, CONTEXT, step=False
         ).total
         rows.append({"format": fmt + (" compiled" if compiled else ""), "batch": b, "kernels": kernels,
                      "ms_eager": eager * 1e3, "ms_graph": graph * 1e3, "first_call_s": first_s, "finite": finite,
                      "pass_gb": nbytes / 1e9, "spec_gpu": spec.product if spec else None,
                      "floor_ms_spec": floor_ms(nbytes, spec.product) if spec else None,
                      "floor_ms_copy": nbytes / bw * 1e3, "copy_gb_s": bw / 1e9,
-                     "compute_ms_spec": compute_ms(mcfg.text_config, row, b, spec.product, mcfg.canvas_length, CONTEXT)
+                     "compute_ms_spec": compute_ms(mcfg.text_config, row, b, spec.product, mcfg.canvas_length, CONTEXT, step=False)
                      if spec else None,
                      "experts_touched": None,
                      "experts_touched_uniform": experts_touched(mcfg.text_config, b * mcfg.canvas_length),

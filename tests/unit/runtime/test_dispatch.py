@@ -115,6 +115,20 @@ def test_experts_touched_and_kv_and_floor(cfg26):
     assert dp.experts_touched(c, 1) == pytest.approx(c.top_k_experts)
     assert dp.experts_touched(c, 256) > 127.9
     kv = dp.pass_bytes(c, "bf16", "bf16", 1, past=2048).kv - dp.pass_bytes(c, "bf16", "bf16", 1).kv
+    # the network's pass alone (what `dgpipe bench gpu` times): no sampler traffic, no second table read
+    step, net = (
+        dp.pass_bytes(c, "fp8", "fp8", 16, past=256),
+        dp.pass_bytes(c, "fp8", "fp8", 16, past=256, step=False),
+    )
+    tokens, table = 16 * 256, c.vocab_size * c.hidden_size * 2
+    assert step.logits - net.logits == tokens * c.vocab_size * (4 + 2 + 2)
+    assert step.high_precision - net.high_precision == table
+    assert (step.linears, step.experts, step.kv, step.activations) == (
+        net.linears,
+        net.experts,
+        net.kv,
+        net.activations,
+    )
     sliding = sum(c.layer_shape(i).is_sliding for i in range(c.num_hidden_layers))
     per_tok = {
         s: c.layer_shape(i).num_kv_heads * c.layer_shape(i).head_dim * 4
@@ -241,6 +255,9 @@ def test_flop_parts_are_two_flops_per_weight_and_token(cfg26):
     assert f.experts == 2 * tokens * c.top_k_experts * experts // c.num_experts
     assert f.total == denoise_pass_flops(c, 3, 256, 100)
     assert denoise_pass_flop_parts(c, 3, 256, 100, routed=False).experts == 2 * tokens * experts
+    # the network's pass alone: without the next step's soft embedding (probs @ E)
+    net = denoise_pass_flop_parts(c, 3, 256, 100, step=False)
+    assert f.other - net.other == 2 * tokens * c.vocab_size * c.hidden_size and net.experts == f.experts
 
 
 def test_compute_floor_runs_each_part_at_its_formats_rate(cfg26):
