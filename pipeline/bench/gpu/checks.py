@@ -60,7 +60,7 @@ def _pass(fmt: str, compiled: bool = False) -> GpuCheck:
     batches = ",".join(map(str, PASS_BATCHES))
     if compiled:
         return GpuCheck(
-            f"26B pass {fmt} compiled", 115, f"the {fmt} pass under torch.compile (inductor), batch {batches}: compile s, ms vs floor",
+            f"26B pass {fmt} compiled", 100, f"the {fmt} pass under torch.compile (inductor), batch {batches}: compile s, ms vs floor",
             ("-m", "pipeline.bench.gpu.measure", "pass", fmt, "--compile"), needs,
         )  # fmt: skip
     return GpuCheck(
@@ -111,7 +111,8 @@ CHECKS: tuple[GpuCheck, ...] = (
         ("cuda", "memory"),
     ),
 )
-assert sum(c.budget_s for c in CHECKS) <= TOTAL_BUDGET_S
+# every check's budget fits the time the run loop gives them (the total less its own start and last stop)
+assert sum(c.budget_s for c in CHECKS) <= TOTAL_BUDGET_S - END_MARGIN_S
 
 GPU_TESTS = "tests/gpu"  # in a source checkout, beside the package; a wheel ships no tests
 # The GPU tests compile their Triton kernels, on one CPU core per process: spread over this many processes

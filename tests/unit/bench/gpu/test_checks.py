@@ -21,7 +21,8 @@ H200 = checks.Env(
 
 
 def test_checks_fit_the_eight_minute_budget_by_construction():
-    assert sum(c.budget_s for c in checks.CHECKS) <= checks.TOTAL_BUDGET_S == 480
+    assert sum(c.budget_s for c in checks.CHECKS) <= checks.TOTAL_BUDGET_S - checks.END_MARGIN_S
+    assert checks.TOTAL_BUDGET_S == 480
     names = [c.name for c in checks.CHECKS]
     assert names[:2] == ["build sampler kernels", "gpu tests"]
     # the quantized passes run after the tiles are tuned, so they launch with this GPU's table
