@@ -22,8 +22,8 @@ def _out(name: str, what: str = "directory for JSON and PNG"):
 @app.command("local")
 def bench_local(
     model: opt.Model = None,
-    runs: Annotated[int, typer.Option(help="repetitions (medians are reported)")] = 5,
-    batch: Annotated[int, typer.Option(help="prompts per run")] = 1,
+    runs: Annotated[int, typer.Option(min=1, help="repetitions (medians are reported)")] = 5,
+    batch: Annotated[int, typer.Option(min=1, help="prompts per run")] = 1,
     reference: Annotated[
         bool, typer.Option(help="also time transformers' generate on the same checkpoint")
     ] = True,
@@ -62,7 +62,7 @@ def bench_sweep(
     bounds: Annotated[str, typer.Option(help="comma-separated entropy bounds")] = "0.03,0.1,0.3,1,3",
     steps: Annotated[str, typer.Option(help="comma-separated max denoising steps")] = "2,4,8,16,48",
     n: Annotated[
-        int, typer.Option(help="held-out examples per point (the model's prompt format draws them)")
+        int, typer.Option(min=1, help="held-out examples per point (the model's prompt format draws them)")
     ] = 100,
     out_dir: Annotated[Path | None, _out("bench-sweep")] = None,
     as_json: opt.Json = False,
@@ -130,9 +130,9 @@ def bench_serve(
     url: ServeUrl = None,
     grpc_url: GrpcUrl = None,
     concurrency: Concurrency = None,
-    requests: Annotated[int, typer.Option(help="requests per level and protocol")] = 32,
+    requests: Annotated[int, typer.Option(min=1, help="requests per level and protocol")] = 32,
     openai: OpenAI = False,
-    rounds: Annotated[int, typer.Option(help="--openai: alternating rounds per level (medians)")] = 3,
+    rounds: Annotated[int, typer.Option(min=1, help="--openai: alternating rounds per level (medians)")] = 3,
     api_key: ApiKey = None,
     model_name: ModelName = None,
     output_tokens: OutputTokens = None,
@@ -185,7 +185,7 @@ def bench_serve(
 @app.command("requests")
 def bench_requests_file(
     path: Annotated[Path, typer.Argument(help="JSONL file to write")],
-    requests: Annotated[int, typer.Option(help="how many")] = 64,
+    requests: Annotated[int, typer.Option(min=1, help="how many")] = 64,
     output_tokens: OutputTokens = None,
 ) -> None:
     """Write the serving benchmarks' held-out requests as JSONL for load tools: AIPerf `--input-file PATH
@@ -216,9 +216,9 @@ def bench_model(
         str, typer.Option(help="configs/models/<name>.yaml (random weights)")
     ] = "diffusiongemma-26b-a4b",
     batch: Annotated[str, typer.Option(help="comma-separated batch sizes")] = "1,4",
-    context: Annotated[int, typer.Option(help="cached prompt tokens")] = 512,
-    steps: Annotated[int, typer.Option(help="fixed denoising steps per canvas")] = 16,
-    repeats: Annotated[int, typer.Option(help="timed repetitions (medians)")] = 10,
+    context: Annotated[int, typer.Option(min=1, help="cached prompt tokens")] = 512,
+    steps: Annotated[int, typer.Option(min=1, help="fixed denoising steps per canvas")] = 16,
+    repeats: Annotated[int, typer.Option(min=1, help="timed repetitions (medians)")] = 10,
     out_dir: Annotated[Path | None, _out("bench-model", "directory for the JSON result")] = None,
     dtype: opt.Dtype = "auto",
     device: opt.Device = "auto",
@@ -253,8 +253,8 @@ def _render_model(r: dict) -> list[str]:
 @app.command("guided")
 def bench_guided(
     batch: Annotated[str, typer.Option(help="comma-separated batch sizes")] = "1,8",
-    runs: Annotated[int, typer.Option(help="timed repetitions of each (medians)")] = 5,
-    fixed_steps: Annotated[int, typer.Option(help="steps per canvas of the fixed-steps policy")] = 16,
+    runs: Annotated[int, typer.Option(min=1, help="timed repetitions of each (medians)")] = 5,
+    fixed_steps: Annotated[int, typer.Option(min=1, help="steps per canvas of the fixed-steps policy")] = 16,
     out_dir: Annotated[Path | None, _out("bench-guided", "directory for the JSON result")] = None,
     as_json: opt.Json = False,
 ) -> None:
@@ -308,7 +308,7 @@ def bench_flops(
         "diffusiongemma-26b-a4b"
     ),
     batch: Annotated[str, typer.Option(help="comma-separated canvases per pass")] = "1,4,8",
-    context: Annotated[int, typer.Option(help="cached tokens the pass attends to")] = 4096,
+    context: Annotated[int, typer.Option(min=0, help="cached tokens the pass attends to")] = 4096,
     routed_onnx: Annotated[
         Path | None, typer.Option(help="count this routed export instead of tracing")
     ] = None,
@@ -335,7 +335,7 @@ def bench_export_memory(
         "diffusiongemma-26b-a4b"
     ),
     layers: Annotated[
-        int, typer.Option(help="decoder layers written at full shapes (disk: ~1.6 GB each)")
+        int, typer.Option(min=1, help="decoder layers written at full shapes (disk: ~1.6 GB each)")
     ] = 6,
     work_dir: Annotated[
         Path, typer.Option(help="scratch for the checkpoint and the export (deleted)")
@@ -353,7 +353,10 @@ def bench_export_memory(
     """Peak host RSS of the streaming ONNX export on a random checkpoint with the model's real shapes."""
     from pipeline.bench.export_memory import RESULT_FILE, as_dict, run
     from pipeline.bench.results import save_result
+    from pipeline.onnx.contract import MOE_FORMS
 
+    if moe not in MOE_FORMS:  # before a checkpoint of full-size layers is written
+        raise DgpipeError(f"--moe {moe}: unknown MoE form", f"choose one of: {', '.join(MOE_FORMS)}")
     out_dir = out_dir or opt.cache_dir() / "bench-export-memory"
     result = as_dict(run(config, layers, work_dir, moe, sparse=sparse))
     save_result(out_dir, RESULT_FILE, result)
@@ -366,7 +369,7 @@ def bench_load_memory(
     config: Annotated[str, typer.Option(help="configs/models/<name>.yaml (random weights)")] = (
         "diffusiongemma-26b-a4b"
     ),
-    layers: Annotated[int, typer.Option(help="decoder layers written at full shapes")] = 2,
+    layers: Annotated[int, typer.Option(min=1, help="decoder layers written at full shapes")] = 2,
     fmt: Annotated[str, typer.Option("--format", help="fp8 or nvfp4 (ModelOpt layout)")] = "fp8",
     work_dir: Annotated[Path, typer.Option(help="scratch for the checkpoint (deleted)")] = Path(
         "/tmp/dgpipe-load-memory"
@@ -410,10 +413,12 @@ def bench_pass(
         ),
     ] = None,
     model: opt.Model = None,
-    batch: Annotated[int, typer.Option(help="canvases per denoise pass")] = 1,
-    context: Annotated[int, typer.Option(help="cached prompt tokens")] = 32,
-    steps: Annotated[int, typer.Option(help="fixed denoising steps per canvas (steps 2..N are timed)")] = 4,
-    rounds: Annotated[int, typer.Option(help="interleaved rounds over the systems (medians)")] = 3,
+    batch: Annotated[int, typer.Option(min=1, help="canvases per denoise pass")] = 1,
+    context: Annotated[int, typer.Option(min=1, help="cached prompt tokens")] = 32,
+    steps: Annotated[
+        int, typer.Option(min=1, help="fixed denoising steps per canvas (steps 2..N are timed)")
+    ] = 4,
+    rounds: Annotated[int, typer.Option(min=1, help="interleaved rounds over the systems (medians)")] = 3,
     reference: Annotated[bool, typer.Option(help="time transformers on the same weights")] = True,
     onnx: Annotated[bool, typer.Option(help="export the model and time the ONNX Runtime backend")] = True,
     generate: Annotated[
@@ -539,7 +544,8 @@ def bench_moe_tiles(
 def bench_gpu_trace(
     batch: Annotated[str, typer.Option(help="comma-separated canvases per traced pass")] = "1,16",
     layers: Annotated[
-        int | None, typer.Option(help="trace only the first N layer kinds (same shapes; default: all layers)")
+        int | None,
+        typer.Option(min=1, help="trace only the first N layer kinds (same shapes; default: all layers)"),
     ] = None,
     out_dir: Annotated[
         Path | None, _out("bench-gpu-trace", "directory for gpu_trace.json and gpu_trace.md")
@@ -571,11 +577,13 @@ def bench_prefix(
         typer.Option(help="configs/models/<name>.yaml with random weights (fp32, CPU); ignored with --model"),
     ] = "bench-medium",
     model: opt.Model = None,
-    system_tokens: Annotated[int, typer.Option(help="shared system prompt tokens")] = 2000,
-    question_tokens: Annotated[int, typer.Option(help="each request's own question tokens")] = 16,
-    requests: Annotated[int, typer.Option(help="timed requests per step count (each on and off)")] = 20,
+    system_tokens: Annotated[int, typer.Option(min=0, help="shared system prompt tokens")] = 2000,
+    question_tokens: Annotated[int, typer.Option(min=1, help="each request's own question tokens")] = 16,
+    requests: Annotated[
+        int, typer.Option(min=1, help="timed requests per step count (each on and off)")
+    ] = 20,
     steps: Annotated[str, typer.Option(help="fixed denoising steps per canvas, comma-separated")] = "1,4,16",
-    threads: Annotated[int, typer.Option(help="torch CPU threads")] = 2,
+    threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 2,
     out_dir: Annotated[Path | None, _out("bench-prefix")] = None,
     as_json: opt.Json = False,
 ) -> None:

@@ -94,6 +94,25 @@ def test_paths_of_the_wrong_kind_are_one_line_naming_them(tmp_path: Path, args, 
     assert needle.format(**fill) in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["local", "--runs", "0"], "'--runs'"),
+        (["local", "--batch", "0"], "'--batch'"),
+        (["guided", "--fixed-steps", "0"], "'--fixed-steps'"),
+        (["model", "--context", "0"], "'--context'"),
+        (["flops", "--context", "-1"], "'--context'"),
+        (["export-memory", "--layers", "0"], "'--layers'"),
+        (["export-memory", "--moe", "foo"], "--moe foo: unknown MoE form"),
+    ],
+)
+def test_bench_counts_out_of_range_are_refused_naming_the_option(args, needle):
+    """They ran into a division by zero, a table of NaN, a traceback from a child, or a 1.6 GB layer written
+    before the child failed."""
+    proc = dgpipe("bench", *args, ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and needle in proc.stderr, proc.stderr
+
+
 def test_doctor_json():
     rows = json.loads(dgpipe("doctor", "--json").stdout)
     names = {r["name"] for r in rows}
