@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import platform
 import random
 import statistics
 import time
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.bench.local import cpu_model
 from pipeline.bench.results import save_result
 
 RESULT_FILE = "bench_guided.json"
@@ -307,7 +307,7 @@ def run_bench_schemas(out: Path, stride: int = 1, vocab_size: int = 4096, walks:
     rows = load_sample()
     vocab = bpe_vocab([json.dumps(r["schema"]) for r in rows], vocab_size)
     result = {
-        "hardware": f"{platform.processor() or platform.machine()}",
+        "hardware": cpu_model(),
         "vocab": f"byte-level BPE, {vocab_size} tokens, trained on the sample",
         "schemas": len(rows[::stride]),
         "walks_per_schema": walks,
@@ -445,7 +445,7 @@ def run_bench_guided(
                 )
             )
     result = {
-        "hardware": f"{platform.processor() or platform.machine()}, {thread_count()} threads",
+        "hardware": f"{cpu_model()}, {thread_count()} threads",
         "model": "embedded Sudoku model (fp32, CPU)",
         "regex": GRID_REGEX,
         "runs": runs,

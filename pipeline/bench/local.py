@@ -3,9 +3,11 @@ and with autoregressive decoding of the same weights, measured in one run (media
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,18 +50,28 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-class PassTimer:
-    """Wall time spent inside one model method (the denoise pass), across calls."""
+def _sync(device: torch.device | None) -> None:
+    """Wait for the device's queued work: a CUDA time read without it measures kernel launches."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    def __init__(self, obj: Any, name: str) -> None:
+
+class PassTimer:
+    """Wall time spent inside one model method (the denoise pass), across calls; on CUDA the device is
+    synchronised around each call, so the time is the work's, not its launch's."""
+
+    def __init__(self, obj: Any, name: str, device: torch.device | None = None) -> None:
         self.obj, self.name, self.orig = obj, name, getattr(obj, name)
+        self.device = device
         self.seconds, self.calls = 0.0, 0
         self.first_end: float | None = None  # perf_counter when the first call returned
 
     def __enter__(self) -> PassTimer:
         def timed(*a, **k):
+            _sync(self.device)
             t = time.perf_counter()
             out = self.orig(*a, **k)
+            _sync(self.device)
             now = time.perf_counter()
             self.seconds += now - t
             self.calls += 1
@@ -73,54 +85,67 @@ class PassTimer:
         setattr(self.obj, self.name, self.orig)
 
 
-def bench_dgpipe(
-    session, prompt_ids, template, sampler: SamplerConfig, max_tokens: int, runs: int, batch: int
-) -> Row:
+Runner = Callable[[int], Sample]  # one timed run with the given seed
+
+
+def dgpipe_runner(
+    session, prompt_ids, template, sampler: SamplerConfig, max_tokens: int, batch: int
+) -> Runner:
+    """dgpipe's runtime generating `batch` copies of the prompt (a fresh runtime per run)."""
     from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
 
     length = session.model.config.canvas_length
-    samples = []
-    for r in range(runs + 1):  # first run is warm-up
+    device = next(session.model.parameters()).device
+
+    def run(seed: int) -> Sample:
         rt = BlockDiffusionRuntime(
             session.model, max_batch=batch, max_len=context_length(len(prompt_ids), max_tokens, length)
         )
         reqs = [
-            Request(
-                prompt_ids=prompt_ids,
-                max_tokens=max_tokens,
-                sampler=sampler,
-                seed=r,
-                request_id=i,
-                template=template,
-            )
+            Request(prompt_ids=prompt_ids, max_tokens=max_tokens, sampler=sampler, seed=seed, request_id=i,
+                    template=template)
             for i in range(batch)
-        ]
-        with PassTimer(session.model, "denoise_soft") as timer, torch.inference_mode():
+        ]  # fmt: skip
+        with PassTimer(session.model, "denoise_soft", device) as timer, torch.inference_mode():
             t = time.perf_counter()
-            res = rt.generate(reqs)
+            res = rt.generate(reqs)  # its tokens are on the host: the device's work is done
             total = time.perf_counter() - t
-        if r == 0:
-            continue
-        samples.append(
-            Sample(
-                total=total,
-                tokens=sum(len(x.tokens) for x in res),
-                passes=timer.calls,
-                canvases=sum(len(x.steps_per_canvas) for x in res) / batch,
-                pass_seconds=timer.seconds,
-                ttft=statistics.median(x.time_to_first_canvas for x in res),
-            )
+        return Sample(
+            total=total,
+            tokens=sum(len(x.tokens) for x in res),
+            passes=timer.calls,
+            canvases=sum(len(x.steps_per_canvas) for x in res) / batch,
+            pass_seconds=timer.seconds,
+            ttft=statistics.median(x.time_to_first_canvas for x in res),
         )
-    return _row("dgpipe diffusion", sampler, samples)
+
+    return run
 
 
-def _row(system: str, sampler: SamplerConfig | None, samples: list[Sample]) -> Row:
+def interleaved(runners: dict[str, Runner], runs: int) -> dict[str, list[Sample]]:
+    """`runs` timed runs of each system, one of each per round in turn (after a warm-up round), so a load
+    that comes and goes on a shared machine falls on every system alike."""
+    samples: dict[str, list[Sample]] = {name: [] for name in runners}
+    for r in range(runs + 1):  # round 0 warms every system up
+        for name, run in runners.items():
+            sample = run(r)
+            if r:
+                samples[name].append(sample)
+    return samples
+
+
+def policy_name(sampler: SamplerConfig | None) -> str:
+    """The step policy as tables print it: fixed N steps, or adaptive up to N; "-" for no sampler (AR)."""
     if sampler is None:
-        policy = "-"
-    elif sampler.confidence_threshold == 0:
-        policy = f"fixed {sampler.max_denoising_steps}"
-    else:
-        policy = f"adaptive <= {sampler.max_denoising_steps}"
+        return "-"
+    if sampler.confidence_threshold == 0:
+        return f"fixed {sampler.max_denoising_steps}"
+    return f"adaptive <= {sampler.max_denoising_steps}"
+
+
+def median_row(system: str, sampler: SamplerConfig | None, samples: list[Sample]) -> Row:
+    """The system's row: each figure the median over its runs (a ratio of medians, per run first)."""
+    policy = policy_name(sampler)
     med = lambda f: _median([f(x) for x in samples])
     return Row(
         system=system,
@@ -150,61 +175,82 @@ class FirstTokens:
         pass
 
 
-def bench_transformers(
-    path: Path, prompt_ids, sampler: SamplerConfig, max_tokens: int, runs: int, batch: int
-) -> Row:
+def transformers_runner(
+    path: Path, dtype: torch.dtype, device: torch.device, prompt_ids, max_tokens: int, batch: int
+) -> Callable[[SamplerConfig], Runner]:
+    """transformers' `generate` on the same checkpoint, loaded once in dgpipe's dtype and device (the same
+    arithmetic on the same hardware), for each sampler policy."""
     from transformers import DiffusionGemmaForBlockDiffusion
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt_ids] * batch)
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype).to(device).eval()
+    ids = torch.tensor([prompt_ids] * batch, device=device)
     pad = ref.config.text_config.pad_token_id
-    samples = []
-    for r in range(runs + 1):
-        torch.manual_seed(r)
-        with PassTimer(ref.model.decoder, "forward") as timer, torch.inference_mode():
-            t = time.perf_counter()
-            streamer = FirstTokens()
-            out = ref.generate(
-                ids, max_new_tokens=max_tokens, streamer=streamer, **sampler.transformers_kwargs()
-            )
-            total = time.perf_counter() - t
-        if r == 0:
-            continue
-        new = out.sequences[:, len(prompt_ids) :]
-        canvases = new.shape[1] / ref.config.canvas_length
-        first = streamer.times[1] - t if len(streamer.times) > 1 else total
-        samples.append(Sample(total, int((new != pad).sum()), timer.calls, canvases, timer.seconds, first))
-    return _row("transformers generate", sampler, samples)
+
+    def policy(sampler: SamplerConfig) -> Runner:
+        def run(seed: int) -> Sample:
+            torch.manual_seed(seed)
+            with PassTimer(ref.model.decoder, "forward", device) as timer, torch.inference_mode():
+                _sync(device)
+                t = time.perf_counter()
+                streamer = FirstTokens()
+                out = ref.generate(
+                    ids, max_new_tokens=max_tokens, streamer=streamer, **sampler.transformers_kwargs()
+                )
+                _sync(device)
+                total = time.perf_counter() - t
+            new = out.sequences[:, len(prompt_ids) :]
+            canvases = new.shape[1] / ref.config.canvas_length
+            first = streamer.times[1] - t if len(streamer.times) > 1 else total
+            return Sample(total, int((new != pad).sum()), timer.calls, canvases, timer.seconds, first)
+
+        return run
+
+    return policy
 
 
-def bench_ar(session, prompt_ids, template, max_tokens: int, runs: int, batch: int) -> Row:
+def ar_runner(session, prompt_ids, template, max_tokens: int, batch: int) -> Runner:
+    """Autoregressive decoding of the same weights (one token per pass)."""
     from pipeline.runtime.autoregressive import ar_generate
 
-    samples = []
-    for r in range(runs + 1):
-        with PassTimer(session.model, "encode") as timer:
+    device = next(session.model.parameters()).device
+
+    def run(seed: int) -> Sample:
+        with PassTimer(session.model, "encode", device) as timer:
             t = time.perf_counter()
             outs, _ = ar_generate(
                 session.model, [prompt_ids] * batch, max_tokens, [template] * batch if template else None
             )
             total = time.perf_counter() - t
-        if r:
-            toks = sum(len(o) for o in outs)
-            first = (timer.first_end or t) - t  # prefill: its logits give the first token
-            samples.append(Sample(total, toks, timer.calls, 1.0, timer.seconds, first))
-    row = _row("dgpipe autoregressive", None, samples)
-    row.passes_per_canvas = row.ms_per_canvas = float("nan")
-    return row
+        first = (timer.first_end or t) - t  # prefill: its logits give the first token
+        return Sample(total, sum(len(o) for o in outs), timer.calls, 1.0, timer.seconds, first)
+
+    return run
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (/proc/cpuinfo on Linux, where `platform.processor()` is empty)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def machine() -> dict[str, Any]:
-    info = {
-        "cpu": platform.processor() or platform.machine(),
+    """What a benchmark ran on and when: CPU, cores, the load it shared them with, threads, versions, GPU."""
+    info: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "load_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -227,15 +273,30 @@ def run_bench_local(
     # a pinned template fills one canvas; free text gets two
     max_tokens = session.model.config.canvas_length * (1 if template is not None else 2)
     policies = [session.sampler(confidence_threshold=0.0, max_denoising_steps=16), session.sampler()]
-    rows: list[Row] = []
+    param = next(session.model.parameters())
+    reference_policy = (
+        transformers_runner(session.checkpoint.path, param.dtype, param.device, prompt_ids, max_tokens, batch)
+        if reference
+        else None
+    )
+    systems: list[tuple[str, SamplerConfig | None, Runner]] = []
     for sampler in policies:
-        rows.append(bench_dgpipe(session, prompt_ids, template, sampler, max_tokens, runs, batch))
-        if reference:
-            # transformers has no infill: it generates the whole canvas (same passes, same canvas length)
-            rows.append(
-                bench_transformers(session.checkpoint.path, prompt_ids, sampler, max_tokens, runs, batch)
+        systems.append(
+            (
+                "dgpipe diffusion",
+                sampler,
+                dgpipe_runner(session, prompt_ids, template, sampler, max_tokens, batch),
             )
-    rows.append(bench_ar(session, prompt_ids, template, max_tokens, runs, batch))
+        )
+        if reference_policy is not None:
+            # transformers has no infill: it generates the whole canvas (same passes, same canvas length)
+            systems.append(("transformers generate", sampler, reference_policy(sampler)))
+    systems.append(
+        ("dgpipe autoregressive", None, ar_runner(session, prompt_ids, template, max_tokens, batch))
+    )
+    samples = interleaved({str(i): run for i, (_, _, run) in enumerate(systems)}, runs)
+    rows = [median_row(name, sampler, samples[str(i)]) for i, (name, sampler, _) in enumerate(systems)]
+    rows[-1].passes_per_canvas = rows[-1].ms_per_canvas = float("nan")  # AR has no canvases
     result = {
         "model": str(session.checkpoint.path),
         "dtype": str(next(session.model.parameters()).dtype),

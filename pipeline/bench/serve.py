@@ -11,8 +11,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.bench.local import machine, policy_name
 from pipeline.bench.results import percentile, save_plot, save_result
 from pipeline.bench.workload import BenchRequest, bench_requests
+from pipeline.limits import context_length
 
 if TYPE_CHECKING:
     from pipeline.serving.server import TritonServer
@@ -29,21 +31,28 @@ def _timed_request(url: str, req: BenchRequest, seed: int) -> dict[str, float]:
     start = time.perf_counter()
     first = None
     gen = generate(
-        url, req.prompt, max_tokens=req.max_tokens, stream=True, seed=seed, exclude_input_in_output=True
+        url,
+        req.prompt,
+        max_tokens=req.max_tokens,
+        stream=True,
+        seed=seed,
+        exclude_input_in_output=True,
+        return_num_output_tokens=True,
     )
-    text = ""
+    text, reply = "", None
     try:
         while True:
             piece = next(gen)
             first = first if first is not None else time.perf_counter() - start
             text += piece
-    except StopIteration:
-        pass
+    except StopIteration as done:
+        reply = done.value
     total = time.perf_counter() - start
+    delivered = reply.num_output_tokens if reply is not None else None
     return {
         "latency": total,
         "ttfc": first if first is not None else total,
-        "tokens": float(req.max_tokens),
+        "tokens": float(delivered if delivered is not None else 0),  # delivered, as in-process counts them
         "ok": float(len(text) == req.answer_chars),
     }
 
@@ -56,10 +65,13 @@ def _in_process(session, requests: list[BenchRequest], concurrency: int) -> list
 
     from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
 
-    rt = BlockDiffusionRuntime(session.model, max_batch=concurrency, max_len=400)
+    prompts = [session.encode_prompt(r.prompt) for r in requests]
+    length = session.model.config.canvas_length
+    longest = max(context_length(len(p), r.max_tokens, length) for p, r in zip(prompts, requests))
+    rt = BlockDiffusionRuntime(session.model, max_batch=concurrency, max_len=longest)
     reqs = [
         Request(
-            prompt_ids=session.encode_prompt(r.prompt),
+            prompt_ids=prompts[i],
             max_tokens=r.max_tokens,
             sampler=session.sampler(),
             seed=i,
@@ -121,6 +133,7 @@ def run_bench_serve(
             rows.append(
                 {"protocol": proto, "concurrency": c, **_summary(samples, time.perf_counter() - start)}
             )
+        _in_process(session, reqs[:1], 1)  # warm up, as each protocol's first request does
         start = time.perf_counter()
         samples = _in_process(session, reqs, c)
         rows.append(
@@ -130,8 +143,10 @@ def run_bench_serve(
         "http": http_url,
         "grpc": grpc_url,
         "requests_per_level": requests,
-        "policy": "adaptive <= 48 (defaults)",
+        "policy": policy_name(session.sampler()),
         "model": str(session.checkpoint.path),
+        "dtype": str(next(session.model.parameters()).dtype),
+        "machine": machine(),
         "rows": rows,
     }
 

@@ -304,7 +304,7 @@ def _generate_rows(
     compiled passes when `compile`, then transformers, one measured run of each per round (interleaved),
     medians over the rounds. The compiled session compiles (and is checked to give the eager tokens) in
     warm-up runs before the first round."""
-    from pipeline.bench.local import Row, bench_dgpipe, bench_transformers
+    from pipeline.bench.local import dgpipe_runner, interleaved, median_row, transformers_runner
     from pipeline.runtime.session import load_session
 
     session = load_session(path, str(dt).removeprefix("torch."), str(dev))
@@ -313,24 +313,12 @@ def _generate_rows(
     template = session.default_template(prompt)
     max_tokens = session.model.config.canvas_length * (1 if template is not None else 2)
     sampler = session.sampler()
-    runners = {DGPIPE_GENERATE: lambda: bench_dgpipe(session, ids, template, sampler, max_tokens, 1, 1)}
+    runners = {DGPIPE_GENERATE: dgpipe_runner(session, ids, template, sampler, max_tokens, 1)}
     if compile:
         compiled = load_session(path, str(dt).removeprefix("torch."), str(dev), compile=True)
-        runners[COMPILED_GENERATE] = lambda: bench_dgpipe(compiled, ids, template, sampler, max_tokens, 1, 1)
-        runners[COMPILED_GENERATE]()  # the compile, outside the timed rounds
+        runners[COMPILED_GENERATE] = dgpipe_runner(compiled, ids, template, sampler, max_tokens, 1)
+        runners[COMPILED_GENERATE](0)  # the compile, outside the timed rounds
     if reference:
-        runners[TRANSFORMERS_GENERATE] = lambda: bench_transformers(path, ids, sampler, max_tokens, 1, 1)
-    runs: dict[str, list[Row]] = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, run in runners.items():
-            runs[name].append(run())
-    rows = []
-    for name, measured in runs.items():
-        row = asdict(measured[0])
-        for key, value in row.items():
-            if isinstance(value, float):
-                row[key] = statistics.median(getattr(r, key) for r in measured)
-        row["system"] = name
-        row["runs"] = [r.runs[0] for r in measured]
-        rows.append(row)
-    return rows
+        runners[TRANSFORMERS_GENERATE] = transformers_runner(path, dt, dev, ids, max_tokens, 1)(sampler)
+    samples = interleaved(runners, rounds)
+    return [asdict(median_row(name, sampler, measured)) for name, measured in samples.items()]
