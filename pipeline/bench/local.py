@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pipeline.bench.results import save_result
+from pipeline.bench.timing import sync
 from pipeline.limits import context_length
 from pipeline.model.config import SamplerConfig
 
@@ -50,12 +51,6 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def _sync(device: torch.device | None) -> None:
-    """Wait for the device's queued work: a CUDA time read without it measures kernel launches."""
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class PassTimer:
     """Wall time spent inside one model method (the denoise pass), across calls; on CUDA the device is
     synchronised around each call, so the time is the work's, not its launch's."""
@@ -68,10 +63,10 @@ class PassTimer:
 
     def __enter__(self) -> PassTimer:
         def timed(*a, **k):
-            _sync(self.device)
+            sync(self.device)
             t = time.perf_counter()
             out = self.orig(*a, **k)
-            _sync(self.device)
+            sync(self.device)
             now = time.perf_counter()
             self.seconds += now - t
             self.calls += 1
@@ -193,13 +188,13 @@ def transformers_runner(
         def run(seed: int) -> Sample:
             torch.manual_seed(seed)
             with PassTimer(ref.model.decoder, "forward", device) as timer, torch.inference_mode():
-                _sync(device)
+                sync(device)
                 t = time.perf_counter()
                 streamer = FirstTokens()
                 out = ref.generate(
                     ids, max_new_tokens=max_tokens, streamer=streamer, **sampler.transformers_kwargs()
                 )
-                _sync(device)
+                sync(device)
                 total = time.perf_counter() - t
             new = out.sequences[:, len(prompt_ids) :]
             canvases = new.shape[1] / ref.config.canvas_length

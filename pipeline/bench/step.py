@@ -95,8 +95,10 @@ def _fixed(steps: int) -> SamplerConfig:
 
 def time_runtime_steps(backend, prompt: list[int], batch: int, steps: int, arm: Arm, split: bool) -> None:
     """Drive a fresh runtime one `step()` at a time through one canvas of `steps` fixed steps; append the
-    times of steps 2..N (a self-conditioning signal present) and, with `split`, their network / soft
-    embedding / sampler shares."""
+    times of steps 2..N-1 (a self-conditioning signal present, and a next step to condition: the last step
+    skips the soft embedding, and transformers' arm cannot time its last step) and, with `split`, their
+    network / soft embedding / sampler shares (the sampler: `sample_logits`, whichever kernels it runs,
+    the fused CUDA ones included; on CUDA each share is synchronised)."""
     import pipeline.runtime.backends as backends
     from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
 
@@ -109,14 +111,13 @@ def time_runtime_steps(backend, prompt: list[int], batch: int, steps: int, arm: 
     if split:
         model = backend.model
         timers = [
-            PassTimer(model, "denoise_soft"),
-            PassTimer(model, "soft_embedding"),
-            *(PassTimer(backends, n) for n in ("sample_step_fused", "sample_step")),
-            *(PassTimer(backends, n) for n in ("update_stability", "should_stop")),
+            PassTimer(model, "denoise_soft", rt.device),
+            PassTimer(model, "soft_embedding", rt.device),
+            PassTimer(backends, "sample_logits", rt.device),
         ]
     with torch.inference_mode():
         rt.step()  # admit + prefill + step 1 (no self-conditioning signal yet)
-        for _ in range(steps - 1):
+        for _ in range(steps - 2):
             for tm in timers:
                 tm.seconds = 0.0
                 tm.__enter__()
@@ -132,21 +133,25 @@ def time_runtime_steps(backend, prompt: list[int], batch: int, steps: int, arm: 
                 arm.network.append(timers[0].seconds)
                 arm.soft.append(timers[1].seconds)
                 arm.sampler.append(sum(tm.seconds for tm in timers[2:]))
-    while rt.busy():  # finish the canvas (none left with fixed steps, but never leave one half-done)
-        rt.step()
+        while rt.busy():  # the last step, untimed (no next step to condition), and the canvas's commit
+            rt.step()
 
 
 class CallLog:
-    """(start, end) perf_counter of every call of obj.name while active."""
+    """(start, end) perf_counter of every call of obj.name while active (the device synchronised around
+    each call on CUDA)."""
 
-    def __init__(self, obj: Any, name: str) -> None:
+    def __init__(self, obj: Any, name: str, device: torch.device | None = None) -> None:
         self.obj, self.name, self.orig = obj, name, getattr(obj, name)
+        self.device = device
         self.calls: list[tuple[float, float]] = []
 
     def __enter__(self) -> CallLog:
         def logged(*a, **k):
+            sync(self.device)
             t = time.perf_counter()
             out = self.orig(*a, **k)
+            sync(self.device)
             self.calls.append((t, time.perf_counter()))
             return out
 
@@ -162,8 +167,8 @@ def time_transformers_steps(ref, prompt: list[int], batch: int, steps: int, arm:
     (forward, then sampling, then the next forward), so a step is the time from one decoder forward's start
     to the next one's; steps 2..N-1 are kept (a self-conditioning signal present; the last one has no
     next forward to end it), the forward's own time being the network share."""
-    ids = torch.tensor([prompt] * batch)
-    with CallLog(ref.model.decoder, "forward") as log, torch.inference_mode():
+    ids = torch.tensor([prompt] * batch, device=ref.device)
+    with CallLog(ref.model.decoder, "forward", ref.device) as log, torch.inference_mode():
         ref.generate(ids, max_new_tokens=ref.config.canvas_length, **_fixed(steps).transformers_kwargs())
     for (start, end), (following, _) in zip(log.calls[1:], log.calls[2:], strict=False):
         arm.step.append(following - start)

@@ -416,7 +416,7 @@ def bench_pass(
     batch: Annotated[int, typer.Option(min=1, help="canvases per denoise pass")] = 1,
     context: Annotated[int, typer.Option(min=1, help="cached prompt tokens")] = 32,
     steps: Annotated[
-        int, typer.Option(min=1, help="fixed denoising steps per canvas (steps 2..N are timed)")
+        int, typer.Option(min=1, help="fixed denoising steps per canvas, at least 3 (steps 2..N-1 are timed)")
     ] = 4,
     rounds: Annotated[int, typer.Option(min=1, help="interleaved rounds over the systems (medians)")] = 3,
     reference: Annotated[bool, typer.Option(help="time transformers on the same weights")] = True,

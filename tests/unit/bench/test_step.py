@@ -76,8 +76,9 @@ def test_bench_pass_cli_on_a_tiny_checkpoint(tmp_path):
         "onnxruntime (exported graph)",
     ]
     ours = r["rows"][0]
-    assert ours["samples"] == 2 * 2  # steps 2..3 of a canvas, two rounds
-    assert r["rows"][1]["samples"] == 2  # transformers: step 2 (forward 2 to forward 3), two rounds
+    # the same steps on every arm: 2..N-1 (here step 2 of 3: transformers' step is forward 2 to forward 3,
+    # and dgpipe's last step skips the soft embedding), two rounds
+    assert ours["samples"] == r["rows"][1]["samples"] == r["rows"][2]["samples"] == 2
     assert 0 < r["rows"][1]["network_ms"] < r["rows"][1]["step_ms"]
     parts = ours["network_ms"] + ours["soft_embedding_ms"] + ours["sampler_ms"]
     assert 0 < parts < 1.5 * ours["step_ms"] and 0 < ours["host_ms"] < ours["step_ms"]
