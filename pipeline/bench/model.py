@@ -20,8 +20,9 @@ from pipeline.limits import context_length
 from pipeline.model.config import ModelConfig
 from pipeline.model.network import DiffusionGemma, canvas_positions, rope_inv_freq
 from pipeline.resources import load_yaml
+from pipeline.runtime.backends import SamplerInputs, TorchBackend, sample_logits
 from pipeline.runtime.kv_cache import KVCache, attention_masks
-from pipeline.sampler.reference import CounterDraws, RowKeys, sample_step
+from pipeline.sampler.reference import RowKeys
 
 RESULT_FILE = "bench_model.json"
 
@@ -39,8 +40,8 @@ class ModelBenchRow:
     floor_ms_per_pass: float
     pass_over_floor: float
     runtime_ms_per_canvas_eager: float  # BlockDiffusionRuntime: host sync after every pass, no graphs
-    runtime_ms_per_canvas_graph: float  # the same requests, device loop + CUDA graphs (eager off CUDA)
-    graph_speedup: float
+    runtime_ms_per_canvas_graph: float | None  # the same requests, device loop + CUDA graphs (None off CUDA)
+    graph_speedup: float | None
 
 
 def _graphed(fn, device: torch.device):
@@ -155,10 +156,32 @@ def bench_batch(
     logits = model.denoise(canvas, probs, cpos, masks, past)
     t_pass = median_seconds(lambda: model.denoise(canvas, probs, cpos, masks, past), dev, repeats)
 
-    keys = RowKeys(*(torch.zeros(batch, dtype=torch.long, device=dev) for _ in range(4)))
-    temp = torch.full((batch,), 0.6, device=dev)
-    bound = torch.full((batch,), 0.1, device=dev)
-    t_sample = median_seconds(lambda: sample_step(logits, temp, bound, keys, CounterDraws()), dev, repeats)
+    # the runtime's own sampler (`TorchBackend`'s choice: the fused CUDA kernels, or the cache-blocked CPU
+    # step), with its stability and stop rules, on the pass's logits
+    backend = TorchBackend(model)
+    inputs = SamplerInputs(
+        temperature=torch.full((batch,), 0.6, device=dev),
+        bound=torch.full((batch,), 0.1, device=dev),
+        keys=RowKeys(*(torch.zeros(batch, dtype=torch.long, device=dev) for _ in range(4))),
+        template=None,
+        prev_argmax=torch.full((batch, length), -1, dtype=torch.long, device=dev),
+        stable_count=torch.zeros(batch, dtype=torch.long, device=dev),
+        stability_threshold=torch.full((batch,), 3, dtype=torch.long, device=dev),
+        confidence_threshold=torch.zeros(batch, device=dev),
+    )
+    probs_out = torch.empty(batch * length, cfg.vocab_size, device=dev) if backend.cpu_fused else None
+
+    def sample() -> object:
+        return sample_logits(
+            logits,
+            inputs,
+            backend.draws,
+            cuda=backend.fused,
+            cpu_fused=backend.cpu_fused,
+            probs_out=probs_out,
+        )
+
+    t_sample = median_seconds(sample, dev, repeats)
 
     def commit() -> None:
         p = canvas_positions(cache.lengths[slots], length)
@@ -174,7 +197,10 @@ def bench_batch(
     t_ar = median_seconds(_graphed(ar_step_static(model, cache, slots, tok), dev), dev, repeats)
     canvas_s = steps * (t_pass + t_sample) + t_commit
     eager = runtime_canvas_s(model, batch, context, steps, repeats, graphs=False)
-    graph = runtime_canvas_s(model, batch, context, steps, repeats, graphs=dev.type == "cuda")
+    # CUDA graphs exist on CUDA only: elsewhere there is no second figure to set against the eager one
+    graph = (
+        runtime_canvas_s(model, batch, context, steps, repeats, graphs=True) if dev.type == "cuda" else None
+    )
     diff_tps = batch * length / canvas_s
     ar_tps = batch / t_ar
     return ModelBenchRow(
@@ -189,8 +215,8 @@ def bench_batch(
         floor_ms_per_pass=1000 * floor_s,
         pass_over_floor=t_pass / floor_s,
         runtime_ms_per_canvas_eager=1000 * eager,
-        runtime_ms_per_canvas_graph=1000 * graph,
-        graph_speedup=eager / graph,
+        runtime_ms_per_canvas_graph=1000 * graph if graph is not None else None,
+        graph_speedup=eager / graph if graph is not None else None,
     )
 
 

@@ -245,7 +245,11 @@ def _render_model(r: dict) -> list[str]:
         f"{x['batch']:>5}{x['ms_per_denoise_pass']:>10.2f}{x['floor_ms_per_pass']:>8.2f}{x['pass_over_floor']:>8.2f}"
         f"{x['ms_per_canvas']:>11.1f}{x['diffusion_tokens_per_s']:>12.1f}{x['ar_tokens_per_s']:>10.1f}"
         f"{x['diffusion_over_ar']:>8.2f}{x['runtime_ms_per_canvas_eager']:>10.1f}"
-        f"{x['runtime_ms_per_canvas_graph']:>10.1f}{x['graph_speedup']:>8.2f}"
+        + (
+            f"{x['runtime_ms_per_canvas_graph']:>10.1f}{x['graph_speedup']:>8.2f}"
+            if x["runtime_ms_per_canvas_graph"] is not None
+            else f"{'-':>10}{'-':>8}"
+        )
         for x in r["rows"]
     ]
 

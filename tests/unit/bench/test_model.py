@@ -75,3 +75,22 @@ def test_a_failed_pass_capture_is_undone_before_it_is_raised(monkeypatch):
     with pytest.raises(RuntimeError, match="during capture"):
         _graphed(lambda: None, torch.device("cuda"))
     assert calls == ["set_stream", ("end", 0, (0, 7))]
+
+
+def test_bench_model_off_cuda_reports_no_graph_figures_and_times_the_runtime_sampler(tmp_path, monkeypatch):
+    """CUDA graphs exist on CUDA only: off it the graph columns are empty, not a second eager run set against
+    the first (which printed "graph x 1.60" between two identical paths). The sampler timed is the runtime's
+    (`sample_logits`, the cache-blocked CPU step here), not the reference."""
+    from pipeline.bench import model as bench
+    from pipeline.cli.bench import _render_model
+    from pipeline.runtime import backends
+
+    calls = []
+    real = backends.sample_logits
+    monkeypatch.setattr(bench, "sample_logits", lambda *a, **k: calls.append(k) or real(*a, **k))
+    r = bench.run_bench_model("sudoku-tiny", [1], 8, 2, 2, "float32", "cpu", tmp_path)
+    (row,) = r["rows"]
+    assert row["runtime_ms_per_canvas_graph"] is None and row["graph_speedup"] is None
+    assert row["runtime_ms_per_canvas_eager"] > 0 and row["ms_per_sampler_step"] > 0
+    assert calls and all(k["cpu_fused"] and not k["cuda"] for k in calls)
+    assert _render_model(r)[1].split()[-2:] == ["-", "-"]
