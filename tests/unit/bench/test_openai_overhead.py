@@ -69,3 +69,19 @@ def test_render_shows_both_protocols_and_the_ratios():
     text = "\n".join(render(result))
     assert "p50 x1.020" in text and "6.0% of Triton's" in text and "0.86x a gRPC client's" in text
     assert text.count("\n") == 4
+
+
+def test_cpu_per_request_pools_every_round_before_dividing():
+    """The kernel counts CPU time in 10 ms ticks: per round, one tick over 3 requests reads 3.3 ms or 0; the
+    level's figure is all rounds' CPU over all their requests, and latencies stay medians of the rounds."""
+    from pipeline.bench.openai_overhead import _median_rows
+
+    rounds = [
+        {"requests": 3, "p50_ms": 10.0, "cpu_s_client": 0.01},
+        {"requests": 3, "p50_ms": 30.0, "cpu_s_client": 0.0},
+        {"requests": 3, "p50_ms": 20.0, "cpu_s_client": 0.0},
+    ]
+    merged = _median_rows(rounds)
+    assert merged["p50_ms"] == 20.0 and merged["requests"] == 3
+    assert merged["cpu_ms_per_request_client"] == pytest.approx(10.0 / 9)
+    assert not any(k.startswith("cpu_s_") for k in merged)
