@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from pipeline.bench.local import cpu_model
+from pipeline.bench.plots import guided_plot
 from pipeline.bench.results import save_result
 
-RESULT_FILE = "bench_guided.json"
+RESULT_FILE, PLOT_FILE = "bench_guided.json", "bench_guided.png"
 GRID_REGEX = "[1-9]{81}"
 SAMPLE = Path(__file__).parents[2] / "tests" / "data" / "jsonschemabench" / "sample.jsonl.gz"
 GEMMA_VOCAB = 262_144
@@ -462,4 +463,5 @@ def run_bench_guided(
         ],
     }
     save_result(out, RESULT_FILE, result)
+    guided_plot(result, out / PLOT_FILE)
     return result

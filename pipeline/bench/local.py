@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pipeline.bench.plots import local_plot
 from pipeline.bench.results import save_result
 from pipeline.bench.timing import sync
 from pipeline.limits import context_length
@@ -252,7 +253,7 @@ def machine() -> dict[str, Any]:
     return info
 
 
-RESULT_FILE = "bench_local.json"
+RESULT_FILE, PLOT_FILE = "bench_local.json", "bench_local.png"
 
 
 def run_bench_local(
@@ -303,4 +304,5 @@ def run_bench_local(
         "rows": [asdict(r) for r in rows],
     }
     save_result(out, RESULT_FILE, result)
+    local_plot(result, out / PLOT_FILE)
     return result

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.bench.plots import model_plot
 from pipeline.bench.results import save_result
 from pipeline.bench.timing import median_seconds
 from pipeline.limits import context_length
@@ -24,7 +25,7 @@ from pipeline.runtime.backends import SamplerInputs, TorchBackend, sample_logits
 from pipeline.runtime.kv_cache import KVCache, attention_masks
 from pipeline.sampler.reference import RowKeys
 
-RESULT_FILE = "bench_model.json"
+RESULT_FILE, PLOT_FILE = "bench_model.json", "bench_model.png"
 
 
 @dataclass
@@ -267,4 +268,5 @@ def run_bench_model(
         "rows": [asdict(r) for r in rows],
     }
     save_result(out, RESULT_FILE, result)
+    model_plot(result, out / PLOT_FILE)
     return result

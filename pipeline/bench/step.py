@@ -34,13 +34,14 @@ from typing import Any
 import torch
 
 from pipeline.bench.local import PassTimer, machine
+from pipeline.bench.plots import pass_plot
 from pipeline.bench.results import save_result
 from pipeline.bench.timing import median_seconds, sync
 from pipeline.limits import context_length
 from pipeline.model.config import ModelConfig, SamplerConfig
 from pipeline.model.cost import denoise_pass_flops
 
-RESULT_FILE = "bench_pass.json"
+RESULT_FILE, PLOT_FILE = "bench_pass.json", "bench_pass.png"
 DGPIPE_GENERATE = "dgpipe diffusion"
 COMPILED_GENERATE = "dgpipe diffusion, compiled"
 TRANSFORMERS_GENERATE = "transformers generate"
@@ -288,7 +289,7 @@ def run_bench_pass(
         "context": context,
         "canvas_length": length,
         "steps_per_canvas": steps,
-        "step_policy": "fixed (steps 2..N timed: a self-conditioning signal present)",
+        "step_policy": "fixed (steps 2..N-1 timed: a self-conditioning signal present, and a next step)",
         "rounds": rounds,
         "flops_per_step": flops,
         "matmul_gflop_s": rate / 1e9,
@@ -299,6 +300,7 @@ def run_bench_pass(
         "ratios": ratios,
     }
     save_result(out, RESULT_FILE, result)
+    pass_plot(result, out / PLOT_FILE)
     return result
 
 

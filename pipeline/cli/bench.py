@@ -3,16 +3,28 @@ run a benchmark from pipeline/bench/, print its table, say where the JSON and PN
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from pipeline.atomic import atomic_write_text
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
 from pipeline.errors import DgpipeError
 
 app = opt.typer_app(help="Benchmarks (results as JSON, a table and PNG plots).", no_args_is_help=True)
+
+
+def _report(result: dict, as_json: bool, render: Callable, *files: Path) -> None:
+    """The table (or the JSON with --json) on stdout, the same table written beside the result's JSON (the
+    first file, as .txt), and where everything went."""
+    out.show(result, as_json, render)
+    text = render(result)
+    table = files[0].with_suffix(".txt")
+    atomic_write_text(table, "\n".join([text] if isinstance(text, str) else text) + "\n")
+    out.saved([files[0], table, *files[1:]], as_json)
 
 
 def _out(name: str, what: str = "directory for JSON and PNG"):
@@ -33,12 +45,11 @@ def bench_local(
     as_json: opt.Json = False,
 ) -> None:
     """In-process speed: ms per denoise pass, passes per canvas, tokens/s; diffusion vs AR vs transformers."""
-    from pipeline.bench.local import RESULT_FILE, run_bench_local
+    from pipeline.bench.local import PLOT_FILE, RESULT_FILE, run_bench_local
 
     out_dir = out_dir or opt.cache_dir() / "bench-local"
     result = run_bench_local(model, runs, batch, reference, out_dir, dtype, device)
-    out.show(result, as_json, _render_local)
-    out.saved([out_dir / RESULT_FILE], as_json)
+    _report(result, as_json, _render_local, out_dir / RESULT_FILE, out_dir / PLOT_FILE)
 
 
 def _render_local(result: dict) -> list[str]:
@@ -81,18 +92,17 @@ def bench_sweep(
 
     with out.progress("sweep", total=len(b) * len(st) * n, disable=as_json) as advance:
         result = run_sweep(model, b, st, n, out_dir, progress=advance)
-    if as_json:
-        out.json_out(result)
-        out.saved([out_dir / SWEEP_JSON, out_dir / SWEEP_PLOT], as_json)
-        return
+    _report(result, as_json, _render_sweep, out_dir / SWEEP_JSON, out_dir / SWEEP_PLOT)
+
+
+def _render_sweep(result: dict) -> list[str]:
     rows = [
         f"{p['entropy_bound']:>7g}{p['max_steps']:>10}{100 * p['solve_rate']:>7.1f}%{p['mean_steps']:>12.1f}"
         f"{p['p90_steps']:>6.0f}{' *' if p in result['pareto'] else ''}"
         for p in result["points"]
     ]
-    out.table(f"{'bound':>7}{'max steps':>10}{'solved':>8}{'mean steps':>12}{'p90':>6}", rows)
-    out.line(f"* Pareto front; plot: {out_dir / SWEEP_PLOT}")
-    out.saved([out_dir / SWEEP_JSON], as_json)
+    head = f"{'bound':>7}{'max steps':>10}{'solved':>8}{'mean steps':>12}{'p90':>6}"
+    return [head, *rows, "* Pareto front"]
 
 
 ServeUrl = Annotated[
@@ -155,8 +165,7 @@ def bench_serve(
         from pipeline.bench.openai_load import render as render_load
 
         result = bench_openai_load(url, levels, requests, out_dir, model_name, api_key, output_tokens)
-        out.show(result, as_json, render_load)
-        out.saved([out_dir / LOAD_JSON], as_json)
+        _report(result, as_json, render_load, out_dir / LOAD_JSON)
         return
     if openai:
         if grpc_url:
@@ -166,20 +175,13 @@ def bench_serve(
             )
         from pipeline.bench.openai_overhead import OPENAI_JSON, bench_openai, render
 
-        out.show(bench_openai(levels, requests, rounds, out_dir), as_json, render)
-        out.saved([out_dir / OPENAI_JSON], as_json)
+        _report(bench_openai(levels, requests, rounds, out_dir), as_json, render, out_dir / OPENAI_JSON)
         return
     from pipeline.bench.serve import SERVE_JSON, SERVE_PLOTS
     from pipeline.bench.serve import bench_serve as run
 
     result = run(url, grpc_url, levels, requests, out_dir)
-    if as_json:
-        out.json_out(result)
-        out.saved([out_dir / SERVE_JSON, *(out_dir / p for p in SERVE_PLOTS)], as_json)
-        return
-    out.lines(_render_serve(result))
-    out.line(f"plots: {', '.join(str(out_dir / p) for p in SERVE_PLOTS)}")
-    out.saved([out_dir / SERVE_JSON], as_json)
+    _report(result, as_json, _render_serve, out_dir / SERVE_JSON, *(out_dir / p for p in SERVE_PLOTS))
 
 
 @app.command("requests")
@@ -227,11 +229,10 @@ def bench_model(
     """Full-size configuration with random weights: ms per pass vs the bandwidth floor, diffusion vs AR."""
     batches = opt.int_list(batch, "--batch", " like 1,4")
     out_dir = out_dir or opt.cache_dir() / "bench-model"
-    from pipeline.bench.model import RESULT_FILE, run_bench_model
+    from pipeline.bench.model import PLOT_FILE, RESULT_FILE, run_bench_model
 
     result = run_bench_model(config, batches, context, steps, repeats, dtype, device, out_dir)
-    out.show(result, as_json, _render_model)
-    out.saved([out_dir / RESULT_FILE], as_json)
+    _report(result, as_json, _render_model, out_dir / RESULT_FILE, out_dir / PLOT_FILE)
 
 
 def _render_model(r: dict) -> list[str]:
@@ -265,11 +266,10 @@ def bench_guided(
     """Constrained decoding's cost: the embedded model with and without a [1-9]{81} regex, side by side."""
     batches = opt.int_list(batch, "--batch", " like 1,8")
     out_dir = out_dir or opt.cache_dir() / "bench-guided"
-    from pipeline.bench.guided import RESULT_FILE, run_bench_guided
+    from pipeline.bench.guided import PLOT_FILE, RESULT_FILE, run_bench_guided
 
     result = run_bench_guided(out_dir, batches, runs, fixed_steps)
-    out.show(result, as_json, _render_guided)
-    out.saved([out_dir / RESULT_FILE], as_json)
+    _report(result, as_json, _render_guided, out_dir / RESULT_FILE, out_dir / PLOT_FILE)
 
 
 @app.command("schemas")
@@ -288,8 +288,7 @@ def bench_schemas(
     from pipeline.bench.guided import SCHEMAS_RESULT_FILE, run_bench_schemas, schemas_table
 
     result = run_bench_schemas(out_dir, stride, vocab_size, walks)
-    out.show(result, as_json, schemas_table)
-    out.saved([out_dir / SCHEMAS_RESULT_FILE], as_json)
+    _report(result, as_json, schemas_table, out_dir / SCHEMAS_RESULT_FILE)
 
 
 def _render_guided(r: dict) -> list[str]:
@@ -329,8 +328,7 @@ def bench_flops(
     dirs = {k: v for k, v in (("routed", routed_onnx), ("dense", dense_onnx)) if v is not None}
     out_dir = out_dir or opt.cache_dir() / "bench-flops"
     result = run(config, batches, context, dirs or None, out_dir)
-    out.show(result, as_json, render)
-    out.saved([out_dir / RESULT_FILE], as_json)
+    _report(result, as_json, render, out_dir / RESULT_FILE)
 
 
 @app.command("export-memory")
@@ -364,8 +362,7 @@ def bench_export_memory(
     out_dir = out_dir or opt.cache_dir() / "bench-export-memory"
     result = as_dict(run(config, layers, work_dir, moe, sparse=sparse))
     save_result(out_dir, RESULT_FILE, result)
-    out.show(result, as_json, _render_export_memory)
-    out.saved([out_dir / RESULT_FILE], as_json)
+    _report(result, as_json, _render_export_memory, out_dir / RESULT_FILE)
 
 
 @app.command("load-memory")
@@ -388,8 +385,7 @@ def bench_load_memory(
     out_dir = out_dir or opt.cache_dir() / "bench-load-memory"
     result = as_dict(run(config, layers, fmt, work_dir))
     save_result(out_dir, RESULT_FILE, result)
-    out.show(result, as_json, render)
-    out.saved([out_dir / RESULT_FILE], as_json)
+    _report(result, as_json, render, out_dir / RESULT_FILE)
 
 
 def _render_export_memory(r: dict) -> str:
@@ -442,7 +438,7 @@ def bench_pass(
     if config is not None and model is not None:
         raise DgpipeError("pass --config (random weights) or --model (a checkpoint), not both")
     out_dir = out_dir or opt.cache_dir() / "bench-pass"
-    from pipeline.bench.step import RESULT_FILE, run_bench_pass
+    from pipeline.bench.step import PLOT_FILE, RESULT_FILE, run_bench_pass
 
     arms = 1 + reference + onnx
     with out.progress("bench pass", total=rounds * arms, disable=as_json) as advance:
@@ -462,8 +458,7 @@ def bench_pass(
             progress=advance,
             compile=compile,
         )
-    out.show(result, as_json, _render_pass)
-    out.saved([out_dir / RESULT_FILE], as_json)
+    _report(result, as_json, _render_pass, out_dir / RESULT_FILE, out_dir / PLOT_FILE)
 
 
 def _render_pass(r: dict) -> list[str]:
@@ -605,8 +600,7 @@ def bench_prefix(
     m = load_bench_model(None if model else config, model, threads)
     with out.progress("bench prefix", total=requests * len(step_counts), disable=as_json) as advance:
         result = run_bench_prefix(m, system_tokens, question_tokens, requests, step_counts, out_dir, advance)
-    out.show(result, as_json, _render_prefix)
-    out.saved([out_dir / RESULT_FILE, out_dir / PLOT_FILE], as_json)
+    _report(result, as_json, _render_prefix, out_dir / RESULT_FILE, out_dir / PLOT_FILE)
 
 
 def _render_prefix(r: dict) -> list[str]:

@@ -224,9 +224,9 @@ def test_bench_model_runs_a_random_weight_config(tmp_path: Path):
         assert r["ar_tokens_per_s"] == pytest.approx(r["batch"] * 1000 / r["ms_per_ar_token"])
         assert r["floor_ms_per_pass"] == pytest.approx(floor_ms, rel=1e-6)
         assert r["pass_over_floor"] == pytest.approx(r["ms_per_denoise_pass"] / floor_ms, rel=1e-6)
-        assert r["graph_speedup"] == pytest.approx(
-            r["runtime_ms_per_canvas_eager"] / r["runtime_ms_per_canvas_graph"]
-        )
+        # CUDA graphs run on CUDA only: off it there is no graph figure to set against the eager one
+        assert r["runtime_ms_per_canvas_graph"] is None and r["graph_speedup"] is None
+        assert r["runtime_ms_per_canvas_eager"] > 0
     assert json.loads((tmp_path / "bench_model.json").read_text()) == out
 
 
