@@ -35,6 +35,7 @@ def run_sweep(
     fmt = session.prompt_format
     require_hooks(fmt, HOOKS, "`dgpipe bench sweep`", session.checkpoint.path)
     examples = fmt.evaluation_examples(n, SWEEP_SEED)
+    fmt.evaluate(session.model, examples[:1], session.sampler(), None)  # warm-up: the first point's tokens/s
     points: list[dict[str, Any]] = []
     for b in bounds:
         for s in steps:
@@ -55,7 +56,7 @@ def run_sweep(
         "model": str(session.checkpoint.path),
         "prompt_format": prompt_format_name(session.checkpoint),
         "n": n,
-        "policy": "adaptive (confidence 0.005)",
+        "policy": f"adaptive (confidence {session.sampler().confidence_threshold:g})",
         "points": points,
         "pareto": pareto,
     }
