@@ -242,3 +242,36 @@ def test_per_module_ranks_and_alphas_merge_as_peft_merges_them(tmp_path):
     ours = _merged(tmp_path / "merged", tmp_path / "ad")
     for k, t in ours.items():
         assert torch.equal(t, ref[k].to(t.dtype)), k
+
+
+@pytest.mark.parametrize(
+    ("pattern", "module", "matches"),
+    [
+        ({"q_proj": 2}, "model.decoder.layers.0.self_attn.q_proj", True),
+        ({"proj": 2}, "model.decoder.layers.0.self_attn.q_proj", False),  # a key matches whole dotted parts
+        ({"self_attn.q_proj": 2}, "model.decoder.layers.0.self_attn.q_proj", True),
+        ({"layers.1": 2}, "model.decoder.layers.10.self_attn.q_proj", False),  # anchored at the name's end
+        ({"layers.1.self_attn.q_proj": 2}, "model.decoder.layers.10.self_attn.q_proj", False),
+        ({"layers.1.self_attn.q_proj": 2}, "model.decoder.layers.1.self_attn.q_proj", True),
+        ({r"layers\.\d+\.mlp\.up_proj": 2}, "model.decoder.layers.7.mlp.up_proj", True),
+        ({"model.decoder.layers.0.self_attn.q_proj": 2}, "model.decoder.layers.0.self_attn.q_proj", True),
+    ],
+)
+def test_rank_pattern_keys_match_module_names_as_peft_matches_them(pattern, module, matches):
+    """A rank_pattern key takes effect where PEFT's get_pattern_key says so (the key, a regex, matching a
+    whole dotted suffix of the module name): a looser match gave "proj" to every projection or layers.1's
+    rank to layers.10, merging those modules with the wrong alpha / r, a silently different model. The
+    expected matches are peft 0.21.2's get_pattern_key's answers (not imported here: it takes seconds)."""
+    cfg = {"r": 8, "lora_alpha": 16, "rank_pattern": pattern}
+    assert lora.scaling(cfg, Path("ad"), module) == ((2, 8.0) if matches else (8, 2.0))
+
+
+@pytest.mark.parametrize("r", [True, False, 0, 2.0, "8", None])
+def test_an_r_that_is_not_a_positive_integer_is_refused(r):
+    """r: true is an int to Python (True == 1): it would merge at alpha / 1 instead of being refused as the
+    malformed config it is; zero, floats, strings and a missing r are refused alike, naming the field."""
+    with pytest.raises(DgpipeError, match="needs an integer r >= 1 and a numeric lora_alpha"):
+        lora.scaling({"r": r, "lora_alpha": 16}, Path("ad"))
+    with pytest.raises(DgpipeError, match="needs an integer r >= 1 and a numeric lora_alpha for q_proj"):
+        lora.scaling({"r": 4, "lora_alpha": 16, "rank_pattern": {"q_proj": r}}, Path("ad"), "q_proj")
+    assert lora.scaling({"r": 4, "lora_alpha": 16}, Path("ad")) == (4, 4.0)

@@ -495,6 +495,7 @@ Q_PROJ = "model.decoder.layers.0.self_attn.q_proj"
         ("fp8", lambda s, q: s.__setitem__(Q_PROJ + ".weight_scale", s[Q_PROJ + ".weight_scale"].reshape(1).repeat(3)), r"has shape \(3,\)"),
         ("fp8", lambda s, q: q.__setitem__("quantization", {"quant_algo": "NVFP4"}), "is F8_E4M3, which a NVFP4 checkpoint does not store"),
         ("fp8", lambda s, q: q.__setitem__("quantization", ["FP8"]), "'quantization' is not an object"),
+        ("fp8", lambda s, q: s.__setitem__(Q_PROJ + ".weight_scale", s[Q_PROJ + ".weight_scale"].to(torch.int32)), "scale 'model.decoder.layers.0.self_attn.q_proj.weight_scale' has dtype I32"),
         ("fp8", lambda s, q: q.__setitem__("quantization", {"quant_algo": None, "kv_cache_quant_algo": "FP8"}), "quantizes only the KV cache"),
     ],
 )  # fmt: skip
@@ -517,3 +518,62 @@ def test_a_quantized_checkpoints_scales_and_label_are_checked(tmp_path, fmt, edi
     (ckpt / "hf_quant_config.json").write_text(json.dumps(hq))
     with pytest.raises(CheckpointError, match=needle):
         load_model(ckpt)
+
+
+def _header(dtype: str, *shape: int):
+    from pipeline.model.files import TensorHeader
+
+    return TensorHeader(Path("model.safetensors"), dtype, shape)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (6,), (6, 1)])
+def test_fp8_weight_scales_per_tensor_or_per_output_row_are_accepted(shape):
+    """ModelOpt writes an FP8 weight scale per tensor or per output row: each layout loads."""
+    from pipeline.model.shapes import check_scales
+
+    headers = {"l.weight_scale": _header("F32", *shape), "l.input_scale": _header("F32")}
+    check_scales("l.", "fp8", (6, 32), headers, Path("model.safetensors"))
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (1, 6), (32,), (6, 32), (6, 2)])
+def test_fp8_weight_scales_of_another_layout_are_named(shape):
+    """A [1, in] (per input column) or other-shaped FP8 weight scale broadcast over the wrong axis: every
+    weight dequantized wrong. The error names the tensor, its shape and the shapes that would load."""
+    from pipeline.model.shapes import check_scales
+
+    headers = {"l.weight_scale": _header("F32", *shape), "l.input_scale": _header("F32")}
+    with pytest.raises(CheckpointError) as e:
+        check_scales("l.", "fp8", (6, 32), headers, Path("model.safetensors"))
+    assert str(e.value).startswith(
+        f"model.safetensors: 'l.weight_scale' has shape {shape}, a FP8 weight of (6, 32) needs "
+        "() or (1,) or (6,) or (6, 1)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("groups", "ok"), [(1, True), (4, True), (32, True), (5, False), (64, False), (0, False)]
+)
+def test_int4_awq_scale_groups_must_divide_the_input_dimension(groups, ok):
+    """INT4 AWQ scales one group of input columns per scale: a group count that does not divide the input
+    dimension (or none at all) leaves columns without a scale, so it is refused naming the tensor, not
+    broadcast into wrong weights or a ZeroDivisionError."""
+    from pipeline.model.shapes import check_scales
+
+    headers = {"l.weight_scale": _header("F16", 6, groups)}
+    if ok:
+        check_scales("l.", "int4_awq", (6, 32), headers, Path("model.safetensors"))
+        return
+    with pytest.raises(CheckpointError) as e:
+        check_scales("l.", "int4_awq", (6, 32), headers, Path("model.safetensors"))
+    assert str(e.value).startswith(
+        f"model.safetensors: 'l.weight_scale' has shape (6, {groups}), a INT4_AWQ weight of (6, 32) needs (6, -1)"
+    )
+
+
+def test_an_expert_index_equal_to_the_expert_count_is_an_unexpected_tensor(tiny_checkpoint: Path):
+    """Experts are numbered 0..num_experts-1: a per-expert tensor for expert num_experts (4 in the tiny model)
+    belongs to another config, and the error names that tensor, not a missing one elsewhere."""
+    _add("model.decoder.layers.0.experts.4.down_proj.weight", torch.zeros(32, 16))(tiny_checkpoint)
+    with pytest.raises(CheckpointError) as e:
+        validate_checkpoint(tiny_checkpoint, weights=True)
+    assert "unexpected tensor 'model.decoder.layers.0.experts.4.down_proj.weight'" in str(e.value)

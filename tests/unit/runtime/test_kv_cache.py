@@ -3,6 +3,7 @@ that read equals attention over the whole ring."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -145,3 +146,18 @@ def test_a_denoise_pass_over_the_room_is_the_pass_over_concatenated_k_v():
         again, _ = cache.read(slots)
     assert torch.equal(got, want)
     assert all(torch.equal(a, b) for kv, kv_held in zip(again, held) for a, b in zip(kv, kv_held))
+
+
+def test_a_write_past_the_last_slot_is_refused_and_a_write_up_to_it_is_not():
+    """Writing more tokens than a row's slots raises instead of indexing past the buffer (on a GPU an
+    out-of-bounds write corrupts another request's K/V or faults the device); filling every slot exactly is
+    fine, and the refused write changes nothing."""
+    cache = KVCache(build_tiny().cfg, 2, 16, torch.float32)
+    _fill(cache, [16, 3])  # row 0 holds max_len tokens: full, not over
+    assert cache.lengths.tolist() == [16, 3]
+    with pytest.raises(ValueError, match=r"KV cache overflow: 17 tokens > 16 slots"):
+        _fill(cache, [1, 1])
+    assert cache.lengths.tolist() == [16, 3]
+    fresh = KVCache(build_tiny().cfg, 1, 16, torch.float32)
+    with pytest.raises(ValueError, match="overflow"):
+        _fill(fresh, [17])

@@ -69,6 +69,43 @@ def test_lru_within_the_budget_evicts_leaves_before_their_ancestors():
     assert small.nbytes == 0 and not small.blocks
 
 
+def test_only_full_blocks_are_named():
+    """A prompt's tail shorter than a block is never a cached block: the runtime restores a hit as a whole
+    block of K/V and prefills in chunks ending at block boundaries, so a named partial tail would hand a
+    later prompt K/V for positions it never computed. n tokens name exactly n // block blocks, the names of
+    the prompt cut to those blocks."""
+    cache = PrefixCache(B, 1 << 20)
+    for n in range(14):
+        assert len(cache.keys(list(range(n)))) == n // B, n
+    assert cache.keys(list(range(11))) == cache.keys(list(range(8)))
+
+
+def test_a_lookup_keeps_the_chains_root_the_most_recent():
+    """A lookup marks its chain used root last: the next eviction takes the chain's deepest block, so the
+    root (shared by every prompt with that system prompt) stays and later prompts still hit it."""
+    cache = PrefixCache(B, 3 * 128)  # room for three blocks
+    chain = list(range(12))
+    for i in range(3):
+        cache.insert(chain, i, kv(i))
+    assert len(cache.lookup(chain)) == 3
+    cache.insert([50, 51, 52, 53], 0, kv(9))  # the budget is full: one block of the chain goes
+    assert [float(b.kv[0][0][0, 0, 0]) for b in cache.lookup(chain)] == [0.0, 1.0]
+
+
+def test_a_lookup_from_a_later_block_refreshes_the_blocks_before_it():
+    """lookup(first=k) (a prompt prefilled block by block) reads only blocks k.., but the blocks before it are
+    the same prefix: they are marked used too, else the hit would leave its own ancestors to be evicted first
+    and the next request would miss the whole chain."""
+    cache = PrefixCache(B, 3 * 128)
+    chain = list(range(8))
+    cache.insert(chain, 0, kv(0))
+    cache.insert(chain, 1, kv(1))
+    cache.insert([50, 51, 52, 53], 0, kv(9))  # now the least recent: the chain's two blocks
+    assert len(cache.lookup(chain, first=1)) == 1
+    cache.insert([60, 61, 62, 63], 0, kv(8))  # evicts the [50..] block, not the chain's root
+    assert len(cache.lookup(chain)) == 2 and cache.lookup([50, 51, 52, 53]) == []
+
+
 # ---- the runtime with the cache -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def session():

@@ -128,6 +128,7 @@ def test_cancellation_between_steps():
         (Request(prompt_ids=[2], max_tokens=0), "max_tokens must be >= 1"),
         (Request(prompt_ids=[2] * 200), "exceeds the context limit"),
         (Request(prompt_ids=[2, 99]), "outside the vocabulary"),
+        (Request(prompt_ids=[2, -1]), "outside the vocabulary"),  # a negative id would index from the end
         (Request(prompt_ids=[2], template=[1] * 9), "infill template"),
     ],
 )
@@ -247,3 +248,30 @@ def test_a_canvas_last_pass_skips_the_self_conditioning_input_and_no_token_chang
     want = BlockDiffusionRuntime(always, max_batch=2, max_len=64).generate(reqs())
     assert always.skipped == 2
     assert [r.tokens for r in got] == [r.tokens for r in want]
+
+
+def test_a_row_stops_on_length_when_the_next_canvas_no_longer_fits_the_context():
+    """A request asking for more tokens than its context holds ends with finish_reason "length" after the
+    last canvas that fits, instead of failing the whole batch with a KV-cache overflow: a user who sets
+    max_tokens above the server's context gets a truncated reply, not an error."""
+    model = build_tiny()
+    no_end(model)
+    res = run(model, [Request(prompt_ids=[2, 5, 6], max_tokens=100, sampler=FIXED)], max_len=40)[0]
+    assert res.finish_reason == "length"
+    # 3 prompt tokens + 4 committed canvases of 8 = 35 <= 40; a fifth canvas (35..42) would not fit
+    assert len(res.tokens) == 32 and len(res.steps_per_canvas) == 4
+
+
+@pytest.mark.parametrize(("prompt", "room"), [(1, 32), (3, 32), (8, 32), (9, 24), (31, 8), (32, 8)])
+def test_guide_room_counts_the_whole_canvases_the_context_holds(prompt, room):
+    """guide_room (what a guided request's min_tokens is checked against) is exactly what the runtime then
+    emits: whole canvases only, a partial one not rounded up. Over-counting it admitted guides whose
+    shortest output cannot fit, which then ended unfinished instead of being refused up front."""
+    model = build_tiny()
+    no_end(model)
+    rt = BlockDiffusionRuntime(model, max_batch=1, max_len=40)
+    req = Request(prompt_ids=[2] * prompt, max_tokens=999, sampler=FIXED)
+    assert rt.guide_room(req) == room
+    assert rt.guide_room(Request(prompt_ids=[2] * prompt, max_tokens=5)) == 5  # max_tokens when smaller
+    res = rt.generate([req])[0]
+    assert res.finish_reason == "length" and len(res.tokens) == room

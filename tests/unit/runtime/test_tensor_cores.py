@@ -829,3 +829,31 @@ def test_nvfp4_linears_give_cudas_kernel_one_swizzle_per_scale(monkeypatch):
     tc.ScaledLinear(_packed("nvfp4"), "nvfp4", CPU, torch.float32)(torch.randn(5, 64, generator=GEN))
     two_level = [F.ScalingType.BlockWise1x16.value, F.ScalingType.TensorWise.value]
     assert seen == [(two_level, [1, 0], two_level, [1, 0])]  # SWIZZLE_32_4_4, then NO_SWIZZLE
+
+
+def test_rowwise_quantization_of_an_all_zero_row_is_zero_with_a_positive_scale():
+    """A row of zeros (a padded canvas row, a token whose gated activation is exactly 0) gets a tiny positive
+    scale, not 0: x / 0 would be NaN codes, and a NaN in one row of the GEMM operand poisons that token's
+    output (and the batch's, through attention). Its codes are exact zeros; other rows are unaffected."""
+    x = torch.zeros(3, 32)
+    x[1] = torch.linspace(-1, 1, 32)
+    q, scales = tc.quantize_rows(x, torch.tensor(0.01), "fp8_rowwise")
+    codes = q.float()
+    assert torch.isfinite(codes).all() and torch.isfinite(scales).all()
+    assert (scales > 0).all() and scales[0] == scales[2] == 1e-12
+    assert torch.equal(codes[0], torch.zeros(32)) and torch.equal(codes[2], torch.zeros(32))
+    assert codes[1].abs().max() == 448.0  # the non-zero row still spans E4M3's range
+
+
+def test_unit_row_scales_grow_to_the_rows_asked_for_and_reuse_a_buffer_large_enough(monkeypatch):
+    """A RowWise GEMM's row scales must have one row per operand row: a view too short (the buffer of an
+    earlier, smaller batch) fails the GEMM or scales rows with stale memory. An ask the buffer already
+    holds, to its last row, reuses it without growing (no new buffer kept alive for a graph)."""
+    monkeypatch.setattr(tc, "_UNIT_ROWS", {})
+    monkeypatch.setattr(tc, "_OUTGROWN_ROWS", [])
+    four = tc.unit_row_scales(4, CPU)
+    again = tc.unit_row_scales(4, CPU)
+    assert again.data_ptr() == four.data_ptr() and tc._OUTGROWN_ROWS == []
+    ten = tc.unit_row_scales(10, CPU)
+    assert ten.shape == (10, 1) and torch.equal(ten, torch.ones(10, 1))
+    assert tc._UNIT_ROWS[CPU].shape == (10, 1) and len(tc._OUTGROWN_ROWS) == 1

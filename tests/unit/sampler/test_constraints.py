@@ -81,6 +81,32 @@ def test_allowed_respects_the_budget(compiler):
     assert set(a.loose.tolist()) == {END, 5, x}
 
 
+def test_forced_takes_the_token_nearest_to_acceptance(compiler):
+    """When no sampled token fits a position, the guide forces one: the token whose next state is nearest
+    to acceptance ("d", which completes "ab{2,5}c|d" at once, not "a", which needs three more), so a row
+    short on budget still ends valid; in an accepting state it is the end token."""
+    a = compiler.compile(GuideSpec("regex", "ab{2,5}c|d"))
+    (d,) = encode(compiler, "d")
+    assert a.forced(0, 2) == d
+    s = a.next_state(0, d)
+    assert a.is_final(s) and a.forced(s, 1) == END
+    # after "a", only "b" leads on: forced is the one token of the state
+    assert a.forced(a.next_state(0, encode(compiler, "a")[0]), 4) == encode(compiler, "b")[0]
+
+
+def test_token_ids_past_the_models_vocabulary_never_enter_a_guide():
+    """A tokenizer may list more tokens than the model's embedding has rows (tokens added after training): a
+    guide that allowed an id >= vocab_size would index past the logits, so such an id spells nothing here,
+    the id equal to vocab_size included."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE({"<s>": 0, "Ġa": 1, "Ã©": 2, "b": 3, "c": 4}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.decoder = decoders.ByteLevel()
+    assert token_bytes(tok, 5) == {0: b"<s>", 1: b" a", 2: "é".encode(), 3: b"b", 4: b"c"}
+    assert token_bytes(tok, 4) == {0: b"<s>", 1: b" a", 2: "é".encode(), 3: b"b"}
+
+
 def test_compiles_are_cached(compiler):
     spec = GuideSpec("regex", "[ab]+")
     assert compiler.compile(spec) is compiler.compile(GuideSpec("regex", "[ab]+"))
@@ -105,6 +131,7 @@ def test_compiles_are_cached(compiler):
         (GuideSpec("json_schema", "{not json"), "not valid JSON"),
         (GuideSpec("regex", "(unclosed"), "does not compile"),
         (GuideSpec("choice", "[]"), "non-empty list"),
+        (GuideSpec("choice", json.dumps(["yes", ""])), "non-empty list of non-empty strings"),
         (GuideSpec("ebnf_grammar", "root ::= x"), "EBNF grammars are not supported"),
         (GuideSpec("xml", "x"), "unknown"),
         (GuideSpec("regex", "é+"), "cannot be compiled over this tokenizer"),  # no é in the vocabulary

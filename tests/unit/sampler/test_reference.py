@@ -12,6 +12,8 @@ from pipeline.sampler.reference import (
     CounterDraws,
     RowKeys,
     entropy_bound_keep,
+    mask_logits,
+    masked_logit,
     sample_step,
     should_stop,
     temperatures,
@@ -133,3 +135,52 @@ def test_invalid_sampler_values(bad):
     with pytest.raises(SamplerError) as e:
         SamplerConfig(**bad)
     assert next(iter(bad)) in str(e.value)
+
+
+def test_free_positions_are_not_masked_and_constrained_ones_are():
+    """index -1 marks a position no guide constrains (an unguided row, or a guided row's free tail): its
+    logits must reach the sampler untouched, or an unguided request sharing a batch with a guided one would
+    lose tokens; a constrained position keeps exactly its table row's tokens."""
+    logits = torch.arange(12, dtype=torch.float32).reshape(1, 2, 6) - 5.0
+    table = torch.tensor([[True, False, True, False, False, False], [False] * 5 + [True]])
+    assert torch.equal(mask_logits(logits, table, torch.full((1, 2), -1)), logits)
+    out = mask_logits(logits, table, torch.tensor([[-1, 1]]))
+    assert torch.equal(out[0, 0], logits[0, 0])
+    assert torch.equal(out[0, 1], torch.tensor([masked_logit(torch.float32)] * 5 + [6.0]))
+
+
+def test_masked_fp16_logits_survive_a_temperature_below_one():
+    """A disallowed token's logit is a quarter of fp16's range (-16376), so dividing it by a temperature
+    down to 0.25 in fp16 stays finite: at -inf the entropy's 0 * log 0 is NaN, and a NaN entropy breaks the
+    entropy-bound acceptance of the whole row (a guided request on an fp16 model at T=0.4)."""
+    assert masked_logit(torch.float16) == -16376.0
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 4, 6, generator=g).half()
+    table = torch.tensor([[True, True, False, False, False, False]])
+    masked = mask_logits(logits, table, torch.tensor([[0, 0, -1, 0]]))
+    assert torch.isfinite(masked / torch.tensor(0.4, dtype=torch.float16)).all()
+    temperature = torch.tensor([0.4], dtype=torch.float16)
+    out = sample_step(masked, temperature, torch.full((1,), 0.5), keys(1), CounterDraws())
+    assert torch.isfinite(out.entropy).all() and (out.entropy >= 0).all()
+    assert out.argmax[0, [0, 1, 3]].lt(2).all()  # a constrained position's argmax is an allowed token
+    assert (out.probs[0, [0, 1, 3], 2:] == 0).all()
+
+
+def test_entropy_bound_keeps_a_position_exactly_at_the_bound():
+    """The rule is `sum of the lower entropies <= bound`: a position whose budget lands exactly on the bound is
+    kept (EB-sampler and transformers' sampler agree), so an equal-entropy canvas is not re-noised one step
+    longer than the reference. Binary fractions: the sums are exact."""
+    h = torch.tensor([[0.5, 0.125, 0.25, 1.0]])
+    # sorted .125 .25 .5 1 -> cumsum - h: 0 .125 .375 .875
+    assert entropy_bound_keep(h, torch.tensor([0.375])).tolist() == [[True, True, True, False]]
+    assert entropy_bound_keep(h, torch.tensor([0.125])).tolist() == [[False, True, True, False]]
+
+
+def test_confidence_threshold_zero_never_stops_early():
+    """confidence_threshold 0 means fixed steps: the stop needs mean entropy strictly below it, so even a
+    stable canvas at entropy exactly 0 (a fully pinned template, a one-hot model) runs every step the user
+    asked for; a positive threshold does stop it."""
+    stable, k, zero = torch.tensor([5]), torch.tensor([1]), torch.zeros(1, 8)
+    assert should_stop(stable, k, zero, torch.tensor([0.0])).tolist() == [False]
+    assert should_stop(stable, k, zero, torch.tensor([0.5])).tolist() == [True]
+    assert should_stop(torch.tensor([0]), k, zero, torch.tensor([0.5])).tolist() == [False]  # not yet stable

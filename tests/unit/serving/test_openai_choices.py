@@ -180,3 +180,70 @@ def test_a_named_tool_choice_without_a_name_says_so():
     c, _ = client()
     r = c.post("/v1/chat/completions", json={**CHAT, "tools": [TOOL], "tool_choice": {"type": "function"}})
     assert_error(r, 400, "tool_choice", contains="names no function")
+
+
+def test_a_hermes_block_without_a_name_stays_in_the_content():
+    """A `<tool_call>` block whose JSON names no function is text the model wrote, not a call: it stays in
+    the reply's content instead of becoming a call the client cannot dispatch (or a KeyError, a 500)."""
+    for block in ('{"arguments": {}}', '{"name": 7, "arguments": {}}', "[1, 2]"):
+        text = f"<tool_call>{block}</tool_call>"
+        assert parse_hermes(text) == (text, [])
+
+
+def test_a_reply_of_only_tool_calls_has_no_content():
+    """OpenAI's shape: a message that is only tool calls has content null (clients test `content is None`),
+    not an empty string; text around a call is kept, stripped."""
+    content, calls = parse_hermes(' \n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n ')
+    assert content is None
+    assert [c["function"] for c in calls] == [{"name": "get_time", "arguments": "{}"}]
+    content, _ = parse_hermes('Sure. <tool_call>{"name": "get_time"}</tool_call> Done.')
+    assert content == "Sure.  Done."
+
+
+def test_a_function_without_parameters_is_called_with_any_object():
+    """OpenAI lets a function leave out `parameters`: a forced call to it is generated under {"type":
+    "object"}, so the arguments are still a JSON object the client can parse."""
+    plan = tool_plan([TOOL, OTHER], {"type": "function", "function": {"name": "get_time"}})
+    assert plan is not None and plan.guide() == ("json_schema", '{"type": "object"}')
+    assert plan.parameters("get_weather") == TOOL["function"]["parameters"]
+
+
+def test_parameters_that_are_not_a_schema_object_are_refused_naming_tools():
+    """`parameters` must be a JSON schema object: a list or a string is a 400 naming the tool and the field,
+    not a guide compile error (or a crash) later."""
+    from pipeline.serving.openai_schema import RequestError
+
+    for bad in ([{"type": "string"}], "object", 7):
+        tool = {"type": "function", "function": {"name": "f", "parameters": bad}}
+        with pytest.raises(RequestError) as e:
+            tool_plan([OTHER, tool], "auto")
+        assert (e.value.message, e.value.param) == (
+            "'tools[1].function.parameters' must be a JSON schema object",
+            "tools",
+        )
+    assert (
+        tool_plan([{"type": "function", "function": {"name": "f", "parameters": None}}], "auto") is not None
+    )
+
+
+def test_a_required_call_is_generated_under_a_closed_schema_per_tool():
+    """tool_choice "required" generates {"name", "parameters"} and nothing else: additionalProperties false,
+    so the constraint cannot let the model add keys that the frontend then drops or chokes on."""
+    plan = tool_plan([TOOL, OTHER], "required")
+    assert plan is not None
+    kind, guide = plan.guide()
+    assert kind == "json_schema"
+    assert json.loads(guide) == {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": params},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, params in (
+                ("get_weather", TOOL["function"]["parameters"]),
+                ("get_time", {"type": "object"}),
+            )
+        ]
+    }
