@@ -70,7 +70,7 @@ class TritonMetrics:
     bundled tritonserver 2.51 is 24.10). A family must outlive its metrics, so this keeps them.
 
     Triton registers a family by name and hands every instance that asks for the same labels the same
-    series (core src/metric_family.cc), so each instance labels its own (model, version, instance): with
+    series (core src/metric_family.cc), so each instance labels its own (model, version, model_instance): with
     two instances on a GPU, unlabelled gauges would hold whichever instance wrote last. Readers sum the
     series (lifecycle.active_requests, the HPA's adapter rule)."""
 
@@ -103,7 +103,8 @@ class TritonPythonModel:
         placed = args.get("model_instance_kind"), args.get("model_instance_device_id")
         loaded = load_model(json.loads(args["model_config"]), version_dir, log, *placed)
         instance = {"model": args["model_name"], "version": args["model_version"]}
-        instance["instance"] = args.get("model_instance_name", args["model_name"])
+        # not `instance`: Prometheus gives that label to the scrape target (and renames a scraped one)
+        instance["model_instance"] = args.get("model_instance_name", args["model_name"])
         metrics = Metrics(TritonMetrics(instance))
         # the drain file touched after this load drains the server (an older file is a previous server's)
         drain = DrainSignal.from_env()

@@ -100,6 +100,11 @@ class WorkloadKind(str, Enum):
         return self.value.lower()
 
     @property
+    def api_version(self) -> str:
+        """Its API group and version, as the overlays and the LWS component write it."""
+        return "apps/v1" if self is WorkloadKind.DEPLOYMENT else "leaderworkerset.x-k8s.io/v1"
+
+    @property
     def has_rollout_history(self) -> bool:
         """`kubectl rollout status/undo` know it (they do not know LeaderWorkerSets)."""
         return self is WorkloadKind.DEPLOYMENT

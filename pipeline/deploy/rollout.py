@@ -19,6 +19,8 @@ revision and no upload replaced the model on the PVC, which every pod, rolled ba
 from __future__ import annotations
 
 import contextlib
+import io
+import json
 import os
 import posixpath
 import shlex
@@ -52,6 +54,11 @@ from pipeline.onnx.contract import MODEL_FILE as ONNX_FILE
 from pipeline.resources import k8s_dir
 
 FIELD_MANAGER = "dgpipe"
+# Where the HPA owns the replica count, the serving objects carry none; a count dgpipe applied before
+# (earlier renders did) would be deleted by the apply that drops it, scaling the fleet to 1. The live count
+# is applied first under this manager, so another owner keeps it (Kubernetes, "Server-Side Apply":
+# "Transferring ownership"); the HPA takes it over on its next change.
+HANDOVER_MANAGER = "dgpipe-replicas-handover"
 UNSERVED_KIND = "the server doesn't have a resource type"  # kubectl, for a kind whose CRD is not installed
 RESTARTED_AT = "dgpipe.dev/restartedAt"  # pod-template annotation that restarts a LeaderWorkerSet's pods
 ROLLOUT_SLACK_S = 600
@@ -79,9 +86,15 @@ LOADER_POD = "dgpipe-pvc-loader"
 UPLOAD_ITEMS = (MANIFEST_NAME, LAYOUT["onnx"], LAYOUT["plugins"], LAYOUT["model_repository"])
 # Unpack next to the live copy, carry over the plans the nodes built (`dgpipe engine build` keeps a plan
 # only while it is current for the new ONNX, precision and plugins, and rebuilds it otherwise), then swap.
+# The stream ends with `UPLOAD_COMPLETE`: tar takes a stream cut at a file boundary (kubectl killed at the
+# timeout, a file that could not be read) for a whole archive, so without the marker the swap would install
+# half a build.
+UPLOAD_COMPLETE = ".dgpipe-upload-complete"
 SWAP_SCRIPT = (
     'set -eu; root={root}; eng={engines}; new="$root.upload"; old="$root.old"; '
     'rm -rf "$new" "$old"; mkdir -p "$new"; tar -xf - -C "$new"; '
+    f'if [ ! -f "$new/{UPLOAD_COMPLETE}" ]; then rm -rf "$new"; echo "upload incomplete" >&2; exit 1; fi; '
+    f'rm -f "$new/{UPLOAD_COMPLETE}"; '
     'if [ -d "$root/$eng" ] && [ ! -e "$new/$eng" ]; then '
     'mkdir -p "$(dirname "$new/$eng")"; mv "$root/$eng" "$new/$eng"; fi; '
     'if [ -d "$root" ]; then mv "$root" "$old"; fi; mv "$new" "$root"; rm -rf "$old"'
@@ -98,6 +111,7 @@ class StepKind(Enum):
     LOADER_WAIT = auto()
     UPLOAD = auto()
     LOADER_DELETE = auto()
+    HANDOVER = auto()  # the live replica count kept under a manager of its own before the HPA takes it
     SERVING = auto()
     PRUNE = auto()
     RESTART = auto()  # runs only after an upload that left the pod template unchanged
@@ -237,7 +251,7 @@ def make_plan(
     secrets = secret_refs([*serving, *_objects(manifests_dir / SMOKE_FILE)])
     if secrets:
         create = "; ".join(
-            f"kubectl -n {info['namespace']} create secret generic {name} "
+            f"{shlex.join([*kc, '-n', info['namespace'], 'create', 'secret', 'generic', name])} "
             f'--from-literal={key}="$(openssl rand -hex 32)"'
             for name, key in secrets.items()
         )
@@ -247,7 +261,8 @@ def make_plan(
                 [*kc, *ns, "get", "secret", *secrets, "-o", "name"],
                 StepKind.CHECK_SECRETS,
                 timeout_s=60,
-                hint=f"create them, then deploy again: {create}",
+                hint=f"create the missing ones, then deploy again: {create} (kubectl's Forbidden instead "
+                "of NotFound: this deploy may not read Secrets in the namespace)",
             )
         )
     if upload is not None:
@@ -292,6 +307,15 @@ def make_plan(
                 StepKind.LOADER_DELETE,
             ),
         ]
+    if f"HorizontalPodAutoscaler/{WORKLOAD}" in info["files"][SERVING_FILE]:
+        s.append(
+            Step(
+                f"keep {plan.workload}'s live replica count while the HPA takes it over (if it exists)",
+                [*kc, *ns, "apply", "--server-side", f"--field-manager={HANDOVER_MANAGER}", "-f", "-"],
+                StepKind.HANDOVER,
+                timeout_s=120,
+            )
+        )
     s.append(
         Step("apply the serving objects", [*apply, "-f", str(manifests_dir / SERVING_FILE)], StepKind.SERVING)
     )
@@ -364,8 +388,13 @@ def make_plan(
 
 
 def _objects(path: Path) -> list[dict[str, Any]]:
-    """The objects of a rendered file (its digest was checked by `read_summary`)."""
-    return [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
+    """The objects of a rendered file (its digest was checked by `read_summary`, unless --allow-edited)."""
+    try:
+        return [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
+    except yaml.YAMLError as e:
+        raise DgpipeError(
+            f"{path}: not valid YAML ({str(e).splitlines()[0]})", "render the manifests again"
+        ) from e
 
 
 def secret_refs(objects: list[dict[str, Any]]) -> dict[str, str]:
@@ -390,20 +419,25 @@ def secret_refs(objects: list[dict[str, Any]]) -> dict[str, str]:
 def rollout_budget_s(serving: list[dict[str, Any]]) -> int:
     """How long a rollout may take: the Deployment's progress deadline (an engine build and a load, which
     Kubernetes counts afresh for each pod that becomes available) for every replica or group replaced one
-    after another (maxSurge 0), as many as the fleet may hold (the HPA's maxReplicas, else the workload's
-    replicas), plus slack. `kubectl rollout status` fails sooner when one pod overruns its deadline."""
+    after another (maxSurge 0), plus slack. A Deployment counts as many replicas as the fleet may hold (the
+    HPA's maxReplicas): `kubectl rollout status` fails sooner when one pod overruns its deadline. A
+    LeaderWorkerSet's wait has no deadline of its own, so it counts the groups it starts with (the HPA's
+    minReplicas, else its replicas)."""
     by_kind = {d.get("kind"): d.get("spec") or {} for d in serving}
     deployment = by_kind.get("Deployment") or _objects(k8s_dir() / "base" / "deployment.yaml")[0]["spec"]
-    workload = by_kind.get("Deployment") or by_kind.get("LeaderWorkerSet") or {}
-    replicas = by_kind.get("HorizontalPodAutoscaler", {}).get("maxReplicas") or workload.get("replicas") or 1
-    return int(deployment["progressDeadlineSeconds"]) * int(replicas) + ROLLOUT_SLACK_S
+    deadline = int(deployment.get("progressDeadlineSeconds", 600))  # 600: the API's default
+    hpa = by_kind.get("HorizontalPodAutoscaler", {})
+    if "Deployment" in by_kind:
+        replicas = hpa.get("maxReplicas") or by_kind["Deployment"].get("replicas") or 1
+    else:
+        replicas = hpa.get("minReplicas") or by_kind.get("LeaderWorkerSet", {}).get("replicas") or 1
+    return deadline * int(replicas) + ROLLOUT_SLACK_S
 
 
 def _restart(kc: list[str], ns: list[str], plan: Plan) -> list[str]:
     """Roll the workload's pods with their template otherwise unchanged (they reload the model)."""
     if plan.workload_kind.has_rollout_history:
         return [*kc, *ns, "rollout", "restart", plan.workload]
-    import json
     import time
 
     stamp = {"metadata": {"annotations": {RESTARTED_AT: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}}
@@ -420,11 +454,13 @@ def _wait_rollout(kc: list[str], ns: list[str], plan: Plan, timeout: int) -> lis
 
 def _send_build_dir(step: Step, build_dir: Path) -> subprocess.CompletedProcess:
     """Run the step with the build dir as a tar stream on its stdin, written as it is read: the build dir
-    (tens of GB for a 26B model) is never held in memory. Past the step's timeout kubectl is killed, which
-    ends the stream; a file that cannot be read stops kubectl too, so the loader never swaps in half a tree."""
+    (tens of GB for a 26B model) is never held in memory. The stream ends with the `UPLOAD_COMPLETE` marker,
+    without which the loader installs nothing: past the step's timeout kubectl is killed, and a file that
+    cannot be read stops the stream (and kubectl) short of it."""
     import tempfile
     import threading
 
+    failed: bytes | None = None  # why this side stopped the stream short
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(step.argv, stdin=subprocess.PIPE, stdout=out, stderr=err)
         expired = threading.Event()
@@ -435,8 +471,12 @@ def _send_build_dir(step: Step, build_dir: Path) -> subprocess.CompletedProcess:
                 for item in UPLOAD_ITEMS:
                     if (build_dir / item).exists():
                         tar.add(build_dir / item, arcname=item)
+                tar.addfile(tarfile.TarInfo(UPLOAD_COMPLETE), io.BytesIO(b""))  # last: the stream is whole
         except (BrokenPipeError, ConnectionResetError):  # kubectl stopped reading: its stderr says why
             pass
+        except OSError as e:  # a file of the build dir could not be read
+            proc.kill()
+            failed = f"{e.filename or build_dir}: {e.strerror or e}".encode()
         except BaseException:
             proc.kill()
             raise
@@ -445,9 +485,11 @@ def _send_build_dir(step: Step, build_dir: Path) -> subprocess.CompletedProcess:
                 proc.stdin.close()  # type: ignore[union-attr]
             code = proc.wait()
             timer.cancel()
-            timed_out = expired.is_set()
+            timed_out = expired.is_set() and code == -signal.SIGKILL  # not a run that ended as it fired
         out.seek(0)
         err.seek(0)
+        if failed is not None:
+            return subprocess.CompletedProcess(step.argv, 1, out.read(), failed)
         stderr = f"timed out after {step.timeout_s:.0f} s".encode() if timed_out else err.read()
         return subprocess.CompletedProcess(step.argv, 124 if timed_out else code, out.read(), stderr)
 
@@ -490,16 +532,15 @@ def _race(step: Step) -> subprocess.CompletedProcess:
                 proc.wait()
 
 
-def _run(step: Step, upload: Path | None = None) -> subprocess.CompletedProcess:
+def _run(step: Step, upload: Path | None = None, stdin: bytes | None = None) -> subprocess.CompletedProcess:
     if step.fails_if:
         return _race(step)
     if step.sends_upload and upload is not None:
         proc = _send_build_dir(step, upload)
     else:
+        feed = {"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}
         try:
-            proc = subprocess.run(
-                step.argv, capture_output=True, timeout=step.timeout_s, stdin=subprocess.DEVNULL
-            )
+            proc = subprocess.run(step.argv, capture_output=True, timeout=step.timeout_s, **feed)
         except subprocess.TimeoutExpired as e:
             return subprocess.CompletedProcess(
                 step.argv, 124, e.stdout or b"", f"timed out after {step.timeout_s:.0f} s".encode()
@@ -540,6 +581,23 @@ def _pod_template(kc: list[str], ns: list[str], plan: Plan) -> str | None:
     return _text(proc.stdout) if proc.returncode == 0 else None
 
 
+def _live_replicas(kc: list[str], ns: list[str], plan: Plan) -> bytes | None:
+    """The workload's live replica count as an object to apply (only the count), or None without one."""
+    probe = Step("probe", [*kc, *ns, "get", plan.workload, "-o", "jsonpath={.spec.replicas}"], timeout_s=60)
+    proc = _run(probe)
+    count = _text(proc.stdout)
+    if proc.returncode != 0 or not count.isdigit():
+        return None
+    kind = plan.workload_kind
+    obj = {
+        "apiVersion": kind.api_version,
+        "kind": kind.value,
+        "metadata": {"name": plan.summary["workload"]["name"], "namespace": plan.namespace},
+        "spec": {"replicas": int(count)},
+    }
+    return json.dumps(obj).encode()
+
+
 def _roll_back(
     plan: Plan, kc: list[str], done: set[StepKind | None], existed: bool, changed: bool, log: Callable
 ) -> str | None:
@@ -575,8 +633,13 @@ def execute(plan: Plan, log: Callable[[str], None] = lambda line: None) -> dict[
         if step.kind is StepKind.RESTART and changed:
             log("-- the apply changed the pod template: the pods roll onto the uploaded build anyway")
             continue
+        stdin = None
+        if step.kind is StepKind.HANDOVER:
+            stdin = _live_replicas(kc, ns, plan) if before is not None else None
+            if stdin is None:
+                continue  # a new workload, or one without a count: nothing to keep
         log(f"-> {step.what}")
-        proc = _run(step, plan.upload)
+        proc = _run(step, plan.upload, stdin)
         # the step's hint is for what it checks (a CRD the cluster lacks); kubectl failing to reach the
         # cluster at all (an unknown --context, no credentials) has its own fix
         unreachable = proc.returncode != 0 and step.kind is StepKind.CHECK_CRD

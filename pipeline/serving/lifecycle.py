@@ -137,10 +137,13 @@ def active_requests(metrics_url: str, timeout: float = 5.0) -> float | None:
 
 
 def touch_drain_file(path: Path) -> None:
-    """Ask the model to refuse new requests (its mtime must be newer than the model's load)."""
+    """Ask the model to refuse new requests (its mtime must be newer than the model's load). The file is
+    written empty, by a rename: a previous drain that timed out left `ABORT` in it (the file outlives a
+    container restart in the pod's /tmp), which would end this drain's requests at once."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch()
-    os.utime(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(b"")
+    os.replace(tmp, path)
 
 
 def abort_in_flight(path: Path, metrics_url: str, wait_s: float = ABORT_WAIT_S) -> float | None:

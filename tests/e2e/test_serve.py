@@ -151,7 +151,7 @@ def test_eight_concurrent_requests_are_all_solved(server):
 
 def metrics(server) -> dict[str, float]:
     """The dgpipe_ samples on the metrics port, by name and bucket (`x_bucket{le="1"}`), summed over the
-    model instances' series (each instance labels its own: model, version, instance)."""
+    model instances' series (each instance labels its own: model, version, model_instance)."""
     out: dict[str, float] = {}
     for key, value in scrape(server.metrics_url).items():
         if not key.startswith("dgpipe_"):
@@ -173,6 +173,10 @@ HISTOGRAMS = (
 
 def test_metrics_port_shows_our_metrics(server):
     complete(server.http_url, PUZZLES[2][0], max_tokens=82)
+    # each model instance's own series (Triton would hand instances asking for the same labels one series),
+    # labelled model_instance: Prometheus keeps `instance` for the scrape target
+    (series,) = [k for k in scrape(server.metrics_url) if k.startswith("dgpipe_requests_total{")]
+    assert 'model="dgpipe"' in series and 'model_instance="dgpipe_0' in series and 'version="1"' in series
     values = metrics(server)
     assert values["dgpipe_requests_total"] >= 2 and values["dgpipe_canvases_total"] >= 1
     assert values["dgpipe_generated_tokens_total"] >= 82

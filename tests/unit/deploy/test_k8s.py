@@ -740,6 +740,7 @@ FAKE_KUBECTL = r"""#!/bin/sh
 echo "$*" >> "$FAKE_LOG"
 if [ -n "$FAKE_STDIN" ]; then cat >> "$FAKE_STDIN"; else cat > /dev/null; fi
 if [ -n "$FAKE_FAIL" ]; then case "$*" in *"$FAKE_FAIL"*) echo "error: simulated failure" >&2; exit 1;; esac; fi
+case "$*" in *"jsonpath={.spec.replicas}"*) echo "${FAKE_REPLICAS:-2}"; exit 0;; esac
 case "$*" in *jsonpath=*)  # the pod template: changes with each apply of the serving file, unless FAKE_SAME
   if [ -n "$FAKE_SAME" ]; then echo same; else grep -c "dgpipe.yaml" "$FAKE_LOG"; fi; exit 0;; esac
 case "$*" in *api-resources*)
@@ -758,7 +759,7 @@ def fake_kubectl(tmp_path, monkeypatch) -> Path:
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
     log = tmp_path / "calls.log"
     monkeypatch.setenv("FAKE_LOG", str(log))
-    for var in ("FAKE_FAIL", "FAKE_NO_CRDS", "FAKE_JOB_FAILED", "FAKE_SAME", "FAKE_STDIN"):
+    for var in ("FAKE_FAIL", "FAKE_NO_CRDS", "FAKE_JOB_FAILED", "FAKE_SAME", "FAKE_STDIN", "FAKE_REPLICAS"):
         monkeypatch.setenv(var, "")
     return log
 
@@ -831,7 +832,7 @@ def test_deploy_owns_what_it_renders_and_removes_what_an_earlier_render_left(ren
     from pipeline.deploy import rollout as dp
 
     plan = dp.make_plan(rendered)
-    applies = [s.argv for s in plan.steps if "apply" in s.argv]
+    applies = [s.argv for s in plan.steps if "--field-manager=dgpipe" in s.argv]
     assert len(applies) == 3 and all("--force-conflicts" in a for a in applies)
     pruned = [s.argv[-2] for s in plan.steps if s.kind is dp.StepKind.PRUNE]
     assert pruned == ["leaderworkerset/dgpipe-triton"]  # this render has the Deployment and monitoring
@@ -872,9 +873,72 @@ def test_deploy_checks_the_secrets_the_pods_read_before_applying(rendered, fake_
     monkeypatch.setenv("FAKE_FAIL", "get secret")
     with pytest.raises(DgpipeError, match="check that the Secrets the pods read exist failed") as e:
         dp.execute(plan, log=lambda s: None)
-    assert "kubectl -n serving create secret generic dgpipe-api-key --from-literal=api-key=" in e.value.hint
+    assert " -n serving create secret generic dgpipe-api-key --from-literal=api-key=" in e.value.hint
     assert "create secret generic dgpipe-admin-key --from-literal=admin-key=" in e.value.hint
     assert not any("dgpipe.yaml" in c for c in fake_kubectl.read_text().splitlines())
+
+
+def test_the_hpa_takes_over_the_live_replica_count_without_a_scale_down(
+    rendered, fake_kubectl, monkeypatch, tmp_path
+):
+    """The serving objects carry no replica count where the HPA owns it. A count an earlier render applied
+    as `dgpipe` would be deleted by the apply that drops it (the fleet scaled to 1), so the live count is
+    applied first under a manager of its own; a workload that does not exist yet has nothing to keep."""
+    from pipeline.deploy import rollout as dp
+
+    monkeypatch.setenv("DGPIPE_KUBECTL", str(fake_kubectl.parent / "kubectl"))
+    monkeypatch.setenv("FAKE_REPLICAS", "5")
+    sent = tmp_path / "stdin"
+    monkeypatch.setenv("FAKE_STDIN", str(sent))
+    plan = dp.make_plan(rendered)
+    kinds = [s.kind for s in plan.steps]
+    assert kinds.index(dp.StepKind.HANDOVER) == kinds.index(dp.StepKind.SERVING) - 1
+    dp.execute(plan, log=lambda s: None)
+    calls = fake_kubectl.read_text().splitlines()
+    (handover,) = [c for c in calls if f"--field-manager={dp.HANDOVER_MANAGER}" in c]
+    assert calls.index(handover) < next(i for i, c in enumerate(calls) if "dgpipe.yaml" in c)
+    assert json.loads(sent.read_text()) == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "dgpipe-triton", "namespace": "serving"},
+        "spec": {"replicas": 5},
+    }
+    fake_kubectl.write_text("")
+    monkeypatch.setenv("FAKE_FAIL", "-o jsonpath={.spec.template}")  # the workload does not exist
+    dp.execute(dp.make_plan(rendered), log=lambda s: None)
+    assert not any(dp.HANDOVER_MANAGER in c for c in fake_kubectl.read_text().splitlines())
+
+
+def test_an_upload_stopped_short_installs_nothing(build_dir, tmp_path, monkeypatch):
+    """tar takes a stream cut at a file boundary for a whole archive: a file that cannot be read (or a
+    kubectl killed at the timeout) must not swap half a build in. The stream's last member is the marker
+    the loader's script requires; the old tree stays as it was."""
+    import tarfile
+
+    from pipeline.deploy import rollout as dp
+
+    root = tmp_path / "pvc" / "build"
+    (root / "onnx").mkdir(parents=True)
+    (root / "onnx" / "model.onnx").write_bytes(b"the build that serves")
+    script = dp.SWAP_SCRIPT.format(root=root, engines="model_repository/dgpipe/1/engines")
+    real_add = tarfile.TarFile.add
+
+    def add(self, name, arcname=None, *args, **kw):
+        if arcname == "model_repository":
+            raise PermissionError(13, "Permission denied", str(name))
+        return real_add(self, name, arcname, *args, **kw)
+
+    monkeypatch.setattr(tarfile.TarFile, "add", add)
+    proc = dp._run(dp.Step("upload", ["sh", "-c", script], sends_upload=True), build_dir)
+    assert proc.returncode == 1 and b"model_repository: Permission denied" in proc.stderr
+    assert (root / "onnx" / "model.onnx").read_bytes() == b"the build that serves"
+    assert sorted(p.name for p in root.parent.iterdir()) == ["build"]
+    monkeypatch.undo()
+    # a whole stream without the marker (what a cut one looks like to tar) is refused by the script itself
+    bare = subprocess.run(["tar", "-cf", "-", "-C", str(build_dir), "onnx"], capture_output=True, check=True)
+    swap = subprocess.run(["sh", "-c", script], input=bare.stdout, capture_output=True)
+    assert swap.returncode == 1 and b"upload incomplete" in swap.stderr
+    assert (root / "onnx" / "model.onnx").read_bytes() == b"the build that serves"
 
 
 def test_an_upload_restarts_pods_whose_template_the_apply_left_unchanged(

@@ -107,6 +107,10 @@ def test_a_timed_out_drain_asks_the_model_to_answer_what_is_left(tmp_path):
     assert signal_.aborting()
     os.utime(path, (time.time() - 60, time.time() - 60))
     assert not DrainSignal(str(path)).aborting()  # a previous server's file
+    # the next server's drain (the file survives a container restart): a drain, not an abort
+    restarted = DrainSignal(str(path))
+    lifecycle.touch_drain_file(path)
+    assert restarted.draining() and not restarted.aborting()
 
 
 def test_active_requests_sums_the_series_of_every_model_instance():
@@ -115,8 +119,8 @@ def test_active_requests_sums_the_series_of_every_model_instance():
     text = (
         "# HELP dgpipe_active_requests Requests accepted and not yet answered\n"
         "# TYPE dgpipe_active_requests gauge\n"
-        'dgpipe_active_requests{instance="dgpipe_0_0",model="dgpipe",version="1"} 0\n'
-        'dgpipe_active_requests{instance="dgpipe_0_1",model="dgpipe",version="1"} 3 1700000000000\n'
+        'dgpipe_active_requests{model="dgpipe",model_instance="dgpipe_0_0",version="1"} 0\n'
+        'dgpipe_active_requests{model="dgpipe",model_instance="dgpipe_0_1",version="1"} 3 1700000000000\n'
         "dgpipe_active_requests_other 9\n"
     )
     with fake_triton(lambda path, body: (200, text)) as url:
