@@ -416,7 +416,7 @@ def bench_pass(
     batch: Annotated[int, typer.Option(min=1, help="canvases per denoise pass")] = 1,
     context: Annotated[int, typer.Option(min=1, help="cached prompt tokens")] = 32,
     steps: Annotated[
-        int, typer.Option(min=1, help="fixed denoising steps per canvas, at least 3 (steps 2..N-1 are timed)")
+        int, typer.Option(min=3, help="fixed denoising steps per canvas, at least 3 (steps 2..N-1 are timed)")
     ] = 4,
     rounds: Annotated[int, typer.Option(min=1, help="interleaved rounds over the systems (medians)")] = 3,
     reference: Annotated[bool, typer.Option(help="time transformers on the same weights")] = True,
@@ -576,7 +576,7 @@ def bench_prefix(
         typer.Option(help="configs/models/<name>.yaml with random weights (fp32, CPU); ignored with --model"),
     ] = "bench-medium",
     model: opt.Model = None,
-    system_tokens: Annotated[int, typer.Option(min=0, help="shared system prompt tokens")] = 2000,
+    system_tokens: Annotated[int, typer.Option(min=1, help="shared system prompt tokens")] = 2000,
     question_tokens: Annotated[int, typer.Option(min=1, help="each request's own question tokens")] = 16,
     requests: Annotated[
         int, typer.Option(min=1, help="timed requests per step count (each on and off)")
