@@ -1417,3 +1417,15 @@ def test_a_named_build_is_served_probed_and_smoke_tested_under_its_name(build_di
         DgpipeError, match=re.escape("the build's model_name '../etc' is not a valid model name")
     ):
         mf.resolve("dgx-b200", IMAGE, build_dir=build_dir)
+
+
+@needs_kubectl
+def test_the_smoke_job_and_the_loader_may_run_beside_the_serving_pods(side_objects):
+    """Their image is the multi-GB serving image: on a GPU node that serves it is already pulled, on a CPU
+    node its pull would eat into the Job's 600 s and the loader's deadline. They tolerate the GPU taint and
+    prefer the serving pods' nodes."""
+    for kind, spec in pod_specs(side_objects):
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+        (term,) = spec["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        selector = term["podAffinityTerm"]["labelSelector"]["matchLabels"]
+        assert selector == {"app.kubernetes.io/name": "dgpipe", "app.kubernetes.io/component": "triton"}, kind
