@@ -141,7 +141,9 @@ class Step:
         cmd = shlex.join(self.argv)
         if self.fails_if:
             cmd += f"   (fails fast on: {shlex.join(self.fails_if)})"
-        return f"tar -C BUILD_DIR -cf - {' '.join(UPLOAD_ITEMS)} | {cmd}" if self.sends_upload else cmd
+        if self.sends_upload:  # the stream dgpipe writes: these items, then the completion marker
+            return f"tar -C BUILD_DIR -cf - {' '.join(UPLOAD_ITEMS)} {UPLOAD_COMPLETE} | {cmd}"
+        return cmd
 
 
 @dataclass
