@@ -210,6 +210,21 @@ def _check_upload(build_dir: Path) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Kubectl:
+    """kubectl as the plan's commands spell it: the binary and context, the namespace, dgpipe's apply."""
+
+    kc: list[str]
+    ns: list[str]
+
+    @property
+    def apply(self) -> list[str]:
+        return [*self.kc, "apply", "--server-side", f"--field-manager={FIELD_MANAGER}", "--force-conflicts"]
+
+    def in_ns(self, *args: str) -> list[str]:
+        return [*self.kc, *self.ns, *args]
+
+
 def make_plan(
     manifests_dir: Path,
     context: str | None = None,
@@ -218,175 +233,127 @@ def make_plan(
     smoke_timeout_s: int = 600,
     allow_edited: bool = False,
 ) -> Plan:
-    """The kubectl commands of a deploy, in order; nothing here touches a cluster."""
+    """The kubectl commands of a deploy, in order; nothing here touches a cluster: the cluster's checks,
+    storage, the upload, the serving objects and what an earlier render left, the rollout, the smoke test."""
     info = read_summary(manifests_dir, allow_edited)
     if upload is not None:
         _check_upload(upload)
     # the plan names kubectl as the user would type it, so --dry-run works where kubectl is not installed
-    kc = [kubectl_name()] + (["--context", context] if context else [])
-    ns = ["--namespace", info["namespace"]]
-    apply = [*kc, "apply", "--server-side", f"--field-manager={FIELD_MANAGER}", "--force-conflicts"]
-    plan = Plan(summary=info, upload=upload, context=context, kubectl=kc[0])
+    k = Kubectl(
+        [kubectl_name()] + (["--context", context] if context else []), ["--namespace", info["namespace"]]
+    )
+    plan = Plan(summary=info, upload=upload, context=context, kubectl=k.kc[0])
     serving = _objects(manifests_dir / SERVING_FILE)
+    plan.steps += _crd_checks(k, info)
+    plan.steps.append(
+        Step("create namespace, service account and model PVC", [*k.apply, "-f", str(manifests_dir / STORAGE_FILE)],
+             StepKind.STORAGE)
+    )  # fmt: skip
+    plan.steps += _secret_check(k, info, [*serving, *_objects(manifests_dir / SMOKE_FILE)])
+    if upload is not None:
+        plan.steps += _upload_steps(k, info, manifests_dir)
+    plan.steps += _serving_steps(k, info, plan, manifests_dir)
     rollout = rollout_timeout_s or rollout_budget_s(serving)
-    s = plan.steps
+    plan.steps.append(
+        Step("wait for the rollout (engine build on the node + model load)", _wait_rollout(k.kc, k.ns, plan, rollout),
+             StepKind.ROLLOUT_WAIT, timeout_s=rollout + 60)
+    )  # fmt: skip
+    plan.steps += _smoke_steps(k, manifests_dir, smoke_timeout_s)
+    return plan
+
+
+def _crd_checks(k: Kubectl, info: dict[str, Any]) -> list[Step]:
+    """The custom resources the rendered objects use, each checked served before anything is applied."""
     served = {name.split("/")[0] for objs in info["files"].values() for name in objs}
+    steps = []
     for kind in sorted(served & CRDS.keys()):
         group, plural, fix = CRDS[kind]
-        s.append(
-            Step(
-                f"check that the cluster serves {kind} ({group})",
-                [*kc, "api-resources", f"--api-group={group}", "-o", "name"],
-                StepKind.CHECK_CRD,
-                timeout_s=60,
-                expect_output=f"{plural}.{group}",
-                hint=fix,
-            )
-        )
-    s.append(
-        Step(
-            "create namespace, service account and model PVC",
-            [*apply, "-f", str(manifests_dir / STORAGE_FILE)],
-            StepKind.STORAGE,
-        )
+        steps.append(
+            Step(f"check that the cluster serves {kind} ({group})",
+                 [*k.kc, "api-resources", f"--api-group={group}", "-o", "name"], StepKind.CHECK_CRD, timeout_s=60,
+                 expect_output=f"{plural}.{group}", hint=fix)
+        )  # fmt: skip
+    return steps
+
+
+def _secret_check(k: Kubectl, info: dict[str, Any], objects: list[dict[str, Any]]) -> list[Step]:
+    """The Secrets the pods read, checked present before the pods wait on them (CreateContainerConfigError)."""
+    secrets = secret_refs(objects)
+    if not secrets:
+        return []
+    create = "; ".join(
+        f"{shlex.join([*k.kc, '-n', info['namespace'], 'create', 'secret', 'generic', name])} "
+        f'--from-literal={key}="$(openssl rand -hex 32)"'
+        for name, key in secrets.items()
     )
-    secrets = secret_refs([*serving, *_objects(manifests_dir / SMOKE_FILE)])
-    if secrets:
-        create = "; ".join(
-            f"{shlex.join([*kc, '-n', info['namespace'], 'create', 'secret', 'generic', name])} "
-            f'--from-literal={key}="$(openssl rand -hex 32)"'
-            for name, key in secrets.items()
-        )
-        s.append(
-            Step(
-                "check that the Secrets the pods read exist",
-                [*kc, *ns, "get", "secret", *secrets, "-o", "name"],
-                StepKind.CHECK_SECRETS,
-                timeout_s=60,
-                hint=f"create the missing ones, then deploy again: {create} (kubectl's Forbidden instead "
-                "of NotFound: this deploy may not read Secrets in the namespace)",
-            )
-        )
-    if upload is not None:
-        conf = info["config"]
-        engines_rel = posixpath.join(
-            posixpath.relpath(conf["DGPIPE_ENGINE_OUTPUT"], conf["DGPIPE_BUILD_DIR"]), ENGINES_DIR
-        )
-        s += [
-            Step(
-                "start the PVC loader pod",
-                [*apply, "-f", str(manifests_dir / LOADER_FILE)],
-                StepKind.LOADER_START,
-            ),
-            Step(
-                "wait for the loader pod",
-                [*kc, *ns, "wait", "--for=condition=Ready", f"pod/{LOADER_POD}", "--timeout=600s"],
-                StepKind.LOADER_WAIT,
-                timeout_s=660,
-            ),
-            Step(
-                f"stream the build dir into {PVC_BUILD_DIR} on the PVC",
-                [
-                    *kc,
-                    *ns,
-                    "exec",
-                    "-i",
-                    LOADER_POD,
-                    "-c",
-                    "loader",
-                    "--",
-                    "sh",
-                    "-c",
-                    SWAP_SCRIPT.format(root=PVC_BUILD_DIR, engines=engines_rel),
-                ],
-                StepKind.UPLOAD,
-                sends_upload=True,
-                timeout_s=7200,
-            ),
-            Step(
-                "delete the loader pod",
-                [*kc, *ns, "delete", "pod", LOADER_POD, "--ignore-not-found", "--wait=false"],
-                StepKind.LOADER_DELETE,
-            ),
-        ]
-    if f"HorizontalPodAutoscaler/{WORKLOAD}" in info["files"][SERVING_FILE]:
-        s.append(
-            Step(
-                f"keep {plan.workload}'s live replica count while the HPA takes it over (if it exists)",
-                [*kc, *ns, "apply", "--server-side", f"--field-manager={HANDOVER_MANAGER}", "-f", "-"],
-                StepKind.HANDOVER,
-                timeout_s=120,
-            )
-        )
-    s.append(
-        Step("apply the serving objects", [*apply, "-f", str(manifests_dir / SERVING_FILE)], StepKind.SERVING)
+    hint = (f"create the missing ones, then deploy again: {create} (kubectl's Forbidden instead of NotFound: "
+            "this deploy may not read Secrets in the namespace)")  # fmt: skip
+    return [Step("check that the Secrets the pods read exist", k.in_ns("get", "secret", *secrets, "-o", "name"),
+                 StepKind.CHECK_SECRETS, timeout_s=60, hint=hint)]  # fmt: skip
+
+
+def _upload_steps(k: Kubectl, info: dict[str, Any], manifests_dir: Path) -> list[Step]:
+    """The loader pod, the build dir streamed into it and swapped in (`SWAP_SCRIPT`), the pod removed."""
+    conf = info["config"]
+    engines_rel = posixpath.join(
+        posixpath.relpath(conf["DGPIPE_ENGINE_OUTPUT"], conf["DGPIPE_BUILD_DIR"]), ENGINES_DIR
     )
+    swap = SWAP_SCRIPT.format(root=PVC_BUILD_DIR, engines=engines_rel)
+    return [
+        Step("start the PVC loader pod", [*k.apply, "-f", str(manifests_dir / LOADER_FILE)], StepKind.LOADER_START),
+        Step("wait for the loader pod", k.in_ns("wait", "--for=condition=Ready", f"pod/{LOADER_POD}", "--timeout=600s"),
+             StepKind.LOADER_WAIT, timeout_s=660),
+        Step(f"stream the build dir into {PVC_BUILD_DIR} on the PVC",
+             k.in_ns("exec", "-i", LOADER_POD, "-c", "loader", "--", "sh", "-c", swap), StepKind.UPLOAD,
+             sends_upload=True, timeout_s=7200),
+        Step("delete the loader pod", k.in_ns("delete", "pod", LOADER_POD, "--ignore-not-found", "--wait=false"),
+             StepKind.LOADER_DELETE),
+    ]  # fmt: skip
+
+
+def _serving_steps(k: Kubectl, info: dict[str, Any], plan: Plan, manifests_dir: Path) -> list[Step]:
+    """The replica count handed over to the HPA, the serving objects, the objects an earlier render left,
+    and the restart onto an uploaded build."""
     rendered = set(info["files"][SERVING_FILE])
+    steps = []
+    if f"HorizontalPodAutoscaler/{WORKLOAD}" in rendered:
+        steps.append(
+            Step(f"keep {plan.workload}'s live replica count while the HPA takes it over (if it exists)",
+                 k.in_ns("apply", "--server-side", f"--field-manager={HANDOVER_MANAGER}", "-f", "-"),
+                 StepKind.HANDOVER, timeout_s=120)
+        )  # fmt: skip
+    steps.append(
+        Step(
+            "apply the serving objects", [*k.apply, "-f", str(manifests_dir / SERVING_FILE)], StepKind.SERVING
+        )
+    )
     for kind in OPTIONAL_SERVING_KINDS:
         if f"{kind}/{WORKLOAD}" not in rendered:  # rendered by an earlier, other configuration, maybe
-            s.append(
-                Step(
-                    f"remove {kind}/{WORKLOAD} if an earlier render made it",
-                    [*kc, *ns, "delete", f"{kind.lower()}/{WORKLOAD}", "--ignore-not-found"],
-                    StepKind.PRUNE,
-                    timeout_s=180,
-                    tolerate=UNSERVED_KIND,
-                )
-            )
-    if upload is not None:
-        s.append(
-            Step(
-                "restart the pods onto the uploaded build (only where the apply left their template as it was)",
-                _restart(kc, ns, plan),
-                StepKind.RESTART,
-            )
-        )
-    s += [
-        Step(
-            "wait for the rollout (engine build on the node + model load)",
-            _wait_rollout(kc, ns, plan, rollout),
-            StepKind.ROLLOUT_WAIT,
-            timeout_s=rollout + 60,
-        ),
-        Step(
-            "remove the previous smoke Job",
-            [*kc, *ns, "delete", "job", SMOKE_JOB, "--ignore-not-found", "--wait=true"],
-            StepKind.SMOKE_CLEAN,
-        ),
-        Step(
-            "start the smoke Job (one real generate request)",
-            [*apply, "-f", str(manifests_dir / SMOKE_FILE)],
-            StepKind.SMOKE_START,
-        ),
-        Step(
-            "wait for the smoke Job",
-            [
-                *kc,
-                *ns,
-                "wait",
-                "--for=condition=complete",
-                f"job/{SMOKE_JOB}",
-                f"--timeout={smoke_timeout_s}s",
-            ],
-            StepKind.SMOKE_WAIT,
-            timeout_s=smoke_timeout_s + 60,
-            fails_if=[
-                *kc,
-                *ns,
-                "wait",
-                "--for=condition=failed",
-                f"job/{SMOKE_JOB}",
-                f"--timeout={smoke_timeout_s}s",
-            ],
-        ),
-        Step(
-            "show the smoke answer",
-            [*kc, *ns, "logs", f"job/{SMOKE_JOB}", "--tail=50"],
-            StepKind.SMOKE_LOGS,
-            show_output=True,
-        ),
-    ]
-    return plan
+            steps.append(
+                Step(f"remove {kind}/{WORKLOAD} if an earlier render made it",
+                     k.in_ns("delete", f"{kind.lower()}/{WORKLOAD}", "--ignore-not-found"), StepKind.PRUNE,
+                     timeout_s=180, tolerate=UNSERVED_KIND)
+            )  # fmt: skip
+    if plan.upload is not None:
+        steps.append(
+            Step("restart the pods onto the uploaded build (only where the apply left their template as it was)",
+                 _restart(k.kc, k.ns, plan), StepKind.RESTART)
+        )  # fmt: skip
+    return steps
+
+
+def _smoke_steps(k: Kubectl, manifests_dir: Path, timeout_s: int) -> list[Step]:
+    """The smoke Job run afresh, awaited (failing fast on its Failed condition), and its answer shown."""
+    job, limit = f"job/{SMOKE_JOB}", f"--timeout={timeout_s}s"
+    return [
+        Step("remove the previous smoke Job", k.in_ns("delete", "job", SMOKE_JOB, "--ignore-not-found", "--wait=true"),
+             StepKind.SMOKE_CLEAN),
+        Step("start the smoke Job (one real generate request)", [*k.apply, "-f", str(manifests_dir / SMOKE_FILE)],
+             StepKind.SMOKE_START),
+        Step("wait for the smoke Job", k.in_ns("wait", "--for=condition=complete", job, limit), StepKind.SMOKE_WAIT,
+             timeout_s=timeout_s + 60, fails_if=k.in_ns("wait", "--for=condition=failed", job, limit)),
+        Step("show the smoke answer", k.in_ns("logs", job, "--tail=50"), StepKind.SMOKE_LOGS, show_output=True),
+    ]  # fmt: skip
 
 
 def _objects(path: Path) -> list[dict[str, Any]]:
