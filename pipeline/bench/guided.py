@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.bench.local import cpu_model
+from pipeline.bench.machine import cpu_model
 from pipeline.bench.plots import guided_plot
 from pipeline.bench.results import save_result
 

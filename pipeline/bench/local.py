@@ -3,8 +3,6 @@ and with autoregressive decoding of the same weights, measured in one run (media
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -14,6 +12,7 @@ from typing import Any
 
 import torch
 
+from pipeline.bench.machine import machine
 from pipeline.bench.plots import local_plot
 from pipeline.bench.results import save_result
 from pipeline.bench.timing import sync
@@ -140,7 +139,7 @@ def policy_name(sampler: SamplerConfig | None) -> str:
 
 
 def median_row(system: str, sampler: SamplerConfig | None, samples: list[Sample]) -> Row:
-    """The system's row: each figure the median over its runs (a ratio of medians, per run first)."""
+    """The system's row: each figure the median over its runs (ratios are taken per run, then their median)."""
     policy = policy_name(sampler)
     med = lambda f: _median([f(x) for x in samples])
     return Row(
@@ -224,33 +223,6 @@ def ar_runner(session, prompt_ids, template, max_tokens: int, batch: int) -> Run
         return Sample(total, sum(len(o) for o in outs), timer.calls, 1.0, timer.seconds, first)
 
     return run
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name (/proc/cpuinfo on Linux, where `platform.processor()` is empty)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine() -> dict[str, Any]:
-    """What a benchmark ran on and when: CPU, cores, the load it shared them with, threads, versions, GPU."""
-    info: dict[str, Any] = {
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "load_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
 
 
 RESULT_FILE, PLOT_FILE = "bench_local.json", "bench_local.png"

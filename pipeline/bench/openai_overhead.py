@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.local import machine
+from pipeline.bench.machine import machine
 from pipeline.bench.results import save_result
 from pipeline.bench.serve import REQUEST_SEED, _summary, _timed_request
 from pipeline.bench.workload import BenchRequest, bench_requests

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from pipeline.bench.local import PassTimer, machine
+from pipeline.bench.local import PassTimer
+from pipeline.bench.machine import machine
 from pipeline.bench.results import save_plot, save_result
 from pipeline.limits import PREFILL_CHUNK_TOKENS, context_length
 from pipeline.model.config import SamplerConfig

@@ -11,7 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.bench.local import machine, policy_name
+from pipeline.bench.local import policy_name
+from pipeline.bench.machine import machine
 from pipeline.bench.results import percentile, save_plot, save_result
 from pipeline.bench.workload import BenchRequest, bench_requests
 from pipeline.limits import context_length

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from pipeline.bench.local import PassTimer, machine
+from pipeline.bench.local import PassTimer
+from pipeline.bench.machine import machine
 from pipeline.bench.plots import pass_plot
 from pipeline.bench.results import save_result
 from pipeline.bench.timing import median_seconds, sync

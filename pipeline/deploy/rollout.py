@@ -54,8 +54,9 @@ from pipeline.onnx.contract import MODEL_FILE as ONNX_FILE
 from pipeline.resources import k8s_dir
 
 FIELD_MANAGER = "dgpipe"
-# Where the HPA owns the replica count, the serving objects carry none; a count dgpipe applied before
-# (earlier renders did) would be deleted by the apply that drops it, scaling the fleet to 1. The live count
+# Where the HPA owns the replica count, the serving objects carry none; a count dgpipe applied before (a
+# render without monitoring, or from a dgpipe that wrote one) would be deleted by the apply that drops it,
+# scaling the fleet to 1. The live count
 # is applied first under this manager, so another owner keeps it (Kubernetes, "Server-Side Apply":
 # "Transferring ownership"); the HPA takes it over on its next change.
 HANDOVER_MANAGER = "dgpipe-replicas-handover"
