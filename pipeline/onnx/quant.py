@@ -24,6 +24,7 @@ checkpoint's fp32 values.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -228,6 +229,46 @@ def _splice(g: onnx.GraphProto, before: dict[int, list[onnx.NodeProto]]) -> None
     g.node.extend(nodes)
 
 
+# A linear's weight, dequantized into the model dtype, by its format: fn(output name) -> nodes
+WeightDQ = Callable[[str], list[onnx.NodeProto]]
+# Its input quantized and dequantized: fn(fp32 input, output name) -> nodes
+InputQDQ = Callable[[str, str], list[onnx.NodeProto]]
+
+
+def _replace_stand_ins(
+    g: onnx.GraphProto,
+    holder: _Holder,
+    prefix: str,
+    inits: Initializers,
+    rewrite: Callable[[str, int], tuple[WeightDQ, InputQDQ]],
+) -> None:
+    """Each stand-in weight `{prefix}w{k}` out, its MatMul fed Q/DQ instead: `rewrite(path, model type)` adds
+    the linear's initializers and returns how its format dequantizes the weight and Q/DQs the input; the
+    rest (casts around the fp32 Q/DQ nodes in a bf16 graph, the weight's transpose, the rewiring) is the
+    same for every format."""
+    before: dict[int, list[onnx.NodeProto]] = {}
+    for k, path in enumerate(holder.paths):
+        stand_in = f"{prefix}w{k}"
+        model_type = inits.model_type(stand_in)
+        inits.drop(stand_in)
+        weight_dq, input_qdq = rewrite(path, model_type)
+        for idx, node in enumerate(g.node):
+            if stand_in not in node.input:
+                continue
+            if node.op_type != "MatMul" or list(node.input).index(stand_in) != 1:
+                raise RuntimeError(f"{stand_in} feeds {node.op_type}, expected MatMul's second input")
+            x, x_cast = _as_float(node.input[0], path, model_type)
+            w_dq, w_cast = _in_model_dtype(f"{path}/w_dq", model_type)
+            x_dq, x_back = _in_model_dtype(f"{path}/x_dq", model_type)
+            transpose = helper.make_node(
+                "Transpose", [f"{path}/w_dq"], [f"{path}/w_t"], perm=[1, 0], name=f"{path}/w_t"
+            )
+            new = [*weight_dq(w_dq), *w_cast, transpose, *x_cast, *input_qdq(x, x_dq), *x_back]
+            node.input[0], node.input[1] = f"{path}/x_dq", f"{path}/w_t"
+            before.setdefault(idx, []).extend(new)
+    _splice(g, before)
+
+
 def insert_qdq(
     m: onnx.ModelProto,
     holder: _Holder,
@@ -240,38 +281,26 @@ def insert_qdq(
     inits = inits or InMemory(g)
     zp = "qdq.fp8_zero_point"
     g.initializer.append(helper.make_tensor(zp, TensorProto.FLOAT8E4M3FN, [], [0.0]))
-    before: dict[int, list[onnx.NodeProto]] = {}
-    for k, path in enumerate(holder.paths):
-        stand_in = f"{prefix}w{k}"
-        model_type = inits.model_type(stand_in)
-        inits.drop(stand_in)
+
+    def rewrite(path: str, model_type: int) -> tuple[WeightDQ, InputQDQ]:
         q = quant[path]
         w8 = inits.packed(f"{path}.weight", TensorProto.FLOAT8E4M3FN, list(q.weight.shape), [q.weight])
         ws = inits.floats(f"{path}.weight_scale", q.weight_scale)
         xs = inits.floats(f"{path}.input_scale", q.input_scale)
         g.initializer.extend([w8, ws, xs])
-        for idx, node in enumerate(g.node):
-            if stand_in not in node.input:
-                continue
-            if node.op_type != "MatMul" or list(node.input).index(stand_in) != 1:
-                raise RuntimeError(f"{stand_in} feeds {node.op_type}, expected MatMul's second input")
-            x, x_cast = _as_float(node.input[0], path, model_type)
-            w_dq, w_cast = _in_model_dtype(f"{path}/w_dq", model_type)
-            x_dq, x_back = _in_model_dtype(f"{path}/x_dq", model_type)
-            new = [
-                helper.make_node("DequantizeLinear", [w8.name, ws.name], [w_dq], name=f"{path}/w_dq"),
-                *w_cast,
-                helper.make_node(
-                    "Transpose", [f"{path}/w_dq"], [f"{path}/w_t"], perm=[1, 0], name=f"{path}/w_t"
-                ),
-                *x_cast,
+
+        def weight_dq(w_dq: str) -> list[onnx.NodeProto]:
+            return [helper.make_node("DequantizeLinear", [w8.name, ws.name], [w_dq], name=f"{path}/w_dq")]
+
+        def input_qdq(x: str, x_dq: str) -> list[onnx.NodeProto]:
+            return [
                 helper.make_node("QuantizeLinear", [x, xs.name, zp], [f"{path}/x_q"], name=f"{path}/x_q"),
                 helper.make_node("DequantizeLinear", [f"{path}/x_q", xs.name], [x_dq], name=f"{path}/x_dq"),
-                *x_back,
             ]
-            node.input[0], node.input[1] = f"{path}/x_dq", f"{path}/w_t"
-            before.setdefault(idx, []).extend(new)
-    _splice(g, before)
+
+        return weight_dq, input_qdq
+
+    _replace_stand_ins(g, holder, prefix, inits, rewrite)
 
 
 def insert_nvfp4(
@@ -287,11 +316,10 @@ def insert_nvfp4(
     FLOAT4E2M1 needs opset 23 / IR 11. onnxruntime cannot run TRT_FP4DynamicQuantize: checker-level."""
     g = m.graph
     inits = inits or InMemory(g)
-    before: dict[int, list[onnx.NodeProto]] = {}
-    for k, path in enumerate(holder.paths):
-        stand_in, q = f"{prefix}w{k}", quant[path]
-        model_type = inits.model_type(stand_in)
-        inits.drop(stand_in)
+    blocked = {"axis": -1, "block_size": NVFP4_BLOCK}
+
+    def rewrite(path: str, model_type: int) -> tuple[WeightDQ, InputQDQ]:
+        q = quant[path]
         w4 = inits.packed(f"{path}.weight", TensorProto.FLOAT4E2M1, list(unpacked_shape(q)), [q.weight])
         bs = inits.packed(
             f"{path}.weight_scale", TensorProto.FLOAT8E4M3FN, list(q.weight_scale.shape), [q.weight_scale]
@@ -299,25 +327,19 @@ def insert_nvfp4(
         ws2 = inits.floats(f"{path}.weight_scale_2", q.weight_scale_2)
         xs = inits.floats(f"{path}.input_scale", q.input_scale)
         g.initializer.extend([w4, bs, ws2, xs])
-        blocked = {"axis": -1, "block_size": NVFP4_BLOCK}
-        for idx, node in enumerate(g.node):
-            if stand_in not in node.input:
-                continue
-            x, x_cast = _as_float(node.input[0], path, model_type)
-            w_dq, w_cast = _in_model_dtype(f"{path}/w_dq", model_type)
-            x_dq, x_back = _in_model_dtype(f"{path}/x_dq", model_type)
-            new = [
+
+        def weight_dq(w_dq: str) -> list[onnx.NodeProto]:
+            return [
                 helper.make_node(
                     "DequantizeLinear", [bs.name, ws2.name], [f"{path}/w_scale"], name=f"{path}/w_scale"
                 ),
                 helper.make_node(
                     "DequantizeLinear", [w4.name, f"{path}/w_scale"], [w_dq], name=f"{path}/w_dq", **blocked
                 ),
-                *w_cast,
-                helper.make_node(
-                    "Transpose", [f"{path}/w_dq"], [f"{path}/w_t"], perm=[1, 0], name=f"{path}/w_t"
-                ),
-                *x_cast,
+            ]
+
+        def input_qdq(x: str, x_dq: str) -> list[onnx.NodeProto]:
+            return [
                 helper.make_node(
                     "TRT_FP4DynamicQuantize",
                     [x, xs.name],
@@ -341,11 +363,11 @@ def insert_nvfp4(
                     name=f"{path}/x_dq",
                     **blocked,
                 ),
-                *x_back,
             ]
-            node.input[0], node.input[1] = f"{path}/x_dq", f"{path}/w_t"
-            before.setdefault(idx, []).extend(new)
-    _splice(g, before)
+
+        return weight_dq, input_qdq
+
+    _replace_stand_ins(g, holder, prefix, inits, rewrite)
     for opset in m.opset_import:
         if opset.domain in ("", "ai.onnx"):
             opset.version = max(opset.version, 23)
