@@ -123,6 +123,25 @@ class StepKind(Enum):
     SMOKE_LOGS = auto()
 
 
+@dataclass(frozen=True)
+class Kubectl:
+    """kubectl as the plan's commands spell it: the binary and context, the namespace, dgpipe's apply."""
+
+    kc: list[str]
+    ns: list[str]
+
+    @property
+    def apply(self) -> list[str]:
+        return [*self.kc, "apply", "--server-side", f"--field-manager={FIELD_MANAGER}", "--force-conflicts"]
+
+    @classmethod
+    def of(cls, binary: str, context: str | None, namespace: str) -> Kubectl:
+        return cls([binary] + (["--context", context] if context else []), ["--namespace", namespace])
+
+    def in_ns(self, *args: str) -> list[str]:
+        return [*self.kc, *self.ns, *args]
+
+
 @dataclass
 class Step:
     """One kubectl invocation of the plan and what it is for."""
@@ -158,6 +177,11 @@ class Plan:
     @property
     def namespace(self) -> str:
         return self.summary["namespace"]
+
+    @property
+    def k(self) -> Kubectl:
+        """The kubectl the plan's steps name, in the plan's context and namespace."""
+        return Kubectl.of(self.kubectl, self.context, self.namespace)
 
     @property
     def workload_kind(self) -> WorkloadKind:
@@ -211,21 +235,6 @@ def _check_upload(build_dir: Path) -> None:
         )
 
 
-@dataclass(frozen=True)
-class Kubectl:
-    """kubectl as the plan's commands spell it: the binary and context, the namespace, dgpipe's apply."""
-
-    kc: list[str]
-    ns: list[str]
-
-    @property
-    def apply(self) -> list[str]:
-        return [*self.kc, "apply", "--server-side", f"--field-manager={FIELD_MANAGER}", "--force-conflicts"]
-
-    def in_ns(self, *args: str) -> list[str]:
-        return [*self.kc, *self.ns, *args]
-
-
 def make_plan(
     manifests_dir: Path,
     context: str | None = None,
@@ -240,10 +249,8 @@ def make_plan(
     if upload is not None:
         _check_upload(upload)
     # the plan names kubectl as the user would type it, so --dry-run works where kubectl is not installed
-    k = Kubectl(
-        [kubectl_name()] + (["--context", context] if context else []), ["--namespace", info["namespace"]]
-    )
-    plan = Plan(summary=info, upload=upload, context=context, kubectl=k.kc[0])
+    plan = Plan(summary=info, upload=upload, context=context, kubectl=kubectl_name())
+    k = plan.k
     serving = _objects(manifests_dir / SERVING_FILE)
     plan.steps += _crd_checks(k, info)
     plan.steps.append(
@@ -256,7 +263,7 @@ def make_plan(
     plan.steps += _serving_steps(k, info, plan, manifests_dir)
     rollout = rollout_timeout_s or rollout_budget_s(serving)
     plan.steps.append(
-        Step("wait for the rollout (engine build on the node + model load)", _wait_rollout(k.kc, k.ns, plan, rollout),
+        Step("wait for the rollout (engine build on the node + model load)", _wait_rollout(k, plan, rollout),
              StepKind.ROLLOUT_WAIT, timeout_s=rollout + 60)
     )  # fmt: skip
     plan.steps += _smoke_steps(k, manifests_dir, smoke_timeout_s)
@@ -338,7 +345,7 @@ def _serving_steps(k: Kubectl, info: dict[str, Any], plan: Plan, manifests_dir: 
     if plan.upload is not None:
         steps.append(
             Step("restart the pods onto the uploaded build (only where the apply left their template as it was)",
-                 _restart(k.kc, k.ns, plan), StepKind.RESTART)
+                 _restart(k, plan), StepKind.RESTART)
         )  # fmt: skip
     return steps
 
@@ -404,22 +411,22 @@ def rollout_budget_s(serving: list[dict[str, Any]]) -> int:
     return deadline * int(replicas) + ROLLOUT_SLACK_S
 
 
-def _restart(kc: list[str], ns: list[str], plan: Plan) -> list[str]:
+def _restart(k: Kubectl, plan: Plan) -> list[str]:
     """Roll the workload's pods with their template otherwise unchanged (they reload the model)."""
     if plan.workload_kind.has_rollout_history:
-        return [*kc, *ns, "rollout", "restart", plan.workload]
+        return k.in_ns("rollout", "restart", plan.workload)
     import time
 
     stamp = {"metadata": {"annotations": {RESTARTED_AT: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}}
     patch = {"spec": {"leaderWorkerTemplate": {"leaderTemplate": stamp, "workerTemplate": stamp}}}
-    return [*kc, *ns, "patch", plan.workload, "--type=merge", "-p", json.dumps(patch)]
+    return k.in_ns("patch", plan.workload, "--type=merge", "-p", json.dumps(patch))
 
 
-def _wait_rollout(kc: list[str], ns: list[str], plan: Plan, timeout: int) -> list[str]:
+def _wait_rollout(k: Kubectl, plan: Plan, timeout: int) -> list[str]:
     if plan.workload_kind.has_rollout_history:
-        return [*kc, *ns, "rollout", "status", plan.workload, f"--timeout={timeout}s"]
+        return k.in_ns("rollout", "status", plan.workload, f"--timeout={timeout}s")
     # kubectl rollout does not know LeaderWorkerSets; their Available condition means all groups ready
-    return [*kc, *ns, "wait", "--for=condition=Available", plan.workload, f"--timeout={timeout}s"]
+    return k.in_ns("wait", "--for=condition=Available", plan.workload, f"--timeout={timeout}s")
 
 
 def _send_build_dir(step: Step, build_dir: Path) -> subprocess.CompletedProcess:
@@ -524,9 +531,8 @@ def _text(b: bytes | str | None) -> str:
     return (b.decode(errors="replace") if isinstance(b, bytes) else b or "").strip()
 
 
-def _diagnose(plan: Plan, kc: list[str]) -> list[str]:
+def _diagnose(k: Kubectl) -> list[str]:
     """What an operator looks at first: pod states, recent events, the smoke Job's log."""
-    ns = ["--namespace", plan.namespace]
     probes = [
         ["get", "pods", "-l", "app.kubernetes.io/name=dgpipe", "-o", "wide"],
         ["get", "events", "--sort-by=.lastTimestamp", "--field-selector", "type=Warning"],
@@ -534,26 +540,26 @@ def _diagnose(plan: Plan, kc: list[str]) -> list[str]:
     ]
     out = []
     for args in probes:
-        proc = _run(Step("diagnose", [*kc, *ns, *args], timeout_s=60))
+        proc = _run(Step("diagnose", k.in_ns(*args), timeout_s=60))
         text = _text(proc.stdout) or _text(proc.stderr)
         if text:
             out.append(f"$ kubectl {' '.join(args)}\n" + "\n".join(text.splitlines()[-15:]))
     return out
 
 
-def _pod_template(kc: list[str], ns: list[str], plan: Plan) -> str | None:
+def _pod_template(k: Kubectl, plan: Plan) -> str | None:
     """The workload's pod template(s) as the API server holds them, None where the workload does not exist:
     compared before and after the apply, it tells whether the apply made a new revision (a replica count
     or other spec change does not)."""
     path = "{.spec.template}" if plan.workload_kind.has_rollout_history else "{.spec.leaderWorkerTemplate}"
-    probe = Step("probe", [*kc, *ns, "get", plan.workload, "-o", f"jsonpath={path}"], timeout_s=60)
+    probe = Step("probe", k.in_ns("get", plan.workload, "-o", f"jsonpath={path}"), timeout_s=60)
     proc = _run(probe)
     return _text(proc.stdout) if proc.returncode == 0 else None
 
 
-def _live_replicas(kc: list[str], ns: list[str], plan: Plan) -> bytes | None:
+def _live_replicas(k: Kubectl, plan: Plan) -> bytes | None:
     """The workload's live replica count as an object to apply (only the count), or None without one."""
-    probe = Step("probe", [*kc, *ns, "get", plan.workload, "-o", "jsonpath={.spec.replicas}"], timeout_s=60)
+    probe = Step("probe", k.in_ns("get", plan.workload, "-o", "jsonpath={.spec.replicas}"), timeout_s=60)
     proc = _run(probe)
     count = _text(proc.stdout)
     if proc.returncode != 0 or not count.isdigit():
@@ -569,7 +575,7 @@ def _live_replicas(kc: list[str], ns: list[str], plan: Plan) -> bytes | None:
 
 
 def _roll_back(
-    plan: Plan, kc: list[str], done: set[StepKind | None], existed: bool, changed: bool, log: Callable
+    plan: Plan, done: set[StepKind | None], existed: bool, changed: bool, log: Callable
 ) -> str | None:
     """After a failure past the serving apply: `kubectl rollout undo` where it restores what ran before;
     otherwise the hint that says why not."""
@@ -585,8 +591,7 @@ def _roll_back(
         return "not rolled back: the apply changed no pod template, so the previous revision is what runs"
     if not plan.workload_kind.has_rollout_history:
         return f"not rolled back: kubectl rollout does not know {plan.workload_kind.value}s"
-    ns = ["--namespace", plan.namespace]
-    undo = _run(Step("rollback", [*kc, *ns, "rollout", "undo", plan.workload], timeout_s=120))
+    undo = _run(Step("rollback", plan.k.in_ns("rollout", "undo", plan.workload), timeout_s=120))
     log(f"<- rollout undo {plan.workload}: {'ok' if undo.returncode == 0 else _text(undo.stderr)}")
     return "rolled back to the previous revision" if undo.returncode == 0 else None
 
@@ -594,9 +599,8 @@ def _roll_back(
 def execute(plan: Plan, log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Run the plan; on a failed rollout or smoke test, roll the workload back and say what failed."""
     kubectl_binary()  # a clear error when kubectl is missing, before anything runs
-    kc = [plan.kubectl] + (["--context", plan.context] if plan.context else [])
-    ns = ["--namespace", plan.namespace]
-    before = _pod_template(kc, ns, plan)
+    k = plan.k
+    before = _pod_template(k, plan)
     changed = False  # whether the serving apply (or the restart) made a new revision
     done: list[Step] = []
     for step in plan.steps:
@@ -605,7 +609,7 @@ def execute(plan: Plan, log: Callable[[str], None] = lambda line: None) -> dict[
             continue
         stdin = None
         if step.kind is StepKind.HANDOVER:
-            stdin = _live_replicas(kc, ns, plan) if before is not None else None
+            stdin = _live_replicas(k, plan) if before is not None else None
             if stdin is None:
                 continue  # a new workload, or one without a count: nothing to keep
         log(f"-> {step.what}")
@@ -618,7 +622,7 @@ def execute(plan: Plan, log: Callable[[str], None] = lambda line: None) -> dict[
         if proc.returncode == 0:
             done.append(step)
             if step.kind is StepKind.SERVING:
-                changed = _pod_template(kc, ns, plan) != before
+                changed = _pod_template(k, plan) != before
             changed = changed or step.kind is StepKind.RESTART
             if step.show_output:
                 log(_text(proc.stdout))
@@ -628,15 +632,13 @@ def execute(plan: Plan, log: Callable[[str], None] = lambda line: None) -> dict[
         kinds_done = {d.kind for d in done}
         hint = step.hint
         if StepKind.SERVING in kinds_done:
-            details = _diagnose(plan, kc)
-            hint = _roll_back(plan, kc, kinds_done, before is not None, changed, log) or hint
+            details = _diagnose(k)
+            hint = _roll_back(plan, kinds_done, before is not None, changed, log) or hint
             for d in details:
                 log(d)
         if StepKind.LOADER_START in kinds_done and StepKind.LOADER_DELETE not in kinds_done:
-            _run(
-                Step("cleanup", [*kc, *ns, "delete", "pod", LOADER_POD, "--ignore-not-found", "--wait=false"])
-            )
+            _run(Step("cleanup", k.in_ns("delete", "pod", LOADER_POD, "--ignore-not-found", "--wait=false")))
         if unreachable:
-            hint = f"kubectl could not ask the cluster: check the context and credentials ({shlex.join([*kc, 'cluster-info'])})"
+            hint = f"kubectl could not ask the cluster: check the context and credentials ({shlex.join([*k.kc, 'cluster-info'])})"
         raise DgpipeError(failure, hint)
     return {"deployed": plan.workload, "namespace": plan.namespace, "steps": [d.what for d in done]}
