@@ -497,6 +497,23 @@ def test_leaderworkerset_variant(lws_render):
     assert hpa["spec"]["scaleTargetRef"]["kind"] == "LeaderWorkerSet"
 
 
+def test_leaderworkerset_headless_services_are_not_taken_by_ours(lws_render):
+    """The LWS controller creates the headless Service behind its pods' DNS names only where no Service of
+    that name exists (`CreateHeadlessServiceIfNotExists`): named like the LWS under the Shared subdomain
+    policy, like each group's leader pod (`<lws>-<group>`) under UniquePerReplica."""
+    docs = [d for ds in lws_render.values() for d in ds]
+    lws = one(docs, "LeaderWorkerSet")
+    name = lws["metadata"]["name"]
+    policy = lws["spec"].get("networkConfig", {}).get("subdomainPolicy", "Shared")
+    ours = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+    assert ours, "the serving Service is rendered"
+    if policy == "Shared":
+        assert name not in ours
+    else:
+        assert policy == "UniquePerReplica"
+        assert not [s for s in ours if re.fullmatch(rf"{re.escape(name)}-\d+", s)]
+
+
 def test_dockerfile_builds_on_the_ngc_triton_image():
     from pipeline.serving.server import NGC_IMAGE
 
