@@ -52,7 +52,7 @@ class GpuCheck:
     budget_s: int
     what: str
     argv: tuple[str, ...]  # run as `python <argv...>` from the repository root
-    needs: tuple[str, ...]  # "cuda", "nvcc", "ninja", "pytest", "gpu_tests", "fp8", "fp4", "memory"
+    needs: tuple[str, ...]  # "cuda", "nvcc", "cxx", "ninja", "pytest", "gpu_tests", "fp8", "fp4", "memory"
 
 
 def _pass(fmt: str, compiled: bool = False) -> GpuCheck:
@@ -79,7 +79,7 @@ CHECKS: tuple[GpuCheck, ...] = (
         45,
         "nvcc build of the fused sampler (torch extension)",
         ("-c", "from pipeline.sampler.kernels.build import load_torch_extension as b; b()"),
-        ("cuda", "nvcc", "ninja"),
+        ("cuda", "nvcc", "cxx", "ninja"),
     ),
     GpuCheck(
         # 78 s on the H200 before the Triton GEMM and network kernels' tests (each compiles its kernels);
@@ -141,12 +141,14 @@ class Env:
     ninja: bool = False
     pytest: bool = False
     gpu_tests: bool = False  # GPU_TESTS beside the package (a source checkout)
+    cxx: bool = False  # the host C++ compiler torch's extension build calls ($CXX, else c++)
 
 
 def detect_env() -> Env:
     from pipeline.sampler.kernels.build import find_nvcc
 
-    tools = {"nvcc": find_nvcc() is not None, "ninja": shutil.which("ninja") is not None or _has("ninja"),
+    tools = {"nvcc": find_nvcc() is not None, "cxx": shutil.which(os.environ.get("CXX", "c++")) is not None,
+             "ninja": shutil.which("ninja") is not None or _has("ninja"),
              "pytest": _has("pytest"), "gpu_tests": (PACKAGE_DIR.parent / GPU_TESTS).is_dir()}  # fmt: skip
     versions = {"torch": torch.__version__, "cuda_version": torch.version.cuda}
     if not torch.cuda.is_available():
@@ -174,24 +176,32 @@ def _driver() -> str:
 
 
 def skip_reason(check: GpuCheck, env: Env) -> str | None:
-    """Why `check` cannot run here (None: it runs)."""
+    """Why `check` cannot run here, every missing need named, so that one dry run on the host (or on a CPU
+    machine set up like it) shows all there is to install (None: it runs)."""
+    reasons = []
     if "cuda" in check.needs and not env.cuda:
-        return f"no CUDA GPU visible (torch {env.torch}, CUDA build {env.cuda_version or 'none'})"
+        reasons.append(f"no CUDA GPU visible (torch {env.torch}, CUDA build {env.cuda_version or 'none'})")
     for need, what, hint in (
         ("nvcc", "nvcc", "install the CUDA toolkit"),
+        ("cxx", os.environ.get("CXX", "c++"), "install a host C++ compiler (g++), or set $CXX"),
         ("ninja", "ninja", "pip install ninja"),
         ("pytest", "pytest", "pip install pytest"),
         ("gpu_tests", GPU_TESTS, "they come with a source checkout: git clone, then pip install -e ."),
     ):
         if need in check.needs and not getattr(env, need):
-            return f"{what} not found ({hint})"
-    if "fp8" in check.needs and env.arch not in FP8_ARCHS:
-        return f"{env.arch or 'this GPU'} has no FP8 tensor cores (sm89+)"
-    if "fp4" in check.needs and env.arch not in FP4_ARCHS:
-        return f"{env.arch or 'this GPU'} has no FP4 tensor cores (sm100/sm120); the NVFP4 fallback is timed by the fp8 row"
-    if "memory" in check.needs and env.memory_gib < BF16_NEEDS_GIB:
-        return f"{env.memory_gib:.0f} GiB GPU memory < {BF16_NEEDS_GIB} GiB the 26B random-weight pass needs"
-    return None
+            reasons.append(f"{what} not found ({hint})")
+    if env.cuda:  # what the GPU itself has
+        if "fp8" in check.needs and env.arch not in FP8_ARCHS:
+            reasons.append(f"{env.arch or 'this GPU'} has no FP8 tensor cores (sm89+)")
+        if "fp4" in check.needs and env.arch not in FP4_ARCHS:
+            reasons.append(
+                f"{env.arch or 'this GPU'} has no FP4 tensor cores (sm100/sm120); the NVFP4 fallback is timed by the fp8 row"
+            )
+        if "memory" in check.needs and env.memory_gib < BF16_NEEDS_GIB:
+            reasons.append(
+                f"{env.memory_gib:.0f} GiB GPU memory < {BF16_NEEDS_GIB} GiB the 26B random-weight pass needs"
+            )
+    return "; ".join(reasons) or None
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 from pipeline.bench.gpu import checks, report
 
 H200 = checks.Env(
-    True, "NVIDIA H200", "sm90", 139.8, "580.65", "2.11.0+cu130", "13.0", True, True, True, True
+    True, "NVIDIA H200", "sm90", 139.8, "580.65", "2.11.0+cu130", "13.0", True, True, True, True, cxx=True
 )
 
 
@@ -91,6 +91,11 @@ def test_skip_reasons_per_host():
         by(replace(H200, nvcc=False))["build sampler kernels"] == "nvcc not found (install the CUDA toolkit)"
     )
     assert by(replace(H200, pytest=False))["gpu tests"] == "pytest not found (pip install pytest)"
+    # every missing need at once: one dry run says all there is to install
+    assert by(replace(H200, nvcc=False, cxx=False, ninja=False))["build sampler kernels"] == (
+        "nvcc not found (install the CUDA toolkit); c++ not found (install a host C++ compiler (g++), or set "
+        "$CXX); ninja not found (pip install ninja)"
+    )
     # an installed wheel has no tests: the GPU tests skip, the measurements still run
     wheel = by(replace(H200, gpu_tests=False))
     assert (
@@ -99,8 +104,16 @@ def test_skip_reasons_per_host():
     )
     assert [n for n, r in wheel.items() if r] == ["gpu tests", "26B pass nvfp4"]
     assert checks.detect_env().gpu_tests  # this checkout has them
-    cpu = by(checks.Env(False, torch="2.13.0+cpu"))
-    assert all(r.startswith("no CUDA GPU visible (torch 2.13.0+cpu") for r in cpu.values())
+    cpu = by(
+        checks.Env(False, torch="2.13.0+cpu", nvcc=True, cxx=True, ninja=True, pytest=True, gpu_tests=True)
+    )
+    # off a GPU: no CUDA, and nothing said of a GPU's features
+    assert set(cpu.values()) == {"no CUDA GPU visible (torch 2.13.0+cpu, CUDA build none)"}
+    bare = by(checks.Env(False, torch="2.13.0+cpu"))
+    assert bare["gpu tests"] == (
+        "no CUDA GPU visible (torch 2.13.0+cpu, CUDA build none); pytest not found (pip install pytest); "
+        "tests/gpu not found (they come with a source checkout: git clone, then pip install -e .)"
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU plan")
@@ -110,6 +123,9 @@ def test_cpu_run_lists_every_check_and_writes_json_and_table(tmp_path, dry_run):
     saved = json.loads((tmp_path / checks.RESULT_FILE).read_text())
     assert [c["name"] for c in saved["checks"]] == [c.name for c in checks.CHECKS]
     assert all(c["status"] == "skipped" and c["detail"].startswith("no CUDA") for c in saved["checks"])
+    # what else each check needs is named where this machine lacks it (the CI images have a C++ compiler)
+    (build,) = [c for c in saved["checks"] if c["name"] == "build sampler kernels"]
+    assert ("nvcc not found" in build["detail"]) == (saved["env"]["nvcc"] is False)
     table = (tmp_path / checks.TABLE_FILE).read_text()
     assert table == report.render(result) + "\n" and table.count("| skipped |") == len(checks.CHECKS)
 
@@ -267,6 +283,25 @@ def test_a_passed_measurement_says_what_it_measured_in_the_checks_table(tmp_path
         "16: 60.0 -> 30.0 (torch -); Triton up to 256 rows per expert; out/moe_tiles/H200-fp8.yaml"
     )
     assert report.summary([]) == ""
+
+
+def test_a_pass_stopped_before_its_times_says_where():
+    """A pass check killed at its budget leaves the row its measurement wrote as the batch's first call began
+    or ended: the table and the summary say which, and what the first call took."""
+    started = {"format": "fp8 compiled", "batch": 1, "kernels": "k"}
+    check = {
+        "name": "26B pass fp8 compiled",
+        "status": "timed out",
+        "seconds": 100.0,
+        "budget_s": 100,
+        "detail": "",
+    }
+    for row, where in (({**started, "first_call_s": None}, "in its first call (under torch.compile: the compile)"),
+                       ({**started, "first_call_s": 93.46, "finite": True}, "after its first call, which took 93.5 s")):  # fmt: skip
+        md = report.render({"env": asdict(H200), "dry_run": False, "checks": [{**check, "rows": [row]}]})
+        assert f"The fp8 compiled pass at batch 1 stopped {where} (k)." in md
+        assert "| format | batch |" not in md  # no times: no row in the passes' table
+        assert report.summary([row]) == f"batch 1: stopped {where}"
 
 
 def test_table_shows_each_pass_against_its_floor():

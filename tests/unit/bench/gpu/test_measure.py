@@ -16,7 +16,7 @@ from pipeline.runtime.dispatch import pass_bytes
 from tests._utils.interpreter_casts import interpreted_exp, interpreted_tanh, rne_casts  # noqa: F401  (fixtures)
 
 H200 = checks.Env(
-    True, "NVIDIA H200", "sm90", 139.8, "580.65", "2.11.0+cu130", "13.0", True, True, True, True
+    True, "NVIDIA H200", "sm90", 139.8, "580.65", "2.11.0+cu130", "13.0", True, True, True, True, cxx=True
 )
 
 
@@ -126,13 +126,18 @@ def test_the_pass_measurement_runs_end_to_end_off_a_gpu(monkeypatch, fmt, compil
     monkeypatch.delenv(
         "TRITON_INTERPRET", raising=False
     )  # interpreted, the Triton GEMM takes ~30 s a pass here
-    sunk: list[int] = []
-    rows = measure.measure_pass(fmt, batches=(1, 2), repeats=1, sink=lambda r: sunk.append(len(r)), compiled=compiled,
-                            config="sudoku-tiny", device=torch.device("cpu"))  # fmt: skip
+    sunk: list[list[dict]] = []
+    rows = measure.measure_pass(fmt, batches=(1, 2), repeats=1, sink=lambda r: sunk.append([dict(x) for x in r]),
+                                compiled=compiled, config="sudoku-tiny", device=torch.device("cpu"))  # fmt: skip
     assert [r["batch"] for r in rows] == [1, 2]
-    # both batches' times before any diagnostic, then the rows after each diagnostic of each batch
+    # each batch: a row as its first call starts, one after it (what a check killed there leaves), then its
+    # times; both batches' times before any diagnostic, then the rows after each diagnostic of each batch
     diagnostics = 3 if compiled else 7
-    assert sunk == [1, 2] + [2] * (2 * diagnostics)
+    assert [len(s) for s in sunk] == [1, 1, 1, 2, 2, 2] + [2] * (2 * diagnostics)
+    for first, (start, after) in ((0, sunk[0:2]), (1, sunk[3:5])):
+        assert start[first] == {"format": rows[0]["format"], "batch": first + 1, "kernels": rows[0]["kernels"],
+                                "first_call_s": None}  # fmt: skip
+        assert after[first]["first_call_s"] > 0 and after[first]["finite"] and "ms_eager" not in after[first]
     for r in rows:
         assert r["finite"] and r["ms_eager"] > 0 and r["graph_error"] is None  # off CUDA the "graph" is fn
         assert r["spec_gpu"] == "H200-SXM-141GB" and r["floor_ms_spec"] > 0 and r["compute_ms_spec"] > 0
