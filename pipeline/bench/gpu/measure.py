@@ -175,11 +175,16 @@ def measure_pass(
     spec = gpu_named(torch.cuda.get_device_name(dev))
     rows, fns = [], {}
     for b in batches:  # every batch's times first: diagnostics come after, so a budget cut keeps them all
+        started = {"format": fmt + (" compiled" if compiled else ""), "batch": b, "kernels": kernels}
+        # a check killed at its budget before the batch's times still says where it stopped: in the first
+        # call (a compile, under torch.compile), or after it, and what that took
+        sink([*rows, {**started, "first_call_s": None}])
         with torch.inference_mode():
             fn = fns[b] = passes.pop(b)
             t0 = time.perf_counter()
             finite = bool(torch.isfinite(fn()).all())  # a pass that makes NaNs measures nothing real
             first_s = time.perf_counter() - t0
+            sink([*rows, {**started, "first_call_s": first_s, "finite": finite}])
             eager = median_seconds(fn, dev, repeats)
             try:
                 graph, graph_error = median_seconds(_graphed(fn, dev), dev, repeats), None
@@ -189,7 +194,7 @@ def measure_pass(
         nbytes = pass_bytes(
             mcfg.text_config, row.linear_read, row.expert_read, b, mcfg.canvas_length, CONTEXT, step=False
         ).total
-        rows.append({"format": fmt + (" compiled" if compiled else ""), "batch": b, "kernels": kernels,
+        rows.append({**started,
                      "ms_eager": eager * 1e3, "ms_graph": graph * 1e3, "first_call_s": first_s, "finite": finite,
                      "pass_gb": nbytes / 1e9, "spec_gpu": spec.product if spec else None,
                      "floor_ms_spec": floor_ms(nbytes, spec.product) if spec else None,

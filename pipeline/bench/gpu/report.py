@@ -24,6 +24,11 @@ def render(result: dict) -> str:
             "",
             f"Largest batch whose {r['format']} pass fits: {r['largest_batch']} (tried up to {r['tried_up_to']}).",
         ]
+    for r in (r for c in result["checks"] for r in c["rows"] if "first_call_s" in r and "ms_eager" not in r):
+        lines += [
+            "",
+            f"The {r['format']} pass at batch {r['batch']} stopped {_where_stopped(r)} ({r['kernels']}).",
+        ]
     if rows:
         lines += ["", "| format | batch | kernels | ms eager | ms graph | floor ms (HBM, spec) | floor ms (matmuls, "
                   "spec) | x floor | floor ms (copy bw) |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
@@ -114,6 +119,8 @@ def summary(rows: list[dict]) -> str:
             else f"batch {r['batch']}: NaN output"
             for r in rows
         )
+    if "first_call_s" in rows[0]:  # stopped before its first batch's times
+        return f"batch {rows[0]['batch']}: stopped {_where_stopped(rows[0])}"
     if "largest_batch" in rows[0]:
         return f"largest {rows[0]['format']} batch that fits: {rows[0]['largest_batch']}"
     if "best_ms" in rows[0]:
@@ -124,6 +131,13 @@ def summary(rows: list[dict]) -> str:
         return (f"{r['timed']} of {r['candidates']} tiles timed; expert GEMMs per pass, ms by canvases, default -> "
                 f"tuned: {passes}; Triton up to {crossover}; {r['table_file']}")  # fmt: skip
     return ""
+
+
+def _where_stopped(row: dict) -> str:
+    """Where a pass stopped before its times: in its first call (under torch.compile, the compile), or after it."""
+    if row["first_call_s"] is None:
+        return "in its first call (under torch.compile: the compile)"
+    return f"after its first call, which took {row['first_call_s']:.1f} s"
 
 
 def _ms_cell(ms: float | None) -> str:
