@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from pipeline.errors import DgpipeError
+from pipeline.runtime.output_text import OutputText
 
 Guide = tuple[str, str]  # (guide type, guide): "json_schema" / "regex" / "choice" and its text
 
@@ -163,7 +164,7 @@ def naming(where: str | None) -> Iterator[None]:
 class Callbacks:
     """Where streamed output goes while the batch runs (each None: not wanted)."""
 
-    on_piece: Callable[[str], None] | None = None  # a committed canvas's text
+    on_piece: Callable[[str], None] | None = None  # the text a committed canvas adds (`OutputText`)
     on_draft: Callable[[int, str], None] | None = None  # (step, canvas text) of each refinement step
     on_done: Callable[[], None] | None = None  # one input's stream ended
 
@@ -226,6 +227,18 @@ def _request(session, item: GenerateInput, s: GenerateSettings, sampler, guide, 
         else:
             template = session.default_template(item.prompt) if s.default_infill else None
     on_piece, on_draft, on_done = cb.on_piece, cb.on_draft, cb.on_done
+    text = OutputText(session.decode)  # a character split between canvases comes out whole
+
+    def canvas(req, tokens: list[int]) -> None:
+        if new := text.add(tokens):
+            on_piece(new)
+
+    def finish(res) -> None:
+        if on_piece and (rest := text.finish()):
+            on_piece(rest)
+        if on_done:
+            on_done()
+
     return Request(
         prompt_ids=prompt_ids,
         max_tokens=s.max_tokens,
@@ -233,9 +246,9 @@ def _request(session, item: GenerateInput, s: GenerateSettings, sampler, guide, 
         seed=s.seed,
         template=template,
         guide=guide,
-        on_canvas=(lambda req, tokens: on_piece(session.decode(tokens))) if on_piece else None,
+        on_canvas=canvas if on_piece else None,
         on_draft=(lambda req, tokens, step: on_draft(step, session.decode(tokens))) if on_draft else None,
-        on_finish=(lambda res: on_done()) if on_done else None,
+        on_finish=finish if on_piece or on_done else None,
     )
 
 

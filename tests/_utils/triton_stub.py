@@ -146,8 +146,11 @@ class FakeSession:
         """A stand-in chat template: each turn as <role>content, then the assistant's turn opened."""
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
+    def decode(self, tokens: list[int]) -> str:
+        return "".join(map(chr, tokens))
+
     def decode_prompt(self, prompt_ids: list[int]) -> str:
-        return "".join(map(chr, prompt_ids))
+        return self.decode(prompt_ids)
 
 
 def triton_model(monkeypatch):

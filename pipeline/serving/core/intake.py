@@ -11,6 +11,7 @@ import numpy as np
 
 from pipeline.errors import DgpipeError
 from pipeline.limits import context_length
+from pipeline.runtime.output_text import OutputText
 from pipeline.serving import schema
 from pipeline.serving.core.jobs import Job
 from pipeline.serving.core.responses import Channel
@@ -87,9 +88,8 @@ class Intake:
             else session.default_template(parsed.prompt)
         )
         guide = None if parsed.guide is None else core.guides.compiled(*parsed.guide)
-        job = Job(
-            channel, next(core.ids), prompt_ids, parsed.flags, parsed.stop_words, timeout_s=parsed.timeout_s
-        )
+        output = OutputText(session.decode, parsed.stop_words)
+        job = Job(channel, next(core.ids), prompt_ids, parsed.flags, output, timeout_s=parsed.timeout_s)
         events = core.progress
         req = Request(
             prompt_ids=prompt_ids,

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.runtime.output_text import OutputText
 from pipeline.serving.core.deadlines import overdue
 from pipeline.serving.core.responses import Channel
 
@@ -16,8 +17,7 @@ class Job:
     request_id: int
     prompt_ids: list[int]
     flags: dict[str, bool]
-    stop_words: list[str]
-    text: str = ""
+    output: OutputText  # its text so far, cut at its stop words
     tokens: int = 0
     canvases: int = 0
     started: float = field(default_factory=time.perf_counter)
@@ -26,7 +26,6 @@ class Job:
     failed: bool = False  # answered with an error: nothing more is sent
     timeout_s: float = float("inf")  # its deadline, from when it got a batch slot
     expired: bool = False  # cancelled by its deadline: answered with an error, not a result
-    stopped_by_word: bool = False  # ended by a stop word: finish reason "stop"
     result: Any = None  # the runtime's Result once submitted (its `admitted` time: when it got a slot)
     # return_log_probs: Result.logprobs entries read so far, and the token entries not yet sent
     logprobs_read: int = 0

@@ -1,5 +1,5 @@
 """A request's progress through the runtime, called back by it on the worker thread: each committed canvas
-(counted, cut at a stop word, streamed), each draft, and the finish (answered with the result, a timeout,
+(counted, its text cut at a stop word and streamed: `runtime.output_text`), each draft, and the finish (answered with the result, a timeout,
 or released when the client went away). A failure that belongs to one request (its callbacks) is answered
 to that request alone and the pass goes on for the others."""
 
@@ -14,7 +14,6 @@ from pipeline.serving.core.deadlines import expired_message
 from pipeline.serving.core.jobs import Job
 from pipeline.serving.core.logprobs import TokenTexts, token_entries
 from pipeline.serving.core.responses import Failure
-from pipeline.serving.core.stop_words import cut_at_stop_word, tokens_covering
 from pipeline.serving.error_kinds import ErrorKind
 
 if TYPE_CHECKING:
@@ -41,7 +40,6 @@ class Progress:
 
     def on_canvas(self, job: Job, tokens: list[int]) -> None:
         core, m = self.core, self.core.metrics
-        piece = core.session.decode(tokens)
         job.canvases += 1
         m.canvases.increment(1)
         m.tokens.increment(len(tokens))
@@ -51,22 +49,20 @@ class Progress:
         if job.first_canvas is None:
             job.first_canvas = now - job.started
             m.time_to_first_canvas.observe(job.first_canvas)
-        kept, hit = cut_at_stop_word(job.text, piece, job.stop_words)
-        emitted = len(tokens)
-        if hit:
+        before, emitted = len(job.output.ids), len(tokens)
+        new = job.output.add(tokens)
+        if job.output.stopped:
             core.runtime.cancel(job.request_id)
-            job.stopped_by_word = True
-            tokens = tokens[: tokens_covering(core.session.decode, tokens, len(kept))]
+            tokens = tokens[: max(0, len(job.output.ids) - before)]
         job.tokens += len(tokens)  # the tokens of the text returned (a stop word cut drops the rest)
-        job.text += kept
         if job.flags[
             "return_log_probs"
         ]:  # the returned tokens' entries (the runtime's are per emitted token)
             records = job.result.logprobs[job.logprobs_read : job.logprobs_read + emitted]
             job.logprobs_read += emitted
             job.logprobs += token_entries(self.tokens, tokens, records[: len(tokens)])
-        if job.flags["stream"] and kept:
-            job.channel.send(responses.piece(kept, *self.counts(job), self.take_logprobs(job)))
+        if job.flags["stream"] and new:
+            job.channel.send(responses.piece(new, *self.counts(job), self.take_logprobs(job)))
 
     @staticmethod
     def take_logprobs(job: Job) -> list[dict[str, Any]] | None:
@@ -90,7 +86,7 @@ class Progress:
         # metrics first: a client that reads them after its final response sees its request counted
         core.jobs.pop(job.request_id, None)
         core.update_load()
-        reason = "stop" if job.stopped_by_word else res.finish_reason
+        reason = "stop" if job.output.stopped else res.finish_reason
         if reason == "cancelled" and job.channel.is_cancelled():
             m.cancelled.increment(1)
             # the client went away: no response, but the final release still frees the request in the
@@ -105,6 +101,9 @@ class Progress:
         if reason == "error":  # this request's guide could not go on; the batch went on without it
             core.fail(job, Failure(ErrorKind.INVALID_REQUEST, res.error or "the request failed"))
             return
+        rest = job.output.finish()  # the text held back for the next canvas: there is none
+        if job.flags["stream"] and rest:
+            job.channel.send(responses.piece(rest, *self.counts(job), self.take_logprobs(job)))
         for steps in res.steps_per_canvas:
             m.steps.increment(steps)
             m.steps_per_canvas.observe(steps)
@@ -116,7 +115,7 @@ class Progress:
         if job.flags["stream"]:
             text = ""
         elif job.flags["exclude_input_in_output"]:
-            text = job.text
+            text = job.output.text
         else:  # the prompt as the model read it (a chat: its rendered template), for text and messages alike
-            text = self.core.session.decode_prompt(job.prompt_ids) + job.text
+            text = self.core.session.decode_prompt(job.prompt_ids) + job.output.text
         return responses.final(text, reason, steps, *self.counts(job), self.take_logprobs(job))

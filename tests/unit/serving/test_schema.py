@@ -292,7 +292,7 @@ def test_a_request_that_fails_in_the_worker_is_answered_alone(model, monkeypatch
     assert flags == 1 and "Overflow when unpacking long long" in response.error.message
 
     # a callback that fails (here: decoding) fails its own request and cancels it in the runtime
-    model.core.session.decode = lambda tokens: (_ for _ in ()).throw(
+    model.core.jobs[1].output.decode = lambda tokens: (_ for _ in ()).throw(
         UnicodeDecodeError("utf-8", b"", 0, 1, "bad")
     )
     first = model.core.runtime.submitted[0]
@@ -324,7 +324,7 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
     model.execute([req])
     job, request = model.core.inbox.get_nowait()
     assert request.max_tokens == schema.INPUT["max_tokens"].default and request.seed == 0
-    assert job.flags == dict.fromkeys(schema.FLAGS, False) and job.stop_words == []
+    assert job.flags == dict.fromkeys(schema.FLAGS, False) and job.output.stop_words == []
     assert model.core.session.knobs == {} and request.template == "default"
     assert job.timeout_s == 60.0  # the server's limit
     assert request.min_tokens == 0  # an end token stops it
@@ -361,7 +361,7 @@ def test_model_accepts_every_input_and_applies_the_schemas_defaults(model):
     model.execute([req])  # a guided request is taken in off the execute thread (its guide may compile)
     job, request = model.core.inbox.get(timeout=10)
     assert not req.sender.sent
-    assert (request.max_tokens, request.seed, job.stop_words) == (82, 7, ["9", "x"])
+    assert (request.max_tokens, request.seed, job.output.stop_words) == (82, 7, ["9", "x"])
     assert job.flags == {f: True for f in schema.FLAGS} and request.on_draft is not None
     knobs = {t.name for t in schema.INPUTS if t.sampler}
     assert model.core.session.knobs == {k: values[k] for k in knobs}
@@ -459,7 +459,7 @@ def test_model_echoes_the_prompt_it_read_for_text_and_messages(model, chat):
         req = FakeRequest({**prompt_in, "exclude_input_in_output": arr("exclude_input_in_output", exclude)})
         model.execute([req])
         job, _ = model.core.inbox.get_nowait()
-        job.text = "ANSWER"  # what the canvases committed
+        job.output.add([ord(c) for c in "ANSWER"])  # what the canvases committed
         model.core.progress.on_finish(job, types.SimpleNamespace(finish_reason="stop", steps_per_canvas=[2]))
         ((response, flag),) = req.sender.sent
         outs = {t.name: t.arr for t in response.output_tensors}
@@ -476,7 +476,7 @@ def test_model_responses_are_schema_outputs(model):
     req = FakeRequest({"text_input": arr("text_input", PROMPT), **{f: arr(f, True) for f in flags}})
     model.execute([req])
     job, _ = model.core.inbox.get_nowait()
-    job.text = "done"
+    job.output.add([ord(c) for c in "done"])
     job.channel.send(model.core.progress.final(job, "stop", [3, 4]))
     ((response, flag),) = req.sender.sent
     outs = {t.name: t.arr for t in response.output_tensors}

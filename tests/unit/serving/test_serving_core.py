@@ -16,7 +16,6 @@ from pipeline.serving.core.metrics import Metrics
 from pipeline.serving.core.responses import Failure, Outputs
 from pipeline.serving.core.service import ServingCore
 from pipeline.serving.core.shutdown import SHUTTING_DOWN
-from pipeline.serving.core.stop_words import cut_at_stop_word
 from pipeline.serving.error_kinds import ErrorKind, from_wire
 
 
@@ -46,13 +45,6 @@ def test_an_untagged_error_is_read_by_nothing_but_its_default():
         f"{schema.DRAINING} (past its deadline)",
     )
     assert from_wire("[bogus] x", ErrorKind.INTERNAL) == (ErrorKind.INTERNAL, "[bogus] x")
-
-
-def test_stop_words_cut_the_text_even_across_canvases():
-    assert cut_at_stop_word("", "hello world", ["wor"]) == ("hello ", True)
-    assert cut_at_stop_word("hello w", "orld", ["wor"]) == ("", True)  # straddles: nothing more is sent
-    assert cut_at_stop_word("ab", "cdXef", ["X", "d"]) == ("c", True)  # the earliest of them
-    assert cut_at_stop_word("ab", "cd", ["X"]) == ("cd", False)
 
 
 def test_a_deadline_counts_from_the_batch_slot_only():
@@ -523,17 +515,32 @@ def test_input_arrays_reach_the_core_as_the_transport_hands_them():
     assert isinstance(arrays["max_tokens"], np.ndarray)
 
 
-def test_a_stop_word_cut_counts_the_tokens_of_the_text_returned():
-    from pipeline.serving.core.stop_words import tokens_covering
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_word_straddling_two_canvases_is_never_sent(stream):
+    """A stop word begun at one canvas's end and finished by the next: no part of it reaches the client,
+    streamed or not, and the finish reason is `stop`."""
+    c, channel = core(), Channel()
+    c.accept(inputs("hi", stop_words=["END"], exclude_input_in_output=True, stream=stream).get, {}, channel)
+    job, req = c.inbox.get_nowait()
+    c.jobs[job.request_id] = job
+    req.on_canvas(req, [ord(x) for x in "abcE"])  # the stop word's first letter ends the first canvas
+    req.on_canvas(req, [ord(x) for x in "NDxyz"])
+    req.on_finish(types.SimpleNamespace(finish_reason="cancelled", steps_per_canvas=[3, 2]))
+    texts = [r.values["text_output"][0] for r in channel.sent if r is not None]
+    assert "".join(texts) == "abc" and channel.sent[-1].values["finish_reason"] == ["stop"]
+    if stream:  # "abc" as soon as its canvas came, the held "E" never
+        assert texts[0] == "abc"
 
-    words = {1: "Hello", 2: " wor", 3: "ld", 4: "!"}
 
-    def decode(tokens):
-        return "".join(words[t] for t in tokens)
-
-    assert tokens_covering(decode, [1, 2, 3, 4], len("Hello wo")) == 2  # the token the cut falls in counts
-    assert tokens_covering(decode, [1, 2, 3, 4], len("Hello")) == 1
-    assert tokens_covering(decode, [1, 2, 3, 4], 0) == 0
+def test_a_tail_held_for_a_stop_word_that_never_comes_is_sent_at_the_end():
+    c, channel = core(), Channel()
+    c.accept(inputs("hi", stop_words=["END"], exclude_input_in_output=True, stream=True).get, {}, channel)
+    job, req = c.inbox.get_nowait()
+    c.jobs[job.request_id] = job
+    req.on_canvas(req, [ord(x) for x in "abcEN"])
+    req.on_finish(types.SimpleNamespace(finish_reason="length", steps_per_canvas=[3]))
+    texts = [r.values["text_output"][0] for r in channel.sent if r is not None]
+    assert texts[:2] == ["abc", "EN"] and channel.sent[-1].values["finish_reason"] == ["length"]
 
 
 def test_a_sudoku_canvas_cut_short_is_not_padded_so_text_and_count_agree():
