@@ -12,9 +12,10 @@ are T = 0.8), each clamped to the sampler's valid range (so T = 0 is the near-gr
 
 Structured output (docs/constrained.md): `response_format` {type: json_schema | json_object | text}, or the
 extra body fields `guided_json` (a schema), `guided_regex` and `guided_choice` (vLLM's names), one at most,
-become the Triton inputs `guided_decoding_guide_type` / `guided_decoding_guide`. The guide is compiled to a
-regular expression here already, so a schema construct the compiler cannot honour is a 400 naming it before
-the request reaches Triton (the Triton model compiles the token automaton and answers a 400 as well).
+become the Triton inputs `guided_decoding_guide_type` / `guided_decoding_guide`. The guide is checked here
+already (`GuideSpec.check`: a JSON schema by llguidance, a regex or choice by its own compiler), so a
+construct dgpipe cannot honour is a 400 naming it before the request reaches Triton (the Triton model
+compiles the token-level guide and answers a 400 as well).
 
 Seed: OpenAI's `seed` is any 64-bit integer; the sampler's seeds are 63-bit, so a seed maps onto them as
 `seed % 2**63` (deterministic: -1 is 2**63 - 1). An unset seed draws a fresh one (`secrets.randbits(63)`)
@@ -189,7 +190,7 @@ class _Common(BaseModel):
 
     def guide(self) -> tuple[str, str] | None:
         """(guided_decoding_guide_type, guided_decoding_guide) from whichever structured-output field is set,
-        checked by compiling it to a regex (RequestError naming the field and the construct)."""
+        checked as the Triton model will compile it (RequestError naming the field and the construct)."""
         found: list[tuple[str, str, str]] = []  # (param, type, guide)
         fmt = self.response_format
         if fmt is not None:
