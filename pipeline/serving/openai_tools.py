@@ -25,6 +25,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.errors import InputError
+from pipeline.sampler.constraints import GuideSpec
 from pipeline.serving.openai_schema import ChatCompletionRequest, RequestError
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -109,12 +111,22 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
 def request_plan(req: ChatCompletionRequest) -> ToolPlan | None:
     """A chat request's plan, checked against its other constraint fields."""
     plan = tool_plan(req.tools, req.tool_choice, parallel=req.parallel_tool_calls is not False)
-    if plan is not None and plan.guide() is not None and req.guide() is not None:
-        raise RequestError(
-            "a forced tool call is generated under its function's schema: leave out 'response_format' "
-            "and the guided_* fields",
-            "tool_choice",
-        )
+    if plan is not None and plan.guide() is not None:
+        if req.guide() is not None:
+            raise RequestError(
+                "a forced tool call is generated under its function's schema: leave out 'response_format' "
+                "and the guided_* fields",
+                "tool_choice",
+            )
+        # each schema the call may be generated under, checked as the user wrote it: its pointers are
+        # into tools[i].function.parameters, not into the guide built around them
+        for i, t in enumerate(plan.tools):
+            if plan.choice == "function" and t["function"]["name"] != plan.name:
+                continue
+            try:
+                GuideSpec("json_schema", json.dumps(plan.parameters(t["function"]["name"]))).check()
+            except InputError as e:
+                raise RequestError(f"'tools[{i}].function.parameters': {e}", "tools") from e
     return plan
 
 

@@ -247,3 +247,21 @@ def test_a_required_call_is_generated_under_a_closed_schema_per_tool():
             )
         ]
     }
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_a_forced_calls_unsupported_schema_keyword_is_a_400_naming_the_tool_and_its_pointer(choice):
+    """Each schema a forced call may be generated under is checked before the request reaches Triton, as the
+    user wrote it: the pointer is into that tool's `parameters`, not into the guide built around them."""
+    ok = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}  # fmt: skip
+    c, fake = client()
+    r = c.post("/v1/chat/completions", json={**CHAT, "tools": [ok, bad], "tool_choice": choice})
+    err = assert_error(r, 400, "tools", contains="'tools[1].function.parameters': ")
+    assert "#/properties/a" in err["message"] and "anyOf" not in err["message"] and not fake.calls
+    # a named call is generated under its own function's schema alone: another tool's is not its concern
+    if isinstance(choice, dict):
+        named_ok = {**choice, "function": {"name": "g"}}
+        r = c.post("/v1/chat/completions", json={**CHAT, "tools": [ok, bad], "tool_choice": named_ok})
+        assert r.status_code == 200, r.text
