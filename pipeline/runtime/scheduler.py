@@ -148,7 +148,7 @@ class BlockDiffusionRuntime:
         self.req_id = torch.zeros(s, dtype=torch.long, device=dev)
         f32 = {"dtype": torch.float32, "device": dev}
         self.n_steps = torch.ones(s, dtype=torch.long, device=dev)
-        self.t_min, self.t_max = torch.ones(s, **f32), torch.ones(s, **f32)
+        self.t_min, self.t_span = torch.ones(s, **f32), torch.zeros(s, **f32)  # span: t_max - t_min
         self.bound, self.conf = torch.ones(s, **f32), torch.zeros(s, **f32)
         self.stab_k = torch.ones(s, dtype=torch.long, device=dev)
         self.results: list[Result | None] = [None] * s
@@ -319,7 +319,8 @@ class BlockDiffusionRuntime:
         s = req.sampler
         self.seed[slot] = req.seed
         self.req_id[slot] = req.request_id if req.draw_id is None else req.draw_id
-        self.n_steps[slot], self.t_min[slot], self.t_max[slot] = s.max_denoising_steps, s.t_min, s.t_max
+        self.n_steps[slot], self.t_min[slot] = s.max_denoising_steps, s.t_min
+        self.t_span[slot] = s.t_max - s.t_min  # in double, as transformers takes it (`temperatures`)
         self.bound[slot], self.conf[slot], self.stab_k[slot] = (
             s.entropy_bound,
             s.confidence_threshold,
@@ -537,7 +538,7 @@ class BlockDiffusionRuntime:
         live = ~self.done[slots]
         sampler = SamplerInputs(
             temperature=temperatures(
-                self.step_idx[slots], self.n_steps[slots], self.t_min[slots], self.t_max[slots]
+                self.step_idx[slots], self.n_steps[slots], self.t_min[slots], self.t_span[slots]
             ),
             bound=self.bound[slots],
             keys=self._keys(slots),

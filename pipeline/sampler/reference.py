@@ -77,10 +77,13 @@ class StepOutput:
 
 
 def temperatures(
-    step: torch.Tensor, n_steps: torch.Tensor, t_min: torch.Tensor, t_max: torch.Tensor
+    step: torch.Tensor, n_steps: torch.Tensor, t_min: torch.Tensor, t_span: torch.Tensor
 ) -> torch.Tensor:
-    """Linear schedule per row: t_max at step 0 down to t_min + (t_max - t_min)/N at step N-1."""
-    return t_min + (t_max - t_min) * (n_steps - step).to(t_min.dtype) / n_steps.to(t_min.dtype)
+    """Linear schedule per row: t_max at step 0 down to t_min + (t_max - t_min)/N at step N-1, rounded as
+    transformers rounds it (`t_span` = t_max - t_min taken in double, then stored; the steps left over N
+    first, in t_min's dtype), so that the logits are divided by the very same temperature."""
+    left = (n_steps - step).to(t_min.dtype) / n_steps.to(t_min.dtype)
+    return t_min + t_span * left
 
 
 def entropy_bound_keep(entropy: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:

@@ -67,17 +67,24 @@ def test_stability_matches_transformers():
             assert torch.equal(ours, ref(amax, logits)), (k, step)
 
 
-def test_temperature_schedule_matches_transformers():
+@pytest.mark.parametrize(
+    ("t_min", "t_max", "n"), [(0.4, 0.8, 48), (0.2, 1.0, 16), (0.1, 0.7, 128), (0.3, 0.9, 7)]
+)
+def test_temperature_schedule_matches_transformers_bit_for_bit(t_min, t_max, n):
+    """The fp32 logits are divided by the very temperature transformers divides them by (its processor
+    takes the step as an int32 tensor, as its generate loop passes it): one ulp apart, a position at the
+    entropy bound's edge may be kept by one and not the other."""
     gen = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
-    proc = gen.LinearTemperatureScheduleLogitsProcessor(t_min=0.4, t_max=0.8, max_denoising_steps=48)
-    ones = torch.ones(1, 1)
-    for step in range(48):
-        ref_t = 1 / proc(None, ones, cur_step=48 - step).item()
-        ours = temperatures(
-            torch.tensor([step]), torch.tensor([48]), torch.tensor([0.4]), torch.tensor([0.8])
-        )
-        assert ours.item() == pytest.approx(ref_t, rel=1e-6)
-        assert SamplerConfig().temperature(step) == pytest.approx(ref_t, rel=1e-6)
+    proc = gen.LinearTemperatureScheduleLogitsProcessor(t_min=t_min, t_max=t_max, max_denoising_steps=n)
+    logits = torch.linspace(-30, 30, 1001)
+    steps = torch.arange(n)
+    ours = temperatures(steps, torch.full((n,), n), torch.full((n,), t_min), torch.full((n,), t_max - t_min))
+    for step in range(n):
+        ref = proc(None, logits, cur_step=torch.tensor(n - step, dtype=torch.int32))
+        assert torch.equal(logits / ours[step], ref), step
+        assert SamplerConfig(t_min=t_min, t_max=t_max, max_denoising_steps=n).temperature(
+            step
+        ) == pytest.approx(ours[step].item(), rel=1e-6)
 
 
 def test_counter_rng_is_stateless_and_keyed():
