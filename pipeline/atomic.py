@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -99,8 +100,18 @@ def atomic_dir(final: Path, kind: str, marker: Marker):
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, final)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            io = _os_error_in(e, final)
+            if io is not None:
+                raise io from e
             raise
 
     return _cm()
+
+
+def _os_error_in(e: BaseException, where: Path) -> OSError | None:
+    """The file system's refusal that a writer reports as its own error type (safetensors' SafetensorError
+    "I/O error: No space left on device (os error 28)"), as the OSError it is, naming the output dir."""
+    m = None if isinstance(e, OSError) else re.search(r"\(os error (\d+)\)", str(e))
+    return OSError(int(m[1]), os.strerror(int(m[1])), str(where)) if m else None

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import json
@@ -22,11 +23,12 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, Field
 
 from pipeline import __version__
-from pipeline.atomic import atomic_write_text
+from pipeline.atomic import atomic_write_text, make_dir
 from pipeline.endpoints import MODEL_NAME as MODEL_NAME  # the layout's model dir
 from pipeline.errors import DgpipeError, validation_error
 
 MANIFEST_NAME = "build_manifest.json"
+LOCK_NAME = ".dgpipe.lock"  # locked by the one command writing the build dir (build_lock)
 SCHEMA_VERSION = 1
 
 # ---- layout -----------------------------------------------------------------------------------------
@@ -46,6 +48,7 @@ LAYOUT = {
 }
 
 P = TypeVar("P", bound=PurePath)  # a local Path, or a PurePosixPath inside a pod
+R = TypeVar("R")
 
 
 def model_version_dir(repository: P, name: str = MODEL_NAME) -> P:
@@ -198,3 +201,60 @@ def checkpoint_hash(
 ) -> str:
     """The content hash a build manifest records for its source checkpoint (weights and config.json)."""
     return hash_files([*ckpt_dir.glob("*.safetensors"), *ckpt_dir.glob("config.json")], blocks)
+
+
+_HELD: set[Path] = set()  # the build dirs this process holds (`build_lock`)
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: str | Path) -> Iterator[None]:
+    """Hold the build dir for one writer: a second dgpipe command writing it (`dgpipe build`, or a stage
+    with --build-dir) is refused at once instead of interleaving stages, each of which would record its own
+    options over the other's artifacts. An flock, so a killed holder releases it with its process; taken
+    again by its holder (a build running its stages), it is already held."""
+    import fcntl
+
+    build_dir = Path(build_dir).resolve()
+    if build_dir in _HELD:
+        yield
+        return
+    make_dir(build_dir)
+    try:
+        fh = open(build_dir / LOCK_NAME, "a")  # noqa: SIM115  (closed below, which releases the lock)
+    except OSError:  # a build dir this process cannot write: the stage's own first write says so
+        yield
+        return
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            raise DgpipeError(
+                f"{build_dir}: another dgpipe command is writing this build dir",
+                "wait for it to finish, or pass another --build-dir",
+            ) from e
+        except OSError:  # a file system without locks (NFS without its lock service): held by no one
+            pass
+        _HELD.add(build_dir)
+        try:
+            yield
+        finally:
+            _HELD.discard(build_dir)
+
+
+def holding_build_dir(stage: Callable[..., R]) -> Callable[..., R]:
+    """A stage function that holds its `build_dir` argument (`build_lock`) while it runs, where one is
+    given: the same stage runs alone (`dgpipe export --build-dir`) or inside `dgpipe build`."""
+    import functools
+    import inspect
+
+    signature = inspect.signature(stage)
+
+    @functools.wraps(stage)
+    def run(*args: Any, **kwargs: Any) -> R:
+        build_dir = signature.bind(*args, **kwargs).arguments.get("build_dir")
+        if build_dir is None:
+            return stage(*args, **kwargs)
+        with build_lock(build_dir):
+            return stage(*args, **kwargs)
+
+    return run

@@ -58,4 +58,12 @@ def load_yaml(kind: str, name: str) -> dict:
         known = ", ".join(config_names(kind))
         raise DgpipeError(f"unknown {kind[:-1]} '{name}'", f"choose one of: {known}")
     with open(path) as fh:
-        return yaml.safe_load(fh)
+        try:
+            raw = yaml.safe_load(fh)
+        except yaml.YAMLError as e:
+            raise DgpipeError(f"{path}: not valid YAML ({' '.join(str(e).split())})", "fix the file") from e
+    if not isinstance(raw, dict):
+        raise DgpipeError(
+            f"{path}: expected a mapping of keys to values, found {type(raw).__name__}", "fix the file"
+        )
+    return raw

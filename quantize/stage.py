@@ -11,6 +11,7 @@ from pipeline.builddir import (
     LAYOUT,
     MANIFEST_NAME,
     BuildManifest,
+    holding_build_dir,
     load_or_create,
     record_stage,
 )
@@ -21,6 +22,7 @@ from quantize.run import Phases, QuantizeOptions, QuantizeResult, quantize_check
 STAGE = "quantize"
 
 
+@holding_build_dir
 def quantize_stage(
     opts: QuantizeOptions,
     build_dir: Path,

@@ -33,6 +33,7 @@ from pipeline.build.events import (
 from pipeline.build.summary import Row, engines, next_command, tree_size
 from pipeline.builddir import (
     LAYOUT,
+    build_lock,
     load_or_create,
     save_manifest,
 )
@@ -87,7 +88,6 @@ def run_build(opts: BuildOptions, emit: Emit) -> dict:
     dir, precision, targets and each stage's figures by stage name (also in the BuildFinished event)."""
     started = time.monotonic()
     emit(StageStarted("validate", f"checking {opts.model}: config, tensors, finite weights"))
-    from pipeline.deploy.smoke import smoke_test_for
     from pipeline.model.validate import validate_checkpoint
     from quantize.run import check_options
 
@@ -102,6 +102,21 @@ def run_build(opts: BuildOptions, emit: Emit) -> dict:
     opts.limits.validate(source.config.canvas_length)  # the engines and the repository, before any stage
     opts.limits.check_fits(source.config.canvas_length)
     build_dir = opts.build_dir.resolve()
+    with build_lock(build_dir):  # one writer: a second build into it is refused, not interleaved
+        return _run_stages(opts, emit, source, targets, build_dir, started)
+
+
+def _run_stages(
+    opts: BuildOptions,
+    emit: Emit,
+    source: ValidatedCheckpoint,
+    targets: list[str],
+    build_dir: Path,
+    started: float,
+) -> dict:
+    """`run_build` past its checks, the build dir held: the manifest, then each stage run or skipped."""
+    from pipeline.deploy.smoke import smoke_test_for
+
     man = load_or_create(
         build_dir,
         model=str(opts.model),

@@ -135,6 +135,7 @@ def main() -> None:
     """Console entry point: mapped errors (pipeline/cli/errors.py) become one line on stderr and an exit code."""
     from pipeline.cli import errors
 
+    errors.terminate_like_interrupt()  # serve installs its own drain handler over it
     try:
         app()
     except errors.handled() as e:

@@ -22,6 +22,17 @@ def _os_error(e: BaseException) -> str:
     return f"error: {where}{e.strerror or e} (check the path, its permissions and free space)"
 
 
+def terminate_like_interrupt() -> None:
+    """SIGTERM (kubectl delete, a CI cancel, `timeout`) unwinds like Ctrl-C: atomic writes remove their temp
+    dirs and a build says how to resume (typer exits 130 for both)."""
+    import signal
+
+    def _raise(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _raise)
+
+
 ERRORS: dict[type[BaseException], tuple[int, Callable[[BaseException], str]]] = {
     DgpipeError: (2, lambda e: f"error: {e}"),
     OSError: (2, _os_error),

@@ -274,6 +274,12 @@ def resolve(
                 f"drop --precision, or build again with --precision {precision} in a new build dir",
             )
         precision = manifest.precision
+        if not manifest.targets:
+            raise DgpipeError(
+                f"{build_dir} records no GPU target: its engine stage has not run",
+                f"finish the build: dgpipe build --build-dir {build_dir} --precision {manifest.precision} "
+                f"--target {cfg.gpu_target}",
+            )
         if cfg.gpu_target not in manifest.targets:
             raise DgpipeError(
                 f"deploy target {cfg.name} runs {cfg.gpu_target} GPUs, but {build_dir} was built for "

@@ -20,6 +20,7 @@ from pathlib import Path
 from pipeline.builddir import (
     LAYOUT,
     BuildManifest,
+    holding_build_dir,
     load_manifest,
     model_version_dir,
     record_stage,
@@ -38,6 +39,7 @@ from pipeline.targets import target as get_target
 STAGE = "engine"
 
 
+@holding_build_dir
 def engine_stage(
     build_dir: Path,
     manifest: BuildManifest,

@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from pipeline.builddir import holding_build_dir
 from pipeline.errors import DgpipeError
 from pipeline.stages import StageResult
 
@@ -28,6 +29,7 @@ def checkpoint_precision(ckpt_dir: Path) -> str:
     return {"bfloat16": "bf16", "float16": "fp16"}.get(str(cfg.get("dtype", "float32")), "fp32")
 
 
+@holding_build_dir
 def run_export(
     model_dir: Path,
     output: Path | None,

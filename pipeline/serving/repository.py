@@ -18,6 +18,7 @@ from pipeline.builddir import (
     MODEL_CHECKPOINT,
     MODEL_NAME,
     TRITON_MODEL_FILE,
+    holding_build_dir,
     model_version_dir,
     record_stage,
     target_engine_dir,
@@ -149,6 +150,7 @@ def copy_checkpoint(src: Path, dst: Path) -> None:
         shutil.copyfile(src / rel, dst / rel)
 
 
+@holding_build_dir
 def package_stage(
     build_dir: Path,
     overrides: dict[str, int | None] | None = None,

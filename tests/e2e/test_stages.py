@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.builddir import LOCK_NAME
 from tests._utils.cli import dgpipe
 
 pytest.importorskip("modelopt", reason="nvidia-modelopt is not installed (pip install dgpipe[quantize])")
@@ -51,4 +52,6 @@ def test_a_stage_refuses_another_precision_in_the_same_build_dir(tmp_path: Path)
     proc = dgpipe("quantize", "--precision", "fp8", "--build-dir", str(build))
     assert proc.returncode == 2
     assert "was built for precision=nvfp4, not fp8" in proc.stderr
-    assert sorted(p.name for p in build.iterdir()) == ["build_manifest.json"]  # nothing else written
+    # nothing else written (the lock of the command that writes the build dir is empty)
+    assert sorted(p.name for p in build.iterdir()) == [LOCK_NAME, "build_manifest.json"]
+    assert (build / LOCK_NAME).stat().st_size == 0

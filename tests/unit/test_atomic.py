@@ -75,3 +75,42 @@ def test_only_what_dgpipe_wrote_is_an_earlier_output(tmp_path: Path):
     (repo / "other" / "config.pbtxt").write_text('name: "other"\n')
     with pytest.raises(DgpipeError, match="exists and is not a model repository dgpipe package wrote"):
         check_replaceable(repo, REPOSITORY_KIND, _only_dgpipe_models)
+
+
+class _WriterError(
+    Exception
+):  # a writer's own error type for a file system refusal (safetensors' SafetensorError)
+    pass
+
+
+def test_a_full_disk_reported_by_a_writer_is_an_os_error_and_leaves_nothing(tmp_path: Path):
+    """safetensors reports ENOSPC as "I/O error: No space left on device (os error 28)" in an error of its
+    own type, which the CLI's error table does not know: it is raised as the OSError it is, naming the
+    output, so the command ends with one line and exit 2."""
+    out = tmp_path / "ckpt"
+    with pytest.raises(OSError) as e, atomic_dir(out, "a checkpoint", "*.safetensors"):
+        raise _WriterError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert e.value.errno == 28 and e.value.filename == str(out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_unwinds_an_atomic_write_under_the_cli(tmp_path: Path):
+    """SIGTERM (a pod deleted, a CI job cancelled, `timeout`) ends a command as Ctrl-C does: the temp dir of
+    the write it cut short is removed, not left on the PVC."""
+    import os
+    import signal
+
+    from pipeline.cli.errors import terminate_like_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    terminate_like_interrupt()
+    try:
+        with (
+            pytest.raises(KeyboardInterrupt),
+            atomic_dir(tmp_path / "onnx", "an ONNX export", "*.onnx") as tmp,
+        ):
+            (tmp / "model.onnx").write_bytes(b"partial")
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert list(tmp_path.iterdir()) == []

@@ -111,3 +111,34 @@ def test_context_length_is_prompt_tokens_and_two_canvases():
 
     assert context_length(100, 300, 82) == 100 + 300 + 2 * 82
     assert context_length(7, 0, 8) == 23
+
+
+def test_one_writer_holds_a_build_dir(tmp_path: Path):
+    """A second dgpipe command writing the same build dir (a build, or a stage with --build-dir) is refused
+    at once: interleaved, each recorded its options over the other's artifacts, and the next build resumed
+    from records that no longer matched the files. The holder itself takes it again freely (a build running
+    its stages), and a holder that dies releases it."""
+    import subprocess
+    import sys
+
+    from pipeline.builddir import build_lock
+    from pipeline.serving.repository import package_stage
+
+    with build_lock(tmp_path), build_lock(tmp_path):  # the holder's own stages
+        pass
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom pipeline.builddir import build_lock\n"
+         f"with build_lock({str(tmp_path)!r}):\n    print('held', flush=True)\n    time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(DgpipeError, match="another dgpipe command is writing this build dir"):
+            package_stage(tmp_path)
+        with pytest.raises(DgpipeError, match="another dgpipe command"), build_lock(tmp_path):
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with build_lock(tmp_path):  # released with its process
+        pass

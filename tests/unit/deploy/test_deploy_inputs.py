@@ -158,3 +158,14 @@ def test_deploy_cli_refuses_a_bad_render_json(tmp_path: Path, summary: dict, mon
     assert captured.err.startswith("error: ") and "Traceback" not in captured.err
     assert len(captured.err.strip().splitlines()) == 1 and RENDER_CASES[case][1] in captured.err
     assert "plan:" not in captured.out
+
+
+def test_manifests_of_a_build_dir_with_no_target_yet_is_one_error(tmp_path: Path):
+    """What `dgpipe quantize --build-dir` (or `export --build-dir`) alone leaves records no GPU target: the
+    error says which stage is missing and the command that finishes the build (it was an IndexError)."""
+    from pipeline.builddir import BuildManifest, save_manifest
+
+    save_manifest(tmp_path, BuildManifest(model="m", precision="fp8", targets=[]))
+    with pytest.raises(DgpipeError, match="records no GPU target") as e:
+        mf.resolve("dgx-h100", IMAGE, build_dir=tmp_path)
+    assert f"dgpipe build --build-dir {tmp_path} --precision fp8 --target sm90" in str(e.value.hint)
