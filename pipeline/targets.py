@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from functools import cache
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from pipeline.errors import DgpipeError
 from pipeline.resources import config_names, load_yaml
 
 
 class GPU(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # shipped YAML: a misspelt key is an error, not a default
+
     product: str
     # what the driver calls it (`torch.cuda.get_device_name`, nvidia-smi), exactly: how a running GPU finds
     # its entry (`gpu_named`). GPU feature discovery's label nvidia.com/gpu.product is a name, "-" for " ".
@@ -26,6 +28,8 @@ class GPU(BaseModel):
 
 
 class Target(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # shipped YAML: a misspelt key is an error, not a default
+
     name: str
     arch: str
     compute_capability: str
@@ -40,6 +44,8 @@ class Target(BaseModel):
 
 
 class Precision(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # shipped YAML: a misspelt key is an error, not a default
+
     name: str
     modelopt_config: str | None
     quant_algo: str | None

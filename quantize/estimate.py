@@ -11,12 +11,11 @@ from pipeline.errors import DgpipeError
 def load_config(config: str):
     """CONFIG.json (HF layout) or a configs/models/<name>.yaml name."""
     from pipeline.model.config import ModelConfig
-    from pipeline.resources import load_yaml
 
     p = Path(config)
     if p.suffix == ".json" or p.is_dir():
         return ModelConfig.from_json_file(p / "config.json" if p.is_dir() else p)
-    return ModelConfig.from_dict(load_yaml("models", config), source=config)
+    return ModelConfig.from_yaml(config)
 
 
 def estimate(

@@ -19,7 +19,6 @@ from pipeline.bench.results import save_result
 from pipeline.model.config import ModelConfig
 from pipeline.model.cost import denoise_pass_flops
 from pipeline.onnx.flops import graph_cost, pass_dims
-from pipeline.resources import load_yaml
 from pipeline.targets import target
 
 RESULT_FILE = "bench_flops.json"
@@ -61,7 +60,7 @@ def run(
     count is written from it)."""
     from pipeline.onnx.stream import structure_graph
 
-    mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
+    mcfg = ModelConfig.from_yaml(config)
     cfg = mcfg.text_config
     seq = mcfg.canvas_length
     rows = []

@@ -20,7 +20,6 @@ from pipeline.bench.timing import median_seconds
 from pipeline.limits import context_length
 from pipeline.model.config import ModelConfig
 from pipeline.model.network import DiffusionGemma, canvas_positions, rope_inv_freq
-from pipeline.resources import load_yaml
 from pipeline.runtime.backends import SamplerInputs, TorchBackend, sample_logits
 from pipeline.runtime.kv_cache import KVCache, attention_masks
 from pipeline.sampler.reference import RowKeys
@@ -250,7 +249,7 @@ def run_bench_model(
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
+    mcfg = ModelConfig.from_yaml(config)
     model = random_model(mcfg, dt, dev)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bandwidth = copy_bandwidth(dev, 2.0 if dev.type == "cuda" else 0.25)

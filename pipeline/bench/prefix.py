@@ -139,11 +139,10 @@ def load_bench_model(config: str | None, model_path: Path | None, threads: int):
     """Random weights of configs/models/<config>.yaml (fp32, CPU), or a checkpoint; torch threads set."""
     from pipeline.bench.model import random_model
     from pipeline.model.config import ModelConfig
-    from pipeline.resources import load_yaml
 
     torch.set_num_threads(threads)
     if config is not None:
-        m = random_model(ModelConfig.from_dict(load_yaml("models", config), source=config), torch.float32,
+        m = random_model(ModelConfig.from_yaml(config), torch.float32,
                          torch.device("cpu"))  # fmt: skip
         m.bench_name = f"{config} (random weights)"
         return m

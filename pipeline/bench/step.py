@@ -181,13 +181,12 @@ def _checkpoint(config: str | None, model: str | None, scratch: Path) -> tuple[P
     """The checkpoint every arm loads: `model` itself, or random fp32 weights for `config` written once."""
     from pipeline.bench.model import random_model
     from pipeline.model.checkpoint import save_checkpoint
-    from pipeline.resources import load_yaml
     from pipeline.runtime.session import default_model_path
 
     if config is None:
         path = Path(model) if model else default_model_path()
         return path, str(path)
-    mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
+    mcfg = ModelConfig.from_yaml(config)
     weights = random_model(mcfg, torch.float32, torch.device("cpu"))
     return save_checkpoint(weights, scratch / "checkpoint"), f"{config} (random weights)"
 

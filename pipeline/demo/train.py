@@ -35,7 +35,6 @@ from pipeline.demo.evaluate import eval_sudoku
 from pipeline.model.checkpoint import SAVED_CHECKPOINT, load_model, save_checkpoint
 from pipeline.model.config import ModelConfig, SamplerConfig
 from pipeline.model.network import DiffusionGemma
-from pipeline.resources import load_yaml
 from pipeline.runtime.kv_cache import KeyMeta, attention_masks
 
 
@@ -96,7 +95,7 @@ def default_generation_config() -> dict:
 
 
 def build_model(name: str, seed: int) -> DiffusionGemma:
-    config = ModelConfig.from_dict(load_yaml("models", name), source=f"configs/models/{name}.yaml")
+    config = ModelConfig.from_yaml(name)
     model = DiffusionGemma(config)
     model.init_weights(generator=torch.Generator().manual_seed(seed))
     return model

@@ -12,7 +12,7 @@ import re
 from functools import cache
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeline.errors import DgpipeError, validation_error
 from pipeline.resources import config_names, load_yaml
@@ -22,6 +22,8 @@ _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T|m)?$")
 
 class DeployTarget(BaseModel):
     """One node type of a GPU cluster and how one Triton replica is sized on it."""
+
+    model_config = ConfigDict(extra="forbid")  # shipped YAML: a misspelt key is an error, not a default
 
     name: str
     description: str

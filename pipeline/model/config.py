@@ -6,6 +6,7 @@ that a malformed field fails with the field's name, and so that `--help` stays f
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -220,6 +221,32 @@ class ModelConfig(BaseModel):
         if not isinstance(raw.get("text_config", {}), dict):
             raise CheckpointError(f"{source}: field 'text_config' is not an object", CONFIG_HINT)
         return cls.from_dict(raw, source)
+
+    @classmethod
+    def from_yaml(cls, name: str) -> ModelConfig:
+        """One of configs/models by name, or a YAML file of the user's (`--config`), read strictly: a key
+        this model does not have is refused by name (a config.json from transformers may carry keys dgpipe
+        does not read; dgpipe's own YAML has none, so a misspelt key would silently take the 26B's
+        default instead)."""
+        from pipeline.resources import load_yaml
+
+        raw = load_yaml("models", name)
+        for where, keys, known in (
+            ("", raw, cls.model_fields),
+            (
+                "text_config.",
+                raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {},
+                TextConfig.model_fields,
+            ),
+        ):
+            unknown = sorted(set(keys) - set(known))
+            if unknown:
+                close = difflib.get_close_matches(unknown[0], known, n=1)
+                raise CheckpointError(
+                    f"{name}: unknown key '{where}{unknown[0]}'",
+                    f"did you mean '{where}{close[0]}'?" if close else f"the keys are: {', '.join(known)}",
+                )
+        return cls.from_raw(raw, source=name)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> ModelConfig:

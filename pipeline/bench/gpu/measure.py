@@ -145,13 +145,12 @@ def measure_pass(
     from pipeline.bench.model import _graphed, copy_bandwidth, random_model
     from pipeline.bench.timing import median_seconds
     from pipeline.model.config import ModelConfig
-    from pipeline.resources import load_yaml
     from pipeline.runtime.compiled import compile_model
     from pipeline.runtime.dispatch import compute_ms, dispatch, experts_touched, floor_ms, pass_bytes
     from pipeline.runtime.gpu_load import finish_on_device
 
     dev = device or torch.device("cuda")
-    mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
+    mcfg = ModelConfig.from_yaml(config)
     model = random_model(mcfg, torch.bfloat16, dev)
     kernels = quantize_random(model, fmt) if fmt != "bf16" else "F.linear bf16 / F.grouped_mm bf16"
     # what the pass reads its weights in, fallbacks taken: its bytes and FLOP rates
@@ -350,13 +349,12 @@ def largest_batch(
     configuration and device, for testing this function itself off a GPU."""
     from pipeline.bench.model import random_model
     from pipeline.model.config import ModelConfig
-    from pipeline.resources import load_yaml
     from pipeline.runtime.gpu_load import finish_on_device
 
     dev = device or torch.device("cuda")
     arch = arch_of(*torch.cuda.get_device_capability(dev))
     fmt = "nvfp4" if arch in FP4_ARCHS else "fp8" if arch in FP8_ARCHS else "bf16"
-    mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
+    mcfg = ModelConfig.from_yaml(config)
     model = random_model(mcfg, torch.bfloat16, dev)
     if fmt != "bf16":
         quantize_random(model, fmt)

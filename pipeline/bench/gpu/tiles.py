@@ -376,7 +376,6 @@ def run_moe_tiles(
     import yaml
 
     from pipeline.model.config import ModelConfig
-    from pipeline.resources import load_yaml
     from pipeline.runtime.dispatch import arch_of
     from pipeline.targets import precision
 
@@ -401,7 +400,7 @@ def run_moe_tiles(
     if operand == "fp8" and not fp8_here:
         raise DgpipeError(f"{name} ({arch}) has no FP8 tensor cores (sm89+)", "tune with --operand bf16")
     element_bytes = 1 if operand == "fp8" else 2
-    mcfg = ModelConfig.from_dict(load_yaml("models", config), source=config)
+    mcfg = ModelConfig.from_yaml(config)
     text = mcfg.text_config
     shapes = gemm_shapes(text.hidden_size, text.moe_intermediate_size)
     todo = problems(shapes, canvases, mcfg.canvas_length, text.num_experts, text.top_k_experts, operand, dev)

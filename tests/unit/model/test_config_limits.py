@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.errors import CheckpointError
 from pipeline.model.config import MAX_PARAMETERS, ModelConfig
-from pipeline.resources import PACKAGE_DIR
+from pipeline.resources import PACKAGE_DIR, configs_dir
 
 SUDOKU = json.loads((PACKAGE_DIR / "models" / "sudoku-tiny" / "config.json").read_text())
 
@@ -50,3 +50,28 @@ def test_canvas_length_is_bounded_and_real_configs_pass():
         ).text_config.num_hidden_layers
         == 30
     )
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (lambda d: d["text_config"].update(num_layers=d["text_config"].pop("num_hidden_layers")),
+         "unknown key 'text_config.num_layers' (did you mean 'text_config.num_hidden_layers'?)"),
+        (lambda d: d.update(canvas_len=82), "unknown key 'canvas_len' (did you mean 'canvas_length'?)"),
+    ],
+)  # fmt: skip
+def test_a_misspelt_key_in_a_model_yaml_is_refused_by_name(tmp_path, edit, says):
+    """dgpipe's own model YAML (`--config FILE`) is read strictly: every field defaults to the 26B's value,
+    so a misspelt `num_hidden_layers` silently made a 30-layer model of the tiny one."""
+    import yaml
+
+    from pipeline.model.config import ModelConfig
+
+    raw = yaml.safe_load((configs_dir() / "models" / "sudoku-tiny.yaml").read_text())
+    edit(raw)
+    f = tmp_path / "mine.yaml"
+    f.write_text(yaml.safe_dump(raw))
+    with pytest.raises(CheckpointError) as e:
+        ModelConfig.from_yaml(str(f))
+    assert str(e.value) == f"{f}: {says}"
+    assert ModelConfig.from_yaml("sudoku-tiny").text_config.num_hidden_layers == 8  # the shipped ones read

@@ -6,7 +6,6 @@ import pytest
 
 from pipeline.errors import DgpipeError
 from pipeline.model.config import ModelConfig
-from pipeline.resources import load_yaml
 from pipeline.runtime.scheduler import BlockDiffusionRuntime
 from pipeline.targets import check_precision_on_target, precision, target
 from quantize.planner import (
@@ -20,7 +19,7 @@ from quantize.planner import (
 )
 from tests._utils.tiny import build_tiny
 
-CFG = ModelConfig.from_dict(load_yaml("models", "diffusiongemma-26b-a4b"))
+CFG = ModelConfig.from_yaml("diffusiongemma-26b-a4b")
 
 # hand arithmetic (docs/model.md, "Architecture"): hidden 2816, 30 layers (25 sliding + 5 global), vocab 262144
 D, V = 2816, 262_144

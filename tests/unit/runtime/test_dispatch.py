@@ -7,13 +7,12 @@ import torch
 
 from pipeline.model.config import ModelConfig
 from pipeline.model.network import GROUPED_MM_KERNEL_MAJORS, DiffusionGemma
-from pipeline.resources import load_yaml
 from pipeline.runtime import dispatch as dp
 
 
 @pytest.fixture(scope="module")
 def cfg26():
-    return ModelConfig.from_dict(load_yaml("models", "diffusiongemma-26b-a4b"), source="26b")
+    return ModelConfig.from_yaml("diffusiongemma-26b-a4b")
 
 
 def test_every_format_and_arch_has_one_row_and_fallbacks_say_why():

@@ -11,7 +11,6 @@ import torch
 
 from pipeline.bench.gpu import checks, layers, measure, report
 from pipeline.model.config import ModelConfig
-from pipeline.resources import load_yaml
 from pipeline.runtime.dispatch import pass_bytes
 from tests._utils.interpreter_casts import interpreted_exp, interpreted_tanh, rne_casts  # noqa: F401  (fixtures)
 
@@ -25,9 +24,8 @@ def test_attention_shapes_report_the_kernels_torch_may_pick_and_the_other_forms_
     packed along the K/V heads time the same attention (here on the CPU, where no CUDA kernel is
     eligible)."""
     from pipeline.model.config import ModelConfig
-    from pipeline.resources import load_yaml
 
-    cfg = ModelConfig.from_dict(load_yaml("models", "bench-medium"), source="bench-medium").text_config
+    cfg = ModelConfig.from_yaml("bench-medium").text_config
     rows = layers.attention_backends(cfg, 2, 256, torch.device("cpu"), repeats=1)
     assert [(r["kind"], r["q_heads"], r["kv_heads"], r["head_dim"], r["keys"]) for r in rows] == [
         ("sliding_attention", 8, 4, 64, 127 + 256),  # the ring holds window - 1 of the 256 cached tokens
@@ -266,14 +264,13 @@ def test_a_random_fp8_model_on_hopper_takes_the_crossover_of_this_gpus_tile_tabl
     dispatch row's 64 rows per expert, and the pass's kernels say so."""
     from pipeline.bench.model import random_model
     from pipeline.model.config import ModelConfig
-    from pipeline.resources import load_yaml
     from pipeline.runtime import probe as probing
     from pipeline.runtime.kernels import moe_tiles
     from pipeline.runtime.probe import probe_plan
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     everything = probing.Probe("sm90", {f"{kind}:{mode}": None for kind, mode, _ in probe_plan("sm90")})
-    mcfg = ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny")
+    mcfg = ModelConfig.from_yaml("sudoku-tiny")
     for measured, says in (
         (None, None),
         (256.0, "(Triton up to 256 rows per expert: this GPU's tile table)"),
@@ -312,7 +309,7 @@ def test_the_fp8_pass_on_an_ada_gpu_follows_the_runtimes_fallback_off_a_gpu(monk
     assert all(type(layer.experts) is Experts for layer in built[0].layers)
     # its floor: the bytes of the experts it ran, bf16, not the row's FP8, in the network's pass it timed
     # (no sampler, no soft embedding for a next step)
-    mcfg = ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny")
+    mcfg = ModelConfig.from_yaml("sudoku-tiny")
     ran = pass_bytes(
         mcfg.text_config, "fp8", "bf16", 1, mcfg.canvas_length, measure.CONTEXT, step=False
     ).total
@@ -330,7 +327,7 @@ def test_linears_that_failed_their_probe_say_so_and_count_as_bf16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     plan = {f"{kind}:{mode}": None for kind, mode, _ in probe_plan("sm90")}
     failed = probing.Probe("sm90", {**plan, "linear:fp8": "RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED"})
-    mcfg = ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny")
+    mcfg = ModelConfig.from_yaml("sudoku-tiny")
     model = random_model(mcfg, torch.bfloat16, torch.device("cpu"))
     kernels = measure.quantize_random(model, "fp8", failed)
     assert (
@@ -380,10 +377,9 @@ def test_a_failed_run_at_new_lengths_keeps_the_steady_canvases(monkeypatch):
     from pipeline.bench.gpu import canvas
     from pipeline.bench.model import random_model
     from pipeline.model.config import ModelConfig
-    from pipeline.resources import load_yaml
     from pipeline.runtime.scheduler import BlockDiffusionRuntime
 
-    mcfg = ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny")
+    mcfg = ModelConfig.from_yaml("sudoku-tiny")
     model = random_model(mcfg, torch.float32, torch.device("cpu"))
     generate = BlockDiffusionRuntime.generate
 
@@ -407,11 +403,10 @@ def test_network_paths_time_each_chain_against_its_torch_form(rne_casts, interpr
     both timed; and the table."""
     from pipeline.bench.gpu.network import network_paths, render_network
     from pipeline.model.config import ModelConfig
-    from pipeline.resources import load_yaml
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton's interpreter is on where no GPU is")
-    cfg = ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny").text_config
+    cfg = ModelConfig.from_yaml("sudoku-tiny").text_config
     rows = network_paths(cfg, 2, 8, 5, torch.device("cpu"), repeats=1)
     assert [r["chain"].split(" [")[0] for r in rows] == ["RoPE q", "head norms q, k, v", "softcap", "combine", "gated GeLU",
                                                          "gated GeLU to FP8", "gated GeLU to NVFP4", "residual sum", "router input", "FFN inputs", "FFN inputs to FP8", "FFN inputs to NVFP4", "FFN inputs to NVFP4 as per-row FP8", "layer end", "input norm to FP8", "input norm to NVFP4",

@@ -200,11 +200,8 @@ def test_the_reciprocal_is_torchs_fp32_division():
 def test_the_lm_head_takes_the_softcap_kernel_where_installed(monkeypatch):
     from pipeline.model.config import ModelConfig
     from pipeline.model.network import DiffusionGemma
-    from pipeline.resources import load_yaml
 
-    model = DiffusionGemma(
-        ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny")
-    ).bfloat16()
+    model = DiffusionGemma(ModelConfig.from_yaml("sudoku-tiny")).bfloat16()
     hidden = torch.randn(2, 3, model.cfg.hidden_size, dtype=torch.bfloat16)
     seen = []
     model.softcap_kernel = lambda logits, cap: seen.append((logits.dtype, cap)) or logits.float()
@@ -216,11 +213,10 @@ def test_the_lm_head_takes_the_softcap_kernel_where_installed(monkeypatch):
 def test_a_failed_probe_keeps_the_torch_form_and_says_why():
     from pipeline.model.config import ModelConfig
     from pipeline.model.network import DiffusionGemma
-    from pipeline.resources import load_yaml
     from pipeline.runtime import gpu_load
 
     with torch.device("meta"):
-        model = DiffusionGemma(ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny"))
+        model = DiffusionGemma(ModelConfig.from_yaml("sudoku-tiny"))
     for layer in model.layers:
         layer.self_attn.rope_kernel = kernels.chains.rope_or_torch
     probed = probing.Probe(
@@ -661,11 +657,8 @@ def test_the_router_input_is_torchs_bit_for_bit(rne_casts, dtype, d):  # noqa: F
 def test_the_router_takes_its_input_kernel_where_installed():
     from pipeline.model.config import ModelConfig
     from pipeline.model.network import DiffusionGemma
-    from pipeline.resources import load_yaml
 
-    model = DiffusionGemma(
-        ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny")
-    ).bfloat16()
+    model = DiffusionGemma(ModelConfig.from_yaml("sudoku-tiny")).bfloat16()
     router, seen = model.layers[0].router, []
     x = torch.randn(6, model.cfg.hidden_size, dtype=torch.bfloat16)
     with torch.inference_mode():
@@ -820,13 +813,10 @@ def test_the_gated_gelus_take_the_kernel_where_installed(monkeypatch):
     installed kernel in place of torch's form; the FP8 operand quantized by it in the same call."""
     from pipeline.model.config import ModelConfig
     from pipeline.model.network import DiffusionGemma
-    from pipeline.resources import load_yaml
     from pipeline.runtime import tensor_cores
     from pipeline.runtime.routed import RoutedExperts
 
-    model = DiffusionGemma(
-        ModelConfig.from_dict(load_yaml("models", "sudoku-tiny"), source="tiny")
-    ).bfloat16()
+    model = DiffusionGemma(ModelConfig.from_yaml("sudoku-tiny")).bfloat16()
     seen = []
     kernel = lambda g, u, s=None: seen.append((tuple(g.shape), s)) or network.gelu_tanh(g) * u
     layer, d = model.layers[0], model.cfg.hidden_size
