@@ -29,6 +29,8 @@ from pipeline.errors import DgpipeError, validation_error
 
 MANIFEST_NAME = "build_manifest.json"
 LOCK_NAME = ".dgpipe.lock"  # locked by the one command writing the build dir (build_lock)
+# a content hash cached beside a large file (the 26B's ONNX weights), keyed by its size and mtime
+HASH_CACHE_SUFFIX = ".sha256.json"
 SCHEMA_VERSION = 1
 
 # ---- layout -----------------------------------------------------------------------------------------

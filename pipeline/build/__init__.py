@@ -171,7 +171,7 @@ def _run_stages(
         t0 = time.monotonic()
         result = runners[stage](opts, build_dir, emit=emit)
         seconds = round(time.monotonic() - t0, 2)
-        man = resume.mark(build_dir, stage, fp, seconds)
+        man = resume.mark(build_dir, stage, fp, seconds, MAIN_OUTPUT[stage])
         out = result.paths.get(MAIN_OUTPUT[stage], build_dir / LAYOUT[MAIN_OUTPUT[stage]])
         gate = _gate(stage, opts, result.details)
         emit(

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.atomic import atomic_write_bytes
-from pipeline.builddir import LAYOUT, hash_files, target_engine_dir, target_plugin_dir
+from pipeline.builddir import HASH_CACHE_SUFFIX, LAYOUT, hash_files, target_engine_dir, target_plugin_dir
 from pipeline.engine import plugin_spec
 from pipeline.engine.plan_record import (
     ENGINE_MANIFEST,
@@ -137,7 +137,6 @@ UNQUANTIZED = {"fp32", "bf16", "fp16"}
 # at, and the FP8 / NVFP4 expert plugins take bf16 hidden states (moe_spec).
 GRAPH_DTYPE = "bfloat16"
 _ONNX_DTYPES = {"FLOAT": "float32", "BFLOAT16": "bfloat16", "FLOAT16": "float16"}
-HASH_CACHE_SUFFIX = ".sha256.json"
 
 
 def onnx_sha256(onnx: Path) -> str:

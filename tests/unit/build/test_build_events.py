@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,11 +72,19 @@ def test_a_stage_is_skipped_only_with_its_fingerprint_and_its_output(tmp_path: P
     assert (
         resume.finished(man, build, "export", "fp1", "onnx") is None
     )  # never marked: a lone `dgpipe export`
-    man = resume.mark(build, "export", "fp1", 2.5)
+    (build / "onnx" / "model.onnx").write_bytes(b"graph")
+    man = resume.mark(build, "export", "fp1", 2.5, "onnx")
     rec = resume.finished(man, build, "export", "fp1", "onnx")
     assert rec is not None and rec.details["build_seconds"] == 2.5 and rec.outputs == {"onnx": "onnx"}
     assert resume.finished(man, build, "export", "fp2", "onnx") is None  # inputs changed
-    (build / "onnx").rmdir()
+    (build / "onnx" / ".trt.x.onnx").write_bytes(b"lowered")  # the engine stage's, beside it for a while
+    assert resume.finished(man, build, "export", "fp1", "onnx") is not None
+    # another command wrote over the output since (`dgpipe export --output BUILD/onnx`): the stage runs again
+    (build / "onnx" / "model.onnx").write_bytes(b"another graph")
+    assert resume.finished(man, build, "export", "fp1", "onnx") is None
+    man = resume.mark(build, "export", "fp1", 2.5, "onnx")
+    assert resume.finished(man, build, "export", "fp1", "onnx") is not None
+    shutil.rmtree(build / "onnx")
     assert resume.finished(man, build, "export", "fp1", "onnx") is None  # output gone
 
 
