@@ -20,7 +20,7 @@ LOG_NAME = "build.log"  # third-party output of a build, in its build dir (pipel
 def build(
     model: opt.Model = None,
     adapter: opt.Adapter = None,
-    precision: Annotated[str, typer.Option(help="nvfp4, fp8, int4_awq or bf16")] = "nvfp4",
+    precision: Annotated[str, opt.precision()] = "nvfp4",
     name: opt.ModelName = MODEL_NAME,
     target: Annotated[
         list[str] | None,
@@ -81,7 +81,9 @@ def build(
 
 def _watched(out_dir: Path, as_json: bool, verbose: bool, run) -> None:
     """Run the build with its third-party output captured to build.log and its events shown (a live view,
-    or JSON lines with --json); a Ctrl-C says how to resume."""
+    or JSON lines with --json); a Ctrl-C says how to resume, and with --json a failure is an event too
+    (its line also goes to stderr, as for every command)."""
+    from pipeline.cli import errors
     from pipeline.cli.build_view import ConsoleView, JsonView
     from pipeline.cli.capture import capture
 
@@ -97,6 +99,11 @@ def _watched(out_dir: Path, as_json: bool, verbose: bool, run) -> None:
                 event="interrupted",
                 text="interrupted: run the same command to resume (finished stages are kept)",
             )
+            raise
+        except errors.handled() as e:
+            if as_json:
+                code, line = errors.mapped(e)
+                view.note(event="build_failed", error=line.removeprefix("error: "), exit_code=code)
             raise
         finally:
             view.close()

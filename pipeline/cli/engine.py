@@ -24,7 +24,7 @@ Target = Annotated[
     str, typer.Option(help="GPU target: sm90 (H100/H200), sm100 (B200), sm120 (RTX Blackwell)")
 ]
 Onnx = Annotated[Path | None, typer.Option(help="ONNX model (file or export dir); default: <build-dir>/onnx")]
-Precision = Annotated[str | None, typer.Option(help="bf16, fp8, int4_awq, nvfp4; default: the target's")]
+Precision = Annotated[str | None, opt.precision("nvfp4, fp8, int4_awq or bf16; default: the target's")]
 Output = Annotated[Path | None, opt.output("writes <output>/engines/<target>/; default: --build-dir")]
 Plugins = Annotated[
     Path | None, typer.Option(help="dir holding <target>/dg_sampler.ptx; default <output>/plugins")

@@ -36,19 +36,26 @@ def terminate_like_interrupt() -> None:
 ERRORS: dict[type[BaseException], tuple[int, Callable[[BaseException], str]]] = {
     DgpipeError: (2, lambda e: f"error: {e}"),
     OSError: (2, _os_error),
-    KeyboardInterrupt: (130, lambda e: "interrupted"),
 }
+# Ctrl-C (and SIGTERM, `terminate_like_interrupt`) is not here: typer ends the command with exit code 130
+# itself, before this table could see it (`dgpipe build` says how to resume first)
 
 
 def handled() -> tuple[type[BaseException], ...]:
     return tuple(ERRORS)
 
 
-def report(exc: BaseException) -> int:
-    """Print the mapped line for `exc` (after its traceback with DGPIPE_DEBUG=1); return the exit code."""
+def mapped(exc: BaseException) -> tuple[int, str]:
+    """(exit code, the one line) for a handled `exc`."""
     kind = next(k for k in type(exc).__mro__ if k in ERRORS)
     code, message = ERRORS[kind]
+    return code, message(exc)
+
+
+def report(exc: BaseException) -> int:
+    """Print the mapped line for `exc` (after its traceback with DGPIPE_DEBUG=1); return the exit code."""
+    code, line = mapped(exc)
     if os.environ.get("DGPIPE_DEBUG", "") not in ("", "0"):
         traceback.print_exception(exc, file=sys.stderr)
-    output.line(message(exc), err=True)
+    output.line(line, err=True)
     return code

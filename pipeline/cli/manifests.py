@@ -27,7 +27,7 @@ def manifests(
     replicas: Annotated[int | None, typer.Option(help="replicas (default: the deploy target's)")] = None,
     namespace: Annotated[str, typer.Option(help="Kubernetes namespace")] = "dgpipe",
     precision: Annotated[
-        str | None, typer.Option(help="precision without --build-dir (default: the target's)")
+        str | None, opt.precision("precision without --build-dir (default: the target's)")
     ] = None,
     lws_size: Annotated[
         int | None, typer.Option(help="render a LeaderWorkerSet with groups of this many pods")

@@ -126,6 +126,11 @@ def out(help: str):
     return typer.Option("--out", help=help)
 
 
+def precision(help: str = "nvfp4, fp8, int4_awq or bf16 (configs/precisions)"):
+    """`--precision / -p`: the weight format a command builds or runs (every command spells it alike)."""
+    return typer.Option("--precision", "-p", help=help)
+
+
 def build_dir(help: str):
     """`--build-dir DIR`: a `dgpipe build` directory (build_manifest.json)."""
     return typer.Option("--build-dir", help=help)

@@ -17,9 +17,7 @@ from pipeline.errors import DgpipeError
 app = opt.typer_app()
 
 
-Precision = Annotated[
-    str | None, typer.Option("--precision", "-p", help="nvfp4, fp8, int4_awq or bf16 (configs/precisions)")
-]
+Precision = Annotated[str | None, opt.precision()]
 Output = Annotated[Path | None, opt.output("quantized checkpoint dir (written atomically)")]
 BuildDir = Annotated[
     Path | None, opt.build_dir("write BUILD_DIR/checkpoint and record the stage (instead of --output)")

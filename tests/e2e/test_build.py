@@ -122,6 +122,16 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path: Path, args, m
     assert not (tmp_path / "build").exists()
 
 
+def test_a_failed_build_says_why_in_its_json_events(tmp_path: Path):
+    """A script reading `--json` learns why a build stopped from the events alone: the last line."""
+    proc = dgpipe("build", "--precision", "fp6", "--build-dir", str(tmp_path / "build"), "--json")
+    events = _events(proc.stdout)
+    assert proc.returncode == 2 and events[0]["event"] == "stage_started"
+    assert events[-1] == {"event": "build_failed", "error": "unknown precision 'fp6' (choose one of: "
+                          "bf16, fp8, int4_awq, nvfp4)", "exit_code": 2}  # fmt: skip
+    assert "unknown precision 'fp6'" in proc.stderr
+
+
 def test_an_interrupted_build_resumes_from_the_last_finished_stage(build):
     code, events, stderr = build["interrupted"]
     assert code == 130 and "Traceback" not in stderr and events[-1]["event"] == "interrupted"
