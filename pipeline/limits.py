@@ -37,6 +37,10 @@ class Limits(BaseModel):
     # request may ask for less (its timeout_s input). Bounds what an abandoned HTTP request can cost:
     # Triton's HTTP endpoint does not pass a client's disconnect on to the model (gRPC does)
     max_request_seconds: int = Field(600, ge=1, le=INT32_MAX)
+    # accepted requests waiting for a batch slot: one more is refused at once (503 with Retry-After, gRPC
+    # UNAVAILABLE) instead of waiting behind the backlog until its client gives up, so that a load balancer
+    # or client retries it on another replica; 0: unbounded. 256 is 32 full batches at the default max_batch
+    max_queue: int = Field(256, ge=0, le=INT32_MAX)
     # UTF-8 bytes of one prompt (text_input, or the text of the chat messages), checked before the prompt is
     # tokenized or rendered, so an oversized prompt costs a length check, not seconds of the model's request
     # thread (health pings wait on that thread). Its own cap, not derived from max_prompt: no tokenizer
@@ -63,6 +67,7 @@ class Limits(BaseModel):
         "max_tokens",
         "max_steps",
         "max_request_seconds",
+        "max_queue",
         "max_prompt_bytes",
         "max_guide_bytes",
         "max_regex_positions",

@@ -38,6 +38,7 @@ def build(
     max_tokens: opt.MaxTokens = None,
     max_steps: opt.MaxSteps = None,
     max_request_seconds: opt.MaxRequestSeconds = None,
+    max_queue: opt.MaxQueue = None,
     max_prompt_bytes: opt.MaxPromptBytes = None,
     max_guide_bytes: opt.MaxGuideBytes = None,
     max_regex_positions: opt.MaxRegexPositions = None,
@@ -54,20 +55,10 @@ def build(
 ) -> None:
     """Run every stage: quantize -> export ONNX -> sampler PTX + TensorRT engines (here, or the step for the
     target node) -> Triton model repository, recorded in BUILD_DIR/build_manifest.json."""
-    limits = opt.limits(
-        max_batch=max_batch,
-        max_prompt=max_prompt,
-        max_context=max_context,
-        max_tokens=max_tokens,
-        max_steps=max_steps,
-        max_request_seconds=max_request_seconds,
-        max_prompt_bytes=max_prompt_bytes,
-        max_guide_bytes=max_guide_bytes,
-        max_regex_positions=max_regex_positions,
-        max_guide_seconds=max_guide_seconds,
-        max_guide_memory_mib=max_guide_memory_mib,
-        prefix_cache_mib=prefix_cache_mib,
-    )
+    from pipeline.limits import Limits
+
+    # the limit options, by their one name (None: the default)
+    limits = opt.limits(**{k: v for k, v in locals().items() if k in Limits.model_fields})
     out_dir = build_dir or opt.cache_dir() / "build"
     _watched(
         out_dir,

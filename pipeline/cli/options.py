@@ -72,6 +72,13 @@ MaxRequestSeconds = Annotated[
         "max_request_seconds",
     ),
 ]
+MaxQueue = Annotated[
+    int | None,
+    _limit(
+        "requests waiting for a batch slot before one more is refused 503, retry elsewhere (0: no cap)",
+        "max_queue",
+    ),
+]
 MaxPromptBytes = Annotated[
     int | None,
     _limit(

@@ -41,6 +41,7 @@ def package(
     max_prompt: opt.MaxPrompt = None,
     max_steps: opt.MaxSteps = None,
     max_request_seconds: opt.MaxRequestSeconds = None,
+    max_queue: opt.MaxQueue = None,
     max_prompt_bytes: opt.MaxPromptBytes = None,
     max_guide_bytes: opt.MaxGuideBytes = None,
     max_regex_positions: opt.MaxRegexPositions = None,

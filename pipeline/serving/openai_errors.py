@@ -18,9 +18,15 @@ def error_body(message: str, type_: str = "invalid_request_error", param=None, c
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+RETRY_AFTER_S = (
+    "1"  # what a 503 tells its client to wait before retrying (draining, out of memory, Triton gone)
+)
+
+
 def error_response(status: int, message: str, param=None, code=None) -> JSONResponse:
     type_ = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+    headers = {"retry-after": RETRY_AFTER_S} if status == 503 else None
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
 def validation_message(e: ValidationError) -> tuple[str, str | None]:

@@ -208,14 +208,15 @@ class OpenAIServing:
             choices = [whole_choice(i, r, chat, logprobs, plan) for i, r in enumerate(whole)]
             body = {**head, "choices": choices, "usage": usage(whole)}
             return JSONResponse(body, headers=headers)
-        firsts = []
-        try:
-            for chunks in streams:  # Triton refuses a bad value before any output
-                firsts.append(await pull(chunks))
-        except BaseException:
-            for chunks in streams:
-                await close(chunks)
-            raise
+        firsts: list[Any] = [END] * len(streams)
+
+        async def first(i: int) -> None:  # Triton refuses a bad value before any output
+            firsts[i] = await pull(streams[i])
+
+        # the first chunk waits for a batch slot and a whole canvas: a client that leaves meanwhile cancels
+        left = await self._watched(streams, request, first)
+        if left is not None:
+            return left
         writer = EventWriter(head, chat, req.include_usage, req.continuous_usage, logprobs, plan)
         events = sse_events(writer, firsts, streams, [Reply() for _ in streams])
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
@@ -225,7 +226,26 @@ class OpenAIServing:
     ) -> list[Reply] | JSONResponse:
         """Every choice's whole reply; a client that leaves before they are done cancels the requests in
         Triton (closing the streams, as a streamed response does) instead of leaving them to run."""
-        replies, left, failure = [Reply() for _ in streams], False, None
+        replies = [Reply() for _ in streams]
+
+        async def collect(i: int) -> None:
+            while (item := await pull(streams[i])) is not END:
+                replies[i].add(item)
+
+        try:
+            left = await self._watched(streams, request, collect)
+        finally:
+            for chunks in streams:  # a no-op once Triton has finished; otherwise the request is dropped
+                await close(chunks)
+        return replies if left is None else left
+
+    async def _watched(
+        self, streams: list[Chunks], request: Request | None, work: Callable[[int], Any]
+    ) -> JSONResponse | None:
+        """`work(i)` for every stream while the client's connection is watched; the 499 response when the
+        client left first (the streams then closed: their requests cancelled in Triton), else None. A
+        failure of `work` closes every stream and is raised."""
+        left, failure = False, None
 
         async def watch(scope: anyio.CancelScope) -> None:
             nonlocal left
@@ -235,11 +255,10 @@ class OpenAIServing:
             left = True
             scope.cancel()
 
-        async def collect(i: int, scope: anyio.CancelScope) -> None:
+        async def run(i: int, scope: anyio.CancelScope) -> None:
             nonlocal failure
             try:
-                while (item := await pull(streams[i])) is not END:
-                    replies[i].add(item)
+                await work(i)
             except Exception as e:  # kept, not raised in the group (not as an ExceptionGroup)
                 failure = failure or e
                 scope.cancel()
@@ -248,12 +267,16 @@ class OpenAIServing:
             async with anyio.create_task_group() as tasks:
                 if request is not None:
                     tasks.start_soon(watch, tasks.cancel_scope)
-                async with anyio.create_task_group() as choices:
+                async with anyio.create_task_group() as each:
                     for i in range(len(streams)):
-                        choices.start_soon(collect, i, tasks.cancel_scope)
+                        each.start_soon(run, i, tasks.cancel_scope)
                 tasks.cancel_scope.cancel()
-        finally:
-            for chunks in streams:  # a no-op once Triton has finished; otherwise the request is dropped
+        except BaseException:
+            for chunks in streams:
+                await close(chunks)
+            raise
+        if failure is not None or left:
+            for chunks in streams:
                 await close(chunks)
         if failure is not None:
             raise failure
@@ -261,7 +284,7 @@ class OpenAIServing:
             return JSONResponse(
                 error_body("the client closed the request", code="client_closed"), CLIENT_CLOSED
             )
-        return replies
+        return None
 
 
 def _too_large(size: str, limit: int) -> RequestError:

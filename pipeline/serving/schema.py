@@ -47,6 +47,9 @@ DRAIN_FILE_ENV = "DGPIPE_DRAIN_FILE"
 # how the model's lifecycle refusals begin: the clients map them to 503 / 504 instead of a 400
 DRAINING = "this server is draining (shutting down): retry on another replica"
 PAST_DEADLINE = "request ran past its deadline"
+QUEUE_FULL = (
+    "this server's queue is full ({} requests wait for a batch slot): retry shortly or on another replica"
+)
 
 
 class BadRequest(ValueError):
@@ -243,6 +246,9 @@ class ServerLimits:
     max_steps: int  # max_denoising_steps: denoise passes per canvas
     max_prompt: int  # prompt tokens (already within what the model's positions hold with one canvas)
     max_batch: int = DEFAULTS.max_batch  # rows of one denoise pass: requests beyond it wait for a slot
+    max_queue: int = (
+        DEFAULTS.max_queue
+    )  # requests waiting for a slot: one more is refused at once (0: no cap)
     # how long a request may run once it has a batch slot: its deadline
     max_request_seconds: float = float("inf")
     max_prompt_bytes: int = DEFAULTS.max_prompt_bytes  # UTF-8 bytes of a prompt, checked before tokenizing

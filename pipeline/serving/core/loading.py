@@ -74,6 +74,7 @@ def server_limits(params: dict[str, str], positions: int, canvas_length: int) ->
         max_steps=limits.max_steps,
         max_prompt=schema.prompt_limit(limits.max_prompt, positions, canvas_length),
         max_batch=limits.max_batch,
+        max_queue=limits.max_queue,
         max_request_seconds=float(limits.max_request_seconds),
         max_prompt_bytes=limits.max_prompt_bytes,
         max_guide_bytes=limits.max_guide_bytes,

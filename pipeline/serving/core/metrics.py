@@ -34,6 +34,9 @@ class Metrics:
         self.factory = make  # kept: it may own what its metrics need alive (Triton's metric families)
         self.requests = make.counter("dgpipe_requests_total", "Generate requests accepted")
         self.rejected = make.counter("dgpipe_requests_rejected_total", "Requests refused as invalid")
+        self.shed = make.counter(
+            "dgpipe_requests_shed_total", "Requests refused because max_queue requests already waited (503)"
+        )
         self.cancelled = make.counter("dgpipe_requests_cancelled_total", "Requests the client cancelled")
         self.expired = make.counter(
             "dgpipe_requests_expired_total",

@@ -21,7 +21,7 @@ from pipeline.serving.core.progress import Progress
 from pipeline.serving.core.responses import Channel, Failure, refusal
 from pipeline.serving.core.shutdown import SHUTTING_DOWN, shut_down
 from pipeline.serving.error_kinds import ErrorKind
-from pipeline.serving.schema import DRAINING, GUIDE_INPUTS, HEALTH_PARAMETER, INPUT, ServerLimits
+from pipeline.serving.schema import DRAINING, GUIDE_INPUTS, HEALTH_PARAMETER, INPUT, QUEUE_FULL, ServerLimits
 
 
 class ServingCore:
@@ -95,6 +95,11 @@ class ServingCore:
 
     def _take(self, get: InputGetter, parameters: Mapping[str, Any], channel: Channel) -> None:
         """Build the request (checks, prompt, guide) and queue it for the runtime loop, or refuse it."""
+        waiting = self.inbox.qsize() + len(self.runtime.waiting)
+        if self.limits.max_queue and waiting >= self.limits.max_queue:  # shed load before any work
+            self.metrics.shed.increment(1)
+            channel.send(Failure(ErrorKind.UNAVAILABLE, QUEUE_FULL.format(waiting)))
+            return
         try:
             if self._queue(self.inbox, self.intake.build(get, parameters, channel), channel):
                 self.metrics.requests.increment(1)

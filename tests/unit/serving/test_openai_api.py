@@ -653,8 +653,10 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(path, body, param):
     assert fake.calls == []
 
 
-def test_a_non_streamed_request_is_cancelled_in_triton_when_its_client_disconnects():
-    """The whole completion is awaited while the client's connection is watched: when it closes, the
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_is_cancelled_in_triton_when_its_client_disconnects_before_any_output(stream):
+    """The whole completion, or a stream's first chunk (a batch slot and a whole canvas away: the client
+    may give up while queued), is awaited while the client's connection is watched: when it closes, the
     Triton stream is closed (AsyncTriton then cancels the gRPC call) instead of running to its end."""
     started = threading.Event()
 
@@ -669,7 +671,7 @@ def test_a_non_streamed_request_is_cancelled_in_triton_when_its_client_disconnec
 
     slow.closed, slow.ran_to_the_end = None, False
     app = create_app(slow)
-    body = json.dumps(TEXT).encode()
+    body = json.dumps({**TEXT, "stream": stream}).encode()
     sent: list[dict] = []
     left = 0.0
 
@@ -697,3 +699,15 @@ def test_a_non_streamed_request_is_cancelled_in_triton_when_its_client_disconnec
     anyio.run(run)
     assert slow.closed is not None and not slow.ran_to_the_end
     assert 0 <= slow.closed - left < 0.3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_503_carries_retry_after_as_the_frontends_own_drain_does(stream):
+    """A model that drains, ran out of GPU memory or is shutting down answers UNAVAILABLE: the 503 says when
+    to retry, as the frontend's own draining 503 does (load balancers and clients honour Retry-After)."""
+    from pipeline.serving import schema
+
+    for message in (schema.DRAINING, "the GPU ran out of memory at a batch of 2 requests: retry"):
+        http, _ = client(FakeTriton(error=TritonError(message, ErrorKind.UNAVAILABLE)))
+        r = http.post("/v1/completions", json={**TEXT, "stream": stream})
+        assert r.status_code == 503 and r.headers.get("retry-after") == "1", (message, r.headers)

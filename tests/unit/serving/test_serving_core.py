@@ -649,3 +649,24 @@ def test_a_token_of_no_mass_or_of_nan_is_reported_at_the_floor():
         [LOGPROB_FLOOR],
     ]
     json.dumps(entries, allow_nan=False)
+
+
+def test_a_request_past_a_full_queue_is_refused_unavailable_at_once_and_one_fits_again_once_it_moves():
+    """max_queue bounds the requests waiting for a batch slot: one more is answered 503 (retry) before any
+    work instead of waiting behind the backlog; the batch itself is not counted."""
+    import dataclasses
+
+    c = core()
+    c.limits = dataclasses.replace(c.limits, max_queue=2)
+    first, second, third = Channel(), Channel(), Channel()
+    c.accept(inputs("ab").get, {}, first)
+    c.accept(inputs("cd").get, {}, second)
+    c.accept(inputs("ef").get, {}, third)
+    assert first.sent == second.sent == [] and c.inbox.qsize() == 2
+    assert [type(r) for r in third.sent] == [Failure] and third.sent[0].kind is ErrorKind.UNAVAILABLE
+    assert "queue is full (2 requests" in third.sent[0].message
+    job, _ = c.inbox.get_nowait()  # the runtime loop takes one into the batch
+    c.jobs[job.request_id] = job
+    fourth = Channel()
+    c.accept(inputs("gh").get, {}, fourth)
+    assert fourth.sent == [] and c.inbox.qsize() == 2
