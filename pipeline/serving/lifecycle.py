@@ -36,7 +36,11 @@ ABORT_WAIT_S = 3  # after a drain timeout: how long the model gets to answer wha
 # tritonserver --exit-timeout-secs: after a drain nothing is left in flight, and unloading the model takes
 # well under a second; a longer wait only delays a stop whose unload is stuck (supervisor.unload_timed_out)
 EXIT_TIMEOUT_S = 3
-PING_TIMEOUT_S = 5.0  # a runtime loop that cannot answer within this is wedged (a step is < 1 s)
+PING_TIMEOUT_S = 5.0  # a ping unanswered within this: the runtime loop is busy or wedged (a step is < 1 s)
+# how long the runtime loop may answer no ping before the server counts it wedged and stops: a loop in one
+# long step (a kernel compiled on first use) looks the same until then. The pod's liveness probe gives it
+# as long (periodSeconds x failureThreshold, k8s/base/deployment.yaml); readiness turns 503 at the first
+WEDGED_AFTER_S = 60.0
 STUB_NAME = "triton_python_backend_stub"
 SHM_PREFIX = "triton_python_backend_shm_region_"
 
@@ -217,14 +221,16 @@ def remove_shm_leftovers(regions: set[str], shm: Path = Path("/dev/shm")) -> lis
 @dataclass
 class Watchdog:
     """Pings the model every `period` seconds in a thread; `health` is the latest answer. `down_after`
-    consecutive "down" answers (or the stubs gone) set `failed`: the model cannot recover in this process
-    (Triton does not restart a dead stub of a decoupled model), so the supervisor should restart it."""
+    consecutive "down" answers with the stubs gone, or unanswered pings for `wedged_after_s`, set `failed`:
+    the model cannot recover in this process (Triton does not restart a dead stub of a decoupled model), so
+    the supervisor should restart it."""
 
     url: str
     server_pid: int
     model: str = MODEL_NAME  # the served model's name, as its repository names it
     period: float = 2.0
     down_after: int = 3
+    wedged_after_s: float = WEDGED_AFTER_S
     health: Health = field(default_factory=lambda: Health("ok"))
     failed: str | None = None
     regions: set[str] = field(default_factory=set)
@@ -246,14 +252,19 @@ class Watchdog:
         return self.health.ready and self.failed is None
 
     def _run(self) -> None:
-        downs = 0
+        downs, down_since = 0, 0.0
         while not self._stop.wait(self.period):
             stubs = stubs_of(self.server_pid)
             self.regions |= {s.shm_region for s in stubs}
             self.health = (
                 ping(self.url, self.model) if stubs else Health("down", f"no {STUB_NAME} process is running")
             )
-            downs = downs + 1 if self.health.state == "down" else 0
-            if downs >= self.down_after:
+            if self.health.state != "down":
+                downs = 0
+                continue
+            downs, down_since = downs + 1, down_since if downs else time.monotonic()
+            # stubs that are gone never come back; a loop that answers nothing may be in one long step
+            wedged = time.monotonic() - down_since >= self.wedged_after_s
+            if downs >= self.down_after and (not stubs or wedged):
                 self.failed = self.health.detail
                 return

@@ -295,6 +295,9 @@ def test_probes_ports_and_startup_budget(overlays):
         assert f"--exit-timeout-secs={lifecycle.EXIT_TIMEOUT_S}" in triton["args"]
         assert spec["terminationGracePeriodSeconds"] == lifecycle.TERMINATION_GRACE_S
         assert lifecycle.DRAIN_TIMEOUT_S + lifecycle.EXIT_TIMEOUT_S < lifecycle.TERMINATION_GRACE_S
+        # the kubelet restarts a pod whose model answers nothing as late as `dgpipe serve` stops one
+        live = triton["livenessProbe"]
+        assert live["periodSeconds"] * live["failureThreshold"] == lifecycle.WEDGED_AFTER_S
         startup = triton["startupProbe"]
         assert startup["httpGet"]["path"] == "/v2/health/ready"
         budget = startup["periodSeconds"] * startup["failureThreshold"]

@@ -240,3 +240,27 @@ def test_a_port_another_server_listens_on_is_refused_before_tritonserver_starts(
         server.Ports(http=grpc, grpc=metrics, metrics=grpc, address="").check_free()  # every interface, as ""
         with pytest.raises(DgpipeError, match=r"--address nohost\.invalid"):
             server.Ports(http=grpc, grpc=metrics, metrics=grpc, address="nohost.invalid").check_free()
+
+
+def test_the_watchdog_waits_out_a_long_step_but_not_a_dead_stub(monkeypatch):
+    """A runtime loop that answers no ping may be in one long step (a kernel compiled on first use): the
+    server stops only after `wedged_after_s` of it (readiness says down at once); stubs that are gone cannot
+    come back, and `down_after` pings say so."""
+    stub = lifecycle.Stub(1, "region")
+    stubs = [stub]
+    monkeypatch.setattr(lifecycle, "stubs_of", lambda pid: list(stubs))
+    monkeypatch.setattr(lifecycle, "ping", lambda url, model: lifecycle.Health("down", "timed out"))
+
+    def watch(wedged_after_s: float) -> lifecycle.Watchdog:
+        w = lifecycle.Watchdog("http://x", 1, period=0.01, wedged_after_s=wedged_after_s).start()
+        time.sleep(0.3)
+        return w
+
+    busy = watch(wedged_after_s=30.0)
+    assert busy.failed is None and not busy.ready() and busy.health.detail == "timed out"
+    busy.stop()
+    wedged = watch(wedged_after_s=0.1)
+    assert wedged.failed == "timed out"
+    stubs.clear()
+    gone = watch(wedged_after_s=30.0)
+    assert gone.failed == f"no {lifecycle.STUB_NAME} process is running"
