@@ -248,22 +248,23 @@ def _value_info(spec: onnx_io.TensorSpec, dims: dict[str, int], model_dtype: str
     return helper.make_tensor_value_info(spec.name, getattr(TensorProto, dtype), shape)
 
 
-def _rename_dims(m: onnx.ModelProto, model_dtype: str, dims: dict[str, int]) -> None:
-    """Give every graph input/output exactly the contract's shape (names of symbolic dims included)."""
-    lt_specs = {
+def _rename_dims(m: onnx.ModelProto, model_dtype: str, dims: dict[str, int], layer_types: list[str]) -> None:
+    """Give every graph input/output exactly the contract's shape (names of symbolic dims included), the
+    K/V's head counts and dims as numbers (`dims` has each layer's `kv_heads_i` / `head_dim_i`: the tracer
+    made symbols of some, which a consumer sizing buffers from the signature cannot use)."""
+    specs = {
         s.name: s
         for s in (
             *onnx_io.MODEL_INPUTS,
             *onnx_io.SAMPLER_INPUTS,
             *onnx_io.SAMPLER_OUTPUTS,
+            *onnx_io.kv_inputs(layer_types),
+            *onnx_io.kv_outputs(layer_types),
         )
     }
     for vi in [*m.graph.input, *m.graph.output]:
-        spec = lt_specs.get(vi.name)
-        if spec is None:  # K/V: head counts/dims are concrete; the tracer named batch/seq/past_* already
-            continue
-        new = _value_info(spec, dims, model_dtype)
-        vi.type.CopyFrom(new.type)
+        if vi.name in specs:
+            vi.type.CopyFrom(_value_info(specs[vi.name], dims, model_dtype).type)
 
 
 # what export_onnx tells `step`, in order (a float export skips "insert Q/DQ"); the caller adds its read
@@ -347,7 +348,10 @@ def finish_graph(
     sizes = {"vocab": cfg.vocab_size, "hidden": cfg.hidden_size}
     scale = float(model.embed_scale)  # sqrt(d) rounded to the weight dtype, as the model applies it
     append_head_and_sampler(m, sizes, cfg.final_logit_softcapping, scale, model_dtype, opset)
-    _rename_dims(m, model_dtype, sizes)
+    shapes = [cfg.layer_shape(i) for i in range(len(lt))]
+    per_layer = {f"kv_heads_{i}": s.num_kv_heads for i, s in enumerate(shapes)}
+    per_layer |= {f"head_dim_{i}": s.head_dim for i, s in enumerate(shapes)}
+    _rename_dims(m, model_dtype, sizes | per_layer, lt)
     m.ir_version = onnx_io.IR_VERSION if opset < 23 else 11  # FLOAT4E2M1 (opset 23) needs IR 11
     m.producer_name, m.doc_string = (
         "dgpipe",
