@@ -9,16 +9,19 @@ The exported graph keeps the packed weights as they are:
     w8 (FLOAT8E4M3FN initializer) -> DequantizeLinear(weight_scale) -> Transpose -> MatMul
     x -> QuantizeLinear(input_scale, fp8 zero point) -> DequantizeLinear(input_scale) ----^
 
-which is the pattern TensorRT fuses into an FP8 GEMM (and what ModelOpt's own ONNX export writes). The
+which is TensorRT's explicit-quantization pattern for an FP8 GEMM, in standard-domain ops (ModelOpt's
+torch export writes `trt::TRT_FP8QuantizeLinear` / `TRT_FP8DequantizeLinear`, its ONNX exporter then the
+standard DequantizeLinear for weights). The
 packed tensors come from `pipeline.model.modelopt` (the one ModelOpt-format reader); the float model used
 for tracing is `load_model` without activation fake-quant (the graph carries its own Q/DQ).
 `fp8_reference_linear` is the plain-PyTorch fake-quant of the same arithmetic, the oracle for the
 onnxruntime parity test.
 
 In a bf16 graph (what TensorRT builds: its FP8 / NVFP4 expert plugins take bf16 hidden states) the Q/DQ
-pairs stay in fp32, as ModelOpt's exporter writes them for a bf16 model ("the QDQ in Float"): x -> Cast(FLOAT)
--> Q -> DQ -> Cast(BFLOAT16), and each dequantized weight -> Cast(BFLOAT16); the MatMul runs in the model
-dtype. ONNX's QuantizeLinear takes x and its scale in one type below opset 25, and the scales stay the
+pairs stay in fp32, ModelOpt's "QDQ in Float" option for strongly typed networks (its default writes them
+in the model dtype): x -> Cast(FLOAT) -> Q -> DQ -> Cast(BFLOAT16), and each dequantized weight ->
+Cast(BFLOAT16); the MatMul runs in the model dtype. Whether TensorRT fuses across those Casts is open
+(docs/engine.md). ONNX's QuantizeLinear takes x and its scale in one type below opset 25, and the scales stay the
 checkpoint's fp32 values.
 """
 
