@@ -332,6 +332,31 @@ def cuda_scaled_mm_checks(scaled_mm_v2):
     return checked
 
 
+ROWWISE = torch.nn.functional.ScalingType.RowWise.value
+
+
+def _rowwise_grouped_checks(a, b, scale_a, scale_b, out_dtype) -> None:
+    """What CUDA's FP8 row-wise grouped GEMM asks of its 2-D x 3-D arguments and a meta function need not:
+    a row-major, each group of b column-major (b [E, K, N] the transpose of a contiguous [E, N, K]), K a
+    multiple of 16 (16-byte rows of FP8), one fp32 scale per row of a ([M]) and per column of each group of
+    b ([E, N]), both contiguous, and a bf16 result."""
+    (m, k), (e, _, n) = a.shape, b.shape
+
+    def fp32(scale: torch.Tensor, shape: tuple[int, ...]) -> bool:
+        return scale.shape == shape and scale.dtype == torch.float32 and scale.is_contiguous()
+
+    needs = {
+        "a row-major": a.stride(1) == 1,
+        "b's groups column-major": b.stride(1) == 1,
+        f"K ({k}) a multiple of 16": k % 16 == 0,
+        f"scale_a fp32 [{m}] contiguous": fp32(scale_a, (m,)),
+        f"scale_b fp32 [{e}, {n}] contiguous": fp32(scale_b, (e, n)),
+        "a bf16 result": (out_dtype or torch.bfloat16) == torch.bfloat16,
+    }
+    if missing := [what for what, ok in needs.items() if not ok]:
+        raise RuntimeError(f"FP8 row-wise grouped GEMM needs {', '.join(missing)}")
+
+
 def _grouped_meta() -> None:
     """A meta function for `aten::_scaled_grouped_mm_v2` in its 2-D x 3-D form (torch 2.13 has none):
     a [M, K] (FP4: [M, K/2] packed) times b [E, K, N] in groups ending at `offs` [E] is [M, N]."""
@@ -349,6 +374,8 @@ def _grouped_meta() -> None:
             )
         if offs is None or offs.shape != (b.shape[0],) or offs.dtype != torch.int32:
             raise RuntimeError("grouped GEMM offsets must be int32 [E]")
+        if list(recipe_a) == [ROWWISE] and list(recipe_b) == [ROWWISE]:
+            _rowwise_grouped_checks(a, b, scale_a[0], scale_b[0], out_dtype)
         return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or torch.bfloat16)
 
     lib = torch.library.Library("aten", "IMPL")

@@ -4,6 +4,7 @@ projection runs, the weight bytes held against the byte model, no host read or h
 from __future__ import annotations
 
 import json
+import re
 import types
 
 import pytest
@@ -711,3 +712,31 @@ def test_torchs_grouped_gemms_are_traced_as_the_gpu_runs_them():
     ada.results["triton:bf16"] = "no Triton here"
     t = gt.trace_pass("bf16", "sm89", 1, LAYERS, probed=ada)
     assert t.error is not None and t.error.startswith("host read in the pass"), t.error
+
+
+def test_the_fp8_grouped_gemm_on_fake_cuda_checks_what_cuda_checks():
+    """The rehearsal's grouped scaled GEMM refuses what CUDA's row-wise kernel refuses and a meta function
+    need not (a broadcast scale, a row-major weight, an fp32 result), so `bench gpu-trace` fails here where
+    the GPU would; the arguments the runtime passes (`tensor_cores`) go through."""
+    import torch.nn.functional as F
+
+    rowwise = F.ScalingType.RowWise
+    with fake_cuda.fake_gpu("sm90"):
+        m, k, n, e = 64, 128, 96, 4
+        q = torch.empty(m, k, device="cuda", dtype=torch.float8_e4m3fn)
+        w = torch.empty(e, n, k, device="cuda", dtype=torch.float8_e4m3fn)
+        qs = torch.empty(m, device="cuda")
+        s = torch.empty(e, n, device="cuda")
+        offs = torch.empty(e, device="cuda", dtype=torch.int32)
+
+        def gemm(weight=w.transpose(-2, -1), a_scale=qs, out=torch.bfloat16):
+            return F.scaled_grouped_mm(q, weight, a_scale, rowwise, s, rowwise, offs=offs, output_dtype=out)
+
+        assert gemm().shape == (m, n)
+        for bad, needs in (
+            ({"a_scale": torch.empty(1, device="cuda").expand(m)}, f"scale_a fp32 [{m}] contiguous"),
+            ({"weight": torch.empty(e, k, n, device="cuda", dtype=torch.float8_e4m3fn)}, "b's groups column-major"),
+            ({"out": torch.float32}, "a bf16 result"),
+        ):  # fmt: skip
+            with pytest.raises(RuntimeError, match=re.escape(needs)):
+                gemm(**bad)
