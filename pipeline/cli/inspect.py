@@ -20,9 +20,9 @@ def inspect(
 ) -> None:
     """Say what a directory is (base, ModelOpt-quantized, AutoModel SFT or LoRA, PEFT/Unsloth LoRA) and what
     dgpipe will do with it as --model / --adapter."""
-    from pipeline.model.producers import recognise
+    from pipeline.model.producers import inspect_dir
 
-    rec = recognise(path)
+    rec = inspect_dir(path)
     out.show(rec.as_dict(), as_json, _render)
 
 

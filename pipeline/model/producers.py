@@ -148,6 +148,27 @@ def _has_weights(path: Path) -> bool:
     return any(path.glob("*.safetensors"))
 
 
+# layouts whose weights dir is a Hugging Face checkpoint as it is, checked in place by `inspect_dir`
+CHECKED_IN_PLACE = (BASE, QUANTIZED, UNSLOTH_MERGED, AUTOMODEL_SFT)
+
+
+def inspect_dir(path: str | Path) -> Recognised:
+    """`dgpipe inspect`: what `path` is and, for a checkpoint loaded from its own files, whether dgpipe
+    takes it: its config and every tensor's name, shape and dtype checked from the headers as the loading
+    commands check them (the weights themselves are not read: a NaN is found when they are)."""
+    from pipeline.model.validate import validate_checkpoint
+
+    rec = recognise(path)
+    if rec.kind in CHECKED_IN_PLACE:
+        try:
+            validate_checkpoint(rec.weights)
+        except CheckpointError as e:
+            rec.action = f"refused: {e}"
+        else:
+            rec.notes.append("config and tensor headers checked (the weights are read when loaded)")
+    return rec
+
+
 def recognise(path: str | Path) -> Recognised:
     """What `path` is, from its marker files; a directory that is none of the known layouts is refused
     with the list of what was looked for."""

@@ -112,3 +112,19 @@ def test_unknown_and_misplaced_dirs_are_one_clear_error(tmp_path):
     lonely = shutil.copytree(D / "unsloth-lora", tmp_path / "a" / "b" / "c" / "d" / "e" / "lora")
     with pytest.raises(DgpipeError, match="whose base 'base' is not a local directory"):
         resolve(lonely, None, tmp_path / "cache")
+
+
+def test_inspect_says_a_checkpoint_the_loaders_refuse_is_refused(tmp_path):
+    """`dgpipe inspect` checks a checkpoint it loads from its own files as the loading commands do (config,
+    tensor headers): another architecture's config.json is `refused`, naming why, not "loaded as is"."""
+    from pipeline.model.producers import inspect_dir
+    from pipeline.resources import EMBEDDED_MODEL
+
+    ok = tmp_path / "ok"
+    shutil.copytree(EMBEDDED_MODEL, ok)
+    rec = inspect_dir(ok)
+    assert rec.action == "loaded as is" and "config and tensor headers checked" in rec.notes[-1]
+    cfg = json.loads((ok / "config.json").read_text())
+    (ok / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    rec = inspect_dir(ok)
+    assert rec.action.startswith("refused: ") and "model_type is 'llama'" in rec.action
