@@ -19,9 +19,12 @@ from pipeline.serving.server import tritonserver_binary
 from tests._utils.serve import README_PUZZLE, metric, start_serve
 
 pytest.importorskip("fastapi")
-pytestmark = pytest.mark.skipif(
-    tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
+    ),
+    pytest.mark.slow,
+]
 REQUESTS = 24
 
 
