@@ -49,6 +49,7 @@ SHM_PREFIX = "triton_python_backend_shm_region_"
 class Health:
     state: str  # "ok", "draining" or "down"
     detail: str = ""
+    answered: bool = True  # False: no answer came (refused, reset, timed out): busy or wedged, not refusing
 
     @property
     def ready(self) -> bool:
@@ -87,7 +88,7 @@ def ping(url: str, model: str = MODEL_NAME, timeout: float = PING_TIMEOUT_S) -> 
             body = json.loads(body).get("error", body)
         return _classify(f"HTTP {e.code}: {body}")
     except (OSError, TimeoutError) as e:  # refused, reset, timed out: nothing answers
-        return Health("down", f"{url}: {getattr(e, 'reason', e)}")
+        return Health("down", f"{url}: {getattr(e, 'reason', e)}", answered=False)
 
 
 def _ping_grpc(url: str, model: str, timeout: float) -> Health:
@@ -102,15 +103,19 @@ def _ping_grpc(url: str, model: str, timeout: float) -> Health:
     try:
         client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
     except InferenceServerException as e:
-        return Health("down", f"{url}: {e.message()}")
+        return Health("down", f"{url}: {e.message()}", answered=False)
     try:
         client.start_stream(callback=lambda result, error: results.put(error))
         client.async_stream_infer(model, [], parameters={HEALTH_PARAMETER: True})
         error = results.get(timeout=timeout)
     except queue.Empty:
-        return Health("down", f"{url}: no answer within {timeout:g} s (the model's runtime loop is wedged)")
+        return Health(
+            "down",
+            f"{url}: no answer within {timeout:g} s (the model's runtime loop is wedged)",
+            answered=False,
+        )
     except InferenceServerException as e:
-        return Health("down", f"{url}: {e.message()}")
+        return Health("down", f"{url}: {e.message()}", answered=False)
     finally:
         try:
             client.stop_stream(cancel_requests=True)
@@ -221,7 +226,8 @@ def remove_shm_leftovers(regions: set[str], shm: Path = Path("/dev/shm")) -> lis
 @dataclass
 class Watchdog:
     """Pings the model every `period` seconds in a thread; `health` is the latest answer. `down_after`
-    consecutive "down" answers with the stubs gone, or unanswered pings for `wedged_after_s`, set `failed`:
+    consecutive "down" pings set `failed` where the model refused them (a lost GPU) or its stubs are gone,
+    and where no answer came (a long step, or a wedged loop), once that has lasted `wedged_after_s`:
     the model cannot recover in this process (Triton does not restart a dead stub of a decoupled model), so
     the supervisor should restart it."""
 
@@ -263,8 +269,8 @@ class Watchdog:
                 downs = 0
                 continue
             downs, down_since = downs + 1, down_since if downs else time.monotonic()
-            # stubs that are gone never come back; a loop that answers nothing may be in one long step
+            # a refusal and stubs that are gone are final; a loop that answers nothing may be in one long step
             wedged = time.monotonic() - down_since >= self.wedged_after_s
-            if downs >= self.down_after and (not stubs or wedged):
+            if downs >= self.down_after and (not stubs or self.health.answered or wedged):
                 self.failed = self.health.detail
                 return

@@ -246,21 +246,31 @@ def test_the_watchdog_waits_out_a_long_step_but_not_a_dead_stub(monkeypatch):
     """A runtime loop that answers no ping may be in one long step (a kernel compiled on first use): the
     server stops only after `wedged_after_s` of it (readiness says down at once); stubs that are gone cannot
     come back, and `down_after` pings say so."""
-    stub = lifecycle.Stub(1, "region")
-    stubs = [stub]
+    stubs = [lifecycle.Stub(1, "region")]
+    answer = [lifecycle.Health("down", "timed out", answered=False)]
     monkeypatch.setattr(lifecycle, "stubs_of", lambda pid: list(stubs))
-    monkeypatch.setattr(lifecycle, "ping", lambda url, model: lifecycle.Health("down", "timed out"))
+    monkeypatch.setattr(lifecycle, "ping", lambda url, model: answer[0])
 
-    def watch(wedged_after_s: float) -> lifecycle.Watchdog:
+    def watch(wedged_after_s: float, pings: int = 10) -> lifecycle.Watchdog:
         w = lifecycle.Watchdog("http://x", 1, period=0.01, wedged_after_s=wedged_after_s).start()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while w.failed is None and w._thread.is_alive() and time.monotonic() < deadline and pings:
+            time.sleep(0.05)
+            pings -= 1
         return w
 
     busy = watch(wedged_after_s=30.0)
     assert busy.failed is None and not busy.ready() and busy.health.detail == "timed out"
     busy.stop()
-    wedged = watch(wedged_after_s=0.1)
+    wedged = watch(wedged_after_s=0.1, pings=200)
     assert wedged.failed == "timed out"
+    # the model answered, refusing (a lost GPU: "restart the server"): final, whatever wedged_after_s says
+    answer[0] = lifecycle._classify(
+        "HTTP 400: [unavailable] the GPU can run no more work: restart the server"
+    )
+    refused = watch(wedged_after_s=30.0, pings=200)
+    assert refused.failed is not None and "restart the server" in refused.failed
     stubs.clear()
-    gone = watch(wedged_after_s=30.0)
+    answer[0] = lifecycle.Health("down", "timed out", answered=False)
+    gone = watch(wedged_after_s=30.0, pings=200)
     assert gone.failed == f"no {lifecycle.STUB_NAME} process is running"
