@@ -209,15 +209,17 @@ _HELD: set[Path] = set()  # the build dirs this process holds (`build_lock`)
 
 
 @contextlib.contextmanager
-def build_lock(build_dir: str | Path) -> Iterator[None]:
+def build_lock(build_dir: str | Path, create: bool = False) -> Iterator[None]:
     """Hold the build dir for one writer: a second dgpipe command writing it (`dgpipe build`, or a stage
     with --build-dir) is refused at once instead of interleaving stages, each of which would record its own
     options over the other's artifacts. An flock, so a killed holder releases it with its process; taken
-    again by its holder (a build running its stages), it is already held."""
+    again by its holder (a build running its stages), it is already held. A build dir that does not exist
+    is made only where the command makes it (`create`: a build); otherwise the stage's own check says it is
+    missing, and a mistyped --build-dir leaves nothing behind."""
     import fcntl
 
     build_dir = Path(build_dir).resolve()
-    if build_dir in _HELD:
+    if build_dir in _HELD or not (create or build_dir.is_dir()):
         yield
         return
     make_dir(build_dir)

@@ -102,7 +102,7 @@ def run_build(opts: BuildOptions, emit: Emit) -> dict:
     opts.limits.validate(source.config.canvas_length)  # the engines and the repository, before any stage
     opts.limits.check_fits(source.config.canvas_length)
     build_dir = opts.build_dir.resolve()
-    with build_lock(build_dir):  # one writer: a second build into it is refused, not interleaved
+    with build_lock(build_dir, create=True):  # one writer: a second build into it is refused, not interleaved
         return _run_stages(opts, emit, source, targets, build_dir, started)
 
 

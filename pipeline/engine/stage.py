@@ -11,6 +11,7 @@ read them back (`recorded_limits`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from pathlib import Path
 from pipeline.builddir import (
     LAYOUT,
     BuildManifest,
+    build_lock,
     holding_build_dir,
     load_manifest,
     model_version_dir,
@@ -157,9 +159,10 @@ def build_one_engine(req: EngineBuild) -> StageResult:
     }
     if req.dry_run:
         return StageResult(STAGE, {}, time.perf_counter() - start, describe_plan(plan), summary)
-    manifest, built = build(plan, force=req.force)
-    if man is not None and req.build_dir is not None:
-        record_built_engine(req.build_dir, manifest, output)
+    with build_lock(req.build_dir) if req.build_dir is not None else contextlib.nullcontext():
+        manifest, built = build(plan, force=req.force)
+        if man is not None and req.build_dir is not None:
+            record_built_engine(req.build_dir, manifest, output)
     summary |= {
         "built": built,
         "tensorrt_version": manifest.tensorrt_version,

@@ -121,11 +121,17 @@ def test_one_writer_holds_a_build_dir(tmp_path: Path):
     import subprocess
     import sys
 
-    from pipeline.builddir import build_lock
+    from pipeline.builddir import LOCK_NAME, build_lock
     from pipeline.serving.repository import package_stage
 
     with build_lock(tmp_path), build_lock(tmp_path):  # the holder's own stages
         pass
+    typo = tmp_path / "typo" / "build"
+    with build_lock(typo):  # a stage given a build dir that does not exist: its own check says so
+        pass
+    assert not (tmp_path / "typo").exists()
+    with build_lock(typo, create=True):  # a build makes it
+        assert (typo / LOCK_NAME).is_file()
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\nfrom pipeline.builddir import build_lock\n"
          f"with build_lock({str(tmp_path)!r}):\n    print('held', flush=True)\n    time.sleep(60)"],
