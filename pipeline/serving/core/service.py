@@ -51,6 +51,7 @@ class ServingCore:
         # thread, which also carries health pings and every other request, never waits on a compile
         self.guided_intake = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dgpipe-guides")
         self.admit_lock = threading.Lock()
+        self.taking_in = 0  # guided requests handed to `guided_intake`, not yet queued or refused
         self.running = self.stopped = False
         self.worker: threading.Thread | None = None
         # why the GPU can run no more work in this process (set by the engine loop): every request and
@@ -83,9 +84,13 @@ class ServingCore:
             if HEALTH_PARAMETER in parameters:
                 self._queue(self.pings, channel, channel)
                 return
+            if self._shed(channel):
+                return
             if any(get(name) is not None for name in GUIDE_INPUTS):
                 inputs = {name: get(name) for name in INPUT}  # read now: the transport's request may go
-                self.guided_intake.submit(self._take, inputs.get, dict(parameters), channel)
+                with self.admit_lock:
+                    self.taking_in += 1
+                self.guided_intake.submit(self._take_guided, inputs.get, dict(parameters), channel)
                 return
         except Exception as e:  # a bad request is answered alone; the batch keeps going
             self.metrics.rejected.increment(1)
@@ -93,13 +98,30 @@ class ServingCore:
             return
         self._take(get, parameters, channel)
 
+    def _shed(self, channel: Channel) -> bool:
+        """Refuse at once, before any work, as unavailable (retry, here later or on another replica) when
+        `max_queue` requests already wait (0: no cap)."""
+        waiting = self.waiting()
+        if not self.limits.max_queue or waiting < self.limits.max_queue:
+            return False
+        self.metrics.shed.increment(1)
+        channel.send(Failure(ErrorKind.UNAVAILABLE, QUEUE_FULL.format(waiting)))
+        return True
+
+    def waiting(self) -> int:
+        """Requests accepted and waiting for a batch slot: queued for the runtime loop, in its queue, or
+        being taken in off the transport's thread (guided: their guide compiles)."""
+        return self.inbox.qsize() + len(self.runtime.waiting) + self.taking_in
+
+    def _take_guided(self, get: InputGetter, parameters: Mapping[str, Any], channel: Channel) -> None:
+        try:
+            self._take(get, parameters, channel)
+        finally:
+            with self.admit_lock:
+                self.taking_in -= 1
+
     def _take(self, get: InputGetter, parameters: Mapping[str, Any], channel: Channel) -> None:
         """Build the request (checks, prompt, guide) and queue it for the runtime loop, or refuse it."""
-        waiting = self.inbox.qsize() + len(self.runtime.waiting)
-        if self.limits.max_queue and waiting >= self.limits.max_queue:  # shed load before any work
-            self.metrics.shed.increment(1)
-            channel.send(Failure(ErrorKind.UNAVAILABLE, QUEUE_FULL.format(waiting)))
-            return
         try:
             if self._queue(self.inbox, self.intake.build(get, parameters, channel), channel):
                 self.metrics.requests.increment(1)

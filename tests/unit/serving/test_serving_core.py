@@ -670,3 +670,26 @@ def test_a_request_past_a_full_queue_is_refused_unavailable_at_once_and_one_fits
     fourth = Channel()
     c.accept(inputs("gh").get, {}, fourth)
     assert fourth.sent == [] and c.inbox.qsize() == 2
+
+
+def test_guided_requests_being_taken_in_count_toward_the_queue():
+    """A guided request waits for an intake thread (its guide compiles) before it reaches the inbox: it
+    counts as waiting from when it is accepted, so a flood of guided requests is shed at once too."""
+    import dataclasses
+    import threading
+
+    c = core()
+    c.limits = dataclasses.replace(c.limits, max_queue=2)
+    held = threading.Event()
+    taken: list[bool] = []
+    c._take = lambda get, params, channel: (held.wait(10), taken.append(True))  # an intake thread, busy
+    channels = [Channel() for _ in range(3)]
+    for ch in channels:
+        c.accept(inputs("ab", guided_decoding_guide_type="regex", guided_decoding_guide="[0-9]+").get, {}, ch)
+    assert c.waiting() == 2 and channels[0].sent == channels[1].sent == []
+    assert [type(r) for r in channels[2].sent] == [Failure] and "queue is full (2 requests" in channels[
+        2
+    ].sent[0].message
+    held.set()
+    c.guided_intake.shutdown(wait=True)
+    assert taken == [True, True] and c.waiting() == 0
