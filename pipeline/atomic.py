@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -110,8 +111,15 @@ def atomic_dir(final: Path, kind: str, marker: Marker):
     return _cm()
 
 
+# what the file system refuses a writer of the output: no space, no quota, read-only, an I/O failure
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+
+
 def _os_error_in(e: BaseException, where: Path) -> OSError | None:
-    """The file system's refusal that a writer reports as its own error type (safetensors' SafetensorError
-    "I/O error: No space left on device (os error 28)"), as the OSError it is, naming the output dir."""
+    """The file system's refusal to write the output that a writer reports as its own error type
+    (safetensors' SafetensorError "I/O error: No space left on device (os error 28)"), as the OSError it
+    is, naming the output dir. Other errors (an input file a Rust reader cannot open) stay as they are."""
     m = None if isinstance(e, OSError) else re.search(r"\(os error (\d+)\)", str(e))
-    return OSError(int(m[1]), os.strerror(int(m[1])), str(where)) if m else None
+    if m is None or int(m[1]) not in _WRITE_ERRNOS:
+        return None
+    return OSError(int(m[1]), os.strerror(int(m[1])), str(where))

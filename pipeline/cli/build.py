@@ -91,7 +91,7 @@ def _watched(out_dir: Path, as_json: bool, verbose: bool, run) -> None:
                 text="interrupted: run the same command to resume (finished stages are kept)",
             )
             raise
-        except errors.handled() as e:
+        except Exception as e:  # the mapped errors (exit 2) and any other (exit 1, with its traceback)
             if as_json:
                 code, line = errors.mapped(e)
                 view.note(event="build_failed", error=line.removeprefix("error: "), exit_code=code)

@@ -28,6 +28,9 @@ def terminate_like_interrupt() -> None:
     import signal
 
     def _raise(signum, frame):
+        # a second SIGTERM ends the process at once: the first waits for a native call (a TensorRT build,
+        # a calibration pass) to return before it can unwind
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _raise)
@@ -46,8 +49,11 @@ def handled() -> tuple[type[BaseException], ...]:
 
 
 def mapped(exc: BaseException) -> tuple[int, str]:
-    """(exit code, the one line) for a handled `exc`."""
-    kind = next(k for k in type(exc).__mro__ if k in ERRORS)
+    """(exit code, the one line) for a handled `exc`; an unexpected one is exit 1 with its type and text
+    (its traceback goes to stderr as Python prints it)."""
+    kind = next((k for k in type(exc).__mro__ if k in ERRORS), None)
+    if kind is None:
+        return 1, f"error: {type(exc).__name__}: {exc}"
     code, message = ERRORS[kind]
     return code, message(exc)
 

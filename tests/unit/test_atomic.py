@@ -111,6 +111,16 @@ def test_sigterm_unwinds_an_atomic_write_under_the_cli(tmp_path: Path):
         ):
             (tmp / "model.onnx").write_bytes(b"partial")
             os.kill(os.getpid(), signal.SIGTERM)
+        # the first signal unwinds; a second one would end the process at once
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, before)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_input_error_of_a_writer_is_not_blamed_on_the_output(tmp_path: Path):
+    """Only the file system's refusals to write (no space, no quota, read-only, I/O) name the output: a
+    Rust reader's "No such file or directory (os error 2)" for its input stays the error it is."""
+    with pytest.raises(_WriterError), atomic_dir(tmp_path / "ckpt", "a checkpoint", "*.safetensors"):
+        raise _WriterError("No such file or directory (os error 2)")
     assert list(tmp_path.iterdir()) == []

@@ -35,3 +35,13 @@ def test_no_function_in_the_cli_is_over_60_lines():
         for name, lines in long_functions(path.read_text())
     ]
     assert not found, f"over {MAX_LINES} lines, move the work into the library: {found}"
+
+
+def test_an_unexpected_error_maps_to_exit_1_with_its_type():
+    """What `dgpipe build --json` reports for an error the CLI has no line for (a library's RuntimeError,
+    an out-of-memory): exit 1, its type and text; the mapped ones keep theirs."""
+    from pipeline.cli import errors
+    from pipeline.errors import DgpipeError
+
+    assert errors.mapped(RuntimeError("CUDA out of memory")) == (1, "error: RuntimeError: CUDA out of memory")
+    assert errors.mapped(DgpipeError("bad", "fix it")) == (2, "error: bad (fix it)")
