@@ -29,8 +29,11 @@ def ready_text(whole: str, stop_words: Sequence[str], final: bool) -> tuple[str,
 
 def tokens_covering(decode: Callable[[list[int]], str], ids: list[int], chars: int, start: int = 0) -> int:
     """How many of `ids`, `start` at the least, the first `chars` characters of their decoding stand for: the
-    fewest whose decoding reaches that long (the token a cut falls in counts, so usage matches the text)."""
-    return next((k for k in range(start, len(ids)) if len(decode(ids[:k])) >= chars), len(ids))
+    fewest whose decoding reaches that long (the token a cut falls in counts, so usage matches the text),
+    an incomplete character at the end not counted (it decodes to as many U+FFFD as it has bytes so far)."""
+    return next(
+        (k for k in range(start, len(ids)) if len(decode(ids[:k]).rstrip(REPLACEMENT)) >= chars), len(ids)
+    )
 
 
 class OutputText:

@@ -104,3 +104,13 @@ def test_generate_streams_a_character_split_between_canvases_whole():
     req.on_canvas(req, ids[3:])
     req.on_finish(None)
     assert pieces == ["ab", "😀ab"] and done == [True]
+
+
+def test_a_stop_word_right_after_a_split_character_counts_all_of_its_bytes():
+    tok = byte_fallback_decode()
+    ids = tok.encode("bb😀ab").ids  # b, b, the emoji's 4 byte tokens, a, b
+    out = OutputText(lambda t: tok.decode(list(t)), ["ab"])
+    assert out.add(ids[:4]) == "bb"
+    assert out.add(ids[4:]) == "😀" and out.stopped
+    # "bb😀" returned: the emoji's four byte tokens all count, not the first three of them
+    assert out.text == "bb😀" and out.ids == ids[:6]
