@@ -34,7 +34,6 @@ from pipeline.errors import DgpipeError
 from pipeline.model.checkpoint import hf_state_dict
 from pipeline.model.config import ModelConfig
 from pipeline.model.network import DiffusionGemma
-from pipeline.resources import load_yaml
 
 RESULT_FILE = "bench_export_memory.json"
 
@@ -42,11 +41,9 @@ RESULT_FILE = "bench_export_memory.json"
 def model_config(name: str, layers: int | None, **text: int) -> ModelConfig:
     """A configs/models config at `layers` depth (layer_types refilled: 5 sliding : 1 global, the last
     global), other text_config fields overridden by `text` (the CI test scales vocab and experts)."""
-    raw = load_yaml("models", name)
     if layers is not None:
         text = {**text, "num_hidden_layers": layers}
-    raw["text_config"] = {**raw["text_config"], **text}
-    return ModelConfig.from_dict(raw, source=name)
+    return ModelConfig.from_yaml(name, **text)
 
 
 SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}

@@ -223,11 +223,11 @@ class ModelConfig(BaseModel):
         return cls.from_dict(raw, source)
 
     @classmethod
-    def from_yaml(cls, name: str) -> ModelConfig:
+    def from_yaml(cls, name: str, **text: Any) -> ModelConfig:
         """One of configs/models by name, or a YAML file of the user's (`--config`), read strictly: a key
         this model does not have is refused by name (a config.json from transformers may carry keys dgpipe
         does not read; dgpipe's own YAML has none, so a misspelt key would silently take the 26B's
-        default instead)."""
+        default instead). `text`: text_config fields set over the file's (a benchmark's smaller variant)."""
         from pipeline.resources import load_yaml
 
         raw = load_yaml("models", name)
@@ -246,6 +246,8 @@ class ModelConfig(BaseModel):
                     f"{name}: unknown key '{where}{unknown[0]}'",
                     f"did you mean '{where}{close[0]}'?" if close else f"the keys are: {', '.join(known)}",
                 )
+        if text:
+            raw["text_config"] = {**(raw.get("text_config") or {}), **text}
         return cls.from_raw(raw, source=name)
 
     @classmethod

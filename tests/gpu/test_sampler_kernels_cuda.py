@@ -99,8 +99,12 @@ def make_case(
     ids = torch.arange(batch, device=DEVICE)
     keys = RowKeys(seed=ids * 1000 + seed, request=ids + 17, canvas=ids % 3, step=ids % 16)
     n_steps = torch.full_like(ids, 16)
+    # the schedule from t_max 0.8 to t_min 0.4: temperatures takes t_min and the span
     temp = temperatures(
-        keys.step, n_steps, torch.full((batch,), 0.4, device=DEVICE), torch.full((batch,), 0.8, device=DEVICE)
+        keys.step,
+        n_steps,
+        torch.full((batch,), 0.4, device=DEVICE),
+        torch.full((batch,), 0.8 - 0.4, device=DEVICE),
     )
     bound = torch.tensor([0.1, 1.0, 10.0, 1e-6], device=DEVICE).repeat(batch)[:batch]
     template = None

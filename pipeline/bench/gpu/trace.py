@@ -45,7 +45,6 @@ from pipeline.bench.results import save_result
 from pipeline.errors import error_line
 from pipeline.model.config import ModelConfig
 from pipeline.model.network import DiffusionGemma, PastWithRoom, canvas_positions
-from pipeline.resources import load_yaml
 from pipeline.runtime.dispatch import DISPATCH, dispatch, weight_bytes
 from pipeline.runtime.kv_cache import KVCache, attention_masks
 from pipeline.runtime.probe import Probe, probe_plan
@@ -98,13 +97,11 @@ class PassTrace:
 def trace_config(layers: int | None = None, config: str = CONFIG) -> ModelConfig:
     """The model configuration; `layers`: only the first layer of each kind (sliding, global), the same
     shapes per layer (the tests trace every row on two layers)."""
-    raw = load_yaml("models", config)
-    cfg = ModelConfig.from_dict(raw, source=config)
+    cfg = ModelConfig.from_yaml(config)
     if layers is None:
         return cfg
     kinds = list(dict.fromkeys(cfg.text_config.layer_types or []))[:layers]
-    text = {**raw["text_config"], "num_hidden_layers": len(kinds), "layer_types": kinds}
-    return ModelConfig.from_dict({**raw, "text_config": text}, source=f"{config} ({len(kinds)} layers)")
+    return ModelConfig.from_yaml(config, num_hidden_layers=len(kinds), layer_types=kinds)
 
 
 def passing_probe(arch: str) -> Probe:
