@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.serving.server import tritonserver_binary
+from tests._utils.availability import needs_tritonserver
 from tests._utils.cli import dgpipe
 from tests._utils.hf_reference import shared_draws
 from tests._utils.serve import start_serve
@@ -31,9 +31,7 @@ pytest.importorskip("modelopt", reason="nvidia-modelopt is not installed (pip in
 pytest.importorskip("onnxruntime", reason="onnx/onnxruntime are not installed (pip install dgpipe[engine])")
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
-    ),
+    needs_tritonserver,
 ]
 
 D = Path(__file__).resolve().parents[1] / "data" / "producers"

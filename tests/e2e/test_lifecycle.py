@@ -20,14 +20,12 @@ import pytest
 
 from pipeline.limits import Limits
 from pipeline.serving.lifecycle import stubs_of
-from pipeline.serving.server import tritonserver_binary
+from tests._utils.availability import needs_tritonserver
 from tests._utils.serve import README_PUZZLE, metric, start_serve
 
 pytest.importorskip("fastapi")
 pytestmark = [
-    pytest.mark.skipif(
-        tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
-    ),
+    needs_tritonserver,
     pytest.mark.slow,
 ]
 

@@ -15,15 +15,13 @@ import pytest
 
 from pipeline.demo import sudoku
 from pipeline.limits import Limits
-from pipeline.serving.server import tritonserver_binary
+from tests._utils.availability import needs_tritonserver
 from tests._utils.cli import ROOT, dgpipe
 from tests._utils.serve import README_PUZZLE, free_port, frontend_only, start_serve, without_api_key
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-pytestmark = pytest.mark.skipif(
-    tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
-)
+pytestmark = needs_tritonserver
 
 PUZZLE = README_PUZZLE
 KEY = "test-key-0123"

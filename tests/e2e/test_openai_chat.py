@@ -18,7 +18,7 @@ from typing import Literal
 import pydantic
 import pytest
 
-from pipeline.serving.server import tritonserver_binary
+from tests._utils.availability import needs_tritonserver
 from tests._utils.chat import write_chat_checkpoint
 from tests._utils.cli import ROOT, dgpipe
 from tests._utils.serve import Serve, metric, start_serve
@@ -26,9 +26,7 @@ from tests._utils.serve import Serve, metric, start_serve
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytestmark = [
-    pytest.mark.skipif(
-        tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
-    ),
+    needs_tritonserver,
     pytest.mark.slow,  # ~40 s to package and start the server
 ]
 

@@ -15,14 +15,12 @@ import pytest
 from pipeline.limits import Limits
 from pipeline.runtime.session import default_model_path
 from pipeline.serving.repository import package
-from pipeline.serving.server import tritonserver_binary
+from tests._utils.availability import needs_tritonserver
 from tests._utils.serve import README_PUZZLE, metric, start_serve
 
 pytest.importorskip("fastapi")
 pytestmark = [
-    pytest.mark.skipif(
-        tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
-    ),
+    needs_tritonserver,
     pytest.mark.slow,
 ]
 REQUESTS = 24

@@ -14,16 +14,14 @@ import urllib.request
 
 import pytest
 
-from pipeline.serving.server import tritonserver_binary
+from tests._utils.availability import needs_tritonserver
 from tests._utils.chat import write_chat_checkpoint
 from tests._utils.cli import ROOT, dgpipe
 from tests._utils.serve import health_probed, metric, start_serve
 
 pytest.importorskip("fastapi")
 pytestmark = [
-    pytest.mark.skipif(
-        tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
-    ),
+    needs_tritonserver,
     pytest.mark.slow,
 ]
 BIG = "x" * (10 << 20)

@@ -16,12 +16,10 @@ import pytest
 from pipeline.demo import sudoku
 from pipeline.limits import Limits
 from pipeline.serving.client import complete
-from pipeline.serving.server import tritonserver_binary
+from tests._utils.availability import needs_tritonserver
 from tests._utils.serve import free_port, metric, scrape, start_tritonserver
 
-pytestmark = pytest.mark.skipif(
-    tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
-)
+pytestmark = needs_tritonserver
 
 PUZZLES = sudoku.make_dataset(4242, 8, (55, 61))
 

@@ -15,12 +15,11 @@ import pytest
 from pipeline.demo import sudoku
 from pipeline.limits import Limits
 from pipeline.serving.lifecycle import STUB_NAME
-from pipeline.serving.server import ADMIN_HEADER, GRPC_ADMIN_HEADER, HIDDEN_KEY, tritonserver_binary
+from pipeline.serving.server import ADMIN_HEADER, GRPC_ADMIN_HEADER, HIDDEN_KEY
+from tests._utils.availability import needs_tritonserver
 from tests._utils.serve import README_PUZZLE, processes, start_serve
 
-pytestmark = pytest.mark.skipif(
-    tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
-)
+pytestmark = needs_tritonserver
 KEY = "test-admin-key-0123456789"
 
 

@@ -10,15 +10,13 @@ import urllib.request
 import pytest
 
 from pipeline.demo import sudoku
-from pipeline.serving.server import tritonserver_binary
+from tests._utils.availability import needs_tritonserver
 from tests._utils.cli import dgpipe
 from tests._utils.serve import README_PUZZLE, frontend_only, start_serve
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-pytestmark = pytest.mark.skipif(
-    tritonserver_binary() is None, reason="needs tritonserver: pip install 'dgpipe[serve]'"
-)
+pytestmark = needs_tritonserver
 
 NAME = "tiny-chat"
 PROMPT_BYTES = 4000  # the repository's cap, far under the default (1 MiB)
