@@ -117,7 +117,8 @@ def _function(
 
 
 def sample_rows_function(opset: int = onnx_io.OPSET) -> onnx.FunctionProto:
-    """Kernel A: entropy, max prob, argmax, Gumbel-max sample and bf16 softmax of z = logits / T."""
+    """Kernel A: entropy, max prob, argmax, Gumbel-max sample of z = logits / T, and the bf16 model's
+    self-conditioning input softmax(bf16(z)) in bf16 (reference.conditioning_softmax)."""
     spec = onnx_io.SAMPLE_ROWS
     b = _Body("rows")
     logits, temperature, seed, request, canvas, step = (s.name for s in spec.inputs)
@@ -129,7 +130,8 @@ def sample_rows_function(opset: int = onnx_io.OPSET) -> onnx.FunctionProto:
     probs = b.op("Softmax", z, axis=-1)
     b.op("ReduceMax", probs, ax, keepdims=0, out="max_prob")
     b.op("ArgMax", z, axis=-1, keepdims=0, select_last_index=0, out="argmax")
-    b.op("Cast", probs, to=TensorProto.BFLOAT16, out="probs")
+    z_bf16 = b.op("Cast", b.op("Cast", z, to=TensorProto.BFLOAT16), to=TensorProto.FLOAT)
+    b.op("Cast", b.op("Softmax", z_bf16, axis=-1), to=TensorProto.BFLOAT16, out="probs")
     # Gumbel-max with the counter RNG (rng.gumbel): 23 bits -> u = (r + 0.5) * 2**-23 -> -log(-log(u))
     key = b.key_hash(seed, request, canvas, step, rng.STREAM_SAMPLE)
     entropy_like = b.op("ReduceMax", z, ax, keepdims=0)  # any [B, L] tensor, for L

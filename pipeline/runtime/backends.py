@@ -26,6 +26,7 @@ from pipeline.sampler.reference import (
     DrawSource,
     RowKeys,
     StepOutput,
+    conditioning_softmax,
     mask_logits,
     sample_step,
     should_stop,
@@ -126,6 +127,9 @@ class TorchBackend:
         # the CPU sampler's probs, reused step to step: every reader (the soft embedding below, the
         # guided rows' bf16 copy in the scheduler) is done with them before the next step
         self._probs: torch.Tensor | None = None
+        # the dtype the sampler's probs are the softmax of z rounded to: the kernels write a bf16 model's
+        # self-conditioning input, the PyTorch steps an fp32 one's (`conditioning_probs`)
+        self._probs_round = torch.bfloat16 if self.fused else torch.float32
 
     @property
     def graph_safe(self) -> bool:
@@ -157,8 +161,12 @@ class TorchBackend:
             logits, sampler, self.draws, cuda=self.fused, cpu_fused=self.cpu_fused, probs_out=self._probs
         )
         if need_soft:
-            res.soft = self.model.soft_embedding(conditioning_probs(logits, sampler, res.step))
+            res.soft = self.model.soft_embedding(self.conditioning(logits, sampler, res.step))
         return res
+
+    def conditioning(self, logits: torch.Tensor, sampler: SamplerInputs, step: StepOutput) -> torch.Tensor:
+        """The probabilities the next step's self-conditioning input is made of (`conditioning_probs`)."""
+        return conditioning_probs(logits, sampler, step, self.dtype, self._probs_round)
 
 
 def experts_graph_safe(model: DiffusionGemma) -> bool:
@@ -184,13 +192,19 @@ def experts_graph_safe(model: DiffusionGemma) -> bool:
     return True
 
 
-def conditioning_probs(logits: torch.Tensor, s: SamplerInputs, step: StepOutput) -> torch.Tensor:
-    """What the next step's self-conditioning reads: the model's own softmax(z / T), unmasked even under a
-    constraint. The graph backends compute it inside the graph, before any mask (their sampler has no
-    mask input), so every backend feeds the same signal; the constraint acts on sampling and acceptance."""
-    if s.allowed is None:
+def conditioning_probs(
+    logits: torch.Tensor, s: SamplerInputs, step: StepOutput, dtype: torch.dtype, probs_round: torch.dtype
+) -> torch.Tensor:
+    """What the next step's self-conditioning reads: the model's own softmax of z = logits / T, with z rounded
+    to the model's `dtype` as transformers rounds it (`conditioning_softmax`), unmasked even under a
+    constraint. The step's probs serve where they are that softmax: unmasked and rounded as this model's
+    (`probs_round`, the sampler's rounding); else it is computed here. The graph backends compute it inside the
+    graph, before any mask (their sampler has no mask input), so every backend feeds the same signal; the
+    constraint acts on sampling and acceptance."""
+    rounding = dtype if dtype.itemsize < 4 else torch.float32
+    if s.allowed is None and step.probs is not None and rounding == probs_round:
         return step.probs
-    return torch.softmax(logits / s.temperature[:, None, None], dim=-1, dtype=torch.float32)
+    return conditioning_softmax(logits / s.temperature[:, None, None], dtype)
 
 
 def sample_logits(

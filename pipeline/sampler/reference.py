@@ -76,6 +76,17 @@ class StepOutput:
     kept: torch.Tensor  # [B, L] bool
 
 
+def conditioning_softmax(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The next step's self-conditioning probabilities from this step's scaled logits `z`, as transformers
+    computes them for a model in `dtype`: it keeps the scaled logits in the embedding dtype between steps
+    (`processed_logits.to(embeddings_dtype)`) and its decoder softmaxes them in fp32. In bf16 that rounding moves
+    a logit by up to 2^-9 of its size (0.125 at 32), so the probabilities differ by percents from the softmax of
+    the fp32 logits; in fp32 and float64 it is the plain softmax."""
+    if dtype.itemsize < 4:
+        z = z.to(dtype)
+    return torch.softmax(z, dim=-1, dtype=torch.float32)
+
+
 def temperatures(
     step: torch.Tensor, n_steps: torch.Tensor, t_min: torch.Tensor, t_span: torch.Tensor
 ) -> torch.Tensor:
@@ -109,8 +120,7 @@ def sample_step(
     entropy = -(logp.exp() * logp).sum(-1)
     cand = draws.categorical(keys, z)
     amax = torch.argmax(z, dim=-1)
-    # self-conditioning reads fp32 probabilities whatever the model dtype (as transformers does)
-    probs = torch.softmax(z, dim=-1, dtype=torch.float32)
+    probs = torch.softmax(z, dim=-1, dtype=torch.float32)  # an fp32 model's self-conditioning input
     return accept(cand, amax, probs, entropy, bound, keys, draws, template)
 
 

@@ -1,13 +1,16 @@
-"""Feeds for one pass of an exported graph, and a bf16 graph's fp32 twin, for the onnxruntime tests."""
+"""Feeds for one pass of an exported graph, a bf16 graph's fp32 twin, and PyTorch with a graph's
+self-conditioning, for the onnxruntime tests."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, numpy_helper
 
 from pipeline.onnx import contract as onnx_io
 from pipeline.onnx.flops import pass_dims
+from pipeline.runtime.backends import TorchBackend, conditioning_probs
 
 
 def random_feeds(path: str, seed: int) -> dict[str, np.ndarray]:
@@ -70,3 +73,11 @@ def fp32_twin(bf16_path: str, keep: set[str]) -> onnx.ModelProto:
             if a.name == "value" and a.t.data_type == TensorProto.BFLOAT16:
                 a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float32), a.t.name))
     return m
+
+
+class GraphConditioningTorchBackend(TorchBackend):
+    """PyTorch with an exported graph's self-conditioning input whatever the model's dtype: SampleRows' probs,
+    a bf16 model's softmax(bf16(z)) in bf16, as the fused kernels write them."""
+
+    def conditioning(self, logits, sampler, step):
+        return conditioning_probs(logits, sampler, step, torch.bfloat16, self._probs_round).to(torch.bfloat16)

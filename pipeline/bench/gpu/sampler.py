@@ -19,7 +19,14 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import DgpipeError
-from pipeline.sampler.reference import CounterDraws, RowKeys, sample_step, should_stop, update_stability
+from pipeline.sampler.reference import (
+    CounterDraws,
+    RowKeys,
+    conditioning_softmax,
+    sample_step,
+    should_stop,
+    update_stability,
+)
 
 
 def _time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
@@ -61,10 +68,13 @@ def bench_batch(batch: int, length: int, vocab: int, dtype: torch.dtype, iters: 
     def kernel() -> object:
         return sample_step_cuda(logits, temp, bound, keys, None, prev, stable, stab_k, conf, out=buffers)
 
-    def reference() -> object:
+    def reference() -> (
+        object
+    ):  # the PyTorch path of a bf16 model: its self-conditioning softmax is of bf16(z)
         out = sample_step(logits, temp, bound, keys, draws, None)
         count = update_stability(stable, prev, out.argmax)
-        return should_stop(count, stab_k, out.entropy, conf), out.probs.to(torch.bfloat16)
+        probs = conditioning_softmax(logits.float() / temp[:, None, None], torch.bfloat16)
+        return should_stop(count, stab_k, out.entropy, conf), probs.to(torch.bfloat16)
 
     kernel_ms = _time_ms(kernel, iters)
     torch.cuda.reset_peak_memory_stats()

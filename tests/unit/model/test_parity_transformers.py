@@ -237,3 +237,52 @@ def test_generate_matches_reference(checkpoints, settings):
     if settings["confidence_threshold"] > 1e-3:
         steps = [s for r in ours for s in r.steps_per_canvas]
         assert min(steps) < sampler.max_denoising_steps, "adaptive stop never triggered"
+
+
+@torch.no_grad()
+def test_bf16_self_conditioning_input_is_transformers(checkpoints):
+    """bf16: the self-conditioning input of a canvas's second step is transformers', bit for bit. transformers
+    keeps the scaled logits in the embedding dtype between steps (`processed_logits.to(embeddings_dtype)`)
+    and softmaxes those; at logits of tens bf16 moves each by up to 1/8, so the softmax of the fp32 logits
+    would differ by percents. Both sides see the same first-step logits (transformers' LM head answers
+    fixed values; dgpipe's pass returns them through transformers' own softcap)."""
+    path = checkpoints[0]
+    ref = reference(path, torch.bfloat16)
+    model, _ = load_model(path, dtype=torch.bfloat16)
+    length, vocab = model.config.canvas_length, model.cfg.vocab_size
+    head = (
+        torch.randn(1, length, vocab, generator=torch.Generator().manual_seed(3)).mul(20).to(torch.bfloat16)
+    )
+    cap = ref.final_logit_softcapping
+    logits = torch.tanh(head.to(torch.float32) / cap) * cap  # transformers' forward on its LM head's output
+    sampler = SamplerConfig(max_denoising_steps=2, confidence_threshold=1e-30)
+    prompt = [5, 9, 14]
+
+    ours: list[torch.Tensor | None] = []
+
+    def denoise_soft(canvas, soft, positions, masks, past):
+        ours.append(None if soft is None else soft.clone())
+        return logits.expand(canvas.shape[0], -1, -1).clone()
+
+    model.denoise_soft = denoise_soft
+    BlockDiffusionRuntime(model, max_batch=1, max_len=64).generate(
+        [Request(prompt_ids=prompt, max_tokens=length, sampler=sampler, seed=1)]
+    )
+
+    theirs: list[torch.Tensor] = []
+    hooks = [
+        ref.lm_head.register_forward_hook(lambda *_: head),
+        ref.model.decoder.self_conditioning.register_forward_pre_hook(
+            lambda _, a: theirs.append(a[1].clone())
+        ),
+    ]
+    try:
+        ref.generate(
+            torch.tensor([prompt]), max_new_tokens=length, pad_token_id=0, **sampler.transformers_kwargs()
+        )
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(ours) == len(theirs) == 2, (len(ours), len(theirs))
+    assert ours[1].dtype == theirs[1].dtype == torch.bfloat16
+    assert torch.equal(ours[1], theirs[1])

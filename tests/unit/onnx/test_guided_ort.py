@@ -7,24 +7,14 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
 pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install dgpipe[engine])")
 
 from pipeline.demo import sudoku
 from pipeline.resources import EMBEDDED_MODEL
-from pipeline.runtime.backends import DenoiseResult, TorchBackend
 from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
 from pipeline.runtime.session import load_session
-
-
-class Bf16ProbsTorchBackend(TorchBackend):
-    """PyTorch with the self-conditioning probs rounded to bf16, as the graph returns them."""
-
-    def denoise_step(self, *args, **kwargs) -> DenoiseResult:
-        res = super().denoise_step(*args, **kwargs)
-        res.step.probs = res.step.probs.to(torch.bfloat16)
-        return res
+from tests._utils.onnx_graphs import GraphConditioningTorchBackend
 
 
 @pytest.mark.slow  # exports the embedded model: ~35 s on 2 cores
@@ -51,7 +41,7 @@ def test_constrained_batch_through_onnxruntime_equals_pytorch(tmp_path):
         return [r.tokens for r in rt.generate(reqs)]
 
     got = run(ort_backend)
-    assert got == run(Bf16ProbsTorchBackend(session.model))
+    assert got == run(GraphConditioningTorchBackend(session.model))
     for tokens in got[:4]:
         assert re.fullmatch(pattern, session.decode(tokens)), session.decode(tokens)
     assert not re.fullmatch(pattern, session.decode(got[4]))  # the unconstrained neighbour is free

@@ -106,11 +106,16 @@ struct RowState {
   int bidx;    // lowest index holding best
   int nan_at;  // lowest index whose z is NaN (a broken checkpoint's logits), INT32_MAX if none
   int ninf;    // 1 where some z is -inf: the oracle's entropy then holds 0 * log 0 = NaN
+  float c;     // sum exp(bf16(z) - m): the self-conditioning softmax's denominator (see `sc_logit`)
 };
+
+// z as the self-conditioning softmax reads it: rounded to bf16, the dtype transformers keeps the scaled logits
+// in between steps (`processed_logits.to(embeddings_dtype)`), then softmaxed in fp32 by the decoder.
+__device__ __forceinline__ float sc_logit(float z) { return __bfloat162float(__float2bfloat16_rn(z)); }
 
 // The state of no token yet: what every thread starts from, and what pads the last warp's merge.
 __device__ __forceinline__ RowState empty_row_state() {
-  return RowState{-INFINITY, 0.0f, 0.0f, INT32_MAX, -INFINITY, INT32_MAX, INT32_MAX, 0};
+  return RowState{-INFINITY, 0.0f, 0.0f, INT32_MAX, -INFINITY, INT32_MAX, INT32_MAX, 0, 0.0f};
 }
 
 __device__ __forceinline__ bool beats(float v2, int i2, float v1, int i1) {
@@ -124,7 +129,7 @@ __device__ __forceinline__ void merge(RowState& a, const RowState& b) {
     hi = b;
     lo = a;
   }
-  float s = hi.s, t = hi.t;
+  float s = hi.s, t = hi.t, c = hi.c;
   if (lo.s > 0.0f) {  // lo is empty (m = -inf) when s == 0
     const float d = lo.m - hi.m;  // <= 0
     const float e = expf(d);
@@ -133,12 +138,14 @@ __device__ __forceinline__ void merge(RowState& a, const RowState& b) {
     if (e > 0.0f) {
       s += e * lo.s;
       t += e * (lo.t + d * lo.s);
+      c += e * lo.c;
     }
   }
   a.m = hi.m;
   a.amax = hi.amax;
   a.s = s;
   a.t = t;
+  a.c = c;
   if (beats(b.best, b.bidx, a.best, a.bidx)) {
     a.best = b.best;
     a.bidx = b.bidx;
@@ -157,6 +164,7 @@ __device__ __forceinline__ RowState shfl_down(const RowState& x, int offset) {
   y.bidx = __shfl_down_sync(0xFFFFFFFFu, x.bidx, offset);
   y.nan_at = __shfl_down_sync(0xFFFFFFFFu, x.nan_at, offset);
   y.ninf = __shfl_down_sync(0xFFFFFFFFu, x.ninf, offset);
+  y.c = __shfl_down_sync(0xFFFFFFFFu, x.c, offset);
   return y;
 }
 
@@ -225,6 +233,7 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
         const float e = expf(d);
         st.t = e > 0.0f ? e * (st.t + d * st.s) : 0.0f;  // as in `merge`: no 0 * -inf
         st.s *= e;
+        st.c *= e;
       }
       st.m = cm;
       st.amax = ci;
@@ -233,16 +242,18 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
     // every z so far is -inf (probability 0) or NaN (answered below): -inf - -inf would make the sums NaN,
     // and a merge would then drop this thread's later finite terms with them.
     if (st.m > -INFINITY) {
-      float ps = 0.0f, pt = 0.0f;
+      float ps = 0.0f, pt = 0.0f, pc = 0.0f;
 #pragma unroll
       for (int j = 0; j < N; ++j) {
         const float d = z[j] - st.m;
         const float e = expf(d);
         ps += e;
         pt += e > 0.0f ? e * d : 0.0f;
+        if (probs != nullptr) pc += expf(sc_logit(z[j]) - st.m);  // bf16(z) - m <= 2^-9 |m|: no overflow
       }
       st.s += ps;
       st.t += pt;
+      st.c += pc;
     }
 #pragma unroll
     for (int j = 0; j < N; ++j) {
@@ -261,7 +272,7 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
     }
   }
 
-  __shared__ float row_max, row_inv_sum;
+  __shared__ float row_max, row_inv_sc;
   st = block_merge(st);
   if (threadIdx.x == 0) {
     // Non-finite logits get what torch's reductions answer. NaN: softmax and entropy NaN, argmax (and the
@@ -274,13 +285,13 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
     argmax[cell] = has_nan ? st.nan_at : (st.amax == INT32_MAX ? 0 : st.amax);
     sample[cell] = has_nan ? st.nan_at : (st.bidx == INT32_MAX ? 0 : st.bidx);
     row_max = st.m;
-    row_inv_sum = inv;
+    row_inv_sc = has_nan || st.c == 0.0f ? NAN : 1.0f / st.c;
   }
   if (probs == nullptr) return;
   __syncthreads();
 
-  // Second pass: softmax(z) in bf16 for the next step's self-conditioning input.
-  const float m = row_max, inv = row_inv_sum;
+  // Second pass: softmax(bf16(z)) in bf16, the next step's self-conditioning input (see `sc_logit`).
+  const float m = row_max, inv = row_inv_sc;
   __nv_bfloat16* __restrict__ p_row = probs + cell * vocab;
   for (int i = threadIdx.x * N; i < vocab; i += blockDim.x * N) {
     float z[N];
@@ -290,7 +301,7 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
       for (int j = 0; j < N; ++j) z[j] = allowed[i + j] ? z[j] : kMaskedLogit;
     }
 #pragma unroll
-    for (int j = 0; j < N; ++j) z[j] = expf(__fdiv_rn(z[j], temp) - m) * inv;
+    for (int j = 0; j < N; ++j) z[j] = expf(sc_logit(__fdiv_rn(z[j], temp)) - m) * inv;
     store_probs<N>(p_row, i, z);
   }
 }
@@ -524,7 +535,8 @@ bool aligned16(const void* p) { return p == nullptr || (reinterpret_cast<uintptr
 extern "C" {
 
 // Kernel A for B rows of L positions: per-position entropy, max probability, argmax and Gumbel sample of
-// z = logits / T(row); softmax(z) in bf16 into `probs` ([B, L, V]) unless it is null. `logits_bf16`
+// z = logits / T(row); softmax(bf16(z)) in bf16 into `probs` ([B, L, V]) unless it is null: the bf16 model's
+// self-conditioning input, as transformers computes it (the logits rounded to bf16 before the softmax). `logits_bf16`
 // selects the input dtype (0: fp32, 1: bf16). Row keys (seed, request, canvas, step) are int64 arrays of
 // length B. `mask_table` [M, V] bytes and `mask_index` [B, L] (-1 = free) restrict each position to its
 // table row's tokens (constrained decoding); both null: no mask. Returns a cudaError_t.
