@@ -43,6 +43,10 @@ from pipeline.resources import k8s_dir
 
 PVC_BUILD_DIR = "/models/build"  # where the build directory lives on the model PVC (k8s/base/pvc.yaml)
 WORKLOAD = "dgpipe-triton"
+# The side objects' names, as k8s/smoke/job.yaml and k8s/loader/pod.yaml spell them (a test holds them equal):
+# `dgpipe deploy` waits on, execs into and deletes them by these names
+SMOKE_JOB = "dgpipe-smoke"
+LOADER_POD, LOADER_CONTAINER = "dgpipe-pvc-loader", "loader"
 RENDER_SUMMARY = "render.json"
 MANIFESTS_OUTPUT = "a `dgpipe manifests` output"  # what an --output dir may hold for a render to replace it
 # Output files, in the order `dgpipe deploy` applies them (smoke and loader are applied on their own).
@@ -436,7 +440,7 @@ def smoke_kustomization(values: RenderValues) -> dict[str, Any]:
         {"op": "replace", "path": f"{container}/args", "value": values.smoke.args(model=values.model_name)},
     ]
     return _side_kustomization(
-        values, "smoke", [{"target": {"kind": "Job", "name": "dgpipe-smoke"}, "patch": yaml.safe_dump(patch)}]
+        values, "smoke", [{"target": {"kind": "Job", "name": SMOKE_JOB}, "patch": yaml.safe_dump(patch)}]
     )
 
 

@@ -38,11 +38,14 @@ import yaml
 from pipeline.builddir import ENGINES_DIR, LAYOUT, MANIFEST_NAME
 from pipeline.deploy.kubectl import kubectl_binary, kubectl_name
 from pipeline.deploy.render import (
+    LOADER_CONTAINER,
     LOADER_FILE,
+    LOADER_POD,
     OPTIONAL_SERVING_KINDS,
     PVC_BUILD_DIR,
     SERVING_FILE,
     SMOKE_FILE,
+    SMOKE_JOB,
     STORAGE_FILE,
     WORKLOAD,
     WorkloadKind,
@@ -81,8 +84,6 @@ CRDS = {
         "install the LeaderWorkerSet controller, or render without --lws-size",
     ),
 }
-SMOKE_JOB = "dgpipe-smoke"
-LOADER_POD = "dgpipe-pvc-loader"
 # What the pods read from the build directory; engines are never uploaded: they are built on the node.
 UPLOAD_ITEMS = (MANIFEST_NAME, LAYOUT["onnx"], LAYOUT["plugins"], LAYOUT["model_repository"])
 # Unpack next to the live copy, carry over the plans the nodes built (`dgpipe engine build` keeps a plan
@@ -312,7 +313,7 @@ def _upload_steps(k: Kubectl, info: dict[str, Any], manifests_dir: Path) -> list
         Step("wait for the loader pod", k.in_ns("wait", "--for=condition=Ready", f"pod/{LOADER_POD}", "--timeout=600s"),
              StepKind.LOADER_WAIT, timeout_s=660),
         Step(f"stream the build dir into {PVC_BUILD_DIR} on the PVC",
-             k.in_ns("exec", "-i", LOADER_POD, "-c", "loader", "--", "sh", "-c", swap), StepKind.UPLOAD,
+             k.in_ns("exec", "-i", LOADER_POD, "-c", LOADER_CONTAINER, "--", "sh", "-c", swap), StepKind.UPLOAD,
              sends_upload=True, timeout_s=7200),
         Step("delete the loader pod", k.in_ns("delete", "pod", LOADER_POD, "--ignore-not-found", "--wait=false"),
              StepKind.LOADER_DELETE),

@@ -1451,3 +1451,15 @@ def test_the_smoke_job_and_the_loader_may_run_beside_the_serving_pods(side_objec
         (term,) = spec["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
         selector = term["podAffinityTerm"]["labelSelector"]["matchLabels"]
         assert selector == {"app.kubernetes.io/name": "dgpipe", "app.kubernetes.io/component": "triton"}, kind
+
+
+@needs_kubectl
+def test_the_side_objects_are_named_as_deploy_addresses_them(side_objects):
+    """`dgpipe deploy` waits on, execs into and deletes the smoke Job and the loader pod by name: the YAML
+    must spell the names the rollout uses, or a deploy waits for a pod that never exists."""
+    from pipeline.deploy import render as mf
+
+    names = {o["kind"]: o["metadata"]["name"] for o in side_objects}
+    assert names == {"Job": mf.SMOKE_JOB, "Pod": mf.LOADER_POD}
+    (pod,) = (o for o in side_objects if o["kind"] == "Pod")
+    assert [c["name"] for c in pod["spec"]["containers"]] == [mf.LOADER_CONTAINER]
