@@ -155,6 +155,9 @@ DEFAULTS = Limits()  # the defaults, for signatures that take one limit as a pla
 # blocks of it: one chunk is one 26B canvas, large enough that a GPU pass over it is not just a weight read
 PREFILL_CHUNK_TOKENS = 256
 
+# what a request that names no max_tokens generates at most (Limits.max_tokens caps what one may name)
+DEFAULT_MAX_TOKENS = 256
+
 # OpenAI's own caps on the request fields dgpipe honours as they are (platform.openai.com/docs/api-reference):
 # `top_logprobs` (chat) takes 0..20 alternatives per token; `n` is dgpipe's own cap on choices per request
 # (each choice is a batch row, so it also stays within one pass's rows)

@@ -12,6 +12,7 @@ from pipeline import endpoints
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
 from pipeline.errors import DgpipeError
+from pipeline.limits import DEFAULT_MAX_TOKENS
 
 app = opt.typer_app()
 
@@ -85,7 +86,7 @@ def generate(
     file: File = None,
     model: opt.Model = None,
     adapter: opt.Adapter = None,
-    max_tokens: MaxTokens = 256,
+    max_tokens: MaxTokens = DEFAULT_MAX_TOKENS,
     steps: Steps = None,
     entropy_bound: EntropyBound = None,
     t_min: TMin = None,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from pipeline.errors import DgpipeError
+from pipeline.limits import DEFAULT_MAX_TOKENS
 from pipeline.runtime.output_text import OutputText
 
 Guide = tuple[str, str]  # (guide type, guide): "json_schema" / "regex" / "choice" and its text
@@ -36,7 +37,7 @@ class GenerateSettings:
     """What every input of one batch shares: model, sampler overrides, canvas, constraint, execution."""
 
     model: Path | None = None
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     sampler: dict[str, Any] = field(default_factory=dict)  # SamplerConfig overrides; None = the model's
     seed: int = 0
     canvas_length: int | None = None

@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.errors import InputError
-from pipeline.limits import DEFAULTS, PREFILL_CHUNK_TOKENS, TOP_LOGPROBS_MAX, context_length
+from pipeline.limits import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULTS,
+    PREFILL_CHUNK_TOKENS,
+    TOP_LOGPROBS_MAX,
+    context_length,
+)
 from pipeline.model.config import SamplerConfig
 from pipeline.model.network import DiffusionGemma, canvas_positions
 from pipeline.runtime.backends import KV, ModelBackend, SamplerInputs, TorchBackend
@@ -48,7 +54,7 @@ CEILING_RECOVERY_S = 300.0
 @dataclass
 class Request:
     prompt_ids: list[int]
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     seed: int = 0
     request_id: int = 0

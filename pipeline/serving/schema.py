@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.limits import DEFAULTS, TOP_LOGPROBS_MAX, request_bytes_limit
+from pipeline.limits import DEFAULT_MAX_TOKENS, DEFAULTS, TOP_LOGPROBS_MAX, request_bytes_limit
 from pipeline.limits import INT32_MAX as INT32_MAX  # what an INT32 input holds (re-exported)
 from pipeline.model.config import SAMPLER_RANGES
 from pipeline.runtime.chat_template import MessagesError, last_user_text, parse_messages  # stdlib only
@@ -126,7 +126,7 @@ def _in(name: str, datatype: str, doc: str, dims: tuple[int, ...] = (1,), **kw: 
 INPUTS: tuple[TritonTensor, ...] = (
     # one of text_input and messages (parse_request checks that exactly one is sent)
     _in("text_input", "BYTES", "the prompt (UTF-8)", rule=NOT_BLANK),
-    _in("max_tokens", "INT32", "tokens to generate at most", default=256, rule=AT_LEAST_ONE),
+    _in("max_tokens", "INT32", "tokens to generate at most", default=DEFAULT_MAX_TOKENS, rule=AT_LEAST_ONE),
     _in("stream", "BOOL", "send each committed canvas as it completes", default=False),
     # absent: 0, so a direct Triton request is reproducible (TensorRT-LLM's random_seed default); the OpenAI
     # frontend draws a fresh seed for a request without one (openai_schema.sampler_seed)
