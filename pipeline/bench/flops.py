@@ -16,7 +16,7 @@ from pathlib import Path
 import onnx
 
 from pipeline.bench.results import save_result
-from pipeline.model.config import ModelConfig
+from pipeline.model.config import FLAGSHIP_CONFIG, ModelConfig
 from pipeline.model.cost import denoise_pass_flops
 from pipeline.onnx.flops import graph_cost, pass_dims
 from pipeline.targets import target
@@ -49,7 +49,7 @@ def _floors(tflop: float, gb: float) -> dict[str, dict[str, float]]:
 
 
 def run(
-    config: str = "diffusiongemma-26b-a4b",
+    config: str = FLAGSHIP_CONFIG,
     batches: tuple[int, ...] = (1, 4, 8),
     past: int = 4096,
     onnx_dirs: dict[str, Path] | None = None,

@@ -13,6 +13,7 @@ from pipeline.atomic import atomic_write_text
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
 from pipeline.errors import DgpipeError
+from pipeline.model.config import FLAGSHIP_CONFIG
 
 app = opt.typer_app(help="Benchmarks (results as JSON, a table and PNG plots).", no_args_is_help=True)
 
@@ -216,7 +217,7 @@ def _render_serve(result: dict) -> list[str]:
 def bench_model(
     config: Annotated[
         str, typer.Option(help="configs/models/<name>.yaml (random weights)")
-    ] = "diffusiongemma-26b-a4b",
+    ] = FLAGSHIP_CONFIG,
     batch: Annotated[str, typer.Option(help="comma-separated batch sizes")] = "1,4",
     context: Annotated[int, typer.Option(min=1, help="cached prompt tokens")] = 512,
     steps: Annotated[int, typer.Option(min=1, help="fixed denoising steps per canvas")] = 16,
@@ -307,9 +308,9 @@ def _render_guided(r: dict) -> list[str]:
 
 @app.command("flops")
 def bench_flops(
-    config: Annotated[str, typer.Option(help="configs/models/<name>.yaml, traced without weights")] = (
-        "diffusiongemma-26b-a4b"
-    ),
+    config: Annotated[
+        str, typer.Option(help="configs/models/<name>.yaml, traced without weights")
+    ] = FLAGSHIP_CONFIG,
     batch: Annotated[str, typer.Option(help="comma-separated canvases per pass")] = "1,4,8",
     context: Annotated[int, typer.Option(min=0, help="cached tokens the pass attends to")] = 4096,
     routed_onnx: Annotated[
@@ -333,9 +334,9 @@ def bench_flops(
 
 @app.command("export-memory")
 def bench_export_memory(
-    config: Annotated[str, typer.Option(help="configs/models/<name>.yaml (random bf16 weights)")] = (
-        "diffusiongemma-26b-a4b"
-    ),
+    config: Annotated[
+        str, typer.Option(help="configs/models/<name>.yaml (random bf16 weights)")
+    ] = FLAGSHIP_CONFIG,
     layers: Annotated[
         int, typer.Option(min=1, help="decoder layers written at full shapes (disk: ~1.6 GB each)")
     ] = 6,
@@ -367,9 +368,9 @@ def bench_export_memory(
 
 @app.command("load-memory")
 def bench_load_memory(
-    config: Annotated[str, typer.Option(help="configs/models/<name>.yaml (random weights)")] = (
-        "diffusiongemma-26b-a4b"
-    ),
+    config: Annotated[
+        str, typer.Option(help="configs/models/<name>.yaml (random weights)")
+    ] = FLAGSHIP_CONFIG,
     layers: Annotated[int, typer.Option(min=1, help="decoder layers written at full shapes")] = 2,
     fmt: Annotated[str, typer.Option("--format", help="fp8 or nvfp4 (ModelOpt layout)")] = "fp8",
     work_dir: Annotated[Path, typer.Option(help="scratch for the checkpoint (deleted)")] = Path(
@@ -507,9 +508,9 @@ def bench_moe_tiles(
     operand: Annotated[
         str | None, typer.Option(help="fp8 or bf16 weights (default: fp8 where the GPU has FP8 tensor cores)")
     ] = None,
-    config: Annotated[str, typer.Option(help="configs/models/<name>.yaml whose expert shapes to tune")] = (
-        "diffusiongemma-26b-a4b"
-    ),
+    config: Annotated[
+        str, typer.Option(help="configs/models/<name>.yaml whose expert shapes to tune")
+    ] = FLAGSHIP_CONFIG,
     budget_s: Annotated[
         float, typer.Option(help="seconds to spend (the climb from the default tiles stops there)")
     ] = 120.0,

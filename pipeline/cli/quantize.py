@@ -13,6 +13,7 @@ from pipeline.cli import output as out
 from pipeline.cli.build import LOG_NAME  # a build dir's third-party output, the quantize stage's too
 from pipeline.cli.capture import capture
 from pipeline.errors import DgpipeError
+from pipeline.model.config import FLAGSHIP_CONFIG
 
 app = opt.typer_app()
 
@@ -50,7 +51,7 @@ def quantize(
     adapter: opt.Adapter = None,
     target: Target = None,
     estimate: Estimate = False,
-    config: Config = "diffusiongemma-26b-a4b",
+    config: Config = FLAGSHIP_CONFIG,
     context: Annotated[
         int, typer.Option(help="--estimate: tokens of context per sequence")
     ] = opt.LIMITS.max_context,

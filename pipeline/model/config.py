@@ -37,6 +37,8 @@ CONFIG_LIMITS: dict[str, tuple[int, int]] = {
     "moe_intermediate_size": (1, 1 << 18),
     "canvas_length": (1, 1 << 14),  # ModelConfig's
 }
+# configs/models/<name>.yaml of the 26B-A4B: what the benchmarks and memory estimates size by default
+FLAGSHIP_CONFIG = "diffusiongemma-26b-a4b"
 CONFIG_HINT = "fix config.json: it must describe a DiffusionGemma model (transformers' DiffusionGemmaConfig)"
 
 

@@ -24,6 +24,7 @@ import torch
 from pipeline.atomic import atomic_write_text
 from pipeline.bench.gpu.report import render, summary
 from pipeline.bench.results import save_result
+from pipeline.model.config import FLAGSHIP_CONFIG
 from pipeline.resources import PACKAGE_DIR
 from pipeline.runtime.dispatch import arch_of
 from pipeline.runtime.kernels.moe_tiles import TABLE_DIR, TABLES_ENV, file_name
@@ -35,7 +36,7 @@ STOP_WAIT_S = 10.0  # reading a killed check's last output, at most
 TOTAL_BUDGET_S = 480  # the whole command, checks and their subprocess start-up included
 # of the total: the command's own start (imports) before the run, and reading the last check killed
 END_MARGIN_S = 5 + STOP_WAIT_S
-CONFIG = "diffusiongemma-26b-a4b"
+CONFIG = FLAGSHIP_CONFIG
 PASS_BATCHES = (1, 16)
 CONTEXT = 256  # cached prompt tokens under each measured pass
 # the bf16 check's peak: 26B bf16 weights (47 GiB), batch-16 K/V (4 GiB) and its softcap diagnostic's bf16

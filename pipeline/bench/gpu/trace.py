@@ -43,7 +43,7 @@ from pipeline.atomic import atomic_write_text
 from pipeline.bench.gpu.fake_cuda import HostTensorInPass, fake_gpu, to_fake_cuda
 from pipeline.bench.results import save_result
 from pipeline.errors import error_line
-from pipeline.model.config import ModelConfig
+from pipeline.model.config import FLAGSHIP_CONFIG, ModelConfig
 from pipeline.model.network import DiffusionGemma, PastWithRoom, canvas_positions
 from pipeline.runtime.dispatch import DISPATCH, dispatch, weight_bytes
 from pipeline.runtime.kv_cache import KVCache, attention_masks
@@ -51,7 +51,7 @@ from pipeline.runtime.probe import Probe, probe_plan
 from pipeline.runtime.shared_input import SharedInput
 from pipeline.runtime.tensor_cores import unit_row_scales
 
-CONFIG = "diffusiongemma-26b-a4b"
+CONFIG = FLAGSHIP_CONFIG
 CONTEXT = 256  # cached prompt tokens under the traced pass, as `bench gpu` measures it
 # the GEMMs, by the name the dispatch table gives them
 GEMMS = {
