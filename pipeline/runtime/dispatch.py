@@ -66,10 +66,31 @@ class DispatchRow:
     triton_rows: float = 0.0
     # where the experts' kernel fails its probe: a second quantized path tried before the dequantized float one
     experts_fallback: str | None = None
+    # the `ScaledExperts` mode of that second path (the format it reads the experts' weights in)
+    experts_fallback_mode: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.experts_fallback is None) != (self.experts_fallback_mode is None):
+            raise ValueError(f"{self.format}/{self.arch}: experts_fallback and its mode come together")
 
     @property
     def native(self) -> bool:
         return self.fallback is None
+
+    # The loaders, the probe and the benchmarks choose modules by these modes, never by the kernel names above,
+    # which are display text. A mode is the format its module reads the weights in.
+    @property
+    def linear_mode(self) -> str | None:
+        """The `ScaledLinear` mode of the quantized linears; None: float linears on torch's kernels."""
+        return None if self.linear_read == "bf16" else self.linear_read
+
+    @property
+    def experts_mode(self) -> str | None:
+        """The `ScaledExperts` mode of the routed experts; "bf16": float experts on dgpipe's Triton GEMM
+        (`pipeline.runtime.routed`, where `triton_rows` says); None: float experts on torch's kernels."""
+        if self.expert_read == "bf16":
+            return "bf16" if self.triton else None
+        return self.expert_read
 
     @property
     def triton(self) -> bool:
@@ -190,7 +211,8 @@ def _rows() -> dict[tuple[str, str], DispatchRow]:
     # fails its probe (a torch built without them; Thor, compute capability 11.0, which torch's grouped GEMMs
     # refuse), the experts keep FP8 (1 B/param, the 26B's ~23 GB) instead of bf16 (2 B/param, ~46 GB)
     rows["nvfp4", "sm100"] = DispatchRow(
-        "nvfp4", "sm100", SCALED_MM_FP4, GROUPED_FP4, "nvfp4", "nvfp4", experts_fallback=TRITON_MOE_EVERY_PASS_REQ
+        "nvfp4", "sm100", SCALED_MM_FP4, GROUPED_FP4, "nvfp4", "nvfp4", experts_fallback=TRITON_MOE_EVERY_PASS_REQ,
+        experts_fallback_mode="fp8_rowwise",
     )  # fmt: skip
     # RTX Blackwell has FP4 tensor cores and cuBLASLt's block-scaled FP4 GEMM for the linears, but no torch
     # grouped GEMM at all: the experts take the Triton FP8 GEMM as on Ada, FP8 instead of bf16 keeping the

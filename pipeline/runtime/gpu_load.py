@@ -73,7 +73,7 @@ from pipeline.runtime.probe import (
 )
 from pipeline.runtime.routed import host_bound_experts, route_on_device
 from pipeline.runtime.shared_input import SharedInput, norm_operand, share_inputs
-from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, down_from_geglu, kernel_mode
+from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, down_from_geglu
 
 EXPERT = re.compile(r"^(layers\.\d+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 
@@ -116,13 +116,13 @@ def experts_plan(
     (`experts_fallback`), else None: dequantized to the float path. `measured_rows`: the crossover this GPU
     model's tile table measured (`moe_tiles.measured_triton_rows`), in place of the row's threshold where
     the row splits passes between the Triton GEMM and torch's."""
-    exp = kernel_mode(row.experts)
+    exp = row.experts_mode
     if exp is None:
         return None, 0.0, None
     kernel = "experts" if row.torch_experts else "triton"  # the kernel every pass can take
     if not pr.ok(f"{kernel}:{exp}"):
         failed = f"experts: {row.experts} failed its probe ({pr.results.get(f'{kernel}:{exp}', 'not run')})"
-        second = kernel_mode(row.experts_fallback) if row.experts_fallback else None
+        second = row.experts_fallback_mode
         if second and pr.ok(f"triton:{second}"):
             return second, EVERY_PASS, f"{failed}: {row.experts_fallback}"
         return None, 0.0, f"{failed}: dequantized float path"
@@ -201,7 +201,7 @@ class TensorCoreLoad:
             )
             return None, None, 0.0, None
         row = dispatch(fmt, pr.arch)
-        lin, exp = kernel_mode(row.linears), kernel_mode(row.experts)
+        lin, exp = row.linear_mode, row.experts_mode
         if lin and not pr.ok(f"linear:{lin}"):
             res.fallbacks.append(
                 f"linears: {row.linears} failed its probe ({pr.results.get(f'linear:{lin}')})"

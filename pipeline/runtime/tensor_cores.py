@@ -38,7 +38,7 @@ from pipeline.model.fake_quant import E4M3_MAX, nvfp4_fake_quant
 from pipeline.model.modelopt import PackedLinear
 from pipeline.model.network import CombineKernel, combine_slots, combine_top_k, geglu
 from pipeline.runtime import kernels
-from pipeline.runtime.dispatch import FP8_FAST_ACCUM, TRITON_BF16
+from pipeline.runtime.dispatch import FP8_FAST_ACCUM
 
 
 def _api():
@@ -568,15 +568,3 @@ def random_packed(
     codes = torch.randint(0, 256, (n, k // 2), device=device, dtype=torch.uint8, generator=gen)
     bs = torch.full((n, k // 16), 64.0, device=device).to(torch.float8_e4m3fn)
     return PackedLinear("NVFP4", codes, bs, torch.tensor(0.02 / (64 * 2)), torch.tensor(8.0 / (6 * E4M3_MAX)))
-
-
-_MODE = {"F.scaled_mm FP8 TensorWise": "fp8", "F.scaled_mm NVFP4": "nvfp4", "F.scaled_mm FP8 RowWise": "fp8_rowwise",
-         "F.scaled_grouped_mm FP8 RowWise (weights": "fp8_rowwise", "F.scaled_grouped_mm FP8 RowWise": "fp8",
-         "F.scaled_grouped_mm NVFP4": "nvfp4", "Triton FP8 MoE GEMM RowWise (weights": "fp8_rowwise",
-         "Triton FP8 MoE GEMM RowWise": "fp8", TRITON_BF16: "bf16"}  # fmt: skip
-
-
-def kernel_mode(kernel: str) -> str | None:
-    """The ScaledLinear/ScaledExperts mode that implements a dispatch-table kernel ("bf16": the float experts
-    on dgpipe's Triton GEMM, `pipeline.runtime.routed`); None: a float path on torch's kernels."""
-    return next((m for prefix, m in _MODE.items() if kernel.startswith(prefix)), None)

@@ -56,9 +56,11 @@ def test_probe_serves_what_the_dispatch_table_promises(probed):
     for fmt in ("fp8", "nvfp4"):
         r = dispatch(fmt, probed.arch)
         experts = "experts" if r.torch_experts else "triton"  # Ada, RTX Blackwell: the Triton GEMM only
-        for kind, kernel in (("linear", r.linears), (experts, r.experts)):
-            mode = tc.kernel_mode(kernel)
-            second = tc.kernel_mode(r.experts_fallback) if kind == experts and r.experts_fallback else None
+        for kind, kernel, mode in (
+            ("linear", r.linears, r.linear_mode),
+            (experts, r.experts, r.experts_mode),
+        ):
+            second = r.experts_fallback_mode if kind == experts else None
             if mode:
                 ok = probed.ok(f"{kind}:{mode}") or (second is not None and probed.ok(f"triton:{second}"))
                 assert ok, (fmt, kernel, probed.results)
@@ -323,7 +325,7 @@ def test_quantized_checkpoint_on_tensor_cores_graph_equals_eager(tmp_path, fmt):
     session = load_session(path, dtype="bfloat16", device="cuda")
     model, report = session.model, session.tensor_cores
     on_tensor_cores = [isinstance(layer.experts, tc.ScaledExperts) for layer in model.layers]
-    assert tc.kernel_mode(dispatch(fmt, arch).experts)  # every quantized row names a kernel
+    assert dispatch(fmt, arch).experts_mode  # every quantized row names a kernel
     assert all(on_tensor_cores) or (not any(on_tensor_cores) and report.fallbacks), report.summary()
     backend = TorchBackend(model)
     if not backend.graph_safe:  # only a failed probe leaves experts that read the routing on the host

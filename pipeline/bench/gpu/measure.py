@@ -45,13 +45,13 @@ def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
     from pipeline.runtime.dispatch import dispatch
     from pipeline.runtime.gpu_load import experts_plan, one_pass
     from pipeline.runtime.kernels.moe_tiles import expert_shapes, measured_triton_rows
-    from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode, random_packed
+    from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, random_packed
 
     dev = next(model.parameters()).device
     row = dispatch(fmt, arch_of(*torch.cuda.get_device_capability(dev)))
     # as the runtime loads: what failed its probe takes its fallback
     pr = probed if probed is not None else _kernels_here(dev, row.arch)
-    wanted = kernel_mode(row.linears)
+    wanted = row.linear_mode
     lin = wanted if wanted and pr.ok(f"linear:{wanted}") else None
     _, two_i, d = model.layers[0].experts.gate_up_proj.shape
     measured = measured_triton_rows(dev, expert_shapes(d, two_i // 2))

@@ -40,7 +40,7 @@ from pipeline.runtime.probe.norms import (
 )
 from pipeline.runtime.probe.quant import check_triton_quant
 from pipeline.runtime.probe.routing import check_triton_expert_order, check_triton_top_k
-from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, kernel_mode
+from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear
 
 
 @dataclass
@@ -93,16 +93,16 @@ def probe_plan(arch: str | None, formats: tuple[str, ...] = PROBED_FORMATS) -> l
     plan: list[tuple[str, str, str]] = []
     for fmt in formats:
         row = dispatch(fmt, arch)
-        uses = (("linear", row.linears, True), ("experts", row.experts, row.torch_experts),
-                ("triton", row.experts, row.triton), ("triton", row.experts_fallback or "", bool(row.experts_fallback)))  # fmt: skip
-        for kind, kernel, used in uses:
-            mode = kernel_mode(kernel) if used else None
+        uses = (("linear", row.linear_mode, True), ("experts", row.experts_mode, row.torch_experts),
+                ("triton", row.experts_mode, row.triton), ("triton", row.experts_fallback_mode, True))  # fmt: skip
+        for kind, row_mode, used in uses:
+            mode = row_mode if used else None
             # activations' one-pass quantization is a kernel of its own, whichever GEMM reads them
             for k in (kind, "quant") if mode in ONE_PASS_MODES else (kind,):
                 form = (k, mode, {"fp8": "fp8", "bf16": "bf16"}.get(mode or "", "nvfp4"))
                 if mode and form not in plan:
                     plan.append(form)
-        if kernel_mode(row.linears) == "fp8" and FP8_COLUMNS_FORM not in plan:
+        if row.linear_mode == "fp8" and FP8_COLUMNS_FORM not in plan:
             plan.append(FP8_COLUMNS_FORM)
     return [*plan, *NETWORK_FORMS]
 

@@ -201,13 +201,22 @@ def test_quantizing_tokens_before_the_gather_equals_quantizing_the_gathered_rows
 
 
 def test_every_vendor_kernel_of_the_table_has_a_module_mode():
+    """Each row's modes (what the loaders build) agree with the kernels it names (what the user reads)."""
     for row in dp.DISPATCH.values():
-        for kernel in (row.linears, row.experts):
-            assert (tc.kernel_mode(kernel) is None) == kernel.startswith(("F.linear", "F.grouped_mm")), kernel
+        assert (row.linear_mode is None) == row.linears.startswith("F.linear"), row.linears
+        assert (row.experts_mode is None) == row.experts.startswith(("F.linear", "F.grouped_mm")), row.experts
+        if row.experts_mode == "bf16":
+            assert row.experts.startswith(dp.TRITON_BF16), row.experts
+        for kernel, mode in (
+            (row.experts, row.experts_mode),
+            (row.experts_fallback, row.experts_fallback_mode),
+        ):
+            assert ("re-quantized per row" in (kernel or "")) == (mode == "fp8_rowwise"), kernel
     for arch in ("sm90", "sm89"):
-        assert tc.kernel_mode(dp.dispatch("nvfp4", arch).experts) == "fp8_rowwise"
+        assert dp.dispatch("nvfp4", arch).experts_mode == "fp8_rowwise"
     for arch in ("sm90", "sm89", "sm120"):
-        assert tc.kernel_mode(dp.dispatch("fp8", arch).experts) == "fp8"
+        assert dp.dispatch("fp8", arch).experts_mode == "fp8"
+    assert dp.dispatch("nvfp4", "sm100").experts_fallback_mode == "fp8_rowwise"
 
 
 def test_probe_runs_only_the_forms_the_table_names_for_the_gpu():
