@@ -94,6 +94,20 @@ class Result:
 TokenLogprob = tuple[float, list[tuple[int, float]]]
 
 
+def emitted_tokens(block: list[int], end_ids: set[int], floor: int, room: int) -> tuple[list[int], str]:
+    """What a finished canvas adds to its request's output, and why the request stops ("" if it goes on): the
+    canvas up to and including its first end token at a position >= `floor` (an end token before it is an
+    ordinary token: min_tokens), cut to the `room` tokens max_tokens leaves. "stop": an end token ends the
+    output; "length": max_tokens is reached."""
+    first_end = next((i for i, t in enumerate(block) if t in end_ids and i >= floor), None)
+    emitted = block if first_end is None else block[: first_end + 1]
+    if len(emitted) > room:
+        return emitted[:room], "length"
+    if first_end is not None:
+        return emitted, "stop"
+    return emitted, "length" if len(emitted) == room else ""
+
+
 class BlockDiffusionRuntime:
     """Owns the backend (model + sampler), the KV cache and the per-slot sampler state."""
 
@@ -300,7 +314,8 @@ class BlockDiffusionRuntime:
         with every canvas that finishes, up to one row fewer than failed (the ceiling). So the server learns
         the batch that fits its memory (`dgpipe quantize --estimate` plans it beforehand). Memory can also
         run out for a reason the batch size is not (one long prompt, fragmentation), so the ceiling rises by
-        one row every `CEILING_RECOVERY_S` without another failure, back to max_batch."""
+        one row every `CEILING_RECOVERY_S` without another failure, back to max_batch (both at each finished
+        canvas: `_grow_rows_allowed`)."""
         self.rows_ceiling = max(1, min(self.rows_ceiling, rows - 1))
         self.rows_allowed = max(1, min(self.rows_ceiling, rows // 2))
         self._out_of_memory_at = time.perf_counter()
@@ -670,54 +685,17 @@ class BlockDiffusionRuntime:
         return torch.where(mask[:, None, None], self.sc[rnd.slots], 0.0)
 
     def _finalise(self, slots: list[int]) -> None:
-        if self.rows_ceiling < self.max_batch:  # a row per period passed, idle ones too
-            periods = int((time.perf_counter() - self._out_of_memory_at) // CEILING_RECOVERY_S)
-            if periods > 0:
-                self.rows_ceiling = min(self.max_batch, self.rows_ceiling + periods)
-                self._out_of_memory_at += periods * CEILING_RECOVERY_S
-        self.rows_allowed = min(self.rows_ceiling, self.rows_allowed + len(slots))  # back toward what fits
+        """The canvases that finished: each one's tokens handed to its request (`_emit`), then committed to
+        the cache for the rows that go on (`_commit`) and released for those that are done."""
+        self._grow_rows_allowed(len(slots))
         commits: list[int] = []
         for slot in slots:
             res = self.results[slot]
             assert res is not None
-            block = self.amax[slot].tolist()
-            k = res.request.logprobs
-            if (g := self.guides[slot]) is not None:
-                probs = self.guide_probs.pop(slot)
-                decoded: list[DecodedLogprob] = []
-                on_decode = (
-                    None if k is None else lambda *a, k=k, into=decoded: into.append(decoded_logprob(*a, k=k))
-                )
-                try:
-                    block = finish_canvas(
-                        g, block, probs, self.pad_id, on_decode=on_decode, pins=res.request.template or ()
-                    )
-                except RuntimeError as e:
-                    self._fail_guided_row(slot, e)
-                    continue
-                self.amax[slot] = torch.tensor(block, device=self.device)  # what the commit writes
-                if k is not None:
-                    self._write_decoded(slot, decoded, k)
-            res.steps_per_canvas.append(int(self.step_idx[slot]))
-            if not res.tokens and res.time_to_first_canvas == 0.0:
-                res.time_to_first_canvas = time.perf_counter() - res.started
-            # an end token stops the request only once min_tokens precede it (vLLM's min_tokens); a guided
-            # output ends where its guide accepted one, min_tokens or not: its language admits nothing after it
-            floor = 0 if g is not None and g.ended else res.request.min_tokens - len(res.tokens)
-            first_end = next((i for i, t in enumerate(block) if t in self.end_ids and i >= floor), None)
-            emitted = block if first_end is None else block[: first_end + 1]
-            room = res.request.max_tokens - len(res.tokens)
-            if len(emitted) > room:
-                emitted, reason = emitted[:room], "length"
-            elif first_end is not None:
-                reason = "stop"
-            else:
-                reason = "length" if len(emitted) == room else ""
-            res.tokens.extend(emitted)
-            if k is not None:
-                res.logprobs.extend(self._logprobs(slot, len(emitted), k))
-            if res.request.on_canvas is not None:
-                res.request.on_canvas(res.request, emitted)
+            block = self._committed_block(slot, res)
+            if block is None:  # its guide could not finish the canvas: the row was released with the error
+                continue
+            reason = self._emit(slot, res, block)
             if (
                 not reason
                 and context_length(int(self.cache.lengths[slot]), 0, self.canvas_length) > self.max_len
@@ -728,11 +706,68 @@ class BlockDiffusionRuntime:
             else:
                 commits.append(slot)
         if commits:
-            self._causal_pass(commits, [self.amax[s].tolist() for s in commits], fresh=False)
-            self.passes["commit"] += 1
-            for slot in commits:
-                self.canvas_idx[slot] += 1
-                self._start_canvas(slot)
+            self._commit(commits)
+
+    def _grow_rows_allowed(self, finished: int) -> None:
+        """The other half of `after_out_of_memory`: one more row admitted per finished canvas, up to the
+        ceiling, and the ceiling one row higher per `CEILING_RECOVERY_S` without another failure (idle
+        periods count), up to max_batch."""
+        if self.rows_ceiling < self.max_batch:
+            periods = int((time.perf_counter() - self._out_of_memory_at) // CEILING_RECOVERY_S)
+            if periods > 0:
+                self.rows_ceiling = min(self.max_batch, self.rows_ceiling + periods)
+                self._out_of_memory_at += periods * CEILING_RECOVERY_S
+        self.rows_allowed = min(self.rows_ceiling, self.rows_allowed + finished)
+
+    def _committed_block(self, slot: int, res: Result) -> list[int] | None:
+        """A finished canvas's tokens as the commit writes them: its argmax canvas, or for a constrained row
+        the guide's completion of it (`finish_canvas`; the decoded tokens' log-probabilities written). None
+        where the guide cannot complete it: the row is released with the error (`_fail_guided_row`)."""
+        block = self.amax[slot].tolist()
+        if (g := self.guides[slot]) is None:
+            return block
+        k = res.request.logprobs
+        decoded: list[DecodedLogprob] = []
+        on_decode = None if k is None else lambda *a: decoded.append(decoded_logprob(*a, k=k))
+        try:
+            block = finish_canvas(
+                g, block, self.guide_probs.pop(slot), self.pad_id, on_decode=on_decode,
+                pins=res.request.template or (),
+            )  # fmt: skip
+        except RuntimeError as e:
+            self._fail_guided_row(slot, e)
+            return None
+        self.amax[slot] = torch.tensor(block, device=self.device)  # what the commit writes
+        if k is not None:
+            self._write_decoded(slot, decoded, k)
+        return block
+
+    def _emit(self, slot: int, res: Result, block: list[int]) -> str:
+        """Hand a finished canvas to its request: the tokens `emitted_tokens` keeps, their log-probabilities,
+        the step count, the `on_canvas` callback. Returns why the request stops ("" if it goes on)."""
+        res.steps_per_canvas.append(int(self.step_idx[slot]))
+        if not res.tokens and res.time_to_first_canvas == 0.0:
+            res.time_to_first_canvas = time.perf_counter() - res.started
+        # an end token stops the request only once min_tokens precede it (vLLM's min_tokens); a guided
+        # output ends where its guide accepted one, min_tokens or not: its language admits nothing after it
+        g = self.guides[slot]
+        floor = 0 if g is not None and g.ended else res.request.min_tokens - len(res.tokens)
+        emitted, reason = emitted_tokens(block, self.end_ids, floor, res.request.max_tokens - len(res.tokens))
+        res.tokens.extend(emitted)
+        if (k := res.request.logprobs) is not None:
+            res.logprobs.extend(self._logprobs(slot, len(emitted), k))
+        if res.request.on_canvas is not None:
+            res.request.on_canvas(res.request, emitted)
+        return reason
+
+    def _commit(self, slots: list[int]) -> None:
+        """The finished canvases of the rows that go on into the cache (one causal pass), then a new canvas
+        for each."""
+        self._causal_pass(slots, [self.amax[s].tolist() for s in slots], fresh=False)
+        self.passes["commit"] += 1
+        for slot in slots:
+            self.canvas_idx[slot] += 1
+            self._start_canvas(slot)
 
     def _release(self, slot: int, reason: str) -> None:
         self._round = None

@@ -8,7 +8,7 @@ import torch
 from pipeline.errors import InputError
 from pipeline.model.config import SamplerConfig
 from pipeline.runtime.backends import TorchBackend
-from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
+from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request, emitted_tokens
 from tests._utils.tiny import build_tiny
 
 FIXED = SamplerConfig(max_denoising_steps=3, confidence_threshold=0.0)
@@ -275,3 +275,24 @@ def test_guide_room_counts_the_whole_canvases_the_context_holds(prompt, room):
     assert rt.guide_room(Request(prompt_ids=[2] * prompt, max_tokens=5)) == 5  # max_tokens when smaller
     res = rt.generate([req])[0]
     assert res.finish_reason == "length" and len(res.tokens) == room
+
+
+END = 1
+
+
+@pytest.mark.parametrize(
+    ("block", "floor", "room", "emitted", "reason"),
+    [
+        ([5, 6, END, 7], 0, 10, [5, 6, END], "stop"),  # cut after the first end token
+        ([5, END, 6, END], 2, 10, [5, END, 6, END], "stop"),  # an end token before min_tokens is a token
+        ([5, END, 6], 2, 10, [5, END, 6], ""),  # ... and the request goes on
+        ([5, 6, 7, END], 0, 2, [5, 6], "length"),  # max_tokens cuts before the end token
+        ([5, 6, END], 0, 3, [5, 6, END], "stop"),  # the end token is the last one max_tokens allows
+        ([5, 6, 7], 0, 3, [5, 6, 7], "length"),  # max_tokens reached exactly
+        ([5, 6, 7], 0, 4, [5, 6, 7], ""),
+    ],
+)
+def test_a_finished_canvas_is_cut_at_its_first_allowed_end_token_and_at_max_tokens(
+    block, floor, room, emitted, reason
+):
+    assert emitted_tokens(block, {END}, floor, room) == (emitted, reason)
