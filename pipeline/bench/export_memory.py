@@ -274,3 +274,20 @@ def run(
 
 def as_dict(r: ExportMemoryResult) -> dict:
     return asdict(r)
+
+
+def render(r: dict) -> str:
+    """The `dgpipe bench export-memory` report: peak RSS, measured or extrapolated to full depth."""
+    return (
+        f"{r['config']}: {r['layers_measured']} of {r['layers_full']} layers at full shapes, "
+        f"{r['checkpoint_gb']:.1f} GB {r['weights']} {r['dtype']} checkpoint, MoE {r['moe']}\n"
+        f"  streaming export peak RSS {r['stream_peak_rss_gb']:.2f} GB ({r['stream_seconds']:.0f} s; "
+        f"{r['rss_after_imports_gb']:.2f} GB after imports; {r['output_gb']:.1f} GB written)\n"
+        f"  weightless trace peak RSS {r['trace_peak_rss_gb_measured_depth']:.2f} GB at {r['layers_measured']} "
+        f"layers, {r['trace_peak_rss_gb_full_depth']:.2f} GB at {r['layers_full']}\n"
+        + (
+            f"  measured full-depth export peak RSS {r['stream_peak_rss_gb']:.2f} GB"
+            if r["layers_measured"] == r["layers_full"]
+            else f"  extrapolated full-depth export peak RSS {r['extrapolated_full_peak_rss_gb']:.2f} GB"
+        )
+    )

@@ -467,3 +467,18 @@ def run_bench_guided(
     save_result(out, RESULT_FILE, result)
     guided_plot(result, out / PLOT_FILE)
     return result
+
+
+def render(r: dict) -> list[str]:
+    """The `dgpipe bench guided` table: one line per policy and batch, guided beside unconstrained."""
+    head = (
+        f"{r['model']}, {r['hardware']}: regex {r['regex']} vs unconstrained, medians of {r['runs']} runs\n"
+        f"{'policy':<16}{'batch':>5}{'passes/canvas':>14}{'guided':>8}{'x':>6}{'ms':>9}{'guided':>9}{'x':>6}"
+        f"{'cpu x':>7}{'valid':>7}{'guided':>8}{'solved':>8}{'guided':>8}"
+    )
+    return [head] + [
+        f"{x['policy']:<16}{x['batch']:>5}{x['passes_per_canvas']:>14.2f}{x['passes_per_canvas_guided']:>8.2f}"
+        f"{x['passes_ratio']:>6.2f}{x['ms_total']:>9.1f}{x['ms_total_guided']:>9.1f}{x['time_ratio']:>6.2f}"
+        f"{x['cpu_time_ratio']:>7.2f}{x['valid']:>7.2f}{x['valid_guided']:>8.2f}{x['solved']:>8.2f}{x['solved_guided']:>8.2f}"
+        for x in r["rows"]
+    ]

@@ -278,3 +278,19 @@ def run_bench_local(
     save_result(out, RESULT_FILE, result)
     local_plot(result, out / PLOT_FILE)
     return result
+
+
+def render(result: dict) -> list[str]:
+    """The `dgpipe bench local` table: one line per system and policy, medians."""
+    header = (
+        f"{result['model']}  {result['dtype']} on {result['device']}, batch {result['batch']}, "
+        f"medians of {result['runs']} runs\n"
+        f"{'system':<24}{'steps':<16}{'tokens':>7}{'passes/canvas':>14}{'tok/pass':>9}{'ms/pass':>9}"
+        f"{'ms/canvas':>10}{'TTFT ms':>9}{'tokens/s':>10}"
+    )
+    return [header] + [
+        f"{r['system']:<24}{r['policy']:<16}{r['tokens']:>7.0f}{r['passes_per_canvas']:>14.1f}"
+        f"{r['tokens_per_pass']:>9.2f}{r['ms_per_pass']:>9.2f}{r['ms_per_canvas']:>10.1f}{r['ttft_ms']:>9.1f}"
+        f"{r['tokens_per_s']:>10.1f}"
+        for r in result["rows"]
+    ]

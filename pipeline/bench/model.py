@@ -269,3 +269,24 @@ def run_bench_model(
     save_result(out, RESULT_FILE, result)
     model_plot(result, out / PLOT_FILE)
     return result
+
+
+def render(r: dict) -> list[str]:
+    """The `dgpipe bench model` table: one line per batch, against the bandwidth floor."""
+    head = (
+        f"{r['config']} random {r['dtype']} on {r['device']}: {r['weight_gb']:.1f} GB weights, copy bandwidth "
+        f"{r['copy_bandwidth_gb_s']:.0f} GB/s, context {r['context']}, {r['steps_per_canvas']} fixed steps\n"
+        f"{'batch':>5}{'ms/pass':>10}{'floor':>8}{'x floor':>8}{'ms/canvas':>11}{'diff tok/s':>12}{'AR tok/s':>10}"
+        f"{'diff/AR':>8}{'rt eager':>10}{'rt graph':>10}{'graph x':>8}"
+    )
+    return [head] + [
+        f"{x['batch']:>5}{x['ms_per_denoise_pass']:>10.2f}{x['floor_ms_per_pass']:>8.2f}{x['pass_over_floor']:>8.2f}"
+        f"{x['ms_per_canvas']:>11.1f}{x['diffusion_tokens_per_s']:>12.1f}{x['ar_tokens_per_s']:>10.1f}"
+        f"{x['diffusion_over_ar']:>8.2f}{x['runtime_ms_per_canvas_eager']:>10.1f}"
+        + (
+            f"{x['runtime_ms_per_canvas_graph']:>10.1f}{x['graph_speedup']:>8.2f}"
+            if x["runtime_ms_per_canvas_graph"] is not None
+            else f"{'-':>10}{'-':>8}"
+        )
+        for x in r["rows"]
+    ]

@@ -151,3 +151,21 @@ def load_bench_model(config: str | None, model_path: Path | None, threads: int):
     session = load_session(model_path)
     session.model.bench_name = str(model_path)
     return session.model
+
+
+def render(r: dict) -> list[str]:
+    """The `dgpipe bench prefix` table: one line per step count, prefix caching off and on."""
+    lines = [
+        f"{r['model']}, {r['dtype']} on {r['device']}, {r['machine']['threads']} thread(s); "
+        f"{r['system_tokens']}-token shared system prompt + {r['question_tokens']}-token question, "
+        f"{r['requests']} requests each way, {r['block_tokens']}-token blocks; medians",
+        f"{'steps':>6}{'TTFT off ms':>13}{'TTFT on ms':>12}{'off / on':>10}{'bound':>7}{'prefill off':>13}"
+        f"{'prefill on':>12}{'hit rate':>10}  tokens",
+    ]
+    for row in r["rows"]:
+        lines.append(
+            f"{row['steps']:>6}{row['ttft_off_ms']:>13.1f}{row['ttft_on_ms']:>12.1f}{row['ttft_ratio']:>10.2f}"
+            f"{row['ttft_ratio_bound']:>7.2f}{row['prefill_off_ms']:>13.1f}{row['prefill_on_ms']:>12.1f}"
+            f"{row['hit_rate']:>10.1%}  " + ("identical" if row["identical"] else "DIFFER")
+        )
+    return lines

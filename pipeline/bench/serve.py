@@ -205,3 +205,16 @@ def bench_serve(
         return run_bench_serve(http_url, grpc_url, concurrency, requests, out)
     with embedded_server(out, max(concurrency)) as server:
         return run_bench_serve(server.http_url, server.grpc_url, concurrency, requests, out)
+
+
+def render(result: dict) -> list[str]:
+    """The `dgpipe bench serve` table: one line per protocol and concurrency."""
+    header = (
+        f"{'protocol':<11}{'conc':>5}{'req/s':>8}{'tok/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}"
+        f"{'TTFC ms':>9}{'ok':>6}"
+    )
+    return [header] + [
+        f"{r['protocol']:<11}{r['concurrency']:>5}{r['requests_per_s']:>8.2f}{r['tokens_per_s']:>9.1f}"
+        f"{r['p50_ms']:>9.1f}{r['p90_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['ttfc_p50_ms']:>9.1f}{100 * r['ok_rate']:>5.0f}%"
+        for r in result["rows"]
+    ]

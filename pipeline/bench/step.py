@@ -329,3 +329,25 @@ def _generate_rows(
         runners[TRANSFORMERS_GENERATE] = transformers_runner(path, dt, dev, ids, max_tokens, 1)(sampler)
     samples = interleaved(runners, rounds)
     return [asdict(median_row(name, sampler, measured)) for name, measured in samples.items()]
+
+
+def render(r: dict) -> list[str]:
+    """The `dgpipe bench pass` table: one line per system, where a step's time goes against the floor."""
+    ms = lambda v: f"{v:>10.1f}" if v is not None else f"{'-':>10}"
+    lines = [
+        f"{r['model']} ({r['parameters'] / 1e6:.0f}M params), {r['dtype']} on {r['device']}, "
+        f"{r['machine']['threads']} thread(s), batch {r['batch']}, context {r['context']}, "
+        f"{r['steps_per_canvas']} fixed steps, medians of {r['rounds']} interleaved rounds\n"
+        f"floor: {r['flops_per_step'] / 1e9:.1f} GFLOP per step / {r['matmul_gflop_s']:.1f} GFLOP/s matmul "
+        f"= {r['floor_ms']:.1f} ms\n"
+        f"{'system':<30}{'step ms':>10}{'network':>10}{'soft emb':>10}{'sampler':>10}{'host':>10}{'x floor':>9}"
+    ]
+    for x in r["rows"]:
+        lines.append(
+            f"{x['system']:<30}{ms(x['step_ms'])}{ms(x['network_ms'])}{ms(x['soft_embedding_ms'])}"
+            f"{ms(x['sampler_ms'])}{ms(x['host_ms'])}{x['step_ms'] / r['floor_ms']:>9.2f}"
+        )
+    for g in r["generate"]:
+        lines.append(f"generate {g['system']:<24} {g['policy']:<16} {g['tokens_per_s']:>8.1f} tokens/s")
+    lines += [f"{k}: {v:.3f}" for k, v in r["ratios"].items() if v is not None]
+    return lines

@@ -94,3 +94,14 @@ def pareto_front(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not front or p["solve_rate"] > front[-1]["solve_rate"]:
             front.append(p)
     return front
+
+
+def render(result: dict) -> list[str]:
+    """The `dgpipe bench sweep` table: one line per (bound, max steps), the Pareto front starred."""
+    rows = [
+        f"{p['entropy_bound']:>7g}{p['max_steps']:>10}{100 * p['solve_rate']:>7.1f}%{p['mean_steps']:>12.1f}"
+        f"{p['p90_steps']:>6.0f}{' *' if p in result['pareto'] else ''}"
+        for p in result["points"]
+    ]
+    head = f"{'bound':>7}{'max steps':>10}{'solved':>8}{'mean steps':>12}{'p90':>6}"
+    return [head, *rows, "* Pareto front"]

@@ -1,5 +1,6 @@
-"""`dgpipe bench local|sweep|serve|requests|model|pass|guided|schemas|flops|export-memory|load-memory|gpu|gpu-trace`:
-run a benchmark from pipeline/bench/, print its table, say where the JSON and PNG went."""
+"""`dgpipe bench local|sweep|serve|requests|model|pass|guided|schemas|flops|export-memory|load-memory|gpu|
+gpu-trace|moe-tiles|prefix`: parse the options, run a benchmark of pipeline/bench/, print the table its module
+renders (`render`), say where the JSON and PNG went."""
 
 from __future__ import annotations
 
@@ -47,25 +48,11 @@ def bench_local(
 ) -> None:
     """In-process speed: ms per denoise pass, passes per canvas, tokens/s; diffusion vs AR vs transformers."""
     from pipeline.bench.local import PLOT_FILE, RESULT_FILE, run_bench_local
+    from pipeline.bench.local import render as render_local
 
     out_dir = out_dir or opt.cache_dir() / "bench-local"
     result = run_bench_local(model, runs, batch, reference, out_dir, dtype, device)
-    _report(result, as_json, _render_local, out_dir / RESULT_FILE, out_dir / PLOT_FILE)
-
-
-def _render_local(result: dict) -> list[str]:
-    header = (
-        f"{result['model']}  {result['dtype']} on {result['device']}, batch {result['batch']}, "
-        f"medians of {result['runs']} runs\n"
-        f"{'system':<24}{'steps':<16}{'tokens':>7}{'passes/canvas':>14}{'tok/pass':>9}{'ms/pass':>9}"
-        f"{'ms/canvas':>10}{'TTFT ms':>9}{'tokens/s':>10}"
-    )
-    return [header] + [
-        f"{r['system']:<24}{r['policy']:<16}{r['tokens']:>7.0f}{r['passes_per_canvas']:>14.1f}"
-        f"{r['tokens_per_pass']:>9.2f}{r['ms_per_pass']:>9.2f}{r['ms_per_canvas']:>10.1f}{r['ttft_ms']:>9.1f}"
-        f"{r['tokens_per_s']:>10.1f}"
-        for r in result["rows"]
-    ]
+    _report(result, as_json, render_local, out_dir / RESULT_FILE, out_dir / PLOT_FILE)
 
 
 @app.command("sweep")
@@ -86,24 +73,15 @@ def bench_sweep(
         st = [int(x) for x in steps.split(",")]
     except ValueError as e:
         raise DgpipeError("--bounds and --steps take comma-separated numbers") from e
-    if n < 1 or min(b) <= 0 or min(st) < 1:
-        raise DgpipeError("need --n >= 1, bounds > 0 and steps >= 1")
+    if min(b) <= 0 or min(st) < 1:
+        raise DgpipeError("need bounds > 0 and steps >= 1")
     out_dir = out_dir or opt.cache_dir() / "bench-sweep"
     from pipeline.bench.sweep import SWEEP_JSON, SWEEP_PLOT, run_sweep
+    from pipeline.bench.sweep import render as render_sweep
 
     with out.progress("sweep", total=len(b) * len(st) * n, disable=as_json) as advance:
         result = run_sweep(model, b, st, n, out_dir, progress=advance)
-    _report(result, as_json, _render_sweep, out_dir / SWEEP_JSON, out_dir / SWEEP_PLOT)
-
-
-def _render_sweep(result: dict) -> list[str]:
-    rows = [
-        f"{p['entropy_bound']:>7g}{p['max_steps']:>10}{100 * p['solve_rate']:>7.1f}%{p['mean_steps']:>12.1f}"
-        f"{p['p90_steps']:>6.0f}{' *' if p in result['pareto'] else ''}"
-        for p in result["points"]
-    ]
-    head = f"{'bound':>7}{'max steps':>10}{'solved':>8}{'mean steps':>12}{'p90':>6}"
-    return [head, *rows, "* Pareto front"]
+    _report(result, as_json, render_sweep, out_dir / SWEEP_JSON, out_dir / SWEEP_PLOT)
 
 
 ServeUrl = Annotated[
@@ -155,8 +133,6 @@ def bench_serve(
     OpenAI-compatible frontend against direct gRPC."""
     levels = opt.int_list(concurrency or ("1,4,16" if openai else "1,2,4,8"), "--concurrency")
     out_dir = out_dir or opt.cache_dir() / "bench-serve"
-    if requests < 1 or rounds < 1:
-        raise DgpipeError(f"--requests and --rounds must be >= 1 (got {requests}, {rounds})")
     if openai and url:
         if not url.rstrip("/").endswith("/v1") or grpc_url:
             raise DgpipeError(
@@ -180,9 +156,10 @@ def bench_serve(
         return
     from pipeline.bench.serve import SERVE_JSON, SERVE_PLOTS
     from pipeline.bench.serve import bench_serve as run
+    from pipeline.bench.serve import render as render_serve
 
     result = run(url, grpc_url, levels, requests, out_dir)
-    _report(result, as_json, _render_serve, out_dir / SERVE_JSON, *(out_dir / p for p in SERVE_PLOTS))
+    _report(result, as_json, render_serve, out_dir / SERVE_JSON, *(out_dir / p for p in SERVE_PLOTS))
 
 
 @app.command("requests")
@@ -193,24 +170,10 @@ def bench_requests_file(
 ) -> None:
     """Write the serving benchmarks' held-out requests as JSONL for load tools: AIPerf `--input-file PATH
     --custom-dataset-type single_turn`, guidellm `--data kind=json_file,path=PATH`."""
-    if requests < 1:
-        raise DgpipeError(f"--requests must be >= 1 (got {requests})")
     from pipeline.bench.openai_load import held_out_requests, write_requests
 
     written = write_requests(path, held_out_requests(requests, output_tokens))
     out.line(f"{requests} requests: {written}")
-
-
-def _render_serve(result: dict) -> list[str]:
-    header = (
-        f"{'protocol':<11}{'conc':>5}{'req/s':>8}{'tok/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}"
-        f"{'TTFC ms':>9}{'ok':>6}"
-    )
-    return [header] + [
-        f"{r['protocol']:<11}{r['concurrency']:>5}{r['requests_per_s']:>8.2f}{r['tokens_per_s']:>9.1f}"
-        f"{r['p50_ms']:>9.1f}{r['p90_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['ttfc_p50_ms']:>9.1f}{100 * r['ok_rate']:>5.0f}%"
-        for r in result["rows"]
-    ]
 
 
 @app.command("model")
@@ -231,29 +194,10 @@ def bench_model(
     batches = opt.int_list(batch, "--batch", " like 1,4")
     out_dir = out_dir or opt.cache_dir() / "bench-model"
     from pipeline.bench.model import PLOT_FILE, RESULT_FILE, run_bench_model
+    from pipeline.bench.model import render as render_model
 
     result = run_bench_model(config, batches, context, steps, repeats, dtype, device, out_dir)
-    _report(result, as_json, _render_model, out_dir / RESULT_FILE, out_dir / PLOT_FILE)
-
-
-def _render_model(r: dict) -> list[str]:
-    head = (
-        f"{r['config']} random {r['dtype']} on {r['device']}: {r['weight_gb']:.1f} GB weights, copy bandwidth "
-        f"{r['copy_bandwidth_gb_s']:.0f} GB/s, context {r['context']}, {r['steps_per_canvas']} fixed steps\n"
-        f"{'batch':>5}{'ms/pass':>10}{'floor':>8}{'x floor':>8}{'ms/canvas':>11}{'diff tok/s':>12}{'AR tok/s':>10}"
-        f"{'diff/AR':>8}{'rt eager':>10}{'rt graph':>10}{'graph x':>8}"
-    )
-    return [head] + [
-        f"{x['batch']:>5}{x['ms_per_denoise_pass']:>10.2f}{x['floor_ms_per_pass']:>8.2f}{x['pass_over_floor']:>8.2f}"
-        f"{x['ms_per_canvas']:>11.1f}{x['diffusion_tokens_per_s']:>12.1f}{x['ar_tokens_per_s']:>10.1f}"
-        f"{x['diffusion_over_ar']:>8.2f}{x['runtime_ms_per_canvas_eager']:>10.1f}"
-        + (
-            f"{x['runtime_ms_per_canvas_graph']:>10.1f}{x['graph_speedup']:>8.2f}"
-            if x["runtime_ms_per_canvas_graph"] is not None
-            else f"{'-':>10}{'-':>8}"
-        )
-        for x in r["rows"]
-    ]
+    _report(result, as_json, render_model, out_dir / RESULT_FILE, out_dir / PLOT_FILE)
 
 
 @app.command("guided")
@@ -268,9 +212,10 @@ def bench_guided(
     batches = opt.int_list(batch, "--batch", " like 1,8")
     out_dir = out_dir or opt.cache_dir() / "bench-guided"
     from pipeline.bench.guided import PLOT_FILE, RESULT_FILE, run_bench_guided
+    from pipeline.bench.guided import render as render_guided
 
     result = run_bench_guided(out_dir, batches, runs, fixed_steps)
-    _report(result, as_json, _render_guided, out_dir / RESULT_FILE, out_dir / PLOT_FILE)
+    _report(result, as_json, render_guided, out_dir / RESULT_FILE, out_dir / PLOT_FILE)
 
 
 @app.command("schemas")
@@ -290,20 +235,6 @@ def bench_schemas(
 
     result = run_bench_schemas(out_dir, stride, vocab_size, walks)
     _report(result, as_json, schemas_table, out_dir / SCHEMAS_RESULT_FILE)
-
-
-def _render_guided(r: dict) -> list[str]:
-    head = (
-        f"{r['model']}, {r['hardware']}: regex {r['regex']} vs unconstrained, medians of {r['runs']} runs\n"
-        f"{'policy':<16}{'batch':>5}{'passes/canvas':>14}{'guided':>8}{'x':>6}{'ms':>9}{'guided':>9}{'x':>6}"
-        f"{'cpu x':>7}{'valid':>7}{'guided':>8}{'solved':>8}{'guided':>8}"
-    )
-    return [head] + [
-        f"{x['policy']:<16}{x['batch']:>5}{x['passes_per_canvas']:>14.2f}{x['passes_per_canvas_guided']:>8.2f}"
-        f"{x['passes_ratio']:>6.2f}{x['ms_total']:>9.1f}{x['ms_total_guided']:>9.1f}{x['time_ratio']:>6.2f}"
-        f"{x['cpu_time_ratio']:>7.2f}{x['valid']:>7.2f}{x['valid_guided']:>8.2f}{x['solved']:>8.2f}{x['solved_guided']:>8.2f}"
-        for x in r["rows"]
-    ]
 
 
 @app.command("flops")
@@ -355,6 +286,7 @@ def bench_export_memory(
 ) -> None:
     """Peak host RSS of the streaming ONNX export on a random checkpoint with the model's real shapes."""
     from pipeline.bench.export_memory import RESULT_FILE, as_dict, run
+    from pipeline.bench.export_memory import render as render_export_memory
     from pipeline.bench.results import save_result
     from pipeline.onnx.contract import MOE_FORMS
 
@@ -363,7 +295,7 @@ def bench_export_memory(
     out_dir = out_dir or opt.cache_dir() / "bench-export-memory"
     result = as_dict(run(config, layers, work_dir, moe, sparse=sparse))
     save_result(out_dir, RESULT_FILE, result)
-    _report(result, as_json, _render_export_memory, out_dir / RESULT_FILE)
+    _report(result, as_json, render_export_memory, out_dir / RESULT_FILE)
 
 
 @app.command("load-memory")
@@ -387,22 +319,6 @@ def bench_load_memory(
     result = as_dict(run(config, layers, fmt, work_dir))
     save_result(out_dir, RESULT_FILE, result)
     _report(result, as_json, render, out_dir / RESULT_FILE)
-
-
-def _render_export_memory(r: dict) -> str:
-    return (
-        f"{r['config']}: {r['layers_measured']} of {r['layers_full']} layers at full shapes, "
-        f"{r['checkpoint_gb']:.1f} GB {r['weights']} {r['dtype']} checkpoint, MoE {r['moe']}\n"
-        f"  streaming export peak RSS {r['stream_peak_rss_gb']:.2f} GB ({r['stream_seconds']:.0f} s; "
-        f"{r['rss_after_imports_gb']:.2f} GB after imports; {r['output_gb']:.1f} GB written)\n"
-        f"  weightless trace peak RSS {r['trace_peak_rss_gb_measured_depth']:.2f} GB at {r['layers_measured']} "
-        f"layers, {r['trace_peak_rss_gb_full_depth']:.2f} GB at {r['layers_full']}\n"
-        + (
-            f"  measured full-depth export peak RSS {r['stream_peak_rss_gb']:.2f} GB"
-            if r["layers_measured"] == r["layers_full"]
-            else f"  extrapolated full-depth export peak RSS {r['extrapolated_full_peak_rss_gb']:.2f} GB"
-        )
-    )
 
 
 @app.command("pass")
@@ -434,12 +350,11 @@ def bench_pass(
 ) -> None:
     """One denoise step split into network / sampler / host against the matmul floor (FLOPs / measured GEMM
     rate), with transformers and ONNX Runtime on the same weights, interleaved."""
-    if batch < 1 or context < 1 or steps < 3 or rounds < 1:
-        raise DgpipeError("need --batch >= 1, --context >= 1, --steps >= 3 and --rounds >= 1")
     if config is not None and model is not None:
         raise DgpipeError("pass --config (random weights) or --model (a checkpoint), not both")
     out_dir = out_dir or opt.cache_dir() / "bench-pass"
     from pipeline.bench.step import PLOT_FILE, RESULT_FILE, run_bench_pass
+    from pipeline.bench.step import render as render_pass
 
     arms = 1 + reference + onnx
     with out.progress("bench pass", total=rounds * arms, disable=as_json) as advance:
@@ -459,28 +374,7 @@ def bench_pass(
             progress=advance,
             compile=compile,
         )
-    _report(result, as_json, _render_pass, out_dir / RESULT_FILE, out_dir / PLOT_FILE)
-
-
-def _render_pass(r: dict) -> list[str]:
-    ms = lambda v: f"{v:>10.1f}" if v is not None else f"{'-':>10}"
-    lines = [
-        f"{r['model']} ({r['parameters'] / 1e6:.0f}M params), {r['dtype']} on {r['device']}, "
-        f"{r['machine']['threads']} thread(s), batch {r['batch']}, context {r['context']}, "
-        f"{r['steps_per_canvas']} fixed steps, medians of {r['rounds']} interleaved rounds\n"
-        f"floor: {r['flops_per_step'] / 1e9:.1f} GFLOP per step / {r['matmul_gflop_s']:.1f} GFLOP/s matmul "
-        f"= {r['floor_ms']:.1f} ms\n"
-        f"{'system':<30}{'step ms':>10}{'network':>10}{'soft emb':>10}{'sampler':>10}{'host':>10}{'x floor':>9}"
-    ]
-    for x in r["rows"]:
-        lines.append(
-            f"{x['system']:<30}{ms(x['step_ms'])}{ms(x['network_ms'])}{ms(x['soft_embedding_ms'])}"
-            f"{ms(x['sampler_ms'])}{ms(x['host_ms'])}{x['step_ms'] / r['floor_ms']:>9.2f}"
-        )
-    for g in r["generate"]:
-        lines.append(f"generate {g['system']:<24} {g['policy']:<16} {g['tokens_per_s']:>8.1f} tokens/s")
-    lines += [f"{k}: {v:.3f}" for k, v in r["ratios"].items() if v is not None]
-    return lines
+    _report(result, as_json, render_pass, out_dir / RESULT_FILE, out_dir / PLOT_FILE)
 
 
 @app.command("gpu")
@@ -593,29 +487,13 @@ def bench_prefix(
         step_counts = tuple(int(s) for s in steps.split(","))
     except ValueError:
         raise DgpipeError(f"--steps must be comma-separated integers (got {steps!r})") from None
-    if min(step_counts) < 1 or requests < 1 or system_tokens < 1 or question_tokens < 1 or threads < 1:
-        raise DgpipeError("need --steps, --requests, --system-tokens, --question-tokens and --threads >= 1")
+    if min(step_counts) < 1:
+        raise DgpipeError(f"--steps must be >= 1 (got {steps!r})")
     from pipeline.bench.prefix import PLOT_FILE, RESULT_FILE, load_bench_model, run_bench_prefix
+    from pipeline.bench.prefix import render as render_prefix
 
     out_dir = out_dir or opt.cache_dir() / "bench-prefix"
     m = load_bench_model(None if model else config, model, threads)
     with out.progress("bench prefix", total=requests * len(step_counts), disable=as_json) as advance:
         result = run_bench_prefix(m, system_tokens, question_tokens, requests, step_counts, out_dir, advance)
-    _report(result, as_json, _render_prefix, out_dir / RESULT_FILE, out_dir / PLOT_FILE)
-
-
-def _render_prefix(r: dict) -> list[str]:
-    lines = [
-        f"{r['model']}, {r['dtype']} on {r['device']}, {r['machine']['threads']} thread(s); "
-        f"{r['system_tokens']}-token shared system prompt + {r['question_tokens']}-token question, "
-        f"{r['requests']} requests each way, {r['block_tokens']}-token blocks; medians",
-        f"{'steps':>6}{'TTFT off ms':>13}{'TTFT on ms':>12}{'off / on':>10}{'bound':>7}{'prefill off':>13}"
-        f"{'prefill on':>12}{'hit rate':>10}  tokens",
-    ]
-    for row in r["rows"]:
-        lines.append(
-            f"{row['steps']:>6}{row['ttft_off_ms']:>13.1f}{row['ttft_on_ms']:>12.1f}{row['ttft_ratio']:>10.2f}"
-            f"{row['ttft_ratio_bound']:>7.2f}{row['prefill_off_ms']:>13.1f}{row['prefill_on_ms']:>12.1f}"
-            f"{row['hit_rate']:>10.1%}  " + ("identical" if row["identical"] else "DIFFER")
-        )
-    return lines
+    _report(result, as_json, render_prefix, out_dir / RESULT_FILE, out_dir / PLOT_FILE)

@@ -82,7 +82,7 @@ def test_bench_model_off_cuda_reports_no_graph_figures_and_times_the_runtime_sam
     the first (which printed "graph x 1.60" between two identical paths). The sampler timed is the runtime's
     (`sample_logits`, the cache-blocked CPU step here), not the reference."""
     from pipeline.bench import model as bench
-    from pipeline.cli.bench import _render_model
+    from pipeline.bench.model import render as render_model
     from pipeline.runtime import backends
 
     calls = []
@@ -93,4 +93,4 @@ def test_bench_model_off_cuda_reports_no_graph_figures_and_times_the_runtime_sam
     assert row["runtime_ms_per_canvas_graph"] is None and row["graph_speedup"] is None
     assert row["runtime_ms_per_canvas_eager"] > 0 and row["ms_per_sampler_step"] > 0
     assert calls and all(k["cpu_fused"] and not k["cuda"] for k in calls)
-    assert _render_model(r)[1].split()[-2:] == ["-", "-"]
+    assert render_model(r)[1].split()[-2:] == ["-", "-"]
