@@ -79,6 +79,11 @@ class _Body:
 
     def key_hash(self, seed: str, request: str, canvas: str, step: str, stream: int) -> str:
         h = self.fmix32(self.u32(seed))
+        # the seed's high word, only where set (rng.key_hash): a logical shift of the int64's bits
+        hi = self.op("Cast", self.op("BitShift", self.op("Cast", seed, to=TensorProto.UINT64),
+                                     self.const(32, np.uint64), direction="RIGHT"), to=TensorProto.UINT32)  # fmt: skip
+        is_set = self.op("Not", self.op("Equal", hi, self.const(0, np.uint32)))
+        h = self.op("Where", is_set, self.combine(h, hi), h)
         for w in (request, canvas, step):
             h = self.combine(h, self.u32(w))
         return self.combine(h, self.const(stream, np.uint32))

@@ -98,6 +98,8 @@ def _key_hash_host(words: list[list[int]], stream: int) -> list[int]:
     out = []
     for seed, *rest in zip(*words, strict=True):
         h = _fmix32_int(seed & MASK32)
+        if hi := (seed >> 32) & MASK32:
+            h = _combine_int(h, hi)
         for w in rest:
             h = _combine_int(h, w & MASK32)
         out.append(_combine_int(h, stream & MASK32))
@@ -108,6 +110,9 @@ def key_hash(
     seed: torch.Tensor, request: torch.Tensor, canvas: torch.Tensor, step: torch.Tensor, stream: int
 ) -> torch.Tensor:
     """Per-row key [B] (int64 holding uint32) for one (canvas, step, stream).
+
+    A seed's high 32 bits are folded in after its low ones, only where they are not 0: a seed under 2**32
+    hashes as a 32-bit one, and seeds that differ above bit 31 (the API takes 63-bit seeds) draw apart.
 
     A few CPU rows hash on Python ints: the tensor form is ~50 dispatches on [B] tensors (about 0.5 ms,
     twice per denoise step), which is most of the sampler's time on a small model. Never while tracing
@@ -121,6 +126,8 @@ def key_hash(
     ):
         return torch.tensor(_key_hash_host([w.tolist() for w in words], stream), dtype=torch.int64)
     h = fmix32_(to_i32(seed))
+    hi = to_i32(seed >> 32)
+    h = torch.where(hi != 0, combine_i32(h, hi), h)
     for w in (request, canvas, step):
         h = combine_i32(h, to_i32(w))
     return to_u32(combine_i32(h, stream))

@@ -72,7 +72,7 @@ class Rule:
 
 AT_LEAST_ONE = Rule(lambda v: v >= 1, "must be >= 1")
 NOT_BLANK = Rule(lambda s: bool(s.strip()), "is empty", show_value=False)
-SEED_MAX = 2**63 - 1  # the sampler keeps seeds in int64 slots (pipeline/sampler/rng.py hashes their low bits)
+SEED_MAX = 2**63 - 1  # the sampler keeps seeds in int64 slots and hashes all 63 bits (pipeline/sampler/rng.py)
 
 
 def between(lo: float, hi: float) -> Rule:

@@ -28,6 +28,8 @@ def combine_i64(h, w):
 
 def key_hash_i64(seed, request, canvas, step, stream):
     h = fmix32_i64(seed & M)
+    hi = (seed >> 32) & M  # the seed's high word, folded in only where set
+    h = torch.where(hi != 0, combine_i64(h, hi), h)
     for w in (request, canvas, step):
         h = combine_i64(h, w & M)
     return combine_i64(h, stream)

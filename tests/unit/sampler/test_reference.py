@@ -191,3 +191,15 @@ def test_confidence_threshold_zero_never_stops_early():
     assert should_stop(stable, k, zero, torch.tensor([0.0])).tolist() == [False]
     assert should_stop(stable, k, zero, torch.tensor([0.5])).tolist() == [True]
     assert should_stop(torch.tensor([0]), k, zero, torch.tensor([0.5])).tolist() == [False]  # not yet stable
+
+
+def test_seeds_that_differ_above_bit_31_draw_apart():
+    """The API takes 63-bit seeds: 1 and 1 + 2**32 are two seeds, not one; a seed under 2**32 keeps the key
+    it had as a 32-bit one (the pinned values above)."""
+    one = lambda seed, n: rng.key_hash(  # noqa: E731
+        torch.full((n,), seed), torch.full((n,), 2), torch.full((n,), 3), torch.full((n,), 4), rng.STREAM_SAMPLE
+    )
+    for rows in (1, rng.HOST_KEY_ROWS + 1):  # the host form and the tensor form
+        seeds = [1, 1 + 2**32, 1 + 2**40, 2**63 - 1, 2**32 - 1]
+        keys = [int(one(s, rows)[0]) for s in seeds]
+        assert keys[0] == 501821951 and len(set(keys)) == len(seeds), keys

@@ -37,9 +37,12 @@ DG_HD uint32_t combine(uint32_t h, uint32_t word) {
 }
 
 // Per-row key for one (canvas, step, stream). int64 ids are reduced to their low 32 bits, which is
-// what `w & MASK32` does to an int64 (two's complement) in rng.py.
+// what `w & MASK32` does to an int64 (two's complement) in rng.py; the seed's high word is folded in after
+// its low one where it is not 0.
 DG_HD uint32_t key_hash(int64_t seed, int64_t request, int64_t canvas, int64_t step, uint32_t stream) {
   uint32_t h = fmix32(static_cast<uint32_t>(seed));
+  const uint32_t hi = static_cast<uint32_t>(static_cast<uint64_t>(seed) >> 32);
+  if (hi != 0) h = combine(h, hi);  // a seed's high word, only where set (rng.key_hash)
   h = combine(h, static_cast<uint32_t>(request));
   h = combine(h, static_cast<uint32_t>(canvas));
   h = combine(h, static_cast<uint32_t>(step));
