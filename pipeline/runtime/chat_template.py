@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import CheckpointError, InputError
+from pipeline.runtime.content_format import ContentFormat, content_format
 
 TEMPLATE_FILE = "chat_template.jinja"
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the names a template sees as variables
@@ -45,8 +46,8 @@ class MessagesError(InputError):
 def parse_messages(raw: str | bytes | list[Any]) -> list[Message]:
     """OpenAI-style messages (a JSON string or an already-parsed list) checked: a non-empty list of objects
     with a known `role` and a `content` that is a string or a list of {"type": "text", "text": ...} parts
-    (returned joined into one string, `_joined_text_parts`). Keys whose value is null are dropped, as
-    transformers does before rendering."""
+    (kept as a list of such parts, `_text_parts`: how it reaches a template is the template's choice, see
+    `ChatTemplate.render`). Keys whose value is null are dropped, as transformers does before rendering."""
     if isinstance(raw, bytes | str):
         try:
             raw = json.loads(raw)
@@ -73,17 +74,16 @@ def parse_messages(raw: str | bytes | list[Any]) -> list[Message]:
             raise MessagesError(f"{where}: unknown role {role!r}", f"roles: {', '.join(ROLES)}")
         content = msg.get("content")
         if isinstance(content, list):
-            msg["content"] = _joined_text_parts(content, where)
+            msg["content"] = _text_parts(content, where)
         elif not isinstance(content, str) and not (role == "assistant" and "tool_calls" in msg):
             raise MessagesError(f"{where}: 'content' is missing or not a string or a list of text parts")
         out.append(msg)
     return out
 
 
-def _joined_text_parts(parts: list[Any], where: str) -> str:
-    """A content-part list as the one string a chat template renders: the text parts joined with "\n"
-    (as vLLM and OpenAI's own servers read them). Any other part type (image_url, input_audio, file, ...)
-    is refused naming it: this model reads text only."""
+def _text_parts(parts: list[Any], where: str) -> list[dict[str, str]]:
+    """A content-part list checked: text parts only, each as {"type": "text", "text": ...}. Any other part
+    type (image_url, input_audio, file, ...) is refused naming it: this model reads text only."""
     texts = []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -95,12 +95,15 @@ def _joined_text_parts(parts: list[Any], where: str) -> str:
             )
         if not isinstance(part.get("text"), str):
             raise MessagesError(f"{where}.content[{j}]: a text part needs 'text' (a string)")
-        texts.append(part["text"])
-    return "\n".join(texts)
+        texts.append({"type": "text", "text": part["text"]})
+    return texts
 
 
 def message_text(message: Message) -> str:
+    """A message's text: its content, or its text parts joined with "\n" (as vLLM reads them)."""
     content = message.get("content", "")
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content)
     return content if isinstance(content, str) else ""
 
 
@@ -123,6 +126,12 @@ class ChatTemplate:
     special_tokens: dict[str, str]  # bos_token, eos_token, ...: variables the template may read
 
     @property
+    def content_format(self) -> ContentFormat:
+        """How the template reads a message's content (`pipeline.runtime.content_format`): "openai", a list of
+        parts it loops over; "string", one string."""
+        return _content_format(self.source)
+
+    @property
     def tool_call_format(self) -> str | None:
         """The tool-call format the template declares, which a reply's tool calls are parsed by: "hermes"
         (calls as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, Hermes' and Qwen's templates), or
@@ -133,8 +142,16 @@ class ChatTemplate:
         self, messages: list[Message], add_generation_prompt: bool = True, tools: list | None = None
     ) -> str:
         """The prompt text transformers' `apply_chat_template(..., tokenize=False, tools=tools)` gives for
-        `messages` (a template that never reads `tools` renders the same text without them)."""
+        `messages` (a template that never reads `tools` renders the same text without them). Content parts
+        reach a template that loops over them as the list they are, as transformers passes them; any other
+        template gets their texts joined with "\n", as vLLM does (it would otherwise print the list)."""
         import jinja2
+
+        if self.content_format == "string":
+            messages = [
+                {**m, "content": message_text(m)} if isinstance(m.get("content"), list) else m
+                for m in messages
+            ]
 
         try:
             return _compile(self.source).render(
@@ -207,6 +224,12 @@ def end_token_ids(
     if eos is not None and tokenizer is not None and (tid := tokenizer.token_to_id(eos)) is not None:
         ids.append(tid)
     return list(dict.fromkeys(ids))
+
+
+@cache
+def _content_format(source: str) -> ContentFormat:
+    template = _compile(source)
+    return content_format(template.environment.parse(source))
 
 
 @cache

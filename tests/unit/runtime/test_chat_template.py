@@ -44,14 +44,22 @@ def test_render_and_tokens_match_transformers(chat_ckpt, messages):
     session = load_session(chat_ckpt, weights=False)
     if "chatml" in str(chat_ckpt) and len(messages) > 2:
         messages = [*messages[:1], {**messages[1], "meta": {"lang": "en", "html": "<&>"}}, *messages[2:]]
-    # content parts reach the template as one string, the text parts joined with "\n" (a template that
-    # reads `content` as a string would otherwise print the list's Python repr)
-    joined = [
-        {**m, "content": "\n".join(p["text"] for p in m["content"])} if isinstance(m["content"], list) else m
-        for m in messages
-    ]
-    want_text = hf.apply_chat_template(joined, add_generation_prompt=True, tokenize=False)
-    want_ids = hf.apply_chat_template(joined, add_generation_prompt=True, tokenize=True, return_dict=False)
+    # content parts reach Gemma's template, which loops over them, as sent; the ChatML one prints `content`
+    # as a string, so it gets the text parts joined with "\n" as vLLM sends them (the list's Python repr
+    # otherwise)
+    if "chatml" in str(chat_ckpt):
+        messages_read = [
+            {**m, "content": "\n".join(p["text"] for p in m["content"])}
+            if isinstance(m["content"], list)
+            else m
+            for m in messages
+        ]
+    else:
+        messages_read = messages
+    want_text = hf.apply_chat_template(messages_read, add_generation_prompt=True, tokenize=False)
+    want_ids = hf.apply_chat_template(
+        messages_read, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     checked = ct.parse_messages(messages)
     template = ct.load_chat_template(chat_ckpt)
     assert template is not None and template.special_tokens["bos_token"] == "<bos>"
@@ -147,11 +155,43 @@ def test_bad_messages_name_the_problem(raw, problem):
     assert issubclass(ct.MessagesError, InputError)
 
 
-def test_text_parts_are_joined_into_one_string_with_newlines():
-    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+def test_text_parts_reach_a_template_that_loops_over_them_and_are_joined_for_one_that_does_not():
+    parts = [{"type": "text", "text": "Hello", "extra": 1}, {"type": "text", "text": "world"}]
     (msg,) = ct.parse_messages([{"role": "user", "content": parts}])
-    assert msg == {"role": "user", "content": "Hello\nworld"}
-    assert ct.last_user_text([msg]) == "Hello\nworld"
+    assert msg == {
+        "role": "user",
+        "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}],
+    }
+    assert ct.last_user_text([msg]) == "Hello\nworld"  # what a format without a template reads
+    gemma, chatml = (
+        ct.ChatTemplate(GEMMA_TEMPLATE, {"bos_token": "<bos>"}),
+        ct.ChatTemplate(CHATML_TEMPLATE, {}),
+    )
+    assert (gemma.content_format, chatml.content_format) == ("openai", "string")
+    assert "<start_of_turn>user\nHelloworld<end_of_turn>" in gemma.render([msg])  # each part trimmed, as sent
+    assert "Hello\nworld" in chatml.render([msg])
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
+        ("{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}", "openai"),
+        (
+            "{% for m in messages %}{% for p in m.content | list %}{{ p.text }}{% endfor %}{% endfor %}",
+            "openai",
+        ),
+        # through an alias of the messages, as Gemma's loop_messages
+        (
+            "{% set rest = messages[1:] %}{% for m in rest %}{% for p in m.content %}x{% endfor %}{% endfor %}",
+            "openai",
+        ),
+        ("{% for m in messages %}{% for c in m['role'] %}{{ c }}{% endfor %}{% endfor %}", "string"),
+        ("{% for p in other['content'] %}{{ p }}{% endfor %}", "string"),  # not a message's content
+    ],
+)
+def test_the_content_format_is_read_from_the_template_as_vllm_reads_it(template, expected):
+    assert ct.ChatTemplate(template, {}).content_format == expected
 
 
 def test_null_fields_are_dropped_and_a_broken_template_is_the_checkpoint_s_fault(tmp_path):

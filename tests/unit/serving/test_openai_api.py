@@ -399,12 +399,12 @@ def test_an_unset_seed_is_drawn_per_request_and_reported_any_64_bit_seed_is_mapp
         assert r.status_code == 200 and fake.calls[-1]["seed"] == used == int(r.headers["x-dgpipe-seed"])
 
 
-def test_text_content_parts_reach_triton_joined_and_other_parts_are_refused_by_type():
+def test_text_content_parts_reach_triton_as_parts_and_other_parts_are_refused_by_type():
     c, fake = client()
     parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
     body = {**CHAT, "messages": [{"role": "user", "content": parts}]}
     assert c.post("/v1/chat/completions", json=body).status_code == 200
-    assert json.loads(fake.calls[0]["messages"]) == [{"role": "user", "content": "Hello\nthere"}]
+    assert json.loads(fake.calls[0]["messages"]) == [{"role": "user", "content": parts}]  # the template's to read
     audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
     body = {**CHAT, "messages": [{"role": "user", "content": [*parts, audio]}]}
     assert_error(c.post("/v1/chat/completions", json=body), 400, "messages", contains="'input_audio'")
