@@ -11,6 +11,7 @@ initialize / execute / finalize to the core's load / accept / stop.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,33 @@ class TritonChannel:
             self.sender.send(response, flags=final if reply.final else 0)
 
 
+# Every call on a Triton metric holds this lock. A Python-backend metric call is a message over the stub's
+# shared-memory channel to tritonserver, and calls from several threads at once (the runtime loop, Triton's
+# request thread, the guide compilers) crashed tritonserver under concurrent guided requests (SIGABRT from a
+# boost::interprocess::lock_exception, or SIGSEGV, in libtriton_python.so) and took every request in flight
+# down with it; serialized, the same load ran clean.
+_METRICS_LOCK = threading.Lock()
+
+
+class _SerializedMetric:
+    """A Triton metric whose calls are made one at a time, process-wide (`_METRICS_LOCK`)."""
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+
+    def increment(self, value: float) -> None:
+        with _METRICS_LOCK:
+            self._metric.increment(value)
+
+    def set(self, value: float) -> None:
+        with _METRICS_LOCK:
+            self._metric.set(value)
+
+    def observe(self, value: float) -> None:
+        with _METRICS_LOCK:
+            self._metric.observe(value)
+
+
 class TritonMetrics:
     """The core's metric factory over Triton's metric families (MetricFamily.HISTOGRAM since 24.08; the
     bundled tritonserver 2.51 is 24.10). A family must outlive its metrics, so this keeps them.
@@ -78,9 +106,10 @@ class TritonMetrics:
         self.families: list = []
         self.labels = labels or {}
 
-    def _metric(self, name: str, description: str, kind: Any, **kwargs: Any) -> Any:
-        self.families.append(pb_utils.MetricFamily(name=name, description=description, kind=kind))
-        return self.families[-1].Metric(labels=self.labels, **kwargs)
+    def _metric(self, name: str, description: str, kind: Any, **kwargs: Any) -> _SerializedMetric:
+        with _METRICS_LOCK:
+            self.families.append(pb_utils.MetricFamily(name=name, description=description, kind=kind))
+            return _SerializedMetric(self.families[-1].Metric(labels=self.labels, **kwargs))
 
     def counter(self, name: str, description: str) -> Any:
         return self._metric(name, description, pb_utils.MetricFamily.COUNTER)
