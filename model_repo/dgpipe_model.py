@@ -92,6 +92,9 @@ class _SerializedMetric:
         with _METRICS_LOCK:
             self._metric.observe(value)
 
+    def __getattr__(self, name: str) -> Any:  # anything else (reading a value) on the metric itself
+        return getattr(self._metric, name)
+
 
 class TritonMetrics:
     """The core's metric factory over Triton's metric families (MetricFamily.HISTOGRAM since 24.08; the

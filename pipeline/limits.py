@@ -162,6 +162,11 @@ DEFAULT_MAX_TOKENS = 256
 # `top_logprobs` (chat) takes 0..20 alternatives per token; `n` is dgpipe's own cap on choices per request
 # (each choice is a batch row, so it also stays within one pass's rows)
 TOP_LOGPROBS_MAX = 20
+# dgpipe's own caps on a request's stop words (Triton's `stop_words`; the OpenAI port takes OpenAI's 4): after
+# every canvas the output is searched for each and a tail that may begin one is held back, work on the
+# runtime loop that grows with their number and length, so neither is left unbounded
+STOP_WORDS_MAX = 16
+STOP_WORD_BYTES_MAX = 1024
 CHOICES_MAX = 8
 # what a log-probability of -inf (a token the distribution gives 0: masked out, or underflowed) is reported
 # as, since JSON has no infinity; vLLM's OpenAI server uses the same floor

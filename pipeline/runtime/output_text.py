@@ -23,7 +23,10 @@ def ready_text(whole: str, stop_words: Sequence[str], final: bool) -> tuple[str,
     if final:
         return whole, False
     end = len(whole.rstrip(REPLACEMENT))
-    held = max((k for w in stop_words for k in range(1, len(w)) if whole[:end].endswith(w[:k])), default=0)
+    tail = whole[:end]  # a stop word's prefix longer than the text cannot end it
+    held = max(
+        (k for w in stop_words for k in range(1, min(len(w), end + 1)) if tail.endswith(w[:k])), default=0
+    )
     return whole[: end - held], False
 
 

@@ -44,7 +44,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from pipeline.errors import InputError
-from pipeline.limits import CHOICES_MAX, TOP_LOGPROBS_MAX
+from pipeline.limits import CHOICES_MAX, STOP_WORD_BYTES_MAX, TOP_LOGPROBS_MAX
 from pipeline.model.config import SAMPLER_RANGES
 from pipeline.sampler.constraints import GuideSpec
 from pipeline.serving.schema import INT32_MAX, SEED_MAX
@@ -183,6 +183,8 @@ class _Common(BaseModel):
             raise RequestError(
                 f"'stop' holds {len(self.stop_words())} sequences; at most {STOP_MAX} are allowed", "stop"
             )
+        if any(len(w.encode()) > STOP_WORD_BYTES_MAX for w in self.stop_words()):
+            raise RequestError(f"'stop' holds a sequence over {STOP_WORD_BYTES_MAX} bytes (UTF-8)", "stop")
         if self.stream_drafts and not self.stream:
             raise RequestError(
                 "'stream_drafts' needs 'stream': true (drafts are server-sent events)", "stream_drafts"

@@ -25,7 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.limits import DEFAULT_MAX_TOKENS, DEFAULTS, TOP_LOGPROBS_MAX, request_bytes_limit
+from pipeline.limits import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULTS,
+    STOP_WORD_BYTES_MAX,
+    STOP_WORDS_MAX,
+    TOP_LOGPROBS_MAX,
+    request_bytes_limit,
+)
 from pipeline.limits import INT32_MAX as INT32_MAX  # what an INT32 input holds (re-exported)
 from pipeline.model.config import SAMPLER_RANGES
 from pipeline.runtime.chat_template import MessagesError, last_user_text, parse_messages  # stdlib only
@@ -72,7 +79,9 @@ class Rule:
 
 AT_LEAST_ONE = Rule(lambda v: v >= 1, "must be >= 1")
 NOT_BLANK = Rule(lambda s: bool(s.strip()), "is empty", show_value=False)
-SEED_MAX = 2**63 - 1  # the sampler keeps seeds in int64 slots and hashes all 63 bits (pipeline/sampler/rng.py)
+SEED_MAX = (
+    2**63 - 1
+)  # the sampler keeps seeds in int64 slots and hashes all 63 bits (pipeline/sampler/rng.py)
 
 
 def between(lo: float, hi: float) -> Rule:
@@ -331,7 +340,7 @@ def parse_request(
     if unknown:
         raise BadRequest(f"unknown parameter(s): {', '.join(sorted(unknown))}")
     _check_required(get)
-    _check_prompt_bytes(get, limits.max_prompt_bytes)
+    _check_input_bytes(get, limits.max_prompt_bytes)
 
     def read(kind: Callable[[TritonTensor], bool]) -> dict[str, Any]:
         out = {}
@@ -488,10 +497,10 @@ def prompt_too_big(what: str, size: int, limit: int, kind: str = "") -> str:
     )
 
 
-def _check_prompt_bytes(get: Callable[[str], np.ndarray | None], max_prompt_bytes: int) -> None:
-    """The prompt inputs' sizes, from the raw tensors before anything is decoded, parsed or tokenized:
+def _check_input_bytes(get: Callable[[str], np.ndarray | None], max_prompt_bytes: int) -> None:
+    """The text inputs' sizes, from the raw tensors before anything is decoded, parsed or tokenized:
     `text_input` within the byte cap, `messages` (JSON: its text is checked once parsed) within what a
-    prompt at the cap takes as JSON."""
+    prompt at the cap takes as JSON, then the other texts (`_check_text_inputs`)."""
     for name in PROMPT_INPUTS:
         arr = get(name)
         if arr is None:
@@ -504,6 +513,36 @@ def _check_prompt_bytes(get: Callable[[str], np.ndarray | None], max_prompt_byte
                 f"input 'messages' is {size} bytes of JSON, more than a prompt within this server's limit "
                 f"of {max_prompt_bytes} bytes (max_prompt_bytes) can take: send a shorter prompt"
             )
+    _check_text_inputs(get, max_prompt_bytes)
+
+
+def _check_text_inputs(get: Callable[[str], np.ndarray | None], max_prompt_bytes: int) -> None:
+    """The other texts' sizes, from the raw tensors before they are decoded, tokenized or parsed on the thread
+    that also answers health pings: the stop words within their caps and none empty (it would match at
+    once), an infill template within the prompt's byte cap, the tools within what a request body takes."""
+    words = get("stop_words")
+    if words is not None:
+        sizes = [len(w) if isinstance(w, bytes | str) else 0 for w in words.reshape(-1)]
+        if len(sizes) > STOP_WORDS_MAX:
+            raise BadRequest(
+                f"input 'stop_words' holds {len(sizes)} words; at most {STOP_WORDS_MAX} are allowed"
+            )
+        if 0 in sizes:
+            raise BadRequest(
+                "input 'stop_words' holds an empty string, which would match at once: leave it out"
+            )
+        if max(sizes, default=0) > STOP_WORD_BYTES_MAX:
+            raise BadRequest(
+                f"input 'stop_words' holds a word of {max(sizes)} bytes; at most {STOP_WORD_BYTES_MAX} are allowed"
+            )
+    for name, limit in (
+        ("infill_template", max_prompt_bytes),
+        ("tools", request_bytes_limit(max_prompt_bytes)),
+    ):
+        arr = get(name)
+        size = 0 if arr is None else sum(len(v) if isinstance(v, bytes | str) else 0 for v in arr.reshape(-1))
+        if size > limit:
+            raise BadRequest(f"input '{name}' is {size} bytes, over this server's limit of {limit} bytes")
 
 
 def output_array(name: str, values: list[Any]) -> np.ndarray:

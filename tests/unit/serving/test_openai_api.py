@@ -292,6 +292,7 @@ def test_models_and_health():
         ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),
         ("/v1/chat/completions", {"temperature": 3}, "temperature"),
         ("/v1/chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("/v1/completions", {"stop": ["a", "\u00e9" * 513]}, "stop"),  # 1,026 bytes of UTF-8, over the 1,024
         ("/v1/chat/completions", {"max_tokens": "10"}, "max_tokens"),  # JSON types as sent
         ("/v1/chat/completions", {"stream": "yes"}, "stream"),
         ("/v1/chat/completions", {"stream_drafts": True}, "stream_drafts"),  # needs stream
@@ -404,7 +405,9 @@ def test_text_content_parts_reach_triton_as_parts_and_other_parts_are_refused_by
     parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
     body = {**CHAT, "messages": [{"role": "user", "content": parts}]}
     assert c.post("/v1/chat/completions", json=body).status_code == 200
-    assert json.loads(fake.calls[0]["messages"]) == [{"role": "user", "content": parts}]  # the template's to read
+    assert json.loads(fake.calls[0]["messages"]) == [
+        {"role": "user", "content": parts}
+    ]  # the template's to read
     audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
     body = {**CHAT, "messages": [{"role": "user", "content": [*parts, audio]}]}
     assert_error(c.post("/v1/chat/completions", json=body), 400, "messages", contains="'input_audio'")

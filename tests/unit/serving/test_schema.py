@@ -216,6 +216,39 @@ def test_a_prompt_over_the_byte_cap_is_refused_before_it_is_decoded_or_tokenized
     assert touched == ["encode_prompt"]
 
 
+def test_stop_words_infill_templates_and_tools_are_bounded_before_they_are_read(model):
+    """Each is read on the thread that answers health pings (a stop word searched after every canvas on the
+    runtime loop): one 2 MB stop word held the loop past the watchdog's limit, and an empty one emptied the
+    output. Refused from the raw tensors, naming the input and the cap."""
+    from pipeline.limits import DEFAULTS, STOP_WORD_BYTES_MAX, STOP_WORDS_MAX, request_bytes_limit
+
+    cap = DEFAULTS.max_prompt_bytes
+    assert refusal(model, with_prompt(stop_words="")) == (
+        "input 'stop_words' holds an empty string, which would match at once: leave it out"
+    )
+    words = [f"w{i}" for i in range(STOP_WORDS_MAX + 1)]
+    assert refusal(
+        model, {"text_input": arr("text_input", PROMPT), "stop_words": arr("stop_words", *words)}
+    ) == (f"input 'stop_words' holds {STOP_WORDS_MAX + 1} words; at most {STOP_WORDS_MAX} are allowed")
+    long = "x" * (STOP_WORD_BYTES_MAX + 1)
+    assert refusal(
+        model, {"text_input": arr("text_input", PROMPT), "stop_words": arr("stop_words", "ab", long)}
+    ) == (f"input 'stop_words' holds a word of {len(long)} bytes; at most {STOP_WORD_BYTES_MAX} are allowed")
+    big = "_" * (cap + 1)
+    assert refusal(model, with_prompt(infill_template=big)) == (
+        f"input 'infill_template' is {len(big)} bytes, over this server's limit of {cap} bytes"
+    )
+    tools = "[" + " " * request_bytes_limit(cap) + "]"
+    assert refusal(model, with_prompt(tools=tools)) == (
+        f"input 'tools' is {len(tools)} bytes, over this server's limit of {request_bytes_limit(cap)} bytes"
+    )
+    # at the caps: accepted
+    at_cap = [f"{i:02d}" + "x" * (STOP_WORD_BYTES_MAX - 2) for i in range(STOP_WORDS_MAX)]
+    req = FakeRequest({"text_input": arr("text_input", PROMPT), "stop_words": arr("stop_words", *at_cap)})
+    model.execute([req])
+    assert not req.sender.sent  # queued for the runtime, not refused
+
+
 def test_messages_holding_a_lone_surrogate_are_refused_naming_it(model):
     messages = json.dumps([{"role": "user", "content": "a\ud800b"}]).encode()  # JSON's escape of it
     assert refusal(model, {"messages": arr("messages", messages)}) == (
