@@ -196,9 +196,11 @@ def test_confidence_threshold_zero_never_stops_early():
 def test_seeds_that_differ_above_bit_31_draw_apart():
     """The API takes 63-bit seeds: 1 and 1 + 2**32 are two seeds, not one; a seed under 2**32 keeps the key
     it had as a 32-bit one (the pinned values above)."""
-    one = lambda seed, n: rng.key_hash(  # noqa: E731
-        torch.full((n,), seed), torch.full((n,), 2), torch.full((n,), 3), torch.full((n,), 4), rng.STREAM_SAMPLE
-    )
+
+    def one(seed: int, n: int) -> torch.Tensor:
+        words = (torch.full((n,), w) for w in (seed, 2, 3, 4))
+        return rng.key_hash(*words, rng.STREAM_SAMPLE)
+
     for rows in (1, rng.HOST_KEY_ROWS + 1):  # the host form and the tensor form
         seeds = [1, 1 + 2**32, 1 + 2**40, 2**63 - 1, 2**32 - 1]
         keys = [int(one(s, rows)[0]) for s in seeds]
