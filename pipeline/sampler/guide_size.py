@@ -72,6 +72,6 @@ def check_guide_size(kind: str, guide: str, max_bytes: int, max_positions: int, 
     if positions > max_positions:
         raise InputError(
             f"{where}: the regex expands to more than {max_positions} positions (max_regex_positions) once "
-            "its counted repeats are unrolled",
-            "use smaller repeat counts ({n}) or an unbounded repeat (+, *)",
+            "its counted repeats are unrolled and its alternatives laid side by side",
+            "use smaller repeat counts ({n}), an unbounded repeat (+, *), or fewer or shorter alternatives (|)",
         )
