@@ -56,7 +56,7 @@ LAYER_TENSOR = re.compile(r"^layers\.\d+\.(.+)$")
 
 def _packed(fmt: str, shape: tuple[int, ...], gen: torch.Generator) -> dict[str, torch.Tensor]:
     """One random quantized linear [out, in] as ModelOpt stores it: suffix -> tensor."""
-    from pipeline.runtime.tensor_cores import random_packed
+    from pipeline.bench.random_weights import random_packed
 
     q = random_packed(fmt, shape[0], shape[1], torch.device("cpu"), gen)
     tensors = {"weight": q.weight, "weight_scale": q.weight_scale, "weight_scale_2": q.weight_scale_2,

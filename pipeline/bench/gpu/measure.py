@@ -42,10 +42,11 @@ def quantize_random(model, fmt: str, probed=None, seed: int | None = 0) -> str:
     """Swap a random bf16 model's linears and experts for tensor-core modules with random `fmt` weights,
     following the dispatch row of this GPU; returns the kernels used. `probed`: the probe's results (default:
     probe this GPU); `seed`: None draws without a seeded generator (fake tensors have none)."""
+    from pipeline.bench.random_weights import random_packed
     from pipeline.runtime.dispatch import dispatch
     from pipeline.runtime.gpu_load import experts_plan, one_pass
     from pipeline.runtime.kernels.moe_tiles import expert_shapes, measured_triton_rows
-    from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear, random_packed
+    from pipeline.runtime.tensor_cores import ScaledExperts, ScaledLinear
 
     dev = next(model.parameters()).device
     row = dispatch(fmt, arch_of(*torch.cuda.get_device_capability(dev)))
