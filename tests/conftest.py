@@ -27,6 +27,9 @@ if not torch.cuda.is_available():
     # first to import it and leave its standard library compiled-mode
     with contextlib.suppress(ImportError):
         import triton.language  # noqa: F401
+    from tests._utils.interpreter_patching import remove_interpreter_overheads
+
+    remove_interpreter_overheads()
 
 from tests._utils.tiny import build_tiny
 
