@@ -3,9 +3,11 @@ projection runs, the weight bytes held against the byte model, no host read or h
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import types
+from copy import deepcopy
 
 import pytest
 import torch
@@ -33,6 +35,19 @@ QUANTIZED_INPUTS = 4 * LAYERS
 MERGED_AWAY = LAYERS + 3
 
 
+@functools.cache
+def _traced(fmt: str, arch: str, batch: int) -> gt.PassTrace:
+    return gt.trace_pass(fmt, arch, batch, LAYERS)
+
+
+def traced(fmt: str, arch: str, batch: int) -> gt.PassTrace:
+    """`gt.trace_pass(fmt, arch, batch, LAYERS)`: the row's load with its probe passed and one denoise pass over
+    the default context. Where nothing is patched it depends on these arguments alone, so the module traces
+    each once (the dispatch rows' test, first, traces all 32) and every caller gets its own copy. A test that
+    patches the load or the pass, or hands it a probe, calls `gt.trace_pass` itself."""
+    return deepcopy(_traced(fmt, arch, batch))
+
+
 def experts_gemm(fmt: str, arch: str, batch: int) -> str:
     """The GEMM the dispatch table says runs the experts of a pass of `batch` canvases (256 tokens, top 8
     of 128 experts: 16 rows per expert per canvas)."""
@@ -48,7 +63,7 @@ def experts_gemm(fmt: str, arch: str, batch: int) -> str:
 @pytest.mark.parametrize("batch", [1, 16])
 @pytest.mark.parametrize(("fmt", "arch"), list(DISPATCH))
 def test_every_dispatch_row_runs_its_kernels_without_reading_the_host(fmt, arch, batch):
-    t = gt.trace_pass(fmt, arch, batch, layers=LAYERS)
+    t = traced(fmt, arch, batch)
     assert t.error is None
     assert t.output == f"[{batch}, 256, 262144] float32 cuda"
     gemms = t.gemms()
@@ -68,10 +83,10 @@ def test_every_dispatch_row_runs_its_kernels_without_reading_the_host(fmt, arch,
 
 
 def test_the_byte_model_is_what_the_modules_hold_apart_from_scales():
-    fp8, bf16 = gt.trace_pass("fp8", "sm90", 1, LAYERS), gt.trace_pass("bf16", "sm90", 1, LAYERS)
+    fp8, bf16 = traced("fp8", "sm90", 1), traced("bf16", "sm90", 1)
     assert fp8.resident_gb["experts"] == pytest.approx(bf16.resident_gb["experts"] / 2, rel=0.01)
     assert fp8.resident_gb["other"] == pytest.approx(bf16.resident_gb["other"])  # bf16 in every format
-    nvfp4 = gt.trace_pass("nvfp4", "sm100", 1, LAYERS)
+    nvfp4 = traced("nvfp4", "sm100", 1)
     # 4 bits a weight plus one E4M3 scale per 16
     assert nvfp4.resident_gb["experts"] == pytest.approx(bf16.resident_gb["experts"] * 0.5625 / 2, rel=0.01)
 
@@ -94,7 +109,7 @@ def test_kernels_that_failed_their_probe_take_the_rows_second_path():
     assert t.resident_gb["experts"] == pytest.approx(t.expected_gb["experts"] * 2 / 1.125, rel=0.01)  # FP8
     assert "Triton FP8 MoE GEMM RowWise (weights re-quantized per row at load)" in t.kernels
     # RTX Blackwell: that path always, torch's grouped GEMMs refusing the GPU; its bytes are the row's own
-    t = gt.trace_pass("nvfp4", "sm120", 16, LAYERS)
+    t = traced("nvfp4", "sm120", 16)
     assert (
         t.error is None
         and t.gemms()["Triton MoE GEMM"] == 2 * LAYERS
@@ -135,7 +150,7 @@ def test_a_host_tensor_copied_into_the_pass_is_reported(monkeypatch):
 
 
 def test_triton_launches_are_counted_and_checked(monkeypatch):
-    t = gt.trace_pass("fp8", "sm89", 16, LAYERS)
+    t = traced("fp8", "sm89", 16)
     # o's input: FP8 in one pass; q|k|v's is written by the input norm, gate|up's and the experts' gate|up's
     # by the FFN-inputs kernel, the experts' and the dense MLP's down inputs by the gated GeLUs that make them
     assert t.ops["triton::fp8_static_quant"] == LAYERS
@@ -169,10 +184,10 @@ def test_nvfp4_activations_take_one_launch_each_as_fp8s_do():
     GeLUs, and one more for q|k|v's, which FP8's input norm writes. Gate|up's and the experts' gate|up's
     inputs come from the FFN-inputs kernel in both, and both merge gate and up, and q, k and v."""
     inputs = QUANTIZED_INPUTS + 2 * LAYERS  # every quantized input and both expert projections'
-    hopper, fp8 = gt.trace_pass("nvfp4", "sm90", 1, LAYERS), gt.trace_pass("fp8", "sm90", 1, LAYERS)
+    hopper, fp8 = traced("nvfp4", "sm90", 1), traced("fp8", "sm90", 1)
     assert hopper.ops["triton::nvfp4_fp8_rows"] == inputs - 2 * LAYERS
     assert hopper.launches == fp8.launches + 3 * LAYERS
-    b200 = gt.trace_pass("nvfp4", "sm100", 1, LAYERS)
+    b200 = traced("nvfp4", "sm100", 1)
     # a linear's quantization writes its scales swizzled, padding included, the dense MLP's down operand
     # comes from its gated GeLU so; the experts' inputs are quantized (gate|up's on their own, down's in
     # the gated GeLU), then their scales gathered and swizzled by expert group: no zero-filled outputs
@@ -208,7 +223,7 @@ def test_rope_takes_one_launch_per_tensor_where_probed():
 def test_the_logit_softcap_takes_one_launch_where_probed():
     """torch's softcap is the logits' widening to fp32 and three in-place passes over them; the kernel of
     `pipeline.runtime.kernels.chains` widens and caps in one."""
-    fused = gt.trace_pass("fp8", "sm90", 1, LAYERS)
+    fused = traced("fp8", "sm90", 1)
     assert fused.ops["triton::softcap"] == 1 and "aten::tanh_" not in fused.ops
     no_kernel = gt.passing_probe("sm90")
     no_kernel.results[probing.SOFTCAP] = "failed"
@@ -278,7 +293,7 @@ def test_a_pass_moves_at_least_its_weights():
     """At one canvas every expert is touched: the eager pass reads every weight the model holds on the
     device, plus the tied embedding once more as the LM head (what it moves beyond that is activations)."""
     for fmt, arch in (("bf16", "sm90"), ("fp8", "sm90"), ("nvfp4", "sm100")):
-        t = gt.trace_pass(fmt, arch, 1, LAYERS)
+        t = traced(fmt, arch, 1)
         weights = t.resident_gb["linears"] + t.resident_gb["experts"] + t.resident_gb["other"]
         assert weights < t.moved_gb < 1.3 * weights + 1.0, (fmt, t.moved_gb, weights)
 
@@ -287,7 +302,7 @@ def test_the_moe_combine_takes_one_launch_and_reads_the_rows_where_they_are():
     """torch's combine gathers the experts' outputs back to slot order and takes a batched product; the
     kernel of `pipeline.runtime.kernels.chains` reads them in place (at 16 canvases on Hopper, torch's
     grouped GEMM's rows in expert order: a [slots, hidden] copy a layer fewer)."""
-    fused = gt.trace_pass("fp8", "sm90", 16, LAYERS)
+    fused = traced("fp8", "sm90", 16)
     assert fused.ops["triton::combine"] == LAYERS and "aten::bmm" not in fused.ops
     assert "aten::index_select" not in fused.ops
     no_kernel = gt.passing_probe("sm90")
@@ -311,7 +326,7 @@ def test_a_layers_routing_takes_two_launches_where_probed(fmt, batch):
     GEMM (1 canvas) and on torch's grouped GEMM (16), bf16 on `F.grouped_mm`. Where the combine gathers
     the rows of torch's grouped GEMMs back to slot order, the order kernel also writes the order's inverse,
     two launches more in torch's form (an arange and a scatter)."""
-    fused = gt.trace_pass(fmt, "sm90", batch, LAYERS)
+    fused = traced(fmt, "sm90", batch)
     assert fused.ops["triton::top_k"] == fused.ops["triton::expert_order"] == LAYERS
     assert "aten::topk" not in fused.ops and "aten::sort" not in fused.ops
     no_kernel = gt.passing_probe("sm90")
@@ -334,7 +349,7 @@ def test_attentions_head_norms_take_one_launch_a_layer_where_probed(batch):
     norms would copy the merged GEMM's column views; the global layer's q is copied into the packed
     queries' layout, which the kernel writes directly (head-major); and K and V are copied into the cache's
     room, where the kernel writes them directly."""
-    fused = gt.trace_pass("fp8", "sm90", batch, LAYERS)
+    fused = traced("fp8", "sm90", batch)
     assert fused.ops["triton::head_norms"] == LAYERS and "triton::rope" not in fused.ops
     no_kernel = gt.passing_probe("sm90")
     no_kernel.results[probing.HEAD_NORMS] = "failed"
@@ -364,7 +379,7 @@ def test_q_k_and_v_are_one_gemm_where_the_head_norms_kernel_reads_their_columns(
     launches a layer more, the two GEMMs of the sliding layer and one of the global one, the copy of the
     global layer's q into the packed queries' layout and those of K and V into the cache's room (which the
     kernel writes directly)."""
-    fused = gt.trace_pass(fmt, arch, 1, LAYERS)
+    fused = traced(fmt, arch, 1)
     no_kernel = gt.passing_probe(arch)
     no_kernel.results[probing.HEAD_NORMS] = "failed"
     torch_form = gt.trace_pass(fmt, arch, 1, LAYERS, probed=no_kernel)
@@ -389,7 +404,7 @@ def test_the_ffn_inputs_kernel_writes_the_operands_of_the_mlp_and_the_experts(
     experts): two quantizations a layer fewer, and each of the two inputs written once as its operand where
     it was written in bf16, read back and quantized (4 bytes a value fewer). `alone`: the quantizations a
     layer left (attention's output; the per-row fallback's q|k|v input and both down inputs too)."""
-    fused = gt.trace_pass(fmt, arch, batch, LAYERS)
+    fused = traced(fmt, arch, batch)
     quantize = (
         "triton::fp8_static_quant",
         "triton::nvfp4_quant_blocked",
@@ -416,7 +431,7 @@ def test_a_layers_input_norm_writes_its_qkv_operand_where_probed(fmt, arch):
     """FP8 and NVFP4 q, k and v read their shared operand straight from the layer's un-normed input (one
     launch where torch's norm and the quantization are two, and the normed bf16 rows never written); the
     Hopper/Ada NVFP4 fallback's per-row FP8 operand keeps the norm, then its own quantization."""
-    t = gt.trace_pass(fmt, arch, 16, LAYERS)
+    t = traced(fmt, arch, 16)
     kernel, form, superseded = NORM_OPERANDS[fmt]
     if arch == "sm90" and fmt == "nvfp4":
         assert not {"triton::norm_fp8", "triton::norm_nvfp4"} & set(t.ops)
@@ -452,7 +467,7 @@ def test_the_gated_gelus_take_one_launch_where_probed():
     """torch's gated GeLU is two launches (the GeLU, the product) in each layer's dense MLP and experts and in
     the self-conditioning, and FP8 experts and dense MLPs quantize the product in a third for their down
     projection; the kernel makes each one."""
-    fused = gt.trace_pass("fp8", "sm90", 1, LAYERS)
+    fused = traced("fp8", "sm90", 1)
     assert fused.ops["triton::geglu"] == 2 * LAYERS + 1 and "aten::gelu" not in fused.ops
     no_kernel = gt.passing_probe("sm90")
     no_kernel.results[probing.GEGLU] = "failed"
@@ -504,7 +519,7 @@ def test_a_layers_norm_chains_take_one_launch_where_probed(form, kernel, superse
     """Each chain is one launch a layer on its kernel, `norms` RMSNorms, two more launches and `quantized`
     quantizations in torch's form, and `rows` [tokens, hidden] bf16 passes through memory fewer (each
     intermediate written and read back)."""
-    fused = gt.trace_pass("fp8", "sm90", 16, LAYERS)
+    fused = traced("fp8", "sm90", 16)
     assert fused.ops[kernel] == LAYERS and superseded not in fused.ops
     no_kernel = gt.passing_probe("sm90")
     no_kernel.results[form] = "failed"
@@ -529,7 +544,7 @@ def test_sibling_linears_share_their_input_quantization_and_gate_and_up_one_gemm
     float self-conditioning and in each dense MLP (FP8's, a weight scale each, one RowWise GEMM), and so
     are q, k and v (two fewer in a sliding layer, one in a global one). Without sharing, every linear
     quantizes and runs alone."""
-    shared = gt.trace_pass(fmt, arch, 1, LAYERS)
+    shared = traced(fmt, arch, 1)
     monkeypatch.setattr(gpu_load, "share_inputs", lambda model, merge_qkv, fp8_columns: (0, 0))
     alone = gt.trace_pass(fmt, arch, 1, LAYERS)
     assert alone.launches - shared.launches == fewer
@@ -546,7 +561,7 @@ def test_attention_reads_the_cached_and_new_k_v_in_the_caches_buffers():
     the global layer's 16 query heads (head dim 512) read its 2 K/V heads with no copy per query head, its
     queries packed along them as the kernel writes q (head-major: a view), the output copied out once. The
     only concatenations left are the RoPE tables' (one a layer kind)."""
-    trace = gt.trace_pass("bf16", "sm90", 1, LAYERS)
+    trace = traced("bf16", "sm90", 1)
     assert "triton::kv_cat" not in trace.ops and trace.ops["aten::cat"] == 2
     assert "aten::repeat_interleave" not in trace.ops and "aten::reshape" not in trace.ops
     assert trace.ops["aten::contiguous"] == 1 and "aten::copy_" not in trace.ops
@@ -555,7 +570,7 @@ def test_attention_reads_the_cached_and_new_k_v_in_the_caches_buffers():
 def test_nvfp4_experts_copy_no_scales_in_the_pass():
     """The grouped NVFP4 GEMMs read their activations' global scales per expert as the experts hold them:
     the only `contiguous` copy left in the B200 pass is the packed attention's output."""
-    trace = gt.trace_pass("nvfp4", "sm100", 16, LAYERS)
+    trace = traced("nvfp4", "sm100", 16)
     assert trace.ops["aten::contiguous"] == 1
 
 

@@ -439,10 +439,10 @@ def test_the_ffn_inputs_write_the_mlps_and_experts_operands_bit_for_bit(rne_cast
     g = torch.Generator().manual_seed(5)
     layer = ffn_probe_layer(d, torch.device("cpu"), dtype, g)
     h, attn = (spread(256, d, g) / 64).to(dtype).view(2, 2, 64, d).unbind()
-    assert same_operands(layer, h, attn, None, kind)
+    plain = kernels.chains.ffn_inputs(layer, h, attn)  # (the launch `same_operands` makes without rows)
+    assert same_operands(layer, h, attn, plain, kind)
     assert same_operands(layer, h[:, :3], attn[:, :3], None, kind)  # 6 rows
     scale = torch.tensor(0.003)
-    plain = kernels.chains.ffn_inputs(layer, h, attn)
     mlp_only = kernels.chains.ffn_inputs(layer, h, attn, (kind, scale), None)
     assert same_bits(mlp_only[2], plain[2]) and isinstance(mlp_only[1], sl.QuantizedRows)
     # 32 wide (two NVFP4 blocks, fewer than a swizzled tile's four scale columns), and 40 (no whole blocks)
