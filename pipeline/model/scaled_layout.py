@@ -172,7 +172,12 @@ def nvfp4_weight_blocked(block_scales: torch.Tensor) -> torch.Tensor:
     [E, blocked] for a 3-D input, flat for a 2-D one."""
     if block_scales.dim() == 2:
         return to_blocked(block_scales)
-    return torch.stack([to_blocked(s) for s in block_scales])
+    # `to_blocked` of each matrix, in one set of ops for all of them (a load's 128 experts: 6 ops, not 768)
+    e, rows, cols = block_scales.shape
+    padded = block_scales.new_zeros(e, *blocked_shape(rows, cols))
+    padded[:, :rows, :cols] = block_scales
+    tiles = padded.view(e, -1, TILE_ROWS, padded.shape[2] // TILE_COLS, TILE_COLS).permute(0, 1, 3, 2, 4)
+    return tiles.reshape(e, -1, 4, 32, TILE_COLS).transpose(2, 3).reshape(e, -1)
 
 
 # ---- expert ordering ----------------------------------------------------------------------------------

@@ -61,6 +61,14 @@ def test_to_blocked_matches_torch_and_cublas_formula():
     assert torch.equal(tq.from_blocked(torch.empty(130, 6 * 16), sl.to_blocked(s), 16), s)
 
 
+def test_stacked_weight_scales_are_each_matrixs_blocked_layout():
+    """Experts' stacked block scales swizzled in one go: each matrix's `to_blocked` (torch's), padding included."""
+    for experts, rows, cols in ((1, 5, 1), (3, 130, 7), (4, 256, 176), (2, 704, 88)):
+        s = torch.randint(0, 256, (experts, rows, cols), generator=GEN, dtype=torch.uint8)
+        assert torch.equal(sl.nvfp4_weight_blocked(s), torch.stack([tq.to_blocked(m) for m in s]))
+    assert torch.equal(sl.nvfp4_weight_blocked(s[0]), tq.to_blocked(s[0]))
+
+
 def test_grouped_blocked_scales_are_per_group_blocks_back_to_back():
     offs = torch.tensor([3, 3, 140, 141, 400], dtype=torch.int32)  # an empty group, a 1-row group
     s = torch.randint(1, 255, (400, 8), generator=GEN, dtype=torch.uint8)
