@@ -30,7 +30,7 @@ def _report(result: dict, as_json: bool, render: Callable, *files: Path) -> None
 
 
 def _out(name: str, what: str = "directory for JSON and PNG"):
-    return opt.out(f"{what}; {opt.in_cache(name)}")
+    return opt.out(what, name)
 
 
 @app.command("local")
@@ -50,7 +50,6 @@ def bench_local(
     from pipeline.bench.local import PLOT_FILE, RESULT_FILE, run_bench_local
     from pipeline.bench.local import render as render_local
 
-    out_dir = out_dir or opt.cache_dir() / "bench-local"
     result = run_bench_local(model, runs, batch, reference, out_dir, dtype, device)
     _report(result, as_json, render_local, out_dir / RESULT_FILE, out_dir / PLOT_FILE)
 
@@ -75,7 +74,6 @@ def bench_sweep(
         raise DgpipeError("--bounds and --steps take comma-separated numbers") from e
     if min(b) <= 0 or min(st) < 1:
         raise DgpipeError("need bounds > 0 and steps >= 1")
-    out_dir = out_dir or opt.cache_dir() / "bench-sweep"
     from pipeline.bench.sweep import SWEEP_JSON, SWEEP_PLOT, run_sweep
     from pipeline.bench.sweep import render as render_sweep
 
@@ -132,7 +130,6 @@ def bench_serve(
     with --openai --url .../v1, that OpenAI endpoint driven as load tools drive it; with --openai alone, the
     OpenAI-compatible frontend against direct gRPC."""
     levels = opt.int_list(concurrency or ("1,4,16" if openai else "1,2,4,8"), "--concurrency")
-    out_dir = out_dir or opt.cache_dir() / "bench-serve"
     if openai and url:
         if not url.rstrip("/").endswith("/v1") or grpc_url:
             raise DgpipeError(
@@ -192,7 +189,6 @@ def bench_model(
 ) -> None:
     """Full-size configuration with random weights: ms per pass vs the bandwidth floor, diffusion vs AR."""
     batches = opt.int_list(batch, "--batch", " like 1,4")
-    out_dir = out_dir or opt.cache_dir() / "bench-model"
     from pipeline.bench.model import PLOT_FILE, RESULT_FILE, run_bench_model
     from pipeline.bench.model import render as render_model
 
@@ -210,7 +206,6 @@ def bench_guided(
 ) -> None:
     """Constrained decoding's cost: the embedded model with and without a [1-9]{81} regex, side by side."""
     batches = opt.int_list(batch, "--batch", " like 1,8")
-    out_dir = out_dir or opt.cache_dir() / "bench-guided"
     from pipeline.bench.guided import PLOT_FILE, RESULT_FILE, run_bench_guided
     from pipeline.bench.guided import render as render_guided
 
@@ -230,7 +225,6 @@ def bench_schemas(
 ) -> None:
     """The grammar engine on JSONSchemaBench's sets: compiled / refused %, valid outputs, compile p50/p95;
     llguidance and XGrammar with their defaults beside it where they are installed (docs/benchmarks/constrained.md)."""
-    out_dir = out_dir or opt.cache_dir() / "bench-schemas"
     from pipeline.bench.guided import SCHEMAS_RESULT_FILE, run_bench_schemas, schemas_table
 
     result = run_bench_schemas(out_dir, stride, vocab_size, walks)
@@ -258,7 +252,6 @@ def bench_flops(
 
     batches = tuple(opt.int_list(batch, "--batch", " like 1,4,8"))
     dirs = {k: v for k, v in (("routed", routed_onnx), ("dense", dense_onnx)) if v is not None}
-    out_dir = out_dir or opt.cache_dir() / "bench-flops"
     result = run(config, batches, context, dirs or None, out_dir)
     _report(result, as_json, render, out_dir / RESULT_FILE)
 
@@ -287,14 +280,11 @@ def bench_export_memory(
     """Peak host RSS of the streaming ONNX export on a random checkpoint with the model's real shapes."""
     from pipeline.bench.export_memory import RESULT_FILE, as_dict, run
     from pipeline.bench.export_memory import render as render_export_memory
-    from pipeline.bench.results import save_result
     from pipeline.onnx.contract import MOE_FORMS
 
     if moe not in MOE_FORMS:  # before a checkpoint of full-size layers is written
         raise DgpipeError(f"--moe {moe}: unknown MoE form", f"choose one of: {', '.join(MOE_FORMS)}")
-    out_dir = out_dir or opt.cache_dir() / "bench-export-memory"
-    result = as_dict(run(config, layers, work_dir, moe, sparse=sparse))
-    save_result(out_dir, RESULT_FILE, result)
+    result = as_dict(run(config, layers, work_dir, moe, sparse=sparse, out_dir=out_dir))
     _report(result, as_json, render_export_memory, out_dir / RESULT_FILE)
 
 
@@ -313,11 +303,8 @@ def bench_load_memory(
 ) -> None:
     """Peak memory of loading a quantized checkpoint: the CPU route and the tensor-core route."""
     from pipeline.bench.load_memory import RESULT_FILE, as_dict, render, run
-    from pipeline.bench.results import save_result
 
-    out_dir = out_dir or opt.cache_dir() / "bench-load-memory"
-    result = as_dict(run(config, layers, fmt, work_dir))
-    save_result(out_dir, RESULT_FILE, result)
+    result = as_dict(run(config, layers, fmt, work_dir, out_dir=out_dir))
     _report(result, as_json, render, out_dir / RESULT_FILE)
 
 
@@ -352,7 +339,6 @@ def bench_pass(
     rate), with transformers and ONNX Runtime on the same weights, interleaved."""
     if config is not None and model is not None:
         raise DgpipeError("pass --config (random weights) or --model (a checkpoint), not both")
-    out_dir = out_dir or opt.cache_dir() / "bench-pass"
     from pipeline.bench.step import PLOT_FILE, RESULT_FILE, run_bench_pass
     from pipeline.bench.step import render as render_pass
 
@@ -390,7 +376,6 @@ def bench_gpu(
     from pipeline.bench.gpu.checks import RESULT_FILE, TABLE_FILE, run_bench_gpu
     from pipeline.bench.gpu.report import render
 
-    out_dir = out_dir or opt.cache_dir() / "bench-gpu"
     report = None if as_json else lambda c: out.line(f"{c.name}: {c.status} ({c.seconds:.0f} s)", err=True)
     result = run_bench_gpu(out_dir, dry_run, on_check=report)
     out.show(result, as_json, lambda r: [render(r)])
@@ -424,7 +409,6 @@ def bench_moe_tiles(
     from pipeline.bench.gpu.tiles import RESULT_FILE, TABLE_FILE, render, run_moe_tiles
     from pipeline.runtime.kernels.moe_tiles import TABLE_DIR
 
-    out_dir = out_dir or opt.cache_dir() / "bench-moe-tiles"
     install_dir = opt.cache_dir() / TABLE_DIR if install else None
     with out.progress_bars(as_json) as bars:
         task = bars.add_task("bench moe-tiles: candidate tiles", total=None)
@@ -451,7 +435,6 @@ def bench_gpu_trace(
     from pipeline.bench.gpu.trace import RESULT_FILE, TABLE_FILE, render, run
 
     batches = tuple(opt.int_list(batch, "--batch", " like 1,16"))
-    out_dir = out_dir or opt.cache_dir() / "bench-gpu-trace"
     report = (
         None
         if as_json
@@ -492,7 +475,6 @@ def bench_prefix(
     from pipeline.bench.prefix import PLOT_FILE, RESULT_FILE, load_bench_model, run_bench_prefix
     from pipeline.bench.prefix import render as render_prefix
 
-    out_dir = out_dir or opt.cache_dir() / "bench-prefix"
     m = load_bench_model(None if model else config, model, threads)
     with out.progress("bench prefix", total=requests * len(step_counts), disable=as_json) as advance:
         result = run_bench_prefix(m, system_tokens, question_tokens, requests, step_counts, out_dir, advance)

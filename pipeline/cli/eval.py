@@ -122,16 +122,13 @@ def eval_quantization(
     max_drop: Annotated[
         float, typer.Option(help="fail if a solve rate is more than this many points below bf16")
     ] = 2.0,
-    out_dir: Annotated[
-        Path | None, opt.out("where the quantized checkpoints go; " + opt.in_cache("quantized"))
-    ] = None,
+    out_dir: Annotated[Path | None, opt.out("where the quantized checkpoints go", "quantized")] = None,
     as_json: opt.Json = False,
 ) -> None:
     """Quantize to each precision and report solve rate, steps/canvas, KL vs bf16 and bytes; gate on accuracy."""
     if n < 1:
         raise DgpipeError(f"--n must be >= 1 (got {n})")
     names = [p.strip() for p in precisions.split(",") if p.strip()]
-    out_dir = out_dir or opt.cache_dir() / "quantized"
     from pipeline.runtime.session import default_model_path
     from quantize import report
 

@@ -128,9 +128,15 @@ def output(help: str):
     return typer.Option("--output", help=help)
 
 
-def out(help: str):
-    """`--out DIR`: where a benchmark, evaluation or training run puts its results."""
-    return typer.Option("--out", help=help)
+def out(help: str, cached: str):
+    """`--out DIR`: where a benchmark, evaluation or training run puts its results; when not given, the
+    directory `cached` under the cache dir (the callback resolves it, so a command's body sees a Path and
+    the name is written once, here, for the help and the default alike)."""
+    return typer.Option(
+        "--out",
+        help=f"{help}; {in_cache(cached)}",
+        callback=lambda v: cache_dir() / cached if v is None else v,
+    )
 
 
 def precision(help: str = "nvfp4, fp8, int4_awq or bf16 (configs/precisions)"):

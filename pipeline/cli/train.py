@@ -17,7 +17,7 @@ app = opt.typer_app()
 DEFAULT_BAND = "-".join(map(str, DEFAULT_GIVENS))  # the demo's band, as --givens spells it
 
 
-OutDir = Annotated[Path | None, opt.out("output checkpoint dir (HF layout); " + opt.in_cache("sudoku-tiny"))]
+OutDir = Annotated[Path | None, opt.out("output checkpoint dir (HF layout)", "sudoku-tiny")]
 MaxSteps = Annotated[int | None, typer.Option(help="step budget (whichever of minutes/steps ends first)")]
 CurriculumStart = Annotated[
     int | None, typer.Option(help="lowest givens at the start (default 62; a warm start may begin lower)")
@@ -64,7 +64,6 @@ def train(
     for flag, share in (("--hard-fraction", hard_fraction), ("--pin-prob", pin_prob)):
         if not 0.0 <= share <= 1.0:
             raise DgpipeError(f"{flag} {share}: expected a share in 0..1")
-    out_dir = out_dir or opt.cache_dir() / "sudoku-tiny"
     from pipeline.demo.train import TrainConfig
     from pipeline.demo.train import train as run_train
     from pipeline.errors import validation_error

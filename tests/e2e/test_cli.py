@@ -66,6 +66,13 @@ def test_cache_dir_precedence(monkeypatch, tmp_path: Path):
     assert cache_dir() == tmp_path / "mine"
 
 
+def test_out_not_given_is_the_commands_directory_in_the_cache(tmp_path: Path):
+    """Where the help says a command writes when `--out` is not given, there it writes."""
+    assert "~/.cache/dgpipe/bench-gpu" in dgpipe("bench", "gpu", "--help", env={"COLUMNS": "200"}).stdout
+    dgpipe("bench", "gpu", "--dry-run", env={"DGPIPE_CACHE": str(tmp_path)})
+    assert sorted(p.name for p in (tmp_path / "bench-gpu").iterdir()) == ["gpu.json", "gpu.md"]
+
+
 def test_debug_variable_shows_the_traceback(tmp_path: Path):
     args = ["generate", "--model", str(tmp_path / "missing"), "x"]
     plain = dgpipe(*args, ok=False)
