@@ -74,7 +74,10 @@ def next_command(build_dir: Path, engine_status: dict[str, dict[str, Any]]) -> s
     built on the target node."""
     repo = build_dir / LAYOUT["model_repository"]
     if engine_status and all(e["status"] == "deferred" for e in engine_status.values()):
-        return f"dgpipe serve --repo {repo}   (or: dgpipe manifests --build-dir {build_dir} --target TARGET)"
+        manifests = (
+            f"dgpipe manifests --build-dir {build_dir} --target TARGET --image REGISTRY/dgpipe-triton:TAG"
+        )
+        return f"dgpipe serve --repo {repo}   (or: {manifests})"
     return f"dgpipe serve --repo {repo}"
 
 

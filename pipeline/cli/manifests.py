@@ -9,6 +9,7 @@ import typer
 
 from pipeline.cli import options as opt
 from pipeline.cli import output as out
+from pipeline.deploy.render import NAMESPACE
 from pipeline.errors import DgpipeError
 
 app = opt.typer_app()
@@ -18,14 +19,15 @@ app = opt.typer_app()
 def manifests(
     target: Annotated[str, typer.Option(help="deploy target: configs/deploy/<name>.yaml (e.g. dgx-b200)")],
     image: Annotated[
-        str | None, typer.Option(help="serving image built from the Dockerfile, pinned: REGISTRY/NAME:TAG")
+        str | None,
+        typer.Option(help="serving image built from the Dockerfile, pinned: REGISTRY/NAME:TAG (required)"),
     ] = None,
     output: Annotated[Path | None, opt.output("directory to write (default: BUILD_DIR/k8s)")] = None,
     build_dir: Annotated[
         Path | None, opt.build_dir("build dir whose manifest gives precision, targets and paths")
     ] = None,
     replicas: Annotated[int | None, typer.Option(help="replicas (default: the deploy target's)")] = None,
-    namespace: Annotated[str, typer.Option(help="Kubernetes namespace")] = "dgpipe",
+    namespace: Annotated[str, typer.Option(help="Kubernetes namespace")] = NAMESPACE,
     precision: Annotated[
         str | None, opt.precision("precision without --build-dir (default: the target's)")
     ] = None,

@@ -43,6 +43,7 @@ from pipeline.resources import k8s_dir
 
 PVC_BUILD_DIR = "/models/build"  # where the build directory lives on the model PVC (k8s/base/pvc.yaml)
 WORKLOAD = "dgpipe-triton"
+NAMESPACE = "dgpipe"  # the default; `dgpipe manifests --namespace` renders into another
 # The side objects' names, as k8s/smoke/job.yaml and k8s/loader/pod.yaml spell them (a test holds them equal):
 # `dgpipe deploy` waits on, execs into and deletes them by these names
 SMOKE_JOB = "dgpipe-smoke"
@@ -260,7 +261,7 @@ def resolve(
     build_dir: Path | None = None,
     precision: str | None = None,
     replicas: int | None = None,
-    namespace: str = "dgpipe",
+    namespace: str = NAMESPACE,
     smoke_prompt: str | None = None,
     monitoring: bool = True,
     lws_size: int | None = None,
