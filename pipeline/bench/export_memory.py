@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from pipeline.bench.results import save_result
 from pipeline.errors import DgpipeError
 from pipeline.model.checkpoint import hf_state_dict
 from pipeline.model.config import ModelConfig
@@ -238,7 +239,10 @@ def run(
     moe: str = "routed",
     keep: bool = False,
     sparse: bool = False,
+    out_dir: Path | None = None,
 ) -> ExportMemoryResult:
+    """Export a random checkpoint of `layers` full-size layers, measuring peak RSS; with `out_dir`, the
+    result is written there as RESULT_FILE."""
     cfg = model_config(config, layers)
     full = model_config(config, None).text_config.num_hidden_layers
     if not 1 <= layers <= full:
@@ -255,7 +259,7 @@ def run(
             shutil.rmtree(out, ignore_errors=True)
     t_l = trace_peak_rss(config, layers, moe)
     t_full = trace_peak_rss(config, None, moe) if layers < full else t_l
-    return ExportMemoryResult(
+    result = ExportMemoryResult(
         config=config,
         layers_measured=layers,
         layers_full=full,
@@ -270,6 +274,9 @@ def run(
         weights="sparse-zero" if sparse else "random",
         output_gb=written / 1e9,
     )
+    if out_dir is not None:
+        save_result(out_dir, RESULT_FILE, as_dict(result))
+    return result
 
 
 def as_dict(r: ExportMemoryResult) -> dict:

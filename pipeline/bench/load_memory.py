@@ -33,6 +33,7 @@ from pipeline.bench.export_memory import (
     model_config,
     write_index_and_config,
 )
+from pipeline.bench.results import save_result
 from pipeline.errors import DgpipeError
 from pipeline.model.config import ModelConfig
 from pipeline.model.files import DECODER
@@ -158,8 +159,15 @@ class LoadMemoryResult:
 
 
 def run(
-    config: str, layers: int, fmt: str, work_dir: Path, routes: tuple[str, ...] = ROUTES
+    config: str,
+    layers: int,
+    fmt: str,
+    work_dir: Path,
+    routes: tuple[str, ...] = ROUTES,
+    out_dir: Path | None = None,
 ) -> LoadMemoryResult:
+    """Load a random `fmt` checkpoint of `layers` full-size layers by each route, measuring peak memory;
+    with `out_dir`, the result is written there as RESULT_FILE."""
     if fmt not in FORMATS:
         raise DgpipeError(f"--format {fmt!r} is not a quantized format", f"one of: {', '.join(FORMATS)}")
     full = model_config(config, None).text_config.num_hidden_layers
@@ -176,7 +184,10 @@ def run(
         measured = {r: load_peak(r, ckpt) for r in routes}
     finally:
         shutil.rmtree(ckpt, ignore_errors=True)
-    return LoadMemoryResult(config, fmt, layers, size / 1e9, checkpoint_bytes(cfg) / 1e9, measured)
+    result = LoadMemoryResult(config, fmt, layers, size / 1e9, checkpoint_bytes(cfg) / 1e9, measured)
+    if out_dir is not None:
+        save_result(out_dir, RESULT_FILE, as_dict(result))
+    return result
 
 
 def as_dict(r: LoadMemoryResult) -> dict:
