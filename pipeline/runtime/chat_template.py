@@ -47,7 +47,8 @@ def parse_messages(raw: str | bytes | list[Any]) -> list[Message]:
     """OpenAI-style messages (a JSON string or an already-parsed list) checked: a non-empty list of objects
     with a known `role` and a `content` that is a string or a list of {"type": "text", "text": ...} parts
     (kept as a list of such parts, `_text_parts`: how it reaches a template is the template's choice, see
-    `ChatTemplate.render`). Keys whose value is null are dropped, as transformers does before rendering."""
+    `ChatTemplate.render`). Keys whose value is null are dropped, as transformers does before rendering, and
+    an assistant's earlier tool calls carry their arguments as objects (`_call_arguments`)."""
     if isinstance(raw, bytes | str):
         try:
             raw = json.loads(raw)
@@ -77,8 +78,30 @@ def parse_messages(raw: str | bytes | list[Any]) -> list[Message]:
             msg["content"] = _text_parts(content, where)
         elif not isinstance(content, str) and not (role == "assistant" and "tool_calls" in msg):
             raise MessagesError(f"{where}: 'content' is missing or not a string or a list of text parts")
+        if role == "assistant" and isinstance(msg.get("tool_calls"), list):
+            msg["tool_calls"] = [_call_arguments(call) for call in msg["tool_calls"]]
         out.append(msg)
     return out
+
+
+def _call_arguments(call: Any) -> Any:
+    """An earlier tool call with its `function.arguments` as the object it encodes. OpenAI's messages carry
+    them as a JSON string; tool-use chat templates expect the object (transformers' chat-template docs, and
+    vLLM's `_postprocess_messages` parses them so): passed as the string, a Hermes template writes the call
+    twice encoded, unlike the calls the model was trained on. Empty arguments are {}; a string that is not
+    JSON (a model can write one) is left as it is."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or isinstance(function.get("arguments"), dict):
+        return call
+    arguments = function.get("arguments")
+    if not arguments:
+        arguments = {}
+    elif isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _text_parts(parts: list[Any], where: str) -> list[dict[str, str]]:

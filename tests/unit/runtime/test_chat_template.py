@@ -224,3 +224,38 @@ def test_tools_reach_the_template_and_a_hermes_template_declares_its_tool_call_f
     assert hermes.render([{"role": "user", "content": "hi"}]) == "hi"
     assert hermes.tool_call_format == "hermes"
     assert ChatTemplate("{{ messages[0].content }}", {}).tool_call_format is None
+
+
+def test_an_earlier_calls_arguments_reach_the_template_as_an_object():
+    """OpenAI's messages carry a call's arguments as a JSON string; a Hermes template writes them with
+    `tojson`, so the string was written twice encoded. As vLLM does, they are parsed: {} when empty, a string
+    that is not JSON left as it is."""
+    template = ct.ChatTemplate(
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>"
+        "{% endfor %}{% endfor %}",
+        {},
+    )
+
+    def call(arguments):
+        fn = {"name": "f", "arguments": arguments}
+        return [{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": fn}]}]
+
+    assert (
+        template.render(ct.parse_messages(call('{"x": 1}')))
+        == '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    )
+    assert (
+        template.render(ct.parse_messages(call("")))
+        == '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    )
+    assert (
+        template.render(ct.parse_messages(call("{x")))
+        == '<tool_call>{"name": "f", "arguments": "{x"}</tool_call>'
+    )
+    parsed = ct.parse_messages(json.dumps(call('{"x": [1, 2]}')))
+    assert parsed[0]["tool_calls"][0] == {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "f", "arguments": {"x": [1, 2]}},
+    }
