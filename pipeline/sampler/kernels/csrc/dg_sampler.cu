@@ -106,7 +106,8 @@ struct RowState {
   int bidx;    // lowest index holding best
   int nan_at;  // lowest index whose z is NaN (a broken checkpoint's logits), INT32_MAX if none
   int ninf;    // 1 where some z is -inf: the oracle's entropy then holds 0 * log 0 = NaN
-  float c;     // sum exp(bf16(z) - m): the self-conditioning softmax's denominator (see `sc_logit`)
+  float c;     // sum exp(bf16(z) - bf16(m)): the self-conditioning softmax's denominator (see `sc_logit`); every
+               // term <= 1, as rounding to bf16 is monotone (bf16(z) <= bf16(m)), and bf16(m) is torch's max
 };
 
 // z as the self-conditioning softmax reads it: rounded to bf16, the dtype transformers keeps the scaled logits
@@ -138,8 +139,8 @@ __device__ __forceinline__ void merge(RowState& a, const RowState& b) {
     if (e > 0.0f) {
       s += e * lo.s;
       t += e * (lo.t + d * lo.s);
-      c += e * lo.c;
     }
+    c += expf(sc_logit(lo.m) - sc_logit(hi.m)) * lo.c;  // a weight <= 1: no inf, and lo.c is finite
   }
   a.m = hi.m;
   a.amax = hi.amax;
@@ -233,7 +234,7 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
         const float e = expf(d);
         st.t = e > 0.0f ? e * (st.t + d * st.s) : 0.0f;  // as in `merge`: no 0 * -inf
         st.s *= e;
-        st.c *= e;
+        st.c *= expf(sc_logit(st.m) - sc_logit(cm));  // <= 1
       }
       st.m = cm;
       st.amax = ci;
@@ -243,13 +244,14 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
     // and a merge would then drop this thread's later finite terms with them.
     if (st.m > -INFINITY) {
       float ps = 0.0f, pt = 0.0f, pc = 0.0f;
+      const float mb = sc_logit(st.m);
 #pragma unroll
       for (int j = 0; j < N; ++j) {
         const float d = z[j] - st.m;
         const float e = expf(d);
         ps += e;
         pt += e > 0.0f ? e * d : 0.0f;
-        if (probs != nullptr) pc += expf(sc_logit(z[j]) - st.m);  // bf16(z) - m <= 2^-9 |m|: no overflow
+        if (probs != nullptr) pc += expf(sc_logit(z[j]) - mb);  // bf16(z) <= bf16(m): each term <= 1
       }
       st.s += ps;
       st.t += pt;
@@ -291,7 +293,7 @@ __device__ __forceinline__ void rows_body(const T* __restrict__ logits, int leng
   __syncthreads();
 
   // Second pass: softmax(bf16(z)) in bf16, the next step's self-conditioning input (see `sc_logit`).
-  const float m = row_max, inv = row_inv_sc;
+  const float m = sc_logit(row_max), inv = row_inv_sc;
   __nv_bfloat16* __restrict__ p_row = probs + cell * vocab;
   for (int i = threadIdx.x * N; i < vocab; i += blockDim.x * N) {
     float z[N];
