@@ -26,6 +26,7 @@ from pipeline.sampler.reference import (
     DrawSource,
     RowKeys,
     StepOutput,
+    conditioning_rounding,
     conditioning_softmax,
     mask_logits,
     sample_step,
@@ -86,6 +87,23 @@ class DenoiseResult:
     # (at the 26B's sizes 256 x 2816 bf16 = 1.4 MB per sequence instead of 256 x 262144 = 134 MB).
     # None inside sample_logits before its caller fills it, and when the caller said no step reads it
     soft: torch.Tensor | None = None
+    # the logits sampled from, where step.probs are not their softmax(z): the CUDA kernels write the
+    # self-conditioning input, softmax(bf16(z)) (`conditioning_softmax`), up to ~0.16 nats from softmax(z)
+    # at a 262k vocabulary; log-probabilities and a guide's ranking read `sampled_distribution` instead
+    logits: torch.Tensor | None = None
+
+
+def sampled_distribution(res: DenoiseResult, s: SamplerInputs, rows: torch.Tensor | slice) -> torch.Tensor:
+    """softmax(z) at the batch `rows` of a step: the distribution the sampler drew from there, masked as the
+    sampler masked it. The step's probs where they are that (the PyTorch steps), else recomputed from its
+    logits for these rows only (the CUDA kernels' probs are the self-conditioning input)."""
+    if res.logits is None:
+        assert res.step.probs is not None
+        return res.step.probs[rows]
+    z = res.logits[rows].float()
+    if s.allowed is not None:
+        z = mask_logits(z, s.allowed[0], s.allowed[1][rows])
+    return torch.softmax(z / s.temperature[rows][:, None, None], dim=-1)
 
 
 class ModelBackend(Protocol):
@@ -201,8 +219,7 @@ def conditioning_probs(
     (`probs_round`, the sampler's rounding); else it is computed here. The graph backends compute it inside the
     graph, before any mask (their sampler has no mask input), so every backend feeds the same signal; the
     constraint acts on sampling and acceptance."""
-    rounding = dtype if dtype.itemsize < 4 else torch.float32
-    if s.allowed is None and step.probs is not None and rounding == probs_round:
+    if s.allowed is None and step.probs is not None and conditioning_rounding(dtype) == probs_round:
         return step.probs
     return conditioning_softmax(logits / s.temperature[:, None, None], dtype)
 
@@ -235,7 +252,7 @@ def sample_logits(
             s.confidence_threshold,
             allowed=s.allowed,
         )
-        return DenoiseResult(out, stable, stop)
+        return DenoiseResult(out, stable, stop, logits=logits)
     if s.allowed is not None:
         logits = mask_logits(logits, *s.allowed)
     if cpu_fused and type(draws) is CounterDraws and logits.dtype == torch.float32:

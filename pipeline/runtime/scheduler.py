@@ -30,7 +30,14 @@ from pipeline.limits import (
 )
 from pipeline.model.config import SamplerConfig
 from pipeline.model.network import DiffusionGemma, canvas_positions
-from pipeline.runtime.backends import KV, ModelBackend, SamplerInputs, TorchBackend
+from pipeline.runtime.backends import (
+    KV,
+    DenoiseResult,
+    ModelBackend,
+    SamplerInputs,
+    TorchBackend,
+    sampled_distribution,
+)
 from pipeline.runtime.device_errors import device_failure
 from pipeline.runtime.device_loop import DenoiseRound, DeviceLoop, on_device
 from pipeline.runtime.guided import (
@@ -578,9 +585,9 @@ class BlockDiffusionRuntime:
         if stepped.soft is not None:  # a frozen row's is never read: its canvas is over
             self.sc[slots] = stepped.soft.to(self.dtype)
         if sampler.allowed is not None:
-            self._keep_guide_probs(rnd, out.probs, live)
+            self._keep_guide_probs(rnd, stepped, sampler, live)
         if rnd.logprob_rows is not None:
-            self._keep_logprobs(rnd, out.probs, out.argmax, live)
+            self._keep_logprobs(rnd, stepped, sampler, live)
         for slot in rnd.slot_list:
             self.has_sc[slot] = True
         self.stable[slots] = torch.where(live, stepped.stable_count, self.stable[slots])
@@ -598,28 +605,30 @@ class BlockDiffusionRuntime:
             return False
         return not bool((live & (self.step_idx[slots] + 1 < self.n_steps[slots])).any())
 
-    def _keep_guide_probs(self, rnd: DenoiseRound, probs: torch.Tensor, live: torch.Tensor) -> None:
+    def _keep_guide_probs(
+        self, rnd: DenoiseRound, stepped: DenoiseResult, sampler: SamplerInputs, live: torch.Tensor
+    ) -> None:
         for i, slot in enumerate(rnd.slot_list):
             if self.guides[slot] is None:
                 continue
-            new = probs[i].to(torch.bfloat16)
+            new = sampled_distribution(stepped, sampler, slice(i, i + 1))[0].to(torch.bfloat16)
             kept = self.guide_probs.get(slot)
             # a copy: already bf16 (CUDA), `new` is a view that would keep the whole batch's probabilities
             self.guide_probs[slot] = new.clone() if kept is None else torch.where(live[i], new, kept)
 
     def _keep_logprobs(
-        self, rnd: DenoiseRound, probs: torch.Tensor | None, argmax: torch.Tensor, live: torch.Tensor
+        self, rnd: DenoiseRound, stepped: DenoiseResult, sampler: SamplerInputs, live: torch.Tensor
     ) -> None:
         """The log-probabilities of this pass for the rows that want them, kept per slot while the row is
         live: a canvas's last live pass is the one whose argmax canvas is committed, so what is left when
         it finishes is each committed token's log-probability under the distribution softmax(logits / T)
         the sampler drew from at that pass (T: its temperature), and the top alternatives of the same
         distribution. Device work only (a captured step replays it)."""
-        assert probs is not None  # validate() admits logprobs only from a backend that returns probs
+        # validate() admits logprobs only from a backend that returns probs (or the logits they are read from)
         rows, k = rnd.logprob_rows, rnd.logprob_k
         slots, keep = rnd.slots[rows], live[rows][:, None]
-        p = probs[rows]
-        token = p.gather(-1, argmax[rows][..., None]).squeeze(-1).float().log()
+        p = sampled_distribution(stepped, sampler, rows)
+        token = p.gather(-1, stepped.step.argmax[rows][..., None]).squeeze(-1).float().log()
         self.lp_token[slots] = torch.where(keep, token, self.lp_token[slots])
         if k:
             top, ids = p.topk(k, dim=-1)

@@ -76,14 +76,21 @@ class StepOutput:
     kept: torch.Tensor  # [B, L] bool
 
 
+def conditioning_rounding(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the scaled logits are rounded to before the self-conditioning softmax, for a model in `dtype`:
+    its own where narrower than fp32 (transformers keeps them in the embedding dtype), else fp32 (no rounding)."""
+    return dtype if dtype.itemsize < 4 else torch.float32
+
+
 def conditioning_softmax(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The next step's self-conditioning probabilities from this step's scaled logits `z`, as transformers
     computes them for a model in `dtype`: it keeps the scaled logits in the embedding dtype between steps
     (`processed_logits.to(embeddings_dtype)`) and its decoder softmaxes them in fp32. In bf16 that rounding moves
     a logit by up to 2^-9 of its size (0.125 at 32), so the probabilities differ by percents from the softmax of
     the fp32 logits; in fp32 and float64 it is the plain softmax."""
-    if dtype.itemsize < 4:
-        z = z.to(dtype)
+    rounding = conditioning_rounding(dtype)
+    if rounding != torch.float32:
+        z = z.to(rounding)
     return torch.softmax(z, dim=-1, dtype=torch.float32)
 
 

@@ -13,8 +13,9 @@ import torch
 
 from pipeline.errors import InputError
 from pipeline.model.config import SamplerConfig
-from pipeline.runtime.backends import TorchBackend
+from pipeline.runtime.backends import TorchBackend, sample_logits
 from pipeline.runtime.scheduler import BlockDiffusionRuntime, Request
+from pipeline.sampler.reference import conditioning_softmax
 from tests._utils.tiny import build_tiny
 
 FIXED = SamplerConfig(max_denoising_steps=3, confidence_threshold=0.0)
@@ -51,6 +52,38 @@ def test_each_token_has_its_committing_pass_probability_and_top_alternatives():
         assert top[0] == (token, pytest.approx(lp))  # the committed token is that pass's argmax
     # the sequence's log-probability: the sum over the returned tokens, a proper log-probability
     assert sum(lp for lp, _ in res.logprobs) < 0
+
+
+class KernelLike(TorchBackend):
+    """The PyTorch backend handing back what the CUDA kernels hand back: as probs the self-conditioning input
+    softmax(bf16(z)) in bf16, not softmax(z), and the logits beside them."""
+
+    def denoise_step(self, canvas, sc_soft, positions, masks, past, sampler, need_soft=True):
+        logits = self.model.denoise_soft(canvas, sc_soft, positions, masks, past)
+        res = sample_logits(logits, sampler, self.draws)
+        res.soft = self.model.soft_embedding(self.conditioning(logits, sampler, res.step))
+        z = logits / sampler.temperature[:, None, None]
+        res.step.probs, res.logits = conditioning_softmax(z, torch.bfloat16).to(torch.bfloat16), logits
+        return res
+
+
+def test_log_probabilities_are_of_the_sampled_distribution_where_the_probs_are_the_conditioning_input():
+    """The CUDA kernels' probs are softmax(bf16(z)), up to ~0.16 nats from softmax(z) at a 262k vocabulary:
+    log-probabilities (and a guide's ranking) are read from the logits there, so a request's log-probabilities
+    are the PyTorch path's, to fp32's precision."""
+    model = build_tiny(torch.float64)
+    model.cfg.eos_token_id = [999]
+    reqs = [
+        Request([2, 5, 6], max_tokens=16, sampler=FIXED, seed=s, request_id=s, logprobs=3) for s in range(2)
+    ]
+    want = BlockDiffusionRuntime(TorchBackend(model), max_batch=2, max_len=128).generate(reqs)
+    got = BlockDiffusionRuntime(KernelLike(model), max_batch=2, max_len=128).generate(reqs)
+    for g, w in zip(got, want, strict=True):
+        assert g.tokens == w.tokens
+        assert [lp for lp, _ in g.logprobs] == pytest.approx([lp for lp, _ in w.logprobs], rel=1e-6, abs=1e-6)
+        assert [[i for i, _ in top] for _, top in g.logprobs] == [
+            [i for i, _ in top] for _, top in w.logprobs
+        ]
 
 
 def test_logprobs_change_no_token_and_batch_rows_keep_their_own():
