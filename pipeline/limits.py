@@ -50,7 +50,7 @@ class Limits(BaseModel):
     # a constrained-decoding guide (JSON schema, regex, choice, Lark grammar): its UTF-8 bytes, checked before
     # it compiles, and what compiling it may take in the compile child (pipeline/serving/core/guide_worker):
     # wall seconds and MiB of address space beyond the child's own. Real-world schemas compile in
-    # milliseconds (JSONSchemaBench p95 well under a second); a 2^18-state regex takes seconds and gigabytes
+    # milliseconds (JSONSchemaBench p95 well under a second); a 2^17-state regex takes seconds and gigabytes
     max_guide_bytes: int = Field(262144, ge=1, le=INT32_MAX)
     # a regex's positions once counted repeats are unrolled (`[1-9]{50000}`: 50,000), counted before it
     # compiles: its token automaton grows with them

@@ -1,7 +1,7 @@
 """Guide compilation in a child process, bounded in time and memory, so a hostile guide costs a child.
 
 Compiling a regex over a vocabulary (outlines-core builds a token DFA) or a grammar (llguidance) can take
-seconds to minutes and gigabytes for a few bytes of input (`(1|2)*1(1|2){16}` is a 2^18-state DFA). In the
+seconds to minutes and gigabytes for a few bytes of input (`(1|2)*1(1|2){16}` is a 2^17-state DFA). In the
 model's process that time is taken from every request and health ping behind it, and a runaway allocation
 takes the whole Python backend down. Here it runs in one long-lived child (`python -m` this module), which
 sets its own address-space limit (RLIMIT_AS) and lowers its priority; the parent waits at most the time
