@@ -1,9 +1,11 @@
 """The OpenAI request bodies dgpipe's frontend accepts, and how each maps onto the Triton model's inputs.
 
 Every field OpenAI defines is either mapped, accepted only at its no-op value (`best_of=1`, `top_p=1`,
-...), or refused with a 400 naming it: nothing is silently ignored. Unknown fields are
-refused too, except the diffusion knobs, which ride as extra body fields (the `openai` client's
-`extra_body`) under the Triton input names of pipeline/serving/schema.py.
+`store=false`, ...), accepted as the caller's own bookkeeping (`user`, `metadata`, `prompt_cache_key`,
+`safety_identifier`: not used), or refused with a 400 naming it. A null is the field's default, as
+OpenAI's spec allows (`"n": null` is n = 1). Unknown fields are refused, except the diffusion knobs, which
+ride as extra body fields (the `openai` client's `extra_body`) under the Triton input names of
+pipeline/serving/schema.py.
 
 Temperature: a diffusion request samples every step at a temperature that falls linearly from `t_max` to
 `t_min`. OpenAI's `temperature` T sets `t_max = T` and `t_min = T / 2` (the published defaults 0.8 -> 0.4
@@ -26,7 +28,8 @@ Load-tool fields (vLLM's, sent by guidellm and AIPerf): `ignore_eos` (the end to
 generation: it runs to `max_tokens`), `min_tokens` (the end token does not stop it before that many
 tokens) and `stream_options.continuous_usage_stats` (usage on every streamed chunk).
 
-Choices, log-probabilities and tools: `n` choices are n requests with seeds `choice_seed(seed, i)`;
+Choices, log-probabilities and tools: `n` choices are n requests with seeds `choice_seed(seed, i)`
+(choice 0 the request's seed, the others drawn from it);
 `logprobs` / `top_logprobs` become the Triton inputs `return_log_probs` / `top_logprobs`; `tools` and
 `tool_choice` are planned by pipeline/serving/openai_tools.py (README, "OpenAI-compatible API").
 
@@ -41,7 +44,7 @@ import json
 import secrets
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from pipeline.errors import InputError
 from pipeline.limits import CHOICES_MAX, STOP_WORD_BYTES_MAX, TOP_LOGPROBS_MAX
@@ -49,13 +52,15 @@ from pipeline.model.config import SAMPLER_RANGES
 from pipeline.sampler.constraints import GuideSpec
 from pipeline.serving.schema import INT32_MAX, SEED_MAX
 
-# field -> the only value we accept (its OpenAI default, a no-op here)
+# field -> the only value we accept (its OpenAI default, a no-op here), or a tuple of such values
 NO_OP_ONLY: dict[str, Any] = {
     "best_of": 1,
     "top_p": 1.0,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "echo": False,
+    "store": False,  # nothing is stored for OpenAI's distillation or evals
+    "service_tier": ("auto", "default"),  # one tier
 }
 # fields we refuse whatever their value (null aside)
 UNSUPPORTED = (
@@ -98,10 +103,27 @@ SEED_SPACE = SEED_MAX + 1  # the sampler's seeds: 0 .. 2**63 - 1
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1  # what a client may send as `seed` (int64 or uint64)
 
 
+_GOLDEN, _MASK64 = 0x9E3779B97F4A7C15, 2**64 - 1
+
+
 def choice_seed(seed: int, index: int) -> int:
-    """The seed of choice `index` of a request with `n` choices sampling with `seed`: seed + index in the
-    63-bit seed space. Choice i is the answer a single request with seed `seed + i` gets."""
-    return (seed + index) % SEED_SPACE
+    """The seed of choice `index` of a request sampling with `seed`: choice 0's is `seed` (n = 1 is a single
+    request), choice i's the i-th output of SplitMix64 seeded with `seed`, in the 63-bit seed space. So
+    requests with neighbouring seeds draw unrelated choices (with seed + i, `seed=s, n=k` and `seed=s+1,
+    n=k` shared k - 1 of them), as vLLM's per-request generator does; choice i is the answer a single
+    request with its seed gets (the seeds are listed in the response's `x-dgpipe-choice-seeds` header)."""
+    if index == 0:
+        return seed
+    x = (seed + index * _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) % SEED_SPACE
+
+
+def _null_is_default(data: Any) -> Any:
+    """A body's null fields dropped before validation: OpenAI's spec lets a client send null for any optional
+    field, meaning its default (the official client's `NotGiven` aside, other clients send `"n": null`)."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 def sampler_seed(seed: int | None) -> int:
@@ -114,6 +136,10 @@ class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage (so far) on every chunk
+    # OpenAI's random padding of streamed chunks against size side channels: accepted, none is sent
+    include_obfuscation: bool = False
+
+    _nulls = model_validator(mode="before")(_null_is_default)
 
 
 class _Common(BaseModel):
@@ -121,6 +147,7 @@ class _Common(BaseModel):
 
     model_config = STRICT
     _seed: int | None = PrivateAttr(None)
+    _nulls = model_validator(mode="before")(_null_is_default)
 
     model: str
     # INT32 inputs in Triton: a larger value would not fit the tensor (the server's own cap is far lower)
@@ -130,7 +157,12 @@ class _Common(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # an end-user id for the caller's own bookkeeping: accepted, not used
+    # the caller's own bookkeeping (an end-user id, tags, a cache-routing key, an abuse-tracking id):
+    # accepted, not used
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # the diffusion knobs (extra body fields); their ranges are checked by the Triton model
     max_denoising_steps: int | None = Field(None, ge=1, le=INT32_MAX)
     entropy_bound: float | None = None
@@ -153,6 +185,8 @@ class _Common(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     echo: bool | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     parallel_tool_calls: bool | None = None
     logit_bias: Any = None
     functions: Any = None
@@ -167,9 +201,10 @@ class _Common(BaseModel):
     def check(self) -> None:
         """Refuse what we cannot honour (RequestError naming the field); pydantic has checked the types."""
         for name, ok in NO_OP_ONLY.items():
-            value = getattr(self, name)
-            if value is not None and value != ok:
-                raise RequestError(f"'{name}' = {value!r} is not supported (only {ok!r})", name)
+            value, allowed = getattr(self, name), ok if isinstance(ok, tuple) else (ok,)
+            if value is not None and value not in allowed:
+                only = " or ".join(map(repr, allowed))
+                raise RequestError(f"'{name}' = {value!r} is not supported (only {only})", name)
         for name in UNSUPPORTED:
             if getattr(self, name) is not None:
                 raise RequestError(f"'{name}' is not supported by this server", name)

@@ -39,6 +39,7 @@ GUIDE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice
 DISCARD_FACTOR = 4
 CLIENT_CLOSED = 499  # the status logged for a request whose client left (nobody reads the response)
 SEED_HEADER = "x-dgpipe-seed"  # the seed a response sampled with (drawn when the request sent none)
+CHOICE_SEEDS_HEADER = "x-dgpipe-choice-seeds"  # with n > 1: each choice's seed, comma-separated, in order
 
 
 class OpenAIServing:
@@ -196,6 +197,8 @@ class OpenAIServing:
             "model": self.model,
         }
         headers = {SEED_HEADER: str(req.sampler_seed)}
+        if req.n > 1:
+            headers[CHOICE_SEEDS_HEADER] = ",".join(map(str, req.choice_seeds()))
         plan = request_plan(req) if isinstance(req, ChatCompletionRequest) else None
         inputs = {**req.triton_inputs(), **tool_inputs(plan)}
         # n choices: n requests with the derived seeds, sent together so they share the batch's passes

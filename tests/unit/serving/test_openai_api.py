@@ -301,6 +301,9 @@ def test_models_and_health():
         ("/v1/completions", {"suffix": "x"}, "suffix"),
         ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
         ("/v1/completions", {"prompt": None}, "prompt"),
+        ("/v1/chat/completions", {"store": True}, "store"),
+        ("/v1/chat/completions", {"service_tier": "flex"}, "service_tier"),
+        ("/v1/chat/completions", {"metadata": {"k": 1}}, "metadata"),
     ],
 )
 def test_unsupported_or_bad_fields_are_a_400_naming_the_field(path, extra, param):
@@ -412,6 +415,26 @@ def test_text_content_parts_reach_triton_as_parts_and_other_parts_are_refused_by
     body = {**CHAT, "messages": [{"role": "user", "content": [*parts, audio]}]}
     assert_error(c.post("/v1/chat/completions", json=body), 400, "messages", contains="'input_audio'")
     assert len(fake.calls) == 1
+
+
+def test_nulls_are_defaults_and_bookkeeping_fields_are_accepted_unused():
+    """OpenAI's spec lets any optional field be null (its default): `"n": null` and `"stream": null` were a
+    400 where OpenAI and vLLM answer. The caller's bookkeeping fields, `store: false`, one service tier and
+    the stream's obfuscation option are accepted and change nothing the model is sent."""
+    c, fake = client()
+    assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
+    nulls = {"n": None, "stream": None, "max_tokens": None, "stop": None, "stream_options": None, "seed": 7}
+    kept = {"metadata": {"team": "a"}, "prompt_cache_key": "k", "safety_identifier": "u1", "store": False,
+            "service_tier": "auto", "user": "u"}  # fmt: skip
+    for path, base in (("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)):
+        r = c.post(path, json={**base, **nulls, **kept})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    assert {k: v for k, v in fake.calls[1].items() if k != "messages"} == {
+        k: v for k, v in fake.calls[2].items() if k != "text_input"
+    }
+    assert fake.calls[1]["seed"] == 7 and fake.calls[1]["stream"] is False
+    body = {**TEXT, "stream": True, "stream_options": {"include_usage": None, "include_obfuscation": False}}
+    assert not any("usage" in e for e in sse(c.post("/v1/completions", json=body)))  # include_usage: default
 
 
 def test_load_tool_fields_are_accepted_and_sent_to_the_model():

@@ -30,8 +30,8 @@ def test_n_choices_are_n_requests_with_derived_seeds_and_usage_counts_every_choi
     r = c.post("/v1/chat/completions", json={**CHAT, "n": 3, "seed": 2**63 - 2})
     assert r.status_code == 200, r.text
     seeds = [call["seed"] for call in fake.calls]
-    assert seeds == [2**63 - 2, 2**63 - 1, 0]  # seed + i in the 63-bit seed space
-    assert seeds == [choice_seed(2**63 - 2, i) for i in range(3)] and SEED_SPACE == 2**63
+    assert seeds == [choice_seed(2**63 - 2, i) for i in range(3)] and seeds[0] == 2**63 - 2
+    assert r.headers["x-dgpipe-choice-seeds"] == ",".join(map(str, seeds))
     assert all({k: v for k, v in call.items() if k != "seed"} == {k: v for k, v in fake.calls[0].items() if k != "seed"} for call in fake.calls)  # fmt: skip
     body = r.json()
     assert [ch["index"] for ch in body["choices"]] == [0, 1, 2]
@@ -46,6 +46,17 @@ def test_n_choices_are_n_requests_with_derived_seeds_and_usage_counts_every_choi
         for ch in e["choices"]:
             texts[ch["index"]] += ch["text"]
     assert texts == {0: "1234", 1: "1234"} and events[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_choice_seeds_are_splitmix64s_stream_so_neighbouring_seeds_share_no_choice():
+    """Choice 0 samples with the request's seed; choice i with the i-th SplitMix64 output seeded with it
+    (Steele, Lea and Flood's generator; its first outputs from state 0 are the published test vector), in
+    the 63-bit seed space. With seed + i, requests seeded s and s + 1 shared all but one of their choices."""
+    splitmix_from_zero = [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+    assert [choice_seed(0, i) for i in (1, 2, 3)] == [v % SEED_SPACE for v in splitmix_from_zero]
+    assert SEED_SPACE == 2**63 and choice_seed(12345, 0) == 12345
+    draws = {choice_seed(s, i) for s in range(100) for i in range(8)}
+    assert len(draws) == 800 and all(0 <= d < SEED_SPACE for d in draws)
 
 
 def test_chat_logprobs_in_openais_shape_whole_and_streamed():
