@@ -287,15 +287,18 @@ OPENAI_IMPLIED = ("stream", "exclude_input_in_output", "return_num_input_tokens"
 
 
 def openai_guide(kind: str, guide: str) -> dict[str, Any]:
-    """A Triton guide as the OpenAI request's field: response_format for JSON, vLLM's guided_* otherwise."""
+    """A Triton guide as the OpenAI request's field: response_format for JSON, vLLM's `structured_outputs`
+    otherwise (`openai_schema.STRUCTURED_OUTPUTS`)."""
     if kind == "json":
         return {"response_format": {"type": "json_object"}}
     if kind == "json_schema":
         schema = {"name": "output", "schema": json.loads(guide)}
         return {"response_format": {"type": "json_schema", "json_schema": schema}}
     if kind == "choice":
-        return {"guided_choice": json.loads(guide)}
-    return {"guided_regex": guide}
+        return {"structured_outputs": {"choice": json.loads(guide)}}
+    if kind == "lark_grammar":
+        return {"structured_outputs": {"grammar": guide}}
+    return {"structured_outputs": {"regex": guide}}
 
 
 def openai_body(body: dict[str, Any], model: str = MODEL_NAME) -> tuple[str, dict[str, Any]]:

@@ -12,8 +12,9 @@ Temperature: a diffusion request samples every step at a temperature that falls 
 are T = 0.8), each clamped to the sampler's valid range (so T = 0 is the near-greedy 0.001). An explicit
 `t_min` / `t_max` extra field wins over the mapping.
 
-Structured output (docs/constrained.md): `response_format` {type: json_schema | json_object | text}, or the
-extra body fields `guided_json` (a schema), `guided_regex` and `guided_choice` (vLLM's names), one at most,
+Structured output (docs/constrained.md): `response_format` {type: json_schema | json_object | text}, or
+vLLM's extra body field `structured_outputs` {json | regex | choice | grammar | json_object}, or its
+earlier `guided_json` (a schema), `guided_regex`, `guided_choice` and `guided_grammar`, one at most,
 become the Triton inputs `guided_decoding_guide_type` / `guided_decoding_guide`. The guide is checked here
 already (`GuideSpec.check`: a JSON schema by llguidance, a regex or choice by its own compiler), so a
 construct dgpipe cannot honour is a 400 naming it before the request reaches Triton (the Triton model
@@ -74,6 +75,15 @@ UNSUPPORTED = (
     "reasoning_effort",
     "web_search_options",
 )
+# vLLM's `structured_outputs` keys (StructuredOutputsParams) -> the Triton guide type; `grammar` is read in
+# llguidance's Lark dialect, as vLLM's guidance backend reads it
+STRUCTURED_OUTPUTS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "lark_grammar",
+    "json_object": "json",
+}
 DIFFUSION_KNOBS = ("max_denoising_steps", "entropy_bound", "confidence_threshold", "t_min", "t_max")
 
 
@@ -132,6 +142,34 @@ def sampler_seed(seed: int | None) -> int:
     return secrets.randbits(63) if seed is None else seed % SEED_SPACE
 
 
+def structured_outputs_guides(spec: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(param, guide type, guide) for each constraint vLLM's `structured_outputs` object sets (null and
+    false are unset, as vLLM's defaults); a key that is not a constraint dgpipe compiles is refused naming it."""
+    found = []
+    for key, value in spec.items():
+        if value is None or value is False:
+            continue
+        param = f"structured_outputs.{key}"
+        if key not in STRUCTURED_OUTPUTS:
+            keys = ", ".join(STRUCTURED_OUTPUTS)
+            raise RequestError(f"'{param}' is not supported (structured_outputs takes one of: {keys})", param)
+        choices = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        guide = {
+            "json": json.dumps(value) if isinstance(value, dict) else value,
+            "choice": json.dumps(value) if choices else None,
+            "json_object": "" if value is True else None,
+        }.get(key, value)
+        if not isinstance(guide, str):
+            want = {
+                "json": "a schema (object or string)",
+                "choice": "a list of strings",
+                "json_object": "true",
+            }
+            raise RequestError(f"'{param}' must be {want.get(key, 'a string')}", param)
+        found.append((param, STRUCTURED_OUTPUTS[key], guide))
+    return found
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
@@ -174,6 +212,8 @@ class _Common(BaseModel):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     stream_drafts: bool = False  # dgpipe.draft events in the stream (only with stream: true)
     # vLLM's fields that load tools send (guidellm, AIPerf): end tokens ignored until max_tokens / min_tokens
     ignore_eos: bool = False
@@ -254,6 +294,10 @@ class _Common(BaseModel):
             found.append(("guided_regex", "regex", self.guided_regex))
         if self.guided_choice is not None:
             found.append(("guided_choice", "choice", json.dumps(self.guided_choice)))
+        if self.guided_grammar is not None:
+            found.append(("guided_grammar", "lark_grammar", self.guided_grammar))
+        if self.structured_outputs is not None:
+            found.extend(structured_outputs_guides(self.structured_outputs))
         if not found:
             return None
         if len(found) > 1:

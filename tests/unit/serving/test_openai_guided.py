@@ -16,6 +16,7 @@ from pipeline.serving.openai_api import create_app
 CHAT = {"model": "dgpipe", "messages": [{"role": "user", "content": "hi"}]}
 FINAL = {"text_output": ['{"ok":true}'], "finish_reason": ["stop"], "num_input_tokens": [5], "num_output_tokens": [4]}  # fmt: skip
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+GRAMMAR = "start: /[a-c]{3,5}/"
 
 
 def post(body: dict, path: str = "/v1/chat/completions"):
@@ -36,6 +37,14 @@ def post(body: dict, path: str = "/v1/chat/completions"):
         ({"guided_json": SCHEMA}, ("json_schema", json.dumps(SCHEMA))),
         ({"guided_regex": "[0-9]{3}"}, ("regex", "[0-9]{3}")),
         ({"guided_choice": ["yes", "no"]}, ("choice", '["yes", "no"]')),
+        ({"guided_grammar": GRAMMAR}, ("lark_grammar", GRAMMAR)),
+        # vLLM's current field (its guided_* were removed in v0.12)
+        ({"structured_outputs": {"json": SCHEMA}}, ("json_schema", json.dumps(SCHEMA))),
+        ({"structured_outputs": {"json": json.dumps(SCHEMA), "regex": None}}, ("json_schema", json.dumps(SCHEMA))),
+        ({"structured_outputs": {"regex": "[0-9]{3}", "json_object": False}}, ("regex", "[0-9]{3}")),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, ("choice", '["yes", "no"]')),
+        ({"structured_outputs": {"grammar": GRAMMAR}}, ("lark_grammar", GRAMMAR)),
+        ({"structured_outputs": {"json_object": True}}, ("json", "")),
     ],
 )  # fmt: skip
 def test_structured_output_fields_become_the_triton_guide(extra, guide):
@@ -61,6 +70,12 @@ def test_text_response_format_sets_no_guide():
         ({"guided_regex": "(x"}, "guided_regex", "does not compile"),
         ({"guided_choice": []}, "guided_choice", "non-empty list"),
         ({"guided_regex": "x", "guided_choice": ["x"]}, "guided_choice", "exclude each other"),
+        ({"structured_outputs": {"regex": "x", "choice": ["x"]}}, "structured_outputs.choice", "exclude each other"),
+        ({"guided_regex": "x", "structured_outputs": {"grammar": GRAMMAR}}, "structured_outputs.grammar", "exclude each other"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "takes one of: json, regex"),
+        ({"structured_outputs": {"choice": "yes"}}, "structured_outputs.choice", "a list of strings"),
+        ({"structured_outputs": {"regex": "(x"}}, "structured_outputs.regex", "does not compile"),
+        ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", ""),
     ],
 )  # fmt: skip
 def test_guides_the_compiler_cannot_honour_are_400s_naming_the_construct(extra, param, needle):
@@ -76,8 +91,9 @@ def test_guides_the_compiler_cannot_honour_are_400s_naming_the_construct(extra, 
     [
         ("json_schema", json.dumps(SCHEMA), {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": SCHEMA}}}),
         ("json", "", {"response_format": {"type": "json_object"}}),
-        ("regex", "[0-9]+", {"guided_regex": "[0-9]+"}),
-        ("choice", '["a", "b"]', {"guided_choice": ["a", "b"]}),
+        ("regex", "[0-9]+", {"structured_outputs": {"regex": "[0-9]+"}}),
+        ("choice", '["a", "b"]', {"structured_outputs": {"choice": ["a", "b"]}}),
+        ("lark_grammar", GRAMMAR, {"structured_outputs": {"grammar": GRAMMAR}}),
     ],
 )  # fmt: skip
 def test_cli_client_sends_the_guide_as_openai_fields_the_frontend_maps_back(kind, guide, field):
