@@ -2,8 +2,10 @@
 `index`), each choice's finish, usage when asked, `data: [DONE]`; drafts (`stream_drafts`) as their own
 `event: dgpipe.draft` events beside the standard chunks; an error after the 200 as an error event, as
 OpenAI's servers do. A chunk carries the log-probabilities of its own tokens when the request asked for
-them. A reply that becomes tool calls is sent whole with its finish: its text is the call's JSON, which is
-only a call once it is complete."""
+them. A forced tool call is sent whole with its finish: its text is the call's JSON, which is only a call
+once it is complete. An "auto" reply streams its text as content up to its first `<tool_call>` (holding
+back a tail that could begin one), as vLLM's tool parsers do, and its calls come with its finish (whole
+when the request asked for log-probabilities, which are per token of the whole reply)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,19 @@ from pipeline.serving.openai_schema import RequestError
 from pipeline.serving.openai_stream import Chunks, close, merged
 
 DONE = "data: [DONE]\n\n"
+CALL_OPEN = "<tool_call>"  # where a Hermes-format reply's calls begin (openai_tools.HERMES_CALL)
+
+
+def content_end(text: str) -> int:
+    """How much of an "auto" reply's text is certainly content: up to its first CALL_OPEN, less a tail that
+    could be the start of one (sent once the next piece shows it is not)."""
+    at = text.find(CALL_OPEN)
+    if at >= 0:
+        return at
+    for k in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(CALL_OPEN[:k]):
+            return len(text) - k
+    return len(text)
 
 
 def usage(replies: list[Reply]) -> dict[str, int]:
@@ -82,11 +97,19 @@ class EventWriter:
         extra = {"usage": usage(replies)} if self.continuous_usage and replies is not None else self.extra
         return event({**self.head, "choices": [choice], **extra})
 
-    def tool_calls(self, reply: Reply, replies: list[Reply], index: int) -> str:
-        """A reply's tool calls, whole, with its finish (openai_choices.whole_choice's rule)."""
-        content, calls = self.plan.calls(reply.text)
+    @property
+    def streams_content(self) -> bool:
+        """An "auto" reply's content is streamed before its calls (not with log-probabilities: they are
+        sent with the whole reply)."""
+        return self.plan is not None and self.plan.choice == "auto" and not self.logprobs
+
+    def tool_calls(self, reply: Reply, replies: list[Reply], index: int, sent: int = 0) -> str:
+        """A reply's tool calls with its finish, and what is left of its content after the `sent` characters
+        already streamed (openai_choices.whole_choice's rule)."""
+        text = reply.text[sent:]
+        content, calls = self.plan.calls(text)
         if not calls:
-            return self.chunk(reply.text, reply.finish_reason, replies, index, reply.logprobs)
+            return self.chunk(text, reply.finish_reason, replies, index, reply.logprobs)
         delta: dict[str, Any] = {
             "content": content,
             "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)],
@@ -127,7 +150,7 @@ async def _events(
     if writer.chat:
         for i in range(len(streams)):
             yield writer.role(i, firsts[i])
-    canvases = [0] * len(streams)
+    canvases, sent = [0] * len(streams), [0] * len(streams)
     try:
         async with aclosing(merged(streams, firsts)) as items:
             async for i, item in items:
@@ -139,9 +162,13 @@ async def _events(
                 offset = len(reply.text)
                 piece = reply.add(item)
                 finished = bool(item.get("finish_reason"))
-                if writer.plan is not None:  # tool calls: sent whole once the reply is complete
+                if writer.plan is not None:  # tool calls: sent once the reply is complete
+                    end = content_end(reply.text) if writer.streams_content and not finished else sent[i]
+                    if end > sent[i]:
+                        yield writer.chunk(reply.text[sent[i] : end], None, replies, i)
+                        sent[i] = end
                     if finished:
-                        yield writer.tool_calls(reply, replies, i)
+                        yield writer.tool_calls(reply, replies, i, sent[i])
                     continue
                 logprobs = reply.new_logprobs
                 if piece:

@@ -5,13 +5,15 @@
     under a JSON schema by constrained denoising (the llguidance guide path of `response_format`), so every
     call parses and its arguments validate against the function's `parameters`. A named function's output
     is its arguments object; "required" generates {"name": <one of the tools>, "parameters": {...}} (the
-    schema is an anyOf over the tools, each name with its own parameters: vLLM's form of the same guide).
+    schema is an anyOf over the tools, each name with its own parameters; vLLM's guide is an array of such
+    calls, minItems 1, where dgpipe generates one).
     The reply is message.tool_calls with one call and finish_reason "tool_calls".
   * "auto": the model decides, in the tool-call format its chat template declares; dgpipe reads the
     Hermes format (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Hermes' and Qwen's
     templates). The Triton model refuses "auto" with a 400 saying why when the checkpoint's template
     declares no format (DiffusionGemma's Gemma template declares none).
-  * "none" (or no tools): a plain reply; the tools are not sent.
+  * "none": a plain reply; the tools still reach the chat template (vLLM's default), so the prompt, and the
+    prefix cache's blocks, are those of the conversation's other turns. No tools: a plain reply.
 `parallel_tool_calls: false` keeps the first call of an "auto" reply (vLLM's reading); a forced call is one
 call either way.
 The tools themselves reach the chat template as transformers' `apply_chat_template(tools=...)` gives them.

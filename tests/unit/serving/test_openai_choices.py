@@ -135,17 +135,53 @@ def test_a_named_function_generates_its_arguments_streamed_as_one_tool_call_delt
     assert call["index"] == 0 and call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
 
 
-def test_auto_goes_to_the_model_and_none_sends_no_tools():
+def test_auto_goes_to_the_model_and_none_sends_the_tools_for_a_plain_reply():
+    """ "none" keeps the tools in the prompt, as vLLM does by default (dropped, the prompt changed between
+    turns and the prefix cache missed), with no choice and no guide: the reply is text."""
     c, fake = client()
     c.post("/v1/chat/completions", json={**CHAT, "tools": [TOOL]})  # auto: OpenAI's default with tools
     assert fake.calls[0]["tool_choice"] == "auto" and "guided_decoding_guide" not in fake.calls[0]
-    c.post("/v1/chat/completions", json={**CHAT, "tools": [TOOL], "tool_choice": "none"})
-    assert "tools" not in fake.calls[1] and "tool_choice" not in fake.calls[1]
+    r = c.post("/v1/chat/completions", json={**CHAT, "tools": [TOOL], "tool_choice": "none"})
+    assert json.loads(fake.calls[1]["tools"]) == [TOOL] and "tool_choice" not in fake.calls[1]
+    assert (
+        "guided_decoding_guide" not in fake.calls[1]
+        and r.json()["choices"][0]["message"]["content"] == "1234"
+    )
+    assert_error(
+        c.post("/v1/chat/completions", json={**CHAT, "tools": [], "tool_choice": "none"}), 400, "tools"
+    )
     assert_error(
         c.post("/v1/chat/completions", json={**CHAT, "tools": [TOOL, TOOL], "tool_choice": "required"}),
         400,
         "tools",
     )
+
+
+def test_an_auto_reply_streams_its_text_before_its_calls():
+    """tool_choice "auto" (OpenAI's default with tools, what agents send): the text streams as it comes, up
+    to the first <tool_call>, a tail that could begin one held until the next piece shows it does not; the
+    calls, and the text left after them, come with the finish. It was one chunk at the end."""
+    final = {
+        "text_output": [""],
+        "finish_reason": ["stop"],
+        "num_input_tokens": [3],
+        "num_output_tokens": [20],
+    }
+    pieces = ["Let me ", "check <", "b>Oslo</b>. <tool", '_call>{"name": "get_weather", ',
+              '"arguments": {"city": "Oslo"}}</tool_call> done']  # fmt: skip
+    c, _ = client(FakeTriton([{"text_output": [p]} for p in pieces] + [final]))
+    events = sse(c.post("/v1/chat/completions", json={**CHAT, "tools": [TOOL], "stream": True}))
+    deltas = [e["choices"][0]["delta"] for e in events[1:]]
+    assert [d.get("content") for d in deltas[:-1]] == ["Let me ", "check ", "<b>Oslo</b>. "]
+    assert deltas[-1]["content"] == "done" and events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert [t["function"]["name"] for t in deltas[-1]["tool_calls"]] == ["get_weather"]
+    whole = c.post("/v1/chat/completions", json={**CHAT, "tools": [TOOL]}).json()["choices"][0]["message"]
+    assert whole["content"] == "Let me check <b>Oslo</b>.  done" and len(whole["tool_calls"]) == 1
+    # no call at all: every piece streams, the held "<" with the finish
+    c, _ = client(FakeTriton([{"text_output": ["a <"]}, {"text_output": ["tool"]}, final]))
+    events = sse(c.post("/v1/chat/completions", json={**CHAT, "tools": [TOOL], "stream": True}))
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[1:]) == "a <tool"
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_hermes_calls_are_parsed_out_of_a_reply():
