@@ -91,6 +91,7 @@ class Result:
     finished: float = 0.0
     cancelled: bool = False
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache supplied (not computed)
     # with Request.logprobs: one (log p(token), [(alternative, log p), ...]) per token of `tokens`
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
@@ -425,7 +426,9 @@ class BlockDiffusionRuntime:
         while True:
             if cache is not None:
                 for s in slots:
-                    done[s] += self._restore_blocks(s, prompts[s], chains[s], done[s])
+                    restored = self._restore_blocks(s, prompts[s], chains[s], done[s])
+                    done[s] += restored
+                    self.results[s].cached_tokens += restored  # type: ignore[union-attr]
             if not (rows := [s for s in slots if done[s] < len(prompts[s])]):
                 return
             if cache is not None:

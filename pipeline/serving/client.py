@@ -42,6 +42,7 @@ class Reply:
     finish_reason: str = ""
     denoise_steps: list[int] = field(default_factory=list)
     num_input_tokens: int | None = None
+    num_cached_tokens: int | None = None  # of the prompt's, those the prefix cache held
     num_output_tokens: int | None = None
     drafts: int = 0  # draft responses seen (never part of the text)
     # return_log_probs: every token entry so far, and those of the latest chunk
@@ -64,7 +65,7 @@ class Reply:
             self.denoise_steps = (
                 list(steps) if isinstance(steps, list) else ([steps] if steps is not None else [])
             )
-        for key in ("num_input_tokens", "num_output_tokens"):
+        for key in ("num_input_tokens", "num_cached_tokens", "num_output_tokens"):
             if chunk.get(key) is not None:
                 v = chunk[key]
                 setattr(self, key, int(v[0] if isinstance(v, list) else v))

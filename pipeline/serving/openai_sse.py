@@ -36,11 +36,20 @@ def content_end(text: str) -> int:
     return len(text)
 
 
-def usage(replies: list[Reply]) -> dict[str, int]:
-    """The prompt counted once, the completion tokens of every choice (OpenAI's usage for n > 1)."""
-    prompt = next((r.num_input_tokens for r in replies if r.num_input_tokens is not None), 0)
+def usage(replies: list[Reply]) -> dict[str, Any]:
+    """The prompt counted once, the completion tokens of every choice (OpenAI's usage for n > 1), and of the
+    prompt's, those the prefix cache held (`prompt_tokens_details.cached_tokens`, the first choice's)."""
+    first = next((r for r in replies if r.num_input_tokens is not None), None)
+    prompt = first.num_input_tokens if first is not None else 0
     completion = sum(r.num_output_tokens or 0 for r in replies)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    if first is not None and first.num_cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": first.num_cached_tokens}
+    return out
 
 
 def event(payload: dict[str, Any]) -> str:
@@ -74,7 +83,8 @@ class EventWriter:
         extra = self.extra
         if self.continuous_usage and isinstance(first, dict) and first.get("num_input_tokens") is not None:
             prompt = Reply()
-            prompt.add({"num_input_tokens": first["num_input_tokens"], "num_output_tokens": 0})
+            counts = {k: first.get(k) for k in ("num_input_tokens", "num_cached_tokens")}
+            prompt.add({**counts, "num_output_tokens": 0})
             extra = {"usage": usage([prompt])}
         return event({**self.head, "choices": [choice], **extra})
 

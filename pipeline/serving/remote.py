@@ -24,6 +24,7 @@ class RemoteOutput:
     finish_reason: str | None
     steps_per_canvas: list[int]
     prompt_tokens: int | None
+    cached_tokens: int | None  # of the prompt's, those the server's prefix cache held
     output_tokens: int | None
     total_s: float
     url: str
@@ -34,6 +35,7 @@ class RemoteOutput:
             "finish_reason": self.finish_reason,
             "steps_per_canvas": self.steps_per_canvas,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "output_tokens": self.output_tokens,
             "total_s": round(self.total_s, 4),
             "url": self.url,
@@ -99,6 +101,7 @@ def generate_remote(
         finish_reason=reply.finish_reason,
         steps_per_canvas=reply.denoise_steps,
         prompt_tokens=reply.num_input_tokens,
+        cached_tokens=reply.num_cached_tokens,
         output_tokens=reply.num_output_tokens,
         total_s=time.perf_counter() - start,
         url=url,

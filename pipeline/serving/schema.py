@@ -228,6 +228,11 @@ INPUTS: tuple[TritonTensor, ...] = (
 OUTPUTS: tuple[TritonTensor, ...] = (
     _in("text_output", "BYTES", "generated text (a piece per response when streaming)", dims=(-1,)),
     _in("num_input_tokens", "INT32", "prompt tokens (with return_num_input_tokens)"),
+    _in(
+        "num_cached_tokens",
+        "INT32",
+        "of the prompt tokens, those whose K/V the prefix cache held (with return_num_input_tokens)",
+    ),
     _in("num_output_tokens", "INT32", "generated tokens (with return_num_output_tokens)"),
     _in("finish_reason", "BYTES", "why generation ended: stop, length, cancelled"),
     _in("denoise_steps", "INT32", "denoise steps per canvas (the step, for a draft)", dims=(-1,)),

@@ -62,7 +62,7 @@ class Progress:
             job.logprobs_read += emitted
             job.logprobs += token_entries(self.tokens, tokens, records[: len(tokens)])
         if job.flags["stream"] and new:
-            job.channel.send(responses.piece(new, *self.counts(job), self.take_logprobs(job)))
+            job.channel.send(responses.piece(new, **self.counts(job), logprobs=self.take_logprobs(job)))
 
     @staticmethod
     def take_logprobs(job: Job) -> list[dict[str, Any]] | None:
@@ -73,13 +73,16 @@ class Progress:
         return entries
 
     @staticmethod
-    def counts(job: Job) -> tuple[int | None, int | None]:
-        """(prompt tokens, tokens so far), each only when the request asked for it."""
-        flags = job.flags
-        return (
-            len(job.prompt_ids) if flags["return_num_input_tokens"] else None,
-            job.tokens if flags["return_num_output_tokens"] else None,
-        )
+    def counts(job: Job) -> dict[str, int | None]:
+        """Prompt tokens (and of them, those the prefix cache held) and tokens so far, each only when the
+        request asked for it (None)."""
+        flags, result = job.flags, job.result
+        prompt = flags["return_num_input_tokens"]
+        return {
+            "input_tokens": len(job.prompt_ids) if prompt else None,
+            "cached_tokens": (result.cached_tokens if result is not None else 0) if prompt else None,
+            "output_tokens": job.tokens if flags["return_num_output_tokens"] else None,
+        }
 
     def on_finish(self, job: Job, res: Any) -> None:
         core, m = self.core, self.core.metrics
@@ -103,7 +106,7 @@ class Progress:
             return
         rest = job.output.finish()  # the text held back for the next canvas: there is none
         if job.flags["stream"] and rest:
-            job.channel.send(responses.piece(rest, *self.counts(job), self.take_logprobs(job)))
+            job.channel.send(responses.piece(rest, **self.counts(job), logprobs=self.take_logprobs(job)))
         for steps in res.steps_per_canvas:
             m.steps.increment(steps)
             m.steps_per_canvas.observe(steps)
@@ -118,4 +121,4 @@ class Progress:
             text = job.output.text
         else:  # the prompt as the model read it (a chat: its rendered template), for text and messages alike
             text = self.core.session.decode_prompt(job.prompt_ids) + job.output.text
-        return responses.final(text, reason, steps, *self.counts(job), self.take_logprobs(job))
+        return responses.final(text, reason, steps, **self.counts(job), logprobs=self.take_logprobs(job))

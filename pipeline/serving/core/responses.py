@@ -66,17 +66,25 @@ def piece(
     input_tokens: int | None = None,
     output_tokens: int | None = None,
     logprobs: list[dict[str, Any]] | None = None,
+    cached_tokens: int | None = None,
 ) -> Outputs:
     """A committed piece of a streamed answer, with the token counts so far when the request asked (a
     client can report usage on every chunk), and its tokens' log-probabilities when it asked for them."""
     values: dict[str, list[Any]] = {"text_output": [text]}
     if logprobs is not None:
         values["logprobs"] = [json.dumps(logprobs)]
-    if input_tokens is not None:
-        values["num_input_tokens"] = [input_tokens]
-    if output_tokens is not None:
-        values["num_output_tokens"] = [output_tokens]
+    _add_counts(values, input_tokens, output_tokens, cached_tokens)
     return Outputs(values, final=False)
+
+
+def _add_counts(
+    values: dict[str, list[Any]], input_tokens: int | None, output_tokens: int | None, cached: int | None
+) -> None:
+    """The token counts a request asked for (None: not asked) as their outputs."""
+    for name, count in (("num_input_tokens", input_tokens), ("num_cached_tokens", cached),
+                        ("num_output_tokens", output_tokens)):  # fmt: skip
+        if count is not None:
+            values[name] = [count]
 
 
 def draft(text: str, step: int) -> Outputs:
@@ -91,16 +99,14 @@ def final(
     input_tokens: int | None = None,
     output_tokens: int | None = None,
     logprobs: list[dict[str, Any]] | None = None,
+    cached_tokens: int | None = None,
 ) -> Outputs:
     """The last response of a request answered with a result; token counts only when the request asked,
     the log-probabilities of the tokens not sent yet (all of them, when not streaming) likewise."""
     values: dict[str, list[Any]] = {"text_output": [text], "finish_reason": [reason]}
     if logprobs is not None:
         values["logprobs"] = [json.dumps(logprobs)]
-    if input_tokens is not None:
-        values["num_input_tokens"] = [input_tokens]
-    if output_tokens is not None:
-        values["num_output_tokens"] = [output_tokens]
+    _add_counts(values, input_tokens, output_tokens, cached_tokens)
     values["denoise_steps"] = steps
     return Outputs(values, final=True)
 

@@ -120,22 +120,27 @@ def prompts(n: int, shared: int, own: int) -> list[list[int]]:
     return [prefix + [rng.randrange(5, 24) for _ in range(own)] for _ in range(n)]
 
 
-def run(session, ps: list[list[int]], mib: int, together: bool = False):
+def run(session, ps: list[list[int]], mib: int, together: bool = False, cached: list | None = None):
+    """(runtime, each prompt's tokens); `cached` gets each request's prompt tokens the cache supplied."""
     rt = BlockDiffusionRuntime(session.model, max_batch=len(ps), max_len=512, prefix_cache_mib=mib)
     reqs = [
         Request(p, max_tokens=20, seed=i, request_id=i, sampler=SamplerConfig(max_denoising_steps=3))
         for i, p in enumerate(ps)
     ]
     results = rt.generate(reqs) if together else [rt.generate([r])[0] for r in reqs]
+    if cached is not None:
+        cached += [r.cached_tokens for r in results]
     return rt, [r.tokens for r in results]
 
 
 def test_warm_requests_reuse_the_shared_prefix_and_return_the_cold_tokens(session):
     """Prompts of 300 tokens sharing their first 280 (one 256-token block), one after another."""
     ps = prompts(4, 280, 20)
-    warm, on = run(session, ps, mib=64)
-    cold, off = run(session, ps, mib=0)
+    hits, misses = [], []
+    warm, on = run(session, ps, mib=64, cached=hits)
+    cold, off = run(session, ps, mib=0, cached=misses)
     assert on == off and all(on)
+    assert hits == [0, 256, 256, 256] and misses == [0] * 4  # each request's own (OpenAI's cached_tokens)
     assert warm.prefill_chunk == 256 and warm.prefix_cache is not None and cold.prefix_cache is None
     stats = warm.prefix_cache.stats
     assert (stats.lookups, stats.hit_tokens, stats.inserted_blocks) == (4, 3 * 256, 1)
@@ -150,8 +155,9 @@ def test_a_prompt_cached_whole_needs_no_prefill_and_batched_prompts_match_alone(
     assert on == off and warm.passes["prefill"] == 1
     mixed = prompts(3, 280, 20)
     _, alone = run(session, mixed, mib=0)
-    batched, together = run(session, mixed, mib=64, together=True)
-    assert together == alone
+    hits = []
+    batched, together = run(session, mixed, mib=64, together=True, cached=hits)
+    assert together == alone and sorted(hits) == [0, 256, 256]
     # admitted together: one row computes the shared block, the other two copy it in on the next turn
     assert batched.prefix_cache.stats.hit_tokens == 2 * 256 and batched.passes["prefill"] == 2
 

@@ -161,6 +161,20 @@ def test_chat_response_has_the_text_finish_reason_and_usage():
     assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
 
 
+def test_prompt_tokens_the_prefix_cache_held_are_usages_cached_tokens():
+    """Triton's num_cached_tokens becomes OpenAI's usage.prompt_tokens_details.cached_tokens (what AIPerf
+    and guidellm read for cache hits), whole and on the streamed usage chunk."""
+    final = {**FINAL, "num_cached_tokens": [3]}
+    c, _ = client(FakeTriton([{"text_output": ["12"]}, final]))
+    usage = c.post("/v1/chat/completions", json=CHAT).json()["usage"]
+    assert usage == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9,
+                     "prompt_tokens_details": {"cached_tokens": 3}}  # fmt: skip
+    body = {**TEXT, "stream": True, "stream_options": {"include_usage": True}}
+    assert sse(c.post("/v1/completions", json=body))[-1]["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 3
+    }
+
+
 def test_chat_stream_is_sse_one_chunk_per_canvas_then_usage_and_done():
     c, fake = client()
     r = c.post(

@@ -542,6 +542,7 @@ def _final_outputs() -> dict[str, np.ndarray]:
     values = {
         "text_output": ["81 digits"],
         "num_input_tokens": [81],
+        "num_cached_tokens": [64],
         "num_output_tokens": [82],
         "finish_reason": ["stop"],
         "denoise_steps": [3, 4],
@@ -633,7 +634,7 @@ def test_remote_generate_sends_schema_fields_and_reads_every_output(transports, 
     )
     out = generate_remote(url, GenerateInput(PROMPT), settings).as_dict()
     assert (out["text"], out["finish_reason"], out["steps_per_canvas"]) == ("81 digits", "stop", [3, 4])
-    assert (out["prompt_tokens"], out["output_tokens"]) == (81, 82)
+    assert (out["prompt_tokens"], out["cached_tokens"], out["output_tokens"]) == (81, 64, 82)
     if url.startswith("http"):
         body = transports["http"]
         for name, value in body.items():

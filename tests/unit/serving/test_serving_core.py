@@ -58,7 +58,9 @@ def test_final_response_carries_token_counts_only_when_asked():
         "finish_reason": ["stop"],
         "denoise_steps": [2],
     }
-    full = responses.final("t", "length", [2, 3], input_tokens=5, output_tokens=7, logprobs=[])
+    full = responses.final(
+        "t", "length", [2, 3], input_tokens=5, output_tokens=7, logprobs=[], cached_tokens=4
+    )
     assert full.final and set(full.values) == set(schema.OUTPUT)
     for name, values in full.values.items():  # every value fits the schema's output dtype
         schema.output_array(name, values)
