@@ -511,6 +511,8 @@ extern "C" __global__ void __launch_bounds__(kMaxCanvas)
   accept_body(DG_ACCEPT_ARGS);
 }
 
+// ---- host launchers (everything above is device code: tests/_utils/cuda_emulation runs it on the CPU) ----
+
 namespace {
 
 int next_pow2(int x) {
