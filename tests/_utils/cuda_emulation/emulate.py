@@ -40,7 +40,9 @@ def build(out_dir: Path, source: Path = CSRC / "dg_sampler.cu") -> Path:
     # code does and nvcc compiles as meant; g++ -O2 may assume those loads alias nothing (wrong samples)
     cmd = [compiler() or "g++", "-std=c++20", "-O2", "-fno-strict-aliasing", "-pthread", f"-I{out_dir}",
            f"-I{HERE}", f"-I{source.parent}", str(HERE / "driver.cpp"), "-o", str(binary)]  # fmt: skip
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:  # g++'s own message: a construct of the .cu that the emulation lacks, or a C++ error
+        raise RuntimeError(f"g++ could not build the emulation of {source}:\n{done.stderr[-4000:]}")
     return binary
 
 
@@ -57,6 +59,18 @@ class Case:
     template: torch.Tensor | None = None  # [B, L], -1 free
     table: torch.Tensor | None = None  # [M, V] bool allowed sets
     index: torch.Tensor | None = None  # [B, L], -1 free
+    stable_in: torch.Tensor | None = None  # [B] steps the canvas has held so far (None: 0)
+    stab_k: torch.Tensor | None = None  # [B] steps it must hold to stop (None: 1)
+
+
+def stable_in(case: Case) -> torch.Tensor:
+    return (
+        torch.zeros(len(case.logits), dtype=torch.long) if case.stable_in is None else case.stable_in.long()
+    )
+
+
+def stab_k(case: Case) -> torch.Tensor:
+    return torch.ones(len(case.logits), dtype=torch.long) if case.stab_k is None else case.stab_k.long()
 
 
 def run(binary: Path, case: Case, work: Path, force_scalar: bool = False) -> dict[str, torch.Tensor]:
@@ -70,8 +84,8 @@ def run(binary: Path, case: Case, work: Path, force_scalar: bool = False) -> dic
     raw = case.logits.contiguous().view(torch.int16) if bf16 else case.logits.contiguous().float()
     files = {
         "logits": raw, "temperature": case.temperature.float(), "bound": case.bound.float(),
-        "conf": case.conf.float(), "prev": case.prev.long(), "stable_in": torch.zeros(b, dtype=torch.long),
-        "stab_k": torch.ones(b, dtype=torch.long),
+        "conf": case.conf.float(), "prev": case.prev.long(), "stable_in": stable_in(case),
+        "stab_k": stab_k(case),
         **{k: getattr(case.keys, k).long() for k in ("seed", "request", "canvas", "step")},
     }  # fmt: skip
     if masks:

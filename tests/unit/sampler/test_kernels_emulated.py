@@ -58,19 +58,29 @@ def make_case(b: int, length: int, vocab: int, dtype: torch.dtype, seed: int, **
     )
 
 
-def check(driver, case: emulate.Case, tmp_path, force_scalar: bool = False) -> dict[str, torch.Tensor]:
-    """Run the kernels on `case` and hold every output to the oracle; returns the kernels' outputs."""
+def check(
+    driver,
+    case: emulate.Case,
+    tmp_path,
+    force_scalar: bool = False,
+    changed: torch.Tensor | None = None,
+    conf_scale: tuple[float, ...] = (1.01, 0.99),
+) -> dict[str, torch.Tensor]:
+    """Run the kernels on `case` and hold every output to the oracle; returns the kernels' outputs.
+    `changed`: rows whose previous canvas differs from this step's argmax (default: odd rows); `conf_scale`:
+    each row's confidence threshold over its mean entropy, repeated (default: a stable row under it stops)."""
     masked = case.logits if case.table is None else mask_logits(case.logits, case.table, case.index)
     draws = CounterDraws()
     ref = sample_step(masked, case.temperature, case.bound, case.keys, draws, case.template)
     z = masked / case.temperature[:, None, None]
     case.prev = ref.argmax.clone()
-    case.prev[1::2, -1] = (case.prev[1::2, -1] + 1) % z.shape[-1]  # odd rows' canvases changed
+    changed = torch.arange(len(z)) % 2 == 1 if changed is None else changed
+    case.prev[changed, -1] = (case.prev[changed, -1] + 1) % z.shape[-1]
     entropy_mean = ref.entropy.double().nan_to_num().mean(-1)
-    case.conf = (entropy_mean * torch.tensor([0.99, 1.01]).double().repeat(len(z))[: len(z)]).float()
+    case.conf = (entropy_mean * torch.tensor(conf_scale).double().repeat(len(z))[: len(z)]).float()
     out = emulate.run(driver, case, tmp_path, force_scalar)
 
-    stable = update_stability(torch.zeros(len(z), dtype=torch.long), case.prev, ref.argmax)
+    stable = update_stability(emulate.stable_in(case), case.prev, ref.argmax)
     assert torch.equal(out["sample"], draws.categorical(case.keys, z))
     for name, want in (
         ("argmax", ref.argmax),
@@ -79,7 +89,7 @@ def check(driver, case: emulate.Case, tmp_path, force_scalar: bool = False) -> d
         ("stable", stable),
     ):
         assert torch.equal(out[name], want), name
-    assert torch.equal(out["stop"], should_stop(stable, torch.ones_like(stable), ref.entropy, case.conf))
+    assert torch.equal(out["stop"], should_stop(stable, emulate.stab_k(case), ref.entropy, case.conf))
     log_p = torch.log_softmax(z.double(), -1)
     truth = -(log_p.exp() * log_p).sum(-1)
     if case.template is not None:
@@ -139,3 +149,13 @@ def test_non_finite_logits_give_what_the_oracle_gives(driver, tmp_path):
     case.logits[1, 3] = -inf
     case.logits[0, 4, 400:] = -inf
     check(driver, case, tmp_path)
+
+
+def test_the_stop_flag_takes_stability_threshold_and_confidence_into_account(driver, tmp_path):
+    """One row per way kernel B's rule can go: stable long enough and confident (stops), the canvas changed
+    (count reset), confident but not stable long enough, stable but not confident."""
+    case = make_case(4, 3, 64, torch.float32, seed=4)
+    case.stable_in, case.stab_k = torch.tensor([2, 5, 1, 2]), torch.tensor([3, 1, 3, 1])
+    changed = torch.tensor([False, True, False, False])
+    out = check(driver, case, tmp_path, changed=changed, conf_scale=(1.01, 1.01, 1.01, 0.99))
+    assert out["stop"].tolist() == [True, False, False, False] and out["stable"].tolist() == [3, 0, 2, 3]
