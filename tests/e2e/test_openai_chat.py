@@ -288,19 +288,25 @@ WEATHER_TOOL = {
 
 
 def test_n_choices_equal_single_requests_with_the_derived_seeds(client):
-    """n=4 with seed S: choice i is the answer of one request with seed S + i (README, "n")."""
+    """n=4 with seed S: choice i is the answer of one request with its seed, listed in the response's
+    x-dgpipe-choice-seeds header (choice 0's is S; README, "n")."""
+    from pipeline.serving.openai_schema import choice_seed
+
     messages = [{"role": "user", "content": QUESTION}]
     common = {"model": "dgpipe", "messages": messages, "max_tokens": 24, "temperature": 1.0}
-    many = client.chat.completions.create(n=4, seed=41, **common)
+    raw = client.chat.completions.with_raw_response.create(n=4, seed=41, **common)
+    seeds = [choice_seed(41, i) for i in range(4)]
+    assert raw.headers["x-dgpipe-choice-seeds"] == ",".join(map(str, seeds)) and seeds[0] == 41
+    many = raw.parse()
     assert [c.index for c in many.choices] == [0, 1, 2, 3]
-    singles = [client.chat.completions.create(seed=41 + i, **common) for i in range(4)]
+    singles = [client.chat.completions.create(seed=s, **common) for s in seeds]
     assert [c.message.content for c in many.choices] == [s.choices[0].message.content for s in singles]
     assert [c.finish_reason for c in many.choices] == [s.choices[0].finish_reason for s in singles]
     assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
     assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
     assert len({c.message.content for c in many.choices}) > 1  # different seeds, different samples
     text = client.completions.create(model="dgpipe", prompt=QUESTION, max_tokens=16, n=2, seed=5)
-    alone = client.completions.create(model="dgpipe", prompt=QUESTION, max_tokens=16, seed=6)
+    alone = client.completions.create(model="dgpipe", prompt=QUESTION, max_tokens=16, seed=choice_seed(5, 1))
     assert text.choices[1].text == alone.choices[0].text
 
 
