@@ -359,6 +359,7 @@ def openai_generate(
                     usage = event["usage"]
                     yield {
                         "num_input_tokens": usage["prompt_tokens"],
+                        "num_cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
                         "num_output_tokens": usage["completion_tokens"],
                     }
     except urllib.error.HTTPError as e:

@@ -388,10 +388,7 @@ class ChatCompletionRequest(_Common):
 
     def triton_inputs(self) -> dict[str, Any]:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        inputs = {"messages": json.dumps(self.messages), **self.inputs(limit)}
-        if self.tools is not None and self.tool_choice == "none":  # (any other choice: openai_tools' plan)
-            inputs["tools"] = json.dumps(self.tools)  # rendered, and the reply plain text
-        return inputs
+        return {"messages": json.dumps(self.messages), **self.inputs(limit)}
 
 
 class CompletionRequest(_Common):

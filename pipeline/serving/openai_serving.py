@@ -34,7 +34,7 @@ from pipeline.serving.schema import TextError, prompt_too_big, text_bytes
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
 PROMPT_FIELDS = ("prompt", "messages")  # what max_prompt_bytes bounds in an OpenAI request
 # what the guide size limits bound (sampler.guide_size), checked on the raw body before anything compiles
-GUIDE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+GUIDE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 # a body over the limit is still read (and dropped) up to this many times it, so its client reads the 413
 DISCARD_FACTOR = 4
 CLIENT_CLOSED = 499  # the status logged for a request whose client left (nobody reads the response)
@@ -167,13 +167,18 @@ class OpenAIServing:
                 raise RequestError(str(e), str(key)) from e
             if key in PROMPT_FIELDS and size > self.max_prompt_bytes:
                 raise RequestError(prompt_too_big(f"'{key}'", size, self.max_prompt_bytes, "text "), key)
-            if key in GUIDE_FIELDS and value is not None:  # before the guide is parsed or checked
-                text = value if isinstance(value, str) else json.dumps(value)
-                kind = "regex" if key == "guided_regex" else "guide"
+            guides = [(key, key == "guided_regex", value)] if key in GUIDE_FIELDS else []
+            if key == "structured_outputs" and isinstance(value, dict):
+                guides = [(f"{key}.{k}", k == "regex", v) for k, v in value.items()]
+            for param, regex, guide in guides:  # before the guide is parsed or checked
+                if guide is None or isinstance(guide, bool):
+                    continue
+                text = guide if isinstance(guide, str) else json.dumps(guide)
+                kind = "regex" if regex else "guide"
                 try:
-                    check_guide_size(kind, text, self.max_guide_bytes, self.max_regex_positions, f"'{key}'")
+                    check_guide_size(kind, text, self.max_guide_bytes, self.max_regex_positions, f"'{param}'")
                 except InputError as e:
-                    raise RequestError(str(e), key) from e
+                    raise RequestError(str(e), param) from e
 
     async def chat_completion(self, request: Request) -> Any:
         req = await self.parse(request, ChatCompletionRequest)

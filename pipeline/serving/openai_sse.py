@@ -27,9 +27,11 @@ CALL_OPEN = "<tool_call>"  # where a Hermes-format reply's calls begin (openai_t
 def content_end(text: str) -> int:
     """How much of an "auto" reply's text is certainly content: up to its first CALL_OPEN, less a tail that
     could be the start of one (sent once the next piece shows it is not)."""
+    if not text.strip():
+        return 0  # whitespace alone: no content at all if calls follow
     at = text.find(CALL_OPEN)
     if at >= 0:
-        return at
+        return at if text[:at].strip() else 0
     for k in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
         if text.endswith(CALL_OPEN[:k]):
             return len(text) - k
@@ -116,16 +118,16 @@ class EventWriter:
     def tool_calls(self, reply: Reply, replies: list[Reply], index: int, sent: int = 0) -> str:
         """A reply's tool calls with its finish, and what is left of its content after the `sent` characters
         already streamed (openai_choices.whole_choice's rule)."""
-        text = reply.text[sent:]
-        content, calls = self.plan.calls(text)
+        content, calls = self.plan.calls(reply.text)
         if not calls:
-            return self.chunk(text, reply.finish_reason, replies, index, reply.logprobs)
+            return self.chunk(reply.text[sent:], reply.finish_reason, replies, index, reply.logprobs)
         delta: dict[str, Any] = {
-            "content": content,
+            "content": (content[sent:] or None) if content is not None else None,
             "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)],
         }
         finish = "tool_calls" if reply.finish_reason == "stop" else reply.finish_reason
-        return self.chunk(None, finish, replies, index, reply.logprobs, delta=delta)
+        calls = self.chunk(None, None, replies, index, reply.logprobs, delta=delta)
+        return calls + self.chunk(None, finish, replies, index, None, delta={})
 
     def draft(self, canvas: int, step: int, text: str, index: int = 0) -> str:
         payload = {**self.head, "object": "dgpipe.draft", "choices": []}

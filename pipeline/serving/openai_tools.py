@@ -12,8 +12,8 @@
     Hermes format (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Hermes' and Qwen's
     templates). The Triton model refuses "auto" with a 400 saying why when the checkpoint's template
     declares no format (DiffusionGemma's Gemma template declares none).
-  * "none": a plain reply; the tools still reach the chat template (vLLM's default), so the prompt, and the
-    prefix cache's blocks, are those of the conversation's other turns. No tools: a plain reply.
+  * "none" (or no tools): a plain reply; the tools are not sent (vLLM renders them by default: here a model
+    whose prompt format takes no tools would refuse the request).
 `parallel_tool_calls: false` keeps the first call of an "auto" reply (vLLM's reading); a forced call is one
 call either way.
 The tools themselves reach the chat template as transformers' `apply_chat_template(tools=...)` gives them.
@@ -106,8 +106,8 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
         rest.append(text[last : m.start()])
         last = m.end()
         calls.append(tool_call(call["name"], call.get("arguments", {})))
-    content = "".join([*rest, text[last:]]).strip()
-    return (content or None) if calls else text, calls
+    content = "".join([*rest, text[last:]])
+    return (content if content.strip() else None) if calls else text, calls
 
 
 def request_plan(req: ChatCompletionRequest) -> ToolPlan | None:
@@ -116,8 +116,8 @@ def request_plan(req: ChatCompletionRequest) -> ToolPlan | None:
     if plan is not None and plan.guide() is not None:
         if req.guide() is not None:
             raise RequestError(
-                "a forced tool call is generated under its function's schema: leave out 'response_format' "
-                "and the guided_* fields",
+                "a forced tool call is generated under its function's schema: leave out 'response_format', "
+                "'structured_outputs' and the guided_* fields",
                 "tool_choice",
             )
         # each schema the call may be generated under, checked as the user wrote it: its pointers are

@@ -129,6 +129,11 @@ def test_guides_over_the_served_size_limits_are_refused_before_they_are_parsed()
         ({"guided_regex": "[1-9]{51}"}, "guided_regex", "max_regex_positions"),
         ({"guided_json": big}, "guided_json", "max_guide_bytes"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": big}}}, "response_format", "max_guide_bytes"),
+        # vLLM's fields too: a large grammar compiled in the request handler held every other request
+        ({"structured_outputs": {"regex": "[1-9]{51}"}}, "structured_outputs.regex", "max_regex_positions"),
+        ({"structured_outputs": {"json": big}}, "structured_outputs.json", "max_guide_bytes"),
+        ({"structured_outputs": {"grammar": "start: " + "|".join(['"a"'] * 60)}}, "structured_outputs.grammar", "max_guide_bytes"),
+        ({"guided_grammar": "start: " + "|".join(['"a"'] * 60)}, "guided_grammar", "max_guide_bytes"),
     ):  # fmt: skip
         r = http.post("/v1/chat/completions", json={**CHAT, **extra})
         err = r.json()["error"]
